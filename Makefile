@@ -1,0 +1,35 @@
+# Two commands do all set-up on a fresh machine:
+#   make demo   create .venv, install graphtune, run the main job
+#   make test   create .venv, install graphtune with its test extras, run the CPU test suite
+# TORCH_SPEC pins torch for this set-up only (the package itself asks for a range). The default is
+# the CPU build that CI has on disk; on a CUDA machine use e.g. `make demo TORCH_SPEC=torch`.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.graphtune-$(subst =,_,$(subst >,_,$(subst <,_,$(TORCH_SPEC))))
+
+.PHONY: demo test venv lint clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): $(PY) pyproject.toml
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/graphtune demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+lint: $(STAMP)
+	$(PY) -m pip install -q ruff
+	$(VENV)/bin/ruff check src tests benchmarks
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

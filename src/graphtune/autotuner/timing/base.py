@@ -1,0 +1,89 @@
+"""The Timer protocol and the Measurement every timer returns.
+
+A timer is given ``fn(i)``, which performs the ``i``-th back-to-back call of the thing being
+timed (the index lets cold-L2 mode rotate input copies, ``i % n_copies``), and returns the time
+of one call. Timers are passed in to the tuner, so CPU tests drive the real tuning logic with a
+fake timer.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+TimedFn = Callable[[int], object]
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """Time of one call, summarised over ``n`` samples.
+
+    Attributes:
+        median_us: Median per-call time in microseconds (the number the tuner compares).
+        min_us: Fastest per-call sample in microseconds.
+        spread: Relative spread of the samples, ``(p75 - p25) / median`` (0 for one sample).
+        n: Number of samples (replays, event pairs or wall-clock windows).
+        calls_per_sample: Back-to-back calls inside one sample; per-call times are divided by it.
+        timer: Name of the timer that produced it (``"graph"``, ``"events"``, ``"wallclock"``...).
+    """
+
+    median_us: float
+    min_us: float
+    spread: float
+    n: int
+    calls_per_sample: int
+    timer: str
+
+    @property
+    def per_call_us(self) -> float:
+        """Alias of ``median_us``: the median time of one call."""
+        return self.median_us
+
+    @classmethod
+    def from_samples(
+        cls, per_call_us: Sequence[float], *, calls_per_sample: int, timer: str
+    ) -> Measurement:
+        """Summarises per-call samples (already divided by ``calls_per_sample``)."""
+        if not per_call_us:
+            raise ValueError("Measurement.from_samples needs at least one sample")
+        ordered = sorted(per_call_us)
+        median = statistics.median(ordered)
+        if len(ordered) >= 4:
+            q1, _, q3 = statistics.quantiles(ordered, n=4)
+            spread = (q3 - q1) / median if median > 0 else 0.0
+        else:
+            spread = (ordered[-1] - ordered[0]) / median if median > 0 and len(ordered) > 1 else 0.0
+        return cls(
+            median_us=median,
+            min_us=ordered[0],
+            spread=spread,
+            n=len(ordered),
+            calls_per_sample=calls_per_sample,
+            timer=timer,
+        )
+
+
+@runtime_checkable
+class Timer(Protocol):
+    """Measures the per-call time of ``fn``.
+
+    Implementations must run ``fn`` at least once untimed before timing (warm-up) and must not
+    rely on ``fn`` returning anything.
+    """
+
+    name: str
+
+    def measure(self, fn: TimedFn, *, warmup: int, repeat: int) -> Measurement:
+        """Times ``fn``.
+
+        Args:
+            fn: Performs the ``i``-th back-to-back call; must be safe to call many times.
+            warmup: Untimed calls before timing.
+            repeat: Back-to-back calls per sample (graph timer: calls captured in one graph).
+
+        Returns:
+            The per-call time summary.
+        """
+        ...

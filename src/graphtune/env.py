@@ -1,0 +1,61 @@
+"""The only module that reads environment variables.
+
+Variables (all optional):
+
+* ``GRAPHTUNE_CACHE``: default tuning cache file used by ``autotune()`` and the CLI when no path
+  is given.
+* ``GRAPHTUNE_DEBUG``: ``1`` turns on extra checks that cost time on the hot path (for example
+  the graph runner verifies that non-batched inputs did not move between calls).
+* ``GRAPHTUNE_DISABLE_GRAPHS``: ``1`` makes every ``CUDAGraphRunner`` run eagerly (reason
+  ``disabled``), for bisecting a suspected graph problem without code changes.
+* ``GRAPHTUNE_STRICT_CACHE``: ``1`` makes loading a mismatching or corrupt cache file raise
+  instead of warning and skipping it.
+* ``GRAPHTUNE_NO_PROGRESS``: ``1`` hides progress bars (they are also hidden when stderr is not a
+  terminal).
+
+Values are read when the function is called, never at import time.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+_TRUE = {"1", "true", "yes", "on"}
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in _TRUE
+
+
+def default_cache_path() -> Path | None:
+    """Returns the cache file named by ``GRAPHTUNE_CACHE``, or ``None`` when unset."""
+    value = os.environ.get("GRAPHTUNE_CACHE", "").strip()
+    return Path(value).expanduser() if value else None
+
+
+def debug_checks() -> bool:
+    """Whether ``GRAPHTUNE_DEBUG`` asks for extra (slower) consistency checks."""
+    return _flag("GRAPHTUNE_DEBUG")
+
+
+def graphs_disabled() -> bool:
+    """Whether ``GRAPHTUNE_DISABLE_GRAPHS`` turns every graph runner into eager execution."""
+    return _flag("GRAPHTUNE_DISABLE_GRAPHS")
+
+
+def strict_cache() -> bool:
+    """Whether ``GRAPHTUNE_STRICT_CACHE`` makes cache-file problems raise instead of warn."""
+    return _flag("GRAPHTUNE_STRICT_CACHE")
+
+
+def progress_disabled() -> bool:
+    """Whether ``GRAPHTUNE_NO_PROGRESS`` hides progress bars."""
+    return _flag("GRAPHTUNE_NO_PROGRESS")
+
+
+def torchrun_rank() -> tuple[int, int] | None:
+    """Returns ``(rank, world_size)`` when launched by torchrun, else ``None``."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return None

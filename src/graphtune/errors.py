@@ -1,0 +1,40 @@
+"""Exception types of graphtune.
+
+Every error states the rule that was broken and what to do about it. Each subclass also derives
+from the built-in exception a caller would naturally catch (``ValueError`` for bad configuration,
+``RuntimeError`` for failures at run time), so generic handlers keep working.
+"""
+
+from __future__ import annotations
+
+
+class GraphtuneError(Exception):
+    """Base class of every error raised by graphtune."""
+
+
+class ConfigError(GraphtuneError, ValueError):
+    """A configuration value or argument breaks a documented rule."""
+
+
+class InputError(GraphtuneError, ValueError):
+    """A call received inputs that do not match what was captured, tuned or allocated."""
+
+
+class TuningError(GraphtuneError, RuntimeError):
+    """Autotuning could not proceed (not raised for a single failing tactic: that is data)."""
+
+
+class CacheFileError(GraphtuneError, RuntimeError):
+    """A tuning cache file is corrupt, from another environment, or could not be written."""
+
+
+class CaptureError(GraphtuneError, RuntimeError):
+    """A CUDA graph could not be captured for a key."""
+
+
+class CheckpointError(GraphtuneError, ValueError):
+    """A model checkpoint is missing a tensor, has a wrong shape, or an unsupported architecture."""
+
+
+class DistributedError(GraphtuneError, RuntimeError):
+    """Ranks disagree or a collective could not be completed."""

@@ -12,6 +12,8 @@ Variables (all optional):
   instead of warning and skipping it.
 * ``GRAPHTUNE_NO_PROGRESS``: ``1`` hides progress bars (they are also hidden when stderr is not a
   terminal).
+* ``GRAPHTUNE_COMMIT``: the source commit recorded in benchmark results when the tree being run has
+  no ``.git`` (for example a copy shipped to a GPU machine).
 
 Values are read when the function is called, never at import time.
 """
@@ -59,3 +61,9 @@ def torchrun_rank() -> tuple[int, int] | None:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     return None
+
+
+def source_commit() -> str | None:
+    """Returns the commit named by ``GRAPHTUNE_COMMIT``, or ``None`` when unset."""
+    value = os.environ.get("GRAPHTUNE_COMMIT", "").strip()
+    return value or None

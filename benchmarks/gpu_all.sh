@@ -20,7 +20,7 @@ step() {
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu-run.log"
 python3 -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__)'
-step gpu-tests python3 -m pytest -q -x --timeout=300 -p no:cacheprovider tests/gpu
+step gpu-tests python3 -m pytest -q --timeout=300 -p no:cacheprovider tests/gpu
 step timers python3 benchmarks/timers.py --out "$OUT" $QUICK
 step graph-runner python3 benchmarks/graph_runner.py --out "$OUT" $QUICK
 step decode python3 -m graphtune bench decode --model llama-1b-shape --batch-sizes 1,8,32,128 \

@@ -1,0 +1,190 @@
+"""In-memory tuning cache: (op, runners, bucketed shapes, dtypes, timing mode) -> pick.
+
+The key holds the identity of every runner offered (class and ``cache_key_extras``), so changing
+the runner set, a runner's extras or the timing mode never reuses a stale pick. The value names
+the winning runner by identity as well as by index, so a lookup can check it still matches.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from os import PathLike
+from typing import Any
+
+
+
+@dataclass(frozen=True)
+class CacheKey:
+    """Identity of one tuned (op, profile).
+
+    Attributes:
+        op: Op name given to ``choose_one``.
+        runners: Identity of each runner offered, in order (see ``runner_id``).
+        shapes: Bucketed shape of each input (``None`` for non-tensors).
+        dtypes: dtype name of each input.
+        timing: Name of the timer the times come from (``graph``, ``events``, ``wallclock``...).
+    """
+
+    op: str
+    runners: tuple[str, ...]
+    shapes: tuple[tuple[int, ...] | None, ...]
+    dtypes: tuple[str, ...]
+    timing: str
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON form (lists instead of tuples)."""
+        return {
+            "op": self.op,
+            "runners": list(self.runners),
+            "shapes": [list(s) if s is not None else None for s in self.shapes],
+            "dtypes": list(self.dtypes),
+            "timing": self.timing,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> CacheKey:
+        """Inverse of :meth:`to_json`; raises ``ValueError``/``KeyError``/``TypeError`` if malformed."""
+        shapes = tuple(
+            tuple(int(d) for d in s) if s is not None else None for s in data["shapes"]
+        )
+        key = cls(
+            op=str(data["op"]),
+            runners=tuple(str(r) for r in data["runners"]),
+            shapes=shapes,
+            dtypes=tuple(str(d) for d in data["dtypes"]),
+            timing=str(data["timing"]),
+        )
+        if len(key.shapes) != len(key.dtypes) or not key.runners:
+            raise ValueError(f"inconsistent cache key {data!r}")
+        return key
+
+
+@dataclass(frozen=True)
+class CacheEntry:
+    """The pick for one key.
+
+    Attributes:
+        runner_id: Identity of the winning runner.
+        runner_index: Its position in the runner list of the key.
+        tactic: Winning tactic (a JSON value; ``-1`` when everything failed).
+        time_us: Its measured per-call time, ``None`` when every candidate failed.
+        fallback_us: Time of ``(runners[0], -1)``, the untuned choice; ``None`` if it failed.
+    """
+
+    runner_id: str
+    runner_index: int
+    tactic: Any
+    time_us: float | None
+    fallback_us: float | None
+
+    @property
+    def speedup(self) -> float | None:
+        """``fallback_us / time_us``, or ``None`` when either is unknown."""
+        if not self.time_us or self.fallback_us is None or not math.isfinite(self.fallback_us):
+            return None
+        return self.fallback_us / self.time_us
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON form."""
+        return {
+            "runner_id": self.runner_id,
+            "runner_index": self.runner_index,
+            "tactic": self.tactic,
+            "time_us": self.time_us,
+            "fallback_us": self.fallback_us,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> CacheEntry:
+        """Inverse of :meth:`to_json`; raises on malformed data."""
+        time_us = data["time_us"]
+        fallback_us = data["fallback_us"]
+        return cls(
+            runner_id=str(data["runner_id"]),
+            runner_index=int(data["runner_index"]),
+            tactic=data["tactic"],
+            time_us=float(time_us) if time_us is not None else None,
+            fallback_us=float(fallback_us) if fallback_us is not None else None,
+        )
+
+
+class TuningCache:
+    """Thread-safe mapping of :class:`CacheKey` to :class:`CacheEntry`, with file load/save."""
+
+    def __init__(self) -> None:
+        self._entries: dict[CacheKey, CacheEntry] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: CacheKey) -> CacheEntry | None:
+        """The entry for ``key``, or ``None``."""
+        with self._lock:
+            return self._entries.get(key)
+
+    def put(self, key: CacheKey, entry: CacheEntry) -> None:
+        """Stores (or replaces) the entry for ``key``."""
+        with self._lock:
+            self._entries[key] = entry
+
+    def update(self, entries: dict[CacheKey, CacheEntry]) -> None:
+        """Stores many entries; given entries replace existing ones with the same key."""
+        with self._lock:
+            self._entries.update(entries)
+
+    def items(self) -> list[tuple[CacheKey, CacheEntry]]:
+        """A snapshot of all entries."""
+        with self._lock:
+            return list(self._entries.items())
+
+    def clear(self) -> None:
+        """Drops every entry."""
+        with self._lock:
+            self._entries.clear()
+
+    def __contains__(self, key: object) -> bool:
+        with self._lock:
+            return key in self._entries
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def __iter__(self) -> Iterator[CacheKey]:
+        return iter([key for key, _ in self.items()])
+
+    def save(self, path: str | PathLike[str]) -> int:
+        """Merges this cache into the file at ``path`` (see ``docs/cache-format.md``).
+
+        Returns:
+            The number of entries in the file after the merge.
+
+        Raises:
+            CacheFileError: The file could not be written.
+        """
+        from graphtune.autotuner import persist
+
+        return persist.save(path, dict(self.items()))
+
+    def load(self, path: str | PathLike[str], *, strict: bool | None = None) -> int:
+        """Adds the entries of the file at ``path``; entries already in memory are kept.
+
+        A missing, corrupt, wrong-version or other-environment file adds nothing and logs one
+        warning (a missing file only logs at debug level: it is the normal first run).
+
+        Args:
+            path: Cache file.
+            strict: Raise :class:`CacheFileError` instead of warning; ``None`` reads
+                ``GRAPHTUNE_STRICT_CACHE``.
+
+        Returns:
+            The number of entries added.
+        """
+        from graphtune.autotuner import persist
+
+        loaded = persist.load(path, strict=strict)
+        with self._lock:
+            added = {k: v for k, v in loaded.items() if k not in self._entries}
+            self._entries.update(added)
+        return len(added)

@@ -1,0 +1,238 @@
+"""Tuning configuration: which dimensions are dynamic, how they are bucketed, how to time.
+
+Everything here is pure (no torch, no clocks): frozen dataclasses validated on construction, and
+the bucket helpers. A *bucket* is the representative size a whole range of live sizes is tuned
+for; a live size is mapped to its bucket by ``map_to_bucket`` and capped by ``max_value``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from graphtune.errors import ConfigError
+
+TIMING_MODES = ("auto", "graph", "events", "wallclock")
+
+# ``infer`` of a ConstraintSpec receives the shapes of every input (``None`` for non-tensors),
+# with the dynamic dimensions already set to their buckets, and returns the constrained size.
+Shapes = Sequence["tuple[int, ...] | None"]
+
+
+def next_power_of_two(x: int) -> int:
+    """Smallest power of two ``>= x`` (``1`` for ``x <= 1``)."""
+    _check_int("x", x)
+    return 1 if x <= 1 else 1 << (x - 1).bit_length()
+
+
+def last_power_of_two(x: int) -> int:
+    """Largest power of two ``<= x`` (``1`` for ``x <= 1``, so an empty batch maps to bucket 1)."""
+    _check_int("x", x)
+    return 1 if x <= 1 else 1 << (x.bit_length() - 1)
+
+
+def power_of_two_buckets(max_value: int, min_value: int = 1) -> tuple[int, ...]:
+    """Powers of two from ``min_value`` up to ``max_value``, plus ``max_value`` itself.
+
+    ``max_value`` is included even when it is not a power of two, so the largest size a caller
+    will ever run has its own bucket instead of borrowing a smaller one's pick.
+
+    Args:
+        max_value: Largest bucket (``>= 1``).
+        min_value: Smallest bucket, rounded up to a power of two (``>= 1``).
+
+    Returns:
+        Ascending bucket sizes, e.g. ``power_of_two_buckets(12) == (1, 2, 4, 8, 12)``.
+    """
+    _check_int("max_value", max_value)
+    _check_int("min_value", min_value)
+    if max_value < 1 or min_value < 1:
+        raise ConfigError(
+            f"power_of_two_buckets(max_value={max_value}, min_value={min_value}): both must be "
+            ">= 1; pass the largest size you will run as max_value."
+        )
+    buckets = []
+    value = next_power_of_two(min_value)
+    while value <= max_value:
+        buckets.append(value)
+        value *= 2
+    if not buckets or buckets[-1] != max_value:
+        buckets.append(max_value)
+    return tuple(buckets)
+
+
+def _check_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be an int, got {value!r} ({type(value).__name__}).")
+
+
+@dataclass(frozen=True)
+class DynamicTensorSpec:
+    """One dynamic dimension of one input, swept over buckets while tuning.
+
+    Attributes:
+        input_idx: Position of the tensor in the ``inputs`` list given to ``choose_one``.
+        dim_idx: Dimension of that tensor (negative counts from the end).
+        buckets: Sizes to tune, as a tuple of positive ints, or a callable that takes the max value
+            (``TuningConfig.max_value``, or the live size when that is ``None``) and returns them.
+        map_to_bucket: Maps a live size to the bucket whose tuning result it uses. The default
+            rounds down to a power of two, so a live size never borrows a pick tuned for a larger
+            (possibly padded) shape.
+    """
+
+    input_idx: int
+    dim_idx: int
+    buckets: tuple[int, ...] | Callable[[int], Sequence[int]] = power_of_two_buckets
+    map_to_bucket: Callable[[int], int] = last_power_of_two
+
+    def __post_init__(self) -> None:
+        _check_index("DynamicTensorSpec", "input_idx", self.input_idx, allow_negative=False)
+        _check_index("DynamicTensorSpec", "dim_idx", self.dim_idx, allow_negative=True)
+        if not callable(self.buckets):
+            if isinstance(self.buckets, (str, bytes)) or not isinstance(self.buckets, Sequence):
+                raise ConfigError(
+                    f"DynamicTensorSpec(input_idx={self.input_idx}).buckets must be a tuple of "
+                    f"positive ints or a callable of the max value, got {self.buckets!r}."
+                )
+            object.__setattr__(self, "buckets", validate_buckets(self.buckets, self))
+        if not callable(self.map_to_bucket):
+            raise ConfigError(
+                f"DynamicTensorSpec(input_idx={self.input_idx}).map_to_bucket must be callable "
+                f"(live size -> bucket), got {self.map_to_bucket!r}; e.g. last_power_of_two."
+            )
+
+
+@dataclass(frozen=True)
+class ConstraintSpec:
+    """A dimension whose size follows from the others (e.g. a scale tensor's rows = M).
+
+    Attributes:
+        input_idx: Position of the tensor in ``inputs``.
+        dim_idx: Dimension of that tensor (negative counts from the end).
+        infer: Given every input's shape (``None`` for non-tensors) with dynamic dimensions already
+            set to the profile's buckets, returns this dimension's size.
+    """
+
+    input_idx: int
+    dim_idx: int
+    infer: Callable[[Shapes], int]
+
+    def __post_init__(self) -> None:
+        _check_index("ConstraintSpec", "input_idx", self.input_idx, allow_negative=False)
+        _check_index("ConstraintSpec", "dim_idx", self.dim_idx, allow_negative=True)
+        if not callable(self.infer):
+            raise ConfigError(
+                f"ConstraintSpec(input_idx={self.input_idx}).infer must be callable "
+                f"(shapes -> int), got {self.infer!r}."
+            )
+
+
+def _check_index(owner: str, name: str, value: Any, *, allow_negative: bool) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{owner}.{name} must be an int, got {value!r}.")
+    if value < 0 and not allow_negative:
+        raise ConfigError(f"{owner}.{name} must be >= 0, got {value}.")
+
+
+def validate_buckets(values: Sequence[Any], spec: DynamicTensorSpec) -> tuple[int, ...]:
+    """Checks that bucket sizes are positive ints and returns them sorted and de-duplicated."""
+    bad = [v for v in values if isinstance(v, bool) or not isinstance(v, int) or v < 1]
+    if bad or not values:
+        raise ConfigError(
+            f"DynamicTensorSpec(input_idx={spec.input_idx}, dim_idx={spec.dim_idx}): buckets must "
+            f"be a non-empty sequence of positive ints, got {list(values)!r}; "
+            "e.g. power_of_two_buckets(256)."
+        )
+    return tuple(sorted(set(values)))
+
+
+@dataclass(frozen=True)
+class TuningConfig:
+    """How one op is tuned.
+
+    Attributes:
+        dynamic_specs: The dynamic dimensions; their bucket combinations are the tuned profiles.
+        constraint_specs: Dimensions inferred from the dynamic ones.
+        max_value: Caps swept buckets and looked-up sizes (``None``: no cap).
+        inputs_pre_hook: Called on each synthetic input list (``list -> list``) before timing, e.g.
+            to make routing indices or masks realistic.
+        cold_l2: Rotate enough copies of the inputs that their total exceeds the L2 cache, so each
+            call reads from DRAM as in a real model step.
+        timing: ``"auto"`` (graph on CUDA, wallclock on CPU), ``"graph"``, ``"events"`` or
+            ``"wallclock"``. A timer passed to ``AutoTuner(timer=...)`` takes precedence.
+        warmup: Untimed calls before each measurement.
+        repeat: Back-to-back calls per sample.
+    """
+
+    dynamic_specs: tuple[DynamicTensorSpec, ...] = ()
+    constraint_specs: tuple[ConstraintSpec, ...] = ()
+    max_value: int | None = None
+    inputs_pre_hook: Callable[[list[Any]], list[Any]] | None = None
+    cold_l2: bool = False
+    timing: str = "auto"
+    warmup: int = 3
+    repeat: int = 10
+
+    def __post_init__(self) -> None:
+        for name, kind in (("dynamic_specs", DynamicTensorSpec), ("constraint_specs", ConstraintSpec)):
+            specs = getattr(self, name)
+            if isinstance(specs, kind):
+                specs = (specs,)
+            specs = tuple(specs)
+            for spec in specs:
+                if not isinstance(spec, kind):
+                    raise ConfigError(
+                        f"TuningConfig.{name} must contain {kind.__name__} objects, got {spec!r}."
+                    )
+            object.__setattr__(self, name, specs)
+        seen: set[tuple[int, int]] = set()
+        for spec in (*self.dynamic_specs, *self.constraint_specs):
+            dim = (spec.input_idx, spec.dim_idx)
+            if dim in seen:
+                raise ConfigError(
+                    f"TuningConfig: input {spec.input_idx} dim {spec.dim_idx} appears in more than "
+                    "one dynamic/constraint spec; each dimension may be described once."
+                )
+            seen.add(dim)
+        if self.max_value is not None:
+            _check_int("TuningConfig.max_value", self.max_value)
+            if self.max_value < 1:
+                raise ConfigError(
+                    f"TuningConfig.max_value must be >= 1 or None, got {self.max_value}."
+                )
+        if self.inputs_pre_hook is not None and not callable(self.inputs_pre_hook):
+            raise ConfigError("TuningConfig.inputs_pre_hook must be callable (list -> list) or None.")
+        if not isinstance(self.cold_l2, bool):
+            raise ConfigError(f"TuningConfig.cold_l2 must be a bool, got {self.cold_l2!r}.")
+        if self.timing not in TIMING_MODES:
+            raise ConfigError(
+                f"TuningConfig.timing={self.timing!r} is not one of {', '.join(TIMING_MODES)}."
+            )
+        _check_int("TuningConfig.warmup", self.warmup)
+        _check_int("TuningConfig.repeat", self.repeat)
+        if self.warmup < 0 or self.repeat < 1:
+            raise ConfigError(
+                f"TuningConfig needs warmup >= 0 and repeat >= 1, got warmup={self.warmup}, "
+                f"repeat={self.repeat}."
+            )
+
+    def bucket_of(self, spec: DynamicTensorSpec, live: int) -> int:
+        """The bucket a live size of ``spec``'s dimension looks up (mapped, then capped)."""
+        bucket = spec.map_to_bucket(live)
+        if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1:
+            raise ConfigError(
+                f"DynamicTensorSpec(input_idx={spec.input_idx}, dim_idx={spec.dim_idx})."
+                f"map_to_bucket({live}) returned {bucket!r}; it must return a positive int."
+            )
+        return bucket if self.max_value is None else min(bucket, self.max_value)
+
+    def sweep_values(self, spec: DynamicTensorSpec, live: int) -> tuple[int, ...]:
+        """The sizes tuned for ``spec``: its buckets capped by ``max_value``, plus the live bucket."""
+        if callable(spec.buckets):
+            raw = validate_buckets(tuple(spec.buckets(self.max_value or max(live, 1))), spec)
+        else:
+            raw = spec.buckets
+        capped = {b for b in raw if self.max_value is None or b <= self.max_value}
+        capped.add(self.bucket_of(spec, live))
+        return tuple(sorted(capped))

@@ -1,0 +1,172 @@
+"""Bucket combinations -> concrete input shapes -> synthetic inputs.
+
+A :class:`Profile` is one concrete set of input shapes to tune: the live shapes with every dynamic
+dimension set to one of its buckets and every constrained dimension inferred. The same function
+that builds profiles also maps a live call to its profile, so a lookup and the tuning run that
+filled the cache always agree on the key.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from graphtune.autotuner.config import TuningConfig
+from graphtune.errors import ConfigError, InputError
+
+Shape = tuple[int, ...]
+
+# dtypes torch.randn can fill directly; others (float8, ...) are drawn in float32 and cast.
+_RANDN_DTYPES = {
+    torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128,
+}
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One tuned shape combination.
+
+    Attributes:
+        shapes: Shape of each input (``None`` for a non-tensor input).
+        dtypes: dtype name of each tensor input, or the Python type name of a non-tensor.
+    """
+
+    shapes: tuple[Shape | None, ...]
+    dtypes: tuple[str, ...]
+
+    def describe(self) -> str:
+        """Short human form, e.g. ``64x4096, 4096x4096``."""
+        return ", ".join("x".join(map(str, s)) if s is not None else "-" for s in self.shapes)
+
+
+def _dtype_name(x: Any) -> str:
+    return str(x.dtype).removeprefix("torch.") if isinstance(x, torch.Tensor) else type(x).__name__
+
+
+def _resolve_dim(config_owner: str, inputs: Sequence[Any], input_idx: int, dim_idx: int) -> int:
+    """Checks that the spec points at an existing tensor dimension; returns the non-negative dim."""
+    if input_idx >= len(inputs):
+        raise InputError(
+            f"{config_owner}(input_idx={input_idx}) but choose_one got {len(inputs)} inputs; "
+            "fix the spec's input_idx or pass the inputs in the order the specs assume."
+        )
+    x = inputs[input_idx]
+    if not isinstance(x, torch.Tensor):
+        raise InputError(
+            f"{config_owner}(input_idx={input_idx}) points at a {type(x).__name__}, not a tensor; "
+            "dynamic and constrained dimensions must belong to tensor inputs."
+        )
+    if not -x.dim() <= dim_idx < x.dim():
+        raise InputError(
+            f"{config_owner}(input_idx={input_idx}, dim_idx={dim_idx}) but input {input_idx} has "
+            f"{x.dim()} dims (shape {tuple(x.shape)}); fix dim_idx."
+        )
+    return dim_idx % x.dim()
+
+
+def _apply(config: TuningConfig, inputs: Sequence[Any], sizes: Sequence[int]) -> Profile:
+    shapes: list[list[int] | None] = [
+        list(x.shape) if isinstance(x, torch.Tensor) else None for x in inputs
+    ]
+    for spec, size in zip(config.dynamic_specs, sizes):
+        dim = _resolve_dim("DynamicTensorSpec", inputs, spec.input_idx, spec.dim_idx)
+        shapes[spec.input_idx][dim] = size  # type: ignore[index]
+    for spec in config.constraint_specs:
+        dim = _resolve_dim("ConstraintSpec", inputs, spec.input_idx, spec.dim_idx)
+        frozen = [tuple(s) if s is not None else None for s in shapes]
+        value = spec.infer(frozen)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(
+                f"ConstraintSpec(input_idx={spec.input_idx}, dim_idx={spec.dim_idx}).infer "
+                f"returned {value!r} for shapes {frozen}; it must return a non-negative int."
+            )
+        shapes[spec.input_idx][dim] = value  # type: ignore[index]
+    return Profile(
+        shapes=tuple(tuple(s) if s is not None else None for s in shapes),
+        dtypes=tuple(_dtype_name(x) for x in inputs),
+    )
+
+
+def _live_sizes(config: TuningConfig, inputs: Sequence[Any]) -> list[int]:
+    sizes = []
+    for spec in config.dynamic_specs:
+        dim = _resolve_dim("DynamicTensorSpec", inputs, spec.input_idx, spec.dim_idx)
+        sizes.append(int(inputs[spec.input_idx].shape[dim]))
+    return sizes
+
+
+def profile_for(config: TuningConfig, inputs: Sequence[Any]) -> Profile:
+    """The profile whose tuning result a live call uses (each dynamic dim mapped to its bucket)."""
+    live = _live_sizes(config, inputs)
+    return _apply(
+        config, inputs, [config.bucket_of(s, n) for s, n in zip(config.dynamic_specs, live)]
+    )
+
+
+def generate_profiles(config: TuningConfig, inputs: Sequence[Any]) -> list[Profile]:
+    """Every profile to tune: the Cartesian product of each dynamic dim's sweep values.
+
+    Sweep values are the spec's buckets capped by ``max_value`` plus the live size's bucket, so
+    the call that triggered tuning is always covered. Profiles come out in ascending size order.
+    """
+    live = _live_sizes(config, inputs)
+    axes = [config.sweep_values(s, n) for s, n in zip(config.dynamic_specs, live)]
+    profiles: list[Profile] = []
+    seen: set[Profile] = set()
+    for sizes in itertools.product(*axes):
+        profile = _apply(config, inputs, sizes)
+        if profile not in seen:  # two bucket combos can infer the same shapes
+            seen.add(profile)
+            profiles.append(profile)
+    return profiles
+
+
+def synthesize_inputs(
+    config: TuningConfig,
+    live_inputs: Sequence[Any],
+    profile: Profile,
+    *,
+    seed: int = 0,
+) -> list[Any]:
+    """Random inputs shaped like ``profile`` on each live input's device and dtype.
+
+    Floats and complex: standard normal. Integers: uniform in ``[min(0, live.min()), live.max()]``
+    so index-like inputs stay valid for what they index (with at least two values when the live
+    tensor allows it: never all zeros unless the live tensor is). Bools: fair coin. Non-tensor
+    inputs are passed through. Then ``config.inputs_pre_hook`` is applied.
+
+    Never zeros, because timing on zeros is known to flatter some kernels (sparsity shortcuts,
+    power states).
+    """
+    out: list[Any] = []
+    for x, shape in zip(live_inputs, profile.shapes):
+        if not isinstance(x, torch.Tensor):
+            out.append(x)
+            continue
+        assert shape is not None
+        gen = torch.Generator(device=x.device)
+        gen.manual_seed(seed + len(out))
+        if x.dtype == torch.bool:
+            t = torch.randint(0, 2, shape, generator=gen, device=x.device).bool()
+        elif x.dtype.is_floating_point or x.dtype.is_complex:
+            draw = x.dtype if x.dtype in _RANDN_DTYPES else torch.float32
+            t = torch.randn(shape, generator=gen, device=x.device, dtype=draw).to(x.dtype)
+        else:
+            low, high = 0, 2
+            if x.numel():
+                low = min(0, int(x.min()))
+                high = max(int(x.max()) + 1, low + 1)
+            t = torch.randint(low, high, shape, generator=gen, device=x.device, dtype=x.dtype)
+        out.append(t)
+    if config.inputs_pre_hook is not None:
+        out = list(config.inputs_pre_hook(out))
+    return out
+
+
+def input_bytes(inputs: Sequence[Any]) -> int:
+    """Total bytes of the tensors in one input list."""
+    return sum(x.numel() * x.element_size() for x in inputs if isinstance(x, torch.Tensor))

@@ -1,0 +1,168 @@
+"""Bucket helpers, TuningConfig validation, profile generation and synthetic inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from graphtune.autotuner import (
+    ConstraintSpec,
+    DynamicTensorSpec,
+    TuningConfig,
+    last_power_of_two,
+    next_power_of_two,
+    power_of_two_buckets,
+)
+from graphtune.autotuner.profiles import (
+    generate_profiles,
+    input_bytes,
+    profile_for,
+    synthesize_inputs,
+)
+from graphtune.errors import ConfigError, InputError
+
+
+@given(st.integers(min_value=1, max_value=1 << 40))
+def test_power_of_two_helpers_bracket_x(x: int) -> None:
+    up, down = next_power_of_two(x), last_power_of_two(x)
+    assert up & (up - 1) == 0 and down & (down - 1) == 0
+    assert down <= x <= up
+    assert up < 2 * x and down > x // 2
+    assert (up == x) == (down == x)
+
+
+def test_power_of_two_edges() -> None:
+    assert next_power_of_two(0) == 1 and last_power_of_two(0) == 1
+    assert [next_power_of_two(x) for x in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 16]
+    assert [last_power_of_two(x) for x in (1, 2, 3, 5, 8, 9)] == [1, 2, 2, 4, 8, 8]
+    with pytest.raises(ConfigError):
+        next_power_of_two(2.5)  # type: ignore[arg-type]
+
+
+def test_power_of_two_buckets() -> None:
+    assert power_of_two_buckets(12) == (1, 2, 4, 8, 12)
+    assert power_of_two_buckets(16) == (1, 2, 4, 8, 16)
+    assert power_of_two_buckets(1) == (1,)
+    assert power_of_two_buckets(64, min_value=5) == (8, 16, 32, 64)
+    with pytest.raises(ConfigError, match="max_value"):
+        power_of_two_buckets(0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"timing": "cupti"}, "timing"),
+        ({"max_value": 0}, "max_value"),
+        ({"repeat": 0}, "repeat"),
+        ({"warmup": -1}, "warmup"),
+        ({"cold_l2": 1}, "cold_l2"),
+        ({"inputs_pre_hook": 3}, "inputs_pre_hook"),
+        ({"dynamic_specs": (ConstraintSpec(0, 0, len),)}, "DynamicTensorSpec"),
+        (
+            {
+                "dynamic_specs": (DynamicTensorSpec(0, 0),),
+                "constraint_specs": (ConstraintSpec(0, 0, lambda s: 1),),
+            },
+            "more than one",
+        ),
+    ],
+)
+def test_config_validation(kwargs: dict, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        TuningConfig(**kwargs)
+
+
+def test_spec_validation() -> None:
+    with pytest.raises(ConfigError, match="positive ints"):
+        DynamicTensorSpec(0, 0, (0, 4))
+    with pytest.raises(ConfigError, match="input_idx"):
+        DynamicTensorSpec(-1, 0)
+    with pytest.raises(ConfigError, match="map_to_bucket"):
+        DynamicTensorSpec(0, 0, (1, 2), map_to_bucket=5)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="infer"):
+        ConstraintSpec(0, 0, infer=None)  # type: ignore[arg-type]
+    assert DynamicTensorSpec(0, 0, [8, 2, 2, 4]).buckets == (2, 4, 8)
+    config = TuningConfig(dynamic_specs=[DynamicTensorSpec(0, 0)])  # a list is accepted
+    assert isinstance(config.dynamic_specs, tuple)
+
+
+def test_profiles_cartesian_product_capped_plus_live() -> None:
+    a = torch.randn(24, 16)
+    b = torch.randn(16, 40)
+    config = TuningConfig(
+        dynamic_specs=(DynamicTensorSpec(0, 0, (1, 8, 64)), DynamicTensorSpec(1, -1, (16, 32))),
+        max_value=48,
+    )
+    profiles = generate_profiles(config, [a, b])
+    # dim 0 of a: buckets 1, 8 (64 > max_value) plus live 24 -> 16; dim -1 of b: 16, 32 (+live 40->32)
+    shapes = {p.shapes for p in profiles}
+    assert shapes == {((m, 16), (16, n)) for m in (1, 8, 16) for n in (16, 32)}
+    assert all(p.dtypes == ("float32", "float32") for p in profiles)
+
+
+def test_callable_buckets_get_max_value_and_live_bucket_is_capped() -> None:
+    seen = []
+
+    def buckets(max_value: int) -> tuple[int, ...]:
+        seen.append(max_value)
+        return power_of_two_buckets(max_value)
+
+    config = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0, buckets),), max_value=8)
+    profiles = generate_profiles(config, [torch.randn(100, 4)])
+    assert seen == [8]
+    assert [p.shapes[0][0] for p in profiles] == [1, 2, 4, 8]
+    assert profile_for(config, [torch.randn(100, 4)]).shapes == ((8, 4),)
+    assert profile_for(config, [torch.randn(5, 4)]).shapes == ((4, 4),)
+
+
+def test_constraint_dims_are_inferred_from_bucketed_shapes() -> None:
+    x = torch.randn(6, 32)
+    scale = torch.randn(6)
+    config = TuningConfig(
+        dynamic_specs=(DynamicTensorSpec(0, 0, (2, 4)),),
+        constraint_specs=(ConstraintSpec(1, 0, lambda shapes: shapes[0][0]),),
+    )
+    profiles = generate_profiles(config, [x, scale, 3])
+    assert [p.shapes for p in profiles] == [((2, 32), (2,), None), ((4, 32), (4,), None)]
+    assert profiles[0].dtypes == ("float32", "float32", "int")
+    assert profile_for(config, [x, scale, 3]).shapes == ((4, 32), (4,), None)
+
+
+def test_bad_spec_indices_name_the_input() -> None:
+    config = TuningConfig(dynamic_specs=(DynamicTensorSpec(2, 0),))
+    with pytest.raises(InputError, match="input_idx=2"):
+        profile_for(config, [torch.randn(2)])
+    config = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 3),))
+    with pytest.raises(InputError, match="dim_idx=3"):
+        profile_for(config, [torch.randn(2)])
+    config = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0),))
+    with pytest.raises(InputError, match="not a tensor"):
+        profile_for(config, [7])
+    config = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0, map_to_bucket=lambda n: 0),))
+    with pytest.raises(ConfigError, match="positive int"):
+        profile_for(config, [torch.randn(3)])
+
+
+def test_synthetic_inputs_random_valid_and_hooked() -> None:
+    x = torch.zeros(3, 8, dtype=torch.bfloat16)
+    idx = torch.tensor([0, 5, 9], dtype=torch.int64)
+    mask = torch.tensor([True, False])
+    hooked = []
+
+    def hook(inputs: list) -> list:
+        hooked.append(len(inputs))
+        return inputs
+
+    config = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0, (16,)),), inputs_pre_hook=hook)
+    (profile,) = [p for p in generate_profiles(config, [x, idx, mask, "s"]) if p.shapes[0][0] == 16]
+    out = synthesize_inputs(config, [x, idx, mask, "s"], profile)
+    assert hooked == [4]
+    assert out[0].shape == (16, 8) and out[0].dtype == torch.bfloat16
+    assert out[0].abs().sum() > 0  # never zeros, even when the live tensor is
+    assert out[1].dtype == torch.int64 and int(out[1].min()) >= 0 and int(out[1].max()) <= 9
+    assert len(set(out[1].tolist())) > 1
+    assert out[2].dtype == torch.bool and out[3] == "s"
+    assert torch.equal(out[0], synthesize_inputs(config, [x, idx, mask, "s"], profile)[0])
+    assert input_bytes(out) == 16 * 8 * 2 + 3 * 8 + 2

@@ -1,0 +1,291 @@
+"""Model configuration for the reference decode engine: a frozen dataclass, presets, HF mapping.
+
+Only the Llama family is supported (Llama 2/3 with Llama-3 RoPE scaling, Qwen2 with QKV bias,
+Mistral with an optional sliding window): they share one decoder layout and differ in a few fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from graphtune.errors import CheckpointError, ConfigError
+
+logger = logging.getLogger(__name__)
+
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "MistralForCausalLM": "mistral",
+}
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling as Hugging Face names it (``rope_type`` ``llama3`` or ``linear``).
+
+    Attributes:
+        rope_type: ``"llama3"`` (Llama 3.1+ smooth interpolation) or ``"linear"``.
+        factor: Divisor applied to the low frequencies (all frequencies for ``linear``).
+        low_freq_factor: Llama-3 only: wavelengths above ``original / low_freq_factor`` are scaled.
+        high_freq_factor: Llama-3 only: wavelengths below ``original / high_freq_factor`` are kept.
+        original_max_position_embeddings: Llama-3 only: the context length of pre-training.
+    """
+
+    rope_type: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ("llama3", "linear"):
+            raise ConfigError(
+                f"rope_type {self.rope_type!r} is not supported; graphtune's engine implements "
+                "'default', 'linear' and 'llama3' RoPE. Use a checkpoint with one of those."
+            )
+        if self.factor <= 0:
+            raise ConfigError(f"RoPE scaling factor must be > 0, got {self.factor}")
+        if self.rope_type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
+            raise ConfigError("llama3 RoPE scaling needs high_freq_factor > low_freq_factor")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and numerics of a Llama-family decoder.
+
+    Attributes:
+        name: Label used in logs and benchmark output.
+        architecture: ``"llama"``, ``"qwen2"`` or ``"mistral"``.
+        vocab_size: Rows of the embedding and the LM head.
+        hidden_size: Model width.
+        intermediate_size: SwiGLU inner width.
+        num_layers: Decoder layers.
+        num_heads: Query heads.
+        num_kv_heads: Key/value heads (grouped-query attention when fewer than ``num_heads``).
+        head_dim: Per-head width; ``None`` means ``hidden_size // num_heads``.
+        rms_norm_eps: Epsilon of every RMSNorm.
+        rope_theta: RoPE base.
+        rope_scaling: Optional frequency scaling (Llama 3.1+ checkpoints use ``llama3``).
+        max_position_embeddings: Longest position the checkpoint was trained for.
+        tie_word_embeddings: LM head shares the embedding matrix (Llama-3.2-1B, small Qwen2).
+        attention_bias: Q, K and V projections have biases (Qwen2).
+        sliding_window: Attend only to the last ``sliding_window`` keys (some Mistral); ``None``
+            for full attention.
+        bos_token_id: Prepended by the tokenizer path when set.
+        eos_token_ids: Generation stops at any of these.
+    """
+
+    name: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.architecture not in ARCHITECTURES.values():
+            raise ConfigError(
+                f"architecture {self.architecture!r} is not one of {sorted(ARCHITECTURES.values())}"
+            )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "max_position_embeddings"):
+            if int(getattr(self, name)) <= 0:
+                raise ConfigError(f"ModelConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                f"({self.num_kv_heads}) for grouped-query attention"
+            )
+        if self.head_dim is None and self.hidden_size % self.num_heads:
+            raise ConfigError("hidden_size must be divisible by num_heads when head_dim is unset")
+        if self.dim_per_head % 2:
+            raise ConfigError(f"head_dim must be even for rotary embeddings, got {self.dim_per_head}")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ConfigError("sliding_window must be > 0 or None")
+        if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
+            raise ConfigError("rms_norm_eps and rope_theta must be > 0")
+
+    @property
+    def dim_per_head(self) -> int:
+        """The head width actually used (``head_dim`` or ``hidden_size // num_heads``)."""
+        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
+
+    @property
+    def q_size(self) -> int:
+        """Width of the query projection output."""
+        return self.num_heads * self.dim_per_head
+
+    @property
+    def kv_size(self) -> int:
+        """Width of the key (or value) projection output."""
+        return self.num_kv_heads * self.dim_per_head
+
+    def num_parameters(self) -> int:
+        """Parameter count (tied embeddings counted once)."""
+        d, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        attn = d * (self.q_size + 2 * self.kv_size) + self.q_size * d
+        if self.attention_bias:
+            attn += self.q_size + 2 * self.kv_size
+        layer = attn + 3 * d * i + 2 * d
+        head = 0 if self.tie_word_embeddings else v * d
+        return self.num_layers * layer + v * d + head + d
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        """Returns a copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+
+_LLAMA3_SCALING = RopeScaling("llama3", 32.0, 1.0, 4.0, 8192)
+
+PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(
+        name="tiny", architecture="llama", vocab_size=256, hidden_size=64, intermediate_size=128,
+        num_layers=2, num_heads=4, num_kv_heads=2, rms_norm_eps=1e-5, rope_theta=10000.0,
+        max_position_embeddings=2048, bos_token_id=1, eos_token_ids=(2,),
+    ),
+    "qwen2-tiny": ModelConfig(
+        name="qwen2-tiny", architecture="qwen2", vocab_size=256, hidden_size=64,
+        intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, max_position_embeddings=2048, tie_word_embeddings=True,
+        attention_bias=True, eos_token_ids=(2,),
+    ),
+    "mistral-tiny": ModelConfig(
+        name="mistral-tiny", architecture="mistral", vocab_size=256, hidden_size=64,
+        intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=1, rms_norm_eps=1e-5,
+        rope_theta=1000000.0, max_position_embeddings=2048, sliding_window=32, bos_token_id=1,
+        eos_token_ids=(2,),
+    ),
+    # The shape of Llama-3.2-1B: 16 layers, GQA 32/8, tied embeddings, Llama-3 RoPE scaling.
+    "llama-1b-shape": ModelConfig(
+        name="llama-1b-shape", architecture="llama", vocab_size=128256, hidden_size=2048,
+        intermediate_size=8192, num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
+        rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=_LLAMA3_SCALING,
+        max_position_embeddings=131072, tie_word_embeddings=True, bos_token_id=128000,
+        eos_token_ids=(128001, 128008, 128009),
+    ),
+}
+
+
+def get_preset(name: str) -> ModelConfig:
+    """Returns the named preset.
+
+    Raises:
+        ConfigError: ``name`` is not a preset (the message lists them).
+    """
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ConfigError(
+            f"unknown model preset {name!r}; presets are {sorted(PRESETS)} "
+            "(or pass a folder with config.json and *.safetensors)"
+        ) from None
+
+
+def _rope_from_hf(cfg: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
+    # transformers >= 5 writes "rope_parameters" (theta inside); older files and published
+    # checkpoints write "rope_theta" and "rope_scaling" at the top level. Accept both.
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or params
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    if rope_type in (None, "default"):
+        return theta, None
+    if rope_type == "linear":
+        return theta, RopeScaling("linear", float(scaling["factor"]))
+    if rope_type == "llama3":
+        try:
+            return theta, RopeScaling(
+                "llama3",
+                float(scaling["factor"]),
+                float(scaling["low_freq_factor"]),
+                float(scaling["high_freq_factor"]),
+                int(scaling["original_max_position_embeddings"]),
+            )
+        except KeyError as exc:
+            raise CheckpointError(f"llama3 rope scaling is missing the key {exc}") from None
+    raise CheckpointError(
+        f"RoPE type {rope_type!r} is not supported (supported: default, linear, llama3)"
+    )
+
+
+def from_hf_config(cfg: Mapping[str, Any], name: str = "checkpoint") -> ModelConfig:
+    """Maps a Hugging Face ``config.json`` (as a dict) to a :class:`ModelConfig`.
+
+    Args:
+        cfg: The parsed ``config.json``.
+        name: Label for the resulting config.
+
+    Returns:
+        The equivalent config.
+
+    Raises:
+        CheckpointError: The architecture is not Llama, Qwen2 or Mistral, or a field is missing.
+    """
+    archs = list(cfg.get("architectures") or [])
+    arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
+    if arch is None:
+        model_type = cfg.get("model_type")
+        if model_type in ARCHITECTURES.values() and not archs:
+            arch = model_type
+        else:
+            raise CheckpointError(
+                f"unsupported architecture {archs or model_type!r}: graphtune's engine loads "
+                f"{sorted(ARCHITECTURES)}. Convert the checkpoint or use a preset."
+            )
+    theta, scaling = _rope_from_hf(cfg)
+    sliding = cfg.get("sliding_window")
+    if arch == "qwen2" and not cfg.get("use_sliding_window", False):
+        sliding = None  # Qwen2 configs carry a window size but leave it switched off.
+    elif arch == "qwen2" and sliding is not None:
+        raise CheckpointError("Qwen2 with use_sliding_window=true (per-layer windows) is unsupported")
+    if arch == "llama":
+        sliding = None
+    if arch != "qwen2" and cfg.get("attention_bias", False):
+        raise CheckpointError(
+            f"{arch} with attention_bias=true (biases on q/k/v/o) is not supported by the engine"
+        )
+    eos = cfg.get("eos_token_id")
+    eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list) else (
+        (int(eos),) if eos is not None else ()
+    )
+    try:
+        return ModelConfig(
+            name=name,
+            architecture=arch,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=int(cfg["hidden_size"]),
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=int(cfg["num_attention_heads"]),
+            num_kv_heads=int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"]),
+            head_dim=int(cfg["head_dim"]) if cfg.get("head_dim") else None,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=arch == "qwen2",
+            sliding_window=int(sliding) if sliding else None,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+    except KeyError as exc:
+        raise CheckpointError(f"config.json is missing the field {exc}") from None
+    except ConfigError as exc:
+        raise CheckpointError(f"config.json describes an invalid model: {exc}") from exc

@@ -1,0 +1,285 @@
+"""The reference decode engine: prefill, a captured decode step, sampling, a request loop.
+
+The engine picks its step runner once, at construction: a ``CUDAGraphRunner`` wrapping the decode
+step (padded rows write the KV cache's scratch slot) or an ``EagerRunner``. The runner only ever
+sees the step callable; it never learns that an engine exists.
+
+Live requests are kept compacted: request ``i`` of the live batch owns KV slot ``i``. When a
+request in the middle finishes, the last one moves into its slot (a copy of its cached prefix), so
+the decode step can read slots ``[0, B)`` as a view instead of gathering them every step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from graphtune.engine.kv_cache import KVCache
+from graphtune.engine.model import DecoderModel
+from graphtune.engine.sampling import GREEDY, SamplingParams, sample
+from graphtune.engine.step import DecodeStep, prefill
+from graphtune.errors import ConfigError, InputError
+
+logger = logging.getLogger(__name__)
+
+RUNNERS = ("graph", "eager")
+
+
+@dataclass
+class _Request:
+    index: int
+    prompt: list[int]
+    max_new_tokens: int
+    slot: int = -1
+    cached: int = 0  # tokens whose K/V are in the cache
+    output: list[int] = field(default_factory=list)
+
+
+class Engine:
+    """Serves greedy or sampled generation for a :class:`DecoderModel`.
+
+    Args:
+        model: The weights (moved to ``device``/``dtype`` in place when they differ).
+        runner: ``"graph"`` (CUDA graphs; falls back to eager, with a recorded reason, without
+            CUDA) or ``"eager"``.
+        capture_sizes: Batch sizes to capture; ``None`` uses the graph runner's default list.
+        max_batch_size: Most requests decoded together (KV slots; larger prompt lists queue).
+        max_seq_len: Longest prompt + generation per request (KV cache length; rounded up to a
+            multiple of 16 so attention rows stay aligned).
+        device: Target device; ``None`` keeps the model's.
+        dtype: Weight and cache dtype; ``None`` keeps the model's.
+        lazy_capture: Capture each batch size on first use instead of at construction.
+
+    Raises:
+        ConfigError: Unknown runner, or sizes out of range.
+    """
+
+    def __init__(
+        self,
+        model: DecoderModel,
+        *,
+        runner: str = "graph",
+        capture_sizes: Sequence[int] | None = None,
+        max_batch_size: int = 8,
+        max_seq_len: int = 2048,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        lazy_capture: bool = False,
+    ) -> None:
+        if runner not in RUNNERS:
+            raise ConfigError(f"runner must be one of {RUNNERS}, got {runner!r}")
+        if max_batch_size <= 0:
+            raise ConfigError(f"max_batch_size must be > 0, got {max_batch_size}")
+        if max_seq_len <= 1:
+            raise ConfigError(f"max_seq_len must be > 1, got {max_seq_len}")
+        target_device = torch.device(device) if device is not None else model.device
+        target_dtype = dtype or model.dtype
+        if model.device != target_device or model.dtype != target_dtype:
+            model.to(target_device, target_dtype)
+        self.model = model
+        self.config = model.config
+        self.device = target_device
+        self.max_batch_size = max_batch_size
+        self.max_seq_len = -(-max_seq_len // 16) * 16
+        self.cache = KVCache(self.config, max_batch_size, self.max_seq_len, target_device,
+                             target_dtype)
+        self.step_fn = DecodeStep(model, self.cache, contiguous_slots=True)
+        self.runner_kind = runner
+        self.runner = self._build_runner(runner, capture_sizes, lazy_capture)
+
+    def _build_runner(self, kind: str, capture_sizes: Sequence[int] | None, lazy: bool) -> Any:
+        # Imported here so the engine modules stay importable on their own for inspection.
+        from graphtune.graphs import CUDAGraphRunner, EagerRunner
+
+        if kind == "eager":
+            return EagerRunner(self.step_fn)
+        runner = CUDAGraphRunner(
+            self.step_fn,
+            max_batch_size=self.max_batch_size,
+            capture_sizes=list(capture_sizes) if capture_sizes is not None else None,
+            pad=step_pad_rule(self.cache.scratch_slot),
+            lazy=lazy,
+            device=self.device,
+        )
+        if not lazy:
+            runner.capture(*self.example_inputs(self.max_batch_size))
+        return runner
+
+    def example_inputs(self, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Step inputs of ``batch`` rows that touch only the scratch slot (for capture)."""
+        zeros = torch.zeros(batch, dtype=torch.long, device=self.device)
+        return zeros, zeros.clone(), torch.full_like(zeros, self.cache.scratch_slot)
+
+    @property
+    def stats(self) -> Any:
+        """The step runner's statistics (replays, fallbacks by reason, padding, memory)."""
+        return self.runner.stats
+
+    def release(self) -> None:
+        """Releases the runner's graphs and memory pool (the engine can capture again later)."""
+        self.runner.release()
+
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
+             ) -> torch.Tensor:
+        """Runs one decode step through the runner; returns logits ``[B, vocab]``.
+
+        Rows must be compacted (row ``i`` owns slot ``i``), as :meth:`generate` keeps them. The
+        result is a view the next step overwrites.
+
+        Raises:
+            InputError: More rows than ``max_batch_size``.
+        """
+        if tokens.shape[0] > self.max_batch_size:
+            raise InputError(
+                f"decode batch of {tokens.shape[0]} rows exceeds max_batch_size="
+                f"{self.max_batch_size}; build the Engine with a larger max_batch_size"
+            )
+        return self.runner(tokens, positions, slots)
+
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        """Token ids of ``prompt`` (text needs the checkpoint's tokenizer)."""
+        if isinstance(prompt, str):
+            if self.model.tokenizer is None:
+                raise InputError(
+                    "text prompts need a tokenizer (tokenizer.json in the checkpoint folder); "
+                    "pass token ids instead"
+                )
+            return list(self.model.tokenizer.encode(prompt).ids)
+        return [int(t) for t in prompt]
+
+    def decode(self, ids: Sequence[int]) -> str | None:
+        """Text of ``ids`` when a tokenizer is attached, else ``None``."""
+        tokenizer = self.model.tokenizer
+        return None if tokenizer is None else tokenizer.decode(list(ids))
+
+    def _validate(self, prompt: list[int], max_new: int, where: int) -> None:
+        if not prompt:
+            raise InputError(f"prompt {where} is empty; give at least one token")
+        vocab = self.config.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise InputError(
+                f"prompt {where} has token ids outside [0, {vocab}): {bad[:5]}; check the "
+                "tokenizer matches the model"
+            )
+        if max_new <= 0:
+            raise InputError(f"max_new_tokens must be > 0, got {max_new} for prompt {where}")
+        if len(prompt) + max_new > self.max_seq_len:
+            raise InputError(
+                f"prompt {where} has {len(prompt)} tokens and asks for {max_new} new ones, more "
+                f"than the KV cache holds per request (max_seq_len={self.max_seq_len}); shorten "
+                "the prompt, ask for fewer tokens or build the Engine with a larger max_seq_len"
+            )
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        max_new_tokens: int | Sequence[int],
+        sampling: SamplingParams | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+    ) -> list[list[int]]:
+        """Generates continuations; requests join and leave the live batch as they go.
+
+        At most ``max_batch_size`` requests decode together; the rest wait and are admitted
+        (prefilled) when a request finishes, so the batch size seen by the runner changes over
+        time. A request finishes after its ``max_new_tokens`` or at a stop token (included in
+        its output).
+
+        Args:
+            prompts: Token-id lists, or strings when the model has a tokenizer.
+            max_new_tokens: One limit for all, or one per prompt.
+            sampling: Greedy by default.
+            stop_token_ids: Stop tokens; ``None`` uses the config's EOS ids, ``[]`` never stops
+                early.
+
+        Returns:
+            The generated token ids per prompt, in prompt order.
+
+        Raises:
+            InputError: An empty prompt, unknown token ids, or a prompt that does not fit.
+        """
+        sampling = sampling or GREEDY
+        limits = ([int(max_new_tokens)] * len(prompts) if isinstance(max_new_tokens, int)
+                  else [int(m) for m in max_new_tokens])
+        if len(limits) != len(prompts):
+            raise InputError(f"{len(prompts)} prompts but {len(limits)} max_new_tokens values")
+        requests = []
+        for i, (prompt, limit) in enumerate(zip(prompts, limits)):
+            ids = self.encode(prompt)
+            self._validate(ids, limit, i)
+            requests.append(_Request(i, ids, limit))
+        stops = set(self.config.eos_token_ids if stop_token_ids is None else stop_token_ids)
+        generator = None
+        if not sampling.greedy:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(sampling.seed)
+
+        pending = deque(requests)
+        live: list[_Request] = []
+        while pending or live:
+            admitted = []
+            while pending and len(live) + len(admitted) < self.max_batch_size:
+                admitted.append(pending.popleft())
+            if admitted:
+                self._admit(admitted, sampling, generator)
+                live.extend(admitted)
+            else:
+                self._decode(live, sampling, generator)
+            self._retire(live, stops)
+        return [r.output for r in requests]
+
+    def _admit(self, admitted: list[_Request], sampling: SamplingParams,
+               generator: torch.Generator | None) -> None:
+        last_logits = []
+        for request in admitted:
+            request.slot = self.cache.allocate()
+            tokens = torch.tensor(request.prompt, dtype=torch.long, device=self.device)
+            last_logits.append(prefill(self.step_fn, tokens, request.slot))
+            request.cached = len(request.prompt)
+        # One device-to-host read for all first tokens of this admission round.
+        first = sample(torch.stack(last_logits), sampling, generator).tolist()
+        for request, token in zip(admitted, first):
+            request.output.append(int(token))
+
+    def _decode(self, live: list[_Request], sampling: SamplingParams,
+                generator: torch.Generator | None) -> None:
+        host = torch.tensor(
+            [[r.output[-1] for r in live], [r.cached for r in live], [r.slot for r in live]],
+            dtype=torch.long,
+        )
+        inputs = host.to(self.device, non_blocking=True)
+        logits = self.step(inputs[0], inputs[1], inputs[2])
+        # The one host sync per step: the loop must see tokens to stop at EOS.
+        tokens = sample(logits, sampling, generator).tolist()
+        for request, token in zip(live, tokens):
+            request.cached += 1
+            request.output.append(int(token))
+
+    def _retire(self, live: list[_Request], stops: set[int]) -> None:
+        done = [i for i, r in enumerate(live)
+                if len(r.output) >= r.max_new_tokens or r.output[-1] in stops]
+        # Descending, so the request moved from the end is never one still to be retired.
+        for row in reversed(done):
+            last = len(live) - 1
+            if row != last:
+                mover = live[last]
+                self.cache.move(mover.slot, row, mover.cached)
+                mover.slot = row
+                live[row] = mover
+            live.pop()
+            self.cache.free(last)
+
+
+def step_pad_rule(scratch_slot: int) -> tuple[int, int, int]:
+    """Pad rule for the decode step's inputs ``(tokens, positions, slots)``.
+
+    Padded rows feed token 0 at position 0 and write into the scratch slot, so whatever they
+    compute lands where no live request reads.
+    """
+    return (0, 0, scratch_slot)

@@ -1,0 +1,116 @@
+"""A static key/value cache with slots and one scratch slot for padded rows.
+
+Layout (one tensor each for keys and values, allocated once so addresses never change and a
+captured CUDA graph can keep pointing at them)::
+
+    [num_layers, max_batch_size + 1, num_kv_heads, max_seq_len, head_dim]
+
+Heads come before positions so that one slot's keys for one head are contiguous: the attention of
+a decode step reads ``[batch, kv_heads, max_seq_len, head_dim]`` without a transpose. Slot
+``max_batch_size`` is the scratch slot: padded rows of a graph replay write there, so they can
+never touch a live request's slot.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from graphtune.engine.config import ModelConfig
+from graphtune.errors import ConfigError, InputError
+
+logger = logging.getLogger(__name__)
+
+
+class KVCache:
+    """Preallocated keys and values for ``max_batch_size`` live requests plus a scratch slot.
+
+    Args:
+        config: Model shape (layers, KV heads, head width).
+        max_batch_size: Live requests the cache can hold at once.
+        max_seq_len: Longest sequence (prompt + generated tokens) per request.
+        device: Where to allocate.
+        dtype: Element type of keys and values.
+
+    Raises:
+        ConfigError: A size is not positive.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        max_batch_size: int,
+        max_seq_len: int,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        if max_batch_size <= 0 or max_seq_len <= 0:
+            raise ConfigError(
+                f"KV cache needs max_batch_size > 0 and max_seq_len > 0, got {max_batch_size} "
+                f"and {max_seq_len}"
+            )
+        self.config = config
+        self.max_batch_size = max_batch_size
+        self.max_seq_len = max_seq_len
+        self.scratch_slot = max_batch_size
+        shape = (config.num_layers, max_batch_size + 1, config.num_kv_heads, max_seq_len,
+                 config.dim_per_head)
+        # Zeros, not empty: a padded row reads position 0 of the scratch slot and stale NaN bit
+        # patterns there would be harmless but confusing in a debugger.
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        # Per-layer views made once, so the decode step does no view bookkeeping per call.
+        self.k_layers = list(self.k.unbind(0))
+        self.v_layers = list(self.v.unbind(0))
+        self._free = list(range(max_batch_size))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by keys and values together."""
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def bytes_per_token(self) -> int:
+        """Bytes of keys plus values for one token of one request across all layers."""
+        c = self.config
+        return 2 * c.num_layers * c.num_kv_heads * c.dim_per_head * self.k.element_size()
+
+    @property
+    def num_free(self) -> int:
+        """Slots not owned by a live request."""
+        return len(self._free)
+
+    def allocate(self) -> int:
+        """Takes the lowest free slot.
+
+        Raises:
+            InputError: Every slot is owned.
+        """
+        if not self._free:
+            raise InputError(
+                f"all {self.max_batch_size} KV-cache slots are in use; free a slot or build the "
+                "engine with a larger max_batch_size"
+            )
+        self._free.sort()
+        return self._free.pop(0)
+
+    def free(self, slot: int) -> None:
+        """Returns ``slot`` to the free list.
+
+        Raises:
+            InputError: ``slot`` is out of range, the scratch slot, or already free.
+        """
+        if not 0 <= slot < self.max_batch_size or slot in self._free:
+            raise InputError(f"cannot free KV-cache slot {slot}: not an owned slot")
+        self._free.append(slot)
+
+    def move(self, src: int, dst: int, length: int) -> None:
+        """Copies the first ``length`` positions of slot ``src`` into slot ``dst`` (all layers)."""
+        self.k[:, dst, :, :length].copy_(self.k[:, src, :, :length])
+        self.v[:, dst, :, :length].copy_(self.v[:, src, :, :length])
+
+    def reset(self) -> None:
+        """Frees every slot and zeroes the contents (addresses stay the same)."""
+        self._free = list(range(self.max_batch_size))
+        self.k.zero_()
+        self.v.zero_()

@@ -1,0 +1,80 @@
+"""Token sampling on the device without host synchronisation.
+
+Greedy is an ``argmax``. Random sampling applies temperature, then top-k and top-p as masks with
+static shapes, then draws with the exponential race (``argmax(p / E)`` with ``E ~ Exp(1)`` picks
+index ``i`` with probability ``p_i``), which needs neither ``torch.multinomial`` (it synchronises
+on some versions) nor data-dependent shapes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from graphtune.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to choose the next token.
+
+    Attributes:
+        temperature: ``0`` means greedy; otherwise logits are divided by it.
+        top_k: Keep only the ``top_k`` most likely tokens (``0`` keeps all).
+        top_p: Keep the smallest set of tokens whose probability reaches ``top_p`` (``1`` keeps all).
+        seed: Seed of the sampling generator (reproducible runs).
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ConfigError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        """Whether sampling reduces to argmax."""
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+GREEDY = SamplingParams()
+
+
+def sample(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """Chooses one token per row of ``logits [B, vocab]``; returns int64 ``[B]`` on the device.
+
+    Args:
+        logits: Scores of the next token.
+        params: Temperature, top-k, top-p.
+        generator: Source of randomness on the logits' device (ignored when greedy).
+    """
+    if params.greedy:
+        return logits.argmax(dim=-1)
+    scores = logits.float() / params.temperature
+    vocab = scores.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = scores.topk(params.top_k, dim=-1).values[:, -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_scores, order = scores.sort(dim=-1, descending=True)
+        probs = sorted_scores.softmax(dim=-1)
+        # Drop a token when the mass strictly before it already reaches top_p; the first token
+        # always survives.
+        before = probs.cumsum(dim=-1) - probs
+        drop_sorted = before >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
+        scores = scores.masked_fill(drop, float("-inf"))
+    probs = scores.softmax(dim=-1)
+    # Clamp: an exact 0 draw would turn a masked (0-probability) token into 0/0 = NaN.
+    noise = torch.empty_like(probs).exponential_(generator=generator).clamp_min_(1e-20)
+    return (probs / noise).argmax(dim=-1)

@@ -1,0 +1,164 @@
+"""The decode step (capturable) and prefill (eager) of the reference engine.
+
+:class:`DecodeStep` is a pure function of three static-shaped tensors ``tokens [B]``,
+``positions [B]`` and ``slots [B]`` (all int64 on the model's device) plus state that never moves
+(weights, KV cache, RoPE tables). It does no host synchronisation and has no data-dependent shapes,
+which is what a CUDA graph capture needs: K/V are written by index (``index_copy_``) and the
+attention covers every cached position with a mask built from ``positions`` on the device.
+
+Prefill has a different length per request, so it runs eagerly, one request at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from graphtune.engine.kv_cache import KVCache
+from graphtune.engine.model import DecoderModel, apply_rope, rms_norm, rope_tables, swiglu
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeStep:
+    """One decode step for a batch of requests, as a callable for a graph runner.
+
+    Args:
+        model: Weights (already on the device and dtype of ``cache``).
+        cache: The static KV cache the step writes and reads.
+        contiguous_slots: When true the caller promises that row ``i`` of every call owns slot
+            ``i`` (the engine keeps its live requests compacted), so attention reads the cache
+            slots ``[0, B)`` as a view instead of gathering them by ``slots``; the K/V write still
+            goes to ``slots`` so padded rows land in the scratch slot. When false, any slot
+            mapping works and the cached K/V of the batch are gathered per layer (an extra copy
+            of the batch's cache per step).
+    """
+
+    def __init__(self, model: DecoderModel, cache: KVCache, *, contiguous_slots: bool = False
+                 ) -> None:
+        cfg = model.config
+        self.model = model
+        self.cache = cache
+        self.contiguous_slots = contiguous_slots
+        device, dtype = model.device, model.dtype
+        self.cos, self.sin = rope_tables(cfg, cache.max_seq_len, device, dtype)
+        # Constants built once so the step allocates nothing on the host side per call.
+        self.key_positions = torch.arange(cache.max_seq_len, device=device, dtype=torch.long)
+        self.kv_head_index = torch.arange(cfg.num_kv_heads, device=device, dtype=torch.long)
+        self.neg_inf = torch.tensor(float("-inf"), device=device, dtype=dtype)
+        self.zero = torch.tensor(0.0, device=device, dtype=dtype)
+        self.split = (cfg.q_size, cfg.kv_size, cfg.kv_size)
+        self.groups = cfg.num_heads // cfg.num_kv_heads
+        # Flattened per-layer views [slots * kv_heads * max_seq, head_dim] for index_copy_.
+        self.k_flat = [k.view(-1, cfg.dim_per_head) for k in cache.k_layers]
+        self.v_flat = [v.view(-1, cfg.dim_per_head) for v in cache.v_layers]
+
+    def mask(self, positions: torch.Tensor) -> torch.Tensor:
+        """Additive attention mask ``[B, 1, 1, max_seq]``: 0 where a key is visible, else -inf."""
+        keys = self.key_positions[None, :]
+        pos = positions[:, None]
+        visible = keys <= pos
+        window = self.model.config.sliding_window
+        if window is not None:
+            visible = visible & (keys > pos - window)
+        return torch.where(visible, self.zero, self.neg_inf)[:, None, None, :]
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
+                 ) -> torch.Tensor:
+        """Runs one step and returns logits ``[B, vocab]`` in the model dtype.
+
+        Args:
+            tokens: ``[B]`` the token each request feeds at this step.
+            positions: ``[B]`` its position (= number of tokens already cached for the request).
+            slots: ``[B]`` the KV-cache slot of each row (the scratch slot for padded rows).
+        """
+        model, cfg = self.model, self.model.config
+        batch = tokens.shape[0]
+        heads, kv_heads, dim = cfg.num_heads, cfg.num_kv_heads, cfg.dim_per_head
+        seq = self.cache.max_seq_len
+        eps = cfg.rms_norm_eps
+
+        x = F.embedding(tokens, model.embed)
+        cos = self.cos.index_select(0, positions)[:, None, :]
+        sin = self.sin.index_select(0, positions)[:, None, :]
+        mask = self.mask(positions)
+        # Row of (slot, kv_head, position) in the flattened cache, shared by all layers.
+        write_rows = ((slots[:, None] * kv_heads + self.kv_head_index[None, :]) * seq
+                      + positions[:, None]).reshape(-1)
+
+        for index, layer in enumerate(model.layers):
+            h = rms_norm(x, layer.attn_norm, eps)
+            qkv = F.linear(h, layer.wqkv, layer.bqkv)
+            q, k, v = qkv.split(self.split, dim=-1)
+            q = apply_rope(q.view(batch, heads, dim), cos, sin)
+            k = apply_rope(k.view(batch, kv_heads, dim), cos, sin)
+            self.k_flat[index].index_copy_(0, write_rows, k.reshape(-1, dim))
+            self.v_flat[index].index_copy_(0, write_rows, v.reshape(-1, dim))
+            if self.contiguous_slots:
+                keys = self.cache.k_layers[index][:batch]
+                values = self.cache.v_layers[index][:batch]
+            else:
+                keys = self.cache.k_layers[index].index_select(0, slots)
+                values = self.cache.v_layers[index].index_select(0, slots)
+            # Grouped-query attention without repeating K/V: the query heads that share a KV head
+            # become that head's query "sequence" of length `groups` (one token per request).
+            attn = F.scaled_dot_product_attention(
+                q.view(batch, kv_heads, self.groups, dim), keys, values, attn_mask=mask
+            )
+            x = x + F.linear(attn.reshape(batch, heads * dim), layer.wo)
+            h = rms_norm(x, layer.mlp_norm, eps)
+            x = x + F.linear(swiglu(F.linear(h, layer.w_gate_up)), layer.w_down)
+        x = rms_norm(x, model.final_norm, eps)
+        return F.linear(x, model.lm_head)
+
+
+def prefill(
+    step: DecodeStep, tokens: torch.Tensor, slot: int, *, all_logits: bool = False
+) -> torch.Tensor:
+    """Runs a prompt through the model eagerly, filling positions ``[0, L)`` of ``slot``.
+
+    Args:
+        step: The decode step whose model, cache and RoPE tables to use.
+        tokens: ``[L]`` prompt token ids on the model's device.
+        slot: Cache slot owned by this request.
+        all_logits: Return logits for every position (tests) instead of only the last.
+
+    Returns:
+        ``[vocab]`` logits of the last position, or ``[L, vocab]`` with ``all_logits``.
+    """
+    model, cfg = step.model, step.model.config
+    length = tokens.shape[0]
+    heads, kv_heads, dim = cfg.num_heads, cfg.num_kv_heads, cfg.dim_per_head
+    eps = cfg.rms_norm_eps
+
+    x = F.embedding(tokens, model.embed)
+    cos = step.cos[:length, None, :]
+    sin = step.sin[:length, None, :]
+    query_pos = step.key_positions[:length]
+    visible = query_pos[None, :] <= query_pos[:, None]
+    if cfg.sliding_window is not None:
+        visible = visible & (query_pos[None, :] > query_pos[:, None] - cfg.sliding_window)
+    mask = torch.where(visible, step.zero, step.neg_inf)
+
+    for index, layer in enumerate(model.layers):
+        h = rms_norm(x, layer.attn_norm, eps)
+        q, k, v = F.linear(h, layer.wqkv, layer.bqkv).split(step.split, dim=-1)
+        q = apply_rope(q.view(length, heads, dim), cos, sin).transpose(0, 1)
+        k = apply_rope(k.view(length, kv_heads, dim), cos, sin).transpose(0, 1)
+        v = v.view(length, kv_heads, dim).transpose(0, 1)
+        step.cache.k_layers[index][slot, :, :length].copy_(k)
+        step.cache.v_layers[index][slot, :, :length].copy_(v)
+        attn = F.scaled_dot_product_attention(
+            q,
+            k.repeat_interleave(step.groups, dim=0),
+            v.repeat_interleave(step.groups, dim=0),
+            attn_mask=mask,
+        )
+        x = x + F.linear(attn.transpose(0, 1).reshape(length, heads * dim), layer.wo)
+        h = rms_norm(x, layer.mlp_norm, eps)
+        x = x + F.linear(swiglu(F.linear(h, layer.w_gate_up)), layer.w_down)
+    if not all_logits:
+        x = x[-1]
+    return F.linear(rms_norm(x, model.final_norm, eps), model.lm_head)

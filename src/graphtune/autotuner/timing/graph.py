@@ -1,0 +1,293 @@
+"""Graph timer: capture back-to-back calls in one CUDA graph, replay it, time replays with events.
+
+This is how a tuned op runs in production (inside a graph), and it takes host launch cost out of
+the measurement: a replay is one host launch, whatever it holds. What is left per call is the
+kernel time plus the GPU's own gap between consecutive graph nodes.
+
+Sizing ``repeat`` (calls captured in the graph): one replay is timed by a pair of events whose
+resolution is about 0.5 µs and whose replay launch costs the GPU a few microseconds, so a replay
+must last much longer than that. The caller's ``repeat`` is the minimum; with ``auto_repeat`` (the
+default) a probe replay that lasts less than ``min_replay_us`` (100 µs) makes the timer recapture
+with ``repeat`` scaled up to reach it, capped at ``max_repeat`` (1024 calls, which bounds capture
+time and graph size). So a 1 µs kernel is timed over about 110 calls per replay, while a 1 ms GEMM
+keeps the caller's ``repeat``. The first replay of a graph uploads it and is never timed.
+
+In cold-L2 mode pass ``repeat >= copies`` so that one replay walks through every input copy;
+otherwise consecutive replays touch the same few copies and find them in L2.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import logging
+import math
+import time
+from collections.abc import Iterator
+
+import torch
+
+from graphtune.autotuner.timing._checks import check_counts, require_cuda
+from graphtune.autotuner.timing.base import Measurement, TimedFn
+from graphtune.autotuner.timing.delay import GpuDelay, delay_us_for_host_time
+from graphtune.errors import CaptureError, ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+def auto_repeat_calls(
+    calls: int, replay_us: float, *, min_replay_us: float, max_repeat: int, headroom: float = 1.1
+) -> int:
+    """Returns how many calls one graph should hold so that a replay lasts ``min_replay_us``.
+
+    Args:
+        calls: Calls in the probed graph.
+        replay_us: Measured duration of one replay of that graph.
+        min_replay_us: Target replay duration.
+        max_repeat: Upper bound on the result.
+        headroom: Factor over the proportional estimate, so the new replay clears the target.
+
+    Returns:
+        ``calls`` when the replay is already long enough (or the cap is reached), otherwise a
+        larger count, never above ``max(calls, max_repeat)``.
+    """
+    if replay_us >= min_replay_us or calls >= max_repeat:
+        return calls
+    per_call_us = max(replay_us / calls, 1e-3)  # a replay faster than 1 ns per call is noise
+    wanted = math.ceil(min_replay_us / per_call_us * headroom)
+    return max(calls, min(max_repeat, wanted))
+
+
+class GraphTimer:
+    """Times ``fn`` by replaying a CUDA graph of ``repeat`` back-to-back calls.
+
+    Procedure of :meth:`measure`:
+
+    1. ``max(1, warmup)`` untimed calls on a side stream (lazy initialisation such as cuBLAS
+       handles and workspaces must happen outside capture, on the stream that will capture).
+    2. Capture ``fn(i) .. fn(i + repeat - 1)`` in one ``torch.cuda.CUDAGraph`` on the side stream,
+       with the graph's own private memory pool, garbage collection paused.
+    3. One untimed replay (the first replay uploads the graph), then a delay kernel sized to cover
+       the host enqueue of all timed replays, then ``replays`` replays each between two events.
+       With ``auto_repeat``, a probe replay shorter than ``min_replay_us`` first triggers a
+       recapture with more calls (see :func:`auto_repeat_calls`).
+    4. Per call = replay time / calls; the median over replays is reported. The graph is reset
+       and dropped before returning, also on errors, so its pool can be reused.
+
+    Args:
+        replays: Timed replays (samples).
+        auto_repeat: Raise the number of captured calls until a replay lasts ``min_replay_us``.
+        min_replay_us: Target duration of one replay for ``auto_repeat``.
+        max_repeat: Cap on captured calls for ``auto_repeat``.
+        device: CUDA device (default: the current device).
+        capture_error_mode: Passed to ``CUDAGraph.capture_begin`` (``"global"`` makes any
+            CUDA-unsafe call during capture fail loudly, which is what we want while tuning).
+    """
+
+    name = "graph"
+
+    def __init__(
+        self,
+        *,
+        replays: int = 10,
+        auto_repeat: bool = True,
+        min_replay_us: float = 100.0,
+        max_repeat: int = 1024,
+        device: torch.device | str | int | None = None,
+        capture_error_mode: str = "global",
+    ) -> None:
+        if isinstance(replays, bool) or not isinstance(replays, int) or replays < 1:
+            raise ConfigError(f"GraphTimer: replays must be an integer >= 1, got {replays!r}")
+        if min_replay_us <= 0 or max_repeat < 1:
+            raise ConfigError(
+                "GraphTimer: need min_replay_us > 0 and max_repeat >= 1; "
+                f"got {min_replay_us}, {max_repeat}"
+            )
+        if capture_error_mode not in ("global", "thread_local", "relaxed"):
+            raise ConfigError(
+                "GraphTimer: capture_error_mode must be 'global', 'thread_local' or 'relaxed', "
+                f"got {capture_error_mode!r}"
+            )
+        self.replays = replays
+        self.auto_repeat = auto_repeat
+        self.min_replay_us = min_replay_us
+        self.max_repeat = max_repeat
+        self.device = device
+        self.capture_error_mode = capture_error_mode
+        self._streams: dict[int, torch.cuda.Stream] = {}
+        #: Calls per replay used by the last measurement (after ``auto_repeat``).
+        self.last_calls: int | None = None
+
+    def measure(self, fn: TimedFn, *, warmup: int, repeat: int) -> Measurement:
+        """Times ``fn``; see the class docstring for the procedure.
+
+        Raises:
+            ConfigError: Without CUDA, or for invalid ``warmup``/``repeat``.
+            CaptureError: The calls could not be captured (for example ``fn`` synchronizes with
+                the host), or a stream is already capturing. The tuner records the tactic as
+                failed.
+        """
+        check_counts("GraphTimer", warmup=warmup, repeat=repeat)
+        device = require_cuda("GraphTimer", self.device)
+        if torch.cuda.is_current_stream_capturing():
+            raise CaptureError(
+                "GraphTimer cannot time while the current stream is capturing a CUDA graph "
+                "(nested capture); tune before capturing, or look tactics up from the cache"
+            )
+        with torch.cuda.device(device):
+            caller = torch.cuda.current_stream(device)
+            stream = self._side_stream(device)
+            stream.wait_stream(caller)  # inputs may have been written on the caller's stream
+            counter = itertools.count()
+            with torch.cuda.stream(stream):
+                for _ in range(max(1, warmup)):
+                    fn(next(counter))
+            stream.synchronize()
+            try:
+                calls, replay_us = self._measure_on(fn, counter, repeat, stream, device)
+            finally:
+                caller.wait_stream(stream)
+        self.last_calls = calls
+        return Measurement.from_samples(
+            [us / calls for us in replay_us], calls_per_sample=calls, timer=self.name
+        )
+
+    def _measure_on(
+        self,
+        fn: TimedFn,
+        counter: Iterator[int],
+        repeat: int,
+        stream: torch.cuda.Stream,
+        device: torch.device,
+    ) -> tuple[int, list[float]]:
+        calls = repeat
+        graph = self._capture(fn, counter, calls, stream, device)
+        try:
+            if self.auto_repeat and calls < self.max_repeat:
+                probe_us = min(self._time_replays(graph, 2, stream, device))
+                wanted = auto_repeat_calls(
+                    calls, probe_us, min_replay_us=self.min_replay_us, max_repeat=self.max_repeat
+                )
+                if wanted > calls:
+                    logger.debug(
+                        "GraphTimer: replay of %d calls took %.1f us < %.0f us; recapturing %d",
+                        calls,
+                        probe_us,
+                        self.min_replay_us,
+                        wanted,
+                    )
+                    # Release before recapturing so both graphs' pools are never held at once.
+                    _release(graph)
+                    calls = wanted
+                    graph = self._capture(fn, counter, calls, stream, device)
+            return calls, self._time_replays(graph, self.replays, stream, device)
+        finally:
+            _release(graph)
+
+    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
+        # One side stream per device and timer: a fresh stream per measurement would make torch
+        # set up a new cuBLAS workspace for each one.
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        stream = self._streams.get(index)
+        if stream is None:
+            stream = torch.cuda.Stream(device=device)
+            self._streams[index] = stream
+        return stream
+
+    def _capture(
+        self,
+        fn: TimedFn,
+        counter: Iterator[int],
+        calls: int,
+        stream: torch.cuda.Stream,
+        device: torch.device,
+    ) -> torch.cuda.CUDAGraph:
+        graph = torch.cuda.CUDAGraph()
+        # Pending work of other streams must not race the capture (torch.cuda.graph does the same).
+        torch.cuda.synchronize(device)
+        # A garbage collection during capture could free tensors of other streams mid-capture;
+        # pausing it is cheaper than the full gc.collect() torch.cuda.graph may run.
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        failure: BaseException | None = None
+        try:
+            with torch.cuda.stream(stream):
+                try:
+                    graph.capture_begin(capture_error_mode=self.capture_error_mode)
+                except RuntimeError as exc:
+                    failure = exc
+                else:
+                    try:
+                        for _ in range(calls):
+                            fn(next(counter))
+                    except BaseException as exc:  # noqa: B036 - capture must be ended first
+                        failure = exc
+                    try:
+                        # Always end the capture, or the stream stays in capture mode for good.
+                        graph.capture_end()
+                    except RuntimeError as end_exc:
+                        if failure is None:
+                            failure = end_exc
+                        else:
+                            logger.debug("GraphTimer: capture_end after a failed call: %s", end_exc)
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+        if failure is not None:
+            _release(graph)
+            if not isinstance(failure, Exception):  # KeyboardInterrupt, SystemExit: not data
+                raise failure
+            raise CaptureError(
+                f"GraphTimer could not capture {calls} calls in a CUDA graph: "
+                f"{type(failure).__name__}: {_first_line(failure)}. Rule: a timed call must not "
+                "synchronize with the host (.item(), .cpu(), .tolist(), printing a CUDA tensor, "
+                "torch.cuda.synchronize), use pageable host copies, or run ops that are not "
+                "capturable. Remedies: remove the host sync from the runner, mark the tactic "
+                "invalid for graph timing, or tune this op with timing='events'."
+            ) from failure
+        return graph
+
+    def _time_replays(
+        self,
+        graph: torch.cuda.CUDAGraph,
+        count: int,
+        stream: torch.cuda.Stream,
+        device: torch.device,
+    ) -> list[float]:
+        """Replays ``graph`` twice untimed, then ``count`` timed times; returns µs per replay."""
+        gpu_delay = GpuDelay(device)
+        gpu_delay.cycles_per_us()  # calibrate outside the timed region
+        events = [
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            for _ in range(count)
+        ]
+        with torch.cuda.stream(stream):
+            graph.replay()  # untimed: the first replay of a graph includes its upload
+            stream.synchronize()
+            begin = time.perf_counter()
+            graph.replay()  # untimed: measures the host cost of one launch
+            launch_us = (time.perf_counter() - begin) * 1e6
+            stream.synchronize()
+            # Once the timed replays are queued the GPU runs them back to back; until then a
+            # replay started from an idle GPU would count the host's launch of the next one.
+            # So a delay kernel covers the host enqueue of all of them (plus event records).
+            gpu_delay.enqueue(delay_us_for_host_time(count * (launch_us + 5.0)))
+            for start, end in events:
+                start.record(stream)
+                graph.replay()
+                end.record(stream)
+        stream.synchronize()
+        return [start.elapsed_time(end) * 1000.0 for start, end in events]
+
+
+def _release(graph: torch.cuda.CUDAGraph) -> None:
+    """Frees the graph's executable and its hold on the private memory pool."""
+    try:
+        graph.reset()
+    except RuntimeError as exc:  # a graph whose capture failed may have nothing to reset
+        logger.debug("GraphTimer: graph.reset() failed: %s", exc)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else "(no message)"

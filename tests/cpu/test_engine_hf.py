@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from graphtune.engine import DecodeStep, KVCache, load_checkpoint, prefill
+from graphtune.errors import CheckpointError
 
 transformers = pytest.importorskip("transformers")
 
@@ -65,8 +66,11 @@ def compare(hf_model, folder, prompt_len: int = 7, decode_steps: int = 5, device
         torch.testing.assert_close(got_prefill, expected[:prompt_len], rtol=1e-4, atol=1e-4)
         for i in range(decode_steps):
             pos = prompt_len + i
-            t = torch.tensor([seq[pos]], device=device)
-            logits = step(t, torch.tensor([pos], device=device), torch.tensor([slot], device=device))
+            logits = step(
+                torch.tensor([seq[pos]], device=device),
+                torch.tensor([pos], device=device),
+                torch.tensor([slot], device=device),
+            )
             torch.testing.assert_close(logits[0], expected[pos], rtol=1e-4, atol=1e-4)
     assert expected.std() > 0.1  # the comparison is not between near-constant logits
 
@@ -95,3 +99,41 @@ def test_mistral_sliding_window_matches_hf(tmp_path):
     hf, folder = build_hf("mistral", tmp_path, sliding_window=4)
     assert load_checkpoint(folder).config.sliding_window == 4
     compare(hf, folder, prompt_len=9, decode_steps=4)
+
+
+def test_sharded_checkpoint_loads(tmp_path):
+    hf, folder = build_hf("llama", tmp_path, max_shard_size="40KB")
+    assert (folder / "model.safetensors.index.json").exists()
+    assert len(list(folder.glob("*.safetensors"))) > 1
+    compare(hf, folder, decode_steps=2)
+
+
+def _tiny_folder(tmp_path):
+    return build_hf("llama", tmp_path)[1]
+
+
+def _rewrite(folder, drop=None, reshape=None):
+    from safetensors.torch import load_file, save_file
+
+    (file,) = folder.glob("*.safetensors")
+    tensors = load_file(file)
+    if drop:
+        del tensors[drop]
+    if reshape:
+        tensors[reshape] = tensors[reshape][:-1].contiguous()
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+def test_missing_tensor_is_named(tmp_path):
+    folder = _tiny_folder(tmp_path)
+    _rewrite(folder, drop="model.layers.1.mlp.up_proj.weight")
+    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
+        load_checkpoint(folder)
+
+
+def test_shape_mismatch_is_named(tmp_path):
+    folder = _tiny_folder(tmp_path)
+    _rewrite(folder, reshape="model.layers.0.self_attn.k_proj.weight")
+    name = r"model\.layers\.0\.self_attn\.k_proj\.weight"
+    with pytest.raises(CheckpointError, match=name + ".*shape"):
+        load_checkpoint(folder)

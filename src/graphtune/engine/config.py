@@ -115,7 +115,9 @@ class ModelConfig:
         if self.head_dim is None and self.hidden_size % self.num_heads:
             raise ConfigError("hidden_size must be divisible by num_heads when head_dim is unset")
         if self.dim_per_head % 2:
-            raise ConfigError(f"head_dim must be even for rotary embeddings, got {self.dim_per_head}")
+            raise ConfigError(
+                f"head_dim must be even for rotary embeddings, got {self.dim_per_head}"
+            )
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ConfigError("sliding_window must be > 0 or None")
         if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
@@ -253,7 +255,9 @@ def from_hf_config(cfg: Mapping[str, Any], name: str = "checkpoint") -> ModelCon
     if arch == "qwen2" and not cfg.get("use_sliding_window", False):
         sliding = None  # Qwen2 configs carry a window size but leave it switched off.
     elif arch == "qwen2" and sliding is not None:
-        raise CheckpointError("Qwen2 with use_sliding_window=true (per-layer windows) is unsupported")
+        raise CheckpointError(
+            "Qwen2 with use_sliding_window=true (per-layer windows) is unsupported"
+        )
     if arch == "llama":
         sliding = None
     if arch != "qwen2" and cfg.get("attention_bias", False):

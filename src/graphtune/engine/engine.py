@@ -210,7 +210,7 @@ class Engine:
         if len(limits) != len(prompts):
             raise InputError(f"{len(prompts)} prompts but {len(limits)} max_new_tokens values")
         requests = []
-        for i, (prompt, limit) in enumerate(zip(prompts, limits)):
+        for i, (prompt, limit) in enumerate(zip(prompts, limits, strict=True)):
             ids = self.encode(prompt)
             self._validate(ids, limit, i)
             requests.append(_Request(i, ids, limit))
@@ -244,7 +244,7 @@ class Engine:
             request.cached = len(request.prompt)
         # One device-to-host read for all first tokens of this admission round.
         first = sample(torch.stack(last_logits), sampling, generator).tolist()
-        for request, token in zip(admitted, first):
+        for request, token in zip(admitted, first, strict=True):
             request.output.append(int(token))
 
     def _decode(self, live: list[_Request], sampling: SamplingParams,
@@ -257,7 +257,7 @@ class Engine:
         logits = self.step(inputs[0], inputs[1], inputs[2])
         # The one host sync per step: the loop must see tokens to stop at EOS.
         tokens = sample(logits, sampling, generator).tolist()
-        for request, token in zip(live, tokens):
+        for request, token in zip(live, tokens, strict=True):
             request.cached += 1
             request.output.append(int(token))
 

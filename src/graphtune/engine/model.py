@@ -99,7 +99,7 @@ class DecoderModel:
         return self
 
     def weight_bytes(self) -> int:
-        """Bytes a decode step must read from weights (embedding rows are negligible when untied)."""
+        """Bytes of weights one decode step reads (untied embedding rows are negligible)."""
         total = self.lm_head.numel() * self.lm_head.element_size()
         total += self.final_norm.numel() * self.final_norm.element_size()
         for layer in self.layers:

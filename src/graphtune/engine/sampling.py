@@ -22,7 +22,7 @@ class SamplingParams:
     Attributes:
         temperature: ``0`` means greedy; otherwise logits are divided by it.
         top_k: Keep only the ``top_k`` most likely tokens (``0`` keeps all).
-        top_p: Keep the smallest set of tokens whose probability reaches ``top_p`` (``1`` keeps all).
+        top_p: Keep the smallest set of tokens whose probability reaches ``top_p`` (``1``: all).
         seed: Seed of the sampling generator (reproducible runs).
     """
 

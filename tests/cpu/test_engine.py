@@ -1,0 +1,178 @@
+"""Engine behaviour on CPU: loading, errors, eager == graph runner, slot isolation, sampling."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from graphtune.engine import (
+    DecodeStep,
+    Engine,
+    KVCache,
+    SamplingParams,
+    from_hf_config,
+    get_preset,
+    load_checkpoint,
+    load_model,
+    prefill,
+)
+from graphtune.errors import CheckpointError, ConfigError, InputError
+
+PROMPTS = [[1, 5, 9], [7], [3, 4, 5, 6, 7, 8], [10, 11], [12, 13, 14], [15]]
+LIMITS = [6, 9, 3, 12, 1, 7]
+
+
+def test_presets_are_valid():
+    cfg = get_preset("llama-1b-shape")
+    assert (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads) == (2048, 16, 32, 8)
+    assert cfg.vocab_size == 128256 and cfg.tie_word_embeddings
+    assert 1.2e9 < cfg.num_parameters() < 1.3e9  # Llama-3.2-1B has 1.24 B
+    with pytest.raises(ConfigError, match="unknown model preset"):
+        get_preset("nope")
+
+
+def test_random_weights_are_seeded_and_never_zero():
+    a, b = load_model("tiny", seed=3), load_model("tiny", seed=3)
+    c = load_model("tiny", seed=4)
+    assert torch.equal(a.layers[0].wqkv, b.layers[0].wqkv)
+    assert not torch.equal(a.layers[0].wqkv, c.layers[0].wqkv)
+    assert all(t.abs().sum() > 0 for t in a.layers[1].tensors().values())
+
+
+def test_greedy_eager_equals_graph_runner_on_cpu():
+    eager = Engine(load_model("tiny"), runner="eager", max_batch_size=4, max_seq_len=64)
+    graph = Engine(load_model("tiny"), runner="graph", max_batch_size=4, max_seq_len=64)
+    want = eager.generate(PROMPTS, LIMITS, stop_token_ids=[])
+    got = graph.generate(PROMPTS, LIMITS, stop_token_ids=[])
+    assert got == want
+    assert [len(o) for o in got] == LIMITS
+    # Batch composition must not matter: one request at a time gives the same tokens.
+    solo = Engine(load_model("tiny"), runner="eager", max_batch_size=1, max_seq_len=64)
+    assert solo.generate(PROMPTS, LIMITS, stop_token_ids=[]) == want
+
+
+def test_graph_runner_without_cuda_falls_back_with_reason():
+    graph = Engine(load_model("tiny"), runner="graph", max_batch_size=4, max_seq_len=32)
+    graph.generate([[1, 2]], 3)
+    text = graph.stats.table()
+    assert isinstance(text, str) and text
+    graphs = pytest.importorskip("graphtune.graphs")
+    if hasattr(graphs, "FallbackReason"):
+        assert "cuda" in text.lower()
+
+
+def test_stop_tokens_end_a_request_early():
+    engine = Engine(load_model("tiny"), runner="eager", max_batch_size=2, max_seq_len=64)
+    free = engine.generate([[1, 2, 3]], 10, stop_token_ids=[])[0]
+    stop = free[3]
+    first = free.index(stop)
+    assert engine.generate([[1, 2, 3]], 10, stop_token_ids=[stop])[0] == free[: first + 1]
+
+
+def _step_inputs(rows):
+    return tuple(torch.tensor(col, dtype=torch.long) for col in zip(*rows, strict=True))
+
+
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_padded_rows_never_touch_live_slots(contiguous):
+    model = load_model("tiny")
+    cache = KVCache(model.config, max_batch_size=4, max_seq_len=32)
+    step = DecodeStep(model, cache, contiguous_slots=contiguous)
+    scratch = cache.scratch_slot
+    with torch.inference_mode():
+        for slot, prompt in enumerate([[1, 2, 3], [4, 5]]):
+            prefill(step, torch.tensor(prompt), slot)
+        saved_k, saved_v = cache.k.clone(), cache.v.clone()
+        live = [(9, 3, 0), (8, 2, 1)]  # (token, position, slot)
+
+        def run(rows):
+            cache.k.copy_(saved_k)
+            cache.v.copy_(saved_v)
+            logits = step(*_step_inputs(rows))[:2].clone()
+            return logits, cache.k.clone(), cache.v.clone()
+
+        plain = run(live)
+        padded = run(live + [(0, 0, scratch)] * 2)  # the engine's pad rule
+        garbage = run(live + [(77, 13, scratch), (200, 5, scratch)])  # any pad contents
+    owned = slice(0, cache.max_batch_size)
+    # Same batch shape, different pad contents: live rows and live slots are bit-identical.
+    for got, want in zip(garbage, padded, strict=True):
+        assert torch.equal(got[:2] if got.dim() == 2 else got[:, owned],
+                           want[:2] if want.dim() == 2 else want[:, owned])
+    # Against no padding at all: only GEMM blocking may differ (CPU kernels pick by batch size).
+    torch.testing.assert_close(padded[0], plain[0], rtol=1e-5, atol=1e-5)
+    for got, want in ((padded[1], plain[1]), (padded[2], plain[2])):
+        torch.testing.assert_close(got[:, owned], want[:, owned], rtol=1e-5, atol=1e-6)
+        # Slots nobody owns in this step are untouched byte for byte.
+        assert torch.equal(got[:, 2:scratch], saved_k[:, 2:scratch] if got is padded[1]
+                           else saved_v[:, 2:scratch])
+
+
+def test_unknown_architecture_is_a_checkpoint_error():
+    with pytest.raises(CheckpointError, match="GPT2LMHeadModel"):
+        from_hf_config({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
+
+
+def test_config_without_fields_or_folder_without_weights(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(CheckpointError, match="missing the field"):
+        load_checkpoint(tmp_path)
+    with pytest.raises(CheckpointError, match="config.json"):
+        load_checkpoint(tmp_path / "nothing")
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine(load_model("tiny"), runner="eager", max_batch_size=2, max_seq_len=32)
+
+
+def test_prompt_longer_than_cache(engine):
+    with pytest.raises(InputError, match="max_seq_len=32"):
+        engine.generate([list(range(1, 40))], 1)
+    with pytest.raises(InputError, match="max_seq_len"):
+        engine.generate([list(range(1, 30))], 8)
+
+
+def test_empty_prompt_and_unknown_tokens(engine):
+    with pytest.raises(InputError, match="empty"):
+        engine.generate([[]], 2)
+    with pytest.raises(InputError, match="outside"):
+        engine.generate([[1, 256]], 2)
+    with pytest.raises(InputError, match="tokenizer"):
+        engine.generate(["hello"], 2)
+    with pytest.raises(InputError, match="max_new_tokens"):
+        engine.generate([[1]], 0)
+
+
+def test_batch_above_max_is_refused(engine):
+    with pytest.raises(InputError, match="max_batch_size=2"):
+        engine.step(*_step_inputs([(1, 0, 0)] * 3))
+
+
+def test_bad_engine_arguments():
+    with pytest.raises(ConfigError, match="runner"):
+        Engine(load_model("tiny"), runner="fast")
+    with pytest.raises(ConfigError):
+        Engine(load_model("tiny"), max_batch_size=0)
+
+
+def test_sampling_is_seeded_and_respects_top_k():
+    engine = Engine(load_model("tiny"), runner="eager", max_batch_size=3, max_seq_len=64)
+    params = SamplingParams(temperature=0.8, top_k=5, top_p=0.9, seed=7)
+    a = engine.generate(PROMPTS[:3], 8, sampling=params, stop_token_ids=[])
+    b = engine.generate(PROMPTS[:3], 8, sampling=params, stop_token_ids=[])
+    assert a == b
+    from graphtune.engine import sample
+
+    logits = torch.randn(4, 256)
+    allowed = logits.topk(3, dim=-1).indices
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        picked = sample(logits, SamplingParams(temperature=1.0, top_k=3), gen)
+        assert (allowed == picked[:, None]).any(dim=-1).all()
+    top1 = sample(logits, SamplingParams(temperature=1.0, top_p=1e-6), gen)
+    assert torch.equal(top1, logits.argmax(-1))
+    with pytest.raises(ConfigError):
+        SamplingParams(top_p=0)

@@ -158,7 +158,8 @@ class TuningConfig:
         inputs_pre_hook: Called on each synthetic input list (``list -> list``) before timing, e.g.
             to make routing indices or masks realistic.
         cold_l2: Rotate enough copies of the inputs that their total exceeds the L2 cache, so each
-            call reads from DRAM as in a real model step.
+            call reads from DRAM as in a real model step. ``repeat`` is raised to the number of
+            copies so one sample walks through all of them.
         timing: ``"auto"`` (graph on CUDA, wallclock on CPU), ``"graph"``, ``"events"`` or
             ``"wallclock"``. A timer passed to ``AutoTuner(timer=...)`` takes precedence.
         warmup: Untimed calls before each measurement.

@@ -64,9 +64,11 @@ def _parse(path: Path) -> dict[str, Any]:
         raise _Unusable("does not exist") from None
     except OSError as exc:
         raise _Unusable(f"cannot be read ({exc})") from None
+    except UnicodeDecodeError as exc:
+        raise _Unusable(f"is corrupt (not UTF-8 text: {exc})") from None
     try:
         doc = json.loads(text)
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, RecursionError) as exc:
         raise _Unusable(f"is corrupt or truncated (invalid JSON: {exc})") from None
     if not isinstance(doc, dict) or "format_version" not in doc:
         raise _Unusable("is not a graphtune cache (no format_version)")

@@ -397,9 +397,12 @@ class AutoTuner:
         def call(i: int) -> object:
             return runner.forward(sets[i % n], tactic)
 
+        # With rotated copies, one sample must walk through all of them, or the few it touches
+        # stay in L2 (a graph timer replays the same ``repeat`` calls).
+        repeat = max(config.repeat, n) if n > 1 else config.repeat
         self.stats.measurements += 1
         try:
-            result = timer.measure(call, warmup=config.warmup, repeat=config.repeat)
+            result = timer.measure(call, warmup=config.warmup, repeat=repeat)
             value = float(result.median_us)
         except Exception as exc:  # a failing tactic is data: infinite time, counted, logged once
             self._fail(op, cand, "timing", exc)

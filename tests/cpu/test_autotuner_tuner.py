@@ -1,0 +1,277 @@
+"""AutoTuner.choose_one driven by a fake clock and timer (principle 2), plus one real-timer test."""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import Any
+
+import pytest
+import torch
+
+from graphtune.autotuner import (
+    FALLBACK_TACTIC,
+    AutoTuner,
+    DynamicTensorSpec,
+    TunableRunner,
+    TuningConfig,
+    autotune,
+)
+from graphtune.autotuner.timing.base import Measurement
+from graphtune.errors import ConfigError
+
+
+class FakeClock:
+    """Virtual time that fake runners advance by their cost; also logs who ran."""
+
+    def __init__(self) -> None:
+        self.now_us = 0.0
+        self.log: list[tuple[str, Any]] = []
+
+
+class FakeRunner(TunableRunner):
+    def __init__(self, name: str, costs: dict[Any, float], clock: FakeClock, fail: set = frozenset()):
+        self.name, self.costs, self.clock, self.fail = name, costs, clock, set(fail)
+        self.seen_inputs: set[int] = set()
+
+    def get_valid_tactics(self, inputs: list, profile: Any) -> list:
+        return [t for t in self.costs if t != FALLBACK_TACTIC]
+
+    def forward(self, inputs: list, tactic: Any = FALLBACK_TACTIC) -> Any:
+        if tactic in self.fail:
+            raise RuntimeError(f"{self.name} tactic {tactic} does not support this shape")
+        self.seen_inputs.add(inputs[0].data_ptr())
+        rows = inputs[0].shape[0]
+        self.clock.now_us += self.costs[tactic] * rows
+        self.clock.log.append((self.name, tactic))
+        return inputs[0]
+
+    def cache_key_extras(self) -> tuple:
+        return (self.name,)
+
+
+class FakeTimer:
+    """Reads the fake clock around ``repeat`` calls; optional multiplicative Gaussian noise."""
+
+    name = "fake"
+
+    def __init__(self, clock: FakeClock, noise: float = 0.0, seed: int = 0) -> None:
+        self.clock, self.noise, self.rng = clock, noise, random.Random(seed)
+        self.order: list[tuple[str, Any]] = []
+
+    def measure(self, fn, *, warmup: int, repeat: int) -> Measurement:
+        for i in range(max(1, warmup)):
+            fn(i)
+        samples = []
+        for s in range(3):
+            start = self.clock.now_us
+            for i in range(repeat):
+                fn(warmup + s * repeat + i)
+            per_call = (self.clock.now_us - start) / repeat
+            samples.append(per_call * (1.0 + self.rng.gauss(0.0, self.noise)))
+        self.order.append(self.clock.log[-1])
+        return Measurement.from_samples(samples, calls_per_sample=repeat, timer=self.name)
+
+
+CONFIG = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0, (1, 4, 16)),), warmup=1, repeat=2)
+
+
+def make(costs_a: dict, costs_b: dict, **tuner_kwargs: Any):
+    clock = FakeClock()
+    timer = FakeTimer(clock, noise=tuner_kwargs.pop("noise", 0.0), seed=tuner_kwargs.pop("seed", 0))
+    runners = [FakeRunner("a", costs_a, clock), FakeRunner("b", costs_b, clock)]
+    tuner = AutoTuner(timer=timer, show_progress=False, **tuner_kwargs)
+    return tuner, runners, timer
+
+
+def test_tunes_all_buckets_then_hits() -> None:
+    tuner, runners, timer = make({-1: 5.0, 0: 4.0}, {0: 1.0, 1: 3.0})
+    tuner.tuning_mode = True
+    x = torch.randn(3, 8)
+    runner, tactic = tuner.choose_one("op", runners, CONFIG, [x])
+    assert (runner, tactic) == (runners[1], 0)
+    # buckets 1, 4, 16 plus the live bucket 2 -> four profiles, four candidates each
+    assert tuner.stats.profiles_tuned == 4 and len(tuner.cache) == 4
+    assert tuner.stats.tactics_timed == 16 and tuner.stats.misses == 1
+    entry = next(e for _, e in tuner.cache.items())
+    assert entry.runner_id.endswith('FakeRunner["b"]') and entry.speedup == pytest.approx(5.0)
+    tuner.tuning_mode = False
+    calls = len(timer.order)
+    for rows in (1, 2, 3, 5, 16, 100):  # 100 maps to bucket 64, which was not tuned -> fallback
+        tuner.choose_one("op", runners, CONFIG, [torch.randn(rows, 8)])
+    assert len(timer.order) == calls
+    assert tuner.stats.hits == 5 and tuner.stats.fallbacks == {"op": 1}
+    table = tuner.summary_table()
+    assert "FakeRunner" in table and "speed-up" in table and "16x8" in table
+
+
+def test_miss_outside_tuning_mode_falls_back_and_warns_once(caplog) -> None:
+    tuner, runners, timer = make({-1: 5.0}, {0: 1.0})
+    with caplog.at_level(logging.WARNING, logger="graphtune.autotuner.tuner"):
+        for _ in range(3):
+            assert tuner.choose_one("op", runners, CONFIG, [torch.randn(4, 2)]) == (runners[0], -1)
+        tuner.choose_one("other", runners, CONFIG, [torch.randn(4, 2)])
+    assert timer.order == []
+    assert tuner.stats.fallbacks == {"op": 3, "other": 1} and tuner.stats.misses == 4
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2 and "autotune()" in warnings[0].getMessage()
+
+
+def test_never_profiles_while_capturing() -> None:
+    capturing = [True]
+    clock = FakeClock()
+    timer = FakeTimer(clock)
+    runners = [FakeRunner("a", {-1: 2.0}, clock), FakeRunner("b", {0: 1.0}, clock)]
+    tuner = AutoTuner(timer=timer, is_capturing=lambda: capturing[0], show_progress=False)
+    with autotune(tuner=tuner):
+        assert tuner.choose_one("op", runners, CONFIG, [torch.randn(4, 2)]) == (runners[0], -1)
+        assert timer.order == [] and clock.log == [] and len(tuner.cache) == 0
+        capturing[0] = False
+        assert tuner.choose_one("op", runners, CONFIG, [torch.randn(4, 2)]) == (runners[1], 0)
+        capturing[0] = True  # look-ups still work during capture
+        assert tuner.choose_one("op", runners, CONFIG, [torch.randn(4, 2)]) == (runners[1], 0)
+    assert tuner.stats.hits == 1 and tuner.stats.fallbacks == {"op": 1}
+
+
+def test_candidates_are_measured_interleaved() -> None:
+    tuner, runners, timer = make({-1: 5.0, 0: 4.0}, {0: 1.0, 1: 3.0}, rounds=3, remeasure_top=2)
+    tuner.tuning_mode = True
+    config = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0, (4,)),), warmup=0, repeat=1)
+    tuner.choose_one("op", runners, config, [torch.randn(4, 2)])
+    everyone = [("a", -1), ("a", 0), ("b", 0), ("b", 1)]
+    assert timer.order[:12] == everyone * 3  # round-robin, not one candidate after another
+    assert timer.order[12:] == [("b", 0), ("b", 1)] * 3  # the top two, re-measured interleaved
+
+
+def test_failing_tactics_are_data(caplog) -> None:
+    clock = FakeClock()
+    a = FakeRunner("a", {-1: 5.0, 0: 1.0, 1: 2.0}, clock, fail={0})
+    b = FakeRunner("b", {0: 0.5}, clock, fail={0})
+    tuner = AutoTuner(timer=FakeTimer(clock), show_progress=False)
+    with caplog.at_level(logging.WARNING), autotune(tuner=tuner):
+        runner, tactic = tuner.choose_one("op", [a, b], CONFIG, [torch.randn(4, 2)])
+    assert (runner, tactic) == (a, 1)
+    # two failing candidates in each of three profiles (1, 4, 16)
+    assert tuner.stats.tactic_failures == {"RuntimeError": 6}
+    failures = [r for r in caplog.records if "RuntimeError" in r.getMessage()]
+    assert len(failures) == 1  # logged once per (op, reason); the rest are counted
+
+
+def test_all_tactics_fail_uses_fallback(caplog) -> None:
+    clock = FakeClock()
+    a = FakeRunner("a", {-1: 5.0, 0: 1.0}, clock, fail={-1, 0})
+
+    class Broken(TunableRunner):
+        def get_valid_tactics(self, inputs, profile):
+            raise ValueError("no kernel for this GPU")
+
+    tuner = AutoTuner(timer=FakeTimer(clock), show_progress=False)
+    with caplog.at_level(logging.WARNING), autotune(tuner=tuner):
+        assert tuner.choose_one("op", [a, Broken()], CONFIG, [torch.randn(4, 2)]) == (a, -1)
+    entry = next(e for _, e in tuner.cache.items())
+    assert entry.tactic == -1 and entry.time_us is None and entry.fallback_us is None
+    assert tuner.stats.tactic_failures["ValueError"] == 3
+    assert any("every (runner, tactic) failed" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize(
+    "costs_b, expected",
+    [
+        ({0: 0.995, 1: 3.0}, ("a", -1)),  # 0.5% faster than the fallback: a tie -> lowest index
+        ({0: 0.95, 1: 3.0}, ("b", 0)),  # 5% faster: a real win
+    ],
+)
+def test_picks_are_deterministic_under_noise(costs_b: dict, expected: tuple) -> None:
+    picks = set()
+    for seed in range(40):
+        tuner, runners, _ = make({-1: 1.0, 0: 1.01}, costs_b, noise=0.004, seed=seed)
+        tuner.tuning_mode = True
+        config = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0, (4,)),), warmup=0, repeat=1)
+        runner, tactic = tuner.choose_one("op", runners, config, [torch.randn(4, 2)])
+        picks.add((runner.name, tactic))
+    assert picks == {expected}
+
+
+def test_cold_l2_rotates_copies_larger_than_l2(monkeypatch) -> None:
+    from graphtune.autotuner.timing import cold_l2
+
+    l2 = 1 << 20  # a fake 1 MiB L2, read through the real cold_l2_copies
+    monkeypatch.setattr(cold_l2, "l2_cache_bytes", lambda device: l2)
+    clock = FakeClock()
+    runner = FakeRunner("a", {-1: 1.0}, clock)
+    timer = FakeTimer(clock)
+    tuner = AutoTuner(timer=timer, show_progress=False, rounds=1)
+    config = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0, (64,)),), cold_l2=True, repeat=2)
+    x = torch.randn(64, 1024)  # 256 KiB per input set
+    with autotune(tuner=tuner):
+        tuner.choose_one("op", [runner], config, [x])
+    assert len(timer.order) == 1  # a single measurement...
+    assert len(runner.seen_inputs) * x.numel() * 4 > l2  # ...walked copies totalling more than L2
+
+
+def test_autotune_context_loads_and_saves(tmp_path) -> None:
+    path = tmp_path / "cache.json"
+    tuner, runners, timer = make({-1: 5.0}, {0: 1.0})
+    with autotune(cache_path=path, tuner=tuner) as active:
+        assert active is tuner and tuner.tuning_mode
+        tuner.choose_one("op", runners, CONFIG, [torch.randn(4, 2)])
+    assert not tuner.tuning_mode and path.exists()
+    fresh, runners2, timer2 = make({-1: 5.0}, {0: 1.0})
+    with autotune(cache_path=path, tuner=fresh):
+        runner, tactic = fresh.choose_one("op", runners2, CONFIG, [torch.randn(4, 2)])
+    assert (runner, tactic) == (runners2[1], 0) and timer2.order == [] and fresh.stats.hits == 1
+
+
+def test_autotune_uses_env_default_path(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("GRAPHTUNE_CACHE", str(tmp_path / "env.json"))
+    tuner, runners, _ = make({-1: 5.0}, {0: 1.0})
+    with autotune(tuner=tuner):
+        tuner.choose_one("op", runners, CONFIG, [torch.randn(4, 2)])
+    assert (tmp_path / "env.json").exists()
+
+
+def test_choose_one_and_tuner_argument_errors() -> None:
+    tuner = AutoTuner(show_progress=False)
+    with pytest.raises(ConfigError, match="no runners"):
+        tuner.choose_one("op", [], CONFIG, [torch.randn(2)])
+    with pytest.raises(ConfigError, match="TuningConfig"):
+        tuner.choose_one("op", [TunableRunner()], {"timing": "auto"}, [torch.randn(2)])
+    with pytest.raises(ConfigError, match="rounds"):
+        AutoTuner(rounds=0)
+    with pytest.raises(ConfigError, match="tie_tolerance"):
+        AutoTuner(tie_tolerance=1.5)
+    with pytest.raises(ConfigError, match="measure"):
+        AutoTuner(timer=object())  # type: ignore[arg-type]
+
+
+class MatmulRunner(TunableRunner):
+    """Fast: one matmul."""
+
+    def forward(self, inputs, tactic=-1):
+        return inputs[0] @ inputs[1]
+
+
+class SlowMatmulRunner(TunableRunner):
+    """Genuinely slower: the same matmul, done row by row; tactic = number of extra passes."""
+
+    def get_valid_tactics(self, inputs, profile):
+        return [0, 1]
+
+    def forward(self, inputs, tactic=-1):
+        a, b = inputs
+        out = torch.stack([row @ b for row in a])
+        for _ in range(max(tactic, 0)):
+            out = torch.stack([row @ b for row in a])
+        return out
+
+
+def test_wallclock_timer_picks_the_genuinely_faster_runner() -> None:
+    # timing="auto" on CPU tensors resolves the real WallClockTimer through resolve_timer.
+    config = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0, (64,)),), warmup=2, repeat=5)
+    tuner = AutoTuner(show_progress=False, rounds=2)
+    runners = [SlowMatmulRunner(), MatmulRunner()]
+    with autotune(tuner=tuner):
+        runner, _ = tuner.choose_one("mm", runners, config, [torch.randn(64, 64), torch.randn(64, 64)])
+    assert isinstance(runner, MatmulRunner)
+    key, entry = tuner.cache.items()[0]
+    assert key.timing == "wallclock" and entry.speedup is not None and entry.speedup > 2

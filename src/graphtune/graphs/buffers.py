@@ -1,0 +1,351 @@
+"""Static input buffers, copy-in with pad rules, and slicing of captured outputs.
+
+One :class:`StaticInputs` exists per extra key (``key_fn`` value). It is built once from example
+inputs: every *batched* tensor gets a buffer of ``rows`` (the largest capture size) rows with the
+same trailing shape, dtype and device; non-batched tensors and constants are kept as they were
+given, because a captured graph reads exactly those addresses and values. All graphs of that extra
+key read the leading rows of the same buffers.
+
+Per real batch size ``n`` the views a call needs (``buf[:n]`` to copy into, ``buf[n:s]`` to pad)
+are built once and cached, so the hot path is one ``copy_`` per batched input plus one fill per
+padded input, with no tree rebuilding and no host synchronisation.
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from graphtune.errors import ConfigError, InputError
+from graphtune.graphs.tree import Path, TreeSpec, flatten_with_paths, path_str, resolve_rules
+
+PadFn = Callable[[torch.Tensor, torch.Tensor], None]
+PadRule = str | int | float | PadFn
+"""``"zeros"``, ``"repeat"`` (copy row 0), a number (fill), or ``fn(pad_rows, real_rows)``."""
+
+BatchedPredicate = Callable[[str, torch.Tensor], bool]
+
+PAD_RULES = ("zeros", "repeat")
+
+
+def is_pad_rule(value: Any) -> bool:
+    """Whether ``value`` is one pad rule (as opposed to a mapping or structure of rules)."""
+    if isinstance(value, str):
+        return value in PAD_RULES
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, numbers.Number) or callable(value)
+
+
+def check_pad_argument(pad: Any) -> None:
+    """Rejects a misspelt top-level pad string early, with the accepted spellings."""
+    if isinstance(pad, str) and pad not in PAD_RULES:
+        raise ConfigError(
+            f"pad={pad!r} is not a pad rule; use 'zeros', 'repeat', a number, a callable "
+            "fn(pad_rows, real_rows), or a dict mapping input paths to those"
+        )
+    if isinstance(pad, bool):
+        raise ConfigError("pad=True/False is ambiguous; use 'zeros', 'repeat' or a number")
+
+
+def _is_batched_flag(value: Any) -> bool:
+    return isinstance(value, bool)
+
+
+def _pad_filler(rule: PadRule | None, pad_rows: torch.Tensor, real_rows: torch.Tensor) -> Callable:
+    """A zero-argument callable that fills ``pad_rows`` by ``rule`` (run on every padded call)."""
+    if rule is None or rule == "zeros":
+        return pad_rows.zero_
+    if rule == "repeat":
+        # Reads row 0 at execution time, so it always repeats the current call's first row.
+        return functools.partial(pad_rows.copy_, real_rows[0:1].expand_as(pad_rows))
+    if isinstance(rule, numbers.Number):
+        return functools.partial(pad_rows.fill_, rule)
+    return functools.partial(rule, pad_rows, real_rows)
+
+
+class _Rows:
+    """Cached views for one real batch size ``n`` (padded to ``s``)."""
+
+    __slots__ = ("copies", "pads")
+
+    def __init__(self, copies: list, pads: list) -> None:
+        self.copies = copies
+        self.pads = pads
+
+
+class StaticInputs:
+    """Buffers and flattening plan for one extra key. Build with :meth:`build`.
+
+    Attributes:
+        spec: Structure of the positional arguments.
+        paths: Path of each leaf.
+        batch_index: Leaf index whose leading dim is a call's batch size.
+        rows: Rows allocated per batched buffer (the largest capture size).
+    """
+
+    def __init__(
+        self,
+        spec: TreeSpec,
+        paths: list[Path],
+        leaves: list,
+        flags: list[bool],
+        rules: list,
+        batch_index: int,
+        rows: int,
+    ) -> None:
+        self.spec = spec
+        self.paths = paths
+        self.batch_index = batch_index
+        self.rows = rows
+        self._flat = spec.is_flat
+        self._num_leaves = spec.num_leaves
+        self._statics: list[Any] = list(leaves)  # graphs read these non-batched leaves
+        self._buffers: dict[int, torch.Tensor] = {}
+        self._rules: dict[int, Any] = {}
+        self._trailing: dict[int, tuple[int, ...]] = {}
+        self._constants: list[tuple[int, Any]] = []
+        self._static_ptrs: list[tuple[int, int]] = []
+        example_batch = leaves[batch_index].shape[0]
+        for index, (leaf, batched) in enumerate(zip(leaves, flags, strict=True)):
+            if batched:
+                buf = torch.empty((rows, *leaf.shape[1:]), dtype=leaf.dtype, device=leaf.device)
+                real = min(example_batch, rows)
+                buf[:real].copy_(leaf[:real])
+                if real < rows:
+                    _pad_filler(rules[index], buf[real:], buf[:real])()
+                self._buffers[index] = buf
+                self._rules[index] = rules[index]
+                self._trailing[index] = tuple(leaf.shape[1:])
+                self._statics[index] = None
+            elif isinstance(leaf, torch.Tensor):
+                self._static_ptrs.append((index, leaf.data_ptr()))
+            else:
+                self._constants.append((index, leaf))
+        self._views: dict[int, _Rows] = {}
+
+    @classmethod
+    def build(
+        cls,
+        inputs: tuple,
+        *,
+        rows: int,
+        pad: Any = None,
+        batched: Any = None,
+        device_type: str | None = None,
+    ) -> StaticInputs | None:
+        """Builds buffers from example inputs, or returns None when no tensor is batched.
+
+        Args:
+            inputs: The positional arguments as passed to ``fn``.
+            rows: Rows per buffer (the largest capture size).
+            pad: Pad rule argument (see :func:`graphtune.graphs.tree.resolve_rules`).
+            batched: Predicate ``(path, tensor) -> bool``, or bools by path/structure.
+            device_type: Required device type of batched tensors (``"cuda"``), or None.
+
+        Raises:
+            ConfigError: ``pad`` or ``batched`` names unknown paths or holds invalid rules.
+            InputError: A tensor marked batched disagrees with the batch size, or a batched
+                tensor is on the wrong device type.
+        """
+        leaves, paths, spec = flatten_with_paths(inputs)
+        is_tensor = [isinstance(leaf, torch.Tensor) for leaf in leaves]
+        if callable(batched) and not isinstance(batched, (tuple, list, dict)):
+            explicit = [
+                bool(batched(path_str(p), leaf)) if t else None
+                for p, leaf, t in zip(paths, leaves, is_tensor, strict=True)
+            ]
+        else:
+            explicit = resolve_rules(batched, paths, name="batched", is_rule=_is_batched_flag)
+        batch_index = _find_batch_index(leaves, is_tensor, explicit)
+        if batch_index is None or leaves[batch_index].shape[0] < 1:
+            return None
+        batch = leaves[batch_index].shape[0]
+        flags = []
+        for leaf, tensor, flag, path in zip(leaves, is_tensor, explicit, paths, strict=True):
+            if not tensor:
+                flags.append(False)
+                continue
+            default = leaf.dim() >= 1 and leaf.shape[0] == batch
+            marked = default if flag is None else flag
+            if marked and not default:
+                raise InputError(
+                    f"input {path_str(path)} is marked batched but its shape {tuple(leaf.shape)} "
+                    f"does not start with the batch size {batch} (taken from input "
+                    f"{path_str(paths[batch_index])}); fix the batched= argument or the input"
+                )
+            if marked and device_type is not None and leaf.device.type != device_type:
+                raise InputError(
+                    f"batched input {path_str(path)} is on {leaf.device}, but graphs capture "
+                    f"{device_type} work only; move it to {device_type} or use EagerRunner"
+                )
+            flags.append(marked)
+        rules = resolve_rules(pad, paths, name="pad", is_rule=is_pad_rule)
+        return cls(spec, paths, leaves, flags, rules, batch_index, rows)
+
+    # ---------------------------------------------------------------- per call (hot path)
+
+    def flatten(self, inputs: tuple) -> Any:
+        """Leaves of a call's inputs in plan order (a tuple for flat argument lists)."""
+        if self._flat and len(inputs) == self._num_leaves:
+            return inputs
+        return self.spec.flatten(inputs)
+
+    def copy_in(self, leaves: Any, n: int, s: int, debug: bool) -> None:
+        """Copies batched leaves into ``buf[:n]``, fills ``buf[n:s]`` by the pad rules.
+
+        Raises:
+            InputError: A batched input has the wrong shape, dtype or device; a constant differs
+                from the captured one; or (``debug``) a non-batched tensor moved.
+        """
+        rows = self._views.get(n)
+        if rows is None:
+            rows = self._make_rows(n, s)
+        for index, dst, shape, dtype, device in rows.copies:
+            src = leaves[index]
+            try:
+                ok = src.shape == shape and src.dtype == dtype and src.device == device
+            except AttributeError:
+                ok = False
+            if not ok:
+                raise self._mismatch(index, src, n, leaves)
+            dst.copy_(src)
+        for fill in rows.pads:
+            fill()
+        for index, value in self._constants:
+            got = leaves[index]
+            if got is not value and not _equal(got, value):
+                raise InputError(
+                    f"input {path_str(self.paths[index])} is {got!r} but the graph was captured "
+                    f"with {value!r}: non-tensor inputs are baked into the graph; pass it as a "
+                    "tensor, or return it from key_fn so each value gets its own graphs"
+                )
+        if debug:
+            self.check_statics(leaves)
+
+    def check_statics(self, leaves: Any) -> None:
+        """Raises InputError when a non-batched tensor is not at its captured address."""
+        for index, ptr in self._static_ptrs:
+            got = leaves[index]
+            if not isinstance(got, torch.Tensor) or got.data_ptr() != ptr:
+                raise InputError(
+                    f"non-batched input {path_str(self.paths[index])} changed address since "
+                    "capture: the graph reads the original tensor's memory, so a new tensor "
+                    "would be silently ignored; pass the same tensor object every call (update it "
+                    "in place with copy_), or mark it batched if its leading dim is the batch"
+                )
+
+    def _make_rows(self, n: int, s: int) -> _Rows:
+        copies = []
+        pads = []
+        for index, buf in self._buffers.items():
+            shape = torch.Size((n, *self._trailing[index]))
+            copies.append((index, buf[:n], shape, buf.dtype, buf.device))
+            if n < s:
+                pads.append(_pad_filler(self._rules[index], buf[n:s], buf[:n]))
+        rows = _Rows(copies, pads)
+        self._views[n] = rows
+        return rows
+
+    def _mismatch(self, index: int, got: Any, n: int, leaves: Any) -> InputError:
+        buf = self._buffers[index]
+        expected = f"shape {(n, *self._trailing[index])}, dtype {buf.dtype}, device {buf.device}"
+        if isinstance(got, torch.Tensor):
+            actual = f"shape {tuple(got.shape)}, dtype {got.dtype}, device {got.device}"
+        else:
+            actual = f"a {type(got).__name__}"
+        return InputError(
+            f"input {path_str(self.paths[index])}: expected {expected} (leading dim = this call's "
+            f"batch size from input {path_str(self.paths[self.batch_index])}; the rest as in the "
+            f"inputs the buffers were built from), got {actual}. Pass inputs with the captured "
+            "dtype and trailing shape, or return a different key_fn value for this variant"
+        )
+
+    # ---------------------------------------------------------------- capture time
+
+    def static_args(self, s: int) -> tuple:
+        """Positional arguments for capturing size ``s``: ``buf[:s]`` views plus the statics."""
+        leaves = [
+            self._buffers[i][:s] if i in self._buffers else leaf
+            for i, leaf in enumerate(self._statics)
+        ]
+        return self.spec.unflatten(leaves)
+
+    def padded_copy(self, inputs: tuple, s: int) -> tuple:
+        """Eager-equivalent inputs padded to ``s`` rows (for tests and benchmarks; allocates)."""
+        leaves = list(self.spec.flatten(inputs))
+        n = leaves[self.batch_index].shape[0]
+        for index, buf in self._buffers.items():
+            padded = torch.empty((s, *buf.shape[1:]), dtype=buf.dtype, device=buf.device)
+            padded[:n].copy_(leaves[index])
+            if n < s:
+                _pad_filler(self._rules[index], padded[n:], padded[:n])()
+            leaves[index] = padded
+        return self.spec.unflatten(leaves)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the static buffers."""
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+    @property
+    def batched_paths(self) -> list[str]:
+        """Dotted paths of the batched inputs."""
+        return [path_str(self.paths[i]) for i in self._buffers]
+
+
+def _find_batch_index(leaves: list, is_tensor: list[bool], explicit: list) -> int | None:
+    for index, (leaf, tensor, flag) in enumerate(zip(leaves, is_tensor, explicit, strict=True)):
+        if tensor and flag is True and leaf.dim() >= 1:
+            return index
+    for index, (leaf, tensor, flag) in enumerate(zip(leaves, is_tensor, explicit, strict=True)):
+        if tensor and flag is not False and leaf.dim() >= 1:
+            return index
+    return None
+
+
+def _equal(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except (TypeError, ValueError, RuntimeError):  # e.g. arrays with ambiguous truth values
+        return False
+
+
+class StaticOutputs:
+    """The outputs one graph writes, and cached per-``n`` views of them.
+
+    Tensor leaves whose leading dim equals the captured size are sliced to the real batch; other
+    leaves are returned as they are.
+    """
+
+    def __init__(self, outputs: Any, size: int) -> None:
+        leaves, paths, spec = flatten_with_paths(outputs)
+        self.spec = spec
+        self.paths = paths
+        self.size = size
+        self._leaves = leaves
+        self._sliced = [
+            isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] == size for x in leaves
+        ]
+        self._is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
+        self._views: dict[int, list] = {}
+
+    def result(self, n: int, clone: bool) -> Any:
+        """Outputs for a call of real batch ``n`` (views into graph memory unless ``clone``)."""
+        views = self._views.get(n)
+        if views is None:
+            pairs = zip(self._leaves, self._sliced, strict=True)
+            views = [x[:n] if cut else x for x, cut in pairs]
+            self._views[n] = views
+        if clone:
+            views = [x.clone() if t else x for x, t in zip(views, self._is_tensor, strict=True)]
+        return self.spec.unflatten(views)
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        """The full-size output tensors (for tests)."""
+        return [x for x, t in zip(self._leaves, self._is_tensor, strict=True) if t]

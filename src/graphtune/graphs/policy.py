@@ -1,0 +1,208 @@
+"""Pure decisions of the graph runner: which sizes to capture, which size a batch pads to, and
+whether a call replays, captures lazily or falls back to eager (and why).
+
+Nothing here touches CUDA or holds state, so CPU tests cover every rule directly and the runner's
+hot path only does table look-ups built from these functions.
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+from collections.abc import Iterable, Sequence
+
+from graphtune.errors import ConfigError
+
+
+class FallbackReason(str, enum.Enum):
+    """Why a call ran ``fn`` eagerly instead of replaying a graph. Values are human-readable."""
+
+    DISABLED = "disabled"
+    """``enabled=False`` or ``GRAPHTUNE_DISABLE_GRAPHS=1``."""
+    NO_CUDA = "no CUDA"
+    """No CUDA device is available (or the backend reports none)."""
+    BATCH_TOO_LARGE = "batch too large"
+    """The batch is larger than the largest capture size."""
+    KEY_NOT_CAPTURED = "key not captured"
+    """No graph exists for this (extra key, padded size) and ``lazy`` is off."""
+    PREDICATE_REFUSED = "can_graph refused"
+    """The user predicate ``can_graph(inputs)`` returned False."""
+    CAPTURE_FAILED = "capture failed"
+    """Capturing this key failed earlier; the error was logged once and kept in ``stats``."""
+    NESTED_CAPTURE = "nested capture"
+    """The call happened while a CUDA graph capture was in progress on the current stream."""
+    NO_BATCH = "no batch dimension"
+    """No input tensor has a leading dimension >= 1, so there is no batch to pad."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Route(enum.Enum):
+    """What a call does when it does not fall back."""
+
+    REPLAY = "replay"
+    CAPTURE_THEN_REPLAY = "capture then replay"
+
+
+class GraphState(enum.Enum):
+    """State of one (extra key, size) slot."""
+
+    MISSING = "missing"
+    CAPTURED = "captured"
+    FAILED = "failed"
+
+
+# Serving engines (vLLM, SGLang, TensorRT-LLM) capture 1, 2, 4 and then a multiple-of-8 grid: small
+# batches are common in decode and cheap to capture, and above 256 a 16-step grid halves the graph
+# count while wasting at most 15 rows in several hundred.
+_SMALL = (1, 2, 4)
+_STEP8_LIMIT = 256
+
+
+def default_capture_sizes(max_batch_size: int) -> tuple[int, ...]:
+    """Default capture sizes: 1, 2, 4, every 8 up to 256, then every 16, capped at the maximum.
+
+    ``max_batch_size`` itself is always included even when it is off the grid (for example 100 gives
+    ``..., 88, 96, 100``), so every batch the runner was told to expect can replay a graph instead
+    of falling back with "batch too large".
+
+    Args:
+        max_batch_size: Largest batch the runner will be called with; a positive int.
+
+    Returns:
+        Sorted, distinct sizes, all ``<= max_batch_size``.
+
+    Raises:
+        ConfigError: ``max_batch_size`` is not a positive int.
+    """
+    _check_max(max_batch_size)
+    grid = list(_SMALL) + list(range(8, _STEP8_LIMIT + 1, 8))
+    grid += list(range(_STEP8_LIMIT + 16, max_batch_size + 1, 16))
+    sizes = [s for s in grid if s <= max_batch_size]
+    if not sizes or sizes[-1] != max_batch_size:
+        sizes.append(max_batch_size)
+    return tuple(sizes)
+
+
+def validate_capture_sizes(sizes: Iterable[int], max_batch_size: int) -> tuple[int, ...]:
+    """Sorts, de-duplicates and validates a user's capture sizes.
+
+    A user list is taken as given: ``max_batch_size`` is not appended, so batches above the
+    largest listed size fall back to eager ("batch too large").
+
+    Raises:
+        ConfigError: The list is empty, holds a non-int or non-positive value, or a value above
+            ``max_batch_size``.
+    """
+    _check_max(max_batch_size)
+    if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Iterable):
+        raise ConfigError(
+            f"capture_sizes must be a list of positive ints, got {sizes!r}; "
+            "pass e.g. capture_sizes=[1, 2, 4, 8] or leave it None for the default list"
+        )
+    values = list(sizes)
+    if not values:
+        raise ConfigError(
+            "capture_sizes is empty: at least one size is needed to capture a graph; "
+            "leave it None for the default list, or use enabled=False to run eagerly"
+        )
+    for value in values:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(
+                f"capture_sizes must hold positive ints, got {value!r}; "
+                "remove it or replace it with a batch size >= 1"
+            )
+        if value > max_batch_size:
+            raise ConfigError(
+                f"capture size {value} exceeds max_batch_size={max_batch_size}: static buffers "
+                "are allocated for max_batch_size rows; raise max_batch_size or drop the size"
+            )
+    return tuple(sorted(set(values)))
+
+
+def padded_size(batch: int, sizes: Sequence[int]) -> int | None:
+    """Smallest capture size ``>= batch`` (bisect), or ``None`` when the batch is too large.
+
+    Args:
+        batch: Real batch size of a call (>= 1).
+        sizes: Sorted capture sizes.
+    """
+    index = bisect.bisect_left(sizes, batch)
+    return sizes[index] if index < len(sizes) else None
+
+
+def padding_table(sizes: Sequence[int]) -> tuple[int, ...]:
+    """``table[n]`` is the padded size of batch ``n`` for ``1 <= n <= max(sizes)``.
+
+    The runner indexes this tuple on the hot path instead of bisecting per call. ``table[0]`` is 0
+    (an empty batch is never replayed).
+    """
+    largest = sizes[-1]
+    table = [0] * (largest + 1)
+    for n in range(1, largest + 1):
+        table[n] = padded_size(n, sizes)  # type: ignore[call-overload]
+    return tuple(table)
+
+
+def padding_waste(real_rows: int, padded_rows: int) -> float:
+    """Fraction of replayed rows that were padding, in [0, 1] (0 when nothing was replayed)."""
+    return (padded_rows - real_rows) / padded_rows if padded_rows else 0.0
+
+
+def decide(
+    *,
+    static_reason: FallbackReason | None,
+    capturing: bool,
+    refused: bool,
+    has_plan: bool,
+    lazy: bool,
+    batch: int | None = None,
+    largest_size: int | None = None,
+    graph_state: GraphState = GraphState.MISSING,
+) -> FallbackReason | Route:
+    """Decides what one call does. Earlier rules win.
+
+    Order: disabled / no CUDA (``static_reason``), nested capture, user predicate refused, no
+    buffers for this extra key (not lazy), no batch dimension, batch too large, capture of the key
+    failed earlier, key not captured (or captured now when ``lazy``), else replay.
+
+    Args:
+        static_reason: DISABLED or NO_CUDA when fixed at construction, else None.
+        capturing: A CUDA graph capture is in progress on the current stream.
+        refused: ``can_graph(inputs)`` returned False.
+        has_plan: Static buffers exist for this call's extra key.
+        lazy: Missing keys are captured on first use.
+        batch: Batch size of the call (None when not known yet).
+        largest_size: Largest capture size.
+        graph_state: State of the (extra key, padded size) slot.
+
+    Returns:
+        A FallbackReason (run eagerly) or a Route.
+    """
+    if static_reason is not None:
+        return static_reason
+    if capturing:
+        return FallbackReason.NESTED_CAPTURE
+    if refused:
+        return FallbackReason.PREDICATE_REFUSED
+    if not has_plan and not lazy:
+        return FallbackReason.KEY_NOT_CAPTURED
+    if batch is None or batch < 1:
+        return FallbackReason.NO_BATCH
+    if largest_size is None or batch > largest_size:
+        return FallbackReason.BATCH_TOO_LARGE
+    if graph_state is GraphState.FAILED:
+        return FallbackReason.CAPTURE_FAILED
+    if graph_state is GraphState.MISSING:
+        return Route.CAPTURE_THEN_REPLAY if lazy else FallbackReason.KEY_NOT_CAPTURED
+    return Route.REPLAY
+
+
+def _check_max(max_batch_size: int) -> None:
+    valid = isinstance(max_batch_size, int) and not isinstance(max_batch_size, bool)
+    if not valid or max_batch_size < 1:
+        raise ConfigError(
+            f"max_batch_size must be a positive int, got {max_batch_size!r}; pass the largest "
+            "batch the step will be called with, e.g. max_batch_size=256"
+        )

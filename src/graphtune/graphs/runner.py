@@ -1,0 +1,442 @@
+"""CUDAGraphRunner and EagerRunner: one call interface, picked once at construction.
+
+The graph runner wraps a callable and knows nothing about models or engines. Per extra key
+(``key_fn(inputs)``, default ``None``) it owns one set of static input buffers and one graph per
+capture size; all graphs share one memory pool. A call pads its batch up to the nearest captured
+size, copies inputs into the buffers, replays, and returns outputs sliced to the real batch; any
+call that cannot replay runs ``fn`` eagerly and counts why (:class:`FallbackReason`).
+
+Lifecycle (:class:`RunnerState`): ``NEW`` -> ``WARMED`` (buffers built, warm-up run) ->
+``CAPTURED`` (at least one graph) -> ``RELEASED`` (everything dropped; ``capture`` may start again).
+Not thread-safe: one runner serves one thread, as CUDA graph capture itself requires.
+"""
+
+from __future__ import annotations
+
+import enum
+import gc
+import logging
+import time
+from collections.abc import Callable, Hashable
+from typing import Any
+
+from graphtune import env
+from graphtune.errors import CaptureError, ConfigError, InputError
+from graphtune.graphs import policy
+from graphtune.graphs.backend import GraphBackend, default_backend
+from graphtune.graphs.buffers import StaticInputs, check_pad_argument
+from graphtune.graphs.capture import CapturedGraph, CaptureRecord, capture_key, frozen_gc
+from graphtune.graphs.policy import FallbackReason, GraphState, Route
+from graphtune.graphs.stats import RunnerStats
+from graphtune.graphs.tree import flatten_with_paths, path_str
+from graphtune.reporting import progress
+
+logger = logging.getLogger(__name__)
+
+
+class RunnerState(enum.Enum):
+    """Lifecycle state of a runner."""
+
+    NEW = "new"
+    WARMED = "warmed"
+    CAPTURED = "captured"
+    RELEASED = "released"
+
+
+class _KeyState:
+    """Buffers and graphs of one extra key."""
+
+    __slots__ = ("extra_key", "inputs", "graphs", "failed")
+
+    def __init__(self, extra_key: Hashable, inputs: StaticInputs) -> None:
+        self.extra_key = extra_key
+        self.inputs = inputs
+        self.graphs: dict[int, CapturedGraph] = {}
+        self.failed: dict[int, CaptureRecord] = {}
+
+    def graph_state(self, size: int | None) -> GraphState:
+        if size in self.graphs:
+            return GraphState.CAPTURED
+        if size in self.failed:
+            return GraphState.FAILED
+        return GraphState.MISSING
+
+
+class EagerRunner:
+    """Runs ``fn`` eagerly with the graph runner's interface (``capture``/``release`` do nothing).
+
+    Args:
+        fn: The step callable.
+    """
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        self.stats = RunnerStats()
+        self.state = RunnerState.NEW
+
+    def capture(self, *example_inputs: Any) -> None:
+        """Does nothing (there is nothing to capture)."""
+        return None
+
+    def __call__(self, *inputs: Any) -> Any:
+        self.stats.calls += 1
+        self.stats.eager_calls += 1
+        return self.fn(*inputs)
+
+    def release(self) -> None:
+        """Does nothing (nothing is held)."""
+        self.state = RunnerState.RELEASED
+
+    def __repr__(self) -> str:
+        return f"EagerRunner({getattr(self.fn, '__name__', self.fn)!r})"
+
+
+class CUDAGraphRunner:
+    """Owns every CUDA graph of one step callable: capture, pad, replay, fall back, release.
+
+    Args:
+        fn: The step. Called as ``fn(*inputs)``; inputs are any nesting of tuples, lists and
+            dicts holding tensors and constants. Must not synchronise with the host.
+        max_batch_size: Largest batch the runner is called with (caps the default sizes).
+        capture_sizes: Batch sizes to capture; default :func:`default_capture_sizes`. Sorted,
+            de-duplicated and validated (positive ints ``<= max_batch_size``).
+        key_fn: ``key_fn(inputs) -> hashable`` extra key (e.g. draft length); each value gets its
+            own buffers and graphs. Non-tensor inputs that vary must be returned from it.
+        pad: Pad rule for padded rows: ``"zeros"`` (default), ``"repeat"`` (row 0), a number, a
+            callable ``fn(pad_rows, real_rows)``, or a dict ``{"1.positions": rule}`` / a
+            structure like the inputs holding rules. Padded rows are re-filled on every call.
+        batched: Which tensors carry the batch dimension: a predicate ``(path, tensor) -> bool``,
+            or bools by path (dict) or structure. Default: leading dim equals the batch size.
+        warmup: Eager warm-up runs before capturing (on the capture stream).
+        lazy: Capture a key on its first use instead of all sizes in ``capture``.
+        enabled: False runs every call eagerly (reason ``disabled``); so does
+            ``GRAPHTUNE_DISABLE_GRAPHS=1``.
+        device: CUDA device to capture on; default the device of the first CUDA input.
+        clone_outputs: Return copies instead of views that the next call overwrites.
+        can_graph: Predicate ``can_graph(inputs) -> bool``; False runs that call eagerly.
+        debug: Check that non-batched tensors keep their address; default ``GRAPHTUNE_DEBUG``.
+        share_pool: Capture every graph into one memory pool (the point of the runner); False
+            gives each graph its own pool, for measuring the difference.
+        backend: Graph implementation; default the CUDA backend. Tests pass
+            :class:`SimulatedGraphBackend` to run the same logic on CPU.
+
+    Raises:
+        ConfigError: An argument breaks a documented rule.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        max_batch_size: int,
+        capture_sizes: Any = None,
+        key_fn: Callable[[tuple], Hashable] | None = None,
+        pad: Any = None,
+        batched: Any = None,
+        warmup: int = 2,
+        lazy: bool = False,
+        enabled: bool = True,
+        device: Any = None,
+        clone_outputs: bool = False,
+        can_graph: Callable[[tuple], bool] | None = None,
+        debug: bool | None = None,
+        share_pool: bool = True,
+        backend: GraphBackend | None = None,
+    ) -> None:
+        if not callable(fn):
+            raise ConfigError(f"fn must be callable, got {type(fn).__name__}; pass the step")
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+            raise ConfigError(f"warmup must be an int >= 0, got {warmup!r}; 2 is typical")
+        for name, value in (("key_fn", key_fn), ("can_graph", can_graph)):
+            if value is not None and not callable(value):
+                raise ConfigError(f"{name} must be callable(inputs) or None, got {value!r}")
+        check_pad_argument(pad)
+        if capture_sizes is None:
+            sizes = policy.default_capture_sizes(max_batch_size)
+        else:
+            sizes = policy.validate_capture_sizes(capture_sizes, max_batch_size)
+        self.fn = fn
+        self.max_batch_size = max_batch_size
+        self.capture_sizes: tuple[int, ...] = sizes
+        self._largest = sizes[-1]
+        self._pad_table = policy.padding_table(sizes)
+        self._key_fn = key_fn
+        self._pad = pad
+        self._batched = batched
+        self._warmup = warmup
+        self._lazy = bool(lazy)
+        self._device_arg = device
+        self._device: Any = None
+        self._clone_outputs = bool(clone_outputs)
+        self._can_graph = can_graph
+        self._debug = env.debug_checks() if debug is None else bool(debug)
+        self._share_pool = bool(share_pool)
+        self._backend: GraphBackend = backend if backend is not None else default_backend()
+        self._is_capturing = self._backend.is_capturing
+        if not enabled or env.graphs_disabled():
+            self._static_reason: FallbackReason | None = FallbackReason.DISABLED
+        elif not self._backend.available():
+            self._static_reason = FallbackReason.NO_CUDA
+        else:
+            self._static_reason = None
+        self._keys: dict[Hashable, _KeyState] = {}
+        self._pool: Any = None
+        self._noted_static_reason = False
+        self.state = RunnerState.NEW
+        self.stats = RunnerStats()
+
+    # ------------------------------------------------------------------ public
+
+    @property
+    def fallback_reason(self) -> FallbackReason | None:
+        """DISABLED or NO_CUDA when every call runs eagerly, else None."""
+        return self._static_reason
+
+    @property
+    def captured_keys(self) -> list[tuple[Hashable, int]]:
+        """``(extra_key, size)`` of every live graph."""
+        return [(k, s) for k, st in self._keys.items() for s in sorted(st.graphs)]
+
+    def capture(self, *example_inputs: Any) -> None:
+        """Builds static buffers from ``example_inputs``, warms up, and captures every size.
+
+        Sizes are captured largest first into the shared pool. With ``lazy=True`` only the
+        buffers and the warm-up happen here; each key is captured on first use. Sizes already
+        captured for this extra key are skipped. Without CUDA (or when disabled) this only records
+        the reason; every call then runs ``fn`` eagerly. A size whose capture fails is recorded
+        in ``stats``, logged once, and runs eagerly; this method does not raise for it.
+
+        Raises:
+            InputError: No tensor in ``example_inputs`` has a batch dimension, or ``pad`` /
+                ``batched`` disagree with the inputs.
+            CaptureError: Called while a CUDA graph capture is already in progress.
+        """
+        if self._static_reason is not None:
+            self._note_static_reason()
+            return
+        if self._backend.is_capturing():
+            raise CaptureError(
+                "capture() was called while a CUDA graph capture is in progress; graphs cannot "
+                "be captured inside another capture. Capture this runner before the outer one"
+            )
+        extra = self._key_fn(example_inputs) if self._key_fn is not None else None
+        key_state = self._keys.get(extra) or self._build(extra, example_inputs)
+        if key_state is None:
+            raise InputError(
+                "capture() needs at least one batched tensor (a tensor with a leading dim >= 1) "
+                "in example_inputs; the first such tensor's leading dim is the batch size. Pass "
+                "example inputs shaped like a real call, or mark tensors with batched=..."
+            )
+        with self._backend.device_guard(self._device), frozen_gc():
+            self._warm(key_state, self._largest)
+            if self._lazy:
+                return
+            todo = [
+                s
+                for s in reversed(self.capture_sizes)
+                if s not in key_state.graphs and s not in key_state.failed
+            ]
+            with progress("capturing CUDA graphs", total=len(todo)) as bar:
+                for size in todo:
+                    self._capture_size(key_state, size)
+                    bar.advance(f"captured size {size}")
+        if key_state.graphs:
+            self.state = RunnerState.CAPTURED
+
+    def __call__(self, *inputs: Any) -> Any:
+        stats = self.stats
+        stats.calls += 1
+        if self._static_reason is not None:
+            return self._eager(self._static_reason, inputs)
+        if self._is_capturing():
+            return self._eager(FallbackReason.NESTED_CAPTURE, inputs)
+        if self._can_graph is not None and not self._can_graph(inputs):
+            return self._eager(FallbackReason.PREDICATE_REFUSED, inputs)
+        extra = self._key_fn(inputs) if self._key_fn is not None else None
+        key_state = self._keys.get(extra)
+        if key_state is not None:
+            plan = key_state.inputs
+            leaves = plan.flatten(inputs)
+            n = _batch_of(plan, leaves)
+            if 0 < n <= self._largest:
+                size = self._pad_table[n]
+                graph = key_state.graphs.get(size)
+                if graph is not None:
+                    plan.copy_in(leaves, n, size, self._debug)
+                    graph.replay()
+                    stats.replays += 1
+                    stats.real_rows += n
+                    stats.padded_rows += size
+                    return graph.outputs.result(n, self._clone_outputs)
+        return self._call_slow(inputs, extra, key_state)
+
+    def release(self) -> None:
+        """Drops every graph, the pool and the static buffers, then empties the allocator cache.
+
+        The runner can capture again afterwards; releasing twice is harmless. Memory still
+        referenced by outputs the caller kept (views into graph memory) cannot return until the
+        caller drops them. Call counters are kept; capture records are cleared.
+        """
+        if self._keys or self._pool is not None:
+            if any(st.graphs for st in self._keys.values()):
+                self._backend.synchronize(self._device)  # no replay may still read the memory
+            self._keys.clear()
+            self._pool = None
+            self.stats.records.clear()
+            self.stats.buffer_bytes = 0
+            self.stats.releases += 1
+            gc.collect()  # cycles (e.g. from a failed capture) could still pin pool memory
+            self._backend.empty_cache()
+        self.state = RunnerState.RELEASED
+
+    def padded_inputs(self, *inputs: Any) -> tuple[tuple, int, int]:
+        """The inputs as the graph sees them: batched tensors padded by the pad rules.
+
+        Allocates new tensors; meant for checking results (``fn(*padded)`` sliced to ``n`` is
+        what a replay returns). Returns ``(padded_inputs, n, padded_size)``.
+
+        Raises:
+            InputError: No buffers exist for this call's extra key yet, or the batch is too large.
+        """
+        extra = self._key_fn(inputs) if self._key_fn is not None else None
+        key_state = self._keys.get(extra)
+        if key_state is None:
+            raise InputError(f"no buffers for extra key {extra!r}; call capture() first")
+        plan = key_state.inputs
+        n = _batch_of(plan, plan.flatten(inputs))
+        if not 0 < n <= self._largest:
+            raise InputError(f"batch {n} is outside 1..{self._largest}; nothing to pad to")
+        size = self._pad_table[n]
+        return plan.padded_copy(inputs, size), n, size
+
+    def __repr__(self) -> str:
+        return (
+            f"CUDAGraphRunner({getattr(self.fn, '__name__', 'fn')}, state={self.state.value}, "
+            f"sizes={len(self.capture_sizes)} up to {self._largest}, graphs={self.stats.graphs})"
+        )
+
+    # ------------------------------------------------------------------ internals
+
+    def _eager(self, reason: FallbackReason, inputs: tuple) -> Any:
+        self.stats.count_fallback(reason)
+        return self.fn(*inputs)
+
+    def _call_slow(self, inputs: tuple, extra: Hashable, key_state: _KeyState | None) -> Any:
+        """Every call that does not replay an existing graph: decide, maybe capture lazily."""
+        if key_state is None and self._lazy:
+            key_state = self._build(extra, inputs)
+            if key_state is None:
+                return self._eager(FallbackReason.NO_BATCH, inputs)
+        n = size = None
+        graph_state = GraphState.MISSING
+        if key_state is not None:
+            leaves = key_state.inputs.flatten(inputs)
+            n = _batch_of(key_state.inputs, leaves)
+            if 0 < n <= self._largest:
+                size = self._pad_table[n]
+                graph_state = key_state.graph_state(size)
+        decision = policy.decide(
+            static_reason=None,
+            capturing=False,
+            refused=False,
+            has_plan=key_state is not None,
+            lazy=self._lazy,
+            batch=n,
+            largest_size=self._largest,
+            graph_state=graph_state,
+        )
+        if isinstance(decision, FallbackReason):
+            return self._eager(decision, inputs)
+        assert key_state is not None and n is not None and size is not None
+        plan = key_state.inputs
+        if decision is Route.CAPTURE_THEN_REPLAY:
+            # This call's rows go into the buffers first, so the warm-up computes this very call.
+            plan.copy_in(leaves, n, size, self._debug)
+            with self._backend.device_guard(self._device), frozen_gc(collect=False):
+                self._warm(key_state, size)
+                self._capture_size(key_state, size)
+            if size not in key_state.graphs:
+                return self._eager(FallbackReason.CAPTURE_FAILED, inputs)
+            self.state = RunnerState.CAPTURED
+        graph = key_state.graphs[size]
+        plan.copy_in(leaves, n, size, self._debug)
+        graph.replay()
+        self.stats.replays += 1
+        self.stats.real_rows += n
+        self.stats.padded_rows += size
+        return graph.outputs.result(n, self._clone_outputs)
+
+    def _build(self, extra: Hashable, inputs: tuple) -> _KeyState | None:
+        plan = StaticInputs.build(
+            inputs,
+            rows=self._largest,
+            pad=self._pad,
+            batched=self._batched,
+            device_type=self._backend.device_type,
+        )
+        if plan is None:
+            return None
+        if self._device is None:
+            self._device = self._backend.resolve_device(
+                self._device_arg, flatten_with_paths(inputs)[0]
+            )
+        key_state = _KeyState(extra, plan)
+        self._keys[extra] = key_state
+        self.stats.buffer_bytes += plan.nbytes
+        logger.debug(
+            "graph runner buffers for key %r: batched inputs %s, %d rows",
+            extra,
+            ", ".join(plan.batched_paths),
+            plan.rows,
+        )
+        return key_state
+
+    def _warm(self, key_state: _KeyState, size: int) -> None:
+        if self._warmup > 0:
+            start = time.perf_counter()
+            self._backend.warmup(
+                self.fn, key_state.inputs.static_args(size), self._warmup, self._device
+            )
+            self.stats.warmup_seconds += time.perf_counter() - start
+        if self.state in (RunnerState.NEW, RunnerState.RELEASED):
+            self.state = RunnerState.WARMED
+
+    def _capture_size(self, key_state: _KeyState, size: int) -> None:
+        if self._share_pool and self._pool is None:
+            self._pool = self._backend.new_pool(self._device)
+        result = capture_key(
+            self._backend,
+            self.fn,
+            key_state.inputs.static_args(size),
+            extra_key=key_state.extra_key,
+            size=size,
+            pool=self._pool if self._share_pool else None,
+            device=self._device,
+        )
+        if isinstance(result, CapturedGraph):
+            key_state.graphs[size] = result
+            self.stats.records.append(result.record)
+        else:
+            key_state.failed[size] = result
+            self.stats.records.append(result)
+
+    def _note_static_reason(self) -> None:
+        if not self._noted_static_reason:
+            self._noted_static_reason = True
+            logger.info(
+                "CUDA graph capture skipped (%s): every call of %s runs eagerly",
+                self._static_reason,
+                getattr(self.fn, "__name__", "fn"),
+            )
+
+
+def _batch_of(plan: StaticInputs, leaves: Any) -> int:
+    leaf = leaves[plan.batch_index]
+    try:
+        return leaf.shape[0]
+    except (AttributeError, IndexError):
+        raise InputError(
+            f"input {path_str(plan.paths[plan.batch_index])} gives the batch size and must be a "
+            f"tensor with a leading dim, got {type(leaf).__name__}"
+            f"{tuple(leaf.shape) if hasattr(leaf, 'shape') else ''}; keep the captured structure"
+        ) from None

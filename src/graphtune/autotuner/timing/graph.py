@@ -54,7 +54,7 @@ def auto_repeat_calls(
     if replay_us >= min_replay_us or calls >= max_repeat:
         return calls
     per_call_us = max(replay_us / calls, 1e-3)  # a replay faster than 1 ns per call is noise
-    wanted = math.ceil(min_replay_us / per_call_us * headroom)
+    wanted = math.ceil(min_replay_us / per_call_us * headroom - 1e-9)  # 110.000...01 -> 110
     return max(calls, min(max_repeat, wanted))
 
 

@@ -1,0 +1,46 @@
+"""``graphtune demo`` tunes, prints the picks, saves and re-uses its cache."""
+
+from __future__ import annotations
+
+import torch
+
+from graphtune.autotuner import AutoTuner, persist
+from graphtune.autotuner.timing import WallClockTimer
+from graphtune.cli.demo import ChunkedMatmul, EinsumMatmul, Softmax, TorchMatmul, demo
+from graphtune.cli.main import main
+
+
+def test_demo_runners_agree_with_torch() -> None:
+    a, b = torch.randn(40, 32), torch.randn(32, 24)
+    expected = a @ b
+    for tactic in ChunkedMatmul().get_valid_tactics([a, b], None) + [-1]:
+        torch.testing.assert_close(ChunkedMatmul().forward([a, b], tactic), expected)
+    torch.testing.assert_close(EinsumMatmul().forward([a, b]), expected)
+    torch.testing.assert_close(TorchMatmul().forward([a, b]), expected)
+    x = torch.randn(5, 7)
+    for tactic in Softmax().get_valid_tactics([x], None):
+        torch.testing.assert_close(Softmax().forward([x], tactic), torch.softmax(x, -1))
+
+
+def test_demo_function_with_a_quick_timer() -> None:
+    tuner = AutoTuner(timer=WallClockTimer(samples=1), rounds=1, remeasure_top=0, show_progress=False)
+    text = demo(tuner, torch.device("cpu"))
+    assert "matmul" in text and "softmax" in text and "speed-up" in text
+    assert tuner.stats.profiles_tuned == 8 and tuner.stats.fallbacks == {}
+    assert tuner.stats.hits == 10  # five serving steps, two ops each, all from the cache
+
+
+def test_demo_cli_saves_then_reuses_cache(tmp_path, capsys, monkeypatch) -> None:
+    import graphtune.cli.demo as demo_module
+
+    # The CLI path as is, with a one-sample timer so the test stays fast on a busy machine.
+    monkeypatch.setattr(
+        demo_module, "AutoTuner", lambda **kw: AutoTuner(timer=WallClockTimer(samples=1), rounds=1)
+    )
+    path = tmp_path / "demo.json"
+    assert main(["demo", "--cache", str(path), "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "graphtune autotuning picks" in out and "TorchMatmul" in out
+    assert len(persist.load(path, strict=True)) == 8
+    assert main(["demo", "--cache", str(path), "--device", "cpu"]) == 0
+    assert "Every pick came from" in capsys.readouterr().out

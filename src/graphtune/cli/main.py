@@ -16,6 +16,8 @@ from graphtune._version import __version__
 _COMMAND_MODULES = (
     "graphtune.cli.cache_cmd",
     "graphtune.cli.demo",
+    "graphtune.cli.generate",
+    "graphtune.cli.bench",
 )
 
 

@@ -98,6 +98,7 @@ class DecodeBenchReport:
     capture_seconds: float | None = None
     graph_mib: float | None = None
     runner_stats: str | None = None
+    runner_stats_detail: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-serialisable dict."""
@@ -330,8 +331,15 @@ def _time_graph(step: DecodeStep, cache: KVCache, inputs: list, results: list[Ba
     t0 = time.perf_counter()
     runner.capture(*example)
     _sync(device)
-    report.capture_seconds = time.perf_counter() - t0
+    report.capture_seconds = time.perf_counter() - t0  # warm-up + capture, wall clock
     report.graph_mib = (torch.cuda.memory_reserved(device) - reserved) / 2**20
+    stats = runner.stats
+    if stats.records and not all(r.ok for r in stats.records):
+        report.notes.append(f"graph capture failed for some sizes: "
+                            f"{[(r.size, r.error) for r in stats.failed_captures]}")
+    # The runner's own account of the shared pool, when it has one (excludes static buffers).
+    if stats.pool_bytes:
+        report.graph_mib = stats.pool_bytes / 2**20
     log(f"captured {len(sizes)} sizes in {report.capture_seconds:.2f} s, "
         f"{report.graph_mib:.0f} MiB")
     for args, result in zip(inputs, results, strict=True):
@@ -342,9 +350,8 @@ def _time_graph(step: DecodeStep, cache: KVCache, inputs: list, results: list[Ba
         result.graph_ms = time_per_call_ms(lambda a=args: runner(*a), device, cfg.steps,
                                            cfg.repeats)
         log(f"batch {result.batch_size}: graph {result.graph_ms:.3f} ms/step")
-    stats = getattr(runner, "stats", None)
-    if stats is not None and hasattr(stats, "table"):
-        report.runner_stats = stats.table()
+    report.runner_stats = stats.table()
+    report.runner_stats_detail = stats.as_dict()
     runner.release()
 
 

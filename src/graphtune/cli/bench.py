@@ -1,0 +1,114 @@
+"""``graphtune bench decode``: eager vs graph runner vs GPU-busy vs bytes floor per batch size."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from graphtune.errors import ConfigError, GraphtuneError
+
+logger = logging.getLogger(__name__)
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}"
+                                         ) from None
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"batch sizes must be positive integers, got {text!r}")
+    return values
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Adds ``bench decode``."""
+    bench = subparsers.add_parser("bench", help="benchmarks (decode step)")
+    actions = bench.add_subparsers(dest="bench_command", metavar="BENCH")
+    decode = actions.add_parser(
+        "decode",
+        help="time the decode step: eager, graph runner, GPU-busy, bytes floor",
+        description="Times the reference engine's decode step per batch size. Without CUDA only "
+        "the eager step runs (CUDA graphs need CUDA); the default model then becomes 'tiny'.",
+    )
+    decode.add_argument("--model", default=None, metavar="PATH|PRESET",
+                        help="checkpoint folder or preset (default: llama-1b-shape on CUDA, "
+                        "tiny otherwise)")
+    decode.add_argument("--batch-sizes", type=_int_list, default=(1, 8, 32, 128),
+                        metavar="1,8,32,128")
+    decode.add_argument("--context", type=int, default=512, metavar="N",
+                        help="tokens already cached per request (default 512)")
+    decode.add_argument("--steps", type=int, default=20, metavar="N",
+                        help="decode steps per timed repeat (default 20)")
+    decode.add_argument("--repeats", type=int, default=5, metavar="N")
+    decode.add_argument("--runner", choices=("both", "graph", "eager"), default="both")
+    decode.add_argument("--compare-compile", action="store_true",
+                        help="also time torch.compile(mode='reduce-overhead') of the same step")
+    decode.add_argument("--plot", type=Path, default=None, metavar="FILE.png")
+    decode.add_argument("--json", type=Path, default=None, metavar="FILE")
+    decode.add_argument("--device", default="auto")
+    decode.add_argument("--dtype", default="auto")
+    decode.add_argument("--seed", type=int, default=0)
+    decode.set_defaults(handler=run_bench_decode)
+    bench.set_defaults(handler=lambda args: _usage(bench))
+
+
+def _usage(parser: argparse.ArgumentParser) -> int:
+    parser.print_help()
+    return 2
+
+
+def run_bench_decode(args: argparse.Namespace) -> int:
+    """Runs the benchmark, prints the table, and writes JSON and the plot when asked."""
+    import torch
+
+    from graphtune.engine.bench import (
+        DecodeBenchConfig,
+        format_report,
+        plot_report,
+        resolve_device,
+        run_decode_bench,
+    )
+
+    try:
+        device = resolve_device(args.device)
+        model = args.model or ("llama-1b-shape" if device.type == "cuda" else "tiny")
+        if device.type != "cuda":
+            print("note: CUDA is not available; CUDA graphs need CUDA, so only the eager step "
+                  f"is timed (model {model}).", file=sys.stderr)
+        runners = ("eager", "graph") if args.runner == "both" else (args.runner,)
+        cfg = DecodeBenchConfig(
+            model=model, batch_sizes=tuple(args.batch_sizes), context=args.context,
+            steps=args.steps, repeats=args.repeats, runners=runners,
+            compare_compile=args.compare_compile, device=str(device), dtype=args.dtype,
+            seed=args.seed,
+        )
+        report = run_decode_bench(cfg, log=lambda line: print(line, file=sys.stderr))
+        print(format_report(report))
+        if report.runner_stats:
+            print(report.runner_stats)
+        data = report.to_json()
+        data["command"] = "graphtune " + " ".join(sys.argv[1:]) if sys.argv else None
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(data, indent=2, default=str) + "\n")
+            print(f"wrote {args.json}")
+        if args.plot:
+            try:
+                plot_report(report, str(args.plot))
+                print(f"wrote {args.plot}")
+            except ConfigError as exc:
+                print(f"error: {exc}", file=sys.stderr)
+                return 2
+        # One JSON line at the end, like every benchmark script in this repository.
+        print(json.dumps({"bench": "decode", "model": report.model["name"],
+                          "device": report.provenance.get("gpu_name") or str(device),
+                          "torch": torch.__version__,
+                          "results": data["results"]}, default=str))
+    except GraphtuneError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,63 @@
+"""``graphtune generate`` and ``graphtune bench decode`` on the tiny preset (CPU)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from graphtune.cli.main import main
+
+
+def test_generate_prints_token_ids(capsys):
+    code = main(["generate", "--model", "tiny", "--prompt", "1,2,3", "--prompt", "4,5",
+                 "--max-new-tokens", "5", "--runner", "graph", "--device", "cpu",
+                 "--ignore-eos", "--stats"])
+    out = capsys.readouterr()
+    assert code == 0
+    lines = [line for line in out.out.splitlines() if line.startswith("tokens: ")]
+    assert len(lines) == 2 and all(len(line[8:].split(",")) == 5 for line in lines)
+    assert "no CUDA" in out.out  # the runner's stats table names the fallback reason
+    eager = main(["generate", "--model", "tiny", "--prompt", "1,2,3", "--prompt", "4,5",
+                  "--max-new-tokens", "5", "--runner", "eager", "--device", "cpu",
+                  "--ignore-eos"])
+    assert eager == 0
+    assert [line for line in capsys.readouterr().out.splitlines()
+            if line.startswith("tokens: ")] == lines
+
+
+def test_generate_errors_are_clean(capsys):
+    assert main(["generate", "--model", "tiny", "--prompt", "hello", "--device", "cpu"]) == 2
+    assert "tokenizer" in capsys.readouterr().err
+    assert main(["generate", "--model", "tiny", "--prompt", "1,999", "--device", "cpu"]) == 2
+    assert "outside" in capsys.readouterr().err
+    assert main(["generate", "--model", "no-such-model", "--prompt", "1", "--device", "cpu"]) == 2
+    assert "preset" in capsys.readouterr().err
+
+
+def test_bench_decode_tiny_cpu(tmp_path, capsys):
+    out_json = tmp_path / "decode.json"
+    plot = tmp_path / "decode.png"
+    pytest.importorskip("matplotlib")
+    code = main(["bench", "decode", "--model", "tiny", "--batch-sizes", "1,4", "--context", "16",
+                 "--steps", "2", "--repeats", "2", "--device", "cpu", "--json", str(out_json),
+                 "--plot", str(plot)])
+    captured = capsys.readouterr()
+    assert code == 0
+    assert "eager ms" in captured.out and "CUDA graphs need CUDA" in captured.err
+    data = json.loads(out_json.read_text())
+    assert [r["batch_size"] for r in data["results"]] == [1, 4]
+    assert all(r["eager_ms"] > 0 and r["graph_ms"] is None for r in data["results"])
+    prov = data["provenance"]
+    assert prov["torch"] == torch.__version__ and prov["commit"]
+    assert {"gpu_name", "compute_capability", "cuda", "triton", "transformers",
+            "graphtune"} <= set(prov)
+    assert plot.stat().st_size > 1000
+    last = json.loads(captured.out.strip().splitlines()[-1])
+    assert last["bench"] == "decode"
+
+
+def test_bench_rejects_bad_batch_sizes(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "decode", "--batch-sizes", "1,x"])

@@ -96,7 +96,8 @@ def test_profiles_cartesian_product_capped_plus_live() -> None:
         max_value=48,
     )
     profiles = generate_profiles(config, [a, b])
-    # dim 0 of a: buckets 1, 8 (64 > max_value) plus live 24 -> 16; dim -1 of b: 16, 32 (+live 40->32)
+    # dim 0 of a: buckets 1, 8 (64 > max_value) plus live 24 -> 16;
+    # dim -1 of b: 16, 32 plus live 40 -> 32
     shapes = {p.shapes for p in profiles}
     assert shapes == {((m, 16), (16, n)) for m in (1, 8, 16) for n in (16, 32)}
     assert all(p.dtypes == ("float32", "float32") for p in profiles)

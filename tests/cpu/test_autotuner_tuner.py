@@ -30,7 +30,7 @@ class FakeClock:
 
 
 class FakeRunner(TunableRunner):
-    def __init__(self, name: str, costs: dict[Any, float], clock: FakeClock, fail: set = frozenset()):
+    def __init__(self, name: str, costs: dict, clock: FakeClock, fail: set = frozenset()) -> None:
         self.name, self.costs, self.clock, self.fail = name, costs, clock, set(fail)
         self.seen_inputs: set[int] = set()
 
@@ -252,26 +252,36 @@ class MatmulRunner(TunableRunner):
 
 
 class SlowMatmulRunner(TunableRunner):
-    """Genuinely slower: the same matmul, done row by row; tactic = number of extra passes."""
+    """Genuinely slower: the same matmul recomputed 8 or 16 times (tactic -1: 8)."""
 
     def get_valid_tactics(self, inputs, profile):
-        return [0, 1]
+        return [16]
 
     def forward(self, inputs, tactic=-1):
         a, b = inputs
-        out = torch.stack([row @ b for row in a])
-        for _ in range(max(tactic, 0)):
-            out = torch.stack([row @ b for row in a])
+        for _ in range(8 if tactic == -1 else tactic):
+            out = a @ b
         return out
 
 
-def test_wallclock_timer_picks_the_genuinely_faster_runner() -> None:
+@pytest.fixture
+def one_thread():
+    # Other processes may share this machine's cores; multi-threaded matmuls then stall on
+    # thread barriers at random, which would make the "faster" runner slow by accident.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_wallclock_timer_picks_the_genuinely_faster_runner(one_thread) -> None:
     # timing="auto" on CPU tensors resolves the real WallClockTimer through resolve_timer.
     config = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0, (64,)),), warmup=2, repeat=5)
     tuner = AutoTuner(show_progress=False, rounds=2)
     runners = [SlowMatmulRunner(), MatmulRunner()]
+    inputs = [torch.randn(64, 64), torch.randn(64, 64)]
     with autotune(tuner=tuner):
-        runner, _ = tuner.choose_one("mm", runners, config, [torch.randn(64, 64), torch.randn(64, 64)])
+        runner, _ = tuner.choose_one("mm", runners, config, inputs)
     assert isinstance(runner, MatmulRunner)
     key, entry = tuner.cache.items()[0]
     assert key.timing == "wallclock" and entry.speedup is not None and entry.speedup > 2

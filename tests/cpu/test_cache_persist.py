@@ -16,8 +16,8 @@ from graphtune.autotuner import (
     TunableRunner,
     TuningCache,
     TuningConfig,
+    persist,
 )
-from graphtune.autotuner import persist
 from graphtune.autotuner.fingerprint import environment_fingerprint
 from graphtune.autotuner.profiles import profile_for
 from graphtune.autotuner.runner import runner_id

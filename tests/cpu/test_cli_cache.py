@@ -35,7 +35,7 @@ def test_show_flags_other_environment(tmp_path, capsys) -> None:
     path.write_text(json.dumps(doc))
     assert main(["cache", "show", str(path)]) == 0
     out = capsys.readouterr().out
-    assert "will skip this file" in out and "NVIDIA Z100" in out
+    assert "skips this file" in out and "NVIDIA Z100" in out
 
 
 def test_show_reports_corrupt_and_missing_files(tmp_path, capsys) -> None:

@@ -23,7 +23,8 @@ def test_demo_runners_agree_with_torch() -> None:
 
 
 def test_demo_function_with_a_quick_timer() -> None:
-    tuner = AutoTuner(timer=WallClockTimer(samples=1), rounds=1, remeasure_top=0, show_progress=False)
+    quick = WallClockTimer(samples=1)
+    tuner = AutoTuner(timer=quick, rounds=1, remeasure_top=0, show_progress=False)
     text = demo(tuner, torch.device("cpu"))
     assert "matmul" in text and "softmax" in text and "speed-up" in text
     assert tuner.stats.profiles_tuned == 8 and tuner.stats.fallbacks == {}

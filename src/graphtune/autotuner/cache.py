@@ -15,7 +15,6 @@ from os import PathLike
 from typing import Any
 
 
-
 @dataclass(frozen=True)
 class CacheKey:
     """Identity of one tuned (op, profile).
@@ -46,7 +45,7 @@ class CacheKey:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> CacheKey:
-        """Inverse of :meth:`to_json`; raises ``ValueError``/``KeyError``/``TypeError`` if malformed."""
+        """Inverse of :meth:`to_json`; raises ``ValueError``, ``KeyError`` or ``TypeError``."""
         shapes = tuple(
             tuple(int(d) for d in s) if s is not None else None for s in data["shapes"]
         )

@@ -176,7 +176,8 @@ class TuningConfig:
     repeat: int = 10
 
     def __post_init__(self) -> None:
-        for name, kind in (("dynamic_specs", DynamicTensorSpec), ("constraint_specs", ConstraintSpec)):
+        kinds = (("dynamic_specs", DynamicTensorSpec), ("constraint_specs", ConstraintSpec))
+        for name, kind in kinds:
             specs = getattr(self, name)
             if isinstance(specs, kind):
                 specs = (specs,)
@@ -203,7 +204,9 @@ class TuningConfig:
                     f"TuningConfig.max_value must be >= 1 or None, got {self.max_value}."
                 )
         if self.inputs_pre_hook is not None and not callable(self.inputs_pre_hook):
-            raise ConfigError("TuningConfig.inputs_pre_hook must be callable (list -> list) or None.")
+            raise ConfigError(
+                "TuningConfig.inputs_pre_hook must be callable (list -> list) or None."
+            )
         if not isinstance(self.cold_l2, bool):
             raise ConfigError(f"TuningConfig.cold_l2 must be a bool, got {self.cold_l2!r}.")
         if self.timing not in TIMING_MODES:
@@ -229,7 +232,7 @@ class TuningConfig:
         return bucket if self.max_value is None else min(bucket, self.max_value)
 
     def sweep_values(self, spec: DynamicTensorSpec, live: int) -> tuple[int, ...]:
-        """The sizes tuned for ``spec``: its buckets capped by ``max_value``, plus the live bucket."""
+        """Sizes tuned for ``spec``: its buckets capped by ``max_value``, plus the live bucket."""
         if callable(spec.buckets):
             raw = validate_buckets(tuple(spec.buckets(self.max_value or max(live, 1))), spec)
         else:

@@ -72,7 +72,7 @@ def _apply(config: TuningConfig, inputs: Sequence[Any], sizes: Sequence[int]) ->
     shapes: list[list[int] | None] = [
         list(x.shape) if isinstance(x, torch.Tensor) else None for x in inputs
     ]
-    for spec, size in zip(config.dynamic_specs, sizes):
+    for spec, size in zip(config.dynamic_specs, sizes, strict=True):
         dim = _resolve_dim("DynamicTensorSpec", inputs, spec.input_idx, spec.dim_idx)
         shapes[spec.input_idx][dim] = size  # type: ignore[index]
     for spec in config.constraint_specs:
@@ -102,9 +102,8 @@ def _live_sizes(config: TuningConfig, inputs: Sequence[Any]) -> list[int]:
 def profile_for(config: TuningConfig, inputs: Sequence[Any]) -> Profile:
     """The profile whose tuning result a live call uses (each dynamic dim mapped to its bucket)."""
     live = _live_sizes(config, inputs)
-    return _apply(
-        config, inputs, [config.bucket_of(s, n) for s, n in zip(config.dynamic_specs, live)]
-    )
+    buckets = [config.bucket_of(s, n) for s, n in zip(config.dynamic_specs, live, strict=True)]
+    return _apply(config, inputs, buckets)
 
 
 def generate_profiles(config: TuningConfig, inputs: Sequence[Any]) -> list[Profile]:
@@ -114,7 +113,7 @@ def generate_profiles(config: TuningConfig, inputs: Sequence[Any]) -> list[Profi
     the call that triggered tuning is always covered. Profiles come out in ascending size order.
     """
     live = _live_sizes(config, inputs)
-    axes = [config.sweep_values(s, n) for s, n in zip(config.dynamic_specs, live)]
+    axes = [config.sweep_values(s, n) for s, n in zip(config.dynamic_specs, live, strict=True)]
     profiles: list[Profile] = []
     seen: set[Profile] = set()
     for sizes in itertools.product(*axes):
@@ -143,7 +142,7 @@ def synthesize_inputs(
     power states).
     """
     out: list[Any] = []
-    for x, shape in zip(live_inputs, profile.shapes):
+    for x, shape in zip(live_inputs, profile.shapes, strict=True):
         if not isinstance(x, torch.Tensor):
             out.append(x)
             continue

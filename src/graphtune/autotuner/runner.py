@@ -33,7 +33,9 @@ class TunableRunner:
 
     def forward(self, inputs: list[Any], tactic: Any = FALLBACK_TACTIC) -> Any:
         """Runs the op on ``inputs`` with ``tactic`` and returns its output."""
-        raise NotImplementedError(f"{type(self).__qualname__} must implement forward(inputs, tactic)")
+        raise NotImplementedError(
+            f"{type(self).__qualname__} must implement forward(inputs, tactic)"
+        )
 
     def prepare(self, inputs: list[Any], tactic: Any) -> None:
         """Untimed one-off work before ``tactic`` is timed (e.g. JIT compilation). Optional."""

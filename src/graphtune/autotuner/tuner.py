@@ -142,7 +142,8 @@ class AutoTuner:
             )
         if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
             raise ConfigError(f"AutoTuner(rounds={rounds!r}): rounds must be an int >= 1.")
-        if isinstance(remeasure_top, bool) or not isinstance(remeasure_top, int) or remeasure_top < 0:
+        bad_top = isinstance(remeasure_top, bool) or not isinstance(remeasure_top, int)
+        if bad_top or remeasure_top < 0:
             raise ConfigError(
                 f"AutoTuner(remeasure_top={remeasure_top!r}): must be an int >= 0 (0 turns it off)."
             )
@@ -195,7 +196,9 @@ class AutoTuner:
         runners = list(runners)
         inputs = list(inputs)
         if not runners:
-            raise ConfigError(f"choose_one({op!r}) got no runners; pass at least one TunableRunner.")
+            raise ConfigError(
+                f"choose_one({op!r}) got no runners; pass at least one TunableRunner."
+            )
         if not isinstance(config, TuningConfig):
             raise ConfigError(f"choose_one({op!r}) needs a TuningConfig, got {config!r}.")
         ids = tuple(runner_id(r) for r in runners)
@@ -238,7 +241,9 @@ class AutoTuner:
     def _key(op: str, ids: tuple[str, ...], profile: Profile, mode: str) -> CacheKey:
         return CacheKey(op, ids, profile.shapes, profile.dtypes, mode)
 
-    def _lookup(self, key: CacheKey, runners: list[TunableRunner]) -> tuple[TunableRunner, Any] | None:
+    def _lookup(
+        self, key: CacheKey, runners: list[TunableRunner]
+    ) -> tuple[TunableRunner, Any] | None:
         entry = self.cache.get(key)
         if entry is None:
             return None
@@ -247,7 +252,9 @@ class AutoTuner:
             return None  # an entry that does not name one of these runners is never trusted
         return runners[index], entry.tactic
 
-    def _fallback(self, op: str, runners: list[TunableRunner], why: str) -> tuple[TunableRunner, Any]:
+    def _fallback(
+        self, op: str, runners: list[TunableRunner], why: str
+    ) -> tuple[TunableRunner, Any]:
         self.stats.fallbacks[op] = self.stats.fallbacks.get(op, 0) + 1
         if op not in self._warned_ops:
             self._warned_ops.add(op)
@@ -357,7 +364,9 @@ class AutoTuner:
                 if cand.failed is None:
                     self._measure(op, timer, config, cand, sets)
                 bar.advance(label)
-        alive = sorted((c for c in candidates if c.failed is None), key=lambda c: (c.score, c.order))
+        alive = sorted(
+            (c for c in candidates if c.failed is None), key=lambda c: (c.score, c.order)
+        )
         top = alive[: self.remeasure_top]
         if len(top) > 1:
             for _ in range(self.rounds):
@@ -428,7 +437,9 @@ class AutoTuner:
         reason = type(exc).__name__
         self.stats.tactic_failures[reason] = self.stats.tactic_failures.get(reason, 0) + 1
         if (op, reason) in self._logged_failures:
-            logger.debug("op %r: %s %s failed: %s: %s", op, type(runner).__qualname__, what, reason, exc)
+            logger.debug(
+                "op %r: %s %s failed: %s: %s", op, type(runner).__qualname__, what, reason, exc
+            )
             return
         self._logged_failures.add((op, reason))
         logger.warning(

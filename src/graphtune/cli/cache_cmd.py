@@ -59,7 +59,7 @@ def show_command(args: argparse.Namespace) -> int:
     print(render_table(f"tuning cache {path}", ("field", "value"), header))
     diffs = fingerprint_mismatch(doc["fingerprint"], environment_fingerprint())
     if diffs:
-        print("This environment differs, so graphtune will skip this file here: " + "; ".join(diffs))
+        print("This environment differs, so graphtune skips this file here: " + "; ".join(diffs))
     else:
         print("Matches this environment.")
     rows = []

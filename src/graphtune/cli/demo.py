@@ -143,7 +143,9 @@ def demo(tuner: AutoTuner, device: torch.device, *, cache_path: Path | None = No
     if table:
         lines.append(table)
     else:
-        lines.append(f"Every pick came from {cache_path}; `graphtune cache show {cache_path}` lists them.")
+        lines.append(
+            f"Every pick came from {cache_path}; `graphtune cache show {cache_path}` lists them."
+        )
     stats = tuner.stats
     lines.append(
         f"serving: {stats.hits} cache hits, {stats.misses} misses, "

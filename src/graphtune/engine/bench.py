@@ -174,7 +174,10 @@ def gpu_busy_ms(fn: Callable[[], Any], device: torch.device, repeats: int = 5) -
             _sync(device)
         total_us = 0.0
         for event in prof.events():
-            if event.device_type == torch.autograd.DeviceType.CUDA:
+            # Kernels, memcpys and memsets run on the device; GPU-side user annotations span
+            # other events and would count them twice.
+            if (event.device_type == torch.autograd.DeviceType.CUDA
+                    and not getattr(event, "is_user_annotation", False)):
                 total_us += event.time_range.elapsed_us()
         if total_us > 0:
             samples.append(total_us / 1e3)

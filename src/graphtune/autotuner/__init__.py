@@ -2,8 +2,8 @@
 
 Public names: :class:`TunableRunner`, :data:`FALLBACK_TACTIC`, :class:`TuningConfig`,
 :class:`DynamicTensorSpec`, :class:`ConstraintSpec`, the bucket helpers, :class:`AutoTuner`,
-:func:`get_tuner` and :func:`autotune`. Timers live in :mod:`graphtune.autotuner.timing` and are
-imported only when tuning needs one, so importing this package stays cheap.
+:func:`get_tuner` and :func:`autotune`. Timers live in :mod:`graphtune.autotuner.timing`; the
+tuner resolves one per call from ``TuningConfig.timing`` unless one is passed to ``AutoTuner``.
 """
 
 from graphtune.autotuner.cache import CacheEntry, CacheKey, TuningCache

@@ -42,7 +42,7 @@ from graphtune.autotuner.profiles import (
 )
 from graphtune.autotuner.runner import FALLBACK_TACTIC, TunableRunner, runner_id, short_runner_name
 from graphtune.autotuner.timing.base import Timer
-from graphtune.errors import ConfigError
+from graphtune.errors import CacheFileError, ConfigError
 from graphtune.reporting import ProgressTask, progress, render_table
 
 logger = logging.getLogger(__name__)
@@ -337,10 +337,14 @@ class AutoTuner:
                 self.cache.put(key, entry)
                 self.stats.profiles_tuned += 1
                 self._summary.append(self._row(op, profile, entry))
-        self.stats.tuning_seconds += time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        self.stats.tuning_seconds += elapsed
         if len(self._summary) > first_row:
+            # One line per op at INFO; autotune() logs the table of all picks when it exits.
+            tuned = len(self._summary) - first_row
+            logger.info("tuned %s: %d buckets in %.2f s", op, tuned, elapsed)
             table = render_table(f"autotuned {op}", SUMMARY_COLUMNS, self._summary[first_row:])
-            logger.info("tuned %s in %.2f s\n%s", op, time.perf_counter() - start, table)
+            logger.debug("%s", table)
 
     def _tune_profile(
         self,
@@ -494,6 +498,7 @@ def autotune(
     if path is not None:
         tuner.cache.load(path, strict=strict)
     previous = tuner.tuning_mode
+    first_row = len(tuner.summary_rows())
     tuner.tuning_mode = True
     try:
         yield tuner
@@ -503,13 +508,14 @@ def autotune(
             _save_quietly(tuner, path)  # keep what was tuned before the error, without masking it
         raise
     tuner.tuning_mode = previous
+    rows = tuner.summary_rows()[first_row:]
+    if rows:
+        logger.info("%s", render_table("graphtune autotuning picks", SUMMARY_COLUMNS, rows))
     if path is not None:
         tuner.cache.save(path)
 
 
 def _save_quietly(tuner: AutoTuner, path: str | PathLike[str]) -> None:
-    from graphtune.errors import CacheFileError
-
     try:
         tuner.cache.save(path)
     except CacheFileError as exc:

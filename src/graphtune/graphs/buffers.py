@@ -299,9 +299,7 @@ class StaticInputs:
 
 
 def _find_batch_index(leaves: list, is_tensor: list[bool], explicit: list) -> int | None:
-    for index, (leaf, tensor, flag) in enumerate(zip(leaves, is_tensor, explicit, strict=True)):
-        if tensor and flag is True and leaf.dim() >= 1:
-            return index
+    """The first tensor with a leading dim that is not marked non-batched (DESIGN.md's rule)."""
     for index, (leaf, tensor, flag) in enumerate(zip(leaves, is_tensor, explicit, strict=True)):
         if tensor and flag is not False and leaf.dim() >= 1:
             return index

@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from graphtune.autotuner import AutoTuner, persist
 from graphtune.autotuner.timing import WallClockTimer
 from graphtune.cli.demo import ChunkedMatmul, EinsumMatmul, Softmax, TorchMatmul, demo
 from graphtune.cli.main import main
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # Keeps the demo's matmuls quick when other processes share the cores (no barrier stalls).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def test_demo_runners_agree_with_torch() -> None:

@@ -80,7 +80,8 @@ def make(costs_a: dict, costs_b: dict, **tuner_kwargs: Any):
     clock = FakeClock()
     timer = FakeTimer(clock, noise=tuner_kwargs.pop("noise", 0.0), seed=tuner_kwargs.pop("seed", 0))
     runners = [FakeRunner("a", costs_a, clock), FakeRunner("b", costs_b, clock)]
-    tuner = AutoTuner(timer=timer, show_progress=False, **tuner_kwargs)
+    tuner_kwargs.setdefault("show_progress", False)
+    tuner = AutoTuner(timer=timer, **tuner_kwargs)
     return tuner, runners, timer
 
 
@@ -285,3 +286,14 @@ def test_wallclock_timer_picks_the_genuinely_faster_runner(one_thread) -> None:
     assert isinstance(runner, MatmulRunner)
     key, entry = tuner.cache.items()[0]
     assert key.timing == "wallclock" and entry.speedup is not None and entry.speedup > 2
+
+
+def test_progress_bar_and_default_tuner() -> None:
+    from graphtune.autotuner import get_tuner
+
+    assert get_tuner() is get_tuner()
+    tuner, runners, _ = make({-1: 5.0}, {0: 1.0}, show_progress=True)
+    assert tuner.summary_table() == ""
+    with autotune(tuner=tuner):  # the rich bar runs (to stderr) without disturbing tuning
+        assert tuner.choose_one("op", runners, CONFIG, [torch.randn(4, 2)]) == (runners[1], 0)
+    assert tuner.stats.tuning_seconds > 0

@@ -138,7 +138,7 @@ def capture_key(
 _KNOWN_CAUSES = (
     (
         r"not permitted when stream is capturing|StreamCaptureUnsupported|"
-        r"cudaErrorStreamCaptureUnsupported",
+        r"between CPU and CUDA tensors during CUDA graph capture|synchroniz\w* .*capturing",
         "a host synchronisation or host copy ran inside fn (.item(), .cpu(), .tolist(), "
         "bool(tensor), torch.nonzero, printing a CUDA tensor, torch.cuda.synchronize)",
     ),
@@ -149,6 +149,7 @@ _KNOWN_CAUSES = (
         "an earlier illegal operation invalidated the capture",
     ),
     (r"StreamCaptureWrongThread|capture_error_mode", "another thread used CUDA during capture"),
+    (r"graph capture|capturing", "an op that CUDA graphs cannot capture ran inside fn"),
 )
 
 _REMEDIES = (

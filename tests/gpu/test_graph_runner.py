@@ -194,9 +194,10 @@ def test_release_returns_memory_within_two_percent():
     assert abs(after - before) <= 0.02 * before, (before, during, after)
     runner.release()  # idempotent
     runner.capture(x)  # usable again
-    assert torch.equal(
-        runner(_x(5, hidden=1024)).clone(), step(*runner.padded_inputs(_x(5, hidden=1024))[0])[:5]
-    )
+    x5 = _x(5, hidden=1024)
+    got = runner(x5).clone()
+    padded, real, _ = runner.padded_inputs(x5)
+    assert torch.equal(got, step(*padded)[:real])
     runner.release()
 
 

@@ -61,9 +61,7 @@ def l2_cache_bytes(device: torch.device | str | int | None) -> int:
     Raises:
         ConfigError: A CUDA device was requested but CUDA is not available.
     """
-    resolved = as_device(device)
-    if resolved is None:
-        resolved = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    resolved = _resolve(device)
     if resolved.type != "cuda":
         return _cpu_cache_bytes(_CPU_CACHE_DIR)
     if not torch.cuda.is_available():
@@ -87,6 +85,14 @@ def l2_cache_bytes(device: torch.device | str | int | None) -> int:
             CUDA_L2_FALLBACK_BYTES // (1024 * 1024),
         )
     return CUDA_L2_FALLBACK_BYTES
+
+
+def _resolve(device: torch.device | str | int | None) -> torch.device:
+    """``None`` means the current CUDA device when CUDA is available, else the CPU."""
+    resolved = as_device(device)
+    if resolved is None:
+        return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    return resolved
 
 
 @functools.lru_cache(maxsize=4)
@@ -125,8 +131,8 @@ def parse_cache_size(text: str) -> int | None:
     return value * scale if value > 0 else None
 
 
-def _default_max_total_bytes(device: torch.device | None) -> int:
-    if device is not None and device.type == "cuda" and torch.cuda.is_available():
+def _default_max_total_bytes(device: torch.device) -> int:
+    if device.type == "cuda" and torch.cuda.is_available():
         index = device.index if device.index is not None else torch.cuda.current_device()
         total = int(torch.cuda.get_device_properties(index).total_memory)
     else:
@@ -186,7 +192,7 @@ def cold_l2_copies(
             f"need 2 <= min_copies <= max_copies, got min_copies={min_copies}, "
             f"max_copies={max_copies}"
         )
-    resolved = as_device(device)
+    resolved = _resolve(device)
     l2 = l2_cache_bytes(resolved) if l2_bytes is None else int(l2_bytes)
     if l2 <= 0:
         raise ConfigError(f"l2_bytes must be > 0, got {l2_bytes}")

@@ -119,7 +119,9 @@ def test_kv_cache_step_replay_bit_exact_including_cache():
     runner.capture(*step.inputs(64, seed=1))
     real_slots = slice(0, step.pad_slot)
     for n in list(runner.capture_sizes) + UNCAPTURED:
-        inputs = step.inputs(n, seed=n)
+        # Seeds unlike the capture's (seed 1): with CUDA's Philox generator, inputs(1, seed=1)
+        # is row 0 of inputs(64, seed=1), which warm-up already wrote into the cache.
+        inputs = step.inputs(n, seed=1000 + n)
         saved = step.cache_k.clone(), step.cache_v.clone()
         got = {k: v.clone() for k, v in runner(*inputs).items()}
         graph_cache = step.cache_k.clone(), step.cache_v.clone()

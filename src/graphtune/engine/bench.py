@@ -83,6 +83,8 @@ class BatchResult:
     tokens_per_s: float | None = None
     graph_max_abs_diff: float | None = None
     compile_note: str | None = None
+    kernels_per_step: float | None = None
+    top_kernels: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -158,16 +160,28 @@ def time_per_call_ms(fn: Callable[[], Any], device: torch.device, steps: int, re
     return statistics.median(samples)
 
 
-def gpu_busy_ms(fn: Callable[[], Any], device: torch.device, repeats: int = 5) -> float | None:
-    """Median over ``repeats`` calls of the summed device-kernel time of one call (profiler).
+def gpu_busy_ms(fn: Callable[[], Any], device: torch.device, repeats: int = 5,
+                top: int = 8) -> tuple[float | None, float | None, list[dict[str, Any]]]:
+    """GPU-busy time of one call and where it goes, from ``torch.profiler`` (CUPTI).
 
-    Returns ``None`` when the profiler records no device activity (e.g. CUPTI unavailable).
+    Args:
+        fn: One decode step.
+        device: Its device.
+        repeats: Profiled calls; the busy time is their median.
+        top: How many kernels to list.
+
+    Returns:
+        The median summed device-kernel time of one call in ms (``None`` when the profiler
+        records no device activity, e.g. without CUPTI), the device activities (kernels,
+        copies) per call, and the ``top`` kernels by device time per call:
+        ``{"name", "calls", "us", "share"}`` averaged over the profiled calls.
     """
     from torch.profiler import ProfilerActivity, profile
 
     fn()
     _sync(device)
     samples = []
+    by_name: dict[str, list[float]] = {}
     for _ in range(repeats):
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             fn()
@@ -178,10 +192,23 @@ def gpu_busy_ms(fn: Callable[[], Any], device: torch.device, repeats: int = 5) -
             # other events and would count them twice.
             if (event.device_type == torch.autograd.DeviceType.CUDA
                     and not getattr(event, "is_user_annotation", False)):
-                total_us += event.time_range.elapsed_us()
+                elapsed = event.time_range.elapsed_us()
+                total_us += elapsed
+                entry = by_name.setdefault(event.name, [0.0, 0.0])
+                entry[0] += elapsed
+                entry[1] += 1
         if total_us > 0:
             samples.append(total_us / 1e3)
-    return statistics.median(samples) if samples else None
+    if not samples:
+        return None, None, []
+    busy_us = sum(v[0] for v in by_name.values()) / repeats
+    kernels = [
+        {"name": name, "calls": count / repeats, "us": total / repeats,
+         "share": total / repeats / busy_us}
+        for name, (total, count) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+    ]
+    launches = sum(count for _, count in by_name.values()) / repeats
+    return statistics.median(samples), launches, kernels
 
 
 def copy_bandwidth_gbps(device: torch.device, nbytes: int = 1 << 30) -> float | None:
@@ -297,7 +324,8 @@ def run_decode_bench(cfg: DecodeBenchConfig, log: Callable[[str], None] = logger
                                                cfg.repeats)
             log(f"batch {b}: eager {result.eager_ms:.3f} ms/step")
         if device.type == "cuda":
-            result.busy_ms = gpu_busy_ms(lambda a=args: step(*a), device)
+            result.busy_ms, result.kernels_per_step, result.top_kernels = gpu_busy_ms(
+                lambda a=args: step(*a), device)
         if bandwidth:
             needed = model.weight_bytes() + b * (cfg.context + 1) * cache.bytes_per_token()
             result.floor_ms = needed / (bandwidth * 1e9) * 1e3
@@ -387,6 +415,14 @@ def format_report(report: DecodeBenchReport) -> str:
     if report.copy_bandwidth_gbps:
         lines.append(f"device copy bandwidth (read+write): {report.copy_bandwidth_gbps:.0f} GB/s; "
                      "floor = (weights + KV read) / bandwidth")
+    first = report.results[0] if report.results else None
+    if first is not None and first.top_kernels:
+        rows = [[k["name"][:70], k["calls"], k["us"], 100 * k["share"]] for k in first.top_kernels]
+        launches = first.kernels_per_step
+        kernels = f", {launches:.0f} device activities" if launches else ""
+        lines.append(render_table(
+            f"where the GPU time goes at batch {first.batch_size} (profiler, per step{kernels})",
+            ["kernel", "calls", "us", "% busy"], rows))
     for r in report.results:
         if r.compile_note:
             lines.append(f"torch.compile batch {r.batch_size}: {r.compile_note}")

@@ -108,10 +108,15 @@ class DecoderModel:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm exactly as Hugging Face's Llama computes it (float32 statistics, then cast back)."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    """RMSNorm as Hugging Face's Llama computes it: float32 statistics, scaled by ``weight``.
+
+    ``F.rms_norm`` accumulates in float32 for half-precision inputs and is one fused kernel on
+    recent CUDA builds of torch (eight elementwise kernels otherwise). Hugging Face rounds the
+    normalised value to the input dtype before multiplying by the weight; here the weight is
+    applied before that single rounding, so bf16 results can differ in the last bit (float32
+    results agree to rounding, which the transformers oracle tests check).
+    """
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 def rope_inv_freq(config: ModelConfig, device: torch.device | str | None = None) -> torch.Tensor:
@@ -146,19 +151,28 @@ def rope_inv_freq(config: ModelConfig, device: torch.device | str | None = None)
 
 
 def rope_tables(
-    config: ModelConfig, max_seq_len: int, device: torch.device | str | None, dtype: torch.dtype
+    config: ModelConfig,
+    max_seq_len: int,
+    device: torch.device | str | None,
+    dtype: torch.dtype,
+    *,
+    signed_sin: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Precomputed ``cos`` and ``sin`` tables ``[max_seq_len, head_dim]`` in ``dtype``.
 
     The decode step gathers rows by position instead of computing trigonometry per step; the
     values equal what Hugging Face computes per call (float32 product, then cast to the model
-    dtype).
+    dtype). With ``signed_sin`` the first half of ``sin`` is negated, which folds the sign of
+    rotate-half into the table (see :func:`apply_rope_signed`).
     """
     inv_freq = rope_inv_freq(config, device)
     positions = torch.arange(max_seq_len, device=device, dtype=torch.int64).float()
     freqs = positions[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    sin = emb.sin()
+    if signed_sin:
+        sin[:, : sin.shape[-1] // 2].neg_()
+    return emb.cos().to(dtype), sin.to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -166,6 +180,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+def apply_rope_signed(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
+                      ) -> torch.Tensor:
+    """:func:`apply_rope` with the rotate-half sign folded into ``signed_sin``: three kernels.
+
+    ``rotate_half(x) * sin == swap_halves(x) * signed_sin``; swapping the halves is one ``flip``
+    of a ``[2, half]`` view, and ``addcmul`` does the multiply-add. Queries and keys can go
+    through one call when they are viewed as one ``[B, heads + kv_heads, dim]`` tensor.
+    """
+    half = x.shape[-1] // 2
+    swapped = x.unflatten(-1, (2, half)).flip(-2).flatten(-2)
+    return torch.addcmul(x * cos, swapped, signed_sin)
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:

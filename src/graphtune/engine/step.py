@@ -17,7 +17,14 @@ import torch
 import torch.nn.functional as F
 
 from graphtune.engine.kv_cache import KVCache
-from graphtune.engine.model import DecoderModel, apply_rope, rms_norm, rope_tables, swiglu
+from graphtune.engine.model import (
+    DecoderModel,
+    apply_rope,
+    apply_rope_signed,
+    rms_norm,
+    rope_tables,
+    swiglu,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -44,12 +51,14 @@ class DecodeStep:
         self.contiguous_slots = contiguous_slots
         device, dtype = model.device, model.dtype
         self.cos, self.sin = rope_tables(cfg, cache.max_seq_len, device, dtype)
+        _, self.signed_sin = rope_tables(cfg, cache.max_seq_len, device, dtype, signed_sin=True)
         # Constants built once so the step allocates nothing on the host side per call.
         self.key_positions = torch.arange(cache.max_seq_len, device=device, dtype=torch.long)
         self.kv_head_index = torch.arange(cfg.num_kv_heads, device=device, dtype=torch.long)
         self.neg_inf = torch.tensor(float("-inf"), device=device, dtype=dtype)
         self.zero = torch.tensor(0.0, device=device, dtype=dtype)
         self.split = (cfg.q_size, cfg.kv_size, cfg.kv_size)
+        self.qk_size = cfg.q_size + cfg.kv_size
         self.groups = cfg.num_heads // cfg.num_kv_heads
         # Flattened per-layer views [slots * kv_heads * max_seq, head_dim] for index_copy_.
         self.k_flat = [k.view(-1, cfg.dim_per_head) for k in cache.k_layers]
@@ -82,18 +91,24 @@ class DecodeStep:
 
         x = F.embedding(tokens, model.embed)
         cos = self.cos.index_select(0, positions)[:, None, :]
-        sin = self.sin.index_select(0, positions)[:, None, :]
+        sin = self.signed_sin.index_select(0, positions)[:, None, :]
         mask = self.mask(positions)
         # Row of (slot, kv_head, position) in the flattened cache, shared by all layers.
         write_rows = ((slots[:, None] * kv_heads + self.kv_head_index[None, :]) * seq
                       + positions[:, None]).reshape(-1)
 
+        # Kernel count per layer matters as much as kernel speed at small batch (every launch
+        # costs about a microsecond even inside a graph): queries and keys share one RoPE pass,
+        # and the residual adds ride in the output GEMMs (in-place addmm, beta = 1). `x` is a
+        # fresh tensor from the embedding, so updating it in place touches no input.
         for index, layer in enumerate(model.layers):
             h = rms_norm(x, layer.attn_norm, eps)
             qkv = F.linear(h, layer.wqkv, layer.bqkv)
-            q, k, v = qkv.split(self.split, dim=-1)
-            q = apply_rope(q.view(batch, heads, dim), cos, sin)
-            k = apply_rope(k.view(batch, kv_heads, dim), cos, sin)
+            qk = apply_rope_signed(
+                qkv[:, : self.qk_size].view(batch, heads + kv_heads, dim), cos, sin
+            )
+            q, k = qk[:, :heads], qk[:, heads:]
+            v = qkv[:, self.qk_size :]
             self.k_flat[index].index_copy_(0, write_rows, k.reshape(-1, dim))
             self.v_flat[index].index_copy_(0, write_rows, v.reshape(-1, dim))
             if self.contiguous_slots:
@@ -105,11 +120,11 @@ class DecodeStep:
             # Grouped-query attention without repeating K/V: the query heads that share a KV head
             # become that head's query "sequence" of length `groups` (one token per request).
             attn = F.scaled_dot_product_attention(
-                q.view(batch, kv_heads, self.groups, dim), keys, values, attn_mask=mask
+                q.reshape(batch, kv_heads, self.groups, dim), keys, values, attn_mask=mask
             )
-            x = x + F.linear(attn.reshape(batch, heads * dim), layer.wo)
+            x.addmm_(attn.reshape(batch, heads * dim), layer.wo.t())
             h = rms_norm(x, layer.mlp_norm, eps)
-            x = x + F.linear(swiglu(F.linear(h, layer.w_gate_up)), layer.w_down)
+            x.addmm_(swiglu(F.linear(h, layer.w_gate_up)), layer.w_down.t())
         x = rms_norm(x, model.final_norm, eps)
         return F.linear(x, model.lm_head)
 

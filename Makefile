@@ -1,5 +1,5 @@
 # Two commands do all set-up on a fresh machine:
-#   make demo   create .venv, install graphtune, run the main job
+#   make demo   create .venv, install graphtune, run the main job (graphtune bench decode)
 #   make test   create .venv, install graphtune with its test extras, run the CPU test suite
 # TORCH_SPEC pins torch for this set-up only (the package itself asks for a range). The default is
 # the CPU build that CI has on disk; on a CUDA machine use e.g. `make demo TORCH_SPEC=torch`.
@@ -21,8 +21,10 @@ $(STAMP): $(PY) pyproject.toml
 
 venv: $(STAMP)
 
+# The main job: the decode benchmark on the best device present (llama-1b-shape with graphs on
+# CUDA; the tiny preset eager-only on a CPU, where it says that graphs need CUDA).
 demo: $(STAMP)
-	$(VENV)/bin/graphtune demo
+	$(VENV)/bin/graphtune bench decode
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

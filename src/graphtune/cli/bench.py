@@ -107,7 +107,8 @@ def run_bench_decode(args: argparse.Namespace) -> int:
         print(json.dumps({"bench": "decode", "model": report.model["name"],
                           "device": report.provenance.get("gpu_name") or str(device),
                           "torch": torch.__version__,
-                          "results": data["results"]}, default=str))
+                          "results": [{k: v for k, v in r.items() if k != "top_kernels"}
+                                      for r in data["results"]]}, default=str))
     except GraphtuneError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -3,10 +3,15 @@
 The key holds the identity of every runner offered (class and ``cache_key_extras``), so changing
 the runner set, a runner's extras or the timing mode never reuses a stale pick. The value names
 the winning runner by identity as well as by index, so a lookup can check it still matches.
+
+The cache also holds a *blocklist* of (runner id, tactic) pairs that crashed, hung or corrupted
+the CUDA context while being timed. The tuner consults it before timing, so a tactic that killed
+a worker once is not tried again until the user clears it (``graphtune cache unblock``).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import threading
 from collections.abc import Iterator
@@ -110,11 +115,72 @@ class CacheEntry:
         )
 
 
+def tactic_text(tactic: Any) -> str:
+    """Canonical JSON text of a tactic: tuples become lists, dict keys are sorted.
+
+    Two spellings of one tactic (``(64, 2)`` and ``[64, 2]``, or dicts in another key order) give
+    the same text, so the blocklist matches a tactic however the runner spells it.
+    """
+    return json.dumps(tactic, sort_keys=True, separators=(",", ":"), default=str)
+
+
+@dataclass(frozen=True)
+class BlockedTactic:
+    """A (runner, tactic) that must not be timed again: it crashed, hung or broke the context.
+
+    Attributes:
+        runner_id: Identity of the runner (see ``runner_id``).
+        tactic: The tactic (a JSON value).
+        reason: Why it was blocked, e.g. ``"timeout after 60.0 s"`` or ``"crash: exit code -11"``.
+        op: The op being tuned when it failed (for people reading the file).
+        shapes: The profile being tuned when it failed (``describe()`` form), for the same reason.
+    """
+
+    runner_id: str
+    tactic: Any
+    reason: str
+    op: str = ""
+    shapes: str = ""
+
+    @property
+    def ident(self) -> tuple[str, str]:
+        """``(runner_id, canonical tactic text)``: what the blocklist is keyed by."""
+        return (self.runner_id, tactic_text(self.tactic))
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON form."""
+        return {
+            "runner_id": self.runner_id,
+            "tactic": self.tactic,
+            "reason": self.reason,
+            "op": self.op,
+            "shapes": self.shapes,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> BlockedTactic:
+        """Inverse of :meth:`to_json`; raises ``KeyError``/``TypeError`` on malformed data."""
+        if not isinstance(data, dict):
+            raise TypeError(f"blocklist item must be an object, got {type(data).__name__}")
+        return cls(
+            runner_id=str(data["runner_id"]),
+            tactic=data["tactic"],
+            reason=str(data["reason"]),
+            op=str(data.get("op", "")),
+            shapes=str(data.get("shapes", "")),
+        )
+
+
+Blocklist = dict[tuple[str, str], BlockedTactic]
+
+
 class TuningCache:
-    """Thread-safe mapping of :class:`CacheKey` to :class:`CacheEntry`, with file load/save."""
+    """Thread-safe mapping of :class:`CacheKey` to :class:`CacheEntry`, plus the blocklist, with
+    file load/save."""
 
     def __init__(self) -> None:
         self._entries: dict[CacheKey, CacheEntry] = {}
+        self._blocked: Blocklist = {}
         self._lock = threading.Lock()
 
     def get(self, key: CacheKey) -> CacheEntry | None:
@@ -138,9 +204,38 @@ class TuningCache:
             return list(self._entries.items())
 
     def clear(self) -> None:
-        """Drops every entry."""
+        """Drops every entry and the blocklist."""
         with self._lock:
             self._entries.clear()
+            self._blocked.clear()
+
+    # -- blocklist --------------------------------------------------------------------------
+
+    def block(self, item: BlockedTactic) -> None:
+        """Adds (or replaces) a blocked (runner, tactic)."""
+        with self._lock:
+            self._blocked[item.ident] = item
+
+    def blocked(self, runner_id: str, tactic: Any) -> BlockedTactic | None:
+        """The blocklist item for ``(runner_id, tactic)``, or ``None`` when it may be timed."""
+        with self._lock:
+            return self._blocked.get((runner_id, tactic_text(tactic)))
+
+    def blocklist(self) -> list[BlockedTactic]:
+        """A snapshot of the blocklist."""
+        with self._lock:
+            return list(self._blocked.values())
+
+    def clear_blocklist(self) -> int:
+        """Forgets every blocked tactic in memory; returns how many there were.
+
+        A blocklist in a cache file survives this (saving merges); use
+        ``graphtune cache unblock FILE`` or :func:`graphtune.autotuner.persist.unblock` for it.
+        """
+        with self._lock:
+            count = len(self._blocked)
+            self._blocked.clear()
+            return count
 
     def __contains__(self, key: object) -> bool:
         with self._lock:
@@ -164,10 +259,12 @@ class TuningCache:
         """
         from graphtune.autotuner import persist
 
-        return persist.save(path, dict(self.items()))
+        with self._lock:
+            blocked = dict(self._blocked)
+        return persist.save(path, dict(self.items()), blocklist=blocked)
 
     def load(self, path: str | PathLike[str], *, strict: bool | None = None) -> int:
-        """Adds the entries of the file at ``path``; entries already in memory are kept.
+        """Adds the entries and blocklist of the file at ``path``; entries already in memory win.
 
         A missing, corrupt, wrong-version or other-environment file adds nothing and logs one
         warning (a missing file only logs at debug level: it is the normal first run).
@@ -182,8 +279,10 @@ class TuningCache:
         """
         from graphtune.autotuner import persist
 
-        loaded = persist.load(path, strict=strict)
+        loaded = persist.load_file(path, strict=strict)
         with self._lock:
-            added = {k: v for k, v in loaded.items() if k not in self._entries}
+            added = {k: v for k, v in loaded.entries.items() if k not in self._entries}
             self._entries.update(added)
+            for ident, item in loaded.blocklist.items():
+                self._blocked.setdefault(ident, item)
         return len(added)

@@ -2,9 +2,11 @@
 
 Saving is read-merge-write under ``filelock.FileLock(path + ".lock")`` with a temporary file in
 the same directory, ``fsync`` and ``os.replace``, so readers never see a half-written file and two
-processes saving at once lose nothing. Loading never crashes a serving process: a file that is
-corrupt, of another format version or from another environment is skipped with one warning
-(or raises :class:`CacheFileError` in strict mode). The format is in ``docs/cache-format.md``.
+processes saving at once lose nothing; a writer killed at any point leaves the previous file
+intact (its temporary file is removed by the next save, which holds the lock). Loading never
+crashes a serving process: a file that is corrupt, of another format version or from another
+environment is skipped with one warning (or raises :class:`CacheFileError` in strict mode). The
+format is in ``docs/cache-format.md``.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import json
 import logging
 import os
 import tempfile
+from dataclasses import dataclass, field
 from os import PathLike
 from pathlib import Path
 from typing import Any
@@ -20,7 +23,7 @@ from typing import Any
 from filelock import FileLock, Timeout
 
 from graphtune import env
-from graphtune.autotuner.cache import CacheEntry, CacheKey
+from graphtune.autotuner.cache import BlockedTactic, Blocklist, CacheEntry, CacheKey
 from graphtune.autotuner.fingerprint import environment_fingerprint, fingerprint_mismatch
 from graphtune.errors import CacheFileError
 
@@ -32,8 +35,27 @@ LOCK_TIMEOUT_S = 60.0
 Entries = dict[CacheKey, CacheEntry]
 
 
+@dataclass
+class LoadedCache:
+    """What a usable cache file holds."""
+
+    entries: Entries = field(default_factory=dict)
+    blocklist: Blocklist = field(default_factory=dict)
+
+
 class _Unusable(Exception):
     """Internal: the file cannot be used; the message says why."""
+
+
+def _reject_constant(name: str) -> float:
+    # JSON has no NaN or Infinity; Python's json accepts them by default, so a hand-edited file
+    # could smuggle a NaN time into the merge rule. The writer never produces them.
+    raise ValueError(f"non-finite number {name} (JSON has none)")
+
+
+def parse_json(text: str) -> Any:
+    """``json.loads`` that rejects ``NaN``/``Infinity`` (raises ``ValueError``)."""
+    return json.loads(text, parse_constant=_reject_constant)
 
 
 def lock_path(path: str | PathLike[str]) -> Path:
@@ -45,7 +67,8 @@ def read_document(path: str | PathLike[str]) -> dict[str, Any]:
     """Parses a cache file without checking its environment (for ``graphtune cache show``).
 
     Returns:
-        ``{"format_version", "fingerprint", "entries": {CacheKey: CacheEntry}}``.
+        ``{"format_version", "fingerprint", "entries": {CacheKey: CacheEntry},
+        "blocklist": {(runner_id, tactic text): BlockedTactic}}``.
 
     Raises:
         CacheFileError: The file is missing, not valid JSON, of another format version or has
@@ -67,8 +90,8 @@ def _parse(path: Path) -> dict[str, Any]:
     except UnicodeDecodeError as exc:
         raise _Unusable(f"is corrupt (not UTF-8 text: {exc})") from None
     try:
-        doc = json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as exc:
+        doc = parse_json(text)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
         raise _Unusable(f"is corrupt or truncated (invalid JSON: {exc})") from None
     if not isinstance(doc, dict) or "format_version" not in doc:
         raise _Unusable("is not a graphtune cache (no format_version)")
@@ -83,10 +106,16 @@ def _parse(path: Path) -> dict[str, Any]:
         }
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise _Unusable(f"is corrupt (malformed entry: {type(exc).__name__}: {exc})") from None
+    try:
+        # Optional: files written before the blocklist existed have none.
+        blocked = [BlockedTactic.from_json(item) for item in doc.get("blocklist", [])]
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise _Unusable(f"is corrupt (malformed blocklist: {type(exc).__name__}: {exc})") from None
     return {
         "format_version": doc["format_version"],
         "fingerprint": doc.get("fingerprint"),
         "entries": entries,
+        "blocklist": {item.ident: item for item in blocked},
     }
 
 
@@ -103,7 +132,17 @@ def load(
     strict: bool | None = None,
     fingerprint: dict[str, Any] | None = None,
 ) -> Entries:
-    """Reads the entries of a cache file made in this environment.
+    """Reads the entries of a cache file made in this environment (see :func:`load_file`)."""
+    return load_file(path, strict=strict, fingerprint=fingerprint).entries
+
+
+def load_file(
+    path: str | PathLike[str],
+    *,
+    strict: bool | None = None,
+    fingerprint: dict[str, Any] | None = None,
+) -> LoadedCache:
+    """Reads the entries and blocklist of a cache file made in this environment.
 
     Args:
         path: Cache file. A missing file gives no entries (logged at debug level).
@@ -111,7 +150,7 @@ def load(
         fingerprint: The environment to match; ``None`` computes this process's.
 
     Returns:
-        The entries, or ``{}`` when the file is unusable.
+        The entries and blocklist, both empty when the file is missing or unusable.
 
     Raises:
         CacheFileError: In strict mode, when the file is unusable for any reason but absence.
@@ -120,7 +159,7 @@ def load(
     strict = env.strict_cache() if strict is None else strict
     if not path.exists():
         logger.debug("tuning cache %s does not exist yet; starting empty", path)
-        return {}
+        return LoadedCache()
     try:
         doc = _parse(path)
         current = environment_fingerprint() if fingerprint is None else fingerprint
@@ -132,21 +171,23 @@ def load(
         if strict:
             raise CacheFileError(message) from None
         logger.warning(message)
-        return {}
-    return doc["entries"]
+        return LoadedCache()
+    return LoadedCache(doc["entries"], doc["blocklist"])
 
 
 def save(
     path: str | PathLike[str],
     entries: Entries,
     *,
+    blocklist: Blocklist | None = None,
     fingerprint: dict[str, Any] | None = None,
     lock_timeout_s: float = LOCK_TIMEOUT_S,
 ) -> int:
-    """Merges ``entries`` into the file at ``path``; on a key conflict ``entries`` win.
+    """Merges ``entries`` (and ``blocklist``) into the file at ``path``; on a conflict the given
+    ones win.
 
-    Entries of an existing file from this environment are kept; an unusable existing file
-    (corrupt, other version, other environment) is replaced, with a warning.
+    Entries and blocked tactics of an existing file from this environment are kept; an unusable
+    existing file (corrupt, other version, other environment) is replaced, with a warning.
 
     Returns:
         The number of entries in the file after the write.
@@ -159,9 +200,13 @@ def save(
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with FileLock(str(lock_path(path)), timeout=lock_timeout_s):
-            merged = _existing_entries(path, current)
+            _remove_stale_temp_files(path)
+            existing = _existing(path, current)
+            merged = existing.entries
             merged.update(entries)
-            _atomic_write(path, _document(merged, current))
+            blocked = existing.blocklist
+            blocked.update(blocklist or {})
+            _atomic_write(path, _document(merged, current, blocked))
     except Timeout:
         raise CacheFileError(
             f"Could not lock {lock_path(path)} within {lock_timeout_s:.0f} s to save the tuning "
@@ -182,14 +227,78 @@ def save(
     return len(merged)
 
 
-def _existing_entries(path: Path, current: dict[str, Any]) -> Entries:
+def unblock(
+    path: str | PathLike[str],
+    *,
+    runner_id: str | None = None,
+    tactic: Any = None,
+    match_tactic: bool = False,
+    lock_timeout_s: float = LOCK_TIMEOUT_S,
+) -> list[BlockedTactic]:
+    """Removes blocked tactics from a cache file (entries are untouched), under the file lock.
+
+    Args:
+        path: Cache file.
+        runner_id: Only items of this runner (``None``: every runner).
+        tactic: With ``match_tactic``, only this tactic (compared in canonical JSON form).
+        match_tactic: Whether ``tactic`` filters (``None`` is a valid JSON tactic, hence the flag).
+
+    Returns:
+        The removed items.
+
+    Raises:
+        CacheFileError: The file is unusable, or could not be locked or written.
+    """
+    from graphtune.autotuner.cache import tactic_text
+
+    path = Path(path)
+    try:
+        with FileLock(str(lock_path(path)), timeout=lock_timeout_s):
+            doc = read_document(path)
+            keep: Blocklist = {}
+            removed: list[BlockedTactic] = []
+            for ident, item in doc["blocklist"].items():
+                hit = (runner_id is None or item.runner_id == runner_id) and (
+                    not match_tactic or ident[1] == tactic_text(tactic)
+                )
+                if hit:
+                    removed.append(item)
+                else:
+                    keep[ident] = item
+            if removed:
+                _atomic_write(path, _document(doc["entries"], doc["fingerprint"], keep))
+    except Timeout:
+        raise CacheFileError(
+            f"Could not lock {lock_path(path)} within {lock_timeout_s:.0f} s; another process "
+            "holds it. Retry, or remove the lock file if no graphtune process is running."
+        ) from None
+    except OSError as exc:
+        raise CacheFileError(f"Could not rewrite tuning cache {path}: {exc}.") from exc
+    return removed
+
+
+def _remove_stale_temp_files(path: Path) -> None:
+    """Deletes temporary files that a writer killed mid-save left behind.
+
+    Called with the lock held: every writer creates its temporary file only while holding the
+    lock, so any temporary file that exists now belongs to a writer that died.
+    """
+    for stale in path.parent.glob(f".{path.name}.*.tmp"):
+        try:
+            stale.unlink()
+            logger.info("removed %s, left behind by a save that was interrupted", stale)
+        except OSError as exc:  # another user's file, or already gone: harmless
+            logger.debug("could not remove stale temporary file %s: %s", stale, exc)
+
+
+def _existing(path: Path, current: dict[str, Any]) -> LoadedCache:
     if not path.exists():
-        return {}
+        return LoadedCache()
     try:
         doc = _parse(path)
     except _Unusable as exc:
         logger.warning("Replacing tuning cache %s: it %s.", path, exc)
-        return {}
+        return LoadedCache()
     diffs = fingerprint_mismatch(doc["fingerprint"], current)
     if diffs:
         logger.warning(
@@ -197,18 +306,55 @@ def _existing_entries(path: Path, current: dict[str, Any]) -> Entries:
             path,
             "; ".join(diffs),
         )
-        return {}
-    return doc["entries"]
+        return LoadedCache()
+    return LoadedCache(doc["entries"], doc["blocklist"])
 
 
-def _document(entries: Entries, fingerprint: dict[str, Any]) -> dict[str, Any]:
+def document(
+    entries: Entries, fingerprint: Any, blocklist: Blocklist | None = None
+) -> dict[str, Any]:
+    """The JSON document of a cache file (public for ``graphtune cache merge``)."""
+    return _document(entries, fingerprint, blocklist or {})
+
+
+def write_atomic(path: str | PathLike[str], doc: dict[str, Any]) -> None:
+    """Writes ``doc`` to ``path`` via a temporary file and ``os.replace`` under the file lock.
+
+    Raises:
+        CacheFileError: The lock could not be taken or the file could not be written.
+    """
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(lock_path(path)), timeout=LOCK_TIMEOUT_S):
+            _remove_stale_temp_files(path)
+            _atomic_write(path, doc)
+    except Timeout:
+        raise CacheFileError(f"Could not lock {lock_path(path)} to write {path}.") from None
+    except (OSError, TypeError, ValueError) as exc:
+        raise CacheFileError(f"Could not write tuning cache {path}: {exc}.") from exc
+
+
+def _document(entries: Entries, fingerprint: Any, blocklist: Blocklist) -> dict[str, Any]:
     # Sorted so a file's bytes depend only on its content (stable diffs, reproducible results).
     items = sorted(entries.items(), key=lambda kv: json.dumps(kv[0].to_json(), sort_keys=True))
-    return {
+    doc = {
         "format_version": FORMAT_VERSION,
         "fingerprint": fingerprint,
         "entries": [{"key": k.to_json(), "value": v.to_json()} for k, v in items],
     }
+    if blocklist:
+        # Written only when non-empty, so files without failures keep their exact old layout.
+        doc["blocklist"] = [blocklist[ident].to_json() for ident in sorted(blocklist)]
+    return doc
+
+
+def _after_temp_write(tmp: Path) -> None:
+    """Fault-injection seam: runs after the temporary file is complete, before ``os.replace``.
+
+    Does nothing. Tests replace it to kill or pause a writer at the most delicate moment.
+    """
+    return None
 
 
 def _atomic_write(path: Path, doc: dict[str, Any]) -> None:
@@ -220,6 +366,7 @@ def _atomic_write(path: Path, doc: dict[str, Any]) -> None:
             handle.write(text)
             handle.flush()
             os.fsync(handle.fileno())
+        _after_temp_write(Path(tmp))
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -12,6 +12,12 @@ Noise handling, so that repeated tuning runs pick the same tactic:
 * a candidate's time is the median of its measurements; every candidate within ``tie_tolerance``
   (relative, default 2%) of the fastest counts as tied, and the tie goes to the lowest
   (runner index, tactic index): the earliest-listed, usually simplest implementation.
+
+Faults: a tactic that raises, hangs, crashes or returns a garbage time (NaN, inf, <= 0) counts as
+infinitely slow, with its reason counted in ``stats.tactic_failures``. Where a tactic runs while
+timed is chosen by ``isolation`` (see :mod:`graphtune.autotuner.isolation`); tactics that crashed,
+hung or corrupted the CUDA context are put on the cache's blocklist and never timed again until
+the user clears it.
 """
 
 from __future__ import annotations
@@ -31,8 +37,14 @@ from typing import Any
 import torch
 
 from graphtune import env
-from graphtune.autotuner.cache import CacheEntry, CacheKey, TuningCache
+from graphtune.autotuner.cache import BlockedTactic, CacheEntry, CacheKey, TuningCache
 from graphtune.autotuner.config import TuningConfig
+from graphtune.autotuner.isolation import (
+    InProcessExecutor,
+    Isolation,
+    SubprocessExecutor,
+    TacticFailure,
+)
 from graphtune.autotuner.profiles import (
     Profile,
     generate_profiles,
@@ -42,7 +54,7 @@ from graphtune.autotuner.profiles import (
 )
 from graphtune.autotuner.runner import FALLBACK_TACTIC, TunableRunner, runner_id, short_runner_name
 from graphtune.autotuner.timing.base import Timer
-from graphtune.errors import CacheFileError, ConfigError
+from graphtune.errors import CacheFileError, ConfigError, TuningError
 from graphtune.reporting import ProgressTask, progress, render_table
 
 logger = logging.getLogger(__name__)
@@ -61,7 +73,10 @@ class TunerStats:
         profiles_tuned: (op, bucket) combinations tuned.
         tactics_timed: (runner, tactic) candidates timed successfully, summed over profiles.
         measurements: Timer calls made.
-        tactic_failures: Failed candidates by exception type name.
+        tactic_failures: Failed candidates by reason: an exception type name, or ``timeout``,
+            ``crash``, ``context corrupted``, ``invalid time`` (NaN, inf or <= 0 from the timer).
+        tactics_blocked: Candidates skipped because the blocklist names them.
+        workers_started: Worker processes started (``isolation="subprocess"``).
         tuning_seconds: Wall time spent tuning.
     """
 
@@ -72,6 +87,8 @@ class TunerStats:
     tactics_timed: int = 0
     measurements: int = 0
     tactic_failures: dict[str, int] = field(default_factory=dict)
+    tactics_blocked: int = 0
+    workers_started: int = 0
     tuning_seconds: float = 0.0
 
 
@@ -122,6 +139,10 @@ class AutoTuner:
             default asks ``torch.cuda.is_current_stream_capturing()``. A seam for tests.
         cache: The cache to use; a new empty one by default.
         show_progress: Force the progress bar on or off; ``None`` decides from the terminal.
+        isolation: ``"inprocess"`` (default), ``"subprocess"`` (time every tactic in a reusable
+            worker process that is replaced when a tactic crashes, hangs or corrupts the CUDA
+            context; runners, inputs and ``timer`` must be picklable), or an
+            :class:`~graphtune.autotuner.isolation.Isolation` with timeouts.
     """
 
     def __init__(
@@ -134,6 +155,7 @@ class AutoTuner:
         is_capturing: Callable[[], bool] | None = None,
         cache: TuningCache | None = None,
         show_progress: bool | None = None,
+        isolation: str | Isolation | None = None,
     ) -> None:
         if timer is not None and not isinstance(timer, Timer):
             raise ConfigError(
@@ -151,6 +173,7 @@ class AutoTuner:
             raise ConfigError(
                 f"AutoTuner(tie_tolerance={tie_tolerance!r}): must be in [0, 1), e.g. 0.02 for 2%."
             )
+        self.isolation = Isolation.resolve(isolation)
         self.timer = timer
         self.rounds = rounds
         self.remeasure_top = remeasure_top
@@ -164,6 +187,7 @@ class AutoTuner:
         self._warned_ops: set[str] = set()
         self._logged_failures: set[tuple[str, str]] = set()
         self._summary: list[tuple[Any, ...]] = []
+        self._worker: SubprocessExecutor | None = None
         # One tuning run at a time: two threads tuning one op would time each other's kernels.
         self._tune_lock = threading.RLock()
 
@@ -218,6 +242,12 @@ class AutoTuner:
             self._tune_op(op, runners, ids, config, inputs, device, mode)
         found = self._lookup(key, runners)
         return found if found is not None else (runners[0], FALLBACK_TACTIC)
+
+    def close(self) -> None:
+        """Stops the tactic worker process, if any (``autotune()`` calls this on exit)."""
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
 
     def summary_rows(self) -> list[tuple[Any, ...]]:
         """One row per tuned profile: op, bucket, winner, time, fallback time, speed-up."""
@@ -293,8 +323,25 @@ class AutoTuner:
             synthesize_inputs(config, inputs, profile, seed=1000 * k) for k in range(1, copies)
         ]
 
+    def _executor(
+        self, config: TuningConfig, device: torch.device
+    ) -> InProcessExecutor | SubprocessExecutor:
+        if self.isolation.mode == "inprocess":
+            return InProcessExecutor(self._timer_for(config, device), device)
+        worker = self._worker
+        if worker is None or worker.key != (config.timing, str(device)):
+            self.close()
+            worker = SubprocessExecutor(self.isolation, self.timer, config.timing, device)
+            self._worker = worker
+        return worker
+
     def _candidates(
-        self, op: str, runners: list[TunableRunner], inputs: list[Any], profile: Profile
+        self,
+        op: str,
+        runners: list[TunableRunner],
+        ids: tuple[str, ...],
+        inputs: list[Any],
+        profile: Profile,
     ) -> list[_Candidate]:
         candidates: list[_Candidate] = []
         for ri, runner in enumerate(runners):
@@ -306,7 +353,17 @@ class AutoTuner:
             if ri == 0 and FALLBACK_TACTIC not in tactics:
                 # The untuned choice is always timed: it is the baseline of the speed-up.
                 tactics.insert(0, FALLBACK_TACTIC)
-            candidates.extend(_Candidate(ri, runner, ti, t) for ti, t in enumerate(tactics))
+            for ti, tactic in enumerate(tactics):
+                blocked = self.cache.blocked(ids[ri], tactic)
+                if blocked is not None:  # crashed or hung before: never run it again
+                    self.stats.tactics_blocked += 1
+                    logger.info(
+                        "op %r: skipping blocklisted %s tactic %s (%s); clear it with "
+                        "`graphtune cache unblock FILE` to retry",
+                        op, short_runner_name(ids[ri]), _tactic_text(tactic), blocked.reason,
+                    )
+                    continue
+                candidates.append(_Candidate(ri, runner, ti, tactic))
         return candidates
 
     def _tune_op(
@@ -320,23 +377,30 @@ class AutoTuner:
         mode: str,
     ) -> None:
         start = time.perf_counter()
-        timer = self._timer_for(config, device)
+        executor = self._executor(config, device)
         plans = []
         for profile in generate_profiles(config, inputs):
             key = self._key(op, ids, profile, mode)
             if key in self.cache:
                 continue
             first = synthesize_inputs(config, inputs, profile)
-            plans.append((profile, key, self._candidates(op, runners, first, profile)))
+            plans.append((profile, key, self._candidates(op, runners, ids, first, profile)))
         total = sum(len(cands) for _, _, cands in plans) * self.rounds
         first_row = len(self._summary)
-        with progress(f"tuning {op}", total, enabled=self.show_progress) as bar:
-            for profile, key, candidates in plans:
-                sets = self._input_sets(config, inputs, profile, device)
-                entry = self._tune_profile(op, ids, config, timer, profile, sets, candidates, bar)
-                self.cache.put(key, entry)
-                self.stats.profiles_tuned += 1
-                self._summary.append(self._row(op, profile, entry))
+        starts = executor.starts
+        try:
+            with progress(f"tuning {op}", total, enabled=self.show_progress) as bar:
+                for profile, key, candidates in plans:
+                    sets = self._input_sets(config, inputs, profile, device)
+                    executor.begin(runners, sets)
+                    entry = self._tune_profile(
+                        op, ids, config, executor, profile, candidates, bar, n_sets=len(sets)
+                    )
+                    self.cache.put(key, entry)
+                    self.stats.profiles_tuned += 1
+                    self._summary.append(self._row(op, profile, entry))
+        finally:
+            self.stats.workers_started += executor.starts - starts
         elapsed = time.perf_counter() - start
         self.stats.tuning_seconds += elapsed
         if len(self._summary) > first_row:
@@ -351,22 +415,26 @@ class AutoTuner:
         op: str,
         ids: tuple[str, ...],
         config: TuningConfig,
-        timer: Timer,
+        executor: InProcessExecutor | SubprocessExecutor,
         profile: Profile,
-        sets: list[list[Any]],
         candidates: list[_Candidate],
         bar: ProgressTask,
+        *,
+        n_sets: int,
     ) -> CacheEntry:
+        label = f"{op} [{profile.describe()}]"
         for cand in candidates:
             try:
-                cand.runner.prepare(sets[0], cand.tactic)
-            except Exception as exc:  # recorded as a failed tactic; tuning goes on
-                self._fail(op, cand, "prepare", exc)
-        label = f"{op} [{profile.describe()}]"
+                executor.prepare(cand.runner_index, cand.runner, cand.tactic)
+            except TacticFailure as failure:  # recorded as a failed tactic; tuning goes on
+                self._fail(op, cand, "prepare", failure, ids, label)
+        # With rotated copies, one sample must walk through all of them, or the few it touches
+        # stay in L2 (a graph timer replays the same ``repeat`` calls).
+        repeat = max(config.repeat, n_sets) if n_sets > 1 else config.repeat
         for _ in range(self.rounds):
             for cand in candidates:
                 if cand.failed is None:
-                    self._measure(op, timer, config, cand, sets)
+                    self._measure(op, executor, config, cand, repeat, ids, label)
                 bar.advance(label)
         alive = sorted(
             (c for c in candidates if c.failed is None), key=lambda c: (c.score, c.order)
@@ -376,7 +444,7 @@ class AutoTuner:
             for _ in range(self.rounds):
                 for cand in top:
                     if cand.failed is None:
-                        self._measure(op, timer, config, cand, sets)
+                        self._measure(op, executor, config, cand, repeat, ids, label)
         self.stats.tactics_timed += sum(1 for c in candidates if c.failed is None and c.samples)
         fallback = next(
             (c for c in candidates if c.runner_index == 0 and c.tactic == FALLBACK_TACTIC), None
@@ -402,26 +470,22 @@ class AutoTuner:
         )
 
     def _measure(
-        self, op: str, timer: Timer, config: TuningConfig, cand: _Candidate, sets: list[list[Any]]
+        self,
+        op: str,
+        executor: InProcessExecutor | SubprocessExecutor,
+        config: TuningConfig,
+        cand: _Candidate,
+        repeat: int,
+        ids: tuple[str, ...],
+        label: str,
     ) -> None:
-        n = len(sets)
-        runner, tactic = cand.runner, cand.tactic
-
-        def call(i: int) -> object:
-            return runner.forward(sets[i % n], tactic)
-
-        # With rotated copies, one sample must walk through all of them, or the few it touches
-        # stay in L2 (a graph timer replays the same ``repeat`` calls).
-        repeat = max(config.repeat, n) if n > 1 else config.repeat
         self.stats.measurements += 1
         try:
-            result = timer.measure(call, warmup=config.warmup, repeat=repeat)
-            value = float(result.median_us)
-        except Exception as exc:  # a failing tactic is data: infinite time, counted, logged once
-            self._fail(op, cand, "timing", exc)
-            return
-        if not math.isfinite(value) or value < 0:
-            self._fail(op, cand, "timing", ValueError(f"timer returned {value} us"))
+            value = executor.measure(
+                cand.runner_index, cand.runner, cand.tactic, warmup=config.warmup, repeat=repeat
+            )
+        except TacticFailure as failure:  # a failing tactic is data: infinite time, counted
+            self._fail(op, cand, "timing", failure, ids, label)
             return
         cand.samples.append(value)
 
@@ -433,16 +497,42 @@ class AutoTuner:
         tied = [c for c in alive if c.score <= best * (1.0 + self.tie_tolerance)]
         return min(tied, key=lambda c: c.order)
 
-    def _fail(self, op: str, cand: _Candidate, stage: str, exc: Exception) -> None:
-        cand.failed = type(exc).__name__
-        self._record_failure(op, cand.runner, f"{stage} of tactic {_tactic_text(cand.tactic)}", exc)
+    def _fail(
+        self,
+        op: str,
+        cand: _Candidate,
+        stage: str,
+        failure: TacticFailure,
+        ids: tuple[str, ...],
+        label: str,
+    ) -> None:
+        cand.failed = failure.reason
+        what = f"{stage} of tactic {_tactic_text(cand.tactic)}"
+        self._record_failure(op, cand.runner, what, failure)
+        if failure.block:
+            self.cache.block(
+                BlockedTactic(ids[cand.runner_index], cand.tactic, str(failure), op, label)
+            )
+        if failure.fatal:
+            raise TuningError(
+                f"op {op!r}: {type(cand.runner).__qualname__} {what} corrupted the CUDA context "
+                f"of this process ({failure.detail}). Nothing in this process can use CUDA any "
+                "more; the tactic is on the cache's blocklist, which autotune() saves, so a "
+                "restarted process skips it. Tune with AutoTuner(isolation='subprocess') to "
+                "survive such tactics without restarting."
+            )
 
-    def _record_failure(self, op: str, runner: TunableRunner, what: str, exc: Exception) -> None:
-        reason = type(exc).__name__
+    def _record_failure(
+        self, op: str, runner: TunableRunner, what: str, exc: Exception
+    ) -> None:
+        if isinstance(exc, TacticFailure):
+            reason, detail = exc.reason, exc.detail
+        else:
+            reason, detail = type(exc).__name__, str(exc)
         self.stats.tactic_failures[reason] = self.stats.tactic_failures.get(reason, 0) + 1
         if (op, reason) in self._logged_failures:
             logger.debug(
-                "op %r: %s %s failed: %s: %s", op, type(runner).__qualname__, what, reason, exc
+                "op %r: %s %s failed: %s: %s", op, type(runner).__qualname__, what, reason, detail
             )
             return
         self._logged_failures.add((op, reason))
@@ -453,7 +543,7 @@ class AutoTuner:
             type(runner).__qualname__,
             what,
             reason,
-            exc,
+            detail,
             reason,
         )
 
@@ -504,10 +594,12 @@ def autotune(
         yield tuner
     except BaseException:
         tuner.tuning_mode = previous
+        tuner.close()
         if path is not None:
             _save_quietly(tuner, path)  # keep what was tuned before the error, without masking it
         raise
     tuner.tuning_mode = previous
+    tuner.close()
     rows = tuner.summary_rows()[first_row:]
     if rows:
         logger.info("%s", render_table("graphtune autotuning picks", SUMMARY_COLUMNS, rows))

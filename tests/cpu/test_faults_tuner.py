@@ -1,0 +1,254 @@
+"""Fault injection into tuning: tactics that raise, hang, crash or break the context, timers that
+return garbage, and the blocklist that keeps a crashing tactic from being retried.
+
+Subprocess tests start real ``spawn`` workers (about 3 s each on CPU), so the crash, hang and
+blocklist checks share one tuning run.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from graphtune.autotuner import (
+    FALLBACK_TACTIC,
+    AutoTuner,
+    DynamicTensorSpec,
+    TunableRunner,
+    TuningCache,
+    TuningConfig,
+    autotune,
+    persist,
+)
+from graphtune.autotuner import isolation as iso
+from graphtune.autotuner.isolation import Isolation, check_time
+from graphtune.autotuner.runner import runner_id
+from graphtune.autotuner.timing.base import Measurement
+from graphtune.errors import ConfigError, TuningError
+
+CONFIG = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0, (4,)),), warmup=0, repeat=1)
+INPUTS = [torch.ones(4, 2)]
+
+
+class CostRunner(TunableRunner):
+    """Module level (picklable). A tactic is a cost in us, or the name of a fault."""
+
+    def __init__(self, tactics: list[Any]) -> None:
+        self.tactics = tactics
+
+    def get_valid_tactics(self, inputs: list, profile: Any) -> list:
+        return list(self.tactics)
+
+    def forward(self, inputs: list, tactic: Any = FALLBACK_TACTIC) -> Any:
+        if tactic == "raise":
+            raise RuntimeError("this tactic does not support the shape")
+        if tactic == "exit":
+            os._exit(7)
+        if tactic == "segv":
+            os.kill(os.getpid(), signal.SIGSEGV)
+        if tactic == "hang":
+            time.sleep(600)
+        if isinstance(tactic, str) and tactic.startswith("time="):
+            return float(tactic[5:])  # the timer reports this number verbatim (garbage times)
+        return 50.0 if tactic == FALLBACK_TACTIC else float(tactic)
+
+
+class ReportTimer:
+    """Picklable timer: reports what ``fn`` returns, so tests choose each tactic's time."""
+
+    name = "report"
+
+    def measure(self, fn, *, warmup: int, repeat: int) -> Measurement:
+        value = fn(0)
+        return Measurement(value, value, 0.0, 1, repeat, self.name)
+
+
+class NoneTimer:
+    name = "report"
+
+    def measure(self, fn, *, warmup: int, repeat: int) -> Any:
+        fn(0)
+        return None
+
+
+def tune(tactics: list[Any], **kwargs: Any) -> tuple[AutoTuner, tuple]:
+    kwargs.setdefault("timer", ReportTimer())
+    tuner = AutoTuner(rounds=1, remeasure_top=0, **kwargs)
+    tuner.tuning_mode = True
+    try:
+        runner = CostRunner(tactics)
+        pick = tuner.choose_one("op", [runner], CONFIG, INPUTS)
+    finally:
+        tuner.close()
+    return tuner, pick
+
+
+# ---------------------------------------------------------------- garbage from the timer
+
+
+@pytest.mark.parametrize("garbage", ["nan", "inf", "-inf", "-3", "0", "-0.0"])
+def test_garbage_times_are_failures_never_picks(garbage: str, caplog) -> None:
+    caplog.set_level(logging.WARNING)
+    # The garbage tactic is listed first, so on a tie or a NaN comparison it would win.
+    tuner, (_, tactic) = tune([f"time={garbage}", 9.0, 7.0])
+    assert tactic == 7.0
+    assert tuner.stats.tactic_failures == {"invalid time": 1}
+    assert "invalid time" in caplog.text
+    assert not tuner.cache.blocklist()  # a bad number is not a crash: not blocklisted
+
+
+def test_timer_returning_no_measurement_is_counted() -> None:
+    tuner, (_, tactic) = tune([7.0], timer=NoneTimer())
+    assert tactic == FALLBACK_TACTIC
+    assert tuner.stats.tactic_failures == {"invalid time": 2}  # -1 and 7.0
+
+
+def test_check_time_contract() -> None:
+    assert check_time(1.5) == 1.5
+    for bad in (math.nan, math.inf, -1.0, 0.0, None, "x"):
+        with pytest.raises(iso.TacticFailure, match="invalid time"):
+            check_time(bad)
+
+
+# ---------------------------------------------------------------- in-process faults
+
+
+def test_raising_tactic_is_data_in_process() -> None:
+    tuner, (_, tactic) = tune(["raise", 5.0, 6.0])
+    assert tactic == 5.0
+    assert tuner.stats.tactic_failures == {"RuntimeError": 1}
+    assert not tuner.cache.blocklist()
+
+
+def test_corrupted_context_in_process_blocklists_and_stops(tmp_path, monkeypatch) -> None:
+    """A sticky CUDA error cannot be recovered in-process: the tactic is blocklisted, tuning
+    raises TuningError, autotune() still saves, and the next process skips the tactic."""
+    path = tmp_path / "cache.json"
+    calls = []
+
+    def broken_after_raise(device: torch.device) -> str | None:
+        calls.append(device)
+        return "AcceleratorError: CUDA error: an illegal memory access was encountered"
+
+    monkeypatch.setattr(iso, "context_error", broken_after_raise)
+    tuner = AutoTuner(timer=ReportTimer(), rounds=1, remeasure_top=0)
+    with pytest.raises(TuningError, match="isolation='subprocess'"):
+        with autotune(path, tuner=tuner):
+            tuner.choose_one("op", [CostRunner([5.0, "raise", 6.0])], CONFIG, INPUTS)
+    assert calls, "the executor must check the context after a failure"
+    assert tuner.stats.tactic_failures == {"context corrupted": 1}
+    saved = persist.load_file(path, strict=True)
+    assert [(b.tactic, b.op) for b in saved.blocklist.values()] == [("raise", "op")]
+    assert "illegal memory access" in next(iter(saved.blocklist.values())).reason
+
+    monkeypatch.undo()
+    fresh = AutoTuner(timer=ReportTimer(), rounds=1, remeasure_top=0)
+    with autotune(path, tuner=fresh):
+        _, tactic = fresh.choose_one("op", [CostRunner([5.0, "raise", 6.0])], CONFIG, INPUTS)
+    assert tactic == 5.0
+    assert fresh.stats.tactics_blocked == 1 and not fresh.stats.tactic_failures
+
+
+def test_blocklist_matches_tuple_and_list_spellings() -> None:
+    cache = TuningCache()
+    runner = CostRunner([])
+    cache.block(iso_block(runner, (64, {"b": 1, "a": 2})))
+    assert cache.blocked(runner_id(runner), [64, {"a": 2, "b": 1}]) is not None
+    assert cache.blocked(runner_id(runner), [64, {"a": 2, "b": 3}]) is None
+    assert cache.clear_blocklist() == 1 and not cache.blocklist()
+
+
+def iso_block(runner: TunableRunner, tactic: Any):
+    from graphtune.autotuner.cache import BlockedTactic
+
+    return BlockedTactic(runner_id(runner), tactic, "crash: test")
+
+
+# ---------------------------------------------------------------- configuration
+
+
+@pytest.mark.parametrize("value, message", [("threads", "not one of"), (3, "pass 'inprocess'")])
+def test_isolation_argument_validation(value: Any, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        AutoTuner(isolation=value)
+    assert AutoTuner(isolation=None).isolation == Isolation()
+    assert AutoTuner(isolation="subprocess").isolation.mode == "subprocess"
+
+
+@pytest.mark.parametrize("field", ["timeout_s", "start_timeout_s"])
+@pytest.mark.parametrize("bad", [0, -1.0, math.inf, math.nan, True, "5"])
+def test_isolation_timeouts_validated(field: str, bad: Any) -> None:
+    with pytest.raises(ConfigError, match=field):
+        Isolation("subprocess", **{field: bad})
+
+
+def test_unpicklable_runner_is_a_clear_config_error() -> None:
+    class LocalRunner(CostRunner):  # defined in a function: pickle cannot import it
+        pass
+
+    # Checked before any worker starts, so these cost no process start.
+    tuner = AutoTuner(isolation="subprocess", rounds=1, remeasure_top=0)
+    tuner.tuning_mode = True
+    with pytest.raises(ConfigError, match=r"runner 0 \(.*LocalRunner\).*module top level"):
+        tuner.choose_one("op", [LocalRunner([1.0])], CONFIG, INPUTS)
+    assert tuner._worker is not None and tuner._worker.starts == 0
+    with pytest.raises(ConfigError, match="the timer"):
+        tune([5.0], isolation="subprocess", timer=LocalTimer())
+
+
+class LocalTimer(ReportTimer):
+    def __init__(self) -> None:
+        self.clock = lambda: 0.0  # a lambda attribute makes it unpicklable
+
+
+def test_describe_exit() -> None:
+    assert iso.describe_exit(-signal.SIGSEGV) == "killed by SIGSEGV"
+    assert iso.describe_exit(7) == "exit code 7"
+    assert iso.describe_exit(None) == "still running"
+
+
+# ---------------------------------------------------------------- subprocess mode (real workers)
+
+
+@pytest.mark.slow
+def test_subprocess_survives_crash_hang_and_error_then_blocklist_skips(tmp_path) -> None:
+    path = tmp_path / "cache.json"
+    tactics = ["raise", 9.0, "segv", 4.0, "hang", "exit", 6.0]
+    tuner = AutoTuner(
+        timer=ReportTimer(),
+        rounds=2,
+        remeasure_top=0,
+        isolation=Isolation("subprocess", timeout_s=2.0),
+    )
+    start = time.perf_counter()
+    with autotune(path, tuner=tuner):
+        runner, tactic = tuner.choose_one("op", [CostRunner(tactics)], CONFIG, INPUTS)
+    assert tactic == 4.0, "tuning must complete and pick the fastest good tactic"
+    stats = tuner.stats
+    assert stats.tactic_failures == {"RuntimeError": 1, "crash": 2, "timeout": 1}
+    # first worker, then a fresh one after each of: segv, hang, exit
+    assert stats.workers_started == 4
+    assert time.perf_counter() - start < 60
+    blocked = {b.tactic: b.reason for b in tuner.cache.blocklist()}
+    assert set(blocked) == {"segv", "hang", "exit"}, "a plain exception is not blocklisted"
+    assert "SIGSEGV" in blocked["segv"] and "exit code 7" in blocked["exit"]
+    assert "timeout" in blocked["hang"] and "2 s" in blocked["hang"]
+    assert tuner._worker is None, "autotune() stops the worker on exit"
+
+    # The next process reads the blocklist from the file and never runs those tactics again:
+    # proven by tuning in-process, where any of them would kill or hang this test.
+    # Another op name, so nothing is answered from the cache entries: only the blocklist helps.
+    again = AutoTuner(timer=ReportTimer(), rounds=1, remeasure_top=0)
+    again.cache.load(path, strict=True)
+    again.tuning_mode = True
+    _, tactic = again.choose_one("other op", [CostRunner(tactics)], CONFIG, INPUTS)
+    assert tactic == 4.0
+    assert again.stats.tactics_blocked == 3
+    assert again.stats.tactic_failures == {"RuntimeError": 1}

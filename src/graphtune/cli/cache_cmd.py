@@ -1,4 +1,5 @@
-"""``graphtune cache show|clear PATH``: inspect or delete a tuning cache file."""
+"""``graphtune cache show|clear|verify|merge|unblock``: inspect, check, combine or delete tuning
+cache files."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from graphtune.autotuner import persist
+from graphtune.autotuner import maintenance, persist
 from graphtune.autotuner.fingerprint import (
     FINGERPRINT_FIELDS,
     environment_fingerprint,
@@ -24,8 +25,10 @@ COLUMNS = (
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Adds ``cache show`` and ``cache clear``."""
-    cache = subparsers.add_parser("cache", help="inspect or delete a tuning cache file")
+    """Adds ``cache show``, ``clear``, ``verify``, ``merge`` and ``unblock``."""
+    cache = subparsers.add_parser(
+        "cache", help="inspect, check, merge or delete tuning cache files"
+    )
     actions = cache.add_subparsers(dest="cache_command", metavar="ACTION")
     show = actions.add_parser("show", help="print the entries and environment of a cache file")
     show.add_argument("path", metavar="PATH", type=Path, help="tuning cache file (JSON)")
@@ -33,6 +36,43 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     clear = actions.add_parser("clear", help="delete a cache file and its lock file")
     clear.add_argument("path", metavar="PATH", type=Path, help="tuning cache file (JSON)")
     clear.set_defaults(handler=clear_command)
+    verify = actions.add_parser(
+        "verify",
+        help="check a cache file; exit 0 when usable here, 1 when anything is wrong",
+        description="Checks a tuning cache file and prints every problem: parse errors, format "
+        "version, fingerprint vs this environment, malformed entries (runner not in the key, "
+        "non-finite times, tactics that are not JSON), malformed blocklist items; and a summary "
+        "of the blocklist. Exit 0: usable here; 1: problems.",
+    )
+    verify.add_argument("path", metavar="FILE", type=Path, help="tuning cache file (JSON)")
+    verify.set_defaults(handler=verify_command)
+    merge = actions.add_parser(
+        "merge",
+        help="merge two cache files into a third (faster recorded time wins; ties keep A)",
+        description="Merges cache files A and B into C. Rule: A and B must come from the same "
+        "environment (equal fingerprints) unless --force (C gets A's fingerprint). A key in one "
+        "file only is copied. For a key in both, the entry with the faster recorded time_us is "
+        "kept (the timing mode is part of the key, so both were measured the same way); an entry "
+        "with a time beats one without; ties keep A's. Blocklists are unioned (A's reason wins). "
+        "C is written atomically under its lock file; it may be A or B.",
+    )
+    merge.add_argument("a", metavar="A", type=Path, help="first cache file (wins ties)")
+    merge.add_argument("b", metavar="B", type=Path, help="second cache file")
+    merge.add_argument("-o", "--output", required=True, type=Path, metavar="C", help="output")
+    merge.add_argument(
+        "--force", action="store_true", help="merge even if the fingerprints differ"
+    )
+    merge.set_defaults(handler=merge_command)
+    unblock = actions.add_parser(
+        "unblock",
+        help="remove blocklisted tactics from a cache file so tuning retries them",
+        description="Removes blocked (runner, tactic) pairs from a cache file; with no filter, "
+        "all of them. Entries are untouched.",
+    )
+    unblock.add_argument("path", metavar="FILE", type=Path, help="tuning cache file (JSON)")
+    unblock.add_argument("--runner", metavar="ID", help="only this runner id (see verify)")
+    unblock.add_argument("--tactic", metavar="JSON", help="only this tactic, as JSON, e.g. 3")
+    unblock.set_defaults(handler=unblock_command)
     cache.set_defaults(handler=lambda args: _usage(cache))
 
 
@@ -81,6 +121,65 @@ def show_command(args: argparse.Namespace) -> int:
         print(render_table(f"{len(rows)} entries", COLUMNS, rows, width=200))
     else:
         print("No entries.")
+    blocked = [
+        (short_runner_name(b.runner_id), json.dumps(b.tactic), b.op, b.reason)
+        for b in doc["blocklist"].values()
+    ]
+    if blocked:
+        title = f"{len(blocked)} blocked tactics (never timed; `graphtune cache unblock` clears)"
+        print(render_table(title, ("runner", "tactic", "op", "reason"), blocked, width=200))
+    return 0
+
+
+def verify_command(args: argparse.Namespace) -> int:
+    """Prints every problem of the file; 0 when usable here, 1 otherwise."""
+    report = maintenance.verify_file(args.path)
+    for note in report.notes:
+        print(note)
+    if report.ok:
+        print(f"OK: {args.path} is usable in this environment.")
+        return 0
+    for problem in report.problems:
+        print(f"problem: {problem}")
+    print(f"{args.path}: {len(report.problems)} problem(s); graphtune would skip this file here.")
+    return 1
+
+
+def merge_command(args: argparse.Namespace) -> int:
+    """Merges A and B into the output; 1 when an input is unusable or environments differ."""
+    try:
+        report = maintenance.merge_files(args.a, args.b, args.output, force=args.force)
+    except CacheFileError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(
+        f"Wrote {args.output}: {report.entries} entries ({report.only_a} only in A, "
+        f"{report.only_b} only in B, {report.conflicts_kept_a} conflicts kept A, "
+        f"{report.conflicts_kept_b} kept B), {report.blocked} blocked tactics."
+    )
+    return 0
+
+
+def unblock_command(args: argparse.Namespace) -> int:
+    """Removes matching blocklist items; 1 when the file is unusable or the tactic is not JSON."""
+    tactic = None
+    if args.tactic is not None:
+        try:
+            tactic = json.loads(args.tactic)
+        except ValueError:
+            print(f"error: --tactic {args.tactic!r} is not JSON (e.g. 3, '\"a\"', '[1, 2]')",
+                  file=sys.stderr)
+            return 1
+    try:
+        removed = persist.unblock(
+            args.path, runner_id=args.runner, tactic=tactic, match_tactic=args.tactic is not None
+        )
+    except CacheFileError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    for item in removed:
+        print(f"unblocked {item.runner_id} tactic {json.dumps(item.tactic)} ({item.reason})")
+    print(f"Removed {len(removed)} blocked tactic(s) from {args.path}.")
     return 0
 
 

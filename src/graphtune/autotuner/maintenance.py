@@ -1,0 +1,214 @@
+"""Checking and merging tuning cache files (``graphtune cache verify`` and ``cache merge``).
+
+``verify`` reads a file leniently and lists *every* problem, where loading stops at the first and
+skips the whole file. ``merge`` combines two files under a stated rule (also in
+``docs/cache-format.md`` and ``graphtune cache merge --help``):
+
+* both files must be usable (current ``format_version``, well-formed) and come from the same
+  environment (equal fingerprints) unless ``force`` is given; the output carries A's fingerprint;
+* a key present in one file only is copied;
+* for a key present in both, the entry with the faster recorded ``time_us`` is kept (both entries
+  were measured with the same timer, because the timing mode is part of the key); an entry with a
+  time beats one without (every candidate failed); a tie, or no time on either side, keeps A's;
+* blocklists are unioned; for the same (runner, tactic) A's reason is kept.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from os import PathLike
+from pathlib import Path
+from typing import Any
+
+from graphtune.autotuner import persist
+from graphtune.autotuner.cache import BlockedTactic, CacheEntry, CacheKey
+from graphtune.autotuner.fingerprint import environment_fingerprint, fingerprint_mismatch
+from graphtune.errors import CacheFileError
+
+
+@dataclass
+class VerifyReport:
+    """Result of :func:`verify_file`.
+
+    Attributes:
+        problems: Everything wrong with the file; empty means it is usable here.
+        notes: Information that is not a problem (counts, blocklist summary).
+        entries: Well-formed entries found.
+        blocked: Well-formed blocklist items found.
+    """
+
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    entries: int = 0
+    blocked: list[BlockedTactic] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """Whether the file has no problem."""
+        return not self.problems
+
+
+def verify_file(
+    path: str | PathLike[str], *, fingerprint: dict[str, Any] | None = None
+) -> VerifyReport:
+    """Checks a cache file and reports every problem found.
+
+    Args:
+        path: Cache file.
+        fingerprint: Environment to compare with; ``None`` computes this process's.
+
+    Returns:
+        The report (never raises for a bad file).
+    """
+    report = VerifyReport()
+    path = Path(path)
+    try:
+        doc = persist.parse_json(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        report.problems.append("the file does not exist")
+        return report
+    except UnicodeDecodeError as exc:
+        report.problems.append(f"parse error: not UTF-8 text ({exc})")
+        return report
+    except OSError as exc:
+        report.problems.append(f"cannot be read: {exc}")
+        return report
+    except (ValueError, RecursionError) as exc:
+        report.problems.append(f"parse error: invalid JSON, corrupt or truncated ({exc})")
+        return report
+    if not isinstance(doc, dict) or "format_version" not in doc:
+        report.problems.append("not a graphtune cache: no top-level format_version")
+        return report
+    if doc["format_version"] != persist.FORMAT_VERSION:
+        report.problems.append(
+            f"format_version is {doc['format_version']!r}; this graphtune reads "
+            f"{persist.FORMAT_VERSION} (re-tune to rewrite it)"
+        )
+        return report
+    current = environment_fingerprint() if fingerprint is None else fingerprint
+    for diff in fingerprint_mismatch(doc.get("fingerprint"), current):
+        report.problems.append(f"fingerprint differs from this environment: {diff}")
+    _verify_entries(doc.get("entries"), report)
+    _verify_blocklist(doc.get("blocklist", []), report)
+    return report
+
+
+def _verify_entries(items: Any, report: VerifyReport) -> None:
+    if not isinstance(items, list):
+        report.problems.append(f"'entries' is {type(items).__name__}, expected a list")
+        return
+    seen: dict[CacheKey, int] = {}
+    for index, item in enumerate(items):
+        where = f"entry {index}"
+        try:
+            key = CacheKey.from_json(item["key"])
+            entry = CacheEntry.from_json(item["value"])
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            report.problems.append(f"{where}: malformed ({type(exc).__name__}: {exc})")
+            continue
+        where = f"entry {index} (op {key.op!r}, shapes {list(key.shapes)})"
+        if key in seen:
+            report.problems.append(f"{where}: duplicate of entry {seen[key]} (one is ignored)")
+        seen[key] = index
+        report.entries += 1
+        report.problems.extend(f"{where}: {p}" for p in _entry_problems(key, entry))
+
+
+def _entry_problems(key: CacheKey, entry: CacheEntry) -> list[str]:
+    problems = []
+    index = entry.runner_index
+    if not 0 <= index < len(key.runners) or key.runners[index] != entry.runner_id:
+        problems.append(
+            f"runner_index {index} / runner_id {entry.runner_id!r} do not name a runner of the "
+            "key, so look-ups never use it"
+        )
+    try:
+        json.dumps(entry.tactic, allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as exc:
+        problems.append(f"tactic is not JSON-serialisable ({exc})")
+    for name in ("time_us", "fallback_us"):
+        value = getattr(entry, name)
+        if value is not None and (not math.isfinite(value) or value <= 0):
+            problems.append(f"{name} is {value}; times must be finite and > 0 (or null)")
+    return problems
+
+
+def _verify_blocklist(items: Any, report: VerifyReport) -> None:
+    if not isinstance(items, list):
+        report.problems.append(f"'blocklist' is {type(items).__name__}, expected a list")
+        return
+    for index, item in enumerate(items):
+        try:
+            report.blocked.append(BlockedTactic.from_json(item))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            report.problems.append(f"blocklist item {index}: malformed ({exc})")
+    report.notes.append(f"{report.entries} entries, {len(report.blocked)} blocked tactics")
+    for item in report.blocked:
+        report.notes.append(
+            f"blocked: {item.runner_id} tactic {json.dumps(item.tactic)} ({item.reason})"
+        )
+
+
+@dataclass
+class MergeReport:
+    """What :func:`merge_files` did."""
+
+    entries: int = 0
+    only_a: int = 0
+    only_b: int = 0
+    conflicts_kept_a: int = 0
+    conflicts_kept_b: int = 0
+    blocked: int = 0
+
+
+def _faster(a: CacheEntry, b: CacheEntry) -> bool:
+    """Whether B replaces A under the merge rule (strictly faster, or timed where A is not)."""
+    if b.time_us is None:
+        return False
+    return a.time_us is None or b.time_us < a.time_us
+
+
+def merge_files(
+    a: str | PathLike[str],
+    b: str | PathLike[str],
+    out: str | PathLike[str],
+    *,
+    force: bool = False,
+) -> MergeReport:
+    """Merges cache files A and B into ``out`` by the rule in this module's docstring.
+
+    Raises:
+        CacheFileError: A or B is unusable, their environments differ (without ``force``), or
+            ``out`` could not be written.
+    """
+    doc_a = persist.read_document(a)
+    doc_b = persist.read_document(b)
+    diffs = fingerprint_mismatch(doc_b["fingerprint"], doc_a["fingerprint"] or {})
+    if diffs and not force:
+        raise CacheFileError(
+            f"cannot merge {b} into {a}: they come from different environments ("
+            + "; ".join(d.replace("(file)", "(B)").replace("(here)", "(A)") for d in diffs)
+            + "). Picks measured elsewhere are not valid here; re-tune, or pass --force to "
+            "merge anyway (the output gets A's fingerprint)."
+        )
+    report = MergeReport()
+    merged = dict(doc_a["entries"])
+    report.only_a = len(set(merged) - set(doc_b["entries"]))
+    for key, entry in doc_b["entries"].items():
+        mine = merged.get(key)
+        if mine is None:
+            merged[key] = entry
+            report.only_b += 1
+        elif _faster(mine, entry):
+            merged[key] = entry
+            report.conflicts_kept_b += 1
+        else:
+            report.conflicts_kept_a += 1
+    blocked = dict(doc_b["blocklist"])
+    blocked.update(doc_a["blocklist"])  # A's reason wins for the same (runner, tactic)
+    persist.write_atomic(out, persist.document(merged, doc_a["fingerprint"], blocked))
+    report.entries = len(merged)
+    report.blocked = len(blocked)
+    return report

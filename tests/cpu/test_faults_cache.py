@@ -1,0 +1,277 @@
+"""Cache file safety: writers killed mid-save, concurrent writers, unusable files, the blocklist
+in the file, and ``graphtune cache verify|merge|unblock``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing
+import os
+import time
+
+import pytest
+
+from graphtune.autotuner import CacheEntry, CacheKey, TuningCache, persist
+from graphtune.autotuner.cache import BlockedTactic
+from graphtune.autotuner.fingerprint import environment_fingerprint
+from graphtune.cli.main import main
+from graphtune.errors import CacheFileError
+
+
+def key(i: int, op: str = "gemm") -> CacheKey:
+    return CacheKey(op, ("m.A", "m.B"), ((i, 64),), ("float32",), "wallclock")
+
+
+def entry(tactic, time_us: float | None = 2.0, index: int = 1) -> CacheEntry:
+    return CacheEntry(("m.A", "m.B")[index], index, tactic, time_us, 4.0)
+
+
+def write_cache(path, n: int = 3, blocked: tuple = ()) -> TuningCache:
+    cache = TuningCache()
+    for i in range(n):
+        cache.put(key(i + 1), entry([i, "old"]))
+    for tactic in blocked:
+        cache.block(BlockedTactic("m.B", tactic, "crash: exit code 7", "gemm", "1x64"))
+    cache.save(path)
+    return cache
+
+
+# ---------------------------------------------------------------- a save killed half-way
+
+
+def _dying_writer(path: str, how: str, ready) -> None:
+    from graphtune.autotuner import TuningCache, persist
+
+    def fault(tmp) -> None:
+        ready.set()
+        if how == "exit":
+            os._exit(9)  # the process dies between the complete temp file and the rename
+        time.sleep(600)  # paused here until the parent SIGKILLs it
+
+    persist._after_temp_write = fault
+    cache = TuningCache()
+    cache.put(key(99), entry(["new"]))
+    cache.save(path)
+
+
+@pytest.mark.slow
+def test_writer_killed_mid_save_leaves_old_file_intact(tmp_path) -> None:
+    ctx = multiprocessing.get_context("spawn")
+    runs = []
+    for how in ("exit", "kill"):
+        path = tmp_path / how / "cache.json"
+        path.parent.mkdir()
+        write_cache(path)
+        ready = ctx.Event()
+        proc = ctx.Process(target=_dying_writer, args=(str(path), how, ready))
+        proc.start()
+        runs.append((how, path, path.read_bytes(), ready, proc))
+    for how, path, before, ready, proc in runs:
+        assert ready.wait(120), "the writer never reached the fault point"
+        if how == "kill":
+            proc.kill()
+        proc.join(60)
+        assert proc.exitcode == (9 if how == "exit" else -9)
+        assert path.read_bytes() == before, "the old file must be untouched"
+        assert len(persist.load(path, strict=True)) == 3
+        assert list(path.parent.glob(".cache.json.*.tmp")), "the dead writer's temp file"
+        # The dead writer's lock died with it; the next save takes it, cleans up, loses nothing.
+        cache = TuningCache()
+        cache.put(key(50), entry(["after"]))
+        assert persist.save(path, dict(cache.items()), lock_timeout_s=10) == 4
+        assert not list(path.parent.glob(".cache.json.*.tmp"))
+
+
+def test_failed_rename_keeps_old_file_and_removes_temp(tmp_path, monkeypatch) -> None:
+    path = tmp_path / "cache.json"
+    write_cache(path)
+    before = path.read_bytes()
+
+    def refuse(src, dst) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(persist.os, "replace", refuse)
+    cache = TuningCache()
+    cache.put(key(7), entry(["x"]))
+    with pytest.raises(CacheFileError, match="No space left"):
+        cache.save(path)
+    assert path.read_bytes() == before
+    assert not list(tmp_path.glob(".cache.json.*.tmp"))
+
+
+# ---------------------------------------------------------------- concurrent writers
+
+WRITERS, SAVES = 3, 8
+
+
+def _writer(path: str, writer: int, barrier) -> None:
+    from graphtune.autotuner import TuningCache
+    from graphtune.autotuner.cache import BlockedTactic
+
+    barrier.wait()
+    for i in range(SAVES):
+        cache = TuningCache()  # fresh: only the file carries earlier entries forward
+        cache.put(key(100 * writer + i + 1, op=f"op{writer}"), entry([writer, i]))
+        cache.block(BlockedTactic("m.B", [writer, i], "timeout", f"op{writer}"))
+        cache.save(path)
+
+
+@pytest.mark.slow
+def test_three_processes_writing_one_file_lose_nothing(tmp_path) -> None:
+    path = str(tmp_path / "cache.json")
+    ctx = multiprocessing.get_context("spawn")
+    barrier = ctx.Barrier(WRITERS)
+    procs = [ctx.Process(target=_writer, args=(path, w, barrier)) for w in range(WRITERS)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=180)
+    assert [proc.exitcode for proc in procs] == [0] * WRITERS
+    loaded = persist.load_file(path, strict=True)
+    expected = {(w, i) for w in range(WRITERS) for i in range(SAVES)}
+    assert {tuple(e.tactic) for e in loaded.entries.values()} == expected
+    assert {tuple(b.tactic) for b in loaded.blocklist.values()} == expected
+
+
+# ---------------------------------------------------------------- unusable files
+
+
+@pytest.mark.parametrize(
+    "text, reason",
+    [
+        ('{"format_version": 1, "fingerprint": {}, "entries": [{"key": ', "truncated"),
+        ("\udcff", "corrupt"),
+        ('{"format_version": 1, "fingerprint": FP, "entries": [], "time": NaN}', "NaN"),
+        ('{"format_version": 1, "fingerprint": FP, "entries": [], "blocklist": [3]}', "blocklist"),
+        ('{"format_version": 2, "fingerprint": FP, "entries": []}', "format_version 2"),
+        ('{"format_version": 1, "fingerprint": {"gpu": "Z100"}, "entries": []}', "environment"),
+    ],
+)
+def test_unusable_file_skipped_with_one_warning_naming_file_and_reason(
+    tmp_path, caplog, text: str, reason: str
+) -> None:
+    path = tmp_path / "cache.json"
+    text = text.replace("FP", json.dumps(environment_fingerprint()))
+    path.write_bytes(text.encode("utf-8", "surrogateescape"))
+    caplog.set_level(logging.WARNING)
+    cache = TuningCache()
+    assert cache.load(path) == 0 and not cache.blocklist()
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1
+    assert str(path) in warnings[0].getMessage() and reason in warnings[0].getMessage()
+
+
+def test_blocklist_round_trip_and_unblock(tmp_path) -> None:
+    path = tmp_path / "cache.json"
+    write_cache(path, blocked=([1, 2], "x"))
+    cache = TuningCache()
+    cache.load(path, strict=True)
+    assert cache.blocked("m.B", (1, 2)) is not None and cache.blocked("m.B", "x") is not None
+    cache.clear_blocklist()
+    cache.save(path)  # saving merges: clearing memory does not clear the file
+    assert len(persist.load_file(path).blocklist) == 2
+    removed = persist.unblock(path, tactic=[1, 2], match_tactic=True)
+    assert [b.tactic for b in removed] == [[1, 2]]
+    assert [b.tactic for b in persist.load_file(path).blocklist.values()] == ["x"]
+    assert len(persist.load(path)) == 3, "entries are untouched"
+
+
+def test_file_without_blocklist_keeps_its_layout(tmp_path) -> None:
+    path = tmp_path / "cache.json"
+    write_cache(path)
+    assert "blocklist" not in json.loads(path.read_text())
+
+
+# ---------------------------------------------------------------- CLI: verify, merge, unblock
+
+
+def test_verify_ok_and_blocklist_summary(tmp_path, capsys) -> None:
+    path = tmp_path / "cache.json"
+    write_cache(path, blocked=(5,))
+    assert main(["cache", "verify", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "OK" in out and "3 entries, 1 blocked" in out and "crash: exit code 7" in out
+
+
+def test_verify_lists_every_problem(tmp_path, capsys) -> None:
+    path = tmp_path / "cache.json"
+    write_cache(path)
+    doc = json.loads(path.read_text())
+    doc["fingerprint"]["torch"] = "0.1"
+    doc["entries"][0]["value"]["runner_index"] = 5
+    doc["entries"][1]["value"]["time_us"] = -1.0
+    del doc["entries"][2]["value"]["tactic"]
+    doc["entries"].append(doc["entries"][1])
+    doc["blocklist"] = [{"tactic": 1}]
+    path.write_text(json.dumps(doc))
+    assert main(["cache", "verify", str(path)]) == 1
+    out = capsys.readouterr().out
+    for text in ("torch: '0.1' (file)", "runner_index 5", "time_us is -1.0", "entry 2: malformed",
+                 "duplicate of entry 1", "blocklist item 0: malformed", "problem(s)"):
+        assert text in out, text
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [(None, "does not exist"), ("{", "parse error"), ('{"format_version": 0}', "format_version")],
+)
+def test_verify_unreadable_files(tmp_path, capsys, content, message) -> None:
+    path = tmp_path / "cache.json"
+    if content is not None:
+        path.write_text(content)
+    assert main(["cache", "verify", str(path)]) == 1
+    assert message in capsys.readouterr().out
+
+
+def test_merge_rule_faster_wins_ties_keep_a_blocklists_union(tmp_path, capsys) -> None:
+    a, b, c = (tmp_path / n for n in ("a.json", "b.json", "c.json"))
+    ca, cb = TuningCache(), TuningCache()
+    ca.put(key(1), entry("a1", 5.0))  # B faster -> B
+    cb.put(key(1), entry("b1", 4.0))
+    ca.put(key(2), entry("a2", 3.0))  # tie -> A
+    cb.put(key(2), entry("b2", 3.0))
+    ca.put(key(3), entry("a3", None, 0))  # A failed, B timed -> B
+    cb.put(key(3), entry("b3", 9.0))
+    ca.put(key(4), entry("a4", 1.0))  # only A
+    cb.put(key(5), entry("b5", 1.0))  # only B
+    ca.block(BlockedTactic("m.B", 1, "reason A"))
+    cb.block(BlockedTactic("m.B", 1, "reason B"))
+    cb.block(BlockedTactic("m.B", 2, "only B"))
+    ca.save(a)
+    cb.save(b)
+    assert main(["cache", "merge", str(a), str(b), "-o", str(c)]) == 0
+    assert "5 entries" in capsys.readouterr().out
+    merged = persist.load_file(c, strict=True)
+    tactics = {k.shapes[0][0]: e.tactic for k, e in merged.entries.items()}
+    assert tactics == {1: "b1", 2: "a2", 3: "b3", 4: "a4", 5: "b5"}
+    assert {b.tactic: b.reason for b in merged.blocklist.values()} == {1: "reason A", 2: "only B"}
+
+
+def test_merge_refuses_other_environment_unless_forced(tmp_path, capsys) -> None:
+    a, b, c = (tmp_path / n for n in ("a.json", "b.json", "c.json"))
+    write_cache(a)
+    write_cache(b, n=5)
+    doc = json.loads(b.read_text())
+    doc["fingerprint"]["gpu"] = "NVIDIA Z100"
+    b.write_text(json.dumps(doc))
+    assert main(["cache", "merge", str(a), str(b), "-o", str(c)]) == 1
+    assert "different environments" in capsys.readouterr().err and not c.exists()
+    assert main(["cache", "merge", str(a), str(b), "-o", str(c), "--force"]) == 0
+    assert len(persist.load(c, strict=True)) == 5  # A's fingerprint, which matches here
+    (tmp_path / "bad.json").write_text("{")
+    assert main(["cache", "merge", str(a), str(tmp_path / "bad.json"), "-o", str(c)]) == 1
+    assert "bad.json" in capsys.readouterr().err
+
+
+def test_unblock_cli_and_show_lists_blocklist(tmp_path, capsys) -> None:
+    path = tmp_path / "cache.json"
+    write_cache(path, blocked=(1, [2, 3]))
+    assert main(["cache", "show", str(path)]) == 0
+    assert "2 blocked tactics" in capsys.readouterr().out
+    assert main(["cache", "unblock", str(path), "--tactic", "[2, 3]"]) == 0
+    assert "Removed 1" in capsys.readouterr().out
+    assert main(["cache", "unblock", str(path), "--tactic", "{oops"]) == 1
+    assert main(["cache", "unblock", str(path)]) == 0
+    assert "Removed 1" in capsys.readouterr().out
+    assert not persist.load_file(path).blocklist
+    assert main(["cache", "unblock", str(tmp_path / "none.json")]) == 1

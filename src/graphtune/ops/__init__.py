@@ -1,0 +1,87 @@
+"""Tunable ops for LLM decode: GEMM (cuBLAS and Triton) and fused kernels, each a set of runners.
+
+Every op is a plain function that asks the autotuner which (runner, tactic) to run for the live
+shape; outside tuning mode that is a cache look-up, and an untuned shape runs the torch fallback
+(tactic ``-1``). Triton is optional: without it each op offers only its torch runner.
+
+* :func:`gemm` / :class:`TunableLinear` — ``F.linear`` semantics; cuBLAS or Triton with
+  block / warp / stage / split-K tactics.
+* :func:`fused_add_rms_norm` — residual add + RMSNorm, returning ``(out, new_residual)``.
+* :func:`rope_kv_cache` — rotary embedding of q and k and the K/V cache write, returning ``q``.
+* :func:`silu_and_mul` — SwiGLU activation on a fused gate/up tensor.
+* :func:`tune_ops` — tunes all of them for a model's decode shapes (``graphtune tune``).
+
+Importing this package imports neither Triton nor the kernels.
+"""
+
+from graphtune.ops._triton import TritonUnavailableError, require_triton, triton_available
+from graphtune.ops.activation import (
+    TorchSiluAndMulRunner,
+    TritonSiluAndMulRunner,
+    silu_and_mul,
+    silu_and_mul_config,
+    silu_and_mul_runners,
+    torch_silu_and_mul,
+)
+from graphtune.ops.gemm import (
+    TorchGemmRunner,
+    TritonGemmRunner,
+    TunableLinear,
+    check_gemm_tactic,
+    gemm,
+    gemm_config,
+    gemm_runners,
+    gemm_tactics,
+)
+from graphtune.ops.rmsnorm import (
+    TorchRMSNormRunner,
+    TritonRMSNormRunner,
+    fused_add_rms_norm,
+    rms_norm_config,
+    rms_norm_runners,
+    torch_rms_norm,
+)
+from graphtune.ops.rotary import (
+    TorchRopeRunner,
+    TritonRopeRunner,
+    rope_config,
+    rope_kv_cache,
+    rope_runners,
+    torch_rope_kv_cache,
+)
+from graphtune.ops.tuning import OpDims, TuneReport, tune_ops
+
+__all__ = [
+    "OpDims",
+    "TorchGemmRunner",
+    "TorchRMSNormRunner",
+    "TorchRopeRunner",
+    "TorchSiluAndMulRunner",
+    "TritonGemmRunner",
+    "TritonRMSNormRunner",
+    "TritonRopeRunner",
+    "TritonSiluAndMulRunner",
+    "TritonUnavailableError",
+    "TunableLinear",
+    "TuneReport",
+    "check_gemm_tactic",
+    "fused_add_rms_norm",
+    "gemm",
+    "gemm_config",
+    "gemm_runners",
+    "gemm_tactics",
+    "require_triton",
+    "rms_norm_config",
+    "rms_norm_runners",
+    "rope_config",
+    "rope_kv_cache",
+    "rope_runners",
+    "silu_and_mul",
+    "silu_and_mul_config",
+    "silu_and_mul_runners",
+    "torch_rms_norm",
+    "torch_rope_kv_cache",
+    "torch_silu_and_mul",
+    "triton_available",
+    "tune_ops",
+]

@@ -1,0 +1,137 @@
+"""Tunable SiLU-and-mul on a fused ``[..., 2 * I]`` gate/up projection.
+
+``silu_and_mul(gate_up) == silu(gate_up[..., :I]) * gate_up[..., I:]``, which is
+``engine.model.swiglu``: the gate half comes first. The torch code (chunk, silu, mul: two kernels
+and an intermediate tensor) is the fallback tactic ``-1``; the Triton kernel reads the row once and
+writes ``[..., I]``, tactics ``{"block", "warps"}`` over a ``(rows, I / block)`` grid.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from graphtune.autotuner.config import DynamicTensorSpec, TuningConfig, next_power_of_two
+from graphtune.autotuner.runner import FALLBACK_TACTIC, TunableRunner
+from graphtune.autotuner.tuner import AutoTuner, get_tuner
+from graphtune.errors import InputError
+from graphtune.ops._triton import (
+    TritonRunner,
+    check_block_tactic,
+    device_supported,
+    elementwise_tactics,
+    kernels,
+    run_kernel,
+    triton_available,
+)
+
+OP_NAME = "graphtune.silu_and_mul"
+BLOCKS = (256, 512, 1024, 2048, 4096)
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def torch_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """The unfused reference (``engine.model.swiglu``)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _unpack(inputs: list[Any]) -> torch.Tensor:
+    (x,) = inputs
+    if x.dim() != 2 or x.shape[1] % 2:
+        raise InputError(
+            f"silu_and_mul needs gate_up [M, 2 * I] (an even last dim), got {tuple(x.shape)}."
+        )
+    return x
+
+
+def silu_and_mul_tactics(inter: int) -> list[dict[str, int]]:
+    """Block/warp tactics for ``I`` output columns (blocks up to ``next_power_of_two(I)``)."""
+    limit = max(BLOCKS[0], next_power_of_two(inter))
+    return elementwise_tactics([b for b in BLOCKS if b <= limit], warps=(1, 2, 4, 8))
+
+
+class TorchSiluAndMulRunner(TunableRunner):
+    """The unfused torch code."""
+
+    def forward(self, inputs: list[Any], tactic: Any = FALLBACK_TACTIC) -> torch.Tensor:
+        """Returns ``silu(gate) * up``."""
+        return torch_silu_and_mul(_unpack(inputs))
+
+
+class TritonSiluAndMulRunner(TritonRunner):
+    """Fused SiLU-and-mul in one Triton kernel."""
+
+    def supports(self, inputs: list[Any]) -> bool:
+        """Float rows with a unit last stride, on a Triton device."""
+        x = _unpack(inputs)
+        return x.dtype in _DTYPES and x.stride(-1) == 1 and device_supported(x.device)
+
+    def tactics_for(self, inputs: list[Any]) -> list[Any]:
+        """See :func:`silu_and_mul_tactics`."""
+        return list(silu_and_mul_tactics(inputs[0].shape[1] // 2))
+
+    def torch_forward(self, inputs: list[Any]) -> torch.Tensor:
+        """The unfused torch code."""
+        return torch_silu_and_mul(_unpack(inputs))
+
+    def launch(self, inputs: list[Any], tactic: Any, *, warmup: bool = False) -> torch.Tensor:
+        """Runs the fused kernel; returns ``[M, I]``."""
+        x = _unpack(inputs)
+        check_block_tactic("TritonSiluAndMulRunner", tactic)
+        rows, width = x.shape
+        inter = width // 2
+        out = torch.empty((rows, inter), device=x.device, dtype=x.dtype)
+        if rows == 0 or inter == 0:
+            return out
+        block = tactic["block"]
+        grid = (rows, (inter + block - 1) // block)
+        args = (x, out, inter, x.stride(0), out.stride(0))
+        run_kernel(kernels().silu_and_mul_kernel, grid, args,
+                   dict(BLOCK=block, num_warps=tactic["warps"]), warmup)
+        return out
+
+
+@functools.lru_cache(maxsize=1)
+def silu_and_mul_runners() -> tuple[TunableRunner, ...]:
+    """The process-wide runners: torch first (fallback), Triton when importable."""
+    runners: list[TunableRunner] = [TorchSiluAndMulRunner()]
+    if triton_available():
+        runners.append(TritonSiluAndMulRunner())
+    return tuple(runners)
+
+
+@functools.lru_cache(maxsize=64)
+def silu_and_mul_config(max_m: int | None = None) -> TuningConfig:
+    """Tuning config: rows of ``gate_up`` bucketed."""
+    return TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0),), max_value=max_m)
+
+
+def silu_and_mul(
+    gate_up: torch.Tensor,
+    *,
+    tuner: AutoTuner | None = None,
+    max_m: int | None = None,
+    runners: tuple[TunableRunner, ...] | None = None,
+) -> torch.Tensor:
+    """``silu(gate) * up`` for a fused ``[..., 2 * I]`` tensor, through the tuner's pick.
+
+    Args:
+        gate_up: ``[..., 2 * I]``, gate half first.
+        tuner: Tuner to ask; the process default when ``None``.
+        max_m: Largest tuned row count (``None``: up to the live rows).
+        runners: Runners to choose from; :func:`silu_and_mul_runners` when ``None``.
+
+    Returns:
+        ``[..., I]`` in ``gate_up``'s dtype.
+    """
+    shape = gate_up.shape
+    inputs = [gate_up.reshape(-1, shape[-1])]
+    chosen = runners if runners is not None else silu_and_mul_runners()
+    runner, tactic = (tuner or get_tuner()).choose_one(
+        OP_NAME, chosen, silu_and_mul_config(max_m), inputs
+    )
+    return runner.forward(inputs, tactic).reshape(*shape[:-1], shape[-1] // 2)

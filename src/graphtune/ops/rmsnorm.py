@@ -1,0 +1,197 @@
+"""Tunable fused RMSNorm with an optional residual add.
+
+``out, new_residual = fused_add_rms_norm(x, weight, eps, residual)`` computes, per row,
+
+    new_residual = x + residual            (rounded to the dtype, as ``x = x + ...`` in torch)
+    out = to_dtype(s * rsqrt(mean(s^2) + eps) * weight),  s = float32(new_residual)
+
+which is ``engine.model.rms_norm(x + residual, weight, eps)`` (``F.rms_norm``: float32 statistics
+and weight product, one rounding) in one kernel instead of two or more. Without a residual,
+``new_residual`` is ``x`` itself. The unfused torch code is the fallback tactic ``-1``; Triton
+tactics are ``{"block", "warps"}``: a block at least as wide as the row normalises in one pass, a
+narrower block walks the row twice.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from graphtune.autotuner.config import ConstraintSpec, DynamicTensorSpec, TuningConfig
+from graphtune.autotuner.config import next_power_of_two as _np2
+from graphtune.autotuner.runner import FALLBACK_TACTIC, TunableRunner
+from graphtune.autotuner.tuner import AutoTuner, get_tuner
+from graphtune.errors import ConfigError, InputError
+from graphtune.ops._triton import (
+    TritonRunner,
+    check_block_tactic,
+    device_supported,
+    elementwise_tactics,
+    kernels,
+    run_kernel,
+    triton_available,
+)
+
+OP_NAME = "graphtune.rms_norm"
+MAX_ONE_PASS_BLOCK = 16384  # wider rows use the two-pass loop (register pressure)
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def torch_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The unfused reference: a residual add, then ``engine.model.rms_norm`` (``F.rms_norm``)."""
+    s = x + residual if residual is not None else x
+    if hasattr(F, "rms_norm"):  # torch >= 2.4
+        return F.rms_norm(s, (s.shape[-1],), weight, eps), s
+    # F.rms_norm's composite: float32 statistics and weight product, one rounding at the end.
+    xf = s.float()
+    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight
+    return out.to(s.dtype), s
+
+
+def _unpack(inputs: list[Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, float]:
+    x, weight, residual, eps = inputs
+    if x.dim() != 2 or weight.dim() != 1 or weight.shape[0] != x.shape[1]:
+        raise InputError(
+            f"rms_norm needs x [M, H] and weight [H], got x {tuple(x.shape)} and weight "
+            f"{tuple(weight.shape)}; fused_add_rms_norm() flattens leading dims."
+        )
+    if residual is not None and residual.shape != x.shape:
+        raise InputError(
+            f"rms_norm residual must have x's shape {tuple(x.shape)}, got "
+            f"{tuple(residual.shape)}."
+        )
+    return x, weight, residual, float(eps)
+
+
+def rms_norm_tactics(hidden: int) -> list[dict[str, int]]:
+    """Block/warp tactics for rows of ``hidden`` elements.
+
+    Blocks: the whole row (one pass) when it fits :data:`MAX_ONE_PASS_BLOCK`, and one or two
+    narrower power-of-two blocks (two passes, fewer registers) when the row is at least 1024.
+    """
+    full = _np2(hidden)
+    blocks = [full] if full <= MAX_ONE_PASS_BLOCK else []
+    blocks += [b for b in (full // 2, full // 4) if b >= 512 and b < full]
+    if not blocks:
+        blocks = [MAX_ONE_PASS_BLOCK]
+    return elementwise_tactics(sorted(set(blocks), reverse=True), per_thread=(2, 16))
+
+
+class TorchRMSNormRunner(TunableRunner):
+    """The unfused torch code (``engine.model.rms_norm`` after a residual add)."""
+
+    def forward(self, inputs: list[Any], tactic: Any = FALLBACK_TACTIC) -> Any:
+        """Returns ``(out, new_residual)``."""
+        x, weight, residual, eps = _unpack(inputs)
+        return torch_rms_norm(x, weight, eps, residual)
+
+
+class TritonRMSNormRunner(TritonRunner):
+    """Fused residual add + RMSNorm in one Triton kernel (one program per row)."""
+
+    def supports(self, inputs: list[Any]) -> bool:
+        """Float16/bfloat16/float32 rows with a unit last stride, on a Triton device."""
+        x, weight, residual, _ = _unpack(inputs)
+        if x.dtype not in _DTYPES or weight.dtype not in _DTYPES or x.stride(-1) != 1:
+            return False
+        if residual is not None and (residual.dtype != x.dtype or residual.stride(-1) != 1):
+            return False
+        return device_supported(x.device)
+
+    def tactics_for(self, inputs: list[Any]) -> list[Any]:
+        """See :func:`rms_norm_tactics`."""
+        return list(rms_norm_tactics(inputs[0].shape[1]))
+
+    def torch_forward(self, inputs: list[Any]) -> Any:
+        """The unfused torch code."""
+        x, weight, residual, eps = _unpack(inputs)
+        return torch_rms_norm(x, weight, eps, residual)
+
+    def launch(self, inputs: list[Any], tactic: Any, *, warmup: bool = False) -> Any:
+        """Runs the fused kernel; returns ``(out, new_residual)``."""
+        x, weight, residual, eps = _unpack(inputs)
+        check_block_tactic("TritonRMSNormRunner", tactic)
+        rows, hidden = x.shape
+        out = torch.empty_like(x)
+        res_out = torch.empty_like(x) if residual is not None else x
+        if rows == 0:
+            return out, res_out
+        block = tactic["block"]
+        args = (
+            x, residual if residual is not None else x, weight.contiguous(), out, res_out,
+            hidden, x.stride(0), residual.stride(0) if residual is not None else 0,
+            out.stride(0), res_out.stride(0), eps,
+        )
+        meta = dict(HAS_RES=residual is not None, BLOCK=block, ONE_PASS=block >= hidden,
+                    num_warps=tactic["warps"])
+        run_kernel(kernels().rms_norm_kernel, (rows,), args, meta, warmup)
+        return out, res_out
+
+
+@functools.lru_cache(maxsize=1)
+def rms_norm_runners() -> tuple[TunableRunner, ...]:
+    """The process-wide runners: torch first (fallback), Triton when importable."""
+    runners: list[TunableRunner] = [TorchRMSNormRunner()]
+    if triton_available():
+        runners.append(TritonRMSNormRunner())
+    return tuple(runners)
+
+
+def _rows_of_x(shapes: Any) -> int:
+    return int(shapes[0][0])
+
+
+@functools.lru_cache(maxsize=64)
+def rms_norm_config(max_m: int | None = None, residual: bool = False) -> TuningConfig:
+    """Tuning config: rows of ``x`` (input 0) bucketed; the residual's rows follow ``x``."""
+    constraints = (ConstraintSpec(2, 0, _rows_of_x),) if residual else ()
+    return TuningConfig(
+        dynamic_specs=(DynamicTensorSpec(0, 0),),
+        constraint_specs=constraints,
+        max_value=max_m,
+    )
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    *,
+    tuner: AutoTuner | None = None,
+    max_m: int | None = None,
+    runners: tuple[TunableRunner, ...] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rms_norm(x + residual)`` and ``x + residual`` through the tuner's pick.
+
+    Args:
+        x: ``[..., H]``.
+        weight: ``[H]`` norm weight.
+        eps: Added to the mean square.
+        residual: Optional ``[..., H]`` added to ``x`` first (same shape and dtype).
+        tuner: Tuner to ask; the process default when ``None``.
+        max_m: Largest tuned row count (``None``: up to the live rows).
+        runners: Runners to choose from; :func:`rms_norm_runners` when ``None``.
+
+    Returns:
+        ``(out, new_residual)``, both shaped and typed like ``x``; ``new_residual`` is ``x``
+        itself when ``residual`` is ``None``.
+    """
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or eps < 0:
+        raise ConfigError(f"fused_add_rms_norm: eps must be a float >= 0, got {eps!r}.")
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    r2 = residual.reshape(-1, shape[-1]) if residual is not None else None
+    inputs = [x2, weight, r2, float(eps)]
+    chosen = runners if runners is not None else rms_norm_runners()
+    config = rms_norm_config(max_m, residual is not None)
+    runner, tactic = (tuner or get_tuner()).choose_one(OP_NAME, chosen, config, inputs)
+    out, new_residual = runner.forward(inputs, tactic)
+    if residual is None:
+        return out.reshape(shape), x
+    return out.reshape(shape), new_residual.reshape(shape)

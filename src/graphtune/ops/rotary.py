@@ -1,0 +1,332 @@
+"""Tunable fused rotary embedding of q and k plus the K/V cache write of one decode token.
+
+Semantics are those of ``engine/step.py`` for one layer::
+
+    q, k, v = qkv.split((heads * D, kv_heads * D, kv_heads * D), dim=-1)
+    cos_b, sin_b = cos[positions][:, None], sin[positions][:, None]
+    q = apply_rope(q.view(B, heads, D), cos_b, sin_b)          # rotate-half
+    k = apply_rope(k.view(B, kv_heads, D), cos_b, sin_b)
+    k_cache.index_copy_(0, write_rows, k.reshape(-1, D))      # flattened cache rows
+    v_cache.index_copy_(0, write_rows, v.reshape(-1, D))
+    return q
+
+with ``k_cache``/``v_cache`` the flattened ``[slots * kv_heads * max_seq, D]`` views of one
+layer's cache and ``write_rows[b * kv_heads + h] = (slot_b * kv_heads + h) * max_seq + pos_b``.
+That torch code is the fallback tactic ``-1``. The Triton kernel does it in one launch; tactics
+``{"heads", "warps"}`` choose how many heads one program handles.
+
+Tuning keys: the cache and the cos/sin tables are sized by the engine's ``max_seq_len`` and slot
+count, which say nothing about the kernel's speed (it touches ``B * kv_heads`` rows). So the
+tuning config pins their row counts to canonical sizes (:data:`TABLE_ROWS`, :data:`CACHE_ROWS`):
+a tuned pick is reused for any cache size, and ``graphtune tune`` can tune ahead of the engine.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from graphtune.autotuner.config import (
+    ConstraintSpec,
+    DynamicTensorSpec,
+    TuningConfig,
+    next_power_of_two,
+)
+from graphtune.autotuner.runner import FALLBACK_TACTIC, TunableRunner
+from graphtune.autotuner.tuner import AutoTuner, get_tuner
+from graphtune.errors import ConfigError, InputError
+from graphtune.ops._triton import (
+    TritonRunner,
+    device_supported,
+    kernels,
+    run_kernel,
+    triton_available,
+)
+
+OP_NAME = "graphtune.rope_kv_cache"
+TABLE_ROWS = 4096
+CACHE_ROWS = 65536
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, signed_sin: bool
+            ) -> torch.Tensor:
+    # engine.model.apply_rope / apply_rope_signed, repeated here because ops must not import the
+    # engine (the engine imports ops); tests check they agree.
+    half = x.shape[-1] // 2
+    if signed_sin:
+        swapped = x.unflatten(-1, (2, half)).flip(-2).flatten(-2)
+        return torch.addcmul(x * cos, swapped, sin)
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def torch_rope_kv_cache(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    write_rows: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    signed_sin: bool = False,
+) -> torch.Tensor:
+    """The unfused reference (the engine's decode-step code for one layer); returns ``q``.
+
+    With ``signed_sin`` the ``sin`` table's first half holds ``-sin``
+    (``engine.model.rope_tables(..., signed_sin=True)``) and the rotation is
+    ``apply_rope_signed``'s.
+    """
+    batch, dim = qkv.shape[0], cos.shape[-1]
+    q, k, v = qkv.split((num_heads * dim, num_kv_heads * dim, num_kv_heads * dim), dim=-1)
+    cos_b = cos.index_select(0, positions)[:, None, :]
+    sin_b = sin.index_select(0, positions)[:, None, :]
+    q = _rotate(q.view(batch, num_heads, dim), cos_b, sin_b, signed_sin)
+    k = _rotate(k.view(batch, num_kv_heads, dim), cos_b, sin_b, signed_sin)
+    k_cache.index_copy_(0, write_rows, k.reshape(-1, dim))
+    v_cache.index_copy_(0, write_rows, v.reshape(-1, dim))
+    return q
+
+
+class _RopeRunnerMixin:
+    num_heads: int
+    num_kv_heads: int
+    signed_sin: bool
+
+    def _init_heads(self, num_heads: int, num_kv_heads: int, signed_sin: bool) -> None:
+        for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"rope runner: {name} must be an int >= 1, got {value!r}.")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.signed_sin = bool(signed_sin)
+
+    def cache_key_extras(self) -> tuple[Any, ...]:
+        """Head counts are not implied by the qkv width, so they are part of the identity."""
+        return (self.num_heads, self.num_kv_heads, self.signed_sin)
+
+    def _unpack(self, inputs: list[Any]) -> list[Any]:
+        qkv, positions, cos, sin, k_cache, v_cache, rows = inputs
+        batch, dim = qkv.shape[0], cos.shape[-1]
+        width = (self.num_heads + 2 * self.num_kv_heads) * dim
+        if qkv.dim() != 2 or qkv.shape[1] != width or sin.shape[-1] != dim:
+            raise InputError(
+                f"rope_kv_cache: qkv must be [B, (heads + 2 * kv_heads) * D] = [B, {width}] for "
+                f"{self.num_heads}/{self.num_kv_heads} heads and D={dim} (cos/sin [rows, D]), "
+                f"got qkv {tuple(qkv.shape)}."
+            )
+        if positions.shape != (batch,) or rows.shape != (batch * self.num_kv_heads,):
+            raise InputError(
+                f"rope_kv_cache: positions must be [B]={batch} and write_rows [B * kv_heads]="
+                f"{batch * self.num_kv_heads}, got {tuple(positions.shape)} and "
+                f"{tuple(rows.shape)}."
+            )
+        if k_cache.shape[-1] != dim or v_cache.shape[-1] != dim or k_cache.dim() != 2:
+            raise InputError(
+                f"rope_kv_cache: caches must be flattened [rows, D={dim}] views, got "
+                f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}."
+            )
+        return inputs
+
+    def torch_forward(self, inputs: list[Any]) -> torch.Tensor:
+        """The unfused torch code."""
+        return torch_rope_kv_cache(
+            *self._unpack(inputs), self.num_heads, self.num_kv_heads, self.signed_sin
+        )
+
+
+class TorchRopeRunner(_RopeRunnerMixin, TunableRunner):
+    """The unfused torch code; only the fallback tactic."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, signed_sin: bool = False) -> None:
+        self._init_heads(num_heads, num_kv_heads, signed_sin)
+
+    def forward(self, inputs: list[Any], tactic: Any = FALLBACK_TACTIC) -> torch.Tensor:
+        """Returns ``q`` rotated; writes k (rotated) and v into the caches."""
+        return self.torch_forward(inputs)
+
+
+def rope_tactics(num_heads: int, num_kv_heads: int, head_dim: int) -> list[dict[str, int]]:
+    """``{"heads", "warps"}`` tactics: heads per program up to 16 (and to the head count), and
+    warps only while every thread still has at least one element of the ``heads x D/2`` tile."""
+    half_block = next_power_of_two(head_dim // 2)
+    limit = next_power_of_two(num_heads + num_kv_heads)
+    out = []
+    for heads in (1, 2, 4, 8, 16):
+        if heads > limit:
+            continue
+        for warps in (1, 2, 4):
+            if warps == 1 or 32 * warps <= heads * half_block:
+                out.append({"heads": heads, "warps": warps})
+    return out
+
+
+def _check_rope_tactic(tactic: Any) -> None:
+    ok = isinstance(tactic, dict) and set(tactic) == {"heads", "warps"} and all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 1 and v & (v - 1) == 0
+        for v in tactic.values()
+    )
+    if not ok:
+        raise ConfigError(
+            "TritonRopeRunner: a tactic is {'heads': power of two, 'warps': power of two} or -1, "
+            f"got {tactic!r}; pick one from get_valid_tactics."
+        )
+
+
+class TritonRopeRunner(_RopeRunnerMixin, TritonRunner):
+    """Rotary q/k and the K/V cache write in one Triton kernel."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        signed_sin: bool = False,
+        *,
+        compile_workers: int | None = None,
+    ) -> None:
+        TritonRunner.__init__(self, compile_workers=compile_workers)
+        self._init_heads(num_heads, num_kv_heads, signed_sin)
+
+    def supports(self, inputs: list[Any]) -> bool:
+        """One float dtype for qkv, tables and caches; unit last strides; a Triton device."""
+        qkv, positions, cos, sin, k_cache, v_cache, rows = self._unpack(inputs)
+        tensors = (qkv, cos, sin, k_cache, v_cache)
+        if qkv.dtype not in _DTYPES or any(t.dtype != qkv.dtype for t in tensors):
+            return False
+        if any(t.stride(-1) != 1 for t in tensors) or positions.dtype.is_floating_point:
+            return False
+        return not rows.dtype.is_floating_point and device_supported(qkv.device)
+
+    def tactics_for(self, inputs: list[Any]) -> list[Any]:
+        """See :func:`rope_tactics`."""
+        return list(rope_tactics(self.num_heads, self.num_kv_heads, inputs[2].shape[-1]))
+
+    def launch(self, inputs: list[Any], tactic: Any, *, warmup: bool = False) -> torch.Tensor:
+        """Runs the fused kernel; returns ``q [B, heads, D]``."""
+        qkv, positions, cos, sin, k_cache, v_cache, rows = self._unpack(inputs)
+        _check_rope_tactic(tactic)
+        batch, dim = qkv.shape[0], cos.shape[-1]
+        q_out = torch.empty((batch, self.num_heads, dim), device=qkv.device, dtype=qkv.dtype)
+        if batch == 0:
+            return q_out
+        per_prog = tactic["heads"]
+        total = self.num_heads + self.num_kv_heads
+        grid = (batch, (total + per_prog - 1) // per_prog)
+        args = (
+            qkv, positions, cos, sin, rows, q_out, k_cache, v_cache,
+            qkv.stride(0), cos.stride(0), sin.stride(0), k_cache.stride(0), v_cache.stride(0),
+        )
+        meta = dict(
+            NUM_HEADS=self.num_heads, NUM_KV=self.num_kv_heads, HEAD_DIM=dim, HALF=dim // 2,
+            HALF_BLOCK=next_power_of_two(dim // 2), HEADS_PER_PROG=per_prog,
+            SIGNED_SIN=self.signed_sin, num_warps=tactic["warps"],
+        )
+        run_kernel(kernels().rope_kv_kernel, grid, args, meta, warmup)
+        return q_out
+
+
+@functools.lru_cache(maxsize=16)
+def rope_runners(
+    num_heads: int, num_kv_heads: int, signed_sin: bool = False
+) -> tuple[TunableRunner, ...]:
+    """Runners for one head layout: torch first (fallback), Triton when importable."""
+    runners: list[TunableRunner] = [TorchRopeRunner(num_heads, num_kv_heads, signed_sin)]
+    if triton_available():
+        runners.append(TritonRopeRunner(num_heads, num_kv_heads, signed_sin))
+    return tuple(runners)
+
+
+def _canonical_inputs(inputs: list[Any]) -> list[Any]:
+    """Makes synthetic index inputs valid for the canonical table and cache sizes.
+
+    Positions index the cos/sin tables; write rows must be distinct rows of the cache (two
+    programs writing one row would race, which no real step does).
+    """
+    qkv, positions, cos, sin, k_cache, v_cache, rows = inputs
+    gen = torch.Generator(device=qkv.device)
+    gen.manual_seed(1234)
+    positions = torch.randint(0, cos.shape[0], positions.shape, generator=gen,
+                              device=qkv.device, dtype=positions.dtype)
+    perm = torch.randperm(k_cache.shape[0], generator=gen, device=qkv.device)
+    rows = perm[: rows.numel()].to(rows.dtype)
+    return [qkv, positions, cos, sin, k_cache, v_cache, rows]
+
+
+@functools.lru_cache(maxsize=16)
+def rope_config(num_kv_heads: int, max_m: int | None = None) -> TuningConfig:
+    """Tuning config: tokens (qkv rows) bucketed; positions and write rows follow them; table
+    and cache rows pinned to :data:`TABLE_ROWS` and :data:`CACHE_ROWS` (see the module doc)."""
+
+    def batch(shapes: Any) -> int:
+        return int(shapes[0][0])
+
+    def rows(shapes: Any) -> int:
+        return int(shapes[0][0]) * num_kv_heads
+
+    def table(shapes: Any) -> int:
+        return TABLE_ROWS
+
+    def cache(shapes: Any) -> int:
+        return CACHE_ROWS
+
+    return TuningConfig(
+        dynamic_specs=(DynamicTensorSpec(0, 0),),
+        constraint_specs=(
+            ConstraintSpec(1, 0, batch),
+            ConstraintSpec(2, 0, table),
+            ConstraintSpec(3, 0, table),
+            ConstraintSpec(4, 0, cache),
+            ConstraintSpec(5, 0, cache),
+            ConstraintSpec(6, 0, rows),
+        ),
+        max_value=max_m,
+        inputs_pre_hook=_canonical_inputs,
+    )
+
+
+def rope_kv_cache(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    write_rows: torch.Tensor,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    signed_sin: bool = False,
+    tuner: AutoTuner | None = None,
+    max_m: int | None = None,
+    runners: tuple[TunableRunner, ...] | None = None,
+) -> torch.Tensor:
+    """Rotary q/k + K/V cache write of one decode token per row, through the tuner's pick.
+
+    Args:
+        qkv: ``[B, (num_heads + 2 * num_kv_heads) * D]`` fused projection output (q, k, v).
+        positions: ``[B]`` int64 position of each token (row of ``cos``/``sin``).
+        cos: ``[max_seq, D]`` table (``engine.model.rope_tables``).
+        sin: ``[max_seq, D]`` table.
+        k_cache: ``[rows, D]`` flattened key cache of the layer (written in place).
+        v_cache: ``[rows, D]`` flattened value cache of the layer (written in place).
+        write_rows: ``[B * num_kv_heads]`` int64 cache row of each (token, kv head).
+        num_heads: Query heads.
+        num_kv_heads: Key/value heads.
+        signed_sin: ``sin``'s first half holds ``-sin`` (the engine's ``signed_sin`` tables);
+            the rotation then rounds as ``engine.model.apply_rope_signed``.
+        tuner: Tuner to ask; the process default when ``None``.
+        max_m: Largest tuned batch (``None``: up to the live batch).
+        runners: Runners to choose from; :func:`rope_runners` when ``None``.
+
+    Returns:
+        ``q`` rotated, ``[B, num_heads, D]``.
+    """
+    inputs = [qkv, positions, cos, sin, k_cache, v_cache, write_rows]
+    chosen = runners if runners is not None else rope_runners(num_heads, num_kv_heads, signed_sin)
+    config = rope_config(num_kv_heads, max_m)
+    runner, tactic = (tuner or get_tuner()).choose_one(OP_NAME, chosen, config, inputs)
+    return runner.forward(inputs, tactic)

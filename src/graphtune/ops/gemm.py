@@ -405,6 +405,7 @@ class TunableLinear(nn.Module):
         dtype: dtype of the parameters.
         max_m: Largest tuned ``M`` (see :func:`gemm_config`).
         tuner: Tuner to ask; the process default when ``None``.
+        runners: Runners to choose from; :func:`gemm_runners` when ``None``.
     """
 
     def __init__(
@@ -417,6 +418,7 @@ class TunableLinear(nn.Module):
         dtype: torch.dtype | None = None,
         max_m: int | None = None,
         tuner: AutoTuner | None = None,
+        runners: tuple[TunableRunner, ...] | None = None,
     ) -> None:
         super().__init__()
         if in_features < 1 or out_features < 1:
@@ -433,15 +435,21 @@ class TunableLinear(nn.Module):
             self.register_parameter("bias", None)
         self.max_m = max_m
         self.tuner = tuner
+        self.runners = runners
 
     @classmethod
     def from_linear(
-        cls, linear: nn.Linear, *, max_m: int | None = None, tuner: AutoTuner | None = None
+        cls,
+        linear: nn.Linear,
+        *,
+        max_m: int | None = None,
+        tuner: AutoTuner | None = None,
+        runners: tuple[TunableRunner, ...] | None = None,
     ) -> TunableLinear:
         """A TunableLinear sharing ``linear``'s parameters (no copy)."""
         module = cls(
             linear.in_features, linear.out_features, bias=linear.bias is not None,
-            device="meta", max_m=max_m, tuner=tuner,
+            device="meta", max_m=max_m, tuner=tuner, runners=runners,
         )
         module.weight = linear.weight
         module.bias = linear.bias
@@ -453,7 +461,9 @@ class TunableLinear(nn.Module):
             x.requires_grad or any(p.requires_grad for p in self.parameters())
         ):
             return F.linear(x, self.weight, self.bias)
-        return gemm(x, self.weight, self.bias, tuner=self.tuner, max_m=self.max_m)
+        return gemm(
+            x, self.weight, self.bias, tuner=self.tuner, max_m=self.max_m, runners=self.runners
+        )
 
     def extra_repr(self) -> str:
         return (

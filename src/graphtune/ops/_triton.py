@@ -204,6 +204,16 @@ class TritonRunner(TunableRunner):
         self._prepared: set[tuple[Any, ...]] = set()
         self._lock = threading.Lock()
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Picklable for AutoTuner(isolation="subprocess"): the worker compiles on its own.
+        state = dict(self.__dict__)
+        state.update(_lock=None, _planned={}, _compile_errors={}, _prepared=set())
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     # -- subclass hooks ---------------------------------------------------------------------
 
     def tactics_for(self, inputs: list[Any]) -> list[Any]:

@@ -14,7 +14,7 @@ partial that a second small kernel sums (deterministic, no atomics, no zero-fill
 
 Pruning rules of :func:`gemm_tactics` (a pruned config is never timed):
 
-* a block never exceeds the next power of two of its dimension (beyond the smallest block listed);
+* a block never exceeds the next power of two of its dimension (it is clamped, duplicates dropped);
 * split-K only for skinny ``M`` (``<= 64``), and only when ``K`` splits into whole ``bk`` blocks
   (``K % (split_k * bk) == 0``); split counts near ``SMs / output tiles`` only;
 * the pipelined operand tiles ``stages * (bm + bn) * bk * itemsize`` fit the shared-memory budget.
@@ -124,13 +124,14 @@ def gemm_tactics(
     """
     bm = min(max(16, next_power_of_two(m)), 128)
     bms = [bm] if m <= SKINNY_M else sorted({min(bm, 64), bm})
-    min_bn = min(c[0] for c in BASE_CONFIGS)
-    min_bk = min(c[1] for c in BASE_CONFIGS)
+    # Blocks larger than their dimension only compute padding: clamp them to the dimension
+    # (>= 16 for tl.dot) and drop the duplicates this creates.
+    bn_cap, bk_cap = max(16, next_power_of_two(n)), max(16, next_power_of_two(k))
     found: list[tuple[float, int, dict[str, int]]] = []
+    seen: set[tuple[int, ...]] = set()
     for bm_value in bms:
-        for bn, bk, warps, stages in BASE_CONFIGS:
-            if bn > max(min_bn, next_power_of_two(n)) or bk > max(min_bk, next_power_of_two(k)):
-                continue
+        for bn_base, bk_base, warps, stages in BASE_CONFIGS:
+            bn, bk = min(bn_base, bn_cap), min(bk_base, bk_cap)
             if stages * (bm_value + bn) * bk * itemsize > smem_bytes:
                 continue
             tiles = math.ceil(m / bm_value) * math.ceil(n / bn)
@@ -141,8 +142,10 @@ def gemm_tactics(
             for split in splits:
                 tactic = {"bm": bm_value, "bn": bn, "bk": bk, "warps": warps,
                           "stages": stages, "split_k": split}
-                if check_gemm_tactic(tactic, k) is not None:
+                ident = tuple(tactic.values())
+                if ident in seen or check_gemm_tactic(tactic, k) is not None:
                     continue
+                seen.add(ident)
                 programs = tiles * split
                 waves = math.ceil(programs / sm_count)
                 fill = programs / (waves * sm_count)

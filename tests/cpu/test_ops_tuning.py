@@ -1,0 +1,286 @@
+"""graphtune.ops: valid-tactic pruning, fallbacks without Triton, ahead-of-time compile, and
+tuning through the real AutoTuner (fake timer and the real WallClockTimer) on the CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():  # see test_ops_kernels.py
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from graphtune.autotuner import AutoTuner, autotune  # noqa: E402
+from graphtune.autotuner.timing import WallClockTimer  # noqa: E402
+from graphtune.autotuner.timing.base import Measurement  # noqa: E402
+from graphtune.errors import ConfigError  # noqa: E402
+from graphtune.ops import _triton, gemm_tactics  # noqa: E402
+from graphtune.ops.gemm import (  # noqa: E402
+    TorchGemmRunner,
+    TritonGemmRunner,
+    TunableLinear,
+    check_gemm_tactic,
+)
+from graphtune.ops.rmsnorm import rms_norm_tactics  # noqa: E402
+from graphtune.ops.rotary import rope_tactics  # noqa: E402
+from graphtune.ops.tuning import OP_GROUPS, OpDims, tune_ops  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+needs_interpreter = pytest.mark.skipif(
+    not _triton.device_supported(torch.device("cpu")),
+    reason="Triton kernels run on the CPU only under TRITON_INTERPRET=1 (set when no GPU)",
+)
+
+
+# --- pruning (pure) ------------------------------------------------------------------------------
+
+
+def test_gemm_tactics_obey_every_pruning_rule():
+    for m, n, k in [(1, 3072, 2048), (8, 2048, 8192), (64, 16384, 2048), (128, 2048, 2048),
+                    (3, 40, 100)]:
+        smem = 100 * 1024
+        tactics = gemm_tactics(m, n, k, itemsize=2, smem_bytes=smem, sm_count=132)
+        assert 1 <= len(tactics) <= 20
+        assert len({json.dumps(t, sort_keys=True) for t in tactics}) == len(tactics)
+        for t in tactics:
+            assert check_gemm_tactic(t, k) is None
+            assert t["stages"] * (t["bm"] + t["bn"]) * t["bk"] * 2 <= smem
+            if t["split_k"] > 1:
+                assert m <= 64 and k % (t["split_k"] * t["bk"]) == 0
+            assert t["bn"] <= max(16, 1 << (n - 1).bit_length())
+            assert t["bk"] <= max(16, 1 << (k - 1).bit_length())
+            assert t["bm"] <= max(16, 1 << (m - 1).bit_length())
+
+
+def test_gemm_tactics_offer_split_k_for_skinny_m_only():
+    skinny = gemm_tactics(1, 2048, 2048, itemsize=2, smem_bytes=227 * 1024, sm_count=132)
+    assert any(t["split_k"] > 1 for t in skinny)
+    wide = gemm_tactics(128, 2048, 2048, itemsize=2, smem_bytes=227 * 1024, sm_count=132)
+    assert all(t["split_k"] == 1 for t in wide)
+    # K = 100 cannot be cut into whole 64/128 blocks: no split-K at all.
+    odd = gemm_tactics(1, 2048, 100, itemsize=2, smem_bytes=227 * 1024, sm_count=132)
+    assert odd and all(t["split_k"] == 1 for t in odd)
+
+
+def test_gemm_tactics_shrink_with_the_shared_memory_budget_and_the_cap():
+    big = gemm_tactics(128, 4096, 4096, itemsize=2, smem_bytes=227 * 1024, sm_count=132)
+    small = gemm_tactics(128, 4096, 4096, itemsize=2, smem_bytes=64 * 1024, sm_count=132)
+    assert len(small) < len(big)
+    capped = gemm_tactics(1, 3072, 2048, itemsize=2, smem_bytes=227 * 1024, sm_count=132,
+                          max_tactics=5)
+    assert len(capped) == 5
+
+
+def test_check_gemm_tactic_names_the_rule():
+    good = {"bm": 16, "bn": 64, "bk": 64, "warps": 4, "stages": 3, "split_k": 4}
+    assert check_gemm_tactic(good, 256) is None
+    assert "divisible" in check_gemm_tactic(good, 192)
+    assert "powers of two" in check_gemm_tactic({**good, "bn": 48}, 256)
+    assert "keys" in check_gemm_tactic([16, 64], 256)
+    with pytest.raises(ConfigError, match="divisible"):
+        TritonGemmRunner().forward(
+            [torch.randn(2, 192), torch.randn(8, 192), None, None, False], good
+        )
+
+
+def test_elementwise_tactic_lists_are_small_and_valid():
+    norm = rms_norm_tactics(2048)
+    assert 3 <= len(norm) <= 16 and {t["block"] for t in norm} == {2048, 1024, 512}
+    assert rms_norm_tactics(64) == [{"block": 64, "warps": 1}]
+    rope = rope_tactics(32, 8, 64)
+    assert 3 <= len(rope) <= 16 and max(t["heads"] for t in rope) == 16
+
+
+# --- Triton optional -----------------------------------------------------------------------------
+
+
+def test_ops_import_without_triton_and_fall_back_to_torch():
+    code = r"""
+import sys
+import graphtune.ops as ops
+assert "triton" not in sys.modules, "importing graphtune.ops imported triton"
+sys.modules["triton"] = None  # any later `import triton` raises ImportError
+ops._triton._import_triton.cache_clear()
+import torch
+assert not ops.triton_available()
+try:
+    ops.require_triton("TritonGemmRunner")
+except ops.TritonUnavailableError as exc:
+    assert "pip install" in str(exc), exc
+else:
+    raise AssertionError("require_triton did not raise")
+assert [type(r).__name__ for r in ops.gemm_runners()] == ["TorchGemmRunner"]
+a, w = torch.randn(3, 16), torch.randn(8, 16)
+assert torch.equal(ops.gemm(a, w), torch.nn.functional.linear(a, w))
+x, nw = torch.randn(3, 16), torch.randn(16)
+out, res = ops.fused_add_rms_norm(x, nw, 1e-5, x)
+assert out.shape == x.shape and torch.equal(res, x + x)
+assert ops.silu_and_mul(torch.randn(2, 8)).shape == (2, 4)
+assert ops.TritonGemmRunner().get_valid_tactics([a, w, None, None, False], None) == []
+print("ok")
+"""
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    env.pop("TRITON_INTERPRET", None)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]
+
+
+# --- ahead-of-time compile -----------------------------------------------------------------------
+
+
+@needs_interpreter
+def test_precompile_reports_each_tactic_and_prepare_reraises_failures():
+    runner = TritonGemmRunner(compile_workers=2)
+    inputs = [torch.randn(2, 128), torch.randn(32, 128), None, None, False]
+    good = {"bm": 16, "bn": 32, "bk": 32, "warps": 4, "stages": 2, "split_k": 2}
+    bad = {**good, "split_k": 8}  # 8 * 32 does not divide K = 128
+    report = runner.precompile(inputs, [good, -1, bad])
+    assert report[_triton.tactic_text(good)] is None
+    assert "divisible" in report[_triton.tactic_text(bad)]
+    assert runner.compiled == 1 and runner.compile_seconds >= 0
+    runner.prepare(inputs, good)
+    with pytest.raises(ConfigError):
+        runner.prepare(inputs, bad)
+
+
+# --- tuning through the real AutoTuner -----------------------------------------------------------
+
+
+class _RecordingTriton(TritonGemmRunner):
+    last: object = None
+
+    def forward(self, inputs, tactic=-1):
+        type(self).last = tactic
+        return super().forward(inputs, tactic)
+
+
+class _RecordingTorch(TorchGemmRunner):
+    def forward(self, inputs, tactic=-1):
+        _RecordingTriton.last = ("torch", tactic)
+        return super().forward(inputs, tactic)
+
+
+class _TacticTimer:
+    """Fake timer: runs the call once and returns the time its tactic was assigned."""
+
+    name = "fake"
+
+    def __init__(self, fastest) -> None:
+        self.fastest = fastest
+
+    def measure(self, fn, *, warmup, repeat):
+        fn(0)
+        us = 1.0 if _RecordingTriton.last == self.fastest else 5.0
+        return Measurement.from_samples([us], calls_per_sample=1, timer=self.name)
+
+
+@needs_interpreter
+def test_tunable_linear_picks_what_the_timer_says_and_lookups_use_it(tmp_path):
+    runners = (_RecordingTorch(), _RecordingTriton(sm_count=4, max_tactics=6))
+    probe = runners[1].get_valid_tactics([torch.randn(2, 256), torch.randn(24, 256), None,
+                                          None, False], None)
+    fastest = next(t for t in probe if t["split_k"] > 1)
+    tuner = AutoTuner(timer=_TacticTimer(fastest), rounds=1, remeasure_top=0,
+                      show_progress=False)
+    layer = TunableLinear(256, 24, bias=True, max_m=4, tuner=tuner, runners=runners)
+    x = torch.randn(3, 256)
+    with autotune(tmp_path / "cache.json", tuner):
+        layer(x)
+    assert tuner.stats.profiles_tuned == 3  # buckets 1, 2, 4
+    for m in (1, 2, 3, 4):
+        out = layer(torch.randn(m, 256))
+        assert _RecordingTriton.last == fastest  # lookups run the picked split-K tactic
+        assert out.shape == (m, 24)
+    x = torch.randn(2, 256)
+    assert torch.allclose(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias),
+                          atol=1e-5)
+    saved = json.loads((tmp_path / "cache.json").read_text())
+    assert "split_k" in json.dumps(saved)
+
+
+@needs_interpreter
+def test_tunable_linear_with_the_wallclock_timer_on_cpu():
+    runners = (TorchGemmRunner(), TritonGemmRunner(max_tactics=2))
+    tuner = AutoTuner(timer=WallClockTimer(samples=1), rounds=1, remeasure_top=0,
+                      show_progress=False)
+    layer = TunableLinear(64, 32, bias=False, max_m=1, tuner=tuner, runners=runners)
+    x = torch.randn(1, 64)
+    with autotune(tuner=tuner):
+        out = layer(x)
+    assert tuner.stats.profiles_tuned == 1 and tuner.stats.tactics_timed >= 2
+    assert not tuner.stats.tactic_failures
+    # The interpreter runs numpy per program: cuBLAS-less CPU torch wins by far.
+    (row,) = tuner.summary_rows()
+    assert "TorchGemmRunner" in row[2]
+    assert torch.allclose(out, x @ layer.weight.T, atol=1e-5)
+
+
+class _FirstTritonTactic:
+    """Fake timer that makes the first Triton tactic of every op the fastest."""
+
+    name = "fake"
+
+    def measure(self, fn, *, warmup, repeat):
+        fn(0)
+        return Measurement.from_samples([1.0], calls_per_sample=1, timer=self.name)
+
+
+@needs_interpreter
+def test_tune_ops_covers_every_op_and_bucket_and_reuses_the_cache(tmp_path):
+    dims = OpDims(hidden_size=32, intermediate_size=48, num_heads=4, num_kv_heads=2,
+                  head_dim=8, vocab_size=40, qkv_bias=True)
+    tuner = AutoTuner(timer=_FirstTritonTactic(), rounds=1, remeasure_top=0,
+                      show_progress=False)
+    seen = []
+    with autotune(tmp_path / "c.json", tuner):
+        report = tune_ops(dims, 2, device="cpu", dtype=torch.float32, tuner=tuner,
+                          on_op=seen.append)
+    assert seen == list(OP_GROUPS) and report.buckets == (1, 2)
+    # 5 GEMMs + 2 norm variants + rope + silu, each for buckets 1 and 2.
+    assert len(report.rows) == 9 * 2
+    assert not tuner.tuning_mode and not tuner.stats.tactic_failures
+    again = AutoTuner(timer=_FirstTritonTactic(), show_progress=False)
+    with autotune(tmp_path / "c.json", again):
+        second = tune_ops(dims, 2, device="cpu", dtype=torch.float32, tuner=again)
+    assert second.rows == [] and again.stats.profiles_tuned == 0
+
+
+@needs_interpreter
+def test_rope_pick_is_shared_across_cache_sizes():
+    from graphtune.ops import rope_kv_cache
+
+    tuner = AutoTuner(timer=_FirstTritonTactic(), rounds=1, remeasure_top=0,
+                      show_progress=False)
+    heads, kv, dim = 2, 1, 8
+
+    def call(cache_rows, table_rows):
+        qkv = torch.randn(2, (heads + 2 * kv) * dim)
+        cos, sin = torch.randn(table_rows, dim), torch.randn(table_rows, dim)
+        k, v = torch.zeros(cache_rows, dim), torch.zeros(cache_rows, dim)
+        rows = torch.tensor([0, cache_rows - 1])
+        return rope_kv_cache(qkv, torch.tensor([0, 1]), cos, sin, k, v, rows,
+                             num_heads=heads, num_kv_heads=kv, tuner=tuner, max_m=2)
+
+    with autotune(tuner=tuner):
+        call(16, 8)
+    hits = tuner.stats.hits
+    call(100, 30)  # another cache and table size: same key
+    assert tuner.stats.hits == hits + 1 and not tuner.stats.fallbacks
+
+
+def test_triton_runners_pickle_for_subprocess_isolation():
+    import pickle
+
+    from graphtune.ops.rotary import TritonRopeRunner
+
+    for runner in (TritonGemmRunner(sm_count=8), TritonRopeRunner(4, 2, True)):
+        clone = pickle.loads(pickle.dumps(runner))
+        assert clone.cache_key_extras() == runner.cache_key_extras()
+        assert clone.compile_seconds == 0.0

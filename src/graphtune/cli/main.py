@@ -18,6 +18,7 @@ _COMMAND_MODULES = (
     "graphtune.cli.demo",
     "graphtune.cli.generate",
     "graphtune.cli.bench",
+    "graphtune.cli.tune",
 )
 
 

@@ -1,0 +1,196 @@
+"""graphtune.ops on the GPU: every Triton kernel at Llama-1B decode shapes in bf16 against a
+float64 reference, every valid GEMM tactic for two buckets, and capture of each op in a graph.
+
+Skipped without CUDA (tests/gpu/conftest.py) and without Triton.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from graphtune.autotuner import AutoTuner, autotune  # noqa: E402
+from graphtune.ops import (  # noqa: E402
+    TritonGemmRunner,
+    TritonRMSNormRunner,
+    TritonRopeRunner,
+    TritonSiluAndMulRunner,
+    gemm,
+    torch_rope_kv_cache,
+)
+
+DEV = "cuda"
+BF16 = torch.bfloat16
+HIDDEN, INTER, HEADS, KV, DIM, VOCAB = 2048, 8192, 32, 8, 64, 128256
+GEMMS = {  # name: (N, K)
+    "qkv": (HEADS * DIM + 2 * KV * DIM, HIDDEN),
+    "o_proj": (HIDDEN, HEADS * DIM),
+    "gate_up": (2 * INTER, HIDDEN),
+    "down": (HIDDEN, INTER),
+}
+# bf16 operands and a bf16 output: about 2^-8 relative rounding, summed over K in float32.
+BF16_TOL = 1e-2
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want).norm() / want.norm())
+
+
+def _randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, device=DEV) * scale).to(BF16)
+
+
+@pytest.mark.parametrize("m", [1, 32])
+def test_every_valid_gemm_tactic_on_the_qkv_shape(m):
+    n, k = GEMMS["qkv"]
+    runner = TritonGemmRunner()
+    a, w = _randn(m, k), _randn(n, k, scale=k ** -0.5)
+    inputs = [a, w, None, None, False]
+    tactics = runner.get_valid_tactics(inputs, None)
+    assert 4 <= len(tactics) <= 20
+    report = runner.precompile(inputs, tactics)
+    assert all(v is None for v in report.values()), report
+    want = a.double() @ w.double().T
+    for tactic in tactics:
+        got = runner.forward(inputs, tactic)
+        assert _rel(got, want) < BF16_TOL, tactic
+
+
+@pytest.mark.parametrize("name", list(GEMMS))
+@pytest.mark.parametrize("m", [1, 8, 64])
+def test_gemm_decode_shapes_with_residual_and_split_k(name, m):
+    n, k = GEMMS[name]
+    runner = TritonGemmRunner()
+    a, w = _randn(m, k), _randn(n, k, scale=k ** -0.5)
+    residual = _randn(m, n)
+    tactics = runner.get_valid_tactics([a, w, None, residual, True], None)
+    picked = [tactics[0]] + [t for t in tactics if t["split_k"] > 1][:1]
+    for tactic in picked:
+        want = residual.double() + a.double() @ w.double().T
+        got = runner.forward([a, w, None, residual.clone(), True], tactic)
+        assert _rel(got, want) < BF16_TOL, tactic
+        plain = runner.forward([a, w, None, None, False], tactic)
+        assert _rel(plain, a.double() @ w.double().T) < BF16_TOL, tactic
+
+
+def test_lm_head_gemm_shape():
+    runner = TritonGemmRunner()
+    a, w = _randn(4, HIDDEN), _randn(VOCAB, HIDDEN, scale=HIDDEN ** -0.5)
+    tactic = runner.get_valid_tactics([a, w, None, None, False], None)[0]
+    assert _rel(runner.forward([a, w, None, None, False], tactic),
+                a.double() @ w.double().T) < BF16_TOL
+
+
+@pytest.mark.parametrize("m", [1, 16])
+def test_rms_norm_every_tactic(m):
+    runner = TritonRMSNormRunner()
+    x, r, w = _randn(m, HIDDEN), _randn(m, HIDDEN), (1 + 0.1 * torch.randn(HIDDEN, device=DEV))
+    w = w.to(BF16)
+    s = (x + r).double()
+    want = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
+    for tactic in runner.get_valid_tactics([x, w, r, 1e-5], None):
+        out, new_res = runner.forward([x, w, r, 1e-5], tactic)
+        assert _rel(out, want) < BF16_TOL, tactic
+        assert torch.equal(new_res, x + r)
+        ref, _ = runner.forward([x, w, r, 1e-5], -1)
+        # Same float32 math as F.rms_norm up to reduction order: at most a last-bit difference.
+        assert (out.float() - ref.float()).abs().max() <= 2 ** -6 * ref.float().abs().max()
+
+
+@pytest.mark.parametrize("m", [1, 16])
+def test_silu_and_mul_every_tactic(m):
+    runner = TritonSiluAndMulRunner()
+    x = _randn(m, 2 * INTER)
+    xd = x.double()
+    want = torch.nn.functional.silu(xd[:, :INTER]) * xd[:, INTER:]
+    for tactic in runner.get_valid_tactics([x], None):
+        assert _rel(runner.forward([x], tactic), want) < BF16_TOL, tactic
+
+
+@pytest.mark.parametrize("signed", [False, True])
+def test_rope_kv_cache_every_tactic(signed):
+    batch, seq, slots = 8, 256, 9
+    runner = TritonRopeRunner(HEADS, KV, signed)
+    qkv = _randn(batch, (HEADS + 2 * KV) * DIM)
+    cos, sin = _randn(seq, DIM), _randn(seq, DIM)
+    positions = torch.randint(0, seq, (batch,), device=DEV)
+    slot_ids = torch.randperm(slots, device=DEV)[:batch]
+    rows = ((slot_ids[:, None] * KV + torch.arange(KV, device=DEV)[None, :]) * seq
+            + positions[:, None]).reshape(-1)
+    cache_rows = slots * KV * seq
+    k_ref, v_ref = torch.zeros(cache_rows, DIM, device=DEV, dtype=BF16), None
+    v_ref = torch.zeros_like(k_ref)
+    q_ref = torch_rope_kv_cache(qkv, positions, cos, sin, k_ref, v_ref, rows, HEADS, KV, signed)
+    for tactic in runner.get_valid_tactics(
+        [qkv, positions, cos, sin, k_ref, v_ref, rows], None
+    ):
+        k_cache, v_cache = torch.zeros_like(k_ref), torch.zeros_like(v_ref)
+        q = runner.forward([qkv, positions, cos, sin, k_cache, v_cache, rows], tactic)
+        assert _rel(q, q_ref.double()) < BF16_TOL, tactic
+        assert _rel(k_cache, k_ref.double()) < BF16_TOL, tactic
+        assert torch.equal(v_cache, v_ref), tactic
+
+
+def _capture(fn):
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # compile and lazy init outside the capture
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+def test_each_op_captures_in_a_cuda_graph_and_replays_to_eager_results():
+    m = 4
+    a = _randn(m, HIDDEN)
+    w = _randn(3072, HIDDEN, scale=HIDDEN ** -0.5)
+    gemm_runner = TritonGemmRunner()
+    split = next(t for t in gemm_runner.get_valid_tactics([a, w, None, None, False], None)
+                 if t["split_k"] > 1)
+    x, r, nw = _randn(m, HIDDEN), _randn(m, HIDDEN), _randn(HIDDEN)
+    gu = _randn(m, 2 * INTER)
+    qkv = _randn(m, (HEADS + 2 * KV) * DIM)
+    cos, sin = _randn(64, DIM), _randn(64, DIM)
+    pos = torch.arange(m, device=DEV)
+    rows = torch.arange(m * KV, device=DEV) * 3
+    kc, vc = torch.zeros(m * KV * 3, DIM, device=DEV, dtype=BF16), None
+    vc = torch.zeros_like(kc)
+    cases = {
+        "gemm split-k": lambda: gemm_runner.forward([a, w, None, None, False], split),
+        "rms_norm": lambda: TritonRMSNormRunner().forward(
+            [x, nw, r, 1e-5], {"block": 2048, "warps": 8})[0],
+        "silu_and_mul": lambda: TritonSiluAndMulRunner().forward(
+            [gu], {"block": 1024, "warps": 4}),
+        "rope_kv_cache": lambda: TritonRopeRunner(HEADS, KV, True).forward(
+            [qkv, pos, cos, sin, kc, vc, rows], {"heads": 4, "warps": 2}),
+    }
+    for name, fn in cases.items():
+        eager = fn().clone()
+        graph, out = _capture(fn)
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager), name
+        graph.reset()
+
+
+def test_tune_then_capture_bakes_in_the_pick():
+    tuner = AutoTuner(show_progress=False)
+    a = _randn(8, HIDDEN)
+    w = _randn(2048, HIDDEN, scale=HIDDEN ** -0.5)
+    with autotune(tuner=tuner):
+        gemm(a, w, tuner=tuner, max_m=8)
+    assert tuner.stats.profiles_tuned == 4 and not tuner.stats.tactic_failures
+    fallbacks = dict(tuner.stats.fallbacks)
+    eager = gemm(a, w, tuner=tuner, max_m=8)
+    graph, out = _capture(lambda: gemm(a, w, tuner=tuner, max_m=8))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager) and tuner.stats.fallbacks == fallbacks
+    graph.reset()

@@ -36,5 +36,9 @@ class CheckpointError(GraphtuneError, ValueError):
     """A model checkpoint is missing a tensor, has a wrong shape, or an unsupported architecture."""
 
 
+class NumericalError(GraphtuneError, RuntimeError):
+    """A model produced non-finite values (NaN or infinity) where a result was expected."""
+
+
 class DistributedError(GraphtuneError, RuntimeError):
     """Ranks disagree or a collective could not be completed."""

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from graphtune.engine import Engine, load_model
-from graphtune.errors import InputError
+from graphtune.errors import InputError, NumericalError
 
 PROMPTS = [[1, 5, 9], [7, 8]]
 
@@ -35,6 +35,9 @@ def reference(engine):
         ([[1]], 0, "max_new_tokens must be > 0"),
         ([[1], [2]], [3], "2 prompts but 1 max_new_tokens"),
         (["text"], 2, "tokenizer"),
+        ([[1, 2.7]], 2, "prompt must be integers"),
+        ([[1, True]], 2, "prompt must be integers, got the bool"),
+        ([[1]], 2.5, "max_new_tokens must be integers"),
     ],
 )
 def test_bad_requests_are_rejected_and_the_engine_keeps_serving(
@@ -60,11 +63,6 @@ def test_more_prompts_than_max_batch_queue_instead_of_failing(engine, reference)
     assert out == reference * 3
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine gap (issue 7): generate() is not exception-safe; a failure mid-generation "
-    "leaves its requests' KV slots allocated, so later requests find fewer free slots",
-)
 def test_failure_mid_generation_does_not_leak_kv_slots(reference):
     engine = Engine(load_model("tiny"), runner="eager", max_batch_size=2, max_seq_len=32)
     real_step = engine.runner.fn
@@ -76,4 +74,40 @@ def test_failure_mid_generation_does_not_leak_kv_slots(reference):
     with pytest.raises(RuntimeError, match="injected"):
         engine.generate(PROMPTS, 4)
     engine.runner.fn = real_step
+    assert engine.cache.num_free == 2
+
+
+def _poison_row(engine, row_to_poison):
+    """Makes the decode step return NaN logits for one row (as a broken checkpoint would)."""
+    real_step = engine.runner.fn
+
+    def poisoned(tokens, positions, slots):
+        logits = real_step(tokens, positions, slots).clone()
+        if logits.shape[0] > row_to_poison:
+            logits[row_to_poison] = float("nan")
+        return logits
+
+    engine.runner.fn = poisoned
+    return real_step
+
+
+def test_nan_logits_stop_that_request_are_reported_and_others_finish(reference):
+    engine = Engine(load_model("tiny"), runner="eager", max_batch_size=2, max_seq_len=32)
+    real_step = _poison_row(engine, 1)
+    out = engine.generate(PROMPTS, 4, stop_token_ids=[])
+    engine.runner.fn = real_step
+    assert out[0] == reference[0]  # the healthy request is untouched
+    assert len(out[1]) == 1  # its prefill token only: no token was drawn from NaN logits
+    assert [(f.index, f.generated) for f in engine.failures] == [(1, 1)]
+    assert "not finite" in engine.failures[0].reason
+    assert engine.cache.num_free == 2
+    assert engine.generate(PROMPTS, 4) == reference and engine.failures == []
+
+
+def test_nan_logits_raise_in_strict_mode_and_free_the_slots():
+    engine = Engine(load_model("tiny"), runner="eager", max_batch_size=2, max_seq_len=32,
+                    strict_numerics=True)
+    _poison_row(engine, 0)
+    with pytest.raises(NumericalError, match="request 0: logits were not finite"):
+        engine.generate(PROMPTS, 4, stop_token_ids=[])
     assert engine.cache.num_free == 2

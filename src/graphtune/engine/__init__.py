@@ -6,7 +6,7 @@ weights), wrap it in an :class:`Engine` that picks a graph or eager step runner,
 """
 
 from graphtune.engine.config import PRESETS, ModelConfig, RopeScaling, from_hf_config, get_preset
-from graphtune.engine.engine import Engine, step_pad_rule
+from graphtune.engine.engine import Engine, RequestFailure, step_pad_rule
 from graphtune.engine.kv_cache import KVCache
 from graphtune.engine.loading import load_checkpoint, load_model
 from graphtune.engine.model import DecoderModel, LayerWeights, random_model
@@ -19,6 +19,7 @@ __all__ = [
     "DecodeStep",
     "DecoderModel",
     "Engine",
+    "RequestFailure",
     "KVCache",
     "LayerWeights",
     "ModelConfig",

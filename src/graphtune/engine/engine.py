@@ -12,6 +12,7 @@ the decode step can read slots ``[0, B)`` as a view instead of gathering them ev
 from __future__ import annotations
 
 import logging
+import operator
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -21,9 +22,9 @@ import torch
 
 from graphtune.engine.kv_cache import KVCache
 from graphtune.engine.model import DecoderModel
-from graphtune.engine.sampling import GREEDY, SamplingParams, sample
+from graphtune.engine.sampling import GREEDY, NON_FINITE, SamplingParams, sample
 from graphtune.engine.step import DecodeStep, prefill
-from graphtune.errors import ConfigError, InputError
+from graphtune.errors import ConfigError, InputError, NumericalError
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,22 @@ class _Request:
     slot: int = -1
     cached: int = 0  # tokens whose K/V are in the cache
     output: list[int] = field(default_factory=list)
+    failed: str | None = None
+
+
+@dataclass(frozen=True)
+class RequestFailure:
+    """A request that was stopped early instead of taking the whole batch down.
+
+    Attributes:
+        index: Position of the prompt in the ``generate`` call.
+        generated: Tokens it had produced before the failure (its output).
+        reason: What went wrong and what to check.
+    """
+
+    index: int
+    generated: int
+    reason: str
 
 
 class Engine:
@@ -54,6 +71,9 @@ class Engine:
         device: Target device; ``None`` keeps the model's.
         dtype: Weight and cache dtype; ``None`` keeps the model's.
         lazy_capture: Capture each batch size on first use instead of at construction.
+        strict_numerics: Raise :class:`NumericalError` when a request's logits are not finite.
+            By default that request stops, is listed in :attr:`failures` and logged, and the
+            other requests go on.
 
     Raises:
         ConfigError: Unknown runner, or sizes out of range.
@@ -70,6 +90,7 @@ class Engine:
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         lazy_capture: bool = False,
+        strict_numerics: bool = False,
     ) -> None:
         if runner not in RUNNERS:
             raise ConfigError(f"runner must be one of {RUNNERS}, got {runner!r}")
@@ -90,6 +111,8 @@ class Engine:
                              target_dtype)
         self.step_fn = DecodeStep(model, self.cache, contiguous_slots=True)
         self.runner_kind = runner
+        self.strict_numerics = strict_numerics
+        self.failures: list[RequestFailure] = []
         self.runner = self._build_runner(runner, capture_sizes, lazy_capture)
 
     def _build_runner(self, kind: str, capture_sizes: Sequence[int] | None, lazy: bool) -> Any:
@@ -150,7 +173,7 @@ class Engine:
                     "pass token ids instead"
                 )
             return list(self.model.tokenizer.encode(prompt).ids)
-        return [int(t) for t in prompt]
+        return [_token_id(t, "prompt") for t in prompt]
 
     def decode(self, ids: Sequence[int]) -> str | None:
         """Text of ``ids`` when a tokenizer is attached, else ``None``."""
@@ -203,10 +226,13 @@ class Engine:
 
         Raises:
             InputError: An empty prompt, unknown token ids, or a prompt that does not fit.
+            NumericalError: Non-finite logits with ``strict_numerics``; otherwise such a request
+                stops early and is listed in :attr:`failures` (reset by every call).
         """
         sampling = sampling or GREEDY
-        limits = ([int(max_new_tokens)] * len(prompts) if isinstance(max_new_tokens, int)
-                  else [int(m) for m in max_new_tokens])
+        limits = ([_token_id(max_new_tokens, "max_new_tokens")] * len(prompts)
+                  if not isinstance(max_new_tokens, Sequence)
+                  else [_token_id(m, "max_new_tokens") for m in max_new_tokens])
         if len(limits) != len(prompts):
             raise InputError(f"{len(prompts)} prompts but {len(limits)} max_new_tokens values")
         requests = []
@@ -222,16 +248,23 @@ class Engine:
 
         pending = deque(requests)
         live: list[_Request] = []
-        while pending or live:
-            admitted = []
-            while pending and len(live) + len(admitted) < self.max_batch_size:
-                admitted.append(pending.popleft())
-            if admitted:
-                self._admit(admitted, sampling, generator)
-                live.extend(admitted)
-            else:
-                self._decode(live, sampling, generator)
-            self._retire(live, stops)
+        self.failures = []
+        try:
+            while pending or live:
+                admitted = []
+                while pending and len(live) + len(admitted) < self.max_batch_size:
+                    admitted.append(pending.popleft())
+                if admitted:
+                    self._admit(admitted, sampling, generator)
+                    live.extend(admitted)
+                else:
+                    self._decode(live, sampling, generator)
+                self._retire(live, stops)
+        finally:
+            # An exception (a failing kernel, an interrupt) must not strand KV slots: the next
+            # generate() would find the cache full. Live requests own slots [0, len(live)).
+            for request in live:
+                self.cache.free(request.slot)
         return [r.output for r in requests]
 
     def _admit(self, admitted: list[_Request], sampling: SamplingParams,
@@ -245,7 +278,7 @@ class Engine:
         # One device-to-host read for all first tokens of this admission round.
         first = sample(torch.stack(last_logits), sampling, generator).tolist()
         for request, token in zip(admitted, first, strict=True):
-            request.output.append(int(token))
+            self._accept(request, int(token))
 
     def _decode(self, live: list[_Request], sampling: SamplingParams,
                 generator: torch.Generator | None) -> None:
@@ -259,11 +292,26 @@ class Engine:
         tokens = sample(logits, sampling, generator).tolist()
         for request, token in zip(live, tokens, strict=True):
             request.cached += 1
-            request.output.append(int(token))
+            self._accept(request, int(token))
+
+    def _accept(self, request: _Request, token: int) -> None:
+        if token != NON_FINITE:
+            request.output.append(token)
+            return
+        # Never sample from NaN/inf logits: stop this request, report it, keep serving the rest.
+        request.failed = (
+            f"logits were not finite (NaN or inf) after {len(request.output)} generated tokens; "
+            "check the checkpoint's weights and dtype (float16 overflows where bfloat16 does not)"
+        )
+        failure = RequestFailure(request.index, len(request.output), request.failed)
+        self.failures.append(failure)
+        logger.warning("request %d stopped: %s", request.index, request.failed)
+        if self.strict_numerics:
+            raise NumericalError(f"request {request.index}: {request.failed}")
 
     def _retire(self, live: list[_Request], stops: set[int]) -> None:
         done = [i for i, r in enumerate(live)
-                if len(r.output) >= r.max_new_tokens or r.output[-1] in stops]
+                if r.failed or len(r.output) >= r.max_new_tokens or r.output[-1] in stops]
         # Descending, so the request moved from the end is never one still to be retired.
         for row in reversed(done):
             last = len(live) - 1
@@ -274,6 +322,18 @@ class Engine:
                 live[row] = mover
             live.pop()
             self.cache.free(last)
+
+
+def _token_id(value: Any, what: str) -> int:
+    # operator.index accepts ints and integer tensors/NumPy scalars but not floats (1.7 must not
+    # silently become token 1); bools are ints in Python and are refused explicitly.
+    if isinstance(value, bool):
+        raise InputError(f"{what} must be integers, got the bool {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise InputError(f"{what} must be integers, got {value!r} ({type(value).__name__})"
+                         ) from None
 
 
 def step_pad_rule(scratch_slot: int) -> tuple[int, int, int]:

@@ -48,16 +48,31 @@ class SamplingParams:
 GREEDY = SamplingParams()
 
 
+NON_FINITE = -1
+"""Token returned for a row whose logits hold a NaN or an infinity (never a real token id)."""
+
+
 def sample(
     logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
 ) -> torch.Tensor:
     """Chooses one token per row of ``logits [B, vocab]``; returns int64 ``[B]`` on the device.
+
+    A row with any NaN or infinite logit gets :data:`NON_FINITE` instead of a token: ``argmax``
+    would otherwise return the NaN's index as if it were a choice. The check stays on the device,
+    so the caller's one host read per step reveals it at no extra synchronisation.
 
     Args:
         logits: Scores of the next token.
         params: Temperature, top-k, top-p.
         generator: Source of randomness on the logits' device (ignored when greedy).
     """
+    finite = torch.isfinite(logits).all(dim=-1)
+    return torch.where(finite, _choose(logits, params, generator), NON_FINITE)
+
+
+def _choose(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> torch.Tensor:
     if params.greedy:
         return logits.argmax(dim=-1)
     scores = logits.float() / params.temperature

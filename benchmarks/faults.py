@@ -42,6 +42,7 @@ import multiprocessing
 import os
 import random
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -190,6 +191,12 @@ def capture_oom(device: torch.device) -> dict[str, Any]:
             torch.empty(2 * total, dtype=torch.uint8, device=device)  # cannot fit
         return torch.tanh(x @ weight)
 
+    # One capture/release cycle first: the capture stream's first GEMM allocates a cuBLAS
+    # workspace that torch keeps for the process (64 MiB here), which is not a leak of the runner.
+    primer = CUDAGraphRunner(lambda x: torch.tanh(x @ weight), max_batch_size=16, device=device)
+    primer.capture(torch.randn(16, 256, device=device))
+    primer.release()
+    del primer
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     before = torch.cuda.memory_reserved(device)
@@ -336,17 +343,19 @@ def main() -> int:
     torch.backends.cuda.matmul.allow_tf32 = False
     args.out.mkdir(parents=True, exist_ok=True)
     steps = args.steps or (2_000 if args.quick else 20_000)
-    name = torch.cuda.get_device_name(device)
-    print(f"faults: tactic faults, capture OOM, killed writer, {steps}-step soak on {name}")
+    gpu_name = torch.cuda.get_device_name(device)
+    print(f"faults: tactic faults, capture OOM, killed writer, {steps}-step soak on {gpu_name}")
+    # The cache file the checks write and kill writers over is scratch, not a result.
+    work = Path(tempfile.mkdtemp(prefix="graphtune-faults-"))
 
     checks: dict[str, Any] = {}
-    checks["tactic_faults"] = tactic_faults(args.out, device, args.timeout)
+    checks["tactic_faults"] = tactic_faults(work, device, args.timeout)
     checks["capture_oom"] = capture_oom(device)
-    checks["killed_writer"] = killed_writer(args.out)
+    checks["killed_writer"] = killed_writer(work)
     checks["soak"] = soak(device, steps)
     expected = sum(1 for f in checks["tactic_faults"]["faults"].values() if f["blocklisted"])
     checks["blocklist_in_process"] = blocklist_in_process(
-        args.out / "faults-cache.json", device, expected
+        work / "faults-cache.json", device, expected
     )
 
     tf = checks["tactic_faults"]
@@ -387,7 +396,7 @@ def main() -> int:
         "checks": checks,
         "provenance": _common.provenance(args.commit, device),
     }
-    path = _common.write_json(args.out / f"faults-{_common.gpu_slug(name)}.json", payload)
+    path = _common.write_json(args.out / f"faults-{_common.gpu_slug(gpu_name)}.json", payload)
     print(json.dumps({"faults": summary, "pass": passed, "json": str(path)}))
     return 0 if passed else 1
 

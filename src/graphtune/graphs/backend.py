@@ -121,7 +121,6 @@ class CudaGraphBackend:
                 outputs = fn(*args)
         except BaseException:
             _end_stuck_capture(graph, stream)
-            _stop_allocating_to_pool(device, pool)
             raise
         finally:
             # torch.cuda.graph.__exit__ does not restore the caller's stream when capture_end
@@ -168,28 +167,6 @@ def _end_stuck_capture(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream) -
             graph.capture_end()
         except RuntimeError as exc:  # invalidated captures end with an error; that is expected
             logger.debug("ending the failed capture reported: %s", exc)
-
-
-def _stop_allocating_to_pool(device: torch.device, pool: Any) -> None:
-    """Detaches the caching allocator from ``pool`` after a failed capture.
-
-    ``CUDAGraph.capture_end`` raises at ``cudaStreamEndCapture`` for an invalidated capture
-    (a host sync inside ``fn``) before it tells the allocator that the capture is over, so the
-    allocator keeps routing this stream's allocations to the pool and the next capture into the
-    same pool fails with "beginAllocateToPool: already recording to mempool_id". The graph also
-    never reaches the state in which its destructor releases its reference on the pool, so that
-    reference is dropped here too, or ``release()`` could not return the pool's memory.
-    """
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    try:
-        torch._C._cuda_endAllocateToPool(index, pool)
-    except (RuntimeError, AttributeError) as exc:  # not recording any more: torch cleaned up
-        logger.debug("allocator was not recording to the pool after the failure: %s", exc)
-        return
-    try:
-        torch._C._cuda_releasePool(index, pool)
-    except (RuntimeError, AttributeError) as exc:
-        logger.debug("releasing the failed capture's pool reference reported: %s", exc)
 
 
 _DEFAULT_CUDA_BACKEND: CudaGraphBackend | None = None

@@ -419,6 +419,12 @@ class CUDAGraphRunner:
         else:
             key_state.failed[size] = result
             self.stats.records.append(result)
+            if self._share_pool:
+                # When capture_end fails (an invalidated capture: a host sync inside fn), torch
+                # never tells the caching allocator that the capture ended, so every later
+                # capture into this pool fails with "already recording to mempool_id" (seen on
+                # torch 2.11). Graphs captured so far keep their pool; later sizes get a new one.
+                self._pool = None
 
     def _note_static_reason(self) -> None:
         if not self._noted_static_reason:

@@ -7,6 +7,11 @@ sees the step callable; it never learns that an engine exists.
 Live requests are kept compacted: request ``i`` of the live batch owns KV slot ``i``. When a
 request in the middle finishes, the last one moves into its slot (a copy of its cached prefix), so
 the decode step can read slots ``[0, B)`` as a view instead of gathering them every step.
+
+With ``tune=True`` the engine tunes every tunable op of the decode step for its batch buckets
+first (inside ``autotune(tuning_cache, tuner)``: the cache file is loaded, extended and saved),
+then builds the step with the tuner and captures: every graph bakes in the tuned tactics, and
+since tuning mode is off again while capturing, the tuner only looks up there.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import operator
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from os import PathLike
 from typing import Any
 
 import torch
@@ -74,6 +80,18 @@ class Engine:
         strict_numerics: Raise :class:`NumericalError` when a request's logits are not finite.
             By default that request stops, is listed in :attr:`failures` and logged, and the
             other requests go on.
+        tune: Tune the decode step's ops (GEMMs, RMSNorm, RoPE + KV write, SiLU-and-mul,
+            decode attention) for batch buckets ``1, 2, 4, ..., max_batch_size`` before
+            capturing, and run the step with the picks. Entries already in the tuner's cache (or
+            in ``tuning_cache``) are not tuned again.
+        tuning_cache: Tuning cache file: loaded when present and, with ``tune=True``, saved
+            after tuning. Without ``tune`` the step only looks picks up in it (a file written by
+            ``graphtune tune`` for the same model, dtype, ``--max-batch`` and
+            ``--max-seq-len``).
+        tuner: The :class:`~graphtune.autotuner.AutoTuner` to use; a new one by default. Given
+            without ``tune``, the step runs that tuner's cached picks (look-ups only).
+            With neither ``tune``, ``tuning_cache`` nor ``tuner`` the step is the untuned torch
+            step.
 
     Raises:
         ConfigError: Unknown runner, or sizes out of range.
@@ -91,6 +109,9 @@ class Engine:
         dtype: torch.dtype | None = None,
         lazy_capture: bool = False,
         strict_numerics: bool = False,
+        tune: bool = False,
+        tuning_cache: str | PathLike[str] | None = None,
+        tuner: Any = None,
     ) -> None:
         if runner not in RUNNERS:
             raise ConfigError(f"runner must be one of {RUNNERS}, got {runner!r}")
@@ -109,11 +130,67 @@ class Engine:
         self.max_seq_len = -(-max_seq_len // 16) * 16
         self.cache = KVCache(self.config, max_batch_size, self.max_seq_len, target_device,
                              target_dtype)
-        self.step_fn = DecodeStep(model, self.cache, contiguous_slots=True)
+        self.tuner: Any = None
+        self.tune_report: Any = None
+        if tune or tuning_cache is not None or tuner is not None:
+            self.tuner = self._prepare_tuner(tune, tuning_cache, tuner, target_dtype)
+        self.step_fn = DecodeStep(model, self.cache, contiguous_slots=True, tuner=self.tuner)
         self.runner_kind = runner
         self.strict_numerics = strict_numerics
         self.failures: list[RequestFailure] = []
         self.runner = self._build_runner(runner, capture_sizes, lazy_capture)
+
+    def _prepare_tuner(self, tune: bool, cache_path: str | PathLike[str] | None, tuner: Any,
+                       dtype: torch.dtype) -> Any:
+        from graphtune.autotuner import AutoTuner, autotune
+        from graphtune.ops.tuning import ALL_GROUPS, OpDims, tune_ops
+
+        tuner = tuner if tuner is not None else AutoTuner()
+        if not tune:
+            if cache_path is not None:
+                tuner.cache.load(cache_path)
+            return tuner
+        with autotune(cache_path, tuner):
+            self.tune_report = tune_ops(
+                OpDims.from_model_config(self.config), self.cache.max_batch_size,
+                device=self.device, dtype=dtype, tuner=tuner, ops=ALL_GROUPS,
+                max_seq_len=self.cache.max_seq_len,
+            )
+        report = self.tune_report
+        logger.info("tuned %d (op, bucket) profiles in %.1f s for batch buckets %s",
+                    len(report.rows), report.seconds, list(report.buckets))
+        return tuner
+
+    @property
+    def tuning_stats(self) -> Any:
+        """The tuner's :class:`~graphtune.autotuner.tuner.TunerStats` (``fallbacks`` per op
+        counts look-ups of shapes that were never tuned), or ``None`` for an untuned engine."""
+        return None if self.tuner is None else self.tuner.stats
+
+    def tuning_report(self) -> str:
+        """What tuning did and how the step's look-ups went, for people."""
+        if self.tuner is None:
+            return "tuning: off (untuned torch decode step)"
+        stats = self.tuner.stats
+        lines = []
+        if self.tune_report is not None:
+            report = self.tune_report
+            lines.append(
+                f"tuning: {len(report.rows)} (op, bucket) profiles tuned in "
+                f"{report.seconds:.1f} s ({report.compile_seconds:.1f} s compiling) for batch "
+                f"buckets {list(report.buckets)}"
+            )
+        else:
+            lines.append("tuning: look-ups only (tune=False)")
+        lines.append(f"look-ups: {stats.hits} hits, {stats.misses} misses")
+        if stats.fallbacks:
+            ops = ", ".join(f"{op}: {n}" for op, n in sorted(stats.fallbacks.items()))
+            lines.append(f"untuned shapes ran the torch fallback: {ops}")
+        else:
+            lines.append("no fallbacks: every look-up found a tuned pick")
+        if stats.tactic_failures:
+            lines.append(f"failed tactics while tuning: {dict(stats.tactic_failures)}")
+        return "\n".join(lines)
 
     def _build_runner(self, kind: str, capture_sizes: Sequence[int] | None, lazy: bool) -> Any:
         # Imported here so the engine modules stay importable on their own for inspection.

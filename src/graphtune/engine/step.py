@@ -6,12 +6,20 @@
 which is what a CUDA graph capture needs: K/V are written by index (``index_copy_``) and the
 attention covers every cached position with a mask built from ``positions`` on the device.
 
+With a tuner (``DecodeStep(..., tuner=...)``) every tunable op of the step goes through
+:mod:`graphtune.ops` and runs the tuner's pick for its batch bucket: RMSNorm, the QKV / gate-up /
+LM-head GEMMs, the output and down GEMMs with their residual add folded in (in place, as the
+untuned step's ``addmm_``), rotary + K/V write, SiLU-and-mul and decode attention. The op forms
+and ``max_m`` are exactly those :func:`graphtune.ops.tuning.tune_ops` tunes, so look-ups hit.
+Without a tuner the step is the plain torch code below, unchanged.
+
 Prefill has a different length per request, so it runs eagerly, one request at a time.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -41,10 +49,16 @@ class DecodeStep:
             goes to ``slots`` so padded rows land in the scratch slot. When false, any slot
             mapping works and the cached K/V of the batch are gathered per layer (an extra copy
             of the batch's cache per step).
+        tuner: An :class:`~graphtune.autotuner.AutoTuner` whose picks the step runs (see the
+            module docstring), with ``max_m = cache.max_batch_size`` for every op; tune first
+            with :func:`graphtune.ops.tuning.tune_ops` for the same ``max_batch`` (and
+            ``max_seq_len = cache.max_seq_len`` for attention). An untuned shape runs the op's
+            torch fallback and is counted in ``tuner.stats.fallbacks``. ``None`` (default): the
+            untuned torch step.
     """
 
-    def __init__(self, model: DecoderModel, cache: KVCache, *, contiguous_slots: bool = False
-                 ) -> None:
+    def __init__(self, model: DecoderModel, cache: KVCache, *, contiguous_slots: bool = False,
+                 tuner: Any = None) -> None:
         cfg = model.config
         self.model = model
         self.cache = cache
@@ -63,6 +77,13 @@ class DecodeStep:
         # Flattened per-layer views [slots * kv_heads * max_seq, head_dim] for index_copy_.
         self.k_flat = [k.view(-1, cfg.dim_per_head) for k in cache.k_layers]
         self.v_flat = [v.view(-1, cfg.dim_per_head) for v in cache.v_layers]
+        self.tuner = tuner
+        self.max_m = cache.max_batch_size
+        self._attention_config = None
+        if tuner is not None:
+            from graphtune.ops import attention as attention_op
+
+            self._attention_config = attention_op.tuning_config(cache.max_batch_size)
 
     def mask(self, positions: torch.Tensor) -> torch.Tensor:
         """Additive attention mask ``[B, 1, 1, max_seq]``: 0 where a key is visible, else -inf."""
@@ -83,6 +104,8 @@ class DecodeStep:
             positions: ``[B]`` its position (= number of tokens already cached for the request).
             slots: ``[B]`` the KV-cache slot of each row (the scratch slot for padded rows).
         """
+        if self.tuner is not None:
+            return self._tuned(tokens, positions, slots)
         model, cfg = self.model, self.model.config
         batch = tokens.shape[0]
         heads, kv_heads, dim = cfg.num_heads, cfg.num_kv_heads, cfg.dim_per_head
@@ -127,6 +150,53 @@ class DecodeStep:
             x.addmm_(swiglu(F.linear(h, layer.w_gate_up)), layer.w_down.t())
         x = rms_norm(x, model.final_norm, eps)
         return F.linear(x, model.lm_head)
+
+    def _tuned(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
+               ) -> torch.Tensor:
+        """The step through :mod:`graphtune.ops` with the tuner's picks (same math as above)."""
+        from graphtune.ops import attention as attention_op
+        from graphtune.ops import fused_add_rms_norm, gemm, rope_kv_cache, silu_and_mul
+
+        model, cfg = self.model, self.model.config
+        tuner, max_m = self.tuner, self.max_m
+        batch = tokens.shape[0]
+        heads, kv_heads, dim = cfg.num_heads, cfg.num_kv_heads, cfg.dim_per_head
+        seq = self.cache.max_seq_len
+        eps = cfg.rms_norm_eps
+
+        x = F.embedding(tokens, model.embed)
+        mask = self.mask(positions)
+        write_rows = ((slots[:, None] * kv_heads + self.kv_head_index[None, :]) * seq
+                      + positions[:, None]).reshape(-1)
+        attend = None  # (runner, tactic) of decode attention, chosen once per step
+        for index, layer in enumerate(model.layers):
+            h, _ = fused_add_rms_norm(x, layer.attn_norm, eps, tuner=tuner, max_m=max_m)
+            qkv = gemm(h, layer.wqkv, layer.bqkv, tuner=tuner, max_m=max_m)
+            q = rope_kv_cache(
+                qkv, positions, self.cos, self.signed_sin, self.k_flat[index],
+                self.v_flat[index], write_rows, num_heads=heads, num_kv_heads=kv_heads,
+                signed_sin=True, tuner=tuner, max_m=max_m,
+            )
+            if self.contiguous_slots:
+                keys = self.cache.k_layers[index][:batch]
+                values = self.cache.v_layers[index][:batch]
+            else:
+                keys = self.cache.k_layers[index].index_select(0, slots)
+                values = self.cache.v_layers[index].index_select(0, slots)
+            inputs = [q.reshape(batch, kv_heads, self.groups, dim), keys, values, mask]
+            if attend is None:
+                # Every layer has the same shapes: one look-up per step (~10 us of host time).
+                attend = tuner.choose_one(attention_op.OP_NAME, attention_op.RUNNERS,
+                                          self._attention_config, inputs)
+            attn = attend[0].forward(inputs, attend[1])
+            gemm(attn.reshape(batch, heads * dim), layer.wo, None, x, inplace=True,
+                 tuner=tuner, max_m=max_m)
+            h, _ = fused_add_rms_norm(x, layer.mlp_norm, eps, tuner=tuner, max_m=max_m)
+            act = silu_and_mul(gemm(h, layer.w_gate_up, tuner=tuner, max_m=max_m),
+                               tuner=tuner, max_m=max_m)
+            gemm(act, layer.w_down, None, x, inplace=True, tuner=tuner, max_m=max_m)
+        x, _ = fused_add_rms_norm(x, model.final_norm, eps, tuner=tuner, max_m=max_m)
+        return gemm(x, model.lm_head, tuner=tuner, max_m=max_m)
 
 
 def prefill(

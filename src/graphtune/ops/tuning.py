@@ -6,6 +6,10 @@ every power-of-two bucket up to ``max_batch`` and caches the picks under the sam
 step looks up later. Used by ``graphtune tune`` and (through the same function) by the engine's
 ``tune=True``.
 
+Decode attention (:mod:`graphtune.ops.attention`) is tuned too when ``ops`` names
+``"attention"``; its keys and values span the KV cache's whole ``max_seq_len``, which is part of
+its tuning key, so that group needs ``max_seq_len`` (the engine's, after its rounding to 16).
+
 :class:`OpDims` holds only integers, so this module does not import the engine (the engine
 imports ops); :meth:`OpDims.from_model_config` reads any object with the ``ModelConfig`` field
 names.
@@ -24,6 +28,7 @@ import torch
 from graphtune.autotuner.config import power_of_two_buckets
 from graphtune.autotuner.tuner import AutoTuner, get_tuner
 from graphtune.errors import ConfigError
+from graphtune.ops import attention as attention_op
 from graphtune.ops._triton import TritonRunner
 from graphtune.ops.activation import silu_and_mul, silu_and_mul_runners
 from graphtune.ops.gemm import gemm, gemm_runners
@@ -32,8 +37,12 @@ from graphtune.ops.rotary import rope_kv_cache, rope_runners
 
 logger = logging.getLogger(__name__)
 
-#: Names accepted by ``tune_ops(ops=...)``.
+#: Op groups tuned by default (they need only the model's dimensions).
 OP_GROUPS = ("gemm", "lm_head", "rms_norm", "rope_kv_cache", "silu_and_mul")
+#: Decode attention: its tuning key holds the KV cache length, so it needs ``max_seq_len``.
+ATTENTION_GROUP = "attention"
+#: Every name accepted by ``tune_ops(ops=...)``, in the order they are tuned.
+ALL_GROUPS = (*OP_GROUPS, ATTENTION_GROUP)
 #: GEMMs the decode step runs with its residual add folded in (``x.addmm_``).
 RESIDUAL_GEMMS = ("o_proj", "down")
 
@@ -131,6 +140,15 @@ def _randn(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype, gen
     return (torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * scale).to(dtype)
 
 
+def attention_mask(positions: torch.Tensor, max_seq_len: int, dtype: torch.dtype
+                   ) -> torch.Tensor:
+    """Additive decode mask ``[B, 1, 1, max_seq_len]``: 0 for keys at or before each position."""
+    keys = torch.arange(max_seq_len, device=positions.device)
+    visible = keys[None, :] <= positions[:, None]
+    zero = torch.zeros((), device=positions.device, dtype=dtype)
+    return torch.where(visible, zero, torch.full_like(zero, float("-inf")))[:, None, None, :]
+
+
 def _triton_runners(dims: OpDims) -> list[TritonRunner]:
     runners = [
         *gemm_runners(),
@@ -152,6 +170,7 @@ def tune_ops(
     ops: Sequence[str] = OP_GROUPS,
     residual_gemms: Sequence[str] = RESIDUAL_GEMMS,
     rope_signed_sin: bool = True,
+    max_seq_len: int | None = None,
     on_op: Callable[[str], None] | None = None,
 ) -> TuneReport:
     """Tunes the decode-step ops of a model for batch buckets ``1, 2, 4, ..., max_batch``.
@@ -166,11 +185,14 @@ def tune_ops(
         device: Device to tune on.
         dtype: Activation and weight dtype.
         tuner: The tuner; the process default when ``None``.
-        ops: Op groups to tune (subset of :data:`OP_GROUPS`).
+        ops: Op groups to tune (subset of :data:`ALL_GROUPS`; ``"attention"`` needs
+            ``max_seq_len``).
         residual_gemms: GEMMs (names of :meth:`OpDims.gemm_shapes`) the step runs as
             ``gemm(a, w, residual=x, inplace=True)``; they are tuned in that form, the others
             as plain ``gemm(a, w, bias)``.
         rope_signed_sin: Tune ``rope_kv_cache`` for the engine's signed-sin tables.
+        max_seq_len: KV cache length of the decode step (keys and values of attention span all
+            of it); required when ``ops`` names ``"attention"``.
         on_op: Called with each op group name before it is tuned (progress display).
 
     Returns:
@@ -178,9 +200,17 @@ def tune_ops(
     """
     if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
         raise ConfigError(f"tune_ops: max_batch must be an int >= 1, got {max_batch!r}.")
-    unknown = sorted(set(ops) - set(OP_GROUPS))
+    unknown = sorted(set(ops) - set(ALL_GROUPS))
     if unknown:
-        raise ConfigError(f"tune_ops: unknown op groups {unknown}; choose from {OP_GROUPS}.")
+        raise ConfigError(f"tune_ops: unknown op groups {unknown}; choose from {ALL_GROUPS}.")
+    if ATTENTION_GROUP in ops and (
+        isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 1
+    ):
+        raise ConfigError(
+            f"tune_ops: the {ATTENTION_GROUP!r} group needs max_seq_len (an int >= 1, the decode "
+            f"step's KV cache length), got {max_seq_len!r}; pass it or leave {ATTENTION_GROUP!r} "
+            "out of ops."
+        )
     tuner = tuner or get_tuner()
     device = torch.device(device)
     gen = torch.Generator(device=device)
@@ -230,18 +260,30 @@ def tune_ops(
                       num_heads=dims.num_heads, num_kv_heads=kv, signed_sin=rope_signed_sin,
                       tuner=tuner, max_m=m)
 
+    def run_attention() -> None:
+        assert max_seq_len is not None
+        kv, d = dims.num_kv_heads, dims.head_dim
+        q = _randn((m, kv, dims.num_heads // kv, d), device, dtype, gen)
+        keys = _randn((m, kv, max_seq_len, d), device, dtype, gen)
+        values = _randn((m, kv, max_seq_len, d), device, dtype, gen)
+        mask = attention_mask(torch.full((m,), max_seq_len // 2, device=device), max_seq_len,
+                              dtype)
+        attention_op.decode_attention(q, keys, values, mask, tuner=tuner,
+                                      config=attention_op.tuning_config(m))
+
     steps: dict[str, Callable[[], None]] = {
         "gemm": lambda: run_gemms(("qkv", "o_proj", "gate_up", "down")),
         "lm_head": lambda: run_gemms(("lm_head",)),
         "rms_norm": run_norm,
         "rope_kv_cache": run_rope,
         "silu_and_mul": run_act,
+        ATTENTION_GROUP: run_attention,
     }
     previous = tuner.tuning_mode
     tuner.tuning_mode = True
     try:
         with torch.no_grad():
-            for name in OP_GROUPS:
+            for name in ALL_GROUPS:
                 if name not in ops:
                     continue
                 if on_op is not None:

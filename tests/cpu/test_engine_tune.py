@@ -1,0 +1,152 @@
+"""Engine(tune=True) on the CPU: tuned step == untuned step, cache file reuse, fallbacks reported.
+
+Like the other ops tests, the Triton kernels run under Triton's CPU interpreter here (set before
+anything imports Triton). A fake timer makes the *last* candidate of every profile the fastest,
+so the tuned step really runs Triton kernels (and the matmul attention runner) wherever the ops
+offer them, and the comparison with the untuned torch step means something.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # see test_ops_kernels.py
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from graphtune.autotuner import AutoTuner  # noqa: E402
+from graphtune.autotuner.timing.base import Measurement  # noqa: E402
+from graphtune.engine import DecodeStep, Engine, KVCache, load_model  # noqa: E402
+from graphtune.errors import ConfigError  # noqa: E402
+from graphtune.ops import attention  # noqa: E402
+from graphtune.ops.tuning import ALL_GROUPS, OP_GROUPS, OpDims, tune_ops  # noqa: E402
+
+PROMPTS = [[1, 5, 9], [7, 3], [3, 4, 5, 6]]
+
+
+class _LastIsFastest:
+    """Fake timer: every measurement is faster than the one before, so with one round, no
+    re-measuring and no tie tolerance the last-listed candidate of each profile wins."""
+
+    name = "fake"
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def measure(self, fn, *, warmup: int, repeat: int) -> Measurement:
+        self.calls += 1
+        return Measurement.from_samples([1000.0 / self.calls], calls_per_sample=1,
+                                        timer=self.name)
+
+
+def _tuner() -> AutoTuner:
+    return AutoTuner(timer=_LastIsFastest(), rounds=1, remeasure_top=0, tie_tolerance=0.0,
+                     show_progress=False)
+
+
+def test_tuned_engine_matches_untuned_and_reuses_the_cache_file(tmp_path):
+    path = tmp_path / "tuning.json"
+    plain = Engine(load_model("tiny"), runner="graph", max_batch_size=4, max_seq_len=32)
+    tuner = _tuner()
+    tuned = Engine(load_model("tiny"), runner="graph", max_batch_size=4, max_seq_len=32,
+                   tune=True, tuning_cache=path, tuner=tuner)
+    assert path.is_file() and tuned.tuner is tuner and not tuner.tuning_mode
+    report = tuned.tune_report
+    assert report.buckets == (1, 2, 4)
+    # 4 GEMM shapes (tiny's LM head [256, 64] is the gate-up shape) + 2 norm forms + rope +
+    # silu + attention, each for 3 buckets.
+    assert len(report.rows) == 9 * 3
+    winners = " ".join(row[2] for row in report.rows)
+    if "Triton" in winners:  # Triton importable: its kernels are what the tuned step runs
+        assert "TritonGemmRunner" in winners and "TritonRopeRunner" in winners
+    assert "MatmulAttention" in winners
+
+    # Same logits step by step (float32; the picks are other kernels, so not bit-equal).
+    for batch in (1, 3):
+        args = (torch.tensor([5, 17, 99][:batch]), torch.tensor([0, 2, 4][:batch]),
+                torch.arange(batch))
+        want = plain.step_fn(*args).clone()
+        got = tuned.step_fn(*args)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert plain.step_fn.tuner is None
+
+    hits = tuner.stats.hits
+    assert tuned.generate(PROMPTS, 3, stop_token_ids=[]) == plain.generate(
+        PROMPTS, 3, stop_token_ids=[])
+    assert tuner.stats.hits > hits and tuned.tuning_stats.fallbacks == {}
+    assert "no fallbacks" in tuned.tuning_report()
+    assert "off" in plain.tuning_report() and plain.tuning_stats is None
+
+    # A second engine with the same file tunes nothing and runs the same picks.
+    again = _tuner()
+    second = Engine(load_model("tiny"), runner="eager", max_batch_size=4, max_seq_len=32,
+                    tune=True, tuning_cache=path, tuner=again)
+    assert again.stats.profiles_tuned == 0 and second.tune_report.rows == []
+    assert again.timer.calls == 0
+
+
+def test_untuned_shapes_fall_back_and_are_reported():
+    model = load_model("tiny")
+    tuner = _tuner()
+    # Tune for batches up to 2 only; the engine below serves up to 4 with the same tuner.
+    tune_ops(OpDims.from_model_config(model.config), 2, device="cpu", dtype=torch.float32,
+             tuner=tuner, ops=ALL_GROUPS, max_seq_len=32)
+    engine = Engine(model, runner="eager", max_batch_size=4, max_seq_len=32, tuner=tuner)
+    assert engine.tune_report is None
+    args = (torch.tensor([3, 4, 5, 6]), torch.tensor([0, 1, 0, 2]), torch.arange(4))
+    want = DecodeStep(model, engine.cache, contiguous_slots=True)(*args)
+    got = engine.step(*args)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    fallbacks = engine.tuning_stats.fallbacks
+    # Batch 4 is bucket 4, never tuned: every op of the step fell back to torch.
+    assert {"graphtune.gemm", "graphtune.rms_norm", "graphtune.rope_kv_cache",
+            "graphtune.silu_and_mul", attention.OP_NAME} <= set(fallbacks)
+    assert fallbacks[attention.OP_NAME] == 1  # chosen once per step, not per layer
+    text = engine.tuning_report()
+    assert "look-ups only" in text and "graphtune.gemm" in text
+
+
+def test_tuning_cache_without_tune_only_looks_up(tmp_path):
+    path = tmp_path / "c.json"
+    Engine(load_model("tiny"), runner="eager", max_batch_size=2, max_seq_len=32, tune=True,
+           tuning_cache=path, tuner=_tuner())
+    # Cache keys hold the timing mode, so the look-up tuner names the same timer ("fake").
+    lookup = _tuner()
+    engine = Engine(load_model("tiny"), runner="eager", max_batch_size=2, max_seq_len=32,
+                    tuning_cache=path, tuner=lookup)
+    assert len(lookup.cache) > 0
+    engine.generate([[1, 2]], 2, stop_token_ids=[])
+    stats = engine.tuning_stats
+    assert stats.profiles_tuned == 0 and stats.fallbacks == {} and stats.hits > 0
+
+
+def test_attention_group_needs_max_seq_len():
+    dims = OpDims(hidden_size=32, intermediate_size=48, num_heads=4, num_kv_heads=2,
+                  head_dim=8, vocab_size=40)
+    with pytest.raises(ConfigError, match="max_seq_len"):
+        tune_ops(dims, 2, device="cpu", dtype=torch.float32, ops=("attention",))
+    assert set(OP_GROUPS) < set(ALL_GROUPS)
+
+
+def test_tuned_step_matches_with_gathered_slots():
+    model = load_model("qwen2-tiny")  # QKV bias and tied embeddings
+    cache = KVCache(model.config, 3, 32, "cpu", torch.float32)
+    cache.k.normal_(generator=torch.Generator().manual_seed(0))
+    cache.v.normal_(generator=torch.Generator().manual_seed(1))
+    tuner = _tuner()
+    tune_ops(OpDims.from_model_config(model.config), 3, device="cpu", dtype=torch.float32,
+             tuner=tuner, ops=ALL_GROUPS, max_seq_len=32)
+    args = (torch.tensor([7, 8]), torch.tensor([5, 9]), torch.tensor([2, 0]))
+    k0, v0 = cache.k.clone(), cache.v.clone()
+    want = DecodeStep(model, cache, contiguous_slots=False)(*args).clone()
+    k1, v1 = cache.k.clone(), cache.v.clone()
+    cache.k.copy_(k0)
+    cache.v.copy_(v0)
+    got = DecodeStep(model, cache, contiguous_slots=False, tuner=tuner)(*args)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    torch.testing.assert_close(cache.k, k1, rtol=0, atol=1e-5)
+    torch.testing.assert_close(cache.v, v1, rtol=0, atol=1e-5)
+    assert tuner.stats.fallbacks == {}

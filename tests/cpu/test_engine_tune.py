@@ -150,3 +150,34 @@ def test_tuned_step_matches_with_gathered_slots():
     torch.testing.assert_close(cache.k, k1, rtol=0, atol=1e-5)
     torch.testing.assert_close(cache.v, v1, rtol=0, atol=1e-5)
     assert tuner.stats.fallbacks == {}
+
+
+def test_bench_decode_tune_reports_tuned_beside_untuned(tmp_path, capsys, monkeypatch):
+    import json
+
+    import graphtune.autotuner
+    from graphtune.cli.main import main
+
+    # The CLI builds a default AutoTuner; make it the fake-timer one (the real wall-clock timer
+    # would time Triton's CPU interpreter here, minutes instead of a second).
+    made = []
+    monkeypatch.setattr(graphtune.autotuner, "AutoTuner", lambda: made.append(_tuner()) or made[-1])
+    cache, out_json = tmp_path / "tc.json", tmp_path / "d.json"
+    args = ["bench", "decode", "--model", "tiny", "--batch-sizes", "1,2", "--context", "8",
+            "--steps", "1", "--repeats", "1", "--device", "cpu", "--tune", "--tuning-cache",
+            str(cache), "--json", str(out_json)]
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    assert "tuning: 18 (op, bucket) profiles tuned" in captured.out
+    assert "tuned 18 (op, bucket) profiles" in captured.err
+    data = json.loads(out_json.read_text())
+    assert data["tuning_profiles"] == 18 and data["tuning_fallbacks"] == {}
+    for r in data["results"]:
+        assert r["eager_ms"] > 0 and r["tuned_eager_ms"] > 0 and r["tuned_over_untuned"] > 0
+        assert r["tuned_max_abs_diff"] < 1e-5 and r["graph_ms"] is None
+    last = json.loads(captured.out.strip().splitlines()[-1])
+    assert last["tuning_seconds"] >= 0 and "tuned_top_kernels" not in last["results"][0]
+    assert cache.is_file()
+    assert main(args) == 0  # the cache file answers everything: nothing tuned again
+    assert "tuned 0 (op, bucket) profiles" in capsys.readouterr().err
+    assert made[-1].stats.profiles_tuned == 0

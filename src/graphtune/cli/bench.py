@@ -47,6 +47,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     decode.add_argument("--runner", choices=("both", "graph", "eager"), default="both")
     decode.add_argument("--compare-compile", action="store_true",
                         help="also time torch.compile(mode='reduce-overhead') of the same step")
+    decode.add_argument("--tune", action="store_true",
+                        help="also tune the step's ops (GEMMs, RMSNorm, RoPE+KV write, "
+                        "SiLU-and-mul, attention) for the batch buckets and time the tuned step "
+                        "beside the untuned one")
+    decode.add_argument("--tuning-cache", type=Path, default=None, metavar="FILE",
+                        help="with --tune: tuning cache file, loaded when present and saved "
+                        "(a second run tunes nothing)")
     decode.add_argument("--plot", type=Path, default=None, metavar="FILE.png")
     decode.add_argument("--json", type=Path, default=None, metavar="FILE")
     decode.add_argument("--device", default="auto")
@@ -84,7 +91,8 @@ def run_bench_decode(args: argparse.Namespace) -> int:
             model=model, batch_sizes=tuple(args.batch_sizes), context=args.context,
             steps=args.steps, repeats=args.repeats, runners=runners,
             compare_compile=args.compare_compile, device=str(device), dtype=args.dtype,
-            seed=args.seed,
+            seed=args.seed, tune=args.tune,
+            tuning_cache=str(args.tuning_cache) if args.tuning_cache else None,
         )
         report = run_decode_bench(cfg, log=lambda line: print(line, file=sys.stderr))
         print(format_report(report))
@@ -104,11 +112,16 @@ def run_bench_decode(args: argparse.Namespace) -> int:
                 print(f"error: {exc}", file=sys.stderr)
                 return 2
         # One JSON line at the end, like every benchmark script in this repository.
-        print(json.dumps({"bench": "decode", "model": report.model["name"],
-                          "device": report.provenance.get("gpu_name") or str(device),
-                          "torch": torch.__version__,
-                          "results": [{k: v for k, v in r.items() if k != "top_kernels"}
-                                      for r in data["results"]]}, default=str))
+        summary = {"bench": "decode", "model": report.model["name"],
+                   "device": report.provenance.get("gpu_name") or str(device),
+                   "torch": torch.__version__,
+                   "results": [{k: v for k, v in r.items()
+                                if k not in ("top_kernels", "tuned_top_kernels")}
+                               for r in data["results"]]}
+        if report.tuning_seconds is not None:
+            summary["tuning_seconds"] = report.tuning_seconds
+            summary["tuning_fallbacks"] = report.tuning_fallbacks
+        print(json.dumps(summary, default=str))
     except GraphtuneError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -21,10 +21,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     """Adds ``tune``."""
     parser = subparsers.add_parser(
         "tune",
-        help="tune the decode-step ops (GEMMs, RMSNorm, RoPE+KV write, SiLU-and-mul) of a model",
+        help="tune the decode-step ops (GEMMs, RMSNorm, RoPE+KV write, SiLU-and-mul, attention) "
+        "of a model",
         description="Times every (runner, tactic) of each op of a model's decode step for batch "
         "buckets 1, 2, 4, ... up to --max-batch and saves the fastest per bucket to --cache. "
-        "Entries already in the cache file are reused, not re-tuned.",
+        "Entries already in the cache file are reused, not re-tuned. Decode attention is tuned "
+        "for a KV cache of --max-seq-len positions: pass the engine's (Engine rounds its "
+        "max_seq_len up to a multiple of 16).",
     )
     parser.add_argument("--model", required=True, metavar="PRESET|PATH",
                         help="preset (tiny, llama-1b-shape, ...) or a folder with config.json")
@@ -32,6 +35,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="tuning cache file (created or extended)")
     parser.add_argument("--max-batch", type=int, default=64, metavar="N",
                         help="largest decode batch to tune (default 64)")
+    parser.add_argument("--max-seq-len", type=int, default=2048, metavar="N",
+                        help="KV cache length of the engine that will use the cache, for "
+                        "attention (default 2048, the Engine default; a multiple of 16)")
     parser.add_argument("--device", default="auto", help="auto (cuda if present), cuda, cpu, ...")
     parser.add_argument("--dtype", default="auto",
                         help="auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float16, float32")
@@ -40,7 +46,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="timer (auto: graph replay on CUDA, wall clock on CPU)")
     parser.add_argument("--ops", default=None, metavar="LIST",
                         help="comma-separated op groups (default all: gemm,lm_head,rms_norm,"
-                        "rope_kv_cache,silu_and_mul)")
+                        "rope_kv_cache,silu_and_mul,attention)")
     parser.set_defaults(handler=run_tune)
 
 
@@ -62,14 +68,14 @@ def run_tune(args: argparse.Namespace) -> int:
     from graphtune.autotuner import AutoTuner, autotune
     from graphtune.autotuner.timing import resolve_timer
     from graphtune.engine.bench import resolve_device, resolve_dtype
-    from graphtune.ops.tuning import OP_GROUPS, OpDims, tune_ops
+    from graphtune.ops.tuning import ALL_GROUPS, OpDims, tune_ops
 
     try:
         device = resolve_device(args.device)
         dtype = resolve_dtype(args.dtype, device)
         config = _model_config(args.model)
         dims = OpDims.from_model_config(config)
-        ops = tuple(args.ops.split(",")) if args.ops else OP_GROUPS
+        ops = tuple(args.ops.split(",")) if args.ops else ALL_GROUPS
         timer = None if args.timing == "auto" else resolve_timer(args.timing, device)
         tuner = AutoTuner(timer=timer)
         print(f"tuning {config.name} ops on {device} ({str(dtype).removeprefix('torch.')}), "
@@ -78,6 +84,7 @@ def run_tune(args: argparse.Namespace) -> int:
         with autotune(args.cache, tuner):
             report = tune_ops(
                 dims, args.max_batch, device=device, dtype=dtype, tuner=tuner, ops=ops,
+                max_seq_len=args.max_seq_len,
                 on_op=lambda name: print(f"  {name} ...", flush=True),
             )
     except (GraphtuneError, ValueError) as exc:

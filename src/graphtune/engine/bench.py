@@ -5,6 +5,11 @@ its copy-in, padding and slicing: what a server pays), and optionally through
 ``torch.compile(mode="reduce-overhead")``; it reads the GPU-busy time of one step from
 ``torch.profiler`` (sum of device kernel durations, median of several steps) and computes the
 bytes floor: weights plus the KV cache a step must read, over a measured device copy bandwidth.
+
+With ``tune=True`` the same run then tunes every op of the step for the batch buckets
+(:func:`graphtune.ops.tuning.tune_ops`, attention included; a cache file is reused when given),
+and times the tuned step the same way: through a graph runner on CUDA (else eagerly), with its
+GPU-busy time, top kernels and its ratios to the untuned step and to the bytes floor.
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ class DecodeBenchConfig:
         device: ``"auto"`` (CUDA when present), ``"cuda"``, ``"cuda:1"``, ``"cpu"``...
         dtype: ``"auto"`` (bfloat16 on CUDA, float32 on CPU) or a torch dtype name.
         seed: Seed for random weights, tokens and cache contents.
+        tune: Also tune the step's ops and time the tuned step beside the untuned one.
+        tuning_cache: Tuning cache file for ``tune`` (loaded when present, saved after).
     """
 
     model: str = "llama-1b-shape"
@@ -57,6 +64,8 @@ class DecodeBenchConfig:
     device: str = "auto"
     dtype: str = "auto"
     seed: int = 0
+    tune: bool = False
+    tuning_cache: str | None = None
 
     def __post_init__(self) -> None:
         if not self.batch_sizes or min(self.batch_sizes) <= 0:
@@ -85,6 +94,15 @@ class BatchResult:
     compile_note: str | None = None
     kernels_per_step: float | None = None
     top_kernels: list[dict[str, Any]] = field(default_factory=list)
+    # With ``tune``: the tuned step, timed like the untuned one (graph on CUDA, else eager).
+    tuned_graph_ms: float | None = None
+    tuned_eager_ms: float | None = None
+    tuned_busy_ms: float | None = None
+    tuned_over_untuned: float | None = None
+    tuned_over_floor: float | None = None
+    tuned_max_abs_diff: float | None = None
+    tuned_kernels_per_step: float | None = None
+    tuned_top_kernels: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -101,6 +119,12 @@ class DecodeBenchReport:
     graph_mib: float | None = None
     runner_stats: str | None = None
     runner_stats_detail: dict[str, Any] | None = None
+    tuning_seconds: float | None = None
+    tuning_compile_seconds: float | None = None
+    tuning_profiles: int | None = None
+    tuning_fallbacks: dict[str, int] | None = None
+    tuning_picks: list[list[Any]] | None = None
+    tuned_capture_seconds: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-serialisable dict."""
@@ -266,13 +290,15 @@ def _time_compiled(step: DecodeStep, inputs: Sequence[tuple[torch.Tensor, ...]],
 
 
 @torch.inference_mode()
-def run_decode_bench(cfg: DecodeBenchConfig, log: Callable[[str], None] = logger.info
-                     ) -> DecodeBenchReport:
+def run_decode_bench(cfg: DecodeBenchConfig, log: Callable[[str], None] = logger.info,
+                     *, tuner: Any = None) -> DecodeBenchReport:
     """Runs the decode benchmark described by ``cfg``.
 
     Args:
         cfg: What to measure.
         log: Where progress lines go.
+        tuner: The :class:`~graphtune.autotuner.AutoTuner` for ``cfg.tune`` (a new one when
+            ``None``).
 
     Returns:
         The report (per-batch results, capture seconds, graph MiB, provenance).
@@ -335,6 +361,9 @@ def run_decode_bench(cfg: DecodeBenchConfig, log: Callable[[str], None] = logger
     if cfg.compare_compile and device.type == "cuda":
         log("timing torch.compile(mode='reduce-overhead') (compiles once per batch size)")
         _time_compiled(step, inputs, cfg, device, results)
+    if cfg.tune:
+        _time_tuned(step, cache, inputs, results, sizes, device, dtype, cfg, runners, report,
+                    log, tuner)
 
     for result in results:
         best = result.graph_ms or result.eager_ms
@@ -347,9 +376,66 @@ def run_decode_bench(cfg: DecodeBenchConfig, log: Callable[[str], None] = logger
     return report
 
 
-def _time_graph(step: DecodeStep, cache: KVCache, inputs: list, results: list[BatchResult],
-                sizes: list[int], device: torch.device, cfg: DecodeBenchConfig,
-                report: DecodeBenchReport, log: Callable[[str], None]) -> None:
+def _time_tuned(step: DecodeStep, cache: KVCache, inputs: list, results: list[BatchResult],
+                sizes: list[int], device: torch.device, dtype: torch.dtype,
+                cfg: DecodeBenchConfig, runners: tuple[str, ...], report: DecodeBenchReport,
+                log: Callable[[str], None], tuner: Any) -> None:
+    from graphtune.autotuner import AutoTuner, autotune
+    from graphtune.ops.tuning import ALL_GROUPS, OpDims, tune_ops
+
+    tuner = tuner if tuner is not None else AutoTuner()
+    log(f"tuning the step's ops for batch buckets up to {sizes[-1]}"
+        + (f" (cache {cfg.tuning_cache})" if cfg.tuning_cache else ""))
+    with autotune(cfg.tuning_cache, tuner):
+        tuned_report = tune_ops(
+            OpDims.from_model_config(step.model.config), sizes[-1], device=device, dtype=dtype,
+            tuner=tuner, ops=ALL_GROUPS, max_seq_len=cache.max_seq_len,
+            on_op=lambda name: log(f"  tuning {name}"),
+        )
+    report.tuning_seconds = tuned_report.seconds
+    report.tuning_compile_seconds = tuned_report.compile_seconds
+    report.tuning_profiles = len(tuned_report.rows)
+    report.tuning_picks = [list(row) for row in tuned_report.rows]
+    log(f"tuned {len(tuned_report.rows)} (op, bucket) profiles in {tuned_report.seconds:.1f} s "
+        f"({tuned_report.compile_seconds:.1f} s compiling)")
+    tuned = DecodeStep(step.model, cache, contiguous_slots=True, tuner=tuner)
+    for args, result in zip(inputs, results, strict=True):
+        want = step(*args).float()
+        got = tuned(*args).float()
+        result.tuned_max_abs_diff = (got - want).abs().max().item()
+        if device.type == "cuda":
+            result.tuned_busy_ms, result.tuned_kernels_per_step, result.tuned_top_kernels = (
+                gpu_busy_ms(lambda a=args: tuned(*a), device))
+    if "graph" in runners:
+        runner, seconds, _ = _capture(tuned, cache, sizes, device, report)
+        report.tuned_capture_seconds = seconds
+        for args, result in zip(inputs, results, strict=True):
+            result.tuned_graph_ms = time_per_call_ms(lambda a=args: runner(*a), device,
+                                                     cfg.steps, cfg.repeats)
+            log(f"batch {result.batch_size}: tuned graph {result.tuned_graph_ms:.3f} ms/step")
+        runner.release()
+    else:
+        for args, result in zip(inputs, results, strict=True):
+            result.tuned_eager_ms = time_per_call_ms(lambda a=args: tuned(*a), device,
+                                                     cfg.steps, cfg.repeats)
+            log(f"batch {result.batch_size}: tuned eager {result.tuned_eager_ms:.3f} ms/step")
+    for result in results:
+        if result.tuned_graph_ms and result.graph_ms:
+            result.tuned_over_untuned = result.tuned_graph_ms / result.graph_ms
+        elif result.tuned_eager_ms and result.eager_ms:
+            result.tuned_over_untuned = result.tuned_eager_ms / result.eager_ms
+        if result.tuned_graph_ms and result.floor_ms:
+            result.tuned_over_floor = result.tuned_graph_ms / result.floor_ms
+    # Look-ups of shapes never tuned ran the torch fallback (should be none).
+    report.tuning_fallbacks = dict(tuner.stats.fallbacks)
+    if tuner.stats.fallbacks:
+        report.notes.append(f"tuned step: untuned shapes ran the torch fallback "
+                            f"{dict(tuner.stats.fallbacks)}")
+
+
+def _capture(step: DecodeStep, cache: KVCache, sizes: list[int], device: torch.device,
+             report: DecodeBenchReport) -> tuple[Any, float, float]:
+    """A graph runner over ``step`` with every size captured; (runner, seconds, MiB)."""
     from graphtune.graphs import CUDAGraphRunner
 
     runner = CUDAGraphRunner(step, max_batch_size=sizes[-1], capture_sizes=sizes,
@@ -362,15 +448,25 @@ def _time_graph(step: DecodeStep, cache: KVCache, inputs: list, results: list[Ba
     t0 = time.perf_counter()
     runner.capture(*example)
     _sync(device)
-    report.capture_seconds = time.perf_counter() - t0  # warm-up + capture, wall clock
-    report.graph_mib = (torch.cuda.memory_reserved(device) - reserved) / 2**20
+    seconds = time.perf_counter() - t0  # warm-up + capture, wall clock
+    mib = (torch.cuda.memory_reserved(device) - reserved) / 2**20
     stats = runner.stats
     if stats.records and not all(r.ok for r in stats.records):
-        report.notes.append(f"graph capture failed for some sizes: "
+        report.notes.append(f"graph capture failed for some sizes"
+                            f"{' (tuned step)' if step.tuner is not None else ''}: "
                             f"{[(r.size, r.error) for r in stats.failed_captures]}")
     # The runner's own account of the shared pool, when it has one (excludes static buffers).
     if stats.pool_bytes:
-        report.graph_mib = stats.pool_bytes / 2**20
+        mib = stats.pool_bytes / 2**20
+    return runner, seconds, mib
+
+
+def _time_graph(step: DecodeStep, cache: KVCache, inputs: list, results: list[BatchResult],
+                sizes: list[int], device: torch.device, cfg: DecodeBenchConfig,
+                report: DecodeBenchReport, log: Callable[[str], None]) -> None:
+    runner, report.capture_seconds, report.graph_mib = _capture(step, cache, sizes, device,
+                                                                report)
+    stats = runner.stats
     log(f"captured {len(sizes)} sizes in {report.capture_seconds:.2f} s, "
         f"{report.graph_mib:.0f} MiB")
     for args, result in zip(inputs, results, strict=True):
@@ -391,10 +487,15 @@ def format_report(report: DecodeBenchReport) -> str:
     from graphtune.reporting import render_table
 
     compile_cols = any(r.compile_ms is not None or r.compile_note for r in report.results)
+    tuned_cols = report.tuning_seconds is not None
+    tuned_graph = any(r.tuned_graph_ms is not None for r in report.results)
     columns = ["batch", "eager ms", "graph ms", "GPU-busy ms", "speed-up", "graph/busy",
                "tokens/s", "floor ms"]
     if compile_cols:
         columns.append("compile ms")
+    if tuned_cols:
+        columns += ["tuned graph ms" if tuned_graph else "tuned eager ms", "tuned busy ms",
+                    "tuned/untuned", "tuned/floor"]
     rows = []
     for r in report.results:
         row: list[Any] = [r.batch_size, r.eager_ms, r.graph_ms, r.busy_ms, r.speedup,
@@ -402,6 +503,9 @@ def format_report(report: DecodeBenchReport) -> str:
                           r.floor_ms]
         if compile_cols:
             row.append(r.compile_ms)
+        if tuned_cols:
+            row += [r.tuned_graph_ms if tuned_graph else r.tuned_eager_ms, r.tuned_busy_ms,
+                    r.tuned_over_untuned, r.tuned_over_floor]
         rows.append(row)
     cfg = report.config
     params = report.model["parameters"]
@@ -423,6 +527,24 @@ def format_report(report: DecodeBenchReport) -> str:
         lines.append(render_table(
             f"where the GPU time goes at batch {first.batch_size} (profiler, per step{kernels})",
             ["kernel", "calls", "us", "% busy"], rows))
+    if tuned_cols:
+        fallbacks = report.tuning_fallbacks or {}
+        lines.append(
+            f"tuning: {report.tuning_profiles} (op, bucket) profiles tuned in "
+            f"{report.tuning_seconds:.1f} s ({report.tuning_compile_seconds:.1f} s compiling); "
+            + (f"untuned shapes fell back: {fallbacks}" if fallbacks else "no fallbacks")
+        )
+        diffs = [r.tuned_max_abs_diff for r in report.results if r.tuned_max_abs_diff is not None]
+        if diffs:
+            lines.append(f"tuned vs untuned step logits: max abs diff {max(diffs):.3g}")
+    if first is not None and first.tuned_top_kernels:
+        rows = [[k["name"][:70], k["calls"], k["us"], 100 * k["share"]]
+                for k in first.tuned_top_kernels]
+        launches = first.tuned_kernels_per_step
+        kernels = f", {launches:.0f} device activities" if launches else ""
+        lines.append(render_table(
+            f"tuned step: where the GPU time goes at batch {first.batch_size} "
+            f"(profiler, per step{kernels})", ["kernel", "calls", "us", "% busy"], rows))
     for r in report.results:
         if r.compile_note:
             lines.append(f"torch.compile batch {r.batch_size}: {r.compile_note}")
@@ -449,6 +571,7 @@ def plot_report(report: DecodeBenchReport, path: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     series = [("eager", "eager_ms", "o-"), ("graph runner", "graph_ms", "s-"),
               ("torch.compile reduce-overhead", "compile_ms", "^-"),
+              ("tuned graph runner", "tuned_graph_ms", "D-"),
               ("GPU-busy (profiler)", "busy_ms", "k--"), ("bytes floor", "floor_ms", "k:")]
     for label, attr, style in series:
         points = [(s, getattr(r, attr)) for s, r in zip(sizes, report.results, strict=True)

@@ -9,11 +9,13 @@ shape; outside tuning mode that is a cache look-up, and an untuned shape runs th
 * :func:`fused_add_rms_norm` — residual add + RMSNorm, returning ``(out, new_residual)``.
 * :func:`rope_kv_cache` — rotary embedding of q and k and the K/V cache write, returning ``q``.
 * :func:`silu_and_mul` — SwiGLU activation on a fused gate/up tensor.
+* :mod:`attention` — decode attention (SDPA backends and a matmul runner as tactics).
 * :func:`tune_ops` — tunes all of them for a model's decode shapes (``graphtune tune``).
 
 Importing this package imports neither Triton nor the kernels.
 """
 
+from graphtune.ops import attention
 from graphtune.ops._triton import TritonUnavailableError, require_triton, triton_available
 from graphtune.ops.activation import (
     TorchSiluAndMulRunner,
@@ -49,9 +51,11 @@ from graphtune.ops.rotary import (
     rope_runners,
     torch_rope_kv_cache,
 )
-from graphtune.ops.tuning import OpDims, TuneReport, tune_ops
+from graphtune.ops.tuning import ALL_GROUPS, OP_GROUPS, OpDims, TuneReport, tune_ops
 
 __all__ = [
+    "ALL_GROUPS",
+    "OP_GROUPS",
     "OpDims",
     "TorchGemmRunner",
     "TorchRMSNormRunner",
@@ -64,6 +68,7 @@ __all__ = [
     "TritonUnavailableError",
     "TunableLinear",
     "TuneReport",
+    "attention",
     "check_gemm_tactic",
     "fused_add_rms_norm",
     "gemm",

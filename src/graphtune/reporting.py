@@ -47,7 +47,9 @@ def progress_enabled() -> bool:
 
 
 @contextmanager
-def progress(description: str, total: int, *, enabled: bool | None = None) -> Iterator[ProgressTask]:
+def progress(
+    description: str, total: int, *, enabled: bool | None = None
+) -> Iterator[ProgressTask]:
     """Shows a progress bar over ``total`` units of work while the block runs.
 
     Args:

@@ -191,26 +191,27 @@ def capture_oom(device: torch.device) -> dict[str, Any]:
             torch.empty(2 * total, dtype=torch.uint8, device=device)  # cannot fit
         return torch.tanh(x @ weight)
 
-    # One capture/release cycle first: the capture stream's first GEMM allocates a cuBLAS
-    # workspace that torch keeps for the process (64 MiB here), which is not a leak of the runner.
-    primer = CUDAGraphRunner(lambda x: torch.tanh(x @ weight), max_batch_size=16, device=device)
-    primer.capture(torch.randn(16, 256, device=device))
-    primer.release()
-    del primer
+    def cycle(fn: Any) -> tuple[list[int], list[Any], float]:
+        runner = CUDAGraphRunner(fn, max_batch_size=16, capture_sizes=[1, 4, 8, 16],
+                                 device=device)
+        runner.capture(torch.randn(16, 256, device=device))
+        captured = sorted(size for _, size in runner.captured_keys)
+        failed = [r for r in runner.stats.records if not r.ok]
+        max_err = 0.0
+        for n in (1, 3, 4, 7, 12, 16):  # 7 pads to 8, the failed size: runs eagerly
+            x = torch.randn(n, 256, device=device)
+            max_err = max(max_err, (runner(x) - torch.tanh(x @ weight)).abs().max().item())
+        runner.release()
+        return captured, failed, max_err
+
+    # One identical cycle without the fault first: the first GEMM on the capture stream and on
+    # the default stream each allocate a cuBLAS workspace (32 MiB each on an H200) that torch
+    # keeps for the process. That is not memory the runner failed to release.
+    cycle(lambda x: torch.tanh(x @ weight))
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     before = torch.cuda.memory_reserved(device)
-    runner = CUDAGraphRunner(step, max_batch_size=16, capture_sizes=[1, 4, 8, 16], device=device)
-    runner.capture(torch.randn(16, 256, device=device))
-    captured = sorted(size for _, size in runner.captured_keys)
-    failed = [r for r in runner.stats.records if not r.ok]
-    max_err = 0.0
-    for n in (1, 3, 4, 7, 12, 16):
-        x = torch.randn(n, 256, device=device)
-        max_err = max(max_err, (runner(x) - torch.tanh(x @ weight)).abs().max().item())
-    del x
-    runner.release()
-    del runner
+    captured, failed, max_err = cycle(step)
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     after = torch.cuda.memory_reserved(device)

@@ -15,6 +15,7 @@ from graphtune.autotuner.config import (
     next_power_of_two,
     power_of_two_buckets,
 )
+from graphtune.autotuner.isolation import Isolation
 from graphtune.autotuner.profiles import Profile
 from graphtune.autotuner.runner import FALLBACK_TACTIC, TunableRunner
 from graphtune.autotuner.tuner import AutoTuner, TunerStats, autotune, get_tuner
@@ -26,6 +27,7 @@ __all__ = [
     "CacheKey",
     "ConstraintSpec",
     "DynamicTensorSpec",
+    "Isolation",
     "Profile",
     "TunableRunner",
     "TunerStats",

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from graphtune.engine.config import ModelConfig
+from graphtune.ops.rotary import rotate
 
 logger = logging.getLogger(__name__)
 
@@ -177,22 +178,17 @@ def rope_tables(
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotates the last dimension of ``x`` (the rotate-half convention of Hugging Face)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    return rotate(x, cos, sin, signed_sin=False)
 
 
 def apply_rope_signed(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
                       ) -> torch.Tensor:
     """:func:`apply_rope` with the rotate-half sign folded into ``signed_sin``: three kernels.
 
-    ``rotate_half(x) * sin == swap_halves(x) * signed_sin``; swapping the halves is one ``flip``
-    of a ``[2, half]`` view, and ``addcmul`` does the multiply-add. Queries and keys can go
-    through one call when they are viewed as one ``[B, heads + kv_heads, dim]`` tensor.
+    Queries and keys can go through one call when they are viewed as one
+    ``[B, heads + kv_heads, dim]`` tensor.
     """
-    half = x.shape[-1] // 2
-    swapped = x.unflatten(-1, (2, half)).flip(-2).flatten(-2)
-    return torch.addcmul(x * cos, swapped, signed_sin)
+    return rotate(x, cos, signed_sin, signed_sin=True)
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:

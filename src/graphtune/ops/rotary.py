@@ -51,10 +51,14 @@ CACHE_ROWS = 65536
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, signed_sin: bool
-            ) -> torch.Tensor:
-    # engine.model.apply_rope / apply_rope_signed, repeated here because ops must not import the
-    # engine (the engine imports ops); tests check they agree.
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, signed_sin: bool
+           ) -> torch.Tensor:
+    """Rotary embedding of the last dimension of ``x`` (Hugging Face's rotate-half convention).
+
+    With ``signed_sin`` the first half of ``sin`` is already negated, which folds rotate-half's
+    sign into the table: one ``flip`` of a ``[2, half]`` view and an ``addcmul``, three kernels
+    instead of five. The engine's ``apply_rope`` / ``apply_rope_signed`` call this.
+    """
     half = x.shape[-1] // 2
     if signed_sin:
         swapped = x.unflatten(-1, (2, half)).flip(-2).flatten(-2)
@@ -85,8 +89,8 @@ def torch_rope_kv_cache(
     q, k, v = qkv.split((num_heads * dim, num_kv_heads * dim, num_kv_heads * dim), dim=-1)
     cos_b = cos.index_select(0, positions)[:, None, :]
     sin_b = sin.index_select(0, positions)[:, None, :]
-    q = _rotate(q.view(batch, num_heads, dim), cos_b, sin_b, signed_sin)
-    k = _rotate(k.view(batch, num_kv_heads, dim), cos_b, sin_b, signed_sin)
+    q = rotate(q.view(batch, num_heads, dim), cos_b, sin_b, signed_sin)
+    k = rotate(k.view(batch, num_kv_heads, dim), cos_b, sin_b, signed_sin)
     k_cache.index_copy_(0, write_rows, k.reshape(-1, dim))
     v_cache.index_copy_(0, write_rows, v.reshape(-1, dim))
     return q

@@ -52,6 +52,22 @@ def _top2_margin(engine: Engine, sequence: list[int]) -> tuple[float, float]:
         engine.cache.free(slot)
 
 
+def _assert_equal_or_near_tie(eager, prompts, got, want, label):
+    """Passes when the token lists are equal, or when they first differ where the eager step's
+    top-2 logits are within two bf16 ulps (a rounding flip on a tie, reported as a warning)."""
+    if got == want:
+        return
+    row = next(i for i, (g, w) in enumerate(zip(got, want, strict=True)) if g != w)
+    step = next(i for i, (g, w) in enumerate(zip(got[row], want[row], strict=True)) if g != w)
+    margin, ulp = _top2_margin(eager, prompts[row] + want[row][:step])
+    message = (f"{label}: first divergence at request {row}, new token {step}: "
+               f"{got[row][step]} vs eager {want[row][step]}; eager top-2 logit margin "
+               f"{margin:.4f} (bf16 ulp there {ulp:.4f})")
+    # Bigger than two ulps would mean a real difference, not a rounding flip on a tie.
+    assert margin <= 2 * ulp, message
+    warnings.warn(message + " (near-tie in bfloat16; accepted)", stacklevel=2)
+
+
 @pytest.mark.parametrize("batch", [1, 3, 8, 50])
 def test_graph_tokens_equal_eager_tokens(engines, batch):
     graph, eager = engines
@@ -61,19 +77,9 @@ def test_graph_tokens_equal_eager_tokens(engines, batch):
     got = graph.generate(prompts, NEW_TOKENS, stop_token_ids=[])
     assert graph.stats.replays - replays_before >= NEW_TOKENS - 1, graph.stats.table()
     assert graph.stats.fallback_count(FallbackReason.NO_CUDA) == 0
-    if got == want:
-        return
-    # Not bit-identical: find the first divergence and require it to be a genuine near-tie
-    # (the eager and the padded graph batch may pick different GEMM kernels for B vs padded B).
-    row = next(i for i, (g, w) in enumerate(zip(got, want, strict=True)) if g != w)
-    step = next(i for i, (g, w) in enumerate(zip(got[row], want[row], strict=True)) if g != w)
-    margin, ulp = _top2_margin(eager, prompts[row] + want[row][:step])
-    message = (f"batch {batch}: first divergence at request {row}, new token {step}: graph "
-               f"{got[row][step]} vs eager {want[row][step]}; eager top-2 logit margin "
-               f"{margin:.4f} (bf16 ulp there {ulp:.4f})")
-    # Bigger than two ulps would mean a real difference, not a rounding flip on a tie.
-    assert margin <= 2 * ulp, message
-    warnings.warn(message + " (near-tie in bfloat16; accepted)", stacklevel=1)
+    # Not bit-identical would have to be a genuine near-tie: eager and the padded graph batch
+    # may pick different GEMM kernels for B vs padded B.
+    _assert_equal_or_near_tie(eager, prompts, got, want, f"batch {batch}: graph")
 
 
 def test_graph_step_logits_match_eager_step(engines):
@@ -139,18 +145,9 @@ def test_tuned_graph_tokens_match_untuned_eager(tuned_engine, engines, batch):
     assert tuned.stats.fallback_count(FallbackReason.NO_CUDA) == 0
     # Every look-up (capture included) found a tuned pick: nothing ran the untuned fallback.
     assert tuned.tuning_stats.fallbacks == {}, tuned.tuning_report()
-    if got == want:
-        return
     # The tuned kernels (Triton GEMMs with split-K, fused norm/rope/silu, another attention
     # backend) round differently in bf16: accept only a genuine near-tie at the first divergence.
-    row = next(i for i, (g, w) in enumerate(zip(got, want, strict=True)) if g != w)
-    step = next(i for i, (g, w) in enumerate(zip(got[row], want[row], strict=True)) if g != w)
-    margin, ulp = _top2_margin(eager, prompts[row] + want[row][:step])
-    message = (f"tuned batch {batch}: first divergence at request {row}, new token {step}: "
-               f"tuned graph {got[row][step]} vs untuned eager {want[row][step]}; eager top-2 "
-               f"logit margin {margin:.4f} (bf16 ulp there {ulp:.4f})")
-    assert margin <= 2 * ulp, message
-    warnings.warn(message + " (near-tie in bfloat16; accepted)", stacklevel=1)
+    _assert_equal_or_near_tie(eager, prompts, got, want, f"tuned batch {batch}: tuned graph")
 
 
 def test_tuned_engine_second_start_tunes_nothing(tuned_engine, llama_1b, tuning_file):

@@ -2,7 +2,8 @@
 
 Public names: :class:`TunableRunner`, :data:`FALLBACK_TACTIC`, :class:`TuningConfig`,
 :class:`DynamicTensorSpec`, :class:`ConstraintSpec`, the bucket helpers, :class:`AutoTuner`,
-:func:`get_tuner` and :func:`autotune`. Timers live in :mod:`graphtune.autotuner.timing`; the
+:func:`get_tuner`, :func:`autotune` and :class:`DistributedTuning` (rank-consistent tuning over a
+process group, see ``docs/distributed.md``). Timers live in :mod:`graphtune.autotuner.timing`; the
 tuner resolves one per call from ``TuningConfig.timing`` unless one is passed to ``AutoTuner``.
 """
 
@@ -15,6 +16,7 @@ from graphtune.autotuner.config import (
     next_power_of_two,
     power_of_two_buckets,
 )
+from graphtune.autotuner.distributed import DistributedTuning
 from graphtune.autotuner.isolation import Isolation
 from graphtune.autotuner.profiles import Profile
 from graphtune.autotuner.runner import FALLBACK_TACTIC, TunableRunner
@@ -26,6 +28,7 @@ __all__ = [
     "CacheEntry",
     "CacheKey",
     "ConstraintSpec",
+    "DistributedTuning",
     "DynamicTensorSpec",
     "Isolation",
     "Profile",

@@ -15,7 +15,7 @@ import json
 import math
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from os import PathLike
 from typing import Any
 
@@ -76,6 +76,8 @@ class CacheEntry:
         tactic: Winning tactic (a JSON value; ``-1`` when everything failed).
         time_us: Its measured per-call time, ``None`` when every candidate failed.
         fallback_us: Time of ``(runners[0], -1)``, the untuned choice; ``None`` if it failed.
+        tuned_by: How distributed tuning made the pick, ``{"strategy": ..., "world_size": ...}``;
+            ``None`` when the tuner was not distributed (then the file has no such field).
     """
 
     runner_id: str
@@ -83,6 +85,7 @@ class CacheEntry:
     tactic: Any
     time_us: float | None
     fallback_us: float | None
+    tuned_by: dict[str, Any] | None = field(default=None, compare=False, hash=False)
 
     @property
     def speedup(self) -> float | None:
@@ -93,25 +96,35 @@ class CacheEntry:
 
     def to_json(self) -> dict[str, Any]:
         """JSON form."""
-        return {
+        data = {
             "runner_id": self.runner_id,
             "runner_index": self.runner_index,
             "tactic": self.tactic,
             "time_us": self.time_us,
             "fallback_us": self.fallback_us,
         }
+        if self.tuned_by is not None:  # only then, so other files keep their exact old layout
+            data["tuned_by"] = dict(self.tuned_by)
+        return data
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> CacheEntry:
         """Inverse of :meth:`to_json`; raises on malformed data."""
         time_us = data["time_us"]
         fallback_us = data["fallback_us"]
+        tuned_by = data.get("tuned_by")
+        if tuned_by is not None:
+            tuned_by = {
+                "strategy": str(tuned_by["strategy"]),
+                "world_size": int(tuned_by["world_size"]),
+            }
         return cls(
             runner_id=str(data["runner_id"]),
             runner_index=int(data["runner_index"]),
             tactic=data["tactic"],
             time_us=float(time_us) if time_us is not None else None,
             fallback_us=float(fallback_us) if fallback_us is not None else None,
+            tuned_by=tuned_by,
         )
 
 

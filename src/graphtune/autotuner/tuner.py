@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from os import PathLike
 from typing import Any
 
@@ -39,6 +39,7 @@ import torch
 from graphtune import env
 from graphtune.autotuner.cache import BlockedTactic, CacheEntry, CacheKey, TuningCache
 from graphtune.autotuner.config import TuningConfig
+from graphtune.autotuner.distributed import DistributedTuning, OpCoordinator
 from graphtune.autotuner.isolation import (
     InProcessExecutor,
     Isolation,
@@ -143,6 +144,9 @@ class AutoTuner:
             worker process that is replaced when a tactic crashes, hangs or corrupts the CUDA
             context; runners, inputs and ``timer`` must be picklable), or an
             :class:`~graphtune.autotuner.isolation.Isolation` with timeouts.
+        distributed: How the ranks of a process group share tuning: ``None`` (not distributed,
+            the default), a strategy name or a :class:`~graphtune.autotuner.distributed.
+            DistributedTuning` (see ``docs/distributed.md``).
     """
 
     def __init__(
@@ -156,6 +160,7 @@ class AutoTuner:
         cache: TuningCache | None = None,
         show_progress: bool | None = None,
         isolation: str | Isolation | None = None,
+        distributed: str | DistributedTuning | None = None,
     ) -> None:
         if timer is not None and not isinstance(timer, Timer):
             raise ConfigError(
@@ -174,6 +179,7 @@ class AutoTuner:
                 f"AutoTuner(tie_tolerance={tie_tolerance!r}): must be in [0, 1), e.g. 0.02 for 2%."
             )
         self.isolation = Isolation.resolve(isolation)
+        self.distributed = DistributedTuning.resolve(distributed)
         self.timer = timer
         self.rounds = rounds
         self.remeasure_top = remeasure_top
@@ -377,11 +383,14 @@ class AutoTuner:
         mode: str,
     ) -> None:
         start = time.perf_counter()
+        coord = OpCoordinator(self.distributed or DistributedTuning(), op, ids)
         executor = self._executor(config, device)
+        profiles = [(p, self._key(op, ids, p, mode)) for p in generate_profiles(config, inputs)]
+        keys = [k for _, k in profiles]
+        todo = coord.profiles_to_tune(keys, [k in self.cache for k in keys])
         plans = []
-        for profile in generate_profiles(config, inputs):
-            key = self._key(op, ids, profile, mode)
-            if key in self.cache:
+        for (profile, key), tune in zip(profiles, todo, strict=True):
+            if not tune:
                 continue
             first = synthesize_inputs(config, inputs, profile)
             plans.append((profile, key, self._candidates(op, runners, ids, first, profile)))
@@ -394,8 +403,10 @@ class AutoTuner:
                     sets = self._input_sets(config, inputs, profile, device)
                     executor.begin(runners, sets)
                     entry = self._tune_profile(
-                        op, ids, config, executor, profile, candidates, bar, n_sets=len(sets)
+                        op, ids, config, executor, profile, candidates, bar, coord, len(sets)
                     )
+                    if self.distributed is not None:
+                        entry = replace(entry, tuned_by=coord.provenance)
                     self.cache.put(key, entry)
                     self.stats.profiles_tuned += 1
                     self._summary.append(self._row(op, profile, entry))
@@ -419,33 +430,19 @@ class AutoTuner:
         profile: Profile,
         candidates: list[_Candidate],
         bar: ProgressTask,
-        *,
+        coord: OpCoordinator,
         n_sets: int,
     ) -> CacheEntry:
         label = f"{op} [{profile.describe()}]"
-        for cand in candidates:
-            try:
-                executor.prepare(cand.runner_index, cand.runner, cand.tactic)
-            except TacticFailure as failure:  # recorded as a failed tactic; tuning goes on
-                self._fail(op, cand, "prepare", failure, ids, label)
         # With rotated copies, one sample must walk through all of them, or the few it touches
         # stay in L2 (a graph timer replays the same ``repeat`` calls).
         repeat = max(config.repeat, n_sets) if n_sets > 1 else config.repeat
-        for _ in range(self.rounds):
-            for cand in candidates:
-                if cand.failed is None:
-                    self._measure(op, executor, config, cand, repeat, ids, label)
-                bar.advance(label)
-        alive = sorted(
-            (c for c in candidates if c.failed is None), key=lambda c: (c.score, c.order)
-        )
-        top = alive[: self.remeasure_top]
-        if len(top) > 1:
-            for _ in range(self.rounds):
-                for cand in top:
-                    if cand.failed is None:
-                        self._measure(op, executor, config, cand, repeat, ids, label)
-        self.stats.tactics_timed += sum(1 for c in candidates if c.failed is None and c.samples)
+
+        def time_here(cands: list[Any]) -> None:
+            self._time_candidates(op, ids, config, executor, cands, bar, repeat, label)
+
+        # The seam of distributed tuning: which candidates this rank times, and the agreed times.
+        candidates = coord.run(candidates, time_here)  # type: ignore[arg-type,assignment]
         fallback = next(
             (c for c in candidates if c.runner_index == 0 and c.tactic == FALLBACK_TACTIC), None
         )
@@ -468,6 +465,39 @@ class AutoTuner:
             winner.score,
             fallback_us_or_none,
         )
+
+    def _time_candidates(
+        self,
+        op: str,
+        ids: tuple[str, ...],
+        config: TuningConfig,
+        executor: InProcessExecutor | SubprocessExecutor,
+        candidates: list[_Candidate],
+        bar: ProgressTask,
+        repeat: int,
+        label: str,
+    ) -> None:
+        """Prepares and times ``candidates`` in this process, interleaved, the top few again."""
+        for cand in candidates:
+            try:
+                executor.prepare(cand.runner_index, cand.runner, cand.tactic)
+            except TacticFailure as failure:  # recorded as a failed tactic; tuning goes on
+                self._fail(op, cand, "prepare", failure, ids, label)
+        for _ in range(self.rounds):
+            for cand in candidates:
+                if cand.failed is None:
+                    self._measure(op, executor, config, cand, repeat, ids, label)
+                bar.advance(label)
+        alive = sorted(
+            (c for c in candidates if c.failed is None), key=lambda c: (c.score, c.order)
+        )
+        top = alive[: self.remeasure_top]
+        if len(top) > 1:
+            for _ in range(self.rounds):
+                for cand in top:
+                    if cand.failed is None:
+                        self._measure(op, executor, config, cand, repeat, ids, label)
+        self.stats.tactics_timed += sum(1 for c in candidates if c.failed is None and c.samples)
 
     def _measure(
         self,
@@ -572,6 +602,7 @@ def autotune(
     tuner: AutoTuner | None = None,
     *,
     strict: bool | None = None,
+    distributed: str | DistributedTuning | None = None,
 ) -> Iterator[AutoTuner]:
     """Turns tuning on for the block; loads the cache file before and saves it after.
 
@@ -579,6 +610,8 @@ def autotune(
         cache_path: Cache file; ``None`` uses ``GRAPHTUNE_CACHE`` (no file when that is unset).
         tuner: The tuner to use; the process default when ``None``.
         strict: Passed to the cache load (raise on an unusable file instead of warning).
+        distributed: A distributed tuning strategy for the block (replaces the tuner's own
+            ``distributed`` until the block ends); ``None`` keeps the tuner's.
 
     Yields:
         The tuner, in tuning mode.
@@ -587,18 +620,20 @@ def autotune(
     path = cache_path if cache_path is not None else env.default_cache_path()
     if path is not None:
         tuner.cache.load(path, strict=strict)
-    previous = tuner.tuning_mode
+    previous, previous_dist = tuner.tuning_mode, tuner.distributed
+    if distributed is not None:
+        tuner.distributed = DistributedTuning.resolve(distributed)
     first_row = len(tuner.summary_rows())
     tuner.tuning_mode = True
     try:
         yield tuner
     except BaseException:
-        tuner.tuning_mode = previous
+        tuner.tuning_mode, tuner.distributed = previous, previous_dist
         tuner.close()
         if path is not None:
             _save_quietly(tuner, path)  # keep what was tuned before the error, without masking it
         raise
-    tuner.tuning_mode = previous
+    tuner.tuning_mode, tuner.distributed = previous, previous_dist
     tuner.close()
     rows = tuner.summary_rows()[first_row:]
     if rows:

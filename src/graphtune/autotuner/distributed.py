@@ -1,0 +1,293 @@
+"""Distributed tuning: how the ranks of a ``torch.distributed`` process group share tuning work.
+
+Chosen with ``AutoTuner(distributed=...)`` or ``autotune(..., distributed=...)``, as a strategy
+name or a :class:`DistributedTuning` (which also carries the process group; ``group=None`` means
+the default group). Strategies:
+
+* ``independent``: every rank tunes alone; no collective is made. Ranks whose timings differ may
+  pick differently (fine for data-parallel replicas, wrong for tensor parallelism).
+* ``broadcast``: rank 0 of the group times every candidate; the others time nothing and receive
+  its times, so all ranks pick rank 0's pick.
+* ``parallel``: the (profile x candidate) work of an op is dealt round-robin over the ranks (each
+  item is timed by exactly one rank); the times are gathered with ``all_gather`` and every rank
+  applies the same pick rule to the same numbers.
+* ``agree``: every rank times every candidate; the times are reduced with **max**, so a tactic
+  counts as fast only if it is fast on every rank (a tensor-parallel step is as slow as its
+  slowest rank), and a tactic that failed on any rank (infinite time) is never picked.
+
+Rank consistency (principle 7): every rank reaches every collective in the same order. Before
+tuning an op the ranks exchange the profiles they lack (all tune the union) and, per profile, the
+candidates they offer (only candidates offered by every rank are timed, in rank 0's order, which
+is also the tie-break order). A tactic that fails on one rank contributes ``inf`` (carried as an
+IEEE infinity in a float64 tensor) and that rank still joins. A rank whose tuning must stop (a
+tactic corrupted its CUDA context) still joins the profile's collective with an abort flag, and
+then every rank raises, instead of the others waiting forever.
+
+Every rank must make the same ``choose_one`` calls in the same order, starting from the same cache
+(the same cache file, or none): a shape found in one rank's cache but not another's makes only the
+latter enter the collectives. The process group's timeout then turns that hang into an error.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from graphtune.autotuner.cache import CacheKey, tactic_text
+from graphtune.errors import ConfigError, DistributedError, TuningError
+
+logger = logging.getLogger(__name__)
+
+STRATEGIES = ("independent", "broadcast", "parallel", "agree")
+
+
+class Candidate(Protocol):
+    """What the coordinator needs of the tuner's (runner, tactic) candidates."""
+
+    runner_index: int
+    tactic_index: int
+    tactic: Any
+    samples: list[float]
+    failed: str | None
+
+    @property
+    def score(self) -> float:
+        """Median time, or ``inf`` when failed or not timed."""
+        ...
+
+
+@dataclass(frozen=True)
+class DistributedTuning:
+    """How ranks share tuning.
+
+    Attributes:
+        strategy: ``"independent"``, ``"broadcast"``, ``"parallel"`` or ``"agree"`` (see the
+            module docstring).
+        group: The ``torch.distributed`` process group; ``None`` means the default group. It must
+            be initialised (``torch.distributed.init_process_group``) before tuning with any
+            strategy but ``independent``; graphtune never initialises one itself.
+    """
+
+    strategy: str = "independent"
+    group: Any = None
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ConfigError(
+                f"DistributedTuning.strategy={self.strategy!r} is not one of "
+                f"{', '.join(STRATEGIES)}; use 'agree' or 'parallel' for tensor-parallel ranks."
+            )
+
+    @classmethod
+    def resolve(cls, value: str | DistributedTuning | None) -> DistributedTuning | None:
+        """Accepts a strategy name, a :class:`DistributedTuning` or ``None`` (not distributed)."""
+        if value is None or isinstance(value, DistributedTuning):
+            return value
+        if isinstance(value, str):
+            return cls(strategy=value)
+        raise ConfigError(
+            f"distributed={value!r}: pass one of {', '.join(STRATEGIES)} or a "
+            "DistributedTuning(strategy=..., group=...)."
+        )
+
+    @property
+    def collective(self) -> bool:
+        """Whether the strategy makes collectives (every strategy but ``independent``)."""
+        return self.strategy != "independent"
+
+    def rank_and_world(self) -> tuple[int, int]:
+        """This process's rank in the group and the group's size (``(0, 1)`` when not initialised
+        and ``independent``).
+
+        Raises:
+            DistributedError: A collective strategy without an initialised process group.
+        """
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized()):
+            if not self.collective:
+                return 0, 1
+            raise DistributedError(
+                f"distributed tuning strategy {self.strategy!r} needs an initialised "
+                "torch.distributed process group, and none is. Call "
+                "torch.distributed.init_process_group(...) first (torchrun sets the environment "
+                "for it), or use strategy 'independent'."
+            )
+        return dist.get_rank(self.group), dist.get_world_size(self.group)
+
+
+class OpCoordinator:
+    """Runs one op's tuning across the ranks; made by the tuner once per tuned op.
+
+    Args:
+        setting: The strategy and group.
+        op: Op name (for messages).
+        ids: Identity of every runner offered (``runner_id``), in order.
+    """
+
+    def __init__(self, setting: DistributedTuning, op: str, ids: tuple[str, ...]) -> None:
+        self.setting = setting
+        self.op = op
+        self.ids = ids
+        self.rank, self.world_size = setting.rank_and_world()
+        self._next = 0  # round-robin position over the op's (profile x candidate) items
+        # For each profile tuned: (runner id, tactic text) -> rank that timed it (parallel,
+        # broadcast) or ``None`` (every rank timed it: agree, independent).
+        self.assignments: list[dict[tuple[str, str], int | None]] = []
+
+    @property
+    def provenance(self) -> dict[str, Any]:
+        """What a cache entry records about how it was tuned."""
+        return {"strategy": self.setting.strategy, "world_size": self.world_size}
+
+    # -- collectives --------------------------------------------------------------------------
+
+    def _gather_objects(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(out, obj, group=self.setting.group)
+        return out
+
+    def _src(self) -> int:
+        """Global rank of the group's rank 0 (``broadcast`` takes a global rank)."""
+        if self.setting.group is None:
+            return 0
+        return torch.distributed.get_global_rank(self.setting.group, 0)
+
+    # -- what to tune -------------------------------------------------------------------------
+
+    def profiles_to_tune(self, keys: Sequence[CacheKey], cached: Sequence[bool]) -> list[bool]:
+        """Which profiles to tune: those missing here, or (collective strategies) on any rank.
+
+        Raises:
+            DistributedError: The ranks are tuning different ops, runners or profiles.
+        """
+        if not self.setting.collective:
+            return [not c for c in cached]
+        mine = ([k.to_json() for k in keys], list(cached))
+        views = self._gather_objects(mine)
+        if any(view[0] != views[0][0] for view in views):
+            differ = [r for r, view in enumerate(views) if view[0] != views[0][0]]
+            raise DistributedError(
+                f"op {self.op!r}: ranks {differ} are tuning other profiles than rank 0 (other "
+                "shapes, runners or timing mode). Every rank must make the same choose_one calls "
+                "in the same order with the same inputs' shapes under distributed tuning."
+            )
+        return [not all(view[1][i] for view in views) for i in range(len(keys))]
+
+    def run(
+        self, candidates: list[Candidate], time_fn: Callable[[list[Candidate]], None]
+    ) -> list[Candidate]:
+        """Times one profile's candidates by the strategy and leaves every rank the same times.
+
+        Args:
+            candidates: This rank's candidates for the profile.
+            time_fn: Times the given candidates in this process (fills ``samples``/``failed``).
+
+        Returns:
+            The candidates offered by every rank, in rank 0's order (``tactic_index`` renumbered
+            to that order, the tie-break), each with ``samples == [agreed time]`` or ``failed``
+            set. Identical times on every rank, so the tuner's pick rule gives one pick.
+
+        Raises:
+            DistributedError: A rank had to stop tuning (every rank raises, none hangs).
+            TuningError: This rank had to stop tuning (its own error, re-raised after joining).
+        """
+        if not self.setting.collective:
+            time_fn(candidates)
+            self.assignments.append({self._ident(c): None for c in candidates})
+            return candidates
+        chosen = self._common(candidates)
+        n = len(chosen)
+        if n == 0:  # every rank computed the same empty list: no collective on any rank
+            self.assignments.append({})
+            return chosen
+        strategy = self.setting.strategy
+        if strategy == "broadcast":
+            owners: list[int | None] = [0] * n
+        elif strategy == "parallel":
+            owners = [(self._next + i) % self.world_size for i in range(n)]
+            self._next += n
+        else:
+            owners = [None] * n
+        mine = [c for c, owner in zip(chosen, owners, strict=True) if owner in (None, self.rank)]
+        error: TuningError | None = None
+        try:
+            time_fn(mine)
+        except TuningError as exc:  # join the collective anyway, then raise (principle 7)
+            error = exc
+        local = [
+            _finite_or_inf(c.score) if owner in (None, self.rank) else math.inf
+            for c, owner in zip(chosen, owners, strict=True)
+        ]
+        times, aborted = self._exchange(local, error is not None, owners)
+        self.assignments.append(
+            {self._ident(c): owner for c, owner in zip(chosen, owners, strict=True)}
+        )
+        if error is not None:
+            raise error
+        if aborted:
+            raise DistributedError(
+                f"op {self.op!r}: another rank stopped tuning (see its log; a tactic probably "
+                "corrupted its CUDA context), so this rank stops too instead of waiting for it. "
+                "autotune() saves the blocklist; restart the job to tune without that tactic."
+            )
+        for cand, value in zip(chosen, times, strict=True):
+            if math.isfinite(value):
+                cand.samples[:] = [value]
+                cand.failed = None
+            elif cand.failed is None:
+                cand.failed = "failed or not timed on another rank"
+        return chosen
+
+    def _exchange(
+        self, local: list[float], abort: bool, owners: list[int | None]
+    ) -> tuple[list[float], bool]:
+        """The strategy's one collective: returns the agreed times and whether any rank aborted."""
+        dist = torch.distributed
+        group = self.setting.group
+        vec = torch.tensor([*local, 1.0 if abort else 0.0], dtype=torch.float64)
+        if self.setting.strategy == "broadcast":
+            if self.rank != 0:
+                vec[:-1] = math.inf
+            flag = torch.tensor([1.0 if abort else 0.0], dtype=torch.float64)
+            dist.broadcast(vec, src=self._src(), group=group)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+            return vec[:-1].tolist(), bool(flag.item())
+        if self.setting.strategy == "parallel":
+            rows = [torch.empty_like(vec) for _ in range(self.world_size)]
+            dist.all_gather(rows, vec, group=group)
+            times = [float(rows[owner][i]) for i, owner in enumerate(owners)]  # type: ignore[index]
+            return times, any(bool(row[-1].item()) for row in rows)
+        dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group)  # agree: slowest rank counts
+        return vec[:-1].tolist(), bool(vec[-1].item())
+
+    def _ident(self, cand: Candidate) -> tuple[str, str]:
+        return (self.ids[cand.runner_index], tactic_text(cand.tactic))
+
+    def _common(self, candidates: list[Candidate]) -> list[Candidate]:
+        """Candidates every rank offers, in rank 0's order, with the tie-break renumbered."""
+        local: dict[tuple[int, str], Candidate] = {}
+        for cand in candidates:
+            local.setdefault((cand.runner_index, tactic_text(cand.tactic)), cand)
+        views = self._gather_objects(list(local))
+        others = [set(map(tuple, view)) for view in views[1:]]
+        common = [tuple(i) for i in views[0] if all(tuple(i) in o for o in others)]
+        dropped = len(local) - len(common)
+        if dropped:
+            logger.info(
+                "op %r: %d candidate(s) of this rank are not offered (or are blocklisted) on "
+                "every rank; only the %d common ones are timed",
+                self.op, dropped, len(common),
+            )
+        chosen = [local[ident] for ident in common]  # type: ignore[index]
+        for position, cand in enumerate(chosen):
+            cand.tactic_index = position
+        return chosen
+
+
+def _finite_or_inf(value: float) -> float:
+    return value if math.isfinite(value) else math.inf

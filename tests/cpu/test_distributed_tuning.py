@@ -1,0 +1,282 @@
+"""Distributed tuning strategies over gloo with two real processes and fake timers (principle 2).
+
+One spawn of two ranks runs every scenario (a few seconds in all); the tests assert on what each
+rank reported. Timings are rank-dependent fake costs, so every outcome is deterministic.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import queue
+import socket
+import traceback
+from typing import Any
+
+import pytest
+import torch
+
+from graphtune.autotuner import (
+    AutoTuner,
+    DistributedTuning,
+    DynamicTensorSpec,
+    TunableRunner,
+    TuningConfig,
+    autotune,
+)
+from graphtune.autotuner.distributed import STRATEGIES
+from graphtune.autotuner.timing.base import Measurement
+from graphtune.errors import ConfigError, DistributedError, TuningError
+
+WORLD = 2
+BUCKETS = (1, 4, 16)
+CONFIG = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0, BUCKETS),), warmup=0, repeat=1)
+COLLECTIVE = ("broadcast", "parallel", "agree")
+
+# Per-call cost of each tactic on each rank (rank-dependent: rank 0 likes 1, rank 1 likes 2).
+# Max over ranks (agree): -1:10, 0:5, 1:6, 2:4 -> tactic 2 on both ranks.
+SPLIT_COSTS = ({-1: 10.0, 0: 5.0, 1: 3.0, 2: 4.0}, {-1: 10.0, 0: 5.0, 1: 6.0, 2: 2.0})
+# Same costs on both ranks; tactic 2 is fastest but raises on rank 1 only.
+FAIL_COSTS = {-1: 10.0, 0: 5.0, 1: 3.0, 2: 1.0}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now_us = 0.0
+
+
+class RankRunner(TunableRunner):
+    """Costs per tactic; ``fail`` tactics raise; logs (rows, tactic) of every call."""
+
+    def __init__(self, costs: dict, clock: Clock, fail: frozenset = frozenset()) -> None:
+        self.costs, self.clock, self.fail = costs, clock, fail
+        self.log: list[tuple[int, int]] = []
+
+    def get_valid_tactics(self, inputs: list, profile: Any) -> list:
+        return [t for t in self.costs if t != -1]
+
+    def forward(self, inputs: list, tactic: Any = -1) -> Any:
+        if tactic in self.fail:
+            raise RuntimeError(f"tactic {tactic} does not run on this rank")
+        self.log.append((int(inputs[0].shape[0]), tactic))
+        self.clock.now_us += self.costs[tactic]
+        return inputs[0]
+
+
+class ClockTimer:
+    name = "fake"
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+
+    def measure(self, fn, *, warmup: int, repeat: int) -> Measurement:
+        start = self.clock.now_us
+        for i in range(repeat):
+            fn(i)
+        per_call = (self.clock.now_us - start) / repeat
+        return Measurement.from_samples([per_call], calls_per_sample=repeat, timer=self.name)
+
+
+def _tune(rank: int, strategy: str, costs: dict, fail: frozenset, path: str, group: Any) -> dict:
+    clock = Clock()
+    runner = RankRunner(costs, clock, fail)
+    tuner = AutoTuner(ClockTimer(clock))
+    setting = DistributedTuning(strategy, group)
+    with autotune(path, tuner, distributed=setting):
+        tuner.choose_one("op", [runner], CONFIG, [torch.zeros(4, 8)])
+    picks = {str(key.shapes[0][0]): entry.tactic for key, entry in tuner.cache.items()}
+    with open(path, encoding="utf-8") as handle:
+        doc = json.load(handle)
+    return {
+        "picks": picks,
+        "timed": sorted(set(runner.log)),
+        "tuned_by": [item["value"].get("tuned_by") for item in doc["entries"]],
+        "failures": dict(tuner.stats.tactic_failures),
+    }
+
+
+def _worker(rank: int, init: str, tmp: str, results) -> None:
+    import torch.distributed as dist
+
+    out: dict[str, Any] = {}
+    try:
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
+        try:
+            group = dist.new_group([0, 1])
+            for strategy in STRATEGIES:
+                out[f"split/{strategy}"] = _tune(
+                    rank, strategy, SPLIT_COSTS[rank], frozenset(),
+                    f"{tmp}/split-{strategy}-{rank}.json", None,
+                )
+                fail = frozenset({2}) if rank == 1 else frozenset()
+                out[f"fail/{strategy}"] = _tune(
+                    rank, strategy, FAIL_COSTS, fail, f"{tmp}/fail-{strategy}-{rank}.json", group
+                )
+            # Ranks tuning different shapes: every rank raises instead of hanging.
+            try:
+                clock = Clock()
+                tuner = AutoTuner(ClockTimer(clock), distributed="agree")
+                config = TuningConfig(
+                    dynamic_specs=(DynamicTensorSpec(0, 0, (1, 2 + rank)),), warmup=0, repeat=1
+                )
+                with autotune(None, tuner):
+                    tuner.choose_one("op", [RankRunner(FAIL_COSTS, clock)], config,
+                                     [torch.zeros(1, 8)])
+                out["mismatch"] = "no error"
+            except DistributedError as exc:
+                out["mismatch"] = str(exc)
+            # A rank that must stop (e.g. a tactic corrupted its CUDA context) still joins the
+            # collective, then every rank raises.
+            tuner = AutoTuner(ClockTimer(Clock()), distributed="agree")
+            if rank == 1:
+                def stop(*args: Any) -> None:
+                    raise TuningError("context corrupted (simulated)")
+
+                tuner._time_candidates = stop  # type: ignore[method-assign]
+            try:
+                with autotune(None, tuner):
+                    tuner.choose_one("op", [RankRunner(FAIL_COSTS, Clock())], CONFIG,
+                                     [torch.zeros(4, 8)])
+                out["abort"] = "no error"
+            except (TuningError, DistributedError) as exc:
+                out["abort"] = f"{type(exc).__name__}: {exc}"
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, out, None))
+    except BaseException:  # report it to the parent, which fails the test with the traceback
+        results.put((rank, out, traceback.format_exc()))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    tmp = tmp_path_factory.mktemp("dist")
+    init = f"tcp://127.0.0.1:{_free_port()}"
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, init, str(tmp), results)) for r in range(WORLD)]
+    for proc in procs:
+        proc.start()
+    got: dict[int, dict] = {}
+    try:
+        for _ in range(WORLD):
+            rank, out, error = results.get(timeout=90)
+            assert error is None, f"rank {rank} failed:\n{error}"
+            got[rank] = out
+    except queue.Empty:
+        pytest.fail("a rank hung (no result within 90 s): a collective was not reached by all")
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    assert [proc.exitcode for proc in procs] == [0] * WORLD
+    return [got[r] for r in range(WORLD)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", COLLECTIVE)
+@pytest.mark.parametrize("scenario", ["split", "fail"])
+def test_collective_strategies_pick_the_same_on_every_rank(ranks, strategy, scenario) -> None:
+    a, b = (r[f"{scenario}/{strategy}"] for r in ranks)
+    assert len(a["picks"]) == len(BUCKETS)
+    assert a["picks"] == b["picks"]
+
+
+@pytest.mark.slow
+def test_each_strategy_picks_what_its_rule_says(ranks) -> None:
+    rank0, rank1 = ranks
+    every = {str(b): t for b in BUCKETS for t in [None]}
+    # agree reduces with max: rank 1's slow tactic 1 loses to tactic 2.
+    assert rank0["split/agree"]["picks"] == {k: 2 for k in every}
+    # broadcast: rank 0's own pick.
+    assert rank0["split/broadcast"]["picks"] == {k: 1 for k in every}
+    # A tactic raising on rank 1 only: agree never picks it; broadcast (rank 0 timed) does.
+    assert rank0["fail/agree"]["picks"] == {k: 1 for k in every}
+    assert rank0["fail/broadcast"]["picks"] == {k: 2 for k in every}
+    assert rank1["fail/agree"]["failures"] == {"RuntimeError": len(BUCKETS)}
+    assert rank1["fail/broadcast"]["timed"] == []  # the other ranks time nothing
+
+
+@pytest.mark.slow
+def test_independent_ranks_may_pick_differently(ranks) -> None:
+    # Documented: without collectives each rank follows its own timer.
+    assert ranks[0]["split/independent"]["picks"] == {str(b): 1 for b in BUCKETS}
+    assert ranks[1]["split/independent"]["picks"] == {str(b): 2 for b in BUCKETS}
+    assert ranks[1]["fail/independent"]["picks"] == {str(b): 1 for b in BUCKETS}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario", ["split", "fail"])
+def test_parallel_splits_the_work_without_overlap(ranks, scenario) -> None:
+    timed = [set(map(tuple, r[f"{scenario}/parallel"]["timed"])) for r in ranks]
+    everything = {(b, t) for b in BUCKETS for t in (-1, 0, 1, 2)}
+    if scenario == "fail":  # rank 1's calls of tactic 2 raise before they are logged
+        assert not timed[0] & timed[1]
+        assert timed[0] | timed[1] | {(b, 2) for b in BUCKETS} == everything
+    else:
+        assert timed[0] and timed[1] and not timed[0] & timed[1]
+        assert timed[0] | timed[1] == everything
+
+
+@pytest.mark.slow
+def test_saved_cache_records_strategy_and_world_size(ranks) -> None:
+    for rank in ranks:
+        for strategy in STRATEGIES:
+            tuned_by = rank[f"split/{strategy}"]["tuned_by"]
+            assert tuned_by == [{"strategy": strategy, "world_size": WORLD}] * len(BUCKETS)
+
+
+@pytest.mark.slow
+def test_ranks_tuning_different_shapes_all_raise(ranks) -> None:
+    for rank in ranks:
+        assert "tuning other profiles than rank 0" in rank["mismatch"]
+
+
+@pytest.mark.slow
+def test_a_rank_that_stops_makes_every_rank_stop(ranks) -> None:
+    assert ranks[0]["abort"].startswith("DistributedError: op 'op': another rank stopped")
+    assert ranks[1]["abort"] == "TuningError: context corrupted (simulated)"
+
+
+def test_strategy_is_validated() -> None:
+    with pytest.raises(ConfigError, match="independent, broadcast, parallel, agree"):
+        DistributedTuning("allreduce")
+    with pytest.raises(ConfigError, match="DistributedTuning"):
+        AutoTuner(distributed=3)  # type: ignore[arg-type]
+    assert AutoTuner(distributed="agree").distributed == DistributedTuning("agree")
+
+
+def test_collective_strategy_needs_an_initialised_group() -> None:
+    assert not torch.distributed.is_initialized()
+    tuner = AutoTuner(ClockTimer(Clock()), distributed="agree")
+    with pytest.raises(DistributedError, match="init_process_group"), autotune(None, tuner):
+        tuner.choose_one("op", [RankRunner(FAIL_COSTS, Clock())], CONFIG, [torch.zeros(4, 8)])
+    assert tuner.distributed == DistributedTuning("agree")
+
+
+def test_independent_without_a_group_records_world_size_one(tmp_path) -> None:
+    result = _tune(0, "independent", FAIL_COSTS, frozenset(), str(tmp_path / "c.json"), None)
+    assert result["picks"] == {str(b): 2 for b in BUCKETS}
+    assert result["tuned_by"] == [{"strategy": "independent", "world_size": 1}] * len(BUCKETS)
+
+
+def test_tuned_by_survives_save_load_and_verify(tmp_path) -> None:
+    from graphtune.autotuner import CacheEntry, CacheKey, persist
+    from graphtune.autotuner.maintenance import verify_file
+
+    path = tmp_path / "c.json"
+    key = CacheKey("op", ("mod.R",), ((4, 8),), ("float32",), "fake")
+    tuned_by = {"strategy": "parallel", "world_size": 2}
+    persist.save(path, {key: CacheEntry("mod.R", 0, 3, 1.0, 2.0, tuned_by)})
+    persist.save(tmp_path / "plain.json", {key: CacheEntry("mod.R", 0, 3, 1.0, 2.0)})
+    assert persist.load(path, strict=True)[key].tuned_by == tuned_by
+    assert "tuned_by" not in (tmp_path / "plain.json").read_text()  # old layout kept
+    assert verify_file(path).problems == []

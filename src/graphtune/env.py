@@ -14,6 +14,8 @@ Variables (all optional):
   terminal).
 * ``GRAPHTUNE_COMMIT``: the source commit recorded in benchmark results when the tree being run has
   no ``.git`` (for example a copy shipped to a GPU machine).
+* ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``: set by ``torchrun``; read for ``--tp N`` (the process
+  group itself is initialised by ``torch.distributed`` from ``MASTER_ADDR``/``MASTER_PORT``).
 
 Values are read when the function is called, never at import time.
 """
@@ -61,6 +63,12 @@ def torchrun_rank() -> tuple[int, int] | None:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     return None
+
+
+def torchrun_local_rank() -> int | None:
+    """Returns torchrun's ``LOCAL_RANK`` (this process's GPU index on its host), else ``None``."""
+    value = os.environ.get("LOCAL_RANK", "").strip()
+    return int(value) if value else None
 
 
 def source_commit() -> str | None:

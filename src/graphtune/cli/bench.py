@@ -59,6 +59,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     decode.add_argument("--device", default="auto")
     decode.add_argument("--dtype", default="auto")
     decode.add_argument("--seed", type=int, default=0)
+    decode.add_argument("--tp", type=int, default=1, metavar="N",
+                        help="tensor-parallel degree; N > 1 needs 'torchrun --nproc-per-node N -m "
+                        "graphtune bench decode --tp N ...' (NCCL on CUDA with "
+                        "NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1, gloo on CPU); "
+                        "only rank 0 prints and writes files")
     decode.set_defaults(handler=run_bench_decode)
     bench.set_defaults(handler=lambda args: _usage(bench))
 
@@ -80,10 +85,22 @@ def run_bench_decode(args: argparse.Namespace) -> int:
         run_decode_bench,
     )
 
+    parallel = None
     try:
         device = resolve_device(args.device)
+        if args.tp < 1:
+            raise ConfigError(f"--tp must be >= 1, got {args.tp}")
+        if args.tp > 1:
+            if args.tune or args.compare_compile:
+                raise ConfigError("--tune and --compare-compile are not supported with --tp > 1 "
+                                  "yet; drop them to time the tensor-parallel step")
+            from graphtune.engine.parallel import init_from_torchrun
+
+            parallel, device = init_from_torchrun(args.tp, device)
+        # Every rank runs the same benchmark (same collectives, same order); rank 0 reports.
+        show = parallel is None or parallel.rank == 0
         model = args.model or ("llama-1b-shape" if device.type == "cuda" else "tiny")
-        if device.type != "cuda":
+        if device.type != "cuda" and show:
             print("note: CUDA is not available; CUDA graphs need CUDA, so only the eager step "
                   f"is timed (model {model}).", file=sys.stderr)
         runners = ("eager", "graph") if args.runner == "both" else (args.runner,)
@@ -92,9 +109,13 @@ def run_bench_decode(args: argparse.Namespace) -> int:
             steps=args.steps, repeats=args.repeats, runners=runners,
             compare_compile=args.compare_compile, device=str(device), dtype=args.dtype,
             seed=args.seed, tune=args.tune,
-            tuning_cache=str(args.tuning_cache) if args.tuning_cache else None,
+            tuning_cache=str(args.tuning_cache) if args.tuning_cache else None, tp=args.tp,
         )
-        report = run_decode_bench(cfg, log=lambda line: print(line, file=sys.stderr))
+        report = run_decode_bench(
+            cfg, log=lambda line: print(line, file=sys.stderr) if show else None,
+            parallel=parallel)
+        if not show:
+            return 0
         print(format_report(report))
         if report.runner_stats:
             print(report.runner_stats)
@@ -114,7 +135,7 @@ def run_bench_decode(args: argparse.Namespace) -> int:
         # One JSON line at the end, like every benchmark script in this repository.
         summary = {"bench": "decode", "model": report.model["name"],
                    "device": report.provenance.get("gpu_name") or str(device),
-                   "torch": torch.__version__,
+                   "torch": torch.__version__, "tp": args.tp,
                    "results": [{k: v for k, v in r.items()
                                 if k not in ("top_kernels", "tuned_top_kernels")}
                                for r in data["results"]]}
@@ -125,4 +146,10 @@ def run_bench_decode(args: argparse.Namespace) -> int:
     except GraphtuneError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        if parallel is not None:
+            from graphtune.engine.parallel import destroy
+
+            destroy()
     return 0
+

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from graphtune.errors import GraphtuneError
+from graphtune.errors import ConfigError, GraphtuneError
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +40,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of random weights and sampling")
     parser.add_argument("--ignore-eos", action="store_true", help="always generate N tokens")
     parser.add_argument("--stats", action="store_true", help="print the step runner's stats")
+    parser.add_argument("--tp", type=int, default=1, metavar="N",
+                        help="tensor-parallel degree; N > 1 needs 'torchrun --nproc-per-node N "
+                        "-m graphtune generate ...' (NCCL on CUDA, gloo on CPU; set "
+                        "NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 on GPUs). "
+                        "Only rank 0 prints.")
     parser.set_defaults(handler=run_generate)
 
 
@@ -55,13 +60,22 @@ def run_generate(args: argparse.Namespace) -> int:
     from graphtune.engine import Engine, SamplingParams, load_model
     from graphtune.engine.bench import resolve_device, resolve_dtype
 
+    parallel = None
     try:
         device = resolve_device(args.device)
         dtype = resolve_dtype(args.dtype, device)
-        if args.runner == "graph" and device.type != "cuda":
+        if args.tp < 1:
+            raise ConfigError(f"--tp must be >= 1, got {args.tp}")
+        if args.tp > 1:
+            from graphtune.engine.parallel import init_from_torchrun
+
+            parallel, device = init_from_torchrun(args.tp, device)
+        show = parallel is None or parallel.rank == 0
+        if args.runner == "graph" and device.type != "cuda" and show:
             print("note: CUDA graphs need CUDA; the graph runner falls back to eager here",
                   file=sys.stderr)
-        model = load_model(args.model, device=device, dtype=dtype, seed=args.seed)
+        model = load_model(args.model, device=device, dtype=dtype, seed=args.seed,
+                           parallel=parallel)
         prompts = [_parse_prompt(p) for p in args.prompt]
         if any(isinstance(p, str) for p in prompts) and model.tokenizer is None:
             print(f"error: {args.model} has no tokenizer.json; pass token ids like --prompt "
@@ -82,7 +96,12 @@ def run_generate(args: argparse.Namespace) -> int:
         elapsed = time.perf_counter() - t0
     except GraphtuneError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        _finish(parallel)
         return 2
+    if not show:
+        engine.release()
+        _finish(parallel)
+        return 0
     for prompt, ids in zip(args.prompt, outputs, strict=True):
         text = engine.decode(ids)
         print(f"prompt: {prompt}")
@@ -90,9 +109,20 @@ def run_generate(args: argparse.Namespace) -> int:
         if text is not None:
             print(f"text:   {text}")
     total = sum(len(o) for o in outputs)
+    tp = f", tp {args.tp}" if parallel is not None else ""
     print(f"{total} tokens in {elapsed:.2f} s ({total / elapsed:.1f} tokens/s, runner "
-          f"{args.runner}, {model.config.name}, {str(dtype).replace('torch.', '')}, {device})")
+          f"{args.runner}, {model.config.name}, {str(dtype).replace('torch.', '')}, "
+          f"{device}{tp})")
     if args.stats and hasattr(engine.stats, "table"):
         print(engine.stats.table())
     engine.release()
+    _finish(parallel)
     return 0
+
+
+def _finish(parallel: object) -> None:
+    """Destroys the process group that ``--tp`` created (nothing at tp=1)."""
+    if parallel is not None:
+        from graphtune.engine.parallel import destroy
+
+        destroy()

@@ -52,6 +52,8 @@ class DecodeBenchConfig:
         seed: Seed for random weights, tokens and cache contents.
         tune: Also tune the step's ops and time the tuned step beside the untuned one.
         tuning_cache: Tuning cache file for ``tune`` (loaded when present, saved after).
+        tp: Tensor-parallel degree (``run_decode_bench`` then needs a matching ``parallel``
+            context; every rank runs the same benchmark and times its own shard).
     """
 
     model: str = "llama-1b-shape"
@@ -66,8 +68,14 @@ class DecodeBenchConfig:
     seed: int = 0
     tune: bool = False
     tuning_cache: str | None = None
+    tp: int = 1
 
     def __post_init__(self) -> None:
+        if self.tp < 1:
+            raise ConfigError(f"tp must be >= 1, got {self.tp}")
+        if self.tp > 1 and (self.tune or self.compare_compile):
+            raise ConfigError("--tune and --compare-compile are not supported with --tp > 1 yet; "
+                              "drop them to time the untuned tensor-parallel step")
         if not self.batch_sizes or min(self.batch_sizes) <= 0:
             raise ConfigError(f"batch sizes must be positive, got {self.batch_sizes}")
         if self.context < 0 or self.steps <= 0 or self.repeats <= 0:
@@ -291,7 +299,7 @@ def _time_compiled(step: DecodeStep, inputs: Sequence[tuple[torch.Tensor, ...]],
 
 @torch.inference_mode()
 def run_decode_bench(cfg: DecodeBenchConfig, log: Callable[[str], None] = logger.info,
-                     *, tuner: Any = None) -> DecodeBenchReport:
+                     *, tuner: Any = None, parallel: Any = None) -> DecodeBenchReport:
     """Runs the decode benchmark described by ``cfg``.
 
     Args:
@@ -299,6 +307,12 @@ def run_decode_bench(cfg: DecodeBenchConfig, log: Callable[[str], None] = logger
         log: Where progress lines go.
         tuner: The :class:`~graphtune.autotuner.AutoTuner` for ``cfg.tune`` (a new one when
             ``None``).
+        parallel: The :class:`~graphtune.engine.parallel.ParallelContext` when ``cfg.tp > 1``
+            (its ``world_size`` must equal ``cfg.tp``). Every rank must call this with the same
+            ``cfg``: the steps, captures and timings run the same collectives in the same order.
+
+    Raises:
+        ConfigError: ``cfg.tp`` and ``parallel`` disagree, or the model does not split.
 
     Returns:
         The report (per-batch results, capture seconds, graph MiB, provenance).
@@ -311,7 +325,12 @@ def run_decode_bench(cfg: DecodeBenchConfig, log: Callable[[str], None] = logger
         if "graph" in runners or cfg.compare_compile:
             notes.append(NO_CUDA_NOTE)
         runners = ("eager",)
-    model = load_model(cfg.model, device=device, dtype=dtype, seed=cfg.seed)
+    world = parallel.world_size if parallel is not None else 1
+    if world != cfg.tp:
+        raise ConfigError(f"DecodeBenchConfig.tp={cfg.tp} but the parallel context has "
+                          f"world_size={world}")
+    model = load_model(cfg.model, device=device, dtype=dtype, seed=cfg.seed,
+                       parallel=parallel if cfg.tp > 1 else None)
     mcfg = model.config
     sizes = sorted(set(cfg.batch_sizes))
     max_batch = sizes[-1]
@@ -323,7 +342,12 @@ def run_decode_bench(cfg: DecodeBenchConfig, log: Callable[[str], None] = logger
     # Never time on zeros: random keys and values, random tokens.
     cache.k.normal_(generator=gen)
     cache.v.normal_(generator=gen)
-    step = DecodeStep(model, cache, contiguous_slots=True)
+    if model.parallel is None:
+        step = DecodeStep(model, cache, contiguous_slots=True)
+    else:
+        from graphtune.engine.parallel import TensorParallelDecodeStep
+
+        step = TensorParallelDecodeStep(model, cache, contiguous_slots=True)
     inputs = []
     for b in sizes:
         tokens = torch.randint(0, mcfg.vocab_size, (b,), generator=gen, device=device)
@@ -332,9 +356,10 @@ def run_decode_bench(cfg: DecodeBenchConfig, log: Callable[[str], None] = logger
     report = DecodeBenchReport(
         config={**asdict(cfg), "device": str(device), "dtype": str(dtype).replace("torch.", ""),
                 "runners": list(runners), "max_seq_len": max_seq},
-        model={"name": mcfg.name, "source": model.source, "parameters": mcfg.num_parameters(),
+        model={"name": mcfg.name, "source": model.source,
+               "parameters": (model.global_config or mcfg).num_parameters(),
                "weight_bytes": model.weight_bytes(), "kv_bytes_per_token": cache.bytes_per_token(),
-               "config": asdict(mcfg)},
+               "config": asdict(model.global_config or mcfg), "tp": cfg.tp},
         provenance=provenance(device),
         notes=notes,
     )

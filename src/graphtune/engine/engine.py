@@ -93,8 +93,14 @@ class Engine:
             With neither ``tune``, ``tuning_cache`` nor ``tuner`` the step is the untuned torch
             step.
 
+    Tensor parallelism: pass a sharded model (``load_model(..., parallel=ParallelContext(...))``)
+    and run the same ``Engine`` calls with the same arguments on every rank of the group. The
+    batch is replicated across ranks (every rank holds every request; only weights and KV heads
+    are split), so every rank pads to the same graph size and reaches every all-reduce; the
+    engine builds :class:`~graphtune.engine.parallel.TensorParallelDecodeStep` for such a model.
+
     Raises:
-        ConfigError: Unknown runner, or sizes out of range.
+        ConfigError: Unknown runner, sizes out of range, or tuning asked for a sharded model.
     """
 
     def __init__(
@@ -119,6 +125,11 @@ class Engine:
             raise ConfigError(f"max_batch_size must be > 0, got {max_batch_size}")
         if max_seq_len <= 1:
             raise ConfigError(f"max_seq_len must be > 1, got {max_seq_len}")
+        if model.parallel is not None and (tune or tuning_cache is not None or tuner is not None):
+            raise ConfigError(
+                "tuning (tune, tuning_cache, tuner) is not supported with tensor parallelism yet; "
+                "build the tp>1 Engine without them (the untuned torch decode step)"
+            )
         target_device = torch.device(device) if device is not None else model.device
         target_dtype = dtype or model.dtype
         if model.device != target_device or model.dtype != target_dtype:
@@ -134,7 +145,12 @@ class Engine:
         self.tune_report: Any = None
         if tune or tuning_cache is not None or tuner is not None:
             self.tuner = self._prepare_tuner(tune, tuning_cache, tuner, target_dtype)
-        self.step_fn = DecodeStep(model, self.cache, contiguous_slots=True, tuner=self.tuner)
+        if model.parallel is None:
+            self.step_fn = DecodeStep(model, self.cache, contiguous_slots=True, tuner=self.tuner)
+        else:
+            from graphtune.engine.parallel import TensorParallelDecodeStep
+
+            self.step_fn = TensorParallelDecodeStep(model, self.cache, contiguous_slots=True)
         self.runner_kind = runner
         self.strict_numerics = strict_numerics
         self.failures: list[RequestFailure] = []

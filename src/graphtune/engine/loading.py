@@ -11,13 +11,16 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from graphtune.engine.config import PRESETS, ModelConfig, from_hf_config, get_preset
 from graphtune.engine.model import DecoderModel, LayerWeights, random_model
 from graphtune.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from graphtune.engine.parallel import ParallelContext
 
 logger = logging.getLogger(__name__)
 
@@ -178,6 +181,7 @@ def load_model(
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
     seed: int = 0,
+    parallel: ParallelContext | None = None,
 ) -> DecoderModel:
     """Loads a checkpoint folder, or builds random weights for a preset name or config.
 
@@ -186,11 +190,28 @@ def load_model(
         device: Target device.
         dtype: Weight dtype (presets default to float32).
         seed: Seed for random weights.
+        parallel: Tensor parallelism: return this rank's shard (see
+            :func:`graphtune.engine.parallel.shard_model`). Random weights are drawn whole on
+            ``device`` with ``seed`` (so every rank, and a ``tp=1`` run, sees the same model)
+            and then sliced; a checkpoint is read on the CPU, sliced, and only the shard moves
+            to ``device``. ``None`` or ``world_size == 1``: the whole model.
 
     Raises:
-        ConfigError: ``spec`` is neither an existing folder nor a preset.
+        ConfigError: ``spec`` is neither an existing folder nor a preset, or the model does not
+            split evenly over ``parallel.world_size`` ranks.
         CheckpointError: The folder cannot be loaded.
     """
+    if parallel is not None and parallel.world_size > 1:
+        from graphtune.engine.parallel import check_shardable, shard_model
+
+        if isinstance(spec, ModelConfig):
+            check_shardable(spec, parallel.world_size)
+        elif str(spec) in PRESETS:
+            check_shardable(PRESETS[str(spec)], parallel.world_size)
+        on_cpu = Path(spec).is_dir() if not isinstance(spec, ModelConfig) else False
+        whole = load_model(spec, device="cpu" if on_cpu else device, dtype=dtype, seed=seed)
+        shard = shard_model(whole, parallel)
+        return shard.to(device) if on_cpu else shard
     if isinstance(spec, ModelConfig):
         return random_model(spec, seed=seed, device=device, dtype=dtype or torch.float32)
     path = Path(spec)

@@ -62,6 +62,10 @@ class DecoderModel:
         lm_head: ``[vocab, hidden]``; the same tensor object as ``embed`` when tied.
         tokenizer: A ``tokenizers.Tokenizer`` when the checkpoint folder had one, else ``None``.
         source: Where the weights came from (a folder, or ``"random:<preset>:seed<N>"``).
+        extras: Free-form metadata.
+        parallel: The :class:`~graphtune.engine.parallel.ParallelContext` of a tensor-parallel
+            shard (then ``config`` is the per-rank shape), ``None`` for a whole model.
+        global_config: The unsharded config of a shard, ``None`` for a whole model.
     """
 
     config: ModelConfig
@@ -72,6 +76,8 @@ class DecoderModel:
     tokenizer: Any = None
     source: str = ""
     extras: dict[str, Any] = field(default_factory=dict)
+    parallel: Any = None
+    global_config: ModelConfig | None = None
 
     @property
     def device(self) -> torch.device:

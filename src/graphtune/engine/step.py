@@ -33,6 +33,7 @@ from graphtune.engine.model import (
     rope_tables,
     swiglu,
 )
+from graphtune.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -55,11 +56,25 @@ class DecodeStep:
             ``max_seq_len = cache.max_seq_len`` for attention). An untuned shape runs the op's
             torch fallback and is counted in ``tuner.stats.fallbacks``. ``None`` (default): the
             untuned torch step.
+
+    Raises:
+        ConfigError: ``model`` is a tensor-parallel shard (use
+            :class:`~graphtune.engine.parallel.TensorParallelDecodeStep`; the Engine picks it).
     """
+
+    #: Whether this step class runs a sharded model (see graphtune.engine.parallel).
+    tensor_parallel = False
+    #: The ParallelContext of a tensor-parallel step; ``None`` here.
+    parallel: Any = None
 
     def __init__(self, model: DecoderModel, cache: KVCache, *, contiguous_slots: bool = False,
                  tuner: Any = None) -> None:
         cfg = model.config
+        if model.parallel is not None and not self.tensor_parallel:
+            raise ConfigError(
+                "this model is a tensor-parallel shard; build its step with "
+                "graphtune.engine.parallel.TensorParallelDecodeStep (the Engine does this)"
+            )
         self.model = model
         self.cache = cache
         self.contiguous_slots = contiguous_slots
@@ -213,6 +228,8 @@ def prefill(
     Returns:
         ``[vocab]`` logits of the last position, or ``[L, vocab]`` with ``all_logits``.
     """
+    if step.parallel is not None:
+        return step.prefill(tokens, slot, all_logits=all_logits)
     model, cfg = step.model, step.model.config
     length = tokens.shape[0]
     heads, kv_heads, dim = cfg.num_heads, cfg.num_kv_heads, cfg.dim_per_head

@@ -1,0 +1,342 @@
+"""Tensor-parallel decode: weight sharding, the sharded decode step and prefill, torchrun setup.
+
+Megatron-style tensor parallelism over ``world_size`` ranks of one ``torch.distributed`` group:
+
+* The fused QKV projection is column-parallel: rank ``r`` keeps query heads
+  ``[r * H/tp, (r+1) * H/tp)`` and KV heads ``[r * KV/tp, (r+1) * KV/tp)``, still fused as
+  ``[q | k | v]``, so grouped-query attention stays rank-local (query head ``j`` reads KV head
+  ``j // groups`` on the same rank). The KV cache of a rank holds only its KV heads.
+* The fused gate/up projection is column-parallel over the intermediate dimension (``[gate | up]``
+  per rank); SwiGLU is elementwise and stays rank-local.
+* The output and down projections are row-parallel: each rank multiplies its slice and one
+  ``all_reduce`` (sum) per projection makes the hidden state whole again. The residual is added
+  once: rank 0 runs ``x.addmm_(a, w.t())`` (beta 1) and the other ranks the same call with
+  ``beta=0``, which overwrites ``x`` with the partial product, then ``x`` is all-reduced in place.
+  No extra kernel, and the collective is an ordinary op that a CUDA graph captures (NCCL).
+* Embedding, final norm and LM head are replicated, so every rank ends with the same logits and
+  samples the same token; the batch (tokens, positions, slots) is replicated as well.
+
+Every rank must run the same sequence of steps with the same batch sizes: the engine keeps the
+batch replicated (every rank calls ``generate`` with the same prompts and sampling parameters), so
+every rank pads to the same captured graph size and no rank skips a collective the others wait on.
+
+At ``tp=1`` nothing here runs: :func:`shard_model` is never called, the model's ``parallel`` is
+``None`` and the engine builds the plain :class:`~graphtune.engine.step.DecodeStep`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from graphtune import env
+from graphtune.engine.config import ModelConfig
+from graphtune.engine.kv_cache import KVCache
+from graphtune.engine.model import (
+    DecoderModel,
+    LayerWeights,
+    apply_rope,
+    apply_rope_signed,
+    rms_norm,
+    swiglu,
+)
+from graphtune.engine.step import DecodeStep
+from graphtune.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    """Which tensor-parallel group this process belongs to (passed in, never global).
+
+    Attributes:
+        group: The ``torch.distributed`` process group the all-reduces run on (``None`` means the
+            default group). Every rank of the group holds one shard of the model.
+        rank: This process's rank in ``group``.
+        world_size: Ranks in ``group`` (the tensor-parallel degree).
+
+    Raises:
+        ConfigError: ``world_size < 1`` or ``rank`` outside ``[0, world_size)``.
+    """
+
+    group: Any
+    rank: int
+    world_size: int
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ConfigError(f"ParallelContext.world_size must be >= 1, got {self.world_size}")
+        if not 0 <= self.rank < self.world_size:
+            raise ConfigError(
+                f"ParallelContext.rank must be in [0, {self.world_size}), got {self.rank}"
+            )
+
+    @classmethod
+    def from_group(cls, group: Any = None) -> ParallelContext:
+        """The context of this process in an initialised ``group`` (default: the world group)."""
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise ConfigError(
+                "torch.distributed is not initialised; call init_process_group first (or launch "
+                "the CLI with torchrun and --tp N)"
+            )
+        return cls(group, dist.get_rank(group), dist.get_world_size(group))
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sums ``tensor`` over the group in place and returns it."""
+        import torch.distributed as dist
+
+        dist.all_reduce(tensor, group=self.group)
+        return tensor
+
+
+def check_shardable(config: ModelConfig, tp: int) -> None:
+    """Checks that ``config`` splits evenly over ``tp`` ranks.
+
+    Raises:
+        ConfigError: ``tp < 1``, or query heads, KV heads or the intermediate size are not
+            divisible by ``tp`` (the message lists every broken rule and the degrees that work).
+    """
+    if tp < 1:
+        raise ConfigError(f"tensor-parallel degree must be >= 1, got {tp}")
+    sizes = {"num_heads": config.num_heads, "num_kv_heads": config.num_kv_heads,
+             "intermediate_size": config.intermediate_size}
+    broken = [f"{name} ({value})" for name, value in sizes.items() if value % tp]
+    if broken:
+        valid = [n for n in range(1, config.num_heads + 1)
+                 if all(v % n == 0 for v in sizes.values())]
+        raise ConfigError(
+            f"{config.name} cannot be split over tp={tp} ranks: {', '.join(broken)} not divisible "
+            f"by {tp}. Each rank must own whole query heads, whole KV heads (KV-head replication "
+            f"is not implemented) and an equal slice of the MLP; use tp in {valid}."
+        )
+
+
+def shard_config(config: ModelConfig, tp: int) -> ModelConfig:
+    """The per-rank shape: heads, KV heads and intermediate size divided by ``tp``."""
+    check_shardable(config, tp)
+    return config.replace(
+        num_heads=config.num_heads // tp, num_kv_heads=config.num_kv_heads // tp,
+        intermediate_size=config.intermediate_size // tp, head_dim=config.dim_per_head,
+    )
+
+
+def _rows(t: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
+    size = t.shape[0] // tp
+    return t[rank * size : (rank + 1) * size]
+
+
+def shard_model(model: DecoderModel, parallel: ParallelContext) -> DecoderModel:
+    """This rank's shard of a full model (the full tensors are not kept).
+
+    Args:
+        model: Full weights (every rank must pass the same ones: same checkpoint or preset seed).
+        parallel: The group, rank and degree.
+
+    Returns:
+        A model whose ``config`` is the per-rank shape (:func:`shard_config`), ``global_config``
+        the full one and ``parallel`` the context; ``model`` itself when ``world_size == 1``.
+
+    Raises:
+        ConfigError: The model is already sharded or does not split evenly.
+    """
+    if model.parallel is not None:
+        raise ConfigError("the model is already sharded; shard the full model once per rank")
+    tp, rank = parallel.world_size, parallel.rank
+    if tp == 1:
+        return model
+    cfg = model.config
+    local = shard_config(cfg, tp)
+    split = (cfg.q_size, cfg.kv_size, cfg.kv_size)
+
+    def qkv(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([_rows(part, rank, tp) for part in t.split(split)]).contiguous()
+
+    def cols(t: torch.Tensor) -> torch.Tensor:
+        return _rows(t.t(), rank, tp).t().contiguous()
+
+    layers = []
+    for layer in model.layers:
+        gate, up = layer.w_gate_up.chunk(2)
+        layers.append(LayerWeights(
+            attn_norm=layer.attn_norm,
+            wqkv=qkv(layer.wqkv),
+            bqkv=None if layer.bqkv is None else qkv(layer.bqkv),
+            wo=cols(layer.wo),
+            mlp_norm=layer.mlp_norm,
+            w_gate_up=torch.cat([_rows(gate, rank, tp), _rows(up, rank, tp)]).contiguous(),
+            w_down=cols(layer.w_down),
+        ))
+    return DecoderModel(
+        config=local, embed=model.embed, layers=layers, final_norm=model.final_norm,
+        lm_head=model.lm_head, tokenizer=model.tokenizer,
+        source=f"{model.source} [tp rank {rank}/{tp}]", extras=dict(model.extras),
+        parallel=parallel, global_config=cfg,
+    )
+
+
+class TensorParallelDecodeStep(DecodeStep):
+    """:class:`DecodeStep` for a sharded model: the same math plus two all-reduces per layer.
+
+    Args:
+        model: A sharded model (``model.parallel`` set, see :func:`shard_model`).
+        cache: This rank's KV cache (built from ``model.config``: only this rank's KV heads).
+        contiguous_slots: As for :class:`DecodeStep`.
+        tuner: Must be ``None``: the tuned step is not tensor-parallel yet.
+
+    Raises:
+        ConfigError: The model is not sharded, or a tuner was given.
+    """
+
+    tensor_parallel = True
+
+    def __init__(self, model: DecoderModel, cache: KVCache, *, contiguous_slots: bool = False,
+                 tuner: Any = None) -> None:
+        if model.parallel is None:
+            raise ConfigError("TensorParallelDecodeStep needs a sharded model (load_model(..., "
+                              "parallel=ParallelContext(...)) or shard_model)")
+        if tuner is not None:
+            raise ConfigError(
+                "the tuned decode step does not support tensor parallelism yet; build the "
+                "tp>1 engine without tune/tuning_cache/tuner (the untuned torch step)"
+            )
+        super().__init__(model, cache, contiguous_slots=contiguous_slots)
+        self.parallel: ParallelContext = model.parallel
+        # Rank 0 keeps the residual in the row-parallel GEMMs; the others overwrite x with their
+        # partial product (beta=0 ignores x, NaN included), and the all-reduce sums them.
+        self.residual_beta = 1.0 if self.parallel.rank == 0 else 0.0
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
+                 ) -> torch.Tensor:
+        """Runs one step on this rank's shard; returns the full logits ``[B, vocab]``."""
+        model, cfg = self.model, self.model.config
+        batch = tokens.shape[0]
+        heads, kv_heads, dim = cfg.num_heads, cfg.num_kv_heads, cfg.dim_per_head
+        seq = self.cache.max_seq_len
+        eps = cfg.rms_norm_eps
+        beta, reduce = self.residual_beta, self.parallel.all_reduce
+
+        x = F.embedding(tokens, model.embed)
+        cos = self.cos.index_select(0, positions)[:, None, :]
+        sin = self.signed_sin.index_select(0, positions)[:, None, :]
+        mask = self.mask(positions)
+        write_rows = ((slots[:, None] * kv_heads + self.kv_head_index[None, :]) * seq
+                      + positions[:, None]).reshape(-1)
+        for index, layer in enumerate(model.layers):
+            h = rms_norm(x, layer.attn_norm, eps)
+            qkv = F.linear(h, layer.wqkv, layer.bqkv)
+            qk = apply_rope_signed(
+                qkv[:, : self.qk_size].view(batch, heads + kv_heads, dim), cos, sin
+            )
+            q, k = qk[:, :heads], qk[:, heads:]
+            v = qkv[:, self.qk_size :]
+            self.k_flat[index].index_copy_(0, write_rows, k.reshape(-1, dim))
+            self.v_flat[index].index_copy_(0, write_rows, v.reshape(-1, dim))
+            if self.contiguous_slots:
+                keys = self.cache.k_layers[index][:batch]
+                values = self.cache.v_layers[index][:batch]
+            else:
+                keys = self.cache.k_layers[index].index_select(0, slots)
+                values = self.cache.v_layers[index].index_select(0, slots)
+            attn = F.scaled_dot_product_attention(
+                q.reshape(batch, kv_heads, self.groups, dim), keys, values, attn_mask=mask
+            )
+            reduce(x.addmm_(attn.reshape(batch, heads * dim), layer.wo.t(), beta=beta))
+            h = rms_norm(x, layer.mlp_norm, eps)
+            reduce(x.addmm_(swiglu(F.linear(h, layer.w_gate_up)), layer.w_down.t(), beta=beta))
+        x = rms_norm(x, model.final_norm, eps)
+        return F.linear(x, model.lm_head)
+
+    def prefill(self, tokens: torch.Tensor, slot: int, *, all_logits: bool = False
+                ) -> torch.Tensor:
+        """:func:`~graphtune.engine.step.prefill` on this rank's shard (eager, all-reduced)."""
+        model, cfg = self.model, self.model.config
+        length = tokens.shape[0]
+        heads, kv_heads, dim = cfg.num_heads, cfg.num_kv_heads, cfg.dim_per_head
+        eps = cfg.rms_norm_eps
+        reduce = self.parallel.all_reduce
+
+        x = F.embedding(tokens, model.embed)
+        cos = self.cos[:length, None, :]
+        sin = self.sin[:length, None, :]
+        query_pos = self.key_positions[:length]
+        visible = query_pos[None, :] <= query_pos[:, None]
+        if cfg.sliding_window is not None:
+            visible = visible & (query_pos[None, :] > query_pos[:, None] - cfg.sliding_window)
+        mask = torch.where(visible, self.zero, self.neg_inf)
+        for index, layer in enumerate(model.layers):
+            h = rms_norm(x, layer.attn_norm, eps)
+            q, k, v = F.linear(h, layer.wqkv, layer.bqkv).split(self.split, dim=-1)
+            q = apply_rope(q.view(length, heads, dim), cos, sin).transpose(0, 1)
+            k = apply_rope(k.view(length, kv_heads, dim), cos, sin).transpose(0, 1)
+            v = v.view(length, kv_heads, dim).transpose(0, 1)
+            self.cache.k_layers[index][slot, :, :length].copy_(k)
+            self.cache.v_layers[index][slot, :, :length].copy_(v)
+            attn = F.scaled_dot_product_attention(
+                q, k.repeat_interleave(self.groups, dim=0),
+                v.repeat_interleave(self.groups, dim=0), attn_mask=mask,
+            )
+            x = x + reduce(F.linear(attn.transpose(0, 1).reshape(length, heads * dim),
+                                    layer.wo))
+            h = rms_norm(x, layer.mlp_norm, eps)
+            x = x + reduce(F.linear(swiglu(F.linear(h, layer.w_gate_up)), layer.w_down))
+        if not all_logits:
+            x = x[-1]
+        return F.linear(rms_norm(x, model.final_norm, eps), model.lm_head)
+
+
+def init_from_torchrun(tp: int, device: torch.device) -> tuple[ParallelContext, torch.device]:
+    """Initialises the default process group from torchrun's environment for ``--tp tp``.
+
+    The backend is NCCL on CUDA (the CUDA device is set from ``LOCAL_RANK`` first, so NCCL binds
+    the right GPU) and gloo otherwise. Launch GPU runs with NVLink multicast off
+    (``NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1``).
+
+    Args:
+        tp: Requested tensor-parallel degree; must equal torchrun's ``WORLD_SIZE``.
+        device: The resolved device (``cuda`` is replaced by ``cuda:LOCAL_RANK``).
+
+    Returns:
+        The context over the world group and the device this rank runs on.
+
+    Raises:
+        ConfigError: Not launched by torchrun, or ``WORLD_SIZE != tp``.
+    """
+    import torch.distributed as dist
+
+    launched = env.torchrun_rank()
+    if launched is None:
+        raise ConfigError(
+            f"--tp {tp} needs {tp} processes: launch with 'torchrun --nproc-per-node {tp} -m "
+            "graphtune ...' (with NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 on GPUs)"
+        )
+    rank, world = launched
+    if world != tp:
+        raise ConfigError(
+            f"--tp {tp} but torchrun started {world} processes; use --nproc-per-node {tp}"
+        )
+    if device.type == "cuda":
+        device = torch.device("cuda", env.torchrun_local_rank() or 0)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        backend = "gloo"
+    if not dist.is_initialized():
+        kwargs: dict[str, Any] = {"device_id": device} if backend == "nccl" else {}
+        dist.init_process_group(backend, rank=rank, world_size=world, **kwargs)
+    logger.info("rank %d/%d: %s process group on %s", rank, world, backend, device)
+    return ParallelContext(dist.group.WORLD, rank, world), device
+
+
+def destroy() -> None:
+    """Destroys the default process group when one is initialised (end of a CLI run)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,229 @@
+"""Tensor-parallel decode over gloo: TP=2 matches TP=1 (logits and greedy tokens); clear errors.
+
+One pair of ``spawn`` workers (a few seconds to start) runs every multi-process check; each rank
+compares its TP=2 results with a whole TP=1 model it builds itself from the same preset and seed.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import queue
+import traceback
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from graphtune.engine import Engine, KVCache, SamplingParams, load_model, prefill
+from graphtune.engine.config import get_preset
+from graphtune.engine.parallel import (
+    ParallelContext,
+    TensorParallelDecodeStep,
+    check_shardable,
+    shard_config,
+    shard_model,
+)
+from graphtune.engine.step import DecodeStep
+from graphtune.errors import ConfigError
+
+WORLD = 2
+PROMPTS = [[1, 5, 9, 200, 17], [3, 4], [7, 8, 9, 10, 11, 12, 13], [42]]
+
+
+def _compare(preset: str, parallel: ParallelContext) -> dict[str, Any]:
+    """Prefill + decode steps and Engine.generate at TP=1 and TP=2 on this rank."""
+    full = load_model(preset, seed=3)
+    shard = load_model(preset, seed=3, parallel=parallel)
+    out: dict[str, Any] = {"kv_heads": shard.config.num_kv_heads}
+    steps = []
+    for model in (full, shard):
+        cache = KVCache(model.config, 2, 32, dtype=torch.float32)
+        cls = DecodeStep if model.parallel is None else TensorParallelDecodeStep
+        steps.append(cls(model, cache, contiguous_slots=True))
+    out["kv_cache_shape"] = tuple(steps[1].cache.k.shape)
+    prefill_diff, decode_diff = 0.0, 0.0
+    with torch.inference_mode():
+        for slot, prompt in enumerate(PROMPTS[:2]):
+            tokens = torch.tensor(prompt)
+            want, got = (prefill(s, tokens, slot, all_logits=True) for s in steps)
+            prefill_diff = max(prefill_diff, (want - got).abs().max().item())
+        tokens = torch.tensor([PROMPTS[0][-1], PROMPTS[1][-1]])
+        positions = torch.tensor([len(PROMPTS[0]), len(PROMPTS[1])])
+        slots = torch.arange(2)
+        for _ in range(4):
+            want = steps[0](tokens, positions, slots).clone()
+            got = steps[1](tokens, positions, slots).clone()
+            decode_diff = max(decode_diff, (want - got).abs().max().item())
+            tokens, positions = want.argmax(-1), positions + 1
+    out["prefill_diff"], out["decode_diff"] = prefill_diff, decode_diff
+    # Engine: 4 prompts through 2 slots (requests queue, retire and move slots), graph runner
+    # (eager fallback on CPU) for TP=2, eager for TP=1.
+    tokens_by_tp = []
+    for model, runner in ((full, "eager"), (shard, "graph")):
+        engine = Engine(model, runner=runner, max_batch_size=2, max_seq_len=48,
+                        capture_sizes=[1, 2])
+        tokens_by_tp.append(engine.generate(PROMPTS, [6, 3, 8, 5], stop_token_ids=[]))
+    out["greedy_tp1"], out["greedy_tp2"] = tokens_by_tp
+    out["sampled"] = Engine(shard, runner="eager", max_batch_size=2, max_seq_len=48).generate(
+        PROMPTS[:3], 6, stop_token_ids=[],
+        sampling=SamplingParams(temperature=0.8, top_k=20, seed=5))
+    return out
+
+
+def _worker(rank: int, store_path: str, results: Any) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # two ranks share the CPU; oversubscription slows gloo a lot
+    try:
+        store = dist.FileStore(store_path, WORLD)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
+        try:
+            parallel = ParallelContext.from_group()
+            results.put((rank, {p: _compare(p, parallel) for p in ("tiny", "qwen2-tiny")}))
+        finally:
+            dist.destroy_process_group()
+    except Exception:  # report any failure to the parent instead of hanging it
+        results.put((rank, traceback.format_exc()))
+
+
+@pytest.fixture(scope="module")
+def tp_results(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Any]:
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    store = str(Path(tmp_path_factory.mktemp("tp")) / "store")
+    procs = [ctx.Process(target=_worker, args=(r, store, results)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    got: dict[int, Any] = {}
+    try:
+        for _ in range(WORLD):
+            rank, value = results.get(timeout=120)
+            got[rank] = value
+    except queue.Empty:
+        pytest.fail(f"TP workers did not report within 120 s (got ranks {sorted(got)})")
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    for rank, value in got.items():
+        assert not isinstance(value, str), f"rank {rank} failed:\n{value}"
+    assert all(p.exitcode == 0 for p in procs)
+    return got
+
+
+@pytest.mark.parametrize("preset", ["tiny", "qwen2-tiny"])
+def test_tp2_matches_tp1(tp_results: dict[int, Any], preset: str) -> None:
+    for rank in range(WORLD):
+        r = tp_results[rank][preset]
+        assert r["kv_heads"] == get_preset(preset).num_kv_heads // WORLD
+        assert r["kv_cache_shape"][2] == r["kv_heads"]  # only this rank's KV heads are cached
+        assert r["prefill_diff"] < 1e-4, r["prefill_diff"]
+        assert r["decode_diff"] < 1e-4, r["decode_diff"]
+        assert r["greedy_tp2"] == r["greedy_tp1"]
+        assert [len(t) for t in r["greedy_tp2"]] == [6, 3, 8, 5]
+    # Replicated logits: both ranks sample the same tokens.
+    assert tp_results[0][preset]["sampled"] == tp_results[1][preset]["sampled"]
+
+
+def test_sharding_errors_are_clear() -> None:
+    with pytest.raises(ConfigError, match=r"num_kv_heads \(1\) not divisible by 2"):
+        check_shardable(get_preset("mistral-tiny"), 2)
+    with pytest.raises(ConfigError, match=r"num_heads \(4\).*use tp in \[1, 2\]"):
+        check_shardable(get_preset("tiny"), 3)
+    odd = get_preset("tiny").replace(intermediate_size=130, num_heads=8, num_kv_heads=4)
+    with pytest.raises(ConfigError, match=r"intermediate_size \(130\)"):
+        check_shardable(odd, 4)
+    with pytest.raises(ConfigError, match="rank must be in"):
+        ParallelContext(None, 2, 2)
+    with pytest.raises(ConfigError, match="not divisible"):
+        load_model("mistral-tiny", parallel=ParallelContext(None, 0, 2))
+
+
+def test_shard_layout_and_misuse() -> None:
+    full = load_model("qwen2-tiny", seed=1)
+    cfg = full.config
+    local = shard_config(cfg, 2)
+    assert (local.num_heads, local.num_kv_heads, local.intermediate_size) == (2, 1, 64)
+    assert local.dim_per_head == cfg.dim_per_head
+    shard = shard_model(full, ParallelContext(None, 1, 2))
+    assert shard.global_config == cfg and shard.config == local
+    # Rank 1 keeps the second half of q, of k and of v, fused as [q | k | v].
+    q, k, v = full.layers[0].wqkv.split((cfg.q_size, cfg.kv_size, cfg.kv_size))
+    want = torch.cat([q[cfg.q_size // 2:], k[cfg.kv_size // 2:], v[cfg.kv_size // 2:]])
+    assert torch.equal(shard.layers[0].wqkv, want)
+    gate, up = full.layers[0].w_gate_up.chunk(2)
+    assert torch.equal(shard.layers[0].w_gate_up, torch.cat([gate[64:], up[64:]]))
+    assert torch.equal(shard.layers[0].w_down, full.layers[0].w_down[:, 64:])
+    assert torch.equal(shard.layers[0].wo, full.layers[0].wo[:, cfg.q_size // 2:])
+    assert shard.lm_head is full.lm_head  # replicated (and still tied)
+    # tp=1 keeps the whole model and the plain step: no collective can run.
+    assert shard_model(full, ParallelContext(None, 0, 1)) is full
+    assert load_model("tiny", parallel=ParallelContext(None, 0, 1)).parallel is None
+    with pytest.raises(ConfigError, match="already sharded"):
+        shard_model(shard, ParallelContext(None, 0, 2))
+    cache = KVCache(shard.config, 1, 16)
+    with pytest.raises(ConfigError, match="TensorParallelDecodeStep"):
+        DecodeStep(shard, cache)
+    with pytest.raises(ConfigError, match="tensor parallelism"):
+        TensorParallelDecodeStep(shard, cache, tuner=object())
+    with pytest.raises(ConfigError, match="tensor parallelism"):
+        Engine(shard, runner="eager", max_batch_size=1, max_seq_len=16, tuner=object())
+    with pytest.raises(ConfigError, match="sharded model"):
+        TensorParallelDecodeStep(full, KVCache(cfg, 1, 16))
+
+
+def test_cli_generate_tp2_under_torchrun(capsys: pytest.CaptureFixture[str]) -> None:
+    import subprocess
+    import sys
+
+    from graphtune.cli.main import main
+
+    args = ["generate", "--model", "tiny", "--prompt", "1,2,3", "--prompt", "4,5",
+            "--max-new-tokens", "5", "--device", "cpu", "--ignore-eos"]
+    assert main(args) == 0
+    want = [line for line in capsys.readouterr().out.splitlines() if line.startswith("tokens:")]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "graphtune", *args, "--tp", "2"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = [line for line in proc.stdout.splitlines() if line.startswith("tokens:")]
+    assert got == want  # rank 0 printed once; rank 1 printed nothing
+    assert "tp 2" in proc.stdout
+
+
+def test_cli_tp_without_torchrun_is_a_clear_error(monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    from graphtune.cli.main import main
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert main(["generate", "--model", "tiny", "--prompt", "1", "--device", "cpu",
+                 "--tp", "2"]) == 2
+    assert "torchrun --nproc-per-node 2" in capsys.readouterr().err
+    assert main(["bench", "decode", "--model", "tiny", "--device", "cpu", "--tp", "2",
+                 "--tune"]) == 2
+    assert "not supported with --tp" in capsys.readouterr().err
+
+
+def test_checkpoint_folder_shards_like_the_whole_model(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    transformers.Qwen2ForCausalLM(config).save_pretrained(tmp_path, safe_serialization=True)
+    full = load_model(tmp_path)
+    for rank in range(WORLD):
+        parallel = ParallelContext(None, rank, WORLD)
+        got = load_model(tmp_path, parallel=parallel)
+        want = shard_model(full, parallel)
+        assert got.config == want.config and got.global_config == full.config
+        for mine, theirs in zip(got.layers, want.layers, strict=True):
+            for name, tensor in mine.tensors().items():
+                assert torch.equal(tensor, theirs.tensors()[name]), name
+        assert got.layers[0].bqkv is not None and torch.equal(got.lm_head, full.lm_head)

@@ -58,8 +58,13 @@ class _TensorSource:
     def has(self, name: str) -> bool:
         return name in self.files
 
-    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        """Returns tensor ``name`` after checking it exists and has ``shape``."""
+    def get(self, name: str, shape: tuple[int, ...],
+            part: tuple[int, int, int] | None = None) -> torch.Tensor:
+        """Returns tensor ``name`` after checking it exists and has ``shape``.
+
+        With ``part = (dim, rank, parts)`` only slice ``rank`` of ``parts`` equal slices along
+        ``dim`` (0 or 1) is read from the file (tensor-parallel loading).
+        """
         file = self.files.get(name)
         if file is None:
             raise CheckpointError(f"checkpoint is missing the tensor {name!r} (expected {shape})")
@@ -68,14 +73,24 @@ class _TensorSource:
             handle = self._safe_open(str(file), framework="pt")
             self._handles[file] = handle
         try:
-            tensor = handle.get_tensor(name)
+            if part is None:
+                tensor = handle.get_tensor(name)
+                actual = tuple(tensor.shape)
+            else:
+                lazy = handle.get_slice(name)
+                actual = tuple(lazy.get_shape())
         except Exception as exc:  # safetensors raises its own error types; keep the cause.
             raise CheckpointError(f"could not read tensor {name!r} from {file}: {exc}") from exc
-        if tuple(tensor.shape) != tuple(shape):
+        if actual != tuple(shape):
             raise CheckpointError(
-                f"tensor {name!r} has shape {tuple(tensor.shape)} but config.json implies "
+                f"tensor {name!r} has shape {actual} but config.json implies "
                 f"{tuple(shape)}; the config and the weights do not belong together"
             )
+        if part is not None:
+            dim, rank, parts = part
+            size = shape[dim] // parts
+            index = slice(rank * size, (rank + 1) * size)
+            tensor = lazy[index] if dim == 0 else lazy[:, index]
         return tensor
 
 
@@ -84,6 +99,7 @@ def load_checkpoint(
     *,
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
+    parallel: ParallelContext | None = None,
 ) -> DecoderModel:
     """Loads a Hugging Face Llama / Qwen2 / Mistral checkpoint folder.
 
@@ -91,6 +107,9 @@ def load_checkpoint(
         folder: Directory with ``config.json`` and safetensors weights (sharded or not).
         device: Where to put the weights (default CPU).
         dtype: Weight dtype; ``None`` keeps the checkpoint's.
+        parallel: Tensor parallelism with ``world_size > 1``: read only this rank's slices of
+            the sharded projections (see :mod:`graphtune.engine.parallel`); replicated tensors
+            are read whole.
 
     Returns:
         The model, with a tokenizer attached when ``tokenizer.json`` exists.
@@ -104,40 +123,48 @@ def load_checkpoint(
     if not config_file.exists():
         raise CheckpointError(f"{folder} has no config.json; is it a Hugging Face model folder?")
     config = from_hf_config(json.loads(config_file.read_text()), name=folder.name)
+    tp = parallel.world_size if parallel is not None else 1
+    if tp > 1:
+        from graphtune.engine.parallel import check_shardable
+
+        check_shardable(config, tp)
     source = _TensorSource(folder)
     d, inter = config.hidden_size, config.intermediate_size
+    rows = (0, parallel.rank, tp) if parallel is not None and tp > 1 else None
+    cols = (1, parallel.rank, tp) if parallel is not None and tp > 1 else None
 
-    def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        return source.get(name, shape).to(device=device, dtype=dtype)
+    def get(name: str, shape: tuple[int, ...], part: tuple[int, int, int] | None = None
+            ) -> torch.Tensor:
+        return source.get(name, shape, part).to(device=device, dtype=dtype)
 
     layers = []
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
         attn = p + "self_attn."
         wqkv = torch.cat([
-            get(attn + "q_proj.weight", (config.q_size, d)),
-            get(attn + "k_proj.weight", (config.kv_size, d)),
-            get(attn + "v_proj.weight", (config.kv_size, d)),
+            get(attn + "q_proj.weight", (config.q_size, d), rows),
+            get(attn + "k_proj.weight", (config.kv_size, d), rows),
+            get(attn + "v_proj.weight", (config.kv_size, d), rows),
         ])
         bqkv = None
         if config.attention_bias:
             bqkv = torch.cat([
-                get(attn + "q_proj.bias", (config.q_size,)),
-                get(attn + "k_proj.bias", (config.kv_size,)),
-                get(attn + "v_proj.bias", (config.kv_size,)),
+                get(attn + "q_proj.bias", (config.q_size,), rows),
+                get(attn + "k_proj.bias", (config.kv_size,), rows),
+                get(attn + "v_proj.bias", (config.kv_size,), rows),
             ])
         layers.append(
             LayerWeights(
                 attn_norm=get(p + "input_layernorm.weight", (d,)),
                 wqkv=wqkv,
                 bqkv=bqkv,
-                wo=get(attn + "o_proj.weight", (d, config.q_size)),
+                wo=get(attn + "o_proj.weight", (d, config.q_size), cols),
                 mlp_norm=get(p + "post_attention_layernorm.weight", (d,)),
                 w_gate_up=torch.cat([
-                    get(p + "mlp.gate_proj.weight", (inter, d)),
-                    get(p + "mlp.up_proj.weight", (inter, d)),
+                    get(p + "mlp.gate_proj.weight", (inter, d), rows),
+                    get(p + "mlp.up_proj.weight", (inter, d), rows),
                 ]),
-                w_down=get(p + "mlp.down_proj.weight", (d, inter)),
+                w_down=get(p + "mlp.down_proj.weight", (d, inter), cols),
             )
         )
     embed = get("model.embed_tokens.weight", (config.vocab_size, d))
@@ -154,6 +181,13 @@ def load_checkpoint(
         tokenizer=load_tokenizer(folder),
         source=str(folder),
     )
+    if rows is not None:
+        from graphtune.engine.parallel import shard_config
+
+        model.config = shard_config(config, tp)
+        model.global_config = config
+        model.parallel = parallel
+        model.source = f"{folder} [tp rank {parallel.rank}/{tp}]"
     logger.info("loaded %s (%s, %d layers) from %s", config.name, config.architecture,
                 config.num_layers, folder)
     return model
@@ -193,8 +227,8 @@ def load_model(
         parallel: Tensor parallelism: return this rank's shard (see
             :func:`graphtune.engine.parallel.shard_model`). Random weights are drawn whole on
             ``device`` with ``seed`` (so every rank, and a ``tp=1`` run, sees the same model)
-            and then sliced; a checkpoint is read on the CPU, sliced, and only the shard moves
-            to ``device``. ``None`` or ``world_size == 1``: the whole model.
+            and then sliced; from a checkpoint only this rank's slices of the sharded
+            projections are read. ``None`` or ``world_size == 1``: the whole model.
 
     Raises:
         ConfigError: ``spec`` is neither an existing folder nor a preset, or the model does not
@@ -208,10 +242,9 @@ def load_model(
             check_shardable(spec, parallel.world_size)
         elif str(spec) in PRESETS:
             check_shardable(PRESETS[str(spec)], parallel.world_size)
-        on_cpu = Path(spec).is_dir() if not isinstance(spec, ModelConfig) else False
-        whole = load_model(spec, device="cpu" if on_cpu else device, dtype=dtype, seed=seed)
-        shard = shard_model(whole, parallel)
-        return shard.to(device) if on_cpu else shard
+        if not isinstance(spec, ModelConfig) and Path(spec).is_dir():
+            return load_checkpoint(spec, device=device, dtype=dtype, parallel=parallel)
+        return shard_model(load_model(spec, device=device, dtype=dtype, seed=seed), parallel)
     if isinstance(spec, ModelConfig):
         return random_model(spec, seed=seed, device=device, dtype=dtype or torch.float32)
     path = Path(spec)

@@ -1,4 +1,4 @@
-"""TP=2 checks on two GPUs, run under torchrun by ``test_engine_tp.py`` (prints one JSON line).
+"""TP=2 checks on two GPUs, run under torchrun by ``test_tp_decode_gpu.py`` (prints one JSON line).
 
 ``NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 torchrun --standalone --nproc-per-node 2
 tests/gpu/tp_check.py``: rank 0 first decodes with the whole model (TP=1), then both ranks decode

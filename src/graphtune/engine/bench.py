@@ -367,6 +367,13 @@ def run_decode_bench(cfg: DecodeBenchConfig, log: Callable[[str], None] = logger
     report.results = results
     bandwidth = copy_bandwidth_gbps(device)
     report.copy_bandwidth_gbps = bandwidth
+    # Summed kernel time means nothing with tp > 1: an NCCL all-reduce kernel's duration includes
+    # the time it spins waiting for the other rank (seen on two H200s: 42 ms "busy" for a
+    # 1.6 ms step), so GPU-busy and graph/busy are left out rather than reported wrong.
+    measure_busy = device.type == "cuda" and cfg.tp == 1
+    if device.type == "cuda" and not measure_busy:
+        report.notes.append("GPU-busy not measured with tp > 1: NCCL kernel durations include "
+                            "waiting for the other ranks.")
 
     for args, result in zip(inputs, results, strict=True):
         b = result.batch_size
@@ -374,7 +381,7 @@ def run_decode_bench(cfg: DecodeBenchConfig, log: Callable[[str], None] = logger
             result.eager_ms = time_per_call_ms(lambda a=args: step(*a), device, cfg.steps,
                                                cfg.repeats)
             log(f"batch {b}: eager {result.eager_ms:.3f} ms/step")
-        if device.type == "cuda":
+        if measure_busy:
             result.busy_ms, result.kernels_per_step, result.top_kernels = gpu_busy_ms(
                 lambda a=args: step(*a), device)
         if bandwidth:

@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from graphtune import env
 from graphtune.engine.config import ModelConfig
@@ -39,10 +38,6 @@ from graphtune.engine.kv_cache import KVCache
 from graphtune.engine.model import (
     DecoderModel,
     LayerWeights,
-    apply_rope,
-    apply_rope_signed,
-    rms_norm,
-    swiglu,
 )
 from graphtune.engine.step import DecodeStep
 from graphtune.errors import ConfigError
@@ -212,83 +207,13 @@ class TensorParallelDecodeStep(DecodeStep):
         # partial product (beta=0 ignores x, NaN included), and the all-reduce sums them.
         self.residual_beta = 1.0 if self.parallel.rank == 0 else 0.0
 
-    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
-                 ) -> torch.Tensor:
-        """Runs one step on this rank's shard; returns the full logits ``[B, vocab]``."""
-        model, cfg = self.model, self.model.config
-        batch = tokens.shape[0]
-        heads, kv_heads, dim = cfg.num_heads, cfg.num_kv_heads, cfg.dim_per_head
-        seq = self.cache.max_seq_len
-        eps = cfg.rms_norm_eps
-        beta, reduce = self.residual_beta, self.parallel.all_reduce
+    def add_row_parallel(self, x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor) -> None:
+        """This rank's share of ``x += a @ weight.T``, then the all-reduce that completes it."""
+        self.parallel.all_reduce(x.addmm_(a, weight.t(), beta=self.residual_beta))
 
-        x = F.embedding(tokens, model.embed)
-        cos = self.cos.index_select(0, positions)[:, None, :]
-        sin = self.signed_sin.index_select(0, positions)[:, None, :]
-        mask = self.mask(positions)
-        write_rows = ((slots[:, None] * kv_heads + self.kv_head_index[None, :]) * seq
-                      + positions[:, None]).reshape(-1)
-        for index, layer in enumerate(model.layers):
-            h = rms_norm(x, layer.attn_norm, eps)
-            qkv = F.linear(h, layer.wqkv, layer.bqkv)
-            qk = apply_rope_signed(
-                qkv[:, : self.qk_size].view(batch, heads + kv_heads, dim), cos, sin
-            )
-            q, k = qk[:, :heads], qk[:, heads:]
-            v = qkv[:, self.qk_size :]
-            self.k_flat[index].index_copy_(0, write_rows, k.reshape(-1, dim))
-            self.v_flat[index].index_copy_(0, write_rows, v.reshape(-1, dim))
-            if self.contiguous_slots:
-                keys = self.cache.k_layers[index][:batch]
-                values = self.cache.v_layers[index][:batch]
-            else:
-                keys = self.cache.k_layers[index].index_select(0, slots)
-                values = self.cache.v_layers[index].index_select(0, slots)
-            attn = F.scaled_dot_product_attention(
-                q.reshape(batch, kv_heads, self.groups, dim), keys, values, attn_mask=mask
-            )
-            reduce(x.addmm_(attn.reshape(batch, heads * dim), layer.wo.t(), beta=beta))
-            h = rms_norm(x, layer.mlp_norm, eps)
-            reduce(x.addmm_(swiglu(F.linear(h, layer.w_gate_up)), layer.w_down.t(), beta=beta))
-        x = rms_norm(x, model.final_norm, eps)
-        return F.linear(x, model.lm_head)
-
-    def prefill(self, tokens: torch.Tensor, slot: int, *, all_logits: bool = False
-                ) -> torch.Tensor:
-        """:func:`~graphtune.engine.step.prefill` on this rank's shard (eager, all-reduced)."""
-        model, cfg = self.model, self.model.config
-        length = tokens.shape[0]
-        heads, kv_heads, dim = cfg.num_heads, cfg.num_kv_heads, cfg.dim_per_head
-        eps = cfg.rms_norm_eps
-        reduce = self.parallel.all_reduce
-
-        x = F.embedding(tokens, model.embed)
-        cos = self.cos[:length, None, :]
-        sin = self.sin[:length, None, :]
-        query_pos = self.key_positions[:length]
-        visible = query_pos[None, :] <= query_pos[:, None]
-        if cfg.sliding_window is not None:
-            visible = visible & (query_pos[None, :] > query_pos[:, None] - cfg.sliding_window)
-        mask = torch.where(visible, self.zero, self.neg_inf)
-        for index, layer in enumerate(model.layers):
-            h = rms_norm(x, layer.attn_norm, eps)
-            q, k, v = F.linear(h, layer.wqkv, layer.bqkv).split(self.split, dim=-1)
-            q = apply_rope(q.view(length, heads, dim), cos, sin).transpose(0, 1)
-            k = apply_rope(k.view(length, kv_heads, dim), cos, sin).transpose(0, 1)
-            v = v.view(length, kv_heads, dim).transpose(0, 1)
-            self.cache.k_layers[index][slot, :, :length].copy_(k)
-            self.cache.v_layers[index][slot, :, :length].copy_(v)
-            attn = F.scaled_dot_product_attention(
-                q, k.repeat_interleave(self.groups, dim=0),
-                v.repeat_interleave(self.groups, dim=0), attn_mask=mask,
-            )
-            x = x + reduce(F.linear(attn.transpose(0, 1).reshape(length, heads * dim),
-                                    layer.wo))
-            h = rms_norm(x, layer.mlp_norm, eps)
-            x = x + reduce(F.linear(swiglu(F.linear(h, layer.w_gate_up)), layer.w_down))
-        if not all_logits:
-            x = x[-1]
-        return F.linear(rms_norm(x, model.final_norm, eps), model.lm_head)
+    def reduce_partial(self, partial: torch.Tensor) -> torch.Tensor:
+        """Sums a row-parallel GEMM's partial output over the ranks (in place)."""
+        return self.parallel.all_reduce(partial)
 
 
 def init_from_torchrun(tp: int, device: torch.device) -> tuple[ParallelContext, torch.device]:

@@ -160,11 +160,23 @@ class DecodeStep:
             attn = F.scaled_dot_product_attention(
                 q.reshape(batch, kv_heads, self.groups, dim), keys, values, attn_mask=mask
             )
-            x.addmm_(attn.reshape(batch, heads * dim), layer.wo.t())
+            self.add_row_parallel(x, attn.reshape(batch, heads * dim), layer.wo)
             h = rms_norm(x, layer.mlp_norm, eps)
-            x.addmm_(swiglu(F.linear(h, layer.w_gate_up)), layer.w_down.t())
+            self.add_row_parallel(x, swiglu(F.linear(h, layer.w_gate_up)), layer.w_down)
         x = rms_norm(x, model.final_norm, eps)
         return F.linear(x, model.lm_head)
+
+    def add_row_parallel(self, x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor) -> None:
+        """``x += a @ weight.T`` in place: the residual add rides in the GEMM (beta = 1).
+
+        The output projections are the row-parallel GEMMs of tensor parallelism; the
+        tensor-parallel step overrides this (and :meth:`reduce_partial`) and nothing else.
+        """
+        x.addmm_(a, weight.t())
+
+    def reduce_partial(self, partial: torch.Tensor) -> torch.Tensor:
+        """Combines a row-parallel GEMM's partial output across ranks (prefill); identity here."""
+        return partial
 
     def _tuned(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
                ) -> torch.Tensor:
@@ -228,8 +240,6 @@ def prefill(
     Returns:
         ``[vocab]`` logits of the last position, or ``[L, vocab]`` with ``all_logits``.
     """
-    if step.parallel is not None:
-        return step.prefill(tokens, slot, all_logits=all_logits)
     model, cfg = step.model, step.model.config
     length = tokens.shape[0]
     heads, kv_heads, dim = cfg.num_heads, cfg.num_kv_heads, cfg.dim_per_head
@@ -258,9 +268,10 @@ def prefill(
             v.repeat_interleave(step.groups, dim=0),
             attn_mask=mask,
         )
-        x = x + F.linear(attn.transpose(0, 1).reshape(length, heads * dim), layer.wo)
+        x = x + step.reduce_partial(
+            F.linear(attn.transpose(0, 1).reshape(length, heads * dim), layer.wo))
         h = rms_norm(x, layer.mlp_norm, eps)
-        x = x + F.linear(swiglu(F.linear(h, layer.w_gate_up)), layer.w_down)
+        x = x + step.reduce_partial(F.linear(swiglu(F.linear(h, layer.w_gate_up)), layer.w_down))
     if not all_logits:
         x = x[-1]
     return F.linear(rms_norm(x, model.final_norm, eps), model.lm_head)

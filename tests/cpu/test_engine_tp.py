@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from graphtune.autotuner import AutoTuner
 from graphtune.engine import Engine, KVCache, SamplingParams, load_model, prefill
 from graphtune.engine.config import get_preset
 from graphtune.engine.parallel import (
@@ -31,32 +32,81 @@ WORLD = 2
 PROMPTS = [[1, 5, 9, 200, 17], [3, 4], [7, 8, 9, 10, 11, 12, 13], [42]]
 
 
-def _compare(preset: str, parallel: ParallelContext) -> dict[str, Any]:
-    """Prefill + decode steps and Engine.generate at TP=1 and TP=2 on this rank."""
-    full = load_model(preset, seed=3)
-    shard = load_model(preset, seed=3, parallel=parallel)
-    out: dict[str, Any] = {"kv_heads": shard.config.num_kv_heads}
-    steps = []
-    for model in (full, shard):
-        cache = KVCache(model.config, 2, 32, dtype=torch.float32)
-        cls = DecodeStep if model.parallel is None else TensorParallelDecodeStep
-        steps.append(cls(model, cache, contiguous_slots=True))
-    out["kv_cache_shape"] = tuple(steps[1].cache.k.shape)
+class StagedAllReduce:
+    """An all-reduce that wants its input in its own buffer, like the symmetric-memory one (gloo
+    underneath), so the steps' staging branches run on the CPU too."""
+
+    name = "staged"
+
+    def __init__(self, rows: int, hidden: int) -> None:
+        self.buffer = torch.full((rows, hidden), float("nan"))  # stale data must not leak
+        self.staged = 0
+
+    def staging(self, rows: int) -> torch.Tensor | None:
+        return self.buffer[:rows] if rows <= self.buffer.shape[0] else None
+
+    def reduce(self, partial: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        import torch.distributed as dist
+
+        self.staged += partial.data_ptr() == self.buffer.data_ptr()
+        dist.all_reduce(partial)
+        if out is None or out is partial:
+            return partial.clone() if partial.data_ptr() == self.buffer.data_ptr() else partial
+        return out.copy_(partial)
+
+
+def _step_diffs(steps: list[DecodeStep]) -> tuple[float, float]:
+    """Max |logit difference| of steps[1:] against steps[0] over prefill and 4 decode steps
+    (each step with a fresh cache)."""
     prefill_diff, decode_diff = 0.0, 0.0
     with torch.inference_mode():
         for slot, prompt in enumerate(PROMPTS[:2]):
             tokens = torch.tensor(prompt)
-            want, got = (prefill(s, tokens, slot, all_logits=True) for s in steps)
-            prefill_diff = max(prefill_diff, (want - got).abs().max().item())
+            want, *got = (prefill(s, tokens, slot, all_logits=True) for s in steps)
+            prefill_diff = max([prefill_diff] + [(want - g).abs().max().item() for g in got])
         tokens = torch.tensor([PROMPTS[0][-1], PROMPTS[1][-1]])
         positions = torch.tensor([len(PROMPTS[0]), len(PROMPTS[1])])
         slots = torch.arange(2)
         for _ in range(4):
             want = steps[0](tokens, positions, slots).clone()
-            got = steps[1](tokens, positions, slots).clone()
-            decode_diff = max(decode_diff, (want - got).abs().max().item())
+            for step in steps[1:]:
+                got = step(tokens, positions, slots)
+                decode_diff = max(decode_diff, (want - got).abs().max().item())
             tokens, positions = want.argmax(-1), positions + 1
-    out["prefill_diff"], out["decode_diff"] = prefill_diff, decode_diff
+    return prefill_diff, decode_diff
+
+
+def _compare(preset: str, parallel: ParallelContext) -> dict[str, Any]:
+    """Prefill + decode steps and Engine.generate at TP=1 and TP=2 on this rank."""
+    full = load_model(preset, seed=3)
+    shard = load_model(preset, seed=3, parallel=parallel)
+    out: dict[str, Any] = {"kv_heads": shard.config.num_kv_heads}
+    steps: list[DecodeStep] = []
+    for model in (full, shard):
+        cache = KVCache(model.config, 2, 32, dtype=torch.float32)
+        cls = DecodeStep if model.parallel is None else TensorParallelDecodeStep
+        steps.append(cls(model, cache, contiguous_slots=True))
+    out["kv_cache_shape"] = tuple(steps[1].cache.k.shape)
+    out["reducer"] = steps[1].reducer.name
+    staged = StagedAllReduce(2, shard.config.hidden_size)
+    steps.append(TensorParallelDecodeStep(shard, KVCache(shard.config, 2, 32), reducer=staged,
+                                          contiguous_slots=True))
+    out["prefill_diff"], out["decode_diff"] = _step_diffs(steps)
+    out["staged_reduces"] = staged.staged
+    # The tuned step: the shard tunes its own shapes with 'agree' (the Engine's default for a
+    # shard), through both reducers; it must match the untuned whole model.
+    engine = Engine(shard, runner="eager", max_batch_size=2, max_seq_len=32, tune=True)
+    tuner = engine.tuner
+    out["tuned_by"] = sorted({str(e.tuned_by) for _, e in tuner.cache.items()})
+    out["tuned_picks"] = sorted(
+        f"{k.op}|{k.shapes}|{e.runner_id}|{e.tactic}" for k, e in tuner.cache.items())
+    staged_tuned = StagedAllReduce(2, shard.config.hidden_size)
+    tuned = [TensorParallelDecodeStep(shard, KVCache(shard.config, 2, 32), tuner=tuner,
+                                      reducer=reducer, contiguous_slots=True)
+             for reducer in (None, staged_tuned)]
+    whole = DecodeStep(full, KVCache(full.config, 2, 32), contiguous_slots=True)
+    _, out["tuned_decode_diff"] = _step_diffs([whole, *tuned])
+    out["tuned_staged_reduces"] = staged_tuned.staged
     # Engine: 4 prompts through 2 slots (requests queue, retire and move slots), graph runner
     # (eager fallback on CPU) for TP=2, eager for TP=1.
     tokens_by_tp = []
@@ -124,6 +174,17 @@ def test_tp2_matches_tp1(tp_results: dict[int, Any], preset: str) -> None:
         assert r["decode_diff"] < 1e-4, r["decode_diff"]
         assert r["greedy_tp2"] == r["greedy_tp1"]
         assert [len(t) for t in r["greedy_tp2"]] == [6, 3, 8, 5]
+        assert r["reducer"] == "nccl"  # gloo on CPU: no symmetric memory
+        # Two staged reduces per layer and decode step; prefill rows (5 and 2 tokens) are
+        # staged only when they fit the 2-row buffer.
+        layers = get_preset(preset).num_layers
+        assert r["staged_reduces"] >= 2 * layers * 4, r["staged_reduces"]
+        assert r["tuned_decode_diff"] < 1e-4, r["tuned_decode_diff"]
+        assert r["tuned_staged_reduces"] == 2 * layers * 4
+        assert r["tuned_by"] and all("agree" in t for t in r["tuned_by"]), r["tuned_by"]
+    # Every rank holds the same picks (tuned with 'agree').
+    assert tp_results[0][preset]["tuned_picks"] == tp_results[1][preset]["tuned_picks"]
+    assert tp_results[0][preset]["tuned_picks"]
     # Replicated logits: both ranks sample the same tokens.
     assert tp_results[0][preset]["sampled"] == tp_results[1][preset]["sampled"]
 
@@ -167,10 +228,11 @@ def test_shard_layout_and_misuse() -> None:
     cache = KVCache(shard.config, 1, 16)
     with pytest.raises(ConfigError, match="TensorParallelDecodeStep"):
         DecodeStep(shard, cache)
-    with pytest.raises(ConfigError, match="tensor parallelism"):
-        TensorParallelDecodeStep(shard, cache, tuner=object())
-    with pytest.raises(ConfigError, match="tensor parallelism"):
-        Engine(shard, runner="eager", max_batch_size=1, max_seq_len=16, tuner=object())
+    with pytest.raises(ConfigError, match="rank-consistent"):
+        Engine(shard, runner="eager", max_batch_size=1, max_seq_len=16, tune=True,
+               tuner=AutoTuner())
+    with pytest.raises(ConfigError, match="all_reduce_backend"):
+        ParallelContext(None, 0, 2, all_reduce_backend="mpi")
     with pytest.raises(ConfigError, match="sharded model"):
         TensorParallelDecodeStep(full, KVCache(cfg, 1, 16))
 
@@ -206,8 +268,30 @@ def test_cli_tp_without_torchrun_is_a_clear_error(monkeypatch: pytest.MonkeyPatc
                  "--tp", "2"]) == 2
     assert "torchrun --nproc-per-node 2" in capsys.readouterr().err
     assert main(["bench", "decode", "--model", "tiny", "--device", "cpu", "--tp", "2",
-                 "--tune"]) == 2
+                 "--compare-compile"]) == 2
     assert "not supported with --tp" in capsys.readouterr().err
+
+
+def test_cli_bench_decode_tp2_tune_agrees_on_every_pick(tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "tp2.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "graphtune", "bench", "decode", "--model", "tiny", "--device", "cpu", "--tp", "2",
+         "--tune", "--batch-sizes", "1,2", "--context", "8", "--steps", "2", "--repeats", "1",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["tuning_rank_agreement"] == 1.0
+    assert data["tuning_profiles"] > 0
+    assert data["model"]["all_reduce"] == "nccl"  # gloo on CPU
+    for result in data["results"]:
+        assert result["tuned_max_abs_diff"] < 1e-3, result  # float32 on the CPU
 
 
 def test_checkpoint_folder_shards_like_the_whole_model(tmp_path: Path) -> None:

@@ -2,7 +2,8 @@
 
 ``NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 torchrun --standalone --nproc-per-node 2
 tests/gpu/tp_check.py``: rank 0 first decodes with the whole model (TP=1), then both ranks decode
-with their shards through captured graphs (NCCL all-reduces inside every graph) and eagerly.
+with their shards through captured graphs (the all-reduces inside every graph: symmetric-memory
+one-shot when available, and NCCL) and eagerly, and with the tuned step (tuned with ``agree``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from graphtune.engine import Engine, load_model
-from graphtune.engine.parallel import init_from_torchrun
+from graphtune.engine.parallel import ParallelContext, init_from_torchrun
 
 SIZES = [1, 2, 4, 8]
 
@@ -53,7 +54,37 @@ def main() -> None:
         gathered = [None, None]
         dist.all_gather_object(gathered, out["tp2_graph"])
         out["ranks_agree"] = gathered[0] == gathered[1]
+        out["all_reduce"] = graph.step_fn.reducer.name
         graph.release()
+        # The same decode with NCCL all-reduces in the graphs.
+        nccl = ParallelContext(parallel.group, parallel.rank, parallel.world_size, "nccl")
+        shard_nccl = load_model(model, device=device, dtype=torch.float32, seed=0,
+                                parallel=nccl)
+        engine = Engine(shard_nccl, runner="graph", max_batch_size=8, max_seq_len=64,
+                        capture_sizes=SIZES)
+        out["tp2_graph_nccl"] = engine.generate(prompts, 12, stop_token_ids=[])
+        engine.release()
+        # The tuned step (tuned with 'agree' over the group), captured.
+        tuned = Engine(shard, runner="graph", max_batch_size=8, max_seq_len=64,
+                       capture_sizes=SIZES, tune=True)
+        picks = sorted(f"{k.op}|{k.shapes}|{e.runner_id}|{e.tactic}"
+                       for k, e in tuned.tuner.cache.items())
+        views = [None, None]
+        dist.all_gather_object(views, picks)
+        out["tuned_picks_agree"] = views[0] == views[1]
+        out["tuned_picks"] = len(picks)
+        tuned_diffs = {}
+        for b in SIZES:
+            args = (torch.full((b,), 11, device=device, dtype=torch.long),
+                    torch.zeros(b, device=device, dtype=torch.long),
+                    torch.arange(b, device=device))
+            want = eager.step(*args).clone()
+            got = tuned.step(*args).clone()
+            tuned_diffs[b] = (got - want).abs().max().item()
+        out["tuned_vs_eager_max_abs"] = tuned_diffs
+        out["tuned_fallbacks"] = dict(tuned.tuning_stats.fallbacks)
+        out["tuned_tokens"] = tuned.generate(prompts, 12, stop_token_ids=[])
+        tuned.release()
     if parallel.rank == 0:
         print(json.dumps(out))
     dist.destroy_process_group()

@@ -64,6 +64,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "graphtune bench decode --tp N ...' (NCCL on CUDA with "
                         "NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1, gloo on CPU); "
                         "only rank 0 prints and writes files")
+    decode.add_argument("--all-reduce", choices=("auto", "nccl", "symm_mem"), default="auto",
+                        help="with --tp: the decode step's all-reduce (auto: symmetric-memory "
+                        "one-shot when every GPU can use it, else NCCL)")
     decode.set_defaults(handler=run_bench_decode)
     bench.set_defaults(handler=lambda args: _usage(bench))
 
@@ -91,12 +94,12 @@ def run_bench_decode(args: argparse.Namespace) -> int:
         if args.tp < 1:
             raise ConfigError(f"--tp must be >= 1, got {args.tp}")
         if args.tp > 1:
-            if args.tune or args.compare_compile:
-                raise ConfigError("--tune and --compare-compile are not supported with --tp > 1 "
-                                  "yet; drop them to time the tensor-parallel step")
+            if args.compare_compile:
+                raise ConfigError("--compare-compile is not supported with --tp > 1; drop it to "
+                                  "time the tensor-parallel step")
             from graphtune.engine.parallel import init_from_torchrun
 
-            parallel, device = init_from_torchrun(args.tp, device)
+            parallel, device = init_from_torchrun(args.tp, device, args.all_reduce)
         # Every rank runs the same benchmark (same collectives, same order); rank 0 reports.
         show = parallel is None or parallel.rank == 0
         model = args.model or ("llama-1b-shape" if device.type == "cuda" else "tiny")
@@ -139,6 +142,10 @@ def run_bench_decode(args: argparse.Namespace) -> int:
                    "results": [{k: v for k, v in r.items()
                                 if k not in ("top_kernels", "tuned_top_kernels")}
                                for r in data["results"]]}
+        if report.model.get("all_reduce"):
+            summary["all_reduce"] = report.model["all_reduce"]
+        if report.tuning_rank_agreement is not None:
+            summary["tuning_rank_agreement"] = report.tuning_rank_agreement
         if report.tuning_seconds is not None:
             summary["tuning_seconds"] = report.tuning_seconds
             summary["tuning_fallbacks"] = report.tuning_fallbacks

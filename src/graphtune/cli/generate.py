@@ -45,6 +45,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "-m graphtune generate ...' (NCCL on CUDA, gloo on CPU; set "
                         "NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 on GPUs). "
                         "Only rank 0 prints.")
+    parser.add_argument("--all-reduce", choices=("auto", "nccl", "symm_mem"), default="auto",
+                        help="with --tp: the decode step's all-reduce (auto: symmetric-memory "
+                        "one-shot when every GPU can use it, else NCCL)")
     parser.set_defaults(handler=run_generate)
 
 
@@ -69,7 +72,7 @@ def run_generate(args: argparse.Namespace) -> int:
         if args.tp > 1:
             from graphtune.engine.parallel import init_from_torchrun
 
-            parallel, device = init_from_torchrun(args.tp, device)
+            parallel, device = init_from_torchrun(args.tp, device, args.all_reduce)
         show = parallel is None or parallel.rank == 0
         if args.runner == "graph" and device.type != "cuda" and show:
             print("note: CUDA graphs need CUDA; the graph runner falls back to eager here",

@@ -14,6 +14,7 @@ GPU-busy time, top kernels and its ratios to the untuned step and to the bytes f
 
 from __future__ import annotations
 
+import json
 import logging
 import statistics
 import time
@@ -53,7 +54,9 @@ class DecodeBenchConfig:
         tune: Also tune the step's ops and time the tuned step beside the untuned one.
         tuning_cache: Tuning cache file for ``tune`` (loaded when present, saved after).
         tp: Tensor-parallel degree (``run_decode_bench`` then needs a matching ``parallel``
-            context; every rank runs the same benchmark and times its own shard).
+            context; every rank runs the same benchmark and times its own shard). With ``tune``
+            the ranks tune with the ``agree`` strategy and the report says whether every rank
+            holds the same picks.
     """
 
     model: str = "llama-1b-shape"
@@ -73,9 +76,9 @@ class DecodeBenchConfig:
     def __post_init__(self) -> None:
         if self.tp < 1:
             raise ConfigError(f"tp must be >= 1, got {self.tp}")
-        if self.tp > 1 and (self.tune or self.compare_compile):
-            raise ConfigError("--tune and --compare-compile are not supported with --tp > 1 yet; "
-                              "drop them to time the untuned tensor-parallel step")
+        if self.tp > 1 and self.compare_compile:
+            raise ConfigError("--compare-compile is not supported with --tp > 1; drop it to time "
+                              "the tensor-parallel step")
         if not self.batch_sizes or min(self.batch_sizes) <= 0:
             raise ConfigError(f"batch sizes must be positive, got {self.batch_sizes}")
         if self.context < 0 or self.steps <= 0 or self.repeats <= 0:
@@ -132,6 +135,7 @@ class DecodeBenchReport:
     tuning_profiles: int | None = None
     tuning_fallbacks: dict[str, int] | None = None
     tuning_picks: list[list[Any]] | None = None
+    tuning_rank_agreement: float | None = None
     tuned_capture_seconds: float | None = None
 
     def to_json(self) -> dict[str, Any]:
@@ -348,6 +352,7 @@ def run_decode_bench(cfg: DecodeBenchConfig, log: Callable[[str], None] = logger
         from graphtune.engine.parallel import TensorParallelDecodeStep
 
         step = TensorParallelDecodeStep(model, cache, contiguous_slots=True)
+        notes.append(f"tensor-parallel all-reduce: {step.reducer.name}")
     inputs = []
     for b in sizes:
         tokens = torch.randint(0, mcfg.vocab_size, (b,), generator=gen, device=device)
@@ -359,7 +364,8 @@ def run_decode_bench(cfg: DecodeBenchConfig, log: Callable[[str], None] = logger
         model={"name": mcfg.name, "source": model.source,
                "parameters": (model.global_config or mcfg).num_parameters(),
                "weight_bytes": model.weight_bytes(), "kv_bytes_per_token": cache.bytes_per_token(),
-               "config": asdict(model.global_config or mcfg), "tp": cfg.tp},
+               "config": asdict(model.global_config or mcfg), "tp": cfg.tp,
+               "all_reduce": getattr(getattr(step, "reducer", None), "name", None)},
         provenance=provenance(device),
         notes=notes,
     )
@@ -412,10 +418,14 @@ def _time_tuned(step: DecodeStep, cache: KVCache, inputs: list, results: list[Ba
                 sizes: list[int], device: torch.device, dtype: torch.dtype,
                 cfg: DecodeBenchConfig, runners: tuple[str, ...], report: DecodeBenchReport,
                 log: Callable[[str], None], tuner: Any) -> None:
-    from graphtune.autotuner import AutoTuner, autotune
+    from graphtune.autotuner import AutoTuner, DistributedTuning, autotune
     from graphtune.ops.tuning import ALL_GROUPS, OpDims, tune_ops
 
-    tuner = tuner if tuner is not None else AutoTuner()
+    parallel = step.parallel
+    if tuner is None:
+        # Shards must run the same kernels: time everything on every rank, slowest rank counts.
+        tuner = (AutoTuner() if parallel is None
+                 else AutoTuner(distributed=DistributedTuning("agree", parallel.group)))
     log(f"tuning the step's ops for batch buckets up to {sizes[-1]}"
         + (f" (cache {cfg.tuning_cache})" if cfg.tuning_cache else ""))
     with autotune(cfg.tuning_cache, tuner):
@@ -430,7 +440,15 @@ def _time_tuned(step: DecodeStep, cache: KVCache, inputs: list, results: list[Ba
     report.tuning_picks = [list(row) for row in tuned_report.rows]
     log(f"tuned {len(tuned_report.rows)} (op, bucket) profiles in {tuned_report.seconds:.1f} s "
         f"({tuned_report.compile_seconds:.1f} s compiling)")
-    tuned = DecodeStep(step.model, cache, contiguous_slots=True, tuner=tuner)
+    if parallel is not None:
+        report.tuning_rank_agreement = _rank_agreement(tuner, parallel)
+        log(f"tuned picks identical on every rank: {100 * report.tuning_rank_agreement:.1f}%")
+        from graphtune.engine.parallel import TensorParallelDecodeStep
+
+        tuned: DecodeStep = TensorParallelDecodeStep(step.model, cache, contiguous_slots=True,
+                                                     tuner=tuner, reducer=step.reducer)
+    else:
+        tuned = DecodeStep(step.model, cache, contiguous_slots=True, tuner=tuner)
     for args, result in zip(inputs, results, strict=True):
         want = step(*args).float()
         got = tuned(*args).float()
@@ -463,6 +481,21 @@ def _time_tuned(step: DecodeStep, cache: KVCache, inputs: list, results: list[Ba
     if tuner.stats.fallbacks:
         report.notes.append(f"tuned step: untuned shapes ran the torch fallback "
                             f"{dict(tuner.stats.fallbacks)}")
+
+
+def _rank_agreement(tuner: Any, parallel: Any) -> float:
+    """Share of this rank's cache keys whose pick equals the pick of every other rank."""
+    import torch.distributed as dist
+
+    picks = {json.dumps(key.to_json(), sort_keys=True, default=str):
+             json.dumps([entry.runner_id, entry.tactic], default=str)
+             for key, entry in tuner.cache.items()}
+    views: list[Any] = [None] * parallel.world_size
+    dist.all_gather_object(views, picks, group=parallel.group)
+    if not picks:
+        return 1.0
+    same = sum(all(view.get(key) == pick for view in views) for key, pick in picks.items())
+    return same / len(picks)
 
 
 def _capture(step: DecodeStep, cache: KVCache, sizes: list[int], device: torch.device,

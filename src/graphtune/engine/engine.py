@@ -98,9 +98,13 @@ class Engine:
     batch is replicated across ranks (every rank holds every request; only weights and KV heads
     are split), so every rank pads to the same graph size and reaches every all-reduce; the
     engine builds :class:`~graphtune.engine.parallel.TensorParallelDecodeStep` for such a model.
+    With ``tune=True`` a shard tunes its own (sharded) op shapes with the ``agree`` strategy
+    over the model's group (every rank times every candidate, the slowest rank's time counts),
+    so all ranks run the same kernels; a given ``tuner`` must have a collective strategy.
 
     Raises:
-        ConfigError: Unknown runner, sizes out of range, or tuning asked for a sharded model.
+        ConfigError: Unknown runner, sizes out of range, or ``tune=True`` on a shard with a tuner
+            that is not rank-consistent.
     """
 
     def __init__(
@@ -125,11 +129,6 @@ class Engine:
             raise ConfigError(f"max_batch_size must be > 0, got {max_batch_size}")
         if max_seq_len <= 1:
             raise ConfigError(f"max_seq_len must be > 1, got {max_seq_len}")
-        if model.parallel is not None and (tune or tuning_cache is not None or tuner is not None):
-            raise ConfigError(
-                "tuning (tune, tuning_cache, tuner) is not supported with tensor parallelism yet; "
-                "build the tp>1 Engine without them (the untuned torch decode step)"
-            )
         target_device = torch.device(device) if device is not None else model.device
         target_dtype = dtype or model.dtype
         if model.device != target_device or model.dtype != target_dtype:
@@ -150,7 +149,8 @@ class Engine:
         else:
             from graphtune.engine.parallel import TensorParallelDecodeStep
 
-            self.step_fn = TensorParallelDecodeStep(model, self.cache, contiguous_slots=True)
+            self.step_fn = TensorParallelDecodeStep(model, self.cache, contiguous_slots=True,
+                                                    tuner=self.tuner)
         self.runner_kind = runner
         self.strict_numerics = strict_numerics
         self.failures: list[RequestFailure] = []
@@ -158,10 +158,23 @@ class Engine:
 
     def _prepare_tuner(self, tune: bool, cache_path: str | PathLike[str] | None, tuner: Any,
                        dtype: torch.dtype) -> Any:
-        from graphtune.autotuner import AutoTuner, autotune
+        from graphtune.autotuner import AutoTuner, DistributedTuning, autotune
         from graphtune.ops.tuning import ALL_GROUPS, OpDims, tune_ops
 
-        tuner = tuner if tuner is not None else AutoTuner()
+        parallel = self.model.parallel
+        if tuner is None:
+            # Tensor-parallel ranks must run identical kernels for the replicated ops (norms,
+            # LM head), or their logits, and then their tokens, could drift apart.
+            agree = DistributedTuning("agree", parallel.group) if parallel is not None else None
+            tuner = AutoTuner(distributed=agree)
+        elif tune and parallel is not None and not (
+            tuner.distributed is not None and tuner.distributed.collective
+        ):
+            raise ConfigError(
+                "tune=True on a tensor-parallel shard needs a rank-consistent tuner: "
+                "AutoTuner(distributed=DistributedTuning('agree', group)) (or 'parallel' / "
+                "'broadcast'), or leave tuner=None and the engine uses 'agree'"
+            )
         if not tune:
             if cache_path is not None:
                 tuner.cache.load(cache_path)

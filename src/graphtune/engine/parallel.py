@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from graphtune import env
+from graphtune.engine.collectives import BACKENDS, AllReduce, make_all_reduce
 from graphtune.engine.config import ModelConfig
 from graphtune.engine.kv_cache import KVCache
 from graphtune.engine.model import (
@@ -54,16 +55,26 @@ class ParallelContext:
             default group). Every rank of the group holds one shard of the model.
         rank: This process's rank in ``group``.
         world_size: Ranks in ``group`` (the tensor-parallel degree).
+        all_reduce_backend: The decode step's all-reduce: ``"auto"`` (symmetric-memory one-shot
+            when every rank can use it, else NCCL), ``"nccl"`` or ``"symm_mem"`` (see
+            :mod:`graphtune.engine.collectives`).
 
     Raises:
-        ConfigError: ``world_size < 1`` or ``rank`` outside ``[0, world_size)``.
+        ConfigError: ``world_size < 1``, ``rank`` outside ``[0, world_size)`` or an unknown
+            ``all_reduce``.
     """
 
     group: Any
     rank: int
     world_size: int
+    all_reduce_backend: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.all_reduce_backend not in BACKENDS:
+            raise ConfigError(
+                f"ParallelContext.all_reduce_backend={self.all_reduce_backend!r} is not one of "
+                f"{', '.join(BACKENDS)}"
+            )
         if self.world_size < 1:
             raise ConfigError(f"ParallelContext.world_size must be >= 1, got {self.world_size}")
         if not 0 <= self.rank < self.world_size:
@@ -72,7 +83,7 @@ class ParallelContext:
             )
 
     @classmethod
-    def from_group(cls, group: Any = None) -> ParallelContext:
+    def from_group(cls, group: Any = None, all_reduce_backend: str = "auto") -> ParallelContext:
         """The context of this process in an initialised ``group`` (default: the world group)."""
         import torch.distributed as dist
 
@@ -81,7 +92,7 @@ class ParallelContext:
                 "torch.distributed is not initialised; call init_process_group first (or launch "
                 "the CLI with torchrun and --tp N)"
             )
-        return cls(group, dist.get_rank(group), dist.get_world_size(group))
+        return cls(group, dist.get_rank(group), dist.get_world_size(group), all_reduce_backend)
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sums ``tensor`` over the group in place and returns it."""
@@ -183,49 +194,71 @@ class TensorParallelDecodeStep(DecodeStep):
         model: A sharded model (``model.parallel`` set, see :func:`shard_model`).
         cache: This rank's KV cache (built from ``model.config``: only this rank's KV heads).
         contiguous_slots: As for :class:`DecodeStep`.
-        tuner: Must be ``None``: the tuned step is not tensor-parallel yet.
+        tuner: As for :class:`DecodeStep`; tune with the sharded dimensions
+            (``OpDims.from_model_config(model.config)``) and a rank-consistent strategy
+            (``agree``, ``parallel`` or ``broadcast``) so every rank runs the same kernels.
+        reducer: The all-reduce (see :mod:`graphtune.engine.collectives`); ``None`` builds the
+            one ``model.parallel.all_reduce_backend`` names (a collective: every rank builds its
+            step at the same point).
 
     Raises:
-        ConfigError: The model is not sharded, or a tuner was given.
+        ConfigError: The model is not sharded.
     """
 
     tensor_parallel = True
 
     def __init__(self, model: DecoderModel, cache: KVCache, *, contiguous_slots: bool = False,
-                 tuner: Any = None) -> None:
+                 tuner: Any = None, reducer: AllReduce | None = None) -> None:
         if model.parallel is None:
             raise ConfigError("TensorParallelDecodeStep needs a sharded model (load_model(..., "
                               "parallel=ParallelContext(...)) or shard_model)")
-        if tuner is not None:
-            raise ConfigError(
-                "the tuned decode step does not support tensor parallelism yet; build the "
-                "tp>1 engine without tune/tuning_cache/tuner (the untuned torch step)"
-            )
-        super().__init__(model, cache, contiguous_slots=contiguous_slots)
+        super().__init__(model, cache, contiguous_slots=contiguous_slots, tuner=tuner)
         self.parallel: ParallelContext = model.parallel
+        if reducer is None:
+            reducer = make_all_reduce(
+                self.parallel, max_rows=cache.max_batch_size, hidden=model.config.hidden_size,
+                dtype=model.dtype, device=model.device,
+            )
+        self.reducer: AllReduce = reducer
         # Rank 0 keeps the residual in the row-parallel GEMMs; the others overwrite x with their
         # partial product (beta=0 ignores x, NaN included), and the all-reduce sums them.
         self.residual_beta = 1.0 if self.parallel.rank == 0 else 0.0
 
     def add_row_parallel(self, x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor) -> None:
         """This rank's share of ``x += a @ weight.T``, then the all-reduce that completes it."""
-        self.parallel.all_reduce(x.addmm_(a, weight.t(), beta=self.residual_beta))
+        staged = self.reducer.staging(x.shape[0])
+        if staged is None:
+            self.reducer.reduce(x.addmm_(a, weight.t(), beta=self.residual_beta))
+        else:
+            partial = torch.addmm(x, a, weight.t(), beta=self.residual_beta, out=staged)
+            self.reducer.reduce(partial, out=x)
 
     def reduce_partial(self, partial: torch.Tensor) -> torch.Tensor:
         """Sums a row-parallel GEMM's partial output over the ranks (in place)."""
-        return self.parallel.all_reduce(partial)
+        return self.reducer.reduce(partial)
+
+    def row_parallel_output(self, a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The tuned GEMM of this rank's slice, written where the all-reduce wants it, summed."""
+        from graphtune.ops import gemm
+
+        staged = self.reducer.staging(a.shape[0])
+        partial = gemm(a, weight, out=staged, tuner=self.tuner, max_m=self.max_m)
+        return self.reducer.reduce(partial)
 
 
-def init_from_torchrun(tp: int, device: torch.device) -> tuple[ParallelContext, torch.device]:
+def init_from_torchrun(tp: int, device: torch.device, all_reduce_backend: str = "auto"
+                       ) -> tuple[ParallelContext, torch.device]:
     """Initialises the default process group from torchrun's environment for ``--tp tp``.
 
-    The backend is NCCL on CUDA (the CUDA device is set from ``LOCAL_RANK`` first, so NCCL binds
-    the right GPU) and gloo otherwise. Launch GPU runs with NVLink multicast off
+    On CUDA the group has NCCL for CUDA tensors and gloo for CPU tensors (``cpu:gloo,cuda:nccl``;
+    the CUDA device is set from ``LOCAL_RANK`` first, so NCCL binds the right GPU); gloo alone
+    otherwise. Launch GPU runs with NVLink multicast off
     (``NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1``).
 
     Args:
         tp: Requested tensor-parallel degree; must equal torchrun's ``WORLD_SIZE``.
         device: The resolved device (``cuda`` is replaced by ``cuda:LOCAL_RANK``).
+        all_reduce_backend: Passed to :class:`ParallelContext`.
 
     Returns:
         The context over the world group and the device this rank runs on.
@@ -249,14 +282,14 @@ def init_from_torchrun(tp: int, device: torch.device) -> tuple[ParallelContext, 
     if device.type == "cuda":
         device = torch.device("cuda", env.torchrun_local_rank() or 0)
         torch.cuda.set_device(device)
-        backend = "nccl"
+        backend = "cpu:gloo,cuda:nccl"
     else:
         backend = "gloo"
     if not dist.is_initialized():
-        kwargs: dict[str, Any] = {"device_id": device} if backend == "nccl" else {}
+        kwargs: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
         dist.init_process_group(backend, rank=rank, world_size=world, **kwargs)
     logger.info("rank %d/%d: %s process group on %s", rank, world, backend, device)
-    return ParallelContext(dist.group.WORLD, rank, world), device
+    return ParallelContext(dist.group.WORLD, rank, world, all_reduce_backend), device
 
 
 def destroy() -> None:

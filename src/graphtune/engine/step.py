@@ -178,9 +178,25 @@ class DecodeStep:
         """Combines a row-parallel GEMM's partial output across ranks (prefill); identity here."""
         return partial
 
+    def row_parallel_output(self, a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``a @ weight.T`` through the tuner's GEMM pick (the tuned step's output projections).
+
+        The tensor-parallel step overrides this to write its partial product where its
+        all-reduce wants it and return the sum over the ranks.
+        """
+        from graphtune.ops import gemm
+
+        return gemm(a, weight, tuner=self.tuner, max_m=self.max_m)
+
     def _tuned(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
                ) -> torch.Tensor:
-        """The step through :mod:`graphtune.ops` with the tuner's picks (same math as above)."""
+        """The step through :mod:`graphtune.ops` with the tuner's picks (same math as above).
+
+        The residual adds ride in the fused add + RMSNorm kernels that follow each output
+        projection (the projection's result is the ``delta`` the next norm adds), so a
+        tensor-parallel step can all-reduce the projection alone and still launch no extra
+        kernel.
+        """
         from graphtune.ops import attention as attention_op
         from graphtune.ops import fused_add_rms_norm, gemm, rope_kv_cache, silu_and_mul
 
@@ -191,13 +207,20 @@ class DecodeStep:
         seq = self.cache.max_seq_len
         eps = cfg.rms_norm_eps
 
+        def add_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+            if delta is None:
+                return fused_add_rms_norm(x, weight, eps, tuner=tuner, max_m=max_m)
+            return fused_add_rms_norm(delta, weight, eps, x, tuner=tuner, max_m=max_m)
+
         x = F.embedding(tokens, model.embed)
         mask = self.mask(positions)
         write_rows = ((slots[:, None] * kv_heads + self.kv_head_index[None, :]) * seq
                       + positions[:, None]).reshape(-1)
         attend = None  # (runner, tactic) of decode attention, chosen once per step
+        delta: torch.Tensor | None = None  # last output projection, added by the next norm
         for index, layer in enumerate(model.layers):
-            h, _ = fused_add_rms_norm(x, layer.attn_norm, eps, tuner=tuner, max_m=max_m)
+            h, x = add_norm(x, delta, layer.attn_norm)
             qkv = gemm(h, layer.wqkv, layer.bqkv, tuner=tuner, max_m=max_m)
             q = rope_kv_cache(
                 qkv, positions, self.cos, self.signed_sin, self.k_flat[index],
@@ -216,14 +239,13 @@ class DecodeStep:
                 attend = tuner.choose_one(attention_op.OP_NAME, attention_op.RUNNERS,
                                           self._attention_config, inputs)
             attn = attend[0].forward(inputs, attend[1])
-            gemm(attn.reshape(batch, heads * dim), layer.wo, None, x, inplace=True,
-                 tuner=tuner, max_m=max_m)
-            h, _ = fused_add_rms_norm(x, layer.mlp_norm, eps, tuner=tuner, max_m=max_m)
+            delta = self.row_parallel_output(attn.reshape(batch, heads * dim), layer.wo)
+            h, x = add_norm(x, delta, layer.mlp_norm)
             act = silu_and_mul(gemm(h, layer.w_gate_up, tuner=tuner, max_m=max_m),
                                tuner=tuner, max_m=max_m)
-            gemm(act, layer.w_down, None, x, inplace=True, tuner=tuner, max_m=max_m)
-        x, _ = fused_add_rms_norm(x, model.final_norm, eps, tuner=tuner, max_m=max_m)
-        return gemm(x, model.lm_head, tuner=tuner, max_m=max_m)
+            delta = self.row_parallel_output(act, layer.w_down)
+        h, _ = add_norm(x, delta, model.final_norm)
+        return gemm(h, model.lm_head, tuner=tuner, max_m=max_m)
 
 
 def prefill(

@@ -171,8 +171,9 @@ _Inputs = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None", "torch.Tensor
 
 
 def _check_inputs(inputs: list[Any]) -> _Inputs:
-    """Unpacks ``[a, weight, bias, residual, inplace]`` and checks the shapes."""
-    a, weight, bias, residual, inplace = inputs
+    """Unpacks ``[a, weight, bias, residual, inplace]`` and checks the shapes (an optional sixth
+    element, the output tensor, is read by :func:`_out_of`)."""
+    a, weight, bias, residual, inplace = inputs[:5]
     if a.dim() != 2 or weight.dim() != 2 or a.shape[1] != weight.shape[1]:
         raise InputError(
             f"GEMM needs a [M, K] and weight [N, K] with the same K, got a {tuple(a.shape)} and "
@@ -188,9 +189,26 @@ def _check_inputs(inputs: list[Any]) -> _Inputs:
     return a, weight, bias, residual, bool(inplace)
 
 
+def _out_of(inputs: list[Any]) -> torch.Tensor | None:
+    """The caller's output tensor (``gemm(..., out=)``), passed to ``forward`` as a sixth input.
+
+    It is not part of the inputs the tuner sees: where the result goes does not change which
+    kernel is fastest, so it stays out of the cache key.
+    """
+    return inputs[5] if len(inputs) > 5 else None
+
+
 def torch_gemm(inputs: list[Any]) -> torch.Tensor:
     """The torch path: ``F.linear``, or ``addmm`` / ``addmm_`` with a residual."""
     a, weight, bias, residual, inplace = _check_inputs(inputs)
+    out = _out_of(inputs)
+    if out is not None:
+        if residual is not None:
+            torch.addmm(residual, a, weight.t(), out=out)
+            return out.add_(bias) if bias is not None else out
+        if bias is not None:
+            return torch.addmm(bias, a, weight.t(), out=out)
+        return torch.mm(a, weight.t(), out=out)
     if residual is None:
         return F.linear(a, weight, bias)
     if inplace:
@@ -281,7 +299,9 @@ class TritonGemmRunner(TritonRunner):
         kern = kernels()
         bm, bn, bk = tactic["bm"], tactic["bn"], tactic["bk"]
         split = tactic["split_k"]
-        out = residual if inplace else torch.empty((m, n), device=a.device, dtype=a.dtype)
+        out = _out_of(inputs)
+        if out is None:
+            out = residual if inplace else torch.empty((m, n), device=a.device, dtype=a.dtype)
         if m == 0:
             return out
         target = out if split == 1 else torch.empty((split, m, n), device=a.device,
@@ -348,6 +368,7 @@ def gemm(
     residual: torch.Tensor | None = None,
     *,
     inplace: bool = False,
+    out: torch.Tensor | None = None,
     tuner: AutoTuner | None = None,
     max_m: int | None = None,
     runners: tuple[TunableRunner, ...] | None = None,
@@ -367,6 +388,8 @@ def gemm(
         bias: Optional ``[N]``.
         residual: Optional ``[..., N]`` added to the product (same leading shape as ``a``).
         inplace: Accumulate into ``residual`` (must be contiguous for the Triton runner).
+        out: Write the ``[M, N]`` result here (contiguous, ``a``'s dtype; e.g. a communication
+            buffer) instead of a new tensor. Not with ``inplace``. The pick does not depend on it.
         tuner: The tuner to ask; the process default when ``None``.
         max_m: Largest tuned ``M`` (see :func:`gemm_config`).
         runners: Runners to choose from; :func:`gemm_runners` when ``None``.
@@ -385,12 +408,27 @@ def gemm(
     if residual is not None:
         n = weight.shape[0]
         r2 = residual.view(-1, n) if inplace else residual.reshape(-1, n)
+    if out is not None:
+        _check_out(out, a2, weight, inplace)
     inputs = [a2, weight, bias, r2, bool(inplace)]
     chosen = runners if runners is not None else gemm_runners()
     config = gemm_config(max_m, residual is not None)
     runner, tactic = (tuner or get_tuner()).choose_one(OP_NAME, chosen, config, inputs)
-    out = runner.forward(inputs, tactic)
-    return residual if inplace else out.reshape(*lead, weight.shape[0])
+    result = runner.forward(inputs if out is None else [*inputs, out], tactic)
+    if inplace:
+        return residual
+    return out if out is not None else result.reshape(*lead, weight.shape[0])
+
+
+def _check_out(out: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, inplace: bool) -> None:
+    want = (a.shape[0], weight.shape[0])
+    if inplace:
+        raise InputError("gemm: out= and inplace=True both say where the result goes; pass one.")
+    if tuple(out.shape) != want or out.dtype != a.dtype or not out.is_contiguous():
+        raise InputError(
+            f"gemm: out must be a contiguous [M, N] = {list(want)} {a.dtype} tensor, got "
+            f"{tuple(out.shape)} {out.dtype} (contiguous={out.is_contiguous()})."
+        )
 
 
 class TunableLinear(nn.Module):

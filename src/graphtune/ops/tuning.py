@@ -43,8 +43,10 @@ OP_GROUPS = ("gemm", "lm_head", "rms_norm", "rope_kv_cache", "silu_and_mul")
 ATTENTION_GROUP = "attention"
 #: Every name accepted by ``tune_ops(ops=...)``, in the order they are tuned.
 ALL_GROUPS = (*OP_GROUPS, ATTENTION_GROUP)
-#: GEMMs the decode step runs with its residual add folded in (``x.addmm_``).
-RESIDUAL_GEMMS = ("o_proj", "down")
+#: GEMMs tuned with a residual folded in (``gemm(a, w, residual=x, inplace=True)``). None by
+#: default: the tuned decode step adds its residuals in the fused add + RMSNorm that follows each
+#: output projection (so tensor parallelism can all-reduce the projection alone).
+RESIDUAL_GEMMS: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -249,11 +249,12 @@ class OpCoordinator:
         """The strategy's one collective: returns the agreed times and whether any rank aborted."""
         dist = torch.distributed
         group = self.setting.group
-        vec = torch.tensor([*local, 1.0 if abort else 0.0], dtype=torch.float64)
+        device = _collective_device(group)
+        vec = torch.tensor([*local, 1.0 if abort else 0.0], dtype=torch.float64, device=device)
         if self.setting.strategy == "broadcast":
             if self.rank != 0:
                 vec[:-1] = math.inf
-            flag = torch.tensor([1.0 if abort else 0.0], dtype=torch.float64)
+            flag = torch.tensor([1.0 if abort else 0.0], dtype=torch.float64, device=device)
             dist.broadcast(vec, src=self._src(), group=group)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
             return vec[:-1].tolist(), bool(flag.item())
@@ -287,6 +288,15 @@ class OpCoordinator:
         for position, cand in enumerate(chosen):
             cand.tactic_index = position
         return chosen
+
+
+def _collective_device(group: Any) -> torch.device:
+    """Where the exchanged tensors must live: CUDA for a group that only has NCCL (it cannot
+    reduce CPU tensors), the CPU for gloo or a ``cpu:gloo,cuda:nccl`` group."""
+    backend = str(torch.distributed.get_backend(group)).lower()
+    if "nccl" in backend and "gloo" not in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _finite_or_inf(value: float) -> float:

@@ -1,0 +1,723 @@
+"""benchmarks/tuning.py and the in-graph CUPTI truth of benchmarks/_common.py, without a GPU.
+
+The pure helpers (Spearman, regret under both truths, summary and targets, option errors, the
+split of a trace into graph replays) run on synthetic data. The GPU paths (``cupti_graph_time``,
+``run_case``, ``main``) run against fakes of ``torch.cuda``, CUPTI and the timer, so their control
+flow, bookkeeping and output are checked here before the script reaches the H200.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+if str(BENCHMARKS) not in sys.path:
+    sys.path.insert(0, str(BENCHMARKS))
+
+import _common  # noqa: E402  (benchmarks/ is not a package)
+import tuning as bench  # noqa: E402
+
+from graphtune.autotuner import (  # noqa: E402
+    AutoTuner,
+    DynamicTensorSpec,
+    TunableRunner,
+    TuningConfig,
+)
+from graphtune.autotuner.timing.base import Measurement  # noqa: E402
+
+SPLIT_K = {"bm": 16, "bn": 32, "bk": 128, "warps": 4, "stages": 4, "split_k": 4}
+
+
+# --- Spearman, regret, worst -------------------------------------------------------------------
+
+
+def test_spearman_known_values():
+    assert bench.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert bench.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    # Ties share the mean rank: x ranks (1, 2.5, 2.5, 4), y ranks (1, 3, 2, 4).
+    assert bench.spearman([1, 2, 2, 3], [1, 3, 2, 4]) == pytest.approx(4.5 / math.sqrt(22.5))
+    # Monotone but not linear: ranks are what counts.
+    assert bench.spearman([1, 2, 3], [1, 100, 101]) == pytest.approx(1.0)
+
+
+def test_spearman_drops_missing_pairs_and_undefined_cases():
+    assert bench.spearman([1, 2, math.inf, 3, None], [3, 2, 1, 1, 5]) == pytest.approx(-1.0)
+    assert bench.spearman([1, 1, 1], [1, 2, 3]) is None  # constant side
+    assert bench.spearman([1, math.nan], [1, 2]) is None  # fewer than two pairs
+    assert bench.spearman([], []) is None
+    with pytest.raises(ValueError):
+        bench.spearman([1, 2], [1])
+
+
+def test_regret_and_worst():
+    assert bench.regret(4.78, 4.61) == pytest.approx(4.78 / 4.61 - 1)
+    assert bench.regret(4.61, 4.61) == 0.0
+    assert bench.regret(math.inf, 4.61) == math.inf  # the pick failed under this truth
+    assert bench.regret(None, 4.61) == math.inf
+    assert math.isnan(bench.regret(4.61, math.inf))  # no truth for the case
+    assert math.isnan(bench.regret(4.61, None))
+    assert bench.worst([0.0, 0.02, 0.01]) == 0.02
+    assert bench.worst([0.0, math.inf]) == math.inf
+    # nan wins whatever its position (plain max() would not be order independent).
+    assert math.isnan(bench.worst([math.nan, 0.0]))
+    assert math.isnan(bench.worst([0.0, math.nan]))
+
+
+# --- scoring picks against both truths ---------------------------------------------------------
+
+
+def split_k_truth() -> list[dict[str, Any]]:
+    """The o_proj M=16 situation: split-K wins by kernel sum, cuBLAS in the graph."""
+    return [
+        {"runner": "TorchGemmRunner", "runner_index": 0, "tactic": -1,
+         "cupti_us": 4.78, "cupti_graph_us": 5.00},
+        {"runner": "TritonGemmRunner", "runner_index": 1, "tactic": dict(SPLIT_K),
+         "cupti_us": 4.61, "cupti_graph_us": 5.40},
+        {"runner": "TritonGemmRunner", "runner_index": 1,
+         "tactic": dict(SPLIT_K, split_k=1), "cupti_us": 6.0, "cupti_graph_us": 6.2},
+        {"runner": "TritonGemmRunner", "runner_index": 1, "tactic": [8, 2],
+         "cupti_us": math.inf, "cupti_graph_us": math.inf},
+    ]
+
+
+def test_score_picks_against_both_truths():
+    truth = split_k_truth()
+    assert bench.best_candidate(truth, "cupti_us")["runner_index"] == 1
+    assert bench.best_candidate(truth, "cupti_graph_us")["runner_index"] == 0
+    reordered = dict(reversed(list(SPLIT_K.items())))  # key order must not matter
+    picks = [
+        {"runner_index": 0, "tactic": -1},
+        {"runner_index": 1, "tactic": reordered},
+        {"runner_index": 1, "tactic": (8, 2)},  # a tuple tactic matches its JSON list
+        {"runner_index": 1, "tactic": "unknown"},
+    ]
+    regrets, regrets_graph = bench.score_picks(picks, truth)
+    assert regrets[:2] == pytest.approx([4.78 / 4.61 - 1, 0.0])
+    assert regrets_graph[:2] == pytest.approx([0.0, 5.40 / 5.00 - 1])
+    assert regrets[2:] == [math.inf, math.inf]
+    assert regrets_graph[2:] == [math.inf, math.inf]
+
+
+def test_score_picks_without_graph_truth_gives_nan():
+    truth = [dict(t, cupti_graph_us=math.inf) for t in split_k_truth()]
+    regrets, regrets_graph = bench.score_picks([{"runner_index": 0, "tactic": -1}], truth)
+    assert regrets == pytest.approx([4.78 / 4.61 - 1])
+    assert math.isnan(regrets_graph[0])
+
+
+# --- summary and targets -----------------------------------------------------------------------
+
+
+def mode_record(regret: float, regret_graph: float, agree: bool = True,
+                ms: float = 10.0) -> dict[str, Any]:
+    return {"regret": regret, "regret_graph": regret_graph, "agree": agree,
+            "ms_per_tactic": [ms, ms], "picks": [{}, {}, {}]}
+
+
+def case_record(graph: dict[str, Any], *, best_graph: bool = True,
+                rho: tuple[float | None, float | None] = (0.5, 0.9)) -> dict[str, Any]:
+    return {
+        "op": "gemm", "shape": "o_proj 2048->2048", "bucket": 16, "error": None,
+        "best_graph": {"runner": "TorchGemmRunner", "tactic": -1} if best_graph else None,
+        "modes": {"graph": graph, "events": mode_record(0.0, 0.0, ms=50.0)},
+        "spearman": {"graph": {"kernel_sum_truth": rho[0], "graph_truth": rho[1]}},
+    }
+
+
+def test_summary_reports_both_truths_and_separate_targets():
+    # 19 cases perfect under the in-graph truth but 3.7% off by kernel sum (the split-K
+    # pattern), one case perfect by kernel sum and 2% off in the graph.
+    records = [case_record(mode_record(0.037, 0.0)) for _ in range(19)]
+    records.append(case_record(mode_record(0.0, 0.02)))
+    summary = bench.summarize(records, ("graph", "events"))
+    graph = summary["graph"]
+    assert graph["share_regret_le_1pct"] == pytest.approx(1 / 20)
+    assert graph["max_regret"] == pytest.approx(0.037)
+    assert graph["share_regret_le_1pct_graph_truth"] == pytest.approx(19 / 20)
+    assert graph["max_regret_graph_truth"] == pytest.approx(0.02)
+    assert graph["mean_regret_graph_truth"] == pytest.approx(0.02 / 20)
+    assert graph["cases_graph_truth"] == 20
+    assert graph["median_spearman_kernel_sum_truth"] == pytest.approx(0.5)
+    assert graph["median_spearman_graph_truth"] == pytest.approx(0.9)
+    targets = summary["targets"]
+    assert targets["graph_regret_le_1pct_in_95pct"] is False
+    assert targets["graph_regret_never_gt_5pct"] is True
+    assert targets["graph_regret_le_1pct_in_95pct_graph_truth"] is True
+    assert targets["graph_regret_never_gt_5pct_graph_truth"] is True
+    assert summary["all_pass"] is False  # decided by the kernel-sum truth, as before
+    assert summary["all_pass_graph_truth"] is True
+    assert summary["events"]["median_ms_per_tactic"] == 50.0
+    assert "wallclock" not in summary  # only the modes given
+    # The default is all three; a mode a case has no record of counts as failed there.
+    assert bench.summarize(records)["wallclock"]["mode_errors"] == 20
+
+
+def test_summary_graph_truth_needs_every_case_and_counts_failures():
+    records = [case_record(mode_record(0.0, 0.0)) for _ in range(20)]
+    records.append(case_record(mode_record(0.0, math.nan), best_graph=False))
+    summary = bench.summarize(records, ("graph",))
+    graph = summary["graph"]
+    assert graph["cases_graph_truth"] == 20  # the case without in-graph truth is left out
+    assert graph["share_regret_le_1pct_graph_truth"] == 1.0
+    assert summary["cases_without_graph_truth"] == 1
+    assert summary["all_pass"] is True
+    assert summary["all_pass_graph_truth"] is False  # but a missing truth is not a pass
+
+    # A failed mode counts as infinite regret and disagreement; an errored case as an error.
+    records = [case_record(mode_record(0.0, 0.0)) for _ in range(19)]
+    records.append(case_record({"error": "CaptureError: boom"}))
+    records.append({"op": "gemm", "shape": "x", "bucket": 1, "error": "OOM", "modes": {}})
+    summary = bench.summarize(records, ("graph",))
+    graph = summary["graph"]
+    assert summary["errors"] == 1
+    assert graph["mode_errors"] == 1
+    assert graph["max_regret"] == math.inf
+    assert graph["max_regret_graph_truth"] == math.inf
+    assert graph["share_agree_3of3"] == pytest.approx(19 / 20)
+    assert summary["targets"]["graph_regret_never_gt_5pct"] is False
+    assert summary["all_pass"] is False and summary["all_pass_graph_truth"] is False
+
+
+def test_summary_without_graph_mode_evaluates_no_target():
+    records = [case_record(mode_record(0.0, 0.0))]
+    summary = bench.summarize(records, ("events",))
+    assert summary["targets"] == {}
+    assert summary["all_pass"] is None and summary["all_pass_graph_truth"] is None
+    assert summary["events"]["share_regret_le_1pct"] == 1.0
+
+
+def test_table_shows_both_truths():
+    records = [case_record(mode_record(0.037, 0.0))]
+    records[0].update(
+        n_candidates=4,
+        best={"runner": "TritonGemmRunner", "tactic": SPLIT_K, "cupti_us": 4.61},
+        best_graph={"runner": "TorchGemmRunner", "tactic": -1, "cupti_graph_us": 5.0},
+    )
+    records[0]["modes"]["graph"]["picks"] = [{"runner": "TorchGemmRunner", "tactic": -1}] * 3
+    records.append({"op": "gemm", "shape": "qkv", "bucket": 1, "error": "RuntimeError: x",
+                    "modes": {}})
+    text = bench.table(records, ("graph", "events"))
+    assert "graph ks" in text and "graph ig" in text and "events ig" in text
+    assert "3.7%" in text and "0.0%" in text
+    assert "TritonGemm 16x32x128 w4 s4 k4" in text and "TorchGemm -1" in text
+    assert "0.50/0.90" in text
+    assert "RuntimeError: x" in text
+
+
+# --- what the tuner measured -------------------------------------------------------------------
+
+
+def fake_profile(op: str = "gemm") -> SimpleNamespace:
+    cands = (
+        SimpleNamespace(runner_index=0, tactic=-1, median_us=5.02, spread=0.01, samples=9,
+                        failed=None, tied=True),
+        SimpleNamespace(runner_index=1, tactic=dict(reversed(list(SPLIT_K.items()))),
+                        median_us=5.45, spread=0.03, samples=6, failed=None, tied=False),
+        SimpleNamespace(runner_index=1, tactic=[8, 2], median_us=math.inf, spread=0.0,
+                        samples=0, failed="RuntimeError", tied=False),
+        SimpleNamespace(runner_index=2, tactic=-1, median_us=1.0, spread=0.0, samples=3,
+                        failed=None, tied=False),  # not among the truth candidates
+    )
+    return SimpleNamespace(op=op, candidates=cands, winner_index=0, tie_band=0.012)
+
+
+def test_last_profile_is_guarded():
+    assert bench.last_profile(object(), "gemm") is None  # an old tuner without history
+    assert bench.last_profile(SimpleNamespace(history=[]), "gemm") is None
+    profile = fake_profile()
+    assert bench.last_profile(SimpleNamespace(history=[profile]), "gemm") is profile
+    assert bench.last_profile(SimpleNamespace(history=[profile]), "rms_norm") is None
+
+
+def test_attach_tuner_times_and_rank_correlations():
+    truth = split_k_truth()
+    unmatched = bench.attach_tuner_times(truth, "graph", fake_profile())
+    assert unmatched == 1
+    assert truth[0]["tuner_us"] == {"graph": 5.02}
+    assert truth[0]["tuner_spread"] == {"graph": 0.01}
+    assert truth[0]["tuner_detail"]["graph"] == {"samples": 9, "failed": None, "tied": True}
+    assert truth[1]["tuner_us"] == {"graph": 5.45}  # matched despite another key order
+    assert truth[3]["tuner_detail"]["graph"]["failed"] == "RuntimeError"
+    assert "tuner_us" not in truth[2]  # the tuner did not report it
+    rho = bench.rank_correlations(truth, ("graph", "events"))
+    assert set(rho) == {"graph"}  # no tuner times for events
+    # Finite pairs: cuBLAS (5.02 vs 4.78 / 5.00) and split-K (5.45 vs 4.61 / 5.40).
+    assert rho["graph"]["kernel_sum_truth"] == pytest.approx(-1.0)
+    assert rho["graph"]["graph_truth"] == pytest.approx(1.0)
+
+
+def test_real_profile_record_matches_when_the_tuner_has_history():
+    selection = pytest.importorskip("graphtune.autotuner.selection")
+    record = selection.ProfileRecord(
+        op="gemm", profile="(16, 2048)",
+        candidates=(
+            selection.candidate_record("TorchGemmRunner", 0, -1, [5.0, 5.1, 4.9], None, True),
+            selection.candidate_record("TritonGemmRunner", 1, dict(SPLIT_K), [5.5, 5.4], None,
+                                       False),
+        ),
+        winner_index=0, tie_band=0.02,
+    )
+    truth = split_k_truth()
+    assert bench.attach_tuner_times(truth, "events", record) == 0
+    assert truth[0]["tuner_us"]["events"] == pytest.approx(5.0)
+    assert truth[1]["tuner_detail"]["events"]["samples"] == 2
+
+
+# --- options -----------------------------------------------------------------------------------
+
+
+def test_parse_args_defaults_and_values():
+    args = bench.parse_args([])
+    assert args.modes == bench.MODES and args.runs == 3
+    assert args.tie_tolerance is None and args.cupti_graph_replays == 20
+    assert bench.tuner_kwargs(args) == {}
+    args = bench.parse_args(["--modes", " events,graph,events ", "--runs", "5",
+                             "--tie-tolerance", "0.01", "--cupti-graph-replays", "7"])
+    assert args.modes == ("events", "graph")
+    assert bench.tuner_kwargs(args) == {"tie_tolerance": 0.01}
+    opts = bench.options(args)
+    assert opts["modes"] == ["events", "graph"] and opts["runs"] == 5
+    assert opts["tie_tolerance"] == 0.01 and opts["cupti_graph_replays"] == 7
+    json.dumps(opts)  # goes into the result file
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--modes", "graph,cupti"], "unknown timing mode(s) 'cupti'"),
+        (["--modes", ","], "no timing mode given"),
+        (["--runs", "0"], "expected an integer >= 1"),
+        (["--runs", "two"], "expected an integer >= 1"),
+        (["--tie-tolerance", "1.5"], "expected a number in [0, 1)"),
+        (["--tie-tolerance", "-0.1"], "expected a number in [0, 1)"),
+        (["--cupti-graph-replays", "0"], "expected an integer >= 1"),
+    ],
+)
+def test_parse_args_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench.parse_args(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err
+    if "unknown" in message:
+        assert "graph, events, wallclock" in err  # names the valid modes
+
+
+# --- _common: trace parsing and the in-graph truth ---------------------------------------------
+
+
+def event(name: str, ts: float, dur: float, corr: int | None, cat: str = "kernel") -> dict:
+    out = {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+    if corr is not None:
+        out["args"] = {"correlation": corr, "stream": 7}
+    return out
+
+
+def replay_trace(replays: int, calls: int, *, prologue: bool = True,
+                 correlation: bool = True) -> dict[str, Any]:
+    """Graph replays of ``calls`` x (2.0 us GEMM, 0.3 us gap, 0.5 us reduce, 0.2 us gap)."""
+    events = []
+    for r in range(replays):
+        base = 1000.0 * r
+        corr = 100 + r if correlation else None
+        if prologue:  # the RNG-offset fill of some torch versions, launched outside the graph
+            events.append(event("fill", base, 0.4, 900 + r if correlation else None))
+        events.append(event("cudaGraphLaunch", base + 1.0, 3.0, corr, cat="cuda_runtime"))
+        t = base + 5.0
+        for _ in range(calls):
+            events.append(event("gemm_splitk", t, 2.0, corr))
+            events.append(event("reduce", t + 2.3, 0.5, corr))
+            t += 3.0
+    return {"traceEvents": events}
+
+
+def expected_span(calls: int) -> float:
+    return ((calls - 1) * 3.0 + 2.8) / calls
+
+
+def test_device_events_read_correlation():
+    trace = replay_trace(1, 2)
+    trace["traceEvents"].append(
+        {"ph": "X", "cat": "kernel", "name": "k", "ts": 9e9, "dur": 1.0,
+         "args": {"correlation": "42"}}
+    )
+    events = _common.device_events_from_trace(trace)
+    assert [e.correlation for e in events] == [900, 100, 100, 100, 100, 42]
+    assert events[1].end_us == pytest.approx(events[1].start_us + 2.0)
+
+
+def test_graph_calls_for():
+    assert _common.graph_calls_for(2.0) == 25  # 50 us / 2 us
+    assert _common.graph_calls_for(4.61) == 20  # at least 20
+    assert _common.graph_calls_for(0.1) == 200  # capped
+    assert _common.graph_calls_for(None) == 20
+    assert _common.graph_calls_for(math.inf) == 20
+    assert _common.graph_calls_for(0.0) == 20
+    with pytest.raises(ValueError):
+        _common.graph_calls_for(1.0, min_calls=0)
+
+
+def test_split_replays_by_correlation_drops_prologue_work():
+    events = _common.device_events_from_trace(replay_trace(4, 20))
+    groups, method = _common.split_replays(events, replays=4, calls_per_graph=20)
+    assert method == "correlation"
+    assert [len(g) for g in groups] == [40] * 4
+    assert all(e.name != "fill" for g in groups for e in g)
+    spans, sums = _common.replay_spans(groups, 20)
+    assert spans == pytest.approx([expected_span(20)] * 4)
+    assert sums == pytest.approx([2.5] * 4)
+
+
+def test_split_replays_by_gaps_without_correlation():
+    events = _common.device_events_from_trace(replay_trace(3, 20, prologue=False,
+                                                           correlation=False))
+    groups, method = _common.split_replays(events, replays=3, calls_per_graph=20)
+    assert method == "gaps"
+    spans, _ = _common.replay_spans(groups, 20)
+    assert spans == pytest.approx([expected_span(20)] * 3)
+    # Without ids the prologue fill cannot be told apart: the groups stop being a multiple of
+    # the calls, and that is an error rather than a span stretched by a launch latency.
+    events = _common.device_events_from_trace(replay_trace(3, 20, correlation=False))
+    with pytest.raises(ValueError, match="none a multiple"):
+        _common.split_replays(events, replays=3, calls_per_graph=20)
+
+
+def test_split_replays_drops_a_replay_that_lost_an_activity():
+    trace = replay_trace(3, 20)
+    lost = next(i for i, e in enumerate(trace["traceEvents"]) if e["name"] == "reduce")
+    del trace["traceEvents"][lost]  # replay 0 lost one activity
+    events = _common.device_events_from_trace(trace)
+    groups, _ = _common.split_replays(events, replays=3, calls_per_graph=20)
+    assert len(groups) == 2 and all(len(g) == 40 for g in groups)
+    with pytest.raises(ValueError):
+        _common.split_replays([], replays=3, calls_per_graph=20)
+
+
+class FakeStream:
+    def wait_stream(self, other: Any) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+
+class FakeGraph:
+    def __init__(self, cuda: FakeCuda) -> None:
+        self.cuda = cuda
+        self.captured: list[int] = []
+        self.replays = 0
+        self.reset_calls = 0
+        self.pool = None
+
+    def replay(self) -> None:
+        self.replays += 1
+
+    def reset(self) -> None:
+        self.reset_calls += 1
+
+
+class FakeEvent:
+    def __init__(self, enable_timing: bool = False) -> None:
+        assert enable_timing
+
+    def record(self, stream: Any) -> None:
+        return None
+
+    def elapsed_time(self, other: FakeEvent) -> float:
+        return 0.075  # ms per replay
+
+
+class FakeCuda:
+    """The torch.cuda calls cupti_graph_time makes, recording what happened."""
+
+    Event = FakeEvent
+
+    def __init__(self) -> None:
+        self.graphs: list[FakeGraph] = []
+        self.capturing: FakeGraph | None = None
+        self.eager: list[int] = []
+        self.pools = 0
+
+    def current_stream(self) -> FakeStream:
+        return FakeStream()
+
+    def current_device(self) -> int:
+        return 0
+
+    def Stream(self, device: Any = None) -> FakeStream:  # noqa: N802 (torch's name)
+        return FakeStream()
+
+    @contextlib.contextmanager
+    def stream(self, stream: Any):
+        yield
+
+    def CUDAGraph(self) -> FakeGraph:  # noqa: N802 (torch's name)
+        graph = FakeGraph(self)
+        self.graphs.append(graph)
+        return graph
+
+    def graph_pool_handle(self) -> tuple[str, int]:
+        self.pools += 1
+        return ("pool", self.pools)
+
+    @contextlib.contextmanager
+    def graph(self, graph: FakeGraph, pool: Any = None, stream: Any = None):
+        assert pool is not None, "capture must use a private pool"
+        assert stream is not None, "capture must use the warmed-up side stream"
+        graph.pool = pool
+        self.capturing = graph
+        try:
+            yield
+        finally:
+            self.capturing = None  # like torch: the capture always ends
+
+    def call(self, i: int) -> None:
+        if self.capturing is not None:
+            self.capturing.captured.append(i)
+        else:
+            self.eager.append(i)
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    cuda = FakeCuda()
+    monkeypatch.setattr(_common, "torch", SimpleNamespace(cuda=cuda))
+    monkeypatch.setattr(_common, "_CAPTURE_STREAMS", {})
+
+    def profile_trace(fn, first, calls, with_cpu):
+        graph = cuda.graphs[-1]
+        before = graph.replays
+        for i in range(calls):
+            fn(first + i)
+        assert graph.replays - before == calls
+        return replay_trace(calls, len(graph.captured))
+
+    monkeypatch.setattr(_common, "_profile_trace", profile_trace)
+    return cuda
+
+
+def test_cupti_graph_time_procedure(fake_cuda):
+    result = _common.cupti_graph_time(fake_cuda.call, replays=5, warmup=3, estimate_us=2.0)
+    graph = fake_cuda.graphs[-1]
+    assert fake_cuda.eager == [0, 1, 2]  # warm-up, not captured
+    assert graph.captured == list(range(3, 28))  # 25 calls: 50 us / 2 us
+    assert graph.pool is not None
+    # 1 upload replay + 5 profiled + 1 busy-keeping + 5 event-timed replays.
+    assert graph.replays == 12
+    assert graph.reset_calls == 1
+    assert result.calls_per_graph == 25 and result.replays == 5
+    assert result.grouping == "correlation"
+    assert result.per_call_us == pytest.approx(expected_span(25))
+    assert result.kernel_sum_us == pytest.approx(2.5)
+    assert result.kernels_per_call == 2
+    assert result.kernel_names == ["gemm_splitk", "reduce"]
+    assert result.events_per_call_us == pytest.approx(75.0 / 25)
+    summary = result.as_dict()
+    assert summary["gap_us"] == pytest.approx(expected_span(25) - 2.5)
+    json.dumps(summary)
+
+
+def test_cupti_graph_time_estimates_calls_when_not_given(fake_cuda, monkeypatch):
+    seen = {}
+
+    def kernel_time(fn, *, calls, warmup, categories):
+        seen["calls"] = calls
+        return SimpleNamespace(per_call_us=0.5)
+
+    monkeypatch.setattr(_common, "cupti_kernel_time", kernel_time)
+    result = _common.cupti_graph_time(fake_cuda.call, replays=2, warmup=0, event_check=False)
+    assert seen["calls"] == 10
+    assert result.calls_per_graph == 100  # 50 us / 0.5 us
+    assert result.events_per_call_us is None
+    assert fake_cuda.eager == [0]  # at least one warm-up call
+    explicit = _common.cupti_graph_time(fake_cuda.call, calls_per_graph=7, replays=2)
+    assert explicit.calls_per_graph == 7
+
+
+def test_cupti_graph_time_resets_the_graph_when_capture_fails(fake_cuda):
+    def fn(i: int) -> None:
+        fake_cuda.call(i)
+        if fake_cuda.capturing is not None:
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    with pytest.raises(RuntimeError, match="not permitted"):
+        _common.cupti_graph_time(fn, replays=3, estimate_us=5.0)
+    assert fake_cuda.graphs[-1].reset_calls == 1
+    assert fake_cuda.graphs[-1].replays == 0
+    with pytest.raises(ValueError):
+        _common.cupti_graph_time(fn, replays=0, estimate_us=5.0)
+
+
+# --- run_case and main against fakes -----------------------------------------------------------
+
+KEY = bench.candidate_key
+
+
+class State:
+    def __init__(self) -> None:
+        self.clock_us = 0.0
+        self.last: str | None = None
+
+
+#: (kernel sum, in-graph, what the fake tuner timer reads) per candidate key.
+COSTS = {
+    KEY(0, -1): (4.78, 5.00, 5.02),
+    KEY(1, dict(SPLIT_K, split_k=1)): (6.00, 6.20, 6.25),
+    KEY(1, SPLIT_K): (4.61, 5.40, 5.45),
+}
+BROKEN = dict(SPLIT_K, bm=32)
+
+
+class CostRunner(TunableRunner):
+    def __init__(self, index: int, tactics: list[Any], state: State) -> None:
+        self.index, self.tactics, self.state = index, tactics, state
+
+    def get_valid_tactics(self, inputs: list[Any], profile: Any) -> list[Any]:
+        return list(self.tactics)
+
+    def forward(self, inputs: list[Any], tactic: Any = -1) -> Any:
+        key = KEY(self.index, tactic)
+        if key not in COSTS:
+            raise RuntimeError(f"tactic {tactic} does not support this shape")
+        self.state.last = key
+        self.state.clock_us += COSTS[key][2]
+        return inputs[0]
+
+    def cache_key_extras(self) -> tuple[Any, ...]:
+        return (self.index,)
+
+
+class CostTimer:
+    name = "fake"
+
+    def __init__(self, state: State) -> None:
+        self.state = state
+
+    def measure(self, fn, *, warmup: int, repeat: int) -> Measurement:
+        for i in range(max(1, warmup)):
+            fn(i)
+        start = self.state.clock_us
+        for i in range(repeat):
+            fn(i)
+        per_call = (self.state.clock_us - start) / repeat
+        return Measurement.from_samples([per_call] * 3, calls_per_sample=repeat, timer=self.name)
+
+
+def fake_case(state: State, *, broken_build: bool = False) -> bench.Case:
+    def build(device: torch.device, m: int):
+        if broken_build:
+            raise RuntimeError("out of memory")
+        runners = (CostRunner(0, [-1], state),
+                   CostRunner(1, [dict(SPLIT_K, split_k=1), dict(SPLIT_K), BROKEN], state))
+        config = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0, (m,)),), warmup=1,
+                              repeat=2)
+        return "fake_gemm", runners, config, [torch.randn(m, 8)]
+
+    return bench.Case("gemm", "broken" if broken_build else "o_proj 2048->2048", 16, build)
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """CUPTI, the timers and torch.cuda.synchronize replaced by fakes driven by COSTS."""
+    import graphtune.autotuner.timing as timing
+
+    state = State()
+
+    def kernel_time(call, *, calls, warmup):
+        call(0)
+        ks = COSTS[state.last][0]
+        return SimpleNamespace(per_call_us=ks, kernels_per_call=2 if ks == 4.61 else 1)
+
+    def graph_time(call, *, replays, warmup, estimate_us):
+        assert replays == 4 and estimate_us is not None
+        call(0)
+        ig = COSTS[state.last][1]
+        kernels = 2 if estimate_us == 4.61 else 1
+        return SimpleNamespace(per_call_us=ig, kernels_per_call=kernels,
+                               as_dict=lambda: {"per_call_us": ig, "kernels_per_call": kernels})
+
+    def resolve_timer(mode: str, device: Any):
+        if mode == "wallclock":
+            raise RuntimeError("wallclock timer broke")
+        return CostTimer(state)
+
+    monkeypatch.setattr(bench._common, "cupti_kernel_time", kernel_time)
+    monkeypatch.setattr(bench._common, "cupti_graph_time", graph_time)
+    monkeypatch.setattr(timing, "resolve_timer", resolve_timer)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args, **kwargs: None)
+    return state
+
+
+def test_run_case_records_both_truths_tuner_times_and_survives_failures(fake_gpu):
+    args = bench.parse_args(["--modes", "graph,events,wallclock", "--runs", "2",
+                             "--cupti-graph-replays", "4"])
+    record = bench.run_case(fake_case(fake_gpu), torch.device("cpu"), args)
+    assert record["error"] is None and record["n_candidates"] == 4
+    by_key = {KEY(c["runner_index"], c["tactic"]): c for c in record["candidates"]}
+    broken = by_key[KEY(1, BROKEN)]
+    assert broken["cupti_us"] == math.inf and "does not support" in broken["cupti_error"]
+    assert broken["cupti_graph_us"] == math.inf and "skipped" in broken["cupti_graph_error"]
+    assert by_key[KEY(1, SPLIT_K)]["cupti_graph"]["kernels_per_call"] == 2
+    assert record["best"]["tactic"] == SPLIT_K  # kernel sum: split-K
+    assert record["best_graph"]["tactic"] == -1  # in-graph: cuBLAS
+    graph = record["modes"]["graph"]
+    assert [p["runner_index"] for p in graph["picks"]] == [0, 0]
+    assert graph["regrets"] == pytest.approx([4.78 / 4.61 - 1] * 2)
+    assert graph["regret"] == pytest.approx(4.78 / 4.61 - 1)
+    assert graph["regrets_graph"] == [0.0, 0.0] and graph["regret_graph"] == 0.0
+    assert graph["agree"] is True and len(graph["ms_per_tactic"]) == 2
+    assert "error" in record["modes"]["wallclock"]  # one failing mode keeps the others
+    assert record["modes"]["events"]["regret_graph"] == 0.0
+    if hasattr(AutoTuner(), "history"):
+        assert len(graph["tie_bands"]) == 2 and all(b is not None for b in graph["tie_bands"])
+        assert by_key[KEY(0, -1)]["tuner_us"]["graph"] == pytest.approx(5.02)
+        assert by_key[KEY(1, SPLIT_K)]["tuner_spread"]["events"] == 0.0
+        assert record["spearman"]["graph"]["graph_truth"] == pytest.approx(1.0)
+        # tuner ranks (1, 3, 2), kernel-sum ranks (2, 3, 1): 1 - 6 * 2 / (3 * 8)
+        assert record["spearman"]["graph"]["kernel_sum_truth"] == pytest.approx(0.5)
+    else:  # an older tuner: nothing recorded, nothing broken
+        assert graph["tie_bands"] == [None, None] and record["spearman"] == {}
+    summary = bench.summarize([record], args.modes)
+    assert summary["graph"]["share_regret_le_1pct_graph_truth"] == 1.0
+    assert summary["wallclock"]["mode_errors"] == 1
+    bench.table([record], args.modes)
+
+
+def test_main_writes_options_and_keeps_every_case(fake_gpu, monkeypatch, tmp_path, capsys):
+    import graphtune.ops
+
+    monkeypatch.setattr(bench._common, "require_cuda_or_exit",
+                        lambda script: torch.device("cpu"))
+    monkeypatch.setattr(bench._common, "provenance",
+                        lambda commit, device: {"gpu": "Fake", "gpu_slug": "fake",
+                                                "compute_capability": "0.0", "torch": "x",
+                                                "cuda": None, "triton": None, "commit": "abc"})
+    monkeypatch.setattr(graphtune.ops, "triton_available", lambda: True)
+    monkeypatch.setattr(bench, "cases", lambda quick: [fake_case(fake_gpu, broken_build=True),
+                                                       fake_case(fake_gpu)])
+    status = bench.main(["--out", str(tmp_path), "--modes", "graph,wallclock", "--runs", "2",
+                         "--cupti-graph-replays", "4", "--tie-tolerance", "0.01"])
+    assert status == 1  # 3.7% kernel-sum regret and one failed case
+    data = json.loads((tmp_path / "tuning-fake.json").read_text())
+    assert data["options"]["modes"] == ["graph", "wallclock"]
+    assert data["options"]["tie_tolerance"] == 0.01
+    assert data["options"]["tuner_tie_tolerance"] == 0.01
+    assert [c["error"] is None for c in data["cases"]] == [False, True]
+    assert data["summary"]["all_pass"] is False
+    assert data["summary"]["all_pass_graph_truth"] is False  # the failed case counts
+    assert data["summary"]["targets"]["graph_regret_le_1pct_in_95pct_graph_truth"] is True
+    assert data["cases"][1]["modes"]["wallclock"]["error"].startswith("RuntimeError")
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if ln.startswith('{"bench": "tuning"'))
+    final = json.loads(line)
+    assert final["all_pass"] is False and "graph" in final and "events" not in final
+    assert "graph ig" in out  # the table comes after the JSON line

@@ -38,7 +38,9 @@ REPLAYS = 50
 
 def _time_backend(reducer, rows: int, device: torch.device, rank: int) -> dict:
     """Times PER_GRAPH (add + all-reduce) pairs in one graph; checks the sum."""
-    base = torch.randint(-8, 8, (rows, HIDDEN), device=device).to(torch.bfloat16)
+    # Same data on every rank (seeded), so the exact sum is known: world * base + sum(rank + 1).
+    gen = torch.Generator(device=device).manual_seed(rows)
+    base = torch.randint(-8, 8, (rows, HIDDEN), device=device, generator=gen).to(torch.bfloat16)
     bump = torch.full_like(base, float(rank + 1))
     out = torch.empty_like(base)
 

@@ -6,14 +6,19 @@ Usage (two GPUs, from the repository root):
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONPATH=src \\
       torchrun --standalone --nproc-per-node 2 benchmarks/allreduce.py --out benchmarks/results
 
-For each message of a decode step (``rows x 2048`` bf16, rows = batch size 1, 8, 32, 128) and each
-backend of :mod:`graphtune.engine.collectives`, one CUDA graph holds 32 back-to-back all-reduces
-(what one Llama-1B step issues: two per layer), each preceded by a small add that writes the
-partial (so the all-reduce always waits on a kernel, as in the step). The graph is replayed after
-warm-up; the per-all-reduce time is the median over replays (CUDA events) divided by 32, minus
-nothing: the adds are included and identical for both backends. The result is checked against
-the exact sum (integer-valued bf16 data, so the sum is exact on both paths). Rank 0 writes
-``allreduce-<gpu>.json`` and prints a table last.
+For each message of a decode step (``rows x 2048`` bf16, rows = batch size 1, 8, 32, 128), one
+CUDA graph holds 32 back-to-back repetitions (what one Llama-1B step issues: two per layer) of:
+
+* ``nccl`` / ``symm_mem``: a small add that writes the partial (so the all-reduce waits on a
+  kernel, as in the step), then the all-reduce of :mod:`graphtune.engine.collectives`;
+* ``symm_mem+norm``: the same with PyTorch's one-shot all-reduce, then the residual add + RMSNorm
+  (graphtune's Triton kernel): what the tuned tensor-parallel step runs without fusion;
+* ``fused``: the add, then graphtune's fused all-reduce + residual add + RMSNorm kernel.
+
+Each graph is replayed after warm-up; the time per repetition is the median over replays (CUDA
+events) / 32. Sums are checked exactly (integer-valued bf16 data, the same on every rank), and the
+fused output against the unfused one. Rank 0 writes ``allreduce-<gpu>.json`` and prints a table
+last.
 """
 
 from __future__ import annotations
@@ -36,20 +41,8 @@ PER_GRAPH = 32
 REPLAYS = 50
 
 
-def _time_backend(reducer, rows: int, device: torch.device, rank: int) -> dict:
-    """Times PER_GRAPH (add + all-reduce) pairs in one graph; checks the sum."""
-    # Same data on every rank (seeded), so the exact sum is known: world * base + sum(rank + 1).
-    gen = torch.Generator(device=device).manual_seed(rows)
-    base = torch.randint(-8, 8, (rows, HIDDEN), device=device, generator=gen).to(torch.bfloat16)
-    bump = torch.full_like(base, float(rank + 1))
-    out = torch.empty_like(base)
-
-    def body() -> None:
-        for _ in range(PER_GRAPH):
-            staged = reducer.staging(rows)
-            partial = torch.add(base, bump, out=staged) if staged is not None else base + bump
-            reducer.reduce(partial, out=out)
-
+def _time_graph(body, device: torch.device) -> dict:
+    """Captures ``body`` (PER_GRAPH repetitions) once and times its replays."""
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
@@ -62,9 +55,6 @@ def _time_backend(reducer, rows: int, device: torch.device, rank: int) -> dict:
     for _ in range(5):
         graph.replay()
     torch.cuda.synchronize(device)
-    world = dist.get_world_size()
-    want = base.float() * world + sum(r + 1 for r in range(world))
-    ok = torch.equal(out.float(), want)
     times = []
     for _ in range(REPLAYS):
         dist.barrier()
@@ -75,7 +65,53 @@ def _time_backend(reducer, rows: int, device: torch.device, rank: int) -> dict:
         end.synchronize()
         times.append(start.elapsed_time(end) * 1000.0 / PER_GRAPH)
     del graph
-    return {"us_per_all_reduce": statistics.median(times), "min_us": min(times), "exact": ok}
+    return {"us": statistics.median(times), "min_us": min(times)}
+
+
+def _measure(variant: str, reducer, rows: int, device: torch.device, rank: int) -> dict:
+    """Times one variant (see the module docstring) and checks its result."""
+    from graphtune.ops.rmsnorm import TritonRMSNormRunner
+
+    # Same data on every rank (seeded), so the exact sum is known: world * base + sum(rank + 1).
+    gen = torch.Generator(device=device).manual_seed(rows)
+    base = torch.randint(-8, 8, (rows, HIDDEN), device=device, generator=gen).to(torch.bfloat16)
+    bump = torch.full_like(base, float(rank + 1))
+    weight = torch.rand(HIDDEN, device=device, generator=gen).to(torch.bfloat16) + 0.5
+    residual0 = torch.randint(-8, 8, (rows, HIDDEN), device=device, generator=gen).to(base.dtype)
+    residual = residual0.clone()
+    out = torch.empty_like(base)
+    norm = TritonRMSNormRunner()
+    tactic = {"block": 1 << (HIDDEN - 1).bit_length(), "warps": 8}
+    normed: list[torch.Tensor] = []
+
+    def body() -> None:
+        normed.clear()
+        for i in range(PER_GRAPH):
+            if variant == "fused":
+                partial = torch.add(base, bump, out=reducer.fused_staging(rows, i % 2))
+                normed.append(reducer.reduce_add_rms_norm(partial, residual, weight, 1e-5)[0])
+                continue
+            staged = reducer.staging(rows)
+            partial = torch.add(base, bump, out=staged) if staged is not None else base + bump
+            reducer.reduce(partial, out=out)
+            if variant == "symm_mem+norm":
+                normed.append(norm.forward([out, weight, residual, 1e-5], tactic)[0])
+
+    timing = _time_graph(body, device)
+    world = dist.get_world_size()
+    summed = base.float() * world + sum(r + 1 for r in range(world))
+    result = {"us_per_all_reduce": timing["us"], "min_us": timing["min_us"]}
+    if variant in ("nccl", "symm_mem"):
+        result["exact"] = torch.equal(out.float(), summed)
+    else:
+        # The residual is reset and the body run once more eagerly: compare against the unfused
+        # torch math on the same inputs.
+        residual.copy_(residual0)
+        body()
+        s = (residual0.float() + summed).to(base.dtype).float()
+        want = (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5) * weight.float())
+        result["max_abs_err"] = (normed[0].float() - want).abs().max().item()
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,18 +130,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     parallel, device = init_from_torchrun(launched[1], torch.device("cuda"))
     results = []
+    variants = ("nccl", "symm_mem", "symm_mem+norm", "fused")
     for rows in ROWS:
-        row = {"rows": rows, "bytes": rows * HIDDEN * 2}
-        for backend in ("nccl", "symm_mem"):
+        row: dict = {"rows": rows, "bytes": rows * HIDDEN * 2}
+        for variant in variants:
+            backend = "nccl" if variant == "nccl" else "symm_mem"
             ctx = type(parallel)(parallel.group, parallel.rank, parallel.world_size, backend)
             try:
                 reducer = make_all_reduce(ctx, max_rows=rows, hidden=HIDDEN,
-                                          dtype=torch.bfloat16, device=device)
-                row[backend] = _time_backend(reducer, rows, device, parallel.rank)
-            except Exception as exc:  # report a backend that cannot run; keep the other
-                row[backend] = {"error": f"{type(exc).__name__}: {exc}"}
-        nccl, symm = row["nccl"].get("us_per_all_reduce"), row["symm_mem"].get("us_per_all_reduce")
-        row["nccl_over_symm_mem"] = nccl / symm if nccl and symm else None
+                                          dtype=torch.bfloat16, device=device,
+                                          fuse_norm=variant == "fused")
+                row[variant] = _measure(variant, reducer, rows, device, parallel.rank)
+            except Exception as exc:  # report a variant that cannot run; keep the others
+                row[variant] = {"error": f"{type(exc).__name__}: {exc}"}
         results.append(row)
     if parallel.rank == 0:
         prov = _common.provenance(args.commit, device)
@@ -115,15 +152,12 @@ def main(argv: list[str] | None = None) -> int:
             "per_graph": PER_GRAPH, "replays": REPLAYS, "results": results,
         })
         print(json.dumps({"bench": "allreduce", "file": str(path), "results": results}))
-        print(f"{'rows':>5} {'bytes':>8} {'nccl us':>9} {'symm us':>9} {'ratio':>6}  exact")
+        print(f"{'rows':>5} {'bytes':>8} " + " ".join(f"{v:>14}" for v in variants)
+              + "  (us per repetition)")
         for r in results:
-            def us(name: str, r=r) -> str:
-                v = r[name].get("us_per_all_reduce")
-                return f"{v:9.2f}" if v else f"{'error':>9}"
-            ratio = r["nccl_over_symm_mem"]
-            exact = [r[b].get("exact") for b in ("nccl", "symm_mem")]
-            print(f"{r['rows']:>5} {r['bytes']:>8} {us('nccl')} {us('symm_mem')} "
-                  f"{ratio if ratio is None else round(ratio, 2)!s:>6}  {exact}")
+            cells = [f"{r[v]['us_per_all_reduce']:14.2f}" if "us_per_all_reduce" in r[v]
+                     else f"{'error':>14}" for v in variants]
+            print(f"{r['rows']:>5} {r['bytes']:>8} " + " ".join(cells))
     dist.destroy_process_group()
     return 0
 

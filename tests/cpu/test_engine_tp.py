@@ -55,6 +55,34 @@ class StagedAllReduce:
         return out.copy_(partial)
 
 
+class FusedStagedAllReduce(StagedAllReduce):
+    """Also offers the fused all-reduce + add + RMSNorm API (in torch over gloo), like the
+    symmetric-memory reducer with Triton; records the parities it was asked for."""
+
+    name = "staged-fused"
+
+    def __init__(self, rows: int, hidden: int) -> None:
+        super().__init__(rows, hidden)
+        self.halves = torch.full((2, rows, hidden), float("nan"))
+        self.parities: list[int] = []
+
+    def fused_staging(self, rows: int, parity: int) -> torch.Tensor | None:
+        self.parities.append(parity)
+        return self.halves[parity % 2, :rows] if rows <= self.halves.shape[1] else None
+
+    def reduce_add_rms_norm(self, partial: torch.Tensor, residual: torch.Tensor,
+                            weight: torch.Tensor, eps: float
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+        import torch.distributed as dist
+
+        from graphtune.engine.model import rms_norm
+
+        summed = partial.clone()
+        dist.all_reduce(summed)
+        residual.add_(summed)
+        return rms_norm(residual, weight, eps), residual
+
+
 def _step_diffs(steps: list[DecodeStep]) -> tuple[float, float]:
     """Max |logit difference| of steps[1:] against steps[0] over prefill and 4 decode steps
     (each step with a fresh cache)."""
@@ -101,12 +129,14 @@ def _compare(preset: str, parallel: ParallelContext) -> dict[str, Any]:
     out["tuned_picks"] = sorted(
         f"{k.op}|{k.shapes}|{e.runner_id}|{e.tactic}" for k, e in tuner.cache.items())
     staged_tuned = StagedAllReduce(2, shard.config.hidden_size)
+    fused = FusedStagedAllReduce(2, shard.config.hidden_size)
     tuned = [TensorParallelDecodeStep(shard, KVCache(shard.config, 2, 32), tuner=tuner,
                                       reducer=reducer, contiguous_slots=True)
-             for reducer in (None, staged_tuned)]
+             for reducer in (None, staged_tuned, fused)]
     whole = DecodeStep(full, KVCache(full.config, 2, 32), contiguous_slots=True)
     _, out["tuned_decode_diff"] = _step_diffs([whole, *tuned])
     out["tuned_staged_reduces"] = staged_tuned.staged
+    out["fused_parities"] = fused.parities
     # Engine: 4 prompts through 2 slots (requests queue, retire and move slots), graph runner
     # (eager fallback on CPU) for TP=2, eager for TP=1.
     tokens_by_tp = []
@@ -181,6 +211,8 @@ def test_tp2_matches_tp1(tp_results: dict[int, Any], preset: str) -> None:
         assert r["staged_reduces"] >= 2 * layers * 4, r["staged_reduces"]
         assert r["tuned_decode_diff"] < 1e-4, r["tuned_decode_diff"]
         assert r["tuned_staged_reduces"] == 2 * layers * 4
+        # The fused path ran every projection of every decode step, alternating its buffers.
+        assert r["fused_parities"] == [0, 1] * layers * 4
         assert r["tuned_by"] and all("agree" in t for t in r["tuned_by"]), r["tuned_by"]
     # Every rank holds the same picks (tuned with 'agree').
     assert tp_results[0][preset]["tuned_picks"] == tp_results[1][preset]["tuned_picks"]

@@ -28,6 +28,7 @@ def test_tp2_tokens_equal_tp1_and_graphs_hold_the_all_reduces() -> None:
     assert out["tp2_graph"] == out["tp1"]   # float32: a flip would need a 1e-5 near-tie
     assert max(out["graph_vs_eager_max_abs"].values()) < 1e-3
     assert out["all_reduce"] == "symm_mem"  # two NVLink-connected GPUs: the one-shot path
+    assert out["fused_norm"]  # Triton: the tuned step fuses all-reduce + add + RMSNorm
     assert out["tp2_graph_nccl"] == out["tp1"]
     assert out["tuned_picks_agree"] and out["tuned_picks"] > 0
     assert max(out["tuned_vs_eager_max_abs"].values()) < 1e-2  # float32, other kernels

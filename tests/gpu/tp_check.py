@@ -55,6 +55,7 @@ def main() -> None:
         dist.all_gather_object(gathered, out["tp2_graph"])
         out["ranks_agree"] = gathered[0] == gathered[1]
         out["all_reduce"] = graph.step_fn.reducer.name
+        out["fused_norm"] = bool(getattr(graph.step_fn.reducer, "fused", False))
         graph.release()
         # The same decode with NCCL all-reduces in the graphs.
         nccl = ParallelContext(parallel.group, parallel.rank, parallel.world_size, "nccl")

@@ -19,7 +19,10 @@ every rank, because both backends are collectives and a rank that took the other
 forever.
 
 Usage in a step: ``staged = reducer.staging(rows)``; write the partial product into ``staged``
-when it is not ``None`` (else into any tensor); ``reducer.reduce(partial, out)``.
+when it is not ``None`` (else into any tensor); ``reducer.reduce(partial, out)``. A reducer may
+also offer ``fused_staging(rows, parity)`` + ``reduce_add_rms_norm(partial, residual, weight,
+eps)``: the all-reduce, the residual add and the next RMSNorm in one kernel (the symmetric-memory
+backend does, with Triton); the tuned tensor-parallel step uses it when offered.
 """
 
 from __future__ import annotations
@@ -81,17 +84,25 @@ class NcclAllReduce:
 
 
 class SymmMemAllReduce:
-    """One-shot all-reduce through a symmetric-memory staging buffer of ``max_rows x hidden``.
+    """One-shot all-reduce through symmetric-memory staging buffers of ``max_rows x hidden``.
+
+    Two staging halves live in one symmetric allocation. :meth:`staging` + :meth:`reduce` use the
+    first with PyTorch's ``one_shot_all_reduce_out`` (it has a barrier at both ends, so the
+    buffer is free again when it returns). With ``fuse_norm`` (and Triton), :meth:`fused_staging`
+    + :meth:`reduce_add_rms_norm` also sum the partials, add the residual and apply RMSNorm in one
+    Triton kernel with a single barrier (:mod:`graphtune.ops._comm_kernels`); the caller alternates
+    the halves (``parity``), which is what makes the missing end barrier safe.
 
     Construction is collective (``rendezvous``): every rank of ``group`` must build it at the same
     point with the same arguments.
 
     Args:
         group: The process group (``None``: the default group).
-        max_rows: Rows of the staging buffer (the largest decode batch it serves).
+        max_rows: Rows of each staging half (the largest decode batch it serves).
         hidden: Row width.
         dtype: Element type of the partials.
         device: This rank's CUDA device.
+        fuse_norm: Set up the fused all-reduce + add + RMSNorm kernel (needs Triton).
 
     Raises:
         DistributedError: Symmetric memory could not be set up (the message says how to use NCCL
@@ -101,7 +112,7 @@ class SymmMemAllReduce:
     name = "symm_mem"
 
     def __init__(self, group: Any, max_rows: int, hidden: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, *, fuse_norm: bool = False) -> None:
         import torch.distributed as dist
         import torch.distributed._symmetric_memory as symm_mem
 
@@ -110,9 +121,13 @@ class SymmMemAllReduce:
         self.hidden = hidden
         self.max_rows = max_rows
         self.fallback = NcclAllReduce(group)
+        self.fused = False
         try:
-            self.buffer = symm_mem.empty(max_rows * hidden, dtype=dtype, device=device)
-            symm_mem.rendezvous(self.buffer, self.group_name)
+            self.buffer = symm_mem.empty(2 * max_rows * hidden, dtype=dtype, device=device)
+            handle = symm_mem.rendezvous(self.buffer, self.group_name)
+            self.rank, self.world = handle.rank, handle.world_size
+            if fuse_norm:
+                self._setup_fused(handle, device)
         except (RuntimeError, AttributeError, ValueError) as exc:
             raise DistributedError(
                 f"symmetric-memory all-reduce could not be set up on {device} ({exc}); run with "
@@ -120,6 +135,24 @@ class SymmMemAllReduce:
                 "ParallelContext(all_reduce_backend='nccl'))"
             ) from exc
         self._op = torch.ops.symm_mem.one_shot_all_reduce_out
+
+    def _setup_fused(self, handle: Any, device: torch.device) -> None:
+        import torch.distributed as dist
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.buffer_deltas = _deltas(handle.buffer_ptrs, self.rank, self.buffer.element_size(),
+                                     device)
+        # Our own signal pad: PyTorch's ops use the handle's, and two protocols must not share
+        # slots. Zeroed on every rank before anyone can signal (the barrier below).
+        self.pad = symm_mem.empty(self.max_rows * self.world, dtype=torch.int32, device=device)
+        self.pad.zero_()
+        pad_handle = symm_mem.rendezvous(self.pad, self.group_name)
+        self.pad_deltas = _deltas(pad_handle.buffer_ptrs, self.rank, self.pad.element_size(),
+                                  device)
+        torch.cuda.synchronize(device)
+        dist.barrier(group=self.group)
+        self.block = 1 << max(0, (self.hidden - 1).bit_length())
+        self.fused = True
 
     def staging(self, rows: int) -> torch.Tensor | None:
         """A ``[rows, hidden]`` view at the start of the symmetric buffer; ``None`` when it does
@@ -133,11 +166,55 @@ class SymmMemAllReduce:
 
         A partial that is not a staging view (too many rows) is reduced by NCCL in place.
         """
-        if partial.data_ptr() != self.buffer.data_ptr() or partial.numel() > self.buffer.numel():
+        if partial.data_ptr() != self.buffer.data_ptr() or partial.numel() > self.max_rows * (
+            self.hidden
+        ):
             return self.fallback.reduce(partial, out)
         if out is None or out is partial:
             out = torch.empty_like(partial)
         return self._op(partial, "sum", self.group_name, out)
+
+    def fused_staging(self, rows: int, parity: int) -> torch.Tensor | None:
+        """Staging half ``parity % 2`` for :meth:`reduce_add_rms_norm`; ``None`` when the fused
+        kernel is off or ``rows`` does not fit. Consecutive calls must alternate ``parity``."""
+        if not self.fused or rows > self.max_rows:
+            return None
+        start = (parity % 2) * self.max_rows * self.hidden
+        return self.buffer[start : start + rows * self.hidden].view(rows, self.hidden)
+
+    def reduce_add_rms_norm(self, partial: torch.Tensor, residual: torch.Tensor,
+                            weight: torch.Tensor, eps: float
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``residual += sum over ranks of partial`` (in place), and its RMSNorm.
+
+        Args:
+            partial: A :meth:`fused_staging` view holding this rank's partial product.
+            residual: ``[rows, hidden]`` residual stream (contiguous rows), updated in place.
+            weight: ``[hidden]`` norm weight.
+            eps: RMSNorm epsilon.
+
+        Returns:
+            ``(normed, residual)``.
+        """
+        from graphtune.ops import _comm_kernels
+
+        out = torch.empty_like(residual)
+        _comm_kernels.allreduce_add_rms_norm_kernel[(partial.shape[0],)](
+            partial, self.buffer_deltas, self.pad, self.pad_deltas, residual, weight, out,
+            self.rank, self.hidden, partial.stride(0), residual.stride(0), out.stride(0),
+            float(eps), WORLD=self.world, BLOCK=self.block,
+            num_warps=min(16, max(4, self.block // 512)),
+        )
+        return out, residual
+
+
+def _deltas(pointers: Any, rank: int, itemsize: int, device: torch.device) -> torch.Tensor:
+    """Element distances from this rank's mapping of a buffer to every rank's (int64 tensor)."""
+    base = pointers[rank]
+    if any((ptr - base) % itemsize for ptr in pointers):
+        raise ValueError("symmetric buffers are not element-aligned across ranks")
+    return torch.tensor([(ptr - base) // itemsize for ptr in pointers], dtype=torch.int64,
+                        device=device)
 
 
 def symm_mem_unavailable(device: torch.device) -> str | None:
@@ -154,13 +231,15 @@ def symm_mem_unavailable(device: torch.device) -> str | None:
 
 
 def make_all_reduce(parallel: Any, *, max_rows: int, hidden: int, dtype: torch.dtype,
-                    device: torch.device, one_shot_max_bytes: int = DEFAULT_ONE_SHOT_MAX_BYTES
-                    ) -> AllReduce:
+                    device: torch.device, one_shot_max_bytes: int = DEFAULT_ONE_SHOT_MAX_BYTES,
+                    fuse_norm: bool | None = None) -> AllReduce:
     """The all-reduce backend for ``parallel`` (a ``ParallelContext``), agreed by every rank.
 
     ``parallel.all_reduce_backend`` chooses: ``"nccl"``; ``"symm_mem"`` (an error when
     unavailable); ``"auto"``: symmetric memory when it is available on every rank, else NCCL
-    (logged). The staging buffer holds ``min(max_rows, one_shot_max_bytes / row bytes)`` rows.
+    (logged). Each staging half holds ``min(max_rows, one_shot_max_bytes / row bytes)`` rows.
+    ``fuse_norm`` (default: when Triton is importable) also sets up the fused all-reduce + add +
+    RMSNorm kernel that the tuned tensor-parallel step uses.
 
     Raises:
         ConfigError: ``"symm_mem"`` was asked for and some rank cannot use it.
@@ -188,7 +267,11 @@ def make_all_reduce(parallel: Any, *, max_rows: int, hidden: int, dtype: torch.d
         return NcclAllReduce(parallel.group)
     row_bytes = hidden * torch.empty((), dtype=dtype).element_size()
     rows = max(1, min(max_rows, one_shot_max_bytes // row_bytes))
-    reducer = SymmMemAllReduce(parallel.group, rows, hidden, dtype, device)
-    logger.info("tensor-parallel all-reduce: symmetric-memory one-shot for <= %d rows, NCCL above",
-                rows)
+    if fuse_norm is None:
+        from graphtune.ops import triton_available
+
+        fuse_norm = triton_available()
+    reducer = SymmMemAllReduce(parallel.group, rows, hidden, dtype, device, fuse_norm=fuse_norm)
+    logger.info("tensor-parallel all-reduce: symmetric-memory one-shot for <= %d rows (fused "
+                "add + RMSNorm kernel: %s), NCCL above", rows, reducer.fused)
     return reducer

@@ -237,13 +237,25 @@ class TensorParallelDecodeStep(DecodeStep):
         """Sums a row-parallel GEMM's partial output over the ranks (in place)."""
         return self.reducer.reduce(partial)
 
-    def row_parallel_output(self, a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """The tuned GEMM of this rank's slice, written where the all-reduce wants it, summed."""
-        from graphtune.ops import gemm
+    def project_add_norm(self, a: torch.Tensor, weight: torch.Tensor, x: torch.Tensor,
+                         norm_weight: torch.Tensor, parity: int
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's slice of the projection (tuned GEMM), written where the all-reduce wants
+        it, then the all-reduce, the residual add and the RMSNorm: one fused kernel when the
+        reducer offers it, else the all-reduce and the tuned add + RMSNorm."""
+        from graphtune.ops import fused_add_rms_norm, gemm
 
-        staged = self.reducer.staging(a.shape[0])
-        partial = gemm(a, weight, out=staged, tuner=self.tuner, max_m=self.max_m)
-        return self.reducer.reduce(partial)
+        eps = self.model.config.rms_norm_eps
+        rows = a.shape[0]
+        fused = getattr(self.reducer, "fused_staging", None)
+        staged = fused(rows, parity) if fused is not None else None
+        if staged is not None:
+            partial = gemm(a, weight, out=staged, tuner=self.tuner, max_m=self.max_m)
+            return self.reducer.reduce_add_rms_norm(partial, x, norm_weight, eps)
+        partial = gemm(a, weight, out=self.reducer.staging(rows), tuner=self.tuner,
+                       max_m=self.max_m)
+        delta = self.reducer.reduce(partial)
+        return fused_add_rms_norm(delta, norm_weight, eps, x, tuner=self.tuner, max_m=self.max_m)
 
 
 def init_from_torchrun(tp: int, device: torch.device, all_reduce_backend: str = "auto"

@@ -178,24 +178,29 @@ class DecodeStep:
         """Combines a row-parallel GEMM's partial output across ranks (prefill); identity here."""
         return partial
 
-    def row_parallel_output(self, a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """``a @ weight.T`` through the tuner's GEMM pick (the tuned step's output projections).
+    def project_add_norm(self, a: torch.Tensor, weight: torch.Tensor, x: torch.Tensor,
+                         norm_weight: torch.Tensor, parity: int
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tuned step's output projection and the norm after it: ``x + a @ weight.T`` and
+        its RMSNorm, as ``(normed, new x)``, through the tuner's GEMM and add + RMSNorm picks.
 
-        The tensor-parallel step overrides this to write its partial product where its
-        all-reduce wants it and return the sum over the ranks.
+        The tensor-parallel step overrides this (all-reduce between the two, or one fused
+        all-reduce + add + RMSNorm kernel); ``parity`` alternates between consecutive calls
+        (0 for the attention projection, 1 for the MLP's) so it can alternate buffers.
         """
-        from graphtune.ops import gemm
+        from graphtune.ops import fused_add_rms_norm, gemm
 
-        return gemm(a, weight, tuner=self.tuner, max_m=self.max_m)
+        delta = gemm(a, weight, tuner=self.tuner, max_m=self.max_m)
+        return fused_add_rms_norm(delta, norm_weight, self.model.config.rms_norm_eps, x,
+                                  tuner=self.tuner, max_m=self.max_m)
 
     def _tuned(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
                ) -> torch.Tensor:
         """The step through :mod:`graphtune.ops` with the tuner's picks (same math as above).
 
-        The residual adds ride in the fused add + RMSNorm kernels that follow each output
-        projection (the projection's result is the ``delta`` the next norm adds), so a
-        tensor-parallel step can all-reduce the projection alone and still launch no extra
-        kernel.
+        The residual adds ride in the add + RMSNorm that follows each output projection
+        (:meth:`project_add_norm`), so a tensor-parallel step can all-reduce the projection alone,
+        or fuse the all-reduce into that norm, and launch no extra kernel.
         """
         from graphtune.ops import attention as attention_op
         from graphtune.ops import fused_add_rms_norm, gemm, rope_kv_cache, silu_and_mul
@@ -205,22 +210,18 @@ class DecodeStep:
         batch = tokens.shape[0]
         heads, kv_heads, dim = cfg.num_heads, cfg.num_kv_heads, cfg.dim_per_head
         seq = self.cache.max_seq_len
-        eps = cfg.rms_norm_eps
-
-        def add_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-            if delta is None:
-                return fused_add_rms_norm(x, weight, eps, tuner=tuner, max_m=max_m)
-            return fused_add_rms_norm(delta, weight, eps, x, tuner=tuner, max_m=max_m)
 
         x = F.embedding(tokens, model.embed)
         mask = self.mask(positions)
         write_rows = ((slots[:, None] * kv_heads + self.kv_head_index[None, :]) * seq
                       + positions[:, None]).reshape(-1)
         attend = None  # (runner, tactic) of decode attention, chosen once per step
-        delta: torch.Tensor | None = None  # last output projection, added by the next norm
+        h, x = fused_add_rms_norm(x, model.layers[0].attn_norm, cfg.rms_norm_eps, tuner=tuner,
+                                  max_m=max_m)
         for index, layer in enumerate(model.layers):
-            h, x = add_norm(x, delta, layer.attn_norm)
+            # The norm that follows each projection: the next layer's, the final one at the end.
+            next_norm = (model.layers[index + 1].attn_norm if index + 1 < len(model.layers)
+                         else model.final_norm)
             qkv = gemm(h, layer.wqkv, layer.bqkv, tuner=tuner, max_m=max_m)
             q = rope_kv_cache(
                 qkv, positions, self.cos, self.signed_sin, self.k_flat[index],
@@ -239,12 +240,11 @@ class DecodeStep:
                 attend = tuner.choose_one(attention_op.OP_NAME, attention_op.RUNNERS,
                                           self._attention_config, inputs)
             attn = attend[0].forward(inputs, attend[1])
-            delta = self.row_parallel_output(attn.reshape(batch, heads * dim), layer.wo)
-            h, x = add_norm(x, delta, layer.mlp_norm)
+            h, x = self.project_add_norm(attn.reshape(batch, heads * dim), layer.wo, x,
+                                         layer.mlp_norm, 0)
             act = silu_and_mul(gemm(h, layer.w_gate_up, tuner=tuner, max_m=max_m),
                                tuner=tuner, max_m=max_m)
-            delta = self.row_parallel_output(act, layer.w_down)
-        h, _ = add_norm(x, delta, model.final_norm)
+            h, x = self.project_add_norm(act, layer.w_down, x, next_norm, 1)
         return gemm(h, model.lm_head, tuner=tuner, max_m=max_m)
 
 

@@ -1,5 +1,6 @@
 """graphtune.ops on the GPU: every Triton kernel at Llama-1B decode shapes in bf16 against a
-float64 reference, every valid GEMM tactic for two buckets, and capture of each op in a graph.
+float64 reference, every valid GEMM tactic for two buckets, every decode-attention tactic against
+SDPA, and capture of each op in a graph.
 
 Skipped without CUDA (tests/gpu/conftest.py) and without Triton.
 """
@@ -17,9 +18,11 @@ from graphtune.ops import (  # noqa: E402
     TritonRMSNormRunner,
     TritonRopeRunner,
     TritonSiluAndMulRunner,
+    attention,
     gemm,
     torch_rope_kv_cache,
 )
+from graphtune.ops.tuning import attention_mask  # noqa: E402
 
 DEV = "cuda"
 BF16 = torch.bfloat16
@@ -194,3 +197,89 @@ def test_tune_then_capture_bakes_in_the_pick():
     torch.cuda.synchronize()
     assert torch.equal(out, eager) and tuner.stats.fallbacks == fallbacks
     graph.reset()
+
+
+# --- decode attention (Triton flash-decoding) ----------------------------------------------------
+
+SEQ = 528  # the KV cache length of the Llama-1B decode benchmark
+# bf16 inputs, bf16 probabilities in the p . v product and a bf16 output: each about 2^-9
+# relative; outputs of unit-variance V are averages of magnitude <= ~1, so 2e-2 absolute is a few
+# bf16 ulps of slack beside SDPA (which rounds the same quantities, in another order).
+ATTN_ATOL = 2e-2
+
+
+def _attention_inputs(batch: int, dim: int) -> list[torch.Tensor]:
+    """q, a strided K view (every other row of a larger cache), V, a random-position mask.
+
+    Row 0 sees only its first 6 keys (its visible keys all fall in the first split).
+    """
+    q = _randn(batch, KV, HEADS // KV, dim)
+    keys = _randn(2 * batch, KV, SEQ, dim)[::2]
+    values = _randn(batch, KV, SEQ, dim)
+    positions = torch.randint(0, SEQ, (batch,), device=DEV)
+    positions[0] = 5
+    return [q, keys, values, attention_mask(positions, SEQ, BF16)]
+
+
+def _attention_reference(q, keys, values, mask) -> torch.Tensor:
+    q, keys, values, mask = (t.double() for t in (q, keys, values, mask))
+    scores = q @ keys.transpose(-1, -2) / q.shape[-1] ** 0.5 + mask
+    return torch.softmax(scores, dim=-1) @ values
+
+
+@pytest.mark.parametrize("batch,dim", [(1, DIM), (8, DIM), (64, DIM), (8, 128)])
+def test_decode_attention_every_triton_tactic_matches_sdpa(batch, dim):
+    runner = attention.TritonDecodeAttention()
+    inputs = _attention_inputs(batch, dim)
+    tactics = runner.get_valid_tactics(inputs, None)
+    assert 1 <= len(tactics) <= 12
+    if batch == 1:
+        assert max(t["splits"] for t in tactics) > 1  # 8 programs cannot fill the GPU
+    report = runner.precompile(inputs, tactics)
+    assert all(v is None for v in report.values()), report
+    sdpa = torch.nn.functional.scaled_dot_product_attention(*inputs[:3], attn_mask=inputs[3])
+    want = _attention_reference(*inputs)
+    for tactic in tactics:
+        got = runner.forward(inputs, tactic)
+        assert got.dtype == BF16 and got.shape == inputs[0].shape, tactic
+        assert float((got.float() - sdpa.float()).abs().max()) < ATTN_ATOL, tactic
+        assert _rel(got, want) < BF16_TOL, tactic
+        assert torch.equal(runner.forward(inputs, tactic), got), tactic  # deterministic
+
+
+def test_decode_attention_triton_captures_in_a_cuda_graph_and_follows_new_inputs():
+    runner = attention.TritonDecodeAttention()
+    inputs = _attention_inputs(4, DIM)
+    split = max(runner.get_valid_tactics(inputs, None), key=lambda t: t["splits"])
+    assert split["splits"] > 1  # the two-kernel path (workspace allocated inside the capture)
+
+    def fn():
+        return runner.forward(inputs, split)
+
+    eager = fn().clone()
+    graph, out = _capture(fn)
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+    # New K/V and positions in the same buffers: the replay attends over them.
+    inputs[1].copy_(_randn(4, KV, SEQ, DIM))
+    inputs[3].copy_(attention_mask(torch.tensor([0, 100, 527, 300], device=DEV), SEQ, BF16))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, runner.forward(inputs, split))
+    graph.reset()
+
+
+def test_decode_attention_tunes_with_the_triton_runner_without_failures():
+    tuner = AutoTuner(show_progress=False)
+    config = attention.tuning_config(8)
+    inputs = _attention_inputs(8, DIM)
+    with autotune(tuner=tuner):
+        out = attention.decode_attention(*inputs, tuner=tuner, config=config)
+    rows = tuner.summary_rows()
+    assert tuner.stats.profiles_tuned == 4, rows
+    assert not tuner.stats.tactic_failures, (tuner.stats.tactic_failures, rows)
+    assert float((out.float() - _attention_reference(*inputs)).abs().max()) < ATTN_ATOL
+    for row in rows:  # the picks per bucket, for the log of the GPU run (pytest -s)
+        print(row)

@@ -1,4 +1,5 @@
-"""Decode attention as a tunable op: which SDPA backend (or plain matmuls) is fastest per batch.
+"""Decode attention as a tunable op: which SDPA backend, plain matmuls or a Triton
+flash-decoding kernel is fastest per batch.
 
 One decode token per request attends over a static KV cache. PyTorch's
 ``scaled_dot_product_attention`` picks a backend by rules, not by measurement, and for this shape
@@ -8,6 +9,17 @@ can be several times slower than another one at large batch. The tuner measures 
 Inputs of every runner: ``[q, keys, values, mask]`` with ``q [B, kv_heads, groups, head_dim]``
 (the query heads that share a KV head form that head's query "sequence"), ``keys`` and ``values``
 ``[B, kv_heads, seq, head_dim]``, and an additive ``mask [B, 1, 1, seq]``.
+
+Runners (index 0 is the untuned fallback):
+
+* :class:`SdpaAttention` — tactics force one SDPA backend (``-1``: PyTorch's own choice).
+* :class:`MatmulAttention` — two batched matmuls around a float32 (or input-dtype) softmax.
+* :class:`TritonDecodeAttention` — a Triton flash-decoding kernel (needs Triton): grid
+  ``(B * kv_heads, splits)``, each program walks its slice of the key axis in ``block_n`` tiles
+  with an online softmax; with ``splits > 1`` a second small kernel merges the float32 partials.
+  Only the keys the mask leaves visible are read. Tactics are
+  ``{"block_n", "splits", "warps", "stages"}`` (see :func:`decode_attention_tactics` for the
+  pruning rules); ``-1`` is torch SDPA.
 """
 
 from __future__ import annotations
@@ -25,6 +37,10 @@ from graphtune.autotuner import (
     TunableRunner,
     TuningConfig,
 )
+from graphtune.autotuner.config import last_power_of_two, next_power_of_two
+from graphtune.errors import ConfigError, InputError
+from graphtune.ops._triton import TritonRunner, device_supported, kernels, run_kernel
+from graphtune.ops.gemm import _device_limits
 
 OP_NAME = "decode_attention"
 
@@ -85,7 +101,206 @@ class MatmulAttention(TunableRunner):
         return torch.matmul(probs, values)
 
 
-RUNNERS: tuple[TunableRunner, ...] = (SdpaAttention(), MatmulAttention())
+#: ``(block_n, warps, stages)`` of the Triton tactics before the split count is chosen. Decode is
+#: memory-bound: a few configs that vary the tile and the loads in flight are enough to time.
+TRITON_BASE_CONFIGS = ((64, 4, 2), (64, 4, 3), (128, 4, 3), (128, 8, 2))
+MAX_SPLITS = 64
+_DEFAULT_SMS = 132  # an H100/H200; used off-GPU
+_DEFAULT_SMEM = 227 * 1024
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_MAX_GROUPS = 32  # query rows per KV head held in registers (GQA ratios are 1..16 in practice)
+_LOG2E = 1.4426950408889634
+
+
+def decode_attention_tactics(batch: int, kv_heads: int, seq: int, head_dim: int = 64, *,
+                             itemsize: int = 2, sm_count: int = _DEFAULT_SMS,
+                             smem_bytes: int = _DEFAULT_SMEM) -> list[dict[str, int]]:
+    """Triton decode-attention tactics worth timing for one shape (at most 12).
+
+    Rules:
+
+    * ``block_n`` comes from :data:`TRITON_BASE_CONFIGS`, clamped to
+      ``max(16, next_power_of_two(seq))`` (a larger tile only loads padding); duplicates made by
+      the clamp are dropped.
+    * ``stages * 2 * block_n * head_dim * itemsize <= smem_bytes``: the pipelined K and V tiles
+      fit in shared memory (an upper bound; Triton keeps ``stages - 1`` buffers). Only float32
+      with ``head_dim >= 128`` loses configs; if none fits, the smallest tile with 2 stages stays.
+    * ``splits`` are powers of two ``<= seq // block_n`` (every split gets at least one full
+      tile), ``<= MAX_SPLITS``, and ``<= 2 * sm_count / (batch * kv_heads)`` (more programs
+      than about two per SM only add partials to merge). Of those, ``1`` (one kernel, no
+      merge), the largest and half the largest are kept.
+
+    Args:
+        batch: Batch rows (the bucket).
+        kv_heads: Key/value heads.
+        seq: Key axis length (the KV cache length).
+        head_dim: Per-head width.
+        itemsize: Bytes per K/V element.
+        sm_count: Streaming multiprocessors of the GPU.
+        smem_bytes: Shared memory one program may use.
+
+    Returns:
+        Tactic dicts in a fixed order (base config, then split count ascending), so ties in
+        tuning go to the simpler config.
+    """
+    cap = max(16, next_power_of_two(seq))
+    programs = max(1, batch * kv_heads)
+    out: list[dict[str, int]] = []
+    seen: set[tuple[int, int, int]] = set()
+    configs = [(min(block_n, cap), warps, stages) for block_n, warps, stages in TRITON_BASE_CONFIGS]
+    fitting = [c for c in configs if c[2] * 2 * c[0] * head_dim * itemsize <= smem_bytes]
+    for block_n, warps, stages in fitting or [(min(c[0] for c in configs), 4, 2)]:
+        if (block_n, warps, stages) in seen:
+            continue
+        seen.add((block_n, warps, stages))
+        limit = min(seq // block_n, MAX_SPLITS, int(2 * sm_count / programs))
+        top = last_power_of_two(max(1, limit))
+        for splits in sorted({1, max(1, top // 2), top}):
+            out.append({"block_n": block_n, "splits": splits, "warps": warps, "stages": stages})
+    return out
+
+
+def check_decode_tactic(tactic: Any) -> str | None:
+    """Why ``tactic`` is not a Triton decode-attention tactic, or ``None`` when it is one."""
+    keys = {"block_n", "splits", "warps", "stages"}
+    if not isinstance(tactic, dict) or set(tactic) != keys:
+        return f"a tactic is a dict with keys {sorted(keys)} (or -1), got {tactic!r}"
+    values = list(tactic.values())
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in values):
+        return f"tactic values must be ints >= 1, got {tactic!r}"
+    block_n, splits, warps = tactic["block_n"], tactic["splits"], tactic["warps"]
+    if any(v & (v - 1) for v in (block_n, splits, warps)):
+        return f"block_n, splits and warps must be powers of two, got {tactic!r}"
+    if block_n < 16 or splits > MAX_SPLITS or warps > 16 or tactic["stages"] > 5:
+        return (f"need block_n >= 16 (tl.dot), splits <= {MAX_SPLITS}, warps <= 16, "
+                f"stages <= 5, got {tactic!r}")
+    return None
+
+
+def _layout_problem(inputs: list[Any]) -> str | None:
+    """Why the Triton kernel cannot take these inputs, or ``None`` when it can."""
+    q, keys, values, mask = inputs
+    if q.dim() != 4 or keys.dim() != 4 or keys.shape != values.shape:
+        return (f"need q [B, KV, G, D] and keys == values [B, KV, S, D], got q "
+                f"{tuple(q.shape)}, keys {tuple(keys.shape)}, values {tuple(values.shape)}")
+    batch, kv_heads, groups, dim = q.shape
+    if tuple(keys.shape[:2]) != (batch, kv_heads) or keys.shape[3] != dim:
+        return f"keys {tuple(keys.shape)} do not match q {tuple(q.shape)} in B, KV or D"
+    seq = keys.shape[2]
+    if mask.dim() != 4 or mask.shape[0] not in (1, batch) or tuple(mask.shape[1:]) != (1, 1, seq):
+        return f"need an additive mask [B or 1, 1, 1, S={seq}], got {tuple(mask.shape)}"
+    if q.dtype not in _DTYPES or keys.dtype != q.dtype or values.dtype != q.dtype:
+        return (f"q, keys and values need one dtype of {_DTYPES}, got {q.dtype}, {keys.dtype}, "
+                f"{values.dtype}")
+    if not mask.dtype.is_floating_point:
+        return f"the mask must be additive (a float dtype), got {mask.dtype}"
+    if dim < 16 or dim > 256 or dim & (dim - 1):
+        return f"head_dim must be a power of two in [16, 256] (tl.dot tiles), got {dim}"
+    if groups > _MAX_GROUPS:
+        return f"at most {_MAX_GROUPS} query heads per KV head, got {groups}"
+    if len({t.device for t in inputs}) != 1:
+        return "q, keys, values and mask must be on one device"
+    return None
+
+
+class TritonDecodeAttention(TritonRunner):
+    """Flash-decoding in Triton (``graphtune.ops._kernels.decode_attention_kernel``).
+
+    Tactic ``-1`` is torch SDPA. Numerics follow flash attention: ``q . k`` on the input dtype
+    with float32 accumulation (IEEE float32 products for float32 inputs), softmax in float32,
+    probabilities rounded to the input dtype for the ``p . v`` product, one rounding of the
+    output. Deterministic (no atomics) and capturable in a CUDA graph (the split workspace is
+    allocated per call from the caching allocator; no host sync).
+
+    Only keys the mask leaves visible (bias ``> -inf``) are read, so unlike SDPA its time grows
+    with the decode positions, not with the cache length: a pick is timed on the tuner's
+    synthetic mask (``graphtune.ops.tuning`` puts every row at ``max_seq_len // 2``).
+
+    Args:
+        sm_count: Override the device's SM count (tests, or to tune for another GPU's splits).
+        compile_workers: Threads for ahead-of-time compilation.
+    """
+
+    def __init__(self, *, sm_count: int | None = None,
+                 compile_workers: int | None = None) -> None:
+        super().__init__(compile_workers=compile_workers)
+        if sm_count is not None and (isinstance(sm_count, bool) or not isinstance(sm_count, int)
+                                     or sm_count < 1):
+            raise ConfigError(f"TritonDecodeAttention: sm_count must be an int >= 1 or None, "
+                              f"got {sm_count!r}.")
+        self.sm_count = sm_count
+
+    def cache_key_extras(self) -> tuple[Any, ...]:
+        """An SM-count override changes the candidate set, so it is part of the identity."""
+        return () if self.sm_count is None else ({"sm": self.sm_count},)
+
+    def supports(self, inputs: list[Any]) -> bool:
+        """See :func:`_layout_problem`; and a Triton device (CUDA, or the CPU interpreter)."""
+        return _layout_problem(inputs) is None and device_supported(inputs[0].device)
+
+    def tactics_for(self, inputs: list[Any]) -> list[Any]:
+        """See :func:`decode_attention_tactics`; SM count and shared memory come from the
+        inputs' device (H100/H200 values off-GPU)."""
+        q, keys = inputs[0], inputs[1]
+        smem, sms = _device_limits(q.device)
+        return list(decode_attention_tactics(
+            q.shape[0], q.shape[1], keys.shape[2], q.shape[3], itemsize=keys.element_size(),
+            sm_count=self.sm_count or sms, smem_bytes=smem,
+        ))
+
+    def torch_forward(self, inputs: list[Any]) -> torch.Tensor:
+        """``F.scaled_dot_product_attention``: the fallback tactic."""
+        q, keys, values, mask = inputs
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+
+    def launch(self, inputs: list[Any], tactic: Any, *, warmup: bool = False) -> torch.Tensor:
+        """Runs the decode kernel (and with ``splits > 1`` the merge kernel); returns
+        ``[B, KV, G, D]`` in q's dtype.
+
+        Raises:
+            InputError: Inputs the kernel cannot take (see :meth:`supports`).
+            ConfigError: ``tactic`` breaks a rule of :func:`check_decode_tactic`.
+        """
+        problem = _layout_problem(inputs)
+        if problem is not None:
+            raise InputError(f"TritonDecodeAttention: {problem}; use tactic -1 (torch SDPA) or "
+                             "another runner for these inputs.")
+        problem = check_decode_tactic(tactic)
+        if problem is not None:
+            raise ConfigError(f"TritonDecodeAttention: {problem}; pick a tactic from "
+                              "get_valid_tactics.")
+        q, keys, values, mask = inputs
+        batch, kv_heads, groups, dim = q.shape
+        seq = keys.shape[2]
+        out = torch.empty((batch, kv_heads, groups, dim), device=q.device, dtype=q.dtype)
+        if out.numel() == 0:
+            return out
+        splits = tactic["splits"]
+        # Float32 partials (acc, m, l) per split; with one split the kernel writes `out` itself.
+        ws = out if splits == 1 else torch.empty((batch * kv_heads, splits, groups, dim + 2),
+                                                 device=q.device, dtype=torch.float32)
+        args = (
+            q, keys, values, mask, out, ws,
+            kv_heads, groups, seq, _LOG2E / math.sqrt(dim),
+            *q.stride(), *keys.stride(), *values.stride(),
+            mask.stride(0) if mask.shape[0] > 1 else 0, mask.stride(3),
+        )
+        meta = dict(
+            SPLITS=splits, BLOCK_G=max(16, next_power_of_two(groups)), HEAD_DIM=dim,
+            BLOCK_N=tactic["block_n"], SCAN_BLOCK=max(16, min(512, next_power_of_two(seq))),
+            IEEE=q.dtype == torch.float32,
+            num_warps=tactic["warps"], num_stages=tactic["stages"],
+        )
+        kern = kernels()
+        run_kernel(kern.decode_attention_kernel, (batch * kv_heads, splits), args, meta, warmup)
+        if splits > 1:
+            run_kernel(kern.decode_attention_combine_kernel, (batch * kv_heads * groups,),
+                       (ws, out, groups), dict(SPLITS=splits, HEAD_DIM=dim, num_warps=2),
+                       warmup)
+        return out
+
+
+RUNNERS: tuple[TunableRunner, ...] = (SdpaAttention(), MatmulAttention(), TritonDecodeAttention())
 
 
 def tuning_config(max_batch_size: int) -> TuningConfig:

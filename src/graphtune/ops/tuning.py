@@ -158,6 +158,7 @@ def _triton_runners(dims: OpDims) -> list[TritonRunner]:
         *silu_and_mul_runners(),
         *rope_runners(dims.num_heads, dims.num_kv_heads, False),
         *rope_runners(dims.num_heads, dims.num_kv_heads, True),
+        *attention_op.RUNNERS,
     ]
     return [r for r in runners if isinstance(r, TritonRunner)]
 

@@ -178,14 +178,15 @@ def test_all_tactics_fail_uses_fallback(caplog) -> None:
 @pytest.mark.parametrize(
     "costs_b, expected",
     [
-        ({0: 0.995, 1: 3.0}, ("a", -1)),  # 0.5% faster than the fallback: a tie -> lowest index
+        ({0: 0.999, 1: 3.0}, ("a", -1)),  # 0.1% faster than the fallback: under the 0.5% floor
+        ({0: 0.98, 1: 3.0}, ("b", 0)),  # 2% faster, noise 0.2%: a real win (the old rule tied it)
         ({0: 0.95, 1: 3.0}, ("b", 0)),  # 5% faster: a real win
     ],
 )
 def test_picks_are_deterministic_under_noise(costs_b: dict, expected: tuple) -> None:
     picks = set()
     for seed in range(40):
-        tuner, runners, _ = make({-1: 1.0, 0: 1.01}, costs_b, noise=0.004, seed=seed)
+        tuner, runners, _ = make({-1: 1.0, 0: 1.01}, costs_b, noise=0.002, seed=seed)
         tuner.tuning_mode = True
         config = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0, (4,)),), warmup=0, repeat=1)
         runner, tactic = tuner.choose_one("op", runners, config, [torch.randn(4, 2)])

@@ -38,6 +38,10 @@ COLLECTIVE = ("broadcast", "parallel", "agree")
 SPLIT_COSTS = ({-1: 10.0, 0: 5.0, 1: 3.0, 2: 4.0}, {-1: 10.0, 0: 5.0, 1: 6.0, 2: 2.0})
 # Same costs on both ranks; tactic 2 is fastest but raises on rank 1 only.
 FAIL_COSTS = {-1: 10.0, 0: 5.0, 1: 3.0, 2: 1.0}
+# Tactic 0 is 3% faster than the fallback on both ranks, but rank 0's timer jitters by 5% (alone
+# it calls that a tie: the fallback) and rank 1's by 0.1% (alone: a win).
+NOISY_COSTS = {-1: 100.0, 0: 97.0}
+NOISE = (0.05, 0.001)
 
 
 class Clock:
@@ -77,6 +81,37 @@ class ClockTimer:
         return Measurement.from_samples([per_call], calls_per_sample=repeat, timer=self.name)
 
 
+class JitterTimer(ClockTimer):
+    """ClockTimer times ``1 + pattern[k % 3]`` on a tactic's k-th measurement (the per-call cost
+    identifies the tactic): every median is exactly the cost, the noise (MAD) exactly ``e``."""
+
+    def __init__(self, clock: Clock, e: float) -> None:
+        super().__init__(clock)
+        self.pattern, self.counts = (e, -e, 0.0), {}
+
+    def measure(self, fn, *, warmup: int, repeat: int) -> Measurement:
+        per_call = super().measure(fn, warmup=warmup, repeat=repeat).median_us
+        k = self.counts[per_call] = self.counts.get(per_call, -1) + 1
+        value = per_call * (1.0 + self.pattern[k % 3])
+        return Measurement.from_samples([value], calls_per_sample=repeat, timer=self.name)
+
+
+def _tune_noisy(rank: int, strategy: str, group: Any) -> dict:
+    clock = Clock()
+    tuner = AutoTuner(JitterTimer(clock, NOISE[rank]))
+    with autotune(None, tuner, distributed=DistributedTuning(strategy, group)):
+        tuner.choose_one("op", [RankRunner(NOISY_COSTS, clock)], CONFIG, [torch.zeros(4, 8)])
+    return {
+        "picks": {str(key.shapes[0][0]): entry.tactic for key, entry in tuner.cache.items()},
+        "extra_rounds": tuner.stats.extra_rounds,
+        "history": [
+            (r.winner_index, r.tie_band, [(c.tactic, c.median_us, c.samples, c.tied)
+                                          for c in r.candidates])
+            for r in tuner.history
+        ],
+    }
+
+
 def _tune(rank: int, strategy: str, costs: dict, fail: frozenset, path: str, group: Any) -> dict:
     clock = Clock()
     runner = RankRunner(costs, clock, fail)
@@ -112,6 +147,7 @@ def _worker(rank: int, init: str, tmp: str, results) -> None:
                 out[f"fail/{strategy}"] = _tune(
                     rank, strategy, FAIL_COSTS, fail, f"{tmp}/fail-{strategy}-{rank}.json", group
                 )
+                out[f"noisy/{strategy}"] = _tune_noisy(rank, strategy, group)
             # Ranks tuning different shapes: every rank raises instead of hanging.
             try:
                 clock = Clock()
@@ -203,6 +239,27 @@ def test_each_strategy_picks_what_its_rule_says(ranks) -> None:
     assert rank0["fail/broadcast"]["picks"] == {k: 2 for k in every}
     assert rank1["fail/agree"]["failures"] == {"RuntimeError": len(BUCKETS)}
     assert rank1["fail/broadcast"]["timed"] == []  # the other ranks time nothing
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", COLLECTIVE)
+def test_noise_aware_pick_uses_only_agreed_times(ranks, strategy) -> None:
+    # The ranks' own noise differs (5% vs 0.1%), but the pick sees one agreed time per candidate:
+    # no noise band (only the 0.5% floor), no adaptive rounds, the same records on both ranks.
+    a, b = (r[f"noisy/{strategy}"] for r in ranks)
+    assert a["picks"] == b["picks"] == {str(bucket): 0 for bucket in BUCKETS}
+    assert a["extra_rounds"] == b["extra_rounds"] == 0
+    assert a["history"] == b["history"]
+    assert a["history"][0] == (1, 0.005, [(-1, 100.0, 1, False), (0, 97.0, 1, True)])
+
+
+@pytest.mark.slow
+def test_independent_ranks_apply_the_noise_rule_to_their_own_samples(ranks) -> None:
+    noisy, tight = (r["noisy/independent"] for r in ranks)
+    assert noisy["picks"] == {str(bucket): -1 for bucket in BUCKETS}  # 3% is inside 5% noise
+    assert noisy["extra_rounds"] == 6 * len(BUCKETS)  # undecided to the last extra round
+    assert tight["picks"] == {str(bucket): 0 for bucket in BUCKETS}
+    assert tight["extra_rounds"] == 0
 
 
 @pytest.mark.slow

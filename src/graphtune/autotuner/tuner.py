@@ -1,4 +1,4 @@
-"""AutoTuner.choose_one, the process-default tuner and the ``autotune()`` context manager.
+"""AutoTuner.choose_one: look a pick up, or tune every profile of the op and cache the picks.
 
 Outside tuning mode ``choose_one`` is a dictionary look-up. Inside it, a miss tunes every profile
 of the op (bucket combination) at once: each (runner, tactic) is timed on synthetic inputs by the
@@ -9,9 +9,28 @@ Noise handling, so that repeated tuning runs pick the same tactic:
 * candidates are measured interleaved (round-robin over all of them for ``rounds`` rounds), so a
   slow drift of clocks or temperature hits every candidate alike instead of whichever ran last;
 * the ``remeasure_top`` fastest are measured ``rounds`` more times, interleaved;
-* a candidate's time is the median of its measurements; every candidate within ``tie_tolerance``
-  (relative, default 2%) of the fastest counts as tied, and the tie goes to the lowest
-  (runner index, tactic index): the earliest-listed, usually simplest implementation.
+* a candidate's time is the median of its measurements. Another candidate is tied with the
+  fastest when its relative gap is at most ``max(tie_tolerance, noise band)``: ``tie_tolerance``
+  (default 0.5%) is a floor below which differences never matter, and the noise band is
+  ``noise_z`` (default 2) standard errors of the difference of the two medians (robust, from each
+  candidate's median absolute deviation), relative to the fastest, capped at
+  ``max_tie_tolerance`` (default 5%) so that a very noisy timer cannot tie everything. The rule
+  lives in :mod:`graphtune.autotuner.selection`;
+* a candidate whose gap is above the floor but inside the band is undecided: it and the fastest
+  alone are measured again, interleaved, for up to ``max_extra_rounds`` more rounds, stopping as
+  soon as none is undecided, so extra time goes only where it can change the decision;
+* the tie goes to the lowest (runner index, tactic index) among the tied: the earliest-listed,
+  usually simplest implementation. So a tactic measurably faster than the fallback by more than
+  the floor wins, and one whose advantage is inside the noise does not.
+
+The schedule of measurements is :mod:`graphtune.autotuner.schedule`.
+
+Under a collective distributed strategy (``broadcast``, ``parallel``, ``agree``) the ranks reduce
+each candidate to one agreed time, which is all the pick may use (it must be the same on every
+rank): the band is then 0, only ``tie_tolerance`` applies, and the adaptive rounds are skipped
+(they would refine a band the pick does not use). ``independent`` and non-distributed tuning use
+the full rule. Every tuned profile appends a :class:`~graphtune.autotuner.selection.ProfileRecord`
+of what was measured to ``AutoTuner.history``.
 
 Faults: a tactic that raises, hangs, crashes or returns a garbage time (NaN, inf, <= 0) counts as
 infinitely slow, with its reason counted in ``stats.tactic_failures``. Where a tactic runs while
@@ -25,18 +44,14 @@ from __future__ import annotations
 import json
 import logging
 import math
-import statistics
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from os import PathLike
 from typing import Any
 
 import torch
 
-from graphtune import env
 from graphtune.autotuner.cache import BlockedTactic, CacheEntry, CacheKey, TuningCache
 from graphtune.autotuner.config import TuningConfig
 from graphtune.autotuner.distributed import DistributedTuning, OpCoordinator
@@ -54,8 +69,17 @@ from graphtune.autotuner.profiles import (
     synthesize_inputs,
 )
 from graphtune.autotuner.runner import FALLBACK_TACTIC, TunableRunner, runner_id, short_runner_name
+from graphtune.autotuner.schedule import (
+    Candidate,
+    interleave,
+    record,
+    remeasure_top,
+    select,
+    settle,
+)
+from graphtune.autotuner.selection import ProfileRecord, TieRule
 from graphtune.autotuner.timing.base import Timer
-from graphtune.errors import CacheFileError, ConfigError, TuningError
+from graphtune.errors import ConfigError, TuningError
 from graphtune.reporting import ProgressTask, progress, render_table
 
 logger = logging.getLogger(__name__)
@@ -74,6 +98,7 @@ class TunerStats:
         profiles_tuned: (op, bucket) combinations tuned.
         tactics_timed: (runner, tactic) candidates timed successfully, summed over profiles.
         measurements: Timer calls made.
+        extra_rounds: Adaptive rounds run to decide candidates inside the noise band.
         tactic_failures: Failed candidates by reason: an exception type name, or ``timeout``,
             ``crash``, ``context corrupted``, ``invalid time`` (NaN, inf or <= 0 from the timer).
         tactics_blocked: Candidates skipped because the blocklist names them.
@@ -87,28 +112,11 @@ class TunerStats:
     profiles_tuned: int = 0
     tactics_timed: int = 0
     measurements: int = 0
+    extra_rounds: int = 0
     tactic_failures: dict[str, int] = field(default_factory=dict)
     tactics_blocked: int = 0
     workers_started: int = 0
     tuning_seconds: float = 0.0
-
-
-@dataclass
-class _Candidate:
-    runner_index: int
-    runner: TunableRunner
-    tactic_index: int
-    tactic: Any
-    samples: list[float] = field(default_factory=list)
-    failed: str | None = None
-
-    @property
-    def order(self) -> tuple[int, int]:
-        return (self.runner_index, self.tactic_index)
-
-    @property
-    def score(self) -> float:
-        return statistics.median(self.samples) if self.samples and not self.failed else math.inf
 
 
 def _default_is_capturing() -> bool:
@@ -134,8 +142,14 @@ class AutoTuner:
             and the inputs' device. A timer given here takes precedence over the config.
         rounds: Interleaved measurement rounds over all candidates (and again over the top few).
         remeasure_top: How many of the fastest candidates are measured again.
-        tie_tolerance: Relative gap within which candidates count as tied (0.02 = 2%); ties go to
-            the lowest (runner index, tactic index).
+        tie_tolerance: Relative gap below which a difference never matters (0.005 = 0.5%): the
+            floor of the tie threshold. Ties go to the lowest (runner index, tactic index).
+        noise_z: Standard errors of the difference of two medians that count as noise (the
+            noise band; see the module docstring).
+        max_tie_tolerance: Cap of the noise band (0.05 = 5%); ``tie_tolerance`` applies even
+            above it.
+        max_extra_rounds: Most adaptive rounds over the fastest and the undecided candidates
+            (gap above the floor, inside the band); 0 turns them off.
         is_capturing: Returns whether a CUDA stream is capturing (then nothing is profiled); the
             default asks ``torch.cuda.is_current_stream_capturing()``. A seam for tests.
         cache: The cache to use; a new empty one by default.
@@ -147,6 +161,14 @@ class AutoTuner:
         distributed: How the ranks of a process group share tuning: ``None`` (not distributed,
             the default), a strategy name or a :class:`~graphtune.autotuner.distributed.
             DistributedTuning` (see ``docs/distributed.md``).
+
+    Attributes:
+        cache: The :class:`~graphtune.autotuner.cache.TuningCache` of picks.
+        stats: The :class:`TunerStats` counters.
+        history: One :class:`~graphtune.autotuner.selection.ProfileRecord` per tuned profile,
+            appended in tuning order: every candidate's median time, spread, sample count,
+            failure and tie status, the winner and the tie band. It grows by one record per
+            tuned profile for the tuner's lifetime; clear it freely.
     """
 
     def __init__(
@@ -155,7 +177,10 @@ class AutoTuner:
         *,
         rounds: int = 3,
         remeasure_top: int = 3,
-        tie_tolerance: float = 0.02,
+        tie_tolerance: float = 0.005,
+        noise_z: float = 2.0,
+        max_tie_tolerance: float = 0.05,
+        max_extra_rounds: int = 6,
         is_capturing: Callable[[], bool] | None = None,
         cache: TuningCache | None = None,
         show_progress: bool | None = None,
@@ -174,16 +199,23 @@ class AutoTuner:
             raise ConfigError(
                 f"AutoTuner(remeasure_top={remeasure_top!r}): must be an int >= 0 (0 turns it off)."
             )
-        if not 0.0 <= float(tie_tolerance) < 1.0:
+        bad_extra = isinstance(max_extra_rounds, bool) or not isinstance(max_extra_rounds, int)
+        if bad_extra or max_extra_rounds < 0:
             raise ConfigError(
-                f"AutoTuner(tie_tolerance={tie_tolerance!r}): must be in [0, 1), e.g. 0.02 for 2%."
+                f"AutoTuner(max_extra_rounds={max_extra_rounds!r}): must be an int >= 0 "
+                "(0 turns the adaptive rounds off)."
             )
+        TieRule(tie_tolerance, noise_z, max_tie_tolerance)  # validates all three
         self.isolation = Isolation.resolve(isolation)
         self.distributed = DistributedTuning.resolve(distributed)
         self.timer = timer
         self.rounds = rounds
         self.remeasure_top = remeasure_top
         self.tie_tolerance = float(tie_tolerance)
+        self.noise_z = float(noise_z)
+        self.max_tie_tolerance = float(max_tie_tolerance)
+        self.max_extra_rounds = max_extra_rounds
+        self.history: list[ProfileRecord] = []
         self.cache = cache if cache is not None else TuningCache()
         self.stats = TunerStats()
         self.tuning_mode = False
@@ -348,8 +380,8 @@ class AutoTuner:
         ids: tuple[str, ...],
         inputs: list[Any],
         profile: Profile,
-    ) -> list[_Candidate]:
-        candidates: list[_Candidate] = []
+    ) -> list[Candidate]:
+        candidates: list[Candidate] = []
         for ri, runner in enumerate(runners):
             try:
                 tactics = list(runner.get_valid_tactics(inputs, profile))
@@ -369,7 +401,7 @@ class AutoTuner:
                         op, short_runner_name(ids[ri]), _tactic_text(tactic), blocked.reason,
                     )
                     continue
-                candidates.append(_Candidate(ri, runner, ti, tactic))
+                candidates.append(Candidate(ri, runner, ti, tactic))
         return candidates
 
     def _tune_op(
@@ -428,7 +460,7 @@ class AutoTuner:
         config: TuningConfig,
         executor: InProcessExecutor | SubprocessExecutor,
         profile: Profile,
-        candidates: list[_Candidate],
+        candidates: list[Candidate],
         bar: ProgressTask,
         coord: OpCoordinator,
         n_sets: int,
@@ -437,18 +469,23 @@ class AutoTuner:
         # With rotated copies, one sample must walk through all of them, or the few it touches
         # stay in L2 (a graph timer replays the same ``repeat`` calls).
         repeat = max(config.repeat, n_sets) if n_sets > 1 else config.repeat
+        # Collective strategies leave one agreed time per candidate: no band to refine.
+        adaptive = not coord.setting.collective
 
         def time_here(cands: list[Any]) -> None:
-            self._time_candidates(op, ids, config, executor, cands, bar, repeat, label)
+            self._time_candidates(op, ids, config, executor, cands, bar, repeat, label, adaptive)
 
         # The seam of distributed tuning: which candidates this rank times, and the agreed times.
+        # Everything below uses only what coord.run left, identical on every rank.
         candidates = coord.run(candidates, time_here)  # type: ignore[arg-type,assignment]
         fallback = next(
             (c for c in candidates if c.runner_index == 0 and c.tactic == FALLBACK_TACTIC), None
         )
         fallback_us = fallback.score if fallback is not None else math.inf
         fallback_us_or_none = fallback_us if math.isfinite(fallback_us) else None
-        winner = self._pick(candidates)
+        ordered, chosen = select(candidates, self._rule())
+        self.history.append(record(op, profile.describe(), ids, ordered, chosen))
+        winner = ordered[chosen.winner] if chosen.winner is not None else None
         if winner is None:
             logger.warning(
                 "op %r [%s]: every (runner, tactic) failed; using the fallback %s tactic -1. "
@@ -472,31 +509,30 @@ class AutoTuner:
         ids: tuple[str, ...],
         config: TuningConfig,
         executor: InProcessExecutor | SubprocessExecutor,
-        candidates: list[_Candidate],
+        candidates: list[Candidate],
         bar: ProgressTask,
         repeat: int,
         label: str,
+        adaptive: bool = True,
     ) -> None:
-        """Prepares and times ``candidates`` in this process, interleaved, the top few again."""
+        """Prepares and times ``candidates`` in this process, interleaved, the top few again,
+        then (``adaptive``) the fastest and the undecided ones until they are decided."""
         for cand in candidates:
             try:
                 executor.prepare(cand.runner_index, cand.runner, cand.tactic)
             except TacticFailure as failure:  # recorded as a failed tactic; tuning goes on
                 self._fail(op, cand, "prepare", failure, ids, label)
-        for _ in range(self.rounds):
-            for cand in candidates:
-                if cand.failed is None:
-                    self._measure(op, executor, config, cand, repeat, ids, label)
-                bar.advance(label)
-        alive = sorted(
-            (c for c in candidates if c.failed is None), key=lambda c: (c.score, c.order)
-        )
-        top = alive[: self.remeasure_top]
-        if len(top) > 1:
-            for _ in range(self.rounds):
-                for cand in top:
-                    if cand.failed is None:
-                        self._measure(op, executor, config, cand, repeat, ids, label)
+
+        def measure(cand: Candidate) -> None:
+            self._measure(op, executor, config, cand, repeat, ids, label)
+
+        interleave(candidates, measure, self.rounds, lambda: bar.advance(label))
+        remeasure_top(candidates, measure, self.remeasure_top, self.rounds)
+        if adaptive:
+            extra = settle(candidates, measure, self._rule(), self.max_extra_rounds)
+            self.stats.extra_rounds += extra
+            if extra:
+                logger.debug("%s: %d extra round(s) to decide near-ties", label, extra)
         self.stats.tactics_timed += sum(1 for c in candidates if c.failed is None and c.samples)
 
     def _measure(
@@ -504,7 +540,7 @@ class AutoTuner:
         op: str,
         executor: InProcessExecutor | SubprocessExecutor,
         config: TuningConfig,
-        cand: _Candidate,
+        cand: Candidate,
         repeat: int,
         ids: tuple[str, ...],
         label: str,
@@ -519,18 +555,13 @@ class AutoTuner:
             return
         cand.samples.append(value)
 
-    def _pick(self, candidates: list[_Candidate]) -> _Candidate | None:
-        alive = [c for c in candidates if c.failed is None and c.samples]
-        if not alive:
-            return None
-        best = min(c.score for c in alive)
-        tied = [c for c in alive if c.score <= best * (1.0 + self.tie_tolerance)]
-        return min(tied, key=lambda c: c.order)
+    def _rule(self) -> TieRule:
+        return TieRule(self.tie_tolerance, self.noise_z, self.max_tie_tolerance)
 
     def _fail(
         self,
         op: str,
-        cand: _Candidate,
+        cand: Candidate,
         stage: str,
         failure: TacticFailure,
         ids: tuple[str, ...],
@@ -583,67 +614,11 @@ class AutoTuner:
         return (op, profile.describe(), winner, entry.time_us, entry.fallback_us, entry.speedup)
 
 
-_default_tuner: AutoTuner | None = None
-_default_lock = threading.Lock()
+def __getattr__(name: str) -> Any:
+    # get_tuner and autotune moved to graphtune.autotuner.context, which imports this module;
+    # resolved lazily so ``from graphtune.autotuner.tuner import get_tuner`` still works.
+    if name in ("get_tuner", "autotune"):
+        from graphtune.autotuner import context
 
-
-def get_tuner() -> AutoTuner:
-    """The process-default :class:`AutoTuner` (created on first use)."""
-    global _default_tuner
-    with _default_lock:
-        if _default_tuner is None:
-            _default_tuner = AutoTuner()
-        return _default_tuner
-
-
-@contextmanager
-def autotune(
-    cache_path: str | PathLike[str] | None = None,
-    tuner: AutoTuner | None = None,
-    *,
-    strict: bool | None = None,
-    distributed: str | DistributedTuning | None = None,
-) -> Iterator[AutoTuner]:
-    """Turns tuning on for the block; loads the cache file before and saves it after.
-
-    Args:
-        cache_path: Cache file; ``None`` uses ``GRAPHTUNE_CACHE`` (no file when that is unset).
-        tuner: The tuner to use; the process default when ``None``.
-        strict: Passed to the cache load (raise on an unusable file instead of warning).
-        distributed: A distributed tuning strategy for the block (replaces the tuner's own
-            ``distributed`` until the block ends); ``None`` keeps the tuner's.
-
-    Yields:
-        The tuner, in tuning mode.
-    """
-    tuner = tuner if tuner is not None else get_tuner()
-    path = cache_path if cache_path is not None else env.default_cache_path()
-    if path is not None:
-        tuner.cache.load(path, strict=strict)
-    previous, previous_dist = tuner.tuning_mode, tuner.distributed
-    if distributed is not None:
-        tuner.distributed = DistributedTuning.resolve(distributed)
-    first_row = len(tuner.summary_rows())
-    tuner.tuning_mode = True
-    try:
-        yield tuner
-    except BaseException:
-        tuner.tuning_mode, tuner.distributed = previous, previous_dist
-        tuner.close()
-        if path is not None:
-            _save_quietly(tuner, path)  # keep what was tuned before the error, without masking it
-        raise
-    tuner.tuning_mode, tuner.distributed = previous, previous_dist
-    tuner.close()
-    rows = tuner.summary_rows()[first_row:]
-    if rows:
-        logger.info("%s", render_table("graphtune autotuning picks", SUMMARY_COLUMNS, rows))
-    if path is not None:
-        tuner.cache.save(path)
-
-
-def _save_quietly(tuner: AutoTuner, path: str | PathLike[str]) -> None:
-    try:
-        tuner.cache.save(path)
-    except CacheFileError as exc:
-        logger.warning("could not save the tuning cache after an error: %s", exc)
+        return getattr(context, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -15,8 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from graphtune.autotuner.config import DynamicTensorSpec, TuningConfig, next_power_of_two
+from graphtune.autotuner.context import get_tuner
 from graphtune.autotuner.runner import FALLBACK_TACTIC, TunableRunner
-from graphtune.autotuner.tuner import AutoTuner, get_tuner
+from graphtune.autotuner.tuner import AutoTuner
 from graphtune.errors import InputError
 from graphtune.ops._triton import (
     TritonRunner,

@@ -22,8 +22,9 @@ import torch.nn.functional as F
 
 from graphtune.autotuner.config import ConstraintSpec, DynamicTensorSpec, TuningConfig
 from graphtune.autotuner.config import next_power_of_two as _np2
+from graphtune.autotuner.context import get_tuner
 from graphtune.autotuner.runner import FALLBACK_TACTIC, TunableRunner
-from graphtune.autotuner.tuner import AutoTuner, get_tuner
+from graphtune.autotuner.tuner import AutoTuner
 from graphtune.errors import ConfigError, InputError
 from graphtune.ops._triton import (
     TritonRunner,

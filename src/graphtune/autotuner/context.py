@@ -1,0 +1,82 @@
+"""The process-default tuner (:func:`get_tuner`) and the :func:`autotune` context manager."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from os import PathLike
+
+from graphtune import env
+from graphtune.autotuner.distributed import DistributedTuning
+from graphtune.autotuner.tuner import SUMMARY_COLUMNS, AutoTuner
+from graphtune.errors import CacheFileError
+from graphtune.reporting import render_table
+
+logger = logging.getLogger(__name__)
+
+_default_tuner: AutoTuner | None = None
+_default_lock = threading.Lock()
+
+
+def get_tuner() -> AutoTuner:
+    """The process-default :class:`AutoTuner` (created on first use)."""
+    global _default_tuner
+    with _default_lock:
+        if _default_tuner is None:
+            _default_tuner = AutoTuner()
+        return _default_tuner
+
+
+@contextmanager
+def autotune(
+    cache_path: str | PathLike[str] | None = None,
+    tuner: AutoTuner | None = None,
+    *,
+    strict: bool | None = None,
+    distributed: str | DistributedTuning | None = None,
+) -> Iterator[AutoTuner]:
+    """Turns tuning on for the block; loads the cache file before and saves it after.
+
+    Args:
+        cache_path: Cache file; ``None`` uses ``GRAPHTUNE_CACHE`` (no file when that is unset).
+        tuner: The tuner to use; the process default when ``None``.
+        strict: Passed to the cache load (raise on an unusable file instead of warning).
+        distributed: A distributed tuning strategy for the block (replaces the tuner's own
+            ``distributed`` until the block ends); ``None`` keeps the tuner's.
+
+    Yields:
+        The tuner, in tuning mode.
+    """
+    tuner = tuner if tuner is not None else get_tuner()
+    path = cache_path if cache_path is not None else env.default_cache_path()
+    if path is not None:
+        tuner.cache.load(path, strict=strict)
+    previous, previous_dist = tuner.tuning_mode, tuner.distributed
+    if distributed is not None:
+        tuner.distributed = DistributedTuning.resolve(distributed)
+    first_row = len(tuner.summary_rows())
+    tuner.tuning_mode = True
+    try:
+        yield tuner
+    except BaseException:
+        tuner.tuning_mode, tuner.distributed = previous, previous_dist
+        tuner.close()
+        if path is not None:
+            _save_quietly(tuner, path)  # keep what was tuned before the error, without masking it
+        raise
+    tuner.tuning_mode, tuner.distributed = previous, previous_dist
+    tuner.close()
+    rows = tuner.summary_rows()[first_row:]
+    if rows:
+        logger.info("%s", render_table("graphtune autotuning picks", SUMMARY_COLUMNS, rows))
+    if path is not None:
+        tuner.cache.save(path)
+
+
+def _save_quietly(tuner: AutoTuner, path: str | PathLike[str]) -> None:
+    try:
+        tuner.cache.save(path)
+    except CacheFileError as exc:
+        logger.warning("could not save the tuning cache after an error: %s", exc)

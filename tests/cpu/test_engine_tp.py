@@ -7,6 +7,7 @@ compares its TP=2 results with a whole TP=1 model it builds itself from the same
 from __future__ import annotations
 
 import multiprocessing
+import os
 import queue
 import traceback
 from pathlib import Path
@@ -30,6 +31,11 @@ from graphtune.errors import ConfigError
 
 WORLD = 2
 PROMPTS = [[1, 5, 9, 200, 17], [3, 4], [7, 8, 9, 10, 11, 12, 13], [42]]
+
+
+def _child_env() -> dict[str, str]:
+    """This process's environment without Triton's interpreter (see ``tp_results``)."""
+    return {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
 
 
 class StagedAllReduce:
@@ -173,8 +179,15 @@ def tp_results(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Any]:
     results = ctx.Queue()
     store = str(Path(tmp_path_factory.mktemp("tp")) / "store")
     procs = [ctx.Process(target=_worker, args=(r, store, results)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
+    # Other test modules turn on Triton's interpreter for this process; the workers tune on the
+    # CPU, where interpreted Triton tactics would take minutes: start them without it.
+    interpret = os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        if interpret is not None:
+            os.environ["TRITON_INTERPRET"] = interpret
     got: dict[int, Any] = {}
     try:
         for _ in range(WORLD):
@@ -282,7 +295,7 @@ def test_cli_generate_tp2_under_torchrun(capsys: pytest.CaptureFixture[str]) -> 
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          "-m", "graphtune", *args, "--tp", "2"],
-        capture_output=True, text=True, timeout=120, check=False,
+        capture_output=True, text=True, timeout=120, check=False, env=_child_env(),
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     got = [line for line in proc.stdout.splitlines() if line.startswith("tokens:")]
@@ -315,7 +328,7 @@ def test_cli_bench_decode_tp2_tune_agrees_on_every_pick(tmp_path: Path) -> None:
          "-m", "graphtune", "bench", "decode", "--model", "tiny", "--device", "cpu", "--tp", "2",
          "--tune", "--batch-sizes", "1,2", "--context", "8", "--steps", "2", "--repeats", "1",
          "--json", str(out)],
-        capture_output=True, text=True, timeout=300, check=False,
+        capture_output=True, text=True, timeout=300, check=False, env=_child_env(),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())

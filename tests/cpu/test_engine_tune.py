@@ -62,7 +62,9 @@ def test_tuned_engine_matches_untuned_and_reuses_the_cache_file(tmp_path):
     winners = " ".join(row[2] for row in report.rows)
     if "Triton" in winners:  # Triton importable: its kernels are what the tuned step runs
         assert "TritonGemmRunner" in winners and "TritonRopeRunner" in winners
-    assert "MatmulAttention" in winners
+    # The fake timer makes the last runner win: Triton's attention where Triton runs (the
+    # interpreter), else the matmul runner.
+    assert ("TritonDecodeAttention" if "Triton" in winners else "MatmulAttention") in winners
 
     # Same logits step by step (float32; the picks are other kernels, so not bit-equal).
     for batch in (1, 3):
@@ -146,7 +148,7 @@ def test_tuned_step_matches_with_gathered_slots():
     cache.k.copy_(k0)
     cache.v.copy_(v0)
     got = DecodeStep(model, cache, contiguous_slots=False, tuner=tuner)(*args)
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(cache.k, k1, rtol=0, atol=1e-5)
     torch.testing.assert_close(cache.v, v1, rtol=0, atol=1e-5)
     assert tuner.stats.fallbacks == {}

@@ -298,3 +298,29 @@ def test_progress_bar_and_default_tuner() -> None:
     with autotune(tuner=tuner):  # the rich bar runs (to stderr) without disturbing tuning
         assert tuner.choose_one("op", runners, CONFIG, [torch.randn(4, 2)]) == (runners[1], 0)
     assert tuner.stats.tuning_seconds > 0
+
+
+def test_hits_are_memoised_until_the_cache_changes(monkeypatch) -> None:
+    import graphtune.autotuner.tuner as tuner_module
+
+    tuner, runners, _ = make({-1: 5.0, 0: 4.0}, {0: 1.0, 1: 3.0})
+    tuner.tuning_mode = True
+    x = torch.randn(4, 8)
+    assert tuner.choose_one("op", runners, CONFIG, [x]) == (runners[1], 0)
+    tuner.tuning_mode = False
+    slow_path = []
+    real = tuner_module.profile_for
+    monkeypatch.setattr(tuner_module, "profile_for", lambda *a: slow_path.append(1) or real(*a))
+    for _ in range(5):  # same signature: one slow look-up, then memo hits
+        assert tuner.choose_one("op", runners, CONFIG, [torch.randn(4, 8)]) == (runners[1], 0)
+    assert len(slow_path) == 1 and tuner.stats.hits == 5
+    # Another shape in the same bucket is another signature (one more slow look-up).
+    tuner.choose_one("op", runners, CONFIG, [torch.randn(3, 8)])
+    assert len(slow_path) == 2
+    # A changed entry is seen at once: the memo is keyed on the cache's version.
+    key, entry = next((k, e) for k, e in tuner.cache.items() if k.shapes == ((4, 8),))
+    tuner.cache.put(key, type(entry)(entry.runner_id.replace('"b"', '"a"'), 0, 0, 4.0, 5.0))
+    assert tuner.choose_one("op", runners, CONFIG, [x]) == (runners[0], 0)
+    # A new cache object never answers from the old one's memo.
+    tuner.cache = type(tuner.cache)()
+    assert tuner.choose_one("op", runners, CONFIG, [x]) == (runners[0], FALLBACK_TACTIC)

@@ -195,6 +195,8 @@ class TuningCache:
         self._entries: dict[CacheKey, CacheEntry] = {}
         self._blocked: Blocklist = {}
         self._lock = threading.Lock()
+        #: Bumped by every change of the entries, so look-up memos know when to forget.
+        self.version = 0
 
     def get(self, key: CacheKey) -> CacheEntry | None:
         """The entry for ``key``, or ``None``."""
@@ -205,11 +207,13 @@ class TuningCache:
         """Stores (or replaces) the entry for ``key``."""
         with self._lock:
             self._entries[key] = entry
+            self.version += 1
 
     def update(self, entries: dict[CacheKey, CacheEntry]) -> None:
         """Stores many entries; given entries replace existing ones with the same key."""
         with self._lock:
             self._entries.update(entries)
+            self.version += 1
 
     def items(self) -> list[tuple[CacheKey, CacheEntry]]:
         """A snapshot of all entries."""
@@ -221,6 +225,7 @@ class TuningCache:
         with self._lock:
             self._entries.clear()
             self._blocked.clear()
+            self.version += 1
 
     # -- blocklist --------------------------------------------------------------------------
 
@@ -296,6 +301,7 @@ class TuningCache:
         with self._lock:
             added = {k: v for k, v in loaded.entries.items() if k not in self._entries}
             self._entries.update(added)
+            self.version += 1
             for ident, item in loaded.blocklist.items():
                 self._blocked.setdefault(ident, item)
         return len(added)

@@ -130,6 +130,28 @@ def _device_of(inputs: Sequence[Any]) -> torch.device:
     return torch.device("cpu")
 
 
+_MEMO_LIMIT = 4096
+
+
+def _memo_key(op: str, runners: list[TunableRunner], config: TuningConfig,
+              inputs: list[Any]) -> tuple[Any, ...] | None:
+    """What a cache hit depends on, or ``None`` when an input is not hashable (no memo)."""
+    parts: list[Any] = [op, config, *runners]
+    for x in inputs:
+        if isinstance(x, torch.Tensor):
+            parts.append((tuple(x.shape), x.dtype, x.device.type))
+        elif x is None or isinstance(x, (bool, int, float, str)):
+            parts.append(x)
+        else:
+            return None
+    try:
+        key = tuple(parts)
+        hash(key)
+    except TypeError:  # an unhashable config or runner: look up the slow way
+        return None
+    return key
+
+
 def _tactic_text(tactic: Any) -> str:
     return json.dumps(tactic, default=str)
 
@@ -226,6 +248,10 @@ class AutoTuner:
         self._logged_failures: set[tuple[str, str]] = set()
         self._summary: list[tuple[Any, ...]] = []
         self._worker: SubprocessExecutor | None = None
+        # Hits by exact call signature (op, runners, config, input shapes), valid while the
+        # cache's version is unchanged: a decode step asks ~100 times per call, and bucketing
+        # plus key building cost tens of microseconds of host time each.
+        self._memo: dict[tuple[Any, ...], tuple[TuningCache, int, tuple[TunableRunner, Any]]] = {}
         # One tuning run at a time: two threads tuning one op would time each other's kernels.
         self._tune_lock = threading.RLock()
 
@@ -263,6 +289,11 @@ class AutoTuner:
             )
         if not isinstance(config, TuningConfig):
             raise ConfigError(f"choose_one({op!r}) needs a TuningConfig, got {config!r}.")
+        memo_key = _memo_key(op, runners, config, inputs)
+        memo = self._memo.get(memo_key) if memo_key is not None else None
+        if memo is not None and memo[0] is self.cache and memo[1] == self.cache.version:
+            self.stats.hits += 1
+            return memo[2]
         ids = tuple(runner_id(r) for r in runners)
         device = _device_of(inputs)
         mode = self._mode_name(config, device)
@@ -270,6 +301,10 @@ class AutoTuner:
         found = self._lookup(key, runners)
         if found is not None:
             self.stats.hits += 1
+            if memo_key is not None:
+                if len(self._memo) >= _MEMO_LIMIT:
+                    self._memo.clear()
+                self._memo[memo_key] = (self.cache, self.cache.version, found)
             return found
         self.stats.misses += 1
         if not self.tuning_mode:

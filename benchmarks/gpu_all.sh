@@ -2,7 +2,8 @@
 # GPU tests and every benchmark on the GPU machine; results (JSON, plots, logs) under $OUT.
 # Usage (repo root): GRAPHTUNE_COMMIT=<sha> bash benchmarks/gpu_all.sh [PART] [--quick]
 #   PART: tests | tuning | faults | timers | graphs | decode | tuned | tp | all (default all);
-#   tp needs two GPUs (kind nvidia-h200-x2) and is not part of "all". One device call
+#   tp (two GPUs, kind nvidia-h200-x2; not part of "all") runs the all-reduce benchmark, tuned
+#   (TP=1) and TP=2 tuned / NCCL decode. One device call
 #   has a 10-minute limit, so a full run is split into two calls, e.g. "tests tuning faults" and
 #   "timers graphs decode" (several parts may be given, space-separated, as the first argument).
 # Every part runs even when an earlier one failed; the exit code is the number of failed parts.
@@ -35,19 +36,23 @@ want graphs && step graphs python3 benchmarks/graph_runner.py --out "$OUT" $QUIC
 want decode && step decode python3 -m graphtune bench decode --model llama-1b-shape \
   --batch-sizes 1,8,32,128 --compare-compile --json "$OUT/decode-h200.json" \
   --plot "$OUT/decode-h200.png"
-want tuned && step tuned python3 -m graphtune bench decode --model llama-1b-shape \
-  --batch-sizes 1,8,32,128 --tune --runner graph --json "$OUT/decode-tuned-h200.json"
+# The tuned single-GPU step (also TP=1, the baseline of tp): eager, graph and tuned graph.
+tuned_decode() {
+  step tuned python3 -m graphtune bench decode --model llama-1b-shape --batch-sizes 1,8,32,128 \
+    --tune --runner both --json "$OUT/decode-tuned-h200.json"
+}
 if [[ " $PARTS " == *" tp "* ]]; then
   step allreduce python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
     benchmarks/allreduce.py --out "$OUT"
-  step tp1 python3 -m graphtune bench decode --model llama-1b-shape --batch-sizes 1,8,32,128 \
-    --tune --runner both --json "$OUT/decode-tp1-h200.json"
+  tuned_decode
   step tp2 python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m graphtune bench \
     decode --model llama-1b-shape --batch-sizes 1,8,32,128 --tp 2 --tune --runner both \
     --json "$OUT/decode-tp2-h200.json"
   step tp2-nccl python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m graphtune \
     bench decode --model llama-1b-shape --batch-sizes 1,8,32,128 --tp 2 --all-reduce nccl \
     --runner graph --json "$OUT/decode-tp2-nccl-h200.json"
+elif want tuned; then
+  tuned_decode
 fi
 echo "failed parts: $failed"
 exit $failed

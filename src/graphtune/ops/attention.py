@@ -97,7 +97,8 @@ class MatmulAttention(TunableRunner):
         if tactic == FALLBACK_TACTIC:
             probs = torch.softmax(scores.float() * scale + mask.float(), dim=-1).to(q.dtype)
         else:
-            probs = torch.softmax(torch.addcmul(mask, scores, scores.new_tensor(scale)), dim=-1)
+            # alpha, not a scalar tensor: a host-to-device copy cannot be captured.
+            probs = torch.softmax(torch.add(mask, scores, alpha=scale), dim=-1)
         return torch.matmul(probs, values)
 
 

@@ -58,6 +58,10 @@ def auto_repeat_calls(
     return max(calls, min(max_repeat, wanted))
 
 
+#: Recaptures allowed while growing a replay to ``min_replay_us``.
+_MAX_RESIZES = 3
+
+
 class GraphTimer:
     """Times ``fn`` by replaying a CUDA graph of ``repeat`` back-to-back calls.
 
@@ -163,23 +167,28 @@ class GraphTimer:
         calls = repeat
         graph = self._capture(fn, counter, calls, stream, device)
         try:
-            if self.auto_repeat and calls < self.max_repeat:
+            # A short probe overstates the per-call time (the replay's fixed launch cost is
+            # spread over few calls), so the first estimate can fall short: probe again.
+            for _ in range(_MAX_RESIZES if self.auto_repeat else 0):
+                if calls >= self.max_repeat:
+                    break
                 probe_us = min(self._time_replays(graph, 2, stream, device))
                 wanted = auto_repeat_calls(
                     calls, probe_us, min_replay_us=self.min_replay_us, max_repeat=self.max_repeat
                 )
-                if wanted > calls:
-                    logger.debug(
-                        "GraphTimer: replay of %d calls took %.1f us < %.0f us; recapturing %d",
-                        calls,
-                        probe_us,
-                        self.min_replay_us,
-                        wanted,
-                    )
-                    # Release before recapturing so both graphs' pools are never held at once.
-                    _release(graph)
-                    calls = wanted
-                    graph = self._capture(fn, counter, calls, stream, device)
+                if wanted <= calls:
+                    break
+                logger.debug(
+                    "GraphTimer: replay of %d calls took %.1f us < %.0f us; recapturing %d",
+                    calls,
+                    probe_us,
+                    self.min_replay_us,
+                    wanted,
+                )
+                # Release before recapturing so both graphs' pools are never held at once.
+                _release(graph)
+                calls = wanted
+                graph = self._capture(fn, counter, calls, stream, device)
             return calls, self._time_replays(graph, self.replays, stream, device)
         finally:
             _release(graph)

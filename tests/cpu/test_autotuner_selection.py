@@ -82,11 +82,11 @@ def test_relative_iqr_matches_measurement_spread() -> None:
 
 
 def test_rule_with_single_samples_is_the_floor_only() -> None:
-    rule = TieRule(floor=0.01)
+    rule = TieRule(floor=0.005)
     picked = rule.select([[100.0], [99.6], [97.0]])
     # 97 is fastest; 99.6 is 2.7% slower (not tied), 100 is 3.1% slower: 97 wins alone.
     assert (picked.fastest, picked.winner, picked.tied) == (2, 2, (False, False, True))
-    assert picked.undecided == () and picked.tie_band == 0.01
+    assert picked.undecided == () and picked.tie_band == 0.005
     picked = rule.select([[100.0], [99.6], [120.0]])
     # 100 is 0.4% slower than 99.6: under the floor, tied, and the earlier-listed wins.
     assert (picked.fastest, picked.winner, picked.tied) == (1, 0, (True, True, False))
@@ -130,7 +130,7 @@ def test_new_tuner_arguments_are_validated(kwargs: dict, match: str) -> None:
 
 def test_defaults() -> None:
     tuner = AutoTuner(show_progress=False)
-    assert (tuner.tie_tolerance, tuner.noise_z, tuner.max_tie_tolerance) == (0.01, 2.0, 0.05)
+    assert (tuner.tie_tolerance, tuner.noise_z, tuner.max_tie_tolerance) == (0.005, 2.0, 0.05)
     assert tuner.max_extra_rounds == 6 and tuner.history == []
 
 
@@ -204,7 +204,7 @@ def tune(costs_a: dict, costs_b: dict, e: float, fail_b: frozenset = frozenset()
 
 @pytest.mark.parametrize("cost", [97.0, 98.5])
 def test_a_measurably_faster_tactic_beats_the_fallback(cost: float) -> None:
-    # 3% and 1.5% faster with 0.1% jitter: far outside the noise, above the 1% floor. (The
+    # 3% and 1.5% faster with 0.1% jitter: far outside the noise, above the 0.5% floor. (The
     # old fixed 2% tolerance gave the 1.5% case to the fallback.)
     pick, tuner, timer = tune({-1: 100.0}, {0: cost}, e=0.001)
     assert pick == ("b", 0)
@@ -216,7 +216,7 @@ def test_the_floor_still_ties_small_gaps() -> None:
     pick, _, _ = tune({-1: 100.0}, {0: 98.5}, e=0.001, tie_tolerance=0.02)
     assert pick == ("a", -1)  # tie_tolerance=0.02 keeps the old 2% behaviour
     pick, _, _ = tune({-1: 100.0}, {0: 99.8}, e=0.001)
-    assert pick == ("a", -1)  # 0.2% faster: under the default 1% floor
+    assert pick == ("a", -1)  # 0.2% faster: under the default 0.5% floor
 
 
 def test_a_gap_inside_the_noise_is_a_tie_and_the_fallback_wins() -> None:
@@ -266,7 +266,7 @@ def test_history_records_what_was_measured() -> None:
     assert len(tuner.history) == 3 and all(isinstance(r, ProfileRecord) for r in tuner.history)
     assert [r.profile for r in tuner.history] == ["1x2", "4x2", "16x2"]
     record = tuner.history[-1]
-    assert record.op == "op" and record.winner_index == 1 and record.tie_band == 0.01
+    assert record.op == "op" and record.winner_index == 1 and record.tie_band == 0.005
     fallback, winner, broken = record.candidates
     assert isinstance(winner, CandidateRecord)
     assert fallback == CandidateRecord(

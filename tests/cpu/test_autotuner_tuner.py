@@ -178,7 +178,7 @@ def test_all_tactics_fail_uses_fallback(caplog) -> None:
 @pytest.mark.parametrize(
     "costs_b, expected",
     [
-        ({0: 0.999, 1: 3.0}, ("a", -1)),  # 0.1% faster than the fallback: under the 1% floor
+        ({0: 0.999, 1: 3.0}, ("a", -1)),  # 0.1% faster than the fallback: under the 0.5% floor
         ({0: 0.98, 1: 3.0}, ("b", 0)),  # 2% faster, noise 0.2%: a real win (the old rule tied it)
         ({0: 0.95, 1: 3.0}, ("b", 0)),  # 5% faster: a real win
     ],

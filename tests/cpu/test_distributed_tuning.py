@@ -245,12 +245,12 @@ def test_each_strategy_picks_what_its_rule_says(ranks) -> None:
 @pytest.mark.parametrize("strategy", COLLECTIVE)
 def test_noise_aware_pick_uses_only_agreed_times(ranks, strategy) -> None:
     # The ranks' own noise differs (5% vs 0.1%), but the pick sees one agreed time per candidate:
-    # no noise band (only the 1% floor), no adaptive rounds, the same records on both ranks.
+    # no noise band (only the 0.5% floor), no adaptive rounds, the same records on both ranks.
     a, b = (r[f"noisy/{strategy}"] for r in ranks)
     assert a["picks"] == b["picks"] == {str(bucket): 0 for bucket in BUCKETS}
     assert a["extra_rounds"] == b["extra_rounds"] == 0
     assert a["history"] == b["history"]
-    assert a["history"][0] == (1, 0.01, [(-1, 100.0, 1, False), (0, 97.0, 1, True)])
+    assert a["history"][0] == (1, 0.005, [(-1, 100.0, 1, False), (0, 97.0, 1, True)])
 
 
 @pytest.mark.slow

@@ -88,7 +88,7 @@ class TieRule:
         cap: Largest noise band (``max_tie_tolerance``); the floor applies even above it.
     """
 
-    floor: float = 0.01
+    floor: float = 0.005
     z: float = 2.0
     cap: float = 0.05
 
@@ -97,7 +97,7 @@ class TieRule:
             if not _real(value) or not 0.0 <= value < 1.0:
                 raise ConfigError(
                     f"AutoTuner({name}={value!r}): must be a number in [0, 1), "
-                    "e.g. 0.01 for 1%."
+                    "e.g. 0.005 for 0.5%."
                 )
         if not _real(self.z) or not math.isfinite(self.z) or self.z <= 0:
             raise ConfigError(

@@ -11,9 +11,7 @@ Noise handling, so that repeated tuning runs pick the same tactic:
 * the ``remeasure_top`` fastest are measured ``rounds`` more times, interleaved;
 * a candidate's time is the median of its measurements. Another candidate is tied with the
   fastest when its relative gap is at most ``max(tie_tolerance, noise band)``: ``tie_tolerance``
-  (default 1%) is a floor below which differences never matter (on an H200, graph-replay medians
-  of near-tied 1-2 us kernels swapped order between repeated tuning runs at gaps under 1%, while
-  a 1% floor gave the same regret as 0.5% in ``benchmarks/tuning.py``), and the noise band is
+  (default 0.5%) is a floor below which differences never matter, and the noise band is
   ``noise_z`` (default 2) standard errors of the difference of the two medians (robust, from each
   candidate's median absolute deviation), relative to the fastest, capped at
   ``max_tie_tolerance`` (default 5%) so that a very noisy timer cannot tie everything. The rule
@@ -166,7 +164,7 @@ class AutoTuner:
             and the inputs' device. A timer given here takes precedence over the config.
         rounds: Interleaved measurement rounds over all candidates (and again over the top few).
         remeasure_top: How many of the fastest candidates are measured again.
-        tie_tolerance: Relative gap below which a difference never matters (0.01 = 1%): the
+        tie_tolerance: Relative gap below which a difference never matters (0.005 = 0.5%): the
             floor of the tie threshold. Ties go to the lowest (runner index, tactic index).
         noise_z: Standard errors of the difference of two medians that count as noise (the
             noise band; see the module docstring).
@@ -201,7 +199,7 @@ class AutoTuner:
         *,
         rounds: int = 3,
         remeasure_top: int = 3,
-        tie_tolerance: float = 0.01,
+        tie_tolerance: float = 0.005,
         noise_z: float = 2.0,
         max_tie_tolerance: float = 0.05,
         max_extra_rounds: int = 6,

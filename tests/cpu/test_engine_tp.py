@@ -356,3 +356,10 @@ def test_checkpoint_folder_shards_like_the_whole_model(tmp_path: Path) -> None:
             for name, tensor in mine.tensors().items():
                 assert torch.equal(tensor, theirs.tensors()[name]), name
         assert got.layers[0].bqkv is not None and torch.equal(got.lm_head, full.lm_head)
+
+
+def test_cli_all_reduce_choices_are_the_backends() -> None:
+    from graphtune.cli._parallel import ALL_REDUCE_CHOICES
+    from graphtune.engine.collectives import BACKENDS
+
+    assert ALL_REDUCE_CHOICES == BACKENDS

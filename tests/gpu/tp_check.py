@@ -20,6 +20,18 @@ from graphtune.engine.parallel import ParallelContext, init_from_torchrun
 SIZES = [1, 2, 4, 8]
 
 
+def _max_abs_diffs(want_engine: Engine, got_engine: Engine, device: torch.device
+                   ) -> dict[int, float]:
+    """Max |logit difference| of one step at every size in SIZES (token 11 at position 0)."""
+    diffs = {}
+    for b in SIZES:
+        args = (torch.full((b,), 11, device=device, dtype=torch.long),
+                torch.zeros(b, device=device, dtype=torch.long), torch.arange(b, device=device))
+        want = want_engine.step(*args).clone()
+        diffs[b] = (got_engine.step(*args) - want).abs().max().item()
+    return diffs
+
+
 def main() -> None:
     model = sys.argv[1] if len(sys.argv) > 1 else "llama-1b-shape"  # "tiny": CPU smoke run
     parallel, device = init_from_torchrun(
@@ -39,15 +51,7 @@ def main() -> None:
                        capture_sizes=SIZES)
         out["tp2_graph"] = graph.generate(prompts, 12, stop_token_ids=[])
         eager = Engine(shard, runner="eager", max_batch_size=8, max_seq_len=64)
-        diffs = {}
-        for b in SIZES:
-            args = (torch.full((b,), 11, device=device, dtype=torch.long),
-                    torch.zeros(b, device=device, dtype=torch.long),
-                    torch.arange(b, device=device))
-            want = eager.step(*args).clone()
-            got = graph.step(*args).clone()
-            diffs[b] = (got - want).abs().max().item()
-        out["graph_vs_eager_max_abs"] = diffs
+        out["graph_vs_eager_max_abs"] = _max_abs_diffs(eager, graph, device)
         stats = graph.stats
         out["captured"] = sorted(r.size for r in stats.records if r.ok)
         out["fallbacks"] = {str(k): v for k, v in dict(stats.fallbacks).items()}
@@ -74,15 +78,7 @@ def main() -> None:
         dist.all_gather_object(views, picks)
         out["tuned_picks_agree"] = views[0] == views[1]
         out["tuned_picks"] = len(picks)
-        tuned_diffs = {}
-        for b in SIZES:
-            args = (torch.full((b,), 11, device=device, dtype=torch.long),
-                    torch.zeros(b, device=device, dtype=torch.long),
-                    torch.arange(b, device=device))
-            want = eager.step(*args).clone()
-            got = tuned.step(*args).clone()
-            tuned_diffs[b] = (got - want).abs().max().item()
-        out["tuned_vs_eager_max_abs"] = tuned_diffs
+        out["tuned_vs_eager_max_abs"] = _max_abs_diffs(eager, tuned, device)
         out["tuned_fallbacks"] = dict(tuned.tuning_stats.fallbacks)
         out["tuned_tokens"] = tuned.generate(prompts, 12, stop_token_ids=[])
         tuned.release()

@@ -8,6 +8,11 @@ import logging
 import sys
 from pathlib import Path
 
+from graphtune.cli._parallel import (
+    add_tensor_parallel_arguments,
+    start_tensor_parallel,
+    stop_tensor_parallel,
+)
 from graphtune.errors import ConfigError, GraphtuneError
 
 logger = logging.getLogger(__name__)
@@ -59,14 +64,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     decode.add_argument("--device", default="auto")
     decode.add_argument("--dtype", default="auto")
     decode.add_argument("--seed", type=int, default=0)
-    decode.add_argument("--tp", type=int, default=1, metavar="N",
-                        help="tensor-parallel degree; N > 1 needs 'torchrun --nproc-per-node N -m "
-                        "graphtune bench decode --tp N ...' (NCCL on CUDA with "
-                        "NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1, gloo on CPU); "
-                        "only rank 0 prints and writes files")
-    decode.add_argument("--all-reduce", choices=("auto", "nccl", "symm_mem"), default="auto",
-                        help="with --tp: the decode step's all-reduce (auto: symmetric-memory "
-                        "one-shot when every GPU can use it, else NCCL)")
+    add_tensor_parallel_arguments(decode, "bench decode", "only rank 0 prints and writes files")
     decode.set_defaults(handler=run_bench_decode)
     bench.set_defaults(handler=lambda args: _usage(bench))
 
@@ -91,15 +89,10 @@ def run_bench_decode(args: argparse.Namespace) -> int:
     parallel = None
     try:
         device = resolve_device(args.device)
-        if args.tp < 1:
-            raise ConfigError(f"--tp must be >= 1, got {args.tp}")
-        if args.tp > 1:
-            if args.compare_compile:
-                raise ConfigError("--compare-compile is not supported with --tp > 1; drop it to "
-                                  "time the tensor-parallel step")
-            from graphtune.engine.parallel import init_from_torchrun
-
-            parallel, device = init_from_torchrun(args.tp, device, args.all_reduce)
+        if args.tp > 1 and args.compare_compile:
+            raise ConfigError("--compare-compile is not supported with --tp > 1; drop it to "
+                              "time the tensor-parallel step")
+        parallel, device = start_tensor_parallel(args, device)
         # Every rank runs the same benchmark (same collectives, same order); rank 0 reports.
         show = parallel is None or parallel.rank == 0
         model = args.model or ("llama-1b-shape" if device.type == "cuda" else "tiny")
@@ -154,9 +147,6 @@ def run_bench_decode(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     finally:
-        if parallel is not None:
-            from graphtune.engine.parallel import destroy
-
-            destroy()
+        stop_tensor_parallel(parallel)
     return 0
 

@@ -9,7 +9,12 @@ import time
 
 import torch
 
-from graphtune.errors import ConfigError, GraphtuneError
+from graphtune.cli._parallel import (
+    add_tensor_parallel_arguments,
+    start_tensor_parallel,
+    stop_tensor_parallel,
+)
+from graphtune.errors import GraphtuneError
 
 logger = logging.getLogger(__name__)
 
@@ -40,14 +45,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of random weights and sampling")
     parser.add_argument("--ignore-eos", action="store_true", help="always generate N tokens")
     parser.add_argument("--stats", action="store_true", help="print the step runner's stats")
-    parser.add_argument("--tp", type=int, default=1, metavar="N",
-                        help="tensor-parallel degree; N > 1 needs 'torchrun --nproc-per-node N "
-                        "-m graphtune generate ...' (NCCL on CUDA, gloo on CPU; set "
-                        "NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 on GPUs). "
-                        "Only rank 0 prints.")
-    parser.add_argument("--all-reduce", choices=("auto", "nccl", "symm_mem"), default="auto",
-                        help="with --tp: the decode step's all-reduce (auto: symmetric-memory "
-                        "one-shot when every GPU can use it, else NCCL)")
+    add_tensor_parallel_arguments(parser, "generate", "only rank 0 prints")
     parser.set_defaults(handler=run_generate)
 
 
@@ -67,12 +65,7 @@ def run_generate(args: argparse.Namespace) -> int:
     try:
         device = resolve_device(args.device)
         dtype = resolve_dtype(args.dtype, device)
-        if args.tp < 1:
-            raise ConfigError(f"--tp must be >= 1, got {args.tp}")
-        if args.tp > 1:
-            from graphtune.engine.parallel import init_from_torchrun
-
-            parallel, device = init_from_torchrun(args.tp, device, args.all_reduce)
+        parallel, device = start_tensor_parallel(args, device)
         show = parallel is None or parallel.rank == 0
         if args.runner == "graph" and device.type != "cuda" and show:
             print("note: CUDA graphs need CUDA; the graph runner falls back to eager here",
@@ -99,11 +92,11 @@ def run_generate(args: argparse.Namespace) -> int:
         elapsed = time.perf_counter() - t0
     except GraphtuneError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        _finish(parallel)
+        stop_tensor_parallel(parallel)
         return 2
     if not show:
         engine.release()
-        _finish(parallel)
+        stop_tensor_parallel(parallel)
         return 0
     for prompt, ids in zip(args.prompt, outputs, strict=True):
         text = engine.decode(ids)
@@ -119,13 +112,5 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.stats and hasattr(engine.stats, "table"):
         print(engine.stats.table())
     engine.release()
-    _finish(parallel)
+    stop_tensor_parallel(parallel)
     return 0
-
-
-def _finish(parallel: object) -> None:
-    """Destroys the process group that ``--tp`` created (nothing at tp=1)."""
-    if parallel is not None:
-        from graphtune.engine.parallel import destroy
-
-        destroy()

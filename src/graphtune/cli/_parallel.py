@@ -1,0 +1,47 @@
+"""``--tp`` and ``--all-reduce``: tensor-parallel options shared by ``generate`` and ``bench``."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from graphtune.errors import ConfigError
+
+#: graphtune.engine.collectives.BACKENDS, kept literal so building the parser imports no torch.
+ALL_REDUCE_CHOICES = ("auto", "nccl", "symm_mem")
+
+
+def add_tensor_parallel_arguments(parser: argparse.ArgumentParser, command: str,
+                                  only_rank0: str) -> None:
+    """Adds ``--tp N`` and ``--all-reduce`` to ``parser`` (``command`` names it in the help)."""
+    parser.add_argument("--tp", type=int, default=1, metavar="N",
+                        help=f"tensor-parallel degree; N > 1 needs 'torchrun --nproc-per-node N "
+                        f"-m graphtune {command} --tp N ...' (NCCL on CUDA with "
+                        "NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1, gloo on CPU); "
+                        f"{only_rank0}")
+    parser.add_argument("--all-reduce", choices=ALL_REDUCE_CHOICES, default="auto",
+                        help="with --tp: the decode step's all-reduce (auto: symmetric-memory "
+                        "one-shot when every GPU can use it, else NCCL)")
+
+
+def start_tensor_parallel(args: argparse.Namespace, device: Any) -> tuple[Any, Any]:
+    """``(ParallelContext or None, device)`` for ``args.tp``; starts the process group for tp > 1.
+
+    Raises:
+        ConfigError: ``--tp`` below 1, or tp > 1 without a matching torchrun launch.
+    """
+    if args.tp < 1:
+        raise ConfigError(f"--tp must be >= 1, got {args.tp}")
+    if args.tp == 1:
+        return None, device
+    from graphtune.engine.parallel import init_from_torchrun
+
+    return init_from_torchrun(args.tp, device, args.all_reduce)
+
+
+def stop_tensor_parallel(parallel: Any) -> None:
+    """Destroys the process group that :func:`start_tensor_parallel` started, if any."""
+    if parallel is not None:
+        from graphtune.engine.parallel import destroy
+
+        destroy()

@@ -61,7 +61,7 @@ class ParallelContext:
 
     Raises:
         ConfigError: ``world_size < 1``, ``rank`` outside ``[0, world_size)`` or an unknown
-            ``all_reduce``.
+            ``all_reduce_backend``.
     """
 
     group: Any
@@ -93,13 +93,6 @@ class ParallelContext:
                 "the CLI with torchrun and --tp N)"
             )
         return cls(group, dist.get_rank(group), dist.get_world_size(group), all_reduce_backend)
-
-    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sums ``tensor`` over the group in place and returns it."""
-        import torch.distributed as dist
-
-        dist.all_reduce(tensor, group=self.group)
-        return tensor
 
 
 def check_shardable(config: ModelConfig, tp: int) -> None:

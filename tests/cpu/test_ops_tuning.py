@@ -284,3 +284,28 @@ def test_triton_runners_pickle_for_subprocess_isolation():
         clone = pickle.loads(pickle.dumps(runner))
         assert clone.cache_key_extras() == runner.cache_key_extras()
         assert clone.compile_seconds == 0.0
+
+
+def test_gemm_cold_l2_rotates_weight_copies_under_the_same_cache_keys(monkeypatch):
+    from graphtune.autotuner import timing
+    from graphtune.autotuner.isolation import InProcessExecutor
+
+    dims = OpDims(hidden_size=32, intermediate_size=48, num_heads=4, num_kv_heads=2,
+                  head_dim=8, vocab_size=40)
+    # Pretend the operands must be copied 3 times to exceed L2 (the CPU has no such rule).
+    monkeypatch.setattr(timing, "cold_l2_copies", lambda nbytes, device: 3)
+    sets_per_profile: list[int] = []
+    begin = InProcessExecutor.begin
+    monkeypatch.setattr(InProcessExecutor, "begin", lambda self, runners, sets: (
+        sets_per_profile.append(len(sets)), begin(self, runners, sets))[1])
+    keys = {}
+    for cold in (False, True):
+        sets_per_profile.clear()
+        tuner = AutoTuner(timer=_FirstTritonTactic(), rounds=1, remeasure_top=0,
+                          show_progress=False)
+        tune_ops(dims, 2, device="cpu", dtype=torch.float32, tuner=tuner,
+                 ops=("gemm", "lm_head"), gemm_cold_l2=cold)
+        keys[cold] = {k for k, _ in tuner.cache.items()}
+        # 5 GEMMs x buckets 1, 2; with cold L2 each profile rotates 3 copies of its operands.
+        assert sets_per_profile == [3 if cold else 1] * 10
+    assert keys[True] == keys[False] and len(keys[True]) == 10

@@ -59,6 +59,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     decode.add_argument("--tuning-cache", type=Path, default=None, metavar="FILE",
                         help="with --tune: tuning cache file, loaded when present and saved "
                         "(a second run tunes nothing)")
+    decode.add_argument("--tune-cold-l2", action="store_true",
+                        help="with --tune: time the GEMMs with cold-L2 rotation (weights stream "
+                        "from HBM, as in a decode step)")
     decode.add_argument("--plot", type=Path, default=None, metavar="FILE.png")
     decode.add_argument("--json", type=Path, default=None, metavar="FILE")
     decode.add_argument("--device", default="auto")
@@ -105,7 +108,8 @@ def run_bench_decode(args: argparse.Namespace) -> int:
             steps=args.steps, repeats=args.repeats, runners=runners,
             compare_compile=args.compare_compile, device=str(device), dtype=args.dtype,
             seed=args.seed, tune=args.tune,
-            tuning_cache=str(args.tuning_cache) if args.tuning_cache else None, tp=args.tp,
+            tuning_cache=str(args.tuning_cache) if args.tuning_cache else None,
+            tune_cold_l2=args.tune_cold_l2, tp=args.tp,
         )
         report = run_decode_bench(
             cfg, log=lambda line: print(line, file=sys.stderr) if show else None,

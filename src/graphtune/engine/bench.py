@@ -53,6 +53,8 @@ class DecodeBenchConfig:
         seed: Seed for random weights, tokens and cache contents.
         tune: Also tune the step's ops and time the tuned step beside the untuned one.
         tuning_cache: Tuning cache file for ``tune`` (loaded when present, saved after).
+        tune_cold_l2: With ``tune``, time the GEMMs with cold-L2 rotation (see
+            :func:`graphtune.ops.tuning.tune_ops`).
         tp: Tensor-parallel degree (``run_decode_bench`` then needs a matching ``parallel``
             context; every rank runs the same benchmark and times its own shard). With ``tune``
             the ranks tune with the ``agree`` strategy and the report says whether every rank
@@ -71,6 +73,7 @@ class DecodeBenchConfig:
     seed: int = 0
     tune: bool = False
     tuning_cache: str | None = None
+    tune_cold_l2: bool = False
     tp: int = 1
 
     def __post_init__(self) -> None:
@@ -432,7 +435,7 @@ def _time_tuned(step: DecodeStep, cache: KVCache, inputs: list, results: list[Ba
         tuned_report = tune_ops(
             OpDims.from_model_config(step.model.config), sizes[-1], device=device, dtype=dtype,
             tuner=tuner, ops=ALL_GROUPS, max_seq_len=cache.max_seq_len,
-            on_op=lambda name: log(f"  tuning {name}"),
+            on_op=lambda name: log(f"  tuning {name}"), gemm_cold_l2=cfg.tune_cold_l2,
         )
     report.tuning_seconds = tuned_report.seconds
     report.tuning_compile_seconds = tuned_report.compile_seconds

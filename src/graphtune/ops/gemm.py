@@ -36,8 +36,9 @@ from graphtune.autotuner.config import (
     TuningConfig,
     next_power_of_two,
 )
+from graphtune.autotuner.context import get_tuner
 from graphtune.autotuner.runner import FALLBACK_TACTIC, TunableRunner
-from graphtune.autotuner.tuner import AutoTuner, get_tuner
+from graphtune.autotuner.tuner import AutoTuner
 from graphtune.errors import ConfigError, InputError
 from graphtune.ops._triton import (
     TritonRunner,

@@ -27,7 +27,8 @@ from typing import Any
 import torch
 
 from graphtune.autotuner.config import power_of_two_buckets
-from graphtune.autotuner.tuner import AutoTuner, get_tuner
+from graphtune.autotuner.context import get_tuner
+from graphtune.autotuner.tuner import AutoTuner
 from graphtune.errors import ConfigError
 from graphtune.ops import attention as attention_op
 from graphtune.ops._triton import TritonRunner

@@ -83,7 +83,7 @@ def sample_sessions(runners: Any, candidates: list[tuple[int, Any]], input_sets:
             runner = runners[index]
             measured = timer.measure(lambda i, r=runner, t=tactic, x=inputs: r.forward(x, t),
                                      warmup=3, repeat=10)
-            samples[slot].append(measured.median)
+            samples[slot].append(measured.median_us)
     return samples
 
 

@@ -72,6 +72,7 @@ logger = logging.getLogger("benchmarks.tuning")
 
 MODES = ("graph", "events", "wallclock")
 RUNS = 3
+TRUTH_SETS = 3
 HIDDEN, INTER, HEADS, KV, DIM, VOCAB = 2048, 8192, 32, 8, 64, 128256
 FULL_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 TARGET_REGRET, MAX_REGRET, TARGET_SHARE, TARGET_MS = 0.01, 0.05, 0.95, 30.0
@@ -534,57 +535,109 @@ def table(records: list[dict[str, Any]], modes: Sequence[str] = MODES) -> str:
 # --- measurement (GPU) -------------------------------------------------------------------------
 
 
-def tuner_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """AutoTuner keyword arguments the options ask for (none: the tuner's defaults)."""
-    return {} if args.tie_tolerance is None else {"tie_tolerance": args.tie_tolerance}
+def tuner_kwargs(args: argparse.Namespace, mode: str | None = None) -> dict[str, Any]:
+    """AutoTuner keyword arguments the options ask for (none: the tuner's defaults); for a
+    ``--variant`` name, its keywords on top."""
+    kwargs = {} if args.tie_tolerance is None else {"tie_tolerance": args.tie_tolerance}
+    return {**kwargs, **getattr(args, "variants", {}).get(mode, {})}
+
+
+def timer_name(mode: str) -> str:
+    """The timing mode a mode or ``--variant`` name tunes with (variants use the graph timer)."""
+    return mode if mode in MODES else "graph"
+
+
+def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
+    """``"sets3:input_sets=3,tie_floor_us=0.02"`` -> ``("sets3", {"input_sets": 3, ...})``.
+
+    Values are read as JSON (numbers, true/false, quoted strings), else kept as text.
+
+    Raises:
+        argparse.ArgumentTypeError: No name, or a keyword without ``=``.
+    """
+    name, _, rest = text.partition(":")
+    name = name.strip()
+    if not name:
+        raise argparse.ArgumentTypeError(f"--variant {text!r}: give NAME:KEY=VALUE,...")
+    kwargs: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise argparse.ArgumentTypeError(
+                f"--variant {text!r}: {item!r} is not KEY=VALUE (e.g. input_sets=3)"
+            )
+        try:
+            kwargs[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            kwargs[key.strip()] = value.strip()
+    return name, kwargs
 
 
 def measure_truth(
-    label: str, runners: Sequence[Any], inputs: list[Any], candidates: list[tuple[int, Any]],
-    args: argparse.Namespace,
+    label: str, runners: Sequence[Any], input_sets: Sequence[list[Any]],
+    candidates: list[tuple[int, Any]], args: argparse.Namespace,
 ) -> list[dict[str, Any]]:
-    """Both CUPTI truths of every candidate; a candidate that fails gets ``inf`` and its error."""
+    """Both CUPTI truths of every candidate, each the median over ``input_sets`` (per-set values
+    kept in ``*_sets``); a candidate that fails on any set gets ``inf`` and its error."""
     from graphtune.autotuner.runner import runner_id, short_runner_name
 
     truth = []
     for index, tactic in candidates:
         runner = runners[index]
-
-        def call(i: int, runner=runner, tactic=tactic) -> object:
-            return runner.forward(inputs, tactic)
-
         entry: dict[str, Any] = {
             "runner": short_runner_name(runner_id(runner)), "runner_index": index,
             "tactic": tactic, KERNEL_SUM: math.inf, "kernels_per_call": None,
             IN_GRAPH: math.inf, "cupti_graph": None,
+            f"{KERNEL_SUM}_sets": [], f"{IN_GRAPH}_sets": [],
         }
-        try:
-            kt = _common.cupti_kernel_time(call, calls=args.cupti_calls, warmup=3)
-            entry[KERNEL_SUM] = kt.per_call_us
-            entry["kernels_per_call"] = kt.kernels_per_call
-        except Exception as exc:  # a candidate that cannot run is reported, not fatal
-            logger.warning("%s %s: CUPTI kernel sum failed: %s", label, tactic, exc)
-            entry["cupti_error"] = f"{type(exc).__name__}: {exc}"
-        if not _finite(entry[KERNEL_SUM]):
-            # It could not run eagerly (or CUPTI saw nothing): capturing it would fail the same.
-            entry["cupti_graph_error"] = "skipped: the kernel-sum measurement failed"
-            truth.append(entry)
-            continue
-        try:
-            gt = _common.cupti_graph_time(call, replays=args.cupti_graph_replays, warmup=3,
-                                          estimate_us=entry[KERNEL_SUM])
-            entry[IN_GRAPH] = gt.per_call_us
-            entry["cupti_graph"] = gt.as_dict()
-            if entry["kernels_per_call"] not in (None, gt.kernels_per_call):
-                # Eager and graph runs launched different activity counts: a trace problem or
-                # a runner that launches differently when captured; worth a look.
-                entry["graph_kernels_mismatch"] = True
-        except Exception as exc:  # e.g. a tactic that cannot be captured: reported, not fatal
-            logger.warning("%s %s: CUPTI in-graph time failed: %s", label, tactic, exc)
-            entry["cupti_graph_error"] = f"{type(exc).__name__}: {exc}"
-            _synchronize_quietly()
+        for inputs in input_sets:
+            if not _truth_on_set(label, runner, tactic, inputs, entry, args):
+                break
+        for field in (KERNEL_SUM, IN_GRAPH):
+            values = entry[f"{field}_sets"]
+            if len(values) == len(input_sets) and all(map(_finite, values)):
+                entry[field] = statistics.median(values)
         truth.append(entry)
     return truth
+
+
+def _truth_on_set(label: str, runner: Any, tactic: Any, inputs: list[Any],
+                  entry: dict[str, Any], args: argparse.Namespace) -> bool:
+    """Appends one input set's kernel sum and in-graph time to ``entry``; ``False`` (with the
+    error recorded) when the candidate failed."""
+
+    def call(i: int) -> object:
+        return runner.forward(inputs, tactic)
+
+    try:
+        kt = _common.cupti_kernel_time(call, calls=args.cupti_calls, warmup=3)
+        entry[f"{KERNEL_SUM}_sets"].append(kt.per_call_us)
+        entry["kernels_per_call"] = kt.kernels_per_call
+    except Exception as exc:  # a candidate that cannot run is reported, not fatal
+        logger.warning("%s %s: CUPTI kernel sum failed: %s", label, tactic, exc)
+        entry["cupti_error"] = f"{type(exc).__name__}: {exc}"
+        entry["cupti_graph_error"] = "skipped: the kernel-sum measurement failed"
+        return False
+    if not _finite(kt.per_call_us):
+        # It could not run eagerly (or CUPTI saw nothing): capturing it would fail the same.
+        entry["cupti_graph_error"] = "skipped: the kernel-sum measurement failed"
+        return False
+    try:
+        gt = _common.cupti_graph_time(call, replays=args.cupti_graph_replays, warmup=3,
+                                      estimate_us=kt.per_call_us)
+    except Exception as exc:  # e.g. a tactic that cannot be captured: reported, not fatal
+        logger.warning("%s %s: CUPTI in-graph time failed: %s", label, tactic, exc)
+        entry["cupti_graph_error"] = f"{type(exc).__name__}: {exc}"
+        _synchronize_quietly()
+        return False
+    entry[f"{IN_GRAPH}_sets"].append(gt.per_call_us)
+    if entry["cupti_graph"] is None:
+        entry["cupti_graph"] = gt.as_dict()
+    if kt.kernels_per_call != gt.kernels_per_call:
+        # Eager and graph runs launched different activity counts: a trace problem or a
+        # runner that launches differently when captured; worth a look.
+        entry["graph_kernels_mismatch"] = True
+    return True
 
 
 def tune_mode(
@@ -601,8 +654,8 @@ def tune_mode(
     tie_bands: list[float | None] = []
     unmatched = 0
     for run in range(args.runs):
-        tuner = AutoTuner(timer=resolve_timer(mode, device), show_progress=False,
-                          **tuner_kwargs(args))
+        tuner = AutoTuner(timer=resolve_timer(timer_name(mode), device), show_progress=False,
+                          **tuner_kwargs(args, mode))
         tuner.tuning_mode = True
         start = time.perf_counter()
         runner, tactic = tuner.choose_one(op, runners, config, inputs)
@@ -661,7 +714,13 @@ def run_case(case: Case, device: torch.device, args: argparse.Namespace) -> dict
                                list(failed.values())[:2])
         candidates += [(index, t) for t in tactics]
     record["compile_s"] = compile_s
-    truth = measure_truth(case.label, runners, inputs, candidates, args)
+    # The truth is the median over fresh input sets (new values, new allocations): on an H200
+    # near-equal GEMM tactics swap places by 1-2% between allocations
+    # (benchmarks/tuning_stability.py), so one set's ranking is itself a noisy sample.
+    input_sets = [inputs] + [case.build(device, case.bucket)[3]
+                             for _ in range(getattr(args, "truth_sets", 1) - 1)]
+    truth = measure_truth(case.label, runners, input_sets, candidates, args)
+    del input_sets
     best = best_candidate(truth, KERNEL_SUM)
     if best is None:
         raise RuntimeError("no candidate could be timed by CUPTI (kernel sum)")
@@ -742,11 +801,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help=f"independent tuning runs per mode (default {RUNS})")
     parser.add_argument("--tie-tolerance", type=_tie_tolerance, default=None,
                         help="AutoTuner(tie_tolerance=F); default: the tuner's own default")
+    parser.add_argument("--variant", type=parse_variant, action="append", default=[],
+                        metavar="NAME:KEY=VALUE,...",
+                        help="also tune with the graph timer and these AutoTuner keywords, "
+                             "reported like a mode named NAME (repeatable), e.g. "
+                             "sets1:input_sets=1,tie_floor_us=0")
+    parser.add_argument("--truth-sets", type=_positive_int, default=TRUTH_SETS,
+                        help="fresh input sets each truth is measured on; a candidate's truth "
+                             f"is the median over them (default {TRUTH_SETS})")
     parser.add_argument("--only", default=None, help="run cases whose label contains this text")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     args = parser.parse_args(argv)
     if args.quick:
         args.cupti_calls = min(args.cupti_calls, 20)
+    names = [name for name, _ in args.variant]
+    clash = sorted({n for n in names if names.count(n) > 1 or n in MODES})
+    if clash:
+        parser.error(f"--variant names must be unique and not a mode name: {clash}")
+    args.variants = dict(args.variant)
+    args.modes = tuple(args.modes) + tuple(n for n in names if n not in args.modes)
     return args
 
 
@@ -754,6 +827,8 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
     """The options a result was measured with, for the JSON file."""
     return {
         "modes": list(args.modes),
+        "variants": getattr(args, "variants", {}),
+        "truth_sets": getattr(args, "truth_sets", 1),
         "runs": args.runs,
         "tie_tolerance": args.tie_tolerance,
         "cupti_calls": args.cupti_calls,

@@ -182,11 +182,22 @@ class InProcessExecutor:
         self.timer = timer
         self.device = device
         self._sets: list[list[Any]] = []
+        self._rotate_in_call = True
         self.starts = 0
 
-    def begin(self, runners: list[Any], sets: list[list[Any]]) -> None:
-        """Sets the runners and input sets of the profile about to be timed."""
+    def begin(
+        self, runners: list[Any], sets: list[list[Any]], *, rotate_in_call: bool = True
+    ) -> None:
+        """Sets the runners and input sets of the profile about to be timed.
+
+        Args:
+            runners: The op's runners.
+            sets: Input sets (lists of ``forward`` inputs).
+            rotate_in_call: Every measurement walks through all sets, call by call (cold-L2
+                copies); otherwise measurement ``sample`` times set ``sample % len(sets)`` only.
+        """
         self._sets = sets
+        self._rotate_in_call = rotate_in_call
 
     def prepare(self, runner_index: int, runner: Any, tactic: Any) -> None:
         """Runs ``runner.prepare`` (untimed); raises :class:`TacticFailure`."""
@@ -196,10 +207,18 @@ class InProcessExecutor:
             raise self._failure(exc) from None
 
     def measure(
-        self, runner_index: int, runner: Any, tactic: Any, *, warmup: int, repeat: int
+        self,
+        runner_index: int,
+        runner: Any,
+        tactic: Any,
+        *,
+        warmup: int,
+        repeat: int,
+        sample: int = 0,
     ) -> float:
-        """Times one tactic; returns microseconds per call or raises :class:`TacticFailure`."""
-        sets = self._sets
+        """Times one tactic (its ``sample``-th measurement); returns microseconds per call or
+        raises :class:`TacticFailure`."""
+        sets = sets_for_sample(self._sets, self._rotate_in_call, sample)
         n = len(sets)
 
         def call(i: int) -> object:
@@ -277,16 +296,22 @@ class SubprocessExecutor:
         self._payload: bytes | None = None
         self._payload_id = 0
         self._worker_payload_id = -1
+        self._rotate_in_call = True
         self.starts = 0
 
     # -- profile ------------------------------------------------------------------------------
 
-    def begin(self, runners: list[Any], sets: list[list[Any]]) -> None:
+    def begin(
+        self, runners: list[Any], sets: list[list[Any]], *, rotate_in_call: bool = True
+    ) -> None:
         """Pickles the runners and inputs of the next profile (sent to the worker on first use).
+
+        ``rotate_in_call`` as for :meth:`InProcessExecutor.begin`.
 
         Raises:
             ConfigError: A runner or input is not picklable (names which).
         """
+        self._rotate_in_call = rotate_in_call
         for index, runner in enumerate(runners):
             _pickle_or_explain(f"runner {index} ({type(runner).__qualname__})", runner)
         self._payload = _pickle_or_explain("the synthetic inputs", (runners, sets))
@@ -297,12 +322,19 @@ class SubprocessExecutor:
         self._request(("prepare", runner_index, tactic), f"prepare of tactic {tactic!r}")
 
     def measure(
-        self, runner_index: int, runner: Any, tactic: Any, *, warmup: int, repeat: int
+        self,
+        runner_index: int,
+        runner: Any,
+        tactic: Any,
+        *,
+        warmup: int,
+        repeat: int,
+        sample: int = 0,
     ) -> float:
-        """Times one tactic in the worker; raises :class:`TacticFailure`."""
-        value = self._request(
-            ("measure", runner_index, tactic, warmup, repeat), f"timing of tactic {tactic!r}"
-        )
+        """Times one tactic in the worker (its ``sample``-th measurement); raises
+        :class:`TacticFailure`."""
+        request = ("measure", runner_index, tactic, warmup, repeat, self._rotate_in_call, sample)
+        value = self._request(request, f"timing of tactic {tactic!r}")
         return check_time(value)
 
     def close(self) -> None:
@@ -467,8 +499,9 @@ def worker_main(conn: Any, timer_blob: bytes | None, timing: str, device_name: s
                 runners[message[1]].prepare(sets[0], message[2])
                 reply = ("ok", None)
             elif kind == "measure":
-                _, index, tactic, warmup, repeat = message
-                reply = ("ok", _raw_measure(timer, runners[index], tactic, sets, warmup, repeat))
+                _, index, tactic, warmup, repeat, rotate_in_call, sample = message
+                chosen = sets_for_sample(sets, rotate_in_call, sample)
+                reply = ("ok", _raw_measure(timer, runners[index], tactic, chosen, warmup, repeat))
                 broken = context_error(device)
                 if broken is not None:
                     # An asynchronous error of this tactic: report it now, or the next tactic
@@ -485,6 +518,14 @@ def worker_main(conn: Any, timer_blob: bytes | None, timing: str, device_name: s
                 os._exit(3)
             continue
         conn.send(reply)
+
+
+def sets_for_sample(sets: list[list[Any]], rotate_in_call: bool, sample: int) -> list[list[Any]]:
+    """The input sets measurement number ``sample`` walks through: all of them (cold-L2 copies,
+    rotated call by call) or set ``sample % len(sets)`` alone (distinct sets, one per sample)."""
+    if rotate_in_call or len(sets) < 2:
+        return sets
+    return [sets[sample % len(sets)]]
 
 
 def _raw_measure(

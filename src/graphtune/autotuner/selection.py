@@ -12,6 +12,9 @@ and another candidate ``c`` with a usable median:
   absolute deviation of the candidate's ``n`` samples (robust to an outlier sample); 0 for fewer
   than two samples, so a candidate carrying one agreed time has no measured noise;
 * ``band = z * sqrt(se_b**2 + se_c**2) / median_b``, capped at ``cap``;
+* ``floor = max(floor, floor_us / median_b)``: a relative floor, and an absolute one for kernels
+  of a microsecond or two, where a few nanoseconds are a large share but below what any clock
+  here resolves (CUPTI timestamps step by 32 ns on an H200) and below what a decode step feels;
 * ``c`` is **tied** with ``b`` when ``gap <= max(floor, band)``; the winner is the earliest-listed
   of ``b`` and the candidates tied with it;
 * ``c`` is **undecided** when ``floor < gap <= band``: a real difference above the floor that the
@@ -86,11 +89,14 @@ class TieRule:
         floor: Relative gap below which a difference never matters (``tie_tolerance``).
         z: Standard errors of the difference that count as noise (``noise_z``).
         cap: Largest noise band (``max_tie_tolerance``); the floor applies even above it.
+        floor_us: Absolute gap in microseconds per call below which a difference never matters
+            (``tie_floor_us``); 0 turns it off.
     """
 
     floor: float = 0.005
     z: float = 2.0
     cap: float = 0.05
+    floor_us: float = 0.0
 
     def __post_init__(self) -> None:
         for name, value in (("tie_tolerance", self.floor), ("max_tie_tolerance", self.cap)):
@@ -103,6 +109,11 @@ class TieRule:
             raise ConfigError(
                 f"AutoTuner(noise_z={self.z!r}): must be a finite number > 0 (standard errors "
                 "of a difference that count as noise; 2.0 by default)."
+            )
+        if not _real(self.floor_us) or not 0.0 <= self.floor_us < math.inf:
+            raise ConfigError(
+                f"AutoTuner(tie_floor_us={self.floor_us!r}): must be a finite number >= 0 "
+                "(microseconds per call, e.g. 0.02 for 20 ns; 0 turns it off)."
             )
 
     def select(self, samples: Sequence[Sequence[float]]) -> Selection:
@@ -123,16 +134,17 @@ class TieRule:
         tied = [False] * len(samples)
         tied[best] = True
         undecided: list[int] = []
-        widest = self.floor
+        floor = max(self.floor, self.floor_us / medians[best])
+        widest = floor
         for i in alive:
             if i == best:
                 continue
             gap = (medians[i] - medians[best]) / medians[best]
             band = noise_band(samples[best], samples[i], z=self.z, cap=self.cap)
-            threshold = max(self.floor, band)
+            threshold = max(floor, band)
             widest = max(widest, threshold)
             tied[i] = gap <= threshold
-            if self.floor < gap <= band:
+            if floor < gap <= band:
                 undecided.append(i)
         winner = min(i for i in alive if tied[i])
         return Selection(best, winner, tuple(tied), tuple(undecided), widest)

@@ -121,6 +121,11 @@ def test_rule_skips_failed_candidates_and_breaks_equal_medians_by_order() -> Non
         ({"noise_z": True}, "noise_z"),
         ({"max_extra_rounds": -1}, "max_extra_rounds"),
         ({"max_extra_rounds": 1.5}, "max_extra_rounds"),
+        ({"tie_floor_us": -0.01}, "tie_floor_us"),
+        ({"tie_floor_us": float("inf")}, "tie_floor_us"),
+        ({"tie_floor_us": True}, "tie_floor_us"),
+        ({"input_sets": 0}, "input_sets"),
+        ({"input_sets": 2.0}, "input_sets"),
     ],
 )
 def test_new_tuner_arguments_are_validated(kwargs: dict, match: str) -> None:
@@ -132,6 +137,18 @@ def test_defaults() -> None:
     tuner = AutoTuner(show_progress=False)
     assert (tuner.tie_tolerance, tuner.noise_z, tuner.max_tie_tolerance) == (0.005, 2.0, 0.05)
     assert tuner.max_extra_rounds == 6 and tuner.history == []
+    assert tuner.tie_floor_us == 0.03 and tuner.input_sets == 1
+
+
+def test_absolute_floor_ties_nanosecond_gaps_on_microsecond_kernels() -> None:
+    # 1.700 vs 1.720 us: a 1.2% gap, above the 0.5% relative floor, but only 20 ns.
+    samples = [[1.720] * 6, [1.700] * 6]
+    assert TieRule(0.005, 2.0, 0.05).select(samples).winner == 1
+    chosen = TieRule(0.005, 2.0, 0.05, floor_us=0.03).select(samples)
+    assert chosen.winner == 0 and chosen.tied == (True, True)
+    assert chosen.tie_band == pytest.approx(0.03 / 1.700) and chosen.undecided == ()
+    # At 100 us the same 30 ns is 0.03%: the relative floor decides.
+    assert TieRule(0.005, 2.0, 0.05, floor_us=0.03).select([[101.0] * 3, [100.0] * 3]).winner == 1
 
 
 # -- the tuner with a fake timer -----------------------------------------------------------------
@@ -311,3 +328,65 @@ def test_tuner_module_still_exports_the_context_helpers() -> None:
     assert moved is exported and moved_get is get_tuner
     with pytest.raises(AttributeError, match="no_such_name"):
         tuner_module.no_such_name  # noqa: B018
+
+
+# -- input sets -----------------------------------------------------------------------------------
+
+
+class SetRunner(TunableRunner):
+    """Costs 10 us, logs which synthetic input set (by its first value) each call ran on."""
+
+    def __init__(self, name: str, clock: Clock) -> None:
+        self.name, self.clock, self.seen = name, clock, []
+
+    def get_valid_tactics(self, inputs: list, profile: Any) -> list:
+        return [FALLBACK_TACTIC]
+
+    def forward(self, inputs: list, tactic: Any = FALLBACK_TACTIC) -> Any:
+        self.clock.now_us += 10.0
+        self.clock.log.append((self.name, tactic))
+        self.seen.append(float(inputs[0].flatten()[0]))
+        return inputs[0]
+
+    def cache_key_extras(self) -> tuple:
+        return (self.name,)
+
+
+def _tune_sets(config: TuningConfig, **kwargs: Any) -> tuple[list[SetRunner], AutoTuner]:
+    clock = Clock()
+    runners = [SetRunner("a", clock), SetRunner("b", clock)]
+    tuner = AutoTuner(timer=JitterTimer(clock, (0.0,)), show_progress=False, **kwargs)
+    with autotune(None, tuner):
+        tuner.choose_one("op", runners, config, [torch.randn(4, 2)])
+    return runners, tuner
+
+
+def test_input_sets_give_each_measurement_round_its_own_set() -> None:
+    runners, tuner = _tune_sets(ONE_BUCKET, input_sets=3)
+    first, second = runners
+    # JitterTimer makes one call per measurement: 3 rounds + 3 re-measured (top 3) = 6 each.
+    assert len(first.seen) == len(second.seen) == 6
+    sets = list(dict.fromkeys(first.seen))
+    assert len(sets) == 3  # three distinct synthetic sets, in order 0, 1, 2, 0, 1, 2
+    assert first.seen == sets * 2 and second.seen == first.seen  # paired: same set per round
+    # One set by default: every measurement on the same inputs.
+    runners, _ = _tune_sets(ONE_BUCKET)
+    assert len(set(runners[0].seen)) == 1
+
+
+def test_input_sets_stop_at_the_byte_budget(monkeypatch) -> None:
+    import graphtune.autotuner.tuner as tuner_module
+
+    monkeypatch.setattr(tuner_module, "INPUT_SET_BYTES", 2 * 4 * 2 * 4)  # two [4, 2] float sets
+    runners, _ = _tune_sets(ONE_BUCKET, input_sets=3)
+    assert len(set(runners[0].seen)) == 2
+
+
+def test_cold_l2_rotates_copies_inside_every_measurement_and_ignores_input_sets() -> None:
+    from dataclasses import replace
+
+    cold = replace(ONE_BUCKET, cold_l2=True)
+    runners, _ = _tune_sets(cold, input_sets=3)
+    # Call i of a measurement runs copy i: this timer makes one call (i = 0) per measurement, so
+    # every measurement starts at copy 0 instead of moving to set k % 3 at its k-th sample.
+    assert len(runners[0].seen) == 6 and len(set(runners[0].seen)) == 1

@@ -44,6 +44,7 @@ class _LastIsFastest:
 
 def _tuner() -> AutoTuner:
     return AutoTuner(timer=_LastIsFastest(), rounds=1, remeasure_top=0, tie_tolerance=0.0,
+                     tie_floor_us=0.0,
                      show_progress=False)
 
 

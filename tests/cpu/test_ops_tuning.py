@@ -296,8 +296,8 @@ def test_gemm_cold_l2_rotates_weight_copies_under_the_same_cache_keys(monkeypatc
     monkeypatch.setattr(timing, "cold_l2_copies", lambda nbytes, device: 3)
     sets_per_profile: list[int] = []
     begin = InProcessExecutor.begin
-    monkeypatch.setattr(InProcessExecutor, "begin", lambda self, runners, sets: (
-        sets_per_profile.append(len(sets)), begin(self, runners, sets))[1])
+    monkeypatch.setattr(InProcessExecutor, "begin", lambda self, runners, sets, **kw: (
+        sets_per_profile.append(len(sets)), begin(self, runners, sets, **kw))[1])
     keys = {}
     for cold in (False, True):
         sets_per_profile.clear()
@@ -309,3 +309,24 @@ def test_gemm_cold_l2_rotates_weight_copies_under_the_same_cache_keys(monkeypatc
         # 5 GEMMs x buckets 1, 2; with cold L2 each profile rotates 3 copies of its operands.
         assert sets_per_profile == [3 if cold else 1] * 10
     assert keys[True] == keys[False] and len(keys[True]) == 10
+
+
+def test_fused_op_priors_come_first_so_near_ties_go_to_them():
+    from graphtune.autotuner.runner import preferred_first
+    from graphtune.ops.activation import preferred_silu_tactic, silu_and_mul_tactics
+    from graphtune.ops.rotary import PREFERRED_ROPE_TACTIC
+
+    assert preferred_first([1, 2, 3], 3) == [3, 1, 2]
+    assert preferred_first([1, 2, 3], 9) == [1, 2, 3]
+    rope = rope_tactics(32, 8, 64)
+    assert rope[0] == PREFERRED_ROPE_TACTIC and len(rope) == len({json.dumps(t) for t in rope})
+    # The largest block <= 1024 with >= 16 programs, 4 elements per thread.
+    assert preferred_silu_tactic(8192, 1) == {"block": 512, "warps": 4}
+    assert preferred_silu_tactic(8192, 8) == {"block": 1024, "warps": 8}
+    assert preferred_silu_tactic(100, 1) == {"block": 256, "warps": 2}
+    for rows in (1, 8, 64):
+        tactics = silu_and_mul_tactics(8192, rows)
+        assert tactics[0] == preferred_silu_tactic(8192, rows)
+        same = sorted(map(json.dumps, silu_and_mul_tactics(8192)))
+        assert sorted(map(json.dumps, tactics)) == same  # the same set, reordered
+    assert rms_norm_tactics(2048)[0] == {"block": 2048, "warps": 4}  # already the best on an H200

@@ -52,6 +52,16 @@ class TunableRunner:
         return self.forward(inputs, tactic)
 
 
+def preferred_first(tactics: list[Any], preferred: Any) -> list[Any]:
+    """``tactics`` with ``preferred`` moved to the front (unchanged when it is not listed).
+
+    The tuner gives a tie to the earliest-listed candidate, so a runner lists its prior (the
+    tactic that is best or close to it on typical hardware) first: then near-ties, whose order
+    changes from one tuning run to the next, resolve to the same good tactic every time.
+    """
+    return sorted(tactics, key=lambda tactic: tactic != preferred)
+
+
 def runner_id(runner: TunableRunner) -> str:
     """Stable identity of a runner for cache keys: ``module.QualName`` plus its extras as JSON."""
     cls = type(runner)

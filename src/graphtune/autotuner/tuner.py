@@ -19,8 +19,9 @@ Noise handling, so that repeated tuning runs pick the same tactic:
 * a candidate whose gap is above the floor but inside the band is undecided: it and the fastest
   alone are measured again, interleaved, for up to ``max_extra_rounds`` more rounds, stopping as
   soon as none is undecided, so extra time goes only where it can change the decision;
-* an absolute floor ``tie_floor_us`` (off by default) ties differences of a few nanoseconds on
-  microsecond kernels, which no clock here resolves;
+* an absolute floor ``tie_floor_us`` (default 0.03 µs) ties differences of a few tens of
+  nanoseconds on microsecond kernels: CUPTI's own timestamps step by 32 ns on an H200, and the
+  order of such near-equal tactics changed from one tuning run to the next;
 * with ``input_sets > 1`` the k-th measurement of every candidate times synthetic input set
   ``k % input_sets`` (fresh values and allocations): on an H200 the ranking of near-equal GEMM
   tactics moved by 1-2% between input allocations, which one set per run hides from the noise
@@ -183,7 +184,8 @@ class AutoTuner:
         max_extra_rounds: Most adaptive rounds over the fastest and the undecided candidates
             (gap above the floor, inside the band); 0 turns them off.
         tie_floor_us: Absolute gap in microseconds per call below which a difference never
-            matters (the floor is the larger of this and ``tie_tolerance``); 0 turns it off.
+            matters (the floor is the larger of this and ``tie_tolerance``; 0.03 = 30 ns);
+            0 turns it off.
         input_sets: Distinct synthetic input sets per profile (fresh allocations and values);
             the k-th measurement of every candidate uses set ``k % input_sets``, so a pick does
             not rest on one allocation's luck (see the module docstring). Sets past the first
@@ -220,7 +222,7 @@ class AutoTuner:
         noise_z: float = 2.0,
         max_tie_tolerance: float = 0.05,
         max_extra_rounds: int = 6,
-        tie_floor_us: float = 0.0,
+        tie_floor_us: float = 0.03,
         input_sets: int = 1,
         is_capturing: Callable[[], bool] | None = None,
         cache: TuningCache | None = None,

@@ -58,6 +58,17 @@ def test_spearman_drops_missing_pairs_and_undefined_cases():
         bench.spearman([1, 2], [1])
 
 
+def test_truth_noise_is_the_median_relative_range_over_input_sets():
+    truth = [{"cupti_graph_us_sets": [10.0, 10.2, 10.1]},  # 2% range
+             {"cupti_graph_us_sets": [5.0, 5.05, 5.0]},  # 1%
+             {"cupti_graph_us_sets": [1.0, 1.04, 1.0]},  # 4%
+             {"cupti_graph_us_sets": [math.inf, 2.0]}]  # one usable value: skipped
+    assert bench.truth_noise(truth) == pytest.approx(0.2 / 10.1)  # the middle one, 2%
+    assert bench.truth_noise([{"cupti_graph_us_sets": [3.0]}]) is None
+    kernel_sum = [{"cupti_us_sets": [1.0, 1.1]}]
+    assert bench.truth_noise(kernel_sum, "cupti_us") == pytest.approx(0.1 / 1.05)
+
+
 def test_regret_and_worst():
     assert bench.regret(4.78, 4.61) == pytest.approx(4.78 / 4.61 - 1)
     assert bench.regret(4.61, 4.61) == 0.0
@@ -288,6 +299,36 @@ def test_parse_args_defaults_and_values():
     assert opts["modes"] == ["events", "graph"] and opts["runs"] == 5
     assert opts["tie_tolerance"] == 0.01 and opts["cupti_graph_replays"] == 7
     json.dumps(opts)  # goes into the result file
+
+
+def test_variants_are_extra_graph_modes_with_their_own_tuner_keywords():
+    args = bench.parse_args(["--modes", "graph", "--tie-tolerance", "0.01",
+                             "--variant", "sets3:input_sets=3,tie_floor_us=0.02",
+                             "--variant", "plain:", "--truth-sets", "2"])
+    assert args.modes == ("graph", "sets3", "plain") and args.truth_sets == 2
+    assert bench.tuner_kwargs(args, "graph") == {"tie_tolerance": 0.01}
+    assert bench.tuner_kwargs(args, "sets3") == {"tie_tolerance": 0.01, "input_sets": 3,
+                                                 "tie_floor_us": 0.02}
+    assert bench.timer_name("sets3") == "graph" and bench.timer_name("events") == "events"
+    assert bench.options(args)["variants"]["sets3"] == {"input_sets": 3, "tie_floor_us": 0.02}
+    assert bench.parse_variant("x:mode=fast") == ("x", {"mode": "fast"})  # not JSON: text
+    assert bench.parse_args([]).truth_sets == bench.TRUTH_SETS
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--variant", ":input_sets=3"], "give NAME:KEY=VALUE"),
+        (["--variant", "a:input_sets"], "is not KEY=VALUE"),
+        (["--variant", "graph:input_sets=3"], "not a mode name"),
+        (["--variant", "a:", "--variant", "a:input_sets=2"], "must be unique"),
+        (["--truth-sets", "0"], "expected an integer >= 1"),
+    ],
+)
+def test_variant_errors(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(argv)
+    assert message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -667,6 +708,9 @@ def test_run_case_records_both_truths_tuner_times_and_survives_failures(fake_gpu
     assert broken["cupti_us"] == math.inf and "does not support" in broken["cupti_error"]
     assert broken["cupti_graph_us"] == math.inf and "skipped" in broken["cupti_graph_error"]
     assert by_key[KEY(1, SPLIT_K)]["cupti_graph"]["kernels_per_call"] == 2
+    # Each truth is the median over --truth-sets (default 3) fresh input sets.
+    assert len(by_key[KEY(0, -1)]["cupti_graph_us_sets"]) == bench.TRUTH_SETS
+    assert broken["cupti_us_sets"] == [] and record["truth_noise_graph"] == 0.0
     assert record["best"]["tactic"] == SPLIT_K  # kernel sum: split-K
     assert record["best_graph"]["tactic"] == -1  # in-graph: cuBLAS
     graph = record["modes"]["graph"]

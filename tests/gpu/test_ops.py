@@ -1,6 +1,6 @@
 """graphtune.ops on the GPU: every Triton kernel at Llama-1B decode shapes in bf16 against a
-float64 reference, every valid GEMM tactic for two buckets, every decode-attention tactic against
-SDPA, and capture of each op in a graph.
+float64 reference, every valid GEMM tactic for two buckets, every valid GEMV tactic of the decode
+GEMMs, every decode-attention tactic against SDPA, and capture of each op in a graph.
 
 Skipped without CUDA (tests/gpu/conftest.py) and without Triton.
 """
@@ -22,6 +22,7 @@ from graphtune.ops import (  # noqa: E402
     gemm,
     torch_rope_kv_cache,
 )
+from graphtune.ops.gemv import TritonGemvRunner  # noqa: E402
 from graphtune.ops.tuning import attention_mask  # noqa: E402
 
 DEV = "cuda"
@@ -76,6 +77,29 @@ def test_gemm_decode_shapes_with_residual_and_split_k(name, m):
         assert _rel(got, want) < BF16_TOL, tactic
         plain = runner.forward([a, w, None, None, False], tactic)
         assert _rel(plain, a.double() @ w.double().T) < BF16_TOL, tactic
+
+
+@pytest.mark.parametrize("name", ["qkv", "o_proj", "down", "gate_up"])
+@pytest.mark.parametrize("m", [1, 2, 8])
+def test_every_valid_gemv_tactic_on_the_decode_shapes(name, m):
+    n, k = GEMMS[name]
+    runner = TritonGemvRunner()
+    a, w, residual = _randn(m, k), _randn(n, k, scale=k ** -0.5), _randn(m, n)
+    inputs = [a, w, None, residual, False]
+    tactics = runner.get_valid_tactics(inputs, None)
+    assert 4 <= len(tactics) <= 16
+    report = runner.precompile(inputs, tactics)
+    assert all(v is None for v in report.values()), report
+    # torch's own result, in float32 (no TF32: torch's default for float32 matmuls).
+    want = torch.nn.functional.linear(a.float(), w.float()) + residual.float()
+    for tactic in tactics:
+        got = runner.forward(inputs, tactic)
+        assert got.dtype == BF16 and got.shape == (m, n), tactic
+        assert _rel(got, want.double()) < BF16_TOL, tactic
+        assert torch.equal(runner.forward(inputs, tactic), got), tactic  # deterministic
+    inplace = residual.clone()
+    assert runner.forward([a, w, None, inplace, True], tactics[-1]) is inplace
+    assert _rel(inplace, want.double()) < BF16_TOL
 
 
 def test_lm_head_gemm_shape():
@@ -156,6 +180,10 @@ def test_each_op_captures_in_a_cuda_graph_and_replays_to_eager_results():
     gemm_runner = TritonGemmRunner()
     split = next(t for t in gemm_runner.get_valid_tactics([a, w, None, None, False], None)
                  if t["split_k"] > 1)
+    gemv_runner = TritonGemvRunner()
+    gemv_tactics = gemv_runner.get_valid_tactics([a, w, None, None, False], None)
+    gemv_split = next(t for t in gemv_tactics if t["split_k"] > 1)
+    residual = _randn(m, 3072)
     x, r, nw = _randn(m, HIDDEN), _randn(m, HIDDEN), _randn(HIDDEN)
     gu = _randn(m, 2 * INTER)
     qkv = _randn(m, (HEADS + 2 * KV) * DIM)
@@ -166,6 +194,8 @@ def test_each_op_captures_in_a_cuda_graph_and_replays_to_eager_results():
     vc = torch.zeros_like(kc)
     cases = {
         "gemm split-k": lambda: gemm_runner.forward([a, w, None, None, False], split),
+        "gemv": lambda: gemv_runner.forward([a, w, None, residual, False], gemv_tactics[0]),
+        "gemv split-k": lambda: gemv_runner.forward([a, w, None, residual, False], gemv_split),
         "rms_norm": lambda: TritonRMSNormRunner().forward(
             [x, nw, r, 1e-5], {"block": 2048, "warps": 8})[0],
         "silu_and_mul": lambda: TritonSiluAndMulRunner().forward(

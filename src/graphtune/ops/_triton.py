@@ -78,6 +78,18 @@ def kernels() -> ModuleType:
     return _kernels
 
 
+def gemv_kernels() -> ModuleType:
+    """The module of the skinny-``M`` GEMV kernel (imported on first use; needs Triton).
+
+    A module of its own beside :func:`kernels`' so each kernel file stays small; loaded lazily for
+    the same reason (importing :mod:`graphtune.ops` never imports Triton).
+    """
+    require_triton("graphtune's Triton GEMV kernel")
+    from graphtune.ops import _gemv_kernels
+
+    return _gemv_kernels
+
+
 @functools.lru_cache(maxsize=1)
 def kernels_interpreted() -> bool:
     """Whether the kernels run in Triton's CPU interpreter (``TRITON_INTERPRET=1`` at import)."""

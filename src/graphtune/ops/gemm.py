@@ -12,6 +12,11 @@ batch is skinny (``M`` of 1..64), so one row of output tiles gives too few progr
 split-K cuts the K loop into ``split_k`` slices run by separate programs, each writing a float32
 partial that a second small kernel sums (deterministic, no atomics, no zero-fill: capturable).
 
+Batches of at most 8 rows also get :class:`graphtune.ops.gemv.TritonGemvRunner`, a GEMV kernel
+without ``tl.dot`` that streams the weight once for all rows; it shares this module's input rules,
+``out=`` / in-place handling and split-K reduction (:func:`triton_gemm_supports`,
+:func:`result_tensor`, :func:`reduce_split_k`), and :func:`gemm_runners` lists it last.
+
 Pruning rules of :func:`gemm_tactics` (a pruned config is never timed):
 
 * a block never exceeds the next power of two of its dimension (it is clamped, duplicates dropped);
@@ -199,6 +204,64 @@ def _out_of(inputs: list[Any]) -> torch.Tensor | None:
     return inputs[5] if len(inputs) > 5 else None
 
 
+def triton_gemm_supports(inputs: list[Any]) -> bool:
+    """Whether the Triton GEMM kernels (tiled and GEMV) can run these inputs.
+
+    One float dtype for all operands, a 1-D bias, a contiguous residual, a Triton device.
+    """
+    a, weight, bias, residual, _ = _check_inputs(inputs)
+    if a.dtype not in _DTYPES or weight.dtype != a.dtype:
+        return False
+    if bias is not None and (bias.dtype != a.dtype or bias.dim() != 1):
+        return False
+    if residual is not None and (residual.dtype != a.dtype or not residual.is_contiguous()):
+        return False  # the split-K reduction indexes the residual as a flat [M * N]
+    return device_supported(a.device)
+
+
+def result_tensor(
+    inputs: list[Any], a: torch.Tensor, n: int, residual: torch.Tensor | None, inplace: bool
+) -> torch.Tensor:
+    """Where a Triton GEMM writes ``[M, N]``: ``out=``, else the residual in place, else new."""
+    out = _out_of(inputs)
+    if out is not None:
+        return out
+    if inplace:
+        return residual
+    return torch.empty((a.shape[0], n), device=a.device, dtype=a.dtype)
+
+
+def split_k_partials(split: int, m: int, n: int, device: torch.device) -> torch.Tensor:
+    """The float32 ``[split, M, N]`` partials of a split-K launch.
+
+    Uninitialised on purpose: every element is written by exactly one program, so there is no
+    zero-fill kernel (and nothing that would have to run before a graph replay).
+    """
+    return torch.empty((split, m, n), device=device, dtype=torch.float32)
+
+
+def reduce_split_k(
+    partials: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    out: torch.Tensor,
+    warmup: bool,
+) -> None:
+    """Launches ``splitk_reduce_kernel``: ``out = sum(partials) (+ bias) (+ residual)``.
+
+    ``out`` and ``residual`` must be contiguous ``[M, N]`` (``out`` may be ``residual``); the sum
+    runs in a fixed order, so split-K results are deterministic.
+    """
+    split, m, n = partials.shape
+    block = 1024
+    placeholder = out  # unread pointer for an absent bias / residual (out's dtype, as theirs)
+    args = (partials, bias if bias is not None else placeholder,
+            residual if residual is not None else placeholder, out, m * n, n)
+    meta = dict(HAS_BIAS=bias is not None, HAS_RES=residual is not None, SPLIT_K=split,
+                BLOCK=block, num_warps=4)
+    run_kernel(kernels().splitk_reduce_kernel, (math.ceil(m * n / block),), args, meta, warmup)
+
+
 def torch_gemm(inputs: list[Any]) -> torch.Tensor:
     """The torch path: ``F.linear``, or ``addmm`` / ``addmm_`` with a residual."""
     a, weight, bias, residual, inplace = _check_inputs(inputs)
@@ -257,15 +320,8 @@ class TritonGemmRunner(TritonRunner):
         return () if extras == {"sm": None, "smem": None, "max": 20} else (extras,)
 
     def supports(self, inputs: list[Any]) -> bool:
-        """One float dtype for all operands, a contiguous residual, a Triton device."""
-        a, weight, bias, residual, _ = _check_inputs(inputs)
-        if a.dtype not in _DTYPES or weight.dtype != a.dtype:
-            return False
-        if bias is not None and (bias.dtype != a.dtype or bias.dim() != 1):
-            return False
-        if residual is not None and (residual.dtype != a.dtype or not residual.is_contiguous()):
-            return False  # the split-K reduction indexes the residual as a flat [M * N]
-        return device_supported(a.device)
+        """See :func:`triton_gemm_supports`."""
+        return triton_gemm_supports(inputs)
 
     def tactics_for(self, inputs: list[Any]) -> list[Any]:
         """See :func:`gemm_tactics`; device limits come from the inputs' device."""
@@ -297,16 +353,12 @@ class TritonGemmRunner(TritonRunner):
         problem = check_gemm_tactic(tactic, k)
         if problem is not None:
             raise ConfigError(f"TritonGemmRunner: {problem}; pick a tactic from get_valid_tactics.")
-        kern = kernels()
         bm, bn, bk = tactic["bm"], tactic["bn"], tactic["bk"]
         split = tactic["split_k"]
-        out = _out_of(inputs)
-        if out is None:
-            out = residual if inplace else torch.empty((m, n), device=a.device, dtype=a.dtype)
+        out = result_tensor(inputs, a, n, residual, inplace)
         if m == 0:
             return out
-        target = out if split == 1 else torch.empty((split, m, n), device=a.device,
-                                                    dtype=torch.float32)
+        target = out if split == 1 else split_k_partials(split, m, n, a.device)
         k_per_split = k // split if split > 1 else k
         grid = (math.ceil(m / bm) * math.ceil(n / bn), split)
         res = residual if residual is not None else a  # unread placeholder pointer
@@ -323,23 +375,26 @@ class TritonGemmRunner(TritonRunner):
             IEEE=a.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
             num_warps=tactic["warps"], num_stages=tactic["stages"],
         )
-        run_kernel(kern.gemm_kernel, grid, args, meta, warmup)
+        run_kernel(kernels().gemm_kernel, grid, args, meta, warmup)
         if split > 1:
-            block = 1024
-            red_args = (target, bias if bias is not None else a, res, out, m * n, n)
-            red_meta = dict(HAS_BIAS=bias is not None, HAS_RES=residual is not None,
-                            SPLIT_K=split, BLOCK=block, num_warps=4)
-            run_kernel(kern.splitk_reduce_kernel, (math.ceil(m * n / block),), red_args,
-                       red_meta, warmup)
+            reduce_split_k(target, bias, residual, out, warmup)
         return out
 
 
 @functools.lru_cache(maxsize=1)
 def gemm_runners() -> tuple[TunableRunner, ...]:
-    """The process-wide GEMM runners: torch first (fallback), Triton when importable."""
+    """The process-wide GEMM runners: torch first (fallback), Triton when importable.
+
+    Order matters: ``runners[0]`` is the untuned fallback and ties in tuning go to the earlier
+    runner, so the tiled Triton GEMM comes before the skinny-``M`` GEMV (which offers tactics
+    only for buckets of ``M <= 8``; see :mod:`graphtune.ops.gemv`).
+    """
     runners: list[TunableRunner] = [TorchGemmRunner()]
     if triton_available():
-        runners.append(TritonGemmRunner())
+        # Imported here: gemv builds on this module's helpers, so a top-level import would cycle.
+        from graphtune.ops.gemv import TritonGemvRunner
+
+        runners += [TritonGemmRunner(), TritonGemvRunner()]
     return tuple(runners)
 
 

@@ -203,12 +203,16 @@ def cases(quick: bool) -> list[Case]:
 
 
 def short_tactic(runner: str, tactic: Any) -> str:
-    """Compact label: ``Triton 16x64x128 w4 s3 k4`` for a GEMM tactic."""
+    """Compact label: ``TritonGemm 16x64x128 w4 s3 k4`` for a GEMM tactic (bm x bn x bk, warps,
+    stages, split-K), ``TritonGemv 8x512 w4 k2`` for a GEMV one (bn x bk, warps, split-K)."""
     name = runner.replace("Runner", "").split("[")[0]
-    if isinstance(tactic, dict) and "split_k" in tactic:
+    if isinstance(tactic, dict) and {"bm", "stages", "split_k"} <= set(tactic):
         t = tactic
         return (f"{name} {t['bm']}x{t['bn']}x{t['bk']} w{t['warps']} s{t['stages']} "
                 f"k{t['split_k']}")
+    if isinstance(tactic, dict) and {"bn", "bk", "warps", "split_k"} == set(tactic):  # GEMV
+        t = tactic
+        return f"{name} {t['bn']}x{t['bk']} w{t['warps']} k{t['split_k']}"
     if isinstance(tactic, dict):
         return f"{name} " + " ".join(f"{k[0]}{v}" for k, v in tactic.items())
     return f"{name} {tactic}"

@@ -765,3 +765,11 @@ def test_main_writes_options_and_keeps_every_case(fake_gpu, monkeypatch, tmp_pat
     final = json.loads(line)
     assert final["all_pass"] is False and "graph" in final and "events" not in final
     assert "graph ig" in out  # the table comes after the JSON line
+
+
+def test_short_tactic_labels_every_runner_family():
+    gemm = {"bm": 16, "bn": 64, "bk": 256, "warps": 4, "stages": 3, "split_k": 4}
+    assert bench.short_tactic("TritonGemmRunner", gemm) == "TritonGemm 16x64x256 w4 s3 k4"
+    gemv = {"bn": 8, "bk": 512, "warps": 4, "split_k": 2}  # has split_k but no bm / stages
+    assert bench.short_tactic("TritonGemvRunner", gemv) == "TritonGemv 8x512 w4 k2"
+    assert bench.short_tactic("TorchGemmRunner", -1) == "TorchGemm -1"

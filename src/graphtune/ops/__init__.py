@@ -4,8 +4,8 @@ Every op is a plain function that asks the autotuner which (runner, tactic) to r
 shape; outside tuning mode that is a cache look-up, and an untuned shape runs the torch fallback
 (tactic ``-1``). Triton is optional: without it each op offers only its torch runner.
 
-* :func:`gemm` / :class:`TunableLinear` — ``F.linear`` semantics; cuBLAS or Triton with
-  block / warp / stage / split-K tactics.
+* :func:`gemm` / :class:`TunableLinear` — ``F.linear`` semantics; cuBLAS, a tiled Triton GEMM
+  (block / warp / stage / split-K tactics) and a Triton GEMV for decode batches of up to 8 rows.
 * :func:`fused_add_rms_norm` — residual add + RMSNorm, returning ``(out, new_residual)``.
 * :func:`rope_kv_cache` — rotary embedding of q and k and the K/V cache write, returning ``q``.
 * :func:`silu_and_mul` — SwiGLU activation on a fused gate/up tensor.
@@ -35,6 +35,7 @@ from graphtune.ops.gemm import (
     gemm_runners,
     gemm_tactics,
 )
+from graphtune.ops.gemv import TritonGemvRunner, check_gemv_tactic, gemv_tactics
 from graphtune.ops.rmsnorm import (
     TorchRMSNormRunner,
     TritonRMSNormRunner,
@@ -62,6 +63,7 @@ __all__ = [
     "TorchRopeRunner",
     "TorchSiluAndMulRunner",
     "TritonGemmRunner",
+    "TritonGemvRunner",
     "TritonRMSNormRunner",
     "TritonRopeRunner",
     "TritonSiluAndMulRunner",
@@ -70,11 +72,13 @@ __all__ = [
     "TuneReport",
     "attention",
     "check_gemm_tactic",
+    "check_gemv_tactic",
     "fused_add_rms_norm",
     "gemm",
     "gemm_config",
     "gemm_runners",
     "gemm_tactics",
+    "gemv_tactics",
     "require_triton",
     "rms_norm_config",
     "rms_norm_runners",

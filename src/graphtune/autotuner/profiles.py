@@ -169,3 +169,30 @@ def synthesize_inputs(
 def input_bytes(inputs: Sequence[Any]) -> int:
     """Total bytes of the tensors in one input list."""
     return sum(x.numel() * x.element_size() for x in inputs if isinstance(x, torch.Tensor))
+
+
+def input_sets(
+    config: TuningConfig,
+    live_inputs: Sequence[Any],
+    profile: Profile,
+    device: torch.device,
+    count: int,
+    max_bytes: int,
+) -> list[list[Any]]:
+    """The synthetic input sets one profile is timed on (each from :func:`synthesize_inputs`).
+
+    With ``config.cold_l2`` enough copies to overflow the device's L2
+    (:func:`~graphtune.autotuner.timing.cold_l2_copies`), rotated call by call; otherwise up to
+    ``count`` distinct sets (fresh values and allocations, one per measurement round), fewer when
+    they would take more than ``max_bytes`` together (at least one).
+    """
+    first = synthesize_inputs(config, live_inputs, profile)
+    if config.cold_l2:
+        from graphtune.autotuner import timing
+
+        count = max(1, int(timing.cold_l2_copies(input_bytes(first), device)))
+    else:
+        count = max(1, min(count, max_bytes // max(1, input_bytes(first))))
+    return [first] + [
+        synthesize_inputs(config, live_inputs, profile, seed=1000 * k) for k in range(1, count)
+    ]

@@ -71,7 +71,7 @@ from graphtune.autotuner.isolation import (
 from graphtune.autotuner.profiles import (
     Profile,
     generate_profiles,
-    input_bytes,
+    input_sets,
     profile_for,
     synthesize_inputs,
 )
@@ -412,23 +412,6 @@ class AutoTuner:
             self._timers[slot] = resolve_timer(config.timing, device)
         return self._timers[slot]
 
-    def _input_sets(
-        self, config: TuningConfig, inputs: list[Any], profile: Profile, device: torch.device
-    ) -> list[list[Any]]:
-        first = synthesize_inputs(config, inputs, profile)
-        if not config.cold_l2:
-            size = max(1, input_bytes(first))
-            count = max(1, min(self.input_sets, INPUT_SET_BYTES // size))
-            return [first] + [
-                synthesize_inputs(config, inputs, profile, seed=1000 * k) for k in range(1, count)
-            ]
-        from graphtune.autotuner import timing
-
-        copies = max(1, int(timing.cold_l2_copies(input_bytes(first), device)))
-        return [first] + [
-            synthesize_inputs(config, inputs, profile, seed=1000 * k) for k in range(1, copies)
-        ]
-
     def _executor(
         self, config: TuningConfig, device: torch.device
     ) -> InProcessExecutor | SubprocessExecutor:
@@ -500,7 +483,9 @@ class AutoTuner:
         try:
             with progress(f"tuning {op}", total, enabled=self.show_progress) as bar:
                 for profile, key, candidates in plans:
-                    sets = self._input_sets(config, inputs, profile, device)
+                    sets = input_sets(
+                        config, inputs, profile, device, self.input_sets, INPUT_SET_BYTES
+                    )
                     executor.begin(runners, sets, rotate_in_call=config.cold_l2)
                     entry = self._tune_profile(
                         op, ids, config, executor, profile, candidates, bar, coord, len(sets)

@@ -162,7 +162,7 @@ def gemm_tactics(
     return [tactic for _, _, tactic in found]
 
 
-def _device_limits(device: torch.device) -> tuple[int, int]:
+def device_limits(device: torch.device) -> tuple[int, int]:
     """(shared memory per block, SM count) of ``device``; defaults off-GPU."""
     if device.type != "cuda":
         return 227 * 1024, _DEFAULT_SMS
@@ -176,7 +176,7 @@ def _device_limits(device: torch.device) -> tuple[int, int]:
 _Inputs = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None", "torch.Tensor | None", bool]
 
 
-def _check_inputs(inputs: list[Any]) -> _Inputs:
+def unpack_gemm_inputs(inputs: list[Any]) -> _Inputs:
     """Unpacks ``[a, weight, bias, residual, inplace]`` and checks the shapes (an optional sixth
     element, the output tensor, is read by :func:`_out_of`)."""
     a, weight, bias, residual, inplace = inputs[:5]
@@ -209,7 +209,7 @@ def triton_gemm_supports(inputs: list[Any]) -> bool:
 
     One float dtype for all operands, a 1-D bias, a contiguous residual, a Triton device.
     """
-    a, weight, bias, residual, _ = _check_inputs(inputs)
+    a, weight, bias, residual, _ = unpack_gemm_inputs(inputs)
     if a.dtype not in _DTYPES or weight.dtype != a.dtype:
         return False
     if bias is not None and (bias.dtype != a.dtype or bias.dim() != 1):
@@ -264,7 +264,7 @@ def reduce_split_k(
 
 def torch_gemm(inputs: list[Any]) -> torch.Tensor:
     """The torch path: ``F.linear``, or ``addmm`` / ``addmm_`` with a residual."""
-    a, weight, bias, residual, inplace = _check_inputs(inputs)
+    a, weight, bias, residual, inplace = unpack_gemm_inputs(inputs)
     out = _out_of(inputs)
     if out is not None:
         if residual is not None:
@@ -326,7 +326,7 @@ class TritonGemmRunner(TritonRunner):
     def tactics_for(self, inputs: list[Any]) -> list[Any]:
         """See :func:`gemm_tactics`; device limits come from the inputs' device."""
         a, weight = inputs[0], inputs[1]
-        smem, sms = _device_limits(a.device)
+        smem, sms = device_limits(a.device)
         return list(
             gemm_tactics(
                 a.shape[0], weight.shape[0], a.shape[1],
@@ -347,7 +347,7 @@ class TritonGemmRunner(TritonRunner):
         Raises:
             ConfigError: ``tactic`` breaks a rule of :func:`check_gemm_tactic` for this K.
         """
-        a, weight, bias, residual, inplace = _check_inputs(inputs)
+        a, weight, bias, residual, inplace = unpack_gemm_inputs(inputs)
         m, k = a.shape
         n = weight.shape[0]
         problem = check_gemm_tactic(tactic, k)

@@ -47,13 +47,13 @@ from graphtune.autotuner.config import next_power_of_two
 from graphtune.errors import ConfigError
 from graphtune.ops._triton import TritonRunner, gemv_kernels, run_kernel
 from graphtune.ops.gemm import (
-    _check_inputs,
-    _device_limits,
+    device_limits,
     reduce_split_k,
     result_tensor,
     split_k_partials,
     torch_gemm,
     triton_gemm_supports,
+    unpack_gemm_inputs,
 )
 
 TACTIC_KEYS = ("bn", "bk", "warps", "split_k")
@@ -221,7 +221,7 @@ class TritonGemvRunner(TritonRunner):
     def tactics_for(self, inputs: list[Any]) -> list[Any]:
         """See :func:`gemv_tactics`; the SM count comes from the inputs' device."""
         a, weight = inputs[0], inputs[1]
-        _, sms = _device_limits(a.device)
+        _, sms = device_limits(a.device)
         return list(
             gemv_tactics(
                 a.shape[0], weight.shape[0], a.shape[1],
@@ -241,7 +241,7 @@ class TritonGemvRunner(TritonRunner):
         Raises:
             ConfigError: ``tactic`` breaks a rule of :func:`check_gemv_tactic` for this K.
         """
-        a, weight, bias, residual, inplace = _check_inputs(inputs)
+        a, weight, bias, residual, inplace = unpack_gemm_inputs(inputs)
         m, k = a.shape
         n = weight.shape[0]
         problem = check_gemv_tactic(tactic, k)

@@ -40,7 +40,7 @@ from graphtune.autotuner import (
 from graphtune.autotuner.config import last_power_of_two, next_power_of_two
 from graphtune.errors import ConfigError, InputError
 from graphtune.ops._triton import TritonRunner, device_supported, kernels, run_kernel
-from graphtune.ops.gemm import _device_limits
+from graphtune.ops.gemm import device_limits
 
 OP_NAME = "decode_attention"
 
@@ -243,7 +243,7 @@ class TritonDecodeAttention(TritonRunner):
         """See :func:`decode_attention_tactics`; SM count and shared memory come from the
         inputs' device (H100/H200 values off-GPU)."""
         q, keys = inputs[0], inputs[1]
-        smem, sms = _device_limits(q.device)
+        smem, sms = device_limits(q.device)
         return list(decode_attention_tactics(
             q.shape[0], q.shape[1], keys.shape[2], q.shape[3], itemsize=keys.element_size(),
             sm_count=self.sm_count or sms, smem_bytes=smem,

@@ -22,10 +22,11 @@ Noise handling, so that repeated tuning runs pick the same tactic:
 * an absolute floor ``tie_floor_us`` (default 0.03 µs) ties differences of a few tens of
   nanoseconds on microsecond kernels: CUPTI's own timestamps step by 32 ns on an H200, and the
   order of such near-equal tactics changed from one tuning run to the next;
-* with ``input_sets > 1`` the k-th measurement of every candidate times synthetic input set
-  ``k % input_sets`` (fresh values and allocations): on an H200 the ranking of near-equal GEMM
+* with ``input_sets > 1`` (opt-in) the k-th measurement of every candidate times synthetic input
+  set ``k % input_sets`` (fresh values and allocations): on an H200 the ranking of near-equal GEMM
   tactics moved by 1-2% between input allocations, which one set per run hides from the noise
-  band (``benchmarks/tuning_stability.py``);
+  band (``benchmarks/tuning_stability.py``), though 3 sets did not raise 3-of-3 agreement in an
+  A/B run there (``benchmarks/results/README.md``);
 * the tie goes to the lowest (runner index, tactic index) among the tied: the earliest-listed,
   usually simplest implementation. So a tactic measurably faster than the fallback by more than
   the floor wins, and one whose advantage is inside the noise does not.

@@ -39,6 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402  (benchmarks/ is not a package)
 import tuning  # noqa: E402
+from _tuning_scores import short_tactic  # noqa: E402
 
 DEFAULT_CASES = ("down 8192->2048 M=2", "rope+kv 32/8x64 M=8", "silu*mul 8192 M=64",
                  "qkv 2048->3072 M=1", "o_proj 2048->2048 M=16")
@@ -104,10 +105,10 @@ def tuning_runs(op: str, runners: Any, config: Any, inputs: list[Any], device: t
         finalists = sorted((c for c in record.candidates if c.failed is None),
                            key=lambda c: c.median_us)[:4]
         out.append({
-            "pick": tuning.short_tactic(short_runner_name(runner_id(runner)), tactic),
+            "pick": short_tactic(short_runner_name(runner_id(runner)), tactic),
             "tie_band": record.tie_band,
             "tune_s": elapsed,
-            "finalists": [{"tactic": tuning.short_tactic(c.runner, c.tactic),
+            "finalists": [{"tactic": short_tactic(c.runner, c.tactic),
                            "median_us": c.median_us, "samples": c.samples, "tied": c.tied}
                           for c in finalists],
         })
@@ -130,7 +131,7 @@ def run_case(case: tuning.Case, device: torch.device, args: argparse.Namespace) 
 
     for slot, (index, tactic) in enumerate(candidates):
         record["candidates"].append({
-            "tactic": tuning.short_tactic(short_runner_name(runner_id(runners[index])), tactic),
+            "tactic": short_tactic(short_runner_name(runner_id(runners[index])), tactic),
             "same_inputs_us": same[slot], "fresh_inputs_us": fresh[slot],
         })
     # Gap of each candidate to the first one, per session: how stable is the ranking?

@@ -1,4 +1,5 @@
-"""benchmarks/tuning.py and the in-graph CUPTI truth of benchmarks/_common.py, without a GPU.
+"""benchmarks/tuning.py (and its scoring, _tuning_scores.py) and the in-graph CUPTI truth of
+benchmarks/_common.py, without a GPU.
 
 The pure helpers (Spearman, regret under both truths, summary and targets, option errors, the
 split of a trace into graph replays) run on synthetic data. The GPU paths (``cupti_graph_time``,
@@ -24,6 +25,7 @@ if str(BENCHMARKS) not in sys.path:
     sys.path.insert(0, str(BENCHMARKS))
 
 import _common  # noqa: E402  (benchmarks/ is not a package)
+import _tuning_scores as scores  # noqa: E402
 import tuning as bench  # noqa: E402
 
 from graphtune.autotuner import (  # noqa: E402
@@ -41,21 +43,21 @@ SPLIT_K = {"bm": 16, "bn": 32, "bk": 128, "warps": 4, "stages": 4, "split_k": 4}
 
 
 def test_spearman_known_values():
-    assert bench.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
-    assert bench.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert scores.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert scores.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
     # Ties share the mean rank: x ranks (1, 2.5, 2.5, 4), y ranks (1, 3, 2, 4).
-    assert bench.spearman([1, 2, 2, 3], [1, 3, 2, 4]) == pytest.approx(4.5 / math.sqrt(22.5))
+    assert scores.spearman([1, 2, 2, 3], [1, 3, 2, 4]) == pytest.approx(4.5 / math.sqrt(22.5))
     # Monotone but not linear: ranks are what counts.
-    assert bench.spearman([1, 2, 3], [1, 100, 101]) == pytest.approx(1.0)
+    assert scores.spearman([1, 2, 3], [1, 100, 101]) == pytest.approx(1.0)
 
 
 def test_spearman_drops_missing_pairs_and_undefined_cases():
-    assert bench.spearman([1, 2, math.inf, 3, None], [3, 2, 1, 1, 5]) == pytest.approx(-1.0)
-    assert bench.spearman([1, 1, 1], [1, 2, 3]) is None  # constant side
-    assert bench.spearman([1, math.nan], [1, 2]) is None  # fewer than two pairs
-    assert bench.spearman([], []) is None
+    assert scores.spearman([1, 2, math.inf, 3, None], [3, 2, 1, 1, 5]) == pytest.approx(-1.0)
+    assert scores.spearman([1, 1, 1], [1, 2, 3]) is None  # constant side
+    assert scores.spearman([1, math.nan], [1, 2]) is None  # fewer than two pairs
+    assert scores.spearman([], []) is None
     with pytest.raises(ValueError):
-        bench.spearman([1, 2], [1])
+        scores.spearman([1, 2], [1])
 
 
 def test_truth_noise_is_the_median_relative_range_over_input_sets():
@@ -63,24 +65,24 @@ def test_truth_noise_is_the_median_relative_range_over_input_sets():
              {"cupti_graph_us_sets": [5.0, 5.05, 5.0]},  # 1%
              {"cupti_graph_us_sets": [1.0, 1.04, 1.0]},  # 4%
              {"cupti_graph_us_sets": [math.inf, 2.0]}]  # one usable value: skipped
-    assert bench.truth_noise(truth) == pytest.approx(0.2 / 10.1)  # the middle one, 2%
-    assert bench.truth_noise([{"cupti_graph_us_sets": [3.0]}]) is None
+    assert scores.truth_noise(truth) == pytest.approx(0.2 / 10.1)  # the middle one, 2%
+    assert scores.truth_noise([{"cupti_graph_us_sets": [3.0]}]) is None
     kernel_sum = [{"cupti_us_sets": [1.0, 1.1]}]
-    assert bench.truth_noise(kernel_sum, "cupti_us") == pytest.approx(0.1 / 1.05)
+    assert scores.truth_noise(kernel_sum, "cupti_us") == pytest.approx(0.1 / 1.05)
 
 
 def test_regret_and_worst():
-    assert bench.regret(4.78, 4.61) == pytest.approx(4.78 / 4.61 - 1)
-    assert bench.regret(4.61, 4.61) == 0.0
-    assert bench.regret(math.inf, 4.61) == math.inf  # the pick failed under this truth
-    assert bench.regret(None, 4.61) == math.inf
-    assert math.isnan(bench.regret(4.61, math.inf))  # no truth for the case
-    assert math.isnan(bench.regret(4.61, None))
-    assert bench.worst([0.0, 0.02, 0.01]) == 0.02
-    assert bench.worst([0.0, math.inf]) == math.inf
+    assert scores.regret(4.78, 4.61) == pytest.approx(4.78 / 4.61 - 1)
+    assert scores.regret(4.61, 4.61) == 0.0
+    assert scores.regret(math.inf, 4.61) == math.inf  # the pick failed under this truth
+    assert scores.regret(None, 4.61) == math.inf
+    assert math.isnan(scores.regret(4.61, math.inf))  # no truth for the case
+    assert math.isnan(scores.regret(4.61, None))
+    assert scores.worst([0.0, 0.02, 0.01]) == 0.02
+    assert scores.worst([0.0, math.inf]) == math.inf
     # nan wins whatever its position (plain max() would not be order independent).
-    assert math.isnan(bench.worst([math.nan, 0.0]))
-    assert math.isnan(bench.worst([0.0, math.nan]))
+    assert math.isnan(scores.worst([math.nan, 0.0]))
+    assert math.isnan(scores.worst([0.0, math.nan]))
 
 
 # --- scoring picks against both truths ---------------------------------------------------------
@@ -102,8 +104,8 @@ def split_k_truth() -> list[dict[str, Any]]:
 
 def test_score_picks_against_both_truths():
     truth = split_k_truth()
-    assert bench.best_candidate(truth, "cupti_us")["runner_index"] == 1
-    assert bench.best_candidate(truth, "cupti_graph_us")["runner_index"] == 0
+    assert scores.best_candidate(truth, "cupti_us")["runner_index"] == 1
+    assert scores.best_candidate(truth, "cupti_graph_us")["runner_index"] == 0
     reordered = dict(reversed(list(SPLIT_K.items())))  # key order must not matter
     picks = [
         {"runner_index": 0, "tactic": -1},
@@ -111,7 +113,7 @@ def test_score_picks_against_both_truths():
         {"runner_index": 1, "tactic": (8, 2)},  # a tuple tactic matches its JSON list
         {"runner_index": 1, "tactic": "unknown"},
     ]
-    regrets, regrets_graph = bench.score_picks(picks, truth)
+    regrets, regrets_graph = scores.score_picks(picks, truth)
     assert regrets[:2] == pytest.approx([4.78 / 4.61 - 1, 0.0])
     assert regrets_graph[:2] == pytest.approx([0.0, 5.40 / 5.00 - 1])
     assert regrets[2:] == [math.inf, math.inf]
@@ -120,7 +122,7 @@ def test_score_picks_against_both_truths():
 
 def test_score_picks_without_graph_truth_gives_nan():
     truth = [dict(t, cupti_graph_us=math.inf) for t in split_k_truth()]
-    regrets, regrets_graph = bench.score_picks([{"runner_index": 0, "tactic": -1}], truth)
+    regrets, regrets_graph = scores.score_picks([{"runner_index": 0, "tactic": -1}], truth)
     assert regrets == pytest.approx([4.78 / 4.61 - 1])
     assert math.isnan(regrets_graph[0])
 
@@ -149,7 +151,7 @@ def test_summary_reports_both_truths_and_separate_targets():
     # pattern), one case perfect by kernel sum and 2% off in the graph.
     records = [case_record(mode_record(0.037, 0.0)) for _ in range(19)]
     records.append(case_record(mode_record(0.0, 0.02)))
-    summary = bench.summarize(records, ("graph", "events"))
+    summary = scores.summarize(records, ("graph", "events"))
     graph = summary["graph"]
     assert graph["share_regret_le_1pct"] == pytest.approx(1 / 20)
     assert graph["max_regret"] == pytest.approx(0.037)
@@ -169,13 +171,13 @@ def test_summary_reports_both_truths_and_separate_targets():
     assert summary["events"]["median_ms_per_tactic"] == 50.0
     assert "wallclock" not in summary  # only the modes given
     # The default is all three; a mode a case has no record of counts as failed there.
-    assert bench.summarize(records)["wallclock"]["mode_errors"] == 20
+    assert scores.summarize(records)["wallclock"]["mode_errors"] == 20
 
 
 def test_summary_graph_truth_needs_every_case_and_counts_failures():
     records = [case_record(mode_record(0.0, 0.0)) for _ in range(20)]
     records.append(case_record(mode_record(0.0, math.nan), best_graph=False))
-    summary = bench.summarize(records, ("graph",))
+    summary = scores.summarize(records, ("graph",))
     graph = summary["graph"]
     assert graph["cases_graph_truth"] == 20  # the case without in-graph truth is left out
     assert graph["share_regret_le_1pct_graph_truth"] == 1.0
@@ -187,7 +189,7 @@ def test_summary_graph_truth_needs_every_case_and_counts_failures():
     records = [case_record(mode_record(0.0, 0.0)) for _ in range(19)]
     records.append(case_record({"error": "CaptureError: boom"}))
     records.append({"op": "gemm", "shape": "x", "bucket": 1, "error": "OOM", "modes": {}})
-    summary = bench.summarize(records, ("graph",))
+    summary = scores.summarize(records, ("graph",))
     graph = summary["graph"]
     assert summary["errors"] == 1
     assert graph["mode_errors"] == 1
@@ -200,7 +202,7 @@ def test_summary_graph_truth_needs_every_case_and_counts_failures():
 
 def test_summary_without_graph_mode_evaluates_no_target():
     records = [case_record(mode_record(0.0, 0.0))]
-    summary = bench.summarize(records, ("events",))
+    summary = scores.summarize(records, ("events",))
     assert summary["targets"] == {}
     assert summary["all_pass"] is None and summary["all_pass_graph_truth"] is None
     assert summary["events"]["share_regret_le_1pct"] == 1.0
@@ -216,7 +218,7 @@ def test_table_shows_both_truths():
     records[0]["modes"]["graph"]["picks"] = [{"runner": "TorchGemmRunner", "tactic": -1}] * 3
     records.append({"op": "gemm", "shape": "qkv", "bucket": 1, "error": "RuntimeError: x",
                     "modes": {}})
-    text = bench.table(records, ("graph", "events"))
+    text = scores.table(records, ("graph", "events"))
     assert "graph ks" in text and "graph ig" in text and "events ig" in text
     assert "3.7%" in text and "0.0%" in text
     assert "TritonGemm 16x32x128 w4 s4 k4" in text and "TorchGemm -1" in text
@@ -242,16 +244,16 @@ def fake_profile(op: str = "gemm") -> SimpleNamespace:
 
 
 def test_last_profile_is_guarded():
-    assert bench.last_profile(object(), "gemm") is None  # an old tuner without history
-    assert bench.last_profile(SimpleNamespace(history=[]), "gemm") is None
+    assert scores.last_profile(object(), "gemm") is None  # an old tuner without history
+    assert scores.last_profile(SimpleNamespace(history=[]), "gemm") is None
     profile = fake_profile()
-    assert bench.last_profile(SimpleNamespace(history=[profile]), "gemm") is profile
-    assert bench.last_profile(SimpleNamespace(history=[profile]), "rms_norm") is None
+    assert scores.last_profile(SimpleNamespace(history=[profile]), "gemm") is profile
+    assert scores.last_profile(SimpleNamespace(history=[profile]), "rms_norm") is None
 
 
 def test_attach_tuner_times_and_rank_correlations():
     truth = split_k_truth()
-    unmatched = bench.attach_tuner_times(truth, "graph", fake_profile())
+    unmatched = scores.attach_tuner_times(truth, "graph", fake_profile())
     assert unmatched == 1
     assert truth[0]["tuner_us"] == {"graph": 5.02}
     assert truth[0]["tuner_spread"] == {"graph": 0.01}
@@ -259,7 +261,7 @@ def test_attach_tuner_times_and_rank_correlations():
     assert truth[1]["tuner_us"] == {"graph": 5.45}  # matched despite another key order
     assert truth[3]["tuner_detail"]["graph"]["failed"] == "RuntimeError"
     assert "tuner_us" not in truth[2]  # the tuner did not report it
-    rho = bench.rank_correlations(truth, ("graph", "events"))
+    rho = scores.rank_correlations(truth, ("graph", "events"))
     assert set(rho) == {"graph"}  # no tuner times for events
     # Finite pairs: cuBLAS (5.02 vs 4.78 / 5.00) and split-K (5.45 vs 4.61 / 5.40).
     assert rho["graph"]["kernel_sum_truth"] == pytest.approx(-1.0)
@@ -278,7 +280,7 @@ def test_real_profile_record_matches_when_the_tuner_has_history():
         winner_index=0, tie_band=0.02,
     )
     truth = split_k_truth()
-    assert bench.attach_tuner_times(truth, "events", record) == 0
+    assert scores.attach_tuner_times(truth, "events", record) == 0
     assert truth[0]["tuner_us"]["events"] == pytest.approx(5.0)
     assert truth[1]["tuner_detail"]["events"]["samples"] == 2
 
@@ -288,7 +290,7 @@ def test_real_profile_record_matches_when_the_tuner_has_history():
 
 def test_parse_args_defaults_and_values():
     args = bench.parse_args([])
-    assert args.modes == bench.MODES and args.runs == 3
+    assert args.modes == scores.MODES and args.runs == 3
     assert args.tie_tolerance is None and args.cupti_graph_replays == 20
     assert bench.tuner_kwargs(args) == {}
     args = bench.parse_args(["--modes", " events,graph,events ", "--runs", "5",
@@ -600,7 +602,7 @@ def test_cupti_graph_time_resets_the_graph_when_capture_fails(fake_cuda):
 
 # --- run_case and main against fakes -----------------------------------------------------------
 
-KEY = bench.candidate_key
+KEY = scores.candidate_key
 
 
 class State:
@@ -730,10 +732,10 @@ def test_run_case_records_both_truths_tuner_times_and_survives_failures(fake_gpu
         assert record["spearman"]["graph"]["kernel_sum_truth"] == pytest.approx(0.5)
     else:  # an older tuner: nothing recorded, nothing broken
         assert graph["tie_bands"] == [None, None] and record["spearman"] == {}
-    summary = bench.summarize([record], args.modes)
+    summary = scores.summarize([record], args.modes)
     assert summary["graph"]["share_regret_le_1pct_graph_truth"] == 1.0
     assert summary["wallclock"]["mode_errors"] == 1
-    bench.table([record], args.modes)
+    scores.table([record], args.modes)
 
 
 def test_main_writes_options_and_keeps_every_case(fake_gpu, monkeypatch, tmp_path, capsys):
@@ -769,7 +771,7 @@ def test_main_writes_options_and_keeps_every_case(fake_gpu, monkeypatch, tmp_pat
 
 def test_short_tactic_labels_every_runner_family():
     gemm = {"bm": 16, "bn": 64, "bk": 256, "warps": 4, "stages": 3, "split_k": 4}
-    assert bench.short_tactic("TritonGemmRunner", gemm) == "TritonGemm 16x64x256 w4 s3 k4"
+    assert scores.short_tactic("TritonGemmRunner", gemm) == "TritonGemm 16x64x256 w4 s3 k4"
     gemv = {"bn": 8, "bk": 512, "warps": 4, "split_k": 2}  # has split_k but no bm / stages
-    assert bench.short_tactic("TritonGemvRunner", gemv) == "TritonGemv 8x512 w4 k2"
-    assert bench.short_tactic("TorchGemmRunner", -1) == "TorchGemm -1"
+    assert scores.short_tactic("TritonGemvRunner", gemv) == "TritonGemv 8x512 w4 k2"
+    assert scores.short_tactic("TorchGemmRunner", -1) == "TorchGemm -1"

@@ -240,6 +240,30 @@ def split_k_partials(split: int, m: int, n: int, device: torch.device) -> torch.
     return torch.empty((split, m, n), device=device, dtype=torch.float32)
 
 
+def kernel_operands(
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    target: torch.Tensor,
+) -> tuple[tuple[Any, ...], tuple[int, ...]]:
+    """The pointer and stride arguments both Triton GEMM kernels take, in their order.
+
+    Returns:
+        ``(a, weight, bias, res, target)`` (an absent bias or residual is replaced by ``a``, an
+        unread placeholder pointer) and the strides of ``a``, ``weight``, ``res`` and ``target``
+        (the split stride is 0 unless ``target`` is ``[split, M, N]`` partials).
+    """
+    res = residual if residual is not None else a
+    pointers = (a, weight, bias if bias is not None else a, res, target)
+    strides = (
+        a.stride(0), a.stride(1), weight.stride(0), weight.stride(1),
+        res.stride(0), res.stride(1),
+        target.stride(0) if target.dim() == 3 else 0, target.stride(-2), target.stride(-1),
+    )
+    return pointers, strides
+
+
 def reduce_split_k(
     partials: torch.Tensor,
     bias: torch.Tensor | None,
@@ -361,14 +385,8 @@ class TritonGemmRunner(TritonRunner):
         target = out if split == 1 else split_k_partials(split, m, n, a.device)
         k_per_split = k // split if split > 1 else k
         grid = (math.ceil(m / bm) * math.ceil(n / bn), split)
-        res = residual if residual is not None else a  # unread placeholder pointer
-        args = (
-            a, weight, bias if bias is not None else a, res, target,
-            m, n, k, k_per_split,
-            a.stride(0), a.stride(1), weight.stride(0), weight.stride(1),
-            res.stride(0), res.stride(1),
-            target.stride(0) if split > 1 else 0, target.stride(-2), target.stride(-1),
-        )
+        pointers, strides = kernel_operands(a, weight, bias, residual, target)
+        args = (*pointers, m, n, k, k_per_split, *strides)
         meta = dict(
             HAS_BIAS=bias is not None, HAS_RES=residual is not None, SPLIT_K=split,
             EVEN_K=k_per_split % bk == 0,

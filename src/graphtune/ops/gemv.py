@@ -48,6 +48,7 @@ from graphtune.errors import ConfigError
 from graphtune.ops._triton import TritonRunner, gemv_kernels, run_kernel
 from graphtune.ops.gemm import (
     device_limits,
+    kernel_operands,
     reduce_split_k,
     result_tensor,
     split_k_partials,
@@ -254,14 +255,8 @@ class TritonGemvRunner(TritonRunner):
         bm = rows_per_program(m)
         target = out if split == 1 else split_k_partials(split, m, n, a.device)
         k_per_split = k // split
-        res = residual if residual is not None else a  # unread placeholder pointer
-        args = (
-            a, weight, bias if bias is not None else a, res, target,
-            m, n, k_per_split,
-            a.stride(0), a.stride(1), weight.stride(0), weight.stride(1),
-            res.stride(0), res.stride(1),
-            target.stride(0) if split > 1 else 0, target.stride(-2), target.stride(-1),
-        )
+        pointers, strides = kernel_operands(a, weight, bias, residual, target)
+        args = (*pointers, m, n, k_per_split, *strides)
         meta = dict(
             HAS_BIAS=bias is not None, HAS_RES=residual is not None, SPLIT_K=split,
             EVEN_K=k_per_split % bk == 0, DEFER=defer_reduction(bm, bn, bk, warps),

@@ -1,6 +1,7 @@
 # Two commands do all set-up on a fresh machine:
 #   make demo   create .venv, install graphtune, run the main job (graphtune bench decode)
-#   make test   create .venv, install graphtune with its test extras, run the CPU test suite
+#   make test   create .venv, install graphtune with its test extras, check the house rules (format,
+#               lint, types, a CPU smoke run) and run the CPU test suite
 # TORCH_SPEC pins torch for this set-up only (the package itself asks for a range). The default is
 # the CPU build that CI has on disk; on a CUDA machine use e.g. `make demo TORCH_SPEC=torch`.
 PYTHON ?= python3
@@ -26,12 +27,19 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/graphtune bench decode
 
+# The test command CI runs: house rules first (format, lint, types, a CPU smoke run of the main
+# job), then the test suite.
 test: $(STAMP)
+	$(VENV)/bin/ruff format --check src tests benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/mypy
+	GRAPHTUNE_NO_PROGRESS=1 $(VENV)/bin/graphtune bench decode --model tiny --batch-sizes 1,4 \
+		--steps 2 --repeats 1 > /dev/null
 	$(PY) -m pytest -q tests
 
 lint: $(STAMP)
-	$(PY) -m pip install -q ruff
-	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format src tests benchmarks
+	$(VENV)/bin/ruff check --fix src tests benchmarks
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -458,8 +458,9 @@ def split_replays(
         ValueError: Bad counts, or no group passes the checks (the trace cannot be trusted).
     """
     if replays < 1 or calls_per_graph < 1:
-        raise ValueError(f"need replays >= 1 and calls_per_graph >= 1, got {replays}, "
-                         f"{calls_per_graph}")
+        raise ValueError(
+            f"need replays >= 1 and calls_per_graph >= 1, got {replays}, {calls_per_graph}"
+        )
     ordered = sorted(events, key=lambda e: e.start_us)
     if not ordered:
         raise ValueError("no device activities to split into replays")
@@ -488,7 +489,9 @@ def split_replays(
     if len(kept) < len(groups):
         logger.warning(
             "CUPTI graph replays: kept %d of %d replays (activity counts %s)",
-            len(kept), len(groups), sorted(len(g) for g in groups),
+            len(kept),
+            len(groups),
+            sorted(len(g) for g in groups),
         )
     kept.sort(key=lambda g: g[0].start_us)
     return kept, method
@@ -616,21 +619,19 @@ def cupti_graph_time(
 
         with torch.cuda.stream(stream):
             replay(0)  # uploads the graph; never measured
-            events = device_events_from_trace(_profile_trace(replay, 0, replays, False),
-                                              categories)
+            events = device_events_from_trace(_profile_trace(replay, 0, replays, False), categories)
             if not events:
                 # Some builds only export device activity when CPU activity is traced too.
-                events = device_events_from_trace(_profile_trace(replay, 0, replays, True),
-                                                  categories)
+                events = device_events_from_trace(
+                    _profile_trace(replay, 0, replays, True), categories
+                )
             if not events:
                 raise RuntimeError(
                     "torch.profiler recorded no device activity for the graph replays; is CUPTI "
                     "available to this process?"
                 )
             checked = (
-                _event_replay_us(graph, stream, replays) / calls_per_graph
-                if event_check
-                else None
+                _event_replay_us(graph, stream, replays) / calls_per_graph if event_check else None
             )
     finally:
         try:

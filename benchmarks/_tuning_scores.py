@@ -36,8 +36,7 @@ def short_tactic(runner: str, tactic: Any) -> str:
     name = runner.replace("Runner", "").split("[")[0]
     if isinstance(tactic, dict) and {"bm", "stages", "split_k"} <= set(tactic):
         t = tactic
-        return (f"{name} {t['bm']}x{t['bn']}x{t['bk']} w{t['warps']} s{t['stages']} "
-                f"k{t['split_k']}")
+        return f"{name} {t['bm']}x{t['bn']}x{t['bk']} w{t['warps']} s{t['stages']} k{t['split_k']}"
     if isinstance(tactic, dict) and {"bn", "bk", "warps", "split_k"} == set(tactic):  # GEMV
         t = tactic
         return f"{name} {t['bn']}x{t['bk']} w{t['warps']} k{t['split_k']}"
@@ -100,8 +99,7 @@ def spearman(xs: Sequence[float | None], ys: Sequence[float | None]) -> float | 
     """
     if len(xs) != len(ys):
         raise ValueError(f"spearman: {len(xs)} values against {len(ys)}")
-    pairs = [(float(x), float(y)) for x, y in zip(xs, ys, strict=True)
-             if finite(x) and finite(y)]
+    pairs = [(float(x), float(y)) for x, y in zip(xs, ys, strict=True) if finite(x) and finite(y)]
     if len(pairs) < 2:
         return None
     rx = _ranks([x for x, _ in pairs])
@@ -131,8 +129,7 @@ def _ranks(values: Sequence[float]) -> list[float]:
 
 def finite(value: Any) -> bool:
     """Whether ``value`` is a real, finite number (not a bool, NaN or infinity)."""
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and math.isfinite(value))
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def last_profile(tuner: Any, op: str) -> Any | None:
@@ -182,8 +179,9 @@ def attach_tuner_times(truth: list[dict[str, Any]], mode: str, profile: Any) -> 
     return unmatched
 
 
-def rank_correlations(truth: Sequence[dict[str, Any]], modes: Sequence[str]
-                      ) -> dict[str, dict[str, float | None]]:
+def rank_correlations(
+    truth: Sequence[dict[str, Any]], modes: Sequence[str]
+) -> dict[str, dict[str, float | None]]:
     """Per mode with tuner times: Spearman of the tuner's times against each truth."""
     out: dict[str, dict[str, float | None]] = {}
     for mode in modes:
@@ -275,7 +273,8 @@ def mode_stats(records: Sequence[dict[str, Any]], mode: str) -> dict[str, Any]:
         "median_ms_per_tactic": statistics.median(ms) if ms else None,
         "share_regret_le_1pct_graph_truth": (
             sum(g <= TARGET_REGRET for g in regrets_graph) / len(regrets_graph)
-            if regrets_graph else None
+            if regrets_graph
+            else None
         ),
         "max_regret_graph_truth": max(regrets_graph, default=None),
         "mean_regret_graph_truth": statistics.mean(regrets_graph) if regrets_graph else None,
@@ -341,12 +340,19 @@ def table(records: list[dict[str, Any]], modes: Sequence[str] = MODES) -> str:
     """The per-case table: both truths' best, each mode's worst regret under both truths."""
     from graphtune.reporting import render_table
 
-    columns = ["op", "M", "cands", "best (kernel sum)", "ks us", "best (in graph)", "ig us",
-               "graph pick"]
+    columns = [
+        "op",
+        "M",
+        "cands",
+        "best (kernel sum)",
+        "ks us",
+        "best (in graph)",
+        "ig us",
+        "graph pick",
+    ]
     for mode in modes:
         columns += [f"{mode} ks", f"{mode} ig"]
-    columns += ["agree " + "/".join(m[0] for m in modes), "rho g ks/ig", "ig noise",
-                "ms/tactic g"]
+    columns += ["agree " + "/".join(m[0] for m in modes), "rho g ks/ig", "ig noise", "ms/tactic g"]
     rows = []
     for r in records:
         if r.get("error"):
@@ -358,8 +364,11 @@ def table(records: list[dict[str, Any]], modes: Sequence[str] = MODES) -> str:
         graph_rec = modes_rec.get("graph") or {}
         picks = graph_rec.get("picks") or []
         row = [
-            r["shape"], r["bucket"], r["n_candidates"],
-            short_tactic(best["runner"], best["tactic"]), best[KERNEL_SUM],
+            r["shape"],
+            r["bucket"],
+            r["n_candidates"],
+            short_tactic(best["runner"], best["tactic"]),
+            best[KERNEL_SUM],
             short_tactic(best_graph["runner"], best_graph["tactic"]) if best_graph else None,
             best_graph[IN_GRAPH] if best_graph else None,
             short_tactic(picks[0]["runner"], picks[0]["tactic"]) if picks else None,
@@ -370,19 +379,31 @@ def table(records: list[dict[str, Any]], modes: Sequence[str] = MODES) -> str:
                 row += ["error", "error"]
             else:
                 row += [pct(m.get("regret")), pct(m.get("regret_graph"))]
-        row.append("/".join(
-            "err" if (modes_rec.get(m) or {}).get("error") or not modes_rec.get(m)
-            else ("all" if modes_rec[m]["agree"] else "no") for m in modes
-        ))
+        row.append(
+            "/".join(
+                "err"
+                if (modes_rec.get(m) or {}).get("error") or not modes_rec.get(m)
+                else ("all" if modes_rec[m]["agree"] else "no")
+                for m in modes
+            )
+        )
         rho = r.get("spearman", {}).get("graph", {})
-        row.append("/".join("-" if rho.get(k) is None else f"{rho[k]:.2f}"
-                            for k in ("kernel_sum_truth", "graph_truth")))
+        row.append(
+            "/".join(
+                "-" if rho.get(k) is None else f"{rho[k]:.2f}"
+                for k in ("kernel_sum_truth", "graph_truth")
+            )
+        )
         row.append(pct(r.get("truth_noise_graph")))
         ms = graph_rec.get("ms_per_tactic") or []
         row.append(statistics.median(ms) if ms else None)
         rows.append(row)
-    runs = max((len((r.get("modes", {}).get(m) or {}).get("picks") or [])
-                for r in records for m in modes), default=0)
-    title = (f"Tuning picks vs CUPTI ground truth (worst of {runs} runs; ks = kernel sum, "
-             "ig = in-graph span)")
+    runs = max(
+        (len((r.get("modes", {}).get(m) or {}).get("picks") or []) for r in records for m in modes),
+        default=0,
+    )
+    title = (
+        f"Tuning picks vs CUPTI ground truth (worst of {runs} runs; ks = kernel sum, "
+        "ig = in-graph span)"
+    )
     return render_table(title, columns, rows, width=260)

@@ -109,7 +109,7 @@ def _measure(variant: str, reducer, rows: int, device: torch.device, rank: int) 
         residual.copy_(residual0)
         body()
         s = (residual0.float() + summed).to(base.dtype).float()
-        want = (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5) * weight.float())
+        want = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5) * weight.float()
         result["max_abs_err"] = (normed[0].float() - want).abs().max().item()
     return result
 
@@ -125,8 +125,9 @@ def main(argv: list[str] | None = None) -> int:
 
     launched = env.torchrun_rank()
     if launched is None or not torch.cuda.is_available():
-        print("benchmarks/allreduce.py: run under torchrun on CUDA GPUs (see --help)",
-              file=sys.stderr)
+        print(
+            "benchmarks/allreduce.py: run under torchrun on CUDA GPUs (see --help)", file=sys.stderr
+        )
         return 2
     parallel, device = init_from_torchrun(launched[1], torch.device("cuda"))
     results = []
@@ -137,9 +138,14 @@ def main(argv: list[str] | None = None) -> int:
             backend = "nccl" if variant == "nccl" else "symm_mem"
             ctx = type(parallel)(parallel.group, parallel.rank, parallel.world_size, backend)
             try:
-                reducer = make_all_reduce(ctx, max_rows=rows, hidden=HIDDEN,
-                                          dtype=torch.bfloat16, device=device,
-                                          fuse_norm=variant == "fused")
+                reducer = make_all_reduce(
+                    ctx,
+                    max_rows=rows,
+                    hidden=HIDDEN,
+                    dtype=torch.bfloat16,
+                    device=device,
+                    fuse_norm=variant == "fused",
+                )
                 row[variant] = _measure(variant, reducer, rows, device, parallel.rank)
             except Exception as exc:  # report a variant that cannot run; keep the others
                 row[variant] = {"error": f"{type(exc).__name__}: {exc}"}
@@ -147,16 +153,30 @@ def main(argv: list[str] | None = None) -> int:
     if parallel.rank == 0:
         prov = _common.provenance(args.commit, device)
         prov["world_size"] = parallel.world_size
-        path = _common.write_json(args.out / f"allreduce-{prov['gpu_slug']}.json", {
-            "benchmark": "allreduce", "provenance": prov, "hidden": HIDDEN,
-            "per_graph": PER_GRAPH, "replays": REPLAYS, "results": results,
-        })
+        path = _common.write_json(
+            args.out / f"allreduce-{prov['gpu_slug']}.json",
+            {
+                "benchmark": "allreduce",
+                "provenance": prov,
+                "hidden": HIDDEN,
+                "per_graph": PER_GRAPH,
+                "replays": REPLAYS,
+                "results": results,
+            },
+        )
         print(json.dumps({"bench": "allreduce", "file": str(path), "results": results}))
-        print(f"{'rows':>5} {'bytes':>8} " + " ".join(f"{v:>14}" for v in variants)
-              + "  (us per repetition)")
+        print(
+            f"{'rows':>5} {'bytes':>8} "
+            + " ".join(f"{v:>14}" for v in variants)
+            + "  (us per repetition)"
+        )
         for r in results:
-            cells = [f"{r[v]['us_per_all_reduce']:14.2f}" if "us_per_all_reduce" in r[v]
-                     else f"{'error':>14}" for v in variants]
+            cells = [
+                f"{r[v]['us_per_all_reduce']:14.2f}"
+                if "us_per_all_reduce" in r[v]
+                else f"{'error':>14}"
+                for v in variants
+            ]
             print(f"{r['rows']:>5} {r['bytes']:>8} " + " ".join(cells))
     dist.destroy_process_group()
     return 0

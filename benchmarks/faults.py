@@ -192,8 +192,7 @@ def capture_oom(device: torch.device) -> dict[str, Any]:
         return torch.tanh(x @ weight)
 
     def cycle(fn: Any) -> tuple[list[int], list[Any], float]:
-        runner = CUDAGraphRunner(fn, max_batch_size=16, capture_sizes=[1, 4, 8, 16],
-                                 device=device)
+        runner = CUDAGraphRunner(fn, max_batch_size=16, capture_sizes=[1, 4, 8, 16], device=device)
         runner.capture(torch.randn(16, 256, device=device))
         captured = sorted(size for _, size in runner.captured_keys)
         failed = [r for r in runner.stats.records if not r.ok]
@@ -232,8 +231,9 @@ def _dying_writer(path: str) -> None:
 
     persist._after_temp_write = lambda tmp: os._exit(9)
     cache = TuningCache()
-    cache.put(CacheKey("new", ("m.R",), ((1,),), ("float32",), "graph"),
-              CacheEntry("m.R", 0, 1, 1.0, 1.0))
+    cache.put(
+        CacheKey("new", ("m.R",), ((1,),), ("float32",), "graph"), CacheEntry("m.R", 0, 1, 1.0, 1.0)
+    )
     cache.save(path)
 
 

@@ -101,6 +101,8 @@ RUNS = 3
 TRUTH_SETS = 3
 HIDDEN, INTER, HEADS, KV, DIM, VOCAB = 2048, 8192, 32, 8, 64, 128256
 FULL_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
 @dataclass(frozen=True)
 class Case:
     """One (op, bucket) to tune."""
@@ -130,9 +132,8 @@ def gemm_case(label: str, n: int, k: int, m: int, max_tactics: int = 20) -> Case
         from graphtune.ops.gemv import TritonGemvRunner
 
         # The engine's runners (gemm_runners()); the GEMV offers tactics for M <= 8 only.
-        runners = (TorchGemmRunner(), TritonGemmRunner(max_tactics=max_tactics),
-                   TritonGemvRunner())
-        inputs = [_randn(device, m, k), _randn(device, n, k, scale=k ** -0.5), None, None, False]
+        runners = (TorchGemmRunner(), TritonGemmRunner(max_tactics=max_tactics), TritonGemvRunner())
+        inputs = [_randn(device, m, k), _randn(device, n, k, scale=k**-0.5), None, None, False]
         return OP_NAME, runners, _only_bucket(gemm_config(m), m), inputs
 
     return Case("gemm", f"{label} {k}->{n}", m, build)
@@ -147,8 +148,12 @@ def norm_case(m: int) -> Case:
             rms_norm_config,
         )
 
-        inputs = [_randn(device, m, HIDDEN), _randn(device, HIDDEN), _randn(device, m, HIDDEN),
-                  1e-5]
+        inputs = [
+            _randn(device, m, HIDDEN),
+            _randn(device, HIDDEN),
+            _randn(device, m, HIDDEN),
+            1e-5,
+        ]
         runners = (TorchRMSNormRunner(), TritonRMSNormRunner())
         return OP_NAME, runners, _only_bucket(rms_norm_config(m, True), m), inputs
 
@@ -187,8 +192,11 @@ def rope_case(m: int) -> Case:
         inputs = [
             _randn(device, m, (HEADS + 2 * KV) * DIM),
             torch.randint(0, TABLE_ROWS, (m,), device=device),
-            _randn(device, TABLE_ROWS, DIM), _randn(device, TABLE_ROWS, DIM),
-            _randn(device, CACHE_ROWS, DIM), _randn(device, CACHE_ROWS, DIM), rows,
+            _randn(device, TABLE_ROWS, DIM),
+            _randn(device, TABLE_ROWS, DIM),
+            _randn(device, CACHE_ROWS, DIM),
+            _randn(device, CACHE_ROWS, DIM),
+            rows,
         ]
         return OP_NAME, runners, _only_bucket(rope_config(KV, m), m), inputs
 
@@ -198,8 +206,12 @@ def rope_case(m: int) -> Case:
 def cases(quick: bool) -> list[Case]:
     gemm_buckets = (1, 16, 128) if quick else FULL_BUCKETS
     fused_buckets = (1, 64) if quick else (1, 8, 64)
-    shapes = [("qkv", 3072, 2048), ("o_proj", 2048, 2048), ("gate_up", 16384, 2048),
-              ("down", 2048, 8192)]
+    shapes = [
+        ("qkv", 3072, 2048),
+        ("o_proj", 2048, 2048),
+        ("gate_up", 16384, 2048),
+        ("down", 2048, 8192),
+    ]
     if quick:
         shapes = [shapes[0], shapes[3]]
     out = [gemm_case(label, n, k, m) for label, n, k in shapes for m in gemm_buckets]
@@ -252,8 +264,11 @@ def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
 
 
 def measure_truth(
-    label: str, runners: Sequence[Any], input_sets: Sequence[list[Any]],
-    candidates: list[tuple[int, Any]], args: argparse.Namespace,
+    label: str,
+    runners: Sequence[Any],
+    input_sets: Sequence[list[Any]],
+    candidates: list[tuple[int, Any]],
+    args: argparse.Namespace,
 ) -> list[dict[str, Any]]:
     """Both CUPTI truths of every candidate, each the median over ``input_sets`` (per-set values
     kept in ``*_sets``); a candidate that fails on any set gets ``inf`` and its error."""
@@ -263,10 +278,15 @@ def measure_truth(
     for index, tactic in candidates:
         runner = runners[index]
         entry: dict[str, Any] = {
-            "runner": short_runner_name(runner_id(runner)), "runner_index": index,
-            "tactic": tactic, KERNEL_SUM: math.inf, "kernels_per_call": None,
-            IN_GRAPH: math.inf, "cupti_graph": None,
-            f"{KERNEL_SUM}_sets": [], f"{IN_GRAPH}_sets": [],
+            "runner": short_runner_name(runner_id(runner)),
+            "runner_index": index,
+            "tactic": tactic,
+            KERNEL_SUM: math.inf,
+            "kernels_per_call": None,
+            IN_GRAPH: math.inf,
+            "cupti_graph": None,
+            f"{KERNEL_SUM}_sets": [],
+            f"{IN_GRAPH}_sets": [],
         }
         for inputs in input_sets:
             if not _truth_on_set(label, runner, tactic, inputs, entry, args):
@@ -279,8 +299,14 @@ def measure_truth(
     return truth
 
 
-def _truth_on_set(label: str, runner: Any, tactic: Any, inputs: list[Any],
-                  entry: dict[str, Any], args: argparse.Namespace) -> bool:
+def _truth_on_set(
+    label: str,
+    runner: Any,
+    tactic: Any,
+    inputs: list[Any],
+    entry: dict[str, Any],
+    args: argparse.Namespace,
+) -> bool:
     """Appends one input set's kernel sum and in-graph time to ``entry``; ``False`` (with the
     error recorded) when the candidate failed."""
 
@@ -301,8 +327,9 @@ def _truth_on_set(label: str, runner: Any, tactic: Any, inputs: list[Any],
         entry["cupti_graph_error"] = "skipped: the kernel-sum measurement failed"
         return False
     try:
-        gt = _common.cupti_graph_time(call, replays=args.cupti_graph_replays, warmup=3,
-                                      estimate_us=kt.per_call_us)
+        gt = _common.cupti_graph_time(
+            call, replays=args.cupti_graph_replays, warmup=3, estimate_us=kt.per_call_us
+        )
     except Exception as exc:  # e.g. a tactic that cannot be captured: reported, not fatal
         logger.warning("%s %s: CUPTI in-graph time failed: %s", label, tactic, exc)
         entry["cupti_graph_error"] = f"{type(exc).__name__}: {exc}"
@@ -319,8 +346,14 @@ def _truth_on_set(label: str, runner: Any, tactic: Any, inputs: list[Any],
 
 
 def tune_mode(
-    mode: str, op: str, runners: Sequence[Any], config: Any, inputs: list[Any],
-    truth: list[dict[str, Any]], device: torch.device, args: argparse.Namespace,
+    mode: str,
+    op: str,
+    runners: Sequence[Any],
+    config: Any,
+    inputs: list[Any],
+    truth: list[dict[str, Any]],
+    device: torch.device,
+    args: argparse.Namespace,
 ) -> dict[str, Any]:
     """``args.runs`` fresh tuning runs with one timing mode, scored against both truths."""
     from graphtune.autotuner import AutoTuner
@@ -332,16 +365,24 @@ def tune_mode(
     tie_bands: list[float | None] = []
     unmatched = 0
     for run in range(args.runs):
-        tuner = AutoTuner(timer=resolve_timer(timer_name(mode), device), show_progress=False,
-                          **tuner_kwargs(args, mode))
+        tuner = AutoTuner(
+            timer=resolve_timer(timer_name(mode), device),
+            show_progress=False,
+            **tuner_kwargs(args, mode),
+        )
         tuner.tuning_mode = True
         start = time.perf_counter()
         runner, tactic = tuner.choose_one(op, runners, config, inputs)
         torch.cuda.synchronize(device)
         tune_s.append(time.perf_counter() - start)
         index = next((i for i, r in enumerate(runners) if r is runner), -1)
-        picks.append({"runner": short_runner_name(runner_id(runner)), "runner_index": index,
-                      "tactic": tactic})
+        picks.append(
+            {
+                "runner": short_runner_name(runner_id(runner)),
+                "runner_index": index,
+                "tactic": tactic,
+            }
+        )
         profile = last_profile(tuner, op)
         tie_bands.append(getattr(profile, "tie_band", None) if profile is not None else None)
         if profile is not None and run == 0:
@@ -375,8 +416,13 @@ def run_case(case: Case, device: torch.device, args: argparse.Namespace) -> dict
     from graphtune.ops._triton import TritonRunner
 
     op, runners, config, inputs = case.build(device, case.bucket)
-    record: dict[str, Any] = {"op": case.op, "shape": case.label, "bucket": case.bucket,
-                              "error": None, "modes": {}}
+    record: dict[str, Any] = {
+        "op": case.op,
+        "shape": case.label,
+        "bucket": case.bucket,
+        "error": None,
+        "modes": {},
+    }
     began = time.perf_counter()
     candidates: list[tuple[int, Any]] = [(0, -1)]
     compile_s = 0.0
@@ -388,28 +434,39 @@ def run_case(case: Case, device: torch.device, args: argparse.Namespace) -> dict
             compile_s += time.perf_counter() - start
             failed = {k: v for k, v in report.items() if v}
             if failed:
-                logger.warning("%s: %d tactics failed to compile: %s", case.label, len(failed),
-                               list(failed.values())[:2])
+                logger.warning(
+                    "%s: %d tactics failed to compile: %s",
+                    case.label,
+                    len(failed),
+                    list(failed.values())[:2],
+                )
         candidates += [(index, t) for t in tactics]
     record["compile_s"] = compile_s
     # The truth is the median over fresh input sets (new values, new allocations): on an H200
     # near-equal GEMM tactics swap places by 1-2% between allocations
     # (benchmarks/tuning_stability.py), so one set's ranking is itself a noisy sample.
-    input_sets = [inputs] + [case.build(device, case.bucket)[3]
-                             for _ in range(getattr(args, "truth_sets", 1) - 1)]
+    input_sets = [inputs] + [
+        case.build(device, case.bucket)[3] for _ in range(getattr(args, "truth_sets", 1) - 1)
+    ]
     truth = measure_truth(case.label, runners, input_sets, candidates, args)
     del input_sets
     best = best_candidate(truth, KERNEL_SUM)
     if best is None:
         raise RuntimeError("no candidate could be timed by CUPTI (kernel sum)")
     best_graph = best_candidate(truth, IN_GRAPH)
-    record.update(candidates=truth, best=best, best_graph=best_graph, n_candidates=len(truth),
-                  truth_noise_graph=truth_noise(truth, IN_GRAPH),
-                  truth_noise_kernel_sum=truth_noise(truth, KERNEL_SUM))
+    record.update(
+        candidates=truth,
+        best=best,
+        best_graph=best_graph,
+        n_candidates=len(truth),
+        truth_noise_graph=truth_noise(truth, IN_GRAPH),
+        truth_noise_kernel_sum=truth_noise(truth, KERNEL_SUM),
+    )
     for mode in args.modes:
         try:
-            record["modes"][mode] = tune_mode(mode, op, runners, config, inputs, truth, device,
-                                              args)
+            record["modes"][mode] = tune_mode(
+                mode, op, runners, config, inputs, truth, device, args
+            )
         except Exception as exc:  # one failing mode must not lose the truths or other modes
             logger.exception("%s M=%d: tuning with %s failed", case.label, case.bucket, mode)
             record["modes"][mode] = {"error": f"{type(exc).__name__}: {exc}"}
@@ -470,25 +527,53 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="folder")
     parser.add_argument("--quick", action="store_true", help="fewer shapes and buckets")
     parser.add_argument("--commit", default=None, help="commit to record (else env / git)")
-    parser.add_argument("--cupti-calls", type=_positive_int, default=30,
-                        help="profiled eager calls per tactic for the kernel-sum truth")
-    parser.add_argument("--cupti-graph-replays", type=_positive_int, default=20,
-                        help="profiled graph replays per tactic for the in-graph truth")
-    parser.add_argument("--modes", type=parse_modes, default=MODES,
-                        help=f"comma-separated timing modes to tune with (default "
-                             f"{','.join(MODES)})")
-    parser.add_argument("--runs", type=_positive_int, default=RUNS,
-                        help=f"independent tuning runs per mode (default {RUNS})")
-    parser.add_argument("--tie-tolerance", type=_tie_tolerance, default=None,
-                        help="AutoTuner(tie_tolerance=F); default: the tuner's own default")
-    parser.add_argument("--variant", type=parse_variant, action="append", default=[],
-                        metavar="NAME:KEY=VALUE,...",
-                        help="also tune with the graph timer and these AutoTuner keywords, "
-                             "reported like a mode named NAME (repeatable), e.g. "
-                             "sets1:input_sets=1,tie_floor_us=0")
-    parser.add_argument("--truth-sets", type=_positive_int, default=TRUTH_SETS,
-                        help="fresh input sets each truth is measured on; a candidate's truth "
-                             f"is the median over them (default {TRUTH_SETS})")
+    parser.add_argument(
+        "--cupti-calls",
+        type=_positive_int,
+        default=30,
+        help="profiled eager calls per tactic for the kernel-sum truth",
+    )
+    parser.add_argument(
+        "--cupti-graph-replays",
+        type=_positive_int,
+        default=20,
+        help="profiled graph replays per tactic for the in-graph truth",
+    )
+    parser.add_argument(
+        "--modes",
+        type=parse_modes,
+        default=MODES,
+        help=f"comma-separated timing modes to tune with (default {','.join(MODES)})",
+    )
+    parser.add_argument(
+        "--runs",
+        type=_positive_int,
+        default=RUNS,
+        help=f"independent tuning runs per mode (default {RUNS})",
+    )
+    parser.add_argument(
+        "--tie-tolerance",
+        type=_tie_tolerance,
+        default=None,
+        help="AutoTuner(tie_tolerance=F); default: the tuner's own default",
+    )
+    parser.add_argument(
+        "--variant",
+        type=parse_variant,
+        action="append",
+        default=[],
+        metavar="NAME:KEY=VALUE,...",
+        help="also tune with the graph timer and these AutoTuner keywords, "
+        "reported like a mode named NAME (repeatable), e.g. "
+        "sets1:input_sets=1,tie_floor_us=0",
+    )
+    parser.add_argument(
+        "--truth-sets",
+        type=_positive_int,
+        default=TRUTH_SETS,
+        help="fresh input sets each truth is measured on; a candidate's truth "
+        f"is the median over them (default {TRUTH_SETS})",
+    )
     parser.add_argument("--only", default=None, help="run cases whose label contains this text")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     args = parser.parse_args(argv)
@@ -521,8 +606,10 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     """Runs the benchmark; returns the exit status (2 without CUDA, 1 if a target failed)."""
     args = parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
     device = _common.require_cuda_or_exit("benchmarks/tuning.py")
     try:
         import graphtune.ops  # noqa: F401
@@ -532,16 +619,18 @@ def main(argv: list[str] | None = None) -> int:
     from graphtune.ops import triton_available
 
     if not triton_available():
-        print("benchmarks/tuning.py: Triton is not importable; pip install triton",
-              file=sys.stderr)
+        print("benchmarks/tuning.py: Triton is not importable; pip install triton", file=sys.stderr)
         return 2
     started = time.perf_counter()
     prov = _common.provenance(args.commit, device)
     opts = options(args)
     # What the tuner actually used (its default when --tie-tolerance is not given).
     opts["tuner_tie_tolerance"] = getattr(AutoTuner(**tuner_kwargs(args)), "tie_tolerance", None)
-    print(f"{prov['gpu']} (sm {prov['compute_capability']}), torch {prov['torch']}, "
-          f"CUDA {prov['cuda']}, triton {prov['triton']}, commit {prov['commit']}", flush=True)
+    print(
+        f"{prov['gpu']} (sm {prov['compute_capability']}), torch {prov['torch']}, "
+        f"CUDA {prov['cuda']}, triton {prov['triton']}, commit {prov['commit']}",
+        flush=True,
+    )
     todo = [c for c in cases(args.quick) if not args.only or args.only in c.label]
     records = []
     for case in todo:
@@ -549,44 +638,70 @@ def main(argv: list[str] | None = None) -> int:
             rec = run_case(case, device, args)
         except Exception as exc:  # one failing case must not lose the others
             logger.exception("%s M=%d failed", case.label, case.bucket)
-            rec = {"op": case.op, "shape": case.label, "bucket": case.bucket,
-                   "error": f"{type(exc).__name__}: {exc}", "modes": {}}
+            rec = {
+                "op": case.op,
+                "shape": case.label,
+                "bucket": case.bucket,
+                "error": f"{type(exc).__name__}: {exc}",
+                "modes": {},
+            }
             _synchronize_quietly()
         records.append(rec)
         if rec["error"]:
             print(f"  {case.label:<24} M={case.bucket:<4} ERROR {rec['error']}", flush=True)
             continue
         best_graph = rec["best_graph"]
-        line = (f"  {case.label:<24} M={case.bucket:<4} {rec['n_candidates']:>3} cands  "
-                f"best {rec['best'][KERNEL_SUM]:8.2f} us (ks) ")
-        line += (f"{best_graph[IN_GRAPH]:8.2f} us (ig)" if best_graph else "       - us (ig)")
+        line = (
+            f"  {case.label:<24} M={case.bucket:<4} {rec['n_candidates']:>3} cands  "
+            f"best {rec['best'][KERNEL_SUM]:8.2f} us (ks) "
+        )
+        line += f"{best_graph[IN_GRAPH]:8.2f} us (ig)" if best_graph else "       - us (ig)"
         g = rec["modes"].get("graph")
         if g and not g.get("error"):
-            line += (f"  graph regret ks {pct(g['regret']):>6} ig {pct(g['regret_graph']):>6}"
-                     f"  agree {g['agree']}")
+            line += (
+                f"  graph regret ks {pct(g['regret']):>6} ig {pct(g['regret_graph']):>6}"
+                f"  agree {g['agree']}"
+            )
         elif g:
             line += f"  graph ERROR {g['error'][:60]}"
         print(line + f"  {rec['wall_s']:.1f} s", flush=True)
     summary = summarize(records, args.modes)
     summary["wall_s"] = time.perf_counter() - started
     name = f"tuning-{prov['gpu_slug']}{'-quick' if args.quick else ''}.json"
-    path = _common.write_json(args.out / name, {
-        "benchmark": "tuning", "provenance": prov, "options": opts, "summary": summary,
-        "cases": records,
-        "targets": {"graph_regret_le": TARGET_REGRET, "share": TARGET_SHARE,
-                    "graph_regret_never_gt": MAX_REGRET, "ms_per_tactic_median_le": TARGET_MS,
-                    "truths": {"kernel_sum": KERNEL_SUM_TARGETS,
-                               "graph_truth": GRAPH_TRUTH_TARGETS}},
-    })
+    path = _common.write_json(
+        args.out / name,
+        {
+            "benchmark": "tuning",
+            "provenance": prov,
+            "options": opts,
+            "summary": summary,
+            "cases": records,
+            "targets": {
+                "graph_regret_le": TARGET_REGRET,
+                "share": TARGET_SHARE,
+                "graph_regret_never_gt": MAX_REGRET,
+                "ms_per_tactic_median_le": TARGET_MS,
+                "truths": {"kernel_sum": KERNEL_SUM_TARGETS, "graph_truth": GRAPH_TRUTH_TARGETS},
+            },
+        },
+    )
     if not summary["targets"]:
         print("targets: not evaluated (graph mode was not run)")
     for target, passed in summary["targets"].items():
         print(f"target {target}: {'pass' if passed else 'FAIL'}")
-    print(json.dumps(_common.json_safe({
-        "bench": "tuning", "file": str(path), "all_pass": summary["all_pass"],
-        "all_pass_graph_truth": summary["all_pass_graph_truth"],
-        **{m: summary[m] for m in args.modes},
-    })))
+    print(
+        json.dumps(
+            _common.json_safe(
+                {
+                    "bench": "tuning",
+                    "file": str(path),
+                    "all_pass": summary["all_pass"],
+                    "all_pass_graph_truth": summary["all_pass_graph_truth"],
+                    **{m: summary[m] for m in args.modes},
+                }
+            )
+        )
+    )
     print(table(records, args.modes))
     return 0 if summary["all_pass"] is not False else 1
 

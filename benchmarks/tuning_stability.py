@@ -41,8 +41,13 @@ import _common  # noqa: E402  (benchmarks/ is not a package)
 import tuning  # noqa: E402
 from _tuning_scores import short_tactic  # noqa: E402
 
-DEFAULT_CASES = ("down 8192->2048 M=2", "rope+kv 32/8x64 M=8", "silu*mul 8192 M=64",
-                 "qkv 2048->3072 M=1", "o_proj 2048->2048 M=16")
+DEFAULT_CASES = (
+    "down 8192->2048 M=2",
+    "rope+kv 32/8x64 M=8",
+    "silu*mul 8192 M=64",
+    "qkv 2048->3072 M=1",
+    "o_proj 2048->2048 M=16",
+)
 #: AutoTuner keyword sets compared in the repeated tuning runs.
 TUNERS: dict[str, dict[str, Any]] = {"default": {}}
 
@@ -58,8 +63,9 @@ def relative_iqr(values: list[float]) -> float:
     return (q3 - q1) / statistics.median(values)
 
 
-def top_candidates(op: str, runners: Any, config: Any, inputs: list[Any], device: torch.device,
-                   top: int) -> list[tuple[int, Any]]:
+def top_candidates(
+    op: str, runners: Any, config: Any, inputs: list[Any], device: torch.device, top: int
+) -> list[tuple[int, Any]]:
     """The ``top`` fastest (runner index, tactic) of one default tuning run."""
     from graphtune.autotuner import AutoTuner
     from graphtune.autotuner.timing import resolve_timer
@@ -67,13 +73,17 @@ def top_candidates(op: str, runners: Any, config: Any, inputs: list[Any], device
     tuner = AutoTuner(timer=resolve_timer("graph", device), show_progress=False)
     tuner.tuning_mode = True
     tuner.choose_one(op, runners, config, inputs)
-    ranked = sorted((c for c in tuner.history[-1].candidates if c.failed is None),
-                    key=lambda c: c.median_us)
+    ranked = sorted(
+        (c for c in tuner.history[-1].candidates if c.failed is None), key=lambda c: c.median_us
+    )
     return [(c.runner_index, c.tactic) for c in ranked[:top]]
 
 
-def sample_sessions(runners: Any, candidates: list[tuple[int, Any]], input_sets: list[list[Any]],
-                    ) -> list[list[float]]:
+def sample_sessions(
+    runners: Any,
+    candidates: list[tuple[int, Any]],
+    input_sets: list[list[Any]],
+) -> list[list[float]]:
     """One graph-timer sample per candidate per input set (sessions), interleaved."""
     from graphtune.autotuner.timing import GraphTimer
 
@@ -82,14 +92,22 @@ def sample_sessions(runners: Any, candidates: list[tuple[int, Any]], input_sets:
     for inputs in input_sets:
         for slot, (index, tactic) in enumerate(candidates):
             runner = runners[index]
-            measured = timer.measure(lambda i, r=runner, t=tactic, x=inputs: r.forward(x, t),
-                                     warmup=3, repeat=10)
+            measured = timer.measure(
+                lambda i, r=runner, t=tactic, x=inputs: r.forward(x, t), warmup=3, repeat=10
+            )
             samples[slot].append(measured.median_us)
     return samples
 
 
-def tuning_runs(op: str, runners: Any, config: Any, inputs: list[Any], device: torch.device,
-                runs: int, kwargs: dict[str, Any]) -> list[dict[str, Any]]:
+def tuning_runs(
+    op: str,
+    runners: Any,
+    config: Any,
+    inputs: list[Any],
+    device: torch.device,
+    runs: int,
+    kwargs: dict[str, Any],
+) -> list[dict[str, Any]]:
     from graphtune.autotuner import AutoTuner
     from graphtune.autotuner.runner import runner_id, short_runner_name
     from graphtune.autotuner.timing import resolve_timer
@@ -102,16 +120,25 @@ def tuning_runs(op: str, runners: Any, config: Any, inputs: list[Any], device: t
         runner, tactic = tuner.choose_one(op, runners, config, inputs)
         elapsed = time.perf_counter() - start
         record = tuner.history[-1]
-        finalists = sorted((c for c in record.candidates if c.failed is None),
-                           key=lambda c: c.median_us)[:4]
-        out.append({
-            "pick": short_tactic(short_runner_name(runner_id(runner)), tactic),
-            "tie_band": record.tie_band,
-            "tune_s": elapsed,
-            "finalists": [{"tactic": short_tactic(c.runner, c.tactic),
-                           "median_us": c.median_us, "samples": c.samples, "tied": c.tied}
-                          for c in finalists],
-        })
+        finalists = sorted(
+            (c for c in record.candidates if c.failed is None), key=lambda c: c.median_us
+        )[:4]
+        out.append(
+            {
+                "pick": short_tactic(short_runner_name(runner_id(runner)), tactic),
+                "tie_band": record.tie_band,
+                "tune_s": elapsed,
+                "finalists": [
+                    {
+                        "tactic": short_tactic(c.runner, c.tactic),
+                        "median_us": c.median_us,
+                        "samples": c.samples,
+                        "tied": c.tied,
+                    }
+                    for c in finalists
+                ],
+            }
+        )
     return out
 
 
@@ -119,8 +146,9 @@ def run_case(case: tuning.Case, device: torch.device, args: argparse.Namespace) 
     op, runners, config, inputs = case.build(device, case.bucket)
     for index, runner in enumerate(runners):  # compile ahead, as the tuner would
         if hasattr(runner, "precompile"):
-            runner.precompile(inputs, [t for t in runner.get_valid_tactics(inputs, None)
-                                       if (index, t) != (0, -1)])
+            runner.precompile(
+                inputs, [t for t in runner.get_valid_tactics(inputs, None) if (index, t) != (0, -1)]
+            )
     candidates = top_candidates(op, runners, config, inputs, device, args.top)
     same = sample_sessions(runners, candidates, [inputs] * args.sessions)
     fresh_sets = [case.build(device, case.bucket)[3] for _ in range(args.sessions)]
@@ -130,16 +158,22 @@ def run_case(case: tuning.Case, device: torch.device, args: argparse.Namespace) 
     from graphtune.autotuner.runner import runner_id, short_runner_name
 
     for slot, (index, tactic) in enumerate(candidates):
-        record["candidates"].append({
-            "tactic": short_tactic(short_runner_name(runner_id(runners[index])), tactic),
-            "same_inputs_us": same[slot], "fresh_inputs_us": fresh[slot],
-        })
+        record["candidates"].append(
+            {
+                "tactic": short_tactic(short_runner_name(runner_id(runners[index])), tactic),
+                "same_inputs_us": same[slot],
+                "fresh_inputs_us": fresh[slot],
+            }
+        )
     # Gap of each candidate to the first one, per session: how stable is the ranking?
     for setting, data in (("same_inputs", same), ("fresh_inputs", fresh)):
         gaps = [[b / a - 1.0 for a, b in zip(data[0], other, strict=True)] for other in data[1:]]
         record[f"{setting}_gaps"] = gaps
-    record["tuning_runs"] = {name: tuning_runs(op, runners, config, inputs, device, args.runs, kw)
-                             for name, kw in TUNERS.items() if name in args.tuners}
+    record["tuning_runs"] = {
+        name: tuning_runs(op, runners, config, inputs, device, args.runs, kw)
+        for name, kw in TUNERS.items()
+        if name in args.tuners
+    }
     return record
 
 
@@ -148,14 +182,18 @@ def table(records: list[dict[str, Any]]) -> str:
     for rec in records:
         for cand in rec["candidates"]:
             same, fresh = cand["same_inputs_us"], cand["fresh_inputs_us"]
-            lines.append(f"{rec['case'][:28]:28} {cand['tactic'][:34]:34} "
-                         f"{statistics.median(same):8.3f} {relative_iqr(same):6.2%} "
-                         f"{statistics.median(fresh):8.3f} {relative_iqr(fresh):6.2%}")
+            lines.append(
+                f"{rec['case'][:28]:28} {cand['tactic'][:34]:34} "
+                f"{statistics.median(same):8.3f} {relative_iqr(same):6.2%} "
+                f"{statistics.median(fresh):8.3f} {relative_iqr(fresh):6.2%}"
+            )
         for name, runs in rec["tuning_runs"].items():
             picks = [r["pick"] for r in runs]
             distinct = len(set(picks))
-            lines.append(f"{'':28} tuner {name}: {distinct} distinct pick(s) in {len(picks)} runs"
-                         f" ({', '.join(sorted(set(picks)))[:90]})")
+            lines.append(
+                f"{'':28} tuner {name}: {distinct} distinct pick(s) in {len(picks)} runs"
+                f" ({', '.join(sorted(set(picks)))[:90]})"
+            )
     return "\n".join(lines)
 
 
@@ -165,10 +203,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sessions", type=int, default=8)
     parser.add_argument("--runs", type=int, default=6)
     parser.add_argument("--top", type=int, default=4)
-    parser.add_argument("--only", action="append", default=None,
-                        help="case name (as in the table), repeatable; default: a fixed set")
-    parser.add_argument("--tuners", default=",".join(TUNERS),
-                        help=f"comma-separated subset of {list(TUNERS)}")
+    parser.add_argument(
+        "--only",
+        action="append",
+        default=None,
+        help="case name (as in the table), repeatable; default: a fixed set",
+    )
+    parser.add_argument(
+        "--tuners", default=",".join(TUNERS), help=f"comma-separated subset of {list(TUNERS)}"
+    )
     parser.add_argument("--commit", default=None)
     args = parser.parse_args(argv)
     args.tuners = [t for t in args.tuners.split(",") if t]
@@ -180,11 +223,13 @@ def main(argv: list[str] | None = None) -> int:
     for case in chosen:
         print(f"--- {case_name(case)}", flush=True)
         records.append(run_case(case, device, args))
-    payload = {"benchmark": "tuning_stability",
-               "provenance": _common.provenance(args.commit, device),
-               "options": {k: str(v) if isinstance(v, Path) else v
-                           for k, v in vars(args).items()},
-               "cases": records, "wall_s": time.perf_counter() - began}
+    payload = {
+        "benchmark": "tuning_stability",
+        "provenance": _common.provenance(args.commit, device),
+        "options": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "cases": records,
+        "wall_s": time.perf_counter() - began,
+    }
     name = f"tuning-stability-{_common.gpu_slug(torch.cuda.get_device_name(device))}.json"
     path = _common.write_json(args.out / name, payload)
     print(json.dumps({"wrote": str(path), "wall_s": payload["wall_s"]}))

@@ -208,8 +208,14 @@ def jitter(e: float) -> tuple[float, ...]:
     return (e, -e, 0.0)
 
 
-def tune(costs_a: dict, costs_b: dict, e: float, fail_b: frozenset = frozenset(),
-         config: TuningConfig = ONE_BUCKET, **kwargs: Any):
+def tune(
+    costs_a: dict,
+    costs_b: dict,
+    e: float,
+    fail_b: frozenset = frozenset(),
+    config: TuningConfig = ONE_BUCKET,
+    **kwargs: Any,
+):
     clock = Clock()
     timer = JitterTimer(clock, jitter(e))
     runners = [CostRunner("a", costs_a, clock), CostRunner("b", costs_b, clock, fail_b)]
@@ -261,24 +267,30 @@ def test_adaptive_rounds_measure_only_the_fastest_and_the_undecided() -> None:
     assert pick == ("b", 0)
     assert tuner.stats.extra_rounds == 3
     assert timer.counts == {
-        ("a", -1): 9, ("b", 0): 9,  # 3 rounds + 3 re-measured (top 3) + 3 extra
+        ("a", -1): 9,
+        ("b", 0): 9,  # 3 rounds + 3 re-measured (top 3) + 3 extra
         ("b", 2): 6,  # top 3, tied by the floor: no extra rounds
-        ("a", 0): 3, ("b", 1): 3,  # decided after the first rounds
+        ("a", 0): 3,
+        ("b", 1): 3,  # decided after the first rounds
     }
     # The extra rounds are interleaved: fastest and undecided, round-robin, in tie-break order.
     assert timer.order[-6:] == [("a", -1), ("b", 0)] * 3
     record = tuner.history[-1]
     assert [(c.runner_index, c.tactic, c.tied) for c in record.candidates] == [
-        (0, -1, False), (0, 0, False), (1, 0, True), (1, 1, False), (1, 2, True),
+        (0, -1, False),
+        (0, 0, False),
+        (1, 0, True),
+        (1, 1, False),
+        (1, 2, True),
     ]
     assert record.winner_index == 2
 
 
 def test_history_records_what_was_measured() -> None:
-    config = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0, (1, 4, 16)),), warmup=0,
-                          repeat=1)
-    pick, tuner, _ = tune({-1: 100.0}, {0: 97.0, 1: 50.0}, e=0.001, fail_b=frozenset({1}),
-                          config=config)
+    config = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0, (1, 4, 16)),), warmup=0, repeat=1)
+    pick, tuner, _ = tune(
+        {-1: 100.0}, {0: 97.0, 1: 50.0}, e=0.001, fail_b=frozenset({1}), config=config
+    )
     assert pick == ("b", 0)
     assert len(tuner.history) == 3 and all(isinstance(r, ProfileRecord) for r in tuner.history)
     assert [r.profile for r in tuner.history] == ["1x2", "4x2", "16x2"]
@@ -287,8 +299,14 @@ def test_history_records_what_was_measured() -> None:
     fallback, winner, broken = record.candidates
     assert isinstance(winner, CandidateRecord)
     assert fallback == CandidateRecord(
-        runner='CostRunner["a"]', runner_index=0, tactic=-1, median_us=100.0,
-        spread=pytest.approx(0.002), samples=6, failed=None, tied=False,
+        runner='CostRunner["a"]',
+        runner_index=0,
+        tactic=-1,
+        median_us=100.0,
+        spread=pytest.approx(0.002),
+        samples=6,
+        failed=None,
+        tied=False,
     )
     assert (winner.runner, winner.runner_index, winner.tactic) == ('CostRunner["b"]', 1, 0)
     assert winner.median_us == pytest.approx(97.0) and winner.samples == 6 and winner.tied

@@ -61,10 +61,12 @@ def test_spearman_drops_missing_pairs_and_undefined_cases():
 
 
 def test_truth_noise_is_the_median_relative_range_over_input_sets():
-    truth = [{"cupti_graph_us_sets": [10.0, 10.2, 10.1]},  # 2% range
-             {"cupti_graph_us_sets": [5.0, 5.05, 5.0]},  # 1%
-             {"cupti_graph_us_sets": [1.0, 1.04, 1.0]},  # 4%
-             {"cupti_graph_us_sets": [math.inf, 2.0]}]  # one usable value: skipped
+    truth = [
+        {"cupti_graph_us_sets": [10.0, 10.2, 10.1]},  # 2% range
+        {"cupti_graph_us_sets": [5.0, 5.05, 5.0]},  # 1%
+        {"cupti_graph_us_sets": [1.0, 1.04, 1.0]},  # 4%
+        {"cupti_graph_us_sets": [math.inf, 2.0]},
+    ]  # one usable value: skipped
     assert scores.truth_noise(truth) == pytest.approx(0.2 / 10.1)  # the middle one, 2%
     assert scores.truth_noise([{"cupti_graph_us_sets": [3.0]}]) is None
     kernel_sum = [{"cupti_us_sets": [1.0, 1.1]}]
@@ -91,14 +93,34 @@ def test_regret_and_worst():
 def split_k_truth() -> list[dict[str, Any]]:
     """The o_proj M=16 situation: split-K wins by kernel sum, cuBLAS in the graph."""
     return [
-        {"runner": "TorchGemmRunner", "runner_index": 0, "tactic": -1,
-         "cupti_us": 4.78, "cupti_graph_us": 5.00},
-        {"runner": "TritonGemmRunner", "runner_index": 1, "tactic": dict(SPLIT_K),
-         "cupti_us": 4.61, "cupti_graph_us": 5.40},
-        {"runner": "TritonGemmRunner", "runner_index": 1,
-         "tactic": dict(SPLIT_K, split_k=1), "cupti_us": 6.0, "cupti_graph_us": 6.2},
-        {"runner": "TritonGemmRunner", "runner_index": 1, "tactic": [8, 2],
-         "cupti_us": math.inf, "cupti_graph_us": math.inf},
+        {
+            "runner": "TorchGemmRunner",
+            "runner_index": 0,
+            "tactic": -1,
+            "cupti_us": 4.78,
+            "cupti_graph_us": 5.00,
+        },
+        {
+            "runner": "TritonGemmRunner",
+            "runner_index": 1,
+            "tactic": dict(SPLIT_K),
+            "cupti_us": 4.61,
+            "cupti_graph_us": 5.40,
+        },
+        {
+            "runner": "TritonGemmRunner",
+            "runner_index": 1,
+            "tactic": dict(SPLIT_K, split_k=1),
+            "cupti_us": 6.0,
+            "cupti_graph_us": 6.2,
+        },
+        {
+            "runner": "TritonGemmRunner",
+            "runner_index": 1,
+            "tactic": [8, 2],
+            "cupti_us": math.inf,
+            "cupti_graph_us": math.inf,
+        },
     ]
 
 
@@ -130,16 +152,29 @@ def test_score_picks_without_graph_truth_gives_nan():
 # --- summary and targets -----------------------------------------------------------------------
 
 
-def mode_record(regret: float, regret_graph: float, agree: bool = True,
-                ms: float = 10.0) -> dict[str, Any]:
-    return {"regret": regret, "regret_graph": regret_graph, "agree": agree,
-            "ms_per_tactic": [ms, ms], "picks": [{}, {}, {}]}
-
-
-def case_record(graph: dict[str, Any], *, best_graph: bool = True,
-                rho: tuple[float | None, float | None] = (0.5, 0.9)) -> dict[str, Any]:
+def mode_record(
+    regret: float, regret_graph: float, agree: bool = True, ms: float = 10.0
+) -> dict[str, Any]:
     return {
-        "op": "gemm", "shape": "o_proj 2048->2048", "bucket": 16, "error": None,
+        "regret": regret,
+        "regret_graph": regret_graph,
+        "agree": agree,
+        "ms_per_tactic": [ms, ms],
+        "picks": [{}, {}, {}],
+    }
+
+
+def case_record(
+    graph: dict[str, Any],
+    *,
+    best_graph: bool = True,
+    rho: tuple[float | None, float | None] = (0.5, 0.9),
+) -> dict[str, Any]:
+    return {
+        "op": "gemm",
+        "shape": "o_proj 2048->2048",
+        "bucket": 16,
+        "error": None,
         "best_graph": {"runner": "TorchGemmRunner", "tactic": -1} if best_graph else None,
         "modes": {"graph": graph, "events": mode_record(0.0, 0.0, ms=50.0)},
         "spearman": {"graph": {"kernel_sum_truth": rho[0], "graph_truth": rho[1]}},
@@ -216,8 +251,9 @@ def test_table_shows_both_truths():
         best_graph={"runner": "TorchGemmRunner", "tactic": -1, "cupti_graph_us": 5.0},
     )
     records[0]["modes"]["graph"]["picks"] = [{"runner": "TorchGemmRunner", "tactic": -1}] * 3
-    records.append({"op": "gemm", "shape": "qkv", "bucket": 1, "error": "RuntimeError: x",
-                    "modes": {}})
+    records.append(
+        {"op": "gemm", "shape": "qkv", "bucket": 1, "error": "RuntimeError: x", "modes": {}}
+    )
     text = scores.table(records, ("graph", "events"))
     assert "graph ks" in text and "graph ig" in text and "events ig" in text
     assert "3.7%" in text and "0.0%" in text
@@ -231,14 +267,36 @@ def test_table_shows_both_truths():
 
 def fake_profile(op: str = "gemm") -> SimpleNamespace:
     cands = (
-        SimpleNamespace(runner_index=0, tactic=-1, median_us=5.02, spread=0.01, samples=9,
-                        failed=None, tied=True),
-        SimpleNamespace(runner_index=1, tactic=dict(reversed(list(SPLIT_K.items()))),
-                        median_us=5.45, spread=0.03, samples=6, failed=None, tied=False),
-        SimpleNamespace(runner_index=1, tactic=[8, 2], median_us=math.inf, spread=0.0,
-                        samples=0, failed="RuntimeError", tied=False),
-        SimpleNamespace(runner_index=2, tactic=-1, median_us=1.0, spread=0.0, samples=3,
-                        failed=None, tied=False),  # not among the truth candidates
+        SimpleNamespace(
+            runner_index=0,
+            tactic=-1,
+            median_us=5.02,
+            spread=0.01,
+            samples=9,
+            failed=None,
+            tied=True,
+        ),
+        SimpleNamespace(
+            runner_index=1,
+            tactic=dict(reversed(list(SPLIT_K.items()))),
+            median_us=5.45,
+            spread=0.03,
+            samples=6,
+            failed=None,
+            tied=False,
+        ),
+        SimpleNamespace(
+            runner_index=1,
+            tactic=[8, 2],
+            median_us=math.inf,
+            spread=0.0,
+            samples=0,
+            failed="RuntimeError",
+            tied=False,
+        ),
+        SimpleNamespace(
+            runner_index=2, tactic=-1, median_us=1.0, spread=0.0, samples=3, failed=None, tied=False
+        ),  # not among the truth candidates
     )
     return SimpleNamespace(op=op, candidates=cands, winner_index=0, tie_band=0.012)
 
@@ -271,13 +329,16 @@ def test_attach_tuner_times_and_rank_correlations():
 def test_real_profile_record_matches_when_the_tuner_has_history():
     selection = pytest.importorskip("graphtune.autotuner.selection")
     record = selection.ProfileRecord(
-        op="gemm", profile="(16, 2048)",
+        op="gemm",
+        profile="(16, 2048)",
         candidates=(
             selection.candidate_record("TorchGemmRunner", 0, -1, [5.0, 5.1, 4.9], None, True),
-            selection.candidate_record("TritonGemmRunner", 1, dict(SPLIT_K), [5.5, 5.4], None,
-                                       False),
+            selection.candidate_record(
+                "TritonGemmRunner", 1, dict(SPLIT_K), [5.5, 5.4], None, False
+            ),
         ),
-        winner_index=0, tie_band=0.02,
+        winner_index=0,
+        tie_band=0.02,
     )
     truth = split_k_truth()
     assert scores.attach_tuner_times(truth, "events", record) == 0
@@ -293,8 +354,18 @@ def test_parse_args_defaults_and_values():
     assert args.modes == scores.MODES and args.runs == 3
     assert args.tie_tolerance is None and args.cupti_graph_replays == 20
     assert bench.tuner_kwargs(args) == {}
-    args = bench.parse_args(["--modes", " events,graph,events ", "--runs", "5",
-                             "--tie-tolerance", "0.01", "--cupti-graph-replays", "7"])
+    args = bench.parse_args(
+        [
+            "--modes",
+            " events,graph,events ",
+            "--runs",
+            "5",
+            "--tie-tolerance",
+            "0.01",
+            "--cupti-graph-replays",
+            "7",
+        ]
+    )
     assert args.modes == ("events", "graph")
     assert bench.tuner_kwargs(args) == {"tie_tolerance": 0.01}
     opts = bench.options(args)
@@ -304,13 +375,27 @@ def test_parse_args_defaults_and_values():
 
 
 def test_variants_are_extra_graph_modes_with_their_own_tuner_keywords():
-    args = bench.parse_args(["--modes", "graph", "--tie-tolerance", "0.01",
-                             "--variant", "sets3:input_sets=3,tie_floor_us=0.02",
-                             "--variant", "plain:", "--truth-sets", "2"])
+    args = bench.parse_args(
+        [
+            "--modes",
+            "graph",
+            "--tie-tolerance",
+            "0.01",
+            "--variant",
+            "sets3:input_sets=3,tie_floor_us=0.02",
+            "--variant",
+            "plain:",
+            "--truth-sets",
+            "2",
+        ]
+    )
     assert args.modes == ("graph", "sets3", "plain") and args.truth_sets == 2
     assert bench.tuner_kwargs(args, "graph") == {"tie_tolerance": 0.01}
-    assert bench.tuner_kwargs(args, "sets3") == {"tie_tolerance": 0.01, "input_sets": 3,
-                                                 "tie_floor_us": 0.02}
+    assert bench.tuner_kwargs(args, "sets3") == {
+        "tie_tolerance": 0.01,
+        "input_sets": 3,
+        "tie_floor_us": 0.02,
+    }
     assert bench.timer_name("sets3") == "graph" and bench.timer_name("events") == "events"
     assert bench.options(args)["variants"]["sets3"] == {"input_sets": 3, "tie_floor_us": 0.02}
     assert bench.parse_variant("x:mode=fast") == ("x", {"mode": "fast"})  # not JSON: text
@@ -365,8 +450,9 @@ def event(name: str, ts: float, dur: float, corr: int | None, cat: str = "kernel
     return out
 
 
-def replay_trace(replays: int, calls: int, *, prologue: bool = True,
-                 correlation: bool = True) -> dict[str, Any]:
+def replay_trace(
+    replays: int, calls: int, *, prologue: bool = True, correlation: bool = True
+) -> dict[str, Any]:
     """Graph replays of ``calls`` x (2.0 us GEMM, 0.3 us gap, 0.5 us reduce, 0.2 us gap)."""
     events = []
     for r in range(replays):
@@ -390,8 +476,14 @@ def expected_span(calls: int) -> float:
 def test_device_events_read_correlation():
     trace = replay_trace(1, 2)
     trace["traceEvents"].append(
-        {"ph": "X", "cat": "kernel", "name": "k", "ts": 9e9, "dur": 1.0,
-         "args": {"correlation": "42"}}
+        {
+            "ph": "X",
+            "cat": "kernel",
+            "name": "k",
+            "ts": 9e9,
+            "dur": 1.0,
+            "args": {"correlation": "42"},
+        }
     )
     events = _common.device_events_from_trace(trace)
     assert [e.correlation for e in events] == [900, 100, 100, 100, 100, 42]
@@ -421,8 +513,9 @@ def test_split_replays_by_correlation_drops_prologue_work():
 
 
 def test_split_replays_by_gaps_without_correlation():
-    events = _common.device_events_from_trace(replay_trace(3, 20, prologue=False,
-                                                           correlation=False))
+    events = _common.device_events_from_trace(
+        replay_trace(3, 20, prologue=False, correlation=False)
+    )
     groups, method = _common.split_replays(events, replays=3, calls_per_graph=20)
     assert method == "gaps"
     spans, _ = _common.replay_spans(groups, 20)
@@ -659,10 +752,11 @@ def fake_case(state: State, *, broken_build: bool = False) -> bench.Case:
     def build(device: torch.device, m: int):
         if broken_build:
             raise RuntimeError("out of memory")
-        runners = (CostRunner(0, [-1], state),
-                   CostRunner(1, [dict(SPLIT_K, split_k=1), dict(SPLIT_K), BROKEN], state))
-        config = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0, (m,)),), warmup=1,
-                              repeat=2)
+        runners = (
+            CostRunner(0, [-1], state),
+            CostRunner(1, [dict(SPLIT_K, split_k=1), dict(SPLIT_K), BROKEN], state),
+        )
+        config = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0, (m,)),), warmup=1, repeat=2)
         return "fake_gemm", runners, config, [torch.randn(m, 8)]
 
     return bench.Case("gemm", "broken" if broken_build else "o_proj 2048->2048", 16, build)
@@ -685,8 +779,11 @@ def fake_gpu(monkeypatch):
         call(0)
         ig = COSTS[state.last][1]
         kernels = 2 if estimate_us == 4.61 else 1
-        return SimpleNamespace(per_call_us=ig, kernels_per_call=kernels,
-                               as_dict=lambda: {"per_call_us": ig, "kernels_per_call": kernels})
+        return SimpleNamespace(
+            per_call_us=ig,
+            kernels_per_call=kernels,
+            as_dict=lambda: {"per_call_us": ig, "kernels_per_call": kernels},
+        )
 
     def resolve_timer(mode: str, device: Any):
         if mode == "wallclock":
@@ -701,8 +798,9 @@ def fake_gpu(monkeypatch):
 
 
 def test_run_case_records_both_truths_tuner_times_and_survives_failures(fake_gpu):
-    args = bench.parse_args(["--modes", "graph,events,wallclock", "--runs", "2",
-                             "--cupti-graph-replays", "4"])
+    args = bench.parse_args(
+        ["--modes", "graph,events,wallclock", "--runs", "2", "--cupti-graph-replays", "4"]
+    )
     record = bench.run_case(fake_case(fake_gpu), torch.device("cpu"), args)
     assert record["error"] is None and record["n_candidates"] == 4
     by_key = {KEY(c["runner_index"], c["tactic"]): c for c in record["candidates"]}
@@ -741,17 +839,38 @@ def test_run_case_records_both_truths_tuner_times_and_survives_failures(fake_gpu
 def test_main_writes_options_and_keeps_every_case(fake_gpu, monkeypatch, tmp_path, capsys):
     import graphtune.ops
 
-    monkeypatch.setattr(bench._common, "require_cuda_or_exit",
-                        lambda script: torch.device("cpu"))
-    monkeypatch.setattr(bench._common, "provenance",
-                        lambda commit, device: {"gpu": "Fake", "gpu_slug": "fake",
-                                                "compute_capability": "0.0", "torch": "x",
-                                                "cuda": None, "triton": None, "commit": "abc"})
+    monkeypatch.setattr(bench._common, "require_cuda_or_exit", lambda script: torch.device("cpu"))
+    monkeypatch.setattr(
+        bench._common,
+        "provenance",
+        lambda commit, device: {
+            "gpu": "Fake",
+            "gpu_slug": "fake",
+            "compute_capability": "0.0",
+            "torch": "x",
+            "cuda": None,
+            "triton": None,
+            "commit": "abc",
+        },
+    )
     monkeypatch.setattr(graphtune.ops, "triton_available", lambda: True)
-    monkeypatch.setattr(bench, "cases", lambda quick: [fake_case(fake_gpu, broken_build=True),
-                                                       fake_case(fake_gpu)])
-    status = bench.main(["--out", str(tmp_path), "--modes", "graph,wallclock", "--runs", "2",
-                         "--cupti-graph-replays", "4", "--tie-tolerance", "0.01"])
+    monkeypatch.setattr(
+        bench, "cases", lambda quick: [fake_case(fake_gpu, broken_build=True), fake_case(fake_gpu)]
+    )
+    status = bench.main(
+        [
+            "--out",
+            str(tmp_path),
+            "--modes",
+            "graph,wallclock",
+            "--runs",
+            "2",
+            "--cupti-graph-replays",
+            "4",
+            "--tie-tolerance",
+            "0.01",
+        ]
+    )
     assert status == 1  # 3.7% kernel-sum regret and one failed case
     data = json.loads((tmp_path / "tuning-fake.json").read_text())
     assert data["options"]["modes"] == ["graph", "wallclock"]

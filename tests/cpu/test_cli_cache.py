@@ -22,9 +22,20 @@ def test_show_prints_fingerprint_and_entries(tmp_path, capsys) -> None:
     path = _cache_file(tmp_path)
     assert main(["cache", "show", str(path)]) == 0
     out = capsys.readouterr().out
-    for text in ("gpu", "torch", environment_fingerprint()["torch"], "format_version",
-                 "Matches this environment", "gemm", "Tiled", "16x64, 64x32", "bfloat16",
-                 "graph", '{"block": 64}', "2.500"):
+    for text in (
+        "gpu",
+        "torch",
+        environment_fingerprint()["torch"],
+        "format_version",
+        "Matches this environment",
+        "gemm",
+        "Tiled",
+        "16x64, 64x32",
+        "bfloat16",
+        "graph",
+        '{"block": 64}',
+        "2.500",
+    ):
         assert text in out, text
 
 

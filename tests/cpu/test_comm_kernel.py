@@ -34,8 +34,9 @@ def _deltas(tensors: list[torch.Tensor], rank: int) -> torch.Tensor:
     return torch.tensor([(t.data_ptr() - base) // size for t in tensors], dtype=torch.int64)
 
 
-def _reference(parts: list[torch.Tensor], residual: torch.Tensor, weight: torch.Tensor,
-               eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _reference(
+    parts: list[torch.Tensor], residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The unfused path: an all-reduced delta in the dtype, then add + RMSNorm (float32 stats)."""
     dtype = residual.dtype
     delta = torch.stack([p.double() for p in parts]).sum(0).to(dtype)
@@ -45,11 +46,17 @@ def _reference(parts: list[torch.Tensor], residual: torch.Tensor, weight: torch.
     return normed.to(dtype), s
 
 
-@pytest.mark.parametrize(("world", "rank", "dtype", "hidden"), [
-    (2, 0, torch.float32, 48), (2, 1, torch.float16, 64), (4, 2, torch.float32, 40),
-])
-def test_fused_allreduce_add_rms_norm(world: int, rank: int, dtype: torch.dtype,
-                                      hidden: int) -> None:
+@pytest.mark.parametrize(
+    ("world", "rank", "dtype", "hidden"),
+    [
+        (2, 0, torch.float32, 48),
+        (2, 1, torch.float16, 64),
+        (4, 2, torch.float32, 40),
+    ],
+)
+def test_fused_allreduce_add_rms_norm(
+    world: int, rank: int, dtype: torch.dtype, hidden: int
+) -> None:
     from graphtune.ops import _comm_kernels
 
     gen = torch.Generator().manual_seed(world * 10 + rank)
@@ -66,8 +73,21 @@ def test_fused_allreduce_add_rms_norm(world: int, rank: int, dtype: torch.dtype,
     out = torch.empty_like(residual)
     block = 1 << (hidden - 1).bit_length()
     _comm_kernels.allreduce_add_rms_norm_kernel[(rows,)](
-        parts[rank], _deltas(parts, rank), pads[rank], _deltas(pads, rank), residual, weight, out,
-        rank, hidden, hidden, hidden, hidden, eps, WORLD=world, BLOCK=block,
+        parts[rank],
+        _deltas(parts, rank),
+        pads[rank],
+        _deltas(pads, rank),
+        residual,
+        weight,
+        out,
+        rank,
+        hidden,
+        hidden,
+        hidden,
+        hidden,
+        eps,
+        WORLD=world,
+        BLOCK=block,
     )
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     assert torch.allclose(residual.double(), want_res.double(), rtol=tol, atol=tol)

@@ -105,8 +105,11 @@ def _tune_noisy(rank: int, strategy: str, group: Any) -> dict:
         "picks": {str(key.shapes[0][0]): entry.tactic for key, entry in tuner.cache.items()},
         "extra_rounds": tuner.stats.extra_rounds,
         "history": [
-            (r.winner_index, r.tie_band, [(c.tactic, c.median_us, c.samples, c.tied)
-                                          for c in r.candidates])
+            (
+                r.winner_index,
+                r.tie_band,
+                [(c.tactic, c.median_us, c.samples, c.tied) for c in r.candidates],
+            )
             for r in tuner.history
         ],
     }
@@ -140,8 +143,12 @@ def _worker(rank: int, init: str, tmp: str, results) -> None:
             group = dist.new_group([0, 1])
             for strategy in STRATEGIES:
                 out[f"split/{strategy}"] = _tune(
-                    rank, strategy, SPLIT_COSTS[rank], frozenset(),
-                    f"{tmp}/split-{strategy}-{rank}.json", None,
+                    rank,
+                    strategy,
+                    SPLIT_COSTS[rank],
+                    frozenset(),
+                    f"{tmp}/split-{strategy}-{rank}.json",
+                    None,
                 )
                 fail = frozenset({2}) if rank == 1 else frozenset()
                 out[f"fail/{strategy}"] = _tune(
@@ -156,8 +163,9 @@ def _worker(rank: int, init: str, tmp: str, results) -> None:
                     dynamic_specs=(DynamicTensorSpec(0, 0, (1, 2 + rank)),), warmup=0, repeat=1
                 )
                 with autotune(None, tuner):
-                    tuner.choose_one("op", [RankRunner(FAIL_COSTS, clock)], config,
-                                     [torch.zeros(1, 8)])
+                    tuner.choose_one(
+                        "op", [RankRunner(FAIL_COSTS, clock)], config, [torch.zeros(1, 8)]
+                    )
                 out["mismatch"] = "no error"
             except DistributedError as exc:
                 out["mismatch"] = str(exc)
@@ -165,14 +173,16 @@ def _worker(rank: int, init: str, tmp: str, results) -> None:
             # collective, then every rank raises.
             tuner = AutoTuner(ClockTimer(Clock()), distributed="agree")
             if rank == 1:
+
                 def stop(*args: Any) -> None:
                     raise TuningError("context corrupted (simulated)")
 
                 tuner._time_candidates = stop  # type: ignore[method-assign]
             try:
                 with autotune(None, tuner):
-                    tuner.choose_one("op", [RankRunner(FAIL_COSTS, Clock())], CONFIG,
-                                     [torch.zeros(4, 8)])
+                    tuner.choose_one(
+                        "op", [RankRunner(FAIL_COSTS, Clock())], CONFIG, [torch.zeros(4, 8)]
+                    )
                 out["abort"] = "no error"
             except (TuningError, DistributedError) as exc:
                 out["abort"] = f"{type(exc).__name__}: {exc}"

@@ -11,20 +11,52 @@ from graphtune.cli.main import main
 
 
 def test_generate_prints_token_ids(capsys):
-    code = main(["generate", "--model", "tiny", "--prompt", "1,2,3", "--prompt", "4,5",
-                 "--max-new-tokens", "5", "--runner", "graph", "--device", "cpu",
-                 "--ignore-eos", "--stats"])
+    code = main(
+        [
+            "generate",
+            "--model",
+            "tiny",
+            "--prompt",
+            "1,2,3",
+            "--prompt",
+            "4,5",
+            "--max-new-tokens",
+            "5",
+            "--runner",
+            "graph",
+            "--device",
+            "cpu",
+            "--ignore-eos",
+            "--stats",
+        ]
+    )
     out = capsys.readouterr()
     assert code == 0
     lines = [line for line in out.out.splitlines() if line.startswith("tokens: ")]
     assert len(lines) == 2 and all(len(line[8:].split(",")) == 5 for line in lines)
     assert "no CUDA" in out.out  # the runner's stats table names the fallback reason
-    eager = main(["generate", "--model", "tiny", "--prompt", "1,2,3", "--prompt", "4,5",
-                  "--max-new-tokens", "5", "--runner", "eager", "--device", "cpu",
-                  "--ignore-eos"])
+    eager = main(
+        [
+            "generate",
+            "--model",
+            "tiny",
+            "--prompt",
+            "1,2,3",
+            "--prompt",
+            "4,5",
+            "--max-new-tokens",
+            "5",
+            "--runner",
+            "eager",
+            "--device",
+            "cpu",
+            "--ignore-eos",
+        ]
+    )
     assert eager == 0
-    assert [line for line in capsys.readouterr().out.splitlines()
-            if line.startswith("tokens: ")] == lines
+    assert [
+        line for line in capsys.readouterr().out.splitlines() if line.startswith("tokens: ")
+    ] == lines
 
 
 def test_generate_errors_are_clean(capsys):
@@ -40,9 +72,28 @@ def test_bench_decode_tiny_cpu(tmp_path, capsys):
     out_json = tmp_path / "decode.json"
     plot = tmp_path / "decode.png"
     pytest.importorskip("matplotlib")
-    code = main(["bench", "decode", "--model", "tiny", "--batch-sizes", "1,4", "--context", "16",
-                 "--steps", "2", "--repeats", "2", "--device", "cpu", "--json", str(out_json),
-                 "--plot", str(plot)])
+    code = main(
+        [
+            "bench",
+            "decode",
+            "--model",
+            "tiny",
+            "--batch-sizes",
+            "1,4",
+            "--context",
+            "16",
+            "--steps",
+            "2",
+            "--repeats",
+            "2",
+            "--device",
+            "cpu",
+            "--json",
+            str(out_json),
+            "--plot",
+            str(plot),
+        ]
+    )
     captured = capsys.readouterr()
     assert code == 0
     assert "eager ms" in captured.out and "CUDA graphs need CUDA" in captured.err
@@ -51,8 +102,9 @@ def test_bench_decode_tiny_cpu(tmp_path, capsys):
     assert all(r["eager_ms"] > 0 and r["graph_ms"] is None for r in data["results"])
     prov = data["provenance"]
     assert prov["torch"] == torch.__version__ and prov["commit"]
-    assert {"gpu_name", "compute_capability", "cuda", "triton", "transformers",
-            "graphtune"} <= set(prov)
+    assert {"gpu_name", "compute_capability", "cuda", "triton", "transformers", "graphtune"} <= set(
+        prov
+    )
     assert plot.stat().st_size > 1000
     last = json.loads(captured.out.strip().splitlines()[-1])
     assert last["bench"] == "decode"

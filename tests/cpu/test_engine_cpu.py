@@ -99,15 +99,18 @@ def test_padded_rows_never_touch_live_slots(contiguous):
     owned = slice(0, cache.max_batch_size)
     # Same batch shape, different pad contents: live rows and live slots are bit-identical.
     for got, want in zip(garbage, padded, strict=True):
-        assert torch.equal(got[:2] if got.dim() == 2 else got[:, owned],
-                           want[:2] if want.dim() == 2 else want[:, owned])
+        assert torch.equal(
+            got[:2] if got.dim() == 2 else got[:, owned],
+            want[:2] if want.dim() == 2 else want[:, owned],
+        )
     # Against no padding at all: only GEMM blocking may differ (CPU kernels pick by batch size).
     torch.testing.assert_close(padded[0], plain[0], rtol=1e-5, atol=1e-5)
     for got, want in ((padded[1], plain[1]), (padded[2], plain[2])):
         torch.testing.assert_close(got[:, owned], want[:, owned], rtol=1e-5, atol=1e-6)
         # Slots nobody owns in this step are untouched byte for byte.
-        assert torch.equal(got[:, 2:scratch], saved_k[:, 2:scratch] if got is padded[1]
-                           else saved_v[:, 2:scratch])
+        assert torch.equal(
+            got[:, 2:scratch], saved_k[:, 2:scratch] if got is padded[1] else saved_v[:, 2:scratch]
+        )
 
 
 def test_unknown_architecture_is_a_checkpoint_error():

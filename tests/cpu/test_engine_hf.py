@@ -11,11 +11,21 @@ from graphtune.errors import CheckpointError
 transformers = pytest.importorskip("transformers")
 
 TINY = dict(
-    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
 )
-LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                  "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
 
 
 def _randomize(model: torch.nn.Module, seed: int) -> None:
@@ -50,8 +60,14 @@ def build_hf(kind: str, tmp_path, seed: int = 0, max_shard_size: str | None = No
     return model, folder
 
 
-def compare(hf_model, folder, prompt_len: int = 7, decode_steps: int = 5, device: str = "cpu",
-            tol: float = 1e-4):
+def compare(
+    hf_model,
+    folder,
+    prompt_len: int = 7,
+    decode_steps: int = 5,
+    device: str = "cpu",
+    tol: float = 1e-4,
+):
     """Prefill + decode logits of our engine vs HF's full-sequence forward, in float32."""
     ours = load_checkpoint(folder, device=device, dtype=torch.float32)
     cache = KVCache(ours.config, max_batch_size=3, max_seq_len=64, device=device)
@@ -81,9 +97,12 @@ def test_llama_matches_hf(tmp_path):
 
 
 def test_llama3_rope_scaling_and_tied_embeddings_match_hf(tmp_path):
-    hf, folder = build_hf("llama", tmp_path, rope_parameters={"rope_theta": 500000.0,
-                                                             **LLAMA3_SCALING},
-                          tie_word_embeddings=True)
+    hf, folder = build_hf(
+        "llama",
+        tmp_path,
+        rope_parameters={"rope_theta": 500000.0, **LLAMA3_SCALING},
+        tie_word_embeddings=True,
+    )
     cfg = load_checkpoint(folder).config
     assert cfg.rope_scaling is not None and cfg.rope_scaling.rope_type == "llama3"
     assert cfg.tie_word_embeddings

@@ -76,9 +76,9 @@ class FusedStagedAllReduce(StagedAllReduce):
         self.parities.append(parity)
         return self.halves[parity % 2, :rows] if rows <= self.halves.shape[1] else None
 
-    def reduce_add_rms_norm(self, partial: torch.Tensor, residual: torch.Tensor,
-                            weight: torch.Tensor, eps: float
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    def reduce_add_rms_norm(
+        self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         import torch.distributed as dist
 
         from graphtune.engine.model import rms_norm
@@ -123,8 +123,11 @@ def _compare(preset: str, parallel: ParallelContext) -> dict[str, Any]:
     out["kv_cache_shape"] = tuple(steps[1].cache.k.shape)
     out["reducer"] = steps[1].reducer.name
     staged = StagedAllReduce(2, shard.config.hidden_size)
-    steps.append(TensorParallelDecodeStep(shard, KVCache(shard.config, 2, 32), reducer=staged,
-                                          contiguous_slots=True))
+    steps.append(
+        TensorParallelDecodeStep(
+            shard, KVCache(shard.config, 2, 32), reducer=staged, contiguous_slots=True
+        )
+    )
     out["prefill_diff"], out["decode_diff"] = _step_diffs(steps)
     out["staged_reduces"] = staged.staged
     # The tuned step: the shard tunes its own shapes with 'agree' (the Engine's default for a
@@ -133,12 +136,16 @@ def _compare(preset: str, parallel: ParallelContext) -> dict[str, Any]:
     tuner = engine.tuner
     out["tuned_by"] = sorted({str(e.tuned_by) for _, e in tuner.cache.items()})
     out["tuned_picks"] = sorted(
-        f"{k.op}|{k.shapes}|{e.runner_id}|{e.tactic}" for k, e in tuner.cache.items())
+        f"{k.op}|{k.shapes}|{e.runner_id}|{e.tactic}" for k, e in tuner.cache.items()
+    )
     staged_tuned = StagedAllReduce(2, shard.config.hidden_size)
     fused = FusedStagedAllReduce(2, shard.config.hidden_size)
-    tuned = [TensorParallelDecodeStep(shard, KVCache(shard.config, 2, 32), tuner=tuner,
-                                      reducer=reducer, contiguous_slots=True)
-             for reducer in (None, staged_tuned, fused)]
+    tuned = [
+        TensorParallelDecodeStep(
+            shard, KVCache(shard.config, 2, 32), tuner=tuner, reducer=reducer, contiguous_slots=True
+        )
+        for reducer in (None, staged_tuned, fused)
+    ]
     whole = DecodeStep(full, KVCache(full.config, 2, 32), contiguous_slots=True)
     _, out["tuned_decode_diff"] = _step_diffs([whole, *tuned])
     out["tuned_staged_reduces"] = staged_tuned.staged
@@ -147,13 +154,17 @@ def _compare(preset: str, parallel: ParallelContext) -> dict[str, Any]:
     # (eager fallback on CPU) for TP=2, eager for TP=1.
     tokens_by_tp = []
     for model, runner in ((full, "eager"), (shard, "graph")):
-        engine = Engine(model, runner=runner, max_batch_size=2, max_seq_len=48,
-                        capture_sizes=[1, 2])
+        engine = Engine(
+            model, runner=runner, max_batch_size=2, max_seq_len=48, capture_sizes=[1, 2]
+        )
         tokens_by_tp.append(engine.generate(PROMPTS, [6, 3, 8, 5], stop_token_ids=[]))
     out["greedy_tp1"], out["greedy_tp2"] = tokens_by_tp
     out["sampled"] = Engine(shard, runner="eager", max_batch_size=2, max_seq_len=48).generate(
-        PROMPTS[:3], 6, stop_token_ids=[],
-        sampling=SamplingParams(temperature=0.8, top_k=20, seed=5))
+        PROMPTS[:3],
+        6,
+        stop_token_ids=[],
+        sampling=SamplingParams(temperature=0.8, top_k=20, seed=5),
+    )
     return out
 
 
@@ -258,12 +269,12 @@ def test_shard_layout_and_misuse() -> None:
     assert shard.global_config == cfg and shard.config == local
     # Rank 1 keeps the second half of q, of k and of v, fused as [q | k | v].
     q, k, v = full.layers[0].wqkv.split((cfg.q_size, cfg.kv_size, cfg.kv_size))
-    want = torch.cat([q[cfg.q_size // 2:], k[cfg.kv_size // 2:], v[cfg.kv_size // 2:]])
+    want = torch.cat([q[cfg.q_size // 2 :], k[cfg.kv_size // 2 :], v[cfg.kv_size // 2 :]])
     assert torch.equal(shard.layers[0].wqkv, want)
     gate, up = full.layers[0].w_gate_up.chunk(2)
     assert torch.equal(shard.layers[0].w_gate_up, torch.cat([gate[64:], up[64:]]))
     assert torch.equal(shard.layers[0].w_down, full.layers[0].w_down[:, 64:])
-    assert torch.equal(shard.layers[0].wo, full.layers[0].wo[:, cfg.q_size // 2:])
+    assert torch.equal(shard.layers[0].wo, full.layers[0].wo[:, cfg.q_size // 2 :])
     assert shard.lm_head is full.lm_head  # replicated (and still tied)
     # tp=1 keeps the whole model and the plain step: no collective can run.
     assert shard_model(full, ParallelContext(None, 0, 1)) is full
@@ -274,8 +285,9 @@ def test_shard_layout_and_misuse() -> None:
     with pytest.raises(ConfigError, match="TensorParallelDecodeStep"):
         DecodeStep(shard, cache)
     with pytest.raises(ConfigError, match="rank-consistent"):
-        Engine(shard, runner="eager", max_batch_size=1, max_seq_len=16, tune=True,
-               tuner=AutoTuner())
+        Engine(
+            shard, runner="eager", max_batch_size=1, max_seq_len=16, tune=True, tuner=AutoTuner()
+        )
     with pytest.raises(ConfigError, match="all_reduce_backend"):
         ParallelContext(None, 0, 2, all_reduce_backend="mpi")
     with pytest.raises(ConfigError, match="sharded model"):
@@ -288,14 +300,41 @@ def test_cli_generate_tp2_under_torchrun(capsys: pytest.CaptureFixture[str]) -> 
 
     from graphtune.cli.main import main
 
-    args = ["generate", "--model", "tiny", "--prompt", "1,2,3", "--prompt", "4,5",
-            "--max-new-tokens", "5", "--device", "cpu", "--ignore-eos"]
+    args = [
+        "generate",
+        "--model",
+        "tiny",
+        "--prompt",
+        "1,2,3",
+        "--prompt",
+        "4,5",
+        "--max-new-tokens",
+        "5",
+        "--device",
+        "cpu",
+        "--ignore-eos",
+    ]
     assert main(args) == 0
     want = [line for line in capsys.readouterr().out.splitlines() if line.startswith("tokens:")]
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "graphtune", *args, "--tp", "2"],
-        capture_output=True, text=True, timeout=120, check=False, env=_child_env(),
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "graphtune",
+            *args,
+            "--tp",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env=_child_env(),
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     got = [line for line in proc.stdout.splitlines() if line.startswith("tokens:")]
@@ -303,17 +342,33 @@ def test_cli_generate_tp2_under_torchrun(capsys: pytest.CaptureFixture[str]) -> 
     assert "tp 2" in proc.stdout
 
 
-def test_cli_tp_without_torchrun_is_a_clear_error(monkeypatch: pytest.MonkeyPatch,
-                                                  capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_tp_without_torchrun_is_a_clear_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     from graphtune.cli.main import main
 
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    assert main(["generate", "--model", "tiny", "--prompt", "1", "--device", "cpu",
-                 "--tp", "2"]) == 2
+    assert (
+        main(["generate", "--model", "tiny", "--prompt", "1", "--device", "cpu", "--tp", "2"]) == 2
+    )
     assert "torchrun --nproc-per-node 2" in capsys.readouterr().err
-    assert main(["bench", "decode", "--model", "tiny", "--device", "cpu", "--tp", "2",
-                 "--compare-compile"]) == 2
+    assert (
+        main(
+            [
+                "bench",
+                "decode",
+                "--model",
+                "tiny",
+                "--device",
+                "cpu",
+                "--tp",
+                "2",
+                "--compare-compile",
+            ]
+        )
+        == 2
+    )
     assert "not supported with --tp" in capsys.readouterr().err
 
 
@@ -324,11 +379,40 @@ def test_cli_bench_decode_tp2_tune_agrees_on_every_pick(tmp_path: Path) -> None:
 
     out = tmp_path / "tp2.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "graphtune", "bench", "decode", "--model", "tiny", "--device", "cpu", "--tp", "2",
-         "--tune", "--batch-sizes", "1,2", "--context", "8", "--steps", "2", "--repeats", "1",
-         "--json", str(out)],
-        capture_output=True, text=True, timeout=300, check=False, env=_child_env(),
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "graphtune",
+            "bench",
+            "decode",
+            "--model",
+            "tiny",
+            "--device",
+            "cpu",
+            "--tp",
+            "2",
+            "--tune",
+            "--batch-sizes",
+            "1,2",
+            "--context",
+            "8",
+            "--steps",
+            "2",
+            "--repeats",
+            "1",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env=_child_env(),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
@@ -343,8 +427,14 @@ def test_checkpoint_folder_shards_like_the_whole_model(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.Qwen2Config(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
     transformers.Qwen2ForCausalLM(config).save_pretrained(tmp_path, safe_serialization=True)
     full = load_model(tmp_path)
     for rank in range(WORLD):

@@ -38,22 +38,33 @@ class _LastIsFastest:
 
     def measure(self, fn, *, warmup: int, repeat: int) -> Measurement:
         self.calls += 1
-        return Measurement.from_samples([1000.0 / self.calls], calls_per_sample=1,
-                                        timer=self.name)
+        return Measurement.from_samples([1000.0 / self.calls], calls_per_sample=1, timer=self.name)
 
 
 def _tuner() -> AutoTuner:
-    return AutoTuner(timer=_LastIsFastest(), rounds=1, remeasure_top=0, tie_tolerance=0.0,
-                     tie_floor_us=0.0,
-                     show_progress=False)
+    return AutoTuner(
+        timer=_LastIsFastest(),
+        rounds=1,
+        remeasure_top=0,
+        tie_tolerance=0.0,
+        tie_floor_us=0.0,
+        show_progress=False,
+    )
 
 
 def test_tuned_engine_matches_untuned_and_reuses_the_cache_file(tmp_path):
     path = tmp_path / "tuning.json"
     plain = Engine(load_model("tiny"), runner="graph", max_batch_size=4, max_seq_len=32)
     tuner = _tuner()
-    tuned = Engine(load_model("tiny"), runner="graph", max_batch_size=4, max_seq_len=32,
-                   tune=True, tuning_cache=path, tuner=tuner)
+    tuned = Engine(
+        load_model("tiny"),
+        runner="graph",
+        max_batch_size=4,
+        max_seq_len=32,
+        tune=True,
+        tuning_cache=path,
+        tuner=tuner,
+    )
     assert path.is_file() and tuned.tuner is tuner and not tuner.tuning_mode
     report = tuned.tune_report
     assert report.buckets == (1, 2, 4)
@@ -70,8 +81,11 @@ def test_tuned_engine_matches_untuned_and_reuses_the_cache_file(tmp_path):
 
     # Same logits step by step (float32; the picks are other kernels, so not bit-equal).
     for batch in (1, 3):
-        args = (torch.tensor([5, 17, 99][:batch]), torch.tensor([0, 2, 4][:batch]),
-                torch.arange(batch))
+        args = (
+            torch.tensor([5, 17, 99][:batch]),
+            torch.tensor([0, 2, 4][:batch]),
+            torch.arange(batch),
+        )
         want = plain.step_fn(*args).clone()
         got = tuned.step_fn(*args)
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
@@ -79,15 +93,23 @@ def test_tuned_engine_matches_untuned_and_reuses_the_cache_file(tmp_path):
 
     hits = tuner.stats.hits
     assert tuned.generate(PROMPTS, 3, stop_token_ids=[]) == plain.generate(
-        PROMPTS, 3, stop_token_ids=[])
+        PROMPTS, 3, stop_token_ids=[]
+    )
     assert tuner.stats.hits > hits and tuned.tuning_stats.fallbacks == {}
     assert "no fallbacks" in tuned.tuning_report()
     assert "off" in plain.tuning_report() and plain.tuning_stats is None
 
     # A second engine with the same file tunes nothing and runs the same picks.
     again = _tuner()
-    second = Engine(load_model("tiny"), runner="eager", max_batch_size=4, max_seq_len=32,
-                    tune=True, tuning_cache=path, tuner=again)
+    second = Engine(
+        load_model("tiny"),
+        runner="eager",
+        max_batch_size=4,
+        max_seq_len=32,
+        tune=True,
+        tuning_cache=path,
+        tuner=again,
+    )
     assert again.stats.profiles_tuned == 0 and second.tune_report.rows == []
     assert again.timer.calls == 0
 
@@ -96,8 +118,15 @@ def test_untuned_shapes_fall_back_and_are_reported():
     model = load_model("tiny")
     tuner = _tuner()
     # Tune for batches up to 2 only; the engine below serves up to 4 with the same tuner.
-    tune_ops(OpDims.from_model_config(model.config), 2, device="cpu", dtype=torch.float32,
-             tuner=tuner, ops=ALL_GROUPS, max_seq_len=32)
+    tune_ops(
+        OpDims.from_model_config(model.config),
+        2,
+        device="cpu",
+        dtype=torch.float32,
+        tuner=tuner,
+        ops=ALL_GROUPS,
+        max_seq_len=32,
+    )
     engine = Engine(model, runner="eager", max_batch_size=4, max_seq_len=32, tuner=tuner)
     assert engine.tune_report is None
     args = (torch.tensor([3, 4, 5, 6]), torch.tensor([0, 1, 0, 2]), torch.arange(4))
@@ -106,8 +135,13 @@ def test_untuned_shapes_fall_back_and_are_reported():
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
     fallbacks = engine.tuning_stats.fallbacks
     # Batch 4 is bucket 4, never tuned: every op of the step fell back to torch.
-    assert {"graphtune.gemm", "graphtune.rms_norm", "graphtune.rope_kv_cache",
-            "graphtune.silu_and_mul", attention.OP_NAME} <= set(fallbacks)
+    assert {
+        "graphtune.gemm",
+        "graphtune.rms_norm",
+        "graphtune.rope_kv_cache",
+        "graphtune.silu_and_mul",
+        attention.OP_NAME,
+    } <= set(fallbacks)
     assert fallbacks[attention.OP_NAME] == 1  # chosen once per step, not per layer
     text = engine.tuning_report()
     assert "look-ups only" in text and "graphtune.gemm" in text
@@ -115,12 +149,25 @@ def test_untuned_shapes_fall_back_and_are_reported():
 
 def test_tuning_cache_without_tune_only_looks_up(tmp_path):
     path = tmp_path / "c.json"
-    Engine(load_model("tiny"), runner="eager", max_batch_size=2, max_seq_len=32, tune=True,
-           tuning_cache=path, tuner=_tuner())
+    Engine(
+        load_model("tiny"),
+        runner="eager",
+        max_batch_size=2,
+        max_seq_len=32,
+        tune=True,
+        tuning_cache=path,
+        tuner=_tuner(),
+    )
     # Cache keys hold the timing mode, so the look-up tuner names the same timer ("fake").
     lookup = _tuner()
-    engine = Engine(load_model("tiny"), runner="eager", max_batch_size=2, max_seq_len=32,
-                    tuning_cache=path, tuner=lookup)
+    engine = Engine(
+        load_model("tiny"),
+        runner="eager",
+        max_batch_size=2,
+        max_seq_len=32,
+        tuning_cache=path,
+        tuner=lookup,
+    )
     assert len(lookup.cache) > 0
     engine.generate([[1, 2]], 2, stop_token_ids=[])
     stats = engine.tuning_stats
@@ -128,8 +175,9 @@ def test_tuning_cache_without_tune_only_looks_up(tmp_path):
 
 
 def test_attention_group_needs_max_seq_len():
-    dims = OpDims(hidden_size=32, intermediate_size=48, num_heads=4, num_kv_heads=2,
-                  head_dim=8, vocab_size=40)
+    dims = OpDims(
+        hidden_size=32, intermediate_size=48, num_heads=4, num_kv_heads=2, head_dim=8, vocab_size=40
+    )
     with pytest.raises(ConfigError, match="max_seq_len"):
         tune_ops(dims, 2, device="cpu", dtype=torch.float32, ops=("attention",))
     assert set(OP_GROUPS) < set(ALL_GROUPS)
@@ -141,8 +189,15 @@ def test_tuned_step_matches_with_gathered_slots():
     cache.k.normal_(generator=torch.Generator().manual_seed(0))
     cache.v.normal_(generator=torch.Generator().manual_seed(1))
     tuner = _tuner()
-    tune_ops(OpDims.from_model_config(model.config), 3, device="cpu", dtype=torch.float32,
-             tuner=tuner, ops=ALL_GROUPS, max_seq_len=32)
+    tune_ops(
+        OpDims.from_model_config(model.config),
+        3,
+        device="cpu",
+        dtype=torch.float32,
+        tuner=tuner,
+        ops=ALL_GROUPS,
+        max_seq_len=32,
+    )
     args = (torch.tensor([7, 8]), torch.tensor([5, 9]), torch.tensor([2, 0]))
     k0, v0 = cache.k.clone(), cache.v.clone()
     want = DecodeStep(model, cache, contiguous_slots=False)(*args).clone()
@@ -167,9 +222,27 @@ def test_bench_decode_tune_reports_tuned_beside_untuned(tmp_path, capsys, monkey
     made = []
     monkeypatch.setattr(graphtune.autotuner, "AutoTuner", lambda: made.append(_tuner()) or made[-1])
     cache, out_json = tmp_path / "tc.json", tmp_path / "d.json"
-    args = ["bench", "decode", "--model", "tiny", "--batch-sizes", "1,2", "--context", "8",
-            "--steps", "1", "--repeats", "1", "--device", "cpu", "--tune", "--tuning-cache",
-            str(cache), "--json", str(out_json)]
+    args = [
+        "bench",
+        "decode",
+        "--model",
+        "tiny",
+        "--batch-sizes",
+        "1,2",
+        "--context",
+        "8",
+        "--steps",
+        "1",
+        "--repeats",
+        "1",
+        "--device",
+        "cpu",
+        "--tune",
+        "--tuning-cache",
+        str(cache),
+        "--json",
+        str(out_json),
+    ]
     assert main(args) == 0
     captured = capsys.readouterr()
     assert "tuning: 18 (op, bucket) profiles tuned" in captured.out

@@ -206,8 +206,15 @@ def test_verify_lists_every_problem(tmp_path, capsys) -> None:
     path.write_text(json.dumps(doc))
     assert main(["cache", "verify", str(path)]) == 1
     out = capsys.readouterr().out
-    for text in ("torch: '0.1' (file)", "runner_index 5", "time_us is -1.0", "entry 2: malformed",
-                 "duplicate of entry 1", "blocklist item 0: malformed", "problem(s)"):
+    for text in (
+        "torch: '0.1' (file)",
+        "runner_index 5",
+        "time_us is -1.0",
+        "entry 2: malformed",
+        "duplicate of entry 1",
+        "blocklist item 0: malformed",
+        "problem(s)",
+    ):
         assert text in out, text
 
 

@@ -105,8 +105,9 @@ def test_nan_logits_stop_that_request_are_reported_and_others_finish(reference):
 
 
 def test_nan_logits_raise_in_strict_mode_and_free_the_slots():
-    engine = Engine(load_model("tiny"), runner="eager", max_batch_size=2, max_seq_len=32,
-                    strict_numerics=True)
+    engine = Engine(
+        load_model("tiny"), runner="eager", max_batch_size=2, max_seq_len=32, strict_numerics=True
+    )
     _poison_row(engine, 0)
     with pytest.raises(NumericalError, match="request 0: logits were not finite"):
         engine.generate(PROMPTS, 4, stop_token_ids=[])

@@ -85,9 +85,16 @@ def test_low_precision_tactic_is_offered_for_half_inputs_only():
 # --- Triton flash-decoding runner ----------------------------------------------------------------
 
 
-def _decode_inputs(gen: torch.Generator, batch: int, kv_heads: int, groups: int, seq: int,
-                   dim: int, dtype: torch.dtype = torch.float32, first_rows: int = 16
-                   ) -> list[torch.Tensor]:
+def _decode_inputs(
+    gen: torch.Generator,
+    batch: int,
+    kv_heads: int,
+    groups: int,
+    seq: int,
+    dim: int,
+    dtype: torch.dtype = torch.float32,
+    first_rows: int = 16,
+) -> list[torch.Tensor]:
     """Random q/K/V and a decode mask (key j visible iff j <= position[b]).
 
     Row 0 sees only its first ``first_rows`` keys at most, so with several splits all its
@@ -115,11 +122,14 @@ EXTRA_TACTICS = [{"block_n": 16, "splits": 8, "warps": 4, "stages": 2}]
 
 
 @needs_interpreter
-@pytest.mark.parametrize("batch,groups,seq,dim", [
-    (1, 4, 40, 16),
-    (3, 1, 96, 32),
-    (2, 4, 260, 16),  # long enough for splits 2 and 4 (every split gets >= block_n keys)
-])
+@pytest.mark.parametrize(
+    "batch,groups,seq,dim",
+    [
+        (1, 4, 40, 16),
+        (3, 1, 96, 32),
+        (2, 4, 260, 16),  # long enough for splits 2 and 4 (every split gets >= block_n keys)
+    ],
+)
 def test_triton_every_tactic_matches_float64(batch, groups, seq, dim):
     gen = _gen()
     runner = attention.TritonDecodeAttention()
@@ -171,10 +181,20 @@ def test_triton_fully_masked_row_gives_zeros_like_sdpa():
             assert torch.equal(got[1], sdpa[1])
 
 
-@pytest.mark.parametrize("batch,kv_heads,seq,sms", [
-    (1, 8, 528, 132), (8, 8, 528, 132), (64, 8, 528, 132), (128, 8, 528, 132),
-    (1, 2, 40, 132), (3, 2, 24, 132), (1, 1, 4096, 132), (2, 8, 2048, 4), (1, 8, 1, 132),
-])
+@pytest.mark.parametrize(
+    "batch,kv_heads,seq,sms",
+    [
+        (1, 8, 528, 132),
+        (8, 8, 528, 132),
+        (64, 8, 528, 132),
+        (128, 8, 528, 132),
+        (1, 2, 40, 132),
+        (3, 2, 24, 132),
+        (1, 1, 4096, 132),
+        (2, 8, 2048, 4),
+        (1, 8, 1, 132),
+    ],
+)
 def test_decode_tactics_obey_the_pruning_rules(batch, kv_heads, seq, sms):
     tactics = attention.decode_attention_tactics(batch, kv_heads, seq, sm_count=sms)
     assert 1 <= len(tactics) <= 12
@@ -228,8 +248,9 @@ def test_triton_runner_rejects_what_its_kernel_cannot_take():
         with pytest.raises(InputError, match="tactic -1"):
             runner.forward(inputs, {"block_n": 64, "splits": 1, "warps": 4, "stages": 2})
         if inputs is odd_dim:  # the fallback still works on every shape
-            torch.testing.assert_close(runner.forward(inputs, -1).double(),
-                                       _reference(*inputs), rtol=0, atol=1e-5)
+            torch.testing.assert_close(
+                runner.forward(inputs, -1).double(), _reference(*inputs), rtol=0, atol=1e-5
+            )
     with pytest.raises(ConfigError, match="get_valid_tactics"):
         runner.forward(_decode_inputs(gen, 1, 2, 4, 40, 16), {"block": 64})
 
@@ -251,8 +272,11 @@ class _TaggedTimer:
 
 
 def _tag_runners(monkeypatch, timer: _TaggedTimer) -> None:
-    for cls in (attention.MatmulAttention, attention.SdpaAttention,
-                attention.TritonDecodeAttention):
+    for cls in (
+        attention.MatmulAttention,
+        attention.SdpaAttention,
+        attention.TritonDecodeAttention,
+    ):
         original = cls.forward
 
         def tagged(self, inputs, tactic=-1, _original=original, _name=cls.__name__):
@@ -269,8 +293,9 @@ def test_tuner_picks_per_batch_bucket_and_lookups_follow_the_cache(monkeypatch):
     tuner = AutoTuner(timer=timer, rounds=1, remeasure_top=0, show_progress=False)
     config = attention.tuning_config(max_batch_size=8)
     with autotune(tuner=tuner):
-        runner, _ = tuner.choose_one(attention.OP_NAME, attention.RUNNERS, config,
-                                     _inputs(batch=5, seed=0))
+        runner, _ = tuner.choose_one(
+            attention.OP_NAME, attention.RUNNERS, config, _inputs(batch=5, seed=0)
+        )
     assert isinstance(runner, attention.MatmulAttention)
     # Every bucket (1, 2, 4, 8) was tuned by the first miss; a later batch only looks up.
     hits = tuner.stats.hits

@@ -52,8 +52,11 @@ needs_interpreter = pytest.mark.skipif(
 # a bfloat16 result is rounded once (2^-9 relative), float32 only by summation order.
 TOL = {torch.float32: 1e-5, torch.bfloat16: 8e-3}
 DECODE_SHAPES = {  # Llama-3.2-1B decode GEMMs, (N, K)
-    "qkv": (3072, 2048), "o_proj": (2048, 2048), "down": (2048, 8192),
-    "gate_up": (16384, 2048), "lm_head": (128256, 2048),
+    "qkv": (3072, 2048),
+    "o_proj": (2048, 2048),
+    "down": (2048, 8192),
+    "gate_up": (16384, 2048),
+    "lm_head": (128256, 2048),
 }
 
 
@@ -183,11 +186,13 @@ def test_tuned_gemm_runs_the_gemv_pick_for_every_m_of_each_bucket():
 
         def measure(self, fn, *, warmup, repeat):
             self.calls += 1
-            return Measurement.from_samples([1000.0 / self.calls], calls_per_sample=1,
-                                            timer=self.name)
+            return Measurement.from_samples(
+                [1000.0 / self.calls], calls_per_sample=1, timer=self.name
+            )
 
-    tuner = AutoTuner(timer=LastIsFastest(), rounds=1, remeasure_top=0, tie_tolerance=0.0,
-                      show_progress=False)
+    tuner = AutoTuner(
+        timer=LastIsFastest(), rounds=1, remeasure_top=0, tie_tolerance=0.0, show_progress=False
+    )
     runners = (TorchGemmRunner(), TritonGemmRunner(max_tactics=2), TritonGemvRunner())
     gen = _gen()
     layer = TunableLinear(64, 24, bias=True, max_m=8, tuner=tuner, runners=runners)
@@ -227,8 +232,7 @@ def test_gemv_tactics_obey_every_pruning_rule(itemsize):
                     assert programs < 2 * sms and programs * t["split_k"] <= 4 * sms
     # The small grids (N = 2048) are offered split-K; the LM head's 128256 rows are not.
     assert any(t["split_k"] > 1 for t in gemv_tactics(1, 2048, 2048, itemsize=2, sm_count=sms))
-    assert all(t["split_k"] == 1 for t in gemv_tactics(1, 128256, 2048, itemsize=2,
-                                                       sm_count=sms))
+    assert all(t["split_k"] == 1 for t in gemv_tactics(1, 128256, 2048, itemsize=2, sm_count=sms))
 
 
 def test_gemv_tactics_only_for_buckets_up_to_eight_rows():

@@ -123,8 +123,12 @@ def test_rms_norm_one_and_two_pass_match_float64(dtype, with_residual):
         assert _rel(out, want) < TOL[dtype], (tactic, gen.initial_seed())
         assert torch.equal(new_res, s)
         ref_out, _ = torch_rms_norm(x, w, eps, res)
-        assert torch.allclose(out.float(), ref_out.float(), rtol=2e-3 if dtype != torch.float32
-                              else 1e-5, atol=1e-3 if dtype != torch.float32 else 1e-6)
+        assert torch.allclose(
+            out.float(),
+            ref_out.float(),
+            rtol=2e-3 if dtype != torch.float32 else 1e-5,
+            atol=1e-3 if dtype != torch.float32 else 1e-6,
+        )
 
 
 def test_rms_norm_torch_fallback_is_the_engine_function():
@@ -199,8 +203,7 @@ def test_rope_kv_cache_tactics_match_float64(dtype, signed, dim):
         assert torch.equal(v_cache[untouched], blank[untouched])
         # Same math as the unfused torch path, to rounding of the last bit at most.
         k_ref, v_ref = blank.clone(), blank.clone()
-        q_ref = torch_rope_kv_cache(qkv, positions, cos, sin, k_ref, v_ref, rows, heads, kv,
-                                    signed)
+        q_ref = torch_rope_kv_cache(qkv, positions, cos, sin, k_ref, v_ref, rows, heads, kv, signed)
         atol = 1e-5 if dtype == torch.float32 else 4e-3
         assert torch.allclose(q.float(), q_ref.float(), atol=atol, rtol=atol)
         assert torch.allclose(k_cache.float(), k_ref.float(), atol=atol, rtol=atol)

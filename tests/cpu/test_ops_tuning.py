@@ -42,8 +42,13 @@ needs_interpreter = pytest.mark.skipif(
 
 
 def test_gemm_tactics_obey_every_pruning_rule():
-    for m, n, k in [(1, 3072, 2048), (8, 2048, 8192), (64, 16384, 2048), (128, 2048, 2048),
-                    (3, 40, 100)]:
+    for m, n, k in [
+        (1, 3072, 2048),
+        (8, 2048, 8192),
+        (64, 16384, 2048),
+        (128, 2048, 2048),
+        (3, 40, 100),
+    ]:
         smem = 100 * 1024
         tactics = gemm_tactics(m, n, k, itemsize=2, smem_bytes=smem, sm_count=132)
         assert 1 <= len(tactics) <= 20
@@ -72,8 +77,9 @@ def test_gemm_tactics_shrink_with_the_shared_memory_budget_and_the_cap():
     big = gemm_tactics(128, 4096, 4096, itemsize=2, smem_bytes=227 * 1024, sm_count=132)
     small = gemm_tactics(128, 4096, 4096, itemsize=2, smem_bytes=64 * 1024, sm_count=132)
     assert len(small) < len(big)
-    capped = gemm_tactics(1, 3072, 2048, itemsize=2, smem_bytes=227 * 1024, sm_count=132,
-                          max_tactics=5)
+    capped = gemm_tactics(
+        1, 3072, 2048, itemsize=2, smem_bytes=227 * 1024, sm_count=132, max_tactics=5
+    )
     assert len(capped) == 5
 
 
@@ -127,8 +133,9 @@ print("ok")
 """
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
     env.pop("TRITON_INTERPRET", None)
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env=env, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]
 
 
@@ -184,11 +191,11 @@ class _TacticTimer:
 @needs_interpreter
 def test_tunable_linear_picks_what_the_timer_says_and_lookups_use_it(tmp_path):
     runners = (_RecordingTorch(), _RecordingTriton(sm_count=4, max_tactics=6))
-    probe = runners[1].get_valid_tactics([torch.randn(2, 256), torch.randn(24, 256), None,
-                                          None, False], None)
+    probe = runners[1].get_valid_tactics(
+        [torch.randn(2, 256), torch.randn(24, 256), None, None, False], None
+    )
     fastest = next(t for t in probe if t["split_k"] > 1)
-    tuner = AutoTuner(timer=_TacticTimer(fastest), rounds=1, remeasure_top=0,
-                      show_progress=False)
+    tuner = AutoTuner(timer=_TacticTimer(fastest), rounds=1, remeasure_top=0, show_progress=False)
     layer = TunableLinear(256, 24, bias=True, max_m=4, tuner=tuner, runners=runners)
     x = torch.randn(3, 256)
     with autotune(tmp_path / "cache.json", tuner):
@@ -199,8 +206,9 @@ def test_tunable_linear_picks_what_the_timer_says_and_lookups_use_it(tmp_path):
         assert _RecordingTriton.last == fastest  # lookups run the picked split-K tactic
         assert out.shape == (m, 24)
     x = torch.randn(2, 256)
-    assert torch.allclose(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias),
-                          atol=1e-5)
+    assert torch.allclose(
+        layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias), atol=1e-5
+    )
     saved = json.loads((tmp_path / "cache.json").read_text())
     assert "split_k" in json.dumps(saved)
 
@@ -208,8 +216,9 @@ def test_tunable_linear_picks_what_the_timer_says_and_lookups_use_it(tmp_path):
 @needs_interpreter
 def test_tunable_linear_with_the_wallclock_timer_on_cpu():
     runners = (TorchGemmRunner(), TritonGemmRunner(max_tactics=2))
-    tuner = AutoTuner(timer=WallClockTimer(samples=1), rounds=1, remeasure_top=0,
-                      show_progress=False)
+    tuner = AutoTuner(
+        timer=WallClockTimer(samples=1), rounds=1, remeasure_top=0, show_progress=False
+    )
     layer = TunableLinear(64, 32, bias=False, max_m=1, tuner=tuner, runners=runners)
     x = torch.randn(1, 64)
     with autotune(tuner=tuner):
@@ -234,14 +243,21 @@ class _FirstTritonTactic:
 
 @needs_interpreter
 def test_tune_ops_covers_every_op_and_bucket_and_reuses_the_cache(tmp_path):
-    dims = OpDims(hidden_size=32, intermediate_size=48, num_heads=4, num_kv_heads=2,
-                  head_dim=8, vocab_size=40, qkv_bias=True)
-    tuner = AutoTuner(timer=_FirstTritonTactic(), rounds=1, remeasure_top=0,
-                      show_progress=False)
+    dims = OpDims(
+        hidden_size=32,
+        intermediate_size=48,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        vocab_size=40,
+        qkv_bias=True,
+    )
+    tuner = AutoTuner(timer=_FirstTritonTactic(), rounds=1, remeasure_top=0, show_progress=False)
     seen = []
     with autotune(tmp_path / "c.json", tuner):
-        report = tune_ops(dims, 2, device="cpu", dtype=torch.float32, tuner=tuner,
-                          on_op=seen.append)
+        report = tune_ops(
+            dims, 2, device="cpu", dtype=torch.float32, tuner=tuner, on_op=seen.append
+        )
     assert seen == list(OP_GROUPS) and report.buckets == (1, 2)
     # 5 GEMMs + 2 norm variants + rope + silu, each for buckets 1 and 2.
     assert len(report.rows) == 9 * 2
@@ -256,8 +272,7 @@ def test_tune_ops_covers_every_op_and_bucket_and_reuses_the_cache(tmp_path):
 def test_rope_pick_is_shared_across_cache_sizes():
     from graphtune.ops import rope_kv_cache
 
-    tuner = AutoTuner(timer=_FirstTritonTactic(), rounds=1, remeasure_top=0,
-                      show_progress=False)
+    tuner = AutoTuner(timer=_FirstTritonTactic(), rounds=1, remeasure_top=0, show_progress=False)
     heads, kv, dim = 2, 1, 8
 
     def call(cache_rows, table_rows):
@@ -265,8 +280,19 @@ def test_rope_pick_is_shared_across_cache_sizes():
         cos, sin = torch.randn(table_rows, dim), torch.randn(table_rows, dim)
         k, v = torch.zeros(cache_rows, dim), torch.zeros(cache_rows, dim)
         rows = torch.tensor([0, cache_rows - 1])
-        return rope_kv_cache(qkv, torch.tensor([0, 1]), cos, sin, k, v, rows,
-                             num_heads=heads, num_kv_heads=kv, tuner=tuner, max_m=2)
+        return rope_kv_cache(
+            qkv,
+            torch.tensor([0, 1]),
+            cos,
+            sin,
+            k,
+            v,
+            rows,
+            num_heads=heads,
+            num_kv_heads=kv,
+            tuner=tuner,
+            max_m=2,
+        )
 
     with autotune(tuner=tuner):
         call(16, 8)
@@ -290,21 +316,36 @@ def test_gemm_cold_l2_rotates_weight_copies_under_the_same_cache_keys(monkeypatc
     from graphtune.autotuner import timing
     from graphtune.autotuner.isolation import InProcessExecutor
 
-    dims = OpDims(hidden_size=32, intermediate_size=48, num_heads=4, num_kv_heads=2,
-                  head_dim=8, vocab_size=40)
+    dims = OpDims(
+        hidden_size=32, intermediate_size=48, num_heads=4, num_kv_heads=2, head_dim=8, vocab_size=40
+    )
     # Pretend the operands must be copied 3 times to exceed L2 (the CPU has no such rule).
     monkeypatch.setattr(timing, "cold_l2_copies", lambda nbytes, device: 3)
     sets_per_profile: list[int] = []
     begin = InProcessExecutor.begin
-    monkeypatch.setattr(InProcessExecutor, "begin", lambda self, runners, sets, **kw: (
-        sets_per_profile.append(len(sets)), begin(self, runners, sets, **kw))[1])
+    monkeypatch.setattr(
+        InProcessExecutor,
+        "begin",
+        lambda self, runners, sets, **kw: (
+            sets_per_profile.append(len(sets)),
+            begin(self, runners, sets, **kw),
+        )[1],
+    )
     keys = {}
     for cold in (False, True):
         sets_per_profile.clear()
-        tuner = AutoTuner(timer=_FirstTritonTactic(), rounds=1, remeasure_top=0,
-                          show_progress=False)
-        tune_ops(dims, 2, device="cpu", dtype=torch.float32, tuner=tuner,
-                 ops=("gemm", "lm_head"), gemm_cold_l2=cold)
+        tuner = AutoTuner(
+            timer=_FirstTritonTactic(), rounds=1, remeasure_top=0, show_progress=False
+        )
+        tune_ops(
+            dims,
+            2,
+            device="cpu",
+            dtype=torch.float32,
+            tuner=tuner,
+            ops=("gemm", "lm_head"),
+            gemm_cold_l2=cold,
+        )
         keys[cold] = {k for k, _ in tuner.cache.items()}
         # 5 GEMMs x buckets 1, 2; with cold L2 each profile rotates 3 copies of its operands.
         assert sets_per_profile == [3 if cold else 1] * 10

@@ -60,9 +60,11 @@ def _assert_equal_or_near_tie(eager, prompts, got, want, label):
     row = next(i for i, (g, w) in enumerate(zip(got, want, strict=True)) if g != w)
     step = next(i for i, (g, w) in enumerate(zip(got[row], want[row], strict=True)) if g != w)
     margin, ulp = _top2_margin(eager, prompts[row] + want[row][:step])
-    message = (f"{label}: first divergence at request {row}, new token {step}: "
-               f"{got[row][step]} vs eager {want[row][step]}; eager top-2 logit margin "
-               f"{margin:.4f} (bf16 ulp there {ulp:.4f})")
+    message = (
+        f"{label}: first divergence at request {row}, new token {step}: "
+        f"{got[row][step]} vs eager {want[row][step]}; eager top-2 logit margin "
+        f"{margin:.4f} (bf16 ulp there {ulp:.4f})"
+    )
     # Bigger than two ulps would mean a real difference, not a rounding flip on a tie.
     assert margin <= 2 * ulp, message
     warnings.warn(message + " (near-tie in bfloat16; accepted)", stacklevel=2)
@@ -124,8 +126,14 @@ def tuning_file(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tuned_engine(llama_1b, tuning_file):
     """Engine(tune=True): every op of the step tuned for buckets 1..8, then the graphs captured."""
-    engine = Engine(llama_1b, runner="graph", max_batch_size=8, max_seq_len=96, tune=True,
-                    tuning_cache=tuning_file)
+    engine = Engine(
+        llama_1b,
+        runner="graph",
+        max_batch_size=8,
+        max_seq_len=96,
+        tune=True,
+        tuning_cache=tuning_file,
+    )
     yield engine
     engine.release()
 
@@ -155,8 +163,15 @@ def test_tuned_engine_second_start_tunes_nothing(tuned_engine, llama_1b, tuning_
 
     assert tuning_file.is_file()
     tuner = AutoTuner()
-    again = Engine(llama_1b, runner="eager", max_batch_size=8, max_seq_len=96, tune=True,
-                   tuning_cache=tuning_file, tuner=tuner)
+    again = Engine(
+        llama_1b,
+        runner="eager",
+        max_batch_size=8,
+        max_seq_len=96,
+        tune=True,
+        tuning_cache=tuning_file,
+        tuner=tuner,
+    )
     assert tuner.stats.profiles_tuned == 0 and again.tune_report.rows == []
     with torch.inference_mode():
         tokens = torch.tensor([5, 17, 99], device="cuda")

@@ -50,7 +50,7 @@ def _randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
 def test_every_valid_gemm_tactic_on_the_qkv_shape(m):
     n, k = GEMMS["qkv"]
     runner = TritonGemmRunner()
-    a, w = _randn(m, k), _randn(n, k, scale=k ** -0.5)
+    a, w = _randn(m, k), _randn(n, k, scale=k**-0.5)
     inputs = [a, w, None, None, False]
     tactics = runner.get_valid_tactics(inputs, None)
     assert 4 <= len(tactics) <= 20
@@ -67,7 +67,7 @@ def test_every_valid_gemm_tactic_on_the_qkv_shape(m):
 def test_gemm_decode_shapes_with_residual_and_split_k(name, m):
     n, k = GEMMS[name]
     runner = TritonGemmRunner()
-    a, w = _randn(m, k), _randn(n, k, scale=k ** -0.5)
+    a, w = _randn(m, k), _randn(n, k, scale=k**-0.5)
     residual = _randn(m, n)
     tactics = runner.get_valid_tactics([a, w, None, residual, True], None)
     picked = [tactics[0]] + [t for t in tactics if t["split_k"] > 1][:1]
@@ -84,7 +84,7 @@ def test_gemm_decode_shapes_with_residual_and_split_k(name, m):
 def test_every_valid_gemv_tactic_on_the_decode_shapes(name, m):
     n, k = GEMMS[name]
     runner = TritonGemvRunner()
-    a, w, residual = _randn(m, k), _randn(n, k, scale=k ** -0.5), _randn(m, n)
+    a, w, residual = _randn(m, k), _randn(n, k, scale=k**-0.5), _randn(m, n)
     inputs = [a, w, None, residual, False]
     tactics = runner.get_valid_tactics(inputs, None)
     assert 4 <= len(tactics) <= 16
@@ -104,10 +104,12 @@ def test_every_valid_gemv_tactic_on_the_decode_shapes(name, m):
 
 def test_lm_head_gemm_shape():
     runner = TritonGemmRunner()
-    a, w = _randn(4, HIDDEN), _randn(VOCAB, HIDDEN, scale=HIDDEN ** -0.5)
+    a, w = _randn(4, HIDDEN), _randn(VOCAB, HIDDEN, scale=HIDDEN**-0.5)
     tactic = runner.get_valid_tactics([a, w, None, None, False], None)[0]
-    assert _rel(runner.forward([a, w, None, None, False], tactic),
-                a.double() @ w.double().T) < BF16_TOL
+    assert (
+        _rel(runner.forward([a, w, None, None, False], tactic), a.double() @ w.double().T)
+        < BF16_TOL
+    )
 
 
 @pytest.mark.parametrize("m", [1, 16])
@@ -123,7 +125,7 @@ def test_rms_norm_every_tactic(m):
         assert torch.equal(new_res, x + r)
         ref, _ = runner.forward([x, w, r, 1e-5], -1)
         # Same float32 math as F.rms_norm up to reduction order: at most a last-bit difference.
-        assert (out.float() - ref.float()).abs().max() <= 2 ** -6 * ref.float().abs().max()
+        assert (out.float() - ref.float()).abs().max() <= 2**-6 * ref.float().abs().max()
 
 
 @pytest.mark.parametrize("m", [1, 16])
@@ -144,15 +146,14 @@ def test_rope_kv_cache_every_tactic(signed):
     cos, sin = _randn(seq, DIM), _randn(seq, DIM)
     positions = torch.randint(0, seq, (batch,), device=DEV)
     slot_ids = torch.randperm(slots, device=DEV)[:batch]
-    rows = ((slot_ids[:, None] * KV + torch.arange(KV, device=DEV)[None, :]) * seq
-            + positions[:, None]).reshape(-1)
+    rows = (
+        (slot_ids[:, None] * KV + torch.arange(KV, device=DEV)[None, :]) * seq + positions[:, None]
+    ).reshape(-1)
     cache_rows = slots * KV * seq
     k_ref, v_ref = torch.zeros(cache_rows, DIM, device=DEV, dtype=BF16), None
     v_ref = torch.zeros_like(k_ref)
     q_ref = torch_rope_kv_cache(qkv, positions, cos, sin, k_ref, v_ref, rows, HEADS, KV, signed)
-    for tactic in runner.get_valid_tactics(
-        [qkv, positions, cos, sin, k_ref, v_ref, rows], None
-    ):
+    for tactic in runner.get_valid_tactics([qkv, positions, cos, sin, k_ref, v_ref, rows], None):
         k_cache, v_cache = torch.zeros_like(k_ref), torch.zeros_like(v_ref)
         q = runner.forward([qkv, positions, cos, sin, k_cache, v_cache, rows], tactic)
         assert _rel(q, q_ref.double()) < BF16_TOL, tactic
@@ -176,10 +177,13 @@ def _capture(fn):
 def test_each_op_captures_in_a_cuda_graph_and_replays_to_eager_results():
     m = 4
     a = _randn(m, HIDDEN)
-    w = _randn(3072, HIDDEN, scale=HIDDEN ** -0.5)
+    w = _randn(3072, HIDDEN, scale=HIDDEN**-0.5)
     gemm_runner = TritonGemmRunner()
-    split = next(t for t in gemm_runner.get_valid_tactics([a, w, None, None, False], None)
-                 if t["split_k"] > 1)
+    split = next(
+        t
+        for t in gemm_runner.get_valid_tactics([a, w, None, None, False], None)
+        if t["split_k"] > 1
+    )
     gemv_runner = TritonGemvRunner()
     gemv_tactics = gemv_runner.get_valid_tactics([a, w, None, None, False], None)
     gemv_split = next(t for t in gemv_tactics if t["split_k"] > 1)
@@ -197,11 +201,12 @@ def test_each_op_captures_in_a_cuda_graph_and_replays_to_eager_results():
         "gemv": lambda: gemv_runner.forward([a, w, None, residual, False], gemv_tactics[0]),
         "gemv split-k": lambda: gemv_runner.forward([a, w, None, residual, False], gemv_split),
         "rms_norm": lambda: TritonRMSNormRunner().forward(
-            [x, nw, r, 1e-5], {"block": 2048, "warps": 8})[0],
-        "silu_and_mul": lambda: TritonSiluAndMulRunner().forward(
-            [gu], {"block": 1024, "warps": 4}),
+            [x, nw, r, 1e-5], {"block": 2048, "warps": 8}
+        )[0],
+        "silu_and_mul": lambda: TritonSiluAndMulRunner().forward([gu], {"block": 1024, "warps": 4}),
         "rope_kv_cache": lambda: TritonRopeRunner(HEADS, KV, True).forward(
-            [qkv, pos, cos, sin, kc, vc, rows], {"heads": 4, "warps": 2}),
+            [qkv, pos, cos, sin, kc, vc, rows], {"heads": 4, "warps": 2}
+        ),
     }
     for name, fn in cases.items():
         eager = fn().clone()
@@ -216,7 +221,7 @@ def test_each_op_captures_in_a_cuda_graph_and_replays_to_eager_results():
 def test_tune_then_capture_bakes_in_the_pick():
     tuner = AutoTuner(show_progress=False)
     a = _randn(8, HIDDEN)
-    w = _randn(2048, HIDDEN, scale=HIDDEN ** -0.5)
+    w = _randn(2048, HIDDEN, scale=HIDDEN**-0.5)
     with autotune(tuner=tuner):
         gemm(a, w, tuner=tuner, max_m=8)
     assert tuner.stats.profiles_tuned == 4 and not tuner.stats.tactic_failures

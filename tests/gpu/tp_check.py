@@ -20,13 +20,17 @@ from graphtune.engine.parallel import ParallelContext, init_from_torchrun
 SIZES = [1, 2, 4, 8]
 
 
-def _max_abs_diffs(want_engine: Engine, got_engine: Engine, device: torch.device
-                   ) -> dict[int, float]:
+def _max_abs_diffs(
+    want_engine: Engine, got_engine: Engine, device: torch.device
+) -> dict[int, float]:
     """Max |logit difference| of one step at every size in SIZES (token 11 at position 0)."""
     diffs = {}
     for b in SIZES:
-        args = (torch.full((b,), 11, device=device, dtype=torch.long),
-                torch.zeros(b, device=device, dtype=torch.long), torch.arange(b, device=device))
+        args = (
+            torch.full((b,), 11, device=device, dtype=torch.long),
+            torch.zeros(b, device=device, dtype=torch.long),
+            torch.arange(b, device=device),
+        )
         want = want_engine.step(*args).clone()
         diffs[b] = (got_engine.step(*args) - want).abs().max().item()
     return diffs
@@ -35,7 +39,8 @@ def _max_abs_diffs(want_engine: Engine, got_engine: Engine, device: torch.device
 def main() -> None:
     model = sys.argv[1] if len(sys.argv) > 1 else "llama-1b-shape"  # "tiny": CPU smoke run
     parallel, device = init_from_torchrun(
-        2, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+        2, torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    )
     prompts = [[(7 * i + 3 * j) % 1000 + 10 for j in range(5 + i)] for i in range(6)]
     out: dict = {}
     with torch.inference_mode():
@@ -45,10 +50,8 @@ def main() -> None:
             out["tp1"] = engine.generate(prompts, 12, stop_token_ids=[])
             del engine, whole
             torch.cuda.empty_cache()
-        shard = load_model(model, device=device, dtype=torch.float32, seed=0,
-                           parallel=parallel)
-        graph = Engine(shard, runner="graph", max_batch_size=8, max_seq_len=64,
-                       capture_sizes=SIZES)
+        shard = load_model(model, device=device, dtype=torch.float32, seed=0, parallel=parallel)
+        graph = Engine(shard, runner="graph", max_batch_size=8, max_seq_len=64, capture_sizes=SIZES)
         out["tp2_graph"] = graph.generate(prompts, 12, stop_token_ids=[])
         eager = Engine(shard, runner="eager", max_batch_size=8, max_seq_len=64)
         out["graph_vs_eager_max_abs"] = _max_abs_diffs(eager, graph, device)
@@ -63,17 +66,19 @@ def main() -> None:
         graph.release()
         # The same decode with NCCL all-reduces in the graphs.
         nccl = ParallelContext(parallel.group, parallel.rank, parallel.world_size, "nccl")
-        shard_nccl = load_model(model, device=device, dtype=torch.float32, seed=0,
-                                parallel=nccl)
-        engine = Engine(shard_nccl, runner="graph", max_batch_size=8, max_seq_len=64,
-                        capture_sizes=SIZES)
+        shard_nccl = load_model(model, device=device, dtype=torch.float32, seed=0, parallel=nccl)
+        engine = Engine(
+            shard_nccl, runner="graph", max_batch_size=8, max_seq_len=64, capture_sizes=SIZES
+        )
         out["tp2_graph_nccl"] = engine.generate(prompts, 12, stop_token_ids=[])
         engine.release()
         # The tuned step (tuned with 'agree' over the group), captured.
-        tuned = Engine(shard, runner="graph", max_batch_size=8, max_seq_len=64,
-                       capture_sizes=SIZES, tune=True)
-        picks = sorted(f"{k.op}|{k.shapes}|{e.runner_id}|{e.tactic}"
-                       for k, e in tuned.tuner.cache.items())
+        tuned = Engine(
+            shard, runner="graph", max_batch_size=8, max_seq_len=64, capture_sizes=SIZES, tune=True
+        )
+        picks = sorted(
+            f"{k.op}|{k.shapes}|{e.runner_id}|{e.tactic}" for k, e in tuned.tuner.cache.items()
+        )
         views = [None, None]
         dist.all_gather_object(views, picks)
         out["tuned_picks_agree"] = views[0] == views[1]

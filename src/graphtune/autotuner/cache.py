@@ -51,9 +51,7 @@ class CacheKey:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> CacheKey:
         """Inverse of :meth:`to_json`; raises ``ValueError``, ``KeyError`` or ``TypeError``."""
-        shapes = tuple(
-            tuple(int(d) for d in s) if s is not None else None for s in data["shapes"]
-        )
+        shapes = tuple(tuple(int(d) for d in s) if s is not None else None for s in data["shapes"])
         key = cls(
             op=str(data["op"]),
             runners=tuple(str(r) for r in data["runners"]),

@@ -189,7 +189,11 @@ class TuningConfig:
                     )
             object.__setattr__(self, name, specs)
         seen: set[tuple[int, int]] = set()
-        for spec in (*self.dynamic_specs, *self.constraint_specs):
+        specs_seen: tuple[DynamicTensorSpec | ConstraintSpec, ...] = (
+            *self.dynamic_specs,
+            *self.constraint_specs,
+        )
+        for spec in specs_seen:
             dim = (spec.input_idx, spec.dim_idx)
             if dim in seen:
                 raise ConfigError(

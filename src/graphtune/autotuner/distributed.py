@@ -15,13 +15,13 @@ the default group). Strategies:
   counts as fast only if it is fast on every rank (a tensor-parallel step is as slow as its
   slowest rank), and a tactic that failed on any rank (infinite time) is never picked.
 
-Rank consistency (principle 7): every rank reaches every collective in the same order. Before
-tuning an op the ranks exchange the profiles they lack (all tune the union) and, per profile, the
-candidates they offer (only candidates offered by every rank are timed, in rank 0's order, which
-is also the tie-break order). A tactic that fails on one rank contributes ``inf`` (carried as an
-IEEE infinity in a float64 tensor) and that rank still joins. A rank whose tuning must stop (a
-tactic corrupted its CUDA context) still joins the profile's collective with an abort flag, and
-then every rank raises, instead of the others waiting forever.
+Rank consistency (docs/design.md, principle 7): every rank reaches every collective in the same
+order. Before tuning an op the ranks exchange the profiles they lack (all tune the union) and, per
+profile, the candidates they offer (only candidates offered by every rank are timed, in rank 0's
+order, which is also the tie-break order). A tactic that fails on one rank contributes ``inf``
+(carried as an IEEE infinity in a float64 tensor) and that rank still joins. A rank whose tuning
+must stop (a tactic corrupted its CUDA context) still joins the profile's collective with an abort
+flag, and then every rank raises, instead of the others waiting forever.
 
 Every rank must make the same ``choose_one`` calls in the same order, starting from the same cache
 (the same cache file, or none): a shape found in one rank's cache but not another's makes only the
@@ -217,7 +217,9 @@ class OpCoordinator:
         error: TuningError | None = None
         try:
             time_fn(mine)
-        except TuningError as exc:  # join the collective anyway, then raise (principle 7)
+        except (
+            TuningError
+        ) as exc:  # join the collective anyway, then raise (docs/design.md, principle 7)
             error = exc
         local = [
             _finite_or_inf(c.score) if owner in (None, self.rank) else math.inf
@@ -282,9 +284,11 @@ class OpCoordinator:
             logger.info(
                 "op %r: %d candidate(s) of this rank are not offered (or are blocklisted) on "
                 "every rank; only the %d common ones are timed",
-                self.op, dropped, len(common),
+                self.op,
+                dropped,
+                len(common),
             )
-        chosen = [local[ident] for ident in common]  # type: ignore[index]
+        chosen = [local[ident] for ident in common]
         for position, cand in enumerate(chosen):
             cand.tactic_index = position
         return chosen

@@ -1,4 +1,5 @@
-"""The environment a tuning result is valid for (principle 6: results carry their provenance).
+"""The environment a tuning result is valid for (docs/design.md, principle 6: results carry
+their provenance).
 
 Picks measured on one GPU model, compute capability or software stack are not trusted on
 another, so every cache file records these fields and a file whose fields differ is skipped.

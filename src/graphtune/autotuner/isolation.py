@@ -283,9 +283,7 @@ class SubprocessExecutor:
         device: Device of the inputs.
     """
 
-    def __init__(
-        self, isolation: Isolation, timer: Any, timing: str, device: torch.device
-    ) -> None:
+    def __init__(self, isolation: Isolation, timer: Any, timing: str, device: torch.device) -> None:
         self.isolation = isolation
         self._timer_blob = _pickle_or_explain("the timer", timer) if timer is not None else None
         self._timing = timing

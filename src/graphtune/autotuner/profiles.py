@@ -22,7 +22,12 @@ Shape = tuple[int, ...]
 
 # dtypes torch.randn can fill directly; others (float8, ...) are drawn in float32 and cast.
 _RANDN_DTYPES = {
-    torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.complex64,
+    torch.complex128,
 }
 
 
@@ -75,16 +80,16 @@ def _apply(config: TuningConfig, inputs: Sequence[Any], sizes: Sequence[int]) ->
     for spec, size in zip(config.dynamic_specs, sizes, strict=True):
         dim = _resolve_dim("DynamicTensorSpec", inputs, spec.input_idx, spec.dim_idx)
         shapes[spec.input_idx][dim] = size  # type: ignore[index]
-    for spec in config.constraint_specs:
-        dim = _resolve_dim("ConstraintSpec", inputs, spec.input_idx, spec.dim_idx)
+    for constraint in config.constraint_specs:
+        dim = _resolve_dim("ConstraintSpec", inputs, constraint.input_idx, constraint.dim_idx)
         frozen = [tuple(s) if s is not None else None for s in shapes]
-        value = spec.infer(frozen)
+        value = constraint.infer(frozen)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ConfigError(
-                f"ConstraintSpec(input_idx={spec.input_idx}, dim_idx={spec.dim_idx}).infer "
-                f"returned {value!r} for shapes {frozen}; it must return a non-negative int."
+                f"ConstraintSpec(input_idx={constraint.input_idx}, dim_idx={constraint.dim_idx})"
+                f".infer returned {value!r} for shapes {frozen}; it must return a non-negative int."
             )
-        shapes[spec.input_idx][dim] = value  # type: ignore[index]
+        shapes[constraint.input_idx][dim] = value  # type: ignore[index]
     return Profile(
         shapes=tuple(tuple(s) if s is not None else None for s in shapes),
         dtypes=tuple(_dtype_name(x) for x in inputs),

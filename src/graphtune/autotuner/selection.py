@@ -59,9 +59,7 @@ def relative_iqr(samples: Sequence[float]) -> float:
     return (ordered[-1] - ordered[0]) / median
 
 
-def noise_band(
-    best: Sequence[float], other: Sequence[float], *, z: float, cap: float
-) -> float:
+def noise_band(best: Sequence[float], other: Sequence[float], *, z: float, cap: float) -> float:
     """Relative gap to ``best``'s median that the two candidates' noise cannot resolve.
 
     Args:
@@ -102,8 +100,7 @@ class TieRule:
         for name, value in (("tie_tolerance", self.floor), ("max_tie_tolerance", self.cap)):
             if not _real(value) or not 0.0 <= value < 1.0:
                 raise ConfigError(
-                    f"AutoTuner({name}={value!r}): must be a number in [0, 1), "
-                    "e.g. 0.005 for 0.5%."
+                    f"AutoTuner({name}={value!r}): must be a number in [0, 1), e.g. 0.005 for 0.5%."
                 )
         if not _real(self.z) or not math.isfinite(self.z) or self.z <= 0:
             raise ConfigError(

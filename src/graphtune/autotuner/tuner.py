@@ -145,8 +145,9 @@ def _device_of(inputs: Sequence[Any]) -> torch.device:
 _MEMO_LIMIT = 4096
 
 
-def _memo_key(op: str, runners: list[TunableRunner], config: TuningConfig,
-              inputs: list[Any]) -> tuple[Any, ...] | None:
+def _memo_key(
+    op: str, runners: list[TunableRunner], config: TuningConfig, inputs: list[Any]
+) -> tuple[Any, ...] | None:
     """What a cache hit depends on, or ``None`` when an input is not hashable (no memo)."""
     parts: list[Any] = [op, config, *runners]
     for x in inputs:
@@ -437,7 +438,9 @@ class AutoTuner:
         for ri, runner in enumerate(runners):
             try:
                 tactics = list(runner.get_valid_tactics(inputs, profile))
-            except Exception as exc:  # a broken runner is data, not a crash (principle 5)
+            except (
+                Exception
+            ) as exc:  # a broken runner is data, not a crash (docs/design.md, principle 5)
                 self._record_failure(op, runner, "get_valid_tactics", exc)
                 tactics = []
             if ri == 0 and FALLBACK_TACTIC not in tactics:
@@ -450,7 +453,10 @@ class AutoTuner:
                     logger.info(
                         "op %r: skipping blocklisted %s tactic %s (%s); clear it with "
                         "`graphtune cache unblock FILE` to retry",
-                        op, short_runner_name(ids[ri]), _tactic_text(tactic), blocked.reason,
+                        op,
+                        short_runner_name(ids[ri]),
+                        _tactic_text(tactic),
+                        blocked.reason,
                     )
                     continue
                 candidates.append(Candidate(ri, runner, ti, tactic))
@@ -642,9 +648,7 @@ class AutoTuner:
                 "survive such tactics without restarting."
             )
 
-    def _record_failure(
-        self, op: str, runner: TunableRunner, what: str, exc: Exception
-    ) -> None:
+    def _record_failure(self, op: str, runner: TunableRunner, what: str, exc: Exception) -> None:
         if isinstance(exc, TacticFailure):
             reason, detail = exc.reason, exc.detail
         else:

@@ -11,17 +11,27 @@ from graphtune.errors import ConfigError
 ALL_REDUCE_CHOICES = ("auto", "nccl", "symm_mem")
 
 
-def add_tensor_parallel_arguments(parser: argparse.ArgumentParser, command: str,
-                                  only_rank0: str) -> None:
+def add_tensor_parallel_arguments(
+    parser: argparse.ArgumentParser, command: str, only_rank0: str
+) -> None:
     """Adds ``--tp N`` and ``--all-reduce`` to ``parser`` (``command`` names it in the help)."""
-    parser.add_argument("--tp", type=int, default=1, metavar="N",
-                        help=f"tensor-parallel degree; N > 1 needs 'torchrun --nproc-per-node N "
-                        f"-m graphtune {command} --tp N ...' (NCCL on CUDA with "
-                        "NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1, gloo on CPU); "
-                        f"{only_rank0}")
-    parser.add_argument("--all-reduce", choices=ALL_REDUCE_CHOICES, default="auto",
-                        help="with --tp: the decode step's all-reduce (auto: symmetric-memory "
-                        "one-shot when every GPU can use it, else NCCL)")
+    parser.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help=f"tensor-parallel degree; N > 1 needs 'torchrun --nproc-per-node N "
+        f"-m graphtune {command} --tp N ...' (NCCL on CUDA with "
+        "NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1, gloo on CPU); "
+        f"{only_rank0}",
+    )
+    parser.add_argument(
+        "--all-reduce",
+        choices=ALL_REDUCE_CHOICES,
+        default="auto",
+        help="with --tp: the decode step's all-reduce (auto: symmetric-memory "
+        "one-shot when every GPU can use it, else NCCL)",
+    )
 
 
 def start_tensor_parallel(args: argparse.Namespace, device: Any) -> tuple[Any, Any]:

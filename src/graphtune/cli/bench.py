@@ -22,8 +22,9 @@ def _int_list(text: str) -> tuple[int, ...]:
     try:
         values = tuple(int(v) for v in text.split(",") if v.strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}"
-                                         ) from None
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
     if not values or min(values) <= 0:
         raise argparse.ArgumentTypeError(f"batch sizes must be positive integers, got {text!r}")
     return values
@@ -39,29 +40,57 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Times the reference engine's decode step per batch size. Without CUDA only "
         "the eager step runs (CUDA graphs need CUDA); the default model then becomes 'tiny'.",
     )
-    decode.add_argument("--model", default=None, metavar="PATH|PRESET",
-                        help="checkpoint folder or preset (default: llama-1b-shape on CUDA, "
-                        "tiny otherwise)")
-    decode.add_argument("--batch-sizes", type=_int_list, default=(1, 8, 32, 128),
-                        metavar="1,8,32,128")
-    decode.add_argument("--context", type=int, default=512, metavar="N",
-                        help="tokens already cached per request (default 512)")
-    decode.add_argument("--steps", type=int, default=20, metavar="N",
-                        help="decode steps per timed repeat (default 20)")
+    decode.add_argument(
+        "--model",
+        default=None,
+        metavar="PATH|PRESET",
+        help="checkpoint folder or preset (default: llama-1b-shape on CUDA, tiny otherwise)",
+    )
+    decode.add_argument(
+        "--batch-sizes", type=_int_list, default=(1, 8, 32, 128), metavar="1,8,32,128"
+    )
+    decode.add_argument(
+        "--context",
+        type=int,
+        default=512,
+        metavar="N",
+        help="tokens already cached per request (default 512)",
+    )
+    decode.add_argument(
+        "--steps",
+        type=int,
+        default=20,
+        metavar="N",
+        help="decode steps per timed repeat (default 20)",
+    )
     decode.add_argument("--repeats", type=int, default=5, metavar="N")
     decode.add_argument("--runner", choices=("both", "graph", "eager"), default="both")
-    decode.add_argument("--compare-compile", action="store_true",
-                        help="also time torch.compile(mode='reduce-overhead') of the same step")
-    decode.add_argument("--tune", action="store_true",
-                        help="also tune the step's ops (GEMMs, RMSNorm, RoPE+KV write, "
-                        "SiLU-and-mul, attention) for the batch buckets and time the tuned step "
-                        "beside the untuned one")
-    decode.add_argument("--tuning-cache", type=Path, default=None, metavar="FILE",
-                        help="with --tune: tuning cache file, loaded when present and saved "
-                        "(a second run tunes nothing)")
-    decode.add_argument("--tune-cold-l2", action="store_true",
-                        help="with --tune: time the GEMMs with cold-L2 rotation (weights stream "
-                        "from HBM, as in a decode step)")
+    decode.add_argument(
+        "--compare-compile",
+        action="store_true",
+        help="also time torch.compile(mode='reduce-overhead') of the same step",
+    )
+    decode.add_argument(
+        "--tune",
+        action="store_true",
+        help="also tune the step's ops (GEMMs, RMSNorm, RoPE+KV write, "
+        "SiLU-and-mul, attention) for the batch buckets and time the tuned step "
+        "beside the untuned one",
+    )
+    decode.add_argument(
+        "--tuning-cache",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="with --tune: tuning cache file, loaded when present and saved "
+        "(a second run tunes nothing)",
+    )
+    decode.add_argument(
+        "--tune-cold-l2",
+        action="store_true",
+        help="with --tune: time the GEMMs with cold-L2 rotation (weights stream "
+        "from HBM, as in a decode step)",
+    )
     decode.add_argument("--plot", type=Path, default=None, metavar="FILE.png")
     decode.add_argument("--json", type=Path, default=None, metavar="FILE")
     decode.add_argument("--device", default="auto")
@@ -93,27 +122,40 @@ def run_bench_decode(args: argparse.Namespace) -> int:
     try:
         device = resolve_device(args.device)
         if args.tp > 1 and args.compare_compile:
-            raise ConfigError("--compare-compile is not supported with --tp > 1; drop it to "
-                              "time the tensor-parallel step")
+            raise ConfigError(
+                "--compare-compile is not supported with --tp > 1; drop it to "
+                "time the tensor-parallel step"
+            )
         parallel, device = start_tensor_parallel(args, device)
         # Every rank runs the same benchmark (same collectives, same order); rank 0 reports.
         show = parallel is None or parallel.rank == 0
         model = args.model or ("llama-1b-shape" if device.type == "cuda" else "tiny")
         if device.type != "cuda" and show:
-            print("note: CUDA is not available; CUDA graphs need CUDA, so only the eager step "
-                  f"is timed (model {model}).", file=sys.stderr)
+            print(
+                "note: CUDA is not available; CUDA graphs need CUDA, so only the eager step "
+                f"is timed (model {model}).",
+                file=sys.stderr,
+            )
         runners = ("eager", "graph") if args.runner == "both" else (args.runner,)
         cfg = DecodeBenchConfig(
-            model=model, batch_sizes=tuple(args.batch_sizes), context=args.context,
-            steps=args.steps, repeats=args.repeats, runners=runners,
-            compare_compile=args.compare_compile, device=str(device), dtype=args.dtype,
-            seed=args.seed, tune=args.tune,
+            model=model,
+            batch_sizes=tuple(args.batch_sizes),
+            context=args.context,
+            steps=args.steps,
+            repeats=args.repeats,
+            runners=runners,
+            compare_compile=args.compare_compile,
+            device=str(device),
+            dtype=args.dtype,
+            seed=args.seed,
+            tune=args.tune,
             tuning_cache=str(args.tuning_cache) if args.tuning_cache else None,
-            tune_cold_l2=args.tune_cold_l2, tp=args.tp,
+            tune_cold_l2=args.tune_cold_l2,
+            tp=args.tp,
         )
         report = run_decode_bench(
-            cfg, log=lambda line: print(line, file=sys.stderr) if show else None,
-            parallel=parallel)
+            cfg, log=lambda line: print(line, file=sys.stderr) if show else None, parallel=parallel
+        )
         if not show:
             return 0
         print(format_report(report))
@@ -133,12 +175,17 @@ def run_bench_decode(args: argparse.Namespace) -> int:
                 print(f"error: {exc}", file=sys.stderr)
                 return 2
         # One JSON line at the end, like every benchmark script in this repository.
-        summary = {"bench": "decode", "model": report.model["name"],
-                   "device": report.provenance.get("gpu_name") or str(device),
-                   "torch": torch.__version__, "tp": args.tp,
-                   "results": [{k: v for k, v in r.items()
-                                if k not in ("top_kernels", "tuned_top_kernels")}
-                               for r in data["results"]]}
+        summary = {
+            "bench": "decode",
+            "model": report.model["name"],
+            "device": report.provenance.get("gpu_name") or str(device),
+            "torch": torch.__version__,
+            "tp": args.tp,
+            "results": [
+                {k: v for k, v in r.items() if k not in ("top_kernels", "tuned_top_kernels")}
+                for r in data["results"]
+            ],
+        }
         if report.model.get("all_reduce"):
             summary["all_reduce"] = report.model["all_reduce"]
         if report.tuning_rank_agreement is not None:
@@ -153,4 +200,3 @@ def run_bench_decode(args: argparse.Namespace) -> int:
     finally:
         stop_tensor_parallel(parallel)
     return 0
-

@@ -20,7 +20,15 @@ from graphtune.errors import CacheFileError
 from graphtune.reporting import render_table
 
 COLUMNS = (
-    "op", "runner", "shapes", "dtypes", "mode", "tactic", "time (us)", "fallback (us)", "speed-up",
+    "op",
+    "runner",
+    "shapes",
+    "dtypes",
+    "mode",
+    "tactic",
+    "time (us)",
+    "fallback (us)",
+    "speed-up",
 )
 
 
@@ -59,9 +67,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     merge.add_argument("a", metavar="A", type=Path, help="first cache file (wins ties)")
     merge.add_argument("b", metavar="B", type=Path, help="second cache file")
     merge.add_argument("-o", "--output", required=True, type=Path, metavar="C", help="output")
-    merge.add_argument(
-        "--force", action="store_true", help="merge even if the fingerprints differ"
-    )
+    merge.add_argument("--force", action="store_true", help="merge even if the fingerprints differ")
     merge.set_defaults(handler=merge_command)
     unblock = actions.add_parser(
         "unblock",
@@ -167,8 +173,10 @@ def unblock_command(args: argparse.Namespace) -> int:
         try:
             tactic = json.loads(args.tactic)
         except ValueError:
-            print(f"error: --tactic {args.tactic!r} is not JSON (e.g. 3, '\"a\"', '[1, 2]')",
-                  file=sys.stderr)
+            print(
+                f"error: --tactic {args.tactic!r} is not JSON (e.g. 3, '\"a\"', '[1, 2]')",
+                file=sys.stderr,
+            )
             return 1
     try:
         removed = persist.unblock(

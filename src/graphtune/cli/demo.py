@@ -82,10 +82,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "demo", help="tune a small op set on the best device present and print the picks"
     )
-    parser.add_argument("--cache", metavar="FILE", type=Path, default=None,
-                        help="load picks from / save them to this cache file")
-    parser.add_argument("--device", default=None,
-                        help="device to tune on (default: cuda if available, else cpu)")
+    parser.add_argument(
+        "--cache",
+        metavar="FILE",
+        type=Path,
+        default=None,
+        help="load picks from / save them to this cache file",
+    )
+    parser.add_argument(
+        "--device", default=None, help="device to tune on (default: cuda if available, else cpu)"
+    )
     parser.set_defaults(handler=run_demo)
 
 

@@ -27,18 +27,35 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Generate with a Llama/Qwen2/Mistral checkpoint folder or a preset with "
         "random weights. Without a tokenizer, prompts and outputs are token ids ('1,2,3').",
     )
-    parser.add_argument("--model", required=True, metavar="PATH|PRESET",
-                        help="Hugging Face checkpoint folder or preset (tiny, llama-1b-shape, ...)")
-    parser.add_argument("--prompt", action="append", required=True, metavar="TEXT|IDS",
-                        help="prompt text (needs tokenizer.json) or comma-separated token ids; "
-                        "repeat for several prompts")
+    parser.add_argument(
+        "--model",
+        required=True,
+        metavar="PATH|PRESET",
+        help="Hugging Face checkpoint folder or preset (tiny, llama-1b-shape, ...)",
+    )
+    parser.add_argument(
+        "--prompt",
+        action="append",
+        required=True,
+        metavar="TEXT|IDS",
+        help="prompt text (needs tokenizer.json) or comma-separated token ids; "
+        "repeat for several prompts",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=32, metavar="N")
     parser.add_argument("--runner", choices=("graph", "eager"), default="graph")
     parser.add_argument("--device", default="auto", help="auto (cuda if present), cuda, cpu, ...")
-    parser.add_argument("--dtype", default="auto",
-                        help="auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float16, float32")
-    parser.add_argument("--max-seq-len", type=int, default=None, metavar="N",
-                        help="KV cache length per request (default: longest prompt + N new)")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float16, float32",
+    )
+    parser.add_argument(
+        "--max-seq-len",
+        type=int,
+        default=None,
+        metavar="N",
+        help="KV cache length per request (default: longest prompt + N new)",
+    )
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -68,25 +85,42 @@ def run_generate(args: argparse.Namespace) -> int:
         parallel, device = start_tensor_parallel(args, device)
         show = parallel is None or parallel.rank == 0
         if args.runner == "graph" and device.type != "cuda" and show:
-            print("note: CUDA graphs need CUDA; the graph runner falls back to eager here",
-                  file=sys.stderr)
-        model = load_model(args.model, device=device, dtype=dtype, seed=args.seed,
-                           parallel=parallel)
+            print(
+                "note: CUDA graphs need CUDA; the graph runner falls back to eager here",
+                file=sys.stderr,
+            )
+        model = load_model(
+            args.model, device=device, dtype=dtype, seed=args.seed, parallel=parallel
+        )
         prompts = [_parse_prompt(p) for p in args.prompt]
         if any(isinstance(p, str) for p in prompts) and model.tokenizer is None:
-            print(f"error: {args.model} has no tokenizer.json; pass token ids like --prompt "
-                  "'1,2,3'", file=sys.stderr)
+            print(
+                f"error: {args.model} has no tokenizer.json; pass token ids like --prompt '1,2,3'",
+                file=sys.stderr,
+            )
             return 2
-        lengths = [len(p) if isinstance(p, list) else len(model.tokenizer.encode(p).ids)
-                   for p in prompts]
+        lengths = [
+            len(p) if isinstance(p, list) else len(model.tokenizer.encode(p).ids) for p in prompts
+        ]
         max_seq = args.max_seq_len or max(lengths) + args.max_new_tokens
-        engine = Engine(model, runner=args.runner, max_batch_size=len(prompts),
-                        max_seq_len=max_seq, capture_sizes=None, lazy_capture=True)
-        sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k,
-                                  top_p=args.top_p, seed=args.seed)
+        engine = Engine(
+            model,
+            runner=args.runner,
+            max_batch_size=len(prompts),
+            max_seq_len=max_seq,
+            capture_sizes=None,
+            lazy_capture=True,
+        )
+        sampling = SamplingParams(
+            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed
+        )
         t0 = time.perf_counter()
-        outputs = engine.generate(prompts, args.max_new_tokens, sampling=sampling,
-                                  stop_token_ids=[] if args.ignore_eos else None)
+        outputs = engine.generate(
+            prompts,
+            args.max_new_tokens,
+            sampling=sampling,
+            stop_token_ids=[] if args.ignore_eos else None,
+        )
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - t0
@@ -106,9 +140,11 @@ def run_generate(args: argparse.Namespace) -> int:
             print(f"text:   {text}")
     total = sum(len(o) for o in outputs)
     tp = f", tp {args.tp}" if parallel is not None else ""
-    print(f"{total} tokens in {elapsed:.2f} s ({total / elapsed:.1f} tokens/s, runner "
-          f"{args.runner}, {model.config.name}, {str(dtype).replace('torch.', '')}, "
-          f"{device}{tp})")
+    print(
+        f"{total} tokens in {elapsed:.2f} s ({total / elapsed:.1f} tokens/s, runner "
+        f"{args.runner}, {model.config.name}, {str(dtype).replace('torch.', '')}, "
+        f"{device}{tp})"
+    )
     if args.stats and hasattr(engine.stats, "table"):
         print(engine.stats.table())
     engine.release()

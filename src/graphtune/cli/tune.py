@@ -29,24 +29,53 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "for a KV cache of --max-seq-len positions: pass the engine's (Engine rounds its "
         "max_seq_len up to a multiple of 16).",
     )
-    parser.add_argument("--model", required=True, metavar="PRESET|PATH",
-                        help="preset (tiny, llama-1b-shape, ...) or a folder with config.json")
-    parser.add_argument("--cache", required=True, type=Path, metavar="FILE",
-                        help="tuning cache file (created or extended)")
-    parser.add_argument("--max-batch", type=int, default=64, metavar="N",
-                        help="largest decode batch to tune (default 64)")
-    parser.add_argument("--max-seq-len", type=int, default=2048, metavar="N",
-                        help="KV cache length of the engine that will use the cache, for "
-                        "attention (default 2048, the Engine default; a multiple of 16)")
+    parser.add_argument(
+        "--model",
+        required=True,
+        metavar="PRESET|PATH",
+        help="preset (tiny, llama-1b-shape, ...) or a folder with config.json",
+    )
+    parser.add_argument(
+        "--cache",
+        required=True,
+        type=Path,
+        metavar="FILE",
+        help="tuning cache file (created or extended)",
+    )
+    parser.add_argument(
+        "--max-batch",
+        type=int,
+        default=64,
+        metavar="N",
+        help="largest decode batch to tune (default 64)",
+    )
+    parser.add_argument(
+        "--max-seq-len",
+        type=int,
+        default=2048,
+        metavar="N",
+        help="KV cache length of the engine that will use the cache, for "
+        "attention (default 2048, the Engine default; a multiple of 16)",
+    )
     parser.add_argument("--device", default="auto", help="auto (cuda if present), cuda, cpu, ...")
-    parser.add_argument("--dtype", default="auto",
-                        help="auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float16, float32")
-    parser.add_argument("--timing", default="auto",
-                        choices=("auto", "graph", "events", "wallclock"),
-                        help="timer (auto: graph replay on CUDA, wall clock on CPU)")
-    parser.add_argument("--ops", default=None, metavar="LIST",
-                        help="comma-separated op groups (default all: gemm,lm_head,rms_norm,"
-                        "rope_kv_cache,silu_and_mul,attention)")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float16, float32",
+    )
+    parser.add_argument(
+        "--timing",
+        default="auto",
+        choices=("auto", "graph", "events", "wallclock"),
+        help="timer (auto: graph replay on CUDA, wall clock on CPU)",
+    )
+    parser.add_argument(
+        "--ops",
+        default=None,
+        metavar="LIST",
+        help="comma-separated op groups (default all: gemm,lm_head,rms_norm,"
+        "rope_kv_cache,silu_and_mul,attention)",
+    )
     parser.set_defaults(handler=run_tune)
 
 
@@ -78,12 +107,20 @@ def run_tune(args: argparse.Namespace) -> int:
         ops = tuple(args.ops.split(",")) if args.ops else ALL_GROUPS
         timer = None if args.timing == "auto" else resolve_timer(args.timing, device)
         tuner = AutoTuner(timer=timer)
-        print(f"tuning {config.name} ops on {device} ({str(dtype).removeprefix('torch.')}), "
-              f"batch buckets up to {args.max_batch} -> {args.cache}", flush=True)
+        print(
+            f"tuning {config.name} ops on {device} ({str(dtype).removeprefix('torch.')}), "
+            f"batch buckets up to {args.max_batch} -> {args.cache}",
+            flush=True,
+        )
         started = time.perf_counter()
         with autotune(args.cache, tuner):
             report = tune_ops(
-                dims, args.max_batch, device=device, dtype=dtype, tuner=tuner, ops=ops,
+                dims,
+                args.max_batch,
+                device=device,
+                dtype=dtype,
+                tuner=tuner,
+                ops=ops,
                 max_seq_len=args.max_seq_len,
                 on_op=lambda name: print(f"  {name} ...", flush=True),
             )

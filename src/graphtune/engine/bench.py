@@ -80,8 +80,10 @@ class DecodeBenchConfig:
         if self.tp < 1:
             raise ConfigError(f"tp must be >= 1, got {self.tp}")
         if self.tp > 1 and self.compare_compile:
-            raise ConfigError("--compare-compile is not supported with --tp > 1; drop it to time "
-                              "the tensor-parallel step")
+            raise ConfigError(
+                "--compare-compile is not supported with --tp > 1; drop it to time "
+                "the tensor-parallel step"
+            )
         if not self.batch_sizes or min(self.batch_sizes) <= 0:
             raise ConfigError(f"batch sizes must be positive, got {self.batch_sizes}")
         if self.context < 0 or self.steps <= 0 or self.repeats <= 0:
@@ -170,8 +172,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_per_call_ms(fn: Callable[[], Any], device: torch.device, steps: int, repeats: int,
-                     warmup: int = 3) -> float:
+def time_per_call_ms(
+    fn: Callable[[], Any], device: torch.device, steps: int, repeats: int, warmup: int = 3
+) -> float:
     """Median over ``repeats`` of the mean time of ``steps`` back-to-back calls (ms per call).
 
     CUDA events bracket the calls on the GPU, so host-bound eager steps are measured as the GPU
@@ -199,8 +202,9 @@ def time_per_call_ms(fn: Callable[[], Any], device: torch.device, steps: int, re
     return statistics.median(samples)
 
 
-def gpu_busy_ms(fn: Callable[[], Any], device: torch.device, repeats: int = 5,
-                top: int = 8) -> tuple[float | None, float | None, list[dict[str, Any]]]:
+def gpu_busy_ms(
+    fn: Callable[[], Any], device: torch.device, repeats: int = 5, top: int = 8
+) -> tuple[float | None, float | None, list[dict[str, Any]]]:
     """GPU-busy time of one call and where it goes, from ``torch.profiler`` (CUPTI).
 
     Args:
@@ -229,8 +233,9 @@ def gpu_busy_ms(fn: Callable[[], Any], device: torch.device, repeats: int = 5,
         for event in prof.events():
             # Kernels, memcpys and memsets run on the device; GPU-side user annotations span
             # other events and would count them twice.
-            if (event.device_type == torch.autograd.DeviceType.CUDA
-                    and not getattr(event, "is_user_annotation", False)):
+            if event.device_type == torch.autograd.DeviceType.CUDA and not getattr(
+                event, "is_user_annotation", False
+            ):
                 elapsed = event.time_range.elapsed_us()
                 total_us += elapsed
                 entry = by_name.setdefault(event.name, [0.0, 0.0])
@@ -242,8 +247,12 @@ def gpu_busy_ms(fn: Callable[[], Any], device: torch.device, repeats: int = 5,
         return None, None, []
     busy_us = sum(v[0] for v in by_name.values()) / repeats
     kernels = [
-        {"name": name, "calls": count / repeats, "us": total / repeats,
-         "share": total / repeats / busy_us}
+        {
+            "name": name,
+            "calls": count / repeats,
+            "us": total / repeats,
+            "share": total / repeats / busy_us,
+        }
         for name, (total, count) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
     ]
     launches = sum(count for _, count in by_name.values()) / repeats
@@ -269,9 +278,13 @@ def _compile_skips() -> int | None:
     return int(counters["inductor"].get("cudagraph_skips", 0))
 
 
-def _time_compiled(step: DecodeStep, inputs: Sequence[tuple[torch.Tensor, ...]],
-                   cfg: DecodeBenchConfig, device: torch.device, results: list[BatchResult]
-                   ) -> None:
+def _time_compiled(
+    step: DecodeStep,
+    inputs: Sequence[tuple[torch.Tensor, ...]],
+    cfg: DecodeBenchConfig,
+    device: torch.device,
+    results: list[BatchResult],
+) -> None:
     def plain(tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         return step(tokens, positions, slots)
 
@@ -290,23 +303,28 @@ def _time_compiled(step: DecodeStep, inputs: Sequence[tuple[torch.Tensor, ...]],
             call(args)
             _sync(device)
             compile_s = time.perf_counter() - t0
-            result.compile_ms = time_per_call_ms(lambda a=args: call(a), device, cfg.steps,
-                                                 cfg.repeats)
+            result.compile_ms = time_per_call_ms(
+                lambda a=args: call(a), device, cfg.steps, cfg.repeats
+            )
         except Exception as exc:  # any compiler failure is a result to report, not a crash
             logger.warning("torch.compile failed at batch %d: %s", result.batch_size, exc)
             result.compile_note = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
             continue
         after = _compile_skips()
         skipped = before is not None and after is not None and after > before
-        result.compile_note = (
-            f"compiled in {compile_s:.1f} s; "
-            + ("skipped cudagraphs (see TORCH_LOGS=perf_hints)" if skipped else "cudagraphs used")
+        result.compile_note = f"compiled in {compile_s:.1f} s; " + (
+            "skipped cudagraphs (see TORCH_LOGS=perf_hints)" if skipped else "cudagraphs used"
         )
 
 
 @torch.inference_mode()
-def run_decode_bench(cfg: DecodeBenchConfig, log: Callable[[str], None] = logger.info,
-                     *, tuner: Any = None, parallel: Any = None) -> DecodeBenchReport:
+def run_decode_bench(
+    cfg: DecodeBenchConfig,
+    log: Callable[[str], None] = logger.info,
+    *,
+    tuner: Any = None,
+    parallel: Any = None,
+) -> DecodeBenchReport:
     """Runs the decode benchmark described by ``cfg``.
 
     Args:
@@ -334,10 +352,16 @@ def run_decode_bench(cfg: DecodeBenchConfig, log: Callable[[str], None] = logger
         runners = ("eager",)
     world = parallel.world_size if parallel is not None else 1
     if world != cfg.tp:
-        raise ConfigError(f"DecodeBenchConfig.tp={cfg.tp} but the parallel context has "
-                          f"world_size={world}")
-    model = load_model(cfg.model, device=device, dtype=dtype, seed=cfg.seed,
-                       parallel=parallel if cfg.tp > 1 else None)
+        raise ConfigError(
+            f"DecodeBenchConfig.tp={cfg.tp} but the parallel context has world_size={world}"
+        )
+    model = load_model(
+        cfg.model,
+        device=device,
+        dtype=dtype,
+        seed=cfg.seed,
+        parallel=parallel if cfg.tp > 1 else None,
+    )
     mcfg = model.config
     sizes = sorted(set(cfg.batch_sizes))
     max_batch = sizes[-1]
@@ -362,13 +386,23 @@ def run_decode_bench(cfg: DecodeBenchConfig, log: Callable[[str], None] = logger
         positions = torch.full((b,), cfg.context, dtype=torch.long, device=device)
         inputs.append((tokens, positions, torch.arange(b, device=device)))
     report = DecodeBenchReport(
-        config={**asdict(cfg), "device": str(device), "dtype": str(dtype).replace("torch.", ""),
-                "runners": list(runners), "max_seq_len": max_seq},
-        model={"name": mcfg.name, "source": model.source,
-               "parameters": (model.global_config or mcfg).num_parameters(),
-               "weight_bytes": model.weight_bytes(), "kv_bytes_per_token": cache.bytes_per_token(),
-               "config": asdict(model.global_config or mcfg), "tp": cfg.tp,
-               "all_reduce": getattr(getattr(step, "reducer", None), "name", None)},
+        config={
+            **asdict(cfg),
+            "device": str(device),
+            "dtype": str(dtype).replace("torch.", ""),
+            "runners": list(runners),
+            "max_seq_len": max_seq,
+        },
+        model={
+            "name": mcfg.name,
+            "source": model.source,
+            "parameters": (model.global_config or mcfg).num_parameters(),
+            "weight_bytes": model.weight_bytes(),
+            "kv_bytes_per_token": cache.bytes_per_token(),
+            "config": asdict(model.global_config or mcfg),
+            "tp": cfg.tp,
+            "all_reduce": getattr(getattr(step, "reducer", None), "name", None),
+        },
         provenance=provenance(device),
         notes=notes,
     )
@@ -381,18 +415,22 @@ def run_decode_bench(cfg: DecodeBenchConfig, log: Callable[[str], None] = logger
     # 1.6 ms step), so GPU-busy and graph/busy are left out rather than reported wrong.
     measure_busy = device.type == "cuda" and cfg.tp == 1
     if device.type == "cuda" and not measure_busy:
-        report.notes.append("GPU-busy not measured with tp > 1: NCCL kernel durations include "
-                            "waiting for the other ranks.")
+        report.notes.append(
+            "GPU-busy not measured with tp > 1: NCCL kernel durations include "
+            "waiting for the other ranks."
+        )
 
     for args, result in zip(inputs, results, strict=True):
         b = result.batch_size
         if "eager" in runners:
-            result.eager_ms = time_per_call_ms(lambda a=args: step(*a), device, cfg.steps,
-                                               cfg.repeats)
+            result.eager_ms = time_per_call_ms(
+                lambda a=args: step(*a), device, cfg.steps, cfg.repeats
+            )
             log(f"batch {b}: eager {result.eager_ms:.3f} ms/step")
         if measure_busy:
             result.busy_ms, result.kernels_per_step, result.top_kernels = gpu_busy_ms(
-                lambda a=args: step(*a), device)
+                lambda a=args: step(*a), device
+            )
         if bandwidth:
             needed = model.weight_bytes() + b * (cfg.context + 1) * cache.bytes_per_token()
             result.floor_ms = needed / (bandwidth * 1e9) * 1e3
@@ -403,8 +441,9 @@ def run_decode_bench(cfg: DecodeBenchConfig, log: Callable[[str], None] = logger
         log("timing torch.compile(mode='reduce-overhead') (compiles once per batch size)")
         _time_compiled(step, inputs, cfg, device, results)
     if cfg.tune:
-        _time_tuned(step, cache, inputs, results, sizes, device, dtype, cfg, runners, report,
-                    log, tuner)
+        _time_tuned(
+            step, cache, inputs, results, sizes, device, dtype, cfg, runners, report, log, tuner
+        )
 
     for result in results:
         best = result.graph_ms or result.eager_ms
@@ -417,39 +456,63 @@ def run_decode_bench(cfg: DecodeBenchConfig, log: Callable[[str], None] = logger
     return report
 
 
-def _time_tuned(step: DecodeStep, cache: KVCache, inputs: list, results: list[BatchResult],
-                sizes: list[int], device: torch.device, dtype: torch.dtype,
-                cfg: DecodeBenchConfig, runners: tuple[str, ...], report: DecodeBenchReport,
-                log: Callable[[str], None], tuner: Any) -> None:
+def _time_tuned(
+    step: DecodeStep,
+    cache: KVCache,
+    inputs: list,
+    results: list[BatchResult],
+    sizes: list[int],
+    device: torch.device,
+    dtype: torch.dtype,
+    cfg: DecodeBenchConfig,
+    runners: tuple[str, ...],
+    report: DecodeBenchReport,
+    log: Callable[[str], None],
+    tuner: Any,
+) -> None:
     from graphtune.autotuner import AutoTuner, DistributedTuning, autotune
     from graphtune.ops.tuning import ALL_GROUPS, OpDims, tune_ops
 
     parallel = step.parallel
     if tuner is None:
         # Shards must run the same kernels: time everything on every rank, slowest rank counts.
-        tuner = (AutoTuner() if parallel is None
-                 else AutoTuner(distributed=DistributedTuning("agree", parallel.group)))
-    log(f"tuning the step's ops for batch buckets up to {sizes[-1]}"
-        + (f" (cache {cfg.tuning_cache})" if cfg.tuning_cache else ""))
+        tuner = (
+            AutoTuner()
+            if parallel is None
+            else AutoTuner(distributed=DistributedTuning("agree", parallel.group))
+        )
+    log(
+        f"tuning the step's ops for batch buckets up to {sizes[-1]}"
+        + (f" (cache {cfg.tuning_cache})" if cfg.tuning_cache else "")
+    )
     with autotune(cfg.tuning_cache, tuner):
         tuned_report = tune_ops(
-            OpDims.from_model_config(step.model.config), sizes[-1], device=device, dtype=dtype,
-            tuner=tuner, ops=ALL_GROUPS, max_seq_len=cache.max_seq_len,
-            on_op=lambda name: log(f"  tuning {name}"), gemm_cold_l2=cfg.tune_cold_l2,
+            OpDims.from_model_config(step.model.config),
+            sizes[-1],
+            device=device,
+            dtype=dtype,
+            tuner=tuner,
+            ops=ALL_GROUPS,
+            max_seq_len=cache.max_seq_len,
+            on_op=lambda name: log(f"  tuning {name}"),
+            gemm_cold_l2=cfg.tune_cold_l2,
         )
     report.tuning_seconds = tuned_report.seconds
     report.tuning_compile_seconds = tuned_report.compile_seconds
     report.tuning_profiles = len(tuned_report.rows)
     report.tuning_picks = [list(row) for row in tuned_report.rows]
-    log(f"tuned {len(tuned_report.rows)} (op, bucket) profiles in {tuned_report.seconds:.1f} s "
-        f"({tuned_report.compile_seconds:.1f} s compiling)")
+    log(
+        f"tuned {len(tuned_report.rows)} (op, bucket) profiles in {tuned_report.seconds:.1f} s "
+        f"({tuned_report.compile_seconds:.1f} s compiling)"
+    )
     if parallel is not None:
         report.tuning_rank_agreement = _rank_agreement(tuner, parallel)
         log(f"tuned picks identical on every rank: {100 * report.tuning_rank_agreement:.1f}%")
         from graphtune.engine.parallel import TensorParallelDecodeStep
 
-        tuned: DecodeStep = TensorParallelDecodeStep(step.model, cache, contiguous_slots=True,
-                                                     tuner=tuner, reducer=step.reducer)
+        tuned: DecodeStep = TensorParallelDecodeStep(
+            step.model, cache, contiguous_slots=True, tuner=tuner, reducer=step.reducer
+        )
     else:
         tuned = DecodeStep(step.model, cache, contiguous_slots=True, tuner=tuner)
     for args, result in zip(inputs, results, strict=True):
@@ -458,19 +521,22 @@ def _time_tuned(step: DecodeStep, cache: KVCache, inputs: list, results: list[Ba
         result.tuned_max_abs_diff = (got - want).abs().max().item()
         if device.type == "cuda":
             result.tuned_busy_ms, result.tuned_kernels_per_step, result.tuned_top_kernels = (
-                gpu_busy_ms(lambda a=args: tuned(*a), device))
+                gpu_busy_ms(lambda a=args: tuned(*a), device)
+            )
     if "graph" in runners:
         runner, seconds, _ = _capture(tuned, cache, sizes, device, report)
         report.tuned_capture_seconds = seconds
         for args, result in zip(inputs, results, strict=True):
-            result.tuned_graph_ms = time_per_call_ms(lambda a=args: runner(*a), device,
-                                                     cfg.steps, cfg.repeats)
+            result.tuned_graph_ms = time_per_call_ms(
+                lambda a=args: runner(*a), device, cfg.steps, cfg.repeats
+            )
             log(f"batch {result.batch_size}: tuned graph {result.tuned_graph_ms:.3f} ms/step")
         runner.release()
     else:
         for args, result in zip(inputs, results, strict=True):
-            result.tuned_eager_ms = time_per_call_ms(lambda a=args: tuned(*a), device,
-                                                     cfg.steps, cfg.repeats)
+            result.tuned_eager_ms = time_per_call_ms(
+                lambda a=args: tuned(*a), device, cfg.steps, cfg.repeats
+            )
             log(f"batch {result.batch_size}: tuned eager {result.tuned_eager_ms:.3f} ms/step")
     for result in results:
         if result.tuned_graph_ms and result.graph_ms:
@@ -482,17 +548,21 @@ def _time_tuned(step: DecodeStep, cache: KVCache, inputs: list, results: list[Ba
     # Look-ups of shapes never tuned ran the torch fallback (should be none).
     report.tuning_fallbacks = dict(tuner.stats.fallbacks)
     if tuner.stats.fallbacks:
-        report.notes.append(f"tuned step: untuned shapes ran the torch fallback "
-                            f"{dict(tuner.stats.fallbacks)}")
+        report.notes.append(
+            f"tuned step: untuned shapes ran the torch fallback {dict(tuner.stats.fallbacks)}"
+        )
 
 
 def _rank_agreement(tuner: Any, parallel: Any) -> float:
     """Share of this rank's cache keys whose pick equals the pick of every other rank."""
     import torch.distributed as dist
 
-    picks = {json.dumps(key.to_json(), sort_keys=True, default=str):
-             json.dumps([entry.runner_id, entry.tactic], default=str)
-             for key, entry in tuner.cache.items()}
+    picks = {
+        json.dumps(key.to_json(), sort_keys=True, default=str): json.dumps(
+            [entry.runner_id, entry.tactic], default=str
+        )
+        for key, entry in tuner.cache.items()
+    }
     views: list[Any] = [None] * parallel.world_size
     dist.all_gather_object(views, picks, group=parallel.group)
     if not picks:
@@ -501,16 +571,28 @@ def _rank_agreement(tuner: Any, parallel: Any) -> float:
     return same / len(picks)
 
 
-def _capture(step: DecodeStep, cache: KVCache, sizes: list[int], device: torch.device,
-             report: DecodeBenchReport) -> tuple[Any, float, float]:
+def _capture(
+    step: DecodeStep,
+    cache: KVCache,
+    sizes: list[int],
+    device: torch.device,
+    report: DecodeBenchReport,
+) -> tuple[Any, float, float]:
     """A graph runner over ``step`` with every size captured; (runner, seconds, MiB)."""
     from graphtune.graphs import CUDAGraphRunner
 
-    runner = CUDAGraphRunner(step, max_batch_size=sizes[-1], capture_sizes=sizes,
-                             pad=step_pad_rule(cache.scratch_slot), device=device)
-    example = (torch.zeros(sizes[-1], dtype=torch.long, device=device),
-               torch.zeros(sizes[-1], dtype=torch.long, device=device),
-               torch.full((sizes[-1],), cache.scratch_slot, dtype=torch.long, device=device))
+    runner = CUDAGraphRunner(
+        step,
+        max_batch_size=sizes[-1],
+        capture_sizes=sizes,
+        pad=step_pad_rule(cache.scratch_slot),
+        device=device,
+    )
+    example = (
+        torch.zeros(sizes[-1], dtype=torch.long, device=device),
+        torch.zeros(sizes[-1], dtype=torch.long, device=device),
+        torch.full((sizes[-1],), cache.scratch_slot, dtype=torch.long, device=device),
+    )
     _sync(device)
     reserved = torch.cuda.memory_reserved(device)
     t0 = time.perf_counter()
@@ -520,30 +602,41 @@ def _capture(step: DecodeStep, cache: KVCache, sizes: list[int], device: torch.d
     mib = (torch.cuda.memory_reserved(device) - reserved) / 2**20
     stats = runner.stats
     if stats.records and not all(r.ok for r in stats.records):
-        report.notes.append(f"graph capture failed for some sizes"
-                            f"{' (tuned step)' if step.tuner is not None else ''}: "
-                            f"{[(r.size, r.error) for r in stats.failed_captures]}")
+        report.notes.append(
+            f"graph capture failed for some sizes"
+            f"{' (tuned step)' if step.tuner is not None else ''}: "
+            f"{[(r.size, r.error) for r in stats.failed_captures]}"
+        )
     # The runner's own account of the shared pool, when it has one (excludes static buffers).
     if stats.pool_bytes:
         mib = stats.pool_bytes / 2**20
     return runner, seconds, mib
 
 
-def _time_graph(step: DecodeStep, cache: KVCache, inputs: list, results: list[BatchResult],
-                sizes: list[int], device: torch.device, cfg: DecodeBenchConfig,
-                report: DecodeBenchReport, log: Callable[[str], None]) -> None:
-    runner, report.capture_seconds, report.graph_mib = _capture(step, cache, sizes, device,
-                                                                report)
+def _time_graph(
+    step: DecodeStep,
+    cache: KVCache,
+    inputs: list,
+    results: list[BatchResult],
+    sizes: list[int],
+    device: torch.device,
+    cfg: DecodeBenchConfig,
+    report: DecodeBenchReport,
+    log: Callable[[str], None],
+) -> None:
+    runner, report.capture_seconds, report.graph_mib = _capture(step, cache, sizes, device, report)
     stats = runner.stats
-    log(f"captured {len(sizes)} sizes in {report.capture_seconds:.2f} s, "
-        f"{report.graph_mib:.0f} MiB")
+    log(
+        f"captured {len(sizes)} sizes in {report.capture_seconds:.2f} s, {report.graph_mib:.0f} MiB"
+    )
     for args, result in zip(inputs, results, strict=True):
         # Same inputs, same cache position: the replay must reproduce the eager logits.
         want = step(*args).float()
         got = runner(*args).float()
         result.graph_max_abs_diff = (got - want).abs().max().item()
-        result.graph_ms = time_per_call_ms(lambda a=args: runner(*a), device, cfg.steps,
-                                           cfg.repeats)
+        result.graph_ms = time_per_call_ms(
+            lambda a=args: runner(*a), device, cfg.steps, cfg.repeats
+        )
         log(f"batch {result.batch_size}: graph {result.graph_ms:.3f} ms/step")
     report.runner_stats = stats.table()
     report.runner_stats_detail = stats.as_dict()
@@ -557,44 +650,78 @@ def format_report(report: DecodeBenchReport) -> str:
     compile_cols = any(r.compile_ms is not None or r.compile_note for r in report.results)
     tuned_cols = report.tuning_seconds is not None
     tuned_graph = any(r.tuned_graph_ms is not None for r in report.results)
-    columns = ["batch", "eager ms", "graph ms", "GPU-busy ms", "speed-up", "graph/busy",
-               "tokens/s", "floor ms"]
+    columns = [
+        "batch",
+        "eager ms",
+        "graph ms",
+        "GPU-busy ms",
+        "speed-up",
+        "graph/busy",
+        "tokens/s",
+        "floor ms",
+    ]
     if compile_cols:
         columns.append("compile ms")
     if tuned_cols:
-        columns += ["tuned graph ms" if tuned_graph else "tuned eager ms", "tuned busy ms",
-                    "tuned/untuned", "tuned/floor"]
+        columns += [
+            "tuned graph ms" if tuned_graph else "tuned eager ms",
+            "tuned busy ms",
+            "tuned/untuned",
+            "tuned/floor",
+        ]
     rows = []
     for r in report.results:
-        row: list[Any] = [r.batch_size, r.eager_ms, r.graph_ms, r.busy_ms, r.speedup,
-                          r.graph_over_busy, round(r.tokens_per_s) if r.tokens_per_s else None,
-                          r.floor_ms]
+        row: list[Any] = [
+            r.batch_size,
+            r.eager_ms,
+            r.graph_ms,
+            r.busy_ms,
+            r.speedup,
+            r.graph_over_busy,
+            round(r.tokens_per_s) if r.tokens_per_s else None,
+            r.floor_ms,
+        ]
         if compile_cols:
             row.append(r.compile_ms)
         if tuned_cols:
-            row += [r.tuned_graph_ms if tuned_graph else r.tuned_eager_ms, r.tuned_busy_ms,
-                    r.tuned_over_untuned, r.tuned_over_floor]
+            row += [
+                r.tuned_graph_ms if tuned_graph else r.tuned_eager_ms,
+                r.tuned_busy_ms,
+                r.tuned_over_untuned,
+                r.tuned_over_floor,
+            ]
         rows.append(row)
     cfg = report.config
     params = report.model["parameters"]
     size = f"{params / 1e9:.2f} B" if params >= 1e9 else f"{params / 1e6:.2f} M"
-    title = (f"decode step: {report.model['name']} ({size} params), context {cfg['context']}, "
-             f"{cfg['dtype']}, {cfg['device']}")
+    title = (
+        f"decode step: {report.model['name']} ({size} params), context {cfg['context']}, "
+        f"{cfg['dtype']}, {cfg['device']}"
+    )
     lines = [render_table(title, columns, rows)]
     if report.capture_seconds is not None:
-        lines.append(f"capture: {report.capture_seconds:.2f} s for {len(report.results)} sizes, "
-                     f"graph memory {report.graph_mib:.1f} MiB")
+        lines.append(
+            f"capture: {report.capture_seconds:.2f} s for {len(report.results)} sizes, "
+            f"graph memory {report.graph_mib:.1f} MiB"
+        )
     if report.copy_bandwidth_gbps:
-        lines.append(f"device copy bandwidth (read+write): {report.copy_bandwidth_gbps:.0f} GB/s; "
-                     "floor = (weights + KV read) / bandwidth")
+        lines.append(
+            f"device copy bandwidth (read+write): {report.copy_bandwidth_gbps:.0f} GB/s; "
+            "floor = (weights + KV read) / bandwidth"
+        )
     first = report.results[0] if report.results else None
     if first is not None and first.top_kernels:
         rows = [[k["name"][:70], k["calls"], k["us"], 100 * k["share"]] for k in first.top_kernels]
         launches = first.kernels_per_step
         kernels = f", {launches:.0f} device activities" if launches else ""
-        lines.append(render_table(
-            f"where the GPU time goes at batch {first.batch_size} (profiler, per step{kernels})",
-            ["kernel", "calls", "us", "% busy"], rows))
+        lines.append(
+            render_table(
+                f"where the GPU time goes at batch {first.batch_size} "
+                f"(profiler, per step{kernels})",
+                ["kernel", "calls", "us", "% busy"],
+                rows,
+            )
+        )
     if tuned_cols:
         fallbacks = report.tuning_fallbacks or {}
         lines.append(
@@ -606,13 +733,19 @@ def format_report(report: DecodeBenchReport) -> str:
         if diffs:
             lines.append(f"tuned vs untuned step logits: max abs diff {max(diffs):.3g}")
     if first is not None and first.tuned_top_kernels:
-        rows = [[k["name"][:70], k["calls"], k["us"], 100 * k["share"]]
-                for k in first.tuned_top_kernels]
+        rows = [
+            [k["name"][:70], k["calls"], k["us"], 100 * k["share"]] for k in first.tuned_top_kernels
+        ]
         launches = first.tuned_kernels_per_step
         kernels = f", {launches:.0f} device activities" if launches else ""
-        lines.append(render_table(
-            f"tuned step: where the GPU time goes at batch {first.batch_size} "
-            f"(profiler, per step{kernels})", ["kernel", "calls", "us", "% busy"], rows))
+        lines.append(
+            render_table(
+                f"tuned step: where the GPU time goes at batch {first.batch_size} "
+                f"(profiler, per step{kernels})",
+                ["kernel", "calls", "us", "% busy"],
+                rows,
+            )
+        )
     for r in report.results:
         if r.compile_note:
             lines.append(f"torch.compile batch {r.batch_size}: {r.compile_note}")
@@ -637,13 +770,20 @@ def plot_report(report: DecodeBenchReport, path: str) -> None:
         ) from exc
     sizes = [r.batch_size for r in report.results]
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    series = [("eager", "eager_ms", "o-"), ("graph runner", "graph_ms", "s-"),
-              ("torch.compile reduce-overhead", "compile_ms", "^-"),
-              ("tuned graph runner", "tuned_graph_ms", "D-"),
-              ("GPU-busy (profiler)", "busy_ms", "k--"), ("bytes floor", "floor_ms", "k:")]
+    series = [
+        ("eager", "eager_ms", "o-"),
+        ("graph runner", "graph_ms", "s-"),
+        ("torch.compile reduce-overhead", "compile_ms", "^-"),
+        ("tuned graph runner", "tuned_graph_ms", "D-"),
+        ("GPU-busy (profiler)", "busy_ms", "k--"),
+        ("bytes floor", "floor_ms", "k:"),
+    ]
     for label, attr, style in series:
-        points = [(s, getattr(r, attr)) for s, r in zip(sizes, report.results, strict=True)
-                  if getattr(r, attr) is not None]
+        points = [
+            (s, getattr(r, attr))
+            for s, r in zip(sizes, report.results, strict=True)
+            if getattr(r, attr) is not None
+        ]
         if points:
             ax.plot(*zip(*points, strict=True), style, label=label)
     ax.set_xscale("log", base=2)

@@ -111,8 +111,16 @@ class SymmMemAllReduce:
 
     name = "symm_mem"
 
-    def __init__(self, group: Any, max_rows: int, hidden: int, dtype: torch.dtype,
-                 device: torch.device, *, fuse_norm: bool = False) -> None:
+    def __init__(
+        self,
+        group: Any,
+        max_rows: int,
+        hidden: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        *,
+        fuse_norm: bool = False,
+    ) -> None:
         import torch.distributed as dist
         import torch.distributed._symmetric_memory as symm_mem
 
@@ -140,15 +148,17 @@ class SymmMemAllReduce:
         import torch.distributed as dist
         import torch.distributed._symmetric_memory as symm_mem
 
-        self.buffer_deltas = _deltas(handle.buffer_ptrs, self.rank, self.buffer.element_size(),
-                                     device)
+        self.buffer_deltas = _deltas(
+            handle.buffer_ptrs, self.rank, self.buffer.element_size(), device
+        )
         # Our own signal pad: PyTorch's ops use the handle's, and two protocols must not share
         # slots. Zeroed on every rank before anyone can signal (the barrier below).
         self.pad = symm_mem.empty(self.max_rows * self.world, dtype=torch.int32, device=device)
         self.pad.zero_()
         pad_handle = symm_mem.rendezvous(self.pad, self.group_name)
-        self.pad_deltas = _deltas(pad_handle.buffer_ptrs, self.rank, self.pad.element_size(),
-                                  device)
+        self.pad_deltas = _deltas(
+            pad_handle.buffer_ptrs, self.rank, self.pad.element_size(), device
+        )
         torch.cuda.synchronize(device)
         dist.barrier(group=self.group)
         self.block = 1 << max(0, (self.hidden - 1).bit_length())
@@ -182,9 +192,9 @@ class SymmMemAllReduce:
         start = (parity % 2) * self.max_rows * self.hidden
         return self.buffer[start : start + rows * self.hidden].view(rows, self.hidden)
 
-    def reduce_add_rms_norm(self, partial: torch.Tensor, residual: torch.Tensor,
-                            weight: torch.Tensor, eps: float
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    def reduce_add_rms_norm(
+        self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``residual += sum over ranks of partial`` (in place), and its RMSNorm.
 
         Args:
@@ -200,9 +210,21 @@ class SymmMemAllReduce:
 
         out = torch.empty_like(residual)
         _comm_kernels.allreduce_add_rms_norm_kernel[(partial.shape[0],)](
-            partial, self.buffer_deltas, self.pad, self.pad_deltas, residual, weight, out,
-            self.rank, self.hidden, partial.stride(0), residual.stride(0), out.stride(0),
-            float(eps), WORLD=self.world, BLOCK=self.block,
+            partial,
+            self.buffer_deltas,
+            self.pad,
+            self.pad_deltas,
+            residual,
+            weight,
+            out,
+            self.rank,
+            self.hidden,
+            partial.stride(0),
+            residual.stride(0),
+            out.stride(0),
+            float(eps),
+            WORLD=self.world,
+            BLOCK=self.block,
             num_warps=min(16, max(4, self.block // 512)),
         )
         return out, residual
@@ -213,8 +235,9 @@ def _deltas(pointers: Any, rank: int, itemsize: int, device: torch.device) -> to
     base = pointers[rank]
     if any((ptr - base) % itemsize for ptr in pointers):
         raise ValueError("symmetric buffers are not element-aligned across ranks")
-    return torch.tensor([(ptr - base) // itemsize for ptr in pointers], dtype=torch.int64,
-                        device=device)
+    return torch.tensor(
+        [(ptr - base) // itemsize for ptr in pointers], dtype=torch.int64, device=device
+    )
 
 
 def symm_mem_unavailable(device: torch.device) -> str | None:
@@ -230,9 +253,16 @@ def symm_mem_unavailable(device: torch.device) -> str | None:
     return None
 
 
-def make_all_reduce(parallel: Any, *, max_rows: int, hidden: int, dtype: torch.dtype,
-                    device: torch.device, one_shot_max_bytes: int = DEFAULT_ONE_SHOT_MAX_BYTES,
-                    fuse_norm: bool | None = None) -> AllReduce:
+def make_all_reduce(
+    parallel: Any,
+    *,
+    max_rows: int,
+    hidden: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    one_shot_max_bytes: int = DEFAULT_ONE_SHOT_MAX_BYTES,
+    fuse_norm: bool | None = None,
+) -> AllReduce:
     """The all-reduce backend for ``parallel`` (a ``ParallelContext``), agreed by every rank.
 
     ``parallel.all_reduce_backend`` chooses: ``"nccl"``; ``"symm_mem"`` (an error when
@@ -272,6 +302,10 @@ def make_all_reduce(parallel: Any, *, max_rows: int, hidden: int, dtype: torch.d
 
         fuse_norm = triton_available()
     reducer = SymmMemAllReduce(parallel.group, rows, hidden, dtype, device, fuse_norm=fuse_norm)
-    logger.info("tensor-parallel all-reduce: symmetric-memory one-shot for <= %d rows (fused "
-                "add + RMSNorm kernel: %s), NCCL above", rows, reducer.fused)
+    logger.info(
+        "tensor-parallel all-reduce: symmetric-memory one-shot for <= %d rows (fused "
+        "add + RMSNorm kernel: %s), NCCL above",
+        rows,
+        reducer.fused,
+    )
     return reducer

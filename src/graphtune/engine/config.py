@@ -103,8 +103,15 @@ class ModelConfig:
             raise ConfigError(
                 f"architecture {self.architecture!r} is not one of {sorted(ARCHITECTURES.values())}"
             )
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "max_position_embeddings",
+        ):
             if int(getattr(self, name)) <= 0:
                 raise ConfigError(f"ModelConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
@@ -157,28 +164,69 @@ _LLAMA3_SCALING = RopeScaling("llama3", 32.0, 1.0, 4.0, 8192)
 
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(
-        name="tiny", architecture="llama", vocab_size=256, hidden_size=64, intermediate_size=128,
-        num_layers=2, num_heads=4, num_kv_heads=2, rms_norm_eps=1e-5, rope_theta=10000.0,
-        max_position_embeddings=2048, bos_token_id=1, eos_token_ids=(2,),
+        name="tiny",
+        architecture="llama",
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=2048,
+        bos_token_id=1,
+        eos_token_ids=(2,),
     ),
     "qwen2-tiny": ModelConfig(
-        name="qwen2-tiny", architecture="qwen2", vocab_size=256, hidden_size=64,
-        intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, rms_norm_eps=1e-6,
-        rope_theta=1000000.0, max_position_embeddings=2048, tie_word_embeddings=True,
-        attention_bias=True, eos_token_ids=(2,),
+        name="qwen2-tiny",
+        architecture="qwen2",
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        attention_bias=True,
+        eos_token_ids=(2,),
     ),
     "mistral-tiny": ModelConfig(
-        name="mistral-tiny", architecture="mistral", vocab_size=256, hidden_size=64,
-        intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=1, rms_norm_eps=1e-5,
-        rope_theta=1000000.0, max_position_embeddings=2048, sliding_window=32, bos_token_id=1,
+        name="mistral-tiny",
+        architecture="mistral",
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=1,
+        rms_norm_eps=1e-5,
+        rope_theta=1000000.0,
+        max_position_embeddings=2048,
+        sliding_window=32,
+        bos_token_id=1,
         eos_token_ids=(2,),
     ),
     # The shape of Llama-3.2-1B: 16 layers, GQA 32/8, tied embeddings, Llama-3 RoPE scaling.
     "llama-1b-shape": ModelConfig(
-        name="llama-1b-shape", architecture="llama", vocab_size=128256, hidden_size=2048,
-        intermediate_size=8192, num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
-        rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=_LLAMA3_SCALING,
-        max_position_embeddings=131072, tie_word_embeddings=True, bos_token_id=128000,
+        name="llama-1b-shape",
+        architecture="llama",
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_layers=16,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=64,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling=_LLAMA3_SCALING,
+        max_position_embeddings=131072,
+        tie_word_embeddings=True,
+        bos_token_id=128000,
         eos_token_ids=(128001, 128008, 128009),
     ),
 }
@@ -265,8 +313,10 @@ def from_hf_config(cfg: Mapping[str, Any], name: str = "checkpoint") -> ModelCon
             f"{arch} with attention_bias=true (biases on q/k/v/o) is not supported by the engine"
         )
     eos = cfg.get("eos_token_id")
-    eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list) else (
-        (int(eos),) if eos is not None else ()
+    eos_ids = (
+        tuple(int(e) for e in eos)
+        if isinstance(eos, list)
+        else ((int(eos),) if eos is not None else ())
     )
     try:
         return ModelConfig(

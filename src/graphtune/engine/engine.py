@@ -138,8 +138,9 @@ class Engine:
         self.device = target_device
         self.max_batch_size = max_batch_size
         self.max_seq_len = -(-max_seq_len // 16) * 16
-        self.cache = KVCache(self.config, max_batch_size, self.max_seq_len, target_device,
-                             target_dtype)
+        self.cache = KVCache(
+            self.config, max_batch_size, self.max_seq_len, target_device, target_dtype
+        )
         self.tuner: Any = None
         self.tune_report: Any = None
         if tune or tuning_cache is not None or tuner is not None:
@@ -149,15 +150,17 @@ class Engine:
         else:
             from graphtune.engine.parallel import TensorParallelDecodeStep
 
-            self.step_fn = TensorParallelDecodeStep(model, self.cache, contiguous_slots=True,
-                                                    tuner=self.tuner)
+            self.step_fn = TensorParallelDecodeStep(
+                model, self.cache, contiguous_slots=True, tuner=self.tuner
+            )
         self.runner_kind = runner
         self.strict_numerics = strict_numerics
         self.failures: list[RequestFailure] = []
         self.runner = self._build_runner(runner, capture_sizes, lazy_capture)
 
-    def _prepare_tuner(self, tune: bool, cache_path: str | PathLike[str] | None, tuner: Any,
-                       dtype: torch.dtype) -> Any:
+    def _prepare_tuner(
+        self, tune: bool, cache_path: str | PathLike[str] | None, tuner: Any, dtype: torch.dtype
+    ) -> Any:
         from graphtune.autotuner import AutoTuner, DistributedTuning, autotune
         from graphtune.ops.tuning import ALL_GROUPS, OpDims, tune_ops
 
@@ -167,8 +170,10 @@ class Engine:
             # LM head), or their logits, and then their tokens, could drift apart.
             agree = DistributedTuning("agree", parallel.group) if parallel is not None else None
             tuner = AutoTuner(distributed=agree)
-        elif tune and parallel is not None and not (
-            tuner.distributed is not None and tuner.distributed.collective
+        elif (
+            tune
+            and parallel is not None
+            and not (tuner.distributed is not None and tuner.distributed.collective)
         ):
             raise ConfigError(
                 "tune=True on a tensor-parallel shard needs a rank-consistent tuner: "
@@ -181,13 +186,21 @@ class Engine:
             return tuner
         with autotune(cache_path, tuner):
             self.tune_report = tune_ops(
-                OpDims.from_model_config(self.config), self.cache.max_batch_size,
-                device=self.device, dtype=dtype, tuner=tuner, ops=ALL_GROUPS,
+                OpDims.from_model_config(self.config),
+                self.cache.max_batch_size,
+                device=self.device,
+                dtype=dtype,
+                tuner=tuner,
+                ops=ALL_GROUPS,
                 max_seq_len=self.cache.max_seq_len,
             )
         report = self.tune_report
-        logger.info("tuned %d (op, bucket) profiles in %.1f s for batch buckets %s",
-                    len(report.rows), report.seconds, list(report.buckets))
+        logger.info(
+            "tuned %d (op, bucket) profiles in %.1f s for batch buckets %s",
+            len(report.rows),
+            report.seconds,
+            list(report.buckets),
+        )
         return tuner
 
     @property
@@ -253,8 +266,9 @@ class Engine:
         """Releases the runner's graphs and memory pool (the engine can capture again later)."""
         self.runner.release()
 
-    def step(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
-             ) -> torch.Tensor:
+    def step(
+        self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
+    ) -> torch.Tensor:
         """Runs one decode step through the runner; returns logits ``[B, vocab]``.
 
         Rows must be compacted (row ``i`` owns slot ``i``), as :meth:`generate` keeps them. The
@@ -336,9 +350,11 @@ class Engine:
                 stops early and is listed in :attr:`failures` (reset by every call).
         """
         sampling = sampling or GREEDY
-        limits = ([_token_id(max_new_tokens, "max_new_tokens")] * len(prompts)
-                  if not isinstance(max_new_tokens, Sequence)
-                  else [_token_id(m, "max_new_tokens") for m in max_new_tokens])
+        limits = (
+            [_token_id(max_new_tokens, "max_new_tokens")] * len(prompts)
+            if not isinstance(max_new_tokens, Sequence)
+            else [_token_id(m, "max_new_tokens") for m in max_new_tokens]
+        )
         if len(limits) != len(prompts):
             raise InputError(f"{len(prompts)} prompts but {len(limits)} max_new_tokens values")
         requests = []
@@ -373,8 +389,9 @@ class Engine:
                 self.cache.free(request.slot)
         return [r.output for r in requests]
 
-    def _admit(self, admitted: list[_Request], sampling: SamplingParams,
-               generator: torch.Generator | None) -> None:
+    def _admit(
+        self, admitted: list[_Request], sampling: SamplingParams, generator: torch.Generator | None
+    ) -> None:
         last_logits = []
         for request in admitted:
             request.slot = self.cache.allocate()
@@ -386,8 +403,9 @@ class Engine:
         for request, token in zip(admitted, first, strict=True):
             self._accept(request, int(token))
 
-    def _decode(self, live: list[_Request], sampling: SamplingParams,
-                generator: torch.Generator | None) -> None:
+    def _decode(
+        self, live: list[_Request], sampling: SamplingParams, generator: torch.Generator | None
+    ) -> None:
         host = torch.tensor(
             [[r.output[-1] for r in live], [r.cached for r in live], [r.slot for r in live]],
             dtype=torch.long,
@@ -416,8 +434,11 @@ class Engine:
             raise NumericalError(f"request {request.index}: {request.failed}")
 
     def _retire(self, live: list[_Request], stops: set[int]) -> None:
-        done = [i for i, r in enumerate(live)
-                if r.failed or len(r.output) >= r.max_new_tokens or r.output[-1] in stops]
+        done = [
+            i
+            for i, r in enumerate(live)
+            if r.failed or len(r.output) >= r.max_new_tokens or r.output[-1] in stops
+        ]
         # Descending, so the request moved from the end is never one still to be retired.
         for row in reversed(done):
             last = len(live) - 1
@@ -438,8 +459,9 @@ def _token_id(value: Any, what: str) -> int:
     try:
         return operator.index(value)
     except TypeError:
-        raise InputError(f"{what} must be integers, got {value!r} ({type(value).__name__})"
-                         ) from None
+        raise InputError(
+            f"{what} must be integers, got {value!r} ({type(value).__name__})"
+        ) from None
 
 
 def step_pad_rule(scratch_slot: int) -> tuple[int, int, int]:

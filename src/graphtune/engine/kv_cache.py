@@ -54,8 +54,13 @@ class KVCache:
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
         self.scratch_slot = max_batch_size
-        shape = (config.num_layers, max_batch_size + 1, config.num_kv_heads, max_seq_len,
-                 config.dim_per_head)
+        shape = (
+            config.num_layers,
+            max_batch_size + 1,
+            config.num_kv_heads,
+            max_seq_len,
+            config.dim_per_head,
+        )
         # Zeros, not empty: a padded row reads position 0 of the scratch slot and stale NaN bit
         # patterns there would be harmless but confusing in a debugger.
         self.k = torch.zeros(shape, device=device, dtype=dtype)

@@ -58,8 +58,9 @@ class _TensorSource:
     def has(self, name: str) -> bool:
         return name in self.files
 
-    def get(self, name: str, shape: tuple[int, ...],
-            part: tuple[int, int, int] | None = None) -> torch.Tensor:
+    def get(
+        self, name: str, shape: tuple[int, ...], part: tuple[int, int, int] | None = None
+    ) -> torch.Tensor:
         """Returns tensor ``name`` after checking it exists and has ``shape``.
 
         With ``part = (dim, rank, parts)`` only slice ``rank`` of ``parts`` equal slices along
@@ -133,26 +134,31 @@ def load_checkpoint(
     rows = (0, parallel.rank, tp) if parallel is not None and tp > 1 else None
     cols = (1, parallel.rank, tp) if parallel is not None and tp > 1 else None
 
-    def get(name: str, shape: tuple[int, ...], part: tuple[int, int, int] | None = None
-            ) -> torch.Tensor:
+    def get(
+        name: str, shape: tuple[int, ...], part: tuple[int, int, int] | None = None
+    ) -> torch.Tensor:
         return source.get(name, shape, part).to(device=device, dtype=dtype)
 
     layers = []
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
         attn = p + "self_attn."
-        wqkv = torch.cat([
-            get(attn + "q_proj.weight", (config.q_size, d), rows),
-            get(attn + "k_proj.weight", (config.kv_size, d), rows),
-            get(attn + "v_proj.weight", (config.kv_size, d), rows),
-        ])
+        wqkv = torch.cat(
+            [
+                get(attn + "q_proj.weight", (config.q_size, d), rows),
+                get(attn + "k_proj.weight", (config.kv_size, d), rows),
+                get(attn + "v_proj.weight", (config.kv_size, d), rows),
+            ]
+        )
         bqkv = None
         if config.attention_bias:
-            bqkv = torch.cat([
-                get(attn + "q_proj.bias", (config.q_size,), rows),
-                get(attn + "k_proj.bias", (config.kv_size,), rows),
-                get(attn + "v_proj.bias", (config.kv_size,), rows),
-            ])
+            bqkv = torch.cat(
+                [
+                    get(attn + "q_proj.bias", (config.q_size,), rows),
+                    get(attn + "k_proj.bias", (config.kv_size,), rows),
+                    get(attn + "v_proj.bias", (config.kv_size,), rows),
+                ]
+            )
         layers.append(
             LayerWeights(
                 attn_norm=get(p + "input_layernorm.weight", (d,)),
@@ -160,10 +166,12 @@ def load_checkpoint(
                 bqkv=bqkv,
                 wo=get(attn + "o_proj.weight", (d, config.q_size), cols),
                 mlp_norm=get(p + "post_attention_layernorm.weight", (d,)),
-                w_gate_up=torch.cat([
-                    get(p + "mlp.gate_proj.weight", (inter, d), rows),
-                    get(p + "mlp.up_proj.weight", (inter, d), rows),
-                ]),
+                w_gate_up=torch.cat(
+                    [
+                        get(p + "mlp.gate_proj.weight", (inter, d), rows),
+                        get(p + "mlp.up_proj.weight", (inter, d), rows),
+                    ]
+                ),
                 w_down=get(p + "mlp.down_proj.weight", (d, inter), cols),
             )
         )
@@ -188,8 +196,13 @@ def load_checkpoint(
         model.global_config = config
         model.parallel = parallel
         model.source = f"{folder} [tp rank {parallel.rank}/{tp}]"
-    logger.info("loaded %s (%s, %d layers) from %s", config.name, config.architecture,
-                config.num_layers, folder)
+    logger.info(
+        "loaded %s (%s, %d layers) from %s",
+        config.name,
+        config.architecture,
+        config.num_layers,
+        folder,
+    )
     return model
 
 
@@ -251,6 +264,7 @@ def load_model(
     if path.is_dir():
         return load_checkpoint(path, device=device, dtype=dtype)
     if str(spec) in PRESETS or not path.exists():
-        return random_model(get_preset(str(spec)), seed=seed, device=device,
-                            dtype=dtype or torch.float32)
+        return random_model(
+            get_preset(str(spec)), seed=seed, device=device, dtype=dtype or torch.float32
+        )
     raise CheckpointError(f"{spec} is not a folder; pass a checkpoint folder or a preset name")

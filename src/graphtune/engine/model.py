@@ -89,8 +89,9 @@ class DecoderModel:
         """Floating dtype of the weights."""
         return self.embed.dtype
 
-    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None
-           ) -> DecoderModel:
+    def to(
+        self, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+    ) -> DecoderModel:
         """Moves and casts every weight in place (keeps tied embeddings tied) and returns self."""
         tied = self.lm_head is self.embed
 
@@ -135,8 +136,8 @@ def rope_inv_freq(config: ModelConfig, device: torch.device | str | None = None)
     dim = config.dim_per_head
     base = config.rope_theta
     inv_freq = 1.0 / (
-        base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float)
-                 / dim)
+        base
+        ** (torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim)
     )
     scaling = config.rope_scaling
     if scaling is None:
@@ -187,8 +188,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return rotate(x, cos, sin, signed_sin=False)
 
 
-def apply_rope_signed(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
-                      ) -> torch.Tensor:
+def apply_rope_signed(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """:func:`apply_rope` with the rotate-half sign folded into ``signed_sin``: three kernels.
 
     Queries and keys can go through one call when they are viewed as one

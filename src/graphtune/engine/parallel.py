@@ -104,12 +104,16 @@ def check_shardable(config: ModelConfig, tp: int) -> None:
     """
     if tp < 1:
         raise ConfigError(f"tensor-parallel degree must be >= 1, got {tp}")
-    sizes = {"num_heads": config.num_heads, "num_kv_heads": config.num_kv_heads,
-             "intermediate_size": config.intermediate_size}
+    sizes = {
+        "num_heads": config.num_heads,
+        "num_kv_heads": config.num_kv_heads,
+        "intermediate_size": config.intermediate_size,
+    }
     broken = [f"{name} ({value})" for name, value in sizes.items() if value % tp]
     if broken:
-        valid = [n for n in range(1, config.num_heads + 1)
-                 if all(v % n == 0 for v in sizes.values())]
+        valid = [
+            n for n in range(1, config.num_heads + 1) if all(v % n == 0 for v in sizes.values())
+        ]
         raise ConfigError(
             f"{config.name} cannot be split over tp={tp} ranks: {', '.join(broken)} not divisible "
             f"by {tp}. Each rank must own whole query heads, whole KV heads (KV-head replication "
@@ -121,8 +125,10 @@ def shard_config(config: ModelConfig, tp: int) -> ModelConfig:
     """The per-rank shape: heads, KV heads and intermediate size divided by ``tp``."""
     check_shardable(config, tp)
     return config.replace(
-        num_heads=config.num_heads // tp, num_kv_heads=config.num_kv_heads // tp,
-        intermediate_size=config.intermediate_size // tp, head_dim=config.dim_per_head,
+        num_heads=config.num_heads // tp,
+        num_kv_heads=config.num_kv_heads // tp,
+        intermediate_size=config.intermediate_size // tp,
+        head_dim=config.dim_per_head,
     )
 
 
@@ -163,20 +169,28 @@ def shard_model(model: DecoderModel, parallel: ParallelContext) -> DecoderModel:
     layers = []
     for layer in model.layers:
         gate, up = layer.w_gate_up.chunk(2)
-        layers.append(LayerWeights(
-            attn_norm=layer.attn_norm,
-            wqkv=qkv(layer.wqkv),
-            bqkv=None if layer.bqkv is None else qkv(layer.bqkv),
-            wo=cols(layer.wo),
-            mlp_norm=layer.mlp_norm,
-            w_gate_up=torch.cat([_rows(gate, rank, tp), _rows(up, rank, tp)]).contiguous(),
-            w_down=cols(layer.w_down),
-        ))
+        layers.append(
+            LayerWeights(
+                attn_norm=layer.attn_norm,
+                wqkv=qkv(layer.wqkv),
+                bqkv=None if layer.bqkv is None else qkv(layer.bqkv),
+                wo=cols(layer.wo),
+                mlp_norm=layer.mlp_norm,
+                w_gate_up=torch.cat([_rows(gate, rank, tp), _rows(up, rank, tp)]).contiguous(),
+                w_down=cols(layer.w_down),
+            )
+        )
     return DecoderModel(
-        config=local, embed=model.embed, layers=layers, final_norm=model.final_norm,
-        lm_head=model.lm_head, tokenizer=model.tokenizer,
-        source=f"{model.source} [tp rank {rank}/{tp}]", extras=dict(model.extras),
-        parallel=parallel, global_config=cfg,
+        config=local,
+        embed=model.embed,
+        layers=layers,
+        final_norm=model.final_norm,
+        lm_head=model.lm_head,
+        tokenizer=model.tokenizer,
+        source=f"{model.source} [tp rank {rank}/{tp}]",
+        extras=dict(model.extras),
+        parallel=parallel,
+        global_config=cfg,
     )
 
 
@@ -200,17 +214,29 @@ class TensorParallelDecodeStep(DecodeStep):
 
     tensor_parallel = True
 
-    def __init__(self, model: DecoderModel, cache: KVCache, *, contiguous_slots: bool = False,
-                 tuner: Any = None, reducer: AllReduce | None = None) -> None:
+    def __init__(
+        self,
+        model: DecoderModel,
+        cache: KVCache,
+        *,
+        contiguous_slots: bool = False,
+        tuner: Any = None,
+        reducer: AllReduce | None = None,
+    ) -> None:
         if model.parallel is None:
-            raise ConfigError("TensorParallelDecodeStep needs a sharded model (load_model(..., "
-                              "parallel=ParallelContext(...)) or shard_model)")
+            raise ConfigError(
+                "TensorParallelDecodeStep needs a sharded model (load_model(..., "
+                "parallel=ParallelContext(...)) or shard_model)"
+            )
         super().__init__(model, cache, contiguous_slots=contiguous_slots, tuner=tuner)
         self.parallel: ParallelContext = model.parallel
         if reducer is None:
             reducer = make_all_reduce(
-                self.parallel, max_rows=cache.max_batch_size, hidden=model.config.hidden_size,
-                dtype=model.dtype, device=model.device,
+                self.parallel,
+                max_rows=cache.max_batch_size,
+                hidden=model.config.hidden_size,
+                dtype=model.dtype,
+                device=model.device,
             )
         self.reducer: AllReduce = reducer
         # Rank 0 keeps the residual in the row-parallel GEMMs; the others overwrite x with their
@@ -230,9 +256,14 @@ class TensorParallelDecodeStep(DecodeStep):
         """Sums a row-parallel GEMM's partial output over the ranks (in place)."""
         return self.reducer.reduce(partial)
 
-    def project_add_norm(self, a: torch.Tensor, weight: torch.Tensor, x: torch.Tensor,
-                         norm_weight: torch.Tensor, parity: int
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    def project_add_norm(
+        self,
+        a: torch.Tensor,
+        weight: torch.Tensor,
+        x: torch.Tensor,
+        norm_weight: torch.Tensor,
+        parity: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's slice of the projection (tuned GEMM), written where the all-reduce wants
         it, then the all-reduce, the residual add and the RMSNorm: one fused kernel when the
         reducer offers it, else the all-reduce and the tuned add + RMSNorm."""
@@ -245,14 +276,16 @@ class TensorParallelDecodeStep(DecodeStep):
         if staged is not None:
             partial = gemm(a, weight, out=staged, tuner=self.tuner, max_m=self.max_m)
             return self.reducer.reduce_add_rms_norm(partial, x, norm_weight, eps)
-        partial = gemm(a, weight, out=self.reducer.staging(rows), tuner=self.tuner,
-                       max_m=self.max_m)
+        partial = gemm(
+            a, weight, out=self.reducer.staging(rows), tuner=self.tuner, max_m=self.max_m
+        )
         delta = self.reducer.reduce(partial)
         return fused_add_rms_norm(delta, norm_weight, eps, x, tuner=self.tuner, max_m=self.max_m)
 
 
-def init_from_torchrun(tp: int, device: torch.device, all_reduce_backend: str = "auto"
-                       ) -> tuple[ParallelContext, torch.device]:
+def init_from_torchrun(
+    tp: int, device: torch.device, all_reduce_backend: str = "auto"
+) -> tuple[ParallelContext, torch.device]:
     """Initialises the default process group from torchrun's environment for ``--tp tp``.
 
     On CUDA the group has NCCL for CUDA tensors and gloo for CPU tensors (``cpu:gloo,cuda:nccl``;

@@ -67,8 +67,14 @@ class DecodeStep:
     #: The ParallelContext of a tensor-parallel step; ``None`` here.
     parallel: Any = None
 
-    def __init__(self, model: DecoderModel, cache: KVCache, *, contiguous_slots: bool = False,
-                 tuner: Any = None) -> None:
+    def __init__(
+        self,
+        model: DecoderModel,
+        cache: KVCache,
+        *,
+        contiguous_slots: bool = False,
+        tuner: Any = None,
+    ) -> None:
         cfg = model.config
         if model.parallel is not None and not self.tensor_parallel:
             raise ConfigError(
@@ -110,8 +116,9 @@ class DecodeStep:
             visible = visible & (keys > pos - window)
         return torch.where(visible, self.zero, self.neg_inf)[:, None, None, :]
 
-    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
-                 ) -> torch.Tensor:
+    def __call__(
+        self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
+    ) -> torch.Tensor:
         """Runs one step and returns logits ``[B, vocab]`` in the model dtype.
 
         Args:
@@ -132,8 +139,9 @@ class DecodeStep:
         sin = self.signed_sin.index_select(0, positions)[:, None, :]
         mask = self.mask(positions)
         # Row of (slot, kv_head, position) in the flattened cache, shared by all layers.
-        write_rows = ((slots[:, None] * kv_heads + self.kv_head_index[None, :]) * seq
-                      + positions[:, None]).reshape(-1)
+        write_rows = (
+            (slots[:, None] * kv_heads + self.kv_head_index[None, :]) * seq + positions[:, None]
+        ).reshape(-1)
 
         # Kernel count per layer matters as much as kernel speed at small batch (every launch
         # costs about a microsecond even inside a graph): queries and keys share one RoPE pass,
@@ -178,9 +186,14 @@ class DecodeStep:
         """Combines a row-parallel GEMM's partial output across ranks (prefill); identity here."""
         return partial
 
-    def project_add_norm(self, a: torch.Tensor, weight: torch.Tensor, x: torch.Tensor,
-                         norm_weight: torch.Tensor, parity: int
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    def project_add_norm(
+        self,
+        a: torch.Tensor,
+        weight: torch.Tensor,
+        x: torch.Tensor,
+        norm_weight: torch.Tensor,
+        parity: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The tuned step's output projection and the norm after it: ``x + a @ weight.T`` and
         its RMSNorm, as ``(normed, new x)``, through the tuner's GEMM and add + RMSNorm picks.
 
@@ -191,11 +204,18 @@ class DecodeStep:
         from graphtune.ops import fused_add_rms_norm, gemm
 
         delta = gemm(a, weight, tuner=self.tuner, max_m=self.max_m)
-        return fused_add_rms_norm(delta, norm_weight, self.model.config.rms_norm_eps, x,
-                                  tuner=self.tuner, max_m=self.max_m)
+        return fused_add_rms_norm(
+            delta,
+            norm_weight,
+            self.model.config.rms_norm_eps,
+            x,
+            tuner=self.tuner,
+            max_m=self.max_m,
+        )
 
-    def _tuned(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
-               ) -> torch.Tensor:
+    def _tuned(
+        self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
+    ) -> torch.Tensor:
         """The step through :mod:`graphtune.ops` with the tuner's picks (same math as above).
 
         The residual adds ride in the add + RMSNorm that follows each output projection
@@ -213,20 +233,34 @@ class DecodeStep:
 
         x = F.embedding(tokens, model.embed)
         mask = self.mask(positions)
-        write_rows = ((slots[:, None] * kv_heads + self.kv_head_index[None, :]) * seq
-                      + positions[:, None]).reshape(-1)
+        write_rows = (
+            (slots[:, None] * kv_heads + self.kv_head_index[None, :]) * seq + positions[:, None]
+        ).reshape(-1)
         attend = None  # (runner, tactic) of decode attention, chosen once per step
-        h, x = fused_add_rms_norm(x, model.layers[0].attn_norm, cfg.rms_norm_eps, tuner=tuner,
-                                  max_m=max_m)
+        h, x = fused_add_rms_norm(
+            x, model.layers[0].attn_norm, cfg.rms_norm_eps, tuner=tuner, max_m=max_m
+        )
         for index, layer in enumerate(model.layers):
             # The norm that follows each projection: the next layer's, the final one at the end.
-            next_norm = (model.layers[index + 1].attn_norm if index + 1 < len(model.layers)
-                         else model.final_norm)
+            next_norm = (
+                model.layers[index + 1].attn_norm
+                if index + 1 < len(model.layers)
+                else model.final_norm
+            )
             qkv = gemm(h, layer.wqkv, layer.bqkv, tuner=tuner, max_m=max_m)
             q = rope_kv_cache(
-                qkv, positions, self.cos, self.signed_sin, self.k_flat[index],
-                self.v_flat[index], write_rows, num_heads=heads, num_kv_heads=kv_heads,
-                signed_sin=True, tuner=tuner, max_m=max_m,
+                qkv,
+                positions,
+                self.cos,
+                self.signed_sin,
+                self.k_flat[index],
+                self.v_flat[index],
+                write_rows,
+                num_heads=heads,
+                num_kv_heads=kv_heads,
+                signed_sin=True,
+                tuner=tuner,
+                max_m=max_m,
             )
             if self.contiguous_slots:
                 keys = self.cache.k_layers[index][:batch]
@@ -237,13 +271,16 @@ class DecodeStep:
             inputs = [q.reshape(batch, kv_heads, self.groups, dim), keys, values, mask]
             if attend is None:
                 # Every layer has the same shapes: one look-up per step (~10 us of host time).
-                attend = tuner.choose_one(attention_op.OP_NAME, attention_op.RUNNERS,
-                                          self._attention_config, inputs)
+                attend = tuner.choose_one(
+                    attention_op.OP_NAME, attention_op.RUNNERS, self._attention_config, inputs
+                )
             attn = attend[0].forward(inputs, attend[1])
-            h, x = self.project_add_norm(attn.reshape(batch, heads * dim), layer.wo, x,
-                                         layer.mlp_norm, 0)
-            act = silu_and_mul(gemm(h, layer.w_gate_up, tuner=tuner, max_m=max_m),
-                               tuner=tuner, max_m=max_m)
+            h, x = self.project_add_norm(
+                attn.reshape(batch, heads * dim), layer.wo, x, layer.mlp_norm, 0
+            )
+            act = silu_and_mul(
+                gemm(h, layer.w_gate_up, tuner=tuner, max_m=max_m), tuner=tuner, max_m=max_m
+            )
             h, x = self.project_add_norm(act, layer.w_down, x, next_norm, 1)
         return gemm(h, model.lm_head, tuner=tuner, max_m=max_m)
 
@@ -291,7 +328,8 @@ def prefill(
             attn_mask=mask,
         )
         x = x + step.reduce_partial(
-            F.linear(attn.transpose(0, 1).reshape(length, heads * dim), layer.wo))
+            F.linear(attn.transpose(0, 1).reshape(length, heads * dim), layer.wo)
+        )
         h = rms_norm(x, layer.mlp_norm, eps)
         x = x + step.reduce_partial(F.linear(swiglu(F.linear(h, layer.w_gate_up)), layer.w_down))
     if not all_logits:

@@ -59,7 +59,7 @@ class CudaGraphBackend:
     to one workspace per device instead of one per runner.
     """
 
-    device_type = "cuda"
+    device_type: str | None = "cuda"
 
     def __init__(self) -> None:
         self._streams: dict[int, torch.cuda.Stream] = {}
@@ -211,7 +211,7 @@ class SimulatedGraphBackend:
         fail_message: Text of the simulated capture error.
     """
 
-    device_type = None
+    device_type: str | None = None
 
     def __init__(
         self,

@@ -65,6 +65,8 @@ def _pad_filler(rule: PadRule | None, pad_rows: torch.Tensor, real_rows: torch.T
         return functools.partial(pad_rows.copy_, real_rows[0:1].expand_as(pad_rows))
     if isinstance(rule, numbers.Number):
         return functools.partial(pad_rows.fill_, rule)
+    if not callable(rule):
+        raise ConfigError(f"pad rule {rule!r} is not 'zeros', 'repeat', a number or a callable")
     return functools.partial(rule, pad_rows, real_rows)
 
 
@@ -299,7 +301,7 @@ class StaticInputs:
 
 
 def _find_batch_index(leaves: list, is_tensor: list[bool], explicit: list) -> int | None:
-    """The first tensor with a leading dim that is not marked non-batched (DESIGN.md's rule)."""
+    """The first tensor with a leading dim that is not marked non-batched (docs/graph-runner.md)."""
     for index, (leaf, tensor, flag) in enumerate(zip(leaves, is_tensor, explicit, strict=True)):
         if tensor and flag is not False and leaf.dim() >= 1:
             return index

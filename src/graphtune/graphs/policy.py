@@ -141,7 +141,9 @@ def padding_table(sizes: Sequence[int]) -> tuple[int, ...]:
     largest = sizes[-1]
     table = [0] * (largest + 1)
     for n in range(1, largest + 1):
-        table[n] = padded_size(n, sizes)  # type: ignore[call-overload]
+        size = padded_size(n, sizes)
+        assert size is not None  # n <= largest
+        table[n] = size
     return tuple(table)
 
 

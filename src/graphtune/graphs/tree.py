@@ -101,6 +101,7 @@ class TreeSpec:
                 return items
             if self.type is tuple:
                 return tuple(items)
+            assert self.type is not None
             return self.type(*items)  # namedtuple
         mapping_type = self.type if self.type in (dict, OrderedDict) else dict
         return mapping_type(zip(self.keys, items, strict=True))

@@ -23,9 +23,21 @@ import triton.language as tl
 
 @triton.jit
 def allreduce_add_rms_norm_kernel(
-    part_ptr, deltas_ptr, pad_ptr, pad_deltas_ptr, res_ptr, w_ptr, out_ptr,
-    rank, N, stride_p, stride_r, stride_o, eps,
-    WORLD: tl.constexpr, BLOCK: tl.constexpr,
+    part_ptr,
+    deltas_ptr,
+    pad_ptr,
+    pad_deltas_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    rank,
+    N,
+    stride_p,
+    stride_r,
+    stride_o,
+    eps,
+    WORLD: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """One row: ``d = to_dtype(sum over ranks of part)``; ``s = to_dtype(res + d)`` written back to
     ``res``; ``out = to_dtype(s * rsqrt(mean(s^2) + eps) * w)``.
@@ -52,7 +64,7 @@ def allreduce_add_rms_norm_kernel(
     for peer in tl.static_range(WORLD):
         acc += tl.load(part_row + tl.load(deltas_ptr + peer), mask=mask, other=0.0).to(tl.float32)
     r_row = res_ptr + row.to(tl.int64) * stride_r + cols
-    s = (tl.load(r_row, mask=mask, other=0.0).to(tl.float32) + acc.to(dtype).to(tl.float32))
+    s = tl.load(r_row, mask=mask, other=0.0).to(tl.float32) + acc.to(dtype).to(tl.float32)
     s = s.to(dtype)
     tl.store(r_row, s, mask=mask)
     sf = s.to(tl.float32)

@@ -30,12 +30,31 @@ import triton.language as tl
 
 @triton.jit
 def gemv_kernel(
-    a_ptr, w_ptr, bias_ptr, res_ptr, out_ptr,
-    M, N, K_PER_SPLIT,
-    stride_am, stride_ak, stride_wn, stride_wk, stride_rm, stride_rn,
-    stride_os, stride_om, stride_on,
-    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
-    DEFER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    a_ptr,
+    w_ptr,
+    bias_ptr,
+    res_ptr,
+    out_ptr,
+    M,
+    N,
+    K_PER_SPLIT,
+    stride_am,
+    stride_ak,
+    stride_wn,
+    stride_wk,
+    stride_rm,
+    stride_rn,
+    stride_os,
+    stride_om,
+    stride_on,
+    HAS_BIAS: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    DEFER: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """``out = a @ w.T (+ bias) (+ res)`` for ``a [M, K]``, ``w [N, K]``, without ``tl.dot``.
 

@@ -15,12 +15,32 @@ import triton.language as tl
 
 @triton.jit
 def gemm_kernel(
-    a_ptr, w_ptr, bias_ptr, res_ptr, out_ptr,
-    M, N, K, K_PER_SPLIT,
-    stride_am, stride_ak, stride_wn, stride_wk, stride_rm, stride_rn,
-    stride_os, stride_om, stride_on,
-    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
-    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    a_ptr,
+    w_ptr,
+    bias_ptr,
+    res_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    K_PER_SPLIT,
+    stride_am,
+    stride_ak,
+    stride_wn,
+    stride_wk,
+    stride_rm,
+    stride_rn,
+    stride_os,
+    stride_om,
+    stride_on,
+    HAS_BIAS: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """``out = a @ w.T (+ bias) (+ res)`` for ``a [M, K]``, ``w [N, K]``; split ``s``.
 
@@ -81,8 +101,16 @@ def gemm_kernel(
 
 @triton.jit
 def splitk_reduce_kernel(
-    part_ptr, bias_ptr, res_ptr, out_ptr, MN, N,
-    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
+    part_ptr,
+    bias_ptr,
+    res_ptr,
+    out_ptr,
+    MN,
+    N,
+    HAS_BIAS: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """``out = sum_s part[s] (+ bias) (+ res)``; ``part [SPLIT_K, M, N]`` float32, ``res`` and
     ``out`` contiguous ``[M, N]`` (``out`` may be ``res``)."""
@@ -100,9 +128,20 @@ def splitk_reduce_kernel(
 
 @triton.jit
 def rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
-    N, stride_x, stride_r, stride_o, stride_ro, eps,
-    HAS_RES: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    res_out_ptr,
+    N,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_ro,
+    eps,
+    HAS_RES: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ONE_PASS: tl.constexpr,
 ):
     """One row: ``s = x (+ res)``; ``out = to_dtype(s * rsqrt(mean(s^2) + eps) * w)``.
 
@@ -158,7 +197,11 @@ def rms_norm_kernel(
 
 @triton.jit
 def silu_and_mul_kernel(
-    x_ptr, out_ptr, INTER, stride_x, stride_o,
+    x_ptr,
+    out_ptr,
+    INTER,
+    stride_x,
+    stride_o,
     BLOCK: tl.constexpr,
 ):
     """``out[:, j] = silu(x[:, j]) * x[:, INTER + j]`` with torch's two roundings."""
@@ -174,10 +217,26 @@ def silu_and_mul_kernel(
 
 @triton.jit
 def rope_kv_kernel(
-    qkv_ptr, pos_ptr, cos_ptr, sin_ptr, rows_ptr, q_out_ptr, k_ptr, v_ptr,
-    stride_qkv, stride_cos, stride_sin, stride_k, stride_v,
-    NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
-    HALF_BLOCK: tl.constexpr, HEADS_PER_PROG: tl.constexpr, SIGNED_SIN: tl.constexpr,
+    qkv_ptr,
+    pos_ptr,
+    cos_ptr,
+    sin_ptr,
+    rows_ptr,
+    q_out_ptr,
+    k_ptr,
+    v_ptr,
+    stride_qkv,
+    stride_cos,
+    stride_sin,
+    stride_k,
+    stride_v,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_BLOCK: tl.constexpr,
+    HEADS_PER_PROG: tl.constexpr,
+    SIGNED_SIN: tl.constexpr,
 ):
     """Rotary embedding of q and k for one token, and the K/V cache write, in one pass.
 
@@ -211,10 +270,14 @@ def rope_kv_kernel(
         o1 = ((x1 * c1[None, :]).to(dtype).to(tl.float32) + x2 * s1[None, :]).to(dtype)
         o2 = ((x2 * c2[None, :]).to(dtype).to(tl.float32) + x1 * s2[None, :]).to(dtype)
     else:
-        o1 = ((x1 * c1[None, :]).to(dtype).to(tl.float32)
-              + (-x2 * s1[None, :]).to(dtype).to(tl.float32)).to(dtype)
-        o2 = ((x2 * c2[None, :]).to(dtype).to(tl.float32)
-              + (x1 * s2[None, :]).to(dtype).to(tl.float32)).to(dtype)
+        o1 = (
+            (x1 * c1[None, :]).to(dtype).to(tl.float32)
+            + (-x2 * s1[None, :]).to(dtype).to(tl.float32)
+        ).to(dtype)
+        o2 = (
+            (x2 * c2[None, :]).to(dtype).to(tl.float32)
+            + (x1 * s2[None, :]).to(dtype).to(tl.float32)
+        ).to(dtype)
     is_q = heads < NUM_HEADS
     q_dst = q_out_ptr + (b * NUM_HEADS + heads)[:, None] * HEAD_DIM + cols[None, :]
     q_mask = mask & is_q[:, None]
@@ -237,14 +300,36 @@ def rope_kv_kernel(
 
 @triton.jit
 def decode_attention_kernel(
-    q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, ws_ptr,
-    KV, G, S, qk_scale,
-    stride_qb, stride_qh, stride_qg, stride_qd,
-    stride_kb, stride_kh, stride_ks, stride_kd,
-    stride_vb, stride_vh, stride_vs, stride_vd,
-    stride_mb, stride_ms,
-    SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr, SCAN_BLOCK: tl.constexpr, IEEE: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    mask_ptr,
+    out_ptr,
+    ws_ptr,
+    KV,
+    G,
+    S,
+    qk_scale,
+    stride_qb,
+    stride_qh,
+    stride_qg,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_ks,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vs,
+    stride_vd,
+    stride_mb,
+    stride_ms,
+    SPLITS: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SCAN_BLOCK: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     """Flash-decoding: program ``(b * KV + h, split)`` attends ``G`` query rows of one KV head.
 
@@ -288,17 +373,32 @@ def decode_attention_kernel(
     begin = lo + split * per_split
     end = tl.minimum(begin + per_split, hi)
 
-    q_ptrs = (q_ptr + b * stride_qb + h * stride_qh + rows[:, None] * stride_qg
-              + dims[None, :] * stride_qd)
+    q_ptrs = (
+        q_ptr
+        + b * stride_qb
+        + h * stride_qh
+        + rows[:, None] * stride_qg
+        + dims[None, :] * stride_qd
+    )
     q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
     # Tile pointers start at `begin` and advance by BLOCK_N keys (fewer registers than
     # recomputing [D, BLOCK_N] 64-bit addresses per tile).
     tile = tl.arange(0, BLOCK_N)
     first = begin.to(tl.int64)
-    k_ptrs = (k_ptr + b * stride_kb + h * stride_kh + dims[:, None] * stride_kd
-              + (first + tile[None, :]) * stride_ks)
-    v_ptrs = (v_ptr + b * stride_vb + h * stride_vh + dims[None, :] * stride_vd
-              + (first + tile[:, None]) * stride_vs)
+    k_ptrs = (
+        k_ptr
+        + b * stride_kb
+        + h * stride_kh
+        + dims[:, None] * stride_kd
+        + (first + tile[None, :]) * stride_ks
+    )
+    v_ptrs = (
+        v_ptr
+        + b * stride_vb
+        + h * stride_vh
+        + dims[None, :] * stride_vd
+        + (first + tile[:, None]) * stride_vs
+    )
     m_ptrs = mask_row + (first + tile) * stride_ms
     m_i = tl.zeros((BLOCK_G,), dtype=tl.float32) - 1.0e30
     l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
@@ -343,8 +443,11 @@ def decode_attention_kernel(
 
 @triton.jit
 def decode_attention_combine_kernel(
-    ws_ptr, out_ptr, G,
-    SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    ws_ptr,
+    out_ptr,
+    G,
+    SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
 ):
     """Merges the ``SPLITS`` partials of one query row (program ``(b * KV + h) * G + g``).
 

@@ -147,10 +147,14 @@ def check_block_tactic(owner: str, tactic: Any) -> None:
     ok = isinstance(tactic, dict) and set(tactic) == {"block", "warps"}
     if ok:
         block, warps = tactic["block"], tactic["warps"]
-        ok = all(
-            isinstance(v, int) and not isinstance(v, bool) and v >= 1 and v & (v - 1) == 0
-            for v in (block, warps)
-        ) and warps <= 32 and block >= 16
+        ok = (
+            all(
+                isinstance(v, int) and not isinstance(v, bool) and v >= 1 and v & (v - 1) == 0
+                for v in (block, warps)
+            )
+            and warps <= 32
+            and block >= 16
+        )
     if not ok:
         raise ConfigError(
             f"{owner}: a tactic is {{'block': power of two >= 16, 'warps': power of two <= 32}} "
@@ -329,6 +333,10 @@ class TritonRunner(TunableRunner):
         failed = sum(1 for v in report.values() if v is not None)
         logger.debug(
             "%s: compiled %d tactics in %.2f s with %d threads (%d failed)",
-            type(self).__name__, len(todo), elapsed, workers, failed,
+            type(self).__name__,
+            len(todo),
+            elapsed,
+            workers,
+            failed,
         )
         return report

@@ -107,8 +107,13 @@ class TritonSiluAndMulRunner(TritonRunner):
         block = tactic["block"]
         grid = (rows, (inter + block - 1) // block)
         args = (x, out, inter, x.stride(0), out.stride(0))
-        run_kernel(kernels().silu_and_mul_kernel, grid, args,
-                   dict(BLOCK=block, num_warps=tactic["warps"]), warmup)
+        run_kernel(
+            kernels().silu_and_mul_kernel,
+            grid,
+            args,
+            dict(BLOCK=block, num_warps=tactic["warps"]),
+            warmup,
+        )
         return out
 
 

@@ -52,8 +52,11 @@ def _sdpa_backends() -> dict[str, Any]:
     except ImportError:  # torch < 2.3: only the default dispatch is available
         return {}
     names = {"cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
-    return {tactic: getattr(SDPBackend, attr) for tactic, attr in names.items()
-            if hasattr(SDPBackend, attr)}
+    return {
+        tactic: getattr(SDPBackend, attr)
+        for tactic, attr in names.items()
+        if hasattr(SDPBackend, attr)
+    }
 
 
 class SdpaAttention(TunableRunner):
@@ -113,9 +116,16 @@ _MAX_GROUPS = 32  # query rows per KV head held in registers (GQA ratios are 1..
 _LOG2E = 1.4426950408889634
 
 
-def decode_attention_tactics(batch: int, kv_heads: int, seq: int, head_dim: int = 64, *,
-                             itemsize: int = 2, sm_count: int = _DEFAULT_SMS,
-                             smem_bytes: int = _DEFAULT_SMEM) -> list[dict[str, int]]:
+def decode_attention_tactics(
+    batch: int,
+    kv_heads: int,
+    seq: int,
+    head_dim: int = 64,
+    *,
+    itemsize: int = 2,
+    sm_count: int = _DEFAULT_SMS,
+    smem_bytes: int = _DEFAULT_SMEM,
+) -> list[dict[str, int]]:
     """Triton decode-attention tactics worth timing for one shape (at most 12).
 
     Rules:
@@ -173,8 +183,10 @@ def check_decode_tactic(tactic: Any) -> str | None:
     if any(v & (v - 1) for v in (block_n, splits, warps)):
         return f"block_n, splits and warps must be powers of two, got {tactic!r}"
     if block_n < 16 or splits > MAX_SPLITS or warps > 16 or tactic["stages"] > 5:
-        return (f"need block_n >= 16 (tl.dot), splits <= {MAX_SPLITS}, warps <= 16, "
-                f"stages <= 5, got {tactic!r}")
+        return (
+            f"need block_n >= 16 (tl.dot), splits <= {MAX_SPLITS}, warps <= 16, "
+            f"stages <= 5, got {tactic!r}"
+        )
     return None
 
 
@@ -182,8 +194,10 @@ def _layout_problem(inputs: list[Any]) -> str | None:
     """Why the Triton kernel cannot take these inputs, or ``None`` when it can."""
     q, keys, values, mask = inputs
     if q.dim() != 4 or keys.dim() != 4 or keys.shape != values.shape:
-        return (f"need q [B, KV, G, D] and keys == values [B, KV, S, D], got q "
-                f"{tuple(q.shape)}, keys {tuple(keys.shape)}, values {tuple(values.shape)}")
+        return (
+            f"need q [B, KV, G, D] and keys == values [B, KV, S, D], got q "
+            f"{tuple(q.shape)}, keys {tuple(keys.shape)}, values {tuple(values.shape)}"
+        )
     batch, kv_heads, groups, dim = q.shape
     if tuple(keys.shape[:2]) != (batch, kv_heads) or keys.shape[3] != dim:
         return f"keys {tuple(keys.shape)} do not match q {tuple(q.shape)} in B, KV or D"
@@ -191,8 +205,10 @@ def _layout_problem(inputs: list[Any]) -> str | None:
     if mask.dim() != 4 or mask.shape[0] not in (1, batch) or tuple(mask.shape[1:]) != (1, 1, seq):
         return f"need an additive mask [B or 1, 1, 1, S={seq}], got {tuple(mask.shape)}"
     if q.dtype not in _DTYPES or keys.dtype != q.dtype or values.dtype != q.dtype:
-        return (f"q, keys and values need one dtype of {_DTYPES}, got {q.dtype}, {keys.dtype}, "
-                f"{values.dtype}")
+        return (
+            f"q, keys and values need one dtype of {_DTYPES}, got {q.dtype}, {keys.dtype}, "
+            f"{values.dtype}"
+        )
     if not mask.dtype.is_floating_point:
         return f"the mask must be additive (a float dtype), got {mask.dtype}"
     if dim < 16 or dim > 256 or dim & (dim - 1):
@@ -222,13 +238,14 @@ class TritonDecodeAttention(TritonRunner):
         compile_workers: Threads for ahead-of-time compilation.
     """
 
-    def __init__(self, *, sm_count: int | None = None,
-                 compile_workers: int | None = None) -> None:
+    def __init__(self, *, sm_count: int | None = None, compile_workers: int | None = None) -> None:
         super().__init__(compile_workers=compile_workers)
-        if sm_count is not None and (isinstance(sm_count, bool) or not isinstance(sm_count, int)
-                                     or sm_count < 1):
-            raise ConfigError(f"TritonDecodeAttention: sm_count must be an int >= 1 or None, "
-                              f"got {sm_count!r}.")
+        if sm_count is not None and (
+            isinstance(sm_count, bool) or not isinstance(sm_count, int) or sm_count < 1
+        ):
+            raise ConfigError(
+                f"TritonDecodeAttention: sm_count must be an int >= 1 or None, got {sm_count!r}."
+            )
         self.sm_count = sm_count
 
     def cache_key_extras(self) -> tuple[Any, ...]:
@@ -244,10 +261,17 @@ class TritonDecodeAttention(TritonRunner):
         inputs' device (H100/H200 values off-GPU)."""
         q, keys = inputs[0], inputs[1]
         smem, sms = device_limits(q.device)
-        return list(decode_attention_tactics(
-            q.shape[0], q.shape[1], keys.shape[2], q.shape[3], itemsize=keys.element_size(),
-            sm_count=self.sm_count or sms, smem_bytes=smem,
-        ))
+        return list(
+            decode_attention_tactics(
+                q.shape[0],
+                q.shape[1],
+                keys.shape[2],
+                q.shape[3],
+                itemsize=keys.element_size(),
+                sm_count=self.sm_count or sms,
+                smem_bytes=smem,
+            )
+        )
 
     def torch_forward(self, inputs: list[Any]) -> torch.Tensor:
         """``F.scaled_dot_product_attention``: the fallback tactic."""
@@ -264,12 +288,15 @@ class TritonDecodeAttention(TritonRunner):
         """
         problem = _layout_problem(inputs)
         if problem is not None:
-            raise InputError(f"TritonDecodeAttention: {problem}; use tactic -1 (torch SDPA) or "
-                             "another runner for these inputs.")
+            raise InputError(
+                f"TritonDecodeAttention: {problem}; use tactic -1 (torch SDPA) or "
+                "another runner for these inputs."
+            )
         problem = check_decode_tactic(tactic)
         if problem is not None:
-            raise ConfigError(f"TritonDecodeAttention: {problem}; pick a tactic from "
-                              "get_valid_tactics.")
+            raise ConfigError(
+                f"TritonDecodeAttention: {problem}; pick a tactic from get_valid_tactics."
+            )
         q, keys, values, mask = inputs
         batch, kv_heads, groups, dim = q.shape
         seq = keys.shape[2]
@@ -278,26 +305,50 @@ class TritonDecodeAttention(TritonRunner):
             return out
         splits = tactic["splits"]
         # Float32 partials (acc, m, l) per split; with one split the kernel writes `out` itself.
-        ws = out if splits == 1 else torch.empty((batch * kv_heads, splits, groups, dim + 2),
-                                                 device=q.device, dtype=torch.float32)
+        ws = (
+            out
+            if splits == 1
+            else torch.empty(
+                (batch * kv_heads, splits, groups, dim + 2), device=q.device, dtype=torch.float32
+            )
+        )
         args = (
-            q, keys, values, mask, out, ws,
-            kv_heads, groups, seq, _LOG2E / math.sqrt(dim),
-            *q.stride(), *keys.stride(), *values.stride(),
-            mask.stride(0) if mask.shape[0] > 1 else 0, mask.stride(3),
+            q,
+            keys,
+            values,
+            mask,
+            out,
+            ws,
+            kv_heads,
+            groups,
+            seq,
+            _LOG2E / math.sqrt(dim),
+            *q.stride(),
+            *keys.stride(),
+            *values.stride(),
+            mask.stride(0) if mask.shape[0] > 1 else 0,
+            mask.stride(3),
         )
         meta = dict(
-            SPLITS=splits, BLOCK_G=max(16, next_power_of_two(groups)), HEAD_DIM=dim,
-            BLOCK_N=tactic["block_n"], SCAN_BLOCK=max(16, min(512, next_power_of_two(seq))),
+            SPLITS=splits,
+            BLOCK_G=max(16, next_power_of_two(groups)),
+            HEAD_DIM=dim,
+            BLOCK_N=tactic["block_n"],
+            SCAN_BLOCK=max(16, min(512, next_power_of_two(seq))),
             IEEE=q.dtype == torch.float32,
-            num_warps=tactic["warps"], num_stages=tactic["stages"],
+            num_warps=tactic["warps"],
+            num_stages=tactic["stages"],
         )
         kern = kernels()
         run_kernel(kern.decode_attention_kernel, (batch * kv_heads, splits), args, meta, warmup)
         if splits > 1:
-            run_kernel(kern.decode_attention_combine_kernel, (batch * kv_heads * groups,),
-                       (ws, out, groups), dict(SPLITS=splits, HEAD_DIM=dim, num_warps=2),
-                       warmup)
+            run_kernel(
+                kern.decode_attention_combine_kernel,
+                (batch * kv_heads * groups,),
+                (ws, out, groups),
+                dict(SPLITS=splits, HEAD_DIM=dim, num_warps=2),
+                warmup,
+            )
         return out
 
 
@@ -321,8 +372,15 @@ def _buckets(max_value: int) -> tuple[int, ...]:
     return power_of_two_buckets(max_value)
 
 
-def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                     mask: torch.Tensor, *, tuner: Any, config: TuningConfig) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    tuner: Any,
+    config: TuningConfig,
+) -> torch.Tensor:
     """Runs decode attention with the tuner's pick for this batch size (the fallback when untuned).
 
     Args:

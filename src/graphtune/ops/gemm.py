@@ -146,8 +146,14 @@ def gemm_tactics(
                 target = sm_count / tiles
                 splits += [s for s in SPLIT_K_CHOICES if target / 2 <= s <= target * 2]
             for split in splits:
-                tactic = {"bm": bm_value, "bn": bn, "bk": bk, "warps": warps,
-                          "stages": stages, "split_k": split}
+                tactic = {
+                    "bm": bm_value,
+                    "bn": bn,
+                    "bk": bk,
+                    "warps": warps,
+                    "stages": stages,
+                    "split_k": split,
+                }
                 ident = tuple(tactic.values())
                 if ident in seen or check_gemm_tactic(tactic, k) is not None:
                     continue
@@ -257,9 +263,15 @@ def kernel_operands(
     res = residual if residual is not None else a
     pointers = (a, weight, bias if bias is not None else a, res, target)
     strides = (
-        a.stride(0), a.stride(1), weight.stride(0), weight.stride(1),
-        res.stride(0), res.stride(1),
-        target.stride(0) if target.dim() == 3 else 0, target.stride(-2), target.stride(-1),
+        a.stride(0),
+        a.stride(1),
+        weight.stride(0),
+        weight.stride(1),
+        res.stride(0),
+        res.stride(1),
+        target.stride(0) if target.dim() == 3 else 0,
+        target.stride(-2),
+        target.stride(-1),
     )
     return pointers, strides
 
@@ -279,10 +291,21 @@ def reduce_split_k(
     split, m, n = partials.shape
     block = 1024
     placeholder = out  # unread pointer for an absent bias / residual (out's dtype, as theirs)
-    args = (partials, bias if bias is not None else placeholder,
-            residual if residual is not None else placeholder, out, m * n, n)
-    meta = dict(HAS_BIAS=bias is not None, HAS_RES=residual is not None, SPLIT_K=split,
-                BLOCK=block, num_warps=4)
+    args = (
+        partials,
+        bias if bias is not None else placeholder,
+        residual if residual is not None else placeholder,
+        out,
+        m * n,
+        n,
+    )
+    meta = dict(
+        HAS_BIAS=bias is not None,
+        HAS_RES=residual is not None,
+        SPLIT_K=split,
+        BLOCK=block,
+        num_warps=4,
+    )
     run_kernel(kernels().splitk_reduce_kernel, (math.ceil(m * n / block),), args, meta, warmup)
 
 
@@ -353,7 +376,9 @@ class TritonGemmRunner(TritonRunner):
         smem, sms = device_limits(a.device)
         return list(
             gemm_tactics(
-                a.shape[0], weight.shape[0], a.shape[1],
+                a.shape[0],
+                weight.shape[0],
+                a.shape[1],
                 itemsize=a.element_size(),
                 smem_bytes=self.smem_bytes or smem,
                 sm_count=self.sm_count or sms,
@@ -388,10 +413,16 @@ class TritonGemmRunner(TritonRunner):
         pointers, strides = kernel_operands(a, weight, bias, residual, target)
         args = (*pointers, m, n, k, k_per_split, *strides)
         meta = dict(
-            HAS_BIAS=bias is not None, HAS_RES=residual is not None, SPLIT_K=split,
+            HAS_BIAS=bias is not None,
+            HAS_RES=residual is not None,
+            SPLIT_K=split,
             EVEN_K=k_per_split % bk == 0,
-            IEEE=a.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-            num_warps=tactic["warps"], num_stages=tactic["stages"],
+            IEEE=a.dtype == torch.float32,
+            BLOCK_M=bm,
+            BLOCK_N=bn,
+            BLOCK_K=bk,
+            num_warps=tactic["warps"],
+            num_stages=tactic["stages"],
         )
         run_kernel(kernels().gemm_kernel, grid, args, meta, warmup)
         if split > 1:
@@ -563,8 +594,13 @@ class TunableLinear(nn.Module):
     ) -> TunableLinear:
         """A TunableLinear sharing ``linear``'s parameters (no copy)."""
         module = cls(
-            linear.in_features, linear.out_features, bias=linear.bias is not None,
-            device="meta", max_m=max_m, tuner=tuner, runners=runners,
+            linear.in_features,
+            linear.out_features,
+            bias=linear.bias is not None,
+            device="meta",
+            max_m=max_m,
+            tuner=tuner,
+            runners=runners,
         )
         module.weight = linear.weight
         module.bias = linear.bias

@@ -160,13 +160,15 @@ def gemv_tactics(
             programs = math.ceil(n / bn) * math.ceil(m / bm)
             splits = [1]
             if programs < 2 * sm_count:
-                splits += [s for s in SPLIT_K_CHOICES
-                           if k % (s * bk) == 0 and programs * s <= 4 * sm_count]
+                splits += [
+                    s for s in SPLIT_K_CHOICES if k % (s * bk) == 0 and programs * s <= 4 * sm_count
+                ]
             for w in warps:
                 for split in splits:
                     tactic = {"bn": bn, "bk": bk, "warps": w, "split_k": split}
                     if check_gemv_tactic(tactic, k) is None:
                         found[(split, w, bn, bk)] = tactic
+
     # Per-program fixed costs (address set-up, the final reduction, the stores) need a long
     # enough stream to hide behind; real decode shapes (K >= 2048) always pass this, toy ones
     # keep their longest-streaming tiles.
@@ -177,6 +179,7 @@ def gemv_tactics(
     longest = max(map(streamed, found), default=0)
     order = sorted(i for i in found if streamed(i) >= min(MIN_PROGRAM_BYTES, longest))
     if len(order) > max_tactics:
+
         def loop_length(ident: tuple[int, int, int, int]) -> int:
             split, _, _, bk = ident
             return math.ceil(k / (split * bk))
@@ -225,7 +228,9 @@ class TritonGemvRunner(TritonRunner):
         _, sms = device_limits(a.device)
         return list(
             gemv_tactics(
-                a.shape[0], weight.shape[0], a.shape[1],
+                a.shape[0],
+                weight.shape[0],
+                a.shape[1],
                 itemsize=a.element_size(),
                 sm_count=self.sm_count or sms,
                 max_tactics=self.max_tactics,
@@ -258,11 +263,17 @@ class TritonGemvRunner(TritonRunner):
         pointers, strides = kernel_operands(a, weight, bias, residual, target)
         args = (*pointers, m, n, k_per_split, *strides)
         meta = dict(
-            HAS_BIAS=bias is not None, HAS_RES=residual is not None, SPLIT_K=split,
-            EVEN_K=k_per_split % bk == 0, DEFER=defer_reduction(bm, bn, bk, warps),
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+            HAS_BIAS=bias is not None,
+            HAS_RES=residual is not None,
+            SPLIT_K=split,
+            EVEN_K=k_per_split % bk == 0,
+            DEFER=defer_reduction(bm, bn, bk, warps),
+            BLOCK_M=bm,
+            BLOCK_N=bn,
+            BLOCK_K=bk,
             # No tl.dot and a plain range loop: nothing to pipeline, so no shared-memory stages.
-            num_warps=warps, num_stages=1,
+            num_warps=warps,
+            num_stages=1,
         )
         grid = (math.ceil(m / bm) * math.ceil(n / bn), split)
         run_kernel(gemv_kernels().gemv_kernel, grid, args, meta, warmup)

@@ -63,8 +63,7 @@ def _unpack(inputs: list[Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
         )
     if residual is not None and residual.shape != x.shape:
         raise InputError(
-            f"rms_norm residual must have x's shape {tuple(x.shape)}, got "
-            f"{tuple(residual.shape)}."
+            f"rms_norm residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}."
         )
     return x, weight, residual, float(eps)
 
@@ -124,12 +123,24 @@ class TritonRMSNormRunner(TritonRunner):
             return out, res_out
         block = tactic["block"]
         args = (
-            x, residual if residual is not None else x, weight.contiguous(), out, res_out,
-            hidden, x.stride(0), residual.stride(0) if residual is not None else 0,
-            out.stride(0), res_out.stride(0), eps,
+            x,
+            residual if residual is not None else x,
+            weight.contiguous(),
+            out,
+            res_out,
+            hidden,
+            x.stride(0),
+            residual.stride(0) if residual is not None else 0,
+            out.stride(0),
+            res_out.stride(0),
+            eps,
         )
-        meta = dict(HAS_RES=residual is not None, BLOCK=block, ONE_PASS=block >= hidden,
-                    num_warps=tactic["warps"])
+        meta = dict(
+            HAS_RES=residual is not None,
+            BLOCK=block,
+            ONE_PASS=block >= hidden,
+            num_warps=tactic["warps"],
+        )
         run_kernel(kernels().rms_norm_kernel, (rows,), args, meta, warmup)
         return out, res_out
 

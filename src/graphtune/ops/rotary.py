@@ -52,8 +52,7 @@ CACHE_ROWS = 65536
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, signed_sin: bool
-           ) -> torch.Tensor:
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, signed_sin: bool) -> torch.Tensor:
     """Rotary embedding of the last dimension of ``x`` (Hugging Face's rotate-half convention).
 
     With ``signed_sin`` the first half of ``sin`` is already negated, which folds rotate-half's
@@ -177,9 +176,13 @@ def rope_tactics(num_heads: int, num_kv_heads: int, head_dim: int) -> list[dict[
 
 
 def _check_rope_tactic(tactic: Any) -> None:
-    ok = isinstance(tactic, dict) and set(tactic) == {"heads", "warps"} and all(
-        isinstance(v, int) and not isinstance(v, bool) and v >= 1 and v & (v - 1) == 0
-        for v in tactic.values()
+    ok = (
+        isinstance(tactic, dict)
+        and set(tactic) == {"heads", "warps"}
+        and all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 1 and v & (v - 1) == 0
+            for v in tactic.values()
+        )
     )
     if not ok:
         raise ConfigError(
@@ -228,13 +231,29 @@ class TritonRopeRunner(_RopeRunnerMixin, TritonRunner):
         total = self.num_heads + self.num_kv_heads
         grid = (batch, (total + per_prog - 1) // per_prog)
         args = (
-            qkv, positions, cos, sin, rows, q_out, k_cache, v_cache,
-            qkv.stride(0), cos.stride(0), sin.stride(0), k_cache.stride(0), v_cache.stride(0),
+            qkv,
+            positions,
+            cos,
+            sin,
+            rows,
+            q_out,
+            k_cache,
+            v_cache,
+            qkv.stride(0),
+            cos.stride(0),
+            sin.stride(0),
+            k_cache.stride(0),
+            v_cache.stride(0),
         )
         meta = dict(
-            NUM_HEADS=self.num_heads, NUM_KV=self.num_kv_heads, HEAD_DIM=dim, HALF=dim // 2,
-            HALF_BLOCK=next_power_of_two(dim // 2), HEADS_PER_PROG=per_prog,
-            SIGNED_SIN=self.signed_sin, num_warps=tactic["warps"],
+            NUM_HEADS=self.num_heads,
+            NUM_KV=self.num_kv_heads,
+            HEAD_DIM=dim,
+            HALF=dim // 2,
+            HALF_BLOCK=next_power_of_two(dim // 2),
+            HEADS_PER_PROG=per_prog,
+            SIGNED_SIN=self.signed_sin,
+            num_warps=tactic["warps"],
         )
         run_kernel(kernels().rope_kv_kernel, grid, args, meta, warmup)
         return q_out
@@ -260,8 +279,9 @@ def _canonical_inputs(inputs: list[Any]) -> list[Any]:
     qkv, positions, cos, sin, k_cache, v_cache, rows = inputs
     gen = torch.Generator(device=qkv.device)
     gen.manual_seed(1234)
-    positions = torch.randint(0, cos.shape[0], positions.shape, generator=gen,
-                              device=qkv.device, dtype=positions.dtype)
+    positions = torch.randint(
+        0, cos.shape[0], positions.shape, generator=gen, device=qkv.device, dtype=positions.dtype
+    )
     perm = torch.randperm(k_cache.shape[0], generator=gen, device=qkv.device)
     rows = perm[: rows.numel()].to(rows.dtype)
     return [qkv, positions, cos, sin, k_cache, v_cache, rows]

@@ -77,8 +77,14 @@ class OpDims:
     qkv_bias: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads",
-                     "head_dim", "vocab_size"):
+        for name in (
+            "hidden_size",
+            "intermediate_size",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "vocab_size",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"OpDims.{name} must be an int >= 1, got {value!r}.")
@@ -140,13 +146,17 @@ class TuneReport:
     op_seconds: dict[str, float] = field(default_factory=dict)
 
 
-def _randn(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype, gen: torch.Generator,
-           scale: float = 1.0) -> torch.Tensor:
+def _randn(
+    shape: tuple[int, ...],
+    device: torch.device,
+    dtype: torch.dtype,
+    gen: torch.Generator,
+    scale: float = 1.0,
+) -> torch.Tensor:
     return (torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * scale).to(dtype)
 
 
-def attention_mask(positions: torch.Tensor, max_seq_len: int, dtype: torch.dtype
-                   ) -> torch.Tensor:
+def attention_mask(positions: torch.Tensor, max_seq_len: int, dtype: torch.dtype) -> torch.Tensor:
     """Additive decode mask ``[B, 1, 1, max_seq_len]``: 0 for keys at or before each position."""
     keys = torch.arange(max_seq_len, device=positions.device)
     visible = keys[None, :] <= positions[:, None]
@@ -234,7 +244,7 @@ def tune_ops(
     started = time.perf_counter()
 
     def weight(n: int, k: int) -> torch.Tensor:
-        return _randn((n, k), device, dtype, gen, k ** -0.5)
+        return _randn((n, k), device, dtype, gen, k**-0.5)
 
     def run_gemms(names: Sequence[str]) -> None:
         for name in names:
@@ -269,9 +279,20 @@ def tune_ops(
         v_cache = torch.zeros_like(k_cache)
         positions = torch.arange(m, device=device, dtype=torch.long) % 64
         rows = torch.arange(m * kv, device=device, dtype=torch.long) * 4
-        rope_kv_cache(qkv, positions, table, table.flip(0), k_cache, v_cache, rows,
-                      num_heads=dims.num_heads, num_kv_heads=kv, signed_sin=rope_signed_sin,
-                      tuner=tuner, max_m=m)
+        rope_kv_cache(
+            qkv,
+            positions,
+            table,
+            table.flip(0),
+            k_cache,
+            v_cache,
+            rows,
+            num_heads=dims.num_heads,
+            num_kv_heads=kv,
+            signed_sin=rope_signed_sin,
+            tuner=tuner,
+            max_m=m,
+        )
 
     def run_attention() -> None:
         assert max_seq_len is not None
@@ -279,10 +300,10 @@ def tune_ops(
         q = _randn((m, kv, dims.num_heads // kv, d), device, dtype, gen)
         keys = _randn((m, kv, max_seq_len, d), device, dtype, gen)
         values = _randn((m, kv, max_seq_len, d), device, dtype, gen)
-        mask = attention_mask(torch.full((m,), max_seq_len // 2, device=device), max_seq_len,
-                              dtype)
-        attention_op.decode_attention(q, keys, values, mask, tuner=tuner,
-                                      config=attention_op.tuning_config(m))
+        mask = attention_mask(torch.full((m,), max_seq_len // 2, device=device), max_seq_len, dtype)
+        attention_op.decode_attention(
+            q, keys, values, mask, tuner=tuner, config=attention_op.tuning_config(m)
+        )
 
     steps: dict[str, Callable[[], None]] = {
         "gemm": lambda: run_gemms(("qkv", "o_proj", "gate_up", "down")),
@@ -311,6 +332,9 @@ def tune_ops(
     report.rows = tuner.summary_rows()[first_row:]
     logger.info(
         "tuned %d op groups for buckets %s in %.1f s (%.1f s compiling)",
-        len(report.op_seconds), report.buckets, report.seconds, report.compile_seconds,
+        len(report.op_seconds),
+        report.buckets,
+        report.seconds,
+        report.compile_seconds,
     )
     return report

@@ -110,13 +110,11 @@ def run_bench_decode(args: argparse.Namespace) -> int:
     """Runs the benchmark, prints the table, and writes JSON and the plot when asked."""
     import torch
 
-    from graphtune.engine.bench import (
-        DecodeBenchConfig,
-        format_report,
-        plot_report,
-        resolve_device,
-        run_decode_bench,
-    )
+    from graphtune.bench.decode import run_decode_bench
+    from graphtune.bench.decode_report import format_report, plot_report
+    from graphtune.bench.decode_results import DecodeBenchConfig
+    from graphtune.bench.results import write_json
+    from graphtune.engine.devices import resolve_device
 
     parallel = None
     try:
@@ -162,11 +160,8 @@ def run_bench_decode(args: argparse.Namespace) -> int:
         if report.runner_stats:
             print(report.runner_stats)
         data = report.to_json()
-        data["command"] = "graphtune " + " ".join(sys.argv[1:]) if sys.argv else None
         if args.json:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(data, indent=2, default=str) + "\n")
-            print(f"wrote {args.json}")
+            print(f"wrote {write_json(args.json, data)}")
         if args.plot:
             try:
                 plot_report(report, str(args.plot))
@@ -178,7 +173,7 @@ def run_bench_decode(args: argparse.Namespace) -> int:
         summary = {
             "bench": "decode",
             "model": report.model["name"],
-            "device": report.provenance.get("gpu_name") or str(device),
+            "device": report.provenance.get("gpu") or str(device),
             "torch": torch.__version__,
             "tp": args.tp,
             "results": [

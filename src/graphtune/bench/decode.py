@@ -59,6 +59,7 @@ def run_decode_bench(
     *,
     tuner: Any = None,
     parallel: Any = None,
+    command: str | None = None,
 ) -> DecodeBenchReport:
     """Runs the decode benchmark described by ``cfg``.
 
@@ -70,6 +71,7 @@ def run_decode_bench(
         parallel: The :class:`~graphtune.engine.parallel.ParallelContext` when ``cfg.tp > 1``
             (its ``world_size`` must equal ``cfg.tp``). Every rank must call this with the same
             ``cfg``: the steps, captures and timings run the same collectives in the same order.
+        command: The command line to record in the provenance (default: this process's).
 
     Raises:
         ConfigError: ``cfg.tp`` and ``parallel`` disagree, or the model does not split.
@@ -135,7 +137,7 @@ def run_decode_bench(
             "tp": cfg.tp,
             "all_reduce": getattr(reducer, "name", None),
         },
-        provenance=provenance(device=device),
+        provenance=provenance(device=device, command=command),
         notes=notes,
     )
     results = [BatchResult(b) for b in sizes]
@@ -227,7 +229,7 @@ def _time_tuned(
     report.tuning_compile_seconds_by_op = dict(tuned_report.compile_seconds_by_op)
     report.tuning_profiles = tuned_report.profiles_tuned
     report.tuning_picks = [list(row) for row in tuned_report.rows]
-    log(f"tuned {tuned_report.summary()}")
+    log(f"tuning: {tuned_report.summary()}")
     if step.parallel is not None:
         report.tuning_rank_agreement = rank_agreement(tuner, step.parallel)
         log(f"tuned picks identical on every rank: {100 * report.tuning_rank_agreement:.1f}%")

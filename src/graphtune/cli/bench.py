@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shlex
 import sys
 from pathlib import Path
 
@@ -152,7 +153,10 @@ def run_bench_decode(args: argparse.Namespace) -> int:
             tp=args.tp,
         )
         report = run_decode_bench(
-            cfg, log=lambda line: print(line, file=sys.stderr) if show else None, parallel=parallel
+            cfg,
+            log=lambda line: print(line, file=sys.stderr) if show else None,
+            parallel=parallel,
+            command=shlex.join(["graphtune", *getattr(args, "argv", [])]),
         )
         if not show:
             return 0

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from graphtune.bench.provenance import SCHEMA, is_provenance
+from graphtune.bench.schema import SCHEMA, is_provenance
 from graphtune.cli.main import main
 
 

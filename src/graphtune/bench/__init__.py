@@ -9,7 +9,7 @@ number is taken the same way and every result file carries the same provenance r
   (:func:`cupti_kernel_time`), GPU-busy time and top kernels (:func:`gpu_busy`), trace parsing;
 * :mod:`~graphtune.bench.cupti_graph` — the in-graph truth (:func:`cupti_graph_time`);
 * :mod:`~graphtune.bench.graphs` — capturing back-to-back calls into one CUDA graph;
-* :mod:`~graphtune.bench.provenance` — the one versioned provenance schema (:func:`provenance`);
+* :mod:`~graphtune.bench.schema` — the one versioned provenance schema (:func:`provenance`);
 * :mod:`~graphtune.bench.results` — the atomic results writer (:func:`write_json`);
 * :mod:`~graphtune.bench.decode` — the decode benchmark, built from the engine's own factories
   (imported on its own: ``from graphtune.bench.decode import run_decode_bench``).
@@ -38,8 +38,8 @@ from graphtune.bench.cupti_graph import (
     split_replays,
 )
 from graphtune.bench.graphs import capture_calls, release
-from graphtune.bench.provenance import SCHEMA, git_commit, gpu_slug, provenance
 from graphtune.bench.results import json_safe, write_json
+from graphtune.bench.schema import SCHEMA, git_commit, gpu_slug, provenance
 from graphtune.bench.timing import (
     bytes_floor_ms,
     call_timer,

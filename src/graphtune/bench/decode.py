@@ -28,7 +28,7 @@ import torch
 from graphtune import autotuner
 from graphtune.bench.cupti import gpu_busy
 from graphtune.bench.decode_results import BatchResult, DecodeBenchConfig, DecodeBenchReport
-from graphtune.bench.provenance import provenance
+from graphtune.bench.schema import provenance
 from graphtune.bench.timing import bytes_floor_ms, copy_bandwidth_gbps, sync, time_per_call_ms
 from graphtune.engine.build import build_runner, build_step
 from graphtune.engine.devices import resolve_device, resolve_dtype

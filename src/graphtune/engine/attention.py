@@ -13,15 +13,26 @@ where the forward has just written this batch's:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
+from graphtune.engine.kv_cache import KVCache
+from graphtune.engine.model import DecoderModel
 from graphtune.ops.context import OpContext
 
-if TYPE_CHECKING:
-    from graphtune.engine.step import DecodeStep
+
+class StepState(Protocol):
+    """What attention reads of the step (:class:`~graphtune.engine.step.DecodeStep` has it)."""
+
+    model: DecoderModel
+    cache: KVCache
+    contiguous_slots: bool
+    key_positions: torch.Tensor
+    zero: torch.Tensor
+    neg_inf: torch.Tensor
+    groups: int
 
 
 class Attention(Protocol):
@@ -69,7 +80,7 @@ class DecodeAttention:
     """
 
     def __init__(
-        self, step: DecodeStep, ops: OpContext, positions: torch.Tensor, slots: torch.Tensor
+        self, step: StepState, ops: OpContext, positions: torch.Tensor, slots: torch.Tensor
     ) -> None:
         window = step.model.config.sliding_window
         self.step = step
@@ -102,7 +113,7 @@ class PrefillAttention:
         length: Prompt tokens.
     """
 
-    def __init__(self, step: DecodeStep, slot: int, length: int) -> None:
+    def __init__(self, step: StepState, slot: int, length: int) -> None:
         positions = step.key_positions[:length]
         window = step.model.config.sliding_window
         self.step = step

@@ -230,3 +230,14 @@ def test_prefill_last_logits_are_the_last_row_of_all_logits() -> None:
         last = prefill(step, prompt, 1)
     assert every.shape == (39, model.config.vocab_size) and last.shape == (model.config.vocab_size,)
     torch.testing.assert_close(last, every[-1], rtol=1e-5, atol=1e-5)
+
+
+def test_untuned_step_traces_as_one_graph() -> None:
+    """torch.compile sees plain torch in the untuned step: one graph, no breaks."""
+    dynamo = pytest.importorskip("torch._dynamo")
+    model = random_model(get_preset("tiny"))
+    step = DecodeStep(model, KVCache(model.config, 2, 16), contiguous_slots=True)
+    args = (torch.tensor([1, 2]), torch.tensor([3, 4]), torch.arange(2))
+    with torch.inference_mode():
+        explained = dynamo.explain(lambda *a: step(*a))(*args)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0

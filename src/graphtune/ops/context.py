@@ -1,51 +1,36 @@
 """The op settings of one model step, bound once: which tuner to ask and the largest batch.
 
 A model's forward calls its ops through an :class:`OpContext` (``ops.gemm(h, w)``) instead of
-passing ``tuner=..., max_m=...`` to every call. Each method calls the op function of its module,
-so an op's rules live in one place:
+passing ``tuner=..., max_m=...`` to every call. Activations are 2-D (``[rows, features]``).
 
 * **Untuned** (``OpContext()``, no tuner): every call runs the op's fallback (runner 0, tactic
-  ``-1``: the torch code) straight away. No tuner is asked and nothing is counted, so the untuned
-  step is the same code as the tuned one with only the torch runners.
-* **Tuned** (``OpContext(tuner, max_batch_size)``): every call is a look-up of the tuner's pick
-  for its batch bucket (buckets up to ``max_batch_size``). Outside tuning mode a shape never
-  tuned runs the fallback and is counted in ``tuner.stats.fallbacks``; in tuning mode (inside
-  :func:`graphtune.autotune`) a miss tunes every bucket of that op first. So running the step in
-  tuning mode tunes exactly the keys the step looks up later (``graphtune.engine.tuning``).
+  ``-1``) straight away: the torch reference function its module defines and its torch runner
+  runs (``torch_gemm``, ``torch_rms_norm``, ``torch_rope_kv_cache``, ``torch_silu_and_mul``, SDPA).
+  No tuner is asked, no runner list is built and nothing is counted, so the untuned step costs
+  the host about what hand-written torch costs, and ``torch.compile`` traces it.
+* **Tuned** (``OpContext(tuner, max_batch_size)``): every call goes through the op function of its
+  module, a look-up of the tuner's pick for its batch bucket (buckets up to ``max_batch_size``).
+  Outside tuning mode a shape never tuned runs the fallback and is counted in
+  ``tuner.stats.fallbacks``; in tuning mode (inside :func:`graphtune.autotune`) a miss tunes every
+  bucket of that op first. So running the step in tuning mode tunes exactly the keys the step
+  looks up later (``graphtune.engine.tuning``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from graphtune.autotuner.config import TuningConfig
-from graphtune.autotuner.runner import FALLBACK_TACTIC, TunableRunner
 from graphtune.autotuner.tuner import AutoTuner
 from graphtune.errors import ConfigError
 from graphtune.ops import attention as attention_op
-from graphtune.ops.activation import silu_and_mul
-from graphtune.ops.gemm import gemm
-from graphtune.ops.rmsnorm import fused_add_rms_norm
-from graphtune.ops.rotary import RopeRows, rope_kv_cache
-
-
-class _FallbackOnly:
-    """Answers every ``choose_one`` with the fallback: the untuned context's chooser.
-
-    Ops call ``tuner.choose_one(op, runners, config, inputs)``; this answers without a cache
-    look-up, a memo or a counter, which is what an untuned step wants on its host path.
-    """
-
-    def choose_one(
-        self, op: str, runners: Any, config: TuningConfig, inputs: list[Any]
-    ) -> tuple[TunableRunner, Any]:
-        return runners[0], FALLBACK_TACTIC
-
-
-_FALLBACK_ONLY: Any = _FallbackOnly()
+from graphtune.ops.activation import silu_and_mul, torch_silu_and_mul
+from graphtune.ops.gemm import gemm, torch_gemm
+from graphtune.ops.rmsnorm import fused_add_rms_norm, torch_rms_norm
+from graphtune.ops.rotary import RopeRows, rope_kv_cache, torch_rope_kv_cache
 
 
 @dataclass(frozen=True)
@@ -68,7 +53,6 @@ class OpContext:
     tuner: AutoTuner | None = None
     max_batch_size: int | None = None
     gemm_cold_l2: bool = False
-    _chooser: Any = field(init=False, repr=False, compare=False)
     _attention_config: TuningConfig = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -80,8 +64,6 @@ class OpContext:
                 "OpContext(tuner=...) needs max_batch_size (the largest batch the step runs), so "
                 "that tuning and look-ups use the same buckets."
             )
-        chooser = self.tuner if self.tuner is not None else _FALLBACK_ONLY
-        object.__setattr__(self, "_chooser", chooser)
         # Built once: a config is part of the tuner's memo key, and building one per call would
         # make every look-up take the slow path.
         object.__setattr__(self, "_attention_config", attention_op.tuning_config(size))
@@ -102,6 +84,8 @@ class OpContext:
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """:func:`graphtune.ops.gemm.gemm`: ``a @ weight.T (+ bias) (+ residual)``."""
+        if self.tuner is None:
+            return torch_gemm([a, weight, bias, residual, inplace, out])
         return gemm(
             a,
             weight,
@@ -109,7 +93,7 @@ class OpContext:
             residual,
             inplace=inplace,
             out=out,
-            tuner=self._chooser,
+            tuner=self.tuner,
             max_m=self.max_batch_size,
             cold_l2=self.gemm_cold_l2,
         )
@@ -117,15 +101,19 @@ class OpContext:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm of ``x`` (:func:`graphtune.ops.rmsnorm.fused_add_rms_norm` without a
         residual)."""
-        return fused_add_rms_norm(x, weight, eps, tuner=self._chooser, max_m=self.max_batch_size)[0]
+        if self.tuner is None:
+            return torch_rms_norm(x, weight, eps)[0]
+        return fused_add_rms_norm(x, weight, eps, tuner=self.tuner, max_m=self.max_batch_size)[0]
 
     def add_rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(rms_norm(x + residual), x + residual)``
         (:func:`graphtune.ops.rmsnorm.fused_add_rms_norm`)."""
+        if self.tuner is None:
+            return torch_rms_norm(x, weight, eps, residual)
         return fused_add_rms_norm(
-            x, weight, eps, residual, tuner=self._chooser, max_m=self.max_batch_size
+            x, weight, eps, residual, tuner=self.tuner, max_m=self.max_batch_size
         )
 
     def rope_kv_cache(
@@ -141,6 +129,20 @@ class OpContext:
     ) -> torch.Tensor:
         """Rotary q/k and the K/V cache write (:func:`graphtune.ops.rotary.rope_kv_cache`) with
         the step's signed-sin tables; returns ``q [rows, num_heads, head_dim]``."""
+        if self.tuner is None:
+            return torch_rope_kv_cache(
+                qkv,
+                rope.positions,
+                rope.cos,
+                rope.sin,
+                k_cache,
+                v_cache,
+                write_rows,
+                num_heads,
+                num_kv_heads,
+                rope.signed_sin,
+                rope,
+            )
         return rope_kv_cache(
             qkv,
             rope.positions,
@@ -153,18 +155,23 @@ class OpContext:
             num_kv_heads=num_kv_heads,
             signed_sin=rope.signed_sin,
             rows=rope,
-            tuner=self._chooser,
+            tuner=self.tuner,
             max_m=self.max_batch_size,
         )
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """:func:`graphtune.ops.activation.silu_and_mul`: ``silu(gate) * up``."""
-        return silu_and_mul(gate_up, tuner=self._chooser, max_m=self.max_batch_size)
+        if self.tuner is None:
+            return torch_silu_and_mul(gate_up)
+        return silu_and_mul(gate_up, tuner=self.tuner, max_m=self.max_batch_size)
 
     def decode_attention(
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
     ) -> torch.Tensor:
         """:func:`graphtune.ops.attention.decode_attention` (one query token per request)."""
+        if self.tuner is None:
+            # The op's fallback: SdpaAttention with tactic -1 (PyTorch picks the backend).
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
         return attention_op.decode_attention(
-            q, keys, values, mask, tuner=self._chooser, config=self._attention_config
+            q, keys, values, mask, tuner=self.tuner, config=self._attention_config
         )

@@ -28,18 +28,16 @@ import argparse
 import gc
 import json
 import math
-import sys
+import statistics
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common  # noqa: E402  (benchmarks/ is not a package)
-
-from graphtune.graphs import CUDAGraphRunner, default_capture_sizes  # noqa: E402
-from graphtune.reporting import render_table  # noqa: E402
+from graphtune import bench as _common
+from graphtune.graphs import CUDAGraphRunner, default_capture_sizes
+from graphtune.reporting import render_table
 
 DT = torch.bfloat16
 MIB = 1024 * 1024
@@ -140,7 +138,7 @@ def time_ms(fn, *, reps: int, repeats: int) -> float:
         end.record()
         end.synchronize()
         samples.append(start.elapsed_time(end) / reps)
-    return _common.median(samples)
+    return statistics.median(samples)
 
 
 def hand_written_graph(step, inputs):

@@ -9,8 +9,13 @@ shape; outside tuning mode that is a cache look-up, and an untuned shape runs th
 * :func:`fused_add_rms_norm` — residual add + RMSNorm, returning ``(out, new_residual)``.
 * :func:`rope_kv_cache` — rotary embedding of q and k and the K/V cache write, returning ``q``.
 * :func:`silu_and_mul` — SwiGLU activation on a fused gate/up tensor.
-* :mod:`attention` — decode attention (SDPA backends and a matmul runner as tactics).
-* :func:`tune_ops` — tunes all of them for a model's decode shapes (``graphtune tune``).
+* :mod:`attention` — decode attention (SDPA backends, a matmul runner and a Triton
+  flash-decoding kernel as runners).
+* :class:`OpContext` — the op settings of one model step (tuner, largest batch), bound once; a
+  forward calls its ops through it (``ops.gemm(h, w)``).
+
+A model is tuned by running its step in tuning mode (``graphtune.engine.tuning.tune_step``), so the
+keys tuned are the keys its ops look up.
 
 Importing this package imports neither Triton nor the kernels.
 """
@@ -25,6 +30,7 @@ from graphtune.ops.activation import (
     silu_and_mul_runners,
     torch_silu_and_mul,
 )
+from graphtune.ops.context import OpContext
 from graphtune.ops.gemm import (
     TorchGemmRunner,
     TritonGemmRunner,
@@ -45,6 +51,7 @@ from graphtune.ops.rmsnorm import (
     torch_rms_norm,
 )
 from graphtune.ops.rotary import (
+    RopeRows,
     TorchRopeRunner,
     TritonRopeRunner,
     rope_config,
@@ -52,12 +59,10 @@ from graphtune.ops.rotary import (
     rope_runners,
     torch_rope_kv_cache,
 )
-from graphtune.ops.tuning import ALL_GROUPS, OP_GROUPS, OpDims, TuneReport, tune_ops
 
 __all__ = [
-    "ALL_GROUPS",
-    "OP_GROUPS",
-    "OpDims",
+    "OpContext",
+    "RopeRows",
     "TorchGemmRunner",
     "TorchRMSNormRunner",
     "TorchRopeRunner",
@@ -69,7 +74,6 @@ __all__ = [
     "TritonSiluAndMulRunner",
     "TritonUnavailableError",
     "TunableLinear",
-    "TuneReport",
     "attention",
     "check_gemm_tactic",
     "check_gemv_tactic",
@@ -92,5 +96,4 @@ __all__ = [
     "torch_rope_kv_cache",
     "torch_silu_and_mul",
     "triton_available",
-    "tune_ops",
 ]

@@ -20,6 +20,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
 from typing import Any
@@ -187,6 +188,11 @@ def default_compile_workers() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
 
+def triton_runners() -> list[TritonRunner]:
+    """Every :class:`TritonRunner` alive in this process (reports sum their compile time)."""
+    return list(_LIVE_RUNNERS)
+
+
 class TritonRunner(TunableRunner):
     """Base of the Triton runners: valid-tactic bookkeeping and parallel ahead-of-time compile.
 
@@ -219,6 +225,7 @@ class TritonRunner(TunableRunner):
         self._compile_errors: dict[tuple[tuple[Any, ...], str], Exception] = {}
         self._prepared: set[tuple[Any, ...]] = set()
         self._lock = threading.Lock()
+        _LIVE_RUNNERS.add(self)
 
     def __getstate__(self) -> dict[str, Any]:
         # Picklable for AutoTuner(isolation="subprocess"): the worker compiles on its own.
@@ -340,3 +347,7 @@ class TritonRunner(TunableRunner):
             failed,
         )
         return report
+
+
+# Weak: a runner that nothing else holds is gone from the list (the op modules keep theirs).
+_LIVE_RUNNERS: weakref.WeakSet[TritonRunner] = weakref.WeakSet()

@@ -231,7 +231,7 @@ class TritonDecodeAttention(TritonRunner):
 
     Only keys the mask leaves visible (bias ``> -inf``) are read, so unlike SDPA its time grows
     with the decode positions, not with the cache length: a pick is timed on the tuner's
-    synthetic mask (``graphtune.ops.tuning`` puts every row at ``max_seq_len // 2``).
+    synthetic inputs, whose random float mask leaves every key visible (the longest context).
 
     Args:
         sm_count: Override the device's SM count (tests, or to tune for another GPU's splits).

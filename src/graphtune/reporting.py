@@ -6,6 +6,7 @@ Both use ``rich``. Progress goes to stderr and is hidden when stderr is not a te
 
 from __future__ import annotations
 
+import io
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -116,9 +117,8 @@ def _format_cell(cell: Any) -> str:
     return str(cell)
 
 
-class _NullWriter:
+class _NullWriter(io.StringIO):
+    """Discards what the recording console prints (the text is exported instead)."""
+
     def write(self, text: str) -> int:
         return len(text)
-
-    def flush(self) -> None:
-        return None

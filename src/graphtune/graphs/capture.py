@@ -62,7 +62,8 @@ class CaptureRecord:
         account_seconds: Reading allocator statistics and building non-owning outputs.
         pieces: Graphs this key replays (breaks + 1).
         breaks: Graph breaks run eagerly per replay.
-        shared_outputs: Whether the outputs went back to the pool (see ``CapturePolicy``).
+        shared_outputs: Whether every output with memory went back to the pool (see
+            ``CapturePolicy``; an ``nn.Parameter`` or a tensor that requires grad is kept).
     """
 
     extra_key: Hashable
@@ -173,10 +174,12 @@ def capture_key(
         gc.collect()  # drop cycles through the failed frames that still pin pool memory
         return CaptureRecord(extra_key, size, seconds, 0, ok=False, error=message)
     shared: list = []
+    all_shared = False
     if share_outputs:
         accounted = time.perf_counter()
         twins = Disowner()
         outputs = twins.tree(outputs)
+        all_shared = twins.kept == 0
         for brk in session.breaks:
             brk.args, brk.kwargs = twins.tree((brk.args, brk.kwargs))
         shared = twins.storages
@@ -194,7 +197,7 @@ def capture_key(
         account_seconds=session.account_seconds,
         pieces=len(session.pieces),
         breaks=len(session.breaks),
-        shared_outputs=share_outputs,
+        shared_outputs=all_shared,
     )
     graph = session.graph(counters)
     return CapturedGraph((extra_key, size), graph, StaticOutputs(outputs, size), record, shared)

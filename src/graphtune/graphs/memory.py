@@ -60,16 +60,22 @@ class Disowner:
 
     Attributes:
         storages: The non-owning storages built so far (one per distinct storage).
+        kept: Tensors left as they were although they hold memory (subclasses such as
+            ``nn.Parameter``, tensors that require grad, sparse tensors): their memory stays
+            allocated, as without sharing.
     """
 
     def __init__(self) -> None:
         self._twins: dict[tuple[int, int, torch.device], Any] = {}
         self.storages: list[Any] = []  # torch.UntypedStorage
+        self.kept = 0
 
     def tensor(self, value: Any) -> Any:
         """A twin of ``value`` (same address, shape, strides, dtype), or ``value`` itself when it
         is not a plain strided tensor with memory (then it is kept as it is)."""
         if not _disownable(value):
+            if isinstance(value, torch.Tensor) and value.numel() > 0:
+                self.kept += 1
             return value
         storage = value.untyped_storage()
         key = (storage.data_ptr(), storage.nbytes(), value.device)

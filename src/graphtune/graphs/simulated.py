@@ -135,8 +135,9 @@ class SimulatedGraphBackend:
         fail_message: Text of the simulated capture error.
 
     Attributes:
-        captures, replays, warmup_runs, recoveries, empty_cache_calls: Counters for tests
-            (``captures`` counts captured keys, each of which may hold several pieces).
+        captures, replays, warmup_runs, recoveries, empty_cache_calls, synchronize_calls:
+            Counters for tests (``captures`` counts captured keys, each of which may hold several
+            pieces; ``replays`` counts piece replays).
         pieces: Pieces captured (one per key without graph breaks).
     """
 
@@ -160,6 +161,7 @@ class SimulatedGraphBackend:
         self.warmup_runs = 0
         self.recoveries = 0
         self.empty_cache_calls = 0
+        self.synchronize_calls = 0
 
     def available(self) -> bool:
         return self._available
@@ -231,7 +233,7 @@ class SimulatedGraphBackend:
         self.recoveries += 1
 
     def synchronize(self, device: Any) -> None:
-        return None
+        self.synchronize_calls += 1
 
     def memory_reserved(self, device: Any) -> int:
         return 0

@@ -106,6 +106,7 @@ def capture(step, sizes, label, *, runner=None, **kwargs):
                 "record_ms": 1000.0 * r.record_seconds,
                 "finish_ms": 1000.0 * r.finish_seconds,
                 "account_ms": 1000.0 * r.account_seconds,
+                "warmup_ms": 1000.0 * r.warmup_seconds,
                 "pool_mib": r.pool_bytes / MIB,
                 "pieces": r.pieces,
                 "shared_outputs": r.shared_outputs,

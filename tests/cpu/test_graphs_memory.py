@@ -159,3 +159,12 @@ def test_capture_phases_add_up_to_at_most_the_capture_time():
         phases = r.record_seconds + r.finish_seconds + r.break_seconds + r.account_seconds
         assert 0 < phases <= r.seconds
         assert r.record_seconds > 0 and r.account_seconds > 0
+    warmups = [r.warmup_seconds for r in runner.stats.records]  # largest first
+    assert warmups[0] == pytest.approx(runner.stats.warmup_seconds) and not any(warmups[1:])
+
+
+def test_lazy_capture_records_each_sizes_own_warmup():
+    runner = CUDAGraphRunner(Step(), max_batch_size=8, lazy=True, backend=SimulatedGraphBackend())
+    runner(torch.randn(3, HIDDEN))
+    runner(torch.randn(7, HIDDEN))
+    assert all(r.warmup_seconds > 0 for r in runner.stats.records)

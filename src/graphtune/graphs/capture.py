@@ -60,6 +60,8 @@ class CaptureRecord:
         finish_seconds: Ending captures: end of stream capture and graph instantiation.
         break_seconds: At graph breaks: running the piece before, the break and its copies.
         account_seconds: Reading allocator statistics and building non-owning outputs.
+        warmup_seconds: The eager warm-up run just before this capture (not part of
+            ``seconds``; a key's warm-up in ``capture()`` belongs to its first, largest size).
         pieces: Graphs this key replays (breaks + 1).
         breaks: Graph breaks run eagerly per replay.
         shared_outputs: Whether every output with memory went back to the pool (see
@@ -76,6 +78,7 @@ class CaptureRecord:
     finish_seconds: float = 0.0
     break_seconds: float = 0.0
     account_seconds: float = 0.0
+    warmup_seconds: float = 0.0
     pieces: int = 1
     breaks: int = 0
     shared_outputs: bool = False

@@ -14,6 +14,7 @@ Not thread-safe: one runner serves one thread, as CUDA graph capture itself requ
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import gc
 import logging
@@ -221,7 +222,7 @@ class CUDAGraphRunner:
                 "example inputs shaped like a real call, or mark tensors with batched=..."
             )
         with self._backend.device_guard(self._device), frozen_gc():
-            self._warm(key_state, self._largest)
+            warmed = self._warm(key_state, self._largest)
             if self._lazy:
                 return
             todo = [
@@ -231,7 +232,8 @@ class CUDAGraphRunner:
             ]
             with progress("capturing CUDA graphs", total=len(todo)) as bar:
                 for size in todo:
-                    self._capture_size(key_state, size)
+                    self._capture_size(key_state, size, warmed)
+                    warmed = 0.0  # the key's one warm-up belongs to its first capture
                     bar.advance(f"captured size {size}")
         if key_state.graphs:
             self.state = RunnerState.CAPTURED
@@ -359,8 +361,7 @@ class CUDAGraphRunner:
             # This call's rows go into the buffers first, so the warm-up computes this very call.
             plan.copy_in(leaves, n, size, self._debug)
             with self._backend.device_guard(self._device), frozen_gc(collect=False):
-                self._warm(key_state, size)
-                self._capture_size(key_state, size)
+                self._capture_size(key_state, size, self._warm(key_state, size))
             if size not in key_state.graphs:
                 return self._eager(FallbackReason.CAPTURE_FAILED, inputs)
             self.state = RunnerState.CAPTURED
@@ -397,17 +398,20 @@ class CUDAGraphRunner:
         )
         return key_state
 
-    def _warm(self, key_state: KeyState, size: int) -> None:
+    def _warm(self, key_state: KeyState, size: int) -> float:
+        seconds = 0.0
         if self._warmup > 0:
             start = time.perf_counter()
             self._backend.warmup(
                 self.fn, key_state.inputs.static_args(size), self._warmup, self._device
             )
-            self.stats.warmup_seconds += time.perf_counter() - start
+            seconds = time.perf_counter() - start
+            self.stats.warmup_seconds += seconds
         if self.state in (RunnerState.NEW, RunnerState.RELEASED):
             self.state = RunnerState.WARMED
+        return seconds
 
-    def _capture_size(self, key_state: KeyState, size: int) -> None:
+    def _capture_size(self, key_state: KeyState, size: int, warmup_seconds: float) -> None:
         if self._share_pool and self._pool is None:
             self._pool = self._backend.new_pool(self._device)
         result = capture_key(
@@ -424,9 +428,11 @@ class CUDAGraphRunner:
         )
         self._count_buffers()
         if isinstance(result, CapturedGraph):
+            result.record = dataclasses.replace(result.record, warmup_seconds=warmup_seconds)
             key_state.graphs[size] = result
             self.stats.records.append(result.record)
         else:
+            result = dataclasses.replace(result, warmup_seconds=warmup_seconds)
             key_state.failed[size] = result
             self.stats.records.append(result)
             if self._share_pool:

@@ -79,7 +79,7 @@ class GraphBackend(Protocol):
 
 
 class CudaGraphBackend:
-    """CUDA graphs through ``torch.cuda.CUDAGraph`` and ``torch.cuda.graph``.
+    """CUDA graphs through ``torch.cuda.CUDAGraph`` (``capture_begin``/``capture_end``).
 
     Warm-up and capture run on one side stream per device, shared by every runner in the process:
     PyTorch gives each (cuBLAS handle, stream) pair its own workspace, allocated on first use and
@@ -220,9 +220,9 @@ class CudaGraphBackend:
 
 
 def _end_stuck_capture(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream) -> None:
-    """Ends a capture that the failing code left open (e.g. ``fn`` switched streams and never
-    switched back, so ``torch.cuda.graph`` could not call ``capture_end``). An open capture in the
-    default "global" mode makes every later allocation in the process fail."""
+    """Ends a capture that the failing code left open (``fn`` raised under capture, or switched
+    streams and never switched back). An open capture in the default "global" mode makes every
+    later allocation in the process fail."""
     with torch.cuda.stream(stream):
         if not torch.cuda.is_current_stream_capturing():
             return

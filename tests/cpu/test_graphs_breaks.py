@@ -285,3 +285,23 @@ def test_lazy_capture_with_breaks():
             torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert runner.captured_keys == [(None, 4), (None, 8)]
     assert runner.stats.replays == 3
+
+
+def test_each_extra_key_has_its_own_breaks_and_buffers():
+    def scale(x, by):
+        return x * by
+
+    def step(x, by):
+        return graph_break(scale, x + 1, by) - 1
+
+    runner = CUDAGraphRunner(
+        step, max_batch_size=4, key_fn=lambda inputs: inputs[1], backend=SimulatedGraphBackend()
+    )
+    runner.capture(torch.zeros(4, 2), 2.0)
+    runner.capture(torch.zeros(4, 2), 3.0)
+    assert {(r.extra_key, r.breaks) for r in runner.stats.records} == {(2.0, 1), (3.0, 1)}
+    first, second = runner._keys[2.0].breaks, runner._keys[3.0].breaks
+    assert first is not second and first.nbytes == second.nbytes > 0
+    x = torch.randn(3, 2)
+    torch.testing.assert_close(runner(x, 2.0), (x + 1) * 2 - 1, rtol=0, atol=0)
+    torch.testing.assert_close(runner(x, 3.0), (x + 1) * 3 - 1, rtol=0, atol=0)

@@ -1,10 +1,11 @@
-"""CUDAGraphRunner and EagerRunner: one call interface, picked once at construction.
+"""CUDAGraphRunner: the graph runner (``EagerRunner``, in eager.py, has the same interface).
 
 The graph runner wraps a callable and knows nothing about models or engines. Per extra key
 (``key_fn(inputs)``, default ``None``) it owns one set of static input buffers and one graph per
-capture size; all graphs share one memory pool. A call pads its batch up to the nearest captured
-size, copies inputs into the buffers, replays, and returns outputs sliced to the real batch; any
-call that cannot replay runs ``fn`` eagerly and counts why (:class:`FallbackReason`).
+capture size (several pieces when the step has graph breaks, see breaks.py); all graphs share one
+memory pool. A call pads its batch up to the nearest captured size, copies inputs into the
+buffers, replays, and returns outputs sliced to the real batch; any call that cannot replay runs
+``fn`` eagerly and counts why (:class:`FallbackReason`).
 
 Lifecycle (:class:`RunnerState`): ``NEW`` -> ``WARMED`` (buffers built, warm-up run) ->
 ``CAPTURED`` (at least one graph) -> ``RELEASED`` (everything dropped; ``capture`` may start again).

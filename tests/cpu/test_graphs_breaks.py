@@ -214,6 +214,10 @@ def test_a_non_contiguous_break_output_keeps_its_strides():
     runner.capture(torch.ones(4, 3))
     assert len(seen) == 3 and all(static == eager for static, eager in seen)
     assert seen[0][0] == (1, 4)  # size 4: column-major, not the shared row-major buffer
+    key = runner._keys[None]
+    own = [brk.own_bytes for g in key.graphs.values() for brk in g.graph.breaks]
+    assert own == [4 * 3 * 4, 2 * 3 * 4, 0]  # size 1 is contiguous both ways: the shared buffer
+    assert runner.stats.buffer_bytes == key.inputs.nbytes + key.breaks.nbytes + sum(own)
     x = torch.randn(3, 3)
     torch.testing.assert_close(runner(x), x * 2 + 1, rtol=0, atol=0)
 

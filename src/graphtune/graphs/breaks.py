@@ -96,7 +96,7 @@ class BreakCounters(Protocol):
 class Break:
     """One break of one captured key: its callable, recorded arguments and static outputs."""
 
-    __slots__ = ("fn", "args", "kwargs", "spec", "copies", "constants", "single")
+    __slots__ = ("fn", "args", "kwargs", "spec", "copies", "constants", "single", "own_bytes")
 
     def __init__(
         self,
@@ -106,6 +106,7 @@ class Break:
         spec: TreeSpec,
         copies: list[tuple[int, torch.Tensor]],
         constants: list[tuple[int, Any]],
+        own_bytes: int = 0,
     ) -> None:
         self.fn = fn
         self.args = args
@@ -114,6 +115,7 @@ class Break:
         self.copies = copies
         self.constants = constants
         self.single = copies[0][1] if spec.is_leaf and copies else None
+        self.own_bytes = own_bytes  # static outputs held by this break alone (not shared)
 
     @property
     def name(self) -> str:
@@ -177,7 +179,7 @@ class BreakBuffers:
 
     Attributes:
         rows: Rows of a shared buffer (the largest capture size).
-        nbytes: Bytes allocated here (shared and per-size buffers).
+        nbytes: Bytes of the shared buffers (a break's own buffers count in ``Break.own_bytes``).
     """
 
     def __init__(self, rows: int) -> None:
@@ -185,8 +187,11 @@ class BreakBuffers:
         self.nbytes = 0
         self._shared: dict[tuple[int, int], torch.Tensor] = {}
 
-    def static_for(self, break_index: int, leaf_index: int, like: torch.Tensor, size: int) -> Any:
-        """A buffer with ``like``'s shape, dtype, device and strides to hold this output."""
+    def static_for(
+        self, break_index: int, leaf_index: int, like: torch.Tensor, size: int
+    ) -> tuple[torch.Tensor, bool]:
+        """A buffer with ``like``'s shape, dtype, device and strides to hold this output, and
+        whether it is the caller's own (True) or a view of a shared buffer (False)."""
         if like.dim() >= 1 and like.shape[0] == size and size <= self.rows:
             key = (break_index, leaf_index)
             shared = self._shared.get(key)
@@ -199,10 +204,8 @@ class BreakBuffers:
             if shared.dtype == like.dtype and shared.device == like.device:
                 view = shared[:size]
                 if view.shape == like.shape and view.stride() == like.stride():
-                    return view
-        own = torch.empty_like(like)  # keeps like's strides when it is dense
-        self.nbytes += own.untyped_storage().nbytes()
-        return own
+                    return view, False
+        return torch.empty_like(like), True  # keeps like's strides when it is dense
 
 
 class PieceCapture:
@@ -262,16 +265,19 @@ class PieceCapture:
         statics: list[Any] = []
         copies: list[tuple[int, torch.Tensor]] = []
         constants: list[tuple[int, Any]] = []
+        own_bytes = 0
         for index, leaf in enumerate(leaves):
             if isinstance(leaf, torch.Tensor):
-                static = self._buffers.static_for(len(self.breaks), index, leaf, self._size)
+                static, own = self._buffers.static_for(len(self.breaks), index, leaf, self._size)
+                if own:
+                    own_bytes += static.untyped_storage().nbytes()
                 static.copy_(leaf)
                 statics.append(static)
                 copies.append((index, static))
             else:
                 statics.append(leaf)
                 constants.append((index, leaf))
-        self.breaks.append(Break(fn, args, kwargs, spec, copies, constants))
+        self.breaks.append(Break(fn, args, kwargs, spec, copies, constants, own_bytes))
         del result, leaves
         self.break_seconds += _clock() - start
         self._begin()

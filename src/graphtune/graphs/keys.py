@@ -10,7 +10,7 @@ from collections.abc import Hashable
 from typing import Any
 
 from graphtune.errors import InputError
-from graphtune.graphs.breaks import BreakBuffers
+from graphtune.graphs.breaks import BreakBuffers, PiecewiseGraph
 from graphtune.graphs.buffers import StaticInputs
 from graphtune.graphs.capture import CapturedGraph, CaptureRecord
 from graphtune.graphs.policy import GraphState
@@ -28,6 +28,17 @@ class KeyState:
         self.breaks = BreakBuffers(inputs.rows)
         self.graphs: dict[int, CapturedGraph] = {}
         self.failed: dict[int, CaptureRecord] = {}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of this key's static buffers: inputs, shared and per-graph break outputs."""
+        own = sum(
+            brk.own_bytes
+            for graph in self.graphs.values()
+            if isinstance(graph.graph, PiecewiseGraph)
+            for brk in graph.graph.breaks
+        )
+        return self.inputs.nbytes + self.breaks.nbytes + own
 
     def graph_state(self, size: int | None) -> GraphState:
         if size in self.graphs:

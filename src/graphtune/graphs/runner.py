@@ -427,7 +427,6 @@ class CUDAGraphRunner:
             counters=self.stats,
             share_outputs=self._share_outputs,
         )
-        self._count_buffers()
         if isinstance(result, CapturedGraph):
             result.record = dataclasses.replace(result.record, warmup_seconds=warmup_seconds)
             key_state.graphs[size] = result
@@ -442,11 +441,10 @@ class CUDAGraphRunner:
                 # capture into this pool fails with "already recording to mempool_id" (seen on
                 # torch 2.11). Graphs captured so far keep their pool; later sizes get a new one.
                 self._pool = None
+        self._count_buffers()
 
     def _count_buffers(self) -> None:
-        self.stats.buffer_bytes = sum(
-            st.inputs.nbytes + st.breaks.nbytes for st in self._keys.values()
-        )
+        self.stats.buffer_bytes = sum(st.nbytes for st in self._keys.values())
 
     def _frozen_message(self, what: str) -> str:
         return (

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from graphtune import bench as _common
-from graphtune.graphs import CUDAGraphRunner, default_capture_sizes
+from graphtune.graphs import CUDAGraphRunner, default_capture_sizes, graph_break
 from graphtune.reporting import render_table
 
 DT = torch.bfloat16
@@ -45,12 +45,17 @@ TARGET_RATIO, TARGET_CAPTURE_S, TARGET_POOL = 1.05, 5.0, 0.7
 
 
 class LlamaDecodeStep:
-    """Llama-1B-shaped decode step; batch row i reads cache slot i, writes ``cache[slot, pos]``."""
+    """Llama-1B-shaped decode step; batch row i reads cache slot i, writes ``cache[slot, pos]``.
+
+    With ``breaks=True`` each layer's attention runs through ``graph_break`` (eagerly between
+    captured pieces); benchmarks/graph_capture.py measures what that costs.
+    """
 
     def __init__(
         self,
         max_batch: int,
         *,
+        breaks=False,
         layers=16,
         hidden=2048,
         heads=32,
@@ -61,6 +66,7 @@ class LlamaDecodeStep:
         seed=0,
     ):
         gen = torch.Generator(device="cuda").manual_seed(seed)
+        self.breaks = breaks
         d = hidden // heads
         self.h, self.heads, self.kv, self.d, self.ctx = hidden, heads, kv_heads, d, ctx
 
@@ -109,13 +115,16 @@ class LlamaDecodeStep:
             self.cache_k[i][slot, :, pos] = k
             self.cache_v[i][slot, :, pos] = v.view(b, self.kv, self.d)
             # GQA: the `group` query heads of one KV head attend as `group` query rows.
-            attn = F.scaled_dot_product_attention(
-                q.view(b, self.kv, group, self.d), self.cache_k[i][:b], self.cache_v[i][:b]
-            )
+            q = q.view(b, self.kv, group, self.d)
+            attn = graph_break(self._attend, q, i) if self.breaks else self._attend(q, i)
             x = x + attn.reshape(b, self.heads * self.d) @ p["o"]
             gate, up = (self._rms(x, p["n2"]) @ p["gu"]).chunk(2, dim=-1)
             x = x + (F.silu(gate) * up) @ p["down"]
         return self._rms(x, self.norm) @ self.emb.t()
+
+    def _attend(self, q, layer):
+        b = q.shape[0]
+        return F.scaled_dot_product_attention(q, self.cache_k[layer][:b], self.cache_v[layer][:b])
 
     def inputs(self, b, seed):
         gen = torch.Generator(device="cuda").manual_seed(seed)

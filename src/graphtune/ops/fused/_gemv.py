@@ -14,7 +14,8 @@ swapped operands, up to 16 rows per program). Pruning rules of :func:`fused_gemv
   never cross a head), duplicates dropped;
 * tactics giving fewer than half as many programs as the GPU has SMs are dropped while any
   tactic reaches that (a decode GEMV needs every SM streaming);
-* at most ``max_tactics`` (16), keeping the longest ``K`` chunks (fewest dependent round trips).
+* at most ``max_tactics`` (16), a third of them for ``dot=1`` when both kinds apply; each kind
+  keeps its longest ``K`` chunks (fewest dependent round trips).
 """
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ def fused_gemv_tactics(
     n_cap, k_cap = next_power_of_two(shape.columns), next_power_of_two(shape.k)
     rows = 2 if shape.paired else 1
     low, high = THREAD_BYTES
-    found: list[dict[str, int]] = []
+    core: list[dict[str, int]] = []
     if shape.m == 1:
         for bn in sorted({min(b, n_cap) for b in CORE_BN}):
             for bk in sorted({min(b, k_cap) for b in CORE_BK}):
@@ -122,20 +123,36 @@ def fused_gemv_tactics(
                 warps = [w for w in CORE_WARPS if low <= chunk // (32 * w) <= high]
                 if not warps and chunk < 32 * low:
                     warps = [1]  # a tile under one warp's share (tiny shapes): one warp
-                found += [{"bn": bn, "bk": bk, "warps": w, "dot": 0} for w in warps]
+                core += [{"bn": bn, "bk": bk, "warps": w, "dot": 0} for w in warps]
+    dot: list[dict[str, int]] = []
     if shape.columns >= 16 and shape.k >= 16:
         for bn in sorted({min(b, n_cap) for b in DOT_BN}):
             for bk in sorted({min(b, k_cap) for b in DOT_BK}):
                 if bn * rows * bk <= 64 * 256:  # registers of the double-buffered tiles
-                    found.append({"bn": bn, "bk": bk, "warps": 4, "dot": 1})
+                    dot.append({"bn": bn, "bk": bk, "warps": 4, "dot": 1})
+    kinds = [_prune(core, shape, sm_count), _prune(dot, shape, sm_count)]
+    # Each kind keeps its share of max_tactics; the CUDA-core kind (M == 1 only) the larger one.
+    dot_share = min(len(kinds[1]), max_tactics // 3 if kinds[0] else max_tactics)
+    kept = _longest_chunks(kinds[0], shape, max_tactics - dot_share)
+    return kept + _longest_chunks(kinds[1], shape, dot_share)
+
+
+def _prune(found: list[dict[str, int]], shape: GemvShape, sm_count: int) -> list[dict[str, int]]:
     unique = {tuple(t[key] for key in TACTIC_KEYS): t for t in found}
     tactics = [t for t in unique.values() if check_fused_tactic(t) is None]
     enough = [t for t in tactics if shape.programs(t["bn"]) >= sm_count // 2]
-    tactics = enough or tactics
-    if len(tactics) > max_tactics:
-        kept = sorted(tactics, key=lambda t: (math.ceil(shape.k / t["bk"]), tactics.index(t)))
-        tactics = [t for t in tactics if t in kept[:max_tactics]]
-    return tactics
+    return enough or tactics
+
+
+def _longest_chunks(
+    tactics: list[dict[str, int]], shape: GemvShape, limit: int
+) -> list[dict[str, int]]:
+    """At most ``limit`` of ``tactics`` (in their order), the fewest ``K`` chunks first."""
+    if len(tactics) <= limit:
+        return tactics
+    ranked = sorted(range(len(tactics)), key=lambda i: (math.ceil(shape.k / tactics[i]["bk"]), i))
+    keep = set(ranked[:limit])
+    return [t for i, t in enumerate(tactics) if i in keep]
 
 
 def fused_supports(x: torch.Tensor, weight: torch.Tensor, *others: torch.Tensor | None) -> bool:

@@ -29,6 +29,7 @@ from graphtune.ops.fused import (  # noqa: E402
     TritonNormGateUpSilu,
     TritonNormLinear,
     TritonNormQkvRope,
+    TritonSkinnyGemmRunner,
 )
 
 pytestmark = pytest.mark.skipif(
@@ -174,3 +175,25 @@ def test_paths_agree_with_the_unfused_triton_kernels_to_rounding():
     assert _rel(fused, torch_q.double()) < 1e-5
     assert _rel(caches[0][3], caches[2][3].double()) < 1e-5
     assert torch.equal(caches[1][3].isnan(), caches[3][3].isnan())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m", [1, 5, 16])
+def test_skinny_gemm_runner_has_the_gemm_ops_semantics(dtype, m):
+    gen = _gen()
+    n, k = 40, 96
+    a, w = _randn(gen, m, k, dtype=dtype), _randn(gen, n, k, dtype=dtype, scale=0.2)
+    bias, residual = _randn(gen, n, dtype=dtype), _randn(gen, m, n, dtype=dtype)
+    runner = TritonSkinnyGemmRunner()
+    tactics = runner.get_valid_tactics([a, w, None, None, False], None)
+    assert tactics and all(t["dot"] == 1 for t in tactics)
+    product = a.double() @ w.double().T
+    got = runner.forward([a, w, bias, None, False], DOT)
+    assert _rel(got, product + bias.double()) < TOL[dtype], gen.initial_seed()
+    want = product + residual.double()
+    assert _rel(runner.forward([a, w, None, residual, False], DOT), want) < TOL[dtype]
+    out = torch.full((m, n), float("nan"), dtype=dtype)
+    assert runner.forward([a, w, None, None, False, out], DOT) is out
+    assert _rel(out, product) < TOL[dtype]
+    assert runner.forward([a, w, None, residual, True], DOT) is residual
+    assert _rel(residual, want) < TOL[dtype], gen.initial_seed()

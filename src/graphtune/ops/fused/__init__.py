@@ -11,8 +11,10 @@ Runner 0, tactic ``-1`` of each is the unfused path through the existing tunable
 the same tuner for its own pick), so the tuner decides per shape bucket between the fused
 kernel's tactics and the unfused path (:mod:`graphtune.ops.fused._base`). The fused kernel is
 one Triton GEMV family (:mod:`graphtune.ops.fused._gemv`), launched with programmatic dependent
-launch where the GPU supports it (:mod:`graphtune.ops._pdl`). Importing this package imports
-neither Triton nor the kernels.
+launch where the GPU supports it (:mod:`graphtune.ops._pdl`). :class:`TritonSkinnyGemmRunner` is the
+same kernel as a runner of the ``graphtune.gemm`` op (swapped operands on the tensor cores, for
+decode batches of up to 16 rows); it is not registered in ``gemm_runners()``. Importing this
+package imports neither Triton nor the kernels.
 """
 
 from graphtune.ops.fused._gemv import check_fused_tactic, fused_gemv_tactics
@@ -43,12 +45,14 @@ from graphtune.ops.fused.qkv import (
     norm_qkv_rope_config,
     norm_qkv_rope_runners,
 )
+from graphtune.ops.fused.skinny_gemm import TritonSkinnyGemmRunner
 
 __all__ = [
     "TritonAddProjection",
     "TritonNormGateUpSilu",
     "TritonNormLinear",
     "TritonNormQkvRope",
+    "TritonSkinnyGemmRunner",
     "UnfusedAddProjection",
     "UnfusedNormGateUpSilu",
     "UnfusedNormLinear",

@@ -5,7 +5,7 @@ runs on both paths, the CUDA-core path (``dot=0``, one row per program) and the 
 tensor-core path (``dot=1``, 16 padded rows), in float32 and float16. Not bfloat16: Triton 3.9's
 interpreter truncates float32 -> bfloat16 casts instead of rounding to nearest (a bias that grows
 with every rounding the fused epilogues reproduce) and computes a bfloat16 ``tl.dot`` wrongly;
-tests/gpu/test_ops_fused.py covers bfloat16 on the GPU. Shapes are small, inputs random and
+tests/gpu/test_fused_ops_gpu.py covers bfloat16 on the GPU. Shapes are small, inputs random and
 outputs poisoned with NaN, so a value the kernel does not write shows.
 """
 

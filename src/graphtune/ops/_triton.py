@@ -29,6 +29,7 @@ import torch
 
 from graphtune.autotuner.runner import FALLBACK_TACTIC, TunableRunner
 from graphtune.errors import ConfigError
+from graphtune.ops._pdl import pdl_meta
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +112,12 @@ def device_supported(device: torch.device) -> bool:
 def run_kernel(
     kernel: Any, grid: tuple[int, ...], args: tuple[Any, ...], meta: dict[str, Any], warmup: bool
 ) -> None:
-    """Launches ``kernel[grid](*args, **meta)``, or with ``warmup`` only compiles it."""
+    """Launches ``kernel[grid](*args, **meta)``, or with ``warmup`` only compiles it.
+
+    A kernel that declares ``USE_PDL`` gets it (and a PDL launch) from
+    :func:`graphtune.ops._pdl.pdl_meta`.
+    """
+    meta = pdl_meta(kernel, args, meta)
     if warmup:
         kernel.warmup(*args, grid=grid, **meta)
     else:

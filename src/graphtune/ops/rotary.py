@@ -318,20 +318,28 @@ def rope_runners(
     return tuple(runners)
 
 
-def _canonical_inputs(inputs: list[Any]) -> list[Any]:
-    """Makes synthetic index inputs valid for the canonical table and cache sizes.
+def canonical_rope_indices(
+    positions: torch.Tensor, write_rows: torch.Tensor, table_rows: int, cache_rows: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Synthetic ``positions`` and ``write_rows`` that are valid for the given table and cache.
 
     Positions index the cos/sin tables; write rows must be distinct rows of the cache (two
     programs writing one row would race, which no real step does).
     """
-    qkv, positions, cos, sin, k_cache, v_cache, rows = inputs
-    gen = torch.Generator(device=qkv.device)
+    device = positions.device
+    gen = torch.Generator(device=device)
     gen.manual_seed(1234)
     positions = torch.randint(
-        0, cos.shape[0], positions.shape, generator=gen, device=qkv.device, dtype=positions.dtype
+        0, table_rows, positions.shape, generator=gen, device=device, dtype=positions.dtype
     )
-    perm = torch.randperm(k_cache.shape[0], generator=gen, device=qkv.device)
-    rows = perm[: rows.numel()].to(rows.dtype)
+    perm = torch.randperm(cache_rows, generator=gen, device=device)
+    return positions, perm[: write_rows.numel()].to(write_rows.dtype)
+
+
+def _canonical_inputs(inputs: list[Any]) -> list[Any]:
+    """Makes synthetic index inputs valid for the canonical table and cache sizes."""
+    qkv, positions, cos, sin, k_cache, v_cache, rows = inputs
+    positions, rows = canonical_rope_indices(positions, rows, cos.shape[0], k_cache.shape[0])
     return [qkv, positions, cos, sin, k_cache, v_cache, rows]
 
 

@@ -10,6 +10,7 @@ shape; outside tuning mode that is a cache look-up, and an untuned shape runs th
 * :func:`rope_kv_cache` — rotary embedding of q and k and the K/V cache write, returning ``q``.
 * :func:`silu_and_mul` — SwiGLU activation on a fused gate/up tensor.
 * :mod:`attention` — decode attention (SDPA backends and a matmul runner as tactics).
+* :func:`fused_moe` / :func:`route_top_k` — mixture-of-experts experts and router (:mod:`moe`).
 * :func:`tune_ops` — tunes all of them for a model's decode shapes (``graphtune tune``).
 
 Importing this package imports neither Triton nor the kernels.
@@ -36,6 +37,14 @@ from graphtune.ops.gemm import (
     gemm_tactics,
 )
 from graphtune.ops.gemv import TritonGemvRunner, check_gemv_tactic, gemv_tactics
+from graphtune.ops.moe import (
+    TorchFusedMoeRunner,
+    TritonFusedMoeRunner,
+    fused_moe,
+    fused_moe_config,
+    fused_moe_runners,
+    route_top_k,
+)
 from graphtune.ops.rmsnorm import (
     TorchRMSNormRunner,
     TritonRMSNormRunner,
@@ -58,10 +67,12 @@ __all__ = [
     "ALL_GROUPS",
     "OP_GROUPS",
     "OpDims",
+    "TorchFusedMoeRunner",
     "TorchGemmRunner",
     "TorchRMSNormRunner",
     "TorchRopeRunner",
     "TorchSiluAndMulRunner",
+    "TritonFusedMoeRunner",
     "TritonGemmRunner",
     "TritonGemvRunner",
     "TritonRMSNormRunner",
@@ -74,6 +85,9 @@ __all__ = [
     "check_gemm_tactic",
     "check_gemv_tactic",
     "fused_add_rms_norm",
+    "fused_moe",
+    "fused_moe_config",
+    "fused_moe_runners",
     "gemm",
     "gemm_config",
     "gemm_runners",
@@ -85,6 +99,7 @@ __all__ = [
     "rope_config",
     "rope_kv_cache",
     "rope_runners",
+    "route_top_k",
     "silu_and_mul",
     "silu_and_mul_config",
     "silu_and_mul_runners",

@@ -8,7 +8,8 @@ expert's rows padded to a multiple of ``BLOCK_M``, and names the expert of every
 tile): :func:`moe_gate_up_kernel` gathers the block's token rows of ``x`` and writes
 ``silu(gate) * up`` per sorted row; :func:`moe_down_kernel` multiplies by the expert's down weight
 and the routing weight and writes one row per pair; :func:`moe_sum_kernel` adds each token's k
-rows. Padding rows hold the pair id ``P`` (one past the last) and are never stored.
+rows. Padding rows hold the pair id ``P`` (one past the last), are never stored and never read
+uninitialised memory.
 
 Rounding follows the torch expert loop (``graphtune.ops.moe.reference``): every projection is
 rounded to the dtype, then ``silu(gate)``, its product with ``up``, and the weighted down output
@@ -238,7 +239,7 @@ def moe_down_kernel(
 
     ``w [E, N, K]``; ``route`` is the flat ``[P]`` routing weights. The product is rounded to the
     dtype before the routing weight is applied in float32 (torch's ``linear`` then ``mul``).
-    Padding rows read whatever their ``act`` row holds and are not stored.
+    Padding rows, whose ``act`` row was never written, load zeros and are not stored.
     """
     pid_m, pid_n = _tile_of(tl.program_id(0), NUM_BLOCKS_M, N, BLOCK_N, GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -260,11 +261,11 @@ def moe_down_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         if EVEN_K:
-            a = tl.load(a_ptrs)
+            a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
             w = tl.load(w_ptrs)
         else:
             k_mask = (k + offs_k) < K
-            a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
+            a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0)
         if IEEE:
             acc += tl.dot(a, w, input_precision="ieee")

@@ -42,7 +42,7 @@ def max_sorted_rows(pairs: int, experts: int, block_m: int) -> int:
     return (pairs + hit * (block_m - 1)) // block_m * block_m
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # holds tensors: compared by identity
 class ExpertBlocks:
     """The sorted, padded layout of one routing (see the module docstring).
 

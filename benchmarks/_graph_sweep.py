@@ -1,15 +1,16 @@
 """In-graph CUPTI truth for many candidates at once: one profiler session, interleaved replays.
 
-``_common.cupti_graph_time`` opens a profiler session per candidate, which costs about a second
-each on an H200 (CUPTI set-up, trace export and parse); an exhaustive sweep of a tactic space
-over several buckets would spend minutes on that alone. :func:`cupti_graph_sweep` captures one
-CUDA graph per candidate first (each with ``calls`` back-to-back calls, its own memory pool),
-then replays them round-robin (``replays`` rounds: candidate 0, 1, ..., then again, so a drift of
-clocks or temperature hits all alike) inside a single ``torch.profiler`` session, and splits the
-trace by the correlation id of each replay's launch. Per replay the span ``(end of its last
-activity - start of its first) / calls`` is what a call costs inside a graph (kernels plus the
-gaps between them, host launch excluded), as in ``_common.cupti_graph_time``; the median over
-replays is the candidate's truth.
+``_common.cupti_graph_time`` opens a profiler session per candidate, and a session has a fixed
+cost (CUPTI set-up, trace export and parse) that is large next to a few graph replays; an
+exhaustive sweep of a tactic space over several buckets would pay it hundreds of times.
+:func:`cupti_graph_sweep` captures one CUDA graph per candidate first (each with ``calls``
+back-to-back calls, its own memory pool), then replays them round-robin (``replays`` rounds:
+candidate 0, 1, ..., then again, so a drift of clocks or temperature hits all alike) inside a
+single ``torch.profiler`` session, and splits the trace by the correlation id of each replay's
+launch (:func:`split_by_launch`). Per replay the span ``(end of its last activity - start of its
+first) / calls`` is what a call costs inside a graph (kernels plus the gaps between them, host
+launch excluded), as in ``_common.cupti_graph_time``; the median over replays is the
+candidate's truth.
 
 If the trace cannot be split exactly (a replay's activities missing, or a count that is not a
 whole number of calls), the affected candidates are measured again one at a time with
@@ -47,13 +48,40 @@ def _capture(
     return graph
 
 
-def _groups_by_launch(events: Sequence[_common.DeviceEvent]) -> list[list[_common.DeviceEvent]]:
-    """Device activities grouped by launch correlation id, in time order of each group's start."""
+def _launch_ids(trace: dict[str, Any]) -> list[int]:
+    """Correlation ids of the trace's graph launches (runtime or driver API), in time order."""
+    found = []
+    for event in trace.get("traceEvents", []):
+        if isinstance(event, dict) and "GraphLaunch" in str(event.get("name", "")):
+            corr = _common._correlation(event)
+            if corr is not None:
+                found.append((float(event.get("ts", 0.0)), corr))
+    return [corr for _, corr in sorted(found)]
+
+
+def split_by_launch(
+    trace: dict[str, Any], calls: Sequence[int]
+) -> list[list[_common.DeviceEvent]] | None:
+    """The device activities of each graph replay, in launch order (``calls[j]``: calls the j-th
+    replayed graph holds), or ``None`` when the trace cannot be split that way.
+
+    By the correlation id of each ``cudaGraphLaunch`` when the trace has one per replay.
+    Otherwise only when there are exactly as many activity groups (by correlation id) as
+    replays, taken in time order: a trace with other groups as well (work the host issued
+    outside the graphs, such as the RNG-offset fill some torch versions run before a replay)
+    cannot be matched to the replays safely, and the caller measures one candidate at a time.
+    """
+    events = _common.device_events_from_trace(trace)
     by_id: dict[int, list[_common.DeviceEvent]] = {}
     for event in events:
         if event.correlation is None:
-            return []
+            return None
         by_id.setdefault(int(event.correlation), []).append(event)
+    launch_ids = _launch_ids(trace)
+    if len(launch_ids) == len(calls) and all(cid in by_id for cid in launch_ids):
+        return [sorted(by_id[cid], key=lambda e: e.start_us) for cid in launch_ids]
+    if len(by_id) != len(calls):
+        return None
     groups = [sorted(g, key=lambda e: e.start_us) for g in by_id.values()]
     return sorted(groups, key=lambda g: g[0].start_us)
 
@@ -112,16 +140,15 @@ def cupti_graph_sweep(
             for i in live:
                 graphs[i].replay()  # type: ignore[union-attr]  (upload; never measured)
             stream.synchronize()
-            events = _common.device_events_from_trace(_common._profile_trace(run, 0, 1, False))
-            if not events:  # some builds only export device activity with CPU activity traced
+            trace = _common._profile_trace(run, 0, 1, False)
+            if not _common.device_events_from_trace(trace):
+                # Some builds only export device activity when CPU activity is traced too.
                 launches.clear()
                 trace = _common._profile_trace(run, 0, 1, True)
-                events = _common.device_events_from_trace(trace)
-        groups = _groups_by_launch(events)
-        if len(groups) != len(launches):
+        groups = split_by_launch(trace, [calls[i] for i in launches])
+        if groups is None:
             logger.warning(
-                "graph sweep: %d activity groups for %d replays; measuring one at a time",
-                len(groups),
+                "graph sweep: the trace does not split into %d replays; measuring one at a time",
                 len(launches),
             )
             groups = []

@@ -3,19 +3,29 @@
 The sweep runs against a fake of ``torch.cuda`` and of the profiler trace (each replay's kernels
 carry the correlation id of its graph launch, as CUPTI reports them), so its capture, interleaved
 replay, trace split and fallbacks are checked before the script reaches the H200; the script's
-pure helpers (profile parsing, bytes moved, the table, options) run on synthetic data.
+pure helpers (profile parsing, bytes moved, the table, options) run on synthetic data, and its
+``main`` runs end to end on a tiny expert shape with the kernels under the Triton interpreter,
+the tuner's CPU timer and a sweep that calls each candidate instead of profiling it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import json
+import os
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import pytest
 import torch
+
+# The interpreter must be chosen before Triton decorates the kernels (see test_ops_kernels.py).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 if str(BENCHMARKS) not in sys.path:
@@ -284,3 +294,45 @@ def test_options_quick_and_errors(capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(["--tokens", "0"])
     capsys.readouterr()
+
+
+def test_main_end_to_end_on_a_tiny_shape(monkeypatch, tmp_path, capsys):
+    from graphtune.ops import _triton
+
+    if not _triton.device_supported(torch.device("cpu")):
+        pytest.skip("the kernels run on the CPU only under TRITON_INTERPRET=1")
+    monkeypatch.setattr(bench, "SHAPES", {"tiny": bench.ExpertShape(4, 2, 32, 32)})
+    monkeypatch.setattr(_common, "require_cuda_or_exit", lambda script: torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(bench, "DTYPE", torch.float32)  # the interpreter's bf16 dot is broken
+    import graphtune.autotuner as autotuner
+
+    quick = functools.partial(autotuner.AutoTuner, rounds=1, remeasure_top=0, max_extra_rounds=0)
+    monkeypatch.setattr(autotuner, "AutoTuner", quick)  # one measurement per candidate
+    swept = []
+
+    def fake_sweep(fns, calls, *, replays):
+        swept.append(len(fns))
+        out = []
+        for i, fn in enumerate(fns):
+            fn(0)  # every candidate runs on the sweep's inputs
+            out.append({"per_call_us": 10.0 + i, "samples_us": [10.0 + i], "error": None})
+        return out
+
+    monkeypatch.setattr(bench, "cupti_graph_sweep", fake_sweep)
+    argv = ["--out", str(tmp_path), "--shapes", "tiny", "--tokens", "1,2", "--max-tokens", "2"]
+    status = bench.main(argv)
+    out = capsys.readouterr().out
+    (path,) = tmp_path.glob("moe-*.json")
+    payload = json.loads(path.read_text())
+    (shape,) = payload["shapes"]
+    assert shape["error"] is None and shape["tuned_buckets"] == [1, 2]
+    assert [b["tokens"] for b in shape["buckets"]] == [1, 2]
+    for bucket in shape["buckets"]:
+        assert bucket["n_candidates"] == len(bucket["candidates"]) >= 2
+        assert bucket["best"] == 0 and bucket["best_us"] == 10.0  # the fake's fastest: first
+        assert bucket["regret"] == bucket["pick_us"] / 10.0 - 1
+        assert bucket["experts_selected"] >= 2 and bucket["bytes"] > 0
+    assert swept == [b["n_candidates"] for b in shape["buckets"]]
+    assert payload["provenance"]["command"] and "| tiny | 1 |" in out
+    assert status in (0, 1) and payload["summary"]["all_pass"] == (status == 0)

@@ -105,7 +105,7 @@ def tune_shape(shape: ExpertShape, max_tokens: int, device: torch.device) -> dic
     tuner.tuning_mode = True
     torch.cuda.synchronize(device)
     start = time.perf_counter()
-    fused_moe(*live, tuner=tuner, max_tokens=max_tokens, runners=runners)
+    fused_moe(*live, tuner=tuner, max_m=max_tokens, runners=runners)
     torch.cuda.synchronize(device)
     wall = time.perf_counter() - start
     tuner.tuning_mode = False

@@ -266,14 +266,14 @@ def test_tuning_picks_a_triton_tactic_per_bucket_and_lookups_run_it():
     runners = (TorchFusedMoeRunner(), TritonFusedMoeRunner(compile_workers=1))
     x, gate_up, down, weights, ids = _case(gen, 4, 4, 32, 32)
     with autotune(tuner=tuner):
-        fused_moe(x, gate_up, down, weights, ids, tuner=tuner, max_tokens=4, runners=runners)
+        fused_moe(x, gate_up, down, weights, ids, tuner=tuner, max_m=4, runners=runners)
     assert tuner.stats.profiles_tuned == 3  # buckets 1, 2, 4
     assert all("TritonFusedMoeRunner" in row[2] for row in tuner.summary_rows())
     assert not tuner.stats.tactic_failures
-    for tokens in (1, 3, 5):  # 5 tokens: bucket 4 (max_tokens caps it)
+    for tokens in (1, 3, 5):  # 5 tokens: bucket 4 (max_m caps it)
         inputs = _case(gen, tokens, 4, 32, 32)
         inputs[1], inputs[2] = gate_up, down
-        got = fused_moe(*inputs, tuner=tuner, max_tokens=4, runners=runners)
+        got = fused_moe(*inputs, tuner=tuner, max_m=4, runners=runners)
         assert _rel(got, float64_moe(*inputs)) < TOL[torch.float32], tokens
     assert not tuner.stats.fallbacks
 

@@ -178,11 +178,11 @@ def test_tuning_with_the_graph_timer_picks_runnable_tactics(experts):
     runners = (TorchFusedMoeRunner(), TritonFusedMoeRunner())
     x, weights, ids = _routing("qwen3-30b-a3b", 8)
     with autotune(tuner=tuner):
-        fused_moe(x, gate_up, down, weights, ids, tuner=tuner, max_tokens=8, runners=runners)
+        fused_moe(x, gate_up, down, weights, ids, tuner=tuner, max_m=8, runners=runners)
     assert tuner.stats.profiles_tuned == 4 and not tuner.stats.tactic_failures
     for tokens in (1, 3, 8):
         x, weights, ids = _routing("qwen3-30b-a3b", tokens, seed=tokens)
-        got = fused_moe(x, gate_up, down, weights, ids, tuner=tuner, max_tokens=8, runners=runners)
+        got = fused_moe(x, gate_up, down, weights, ids, tuner=tuner, max_m=8, runners=runners)
         assert _rel(got, float32_moe(x, gate_up, down, weights, ids)) < BF16_TOL, tokens
     assert not tuner.stats.fallbacks
 

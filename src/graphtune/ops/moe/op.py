@@ -1,7 +1,7 @@
 """The tunable fused-MoE op: :func:`fused_moe` asks the tuner for a (runner, tactic) per bucket.
 
 The dynamic dimension is the token count ``T`` (rows of ``x``; the routing tensors' rows follow
-it), tuned in power-of-two buckets up to ``max_tokens``. Tuning times the runners on synthetic
+it), tuned in power-of-two buckets up to ``max_m``. Tuning times the runners on synthetic
 inputs whose routing is replaced by :func:`balanced_routing` (each token picks k distinct experts
 uniformly at random), because the time of a grouped GEMM depends on how many rows each expert
 gets and random integer ids would not even be distinct per token.
@@ -47,7 +47,7 @@ def _tokens_of_x(shapes: Any) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def fused_moe_config(max_tokens: int | None = None) -> TuningConfig:
+def fused_moe_config(max_m: int | None = None) -> TuningConfig:
     """Tuning config: ``T`` (input 0, dim 0) in power-of-two buckets; ``topk_weights`` and
     ``topk_ids`` (inputs 3 and 4) follow it; :func:`balanced_routing` as the pre-hook.
 
@@ -58,7 +58,7 @@ def fused_moe_config(max_tokens: int | None = None) -> TuningConfig:
     return TuningConfig(
         dynamic_specs=(DynamicTensorSpec(0, 0),),
         constraint_specs=(ConstraintSpec(3, 0, _tokens_of_x), ConstraintSpec(4, 0, _tokens_of_x)),
-        max_value=max_tokens,
+        max_value=max_m,
         inputs_pre_hook=balanced_routing,
         warmup=1,
         repeat=1,
@@ -73,7 +73,7 @@ def fused_moe(
     topk_ids: torch.Tensor,
     *,
     tuner: AutoTuner | None = None,
-    max_tokens: int | None = None,
+    max_m: int | None = None,
     runners: tuple[TunableRunner, ...] | None = None,
 ) -> torch.Tensor:
     """The experts of a mixture-of-experts layer, through the tuner's pick for this token count.
@@ -90,7 +90,8 @@ def fused_moe(
             :func:`~graphtune.ops.moe.routing.route_top_k`.
         topk_ids: ``[T, k]`` int32/int64 expert ids.
         tuner: The tuner to ask; the process default when ``None``.
-        max_tokens: Largest tuned ``T`` (``None``: buckets up to the live ``T``).
+        max_m: Largest tuned ``T`` (``None``: buckets up to the live ``T``), as ``max_m`` of the
+            other ops (the rows of their inputs are the tokens).
         runners: Runners to choose from; :func:`fused_moe_runners` when ``None``.
 
     Returns:
@@ -110,6 +111,6 @@ def fused_moe(
     unpack_moe_inputs(inputs)
     chosen = runners if runners is not None else fused_moe_runners()
     runner, tactic = (tuner or get_tuner()).choose_one(
-        OP_NAME, chosen, fused_moe_config(max_tokens), inputs
+        OP_NAME, chosen, fused_moe_config(max_m), inputs
     )
     return runner.forward(inputs, tactic).reshape(shape)

@@ -71,15 +71,17 @@ SHAPES = {
 
 def live_inputs(shape: ExpertShape, tokens: int, device: torch.device) -> list[Any]:
     """Inputs of the live call that triggers tuning: the tuner reads only their shapes and
-    dtypes (and the ids' range), and times its own synthetic inputs."""
+    dtypes (and the ids' range) and times its own synthetic inputs; zeros, so that the one call
+    made on them computes on finite numbers."""
     from graphtune.ops.moe import balanced_routing
 
-    x = torch.empty((tokens, shape.hidden), dtype=DTYPE, device=device)
-    gate_up = torch.empty(
-        (shape.experts, 2 * shape.inter, shape.hidden), dtype=DTYPE, device=device
-    )
-    down = torch.empty((shape.experts, shape.hidden, shape.inter), dtype=DTYPE, device=device)
-    weights = torch.empty((tokens, shape.top_k), dtype=DTYPE, device=device)
+    def zeros(*shape: int) -> torch.Tensor:
+        return torch.zeros(shape, dtype=DTYPE, device=device)
+
+    x = zeros(tokens, shape.hidden)
+    gate_up = zeros(shape.experts, 2 * shape.inter, shape.hidden)
+    down = zeros(shape.experts, shape.hidden, shape.inter)
+    weights = zeros(tokens, shape.top_k)
     ids = torch.zeros((tokens, shape.top_k), dtype=torch.int64, device=device)
     return balanced_routing([x, gate_up, down, weights, ids])
 

@@ -3,7 +3,7 @@
 For the Llama-3.2-1B shape at M = 1 and 8, and the Llama-3-8B and Qwen2.5-7B shapes at M = 1
 (bf16, context 512), every stage of a decode layer is tuned with graphtune's tuner (graph timer;
 the fused op's first runner is the unfused path, whose inner ops are tuned on the way), then
-measured by CUPTI inside a CUDA graph (``_common.cupti_graph_time``: kernel durations plus the
+measured by CUPTI inside a CUDA graph (``bench.cupti_graph_time``: kernel durations plus the
 gaps between a graph's kernels, per call):
 
 * per stage: the unfused path with its tuned inner picks, and the fused kernel's best tactic
@@ -19,7 +19,7 @@ Run on the GPU machine from the repository root::
     PYTHONPATH=src python3 benchmarks/fused_ops.py --out OUT
 
 It prints a short table last and writes ``OUT/fused-ops-<gpu>.json``. The JSON is written with
-``_common.write_json`` (an atomic plain write) for now; it moves onto the ``graphtune.bench``
+``bench.write_json`` (an atomic plain write) for now; it moves onto the ``graphtune.bench``
 results writer when that lands.
 """
 
@@ -27,19 +27,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common  # noqa: E402
-
-from graphtune.autotuner import AutoTuner, autotune  # noqa: E402
-from graphtune.ops import attention  # noqa: E402
-from graphtune.ops.fused import (  # noqa: E402
+from graphtune import bench
+from graphtune.autotuner import AutoTuner, autotune
+from graphtune.ops import attention
+from graphtune.ops.fused import (
     add_projection,
     add_projection_runners,
     norm_gate_up_silu,
@@ -193,7 +190,7 @@ class Layer:
 
 
 def _time(fn, calls: int) -> dict[str, Any]:
-    result = _common.cupti_graph_time(fn, calls_per_graph=calls, replays=10, event_check=False)
+    result = bench.cupti_graph_time(fn, calls_per_graph=calls, replays=10, event_check=False)
     return result.as_dict()
 
 
@@ -276,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", default=",".join(CASES), help="SHAPE:M,... to run")
     parser.add_argument("--layers", type=int, default=0, help="weight copies (0: 4 / 2 for 8B)")
     args = parser.parse_args(argv)
-    device = _common.require_cuda_or_exit("fused_ops.py")
+    device = bench.require_cuda_or_exit("fused_ops.py")
     tuner = AutoTuner(show_progress=False)  # one tuner: shapes shared between cases tune once
     results = []
     start = time.perf_counter()
@@ -287,13 +284,13 @@ def main(argv: list[str] | None = None) -> int:
         results.append(run_case(name, int(m), layers, tuner))
         torch.cuda.empty_cache()
     payload = {
-        "provenance": _common.provenance(device=device),
+        "provenance": bench.provenance(device=device),
         "seconds": time.perf_counter() - start,
         "cases": results,
         "tuner_stats": vars(tuner.stats),
     }
-    path = args.out / f"fused-ops-{_common.gpu_slug(torch.cuda.get_device_name(device))}.json"
-    _common.write_json(path, payload)
+    path = args.out / f"fused-ops-{bench.gpu_slug(torch.cuda.get_device_name(device))}.json"
+    bench.write_json(path, payload)
     print(f"wrote {path} in {payload['seconds']:.0f} s")
     print(table(results))
     return 0

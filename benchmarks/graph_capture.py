@@ -46,7 +46,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from graph_runner import LlamaDecodeStep, hand_written_graph, time_ms  # noqa: E402
 
-from graphtune import bench as _common  # noqa: E402
+from graphtune import bench  # noqa: E402
 from graphtune.graphs import CapturePolicy, CUDAGraphRunner, default_capture_sizes  # noqa: E402
 from graphtune.reporting import render_table  # noqa: E402
 
@@ -198,7 +198,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="fewer batch sizes and repeats")
     parser.add_argument("--commit", default=None, help="commit to record (default: git)")
     args = parser.parse_args()
-    device = _common.require_cuda_or_exit("graph_capture.py")
+    device = bench.require_cuda_or_exit("graph_capture.py")
     torch.backends.cuda.matmul.allow_tf32 = False
     reps, repeats = (5, 3) if args.quick else (10, 5)
     batches = BREAK_BATCHES_QUICK if args.quick else BREAK_BATCHES
@@ -258,7 +258,7 @@ def main() -> int:
     payload = {
         "benchmark": "graph_capture",
         "quick": args.quick,
-        "provenance": _common.provenance(args.commit, device),
+        "provenance": bench.provenance(args.commit, device),
         "step": {"shape": "llama-3.2-1b", "layers": len(step.layers), "vocab": 128256},
         "timing": {"method": "CUDA events, median of repeats", "reps": reps, "repeats": repeats},
         "captures": {
@@ -275,7 +275,7 @@ def main() -> int:
         "pass": ok,
     }
     slug = payload["provenance"]["gpu_slug"] or "unknown"
-    path = _common.write_json(args.out / f"graph-capture-{slug}.json", payload)
+    path = bench.write_json(args.out / f"graph-capture-{slug}.json", payload)
     print(json.dumps({"graph_capture": {k: t["pass"] for k, t in targets.items()}, "pass": ok}))
     print(f"json: {path}")
     _print_tables(cold, recapture, sizes35, owning67, owning35, alone_512, alone_256, breaks)

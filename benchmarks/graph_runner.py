@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from graphtune import bench as _common
+from graphtune import bench
 from graphtune.graphs import CUDAGraphRunner, default_capture_sizes, graph_break
 from graphtune.reporting import render_table
 
@@ -206,7 +206,7 @@ def measure_size(step, runner, b, *, captured, reps, repeats) -> dict:
     # Same kernels on the same data: at a captured size the outputs must be identical.
     same = bool(torch.equal(got, hand_out)) if captured else None
     del graph, hand_out
-    busy = _common.cupti_kernel_time(lambda i: step(*inputs), calls=3, warmup=1)
+    busy = bench.cupti_kernel_time(lambda i: step(*inputs), calls=3, warmup=1)
     return {
         "batch": b,
         "captured": captured,
@@ -226,7 +226,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
     parser.add_argument("--commit", default=None, help="commit to record (default: git)")
     args = parser.parse_args()
-    device = _common.require_cuda_or_exit("graph_runner.py")
+    device = bench.require_cuda_or_exit("graph_runner.py")
     torch.backends.cuda.matmul.allow_tf32 = False
 
     max_batch = 256
@@ -303,7 +303,7 @@ def main() -> int:
     payload = {
         "benchmark": "graph_runner",
         "quick": args.quick,
-        "provenance": _common.provenance(args.commit, device),
+        "provenance": bench.provenance(args.commit, device),
         "step": {
             "shape": "llama-3.2-1b",
             "layers": 16,
@@ -328,7 +328,7 @@ def main() -> int:
         "pass": ok,
     }
     slug = payload["provenance"]["gpu_slug"] or "unknown"
-    path = _common.write_json(args.out / f"graph-runner-{slug}.json", payload)
+    path = bench.write_json(args.out / f"graph-runner-{slug}.json", payload)
     summary = {
         k: (
             round(v["value"], 4) if isinstance(v["value"], float) else v["value"],

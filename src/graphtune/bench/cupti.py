@@ -88,7 +88,7 @@ def device_events_from_trace(
             category=str(event["cat"]),
             start_us=float(event.get("ts", 0.0)),
             duration_us=float(event["dur"]),
-            correlation=_correlation(event),
+            correlation=correlation_id(event),
         )
         for event in trace.get("traceEvents", [])
         if isinstance(event, dict)
@@ -100,7 +100,8 @@ def device_events_from_trace(
     return events
 
 
-def _correlation(event: dict[str, Any]) -> int | None:
+def correlation_id(event: dict[str, Any]) -> int | None:
+    """The ``correlation`` id of a trace event (links a kernel to the launch that issued it)."""
     args = event.get("args")
     value = args.get("correlation") if isinstance(args, dict) else None
     if isinstance(value, bool):

@@ -5,7 +5,9 @@ A simulated capture runs the step's code once and *records* every ATen op it dis
 recorded ops on those tensors and writes each op's fresh result into the tensor the op returned
 at capture: exactly what a CUDA graph replay does to memory (same kernels, same addresses), so
 padding, stale rows, slicing, output aliasing, graph breaks and fallbacks behave as with real
-graphs; only speed differs. Python code of the step does not run at replay, as on a GPU, and a
+graphs; only speed differs. Triton kernels run by the CPU interpreter (``TRITON_INTERPRET=1``)
+write through raw pointers that no ATen op shows, so their launches are recorded as launches and
+run again at replay, like a graph's kernel nodes. Python code of the step does not run at replay, as on a GPU, and a
 host synchronisation inside a capture (``.item()``, ``bool(tensor)``, ``torch.nonzero``) fails
 the capture with the CUDA error text.
 
@@ -77,17 +79,80 @@ class _Op:
             recorded.copy_(leaves[index])
 
 
+class _KernelLaunch:
+    """A Triton kernel launch recorded at capture (under ``TRITON_INTERPRET=1`` on the CPU).
+
+    The interpreter writes through raw pointers, which no ATen op shows, so the launch itself is
+    what a replay must run again, on the same argument tensors (as a CUDA graph's kernel node).
+    """
+
+    __slots__ = ("run", "kernel", "args", "kwargs")
+    refresh: tuple = ()
+
+    def __init__(self, run: Callable, kernel: Any, args: tuple, kwargs: dict) -> None:
+        self.run = run
+        self.kernel = kernel
+        self.args = args
+        self.kwargs = kwargs
+
+    def replay(self) -> None:
+        self.run(self.kernel, *self.args, **self.kwargs)
+
+
 class _Recorder(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
-        self.ops: list[_Op] = []
+        self.ops: list[_Op | _KernelLaunch] = []
+        self._inside_kernel = 0
+        self._unpatch: Callable[[], None] | None = None
+
+    def __enter__(self) -> _Recorder:
+        self._unpatch = self._record_triton_launches()
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        if self._unpatch is not None:
+            self._unpatch()
+            self._unpatch = None
+
+    def _record_triton_launches(self) -> Callable[[], None] | None:
+        try:
+            from triton.runtime.interpreter import InterpretedFunction
+        except ImportError:  # no Triton interpreter: nothing launches kernels behind ATen
+            return None
+        original = InterpretedFunction.run
+        recorder = self
+
+        def run(kernel: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
+            if warmup:
+                return original(kernel, *args, grid=grid, warmup=warmup, **kwargs)
+            launch = _KernelLaunch(
+                original, kernel, args, {"grid": grid, "warmup": False, **kwargs}
+            )
+            recorder.ops.append(launch)
+            # The interpreter's own tensor copies belong to the kernel, not to the graph.
+            recorder._inside_kernel += 1
+            try:
+                return original(kernel, *args, grid=grid, warmup=warmup, **kwargs)
+            finally:
+                recorder._inside_kernel -= 1
+
+        InterpretedFunction.run = run
+
+        def unpatch() -> None:
+            InterpretedFunction.run = original
+
+        return unpatch
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
     ) -> Any:
+        kwargs = kwargs or {}
+        if self._inside_kernel:
+            return func(*args, **kwargs)
         if func in _HOST_SYNC_OPS:
             raise RuntimeError(_CAPTURE_SYNC_ERROR)
-        kwargs = kwargs or {}
         output = func(*args, **kwargs)
         self.ops.append(_Op(func, args, kwargs, output))
         return output
@@ -109,7 +174,7 @@ class _SimulatedGraph:
         self._backend = backend
         self.pool = pool
         self.recorder = _Recorder()
-        self.ops: list[_Op] = []
+        self.ops: list[_Op | _KernelLaunch] = []
         self.created: set[int] = set()  # storages allocated by the recorded ops
 
     def finish(self) -> None:

@@ -11,6 +11,7 @@ shape; outside tuning mode that is a cache look-up, and an untuned shape runs th
 * :func:`silu_and_mul` — SwiGLU activation on a fused gate/up tensor.
 * :mod:`attention` — decode attention (SDPA backends, a matmul runner and a Triton
   flash-decoding kernel as runners).
+* :func:`fused_moe` / :func:`route_top_k` — mixture-of-experts experts and router (:mod:`moe`).
 * :class:`OpContext` — the op settings of one model step (tuner, largest batch), bound once; a
   forward calls its ops through it (``ops.gemm(h, w)``).
 
@@ -42,6 +43,14 @@ from graphtune.ops.gemm import (
     gemm_tactics,
 )
 from graphtune.ops.gemv import TritonGemvRunner, check_gemv_tactic, gemv_tactics
+from graphtune.ops.moe import (
+    TorchFusedMoeRunner,
+    TritonFusedMoeRunner,
+    fused_moe,
+    fused_moe_config,
+    fused_moe_runners,
+    route_top_k,
+)
 from graphtune.ops.rmsnorm import (
     TorchRMSNormRunner,
     TritonRMSNormRunner,
@@ -63,10 +72,12 @@ from graphtune.ops.rotary import (
 __all__ = [
     "OpContext",
     "RopeRows",
+    "TorchFusedMoeRunner",
     "TorchGemmRunner",
     "TorchRMSNormRunner",
     "TorchRopeRunner",
     "TorchSiluAndMulRunner",
+    "TritonFusedMoeRunner",
     "TritonGemmRunner",
     "TritonGemvRunner",
     "TritonRMSNormRunner",
@@ -78,6 +89,9 @@ __all__ = [
     "check_gemm_tactic",
     "check_gemv_tactic",
     "fused_add_rms_norm",
+    "fused_moe",
+    "fused_moe_config",
+    "fused_moe_runners",
     "gemm",
     "gemm_config",
     "gemm_runners",
@@ -89,6 +103,7 @@ __all__ = [
     "rope_config",
     "rope_kv_cache",
     "rope_runners",
+    "route_top_k",
     "silu_and_mul",
     "silu_and_mul_config",
     "silu_and_mul_runners",

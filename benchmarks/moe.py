@@ -16,11 +16,11 @@ Per expert shape (bf16; Qwen3-30B-A3B: 128 experts, top 8, hidden 2048, width 76
    time; it includes Triton compilation (also reported alone: the first shape compiles, a later
    one mostly reuses the binaries, which Triton specialises on dtypes and divisibility only).
 2. **Sweep**: for each ``--tokens`` value, every candidate the tuner timed for that bucket (the
-   torch fallback and every Triton tactic the pruning rules keep: the same space) is measured by
-   the CUPTI in-graph truth on the same synthetic inputs, all candidates of a bucket in one
-   profiler session with interleaved replays (``graphtune.bench.cupti_sweep``). Its wall time is
-   reported next to the tuning time. A replay holds ``ceil(--min-replay-us / tuner's time)`` calls (1 ..
-   50), so the sweep stays within a few seconds per bucket even at 4096 tokens of Mixtral.
+   torch fallback and every Triton tactic the pruning rules keep: the same space) is measured by the
+   CUPTI in-graph truth on the same synthetic inputs, all candidates of a bucket in one profiler
+   session with interleaved replays (``graphtune.bench.cupti_sweep``). Its wall time is reported
+   next to the tuning time. A replay holds ``ceil(--min-replay-us / tuner's time)`` calls (1 .. 50),
+   so the sweep stays within a few seconds per bucket even at 4096 tokens of Mixtral.
 3. **Scores**: regret = truth(tuner's pick) / truth(best of the sweep) - 1, target <= 2% per
    bucket; tuning time target <= 60 s per shape; achieved bandwidth of the pick and of the best
    against the bytes a call must move: the weights of the experts the routing selects, plus

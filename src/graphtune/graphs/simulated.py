@@ -2,14 +2,14 @@
 
 A simulated capture runs the step's code once and *records* every ATen op it dispatches (a
 ``TorchDispatchMode``), with the very tensors the op read and wrote. A replay re-executes the
-recorded ops on those tensors and writes each op's fresh result into the tensor the op returned
-at capture: exactly what a CUDA graph replay does to memory (same kernels, same addresses), so
-padding, stale rows, slicing, output aliasing, graph breaks and fallbacks behave as with real
-graphs; only speed differs. Triton kernels run by the CPU interpreter (``TRITON_INTERPRET=1``)
-write through raw pointers that no ATen op shows, so their launches are recorded as launches and
-run again at replay, like a graph's kernel nodes. Python code of the step does not run at replay, as on a GPU, and a
-host synchronisation inside a capture (``.item()``, ``bool(tensor)``, ``torch.nonzero``) fails
-the capture with the CUDA error text.
+recorded ops on those tensors and writes each op's fresh result into the tensor the op returned at
+capture: exactly what a CUDA graph replay does to memory (same kernels, same addresses), so padding,
+stale rows, slicing, output aliasing, graph breaks and fallbacks behave as with real graphs; only
+speed differs. Triton kernels run by the CPU interpreter (``TRITON_INTERPRET=1``) write through raw
+pointers that no ATen op shows, so their launches are recorded as launches and run again at replay,
+like a graph's kernel nodes. Python code of the step does not run at replay, as on a GPU, and a host
+synchronisation inside a capture (``.item()``, ``bool(tensor)``, ``torch.nonzero``) fails the
+capture with the CUDA error text.
 
 Memory sharing is modelled pessimistically: storages the runner gives back to the pool
 (:meth:`SimulatedGraphBackend.share_memory`) that were created during their graphs' capture are

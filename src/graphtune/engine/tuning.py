@@ -6,6 +6,16 @@ the live call's shapes, then runs the pick. Running the real step therefore tune
 the step looks up later (no list of ops kept beside the model), ops nested inside other ops
 included. TensorRT-LLM tunes the same way during its warm-up.
 
+The step runs twice per bucket: first with its stages unfused (``OpContext.unfused``), which tunes
+every single op (GEMMs, norms, RoPE, SiLU-and-mul, attention) from the live calls; then as built,
+which tunes the fused ops (:mod:`graphtune.ops.fused`). A fused op's runner 0 is the unfused
+sequence, so timing it needs the single ops' picks: the first pass has put them in the cache, and
+the nested look-ups hit. So no op is tuned inside another op's timing, the order of the tuning
+collectives is the step's order on every rank whatever the distributed strategy (``broadcast``
+and ``parallel`` time a candidate on one rank only, which a nested tuning would turn into a
+collective only that rank enters), and the tuned unfused step (``fused=False``) finds its picks
+too.
+
 The calls use :meth:`DecodeStep.example_inputs`: they write only the KV cache's scratch slot.
 Every rank of a tensor-parallel group must call this together (the ops' look-ups and the step's
 all-reduces are collectives in the same order on every rank).
@@ -71,7 +81,8 @@ class TuneReport:
 
 
 def tune_step(step: DecodeStep, *, log: Callable[[str], None] | None = None) -> TuneReport:
-    """Tunes every op of ``step`` by running it at batch sizes ``1, 2, 4, ..., max_batch_size``.
+    """Tunes every op of ``step`` by running it at batch sizes ``1, 2, 4, ..., max_batch_size``,
+    unfused and then as built (see the module docstring).
 
     The step's tuner is switched to tuning mode for the call (and restored after), so this works
     inside or outside :func:`graphtune.autotune`; wrap it in ``autotune(cache_path, tuner)`` to
@@ -100,12 +111,16 @@ def tune_step(step: DecodeStep, *, log: Callable[[str], None] | None = None) -> 
     started = time.perf_counter()
     previous = tuner.tuning_mode
     tuner.tuning_mode = True
+    passes = [("single ops", step.ops.unfused())]
+    if step.ops.fused:
+        passes.append(("fused ops", step.ops))
     try:
         with torch.no_grad():
-            for batch in report.buckets:
-                if log is not None:
-                    log(f"tuning: running the step at batch {batch}")
-                step(*step.example_inputs(batch))
+            for what, ops in passes:
+                for batch in report.buckets:
+                    if log is not None:
+                        log(f"tuning the {what}: running the step at batch {batch}")
+                    step.decode(ops, *step.example_inputs(batch))
     finally:
         tuner.tuning_mode = previous
     if step.model.device.type == "cuda":

@@ -55,11 +55,15 @@ class UnfusedRunner(TunableRunner):
     Args:
         tuner: The tuner the inner ops ask (weakly held; ``None``: the process default).
         max_m: ``max_m`` passed to every inner op.
+        cold_l2: ``cold_l2`` passed to the inner GEMM (``graphtune.ops.gemm.gemm``).
     """
 
-    def __init__(self, tuner: AutoTuner | None = None, max_m: int | None = None) -> None:
+    def __init__(
+        self, tuner: AutoTuner | None = None, max_m: int | None = None, cold_l2: bool = False
+    ) -> None:
         self._tuner_ref = weakref.ref(tuner) if tuner is not None else None
         self.max_m = max_m
+        self.cold_l2 = cold_l2
 
     @property
     def tuner(self) -> AutoTuner:

@@ -205,6 +205,7 @@ class TensorParallelDecodeStep(DecodeStep):
         tuner: As for :class:`DecodeStep`; tune with a rank-consistent strategy (``agree``,
             ``parallel`` or ``broadcast``) so every rank runs the same kernels.
         gemm_cold_l2: As for :class:`DecodeStep`.
+        fused: As for :class:`DecodeStep`.
         reducer: The all-reduce (see :mod:`graphtune.engine.collectives`); ``None`` builds the
             one ``model.parallel.all_reduce_backend`` names (a collective: every rank builds its
             step at the same point).
@@ -224,6 +225,7 @@ class TensorParallelDecodeStep(DecodeStep):
         tuner: Any = None,
         gemm_cold_l2: bool = False,
         reducer: AllReduce | None = None,
+        fused: bool = True,
     ) -> None:
         if model.parallel is None:
             raise ConfigError(
@@ -231,7 +233,12 @@ class TensorParallelDecodeStep(DecodeStep):
                 "parallel=ParallelContext(...)) or shard_model)"
             )
         super().__init__(
-            model, cache, contiguous_slots=contiguous_slots, tuner=tuner, gemm_cold_l2=gemm_cold_l2
+            model,
+            cache,
+            contiguous_slots=contiguous_slots,
+            tuner=tuner,
+            gemm_cold_l2=gemm_cold_l2,
+            fused=fused,
         )
         self.parallel: ParallelContext = model.parallel
         if reducer is None:

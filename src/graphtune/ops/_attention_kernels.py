@@ -180,12 +180,25 @@ def decode_attention_kernel(
             if ticket == SPLITS - 1:
                 # A helper of its own: the branch then rebinds no name of this kernel (Triton's
                 # code generator requires a name bound before a runtime `if` to keep its type).
-                _merge_partials(ws_ptr, out_ptrs, bh, rows, dims, row_ok, G, SPLITS, HEAD_DIM)
+                _merge_partials(
+                    ws_ptr, out_ptrs, bh, rows, dims, row_ok, G, SPLITS, BLOCK_G, HEAD_DIM
+                )
                 tl.atomic_xchg(cnt_ptr + bh, 0)  # ready for the next call
 
 
 @triton.jit
-def _merge_partials(ws_ptr, out_ptrs, bh, rows, dims, row_ok, G, SPLITS, HEAD_DIM):
+def _merge_partials(
+    ws_ptr,
+    out_ptrs,
+    bh,
+    rows,
+    dims,
+    row_ok,
+    G,
+    SPLITS: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
     """The inline merge of one row's ``SPLITS`` float32 partials, in split order, into ``out``.
 
     Partials are read from L2 (``.cg``): other SMs wrote them, and this SM's L1 may hold lines of
@@ -193,13 +206,13 @@ def _merge_partials(ws_ptr, out_ptrs, bh, rows, dims, row_ok, G, SPLITS, HEAD_DI
     """
     tl.debug_barrier()
     row_base = ws_ptr + (bh * SPLITS * G + rows) * (HEAD_DIM + 2)
-    m_max = tl.zeros(rows.shape, dtype=tl.float32) - 1.0e30
+    m_max = tl.zeros((BLOCK_G,), dtype=tl.float32) - 1.0e30
     for s in range(0, SPLITS):
         part = row_base + s * G * (HEAD_DIM + 2)
         m_s = tl.load(part + HEAD_DIM, mask=row_ok, other=-1.0e30, cache_modifier=".cg")
         m_max = tl.maximum(m_max, m_s)
-    total = tl.zeros(rows.shape, dtype=tl.float32)
-    merged = tl.zeros((rows.shape[0], HEAD_DIM), dtype=tl.float32)
+    total = tl.zeros((BLOCK_G,), dtype=tl.float32)
+    merged = tl.zeros((BLOCK_G, HEAD_DIM), dtype=tl.float32)
     for s in range(0, SPLITS):
         part = row_base + s * G * (HEAD_DIM + 2)
         m_s = tl.load(part + HEAD_DIM, mask=row_ok, other=-1.0e30, cache_modifier=".cg")

@@ -110,3 +110,41 @@ def test_family_table_lists_each_profiled_step() -> None:
     assert "untuned" in table and "tuned" in table and "HF compile" not in table
     assert "10.0 (3)" in table and "9.0 (2)" in table and "12.0 (5)" in table
     assert family_table(BatchResult(1)) == ""
+
+
+def _tiny_hf():
+    model = random_model(get_preset("tiny"), seed=1)
+    prompt = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(2))
+    return hf_compare.hf_model(model), prompt
+
+
+def test_time_hf_decode_times_the_compiled_step(monkeypatch) -> None:
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiled.append(kw) or fn)
+    hf, prompt = _tiny_hf()
+    with torch.inference_mode():
+        timing = hf_compare.time_hf_decode(hf, prompt, steps=2, repeats=1)
+    assert timing.ms > 0 and timing.compile_s >= 0 and "compiled in" in timing.note
+    assert compiled == [dict(mode="reduce-overhead", fullgraph=True, dynamic=False)]
+    assert timing.max_cache_len >= 8 + 1 + 3 + 2 + hf_compare.EXTRA_CALLS
+
+
+def test_time_hf_decode_compiles_with_graph_breaks_when_fullgraph_fails(monkeypatch) -> None:
+    def fake_compile(fn, *, fullgraph, **kw):
+        if not fullgraph:
+            return fn
+
+        def broken(**kwargs):
+            raise RuntimeError("graph break in mask creation")
+
+        return broken
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    hf, prompt = _tiny_hf()
+    with torch.inference_mode():
+        timing = hf_compare.time_hf_decode(hf, prompt, steps=1, repeats=1)
+    assert timing.ms > 0 and "fullgraph=True failed (RuntimeError: graph break" in timing.note
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fake_compile(fn, fullgraph=True))
+    with torch.inference_mode():
+        failed = hf_compare.time_hf_decode(hf, prompt, steps=1, repeats=1)
+    assert failed.ms is None and failed.note.startswith("failed: RuntimeError")

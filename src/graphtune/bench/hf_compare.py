@@ -218,6 +218,7 @@ class HfDecoder:
         max_cache_len: int,
         *,
         compile_forward: bool = True,
+        fullgraph: bool = True,
     ) -> None:
         from transformers import StaticCache
 
@@ -242,7 +243,7 @@ class HfDecoder:
         self.forward: Callable[..., Any] = hf.forward
         if compile_forward:
             self.forward = torch.compile(
-                hf.forward, mode="reduce-overhead", fullgraph=True, dynamic=False
+                hf.forward, mode="reduce-overhead", fullgraph=fullgraph, dynamic=False
             )
 
     def _forward(
@@ -281,17 +282,31 @@ def time_hf_decode(
 ) -> HfDecodeTiming:
     """Times the compiled decode step of ``hf`` after prefilling ``prompt [B, context]``.
 
-    Compiler and recording failures are returned in ``note`` (``"failed: ..."``), not raised.
+    The recipe compiles with ``fullgraph=True``; when that fails (a graph break in some
+    transformers release) it is compiled again without, and ``note`` says so. Compiler and
+    recording failures are returned in ``note`` (``"failed: ..."``), not raised.
     """
     device = prompt.device
     calls = 3 + steps * repeats + EXTRA_CALLS
     result = HfDecodeTiming(max_cache_len=aligned_seq_len(prompt.shape[1] + 1 + calls))
+    broke = ""
+    for fullgraph in (True, False):
+        try:
+            decoder = HfDecoder(hf, prompt, result.max_cache_len, fullgraph=fullgraph)
+            started = time.perf_counter()
+            decoder.step()
+            sync(device)
+            result.compile_s = time.perf_counter() - started
+            break
+        except Exception as exc:  # a compiler failure is a result to report, not a crash
+            logger.warning("Hugging Face compiled decode (fullgraph=%s) failed: %s", fullgraph, exc)
+            error = f"{type(exc).__name__}: {str(exc)[:200]}"
+            if not fullgraph:
+                result.note = f"failed: {error} (fullgraph=True: {broke})"
+                return result
+            broke = error
+            torch.compiler.reset()
     try:
-        decoder = HfDecoder(hf, prompt, result.max_cache_len)
-        started = time.perf_counter()
-        decoder.step()
-        sync(device)
-        result.compile_s = time.perf_counter() - started
         decoder.step()
         result.ms = time_per_call_ms(decoder.step, device, steps, repeats)
         if measure_busy:
@@ -300,9 +315,11 @@ def time_hf_decode(
                 result.busy_ms = busy.per_call_ms
                 result.kernels_per_step = busy.activities_per_call
                 result.families = busy.families
-    except Exception as exc:  # a compiler failure is a result to report, not a crash
+    except Exception as exc:  # a replay failure is a result to report, not a crash
         logger.warning("Hugging Face compiled decode failed: %s", exc)
         result.note = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
         return result
     result.note = f"compiled in {result.compile_s:.1f} s, static cache {result.max_cache_len}"
+    if broke:
+        result.note += f"; fullgraph=True failed ({broke}), compiled with graph breaks"
     return result

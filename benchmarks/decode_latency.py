@@ -11,7 +11,10 @@ Parts (``--parts``, all by default, in this order; each writes its own results J
   "reduce-overhead")`` on the same weights, the bytes floor, kernels per step and device time by
   kernel family (``decode-latency-1b-<gpu>.json``);
 * ``pdl``: the same tuned step at batch 1 through the graph runner with ``GRAPHTUNE_PDL=0`` and
-  then ``1`` (graphs captured each way), same picks (``decode-latency-pdl-<gpu>.json``);
+  then ``1`` (graphs captured each way), same picks, and from a CUPTI trace of one graph replay
+  each way the overlap of consecutive kernels (a PDL launch starts before its predecessor ends)
+  and the gaps between them; the traces are saved as ``pdl-{on,off}-trace-<gpu>.json``, to open
+  in Perfetto (``decode-latency-pdl-<gpu>.json``);
 * ``8b``: the Llama-3-8B and Qwen2.5-7B shapes (QKV bias) at batch 1 and 8, tuned for those
   buckets only (1, 2, 4, 8), graph runner, against their floors (``decode-latency-8b-<gpu>.json``);
 * ``accuracy``: over 64 decode steps at batch 1 and 8, the tuned and the untuned bf16 1B step
@@ -42,7 +45,8 @@ from graphtune.bench.accuracy import decode_accuracy
 from graphtune.bench.decode import run_decode_bench
 from graphtune.bench.decode_report import format_report
 from graphtune.bench.decode_results import DecodeBenchConfig, DecodeBenchReport
-from graphtune.engine.kv_cache import aligned_seq_len
+from graphtune.engine.build import build_runner, build_step
+from graphtune.engine.kv_cache import KVCache, aligned_seq_len
 from graphtune.engine.loading import load_model
 
 PARTS = ("1b", "pdl", "8b", "accuracy")
@@ -79,8 +83,73 @@ def part_1b(args: argparse.Namespace, tuner: AutoTuner) -> dict[str, Any]:
     return report.to_json()
 
 
+def replay_overlap(tuner: AutoTuner, trace_path: Path) -> dict[str, Any]:
+    """Kernel overlap and gaps in one CUDA-graph replay of the tuned 1B step at batch 1 (CUPTI),
+    under the current ``GRAPHTUNE_PDL``; the Chrome trace of the replays goes to ``trace_path``."""
+    model = load_model("llama-1b-shape", device="cuda", dtype=torch.bfloat16, seed=0)
+    cache = KVCache(model.config, 1, aligned_seq_len(CONTEXT + 1), "cuda", torch.bfloat16)
+    cache.k.normal_()
+    cache.v.normal_()
+    step = build_step(model, cache, tuner=tuner)
+    runner = build_runner(step, "graph", capture_sizes=[1])
+    args = (torch.zeros(1, dtype=torch.long, device="cuda"),)
+    args += (torch.full_like(args[0], CONTEXT), torch.zeros_like(args[0]))
+    try:
+        with torch.inference_mode():
+            runner.capture(*step.example_inputs(1))
+            runner(*args)
+            torch.cuda.synchronize()
+            trace = bench.cupti.profile_trace(lambda i: runner(*args), 0, 3, False)
+            if not bench.device_events_from_trace(trace):  # some builds need CPU activity too
+                trace = bench.cupti.profile_trace(lambda i: runner(*args), 0, 3, True)
+    finally:
+        runner.release()
+    bench.write_json(trace_path, trace)
+    return {
+        **overlap_stats(bench.device_events_from_trace(trace), replays=3),
+        "trace": str(trace_path),
+    }
+
+
+def overlap_stats(events: list[Any], replays: int) -> dict[str, Any]:
+    """Overlap and gaps of consecutive kernels in the last of ``replays`` graph replays.
+
+    A replay's kernels share its graph launch's correlation id (the runner's input copies have
+    their own), so the largest correlation groups are the replays; without ids the trace is split
+    at its widest gaps.
+    """
+    by_id: dict[Any, list[Any]] = {}
+    for event in events:
+        by_id.setdefault(event.correlation, []).append(event)
+    if None in by_id:
+        groups, _ = bench.split_replays(events, replays=replays, calls_per_graph=1)
+    else:
+        largest = max(len(g) for g in by_id.values())
+        groups = sorted(
+            (g for g in by_id.values() if len(g) == largest), key=lambda g: g[0].start_us
+        )
+    kernels = sorted(groups[-1], key=lambda e: e.start_us)
+    overlap = gaps = 0.0
+    overlapping = 0
+    for before, after in zip(kernels, kernels[1:], strict=False):
+        if after.start_us < before.end_us:
+            overlapping += 1
+            overlap += before.end_us - after.start_us
+        else:
+            gaps += after.start_us - before.end_us
+    return {
+        "kernels": len(kernels),
+        "span_us": kernels[-1].end_us - kernels[0].start_us,
+        "kernel_sum_us": sum(e.duration_us for e in kernels),
+        "overlapping_pairs": overlapping,
+        "overlap_us": overlap,
+        "gap_us": gaps,
+    }
+
+
 def part_pdl(args: argparse.Namespace, tuner: AutoTuner) -> dict[str, Any]:
-    runs = {}
+    runs, overlaps = {}, {}
+    gpu = bench.gpu_slug(torch.cuda.get_device_name())
     for label, value in (("pdl_off", "0"), ("pdl_on", "1")):
         # The library reads GRAPHTUNE_PDL at every launch (graphtune.env), capture included.
         os.environ["GRAPHTUNE_PDL"] = value
@@ -93,10 +162,13 @@ def part_pdl(args: argparse.Namespace, tuner: AutoTuner) -> dict[str, Any]:
             tuning_cache=_cache(args.tuning_cache, "llama-1b-shape"),
         )
         runs[label] = report.to_json()
+        trace = args.out / f"{label.replace('_', '-')}-trace-{gpu}.json"
+        overlaps[label] = replay_overlap(tuner, trace)
+        print(f"{label}: one replay {overlaps[label]}", flush=True)
     os.environ["GRAPHTUNE_PDL"] = "1"
     on = runs["pdl_on"]["results"][0]["tuned_graph_ms"]
     off = runs["pdl_off"]["results"][0]["tuned_graph_ms"]
-    return {"runs": runs, "tuned_graph_ms": {"pdl_on": on, "pdl_off": off}}
+    return {"runs": runs, "tuned_graph_ms": {"pdl_on": on, "pdl_off": off}, "replay": overlaps}
 
 
 def part_8b(args: argparse.Namespace) -> dict[str, Any]:

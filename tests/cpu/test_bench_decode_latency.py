@@ -53,3 +53,23 @@ def test_unknown_parts_and_missing_cuda_are_clear(tmp_path, capsys) -> None:
         with pytest.raises(SystemExit) as exc:
             decode_latency.main(["--out", str(tmp_path), "--parts", "8b"])
         assert exc.value.code == 2 and "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_overlap_stats_reads_the_last_replay_by_correlation() -> None:
+    from graphtune.bench.cupti import DeviceEvent
+
+    def replay(start: float, corr: int) -> list[DeviceEvent]:
+        copy = DeviceEvent("copy", "gpu_memcpy", start - 5, 1.0, corr - 1)  # runner's copy-in
+        kernels = [
+            DeviceEvent("a", "kernel", start, 4.0, corr),
+            DeviceEvent("b", "kernel", start + 3.5, 2.0, corr),  # starts before a ends (PDL)
+            DeviceEvent("c", "kernel", start + 6.5, 1.0, corr),  # 1 us after b
+        ]
+        return [copy, *kernels]
+
+    events = replay(0.0, 10) + replay(100.0, 20) + replay(200.0, 30)
+    got = decode_latency.overlap_stats(events, replays=3)
+    assert got["kernels"] == 3 and got["overlapping_pairs"] == 1
+    assert got["overlap_us"] == 0.5 and got["gap_us"] == 1.0 and got["span_us"] == 7.5
+    no_ids = [DeviceEvent(e.name, e.category, e.start_us, e.duration_us) for e in events[1:4]]
+    assert decode_latency.overlap_stats(no_ids, replays=1)["kernels"] == 3

@@ -128,8 +128,9 @@ def _only_bucket(config: Any, m: int) -> Any:
 
 def gemm_case(label: str, n: int, k: int, m: int, max_tactics: int = 20) -> Case:
     def build(device: torch.device, m: int):
-        from graphtune.ops.gemm import OP_NAME, TorchGemmRunner, TritonGemmRunner, gemm_config
         from graphtune.ops.gemv import TritonGemvRunner
+
+        from graphtune.ops.gemm import OP_NAME, TorchGemmRunner, TritonGemmRunner, gemm_config
 
         # The engine's runners (gemm_runners()); the GEMV offers tactics for M <= 8 only.
         runners = (TorchGemmRunner(), TritonGemmRunner(max_tactics=max_tactics), TritonGemvRunner())
@@ -226,7 +227,7 @@ def cases(quick: bool) -> list[Case]:
 
 
 def tuner_kwargs(args: argparse.Namespace, mode: str | None = None) -> dict[str, Any]:
-    """AutoTuner keyword arguments the options ask for (none: the tuner's defaults); for a
+    """TuningPolicy keyword arguments the options ask for (none: the defaults); for a
     ``--variant`` name, its keywords on top."""
     kwargs = {} if args.tie_tolerance is None else {"tie_tolerance": args.tie_tolerance}
     return {**kwargs, **getattr(args, "variants", {}).get(mode, {})}
@@ -272,7 +273,7 @@ def measure_truth(
 ) -> list[dict[str, Any]]:
     """Both CUPTI truths of every candidate, each the median over ``input_sets`` (per-set values
     kept in ``*_sets``); a candidate that fails on any set gets ``inf`` and its error."""
-    from graphtune.autotuner.runner import runner_id, short_runner_name
+    from graphtune.autotuner.identity import runner_id, short_runner_name
 
     truth = []
     for index, tactic in candidates:
@@ -311,7 +312,7 @@ def _truth_on_set(
     error recorded) when the candidate failed."""
 
     def call(i: int) -> object:
-        return runner.forward(inputs, tactic)
+        return runner.forward(inputs, tactic=tactic)
 
     try:
         kt = _common.cupti_kernel_time(call, calls=args.cupti_calls, warmup=3)
@@ -356,8 +357,8 @@ def tune_mode(
     args: argparse.Namespace,
 ) -> dict[str, Any]:
     """``args.runs`` fresh tuning runs with one timing mode, scored against both truths."""
-    from graphtune.autotuner import AutoTuner
-    from graphtune.autotuner.runner import runner_id, short_runner_name
+    from graphtune.autotuner import AutoTuner, TuningPolicy
+    from graphtune.autotuner.identity import runner_id, short_runner_name
     from graphtune.autotuner.timing import resolve_timer
 
     picks: list[dict[str, Any]] = []
@@ -368,7 +369,7 @@ def tune_mode(
         tuner = AutoTuner(
             timer=resolve_timer(timer_name(mode), device),
             show_progress=False,
-            **tuner_kwargs(args, mode),
+            policy=TuningPolicy(**tuner_kwargs(args, mode)),
         )
         tuner.tuning_mode = True
         start = time.perf_counter()
@@ -555,7 +556,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--tie-tolerance",
         type=_tie_tolerance,
         default=None,
-        help="AutoTuner(tie_tolerance=F); default: the tuner's own default",
+        help="TuningPolicy(tie_tolerance=F); default: the policy's own default",
     )
     parser.add_argument(
         "--variant",
@@ -563,7 +564,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="append",
         default=[],
         metavar="NAME:KEY=VALUE,...",
-        help="also tune with the graph timer and these AutoTuner keywords, "
+        help="also tune with the graph timer and these TuningPolicy keywords, "
         "reported like a mode named NAME (repeatable), e.g. "
         "sets1:input_sets=1,tie_floor_us=0",
     )
@@ -615,7 +616,7 @@ def main(argv: list[str] | None = None) -> int:
         import graphtune.ops  # noqa: F401
     except ImportError:  # run without PYTHONPATH=src: use the checkout's sources
         sys.path.insert(0, str(_common.REPO_ROOT / "src"))
-    from graphtune.autotuner import AutoTuner
+    from graphtune.autotuner import TuningPolicy
     from graphtune.ops import triton_available
 
     if not triton_available():
@@ -625,7 +626,7 @@ def main(argv: list[str] | None = None) -> int:
     prov = _common.provenance(args.commit, device)
     opts = options(args)
     # What the tuner actually used (its default when --tie-tolerance is not given).
-    opts["tuner_tie_tolerance"] = getattr(AutoTuner(**tuner_kwargs(args)), "tie_tolerance", None)
+    opts["tuner_tie_tolerance"] = TuningPolicy(**tuner_kwargs(args)).tie_tolerance
     print(
         f"{prov['gpu']} (sm {prov['compute_capability']}), torch {prov['torch']}, "
         f"CUDA {prov['cuda']}, triton {prov['triton']}, commit {prov['commit']}",

@@ -10,6 +10,11 @@ Variables (all optional):
   ``disabled``), for bisecting a suspected graph problem without code changes.
 * ``GRAPHTUNE_STRICT_CACHE``: ``1`` makes loading a mismatching or corrupt cache file raise
   instead of warning and skipping it.
+* ``GRAPHTUNE_CACHE_ONLY``: ``1`` makes ``autotune()`` cache-only: it loads the cache file and the
+  ops look their picks up, but a miss runs the fallback instead of tuning (for CI and development;
+  ``autotune(tune=False)`` does the same for one block, and an explicit ``tune=True`` wins).
+* ``GRAPHTUNE_MISSES``: default file ``autotune()`` saves the record of missed shapes to when no
+  ``misses_path`` is given (for ``graphtune tune --from-misses FILE``).
 * ``GRAPHTUNE_NO_PROGRESS``: ``1`` hides progress bars (they are also hidden when stderr is not a
   terminal).
 * ``GRAPHTUNE_COMMIT``: the source commit recorded in benchmark results when the tree being run has
@@ -51,6 +56,17 @@ def graphs_disabled() -> bool:
 def strict_cache() -> bool:
     """Whether ``GRAPHTUNE_STRICT_CACHE`` makes cache-file problems raise instead of warn."""
     return _flag("GRAPHTUNE_STRICT_CACHE")
+
+
+def cache_only() -> bool:
+    """Whether ``GRAPHTUNE_CACHE_ONLY`` turns tuning off in ``autotune()`` (look-ups only)."""
+    return _flag("GRAPHTUNE_CACHE_ONLY")
+
+
+def default_misses_path() -> Path | None:
+    """Returns the misses file named by ``GRAPHTUNE_MISSES``, or ``None`` when unset."""
+    value = os.environ.get("GRAPHTUNE_MISSES", "").strip()
+    return Path(value).expanduser() if value else None
 
 
 def progress_disabled() -> bool:

@@ -20,7 +20,7 @@ from graphtune.autotuner import (
 )
 from graphtune.autotuner.fingerprint import environment_fingerprint
 from graphtune.autotuner.profiles import profile_for
-from graphtune.autotuner.runner import runner_id
+from graphtune.autotuner.identity import runner_id
 from graphtune.errors import CacheFileError
 
 

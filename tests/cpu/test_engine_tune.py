@@ -17,7 +17,7 @@ if not torch.cuda.is_available():  # see test_ops_kernels.py
 
 import pytest  # noqa: E402
 
-from graphtune.autotuner import AutoTuner  # noqa: E402
+from graphtune.autotuner import AutoTuner, TuningPolicy  # noqa: E402
 from graphtune.autotuner.timing.base import Measurement  # noqa: E402
 from graphtune.engine import DecodeStep, Engine, KVCache, load_model  # noqa: E402
 from graphtune.errors import ConfigError  # noqa: E402
@@ -44,11 +44,8 @@ class _LastIsFastest:
 def _tuner() -> AutoTuner:
     return AutoTuner(
         timer=_LastIsFastest(),
-        rounds=1,
-        remeasure_top=0,
-        tie_tolerance=0.0,
-        tie_floor_us=0.0,
         show_progress=False,
+        policy=TuningPolicy(rounds=1, remeasure_top=0, tie_tolerance=0.0, tie_floor_us=0.0),
     )
 
 

@@ -20,18 +20,6 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from graphtune.autotuner import AutoTuner, autotune  # noqa: E402
-from graphtune.autotuner.runner import runner_id  # noqa: E402
-from graphtune.autotuner.timing.base import Measurement  # noqa: E402
-from graphtune.errors import ConfigError  # noqa: E402
-from graphtune.ops import _triton  # noqa: E402
-from graphtune.ops.gemm import (  # noqa: E402
-    TorchGemmRunner,
-    TritonGemmRunner,
-    TunableLinear,
-    gemm,
-    gemm_runners,
-)
 from graphtune.ops.gemv import (  # noqa: E402
     BK_CHOICES,
     BN_CHOICES,
@@ -41,6 +29,19 @@ from graphtune.ops.gemv import (  # noqa: E402
     defer_reduction,
     gemv_tactics,
     rows_per_program,
+)
+
+from graphtune.autotuner import AutoTuner, TuningPolicy, autotune  # noqa: E402
+from graphtune.autotuner.identity import runner_id  # noqa: E402
+from graphtune.autotuner.timing.base import Measurement  # noqa: E402
+from graphtune.errors import ConfigError  # noqa: E402
+from graphtune.ops import _triton  # noqa: E402
+from graphtune.ops.gemm import (  # noqa: E402
+    TorchGemmRunner,
+    TritonGemmRunner,
+    TunableLinear,
+    gemm,
+    gemm_runners,
 )
 
 needs_interpreter = pytest.mark.skipif(
@@ -191,7 +192,9 @@ def test_tuned_gemm_runs_the_gemv_pick_for_every_m_of_each_bucket():
             )
 
     tuner = AutoTuner(
-        timer=LastIsFastest(), rounds=1, remeasure_top=0, tie_tolerance=0.0, show_progress=False
+        timer=LastIsFastest(),
+        show_progress=False,
+        policy=TuningPolicy(rounds=1, remeasure_top=0, tie_tolerance=0.0),
     )
     runners = (TorchGemmRunner(), TritonGemmRunner(max_tactics=2), TritonGemvRunner())
     gen = _gen()

@@ -16,7 +16,7 @@ if not torch.cuda.is_available():  # see test_ops_kernels.py
 
 import pytest  # noqa: E402
 
-from graphtune.autotuner import AutoTuner, autotune  # noqa: E402
+from graphtune.autotuner import AutoTuner, TuningPolicy, autotune  # noqa: E402
 from graphtune.autotuner.timing import WallClockTimer  # noqa: E402
 from graphtune.autotuner.timing.base import Measurement  # noqa: E402
 from graphtune.errors import ConfigError  # noqa: E402
@@ -195,7 +195,11 @@ def test_tunable_linear_picks_what_the_timer_says_and_lookups_use_it(tmp_path):
         [torch.randn(2, 256), torch.randn(24, 256), None, None, False], None
     )
     fastest = next(t for t in probe if t["split_k"] > 1)
-    tuner = AutoTuner(timer=_TacticTimer(fastest), rounds=1, remeasure_top=0, show_progress=False)
+    tuner = AutoTuner(
+        timer=_TacticTimer(fastest),
+        show_progress=False,
+        policy=TuningPolicy(rounds=1, remeasure_top=0),
+    )
     layer = TunableLinear(256, 24, bias=True, max_m=4, tuner=tuner, runners=runners)
     x = torch.randn(3, 256)
     with autotune(tmp_path / "cache.json", tuner):
@@ -217,7 +221,9 @@ def test_tunable_linear_picks_what_the_timer_says_and_lookups_use_it(tmp_path):
 def test_tunable_linear_with_the_wallclock_timer_on_cpu():
     runners = (TorchGemmRunner(), TritonGemmRunner(max_tactics=2))
     tuner = AutoTuner(
-        timer=WallClockTimer(samples=1), rounds=1, remeasure_top=0, show_progress=False
+        timer=WallClockTimer(samples=1),
+        show_progress=False,
+        policy=TuningPolicy(rounds=1, remeasure_top=0),
     )
     layer = TunableLinear(64, 32, bias=False, max_m=1, tuner=tuner, runners=runners)
     x = torch.randn(1, 64)
@@ -252,7 +258,11 @@ def test_tune_ops_covers_every_op_and_bucket_and_reuses_the_cache(tmp_path):
         vocab_size=40,
         qkv_bias=True,
     )
-    tuner = AutoTuner(timer=_FirstTritonTactic(), rounds=1, remeasure_top=0, show_progress=False)
+    tuner = AutoTuner(
+        timer=_FirstTritonTactic(),
+        show_progress=False,
+        policy=TuningPolicy(rounds=1, remeasure_top=0),
+    )
     seen = []
     with autotune(tmp_path / "c.json", tuner):
         report = tune_ops(
@@ -272,7 +282,11 @@ def test_tune_ops_covers_every_op_and_bucket_and_reuses_the_cache(tmp_path):
 def test_rope_pick_is_shared_across_cache_sizes():
     from graphtune.ops import rope_kv_cache
 
-    tuner = AutoTuner(timer=_FirstTritonTactic(), rounds=1, remeasure_top=0, show_progress=False)
+    tuner = AutoTuner(
+        timer=_FirstTritonTactic(),
+        show_progress=False,
+        policy=TuningPolicy(rounds=1, remeasure_top=0),
+    )
     heads, kv, dim = 2, 1, 8
 
     def call(cache_rows, table_rows):
@@ -335,7 +349,9 @@ def test_gemm_cold_l2_rotates_weight_copies_under_the_same_cache_keys(monkeypatc
     for cold in (False, True):
         sets_per_profile.clear()
         tuner = AutoTuner(
-            timer=_FirstTritonTactic(), rounds=1, remeasure_top=0, show_progress=False
+            timer=_FirstTritonTactic(),
+            show_progress=False,
+            policy=TuningPolicy(rounds=1, remeasure_top=0),
         )
         tune_ops(
             dims,

@@ -12,6 +12,8 @@ import torch
 
 pytest.importorskip("triton")
 
+from graphtune.ops.gemv import TritonGemvRunner  # noqa: E402
+
 from graphtune.autotuner import AutoTuner, autotune  # noqa: E402
 from graphtune.ops import (  # noqa: E402
     TritonGemmRunner,
@@ -22,7 +24,6 @@ from graphtune.ops import (  # noqa: E402
     gemm,
     torch_rope_kv_cache,
 )
-from graphtune.ops.gemv import TritonGemvRunner  # noqa: E402
 from graphtune.ops.tuning import attention_mask  # noqa: E402
 
 DEV = "cuda"

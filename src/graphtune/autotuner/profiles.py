@@ -104,10 +104,13 @@ def _live_sizes(config: TuningConfig, inputs: Sequence[Any]) -> list[int]:
     return sizes
 
 
-def profile_for(config: TuningConfig, inputs: Sequence[Any]) -> Profile:
-    """The profile whose tuning result a live call uses (each dynamic dim mapped to its bucket)."""
+def profile_for(config: TuningConfig, inputs: Sequence[Any]) -> Profile | None:
+    """The profile whose tuning result a live call uses (each dynamic dim mapped to its bucket),
+    or ``None`` when a mapper gives a size no bucket (0): such a call always runs the fallback."""
     live = _live_sizes(config, inputs)
     buckets = [config.bucket_of(s, n) for s, n in zip(config.dynamic_specs, live, strict=True)]
+    if 0 in buckets:
+        return None
     return _apply(config, inputs, buckets)
 
 
@@ -183,15 +186,18 @@ def input_sets(
     device: torch.device,
     count: int,
     max_bytes: int,
+    first: list[Any] | None = None,
 ) -> list[list[Any]]:
     """The synthetic input sets one profile is timed on (each from :func:`synthesize_inputs`).
 
     With ``config.cold_l2`` enough copies to overflow the device's L2
     (:func:`~graphtune.autotuner.timing.cold_l2_copies`), rotated call by call; otherwise up to
     ``count`` distinct sets (fresh values and allocations, one per measurement round), fewer when
-    they would take more than ``max_bytes`` together (at least one).
+    they would take more than ``max_bytes`` together (at least one). ``first``: the first set,
+    when it was already made.
     """
-    first = synthesize_inputs(config, live_inputs, profile)
+    if first is None:
+        first = synthesize_inputs(config, live_inputs, profile)
     if config.cold_l2:
         from graphtune.autotuner import timing
 

@@ -26,6 +26,7 @@ from graphtune.autotuner import (
     DynamicTensorSpec,
     TunableRunner,
     TuningConfig,
+    TuningPolicy,
     autotune,
 )
 
@@ -98,7 +99,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run_demo(args: argparse.Namespace) -> int:
     """Tunes the demo ops, prints the picks, then serves a few calls from the cache."""
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    tuner = AutoTuner(rounds=3, remeasure_top=2)
+    tuner = AutoTuner(policy=TuningPolicy(rounds=3, remeasure_top=2))
     summary = demo(tuner, device, cache_path=args.cache)
     print(summary)
     return 0

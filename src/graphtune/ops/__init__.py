@@ -11,6 +11,8 @@ shape; outside tuning mode that is a cache look-up, and an untuned shape runs th
 * :func:`silu_and_mul` — SwiGLU activation on a fused gate/up tensor.
 * :mod:`attention` — decode attention (SDPA backends and a matmul runner as tactics).
 * :func:`tune_ops` — tunes all of them for a model's decode shapes (``graphtune tune``).
+* :mod:`registry` — op name -> how to rebuild its runners and config in another process
+  (:func:`rebuild_call`, :func:`tune_records`: ``graphtune tune --from-misses``).
 
 Importing this package imports neither Triton nor the kernels.
 """
@@ -28,14 +30,23 @@ from graphtune.ops.activation import (
 from graphtune.ops.gemm import (
     TorchGemmRunner,
     TritonGemmRunner,
+    TritonGemvRunner,
     TunableLinear,
     check_gemm_tactic,
+    check_gemv_tactic,
     gemm,
     gemm_config,
     gemm_runners,
     gemm_tactics,
+    gemv_tactics,
 )
-from graphtune.ops.gemv import TritonGemvRunner, check_gemv_tactic, gemv_tactics
+from graphtune.ops.registry import (
+    OpSpec,
+    rebuild_call,
+    register_op,
+    registered_ops,
+    tune_records,
+)
 from graphtune.ops.rmsnorm import (
     TorchRMSNormRunner,
     TritonRMSNormRunner,
@@ -58,6 +69,7 @@ __all__ = [
     "ALL_GROUPS",
     "OP_GROUPS",
     "OpDims",
+    "OpSpec",
     "TorchGemmRunner",
     "TorchRMSNormRunner",
     "TorchRopeRunner",
@@ -80,6 +92,9 @@ __all__ = [
     "gemm_tactics",
     "gemv_tactics",
     "require_triton",
+    "rebuild_call",
+    "register_op",
+    "registered_ops",
     "rms_norm_config",
     "rms_norm_runners",
     "rope_config",
@@ -93,4 +108,5 @@ __all__ = [
     "torch_silu_and_mul",
     "triton_available",
     "tune_ops",
+    "tune_records",
 ]

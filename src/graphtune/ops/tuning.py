@@ -31,7 +31,7 @@ from graphtune.autotuner.context import get_tuner
 from graphtune.autotuner.tuner import AutoTuner
 from graphtune.errors import ConfigError
 from graphtune.ops import attention as attention_op
-from graphtune.ops._triton import TritonRunner
+from graphtune.ops._triton_runner import TritonRunner
 from graphtune.ops.activation import silu_and_mul, silu_and_mul_runners
 from graphtune.ops.gemm import OP_NAME as GEMM_OP
 from graphtune.ops.gemm import gemm_config, gemm_runners

@@ -414,7 +414,7 @@ def _synchronize_quietly() -> None:
 
 def run_case(case: Case, device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
     """Both truths of every candidate of one case, then every mode's tuning runs."""
-    from graphtune.ops._triton import TritonRunner
+    from graphtune.ops._triton_runner import TritonRunner
 
     op, runners, config, inputs = case.build(device, case.bucket)
     record: dict[str, Any] = {

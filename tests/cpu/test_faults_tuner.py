@@ -29,8 +29,8 @@ from graphtune.autotuner import (
     persist,
 )
 from graphtune.autotuner import isolation as iso
-from graphtune.autotuner.isolation import Isolation, check_time
 from graphtune.autotuner.identity import runner_id
+from graphtune.autotuner.isolation import Isolation, check_time
 from graphtune.autotuner.timing.base import Measurement
 from graphtune.errors import ConfigError, TuningError
 

@@ -20,7 +20,7 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from graphtune.ops.gemv import (  # noqa: E402
+from graphtune.ops.gemm.gemv import (  # noqa: E402
     BK_CHOICES,
     BN_CHOICES,
     MAX_M,
@@ -272,17 +272,17 @@ def test_bad_gemv_tactics_raise_config_error_naming_the_rule():
             runner.forward(inputs, tactic)
 
 
-def test_gemm_runners_list_the_gemv_last_and_keep_the_existing_ids():
+def test_gemm_runners_list_the_gemv_last_and_ids_name_their_modules():
     names = [type(r).__name__ for r in gemm_runners()]
     if _triton.triton_available():
         assert names == ["TorchGemmRunner", "TritonGemmRunner", "TritonGemvRunner"]
     else:
         assert names == ["TorchGemmRunner"]
     assert [runner_id(r) for r in (TorchGemmRunner(), TritonGemmRunner(), TritonGemvRunner())] == [
-        "graphtune.ops.gemm.TorchGemmRunner",
-        "graphtune.ops.gemm.TritonGemmRunner",
-        "graphtune.ops.gemv.TritonGemvRunner",
-    ]
+        "graphtune.ops.gemm.common.TorchGemmRunner",
+        "graphtune.ops.gemm.tiled.TritonGemmRunner",
+        "graphtune.ops.gemm.gemv.TritonGemvRunner",
+    ]  # the configuration is the default, so no extras
     assert runner_id(TritonGemvRunner(sm_count=8)) != runner_id(TritonGemvRunner())
 
 

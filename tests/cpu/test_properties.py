@@ -27,8 +27,8 @@ from graphtune.autotuner import (
     power_of_two_buckets,
 )
 from graphtune.autotuner.entries import BlockedTactic, tactic_text
-from graphtune.autotuner.profiles import profile_for
 from graphtune.autotuner.identity import runner_id
+from graphtune.autotuner.profiles import profile_for
 from graphtune.graphs import policy
 from graphtune.graphs.buffers import StaticInputs, StaticOutputs
 

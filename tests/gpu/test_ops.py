@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from graphtune.ops.gemv import TritonGemvRunner  # noqa: E402
+from graphtune.ops.gemm import TritonGemvRunner  # noqa: E402
 
 from graphtune.autotuner import AutoTuner, autotune  # noqa: E402
 from graphtune.ops import (  # noqa: E402

@@ -20,17 +20,6 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from graphtune.ops.gemm.gemv import (  # noqa: E402
-    BK_CHOICES,
-    BN_CHOICES,
-    MAX_M,
-    TritonGemvRunner,
-    check_gemv_tactic,
-    defer_reduction,
-    gemv_tactics,
-    rows_per_program,
-)
-
 from graphtune.autotuner import AutoTuner, TuningPolicy, autotune  # noqa: E402
 from graphtune.autotuner.identity import runner_id  # noqa: E402
 from graphtune.autotuner.timing.base import Measurement  # noqa: E402
@@ -42,6 +31,16 @@ from graphtune.ops.gemm import (  # noqa: E402
     TunableLinear,
     gemm,
     gemm_runners,
+)
+from graphtune.ops.gemm.gemv import (  # noqa: E402
+    BK_CHOICES,
+    BN_CHOICES,
+    MAX_M,
+    TritonGemvRunner,
+    check_gemv_tactic,
+    defer_reduction,
+    gemv_tactics,
+    rows_per_program,
 )
 
 needs_interpreter = pytest.mark.skipif(

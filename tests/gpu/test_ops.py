@@ -12,8 +12,6 @@ import torch
 
 pytest.importorskip("triton")
 
-from graphtune.ops.gemm import TritonGemvRunner  # noqa: E402
-
 from graphtune.autotuner import AutoTuner, autotune  # noqa: E402
 from graphtune.ops import (  # noqa: E402
     TritonGemmRunner,
@@ -24,6 +22,7 @@ from graphtune.ops import (  # noqa: E402
     gemm,
     torch_rope_kv_cache,
 )
+from graphtune.ops.gemm import TritonGemvRunner  # noqa: E402
 from graphtune.ops.tuning import attention_mask  # noqa: E402
 
 DEV = "cuda"

@@ -33,10 +33,14 @@ class TunableRunner:
         source_modules: Modules besides those of the runner's own class hierarchy whose source
             decides what it computes (e.g. its Triton kernels' module); a change to any of them
             invalidates the runner's cached picks.
+        requires_tactic: Whether ``get_valid_tactics`` must offer at least one tactic on every
+            profile; if its pruning leaves none, tuning raises a ``TuningError`` naming the
+            runner instead of silently leaving it out.
     """
 
     identity_excludes: ClassVar[frozenset[str]] = frozenset()
     source_modules: ClassVar[tuple[str, ...]] = ()
+    requires_tactic: ClassVar[bool] = False
 
     def get_valid_tactics(self, inputs: list[Any], profile: Any, **kwargs: Any) -> list[Any]:
         """Tactics worth timing for these (synthetic) inputs.

@@ -310,13 +310,16 @@ class TuningRun:
         if winner is None:
             self._check_signature(candidates, label)
             self.stats.profiles_failed += 1
-            logger.warning(
-                "%s: every (runner, tactic) failed (see the earlier warnings for the errors); "
-                "nothing is cached, so look-ups run the fallback %s tactic -1 and a later "
-                "tuning run tries again",
-                label,
-                short_runner_name(ids[0]),
-            )
+            if (self.op, "every candidate") not in self.failures.logged:
+                self.failures.logged.add((self.op, "every candidate"))
+                logger.warning(
+                    "%s: every (runner, tactic) failed (see the earlier warnings for the "
+                    "errors); nothing is cached, so look-ups run the fallback %s tactic -1 and a "
+                    "later tuning run tries again. Further such profiles of this op are counted "
+                    "in stats.profiles_failed only.",
+                    label,
+                    short_runner_name(ids[0]),
+                )
             return ProfileOutcome(profile, plan.key, None, rec)
         self.stats.profiles_tuned += 1
         fallback = next(

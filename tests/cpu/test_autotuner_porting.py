@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from graphtune.autotuner import (
-    FALLBACK_TACTIC,
     AutoTuner,
     DynamicTensorSpec,
     IdentityError,

@@ -132,7 +132,7 @@ def test_stats_say_where_the_tuning_time_went() -> None:
     assert all(record.seconds > 0 for record in tuner.history)
 
 
-RUNNER_SOURCE = '''
+RUNNER_SOURCE = """
 from graphtune.autotuner import TunableRunner
 
 
@@ -142,7 +142,7 @@ class SourceRunner(TunableRunner):
 
     def forward(self, inputs, *, tactic=-1, **kwargs):
         return 1.0 if tactic == 0 else 2.0  # {version}
-'''
+"""
 
 
 def test_a_change_to_a_runner_source_invalidates_its_picks(tmp_path, monkeypatch) -> None:

@@ -4,9 +4,9 @@
 offers for the inputs (``get_valid_tactics``, as tuning would; the blocklist is ignored) on copies
 of the same inputs, and compares every output tensor *and* every tensor input afterwards (an op
 that writes in place, like a KV-cache write or an in-place residual add, is checked on what it
-wrote) with the fallback's. A tensor passes when ``max|x - ref| <= atol + rtol * max|ref|`` (a
-norm-wise bound, so a GEMM's near-zero outputs do not fail on rounding); integer and bool tensors
-must be equal. Default tolerances depend on the dtype (:data:`RTOL`).
+wrote) with the fallback's. A tensor passes when its NaNs and infinities sit where the reference's do and,
+over the finite elements, ``max|x - ref| <= atol + rtol * max|ref|`` (a norm-wise bound, so a
+GEMM's near-zero outputs do not fail on rounding); integer and bool tensors must be equal. Default tolerances depend on the dtype (:data:`RTOL`).
 """
 
 from __future__ import annotations
@@ -87,6 +87,11 @@ def _copy(inputs: Sequence[Any]) -> list[Any]:
     return [x.clone() if isinstance(x, torch.Tensor) else x for x in inputs]
 
 
+def _same_nonfinite(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether NaNs and signed infinities sit at the same places (masks hold -inf by design)."""
+    return all(torch.equal(f(a), f(b)) for f in (torch.isnan, torch.isposinf, torch.isneginf))
+
+
 def _compare(
     got: list[torch.Tensor], ref: list[torch.Tensor], atol: float | None, rtol: float | None
 ) -> tuple[float, float, bool, str | None]:
@@ -103,10 +108,12 @@ def _compare(
             ok = ok and diff == 0
             continue
         fa, fb = a.double(), b.double()
+        if not _same_nonfinite(fa, fb):
+            return math.inf, math.inf, False, f"tensor {i} has NaN or infinities elsewhere"
+        finite = torch.isfinite(fb)
+        fa, fb = fa[finite], fb[finite]
         scale = float(fb.abs().max()) if fb.numel() else 0.0
         err = float((fa - fb).abs().max()) if fb.numel() else 0.0
-        if not math.isfinite(err):
-            err = math.inf
         tol_r = RTOL.get(b.dtype, _DEFAULT_RTOL) if rtol is None else rtol
         tol_a = 0.0 if atol is None else atol
         worst_abs = max(worst_abs, err)

@@ -4,9 +4,10 @@
 offers for the inputs (``get_valid_tactics``, as tuning would; the blocklist is ignored) on copies
 of the same inputs, and compares every output tensor *and* every tensor input afterwards (an op
 that writes in place, like a KV-cache write or an in-place residual add, is checked on what it
-wrote) with the fallback's. A tensor passes when its NaNs and infinities sit where the reference's do and,
-over the finite elements, ``max|x - ref| <= atol + rtol * max|ref|`` (a norm-wise bound, so a
-GEMM's near-zero outputs do not fail on rounding); integer and bool tensors must be equal. Default tolerances depend on the dtype (:data:`RTOL`).
+wrote) with the fallback's. A tensor passes when its NaNs and infinities sit where the
+reference's do and, over the finite elements, ``max|x - ref| <= atol + rtol * max|ref|`` (a
+norm-wise bound, so a GEMM's near-zero outputs do not fail on rounding); integer and bool tensors
+must be equal. Default tolerances depend on the dtype (:data:`RTOL`).
 """
 
 from __future__ import annotations

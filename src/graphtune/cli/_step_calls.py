@@ -88,3 +88,29 @@ def decode_step_calls(
     with tuner.record_calls() as calls:
         run_decode_step(model, batch, tuner, device=device, dtype=dtype, max_seq_len=max_seq_len)
     return calls
+
+
+def tune_decode_step(
+    model: str,
+    max_batch: int,
+    tuner: AutoTuner,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_seq_len: int = 2048,
+) -> None:
+    """Tunes every op of the decode step for batch buckets up to ``max_batch`` by running it.
+
+    Call it inside ``autotune(cache, tuner)``: one step at ``max_batch`` rows makes every op's
+    first miss tune all its buckets up to ``max_batch`` (the step's ``max_m``), so the keys tuned
+    are the keys the step looks up.
+    """
+    run_decode_step(
+        model,
+        max_batch,
+        tuner,
+        device=device,
+        dtype=dtype,
+        max_seq_len=max_seq_len,
+        max_batch=max_batch,
+    )

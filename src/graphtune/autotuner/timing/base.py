@@ -43,11 +43,6 @@ class Measurement:
     calls_per_sample: int
     timer: str
 
-    @property
-    def per_call_us(self) -> float:
-        """Alias of ``median_us``: the median time of one call."""
-        return self.median_us
-
     @classmethod
     def from_samples(
         cls, per_call_us: Sequence[float], *, calls_per_sample: int, timer: str

@@ -57,7 +57,9 @@ def _call_key(call: Any) -> str:
 
     profile = profile_for(call.config, call.inputs)
     shapes = profile.describe() if profile is not None else "-"
-    return json.dumps([call.op, [runner_id(r) for r in call.runners], shapes, call.kwargs])
+    return json.dumps(
+        [call.op, [runner_id(r) for r in call.runners], shapes, call.kwargs], default=str
+    )
 
 
 def check_step(

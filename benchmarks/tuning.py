@@ -380,9 +380,7 @@ def tune_mode(
         runner, tactic = tuner.choose_one(op, runners, config, inputs)
         torch.cuda.synchronize(device)
         tune_s.append(time.perf_counter() - start)
-        phase_ms.append(
-            {k: 1000.0 * v / len(truth) for k, v in tuner.stats.phase_seconds.items()}
-        )
+        phase_ms.append({k: 1000.0 * v / len(truth) for k, v in tuner.stats.phase_seconds.items()})
         index = next((i for i, r in enumerate(runners) if r is runner), -1)
         picks.append(
             {

@@ -207,7 +207,10 @@ def main(argv: list[str] | None = None) -> int:
         ("candidates / measurements", cold["candidates"], cold["measurements"]),
         ("median ms per (tactic, bucket)", cold["median_ms_per_tactic_bucket"], None),
         ("overall ms per (tactic, bucket)", cold["overall_ms_per_tactic_bucket"], None),
-        *((f"phase {k} s", v, warm["phase_seconds"].get(k)) for k, v in cold["phase_seconds"].items()),
+        *(
+            (f"phase {k} s", v, warm["phase_seconds"].get(k))
+            for k, v in cold["phase_seconds"].items()
+        ),
         ("second call s", cold["second_call_s"], warm["second_call_s"]),
     ]
     print(f"{'':38} {'cold':>10} {'warm':>10}")

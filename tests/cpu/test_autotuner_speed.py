@@ -179,3 +179,31 @@ def test_a_change_to_a_runner_source_invalidates_its_picks(tmp_path, monkeypatch
     finally:
         identity_module.module_digest.cache_clear()
         sys.modules.pop("gt_source_runner", None)
+
+
+class SeesInputs(TunableRunner):
+    """Records the storage of each input it runs on."""
+
+    identity_excludes = frozenset({"seen"})
+
+    def __init__(self) -> None:
+        self.seen: set[tuple[int, tuple[int, ...], int]] = set()
+
+    def get_valid_tactics(self, inputs: list, profile: Any, **kwargs: Any) -> list:
+        return [-1, 0]
+
+    def forward(self, inputs: list, *, tactic: Any = -1, **kwargs: Any) -> Any:
+        self.seen.update((i, tuple(x.shape), x.data_ptr()) for i, x in enumerate(inputs))
+        return 1.0
+
+
+def test_an_input_of_the_same_shape_in_every_bucket_is_synthesized_once() -> None:
+    runner = SeesInputs()
+    tuner = AutoTuner(FakeSessionTimer(), show_progress=False)
+    config = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0, (1, 2, 4, 8)),), warmup=0)
+    with autotune(None, tuner):
+        tuner.choose_one("op", [runner], config, [torch.zeros(8, 4), torch.zeros(16, 4)])
+    weights = {ptr for i, _, ptr in runner.seen if i == 1}
+    activations = {shape for i, shape, _ in runner.seen if i == 0}
+    assert len(weights) == 1  # one weight tensor for the four buckets
+    assert activations == {(1, 4), (2, 4), (4, 4), (8, 4)}

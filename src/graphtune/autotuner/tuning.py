@@ -40,7 +40,13 @@ from graphtune.autotuner.entries import BlockedTactic, CacheEntry, CacheKey, tac
 from graphtune.autotuner.identity import short_runner_name
 from graphtune.autotuner.isolation import Executor, TacticFailure
 from graphtune.autotuner.policy import TuningPolicy
-from graphtune.autotuner.profiles import Profile, generate_profiles, input_sets, synthesize_inputs
+from graphtune.autotuner.profiles import (
+    Profile,
+    generate_profiles,
+    input_sets,
+    static_inputs_memo,
+    synthesize_inputs,
+)
 from graphtune.autotuner.runner import FALLBACK_TACTIC, TunableRunner
 from graphtune.autotuner.schedule import (
     Candidate,
@@ -162,6 +168,7 @@ class TuningRun:
     show_progress: bool | None = None
     only: CacheKey | None = None
     _errors: dict[tuple[int, int], tuple[str, str]] = field(default_factory=dict)
+    _synthesized: dict[Any, Any] = field(default_factory=dict)
 
     @contextmanager
     def _phase(self, name: str) -> Iterator[None]:
@@ -180,11 +187,14 @@ class TuningRun:
             profiles = [(p, k) for p, k in profiles if k == self.only]
         keys = [k for _, k in profiles]
         todo = self.coordinator.profiles_to_tune(keys, [k in self.cache for k in keys])
+        self._synthesized = static_inputs_memo([p for (p, _), t in zip(profiles, todo) if t])
         plans = []
         for (profile, key), tune in zip(profiles, todo, strict=True):
             if tune:
                 with self._phase("inputs"):
-                    first = synthesize_inputs(self.config, self.inputs, profile)
+                    first = synthesize_inputs(
+                        self.config, self.inputs, profile, memo=self._synthesized
+                    )
                 with self._phase("tactics"):
                     candidates = self._candidates(first, profile)
                 plans.append(_Plan(profile, key, first, candidates))
@@ -274,6 +284,7 @@ class TuningRun:
                 self.policy.input_sets,
                 INPUT_SET_BYTES,
                 first=plan.first,
+                memo=self._synthesized,
             )
         self.executor.begin(self.runners, sets, rotate_in_call=config.cold_l2, kwargs=self.kwargs)
         # With rotated copies, one sample must walk through all of them, or the few it touches

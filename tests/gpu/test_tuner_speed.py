@@ -8,8 +8,13 @@ import torch
 from graphtune.autotuner import AutoTuner, autotune, check_tactics
 from graphtune.autotuner.timing import GraphTimer
 from graphtune.cli.check_tactics import check_step
-from graphtune.ops.gemm import OP_NAME, TritonGemmRunner, TritonGemvRunner, gemm_config
-from graphtune.ops.gemm import TorchGemmRunner
+from graphtune.ops.gemm import (
+    OP_NAME,
+    TorchGemmRunner,
+    TritonGemmRunner,
+    TritonGemvRunner,
+    gemm_config,
+)
 
 
 def _device() -> torch.device:

@@ -187,7 +187,8 @@ class TuningRun:
             profiles = [(p, k) for p, k in profiles if k == self.only]
         keys = [k for _, k in profiles]
         todo = self.coordinator.profiles_to_tune(keys, [k in self.cache for k in keys])
-        self._synthesized = static_inputs_memo([p for (p, _), t in zip(profiles, todo) if t])
+        tuned = [p for (p, _), t in zip(profiles, todo, strict=True) if t]
+        self._synthesized = static_inputs_memo(tuned)
         plans = []
         for (profile, key), tune in zip(profiles, todo, strict=True):
             if tune:

@@ -362,19 +362,23 @@ def tune_mode(
     """``args.runs`` fresh tuning runs with one timing mode, scored against both truths."""
     from graphtune.autotuner import AutoTuner, TuningPolicy
     from graphtune.autotuner.identity import runner_id, short_runner_name
-    from graphtune.autotuner.timing import resolve_timer
+    from graphtune.autotuner.timing import GraphTimer, resolve_timer
 
     picks: list[dict[str, Any]] = []
     tune_s: list[float] = []
     phase_ms: list[dict[str, float]] = []
     tie_bands: list[float | None] = []
     unmatched = 0
+    knobs = tuner_kwargs(args, mode)
+    timer_knobs = {k[len("timer.") :]: v for k, v in knobs.items() if k.startswith("timer.")}
+    policy = TuningPolicy(**{k: v for k, v in knobs.items() if not k.startswith("timer.")})
     for run in range(args.runs):
-        tuner = AutoTuner(
-            timer=resolve_timer(timer_name(mode), device),
-            show_progress=False,
-            policy=TuningPolicy(**tuner_kwargs(args, mode)),
+        timer = (
+            GraphTimer(device=device, **timer_knobs)
+            if timer_knobs
+            else resolve_timer(timer_name(mode), device)
         )
+        tuner = AutoTuner(timer=timer, show_progress=False, policy=policy)
         tuner.tuning_mode = True
         start = time.perf_counter()
         runner, tactic = tuner.choose_one(op, runners, config, inputs)
@@ -571,7 +575,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="append",
         default=[],
         metavar="NAME:KEY=VALUE,...",
-        help="also tune with the graph timer and these TuningPolicy keywords, "
+        help="also tune with the graph timer and these TuningPolicy keywords (GraphTimer ones "
+        "prefixed timer., e.g. timer.replays=5), "
         "reported like a mode named NAME (repeatable), e.g. "
         "sets1:input_sets=1,tie_floor_us=0",
     )

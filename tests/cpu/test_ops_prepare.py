@@ -113,3 +113,36 @@ def test_check_tactics_finds_a_wrong_triton_tactic() -> None:
     wrong = {c.tactic["block"] for c in bad.failures}
     assert wrong and all(block < hidden for block in wrong)
     assert all(c.passed for c in bad.checks if c.tactic["block"] >= hidden)
+
+
+def test_prepare_compiles_the_tactics_of_several_op_calls_before_tuning() -> None:
+    from graphtune import ops
+    from graphtune.ops.rmsnorm import TorchRMSNormRunner, rms_norm_config
+
+    gemm_runner, norm_runner = CountingGemm(), TritonRMSNormRunner(compile_workers=2)
+    recorder = AutoTuner(show_progress=False)
+    x, w = torch.randn(4, 128), torch.randn(32, 128)
+    gemm_runners = (TorchGemmRunner(), gemm_runner)  # one tuple, as gemm_runners() gives
+    with recorder.record_calls() as calls:
+        ops.gemm(x, w, tuner=recorder, max_m=4, runners=gemm_runners)
+        ops.gemm(x, w, tuner=recorder, max_m=4, runners=gemm_runners)  # another layer
+        ops.fused_add_rms_norm(
+            torch.randn(4, 64), torch.randn(64), 1e-5, torch.randn(4, 64),
+            tuner=recorder, max_m=4, runners=(TorchRMSNormRunner(), norm_runner),
+        )  # fmt: skip
+    assert len(calls) == 3
+    tuner = AutoTuner(
+        WallClockTimer(samples=1),
+        policy=TuningPolicy(rounds=1, remeasure_top=0, max_extra_rounds=0),
+        show_progress=False,
+    )
+    prepared = tuner.prepare(calls)
+    assert prepared > 0 and gemm_runner.calls == [2 * 3]  # the repeated call planned once
+    compiled = (gemm_runner.compiled, norm_runner.compiled)
+    assert all(compiled)
+    with autotune(None, tuner):
+        for call in calls:
+            tuner.choose_one(call.op, call.runners, call.config, call.inputs)
+    assert (gemm_runner.compiled, norm_runner.compiled) == compiled  # nothing left to compile
+    assert len(tuner.cache) == 6 and tuner.stats.fallbacks == {}
+    assert rms_norm_config(4, True) == calls[2].config

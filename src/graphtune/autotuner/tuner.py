@@ -1,45 +1,15 @@
 """AutoTuner.choose_one: look a pick up, or tune every profile of the op and cache the picks.
 
-Outside tuning mode ``choose_one`` is a dictionary look-up. Inside it, a miss tunes every missing
-profile of the op (bucket combination) at once (:mod:`graphtune.autotuner.tuning`): each
-(runner, tactic) is timed on synthetic inputs by the timer that was passed in (or the one
-``TuningConfig.timing`` names), and the picks are cached.
-
-Noise handling, so that repeated tuning runs pick the same tactic (knobs in
-:class:`~graphtune.autotuner.policy.TuningPolicy`):
-
-* candidates are measured interleaved (round-robin over all of them for ``rounds`` rounds), so a
-  slow drift of clocks or temperature hits every candidate alike instead of whichever ran last;
-* the ``remeasure_top`` fastest are measured ``rounds`` more times, interleaved;
-* a candidate's time is the median of its measurements. Another candidate is tied with the
-  fastest when its relative gap is at most ``max(tie_tolerance, noise band)``: ``tie_tolerance``
-  (default 0.5%) is a floor below which differences never matter, and the noise band is
-  ``noise_z`` (default 2) standard errors of the difference of the two medians (robust, from each
-  candidate's median absolute deviation), relative to the fastest, capped at
-  ``max_tie_tolerance`` (default 5%) so that a very noisy timer cannot tie everything. The rule
-  lives in :mod:`graphtune.autotuner.selection`;
-* a candidate whose gap is above the floor but inside the band is undecided: it and the fastest
-  alone are measured again, interleaved, for up to ``max_extra_rounds`` more rounds, stopping as
-  soon as none is undecided, so extra time goes only where it can change the decision;
-* an absolute floor ``tie_floor_us`` (default 0.03 µs) ties differences of a few tens of
-  nanoseconds on microsecond kernels: CUPTI's own timestamps step by 32 ns on an H200, and the
-  order of such near-equal tactics changed from one tuning run to the next;
-* with ``input_sets > 1`` (opt-in) the k-th measurement of every candidate times synthetic input
-  set ``k % input_sets`` (fresh values and allocations; ``benchmarks/tuning_stability.py``);
-* the tie goes to the lowest (runner index, tactic index) among the tied: the earliest-listed,
-  usually simplest implementation;
-* a profile with a single candidate is picked without timing (as TensorRT-LLM and
-  ``triton.autotune`` do); the fallback ``-1`` is timed only where a runner lists it.
-
-Under a collective distributed strategy (``broadcast``, ``parallel``, ``agree``) the ranks reduce
-each candidate to one agreed time, which is all the pick may use (it must be the same on every
-rank): the band is then 0, only ``tie_tolerance`` applies, and the adaptive rounds are skipped.
-Every tuned profile appends a :class:`~graphtune.autotuner.selection.ProfileRecord` of what was
-measured to ``AutoTuner.history``.
-
-Where a tactic runs while timed is chosen by ``isolation`` (see
-:mod:`graphtune.autotuner.isolation`); tactics that crashed, hung or corrupted the CUDA context
-are put on the cache's blocklist and never timed again until the user clears it.
+Outside tuning mode ``choose_one`` is a dictionary look-up (memoised per exact call signature).
+Inside it, a miss tunes every missing profile of the op (bucket combination) at once: a
+:class:`~graphtune.autotuner.tuning.TuningRun` times each (runner, tactic) on synthetic inputs
+with the timer that was passed in (or the one ``TuningConfig.timing`` names), by the schedule of
+:mod:`graphtune.autotuner.schedule` and the noise-aware rule of
+:mod:`graphtune.autotuner.selection` (knobs: :class:`~graphtune.autotuner.policy.TuningPolicy`),
+and the picks are cached. Under a collective distributed strategy the ranks reduce each candidate
+to one agreed time first (:mod:`graphtune.autotuner.distributed`). Where a tactic runs while timed
+is chosen by ``isolation`` (:mod:`graphtune.autotuner.isolation`). The guide is
+``docs/autotuner.md``.
 """
 
 from __future__ import annotations
@@ -48,8 +18,9 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -117,6 +88,35 @@ def _memo_key(
     except TypeError:  # an unhashable config, runner or keyword value: look up the slow way
         return None
     return key
+
+
+@dataclass(frozen=True)
+class _Resolved:
+    """A call with what its cache keys are made of (computed once per slow-path look-up)."""
+
+    call: OpCall
+    ids: tuple[str, ...]
+    device: torch.device
+    mode: str
+    sources: str
+    kwargs_text: str
+
+    def key(self, profile: Profile) -> CacheKey:
+        """The cache key of one of the call's profiles."""
+        return CacheKey(
+            self.call.op,
+            self.ids,
+            profile.shapes,
+            profile.dtypes,
+            self.mode,
+            self.sources,
+            self.kwargs_text,
+        )
+
+    def live_key(self) -> CacheKey | None:
+        """The key the live inputs look up (``None``: a size without a bucket)."""
+        profile = profile_for(self.call.config, self.call.inputs)
+        return self.key(profile) if profile is not None else None
 
 
 class AutoTuner:
@@ -247,11 +247,9 @@ class AutoTuner:
         if memo is not None and memo[0] is self.cache and memo[1] == self.cache.version:
             self.stats.hits += 1
             return memo[2]
-        ids = tuple(runner_id(r) for r in runners)
-        device = _device_of(inputs)
-        make_key = self._key_maker(op, runners, ids, config, device, kwargs)
-        profile = profile_for(config, inputs)
-        key = make_key(profile) if profile is not None else None
+        call = OpCall(op, tuple(runners), config, tuple(inputs), kwargs)
+        resolved = self._resolve(call)
+        key = resolved.live_key()
         found = self._lookup(key, runners) if key is not None else None
         if found is not None:
             self.stats.hits += 1
@@ -264,15 +262,14 @@ class AutoTuner:
         why = self._miss_reason(key)
         if why is None:
             with self._tune_lock:
-                self._run(op, runners, ids, config, inputs, kwargs, device, make_key)
+                self._run(resolved)
             found = self._lookup(key, runners) if key is not None else None
             if found is not None:
                 return found
             why = "every candidate failed when it was tuned"
         if key is None:
             return self._fallback(op, runners, NO_BUCKET)
-        call = OpCall(op, tuple(runners), config, tuple(inputs), kwargs)
-        self.misses.add(key, lambda: CallRecord.of(call, ids, key))
+        self.misses.add(key, lambda: CallRecord.of(call, resolved.ids, key))
         return self._fallback(op, runners, why)
 
     @contextmanager
@@ -293,18 +290,54 @@ class AutoTuner:
         Unlike a tuning-mode ``choose_one``, which tunes every missing bucket of the op, this
         times only the bucket the call maps to: what ``graphtune tune --from-misses`` does.
         """
-        runners, inputs, kwargs = list(call.runners), list(call.inputs), dict(call.kwargs)
-        ids = tuple(runner_id(r) for r in runners)
-        device = _device_of(inputs)
-        make_key = self._key_maker(call.op, runners, ids, call.config, device, kwargs)
-        profile = profile_for(call.config, inputs)
-        if profile is None:
+        resolved = self._resolve(call)
+        runners = list(call.runners)
+        key = resolved.live_key()
+        if key is None:
             return runners[0], FALLBACK_TACTIC
-        key = make_key(profile)
         if key not in self.cache:
             with self._tune_lock:
-                self._run(call.op, runners, ids, call.config, inputs, kwargs, device, make_key, key)
+                self._run(resolved, only=key)
         return self._lookup(key, runners) or (runners[0], FALLBACK_TACTIC)
+
+    def prepare(self, calls: Sequence[OpCall]) -> int:
+        """Prepares (``prepare_all``: compiles) every candidate of every missing profile of
+        ``calls`` at once, before any of them is tuned: one ``prepare_all`` per runner over all
+        the calls, the runners in parallel threads. Tuning the calls afterwards (running the
+        step under ``autotune()``) then finds their tactics compiled. Only in-process isolation
+        (a worker process compiles on its own). Returns the (inputs, tactic) pairs prepared.
+
+        Args:
+            calls: For example the op calls of one untuned step (``record_calls()``).
+        """
+        if self.isolation.mode != "inprocess":
+            return 0
+        work: dict[int, tuple[TunableRunner, list[tuple[list[Any], list[Any]]]]] = {}
+        seen: set[Any] = set()
+        start = self._clock()
+        for call in calls:
+            ident = _memo_key(call.op, list(call.runners), call.config, list(call.inputs), {})
+            if ident is not None and ident in seen:
+                continue  # the same op and shapes (another layer): planned already
+            seen.add(ident)
+            run = self._tuning_run(self._resolve(call))
+            for runner, items in run.prepare_work(run.plan(local=True)):
+                work.setdefault(id(runner), (runner, []))[1].extend(items)
+        if not work:
+            return 0
+
+        def prepare_one(entry: tuple[TunableRunner, list[Any]]) -> None:
+            runner, items = entry
+            try:
+                runner.prepare_all(items)
+            except Exception as exc:  # advisory: the tuning run prepares each tactic again
+                logger.warning("%s.prepare_all failed: %s", type(runner).__qualname__, exc)
+
+        with ThreadPoolExecutor(max_workers=len(work), thread_name_prefix="graphtune-prep") as ex:
+            list(ex.map(prepare_one, work.values()))
+        phases = self.stats.phase_seconds
+        phases["prepare"] = phases.get("prepare", 0.0) + self._clock() - start
+        return sum(len(tactics) for _, items in work.values() for _, tactics in items)
 
     def reset_stats(self) -> None:
         """Zeroes ``stats`` and re-arms the once-per-op warnings (for example after warm-up, so
@@ -337,25 +370,20 @@ class AutoTuner:
             return "graph" if device.type == "cuda" else "wallclock"
         return config.timing
 
-    def _key_maker(
-        self,
-        op: str,
-        runners: list[TunableRunner],
-        ids: tuple[str, ...],
-        config: TuningConfig,
-        device: torch.device,
-        kwargs: dict[str, Any],
-    ) -> Callable[[Profile], CacheKey]:
-        mode = self._mode_name(config, device)
-        sources = sources_digest(runners)
+    def _resolve(self, call: OpCall) -> _Resolved:
+        ids = tuple(runner_id(r) for r in call.runners)
+        device = _device_of(call.inputs)
         extra = ""
-        if kwargs:
-            extra = canonical_text(identity_value(kwargs, f"keyword arguments of {op!r}"))
-
-        def make(profile: Profile) -> CacheKey:
-            return CacheKey(op, ids, profile.shapes, profile.dtypes, mode, sources, extra)
-
-        return make
+        if call.kwargs:
+            extra = canonical_text(identity_value(call.kwargs, f"keyword arguments of {call.op!r}"))
+        return _Resolved(
+            call,
+            ids,
+            device,
+            self._mode_name(call.config, device),
+            sources_digest(call.runners),
+            extra,
+        )
 
     def _lookup(
         self, key: CacheKey, runners: list[TunableRunner]
@@ -416,41 +444,35 @@ class AutoTuner:
             self._worker = worker
         return worker
 
-    def _run(
-        self,
-        op: str,
-        runners: list[TunableRunner],
-        ids: tuple[str, ...],
-        config: TuningConfig,
-        inputs: list[Any],
-        kwargs: dict[str, Any],
-        device: torch.device,
-        make_key: Callable[[Profile], CacheKey],
-        only: CacheKey | None = None,
-    ) -> None:
-        first_row = len(self._summary)
-        start = self._clock()
-        run = TuningRun(
-            op=op,
-            runners=runners,
-            ids=ids,
-            config=config,
-            inputs=inputs,
-            kwargs=kwargs,
-            device=device,
-            make_key=make_key,
+    def _tuning_run(self, resolved: _Resolved, only: CacheKey | None = None) -> TuningRun:
+        call = resolved.call
+        coordinator = OpCoordinator(self.distributed or DistributedTuning(), call.op, resolved.ids)
+        return TuningRun(
+            op=call.op,
+            runners=list(call.runners),
+            ids=resolved.ids,
+            config=call.config,
+            inputs=list(call.inputs),
+            kwargs=dict(call.kwargs),
+            device=resolved.device,
+            make_key=resolved.key,
             policy=self.policy,
             cache=self.cache,
-            executor=self._executor(config, device),
-            coordinator=OpCoordinator(self.distributed or DistributedTuning(), op, ids),
+            executor=self._executor(call.config, resolved.device),
+            coordinator=coordinator,
             stats=self.stats,
             failures=self._failures,
-            on_profile=lambda outcome: self._store(op, outcome, run.coordinator),
+            on_profile=lambda outcome: self._store(call.op, outcome, coordinator),
             clock=self._clock,
             show_progress=self.show_progress,
             only=only,
         )
-        run.run()
+
+    def _run(self, resolved: _Resolved, only: CacheKey | None = None) -> None:
+        op = resolved.call.op
+        first_row = len(self._summary)
+        start = self._clock()
+        self._tuning_run(resolved, only).run()
         tuned = len(self._summary) - first_row
         if tuned:
             # One line per op at INFO; autotune() logs the table of all picks when it exits.

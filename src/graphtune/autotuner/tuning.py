@@ -182,23 +182,7 @@ class TuningRun:
     def run(self) -> int:
         """Tunes the missing profiles; returns how many were decided."""
         start = self.clock()
-        profiles = [(p, self.make_key(p)) for p in generate_profiles(self.config, self.inputs)]
-        if self.only is not None:
-            profiles = [(p, k) for p, k in profiles if k == self.only]
-        keys = [k for _, k in profiles]
-        todo = self.coordinator.profiles_to_tune(keys, [k in self.cache for k in keys])
-        tuned = [p for (p, _), t in zip(profiles, todo, strict=True) if t]
-        self._synthesized = static_inputs_memo(tuned)
-        plans = []
-        for (profile, key), tune in zip(profiles, todo, strict=True):
-            if tune:
-                with self._phase("inputs"):
-                    first = synthesize_inputs(
-                        self.config, self.inputs, profile, memo=self._synthesized
-                    )
-                with self._phase("tactics"):
-                    candidates = self._candidates(first, profile)
-                plans.append(_Plan(profile, key, first, candidates))
+        plans = self.plan()
         with self._phase("prepare"):
             self._prepare_all(plans)
         total = sum(len(p.candidates) for p in plans) * self.policy.rounds
@@ -212,6 +196,45 @@ class TuningRun:
             self.stats.workers_started += self.executor.starts - starts
             self.stats.tuning_seconds += self.clock() - start
         return len(plans)
+
+    def plan(self, *, local: bool = False) -> list[_Plan]:
+        """The missing profiles with their first input set and candidates. ``local``: what is
+        missing here, without asking the other ranks (no collective)."""
+        profiles = [(p, self.make_key(p)) for p in generate_profiles(self.config, self.inputs)]
+        if self.only is not None:
+            profiles = [(p, k) for p, k in profiles if k == self.only]
+        keys = [k for _, k in profiles]
+        cached = [k in self.cache for k in keys]
+        todo = [not c for c in cached] if local else self.coordinator.profiles_to_tune(keys, cached)
+        tuned = [p for (p, _), t in zip(profiles, todo, strict=True) if t]
+        self._synthesized = static_inputs_memo(tuned)
+        plans = []
+        for (profile, key), tune in zip(profiles, todo, strict=True):
+            if tune:
+                with self._phase("inputs"):
+                    first = synthesize_inputs(
+                        self.config, self.inputs, profile, memo=self._synthesized
+                    )
+                with self._phase("tactics"):
+                    candidates = self._candidates(first, profile)
+                plans.append(_Plan(profile, key, first, candidates))
+        return plans
+
+    def prepare_work(
+        self, plans: list[_Plan]
+    ) -> list[tuple[TunableRunner, list[tuple[list[Any], list[Any]]]]]:
+        """Per runner, the ``(inputs, tactics)`` its ``prepare_all`` gets (profiles with a lone
+        candidate are left out: it is not timed)."""
+        out = []
+        for ri, runner in enumerate(self.runners):
+            work = []
+            for plan in plans:
+                tactics = [c.tactic for c in plan.candidates if c.runner_index == ri]
+                if tactics and len(plan.candidates) > 1:
+                    work.append((plan.first, tactics))
+            if work:
+                out.append((runner, work))
+        return out
 
     # -- candidates ----------------------------------------------------------------------------
 
@@ -247,14 +270,7 @@ class TuningRun:
         return candidates
 
     def _prepare_all(self, plans: list[_Plan]) -> None:
-        for ri, runner in enumerate(self.runners):
-            work = []
-            for plan in plans:
-                tactics = [c.tactic for c in plan.candidates if c.runner_index == ri]
-                if tactics and len(plan.candidates) > 1:
-                    work.append((plan.first, tactics))
-            if not work:
-                continue
+        for runner, work in self.prepare_work(plans):
             try:
                 self.executor.prepare_all(runner, work)
             except TacticFailure as failure:  # each tactic's own prepare reports it again

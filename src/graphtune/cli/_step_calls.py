@@ -103,8 +103,21 @@ def tune_decode_step(
 
     Call it inside ``autotune(cache, tuner)``: one step at ``max_batch`` rows makes every op's
     first miss tune all its buckets up to ``max_batch`` (the step's ``max_m``), so the keys tuned
-    are the keys the step looks up.
+    are the keys the step looks up. Before that, the op calls of one untuned step are recorded
+    and ``tuner.prepare`` compiles the Triton tactics of all of them at once.
     """
+    recorder = AutoTuner(show_progress=False, cache=tuner.cache)
+    with recorder.record_calls() as calls:
+        run_decode_step(
+            model,
+            max_batch,
+            recorder,
+            device=device,
+            dtype=dtype,
+            max_seq_len=max_seq_len,
+            max_batch=max_batch,
+        )
+    tuner.prepare(calls)
     run_decode_step(
         model,
         max_batch,

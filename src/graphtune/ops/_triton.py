@@ -117,9 +117,10 @@ _LAUNCHES: contextvars.ContextVar[list[tuple[Any, ...]] | None] = contextvars.Co
 
 def _arg_key(value: Any) -> Any:
     """How Triton specialises a launch argument (its default rules): a tensor by dtype and 16-byte
-    alignment, an int by ``== 1``, divisibility by 16 and 64-bit range; other values by type."""
+    alignment (and its device: binaries are per device), an int by ``== 1``, divisibility by 16
+    and 64-bit range; other values by type."""
     if isinstance(value, torch.Tensor):
-        return ("t", str(value.dtype), value.data_ptr() % 16 == 0)
+        return ("t", str(value.dtype), value.data_ptr() % 16 == 0, str(value.device))
     if isinstance(value, bool):
         return ("b", value)
     if isinstance(value, int):

@@ -56,7 +56,7 @@ class TritonRunner(TunableRunner):
         compile_seconds: Wall time spent compiling ahead of time, summed.
         compiled: Number of distinct binaries (sets of launches) compiled ahead of time.
         compile_shared: (profile, tactic) pairs that needed no compile of their own, because
-            another pair's launches run the same binaries.
+            another pair's launches (of this call or an earlier one) run the same binaries.
     """
 
     # Neither changes what the runner computes or offers: not part of its cache identity.
@@ -80,12 +80,15 @@ class TritonRunner(TunableRunner):
         self._planned: dict[tuple[Any, ...], list[Any]] = {}
         self._compile_errors: dict[tuple[tuple[Any, ...], str], Exception] = {}
         self._prepared: set[tuple[Any, ...]] = set()
+        # Binaries compiled so far (their launch keys) and each one's error, so that a later
+        # profile, op or tuning run whose pairs run the same binaries compiles nothing again.
+        self._binaries: dict[tuple[Any, ...], Exception | None] = {}
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:
         # Picklable for AutoTuner(isolation="subprocess"): the worker compiles on its own.
         state = dict(self.__dict__)
-        state.update(_lock=None, _planned={}, _compile_errors={}, _prepared=set())
+        state.update(_lock=None, _planned={}, _compile_errors={}, _prepared=set(), _binaries={})
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -191,7 +194,10 @@ class TritonRunner(TunableRunner):
         groups: dict[tuple[Any, ...], list[int]] = {}
         for index, (inputs, tactic) in enumerate(items):
             groups.setdefault(self._binary_key(inputs, tactic), []).append(index)
-        leaders = [members[0] for members in groups.values()]
+        with self._lock:
+            done = {key: self._binaries[key] for key in groups if key in self._binaries}
+        todo = [key for key in groups if key not in done]
+        leaders = [groups[key][0] for key in todo]
         threads = max(1, min(workers or self.compile_workers, len(leaders)))
 
         def compile_one(index: int) -> Exception | None:
@@ -213,12 +219,14 @@ class TritonRunner(TunableRunner):
         else:
             with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="graphtune-jit") as ex:
                 leader_errors = list(ex.map(compile_one, leaders))
+        results = {**done, **dict(zip(todo, leader_errors, strict=True))}
         errors: list[Exception | None] = [None] * len(items)
-        for members, error in zip(groups.values(), leader_errors, strict=True):
+        for key, members in groups.items():
             for index in members:
-                errors[index] = error
+                errors[index] = results[key]
         elapsed = time.perf_counter() - start
         with self._lock:
+            self._binaries.update(zip(todo, leader_errors, strict=True))
             self.compile_seconds += elapsed
             self.compiled += sum(1 for e in leader_errors if e is None)
             self.compile_shared += len(items) - len(leaders)

@@ -41,6 +41,11 @@ def default_compile_workers() -> int:
     return max(1, min(16, os.cpu_count() or 1))
 
 
+#: Compiles running at once in this process, over all runners: ``AutoTuner.prepare`` runs the
+#: runners' ``prepare_all`` side by side, and each has its own threads.
+_COMPILE_SLOTS = threading.BoundedSemaphore(default_compile_workers())
+
+
 class TritonRunner(TunableRunner):
     """Base of the Triton runners (see the module docstring).
 
@@ -203,6 +208,10 @@ class TritonRunner(TunableRunner):
         def compile_one(index: int) -> Exception | None:
             inputs, tactic = items[index]
             device = next((x.device for x in inputs if isinstance(x, torch.Tensor)), None)
+            with _COMPILE_SLOTS:
+                return compile_launch(inputs, tactic, device)
+
+        def compile_launch(inputs: list[Any], tactic: Any, device: Any) -> Exception | None:
             try:
                 if device is not None and device.type == "cuda":
                     # A worker thread starts on device 0; compile for the inputs' device.

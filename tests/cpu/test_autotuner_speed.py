@@ -207,3 +207,15 @@ def test_an_input_of_the_same_shape_in_every_bucket_is_synthesized_once() -> Non
     activations = {shape for i, shape, _ in runner.seen if i == 0}
     assert len(weights) == 1  # one weight tensor for the four buckets
     assert activations == {(1, 4), (2, 4), (4, 4), (8, 4)}
+
+
+def test_session_bytes_zero_captures_again_for_every_measurement() -> None:
+    timer = FakeSessionTimer()
+    policy = TuningPolicy(rounds=3, remeasure_top=0, session_bytes=0)
+    tuner = AutoTuner(timer, policy=policy, show_progress=False)
+    with autotune(None, tuner):
+        tuner.choose_one("op", [Cost()], CONFIG, [torch.zeros(4, 2)])
+    # One set-up per measurement, as before sessions (the raising tactic fails inside its set-up,
+    # once per bucket).
+    assert timer.opened == tuner.stats.measurements - 2
+    assert timer.closed == timer.opened

@@ -233,11 +233,6 @@ class Executor(Protocol):
         ...
 
 
-#: Bytes of device memory that open timer sessions (captured graphs and their pools) may hold
-#: together; past it a candidate's session is closed after each measurement.
-SESSION_BYTES = 8 << 30
-
-
 def _reserved_bytes(device: torch.device) -> Callable[[], int]:
     if device.type == "cuda" and torch.cuda.is_available():
         return lambda: int(torch.cuda.memory_reserved(device))
@@ -255,7 +250,8 @@ class InProcessExecutor:
     Args:
         timer: The timer to measure with.
         device: Device of the inputs (what to synchronize after a failure).
-        session_bytes: Device memory open sessions may hold together.
+        session_bytes: Device memory open sessions may hold together (``TuningPolicy``'s); 0
+            closes every session after its measurement.
         reserved_bytes: Returns the device memory the allocator holds (a seam for tests); the
             default reads ``torch.cuda.memory_reserved`` (0 on the CPU).
     """
@@ -265,7 +261,7 @@ class InProcessExecutor:
         timer: Any,
         device: torch.device,
         *,
-        session_bytes: int = SESSION_BYTES,
+        session_bytes: int = 8 << 30,
         reserved_bytes: Callable[[], int] | None = None,
     ) -> None:
         self.timer = timer
@@ -360,7 +356,7 @@ class InProcessExecutor:
         session = self.timer.open(call, warmup=warmup, repeat=repeat)
         self.sessions_opened += 1
         grown = max(0, self._reserved() - before)
-        if self._held + grown <= self.session_bytes:
+        if self.session_bytes > 0 and self._held + grown <= self.session_bytes:
             self._sessions[slot] = session
             self._held += grown
         return session

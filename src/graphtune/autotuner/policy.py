@@ -41,6 +41,10 @@ class TuningPolicy:
             not rest on one allocation's luck. Sets past the first are only made while all of
             them fit in ``INPUT_SET_BYTES``. Cold-L2 timing already rotates copies inside every
             measurement and ignores it.
+        session_bytes: Device memory that reused timer sessions may hold together. With the
+            graph timer a candidate's graph is captured on its first measurement and replayed
+            for the later ones of the same bucket; past this many bytes of captured graphs a
+            candidate is captured again for every measurement. 0 always captures again.
     """
 
     rounds: int = 3
@@ -51,12 +55,14 @@ class TuningPolicy:
     max_extra_rounds: int = 6
     tie_floor_us: float = 0.03
     input_sets: int = 1
+    session_bytes: int = 8 << 30
 
     def __post_init__(self) -> None:
         _count("rounds", self.rounds, 1, "")
         _count("remeasure_top", self.remeasure_top, 0, " (0 turns it off)")
         _count("max_extra_rounds", self.max_extra_rounds, 0, " (0 turns the adaptive rounds off)")
         _count("input_sets", self.input_sets, 1, " (1 times every candidate on one input set)")
+        _count("session_bytes", self.session_bytes, 0, " (0 captures again for every measurement)")
         _ = self.tie_rule  # validates the tie knobs (TieRule names them)
 
     @property

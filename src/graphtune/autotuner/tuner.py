@@ -436,7 +436,8 @@ class AutoTuner:
 
     def _executor(self, config: TuningConfig, device: torch.device) -> Executor:
         if self.isolation.mode == "inprocess":
-            return InProcessExecutor(self._timer_for(config, device), device)
+            timer = self._timer_for(config, device)
+            return InProcessExecutor(timer, device, session_bytes=self.policy.session_bytes)
         worker = self._worker
         if worker is None or worker.key != (config.timing, str(device)):
             self.close()

@@ -63,8 +63,8 @@ __all__ = [
     "check_tactics",
     "get_tuner",
     "last_power_of_two",
+    "load_misses",
     "next_power_of_two",
     "power_of_two_buckets",
-    "load_misses",
     "runner_id",
 ]

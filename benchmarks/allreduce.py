@@ -32,8 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common  # noqa: E402  (benchmarks/ is not a package)
+from graphtune.bench import capture_calls, provenance, release, write_json
 
 HIDDEN = 2048
 ROWS = (1, 8, 32, 128)
@@ -42,29 +41,25 @@ REPLAYS = 50
 
 
 def _time_graph(body, device: torch.device) -> dict:
-    """Captures ``body`` (PER_GRAPH repetitions) once and times its replays."""
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        body()  # warm-up outside the graph (NCCL and symm_mem set up lazily)
-    torch.cuda.current_stream(device).wait_stream(stream)
-    torch.cuda.synchronize(device)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        body()
-    for _ in range(5):
-        graph.replay()
-    torch.cuda.synchronize(device)
-    times = []
-    for _ in range(REPLAYS):
-        dist.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0 / PER_GRAPH)
-    del graph
+    """Captures ``body`` (PER_GRAPH repetitions) once and times its replays, one at a time with
+    every rank starting together (a barrier before each)."""
+    # The warm-up runs outside the graph (NCCL and symm_mem set up lazily).
+    graph = capture_calls(lambda i: body(), 1)
+    try:
+        for _ in range(5):
+            graph.replay()
+        torch.cuda.synchronize(device)
+        times = []
+        for _ in range(REPLAYS):
+            dist.barrier()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1000.0 / PER_GRAPH)
+    finally:
+        release(graph)
     return {"us": statistics.median(times), "min_us": min(times)}
 
 
@@ -151,13 +146,13 @@ def main(argv: list[str] | None = None) -> int:
                 row[variant] = {"error": f"{type(exc).__name__}: {exc}"}
         results.append(row)
     if parallel.rank == 0:
-        prov = _common.provenance(args.commit, device)
-        prov["world_size"] = parallel.world_size
-        path = _common.write_json(
+        prov = provenance(args.commit, device)
+        path = write_json(
             args.out / f"allreduce-{prov['gpu_slug']}.json",
             {
                 "benchmark": "allreduce",
                 "provenance": prov,
+                "world_size": parallel.world_size,
                 "hidden": HIDDEN,
                 "per_graph": PER_GRAPH,
                 "replays": REPLAYS,

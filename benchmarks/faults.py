@@ -49,10 +49,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common  # noqa: E402
-
-from graphtune.autotuner import (  # noqa: E402
+from graphtune.autotuner import (
     FALLBACK_TACTIC,
     AutoTuner,
     DynamicTensorSpec,
@@ -63,8 +60,9 @@ from graphtune.autotuner import (  # noqa: E402
     autotune,
     persist,
 )
-from graphtune.autotuner.isolation import Isolation  # noqa: E402
-from graphtune.autotuner.maintenance import verify_file  # noqa: E402
+from graphtune.autotuner.isolation import Isolation
+from graphtune.autotuner.maintenance import verify_file
+from graphtune.bench import gpu_slug, provenance, require_cuda_or_exit, write_json
 
 try:
     import triton
@@ -340,7 +338,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=None, help="soak steps (overrides --quick)")
     parser.add_argument("--timeout", type=float, default=30.0, help="per-tactic timeout (s)")
     args = parser.parse_args()
-    device = _common.require_cuda_or_exit("faults.py")
+    device = require_cuda_or_exit("faults.py")
     if triton is None:
         print("faults.py: needs triton for the faulting kernels", file=sys.stderr)
         return 2
@@ -398,9 +396,9 @@ def main() -> int:
         "pass": passed,
         "summary": summary,
         "checks": checks,
-        "provenance": _common.provenance(args.commit, device),
+        "provenance": provenance(args.commit, device),
     }
-    path = _common.write_json(args.out / f"faults-{_common.gpu_slug(gpu_name)}.json", payload)
+    path = write_json(args.out / f"faults-{gpu_slug(gpu_name)}.json", payload)
     print(json.dumps({"faults": summary, "pass": passed, "json": str(path)}))
     return 0 if passed else 1
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU tests and every benchmark on the GPU machine; results (JSON, plots, logs) under $OUT.
 # Usage (repo root): GRAPHTUNE_COMMIT=<sha> bash benchmarks/gpu_all.sh [PART] [--quick]
-#   PART: tests | tuning | faults | timers | graphs | decode | tuned | tp | all (default all);
+#   PART: tests | tuning | faults | timers | graphs | decode | tuned | moe | tp | all (default all);
 #   tp (two GPUs, kind nvidia-h200-x2; not part of "all") runs the all-reduce benchmark, tuned
 #   (TP=1) and TP=2 tuned / NCCL decode. One device call
 #   has a 10-minute limit, so a full run is split into two calls, e.g. "tests tuning faults" and
@@ -30,9 +30,11 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
 python3 -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__)'
 want tests && step tests python3 -m pytest -q -rfE --timeout=300 -p no:cacheprovider tests/gpu
 want tuning && step tuning python3 benchmarks/tuning.py --out "$OUT" $QUICK
+want moe && step moe python3 benchmarks/moe.py --out "$OUT" $QUICK
 want faults && step faults python3 benchmarks/faults.py --out "$OUT" $QUICK
 want timers && step timers python3 benchmarks/timers.py --out "$OUT" $QUICK
 want graphs && step graphs python3 benchmarks/graph_runner.py --out "$OUT" $QUICK
+want graphs && step graph-capture python3 benchmarks/graph_capture.py --out "$OUT" $QUICK
 want decode && step decode python3 -m graphtune bench decode --model llama-1b-shape \
   --batch-sizes 1,8,32,128 --compare-compile --json "$OUT/decode-h200.json" \
   --plot "$OUT/decode-h200.png"

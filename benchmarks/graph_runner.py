@@ -28,18 +28,16 @@ import argparse
 import gc
 import json
 import math
-import sys
+import statistics
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common  # noqa: E402  (benchmarks/ is not a package)
-
-from graphtune.graphs import CUDAGraphRunner, default_capture_sizes  # noqa: E402
-from graphtune.reporting import render_table  # noqa: E402
+from graphtune import bench
+from graphtune.graphs import CUDAGraphRunner, default_capture_sizes, graph_break
+from graphtune.reporting import render_table
 
 DT = torch.bfloat16
 MIB = 1024 * 1024
@@ -47,12 +45,17 @@ TARGET_RATIO, TARGET_CAPTURE_S, TARGET_POOL = 1.05, 5.0, 0.7
 
 
 class LlamaDecodeStep:
-    """Llama-1B-shaped decode step; batch row i reads cache slot i, writes ``cache[slot, pos]``."""
+    """Llama-1B-shaped decode step; batch row i reads cache slot i, writes ``cache[slot, pos]``.
+
+    With ``breaks=True`` each layer's attention runs through ``graph_break`` (eagerly between
+    captured pieces); benchmarks/graph_capture.py measures what that costs.
+    """
 
     def __init__(
         self,
         max_batch: int,
         *,
+        breaks=False,
         layers=16,
         hidden=2048,
         heads=32,
@@ -63,6 +66,7 @@ class LlamaDecodeStep:
         seed=0,
     ):
         gen = torch.Generator(device="cuda").manual_seed(seed)
+        self.breaks = breaks
         d = hidden // heads
         self.h, self.heads, self.kv, self.d, self.ctx = hidden, heads, kv_heads, d, ctx
 
@@ -111,13 +115,16 @@ class LlamaDecodeStep:
             self.cache_k[i][slot, :, pos] = k
             self.cache_v[i][slot, :, pos] = v.view(b, self.kv, self.d)
             # GQA: the `group` query heads of one KV head attend as `group` query rows.
-            attn = F.scaled_dot_product_attention(
-                q.view(b, self.kv, group, self.d), self.cache_k[i][:b], self.cache_v[i][:b]
-            )
+            q = q.view(b, self.kv, group, self.d)
+            attn = graph_break(self._attend, q, i) if self.breaks else self._attend(q, i)
             x = x + attn.reshape(b, self.heads * self.d) @ p["o"]
             gate, up = (self._rms(x, p["n2"]) @ p["gu"]).chunk(2, dim=-1)
             x = x + (F.silu(gate) * up) @ p["down"]
         return self._rms(x, self.norm) @ self.emb.t()
+
+    def _attend(self, q, layer):
+        b = q.shape[0]
+        return F.scaled_dot_product_attention(q, self.cache_k[layer][:b], self.cache_v[layer][:b])
 
     def inputs(self, b, seed):
         gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -140,7 +147,7 @@ def time_ms(fn, *, reps: int, repeats: int) -> float:
         end.record()
         end.synchronize()
         samples.append(start.elapsed_time(end) / reps)
-    return _common.median(samples)
+    return statistics.median(samples)
 
 
 def hand_written_graph(step, inputs):
@@ -199,7 +206,7 @@ def measure_size(step, runner, b, *, captured, reps, repeats) -> dict:
     # Same kernels on the same data: at a captured size the outputs must be identical.
     same = bool(torch.equal(got, hand_out)) if captured else None
     del graph, hand_out
-    busy = _common.cupti_kernel_time(lambda i: step(*inputs), calls=3, warmup=1)
+    busy = bench.cupti_kernel_time(lambda i: step(*inputs), calls=3, warmup=1)
     return {
         "batch": b,
         "captured": captured,
@@ -219,7 +226,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
     parser.add_argument("--commit", default=None, help="commit to record (default: git)")
     args = parser.parse_args()
-    device = _common.require_cuda_or_exit("graph_runner.py")
+    device = bench.require_cuda_or_exit("graph_runner.py")
     torch.backends.cuda.matmul.allow_tf32 = False
 
     max_batch = 256
@@ -296,7 +303,7 @@ def main() -> int:
     payload = {
         "benchmark": "graph_runner",
         "quick": args.quick,
-        "provenance": _common.provenance(args.commit, device),
+        "provenance": bench.provenance(args.commit, device),
         "step": {
             "shape": "llama-3.2-1b",
             "layers": 16,
@@ -321,7 +328,7 @@ def main() -> int:
         "pass": ok,
     }
     slug = payload["provenance"]["gpu_slug"] or "unknown"
-    path = _common.write_json(args.out / f"graph-runner-{slug}.json", payload)
+    path = bench.write_json(args.out / f"graph-runner-{slug}.json", payload)
     summary = {
         k: (
             round(v["value"], 4) if isinstance(v["value"], float) else v["value"],

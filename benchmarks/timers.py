@@ -39,8 +39,15 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common  # noqa: E402  (benchmarks/ is not a package)
+from graphtune.autotuner.timing import EventTimer, GraphTimer, Measurement
+from graphtune.bench import (
+    capture_calls,
+    cupti_kernel_time,
+    provenance,
+    release,
+    require_cuda_or_exit,
+    write_json,
+)
 
 logger = logging.getLogger("benchmarks.timers")
 
@@ -126,19 +133,8 @@ CASES = [
 
 def naive_graph_replay(fn: TimedFn, samples: int) -> dict[str, Any]:
     """One call per graph; events around each replay, replays issued back to back."""
-    from graphtune.autotuner.timing import Measurement
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(3):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
+    graph = capture_calls(fn, 1, warmup=3)
     try:
-        with torch.cuda.graph(graph):
-            fn(0)
         graph.replay()
         torch.cuda.synchronize()
         pairs = [
@@ -152,7 +148,7 @@ def naive_graph_replay(fn: TimedFn, samples: int) -> dict[str, Any]:
         torch.cuda.synchronize()
         values = [start.elapsed_time(end) * 1000.0 for start, end in pairs]
     finally:
-        graph.reset()
+        release(graph)
     return _summary(Measurement.from_samples(values, calls_per_sample=1, timer="naive_graph"))
 
 
@@ -220,7 +216,7 @@ def run_case(case: Case, device: torch.device, args: argparse.Namespace, timers:
     fn: TimedFn | None = None
     try:
         fn = case.build(device)
-        before = _common.cupti_kernel_time(fn, calls=args.cupti_calls, warmup=5)
+        before = cupti_kernel_time(fn, calls=args.cupti_calls, warmup=5)
         measure: dict[str, Callable[[], dict[str, Any]]] = {
             "graph": lambda: _summary(
                 timers["graph"].measure(fn, warmup=args.warmup, repeat=args.repeat)
@@ -247,7 +243,7 @@ def run_case(case: Case, device: torch.device, args: argparse.Namespace, timers:
             if name == "events":
                 result["delay"] = dict(timers["events"].last_info)
             record["timers"][name] = result
-        after = _common.cupti_kernel_time(fn, calls=args.cupti_calls, warmup=2)
+        after = cupti_kernel_time(fn, calls=args.cupti_calls, warmup=2)
         reference = (before.per_call_us + after.per_call_us) / 2
         record["cupti"] = {
             **before.as_dict(),
@@ -369,15 +365,9 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
-    device = _common.require_cuda_or_exit("benchmarks/timers.py")
-    try:
-        from graphtune.autotuner.timing import EventTimer, GraphTimer
-    except ImportError:  # run without PYTHONPATH=src: use the checkout's sources
-        sys.path.insert(0, str(_common.REPO_ROOT / "src"))
-        from graphtune.autotuner.timing import EventTimer, GraphTimer
-
+    device = require_cuda_or_exit("benchmarks/timers.py")
     started = time.perf_counter()
-    prov = _common.provenance(args.commit, device)
+    prov = provenance(args.commit, device)
     cases = [c for c in CASES if (c.quick or not args.quick)]
     if args.only:
         cases = [c for c in cases if args.only in c.name]
@@ -419,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": time.perf_counter() - started,
     }
     suffix = "-quick" if args.quick else ""
-    path = _common.write_json(args.out / f"timers-{prov['gpu_slug']}{suffix}.json", payload)
+    path = write_json(args.out / f"timers-{prov['gpu_slug']}{suffix}.json", payload)
     line = {"benchmark": "timers", "json": str(path), **summary, "wall_s": payload["wall_s"]}
     print(json.dumps(line))
     print(table(records))

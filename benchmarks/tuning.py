@@ -74,7 +74,6 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common  # noqa: E402  (benchmarks/ is not a package)
 from _tuning_scores import (  # noqa: E402
     GRAPH_TRUTH_TARGETS,
     IN_GRAPH,
@@ -97,6 +96,8 @@ from _tuning_scores import (  # noqa: E402
     truth_noise,
     worst,
 )
+
+from graphtune import bench as _common  # noqa: E402
 
 logger = logging.getLogger("benchmarks.tuning")
 

@@ -37,9 +37,10 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common  # noqa: E402  (benchmarks/ is not a package)
 import tuning  # noqa: E402
 from _tuning_scores import short_tactic  # noqa: E402
+
+from graphtune import bench as _common  # noqa: E402
 
 DEFAULT_CASES = (
     "down 8192->2048 M=2",

@@ -17,6 +17,9 @@ Variables (all optional):
   ``misses_path`` is given (for ``graphtune tune --from-misses FILE``).
 * ``GRAPHTUNE_NO_PROGRESS``: ``1`` hides progress bars (they are also hidden when stderr is not a
   terminal).
+* ``GRAPHTUNE_PDL``: ``0`` launches every Triton kernel without programmatic dependent launch
+  (PDL), even on GPUs that support it; results are identical either way, only the overlap of
+  consecutive kernels changes. On by default.
 * ``GRAPHTUNE_COMMIT``: the source commit recorded in benchmark results when the tree being run has
   no ``.git`` (for example a copy shipped to a GPU machine).
 * ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``: set by ``torchrun``; read for ``--tp N`` (the process
@@ -72,6 +75,11 @@ def default_misses_path() -> Path | None:
 def progress_disabled() -> bool:
     """Whether ``GRAPHTUNE_NO_PROGRESS`` hides progress bars."""
     return _flag("GRAPHTUNE_NO_PROGRESS")
+
+
+def pdl_allowed() -> bool:
+    """Whether ``GRAPHTUNE_PDL`` leaves programmatic dependent launch on (unset: on)."""
+    return os.environ.get("GRAPHTUNE_PDL", "").strip().lower() not in {"0", "false", "no", "off"}
 
 
 def torchrun_rank() -> tuple[int, int] | None:

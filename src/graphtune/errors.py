@@ -42,3 +42,7 @@ class NumericalError(GraphtuneError, RuntimeError):
 
 class DistributedError(GraphtuneError, RuntimeError):
     """Ranks disagree or a collective could not be completed."""
+
+
+class ResultsWriteError(GraphtuneError, OSError):
+    """A benchmark result could be written neither where asked nor to the temporary folder."""

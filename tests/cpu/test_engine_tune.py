@@ -1,5 +1,7 @@
 """Engine(tune=True) on the CPU: tuned step == untuned step, cache file reuse, fallbacks reported.
 
+Tuning runs the step itself (``tune_step``), so the profiles tuned are those the step looks up.
+
 Like the other ops tests, the Triton kernels run under Triton's CPU interpreter here (set before
 anything imports Triton). A fake timer makes the *last* candidate of every profile the fastest,
 so the tuned step really runs Triton kernels (and the matmul attention runner) wherever the ops
@@ -15,14 +17,10 @@ import torch
 if not torch.cuda.is_available():  # see test_ops_kernels.py
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
-
 from graphtune.autotuner import AutoTuner, TuningPolicy  # noqa: E402
 from graphtune.autotuner.timing.base import Measurement  # noqa: E402
-from graphtune.engine import DecodeStep, Engine, KVCache, load_model  # noqa: E402
-from graphtune.errors import ConfigError  # noqa: E402
+from graphtune.engine import DecodeStep, Engine, KVCache, load_model, tune_step  # noqa: E402
 from graphtune.ops import attention  # noqa: E402
-from graphtune.ops.tuning import ALL_GROUPS, OP_GROUPS, OpDims, tune_ops  # noqa: E402
 
 PROMPTS = [[1, 5, 9], [7, 3], [3, 4, 5, 6]]
 
@@ -65,9 +63,9 @@ def test_tuned_engine_matches_untuned_and_reuses_the_cache_file(tmp_path):
     assert path.is_file() and tuned.tuner is tuner and not tuner.tuning_mode
     report = tuned.tune_report
     assert report.buckets == (1, 2, 4)
-    # 4 GEMM shapes (tiny's LM head [256, 64] is the gate-up shape) + 2 norm forms + rope +
-    # silu + attention, each for 3 buckets.
-    assert len(report.rows) == 9 * 3
+    # 4 GEMM keys (QKV, gate-up = LM head [256, 64], and O-proj and down with the residual
+    # folded in) + the norm + rope + silu + attention, each for 3 buckets: what the step runs.
+    assert len(report.rows) == 8 * 3
     winners = " ".join(row[2] for row in report.rows)
     if "Triton" in winners:  # Triton importable: its kernels are what the tuned step runs
         # The last GEMM runner is the GEMV, which has tactics for these buckets (M <= 8).
@@ -114,16 +112,8 @@ def test_tuned_engine_matches_untuned_and_reuses_the_cache_file(tmp_path):
 def test_untuned_shapes_fall_back_and_are_reported():
     model = load_model("tiny")
     tuner = _tuner()
-    # Tune for batches up to 2 only; the engine below serves up to 4 with the same tuner.
-    tune_ops(
-        OpDims.from_model_config(model.config),
-        2,
-        device="cpu",
-        dtype=torch.float32,
-        tuner=tuner,
-        ops=ALL_GROUPS,
-        max_seq_len=32,
-    )
+    # Tune a step for batches up to 2 only; the engine below serves up to 4 with the same tuner.
+    tune_step(DecodeStep(model, KVCache(model.config, 2, 32), tuner=tuner))
     engine = Engine(model, runner="eager", max_batch_size=4, max_seq_len=32, tuner=tuner)
     assert engine.tune_report is None
     args = (torch.tensor([3, 4, 5, 6]), torch.tensor([0, 1, 0, 2]), torch.arange(4))
@@ -139,7 +129,7 @@ def test_untuned_shapes_fall_back_and_are_reported():
         "graphtune.silu_and_mul",
         attention.OP_NAME,
     } <= set(fallbacks)
-    assert fallbacks[attention.OP_NAME] == 1  # chosen once per step, not per layer
+    assert fallbacks[attention.OP_NAME] == model.config.num_layers  # looked up once per layer
     text = engine.tuning_report()
     assert "look-ups only" in text and "graphtune.gemm" in text
 
@@ -171,37 +161,21 @@ def test_tuning_cache_without_tune_only_looks_up(tmp_path):
     assert stats.profiles_tuned == 0 and stats.fallbacks == {} and stats.hits > 0
 
 
-def test_attention_group_needs_max_seq_len():
-    dims = OpDims(
-        hidden_size=32, intermediate_size=48, num_heads=4, num_kv_heads=2, head_dim=8, vocab_size=40
-    )
-    with pytest.raises(ConfigError, match="max_seq_len"):
-        tune_ops(dims, 2, device="cpu", dtype=torch.float32, ops=("attention",))
-    assert set(OP_GROUPS) < set(ALL_GROUPS)
-
-
 def test_tuned_step_matches_with_gathered_slots():
     model = load_model("qwen2-tiny")  # QKV bias and tied embeddings
     cache = KVCache(model.config, 3, 32, "cpu", torch.float32)
+    tuner = _tuner()
+    tuned = DecodeStep(model, cache, contiguous_slots=False, tuner=tuner)
+    tune_step(tuned)  # writes the scratch slot only; the caches are filled below
     cache.k.normal_(generator=torch.Generator().manual_seed(0))
     cache.v.normal_(generator=torch.Generator().manual_seed(1))
-    tuner = _tuner()
-    tune_ops(
-        OpDims.from_model_config(model.config),
-        3,
-        device="cpu",
-        dtype=torch.float32,
-        tuner=tuner,
-        ops=ALL_GROUPS,
-        max_seq_len=32,
-    )
     args = (torch.tensor([7, 8]), torch.tensor([5, 9]), torch.tensor([2, 0]))
     k0, v0 = cache.k.clone(), cache.v.clone()
     want = DecodeStep(model, cache, contiguous_slots=False)(*args).clone()
     k1, v1 = cache.k.clone(), cache.v.clone()
     cache.k.copy_(k0)
     cache.v.copy_(v0)
-    got = DecodeStep(model, cache, contiguous_slots=False, tuner=tuner)(*args)
+    got = tuned(*args)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(cache.k, k1, rtol=0, atol=1e-5)
     torch.testing.assert_close(cache.v, v1, rtol=0, atol=1e-5)
@@ -242,10 +216,10 @@ def test_bench_decode_tune_reports_tuned_beside_untuned(tmp_path, capsys, monkey
     ]
     assert main(args) == 0
     captured = capsys.readouterr()
-    assert "tuning: 18 (op, bucket) profiles tuned" in captured.out
-    assert "tuned 18 (op, bucket) profiles" in captured.err
+    assert "tuning: 16 (op, bucket) profiles tuned" in captured.out
+    assert "tuning: 16 (op, bucket) profiles tuned" in captured.err
     data = json.loads(out_json.read_text())
-    assert data["tuning_profiles"] == 18 and data["tuning_fallbacks"] == {}
+    assert data["tuning_profiles"] == 16 and data["tuning_fallbacks"] == {}
     for r in data["results"]:
         assert r["eager_ms"] > 0 and r["tuned_eager_ms"] > 0 and r["tuned_over_untuned"] > 0
         assert r["tuned_max_abs_diff"] < 1e-5 and r["graph_ms"] is None
@@ -253,5 +227,5 @@ def test_bench_decode_tune_reports_tuned_beside_untuned(tmp_path, capsys, monkey
     assert last["tuning_seconds"] >= 0 and "tuned_top_kernels" not in last["results"][0]
     assert cache.is_file()
     assert main(args) == 0  # the cache file answers everything: nothing tuned again
-    assert "tuned 0 (op, bucket) profiles" in capsys.readouterr().err
+    assert "tuning: 0 (op, bucket) profiles tuned" in capsys.readouterr().err
     assert made[-1].stats.profiles_tuned == 0

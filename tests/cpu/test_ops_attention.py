@@ -330,3 +330,41 @@ def test_tuner_can_pick_a_triton_split_tactic_and_lookups_run_it(monkeypatch):
     assert timer.current == ("TritonDecodeAttention", tactic)
     assert _rel(out, _reference(*inputs)) < TRITON_TOL[torch.float32], gen.initial_seed()
     assert math.isfinite(float(out.abs().sum()))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("batch,groups,seq", [(1, 4, 260), (3, 2, 160)])
+def test_one_kernel_split_merge_matches_float64_and_the_two_kernel_path(batch, groups, seq):
+    """The last split program merges: same result as the merge kernel, counters back to 0."""
+    gen = _gen()
+    one = attention.TritonDecodeAttentionOneKernel()
+    two = attention.TritonDecodeAttention()
+    inputs = _decode_inputs(gen, batch, 2, groups, seq, 16)
+    tactics = one.get_valid_tactics(inputs, None)
+    assert tactics and all(t["splits"] > 1 for t in tactics)
+    want = _reference(*inputs)
+    counters = attention.arrival_counters(inputs[0].device, batch * 2)
+    for tactic in [*tactics, *EXTRA_TACTICS]:
+        got = one.forward(inputs, tactic)
+        assert _rel(got, want) < TRITON_TOL[torch.float32], (tactic, gen.initial_seed())
+        assert _rel(got, two.forward(inputs, tactic).double()) < 1e-6, tactic
+        assert torch.equal(one.forward(inputs, tactic), got)  # deterministic, counters reset
+        assert int(counters.abs().sum()) == 0
+
+
+@needs_interpreter
+def test_one_kernel_merge_of_a_fully_masked_row_gives_zeros():
+    gen = _gen()
+    q, keys, values, mask = _decode_inputs(gen, 2, 2, 4, 40, 16)
+    mask = mask.clone()
+    mask[1] = float("-inf")
+    got = attention.TritonDecodeAttentionOneKernel().forward(
+        [q, keys, values, mask], EXTRA_TACTICS[0]
+    )
+    assert torch.isfinite(got).all() and torch.equal(got[1], torch.zeros_like(got[1]))
+
+
+def test_one_kernel_runner_is_listed_last_and_refuses_too_many_rows():
+    assert isinstance(attention.RUNNERS[-1], attention.TritonDecodeAttentionOneKernel)
+    with pytest.raises(InputError, match="arrival counters"):
+        attention.arrival_counters(torch.device("cpu"), attention.COUNTER_ROWS + 1)

@@ -1,53 +1,56 @@
-"""``graphtune tune``: tunes a preset's ops into a cache file and reuses it on the next run."""
+"""``graphtune tune``: tunes a preset's step into a cache file and reuses it on the next run."""
 
 from __future__ import annotations
 
 import json
 
+import graphtune.autotuner
+from graphtune.autotuner.timing.base import Measurement
 from graphtune.cli.main import main
 
 
-def test_tune_preset_writes_cache_and_second_run_reuses_it(tmp_path, capsys):
+class _Flat:
+    """Fake timer: every candidate takes 1 us (the first-listed wins; nothing is interpreted)."""
+
+    name = "fake"
+
+    def measure(self, fn, *, warmup, repeat):
+        return Measurement.from_samples([1.0], calls_per_sample=1, timer=self.name)
+
+
+def test_tune_preset_writes_cache_and_second_run_reuses_it(tmp_path, capsys, monkeypatch):
+    made = []
+    real = graphtune.autotuner.AutoTuner
+    monkeypatch.setattr(
+        graphtune.autotuner,
+        "AutoTuner",
+        lambda timer=None: made.append(real(timer=_Flat(), show_progress=False)) or made[-1],
+    )
     cache = tmp_path / "tune.json"
-    args = [
-        "tune",
-        "--model",
-        "tiny",
-        "--cache",
-        str(cache),
-        "--max-batch",
-        "2",
-        "--device",
-        "cpu",
-        "--ops",
-        "rms_norm,silu_and_mul",
-    ]
+    args = ["tune", "--model", "tiny", "--cache", str(cache), "--max-batch", "2", "--device", "cpu"]
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert "graphtune.rms_norm" in out and "graphtune.silu_and_mul" in out
-    assert "6 (op, bucket) picks" in out  # 2 norm variants + silu, buckets 1 and 2
+    for op in (
+        "graphtune.gemm",
+        "graphtune.rms_norm",
+        "graphtune.silu_and_mul",
+        "decode_attention",
+    ):
+        assert op in out
+    # What the step runs: 4 GEMM keys, the norm, rope, silu and attention; buckets 1 and 2.
+    assert "16 (op, bucket) picks" in out
+    assert "running the step at batch 2" in out
     assert json.loads(cache.read_text())
     assert main(args) == 0
     assert "nothing to tune" in capsys.readouterr().out
+    assert made[-1].stats.profiles_tuned == 0
 
 
-def test_tune_rejects_unknown_model_and_ops(tmp_path, capsys):
+def test_tune_rejects_unknown_model_and_bad_sizes(tmp_path, capsys):
     assert main(["tune", "--model", "no-such", "--cache", str(tmp_path / "c.json")]) == 2
     assert "preset" in capsys.readouterr().err
-    assert (
-        main(
-            [
-                "tune",
-                "--model",
-                "tiny",
-                "--cache",
-                str(tmp_path / "c.json"),
-                "--device",
-                "cpu",
-                "--ops",
-                "bogus",
-            ]
-        )
-        == 2
-    )
-    assert "unknown op groups" in capsys.readouterr().err
+    args = ["tune", "--model", "tiny", "--cache", str(tmp_path / "c.json"), "--device", "cpu"]
+    assert main([*args, "--max-batch", "0"]) == 2
+    assert "--max-batch must be >= 1" in capsys.readouterr().err
+    assert main([*args, "--dtype", "float12"]) == 2
+    assert "unknown dtype" in capsys.readouterr().err

@@ -30,7 +30,6 @@ from graphtune.ops.gemm import (  # noqa: E402
 )
 from graphtune.ops.rmsnorm import rms_norm_tactics  # noqa: E402
 from graphtune.ops.rotary import rope_tactics  # noqa: E402
-from graphtune.ops.tuning import OP_GROUPS, OpDims, tune_ops  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 needs_interpreter = pytest.mark.skipif(
@@ -249,37 +248,6 @@ class _FirstTritonTactic:
 
 
 @needs_interpreter
-def test_tune_ops_covers_every_op_and_bucket_and_reuses_the_cache(tmp_path):
-    dims = OpDims(
-        hidden_size=32,
-        intermediate_size=48,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        vocab_size=40,
-        qkv_bias=True,
-    )
-    tuner = AutoTuner(
-        timer=_FirstTritonTactic(),
-        show_progress=False,
-        policy=TuningPolicy(rounds=1, remeasure_top=0),
-    )
-    seen = []
-    with autotune(tmp_path / "c.json", tuner):
-        report = tune_ops(
-            dims, 2, device="cpu", dtype=torch.float32, tuner=tuner, on_op=seen.append
-        )
-    assert seen == list(OP_GROUPS) and report.buckets == (1, 2)
-    # 5 GEMMs + 2 norm variants + rope + silu, each for buckets 1 and 2.
-    assert len(report.rows) == 9 * 2
-    assert not tuner.tuning_mode and not tuner.stats.tactic_failures
-    again = AutoTuner(timer=_FirstTritonTactic(), show_progress=False)
-    with autotune(tmp_path / "c.json", again):
-        second = tune_ops(dims, 2, device="cpu", dtype=torch.float32, tuner=again)
-    assert second.rows == [] and again.stats.profiles_tuned == 0
-
-
-@needs_interpreter
 def test_rope_pick_is_shared_across_cache_sizes():
     from graphtune.ops import rope_kv_cache
 
@@ -330,10 +298,8 @@ def test_triton_runners_pickle_for_subprocess_isolation():
 def test_gemm_cold_l2_rotates_weight_copies_under_the_same_cache_keys(monkeypatch):
     from graphtune.autotuner import timing
     from graphtune.autotuner.isolation import InProcessExecutor
+    from graphtune.ops import OpContext
 
-    dims = OpDims(
-        hidden_size=32, intermediate_size=48, num_heads=4, num_kv_heads=2, head_dim=8, vocab_size=40
-    )
     # Pretend the operands must be copied 3 times to exceed L2 (the CPU has no such rule).
     monkeypatch.setattr(timing, "cold_l2_copies", lambda nbytes, device: 3)
     sets_per_profile: list[int] = []
@@ -347,6 +313,7 @@ def test_gemm_cold_l2_rotates_weight_copies_under_the_same_cache_keys(monkeypatc
         )[1],
     )
     keys = {}
+    a, w, x = torch.randn(2, 32), torch.randn(48, 32), torch.randn(2, 48)
     for cold in (False, True):
         sets_per_profile.clear()
         tuner = AutoTuner(
@@ -354,19 +321,14 @@ def test_gemm_cold_l2_rotates_weight_copies_under_the_same_cache_keys(monkeypatc
             show_progress=False,
             policy=TuningPolicy(rounds=1, remeasure_top=0),
         )
-        tune_ops(
-            dims,
-            2,
-            device="cpu",
-            dtype=torch.float32,
-            tuner=tuner,
-            ops=("gemm", "lm_head"),
-            gemm_cold_l2=cold,
-        )
+        ops = OpContext(tuner, 2, gemm_cold_l2=cold)
+        with autotune(tuner=tuner):
+            ops.gemm(a, w)
+            ops.gemm(a, w, residual=x, inplace=True)
         keys[cold] = {k for k, _ in tuner.cache.items()}
-        # 5 GEMMs x buckets 1, 2; with cold L2 each profile rotates 3 copies of its operands.
-        assert sets_per_profile == [3 if cold else 1] * 10
-    assert keys[True] == keys[False] and len(keys[True]) == 10
+        # 2 GEMM forms x buckets 1, 2; with cold L2 each profile rotates 3 copies of its operands.
+        assert sets_per_profile == [3 if cold else 1] * 4
+    assert keys[True] == keys[False] and len(keys[True]) == 4
 
 
 def test_fused_op_priors_come_first_so_near_ties_go_to_them():

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import math
-import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -381,43 +378,3 @@ def test_module_exports_contract():
         "cold_l2_copies",
     ):
         assert hasattr(timing, name), name
-
-
-# --- benchmark helpers (pure parts) ------------------------------------------------------------
-
-
-def _load_bench_common():
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "_common.py"
-    spec = importlib.util.spec_from_file_location("graphtune_bench_common", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_bench_common_slug_and_per_call_grouping():
-    common = _load_bench_common()
-    assert common.gpu_slug("NVIDIA H200") == "h200"
-    assert common.gpu_slug("NVIDIA H100 80GB HBM3") == "h100-80gb-hbm3"
-    assert common.gpu_slug("") == "unknown"
-    trace = {
-        "traceEvents": [
-            {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 10.0, "dur": 3.0},
-            {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 9.0, "dur": 5.0},
-            {"ph": "X", "cat": "kernel", "name": "silu", "ts": 14.0, "dur": 1.0},
-            {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 20.0, "dur": 5.0},
-            {"ph": "X", "cat": "gpu_memset", "name": "Memset", "ts": 19.0, "dur": 0.5},
-            {"ph": "X", "cat": "kernel", "name": "silu", "ts": 26.0, "dur": 1.0},
-        ]
-    }
-    events = common.device_events_from_trace(trace)
-    assert [e.name for e in events] == ["gemm", "silu", "Memset", "gemm", "silu"]
-    kernels_only = [e for e in events if e.category == "kernel"]
-    per_call, per_call_kernels = common.group_per_call(kernels_only, calls=2)
-    assert per_call == [4.0, 6.0]
-    assert per_call_kernels == 2
-    # Uneven count: falls back to the total spread evenly.
-    per_call, per_call_kernels = common.group_per_call(events, calls=2)
-    assert per_call == [5.25, 5.25]
-    assert per_call_kernels is None

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from graphtune.engine import Engine, load_model, prefill
+from graphtune import bench
+from graphtune.engine import DecodeStep, Engine, KVCache, load_model, prefill
 from graphtune.graphs import FallbackReason
 
 pytestmark = pytest.mark.gpu
@@ -97,9 +98,10 @@ def test_graph_step_logits_match_eager_step(engines):
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
-def _hf_helpers():
-    path = Path(__file__).resolve().parents[1] / "cpu" / "test_engine_hf.py"
-    spec = importlib.util.spec_from_file_location("_engine_hf_helpers", path)
+def _cpu_helpers(name: str):
+    """A module of tests/cpu (its helpers: the HF builders, the hand-written reference step)."""
+    path = Path(__file__).resolve().parents[1] / "cpu" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"_{name}_helpers", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -108,9 +110,32 @@ def _hf_helpers():
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_tiny_matches_hf_on_gpu_float32(tmp_path, kind):
     pytest.importorskip("transformers")
-    helpers = _hf_helpers()
+    helpers = _cpu_helpers("test_engine_hf")
     hf, folder = helpers.build_hf(kind, tmp_path)
     helpers.compare(hf, folder, device="cuda", tol=2e-4)
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_untuned_step_launches_the_hand_written_steps_kernels(llama_1b, batch):
+    """The one forward without a tuner runs what the hand-written torch step ran
+    (tests/cpu/test_engine_step.py's reference_step): as many device activities, same logits."""
+    helpers = _cpu_helpers("test_engine_step")
+    cache = KVCache(llama_1b.config, 8, 528, "cuda", torch.bfloat16)
+    cache.k.normal_()
+    cache.v.normal_()
+    step = DecodeStep(llama_1b, cache, contiguous_slots=True)
+    gen = torch.Generator(device="cuda").manual_seed(batch)
+    tokens = torch.randint(0, llama_1b.config.vocab_size, (batch,), generator=gen, device="cuda")
+    args = (tokens, torch.full_like(tokens, 512), torch.arange(batch, device="cuda"))
+    with torch.inference_mode():
+        want = bench.gpu_busy(lambda: helpers.reference_step(step, *args))
+        got = bench.gpu_busy(lambda: step(*args))
+        print(
+            f"batch {batch}: {got.activities_per_call} activities per step (hand-written step: "
+            f"{want.activities_per_call}), busy {got.per_call_ms:.3f} vs {want.per_call_ms:.3f} ms"
+        )
+        assert got.activities_per_call == want.activities_per_call
+        assert torch.equal(step(*args), helpers.reference_step(step, *args))
 
 
 # --- tune-then-capture ---------------------------------------------------------------------------
@@ -156,6 +181,21 @@ def test_tuned_graph_tokens_match_untuned_eager(tuned_engine, engines, batch):
     # The tuned kernels (Triton GEMMs with split-K, fused norm/rope/silu, another attention
     # backend) round differently in bf16: accept only a genuine near-tie at the first divergence.
     _assert_equal_or_near_tie(eager, prompts, got, want, f"tuned batch {batch}: tuned graph")
+
+
+def test_tuned_step_launches_fewer_kernels_than_the_untuned_step(tuned_engine, llama_1b):
+    cache = KVCache(llama_1b.config, 8, tuned_engine.max_seq_len, "cuda", torch.bfloat16)
+    untuned = DecodeStep(llama_1b, cache, contiguous_slots=True)
+    with torch.inference_mode():
+        args = tuned_engine.example_inputs(1)
+        tuned = bench.gpu_busy(lambda: tuned_engine.step_fn(*args))
+        plain = bench.gpu_busy(lambda: untuned(*args))
+    print(
+        f"batch 1: tuned {tuned.activities_per_call} activities per step, untuned "
+        f"{plain.activities_per_call}; busy {tuned.per_call_ms:.3f} vs {plain.per_call_ms:.3f} ms"
+    )
+    assert tuned.activities_per_call < plain.activities_per_call
+    assert tuned_engine.tuning_stats.fallbacks == {}
 
 
 def test_tuned_engine_second_start_tunes_nothing(tuned_engine, llama_1b, tuning_file):

@@ -13,6 +13,7 @@ import torch
 pytest.importorskip("triton")
 
 from graphtune.autotuner import AutoTuner, autotune  # noqa: E402
+from graphtune.engine.attention import causal_mask  # noqa: E402
 from graphtune.ops import (  # noqa: E402
     TritonGemmRunner,
     TritonRMSNormRunner,
@@ -23,7 +24,6 @@ from graphtune.ops import (  # noqa: E402
     torch_rope_kv_cache,
 )
 from graphtune.ops.gemm import TritonGemvRunner  # noqa: E402
-from graphtune.ops.tuning import attention_mask  # noqa: E402
 
 DEV = "cuda"
 BF16 = torch.bfloat16
@@ -241,6 +241,15 @@ SEQ = 528  # the KV cache length of the Llama-1B decode benchmark
 # relative; outputs of unit-variance V are averages of magnitude <= ~1, so 2e-2 absolute is a few
 # bf16 ulps of slack beside SDPA (which rounds the same quantities, in another order).
 ATTN_ATOL = 2e-2
+
+
+def attention_mask(positions: torch.Tensor, seq: int, dtype: torch.dtype) -> torch.Tensor:
+    """The decode step's additive mask ``[B, 1, 1, seq]``: keys at or before each position."""
+    zero = torch.zeros((), device=positions.device, dtype=dtype)
+    keys = torch.arange(seq, device=positions.device)
+    return causal_mask(positions, keys, zero, torch.full_like(zero, float("-inf")))[
+        :, None, None, :
+    ]
 
 
 def _attention_inputs(batch: int, dim: int) -> list[torch.Tensor]:

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
+from graphtune import bench
 from graphtune.autotuner.timing import (
     EventTimer,
     GpuDelay,
@@ -23,19 +20,10 @@ from graphtune.autotuner.timing import (
 from graphtune.errors import CaptureError
 
 
-def _load_bench_common():
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "_common.py"
-    spec = importlib.util.spec_from_file_location("graphtune_bench_common", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def common():
-    return _load_bench_common()
+    """The measurement toolkit (its CUPTI kernel time is the truth these tests compare with)."""
+    return bench
 
 
 @pytest.fixture(scope="module")

@@ -35,7 +35,7 @@ def model_config(spec: str) -> Any:
 def resolve_device_and_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
     """``--device`` / ``--dtype`` values (``auto``: CUDA and bfloat16 when available) resolved
     by the engine's own helpers."""
-    from graphtune.engine.bench import resolve_device, resolve_dtype
+    from graphtune.engine.devices import resolve_device, resolve_dtype
 
     resolved = resolve_device(device)
     return resolved, resolve_dtype(dtype, resolved)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shlex
 import sys
 from pathlib import Path
 
@@ -110,13 +111,11 @@ def run_bench_decode(args: argparse.Namespace) -> int:
     """Runs the benchmark, prints the table, and writes JSON and the plot when asked."""
     import torch
 
-    from graphtune.engine.bench import (
-        DecodeBenchConfig,
-        format_report,
-        plot_report,
-        resolve_device,
-        run_decode_bench,
-    )
+    from graphtune.bench.decode import run_decode_bench
+    from graphtune.bench.decode_report import format_report, plot_report
+    from graphtune.bench.decode_results import DecodeBenchConfig
+    from graphtune.bench.results import write_json
+    from graphtune.engine.devices import resolve_device
 
     parallel = None
     try:
@@ -154,7 +153,10 @@ def run_bench_decode(args: argparse.Namespace) -> int:
             tp=args.tp,
         )
         report = run_decode_bench(
-            cfg, log=lambda line: print(line, file=sys.stderr) if show else None, parallel=parallel
+            cfg,
+            log=lambda line: print(line, file=sys.stderr) if show else None,
+            parallel=parallel,
+            command=shlex.join(["graphtune", *getattr(args, "argv", [])]),
         )
         if not show:
             return 0
@@ -162,11 +164,8 @@ def run_bench_decode(args: argparse.Namespace) -> int:
         if report.runner_stats:
             print(report.runner_stats)
         data = report.to_json()
-        data["command"] = "graphtune " + " ".join(sys.argv[1:]) if sys.argv else None
         if args.json:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(data, indent=2, default=str) + "\n")
-            print(f"wrote {args.json}")
+            print(f"wrote {write_json(args.json, data)}")
         if args.plot:
             try:
                 plot_report(report, str(args.plot))
@@ -178,7 +177,7 @@ def run_bench_decode(args: argparse.Namespace) -> int:
         summary = {
             "bench": "decode",
             "model": report.model["name"],
-            "device": report.provenance.get("gpu_name") or str(device),
+            "device": report.provenance.get("gpu") or str(device),
             "torch": torch.__version__,
             "tp": args.tp,
             "results": [

@@ -76,7 +76,7 @@ def _parse_prompt(text: str) -> str | list[int]:
 def run_generate(args: argparse.Namespace) -> int:
     """Loads the model, builds an Engine with the chosen runner and prints each continuation."""
     from graphtune.engine import Engine, SamplingParams, load_model
-    from graphtune.engine.bench import resolve_device, resolve_dtype
+    from graphtune.engine.devices import resolve_device, resolve_dtype
 
     parallel = None
     try:

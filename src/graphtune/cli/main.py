@@ -43,6 +43,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Runs the CLI and returns its exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    # What the command line was, for the provenance of results (also when called in-process).
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     # The CLI is an application, so it (and only it) configures logging.
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")

@@ -1,6 +1,7 @@
-"""``graphtune tune``: tune a model's decode-step ops for every batch bucket and save the picks.
+"""``graphtune tune``: tune a model's decode step for every batch bucket and save the picks.
 
-The model is only read for its dimensions (a preset name or a Hugging Face folder's
+The step is tuned by running it (``graphtune.engine.tuning.tune_step``), as ``Engine(tune=True)``
+does. The model is only read for its dimensions (a preset name or a Hugging Face folder's
 ``config.json``); weights are random, since the kernels' speed does not depend on their values.
 """
 
@@ -23,11 +24,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "tune",
         help="tune the decode-step ops (GEMMs, RMSNorm, RoPE+KV write, SiLU-and-mul, attention) "
         "of a model",
-        description="Times every (runner, tactic) of each op of a model's decode step for batch "
-        "buckets 1, 2, 4, ... up to --max-batch and saves the fastest per bucket to --cache. "
-        "Entries already in the cache file are reused, not re-tuned. Decode attention is tuned "
-        "for a KV cache of --max-seq-len positions: pass the engine's (Engine rounds its "
-        "max_seq_len up to a multiple of 16).",
+        description="Runs a model's decode step (random weights) at batch sizes 1, 2, 4, ... up "
+        "to --max-batch in tuning mode: every op it calls times each (runner, tactic) for every "
+        "batch bucket and the fastest per bucket is saved to --cache, under the keys the "
+        "engine's step looks up. Entries already in the cache file are reused, not re-tuned. "
+        "Decode attention is tuned for a KV cache of --max-seq-len positions (rounded up to a "
+        "multiple of 16, as the Engine rounds its max_seq_len).",
     )
     parser.add_argument(
         "--model",
@@ -69,13 +71,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         choices=("auto", "graph", "events", "wallclock"),
         help="timer (auto: graph replay on CUDA, wall clock on CPU)",
     )
-    parser.add_argument(
-        "--ops",
-        default=None,
-        metavar="LIST",
-        help="comma-separated op groups (default all: gemm,lm_head,rms_norm,"
-        "rope_kv_cache,silu_and_mul,attention)",
-    )
     parser.set_defaults(handler=run_tune)
 
 
@@ -93,20 +88,27 @@ def _model_config(spec: str):  # -> graphtune.engine.config.ModelConfig
 
 
 def run_tune(args: argparse.Namespace) -> int:
-    """Tunes the ops and prints the picks table."""
+    """Tunes the step and prints the picks table."""
     from graphtune.autotuner import AutoTuner, autotune
     from graphtune.autotuner.timing import resolve_timer
-    from graphtune.engine.bench import resolve_device, resolve_dtype
-    from graphtune.ops.tuning import ALL_GROUPS, OpDims, tune_ops
+    from graphtune.engine.build import build_step
+    from graphtune.engine.devices import resolve_device, resolve_dtype
+    from graphtune.engine.kv_cache import KVCache, aligned_seq_len
+    from graphtune.engine.model import random_model
+    from graphtune.engine.tuning import tune_step
+    from graphtune.errors import ConfigError
 
     try:
+        if args.max_batch < 1:
+            raise ConfigError(f"--max-batch must be >= 1, got {args.max_batch}")
         device = resolve_device(args.device)
         dtype = resolve_dtype(args.dtype, device)
         config = _model_config(args.model)
-        dims = OpDims.from_model_config(config)
-        ops = tuple(args.ops.split(",")) if args.ops else ALL_GROUPS
         timer = None if args.timing == "auto" else resolve_timer(args.timing, device)
         tuner = AutoTuner(timer=timer)
+        model = random_model(config, device=device, dtype=dtype)
+        cache = KVCache(config, args.max_batch, aligned_seq_len(args.max_seq_len), device, dtype)
+        step = build_step(model, cache, tuner=tuner)
         print(
             f"tuning {config.name} ops on {device} ({str(dtype).removeprefix('torch.')}), "
             f"batch buckets up to {args.max_batch} -> {args.cache}",
@@ -114,16 +116,7 @@ def run_tune(args: argparse.Namespace) -> int:
         )
         started = time.perf_counter()
         with autotune(args.cache, tuner):
-            report = tune_ops(
-                dims,
-                args.max_batch,
-                device=device,
-                dtype=dtype,
-                tuner=tuner,
-                ops=ops,
-                max_seq_len=args.max_seq_len,
-                on_op=lambda name: print(f"  {name} ...", flush=True),
-            )
+            report = tune_step(step, log=lambda line: print(f"  {line}", flush=True))
     except (GraphtuneError, ValueError) as exc:
         print(f"graphtune tune: {exc}", file=sys.stderr)
         return 2
@@ -132,7 +125,7 @@ def run_tune(args: argparse.Namespace) -> int:
     print(
         f"done in {time.perf_counter() - started:.1f} s "
         f"({report.compile_seconds:.1f} s compiling Triton tactics ahead of timing); "
-        f"{len(report.rows)} (op, bucket) picks added to {args.cache}"
+        f"{report.profiles_tuned} (op, bucket) picks added to {args.cache}"
     )
     if torch.cuda.is_available() and device.type == "cuda":
         torch.cuda.synchronize(device)

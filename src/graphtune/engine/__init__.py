@@ -3,18 +3,22 @@
 Build a model with :func:`load_model` (a Hugging Face checkpoint folder or a preset with random
 weights), wrap it in an :class:`Engine` that picks a graph or eager step runner, and call
 :meth:`Engine.generate`. Pass ``parallel=ParallelContext(...)`` to :func:`load_model` for
-tensor-parallel decode over a ``torch.distributed`` group. ``graphtune bench decode`` measures
-the decode step (see docs/engine.md).
+tensor-parallel decode over a ``torch.distributed`` group. The step has one forward
+(:mod:`graphtune.engine.step`) and is tuned by running it (:func:`tune_step`);
+``graphtune bench decode`` (:mod:`graphtune.bench`) measures it (see docs/engine.md).
 """
 
+from graphtune.engine.build import build_runner, build_step
 from graphtune.engine.config import PRESETS, ModelConfig, RopeScaling, from_hf_config, get_preset
-from graphtune.engine.engine import Engine, RequestFailure, step_pad_rule
+from graphtune.engine.devices import resolve_device, resolve_dtype
+from graphtune.engine.engine import Engine, RequestFailure
 from graphtune.engine.kv_cache import KVCache
 from graphtune.engine.loading import load_checkpoint, load_model
 from graphtune.engine.model import DecoderModel, LayerWeights, random_model
 from graphtune.engine.parallel import ParallelContext, TensorParallelDecodeStep, shard_model
 from graphtune.engine.sampling import GREEDY, SamplingParams, sample
-from graphtune.engine.step import DecodeStep, prefill
+from graphtune.engine.step import DecodeStep, prefill, step_pad_rule
+from graphtune.engine.tuning import TuneReport, tune_step
 
 __all__ = [
     "GREEDY",
@@ -30,13 +34,19 @@ __all__ = [
     "RopeScaling",
     "SamplingParams",
     "TensorParallelDecodeStep",
+    "TuneReport",
+    "build_runner",
+    "build_step",
     "from_hf_config",
     "get_preset",
     "load_checkpoint",
     "load_model",
     "prefill",
     "random_model",
+    "resolve_device",
+    "resolve_dtype",
     "sample",
     "shard_model",
     "step_pad_rule",
+    "tune_step",
 ]

@@ -8,10 +8,10 @@ Live requests are kept compacted: request ``i`` of the live batch owns KV slot `
 request in the middle finishes, the last one moves into its slot (a copy of its cached prefix), so
 the decode step can read slots ``[0, B)`` as a view instead of gathering them every step.
 
-With ``tune=True`` the engine tunes every tunable op of the decode step for its batch buckets
-first (inside ``autotune(tuning_cache, tuner)``: the cache file is loaded, extended and saved),
-then builds the step with the tuner and captures: every graph bakes in the tuned tactics, and
-since tuning mode is off again while capturing, the tuner only looks up there.
+With ``tune=True`` the engine builds the step with a tuner and tunes it by running it at every
+batch bucket (:func:`graphtune.engine.tuning.tune_step`, inside ``autotune(tuning_cache, tuner)``:
+the cache file is loaded, extended and saved), then captures: every graph bakes in the tuned
+tactics, and since tuning mode is off again while capturing, the tuner only looks up there.
 """
 
 from __future__ import annotations
@@ -26,15 +26,16 @@ from typing import Any
 
 import torch
 
-from graphtune.engine.kv_cache import KVCache
+from graphtune.autotuner import AutoTuner, DistributedTuning, autotune
+from graphtune.engine.build import RUNNERS, build_runner, build_step
+from graphtune.engine.kv_cache import KVCache, aligned_seq_len
 from graphtune.engine.model import DecoderModel
 from graphtune.engine.sampling import GREEDY, NON_FINITE, SamplingParams, sample
-from graphtune.engine.step import DecodeStep, prefill
+from graphtune.engine.step import prefill
+from graphtune.engine.tuning import TuneReport, tune_step
 from graphtune.errors import ConfigError, InputError, NumericalError
 
 logger = logging.getLogger(__name__)
-
-RUNNERS = ("graph", "eager")
 
 
 @dataclass
@@ -81,9 +82,9 @@ class Engine:
             By default that request stops, is listed in :attr:`failures` and logged, and the
             other requests go on.
         tune: Tune the decode step's ops (GEMMs, RMSNorm, RoPE + KV write, SiLU-and-mul,
-            decode attention) for batch buckets ``1, 2, 4, ..., max_batch_size`` before
-            capturing, and run the step with the picks. Entries already in the tuner's cache (or
-            in ``tuning_cache``) are not tuned again.
+            decode attention) by running the step at batch sizes ``1, 2, 4, ...,
+            max_batch_size`` before capturing, and run the step with the picks. Entries already in
+            the tuner's cache (or in ``tuning_cache``) are not tuned again.
         tuning_cache: Tuning cache file: loaded when present and, with ``tune=True``, saved
             after tuning. Without ``tune`` the step only looks picks up in it (a file written by
             ``graphtune tune`` for the same model, dtype, ``--max-batch`` and
@@ -137,33 +138,31 @@ class Engine:
         self.config = model.config
         self.device = target_device
         self.max_batch_size = max_batch_size
-        self.max_seq_len = -(-max_seq_len // 16) * 16
+        self.max_seq_len = aligned_seq_len(max_seq_len)
         self.cache = KVCache(
             self.config, max_batch_size, self.max_seq_len, target_device, target_dtype
         )
         self.tuner: Any = None
-        self.tune_report: Any = None
+        self.tune_report: TuneReport | None = None
         if tune or tuning_cache is not None or tuner is not None:
-            self.tuner = self._prepare_tuner(tune, tuning_cache, tuner, target_dtype)
-        if model.parallel is None:
-            self.step_fn = DecodeStep(model, self.cache, contiguous_slots=True, tuner=self.tuner)
-        else:
-            from graphtune.engine.parallel import TensorParallelDecodeStep
-
-            self.step_fn = TensorParallelDecodeStep(
-                model, self.cache, contiguous_slots=True, tuner=self.tuner
-            )
+            self.tuner = self._prepare_tuner(tune, tuning_cache, tuner)
+        self.step_fn = build_step(model, self.cache, tuner=self.tuner)
+        if tune:
+            with autotune(tuning_cache, self.tuner):
+                self.tune_report = tune_step(self.step_fn)
+            logger.info("%s", self.tune_report.summary())
         self.runner_kind = runner
         self.strict_numerics = strict_numerics
         self.failures: list[RequestFailure] = []
-        self.runner = self._build_runner(runner, capture_sizes, lazy_capture)
+        self.runner = build_runner(
+            self.step_fn, runner, capture_sizes=capture_sizes, lazy=lazy_capture, device=self.device
+        )
+        if runner == "graph" and not lazy_capture:
+            self.runner.capture(*self.example_inputs(self.max_batch_size))
 
     def _prepare_tuner(
-        self, tune: bool, cache_path: str | PathLike[str] | None, tuner: Any, dtype: torch.dtype
-    ) -> Any:
-        from graphtune.autotuner import AutoTuner, DistributedTuning, autotune
-        from graphtune.ops.tuning import ALL_GROUPS, OpDims, tune_ops
-
+        self, tune: bool, cache_path: str | PathLike[str] | None, tuner: Any
+    ) -> AutoTuner:
         parallel = self.model.parallel
         if tuner is None:
             # Tensor-parallel ranks must run identical kernels for the replicated ops (norms,
@@ -180,27 +179,8 @@ class Engine:
                 "AutoTuner(distributed=DistributedTuning('agree', group)) (or 'parallel' / "
                 "'broadcast'), or leave tuner=None and the engine uses 'agree'"
             )
-        if not tune:
-            if cache_path is not None:
-                tuner.cache.load(cache_path)
-            return tuner
-        with autotune(cache_path, tuner):
-            self.tune_report = tune_ops(
-                OpDims.from_model_config(self.config),
-                self.cache.max_batch_size,
-                device=self.device,
-                dtype=dtype,
-                tuner=tuner,
-                ops=ALL_GROUPS,
-                max_seq_len=self.cache.max_seq_len,
-            )
-        report = self.tune_report
-        logger.info(
-            "tuned %d (op, bucket) profiles in %.1f s for batch buckets %s",
-            len(report.rows),
-            report.seconds,
-            list(report.buckets),
-        )
+        if not tune and cache_path is not None:
+            tuner.cache.load(cache_path)
         return tuner
 
     @property
@@ -216,12 +196,7 @@ class Engine:
         stats = self.tuner.stats
         lines = []
         if self.tune_report is not None:
-            report = self.tune_report
-            lines.append(
-                f"tuning: {len(report.rows)} (op, bucket) profiles tuned in "
-                f"{report.seconds:.1f} s ({report.compile_seconds:.1f} s compiling) for batch "
-                f"buckets {list(report.buckets)}"
-            )
+            lines.append(f"tuning: {self.tune_report.summary()}")
         else:
             lines.append("tuning: look-ups only (tune=False)")
         lines.append(f"look-ups: {stats.hits} hits, {stats.misses} misses")
@@ -234,28 +209,9 @@ class Engine:
             lines.append(f"failed tactics while tuning: {dict(stats.tactic_failures)}")
         return "\n".join(lines)
 
-    def _build_runner(self, kind: str, capture_sizes: Sequence[int] | None, lazy: bool) -> Any:
-        # Imported here so the engine modules stay importable on their own for inspection.
-        from graphtune.graphs import CUDAGraphRunner, EagerRunner
-
-        if kind == "eager":
-            return EagerRunner(self.step_fn)
-        runner = CUDAGraphRunner(
-            self.step_fn,
-            max_batch_size=self.max_batch_size,
-            capture_sizes=list(capture_sizes) if capture_sizes is not None else None,
-            pad=step_pad_rule(self.cache.scratch_slot),
-            lazy=lazy,
-            device=self.device,
-        )
-        if not lazy:
-            runner.capture(*self.example_inputs(self.max_batch_size))
-        return runner
-
     def example_inputs(self, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Step inputs of ``batch`` rows that touch only the scratch slot (for capture)."""
-        zeros = torch.zeros(batch, dtype=torch.long, device=self.device)
-        return zeros, zeros.clone(), torch.full_like(zeros, self.cache.scratch_slot)
+        return self.step_fn.example_inputs(batch)
 
     @property
     def stats(self) -> Any:
@@ -462,12 +418,3 @@ def _token_id(value: Any, what: str) -> int:
         raise InputError(
             f"{what} must be integers, got {value!r} ({type(value).__name__})"
         ) from None
-
-
-def step_pad_rule(scratch_slot: int) -> tuple[int, int, int]:
-    """Pad rule for the decode step's inputs ``(tokens, positions, slots)``.
-
-    Padded rows feed token 0 at position 0 and write into the scratch slot, so whatever they
-    compute lands where no live request reads.
-    """
-    return (0, 0, scratch_slot)

@@ -22,6 +22,15 @@ from graphtune.errors import ConfigError, InputError
 
 logger = logging.getLogger(__name__)
 
+#: Cache lengths are multiples of this, so attention rows stay aligned.
+SEQ_ALIGNMENT = 16
+
+
+def aligned_seq_len(length: int) -> int:
+    """``length`` rounded up to a multiple of :data:`SEQ_ALIGNMENT` (the cache length an engine
+    or benchmark allocates for sequences of up to ``length`` tokens)."""
+    return -(-length // SEQ_ALIGNMENT) * SEQ_ALIGNMENT
+
 
 class KVCache:
     """Preallocated keys and values for ``max_batch_size`` live requests plus a scratch slot.

@@ -10,9 +10,11 @@ Megatron-style tensor parallelism over ``world_size`` ranks of one ``torch.distr
   per rank); SwiGLU is elementwise and stays rank-local.
 * The output and down projections are row-parallel: each rank multiplies its slice and one
   ``all_reduce`` (sum) per projection makes the hidden state whole again. The residual is added
-  once: rank 0 runs ``x.addmm_(a, w.t())`` (beta 1) and the other ranks the same call with
-  ``beta=0``, which overwrites ``x`` with the partial product, then ``x`` is all-reduced in place.
-  No extra kernel, and the collective is an ordinary op that a CUDA graph captures (NCCL).
+  once: rank 0's GEMM adds ``x`` (``addmm`` untuned) and the other ranks' GEMMs add zeros (the
+  same op, so the same tuning key on every rank), writing ``x`` or the reducer's buffer, and the
+  all-reduce writes the sum to ``x``. No extra kernel, and the collective is an ordinary op that
+  a CUDA graph captures (NCCL). A tuned step whose reducer can fuse the all-reduce with the
+  residual add and the next RMSNorm (symmetric memory with Triton) runs that one kernel instead.
 * Embedding, final norm and LM head are replicated, so every rank ends with the same logits and
   samples the same token; the batch (tokens, positions, slots) is replicated as well.
 
@@ -36,12 +38,10 @@ from graphtune import env
 from graphtune.engine.collectives import BACKENDS, AllReduce, make_all_reduce
 from graphtune.engine.config import ModelConfig
 from graphtune.engine.kv_cache import KVCache
-from graphtune.engine.model import (
-    DecoderModel,
-    LayerWeights,
-)
+from graphtune.engine.model import DecoderModel, LayerWeights
 from graphtune.engine.step import DecodeStep
 from graphtune.errors import ConfigError
+from graphtune.ops.context import OpContext
 
 logger = logging.getLogger(__name__)
 
@@ -195,15 +195,16 @@ def shard_model(model: DecoderModel, parallel: ParallelContext) -> DecoderModel:
 
 
 class TensorParallelDecodeStep(DecodeStep):
-    """:class:`DecodeStep` for a sharded model: the same math plus two all-reduces per layer.
+    """:class:`DecodeStep` for a sharded model: the same forward, with the row-parallel output
+    projections completed by an all-reduce (:meth:`project_add_norm`, the one hook it overrides).
 
     Args:
         model: A sharded model (``model.parallel`` set, see :func:`shard_model`).
         cache: This rank's KV cache (built from ``model.config``: only this rank's KV heads).
         contiguous_slots: As for :class:`DecodeStep`.
-        tuner: As for :class:`DecodeStep`; tune with the sharded dimensions
-            (``OpDims.from_model_config(model.config)``) and a rank-consistent strategy
-            (``agree``, ``parallel`` or ``broadcast``) so every rank runs the same kernels.
+        tuner: As for :class:`DecodeStep`; tune with a rank-consistent strategy (``agree``,
+            ``parallel`` or ``broadcast``) so every rank runs the same kernels.
+        gemm_cold_l2: As for :class:`DecodeStep`.
         reducer: The all-reduce (see :mod:`graphtune.engine.collectives`); ``None`` builds the
             one ``model.parallel.all_reduce_backend`` names (a collective: every rank builds its
             step at the same point).
@@ -221,6 +222,7 @@ class TensorParallelDecodeStep(DecodeStep):
         *,
         contiguous_slots: bool = False,
         tuner: Any = None,
+        gemm_cold_l2: bool = False,
         reducer: AllReduce | None = None,
     ) -> None:
         if model.parallel is None:
@@ -228,7 +230,9 @@ class TensorParallelDecodeStep(DecodeStep):
                 "TensorParallelDecodeStep needs a sharded model (load_model(..., "
                 "parallel=ParallelContext(...)) or shard_model)"
             )
-        super().__init__(model, cache, contiguous_slots=contiguous_slots, tuner=tuner)
+        super().__init__(
+            model, cache, contiguous_slots=contiguous_slots, tuner=tuner, gemm_cold_l2=gemm_cold_l2
+        )
         self.parallel: ParallelContext = model.parallel
         if reducer is None:
             reducer = make_all_reduce(
@@ -239,48 +243,57 @@ class TensorParallelDecodeStep(DecodeStep):
                 device=model.device,
             )
         self.reducer: AllReduce = reducer
-        # Rank 0 keeps the residual in the row-parallel GEMMs; the others overwrite x with their
-        # partial product (beta=0 ignores x, NaN included), and the all-reduce sums them.
-        self.residual_beta = 1.0 if self.parallel.rank == 0 else 0.0
+        # Rank 0 adds the residual inside its GEMM and the other ranks add these zeros, so every
+        # rank runs the same op form (the same tuning key, which rank-consistent tuning needs)
+        # and the all-reduce sums the residual once.
+        self.zero_rows = (
+            None
+            if self.parallel.rank == 0
+            else torch.zeros(
+                (cache.max_batch_size, model.config.hidden_size),
+                device=model.device,
+                dtype=model.dtype,
+            )
+        )
 
-    def add_row_parallel(self, x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor) -> None:
-        """This rank's share of ``x += a @ weight.T``, then the all-reduce that completes it."""
-        staged = self.reducer.staging(x.shape[0])
-        if staged is None:
-            self.reducer.reduce(x.addmm_(a, weight.t(), beta=self.residual_beta))
-        else:
-            partial = torch.addmm(x, a, weight.t(), beta=self.residual_beta, out=staged)
-            self.reducer.reduce(partial, out=x)
-
-    def reduce_partial(self, partial: torch.Tensor) -> torch.Tensor:
-        """Sums a row-parallel GEMM's partial output over the ranks (in place)."""
-        return self.reducer.reduce(partial)
+    def _residual(self, x: torch.Tensor) -> torch.Tensor:
+        """What this rank adds to its partial product: ``x`` on rank 0, zeros elsewhere."""
+        if self.zero_rows is None:
+            return x
+        rows = x.shape[0]
+        if rows <= self.zero_rows.shape[0]:
+            return self.zero_rows[:rows]
+        return torch.zeros_like(x)  # prefill of a prompt longer than the largest batch
 
     def project_add_norm(
         self,
+        ops: OpContext,
         a: torch.Tensor,
         weight: torch.Tensor,
         x: torch.Tensor,
         norm_weight: torch.Tensor,
         parity: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's slice of the projection (tuned GEMM), written where the all-reduce wants
-        it, then the all-reduce, the residual add and the RMSNorm: one fused kernel when the
-        reducer offers it, else the all-reduce and the tuned add + RMSNorm."""
-        from graphtune.ops import fused_add_rms_norm, gemm
+        """This rank's slice of the projection, the all-reduce, the residual add and the RMSNorm.
 
+        A tuned step whose reducer offers the fused all-reduce + add + RMSNorm kernel (symmetric
+        memory with Triton) writes the partial into the reducer's buffer and runs that one kernel.
+        Otherwise, as in an untuned step (torch only): rank 0's GEMM adds the residual, the
+        partial goes where the reducer wants it, the all-reduce writes ``x`` and the norm follows.
+        """
         eps = self.model.config.rms_norm_eps
         rows = a.shape[0]
-        fused = getattr(self.reducer, "fused_staging", None)
+        fused = getattr(self.reducer, "fused_staging", None) if ops.tuned else None
         staged = fused(rows, parity) if fused is not None else None
         if staged is not None:
-            partial = gemm(a, weight, out=staged, tuner=self.tuner, max_m=self.max_m)
+            partial = ops.gemm(a, weight, out=staged)
             return self.reducer.reduce_add_rms_norm(partial, x, norm_weight, eps)
-        partial = gemm(
-            a, weight, out=self.reducer.staging(rows), tuner=self.tuner, max_m=self.max_m
+        target = self.reducer.staging(rows)
+        partial = ops.gemm(
+            a, weight, residual=self._residual(x), out=x if target is None else target
         )
-        delta = self.reducer.reduce(partial)
-        return fused_add_rms_norm(delta, norm_weight, eps, x, tuner=self.tuner, max_m=self.max_m)
+        self.reducer.reduce(partial, out=x)
+        return ops.rms_norm(x, norm_weight, eps), x
 
 
 def init_from_torchrun(

@@ -1,28 +1,41 @@
 """Graph backends: the only code of the graph runner that talks to CUDA graphs.
 
-:class:`CudaGraphBackend` is the real one (``torch.cuda.CUDAGraph``). :class:`SimulatedGraphBackend`
-runs the runner's whole capture/pad/replay/slice logic on any device without CUDA: its "graph"
-re-runs ``fn`` on the captured static arguments and copies the results into the tensors returned
-at capture, which is exactly what a replay does to memory. CPU tests use it; GPU tests use the
-real backend.
+:class:`CudaGraphBackend` is the real one (``torch.cuda.CUDAGraph``). The simulated backend
+(:mod:`graphtune.graphs.simulated`) runs the runner's whole logic without CUDA; CPU tests use it,
+GPU tests use this one.
+
+Capture calls ``CUDAGraph.capture_begin``/``capture_end`` directly instead of the
+``torch.cuda.graph`` context manager: its ``__enter__`` synchronises the device and empties the
+allocator's caches (device and pinned host) before *every* capture, which the runner does not
+need. Nothing has to be freed for the pool (pool memory is reserved by the pool itself), the
+capture stream waits for the caller's stream by an event instead of a device-wide
+synchronisation, and pool growth is read from allocator statistics without emptying the cache
+(see :class:`~graphtune.graphs.breaks.PieceCapture`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
-
-from graphtune.graphs.tree import flatten_with_paths
 
 logger = logging.getLogger(__name__)
 
 
 class GraphBackend(Protocol):
-    """What the runner needs from a graph implementation."""
+    """What the runner needs from a graph implementation.
+
+    A key is captured inside ``capture_context(device, args)`` as one or more pieces, each
+    between ``begin_capture`` and ``end_capture`` (pieces are separated by graph breaks, which
+    run eagerly after ``execute`` ran the piece before them). ``share_memory`` tells the backend
+    that the runner no longer owns the given storages (non-owning twins of graph outputs and break
+    inputs), so the pool may reuse their memory for other graphs; ``invalidate`` makes reading
+    such storages fail (or at least not look valid) after ``release()``.
+    """
 
     device_type: str | None
 
@@ -38,7 +51,23 @@ class GraphBackend(Protocol):
 
     def warmup(self, fn: Callable, args: tuple, runs: int, device: Any) -> None: ...
 
-    def capture(self, fn: Callable, args: tuple, pool: Any, device: Any) -> tuple[Any, Any]: ...
+    def capture_context(
+        self, device: Any, args: tuple
+    ) -> contextlib.AbstractContextManager[None]: ...
+
+    def begin_capture(self, pool: Any, device: Any) -> Any: ...
+
+    def end_capture(self, graph: Any) -> None: ...
+
+    def abort_capture(self, graph: Any, device: Any) -> None: ...
+
+    def execute(self, graph: Any) -> None: ...
+
+    def share_memory(self, pool: Any, graphs: Sequence[Any], storages: Sequence[Any]) -> None: ...
+
+    def can_invalidate(self) -> bool: ...
+
+    def invalidate(self, storages: Sequence[Any], message: str) -> None: ...
 
     def recover(self, device: Any) -> None: ...
 
@@ -50,7 +79,7 @@ class GraphBackend(Protocol):
 
 
 class CudaGraphBackend:
-    """CUDA graphs through ``torch.cuda.CUDAGraph`` and ``torch.cuda.graph``.
+    """CUDA graphs through ``torch.cuda.CUDAGraph`` (``capture_begin``/``capture_end``).
 
     Warm-up and capture run on one side stream per device, shared by every runner in the process:
     PyTorch gives each (cuBLAS handle, stream) pair its own workspace, allocated on first use and
@@ -109,25 +138,56 @@ class CudaGraphBackend:
                 fn(*args)
         current.wait_stream(stream)
 
-    def capture(
-        self, fn: Callable, args: tuple, pool: Any, device: torch.device
-    ) -> tuple[torch.cuda.CUDAGraph, Any]:
+    @contextlib.contextmanager
+    def capture_context(self, device: torch.device, args: tuple) -> Iterator[None]:
+        """Runs the block on the capture stream, ordered after the caller's stream's work."""
         stream = self.stream(device)
         previous = torch.cuda.current_stream(device)
         stream.wait_stream(previous)
-        graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                outputs = fn(*args)
-        except BaseException:
-            _end_stuck_capture(graph, stream)
-            raise
+            with torch.cuda.stream(stream):
+                yield
         finally:
-            # torch.cuda.graph.__exit__ does not restore the caller's stream when capture_end
-            # raises, which would silently move all later work onto the capture stream.
+            # A step that switched streams and failed must not leave later work on another stream.
             if torch.cuda.current_stream(device) != previous:
                 torch.cuda.set_stream(previous)
-        return graph, outputs
+            with torch.cuda.stream(stream):
+                stuck = torch.cuda.is_current_stream_capturing()
+            if not stuck:
+                # Pieces run at graph breaks executed on the capture stream.
+                previous.wait_stream(stream)
+
+    def begin_capture(self, pool: Any, device: torch.device) -> torch.cuda.CUDAGraph:
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(pool=pool)
+        return graph
+
+    def end_capture(self, graph: torch.cuda.CUDAGraph) -> None:
+        with warnings.catch_warnings():
+            # A piece between two adjacent breaks may hold no kernel; that is not an error here.
+            warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
+            graph.capture_end()
+
+    def abort_capture(self, graph: torch.cuda.CUDAGraph, device: torch.device) -> None:
+        _end_stuck_capture(graph, self.stream(device))
+
+    def execute(self, graph: torch.cuda.CUDAGraph) -> None:
+        graph.replay()
+
+    def share_memory(self, pool: Any, graphs: Sequence[Any], storages: Sequence[Any]) -> None:
+        # The caching allocator returns a block to its pool when the last owning tensor is
+        # dropped; the runner has dropped its own, so there is nothing to tell it.
+        return None
+
+    def can_invalidate(self) -> bool:
+        return hasattr(torch._C, "_set_storage_data_ptr_access_error_msg")
+
+    def invalidate(self, storages: Sequence[Any], message: str) -> None:
+        # Every view of a storage shares its StorageImpl, so each view a caller kept now raises
+        # RuntimeError(message) on access instead of reading memory the device got back.
+        poison = torch._C._set_storage_data_ptr_access_error_msg
+        for storage in storages:
+            poison(storage._cdata, message)
 
     def recover(self, device: torch.device) -> None:
         # A failed capture leaves no sticky error (capture errors are not context-corrupting and
@@ -150,16 +210,19 @@ class CudaGraphBackend:
         torch.cuda.synchronize(device)
 
     def memory_reserved(self, device: torch.device) -> int:
-        return torch.cuda.memory_reserved(device)
+        # The nested statistics dict, without memory_reserved()'s flattening and sorting of every
+        # counter: this is read twice per captured piece.
+        stats = torch.cuda.memory_stats_as_nested_dict(device)
+        return int(stats.get("reserved_bytes", {}).get("all", {}).get("current", 0))
 
     def empty_cache(self) -> None:
         torch.cuda.empty_cache()
 
 
 def _end_stuck_capture(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream) -> None:
-    """Ends a capture that the failing code left open (e.g. ``fn`` switched streams and never
-    switched back, so ``torch.cuda.graph`` could not call ``capture_end``). An open capture in the
-    default "global" mode makes every later allocation in the process fail."""
+    """Ends a capture that the failing code left open (``fn`` raised under capture, or switched
+    streams and never switched back). An open capture in the default "global" mode makes every
+    later allocation in the process fail."""
     with torch.cuda.stream(stream):
         if not torch.cuda.is_current_stream_capturing():
             return
@@ -178,97 +241,3 @@ def default_backend() -> CudaGraphBackend:
     if _DEFAULT_CUDA_BACKEND is None:
         _DEFAULT_CUDA_BACKEND = CudaGraphBackend()
     return _DEFAULT_CUDA_BACKEND
-
-
-class _SimulatedGraph:
-    def __init__(self, backend: SimulatedGraphBackend, fn: Callable, args: tuple, outputs: Any):
-        self._backend = backend
-        self._fn = fn
-        self._args = args
-        self._outputs = [x for x in flatten_with_paths(outputs)[0] if isinstance(x, torch.Tensor)]
-
-    def replay(self) -> None:
-        fresh = flatten_with_paths(self._fn(*self._args))[0]
-        tensors = [x for x in fresh if isinstance(x, torch.Tensor)]
-        for static, new in zip(self._outputs, tensors, strict=True):
-            if static is not new:
-                static.copy_(new)
-        self._backend.replays += 1
-
-
-class SimulatedGraphBackend:
-    """A graph backend without CUDA, for exercising the runner on CPU.
-
-    Capture runs ``fn`` once on the static arguments (like a capture, it is the runner's static
-    buffers that ``fn`` sees) and keeps its output tensors; replay re-runs ``fn`` on the same
-    static arguments and copies the results into those tensors. So padding, stale rows, slicing,
-    output aliasing and fallbacks behave as with real graphs; only speed differs.
-
-    Args:
-        available: What :meth:`available` reports (False simulates a machine without CUDA).
-        fail_when: Optional predicate on the static arguments; a capture where it returns True
-            raises ``RuntimeError(fail_message)``, simulating e.g. a host sync during capture.
-        fail_message: Text of the simulated capture error.
-    """
-
-    device_type: str | None = None
-
-    def __init__(
-        self,
-        *,
-        available: bool = True,
-        fail_when: Callable[[tuple], bool] | None = None,
-        fail_message: str = "CUDA error: operation not permitted when stream is capturing",
-    ) -> None:
-        self._available = available
-        self._fail_when = fail_when
-        self._fail_message = fail_message
-        self.capturing = False
-        self.captures = 0
-        self.replays = 0
-        self.warmup_runs = 0
-        self.recoveries = 0
-        self.empty_cache_calls = 0
-
-    def available(self) -> bool:
-        return self._available
-
-    def is_capturing(self) -> bool:
-        return self.capturing
-
-    def resolve_device(self, device: Any, leaves: list) -> Any:
-        return device
-
-    def device_guard(self, device: Any) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
-
-    def new_pool(self, device: Any) -> Any:
-        return object()
-
-    def warmup(self, fn: Callable, args: tuple, runs: int, device: Any) -> None:
-        for _ in range(runs):
-            fn(*args)
-        self.warmup_runs += runs
-
-    def capture(self, fn: Callable, args: tuple, pool: Any, device: Any) -> tuple[Any, Any]:
-        self.capturing = True
-        try:
-            if self._fail_when is not None and self._fail_when(args):
-                raise RuntimeError(self._fail_message)
-            outputs = fn(*args)
-        finally:
-            self.capturing = False
-        self.captures += 1
-        return _SimulatedGraph(self, fn, args, outputs), outputs
-
-    def recover(self, device: Any) -> None:
-        self.recoveries += 1
-
-    def synchronize(self, device: Any) -> None:
-        return None
-
-    def memory_reserved(self, device: Any) -> int:
-        return 0
-
-    def empty_cache(self) -> None:
-        self.empty_cache_calls += 1

@@ -4,15 +4,20 @@ Rules applied here, where the work happens:
 
 * Warm-up runs eagerly on the backend's side stream before any capture (see
   :meth:`CudaGraphBackend.warmup`).
-* Sizes are captured largest first into one pool: the largest graph's intermediate blocks are
-  freed at the end of its capture and the smaller graphs reuse them, so the pool grows to roughly
-  the largest graph plus every graph's live outputs instead of the sum of all graphs.
-* The garbage collector is *frozen* (``gc.collect(); gc.freeze()``, undone by ``gc.unfreeze()``)
-  rather than only disabled: a collection that runs mid-capture could free a tensor from another
-  stream's memory at an arbitrary point, and freezing also makes the ``gc.collect()`` that some
-  PyTorch versions run at every ``torch.cuda.graph`` entry skip the whole existing heap (it only
-  scans objects created since the freeze), which keeps capturing 35 sizes fast in a large process.
-  Automatic collection is disabled as well for the duration, and restored as it was.
+* Sizes are captured largest first into one pool. After each capture the runner keeps the graph's
+  outputs (and the tensors its graph breaks read) only as non-owning twins (see memory.py), so
+  their blocks go back to the pool and the next, smaller capture reuses them: the pool grows to
+  about the largest graph alone instead of the sum of all graphs' outputs.
+* The garbage collector is *frozen* (``gc.freeze()``, undone by ``gc.unfreeze()``) rather than
+  only disabled, and automatic collection is disabled for the duration (restored as it was): a
+  collection that runs mid-capture could free a tensor from another stream's memory at an
+  arbitrary point, and freezing also makes any ``gc.collect()`` that runs during capture skip the
+  whole existing heap (it only scans objects created since the freeze).
+* No device synchronisation and no emptying of the allocator cache per size: the capture stream
+  is ordered after the caller's stream by an event, and the pool bytes a capture added are the
+  growth of the allocator's reserved bytes while its pieces were captured. That count is exact
+  when nothing else allocates device memory meanwhile (other threads may not use CUDA during a
+  capture anyway); an allocation on another stream inside the step would be counted too.
 * A failure is data: the error text is kept (not the exception, whose traceback would pin the
   failed capture's tensors and graph), logged once, and the backend recovers its stream.
 """
@@ -31,7 +36,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from graphtune.graphs.backend import GraphBackend
+from graphtune.graphs.breaks import BreakBuffers, BreakCounters, PieceCapture
 from graphtune.graphs.buffers import StaticOutputs
+from graphtune.graphs.memory import Disowner
 
 logger = logging.getLogger(__name__)
 
@@ -43,10 +50,22 @@ class CaptureRecord:
     Attributes:
         extra_key: The ``key_fn`` value (None without ``key_fn``).
         size: Padded batch size of the graph.
-        seconds: Wall time of the capture (not counting warm-up).
-        pool_bytes: Bytes the device's reserved memory grew by during the capture (graph pool).
+        seconds: Wall time of the capture (not counting warm-up): the sum of the phases below.
+        pool_bytes: Bytes the device's reserved memory grew by during the capture: what this
+            graph added to the pool beyond the memory it could reuse.
         ok: Whether the capture succeeded.
         error: One-line error summary when it failed.
+        record_seconds: Running the step's code under capture (Python, kernel launches, and
+            first-use work such as loading a kernel the process had not used yet).
+        finish_seconds: Ending captures: end of stream capture and graph instantiation.
+        break_seconds: At graph breaks: running the piece before, the break and its copies.
+        account_seconds: Reading allocator statistics and building non-owning outputs.
+        warmup_seconds: The eager warm-up run just before this capture (not part of
+            ``seconds``; a key's warm-up in ``capture()`` belongs to its first, largest size).
+        pieces: Graphs this key replays (breaks + 1).
+        breaks: Graph breaks run eagerly per replay.
+        shared_outputs: Whether every output with memory went back to the pool (see
+            ``CapturePolicy``; an ``nn.Parameter`` or a tensor that requires grad is kept).
     """
 
     extra_key: Hashable
@@ -55,6 +74,14 @@ class CaptureRecord:
     pool_bytes: int
     ok: bool
     error: str | None = None
+    record_seconds: float = 0.0
+    finish_seconds: float = 0.0
+    break_seconds: float = 0.0
+    account_seconds: float = 0.0
+    warmup_seconds: float = 0.0
+    pieces: int = 1
+    breaks: int = 0
+    shared_outputs: bool = False
 
     @property
     def key(self) -> tuple[Hashable, int]:
@@ -63,27 +90,38 @@ class CaptureRecord:
 
 
 class CapturedGraph:
-    """One captured graph and the outputs it writes.
+    """One captured key and the outputs it writes.
 
     Attributes:
         key: ``(extra_key, size)``.
-        replay: Bound replay method of the backend graph (called on the hot path).
+        graph: The backend graph, or a :class:`~graphtune.graphs.breaks.PiecewiseGraph`.
+        replay: Bound replay method of ``graph`` (called on the hot path).
         outputs: The static outputs, sliced per real batch by :meth:`StaticOutputs.result`.
         record: The capture record.
+        shared: Non-owning storages of this key's outputs and break inputs (invalidated by
+            ``release()``); empty when the outputs own their memory.
     """
 
-    __slots__ = ("key", "graph", "replay", "outputs", "record")
+    __slots__ = ("key", "graph", "replay", "outputs", "record", "shared")
 
-    def __init__(self, key: tuple, graph: Any, outputs: StaticOutputs, record: CaptureRecord):
+    def __init__(
+        self,
+        key: tuple,
+        graph: Any,
+        outputs: StaticOutputs,
+        record: CaptureRecord,
+        shared: list | None = None,
+    ) -> None:
         self.key = key
         self.graph = graph
         self.replay = graph.replay
         self.outputs = outputs
         self.record = record
+        self.shared = shared or []
 
 
 @contextmanager
-def frozen_gc(collect: bool = True) -> Iterator[None]:
+def frozen_gc(collect: bool = False) -> Iterator[None]:
     """Freezes the garbage collector for the block (see the module docstring for why)."""
     was_enabled = gc.isenabled()
     if collect:
@@ -107,18 +145,29 @@ def capture_key(
     size: int,
     pool: Any,
     device: Any,
+    buffers: BreakBuffers,
+    counters: BreakCounters,
+    share_outputs: bool,
 ) -> CapturedGraph | CaptureRecord:
-    """Captures ``fn(*args)`` for one key.
+    """Captures ``fn(*args)`` for one key, as one graph or as pieces split at graph breaks.
+
+    Args:
+        buffers: Static outputs of graph breaks for this extra key.
+        counters: Where replays count their breaks (the runner's stats).
+        share_outputs: Keep outputs and break inputs as non-owning twins (see memory.py).
 
     Returns:
         A CapturedGraph, or a failed CaptureRecord (already logged) when the capture raised.
     """
-    backend.synchronize(device)
-    backend.empty_cache()  # so the reserved-bytes delta below counts only the graph pool
-    before = backend.memory_reserved(device)
     start = time.perf_counter()
+    session = PieceCapture(backend, pool, device, buffers, size)
     try:
-        graph, outputs = backend.capture(fn, args, pool, device)
+        with backend.capture_context(device, args):
+            try:
+                outputs = session.run(fn, args)
+            except BaseException:
+                session.abort()
+                raise
     except Exception as exc:  # any failure of user code or CUDA: recorded, never raised
         seconds = time.perf_counter() - start
         message = describe_failure(exc, extra_key=extra_key, size=size)
@@ -127,11 +176,34 @@ def capture_key(
         backend.recover(device)
         gc.collect()  # drop cycles through the failed frames that still pin pool memory
         return CaptureRecord(extra_key, size, seconds, 0, ok=False, error=message)
-    backend.synchronize(device)
-    seconds = time.perf_counter() - start
-    pool_bytes = max(0, backend.memory_reserved(device) - before)
-    record = CaptureRecord(extra_key, size, seconds, pool_bytes, ok=True)
-    return CapturedGraph((extra_key, size), graph, StaticOutputs(outputs, size), record)
+    shared: list = []
+    all_shared = False
+    if share_outputs:
+        accounted = time.perf_counter()
+        twins = Disowner()
+        outputs = twins.tree(outputs)
+        all_shared = twins.kept == 0
+        for brk in session.breaks:
+            brk.args, brk.kwargs = twins.tree((brk.args, brk.kwargs))
+        shared = twins.storages
+        backend.share_memory(pool, session.pieces, shared)
+        session.account_seconds += time.perf_counter() - accounted
+    record = CaptureRecord(
+        extra_key,
+        size,
+        time.perf_counter() - start,
+        session.pool_bytes,
+        ok=True,
+        record_seconds=session.record_seconds,
+        finish_seconds=session.finish_seconds,
+        break_seconds=session.break_seconds,
+        account_seconds=session.account_seconds,
+        pieces=len(session.pieces),
+        breaks=len(session.breaks),
+        shared_outputs=all_shared,
+    )
+    graph = session.graph(counters)
+    return CapturedGraph((extra_key, size), graph, StaticOutputs(outputs, size), record, shared)
 
 
 # (pattern in the error chain, what it means) — the first match explains the failure.
@@ -154,6 +226,7 @@ _KNOWN_CAUSES = (
 
 _REMEDIES = (
     "remedies: remove host synchronisations from the step (keep values on the GPU); "
+    "run the part that cannot be captured eagerly with graphtune.graphs.graph_break; "
     "use a smaller max_batch_size or fewer capture_sizes; use lazy=True to capture only sizes "
     "that are used; refuse this key with can_graph=... or run eagerly with enabled=False "
     "(GRAPHTUNE_DISABLE_GRAPHS=1)"

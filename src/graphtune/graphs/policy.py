@@ -1,5 +1,6 @@
 """Pure decisions of the graph runner: which sizes to capture, which size a batch pads to, and
-whether a call replays, captures lazily or falls back to eager (and why).
+whether a call replays, captures lazily or falls back to eager (and why); and the serving
+switches that change those decisions (:class:`CapturePolicy`).
 
 Nothing here touches CUDA or holds state, so CPU tests cover every rule directly and the runner's
 hot path only does table look-ups built from these functions.
@@ -10,6 +11,7 @@ from __future__ import annotations
 import bisect
 import enum
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from graphtune.errors import ConfigError
 
@@ -33,9 +35,54 @@ class FallbackReason(str, enum.Enum):
     """The call happened while a CUDA graph capture was in progress on the current stream."""
     NO_BATCH = "no batch dimension"
     """No input tensor has a leading dimension >= 1, so there is no batch to pad."""
+    SIZE_NOT_CAPTURED = "size not captured (padding off)"
+    """``CapturePolicy(padding=False)`` and the batch is not one of the capture sizes."""
+    FROZEN = "frozen (capture refused)"
+    """The key would be captured lazily, but :meth:`CUDAGraphRunner.freeze` forbids captures."""
 
     def __str__(self) -> str:
         return self.value
+
+
+WHEN_FROZEN = ("fallback", "raise")
+
+
+@dataclass(frozen=True)
+class CapturePolicy:
+    """Serving switches of a :class:`CUDAGraphRunner`, grouped so the constructor stays narrow.
+
+    Attributes:
+        padding: True (default) pads a batch up to the nearest captured size. False uses a graph
+            only for batches that are exactly a capture size; other batches run eagerly with
+            reason ``size not captured (padding off)``.
+        when_frozen: What a capture attempt after :meth:`CUDAGraphRunner.freeze` does:
+            ``"fallback"`` (default) runs that call eagerly, counted as ``frozen (capture
+            refused)``; ``"raise"`` raises :class:`~graphtune.errors.CaptureError`.
+        share_output_memory: True (default) returns every graph's outputs to the shared pool
+            after its capture, so all sizes write their outputs into memory the others reuse and
+            the pool grows with the largest size instead of the sum (outputs stay valid until the
+            next call, as documented). False keeps one set of outputs per size (the pool then
+            grows with every size's outputs); only for measuring the difference.
+
+    Raises:
+        ConfigError: A field has a value outside the documented ones.
+    """
+
+    padding: bool = True
+    when_frozen: str = "fallback"
+    share_output_memory: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("padding", "share_output_memory"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(
+                    f"CapturePolicy.{name} must be True or False, got {getattr(self, name)!r}"
+                )
+        if self.when_frozen not in WHEN_FROZEN:
+            raise ConfigError(
+                f"CapturePolicy.when_frozen={self.when_frozen!r} is not one of {WHEN_FROZEN}; "
+                "use 'fallback' (run eagerly, counted) or 'raise' (CaptureError)"
+            )
 
 
 class Route(enum.Enum):
@@ -132,14 +179,19 @@ def padded_size(batch: int, sizes: Sequence[int]) -> int | None:
     return sizes[index] if index < len(sizes) else None
 
 
-def padding_table(sizes: Sequence[int]) -> tuple[int, ...]:
+def padding_table(sizes: Sequence[int], *, padding: bool = True) -> tuple[int, ...]:
     """``table[n]`` is the padded size of batch ``n`` for ``1 <= n <= max(sizes)``.
 
     The runner indexes this tuple on the hot path instead of bisecting per call. ``table[0]`` is 0
-    (an empty batch is never replayed).
+    (an empty batch is never replayed). With ``padding=False`` only the capture sizes map to
+    themselves and every other entry is 0 (no graph for that batch).
     """
     largest = sizes[-1]
     table = [0] * (largest + 1)
+    if not padding:
+        for exact in sizes:
+            table[exact] = exact
+        return tuple(table)
     for n in range(1, largest + 1):
         size = padded_size(n, sizes)
         assert size is not None  # n <= largest
@@ -162,12 +214,15 @@ def decide(
     batch: int | None = None,
     largest_size: int | None = None,
     graph_state: GraphState = GraphState.MISSING,
+    size_captured: bool = True,
+    frozen: bool = False,
 ) -> FallbackReason | Route:
     """Decides what one call does. Earlier rules win.
 
     Order: disabled / no CUDA (``static_reason``), nested capture, user predicate refused, no
-    buffers for this extra key (not lazy), no batch dimension, batch too large, capture of the key
-    failed earlier, key not captured (or captured now when ``lazy``), else replay.
+    buffers for this extra key (not lazy), no batch dimension, batch too large, batch not a
+    capture size (padding off), capture of the key failed earlier, key not captured (or, when
+    ``lazy``, refused because the runner is frozen, or captured now), else replay.
 
     Args:
         static_reason: DISABLED or NO_CUDA when fixed at construction, else None.
@@ -178,6 +233,8 @@ def decide(
         batch: Batch size of the call (None when not known yet).
         largest_size: Largest capture size.
         graph_state: State of the (extra key, padded size) slot.
+        size_captured: False when padding is off and the batch is not a capture size.
+        frozen: :meth:`CUDAGraphRunner.freeze` was called (no capture may start).
 
     Returns:
         A FallbackReason (run eagerly) or a Route.
@@ -194,10 +251,14 @@ def decide(
         return FallbackReason.NO_BATCH
     if largest_size is None or batch > largest_size:
         return FallbackReason.BATCH_TOO_LARGE
+    if not size_captured:
+        return FallbackReason.SIZE_NOT_CAPTURED
     if graph_state is GraphState.FAILED:
         return FallbackReason.CAPTURE_FAILED
     if graph_state is GraphState.MISSING:
-        return Route.CAPTURE_THEN_REPLAY if lazy else FallbackReason.KEY_NOT_CAPTURED
+        if not lazy:
+            return FallbackReason.KEY_NOT_CAPTURED
+        return FallbackReason.FROZEN if frozen else Route.CAPTURE_THEN_REPLAY
     return Route.REPLAY
 
 

@@ -1,18 +1,21 @@
-"""CUDAGraphRunner and EagerRunner: one call interface, picked once at construction.
+"""CUDAGraphRunner: the graph runner (``EagerRunner``, in eager.py, has the same interface).
 
 The graph runner wraps a callable and knows nothing about models or engines. Per extra key
 (``key_fn(inputs)``, default ``None``) it owns one set of static input buffers and one graph per
-capture size; all graphs share one memory pool. A call pads its batch up to the nearest captured
-size, copies inputs into the buffers, replays, and returns outputs sliced to the real batch; any
-call that cannot replay runs ``fn`` eagerly and counts why (:class:`FallbackReason`).
+capture size (several pieces when the step has graph breaks, see breaks.py); all graphs share one
+memory pool. A call pads its batch up to the nearest captured size, copies inputs into the
+buffers, replays, and returns outputs sliced to the real batch; any call that cannot replay runs
+``fn`` eagerly and counts why (:class:`FallbackReason`).
 
 Lifecycle (:class:`RunnerState`): ``NEW`` -> ``WARMED`` (buffers built, warm-up run) ->
 ``CAPTURED`` (at least one graph) -> ``RELEASED`` (everything dropped; ``capture`` may start again).
+Independently, :meth:`CUDAGraphRunner.freeze` forbids any further capture (serving mode).
 Not thread-safe: one runner serves one thread, as CUDA graph capture itself requires.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import gc
 import logging
@@ -22,13 +25,15 @@ from typing import Any
 
 from graphtune import env
 from graphtune.errors import CaptureError, ConfigError, InputError
-from graphtune.graphs import policy
+from graphtune.graphs import policy as policies
 from graphtune.graphs.backend import GraphBackend, default_backend
 from graphtune.graphs.buffers import StaticInputs, check_pad_argument
-from graphtune.graphs.capture import CapturedGraph, CaptureRecord, capture_key, frozen_gc
-from graphtune.graphs.policy import FallbackReason, GraphState, Route
+from graphtune.graphs.capture import CapturedGraph, capture_key, frozen_gc
+from graphtune.graphs.keys import KeyState, batch_of
+from graphtune.graphs.memory import RELEASED_MESSAGE, can_disown
+from graphtune.graphs.policy import CapturePolicy, FallbackReason, GraphState, Route
 from graphtune.graphs.stats import RunnerStats
-from graphtune.graphs.tree import flatten_with_paths, path_str
+from graphtune.graphs.tree import flatten_with_paths
 from graphtune.reporting import progress
 
 logger = logging.getLogger(__name__)
@@ -41,54 +46,6 @@ class RunnerState(enum.Enum):
     WARMED = "warmed"
     CAPTURED = "captured"
     RELEASED = "released"
-
-
-class _KeyState:
-    """Buffers and graphs of one extra key."""
-
-    __slots__ = ("extra_key", "inputs", "graphs", "failed")
-
-    def __init__(self, extra_key: Hashable, inputs: StaticInputs) -> None:
-        self.extra_key = extra_key
-        self.inputs = inputs
-        self.graphs: dict[int, CapturedGraph] = {}
-        self.failed: dict[int, CaptureRecord] = {}
-
-    def graph_state(self, size: int | None) -> GraphState:
-        if size in self.graphs:
-            return GraphState.CAPTURED
-        if size in self.failed:
-            return GraphState.FAILED
-        return GraphState.MISSING
-
-
-class EagerRunner:
-    """Runs ``fn`` eagerly with the graph runner's interface (``capture``/``release`` do nothing).
-
-    Args:
-        fn: The step callable.
-    """
-
-    def __init__(self, fn: Callable[..., Any]) -> None:
-        self.fn = fn
-        self.stats = RunnerStats()
-        self.state = RunnerState.NEW
-
-    def capture(self, *example_inputs: Any) -> None:
-        """Does nothing (there is nothing to capture)."""
-        return None
-
-    def __call__(self, *inputs: Any) -> Any:
-        self.stats.calls += 1
-        self.stats.eager_calls += 1
-        return self.fn(*inputs)
-
-    def release(self) -> None:
-        """Does nothing (nothing is held)."""
-        self.state = RunnerState.RELEASED
-
-    def __repr__(self) -> str:
-        return f"EagerRunner({getattr(self.fn, '__name__', self.fn)!r})"
 
 
 class CUDAGraphRunner:
@@ -119,6 +76,8 @@ class CUDAGraphRunner:
             gives each graph its own pool, for measuring the difference.
         backend: Graph implementation; default the CUDA backend. Tests pass
             :class:`SimulatedGraphBackend` to run the same logic on CPU.
+        policy: Serving switches (:class:`CapturePolicy`): padding off, what a capture after
+            :meth:`freeze` does, output memory sharing. Default ``CapturePolicy()``.
 
     Raises:
         ConfigError: An argument breaks a documented rule.
@@ -142,6 +101,7 @@ class CUDAGraphRunner:
         debug: bool | None = None,
         share_pool: bool = True,
         backend: GraphBackend | None = None,
+        policy: CapturePolicy | None = None,
     ) -> None:
         if not callable(fn):
             raise ConfigError(f"fn must be callable, got {type(fn).__name__}; pass the step")
@@ -151,15 +111,20 @@ class CUDAGraphRunner:
             if value is not None and not callable(value):
                 raise ConfigError(f"{name} must be callable(inputs) or None, got {value!r}")
         check_pad_argument(pad)
+        if policy is None:
+            policy = CapturePolicy()
+        elif not isinstance(policy, CapturePolicy):
+            raise ConfigError(f"policy must be a CapturePolicy or None, got {policy!r}")
         if capture_sizes is None:
-            sizes = policy.default_capture_sizes(max_batch_size)
+            sizes = policies.default_capture_sizes(max_batch_size)
         else:
-            sizes = policy.validate_capture_sizes(capture_sizes, max_batch_size)
+            sizes = policies.validate_capture_sizes(capture_sizes, max_batch_size)
         self.fn = fn
         self.max_batch_size = max_batch_size
         self.capture_sizes: tuple[int, ...] = sizes
         self._largest = sizes[-1]
-        self._pad_table = policy.padding_table(sizes)
+        self._pad_table = policies.padding_table(sizes, padding=policy.padding)
+        self.policy = policy
         self._key_fn = key_fn
         self._pad = pad
         self._batched = batched
@@ -173,13 +138,18 @@ class CUDAGraphRunner:
         self._share_pool = bool(share_pool)
         self._backend: GraphBackend = backend if backend is not None else default_backend()
         self._is_capturing = self._backend.is_capturing
+        # Outputs share pool memory only where a read after release() can be made to fail.
+        self._share_outputs = (
+            policy.share_output_memory and can_disown() and self._backend.can_invalidate()
+        )
+        self._frozen = False
         if not enabled or env.graphs_disabled():
             self._static_reason: FallbackReason | None = FallbackReason.DISABLED
         elif not self._backend.available():
             self._static_reason = FallbackReason.NO_CUDA
         else:
             self._static_reason = None
-        self._keys: dict[Hashable, _KeyState] = {}
+        self._keys: dict[Hashable, KeyState] = {}
         self._pool: Any = None
         self._noted_static_reason = False
         self.state = RunnerState.NEW
@@ -191,6 +161,25 @@ class CUDAGraphRunner:
     def fallback_reason(self) -> FallbackReason | None:
         """DISABLED or NO_CUDA when every call runs eagerly, else None."""
         return self._static_reason
+
+    @property
+    def frozen(self) -> bool:
+        """Whether :meth:`freeze` forbids captures."""
+        return self._frozen
+
+    def freeze(self) -> None:
+        """Forbids every further capture, so a serving process never captures under load.
+
+        After this, a lazy capture a call would start does what ``CapturePolicy.when_frozen``
+        says: run that call eagerly (counted as ``frozen (capture refused)``) or raise
+        :class:`CaptureError`; ``capture()`` raises, or with ``"fallback"`` logs a warning and
+        captures nothing. Replays, fallbacks and ``release()`` work as before.
+        """
+        self._frozen = True
+
+    def unfreeze(self) -> None:
+        """Allows captures again (after :meth:`freeze`)."""
+        self._frozen = False
 
     @property
     def captured_keys(self) -> list[tuple[Hashable, int]]:
@@ -209,10 +198,16 @@ class CUDAGraphRunner:
         Raises:
             InputError: No tensor in ``example_inputs`` has a batch dimension, or ``pad`` /
                 ``batched`` disagree with the inputs.
-            CaptureError: Called while a CUDA graph capture is already in progress.
+            CaptureError: Called while a CUDA graph capture is already in progress, or after
+                :meth:`freeze` with ``CapturePolicy(when_frozen="raise")``.
         """
         if self._static_reason is not None:
             self._note_static_reason()
+            return
+        if self._frozen:
+            if self.policy.when_frozen == "raise":
+                raise CaptureError(self._frozen_message("capture()"))
+            logger.warning("%s", self._frozen_message("capture()"))
             return
         if self._backend.is_capturing():
             raise CaptureError(
@@ -228,7 +223,7 @@ class CUDAGraphRunner:
                 "example inputs shaped like a real call, or mark tensors with batched=..."
             )
         with self._backend.device_guard(self._device), frozen_gc():
-            self._warm(key_state, self._largest)
+            warmed = self._warm(key_state, self._largest)
             if self._lazy:
                 return
             todo = [
@@ -238,7 +233,8 @@ class CUDAGraphRunner:
             ]
             with progress("capturing CUDA graphs", total=len(todo)) as bar:
                 for size in todo:
-                    self._capture_size(key_state, size)
+                    self._capture_size(key_state, size, warmed)
+                    warmed = 0.0  # the key's one warm-up belongs to its first capture
                     bar.advance(f"captured size {size}")
         if key_state.graphs:
             self.state = RunnerState.CAPTURED
@@ -257,7 +253,7 @@ class CUDAGraphRunner:
         if key_state is not None:
             plan = key_state.inputs
             leaves = plan.flatten(inputs)
-            n = _batch_of(plan, leaves)
+            n = batch_of(plan, leaves)
             if 0 < n <= self._largest:
                 size = self._pad_table[n]
                 graph = key_state.graphs.get(size)
@@ -273,13 +269,17 @@ class CUDAGraphRunner:
     def release(self) -> None:
         """Drops every graph, the pool and the static buffers, then empties the allocator cache.
 
-        The runner can capture again afterwards; releasing twice is harmless. Memory still
-        referenced by outputs the caller kept (views into graph memory) cannot return until the
-        caller drops them. Call counters are kept; capture records are cleared.
+        The runner can capture again afterwards; releasing twice is harmless. Outputs the
+        caller kept become invalid: reading one raises ``RuntimeError`` (their memory goes back
+        to the device). Call counters are kept; capture records are cleared.
         """
         if self._keys or self._pool is not None:
             if any(st.graphs for st in self._keys.values()):
                 self._backend.synchronize(self._device)  # no replay may still read the memory
+            for key_state in self._keys.values():
+                for graph in key_state.graphs.values():
+                    if graph.shared:
+                        self._backend.invalidate(graph.shared, RELEASED_MESSAGE)
             self._keys.clear()
             self._pool = None
             self.stats.records.clear()
@@ -303,10 +303,15 @@ class CUDAGraphRunner:
         if key_state is None:
             raise InputError(f"no buffers for extra key {extra!r}; call capture() first")
         plan = key_state.inputs
-        n = _batch_of(plan, plan.flatten(inputs))
+        n = batch_of(plan, plan.flatten(inputs))
         if not 0 < n <= self._largest:
             raise InputError(f"batch {n} is outside 1..{self._largest}; nothing to pad to")
         size = self._pad_table[n]
+        if not size:
+            raise InputError(
+                f"batch {n} is not a capture size and padding is off (CapturePolicy(padding="
+                "False)); such calls run eagerly, so there is nothing to pad to"
+            )
         return plan.padded_copy(inputs, size), n, size
 
     def __repr__(self) -> str:
@@ -321,7 +326,7 @@ class CUDAGraphRunner:
         self.stats.count_fallback(reason)
         return self.fn(*inputs)
 
-    def _call_slow(self, inputs: tuple, extra: Hashable, key_state: _KeyState | None) -> Any:
+    def _call_slow(self, inputs: tuple, extra: Hashable, key_state: KeyState | None) -> Any:
         """Every call that does not replay an existing graph: decide, maybe capture lazily."""
         if key_state is None and self._lazy:
             key_state = self._build(extra, inputs)
@@ -331,11 +336,11 @@ class CUDAGraphRunner:
         graph_state = GraphState.MISSING
         if key_state is not None:
             leaves = key_state.inputs.flatten(inputs)
-            n = _batch_of(key_state.inputs, leaves)
+            n = batch_of(key_state.inputs, leaves)
             if 0 < n <= self._largest:
                 size = self._pad_table[n]
                 graph_state = key_state.graph_state(size)
-        decision = policy.decide(
+        decision = policies.decide(
             static_reason=None,
             capturing=False,
             refused=False,
@@ -344,8 +349,12 @@ class CUDAGraphRunner:
             batch=n,
             largest_size=self._largest,
             graph_state=graph_state,
+            size_captured=size != 0,
+            frozen=self._frozen,
         )
         if isinstance(decision, FallbackReason):
+            if decision is FallbackReason.FROZEN and self.policy.when_frozen == "raise":
+                raise CaptureError(self._frozen_message(f"a call of batch {n} (size {size})"))
             return self._eager(decision, inputs)
         assert key_state is not None and n is not None and size is not None
         plan = key_state.inputs
@@ -353,8 +362,7 @@ class CUDAGraphRunner:
             # This call's rows go into the buffers first, so the warm-up computes this very call.
             plan.copy_in(leaves, n, size, self._debug)
             with self._backend.device_guard(self._device), frozen_gc(collect=False):
-                self._warm(key_state, size)
-                self._capture_size(key_state, size)
+                self._capture_size(key_state, size, self._warm(key_state, size))
             if size not in key_state.graphs:
                 return self._eager(FallbackReason.CAPTURE_FAILED, inputs)
             self.state = RunnerState.CAPTURED
@@ -366,7 +374,7 @@ class CUDAGraphRunner:
         self.stats.padded_rows += size
         return graph.outputs.result(n, self._clone_outputs)
 
-    def _build(self, extra: Hashable, inputs: tuple) -> _KeyState | None:
+    def _build(self, extra: Hashable, inputs: tuple) -> KeyState | None:
         plan = StaticInputs.build(
             inputs,
             rows=self._largest,
@@ -380,9 +388,9 @@ class CUDAGraphRunner:
             self._device = self._backend.resolve_device(
                 self._device_arg, flatten_with_paths(inputs)[0]
             )
-        key_state = _KeyState(extra, plan)
+        key_state = KeyState(extra, plan)
         self._keys[extra] = key_state
-        self.stats.buffer_bytes += plan.nbytes
+        self._count_buffers()
         logger.debug(
             "graph runner buffers for key %r: batched inputs %s, %d rows",
             extra,
@@ -391,17 +399,20 @@ class CUDAGraphRunner:
         )
         return key_state
 
-    def _warm(self, key_state: _KeyState, size: int) -> None:
+    def _warm(self, key_state: KeyState, size: int) -> float:
+        seconds = 0.0
         if self._warmup > 0:
             start = time.perf_counter()
             self._backend.warmup(
                 self.fn, key_state.inputs.static_args(size), self._warmup, self._device
             )
-            self.stats.warmup_seconds += time.perf_counter() - start
+            seconds = time.perf_counter() - start
+            self.stats.warmup_seconds += seconds
         if self.state in (RunnerState.NEW, RunnerState.RELEASED):
             self.state = RunnerState.WARMED
+        return seconds
 
-    def _capture_size(self, key_state: _KeyState, size: int) -> None:
+    def _capture_size(self, key_state: KeyState, size: int, warmup_seconds: float) -> None:
         if self._share_pool and self._pool is None:
             self._pool = self._backend.new_pool(self._device)
         result = capture_key(
@@ -412,11 +423,16 @@ class CUDAGraphRunner:
             size=size,
             pool=self._pool if self._share_pool else None,
             device=self._device,
+            buffers=key_state.breaks,
+            counters=self.stats,
+            share_outputs=self._share_outputs,
         )
         if isinstance(result, CapturedGraph):
+            result.record = dataclasses.replace(result.record, warmup_seconds=warmup_seconds)
             key_state.graphs[size] = result
             self.stats.records.append(result.record)
         else:
+            result = dataclasses.replace(result, warmup_seconds=warmup_seconds)
             key_state.failed[size] = result
             self.stats.records.append(result)
             if self._share_pool:
@@ -425,6 +441,18 @@ class CUDAGraphRunner:
                 # capture into this pool fails with "already recording to mempool_id" (seen on
                 # torch 2.11). Graphs captured so far keep their pool; later sizes get a new one.
                 self._pool = None
+        self._count_buffers()
+
+    def _count_buffers(self) -> None:
+        self.stats.buffer_bytes = sum(st.nbytes for st in self._keys.values())
+
+    def _frozen_message(self, what: str) -> str:
+        return (
+            f"{what} would capture a CUDA graph, but the runner is frozen (freeze() was called) "
+            f"and CapturePolicy.when_frozen is {self.policy.when_frozen!r}: capture every size "
+            "before freeze(), call unfreeze() first, or use when_frozen='fallback' to run such "
+            "calls eagerly"
+        )
 
     def _note_static_reason(self) -> None:
         if not self._noted_static_reason:
@@ -434,15 +462,3 @@ class CUDAGraphRunner:
                 self._static_reason,
                 getattr(self.fn, "__name__", "fn"),
             )
-
-
-def _batch_of(plan: StaticInputs, leaves: Any) -> int:
-    leaf = leaves[plan.batch_index]
-    try:
-        return leaf.shape[0]
-    except (AttributeError, IndexError):
-        raise InputError(
-            f"input {path_str(plan.paths[plan.batch_index])} gives the batch size and must be a "
-            f"tensor with a leading dim, got {type(leaf).__name__}"
-            f"{tuple(leaf.shape) if hasattr(leaf, 'shape') else ''}; keep the captured structure"
-        ) from None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from graphtune.graphs.capture import CaptureRecord
@@ -10,6 +10,7 @@ from graphtune.graphs.policy import FallbackReason, padding_waste
 from graphtune.reporting import render_table
 
 _MIB = 1024 * 1024
+_PHASES = ("record", "finish", "break", "account")
 
 
 @dataclass
@@ -27,7 +28,10 @@ class RunnerStats:
         real_rows: Real batch rows of replayed calls.
         padded_rows: Rows the replayed graphs computed (real rows plus padding).
         warmup_seconds: Wall time spent in eager warm-up runs before captures.
-        buffer_bytes: Bytes of static input buffers alive now.
+        break_runs: Graph breaks run eagerly during replays.
+        break_seconds: Host wall time spent in those breaks (their own launches and copies; the
+            GPU work they queue is not waited for).
+        buffer_bytes: Bytes of static buffers alive now (inputs, and graph-break outputs).
         records: Capture records (successes and failures) of the graphs alive now.
         releases: Number of ``release()`` calls that dropped something.
     """
@@ -39,6 +43,8 @@ class RunnerStats:
     real_rows: int = 0
     padded_rows: int = 0
     warmup_seconds: float = 0.0
+    break_runs: int = 0
+    break_seconds: float = 0.0
     buffer_bytes: int = 0
     records: list[CaptureRecord] = field(default_factory=list)
     releases: int = 0
@@ -73,6 +79,25 @@ class RunnerStats:
         """Graph memory: reserved bytes the live graphs' captures added (the shared pool)."""
         return sum(r.pool_bytes for r in self.records if r.ok)
 
+    @property
+    def largest_graph_pool_bytes(self) -> int:
+        """Pool bytes the capture of the largest live size added (0 without graphs).
+
+        Sizes are captured largest first, so this is that size's own need: the pool it would
+        have alone. (With ``lazy=True`` a smaller size may have been captured first, and this is
+        then only what the largest size added on top.)
+        """
+        ok = [r for r in self.records if r.ok]
+        if not ok:
+            return 0
+        return max(ok, key=lambda r: (r.size, r.pool_bytes)).pool_bytes
+
+    @property
+    def pool_vs_largest(self) -> float | None:
+        """``pool_bytes / largest_graph_pool_bytes`` (None when the largest added nothing)."""
+        largest = self.largest_graph_pool_bytes
+        return self.pool_bytes / largest if largest else None
+
     def fallback_count(self, reason: FallbackReason) -> int:
         """Eager calls counted for ``reason`` (0 if none)."""
         return self.fallbacks.get(reason, 0)
@@ -89,20 +114,21 @@ class RunnerStats:
             "padding_waste": self.padding_waste,
             "graphs": self.graphs,
             "capture_seconds": self.capture_seconds,
+            "capture_phases": self.capture_phases(),
             "warmup_seconds": self.warmup_seconds,
+            "break_runs": self.break_runs,
+            "break_seconds": self.break_seconds,
             "pool_bytes": self.pool_bytes,
+            "largest_graph_pool_bytes": self.largest_graph_pool_bytes,
+            "pool_vs_largest": self.pool_vs_largest,
             "buffer_bytes": self.buffer_bytes,
-            "records": [
-                {
-                    "extra_key": repr(r.extra_key),
-                    "size": r.size,
-                    "seconds": r.seconds,
-                    "pool_bytes": r.pool_bytes,
-                    "ok": r.ok,
-                    "error": r.error,
-                }
-                for r in self.records
-            ],
+            "records": [_record_dict(r) for r in self.records],
+        }
+
+    def capture_phases(self) -> dict[str, float]:
+        """Capture seconds of the live graphs by phase (see :class:`CaptureRecord`)."""
+        return {
+            phase: sum(getattr(r, f"{phase}_seconds") for r in self.records) for phase in _PHASES
         }
 
     def table(self, *, per_graph: bool = True) -> str:
@@ -119,8 +145,16 @@ class RunnerStats:
             ("padding waste %", 100.0 * self.padding_waste),
             ("graphs (failed)", f"{self.graphs} ({len(self.failed_captures)})"),
             ("capture s", self.capture_seconds),
+        ]
+        phases = self.capture_phases()
+        rows += [(f"  {phase} s", seconds) for phase, seconds in phases.items()]
+        ratio = self.pool_vs_largest
+        rows += [
             ("warm-up s", self.warmup_seconds),
+            ("graph breaks run (host s)", f"{self.break_runs} ({self.break_seconds:.4f})"),
             ("graph pool MiB", self.pool_bytes / _MIB),
+            ("  largest size alone MiB", self.largest_graph_pool_bytes / _MIB),
+            ("  pool / largest size", "-" if ratio is None else f"{ratio:.3f}"),
             ("static buffers MiB", self.buffer_bytes / _MIB),
         ]
         text = render_table("graph runner", ["metric", "value"], rows)
@@ -130,15 +164,35 @@ class RunnerStats:
                     "-" if r.extra_key is None else repr(r.extra_key),
                     r.size,
                     1000.0 * r.seconds,
+                    1000.0 * r.record_seconds,
+                    1000.0 * r.finish_seconds,
+                    r.breaks,
                     r.pool_bytes / _MIB,
                     "ok" if r.ok else (r.error or "failed")[:60],
                 )
                 for r in sorted(self.records, key=lambda r: (repr(r.extra_key), -r.size))
             ]
             text += "\n" + render_table(
-                "graphs", ["extra key", "size", "capture ms", "pool MiB", "status"], graph_rows
+                "graphs",
+                [
+                    "extra key",
+                    "size",
+                    "capture ms",
+                    "record ms",
+                    "finish ms",
+                    "breaks",
+                    "pool MiB",
+                    "status",
+                ],
+                graph_rows,
             )
         return text
+
+
+def _record_dict(record: CaptureRecord) -> dict[str, Any]:
+    data = {f.name: getattr(record, f.name) for f in fields(record)}
+    data["extra_key"] = repr(record.extra_key)
+    return data
 
 
 GraphRunnerStats = RunnerStats

@@ -9,10 +9,16 @@ shape; outside tuning mode that is a cache look-up, and an untuned shape runs th
 * :func:`fused_add_rms_norm` — residual add + RMSNorm, returning ``(out, new_residual)``.
 * :func:`rope_kv_cache` — rotary embedding of q and k and the K/V cache write, returning ``q``.
 * :func:`silu_and_mul` — SwiGLU activation on a fused gate/up tensor.
-* :mod:`attention` — decode attention (SDPA backends and a matmul runner as tactics).
-* :func:`tune_ops` — tunes all of them for a model's decode shapes (``graphtune tune``).
+* :mod:`attention` — decode attention (SDPA backends, a matmul runner and a Triton
+  flash-decoding kernel as runners).
+* :func:`fused_moe` / :func:`route_top_k` — mixture-of-experts experts and router (:mod:`moe`).
+* :class:`OpContext` — the op settings of one model step (tuner, largest batch), bound once; a
+  forward calls its ops through it (``ops.gemm(h, w)``).
 * :mod:`registry` — op name -> how to rebuild its runners and config in another process
   (:func:`rebuild_call`, :func:`tune_records`: ``graphtune tune --from-misses``).
+
+A model is tuned by running its step in tuning mode (``graphtune.engine.tuning.tune_step``), so the
+keys tuned are the keys its ops look up.
 
 Importing this package imports neither Triton nor the kernels.
 """
@@ -27,6 +33,7 @@ from graphtune.ops.activation import (
     silu_and_mul_runners,
     torch_silu_and_mul,
 )
+from graphtune.ops.context import OpContext
 from graphtune.ops.gemm import (
     TorchGemmRunner,
     TritonGemmRunner,
@@ -39,6 +46,14 @@ from graphtune.ops.gemm import (
     gemm_runners,
     gemm_tactics,
     gemv_tactics,
+)
+from graphtune.ops.moe import (
+    TorchFusedMoeRunner,
+    TritonFusedMoeRunner,
+    fused_moe,
+    fused_moe_config,
+    fused_moe_runners,
+    route_top_k,
 )
 from graphtune.ops.registry import (
     OpSpec,
@@ -56,6 +71,7 @@ from graphtune.ops.rmsnorm import (
     torch_rms_norm,
 )
 from graphtune.ops.rotary import (
+    RopeRows,
     TorchRopeRunner,
     TritonRopeRunner,
     rope_config,
@@ -63,17 +79,17 @@ from graphtune.ops.rotary import (
     rope_runners,
     torch_rope_kv_cache,
 )
-from graphtune.ops.tuning import ALL_GROUPS, OP_GROUPS, OpDims, TuneReport, tune_ops
 
 __all__ = [
-    "ALL_GROUPS",
-    "OP_GROUPS",
-    "OpDims",
+    "OpContext",
     "OpSpec",
+    "RopeRows",
+    "TorchFusedMoeRunner",
     "TorchGemmRunner",
     "TorchRMSNormRunner",
     "TorchRopeRunner",
     "TorchSiluAndMulRunner",
+    "TritonFusedMoeRunner",
     "TritonGemmRunner",
     "TritonGemvRunner",
     "TritonRMSNormRunner",
@@ -81,11 +97,13 @@ __all__ = [
     "TritonSiluAndMulRunner",
     "TritonUnavailableError",
     "TunableLinear",
-    "TuneReport",
     "attention",
     "check_gemm_tactic",
     "check_gemv_tactic",
     "fused_add_rms_norm",
+    "fused_moe",
+    "fused_moe_config",
+    "fused_moe_runners",
     "gemm",
     "gemm_config",
     "gemm_runners",
@@ -100,6 +118,7 @@ __all__ = [
     "rope_config",
     "rope_kv_cache",
     "rope_runners",
+    "route_top_k",
     "silu_and_mul",
     "silu_and_mul_config",
     "silu_and_mul_runners",
@@ -107,6 +126,5 @@ __all__ = [
     "torch_rope_kv_cache",
     "torch_silu_and_mul",
     "triton_available",
-    "tune_ops",
     "tune_records",
 ]

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from graphtune.errors import ConfigError
+from graphtune.ops._pdl import pdl_meta
 
 logger = logging.getLogger(__name__)
 
@@ -153,7 +154,13 @@ def run_kernel(
     kernel: Any, grid: tuple[int, ...], args: tuple[Any, ...], meta: dict[str, Any], warmup: bool
 ) -> None:
     """Launches ``kernel[grid](*args, **meta)``, or with ``warmup`` only compiles it (inside
-    :func:`collect_launches`: records its key only)."""
+    :func:`collect_launches`: records its key only).
+
+    A kernel that declares ``USE_PDL`` gets it (and a PDL launch) from
+    :func:`graphtune.ops._pdl.pdl_meta`, in all three cases, so the binary compiled ahead of time
+    (and the key that stands for it) is the one launched.
+    """
+    meta = pdl_meta(kernel, args, meta)
     collecting = _LAUNCHES.get()
     if collecting is not None:
         collecting.append(launch_key(kernel, args, meta))

@@ -22,6 +22,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
@@ -39,6 +40,11 @@ logger = logging.getLogger(__name__)
 def default_compile_workers() -> int:
     """Threads used to compile candidate tactics in parallel (``min(16, cpu_count)``)."""
     return max(1, min(16, os.cpu_count() or 1))
+
+
+def triton_runners() -> list[TritonRunner]:
+    """Every :class:`TritonRunner` alive in this process (reports sum their compile time)."""
+    return list(_LIVE_RUNNERS)
 
 
 #: Compiles running at once in this process, over all runners: ``AutoTuner.prepare`` runs the
@@ -89,6 +95,7 @@ class TritonRunner(TunableRunner):
         # profile, op or tuning run whose pairs run the same binaries compiles nothing again.
         self._binaries: dict[tuple[Any, ...], Exception | None] = {}
         self._lock = threading.Lock()
+        _LIVE_RUNNERS.add(self)
 
     def __getstate__(self) -> dict[str, Any]:
         # Picklable for AutoTuner(isolation="subprocess"): the worker compiles on its own.
@@ -99,6 +106,7 @@ class TritonRunner(TunableRunner):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
+        _LIVE_RUNNERS.add(self)
 
     # -- subclass hooks ---------------------------------------------------------------------
 
@@ -256,3 +264,7 @@ class TritonRunner(TunableRunner):
             sum(1 for e in leader_errors if e is not None),
         )
         return errors
+
+
+# Weak: a runner that nothing else holds is gone from the list (the op modules keep theirs).
+_LIVE_RUNNERS: weakref.WeakSet[TritonRunner] = weakref.WeakSet()

@@ -20,11 +20,14 @@ Runners (index 0 is the untuned fallback):
   Only the keys the mask leaves visible are read. Tactics are
   ``{"block_n", "splits", "warps", "stages"}`` (see :func:`decode_attention_tactics` for the
   pruning rules); ``-1`` is torch SDPA.
+* :class:`TritonDecodeAttentionOneKernel` — the same kernel's split tactics with the merge done
+  by the last split program of each row (no second kernel, no kernel boundary between them).
 """
 
 from __future__ import annotations
 
 import math
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -40,11 +43,43 @@ from graphtune.autotuner import (
 from graphtune.autotuner.calls import CallRecord
 from graphtune.autotuner.config import last_power_of_two, next_power_of_two, power_of_two_buckets
 from graphtune.errors import ConfigError, InputError
-from graphtune.ops._triton import device_limits, device_supported, kernels, run_kernel
+from graphtune.ops._triton import device_limits, device_supported, require_triton, run_kernel
 from graphtune.ops._triton_runner import TritonRunner
 from graphtune.ops.registry import register_op
 
 OP_NAME = "decode_attention"
+
+
+def attention_kernels() -> ModuleType:
+    """The module of the decode-attention kernels (imported on first use; needs Triton)."""
+    require_triton("graphtune's Triton decode-attention kernels")
+    from graphtune.ops import _attention_kernels
+
+    return _attention_kernels
+
+
+_COUNTERS: dict[str, torch.Tensor] = {}
+#: Arrival counters allocated at once per device (256 KiB): enough for 65536 (request, KV head)
+#: rows, so the buffer never grows, and so is never allocated inside a graph capture.
+COUNTER_ROWS = 1 << 16
+
+
+def arrival_counters(device: torch.device, rows: int) -> torch.Tensor:
+    """The persistent zeroed int32 counters of the inline merge (see ``_attention_kernels``).
+
+    Raises:
+        InputError: More than :data:`COUNTER_ROWS` rows.
+    """
+    if rows > COUNTER_ROWS:
+        raise InputError(
+            f"TritonDecodeAttentionOneKernel: {rows} (request, KV head) rows exceed the "
+            f"{COUNTER_ROWS} arrival counters; use TritonDecodeAttention for such batches."
+        )
+    key = str(device)
+    found = _COUNTERS.get(key)
+    if found is None:
+        found = _COUNTERS[key] = torch.zeros(COUNTER_ROWS, device=device, dtype=torch.int32)
+    return found
 
 
 def _sdpa_backends() -> dict[str, Any]:
@@ -227,7 +262,7 @@ def _layout_problem(inputs: list[Any]) -> str | None:
 
 
 class TritonDecodeAttention(TritonRunner):
-    """Flash-decoding in Triton (``graphtune.ops._kernels.decode_attention_kernel``).
+    """Flash-decoding in Triton (``graphtune.ops._attention_kernels.decode_attention_kernel``).
 
     Tactic ``-1`` is torch SDPA. Numerics follow flash attention: ``q . k`` on the input dtype
     with float32 accumulation (IEEE float32 products for float32 inputs), softmax in float32,
@@ -237,14 +272,14 @@ class TritonDecodeAttention(TritonRunner):
 
     Only keys the mask leaves visible (bias ``> -inf``) are read, so unlike SDPA its time grows
     with the decode positions, not with the cache length: a pick is timed on the tuner's
-    synthetic mask (``graphtune.ops.tuning`` puts every row at ``max_seq_len // 2``).
+    synthetic inputs, whose random float mask leaves every key visible (the longest context).
 
     Args:
         sm_count: Override the device's SM count (tests, or to tune for another GPU's splits).
         compile_workers: Threads for ahead-of-time compilation.
     """
 
-    source_modules = ("graphtune.ops._kernels",)
+    source_modules = ("graphtune.ops._attention_kernels",)
 
     def __init__(self, *, sm_count: int | None = None, compile_workers: int | None = None) -> None:
         super().__init__(compile_workers=compile_workers)
@@ -286,9 +321,12 @@ class TritonDecodeAttention(TritonRunner):
         q, keys, values, mask = inputs
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
 
+    #: Whether the last split program merges the partials instead of a second kernel.
+    inline_combine = False
+
     def launch(self, inputs: list[Any], tactic: Any, *, warmup: bool = False) -> torch.Tensor:
-        """Runs the decode kernel (and with ``splits > 1`` the merge kernel); returns
-        ``[B, KV, G, D]`` in q's dtype.
+        """Runs the decode kernel (and with ``splits > 1`` the merge kernel, unless
+        :attr:`inline_combine`); returns ``[B, KV, G, D]`` in q's dtype.
 
         Raises:
             InputError: Inputs the kernel cannot take (see :meth:`supports`).
@@ -320,6 +358,8 @@ class TritonDecodeAttention(TritonRunner):
                 (batch * kv_heads, splits, groups, dim + 2), device=q.device, dtype=torch.float32
             )
         )
+        inline = self.inline_combine and splits > 1
+        counters = arrival_counters(q.device, batch * kv_heads) if inline else ws
         args = (
             q,
             keys,
@@ -327,6 +367,7 @@ class TritonDecodeAttention(TritonRunner):
             mask,
             out,
             ws,
+            counters,
             kv_heads,
             groups,
             seq,
@@ -344,12 +385,13 @@ class TritonDecodeAttention(TritonRunner):
             BLOCK_N=tactic["block_n"],
             SCAN_BLOCK=max(16, min(512, next_power_of_two(seq))),
             IEEE=q.dtype == torch.float32,
+            INLINE_COMBINE=inline,
             num_warps=tactic["warps"],
             num_stages=tactic["stages"],
         )
-        kern = kernels()
+        kern = attention_kernels()
         run_kernel(kern.decode_attention_kernel, (batch * kv_heads, splits), args, meta, warmup)
-        if splits > 1:
+        if splits > 1 and not inline:
             run_kernel(
                 kern.decode_attention_combine_kernel,
                 (batch * kv_heads * groups,),
@@ -360,7 +402,31 @@ class TritonDecodeAttention(TritonRunner):
         return out
 
 
-RUNNERS: tuple[TunableRunner, ...] = (SdpaAttention(), MatmulAttention(), TritonDecodeAttention())
+class TritonDecodeAttentionOneKernel(TritonDecodeAttention):
+    """:class:`TritonDecodeAttention`'s split tactics (``splits > 1``) in one kernel each.
+
+    The last split program of every (request, KV head) row merges the float32 partials in split
+    order (deterministic), so there is no merge kernel and no kernel boundary before the output
+    projection. The one-split tactics are the parent runner's (already one kernel), so they are
+    not offered twice. Rows above :data:`COUNTER_ROWS` are not offered.
+    """
+
+    inline_combine = True
+
+    def tactics_for(self, inputs: list[Any]) -> list[Any]:
+        """The parent's tactics with more than one split."""
+        q = inputs[0]
+        if q.shape[0] * q.shape[1] > COUNTER_ROWS:
+            return []
+        return [t for t in super().tactics_for(inputs) if t["splits"] > 1]
+
+
+RUNNERS: tuple[TunableRunner, ...] = (
+    SdpaAttention(),
+    MatmulAttention(),
+    TritonDecodeAttention(),
+    TritonDecodeAttentionOneKernel(),
+)
 
 
 def tuning_config(max_batch_size: int) -> TuningConfig:

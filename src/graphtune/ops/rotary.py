@@ -69,6 +69,42 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, signed_sin: bo
     return x * cos + rotated * sin
 
 
+class RopeRows:
+    """The cos/sin rows of one step's positions, gathered on first use and shared by its layers.
+
+    The torch fallback of :func:`rope_kv_cache` multiplies by ``cos[positions]`` and
+    ``sin[positions]``; gathering them once per step instead of once per layer saves two kernels
+    per layer. The Triton kernel reads the tables by position itself and never asks, so a tuned
+    step gathers nothing. Make one per step call: a step's positions are its own.
+
+    Args:
+        positions: ``[B]`` int64 position of each row.
+        cos: ``[max_seq, D]`` table.
+        sin: ``[max_seq, D]`` table (first half negated when ``signed_sin``).
+        signed_sin: Whether ``sin`` is the signed table (``engine.model.rope_tables``).
+    """
+
+    __slots__ = ("positions", "cos", "sin", "signed_sin", "_rows")
+
+    def __init__(
+        self, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, signed_sin: bool
+    ) -> None:
+        self.positions = positions
+        self.cos = cos
+        self.sin = sin
+        self.signed_sin = signed_sin
+        self._rows: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def gathered(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos[positions], sin[positions])`` as ``[B, 1, D]`` each (gathered on first call)."""
+        if self._rows is None:
+            self._rows = (
+                self.cos.index_select(0, self.positions)[:, None, :],
+                self.sin.index_select(0, self.positions)[:, None, :],
+            )
+        return self._rows
+
+
 def torch_rope_kv_cache(
     qkv: torch.Tensor,
     positions: torch.Tensor,
@@ -80,22 +116,32 @@ def torch_rope_kv_cache(
     num_heads: int,
     num_kv_heads: int,
     signed_sin: bool = False,
+    rows: RopeRows | None = None,
 ) -> torch.Tensor:
     """The unfused reference (the engine's decode-step code for one layer); returns ``q``.
 
-    With ``signed_sin`` the ``sin`` table's first half holds ``-sin``
+    Queries and keys are rotated in one pass, viewed as ``[B, heads + kv_heads, D]`` (they are
+    adjacent in ``qkv``). With ``signed_sin`` the ``sin`` table's first half holds ``-sin``
     (``engine.model.rope_tables(..., signed_sin=True)``) and the rotation is
-    ``apply_rope_signed``'s.
+    ``apply_rope_signed``'s. ``rows`` supplies ``cos[positions]`` / ``sin[positions]`` gathered
+    once per step (:class:`RopeRows`); without it they are gathered here.
     """
     batch, dim = qkv.shape[0], cos.shape[-1]
-    q, k, v = qkv.split((num_heads * dim, num_kv_heads * dim, num_kv_heads * dim), dim=-1)
-    cos_b = cos.index_select(0, positions)[:, None, :]
-    sin_b = sin.index_select(0, positions)[:, None, :]
-    q = rotate(q.view(batch, num_heads, dim), cos_b, sin_b, signed_sin)
-    k = rotate(k.view(batch, num_kv_heads, dim), cos_b, sin_b, signed_sin)
-    k_cache.index_copy_(0, write_rows, k.reshape(-1, dim))
-    v_cache.index_copy_(0, write_rows, v.reshape(-1, dim))
-    return q
+    qk_width = (num_heads + num_kv_heads) * dim
+    cos_b, sin_b = (
+        rows.gathered()
+        if rows is not None
+        else (
+            cos.index_select(0, positions)[:, None, :],
+            sin.index_select(0, positions)[:, None, :],
+        )
+    )
+    qk = rotate(
+        qkv[:, :qk_width].reshape(batch, num_heads + num_kv_heads, dim), cos_b, sin_b, signed_sin
+    )
+    k_cache.index_copy_(0, write_rows, qk[:, num_heads:].reshape(-1, dim))
+    v_cache.index_copy_(0, write_rows, qkv[:, qk_width:].reshape(-1, dim))
+    return qk[:, :num_heads]
 
 
 class _RopeRunnerMixin:
@@ -116,7 +162,8 @@ class _RopeRunnerMixin:
         return (self.num_heads, self.num_kv_heads, self.signed_sin)
 
     def _unpack(self, inputs: list[Any]) -> list[Any]:
-        qkv, positions, cos, sin, k_cache, v_cache, rows = inputs
+        """The seven op inputs (an eighth, the step's :class:`RopeRows`, is not checked)."""
+        qkv, positions, cos, sin, k_cache, v_cache, rows = inputs[:7]
         batch, dim = qkv.shape[0], cos.shape[-1]
         width = (self.num_heads + 2 * self.num_kv_heads) * dim
         if qkv.dim() != 2 or qkv.shape[1] != width or sin.shape[-1] != dim:
@@ -136,12 +183,13 @@ class _RopeRunnerMixin:
                 f"rope_kv_cache: caches must be flattened [rows, D={dim}] views, got "
                 f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}."
             )
-        return inputs
+        return inputs[:7]
 
     def torch_forward(self, inputs: list[Any]) -> torch.Tensor:
-        """The unfused torch code."""
+        """The unfused torch code (with the step's gathered rows when they are given)."""
+        rows = inputs[7] if len(inputs) > 7 else None
         return torch_rope_kv_cache(
-            *self._unpack(inputs), self.num_heads, self.num_kv_heads, self.signed_sin
+            *self._unpack(inputs), self.num_heads, self.num_kv_heads, self.signed_sin, rows
         )
 
 
@@ -276,20 +324,28 @@ def rope_runners(
     return tuple(runners)
 
 
-def _canonical_inputs(inputs: list[Any]) -> list[Any]:
-    """Makes synthetic index inputs valid for the canonical table and cache sizes.
+def canonical_rope_indices(
+    positions: torch.Tensor, write_rows: torch.Tensor, table_rows: int, cache_rows: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Synthetic ``positions`` and ``write_rows`` that are valid for the given table and cache.
 
     Positions index the cos/sin tables; write rows must be distinct rows of the cache (two
     programs writing one row would race, which no real step does).
     """
-    qkv, positions, cos, sin, k_cache, v_cache, rows = inputs
-    gen = torch.Generator(device=qkv.device)
+    device = positions.device
+    gen = torch.Generator(device=device)
     gen.manual_seed(1234)
     positions = torch.randint(
-        0, cos.shape[0], positions.shape, generator=gen, device=qkv.device, dtype=positions.dtype
+        0, table_rows, positions.shape, generator=gen, device=device, dtype=positions.dtype
     )
-    perm = torch.randperm(k_cache.shape[0], generator=gen, device=qkv.device)
-    rows = perm[: rows.numel()].to(rows.dtype)
+    perm = torch.randperm(cache_rows, generator=gen, device=device)
+    return positions, perm[: write_rows.numel()].to(write_rows.dtype)
+
+
+def _canonical_inputs(inputs: list[Any]) -> list[Any]:
+    """Makes synthetic index inputs valid for the canonical table and cache sizes."""
+    qkv, positions, cos, sin, k_cache, v_cache, rows = inputs
+    positions, rows = canonical_rope_indices(positions, rows, cos.shape[0], k_cache.shape[0])
     return [qkv, positions, cos, sin, k_cache, v_cache, rows]
 
 
@@ -346,6 +402,7 @@ def rope_kv_cache(
     num_heads: int,
     num_kv_heads: int,
     signed_sin: bool = False,
+    rows: RopeRows | None = None,
     tuner: AutoTuner | None = None,
     max_m: int | None = None,
     runners: tuple[TunableRunner, ...] | None = None,
@@ -364,15 +421,19 @@ def rope_kv_cache(
         num_kv_heads: Key/value heads.
         signed_sin: ``sin``'s first half holds ``-sin`` (the engine's ``signed_sin`` tables);
             the rotation then rounds as ``engine.model.apply_rope_signed``.
+        rows: The step's :class:`RopeRows` of ``positions`` (the torch fallback reuses its
+            gathered rows instead of gathering per call). Not part of the tuning key: which
+            kernel is fastest does not depend on it.
         tuner: Tuner to ask; the process default when ``None``.
         max_m: Largest tuned batch (``None``: up to the live batch).
         runners: Runners to choose from; :func:`rope_runners` when ``None``.
 
     Returns:
-        ``q`` rotated, ``[B, num_heads, D]``.
+        ``q`` rotated, ``[B, num_heads, D]`` (the torch fallback returns a view of its rotated
+        ``[B, heads + kv_heads, D]`` tensor).
     """
     inputs = [qkv, positions, cos, sin, k_cache, v_cache, write_rows]
     chosen = runners if runners is not None else rope_runners(num_heads, num_kv_heads, signed_sin)
     config = rope_config(num_kv_heads, max_m)
     runner, tactic = (tuner or get_tuner()).choose_one(OP_NAME, chosen, config, inputs)
-    return runner.forward(inputs, tactic=tactic)
+    return runner.forward(inputs if rows is None else [*inputs, rows], tactic=tactic)

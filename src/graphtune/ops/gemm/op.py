@@ -43,17 +43,23 @@ def _rows_of_a(shapes: Any) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def gemm_config(max_m: int | None = None, residual: bool = False) -> TuningConfig:
+def gemm_config(
+    max_m: int | None = None, residual: bool = False, cold_l2: bool = False
+) -> TuningConfig:
     """Tuning config of the GEMM op: ``M`` (input 0, dim 0) in power-of-two buckets.
 
     Args:
         max_m: Largest ``M`` tuned and looked up (``None``: buckets up to the live ``M``, and a
             larger live ``M`` is a miss that falls back to cuBLAS).
         residual: Whether input 3 (the residual) is a tensor, whose rows then follow ``M``.
+        cold_l2: Time with cold-L2 rotation (``TuningConfig.cold_l2``); same cache keys.
     """
     constraints = (ConstraintSpec(3, 0, _rows_of_a),) if residual else ()
     return TuningConfig(
-        dynamic_specs=(DynamicTensorSpec(0, 0),), constraint_specs=constraints, max_value=max_m
+        dynamic_specs=(DynamicTensorSpec(0, 0),),
+        constraint_specs=constraints,
+        max_value=max_m,
+        cold_l2=cold_l2,
     )
 
 
@@ -68,6 +74,7 @@ def gemm(
     tuner: AutoTuner | None = None,
     max_m: int | None = None,
     runners: tuple[TunableRunner, ...] | None = None,
+    cold_l2: bool = False,
 ) -> torch.Tensor:
     """``a @ weight.T + bias (+ residual)`` through the tuner's pick for this shape.
 
@@ -89,6 +96,7 @@ def gemm(
         tuner: The tuner to ask; the process default when ``None``.
         max_m: Largest tuned ``M`` (see :func:`gemm_config`).
         runners: Runners to choose from; :func:`gemm_runners` when ``None``.
+        cold_l2: Tune with cold-L2 rotation (see :func:`gemm_config`); look-ups are the same.
 
     Returns:
         ``[..., N]`` in ``a``'s dtype.
@@ -108,7 +116,7 @@ def gemm(
         _check_out(out, a2, weight, inplace)
     inputs = [a2, weight, bias, r2, bool(inplace)]
     chosen = runners if runners is not None else gemm_runners()
-    config = gemm_config(max_m, residual is not None)
+    config = gemm_config(max_m, residual is not None, cold_l2)
     runner, tactic = (tuner or get_tuner()).choose_one(OP_NAME, chosen, config, inputs)
     result = runner.forward(inputs if out is None else [*inputs, out], tactic=tactic)
     if inplace:
@@ -117,7 +125,8 @@ def gemm(
 
 
 def _rebuild(record: CallRecord) -> tuple[tuple[TunableRunner, ...], TuningConfig]:
-    return gemm_runners(), gemm_config(record.config["max_value"], is_tensor(record, 3))
+    config = gemm_config(record.config["max_value"], is_tensor(record, 3), record.config["cold_l2"])
+    return gemm_runners(), config
 
 
 register_op(OP_NAME, _rebuild)

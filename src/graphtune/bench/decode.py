@@ -1,0 +1,392 @@
+"""The decode benchmark behind ``graphtune bench decode``.
+
+For each batch size it times the engine's decode step eagerly, through the engine's graph runner
+(with its copy-in, padding and slicing: what a server pays), and optionally through
+``torch.compile(mode="reduce-overhead")``; it reads the GPU-busy time of one step from CUPTI
+(:func:`graphtune.bench.cupti.gpu_busy`) and computes the bytes floor: weights plus the KV cache a
+step must read, over a measured device copy bandwidth.
+
+With ``tune=True`` the same run then builds the tuned step, tunes it by running it
+(:func:`graphtune.engine.tuning.tune_step`; a cache file is reused when given) and times it the
+same way: through a graph runner on CUDA (else eagerly), with its GPU-busy time, top kernels and
+its ratios to the untuned step and to the bytes floor. Steps and runners come from the engine's
+own factories (:func:`graphtune.engine.build.build_step`, :func:`~graphtune.engine.build.
+build_runner`), so the benchmark times what the engine serves.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from typing import Any
+
+import torch
+
+from graphtune import autotuner
+from graphtune.bench.cupti import gpu_busy
+from graphtune.bench.decode_results import BatchResult, DecodeBenchConfig, DecodeBenchReport
+from graphtune.bench.schema import provenance
+from graphtune.bench.timing import bytes_floor_ms, copy_bandwidth_gbps, sync, time_per_call_ms
+from graphtune.engine.build import build_runner, build_step
+from graphtune.engine.devices import resolve_device, resolve_dtype
+from graphtune.engine.kv_cache import KVCache, aligned_seq_len
+from graphtune.engine.loading import load_model
+from graphtune.engine.step import DecodeStep
+from graphtune.engine.tuning import tune_step
+from graphtune.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+NO_CUDA_NOTE = "CUDA is not available: CUDA graphs need CUDA, so only the eager step is timed."
+
+Inputs = list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def _busy(fn: Callable[[], object]) -> tuple[float | None, float | None, list[dict[str, Any]]]:
+    busy = gpu_busy(fn)
+    if busy is None:
+        return None, None, []
+    return busy.per_call_ms, busy.activities_per_call, busy.top
+
+
+@torch.inference_mode()
+def run_decode_bench(
+    cfg: DecodeBenchConfig,
+    log: Callable[[str], None] = logger.info,
+    *,
+    tuner: Any = None,
+    parallel: Any = None,
+    command: str | None = None,
+) -> DecodeBenchReport:
+    """Runs the decode benchmark described by ``cfg``.
+
+    Args:
+        cfg: What to measure.
+        log: Where progress lines go.
+        tuner: The :class:`~graphtune.autotuner.AutoTuner` for ``cfg.tune`` (a new one when
+            ``None``; with ``agree`` over the group for a tensor-parallel run).
+        parallel: The :class:`~graphtune.engine.parallel.ParallelContext` when ``cfg.tp > 1``
+            (its ``world_size`` must equal ``cfg.tp``). Every rank must call this with the same
+            ``cfg``: the steps, captures and timings run the same collectives in the same order.
+        command: The command line to record in the provenance (default: this process's).
+
+    Raises:
+        ConfigError: ``cfg.tp`` and ``parallel`` disagree, or the model does not split.
+
+    Returns:
+        The report (per-batch results, capture seconds, graph MiB, provenance).
+    """
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    runners = tuple(cfg.runners)
+    notes = []
+    if device.type != "cuda":
+        if "graph" in runners or cfg.compare_compile:
+            notes.append(NO_CUDA_NOTE)
+        runners = ("eager",)
+    world = parallel.world_size if parallel is not None else 1
+    if world != cfg.tp:
+        raise ConfigError(
+            f"DecodeBenchConfig.tp={cfg.tp} but the parallel context has world_size={world}"
+        )
+    model = load_model(
+        cfg.model,
+        device=device,
+        dtype=dtype,
+        seed=cfg.seed,
+        parallel=parallel if cfg.tp > 1 else None,
+    )
+    mcfg = model.config
+    sizes = sorted(set(cfg.batch_sizes))
+    max_batch_size = sizes[-1]
+    max_seq = aligned_seq_len(cfg.context + 1)
+    if cfg.context + 1 > mcfg.max_position_embeddings:
+        raise ConfigError(f"context {cfg.context} exceeds the model's max_position_embeddings")
+    cache = KVCache(mcfg, max_batch_size, max_seq, device, dtype)
+    gen = torch.Generator(device=device).manual_seed(cfg.seed)
+    # Never time on zeros: random keys and values, random tokens.
+    cache.k.normal_(generator=gen)
+    cache.v.normal_(generator=gen)
+    step = build_step(model, cache)
+    reducer = getattr(step, "reducer", None)
+    if reducer is not None:
+        notes.append(f"tensor-parallel all-reduce: {reducer.name}")
+    inputs: Inputs = []
+    for b in sizes:
+        tokens = torch.randint(0, mcfg.vocab_size, (b,), generator=gen, device=device)
+        positions = torch.full((b,), cfg.context, dtype=torch.long, device=device)
+        inputs.append((tokens, positions, torch.arange(b, device=device)))
+    report = DecodeBenchReport(
+        config={
+            **asdict(cfg),
+            "device": str(device),
+            "dtype": str(dtype).replace("torch.", ""),
+            "runners": list(runners),
+            "max_seq_len": max_seq,
+        },
+        model={
+            "name": mcfg.name,
+            "source": model.source,
+            "parameters": (model.global_config or mcfg).num_parameters(),
+            "weight_bytes": model.weight_bytes(),
+            "kv_bytes_per_token": cache.bytes_per_token(),
+            "config": asdict(model.global_config or mcfg),
+            "tp": cfg.tp,
+            "all_reduce": getattr(reducer, "name", None),
+        },
+        provenance=provenance(device=device, command=command),
+        notes=notes,
+    )
+    results = [BatchResult(b) for b in sizes]
+    report.results = results
+    bandwidth = copy_bandwidth_gbps(device)
+    report.copy_bandwidth_gbps = bandwidth
+    # Summed kernel time means nothing with tp > 1: an NCCL all-reduce kernel's duration includes
+    # the time it spins waiting for the other rank (seen on two H200s: 42 ms "busy" for a
+    # 1.6 ms step), so GPU-busy and graph/busy are left out rather than reported wrong.
+    measure_busy = device.type == "cuda" and cfg.tp == 1
+    if device.type == "cuda" and not measure_busy:
+        report.notes.append(
+            "GPU-busy not measured with tp > 1: NCCL kernel durations include "
+            "waiting for the other ranks."
+        )
+
+    for args, result in zip(inputs, results, strict=True):
+        b = result.batch_size
+        if "eager" in runners:
+            result.eager_ms = time_per_call_ms(
+                lambda a=args: step(*a), device, cfg.steps, cfg.repeats
+            )
+            log(f"batch {b}: eager {result.eager_ms:.3f} ms/step")
+        if measure_busy:
+            result.busy_ms, result.kernels_per_step, result.top_kernels = _busy(
+                lambda a=args: step(*a)
+            )
+        if bandwidth:
+            needed = model.weight_bytes() + b * (cfg.context + 1) * cache.bytes_per_token()
+            result.floor_ms = bytes_floor_ms(needed, bandwidth)
+
+    if "graph" in runners:
+        _time_graph(step, inputs, results, sizes, device, cfg, report, log)
+    if cfg.compare_compile and device.type == "cuda":
+        log("timing torch.compile(mode='reduce-overhead') (compiles once per batch size)")
+        _time_compiled(step, inputs, cfg, device, results)
+    if cfg.tune:
+        _time_tuned(step, inputs, results, sizes, device, cfg, runners, report, log, tuner)
+
+    for result in results:
+        best = result.graph_ms or result.eager_ms
+        if result.graph_ms and result.eager_ms:
+            result.speedup = result.eager_ms / result.graph_ms
+        if result.graph_ms and result.busy_ms:
+            result.graph_over_busy = result.graph_ms / result.busy_ms
+        if best:
+            result.tokens_per_s = result.batch_size / (best * 1e-3)
+    return report
+
+
+def _default_tuner(step: DecodeStep) -> Any:
+    """A new tuner; shards must run the same kernels: every rank times every candidate and the
+    slowest rank counts (``agree``)."""
+    if step.parallel is None:
+        return autotuner.AutoTuner()
+    return autotuner.AutoTuner(
+        distributed=autotuner.DistributedTuning("agree", step.parallel.group)
+    )
+
+
+def _time_tuned(
+    step: DecodeStep,
+    inputs: Inputs,
+    results: list[BatchResult],
+    sizes: list[int],
+    device: torch.device,
+    cfg: DecodeBenchConfig,
+    runners: tuple[str, ...],
+    report: DecodeBenchReport,
+    log: Callable[[str], None],
+    tuner: Any,
+) -> None:
+    tuner = tuner if tuner is not None else _default_tuner(step)
+    tuned = build_step(
+        step.model,
+        step.cache,
+        tuner=tuner,
+        gemm_cold_l2=cfg.tune_cold_l2,
+        reducer=getattr(step, "reducer", None),
+    )
+    log(
+        f"tuning the step by running it at batch buckets up to {sizes[-1]}"
+        + (f" (cache {cfg.tuning_cache})" if cfg.tuning_cache else "")
+    )
+    with autotuner.autotune(cfg.tuning_cache, tuner):
+        tuned_report = tune_step(tuned, log=lambda line: log(f"  {line}"))
+    report.tuning_seconds = tuned_report.seconds
+    report.tuning_compile_seconds = tuned_report.compile_seconds
+    report.tuning_compile_seconds_by_op = dict(tuned_report.compile_seconds_by_op)
+    report.tuning_profiles = tuned_report.profiles_tuned
+    report.tuning_picks = [list(row) for row in tuned_report.rows]
+    log(f"tuning: {tuned_report.summary()}")
+    if step.parallel is not None:
+        report.tuning_rank_agreement = rank_agreement(tuner, step.parallel)
+        log(f"tuned picks identical on every rank: {100 * report.tuning_rank_agreement:.1f}%")
+    for args, result in zip(inputs, results, strict=True):
+        want = step(*args).float()
+        got = tuned(*args).float()
+        result.tuned_max_abs_diff = (got - want).abs().max().item()
+        if device.type == "cuda":
+            result.tuned_busy_ms, result.tuned_kernels_per_step, result.tuned_top_kernels = _busy(
+                lambda a=args: tuned(*a)
+            )
+    if "graph" in runners:
+        runner, seconds, _ = _capture(tuned, sizes, device, report)
+        report.tuned_capture_seconds = seconds
+        for args, result in zip(inputs, results, strict=True):
+            result.tuned_graph_ms = time_per_call_ms(
+                lambda a=args: runner(*a), device, cfg.steps, cfg.repeats
+            )
+            log(f"batch {result.batch_size}: tuned graph {result.tuned_graph_ms:.3f} ms/step")
+        runner.release()
+    else:
+        for args, result in zip(inputs, results, strict=True):
+            result.tuned_eager_ms = time_per_call_ms(
+                lambda a=args: tuned(*a), device, cfg.steps, cfg.repeats
+            )
+            log(f"batch {result.batch_size}: tuned eager {result.tuned_eager_ms:.3f} ms/step")
+    for result in results:
+        if result.tuned_graph_ms and result.graph_ms:
+            result.tuned_over_untuned = result.tuned_graph_ms / result.graph_ms
+        elif result.tuned_eager_ms and result.eager_ms:
+            result.tuned_over_untuned = result.tuned_eager_ms / result.eager_ms
+        if result.tuned_graph_ms and result.floor_ms:
+            result.tuned_over_floor = result.tuned_graph_ms / result.floor_ms
+    # Look-ups of shapes never tuned ran the torch fallback (should be none).
+    report.tuning_fallbacks = dict(tuner.stats.fallbacks)
+    if tuner.stats.fallbacks:
+        report.notes.append(
+            f"tuned step: untuned shapes ran the torch fallback {dict(tuner.stats.fallbacks)}"
+        )
+
+
+def rank_agreement(tuner: Any, parallel: Any) -> float:
+    """Share of this rank's cache keys whose pick equals the pick of every other rank (a
+    collective over ``parallel.group``)."""
+    import torch.distributed as dist
+
+    picks = {
+        json.dumps(key.to_json(), sort_keys=True, default=str): json.dumps(
+            [entry.runner_id, entry.tactic], default=str
+        )
+        for key, entry in tuner.cache.items()
+    }
+    views: list[Any] = [None] * parallel.world_size
+    dist.all_gather_object(views, picks, group=parallel.group)
+    if not picks:
+        return 1.0
+    same = sum(all(view.get(key) == pick for view in views) for key, pick in picks.items())
+    return same / len(picks)
+
+
+def _capture(
+    step: DecodeStep, sizes: list[int], device: torch.device, report: DecodeBenchReport
+) -> tuple[Any, float, float]:
+    """The engine's graph runner over ``step`` with every size captured; (runner, s, MiB)."""
+    runner = build_runner(step, "graph", capture_sizes=sizes, device=device)
+    sync(device)
+    reserved = torch.cuda.memory_reserved(device)
+    t0 = time.perf_counter()
+    runner.capture(*step.example_inputs(step.max_batch_size))
+    sync(device)
+    seconds = time.perf_counter() - t0  # warm-up + capture, wall clock
+    mib = (torch.cuda.memory_reserved(device) - reserved) / 2**20
+    stats = runner.stats
+    if stats.records and not all(r.ok for r in stats.records):
+        report.notes.append(
+            f"graph capture failed for some sizes"
+            f"{' (tuned step)' if step.tuner is not None else ''}: "
+            f"{[(r.size, r.error) for r in stats.failed_captures]}"
+        )
+    # The runner's own account of the shared pool, when it has one (excludes static buffers).
+    if stats.pool_bytes:
+        mib = stats.pool_bytes / 2**20
+    return runner, seconds, mib
+
+
+def _time_graph(
+    step: DecodeStep,
+    inputs: Inputs,
+    results: list[BatchResult],
+    sizes: list[int],
+    device: torch.device,
+    cfg: DecodeBenchConfig,
+    report: DecodeBenchReport,
+    log: Callable[[str], None],
+) -> None:
+    runner, report.capture_seconds, report.graph_mib = _capture(step, sizes, device, report)
+    stats = runner.stats
+    log(
+        f"captured {len(sizes)} sizes in {report.capture_seconds:.2f} s, {report.graph_mib:.0f} MiB"
+    )
+    for args, result in zip(inputs, results, strict=True):
+        # Same inputs, same cache position: the replay must reproduce the eager logits.
+        want = step(*args).float()
+        got = runner(*args).float()
+        result.graph_max_abs_diff = (got - want).abs().max().item()
+        result.graph_ms = time_per_call_ms(
+            lambda a=args: runner(*a), device, cfg.steps, cfg.repeats
+        )
+        log(f"batch {result.batch_size}: graph {result.graph_ms:.3f} ms/step")
+    report.runner_stats = stats.table()
+    report.runner_stats_detail = stats.as_dict()
+    runner.release()
+
+
+def _compile_skips() -> int | None:
+    # The counter inductor bumps when reduce-overhead declines to use CUDA graphs for a graph.
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:
+        return None
+    return int(counters["inductor"].get("cudagraph_skips", 0))
+
+
+def _time_compiled(
+    step: DecodeStep,
+    inputs: Sequence[tuple[torch.Tensor, ...]],
+    cfg: DecodeBenchConfig,
+    device: torch.device,
+    results: list[BatchResult],
+) -> None:
+    def plain(tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        return step(tokens, positions, slots)
+
+    compiled = torch.compile(plain, mode="reduce-overhead", dynamic=False)
+    mark = getattr(getattr(torch, "compiler", None), "cudagraph_mark_step_begin", None)
+
+    def call(args: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        if mark is not None:
+            mark()
+        return compiled(*args)
+
+    for args, result in zip(inputs, results, strict=True):
+        before = _compile_skips()
+        t0 = time.perf_counter()
+        try:
+            call(args)
+            sync(device)
+            compile_s = time.perf_counter() - t0
+            result.compile_ms = time_per_call_ms(
+                lambda a=args: call(a), device, cfg.steps, cfg.repeats
+            )
+        except Exception as exc:  # any compiler failure is a result to report, not a crash
+            logger.warning("torch.compile failed at batch %d: %s", result.batch_size, exc)
+            result.compile_note = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
+            continue
+        after = _compile_skips()
+        skipped = before is not None and after is not None and after > before
+        result.compile_note = f"compiled in {compile_s:.1f} s; " + (
+            "skipped cudagraphs (see TORCH_LOGS=perf_hints)" if skipped else "cudagraphs used"
+        )

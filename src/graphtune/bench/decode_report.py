@@ -1,0 +1,163 @@
+"""The decode benchmark's report for people: the table, the kernel tables and the plot."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from graphtune.bench.decode_results import DecodeBenchReport
+from graphtune.errors import ConfigError
+from graphtune.reporting import render_table
+
+
+def format_report(report: DecodeBenchReport) -> str:
+    """The per-batch table plus capture and bandwidth lines, for people."""
+    compile_cols = any(r.compile_ms is not None or r.compile_note for r in report.results)
+    tuned_cols = report.tuning_seconds is not None
+    tuned_graph = any(r.tuned_graph_ms is not None for r in report.results)
+    columns = [
+        "batch",
+        "eager ms",
+        "graph ms",
+        "GPU-busy ms",
+        "speed-up",
+        "graph/busy",
+        "tokens/s",
+        "floor ms",
+    ]
+    if compile_cols:
+        columns.append("compile ms")
+    if tuned_cols:
+        columns += [
+            "tuned graph ms" if tuned_graph else "tuned eager ms",
+            "tuned busy ms",
+            "tuned/untuned",
+            "tuned/floor",
+        ]
+    rows = []
+    for r in report.results:
+        row: list[Any] = [
+            r.batch_size,
+            r.eager_ms,
+            r.graph_ms,
+            r.busy_ms,
+            r.speedup,
+            r.graph_over_busy,
+            round(r.tokens_per_s) if r.tokens_per_s else None,
+            r.floor_ms,
+        ]
+        if compile_cols:
+            row.append(r.compile_ms)
+        if tuned_cols:
+            row += [
+                r.tuned_graph_ms if tuned_graph else r.tuned_eager_ms,
+                r.tuned_busy_ms,
+                r.tuned_over_untuned,
+                r.tuned_over_floor,
+            ]
+        rows.append(row)
+    cfg = report.config
+    params = report.model["parameters"]
+    size = f"{params / 1e9:.2f} B" if params >= 1e9 else f"{params / 1e6:.2f} M"
+    title = (
+        f"decode step: {report.model['name']} ({size} params), context {cfg['context']}, "
+        f"{cfg['dtype']}, {cfg['device']}"
+    )
+    lines = [render_table(title, columns, rows)]
+    if report.capture_seconds is not None:
+        lines.append(
+            f"capture: {report.capture_seconds:.2f} s for {len(report.results)} sizes, "
+            f"graph memory {report.graph_mib:.1f} MiB"
+        )
+    if report.copy_bandwidth_gbps:
+        lines.append(
+            f"device copy bandwidth (read+write): {report.copy_bandwidth_gbps:.0f} GB/s; "
+            "floor = (weights + KV read) / bandwidth"
+        )
+    first = report.results[0] if report.results else None
+    if first is not None and first.top_kernels:
+        rows = [[k["name"][:70], k["calls"], k["us"], 100 * k["share"]] for k in first.top_kernels]
+        launches = first.kernels_per_step
+        kernels = f", {launches:.0f} device activities" if launches else ""
+        lines.append(
+            render_table(
+                f"where the GPU time goes at batch {first.batch_size} "
+                f"(profiler, per step{kernels})",
+                ["kernel", "calls", "us", "% busy"],
+                rows,
+            )
+        )
+    if tuned_cols:
+        fallbacks = report.tuning_fallbacks or {}
+        lines.append(
+            f"tuning: {report.tuning_profiles} (op, bucket) profiles tuned in "
+            f"{report.tuning_seconds:.1f} s ({report.tuning_compile_seconds:.1f} s compiling); "
+            + (f"untuned shapes fell back: {fallbacks}" if fallbacks else "no fallbacks")
+        )
+        diffs = [r.tuned_max_abs_diff for r in report.results if r.tuned_max_abs_diff is not None]
+        if diffs:
+            lines.append(f"tuned vs untuned step logits: max abs diff {max(diffs):.3g}")
+    if first is not None and first.tuned_top_kernels:
+        rows = [
+            [k["name"][:70], k["calls"], k["us"], 100 * k["share"]] for k in first.tuned_top_kernels
+        ]
+        launches = first.tuned_kernels_per_step
+        kernels = f", {launches:.0f} device activities" if launches else ""
+        lines.append(
+            render_table(
+                f"tuned step: where the GPU time goes at batch {first.batch_size} "
+                f"(profiler, per step{kernels})",
+                ["kernel", "calls", "us", "% busy"],
+                rows,
+            )
+        )
+    for r in report.results:
+        if r.compile_note:
+            lines.append(f"torch.compile batch {r.batch_size}: {r.compile_note}")
+    lines.extend(report.notes)
+    return "\n".join(lines)
+
+
+def plot_report(report: DecodeBenchReport, path: str) -> None:
+    """Saves ms/step vs batch size per runner, with the GPU-busy line and the bytes floor.
+
+    Raises:
+        ConfigError: matplotlib is not installed (the message says how to get it).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise ConfigError(
+            "--plot needs matplotlib: pip install 'graphtune[plot]' (or drop --plot)"
+        ) from exc
+    sizes = [r.batch_size for r in report.results]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    series = [
+        ("eager", "eager_ms", "o-"),
+        ("graph runner", "graph_ms", "s-"),
+        ("torch.compile reduce-overhead", "compile_ms", "^-"),
+        ("tuned graph runner", "tuned_graph_ms", "D-"),
+        ("GPU-busy (profiler)", "busy_ms", "k--"),
+        ("bytes floor", "floor_ms", "k:"),
+    ]
+    for label, attr, style in series:
+        points = [
+            (s, getattr(r, attr))
+            for s, r in zip(sizes, report.results, strict=True)
+            if getattr(r, attr) is not None
+        ]
+        if points:
+            ax.plot(*zip(*points, strict=True), style, label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("ms per decode step")
+    gpu = report.provenance.get("gpu") or report.config["device"]
+    ax.set_title(f"{report.model['name']} decode step on {gpu}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

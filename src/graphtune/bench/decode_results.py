@@ -1,0 +1,123 @@
+"""What ``graphtune bench decode`` measures and what it found: configuration and results."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from graphtune.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class DecodeBenchConfig:
+    """What ``bench decode`` measures.
+
+    Attributes:
+        model: Checkpoint folder or preset name.
+        batch_sizes: Batch sizes to time (each is also a captured size).
+        context: Tokens already in the cache for every request (attention length).
+        steps: Decode steps per timed repeat.
+        repeats: Timed repeats; the median is reported.
+        runners: Subset of ``("eager", "graph")``.
+        compare_compile: Also time ``torch.compile(mode="reduce-overhead")`` of the same step.
+        device: ``"auto"`` (CUDA when present), ``"cuda"``, ``"cuda:1"``, ``"cpu"``...
+        dtype: ``"auto"`` (bfloat16 on CUDA, float32 on CPU) or a torch dtype name.
+        seed: Seed for random weights, tokens and cache contents.
+        tune: Also tune the step's ops and time the tuned step beside the untuned one.
+        tuning_cache: Tuning cache file for ``tune`` (loaded when present, saved after).
+        tune_cold_l2: With ``tune``, time the GEMMs with cold-L2 rotation (see
+            :class:`graphtune.ops.OpContext`).
+        tp: Tensor-parallel degree (``run_decode_bench`` then needs a matching ``parallel``
+            context; every rank runs the same benchmark and times its own shard). With ``tune``
+            the ranks tune with the ``agree`` strategy and the report says whether every rank
+            holds the same picks.
+    """
+
+    model: str = "llama-1b-shape"
+    batch_sizes: tuple[int, ...] = (1, 8, 32, 128)
+    context: int = 512
+    steps: int = 20
+    repeats: int = 5
+    runners: tuple[str, ...] = ("eager", "graph")
+    compare_compile: bool = False
+    device: str = "auto"
+    dtype: str = "auto"
+    seed: int = 0
+    tune: bool = False
+    tuning_cache: str | None = None
+    tune_cold_l2: bool = False
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tp < 1:
+            raise ConfigError(f"tp must be >= 1, got {self.tp}")
+        if self.tp > 1 and self.compare_compile:
+            raise ConfigError(
+                "--compare-compile is not supported with --tp > 1; drop it to time "
+                "the tensor-parallel step"
+            )
+        if not self.batch_sizes or min(self.batch_sizes) <= 0:
+            raise ConfigError(f"batch sizes must be positive, got {self.batch_sizes}")
+        if self.context < 0 or self.steps <= 0 or self.repeats <= 0:
+            raise ConfigError("context must be >= 0 and steps, repeats > 0")
+        bad = set(self.runners) - {"eager", "graph"}
+        if bad or not self.runners:
+            raise ConfigError(f"runners must be a non-empty subset of eager, graph; got {bad}")
+
+
+@dataclass
+class BatchResult:
+    """Measurements for one batch size (milliseconds per decode step unless named otherwise)."""
+
+    batch_size: int
+    eager_ms: float | None = None
+    graph_ms: float | None = None
+    compile_ms: float | None = None
+    busy_ms: float | None = None
+    floor_ms: float | None = None
+    speedup: float | None = None
+    graph_over_busy: float | None = None
+    tokens_per_s: float | None = None
+    graph_max_abs_diff: float | None = None
+    compile_note: str | None = None
+    kernels_per_step: float | None = None
+    top_kernels: list[dict[str, Any]] = field(default_factory=list)
+    # With ``tune``: the tuned step, timed like the untuned one (graph on CUDA, else eager).
+    tuned_graph_ms: float | None = None
+    tuned_eager_ms: float | None = None
+    tuned_busy_ms: float | None = None
+    tuned_over_untuned: float | None = None
+    tuned_over_floor: float | None = None
+    tuned_max_abs_diff: float | None = None
+    tuned_kernels_per_step: float | None = None
+    tuned_top_kernels: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class DecodeBenchReport:
+    """Everything ``bench decode`` measured, ready for a table, a plot or JSON."""
+
+    config: dict[str, Any]
+    model: dict[str, Any]
+    provenance: dict[str, Any]
+    results: list[BatchResult] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    copy_bandwidth_gbps: float | None = None
+    capture_seconds: float | None = None
+    graph_mib: float | None = None
+    runner_stats: str | None = None
+    runner_stats_detail: dict[str, Any] | None = None
+    tuning_seconds: float | None = None
+    tuning_compile_seconds: float | None = None
+    tuning_compile_seconds_by_op: dict[str, float] | None = None
+    tuning_profiles: int | None = None
+    tuning_fallbacks: dict[str, int] | None = None
+    tuning_picks: list[list[Any]] | None = None
+    tuning_rank_agreement: float | None = None
+    tuned_capture_seconds: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-serialisable dict."""
+        out = asdict(self)
+        out["results"] = [asdict(r) for r in self.results]
+        return out

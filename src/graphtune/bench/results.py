@@ -1,0 +1,83 @@
+"""Writing a result JSON: strict JSON, atomically, and never losing the data.
+
+:func:`write_json` writes a temporary file next to the target and renames it over the target
+(``os.replace``), so a reader sees the old file or the new one, never half of one. When the
+target cannot be written (a read-only folder, a full disk) the data goes to a file in the system's
+temporary folder instead: the returned path says where, and a warning names both; only when that
+fails too is an error raised, naming both places.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from graphtune.errors import ResultsWriteError
+
+logger = logging.getLogger(__name__)
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with non-finite floats as ``None`` (strict JSON has no inf/nan), recursively."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(
+        "w", dir=path.parent, prefix=path.name, suffix=".tmp", delete=False
+    ) as handle:
+        temp = Path(handle.name)
+        try:
+            handle.write(text)
+        except BaseException:
+            handle.close()
+            temp.unlink(missing_ok=True)
+            raise
+    try:
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: str | os.PathLike[str], payload: Any) -> Path:
+    """Writes ``payload`` as indented strict JSON to ``path``, atomically.
+
+    Non-finite floats become ``null``; values JSON cannot represent are written with ``str``.
+
+    Returns:
+        The file holding the data: ``path``, or, when ``path`` could not be written, a file in
+        the temporary folder (a warning names both).
+
+    Raises:
+        ResultsWriteError: Neither ``path`` nor the temporary folder could be written.
+    """
+    target = Path(path)
+    text = json.dumps(json_safe(payload), indent=2, sort_keys=False, default=str) + "\n"
+    try:
+        _write_atomically(target, text)
+        return target
+    except OSError as exc:
+        first = f"{type(exc).__name__}: {exc}"
+    fallback = Path(tempfile.gettempdir()) / f"graphtune-{os.getpid()}-{target.name}"
+    try:
+        _write_atomically(fallback, text)
+    except OSError as exc:
+        raise ResultsWriteError(
+            f"could not write the result to {target} ({first}) nor to {fallback} "
+            f"({type(exc).__name__}: {exc}); free some disk space or pass a writable path"
+        ) from None
+    logger.warning("could not write %s (%s); the result is in %s instead", target, first, fallback)
+    return fallback

@@ -1,0 +1,74 @@
+"""Timing helpers on the library's own timers: per-call time, copy bandwidth, bytes floor.
+
+Per-call times come from :mod:`graphtune.autotuner.timing`: CUDA events around back-to-back calls
+without a delay kernel on CUDA (``EventTimer(delay=False)``: what a caller pays, host launch cost
+and idle gaps included), the wall clock elsewhere. A timer can be passed in, so CPU tests drive
+the real helpers with a fake one. GPU-busy time from CUPTI is in :mod:`graphtune.bench.cupti`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from graphtune.autotuner.timing import EventTimer, WallClockTimer
+from graphtune.autotuner.timing.base import Timer
+
+
+def sync(device: torch.device) -> None:
+    """Waits for ``device`` to drain (nothing to wait for off CUDA)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def call_timer(device: torch.device, repeats: int) -> Timer:
+    """The timer :func:`time_per_call_ms` uses on ``device``, with ``repeats`` samples."""
+    if device.type == "cuda":
+        return EventTimer(samples=repeats, delay=False, device=device)
+    return WallClockTimer(samples=repeats)
+
+
+def time_per_call_ms(
+    fn: Callable[[], object],
+    device: torch.device,
+    steps: int,
+    repeats: int,
+    *,
+    warmup: int = 3,
+    timer: Timer | None = None,
+) -> float:
+    """Median over ``repeats`` samples of the mean time of ``steps`` back-to-back calls, in ms.
+
+    On CUDA the calls are bracketed by CUDA events (no host synchronisation per call, no delay
+    kernel), so a host-bound eager step is measured as the GPU sees it, idle gaps included, and
+    graph replays are not charged a synchronisation each.
+
+    Args:
+        fn: One call (e.g. a decode step with its inputs bound).
+        device: Where it runs.
+        steps: Calls per sample.
+        repeats: Samples.
+        warmup: Untimed calls first.
+        timer: Replaces :func:`call_timer`'s choice (tests).
+    """
+    chosen = timer if timer is not None else call_timer(device, repeats)
+    return chosen.measure(lambda i: fn(), warmup=warmup, repeat=steps).median_us / 1e3
+
+
+def copy_bandwidth_gbps(
+    device: torch.device, nbytes: int = 1 << 30, *, timer: Timer | None = None
+) -> float | None:
+    """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written; ``None``
+    off CUDA (the bytes floor is a GPU notion)."""
+    if device.type != "cuda" and timer is None:
+        return None
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    ms = time_per_call_ms(lambda: dst.copy_(src), device, steps=10, repeats=5, timer=timer)
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def bytes_floor_ms(nbytes: int, bandwidth_gbps: float) -> float:
+    """The time to move ``nbytes`` once at ``bandwidth_gbps``: a memory-bound step's floor."""
+    return nbytes / (bandwidth_gbps * 1e9) * 1e3

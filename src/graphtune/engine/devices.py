@@ -1,0 +1,37 @@
+"""Device and dtype names as the command line and the benchmarks spell them."""
+
+from __future__ import annotations
+
+import torch
+
+from graphtune.errors import ConfigError
+
+
+def resolve_device(device: str) -> torch.device:
+    """``"auto"`` becomes CUDA when available, else CPU; anything else is a torch device name.
+
+    Raises:
+        ConfigError: ``device`` is not a device torch knows.
+    """
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return torch.device(device)
+    except RuntimeError as exc:
+        raise ConfigError(
+            f"unknown device {device!r} ({exc}); use auto, cpu, cuda or cuda:N"
+        ) from None
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """``"auto"`` becomes bfloat16 on CUDA and float32 elsewhere; else a torch dtype name.
+
+    Raises:
+        ConfigError: ``dtype`` names no torch dtype.
+    """
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    value = getattr(torch, dtype, None)
+    if not isinstance(value, torch.dtype):
+        raise ConfigError(f"unknown dtype {dtype!r}; use bfloat16, float16 or float32")
+    return value

@@ -1,0 +1,65 @@
+"""Per-extra-key state of a graph runner, and reading a call's batch size.
+
+One :class:`KeyState` exists per ``key_fn`` value: its static input buffers, the static outputs of
+its graph breaks, its captured graphs by size and its failed captures by size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any
+
+from graphtune.errors import InputError
+from graphtune.graphs.breaks import BreakBuffers, PiecewiseGraph
+from graphtune.graphs.buffers import StaticInputs
+from graphtune.graphs.capture import CapturedGraph, CaptureRecord
+from graphtune.graphs.policy import GraphState
+from graphtune.graphs.tree import path_str
+
+
+class KeyState:
+    """Buffers and graphs of one extra key."""
+
+    __slots__ = ("extra_key", "inputs", "breaks", "graphs", "failed")
+
+    def __init__(self, extra_key: Hashable, inputs: StaticInputs) -> None:
+        self.extra_key = extra_key
+        self.inputs = inputs
+        self.breaks = BreakBuffers(inputs.rows)
+        self.graphs: dict[int, CapturedGraph] = {}
+        self.failed: dict[int, CaptureRecord] = {}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of this key's static buffers: inputs, shared and per-graph break outputs."""
+        own = sum(
+            brk.own_bytes
+            for graph in self.graphs.values()
+            if isinstance(graph.graph, PiecewiseGraph)
+            for brk in graph.graph.breaks
+        )
+        return self.inputs.nbytes + self.breaks.nbytes + own
+
+    def graph_state(self, size: int | None) -> GraphState:
+        if size in self.graphs:
+            return GraphState.CAPTURED
+        if size in self.failed:
+            return GraphState.FAILED
+        return GraphState.MISSING
+
+
+def batch_of(plan: StaticInputs, leaves: Any) -> int:
+    """The leading dim of the leaf that gives the batch size.
+
+    Raises:
+        InputError: That leaf is not a tensor with a leading dim.
+    """
+    leaf = leaves[plan.batch_index]
+    try:
+        return leaf.shape[0]
+    except (AttributeError, IndexError):
+        raise InputError(
+            f"input {path_str(plan.paths[plan.batch_index])} gives the batch size and must be a "
+            f"tensor with a leading dim, got {type(leaf).__name__}"
+            f"{tuple(leaf.shape) if hasattr(leaf, 'shape') else ''}; keep the captured structure"
+        ) from None

@@ -1,0 +1,236 @@
+"""Triton kernels of decode attention (``graphtune.ops.attention``). Imported only through
+``graphtune.ops.attention.attention_kernels()`` (needs Triton).
+
+:func:`decode_attention_kernel` is flash-decoding over the visible keys of a static KV cache.
+With several splits per (request, KV head) its float32 partials are merged either by the second
+kernel, :func:`decode_attention_combine_kernel`, or (``INLINE_COMBINE``) by whichever split
+program of the row finishes last: each program stores its partial, then takes a ticket from a
+per-row arrival counter; the program holding the last ticket reads every partial in split order
+(so the result does not depend on which program came last: deterministic), writes the output and
+resets the counter to 0 for the next call. That removes the combine kernel and its kernel
+boundary while keeping the split's parallelism. The counters live in a persistent zeroed buffer
+(``graphtune.ops.attention.arrival_counters``), so nothing is zero-filled per call and the launch
+is capturable.
+
+Only stable ``tl.`` APIs; ``griddepcontrol`` only under ``USE_PDL`` (``graphtune.ops._pdl``).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def decode_attention_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    mask_ptr,
+    out_ptr,
+    ws_ptr,
+    cnt_ptr,
+    KV,
+    G,
+    S,
+    qk_scale,
+    stride_qb,
+    stride_qh,
+    stride_qg,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_ks,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vs,
+    stride_vd,
+    stride_mb,
+    stride_ms,
+    SPLITS: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SCAN_BLOCK: tl.constexpr,
+    IEEE: tl.constexpr,
+    INLINE_COMBINE: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """Flash-decoding: program ``(b * KV + h, split)`` attends ``G`` query rows of one KV head.
+
+    ``scores = q . k * qk_scale + mask * log2(e)`` in float32 (``qk_scale`` is
+    ``log2(e) / sqrt(D)``: the softmax runs in base 2, ``exp2`` being the hardware instruction),
+    with an online softmax over ``BLOCK_N``-key tiles (running max ``m``, sum ``l``, ``acc``).
+    The ``G`` rows are padded to ``BLOCK_G >= 16`` rows so both products are ``tl.dot`` tiles.
+
+    The mask row is scanned first for its visible keys (bias ``> -inf``): only ``[lo, hi)`` is
+    walked, split evenly between the ``SPLITS`` programs of the row. Keys outside it have weight
+    exactly 0, so skipping their K/V bytes changes no result, and a decode mask (keys up to the
+    position) makes the kernel read only the keys that exist. ``m`` starts at a finite -1e30, so a
+    tile or a split with no visible key adds ``l = 0`` and never a NaN; a row with no visible key
+    at all writes 0 (as torch's SDPA does).
+
+    With ``SPLITS == 1`` the normalised rows go to ``out`` (contiguous ``[B, KV, G, D]``);
+    otherwise float32 partials go to ``ws`` (contiguous ``[B * KV, SPLITS, G, D + 2]``: ``acc``,
+    then ``m``, then ``l``) and :func:`decode_attention_combine_kernel` merges them, or with
+    ``INLINE_COMBINE`` the last split program of the row does (``cnt [B * KV]`` int32 arrival
+    counters, zero between calls; see the module docstring).
+    """
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # q and the new K/V row come from the kernel before
+    bh = tl.program_id(0).to(tl.int64)  # 64-bit offsets: a long KV cache exceeds 2^31 elements
+    split = tl.program_id(1)
+    b = bh // KV
+    h = bh % KV
+    rows = tl.arange(0, BLOCK_G)
+    dims = tl.arange(0, HEAD_DIM)
+    row_ok = rows < G
+    mask_row = mask_ptr + b * stride_mb
+
+    # Visible span [lo, hi) of this batch row; every program of the row computes the same one.
+    hi_vec = tl.zeros((SCAN_BLOCK,), dtype=tl.int32)
+    lo_vec = tl.zeros((SCAN_BLOCK,), dtype=tl.int32) + S
+    for start in range(0, S, SCAN_BLOCK):
+        idx = start + tl.arange(0, SCAN_BLOCK)
+        bias = tl.load(mask_row + idx * stride_ms, mask=idx < S, other=float("-inf"))
+        visible = bias.to(tl.float32) > float("-inf")
+        hi_vec = tl.maximum(hi_vec, tl.where(visible, idx + 1, 0))
+        lo_vec = tl.minimum(lo_vec, tl.where(visible, idx, S))
+    hi = tl.max(hi_vec, axis=0)
+    lo = tl.minimum(tl.min(lo_vec, axis=0), hi)
+    per_split = ((hi - lo + SPLITS - 1) // SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    begin = lo + split * per_split
+    end = tl.minimum(begin + per_split, hi)
+
+    q_ptrs = (
+        q_ptr
+        + b * stride_qb
+        + h * stride_qh
+        + rows[:, None] * stride_qg
+        + dims[None, :] * stride_qd
+    )
+    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+    # Tile pointers start at `begin` and advance by BLOCK_N keys (fewer registers than
+    # recomputing [D, BLOCK_N] 64-bit addresses per tile).
+    tile = tl.arange(0, BLOCK_N)
+    first = begin.to(tl.int64)
+    k_ptrs = (
+        k_ptr
+        + b * stride_kb
+        + h * stride_kh
+        + dims[:, None] * stride_kd
+        + (first + tile[None, :]) * stride_ks
+    )
+    v_ptrs = (
+        v_ptr
+        + b * stride_vb
+        + h * stride_vh
+        + dims[None, :] * stride_vd
+        + (first + tile[:, None]) * stride_vs
+    )
+    m_ptrs = mask_row + (first + tile) * stride_ms
+    m_i = tl.zeros((BLOCK_G,), dtype=tl.float32) - 1.0e30
+    l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_G, HEAD_DIM), dtype=tl.float32)
+    # Counting from 0 to the slice length (not from `begin` to `end`) lets Triton's software
+    # pipeliner (num_stages) prefetch the masked K/V tiles; it leaves the other form unpipelined.
+    count = end - begin
+    for n in range(0, count, BLOCK_N):
+        key_ok = n + tile < count
+        k = tl.load(k_ptrs, mask=key_ok[None, :], other=0.0)
+        bias = tl.load(m_ptrs, mask=key_ok, other=float("-inf"))
+        if IEEE:
+            qk = tl.dot(q, k, input_precision="ieee")
+        else:
+            qk = tl.dot(q, k)
+        s = qk * qk_scale + bias.to(tl.float32)[None, :] * 1.4426950408889634
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptrs, mask=key_ok[:, None], other=0.0)
+        acc = acc * alpha[:, None]
+        if IEEE:
+            acc += tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc += tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+        k_ptrs += BLOCK_N * stride_ks
+        v_ptrs += BLOCK_N * stride_vs
+        m_ptrs += BLOCK_N * stride_ms
+
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+    out_ptrs = out_ptr + ((bh * G + rows) * HEAD_DIM)[:, None] + dims[None, :]
+    if SPLITS == 1:
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        ws_rows = ws_ptr + ((bh * SPLITS + split) * G + rows) * (HEAD_DIM + 2)
+        tl.store(ws_rows[:, None] + dims[None, :], acc, mask=row_ok[:, None])
+        tl.store(ws_rows + HEAD_DIM, m_i, mask=row_ok)
+        tl.store(ws_rows + HEAD_DIM + 1, l_i, mask=row_ok)
+        if INLINE_COMBINE:
+            # Every thread's partial is stored before the ticket is taken (the release of the
+            # acq_rel atomic then publishes them at GPU scope).
+            tl.debug_barrier()
+            ticket = tl.atomic_add(cnt_ptr + bh, 1, sem="acq_rel", scope="gpu")
+            if ticket == SPLITS - 1:
+                tl.debug_barrier()
+                # Partials are read from L2 (.cg): another SM wrote them, and this SM's L1 may
+                # hold lines of the same workspace from an earlier call.
+                first = ws_ptr + (bh * SPLITS * G + rows) * (HEAD_DIM + 2)
+                m_max = tl.zeros((BLOCK_G,), dtype=tl.float32) - 1.0e30
+                for s in range(0, SPLITS):
+                    part = first + s * G * (HEAD_DIM + 2)
+                    m_s = tl.load(part + HEAD_DIM, mask=row_ok, other=-1.0e30, cache_modifier=".cg")
+                    m_max = tl.maximum(m_max, m_s)
+                total = tl.zeros((BLOCK_G,), dtype=tl.float32)
+                merged = tl.zeros((BLOCK_G, HEAD_DIM), dtype=tl.float32)
+                for s in range(0, SPLITS):
+                    part = first + s * G * (HEAD_DIM + 2)
+                    m_s = tl.load(part + HEAD_DIM, mask=row_ok, other=-1.0e30, cache_modifier=".cg")
+                    l_s = tl.load(part + HEAD_DIM + 1, mask=row_ok, other=0.0, cache_modifier=".cg")
+                    a_s = tl.load(
+                        part[:, None] + dims[None, :],
+                        mask=row_ok[:, None],
+                        other=0.0,
+                        cache_modifier=".cg",
+                    )
+                    w = tl.exp2(m_s - m_max)
+                    total += l_s * w
+                    merged += a_s * w[:, None]
+                out = merged / tl.where(total > 0.0, total, 1.0)[:, None]
+                tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+                tl.atomic_xchg(cnt_ptr + bh, 0)  # ready for the next call
+
+
+@triton.jit
+def decode_attention_combine_kernel(
+    ws_ptr,
+    out_ptr,
+    G,
+    SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    """Merges the ``SPLITS`` partials of one query row (program ``(b * KV + h) * G + g``).
+
+    Log-sum-exp merge in base 2: ``w_s = exp2(m_s - max m)``, ``out = sum w_s acc_s /
+    sum w_s l_s``, written to contiguous ``out [B, KV, G, D]`` in its dtype. Splits without a
+    visible key hold ``m = -1e30, l = 0, acc = 0`` and weigh nothing; a row without any writes 0.
+    """
+    pid = tl.program_id(0).to(tl.int64)
+    bh = pid // G
+    g = pid % G
+    splits = tl.arange(0, SPLITS)
+    dims = tl.arange(0, HEAD_DIM)
+    rows = ws_ptr + ((bh * SPLITS + splits) * G + g) * (HEAD_DIM + 2)
+    m = tl.load(rows + HEAD_DIM)
+    l_s = tl.load(rows + HEAD_DIM + 1)
+    acc = tl.load(rows[:, None] + dims[None, :])
+    w = tl.exp2(m - tl.max(m, axis=0))
+    total = tl.sum(l_s * w, axis=0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(out_ptr + pid * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty))

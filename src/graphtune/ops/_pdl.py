@@ -1,0 +1,120 @@
+"""Programmatic dependent launch (PDL) for graphtune's Triton kernels.
+
+On compute capability 9.0 and later a kernel launched with PDL may start while the kernel before
+it in the stream is still running: its programs are scheduled as soon as every program of the
+predecessor has called ``griddepcontrol.launch_dependents`` (or finished), and each of its programs
+blocks in ``griddepcontrol.wait`` until the predecessor has completed and its writes are visible.
+CUDA graphs capture the dependency, so a replayed step overlaps one kernel's tail and set-up with
+the next kernel's start.
+
+A kernel opts in by declaring a ``USE_PDL: tl.constexpr`` parameter; :func:`pdl_meta` (called by
+:func:`graphtune.ops._triton.run_kernel` for every launch) then sets it, and asks Triton for a PDL
+launch (``launch_pdl=True``), exactly when PDL can work: a CUDA device of compute capability
+>= 9.0, a Triton whose CUDA backend has the ``launch_pdl`` option and ``tl.extra.cuda.gdc_wait``
+(Triton 3.3 and later; the interpreter never), and ``GRAPHTUNE_PDL`` not ``0``. Otherwise
+``USE_PDL`` is false, the kernel compiles without the ``griddepcontrol`` instructions, and it is
+launched in plain stream order: the results are the same bits either way.
+
+The contract a ``USE_PDL`` kernel keeps (every kernel of :mod:`graphtune.ops.fused` does):
+
+* before ``gdc_wait()`` it reads only what no kernel of the step writes (weights, norm weights,
+  RoPE tables) and writes nothing; after it, anything. So a read-after-write (activations) and a
+  write-after-read (an in-place residual update of a tensor the predecessor reads) are both safe;
+* every program calls ``gdc_wait()`` unconditionally (no early exit before it), so a kernel's
+  completion implies its predecessor's, and waiting on the immediate predecessor is enough to
+  order a kernel after every earlier one;
+* ``gdc_launch_dependents()`` comes after the main loop: the successor's programs should not take
+  SM slots from this kernel's own programs while they still stream.
+
+A kernel that follows a kernel without PDL (cuBLAS, torch) is ordered as usual: the driver only
+overlaps a PDL launch with a predecessor that triggers it.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from graphtune import env
+
+PDL_ARG = "USE_PDL"
+"""The ``tl.constexpr`` parameter through which a kernel opts in to PDL."""
+MIN_CAPABILITY = (9, 0)
+
+
+@functools.lru_cache(maxsize=1)
+def triton_accepts_pdl() -> bool:
+    """Whether the installed Triton can launch with PDL and emit ``griddepcontrol``.
+
+    Triton 3.3+ has ``launch_pdl`` among the CUDA backend's options and
+    ``tl.extra.cuda.gdc_wait`` / ``gdc_launch_dependents`` (their builder argument was renamed
+    between 3.3 and 3.4, which the ``tl.extra.cuda`` call sites do not see).
+    """
+    try:
+        import triton.language.extra.cuda as cuda_extra
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    fields = getattr(CUDAOptions, "__dataclass_fields__", {})
+    return (
+        "launch_pdl" in fields
+        and hasattr(cuda_extra, "gdc_wait")
+        and hasattr(cuda_extra, "gdc_launch_dependents")
+    )
+
+
+@functools.lru_cache(maxsize=16)
+def _capability(index: int) -> tuple[int, int]:
+    major, minor = torch.cuda.get_device_capability(index)
+    return int(major), int(minor)
+
+
+def device_supports_pdl(device: torch.device) -> bool:
+    """Whether ``device`` is a CUDA GPU of compute capability >= 9.0."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _capability(index) >= MIN_CAPABILITY
+
+
+def _is_interpreted(kernel: Any) -> bool:
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:
+        return False
+    return isinstance(kernel, InterpretedFunction)
+
+
+def _device_of(args: tuple[Any, ...]) -> torch.device | None:
+    return next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+
+
+def pdl_enabled(device: torch.device | None) -> bool:
+    """Whether a ``USE_PDL`` kernel on ``device`` is launched with PDL (see the module doc)."""
+    return (
+        device is not None
+        and env.pdl_allowed()
+        and device_supports_pdl(device)
+        and triton_accepts_pdl()
+    )
+
+
+def pdl_meta(kernel: Any, args: tuple[Any, ...], meta: dict[str, Any]) -> dict[str, Any]:
+    """``meta`` with ``USE_PDL`` (and ``launch_pdl``) filled in for a kernel that declares it.
+
+    A kernel without a ``USE_PDL`` parameter gets ``meta`` unchanged; an explicit ``USE_PDL`` in
+    ``meta`` is kept (``launch_pdl`` then follows it). Warm-up compiles pass the same options, so
+    the binary compiled ahead of time is the one launched.
+    """
+    if PDL_ARG not in getattr(kernel, "arg_names", ()):
+        return meta
+    if PDL_ARG in meta:
+        use = bool(meta[PDL_ARG])
+    else:
+        use = not _is_interpreted(kernel) and pdl_enabled(_device_of(args))
+    out = {**meta, PDL_ARG: use}
+    if use:
+        out["launch_pdl"] = True
+    return out

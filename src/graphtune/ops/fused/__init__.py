@@ -1,0 +1,75 @@
+"""Fused decode ops: each a tunable op whose first runner is the unfused sequence of ops.
+
+A decode layer in about five kernels (with decode attention between the first two):
+
+* :func:`norm_qkv_rope` — RMSNorm prologue + QKV projection (+ bias) + RoPE + K/V cache write;
+* :func:`norm_gate_up_silu` — RMSNorm prologue + gate/up projection + SiLU-and-mul;
+* :func:`add_projection` — ``x += a @ weight.T`` (output and down projections, residual in place);
+* :func:`norm_linear` — RMSNorm prologue + a linear layer (the final norm and the LM head).
+
+Runner 0, tactic ``-1`` of each is the unfused path through the existing tunable ops (each asks
+the same tuner for its own pick), so the tuner decides per shape bucket between the fused
+kernel's tactics and the unfused path (:mod:`graphtune.ops.fused._base`). The fused kernel is
+one Triton GEMV family (:mod:`graphtune.ops.fused._gemv`), launched with programmatic dependent
+launch where the GPU supports it (:mod:`graphtune.ops._pdl`). :class:`TritonSkinnyGemmRunner` is the
+same kernel as a runner of the ``graphtune.gemm`` op (swapped operands on the tensor cores, for
+decode batches of up to 16 rows); it is not registered in ``gemm_runners()``. Importing this
+package imports neither Triton nor the kernels.
+"""
+
+from graphtune.ops.fused._gemv import check_fused_tactic, fused_gemv_tactics
+from graphtune.ops.fused.mlp import (
+    TritonNormGateUpSilu,
+    UnfusedNormGateUpSilu,
+    norm_gate_up_silu,
+    norm_gate_up_silu_config,
+    norm_gate_up_silu_runners,
+    torch_norm_gate_up_silu,
+)
+from graphtune.ops.fused.projection import (
+    TritonAddProjection,
+    TritonNormLinear,
+    UnfusedAddProjection,
+    UnfusedNormLinear,
+    add_projection,
+    add_projection_config,
+    add_projection_runners,
+    norm_linear,
+    norm_linear_config,
+    norm_linear_runners,
+)
+from graphtune.ops.fused.qkv import (
+    TritonNormQkvRope,
+    UnfusedNormQkvRope,
+    norm_qkv_rope,
+    norm_qkv_rope_config,
+    norm_qkv_rope_runners,
+)
+from graphtune.ops.fused.skinny_gemm import TritonSkinnyGemmRunner
+
+__all__ = [
+    "TritonAddProjection",
+    "TritonNormGateUpSilu",
+    "TritonNormLinear",
+    "TritonNormQkvRope",
+    "TritonSkinnyGemmRunner",
+    "UnfusedAddProjection",
+    "UnfusedNormGateUpSilu",
+    "UnfusedNormLinear",
+    "UnfusedNormQkvRope",
+    "add_projection",
+    "add_projection_config",
+    "add_projection_runners",
+    "check_fused_tactic",
+    "fused_gemv_tactics",
+    "norm_gate_up_silu",
+    "norm_gate_up_silu_config",
+    "norm_gate_up_silu_runners",
+    "norm_linear",
+    "norm_linear_config",
+    "norm_linear_runners",
+    "norm_qkv_rope",
+    "norm_qkv_rope_config",
+    "norm_qkv_rope_runners",
+    "torch_norm_gate_up_silu",
+]

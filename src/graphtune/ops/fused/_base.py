@@ -1,0 +1,94 @@
+"""What every fused op shares: its first runner runs the unfused sequence of tunable ops.
+
+A fused op's runner 0 (tactic ``-1``, the untuned fallback) is the unfused path: the existing ops
+of :mod:`graphtune.ops` called one after the other, each through the *same* tuner, so each asks
+for its own pick (and, inside :func:`graphtune.autotune`, is tuned on a miss). The tuner then
+compares, per shape bucket, the fused kernel's tactics against the unfused path as it would run.
+
+Tuning nests: timing the fused op's fallback calls the inner ops, whose first call misses the
+cache and tunes them on the same (synthetic) shapes. Every timer warms a candidate up eagerly
+before it measures (the graph timer before it captures), so the inner tuning happens during the
+warm-up, never inside a capture, and the fallback is measured with the inner picks. The tuner's
+lock is re-entrant, so the nested ``choose_one`` runs on the same thread.
+
+The runner holds its tuner through a weak reference (the runner tuples are cached per tuner, and a
+strong one would keep every tuner alive); a runner sent to a worker process
+(``isolation="subprocess"``) arrives without it and asks the worker's default tuner.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from graphtune.autotuner.context import get_tuner
+from graphtune.autotuner.runner import FALLBACK_TACTIC, TunableRunner
+from graphtune.autotuner.tuner import AutoTuner
+from graphtune.ops._triton_runner import TritonRunner
+
+_RUNNERS: weakref.WeakKeyDictionary[AutoTuner, dict[tuple[Any, ...], tuple[TunableRunner, ...]]]
+_RUNNERS = weakref.WeakKeyDictionary()
+_LOCK = threading.Lock()
+
+
+def runners_for(
+    tuner: AutoTuner, key: tuple[Any, ...], build: Callable[[], tuple[TunableRunner, ...]]
+) -> tuple[TunableRunner, ...]:
+    """The runner tuple of one fused op layout for ``tuner``, built once.
+
+    The same objects come back for every call, so the tuner's per-call memo (keyed by the
+    runner objects) hits.
+    """
+    with _LOCK:
+        per_tuner = _RUNNERS.setdefault(tuner, {})
+        found = per_tuner.get(key)
+        if found is None:
+            found = per_tuner[key] = build()
+        return found
+
+
+class UnfusedRunner(TunableRunner):
+    """Base of a fused op's first runner: only the fallback tactic, which runs the unfused ops.
+
+    Args:
+        tuner: The tuner the inner ops ask (weakly held; ``None``: the process default).
+        max_m: ``max_m`` passed to every inner op.
+    """
+
+    def __init__(self, tuner: AutoTuner | None = None, max_m: int | None = None) -> None:
+        self._tuner_ref = weakref.ref(tuner) if tuner is not None else None
+        self.max_m = max_m
+
+    @property
+    def tuner(self) -> AutoTuner:
+        """The inner ops' tuner (the process default when none was given or it is gone)."""
+        tuner = self._tuner_ref() if self._tuner_ref is not None else None
+        return tuner if tuner is not None else get_tuner()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_tuner_ref"] = None  # a weak reference cannot be pickled (subprocess isolation)
+        return state
+
+    def unfused(self, inputs: list[Any]) -> Any:
+        """The unfused sequence of tunable ops."""
+        raise NotImplementedError
+
+    def forward(self, inputs: list[Any], tactic: Any = FALLBACK_TACTIC, **kwargs: Any) -> Any:
+        """Runs :meth:`unfused` (the only tactic is ``-1``)."""
+        return self.unfused(inputs)
+
+
+class FusedTritonRunner(TritonRunner):
+    """Base of a fused op's Triton runner: tactic ``-1`` runs the op's torch composition, any
+    other the fused GEMV kernel, whose launch code and kernel source are part of the runner's
+    cache identity."""
+
+    source_modules = ("graphtune.ops.fused._gemv", "graphtune.ops.fused._gemv_kernels")
+
+
+def resolve(tuner: AutoTuner | None) -> AutoTuner:
+    """``tuner``, or the process default."""
+    return tuner if tuner is not None else get_tuner()

@@ -1,0 +1,261 @@
+"""Tactics and launch of the fused decode GEMV kernel shared by every op of this package.
+
+Tactics are dicts ``{"bn", "bk", "warps", "dot"}``: ``bn`` output columns per program (column
+*pairs* in the SiLU and RoPE modes, whose tiles hold ``2 * bn`` weight rows), ``bk`` the ``K``
+chunk, ``warps``, and ``dot`` 0 (CUDA cores, one row per program) or 1 (tensor cores with
+swapped operands, up to 16 rows per program). Pruning rules of :func:`fused_gemv_tactics`:
+
+* only buckets of ``M <= 16`` get tactics (beyond, the unfused path's tiled GEMMs win); ``dot=0``
+  only for ``M == 1`` (a CUDA-core program re-reads the weights for every further row);
+* ``dot=0``: ``bn`` in 2..32, ``bk`` in 128..1024, warps such that each thread loads 16 to 64
+  bytes of each weight chunk (one to four 16-byte vectors); ``dot=1``: ``bn`` in 16..64 and
+  ``bk`` in 64..256 (``tl.dot`` needs 16), 4 warps;
+* blocks are clamped to the next power of two of their dimension (``HALF`` for RoPE tiles, which
+  never cross a head), duplicates dropped;
+* tactics giving fewer than half as many programs as the GPU has SMs are dropped while any
+  tactic reaches that (a decode GEMV needs every SM streaming);
+* at most ``max_tactics`` (16), a third of them for ``dot=1`` when both kinds apply; each kind
+  keeps its longest ``K`` chunks (fewest dependent round trips).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from graphtune.autotuner.config import next_power_of_two
+from graphtune.errors import ConfigError
+from graphtune.ops._triton import device_supported, require_triton, run_kernel
+
+TACTIC_KEYS = ("bn", "bk", "warps", "dot")
+MAX_M = 16
+"""Largest bucket that gets fused tactics; also the padded row count of a ``dot=1`` program."""
+PLAIN, SILU, ROPE = 0, 1, 2
+"""Kernel modes: plain GEMV (+ residual), gate/up + SiLU-and-mul, QKV + RoPE + K/V write."""
+CORE_BN = (2, 4, 8, 16, 32)
+CORE_BK = (128, 256, 512, 1024)
+CORE_WARPS = (1, 2, 4, 8)
+DOT_BN = (16, 32, 64)
+DOT_BK = (64, 128, 256)
+THREAD_BYTES = (16, 64)
+DEFER_REGISTERS = 32
+"""float32 registers per thread that deferred product accumulators may take (both halves)."""
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def gemv_kernels() -> ModuleType:
+    """The module of the fused GEMV kernel (imported on first use; needs Triton)."""
+    require_triton("graphtune's fused Triton GEMV kernel")
+    from graphtune.ops.fused import _gemv_kernels
+
+    return _gemv_kernels
+
+
+def check_fused_tactic(tactic: Any) -> str | None:
+    """Why ``tactic`` is not a fused GEMV tactic, or ``None`` when it is one."""
+    if not isinstance(tactic, dict) or set(tactic) != set(TACTIC_KEYS):
+        return f"a fused GEMV tactic is a dict with keys {TACTIC_KEYS} (or -1), got {tactic!r}"
+    values = [tactic[key] for key in TACTIC_KEYS]
+    if any(isinstance(v, bool) or not isinstance(v, int) for v in values):
+        return f"every value of a fused GEMV tactic must be an int, got {tactic!r}"
+    bn, bk, warps, dot = values
+    if dot not in (0, 1) or any(v < 1 or v & (v - 1) for v in (bn, bk, warps)) or warps > 16:
+        return f"bn, bk, warps must be powers of two (warps <= 16) and dot 0 or 1, got {tactic!r}"
+    if dot and (bn < 16 or bk < 16):
+        return f"a dot=1 tactic needs bn and bk >= 16 (tl.dot), got {tactic!r}"
+    return None
+
+
+def defer_products(bn: int, bk: int, warps: int, paired: bool) -> bool:
+    """Whether the CUDA-core path keeps per-element product accumulators (see the kernel)."""
+    per_thread = max(1, bn * bk // (32 * warps))
+    return per_thread * (2 if paired else 1) <= DEFER_REGISTERS
+
+
+@dataclass(frozen=True)
+class GemvShape:
+    """What the tactic list of one fused GEMV depends on.
+
+    Attributes:
+        mode: :data:`PLAIN`, :data:`SILU` or :data:`ROPE`.
+        m: Rows (the bucket).
+        columns: Output columns per head (RoPE: ``HALF``) or in all (plain, SiLU).
+        heads: RoPE heads (``NUM_HEADS + 2 * NUM_KV``); 1 otherwise.
+        k: Inner size.
+        itemsize: Bytes per weight element.
+    """
+
+    mode: int
+    m: int
+    columns: int
+    heads: int
+    k: int
+    itemsize: int
+
+    @property
+    def paired(self) -> bool:
+        """Whether a tile holds two weight rows per column (SiLU and RoPE)."""
+        return self.mode != PLAIN
+
+    def programs(self, bn: int) -> int:
+        """Column tiles of width ``bn`` (the grid's first axis)."""
+        return self.heads * math.ceil(self.columns / bn)
+
+
+def fused_gemv_tactics(
+    shape: GemvShape, *, sm_count: int, max_tactics: int = 16
+) -> list[dict[str, int]]:
+    """Tactics worth timing for one fused GEMV (see the module's pruning rules), simplest first."""
+    if shape.m < 1 or shape.m > MAX_M or shape.columns < 1 or shape.k < 1:
+        return []
+    n_cap, k_cap = next_power_of_two(shape.columns), next_power_of_two(shape.k)
+    rows = 2 if shape.paired else 1
+    low, high = THREAD_BYTES
+    core: list[dict[str, int]] = []
+    if shape.m == 1:
+        for bn in sorted({min(b, n_cap) for b in CORE_BN}):
+            for bk in sorted({min(b, k_cap) for b in CORE_BK}):
+                chunk = bn * bk * shape.itemsize  # bytes of one weight tile (each of a pair)
+                warps = [w for w in CORE_WARPS if low <= chunk // (32 * w) <= high]
+                if not warps and chunk < 32 * low:
+                    warps = [1]  # a tile under one warp's share (tiny shapes): one warp
+                core += [{"bn": bn, "bk": bk, "warps": w, "dot": 0} for w in warps]
+    dot: list[dict[str, int]] = []
+    if shape.columns >= 16 and shape.k >= 16:
+        for bn in sorted({min(b, n_cap) for b in DOT_BN}):
+            for bk in sorted({min(b, k_cap) for b in DOT_BK}):
+                if bn * rows * bk <= 64 * 256:  # registers of the double-buffered tiles
+                    dot.append({"bn": bn, "bk": bk, "warps": 4, "dot": 1})
+    kinds = [_prune(core, shape, sm_count), _prune(dot, shape, sm_count)]
+    # Each kind keeps its share of max_tactics; the CUDA-core kind (M == 1 only) the larger one.
+    dot_share = min(len(kinds[1]), max_tactics // 3 if kinds[0] else max_tactics)
+    kept = _longest_chunks(kinds[0], shape, max_tactics - dot_share)
+    return kept + _longest_chunks(kinds[1], shape, dot_share)
+
+
+def _prune(found: list[dict[str, int]], shape: GemvShape, sm_count: int) -> list[dict[str, int]]:
+    unique = {tuple(t[key] for key in TACTIC_KEYS): t for t in found}
+    tactics = [t for t in unique.values() if check_fused_tactic(t) is None]
+    enough = [t for t in tactics if shape.programs(t["bn"]) >= sm_count // 2]
+    return enough or tactics
+
+
+def _longest_chunks(
+    tactics: list[dict[str, int]], shape: GemvShape, limit: int
+) -> list[dict[str, int]]:
+    """At most ``limit`` of ``tactics`` (in their order), the fewest ``K`` chunks first."""
+    if len(tactics) <= limit:
+        return tactics
+    ranked = sorted(range(len(tactics)), key=lambda i: (math.ceil(shape.k / tactics[i]["bk"]), i))
+    keep = set(ranked[:limit])
+    return [t for i, t in enumerate(tactics) if i in keep]
+
+
+def fused_supports(x: torch.Tensor, weight: torch.Tensor, *others: torch.Tensor | None) -> bool:
+    """One float dtype for activations and weights, unit last strides, a Triton device."""
+    if x.dim() != 2 or weight.dim() != 2 or x.dtype not in DTYPES or weight.dtype != x.dtype:
+        return False
+    if x.stride(-1) != 1 or weight.stride(-1) != 1:
+        return False
+    for t in others:
+        if t is not None and (t.dtype != x.dtype or t.stride(-1) != 1):
+            return False
+    return device_supported(x.device)
+
+
+def launch_fused_gemv(
+    mode: int,
+    tactic: Any,
+    *,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    out: torch.Tensor,
+    n: int,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    rope: tuple[Any, ...] | None = None,
+    warmup: bool = False,
+) -> None:
+    """Runs (or with ``warmup`` compiles) :func:`fused_gemv_kernel` for one op call.
+
+    Args:
+        mode: :data:`PLAIN`, :data:`SILU` or :data:`ROPE`.
+        tactic: A tactic of :func:`fused_gemv_tactics`.
+        x: ``[M, K]`` activations (raw rows when ``norm_weight`` is given).
+        weight: ``[rows, K]``.
+        out: Where the result goes (``residual`` itself for an in-place residual add).
+        n: Output width (plain: features, SiLU: intermediate size; RoPE: ignored).
+        norm_weight: ``[K]`` RMSNorm weight of the prologue, or ``None`` for no norm.
+        eps: RMSNorm epsilon.
+        bias: Optional ``[rows]``.
+        residual: Optional ``[M, N]`` added in float32 (plain mode).
+        rope: ``(positions, cos, sin, write_rows, k_cache, v_cache, num_heads, num_kv_heads,
+            signed_sin)`` for RoPE mode.
+
+    Raises:
+        ConfigError: ``tactic`` is not a fused GEMV tactic.
+    """
+    problem = check_fused_tactic(tactic)
+    if problem is not None:
+        raise ConfigError(f"fused GEMV: {problem}; pick a tactic from get_valid_tactics.")
+    m, k = x.shape
+    bn, bk, warps, dot = (tactic[key] for key in TACTIC_KEYS)
+    block_m = MAX_M if dot else 1
+    placeholder = x
+    if mode == ROPE:
+        assert rope is not None
+        positions, cos, sin, write_rows, k_cache, v_cache, heads, kv_heads, signed = rope
+        half = cos.shape[-1] // 2
+        tiles = (heads + 2 * kv_heads) * math.ceil(half / bn)
+        rope_args: tuple[Any, ...] = (positions, cos, sin, write_rows, k_cache, v_cache)
+        rope_strides = (cos.stride(0), sin.stride(0), k_cache.stride(0), v_cache.stride(0))
+    else:
+        heads, kv_heads, signed, half = 1, 1, False, 1
+        tiles = math.ceil(n / bn)
+        rope_args = (placeholder,) * 6
+        rope_strides = (0, 0, 0, 0)
+    res = residual if residual is not None else placeholder
+    args = (
+        x,
+        norm_weight if norm_weight is not None else placeholder,
+        weight,
+        bias if bias is not None else placeholder,
+        res,
+        out,
+        *rope_args,
+        m,
+        n,
+        k,
+        float(eps),
+        x.stride(0),
+        weight.stride(0),
+        res.stride(0),
+        out.stride(0),
+        *rope_strides,
+    )
+    meta = dict(
+        MODE=mode,
+        NORM=norm_weight is not None,
+        HAS_BIAS=bias is not None,
+        HAS_RES=residual is not None,
+        DOT=bool(dot),
+        DEFER=not dot and defer_products(bn, bk, warps, mode != PLAIN),
+        IEEE=x.dtype == torch.float32,
+        BLOCK_M=block_m,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        NUM_HEADS=heads,
+        NUM_KV=kv_heads,
+        HALF=half,
+        SIGNED_SIN=bool(signed),
+        num_warps=warps,
+        num_stages=1,
+    )
+    grid = (tiles, math.ceil(m / block_m))
+    run_kernel(gemv_kernels().fused_gemv_kernel, grid, args, meta, warmup)

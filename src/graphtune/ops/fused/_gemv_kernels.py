@@ -1,0 +1,254 @@
+"""The fused decode GEMV kernel of :mod:`graphtune.ops.fused`. Imported only through
+``graphtune.ops.fused._gemv.gemv_kernels()`` (needs Triton).
+
+One kernel, specialised by ``constexpr`` switches into the stages of a decode layer, so the
+weight-streaming loop (the part that decides the step's speed) exists once:
+
+* prologue ``NORM``: RMSNorm of the activation rows, recomputed by every program (a row of 2048 to
+  4096 elements is read from L2 in well under a microsecond); the normalised activations are
+  rounded to the dtype before the product, as the unfused ``rms_norm`` output is;
+* ``MODE`` 0 (plain): ``out = x @ w.T (+ bias) (+ res)``, in place when ``out`` is ``res``;
+* ``MODE`` 1 (SiLU-and-mul): a program owns gate rows ``j`` and the matching up rows ``N + j``,
+  ``out[:, j] = silu(gate) * up`` with the roundings of ``graphtune.ops.activation``;
+* ``MODE`` 2 (RoPE + K/V write): tiles lie inside one head of the fused ``[q | k | v]`` rows and
+  hold both halves' rows ``j`` and ``HALF + j``; q heads are rotated into ``out``, k heads rotated
+  into the K cache, v heads copied into the V cache, with the roundings of
+  ``graphtune.ops._kernels.rope_kv_kernel``.
+
+The product runs on the CUDA cores for one row (``DOT`` false: every weight element is used once,
+so there is nothing for a tensor core to reuse) or on the tensor cores with swapped operands for
+up to 16 rows (``DOT`` true: ``acc [BLOCK_N, 16] += w [BLOCK_N, BLOCK_K] @ x.T [BLOCK_K, 16]``, so
+the weight rows fill the MMA's M side and the few activation rows are padded to 16 in N). Both
+stream the weight once and accumulate in float32; bias, residual and the epilogue's roundings
+follow the unfused ops exactly, so only the summation order of the dot products differs.
+
+The loop keeps one weight chunk in flight ahead of the one being multiplied (``w_next``): Triton
+does not software-pipeline a loop of plain loads, so without it a program's loads stop while it
+multiplies. With ``USE_PDL`` the first chunk is loaded before ``gdc_wait()`` (weights are never
+written by an earlier kernel), which overlaps its DRAM latency with the predecessor's tail (see
+``graphtune.ops._pdl`` for the contract).
+
+Rows past ``M`` and columns past the tile are clamped to valid addresses for loading and masked
+at the store, so loads need masks only along ``K``. Only stable ``tl.`` APIs are used, and the
+``griddepcontrol`` calls only under ``USE_PDL``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def fused_gemv_kernel(
+    x_ptr,
+    nw_ptr,
+    w_ptr,
+    bias_ptr,
+    res_ptr,
+    out_ptr,
+    pos_ptr,
+    cos_ptr,
+    sin_ptr,
+    rows_ptr,
+    k_ptr,
+    v_ptr,
+    M,
+    N,
+    K,
+    eps,
+    stride_xm,
+    stride_wn,
+    stride_rm,
+    stride_om,
+    stride_cos,
+    stride_sin,
+    stride_kc,
+    stride_vc,
+    MODE: tl.constexpr,
+    NORM: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    DOT: tl.constexpr,
+    DEFER: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV: tl.constexpr,
+    HALF: tl.constexpr,
+    SIGNED_SIN: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """Program ``(tile, row block)``; see the module docstring for the modes.
+
+    ``x [M, K]``, ``w [rows, K]`` and ``res`` / ``out`` have unit stride along their last axis.
+    ``N`` is the output width: features (mode 0), the intermediate size (mode 1, ``w`` has
+    ``2 * N`` rows), or unused (mode 2, where ``w`` has ``(NUM_HEADS + 2 * NUM_KV) * 2 * HALF``
+    rows, ``out`` is ``q [M, NUM_HEADS, 2 * HALF]`` and ``rows[m * NUM_KV + h]`` is the cache row
+    of token ``m``'s KV head ``h``). ``DEFER`` (CUDA-core path only) keeps ``[BLOCK_N, BLOCK_K]``
+    product accumulators and sums them once after the loop.
+    """
+    pid = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    lanes = tl.arange(0, BLOCK_N)
+    if MODE == 2:
+        tiles_per_head = (HALF + BLOCK_N - 1) // BLOCK_N
+        head = pid // tiles_per_head
+        col = (pid % tiles_per_head) * BLOCK_N + lanes  # column j of the head's first half
+        col_ok = col < HALF
+        rows_a = head * (2 * HALF) + tl.minimum(col, HALF - 1)
+        rows_b = rows_a + HALF
+    else:
+        col = pid * BLOCK_N + lanes
+        col_ok = col < N
+        rows_a = tl.minimum(col, N - 1)
+        rows_b = rows_a + N  # mode 1: the up row of gate row j; unused in mode 0
+    wa_ptrs = w_ptr + rows_a.to(tl.int64)[:, None] * stride_wn + tl.arange(0, BLOCK_K)[None, :]
+    wb_ptrs = w_ptr + rows_b.to(tl.int64)[:, None] * stride_wn + tl.arange(0, BLOCK_K)[None, :]
+    kk = tl.arange(0, BLOCK_K)
+    k_ok = (kk < K)[None, :]
+    # The first weight chunk depends on no earlier kernel: issue it before waiting for one.
+    wa = tl.load(wa_ptrs, mask=k_ok, other=0.0)
+    if MODE != 0:
+        wb = tl.load(wb_ptrs, mask=k_ok, other=0.0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    dtype = w_ptr.dtype.element_ty
+    if DOT:
+        # x.T tile [BLOCK_K, BLOCK_M]; rows past M are clamped (their results are not stored).
+        x_ptrs = x_ptr + tl.minimum(rows, M - 1).to(tl.int64)[None, :] * stride_xm + kk[:, None]
+        if NORM:
+            sq = tl.zeros((BLOCK_K, BLOCK_M), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                xt = tl.load(x_ptrs + k0, mask=(k0 + kk < K)[:, None], other=0.0).to(tl.float32)
+                sq += xt * xt
+            rstd = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
+        acc_a = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc_b = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        # One row; the activation chunk is addressed as a [BLOCK_N, BLOCK_K] tile whose rows
+        # all point at the same columns, so it gets the weight tile's layout (see
+        # graphtune.ops.gemm._gemv_kernels) and the product needs no layout conversion.
+        x_row = x_ptr + pid_m.to(tl.int64) * stride_xm
+        same = (lanes * 0)[:, None]
+        if NORM:
+            sq1 = tl.zeros((BLOCK_K,), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                xv = tl.load(x_row + k0 + kk, mask=k0 + kk < K, other=0.0).to(tl.float32)
+                sq1 += xv * xv
+            rstd1 = tl.rsqrt(tl.sum(sq1, axis=0) / K + eps)
+        if DEFER:
+            acc_a = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        else:
+            acc_a = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        acc_b = acc_a
+
+    for k0 in range(0, K, BLOCK_K):
+        next_ok = (k0 + BLOCK_K + kk < K)[None, :]
+        wa_next = tl.load(wa_ptrs + (k0 + BLOCK_K), mask=next_ok, other=0.0)
+        if MODE != 0:
+            wb_next = tl.load(wb_ptrs + (k0 + BLOCK_K), mask=next_ok, other=0.0)
+        if DOT:
+            kmask = (k0 + kk < K)[:, None]
+            xt = tl.load(x_ptrs + k0, mask=kmask, other=0.0)
+            if NORM:
+                nw = tl.load(nw_ptr + k0 + kk, mask=k0 + kk < K, other=0.0).to(tl.float32)
+                xt = (xt.to(tl.float32) * rstd[None, :] * nw[:, None]).to(dtype)
+            if IEEE:
+                acc_a += tl.dot(wa, xt, input_precision="ieee")
+                if MODE != 0:
+                    acc_b += tl.dot(wb, xt, input_precision="ieee")
+            else:
+                acc_a += tl.dot(wa, xt)
+                if MODE != 0:
+                    acc_b += tl.dot(wb, xt)
+        else:
+            kmask = (k0 + kk < K)[None, :]
+            xt = tl.load(x_row + same + (k0 + kk)[None, :], mask=kmask, other=0.0)
+            if NORM:
+                nw = tl.load(nw_ptr + same + (k0 + kk)[None, :], mask=kmask, other=0.0)
+                xt = (xt.to(tl.float32) * rstd1 * nw.to(tl.float32)).to(dtype)
+            xf = xt.to(tl.float32)
+            prod = wa.to(tl.float32) * xf
+            acc_a += prod if DEFER else tl.sum(prod, axis=1)
+            if MODE != 0:
+                prod = wb.to(tl.float32) * xf
+                acc_b += prod if DEFER else tl.sum(prod, axis=1)
+        wa = wa_next
+        if MODE != 0:
+            wb = wb_next
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+    # Epilogue on [BLOCK_N, BLOCK_M] tiles (column, row): float32 sums, one rounding per tensor
+    # the unfused ops materialise.
+    if DOT:
+        t_a = acc_a
+        t_b = acc_b
+    else:
+        t_a = (tl.sum(acc_a, axis=1) if DEFER else acc_a)[:, None]
+        t_b = (tl.sum(acc_b, axis=1) if DEFER else acc_b)[:, None]
+    if HAS_BIAS:
+        t_a += tl.load(bias_ptr + rows_a).to(tl.float32)[:, None]
+        if MODE != 0:
+            t_b += tl.load(bias_ptr + rows_b).to(tl.float32)[:, None]
+    rows64 = rows.to(tl.int64)
+    out_ty = out_ptr.dtype.element_ty
+    if MODE == 0:
+        mask = col_ok[:, None] & row_ok[None, :]
+        if HAS_RES:
+            res = tl.load(res_ptr + rows64[None, :] * stride_rm + col[:, None], mask=mask)
+            t_a += res.to(tl.float32)
+        tl.store(out_ptr + rows64[None, :] * stride_om + col[:, None], t_a.to(out_ty), mask=mask)
+    elif MODE == 1:
+        mask = col_ok[:, None] & row_ok[None, :]
+        gate = t_a.to(dtype).to(tl.float32)
+        up = t_b.to(dtype).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        tl.store(
+            out_ptr + rows64[None, :] * stride_om + col[:, None], (act * up).to(out_ty), mask=mask
+        )
+    else:
+        x1f = t_a.to(dtype).to(tl.float32)
+        x2f = t_b.to(dtype).to(tl.float32)
+        safe_rows = tl.minimum(rows, M - 1).to(tl.int64)
+        pos = tl.load(pos_ptr + safe_rows).to(tl.int64)
+        jc = tl.minimum(col, HALF - 1)[:, None]
+        c1 = tl.load(cos_ptr + pos[None, :] * stride_cos + jc).to(tl.float32)
+        c2 = tl.load(cos_ptr + pos[None, :] * stride_cos + HALF + jc).to(tl.float32)
+        s1 = tl.load(sin_ptr + pos[None, :] * stride_sin + jc).to(tl.float32)
+        s2 = tl.load(sin_ptr + pos[None, :] * stride_sin + HALF + jc).to(tl.float32)
+        if SIGNED_SIN:
+            o1 = ((x1f * c1).to(dtype).to(tl.float32) + x2f * s1).to(dtype)
+            o2 = ((x2f * c2).to(dtype).to(tl.float32) + x1f * s2).to(dtype)
+        else:
+            o1 = ((x1f * c1).to(dtype).to(tl.float32) + (-x2f * s1).to(dtype).to(tl.float32)).to(
+                dtype
+            )
+            o2 = ((x2f * c2).to(dtype).to(tl.float32) + (x1f * s2).to(dtype).to(tl.float32)).to(
+                dtype
+            )
+        # The head kind is one scalar per program; it becomes a per-column bound (HALF, or 0)
+        # because the interpreter rejects a block mask and-ed with a scalar one.
+        is_q = head < NUM_HEADS
+        is_k = (head >= NUM_HEADS) & (head < NUM_HEADS + NUM_KV)
+        is_v = head >= NUM_HEADS + NUM_KV
+        q_mask = (col < tl.where(is_q, HALF, 0))[:, None] & row_ok[None, :]
+        q_dst = out_ptr + rows64[None, :] * stride_om + head * (2 * HALF) + col[:, None]
+        tl.store(q_dst, o1, mask=q_mask)
+        tl.store(q_dst + HALF, o2, mask=q_mask)
+        kv_head = tl.where(is_k, head - NUM_HEADS, tl.where(is_v, head - NUM_HEADS - NUM_KV, 0))
+        cache_row = tl.load(rows_ptr + safe_rows * NUM_KV + kv_head).to(tl.int64)
+        k_mask = (col < tl.where(is_k, HALF, 0))[:, None] & row_ok[None, :]
+        k_dst = k_ptr + cache_row[None, :] * stride_kc + col[:, None]
+        tl.store(k_dst, o1, mask=k_mask)
+        tl.store(k_dst + HALF, o2, mask=k_mask)
+        v_mask = (col < tl.where(is_v, HALF, 0))[:, None] & row_ok[None, :]
+        v_dst = v_ptr + cache_row[None, :] * stride_vc + col[:, None]
+        tl.store(v_dst, x1f.to(dtype), mask=v_mask)
+        tl.store(v_dst + HALF, x2f.to(dtype), mask=v_mask)

@@ -1,0 +1,181 @@
+"""Fused RMSNorm + gate/up projection + SiLU-and-mul of one decode layer's MLP.
+
+``act = norm_gate_up_silu(x, norm_weight, eps, w_gate_up)`` is, exactly, the unfused sequence
+
+    h, _ = fused_add_rms_norm(x, norm_weight, eps)
+    act = silu_and_mul(gemm(h, w_gate_up))
+
+which is runner 0 (:class:`UnfusedNormGateUpSilu`, tactic ``-1``). :class:`TritonNormGateUpSilu`
+runs ``graphtune.ops.fused._gemv_kernels`` in SiLU mode: a program streams gate rows ``j`` and
+the matching up rows ``I + j`` (``w_gate_up`` is ``[gate | up]``, ``engine.model.swiglu``'s
+order), so the ``[B, 2 * I]`` intermediate is never written. Buckets above 16 rows get no fused
+tactics.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from graphtune.autotuner.config import DynamicTensorSpec, TuningConfig
+from graphtune.autotuner.runner import TunableRunner
+from graphtune.autotuner.tuner import AutoTuner
+from graphtune.errors import ConfigError, InputError
+from graphtune.ops._triton import device_limits, triton_available
+from graphtune.ops.activation import silu_and_mul, torch_silu_and_mul
+from graphtune.ops.fused._base import FusedTritonRunner, UnfusedRunner, resolve, runners_for
+from graphtune.ops.fused._gemv import (
+    SILU,
+    GemvShape,
+    fused_gemv_tactics,
+    fused_supports,
+    launch_fused_gemv,
+)
+from graphtune.ops.gemm import gemm
+from graphtune.ops.rmsnorm import fused_add_rms_norm, torch_rms_norm
+
+OP_NAME = "graphtune.norm_gate_up_silu"
+
+
+def _unpack(inputs: list[Any]) -> list[Any]:
+    x, norm_weight, w_gate_up, eps = inputs
+    if x.dim() != 2 or norm_weight.shape != (x.shape[1],):
+        raise InputError(
+            f"norm_gate_up_silu: need x [B, hidden] and norm_weight [hidden], got x "
+            f"{tuple(x.shape)} and norm_weight {tuple(norm_weight.shape)}."
+        )
+    if w_gate_up.dim() != 2 or w_gate_up.shape[1] != x.shape[1] or w_gate_up.shape[0] % 2:
+        raise InputError(
+            f"norm_gate_up_silu: w_gate_up must be [2 * I, hidden={x.shape[1]}] (gate rows "
+            f"first), got {tuple(w_gate_up.shape)}."
+        )
+    return inputs
+
+
+def torch_norm_gate_up_silu(inputs: list[Any]) -> torch.Tensor:
+    """The unfused torch code (no tuner): ``rms_norm``, ``F.linear``, ``swiglu``."""
+    x, norm_weight, w_gate_up, eps = _unpack(inputs)
+    h, _ = torch_rms_norm(x, norm_weight, eps)
+    return torch_silu_and_mul(torch.nn.functional.linear(h, w_gate_up))
+
+
+class UnfusedNormGateUpSilu(UnfusedRunner):
+    """Runner 0: ``fused_add_rms_norm``, ``gemm`` and ``silu_and_mul`` with their own picks."""
+
+    def unfused(self, inputs: list[Any]) -> torch.Tensor:
+        """The three tunable ops, through :attr:`tuner`."""
+        x, norm_weight, w_gate_up, eps = _unpack(inputs)
+        tuner, max_m = self.tuner, self.max_m
+        h, _ = fused_add_rms_norm(x, norm_weight, eps, tuner=tuner, max_m=max_m)
+        gate_up = gemm(h, w_gate_up, tuner=tuner, max_m=max_m)
+        return silu_and_mul(gate_up, tuner=tuner, max_m=max_m)
+
+
+class TritonNormGateUpSilu(FusedTritonRunner):
+    """The fused kernel; tactic ``-1`` is the unfused torch code.
+
+    Args:
+        sm_count: Override the device's SM count (tests, or to tune for another GPU).
+        compile_workers: Threads for ahead-of-time compilation.
+    """
+
+    def __init__(self, *, sm_count: int | None = None, compile_workers: int | None = None) -> None:
+        super().__init__(compile_workers=compile_workers)
+        self.sm_count = sm_count
+
+    def cache_key_extras(self) -> tuple[Any, ...]:
+        """An SM-count override changes the candidates."""
+        return () if self.sm_count is None else ({"sm": self.sm_count},)
+
+    def supports(self, inputs: list[Any]) -> bool:
+        """Unit last strides, one float dtype (the norm weight may differ), a Triton device."""
+        x, norm_weight, w_gate_up, _ = _unpack(inputs)
+        return norm_weight.dtype.is_floating_point and fused_supports(x, w_gate_up)
+
+    def tactics_for(self, inputs: list[Any]) -> list[Any]:
+        """See :func:`graphtune.ops.fused._gemv.fused_gemv_tactics` (column pairs)."""
+        x, _, w_gate_up, _ = inputs
+        inter = w_gate_up.shape[0] // 2
+        shape = GemvShape(SILU, x.shape[0], inter, 1, x.shape[1], w_gate_up.element_size())
+        sms = self.sm_count or device_limits(x.device)[1]
+        return fused_gemv_tactics(shape, sm_count=sms)
+
+    def torch_forward(self, inputs: list[Any]) -> torch.Tensor:
+        """The unfused torch code."""
+        return torch_norm_gate_up_silu(inputs)
+
+    def launch(self, inputs: list[Any], tactic: Any, *, warmup: bool = False) -> torch.Tensor:
+        """Runs the fused kernel; returns ``[B, I]``."""
+        x, norm_weight, w_gate_up, eps = _unpack(inputs)
+        inter = w_gate_up.shape[0] // 2
+        out = torch.empty((x.shape[0], inter), device=x.device, dtype=x.dtype)
+        if x.shape[0] == 0 or inter == 0:
+            return out
+        launch_fused_gemv(
+            SILU,
+            tactic,
+            x=x,
+            weight=w_gate_up,
+            out=out,
+            n=inter,
+            norm_weight=norm_weight,
+            eps=eps,
+            warmup=warmup,
+        )
+        return out
+
+
+def norm_gate_up_silu_runners(
+    *, tuner: AutoTuner | None = None, max_m: int | None = None
+) -> tuple[TunableRunner, ...]:
+    """The runners for one tuner: unfused first (fallback), then Triton when importable."""
+    tuner = resolve(tuner)
+
+    def build() -> tuple[TunableRunner, ...]:
+        first = UnfusedNormGateUpSilu(tuner, max_m)
+        return (first, TritonNormGateUpSilu()) if triton_available() else (first,)
+
+    return runners_for(tuner, (OP_NAME, max_m), build)
+
+
+@functools.lru_cache(maxsize=16)
+def norm_gate_up_silu_config(max_m: int | None = None) -> TuningConfig:
+    """Rows of ``x`` bucketed."""
+    return TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0),), max_value=max_m)
+
+
+def norm_gate_up_silu(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    w_gate_up: torch.Tensor,
+    *,
+    tuner: AutoTuner | None = None,
+    max_m: int | None = None,
+    runners: tuple[TunableRunner, ...] | None = None,
+) -> torch.Tensor:
+    """``silu(gate) * up`` of ``rms_norm(x) @ w_gate_up.T``, through the tuner's pick.
+
+    Args:
+        x: ``[..., hidden]`` residual stream (not normalised).
+        norm_weight: ``[hidden]`` the layer's MLP-norm weight.
+        eps: RMSNorm epsilon.
+        w_gate_up: ``[2 * I, hidden]``, gate rows first.
+        tuner: Tuner to ask (for this op and the unfused path's inner ops); the process default
+            when ``None``.
+        max_m: Largest tuned row count (``None``: up to the live rows).
+        runners: Runners to choose from; :func:`norm_gate_up_silu_runners` when ``None``.
+
+    Returns:
+        ``[..., I]`` in ``x``'s dtype.
+    """
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or eps < 0:
+        raise ConfigError(f"norm_gate_up_silu: eps must be a float >= 0, got {eps!r}.")
+    tuner = resolve(tuner)
+    lead = x.shape[:-1]
+    inputs = [x.reshape(-1, x.shape[-1]), norm_weight, w_gate_up, float(eps)]
+    chosen = runners if runners is not None else norm_gate_up_silu_runners(tuner=tuner, max_m=max_m)
+    runner, tactic = tuner.choose_one(OP_NAME, chosen, norm_gate_up_silu_config(max_m), inputs)
+    return runner.forward(inputs, tactic).reshape(*lead, w_gate_up.shape[0] // 2)

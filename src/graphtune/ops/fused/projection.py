@@ -1,0 +1,297 @@
+"""The decode step's plain GEMVs: an output projection with its residual add, and a norm + linear.
+
+* ``add_projection(x, a, weight)``: ``x += a @ weight.T`` in place (``x.addmm_(a, weight.t())``,
+  the O-projection and the down projection of a layer). Runner 0
+  (:class:`UnfusedAddProjection`) is ``gemm(a, weight, residual=x, inplace=True)`` with its own
+  pick; :class:`TritonAddProjection` is the fused GEMV in plain mode with the residual read and
+  written by the program that computes it.
+* ``norm_linear(x, norm_weight, eps, weight, bias)``: ``F.linear(rms_norm(x), weight, bias)``
+  (the final norm and the LM head). Runner 0 (:class:`UnfusedNormLinear`) is
+  ``fused_add_rms_norm`` then ``gemm``; :class:`TritonNormLinear` recomputes the row statistics
+  in every program and rounds the normalised row to the dtype before the product, as the unfused
+  norm's output is.
+
+Both kernels stream the weight with one chunk in flight ahead and, under PDL, load their first
+chunk before waiting for the previous kernel (``graphtune.ops._pdl``). Buckets above 16 rows get
+no fused tactics.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from graphtune.autotuner.config import ConstraintSpec, DynamicTensorSpec, TuningConfig
+from graphtune.autotuner.runner import TunableRunner
+from graphtune.autotuner.tuner import AutoTuner
+from graphtune.errors import ConfigError, InputError
+from graphtune.ops._triton import device_limits, triton_available
+from graphtune.ops.fused._base import FusedTritonRunner, UnfusedRunner, resolve, runners_for
+from graphtune.ops.fused._gemv import (
+    PLAIN,
+    GemvShape,
+    fused_gemv_tactics,
+    fused_supports,
+    launch_fused_gemv,
+)
+from graphtune.ops.gemm import gemm
+from graphtune.ops.rmsnorm import fused_add_rms_norm, torch_rms_norm
+
+ADD_PROJECTION = "graphtune.add_projection"
+NORM_LINEAR = "graphtune.norm_linear"
+
+
+class _PlainTriton(FusedTritonRunner):
+    """What both plain fused runners share: the SM override and the tactic list."""
+
+    def __init__(self, *, sm_count: int | None = None, compile_workers: int | None = None) -> None:
+        super().__init__(compile_workers=compile_workers)
+        self.sm_count = sm_count
+
+    def cache_key_extras(self) -> tuple[Any, ...]:
+        """An SM-count override changes the candidates."""
+        return () if self.sm_count is None else ({"sm": self.sm_count},)
+
+    def plain_tactics(self, x: torch.Tensor, weight: torch.Tensor) -> list[Any]:
+        """See :func:`graphtune.ops.fused._gemv.fused_gemv_tactics`."""
+        shape = GemvShape(PLAIN, x.shape[0], weight.shape[0], 1, x.shape[1], weight.element_size())
+        sms = self.sm_count or device_limits(x.device)[1]
+        return fused_gemv_tactics(shape, sm_count=sms)
+
+
+# --- add_projection ---------------------------------------------------------------------------
+
+
+def _unpack_add(inputs: list[Any]) -> list[Any]:
+    x, a, weight = inputs
+    if a.dim() != 2 or weight.dim() != 2 or a.shape[1] != weight.shape[1]:
+        raise InputError(
+            f"add_projection: need a [M, K] and weight [N, K], got a {tuple(a.shape)} and weight "
+            f"{tuple(weight.shape)}."
+        )
+    if tuple(x.shape) != (a.shape[0], weight.shape[0]) or not x.is_contiguous():
+        raise InputError(
+            f"add_projection: x must be a contiguous [M, N] = [{a.shape[0]}, {weight.shape[0]}] "
+            f"tensor (updated in place), got {tuple(x.shape)}."
+        )
+    return inputs
+
+
+class UnfusedAddProjection(UnfusedRunner):
+    """Runner 0: ``gemm(a, weight, residual=x, inplace=True)`` with its own pick."""
+
+    def unfused(self, inputs: list[Any]) -> torch.Tensor:
+        """The tunable GEMM with the residual folded in, through :attr:`tuner`."""
+        x, a, weight = _unpack_add(inputs)
+        return gemm(a, weight, residual=x, inplace=True, tuner=self.tuner, max_m=self.max_m)
+
+
+class TritonAddProjection(_PlainTriton):
+    """The fused GEMV with the in-place residual add; tactic ``-1`` is ``x.addmm_``."""
+
+    def supports(self, inputs: list[Any]) -> bool:
+        """Unit last strides, one float dtype, a Triton device."""
+        x, a, weight = _unpack_add(inputs)
+        return fused_supports(a, weight, x)
+
+    def tactics_for(self, inputs: list[Any]) -> list[Any]:
+        """Plain-mode tactics for ``a`` and ``weight``."""
+        return self.plain_tactics(inputs[1], inputs[2])
+
+    def torch_forward(self, inputs: list[Any]) -> torch.Tensor:
+        """``x.addmm_(a, weight.t())``."""
+        x, a, weight = _unpack_add(inputs)
+        return x.addmm_(a, weight.t())
+
+    def launch(self, inputs: list[Any], tactic: Any, *, warmup: bool = False) -> torch.Tensor:
+        """Runs the fused kernel into ``x``; returns ``x``."""
+        x, a, weight = _unpack_add(inputs)
+        if a.shape[0] == 0:
+            return x
+        launch_fused_gemv(
+            PLAIN, tactic, x=a, weight=weight, out=x, n=weight.shape[0], residual=x, warmup=warmup
+        )
+        return x
+
+
+def add_projection_runners(
+    *, tuner: AutoTuner | None = None, max_m: int | None = None
+) -> tuple[TunableRunner, ...]:
+    """The runners for one tuner: unfused first (fallback), then Triton when importable."""
+    tuner = resolve(tuner)
+
+    def build() -> tuple[TunableRunner, ...]:
+        first = UnfusedAddProjection(tuner, max_m)
+        return (first, TritonAddProjection()) if triton_available() else (first,)
+
+    return runners_for(tuner, (ADD_PROJECTION, max_m), build)
+
+
+def _rows_of_a(shapes: Any) -> int:
+    return int(shapes[1][0])
+
+
+@functools.lru_cache(maxsize=16)
+def add_projection_config(max_m: int | None = None) -> TuningConfig:
+    """Rows of ``a`` (input 1) bucketed; ``x``'s rows follow."""
+    return TuningConfig(
+        dynamic_specs=(DynamicTensorSpec(1, 0),),
+        constraint_specs=(ConstraintSpec(0, 0, _rows_of_a),),
+        max_value=max_m,
+    )
+
+
+def add_projection(
+    x: torch.Tensor,
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    tuner: AutoTuner | None = None,
+    max_m: int | None = None,
+    runners: tuple[TunableRunner, ...] | None = None,
+) -> torch.Tensor:
+    """``x += a @ weight.T`` in place (float32 sum, one rounding), through the tuner's pick.
+
+    Args:
+        x: ``[M, N]`` contiguous residual stream, updated in place.
+        a: ``[M, K]`` activations.
+        weight: ``[N, K]``.
+        tuner: Tuner to ask; the process default when ``None``.
+        max_m: Largest tuned row count (``None``: up to the live rows).
+        runners: Runners to choose from; :func:`add_projection_runners` when ``None``.
+
+    Returns:
+        ``x``.
+    """
+    tuner = resolve(tuner)
+    inputs = [x, a, weight]
+    chosen = runners if runners is not None else add_projection_runners(tuner=tuner, max_m=max_m)
+    runner, tactic = tuner.choose_one(ADD_PROJECTION, chosen, add_projection_config(max_m), inputs)
+    runner.forward(inputs, tactic)
+    return x
+
+
+# --- norm_linear ------------------------------------------------------------------------------
+
+
+def _unpack_norm(inputs: list[Any]) -> list[Any]:
+    x, norm_weight, weight, bias, eps = inputs
+    if x.dim() != 2 or norm_weight.shape != (x.shape[1],):
+        raise InputError(
+            f"norm_linear: need x [M, K] and norm_weight [K], got x {tuple(x.shape)} and "
+            f"norm_weight {tuple(norm_weight.shape)}."
+        )
+    if weight.dim() != 2 or weight.shape[1] != x.shape[1]:
+        raise InputError(
+            f"norm_linear: weight must be [N, K={x.shape[1]}], got {tuple(weight.shape)}."
+        )
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise InputError(f"norm_linear: bias must be [{weight.shape[0]}], got {tuple(bias.shape)}.")
+    return inputs
+
+
+class UnfusedNormLinear(UnfusedRunner):
+    """Runner 0: ``fused_add_rms_norm`` then ``gemm``, each with its own pick."""
+
+    def unfused(self, inputs: list[Any]) -> torch.Tensor:
+        """The two tunable ops, through :attr:`tuner`."""
+        x, norm_weight, weight, bias, eps = _unpack_norm(inputs)
+        h, _ = fused_add_rms_norm(x, norm_weight, eps, tuner=self.tuner, max_m=self.max_m)
+        return gemm(h, weight, bias, tuner=self.tuner, max_m=self.max_m)
+
+
+class TritonNormLinear(_PlainTriton):
+    """The fused GEMV with the RMSNorm prologue; tactic ``-1`` is the unfused torch code."""
+
+    def supports(self, inputs: list[Any]) -> bool:
+        """Unit last strides, one float dtype (the norm weight may differ), a Triton device."""
+        x, norm_weight, weight, bias, _ = _unpack_norm(inputs)
+        return norm_weight.dtype.is_floating_point and fused_supports(x, weight, bias)
+
+    def tactics_for(self, inputs: list[Any]) -> list[Any]:
+        """Plain-mode tactics for ``x`` and ``weight``."""
+        return self.plain_tactics(inputs[0], inputs[2])
+
+    def torch_forward(self, inputs: list[Any]) -> torch.Tensor:
+        """``F.linear(rms_norm(x), weight, bias)``."""
+        x, norm_weight, weight, bias, eps = _unpack_norm(inputs)
+        return F.linear(torch_rms_norm(x, norm_weight, eps)[0], weight, bias)
+
+    def launch(self, inputs: list[Any], tactic: Any, *, warmup: bool = False) -> torch.Tensor:
+        """Runs the fused kernel; returns ``[M, N]``."""
+        x, norm_weight, weight, bias, eps = _unpack_norm(inputs)
+        out = torch.empty((x.shape[0], weight.shape[0]), device=x.device, dtype=x.dtype)
+        if x.shape[0] == 0:
+            return out
+        launch_fused_gemv(
+            PLAIN,
+            tactic,
+            x=x,
+            weight=weight,
+            out=out,
+            n=weight.shape[0],
+            norm_weight=norm_weight,
+            eps=eps,
+            bias=bias,
+            warmup=warmup,
+        )
+        return out
+
+
+def norm_linear_runners(
+    *, tuner: AutoTuner | None = None, max_m: int | None = None
+) -> tuple[TunableRunner, ...]:
+    """The runners for one tuner: unfused first (fallback), then Triton when importable."""
+    tuner = resolve(tuner)
+
+    def build() -> tuple[TunableRunner, ...]:
+        first = UnfusedNormLinear(tuner, max_m)
+        return (first, TritonNormLinear()) if triton_available() else (first,)
+
+    return runners_for(tuner, (NORM_LINEAR, max_m), build)
+
+
+@functools.lru_cache(maxsize=16)
+def norm_linear_config(max_m: int | None = None) -> TuningConfig:
+    """Rows of ``x`` bucketed."""
+    return TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0),), max_value=max_m)
+
+
+def norm_linear(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    tuner: AutoTuner | None = None,
+    max_m: int | None = None,
+    runners: tuple[TunableRunner, ...] | None = None,
+) -> torch.Tensor:
+    """``F.linear(rms_norm(x, norm_weight, eps), weight, bias)`` through the tuner's pick.
+
+    Args:
+        x: ``[..., K]`` (not normalised).
+        norm_weight: ``[K]``.
+        eps: RMSNorm epsilon.
+        weight: ``[N, K]`` (e.g. the LM head).
+        bias: Optional ``[N]``.
+        tuner: Tuner to ask (for this op and the unfused path's inner ops); the process default
+            when ``None``.
+        max_m: Largest tuned row count (``None``: up to the live rows).
+        runners: Runners to choose from; :func:`norm_linear_runners` when ``None``.
+
+    Returns:
+        ``[..., N]`` in ``x``'s dtype.
+    """
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or eps < 0:
+        raise ConfigError(f"norm_linear: eps must be a float >= 0, got {eps!r}.")
+    tuner = resolve(tuner)
+    lead = x.shape[:-1]
+    inputs = [x.reshape(-1, x.shape[-1]), norm_weight, weight, bias, float(eps)]
+    chosen = runners if runners is not None else norm_linear_runners(tuner=tuner, max_m=max_m)
+    runner, tactic = tuner.choose_one(NORM_LINEAR, chosen, norm_linear_config(max_m), inputs)
+    return runner.forward(inputs, tactic).reshape(*lead, weight.shape[0])

@@ -1,0 +1,346 @@
+"""Fused RMSNorm + QKV projection (+ bias) + RoPE + K/V cache write of one decode layer.
+
+``q = norm_qkv_rope(x, norm_weight, eps, wqkv, bqkv, positions, cos, sin, k_cache, v_cache,
+write_rows, num_heads=H, num_kv_heads=KV)`` is, exactly, the unfused sequence
+
+    h, _ = fused_add_rms_norm(x, norm_weight, eps)
+    qkv = gemm(h, wqkv, bqkv)
+    q = rope_kv_cache(qkv, positions, cos, sin, k_cache, v_cache, write_rows, ...)
+
+which is runner 0 (:class:`UnfusedNormQkvRope`, tactic ``-1``): three tunable ops, each with its
+own pick. :class:`TritonNormQkvRope` does it in one kernel (``graphtune.ops.fused._gemv_kernels``
+in RoPE mode): every program recomputes the row statistics, streams the weight rows of half a
+head's columns ``j`` and their partners ``HALF + j`` (so it holds both halves of the rotation),
+and writes rotated q, rotated k and v where the unfused ops write them. The tuner decides per
+batch bucket; buckets above 16 rows get no fused tactics.
+
+Tuning keys: as for ``rope_kv_cache``, the tables and caches are pinned to
+``graphtune.ops.rotary.TABLE_ROWS`` / ``CACHE_ROWS`` rows, so a pick holds for any cache size.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from graphtune.autotuner.config import ConstraintSpec, DynamicTensorSpec, TuningConfig
+from graphtune.autotuner.runner import TunableRunner
+from graphtune.autotuner.tuner import AutoTuner
+from graphtune.errors import ConfigError, InputError
+from graphtune.ops._triton import device_limits, triton_available
+from graphtune.ops.fused._base import FusedTritonRunner, UnfusedRunner, resolve, runners_for
+from graphtune.ops.fused._gemv import (
+    ROPE,
+    GemvShape,
+    fused_gemv_tactics,
+    fused_supports,
+    launch_fused_gemv,
+)
+from graphtune.ops.gemm import gemm
+from graphtune.ops.rmsnorm import fused_add_rms_norm, torch_rms_norm
+from graphtune.ops.rotary import (
+    CACHE_ROWS,
+    TABLE_ROWS,
+    canonical_rope_indices,
+    rope_kv_cache,
+    torch_rope_kv_cache,
+)
+
+OP_NAME = "graphtune.norm_qkv_rope"
+# Input order: x, norm_weight, wqkv, bqkv, positions, cos, sin, k_cache, v_cache, write_rows, eps.
+_X, _POS, _COS, _SIN, _KC, _VC, _ROWS = 0, 4, 5, 6, 7, 8, 9
+
+
+class _QkvLayout:
+    """Head layout shared by both runners (part of their identity)."""
+
+    num_heads: int
+    num_kv_heads: int
+    signed_sin: bool
+
+    def _init_layout(self, num_heads: int, num_kv_heads: int, signed_sin: bool) -> None:
+        for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"norm_qkv_rope: {name} must be an int >= 1, got {value!r}.")
+        self.num_heads, self.num_kv_heads, self.signed_sin = num_heads, num_kv_heads, signed_sin
+
+    def cache_key_extras(self) -> tuple[Any, ...]:
+        """Head counts are not implied by the weight's shape."""
+        return (self.num_heads, self.num_kv_heads, self.signed_sin)
+
+    def unpack(self, inputs: list[Any]) -> list[Any]:
+        """Checks the inputs' shapes; returns them."""
+        x, norm_weight, wqkv, bqkv, positions, cos, *_ = inputs
+        dim = cos.shape[-1]
+        rows = (self.num_heads + 2 * self.num_kv_heads) * dim
+        if x.dim() != 2 or norm_weight.shape != (x.shape[1],) or dim % 2:
+            raise InputError(
+                f"norm_qkv_rope: need x [B, hidden], norm_weight [hidden] and an even head_dim, "
+                f"got x {tuple(x.shape)}, norm_weight {tuple(norm_weight.shape)}, D={dim}."
+            )
+        if tuple(wqkv.shape) != (rows, x.shape[1]) or (bqkv is not None and bqkv.shape != (rows,)):
+            raise InputError(
+                f"norm_qkv_rope: wqkv must be [(heads + 2 * kv_heads) * D, hidden] = "
+                f"[{rows}, {x.shape[1]}] (bqkv [{rows}]) for {self.num_heads}/{self.num_kv_heads} "
+                f"heads, got {tuple(wqkv.shape)}."
+            )
+        if positions.shape != (x.shape[0],):
+            raise InputError(
+                f"norm_qkv_rope: positions must be [B]={x.shape[0]}, got {tuple(positions.shape)}."
+            )
+        return inputs
+
+    def torch_composition(self, inputs: list[Any]) -> torch.Tensor:
+        """The unfused torch code (no tuner): ``rms_norm``, ``F.linear``, RoPE + cache write."""
+        x, norm_weight, wqkv, bqkv, positions, cos, sin, k_cache, v_cache, rows, eps = inputs
+        h, _ = torch_rms_norm(x, norm_weight, eps)
+        qkv = torch.nn.functional.linear(h, wqkv, bqkv)
+        return torch_rope_kv_cache(
+            qkv,
+            positions,
+            cos,
+            sin,
+            k_cache,
+            v_cache,
+            rows,
+            self.num_heads,
+            self.num_kv_heads,
+            self.signed_sin,
+        )
+
+
+class UnfusedNormQkvRope(_QkvLayout, UnfusedRunner):
+    """Runner 0: ``fused_add_rms_norm``, ``gemm`` and ``rope_kv_cache`` with their own picks."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        signed_sin: bool = False,
+        *,
+        tuner: AutoTuner | None = None,
+        max_m: int | None = None,
+    ) -> None:
+        UnfusedRunner.__init__(self, tuner, max_m)
+        self._init_layout(num_heads, num_kv_heads, signed_sin)
+
+    def unfused(self, inputs: list[Any]) -> torch.Tensor:
+        """The three tunable ops, through :attr:`tuner`."""
+        x, norm_weight, wqkv, bqkv, positions, cos, sin, k_cache, v_cache, rows, eps = self.unpack(
+            inputs
+        )
+        tuner, max_m = self.tuner, self.max_m
+        h, _ = fused_add_rms_norm(x, norm_weight, eps, tuner=tuner, max_m=max_m)
+        qkv = gemm(h, wqkv, bqkv, tuner=tuner, max_m=max_m)
+        return rope_kv_cache(
+            qkv,
+            positions,
+            cos,
+            sin,
+            k_cache,
+            v_cache,
+            rows,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            signed_sin=self.signed_sin,
+            tuner=tuner,
+            max_m=max_m,
+        )
+
+
+class TritonNormQkvRope(_QkvLayout, FusedTritonRunner):
+    """The fused kernel; tactic ``-1`` is the unfused torch code.
+
+    Args:
+        sm_count: Override the device's SM count (tests, or to tune for another GPU).
+        compile_workers: Threads for ahead-of-time compilation.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        signed_sin: bool = False,
+        *,
+        sm_count: int | None = None,
+        compile_workers: int | None = None,
+    ) -> None:
+        FusedTritonRunner.__init__(self, compile_workers=compile_workers)
+        self._init_layout(num_heads, num_kv_heads, signed_sin)
+        self.sm_count = sm_count
+
+    def cache_key_extras(self) -> tuple[Any, ...]:
+        """The head layout, and an SM-count override (it changes the candidates)."""
+        extras = _QkvLayout.cache_key_extras(self)
+        return extras if self.sm_count is None else (*extras, {"sm": self.sm_count})
+
+    def supports(self, inputs: list[Any]) -> bool:
+        """Unit last strides, one float dtype (the norm weight may differ), a Triton device."""
+        x, norm_weight, wqkv, bqkv, positions, cos, sin, k_cache, v_cache, rows, _ = self.unpack(
+            inputs
+        )
+        if positions.dtype.is_floating_point or rows.dtype.is_floating_point:
+            return False
+        if not norm_weight.dtype.is_floating_point:
+            return False
+        return fused_supports(x, wqkv, bqkv, cos, sin, k_cache, v_cache)
+
+    def tactics_for(self, inputs: list[Any]) -> list[Any]:
+        """See :func:`graphtune.ops.fused._gemv.fused_gemv_tactics` (RoPE tiles)."""
+        x, wqkv, cos = inputs[_X], inputs[2], inputs[_COS]
+        shape = GemvShape(
+            ROPE,
+            x.shape[0],
+            cos.shape[-1] // 2,
+            self.num_heads + 2 * self.num_kv_heads,
+            x.shape[1],
+            wqkv.element_size(),
+        )
+        sms = self.sm_count or device_limits(x.device)[1]
+        return fused_gemv_tactics(shape, sm_count=sms)
+
+    def torch_forward(self, inputs: list[Any]) -> torch.Tensor:
+        """The unfused torch code."""
+        return self.torch_composition(self.unpack(inputs))
+
+    def launch(self, inputs: list[Any], tactic: Any, *, warmup: bool = False) -> torch.Tensor:
+        """Runs the fused kernel; returns ``q [B, heads, D]``."""
+        x, norm_weight, wqkv, bqkv, positions, cos, sin, k_cache, v_cache, rows, eps = self.unpack(
+            inputs
+        )
+        dim = cos.shape[-1]
+        q = torch.empty((x.shape[0], self.num_heads, dim), device=x.device, dtype=x.dtype)
+        if x.shape[0] == 0:
+            return q
+        rope = (positions, cos, sin, rows, k_cache, v_cache)
+        launch_fused_gemv(
+            ROPE,
+            tactic,
+            x=x,
+            weight=wqkv,
+            out=q,
+            n=0,
+            norm_weight=norm_weight,
+            eps=eps,
+            bias=bqkv,
+            rope=(*rope, self.num_heads, self.num_kv_heads, self.signed_sin),
+            warmup=warmup,
+        )
+        return q
+
+
+def norm_qkv_rope_runners(
+    num_heads: int,
+    num_kv_heads: int,
+    signed_sin: bool = False,
+    *,
+    tuner: AutoTuner | None = None,
+    max_m: int | None = None,
+) -> tuple[TunableRunner, ...]:
+    """The runners for one head layout and tuner: unfused first (fallback), then Triton."""
+    tuner = resolve(tuner)
+
+    def build() -> tuple[TunableRunner, ...]:
+        first = UnfusedNormQkvRope(num_heads, num_kv_heads, signed_sin, tuner=tuner, max_m=max_m)
+        if not triton_available():
+            return (first,)
+        return (first, TritonNormQkvRope(num_heads, num_kv_heads, signed_sin))
+
+    return runners_for(tuner, (OP_NAME, num_heads, num_kv_heads, signed_sin, max_m), build)
+
+
+def _canonical_inputs(inputs: list[Any]) -> list[Any]:
+    out = list(inputs)
+    out[_POS], out[_ROWS] = canonical_rope_indices(
+        inputs[_POS], inputs[_ROWS], inputs[_COS].shape[0], inputs[_KC].shape[0]
+    )
+    return out
+
+
+@functools.lru_cache(maxsize=16)
+def norm_qkv_rope_config(num_kv_heads: int, max_m: int | None = None) -> TuningConfig:
+    """Rows of ``x`` bucketed; positions and write rows follow; tables and caches pinned."""
+
+    def batch(shapes: Any) -> int:
+        return int(shapes[_X][0])
+
+    def rows(shapes: Any) -> int:
+        return int(shapes[_X][0]) * num_kv_heads
+
+    def table(shapes: Any) -> int:
+        return TABLE_ROWS
+
+    def cache(shapes: Any) -> int:
+        return CACHE_ROWS
+
+    return TuningConfig(
+        dynamic_specs=(DynamicTensorSpec(_X, 0),),
+        constraint_specs=(
+            ConstraintSpec(_POS, 0, batch),
+            ConstraintSpec(_COS, 0, table),
+            ConstraintSpec(_SIN, 0, table),
+            ConstraintSpec(_KC, 0, cache),
+            ConstraintSpec(_VC, 0, cache),
+            ConstraintSpec(_ROWS, 0, rows),
+        ),
+        max_value=max_m,
+        inputs_pre_hook=_canonical_inputs,
+    )
+
+
+def norm_qkv_rope(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    wqkv: torch.Tensor,
+    bqkv: torch.Tensor | None,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    write_rows: torch.Tensor,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    signed_sin: bool = False,
+    tuner: AutoTuner | None = None,
+    max_m: int | None = None,
+    runners: tuple[TunableRunner, ...] | None = None,
+) -> torch.Tensor:
+    """RMSNorm, QKV projection, RoPE and the K/V cache write of one token per row.
+
+    Args:
+        x: ``[B, hidden]`` residual stream (not normalised).
+        norm_weight: ``[hidden]`` the layer's attention-norm weight.
+        eps: RMSNorm epsilon.
+        wqkv: ``[(num_heads + 2 * num_kv_heads) * D, hidden]`` fused projection weight.
+        bqkv: Optional ``[(num_heads + 2 * num_kv_heads) * D]`` bias (Qwen2).
+        positions, cos, sin, k_cache, v_cache, write_rows: As for
+            :func:`graphtune.ops.rotary.rope_kv_cache`.
+        num_heads: Query heads.
+        num_kv_heads: Key/value heads.
+        signed_sin: ``sin``'s first half holds ``-sin`` (the engine's tables).
+        tuner: Tuner to ask (for this op and, in the unfused path, for the inner ops); the
+            process default when ``None``.
+        max_m: Largest tuned batch (``None``: up to the live batch).
+        runners: Runners to choose from; :func:`norm_qkv_rope_runners` when ``None``.
+
+    Returns:
+        ``q`` rotated, ``[B, num_heads, D]``; k (rotated) and v are written to the caches.
+    """
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or eps < 0:
+        raise ConfigError(f"norm_qkv_rope: eps must be a float >= 0, got {eps!r}.")
+    tuner = resolve(tuner)
+    inputs = [x, norm_weight, wqkv, bqkv, positions, cos, sin, k_cache, v_cache, write_rows]
+    inputs.append(float(eps))
+    chosen = runners
+    if chosen is None:
+        chosen = norm_qkv_rope_runners(
+            num_heads, num_kv_heads, signed_sin, tuner=tuner, max_m=max_m
+        )
+    config = norm_qkv_rope_config(num_kv_heads, max_m)
+    runner, tactic = tuner.choose_one(OP_NAME, chosen, config, inputs)
+    return runner.forward(inputs, tactic)

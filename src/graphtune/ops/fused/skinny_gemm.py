@@ -1,0 +1,82 @@
+"""A skinny-``M`` GEMM runner for the ``graphtune.gemm`` op on the tensor cores, operands swapped.
+
+From about 4 rows on, the CUDA-core GEMV (``graphtune.ops.gemm.gemv``) loses to cuBLAS because every
+row costs it a multiply-add per weight on the CUDA cores. :class:`TritonSkinnyGemmRunner` computes
+``out.T = weight @ a.T`` instead: the weight rows fill the MMA's M side (``bn`` of 16..64) and the
+``M <= 16`` activation rows are padded to 16 in N, so the tensor cores do the multiply-adds while
+the weight streams once (``graphtune.ops.fused._gemv_kernels`` in plain mode, ``dot=1``).
+
+It takes the ``graphtune.gemm`` op's inputs (``[a, weight, bias, residual, inplace]`` and the
+optional ``out``) with the same semantics as ``graphtune.ops.gemm.TritonGemmRunner``: bias and
+residual added in float32 and rounded once, in place when ``inplace``. It is not in
+``gemm_runners()``; add it there to let the tuner pick it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from graphtune.ops._triton import device_limits
+from graphtune.ops.fused._base import FusedTritonRunner
+from graphtune.ops.fused._gemv import PLAIN, GemvShape, fused_gemv_tactics, launch_fused_gemv
+from graphtune.ops.gemm.common import (
+    result_tensor,
+    torch_gemm,
+    triton_gemm_supports,
+    unpack_gemm_inputs,
+)
+
+
+class TritonSkinnyGemmRunner(FusedTritonRunner):
+    """Swapped-operand tensor-core GEMM for ``M <= 16``; tactic ``-1`` is ``F.linear``.
+
+    Args:
+        sm_count: Override the device's SM count (tests, or to tune for another GPU).
+        compile_workers: Threads for ahead-of-time compilation.
+    """
+
+    def __init__(self, *, sm_count: int | None = None, compile_workers: int | None = None) -> None:
+        super().__init__(compile_workers=compile_workers)
+        self.sm_count = sm_count
+
+    def cache_key_extras(self) -> tuple[Any, ...]:
+        """An SM-count override changes the candidates."""
+        return () if self.sm_count is None else ({"sm": self.sm_count},)
+
+    def supports(self, inputs: list[Any]) -> bool:
+        """The Triton GEMM's rules, and unit strides along ``K`` (the kernel assumes them)."""
+        a, weight = inputs[0], inputs[1]
+        return a.stride(-1) == 1 and weight.stride(-1) == 1 and triton_gemm_supports(inputs)
+
+    def tactics_for(self, inputs: list[Any]) -> list[Any]:
+        """The ``dot=1`` tactics of :func:`graphtune.ops.fused._gemv.fused_gemv_tactics`."""
+        a, weight = inputs[0], inputs[1]
+        shape = GemvShape(PLAIN, a.shape[0], weight.shape[0], 1, a.shape[1], a.element_size())
+        sms = self.sm_count or device_limits(a.device)[1]
+        return [t for t in fused_gemv_tactics(shape, sm_count=sms) if t["dot"] == 1]
+
+    def torch_forward(self, inputs: list[Any]) -> torch.Tensor:
+        """:func:`graphtune.ops.gemm.common.torch_gemm`: the fallback tactic."""
+        return torch_gemm(inputs)
+
+    def launch(self, inputs: list[Any], tactic: Any, *, warmup: bool = False) -> torch.Tensor:
+        """Runs the kernel; returns ``[M, N]`` (``residual`` itself when ``inplace``)."""
+        a, weight, bias, residual, inplace = unpack_gemm_inputs(inputs)
+        n = weight.shape[0]
+        out = result_tensor(inputs, a, n, residual, inplace)
+        if a.shape[0] == 0:
+            return out
+        launch_fused_gemv(
+            PLAIN,
+            tactic,
+            x=a,
+            weight=weight,
+            out=out,
+            n=n,
+            bias=bias,
+            residual=residual,
+            warmup=warmup,
+        )
+        return out

@@ -1,0 +1,15 @@
+"""Lazy import of the fused-MoE Triton kernels (importing graphtune.ops never imports Triton)."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from graphtune.ops._triton import require_triton
+
+
+def moe_kernels() -> ModuleType:
+    """The module of fused-MoE Triton kernels (imported on first use; needs Triton)."""
+    require_triton("graphtune's fused-MoE Triton kernels")
+    from graphtune.ops.moe import _kernels
+
+    return _kernels

@@ -1,0 +1,335 @@
+"""The fused-MoE Triton kernels on the CPU interpreter against float64 and a layout oracle.
+
+Covered: the sort step (one program and several, an expert count that is not a power of two,
+repeated and out-of-range ids, every block_m) against a plain-Python layout; the runner with each
+tactic shape class (streaming blocks of 16 and 32 rows, tiled blocks of 64 and 128 with the
+program-id swizzle, K not a multiple of block_k) at T = 1, 3, 17 in float32 and float16; every
+tactic the runner lists for a bucket; poisoned buffers (every uninitialised allocation filled
+with NaN or a wild int, so a row read before it is written shows); tuning through the AutoTuner;
+and capture of routing + kernels by the graph runner's simulated backend with a guard that fails
+on any host-synchronising torch op.
+
+bfloat16 is left to tests/gpu: the interpreter's ``tl.dot`` on bfloat16 operands returns garbage
+(Triton 3.9), while float16 exercises the same rounding points. Shapes are tiny (the interpreter
+runs every program in numpy); inputs are fresh random numbers per test, the seed is in the
+assertion message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+# The interpreter must be chosen before Triton decorates the kernels (see test_ops_kernels.py).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from graphtune.autotuner import AutoTuner, TuningPolicy, autotune  # noqa: E402
+from graphtune.autotuner.timing.base import Measurement  # noqa: E402
+from graphtune.errors import ConfigError  # noqa: E402
+from graphtune.graphs import CUDAGraphRunner, SimulatedGraphBackend  # noqa: E402
+from graphtune.ops import _triton  # noqa: E402
+from graphtune.ops.moe import (  # noqa: E402
+    TorchFusedMoeRunner,
+    TritonFusedMoeRunner,
+    dense_fused_moe,
+    fused_moe,
+    max_sorted_rows,
+    route_top_k,
+    sort_by_expert,
+    sparse_fused_moe,
+)
+
+pytestmark = pytest.mark.skipif(
+    not _triton.device_supported(torch.device("cpu")),
+    reason="Triton kernels run on the CPU only under TRITON_INTERPRET=1 (set when no GPU)",
+)
+
+TOL = {torch.float32: 1e-5, torch.float16: 3e-3}
+
+
+def _tactic(block_m, block_n, block_k, group_m=1, warps=4, stages=2):
+    return dict(
+        block_m=block_m,
+        block_n=block_n,
+        block_k=block_k,
+        group_m=group_m,
+        warps=warps,
+        stages=stages,
+    )
+
+
+# One per tactic shape class of moe_tactics (streaming: block_m 16/32; tiled: 64/128 with and
+# without the swizzle), with block_k 32 so that H or I = 40/48 leaves a partial K step.
+TACTIC_CLASSES = [
+    _tactic(16, 32, 64),
+    _tactic(32, 64, 32, stages=3),
+    _tactic(64, 32, 32, group_m=8),
+    _tactic(128, 64, 32, warps=8),
+]
+
+
+def _gen() -> torch.Generator:
+    return torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want).norm() / want.norm().clamp_min(1e-30))
+
+
+def _case(gen, tokens, experts, hidden, inter, dtype=torch.float32, top_k=2):
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    gate_up = (torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden**-0.5).to(dtype)
+    down = (torch.randn(experts, hidden, inter, generator=gen) * inter**-0.5).to(dtype)
+    weights, ids = route_top_k(torch.randn(tokens, experts, generator=gen), top_k, renormalize=True)
+    return [x, gate_up, down, weights, ids]
+
+
+def float64_moe(x, gate_up, down, weights, ids):
+    """The math, one (token, slot) at a time, in float64; ids outside [0, E) add nothing."""
+    inter = down.shape[2]
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            if not 0 <= e < gate_up.shape[0]:
+                continue
+            h = gate_up[e].double() @ x[t].double()
+            act = torch.nn.functional.silu(h[:inter]) * h[inter:]
+            out[t] += float(weights[t, j]) * (down[e].double() @ act)
+    return out
+
+
+def oracle_layout(ids, experts, block_m):
+    """The sorted layout by hand: pairs by expert then pair id, each expert padded to blocks."""
+    flat = ids.reshape(-1).tolist()
+    pairs = len(flat)
+    rows, block_expert = [], []
+    for e in range(experts):
+        mine = [p for p in range(pairs) if flat[p] == e]
+        if mine:
+            size = -(-len(mine) // block_m) * block_m
+            rows += mine + [pairs] * (size - len(mine))
+            block_expert += [e] * (size // block_m)
+    total = max_sorted_rows(pairs, experts, block_m)
+    return rows + [pairs] * (total - len(rows)), block_expert + [-1] * (
+        total // block_m - len(block_expert)
+    )
+
+
+@contextlib.contextmanager
+def poisoned_allocations():
+    """Every ``torch.empty`` inside returns NaN floats or ints of -777 instead of whatever the
+    allocator had (often zeros on the CPU, which would hide a row that is read unwritten)."""
+    original = torch.empty
+
+    def empty(*args, **kwargs):
+        out = original(*args, **kwargs)
+        return out.fill_(float("nan") if out.dtype.is_floating_point else -777)
+
+    torch.empty = empty
+    try:
+        yield
+    finally:
+        torch.empty = original
+
+
+# --- sort step -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "tokens, top_k, experts, block_m",
+    [
+        (1, 2, 4, 16),
+        (3, 2, 8, 16),
+        (17, 2, 6, 32),
+        (600, 2, 8, 16),
+        (300, 4, 40, 64),
+        (9, 3, 5, 128),
+    ],
+)
+def test_sort_by_expert_matches_the_oracle(tokens, top_k, experts, block_m):
+    gen = _gen()
+    ids = torch.rand(tokens, experts, generator=gen).topk(top_k, dim=-1).indices
+    with poisoned_allocations():
+        blocks = sort_by_expert(ids, experts, block_m)
+    rows, block_expert = oracle_layout(ids, experts, block_m)
+    assert blocks.sorted_pairs.tolist() == rows, gen.initial_seed()
+    assert blocks.block_expert.tolist() == block_expert, gen.initial_seed()
+    assert blocks.num_blocks * block_m == len(rows) and blocks.pairs == tokens * top_k
+
+
+def test_sort_by_expert_skewed_repeated_and_out_of_range_ids():
+    gen = _gen()
+    ids = torch.randint(0, 2, (700, 2), generator=gen, dtype=torch.int32)  # two experts of 6
+    ids[5] = torch.tensor([1, 1], dtype=torch.int32)  # a token routed twice to one expert
+    ids[7, 1], ids[650, 0] = -1, 6  # no expert: these pairs get no row
+    with poisoned_allocations():
+        blocks = sort_by_expert(ids, 6, 32)
+    rows, block_expert = oracle_layout(ids, 6, 32)
+    assert blocks.sorted_pairs.tolist() == rows and blocks.block_expert.tolist() == block_expert
+
+
+def test_sort_by_expert_rejects_a_bad_block():
+    with pytest.raises(ConfigError, match="block_m"):
+        sort_by_expert(torch.zeros(2, 2, dtype=torch.int64), 4, 24)
+
+
+# --- the runner ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "tokens, experts, hidden, inter", [(1, 4, 32, 32), (3, 8, 40, 48), (17, 6, 64, 40)]
+)
+def test_every_tactic_class_matches_float64(dtype, tokens, experts, hidden, inter):
+    gen = _gen()
+    runner = TritonFusedMoeRunner()
+    inputs = _case(gen, tokens, experts, hidden, inter, dtype)
+    want = float64_moe(*inputs)
+    for tactic in TACTIC_CLASSES:
+        with poisoned_allocations():
+            got = runner.forward(inputs, tactic)
+        assert got.dtype == dtype and got.shape == (tokens, hidden)
+        assert _rel(got, want) < TOL[dtype], (tactic, gen.initial_seed())
+
+
+def test_every_listed_tactic_runs_and_the_fallback_is_the_torch_loop():
+    gen = _gen()
+    runner = TritonFusedMoeRunner()
+    inputs = _case(gen, 17, 6, 64, 32)
+    tactics = runner.get_valid_tactics(inputs, None)
+    assert len(tactics) >= 4
+    report = runner.precompile(inputs, tactics, workers=1)
+    assert all(error is None for error in report.values()), report
+    want = float64_moe(*inputs)
+    for tactic in tactics:
+        assert _rel(runner.forward(inputs, tactic), want) < TOL[torch.float32], tactic
+    assert torch.equal(runner.forward(inputs, -1), sparse_fused_moe(*inputs))
+
+
+def test_repeated_and_out_of_range_ids_add_like_the_dense_form():
+    gen = _gen()
+    x, gate_up, down, weights, _ = _case(gen, 4, 5, 32, 32, top_k=3)
+    ids = torch.tensor([[1, 1, 4], [0, 5, 2], [-1, 3, 3], [4, 2, 0]])
+    want = float64_moe(x, gate_up, down, weights, ids)
+    with poisoned_allocations():
+        got = TritonFusedMoeRunner().forward([x, gate_up, down, weights, ids], TACTIC_CLASSES[0])
+    assert _rel(got, want) < TOL[torch.float32], gen.initial_seed()
+    assert _rel(dense_fused_moe(x, gate_up, down, weights, ids), want) < TOL[torch.float32]
+
+
+def test_bfloat16_routing_weights_and_int32_ids_are_accepted():
+    gen = _gen()
+    inputs = _case(gen, 5, 4, 32, 32)
+    inputs[3], inputs[4] = inputs[3].to(torch.bfloat16), inputs[4].to(torch.int32)
+    want = float64_moe(*inputs)
+    assert _rel(TritonFusedMoeRunner().forward(inputs, TACTIC_CLASSES[1]), want) < 1e-5
+
+
+def test_a_bad_tactic_is_a_config_error():
+    inputs = _case(_gen(), 2, 4, 32, 32)
+    with pytest.raises(ConfigError, match="TritonFusedMoeRunner: block_m"):
+        TritonFusedMoeRunner().forward(inputs, _tactic(8, 32, 32))
+
+
+# --- tuning and capture ---------------------------------------------------------------------------
+
+
+class LastIsFastest:
+    """Each measurement beats the one before: the last-listed candidate wins every bucket."""
+
+    name = "fake"
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def measure(self, fn, *, warmup, repeat):
+        self.calls += 1
+        fn(0)  # runs the candidate once on the synthetic inputs
+        return Measurement.from_samples([1000.0 / self.calls], calls_per_sample=1, timer=self.name)
+
+
+def test_tuning_picks_a_triton_tactic_per_bucket_and_lookups_run_it():
+    gen = _gen()
+    tuner = AutoTuner(
+        timer=LastIsFastest(),
+        show_progress=False,
+        policy=TuningPolicy(rounds=1, remeasure_top=0, tie_tolerance=0.0),
+    )
+    runners = (TorchFusedMoeRunner(), TritonFusedMoeRunner(compile_workers=1))
+    x, gate_up, down, weights, ids = _case(gen, 4, 4, 32, 32)
+    with autotune(tuner=tuner):
+        fused_moe(x, gate_up, down, weights, ids, tuner=tuner, max_m=4, runners=runners)
+    assert tuner.stats.profiles_tuned == 3  # buckets 1, 2, 4
+    assert all("TritonFusedMoeRunner" in row[2] for row in tuner.summary_rows())
+    assert not tuner.stats.tactic_failures
+    for tokens in (1, 3, 5):  # 5 tokens: bucket 4 (max_m caps it)
+        inputs = _case(gen, tokens, 4, 32, 32)
+        inputs[1], inputs[2] = gate_up, down
+        got = fused_moe(*inputs, tuner=tuner, max_m=4, runners=runners)
+        assert _rel(got, float64_moe(*inputs)) < TOL[torch.float32], tokens
+    assert not tuner.stats.fallbacks
+
+
+HOST_SYNC_OPS = {
+    "_local_scalar_dense",
+    "item",
+    "nonzero",
+    "masked_select",
+    "bincount",
+    "_unique2",
+    "unique_dim",
+    "unique_consecutive",
+}
+
+
+class NoHostSync(TorchDispatchMode):
+    """Fails on every torch op that reads a device value on the host or has a data-dependent
+    output shape: what a CUDA graph capture cannot hold."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in HOST_SYNC_OPS:
+            raise RuntimeError(f"host-synchronising op {func} during capture")
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_guard_catches_the_sparse_loop():
+    with pytest.raises(RuntimeError, match="host-synchronising"), NoHostSync():
+        sparse_fused_moe(*_case(_gen(), 3, 4, 32, 32))
+
+
+@pytest.mark.parametrize("form", ["triton", "dense"])
+def test_routing_and_kernels_capture_and_replay_without_host_sync(form):
+    gen = _gen()
+    hidden, experts = 32, 6
+    _, gate_up, down, _, _ = _case(gen, 1, experts, hidden, 32)
+    router = torch.randn(experts, hidden, generator=gen)
+    backend = SimulatedGraphBackend()
+    runner = TritonFusedMoeRunner()
+
+    def step(x):
+        guard = NoHostSync() if backend.capturing else contextlib.nullcontext()
+        with guard:
+            weights, ids = route_top_k(x @ router.T, 2, renormalize=True)
+            if form == "dense":
+                return dense_fused_moe(x, gate_up, down, weights, ids)
+            return runner.forward([x, gate_up, down, weights, ids], TACTIC_CLASSES[0])
+
+    graphs = CUDAGraphRunner(step, max_batch_size=4, backend=backend)
+    graphs.capture(torch.randn(4, hidden, generator=gen))
+    assert backend.captures == 3  # 4, 2, 1
+    for tokens in (1, 3, 4):
+        x = torch.randn(tokens, hidden, generator=gen)
+        got = graphs(x).clone()
+        weights, ids = route_top_k(x @ router.T, 2, renormalize=True)
+        assert _rel(got, float64_moe(x, gate_up, down, weights, ids)) < TOL[torch.float32]
+    assert graphs.stats.replays == 3 and graphs.stats.eager_calls == 0

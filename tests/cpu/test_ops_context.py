@@ -1,0 +1,82 @@
+"""OpContext: the untuned context runs each op's fallback directly, bit for bit what the op
+function's fallback (runner 0, tactic -1) computes; the tuned one looks picks up in its tuner."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphtune.autotuner import AutoTuner
+from graphtune.errors import ConfigError
+from graphtune.ops import OpContext, RopeRows
+
+HEADS, KV, DIM, ROWS = 4, 2, 8, 3
+
+
+def _calls(ops: OpContext) -> list[torch.Tensor]:
+    """Every OpContext method on fixed inputs; returns every output and written buffer."""
+    gen = torch.Generator().manual_seed(0)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen)
+
+    a, w, bias = randn(ROWS, 16), randn(24, 16), randn(24)
+    x, out = randn(ROWS, 24), torch.empty(ROWS, 24)
+    norm = randn(24)
+    qkv = randn(ROWS, (HEADS + 2 * KV) * DIM)
+    cos, sin = randn(32, DIM), randn(32, DIM)
+    k_cache, v_cache = torch.zeros(64, DIM), torch.zeros(64, DIM)
+    positions = torch.tensor([3, 0, 17])
+    rows = torch.tensor([0, 5, 9, 14, 40, 63])
+    q, keys, values = randn(ROWS, KV, 2, DIM), randn(ROWS, KV, 32, DIM), randn(ROWS, KV, 32, DIM)
+    mask = torch.where(torch.arange(32)[None, :] <= positions[:, None], 0.0, float("-inf"))
+    results = [
+        ops.gemm(a, w, bias),
+        ops.gemm(a, w, residual=x.clone()),
+        ops.gemm(a, w, residual=x.clone(), inplace=True),
+        ops.gemm(a, w, residual=x, out=out).clone(),
+        ops.rms_norm(x, norm, 1e-5),
+        *ops.add_rms_norm(x, norm, 1e-5, a @ w.t()),
+        ops.rope_kv_cache(
+            qkv,
+            RopeRows(positions, cos, sin, signed_sin=True),
+            k_cache,
+            v_cache,
+            rows,
+            num_heads=HEADS,
+            num_kv_heads=KV,
+        ),
+        k_cache,
+        v_cache,
+        ops.silu_and_mul(randn(ROWS, 32)),
+        ops.decode_attention(q, keys, values, mask[:, None, None, :]),
+    ]
+    return results
+
+
+def test_untuned_context_is_the_op_functions_fallback_bit_for_bit() -> None:
+    tuner = AutoTuner(show_progress=False)  # empty cache, not tuning: every look-up falls back
+    direct = _calls(OpContext())
+    looked_up = _calls(OpContext(tuner, 4))
+    assert len(direct) == len(looked_up)
+    for got, want in zip(direct, looked_up, strict=True):
+        assert torch.equal(got, want)
+    # The tuned context asked the tuner (and counted its fallbacks); the untuned one did not.
+    assert set(tuner.stats.fallbacks) == {
+        "graphtune.gemm",
+        "graphtune.rms_norm",
+        "graphtune.rope_kv_cache",
+        "graphtune.silu_and_mul",
+        "decode_attention",
+    }
+    assert not OpContext().tuned and OpContext(tuner, 4).tuned
+
+
+def test_context_rules() -> None:
+    with pytest.raises(ConfigError, match="needs max_batch_size"):
+        OpContext(AutoTuner(show_progress=False))
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ConfigError, match="max_batch_size must be an int >= 1"):
+            OpContext(None, bad)  # type: ignore[arg-type]
+    with pytest.raises(AttributeError):
+        OpContext().tuner = None  # type: ignore[misc]  (frozen)

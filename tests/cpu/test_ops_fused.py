@@ -1,0 +1,199 @@
+"""The fused decode GEMV kernel (graphtune.ops.fused) under Triton's interpreter, against float64.
+
+Every mode (plain + residual, norm + linear, norm + gate/up + SiLU, norm + QKV + RoPE + K/V write)
+runs on both paths, the CUDA-core path (``dot=0``, one row per program) and the swapped
+tensor-core path (``dot=1``, 16 padded rows), in float32 and float16. Not bfloat16: Triton 3.9's
+interpreter truncates float32 -> bfloat16 casts instead of rounding to nearest (a bias that grows
+with every rounding the fused epilogues reproduce) and computes a bfloat16 ``tl.dot`` wrongly;
+tests/gpu/test_fused_ops_gpu.py covers bfloat16 on the GPU. Shapes are small, inputs random and
+outputs poisoned with NaN, so a value the kernel does not write shows.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+# The interpreter must be chosen before Triton decorates the kernels (see test_ops_kernels.py).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+
+from graphtune.ops import _triton  # noqa: E402
+from graphtune.ops.fused import (  # noqa: E402
+    TritonAddProjection,
+    TritonNormGateUpSilu,
+    TritonNormLinear,
+    TritonNormQkvRope,
+    TritonSkinnyGemmRunner,
+)
+
+pytestmark = pytest.mark.skipif(
+    not _triton.device_supported(torch.device("cpu")),
+    reason="Triton kernels run on the CPU only under TRITON_INTERPRET=1 (set when no GPU)",
+)
+
+# Relative error against float64 of the same rounded inputs. Low precision: the normalised
+# activations and the output are each rounded once (RoPE: a few roundings per element).
+TOL = {torch.float32: 2e-5, torch.float16: 4e-3}
+CORE = {"bn": 8, "bk": 32, "warps": 1, "dot": 0}
+CORE_DEFER = {"bn": 4, "bk": 64, "warps": 2, "dot": 0}
+DOT = {"bn": 16, "bk": 32, "warps": 4, "dot": 1}
+# (tactic, dtype, rows): the CUDA-core path is timed only for one row but runs any row count.
+CASES = [
+    (CORE, torch.float32, 1),
+    (CORE_DEFER, torch.float16, 1),
+    (CORE, torch.float16, 3),
+    (DOT, torch.float32, 3),
+    (DOT, torch.float16, 1),
+    (DOT, torch.float16, 18),  # two row blocks of 16
+]
+IDS = [f"dot{t['dot']}-bn{t['bn']}-{str(d)[6:]}-m{m}" for t, d, m in CASES]
+
+
+def _gen() -> torch.Generator:
+    return torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+
+
+def _randn(gen: torch.Generator, *shape: int, dtype: torch.dtype, scale: float = 1.0):
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype)
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want).norm() / want.norm().clamp_min(1e-30))
+
+
+def _norm64(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xd = x.double()
+    return xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+
+
+@pytest.mark.parametrize("tactic,dtype,m", CASES, ids=IDS)
+def test_add_projection_updates_x_in_place(tactic, dtype, m):
+    gen = _gen()
+    n, k = 40, 96  # N not a multiple of bn, K not a multiple of bk
+    a, w = _randn(gen, m, k, dtype=dtype), _randn(gen, n, k, dtype=dtype, scale=0.2)
+    x = _randn(gen, m, n, dtype=dtype)
+    want = x.double() + a.double() @ w.double().T
+    got = TritonAddProjection().forward([x, a, w], tactic)
+    assert got is x
+    assert _rel(x, want) < TOL[dtype], gen.initial_seed()
+
+
+@pytest.mark.parametrize("tactic,dtype,m", CASES, ids=IDS)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_norm_linear_matches_float64(tactic, dtype, m, with_bias):
+    gen = _gen()
+    n, k, eps = 36, 80, 1e-5
+    x, w = _randn(gen, m, k, dtype=dtype), _randn(gen, n, k, dtype=dtype, scale=0.2)
+    norm_w = (1 + 0.1 * torch.randn(k, generator=gen)).to(dtype)
+    bias = _randn(gen, n, dtype=dtype) if with_bias else None
+    want = _norm64(x, norm_w, eps) @ w.double().T
+    if bias is not None:
+        want = want + bias.double()
+    got = TritonNormLinear().forward([x, norm_w, w, bias, eps], tactic)
+    assert got.shape == (m, n) and got.dtype == dtype
+    assert _rel(got, want) < TOL[dtype], gen.initial_seed()
+
+
+@pytest.mark.parametrize("tactic,dtype,m", CASES, ids=IDS)
+def test_norm_gate_up_silu_matches_float64(tactic, dtype, m):
+    gen = _gen()
+    inter, k, eps = 24, 64, 1e-6
+    x, w = _randn(gen, m, k, dtype=dtype), _randn(gen, 2 * inter, k, dtype=dtype, scale=0.2)
+    norm_w = (1 + 0.1 * torch.randn(k, generator=gen)).to(dtype)
+    gate_up = _norm64(x, norm_w, eps) @ w.double().T
+    want = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    got = TritonNormGateUpSilu().forward([x, norm_w, w, eps], tactic)
+    assert got.shape == (m, inter) and got.dtype == dtype
+    assert _rel(got, want) < TOL[dtype], gen.initial_seed()
+
+
+def _rope64(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = t.shape[-1] // 2
+    rotated = torch.cat((-t[..., half:], t[..., :half]), dim=-1)
+    return t * cos + rotated * sin
+
+
+@pytest.mark.parametrize("tactic,dtype,m", CASES, ids=IDS)
+@pytest.mark.parametrize("signed_sin", [False, True])
+def test_norm_qkv_rope_matches_float64(tactic, dtype, m, signed_sin):
+    gen = _gen()
+    heads, kv_heads, dim, hidden, eps = 4, 2, 32, 48, 1e-5
+    table, cache_rows = 24, 64
+    rows_total = (heads + 2 * kv_heads) * dim
+    x, w = _randn(gen, m, hidden, dtype=dtype), _randn(gen, rows_total, hidden, dtype=dtype)
+    w = (w.float() * 0.2).to(dtype)
+    bias = _randn(gen, rows_total, dtype=dtype)
+    norm_w = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype)
+    angles = torch.rand(table, dim // 2, generator=gen, dtype=torch.float64) * 6.3
+    cos64 = torch.cat((angles.cos(), angles.cos()), -1)
+    sin64 = torch.cat((angles.sin(), angles.sin()), -1)
+    table_sin = (
+        torch.cat((-sin64[:, : dim // 2], sin64[:, dim // 2 :]), -1) if signed_sin else sin64
+    )
+    cos, sin = cos64.to(dtype), table_sin.to(dtype)
+    positions = torch.randint(0, table, (m,), generator=gen)
+    write_rows = torch.randperm(cache_rows, generator=gen)[: m * kv_heads]
+    k_cache = torch.full((cache_rows, dim), float("nan"), dtype=dtype)
+    v_cache = k_cache.clone()
+    inputs = [x, norm_w, w, bias, positions, cos, sin, k_cache, v_cache, write_rows, eps]
+    q = TritonNormQkvRope(heads, kv_heads, signed_sin).forward(inputs, tactic)
+
+    qkv = _norm64(x, norm_w, eps) @ w.double().T + bias.double()
+    c, s = cos.double()[positions][:, None], sin64[positions][:, None]
+    q_want = _rope64(qkv[:, : heads * dim].view(m, heads, dim), c, s)
+    k_want = _rope64(qkv[:, heads * dim : (heads + kv_heads) * dim].view(m, kv_heads, dim), c, s)
+    v_want = qkv[:, (heads + kv_heads) * dim :].reshape(m * kv_heads, dim)
+    seed = gen.initial_seed()
+    assert q.shape == (m, heads, dim) and _rel(q, q_want) < TOL[dtype], seed
+    assert _rel(k_cache[write_rows], k_want.reshape(m * kv_heads, dim)) < TOL[dtype], seed
+    assert _rel(v_cache[write_rows], v_want) < TOL[dtype], seed
+    untouched = torch.ones(cache_rows, dtype=torch.bool)
+    untouched[write_rows] = False
+    assert torch.isnan(k_cache[untouched]).all() and torch.isnan(v_cache[untouched]).all()
+
+
+def test_paths_agree_with_the_unfused_triton_kernels_to_rounding():
+    """The fused RoPE epilogue rounds like rope_kv_kernel: same bits from the same qkv row."""
+    gen = _gen()
+    heads, kv_heads, dim, hidden = 2, 1, 32, 32
+    dtype = torch.float32
+    x = _randn(gen, 1, hidden, dtype=dtype)
+    w = _randn(gen, (heads + 2 * kv_heads) * dim, hidden, dtype=dtype)
+    norm_w = torch.ones(hidden)
+    cos, sin = (_randn(gen, 8, dim, dtype=dtype) for _ in range(2))
+    pos, rows = torch.tensor([5]), torch.tensor([3])
+    caches = [torch.full((8, dim), float("nan")) for _ in range(4)]
+    runner = TritonNormQkvRope(heads, kv_heads, True)
+    fused = runner.forward([x, norm_w, w, None, pos, cos, sin, *caches[:2], rows, 0.0], DOT)
+    torch_q = runner.forward([x, norm_w, w, None, pos, cos, sin, *caches[2:], rows, 0.0], -1)
+    assert _rel(fused, torch_q.double()) < 1e-5
+    assert _rel(caches[0][3], caches[2][3].double()) < 1e-5
+    assert torch.equal(caches[1][3].isnan(), caches[3][3].isnan())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m", [1, 5, 16])
+def test_skinny_gemm_runner_has_the_gemm_ops_semantics(dtype, m):
+    gen = _gen()
+    n, k = 40, 96
+    a, w = _randn(gen, m, k, dtype=dtype), _randn(gen, n, k, dtype=dtype, scale=0.2)
+    bias, residual = _randn(gen, n, dtype=dtype), _randn(gen, m, n, dtype=dtype)
+    runner = TritonSkinnyGemmRunner()
+    tactics = runner.get_valid_tactics([a, w, None, None, False], None)
+    assert tactics and all(t["dot"] == 1 for t in tactics)
+    product = a.double() @ w.double().T
+    got = runner.forward([a, w, bias, None, False], DOT)
+    assert _rel(got, product + bias.double()) < TOL[dtype], gen.initial_seed()
+    want = product + residual.double()
+    assert _rel(runner.forward([a, w, None, residual, False], DOT), want) < TOL[dtype]
+    out = torch.full((m, n), float("nan"), dtype=dtype)
+    assert runner.forward([a, w, None, None, False, out], DOT) is out
+    assert _rel(out, product) < TOL[dtype]
+    assert runner.forward([a, w, None, residual, True], DOT) is residual
+    assert _rel(residual, want) < TOL[dtype], gen.initial_seed()

@@ -11,21 +11,28 @@ Every phase runs in a fresh process, so nothing survives in memory between them:
 
 1. ``cold``: ``TRITON_CACHE_DIR`` is a new empty folder and there is no tuning cache file. The
    child runs ``tune_step(model, max_batch, tuner, device=, dtype=, max_seq_len=)`` inside
-   ``autotune(cache, tuner)``: the decode step at ``max_batch`` rows, whose ops tune every batch
-   bucket up to ``max_batch`` on their first miss. Reported: the wall time of that call
-   (``tune_s``), the tuner's ``stats`` (tuning seconds by phase, measurements, untimed picks),
-   the Triton runners' ahead-of-time compile seconds, and the cost per (tactic, bucket): the
-   median over tuned profiles of profile seconds / candidates (``AutoTuner.history``; the up-front
-   compile of the op is not in it) and the overall ``tune_s`` / all candidates.
+   ``autotune(cache, tuner)``; the default is the engine's path
+   (``graphtune.engine.tuning.tune_step`` on the step ``graphtune.engine.build.build_step``
+   builds): record one untuned step, compile every missing profile's Triton tactics up front
+   (``AutoTuner.prepare``), then run the step at every batch bucket up to ``max_batch``, whose
+   ops tune on their first miss. Reported: the wall time of that call (``tune_s``) and of its
+   up-front part (``prepare_s``), the tuner's ``stats`` (tuning seconds by phase, measurements,
+   untimed picks), the Triton runners' compile seconds (summed over runners, which compile side
+   by side) and binaries, and the cost per (tactic, bucket): the median over tuned profiles of
+   profile seconds / candidates (``AutoTuner.history``; compilation is not in it) and the
+   overall ``tune_s`` / all candidates.
 2. ``warm``: the same Triton cache folder and the tuning cache file the cold run saved; the same
    call must tune nothing (``tune_s`` is loading the file, Triton loading its cached binaries and
-   the look-ups). A second step shows the steady state. Graph capture before the first replay
+   the look-ups). A second call shows the steady state. Graph capture before the first replay
    belongs to the engine and is not in these numbers.
 
 ``--tune-step`` names the function (default ``graphtune.cli._step_calls:tune_decode_step``, the
-reference engine's eager step). Targets (issue 14): cold ``tune_s`` <= 15 s, warm ``tune_s`` <=
-1 s, median per (tactic, bucket) <= 10 ms. Writes ``tuning-time-<gpu>.json`` with provenance and
-prints a table last. Exits 2 without CUDA, 1 when a target fails.
+engine's step and ``tune_step``). ``--no-prepare`` skips the up-front compile (each op compiles
+when it is tuned) and ``--compile-processes N`` sets ``GRAPHTUNE_COMPILE_PROCESSES`` in the
+children (``0``: compile in threads of the tuning process only), to compare. Targets (issue 14):
+cold ``tune_s`` <= 15 s, warm ``tune_s`` <= 1 s, median per (tactic, bucket) <= 10 ms. Writes
+``tuning-time-<gpu>.json`` (``-<label>`` added with ``--label``) with provenance and prints a
+table last. Exits 2 without CUDA, 1 when a target fails.
 """
 
 from __future__ import annotations
@@ -64,28 +71,27 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda device: None)
     tune_step = _load(args.tune_step)
+    options = {"prepare": False} if args.no_prepare else {}
     tuner = AutoTuner(show_progress=False)
-    start = time.perf_counter()
-    with tuner.record_calls() as calls, autotune(args.cache, tuner):
-        tune_step(
+
+    def tune() -> Any:
+        return tune_step(
             args.model,
             args.max_batch,
             tuner,
             device=device,
             dtype=dtype,
             max_seq_len=args.max_seq_len,
+            **options,
         )
+
+    start = time.perf_counter()
+    with tuner.record_calls() as calls, autotune(args.cache, tuner):
+        report = tune()
         sync(device)
     tune_s = time.perf_counter() - start
     again = time.perf_counter()
-    tune_step(
-        args.model,
-        args.max_batch,
-        tuner,
-        device=device,
-        dtype=dtype,
-        max_seq_len=args.max_seq_len,
-    )
+    tune()
     sync(device)
     second_s = time.perf_counter() - again
     runners = {id(r): r for call in calls for r in call.runners}.values()
@@ -101,6 +107,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         "phase": args.child,
         "import_s": imported - began,
         "tune_s": tune_s,
+        "prepare_s": getattr(report, "prepare_seconds", None),
+        "prepared_tactics": getattr(report, "prepared", None),
         "second_call_s": second_s,
         "op_calls": len(calls),
         "profiles_tuned": stats.profiles_tuned,
@@ -122,6 +130,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 def run_phase(phase: str, args: argparse.Namespace, triton_cache: Path) -> dict[str, Any]:
     env = {**os.environ, "TRITON_CACHE_DIR": str(triton_cache), "GRAPHTUNE_NO_PROGRESS": "1"}
     env.pop("GRAPHTUNE_CACHE_ONLY", None)
+    if args.compile_processes is not None:
+        env["GRAPHTUNE_COMPILE_PROCESSES"] = str(args.compile_processes)
     command = [
         sys.executable,
         str(Path(__file__).resolve()),
@@ -137,6 +147,9 @@ def run_phase(phase: str, args: argparse.Namespace, triton_cache: Path) -> dict[
         str(args.max_seq_len),
         "--tune-step",
         args.tune_step,
+        "--device",
+        args.device,
+        *(["--no-prepare"] if args.no_prepare else []),
     ]
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -152,6 +165,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-seq-len", type=int, default=2048)
     parser.add_argument("--commit", default=None)
     parser.add_argument("--tune-step", default=DEFAULT_STEP, metavar="MODULE:FUNCTION")
+    parser.add_argument("--no-prepare", action="store_true", help="no up-front compile")
+    parser.add_argument("--compile-processes", type=int, default=None, metavar="N")
+    parser.add_argument("--label", default=None, help="suffix of the result file name")
     parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: tests only
     parser.add_argument("--child", choices=("cold", "warm"), help=argparse.SUPPRESS)
     parser.add_argument("--cache", type=Path, default=None, help=argparse.SUPPRESS)
@@ -163,11 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         print(json.dumps(child(args)))
         return 0
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import _common  # benchmarks/ is not a package
+    from graphtune import bench
 
-    device = _common.require_cuda_or_exit("benchmarks/tuning_time.py")
-    prov = _common.provenance(args.commit, device)
+    device = bench.require_cuda_or_exit("benchmarks/tuning_time.py")
+    prov = bench.provenance(args.commit, device)
     with tempfile.TemporaryDirectory(prefix="graphtune-tuning-time-") as tmp:
         args.cache = Path(tmp) / "tuning-cache.json"
         triton_cache = Path(tmp) / "triton-cache"
@@ -181,8 +196,9 @@ def main(argv: list[str] | None = None) -> int:
         <= TARGETS["median_ms_per_tactic_bucket_le"],
         "warm_tunes_nothing": warm["profiles_tuned"] == 0 and warm["measurements"] == 0,
     }
-    name = f"tuning-time-{prov['gpu_slug']}.json"
-    path = _common.write_json(
+    label = f"-{args.label}" if args.label else ""
+    name = f"tuning-time-{prov['gpu_slug']}{label}.json"
+    path = bench.write_json(
         args.out / name,
         {
             "benchmark": "tuning_time",
@@ -192,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
                 "max_batch": args.max_batch,
                 "max_seq_len": args.max_seq_len,
                 "tune_step": args.tune_step,
+                "prepare": not args.no_prepare,
+                "compile_processes": args.compile_processes,
             },
             "cold": cold,
             "warm": warm,
@@ -202,7 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({"bench": "tuning_time", "file": str(path), "checks": checks}))
     rows = [
         ("tune_s", cold["tune_s"], warm["tune_s"]),
-        ("compile_s (Triton, ahead of time)", cold["compile_s"], warm["compile_s"]),
+        ("prepare_s (record + compile up front)", cold["prepare_s"], warm["prepare_s"]),
+        ("compile_s (Triton, summed over runners)", cold["compile_s"], warm["compile_s"]),
+        ("binaries compiled", cold["compiled_binaries"], warm["compiled_binaries"]),
         ("profiles tuned / untimed", cold["profiles_tuned"], cold["untimed_picks"]),
         ("candidates / measurements", cold["candidates"], cold["measurements"]),
         ("median ms per (tactic, bucket)", cold["median_ms_per_tactic_bucket"], None),

@@ -417,6 +417,22 @@ def test_record_calls_lists_every_choose_one_of_the_block() -> None:
     ]
 
 
+def test_a_dry_run_records_without_tuning_counting_or_recording_misses() -> None:
+    clock = Clock()
+    runner = ScaleRunner(clock)
+    tuner = tuner_for(clock)
+    with autotune(None, tuner), tuner.record_calls(dry_run=True) as calls:
+        assert tuner.choose_one("op", [runner], CONFIG, X) == (runner, -1)  # a miss: fallback
+    assert [c.op for c in calls] == ["op"] and clock.calls == [] and len(tuner.cache) == 0
+    assert tuner.stats.misses == 0 and tuner.stats.fallbacks == {} and len(tuner.misses) == 0
+    with autotune(None, tuner):
+        pick = tuner.choose_one("op", [runner], CONFIG, X)  # tunes now
+    hits = tuner.stats.hits
+    with tuner.record_calls(dry_run=True) as again:
+        assert tuner.choose_one("op", [runner], CONFIG, X) == pick  # a hit returns the pick
+    assert len(again) == 1 and tuner.stats.hits == hits
+
+
 def test_tune_call_tunes_exactly_the_bucket_of_the_call() -> None:
     from graphtune.autotuner import OpCall
 

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -34,7 +34,7 @@ from graphtune.autotuner.entries import CacheKey, tactic_text
 from graphtune.autotuner.identity import runner_id, short_runner_name, sources_digest
 from graphtune.autotuner.isolation import Executor, InProcessExecutor, Isolation
 from graphtune.autotuner.policy import TuningPolicy
-from graphtune.autotuner.profiles import Profile, profile_for
+from graphtune.autotuner.resolved import ResolvedCall, device_of, memo_key
 from graphtune.autotuner.runner import FALLBACK_TACTIC, TunableRunner
 from graphtune.autotuner.selection import ProfileRecord
 from graphtune.autotuner.stats import TunerStats
@@ -55,68 +55,6 @@ _MEMO_LIMIT = 4096
 
 def _default_is_capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
-def _device_of(inputs: Sequence[Any]) -> torch.device:
-    for x in inputs:
-        if isinstance(x, torch.Tensor):
-            return x.device
-    return torch.device("cpu")
-
-
-def _memo_key(
-    op: str,
-    runners: list[TunableRunner],
-    config: TuningConfig,
-    inputs: list[Any],
-    kwargs: dict[str, Any],
-) -> tuple[Any, ...] | None:
-    """What a cache hit depends on, or ``None`` when a part is not hashable (no memo)."""
-    parts: list[Any] = [op, config, *runners]
-    for x in inputs:
-        if isinstance(x, torch.Tensor):
-            parts.append((tuple(x.shape), x.dtype, x.device.type))
-        elif x is None or isinstance(x, (bool, int, float, str)):
-            parts.append(x)
-        else:
-            return None
-    if kwargs:
-        parts.append(tuple(sorted(kwargs.items())))
-    try:
-        key = tuple(parts)
-        hash(key)
-    except TypeError:  # an unhashable config, runner or keyword value: look up the slow way
-        return None
-    return key
-
-
-@dataclass(frozen=True)
-class _Resolved:
-    """A call with what its cache keys are made of (computed once per slow-path look-up)."""
-
-    call: OpCall
-    ids: tuple[str, ...]
-    device: torch.device
-    mode: str
-    sources: str
-    kwargs_text: str
-
-    def key(self, profile: Profile) -> CacheKey:
-        """The cache key of one of the call's profiles."""
-        return CacheKey(
-            self.call.op,
-            self.ids,
-            profile.shapes,
-            profile.dtypes,
-            self.mode,
-            self.sources,
-            self.kwargs_text,
-        )
-
-    def live_key(self) -> CacheKey | None:
-        """The key the live inputs look up (``None``: a size without a bucket)."""
-        profile = profile_for(self.call.config, self.call.inputs)
-        return self.key(profile) if profile is not None else None
 
 
 class AutoTuner:
@@ -192,6 +130,7 @@ class AutoTuner:
         self._summary: list[tuple[Any, ...]] = []
         self._worker: SubprocessExecutor | None = None
         self._recording: list[OpCall] | None = None
+        self._dry_run = False
         # Hits by exact call signature (op, runners, config, input shapes), valid while the
         # cache's version is unchanged: a decode step asks ~100 times per call, and bucketing
         # plus key building cost tens of microseconds of host time each.
@@ -240,23 +179,26 @@ class AutoTuner:
             )
         if not isinstance(config, TuningConfig):
             raise ConfigError(f"choose_one({op!r}) needs a TuningConfig, got {config!r}.")
-        if self._recording is not None:
-            self._recording.append(OpCall(op, tuple(runners), config, tuple(inputs), kwargs))
-        memo_key = _memo_key(op, runners, config, inputs, kwargs)
-        memo = self._memo.get(memo_key) if memo_key is not None else None
-        if memo is not None and memo[0] is self.cache and memo[1] == self.cache.version:
-            self.stats.hits += 1
-            return memo[2]
         call = OpCall(op, tuple(runners), config, tuple(inputs), kwargs)
+        if self._recording is not None:
+            self._recording.append(call)
+        signature = memo_key(op, runners, config, inputs, kwargs)
+        memo = self._memo.get(signature) if signature is not None else None
+        if memo is not None and memo[0] is self.cache and memo[1] == self.cache.version:
+            if not self._dry_run:
+                self.stats.hits += 1
+            return memo[2]
         resolved = self._resolve(call)
         key = resolved.live_key()
         found = self._lookup(key, runners) if key is not None else None
+        if self._dry_run:
+            return found or (runners[0], FALLBACK_TACTIC)
         if found is not None:
             self.stats.hits += 1
-            if memo_key is not None:
+            if signature is not None:
                 if len(self._memo) >= _MEMO_LIMIT:
                     self._memo.clear()
-                self._memo[memo_key] = (self.cache, self.cache.version, found)
+                self._memo[signature] = (self.cache, self.cache.version, found)
             return found
         self.stats.misses += 1
         why = self._miss_reason(key)
@@ -273,16 +215,21 @@ class AutoTuner:
         return self._fallback(op, runners, why)
 
     @contextmanager
-    def record_calls(self) -> Iterator[list[OpCall]]:
+    def record_calls(self, *, dry_run: bool = False) -> Iterator[list[OpCall]]:
         """Records every ``choose_one`` call made in the block (for example one decode step) as
-        an :class:`~graphtune.autotuner.calls.OpCall`, in call order; yields the list."""
-        previous = self._recording
+        an :class:`~graphtune.autotuner.calls.OpCall`, in call order; yields the list.
+
+        With ``dry_run`` the block's calls neither tune nor count: each returns its cached pick
+        or the fallback, and ``stats``, ``misses`` and the once-per-op warnings stay as they
+        were (how ``graphtune.engine.tuning.tune_step`` records one untuned step to ``prepare``).
+        """
+        previous = self._recording, self._dry_run
         calls: list[OpCall] = []
-        self._recording = calls
+        self._recording, self._dry_run = calls, dry_run
         try:
             yield calls
         finally:
-            self._recording = previous
+            self._recording, self._dry_run = previous
 
     def tune_call(self, call: OpCall) -> tuple[TunableRunner, Any]:
         """Tunes exactly the profile of ``call`` (if it is not cached) and returns its pick.
@@ -316,7 +263,9 @@ class AutoTuner:
         seen: set[Any] = set()
         start = self._clock()
         for call in calls:
-            ident = _memo_key(call.op, list(call.runners), call.config, list(call.inputs), {})
+            ident = memo_key(
+                call.op, list(call.runners), call.config, list(call.inputs), call.kwargs
+            )
             if ident is not None and ident in seen:
                 continue  # the same op and shapes (another layer): planned already
             seen.add(ident)
@@ -370,13 +319,13 @@ class AutoTuner:
             return "graph" if device.type == "cuda" else "wallclock"
         return config.timing
 
-    def _resolve(self, call: OpCall) -> _Resolved:
+    def _resolve(self, call: OpCall) -> ResolvedCall:
         ids = tuple(runner_id(r) for r in call.runners)
-        device = _device_of(call.inputs)
+        device = device_of(call.inputs)
         extra = ""
         if call.kwargs:
             extra = canonical_text(identity_value(call.kwargs, f"keyword arguments of {call.op!r}"))
-        return _Resolved(
+        return ResolvedCall(
             call,
             ids,
             device,
@@ -445,7 +394,7 @@ class AutoTuner:
             self._worker = worker
         return worker
 
-    def _tuning_run(self, resolved: _Resolved, only: CacheKey | None = None) -> TuningRun:
+    def _tuning_run(self, resolved: ResolvedCall, only: CacheKey | None = None) -> TuningRun:
         call = resolved.call
         coordinator = OpCoordinator(self.distributed or DistributedTuning(), call.op, resolved.ids)
         return TuningRun(
@@ -469,7 +418,7 @@ class AutoTuner:
             only=only,
         )
 
-    def _run(self, resolved: _Resolved, only: CacheKey | None = None) -> None:
+    def _run(self, resolved: ResolvedCall, only: CacheKey | None = None) -> None:
         op = resolved.call.op
         first_row = len(self._summary)
         start = self._clock()

@@ -1,35 +1,20 @@
-"""The one place the tuner's CLI commands reach into the engine: run one decode step.
+"""The decode step of the tuner's CLI commands, built by the engine's own factories.
 
-``graphtune check-tactics`` and ``benchmarks/tuning_time.py`` need the op calls of a real decode
-step (so they check and tune exactly what the step looks up, with no hand-kept op list). They get
-them by running one step of the reference engine with a tuner and recording its ``choose_one``
-calls (``AutoTuner.record_calls``). :func:`run_decode_step` is that step; it is the only function
-here that knows the engine's construction API.
+``graphtune tune``, ``graphtune check-tactics`` and ``benchmarks/tuning_time.py`` need the decode
+step of a model (random weights of its shapes): they tune it with
+:func:`graphtune.engine.tuning.tune_step` or check the op calls it makes
+(:func:`graphtune.engine.tuning.record_step_calls`), so they tune and check exactly what the
+engine's step looks up, with no hand-kept op list. The step comes from
+:func:`graphtune.engine.build.build_step`, as the engine's does.
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from graphtune.autotuner import AutoTuner, OpCall
-from graphtune.errors import ConfigError
-
-
-def model_config(spec: str) -> Any:
-    """A preset name, or a Hugging Face folder with ``config.json`` (read for its shapes)."""
-    from graphtune.engine.config import from_hf_config, get_preset
-
-    path = Path(spec).expanduser()
-    if path.is_dir():
-        config_file = path / "config.json"
-        if not config_file.is_file():
-            raise ConfigError(f"{path} has no config.json; pass a Hugging Face model folder.")
-        return from_hf_config(json.loads(config_file.read_text()), name=path.name)
-    return get_preset(spec)
 
 
 def resolve_device_and_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
@@ -41,53 +26,57 @@ def resolve_device_and_dtype(device: str, dtype: str) -> tuple[torch.device, tor
     return resolved, resolve_dtype(dtype, resolved)
 
 
-def run_decode_step(
+def decode_step(
     model: str,
-    batch: int,
+    max_batch: int,
     tuner: AutoTuner,
     *,
     device: torch.device,
     dtype: torch.dtype,
-    max_seq_len: int = 256,
-    max_batch: int | None = None,
-) -> None:
-    """Runs one eager decode step of ``model`` (random weights) at ``batch`` rows with ``tuner``.
-
-    Every row sits at position ``max_seq_len // 2`` in its own cache slot. The step's ops ask
-    ``tuner`` for their picks (its tuning mode decides whether a miss tunes).
+    max_seq_len: int = 2048,
+) -> Any:
+    """The engine's decode step of ``model`` (random weights) for batches up to ``max_batch``.
 
     Args:
-        model: Preset name or Hugging Face folder (see :func:`model_config`).
-        batch: Rows of the step.
+        model: Preset name or Hugging Face folder (``graphtune.engine.loading.load_config``).
+        max_batch: KV cache slots: the largest batch the step's ops are tuned for.
         tuner: The tuner the step's ops ask.
         device: Where to run.
         dtype: Weight and activation dtype.
-        max_seq_len: KV cache length (part of decode attention's tuning key).
-        max_batch: KV cache slots (the ops' ``max_m``); default ``batch``.
+        max_seq_len: KV cache length (part of decode attention's tuning key), rounded up to a
+            multiple of 16 as the Engine rounds its ``max_seq_len``.
     """
-    from graphtune.engine.kv_cache import KVCache
+    from graphtune.engine.build import build_step
+    from graphtune.engine.kv_cache import KVCache, aligned_seq_len
+    from graphtune.engine.loading import load_config
     from graphtune.engine.model import random_model
-    from graphtune.engine.step import DecodeStep
 
-    config = model_config(model)
-    slots = max_batch or batch
+    config = load_config(model)
     weights = random_model(config, device=device, dtype=dtype)
-    cache = KVCache(config, slots, max_seq_len, device=device, dtype=dtype)
-    step = DecodeStep(weights, cache, contiguous_slots=True, tuner=tuner)
-    tokens = torch.zeros(batch, dtype=torch.long, device=device)
-    positions = torch.full((batch,), max_seq_len // 2, dtype=torch.long, device=device)
-    with torch.inference_mode():
-        step(tokens, positions, torch.arange(batch, dtype=torch.long, device=device))
+    cache = KVCache(config, max_batch, aligned_seq_len(max_seq_len), device, dtype)
+    return build_step(weights, cache, tuner=tuner)
 
 
 def decode_step_calls(
     model: str, batch: int, *, device: torch.device, dtype: torch.dtype, max_seq_len: int = 256
 ) -> list[OpCall]:
-    """The op calls of one decode step, in call order (an untuned tuner: nothing is timed)."""
-    tuner = AutoTuner(show_progress=False)
-    with tuner.record_calls() as calls:
-        run_decode_step(model, batch, tuner, device=device, dtype=dtype, max_seq_len=max_seq_len)
-    return calls
+    """The op calls of one decode step of ``batch`` rows, in call order (nothing is timed).
+
+    The KV cache holds random values and every row sits at position ``max_seq_len // 2`` of its
+    own slot, so attention's inputs are not trivial (zeros, or one visible key).
+    """
+    from graphtune.engine.tuning import record_step_calls
+
+    step = decode_step(
+        model, batch, AutoTuner(show_progress=False), device=device, dtype=dtype,
+        max_seq_len=max_seq_len,
+    )  # fmt: skip
+    gen = torch.Generator(device=device).manual_seed(0)
+    step.cache.k.normal_(generator=gen)
+    step.cache.v.normal_(generator=gen)
+    rows = torch.arange(batch, dtype=torch.long, device=device)
+    positions = torch.full_like(rows, step.cache.max_seq_len // 2)
+    return record_step_calls(step, (torch.zeros_like(rows), positions, rows))
 
 
 def tune_decode_step(
@@ -98,32 +87,11 @@ def tune_decode_step(
     device: torch.device,
     dtype: torch.dtype,
     max_seq_len: int = 2048,
-) -> None:
-    """Tunes every op of the decode step for batch buckets up to ``max_batch`` by running it.
+) -> Any:
+    """Tunes the decode step of ``model`` for batch buckets up to ``max_batch`` with
+    :func:`graphtune.engine.tuning.tune_step` (call it inside ``autotune(cache, tuner)`` to
+    load and save a cache file); returns its ``TuneReport``."""
+    from graphtune.engine.tuning import tune_step
 
-    Call it inside ``autotune(cache, tuner)``: one step at ``max_batch`` rows makes every op's
-    first miss tune all its buckets up to ``max_batch`` (the step's ``max_m``), so the keys tuned
-    are the keys the step looks up. Before that, the op calls of one untuned step are recorded
-    and ``tuner.prepare`` compiles the Triton tactics of all of them at once.
-    """
-    recorder = AutoTuner(show_progress=False, cache=tuner.cache)
-    with recorder.record_calls() as calls:
-        run_decode_step(
-            model,
-            max_batch,
-            recorder,
-            device=device,
-            dtype=dtype,
-            max_seq_len=max_seq_len,
-            max_batch=max_batch,
-        )
-    tuner.prepare(calls)
-    run_decode_step(
-        model,
-        max_batch,
-        tuner,
-        device=device,
-        dtype=dtype,
-        max_seq_len=max_seq_len,
-        max_batch=max_batch,
-    )
+    step = decode_step(model, max_batch, tuner, device=device, dtype=dtype, max_seq_len=max_seq_len)
+    return tune_step(step)

@@ -11,6 +11,8 @@ shape; outside tuning mode that is a cache look-up, and an untuned shape runs th
 * :func:`silu_and_mul` — SwiGLU activation on a fused gate/up tensor.
 * :mod:`attention` — decode attention (SDPA backends, a matmul runner and a Triton
   flash-decoding kernel as runners).
+* :mod:`fused` — fused decode ops (norm + projection + epilogue in one kernel) whose first runner
+  is the unfused sequence of the ops above.
 * :func:`fused_moe` / :func:`route_top_k` — mixture-of-experts experts and router (:mod:`moe`).
 * :class:`OpContext` — the op settings of one model step (tuner, largest batch), bound once; a
   forward calls its ops through it (``ops.gemm(h, w)``).
@@ -23,7 +25,7 @@ keys tuned are the keys its ops look up.
 Importing this package imports neither Triton nor the kernels.
 """
 
-from graphtune.ops import attention
+from graphtune.ops import attention, fused
 from graphtune.ops._triton import TritonUnavailableError, require_triton, triton_available
 from graphtune.ops.activation import (
     TorchSiluAndMulRunner,
@@ -100,6 +102,7 @@ __all__ = [
     "attention",
     "check_gemm_tactic",
     "check_gemv_tactic",
+    "fused",
     "fused_add_rms_norm",
     "fused_moe",
     "fused_moe_config",

@@ -145,11 +145,16 @@ class TritonRunner(TunableRunner):
 
     def prepare_all(self, work: Sequence[tuple[list[Any], Sequence[Any]]]) -> None:
         """Compiles every (inputs, tactic) pair of ``work`` once per distinct binary, in
-        parallel; the profiles' ``prepare`` then only report compile errors."""
-        items = [(inputs, t) for inputs, tactics in work for t in tactics if t != FALLBACK_TACTIC]
+        parallel; the profiles' ``prepare`` then only report compile errors. Profiles prepared
+        before (``AutoTuner.prepare`` ahead of the tuning runs) are skipped."""
+        with self._lock:
+            fresh = [
+                (x, tactics) for x, tactics in work if input_signature(x) not in self._prepared
+            ]
+        items = [(inputs, t) for inputs, tactics in fresh for t in tactics if t != FALLBACK_TACTIC]
         self._compile(items)
         with self._lock:
-            self._prepared.update(input_signature(inputs) for inputs, _ in work)
+            self._prepared.update(input_signature(inputs) for inputs, _ in fresh)
 
     def prepare(self, inputs: list[Any], tactic: Any) -> None:
         """Compiles every planned tactic of this profile on first use; re-raises its error."""

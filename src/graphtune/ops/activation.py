@@ -138,7 +138,7 @@ def silu_and_mul_config(max_m: int | None = None) -> TuningConfig:
     return TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0),), max_value=max_m)
 
 
-def _rebuild(record: CallRecord) -> tuple[tuple[TunableRunner, ...], TuningConfig]:
+def _rebuild(record: CallRecord, tuner: Any) -> tuple[tuple[TunableRunner, ...], TuningConfig]:
     return silu_and_mul_runners(), silu_and_mul_config(record.config["max_value"])
 
 

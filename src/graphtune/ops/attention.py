@@ -444,7 +444,7 @@ def _buckets(max_value: int) -> tuple[int, ...]:
     return power_of_two_buckets(max_value)
 
 
-def _rebuild(record: CallRecord) -> tuple[tuple[TunableRunner, ...], TuningConfig]:
+def _rebuild(record: CallRecord, tuner: Any) -> tuple[tuple[TunableRunner, ...], TuningConfig]:
     return RUNNERS, tuning_config(record.config["max_value"])
 
 

@@ -27,7 +27,9 @@ from graphtune.errors import ConfigError, GraphtuneError
 
 logger = logging.getLogger(__name__)
 
-Rebuild = Callable[[CallRecord], tuple[Sequence[TunableRunner], TuningConfig]]
+#: ``rebuild(record, tuner)``: the runners and config of a recorded call; ``tuner`` is the one that
+#: will tune it (a fused op's unfused runner asks it for the inner ops' picks), or ``None``.
+Rebuild = Callable[[CallRecord, Any], tuple[Sequence[TunableRunner], TuningConfig]]
 
 
 @dataclass(frozen=True)
@@ -36,9 +38,9 @@ class OpSpec:
 
     Attributes:
         name: The op name given to ``choose_one``.
-        rebuild: Returns the op's runners and tuning config for a recorded call (reading what it
-            needs from the record: inputs that are ``None`` or tensors, ``config["max_value"]``,
-            runner extras).
+        rebuild: Returns the op's runners and tuning config for a recorded call and the tuner
+            that will tune it (reading what it needs from the record: inputs that are ``None``
+            or tensors, ``config["max_value"]``, runner extras).
     """
 
     name: str
@@ -87,15 +89,18 @@ def is_tensor(record: CallRecord, index: int) -> bool:
     return "shape" in record.inputs[index]
 
 
-def rebuild_call(record: CallRecord, device: torch.device | str | None = None) -> OpCall:
+def rebuild_call(
+    record: CallRecord, device: torch.device | str | None = None, tuner: Any = None
+) -> OpCall:
     """The live call a record describes, with fresh inputs (see
-    :meth:`~graphtune.autotuner.calls.CallRecord.make_inputs`).
+    :meth:`~graphtune.autotuner.calls.CallRecord.make_inputs`); ``tuner`` is the tuner that will
+    tune it (``None``: the process default, for ops whose runners ask one).
 
     Raises:
         ConfigError: The op is not registered, or the runners or config it rebuilds differ from
             the recorded ones (the record was made by other code).
     """
-    runners, config = op_spec(record.op).rebuild(record)
+    runners, config = op_spec(record.op).rebuild(record, tuner)
     ids = tuple(runner_id(r) for r in runners)
     if ids != record.runners:
         raise ConfigError(
@@ -132,7 +137,7 @@ def tune_records(
     report = RecordsReport()
     for record in records:
         try:
-            call = rebuild_call(record, device)
+            call = rebuild_call(record, device, tuner)
             runner, tactic = tuner.tune_call(call)
         except GraphtuneError as exc:
             logger.warning("skipping the recorded %r call: %s", record.op, exc)

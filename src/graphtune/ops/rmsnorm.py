@@ -173,7 +173,7 @@ def rms_norm_config(max_m: int | None = None, residual: bool = False) -> TuningC
     )
 
 
-def _rebuild(record: CallRecord) -> tuple[tuple[TunableRunner, ...], TuningConfig]:
+def _rebuild(record: CallRecord, tuner: Any) -> tuple[tuple[TunableRunner, ...], TuningConfig]:
     return rms_norm_runners(), rms_norm_config(record.config["max_value"], is_tensor(record, 2))
 
 

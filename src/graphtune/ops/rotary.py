@@ -381,7 +381,7 @@ def rope_config(num_kv_heads: int, max_m: int | None = None) -> TuningConfig:
     )
 
 
-def _rebuild(record: CallRecord) -> tuple[tuple[TunableRunner, ...], TuningConfig]:
+def _rebuild(record: CallRecord, tuner: Any) -> tuple[tuple[TunableRunner, ...], TuningConfig]:
     num_heads, num_kv_heads, signed_sin = runner_extras(record.runners[0])
     runners = rope_runners(int(num_heads), int(num_kv_heads), bool(signed_sin))
     return runners, rope_config(int(num_kv_heads), record.config["max_value"])

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from graphtune.autotuner.calls import CallRecord
 from graphtune.autotuner.config import DynamicTensorSpec, TuningConfig
 from graphtune.autotuner.runner import TunableRunner
 from graphtune.autotuner.tuner import AutoTuner
@@ -34,6 +35,7 @@ from graphtune.ops.fused._gemv import (
     launch_fused_gemv,
 )
 from graphtune.ops.gemm import gemm
+from graphtune.ops.registry import register_op
 from graphtune.ops.rmsnorm import fused_add_rms_norm, torch_rms_norm
 
 OP_NAME = "graphtune.norm_gate_up_silu"
@@ -179,3 +181,11 @@ def norm_gate_up_silu(
     chosen = runners if runners is not None else norm_gate_up_silu_runners(tuner=tuner, max_m=max_m)
     runner, tactic = tuner.choose_one(OP_NAME, chosen, norm_gate_up_silu_config(max_m), inputs)
     return runner.forward(inputs, tactic).reshape(*lead, w_gate_up.shape[0] // 2)
+
+
+def _rebuild(record: CallRecord, tuner: Any) -> tuple[tuple[TunableRunner, ...], TuningConfig]:
+    max_m = record.config["max_value"]
+    return norm_gate_up_silu_runners(tuner=tuner, max_m=max_m), norm_gate_up_silu_config(max_m)
+
+
+register_op(OP_NAME, _rebuild)

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from graphtune.autotuner.calls import CallRecord
 from graphtune.autotuner.config import ConstraintSpec, DynamicTensorSpec, TuningConfig
 from graphtune.autotuner.runner import TunableRunner
 from graphtune.autotuner.tuner import AutoTuner
@@ -39,6 +40,7 @@ from graphtune.ops.fused._gemv import (
     launch_fused_gemv,
 )
 from graphtune.ops.gemm import gemm
+from graphtune.ops.registry import register_op, runner_extras
 from graphtune.ops.rmsnorm import fused_add_rms_norm, torch_rms_norm
 from graphtune.ops.rotary import (
     CACHE_ROWS,
@@ -344,3 +346,15 @@ def norm_qkv_rope(
     config = norm_qkv_rope_config(num_kv_heads, max_m)
     runner, tactic = tuner.choose_one(OP_NAME, chosen, config, inputs)
     return runner.forward(inputs, tactic)
+
+
+def _rebuild(record: CallRecord, tuner: Any) -> tuple[tuple[TunableRunner, ...], TuningConfig]:
+    heads, kv_heads, signed_sin = runner_extras(record.runners[0])
+    max_m = record.config["max_value"]
+    runners = norm_qkv_rope_runners(
+        int(heads), int(kv_heads), bool(signed_sin), tuner=tuner, max_m=max_m
+    )
+    return runners, norm_qkv_rope_config(int(kv_heads), max_m)
+
+
+register_op(OP_NAME, _rebuild)

@@ -124,7 +124,7 @@ def gemm(
     return out if out is not None else result.reshape(*lead, weight.shape[0])
 
 
-def _rebuild(record: CallRecord) -> tuple[tuple[TunableRunner, ...], TuningConfig]:
+def _rebuild(record: CallRecord, tuner: Any) -> tuple[tuple[TunableRunner, ...], TuningConfig]:
     config = gemm_config(record.config["max_value"], is_tensor(record, 3), record.config["cold_l2"])
     return gemm_runners(), config
 

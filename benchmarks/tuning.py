@@ -625,10 +625,6 @@ def main(argv: list[str] | None = None) -> int:
         format="%(levelname)s %(name)s: %(message)s",
     )
     device = _common.require_cuda_or_exit("benchmarks/tuning.py")
-    try:
-        import graphtune.ops  # noqa: F401
-    except ImportError:  # run without PYTHONPATH=src: use the checkout's sources
-        sys.path.insert(0, str(_common.REPO_ROOT / "src"))
     from graphtune.autotuner import TuningPolicy
     from graphtune.ops import triton_available
 

@@ -20,6 +20,9 @@ Variables (all optional):
 * ``GRAPHTUNE_PDL``: ``0`` launches every Triton kernel without programmatic dependent launch
   (PDL), even on GPUs that support it; results are identical either way, only the overlap of
   consecutive kernels changes. On by default.
+* ``GRAPHTUNE_COMPILE_PROCESSES``: worker processes that run Triton's code generator for the
+  tactics compiled ahead of timing (``graphtune.ops._compile_pool``); ``0`` compiles in threads
+  of the tuning process only. Unset: ``min(16, cpu_count)``.
 * ``GRAPHTUNE_COMMIT``: the source commit recorded in benchmark results when the tree being run has
   no ``.git`` (for example a copy shipped to a GPU machine).
 * ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``: set by ``torchrun``; read for ``--tp N`` (the process
@@ -32,6 +35,8 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+
+from graphtune.errors import ConfigError
 
 _TRUE = {"1", "true", "yes", "on"}
 
@@ -80,6 +85,23 @@ def progress_disabled() -> bool:
 def pdl_allowed() -> bool:
     """Whether ``GRAPHTUNE_PDL`` leaves programmatic dependent launch on (unset: on)."""
     return os.environ.get("GRAPHTUNE_PDL", "").strip().lower() not in {"0", "false", "no", "off"}
+
+
+def compile_processes() -> int | None:
+    """``GRAPHTUNE_COMPILE_PROCESSES`` as an int >= 0, or ``None`` when unset.
+
+    Raises:
+        ConfigError: The value is not an integer >= 0.
+    """
+    value = os.environ.get("GRAPHTUNE_COMPILE_PROCESSES", "").strip()
+    if not value:
+        return None
+    if not value.isdigit():
+        raise ConfigError(
+            f"GRAPHTUNE_COMPILE_PROCESSES={value!r}: must be an integer >= 0 (0 compiles in "
+            "threads only); unset it for the default."
+        )
+    return int(value)
 
 
 def torchrun_rank() -> tuple[int, int] | None:

@@ -32,6 +32,7 @@ from graphtune.autotuner.config import power_of_two_buckets
 from graphtune.autotuner.identity import runner_id
 from graphtune.engine.step import DecodeStep
 from graphtune.errors import ConfigError
+from graphtune.ops._compile_pool import close_compile_workers, start_compile_workers
 from graphtune.ops._triton_runner import triton_runners
 
 logger = logging.getLogger(__name__)
@@ -149,6 +150,8 @@ def tune_step(
     try:
         with torch.no_grad():
             if prepare:
+                if step.model.device.type == "cuda":
+                    start_compile_workers()  # their start overlaps recording and planning
                 if log is not None:
                     log(f"tuning: recording the step at batch {step.max_batch_size}, compiling")
                 report.prepared = tuner.prepare(record_step_calls(step))
@@ -160,6 +163,7 @@ def tune_step(
                 step(*step.example_inputs(batch))
     finally:
         tuner.tuning_mode = previous
+        close_compile_workers()
     if step.model.device.type == "cuda":
         torch.cuda.synchronize(step.model.device)
     report.seconds = time.perf_counter() - started

@@ -6,11 +6,13 @@ the timed rounds never include it:
 * ``prepare_all`` (called by the tuner once per op, before any timing) compiles every tactic of
   every profile of the op at once. Pairs whose launches would run the same binaries (equal
   :func:`~graphtune.ops._triton.launch_key` of every kernel they launch, found by a dry run of
-  ``launch`` inside :func:`~graphtune.ops._triton.collect_launches`) are compiled once, and the
-  distinct ones in parallel threads (Triton's compile spends most of its time in LLVM and in the
-  ``ptxas`` subprocess, which release the GIL). Triton keeps the binaries in its in-process cache
-  and in its on-disk cache (``TRITON_CACHE_DIR``, by default ``~/.triton/cache``), so a later
-  process loads them instead of compiling.
+  ``launch`` inside :func:`~graphtune.ops._triton.collect_launches`) are compiled once. The
+  distinct ones are compiled first by worker processes (:mod:`graphtune.ops._compile_pool`:
+  Triton's code generator holds the GIL, so threads cannot run it in parallel), then "compiled"
+  again in parallel threads of this process, which finds each binary in Triton's on-disk cache
+  and loads it (and compiles itself whatever the workers could not). Triton keeps the binaries
+  in its in-process cache and in its on-disk cache (``TRITON_CACHE_DIR``, by default
+  ``~/.triton/cache``), so a later process loads them instead of compiling.
 * ``prepare`` (per tactic) finds its binary compiled and re-raises its compile error, if any, so
   the tuner records the tactic as failed; on a profile ``prepare_all`` did not cover, the first
   ``prepare`` compiles all of that profile's planned tactics at once.
@@ -18,6 +20,7 @@ the timed rounds never include it:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -32,6 +35,7 @@ import torch
 from graphtune.autotuner.entries import tactic_text
 from graphtune.autotuner.runner import FALLBACK_TACTIC, TunableRunner
 from graphtune.errors import ConfigError
+from graphtune.ops import _compile_pool as compile_pool
 from graphtune.ops._triton import collect_launches, input_signature, triton_available
 
 logger = logging.getLogger(__name__)
@@ -68,11 +72,14 @@ class TritonRunner(TunableRunner):
         compiled: Number of distinct binaries (sets of launches) compiled ahead of time.
         compile_shared: (profile, tactic) pairs that needed no compile of their own, because
             another pair's launches (of this call or an earlier one) run the same binaries.
+        compiled_in_workers: Kernels compiled by worker processes for this runner
+            (:mod:`graphtune.ops._compile_pool`); the runner then loaded them from Triton's
+            on-disk cache.
     """
 
     # Neither changes what the runner computes or offers: not part of its cache identity.
     identity_excludes: ClassVar[frozenset[str]] = frozenset(
-        {"compile_workers", "compile_seconds", "compiled", "compile_shared"}
+        {"compile_workers", "compile_seconds", "compiled", "compile_shared", "compiled_in_workers"}
     )
 
     def __init__(self, *, compile_workers: int | None = None) -> None:
@@ -88,6 +95,7 @@ class TritonRunner(TunableRunner):
         self.compile_seconds = 0.0
         self.compiled = 0
         self.compile_shared = 0
+        self.compiled_in_workers = 0
         self._planned: dict[tuple[Any, ...], list[Any]] = {}
         self._compile_errors: dict[tuple[tuple[Any, ...], str], Exception] = {}
         self._prepared: set[tuple[Any, ...]] = set()
@@ -202,6 +210,24 @@ class TritonRunner(TunableRunner):
             return ("alone", input_signature(inputs), tactic_text(tactic))
         return tuple(keys) if keys else ("alone", input_signature(inputs), tactic_text(tactic))
 
+    def _compile_in_workers(self, pairs: list[tuple[list[Any], Any]]) -> None:
+        """Has worker processes compile the binaries of ``pairs`` into Triton's on-disk cache
+        first (:mod:`graphtune.ops._compile_pool`), so the in-process compile only loads them."""
+        if not compile_pool.enabled():
+            return
+        with compile_pool.capturing() as jobs:
+            for inputs, tactic in pairs:
+                device = next((x.device for x in inputs if isinstance(x, torch.Tensor)), None)
+                on_gpu = device is not None and device.type == "cuda"
+                try:
+                    with torch.cuda.device(device) if on_gpu else contextlib.nullcontext():
+                        self.launch(inputs, tactic, warmup=True)
+                except Exception:  # an invalid tactic: the in-process compile reports it
+                    continue
+        report = compile_pool.compile_in_workers(jobs)
+        with self._lock:
+            self.compiled_in_workers += report.compiled
+
     def _compile(
         self, items: list[tuple[list[Any], Any]], workers: int | None = None
     ) -> list[Exception | None]:
@@ -216,6 +242,8 @@ class TritonRunner(TunableRunner):
             done = {key: self._binaries[key] for key in groups if key in self._binaries}
         todo = [key for key in groups if key not in done]
         leaders = [groups[key][0] for key in todo]
+        if len(leaders) > 1:
+            self._compile_in_workers([items[i] for i in leaders])
         threads = max(1, min(workers or self.compile_workers, len(leaders)))
 
         def compile_one(index: int) -> Exception | None:

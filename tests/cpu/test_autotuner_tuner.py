@@ -289,7 +289,7 @@ def test_progress_bar_and_default_tuner() -> None:
 
 
 def test_hits_are_memoised_until_the_cache_changes(monkeypatch) -> None:
-    import graphtune.autotuner.tuner as tuner_module
+    import graphtune.autotuner.resolved as resolved_module
 
     tuner, runners, _ = make({-1: 5.0, 0: 4.0}, {0: 1.0, 1: 3.0})
     tuner.tuning_mode = True
@@ -297,8 +297,8 @@ def test_hits_are_memoised_until_the_cache_changes(monkeypatch) -> None:
     assert tuner.choose_one("op", runners, CONFIG, [x]) == (runners[1], 0)
     tuner.tuning_mode = False
     slow_path = []
-    real = tuner_module.profile_for
-    monkeypatch.setattr(tuner_module, "profile_for", lambda *a: slow_path.append(1) or real(*a))
+    real = resolved_module.profile_for
+    monkeypatch.setattr(resolved_module, "profile_for", lambda *a: slow_path.append(1) or real(*a))
     for _ in range(5):  # same signature: one slow look-up, then memo hits
         assert tuner.choose_one("op", runners, CONFIG, [torch.randn(4, 8)]) == (runners[1], 0)
     assert len(slow_path) == 1 and tuner.stats.hits == 5

@@ -58,6 +58,8 @@ class UnfusedRunner(TunableRunner):
     """
 
     def __init__(self, tuner: AutoTuner | None = None, max_m: int | None = None) -> None:
+        # Private, so not part of the cache identity: the picks do not depend on which tuner
+        # the inner ops ask, and a weak reference has no stable text. ``max_m`` is.
         self._tuner_ref = weakref.ref(tuner) if tuner is not None else None
         self.max_m = max_m
 

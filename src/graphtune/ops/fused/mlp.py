@@ -180,7 +180,7 @@ def norm_gate_up_silu(
     inputs = [x.reshape(-1, x.shape[-1]), norm_weight, w_gate_up, float(eps)]
     chosen = runners if runners is not None else norm_gate_up_silu_runners(tuner=tuner, max_m=max_m)
     runner, tactic = tuner.choose_one(OP_NAME, chosen, norm_gate_up_silu_config(max_m), inputs)
-    return runner.forward(inputs, tactic).reshape(*lead, w_gate_up.shape[0] // 2)
+    return runner.forward(inputs, tactic=tactic).reshape(*lead, w_gate_up.shape[0] // 2)
 
 
 def _rebuild(record: CallRecord, tuner: Any) -> tuple[tuple[TunableRunner, ...], TuningConfig]:

@@ -172,7 +172,7 @@ def add_projection(
     inputs = [x, a, weight]
     chosen = runners if runners is not None else add_projection_runners(tuner=tuner, max_m=max_m)
     runner, tactic = tuner.choose_one(ADD_PROJECTION, chosen, add_projection_config(max_m), inputs)
-    runner.forward(inputs, tactic)
+    runner.forward(inputs, tactic=tactic)
     return x
 
 
@@ -296,7 +296,7 @@ def norm_linear(
     inputs = [x.reshape(-1, x.shape[-1]), norm_weight, weight, bias, float(eps)]
     chosen = runners if runners is not None else norm_linear_runners(tuner=tuner, max_m=max_m)
     runner, tactic = tuner.choose_one(NORM_LINEAR, chosen, norm_linear_config(max_m), inputs)
-    return runner.forward(inputs, tactic).reshape(*lead, weight.shape[0])
+    return runner.forward(inputs, tactic=tactic).reshape(*lead, weight.shape[0])
 
 
 def _rebuild_add(record: CallRecord, tuner: Any) -> tuple[tuple[TunableRunner, ...], TuningConfig]:

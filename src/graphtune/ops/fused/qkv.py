@@ -345,7 +345,7 @@ def norm_qkv_rope(
         )
     config = norm_qkv_rope_config(num_kv_heads, max_m)
     runner, tactic = tuner.choose_one(OP_NAME, chosen, config, inputs)
-    return runner.forward(inputs, tactic)
+    return runner.forward(inputs, tactic=tactic)
 
 
 def _rebuild(record: CallRecord, tuner: Any) -> tuple[tuple[TunableRunner, ...], TuningConfig]:

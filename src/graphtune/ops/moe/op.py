@@ -115,7 +115,7 @@ def fused_moe(
     runner, tactic = (tuner or get_tuner()).choose_one(
         OP_NAME, chosen, fused_moe_config(max_m), inputs
     )
-    return runner.forward(inputs, tactic).reshape(shape)
+    return runner.forward(inputs, tactic=tactic).reshape(shape)
 
 
 def _rebuild(record: CallRecord, tuner: Any) -> tuple[tuple[TunableRunner, ...], TuningConfig]:

@@ -150,11 +150,15 @@ def tune_step(
     try:
         with torch.no_grad():
             if prepare:
-                if step.model.device.type == "cuda":
-                    start_compile_workers()  # their start overlaps recording and planning
                 if log is not None:
                     log(f"tuning: recording the step at batch {step.max_batch_size}, compiling")
-                report.prepared = tuner.prepare(record_step_calls(step))
+                calls = record_step_calls(step)
+                cached_ops = {key.op for key, _ in tuner.cache.items()}
+                if step.model.device.type == "cuda" and {c.op for c in calls} - cached_ops:
+                    # An op with no pick at all: there is compiling to do, and the workers'
+                    # start overlaps the planning (otherwise they start when a batch needs them).
+                    start_compile_workers()
+                report.prepared = tuner.prepare(calls)
                 report.prepare_seconds = time.perf_counter() - started
             tuner.tuning_mode = True
             for batch in report.buckets:

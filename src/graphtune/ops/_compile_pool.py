@@ -24,10 +24,10 @@ runtime has ``knobs.runtime.jit_cache_hook`` (Triton 3.4 and later), and
 ``GRAPHTUNE_COMPILE_PROCESSES`` is not ``0`` (default ``min(16, cpu_count)`` processes). The
 pool starts for a batch of at least :data:`MIN_JOBS_TO_START` jobs, or earlier through
 :func:`start_compile_workers` (each worker imports torch and Triton once, which takes seconds, so
-``tune_step`` starts them before it records and plans the step), and stays until
+``tune_step`` starts them before it plans the step when an op has no pick yet), and stays until
 :func:`close_compile_workers` (``tune_step`` calls it when it is done) or the end of the
-process. Workers never touch the GPU: the target is
-passed in, so compiling needs no CUDA context.
+process. Workers never touch the GPU: the target is passed in, so compiling needs no CUDA
+context.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from graphtune.autotuner import AutoTuner
+from graphtune.autotuner import AutoTuner, TuningPolicy
 from graphtune.autotuner.timing.base import Measurement
 from graphtune.bench.accuracy import (
     AccuracyResult,
@@ -31,7 +31,8 @@ def test_bf16_steps_against_the_float32_reference() -> None:
     model = random_model(get_preset("qwen2-tiny"), seed=2, dtype=torch.bfloat16)
     reference = float32_copy(model)
     assert reference.lm_head is reference.embed and reference.layers[0].bqkv.dtype == torch.float32
-    tuner = AutoTuner(timer=_FirstWins(), rounds=1, remeasure_top=0, show_progress=False)
+    policy = TuningPolicy(rounds=1, remeasure_top=0)
+    tuner = AutoTuner(timer=_FirstWins(), policy=policy, show_progress=False)
     results = decode_accuracy(model, tuner, batch_sizes=(1, 3), steps=6, reference=reference)
     assert [r.batch_size for r in results] == [1, 3] and tuner.stats.fallbacks == {}
     for r in results:

@@ -73,7 +73,7 @@ class _FirstWins:
 
 
 def test_bench_decode_notes_the_skipped_hf_recipe_and_times_the_unfused_step() -> None:
-    from graphtune.autotuner import AutoTuner
+    from graphtune.autotuner import AutoTuner, TuningPolicy
     from graphtune.bench.decode import run_decode_bench
     from graphtune.bench.decode_report import format_report
     from graphtune.bench.decode_results import DecodeBenchConfig
@@ -89,7 +89,8 @@ def test_bench_decode_notes_the_skipped_hf_recipe_and_times_the_unfused_step() -
         compare_hf=True,
         compare_unfused=True,
     )
-    tuner = AutoTuner(timer=_FirstWins(), rounds=1, remeasure_top=0, show_progress=False)
+    policy = TuningPolicy(rounds=1, remeasure_top=0)
+    tuner = AutoTuner(timer=_FirstWins(), policy=policy, show_progress=False)
     lines: list[str] = []
     report = run_decode_bench(cfg, log=lines.append, tuner=tuner)
     assert any("--compare-hf skipped" in note and "CUDA" in note for note in report.notes)

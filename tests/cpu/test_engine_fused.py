@@ -13,7 +13,7 @@ import torch
 if not torch.cuda.is_available():  # see test_ops_kernels.py
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from graphtune.autotuner import AutoTuner  # noqa: E402
+from graphtune.autotuner import AutoTuner, TuningPolicy  # noqa: E402
 from graphtune.autotuner.timing.base import Measurement  # noqa: E402
 from graphtune.autotuner.timing.wallclock import WallClockTimer  # noqa: E402
 from graphtune.engine import DecodeStep, KVCache, load_model, tune_step  # noqa: E402
@@ -56,15 +56,13 @@ def test_fused_step_tuned_with_the_wallclock_timer_gives_the_untuned_tokens(monk
     model = load_model("tiny", seed=5)
     tuner = AutoTuner(
         timer=_OneCallWallClock(),
-        rounds=1,
-        remeasure_top=0,
-        max_extra_rounds=0,
+        policy=TuningPolicy(rounds=1, remeasure_top=0, max_extra_rounds=0),
         show_progress=False,
     )
     # Nothing is tuned while another op is being tuned: the warm-up of a fused op's unfused
     # runner (every candidate runs here) finds its single ops tuned by the unfused pass.
     depth, deepest = [0], [0]
-    tune_op = tuner._tune_op
+    tune_op = tuner._run
 
     def counted(*args, **kwargs):
         depth[0] += 1
@@ -74,7 +72,7 @@ def test_fused_step_tuned_with_the_wallclock_timer_gives_the_untuned_tokens(monk
         finally:
             depth[0] -= 1
 
-    monkeypatch.setattr(tuner, "_tune_op", counted)
+    monkeypatch.setattr(tuner, "_run", counted)
     tuned = DecodeStep(model, KVCache(model.config, 2, 32), contiguous_slots=True, tuner=tuner)
     report = tune_step(tuned)
     assert report.buckets == (1, 2) and not tuner.stats.tactic_failures

@@ -19,7 +19,7 @@ import torch
 pytest.importorskip("triton")
 
 from graphtune import bench  # noqa: E402
-from graphtune.autotuner import AutoTuner  # noqa: E402
+from graphtune.autotuner import AutoTuner, TuningPolicy  # noqa: E402
 from graphtune.autotuner.timing.base import Measurement  # noqa: E402
 from graphtune.bench.accuracy import decode_accuracy  # noqa: E402
 from graphtune.engine import DecodeStep, KVCache, load_model, tune_step  # noqa: E402
@@ -86,10 +86,7 @@ def forced(llama_1b, cache, tuner):
     """A tuner with the real picks of every single op and the fused kernel for every stage."""
     forced = AutoTuner(
         timer=_LastWinsAsGraph(),
-        rounds=1,
-        remeasure_top=0,
-        tie_tolerance=0.0,
-        tie_floor_us=0.0,
+        policy=TuningPolicy(rounds=1, remeasure_top=0, tie_tolerance=0.0, tie_floor_us=0.0),
         show_progress=False,
     )
     for key, entry in tuner.cache.items():

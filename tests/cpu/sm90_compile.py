@@ -42,8 +42,8 @@ def _cases() -> list[tuple[str, Any, list[Any]]]:
         TritonNormQkvRope,
         TritonSkinnyGemmRunner,
     )
-    from graphtune.ops.gemm import TritonGemmRunner
-    from graphtune.ops.gemv import TritonGemvRunner
+    from graphtune.ops.gemm.gemv import TritonGemvRunner
+    from graphtune.ops.gemm.tiled import TritonGemmRunner
     from graphtune.ops.rmsnorm import TritonRMSNormRunner
     from graphtune.ops.rotary import TritonRopeRunner
 

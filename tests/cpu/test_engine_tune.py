@@ -70,8 +70,8 @@ def test_tuned_engine_matches_untuned_and_reuses_the_cache_file(tmp_path):
     assert len(report.rows) == (8 + 5) * 3
     winners = " ".join(row[2] for row in report.rows)
     if "Triton" in winners:  # Triton importable: its kernels are what the tuned step runs
-        # The last GEMM runner is the GEMV, which has tactics for these buckets (M <= 8).
-        assert "TritonGemvRunner" in winners and "TritonRopeRunner" in winners
+        # The last GEMM runner is the skinny tensor-core GEMM (tactics for M <= 16).
+        assert "TritonSkinnyGemmRunner" in winners and "TritonRopeRunner" in winners
         # The last runner of every fused stage is its fused kernel.
         for fused in ("NormQkvRope", "AddProjection", "NormGateUpSilu", "NormLinear"):
             assert f"Triton{fused}" in winners, fused

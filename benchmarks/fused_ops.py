@@ -190,7 +190,7 @@ class Layer:
 
     def call(self, name: str, choice: tuple[int, Any, float], layer: int) -> None:
         op, runners, inputs = self.stage(name, layer)
-        runners[choice[0]].forward(inputs, choice[1])
+        runners[choice[0]].forward(inputs, tactic=choice[1])
 
 
 def _time(fn, calls: int) -> dict[str, Any]:

@@ -1,7 +1,9 @@
 """Model configuration for the reference decode engine: a frozen dataclass, presets, HF mapping.
 
 Only the Llama family is supported (Llama 2/3 with Llama-3 RoPE scaling, Qwen2 with QKV bias,
-Mistral with an optional sliding window): they share one decoder layout and differ in a few fields.
+Mistral with an optional sliding window), and its mixture-of-experts relatives Qwen3-MoE (q/k
+RMSNorm, experts in every layer) and Mixtral: they share one decoder layout and differ in a few
+fields (their fields: :mod:`graphtune.engine.moe_config`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from graphtune.engine.moe_config import MOE_ARCHITECTURES, check_moe_fields, moe_fields_from_hf
 from graphtune.errors import CheckpointError, ConfigError
 
 logger = logging.getLogger(__name__)
@@ -20,6 +23,8 @@ ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "MistralForCausalLM": "mistral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
 
 
@@ -59,10 +64,10 @@ class ModelConfig:
 
     Attributes:
         name: Label used in logs and benchmark output.
-        architecture: ``"llama"``, ``"qwen2"`` or ``"mistral"``.
+        architecture: ``"llama"``, ``"qwen2"``, ``"mistral"``, ``"qwen3_moe"`` or ``"mixtral"``.
         vocab_size: Rows of the embedding and the LM head.
         hidden_size: Model width.
-        intermediate_size: SwiGLU inner width.
+        intermediate_size: SwiGLU inner width of the dense MLPs.
         num_layers: Decoder layers.
         num_heads: Query heads.
         num_kv_heads: Key/value heads (grouped-query attention when fewer than ``num_heads``).
@@ -77,6 +82,16 @@ class ModelConfig:
             for full attention.
         bos_token_id: Prepended by the tokenizer path when set.
         eos_token_ids: Generation stops at any of these.
+        qk_norm: RMSNorm over the head dimension of every query and key head before RoPE
+            (Qwen3), with one ``[head_dim]`` weight for the queries and one for the keys.
+        num_experts: Experts of a mixture-of-experts MLP; 0 for a dense model.
+        num_experts_per_tok: Experts each token is routed to (top-k).
+        moe_intermediate_size: Width of one expert's SwiGLU.
+        norm_topk_prob: Divide the top-k routing probabilities by their sum (Qwen3-MoE's flag;
+            Mixtral always does).
+        mlp_only_layers: Layers with a dense MLP in a mixture-of-experts model (Qwen3-MoE).
+        decoder_sparse_step: Every ``decoder_sparse_step``-th layer is a mixture of experts
+            (Qwen3-MoE); see :meth:`is_moe_layer`.
     """
 
     name: str
@@ -97,6 +112,13 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    qk_norm: bool = False
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    mlp_only_layers: tuple[int, ...] = ()
+    decoder_sparse_step: int = 1
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES.values():
@@ -129,6 +151,22 @@ class ModelConfig:
             raise ConfigError("sliding_window must be > 0 or None")
         if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
             raise ConfigError("rms_norm_eps and rope_theta must be > 0")
+        check_moe_fields(self)
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether layer ``index`` has a mixture-of-experts MLP (transformers' Qwen3-MoE rule:
+        not in ``mlp_only_layers`` and ``(index + 1) % decoder_sparse_step == 0``)."""
+        return (
+            self.num_experts > 0
+            and index not in self.mlp_only_layers
+            and (index + 1) % self.decoder_sparse_step == 0
+        )
+
+    @property
+    def router_weights_in_float32(self) -> bool:
+        """Whether routing weights stay float32 (Mixtral) or are cast to the activations'
+        dtype (Qwen3-MoE), as transformers' routers do."""
+        return self.architecture == "mixtral"
 
     @property
     def dim_per_head(self) -> int:
@@ -146,14 +184,20 @@ class ModelConfig:
         return self.num_kv_heads * self.dim_per_head
 
     def num_parameters(self) -> int:
-        """Parameter count (tied embeddings counted once)."""
+        """Parameter count (tied embeddings counted once; every expert counted)."""
         d, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         attn = d * (self.q_size + 2 * self.kv_size) + self.q_size * d
         if self.attention_bias:
             attn += self.q_size + 2 * self.kv_size
-        layer = attn + 3 * d * i + 2 * d
+        if self.qk_norm:
+            attn += 2 * self.dim_per_head
+        moe = self.num_experts * (d + 3 * d * self.moe_intermediate_size)
+        layers = sum(
+            attn + 2 * d + (moe if self.is_moe_layer(index) else 3 * d * i)
+            for index in range(self.num_layers)
+        )
         head = 0 if self.tie_word_embeddings else v * d
-        return self.num_layers * layer + v * d + head + d
+        return layers + v * d + head + d
 
     def replace(self, **changes: Any) -> ModelConfig:
         """Returns a copy with some fields changed (validated again)."""
@@ -229,6 +273,90 @@ PRESETS: dict[str, ModelConfig] = {
         bos_token_id=128000,
         eos_token_ids=(128001, 128008, 128009),
     ),
+    # Mixture-of-experts models for CPU tests: Qwen3-MoE (q/k norm, a head_dim that is not
+    # hidden / heads) and Mixtral.
+    "qwen3-moe-tiny": ModelConfig(
+        name="qwen3-moe-tiny",
+        architecture="qwen3_moe",
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=2048,
+        eos_token_ids=(2,),
+        qk_norm=True,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+    ),
+    "mixtral-tiny": ModelConfig(
+        name="mixtral-tiny",
+        architecture="mixtral",
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        rms_norm_eps=1e-5,
+        rope_theta=1000000.0,
+        max_position_embeddings=2048,
+        bos_token_id=1,
+        eos_token_ids=(2,),
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        norm_topk_prob=True,
+    ),
+    # The shape of Qwen3-30B-A3B (its config.json): 48 layers of 128 experts (top 8, width
+    # 768, renormalised), GQA 32/4 with head_dim 128 (not hidden / heads) and q/k RMSNorm.
+    "qwen3-30b-a3b-shape": ModelConfig(
+        name="qwen3-30b-a3b-shape",
+        architecture="qwen3_moe",
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_layers=48,
+        num_heads=32,
+        num_kv_heads=4,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=40960,
+        bos_token_id=151643,
+        eos_token_ids=(151645,),
+        qk_norm=True,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        norm_topk_prob=True,
+    ),
+    # The shape of Mixtral-8x7B (its config.json): 32 layers of 8 experts (top 2, width 14336).
+    "mixtral-8x7b-shape": ModelConfig(
+        name="mixtral-8x7b-shape",
+        architecture="mixtral",
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        rms_norm_eps=1e-5,
+        rope_theta=1000000.0,
+        max_position_embeddings=32768,
+        bos_token_id=1,
+        eos_token_ids=(2,),
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=14336,
+        norm_topk_prob=True,
+    ),
 }
 
 
@@ -285,7 +413,10 @@ def from_hf_config(cfg: Mapping[str, Any], name: str = "checkpoint") -> ModelCon
         The equivalent config.
 
     Raises:
-        CheckpointError: The architecture is not Llama, Qwen2 or Mistral, or a field is missing.
+        CheckpointError: The architecture is not Llama, Qwen2, Mistral, Qwen3-MoE or Mixtral, or a
+            field is missing.
+        ConfigError: A Qwen3-MoE or Mixtral field is unknown or has a value the engine does not
+            implement (:mod:`graphtune.engine.moe_config`).
     """
     archs = list(cfg.get("architectures") or [])
     arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
@@ -306,8 +437,9 @@ def from_hf_config(cfg: Mapping[str, Any], name: str = "checkpoint") -> ModelCon
         raise CheckpointError(
             "Qwen2 with use_sliding_window=true (per-layer windows) is unsupported"
         )
-    if arch == "llama":
-        sliding = None
+    if arch in ("llama", "qwen3_moe"):
+        sliding = None  # Qwen3-MoE's window is off unless use_sliding_window (refused).
+    moe = moe_fields_from_hf(cfg, arch) if arch in MOE_ARCHITECTURES else {}
     if arch != "qwen2" and cfg.get("attention_bias", False):
         raise CheckpointError(
             f"{arch} with attention_bias=true (biases on q/k/v/o) is not supported by the engine"
@@ -338,6 +470,7 @@ def from_hf_config(cfg: Mapping[str, Any], name: str = "checkpoint") -> ModelCon
             sliding_window=int(sliding) if sliding else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            **moe,
         )
     except KeyError as exc:
         raise CheckpointError(f"config.json is missing the field {exc}") from None

@@ -5,7 +5,8 @@ passing ``tuner=..., max_m=...`` to every call. Activations are 2-D (``[rows, fe
 
 * **Untuned** (``OpContext()``, no tuner): every call runs the op's fallback (runner 0, tactic
   ``-1``) straight away: the torch reference function its module defines and its torch runner
-  runs (``torch_gemm``, ``torch_rms_norm``, ``torch_rope_kv_cache``, ``torch_silu_and_mul``, SDPA).
+  runs (``torch_gemm``, ``torch_rms_norm``, ``torch_rope_kv_cache``, ``torch_silu_and_mul``, SDPA,
+  ``torch_fused_moe``).
   No tuner is asked, no runner list is built and nothing is counted, so the untuned step costs
   the host about what hand-written torch costs, and ``torch.compile`` traces it.
 * **Tuned** (``OpContext(tuner, max_batch_size)``): every call goes through the op function of its
@@ -29,6 +30,8 @@ from graphtune.errors import ConfigError
 from graphtune.ops import attention as attention_op
 from graphtune.ops.activation import silu_and_mul, torch_silu_and_mul
 from graphtune.ops.gemm import gemm, torch_gemm
+from graphtune.ops.moe.op import fused_moe
+from graphtune.ops.moe.reference import torch_fused_moe
 from graphtune.ops.rmsnorm import fused_add_rms_norm, torch_rms_norm
 from graphtune.ops.rotary import RopeRows, rope_kv_cache, torch_rope_kv_cache
 
@@ -174,4 +177,20 @@ class OpContext:
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
         return attention_op.decode_attention(
             q, keys, values, mask, tuner=self.tuner, config=self._attention_config
+        )
+
+    def fused_moe(
+        self,
+        x: torch.Tensor,
+        gate_up: torch.Tensor,
+        down: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        """:func:`graphtune.ops.moe.fused_moe`: the experts of a mixture-of-experts layer for a
+        routing (untuned: the sparse expert loop, or the dense form while a graph captures)."""
+        if self.tuner is None:
+            return torch_fused_moe(x, gate_up, down, topk_weights, topk_ids)
+        return fused_moe(
+            x, gate_up, down, topk_weights, topk_ids, tuner=self.tuner, max_m=self.max_batch_size
         )

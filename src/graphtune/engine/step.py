@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from graphtune.engine.attention import Attention, DecodeAttention, PrefillAttention
 from graphtune.engine.kv_cache import KVCache
 from graphtune.engine.model import DecoderModel, rope_tables
+from graphtune.engine.moe import apply_qk_norm, moe_experts, qk_norm_weights
 from graphtune.errors import ConfigError
 from graphtune.ops.context import OpContext
 from graphtune.ops.rotary import RopeRows
@@ -102,6 +103,11 @@ class DecodeStep:
         self.v_flat = [v.view(-1, cfg.dim_per_head) for v in cache.v_layers]
         # The norm after each layer's MLP: the next layer's first norm, the final one at the end.
         self.next_norms = [layer.attn_norm for layer in model.layers[1:]] + [model.final_norm]
+        # Qwen3's q/k RMSNorm weight rows per layer (engine.moe.apply_qk_norm), None without.
+        self.qk_norms = [
+            qk_norm_weights(layer, cfg) if layer.q_norm is not None else None
+            for layer in model.layers
+        ]
 
     @property
     def tuner(self) -> Any:
@@ -142,6 +148,8 @@ class DecodeStep:
         h = ops.rms_norm(x, model.layers[0].attn_norm, eps)
         for index, layer in enumerate(model.layers):
             qkv = ops.gemm(h, layer.wqkv, layer.bqkv)
+            if self.qk_norms[index] is not None:
+                apply_qk_norm(qkv, self.qk_norms[index], eps)
             q = ops.rope_kv_cache(
                 qkv,
                 rope,
@@ -152,6 +160,11 @@ class DecodeStep:
                 num_kv_heads=cfg.num_kv_heads,
             )
             h, x = self.project_add_norm(ops, attention(index, q), layer.wo, x, layer.mlp_norm, 0)
+            if layer.is_moe:
+                h, x = ops.add_rms_norm(
+                    moe_experts(ops, h, layer, cfg), self.next_norms[index], eps, x
+                )
+                continue
             act = ops.silu_and_mul(ops.gemm(h, layer.w_gate_up))
             h, x = self.project_add_norm(ops, act, layer.w_down, x, self.next_norms[index], 1)
         return ops.gemm(h[-1:] if last_only else h, model.lm_head)

@@ -84,6 +84,15 @@ IGNORED_FIELDS: dict[str, str] = {
     "dtype": "the dtype is the caller's choice (load_model(dtype=...))",
     "transformers_version": "metadata",
     "_name_or_path": "metadata",
+    # transformers' generic config attributes (PreTrainedConfig.to_dict writes them all).
+    "output_attentions": "asks for extra outputs",
+    "output_hidden_states": "asks for extra outputs",
+    "return_dict": "the type of transformers' outputs",
+    "chunk_size_feed_forward": "transformers' memory option; the same numbers",
+    "is_encoder_decoder": "transformers' model kind; both architectures are decoders",
+    "problem_type": "for classification heads, not the LM head",
+    "id2label": "for classification heads, not the LM head",
+    "label2id": "for classification heads, not the LM head",
 }
 
 

@@ -4,7 +4,9 @@ For each batch size it times the engine's decode step eagerly, through the engin
 (with its copy-in, padding and slicing: what a server pays), and optionally through
 ``torch.compile(mode="reduce-overhead")``; it reads the GPU-busy time of one step from CUPTI
 (:func:`graphtune.bench.cupti.gpu_busy`) and computes the bytes floor: weights plus the KV cache a
-step must read, over a measured device copy bandwidth.
+step must read, over a measured device copy bandwidth. For a mixture-of-experts model the weights
+counted are those the step really reads: per MoE layer only the experts the batch's tokens were
+routed to in that step (:mod:`graphtune.bench.moe_floor`).
 
 With ``tune=True`` the same run then builds the tuned step, tunes it by running it
 (:func:`graphtune.engine.tuning.tune_step`; a cache file is reused when given) and times it the
@@ -12,6 +14,9 @@ same way: through a graph runner on CUDA (else eagerly), with its GPU-busy time,
 its ratios to the untuned step and to the bytes floor. Steps and runners come from the engine's
 own factories (:func:`graphtune.engine.build.build_step`, :func:`~graphtune.engine.build.
 build_runner`), so the benchmark times what the engine serves.
+
+With ``compare_hf=True`` transformers' implementation of the same model, on the same weight
+tensors, is timed last as the anchor (:mod:`graphtune.bench.hf_anchor`).
 """
 
 from __future__ import annotations
@@ -28,9 +33,12 @@ import torch
 from graphtune import autotuner
 from graphtune.bench.cupti import gpu_busy
 from graphtune.bench.decode_results import BatchResult, DecodeBenchConfig, DecodeBenchReport
+from graphtune.bench.hf_anchor import time_hf_anchor
+from graphtune.bench.moe_floor import expected_experts_hit, step_bytes
 from graphtune.bench.schema import provenance
 from graphtune.bench.timing import bytes_floor_ms, copy_bandwidth_gbps, sync, time_per_call_ms
 from graphtune.engine.build import build_runner, build_step
+from graphtune.engine.config import PRESETS
 from graphtune.engine.devices import resolve_device, resolve_dtype
 from graphtune.engine.kv_cache import KVCache, aligned_seq_len
 from graphtune.engine.loading import load_model
@@ -92,8 +100,12 @@ def run_decode_bench(
         raise ConfigError(
             f"DecodeBenchConfig.tp={cfg.tp} but the parallel context has world_size={world}"
         )
+    spec: Any = cfg.model
+    if cfg.layers is not None:
+        spec = _fewer_layers(cfg.model, cfg.layers)
+        notes.append(f"quick run: {spec.name} (not the whole model)")
     model = load_model(
-        cfg.model,
+        spec,
         device=device,
         dtype=dtype,
         seed=cfg.seed,
@@ -165,8 +177,15 @@ def run_decode_bench(
             result.busy_ms, result.kernels_per_step, result.top_kernels = _busy(
                 lambda a=args: step(*a)
             )
+        read = step_bytes(step, *args)  # an MoE step reads only the experts it routes to
+        result.weight_bytes_read = read.total
+        if read.experts_hit:
+            result.experts_hit = list(read.experts_hit)
+            result.experts_hit_uniform = expected_experts_hit(
+                mcfg.num_experts, mcfg.num_experts_per_tok, b
+            )
         if bandwidth:
-            needed = model.weight_bytes() + b * (cfg.context + 1) * cache.bytes_per_token()
+            needed = read.total + b * (cfg.context + 1) * cache.bytes_per_token()
             result.floor_ms = bytes_floor_ms(needed, bandwidth)
 
     if "graph" in runners:
@@ -176,6 +195,8 @@ def run_decode_bench(
         _time_compiled(step, inputs, cfg, device, results)
     if cfg.tune:
         _time_tuned(step, inputs, results, sizes, device, cfg, runners, report, log, tuner)
+    if cfg.compare_hf:  # last: it overwrites the cache slots with transformers' keys and values
+        time_hf_anchor(step, inputs, results, cfg, report, log)
 
     for result in results:
         best = result.graph_ms or result.eager_ms
@@ -185,7 +206,25 @@ def run_decode_bench(
             result.graph_over_busy = result.graph_ms / result.busy_ms
         if best:
             result.tokens_per_s = result.batch_size / (best * 1e-3)
+        ours = result.tuned_graph_ms or result.tuned_eager_ms or best
+        if result.hf_eager_ms and ours:
+            result.speedup_over_hf = result.hf_eager_ms / ours
     return report
+
+
+def _fewer_layers(name: str, layers: int) -> Any:
+    """Preset ``name`` cut to its first ``layers`` layers (``DecodeBenchConfig.layers``)."""
+    if name not in PRESETS:
+        raise ConfigError(f"--layers cuts a preset; {name!r} is not one of {sorted(PRESETS)}")
+    config = PRESETS[name]
+    if layers > config.num_layers:
+        raise ConfigError(f"--layers {layers}: {name} has only {config.num_layers} layers")
+    kept = tuple(i for i in config.mlp_only_layers if i < layers)
+    return config.replace(
+        name=f"{name}[{layers} of {config.num_layers} layers]",
+        num_layers=layers,
+        mlp_only_layers=kept,
+    )
 
 
 def _default_tuner(step: DecodeStep) -> Any:

@@ -113,8 +113,58 @@ def format_report(report: DecodeBenchReport) -> str:
     for r in report.results:
         if r.compile_note:
             lines.append(f"torch.compile batch {r.batch_size}: {r.compile_note}")
+        if r.hf_compile_note:
+            lines.append(f"transformers torch.compile batch {r.batch_size}: {r.hf_compile_note}")
+    anchor = _routing_and_anchor_table(report)
+    if anchor:
+        lines.append(anchor)
     lines.extend(report.notes)
     return "\n".join(lines)
+
+
+def _routing_and_anchor_table(report: DecodeBenchReport) -> str | None:
+    """The MoE routing behind the floor and the transformers anchor, when either was measured."""
+    moe = any(r.experts_hit for r in report.results)
+    hf = any(r.hf_eager_ms is not None for r in report.results)
+    if not (moe or hf):
+        return None
+    columns = ["batch", "weights read GB", "floor ms", "tuned/floor"]
+    if moe:
+        columns[1:1] = ["experts hit / layer", "uniform routing"]
+    if hf:
+        columns += [
+            "HF eager ms",
+            "HF compiled ms",
+            "speed-up over HF",
+            "same argmax",
+            "max |diff|",
+        ]
+    rows = []
+    for r in report.results:
+        row: list[Any] = [r.batch_size]
+        if moe:
+            hits = r.experts_hit or []
+            row += [sum(hits) / len(hits) if hits else None, r.experts_hit_uniform]
+        read = r.weight_bytes_read / 1e9 if r.weight_bytes_read is not None else None
+        row += [read, r.floor_ms, r.tuned_over_floor]
+        if hf:
+            agree = r.hf_argmax_agreement
+            row += [
+                r.hf_eager_ms,
+                r.hf_compile_ms,
+                r.speedup_over_hf,
+                f"{100 * agree:.0f}%" if agree is not None else None,
+                r.hf_max_abs_diff,
+            ]
+        rows.append(row)
+    title = "weights a step reads" + (", transformers on the same weights" if hf else "")
+    table = render_table(title, columns, rows)
+    if moe:
+        table += (
+            "\nexperts hit: distinct experts per MoE layer in the routing of the timed step "
+            "(mean over layers); uniform routing: E * (1 - (1 - k/E)^batch)"
+        )
+    return table
 
 
 def plot_report(report: DecodeBenchReport, path: str) -> None:
@@ -139,6 +189,8 @@ def plot_report(report: DecodeBenchReport, path: str) -> None:
         ("graph runner", "graph_ms", "s-"),
         ("torch.compile reduce-overhead", "compile_ms", "^-"),
         ("tuned graph runner", "tuned_graph_ms", "D-"),
+        ("transformers eager", "hf_eager_ms", "x-"),
+        ("transformers compiled", "hf_compile_ms", "+-"),
         ("GPU-busy (profiler)", "busy_ms", "k--"),
         ("bytes floor", "floor_ms", "k:"),
     ]

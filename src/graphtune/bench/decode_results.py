@@ -31,6 +31,11 @@ class DecodeBenchConfig:
             context; every rank runs the same benchmark and times its own shard). With ``tune``
             the ranks tune with the ``agree`` strategy and the report says whether every rank
             holds the same picks.
+        compare_hf: Also time transformers' implementation of the model on the same weight
+            tensors (the anchor, :mod:`graphtune.bench.hf_anchor`), with an accuracy check.
+        hf_compile: With ``compare_hf``, also time it through ``torch.compile``.
+        layers: Run a preset with only its first ``layers`` layers (quick runs; the model name
+            and a note say so).
     """
 
     model: str = "llama-1b-shape"
@@ -47,10 +52,19 @@ class DecodeBenchConfig:
     tuning_cache: str | None = None
     tune_cold_l2: bool = False
     tp: int = 1
+    compare_hf: bool = False
+    hf_compile: bool = False
+    layers: int | None = None
 
     def __post_init__(self) -> None:
         if self.tp < 1:
             raise ConfigError(f"tp must be >= 1, got {self.tp}")
+        if self.tp > 1 and self.compare_hf:
+            raise ConfigError("--compare-hf is not supported with --tp > 1; drop one of them")
+        if self.hf_compile and not self.compare_hf:
+            raise ConfigError("--hf-compile times the transformers anchor; add --compare-hf")
+        if self.layers is not None and self.layers < 1:
+            raise ConfigError(f"layers must be >= 1 (or None for all), got {self.layers}")
         if self.tp > 1 and self.compare_compile:
             raise ConfigError(
                 "--compare-compile is not supported with --tp > 1; drop it to time "
@@ -91,6 +105,18 @@ class BatchResult:
     tuned_max_abs_diff: float | None = None
     tuned_kernels_per_step: float | None = None
     tuned_top_kernels: list[dict[str, Any]] = field(default_factory=list)
+    # The weights one step reads (the floor's weight part); for an MoE model the distinct
+    # experts its routing selected per MoE layer, and their expectation under uniform routing.
+    weight_bytes_read: int | None = None
+    experts_hit: list[int] | None = None
+    experts_hit_uniform: float | None = None
+    # With ``compare_hf``: transformers on the same weights, and its agreement with the engine.
+    hf_eager_ms: float | None = None
+    hf_compile_ms: float | None = None
+    hf_compile_note: str | None = None
+    hf_max_abs_diff: float | None = None
+    hf_argmax_agreement: float | None = None
+    speedup_over_hf: float | None = None
 
 
 @dataclass

@@ -92,6 +92,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="with --tune: time the GEMMs with cold-L2 rotation (weights stream "
         "from HBM, as in a decode step)",
     )
+    decode.add_argument(
+        "--compare-hf",
+        action="store_true",
+        help="also time transformers' implementation of the model on the same weight tensors "
+        "(the anchor) and check that its logits agree",
+    )
+    decode.add_argument(
+        "--hf-compile",
+        action="store_true",
+        help="with --compare-hf: also time transformers through torch.compile(reduce-overhead)",
+    )
+    decode.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="quick runs: only the first N layers of a preset (labelled as such)",
+    )
     decode.add_argument("--plot", type=Path, default=None, metavar="FILE.png")
     decode.add_argument("--json", type=Path, default=None, metavar="FILE")
     decode.add_argument("--device", default="auto")
@@ -151,6 +169,9 @@ def run_bench_decode(args: argparse.Namespace) -> int:
             tuning_cache=str(args.tuning_cache) if args.tuning_cache else None,
             tune_cold_l2=args.tune_cold_l2,
             tp=args.tp,
+            compare_hf=args.compare_hf,
+            hf_compile=args.hf_compile,
+            layers=args.layers,
         )
         report = run_decode_bench(
             cfg,

@@ -35,7 +35,7 @@ from graphtune.engine.config import PRESETS, ModelConfig  # noqa: E402
 from graphtune.engine.model import apply_rope_signed, rms_norm, swiglu  # noqa: E402
 from graphtune.errors import ConfigError  # noqa: E402
 from graphtune.graphs.policy import default_capture_sizes  # noqa: E402
-from graphtune.ops.moe import route_top_k, sparse_fused_moe  # noqa: E402
+from graphtune.ops.moe import sparse_fused_moe, torch_route_top_k  # noqa: E402
 
 SMALL = dict(
     hidden_size=64,
@@ -100,7 +100,7 @@ def reference_step(
         x.addmm_(attn.reshape(batch, heads * dim), layer.wo.t())
         h = rms_norm(x, layer.mlp_norm, eps)
         if layer.is_moe:  # the router, then the loop over the selected experts
-            weights, ids = route_top_k(
+            weights, ids = torch_route_top_k(
                 F.linear(h, layer.router),
                 cfg.num_experts_per_tok,
                 renormalize=cfg.norm_topk_prob,

@@ -4,15 +4,15 @@ A layer whose MLP is a mixture of experts (``LayerWeights.is_moe``) runs, in pla
 gate/up GEMM, SiLU-and-mul and down GEMM:
 
     logits = ops.gemm(h, router)                                    [rows, E]
-    weights, ids = route_top_k(logits, k, renormalize=norm_topk_prob)
+    weights, ids = ops.route_top_k(logits, k, renormalize=norm_topk_prob)
     out = ops.fused_moe(h, experts_gate_up, experts_down, weights, ids)
 
 Everything stays on the device with fixed shapes (the router is softmax and top-k; the tuned
 experts are the Triton sort and grouped GEMMs), so the whole step can be captured in a CUDA
 graph. Untuned, ``fused_moe`` is its torch fallback: the loop over the selected experts eagerly
 (one host synchronisation), the dense all-experts form while a graph captures (capturable, but
-``E / k`` times the work). Both ops go through the step's :class:`~graphtune.ops.OpContext`, so
-``tune_step`` tunes them like every other op.
+``E / k`` times the work). The router GEMM, the top-k routing and the experts go through the
+step's :class:`~graphtune.ops.OpContext`, so ``tune_step`` tunes them like every other op.
 
 The routing weights follow transformers: Qwen3-MoE casts them to the activations' dtype, Mixtral
 keeps them in float32 (``ModelConfig.router_weights_in_float32``).
@@ -26,7 +26,6 @@ import torch.nn.functional as F
 from graphtune.engine.config import ModelConfig
 from graphtune.engine.model import LayerWeights
 from graphtune.ops.context import OpContext
-from graphtune.ops.moe.routing import route_top_k
 
 
 def moe_experts(
@@ -36,7 +35,7 @@ def moe_experts(
     returns ``[rows, hidden]`` (the residual is not added)."""
     logits = ops.gemm(h, layer.router)
     weights_dtype = torch.float32 if config.router_weights_in_float32 else logits.dtype
-    weights, ids = route_top_k(
+    weights, ids = ops.route_top_k(
         logits,
         config.num_experts_per_tok,
         renormalize=config.norm_topk_prob,

@@ -50,6 +50,7 @@ from graphtune.ops.moe import (
     fused_moe_config,
     fused_moe_runners,
     route_top_k,
+    torch_route_top_k,
 )
 from graphtune.ops.rmsnorm import (
     TorchRMSNormRunner,
@@ -109,6 +110,7 @@ __all__ = [
     "silu_and_mul_runners",
     "torch_rms_norm",
     "torch_rope_kv_cache",
+    "torch_route_top_k",
     "torch_silu_and_mul",
     "triton_available",
 ]

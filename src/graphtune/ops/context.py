@@ -6,7 +6,7 @@ passing ``tuner=..., max_m=...`` to every call. Activations are 2-D (``[rows, fe
 * **Untuned** (``OpContext()``, no tuner): every call runs the op's fallback (runner 0, tactic
   ``-1``) straight away: the torch reference function its module defines and its torch runner
   runs (``torch_gemm``, ``torch_rms_norm``, ``torch_rope_kv_cache``, ``torch_silu_and_mul``, SDPA,
-  ``torch_fused_moe``).
+  ``torch_route_top_k``, ``torch_fused_moe``).
   No tuner is asked, no runner list is built and nothing is counted, so the untuned step costs
   the host about what hand-written torch costs, and ``torch.compile`` traces it.
 * **Tuned** (``OpContext(tuner, max_batch_size)``): every call goes through the op function of its
@@ -32,6 +32,7 @@ from graphtune.ops.activation import silu_and_mul, torch_silu_and_mul
 from graphtune.ops.gemm import gemm, torch_gemm
 from graphtune.ops.moe.op import fused_moe
 from graphtune.ops.moe.reference import torch_fused_moe
+from graphtune.ops.moe.routing import route_top_k, torch_route_top_k
 from graphtune.ops.rmsnorm import fused_add_rms_norm, torch_rms_norm
 from graphtune.ops.rotary import RopeRows, rope_kv_cache, torch_rope_kv_cache
 
@@ -193,4 +194,26 @@ class OpContext:
             return torch_fused_moe(x, gate_up, down, topk_weights, topk_ids)
         return fused_moe(
             x, gate_up, down, topk_weights, topk_ids, tuner=self.tuner, max_m=self.max_batch_size
+        )
+
+    def route_top_k(
+        self,
+        router_logits: torch.Tensor,
+        top_k: int,
+        *,
+        renormalize: bool,
+        weights_dtype: torch.dtype = torch.float32,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`graphtune.ops.moe.route_top_k`: ``(weights, ids)`` of the top-k experts."""
+        if self.tuner is None:
+            return torch_route_top_k(
+                router_logits, top_k, renormalize=renormalize, weights_dtype=weights_dtype
+            )
+        return route_top_k(
+            router_logits,
+            top_k,
+            renormalize=renormalize,
+            weights_dtype=weights_dtype,
+            tuner=self.tuner,
+            max_m=self.max_batch_size,
         )

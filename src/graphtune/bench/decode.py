@@ -53,8 +53,15 @@ NO_CUDA_NOTE = "CUDA is not available: CUDA graphs need CUDA, so only the eager 
 Inputs = list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
-def _busy(fn: Callable[[], object]) -> tuple[float | None, float | None, list[dict[str, Any]]]:
-    busy = gpu_busy(fn)
+#: An eager step slower than this is profiled for one call instead of five: its trace is large
+#: (the untuned step of an MoE model loops over the hit experts, tens of thousands of kernels).
+SLOW_STEP_MS = 50.0
+
+
+def _busy(
+    fn: Callable[[], object], eager_ms: float | None = None
+) -> tuple[float | None, float | None, list[dict[str, Any]]]:
+    busy = gpu_busy(fn, calls=1 if eager_ms is not None and eager_ms > SLOW_STEP_MS else 5)
     if busy is None:
         return None, None, []
     return busy.per_call_ms, busy.activities_per_call, busy.top
@@ -175,7 +182,7 @@ def run_decode_bench(
             log(f"batch {b}: eager {result.eager_ms:.3f} ms/step")
         if measure_busy:
             result.busy_ms, result.kernels_per_step, result.top_kernels = _busy(
-                lambda a=args: step(*a)
+                lambda a=args: step(*a), result.eager_ms
             )
         read = step_bytes(step, *args)  # an MoE step reads only the experts it routes to
         result.weight_bytes_read = read.total

@@ -145,3 +145,26 @@ def test_bench_config_rules():
         DecodeBenchConfig(tp=2, compare_hf=True)
     with pytest.raises(ConfigError, match="layers must be >= 1"):
         DecodeBenchConfig(layers=0)
+
+
+def test_hf_compile_is_timed_or_its_failure_recorded(monkeypatch):
+    pytest.importorskip("transformers")
+    model = load_model("mixtral-tiny", seed=1)
+    hf = hf_model_sharing(model)
+    step = DecodeStep(model, KVCache(model.config, 2, 16), contiguous_slots=True)
+    tokens = torch.tensor([5, 6])
+    # Compiling for real needs a C++ toolchain here; the path around it is what is tested.
+    monkeypatch.setattr(torch, "compile", lambda module, **kwargs: module)
+    timing = time_hf_decode(hf, step, tokens, 4, steps=1, repeats=1, compile=True)
+    assert timing.compile_ms > 0 and timing.compile_note.startswith("compiled in")
+
+    def broken(module, **kwargs):
+        def fail(**inputs):
+            raise RuntimeError("no backend")
+
+        return fail
+
+    monkeypatch.setattr(torch, "compile", broken)
+    timing = time_hf_decode(hf, step, tokens, 4, steps=1, repeats=1, compile=True)
+    assert timing.compile_ms is None and timing.compile_note == "failed: RuntimeError: no backend"
+    assert timing.eager_ms > 0 and timing.argmax_agreement == 1.0

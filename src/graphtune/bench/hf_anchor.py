@@ -316,6 +316,9 @@ def _time_compiled(
         logger.warning("torch.compile of the transformers model failed: %s", exc)
         result.compile_note = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
         return
+    finally:
+        # The next batch size compiles its own graphs; drop these (and their memory pools).
+        torch.compiler.reset()
     result.compile_note = f"compiled in {seconds:.1f} s"
 
 

@@ -60,5 +60,5 @@ def apply_qk_norm(qkv: torch.Tensor, weights: torch.Tensor, eps: float) -> None:
     rounded to the dtype, then multiplied by the weight in the dtype. Two kernels, no host sync.
     """
     heads, dim = weights.shape
-    qk = qkv.view(qkv.shape[0], -1, dim)[:, :heads]
+    qk = qkv.unflatten(-1, (-1, dim))[:, :heads]
     torch.mul(F.rms_norm(qk, (dim,), eps=eps), weights, out=qk)

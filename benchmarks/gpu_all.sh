@@ -2,7 +2,7 @@
 # GPU tests and every benchmark on the GPU machine; results (JSON, plots, logs) under $OUT.
 # Usage (repo root): GRAPHTUNE_COMMIT=<sha> bash benchmarks/gpu_all.sh [PART] [--quick]
 #   PART: tests | tuning | faults | timers | graphs | decode | tuned | moe | moe-decode | tp | all
-#   (default all); moe-decode is the Qwen3-30B-A3B-shape decode step (about 4 minutes alone);
+#   (default all); moe-decode is the Qwen3-30B-A3B-shape decode step (estimated 4 minutes alone);
 #   tp (two GPUs, kind nvidia-h200-x2; not part of "all") runs the all-reduce benchmark, tuned
 #   (TP=1) and TP=2 tuned / NCCL decode. One device call
 #   has a 10-minute limit, so a full run is split into two calls, e.g. "tests tuning faults" and

@@ -8,8 +8,9 @@ Parts (``--parts``, all by default, in this order; each writes its own results J
 * ``1b``: ``graphtune bench decode`` on the Llama-3.2-1B shape at batch 1/8/32/128, context 512:
   eager, graph runner, tuned graph runner (the fused step), the tuned step with its stages
   unfused (the step as tuned before), Hugging Face static cache + ``torch.compile(mode=
-  "reduce-overhead")`` on the same weights, the bytes floor, kernels per step and device time by
-  kernel family (``decode-latency-1b-<gpu>.json``);
+  "reduce-overhead")`` and its eager step on the same weights (``bench decode --compare-hf``,
+  with its logits check: one decode step of both on transformers' cache), the bytes floor,
+  kernels per step and device time by kernel family (``decode-latency-1b-<gpu>.json``);
 * ``pdl``: the same tuned step at batch 1 through the graph runner with ``GRAPHTUNE_PDL=0`` and
   then ``1`` (graphs captured each way), same picks, and from a CUPTI trace of one graph replay
   each way the overlap of consecutive kernels (a PDL launch starts before its predecessor ends)
@@ -76,6 +77,7 @@ def part_1b(args: argparse.Namespace, tuner: AutoTuner) -> dict[str, Any]:
         model="llama-1b-shape",
         batch_sizes=tuple(args.batch_sizes),
         compare_hf=not args.no_hf,
+        hf_compile=None if args.no_hf else True,
         compare_unfused=True,
         tuning_cache=_cache(args.tuning_cache, "llama-1b-shape"),
     )
@@ -254,6 +256,9 @@ def targets(found: dict[str, Any]) -> list[list[Any]]:
                 )
             if r.get("hf_ms") and tuned:
                 rows.append([f"1B b{b} HF compile / tuned", r["hf_ms"] / tuned, "-", "-"])
+            if r.get("hf_argmax_agreement") is not None:
+                agree = r["hf_argmax_agreement"]
+                rows.append([f"1B b{b} HF vs engine same greedy token", agree, "-", "-"])
     if "pdl" in found:
         ms = found["pdl"]["tuned_graph_ms"]
         if ms["pdl_on"] and ms["pdl_off"]:

@@ -44,6 +44,7 @@ def _cases() -> list[tuple[str, Any, list[Any]]]:
     )
     from graphtune.ops.gemm.gemv import TritonGemvRunner
     from graphtune.ops.gemm.tiled import TritonGemmRunner
+    from graphtune.ops.moe import TritonFusedMoeRunner, TritonRouteTopKRunner
     from graphtune.ops.rmsnorm import TritonRMSNormRunner
     from graphtune.ops.rotary import TritonRopeRunner
 
@@ -95,6 +96,21 @@ def _cases() -> list[tuple[str, Any, list[Any]]]:
         add(f"gemv m={m}", TritonGemvRunner(), [x, _rand(inter, hidden), None, None, False])
         add(f"rms_norm m={m}", TritonRMSNormRunner(), [x, nw, _rand(m, hidden), 1e-5])
         add(f"silu_and_mul m={m}", TritonSiluAndMulRunner(), [_rand(m, 2 * inter)])
+        experts, top_k, expert_inter = 8, 2, 64
+        logits = _rand(m, experts)
+        for weights_float32 in (True, False):
+            add(
+                f"route_top_k m={m} float32={weights_float32}",
+                TritonRouteTopKRunner(top_k, True, weights_float32),
+                [logits],
+            )
+        ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(m)])
+        add(
+            f"fused_moe m={m}",
+            TritonFusedMoeRunner(smem_bytes=228 * 1024),
+            [x, _rand(experts, 2 * expert_inter, hidden), _rand(experts, hidden, expert_inter)]
+            + [torch.full((m, top_k), 0.5, dtype=BF16), ids],
+        )
         add(
             f"rope m={m}",
             TritonRopeRunner(heads, kv, True),

@@ -15,7 +15,7 @@ from graphtune.bench.accuracy import (
     float32_copy,
 )
 from graphtune.engine import random_model
-from graphtune.engine.config import get_preset
+from graphtune.engine.presets import get_preset
 
 
 class _FirstWins:

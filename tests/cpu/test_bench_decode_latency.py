@@ -21,6 +21,7 @@ def _row(batch: int, tuned: float, floor: float, unfused: float | None = None, h
         "floor_ms": floor,
         "tuned_unfused_ms": unfused,
         "hf_ms": hf,
+        "hf_argmax_agreement": None if hf is None else 1.0,
     }
 
 
@@ -43,6 +44,8 @@ def test_targets_table_gives_each_issue_13_verdict() -> None:
     assert verdicts["accuracy b1 tuned/untuned max err"] == "pass"
     assert verdicts["accuracy b1 tuned/untuned mean KL"] == "MISS"
     assert "1B b1 HF compile / tuned" in verdicts
+    assert "1B b1 HF vs engine same greedy token" in verdicts
+    assert "1B b128 HF vs engine same greedy token" not in verdicts
 
 
 def test_unknown_parts_and_missing_cuda_are_clear(tmp_path, capsys) -> None:

@@ -1,5 +1,6 @@
-"""``bench decode --compare-hf``'s model: transformers' own model class holding the engine's
-tensors gives the engine's logits (prefill and static-cache decode, float32 on the CPU)."""
+"""``bench decode --compare-hf``: transformers' own model class holding the engine's tensors
+gives the engine's logits (prefill and static-cache decode, float32 on the CPU) for every
+architecture; the eager and compiled timings, the logits check and the benchmark's notes."""
 
 from __future__ import annotations
 
@@ -7,19 +8,30 @@ import pytest
 import torch
 
 from graphtune.bench import hf_compare
+from graphtune.bench.decode_results import DecodeBenchConfig
 from graphtune.engine import DecodeStep, KVCache, prefill, random_model
-from graphtune.engine.config import get_preset
+from graphtune.engine.config import from_hf_config
+from graphtune.engine.presets import PRESETS, get_preset
+from graphtune.errors import ConfigError
 
 pytest.importorskip("transformers")
 
+ARCHITECTURES = ["tiny", "qwen2-tiny", "mistral-tiny", "qwen3-moe-tiny", "mixtral-tiny"]
 
-def _compare(preset: str, **changes) -> None:
-    config = get_preset(preset).replace(**changes) if changes else get_preset(preset)
+
+def _engine_storages(model) -> set[int]:
+    tensors = [model.embed, model.lm_head, model.final_norm]
+    tensors += [t for layer in model.layers for t in layer.tensors().values()]
+    return {t.untyped_storage().data_ptr() for t in tensors}
+
+
+def _compare(config) -> None:
     model = random_model(config, seed=3)
     hf = hf_compare.hf_model(model, attn_implementation="eager")
     # The same storage: nothing was copied or drawn again.
-    assert hf.model.embed_tokens.weight.data_ptr() == model.embed.data_ptr()
-    assert hf.model.layers[0].self_attn.q_proj.weight.data_ptr() == model.layers[0].wqkv.data_ptr()
+    ours = _engine_storages(model)
+    for name, param in hf.named_parameters():
+        assert param.untyped_storage().data_ptr() in ours, name
     assert (hf.lm_head.weight is hf.model.embed_tokens.weight) == config.tie_word_embeddings
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, config.vocab_size, (2, 9), generator=gen)
@@ -38,27 +50,87 @@ def _compare(preset: str, **changes) -> None:
 
 
 def test_llama_with_llama3_rope_and_tied_embeddings_matches_the_engine() -> None:
-    _compare(
-        "llama-1b-shape",
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        vocab_size=256,
-    )
+    small = dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4)
+    small.update(num_kv_heads=2, head_dim=16, vocab_size=256)
+    _compare(get_preset("llama-1b-shape").replace(**small))
 
 
-@pytest.mark.parametrize("preset", ["tiny", "qwen2-tiny", "mistral-tiny"])
-def test_tiny_presets_match_the_engine(preset: str) -> None:
-    _compare(preset)
+@pytest.mark.parametrize("preset", ARCHITECTURES)
+def test_every_architecture_matches_the_engine(preset: str) -> None:
+    _compare(get_preset(preset))
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_hf_config_fields_map_back_to_the_same_config(preset: str) -> None:
+    config = get_preset(preset)
+    assert from_hf_config(hf_compare.hf_config_fields(config), name=preset) == config
 
 
 def test_unavailable_reasons_are_one_line() -> None:
     model = random_model(get_preset("tiny"))
-    reason = hf_compare.hf_unavailable(model, torch.device("cpu"))
-    assert reason is not None and "needs CUDA" in reason and "\n" not in reason
+    assert hf_compare.hf_unavailable(model) is None
+    model.parallel = object()  # a tensor-parallel shard
+    reason = hf_compare.hf_unavailable(model)
+    assert reason is not None and "shard" in reason and "\n" not in reason
+    with pytest.raises(ConfigError, match="shard"):
+        hf_compare.hf_model(model)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "mixtral-tiny"])
+def test_time_hf_decode_times_both_steps_and_checks_the_logits(preset: str, monkeypatch) -> None:
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiled.append(kw) or fn)
+    model = random_model(get_preset(preset), seed=1)
+    hf = hf_compare.hf_model(model)
+    prompt = torch.randint(0, 256, (3, 8), generator=torch.Generator().manual_seed(2))
+    step = DecodeStep(model, KVCache(model.config, 4, 64), contiguous_slots=True)
+    with torch.inference_mode():
+        timing = hf_compare.time_hf_decode(hf, prompt, steps=2, repeats=1, check_step=step)
+    assert timing.ms > 0 and timing.eager_ms > 0 and timing.compile_s >= 0
+    assert "compiled in" in timing.note and timing.check_note is None
+    assert compiled == [dict(mode="reduce-overhead", fullgraph=True, dynamic=False)]
+    assert timing.max_cache_len >= 8 + 1 + 4 + 2 + hf_compare.EXTRA_CALLS
+    assert timing.argmax_agreement == 1.0 and timing.max_abs_diff < 1e-4, timing
+    with torch.inference_mode():
+        eager = hf_compare.time_hf_decode(hf, prompt, steps=1, repeats=1, compile=False)
+    assert eager.ms is None and eager.eager_ms > 0 and eager.argmax_agreement is None
+
+
+def test_a_sliding_window_the_context_fills_skips_the_check() -> None:
+    config = get_preset("mistral-tiny").replace(sliding_window=4)
+    model = random_model(config, seed=1)
+    hf = hf_compare.hf_model(model)
+    step = DecodeStep(model, KVCache(config, 2, 64), contiguous_slots=True)
+    prompt = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        timing = hf_compare.time_hf_decode(
+            hf, prompt, steps=1, repeats=1, compile=False, check_step=step
+        )
+    assert timing.eager_ms > 0 and timing.argmax_agreement is None
+    assert "fills the sliding window 4" in timing.check_note
+
+
+def test_time_hf_decode_compiles_with_graph_breaks_when_fullgraph_fails(monkeypatch) -> None:
+    def fake_compile(fn, *, fullgraph, **kw):
+        if not fullgraph:
+            return fn
+
+        def broken(**kwargs):
+            raise RuntimeError("graph break in mask creation")
+
+        return broken
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    hf = hf_compare.hf_model(random_model(get_preset("tiny"), seed=1))
+    prompt = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        timing = hf_compare.time_hf_decode(hf, prompt, steps=1, repeats=1)
+    assert timing.ms > 0 and "fullgraph=True failed (RuntimeError: graph break" in timing.note
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fake_compile(fn, fullgraph=True))
+    with torch.inference_mode():
+        failed = hf_compare.time_hf_decode(hf, prompt, steps=1, repeats=1)
+    assert failed.ms is None and failed.note.startswith("failed: RuntimeError")
+    assert failed.eager_ms > 0  # the eager anchor is still there
 
 
 class _FirstWins:
@@ -72,11 +144,10 @@ class _FirstWins:
         return Measurement.from_samples([1.0], calls_per_sample=1, timer=self.name)
 
 
-def test_bench_decode_notes_the_skipped_hf_recipe_and_times_the_unfused_step() -> None:
+def test_bench_decode_times_transformers_eagerly_without_cuda_and_the_unfused_step() -> None:
     from graphtune.autotuner import AutoTuner, TuningPolicy
     from graphtune.bench.decode import run_decode_bench
     from graphtune.bench.decode_report import format_report
-    from graphtune.bench.decode_results import DecodeBenchConfig
 
     cfg = DecodeBenchConfig(
         model="tiny",
@@ -93,11 +164,25 @@ def test_bench_decode_notes_the_skipped_hf_recipe_and_times_the_unfused_step() -
     tuner = AutoTuner(timer=_FirstWins(), policy=policy, show_progress=False)
     lines: list[str] = []
     report = run_decode_bench(cfg, log=lines.append, tuner=tuner)
-    assert any("--compare-hf skipped" in note and "CUDA" in note for note in report.notes)
-    assert all(r.tuned_unfused_ms > 0 and r.hf_ms is None for r in report.results)
+    assert any("compiled recipe skipped" in note and "CUDA" in note for note in report.notes)
+    for r in report.results:
+        assert r.tuned_unfused_ms > 0 and r.hf_ms is None and r.hf_eager_ms > 0
+        assert r.hf_argmax_agreement == 1.0 and r.speedup_over_hf > 0
     assert report.tuning_fallbacks == {}
     text = format_report(report)
-    assert "tuned unfused" in text and "side by side" in text and "--compare-hf skipped" in text
+    assert "tuned unfused" in text and "side by side" in text and "HF eager" in text
+    assert "greedy tokens agree on 100% / 100% of rows at batch 1/2" in text
+
+
+def test_bench_config_rules() -> None:
+    with pytest.raises(ConfigError, match="--compare-hf is not supported with --tp"):
+        DecodeBenchConfig(tp=2, compare_hf=True)
+    with pytest.raises(ConfigError, match="add --compare-hf"):
+        DecodeBenchConfig(hf_compile=False)
+    with pytest.raises(ConfigError, match="--context >= 1"):
+        DecodeBenchConfig(compare_hf=True, context=0)
+    with pytest.raises(ConfigError, match="layers must be >= 1"):
+        DecodeBenchConfig(layers=0)
 
 
 def test_family_table_lists_each_profiled_step() -> None:
@@ -111,41 +196,3 @@ def test_family_table_lists_each_profiled_step() -> None:
     assert "untuned" in table and "tuned" in table and "HF compile" not in table
     assert "10.0 (3)" in table and "9.0 (2)" in table and "12.0 (5)" in table
     assert family_table(BatchResult(1)) == ""
-
-
-def _tiny_hf():
-    model = random_model(get_preset("tiny"), seed=1)
-    prompt = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(2))
-    return hf_compare.hf_model(model), prompt
-
-
-def test_time_hf_decode_times_the_compiled_step(monkeypatch) -> None:
-    compiled = []
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiled.append(kw) or fn)
-    hf, prompt = _tiny_hf()
-    with torch.inference_mode():
-        timing = hf_compare.time_hf_decode(hf, prompt, steps=2, repeats=1)
-    assert timing.ms > 0 and timing.compile_s >= 0 and "compiled in" in timing.note
-    assert compiled == [dict(mode="reduce-overhead", fullgraph=True, dynamic=False)]
-    assert timing.max_cache_len >= 8 + 1 + 3 + 2 + hf_compare.EXTRA_CALLS
-
-
-def test_time_hf_decode_compiles_with_graph_breaks_when_fullgraph_fails(monkeypatch) -> None:
-    def fake_compile(fn, *, fullgraph, **kw):
-        if not fullgraph:
-            return fn
-
-        def broken(**kwargs):
-            raise RuntimeError("graph break in mask creation")
-
-        return broken
-
-    monkeypatch.setattr(torch, "compile", fake_compile)
-    hf, prompt = _tiny_hf()
-    with torch.inference_mode():
-        timing = hf_compare.time_hf_decode(hf, prompt, steps=1, repeats=1)
-    assert timing.ms > 0 and "fullgraph=True failed (RuntimeError: graph break" in timing.note
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fake_compile(fn, fullgraph=True))
-    with torch.inference_mode():
-        failed = hf_compare.time_hf_decode(hf, prompt, steps=1, repeats=1)
-    assert failed.ms is None and failed.note.startswith("failed: RuntimeError")

@@ -31,10 +31,12 @@ from graphtune.engine import (  # noqa: E402
     random_model,
     tune_step,
 )
-from graphtune.engine.config import PRESETS, ModelConfig  # noqa: E402
+from graphtune.engine.config import ModelConfig  # noqa: E402
 from graphtune.engine.model import apply_rope_signed, rms_norm, swiglu  # noqa: E402
+from graphtune.engine.presets import PRESETS  # noqa: E402
 from graphtune.errors import ConfigError  # noqa: E402
 from graphtune.graphs.policy import default_capture_sizes  # noqa: E402
+from graphtune.ops.moe import sparse_fused_moe, torch_route_top_k  # noqa: E402
 
 SMALL = dict(
     hidden_size=64,
@@ -48,11 +50,15 @@ SMALL = dict(
 
 
 def small_config(name: str) -> ModelConfig:
-    """The preset's architecture at a CPU-friendly size."""
+    """The preset's architecture at a CPU-friendly size (MoE presets: at most 16 experts of
+    width 32, the same top-k)."""
     config = get_preset(name)
     if config.hidden_size <= SMALL["hidden_size"]:
         return config
-    return config.replace(name=f"{name}-small", **SMALL)
+    experts = {}
+    if config.num_experts:
+        experts = dict(num_experts=min(16, config.num_experts), moe_intermediate_size=32)
+    return config.replace(name=f"{name}-small", **SMALL, **experts)
 
 
 def reference_step(
@@ -80,6 +86,9 @@ def reference_step(
     for index, layer in enumerate(model.layers):
         h = rms_norm(x, layer.attn_norm, eps)
         qkv = F.linear(h, layer.wqkv, layer.bqkv)
+        if layer.q_norm is not None:  # Qwen3: normalised query and key heads, then RoPE
+            qk = qkv.view(batch, -1, dim)[:, : heads + kv_heads]
+            torch.mul(F.rms_norm(qk, (dim,), eps=eps), step.qk_norms[index], out=qk)
         qk = apply_rope_signed(qkv[:, :qk_size].view(batch, heads + kv_heads, dim), cos, sin)
         step.k_flat[index].index_copy_(0, write_rows, qk[:, heads:].reshape(-1, dim))
         step.v_flat[index].index_copy_(0, write_rows, qkv[:, qk_size:].reshape(-1, dim))
@@ -91,6 +100,15 @@ def reference_step(
         )
         x.addmm_(attn.reshape(batch, heads * dim), layer.wo.t())
         h = rms_norm(x, layer.mlp_norm, eps)
+        if layer.is_moe:  # the router, then the loop over the selected experts
+            weights, ids = torch_route_top_k(
+                F.linear(h, layer.router),
+                cfg.num_experts_per_tok,
+                renormalize=cfg.norm_topk_prob,
+                weights_dtype=torch.float32 if cfg.router_weights_in_float32 else h.dtype,
+            )
+            x.add_(sparse_fused_moe(h, layer.experts_gate_up, layer.experts_down, weights, ids))
+            continue
         x.addmm_(swiglu(F.linear(h, layer.w_gate_up)), layer.w_down.t())
     return F.linear(rms_norm(x, model.final_norm, eps), model.lm_head)
 
@@ -158,7 +176,9 @@ def test_untuned_step_is_the_lean_torch_step(preset: str) -> None:
     # The same ops, one for one: RoPE of q and k in one pass with the rows gathered once per
     # step, the residual adds inside the output GEMMs (addmm_), F.rms_norm, index_copy_, SDPA.
     assert got == want
-    assert got["aten::addmm_"] == 2 * model.config.num_layers
+    cfg = model.config
+    dense = sum(not cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+    assert got["aten::addmm_"] == cfg.num_layers + dense
     assert got["aten::index_select"] == 2  # cos and sin, once per step
     with torch.inference_mode():
         torch.testing.assert_close(step(*args), reference_step(step, *args), rtol=0, atol=0)
@@ -196,7 +216,8 @@ def test_tuning_by_running_the_step_leaves_no_fallback_at_any_captured_size(pres
     assert report.profiles_tuned > 0 and not tuner.tuning_mode
     tuned_ops = {row[0] for row in report.rows}
     assert {"graphtune.gemm", "graphtune.rms_norm", "graphtune.rope_kv_cache"} <= tuned_ops
-    assert {"graphtune.silu_and_mul", "decode_attention"} <= tuned_ops
+    mlp = "graphtune.fused_moe" if engine.config.num_experts else "graphtune.silu_and_mul"
+    assert {mlp, "decode_attention"} <= tuned_ops
     misses = tuner.stats.misses
     with torch.inference_mode():
         for size in (*default_capture_sizes(engine.max_batch_size), 3, 5, 11):

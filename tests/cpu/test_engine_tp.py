@@ -18,7 +18,6 @@ import torch
 
 from graphtune.autotuner import AutoTuner
 from graphtune.engine import Engine, KVCache, SamplingParams, load_model, prefill
-from graphtune.engine.config import get_preset
 from graphtune.engine.parallel import (
     ParallelContext,
     TensorParallelDecodeStep,
@@ -26,6 +25,7 @@ from graphtune.engine.parallel import (
     shard_config,
     shard_model,
 )
+from graphtune.engine.presets import get_preset
 from graphtune.engine.step import DecodeStep
 from graphtune.errors import ConfigError
 from graphtune.graphs.policy import default_capture_sizes

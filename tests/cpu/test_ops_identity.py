@@ -53,6 +53,7 @@ def _runner_sets(tuner: AutoTuner | None) -> dict[str, tuple[TunableRunner, ...]
         "norm_linear": fused.norm_linear_runners(tuner=tuner, max_m=8),
         "norm_qkv_rope": fused.norm_qkv_rope_runners(4, 2, True, tuner=tuner, max_m=8),
         "fused_moe": moe.fused_moe_runners(),
+        "route_top_k": moe.route_top_k_runners(2, True, False),
         "skinny_gemm": (fused.TritonSkinnyGemmRunner(),),
     }
 
@@ -146,6 +147,10 @@ def _op_calls(tuner: AutoTuner) -> list:
         moe.fused_moe(
             x, randn(experts, 2 * inter, hidden), randn(experts, hidden, inter),
             torch.full((rows, top_k), 0.5), ids, tuner=tuner, max_m=4,
+        )  # fmt: skip
+        moe.route_top_k(
+            randn(rows, experts), top_k, renormalize=True, weights_dtype=torch.float32,
+            tuner=tuner, max_m=4,
         )  # fmt: skip
     return calls
 

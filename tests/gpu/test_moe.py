@@ -1,7 +1,8 @@
 """graphtune.ops.moe on the GPU at the issue's expert shapes (bf16): every tactic the runner lists
 for several buckets against a float32 loop over the selected experts, the sort step against a
 torch oracle at 4096 tokens, the torch fallback's two forms, capture and replay of routing +
-kernels in a real CUDA graph, and tuning with the graph timer.
+kernels in a real CUDA graph, tuning with the graph timer, and the Triton router against the torch
+router (also inside a CUDA graph).
 
 Skipped without CUDA (tests/gpu/conftest.py) and without Triton.
 """
@@ -17,6 +18,7 @@ from graphtune.autotuner import AutoTuner, autotune  # noqa: E402
 from graphtune.ops.moe import (  # noqa: E402
     TorchFusedMoeRunner,
     TritonFusedMoeRunner,
+    TritonRouteTopKRunner,
     balanced_routing,
     dense_fused_moe,
     fused_moe,
@@ -24,6 +26,7 @@ from graphtune.ops.moe import (  # noqa: E402
     route_top_k,
     sort_by_expert,
     sparse_fused_moe,
+    torch_route_top_k,
 )
 
 DEV = "cuda"
@@ -196,3 +199,41 @@ def test_balanced_routing_on_the_gpu_is_distinct_per_token(experts):
     torch.testing.assert_close(
         new_weights.float().sum(-1), torch.ones(64, device=DEV), rtol=2e-2, atol=2e-2
     )
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+@pytest.mark.parametrize("tokens", [1, 8, 64, 512, 4096])
+def test_triton_router_matches_the_torch_router(name, tokens):
+    experts, top_k = SHAPES[name][:2]
+    gen = torch.Generator(device=DEV).manual_seed(tokens)
+    logits = torch.randn(tokens, experts, device=DEV, generator=gen).to(BF16)
+    probs = torch.softmax(logits.double(), dim=-1)
+    for weights_float32 in (True, False):
+        dtype = torch.float32 if weights_float32 else BF16
+        runner = TritonRouteTopKRunner(top_k, True, weights_float32)
+        want_w, want_ids = torch_route_top_k(logits, top_k, renormalize=True, weights_dtype=dtype)
+        for tactic in runner.get_valid_tactics([logits], None):
+            got_w, got_ids = runner.forward([logits], tactic=tactic)
+            # bf16 logits tie now and then; torch.topk orders ties its own way.
+            assert torch.equal(probs.gather(1, got_ids), probs.gather(1, want_ids)), tactic
+            same = (got_ids == want_ids).all(-1)
+            tol = 1e-6 if weights_float32 else 8e-3
+            torch.testing.assert_close(
+                got_w[same].float(), want_w[same].float(), rtol=tol, atol=tol
+            )
+
+
+def test_triton_router_replays_in_a_cuda_graph():
+    experts, top_k = SHAPES["qwen3-30b-a3b"][:2]
+    runner = TritonRouteTopKRunner(top_k, True, False)
+    logits = torch.randn(64, experts, device=DEV).to(BF16)
+    tactic = runner.get_valid_tactics([logits], None)[0]
+    runner.forward([logits], tactic=tactic)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_w, static_ids = runner.forward([logits], tactic=tactic)
+    logits.copy_(torch.randn(64, experts, device=DEV).to(BF16))
+    graph.replay()
+    want_w, want_ids = runner.forward([logits], tactic=tactic)
+    assert torch.equal(static_ids, want_ids) and torch.equal(static_w, want_w)
+    graph.reset()

@@ -4,18 +4,20 @@ For each batch size it times the engine's decode step eagerly, through the engin
 (with its copy-in, padding and slicing: what a server pays), and optionally through
 ``torch.compile(mode="reduce-overhead")``; it reads the GPU-busy time of one step from CUPTI
 (:func:`graphtune.bench.cupti.gpu_busy`) and computes the bytes floor: weights plus the KV cache a
-step must read, over a measured device copy bandwidth.
+step must read, over a measured device copy bandwidth. For a mixture-of-experts model the weights
+counted are those the step really reads: per MoE layer only the experts the batch's tokens were
+routed to in that step (:mod:`graphtune.bench.moe_floor`).
 
 With ``tune=True`` the same run then builds the tuned step, tunes it by running it
 (:func:`graphtune.engine.tuning.tune_step`; a cache file is reused when given) and times it the
 same way: through a graph runner on CUDA (else eagerly), with its GPU-busy time, top kernels and
 its ratios to the untuned step and to the bytes floor (and, with ``compare_unfused``, the tuned
-step with its stages unfused). With ``compare_hf`` Hugging Face's static cache +
-``torch.compile`` recipe runs on the same weights (:mod:`graphtune.bench.decode_hf`). Every
-GPU-busy reading also groups the kernels by family (:mod:`graphtune.bench.kernel_families`).
-Steps and runners come from the engine's
-own factories (:func:`graphtune.engine.build.build_step`, :func:`~graphtune.engine.build.
-build_runner`), so the benchmark times what the engine serves.
+step with its stages unfused). With ``compare_hf`` transformers' implementation of the same
+model runs last on the same weight tensors, with a logits check: eagerly, and through the static
+cache + ``torch.compile`` recipe (:mod:`graphtune.bench.decode_hf`). Every GPU-busy reading also
+groups the kernels by family (:mod:`graphtune.bench.kernel_families`). Steps and runners come from
+the engine's own factories (:func:`graphtune.engine.build.build_step`,
+:func:`~graphtune.engine.build.build_runner`), so the benchmark times what the engine serves.
 """
 
 from __future__ import annotations
@@ -33,12 +35,14 @@ from graphtune import autotuner
 from graphtune.bench.cupti import gpu_busy
 from graphtune.bench.decode_hf import time_hf
 from graphtune.bench.decode_results import BatchResult, DecodeBenchConfig, DecodeBenchReport
+from graphtune.bench.moe_floor import expected_experts_hit, step_bytes
 from graphtune.bench.schema import provenance
 from graphtune.bench.timing import bytes_floor_ms, copy_bandwidth_gbps, sync, time_per_call_ms
 from graphtune.engine.build import build_runner, build_step
 from graphtune.engine.devices import resolve_device, resolve_dtype
 from graphtune.engine.kv_cache import KVCache, aligned_seq_len
 from graphtune.engine.loading import load_model
+from graphtune.engine.presets import fewer_layers
 from graphtune.engine.step import DecodeStep
 from graphtune.engine.tuning import tune_step
 from graphtune.errors import ConfigError
@@ -51,11 +55,14 @@ Inputs = list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 Busy = tuple[float | None, float | None, list[dict[str, Any]], dict[str, dict[str, Any]]]
+#: An eager step slower than this is profiled for one call instead of five: its trace is large
+#: (the untuned step of an MoE model loops over the hit experts, tens of thousands of kernels).
+SLOW_STEP_MS = 50.0
 
 
-def _busy(fn: Callable[[], object]) -> Busy:
+def _busy(fn: Callable[[], object], eager_ms: float | None = None) -> Busy:
     """GPU-busy ms, activities, top kernels and kernel families of one call of ``fn``."""
-    busy = gpu_busy(fn)
+    busy = gpu_busy(fn, calls=1 if eager_ms is not None and eager_ms > SLOW_STEP_MS else 5)
     if busy is None:
         return None, None, [], {}
     return busy.per_call_ms, busy.activities_per_call, busy.top, busy.families
@@ -101,8 +108,12 @@ def run_decode_bench(
         raise ConfigError(
             f"DecodeBenchConfig.tp={cfg.tp} but the parallel context has world_size={world}"
         )
+    spec: Any = cfg.model
+    if cfg.layers is not None:
+        spec = fewer_layers(cfg.model, cfg.layers)
+        notes.append(f"quick run: {spec.name} (not the whole model)")
     model = load_model(
-        cfg.model,
+        spec,
         device=device,
         dtype=dtype,
         seed=cfg.seed,
@@ -176,9 +187,16 @@ def run_decode_bench(
                 result.kernels_per_step,
                 result.top_kernels,
                 result.kernel_families,
-            ) = _busy(lambda a=args: step(*a))
+            ) = _busy(lambda a=args: step(*a), result.eager_ms)
+        read = step_bytes(step, *args)  # an MoE step reads only the experts it routes to
+        result.weight_bytes_read = read.total
+        if read.experts_hit:
+            result.experts_hit = list(read.experts_hit)
+            result.experts_hit_uniform = expected_experts_hit(
+                mcfg.num_experts, mcfg.num_experts_per_tok, b
+            )
         if bandwidth:
-            needed = model.weight_bytes() + b * (cfg.context + 1) * cache.bytes_per_token()
+            needed = read.total + b * (cfg.context + 1) * cache.bytes_per_token()
             result.floor_ms = bytes_floor_ms(needed, bandwidth)
 
     if "graph" in runners:
@@ -188,7 +206,7 @@ def run_decode_bench(
         _time_compiled(step, inputs, cfg, device, results)
     if cfg.tune:
         _time_tuned(step, inputs, results, sizes, device, cfg, runners, report, log, tuner)
-    if cfg.compare_hf:
+    if cfg.compare_hf:  # last: its logits check overwrites cache slots of the untuned step
         time_hf(step, results, cfg, report, log)
 
     for result in results:
@@ -199,6 +217,10 @@ def run_decode_bench(
             result.graph_over_busy = result.graph_ms / result.busy_ms
         if best:
             result.tokens_per_s = result.batch_size / (best * 1e-3)
+        ours = result.tuned_graph_ms or result.tuned_eager_ms or best
+        hf = min((t for t in (result.hf_ms, result.hf_eager_ms) if t), default=None)
+        if hf and ours:
+            result.speedup_over_hf = hf / ours
     return report
 
 

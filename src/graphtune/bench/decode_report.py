@@ -16,7 +16,7 @@ def format_report(report: DecodeBenchReport) -> str:
     tuned_cols = report.tuning_seconds is not None
     tuned_graph = any(r.tuned_graph_ms is not None for r in report.results)
     unfused_cols = any(r.tuned_unfused_ms is not None for r in report.results)
-    hf_cols = any(r.hf_ms is not None or r.hf_note for r in report.results)
+    hf_cols = any(r.hf_ms is not None or r.hf_eager_ms is not None for r in report.results)
     columns = [
         "batch",
         "eager ms",
@@ -119,26 +119,26 @@ def format_report(report: DecodeBenchReport) -> str:
         families = family_table(first)
         if families:
             lines.append(families)
-    check = report.hf_logits_check
-    if check:
-        lines.append(
-            f"Hugging Face vs engine prefill logits ({check['positions']} positions, batch 1): "
-            f"max abs diff {check['max_abs_diff']:.3g} (largest logit "
-            f"{check['max_abs_logit']:.3g}), top-1 {'agrees' if check['top1_agree'] else 'differs'}"
-        )
     for r in report.results:
         if r.compile_note:
             lines.append(f"torch.compile batch {r.batch_size}: {r.compile_note}")
         if r.hf_note:
-            lines.append(f"Hugging Face batch {r.batch_size}: {r.hf_note}")
+            lines.append(f"transformers compiled batch {r.batch_size}: {r.hf_note}")
+    check = hf_check_line(report)
+    if check:
+        lines.append(check)
+    weights = weights_table(report)
+    if weights:
+        lines.append(weights)
     lines.extend(report.notes)
     return "\n".join(lines)
 
 
 def comparison_table(report: DecodeBenchReport) -> str:
     """The steps side by side per batch size (ms per step; graph runners on CUDA): untuned,
-    tuned, tuned with its stages unfused, Hugging Face compiled, the bytes floor, and kernels per
-    step (device activities of one eager call: untuned / tuned / Hugging Face)."""
+    tuned, tuned with its stages unfused, transformers compiled and eager (and the faster of the
+    two over the engine's fastest step), the bytes floor, and kernels per step (device activities
+    of one call: untuned / tuned / transformers compiled)."""
     rows = []
     for r in report.results:
         kernels = [r.kernels_per_step, r.tuned_kernels_per_step, r.hf_kernels_per_step]
@@ -149,13 +149,15 @@ def comparison_table(report: DecodeBenchReport) -> str:
                 r.tuned_graph_ms or r.tuned_eager_ms,
                 r.tuned_unfused_ms,
                 r.hf_ms,
+                r.hf_eager_ms,
+                r.speedup_over_hf,
                 r.floor_ms,
                 r.tuned_over_floor,
                 " / ".join("-" if k is None else f"{k:.0f}" for k in kernels),
             ]
         )
-    columns = ["batch", "untuned", "tuned", "tuned unfused", "HF compile", "floor"]
-    columns += ["tuned/floor", "kernels u/t/HF"]
+    columns = ["batch", "untuned", "tuned", "tuned unfused", "HF compile", "HF eager", "HF/ours"]
+    columns += ["floor", "tuned/floor", "kernels u/t/HF"]
     return render_table("ms per step, side by side", columns, rows)
 
 
@@ -191,6 +193,37 @@ def _cell(entry: dict[str, Any] | None) -> str:
     return "-" if entry is None else f"{entry['us']:.1f} ({entry['calls']:.0f})"
 
 
+def hf_check_line(report: DecodeBenchReport) -> str | None:
+    """The logits check of ``--compare-hf`` in one line, when it ran."""
+    checked = [r for r in report.results if r.hf_argmax_agreement is not None]
+    if not checked:
+        return None
+    agree = " / ".join(f"{100 * r.hf_argmax_agreement:.0f}%" for r in checked)
+    sizes = "/".join(str(r.batch_size) for r in checked)
+    diff = max(r.hf_max_abs_diff or 0.0 for r in checked)
+    return (
+        "transformers vs engine, one decode step on transformers' cache: greedy tokens agree on "
+        f"{agree} of rows at batch {sizes}, max |logit diff| {diff:.3g}"
+    )
+
+
+def weights_table(report: DecodeBenchReport) -> str | None:
+    """The weights a mixture-of-experts step reads (the routing behind the floor), when any."""
+    if not any(r.experts_hit for r in report.results):
+        return None
+    columns = ["batch", "experts hit / layer", "uniform routing", "weights read GB", "floor ms"]
+    rows = []
+    for r in report.results:
+        hits = r.experts_hit or []
+        read = r.weight_bytes_read / 1e9 if r.weight_bytes_read is not None else None
+        mean = sum(hits) / len(hits) if hits else None
+        rows.append([r.batch_size, mean, r.experts_hit_uniform, read, r.floor_ms])
+    return render_table("weights a step reads", columns, rows) + (
+        "\nexperts hit: distinct experts per MoE layer in the routing of the timed step "
+        "(mean over layers); uniform routing: E * (1 - (1 - k/E)^batch)"
+    )
+
+
 def plot_report(report: DecodeBenchReport, path: str) -> None:
     """Saves ms/step vs batch size per runner, with the GPU-busy line and the bytes floor.
 
@@ -215,6 +248,7 @@ def plot_report(report: DecodeBenchReport, path: str) -> None:
         ("tuned graph runner", "tuned_graph_ms", "D-"),
         ("tuned, stages unfused", "tuned_unfused_ms", "v-"),
         ("HF static cache + torch.compile", "hf_ms", "x-"),
+        ("transformers eager", "hf_eager_ms", "+-"),
         ("GPU-busy (profiler)", "busy_ms", "k--"),
         ("bytes floor", "floor_ms", "k:"),
     ]

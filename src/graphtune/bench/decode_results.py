@@ -31,13 +31,19 @@ class DecodeBenchConfig:
             context; every rank runs the same benchmark and times its own shard). With ``tune``
             the ranks tune with the ``agree`` strategy and the report says whether every rank
             holds the same picks.
-        compare_hf: Also time Hugging Face transformers' static cache + ``torch.compile(mode=
-            "reduce-overhead")`` recipe on the same shape and weights
-            (:mod:`graphtune.bench.decode_hf`); skipped with a note without CUDA or
-            transformers.
+        compare_hf: Also run transformers' implementation of the model on the same weight
+            tensors (:mod:`graphtune.bench.decode_hf`): its eager step at every batch size, with
+            a logits check against the engine's untuned step on transformers' cache, and the
+            static cache + ``torch.compile(mode="reduce-overhead")`` recipe where
+            ``hf_compile`` says; skipped with a note without transformers.
+        hf_compile: With ``compare_hf``, whether to time the compiled recipe too (CUDA only):
+            ``None`` (default) compiles dense models and times mixture-of-experts models
+            eagerly only; ``True`` / ``False`` force it.
         compare_unfused: With ``tune``, also time the tuned step with its stages unfused
             (``DecodeStep(fused=False)``: the step as tuned before the fused ops), timed like
             the tuned step.
+        layers: Run a preset with only its first ``layers`` layers (quick runs; the model name
+            and a note say so).
     """
 
     model: str = "llama-1b-shape"
@@ -56,6 +62,8 @@ class DecodeBenchConfig:
     tp: int = 1
     compare_hf: bool = False
     compare_unfused: bool = False
+    hf_compile: bool | None = None
+    layers: int | None = None
 
     def __post_init__(self) -> None:
         if self.tp < 1:
@@ -69,6 +77,14 @@ class DecodeBenchConfig:
                     f"{flag} is not supported with --tp > 1; drop it to time the "
                     "tensor-parallel step"
                 )
+        if self.hf_compile is not None and not self.compare_hf:
+            raise ConfigError(
+                "--hf-compile / --no-hf-compile choose how transformers runs; add --compare-hf"
+            )
+        if self.compare_hf and self.context < 1:
+            raise ConfigError("--compare-hf prefills transformers' cache: use --context >= 1")
+        if self.layers is not None and self.layers < 1:
+            raise ConfigError(f"layers must be >= 1 (or None for all), got {self.layers}")
         if not self.batch_sizes or min(self.batch_sizes) <= 0:
             raise ConfigError(f"batch sizes must be positive, got {self.batch_sizes}")
         if self.context < 0 or self.steps <= 0 or self.repeats <= 0:
@@ -110,12 +126,24 @@ class BatchResult:
     # With ``compare_unfused``: the tuned step with its stages unfused, timed as the tuned step.
     tuned_unfused_ms: float | None = None
     tuned_unfused_kernels_per_step: float | None = None
-    # With ``compare_hf``: Hugging Face's static cache + torch.compile(mode="reduce-overhead").
+    # The weights one step reads (the floor's weight part); for an MoE model the distinct
+    # experts its routing selected per MoE layer, and their expectation under uniform routing.
+    weight_bytes_read: int | None = None
+    experts_hit: list[int] | None = None
+    experts_hit_uniform: float | None = None
+    # With ``compare_hf``: transformers on the same weights. ``hf_ms`` is the static cache +
+    # torch.compile(mode="reduce-overhead") recipe, ``hf_eager_ms`` its eager forward; the check
+    # is one decode step of both on transformers' cache; ``speedup_over_hf`` is the faster
+    # transformers step over the engine's fastest.
     hf_ms: float | None = None
+    hf_eager_ms: float | None = None
     hf_note: str | None = None
     hf_busy_ms: float | None = None
     hf_kernels_per_step: float | None = None
     hf_kernel_families: dict[str, dict[str, Any]] = field(default_factory=dict)
+    hf_max_abs_diff: float | None = None
+    hf_argmax_agreement: float | None = None
+    speedup_over_hf: float | None = None
 
 
 @dataclass
@@ -140,7 +168,6 @@ class DecodeBenchReport:
     tuning_picks: list[list[Any]] | None = None
     tuning_rank_agreement: float | None = None
     tuned_capture_seconds: float | None = None
-    hf_logits_check: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-serialisable dict."""

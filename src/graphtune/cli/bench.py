@@ -74,8 +74,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     decode.add_argument(
         "--compare-hf",
         action="store_true",
-        help="also time Hugging Face transformers' static cache + torch.compile("
-        "mode='reduce-overhead') on the same shape and weights (CUDA and transformers needed)",
+        help="also run transformers' implementation of the model on the same weight tensors: "
+        "its eager step and (see --hf-compile) its static cache + torch.compile recipe, with a "
+        "logits check against the engine (transformers needed)",
     )
     decode.add_argument(
         "--tune",
@@ -103,6 +104,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="with --tune: also time the tuned step with its stages unfused (the step as tuned "
         "before the fused kernels)",
+    )
+    decode.add_argument(
+        "--hf-compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="with --compare-hf: also time transformers' static cache + torch.compile("
+        "mode='reduce-overhead') recipe (CUDA only); default: on for dense models, off for "
+        "mixture-of-experts models (their eager step is the anchor)",
+    )
+    decode.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="quick runs: only the first N layers of a preset (labelled as such)",
     )
     decode.add_argument("--plot", type=Path, default=None, metavar="FILE.png")
     decode.add_argument("--json", type=Path, default=None, metavar="FILE")
@@ -169,6 +185,8 @@ def run_bench_decode(args: argparse.Namespace) -> int:
             tp=args.tp,
             compare_hf=args.compare_hf,
             compare_unfused=args.compare_unfused,
+            hf_compile=args.hf_compile,
+            layers=args.layers,
         )
         report = run_decode_bench(
             cfg,

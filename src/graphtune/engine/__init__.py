@@ -9,13 +9,14 @@ tensor-parallel decode over a ``torch.distributed`` group. The step has one forw
 """
 
 from graphtune.engine.build import build_runner, build_step
-from graphtune.engine.config import PRESETS, ModelConfig, RopeScaling, from_hf_config, get_preset
+from graphtune.engine.config import ModelConfig, RopeScaling, from_hf_config
 from graphtune.engine.devices import resolve_device, resolve_dtype
 from graphtune.engine.engine import Engine, RequestFailure
 from graphtune.engine.kv_cache import KVCache
 from graphtune.engine.loading import load_checkpoint, load_config, load_model
 from graphtune.engine.model import DecoderModel, LayerWeights, random_model
 from graphtune.engine.parallel import ParallelContext, TensorParallelDecodeStep, shard_model
+from graphtune.engine.presets import PRESETS, fewer_layers, get_preset
 from graphtune.engine.sampling import GREEDY, SamplingParams, sample
 from graphtune.engine.step import DecodeStep, prefill, step_pad_rule
 from graphtune.engine.tuning import TuneReport, record_step_calls, tune_step
@@ -37,6 +38,7 @@ __all__ = [
     "TuneReport",
     "build_runner",
     "build_step",
+    "fewer_layers",
     "from_hf_config",
     "get_preset",
     "load_checkpoint",

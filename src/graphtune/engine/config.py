@@ -1,7 +1,10 @@
-"""Model configuration for the reference decode engine: a frozen dataclass, presets, HF mapping.
+"""Model configuration for the reference decode engine: a frozen dataclass and the HF mapping.
 
 Only the Llama family is supported (Llama 2/3 with Llama-3 RoPE scaling, Qwen2 with QKV bias,
-Mistral with an optional sliding window): they share one decoder layout and differ in a few fields.
+Mistral with an optional sliding window), and its mixture-of-experts relatives Qwen3-MoE (q/k
+RMSNorm, experts in every layer) and Mixtral: they share one decoder layout and differ in a few
+fields (their fields: :mod:`graphtune.engine.moe_config`). Named shapes are in
+:mod:`graphtune.engine.presets`.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from graphtune.engine.moe_config import MOE_ARCHITECTURES, check_moe_fields, moe_fields_from_hf
 from graphtune.errors import CheckpointError, ConfigError
 
 logger = logging.getLogger(__name__)
@@ -20,6 +24,8 @@ ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "MistralForCausalLM": "mistral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
 
 
@@ -59,10 +65,10 @@ class ModelConfig:
 
     Attributes:
         name: Label used in logs and benchmark output.
-        architecture: ``"llama"``, ``"qwen2"`` or ``"mistral"``.
+        architecture: ``"llama"``, ``"qwen2"``, ``"mistral"``, ``"qwen3_moe"`` or ``"mixtral"``.
         vocab_size: Rows of the embedding and the LM head.
         hidden_size: Model width.
-        intermediate_size: SwiGLU inner width.
+        intermediate_size: SwiGLU inner width of the dense MLPs.
         num_layers: Decoder layers.
         num_heads: Query heads.
         num_kv_heads: Key/value heads (grouped-query attention when fewer than ``num_heads``).
@@ -77,6 +83,16 @@ class ModelConfig:
             for full attention.
         bos_token_id: Prepended by the tokenizer path when set.
         eos_token_ids: Generation stops at any of these.
+        qk_norm: RMSNorm over the head dimension of every query and key head before RoPE
+            (Qwen3), with one ``[head_dim]`` weight for the queries and one for the keys.
+        num_experts: Experts of a mixture-of-experts MLP; 0 for a dense model.
+        num_experts_per_tok: Experts each token is routed to (top-k).
+        moe_intermediate_size: Width of one expert's SwiGLU.
+        norm_topk_prob: Divide the top-k routing probabilities by their sum (Qwen3-MoE's flag;
+            Mixtral always does).
+        mlp_only_layers: Layers with a dense MLP in a mixture-of-experts model (Qwen3-MoE).
+        decoder_sparse_step: Every ``decoder_sparse_step``-th layer is a mixture of experts
+            (Qwen3-MoE); see :meth:`is_moe_layer`.
     """
 
     name: str
@@ -97,6 +113,13 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    qk_norm: bool = False
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    mlp_only_layers: tuple[int, ...] = ()
+    decoder_sparse_step: int = 1
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES.values():
@@ -129,6 +152,22 @@ class ModelConfig:
             raise ConfigError("sliding_window must be > 0 or None")
         if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
             raise ConfigError("rms_norm_eps and rope_theta must be > 0")
+        check_moe_fields(self)
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether layer ``index`` has a mixture-of-experts MLP (transformers' Qwen3-MoE rule:
+        not in ``mlp_only_layers`` and ``(index + 1) % decoder_sparse_step == 0``)."""
+        return (
+            self.num_experts > 0
+            and index not in self.mlp_only_layers
+            and (index + 1) % self.decoder_sparse_step == 0
+        )
+
+    @property
+    def router_weights_in_float32(self) -> bool:
+        """Whether routing weights stay float32 (Mixtral) or are cast to the activations'
+        dtype (Qwen3-MoE), as transformers' routers do."""
+        return self.architecture == "mixtral"
 
     @property
     def dim_per_head(self) -> int:
@@ -146,137 +185,24 @@ class ModelConfig:
         return self.num_kv_heads * self.dim_per_head
 
     def num_parameters(self) -> int:
-        """Parameter count (tied embeddings counted once)."""
+        """Parameter count (tied embeddings counted once; every expert counted)."""
         d, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         attn = d * (self.q_size + 2 * self.kv_size) + self.q_size * d
         if self.attention_bias:
             attn += self.q_size + 2 * self.kv_size
-        layer = attn + 3 * d * i + 2 * d
+        if self.qk_norm:
+            attn += 2 * self.dim_per_head
+        moe = self.num_experts * (d + 3 * d * self.moe_intermediate_size)
+        layers = sum(
+            attn + 2 * d + (moe if self.is_moe_layer(index) else 3 * d * i)
+            for index in range(self.num_layers)
+        )
         head = 0 if self.tie_word_embeddings else v * d
-        return self.num_layers * layer + v * d + head + d
+        return layers + v * d + head + d
 
     def replace(self, **changes: Any) -> ModelConfig:
         """Returns a copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
-
-
-_LLAMA3_SCALING = RopeScaling("llama3", 32.0, 1.0, 4.0, 8192)
-
-PRESETS: dict[str, ModelConfig] = {
-    "tiny": ModelConfig(
-        name="tiny",
-        architecture="llama",
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        max_position_embeddings=2048,
-        bos_token_id=1,
-        eos_token_ids=(2,),
-    ),
-    "qwen2-tiny": ModelConfig(
-        name="qwen2-tiny",
-        architecture="qwen2",
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        rms_norm_eps=1e-6,
-        rope_theta=1000000.0,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        attention_bias=True,
-        eos_token_ids=(2,),
-    ),
-    "mistral-tiny": ModelConfig(
-        name="mistral-tiny",
-        architecture="mistral",
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=1,
-        rms_norm_eps=1e-5,
-        rope_theta=1000000.0,
-        max_position_embeddings=2048,
-        sliding_window=32,
-        bos_token_id=1,
-        eos_token_ids=(2,),
-    ),
-    # The shape of Llama-3.2-1B: 16 layers, GQA 32/8, tied embeddings, Llama-3 RoPE scaling.
-    "llama-1b-shape": ModelConfig(
-        name="llama-1b-shape",
-        architecture="llama",
-        vocab_size=128256,
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_layers=16,
-        num_heads=32,
-        num_kv_heads=8,
-        head_dim=64,
-        rms_norm_eps=1e-5,
-        rope_theta=500000.0,
-        rope_scaling=_LLAMA3_SCALING,
-        max_position_embeddings=131072,
-        tie_word_embeddings=True,
-        bos_token_id=128000,
-        eos_token_ids=(128001, 128008, 128009),
-    ),
-    # The shape of Meta-Llama-3-8B: 32 layers, GQA 32/8, untied 128256-token head.
-    "llama-3-8b-shape": ModelConfig(
-        name="llama-3-8b-shape",
-        architecture="llama",
-        vocab_size=128256,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_layers=32,
-        num_heads=32,
-        num_kv_heads=8,
-        rms_norm_eps=1e-5,
-        rope_theta=500000.0,
-        max_position_embeddings=8192,
-        bos_token_id=128000,
-        eos_token_ids=(128001,),
-    ),
-    # The shape of Qwen2.5-7B: 28 layers, GQA 28/4, head_dim 128, QKV bias, 152064-token head.
-    "qwen2.5-7b-shape": ModelConfig(
-        name="qwen2.5-7b-shape",
-        architecture="qwen2",
-        vocab_size=152064,
-        hidden_size=3584,
-        intermediate_size=18944,
-        num_layers=28,
-        num_heads=28,
-        num_kv_heads=4,
-        rms_norm_eps=1e-6,
-        rope_theta=1000000.0,
-        max_position_embeddings=32768,
-        attention_bias=True,
-        eos_token_ids=(151643,),
-    ),
-}
-
-
-def get_preset(name: str) -> ModelConfig:
-    """Returns the named preset.
-
-    Raises:
-        ConfigError: ``name`` is not a preset (the message lists them).
-    """
-    try:
-        return PRESETS[name]
-    except KeyError:
-        raise ConfigError(
-            f"unknown model preset {name!r}; presets are {sorted(PRESETS)} "
-            "(or pass a folder with config.json and *.safetensors)"
-        ) from None
 
 
 def _rope_from_hf(cfg: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
@@ -317,7 +243,10 @@ def from_hf_config(cfg: Mapping[str, Any], name: str = "checkpoint") -> ModelCon
         The equivalent config.
 
     Raises:
-        CheckpointError: The architecture is not Llama, Qwen2 or Mistral, or a field is missing.
+        CheckpointError: The architecture is not Llama, Qwen2, Mistral, Qwen3-MoE or Mixtral, or a
+            field is missing.
+        ConfigError: A Qwen3-MoE or Mixtral field is unknown or has a value the engine does not
+            implement (:mod:`graphtune.engine.moe_config`).
     """
     archs = list(cfg.get("architectures") or [])
     arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
@@ -338,8 +267,9 @@ def from_hf_config(cfg: Mapping[str, Any], name: str = "checkpoint") -> ModelCon
         raise CheckpointError(
             "Qwen2 with use_sliding_window=true (per-layer windows) is unsupported"
         )
-    if arch == "llama":
-        sliding = None
+    if arch in ("llama", "qwen3_moe"):
+        sliding = None  # Qwen3-MoE's window is off unless use_sliding_window (refused).
+    moe = moe_fields_from_hf(cfg, arch) if arch in MOE_ARCHITECTURES else {}
     if arch != "qwen2" and cfg.get("attention_bias", False):
         raise CheckpointError(
             f"{arch} with attention_bias=true (biases on q/k/v/o) is not supported by the engine"
@@ -370,6 +300,7 @@ def from_hf_config(cfg: Mapping[str, Any], name: str = "checkpoint") -> ModelCon
             sliding_window=int(sliding) if sliding else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            **moe,
         )
     except KeyError as exc:
         raise CheckpointError(f"config.json is missing the field {exc}") from None

@@ -15,8 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from graphtune.engine.config import PRESETS, ModelConfig, from_hf_config, get_preset
+from graphtune.engine.config import ModelConfig, from_hf_config
 from graphtune.engine.model import DecoderModel, LayerWeights, random_model
+from graphtune.engine.moe_loading import load_moe_layer
+from graphtune.engine.presets import PRESETS, get_preset
 from graphtune.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -102,7 +104,7 @@ def load_checkpoint(
     dtype: torch.dtype | None = None,
     parallel: ParallelContext | None = None,
 ) -> DecoderModel:
-    """Loads a Hugging Face Llama / Qwen2 / Mistral checkpoint folder.
+    """Loads a Hugging Face Llama / Qwen2 / Mistral / Qwen3-MoE / Mixtral checkpoint folder.
 
     Args:
         folder: Directory with ``config.json`` and safetensors weights (sharded or not).
@@ -156,22 +158,31 @@ def load_checkpoint(
                     get(attn + "v_proj.bias", (config.kv_size,), rows),
                 ]
             )
-        layers.append(
-            LayerWeights(
-                attn_norm=get(p + "input_layernorm.weight", (d,)),
-                wqkv=wqkv,
-                bqkv=bqkv,
-                wo=get(attn + "o_proj.weight", (d, config.q_size), cols),
-                mlp_norm=get(p + "post_attention_layernorm.weight", (d,)),
-                w_gate_up=torch.cat(
-                    [
-                        get(p + "mlp.gate_proj.weight", (inter, d), rows),
-                        get(p + "mlp.up_proj.weight", (inter, d), rows),
-                    ]
-                ),
-                w_down=get(p + "mlp.down_proj.weight", (d, inter), cols),
-            )
+        moe = config.is_moe_layer(i)
+        layer = LayerWeights(
+            attn_norm=get(p + "input_layernorm.weight", (d,)),
+            wqkv=wqkv,
+            bqkv=bqkv,
+            wo=get(attn + "o_proj.weight", (d, config.q_size), cols),
+            mlp_norm=get(p + "post_attention_layernorm.weight", (d,)),
+            w_gate_up=None
+            if moe
+            else torch.cat(
+                [
+                    get(p + "mlp.gate_proj.weight", (inter, d), rows),
+                    get(p + "mlp.up_proj.weight", (inter, d), rows),
+                ]
+            ),
+            w_down=None if moe else get(p + "mlp.down_proj.weight", (d, inter), cols),
         )
+        if config.qk_norm:
+            layer.q_norm = get(attn + "q_norm.weight", (config.dim_per_head,))
+            layer.k_norm = get(attn + "k_norm.weight", (config.dim_per_head,))
+        if moe:
+            layer.router, layer.experts_gate_up, layer.experts_down = load_moe_layer(
+                get, source.has, p, config
+            )
+        layers.append(layer)
     embed = get("model.embed_tokens.weight", (config.vocab_size, d))
     if config.tie_word_embeddings:
         lm_head = embed

@@ -32,8 +32,16 @@ class LayerWeights:
         bqkv: Matching bias (Qwen2) or ``None``.
         wo: ``[hidden, q_size]`` attention output projection.
         mlp_norm: ``[hidden]`` RMSNorm weight before the MLP.
-        w_gate_up: ``[2 * intermediate, hidden]`` fused gate and up projections (gate first).
-        w_down: ``[hidden, intermediate]`` down projection.
+        w_gate_up: ``[2 * intermediate, hidden]`` fused gate and up projections (gate first);
+            ``None`` in a mixture-of-experts layer.
+        w_down: ``[hidden, intermediate]`` down projection; ``None`` in a mixture-of-experts layer.
+        q_norm: ``[head_dim]`` RMSNorm weight of every query head (Qwen3), else ``None``.
+        k_norm: ``[head_dim]`` RMSNorm weight of every key head (Qwen3), else ``None``.
+        router: ``[experts, hidden]`` router of a mixture-of-experts layer, else ``None``.
+        experts_gate_up: ``[experts, 2 * moe_intermediate, hidden]``, each expert's gate rows then
+            its up rows (the layout of ``graphtune.ops.fused_moe`` and transformers'
+            ``gate_up_proj``), else ``None``.
+        experts_down: ``[experts, hidden, moe_intermediate]``, else ``None``.
     """
 
     attn_norm: torch.Tensor
@@ -41,11 +49,21 @@ class LayerWeights:
     bqkv: torch.Tensor | None
     wo: torch.Tensor
     mlp_norm: torch.Tensor
-    w_gate_up: torch.Tensor
-    w_down: torch.Tensor
+    w_gate_up: torch.Tensor | None
+    w_down: torch.Tensor | None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    router: torch.Tensor | None = None
+    experts_gate_up: torch.Tensor | None = None
+    experts_down: torch.Tensor | None = None
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether the MLP is a mixture of experts."""
+        return self.router is not None
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """Every tensor of the layer by attribute name (``bqkv`` omitted when absent)."""
+        """Every tensor of the layer by attribute name (absent ones, ``None``, omitted)."""
         out = {k: v for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
         return out
 
@@ -107,7 +125,9 @@ class DecoderModel:
         return self
 
     def weight_bytes(self) -> int:
-        """Bytes of weights one decode step reads (untied embedding rows are negligible)."""
+        """Bytes of all weights (untied embedding rows are negligible): what a dense decode step
+        reads; a mixture-of-experts step reads only the experts its tokens select
+        (:func:`graphtune.engine.moe.step_weight_bytes`)."""
         total = self.lm_head.numel() * self.lm_head.element_size()
         total += self.final_norm.numel() * self.final_norm.element_size()
         for layer in self.layers:
@@ -212,9 +232,9 @@ def random_model(
 ) -> DecoderModel:
     """Random weights for ``config``: scaled normal (never zeros), reproducible from ``seed``.
 
-    Linear weights are ``N(0, 1/fan_in)`` so activations keep unit scale through the layers; norm
-    weights are ``1 + N(0, 0.1)``; biases ``N(0, 0.02)``. Numbers are drawn in float32 on
-    ``device`` (fast for 1B-parameter shapes on a GPU) and then cast.
+    Linear weights (routers and experts too) are ``N(0, 1/fan_in)`` so activations keep unit
+    scale through the layers; norm weights are ``1 + N(0, 0.1)``; biases ``N(0, 0.02)``. Numbers
+    are drawn in float32 on ``device`` (fast for 1B-parameter shapes on a GPU) and then cast.
 
     Args:
         config: Model shape.
@@ -235,19 +255,27 @@ def random_model(
 
     d, inter = config.hidden_size, config.intermediate_size
     qkv_out = config.q_size + 2 * config.kv_size
+    experts, expert_inter = config.num_experts, config.moe_intermediate_size
     layers = []
-    for _ in range(config.num_layers):
-        layers.append(
-            LayerWeights(
-                attn_norm=normal((d,), 0.1, 1.0),
-                wqkv=normal((qkv_out, d), d**-0.5),
-                bqkv=normal((qkv_out,), 0.02) if config.attention_bias else None,
-                wo=normal((d, config.q_size), config.q_size**-0.5),
-                mlp_norm=normal((d,), 0.1, 1.0),
-                w_gate_up=normal((2 * inter, d), d**-0.5),
-                w_down=normal((d, inter), inter**-0.5),
-            )
+    for index in range(config.num_layers):
+        moe = config.is_moe_layer(index)
+        layer = LayerWeights(
+            attn_norm=normal((d,), 0.1, 1.0),
+            wqkv=normal((qkv_out, d), d**-0.5),
+            bqkv=normal((qkv_out,), 0.02) if config.attention_bias else None,
+            wo=normal((d, config.q_size), config.q_size**-0.5),
+            mlp_norm=normal((d,), 0.1, 1.0),
+            w_gate_up=None if moe else normal((2 * inter, d), d**-0.5),
+            w_down=None if moe else normal((d, inter), inter**-0.5),
         )
+        if config.qk_norm:
+            layer.q_norm = normal((config.dim_per_head,), 0.1, 1.0)
+            layer.k_norm = normal((config.dim_per_head,), 0.1, 1.0)
+        if moe:
+            layer.router = normal((experts, d), d**-0.5)
+            layer.experts_gate_up = normal((experts, 2 * expert_inter, d), d**-0.5)
+            layer.experts_down = normal((experts, d, expert_inter), expert_inter**-0.5)
+        layers.append(layer)
     embed = normal((config.vocab_size, d), 1.0)
     lm_head = embed if config.tie_word_embeddings else normal((config.vocab_size, d), d**-0.5)
     return DecoderModel(

@@ -104,6 +104,11 @@ def check_shardable(config: ModelConfig, tp: int) -> None:
     """
     if tp < 1:
         raise ConfigError(f"tensor-parallel degree must be >= 1, got {tp}")
+    if config.num_experts and tp > 1:
+        raise ConfigError(
+            f"{config.name} is a mixture-of-experts model (num_experts={config.num_experts}); "
+            "tensor parallelism of experts is not implemented: use tp=1"
+        )
     sizes = {
         "num_heads": config.num_heads,
         "num_kv_heads": config.num_kv_heads,
@@ -178,6 +183,8 @@ def shard_model(model: DecoderModel, parallel: ParallelContext) -> DecoderModel:
                 mlp_norm=layer.mlp_norm,
                 w_gate_up=torch.cat([_rows(gate, rank, tp), _rows(up, rank, tp)]).contiguous(),
                 w_down=cols(layer.w_down),
+                q_norm=layer.q_norm,  # per-head weights: every rank's heads use the same
+                k_norm=layer.k_norm,
             )
         )
     return DecoderModel(

@@ -6,7 +6,11 @@ attention differs between decode and prefill (:mod:`graphtune.engine.attention`)
 stages, each one tunable op of :mod:`graphtune.ops.fused` whose fallback is the unfused sequence:
 [RMSNorm + QKV + RoPE + K/V write] -> [attention] -> [O-projection + residual] -> [RMSNorm +
 gate/up + SiLU-and-mul] -> [down projection + residual]; then [final RMSNorm + LM head]. The norm
-after a residual add is the next stage's prologue.
+after a residual add is the next stage's prologue. Two model features are small branches inside
+these stages: a per-head q/k RMSNorm (Qwen3, Qwen3-MoE) between the QKV projection and RoPE (the
+QKV stage then runs its single ops: ``OpContext.norm_qkv_rope(qk_norm=...)``), and a
+mixture-of-experts MLP (router GEMM -> ``route_top_k`` -> ``fused_moe``, then the residual add:
+:mod:`graphtune.engine.moe`) in place of the two dense MLP stages.
 
 :class:`DecodeStep` is a pure function of three static-shaped tensors ``tokens [B]``,
 ``positions [B]`` and ``slots [B]`` (all int64 on the model's device) plus state that never moves
@@ -33,8 +37,10 @@ import torch.nn.functional as F
 from graphtune.engine.attention import Attention, DecodeAttention, PrefillAttention
 from graphtune.engine.kv_cache import KVCache
 from graphtune.engine.model import DecoderModel, rope_tables
+from graphtune.engine.moe import add_moe_mlp
 from graphtune.errors import ConfigError
 from graphtune.ops.context import OpContext
+from graphtune.ops.rmsnorm import head_norm_weights
 from graphtune.ops.rotary import RopeRows
 
 logger = logging.getLogger(__name__)
@@ -114,6 +120,14 @@ class DecodeStep:
         # The norm after each layer's MLP: the next layer's first norm, the final one at the end
         # (for a stage hook that computes it with the residual add: tensor parallelism's).
         self.next_norms = [layer.attn_norm for layer in model.layers[1:]] + [model.final_norm]
+        # Qwen3's per-head q/k RMSNorm weight rows [heads + kv_heads, head_dim] per layer (the
+        # QKV stage's qk_norm), None without.
+        self.qk_norms = [
+            None
+            if layer.q_norm is None or layer.k_norm is None
+            else head_norm_weights(layer.q_norm, layer.k_norm, cfg.num_heads, cfg.num_kv_heads)
+            for layer in model.layers
+        ]
 
     @property
     def tuner(self) -> Any:
@@ -168,12 +182,18 @@ class DecodeStep:
                 num_heads=cfg.num_heads,
                 num_kv_heads=cfg.num_kv_heads,
                 normed=normed,
+                qk_norm=self.qk_norms[index],
             )
             x, normed = self.add_projection(
                 ops, attention(index, q), layer.wo, x, layer.mlp_norm, 0
             )
-            act = ops.norm_gate_up_silu(x, layer.mlp_norm, eps, layer.w_gate_up, normed=normed)
-            x, normed = self.add_projection(ops, act, layer.w_down, x, self.next_norms[index], 1)
+            if layer.is_moe:
+                x, normed = add_moe_mlp(ops, x, layer, cfg, normed), None
+            else:
+                act = ops.norm_gate_up_silu(x, layer.mlp_norm, eps, layer.w_gate_up, normed=normed)
+                x, normed = self.add_projection(
+                    ops, act, layer.w_down, x, self.next_norms[index], 1
+                )
         if last_only:
             x, normed = x[-1:], None if normed is None else normed[-1:]
         return ops.norm_linear(x, model.final_norm, eps, model.lm_head, normed=normed)

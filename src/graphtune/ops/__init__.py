@@ -6,7 +6,8 @@ shape; outside tuning mode that is a cache look-up, and an untuned shape runs th
 
 * :func:`gemm` / :class:`TunableLinear` — ``F.linear`` semantics; cuBLAS, a tiled Triton GEMM
   (block / warp / stage / split-K tactics) and a Triton GEMV for decode batches of up to 8 rows.
-* :func:`fused_add_rms_norm` — residual add + RMSNorm, returning ``(out, new_residual)``.
+* :func:`fused_add_rms_norm` — residual add + RMSNorm, returning ``(out, new_residual)``;
+  :func:`head_rms_norm_` — per-head RMSNorm of q and k in a QKV output, in place (Qwen3).
 * :func:`rope_kv_cache` — rotary embedding of q and k and the K/V cache write, returning ``q``.
 * :func:`silu_and_mul` — SwiGLU activation on a fused gate/up tensor.
 * :mod:`attention` — decode attention (SDPA backends, a matmul runner and a Triton
@@ -56,6 +57,7 @@ from graphtune.ops.moe import (
     fused_moe_config,
     fused_moe_runners,
     route_top_k,
+    torch_route_top_k,
 )
 from graphtune.ops.registry import (
     OpSpec,
@@ -68,6 +70,8 @@ from graphtune.ops.rmsnorm import (
     TorchRMSNormRunner,
     TritonRMSNormRunner,
     fused_add_rms_norm,
+    head_norm_weights,
+    head_rms_norm_,
     rms_norm_config,
     rms_norm_runners,
     torch_rms_norm,
@@ -112,6 +116,8 @@ __all__ = [
     "gemm_runners",
     "gemm_tactics",
     "gemv_tactics",
+    "head_norm_weights",
+    "head_rms_norm_",
     "require_triton",
     "rebuild_call",
     "register_op",
@@ -127,6 +133,7 @@ __all__ = [
     "silu_and_mul_runners",
     "torch_rms_norm",
     "torch_rope_kv_cache",
+    "torch_route_top_k",
     "torch_silu_and_mul",
     "triton_available",
     "tune_records",

@@ -5,7 +5,8 @@ passing ``tuner=..., max_m=...`` to every call. Activations are 2-D (``[rows, fe
 
 * **Untuned** (``OpContext()``, no tuner): every call runs the op's fallback (runner 0, tactic
   ``-1``) straight away: the torch reference function its module defines and its torch runner
-  runs (``torch_gemm``, ``torch_rms_norm``, ``torch_rope_kv_cache``, ``torch_silu_and_mul``, SDPA).
+  runs (``torch_gemm``, ``torch_rms_norm``, ``torch_rope_kv_cache``, ``torch_silu_and_mul``, SDPA,
+  ``torch_route_top_k``, ``torch_fused_moe``).
   No tuner is asked, no runner list is built and nothing is counted, so the untuned step costs
   the host about what hand-written torch costs, and ``torch.compile`` traces it.
 * **Tuned** (``OpContext(tuner, max_batch_size)``): every call goes through the op function of its
@@ -39,7 +40,10 @@ from graphtune.ops import attention as attention_op
 from graphtune.ops import fused as fused_ops
 from graphtune.ops.activation import silu_and_mul, torch_silu_and_mul
 from graphtune.ops.gemm import gemm, torch_gemm
-from graphtune.ops.rmsnorm import fused_add_rms_norm, torch_rms_norm
+from graphtune.ops.moe.op import fused_moe
+from graphtune.ops.moe.reference import torch_fused_moe
+from graphtune.ops.moe.routing import route_top_k, torch_route_top_k
+from graphtune.ops.rmsnorm import fused_add_rms_norm, head_rms_norm_, torch_rms_norm
 from graphtune.ops.rotary import RopeRows, rope_kv_cache, torch_rope_kv_cache
 
 
@@ -200,6 +204,44 @@ class OpContext:
             q, keys, values, mask, tuner=self.tuner, config=self._attention_config
         )
 
+    def fused_moe(
+        self,
+        x: torch.Tensor,
+        gate_up: torch.Tensor,
+        down: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        """:func:`graphtune.ops.moe.fused_moe`: the experts of a mixture-of-experts layer for a
+        routing (untuned: the sparse expert loop, or the dense form while a graph captures)."""
+        if self.tuner is None:
+            return torch_fused_moe(x, gate_up, down, topk_weights, topk_ids)
+        return fused_moe(
+            x, gate_up, down, topk_weights, topk_ids, tuner=self.tuner, max_m=self.max_batch_size
+        )
+
+    def route_top_k(
+        self,
+        router_logits: torch.Tensor,
+        top_k: int,
+        *,
+        renormalize: bool,
+        weights_dtype: torch.dtype = torch.float32,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`graphtune.ops.moe.route_top_k`: ``(weights, ids)`` of the top-k experts."""
+        if self.tuner is None:
+            return torch_route_top_k(
+                router_logits, top_k, renormalize=renormalize, weights_dtype=weights_dtype
+            )
+        return route_top_k(
+            router_logits,
+            top_k,
+            renormalize=renormalize,
+            weights_dtype=weights_dtype,
+            tuner=self.tuner,
+            max_m=self.max_batch_size,
+        )
+
     # -- the stages of a decode layer (graphtune.ops.fused) ----------------------------------
 
     def norm_qkv_rope(
@@ -217,14 +259,18 @@ class OpContext:
         num_heads: int,
         num_kv_heads: int,
         normed: torch.Tensor | None = None,
+        qk_norm: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """RMSNorm + QKV projection + RoPE + K/V cache write
         (:func:`graphtune.ops.fused.norm_qkv_rope`); returns ``q [rows, num_heads, head_dim]``.
 
         ``normed``: ``rms_norm(x, norm_weight, eps)`` already computed; the norm is skipped.
+        ``qk_norm``: the ``[heads + kv_heads, head_dim]`` weight rows of a per-head q/k RMSNorm
+        between the projection and RoPE (Qwen3, :func:`~graphtune.ops.rmsnorm.head_rms_norm_`,
+        ``eps`` too); the fused kernel has no such step, so the stage runs its single ops.
         """
         heads = dict(num_heads=num_heads, num_kv_heads=num_kv_heads)
-        if normed is None and self._fusing:
+        if normed is None and qk_norm is None and self._fusing:
             return fused_ops.norm_qkv_rope(
                 x,
                 norm_weight,
@@ -246,6 +292,8 @@ class OpContext:
             )
         h = normed if normed is not None else self.rms_norm(x, norm_weight, eps)
         qkv = self.gemm(h, wqkv, bqkv)
+        if qk_norm is not None:
+            head_rms_norm_(qkv, qk_norm, eps)
         return self.rope_kv_cache(qkv, rope, k_cache, v_cache, write_rows, **heads)
 
     def add_projection(

@@ -218,3 +218,51 @@ def fused_add_rms_norm(
     if residual is None:
         return out.reshape(shape), x
     return out.reshape(shape), new_residual.reshape(shape)
+
+
+def head_norm_weights(
+    q_weight: torch.Tensor, k_weight: torch.Tensor, num_heads: int, num_kv_heads: int
+) -> torch.Tensor:
+    """``[heads + kv_heads, D]``: ``q_weight`` for every query head, then ``k_weight`` for every
+    key head; the rows :func:`head_rms_norm_` scales by (build them once per model, not per step).
+
+    Raises:
+        InputError: A weight is not ``[D]`` or the two differ in shape.
+    """
+    dim = q_weight.shape[0] if q_weight.dim() == 1 else -1
+    if dim < 1 or q_weight.shape != (dim,) or k_weight.shape != (dim,):
+        raise InputError(
+            f"head_norm_weights needs q and k weights [D] of one D; got {tuple(q_weight.shape)} "
+            f"and {tuple(k_weight.shape)} (the checkpoint's q_norm / k_norm weights)."
+        )
+    return torch.cat([q_weight.expand(num_heads, -1), k_weight.expand(num_kv_heads, -1)])
+
+
+def head_rms_norm_(qkv: torch.Tensor, weights: torch.Tensor, eps: float) -> torch.Tensor:
+    """Per-head RMSNorm of the queries and keys of a fused QKV output, in place (Qwen3's and
+    Qwen3-MoE's ``q_norm`` / ``k_norm``, applied before RoPE); the value heads are untouched.
+
+    ``qkv`` is ``[rows, (H + 2 KV) * D]`` with the query heads, then the key heads, then the value
+    heads; ``weights`` is ``[H + KV, D]`` (:func:`head_norm_weights`). Every query and key head is
+    normalised over its ``D`` features with float32 statistics, rounded to the dtype and then
+    multiplied by its weight row in the dtype: the order of transformers' ``Qwen3RMSNorm``. The
+    query and key heads are adjacent, so this is two kernels (the norm, the scaled write back)
+    and no host synchronisation.
+
+    Returns:
+        ``qkv`` itself.
+
+    Raises:
+        InputError: ``qkv`` is not 2-D or narrower than the heads ``weights`` describes, or its
+            rows are not contiguous.
+    """
+    heads, dim = weights.shape
+    if qkv.dim() != 2 or qkv.stride(1) != 1 or qkv.shape[1] < heads * dim:
+        raise InputError(
+            f"head_rms_norm_ needs qkv [rows, (heads + 2 kv_heads) * D] with contiguous rows and "
+            f"weights [heads + kv_heads, D]; got qkv {tuple(qkv.shape)} (strides "
+            f"{qkv.stride()}) and weights {tuple(weights.shape)}."
+        )
+    qk = qkv[:, : heads * dim].unflatten(-1, (heads, dim))
+    torch.mul(F.rms_norm(qk, (dim,), eps=eps), weights, out=qk)
+    return qkv

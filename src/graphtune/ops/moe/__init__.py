@@ -1,7 +1,8 @@
 """Mixture-of-experts: the router and a tunable fused-MoE op (torch fallback, Triton GEMMs).
 
 * :func:`route_top_k` — softmax over the experts, top-k, optional renormalisation
-  (Qwen3-MoE's and Mixtral's routers; :mod:`graphtune.ops.moe.routing`).
+  (Qwen3-MoE's and Mixtral's routers), a tunable op: the torch router
+  (:func:`torch_route_top_k`) or one Triton kernel (:mod:`graphtune.ops.moe.routing`).
 * :func:`fused_moe` — the experts: ``sum_j w[t, j] * down[e] @ (silu(gate[e] @ x[t]) *
   (up[e] @ x[t]))``, through the tuner's pick per token-count bucket
   (:mod:`graphtune.ops.moe.op`).
@@ -18,7 +19,14 @@ Importing this package imports neither Triton nor the kernels.
 from graphtune.ops.moe.align import ExpertBlocks, max_sorted_rows, sort_by_expert
 from graphtune.ops.moe.op import OP_NAME, balanced_routing, fused_moe, fused_moe_config
 from graphtune.ops.moe.reference import dense_fused_moe, sparse_fused_moe, torch_fused_moe
-from graphtune.ops.moe.routing import route_top_k
+from graphtune.ops.moe.routing import (
+    TorchRouteTopKRunner,
+    TritonRouteTopKRunner,
+    route_top_k,
+    route_top_k_config,
+    route_top_k_runners,
+    torch_route_top_k,
+)
 from graphtune.ops.moe.runners import (
     TorchFusedMoeRunner,
     TritonFusedMoeRunner,
@@ -30,7 +38,9 @@ __all__ = [
     "OP_NAME",
     "ExpertBlocks",
     "TorchFusedMoeRunner",
+    "TorchRouteTopKRunner",
     "TritonFusedMoeRunner",
+    "TritonRouteTopKRunner",
     "balanced_routing",
     "check_moe_tactic",
     "dense_fused_moe",
@@ -40,7 +50,10 @@ __all__ = [
     "max_sorted_rows",
     "moe_tactics",
     "route_top_k",
+    "route_top_k_config",
+    "route_top_k_runners",
     "sort_by_expert",
     "sparse_fused_moe",
     "torch_fused_moe",
+    "torch_route_top_k",
 ]

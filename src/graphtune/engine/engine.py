@@ -30,8 +30,8 @@ from graphtune.autotuner import AutoTuner, DistributedTuning, autotune
 from graphtune.engine.build import RUNNERS, build_runner, build_step
 from graphtune.engine.kv_cache import KVCache, aligned_seq_len
 from graphtune.engine.model import DecoderModel
+from graphtune.engine.prefill import prefill
 from graphtune.engine.sampling import GREEDY, NON_FINITE, SamplingParams, sample
-from graphtune.engine.step import prefill
 from graphtune.engine.tuning import TuneReport, tune_step
 from graphtune.errors import ConfigError, InputError, NumericalError
 

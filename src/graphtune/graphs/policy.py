@@ -65,10 +65,10 @@ class CapturePolicy:
             grows with every size's outputs); only for measuring the difference.
         warm_each_size: False (default) runs the ``warmup`` eager calls once, at the largest size,
             before ``capture()`` captures every size. True also runs one eager call at each
-            smaller size right before capturing it (none with ``warmup=0``), so per-shape first-use work (a library's
-            per-shape set-up, loading a kernel the process had not used) happens outside the
-            capture; the runner records each size's warm-up in ``CaptureRecord.warmup_seconds``.
-            Lazy capture always warms the size it captures.
+            smaller size right before capturing it (none with ``warmup=0``), so per-shape
+            first-use work (a library's per-shape set-up, loading a kernel the process had not
+            used) happens outside the capture; each size's warm-up is recorded in
+            ``CaptureRecord.warmup_seconds``. Lazy capture always warms the size it captures.
 
     Raises:
         ConfigError: A field has a value outside the documented ones.

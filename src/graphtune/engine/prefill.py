@@ -35,6 +35,8 @@ logger = logging.getLogger(__name__)
 
 #: Smallest prefill bucket: shorter prompts pad up to it.
 MIN_PREFILL_BUCKET = 16
+#: Default most tokens of one prefill call (an engine's largest prefill graph).
+DEFAULT_MAX_PREFILL_TOKENS = 2048
 
 
 def prefill_capture_sizes(max_tokens: int) -> tuple[int, ...]:

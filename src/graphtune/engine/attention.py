@@ -25,6 +25,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from graphtune.engine.kv_cache import KVCache
 from graphtune.engine.model import DecoderModel
+from graphtune.errors import InputError
 from graphtune.graphs import graph_break
 from graphtune.ops.context import OpContext
 
@@ -227,6 +228,12 @@ class PrefillAttention:
     def attend(self, q: torch.Tensor, layer: int, out: torch.Tensor) -> None:
         """Writes the attention output of :attr:`batch`'s prompts into ``out [rows, width]``."""
         step, batch = self.step, self.batch
+        if batch.tokens > q.shape[0]:
+            raise InputError(
+                f"the prefill batch lays out {batch.tokens} tokens but the call has "
+                f"{q.shape[0]} rows; set the call's layout (PrefillStep.set_batch) before each "
+                "call, and capture with PrefillStep.example_inputs (no prompts)"
+            )
         cfg = step.model.config
         heads, dim = cfg.num_heads, cfg.dim_per_head
         with sdpa_kernel(PREFILL_SDPA_BACKENDS):

@@ -135,7 +135,9 @@ class PrefillStep:
     def example_inputs(
         self, tokens: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Inputs of ``tokens`` padded tokens (write only the scratch slot): capture, profiling."""
+        """Inputs of ``tokens`` padded tokens (write only the scratch slot), for capture and
+        profiling; sets the next call's layout to no prompts, as these inputs hold none."""
+        self.set_batch(PrefillBatch())
         device = self.step.model.device
         zeros = torch.zeros(tokens, dtype=torch.long, device=device)
         return zeros, zeros.clone(), torch.full_like(zeros, self.step.cache.scratch_slot), zeros

@@ -401,6 +401,16 @@ def plan_memory(
     free, total = report.device_bytes()
     in_use = total - free
     slot_bytes = seq_len * kv_bytes_per_token(model.config, model.dtype.itemsize)
+    sizing = dict(
+        fraction=fraction,
+        total_bytes=total,
+        in_use_bytes=in_use,
+        slot_bytes=slot_bytes,
+        asked_slots=max_batch_size,
+        seq_len=seq_len,
+    )
+    # Refuse before profiling when not one slot fits even with nothing else to hold.
+    size_kv_cache(profile=StepProfile(max_batch_size, 0, 0, 0, 0), **sizing)
     profile = profile_step_memory(
         model,
         batch=max_batch_size,
@@ -412,15 +422,7 @@ def plan_memory(
         capture_sizes=capture_sizes,
         backend=backend,
     )
-    slots = size_kv_cache(
-        fraction=fraction,
-        total_bytes=total,
-        in_use_bytes=in_use,
-        profile=profile,
-        slot_bytes=slot_bytes,
-        asked_slots=max_batch_size,
-        seq_len=seq_len,
-    )
+    slots = size_kv_cache(profile=profile, **sizing)
     plan = MemoryPlan(
         fraction,
         total,

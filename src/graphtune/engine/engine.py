@@ -35,7 +35,7 @@ from graphtune.engine.build import (
     build_step,
 )
 from graphtune.engine.kv_cache import KVCache, aligned_seq_len
-from graphtune.engine.memory_plan import CudaMemoryReport, MemoryPlan, MemoryReport, plan_memory
+from graphtune.engine.memory_plan import MemoryPlan, MemoryReport, plan_memory
 from graphtune.engine.model import DecoderModel
 from graphtune.engine.prefill import DEFAULT_MAX_PREFILL_TOKENS, check_max_tokens, prefill_logits
 from graphtune.engine.sampling import GREEDY, NON_FINITE, SamplingParams, sample
@@ -168,13 +168,12 @@ class Engine:
         check_max_tokens(max_prefill_tokens)
         self.memory_plan: MemoryPlan | None = None
         if gpu_memory_utilization is not None:
-            memory_report = memory_report or CudaMemoryReport(target_device)
-            self.memory_plan = plan_memory(
+            self.memory_plan, memory_report = plan_memory(
                 model,
                 gpu_memory_utilization,
+                memory_report,
                 max_batch_size=max_batch_size,
                 seq_len=self.max_seq_len,
-                report=memory_report,
                 runners=(runner, prefill_runner),
                 max_prefill_tokens=max_prefill_tokens,
                 capture_sizes=capture_sizes,

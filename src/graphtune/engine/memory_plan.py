@@ -69,10 +69,17 @@ class CudaMemoryReport:
     """:class:`MemoryReport` of one CUDA device, through ``torch.cuda``."""
 
     def __init__(self, device: torch.device | str | int | None = None) -> None:
-        if device is None:
-            device = torch.cuda.current_device()
-        self.device = torch.device("cuda", device) if isinstance(device, int) else device
-        self.device = torch.device(self.device)
+        resolved = torch.device("cuda", device) if isinstance(device, int) else device
+        resolved = torch.device(resolved if resolved is not None else "cuda")
+        if resolved.type != "cuda" or not torch.cuda.is_available():
+            raise ConfigError(
+                f"gpu_memory_utilization needs a CUDA device, got {resolved} (CUDA available: "
+                f"{torch.cuda.is_available()}); run on a GPU, or drop gpu_memory_utilization "
+                "and give max_batch_size"
+            )
+        if resolved.index is None:
+            resolved = torch.device("cuda", torch.cuda.current_device())
+        self.device = resolved
 
     def device_bytes(self) -> tuple[int, int]:
         free, total = torch.cuda.mem_get_info(self.device)
@@ -373,23 +380,28 @@ def _measure(
 def plan_memory(
     model: DecoderModel,
     fraction: float,
+    report: MemoryReport | None = None,
     *,
     max_batch_size: int,
     seq_len: int,
-    report: MemoryReport,
     runners: tuple[str, str],
     max_prefill_tokens: int,
     capture_sizes: Any = None,
     backend: Any = None,
-) -> MemoryPlan:
+) -> tuple[MemoryPlan, MemoryReport]:
     """Profiles the steps and sizes the KV cache to ``fraction`` of the device (module docstring).
 
     Args:
+        report: Where device memory is read; default :class:`CudaMemoryReport` of the model's
+            device.
         runners: The decode and the prefill runner kinds (``"graph"`` profiles the graphs).
 
+    Returns:
+        The plan, and the report it read (for :meth:`MemoryPlan.measured` after start-up).
+
     Raises:
-        ConfigError: ``fraction`` is not in (0, 1], the model is a tensor-parallel shard, or not
-            even one slot of ``seq_len`` fits.
+        ConfigError: ``fraction`` is not in (0, 1], the model is a tensor-parallel shard, there
+            is no CUDA device to report on, or not even one slot of ``seq_len`` fits.
     """
     fraction = check_fraction(fraction)
     if model.parallel is not None:
@@ -397,6 +409,8 @@ def plan_memory(
             "gpu_memory_utilization is not supported for a tensor-parallel shard yet (each rank "
             "would size its own KV cache and the ranks must agree); pass max_batch_size instead"
         )
+    if report is None:
+        report = CudaMemoryReport(model.device)
     report.settle()
     free, total = report.device_bytes()
     in_use = total - free
@@ -435,4 +449,4 @@ def plan_memory(
         max_batch_size,
     )
     logger.info("memory plan:\n%s", plan.table())
-    return plan
+    return plan, report

@@ -36,6 +36,7 @@ PREFILL_SDPA_BACKENDS = [
     SDPBackend.EFFICIENT_ATTENTION,
     SDPBackend.MATH,
 ]
+_FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
 
 class StepState(Protocol):
@@ -184,8 +185,9 @@ class PrefillAttention:
     The forward calls ``attention(layer, q)`` with ``q [rows, heads, head_dim]`` for the packed
     tokens; the forward has just written their keys and values into their slots, so each run of
     prompts reads positions ``[0, length)`` of its slots back and runs one causal SDPA call
-    (grouped-query heads without repeating K/V; a mask only for a sliding window shorter than
-    the prompt). Rows past :attr:`PrefillBatch.tokens` (padding) get zeros.
+    (grouped-query heads without repeating K/V where the flash kernel runs; a mask only for a
+    sliding window shorter than the prompt). Rows past :attr:`PrefillBatch.tokens` (padding)
+    get zeros.
 
     The work happens in :meth:`attend`, called through :func:`graphtune.graphs.graph_break`: when a
     graph runner captures the prefill step it runs eagerly between the captured pieces, on every
@@ -243,13 +245,14 @@ class PrefillAttention:
                 queries = q[rows].unflatten(0, (prompts, length)).transpose(1, 2)
                 keys, values = self._keys_values(layer, index, run)
                 mask = self._mask(length)
+                # Only the flash backend takes grouped K/V (no mask, 16-bit); for the others the
+                # K/V heads are repeated, which keeps the efficient kernel instead of the math one.
+                gqa = step.groups > 1 and mask is None and q.dtype in _FLASH_DTYPES
+                if step.groups > 1 and not gqa:
+                    keys = keys.repeat_interleave(step.groups, dim=1)
+                    values = values.repeat_interleave(step.groups, dim=1)
                 attn = F.scaled_dot_product_attention(
-                    queries,
-                    keys,
-                    values,
-                    attn_mask=mask,
-                    is_causal=mask is None,
-                    enable_gqa=step.groups > 1,
+                    queries, keys, values, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa
                 )
                 out[rows].view(prompts, length, heads, dim).copy_(attn.transpose(1, 2))
         if batch.tokens < out.shape[0]:

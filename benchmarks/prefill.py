@@ -10,10 +10,13 @@ batch 1 and 8 (``graphtune.bench.prefill``): TTFT of ``Engine.generate(prompts, 
 prefill runner (graphs per token-count bucket, attention as the graph break), with the same
 packed prefill eagerly, and with one eager prefill per prompt (the engine before packing).
 
-Targets (issue 15, H200): graph TTFT <= 0.5x eager at 16 and 128 tokens, <= 1.0x at 1024, at both
-batch sizes; generated tokens equal to eager prefill. Writes ``prefill-<gpu>.json`` into ``--out``,
-prints one JSON line, then the table last. Exits 1 if a target failed, else 0 (also on the CPU,
-where the graph runner runs eagerly and only the mechanics are exercised).
+Targets (issue 15, H200): graph TTFT <= 0.5x eager prefill (one prompt at a time, as the engine
+prefilled before) at 16 and 128 tokens, never slower at 1024 (against that and against the same
+packed call run eagerly), at both batch sizes; generated tokens equal to eager prefill. The
+ratio to the packed eager call is reported beside it: at batch 8 packing alone is a gain. Writes
+``prefill-<gpu>.json`` into ``--out``, prints one JSON line, then the table last. Exits 1 if a
+target failed, else 0 (also on the CPU, where the graph runner runs eagerly and only the
+mechanics are exercised).
 """
 
 from __future__ import annotations
@@ -50,7 +53,16 @@ def main(argv: list[str] | None = None) -> int:
     path = bench.write_json(args.out / f"prefill-{slug}.json", report)
     summary = {
         "prefill": [
-            {k: r[k] for k in ("batch_size", "prompt_len", "graph_over_eager", "passed")}
+            {
+                k: r[k]
+                for k in (
+                    "batch_size",
+                    "prompt_len",
+                    "graph_over_per_request",
+                    "graph_over_eager",
+                    "passed",
+                )
+            }
             for r in report["results"]
         ],
         "pass": report["pass"],

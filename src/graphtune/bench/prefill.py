@@ -8,7 +8,8 @@ of repeats after warm-up, for three ways to prefill:
   call, replayed from the graph of its token-count bucket, attention run eagerly as a graph break;
 * ``eager``: the same packed call run eagerly (``prefill_runner="eager"``);
 * ``per_request``: one eager prefill per prompt (:func:`graphtune.engine.prefill.prefill`) and one
-  sampling of all first tokens, which is how the engine prefilled before packing.
+  sampling of all first tokens, which is how the engine prefilled before packing (the eager
+  prefill the targets of issue 15 compare with; at batch 1 it is the ``eager`` call).
 
 The first call of each configuration is kept apart (``first_ms``): it pays whatever a new shape
 costs once. Both engines decode through the same decode graphs; after timing, each generates
@@ -41,7 +42,9 @@ from graphtune.reporting import render_table
 logger = logging.getLogger(__name__)
 
 VARIANTS = ("graph", "eager", "per_request")
-#: Targets (issue 15): graph TTFT / eager TTFT at most this for prompts of the key's length.
+#: Targets (issue 15) for prompts of the key's length: graph TTFT at most this times eager
+#: prefill as the engine did it (one prompt at a time); at 1.0 ("never slower") also at most the
+#: same packed call run eagerly.
 TARGETS = {16: 0.5, 128: 0.5, 1024: 1.0}
 
 
@@ -185,7 +188,9 @@ def run_prefill_bench(
             result.graph_over_per_request = result.ms["graph"] / result.ms["per_request"]
             result.target = TARGETS.get(length)
             if result.target is not None:
-                result.passed = result.graph_over_eager <= result.target
+                result.passed = result.graph_over_per_request <= result.target
+                if result.target >= 1.0:
+                    result.passed = result.passed and result.graph_over_eager <= result.target
             firsts = [out[0] for out in graph.generate(prompts, 1, stop_token_ids=[])]
             result.first_token_mismatches = sum(
                 a != b for a, b in zip(firsts, _per_request(eager, prompts), strict=True)
@@ -197,7 +202,8 @@ def run_prefill_bench(
             log(
                 f"batch {batch} x {length} tokens: TTFT graph {result.ms['graph']:.2f} ms, eager "
                 f"{result.ms['eager']:.2f} ms, per request {result.ms['per_request']:.2f} ms "
-                f"(graph/eager {result.graph_over_eager:.2f})"
+                f"(graph/per request {result.graph_over_per_request:.2f}, graph/eager "
+                f"{result.graph_over_eager:.2f})"
             )
             results.append(result)
     stats = graph.prefill_stats
@@ -234,11 +240,11 @@ def format_prefill_table(report: dict[str, Any]) -> str:
                 ms["graph"],
                 ms["eager"],
                 ms["per_request"],
+                r["graph_over_per_request"],
                 r["graph_over_eager"],
                 "-"
                 if r["target"] is None
                 else f"<= {r['target']}: {'pass' if r['passed'] else 'FAIL'}",
-                r["graph_over_per_request"],
                 f"{first['graph']:.1f} / {first['eager']:.1f}",
                 "-" if r["token_mismatches"] is None else r["token_mismatches"],
             )
@@ -251,9 +257,9 @@ def format_prefill_table(report: dict[str, Any]) -> str:
             "graph",
             "eager",
             "per request",
+            "graph/per req",
             "graph/eager",
             "target",
-            "graph/per req",
             "first call graph / eager",
             "token diffs",
         ],

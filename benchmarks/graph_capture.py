@@ -163,7 +163,8 @@ def cold_variants(names) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         for name in names:
             path = Path(folder) / f"{name}.json"
-            command = [sys.executable, __file__, "--cold", name, "--cold-json", str(path)]
+            script = str(Path(__file__).resolve())
+            command = [sys.executable, script, "--cold", name, "--cold-json", str(path)]
             done = subprocess.run(command, check=False, timeout=240)
             if done.returncode != 0 or not path.is_file():
                 results[name] = {"variant": name, "error": f"exit status {done.returncode}"}

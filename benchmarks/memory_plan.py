@@ -5,8 +5,9 @@ Usage (on a GPU machine, from the repository root):
 
     PYTHONPATH=src python3 benchmarks/memory_plan.py --out benchmarks/results [--quick]
 
-Builds ``Engine(llama-1b-shape, max_batch_size=256, max_seq_len=4096, gpu_memory_utilization=0.9)``
-(bf16, random weights; decode and prefill graphs): the engine profiles its steps and graphs,
+Builds ``Engine(llama-1b-shape, max_batch_size=256, max_seq_len=32768, gpu_memory_utilization=0.9)``
+(bf16, random weights; decode and prefill graphs; a slot of 32768 positions is 1 GiB, so the
+memory, not max_batch_size, decides the slots): the engine profiles its steps and graphs,
 sizes the KV cache to what is left and captures. Prints the plan table (weights, other memory
 in use, step constants, activations, graphs, KV cache, headroom) and checks that the device
 memory in use after start-up stays within the budget, then serves a few requests. ``--quick``
@@ -26,7 +27,7 @@ import torch
 from graphtune import bench
 from graphtune.engine import Engine, load_model
 
-FRACTION, MAX_SEQ_LEN = 0.9, 4096
+FRACTION, MAX_SEQ_LEN = 0.9, 32768
 TOLERANCE = 1.02  # the plan is profiled: allow 2% of the budget for what profiling cannot see
 
 

@@ -268,9 +268,11 @@ class PrefillAttention:
             first = run.slots[0]
             end = first + len(run.slots)
             return keys[first:end], values[first:end]
+        # Made once per call, copied without blocking (a plain device tensor from a list would
+        # wait for the stream, that is for the piece the break follows).
         slots = self.batch.derived(
             ("slots", index),
-            lambda: torch.tensor(run.slots, dtype=torch.long, device=keys.device),
+            lambda: torch.tensor(run.slots, dtype=torch.long).to(keys.device, non_blocking=True),
         )
         return keys.index_select(0, slots), values.index_select(0, slots)
 

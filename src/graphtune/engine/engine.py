@@ -1,8 +1,9 @@
 """The reference decode engine: prefill, a captured decode step, sampling, a request loop.
 
 The engine picks its step runner once, at construction: a ``CUDAGraphRunner`` wrapping the decode
-step (padded rows write the KV cache's scratch slot) or an ``EagerRunner``. The runner only ever
-sees the step callable; it never learns that an engine exists.
+step (padded rows write the KV cache's scratch slot) or an ``EagerRunner``, and one for prefill
+(each admission round's prompts packed into calls of :mod:`graphtune.engine.prefill`). A runner
+only ever sees the step callable; it never learns that an engine exists.
 
 Live requests are kept compacted: request ``i`` of the live batch owns KV slot ``i``. When a
 request in the middle finishes, the last one moves into its slot (a copy of its cached prefix), so

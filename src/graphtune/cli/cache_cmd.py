@@ -15,7 +15,7 @@ from graphtune.autotuner.fingerprint import (
     environment_fingerprint,
     fingerprint_mismatch,
 )
-from graphtune.autotuner.runner import short_runner_name
+from graphtune.autotuner.identity import short_runner_name
 from graphtune.errors import CacheFileError
 from graphtune.reporting import render_table
 

@@ -26,6 +26,7 @@ from graphtune.autotuner import (
     DynamicTensorSpec,
     TunableRunner,
     TuningConfig,
+    TuningPolicy,
     autotune,
 )
 
@@ -98,7 +99,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run_demo(args: argparse.Namespace) -> int:
     """Tunes the demo ops, prints the picks, then serves a few calls from the cache."""
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    tuner = AutoTuner(rounds=3, remeasure_top=2)
+    tuner = AutoTuner(policy=TuningPolicy(rounds=3, remeasure_top=2))
     summary = demo(tuner, device, cache_path=args.cache)
     print(summary)
     return 0
@@ -132,9 +133,9 @@ def demo(tuner: AutoTuner, device: torch.device, *, cache_path: Path | None = No
     def step(rows: int) -> None:
         x = torch.randn(rows, width, device=device, dtype=dtype, generator=gen)
         runner, tactic = tuner.choose_one("matmul", mm_runners, config, [x, weight])
-        y = runner.forward([x, weight], tactic)
+        y = runner.forward([x, weight], tactic=tactic)
         runner, tactic = tuner.choose_one("softmax", sm_runners, config, [y])
-        runner.forward([y], tactic)
+        runner.forward([y], tactic=tactic)
 
     start = time.perf_counter()
     with autotune(cache_path=cache_path, tuner=tuner):

@@ -3,18 +3,20 @@
 The step is tuned by running it (``graphtune.engine.tuning.tune_step``), as ``Engine(tune=True)``
 does. The model is only read for its dimensions (a preset name or a Hugging Face folder's
 ``config.json``); weights are random, since the kernels' speed does not depend on their values.
+With ``--from-misses FILE`` it instead tunes exactly the shapes a serving process recorded as
+missed (:mod:`graphtune.cli.from_misses`); ``--model`` is not needed then.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+from graphtune.cli import from_misses
 from graphtune.errors import GraphtuneError
 
 
@@ -33,9 +35,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--model",
-        required=True,
+        default=None,
         metavar="PRESET|PATH",
-        help="preset (tiny, llama-1b-shape, ...) or a folder with config.json",
+        help="preset (tiny, llama-1b-shape, ...) or a folder with config.json (required unless "
+        "--from-misses is given)",
     )
     parser.add_argument(
         "--cache",
@@ -71,46 +74,39 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         choices=("auto", "graph", "events", "wallclock"),
         help="timer (auto: graph replay on CUDA, wall clock on CPU)",
     )
+    from_misses.add_arguments(parser)
     parser.set_defaults(handler=run_tune)
 
 
-def _model_config(spec: str):  # -> graphtune.engine.config.ModelConfig
-    from graphtune.engine.config import from_hf_config, get_preset
-    from graphtune.errors import ConfigError
-
-    path = Path(spec).expanduser()
-    if path.is_dir():
-        config_file = path / "config.json"
-        if not config_file.is_file():
-            raise ConfigError(f"{path} has no config.json; pass a Hugging Face model folder.")
-        return from_hf_config(json.loads(config_file.read_text()), name=path.name)
-    return get_preset(spec)
-
-
 def run_tune(args: argparse.Namespace) -> int:
-    """Tunes the step and prints the picks table."""
+    """Tunes the step (or the recorded misses) and prints the picks table."""
+    if args.from_misses is not None:
+        return from_misses.run(args)
     from graphtune.autotuner import AutoTuner, autotune
     from graphtune.autotuner.timing import resolve_timer
-    from graphtune.engine.build import build_step
-    from graphtune.engine.devices import resolve_device, resolve_dtype
-    from graphtune.engine.kv_cache import KVCache, aligned_seq_len
-    from graphtune.engine.model import random_model
+    from graphtune.cli._step_calls import decode_step, resolve_device_and_dtype
     from graphtune.engine.tuning import tune_step
     from graphtune.errors import ConfigError
 
     try:
+        if args.model is None:
+            raise ConfigError("pass --model PRESET|PATH (or --from-misses FILE)")
         if args.max_batch < 1:
             raise ConfigError(f"--max-batch must be >= 1, got {args.max_batch}")
-        device = resolve_device(args.device)
-        dtype = resolve_dtype(args.dtype, device)
-        config = _model_config(args.model)
+        device, dtype = resolve_device_and_dtype(args.device, args.dtype)
         timer = None if args.timing == "auto" else resolve_timer(args.timing, device)
         tuner = AutoTuner(timer=timer)
-        model = random_model(config, device=device, dtype=dtype)
-        cache = KVCache(config, args.max_batch, aligned_seq_len(args.max_seq_len), device, dtype)
-        step = build_step(model, cache, tuner=tuner)
+        step = decode_step(
+            args.model,
+            args.max_batch,
+            tuner,
+            device=device,
+            dtype=dtype,
+            max_seq_len=args.max_seq_len,
+        )
+        name = step.model.config.name
         print(
-            f"tuning {config.name} ops on {device} ({str(dtype).removeprefix('torch.')}), "
+            f"tuning {name} ops on {device} ({str(dtype).removeprefix('torch.')}), "
             f"batch buckets up to {args.max_batch} -> {args.cache}",
             flush=True,
         )
@@ -120,11 +116,12 @@ def run_tune(args: argparse.Namespace) -> int:
     except (GraphtuneError, ValueError) as exc:
         print(f"graphtune tune: {exc}", file=sys.stderr)
         return 2
-    table = tuner.summary_table(f"picks for {config.name} (buckets {list(report.buckets)})")
+    table = tuner.summary_table(f"picks for {name} (buckets {list(report.buckets)})")
     print(table or "every shape was already in the cache file; nothing to tune")
     print(
         f"done in {time.perf_counter() - started:.1f} s "
-        f"({report.compile_seconds:.1f} s compiling Triton tactics ahead of timing); "
+        f"({report.prepare_seconds:.1f} s recording the step and compiling "
+        f"{report.prepared} Triton tactics up front); "
         f"{report.profiles_tuned} (op, bucket) picks added to {args.cache}"
     )
     if torch.cuda.is_available() and device.type == "cuda":

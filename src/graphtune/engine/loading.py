@@ -120,10 +120,7 @@ def load_checkpoint(
             (the message names the tensor).
     """
     folder = Path(folder)
-    config_file = folder / "config.json"
-    if not config_file.exists():
-        raise CheckpointError(f"{folder} has no config.json; is it a Hugging Face model folder?")
-    config = from_hf_config(json.loads(config_file.read_text()), name=folder.name)
+    config = _folder_config(folder)
     tp = parallel.world_size if parallel is not None else 1
     if tp > 1:
         from graphtune.engine.parallel import check_shardable
@@ -220,6 +217,27 @@ def load_tokenizer(folder: Path) -> Any:
         logger.warning("%s exists but 'tokenizers' is not installed; using token ids", path)
         return None
     return Tokenizer.from_file(str(path))
+
+
+def _folder_config(folder: Path) -> ModelConfig:
+    config_file = folder / "config.json"
+    if not config_file.exists():
+        raise CheckpointError(f"{folder} has no config.json; is it a Hugging Face model folder?")
+    return from_hf_config(json.loads(config_file.read_text()), name=folder.name)
+
+
+def load_config(spec: str | Path) -> ModelConfig:
+    """The shapes of a model without its weights: a preset name, or a Hugging Face checkpoint
+    folder whose ``config.json`` is read.
+
+    Raises:
+        ConfigError: Neither a folder nor a preset name.
+        CheckpointError: The folder has no readable ``config.json``.
+    """
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return _folder_config(path)
+    return get_preset(str(spec))
 
 
 def load_model(

@@ -11,9 +11,13 @@ shape; outside tuning mode that is a cache look-up, and an untuned shape runs th
 * :func:`silu_and_mul` — SwiGLU activation on a fused gate/up tensor.
 * :mod:`attention` — decode attention (SDPA backends, a matmul runner and a Triton
   flash-decoding kernel as runners).
+* :mod:`fused` — fused decode ops (norm + projection + epilogue in one kernel) whose first runner
+  is the unfused sequence of the ops above.
 * :func:`fused_moe` / :func:`route_top_k` — mixture-of-experts experts and router (:mod:`moe`).
 * :class:`OpContext` — the op settings of one model step (tuner, largest batch), bound once; a
   forward calls its ops through it (``ops.gemm(h, w)``).
+* :mod:`registry` — op name -> how to rebuild its runners and config in another process
+  (:func:`rebuild_call`, :func:`tune_records`: ``graphtune tune --from-misses``).
 
 A model is tuned by running its step in tuning mode (``graphtune.engine.tuning.tune_step``), so the
 keys tuned are the keys its ops look up.
@@ -21,7 +25,7 @@ keys tuned are the keys its ops look up.
 Importing this package imports neither Triton nor the kernels.
 """
 
-from graphtune.ops import attention
+from graphtune.ops import attention, fused
 from graphtune.ops._triton import TritonUnavailableError, require_triton, triton_available
 from graphtune.ops.activation import (
     TorchSiluAndMulRunner,
@@ -35,14 +39,16 @@ from graphtune.ops.context import OpContext
 from graphtune.ops.gemm import (
     TorchGemmRunner,
     TritonGemmRunner,
+    TritonGemvRunner,
     TunableLinear,
     check_gemm_tactic,
+    check_gemv_tactic,
     gemm,
     gemm_config,
     gemm_runners,
     gemm_tactics,
+    gemv_tactics,
 )
-from graphtune.ops.gemv import TritonGemvRunner, check_gemv_tactic, gemv_tactics
 from graphtune.ops.moe import (
     TorchFusedMoeRunner,
     TritonFusedMoeRunner,
@@ -50,6 +56,13 @@ from graphtune.ops.moe import (
     fused_moe_config,
     fused_moe_runners,
     route_top_k,
+)
+from graphtune.ops.registry import (
+    OpSpec,
+    rebuild_call,
+    register_op,
+    registered_ops,
+    tune_records,
 )
 from graphtune.ops.rmsnorm import (
     TorchRMSNormRunner,
@@ -71,6 +84,7 @@ from graphtune.ops.rotary import (
 
 __all__ = [
     "OpContext",
+    "OpSpec",
     "RopeRows",
     "TorchFusedMoeRunner",
     "TorchGemmRunner",
@@ -88,6 +102,7 @@ __all__ = [
     "attention",
     "check_gemm_tactic",
     "check_gemv_tactic",
+    "fused",
     "fused_add_rms_norm",
     "fused_moe",
     "fused_moe_config",
@@ -98,6 +113,9 @@ __all__ = [
     "gemm_tactics",
     "gemv_tactics",
     "require_triton",
+    "rebuild_call",
+    "register_op",
+    "registered_ops",
     "rms_norm_config",
     "rms_norm_runners",
     "rope_config",
@@ -111,4 +129,5 @@ __all__ = [
     "torch_rope_kv_cache",
     "torch_silu_and_mul",
     "triton_available",
+    "tune_records",
 ]

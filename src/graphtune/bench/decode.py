@@ -9,7 +9,11 @@ step must read, over a measured device copy bandwidth.
 With ``tune=True`` the same run then builds the tuned step, tunes it by running it
 (:func:`graphtune.engine.tuning.tune_step`; a cache file is reused when given) and times it the
 same way: through a graph runner on CUDA (else eagerly), with its GPU-busy time, top kernels and
-its ratios to the untuned step and to the bytes floor. Steps and runners come from the engine's
+its ratios to the untuned step and to the bytes floor (and, with ``compare_unfused``, the tuned
+step with its stages unfused). With ``compare_hf`` Hugging Face's static cache +
+``torch.compile`` recipe runs on the same weights (:mod:`graphtune.bench.decode_hf`). Every
+GPU-busy reading also groups the kernels by family (:mod:`graphtune.bench.kernel_families`).
+Steps and runners come from the engine's
 own factories (:func:`graphtune.engine.build.build_step`, :func:`~graphtune.engine.build.
 build_runner`), so the benchmark times what the engine serves.
 """
@@ -27,6 +31,7 @@ import torch
 
 from graphtune import autotuner
 from graphtune.bench.cupti import gpu_busy
+from graphtune.bench.decode_hf import time_hf
 from graphtune.bench.decode_results import BatchResult, DecodeBenchConfig, DecodeBenchReport
 from graphtune.bench.schema import provenance
 from graphtune.bench.timing import bytes_floor_ms, copy_bandwidth_gbps, sync, time_per_call_ms
@@ -45,11 +50,15 @@ NO_CUDA_NOTE = "CUDA is not available: CUDA graphs need CUDA, so only the eager 
 Inputs = list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
-def _busy(fn: Callable[[], object]) -> tuple[float | None, float | None, list[dict[str, Any]]]:
+Busy = tuple[float | None, float | None, list[dict[str, Any]], dict[str, dict[str, Any]]]
+
+
+def _busy(fn: Callable[[], object]) -> Busy:
+    """GPU-busy ms, activities, top kernels and kernel families of one call of ``fn``."""
     busy = gpu_busy(fn)
     if busy is None:
-        return None, None, []
-    return busy.per_call_ms, busy.activities_per_call, busy.top
+        return None, None, [], {}
+    return busy.per_call_ms, busy.activities_per_call, busy.top, busy.families
 
 
 @torch.inference_mode()
@@ -162,9 +171,12 @@ def run_decode_bench(
             )
             log(f"batch {b}: eager {result.eager_ms:.3f} ms/step")
         if measure_busy:
-            result.busy_ms, result.kernels_per_step, result.top_kernels = _busy(
-                lambda a=args: step(*a)
-            )
+            (
+                result.busy_ms,
+                result.kernels_per_step,
+                result.top_kernels,
+                result.kernel_families,
+            ) = _busy(lambda a=args: step(*a))
         if bandwidth:
             needed = model.weight_bytes() + b * (cfg.context + 1) * cache.bytes_per_token()
             result.floor_ms = bytes_floor_ms(needed, bandwidth)
@@ -176,6 +188,8 @@ def run_decode_bench(
         _time_compiled(step, inputs, cfg, device, results)
     if cfg.tune:
         _time_tuned(step, inputs, results, sizes, device, cfg, runners, report, log, tuner)
+    if cfg.compare_hf:
+        time_hf(step, results, cfg, report, log)
 
     for result in results:
         best = result.graph_ms or result.eager_ms
@@ -238,9 +252,12 @@ def _time_tuned(
         got = tuned(*args).float()
         result.tuned_max_abs_diff = (got - want).abs().max().item()
         if device.type == "cuda":
-            result.tuned_busy_ms, result.tuned_kernels_per_step, result.tuned_top_kernels = _busy(
-                lambda a=args: tuned(*a)
-            )
+            (
+                result.tuned_busy_ms,
+                result.tuned_kernels_per_step,
+                result.tuned_top_kernels,
+                result.tuned_kernel_families,
+            ) = _busy(lambda a=args: tuned(*a))
     if "graph" in runners:
         runner, seconds, _ = _capture(tuned, sizes, device, report)
         report.tuned_capture_seconds = seconds
@@ -256,6 +273,8 @@ def _time_tuned(
                 lambda a=args: tuned(*a), device, cfg.steps, cfg.repeats
             )
             log(f"batch {result.batch_size}: tuned eager {result.tuned_eager_ms:.3f} ms/step")
+    if cfg.compare_unfused:
+        _time_unfused(tuned, inputs, results, sizes, device, cfg, runners, report, log)
     for result in results:
         if result.tuned_graph_ms and result.graph_ms:
             result.tuned_over_untuned = result.tuned_graph_ms / result.graph_ms
@@ -269,6 +288,45 @@ def _time_tuned(
         report.notes.append(
             f"tuned step: untuned shapes ran the torch fallback {dict(tuner.stats.fallbacks)}"
         )
+
+
+def _time_unfused(
+    tuned: DecodeStep,
+    inputs: Inputs,
+    results: list[BatchResult],
+    sizes: list[int],
+    device: torch.device,
+    cfg: DecodeBenchConfig,
+    runners: tuple[str, ...],
+    report: DecodeBenchReport,
+    log: Callable[[str], None],
+) -> None:
+    """The tuned step with its stages unfused (the step as tuned before the fused ops), on the
+    same tuner's picks (``tune_step`` tuned every single op first), timed as the tuned step is:
+    through its own graphs on CUDA, else eagerly."""
+    unfused = build_step(
+        tuned.model,
+        tuned.cache,
+        tuner=tuned.tuner,
+        gemm_cold_l2=cfg.tune_cold_l2,
+        reducer=getattr(tuned, "reducer", None),
+        fused=False,
+    )
+    graph = "graph" in runners
+    runner = _capture(unfused, sizes, device, report)[0] if graph else None
+    call = runner if runner is not None else unfused
+    for args, result in zip(inputs, results, strict=True):
+        result.tuned_unfused_ms = time_per_call_ms(
+            lambda a=args: call(*a), device, cfg.steps, cfg.repeats
+        )
+        if device.type == "cuda" and cfg.tp == 1:
+            result.tuned_unfused_kernels_per_step = _busy(lambda a=args: unfused(*a))[1]
+        kind = "graph" if graph else "eager"
+        log(
+            f"batch {result.batch_size}: tuned unfused {kind} {result.tuned_unfused_ms:.3f} ms/step"
+        )
+    if runner is not None:
+        runner.release()
 
 
 def rank_agreement(tuner: Any, parallel: Any) -> float:

@@ -72,6 +72,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="also time torch.compile(mode='reduce-overhead') of the same step",
     )
     decode.add_argument(
+        "--compare-hf",
+        action="store_true",
+        help="also time Hugging Face transformers' static cache + torch.compile("
+        "mode='reduce-overhead') on the same shape and weights (CUDA and transformers needed)",
+    )
+    decode.add_argument(
         "--tune",
         action="store_true",
         help="also tune the step's ops (GEMMs, RMSNorm, RoPE+KV write, "
@@ -91,6 +97,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="with --tune: time the GEMMs with cold-L2 rotation (weights stream "
         "from HBM, as in a decode step)",
+    )
+    decode.add_argument(
+        "--compare-unfused",
+        action="store_true",
+        help="with --tune: also time the tuned step with its stages unfused (the step as tuned "
+        "before the fused kernels)",
     )
     decode.add_argument("--plot", type=Path, default=None, metavar="FILE.png")
     decode.add_argument("--json", type=Path, default=None, metavar="FILE")
@@ -120,11 +132,15 @@ def run_bench_decode(args: argparse.Namespace) -> int:
     parallel = None
     try:
         device = resolve_device(args.device)
-        if args.tp > 1 and args.compare_compile:
-            raise ConfigError(
-                "--compare-compile is not supported with --tp > 1; drop it to "
-                "time the tensor-parallel step"
-            )
+        for flag, on in (
+            ("--compare-compile", args.compare_compile),
+            ("--compare-hf", args.compare_hf),
+        ):
+            if args.tp > 1 and on:
+                raise ConfigError(
+                    f"{flag} is not supported with --tp > 1; drop it to time the "
+                    "tensor-parallel step"
+                )
         parallel, device = start_tensor_parallel(args, device)
         # Every rank runs the same benchmark (same collectives, same order); rank 0 reports.
         show = parallel is None or parallel.rank == 0
@@ -151,6 +167,8 @@ def run_bench_decode(args: argparse.Namespace) -> int:
             tuning_cache=str(args.tuning_cache) if args.tuning_cache else None,
             tune_cold_l2=args.tune_cold_l2,
             tp=args.tp,
+            compare_hf=args.compare_hf,
+            compare_unfused=args.compare_unfused,
         )
         report = run_decode_bench(
             cfg,
@@ -181,7 +199,7 @@ def run_bench_decode(args: argparse.Namespace) -> int:
             "torch": torch.__version__,
             "tp": args.tp,
             "results": [
-                {k: v for k, v in r.items() if k not in ("top_kernels", "tuned_top_kernels")}
+                {k: v for k, v in r.items() if not k.endswith(("top_kernels", "kernel_families"))}
                 for r in data["results"]
             ],
         }

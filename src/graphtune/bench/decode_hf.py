@@ -16,7 +16,8 @@ import torch
 
 from graphtune.bench.decode_results import BatchResult, DecodeBenchConfig, DecodeBenchReport
 from graphtune.bench.hf_compare import hf_model, hf_unavailable, time_hf_decode
-from graphtune.engine.step import DecodeStep, prefill
+from graphtune.engine.prefill import prefill
+from graphtune.engine.step import DecodeStep
 
 
 def time_hf(

@@ -42,6 +42,8 @@ want faults && step faults python3 benchmarks/faults.py --out "$OUT" $QUICK
 want timers && step timers python3 benchmarks/timers.py --out "$OUT" $QUICK
 want graphs && step graphs python3 benchmarks/graph_runner.py --out "$OUT" $QUICK
 want graphs && step graph-capture python3 benchmarks/graph_capture.py --out "$OUT" $QUICK
+want graphs && step prefill python3 benchmarks/prefill.py --out "$OUT" $QUICK
+want graphs && step memory-plan python3 benchmarks/memory_plan.py --out "$OUT" $QUICK
 want decode && step decode python3 -m graphtune bench decode --model llama-1b-shape \
   --batch-sizes 1,8,32,128 --compare-compile --json "$OUT/decode-h200.json" \
   --plot "$OUT/decode-h200.png"

@@ -1,35 +1,36 @@
 #!/usr/bin/env python3
-"""Capture time, graph memory and graph-break cost of CUDAGraphRunner on the Llama-1B-shaped step.
+"""Capture time, graph memory and graph-break cost of the engine's decode step in CUDAGraphRunner.
 
 Usage (on a GPU machine, from the repository root):
 
     PYTHONPATH=src python3 benchmarks/graph_capture.py --out benchmarks/results [--quick]
 
-The step is benchmarks/graph_runner.py's ``LlamaDecodeStep`` (bf16, vocab 128256, 16 layers,
-512-token context, random weights). Measured, in this order (one process):
+The step is the engine's own untuned decode step (``graphtune.bench.graph_steps.
+engine_decode_step``: ``build_step`` over ``llama-1b-shape``, bf16, random weights, a KV cache of
+513 slots x 1056 positions) and the runner the engine's (``build_runner``). Measured:
 
-1. the 67 sizes serving engines capture (1, 2, 4, then 8 to 512 by 8), first capture in the
-   process after one eager step at batch 1 ("cold": every other GEMM shape and kernel is used
-   for the first time here);
-2. the same 67 sizes again after ``release()`` ("re-capture");
-3. the largest size alone (512, and 256) in a fresh pool: its own need;
-4. the 35 default sizes up to 256;
-5. 67 and 35 sizes with ``CapturePolicy(share_output_memory=False)`` (one set of outputs per
-   size: the memory behaviour before outputs shared the pool), for comparison;
-6. graph breaks: the same step with each layer's attention in a ``graph_break``, replay time
-   against no break, a hand-written ``torch.cuda.graph`` and eager, at a few batch sizes; the
-   cost per break is (with breaks - without) / layers; replays with breaks must equal replays
-   without, bit for bit.
+1. **cold** capture of the 67 sizes serving engines capture (1, 2, 4, then 8 to 512 by 8), each
+   variant in a fresh process after one eager step at batch 1 (as an engine that ran its model
+   once): ``largest`` (the runner's default: warm-up at the largest size only), ``each``
+   (``CapturePolicy(warm_each_size=True)``: one eager step at every size right before its
+   capture), and both again with cuDNN's SDPA backend switched off for the process
+   (``torch.backends.cuda.enable_cudnn_sdp(False)``), to see whether per-shape set-up of the
+   attention kernel is where first captures spend their time. Per size: warm-up ms, capture ms
+   (record: running the step under capture; finish: end of capture and instantiation);
+2. in this process: the 67 sizes cold, then **re-capture** after ``release()`` (default policy and
+   ``warm_each_size``); the largest size alone (512, and 256) in a fresh pool; the 35 default
+   sizes up to 256; 67 and 35 sizes with ``CapturePolicy(share_output_memory=False)`` (one set of
+   outputs per size), for comparison;
+3. graph breaks: the same step with each layer's attention in a ``graph_break``
+   (``AttentionBreakStep``), replay time against no break, a hand-written ``torch.cuda.graph``
+   and eager, at a few batch sizes; the cost per break is (with breaks - without) / layers;
+   replays with breaks must equal replays without, bit for bit.
 
-Per capture: wall seconds of ``capture()`` (warm-up included), seconds per graph, the phases the
-runner records (record: running the step under capture; finish: end of capture and
-instantiation; account: allocator statistics and non-owning outputs), pool MiB and MiB per size.
-
-Targets (issue 15 and 18, H200): 67 sizes <= 1.5 s (stretch 1.0 s) cold and after release; pool
-of 67 sizes <= 1.15x the largest size alone, and of 35 sizes <= 1.15x its largest and
-<= 0.21 GiB; replays with breaks bit-exact; replay without breaks <= 1.05x a hand-written graph.
-Writes ``graph-capture-<gpu>.json`` into ``--out`` and prints the per-size table, then the
-summary table last. Exits 2 without CUDA, 1 if a target failed, else 0.
+Targets (issues 15 and 18, H200): 67 sizes <= 1.5 s (stretch 1.0 s) cold (the default variant)
+and after release; pool of 67 sizes <= 1.15x the largest size alone, and of 35 sizes <= 1.15x
+its largest and <= 0.21 GiB; replays with breaks bit-exact; replay without breaks <= 1.05x a
+hand-written graph. Writes ``graph-capture-<gpu>.json`` into ``--out`` and prints the per-size
+table, then the summary table last. Exits 2 without CUDA, 1 if a target failed, else 0.
 """
 
 from __future__ import annotations
@@ -37,23 +38,37 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from graph_runner import LlamaDecodeStep, hand_written_graph, time_ms  # noqa: E402
-
-from graphtune import bench  # noqa: E402
-from graphtune.graphs import CapturePolicy, CUDAGraphRunner, default_capture_sizes  # noqa: E402
-from graphtune.reporting import render_table  # noqa: E402
+from graphtune import bench
+from graphtune.bench.graph_steps import (
+    AttentionBreakStep,
+    engine_decode_step,
+    hand_written_graph,
+    step_inputs,
+)
+from graphtune.engine.build import build_runner
+from graphtune.graphs import CapturePolicy, default_capture_sizes
+from graphtune.reporting import render_table
 
 MIB = 1024 * 1024
 SIZES_67 = [1, 2, 4, *range(8, 513, 8)]
 SIZES_35 = list(default_capture_sizes(256))
+MAX_SEQ_LEN, POSITION = 1056, 1024
 BREAK_BATCHES, BREAK_BATCHES_QUICK = [1, 8, 64, 256], [1, 64]
+COLD_VARIANTS = {
+    "largest": (False, True),  # (warm_each_size, cuDNN SDPA on)
+    "each": (True, True),
+    "largest-no-cudnn": (False, False),
+    "each-no-cudnn": (True, False),
+}
+COLD_VARIANTS_QUICK = ("largest", "each-no-cudnn")
 TARGET_CAPTURE_S, STRETCH_CAPTURE_S, TARGET_POOL_RATIO, TARGET_POOL_35_MIB = 1.5, 1.0, 1.15, 215.0
 TARGET_NO_BREAK_VS_HAND = 1.05
 
@@ -65,19 +80,19 @@ def _clean() -> int:
     return torch.cuda.memory_reserved()
 
 
-def _runner(step, sizes, **kwargs) -> CUDAGraphRunner:
-    return CUDAGraphRunner(
-        step, max_batch_size=sizes[-1], capture_sizes=sizes, pad={"1": step.slots - 1}, **kwargs
-    )
+def time_ms(fn, *, reps: int, repeats: int) -> float:
+    """Median over ``repeats`` of the mean per-call time of ``reps`` back-to-back calls."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    return bench.time_per_call_ms(fn, device, reps, repeats)
 
 
-def capture(step, sizes, label, *, runner=None, **kwargs):
+def capture(step, sizes, label, *, runner=None, policy=None):
     """Captures ``sizes`` (into ``runner`` when given); returns (runner, summary dict)."""
-    runner = runner or _runner(step, sizes, **kwargs)
+    runner = runner or build_runner(step, "graph", capture_sizes=sizes, policy=policy)
     before = _clean()
     warmed = runner.stats.warmup_seconds  # cumulative over the runner's life
     start = time.perf_counter()
-    runner.capture(*step.inputs(sizes[-1], seed=0))
+    runner.capture(*step.example_inputs(sizes[-1]))
     torch.cuda.synchronize()
     wall = time.perf_counter() - start
     stats = runner.stats
@@ -85,6 +100,7 @@ def capture(step, sizes, label, *, runner=None, **kwargs):
     warmup = stats.warmup_seconds - warmed
     summary = {
         "label": label,
+        "policy": repr(runner.policy),
         "sizes": len(sizes),
         "graphs": stats.graphs,
         "failed": [r.error for r in stats.failed_captures],
@@ -121,6 +137,42 @@ def capture(step, sizes, label, *, runner=None, **kwargs):
     return runner, summary
 
 
+def first_eager_step(step) -> float:
+    """One eager step at batch 1, as an engine runs its model before capturing; seconds."""
+    start = time.perf_counter()
+    step(*step_inputs(step, 1, POSITION))
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def cold_variant(name: str) -> dict:
+    """This process's first capture of the 67 sizes with variant ``name`` (see the docstring)."""
+    each, cudnn = COLD_VARIANTS[name]
+    torch.backends.cuda.enable_cudnn_sdp(cudnn)
+    step = engine_decode_step(SIZES_67[-1], MAX_SEQ_LEN)
+    first = first_eager_step(step)
+    policy = CapturePolicy(warm_each_size=each)
+    runner, summary = capture(step, SIZES_67, f"67 sizes, cold, {name}", policy=policy)
+    runner.release()
+    return {**summary, "variant": name, "first_eager_step_s": first}
+
+
+def cold_variants(names) -> dict:
+    """Each variant in a fresh Python process (a process is cold only once)."""
+    results = {}
+    with tempfile.TemporaryDirectory() as folder:
+        for name in names:
+            path = Path(folder) / f"{name}.json"
+            script = str(Path(__file__).resolve())
+            command = [sys.executable, script, "--cold", name, "--cold-json", str(path)]
+            done = subprocess.run(command, check=False, timeout=240)
+            if done.returncode != 0 or not path.is_file():
+                results[name] = {"variant": name, "error": f"exit status {done.returncode}"}
+                continue
+            results[name] = json.loads(path.read_text())
+    return results
+
+
 def alone_mib(step, size) -> float:
     runner, summary = capture(step, [size], f"size {size} alone")
     runner.release()
@@ -128,24 +180,19 @@ def alone_mib(step, size) -> float:
 
 
 def break_costs(step, batches, *, reps, repeats):
-    """Replay ms with and without graph breaks (and hand-written graph, eager) per batch.
-
-    Outside a runner's capture ``graph_break`` is a plain call, so ``step.breaks`` only matters
-    while the breakable runner captures.
-    """
-    layers = len(step.layers)
-    plain = _runner(step, batches)
-    plain.capture(*step.inputs(batches[-1], seed=0))
-    step.breaks = True
-    broken = _runner(step, batches)
+    """Replay ms with and without graph breaks (and hand-written graph, eager) per batch."""
+    layers = step.model.config.num_layers
+    plain = build_runner(step, "graph", capture_sizes=batches)
+    plain.capture(*step.example_inputs(batches[-1]))
+    broken_step = AttentionBreakStep(step)
+    broken = build_runner(broken_step, "graph", capture_sizes=batches)
     start = time.perf_counter()
-    broken.capture(*step.inputs(batches[-1], seed=0))
+    broken.capture(*broken_step.example_inputs(batches[-1]))
     torch.cuda.synchronize()
     capture_wall = time.perf_counter() - start
-    step.breaks = False
     rows = []
     for b in batches:
-        inputs = step.inputs(b, seed=b)
+        inputs = step_inputs(step, b, POSITION, seed=b)
         # Both write the same K/V rows before reading them, so the cache state matches.
         want = plain(*inputs).clone()
         same = bool(torch.equal(broken(*inputs), want))
@@ -192,63 +239,82 @@ def _target(value, target, ok) -> dict:
     return {"value": value, "target": target, "pass": bool(ok)}
 
 
+def measure(args) -> dict:
+    """Everything but the cold variants, in this process (see the docstring)."""
+    reps, repeats = (5, 3) if args.quick else (10, 5)
+    batches = BREAK_BATCHES_QUICK if args.quick else BREAK_BATCHES
+    step = engine_decode_step(SIZES_67[-1], MAX_SEQ_LEN)
+    first_eager_s = first_eager_step(step)
+    out = {"first_eager_step_s": first_eager_s}
+    runner, out["cold_67"] = capture(step, SIZES_67, "67 sizes, cold")
+    runner.release()
+    runner, out["recapture_67"] = capture(step, SIZES_67, "67 sizes, re-capture", runner=runner)
+    runner.release()
+    each = CapturePolicy(warm_each_size=True)
+    runner, out["recapture_67_each"] = capture(
+        step, SIZES_67, "67 sizes, re-capture, warm each size", policy=each
+    )
+    runner.release()
+    out["largest_alone_mib"] = {"512": alone_mib(step, 512), "256": alone_mib(step, 256)}
+    runner, out["sizes_35"] = capture(step, SIZES_35, "35 sizes to 256")
+    runner.release()
+    owning = CapturePolicy(share_output_memory=False)
+    runner, out["owning_outputs_67"] = capture(
+        step, SIZES_67, "67 sizes, owning outputs", policy=owning
+    )
+    runner.release()
+    runner, out["owning_outputs_35"] = capture(
+        step, SIZES_35, "35 sizes, owning outputs", policy=owning
+    )
+    runner.release()
+    out["breaks"] = break_costs(step, batches, reps=reps, repeats=repeats)
+    out["timing"] = {"method": "CUDA events, median of repeats", "reps": reps, "repeats": repeats}
+    out["model"] = step.model.config.name
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True, help="folder for the JSON result")
-    parser.add_argument("--quick", action="store_true", help="fewer batch sizes and repeats")
+    parser.add_argument("--out", type=Path, help="folder for the JSON result")
+    parser.add_argument("--quick", action="store_true", help="fewer variants, batches, repeats")
     parser.add_argument("--commit", default=None, help="commit to record (default: git)")
+    parser.add_argument("--cold", choices=sorted(COLD_VARIANTS), help=argparse.SUPPRESS)
+    parser.add_argument("--cold-json", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     device = bench.require_cuda_or_exit("graph_capture.py")
     torch.backends.cuda.matmul.allow_tf32 = False
-    reps, repeats = (5, 3) if args.quick else (10, 5)
-    batches = BREAK_BATCHES_QUICK if args.quick else BREAK_BATCHES
-    print(f"graph_capture: Llama-1B-shaped decode step on {torch.cuda.get_device_name(device)}")
-    step = LlamaDecodeStep(SIZES_67[-1])
-    # One eager step first, as an engine runs its model before capturing: CUDA context, cuBLAS
-    # handle and the batch-1 kernels are initialised here, not in the capture measured next.
-    start = time.perf_counter()
-    step(*step.inputs(1, seed=0))
-    torch.cuda.synchronize()
-    first_eager_s = time.perf_counter() - start
-
-    runner, cold = capture(step, SIZES_67, "67 sizes, cold")
-    runner.release()
-    runner, recapture = capture(step, SIZES_67, "67 sizes, re-capture", runner=runner)
-    runner.release()
-    alone_512 = alone_mib(step, 512)
-    alone_256 = alone_mib(step, 256)
-    runner, sizes35 = capture(step, SIZES_35, "35 sizes to 256")
-    runner.release()
-    owning = CapturePolicy(share_output_memory=False)
-    runner, owning67 = capture(step, SIZES_67, "67 sizes, owning outputs", policy=owning)
-    runner.release()
-    runner, owning35 = capture(step, SIZES_35, "35 sizes, owning outputs", policy=owning)
-    runner.release()
-    breaks = break_costs(step, batches, reps=reps, repeats=repeats)
-
-    ratio67 = cold["pool_mib"] / alone_512 if alone_512 else float("nan")
-    ratio35 = sizes35["pool_mib"] / alone_256 if alone_256 else float("nan")
-    worst_vs_hand = max(r["no_break_vs_hand"] for r in breaks["rows"])
+    if args.cold:  # one cold variant, in the child process the parent started
+        args.cold_json.write_text(json.dumps(bench.json_safe(cold_variant(args.cold))))
+        return 0
+    if args.out is None:
+        parser.error("--out is required")
+    print(f"graph_capture: the engine's llama-1b-shape step on {torch.cuda.get_device_name()}")
+    cold = cold_variants(COLD_VARIANTS_QUICK if args.quick else COLD_VARIANTS)
+    data = measure(args)
+    alone_512, alone_256 = data["largest_alone_mib"]["512"], data["largest_alone_mib"]["256"]
+    ratio67 = data["cold_67"]["pool_mib"] / alone_512 if alone_512 else float("nan")
+    ratio35 = data["sizes_35"]["pool_mib"] / alone_256 if alone_256 else float("nan")
+    rows = data["breaks"]["rows"]
+    worst_vs_hand = max(r["no_break_vs_hand"] for r in rows)
+    exact = all(r["breaks_equal_no_break"] for r in rows)
+    default_cold = cold.get("largest", {}).get("wall_s", float("inf"))
+    recapture = data["recapture_67"]["wall_s"]
     targets = {
         "capture_67_cold_s": _target(
-            cold["wall_s"], TARGET_CAPTURE_S, cold["wall_s"] <= TARGET_CAPTURE_S
+            default_cold, TARGET_CAPTURE_S, default_cold <= TARGET_CAPTURE_S
         ),
         "capture_67_cold_stretch_s": _target(
-            cold["wall_s"], STRETCH_CAPTURE_S, cold["wall_s"] <= STRETCH_CAPTURE_S
+            default_cold, STRETCH_CAPTURE_S, default_cold <= STRETCH_CAPTURE_S
         ),
-        "recapture_67_s": _target(
-            recapture["wall_s"], TARGET_CAPTURE_S, recapture["wall_s"] <= TARGET_CAPTURE_S
-        ),
+        "recapture_67_s": _target(recapture, TARGET_CAPTURE_S, recapture <= TARGET_CAPTURE_S),
         "pool_67_vs_largest": _target(ratio67, TARGET_POOL_RATIO, ratio67 <= TARGET_POOL_RATIO),
         "pool_35_vs_largest": _target(ratio35, TARGET_POOL_RATIO, ratio35 <= TARGET_POOL_RATIO),
         "pool_35_mib": _target(
-            sizes35["pool_mib"], TARGET_POOL_35_MIB, sizes35["pool_mib"] <= TARGET_POOL_35_MIB
+            data["sizes_35"]["pool_mib"],
+            TARGET_POOL_35_MIB,
+            data["sizes_35"]["pool_mib"] <= TARGET_POOL_35_MIB,
         ),
-        "breaks_bit_exact": _target(
-            all(r["breaks_equal_no_break"] for r in breaks["rows"]),
-            True,
-            all(r["breaks_equal_no_break"] for r in breaks["rows"]),
-        ),
+        "breaks_bit_exact": _target(exact, True, exact),
         "no_break_vs_hand_max": _target(
             worst_vs_hand, TARGET_NO_BREAK_VS_HAND, worst_vs_hand <= TARGET_NO_BREAK_VS_HAND
         ),
@@ -259,18 +325,20 @@ def main() -> int:
         "benchmark": "graph_capture",
         "quick": args.quick,
         "provenance": bench.provenance(args.commit, device),
-        "step": {"shape": "llama-3.2-1b", "layers": len(step.layers), "vocab": 128256},
-        "timing": {"method": "CUDA events, median of repeats", "reps": reps, "repeats": repeats},
-        "captures": {
-            "cold_67": cold,
-            "recapture_67": recapture,
-            "sizes_35": sizes35,
-            "owning_outputs_67": owning67,
-            "owning_outputs_35": owning35,
+        "step": {
+            "model": data["model"],
+            "step": "engine (build_step, untuned)",
+            "max_seq_len": MAX_SEQ_LEN,
+            "position": POSITION,
         },
-        "first_eager_step_s": first_eager_s,
-        "largest_alone_mib": {"512": alone_512, "256": alone_256},
-        "breaks": breaks,
+        "timing": data["timing"],
+        "cold_variants": cold,
+        "captures": {
+            k: data[k] for k in data if k.startswith(("cold", "recapture", "sizes", "owning"))
+        },
+        "first_eager_step_s": data["first_eager_step_s"],
+        "largest_alone_mib": data["largest_alone_mib"],
+        "breaks": data["breaks"],
         "targets": targets,
         "pass": ok,
     }
@@ -278,30 +346,26 @@ def main() -> int:
     path = bench.write_json(args.out / f"graph-capture-{slug}.json", payload)
     print(json.dumps({"graph_capture": {k: t["pass"] for k, t in targets.items()}, "pass": ok}))
     print(f"json: {path}")
-    _print_tables(cold, recapture, sizes35, owning67, owning35, alone_512, alone_256, breaks)
+    _print_tables(cold, data, alone_512, alone_256)
     return 0 if ok else 1
 
 
-def _print_tables(cold, recapture, sizes35, owning67, owning35, alone_512, alone_256, breaks):
-    recaptured = {r["size"]: r for r in recapture["per_size"]}
-    print(
-        render_table(
-            "67 sizes per graph (cold | re-capture)",
-            ["size", "ms", "record ms", "finish ms", "pool MiB", "re ms", "re record ms"],
-            [
-                (
-                    r["size"],
-                    r["ms"],
-                    r["record_ms"],
-                    r["finish_ms"],
-                    r["pool_mib"],
-                    recaptured.get(r["size"], {}).get("ms"),
-                    recaptured.get(r["size"], {}).get("record_ms"),
-                )
-                for r in cold["per_size"]
-            ],
-        )
-    )
+def _print_tables(cold, data, alone_512, alone_256):
+    columns = ["size"]
+    per_size: dict[int, list] = {r["size"]: [r["size"]] for r in data["cold_67"]["per_size"]}
+    for name, summary in cold.items():
+        if "per_size" not in summary:
+            continue
+        columns += [f"{name} warm ms", f"{name} ms"]
+        for r in summary["per_size"]:
+            per_size.setdefault(r["size"], [r["size"]]).extend([r["warmup_ms"], r["ms"]])
+    columns += ["pool MiB", "re ms"]
+    recaptured = {r["size"]: r for r in data["recapture_67"]["per_size"]}
+    for r in data["cold_67"]["per_size"]:
+        per_size[r["size"]] += [r["pool_mib"], recaptured.get(r["size"], {}).get("ms")]
+    title = "67 sizes per graph: cold variants (fresh processes) | pool | re-capture"
+    print(render_table(title, columns, list(per_size.values())))
+    breaks = data["breaks"]["rows"]
     print(
         render_table(
             "graph breaks: one per layer around attention (ms per step)",
@@ -316,18 +380,21 @@ def _print_tables(cold, recapture, sizes35, owning67, owning35, alone_512, alone
                     r["us_per_break"],
                     r["breaks_equal_no_break"],
                 )
-                for r in breaks["rows"]
+                for r in breaks
             ],
         )
     )
     rows = []
-    for summary, alone in (
-        (cold, alone_512),
-        (recapture, alone_512),
-        (sizes35, alone_256),
-        (owning67, alone_512),
-        (owning35, alone_256),
-    ):
+    summaries = [(s, alone_512) for s in cold.values() if "wall_s" in s]
+    summaries += [
+        (data["cold_67"], alone_512),
+        (data["recapture_67"], alone_512),
+        (data["recapture_67_each"], alone_512),
+        (data["sizes_35"], alone_256),
+        (data["owning_outputs_67"], alone_512),
+        (data["owning_outputs_35"], alone_256),
+    ]
+    for summary, alone in summaries:
         phases = summary["phases_s"]
         rows.append(
             (

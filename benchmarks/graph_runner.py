@@ -5,16 +5,15 @@ Usage (on a GPU machine, from the repository root):
 
     PYTHONPATH=src python3 benchmarks/graph_runner.py --out benchmarks/results [--quick]
 
-The step is a Llama-3.2-1B-shaped decode step in bf16 with random weights: token embedding
-(vocab 128256, tied LM head), 16 layers of RMSNorm, fused QKV (32 query heads, 8 KV heads, head
-dim 64), rotary embedding, a persistent KV cache written by (slot, position) index, attention by
-``torch.nn.functional.scaled_dot_product_attention`` over a fixed 512-token context, output
-projection, RMSNorm and a SiLU-gated MLP (8192), then the final norm and logits.
+The step is the engine's own untuned decode step (``graphtune.bench.graph_steps.
+engine_decode_step``: ``build_step`` over ``llama-1b-shape`` in bf16 with random weights, a KV
+cache of 257 slots x 528 positions filled with random values), every request at position 512;
+the runner is the engine's (``build_runner``: padded rows write the scratch slot).
 
 Per batch size: eager ms, runner ms (padding, copy-in and slicing included), a hand-written
 ``torch.cuda.graph`` of the step at exactly that size (no padding, no copies), and the GPU-busy
-time (sum of the step's CUDA kernel durations from ``torch.profiler``). Then the capture time and
-pool memory of the default size list up to 256, and pool memory with one pool per graph.
+time (sum of the step's CUDA kernel durations from CUPTI). Then the capture time and pool memory
+of the default size list up to 256, and pool memory with one pool per graph.
 
 Targets (H200): runner <= 1.05x hand-written at every captured size; full default-list capture
 <= 5 s; shared pool <= 0.7x separate pools. Times are CUDA-event medians over repeats after
@@ -28,141 +27,28 @@ import argparse
 import gc
 import json
 import math
-import statistics
 import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from graphtune import bench
-from graphtune.graphs import CUDAGraphRunner, default_capture_sizes, graph_break
+from graphtune.bench.graph_steps import engine_decode_step, hand_written_graph, step_inputs
+from graphtune.engine.build import build_runner
+from graphtune.engine.step import step_pad_rule
+from graphtune.graphs import CUDAGraphRunner, default_capture_sizes
 from graphtune.reporting import render_table
 
-DT = torch.bfloat16
 MIB = 1024 * 1024
+CONTEXT = 512
 TARGET_RATIO, TARGET_CAPTURE_S, TARGET_POOL = 1.05, 5.0, 0.7
-
-
-class LlamaDecodeStep:
-    """Llama-1B-shaped decode step; batch row i reads cache slot i, writes ``cache[slot, pos]``.
-
-    With ``breaks=True`` each layer's attention runs through ``graph_break`` (eagerly between
-    captured pieces); benchmarks/graph_capture.py measures what that costs.
-    """
-
-    def __init__(
-        self,
-        max_batch: int,
-        *,
-        breaks=False,
-        layers=16,
-        hidden=2048,
-        heads=32,
-        kv_heads=8,
-        inter=8192,
-        vocab=128256,
-        ctx=512,
-        seed=0,
-    ):
-        gen = torch.Generator(device="cuda").manual_seed(seed)
-        self.breaks = breaks
-        d = hidden // heads
-        self.h, self.heads, self.kv, self.d, self.ctx = hidden, heads, kv_heads, d, ctx
-
-        def w(*shape, scale):
-            return (torch.randn(*shape, generator=gen, device="cuda") * scale).to(DT)
-
-        self.emb = w(vocab, hidden, scale=1.0)
-        self.layers = [
-            dict(
-                n1=w(hidden, scale=0.05) + 1,
-                qkv=w(hidden, (heads + 2 * kv_heads) * d, scale=hidden**-0.5),
-                o=w(heads * d, hidden, scale=(heads * d) ** -0.5),
-                n2=w(hidden, scale=0.05) + 1,
-                gu=w(hidden, 2 * inter, scale=hidden**-0.5),
-                down=w(inter, hidden, scale=inter**-0.5),
-            )
-            for _ in range(layers)
-        ]
-        self.norm = w(hidden, scale=0.05) + 1
-        self.slots = max_batch + 1  # the last slot is scratch: padded rows write there
-        shape = (layers, self.slots, kv_heads, ctx, d)
-        self.cache_k, self.cache_v = w(*shape, scale=1.0), w(*shape, scale=1.0)
-        inv = 1.0 / (10000 ** (torch.arange(0, d, 2, device="cuda").float() / d))
-        angles = torch.outer(torch.arange(ctx, device="cuda").float(), inv)
-        self.cos, self.sin = angles.cos().to(DT), angles.sin().to(DT)
-
-    @staticmethod
-    def _rms(x, weight):
-        var = x.float().pow(2).mean(-1, keepdim=True)
-        return (x.float() * torch.rsqrt(var + 1e-5)).to(DT) * weight
-
-    def _rope(self, x, cos, sin):  # x [b, heads, d]; cos/sin [b, 1, d/2]
-        x1, x2 = x[..., : self.d // 2], x[..., self.d // 2 :]
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-    def __call__(self, ids, slot, pos):
-        b = ids.shape[0]
-        x = self.emb[ids]
-        cos, sin = self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1)
-        group = self.heads // self.kv
-        for i, p in enumerate(self.layers):
-            qkv = self._rms(x, p["n1"]) @ p["qkv"]
-            q, k, v = qkv.split([self.heads * self.d, self.kv * self.d, self.kv * self.d], -1)
-            q = self._rope(q.view(b, self.heads, self.d), cos, sin)
-            k = self._rope(k.view(b, self.kv, self.d), cos, sin)
-            self.cache_k[i][slot, :, pos] = k
-            self.cache_v[i][slot, :, pos] = v.view(b, self.kv, self.d)
-            # GQA: the `group` query heads of one KV head attend as `group` query rows.
-            q = q.view(b, self.kv, group, self.d)
-            attn = graph_break(self._attend, q, i) if self.breaks else self._attend(q, i)
-            x = x + attn.reshape(b, self.heads * self.d) @ p["o"]
-            gate, up = (self._rms(x, p["n2"]) @ p["gu"]).chunk(2, dim=-1)
-            x = x + (F.silu(gate) * up) @ p["down"]
-        return self._rms(x, self.norm) @ self.emb.t()
-
-    def _attend(self, q, layer):
-        b = q.shape[0]
-        return F.scaled_dot_product_attention(q, self.cache_k[layer][:b], self.cache_v[layer][:b])
-
-    def inputs(self, b, seed):
-        gen = torch.Generator(device="cuda").manual_seed(seed)
-        ids = torch.randint(0, self.emb.shape[0], (b,), generator=gen, device="cuda")
-        pos = torch.randint(0, self.ctx, (b,), generator=gen, device="cuda")
-        return ids, torch.arange(b, device="cuda"), pos
 
 
 def time_ms(fn, *, reps: int, repeats: int) -> float:
     """Median over ``repeats`` of the mean per-call time of ``reps`` back-to-back calls."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / reps)
-    return statistics.median(samples)
-
-
-def hand_written_graph(step, inputs):
-    """The baseline: the step captured at exactly this size, no padding, no copies."""
-    static = tuple(t.clone() for t in inputs)
-    side, current = torch.cuda.Stream(), torch.cuda.current_stream()
-    side.wait_stream(current)
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step(*static)
-    current.wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step(*static)
-    return graph, out
+    return bench.time_per_call_ms(
+        fn, torch.device("cuda", torch.cuda.current_device()), reps, repeats
+    )
 
 
 def reserved_clean() -> int:
@@ -173,9 +59,15 @@ def reserved_clean() -> int:
 
 
 def capture_run(step, max_batch, example, *, share_pool):
-    runner = CUDAGraphRunner(
-        step, max_batch_size=max_batch, share_pool=share_pool, pad={"1": step.slots - 1}
-    )
+    if share_pool:
+        runner = build_runner(step, "graph")
+    else:
+        runner = CUDAGraphRunner(
+            step,
+            max_batch_size=max_batch,
+            share_pool=False,
+            pad=step_pad_rule(step.cache.scratch_slot),
+        )
     before = reserved_clean()
     start = time.perf_counter()
     runner.capture(*example)
@@ -196,7 +88,7 @@ def capture_run(step, max_batch, example, *, share_pool):
 
 def measure_size(step, runner, b, *, captured, reps, repeats) -> dict:
     """Eager, runner, hand-written graph and GPU-busy time of one batch size."""
-    inputs = step.inputs(b, seed=b)
+    inputs = step_inputs(step, b, CONTEXT, seed=b)
     eager_ms = time_ms(lambda: step(*inputs), reps=max(2, reps // 2), repeats=repeats)
     runner_ms = time_ms(lambda: runner(*inputs), reps=reps, repeats=repeats)
     got = runner(*inputs).clone()
@@ -232,14 +124,13 @@ def main() -> int:
     max_batch = 256
     sizes = [1, 8, 64, 3] if args.quick else [1, 8, 32, 64, 128, 256, 3, 50]
     reps, repeats = (5, 3) if args.quick else (10, 5)
-    step = LlamaDecodeStep(max_batch)
+    step = engine_decode_step(max_batch, CONTEXT + 16)
     captured = set(default_capture_sizes(max_batch))
-    print(f"graph_runner: Llama-1B-shaped decode step on {torch.cuda.get_device_name(device)}")
+    print(f"graph_runner: the engine's llama-1b-shape step on {torch.cuda.get_device_name(device)}")
 
     # Capture the default list into one shared pool (timed), then keep this runner for timing.
-    runner, shared, before = capture_run(
-        step, max_batch, step.inputs(max_batch, 0), share_pool=True
-    )
+    example = step.example_inputs(max_batch)
+    runner, shared, before = capture_run(step, max_batch, example, share_pool=True)
     print(
         f"  captured {shared['graphs']} sizes in {shared['capture_wall_s']:.2f} s, "
         f"pool {shared['pool_mib']:.0f} MiB"
@@ -270,9 +161,7 @@ def main() -> int:
     replays = runner.stats.replays
     runner.release()
     after_release = reserved_clean()
-    separate_runner, separate, _ = capture_run(
-        step, max_batch, step.inputs(max_batch, 0), share_pool=False
-    )
+    separate_runner, separate, _ = capture_run(step, max_batch, example, share_pool=False)
     separate_runner.release()
 
     pool_ratio = shared["pool_mib"] / separate["pool_mib"] if separate["pool_mib"] else math.nan
@@ -305,14 +194,10 @@ def main() -> int:
         "quick": args.quick,
         "provenance": bench.provenance(args.commit, device),
         "step": {
-            "shape": "llama-3.2-1b",
-            "layers": 16,
-            "hidden": 2048,
-            "heads": 32,
-            "kv_heads": 8,
-            "mlp": 8192,
-            "vocab": 128256,
-            "context": 512,
+            "model": step.model.config.name,
+            "step": "engine (build_step, untuned)",
+            "max_seq_len": step.cache.max_seq_len,
+            "position": CONTEXT,
             "dtype": "bf16",
         },
         "timing": {"method": "CUDA events, median of repeats", "reps": reps, "repeats": repeats},

@@ -52,3 +52,16 @@ def test_a_worse_step_fails_the_check() -> None:
     assert _errors(want, want) == StepError(0.0, 0.0, 0.0, 1.0)
     assert not AccuracyResult(1, 4, untuned=good, tuned=bad).no_worse
     assert AccuracyResult(1, 4, untuned=bad, tuned=good).no_worse
+
+
+def test_kl_below_the_floor_counts_as_equal():
+    from graphtune.bench.accuracy import KL_FLOOR, AccuracyResult, StepError
+
+    # One-hot next-token distributions: float64 leaves KL of about -1e-119 for both steps.
+    untuned = StepError(max_abs=2.5, kl_mean=-2e-119, kl_max=0.0, top1_agree=1.0)
+    tuned = StepError(max_abs=2.4, kl_mean=-8e-120, kl_max=KL_FLOOR / 2, top1_agree=1.0)
+    result = AccuracyResult(batch_size=1, steps=64, untuned=untuned, tuned=tuned)
+    assert result.ratios == {"max_abs": 2.4 / 2.5, "kl_mean": 1.0, "kl_max": 1.0}
+    assert result.no_worse
+    worse = StepError(max_abs=2.4, kl_mean=3 * KL_FLOOR, kl_max=3 * KL_FLOOR, top1_agree=1.0)
+    assert AccuracyResult(1, 64, untuned, worse).ratios["kl_mean"] == 3.0

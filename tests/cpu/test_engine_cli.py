@@ -113,3 +113,12 @@ def test_bench_decode_tiny_cpu(tmp_path, capsys):
 def test_bench_rejects_bad_batch_sizes(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "decode", "--batch-sizes", "1,x"])
+
+
+def test_generate_gpu_memory_utilization_needs_cuda(capsys):
+    args = ["generate", "--model", "tiny", "--prompt", "1,2", "--device", "cpu"]
+    assert main([*args, "--gpu-memory-utilization", "0.5"]) == 2
+    err = capsys.readouterr().err
+    assert "gpu_memory_utilization needs a CUDA device" in err and "Traceback" not in err
+    assert main([*args, "--gpu-memory-utilization", "1.5"]) == 2
+    assert "must be in (0, 1]" in capsys.readouterr().err

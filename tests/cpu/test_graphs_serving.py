@@ -95,6 +95,7 @@ def test_padding_off_with_lazy_capture_captures_only_exact_sizes():
         (dict(when_frozen="crash"), "when_frozen"),
         (dict(padding="no"), "padding"),
         (dict(share_output_memory=1), "share_output_memory"),
+        (dict(warm_each_size="yes"), "warm_each_size"),
     ],
 )
 def test_capture_policy_validation(kwargs, message):
@@ -159,3 +160,32 @@ def test_simulated_capture_fails_on_a_host_sync_like_cuda():
     runner.capture(torch.ones(2, 1))
     assert len(runner.stats.failed_captures) == 2
     assert "host synchronisation" in runner.stats.failed_captures[0].error
+
+
+def test_warm_each_size_runs_one_eager_call_before_each_smaller_capture():
+    seen = []
+
+    def step(x):
+        seen.append(x.shape[0])
+        return x * 2
+
+    backend = SimulatedGraphBackend()
+    policy = CapturePolicy(warm_each_size=True)
+    runner = CUDAGraphRunner(step, max_batch_size=8, warmup=2, backend=backend, policy=policy)
+    runner.capture(torch.ones(8, 2))
+    # Two warm-up calls at 8, its capture; then per smaller size one warm-up call and a capture.
+    assert seen == [8, 8, 8, 4, 4, 2, 2, 1, 1]
+    assert backend.warmup_runs == 2 + 3 and backend.captures == 4
+    warmups = {r.size: r.warmup_seconds for r in runner.stats.records}
+    assert all(seconds > 0 for seconds in warmups.values())
+    assert runner.stats.warmup_seconds == pytest.approx(sum(warmups.values()))
+    got = runner(torch.full((3, 2), 5.0))
+    assert torch.equal(got, torch.full((3, 2), 10.0))
+
+
+def test_warm_each_size_respects_warmup_zero():
+    backend = SimulatedGraphBackend()
+    policy = CapturePolicy(warm_each_size=True)
+    runner = CUDAGraphRunner(double, max_batch_size=8, warmup=0, backend=backend, policy=policy)
+    runner.capture(torch.ones(8, 2))
+    assert backend.warmup_runs == 0 and backend.captures == 4

@@ -104,7 +104,7 @@ def _inputs(batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return tokens, torch.full_like(tokens, POSITION), torch.arange(batch, device="cuda")
 
 
-@pytest.mark.parametrize("which", ["tuned", "forced"])
+@pytest.mark.parametrize("which", ["tuner", "forced"])
 @pytest.mark.parametrize("batch", [1, 8])
 def test_fused_step_matches_the_untuned_step(llama_1b, cache, request, which, batch):
     tuned = DecodeStep(llama_1b, cache, contiguous_slots=True, tuner=request.getfixturevalue(which))
@@ -120,7 +120,7 @@ def test_fused_step_matches_the_untuned_step(llama_1b, cache, request, which, ba
     assert tuned.tuner.stats.fallbacks == {}
 
 
-@pytest.mark.parametrize("which", ["tuned", "forced"])
+@pytest.mark.parametrize("which", ["tuner", "forced"])
 def test_fused_step_replays_bit_exactly_in_a_cuda_graph_with_pdl(llama_1b, cache, request, which):
     if torch.cuda.get_device_capability() >= (9, 0):
         assert _pdl.pdl_enabled(torch.device("cuda"))  # every fused launch is a PDL launch

@@ -8,7 +8,10 @@ accumulates its own K/V rounding), and at every position the logits of the untun
 tuned step are compared with the reference's: the largest absolute difference and the KL
 divergence ``KL(p_ref || p)`` of the next-token distribution (float64 softmax). The tuned step
 meets the target when its worst error and its mean and worst KL are no larger than the untuned
-step's; :attr:`AccuracyResult.ratios` gives the margins.
+step's; :attr:`AccuracyResult.ratios` gives the margins. KL values below :data:`KL_FLOOR` count as
+equal: a random-weight preset's next-token distribution is nearly one-hot (its logits span
+hundreds of units), so both steps' KL is zero up to float64 rounding and only the floor can rank
+them.
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ from graphtune.engine.kv_cache import KVCache, aligned_seq_len
 from graphtune.engine.model import DecoderModel, LayerWeights
 from graphtune.engine.tuning import tune_step
 from graphtune.errors import ConfigError
+
+#: KL (nats) below which two KL divergences are not told apart.
+KL_FLOOR = 1e-9
 
 
 @dataclass(frozen=True)
@@ -48,13 +54,14 @@ class AccuracyResult:
     def ratios(self) -> dict[str, float]:
         """Tuned over untuned for the worst error and the mean and worst KL (<= 1 meets it)."""
 
-        def ratio(a: float, b: float) -> float:
+        def ratio(a: float, b: float, floor: float = 0.0) -> float:
+            a, b = max(a, floor), max(b, floor)
             return a / b if b > 0 else (1.0 if a == b else float("inf"))
 
         return {
             "max_abs": ratio(self.tuned.max_abs, self.untuned.max_abs),
-            "kl_mean": ratio(self.tuned.kl_mean, self.untuned.kl_mean),
-            "kl_max": ratio(self.tuned.kl_max, self.untuned.kl_max),
+            "kl_mean": ratio(self.tuned.kl_mean, self.untuned.kl_mean, KL_FLOOR),
+            "kl_max": ratio(self.tuned.kl_max, self.untuned.kl_max, KL_FLOOR),
         }
 
     @property
@@ -95,7 +102,8 @@ def _errors(logits: list[torch.Tensor], reference: list[torch.Tensor]) -> StepEr
     want = torch.stack(reference).double()
     log_want = torch.log_softmax(want, dim=-1)
     log_got = torch.log_softmax(got, dim=-1)
-    kl = (log_want.exp() * (log_want - log_got)).sum(-1)
+    # KL is >= 0; float64 rounding leaves -1e-119-sized values for one-hot distributions.
+    kl = (log_want.exp() * (log_want - log_got)).sum(-1).clamp_min(0.0)
     return StepError(
         max_abs=float((got - want).abs().max()),
         kl_mean=float(kl.mean()),

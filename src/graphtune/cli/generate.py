@@ -56,6 +56,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="N",
         help="KV cache length per request (default: longest prompt + N new)",
     )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        metavar="F",
+        help="share (0-1] of the GPU's memory the engine may use: the KV cache gets as many "
+        "slots as fit after weights, activations and graphs (prints the memory plan)",
+    )
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -110,6 +118,7 @@ def run_generate(args: argparse.Namespace) -> int:
             max_seq_len=max_seq,
             capture_sizes=None,
             lazy_capture=True,
+            gpu_memory_utilization=args.gpu_memory_utilization,
         )
         sampling = SamplingParams(
             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed
@@ -145,8 +154,11 @@ def run_generate(args: argparse.Namespace) -> int:
         f"{args.runner}, {model.config.name}, {str(dtype).replace('torch.', '')}, "
         f"{device}{tp})"
     )
+    if engine.memory_plan is not None:
+        print(engine.memory_plan.table())
     if args.stats and hasattr(engine.stats, "table"):
         print(engine.stats.table())
+        print(engine.prefill_stats.table())
     engine.release()
     stop_tensor_parallel(parallel)
     return 0

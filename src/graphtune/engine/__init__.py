@@ -16,9 +16,10 @@ from graphtune.engine.kv_cache import KVCache
 from graphtune.engine.loading import load_checkpoint, load_config, load_model
 from graphtune.engine.model import DecoderModel, LayerWeights, random_model
 from graphtune.engine.parallel import ParallelContext, TensorParallelDecodeStep, shard_model
+from graphtune.engine.prefill import PrefillStep, prefill, prefill_capture_sizes
 from graphtune.engine.presets import PRESETS, fewer_layers, get_preset
 from graphtune.engine.sampling import GREEDY, SamplingParams, sample
-from graphtune.engine.step import DecodeStep, prefill, step_pad_rule
+from graphtune.engine.step import DecodeStep, step_pad_rule
 from graphtune.engine.tuning import TuneReport, record_step_calls, tune_step
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "LayerWeights",
     "ModelConfig",
     "ParallelContext",
+    "PrefillStep",
     "RopeScaling",
     "SamplingParams",
     "TensorParallelDecodeStep",
@@ -45,6 +47,7 @@ __all__ = [
     "load_config",
     "load_model",
     "prefill",
+    "prefill_capture_sizes",
     "random_model",
     "record_step_calls",
     "resolve_device",

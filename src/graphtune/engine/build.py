@@ -1,7 +1,8 @@
-"""The engine's factories: the decode step for a model and the runner that wraps it.
+"""The engine's factories: the decode step for a model, the prefill step over it, and the runners
+that wrap them.
 
-:class:`~graphtune.engine.Engine` builds its step and runner here, and so does the decode
-benchmark (``graphtune.bench``), so what the benchmark times is what the engine serves.
+:class:`~graphtune.engine.Engine` builds its steps and runners here, and so do the benchmarks
+(``graphtune.bench``), so what a benchmark times is what the engine serves.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ from graphtune.engine.collectives import AllReduce
 from graphtune.engine.kv_cache import KVCache
 from graphtune.engine.model import DecoderModel
 from graphtune.engine.parallel import TensorParallelDecodeStep
+from graphtune.engine.prefill import PrefillStep, prefill_capture_sizes, prefill_pad_rule
 from graphtune.engine.step import DecodeStep, step_pad_rule
 from graphtune.errors import ConfigError
-from graphtune.graphs import CUDAGraphRunner, EagerRunner
+from graphtune.graphs import CapturePolicy, CUDAGraphRunner, EagerRunner, GraphBackend
 
 #: Step runners an Engine can use.
 RUNNERS = ("graph", "eager")
@@ -77,6 +79,8 @@ def build_runner(
     capture_sizes: Sequence[int] | None = None,
     lazy: bool = False,
     device: torch.device | None = None,
+    policy: CapturePolicy | None = None,
+    backend: GraphBackend | None = None,
 ) -> CUDAGraphRunner | EagerRunner:
     """The runner of ``step``: a ``CUDAGraphRunner`` (padded rows write the scratch slot) or an
     ``EagerRunner``. Nothing is captured yet: call ``runner.capture(*step.example_inputs(
@@ -89,12 +93,13 @@ def build_runner(
             ``step.max_batch_size``.
         lazy: Capture each size on first use.
         device: The CUDA device to capture on (default: the inputs').
+        policy: The graph runner's :class:`~graphtune.graphs.CapturePolicy` (default one).
+        backend: The graph backend (default CUDA; CPU tests pass the simulated one).
 
     Raises:
         ConfigError: ``kind`` is not a runner name.
     """
-    if kind not in RUNNERS:
-        raise ConfigError(f"runner must be one of {RUNNERS}, got {kind!r}")
+    _check_kind(kind)
     if kind == "eager":
         return EagerRunner(step)
     return CUDAGraphRunner(
@@ -104,4 +109,55 @@ def build_runner(
         pad=step_pad_rule(step.cache.scratch_slot),
         lazy=lazy,
         device=device,
+        policy=policy,
+        backend=backend,
     )
+
+
+def build_prefill_step(step: DecodeStep, max_tokens: int) -> PrefillStep:
+    """The prefill step over ``step``'s forward, captured for up to ``max_tokens`` tokens a call.
+
+    Raises:
+        ConfigError: ``max_tokens`` is not a positive int.
+    """
+    return PrefillStep(step, max_tokens)
+
+
+def build_prefill_runner(
+    step: PrefillStep,
+    kind: str = "graph",
+    *,
+    capture_sizes: Sequence[int] | None = None,
+    lazy: bool = False,
+    device: torch.device | None = None,
+    policy: CapturePolicy | None = None,
+    backend: GraphBackend | None = None,
+) -> CUDAGraphRunner | EagerRunner:
+    """The runner of a prefill step: a ``CUDAGraphRunner`` keyed by token count (buckets
+    :func:`~graphtune.engine.prefill.prefill_capture_sizes` up to ``step.max_tokens``; padded
+    tokens write the scratch slot; each layer's attention is a graph break) or an
+    ``EagerRunner``. Nothing is captured yet: call ``runner.capture(*step.example_inputs(
+    step.max_tokens))``. Arguments as for :func:`build_runner`.
+
+    Raises:
+        ConfigError: ``kind`` is not a runner name.
+    """
+    _check_kind(kind)
+    if kind == "eager":
+        return EagerRunner(step)
+    sizes = prefill_capture_sizes(step.max_tokens) if capture_sizes is None else capture_sizes
+    return CUDAGraphRunner(
+        step,
+        max_batch_size=step.max_tokens,
+        capture_sizes=list(sizes),
+        pad=prefill_pad_rule(step.step.cache.scratch_slot),
+        lazy=lazy,
+        device=device,
+        policy=policy,
+        backend=backend,
+    )
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in RUNNERS:
+        raise ConfigError(f"runner must be one of {RUNNERS}, got {kind!r}")

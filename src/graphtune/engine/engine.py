@@ -1,8 +1,9 @@
 """The reference decode engine: prefill, a captured decode step, sampling, a request loop.
 
 The engine picks its step runner once, at construction: a ``CUDAGraphRunner`` wrapping the decode
-step (padded rows write the KV cache's scratch slot) or an ``EagerRunner``. The runner only ever
-sees the step callable; it never learns that an engine exists.
+step (padded rows write the KV cache's scratch slot) or an ``EagerRunner``, and one for prefill
+(each admission round's prompts packed into calls of :mod:`graphtune.engine.prefill`). A runner
+only ever sees the step callable; it never learns that an engine exists.
 
 Live requests are kept compacted: request ``i`` of the live batch owns KV slot ``i``. When a
 request in the middle finishes, the last one moves into its slot (a copy of its cached prefix), so
@@ -27,11 +28,18 @@ from typing import Any
 import torch
 
 from graphtune.autotuner import AutoTuner, DistributedTuning, autotune
-from graphtune.engine.build import RUNNERS, build_runner, build_step
+from graphtune.engine.build import (
+    RUNNERS,
+    build_prefill_runner,
+    build_prefill_step,
+    build_runner,
+    build_step,
+)
 from graphtune.engine.kv_cache import KVCache, aligned_seq_len
+from graphtune.engine.memory_plan import MemoryPlan, MemoryReport, plan_memory
 from graphtune.engine.model import DecoderModel
+from graphtune.engine.prefill import DEFAULT_MAX_PREFILL_TOKENS, check_max_tokens, prefill_logits
 from graphtune.engine.sampling import GREEDY, NON_FINITE, SamplingParams, sample
-from graphtune.engine.step import prefill
 from graphtune.engine.tuning import TuneReport, tune_step
 from graphtune.errors import ConfigError, InputError, NumericalError
 
@@ -93,6 +101,19 @@ class Engine:
             without ``tune``, the step runs that tuner's cached picks (look-ups only).
             With neither ``tune``, ``tuning_cache`` nor ``tuner`` the step is the untuned torch
             step.
+        prefill_runner: ``"graph"`` (an admission round's prompts packed into calls captured per
+            token-count bucket, each layer's attention a graph break) or ``"eager"``; ``None``
+            (default): as ``runner``, except ``"eager"`` for a mixture-of-experts model (whose
+            untuned experts inside a capture run their dense all-experts form). See
+            :mod:`graphtune.engine.prefill`.
+        max_prefill_tokens: Most tokens of one prefill call (its largest graph; longer prompts
+            run eagerly). Default ``min(2048, max_batch_size * max_seq_len)``.
+        gpu_memory_utilization: Share (0 to 1] of the device's memory the engine may use, what
+            is in use already included: the KV cache gets as many ``max_seq_len`` slots as fit
+            after the profiled steps, activations and graphs, up to ``max_batch_size``
+            (:attr:`memory_plan`, :mod:`graphtune.engine.memory_plan`). ``None``: unchecked.
+        memory_report: Where the plan reads memory (default ``CudaMemoryReport(device)``).
+        graph_backend: The runners' graph backend (default CUDA; tests: the simulated one).
 
     Tensor parallelism: pass a sharded model (``load_model(..., parallel=ParallelContext(...))``)
     and run the same ``Engine`` calls with the same arguments on every rank of the group. The
@@ -104,8 +125,8 @@ class Engine:
     so all ranks run the same kernels; a given ``tuner`` must have a collective strategy.
 
     Raises:
-        ConfigError: Unknown runner, sizes out of range, or ``tune=True`` on a shard with a tuner
-            that is not rank-consistent.
+        ConfigError: Unknown runner, sizes out of range, ``tune=True`` on a shard with a tuner
+            that is not rank-consistent, or a memory budget in which not one KV slot fits.
     """
 
     def __init__(
@@ -123,9 +144,20 @@ class Engine:
         tune: bool = False,
         tuning_cache: str | PathLike[str] | None = None,
         tuner: Any = None,
+        prefill_runner: str | None = None,
+        max_prefill_tokens: int | None = None,
+        gpu_memory_utilization: float | None = None,
+        memory_report: MemoryReport | None = None,
+        graph_backend: Any = None,
     ) -> None:
-        if runner not in RUNNERS:
-            raise ConfigError(f"runner must be one of {RUNNERS}, got {runner!r}")
+        if prefill_runner is None:
+            # Untuned (prefill's ops), a mixture-of-experts layer inside a capture runs every
+            # expert on every token (E / k times the loop's work): prompts prefill faster eagerly.
+            moe = any(layer.is_moe for layer in model.layers)
+            prefill_runner = "eager" if moe else runner
+        for name, kind in (("runner", runner), ("prefill_runner", prefill_runner)):
+            if kind not in RUNNERS:
+                raise ConfigError(f"{name} must be one of {RUNNERS}, got {kind!r}")
         if max_batch_size <= 0:
             raise ConfigError(f"max_batch_size must be > 0, got {max_batch_size}")
         if max_seq_len <= 1:
@@ -137,8 +169,27 @@ class Engine:
         self.model = model
         self.config = model.config
         self.device = target_device
-        self.max_batch_size = max_batch_size
         self.max_seq_len = aligned_seq_len(max_seq_len)
+        if max_prefill_tokens is None:
+            max_prefill_tokens = min(DEFAULT_MAX_PREFILL_TOKENS, max_batch_size * self.max_seq_len)
+        check_max_tokens(max_prefill_tokens)
+        self.memory_plan: MemoryPlan | None = None
+        if gpu_memory_utilization is not None:
+            self.memory_plan, memory_report = plan_memory(
+                model,
+                gpu_memory_utilization,
+                memory_report,
+                max_batch_size=max_batch_size,
+                seq_len=self.max_seq_len,
+                runners=(runner, prefill_runner),
+                max_prefill_tokens=max_prefill_tokens,
+                capture_sizes=capture_sizes,
+                backend=graph_backend,
+            )
+            max_batch_size = self.memory_plan.slots
+            if capture_sizes is not None:
+                capture_sizes = [s for s in capture_sizes if s <= max_batch_size] or None
+        self.max_batch_size = max_batch_size
         self.cache = KVCache(
             self.config, max_batch_size, self.max_seq_len, target_device, target_dtype
         )
@@ -155,10 +206,27 @@ class Engine:
         self.strict_numerics = strict_numerics
         self.failures: list[RequestFailure] = []
         self.runner = build_runner(
-            self.step_fn, runner, capture_sizes=capture_sizes, lazy=lazy_capture, device=self.device
+            self.step_fn,
+            runner,
+            capture_sizes=capture_sizes,
+            lazy=lazy_capture,
+            device=self.device,
+            backend=graph_backend,
+        )
+        self.prefill_step = build_prefill_step(self.step_fn, max_prefill_tokens)
+        self.prefill_runner = build_prefill_runner(
+            self.prefill_step,
+            prefill_runner,
+            lazy=lazy_capture,
+            device=self.device,
+            backend=graph_backend,
         )
         if runner == "graph" and not lazy_capture:
             self.runner.capture(*self.example_inputs(self.max_batch_size))
+        if prefill_runner == "graph" and not lazy_capture:
+            self.prefill_runner.capture(*self.prefill_step.example_inputs(max_prefill_tokens))
+        if self.memory_plan is not None and memory_report is not None:
+            self.memory_plan = self.memory_plan.measured(memory_report)
 
     def _prepare_tuner(
         self, tune: bool, cache_path: str | PathLike[str] | None, tuner: Any
@@ -215,12 +283,18 @@ class Engine:
 
     @property
     def stats(self) -> Any:
-        """The step runner's statistics (replays, fallbacks by reason, padding, memory)."""
+        """The decode runner's statistics (replays, fallbacks by reason, padding, memory)."""
         return self.runner.stats
 
+    @property
+    def prefill_stats(self) -> Any:
+        """The prefill runner's statistics (one call per prefill chunk; breaks per replay)."""
+        return self.prefill_runner.stats
+
     def release(self) -> None:
-        """Releases the runner's graphs and memory pool (the engine can capture again later)."""
+        """Releases the runners' graphs and memory pools (the engine can capture again later)."""
         self.runner.release()
+        self.prefill_runner.release()
 
     def step(
         self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
@@ -348,14 +422,17 @@ class Engine:
     def _admit(
         self, admitted: list[_Request], sampling: SamplingParams, generator: torch.Generator | None
     ) -> None:
-        last_logits = []
         for request in admitted:
             request.slot = self.cache.allocate()
-            tokens = torch.tensor(request.prompt, dtype=torch.long, device=self.device)
-            last_logits.append(prefill(self.step_fn, tokens, request.slot))
             request.cached = len(request.prompt)
+        logits = prefill_logits(
+            self.prefill_step,
+            self.prefill_runner,
+            [r.prompt for r in admitted],
+            [r.slot for r in admitted],
+        )
         # One device-to-host read for all first tokens of this admission round.
-        first = sample(torch.stack(last_logits), sampling, generator).tolist()
+        first = sample(logits, sampling, generator).tolist()
         for request, token in zip(admitted, first, strict=True):
             self._accept(request, int(token))
 

@@ -32,6 +32,11 @@ def aligned_seq_len(length: int) -> int:
     return -(-length // SEQ_ALIGNMENT) * SEQ_ALIGNMENT
 
 
+def kv_bytes_per_token(config: ModelConfig, element_size: int) -> int:
+    """Bytes of keys plus values for one token of one request across all layers."""
+    return 2 * config.num_layers * config.num_kv_heads * config.dim_per_head * element_size
+
+
 class KVCache:
     """Preallocated keys and values for ``max_batch_size`` live requests plus a scratch slot.
 
@@ -41,6 +46,9 @@ class KVCache:
         max_seq_len: Longest sequence (prompt + generated tokens) per request.
         device: Where to allocate.
         dtype: Element type of keys and values.
+        shared_layers: Allocate one layer and let every layer view it. Only for profiling the
+            step's activation and graph memory (:mod:`graphtune.engine.memory_plan`), which do
+            not depend on the cache's contents; :attr:`nbytes` is then the one layer's bytes.
 
     Raises:
         ConfigError: A size is not positive.
@@ -53,6 +61,8 @@ class KVCache:
         max_seq_len: int,
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
+        *,
+        shared_layers: bool = False,
     ) -> None:
         if max_batch_size <= 0 or max_seq_len <= 0:
             raise ConfigError(
@@ -63,8 +73,9 @@ class KVCache:
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
         self.scratch_slot = max_batch_size
+        layers = 1 if shared_layers else config.num_layers
         shape = (
-            config.num_layers,
+            layers,
             max_batch_size + 1,
             config.num_kv_heads,
             max_seq_len,
@@ -75,8 +86,8 @@ class KVCache:
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         # Per-layer views made once, so the decode step does no view bookkeeping per call.
-        self.k_layers = list(self.k.unbind(0))
-        self.v_layers = list(self.v.unbind(0))
+        self.k_layers = list(self.k.unbind(0)) * (config.num_layers // layers)
+        self.v_layers = list(self.v.unbind(0)) * (config.num_layers // layers)
         self._free = list(range(max_batch_size))
 
     @property
@@ -86,8 +97,7 @@ class KVCache:
 
     def bytes_per_token(self) -> int:
         """Bytes of keys plus values for one token of one request across all layers."""
-        c = self.config
-        return 2 * c.num_layers * c.num_kv_heads * c.dim_per_head * self.k.element_size()
+        return kv_bytes_per_token(self.config, self.k.element_size())
 
     @property
     def num_free(self) -> int:

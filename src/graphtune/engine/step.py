@@ -22,8 +22,8 @@ Built with a tuner, every op runs the tuner's pick for its batch bucket (a fused
 unfused sequence with each single op's own pick); without one, every op runs its torch fallback
 (the same code, no look-ups): exactly the hand-written torch step. Tune by running the step in
 tuning mode (:func:`graphtune.engine.tuning.tune_step`), so the keys tuned are the keys looked up.
-Prefill has a different length per request, so it runs eagerly, one request at a time, with the
-untuned ops.
+Prefill (:mod:`graphtune.engine.prefill`) runs this forward on packed prompts with the untuned
+ops and its attention as a graph break.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from graphtune.engine.attention import Attention, DecodeAttention, PrefillAttention
+from graphtune.engine.attention import Attention, DecodeAttention
 from graphtune.engine.kv_cache import KVCache
 from graphtune.engine.model import DecoderModel, rope_tables
 from graphtune.engine.moe import add_moe_mlp
@@ -147,7 +147,7 @@ class DecodeStep:
         write_rows: torch.Tensor,
         attention: Attention,
         *,
-        last_only: bool = False,
+        logit_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The model on a flat batch of tokens; returns logits ``[rows, vocab]``.
 
@@ -158,7 +158,8 @@ class DecodeStep:
             write_rows: ``[rows * kv_heads]`` cache row of each (token, KV head) in the
                 flattened per-layer cache (:meth:`write_rows`).
             attention: Decode or prefill attention (:mod:`graphtune.engine.attention`).
-            last_only: Logits of the last row only (``[1, vocab]``).
+            logit_rows: Rows whose logits to compute (``[k]`` indices, e.g. each prompt's last
+                token in prefill); ``None``: every row.
         """
         model, cfg = self.model, self.model.config
         eps = cfg.rms_norm_eps
@@ -194,8 +195,10 @@ class DecodeStep:
                 x, normed = self.add_projection(
                     ops, act, layer.w_down, x, self.next_norms[index], 1
                 )
-        if last_only:
-            x, normed = x[-1:], None if normed is None else normed[-1:]
+        if logit_rows is not None:
+            # The final norm is per row: selecting before it is selecting its result.
+            x = x.index_select(0, logit_rows)
+            normed = None if normed is None else normed.index_select(0, logit_rows)
         return ops.norm_linear(x, model.final_norm, eps, model.lm_head, normed=normed)
 
     def add_projection(
@@ -263,34 +266,3 @@ def step_pad_rule(scratch_slot: int) -> tuple[int, int, int]:
     compute lands where no live request reads.
     """
     return (0, 0, scratch_slot)
-
-
-def prefill(
-    step: DecodeStep, tokens: torch.Tensor, slot: int, *, all_logits: bool = False
-) -> torch.Tensor:
-    """Runs a prompt through the model eagerly, filling positions ``[0, L)`` of ``slot``.
-
-    The same forward as the decode step, with prefill attention and the untuned ops (prompt
-    lengths are not decode batch buckets).
-
-    Args:
-        step: The decode step whose model, cache and RoPE tables to use.
-        tokens: ``[L]`` prompt token ids on the model's device.
-        slot: Cache slot owned by this request.
-        all_logits: Return logits for every position (tests) instead of only the last.
-
-    Returns:
-        ``[vocab]`` logits of the last position, or ``[L, vocab]`` with ``all_logits``.
-    """
-    length = tokens.shape[0]
-    positions = step.key_positions[:length]
-    slots = torch.full_like(positions, slot)
-    logits = step.forward(
-        UNTUNED,
-        tokens,
-        positions,
-        step.write_rows(positions, slots),
-        PrefillAttention(step, slot, length),
-        last_only=not all_logits,
-    )
-    return logits if all_logits else logits[0]

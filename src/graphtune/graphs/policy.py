@@ -63,6 +63,12 @@ class CapturePolicy:
             the pool grows with the largest size instead of the sum (outputs stay valid until the
             next call, as documented). False keeps one set of outputs per size (the pool then
             grows with every size's outputs); only for measuring the difference.
+        warm_each_size: False (default) runs the ``warmup`` eager calls once, at the largest size,
+            before ``capture()`` captures every size. True also runs one eager call at each
+            smaller size right before capturing it (none with ``warmup=0``), so per-shape
+            first-use work (a library's per-shape set-up, loading a kernel the process had not
+            used) happens outside the capture; each size's warm-up is recorded in
+            ``CaptureRecord.warmup_seconds``. Lazy capture always warms the size it captures.
 
     Raises:
         ConfigError: A field has a value outside the documented ones.
@@ -71,9 +77,10 @@ class CapturePolicy:
     padding: bool = True
     when_frozen: str = "fallback"
     share_output_memory: bool = True
+    warm_each_size: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("padding", "share_output_memory"):
+        for name in ("padding", "share_output_memory", "warm_each_size"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(
                     f"CapturePolicy.{name} must be True or False, got {getattr(self, name)!r}"

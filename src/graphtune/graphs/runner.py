@@ -233,6 +233,8 @@ class CUDAGraphRunner:
             ]
             with progress("capturing CUDA graphs", total=len(todo)) as bar:
                 for size in todo:
+                    if self.policy.warm_each_size and size != self._largest:
+                        warmed = self._warm(key_state, size, runs=1)
                     self._capture_size(key_state, size, warmed)
                     warmed = 0.0  # the key's one warm-up belongs to its first capture
                     bar.advance(f"captured size {size}")
@@ -399,13 +401,12 @@ class CUDAGraphRunner:
         )
         return key_state
 
-    def _warm(self, key_state: KeyState, size: int) -> float:
+    def _warm(self, key_state: KeyState, size: int, runs: int | None = None) -> float:
         seconds = 0.0
-        if self._warmup > 0:
+        runs = self._warmup if runs is None else min(runs, self._warmup)
+        if runs > 0:
             start = time.perf_counter()
-            self._backend.warmup(
-                self.fn, key_state.inputs.static_args(size), self._warmup, self._device
-            )
+            self._backend.warmup(self.fn, key_state.inputs.static_args(size), runs, self._device)
             seconds = time.perf_counter() - start
             self.stats.warmup_seconds += seconds
         if self.state in (RunnerState.NEW, RunnerState.RELEASED):

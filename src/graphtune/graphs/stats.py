@@ -163,6 +163,7 @@ class RunnerStats:
                 (
                     "-" if r.extra_key is None else repr(r.extra_key),
                     r.size,
+                    1000.0 * r.warmup_seconds,
                     1000.0 * r.seconds,
                     1000.0 * r.record_seconds,
                     1000.0 * r.finish_seconds,
@@ -177,6 +178,7 @@ class RunnerStats:
                 [
                     "extra key",
                     "size",
+                    "warm-up ms",
                     "capture ms",
                     "record ms",
                     "finish ms",

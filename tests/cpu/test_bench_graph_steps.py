@@ -1,0 +1,80 @@
+"""The graph benchmarks' steps and the prefill benchmark on CPU: the engine's step with attention
+as a graph break replays (simulated backend) what the step computes, and the prefill benchmark
+runs end to end with a fake clock."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from graphtune.bench.graph_steps import AttentionBreakStep, engine_decode_step, step_inputs
+from graphtune.bench.prefill import PrefillBenchConfig, format_prefill_table, run_prefill_bench
+from graphtune.engine.build import build_runner
+from graphtune.errors import ConfigError
+from graphtune.graphs import SimulatedGraphBackend
+
+
+def test_attention_break_step_is_the_engine_step_in_pieces():
+    step = engine_decode_step(8, 32, model="tiny", device="cpu", dtype=torch.float32)
+    broken = AttentionBreakStep(step)
+    plain = build_runner(step, "graph", capture_sizes=[2, 4], backend=SimulatedGraphBackend())
+    pieces = build_runner(broken, "graph", capture_sizes=[2, 4], backend=SimulatedGraphBackend())
+    layers = step.model.config.num_layers
+    with torch.inference_mode():
+        plain.capture(*step.example_inputs(4))
+        pieces.capture(*broken.example_inputs(4))
+        assert {r.pieces for r in pieces.stats.records} == {layers + 1}
+        assert {r.pieces for r in plain.stats.records} == {1}
+        inputs = step_inputs(step, 3, 20, seed=1)
+        want = plain(*inputs).clone()
+        got = pieces(*inputs)
+        eager = step(*inputs)
+    assert torch.equal(got, want)
+    assert pieces.stats.break_runs == layers and pieces.stats.replays == 1
+    torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-5)
+    tokens, positions, slots = inputs
+    assert positions.tolist() == [20] * 3 and slots.tolist() == [0, 1, 2]
+    assert int(tokens.max()) < step.model.config.vocab_size
+
+
+def test_prefill_bench_runs_end_to_end_with_a_fake_clock():
+    ticks = itertools.count()
+    cfg = PrefillBenchConfig(
+        model="tiny",
+        prompt_lengths=(4, 16),
+        batch_sizes=(1, 2),
+        repeats=2,
+        warmup=1,
+        check_tokens=3,
+        device="cpu",
+    )
+    report = run_prefill_bench(
+        cfg,
+        log=lambda line: None,
+        clock=lambda: next(ticks) * 1e-3,
+        graph_backend=SimulatedGraphBackend(),
+    )
+    results = report["results"]
+    assert [(r["batch_size"], r["prompt_len"]) for r in results] == [
+        (1, 4),
+        (1, 16),
+        (2, 4),
+        (2, 16),
+    ]
+    for r in results:
+        assert r["ms"] == pytest.approx({"graph": 1.0, "eager": 1.0, "per_request": 1.0})
+        assert r["token_mismatches"] == 0 and r["first_token_mismatches"] == 0
+    assert results[1]["target"] == 0.5 and results[1]["passed"] is False  # 1.0 > 0.5
+    assert report["max_prefill_tokens"] == 32 and report["prefill_capture_sizes"] == [16, 24, 32]
+    assert report["prefill_graphs"]["replays"] > 0 and report["prefill_graphs"]["eager_calls"] == 0
+    assert report["provenance"]["schema"].startswith("graphtune.provenance")
+    assert "time to first token" in format_prefill_table(report)
+
+
+def test_prefill_bench_config_is_validated():
+    with pytest.raises(ConfigError, match="prompt_lengths"):
+        PrefillBenchConfig(prompt_lengths=(0,))
+    with pytest.raises(ConfigError, match="repeats"):
+        PrefillBenchConfig(repeats=0)

@@ -1,7 +1,9 @@
 """Model configuration for the reference decode engine: a frozen dataclass, presets, HF mapping.
 
 Only the Llama family is supported (Llama 2/3 with Llama-3 RoPE scaling, Qwen2 with QKV bias,
-Mistral with an optional sliding window): they share one decoder layout and differ in a few fields.
+Mistral with an optional sliding window, Qwen3 with per-head q/k RMSNorm): they share one decoder
+layout and differ in a few fields. Which ``config.json`` fields are read, ignored or refused is in
+:mod:`graphtune.engine.hf_fields`.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from graphtune.errors import CheckpointError, ConfigError
+from graphtune.engine.hf_fields import HF_ACTIVATIONS, refuse_unimplemented, with_defaults
+from graphtune.errors import CheckpointError, ConfigError, InputError
+from graphtune.ops.activation import GATED_ACTIVATIONS
 
 logger = logging.getLogger(__name__)
 
@@ -20,6 +24,7 @@ ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "MistralForCausalLM": "mistral",
+    "Qwen3ForCausalLM": "qwen3",
 }
 
 
@@ -59,7 +64,7 @@ class ModelConfig:
 
     Attributes:
         name: Label used in logs and benchmark output.
-        architecture: ``"llama"``, ``"qwen2"`` or ``"mistral"``.
+        architecture: ``"llama"``, ``"qwen2"``, ``"mistral"`` or ``"qwen3"``.
         vocab_size: Rows of the embedding and the LM head.
         hidden_size: Model width.
         intermediate_size: SwiGLU inner width.
@@ -77,6 +82,11 @@ class ModelConfig:
             for full attention.
         bos_token_id: Prepended by the tokenizer path when set.
         eos_token_ids: Generation stops at any of these.
+        hidden_act: The MLP's gated activation, a name of
+            :data:`graphtune.ops.activation.GATED_ACTIVATIONS` (``"silu"``: SwiGLU).
+        mlp_bias: Gate, up and down projections have biases (some Llama checkpoints).
+        qk_norm: Per-head RMSNorm of queries and keys after the QKV projection, before RoPE
+            (Qwen3).
     """
 
     name: str
@@ -97,6 +107,9 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    hidden_act: str = "silu"
+    mlp_bias: bool = False
+    qk_norm: bool = False
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES.values():
@@ -129,6 +142,11 @@ class ModelConfig:
             raise ConfigError("sliding_window must be > 0 or None")
         if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
             raise ConfigError("rms_norm_eps and rope_theta must be > 0")
+        if self.hidden_act not in GATED_ACTIVATIONS:
+            raise ConfigError(
+                f"ModelConfig.hidden_act={self.hidden_act!r} is not implemented; use one of "
+                f"{sorted(GATED_ACTIVATIONS)}"
+            )
 
     @property
     def dim_per_head(self) -> int:
@@ -152,12 +170,30 @@ class ModelConfig:
         if self.attention_bias:
             attn += self.q_size + 2 * self.kv_size
         layer = attn + 3 * d * i + 2 * d
+        if self.mlp_bias:
+            layer += 2 * i + d
+        if self.qk_norm:
+            layer += 2 * self.dim_per_head
         head = 0 if self.tie_word_embeddings else v * d
         return self.num_layers * layer + v * d + head + d
 
     def replace(self, **changes: Any) -> ModelConfig:
         """Returns a copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
+
+    def check_positions(self, tokens: int, what: str) -> None:
+        """The one rule for sequence length: a request may use positions ``[0, tokens)`` only
+        within ``max_position_embeddings``, the context the checkpoint was trained for (past it
+        RoPE extrapolates and the output is not what the model was trained to give).
+
+        Raises:
+            InputError: ``tokens > max_position_embeddings``; the message starts with ``what``.
+        """
+        if tokens > self.max_position_embeddings:
+            raise InputError(
+                f"{what} needs {tokens} positions, more than {self.name}'s "
+                f"max_position_embeddings={self.max_position_embeddings}; shorten it"
+            )
 
 
 _LLAMA3_SCALING = RopeScaling("llama3", 32.0, 1.0, 4.0, 8192)
@@ -210,6 +246,23 @@ PRESETS: dict[str, ModelConfig] = {
         bos_token_id=1,
         eos_token_ids=(2,),
     ),
+    "qwen3-tiny": ModelConfig(
+        name="qwen3-tiny",
+        architecture="qwen3",
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        eos_token_ids=(2,),
+        qk_norm=True,
+    ),
     # The shape of Llama-3.2-1B: 16 layers, GQA 32/8, tied embeddings, Llama-3 RoPE scaling.
     "llama-1b-shape": ModelConfig(
         name="llama-1b-shape",
@@ -228,6 +281,26 @@ PRESETS: dict[str, ModelConfig] = {
         tie_word_embeddings=True,
         bos_token_id=128000,
         eos_token_ids=(128001, 128008, 128009),
+    ),
+    # The shape of Qwen3-1.7B: 28 layers, GQA 16/8 with head_dim 128 (q is wider than the hidden
+    # state), per-head q/k norms, tied embeddings, a 152k vocabulary.
+    "qwen3-1.7b-shape": ModelConfig(
+        name="qwen3-1.7b-shape",
+        architecture="qwen3",
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_layers=28,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=40960,
+        tie_word_embeddings=True,
+        bos_token_id=151643,
+        eos_token_ids=(151645, 151643),
+        qk_norm=True,
     ),
 }
 
@@ -269,13 +342,27 @@ def _rope_from_hf(cfg: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
             )
         except KeyError as exc:
             raise CheckpointError(f"llama3 rope scaling is missing the key {exc}") from None
-    raise CheckpointError(
-        f"RoPE type {rope_type!r} is not supported (supported: default, linear, llama3)"
+    field_name = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
+    raise ConfigError(
+        f"config.json: {field_name} rope_type={rope_type!r} is not implemented by graphtune's "
+        "engine (it implements default, linear and llama3 RoPE); use a checkpoint without it"
     )
+
+
+def eos_ids(value: Any) -> tuple[int, ...]:
+    """``eos_token_id`` of a config file (an int, a list of ints or null) as a tuple."""
+    if value is None:
+        return ()
+    if isinstance(value, list):
+        return tuple(int(e) for e in value)
+    return (int(value),)
 
 
 def from_hf_config(cfg: Mapping[str, Any], name: str = "checkpoint") -> ModelConfig:
     """Maps a Hugging Face ``config.json`` (as a dict) to a :class:`ModelConfig`.
+
+    Fields left out take transformers' default for the architecture; which fields are read,
+    ignored or refused is in :mod:`graphtune.engine.hf_fields`.
 
     Args:
         cfg: The parsed ``config.json``.
@@ -285,7 +372,10 @@ def from_hf_config(cfg: Mapping[str, Any], name: str = "checkpoint") -> ModelCon
         The equivalent config.
 
     Raises:
-        CheckpointError: The architecture is not Llama, Qwen2 or Mistral, or a field is missing.
+        CheckpointError: The architecture is not Llama, Qwen2, Mistral or Qwen3, or a field is
+            missing.
+        ConfigError: A field has a value the engine does not implement (the message names the
+            field and the value).
     """
     archs = list(cfg.get("architectures") or [])
     arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
@@ -298,26 +388,12 @@ def from_hf_config(cfg: Mapping[str, Any], name: str = "checkpoint") -> ModelCon
                 f"unsupported architecture {archs or model_type!r}: graphtune's engine loads "
                 f"{sorted(ARCHITECTURES)}. Convert the checkpoint or use a preset."
             )
+    cfg = with_defaults(arch, cfg)
+    refuse_unimplemented(arch, cfg)
     theta, scaling = _rope_from_hf(cfg)
-    sliding = cfg.get("sliding_window")
-    if arch == "qwen2" and not cfg.get("use_sliding_window", False):
-        sliding = None  # Qwen2 configs carry a window size but leave it switched off.
-    elif arch == "qwen2" and sliding is not None:
-        raise CheckpointError(
-            "Qwen2 with use_sliding_window=true (per-layer windows) is unsupported"
-        )
-    if arch == "llama":
-        sliding = None
-    if arch != "qwen2" and cfg.get("attention_bias", False):
-        raise CheckpointError(
-            f"{arch} with attention_bias=true (biases on q/k/v/o) is not supported by the engine"
-        )
-    eos = cfg.get("eos_token_id")
-    eos_ids = (
-        tuple(int(e) for e in eos)
-        if isinstance(eos, list)
-        else ((int(eos),) if eos is not None else ())
-    )
+    # Qwen windows are refused above; Llama has none.
+    sliding = cfg.get("sliding_window") if arch == "mistral" else None
+    head_dim = cfg.get("head_dim")
     try:
         return ModelConfig(
             name=name,
@@ -328,18 +404,23 @@ def from_hf_config(cfg: Mapping[str, Any], name: str = "checkpoint") -> ModelCon
             num_layers=int(cfg["num_hidden_layers"]),
             num_heads=int(cfg["num_attention_heads"]),
             num_kv_heads=int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"]),
-            head_dim=int(cfg["head_dim"]) if cfg.get("head_dim") else None,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            head_dim=int(head_dim) if head_dim else None,
+            rms_norm_eps=float(cfg["rms_norm_eps"]),
             rope_theta=theta,
             rope_scaling=scaling,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(cfg["max_position_embeddings"]),
+            tie_word_embeddings=bool(cfg["tie_word_embeddings"]),
             attention_bias=arch == "qwen2",
             sliding_window=int(sliding) if sliding else None,
             bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=eos_ids,
+            eos_token_ids=eos_ids(cfg.get("eos_token_id")),
+            hidden_act=HF_ACTIVATIONS[cfg["hidden_act"]],
+            mlp_bias=arch == "llama" and bool(cfg["mlp_bias"]),
+            qk_norm=arch == "qwen3",
         )
     except KeyError as exc:
         raise CheckpointError(f"config.json is missing the field {exc}") from None
-    except ConfigError as exc:
-        raise CheckpointError(f"config.json describes an invalid model: {exc}") from exc
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, ConfigError):
+            raise CheckpointError(f"config.json describes an invalid model: {exc}") from None
+        raise CheckpointError(f"config.json has a field of the wrong type: {exc}") from None

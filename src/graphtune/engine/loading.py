@@ -3,7 +3,9 @@
 A checkpoint folder holds ``config.json`` and either ``model.safetensors`` or shards listed in
 ``model.safetensors.index.json``. Tensors are read with ``safetensors``; Q/K/V and gate/up are
 concatenated into the fused matrices the decode step uses. A ``tokenizer.json`` next to them is
-loaded with ``tokenizers`` when that package is installed.
+loaded with ``tokenizers`` when that package is installed, and the ``eos_token_id`` of a
+``generation_config.json`` replaces ``config.json``'s, as transformers' ``generate`` does. Every
+file that cannot be read or parsed is a :class:`~graphtune.errors.CheckpointError` naming it.
 """
 
 from __future__ import annotations
@@ -15,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from graphtune.engine.config import PRESETS, ModelConfig, from_hf_config, get_preset
+from graphtune.engine.config import PRESETS, ModelConfig, eos_ids, from_hf_config, get_preset
 from graphtune.engine.model import DecoderModel, LayerWeights, random_model
-from graphtune.errors import CheckpointError
+from graphtune.errors import CheckpointError, ConfigError
 
 if TYPE_CHECKING:
     from graphtune.engine.parallel import ParallelContext
@@ -37,10 +39,23 @@ class _TensorSource:
                 "pip install 'graphtune[models]'"
             ) from exc
         self._safe_open = safe_open
+        self._handles: dict[Path, Any] = {}
+        self.read: set[str] = set()
         index = folder / "model.safetensors.index.json"
         if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(
+                    f"{index} has no 'weight_map' object; re-save the checkpoint with "
+                    "save_pretrained(safe_serialization=True)"
+                )
             self.files = {name: folder / file for name, file in weight_map.items()}
+            missing = sorted({str(f) for f in self.files.values() if not f.is_file()})
+            if missing:
+                raise CheckpointError(
+                    f"{index} lists shard files that are not in the folder: {missing[:3]}; "
+                    "download the whole checkpoint"
+                )
         else:
             files = sorted(folder.glob("*.safetensors"))
             if not files:
@@ -50,13 +65,25 @@ class _TensorSource:
                 )
             self.files = {}
             for file in files:
-                with safe_open(str(file), framework="pt") as handle:
-                    for name in handle.keys():
-                        self.files[name] = file
-        self._handles: dict[Path, Any] = {}
+                handle = self._handles[file] = self._open(file)
+                for name in handle.keys():
+                    self.files[name] = file
+
+    def _open(self, file: Path) -> Any:
+        try:
+            return self._safe_open(str(file), framework="pt")
+        except Exception as exc:  # safetensors raises its own error types; keep the cause.
+            raise CheckpointError(
+                f"{file} is not a readable safetensors file ({exc}); it may be truncated or "
+                "corrupt: download it again"
+            ) from None
 
     def has(self, name: str) -> bool:
         return name in self.files
+
+    def unread(self) -> list[str]:
+        """Tensors of the checkpoint that no :meth:`get` call read."""
+        return sorted(set(self.files) - self.read)
 
     def get(
         self, name: str, shape: tuple[int, ...], part: tuple[int, int, int] | None = None
@@ -71,8 +98,9 @@ class _TensorSource:
             raise CheckpointError(f"checkpoint is missing the tensor {name!r} (expected {shape})")
         handle = self._handles.get(file)
         if handle is None:
-            handle = self._safe_open(str(file), framework="pt")
+            handle = self._open(file)
             self._handles[file] = handle
+        self.read.add(name)
         try:
             if part is None:
                 tensor = handle.get_tensor(name)
@@ -93,6 +121,78 @@ class _TensorSource:
             index = slice(rank * size, (rank + 1) * size)
             tensor = lazy[index] if dim == 0 else lazy[:, index]
         return tensor
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path``.
+
+    Raises:
+        CheckpointError: The file cannot be read, is not valid JSON or not a JSON object.
+    """
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path} cannot be read ({exc})") from None
+    try:
+        doc = json.loads(text)
+    except ValueError as exc:
+        raise CheckpointError(
+            f"{path} is not valid JSON ({exc}); it may be truncated: download it again"
+        ) from None
+    if not isinstance(doc, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(doc).__name__}, not an object")
+    return doc
+
+
+def load_config(folder: str | Path) -> ModelConfig:
+    """The :class:`ModelConfig` of a checkpoint folder, without reading weights.
+
+    ``config.json`` gives the model; the ``eos_token_id`` of ``generation_config.json``, when
+    the folder has one that sets it, replaces ``config.json``'s (transformers' ``generate``
+    stops at the generation config's ids; Llama-3-Instruct checkpoints list their end-of-turn
+    token only there).
+
+    Raises:
+        CheckpointError: No ``config.json``, a file that cannot be parsed, or an unsupported
+            architecture.
+        ConfigError: A field has a value the engine does not implement.
+    """
+    folder = Path(folder)
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"{folder} has no config.json; is it a Hugging Face model folder?")
+    config = from_hf_config(read_json(config_file), name=folder.name)
+    generation = folder / "generation_config.json"
+    if generation.is_file():
+        eos = read_json(generation).get("eos_token_id")
+        if eos is not None:
+            config = config.replace(eos_token_ids=eos_ids(eos))
+    return config
+
+
+def resolve_config(spec: str | Path) -> ModelConfig:
+    """The config of ``spec``, a checkpoint folder (:func:`load_config`) or a preset name, without
+    reading weights (to check a request before loading).
+
+    Raises:
+        ConfigError: ``spec`` is neither an existing folder nor a preset.
+        CheckpointError: The folder's config cannot be read.
+    """
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return load_config(path)
+    if str(spec) in PRESETS:
+        return PRESETS[str(spec)]
+    raise _not_a_model(spec)
+
+
+def _not_a_model(spec: str | Path) -> ConfigError:
+    path = Path(spec).expanduser()
+    what = "is a file, not a folder" if path.exists() else "is not an existing folder"
+    return ConfigError(
+        f"model {str(spec)!r} {what} and not a preset (presets: {', '.join(sorted(PRESETS))}); "
+        "pass a Hugging Face checkpoint folder (config.json and *.safetensors) or a preset name"
+    )
 
 
 def load_checkpoint(
@@ -120,10 +220,7 @@ def load_checkpoint(
             (the message names the tensor).
     """
     folder = Path(folder)
-    config_file = folder / "config.json"
-    if not config_file.exists():
-        raise CheckpointError(f"{folder} has no config.json; is it a Hugging Face model folder?")
-    config = from_hf_config(json.loads(config_file.read_text()), name=folder.name)
+    config = load_config(folder)
     tp = parallel.world_size if parallel is not None else 1
     if tp > 1:
         from graphtune.engine.parallel import check_shardable
@@ -173,6 +270,7 @@ def load_checkpoint(
                     ]
                 ),
                 w_down=get(p + "mlp.down_proj.weight", (d, inter), cols),
+                **_optional_layer_tensors(config, p, get, rows),
             )
         )
     embed = get("model.embed_tokens.weight", (config.vocab_size, d))
@@ -189,6 +287,7 @@ def load_checkpoint(
         tokenizer=load_tokenizer(folder),
         source=str(folder),
     )
+    _warn_unread(source, folder, config)
     if rows is not None:
         from graphtune.engine.parallel import shard_config
 
@@ -206,6 +305,49 @@ def load_checkpoint(
     return model
 
 
+def _optional_layer_tensors(
+    config: ModelConfig,
+    prefix: str,
+    get: Any,
+    rows: tuple[int, int, int] | None,
+) -> dict[str, torch.Tensor]:
+    """The layer tensors only some configs have: Qwen3's q/k norms, Llama's MLP biases."""
+    out = {}
+    if config.qk_norm:
+        head = (config.dim_per_head,)
+        out["q_norm"] = get(prefix + "self_attn.q_norm.weight", head)
+        out["k_norm"] = get(prefix + "self_attn.k_norm.weight", head)
+    if config.mlp_bias:
+        inter = (config.intermediate_size,)
+        out["b_gate_up"] = torch.cat(
+            [
+                get(prefix + "mlp.gate_proj.bias", inter, rows),
+                get(prefix + "mlp.up_proj.bias", inter, rows),
+            ]
+        )
+        out["b_down"] = get(prefix + "mlp.down_proj.bias", (config.hidden_size,))
+    return out
+
+
+def _warn_unread(source: _TensorSource, folder: Path, config: ModelConfig) -> None:
+    # transformers drops these too: RoPE tables some old checkpoints saved, and an LM head that
+    # the config ties to the embedding.
+    unread = [
+        name
+        for name in source.unread()
+        if not name.endswith("rotary_emb.inv_freq")
+        and not (config.tie_word_embeddings and name == "lm_head.weight")
+    ]
+    if unread:
+        logger.warning(
+            "%s: %d tensors of the checkpoint are not used, as config.json describes the model "
+            "(transformers ignores them too): %s",
+            folder,
+            len(unread),
+            ", ".join(unread[:5]) + (", ..." if len(unread) > 5 else ""),
+        )
+
+
 def load_tokenizer(folder: Path) -> Any:
     """Returns a ``tokenizers.Tokenizer`` for ``folder/tokenizer.json``, or ``None``.
 
@@ -219,7 +361,13 @@ def load_tokenizer(folder: Path) -> Any:
     except ImportError:
         logger.warning("%s exists but 'tokenizers' is not installed; using token ids", path)
         return None
-    return Tokenizer.from_file(str(path))
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises its own exception type; keep the cause.
+        raise CheckpointError(
+            f"{path} cannot be loaded by tokenizers ({exc}); it may be truncated or from a newer "
+            "tokenizers version: download it again or upgrade tokenizers"
+        ) from None
 
 
 def load_model(
@@ -263,8 +411,8 @@ def load_model(
     path = Path(spec)
     if path.is_dir():
         return load_checkpoint(path, device=device, dtype=dtype)
-    if str(spec) in PRESETS or not path.exists():
+    if str(spec) in PRESETS:
         return random_model(
             get_preset(str(spec)), seed=seed, device=device, dtype=dtype or torch.float32
         )
-    raise CheckpointError(f"{spec} is not a folder; pass a checkpoint folder or a preset name")
+    raise _not_a_model(spec)

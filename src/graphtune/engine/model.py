@@ -34,6 +34,10 @@ class LayerWeights:
         mlp_norm: ``[hidden]`` RMSNorm weight before the MLP.
         w_gate_up: ``[2 * intermediate, hidden]`` fused gate and up projections (gate first).
         w_down: ``[hidden, intermediate]`` down projection.
+        q_norm: ``[head_dim]`` per-head RMSNorm weight of the queries (Qwen3), or ``None``.
+        k_norm: ``[head_dim]`` per-head RMSNorm weight of the keys (Qwen3), or ``None``.
+        b_gate_up: ``[2 * intermediate]`` gate and up biases (``mlp_bias``), or ``None``.
+        b_down: ``[hidden]`` down-projection bias (``mlp_bias``), or ``None``.
     """
 
     attn_norm: torch.Tensor
@@ -43,9 +47,13 @@ class LayerWeights:
     mlp_norm: torch.Tensor
     w_gate_up: torch.Tensor
     w_down: torch.Tensor
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    b_gate_up: torch.Tensor | None = None
+    b_down: torch.Tensor | None = None
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """Every tensor of the layer by attribute name (``bqkv`` omitted when absent)."""
+        """Every tensor of the layer by attribute name (optional ones omitted when absent)."""
         out = {k: v for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
         return out
 
@@ -246,6 +254,10 @@ def random_model(
                 mlp_norm=normal((d,), 0.1, 1.0),
                 w_gate_up=normal((2 * inter, d), d**-0.5),
                 w_down=normal((d, inter), inter**-0.5),
+                q_norm=normal((config.dim_per_head,), 0.1, 1.0) if config.qk_norm else None,
+                k_norm=normal((config.dim_per_head,), 0.1, 1.0) if config.qk_norm else None,
+                b_gate_up=normal((2 * inter,), 0.02) if config.mlp_bias else None,
+                b_down=normal((d,), 0.02) if config.mlp_bias else None,
             )
         )
     embed = normal((config.vocab_size, d), 1.0)

@@ -8,7 +8,9 @@ shape; outside tuning mode that is a cache look-up, and an untuned shape runs th
   (block / warp / stage / split-K tactics) and a Triton GEMV for decode batches of up to 8 rows.
 * :func:`fused_add_rms_norm` — residual add + RMSNorm, returning ``(out, new_residual)``.
 * :func:`rope_kv_cache` — rotary embedding of q and k and the K/V cache write, returning ``q``.
-* :func:`silu_and_mul` — SwiGLU activation on a fused gate/up tensor.
+* :func:`silu_and_mul` — SwiGLU activation on a fused gate/up tensor; :func:`gated_activation`
+  for any activation of :data:`GATED_ACTIVATIONS` (SiLU through :func:`silu_and_mul`).
+* :func:`head_rms_norm_` — per-head RMSNorm of q and k in a fused QKV output (Qwen3), in place.
 * :mod:`attention` — decode attention (SDPA backends, a matmul runner and a Triton
   flash-decoding kernel as runners).
 * :func:`fused_moe` / :func:`route_top_k` — mixture-of-experts experts and router (:mod:`moe`).
@@ -24,11 +26,14 @@ Importing this package imports neither Triton nor the kernels.
 from graphtune.ops import attention
 from graphtune.ops._triton import TritonUnavailableError, require_triton, triton_available
 from graphtune.ops.activation import (
+    GATED_ACTIVATIONS,
     TorchSiluAndMulRunner,
     TritonSiluAndMulRunner,
+    gated_activation,
     silu_and_mul,
     silu_and_mul_config,
     silu_and_mul_runners,
+    torch_gated_activation,
     torch_silu_and_mul,
 )
 from graphtune.ops.context import OpContext
@@ -55,6 +60,7 @@ from graphtune.ops.rmsnorm import (
     TorchRMSNormRunner,
     TritonRMSNormRunner,
     fused_add_rms_norm,
+    head_rms_norm_,
     rms_norm_config,
     rms_norm_runners,
     torch_rms_norm,
@@ -70,6 +76,7 @@ from graphtune.ops.rotary import (
 )
 
 __all__ = [
+    "GATED_ACTIVATIONS",
     "OpContext",
     "RopeRows",
     "TorchFusedMoeRunner",
@@ -92,11 +99,13 @@ __all__ = [
     "fused_moe",
     "fused_moe_config",
     "fused_moe_runners",
+    "gated_activation",
     "gemm",
     "gemm_config",
     "gemm_runners",
     "gemm_tactics",
     "gemv_tactics",
+    "head_rms_norm_",
     "require_triton",
     "rms_norm_config",
     "rms_norm_runners",
@@ -107,6 +116,7 @@ __all__ = [
     "silu_and_mul",
     "silu_and_mul_config",
     "silu_and_mul_runners",
+    "torch_gated_activation",
     "torch_rms_norm",
     "torch_rope_kv_cache",
     "torch_silu_and_mul",

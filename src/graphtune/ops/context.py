@@ -27,9 +27,9 @@ from graphtune.autotuner.config import TuningConfig
 from graphtune.autotuner.tuner import AutoTuner
 from graphtune.errors import ConfigError
 from graphtune.ops import attention as attention_op
-from graphtune.ops.activation import silu_and_mul, torch_silu_and_mul
+from graphtune.ops.activation import silu_and_mul, torch_gated_activation, torch_silu_and_mul
 from graphtune.ops.gemm import gemm, torch_gemm
-from graphtune.ops.rmsnorm import fused_add_rms_norm, torch_rms_norm
+from graphtune.ops.rmsnorm import fused_add_rms_norm, head_rms_norm_, torch_rms_norm
 from graphtune.ops.rotary import RopeRows, rope_kv_cache, torch_rope_kv_cache
 
 
@@ -164,6 +164,28 @@ class OpContext:
         if self.tuner is None:
             return torch_silu_and_mul(gate_up)
         return silu_and_mul(gate_up, tuner=self.tuner, max_m=self.max_batch_size)
+
+    def gated_activation(self, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+        """``act(gate) * up`` (:func:`graphtune.ops.activation.gated_activation`): SiLU through
+        :meth:`silu_and_mul`, any other activation its torch code (nothing to pick from)."""
+        if activation == "silu":
+            return self.silu_and_mul(gate_up)
+        return torch_gated_activation(gate_up, activation)
+
+    def head_rms_norm_(
+        self,
+        qkv: torch.Tensor,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        eps: float,
+        *,
+        num_heads: int,
+        num_kv_heads: int,
+    ) -> torch.Tensor:
+        """Per-head RMSNorm of q and k in ``qkv``, in place
+        (:func:`graphtune.ops.rmsnorm.head_rms_norm_`); torch code, tuned or not (no kernel of
+        its own yet)."""
+        return head_rms_norm_(qkv, q_weight, k_weight, eps, num_heads, num_kv_heads)
 
     def decode_attention(
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor

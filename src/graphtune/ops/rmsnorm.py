@@ -207,3 +207,42 @@ def fused_add_rms_norm(
     if residual is None:
         return out.reshape(shape), x
     return out.reshape(shape), new_residual.reshape(shape)
+
+
+def head_rms_norm_(
+    qkv: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    num_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:
+    """Per-head RMSNorm of the queries and keys of a fused ``[rows, (H + 2 KV) * D]`` QKV output,
+    in place (Qwen3's ``q_norm`` / ``k_norm``, applied before RoPE); values are untouched.
+
+    Each head's ``D`` features are normalised with float32 statistics, rounded to the dtype and
+    then scaled by the ``[D]`` weight, the order transformers' ``Qwen3RMSNorm`` uses.
+
+    Returns:
+        ``qkv`` itself.
+
+    Raises:
+        InputError: ``qkv`` is not 2-D or too narrow for the heads, or a weight is not ``[D]``.
+    """
+    dim = q_weight.shape[0]
+    if (
+        qkv.dim() != 2
+        or q_weight.shape != (dim,)
+        or k_weight.shape != (dim,)
+        or qkv.shape[1] < (num_heads + 2 * num_kv_heads) * dim
+    ):
+        raise InputError(
+            f"head_rms_norm_ needs qkv [rows, (heads + 2 kv_heads) * D] and weights [D]; got qkv "
+            f"{tuple(qkv.shape)}, weights {tuple(q_weight.shape)} and {tuple(k_weight.shape)}, "
+            f"{num_heads} heads and {num_kv_heads} KV heads."
+        )
+    q_end = num_heads * dim
+    for start, end, weight in ((0, q_end, q_weight), (q_end, q_end + num_kv_heads * dim, k_weight)):
+        heads = qkv[:, start:end].unflatten(-1, (-1, dim))
+        heads.copy_(F.rms_norm(heads, (dim,), None, eps) * weight)
+    return qkv

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 import graphtune.autotuner
 from graphtune.autotuner.timing.base import Measurement
 from graphtune.cli.main import main
@@ -47,10 +49,14 @@ def test_tune_preset_writes_cache_and_second_run_reuses_it(tmp_path, capsys, mon
 
 
 def test_tune_rejects_unknown_model_and_bad_sizes(tmp_path, capsys):
-    assert main(["tune", "--model", "no-such", "--cache", str(tmp_path / "c.json")]) == 2
-    assert "preset" in capsys.readouterr().err
+    # A failure (the model does not exist): exit 1 and one error line.
+    assert main(["tune", "--model", "no-such", "--cache", str(tmp_path / "c.json")]) == 1
+    assert "not a preset" in capsys.readouterr().err
+    assert not (tmp_path / "c.json").exists() and not (tmp_path / "c.json.lock").exists()
+    # Usage errors (argparse): exit 2.
     args = ["tune", "--model", "tiny", "--cache", str(tmp_path / "c.json"), "--device", "cpu"]
-    assert main([*args, "--max-batch", "0"]) == 2
-    assert "--max-batch must be >= 1" in capsys.readouterr().err
-    assert main([*args, "--dtype", "float12"]) == 2
-    assert "unknown dtype" in capsys.readouterr().err
+    for bad, flag in ((["--max-batch", "0"], "--max-batch"), (["--dtype", "float12"], "--dtype")):
+        with pytest.raises(SystemExit) as exit_info:
+            main([*args, *bad])
+        assert exit_info.value.code == 2
+        assert capsys.readouterr().err.startswith(f"error: argument {flag}")

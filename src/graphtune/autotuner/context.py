@@ -76,6 +76,8 @@ def autotune(
 
 
 def _save_quietly(tuner: AutoTuner, path: str | PathLike[str]) -> None:
+    if not len(tuner.cache):
+        return  # nothing was tuned or loaded: leave no empty cache file behind
     try:
         tuner.cache.save(path)
     except CacheFileError as exc:

@@ -12,6 +12,9 @@ same way: through a graph runner on CUDA (else eagerly), with its GPU-busy time,
 its ratios to the untuned step and to the bytes floor. Steps and runners come from the engine's
 own factories (:func:`graphtune.engine.build.build_step`, :func:`~graphtune.engine.build.
 build_runner`), so the benchmark times what the engine serves.
+
+A progress bar on stderr names each phase and batch size while it runs (hidden when stderr is not
+a terminal or under ``GRAPHTUNE_NO_PROGRESS``).
 """
 
 from __future__ import annotations
@@ -37,12 +40,42 @@ from graphtune.engine.loading import load_model
 from graphtune.engine.step import DecodeStep
 from graphtune.engine.tuning import tune_step
 from graphtune.errors import ConfigError
+from graphtune.reporting import ProgressTask, progress
 
 logger = logging.getLogger(__name__)
 
 NO_CUDA_NOTE = "CUDA is not available: CUDA graphs need CUDA, so only the eager step is timed."
 
 Inputs = list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+class _PhaseBar:
+    """One progress unit per (phase, batch size), in the order the benchmark runs them; the bar
+    shows the unit now running."""
+
+    def __init__(self, task: ProgressTask, labels: list[str]) -> None:
+        self._task = task
+        self._labels = labels
+        self._index = 0
+
+    def done(self) -> None:
+        self._index += 1
+        self._task.advance(self._labels[min(self._index, len(self._labels) - 1)])
+
+
+def _phase_labels(cfg: DecodeBenchConfig, runners: tuple[str, ...], cuda: bool) -> list[str]:
+    sizes = sorted(set(cfg.batch_sizes))
+    labels = [f"eager step, batch {b}" for b in sizes] if "eager" in runners else []
+    if "graph" in runners:
+        labels += ["capturing graphs"] + [f"graph step, batch {b}" for b in sizes]
+    if cfg.compare_compile and cuda:
+        labels += [f"torch.compile, batch {b}" for b in sizes]
+    if cfg.tune:
+        labels += ["tuning the step"] + [f"tuned step check, batch {b}" for b in sizes]
+        kind = "graph" if "graph" in runners else "eager"
+        labels += ["capturing tuned graphs"] if kind == "graph" else []
+        labels += [f"tuned {kind} step, batch {b}" for b in sizes]
+    return labels
 
 
 def _busy(fn: Callable[[], object]) -> tuple[float | None, float | None, list[dict[str, Any]]]:
@@ -60,6 +93,8 @@ def run_decode_bench(
     tuner: Any = None,
     parallel: Any = None,
     command: str | None = None,
+    on_start: Callable[[DecodeBenchReport], None] | None = None,
+    show_progress: bool | None = None,
 ) -> DecodeBenchReport:
     """Runs the decode benchmark described by ``cfg``.
 
@@ -72,9 +107,14 @@ def run_decode_bench(
             (its ``world_size`` must equal ``cfg.tp``). Every rank must call this with the same
             ``cfg``: the steps, captures and timings run the same collectives in the same order.
         command: The command line to record in the provenance (default: this process's).
+        on_start: Called with the report as soon as it exists, before anything is timed; the
+            report fills in as phases and batch sizes finish, so a caller that is interrupted
+            (Ctrl-C) still holds what finished (:meth:`DecodeBenchReport.derive` completes it).
+        show_progress: Force the progress bar on or off; ``None`` decides from the terminal.
 
     Raises:
         ConfigError: ``cfg.tp`` and ``parallel`` disagree, or the model does not split.
+        InputError: ``cfg.context + 1`` positions exceed the model's ``max_position_embeddings``.
 
     Returns:
         The report (per-batch results, capture seconds, graph MiB, provenance).
@@ -103,8 +143,7 @@ def run_decode_bench(
     sizes = sorted(set(cfg.batch_sizes))
     max_batch_size = sizes[-1]
     max_seq = aligned_seq_len(cfg.context + 1)
-    if cfg.context + 1 > mcfg.max_position_embeddings:
-        raise ConfigError(f"context {cfg.context} exceeds the model's max_position_embeddings")
+    mcfg.check_positions(cfg.context + 1, f"a decode step at context {cfg.context}")
     cache = KVCache(mcfg, max_batch_size, max_seq, device, dtype)
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
     # Never time on zeros: random keys and values, random tokens.
@@ -142,6 +181,44 @@ def run_decode_bench(
     )
     results = [BatchResult(b) for b in sizes]
     report.results = results
+    if on_start is not None:
+        on_start(report)
+    labels = _phase_labels(cfg, runners, device.type == "cuda")
+    with progress(labels[0], len(labels), enabled=show_progress) as task:
+        _run_phases(
+            step,
+            inputs,
+            results,
+            device,
+            cfg,
+            runners,
+            report,
+            log,
+            tuner,
+            model,
+            cache,
+            _PhaseBar(task, labels),
+        )
+    report.derive()
+    return report
+
+
+def _run_phases(
+    step: DecodeStep,
+    inputs: Inputs,
+    results: list[BatchResult],
+    device: torch.device,
+    cfg: DecodeBenchConfig,
+    runners: tuple[str, ...],
+    report: DecodeBenchReport,
+    log: Callable[[str], None],
+    tuner: Any,
+    model: Any,
+    cache: KVCache,
+    bar: _PhaseBar,
+) -> None:
+    """The timed phases, in the order of :func:`_phase_labels`."""
+    sizes = [r.batch_size for r in results]
     bandwidth = copy_bandwidth_gbps(device)
     report.copy_bandwidth_gbps = bandwidth
     # Summed kernel time means nothing with tp > 1: an NCCL all-reduce kernel's duration includes
@@ -168,24 +245,16 @@ def run_decode_bench(
         if bandwidth:
             needed = model.weight_bytes() + b * (cfg.context + 1) * cache.bytes_per_token()
             result.floor_ms = bytes_floor_ms(needed, bandwidth)
+        if "eager" in runners:
+            bar.done()
 
     if "graph" in runners:
-        _time_graph(step, inputs, results, sizes, device, cfg, report, log)
+        _time_graph(step, inputs, results, sizes, device, cfg, report, log, bar)
     if cfg.compare_compile and device.type == "cuda":
         log("timing torch.compile(mode='reduce-overhead') (compiles once per batch size)")
-        _time_compiled(step, inputs, cfg, device, results)
+        _time_compiled(step, inputs, cfg, device, results, bar)
     if cfg.tune:
-        _time_tuned(step, inputs, results, sizes, device, cfg, runners, report, log, tuner)
-
-    for result in results:
-        best = result.graph_ms or result.eager_ms
-        if result.graph_ms and result.eager_ms:
-            result.speedup = result.eager_ms / result.graph_ms
-        if result.graph_ms and result.busy_ms:
-            result.graph_over_busy = result.graph_ms / result.busy_ms
-        if best:
-            result.tokens_per_s = result.batch_size / (best * 1e-3)
-    return report
+        _time_tuned(step, inputs, results, sizes, device, cfg, runners, report, log, tuner, bar)
 
 
 def _default_tuner(step: DecodeStep) -> Any:
@@ -209,6 +278,7 @@ def _time_tuned(
     report: DecodeBenchReport,
     log: Callable[[str], None],
     tuner: Any,
+    bar: _PhaseBar,
 ) -> None:
     tuner = tuner if tuner is not None else _default_tuner(step)
     tuned = build_step(
@@ -224,6 +294,7 @@ def _time_tuned(
     )
     with autotuner.autotune(cfg.tuning_cache, tuner):
         tuned_report = tune_step(tuned, log=lambda line: log(f"  {line}"))
+    bar.done()
     report.tuning_seconds = tuned_report.seconds
     report.tuning_compile_seconds = tuned_report.compile_seconds
     report.tuning_compile_seconds_by_op = dict(tuned_report.compile_seconds_by_op)
@@ -241,28 +312,27 @@ def _time_tuned(
             result.tuned_busy_ms, result.tuned_kernels_per_step, result.tuned_top_kernels = _busy(
                 lambda a=args: tuned(*a)
             )
+        bar.done()
     if "graph" in runners:
         runner, seconds, _ = _capture(tuned, sizes, device, report)
+        bar.done()
         report.tuned_capture_seconds = seconds
-        for args, result in zip(inputs, results, strict=True):
-            result.tuned_graph_ms = time_per_call_ms(
-                lambda a=args: runner(*a), device, cfg.steps, cfg.repeats
-            )
-            log(f"batch {result.batch_size}: tuned graph {result.tuned_graph_ms:.3f} ms/step")
-        runner.release()
+        try:
+            for args, result in zip(inputs, results, strict=True):
+                result.tuned_graph_ms = time_per_call_ms(
+                    lambda a=args: runner(*a), device, cfg.steps, cfg.repeats
+                )
+                log(f"batch {result.batch_size}: tuned graph {result.tuned_graph_ms:.3f} ms/step")
+                bar.done()
+        finally:
+            runner.release()
     else:
         for args, result in zip(inputs, results, strict=True):
             result.tuned_eager_ms = time_per_call_ms(
                 lambda a=args: tuned(*a), device, cfg.steps, cfg.repeats
             )
             log(f"batch {result.batch_size}: tuned eager {result.tuned_eager_ms:.3f} ms/step")
-    for result in results:
-        if result.tuned_graph_ms and result.graph_ms:
-            result.tuned_over_untuned = result.tuned_graph_ms / result.graph_ms
-        elif result.tuned_eager_ms and result.eager_ms:
-            result.tuned_over_untuned = result.tuned_eager_ms / result.eager_ms
-        if result.tuned_graph_ms and result.floor_ms:
-            result.tuned_over_floor = result.tuned_graph_ms / result.floor_ms
+            bar.done()
     # Look-ups of shapes never tuned ran the torch fallback (should be none).
     report.tuning_fallbacks = dict(tuner.stats.fallbacks)
     if tuner.stats.fallbacks:
@@ -324,24 +394,29 @@ def _time_graph(
     cfg: DecodeBenchConfig,
     report: DecodeBenchReport,
     log: Callable[[str], None],
+    bar: _PhaseBar,
 ) -> None:
     runner, report.capture_seconds, report.graph_mib = _capture(step, sizes, device, report)
+    bar.done()
     stats = runner.stats
     log(
         f"captured {len(sizes)} sizes in {report.capture_seconds:.2f} s, {report.graph_mib:.0f} MiB"
     )
-    for args, result in zip(inputs, results, strict=True):
-        # Same inputs, same cache position: the replay must reproduce the eager logits.
-        want = step(*args).float()
-        got = runner(*args).float()
-        result.graph_max_abs_diff = (got - want).abs().max().item()
-        result.graph_ms = time_per_call_ms(
-            lambda a=args: runner(*a), device, cfg.steps, cfg.repeats
-        )
-        log(f"batch {result.batch_size}: graph {result.graph_ms:.3f} ms/step")
-    report.runner_stats = stats.table()
-    report.runner_stats_detail = stats.as_dict()
-    runner.release()
+    try:
+        for args, result in zip(inputs, results, strict=True):
+            # Same inputs, same cache position: the replay must reproduce the eager logits.
+            want = step(*args).float()
+            got = runner(*args).float()
+            result.graph_max_abs_diff = (got - want).abs().max().item()
+            result.graph_ms = time_per_call_ms(
+                lambda a=args: runner(*a), device, cfg.steps, cfg.repeats
+            )
+            log(f"batch {result.batch_size}: graph {result.graph_ms:.3f} ms/step")
+            bar.done()
+        report.runner_stats = stats.table()
+        report.runner_stats_detail = stats.as_dict()
+    finally:
+        runner.release()
 
 
 def _compile_skips() -> int | None:
@@ -359,6 +434,7 @@ def _time_compiled(
     cfg: DecodeBenchConfig,
     device: torch.device,
     results: list[BatchResult],
+    bar: _PhaseBar,
 ) -> None:
     def plain(tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         return step(tokens, positions, slots)
@@ -385,6 +461,8 @@ def _time_compiled(
             logger.warning("torch.compile failed at batch %d: %s", result.batch_size, exc)
             result.compile_note = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
             continue
+        finally:
+            bar.done()
         after = _compile_skips()
         skipped = before is not None and after is not None and after > before
         result.compile_note = f"compiled in {compile_s:.1f} s; " + (

@@ -3,19 +3,17 @@
 The step is tuned by running it (``graphtune.engine.tuning.tune_step``), as ``Engine(tune=True)``
 does. The model is only read for its dimensions (a preset name or a Hugging Face folder's
 ``config.json``); weights are random, since the kernels' speed does not depend on their values.
+The cache path is checked (folder, lock) before anything runs; Ctrl-C keeps the picks finished so
+far in the cache file.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import time
 from pathlib import Path
 
-import torch
-
-from graphtune.errors import GraphtuneError
+from graphtune.cli._args import add_device_arguments, check_output_path, positive_int
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -46,25 +44,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--max-batch",
-        type=int,
+        type=positive_int,
         default=64,
         metavar="N",
-        help="largest decode batch to tune (default 64)",
+        help="largest decode batch to tune",
     )
     parser.add_argument(
         "--max-seq-len",
-        type=int,
+        type=positive_int,
         default=2048,
         metavar="N",
-        help="KV cache length of the engine that will use the cache, for "
-        "attention (default 2048, the Engine default; a multiple of 16)",
+        help="KV cache length of the engine that will use the cache, for attention (the Engine "
+        "default; rounded up to a multiple of 16)",
     )
-    parser.add_argument("--device", default="auto", help="auto (cuda if present), cuda, cpu, ...")
-    parser.add_argument(
-        "--dtype",
-        default="auto",
-        help="auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float16, float32",
-    )
+    add_device_arguments(parser)
     parser.add_argument(
         "--timing",
         default="auto",
@@ -74,52 +67,46 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=run_tune)
 
 
-def _model_config(spec: str):  # -> graphtune.engine.config.ModelConfig
-    from graphtune.engine.config import from_hf_config, get_preset
-    from graphtune.errors import ConfigError
-
-    path = Path(spec).expanduser()
-    if path.is_dir():
-        config_file = path / "config.json"
-        if not config_file.is_file():
-            raise ConfigError(f"{path} has no config.json; pass a Hugging Face model folder.")
-        return from_hf_config(json.loads(config_file.read_text()), name=path.name)
-    return get_preset(spec)
-
-
 def run_tune(args: argparse.Namespace) -> int:
     """Tunes the step and prints the picks table."""
-    from graphtune.autotuner import AutoTuner, autotune
+    import torch
+
+    from graphtune import autotuner
+    from graphtune.autotuner.persist import check_lockable
     from graphtune.autotuner.timing import resolve_timer
     from graphtune.engine.build import build_step
     from graphtune.engine.devices import resolve_device, resolve_dtype
     from graphtune.engine.kv_cache import KVCache, aligned_seq_len
+    from graphtune.engine.loading import resolve_config
     from graphtune.engine.model import random_model
     from graphtune.engine.tuning import tune_step
-    from graphtune.errors import ConfigError
 
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    check_output_path(args.cache, "--cache")
+    check_lockable(args.cache)
+    config = resolve_config(args.model)
+    max_seq = aligned_seq_len(args.max_seq_len)
+    timer = None if args.timing == "auto" else resolve_timer(args.timing, device)
+    tuner = autotuner.AutoTuner(timer=timer)
+    model = random_model(config, device=device, dtype=dtype)
+    cache = KVCache(config, args.max_batch, max_seq, device, dtype)
+    step = build_step(model, cache, tuner=tuner)
+    print(
+        f"tuning {config.name} ops on {device} ({str(dtype).removeprefix('torch.')}), "
+        f"batch buckets up to {args.max_batch} -> {args.cache}",
+        flush=True,
+    )
+    started = time.perf_counter()
     try:
-        if args.max_batch < 1:
-            raise ConfigError(f"--max-batch must be >= 1, got {args.max_batch}")
-        device = resolve_device(args.device)
-        dtype = resolve_dtype(args.dtype, device)
-        config = _model_config(args.model)
-        timer = None if args.timing == "auto" else resolve_timer(args.timing, device)
-        tuner = AutoTuner(timer=timer)
-        model = random_model(config, device=device, dtype=dtype)
-        cache = KVCache(config, args.max_batch, aligned_seq_len(args.max_seq_len), device, dtype)
-        step = build_step(model, cache, tuner=tuner)
-        print(
-            f"tuning {config.name} ops on {device} ({str(dtype).removeprefix('torch.')}), "
-            f"batch buckets up to {args.max_batch} -> {args.cache}",
-            flush=True,
-        )
-        started = time.perf_counter()
-        with autotune(args.cache, tuner):
+        with autotuner.autotune(args.cache, tuner):
             report = tune_step(step, log=lambda line: print(f"  {line}", flush=True))
-    except (GraphtuneError, ValueError) as exc:
-        print(f"graphtune tune: {exc}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        # autotune() saved the picks finished so far before the interrupt reached here.
+        kept = len(tuner.cache)
+        raise KeyboardInterrupt(
+            f"{kept} finished picks kept in {args.cache}" if kept else "nothing was tuned yet"
+        ) from None
     table = tuner.summary_table(f"picks for {config.name} (buckets {list(report.buckets)})")
     print(table or "every shape was already in the cache file; nothing to tune")
     print(
@@ -127,6 +114,6 @@ def run_tune(args: argparse.Namespace) -> int:
         f"({report.compile_seconds:.1f} s compiling Triton tactics ahead of timing); "
         f"{report.profiles_tuned} (op, bucket) picks added to {args.cache}"
     )
-    if torch.cuda.is_available() and device.type == "cuda":
+    if device.type == "cuda":
         torch.cuda.synchronize(device)
     return 0

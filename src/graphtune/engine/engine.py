@@ -268,6 +268,10 @@ class Engine:
             )
         if max_new <= 0:
             raise InputError(f"max_new_tokens must be > 0, got {max_new} for prompt {where}")
+        self.config.check_positions(
+            len(prompt) + max_new,
+            f"prompt {where} ({len(prompt)} tokens) with max_new_tokens={max_new}",
+        )
         if len(prompt) + max_new > self.max_seq_len:
             raise InputError(
                 f"prompt {where} has {len(prompt)} tokens and asks for {max_new} new ones, more "
@@ -301,7 +305,8 @@ class Engine:
             The generated token ids per prompt, in prompt order.
 
         Raises:
-            InputError: An empty prompt, unknown token ids, or a prompt that does not fit.
+            InputError: An empty prompt, unknown token ids, or a prompt that does not fit (the KV
+                cache, or ``max_position_embeddings``: :meth:`ModelConfig.check_positions`).
             NumericalError: Non-finite logits with ``strict_numerics``; otherwise such a request
                 stops early and is listed in :attr:`failures` (reset by every call).
         """

@@ -58,6 +58,7 @@ IGNORED_FIELDS = {
     "label2id": "sequence-classification heads only",
     "problem_type": "sequence-classification heads only",
     "pretraining_tp": "transformers' Llama no longer reads it (sliced projections sum the same)",
+    "bos_token_id": "kept as ModelConfig.bos_token_id; the tokenizer adds BOS, not the model",
 }
 
 _COMMON = {
@@ -75,7 +76,6 @@ _COMMON = {
     "rope_parameters": "ModelConfig.rope_theta and rope_scaling (default, linear, llama3)",
     "max_position_embeddings": "ModelConfig.max_position_embeddings (the longest request)",
     "tie_word_embeddings": "ModelConfig.tie_word_embeddings",
-    "bos_token_id": "ModelConfig.bos_token_id",
     "eos_token_id": "ModelConfig.eos_token_ids (generation_config.json's win, as in transformers)",
 }
 _QWEN_WINDOWS = {
@@ -123,7 +123,7 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
         "bos_token_id": None,
         "eos_token_id": None,
         "use_sliding_window": False,
-        "sliding_window": None,
+        "sliding_window": 4096,
         "max_window_layers": 28,
     },
     "mistral": {
@@ -146,7 +146,7 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
         "eos_token_id": None,
         "attention_bias": False,
         "use_sliding_window": False,
-        "sliding_window": None,
+        "sliding_window": 4096,
         "max_window_layers": 28,
     },
 }
@@ -181,9 +181,7 @@ def sliding_layers(cfg: Mapping[str, Any]) -> list[int]:
     return [i for i, kind in enumerate(types) if kind == "sliding_attention"]
 
 
-_NO_BIAS = Refusal(
-    lambda value, cfg: not value, True, "biases on the q, k, v and o projections"
-)
+_NO_BIAS = Refusal(lambda value, cfg: not value, True, "biases on the q, k, v and o projections")
 _NO_SLIDING = Refusal(
     lambda value, cfg: not sliding_layers(cfg),
     True,

@@ -142,6 +142,15 @@ class DecodeStep:
         h = ops.rms_norm(x, model.layers[0].attn_norm, eps)
         for index, layer in enumerate(model.layers):
             qkv = ops.gemm(h, layer.wqkv, layer.bqkv)
+            if layer.q_norm is not None:  # Qwen3: per-head RMSNorm of q and k, before RoPE
+                ops.head_rms_norm_(
+                    qkv,
+                    layer.q_norm,
+                    layer.k_norm,
+                    eps,
+                    num_heads=cfg.num_heads,
+                    num_kv_heads=cfg.num_kv_heads,
+                )
             q = ops.rope_kv_cache(
                 qkv,
                 rope,
@@ -152,7 +161,11 @@ class DecodeStep:
                 num_kv_heads=cfg.num_kv_heads,
             )
             h, x = self.project_add_norm(ops, attention(index, q), layer.wo, x, layer.mlp_norm, 0)
-            act = ops.silu_and_mul(ops.gemm(h, layer.w_gate_up))
+            gate_up = ops.gemm(h, layer.w_gate_up, layer.b_gate_up)
+            act = ops.gated_activation(gate_up, cfg.hidden_act)
+            if layer.b_down is not None:
+                # mlp_bias: the down projection's bias joins the residual the projection adds to.
+                x.add_(layer.b_down)
             h, x = self.project_add_norm(ops, act, layer.w_down, x, self.next_norms[index], 1)
         return ops.gemm(h[-1:] if last_only else h, model.lm_head)
 

@@ -28,7 +28,7 @@ KNOWN_CYCLES = [
     ["graphtune.autotuner.context", "graphtune.autotuner.tuner"],
     ["graphtune.ops.gemm", "graphtune.ops.gemv"],
 ]
-GRAPHS_IMPORT_LOADS_TUNER = True  # the package root imports eagerly until it is made lazy
+GRAPHS_IMPORT_LOADS_TUNER = False  # the package root imports its public names lazily
 
 # Which graphtune packages each package may import (function-local imports included).
 ALWAYS_ALLOWED = {"graphtune.errors", "graphtune.env", "graphtune.reporting", "graphtune._version"}

@@ -29,6 +29,17 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends ``(default: X)`` to a flag's help unless the help already says its default; a
+    switch (``store_true``) is off by default and says nothing."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.nargs == 0 or action.default is None:
+            return text
+        return super()._get_help_string(action) or text
+
+
 class Parser(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose help shows every default and whose usage errors are one line.
 
@@ -36,7 +47,7 @@ class Parser(argparse.ArgumentParser):
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:

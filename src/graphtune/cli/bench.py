@@ -112,7 +112,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         metavar="FILE",
         help="with --tune: tuning cache file, loaded when present and saved "
-        "(a second run tunes nothing)",
+        "(a second run tunes nothing; default: no file)",
     )
     decode.add_argument(
         "--tune-cold-l2",
@@ -121,14 +121,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "from HBM, as in a decode step)",
     )
     decode.add_argument(
-        "--plot", type=Path, default=None, metavar="FILE.png", help="save a plot (matplotlib)"
+        "--plot",
+        type=Path,
+        default=None,
+        metavar="FILE.png",
+        help="save a plot (matplotlib; default: no plot)",
     )
     decode.add_argument(
         "--json",
         type=Path,
         default=None,
         metavar="FILE",
-        help="write the full result as JSON ('-': to stdout, and the table to stderr)",
+        help="write the full result as JSON ('-': to stdout, and the table to stderr; "
+        "default: no JSON)",
     )
     add_device_arguments(decode)
     decode.add_argument("--seed", type=int, default=0, help="seed of weights, tokens and KV data")

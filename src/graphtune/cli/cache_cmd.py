@@ -36,10 +36,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Inspect, check, merge or delete tuning cache files (docs/cache-format.md).",
     )
     actions = cache.add_subparsers(dest="cache_command", metavar="ACTION")
-    show = actions.add_parser("show", help="print the entries and environment of a cache file")
+    show = actions.add_parser(
+        "show",
+        help="print the entries and environment of a cache file",
+        description="Prints a cache file's environment fingerprint (and whether it matches this "
+        "one), its entries and its blocked tactics.",
+    )
     show.add_argument("path", metavar="PATH", type=Path, help="tuning cache file (JSON)")
     show.set_defaults(handler=show_command)
-    clear = actions.add_parser("clear", help="delete a cache file and its lock file")
+    clear = actions.add_parser(
+        "clear",
+        help="delete a cache file and its lock file",
+        description="Deletes a tuning cache file and its lock file; exit 1 when there is none.",
+    )
     clear.add_argument("path", metavar="PATH", type=Path, help="tuning cache file (JSON)")
     clear.set_defaults(handler=clear_command)
     verify = actions.add_parser(
@@ -64,7 +73,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     merge.add_argument("a", metavar="A", type=Path, help="first cache file (wins ties)")
     merge.add_argument("b", metavar="B", type=Path, help="second cache file")
-    merge.add_argument("-o", "--output", required=True, type=Path, metavar="C", help="output")
+    merge.add_argument(
+        "-o", "--output", required=True, type=Path, metavar="C", help="output file (required)"
+    )
     merge.add_argument("--force", action="store_true", help="merge even if the fingerprints differ")
     merge.set_defaults(handler=merge_command)
     unblock = actions.add_parser(
@@ -74,9 +85,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "all of them. Entries are untouched.",
     )
     unblock.add_argument("path", metavar="FILE", type=Path, help="tuning cache file (JSON)")
-    unblock.add_argument("--runner", metavar="ID", help="only this runner id (see verify)")
     unblock.add_argument(
-        "--tactic", metavar="JSON", type=_json_text, help="only this tactic, as JSON, e.g. 3"
+        "--runner", metavar="ID", help="only this runner id (see verify; default: every runner)"
+    )
+    unblock.add_argument(
+        "--tactic",
+        metavar="JSON",
+        type=_json_text,
+        help="only this tactic, as JSON, e.g. 3 (default: every tactic)",
     )
     unblock.set_defaults(handler=unblock_command)
     cache.set_defaults(handler=lambda args: usage(cache))

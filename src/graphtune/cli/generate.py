@@ -68,15 +68,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--model",
         required=True,
         metavar="PATH|PRESET",
-        help="Hugging Face checkpoint folder or preset (tiny, llama-1b-shape, ...)",
+        help="Hugging Face checkpoint folder or preset (tiny, llama-1b-shape, ...) (required)",
     )
     parser.add_argument(
         "--prompt",
         dest="prompts",
         action="append",
-        default=[],
         metavar="TEXT",
-        help="prompt text, encoded with the checkpoint's tokenizer; repeat for several prompts",
+        help="prompt text, encoded with the checkpoint's tokenizer; repeat for several prompts "
+        "(no default: give --prompt or --prompt-ids)",
     )
     parser.add_argument(
         "--prompt-ids",
@@ -84,7 +84,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="append",
         type=token_ids,
         metavar="IDS",
-        help="prompt as comma-separated token ids (1,2,3); repeat for several prompts",
+        help="prompt as comma-separated token ids (1,2,3); repeat for several prompts (no default)",
     )
     parser.add_argument(
         "--max-new-tokens", type=positive_int, default=32, metavar="N", help="tokens to generate"

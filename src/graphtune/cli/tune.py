@@ -33,14 +33,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--model",
         required=True,
         metavar="PRESET|PATH",
-        help="preset (tiny, llama-1b-shape, ...) or a folder with config.json",
+        help="preset (tiny, llama-1b-shape, ...) or a folder with config.json (required)",
     )
     parser.add_argument(
         "--cache",
         required=True,
         type=Path,
         metavar="FILE",
-        help="tuning cache file (created or extended)",
+        help="tuning cache file, created or extended (required)",
     )
     parser.add_argument(
         "--max-batch",

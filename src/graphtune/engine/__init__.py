@@ -1,4 +1,4 @@
-"""Reference decode engine for Llama-family models (Llama 2/3, Qwen2, Mistral).
+"""Reference decode engine for Llama-family models (Llama 2/3, Qwen2, Mistral, Qwen3).
 
 Build a model with :func:`load_model` (a Hugging Face checkpoint folder or a preset with random
 weights), wrap it in an :class:`Engine` that picks a graph or eager step runner, and call
@@ -13,7 +13,7 @@ from graphtune.engine.config import PRESETS, ModelConfig, RopeScaling, from_hf_c
 from graphtune.engine.devices import resolve_device, resolve_dtype
 from graphtune.engine.engine import Engine, RequestFailure
 from graphtune.engine.kv_cache import KVCache
-from graphtune.engine.loading import load_checkpoint, load_model
+from graphtune.engine.loading import load_checkpoint, load_config, load_model, resolve_config
 from graphtune.engine.model import DecoderModel, LayerWeights, random_model
 from graphtune.engine.parallel import ParallelContext, TensorParallelDecodeStep, shard_model
 from graphtune.engine.sampling import GREEDY, SamplingParams, sample
@@ -40,9 +40,11 @@ __all__ = [
     "from_hf_config",
     "get_preset",
     "load_checkpoint",
+    "load_config",
     "load_model",
     "prefill",
     "random_model",
+    "resolve_config",
     "resolve_device",
     "resolve_dtype",
     "sample",

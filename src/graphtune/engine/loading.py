@@ -202,7 +202,7 @@ def load_checkpoint(
     dtype: torch.dtype | None = None,
     parallel: ParallelContext | None = None,
 ) -> DecoderModel:
-    """Loads a Hugging Face Llama / Qwen2 / Mistral checkpoint folder.
+    """Loads a Hugging Face Llama / Qwen2 / Mistral / Qwen3 checkpoint folder.
 
     Args:
         folder: Directory with ``config.json`` and safetensors weights (sharded or not).

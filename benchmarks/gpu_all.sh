@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU tests and every benchmark on the GPU machine; results (JSON, plots, logs) under $OUT.
 # Usage (repo root): GRAPHTUNE_COMMIT=<sha> bash benchmarks/gpu_all.sh [PART] [--quick]
-#   PART: tests | tuning | faults | timers | graphs | decode | tuned | moe | tp | all (default all);
+#   PART: tests | tuning | faults | timers | graphs | decode | tuned | moe | qwen3 | tp | all
+#   (default all);
 #   tp (two GPUs, kind nvidia-h200-x2; not part of "all") runs the all-reduce benchmark, tuned
 #   (TP=1) and TP=2 tuned / NCCL decode. One device call
 #   has a 10-minute limit, so a full run is split into two calls, e.g. "tests tuning faults" and
@@ -38,6 +39,9 @@ want graphs && step graph-capture python3 benchmarks/graph_capture.py --out "$OU
 want decode && step decode python3 -m graphtune bench decode --model llama-1b-shape \
   --batch-sizes 1,8,32,128 --compare-compile --json "$OUT/decode-h200.json" \
   --plot "$OUT/decode-h200.png"
+# Qwen3-1.7B's shape (per-head q/k norms, head_dim 128): eager, graph and tuned graph.
+want qwen3 && step qwen3 python3 -m graphtune bench decode --model qwen3-1.7b-shape \
+  --batch-sizes 1,8,32,128 --tune --runner both --json "$OUT/decode-qwen3-1.7b-h200.json"
 # The tuned single-GPU step (also TP=1, the baseline of tp): eager, graph and tuned graph.
 tuned_decode() {
   step tuned python3 -m graphtune bench decode --model llama-1b-shape --batch-sizes 1,8,32,128 \

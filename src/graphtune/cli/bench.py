@@ -226,11 +226,13 @@ def _report_partial(args: argparse.Namespace, report: Any) -> str:
     report.derive()
     done = [r.batch_size for r in report.results if r.eager_ms or r.graph_ms]
     report.notes.append(f"interrupted (Ctrl-C): finished batch sizes {done}")
+    # autotune() saved the picks tuned so far before the interrupt reached here.
+    picks = f"; tuned picks so far kept in {args.tuning_cache}" if args.tuning_cache else ""
     if not done:
-        return "no batch size had finished"
+        return "no batch size had finished" + picks
     _emit(args, report)
     where = f" and written to {args.json}" if args.json and str(args.json) != "-" else ""
-    return f"finished batch sizes {done} printed above{where}"
+    return f"finished batch sizes {done} printed above{where}{picks}"
 
 
 def _emit(args: argparse.Namespace, report: Any) -> None:

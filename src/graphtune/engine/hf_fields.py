@@ -157,13 +157,12 @@ class Refusal:
     """A rule for values of one field the engine does not implement.
 
     Attributes:
-        allowed: Whether a value (the field's value after defaults) is implemented.
-        refused_example: A value that is refused (the field test loads it).
+        allowed: Whether a value (the field's value after defaults, given the whole config) is
+            implemented.
         why: What the refused values would need, for the message.
     """
 
     allowed: Callable[[Any, Mapping[str, Any]], bool]
-    refused_example: Any
     why: str
 
 
@@ -181,21 +180,18 @@ def sliding_layers(cfg: Mapping[str, Any]) -> list[int]:
     return [i for i, kind in enumerate(types) if kind == "sliding_attention"]
 
 
-_NO_BIAS = Refusal(lambda value, cfg: not value, True, "biases on the q, k, v and o projections")
+_NO_BIAS = Refusal(lambda value, cfg: not value, "biases on the q, k, v and o projections")
 _NO_SLIDING = Refusal(
     lambda value, cfg: not sliding_layers(cfg),
-    True,
     "sliding-window layers (with use_sliding_window, from max_window_layers or layer_types)",
 )
 _ACTIVATION = Refusal(
     lambda value, cfg: value in HF_ACTIVATIONS,
-    "xielu",
     f"an activation other than {sorted(HF_ACTIVATIONS)}",
 )
 _LAYER_KINDS = Refusal(
     # A "sliding_attention" layer attends fully unless use_sliding_window is on (that rule).
     lambda value, cfg: all(kind in ("full_attention", "sliding_attention") for kind in value or ()),
-    ["full_attention", "chunked_attention"],
     "a layer type other than full_attention and sliding_attention",
 )
 

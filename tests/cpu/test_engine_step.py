@@ -80,6 +80,13 @@ def reference_step(
     for index, layer in enumerate(model.layers):
         h = rms_norm(x, layer.attn_norm, eps)
         qkv = F.linear(h, layer.wqkv, layer.bqkv)
+        if layer.q_norm is not None:  # Qwen3: per-head norms of q and k before RoPE
+            for start, end, weight in (
+                (0, heads * dim, layer.q_norm),
+                (heads * dim, qk_size, layer.k_norm),
+            ):
+                part = qkv[:, start:end].unflatten(-1, (-1, dim))
+                part.copy_(F.rms_norm(part, (dim,), None, eps) * weight)
         qk = apply_rope_signed(qkv[:, :qk_size].view(batch, heads + kv_heads, dim), cos, sin)
         step.k_flat[index].index_copy_(0, write_rows, qk[:, heads:].reshape(-1, dim))
         step.v_flat[index].index_copy_(0, write_rows, qkv[:, qk_size:].reshape(-1, dim))

@@ -56,6 +56,7 @@ from graphtune.autotuner import (
     TunableRunner,
     TuningCache,
     TuningConfig,
+    TuningPolicy,
     autotune,
     persist,
 )
@@ -140,7 +141,9 @@ def tactic_faults(out: Path, device: torch.device, timeout_s: float) -> dict[str
     path = out / "faults-cache.json"
     path.unlink(missing_ok=True)
     x = torch.randn(1024, 1024, device=device)
-    tuner = AutoTuner(isolation=Isolation("subprocess", timeout_s=timeout_s), rounds=2)
+    tuner = AutoTuner(
+        isolation=Isolation("subprocess", timeout_s=timeout_s), policy=TuningPolicy(rounds=2)
+    )
     start = time.perf_counter()
     with autotune(path, tuner=tuner):
         runner, tactic = tuner.choose_one("faults.scale", [FaultyScale()], CONFIG, [x])
@@ -318,7 +321,7 @@ def blocklist_in_process(path: Path, device: torch.device, expected: int) -> dic
     """Check 5: a fresh in-process tuner skips every blocklisted tactic."""
     cache = TuningCache()
     cache.load(path, strict=True)
-    tuner = AutoTuner(cache=cache, rounds=1)
+    tuner = AutoTuner(cache=cache, policy=TuningPolicy(rounds=1))
     tuner.tuning_mode = True
     x = torch.randn(1024, 1024, device=device)
     _, tactic = tuner.choose_one("faults.scale.again", [FaultyScale()], CONFIG, [x])

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU tests and every benchmark on the GPU machine; results (JSON, plots, logs) under $OUT.
 # Usage (repo root): GRAPHTUNE_COMMIT=<sha> bash benchmarks/gpu_all.sh [PART] [--quick]
-#   PART: tests | tuning | faults | timers | graphs | decode | tuned | moe | qwen3 | tp | all
+#   PART: tests | tuning | tuning-time | faults | timers | graphs | decode | tuned | moe | qwen3 |
+#   tp | all
 #   (default all);
 #   tp (two GPUs, kind nvidia-h200-x2; not part of "all") runs the all-reduce benchmark, tuned
 #   (TP=1) and TP=2 tuned / NCCL decode. One device call
@@ -31,6 +32,11 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
 python3 -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__)'
 want tests && step tests python3 -m pytest -q -rfE --timeout=300 -p no:cacheprovider tests/gpu
 want tuning && step tuning python3 benchmarks/tuning.py --out "$OUT" $QUICK
+# Whole-step tuning, cold and warm, with compile worker processes (default) and threads only.
+want tuning-time && step tuning-time python3 benchmarks/tuning_time.py --out "$OUT" \
+  --model llama-1b-shape --max-batch 128
+want tuning-time && step tuning-time-threads python3 benchmarks/tuning_time.py --out "$OUT" \
+  --model llama-1b-shape --max-batch 128 --compile-processes 0 --label threads
 want moe && step moe python3 benchmarks/moe.py --out "$OUT" $QUICK
 want faults && step faults python3 benchmarks/faults.py --out "$OUT" $QUICK
 want timers && step timers python3 benchmarks/timers.py --out "$OUT" $QUICK

@@ -94,7 +94,7 @@ def sample_sessions(
         for slot, (index, tactic) in enumerate(candidates):
             runner = runners[index]
             measured = timer.measure(
-                lambda i, r=runner, t=tactic, x=inputs: r.forward(x, t), warmup=3, repeat=10
+                lambda i, r=runner, t=tactic, x=inputs: r.forward(x, tactic=t), warmup=3, repeat=10
             )
             samples[slot].append(measured.median_us)
     return samples
@@ -109,13 +109,14 @@ def tuning_runs(
     runs: int,
     kwargs: dict[str, Any],
 ) -> list[dict[str, Any]]:
-    from graphtune.autotuner import AutoTuner
-    from graphtune.autotuner.runner import runner_id, short_runner_name
+    from graphtune.autotuner import AutoTuner, TuningPolicy
+    from graphtune.autotuner.identity import runner_id, short_runner_name
     from graphtune.autotuner.timing import resolve_timer
 
     out = []
     for _ in range(runs):
-        tuner = AutoTuner(timer=resolve_timer("graph", device), show_progress=False, **kwargs)
+        policy = TuningPolicy(**kwargs)
+        tuner = AutoTuner(timer=resolve_timer("graph", device), show_progress=False, policy=policy)
         tuner.tuning_mode = True
         start = time.perf_counter()
         runner, tactic = tuner.choose_one(op, runners, config, inputs)
@@ -156,7 +157,7 @@ def run_case(case: tuning.Case, device: torch.device, args: argparse.Namespace) 
     fresh = sample_sessions(runners, candidates, fresh_sets)
     del fresh_sets
     record: dict[str, Any] = {"case": case_name(case), "candidates": []}
-    from graphtune.autotuner.runner import runner_id, short_runner_name
+    from graphtune.autotuner.identity import runner_id, short_runner_name
 
     for slot, (index, tactic) in enumerate(candidates):
         record["candidates"].append(

@@ -5,8 +5,8 @@ public names below are imported on first use (PEP 562), so ``import graphtune.gr
 load the autotuner and ``import graphtune`` alone does not import torch.
 
 Autotuner: :class:`TunableRunner`, :class:`TuningConfig`, :class:`DynamicTensorSpec`,
-:class:`ConstraintSpec`, :class:`AutoTuner`, :func:`get_tuner`, :func:`autotune`. Graph runner:
-:class:`CUDAGraphRunner`, :class:`EagerRunner`.
+:class:`ConstraintSpec`, :class:`AutoTuner`, :class:`TuningPolicy`, :func:`get_tuner`,
+:func:`autotune`. Graph runner: :class:`CUDAGraphRunner`, :class:`EagerRunner`.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
         DynamicTensorSpec,
         TunableRunner,
         TuningConfig,
+        TuningPolicy,
         autotune,
         get_tuner,
         last_power_of_two,
@@ -43,6 +44,7 @@ _LAZY = {
             "DynamicTensorSpec",
             "TunableRunner",
             "TuningConfig",
+            "TuningPolicy",
             "autotune",
             "get_tuner",
             "last_power_of_two",
@@ -65,6 +67,7 @@ __all__ = [
     "GraphtuneError",
     "TunableRunner",
     "TuningConfig",
+    "TuningPolicy",
     "__version__",
     "autotune",
     "get_tuner",

@@ -10,11 +10,19 @@ Variables (all optional):
   ``disabled``), for bisecting a suspected graph problem without code changes.
 * ``GRAPHTUNE_STRICT_CACHE``: ``1`` makes loading a mismatching or corrupt cache file raise
   instead of warning and skipping it.
+* ``GRAPHTUNE_CACHE_ONLY``: ``1`` makes ``autotune()`` cache-only: it loads the cache file and the
+  ops look their picks up, but a miss runs the fallback instead of tuning (for CI and development;
+  ``autotune(tune=False)`` does the same for one block, and an explicit ``tune=True`` wins).
+* ``GRAPHTUNE_MISSES``: default file ``autotune()`` saves the record of missed shapes to when no
+  ``misses_path`` is given (for ``graphtune tune --from-misses FILE``).
 * ``GRAPHTUNE_NO_PROGRESS``: ``1`` hides progress bars (they are also hidden when stderr is not a
   terminal).
 * ``GRAPHTUNE_PDL``: ``0`` launches every Triton kernel without programmatic dependent launch
   (PDL), even on GPUs that support it; results are identical either way, only the overlap of
   consecutive kernels changes. On by default.
+* ``GRAPHTUNE_COMPILE_PROCESSES``: worker processes that run Triton's code generator for the
+  tactics compiled ahead of timing (``graphtune.ops._compile_pool``); ``0`` compiles in threads
+  of the tuning process only. Unset: ``min(16, cpu_count)``.
 * ``GRAPHTUNE_COMMIT``: the source commit recorded in benchmark results when the tree being run has
   no ``.git`` (for example a copy shipped to a GPU machine).
 * ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``: set by ``torchrun``; read for ``--tp N`` (the process
@@ -27,6 +35,8 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+
+from graphtune.errors import ConfigError
 
 _TRUE = {"1", "true", "yes", "on"}
 
@@ -56,6 +66,17 @@ def strict_cache() -> bool:
     return _flag("GRAPHTUNE_STRICT_CACHE")
 
 
+def cache_only() -> bool:
+    """Whether ``GRAPHTUNE_CACHE_ONLY`` turns tuning off in ``autotune()`` (look-ups only)."""
+    return _flag("GRAPHTUNE_CACHE_ONLY")
+
+
+def default_misses_path() -> Path | None:
+    """Returns the misses file named by ``GRAPHTUNE_MISSES``, or ``None`` when unset."""
+    value = os.environ.get("GRAPHTUNE_MISSES", "").strip()
+    return Path(value).expanduser() if value else None
+
+
 def progress_disabled() -> bool:
     """Whether ``GRAPHTUNE_NO_PROGRESS`` hides progress bars."""
     return _flag("GRAPHTUNE_NO_PROGRESS")
@@ -64,6 +85,23 @@ def progress_disabled() -> bool:
 def pdl_allowed() -> bool:
     """Whether ``GRAPHTUNE_PDL`` leaves programmatic dependent launch on (unset: on)."""
     return os.environ.get("GRAPHTUNE_PDL", "").strip().lower() not in {"0", "false", "no", "off"}
+
+
+def compile_processes() -> int | None:
+    """``GRAPHTUNE_COMPILE_PROCESSES`` as an int >= 0, or ``None`` when unset.
+
+    Raises:
+        ConfigError: The value is not an integer >= 0.
+    """
+    value = os.environ.get("GRAPHTUNE_COMPILE_PROCESSES", "").strip()
+    if not value:
+        return None
+    if not value.isdigit():
+        raise ConfigError(
+            f"GRAPHTUNE_COMPILE_PROCESSES={value!r}: must be an integer >= 0 (0 compiles in "
+            "threads only); unset it for the default."
+        )
+    return int(value)
 
 
 def torchrun_rank() -> tuple[int, int] | None:

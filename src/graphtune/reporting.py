@@ -116,7 +116,7 @@ def render_table(
         table.add_column(name, justify="right" if numeric else "left")
     for row in rows:
         table.add_row(*(_format_cell(cell) for cell in row))
-    console = Console(width=width, record=True, file=_NullWriter(), color_system=None)
+    console = Console(width=width, record=True, file=io.StringIO(), color_system=None)
     console.print(table)
     return console.export_text().rstrip("\n")
 
@@ -134,10 +134,3 @@ def _format_cell(cell: Any) -> str:
             return f"{cell:.3f}"
         return f"{cell:.4f}"
     return str(cell)
-
-
-class _NullWriter(io.StringIO):
-    """Discards what the recording console prints (the text is exported instead)."""
-
-    def write(self, text: str) -> int:
-        return len(text)

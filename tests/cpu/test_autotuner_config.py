@@ -96,10 +96,10 @@ def test_profiles_cartesian_product_capped_plus_live() -> None:
         max_value=48,
     )
     profiles = generate_profiles(config, [a, b])
-    # dim 0 of a: buckets 1, 8 (64 > max_value) plus live 24 -> 16;
-    # dim -1 of b: 16, 32 plus live 40 -> 32
+    # dim 0 of a: buckets 1, 8 (64 > max_value); the live 24 maps to the listed 8;
+    # dim -1 of b: 16, 32; the live 40 maps to the listed 32
     shapes = {p.shapes for p in profiles}
-    assert shapes == {((m, 16), (16, n)) for m in (1, 8, 16) for n in (16, 32)}
+    assert shapes == {((m, 16), (16, n)) for m in (1, 8) for n in (16, 32)}
     assert all(p.dtypes == ("float32", "float32") for p in profiles)
 
 
@@ -141,8 +141,11 @@ def test_bad_spec_indices_name_the_input() -> None:
     config = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0),))
     with pytest.raises(InputError, match="not a tensor"):
         profile_for(config, [7])
-    config = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0, map_to_bucket=lambda n: 0),))
-    with pytest.raises(ConfigError, match="positive int"):
+    config = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0, map_to_bucket=lambda n: -1),))
+    with pytest.raises(ConfigError, match="int >= 0"):
+        profile_for(config, [torch.randn(3)])
+    config = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0, map_to_bucket=lambda n: 0.5),))
+    with pytest.raises(ConfigError, match="map_to_bucket"):
         profile_for(config, [torch.randn(3)])
 
 

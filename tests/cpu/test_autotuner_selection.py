@@ -22,6 +22,7 @@ from graphtune.autotuner import (
     ProfileRecord,
     TunableRunner,
     TuningConfig,
+    TuningPolicy,
     autotune,
 )
 from graphtune.autotuner.selection import (
@@ -128,16 +129,20 @@ def test_rule_skips_failed_candidates_and_breaks_equal_medians_by_order() -> Non
         ({"input_sets": 2.0}, "input_sets"),
     ],
 )
-def test_new_tuner_arguments_are_validated(kwargs: dict, match: str) -> None:
+def test_policy_knobs_are_validated(kwargs: dict, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
-        AutoTuner(**kwargs)
+        TuningPolicy(**kwargs)
 
 
 def test_defaults() -> None:
     tuner = AutoTuner(show_progress=False)
-    assert (tuner.tie_tolerance, tuner.noise_z, tuner.max_tie_tolerance) == (0.005, 2.0, 0.05)
-    assert tuner.max_extra_rounds == 6 and tuner.history == []
-    assert tuner.tie_floor_us == 0.03 and tuner.input_sets == 1
+    policy = tuner.policy
+    assert policy == TuningPolicy() and tuner.history == []
+    assert (policy.tie_tolerance, policy.noise_z, policy.max_tie_tolerance) == (0.005, 2.0, 0.05)
+    assert policy.max_extra_rounds == 6 and policy.rounds == 3 and policy.remeasure_top == 3
+    assert policy.tie_floor_us == 0.03 and policy.input_sets == 1
+    with pytest.raises(ConfigError, match="policy"):
+        AutoTuner(policy={"rounds": 1})  # type: ignore[arg-type]
 
 
 def test_absolute_floor_ties_nanosecond_gaps_on_microsecond_kernels() -> None:
@@ -167,7 +172,7 @@ class CostRunner(TunableRunner):
         self.name, self.costs, self.clock, self.fail = name, costs, clock, fail
 
     def get_valid_tactics(self, inputs: list, profile: Any) -> list:
-        return [t for t in self.costs if t != FALLBACK_TACTIC]
+        return list(self.costs)
 
     def forward(self, inputs: list, tactic: Any = FALLBACK_TACTIC) -> Any:
         if tactic in self.fail:
@@ -219,7 +224,7 @@ def tune(
     clock = Clock()
     timer = JitterTimer(clock, jitter(e))
     runners = [CostRunner("a", costs_a, clock), CostRunner("b", costs_b, clock, fail_b)]
-    tuner = AutoTuner(timer=timer, show_progress=False, **kwargs)
+    tuner = AutoTuner(timer=timer, show_progress=False, policy=TuningPolicy(**kwargs))
     with autotune(None, tuner):
         runner, tactic = tuner.choose_one("op", runners, config, X)
     return (runner.name, tactic), tuner, timer
@@ -320,12 +325,13 @@ def test_history_records_what_was_measured() -> None:
 
 def test_history_when_every_candidate_fails() -> None:
     clock = Clock()
-    runner = CostRunner("a", {-1: 1.0}, clock, fail=frozenset({-1}))
+    runner = CostRunner("a", {-1: 1.0, 0: 2.0}, clock, fail=frozenset({-1, 0}))
     tuner = AutoTuner(timer=JitterTimer(clock, (0.0,)), show_progress=False)
     with autotune(None, tuner):
         assert tuner.choose_one("op", [runner], ONE_BUCKET, X) == (runner, -1)
     record = tuner.history[-1]
-    assert record.winner_index is None and record.candidates[0].failed == "RuntimeError"
+    assert record.winner_index is None
+    assert [c.failed for c in record.candidates] == ["RuntimeError", "RuntimeError"]
 
 
 def test_cache_hits_add_no_history() -> None:
@@ -336,16 +342,13 @@ def test_cache_hits_add_no_history() -> None:
     assert len(tuner.history) == 1 and tuner.stats.hits == 1
 
 
-def test_tuner_module_still_exports_the_context_helpers() -> None:
+def test_the_context_helpers_live_in_context_only() -> None:
     import graphtune.autotuner.tuner as tuner_module
     from graphtune.autotuner import autotune as exported
-    from graphtune.autotuner.context import get_tuner
-    from graphtune.autotuner.tuner import autotune as moved
-    from graphtune.autotuner.tuner import get_tuner as moved_get
+    from graphtune.autotuner.context import autotune
 
-    assert moved is exported and moved_get is get_tuner
-    with pytest.raises(AttributeError, match="no_such_name"):
-        tuner_module.no_such_name  # noqa: B018
+    assert exported is autotune
+    assert not hasattr(tuner_module, "autotune") and not hasattr(tuner_module, "get_tuner")
 
 
 # -- input sets -----------------------------------------------------------------------------------
@@ -373,7 +376,9 @@ class SetRunner(TunableRunner):
 def _tune_sets(config: TuningConfig, **kwargs: Any) -> tuple[list[SetRunner], AutoTuner]:
     clock = Clock()
     runners = [SetRunner("a", clock), SetRunner("b", clock)]
-    tuner = AutoTuner(timer=JitterTimer(clock, (0.0,)), show_progress=False, **kwargs)
+    tuner = AutoTuner(
+        timer=JitterTimer(clock, (0.0,)), show_progress=False, policy=TuningPolicy(**kwargs)
+    )
     with autotune(None, tuner):
         tuner.choose_one("op", runners, config, [torch.randn(4, 2)])
     return runners, tuner
@@ -393,9 +398,9 @@ def test_input_sets_give_each_measurement_round_its_own_set() -> None:
 
 
 def test_input_sets_stop_at_the_byte_budget(monkeypatch) -> None:
-    import graphtune.autotuner.tuner as tuner_module
+    import graphtune.autotuner.tuning as tuning_module
 
-    monkeypatch.setattr(tuner_module, "INPUT_SET_BYTES", 2 * 4 * 2 * 4)  # two [4, 2] float sets
+    monkeypatch.setattr(tuning_module, "INPUT_SET_BYTES", 2 * 4 * 2 * 4)  # two [4, 2] float sets
     runners, _ = _tune_sets(ONE_BUCKET, input_sets=3)
     assert len(set(runners[0].seen)) == 2
 

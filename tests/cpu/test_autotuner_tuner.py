@@ -15,6 +15,7 @@ from graphtune.autotuner import (
     DynamicTensorSpec,
     TunableRunner,
     TuningConfig,
+    TuningPolicy,
     autotune,
 )
 from graphtune.autotuner.timing.base import Measurement
@@ -35,7 +36,7 @@ class FakeRunner(TunableRunner):
         self.seen_inputs: set[int] = set()
 
     def get_valid_tactics(self, inputs: list, profile: Any) -> list:
-        return [t for t in self.costs if t != FALLBACK_TACTIC]
+        return list(self.costs)  # the fallback -1 too, where a runner lists it: then it is timed
 
     def forward(self, inputs: list, tactic: Any = FALLBACK_TACTIC) -> Any:
         if tactic in self.fail:
@@ -81,7 +82,8 @@ def make(costs_a: dict, costs_b: dict, **tuner_kwargs: Any):
     timer = FakeTimer(clock, noise=tuner_kwargs.pop("noise", 0.0), seed=tuner_kwargs.pop("seed", 0))
     runners = [FakeRunner("a", costs_a, clock), FakeRunner("b", costs_b, clock)]
     tuner_kwargs.setdefault("show_progress", False)
-    tuner = AutoTuner(timer=timer, **tuner_kwargs)
+    knobs = {k: tuner_kwargs.pop(k) for k in list(tuner_kwargs) if hasattr(TuningPolicy(), k)}
+    tuner = AutoTuner(timer=timer, policy=TuningPolicy(**knobs), **tuner_kwargs)
     return tuner, runners, timer
 
 
@@ -91,17 +93,18 @@ def test_tunes_all_buckets_then_hits() -> None:
     x = torch.randn(3, 8)
     runner, tactic = tuner.choose_one("op", runners, CONFIG, [x])
     assert (runner, tactic) == (runners[1], 0)
-    # buckets 1, 4, 16 plus the live bucket 2 -> four profiles, four candidates each
-    assert tuner.stats.profiles_tuned == 4 and len(tuner.cache) == 4
-    assert tuner.stats.tactics_timed == 16 and tuner.stats.misses == 1
+    # the listed buckets 1, 4, 16 (the live 3 maps to the listed 1) -> three profiles, four
+    # candidates each
+    assert tuner.stats.profiles_tuned == 3 and len(tuner.cache) == 3
+    assert tuner.stats.tactics_timed == 12 and tuner.stats.misses == 1
     entry = next(e for _, e in tuner.cache.items())
     assert entry.runner_id.endswith('FakeRunner["b"]') and entry.speedup == pytest.approx(5.0)
     tuner.tuning_mode = False
     calls = len(timer.order)
-    for rows in (1, 2, 3, 5, 16, 100):  # 100 maps to bucket 64, which was not tuned -> fallback
+    for rows in (1, 2, 3, 5, 16, 100):  # each maps to the largest listed bucket not above it
         tuner.choose_one("op", runners, CONFIG, [torch.randn(rows, 8)])
     assert len(timer.order) == calls
-    assert tuner.stats.hits == 5 and tuner.stats.fallbacks == {"op": 1}
+    assert tuner.stats.hits == 6 and tuner.stats.fallbacks == {}
     table = tuner.summary_table()
     assert "FakeRunner" in table and "speed-up" in table and "16x8" in table
 
@@ -158,23 +161,6 @@ def test_failing_tactics_are_data(caplog) -> None:
     assert len(failures) == 1  # logged once per (op, reason); the rest are counted
 
 
-def test_all_tactics_fail_uses_fallback(caplog) -> None:
-    clock = FakeClock()
-    a = FakeRunner("a", {-1: 5.0, 0: 1.0}, clock, fail={-1, 0})
-
-    class Broken(TunableRunner):
-        def get_valid_tactics(self, inputs, profile):
-            raise ValueError("no kernel for this GPU")
-
-    tuner = AutoTuner(timer=FakeTimer(clock), show_progress=False)
-    with caplog.at_level(logging.WARNING), autotune(tuner=tuner):
-        assert tuner.choose_one("op", [a, Broken()], CONFIG, [torch.randn(4, 2)]) == (a, -1)
-    entry = next(e for _, e in tuner.cache.items())
-    assert entry.tactic == -1 and entry.time_us is None and entry.fallback_us is None
-    assert tuner.stats.tactic_failures["ValueError"] == 3
-    assert any("every (runner, tactic) failed" in r.getMessage() for r in caplog.records)
-
-
 @pytest.mark.parametrize(
     "costs_b, expected",
     [
@@ -200,14 +186,16 @@ def test_cold_l2_rotates_copies_larger_than_l2(monkeypatch) -> None:
     l2 = 1 << 20  # a fake 1 MiB L2, read through the real cold_l2_copies
     monkeypatch.setattr(cold_l2, "l2_cache_bytes", lambda device: l2)
     clock = FakeClock()
-    runner = FakeRunner("a", {-1: 1.0}, clock)
+    runner = FakeRunner("a", {-1: 1.0, 0: 2.0}, clock)
     timer = FakeTimer(clock)
-    tuner = AutoTuner(timer=timer, show_progress=False, rounds=1)
+    tuner = AutoTuner(
+        timer=timer, show_progress=False, policy=TuningPolicy(rounds=1, remeasure_top=0)
+    )
     config = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0, (64,)),), cold_l2=True, repeat=2)
     x = torch.randn(64, 1024)  # 256 KiB per input set
     with autotune(tuner=tuner):
         tuner.choose_one("op", [runner], config, [x])
-    assert len(timer.order) == 1  # a single measurement...
+    assert len(timer.order) == 2  # a single measurement of each of the two tactics...
     assert len(runner.seen_inputs) * x.numel() * 4 > l2  # ...walked copies totalling more than L2
 
 
@@ -239,9 +227,9 @@ def test_choose_one_and_tuner_argument_errors() -> None:
     with pytest.raises(ConfigError, match="TuningConfig"):
         tuner.choose_one("op", [TunableRunner()], {"timing": "auto"}, [torch.randn(2)])
     with pytest.raises(ConfigError, match="rounds"):
-        AutoTuner(rounds=0)
+        AutoTuner(policy=TuningPolicy(rounds=0))
     with pytest.raises(ConfigError, match="tie_tolerance"):
-        AutoTuner(tie_tolerance=1.5)
+        AutoTuner(policy=TuningPolicy(tie_tolerance=1.5))
     with pytest.raises(ConfigError, match="measure"):
         AutoTuner(timer=object())  # type: ignore[arg-type]
 
@@ -257,7 +245,7 @@ class SlowMatmulRunner(TunableRunner):
     """Genuinely slower: the same matmul recomputed 8 or 16 times (tactic -1: 8)."""
 
     def get_valid_tactics(self, inputs, profile):
-        return [16]
+        return [-1, 16]
 
     def forward(self, inputs, tactic=-1):
         a, b = inputs
@@ -279,7 +267,7 @@ def one_thread():
 def test_wallclock_timer_picks_the_genuinely_faster_runner(one_thread) -> None:
     # timing="auto" on CPU tensors resolves the real WallClockTimer through resolve_timer.
     config = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0, (64,)),), warmup=2, repeat=5)
-    tuner = AutoTuner(show_progress=False, rounds=2)
+    tuner = AutoTuner(show_progress=False, policy=TuningPolicy(rounds=2))
     runners = [SlowMatmulRunner(), MatmulRunner()]
     inputs = [torch.randn(64, 64), torch.randn(64, 64)]
     with autotune(tuner=tuner):
@@ -301,7 +289,7 @@ def test_progress_bar_and_default_tuner() -> None:
 
 
 def test_hits_are_memoised_until_the_cache_changes(monkeypatch) -> None:
-    import graphtune.autotuner.tuner as tuner_module
+    import graphtune.autotuner.resolved as resolved_module
 
     tuner, runners, _ = make({-1: 5.0, 0: 4.0}, {0: 1.0, 1: 3.0})
     tuner.tuning_mode = True
@@ -309,8 +297,8 @@ def test_hits_are_memoised_until_the_cache_changes(monkeypatch) -> None:
     assert tuner.choose_one("op", runners, CONFIG, [x]) == (runners[1], 0)
     tuner.tuning_mode = False
     slow_path = []
-    real = tuner_module.profile_for
-    monkeypatch.setattr(tuner_module, "profile_for", lambda *a: slow_path.append(1) or real(*a))
+    real = resolved_module.profile_for
+    monkeypatch.setattr(resolved_module, "profile_for", lambda *a: slow_path.append(1) or real(*a))
     for _ in range(5):  # same signature: one slow look-up, then memo hits
         assert tuner.choose_one("op", runners, CONFIG, [torch.randn(4, 8)]) == (runners[1], 0)
     assert len(slow_path) == 1 and tuner.stats.hits == 5

@@ -309,7 +309,8 @@ def test_main_end_to_end_on_a_tiny_shape(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(bench, "DTYPE", torch.float32)  # the interpreter's bf16 dot is broken
     import graphtune.autotuner as autotuner
 
-    quick = functools.partial(autotuner.AutoTuner, rounds=1, remeasure_top=0, max_extra_rounds=0)
+    policy = autotuner.TuningPolicy(rounds=1, remeasure_top=0, max_extra_rounds=0)
+    quick = functools.partial(autotuner.AutoTuner, policy=policy)
     monkeypatch.setattr(autotuner, "AutoTuner", quick)  # one measurement per candidate
     swept = []
 

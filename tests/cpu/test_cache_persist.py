@@ -19,8 +19,8 @@ from graphtune.autotuner import (
     persist,
 )
 from graphtune.autotuner.fingerprint import environment_fingerprint
+from graphtune.autotuner.identity import runner_id
 from graphtune.autotuner.profiles import profile_for
-from graphtune.autotuner.runner import runner_id
 from graphtune.errors import CacheFileError
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphtune.autotuner import AutoTuner, persist
+from graphtune.autotuner import AutoTuner, TuningPolicy, persist
 from graphtune.autotuner.timing import WallClockTimer
 from graphtune.cli.demo_ops import ChunkedMatmul, EinsumMatmul, Softmax, TorchMatmul, demo
 from graphtune.cli.main import main
@@ -34,7 +34,9 @@ def test_demo_runners_agree_with_torch() -> None:
 
 def test_demo_function_with_a_quick_timer() -> None:
     quick = WallClockTimer(samples=1)
-    tuner = AutoTuner(timer=quick, rounds=1, remeasure_top=0, show_progress=False)
+    tuner = AutoTuner(
+        timer=quick, show_progress=False, policy=TuningPolicy(rounds=1, remeasure_top=0)
+    )
     text = demo(tuner, torch.device("cpu"))
     assert "matmul" in text and "softmax" in text and "speed-up" in text
     assert tuner.stats.profiles_tuned == 8 and tuner.stats.fallbacks == {}
@@ -48,7 +50,7 @@ def test_demo_cli_saves_then_reuses_cache(tmp_path, capsys, monkeypatch) -> None
     monkeypatch.setattr(
         graphtune.autotuner,
         "AutoTuner",
-        lambda **kw: AutoTuner(timer=WallClockTimer(samples=1), rounds=1),
+        lambda **kw: AutoTuner(timer=WallClockTimer(samples=1), policy=TuningPolicy(rounds=1)),
     )
     path = tmp_path / "demo.json"
     assert main(["demo", "--cache", str(path), "--device", "cpu"]) == 0

@@ -26,6 +26,7 @@ from graphtune.autotuner import (
 )
 from graphtune.autotuner.distributed import STRATEGIES
 from graphtune.autotuner.timing.base import Measurement
+from graphtune.autotuner.tuning import TuningRun
 from graphtune.errors import ConfigError, DistributedError, TuningError
 
 WORLD = 2
@@ -50,14 +51,19 @@ class Clock:
 
 
 class RankRunner(TunableRunner):
-    """Costs per tactic; ``fail`` tactics raise; logs (rows, tactic) of every call."""
+    """Costs per tactic; ``fail`` tactics raise; logs (rows, tactic) of every call.
+
+    Its attributes are test instruments that differ between ranks, not configuration: they are
+    left out of its identity, so every rank offers the same runner."""
+
+    identity_excludes = frozenset({"costs", "clock", "fail", "log"})
 
     def __init__(self, costs: dict, clock: Clock, fail: frozenset = frozenset()) -> None:
         self.costs, self.clock, self.fail = costs, clock, fail
         self.log: list[tuple[int, int]] = []
 
     def get_valid_tactics(self, inputs: list, profile: Any) -> list:
-        return [t for t in self.costs if t != -1]
+        return list(self.costs)
 
     def forward(self, inputs: list, tactic: Any = -1) -> Any:
         if tactic in self.fail:
@@ -172,12 +178,12 @@ def _worker(rank: int, init: str, tmp: str, results) -> None:
             # A rank that must stop (e.g. a tactic corrupted its CUDA context) still joins the
             # collective, then every rank raises.
             tuner = AutoTuner(ClockTimer(Clock()), distributed="agree")
-            if rank == 1:
+            if rank == 1:  # this process is rank 1 only: patching the class touches no other
 
                 def stop(*args: Any) -> None:
                     raise TuningError("context corrupted (simulated)")
 
-                tuner._time_candidates = stop  # type: ignore[method-assign]
+                TuningRun._time_candidates = stop  # type: ignore[method-assign]
             try:
                 with autotune(None, tuner):
                     tuner.choose_one(

@@ -20,7 +20,7 @@ import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from graphtune.autotuner import AutoTuner  # noqa: E402
+from graphtune.autotuner import AutoTuner, TuningPolicy  # noqa: E402
 from graphtune.autotuner.timing.base import Measurement  # noqa: E402
 from graphtune.engine import (  # noqa: E402
     DecodeStep,
@@ -182,7 +182,9 @@ class _FirstWins:
 
 
 def _tuner() -> AutoTuner:
-    return AutoTuner(timer=_FirstWins(), rounds=1, remeasure_top=0, show_progress=False)
+    return AutoTuner(
+        timer=_FirstWins(), show_progress=False, policy=TuningPolicy(rounds=1, remeasure_top=0)
+    )
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))

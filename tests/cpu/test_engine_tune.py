@@ -17,7 +17,7 @@ import torch
 if not torch.cuda.is_available():  # see test_ops_kernels.py
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from graphtune.autotuner import AutoTuner  # noqa: E402
+from graphtune.autotuner import AutoTuner, TuningPolicy  # noqa: E402
 from graphtune.autotuner.timing.base import Measurement  # noqa: E402
 from graphtune.engine import DecodeStep, Engine, KVCache, load_model, tune_step  # noqa: E402
 from graphtune.ops import attention  # noqa: E402
@@ -42,11 +42,8 @@ class _LastIsFastest:
 def _tuner() -> AutoTuner:
     return AutoTuner(
         timer=_LastIsFastest(),
-        rounds=1,
-        remeasure_top=0,
-        tie_tolerance=0.0,
-        tie_floor_us=0.0,
         show_progress=False,
+        policy=TuningPolicy(rounds=1, remeasure_top=0, tie_tolerance=0.0, tie_floor_us=0.0),
     )
 
 
@@ -231,3 +228,36 @@ def test_bench_decode_tune_reports_tuned_beside_untuned(tmp_path, capsys, monkey
     assert main(args) == 0  # the cache file answers everything: nothing tuned again
     assert "tuning: 0 (op, bucket) profiles tuned" in capsys.readouterr().err
     assert made[-1].stats.profiles_tuned == 0
+
+
+def test_tune_step_compiles_up_front_and_tunes_what_it_would_without() -> None:
+    from graphtune.ops import triton_available
+    from graphtune.ops._triton_runner import triton_runners
+
+    model = load_model("tiny")
+
+    def counters() -> dict[int, tuple[int, int]]:
+        return {id(r): (r.compiled, r.compile_shared) for r in triton_runners()}
+
+    seen: dict[str, dict[int, tuple[int, int]]] = {}
+
+    def log(line: str) -> None:
+        if line.endswith("at batch 1"):  # the first tuning run starts: prepare is done
+            seen["prepared"] = counters()
+
+    tuned = {}
+    for prepare in (True, False):
+        tuner = _tuner()
+        step = DecodeStep(model, KVCache(model.config, 4, 32), tuner=tuner)
+        report = tune_step(step, log=log, prepare=prepare)
+        tuned[prepare] = {key: (e.runner_id, e.tactic) for key, e in tuner.cache.items()}
+        assert tuner.stats.fallbacks == {} and report.profiles_tuned == len(tuned[prepare])
+        if prepare:
+            assert report.prepared == 0 or report.prepare_seconds > 0
+            after = counters()
+            # Nothing compiled while tuning: every tactic timed was compiled up front.
+            assert {k: v for k, v in after.items() if k in seen["prepared"]} == seen["prepared"]
+            assert (report.prepared > 0) == triton_available()
+        else:
+            assert report.prepared == 0 and report.prepare_seconds == 0.0
+    assert tuned[True] == tuned[False]  # the up-front phase changes no key and no pick

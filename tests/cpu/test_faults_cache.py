@@ -12,7 +12,7 @@ import time
 import pytest
 
 from graphtune.autotuner import CacheEntry, CacheKey, TuningCache, persist
-from graphtune.autotuner.cache import BlockedTactic
+from graphtune.autotuner.entries import BlockedTactic
 from graphtune.autotuner.fingerprint import environment_fingerprint
 from graphtune.cli.main import main
 from graphtune.errors import CacheFileError
@@ -106,7 +106,7 @@ WRITERS, SAVES = 3, 8
 
 def _writer(path: str, writer: int, barrier) -> None:
     from graphtune.autotuner import TuningCache
-    from graphtune.autotuner.cache import BlockedTactic
+    from graphtune.autotuner.entries import BlockedTactic
 
     barrier.wait()
     for i in range(SAVES):
@@ -139,12 +139,13 @@ def test_three_processes_writing_one_file_lose_nothing(tmp_path) -> None:
 @pytest.mark.parametrize(
     "text, reason",
     [
-        ('{"format_version": 1, "fingerprint": {}, "entries": [{"key": ', "truncated"),
+        ('{"format_version": 2, "fingerprint": {}, "entries": [{"key": ', "truncated"),
         ("\udcff", "corrupt"),
-        ('{"format_version": 1, "fingerprint": FP, "entries": [], "time": NaN}', "NaN"),
-        ('{"format_version": 1, "fingerprint": FP, "entries": [], "blocklist": [3]}', "blocklist"),
-        ('{"format_version": 2, "fingerprint": FP, "entries": []}', "format_version 2"),
-        ('{"format_version": 1, "fingerprint": {"gpu": "Z100"}, "entries": []}', "environment"),
+        ('{"format_version": 2, "fingerprint": FP, "entries": [], "time": NaN}', "NaN"),
+        ('{"format_version": 2, "fingerprint": FP, "entries": [], "blocklist": [3]}', "blocklist"),
+        ('{"format_version": 1, "fingerprint": FP, "entries": []}', "format_version 1"),
+        ('{"format_version": 3, "fingerprint": FP, "entries": []}', "format_version 3"),
+        ('{"format_version": 2, "fingerprint": {"gpu": "Z100"}, "entries": []}', "environment"),
     ],
 )
 def test_unusable_file_skipped_with_one_warning_naming_file_and_reason(

@@ -24,12 +24,13 @@ from graphtune.autotuner import (
     TunableRunner,
     TuningCache,
     TuningConfig,
+    TuningPolicy,
     autotune,
     persist,
 )
 from graphtune.autotuner import isolation as iso
+from graphtune.autotuner.identity import runner_id
 from graphtune.autotuner.isolation import Isolation, check_time
-from graphtune.autotuner.runner import runner_id
 from graphtune.autotuner.timing.base import Measurement
 from graphtune.errors import ConfigError, TuningError
 
@@ -80,7 +81,7 @@ class NoneTimer:
 
 def tune(tactics: list[Any], **kwargs: Any) -> tuple[AutoTuner, tuple]:
     kwargs.setdefault("timer", ReportTimer())
-    tuner = AutoTuner(rounds=1, remeasure_top=0, **kwargs)
+    tuner = AutoTuner(**kwargs, policy=TuningPolicy(rounds=1, remeasure_top=0))
     tuner.tuning_mode = True
     try:
         runner = CostRunner(tactics)
@@ -105,7 +106,7 @@ def test_garbage_times_are_failures_never_picks(garbage: str, caplog) -> None:
 
 
 def test_timer_returning_no_measurement_is_counted() -> None:
-    tuner, (_, tactic) = tune([7.0], timer=NoneTimer())
+    tuner, (_, tactic) = tune([FALLBACK_TACTIC, 7.0], timer=NoneTimer())
     assert tactic == FALLBACK_TACTIC
     assert tuner.stats.tactic_failures == {"invalid time": 2}  # -1 and 7.0
 
@@ -138,7 +139,7 @@ def test_corrupted_context_in_process_blocklists_and_stops(tmp_path, monkeypatch
         return "AcceleratorError: CUDA error: an illegal memory access was encountered"
 
     monkeypatch.setattr(iso, "context_error", broken_after_raise)
-    tuner = AutoTuner(timer=ReportTimer(), rounds=1, remeasure_top=0)
+    tuner = AutoTuner(timer=ReportTimer(), policy=TuningPolicy(rounds=1, remeasure_top=0))
     with pytest.raises(TuningError, match="isolation='subprocess'"):
         with autotune(path, tuner=tuner):
             tuner.choose_one("op", [CostRunner([5.0, "raise", 6.0])], CONFIG, INPUTS)
@@ -149,7 +150,7 @@ def test_corrupted_context_in_process_blocklists_and_stops(tmp_path, monkeypatch
     assert "illegal memory access" in next(iter(saved.blocklist.values())).reason
 
     monkeypatch.undo()
-    fresh = AutoTuner(timer=ReportTimer(), rounds=1, remeasure_top=0)
+    fresh = AutoTuner(timer=ReportTimer(), policy=TuningPolicy(rounds=1, remeasure_top=0))
     with autotune(path, tuner=fresh):
         _, tactic = fresh.choose_one("op", [CostRunner([5.0, "raise", 6.0])], CONFIG, INPUTS)
     assert tactic == 5.0
@@ -166,7 +167,7 @@ def test_blocklist_matches_tuple_and_list_spellings() -> None:
 
 
 def iso_block(runner: TunableRunner, tactic: Any):
-    from graphtune.autotuner.cache import BlockedTactic
+    from graphtune.autotuner.entries import BlockedTactic
 
     return BlockedTactic(runner_id(runner), tactic, "crash: test")
 
@@ -194,7 +195,7 @@ def test_unpicklable_runner_is_a_clear_config_error() -> None:
         pass
 
     # Checked before any worker starts, so these cost no process start.
-    tuner = AutoTuner(isolation="subprocess", rounds=1, remeasure_top=0)
+    tuner = AutoTuner(isolation="subprocess", policy=TuningPolicy(rounds=1, remeasure_top=0))
     tuner.tuning_mode = True
     with pytest.raises(ConfigError, match=r"runner 0 \(.*LocalRunner\).*module top level"):
         tuner.choose_one("op", [LocalRunner([1.0])], CONFIG, INPUTS)
@@ -209,9 +210,11 @@ class LocalTimer(ReportTimer):
 
 
 def test_describe_exit() -> None:
-    assert iso.describe_exit(-signal.SIGSEGV) == "killed by SIGSEGV"
-    assert iso.describe_exit(7) == "exit code 7"
-    assert iso.describe_exit(None) == "still running"
+    from graphtune.autotuner.worker import describe_exit
+
+    assert describe_exit(-signal.SIGSEGV) == "killed by SIGSEGV"
+    assert describe_exit(7) == "exit code 7"
+    assert describe_exit(None) == "still running"
 
 
 # ---------------------------------------------------------------- subprocess mode (real workers)
@@ -223,9 +226,8 @@ def test_subprocess_survives_crash_hang_and_error_then_blocklist_skips(tmp_path)
     tactics = ["raise", 9.0, "segv", 4.0, "hang", "exit", 6.0]
     tuner = AutoTuner(
         timer=ReportTimer(),
-        rounds=2,
-        remeasure_top=0,
         isolation=Isolation("subprocess", timeout_s=2.0),
+        policy=TuningPolicy(rounds=2, remeasure_top=0),
     )
     start = time.perf_counter()
     with autotune(path, tuner=tuner):
@@ -245,7 +247,7 @@ def test_subprocess_survives_crash_hang_and_error_then_blocklist_skips(tmp_path)
     # The next process reads the blocklist from the file and never runs those tactics again:
     # proven by tuning in-process, where any of them would kill or hang this test.
     # Another op name, so nothing is answered from the cache entries: only the blocklist helps.
-    again = AutoTuner(timer=ReportTimer(), rounds=1, remeasure_top=0)
+    again = AutoTuner(timer=ReportTimer(), policy=TuningPolicy(rounds=1, remeasure_top=0))
     again.cache.load(path, strict=True)
     again.tuning_mode = True
     _, tactic = again.choose_one("other op", [CostRunner(tactics)], CONFIG, INPUTS)

@@ -15,21 +15,6 @@ ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src" / "graphtune"
 MAX_LINES = 500
 
-# Violations that existed when these checks were written, being removed by issue 12. Each entry
-# must still be a violation (the tests fail when one is fixed and not removed from here), and the
-# lists end empty.
-KNOWN_LONG_FILES = {
-    "src/graphtune/ops/gemm.py",
-    "src/graphtune/autotuner/tuner.py",
-    "src/graphtune/autotuner/isolation.py",
-}
-KNOWN_CYCLES = [
-    ["graphtune.autotuner.cache", "graphtune.autotuner.persist"],
-    ["graphtune.autotuner.context", "graphtune.autotuner.tuner"],
-    ["graphtune.ops.gemm", "graphtune.ops.gemv"],
-]
-GRAPHS_IMPORT_LOADS_TUNER = False  # the package root imports its public names lazily
-
 # Which graphtune packages each package may import (function-local imports included).
 ALWAYS_ALLOWED = {"graphtune.errors", "graphtune.env", "graphtune.reporting", "graphtune._version"}
 ALLOWED_IMPORTS = {
@@ -92,10 +77,7 @@ def test_no_source_file_exceeds_500_lines() -> None:
         for path in SRC.rglob("*.py")
         if (n := len(path.read_text().splitlines())) > MAX_LINES
     }
-    fixed = KNOWN_LONG_FILES - set(too_long)
-    assert not fixed, f"remove {sorted(fixed)} from KNOWN_LONG_FILES: they are short enough now"
-    new = {name: n for name, n in too_long.items() if name not in KNOWN_LONG_FILES}
-    assert not new, f"split these files (at most {MAX_LINES} lines each): {new}"
+    assert not too_long, f"split these files (at most {MAX_LINES} lines each): {too_long}"
 
 
 def test_packages_import_only_downwards() -> None:
@@ -151,10 +133,6 @@ def test_no_import_cycles() -> None:
     for node in graph:
         if node not in order:
             visit(node)
-    all_cycles = list(cycles)
-    cycles = [c for c in cycles if c not in KNOWN_CYCLES]
-    fixed = [c for c in KNOWN_CYCLES if c not in all_cycles]
-    assert not fixed, f"remove {fixed} from KNOWN_CYCLES: they are gone"
     detail = [" -> ".join(_cycle_path(graph, component)) for component in cycles]
     assert not cycles, "import cycles (function-local imports count):\n" + "\n".join(detail)
 
@@ -203,7 +181,4 @@ def test_graph_runner_import_does_not_load_the_tuner() -> None:
         [sys.executable, "-c", code], check=True, capture_output=True, text=True
     ).stdout.strip()
     heavy = [m for m in loaded.split(",") if m.startswith(("graphtune.autotuner", "graphtune.ops"))]
-    if GRAPHS_IMPORT_LOADS_TUNER:
-        assert heavy, "import graphtune.graphs no longer loads the tuner: set the flag to False"
-    else:
-        assert not heavy, f"import graphtune.graphs loaded {heavy}"
+    assert not heavy, f"import graphtune.graphs loaded {heavy}"

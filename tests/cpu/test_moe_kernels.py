@@ -32,7 +32,7 @@ pytest.importorskip("triton")
 
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from graphtune.autotuner import AutoTuner, autotune  # noqa: E402
+from graphtune.autotuner import AutoTuner, TuningPolicy, autotune  # noqa: E402
 from graphtune.autotuner.timing.base import Measurement  # noqa: E402
 from graphtune.errors import ConfigError  # noqa: E402
 from graphtune.graphs import CUDAGraphRunner, SimulatedGraphBackend  # noqa: E402
@@ -261,7 +261,9 @@ class LastIsFastest:
 def test_tuning_picks_a_triton_tactic_per_bucket_and_lookups_run_it():
     gen = _gen()
     tuner = AutoTuner(
-        timer=LastIsFastest(), rounds=1, remeasure_top=0, tie_tolerance=0.0, show_progress=False
+        timer=LastIsFastest(),
+        show_progress=False,
+        policy=TuningPolicy(rounds=1, remeasure_top=0, tie_tolerance=0.0),
     )
     runners = (TorchFusedMoeRunner(), TritonFusedMoeRunner(compile_workers=1))
     x, gate_up, down, weights, ids = _case(gen, 4, 4, 32, 32)

@@ -22,7 +22,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from graphtune.autotuner import AutoTuner, autotune  # noqa: E402
+from graphtune.autotuner import AutoTuner, TuningPolicy, autotune  # noqa: E402
 from graphtune.autotuner.config import next_power_of_two  # noqa: E402
 from graphtune.autotuner.timing.base import Measurement  # noqa: E402
 from graphtune.errors import ConfigError, InputError  # noqa: E402
@@ -290,7 +290,9 @@ def test_tuner_picks_per_batch_bucket_and_lookups_follow_the_cache(monkeypatch):
     timer = _TaggedTimer(lambda name, tactic: 1.0 if name == "MatmulAttention" else 2.0)
     _tag_runners(monkeypatch, timer)
     # One round, nothing re-measured: the interpreted Triton tactics are slow to run.
-    tuner = AutoTuner(timer=timer, rounds=1, remeasure_top=0, show_progress=False)
+    tuner = AutoTuner(
+        timer=timer, show_progress=False, policy=TuningPolicy(rounds=1, remeasure_top=0)
+    )
     config = attention.tuning_config(max_batch_size=8)
     with autotune(tuner=tuner):
         runner, _ = tuner.choose_one(
@@ -313,7 +315,9 @@ def test_tuner_can_pick_a_triton_split_tactic_and_lookups_run_it(monkeypatch):
 
     timer = _TaggedTimer(score)
     _tag_runners(monkeypatch, timer)
-    tuner = AutoTuner(timer=timer, rounds=1, remeasure_top=0, show_progress=False)
+    tuner = AutoTuner(
+        timer=timer, show_progress=False, policy=TuningPolicy(rounds=1, remeasure_top=0)
+    )
     config = attention.tuning_config(max_batch_size=1)
     gen = _gen()
     inputs = _decode_inputs(gen, 1, 2, 4, 160, 16)  # splits 1 and 2 are valid

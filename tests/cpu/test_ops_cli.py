@@ -60,3 +60,22 @@ def test_tune_rejects_unknown_model_and_bad_sizes(tmp_path, capsys):
             main([*args, *bad])
         assert exit_info.value.code == 2
         assert capsys.readouterr().err.startswith(f"error: argument {flag}")
+
+
+def test_tune_from_misses_runs_through_the_tune_command(tmp_path, capsys):
+    import torch
+
+    from graphtune.autotuner import AutoTuner, autotune
+    from graphtune.ops import silu_and_mul
+
+    misses, cache = tmp_path / "misses.json", tmp_path / "c.json"
+    serving = AutoTuner(show_progress=False)
+    with autotune(None, serving, tune=False, misses_path=misses):
+        silu_and_mul(torch.randn(3, 16), tuner=serving, max_m=4)
+    args = ["tune", "--from-misses", str(misses), "--cache", str(cache), "--timing", "wallclock"]
+    assert main(args) == 0  # no --model needed
+    assert "1 of 1 recorded calls tuned" in capsys.readouterr().out
+    (entry,) = json.loads(cache.read_text())["entries"]
+    assert entry["key"]["op"] == "graphtune.silu_and_mul" and entry["key"]["shapes"][0][0] == 2
+    assert main(["tune", "--cache", str(cache)]) == 1  # neither --model nor --from-misses
+    assert "--model" in capsys.readouterr().err

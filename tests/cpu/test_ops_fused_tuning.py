@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from graphtune import env
-from graphtune.autotuner import AutoTuner, autotune
+from graphtune.autotuner import AutoTuner, TuningPolicy, autotune
 from graphtune.autotuner.timing.wallclock import WallClockTimer
 from graphtune.engine import model as engine_model
 from graphtune.errors import ConfigError
@@ -136,10 +136,8 @@ def test_tuning_the_fused_op_tunes_the_inner_ops_on_the_same_shapes():
     p = _layer(gen, 1)
     tuner = AutoTuner(
         timer=WallClockTimer(samples=1),
-        rounds=1,
-        remeasure_top=0,
-        max_extra_rounds=0,
         show_progress=False,
+        policy=TuningPolicy(rounds=1, remeasure_top=0, max_extra_rounds=0),
     )
     with autotune(tuner=tuner):
         act = norm_gate_up_silu(p["x"], p["attn_norm"], 1e-6, p["w_gate_up"], tuner=tuner, max_m=2)

@@ -20,8 +20,8 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from graphtune.autotuner import AutoTuner, autotune  # noqa: E402
-from graphtune.autotuner.runner import runner_id  # noqa: E402
+from graphtune.autotuner import AutoTuner, TuningPolicy, autotune  # noqa: E402
+from graphtune.autotuner.identity import runner_id  # noqa: E402
 from graphtune.autotuner.timing.base import Measurement  # noqa: E402
 from graphtune.errors import ConfigError  # noqa: E402
 from graphtune.ops import _triton  # noqa: E402
@@ -32,7 +32,7 @@ from graphtune.ops.gemm import (  # noqa: E402
     gemm,
     gemm_runners,
 )
-from graphtune.ops.gemv import (  # noqa: E402
+from graphtune.ops.gemm.gemv import (  # noqa: E402
     BK_CHOICES,
     BN_CHOICES,
     MAX_M,
@@ -191,7 +191,9 @@ def test_tuned_gemm_runs_the_gemv_pick_for_every_m_of_each_bucket():
             )
 
     tuner = AutoTuner(
-        timer=LastIsFastest(), rounds=1, remeasure_top=0, tie_tolerance=0.0, show_progress=False
+        timer=LastIsFastest(),
+        show_progress=False,
+        policy=TuningPolicy(rounds=1, remeasure_top=0, tie_tolerance=0.0),
     )
     runners = (TorchGemmRunner(), TritonGemmRunner(max_tactics=2), TritonGemvRunner())
     gen = _gen()
@@ -269,17 +271,17 @@ def test_bad_gemv_tactics_raise_config_error_naming_the_rule():
             runner.forward(inputs, tactic)
 
 
-def test_gemm_runners_list_the_gemv_last_and_keep_the_existing_ids():
+def test_gemm_runners_list_the_gemv_last_and_ids_name_their_modules():
     names = [type(r).__name__ for r in gemm_runners()]
     if _triton.triton_available():
         assert names == ["TorchGemmRunner", "TritonGemmRunner", "TritonGemvRunner"]
     else:
         assert names == ["TorchGemmRunner"]
     assert [runner_id(r) for r in (TorchGemmRunner(), TritonGemmRunner(), TritonGemvRunner())] == [
-        "graphtune.ops.gemm.TorchGemmRunner",
-        "graphtune.ops.gemm.TritonGemmRunner",
-        "graphtune.ops.gemv.TritonGemvRunner",
-    ]
+        "graphtune.ops.gemm.common.TorchGemmRunner",
+        "graphtune.ops.gemm.tiled.TritonGemmRunner",
+        "graphtune.ops.gemm.gemv.TritonGemvRunner",
+    ]  # the configuration is the default, so no extras
     assert runner_id(TritonGemvRunner(sm_count=8)) != runner_id(TritonGemvRunner())
 
 

@@ -16,7 +16,8 @@ if not torch.cuda.is_available():  # see test_ops_kernels.py
 
 import pytest  # noqa: E402
 
-from graphtune.autotuner import AutoTuner, autotune  # noqa: E402
+from graphtune.autotuner import AutoTuner, TuningPolicy, autotune  # noqa: E402
+from graphtune.autotuner.entries import tactic_text  # noqa: E402
 from graphtune.autotuner.timing import WallClockTimer  # noqa: E402
 from graphtune.autotuner.timing.base import Measurement  # noqa: E402
 from graphtune.errors import ConfigError  # noqa: E402
@@ -148,8 +149,8 @@ def test_precompile_reports_each_tactic_and_prepare_reraises_failures():
     good = {"bm": 16, "bn": 32, "bk": 32, "warps": 4, "stages": 2, "split_k": 2}
     bad = {**good, "split_k": 8}  # 8 * 32 does not divide K = 128
     report = runner.precompile(inputs, [good, -1, bad])
-    assert report[_triton.tactic_text(good)] is None
-    assert "divisible" in report[_triton.tactic_text(bad)]
+    assert report[tactic_text(good)] is None
+    assert "divisible" in report[tactic_text(bad)]
     assert runner.compiled == 1 and runner.compile_seconds >= 0
     runner.prepare(inputs, good)
     with pytest.raises(ConfigError):
@@ -194,7 +195,11 @@ def test_tunable_linear_picks_what_the_timer_says_and_lookups_use_it(tmp_path):
         [torch.randn(2, 256), torch.randn(24, 256), None, None, False], None
     )
     fastest = next(t for t in probe if t["split_k"] > 1)
-    tuner = AutoTuner(timer=_TacticTimer(fastest), rounds=1, remeasure_top=0, show_progress=False)
+    tuner = AutoTuner(
+        timer=_TacticTimer(fastest),
+        show_progress=False,
+        policy=TuningPolicy(rounds=1, remeasure_top=0),
+    )
     layer = TunableLinear(256, 24, bias=True, max_m=4, tuner=tuner, runners=runners)
     x = torch.randn(3, 256)
     with autotune(tmp_path / "cache.json", tuner):
@@ -216,7 +221,9 @@ def test_tunable_linear_picks_what_the_timer_says_and_lookups_use_it(tmp_path):
 def test_tunable_linear_with_the_wallclock_timer_on_cpu():
     runners = (TorchGemmRunner(), TritonGemmRunner(max_tactics=2))
     tuner = AutoTuner(
-        timer=WallClockTimer(samples=1), rounds=1, remeasure_top=0, show_progress=False
+        timer=WallClockTimer(samples=1),
+        show_progress=False,
+        policy=TuningPolicy(rounds=1, remeasure_top=0),
     )
     layer = TunableLinear(64, 32, bias=False, max_m=1, tuner=tuner, runners=runners)
     x = torch.randn(1, 64)
@@ -244,7 +251,11 @@ class _FirstTritonTactic:
 def test_rope_pick_is_shared_across_cache_sizes():
     from graphtune.ops import rope_kv_cache
 
-    tuner = AutoTuner(timer=_FirstTritonTactic(), rounds=1, remeasure_top=0, show_progress=False)
+    tuner = AutoTuner(
+        timer=_FirstTritonTactic(),
+        show_progress=False,
+        policy=TuningPolicy(rounds=1, remeasure_top=0),
+    )
     heads, kv, dim = 2, 1, 8
 
     def call(cache_rows, table_rows):
@@ -306,7 +317,9 @@ def test_gemm_cold_l2_rotates_weight_copies_under_the_same_cache_keys(monkeypatc
     for cold in (False, True):
         sets_per_profile.clear()
         tuner = AutoTuner(
-            timer=_FirstTritonTactic(), rounds=1, remeasure_top=0, show_progress=False
+            timer=_FirstTritonTactic(),
+            show_progress=False,
+            policy=TuningPolicy(rounds=1, remeasure_top=0),
         )
         ops = OpContext(tuner, 2, gemm_cold_l2=cold)
         with autotune(tuner=tuner):

@@ -26,9 +26,9 @@ from graphtune.autotuner import (
     persist,
     power_of_two_buckets,
 )
-from graphtune.autotuner.cache import BlockedTactic, tactic_text
+from graphtune.autotuner.entries import BlockedTactic, tactic_text
+from graphtune.autotuner.identity import runner_id
 from graphtune.autotuner.profiles import profile_for
-from graphtune.autotuner.runner import runner_id
 from graphtune.graphs import policy
 from graphtune.graphs.buffers import StaticInputs, StaticOutputs
 
@@ -139,15 +139,32 @@ json_leaf = st.one_of(
     st.floats(allow_nan=False, allow_infinity=False),
     st.text(max_size=8),
 )
+hashable_leaf = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**53), 2**53), st.text(max_size=8)
+)
 tactics = st.recursive(
     json_leaf,
     lambda inner: st.one_of(
         st.lists(inner, max_size=4),
         st.tuples(inner, inner),
         st.dictionaries(st.text(max_size=5), inner, max_size=4),
+        # keys that are not strings, or that look like the codec's own tags
+        st.dictionaries(hashable_leaf, inner, max_size=3),
+        st.dictionaries(st.sampled_from(["__tuple__", "__dict__"]), inner, max_size=1),
     ),
     max_leaves=12,
 )
+
+
+def typed(value):
+    """``value`` with every type spelled out, so 1 != 1.0 and (1,) != [1] compare unequal."""
+    if isinstance(value, dict):
+        return ("dict", [(typed(k), typed(v)) for k, v in value.items()])
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, [typed(v) for v in value])
+    return (type(value).__name__, value)
+
+
 shapes = st.lists(
     st.one_of(st.none(), st.lists(st.integers(0, 1 << 16), max_size=4).map(tuple)),
     min_size=1,
@@ -164,12 +181,18 @@ def cache_keys(draw):
         shapes=shp,
         dtypes=tuple(draw(st.sampled_from(["float32", "bfloat16", "int64", "int"])) for _ in shp),
         timing=draw(st.sampled_from(["graph", "events", "wallclock", "fake"])),
+        sources=draw(st.sampled_from(["", "0123456789abcdef"])),
+        kwargs=draw(st.sampled_from(["", '{"gemm_idx":1}'])),
     )
 
 
-def normalised(value):
-    """What a JSON round trip makes of a tactic: tuples become lists."""
-    return json.loads(json.dumps(value))
+def listed(value):
+    """The tactic spelled with lists instead of tuples (another spelling of the same tactic)."""
+    if isinstance(value, (list, tuple)):
+        return [listed(v) for v in value]
+    if isinstance(value, dict):
+        return {k: listed(v) for k, v in value.items()}
+    return value
 
 
 @FAST
@@ -208,7 +231,8 @@ def test_profile_key_is_a_function_of_shapes_and_dtypes_only(m, dtype) -> None:
 
 KEY_SCRIPT = """
 import json
-from graphtune.autotuner.runner import TunableRunner, runner_id
+from graphtune.autotuner.identity import runner_id
+from graphtune.autotuner.runner import TunableRunner
 from graphtune.autotuner import CacheKey
 class R(TunableRunner):
     def cache_key_extras(self):
@@ -255,7 +279,7 @@ def test_cache_save_load_round_trip(items, blocked) -> None:
     for key, tactic, time_us, fallback_us in items:
         entry = CacheEntry(key.runners[0], 0, tactic, time_us, fallback_us)
         cache.put(key, entry)
-        expected[key] = CacheEntry(key.runners[0], 0, normalised(tactic), time_us, fallback_us)
+        expected[key] = CacheEntry(key.runners[0], 0, tactic, time_us, fallback_us)
     for tactic in blocked:
         cache.block(BlockedTactic("m.R", tactic, "crash"))
     with tempfile.TemporaryDirectory() as tmp:
@@ -264,8 +288,12 @@ def test_cache_save_load_round_trip(items, blocked) -> None:
         first = path.read_bytes()
         loaded = persist.load_file(path, strict=True)
         assert loaded.entries == expected
-        assert {i: b.tactic for i, b in loaded.blocklist.items()} == {
-            ("m.R", tactic_text(t)): normalised(t) for t in blocked
+        # Tactics come back with their types: tuples as tuples, ints as ints, dict keys as keys.
+        assert [typed(loaded.entries[k].tactic) for k in expected] == [
+            typed(e.tactic) for e in expected.values()
+        ]
+        assert {i: typed(b.tactic) for i, b in loaded.blocklist.items()} == {
+            ("m.R", tactic_text(t)): typed(t) for t in blocked
         }
         # Saving what was loaded changes nothing: the bytes depend only on the content.
         again = TuningCache()
@@ -278,7 +306,12 @@ def test_cache_save_load_round_trip(items, blocked) -> None:
 @FAST
 @given(tactics)
 def test_tuple_and_list_tactics_normalise_to_one_identity(tactic) -> None:
-    assert tactic_text(tactic) == tactic_text(normalised(tactic))
+    assert tactic_text(tactic) == tactic_text(listed(tactic))
     cache = TuningCache()
     cache.block(BlockedTactic("m.R", tactic, "timeout"))
-    assert cache.blocked("m.R", normalised(tactic)) is not None
+    assert cache.blocked("m.R", listed(tactic)) is not None
+
+
+def test_non_string_dict_keys_keep_their_identity() -> None:
+    assert tactic_text({1: "a"}) != tactic_text({"1": "a"})
+    assert tactic_text({1: "a", None: 2}) == tactic_text({None: 2, 1: "a"})

@@ -23,7 +23,7 @@ from graphtune.ops import (  # noqa: E402
     gemm,
     torch_rope_kv_cache,
 )
-from graphtune.ops.gemv import TritonGemvRunner  # noqa: E402
+from graphtune.ops.gemm import TritonGemvRunner  # noqa: E402
 
 DEV = "cuda"
 BF16 = torch.bfloat16

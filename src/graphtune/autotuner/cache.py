@@ -1,188 +1,27 @@
 """In-memory tuning cache: (op, runners, bucketed shapes, dtypes, timing mode) -> pick.
 
-The key holds the identity of every runner offered (class and ``cache_key_extras``), so changing
-the runner set, a runner's extras or the timing mode never reuses a stale pick. The value names
-the winning runner by identity as well as by index, so a lookup can check it still matches.
-
-The cache also holds a *blocklist* of (runner id, tactic) pairs that crashed, hung or corrupted
-the CUDA context while being timed. The tuner consults it before timing, so a tactic that killed
-a worker once is not tried again until the user clears it (``graphtune cache unblock``).
+The keys and values are :mod:`graphtune.autotuner.entries`. The cache also holds a *blocklist* of
+(runner id, tactic) pairs that crashed, hung or corrupted the CUDA context while being timed. The
+tuner consults it before timing, so a tactic that killed a worker once is not tried again until
+the user clears it (``graphtune cache unblock``). Files are read and written by
+:mod:`graphtune.autotuner.persist`.
 """
 
 from __future__ import annotations
 
-import json
-import math
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from os import PathLike
 from typing import Any
 
-
-@dataclass(frozen=True)
-class CacheKey:
-    """Identity of one tuned (op, profile).
-
-    Attributes:
-        op: Op name given to ``choose_one``.
-        runners: Identity of each runner offered, in order (see ``runner_id``).
-        shapes: Bucketed shape of each input (``None`` for non-tensors).
-        dtypes: dtype name of each input.
-        timing: Name of the timer the times come from (``graph``, ``events``, ``wallclock``...).
-    """
-
-    op: str
-    runners: tuple[str, ...]
-    shapes: tuple[tuple[int, ...] | None, ...]
-    dtypes: tuple[str, ...]
-    timing: str
-
-    def to_json(self) -> dict[str, Any]:
-        """JSON form (lists instead of tuples)."""
-        return {
-            "op": self.op,
-            "runners": list(self.runners),
-            "shapes": [list(s) if s is not None else None for s in self.shapes],
-            "dtypes": list(self.dtypes),
-            "timing": self.timing,
-        }
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> CacheKey:
-        """Inverse of :meth:`to_json`; raises ``ValueError``, ``KeyError`` or ``TypeError``."""
-        shapes = tuple(tuple(int(d) for d in s) if s is not None else None for s in data["shapes"])
-        key = cls(
-            op=str(data["op"]),
-            runners=tuple(str(r) for r in data["runners"]),
-            shapes=shapes,
-            dtypes=tuple(str(d) for d in data["dtypes"]),
-            timing=str(data["timing"]),
-        )
-        if len(key.shapes) != len(key.dtypes) or not key.runners:
-            raise ValueError(f"inconsistent cache key {data!r}")
-        return key
-
-
-@dataclass(frozen=True)
-class CacheEntry:
-    """The pick for one key.
-
-    Attributes:
-        runner_id: Identity of the winning runner.
-        runner_index: Its position in the runner list of the key.
-        tactic: Winning tactic (a JSON value; ``-1`` when everything failed).
-        time_us: Its measured per-call time, ``None`` when every candidate failed.
-        fallback_us: Time of ``(runners[0], -1)``, the untuned choice; ``None`` if it failed.
-        tuned_by: How distributed tuning made the pick, ``{"strategy": ..., "world_size": ...}``;
-            ``None`` when the tuner was not distributed (then the file has no such field).
-    """
-
-    runner_id: str
-    runner_index: int
-    tactic: Any
-    time_us: float | None
-    fallback_us: float | None
-    tuned_by: dict[str, Any] | None = field(default=None, compare=False, hash=False)
-
-    @property
-    def speedup(self) -> float | None:
-        """``fallback_us / time_us``, or ``None`` when either is unknown."""
-        if not self.time_us or self.fallback_us is None or not math.isfinite(self.fallback_us):
-            return None
-        return self.fallback_us / self.time_us
-
-    def to_json(self) -> dict[str, Any]:
-        """JSON form."""
-        data = {
-            "runner_id": self.runner_id,
-            "runner_index": self.runner_index,
-            "tactic": self.tactic,
-            "time_us": self.time_us,
-            "fallback_us": self.fallback_us,
-        }
-        if self.tuned_by is not None:  # only then, so other files keep their exact old layout
-            data["tuned_by"] = dict(self.tuned_by)
-        return data
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> CacheEntry:
-        """Inverse of :meth:`to_json`; raises on malformed data."""
-        time_us = data["time_us"]
-        fallback_us = data["fallback_us"]
-        tuned_by = data.get("tuned_by")
-        if tuned_by is not None:
-            tuned_by = {
-                "strategy": str(tuned_by["strategy"]),
-                "world_size": int(tuned_by["world_size"]),
-            }
-        return cls(
-            runner_id=str(data["runner_id"]),
-            runner_index=int(data["runner_index"]),
-            tactic=data["tactic"],
-            time_us=float(time_us) if time_us is not None else None,
-            fallback_us=float(fallback_us) if fallback_us is not None else None,
-            tuned_by=tuned_by,
-        )
-
-
-def tactic_text(tactic: Any) -> str:
-    """Canonical JSON text of a tactic: tuples become lists, dict keys are sorted.
-
-    Two spellings of one tactic (``(64, 2)`` and ``[64, 2]``, or dicts in another key order) give
-    the same text, so the blocklist matches a tactic however the runner spells it.
-    """
-    return json.dumps(tactic, sort_keys=True, separators=(",", ":"), default=str)
-
-
-@dataclass(frozen=True)
-class BlockedTactic:
-    """A (runner, tactic) that must not be timed again: it crashed, hung or broke the context.
-
-    Attributes:
-        runner_id: Identity of the runner (see ``runner_id``).
-        tactic: The tactic (a JSON value).
-        reason: Why it was blocked, e.g. ``"timeout after 60.0 s"`` or ``"crash: exit code -11"``.
-        op: The op being tuned when it failed (for people reading the file).
-        shapes: The profile being tuned when it failed (``describe()`` form), for the same reason.
-    """
-
-    runner_id: str
-    tactic: Any
-    reason: str
-    op: str = ""
-    shapes: str = ""
-
-    @property
-    def ident(self) -> tuple[str, str]:
-        """``(runner_id, canonical tactic text)``: what the blocklist is keyed by."""
-        return (self.runner_id, tactic_text(self.tactic))
-
-    def to_json(self) -> dict[str, Any]:
-        """JSON form."""
-        return {
-            "runner_id": self.runner_id,
-            "tactic": self.tactic,
-            "reason": self.reason,
-            "op": self.op,
-            "shapes": self.shapes,
-        }
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> BlockedTactic:
-        """Inverse of :meth:`to_json`; raises ``KeyError``/``TypeError`` on malformed data."""
-        if not isinstance(data, dict):
-            raise TypeError(f"blocklist item must be an object, got {type(data).__name__}")
-        return cls(
-            runner_id=str(data["runner_id"]),
-            tactic=data["tactic"],
-            reason=str(data["reason"]),
-            op=str(data.get("op", "")),
-            shapes=str(data.get("shapes", "")),
-        )
-
-
-Blocklist = dict[tuple[str, str], BlockedTactic]
+from graphtune.autotuner import persist
+from graphtune.autotuner.entries import (
+    BlockedTactic,
+    Blocklist,
+    CacheEntry,
+    CacheKey,
+    tactic_text,
+)
 
 
 class TuningCache:
@@ -273,8 +112,6 @@ class TuningCache:
         Raises:
             CacheFileError: The file could not be written.
         """
-        from graphtune.autotuner import persist
-
         with self._lock:
             blocked = dict(self._blocked)
         return persist.save(path, dict(self.items()), blocklist=blocked)
@@ -293,8 +130,6 @@ class TuningCache:
         Returns:
             The number of entries added.
         """
-        from graphtune.autotuner import persist
-
         loaded = persist.load_file(path, strict=strict)
         with self._lock:
             added = {k: v for k, v in loaded.entries.items() if k not in self._entries}

@@ -76,15 +76,20 @@ class DynamicTensorSpec:
         dim_idx: Dimension of that tensor (negative counts from the end).
         buckets: Sizes to tune, as a tuple of positive ints, or a callable that takes the max value
             (``TuningConfig.max_value``, or the live size when that is ``None``) and returns them.
-        map_to_bucket: Maps a live size to the bucket whose tuning result it uses. The default
-            rounds down to a power of two, so a live size never borrows a pick tuned for a larger
-            (possibly padded) shape.
+        map_to_bucket: Maps a live size to the bucket whose tuning result it uses; a mapper that
+            returns 0 says the size has no bucket (a zero-work or sparse case): the call is a
+            miss that runs the fallback, and tuning covers the other sizes. ``None`` (the
+            default) maps to the listed buckets when ``buckets`` is a tuple (a listed size to
+            itself, any other to the largest listed bucket below it, or to the smallest one when
+            it is below all of them), else rounds down to a power of two. Either way a live size
+            never borrows a pick tuned for a larger (possibly padded) shape, except below the
+            smallest listed bucket.
     """
 
     input_idx: int
     dim_idx: int
     buckets: tuple[int, ...] | Callable[[int], Sequence[int]] = power_of_two_buckets
-    map_to_bucket: Callable[[int], int] = last_power_of_two
+    map_to_bucket: Callable[[int], int] | None = None
 
     def __post_init__(self) -> None:
         _check_index("DynamicTensorSpec", "input_idx", self.input_idx, allow_negative=False)
@@ -96,11 +101,27 @@ class DynamicTensorSpec:
                     f"positive ints or a callable of the max value, got {self.buckets!r}."
                 )
             object.__setattr__(self, "buckets", validate_buckets(self.buckets, self))
-        if not callable(self.map_to_bucket):
+        if self.map_to_bucket is not None and not callable(self.map_to_bucket):
             raise ConfigError(
                 f"DynamicTensorSpec(input_idx={self.input_idx}).map_to_bucket must be callable "
-                f"(live size -> bucket), got {self.map_to_bucket!r}; e.g. last_power_of_two."
+                f"(live size -> bucket) or None, got {self.map_to_bucket!r}; e.g. "
+                "last_power_of_two."
             )
+
+    def bucket(self, live: int) -> int:
+        """The bucket ``map_to_bucket`` (or the default mapping) gives a live size (0: none)."""
+        if self.map_to_bucket is not None:
+            return self.map_to_bucket(live)
+        if callable(self.buckets):
+            return last_power_of_two(live)
+        return listed_bucket(self.buckets, live)
+
+
+def listed_bucket(buckets: tuple[int, ...], live: int) -> int:
+    """The default mapping onto listed (sorted) buckets: ``live`` itself when listed, else the
+    largest bucket below it, or the smallest bucket when ``live`` is below all of them."""
+    below = [b for b in buckets if b <= live]
+    return below[-1] if below else buckets[0]
 
 
 @dataclass(frozen=True)
@@ -226,21 +247,28 @@ class TuningConfig:
             )
 
     def bucket_of(self, spec: DynamicTensorSpec, live: int) -> int:
-        """The bucket a live size of ``spec``'s dimension looks up (mapped, then capped)."""
-        bucket = spec.map_to_bucket(live)
-        if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1:
+        """The bucket a live size of ``spec``'s dimension looks up (mapped, then capped); 0 when
+        the mapper says the size has no bucket."""
+        bucket = spec.bucket(live)
+        if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 0:
             raise ConfigError(
                 f"DynamicTensorSpec(input_idx={spec.input_idx}, dim_idx={spec.dim_idx})."
-                f"map_to_bucket({live}) returned {bucket!r}; it must return a positive int."
+                f"map_to_bucket({live}) returned {bucket!r}; it must return an int >= 0 (0: no "
+                "bucket, the call runs the fallback)."
             )
+        if bucket == 0:
+            return 0
         return bucket if self.max_value is None else min(bucket, self.max_value)
 
     def sweep_values(self, spec: DynamicTensorSpec, live: int) -> tuple[int, ...]:
-        """Sizes tuned for ``spec``: its buckets capped by ``max_value``, plus the live bucket."""
+        """Sizes tuned for ``spec``: its buckets capped by ``max_value``, plus the live bucket
+        (unless the live size has none)."""
         if callable(spec.buckets):
             raw = validate_buckets(tuple(spec.buckets(self.max_value or max(live, 1))), spec)
         else:
             raw = spec.buckets
         capped = {b for b in raw if self.max_value is None or b <= self.max_value}
-        capped.add(self.bucket_of(spec, live))
+        live_bucket = self.bucket_of(spec, live)
+        if live_bucket:
+            capped.add(live_bucket)
         return tuple(sorted(capped))

@@ -34,11 +34,11 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 
-from graphtune.autotuner.cache import CacheKey, tactic_text
+from graphtune.autotuner.entries import CacheKey, tactic_text
 from graphtune.errors import ConfigError, DistributedError, TuningError
 
 logger = logging.getLogger(__name__)
@@ -59,6 +59,9 @@ class Candidate(Protocol):
     def score(self) -> float:
         """Median time, or ``inf`` when failed or not timed."""
         ...
+
+
+C = TypeVar("C", bound=Candidate)
 
 
 @dataclass(frozen=True)
@@ -179,31 +182,41 @@ class OpCoordinator:
         return [not all(view[1][i] for view in views) for i in range(len(keys))]
 
     def run(
-        self, candidates: list[Candidate], time_fn: Callable[[list[Candidate]], None]
-    ) -> list[Candidate]:
+        self,
+        candidates: list[C],
+        time_fn: Callable[[list[C]], None],
+        *,
+        skip_single: bool = False,
+    ) -> list[C]:
         """Times one profile's candidates by the strategy and leaves every rank the same times.
 
         Args:
             candidates: This rank's candidates for the profile.
             time_fn: Times the given candidates in this process (fills ``samples``/``failed``).
+            skip_single: When exactly one candidate is left (offered by every rank), time
+                nothing and return it untimed: there is nothing to choose. Every rank computes
+                the same list, so every rank skips the collective alike.
 
         Returns:
             The candidates offered by every rank, in rank 0's order (``tactic_index`` renumbered
             to that order, the tie-break), each with ``samples == [agreed time]`` or ``failed``
-            set. Identical times on every rank, so the tuner's pick rule gives one pick.
+            set (or one untimed candidate, see ``skip_single``). Identical times on every rank,
+            so the tuner's pick rule gives one pick.
 
         Raises:
             DistributedError: A rank had to stop tuning (every rank raises, none hangs).
             TuningError: This rank had to stop tuning (its own error, re-raised after joining).
         """
         if not self.setting.collective:
-            time_fn(candidates)
+            if not (skip_single and len(candidates) == 1):
+                time_fn(candidates)
             self.assignments.append({self._ident(c): None for c in candidates})
             return candidates
         chosen = self._common(candidates)
         n = len(chosen)
-        if n == 0:  # every rank computed the same empty list: no collective on any rank
-            self.assignments.append({})
+        if n == 0 or (skip_single and n == 1):
+            # Every rank computed the same list: no collective on any rank.
+            self.assignments.append({self._ident(c): None for c in chosen})
             return chosen
         strategy = self.setting.strategy
         if strategy == "broadcast":
@@ -271,9 +284,9 @@ class OpCoordinator:
     def _ident(self, cand: Candidate) -> tuple[str, str]:
         return (self.ids[cand.runner_index], tactic_text(cand.tactic))
 
-    def _common(self, candidates: list[Candidate]) -> list[Candidate]:
+    def _common(self, candidates: list[C]) -> list[C]:
         """Candidates every rank offers, in rank 0's order, with the tie-break renumbered."""
-        local: dict[tuple[int, str], Candidate] = {}
+        local: dict[tuple[int, str], C] = {}
         for cand in candidates:
             local.setdefault((cand.runner_index, tactic_text(cand.tactic)), cand)
         views = self._gather_objects(list(local))

@@ -7,6 +7,7 @@ another, so every cache file records these fields and a file whose fields differ
 
 from __future__ import annotations
 
+import functools
 from importlib import metadata
 from typing import Any
 
@@ -17,9 +18,11 @@ from graphtune._version import __version__
 FINGERPRINT_FIELDS = ("gpu", "compute_capability", "torch", "cuda", "triton", "graphtune")
 
 
+@functools.lru_cache(maxsize=1)
 def _triton_version() -> str | None:
-    # Read the installed distribution's metadata instead of importing triton: importing it is slow
-    # and can initialise CUDA, and graphtune must stay side-effect free.
+    # The installed distribution's metadata instead of importing triton: importing it is slow and
+    # can initialise CUDA, and graphtune must stay side-effect free. Read once per process, since
+    # scanning the installed distributions costs milliseconds on every cache load.
     try:
         return metadata.version("triton")
     except metadata.PackageNotFoundError:

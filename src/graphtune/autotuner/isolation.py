@@ -10,7 +10,8 @@ segfaults. Principle 5 says a failing tactic is data; these executors make that 
   cache. If the context turned out to be corrupted, nothing in this process can use CUDA again,
   so the tactic is blocklisted and tuning stops with a :class:`~graphtune.errors.TuningError`
   (``autotune()`` still saves the cache, so the next run skips that tactic).
-* :class:`SubprocessExecutor` (``isolation="subprocess"``) times in a worker started with the
+* :class:`~graphtune.autotuner.worker.SubprocessExecutor` (``isolation="subprocess"``) times in a
+  worker started with the
   ``spawn`` method of ``torch.multiprocessing`` (``fork`` cannot be used once CUDA is initialised).
   The worker is reused for every tactic until one kills it (exit, signal), corrupts its context or
   exceeds ``timeout_s``; that tactic is recorded as failed and blocklisted, and the next tactic
@@ -18,7 +19,8 @@ segfaults. Principle 5 says a failing tactic is data; these executors make that 
   ``pickle``, so they must be picklable (module-level classes, no lambdas, open files or locks in
   their attributes); a clear :class:`~graphtune.errors.ConfigError` says which one is not.
 
-See ``docs/reliability.md`` for what each mode can and cannot recover from.
+Both implement :class:`Executor`, the one protocol the tuner times through. See
+``docs/reliability.md`` for what each mode can and cannot recover from.
 """
 
 from __future__ import annotations
@@ -26,15 +28,15 @@ from __future__ import annotations
 import gc
 import logging
 import math
-import os
-import pickle
-import signal
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from graphtune.errors import ConfigError, TuningError
+from graphtune.autotuner.entries import tactic_text
+from graphtune.autotuner.timing.base import SessionTimer, TimerSession
+from graphtune.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -170,34 +172,132 @@ def recover_in_process(device: torch.device) -> str | None:
     return broken
 
 
-class InProcessExecutor:
-    """Runs ``prepare`` and the timer in this process.
+class Executor(Protocol):
+    """Where the tuner's ``prepare`` and timer calls run (in-process or in a worker process).
 
-    Args:
-        timer: The timer to measure with.
-        device: Device of the inputs (what to synchronize after a failure).
+    Every method that runs a tactic raises :class:`TacticFailure` for the tactic's own failure;
+    the tuner turns that into data. A profile is timed between :meth:`begin` and :meth:`end`.
+
+    Attributes:
+        starts: Worker processes started so far (0 in-process).
     """
 
-    def __init__(self, timer: Any, device: torch.device) -> None:
-        self.timer = timer
-        self.device = device
-        self._sets: list[list[Any]] = []
-        self._rotate_in_call = True
-        self.starts = 0
+    starts: int
 
     def begin(
-        self, runners: list[Any], sets: list[list[Any]], *, rotate_in_call: bool = True
+        self,
+        runners: list[Any],
+        sets: list[list[Any]],
+        *,
+        rotate_in_call: bool = True,
+        kwargs: dict[str, Any] | None = None,
     ) -> None:
-        """Sets the runners and input sets of the profile about to be timed.
+        """Sets the runners, input sets and ``forward`` keyword arguments of the next profile.
 
         Args:
             runners: The op's runners.
             sets: Input sets (lists of ``forward`` inputs).
             rotate_in_call: Every measurement walks through all sets, call by call (cold-L2
                 copies); otherwise measurement ``sample`` times set ``sample % len(sets)`` only.
+            kwargs: Keyword arguments of every ``forward`` call (``choose_one``'s).
         """
+        ...
+
+    def prepare_all(self, runner: Any, work: Sequence[tuple[list[Any], Sequence[Any]]]) -> None:
+        """Runs ``runner.prepare_all(work)`` where the tactics will be timed (untimed)."""
+        ...
+
+    def prepare(self, runner_index: int, runner: Any, tactic: Any) -> None:
+        """Runs ``runner.prepare`` on the first input set (untimed)."""
+        ...
+
+    def measure(
+        self,
+        runner_index: int,
+        runner: Any,
+        tactic: Any,
+        *,
+        warmup: int,
+        repeat: int,
+        sample: int = 0,
+    ) -> float:
+        """Times one tactic (its ``sample``-th measurement); returns microseconds per call."""
+        ...
+
+    def end(self) -> None:
+        """The profile is done: releases what its measurements held (timer sessions)."""
+        ...
+
+    def close(self) -> None:
+        """Releases everything (a worker process)."""
+        ...
+
+
+def _reserved_bytes(device: torch.device) -> Callable[[], int]:
+    if device.type == "cuda" and torch.cuda.is_available():
+        return lambda: int(torch.cuda.memory_reserved(device))
+    return lambda: 0
+
+
+class InProcessExecutor:
+    """Runs ``prepare`` and the timer in this process.
+
+    With a :class:`~graphtune.autotuner.timing.base.SessionTimer` (the graph timer) each
+    candidate's session (its captured graph) is opened on its first measurement and reused by
+    the later ones until :meth:`end`, while the sessions' device memory stays within
+    ``session_bytes``.
+
+    Args:
+        timer: The timer to measure with.
+        device: Device of the inputs (what to synchronize after a failure).
+        session_bytes: Device memory open sessions may hold together (``TuningPolicy``'s); 0
+            closes every session after its measurement.
+        reserved_bytes: Returns the device memory the allocator holds (a seam for tests); the
+            default reads ``torch.cuda.memory_reserved`` (0 on the CPU).
+    """
+
+    def __init__(
+        self,
+        timer: Any,
+        device: torch.device,
+        *,
+        session_bytes: int = 8 << 30,
+        reserved_bytes: Callable[[], int] | None = None,
+    ) -> None:
+        self.timer = timer
+        self.device = device
+        self.session_bytes = session_bytes
+        self._reserved = reserved_bytes or _reserved_bytes(device)
+        self._sets: list[list[Any]] = []
+        self._rotate_in_call = True
+        self._kwargs: dict[str, Any] = {}
+        self._sessions: dict[tuple[int, str, int], TimerSession] = {}
+        self._held = 0
+        self.starts = 0
+        #: Sessions opened and measurements made through them (how much set-up was saved).
+        self.sessions_opened = 0
+        self.session_measurements = 0
+
+    def begin(
+        self,
+        runners: list[Any],
+        sets: list[list[Any]],
+        *,
+        rotate_in_call: bool = True,
+        kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        """See :meth:`Executor.begin`."""
+        self.end()
         self._sets = sets
         self._rotate_in_call = rotate_in_call
+        self._kwargs = dict(kwargs or {})
+
+    def prepare_all(self, runner: Any, work: Sequence[tuple[list[Any], Sequence[Any]]]) -> None:
+        """Runs ``runner.prepare_all``; raises :class:`TacticFailure`."""
+        try:
+            runner.prepare_all(work)
+        except Exception as exc:  # the runner's own error: data, after cleaning up
+            raise self._failure(exc) from None
 
     def prepare(self, runner_index: int, runner: Any, tactic: Any) -> None:
         """Runs ``runner.prepare`` (untimed); raises :class:`TacticFailure`."""
@@ -220,15 +320,58 @@ class InProcessExecutor:
         raises :class:`TacticFailure`."""
         sets = sets_for_sample(self._sets, self._rotate_in_call, sample)
         n = len(sets)
+        kwargs = self._kwargs
 
         def call(i: int) -> object:
-            return runner.forward(sets[i % n], tactic)
+            return runner.forward(sets[i % n], tactic=tactic, **kwargs)
 
+        distinct = not self._rotate_in_call and len(self._sets) > 1
+        slot = (runner_index, tactic_text(tactic), sample % len(self._sets) if distinct else 0)
         try:
-            result = self.timer.measure(call, warmup=warmup, repeat=repeat)
+            if not isinstance(self.timer, SessionTimer):
+                result = self.timer.measure(call, warmup=warmup, repeat=repeat)
+                return _median_us(result)
+            session = self._sessions.get(slot)
+            if session is None:
+                session = self._open(slot, call, warmup, repeat)
+            else:
+                self.session_measurements += 1
+            try:
+                result = session.measure()
+            finally:
+                if slot not in self._sessions:  # over the memory budget: not kept
+                    session.close()
+        except TacticFailure:
+            self._drop(slot)
+            raise
         except Exception as exc:  # the tactic's (or timer's) error: data, after cleaning up
+            self._drop(slot)
             raise self._failure(exc) from None
         return _median_us(result)
+
+    def _open(
+        self, slot: tuple[int, str, int], call: Callable[[int], object], warmup: int, repeat: int
+    ) -> TimerSession:
+        before = self._reserved()
+        session = self.timer.open(call, warmup=warmup, repeat=repeat)
+        self.sessions_opened += 1
+        grown = max(0, self._reserved() - before)
+        if self.session_bytes > 0 and self._held + grown <= self.session_bytes:
+            self._sessions[slot] = session
+            self._held += grown
+        return session
+
+    def _drop(self, slot: tuple[int, str, int]) -> None:
+        session = self._sessions.pop(slot, None)
+        if session is not None:
+            session.close()
+
+    def end(self) -> None:
+        """Closes every open session (their graphs and pools)."""
+        sessions, self._sessions = self._sessions, {}
+        self._held = 0
+        for session in sessions.values():
+            session.close()
 
     def _failure(self, exc: Exception) -> TacticFailure:
         text = f"{type(exc).__name__}: {exc}"
@@ -243,279 +386,8 @@ class InProcessExecutor:
         )
 
     def close(self) -> None:
-        """Nothing to release."""
-        return None
-
-
-def describe_exit(exitcode: int | None) -> str:
-    """``"exit code 3"``, ``"killed by SIGSEGV"`` or ``"still running"``."""
-    if exitcode is None:
-        return "still running"
-    if exitcode < 0:
-        try:
-            return f"killed by {signal.Signals(-exitcode).name}"
-        except ValueError:
-            return f"killed by signal {-exitcode}"
-    return f"exit code {exitcode}"
-
-
-def _pickle_or_explain(what: str, value: Any) -> bytes:
-    try:
-        return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-    except (pickle.PicklingError, TypeError, AttributeError) as exc:
-        raise ConfigError(
-            f"isolation='subprocess' sends {what} to a worker process with pickle, but it cannot "
-            f"be pickled ({type(exc).__name__}: {exc}). Define runner (and timer) classes at "
-            "module top level, not inside a function; keep lambdas, open files, locks and "
-            "streams out of their attributes (or implement __getstate__); or use "
-            "isolation='inprocess'."
-        ) from None
-
-
-class SubprocessExecutor:
-    """Times tactics in a reusable worker process that is replaced when a tactic kills it.
-
-    Args:
-        isolation: Timeouts.
-        timer: A timer object to send to the worker (must be picklable), or ``None`` to have the
-            worker resolve ``timing`` for ``device`` itself.
-        timing: ``TuningConfig.timing`` (used when ``timer`` is ``None``).
-        device: Device of the inputs.
-    """
-
-    def __init__(self, isolation: Isolation, timer: Any, timing: str, device: torch.device) -> None:
-        self.isolation = isolation
-        self._timer_blob = _pickle_or_explain("the timer", timer) if timer is not None else None
-        self._timing = timing
-        self._device = str(device)
-        self.key = (timing, str(device))
-        self._proc: Any = None
-        self._conn: Any = None
-        self._payload: bytes | None = None
-        self._payload_id = 0
-        self._worker_payload_id = -1
-        self._rotate_in_call = True
-        self.starts = 0
-
-    # -- profile ------------------------------------------------------------------------------
-
-    def begin(
-        self, runners: list[Any], sets: list[list[Any]], *, rotate_in_call: bool = True
-    ) -> None:
-        """Pickles the runners and inputs of the next profile (sent to the worker on first use).
-
-        ``rotate_in_call`` as for :meth:`InProcessExecutor.begin`.
-
-        Raises:
-            ConfigError: A runner or input is not picklable (names which).
-        """
-        self._rotate_in_call = rotate_in_call
-        for index, runner in enumerate(runners):
-            _pickle_or_explain(f"runner {index} ({type(runner).__qualname__})", runner)
-        self._payload = _pickle_or_explain("the synthetic inputs", (runners, sets))
-        self._payload_id += 1
-
-    def prepare(self, runner_index: int, runner: Any, tactic: Any) -> None:
-        """Runs ``prepare`` in the worker; raises :class:`TacticFailure`."""
-        self._request(("prepare", runner_index, tactic), f"prepare of tactic {tactic!r}")
-
-    def measure(
-        self,
-        runner_index: int,
-        runner: Any,
-        tactic: Any,
-        *,
-        warmup: int,
-        repeat: int,
-        sample: int = 0,
-    ) -> float:
-        """Times one tactic in the worker (its ``sample``-th measurement); raises
-        :class:`TacticFailure`."""
-        request = ("measure", runner_index, tactic, warmup, repeat, self._rotate_in_call, sample)
-        value = self._request(request, f"timing of tactic {tactic!r}")
-        return check_time(value)
-
-    def close(self) -> None:
-        """Stops the worker (politely, then by force)."""
-        proc, conn = self._proc, self._conn
-        self._proc = self._conn = None
-        self._worker_payload_id = -1
-        if proc is None:
-            return
-        try:
-            conn.send(("stop",))
-        except (OSError, ValueError):  # the worker is already gone
-            pass
-        proc.join(timeout=5.0)
-        _kill(proc)
-        conn.close()
-
-    # -- worker management ---------------------------------------------------------------------
-
-    def _start(self) -> None:
-        import torch.multiprocessing as tmp
-
-        ctx = tmp.get_context("spawn")
-        parent, child = ctx.Pipe(duplex=True)
-        # daemon: a worker never outlives the tuning process, even if that one is killed.
-        proc = ctx.Process(
-            target=worker_main,
-            args=(child, self._timer_blob, self._timing, self._device),
-            name="graphtune-tactic-worker",
-            daemon=True,
-        )
-        proc.start()
-        child.close()
-        self._proc, self._conn = proc, parent
-        self.starts += 1
-        reply = self._receive(self.isolation.start_timeout_s, "start")
-        if reply[0] != "ready":
-            self.close()
-            raise TuningError(
-                f"the tactic worker could not start: {reply[1]}: {reply[2]}. Check that "
-                "graphtune imports in a fresh process, or use isolation='inprocess'."
-            )
-        logger.debug("started tactic worker pid %d", proc.pid)
-
-    def _ensure_ready(self) -> None:
-        if self._proc is not None and not self._proc.is_alive():
-            self.close()
-        if self._proc is None:
-            self._start()
-        if self._worker_payload_id != self._payload_id:
-            if self._payload is None:
-                raise TuningError("SubprocessExecutor.begin() must be called before timing.")
-            self._conn.send(("setup", self._payload))
-            reply = self._receive(self.isolation.start_timeout_s, "setup")
-            if reply[0] != "ok":
-                self.close()
-                raise ConfigError(
-                    "isolation='subprocess': the worker could not unpickle the runners or inputs "
-                    f"({reply[1]}: {reply[2]}). Runner classes must be importable by their module "
-                    "path in a fresh process (not defined in an interactive session or inside a "
-                    "function), or use isolation='inprocess'."
-                )
-            self._worker_payload_id = self._payload_id
-
-    def _receive(self, timeout: float, what: str) -> tuple:
-        """Next reply of the worker; kills it and raises TacticFailure on timeout or death."""
-        conn, proc = self._conn, self._proc
-        if not conn.poll(timeout):
-            self._abandon()
-            raise TacticFailure(
-                TIMEOUT, f"no result within {timeout:g} s; the worker was killed", block=True
-            )
-        try:
-            return conn.recv()
-        except (EOFError, OSError):
-            proc.join(timeout=5.0)
-            code = proc.exitcode
-            self._abandon()
-            raise TacticFailure(
-                CRASH, f"the worker died during {what} ({describe_exit(code)})", block=True
-            ) from None
-
-    def _request(self, message: tuple, what: str) -> Any:
-        try:
-            self._ensure_ready()
-            self._conn.send(message)
-        except TacticFailure as failure:
-            # The worker died or hung before the tactic ran: not the tactic's fault.
-            raise TuningError(f"the tactic worker failed before {what}: {failure}") from None
-        except (BrokenPipeError, EOFError, OSError) as exc:
-            self._abandon()
-            raise TuningError(f"the tactic worker failed before {what}: {exc}") from None
-        reply = self._receive(self.isolation.timeout_s, what)
-        if reply[0] == "ok":
-            return reply[1]
-        _, kind, text, corrupted = reply
-        if corrupted:
-            self._abandon()  # it exits on its own; make sure, and start fresh next time
-            raise TacticFailure(
-                CONTEXT_CORRUPTED,
-                f"{kind}: {text} (the worker's CUDA context is unusable)",
-                block=True,
-            )
-        raise TacticFailure(kind, text)
-
-    def _abandon(self) -> None:
-        proc, conn = self._proc, self._conn
-        self._proc = self._conn = None
-        self._worker_payload_id = -1
-        if proc is not None:
-            _kill(proc)
-        if conn is not None:
-            conn.close()
-
-
-def _kill(proc: Any) -> None:
-    if proc.is_alive():
-        proc.terminate()
-        proc.join(timeout=5.0)
-    if proc.is_alive():
-        proc.kill()
-        proc.join(timeout=5.0)
-
-
-# -- worker side ------------------------------------------------------------------------------
-
-
-def worker_main(conn: Any, timer_blob: bytes | None, timing: str, device_name: str) -> None:
-    """Entry point of the worker process: serve setup/prepare/measure requests until told to stop.
-
-    Replies are ``("ok", value)`` or ``("error", exception type, message, context_corrupted)``.
-    After a context-corrupting error the worker replies and exits at once (``os._exit``): a
-    process with a broken CUDA context can hang in its own shutdown.
-    """
-    device = torch.device(device_name)
-    try:
-        if timer_blob is not None:
-            timer = pickle.loads(timer_blob)
-        else:
-            from graphtune.autotuner.timing import resolve_timer
-
-            timer = resolve_timer(timing, device)
-    except Exception as exc:  # reported to the parent, which raises TuningError
-        conn.send(("error", type(exc).__name__, str(exc), False))
-        return
-    conn.send(("ready", os.getpid()))
-    runners: list[Any] = []
-    sets: list[list[Any]] = []
-    while True:
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):  # the parent went away
-            return
-        kind = message[0]
-        if kind == "stop":
-            return
-        try:
-            if kind == "setup":
-                runners, sets = pickle.loads(message[1])
-                reply: tuple = ("ok", None)
-            elif kind == "prepare":
-                runners[message[1]].prepare(sets[0], message[2])
-                reply = ("ok", None)
-            elif kind == "measure":
-                _, index, tactic, warmup, repeat, rotate_in_call, sample = message
-                chosen = sets_for_sample(sets, rotate_in_call, sample)
-                reply = ("ok", _raw_measure(timer, runners[index], tactic, chosen, warmup, repeat))
-                broken = context_error(device)
-                if broken is not None:
-                    # An asynchronous error of this tactic: report it now, or the next tactic
-                    # would be blamed for it.
-                    raise RuntimeError(f"after timing, the device reports {broken}")
-            else:
-                reply = ("error", "ValueError", f"unknown request {kind!r}", False)
-        except Exception as exc:  # the tactic's error: report it, check the context
-            broken = context_error(device)
-            text = str(exc).strip()[:4000]
-            conn.send(("error", type(exc).__name__, text, broken is not None))
-            if broken is not None:
-                conn.close()
-                os._exit(3)
-            continue
-        conn.send(reply)
+        """Closes the open sessions."""
+        self.end()
 
 
 def sets_for_sample(sets: list[list[Any]], rotate_in_call: bool, sample: int) -> list[list[Any]]:
@@ -524,20 +396,3 @@ def sets_for_sample(sets: list[list[Any]], rotate_in_call: bool, sample: int) ->
     if rotate_in_call or len(sets) < 2:
         return sets
     return [sets[sample % len(sets)]]
-
-
-def _raw_measure(
-    timer: Any, runner: Any, tactic: Any, sets: list[list[Any]], warmup: int, repeat: int
-) -> float:
-    n = len(sets)
-
-    def call(i: int) -> object:
-        return runner.forward(sets[i % n], tactic)
-
-    result = timer.measure(call, warmup=warmup, repeat=repeat)
-    # A value the parent will reject is still sent as a number so the parent counts it.
-    value = getattr(result, "median_us", math.nan)
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return math.nan

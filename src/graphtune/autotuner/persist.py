@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from os import PathLike
 from pathlib import Path
@@ -23,13 +24,13 @@ from typing import Any
 from filelock import FileLock, Timeout
 
 from graphtune import env
-from graphtune.autotuner.cache import BlockedTactic, Blocklist, CacheEntry, CacheKey
+from graphtune.autotuner.entries import BlockedTactic, Blocklist, CacheEntry, CacheKey, tactic_text
 from graphtune.autotuner.fingerprint import environment_fingerprint, fingerprint_mismatch
 from graphtune.errors import CacheFileError
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 LOCK_TIMEOUT_S = 60.0
 
 Entries = dict[CacheKey, CacheEntry]
@@ -255,7 +256,8 @@ def save(
     except (TypeError, ValueError) as exc:
         raise CacheFileError(
             f"Could not write tuning cache {path}: an entry is not JSON-serialisable ({exc}). "
-            "Tactics must be ints, strings, lists or dicts of those."
+            "Tactics must be None, bools, ints, finite floats, strings, tuples, lists or dicts "
+            "of those."
         ) from exc
     logger.debug("saved %d tuning entries to %s", len(merged), path)
     return len(merged)
@@ -283,8 +285,6 @@ def unblock(
     Raises:
         CacheFileError: The file is unusable, or could not be locked or written.
     """
-    from graphtune.autotuner.cache import tactic_text
-
     path = Path(path)
     try:
         with FileLock(str(lock_path(path)), timeout=lock_timeout_s):
@@ -367,6 +367,43 @@ def write_atomic(path: str | PathLike[str], doc: dict[str, Any]) -> None:
         raise CacheFileError(f"Could not lock {lock_path(path)} to write {path}.") from None
     except (OSError, TypeError, ValueError) as exc:
         raise CacheFileError(f"Could not write tuning cache {path}: {exc}.") from exc
+
+
+def update_json(
+    path: str | PathLike[str],
+    merge: Callable[[Any], dict[str, Any]],
+    *,
+    lock_timeout_s: float = LOCK_TIMEOUT_S,
+) -> dict[str, Any]:
+    """Read-merge-write of any JSON document under the file's lock, atomically (as :func:`save`).
+
+    Args:
+        path: The file.
+        merge: Given the current document (``None`` when the file is missing or not valid JSON),
+            returns the document to write.
+
+    Returns:
+        The document written.
+
+    Raises:
+        CacheFileError: The lock could not be taken or the file could not be written.
+    """
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(lock_path(path)), timeout=lock_timeout_s):
+            _remove_stale_temp_files(path)
+            try:
+                current = parse_json(path.read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+                current = None
+            doc = merge(current)
+            _atomic_write(path, doc)
+    except Timeout:
+        raise CacheFileError(f"Could not lock {lock_path(path)} to write {path}.") from None
+    except (OSError, TypeError, ValueError) as exc:
+        raise CacheFileError(f"Could not write {path}: {exc}.") from exc
+    return doc
 
 
 def _document(entries: Entries, fingerprint: Any, blocklist: Blocklist) -> dict[str, Any]:

@@ -104,10 +104,13 @@ def _live_sizes(config: TuningConfig, inputs: Sequence[Any]) -> list[int]:
     return sizes
 
 
-def profile_for(config: TuningConfig, inputs: Sequence[Any]) -> Profile:
-    """The profile whose tuning result a live call uses (each dynamic dim mapped to its bucket)."""
+def profile_for(config: TuningConfig, inputs: Sequence[Any]) -> Profile | None:
+    """The profile whose tuning result a live call uses (each dynamic dim mapped to its bucket),
+    or ``None`` when a mapper gives a size no bucket (0): such a call always runs the fallback."""
     live = _live_sizes(config, inputs)
     buckets = [config.bucket_of(s, n) for s, n in zip(config.dynamic_specs, live, strict=True)]
+    if 0 in buckets:
+        return None
     return _apply(config, inputs, buckets)
 
 
@@ -135,6 +138,7 @@ def synthesize_inputs(
     profile: Profile,
     *,
     seed: int = 0,
+    memo: dict[Any, Any] | None = None,
 ) -> list[Any]:
     """Random inputs shaped like ``profile`` on each live input's device and dtype.
 
@@ -145,13 +149,25 @@ def synthesize_inputs(
 
     Never zeros, because timing on zeros is known to flatter some kernels (sparsity shortcuts,
     power states).
+
+    ``memo``: tensors made by earlier calls, by (input index, shape, dtype, device, seed), for
+    the inputs whose shape is the same in every profile of the op (``memo["static"]``, a set of
+    input indices, says which): a tensor of the same key has the same values, so it is reused
+    instead of drawn again (the weight of a GEMM is one tensor for all buckets). Pass one dict
+    per op, from :func:`static_inputs_memo`.
     """
     out: list[Any] = []
+    cache: dict[Any, Any] = memo if memo is not None else {"static": frozenset()}
     for x, shape in zip(live_inputs, profile.shapes, strict=True):
         if not isinstance(x, torch.Tensor):
             out.append(x)
             continue
         assert shape is not None
+        key = (len(out), shape, x.dtype, str(x.device), seed)
+        shared = len(out) in cache["static"]
+        if shared and key in cache:
+            out.append(cache[key])
+            continue
         gen = torch.Generator(device=x.device)
         gen.manual_seed(seed + len(out))
         if x.dtype == torch.bool:
@@ -165,10 +181,26 @@ def synthesize_inputs(
                 low = min(0, int(x.min()))
                 high = max(int(x.max()) + 1, low + 1)
             t = torch.randint(low, high, shape, generator=gen, device=x.device, dtype=x.dtype)
+        if shared:
+            cache[key] = t
         out.append(t)
     if config.inputs_pre_hook is not None:
         out = list(config.inputs_pre_hook(out))
     return out
+
+
+def static_inputs_memo(profiles: Sequence[Profile]) -> dict[Any, Any]:
+    """A ``memo`` for :func:`synthesize_inputs` over ``profiles``: the inputs whose shape is the
+    same in all of them are made once (only those, so per-profile tensors are still freed)."""
+    if not profiles:
+        return {"static": frozenset()}
+    first = profiles[0].shapes
+    static = {
+        i
+        for i, shape in enumerate(first)
+        if shape is not None and all(p.shapes[i] == shape for p in profiles)
+    }
+    return {"static": frozenset(static)}
 
 
 def input_bytes(inputs: Sequence[Any]) -> int:
@@ -183,15 +215,19 @@ def input_sets(
     device: torch.device,
     count: int,
     max_bytes: int,
+    first: list[Any] | None = None,
+    memo: dict[Any, Any] | None = None,
 ) -> list[list[Any]]:
     """The synthetic input sets one profile is timed on (each from :func:`synthesize_inputs`).
 
     With ``config.cold_l2`` enough copies to overflow the device's L2
     (:func:`~graphtune.autotuner.timing.cold_l2_copies`), rotated call by call; otherwise up to
     ``count`` distinct sets (fresh values and allocations, one per measurement round), fewer when
-    they would take more than ``max_bytes`` together (at least one).
+    they would take more than ``max_bytes`` together (at least one). ``first``: the first set,
+    when it was already made; ``memo``: as for :func:`synthesize_inputs`.
     """
-    first = synthesize_inputs(config, live_inputs, profile)
+    if first is None:
+        first = synthesize_inputs(config, live_inputs, profile, memo=memo)
     if config.cold_l2:
         from graphtune.autotuner import timing
 
@@ -199,5 +235,6 @@ def input_sets(
     else:
         count = max(1, min(count, max_bytes // max(1, input_bytes(first))))
     return [first] + [
-        synthesize_inputs(config, live_inputs, profile, seed=1000 * k) for k in range(1, count)
+        synthesize_inputs(config, live_inputs, profile, seed=1000 * k, memo=memo)
+        for k in range(1, count)
     ]

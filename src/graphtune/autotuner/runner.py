@@ -1,9 +1,18 @@
-"""The TunableRunner interface: one implementation of an op, with several configs ("tactics")."""
+"""The TunableRunner interface: one implementation of an op, with several configs ("tactics").
+
+The interface is TensorRT-LLM's: the tuner calls ``runner.get_valid_tactics(inputs, profile,
+**kwargs)`` and ``runner.forward(inputs, tactic=..., **kwargs)`` with the keyword arguments given
+to ``choose_one``, so a runner declared ``forward(self, inputs, *, tactic=-1, **kwargs)`` (or with
+``tactic`` positional-or-keyword) works unchanged. What identifies a runner in the cache is in
+:mod:`graphtune.autotuner.identity`.
+"""
 
 from __future__ import annotations
 
-import json
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+from graphtune.autotuner.identity import runner_config
 
 FALLBACK_TACTIC = -1
 """The tactic every runner must accept on every shape; used when nothing was tuned."""
@@ -13,43 +22,70 @@ class TunableRunner:
     """One implementation of an op. Subclass it and override ``forward`` (and usually
     ``get_valid_tactics``).
 
-    Tactics are JSON-serialisable values (ints, strings, lists, dicts of those) because the pick
-    is stored in the cache file; a tuple tactic comes back from a file as a list. Tactic ``-1``
+    Tactics are JSON values (ints, floats, strings, tuples, lists, dicts of those), because the
+    pick is stored in the cache file; they come back from a file with their types. Tactic ``-1``
     (:data:`FALLBACK_TACTIC`) is the fallback and must work on every shape.
+
+    Attributes:
+        identity_excludes: Names of public instance attributes that are not part of the runner's
+            identity (counters, thread counts: state that changes neither what the runner
+            computes nor which tactics it offers). Private attributes (``_name``) never are.
+        source_modules: Modules besides those of the runner's own class hierarchy whose source
+            decides what it computes (e.g. its Triton kernels' module); a change to any of them
+            invalidates the runner's cached picks.
+        requires_tactic: Whether ``get_valid_tactics`` must offer at least one tactic on every
+            profile; if its pruning leaves none, tuning raises a ``TuningError`` naming the
+            runner instead of silently leaving it out.
     """
 
-    def get_valid_tactics(self, inputs: list[Any], profile: Any) -> list[Any]:
+    identity_excludes: ClassVar[frozenset[str]] = frozenset()
+    source_modules: ClassVar[tuple[str, ...]] = ()
+    requires_tactic: ClassVar[bool] = False
+
+    def get_valid_tactics(self, inputs: list[Any], profile: Any, **kwargs: Any) -> list[Any]:
         """Tactics worth timing for these (synthetic) inputs.
 
         Args:
             inputs: Synthetic inputs shaped like the profile being tuned.
             profile: The :class:`~graphtune.autotuner.profiles.Profile` being tuned.
+            **kwargs: The keyword arguments given to ``choose_one``.
 
         Returns:
-            Tactics to time; an empty list means the runner does not apply to this profile.
-            The default offers only the fallback tactic.
+            Tactics to time, the fallback ``-1`` included only if it should be timed; an empty
+            list means the runner does not apply to this profile. The default offers only the
+            fallback tactic.
         """
         return [FALLBACK_TACTIC]
 
-    def forward(self, inputs: list[Any], tactic: Any = FALLBACK_TACTIC) -> Any:
+    def forward(self, inputs: list[Any], *, tactic: Any = FALLBACK_TACTIC, **kwargs: Any) -> Any:
         """Runs the op on ``inputs`` with ``tactic`` and returns its output."""
         raise NotImplementedError(
-            f"{type(self).__qualname__} must implement forward(inputs, tactic)"
+            f"{type(self).__qualname__} must implement forward(inputs, *, tactic=-1, **kwargs)"
         )
 
     def prepare(self, inputs: list[Any], tactic: Any) -> None:
         """Untimed one-off work before ``tactic`` is timed (e.g. JIT compilation). Optional."""
         return None
 
+    def prepare_all(self, work: Sequence[tuple[list[Any], Sequence[Any]]]) -> None:
+        """Untimed one-off work for many ``(inputs, tactics)`` pairs before any is timed, e.g.
+        compiling every tactic of every profile of an op at once. Optional; :meth:`prepare` is
+        still called for each tactic (and should then find its work done)."""
+        return None
+
     def cache_key_extras(self) -> tuple[Any, ...]:
-        """Extra identity for the cache key, e.g. a weight layout or a compile flag. Optional.
+        """Identity beyond the class for the cache key.
 
-        Two runner objects of the same class with different extras never share cache entries.
+        The default is the runner's configuration: ``({name: value, ...},)`` of its public
+        instance attributes (see :func:`~graphtune.autotuner.identity.runner_config`), or ``()``
+        when it has none. Override it to state the key explicitly; two runner objects of one class
+        with different extras never share cache entries.
         """
-        return ()
+        config = runner_config(self)
+        return (config,) if config else ()
 
-    def __call__(self, inputs: list[Any], tactic: Any = FALLBACK_TACTIC) -> Any:
-        return self.forward(inputs, tactic)
+    def __call__(self, inputs: list[Any], **kwargs: Any) -> Any:
+        return self.forward(inputs, **kwargs)
 
 
 def preferred_first(tactics: list[Any], preferred: Any) -> list[Any]:
@@ -60,21 +96,3 @@ def preferred_first(tactics: list[Any], preferred: Any) -> list[Any]:
     changes from one tuning run to the next, resolve to the same good tactic every time.
     """
     return sorted(tactics, key=lambda tactic: tactic != preferred)
-
-
-def runner_id(runner: TunableRunner) -> str:
-    """Stable identity of a runner for cache keys: ``module.QualName`` plus its extras as JSON."""
-    cls = type(runner)
-    ident = f"{cls.__module__}.{cls.__qualname__}"
-    extras = runner.cache_key_extras()
-    if extras:
-        # sort_keys so dict extras give the same id in every process; default=str keeps unusual
-        # values (dtypes, enums) usable instead of failing the lookup.
-        ident += json.dumps(list(extras), sort_keys=True, default=str, separators=(",", ":"))
-    return ident
-
-
-def short_runner_name(ident: str) -> str:
-    """The class name part of a runner id, for tables."""
-    base, bracket, rest = ident.partition("[")
-    return base.rsplit(".", 1)[-1] + (bracket + rest if bracket else "")

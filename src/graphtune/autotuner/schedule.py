@@ -18,7 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from graphtune.autotuner.runner import TunableRunner, short_runner_name
+from graphtune.autotuner.identity import short_runner_name
+from graphtune.autotuner.runner import TunableRunner
 from graphtune.autotuner.selection import ProfileRecord, Selection, TieRule, candidate_record
 
 
@@ -96,7 +97,12 @@ def settle(candidates: list[Candidate], measure: Measure, rule: TieRule, max_rou
 
 
 def record(
-    op: str, profile: str, ids: tuple[str, ...], ordered: list[Candidate], chosen: Selection
+    op: str,
+    profile: str,
+    ids: tuple[str, ...],
+    ordered: list[Candidate],
+    chosen: Selection,
+    seconds: float = 0.0,
 ) -> ProfileRecord:
     """The :class:`ProfileRecord` of one profile, from :func:`select`'s output."""
     candidates = tuple(
@@ -110,4 +116,4 @@ def record(
         )
         for i, c in enumerate(ordered)
     )
-    return ProfileRecord(op, profile, candidates, chosen.winner, chosen.tie_band)
+    return ProfileRecord(op, profile, candidates, chosen.winner, chosen.tie_band, seconds)

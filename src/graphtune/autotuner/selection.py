@@ -100,16 +100,17 @@ class TieRule:
         for name, value in (("tie_tolerance", self.floor), ("max_tie_tolerance", self.cap)):
             if not _real(value) or not 0.0 <= value < 1.0:
                 raise ConfigError(
-                    f"AutoTuner({name}={value!r}): must be a number in [0, 1), e.g. 0.005 for 0.5%."
+                    f"TuningPolicy({name}={value!r}): must be a number in [0, 1), e.g. 0.005 "
+                    "for 0.5%."
                 )
         if not _real(self.z) or not math.isfinite(self.z) or self.z <= 0:
             raise ConfigError(
-                f"AutoTuner(noise_z={self.z!r}): must be a finite number > 0 (standard errors "
+                f"TuningPolicy(noise_z={self.z!r}): must be a finite number > 0 (standard errors "
                 "of a difference that count as noise; 2.0 by default)."
             )
         if not _real(self.floor_us) or not 0.0 <= self.floor_us < math.inf:
             raise ConfigError(
-                f"AutoTuner(tie_floor_us={self.floor_us!r}): must be a finite number >= 0 "
+                f"TuningPolicy(tie_floor_us={self.floor_us!r}): must be a finite number >= 0 "
                 "(microseconds per call, e.g. 0.02 for 20 ns; 0 turns it off)."
             )
 
@@ -202,8 +203,10 @@ class ProfileRecord:
         profile: The profile's ``describe()`` text (bucketed shapes).
         candidates: Every candidate, in tie-break order.
         winner_index: Index into ``candidates`` of the pick, or ``None`` when every candidate
-            failed (the cache then holds the fallback).
+            failed (nothing is cached; look-ups run the fallback).
         tie_band: The widest relative tie threshold applied (``Selection.tie_band``).
+        seconds: Wall time the profile took, input synthesis and ``prepare`` included (its
+            share of an op's ahead-of-time compilation is not).
     """
 
     op: str
@@ -211,6 +214,7 @@ class ProfileRecord:
     candidates: tuple[CandidateRecord, ...]
     winner_index: int | None
     tie_band: float
+    seconds: float = 0.0
 
 
 def candidate_record(

@@ -144,7 +144,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _check_before_run(args: argparse.Namespace, model: str) -> None:
     """Everything that would otherwise fail after the whole benchmark ran."""
-    from graphtune.engine.loading import resolve_config
+    from graphtune.engine.loading import load_config
 
     check_output_path(args.json, "--json")
     check_output_path(args.plot, "--plot")
@@ -160,7 +160,7 @@ def _check_before_run(args: argparse.Namespace, model: str) -> None:
 
         check_output_path(args.tuning_cache, "--tuning-cache")
         check_lockable(args.tuning_cache)
-    resolve_config(model).check_positions(args.context + 1, f"--context {args.context}")
+    load_config(model).check_positions(args.context + 1, f"--context {args.context}")
 
 
 def run_bench_decode(args: argparse.Namespace) -> int:

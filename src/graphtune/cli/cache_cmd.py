@@ -121,7 +121,7 @@ def show_command(args: argparse.Namespace) -> int:
         environment_fingerprint,
         fingerprint_mismatch,
     )
-    from graphtune.autotuner.runner import short_runner_name
+    from graphtune.autotuner.identity import short_runner_name
     from graphtune.reporting import render_table
 
     path: Path = args.path

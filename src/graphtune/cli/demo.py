@@ -55,6 +55,6 @@ def run_demo(args: argparse.Namespace) -> int:
 
         check_output_path(args.cache, "--cache")
         check_lockable(args.cache)
-    tuner = autotuner.AutoTuner(rounds=3, remeasure_top=2)
+    tuner = autotuner.AutoTuner(policy=autotuner.TuningPolicy(rounds=3, remeasure_top=2))
     print(demo(tuner, device, cache_path=args.cache))
     return 0

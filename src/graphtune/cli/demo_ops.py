@@ -104,9 +104,9 @@ def demo(tuner: AutoTuner, device: torch.device, *, cache_path: Path | None = No
     def step(rows: int) -> None:
         x = torch.randn(rows, width, device=device, dtype=dtype, generator=gen)
         runner, tactic = tuner.choose_one("matmul", mm_runners, config, [x, weight])
-        y = runner.forward([x, weight], tactic)
+        y = runner.forward([x, weight], tactic=tactic)
         runner, tactic = tuner.choose_one("softmax", sm_runners, config, [y])
-        runner.forward([y], tactic)
+        runner.forward([y], tactic=tactic)
 
     start = time.perf_counter()
     with autotune(cache_path=cache_path, tuner=tuner):

@@ -168,14 +168,14 @@ def run_generate(args: argparse.Namespace) -> int:
 
     from graphtune.engine import Engine, SamplingParams, load_model
     from graphtune.engine.devices import resolve_device, resolve_dtype
-    from graphtune.engine.loading import load_tokenizer, resolve_config
+    from graphtune.engine.loading import load_config, load_tokenizer
 
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     sampling = SamplingParams(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed
     )
-    config = resolve_config(args.model)
+    config = load_config(args.model)
     folder = Path(args.model).expanduser()
     tokenizer = load_tokenizer(folder) if folder.is_dir() else None
     prompts = _encode(args, tokenizer)

@@ -27,6 +27,7 @@ _COMMAND_MODULES = (
     "graphtune.cli.generate",
     "graphtune.cli.bench",
     "graphtune.cli.tune",
+    "graphtune.cli.check_tactics",
 )
 
 

@@ -3,8 +3,11 @@
 The step is tuned by running it (``graphtune.engine.tuning.tune_step``), as ``Engine(tune=True)``
 does. The model is only read for its dimensions (a preset name or a Hugging Face folder's
 ``config.json``); weights are random, since the kernels' speed does not depend on their values.
-The cache path is checked (folder, lock) before anything runs; Ctrl-C keeps the picks finished so
-far in the cache file.
+With ``--from-misses FILE`` it instead tunes exactly the shapes a serving process recorded as
+missed (:mod:`graphtune.cli.from_misses`); ``--model`` is not needed then. The cache path is
+checked (folder, lock) before anything runs; Ctrl-C keeps the picks finished so far in the cache
+file. When no op has more than one candidate (a CPU: every op is its torch code), nothing is
+timed and it says so.
 """
 
 from __future__ import annotations
@@ -13,7 +16,9 @@ import argparse
 import time
 from pathlib import Path
 
+from graphtune.cli import from_misses
 from graphtune.cli._args import add_device_arguments, check_output_path, positive_int
+from graphtune.errors import ConfigError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -31,9 +36,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--model",
-        required=True,
+        default=None,
         metavar="PRESET|PATH",
-        help="preset (tiny, llama-1b-shape, ...) or a folder with config.json (required)",
+        help="preset (tiny, llama-1b-shape, ...) or a folder with config.json (no default: "
+        "required unless --from-misses is given)",
     )
     parser.add_argument(
         "--cache",
@@ -64,36 +70,38 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         choices=("auto", "graph", "events", "wallclock"),
         help="timer (auto: graph replay on CUDA, wall clock on CPU)",
     )
+    from_misses.add_arguments(parser)
     parser.set_defaults(handler=run_tune)
 
 
 def run_tune(args: argparse.Namespace) -> int:
-    """Tunes the step and prints the picks table."""
+    """Tunes the step (or the recorded misses) and prints the picks table."""
+    from graphtune.autotuner.persist import check_lockable
+
+    check_output_path(args.cache, "--cache")
+    check_lockable(args.cache)
+    if args.from_misses is not None:
+        return from_misses.run(args)
+    if args.model is None:
+        raise ConfigError("pass --model PRESET|PATH (or --from-misses FILE)")
     import torch
 
     from graphtune import autotuner
-    from graphtune.autotuner.persist import check_lockable
     from graphtune.autotuner.timing import resolve_timer
-    from graphtune.engine.build import build_step
-    from graphtune.engine.devices import resolve_device, resolve_dtype
-    from graphtune.engine.kv_cache import KVCache, aligned_seq_len
-    from graphtune.engine.loading import resolve_config
-    from graphtune.engine.model import random_model
+    from graphtune.cli._step_calls import decode_step, resolve_device_and_dtype
+    from graphtune.engine.loading import load_config
     from graphtune.engine.tuning import tune_step
 
-    device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
-    check_output_path(args.cache, "--cache")
-    check_lockable(args.cache)
-    config = resolve_config(args.model)
-    max_seq = aligned_seq_len(args.max_seq_len)
+    device, dtype = resolve_device_and_dtype(args.device, args.dtype)
+    load_config(args.model)  # a model that cannot load fails before anything is built
     timer = None if args.timing == "auto" else resolve_timer(args.timing, device)
     tuner = autotuner.AutoTuner(timer=timer)
-    model = random_model(config, device=device, dtype=dtype)
-    cache = KVCache(config, args.max_batch, max_seq, device, dtype)
-    step = build_step(model, cache, tuner=tuner)
+    step = decode_step(
+        args.model, args.max_batch, tuner, device=device, dtype=dtype, max_seq_len=args.max_seq_len
+    )
+    name = step.model.config.name
     print(
-        f"tuning {config.name} ops on {device} ({str(dtype).removeprefix('torch.')}), "
+        f"tuning {name} ops on {device} ({str(dtype).removeprefix('torch.')}), "
         f"batch buckets up to {args.max_batch} -> {args.cache}",
         flush=True,
     )
@@ -107,13 +115,29 @@ def run_tune(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt(
             f"{kept} finished picks kept in {args.cache}" if kept else "nothing was tuned yet"
         ) from None
-    table = tuner.summary_table(f"picks for {config.name} (buckets {list(report.buckets)})")
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    stats = tuner.stats
+    if _nothing_timed(tuner):
+        # Saved all the same: the engine's look-ups then find a pick instead of counting misses.
+        print(
+            f"nothing to tune on {device}: every op of the step has a single candidate (its "
+            f"torch code), so its {stats.untimed_picks} (op, bucket) picks were taken without "
+            f"timing and saved to {args.cache}"
+        )
+        return 0
+    table = tuner.summary_table(f"picks for {name} (buckets {list(report.buckets)})")
     print(table or "every shape was already in the cache file; nothing to tune")
     print(
         f"done in {time.perf_counter() - started:.1f} s "
-        f"({report.compile_seconds:.1f} s compiling Triton tactics ahead of timing); "
+        f"({report.prepare_seconds:.1f} s recording the step and compiling "
+        f"{report.prepared} Triton tactics up front); "
         f"{report.profiles_tuned} (op, bucket) picks added to {args.cache}"
     )
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
     return 0
+
+
+def _nothing_timed(tuner: object) -> bool:
+    """Whether every profile tuned so far had one candidate (picked without timing)."""
+    stats = tuner.stats  # type: ignore[attr-defined]
+    return stats.untimed_picks > 0 and stats.profiles_tuned == 0 and stats.tactics_timed == 0

@@ -13,12 +13,12 @@ from graphtune.engine.config import PRESETS, ModelConfig, RopeScaling, from_hf_c
 from graphtune.engine.devices import resolve_device, resolve_dtype
 from graphtune.engine.engine import Engine, RequestFailure
 from graphtune.engine.kv_cache import KVCache
-from graphtune.engine.loading import load_checkpoint, load_config, load_model, resolve_config
+from graphtune.engine.loading import load_checkpoint, load_config, load_model
 from graphtune.engine.model import DecoderModel, LayerWeights, random_model
 from graphtune.engine.parallel import ParallelContext, TensorParallelDecodeStep, shard_model
 from graphtune.engine.sampling import GREEDY, SamplingParams, sample
 from graphtune.engine.step import DecodeStep, prefill, step_pad_rule
-from graphtune.engine.tuning import TuneReport, tune_step
+from graphtune.engine.tuning import TuneReport, record_step_calls, tune_step
 
 __all__ = [
     "GREEDY",
@@ -44,7 +44,7 @@ __all__ = [
     "load_model",
     "prefill",
     "random_model",
-    "resolve_config",
+    "record_step_calls",
     "resolve_device",
     "resolve_dtype",
     "sample",

@@ -144,20 +144,28 @@ def read_json(path: Path) -> dict[str, Any]:
     return doc
 
 
-def load_config(folder: str | Path) -> ModelConfig:
-    """The :class:`ModelConfig` of a checkpoint folder, without reading weights.
-
-    ``config.json`` gives the model; the ``eos_token_id`` of ``generation_config.json``, when
-    the folder has one that sets it, replaces ``config.json``'s (transformers' ``generate``
-    stops at the generation config's ids; Llama-3-Instruct checkpoints list their end-of-turn
-    token only there).
+def load_config(spec: str | Path) -> ModelConfig:
+    """The shapes of a model without its weights: a preset name, or a Hugging Face checkpoint
+    folder whose ``config.json`` is read (with ``generation_config.json``'s ``eos_token_id``,
+    which replaces ``config.json``'s as in transformers' ``generate``; Llama-3-Instruct
+    checkpoints list their end-of-turn token only there). Checks a request before loading.
 
     Raises:
-        CheckpointError: No ``config.json``, a file that cannot be parsed, or an unsupported
+        ConfigError: ``spec`` is neither an existing folder nor a preset, or a field has a value
+            the engine does not implement.
+        CheckpointError: The folder's config cannot be read or parsed, or names an unsupported
             architecture.
-        ConfigError: A field has a value the engine does not implement.
     """
-    folder = Path(folder)
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return _folder_config(path)
+    if str(spec) in PRESETS:
+        return PRESETS[str(spec)]
+    raise _not_a_model(spec)
+
+
+def _folder_config(folder: Path) -> ModelConfig:
+    """The :class:`ModelConfig` of a checkpoint folder (see :func:`load_config`)."""
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise CheckpointError(f"{folder} has no config.json; is it a Hugging Face model folder?")
@@ -168,22 +176,6 @@ def load_config(folder: str | Path) -> ModelConfig:
         if eos is not None:
             config = config.replace(eos_token_ids=eos_ids(eos))
     return config
-
-
-def resolve_config(spec: str | Path) -> ModelConfig:
-    """The config of ``spec``, a checkpoint folder (:func:`load_config`) or a preset name, without
-    reading weights (to check a request before loading).
-
-    Raises:
-        ConfigError: ``spec`` is neither an existing folder nor a preset.
-        CheckpointError: The folder's config cannot be read.
-    """
-    path = Path(spec).expanduser()
-    if path.is_dir():
-        return load_config(path)
-    if str(spec) in PRESETS:
-        return PRESETS[str(spec)]
-    raise _not_a_model(spec)
 
 
 def _not_a_model(spec: str | Path) -> ConfigError:
@@ -220,7 +212,7 @@ def load_checkpoint(
             (the message names the tensor).
     """
     folder = Path(folder)
-    config = load_config(folder)
+    config = _folder_config(folder)
     tp = parallel.world_size if parallel is not None else 1
     if tp > 1:
         from graphtune.engine.parallel import check_shardable

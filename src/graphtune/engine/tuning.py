@@ -6,6 +6,12 @@ the live call's shapes, then runs the pick. Running the real step therefore tune
 the step looks up later (no list of ops kept beside the model), ops nested inside other ops
 included. TensorRT-LLM tunes the same way during its warm-up.
 
+Before that, :func:`record_step_calls` runs the step once at its largest batch without tuning
+(``AutoTuner.record_calls(dry_run=True)``: nothing is timed or counted) and ``AutoTuner.prepare``
+compiles the Triton tactics of every missing profile of those calls at once (Triton's code
+generator in worker processes, see ``graphtune.ops._compile_pool``), so the tuning runs that
+follow time kernels instead of waiting for the compiler one op at a time.
+
 The calls use :meth:`DecodeStep.example_inputs`: they write only the KV cache's scratch slot.
 Every rank of a tensor-parallel group must call this together (the ops' look-ups and the step's
 all-reduces are collectives in the same order on every rank).
@@ -21,11 +27,13 @@ from typing import Any
 
 import torch
 
+from graphtune.autotuner.calls import OpCall
 from graphtune.autotuner.config import power_of_two_buckets
-from graphtune.autotuner.runner import runner_id
+from graphtune.autotuner.identity import runner_id
 from graphtune.engine.step import DecodeStep
 from graphtune.errors import ConfigError
-from graphtune.ops._triton import triton_runners
+from graphtune.ops._compile_pool import close_compile_workers, start_compile_workers
+from graphtune.ops._triton_runner import triton_runners
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +47,12 @@ class TuneReport:
         rows: The tuner's summary rows added by this call (op, bucket, winner, time, ...), one
             per (op, bucket) profile tuned.
         seconds: Wall time of the whole call.
-        compile_seconds: Part of it spent compiling Triton tactics ahead of timing.
+        prepare_seconds: Part of it spent before any timing: recording the untuned step and
+            ``AutoTuner.prepare`` (planning every missing profile and compiling its tactics).
+        prepared: (inputs, tactic) pairs ``prepare`` made ready.
+        compile_seconds: Compile time of the Triton runners during the call, summed over runners
+            (``prepare`` compiles several runners side by side, so this can exceed
+            ``prepare_seconds``).
         compile_seconds_by_op: That compile time per op name (ops that compiled nothing are left
             out).
     """
@@ -47,6 +60,8 @@ class TuneReport:
     buckets: tuple[int, ...]
     rows: list[tuple[Any, ...]] = field(default_factory=list)
     seconds: float = 0.0
+    prepare_seconds: float = 0.0
+    prepared: int = 0
     compile_seconds: float = 0.0
     compile_seconds_by_op: dict[str, float] = field(default_factory=dict)
 
@@ -56,10 +71,11 @@ class TuneReport:
         return len(self.rows)
 
     def summary(self) -> str:
-        """One line for people: profiles, seconds, compile seconds and where they went."""
+        """One line for people: profiles, seconds, the up-front part and compile time by op."""
         line = (
             f"{self.profiles_tuned} (op, bucket) profiles tuned in {self.seconds:.1f} s "
-            f"({self.compile_seconds:.1f} s compiling) for batch buckets {list(self.buckets)}"
+            f"({self.prepare_seconds:.1f} s preparing {self.prepared} tactics up front) for "
+            f"batch buckets {list(self.buckets)}"
         )
         if self.compile_seconds_by_op:
             parts = ", ".join(
@@ -70,17 +86,54 @@ class TuneReport:
         return line
 
 
-def tune_step(step: DecodeStep, *, log: Callable[[str], None] | None = None) -> TuneReport:
+def _require_tuner(step: DecodeStep, what: str) -> Any:
+    if step.tuner is None:
+        raise ConfigError(
+            f"{what} needs a step built with a tuner (build_step(model, cache, tuner=AutoTuner()) "
+            "or Engine(..., tune=True)); an untuned step runs the torch fallbacks only"
+        )
+    return step.tuner
+
+
+def record_step_calls(
+    step: DecodeStep, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+) -> list[OpCall]:
+    """The op calls of one step, in call order.
+
+    The step runs once on ``inputs`` (``(tokens, positions, slots)``; default
+    ``step.example_inputs(step.max_batch_size)``, which write only the scratch slot) with its
+    tuner recording in dry-run mode (``AutoTuner.record_calls(dry_run=True)``): every op runs
+    its cached pick or its fallback, nothing is tuned, and the tuner's stats and misses are left
+    as they were. A fused op that falls back runs its unfused ops, whose calls are recorded too.
+
+    Raises:
+        ConfigError: ``step`` has no tuner.
+    """
+    tuner = _require_tuner(step, "record_step_calls")
+    args = inputs if inputs is not None else step.example_inputs(step.max_batch_size)
+    with torch.no_grad(), tuner.record_calls(dry_run=True) as calls:
+        step(*args)
+    return calls
+
+
+def tune_step(
+    step: DecodeStep, *, log: Callable[[str], None] | None = None, prepare: bool = True
+) -> TuneReport:
     """Tunes every op of ``step`` by running it at batch sizes ``1, 2, 4, ..., max_batch_size``.
 
-    The step's tuner is switched to tuning mode for the call (and restored after), so this works
-    inside or outside :func:`graphtune.autotune`; wrap it in ``autotune(cache_path, tuner)`` to
-    load and save a cache file. Entries already in the tuner's cache are not tuned again.
+    First (with ``prepare``) the calls of one untuned step are recorded
+    (:func:`record_step_calls`) and ``tuner.prepare`` compiles the tactics of all their missing
+    profiles at once. The step's tuner is switched to tuning mode for the call (and restored
+    after), so this works inside or outside :func:`graphtune.autotune`; wrap it in
+    ``autotune(cache_path, tuner)`` to load and save a cache file. Entries already in the
+    tuner's cache are not tuned again.
 
     Args:
-        step: A step built with a tuner (``DecodeStep(..., tuner=...)``, or the tensor-parallel
-            step on every rank).
-        log: Called with one line per batch size run (progress).
+        step: A step built with a tuner (``build_step(model, cache, tuner=...)``, on every rank
+            of a tensor-parallel group).
+        log: Called with one line per phase and batch size run (progress).
+        prepare: Record one untuned step and compile its ops' tactics up front (``False``: each
+            op compiles its tactics when it is tuned, as before ``AutoTuner.prepare``).
 
     Returns:
         A :class:`TuneReport`.
@@ -88,26 +141,33 @@ def tune_step(step: DecodeStep, *, log: Callable[[str], None] | None = None) -> 
     Raises:
         ConfigError: ``step`` has no tuner.
     """
-    tuner = step.tuner
-    if tuner is None:
-        raise ConfigError(
-            "tune_step needs a step built with a tuner (DecodeStep(model, cache, tuner=AutoTuner())"
-            " or Engine(..., tune=True)); an untuned step runs the torch fallbacks only"
-        )
+    tuner = _require_tuner(step, "tune_step")
     report = TuneReport(buckets=power_of_two_buckets(step.max_batch_size))
     compiled_before = {id(r): r.compile_seconds for r in triton_runners()}
     first_row = len(tuner.summary_rows())
     started = time.perf_counter()
     previous = tuner.tuning_mode
-    tuner.tuning_mode = True
     try:
         with torch.no_grad():
+            if prepare:
+                if log is not None:
+                    log(f"tuning: recording the step at batch {step.max_batch_size}, compiling")
+                calls = record_step_calls(step)
+                cached_ops = {key.op for key, _ in tuner.cache.items()}
+                if step.model.device.type == "cuda" and {c.op for c in calls} - cached_ops:
+                    # An op with no pick at all: there is compiling to do, and the workers'
+                    # start overlaps the planning (otherwise they start when a batch needs them).
+                    start_compile_workers()
+                report.prepared = tuner.prepare(calls)
+                report.prepare_seconds = time.perf_counter() - started
+            tuner.tuning_mode = True
             for batch in report.buckets:
                 if log is not None:
                     log(f"tuning: running the step at batch {batch}")
                 step(*step.example_inputs(batch))
     finally:
         tuner.tuning_mode = previous
+        close_compile_workers()
     if step.model.device.type == "cuda":
         torch.cuda.synchronize(step.model.device)
     report.seconds = time.perf_counter() - started

@@ -13,9 +13,13 @@ shape; outside tuning mode that is a cache look-up, and an untuned shape runs th
 * :func:`head_rms_norm_` — per-head RMSNorm of q and k in a fused QKV output (Qwen3), in place.
 * :mod:`attention` — decode attention (SDPA backends, a matmul runner and a Triton
   flash-decoding kernel as runners).
+* :mod:`fused` — fused decode ops (norm + projection + epilogue in one kernel) whose first runner
+  is the unfused sequence of the ops above.
 * :func:`fused_moe` / :func:`route_top_k` — mixture-of-experts experts and router (:mod:`moe`).
 * :class:`OpContext` — the op settings of one model step (tuner, largest batch), bound once; a
   forward calls its ops through it (``ops.gemm(h, w)``).
+* :mod:`registry` — op name -> how to rebuild its runners and config in another process
+  (:func:`rebuild_call`, :func:`tune_records`: ``graphtune tune --from-misses``).
 
 A model is tuned by running its step in tuning mode (``graphtune.engine.tuning.tune_step``), so the
 keys tuned are the keys its ops look up.
@@ -23,7 +27,7 @@ keys tuned are the keys its ops look up.
 Importing this package imports neither Triton nor the kernels.
 """
 
-from graphtune.ops import attention
+from graphtune.ops import attention, fused
 from graphtune.ops._triton import TritonUnavailableError, require_triton, triton_available
 from graphtune.ops.activation import (
     GATED_ACTIVATIONS,
@@ -40,14 +44,16 @@ from graphtune.ops.context import OpContext
 from graphtune.ops.gemm import (
     TorchGemmRunner,
     TritonGemmRunner,
+    TritonGemvRunner,
     TunableLinear,
     check_gemm_tactic,
+    check_gemv_tactic,
     gemm,
     gemm_config,
     gemm_runners,
     gemm_tactics,
+    gemv_tactics,
 )
-from graphtune.ops.gemv import TritonGemvRunner, check_gemv_tactic, gemv_tactics
 from graphtune.ops.moe import (
     TorchFusedMoeRunner,
     TritonFusedMoeRunner,
@@ -55,6 +61,13 @@ from graphtune.ops.moe import (
     fused_moe_config,
     fused_moe_runners,
     route_top_k,
+)
+from graphtune.ops.registry import (
+    OpSpec,
+    rebuild_call,
+    register_op,
+    registered_ops,
+    tune_records,
 )
 from graphtune.ops.rmsnorm import (
     TorchRMSNormRunner,
@@ -78,6 +91,7 @@ from graphtune.ops.rotary import (
 __all__ = [
     "GATED_ACTIVATIONS",
     "OpContext",
+    "OpSpec",
     "RopeRows",
     "TorchFusedMoeRunner",
     "TorchGemmRunner",
@@ -95,6 +109,7 @@ __all__ = [
     "attention",
     "check_gemm_tactic",
     "check_gemv_tactic",
+    "fused",
     "fused_add_rms_norm",
     "fused_moe",
     "fused_moe_config",
@@ -107,6 +122,9 @@ __all__ = [
     "gemv_tactics",
     "head_rms_norm_",
     "require_triton",
+    "rebuild_call",
+    "register_op",
+    "registered_ops",
     "rms_norm_config",
     "rms_norm_runners",
     "rope_config",
@@ -121,4 +139,5 @@ __all__ = [
     "torch_rope_kv_cache",
     "torch_silu_and_mul",
     "triton_available",
+    "tune_records",
 ]

@@ -1,33 +1,29 @@
-"""Optional Triton: availability checks, and the base class of every Triton runner.
+"""Optional Triton: availability checks, device limits, the one kernel-launch point, tactic helpers.
 
 Triton is an optional dependency (``pip install graphtune[triton]``). Importing
 :mod:`graphtune.ops` never imports Triton; the kernels module is imported the first time a Triton
 runner is built or used, so a machine without Triton gets torch-only runners and every op still
-works through its torch fallback tactic.
+works through its torch fallback tactic. The base class of the Triton runners, with their
+ahead-of-time compilation, is :mod:`graphtune.ops._triton_runner`.
 
-:class:`TritonRunner` adds ahead-of-time compilation to :class:`TunableRunner`: the tuner asks for
-valid tactics of every profile first and calls ``prepare`` before timing; the first ``prepare`` of
-a profile compiles *all* of that profile's tactics at once, in parallel threads (Triton's compile
-spends most of its time in LLVM and in the ``ptxas`` subprocess, which release the GIL), so the
-timed rounds never include compilation.
+Every Triton launch of graphtune goes through :func:`run_kernel`. Inside
+:func:`collect_launches` it launches nothing and records what each launch would compile instead
+(:func:`launch_key`), which is how a runner finds out which of its (profile, tactic) pairs share
+one binary before compiling them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
-import json
 import logging
-import os
-import threading
-import time
-import weakref
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
 import torch
 
-from graphtune.autotuner.runner import FALLBACK_TACTIC, TunableRunner
 from graphtune.errors import ConfigError
 from graphtune.ops._pdl import pdl_meta
 
@@ -80,18 +76,6 @@ def kernels() -> ModuleType:
     return _kernels
 
 
-def gemv_kernels() -> ModuleType:
-    """The module of the skinny-``M`` GEMV kernel (imported on first use; needs Triton).
-
-    A module of its own beside :func:`kernels`' so each kernel file stays small; loaded lazily for
-    the same reason (importing :mod:`graphtune.ops` never imports Triton).
-    """
-    require_triton("graphtune's Triton GEMV kernel")
-    from graphtune.ops import _gemv_kernels
-
-    return _gemv_kernels
-
-
 @functools.lru_cache(maxsize=1)
 def kernels_interpreted() -> bool:
     """Whether the kernels run in Triton's CPU interpreter (``TRITON_INTERPRET=1`` at import)."""
@@ -109,16 +93,78 @@ def device_supported(device: torch.device) -> bool:
     return device.type == "cuda" or (device.type == "cpu" and kernels_interpreted())
 
 
+# Shared memory per block by compute capability, for torch builds whose device properties lack
+# ``shared_memory_per_block_optin``.
+_SMEM_BY_CC = {(9, 0): 227 * 1024, (8, 0): 163 * 1024, (8, 6): 99 * 1024, (8, 9): 99 * 1024}
+_DEFAULT_SMEM = 99 * 1024
+_DEFAULT_SMS = 132  # an H100/H200; only used to size tactics off-GPU
+
+
+def device_limits(device: torch.device) -> tuple[int, int]:
+    """(shared memory per block, SM count) of ``device``; H100/H200 values off-GPU."""
+    if device.type != "cuda":
+        return 227 * 1024, _DEFAULT_SMS
+    props = torch.cuda.get_device_properties(device)
+    smem = getattr(props, "shared_memory_per_block_optin", None)
+    if not smem:
+        smem = _SMEM_BY_CC.get((props.major, props.minor), _DEFAULT_SMEM)
+    return int(smem), int(props.multi_processor_count)
+
+
+_LAUNCHES: contextvars.ContextVar[list[tuple[Any, ...]] | None] = contextvars.ContextVar(
+    "graphtune_triton_launches", default=None
+)
+
+
+def _arg_key(value: Any) -> Any:
+    """How Triton specialises a launch argument (its default rules): a tensor by dtype and 16-byte
+    alignment (and its device: binaries are per device), an int by ``== 1``, divisibility by 16
+    and 64-bit range; other values by type."""
+    if isinstance(value, torch.Tensor):
+        return ("t", str(value.dtype), value.data_ptr() % 16 == 0, str(value.device))
+    if isinstance(value, bool):
+        return ("b", value)
+    if isinstance(value, int):
+        wide = not -(2**31) <= value < 2**31
+        return ("i", 1 if value == 1 else (16 if value % 16 == 0 else 0), wide)
+    return (type(value).__name__,)
+
+
+def launch_key(kernel: Any, args: tuple[Any, ...], meta: dict[str, Any]) -> tuple[Any, ...]:
+    """What decides the binary one launch needs: the kernel, its specialised arguments and its
+    compile-time parameters. Two launches with one key run one compiled binary (as far as
+    Triton's default specialisation goes; a miss only means compiling again, untimed)."""
+    name = getattr(kernel, "__name__", None) or getattr(getattr(kernel, "fn", None), "__name__", "")
+    return (id(kernel), name, tuple(_arg_key(a) for a in args), tuple(sorted(meta.items())))
+
+
+@contextlib.contextmanager
+def collect_launches() -> Iterator[list[tuple[Any, ...]]]:
+    """Within the block (this thread), :func:`run_kernel` records :func:`launch_key` instead of
+    launching or compiling; yields the list of keys."""
+    keys: list[tuple[Any, ...]] = []
+    token = _LAUNCHES.set(keys)
+    try:
+        yield keys
+    finally:
+        _LAUNCHES.reset(token)
+
+
 def run_kernel(
     kernel: Any, grid: tuple[int, ...], args: tuple[Any, ...], meta: dict[str, Any], warmup: bool
 ) -> None:
-    """Launches ``kernel[grid](*args, **meta)``, or with ``warmup`` only compiles it.
+    """Launches ``kernel[grid](*args, **meta)``, or with ``warmup`` only compiles it (inside
+    :func:`collect_launches`: records its key only).
 
     A kernel that declares ``USE_PDL`` gets it (and a PDL launch) from
-    :func:`graphtune.ops._pdl.pdl_meta`.
+    :func:`graphtune.ops._pdl.pdl_meta`, in all three cases, so the binary compiled ahead of time
+    (and the key that stands for it) is the one launched.
     """
     meta = pdl_meta(kernel, args, meta)
-    if warmup:
+    collecting = _LAUNCHES.get()
+    if collecting is not None:
+        collecting.append(launch_key(kernel, args, meta))
+    elif warmup:
         kernel.warmup(*args, grid=grid, **meta)
     else:
         kernel[grid](*args, **meta)
@@ -169,11 +215,6 @@ def check_block_tactic(owner: str, tactic: Any) -> None:
         )
 
 
-def tactic_text(tactic: Any) -> str:
-    """Canonical JSON of a tactic (a dict key that survives a JSON round trip)."""
-    return json.dumps(tactic, sort_keys=True, separators=(",", ":"))
-
-
 def input_signature(inputs: list[Any]) -> tuple[Any, ...]:
     """What a compiled Triton kernel depends on: each input's shape, dtype, strides and device.
 
@@ -187,173 +228,3 @@ def input_signature(inputs: list[Any]) -> tuple[Any, ...]:
         else:
             sig.append(type(x).__name__)
     return tuple(sig)
-
-
-def default_compile_workers() -> int:
-    """Threads used to compile candidate tactics in parallel (``min(8, cpu_count)``)."""
-    return max(1, min(8, os.cpu_count() or 1))
-
-
-def triton_runners() -> list[TritonRunner]:
-    """Every :class:`TritonRunner` alive in this process (reports sum their compile time)."""
-    return list(_LIVE_RUNNERS)
-
-
-class TritonRunner(TunableRunner):
-    """Base of the Triton runners: valid-tactic bookkeeping and parallel ahead-of-time compile.
-
-    Subclasses implement :meth:`tactics_for` (the pruned tactic list, fallback excluded) and
-    :meth:`launch` (``warmup=True`` compiles without running). Tactic ``-1`` runs the op's torch
-    path, so the runner honours the "fallback works on every shape" contract without Triton.
-
-    Args:
-        compile_workers: Threads for ahead-of-time compilation; ``None`` picks
-            :func:`default_compile_workers`; ``1`` compiles sequentially.
-
-    Attributes:
-        compile_seconds: Wall time spent in :meth:`precompile`, summed.
-        compiled: Number of (profile, tactic) binaries compiled ahead of time.
-    """
-
-    def __init__(self, *, compile_workers: int | None = None) -> None:
-        if compile_workers is not None and (
-            isinstance(compile_workers, bool)
-            or not isinstance(compile_workers, int)
-            or compile_workers < 1
-        ):
-            raise ConfigError(
-                f"compile_workers must be an int >= 1 or None, got {compile_workers!r}."
-            )
-        self.compile_workers = compile_workers or default_compile_workers()
-        self.compile_seconds = 0.0
-        self.compiled = 0
-        self._planned: dict[tuple[Any, ...], list[Any]] = {}
-        self._compile_errors: dict[tuple[tuple[Any, ...], str], Exception] = {}
-        self._prepared: set[tuple[Any, ...]] = set()
-        self._lock = threading.Lock()
-        _LIVE_RUNNERS.add(self)
-
-    def __getstate__(self) -> dict[str, Any]:
-        # Picklable for AutoTuner(isolation="subprocess"): the worker compiles on its own.
-        state = dict(self.__dict__)
-        state.update(_lock=None, _planned={}, _compile_errors={}, _prepared=set())
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
-
-    # -- subclass hooks ---------------------------------------------------------------------
-
-    def tactics_for(self, inputs: list[Any]) -> list[Any]:
-        """Triton tactics valid for these inputs (the fallback ``-1`` is added by the base)."""
-        raise NotImplementedError
-
-    def launch(self, inputs: list[Any], tactic: Any, *, warmup: bool = False) -> Any:
-        """Runs (or with ``warmup`` only compiles) the Triton kernel(s) for ``tactic``."""
-        raise NotImplementedError
-
-    def torch_forward(self, inputs: list[Any]) -> Any:
-        """The op's unfused torch path, run for tactic ``-1``."""
-        raise NotImplementedError
-
-    # -- TunableRunner ------------------------------------------------------------------------
-
-    def get_valid_tactics(self, inputs: list[Any], profile: Any) -> list[Any]:
-        """The pruned Triton tactics for this profile (empty without Triton)."""
-        if not triton_available() or not self.supports(inputs):
-            return []
-        tactics = list(self.tactics_for(inputs))
-        with self._lock:
-            self._planned[input_signature(inputs)] = tactics
-        return tactics
-
-    def supports(self, inputs: list[Any]) -> bool:
-        """Whether Triton kernels can run on these inputs at all (device, dtypes)."""
-        return True
-
-    def forward(self, inputs: list[Any], tactic: Any = FALLBACK_TACTIC) -> Any:
-        """Runs tactic ``-1`` with torch, any other tactic with Triton."""
-        if tactic == FALLBACK_TACTIC:
-            return self.torch_forward(inputs)
-        return self.launch(inputs, tactic)
-
-    def prepare(self, inputs: list[Any], tactic: Any) -> None:
-        """Compiles every planned tactic of this profile on first use; re-raises its error."""
-        if tactic == FALLBACK_TACTIC:
-            return
-        sig = input_signature(inputs)
-        if sig not in self._prepared:
-            planned = self._planned.get(sig) or [tactic]
-            self.precompile(inputs, planned)
-            self._prepared.add(sig)
-        error = self._compile_errors.get((sig, tactic_text(tactic)))
-        if error is not None:
-            raise error
-
-    def precompile(
-        self, inputs: list[Any], tactics: list[Any], workers: int | None = None
-    ) -> dict[str, str | None]:
-        """Compiles ``tactics`` for ``inputs`` ahead of timing, in parallel threads.
-
-        Args:
-            inputs: Inputs of the profile (their shapes, dtypes and strides pick the binary).
-            tactics: Tactics to compile (``-1`` is skipped: it is torch).
-            workers: Threads; default ``compile_workers``.
-
-        Returns:
-            For each tactic (as canonical JSON), ``None`` when it compiled, else the error text.
-            Errors are also kept and re-raised by :meth:`prepare` so the tuner records the
-            tactic as failed.
-        """
-        todo = [t for t in tactics if t != FALLBACK_TACTIC]
-        if not todo:
-            return {}
-        sig = input_signature(inputs)
-        device = next((x.device for x in inputs if isinstance(x, torch.Tensor)), None)
-        workers = max(1, min(workers or self.compile_workers, len(todo)))
-
-        def compile_one(tactic: Any) -> Exception | None:
-            try:
-                if device is not None and device.type == "cuda":
-                    # A worker thread starts on device 0; compile for the inputs' device.
-                    with torch.cuda.device(device):
-                        self.launch(inputs, tactic, warmup=True)
-                else:
-                    self.launch(inputs, tactic, warmup=True)
-            except Exception as exc:  # a config that fails to compile is a failed tactic
-                return exc
-            return None
-
-        start = time.perf_counter()
-        if workers == 1:
-            errors = [compile_one(t) for t in todo]
-        else:
-            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="graphtune-jit") as ex:
-                errors = list(ex.map(compile_one, todo))
-        elapsed = time.perf_counter() - start
-        report: dict[str, str | None] = {}
-        with self._lock:
-            self.compile_seconds += elapsed
-            for tactic, error in zip(todo, errors, strict=True):
-                text = tactic_text(tactic)
-                report[text] = None if error is None else f"{type(error).__name__}: {error}"
-                if error is None:
-                    self.compiled += 1
-                    self._compile_errors.pop((sig, text), None)
-                else:
-                    self._compile_errors[(sig, text)] = error
-        failed = sum(1 for v in report.values() if v is not None)
-        logger.debug(
-            "%s: compiled %d tactics in %.2f s with %d threads (%d failed)",
-            type(self).__name__,
-            len(todo),
-            elapsed,
-            workers,
-            failed,
-        )
-        return report
-
-
-# Weak: a runner that nothing else holds is gone from the list (the op modules keep theirs).
-_LIVE_RUNNERS: weakref.WeakSet[TritonRunner] = weakref.WeakSet()

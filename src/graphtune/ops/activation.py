@@ -19,13 +19,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from graphtune.autotuner.calls import CallRecord
 from graphtune.autotuner.config import DynamicTensorSpec, TuningConfig, next_power_of_two
 from graphtune.autotuner.context import get_tuner
 from graphtune.autotuner.runner import FALLBACK_TACTIC, TunableRunner, preferred_first
 from graphtune.autotuner.tuner import AutoTuner
 from graphtune.errors import ConfigError, InputError
 from graphtune.ops._triton import (
-    TritonRunner,
     check_block_tactic,
     device_supported,
     elementwise_tactics,
@@ -33,6 +33,8 @@ from graphtune.ops._triton import (
     run_kernel,
     triton_available,
 )
+from graphtune.ops._triton_runner import TritonRunner
+from graphtune.ops.registry import register_op
 
 OP_NAME = "graphtune.silu_and_mul"
 BLOCKS = (256, 512, 1024, 2048, 4096)
@@ -120,13 +122,17 @@ def silu_and_mul_tactics(inter: int, rows: int = 1) -> list[dict[str, int]]:
 class TorchSiluAndMulRunner(TunableRunner):
     """The unfused torch code."""
 
-    def forward(self, inputs: list[Any], tactic: Any = FALLBACK_TACTIC) -> torch.Tensor:
+    def forward(
+        self, inputs: list[Any], tactic: Any = FALLBACK_TACTIC, **kwargs: Any
+    ) -> torch.Tensor:
         """Returns ``silu(gate) * up``."""
         return torch_silu_and_mul(_unpack(inputs))
 
 
 class TritonSiluAndMulRunner(TritonRunner):
     """Fused SiLU-and-mul in one Triton kernel."""
+
+    source_modules = ("graphtune.ops._kernels",)
 
     def supports(self, inputs: list[Any]) -> bool:
         """Float rows with a unit last stride, on a Triton device."""
@@ -178,6 +184,13 @@ def silu_and_mul_config(max_m: int | None = None) -> TuningConfig:
     return TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0),), max_value=max_m)
 
 
+def _rebuild(record: CallRecord, tuner: Any) -> tuple[tuple[TunableRunner, ...], TuningConfig]:
+    return silu_and_mul_runners(), silu_and_mul_config(record.config["max_value"])
+
+
+register_op(OP_NAME, _rebuild)
+
+
 def silu_and_mul(
     gate_up: torch.Tensor,
     *,
@@ -202,7 +215,7 @@ def silu_and_mul(
     runner, tactic = (tuner or get_tuner()).choose_one(
         OP_NAME, chosen, silu_and_mul_config(max_m), inputs
     )
-    return runner.forward(inputs, tactic).reshape(*shape[:-1], shape[-1] // 2)
+    return runner.forward(inputs, tactic=tactic).reshape(*shape[:-1], shape[-1] // 2)
 
 
 def gated_activation(

@@ -40,10 +40,12 @@ from graphtune.autotuner import (
     TunableRunner,
     TuningConfig,
 )
-from graphtune.autotuner.config import last_power_of_two, next_power_of_two
+from graphtune.autotuner.calls import CallRecord
+from graphtune.autotuner.config import last_power_of_two, next_power_of_two, power_of_two_buckets
 from graphtune.errors import ConfigError, InputError
-from graphtune.ops._triton import TritonRunner, device_supported, require_triton, run_kernel
-from graphtune.ops.gemm import device_limits
+from graphtune.ops._triton import device_limits, device_supported, require_triton, run_kernel
+from graphtune.ops._triton_runner import TritonRunner
+from graphtune.ops.registry import register_op
 
 OP_NAME = "decode_attention"
 
@@ -101,11 +103,13 @@ class SdpaAttention(TunableRunner):
     attention mask. A backend that rejects the shape raises, and the tuner records it as failed.
     """
 
-    def get_valid_tactics(self, inputs: list[Any], profile: Any) -> list[Any]:
+    def get_valid_tactics(self, inputs: list[Any], profile: Any, **kwargs: Any) -> list[Any]:
         backends = list(_sdpa_backends()) if inputs[0].is_cuda else []
         return [FALLBACK_TACTIC, *backends]
 
-    def forward(self, inputs: list[Any], tactic: Any = FALLBACK_TACTIC) -> torch.Tensor:
+    def forward(
+        self, inputs: list[Any], tactic: Any = FALLBACK_TACTIC, **kwargs: Any
+    ) -> torch.Tensor:
         q, keys, values, mask = inputs
         if tactic == FALLBACK_TACTIC:
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
@@ -122,13 +126,15 @@ class MatmulAttention(TunableRunner):
     ``"low_precision"`` runs the softmax in the input dtype (one conversion kernel fewer).
     """
 
-    def get_valid_tactics(self, inputs: list[Any], profile: Any) -> list[Any]:
+    def get_valid_tactics(self, inputs: list[Any], profile: Any, **kwargs: Any) -> list[Any]:
         tactics: list[Any] = [FALLBACK_TACTIC]
         if inputs[0].dtype in (torch.float16, torch.bfloat16):
             tactics.append("low_precision")
         return tactics
 
-    def forward(self, inputs: list[Any], tactic: Any = FALLBACK_TACTIC) -> torch.Tensor:
+    def forward(
+        self, inputs: list[Any], tactic: Any = FALLBACK_TACTIC, **kwargs: Any
+    ) -> torch.Tensor:
         q, keys, values, mask = inputs
         scale = 1.0 / math.sqrt(q.shape[-1])
         scores = torch.matmul(q, keys.transpose(-1, -2))
@@ -272,6 +278,8 @@ class TritonDecodeAttention(TritonRunner):
         sm_count: Override the device's SM count (tests, or to tune for another GPU's splits).
         compile_workers: Threads for ahead-of-time compilation.
     """
+
+    source_modules = ("graphtune.ops._attention_kernels",)
 
     def __init__(self, *, sm_count: int | None = None, compile_workers: int | None = None) -> None:
         super().__init__(compile_workers=compile_workers)
@@ -433,9 +441,14 @@ def tuning_config(max_batch_size: int) -> TuningConfig:
 
 
 def _buckets(max_value: int) -> tuple[int, ...]:
-    from graphtune.autotuner import power_of_two_buckets
-
     return power_of_two_buckets(max_value)
+
+
+def _rebuild(record: CallRecord, tuner: Any) -> tuple[tuple[TunableRunner, ...], TuningConfig]:
+    return RUNNERS, tuning_config(record.config["max_value"])
+
+
+register_op(OP_NAME, _rebuild)
 
 
 def decode_attention(
@@ -456,4 +469,4 @@ def decode_attention(
     """
     inputs = [q, keys, values, mask]
     runner, tactic = tuner.choose_one(OP_NAME, RUNNERS, config, inputs)
-    return runner.forward(inputs, tactic)
+    return runner.forward(inputs, tactic=tactic)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from graphtune.autotuner.calls import CallRecord
 from graphtune.autotuner.config import ConstraintSpec, DynamicTensorSpec, TuningConfig
 from graphtune.autotuner.config import next_power_of_two as _np2
 from graphtune.autotuner.context import get_tuner
@@ -27,7 +28,6 @@ from graphtune.autotuner.runner import FALLBACK_TACTIC, TunableRunner
 from graphtune.autotuner.tuner import AutoTuner
 from graphtune.errors import ConfigError, InputError
 from graphtune.ops._triton import (
-    TritonRunner,
     check_block_tactic,
     device_supported,
     elementwise_tactics,
@@ -35,6 +35,8 @@ from graphtune.ops._triton import (
     run_kernel,
     triton_available,
 )
+from graphtune.ops._triton_runner import TritonRunner
+from graphtune.ops.registry import is_tensor, register_op
 
 OP_NAME = "graphtune.rms_norm"
 MAX_ONE_PASS_BLOCK = 16384  # wider rows use the two-pass loop (register pressure)
@@ -85,7 +87,7 @@ def rms_norm_tactics(hidden: int) -> list[dict[str, int]]:
 class TorchRMSNormRunner(TunableRunner):
     """The unfused torch code (``engine.model.rms_norm`` after a residual add)."""
 
-    def forward(self, inputs: list[Any], tactic: Any = FALLBACK_TACTIC) -> Any:
+    def forward(self, inputs: list[Any], tactic: Any = FALLBACK_TACTIC, **kwargs: Any) -> Any:
         """Returns ``(out, new_residual)``."""
         x, weight, residual, eps = _unpack(inputs)
         return torch_rms_norm(x, weight, eps, residual)
@@ -93,6 +95,8 @@ class TorchRMSNormRunner(TunableRunner):
 
 class TritonRMSNormRunner(TritonRunner):
     """Fused residual add + RMSNorm in one Triton kernel (one program per row)."""
+
+    source_modules = ("graphtune.ops._kernels",)
 
     def supports(self, inputs: list[Any]) -> bool:
         """Float16/bfloat16/float32 rows with a unit last stride, on a Triton device."""
@@ -169,6 +173,13 @@ def rms_norm_config(max_m: int | None = None, residual: bool = False) -> TuningC
     )
 
 
+def _rebuild(record: CallRecord, tuner: Any) -> tuple[tuple[TunableRunner, ...], TuningConfig]:
+    return rms_norm_runners(), rms_norm_config(record.config["max_value"], is_tensor(record, 2))
+
+
+register_op(OP_NAME, _rebuild)
+
+
 def fused_add_rms_norm(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -203,7 +214,7 @@ def fused_add_rms_norm(
     chosen = runners if runners is not None else rms_norm_runners()
     config = rms_norm_config(max_m, residual is not None)
     runner, tactic = (tuner or get_tuner()).choose_one(OP_NAME, chosen, config, inputs)
-    out, new_residual = runner.forward(inputs, tactic)
+    out, new_residual = runner.forward(inputs, tactic=tactic)
     if residual is None:
         return out.reshape(shape), x
     return out.reshape(shape), new_residual.reshape(shape)

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from graphtune.autotuner.calls import CallRecord
 from graphtune.autotuner.config import (
     ConstraintSpec,
     DynamicTensorSpec,
@@ -39,12 +40,13 @@ from graphtune.autotuner.runner import FALLBACK_TACTIC, TunableRunner, preferred
 from graphtune.autotuner.tuner import AutoTuner
 from graphtune.errors import ConfigError, InputError
 from graphtune.ops._triton import (
-    TritonRunner,
     device_supported,
     kernels,
     run_kernel,
     triton_available,
 )
+from graphtune.ops._triton_runner import TritonRunner
+from graphtune.ops.registry import register_op, runner_extras
 
 OP_NAME = "graphtune.rope_kv_cache"
 TABLE_ROWS = 4096
@@ -197,7 +199,9 @@ class TorchRopeRunner(_RopeRunnerMixin, TunableRunner):
     def __init__(self, num_heads: int, num_kv_heads: int, signed_sin: bool = False) -> None:
         self._init_heads(num_heads, num_kv_heads, signed_sin)
 
-    def forward(self, inputs: list[Any], tactic: Any = FALLBACK_TACTIC) -> torch.Tensor:
+    def forward(
+        self, inputs: list[Any], tactic: Any = FALLBACK_TACTIC, **kwargs: Any
+    ) -> torch.Tensor:
         """Returns ``q`` rotated; writes k (rotated) and v into the caches."""
         return self.torch_forward(inputs)
 
@@ -241,6 +245,8 @@ def _check_rope_tactic(tactic: Any) -> None:
 
 class TritonRopeRunner(_RopeRunnerMixin, TritonRunner):
     """Rotary q/k and the K/V cache write in one Triton kernel."""
+
+    source_modules = ("graphtune.ops._kernels",)
 
     def __init__(
         self,
@@ -375,6 +381,15 @@ def rope_config(num_kv_heads: int, max_m: int | None = None) -> TuningConfig:
     )
 
 
+def _rebuild(record: CallRecord, tuner: Any) -> tuple[tuple[TunableRunner, ...], TuningConfig]:
+    num_heads, num_kv_heads, signed_sin = runner_extras(record.runners[0])
+    runners = rope_runners(int(num_heads), int(num_kv_heads), bool(signed_sin))
+    return runners, rope_config(int(num_kv_heads), record.config["max_value"])
+
+
+register_op(OP_NAME, _rebuild)
+
+
 def rope_kv_cache(
     qkv: torch.Tensor,
     positions: torch.Tensor,
@@ -421,4 +436,4 @@ def rope_kv_cache(
     chosen = runners if runners is not None else rope_runners(num_heads, num_kv_heads, signed_sin)
     config = rope_config(num_kv_heads, max_m)
     runner, tactic = (tuner or get_tuner()).choose_one(OP_NAME, chosen, config, inputs)
-    return runner.forward(inputs if rows is None else [*inputs, rows], tactic)
+    return runner.forward(inputs if rows is None else [*inputs, rows], tactic=tactic)

@@ -2,7 +2,8 @@
 
 * :class:`GraphTimer` (``"graph"``): back-to-back calls captured in one CUDA graph, replays timed
   with events. The default on CUDA: it measures the op the way it runs inside a graph, without
-  host launch cost.
+  host launch cost. It is a :class:`SessionTimer`: ``open`` captures once and every measurement
+  of the session replays that graph.
 * :class:`EventTimer` (``"events"``): CUDA events around back-to-back calls issued behind a delay
   kernel sized from the measured host launch cost. For ops that cannot be captured.
 * :class:`WallClockTimer` (``"wallclock"``): host clock around windows of calls. The default on
@@ -19,7 +20,13 @@ import functools
 import torch
 
 from graphtune.autotuner.timing._checks import as_device
-from graphtune.autotuner.timing.base import Measurement, TimedFn, Timer
+from graphtune.autotuner.timing.base import (
+    Measurement,
+    SessionTimer,
+    TimedFn,
+    Timer,
+    TimerSession,
+)
 from graphtune.autotuner.timing.cold_l2 import (
     cold_l2_copies,
     input_set_bytes,
@@ -28,7 +35,7 @@ from graphtune.autotuner.timing.cold_l2 import (
 )
 from graphtune.autotuner.timing.delay import GpuDelay, delay_us_for_host_time
 from graphtune.autotuner.timing.events import EventTimer
-from graphtune.autotuner.timing.graph import GraphTimer, auto_repeat_calls
+from graphtune.autotuner.timing.graph import GraphSession, GraphTimer, auto_repeat_calls
 from graphtune.autotuner.timing.wallclock import WallClockTimer
 from graphtune.errors import ConfigError
 
@@ -39,10 +46,13 @@ __all__ = [
     "TIMING_MODES",
     "EventTimer",
     "GpuDelay",
+    "GraphSession",
     "GraphTimer",
     "Measurement",
+    "SessionTimer",
     "TimedFn",
     "Timer",
+    "TimerSession",
     "WallClockTimer",
     "auto_repeat_calls",
     "cold_l2_copies",

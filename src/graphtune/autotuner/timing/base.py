@@ -4,6 +4,12 @@ A timer is given ``fn(i)``, which performs the ``i``-th back-to-back call of the
 timed (the index lets cold-L2 mode rotate input copies, ``i % n_copies``), and returns the time
 of one call. Timers are passed in to the tuner, so CPU tests drive the real tuning logic with a
 fake timer.
+
+A timer may also offer :class:`SessionTimer`'s ``open``: set up once for ``fn`` (warm-up,
+capture) and then measure it many times. The tuner measures each candidate several times
+(interleaved rounds, the top few again, the undecided again), so a session saves the set-up of
+every measurement after the first; the graph timer captures one graph per candidate and replays
+it for every measurement instead of capturing again.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from types import TracebackType
 from typing import Protocol, runtime_checkable
 
 TimedFn = Callable[[int], object]
@@ -35,11 +42,6 @@ class Measurement:
     n: int
     calls_per_sample: int
     timer: str
-
-    @property
-    def per_call_us(self) -> float:
-        """Alias of ``median_us``: the median time of one call."""
-        return self.median_us
 
     @classmethod
     def from_samples(
@@ -85,5 +87,46 @@ class Timer(Protocol):
 
         Returns:
             The per-call time summary.
+        """
+        ...
+
+
+@runtime_checkable
+class TimerSession(Protocol):
+    """One ``fn`` set up for timing (see :class:`SessionTimer`); also a context manager."""
+
+    def measure(self) -> Measurement:
+        """One measurement of ``fn`` (the timer's samples); may be called many times."""
+        ...
+
+    def close(self) -> None:
+        """Releases what the session holds (a captured graph, its memory pool)."""
+        ...
+
+    def __enter__(self) -> TimerSession: ...
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None: ...
+
+
+@runtime_checkable
+class SessionTimer(Protocol):
+    """A :class:`Timer` that can set ``fn`` up once and measure it many times."""
+
+    name: str
+
+    def measure(self, fn: TimedFn, *, warmup: int, repeat: int) -> Measurement:
+        """As :meth:`Timer.measure` (one session, one measurement)."""
+        ...
+
+    def open(self, fn: TimedFn, *, warmup: int, repeat: int) -> TimerSession:
+        """Warms ``fn`` up and prepares it for timing (graph timer: captures it).
+
+        Raises:
+            Whatever :meth:`measure` raises for the same set-up.
         """
         ...

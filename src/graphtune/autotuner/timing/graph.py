@@ -121,15 +121,30 @@ class GraphTimer:
         self._streams: dict[int, torch.cuda.Stream] = {}
         #: Calls per replay used by the last measurement (after ``auto_repeat``).
         self.last_calls: int | None = None
+        #: Host cost of one replay's launch in the last measurement, in microseconds.
+        self.last_launch_us: float | None = None
 
     def measure(self, fn: TimedFn, *, warmup: int, repeat: int) -> Measurement:
-        """Times ``fn``; see the class docstring for the procedure.
+        """Times ``fn``; see the class docstring for the procedure (one :meth:`open` session).
 
         Raises:
             ConfigError: Without CUDA, or for invalid ``warmup``/``repeat``.
             CaptureError: The calls could not be captured (for example ``fn`` synchronizes with
                 the host), or a stream is already capturing. The tuner records the tactic as
                 failed.
+        """
+        with self.open(fn, warmup=warmup, repeat=repeat) as session:
+            return session.measure()
+
+    def open(self, fn: TimedFn, *, warmup: int, repeat: int) -> GraphSession:
+        """Steps 1 and 2 of the procedure (warm-up, capture sized by ``auto_repeat``), once.
+
+        The returned session replays that one graph for every :meth:`GraphSession.measure`, so a
+        candidate measured several times is captured once. Close it (or use it as a context
+        manager) to free the graph and its memory pool.
+
+        Raises:
+            ConfigError, CaptureError: As :meth:`measure`.
         """
         check_counts("GraphTimer", warmup=warmup, repeat=repeat)
         device = require_cuda("GraphTimer", self.device)
@@ -143,27 +158,25 @@ class GraphTimer:
             stream = self._side_stream(device)
             stream.wait_stream(caller)  # inputs may have been written on the caller's stream
             counter = itertools.count()
-            with torch.cuda.stream(stream):
-                for _ in range(max(1, warmup)):
-                    fn(next(counter))
-            stream.synchronize()
             try:
-                calls, replay_us = self._measure_on(fn, counter, repeat, stream, device)
+                with torch.cuda.stream(stream):
+                    for _ in range(max(1, warmup)):
+                        fn(next(counter))
+                stream.synchronize()
+                graph, calls = self._capture_sized(fn, counter, repeat, stream, device)
             finally:
                 caller.wait_stream(stream)
         self.last_calls = calls
-        return Measurement.from_samples(
-            [us / calls for us in replay_us], calls_per_sample=calls, timer=self.name
-        )
+        return GraphSession(self, graph, calls, stream, device)
 
-    def _measure_on(
+    def _capture_sized(
         self,
         fn: TimedFn,
         counter: Iterator[int],
         repeat: int,
         stream: torch.cuda.Stream,
         device: torch.device,
-    ) -> tuple[int, list[float]]:
+    ) -> tuple[torch.cuda.CUDAGraph, int]:
         calls = repeat
         graph = self._capture(fn, counter, calls, stream, device)
         try:
@@ -189,9 +202,10 @@ class GraphTimer:
                 _release(graph)
                 calls = wanted
                 graph = self._capture(fn, counter, calls, stream, device)
-            return calls, self._time_replays(graph, self.replays, stream, device)
-        finally:
+        except BaseException:
             _release(graph)
+            raise
+        return graph, calls
 
     def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
         # One side stream per device and timer: a fresh stream per measurement would make torch
@@ -262,8 +276,13 @@ class GraphTimer:
         count: int,
         stream: torch.cuda.Stream,
         device: torch.device,
+        *,
+        uploaded: bool = False,
+        launch_us: float | None = None,
     ) -> list[float]:
-        """Replays ``graph`` twice untimed, then ``count`` timed times; returns µs per replay."""
+        """Replays ``graph`` untimed (twice; once when ``uploaded``; not at all when also the
+        host launch cost ``launch_us`` is known), then ``count`` timed times; returns µs per
+        replay. The launch cost measured here is kept in ``last_launch_us``."""
         gpu_delay = GpuDelay(device)
         gpu_delay.cycles_per_us()  # calibrate outside the timed region
         events = [
@@ -271,12 +290,15 @@ class GraphTimer:
             for _ in range(count)
         ]
         with torch.cuda.stream(stream):
-            graph.replay()  # untimed: the first replay of a graph includes its upload
-            stream.synchronize()
-            begin = time.perf_counter()
-            graph.replay()  # untimed: measures the host cost of one launch
-            launch_us = (time.perf_counter() - begin) * 1e6
-            stream.synchronize()
+            if not uploaded:
+                graph.replay()  # untimed: the first replay of a graph includes its upload
+                stream.synchronize()
+            if launch_us is None:
+                begin = time.perf_counter()
+                graph.replay()  # untimed: measures the host cost of one launch
+                launch_us = (time.perf_counter() - begin) * 1e6
+                stream.synchronize()
+            self.last_launch_us = launch_us
             # Once the timed replays are queued the GPU runs them back to back; until then a
             # replay started from an idle GPU would count the host's launch of the next one.
             # So a delay kernel covers the host enqueue of all of them (plus event records).
@@ -287,6 +309,75 @@ class GraphTimer:
                 end.record(stream)
         stream.synchronize()
         return [start.elapsed_time(end) * 1000.0 for start, end in events]
+
+
+class GraphSession:
+    """One captured graph of ``calls`` back-to-back calls, replayed for every measurement.
+
+    Made by :meth:`GraphTimer.open`; :meth:`measure` is step 3 and 4 of the timer's procedure.
+    """
+
+    def __init__(
+        self,
+        timer: GraphTimer,
+        graph: torch.cuda.CUDAGraph,
+        calls: int,
+        stream: torch.cuda.Stream,
+        device: torch.device,
+    ) -> None:
+        self.timer = timer
+        self.calls = calls
+        self._graph: torch.cuda.CUDAGraph | None = graph
+        self._stream = stream
+        self._device = device
+        self._uploaded = False
+        self._launch_us: float | None = None
+
+    def measure(self) -> Measurement:
+        """``timer.replays`` timed replays of the graph.
+
+        The first measurement uploads the graph and measures the host cost of one replay's
+        launch (which sizes the delay kernel); later ones skip both and reuse that cost (the
+        delay has a 1.5x margin and a 20 µs floor over it).
+
+        Raises:
+            ConfigError: The session was closed.
+        """
+        if self._graph is None:
+            raise ConfigError("GraphSession.measure() after close(); open a new session")
+        with torch.cuda.device(self._device):
+            caller = torch.cuda.current_stream(self._device)
+            self._stream.wait_stream(caller)
+            try:
+                replay_us = self.timer._time_replays(
+                    self._graph,
+                    self.timer.replays,
+                    self._stream,
+                    self._device,
+                    uploaded=self._uploaded,
+                    launch_us=self._launch_us,
+                )
+            finally:
+                caller.wait_stream(self._stream)
+        self._uploaded = True
+        self._launch_us = self.timer.last_launch_us
+        return Measurement.from_samples(
+            [us / self.calls for us in replay_us],
+            calls_per_sample=self.calls,
+            timer=self.timer.name,
+        )
+
+    def close(self) -> None:
+        """Resets the graph so its memory pool can be reused (idempotent)."""
+        graph, self._graph = self._graph, None
+        if graph is not None:
+            _release(graph)
+
+    def __enter__(self) -> GraphSession:
+        return self
+
+    def __exit__(self, kind: object, exc: object, tb: object) -> None:
+        self.close()
 
 
 def _release(graph: torch.cuda.CUDAGraph) -> None:

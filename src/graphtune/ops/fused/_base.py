@@ -26,7 +26,7 @@ from typing import Any
 from graphtune.autotuner.context import get_tuner
 from graphtune.autotuner.runner import FALLBACK_TACTIC, TunableRunner
 from graphtune.autotuner.tuner import AutoTuner
-from graphtune.ops._triton import TritonRunner
+from graphtune.ops._triton_runner import TritonRunner
 
 _RUNNERS: weakref.WeakKeyDictionary[AutoTuner, dict[tuple[Any, ...], tuple[TunableRunner, ...]]]
 _RUNNERS = weakref.WeakKeyDictionary()
@@ -58,6 +58,8 @@ class UnfusedRunner(TunableRunner):
     """
 
     def __init__(self, tuner: AutoTuner | None = None, max_m: int | None = None) -> None:
+        # Private, so not part of the cache identity: the picks do not depend on which tuner
+        # the inner ops ask, and a weak reference has no stable text. ``max_m`` is.
         self._tuner_ref = weakref.ref(tuner) if tuner is not None else None
         self.max_m = max_m
 
@@ -82,11 +84,11 @@ class UnfusedRunner(TunableRunner):
 
 
 class FusedTritonRunner(TritonRunner):
-    """Base of a fused op's Triton runner: ``forward`` takes the tuner's keyword arguments."""
+    """Base of a fused op's Triton runner: tactic ``-1`` runs the op's torch composition, any
+    other the fused GEMV kernel, whose launch code and kernel source are part of the runner's
+    cache identity."""
 
-    def forward(self, inputs: list[Any], tactic: Any = FALLBACK_TACTIC, **kwargs: Any) -> Any:
-        """Tactic ``-1`` runs the op's torch composition, any other the fused kernel."""
-        return super().forward(inputs, tactic)
+    source_modules = ("graphtune.ops.fused._gemv", "graphtune.ops.fused._gemv_kernels")
 
 
 def resolve(tuner: AutoTuner | None) -> AutoTuner:

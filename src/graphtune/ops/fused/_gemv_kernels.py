@@ -133,7 +133,7 @@ def fused_gemv_kernel(
     else:
         # One row; the activation chunk is addressed as a [BLOCK_N, BLOCK_K] tile whose rows
         # all point at the same columns, so it gets the weight tile's layout (see
-        # graphtune.ops._gemv_kernels) and the product needs no layout conversion.
+        # graphtune.ops.gemm._gemv_kernels) and the product needs no layout conversion.
         x_row = x_ptr + pid_m.to(tl.int64) * stride_xm
         same = (lanes * 0)[:, None]
         if NORM:

@@ -19,11 +19,12 @@ from typing import Any
 
 import torch
 
+from graphtune.autotuner.calls import CallRecord
 from graphtune.autotuner.config import DynamicTensorSpec, TuningConfig
 from graphtune.autotuner.runner import TunableRunner
 from graphtune.autotuner.tuner import AutoTuner
 from graphtune.errors import ConfigError, InputError
-from graphtune.ops._triton import triton_available
+from graphtune.ops._triton import device_limits, triton_available
 from graphtune.ops.activation import silu_and_mul, torch_silu_and_mul
 from graphtune.ops.fused._base import FusedTritonRunner, UnfusedRunner, resolve, runners_for
 from graphtune.ops.fused._gemv import (
@@ -33,7 +34,8 @@ from graphtune.ops.fused._gemv import (
     fused_supports,
     launch_fused_gemv,
 )
-from graphtune.ops.gemm import device_limits, gemm
+from graphtune.ops.gemm import gemm
+from graphtune.ops.registry import register_op
 from graphtune.ops.rmsnorm import fused_add_rms_norm, torch_rms_norm
 
 OP_NAME = "graphtune.norm_gate_up_silu"
@@ -178,4 +180,12 @@ def norm_gate_up_silu(
     inputs = [x.reshape(-1, x.shape[-1]), norm_weight, w_gate_up, float(eps)]
     chosen = runners if runners is not None else norm_gate_up_silu_runners(tuner=tuner, max_m=max_m)
     runner, tactic = tuner.choose_one(OP_NAME, chosen, norm_gate_up_silu_config(max_m), inputs)
-    return runner.forward(inputs, tactic).reshape(*lead, w_gate_up.shape[0] // 2)
+    return runner.forward(inputs, tactic=tactic).reshape(*lead, w_gate_up.shape[0] // 2)
+
+
+def _rebuild(record: CallRecord, tuner: Any) -> tuple[tuple[TunableRunner, ...], TuningConfig]:
+    max_m = record.config["max_value"]
+    return norm_gate_up_silu_runners(tuner=tuner, max_m=max_m), norm_gate_up_silu_config(max_m)
+
+
+register_op(OP_NAME, _rebuild)

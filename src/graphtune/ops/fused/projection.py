@@ -24,11 +24,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from graphtune.autotuner.calls import CallRecord
 from graphtune.autotuner.config import ConstraintSpec, DynamicTensorSpec, TuningConfig
 from graphtune.autotuner.runner import TunableRunner
 from graphtune.autotuner.tuner import AutoTuner
 from graphtune.errors import ConfigError, InputError
-from graphtune.ops._triton import triton_available
+from graphtune.ops._triton import device_limits, triton_available
 from graphtune.ops.fused._base import FusedTritonRunner, UnfusedRunner, resolve, runners_for
 from graphtune.ops.fused._gemv import (
     PLAIN,
@@ -37,7 +38,8 @@ from graphtune.ops.fused._gemv import (
     fused_supports,
     launch_fused_gemv,
 )
-from graphtune.ops.gemm import device_limits, gemm
+from graphtune.ops.gemm import gemm
+from graphtune.ops.registry import register_op
 from graphtune.ops.rmsnorm import fused_add_rms_norm, torch_rms_norm
 
 ADD_PROJECTION = "graphtune.add_projection"
@@ -170,7 +172,7 @@ def add_projection(
     inputs = [x, a, weight]
     chosen = runners if runners is not None else add_projection_runners(tuner=tuner, max_m=max_m)
     runner, tactic = tuner.choose_one(ADD_PROJECTION, chosen, add_projection_config(max_m), inputs)
-    runner.forward(inputs, tactic)
+    runner.forward(inputs, tactic=tactic)
     return x
 
 
@@ -294,4 +296,18 @@ def norm_linear(
     inputs = [x.reshape(-1, x.shape[-1]), norm_weight, weight, bias, float(eps)]
     chosen = runners if runners is not None else norm_linear_runners(tuner=tuner, max_m=max_m)
     runner, tactic = tuner.choose_one(NORM_LINEAR, chosen, norm_linear_config(max_m), inputs)
-    return runner.forward(inputs, tactic).reshape(*lead, weight.shape[0])
+    return runner.forward(inputs, tactic=tactic).reshape(*lead, weight.shape[0])
+
+
+def _rebuild_add(record: CallRecord, tuner: Any) -> tuple[tuple[TunableRunner, ...], TuningConfig]:
+    max_m = record.config["max_value"]
+    return add_projection_runners(tuner=tuner, max_m=max_m), add_projection_config(max_m)
+
+
+def _rebuild_norm(record: CallRecord, tuner: Any) -> tuple[tuple[TunableRunner, ...], TuningConfig]:
+    max_m = record.config["max_value"]
+    return norm_linear_runners(tuner=tuner, max_m=max_m), norm_linear_config(max_m)
+
+
+register_op(ADD_PROJECTION, _rebuild_add)
+register_op(NORM_LINEAR, _rebuild_norm)

@@ -25,11 +25,12 @@ from typing import Any
 
 import torch
 
+from graphtune.autotuner.calls import CallRecord
 from graphtune.autotuner.config import ConstraintSpec, DynamicTensorSpec, TuningConfig
 from graphtune.autotuner.runner import TunableRunner
 from graphtune.autotuner.tuner import AutoTuner
 from graphtune.errors import ConfigError, InputError
-from graphtune.ops._triton import triton_available
+from graphtune.ops._triton import device_limits, triton_available
 from graphtune.ops.fused._base import FusedTritonRunner, UnfusedRunner, resolve, runners_for
 from graphtune.ops.fused._gemv import (
     ROPE,
@@ -38,7 +39,8 @@ from graphtune.ops.fused._gemv import (
     fused_supports,
     launch_fused_gemv,
 )
-from graphtune.ops.gemm import device_limits, gemm
+from graphtune.ops.gemm import gemm
+from graphtune.ops.registry import register_op, runner_extras
 from graphtune.ops.rmsnorm import fused_add_rms_norm, torch_rms_norm
 from graphtune.ops.rotary import (
     CACHE_ROWS,
@@ -343,4 +345,16 @@ def norm_qkv_rope(
         )
     config = norm_qkv_rope_config(num_kv_heads, max_m)
     runner, tactic = tuner.choose_one(OP_NAME, chosen, config, inputs)
-    return runner.forward(inputs, tactic)
+    return runner.forward(inputs, tactic=tactic)
+
+
+def _rebuild(record: CallRecord, tuner: Any) -> tuple[tuple[TunableRunner, ...], TuningConfig]:
+    heads, kv_heads, signed_sin = runner_extras(record.runners[0])
+    max_m = record.config["max_value"]
+    runners = norm_qkv_rope_runners(
+        int(heads), int(kv_heads), bool(signed_sin), tuner=tuner, max_m=max_m
+    )
+    return runners, norm_qkv_rope_config(int(kv_heads), max_m)
+
+
+register_op(OP_NAME, _rebuild)

@@ -1,6 +1,6 @@
 """A skinny-``M`` GEMM runner for the ``graphtune.gemm`` op on the tensor cores, operands swapped.
 
-From about 4 rows on, the CUDA-core GEMV (``graphtune.ops.gemv``) loses to cuBLAS because every
+From about 4 rows on, the CUDA-core GEMV (``graphtune.ops.gemm.gemv``) loses to cuBLAS because every
 row costs it a multiply-add per weight on the CUDA cores. :class:`TritonSkinnyGemmRunner` computes
 ``out.T = weight @ a.T`` instead: the weight rows fill the MMA's M side (``bn`` of 16..64) and the
 ``M <= 16`` activation rows are padded to 16 in N, so the tensor cores do the multiply-adds while
@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
+from graphtune.ops._triton import device_limits
 from graphtune.ops.fused._base import FusedTritonRunner
 from graphtune.ops.fused._gemv import PLAIN, GemvShape, fused_gemv_tactics, launch_fused_gemv
-from graphtune.ops.gemm import (
-    device_limits,
+from graphtune.ops.gemm.common import (
     result_tensor,
     torch_gemm,
     triton_gemm_supports,
@@ -58,7 +58,7 @@ class TritonSkinnyGemmRunner(FusedTritonRunner):
         return [t for t in fused_gemv_tactics(shape, sm_count=sms) if t["dot"] == 1]
 
     def torch_forward(self, inputs: list[Any]) -> torch.Tensor:
-        """:func:`graphtune.ops.gemm.torch_gemm`: the fallback tactic."""
+        """:func:`graphtune.ops.gemm.common.torch_gemm`: the fallback tactic."""
         return torch_gemm(inputs)
 
     def launch(self, inputs: list[Any], tactic: Any, *, warmup: bool = False) -> torch.Tensor:

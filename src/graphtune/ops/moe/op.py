@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from graphtune.autotuner.calls import CallRecord
 from graphtune.autotuner.config import ConstraintSpec, DynamicTensorSpec, TuningConfig
 from graphtune.autotuner.context import get_tuner
 from graphtune.autotuner.runner import TunableRunner
@@ -21,6 +22,7 @@ from graphtune.autotuner.tuner import AutoTuner
 from graphtune.errors import InputError
 from graphtune.ops.moe.reference import unpack_moe_inputs
 from graphtune.ops.moe.runners import fused_moe_runners
+from graphtune.ops.registry import register_op
 
 OP_NAME = "graphtune.fused_moe"
 #: Seed of the synthetic routing (the same routing for every candidate of a bucket).
@@ -113,4 +115,11 @@ def fused_moe(
     runner, tactic = (tuner or get_tuner()).choose_one(
         OP_NAME, chosen, fused_moe_config(max_m), inputs
     )
-    return runner.forward(inputs, tactic).reshape(shape)
+    return runner.forward(inputs, tactic=tactic).reshape(shape)
+
+
+def _rebuild(record: CallRecord, tuner: Any) -> tuple[tuple[TunableRunner, ...], TuningConfig]:
+    return fused_moe_runners(), fused_moe_config(record.config["max_value"])
+
+
+register_op(OP_NAME, _rebuild)

@@ -26,8 +26,8 @@ import torch
 
 from graphtune.autotuner.runner import FALLBACK_TACTIC, TunableRunner
 from graphtune.errors import ConfigError
-from graphtune.ops._triton import TritonRunner, device_supported, run_kernel, triton_available
-from graphtune.ops.gemm import device_limits
+from graphtune.ops._triton import device_limits, device_supported, run_kernel, triton_available
+from graphtune.ops._triton_runner import TritonRunner
 from graphtune.ops.moe._loader import moe_kernels
 from graphtune.ops.moe.align import sort_by_expert
 from graphtune.ops.moe.reference import torch_fused_moe, unpack_moe_inputs
@@ -46,6 +46,8 @@ class TorchFusedMoeRunner(TunableRunner):
     CUDA stream captures it runs the dense all-experts form, which needs none.
     """
 
+    source_modules = ("graphtune.ops.moe.reference",)
+
     def forward(self, inputs: list[Any], tactic: Any = FALLBACK_TACTIC, **kwargs: Any) -> Any:
         """Returns ``[T, H]``."""
         return torch_fused_moe(*unpack_moe_inputs(inputs))
@@ -58,6 +60,13 @@ class TritonFusedMoeRunner(TritonRunner):
         smem_bytes: Override the shared-memory budget per program (pruning rule).
         compile_workers: Threads for ahead-of-time compilation.
     """
+
+    # The kernels, the sort step that launches two of them, and the torch path of tactic -1.
+    source_modules = (
+        "graphtune.ops.moe._kernels",
+        "graphtune.ops.moe.align",
+        "graphtune.ops.moe.reference",
+    )
 
     def __init__(
         self, *, smem_bytes: int | None = None, compile_workers: int | None = None

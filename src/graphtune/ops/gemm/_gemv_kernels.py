@@ -1,5 +1,5 @@
 """Triton GEMV kernel for skinny decode GEMMs. Imported only through
-``graphtune.ops._triton.gemv_kernels()``.
+``graphtune.ops.gemm.gemv.gemv_kernels()``.
 
 At batch 1..8 a decode GEMM ``out [M, N] = a [M, K] @ w [N, K].T`` reads ``N * K`` weights once
 and does ``2 * M`` flops per weight: it is a memory-bound stream over ``w``, and ``tl.dot`` tiles
@@ -13,7 +13,7 @@ the row dimension to the compiler (rows spread over warps would load the weight 
 warp, and the 2-D weight load would be converted to a 3-D slice layout through shared memory),
 while per-row accumulators keep the weight tile in its own 2-D layout, loaded once and reused by
 every row. Compiled for sm_90 (Triton 3.9), the loop then has no layout conversion and no register
-spills for any tactic of ``graphtune.ops.gemv``. Rows past ``BLOCK_M`` compile to nothing.
+spills for any tactic of ``graphtune.ops.gemm.gemv``. Rows past ``BLOCK_M`` compile to nothing.
 
 Only stable ``tl.`` APIs are used (Triton 3.0 .. 3.9). The loop is a plain ``range`` without
 ``tl.dot``, which Triton does not software-pipeline: the bytes in flight come from each thread's

@@ -2,10 +2,11 @@
 
 At batch 1..8 ``out = a @ weight.T`` streams the whole weight once and is memory-bound; tiles for
 ``tl.dot`` (``BLOCK_M >= 16``) multiply padding and cuBLAS reaches only about half of the copy
-bandwidth. :class:`TritonGemvRunner` runs ``graphtune.ops._gemv_kernels.gemv_kernel``: each
+bandwidth. :class:`TritonGemvRunner` runs ``graphtune.ops.gemm._gemv_kernels.gemv_kernel``: each
 program streams ``[bn, bk]`` weight tiles along ``K`` and multiplies every tile by all activation
 rows in float32, then adds bias / residual like :class:`~graphtune.ops.gemm.TritonGemmRunner`
-(same inputs, ``out=`` and in-place semantics, same split-K reduction kernel).
+(same inputs, ``out=`` and in-place semantics, same split-K reduction kernel: see
+:mod:`graphtune.ops.gemm.common`).
 
 Tactics are dicts ``{"bn", "bk", "warps", "split_k"}``. Pruning rules of :func:`gemv_tactics`
 (a pruned config is never timed):
@@ -39,15 +40,16 @@ tactic: :func:`defer_reduction` derives it from the live row count.
 from __future__ import annotations
 
 import math
+from types import ModuleType
 from typing import Any
 
 import torch
 
 from graphtune.autotuner.config import next_power_of_two
 from graphtune.errors import ConfigError
-from graphtune.ops._triton import TritonRunner, gemv_kernels, run_kernel
-from graphtune.ops.gemm import (
-    device_limits,
+from graphtune.ops._triton import device_limits, require_triton, run_kernel
+from graphtune.ops._triton_runner import TritonRunner
+from graphtune.ops.gemm.common import (
     kernel_operands,
     reduce_split_k,
     result_tensor,
@@ -72,6 +74,15 @@ MIN_PROGRAM_BYTES = 4096
 """Weight bytes each program must stream (``bn * K / split_k * itemsize``), when any tile can."""
 # Triton refuses tensors of more elements (TRITON_MAX_TENSOR_NUMEL).
 _MAX_TILE_ELEMENTS = 1 << 20
+
+
+def gemv_kernels() -> ModuleType:
+    """The module of the GEMV kernel (imported on first use; needs Triton), so that importing
+    :mod:`graphtune.ops` never imports Triton."""
+    require_triton("graphtune's Triton GEMV kernel")
+    from graphtune.ops.gemm import _gemv_kernels
+
+    return _gemv_kernels
 
 
 def _pow2(value: int) -> bool:
@@ -201,6 +212,8 @@ class TritonGemvRunner(TritonRunner):
         compile_workers: Threads for ahead-of-time compilation.
     """
 
+    source_modules = ("graphtune.ops.gemm._gemv_kernels", "graphtune.ops._kernels")
+
     def __init__(
         self,
         *,
@@ -219,7 +232,7 @@ class TritonGemvRunner(TritonRunner):
 
     def supports(self, inputs: list[Any]) -> bool:
         """The dtype, residual and device rules of the Triton GEMM
-        (:func:`~graphtune.ops.gemm.triton_gemm_supports`)."""
+        (:func:`~graphtune.ops.gemm.common.triton_gemm_supports`)."""
         return triton_gemm_supports(inputs)
 
     def tactics_for(self, inputs: list[Any]) -> list[Any]:
@@ -238,7 +251,7 @@ class TritonGemvRunner(TritonRunner):
         )
 
     def torch_forward(self, inputs: list[Any]) -> torch.Tensor:
-        """:func:`~graphtune.ops.gemm.torch_gemm`: the fallback tactic."""
+        """:func:`~graphtune.ops.gemm.common.torch_gemm`: the fallback tactic."""
         return torch_gemm(inputs)
 
     def launch(self, inputs: list[Any], tactic: Any, *, warmup: bool = False) -> torch.Tensor:

@@ -1,0 +1,245 @@
+#!/usr/bin/env python3
+"""Whole-step tuning time: a cold run (no tuning cache, empty Triton cache) and a warm restart.
+
+Usage (on a GPU machine, from the repository root):
+
+    PYTHONPATH=src python3 benchmarks/tuning_time.py --out benchmarks/results
+        [--model llama-1b-shape] [--max-batch 128] [--max-seq-len 2048] [--commit SHA]
+        [--tune-step MODULE:FUNCTION]
+
+Every phase runs in a fresh process, so nothing survives in memory between them:
+
+1. ``cold``: ``TRITON_CACHE_DIR`` is a new empty folder and there is no tuning cache file. The
+   child runs ``tune_step(model, max_batch, tuner, device=, dtype=, max_seq_len=)`` inside
+   ``autotune(cache, tuner)``; the default is the engine's path
+   (``graphtune.engine.tuning.tune_step`` on the step ``graphtune.engine.build.build_step``
+   builds): record one untuned step, compile every missing profile's Triton tactics up front
+   (``AutoTuner.prepare``), then run the step at every batch bucket up to ``max_batch``, whose
+   ops tune on their first miss. Reported: the wall time of that call (``tune_s``) and of its
+   up-front part (``prepare_s``), the tuner's ``stats`` (tuning seconds by phase, measurements,
+   untimed picks), the Triton runners' compile seconds (summed over runners, which compile side
+   by side) and binaries, and the cost per (tactic, bucket): the median over tuned profiles of
+   profile seconds / candidates (``AutoTuner.history``; compilation is not in it) and the
+   overall ``tune_s`` / all candidates.
+2. ``warm``: the same Triton cache folder and the tuning cache file the cold run saved; the same
+   call must tune nothing (``tune_s`` is loading the file, Triton loading its cached binaries and
+   the look-ups). A second call shows the steady state. Graph capture before the first replay
+   belongs to the engine and is not in these numbers.
+
+``--tune-step`` names the function (default ``graphtune.cli._step_calls:tune_decode_step``, the
+engine's step and ``tune_step``). ``--no-prepare`` skips the up-front compile (each op compiles
+when it is tuned) and ``--compile-processes N`` sets ``GRAPHTUNE_COMPILE_PROCESSES`` in the
+children (``0``: compile in threads of the tuning process only), to compare. Targets (issue 14):
+cold ``tune_s`` <= 15 s, warm ``tune_s`` <= 1 s, median per (tactic, bucket) <= 10 ms. Writes
+``tuning-time-<gpu>.json`` (``-<label>`` added with ``--label``) with provenance and prints a
+table last. Exits 2 without CUDA, 1 when a target fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+TARGETS = {"cold_tune_s_le": 15.0, "warm_tune_s_le": 1.0, "median_ms_per_tactic_bucket_le": 10.0}
+DEFAULT_STEP = "graphtune.cli._step_calls:tune_decode_step"
+
+
+def _load(spec: str) -> Any:
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def child(args: argparse.Namespace) -> dict[str, Any]:
+    """One phase in this (fresh) process; returns its measurements."""
+    began = time.perf_counter()
+    import torch
+
+    from graphtune.autotuner import AutoTuner, autotune
+    from graphtune.ops._triton_runner import TritonRunner
+
+    imported = time.perf_counter()
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda device: None)
+    tune_step = _load(args.tune_step)
+    options = {"prepare": False} if args.no_prepare else {}
+    tuner = AutoTuner(show_progress=False)
+
+    def tune() -> Any:
+        return tune_step(
+            args.model,
+            args.max_batch,
+            tuner,
+            device=device,
+            dtype=dtype,
+            max_seq_len=args.max_seq_len,
+            **options,
+        )
+
+    start = time.perf_counter()
+    with tuner.record_calls() as calls, autotune(args.cache, tuner):
+        report = tune()
+        sync(device)
+    tune_s = time.perf_counter() - start
+    again = time.perf_counter()
+    tune()
+    sync(device)
+    second_s = time.perf_counter() - again
+    runners = {id(r): r for call in calls for r in call.runners}.values()
+    triton = [r for r in runners if isinstance(r, TritonRunner)]
+    per_tactic = [
+        1000.0 * rec.seconds / len(rec.candidates)
+        for rec in tuner.history
+        if len(rec.candidates) > 1
+    ]
+    candidates = sum(len(rec.candidates) for rec in tuner.history)
+    stats = tuner.stats
+    return {
+        "phase": args.child,
+        "import_s": imported - began,
+        "tune_s": tune_s,
+        "prepare_s": getattr(report, "prepare_seconds", None),
+        "prepared_tactics": getattr(report, "prepared", None),
+        "second_call_s": second_s,
+        "op_calls": len(calls),
+        "profiles_tuned": stats.profiles_tuned,
+        "profiles_failed": stats.profiles_failed,
+        "untimed_picks": stats.untimed_picks,
+        "candidates": candidates,
+        "measurements": stats.measurements,
+        "tuning_seconds": stats.tuning_seconds,
+        "phase_seconds": dict(stats.phase_seconds),
+        "fallbacks": dict(stats.fallbacks),
+        "compile_s": sum(r.compile_seconds for r in triton),
+        "compiled_binaries": sum(r.compiled for r in triton),
+        "compile_shared": sum(r.compile_shared for r in triton),
+        "median_ms_per_tactic_bucket": statistics.median(per_tactic) if per_tactic else None,
+        "overall_ms_per_tactic_bucket": 1000.0 * tune_s / candidates if candidates else None,
+    }
+
+
+def run_phase(phase: str, args: argparse.Namespace, triton_cache: Path) -> dict[str, Any]:
+    env = {**os.environ, "TRITON_CACHE_DIR": str(triton_cache), "GRAPHTUNE_NO_PROGRESS": "1"}
+    env.pop("GRAPHTUNE_CACHE_ONLY", None)
+    if args.compile_processes is not None:
+        env["GRAPHTUNE_COMPILE_PROCESSES"] = str(args.compile_processes)
+    command = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--child",
+        phase,
+        "--cache",
+        str(args.cache),
+        "--model",
+        args.model,
+        "--max-batch",
+        str(args.max_batch),
+        "--max-seq-len",
+        str(args.max_seq_len),
+        "--tune-step",
+        args.tune_step,
+        "--device",
+        args.device,
+        *(["--no-prepare"] if args.no_prepare else []),
+    ]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{phase} phase failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--model", default="llama-1b-shape")
+    parser.add_argument("--max-batch", type=int, default=128)
+    parser.add_argument("--max-seq-len", type=int, default=2048)
+    parser.add_argument("--commit", default=None)
+    parser.add_argument("--tune-step", default=DEFAULT_STEP, metavar="MODULE:FUNCTION")
+    parser.add_argument("--no-prepare", action="store_true", help="no up-front compile")
+    parser.add_argument("--compile-processes", type=int, default=None, metavar="N")
+    parser.add_argument("--label", default=None, help="suffix of the result file name")
+    parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: tests only
+    parser.add_argument("--child", choices=("cold", "warm"), help=argparse.SUPPRESS)
+    parser.add_argument("--cache", type=Path, default=None, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        print(json.dumps(child(args)))
+        return 0
+    from graphtune import bench
+
+    device = bench.require_cuda_or_exit("benchmarks/tuning_time.py")
+    prov = bench.provenance(args.commit, device)
+    with tempfile.TemporaryDirectory(prefix="graphtune-tuning-time-") as tmp:
+        args.cache = Path(tmp) / "tuning-cache.json"
+        triton_cache = Path(tmp) / "triton-cache"
+        triton_cache.mkdir()
+        cold = run_phase("cold", args, triton_cache)
+        warm = run_phase("warm", args, triton_cache)
+    checks = {
+        "cold_tune_s_le": cold["tune_s"] <= TARGETS["cold_tune_s_le"],
+        "warm_tune_s_le": warm["tune_s"] <= TARGETS["warm_tune_s_le"],
+        "median_ms_per_tactic_bucket_le": (cold["median_ms_per_tactic_bucket"] or 0.0)
+        <= TARGETS["median_ms_per_tactic_bucket_le"],
+        "warm_tunes_nothing": warm["profiles_tuned"] == 0 and warm["measurements"] == 0,
+    }
+    label = f"-{args.label}" if args.label else ""
+    name = f"tuning-time-{prov['gpu_slug']}{label}.json"
+    path = bench.write_json(
+        args.out / name,
+        {
+            "benchmark": "tuning_time",
+            "provenance": prov,
+            "options": {
+                "model": args.model,
+                "max_batch": args.max_batch,
+                "max_seq_len": args.max_seq_len,
+                "tune_step": args.tune_step,
+                "prepare": not args.no_prepare,
+                "compile_processes": args.compile_processes,
+            },
+            "cold": cold,
+            "warm": warm,
+            "targets": TARGETS,
+            "checks": checks,
+        },
+    )
+    print(json.dumps({"bench": "tuning_time", "file": str(path), "checks": checks}))
+    rows = [
+        ("tune_s", cold["tune_s"], warm["tune_s"]),
+        ("prepare_s (record + compile up front)", cold["prepare_s"], warm["prepare_s"]),
+        ("compile_s (Triton, summed over runners)", cold["compile_s"], warm["compile_s"]),
+        ("binaries compiled", cold["compiled_binaries"], warm["compiled_binaries"]),
+        ("profiles tuned / untimed", cold["profiles_tuned"], cold["untimed_picks"]),
+        ("candidates / measurements", cold["candidates"], cold["measurements"]),
+        ("median ms per (tactic, bucket)", cold["median_ms_per_tactic_bucket"], None),
+        ("overall ms per (tactic, bucket)", cold["overall_ms_per_tactic_bucket"], None),
+        *(
+            (f"phase {k} s", v, warm["phase_seconds"].get(k))
+            for k, v in cold["phase_seconds"].items()
+        ),
+        ("second call s", cold["second_call_s"], warm["second_call_s"]),
+    ]
+    print(f"{'':38} {'cold':>10} {'warm':>10}")
+    for label, a, b in rows:
+        fa = f"{a:10.3f}" if isinstance(a, float) else f"{a!s:>10}"
+        fb = f"{b:10.3f}" if isinstance(b, float) else f"{b!s:>10}"
+        print(f"{label:38} {fa} {fb}")
+    return 0 if all(checks.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,266 @@
+"""Op calls as the tuner sees them: live (:class:`OpCall`) and in JSON (:class:`CallRecord`).
+
+A :class:`CallRecord` holds enough to re-create a ``choose_one`` call in another process: the op,
+the identity of its runners, the config's plain fields (``max_value``, ``timing``, ``cold_l2``,
+``warmup``, ``repeat``), each input's shape, dtype, strides and device (or its value, for a
+non-tensor) and the keyword arguments. The runners and the config's callables (specs, hooks) come
+from whoever rebuilds the call: the op registry of :mod:`graphtune.ops` does for its ops. Tensor
+*values* are not recorded (reading them would synchronise with the device, and a miss can happen
+while a graph is being captured): re-created tensors hold random floats, and zeros for integer
+and bool tensors, which the config's ``inputs_pre_hook`` must make valid when the op needs it.
+
+:class:`MissLog` is the record of the shapes that missed while serving
+(``AutoTuner.misses``): one record per missed cache key, with a count, saved as JSON atomically
+(and merged with what the file already holds), for ``graphtune tune --from-misses FILE``.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from os import PathLike
+from typing import Any
+
+import torch
+
+from graphtune.autotuner import persist
+from graphtune.autotuner.config import TuningConfig
+from graphtune.autotuner.entries import CacheKey
+from graphtune.autotuner.values import decode_value, encode_value
+from graphtune.errors import CacheFileError, InputError
+
+MISSES_FORMAT = "graphtune-misses"
+MISSES_VERSION = 1
+_CONFIG_FIELDS = ("max_value", "timing", "cold_l2", "warmup", "repeat")
+
+
+@dataclass(frozen=True)
+class OpCall:
+    """One ``choose_one`` call as it was made (``AutoTuner.record_calls()``)."""
+
+    op: str
+    runners: tuple[Any, ...]
+    config: TuningConfig
+    inputs: tuple[Any, ...]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def _describe_input(x: Any) -> dict[str, Any]:
+    if isinstance(x, torch.Tensor):
+        return {
+            "shape": list(x.shape),
+            "dtype": str(x.dtype).removeprefix("torch."),
+            "stride": list(x.stride()),
+            "device": str(x.device),
+        }
+    return {"value": encode_value(x)}
+
+
+@dataclass(frozen=True)
+class CallRecord:
+    """A ``choose_one`` call described in JSON (see the module docstring).
+
+    Attributes:
+        op: Op name.
+        runners: Identity of each runner offered (``runner_id``).
+        config: The config's plain fields.
+        inputs: Per input ``{"shape", "dtype", "stride", "device"}`` or ``{"value"}``.
+        kwargs: The keyword arguments, in :func:`~graphtune.autotuner.values.encode_value` form.
+        key: The cache key the call looked up (JSON form), when known.
+        count: How many calls this record stands for.
+    """
+
+    op: str
+    runners: tuple[str, ...]
+    config: dict[str, Any]
+    inputs: tuple[dict[str, Any], ...]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    key: dict[str, Any] | None = None
+    count: int = 1
+
+    @classmethod
+    def of(cls, call: OpCall, ids: tuple[str, ...], key: CacheKey | None = None) -> CallRecord:
+        """Describes a live call whose runners have identities ``ids``."""
+        return cls(
+            op=call.op,
+            runners=tuple(ids),
+            config={name: getattr(call.config, name) for name in _CONFIG_FIELDS},
+            inputs=tuple(_describe_input(x) for x in call.inputs),
+            kwargs={k: encode_value(v) for k, v in call.kwargs.items()},
+            key=key.to_json() if key is not None else None,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON form."""
+        return {
+            "op": self.op,
+            "runners": list(self.runners),
+            "config": dict(self.config),
+            "inputs": [dict(x) for x in self.inputs],
+            "kwargs": dict(self.kwargs),
+            "key": self.key,
+            "count": self.count,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> CallRecord:
+        """Inverse of :meth:`to_json`; raises ``KeyError``, ``TypeError`` or ``ValueError``."""
+        inputs = tuple(dict(x) for x in data["inputs"])
+        for x in inputs:
+            if "value" not in x and not {"shape", "dtype", "stride", "device"} <= set(x):
+                raise ValueError(f"malformed input description {x!r}")
+        return cls(
+            op=str(data["op"]),
+            runners=tuple(str(r) for r in data["runners"]),
+            config={k: data["config"][k] for k in _CONFIG_FIELDS},
+            inputs=inputs,
+            kwargs=dict(data.get("kwargs", {})),
+            key=data.get("key"),
+            count=int(data.get("count", 1)),
+        )
+
+    def call_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments with their Python types."""
+        return {k: decode_value(v) for k, v in self.kwargs.items()}
+
+    def make_inputs(self, device: torch.device | str | None = None, *, seed: int = 0) -> list[Any]:
+        """Inputs with the recorded shapes, dtypes and strides (values: see the module docstring).
+
+        Args:
+            device: Where to make the tensors; ``None`` uses each recorded device.
+            seed: Seed of the random values.
+
+        Raises:
+            InputError: A recorded dtype this torch does not have.
+        """
+        gen = torch.Generator()
+        gen.manual_seed(seed)
+        out: list[Any] = []
+        for x in self.inputs:
+            if "value" in x:
+                out.append(decode_value(x["value"]))
+                continue
+            dtype = getattr(torch, x["dtype"], None)
+            if not isinstance(dtype, torch.dtype):
+                raise InputError(
+                    f"op {self.op!r}: recorded dtype {x['dtype']!r} is not a torch dtype here; "
+                    "re-create the record with this torch version."
+                )
+            where = torch.device(device) if device is not None else torch.device(x["device"])
+            shape, stride = tuple(x["shape"]), tuple(x["stride"])
+            t = torch.empty_strided(shape, stride, dtype=dtype, device=where)
+            if dtype.is_floating_point or dtype.is_complex:
+                values = torch.randn(t.shape, generator=gen, dtype=torch.float32)
+                t.copy_(values.to(dtype))
+            else:
+                t.zero_()
+            out.append(t)
+        return out
+
+
+class MissLog:
+    """Thread-safe record of the calls that missed: one :class:`CallRecord` per cache key."""
+
+    def __init__(self) -> None:
+        self._records: dict[CacheKey, CallRecord] = {}
+        self._lock = threading.Lock()
+
+    def add(self, key: CacheKey, make: Callable[[], CallRecord]) -> None:
+        """Counts a miss of ``key``; ``make`` builds its record the first time only."""
+        with self._lock:
+            found = self._records.get(key)
+            if found is None:
+                self._records[key] = make()
+            else:
+                self._records[key] = _with_count(found, found.count + 1)
+
+    def records(self) -> list[CallRecord]:
+        """A snapshot, in the order the keys first missed."""
+        with self._lock:
+            return list(self._records.values())
+
+    def clear(self) -> None:
+        """Forgets every record."""
+        with self._lock:
+            self._records.clear()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._records)
+
+    def save(self, path: str | PathLike[str]) -> int:
+        """Merges these records into the misses file at ``path``, atomically under its lock.
+
+        A record already in the file (same key) has its count raised. Returns the number of
+        records in the file.
+
+        Raises:
+            CacheFileError: The file could not be written.
+        """
+        mine = self.records()
+
+        def merge(current: Any) -> dict[str, Any]:
+            merged: dict[str, CallRecord] = {}
+            if _is_misses_doc(current):
+                for item in current["misses"]:
+                    try:
+                        rec = CallRecord.from_json(item)
+                    except (KeyError, TypeError, ValueError):
+                        continue  # a malformed old record is dropped, not fatal to saving
+                    merged[_ident(rec)] = rec
+            for rec in mine:
+                old = merged.get(_ident(rec))
+                merged[_ident(rec)] = (
+                    rec if old is None else _with_count(old, old.count + rec.count)
+                )
+            return {
+                "format": MISSES_FORMAT,
+                "version": MISSES_VERSION,
+                "misses": [r.to_json() for r in merged.values()],
+            }
+
+        return len(persist.update_json(path, merge)["misses"])
+
+
+def _with_count(rec: CallRecord, count: int) -> CallRecord:
+    return CallRecord(rec.op, rec.runners, rec.config, rec.inputs, rec.kwargs, rec.key, count)
+
+
+def _ident(rec: CallRecord) -> str:
+    return json.dumps([rec.op, rec.key or [dict(x) for x in rec.inputs]], sort_keys=True)
+
+
+def _is_misses_doc(doc: Any) -> bool:
+    return (
+        isinstance(doc, dict)
+        and doc.get("format") == MISSES_FORMAT
+        and doc.get("version") == MISSES_VERSION
+        and isinstance(doc.get("misses"), list)
+    )
+
+
+def load_misses(path: str | PathLike[str]) -> list[CallRecord]:
+    """The records of a misses file.
+
+    Raises:
+        CacheFileError: The file is missing, not JSON, not a misses file or malformed.
+    """
+    try:
+        with open(path, encoding="utf-8") as handle:
+            doc = persist.parse_json(handle.read())
+    except FileNotFoundError:
+        raise CacheFileError(f"misses file {path} does not exist.") from None
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise CacheFileError(f"misses file {path} cannot be read as JSON ({exc}).") from None
+    if not _is_misses_doc(doc):
+        raise CacheFileError(
+            f"{path} is not a graphtune misses file (format {MISSES_FORMAT!r} version "
+            f"{MISSES_VERSION}); write one with AutoTuner.misses.save(path) or "
+            "autotune(misses_path=path)."
+        )
+    try:
+        return [CallRecord.from_json(item) for item in doc["misses"]]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CacheFileError(f"misses file {path} has a malformed record ({exc}).") from None

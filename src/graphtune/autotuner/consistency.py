@@ -1,0 +1,205 @@
+"""Tactic consistency check: does every (runner, tactic) of an op compute what the fallback does?
+
+:func:`check_tactics` runs the fallback ``(runners[0], -1)`` and then every tactic each runner
+offers for the inputs (``get_valid_tactics``, as tuning would; the blocklist is ignored) on copies
+of the same inputs, and compares every output tensor *and* every tensor input afterwards (an op
+that writes in place, like a KV-cache write or an in-place residual add, is checked on what it
+wrote) with the fallback's. A tensor passes when its NaNs and infinities sit where the
+reference's do and, over the finite elements, ``max|x - ref| <= atol + rtol * max|ref|`` (a
+norm-wise bound, so a GEMM's near-zero outputs do not fail on rounding); integer and bool tensors
+must be equal. Default tolerances depend on the dtype (:data:`RTOL`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from graphtune.autotuner.config import TuningConfig
+from graphtune.autotuner.identity import runner_id, short_runner_name
+from graphtune.autotuner.profiles import profile_for
+from graphtune.autotuner.runner import FALLBACK_TACTIC, TunableRunner
+from graphtune.errors import ConfigError
+
+#: Default relative tolerance per dtype (float32 IEEE kernels may still sum in another order).
+RTOL = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 1.6e-2, torch.float64: 1e-10}
+_DEFAULT_RTOL = 1.6e-2
+
+
+@dataclass(frozen=True)
+class TacticCheck:
+    """One (runner, tactic) compared with the fallback.
+
+    Attributes:
+        runner: Short runner name.
+        runner_index: Position of the runner.
+        tactic: The tactic.
+        max_abs: Largest absolute difference over all compared tensors (``inf`` on a shape or
+            dtype mismatch, ``nan`` when it raised).
+        max_rel: ``max_abs / max|ref|`` of the worst tensor.
+        passed: Whether every tensor was within the tolerance.
+        error: The exception text when the tactic raised, or a mismatch description.
+    """
+
+    runner: str
+    runner_index: int
+    tactic: Any
+    max_abs: float
+    max_rel: float
+    passed: bool
+    error: str | None = None
+
+
+@dataclass
+class ConsistencyReport:
+    """What :func:`check_tactics` found for one op call."""
+
+    op: str
+    profile: str
+    checks: list[TacticCheck] = field(default_factory=list)
+    reference_error: str | None = None
+
+    @property
+    def passed(self) -> bool:
+        """Whether the fallback ran and every tactic matched it."""
+        return self.reference_error is None and all(c.passed for c in self.checks)
+
+    @property
+    def failures(self) -> list[TacticCheck]:
+        """The checks that did not pass."""
+        return [c for c in self.checks if not c.passed]
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
+
+
+def _copy(inputs: Sequence[Any]) -> list[Any]:
+    return [x.clone() if isinstance(x, torch.Tensor) else x for x in inputs]
+
+
+def _same_nonfinite(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether NaNs and signed infinities sit at the same places (masks hold -inf by design)."""
+    return all(torch.equal(f(a), f(b)) for f in (torch.isnan, torch.isposinf, torch.isneginf))
+
+
+def _compare(
+    got: list[torch.Tensor], ref: list[torch.Tensor], atol: float | None, rtol: float | None
+) -> tuple[float, float, bool, str | None]:
+    if len(got) != len(ref):
+        return math.inf, math.inf, False, f"{len(got)} tensors, the fallback gave {len(ref)}"
+    worst_abs, worst_rel, ok = 0.0, 0.0, True
+    for i, (a, b) in enumerate(zip(got, ref, strict=True)):
+        if a.shape != b.shape or a.dtype != b.dtype:
+            what = f"tensor {i} is {tuple(a.shape)} {a.dtype}, the fallback's {tuple(b.shape)}"
+            return math.inf, math.inf, False, f"{what} {b.dtype}"
+        if not (b.dtype.is_floating_point or b.dtype.is_complex):
+            diff = float((a != b).sum())
+            worst_abs = max(worst_abs, diff)
+            ok = ok and diff == 0
+            continue
+        fa, fb = a.double(), b.double()
+        if not _same_nonfinite(fa, fb):
+            return math.inf, math.inf, False, f"tensor {i} has NaN or infinities elsewhere"
+        finite = torch.isfinite(fb)
+        fa, fb = fa[finite], fb[finite]
+        scale = float(fb.abs().max()) if fb.numel() else 0.0
+        err = float((fa - fb).abs().max()) if fb.numel() else 0.0
+        tol_r = RTOL.get(b.dtype, _DEFAULT_RTOL) if rtol is None else rtol
+        tol_a = 0.0 if atol is None else atol
+        worst_abs = max(worst_abs, err)
+        worst_rel = max(worst_rel, err / scale if scale > 0 else (0.0 if err == 0 else math.inf))
+        ok = ok and err <= tol_a + tol_r * scale
+    return worst_abs, worst_rel, ok, None
+
+
+def check_tactics(
+    op: str,
+    runners: Sequence[TunableRunner],
+    config: TuningConfig,
+    inputs: Sequence[Any],
+    *,
+    atol: float | None = None,
+    rtol: float | None = None,
+    **kwargs: Any,
+) -> ConsistencyReport:
+    """Runs every (runner, tactic) of ``op`` on copies of ``inputs`` and compares each with the
+    fallback ``(runners[0], -1)`` (see the module docstring).
+
+    Args:
+        op: Op name (for the report).
+        runners: The op's runners, fallback first.
+        config: The op's tuning config (names the profile in the report).
+        inputs: The inputs to run on (live or synthetic); they are copied for every run, never
+            written.
+        atol: Absolute tolerance (default 0).
+        rtol: Relative tolerance, scaled by the reference's largest magnitude (default by
+            dtype, :data:`RTOL`).
+        **kwargs: Passed to ``get_valid_tactics`` and ``forward``, as ``choose_one`` does.
+
+    Returns:
+        The report: one :class:`TacticCheck` per (runner, tactic) other than the fallback.
+
+    Raises:
+        ConfigError: No runners.
+    """
+    if not runners:
+        raise ConfigError(f"check_tactics({op!r}) got no runners; pass the op's runners.")
+    profile = profile_for(config, inputs)
+    report = ConsistencyReport(op, profile.describe() if profile is not None else "no bucket")
+    reference_inputs = _copy(inputs)
+    try:
+        out = runners[0].forward(reference_inputs, tactic=FALLBACK_TACTIC, **kwargs)
+    except Exception as exc:  # reported, so a broken fallback is visible in the report
+        report.reference_error = f"{type(exc).__name__}: {exc}"
+        return report
+    reference = _tensors(out) + _tensors(reference_inputs)
+    for ri, runner in enumerate(runners):
+        name = short_runner_name(runner_id(runner))
+        try:
+            tactics = list(runner.get_valid_tactics(_copy(inputs), profile, **kwargs))
+        except Exception as exc:  # a runner that cannot list tactics is reported, not fatal
+            error = f"get_valid_tactics: {type(exc).__name__}: {exc}"
+            report.checks.append(TacticCheck(name, ri, None, math.nan, math.nan, False, error))
+            continue
+        for tactic in tactics:
+            if ri == 0 and tactic == FALLBACK_TACTIC:
+                continue
+            report.checks.append(
+                _check_one(name, ri, runner, tactic, inputs, reference, atol, rtol, kwargs)
+            )
+    return report
+
+
+def _check_one(
+    name: str,
+    index: int,
+    runner: TunableRunner,
+    tactic: Any,
+    inputs: Sequence[Any],
+    reference: list[torch.Tensor],
+    atol: float | None,
+    rtol: float | None,
+    kwargs: dict[str, Any],
+) -> TacticCheck:
+    copied = _copy(inputs)
+    try:
+        out = runner.forward(copied, tactic=tactic, **kwargs)
+    except Exception as exc:  # a tactic that raises is a failed check, with its error
+        return TacticCheck(
+            name, index, tactic, math.nan, math.nan, False, f"{type(exc).__name__}: {exc}"
+        )
+    max_abs, max_rel, ok, problem = _compare(
+        _tensors(out) + _tensors(copied), reference, atol, rtol
+    )
+    return TacticCheck(name, index, tactic, max_abs, max_rel, ok, problem)

@@ -1,0 +1,127 @@
+"""What identifies a runner in a cache key: its class, its configuration and its source code.
+
+* :func:`runner_id` is ``module.QualName``, followed by the runner's ``cache_key_extras()`` as
+  canonical JSON when that is not empty. By default the extras are the runner's configuration
+  (:func:`runner_config`): every instance attribute whose name does not start with ``_``, minus
+  the class's ``identity_excludes``, as ``{name: value}`` in :func:`~graphtune.autotuner.values.
+  identity_value` form. So two instances built with ``block_size=128`` and ``block_size=256``
+  never share a pick, and an attribute without a stable value raises an error naming it.
+* :func:`sources_digest` hashes the source files of the modules that define a runner's class and
+  its base classes (up to :class:`~graphtune.autotuner.runner.TunableRunner`), plus the modules
+  its class lists in ``source_modules`` (for example the module of its Triton kernels). It is
+  part of every cache key, so editing a kernel invalidates its picks. Each file is read and
+  hashed once per process.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import sys
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from graphtune.autotuner.values import canonical_text, identity_value
+
+#: Modules whose classes are never part of a runner's source identity (the interface itself).
+_INTERFACE_MODULES = frozenset({"builtins", "abc", "graphtune.autotuner.runner"})
+
+
+def _attribute_names(obj: Any) -> list[str]:
+    names = list(getattr(obj, "__dict__", {}))
+    for cls in type(obj).__mro__:
+        slots = cls.__dict__.get("__slots__", ())
+        names.extend([slots] if isinstance(slots, str) else slots)
+    seen: dict[str, None] = {}
+    for name in names:
+        if name not in ("__dict__", "__weakref__") and hasattr(obj, name):
+            seen.setdefault(name, None)
+    return list(seen)
+
+
+def runner_config(runner: Any) -> dict[str, Any]:
+    """The configuration a runner's identity holds by default (see the module docstring).
+
+    Raises:
+        IdentityError: An attribute's value has no stable text (names the attribute).
+    """
+    excluded = set(getattr(type(runner), "identity_excludes", ()))
+    owner = type(runner).__qualname__
+    config = {}
+    for name in sorted(_attribute_names(runner)):
+        if name.startswith("_") or name in excluded:
+            continue
+        config[name] = identity_value(getattr(runner, name), f"attribute {name!r} of {owner}")
+    return config
+
+
+def runner_id(runner: Any) -> str:
+    """Stable identity of a runner for cache keys: ``module.QualName`` plus its extras as JSON.
+
+    Raises:
+        IdentityError: The extras hold a value without a stable text.
+    """
+    cls = type(runner)
+    ident = f"{cls.__module__}.{cls.__qualname__}"
+    extras = runner.cache_key_extras()
+    if extras:
+        ident += canonical_text(identity_value(list(extras), f"cache_key_extras() of {ident}"))
+    return ident
+
+
+def short_runner_name(ident: str) -> str:
+    """The class name part of a runner id, for tables."""
+    base, bracket, rest = ident.partition("[")
+    return base.rsplit(".", 1)[-1] + (bracket + rest if bracket else "")
+
+
+@functools.cache
+def module_digest(name: str) -> str:
+    """SHA-256 of the source file of module ``name`` (``""`` when it has none), once per process.
+
+    A loaded module's ``__file__`` is used; otherwise the file is located without importing it.
+    """
+    module = sys.modules.get(name)
+    path = getattr(module, "__file__", None)
+    if path is None:
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            spec = None
+        path = spec.origin if spec is not None else None
+    if not path or not path.endswith(".py"):
+        return ""
+    try:
+        with open(path, "rb") as handle:
+            return hashlib.sha256(handle.read()).hexdigest()
+    except OSError:
+        return ""
+
+
+_CLASS_MODULES: dict[type, tuple[str, ...]] = {}
+
+
+def _class_modules(cls: type) -> tuple[str, ...]:
+    found = _CLASS_MODULES.get(cls)
+    if found is None:
+        names = {c.__module__ for c in cls.__mro__ if c.__module__ not in _INTERFACE_MODULES}
+        names.update(getattr(cls, "source_modules", ()))
+        found = _CLASS_MODULES[cls] = tuple(sorted(names))
+    return found
+
+
+def source_modules(runners: Iterable[Any]) -> tuple[str, ...]:
+    """Every module whose source is part of these runners' identity, sorted."""
+    names: set[str] = set()
+    for runner in runners:
+        names.update(_class_modules(type(runner)))
+    return tuple(sorted(names))
+
+
+def sources_digest(runners: Sequence[Any]) -> str:
+    """A 16-hex-digit hash of the source files behind ``runners`` (see the module docstring)."""
+    h = hashlib.sha256()
+    for name in source_modules(runners):
+        h.update(f"{name}={module_digest(name)};".encode())
+    return h.hexdigest()[:16]

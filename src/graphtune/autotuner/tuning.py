@@ -1,0 +1,453 @@
+"""One op's tuning run: every missing profile (bucket combination) timed and decided.
+
+:class:`TuningRun` is made by ``AutoTuner.choose_one`` on a miss in tuning mode and holds what
+the run needs (the op, its runners and config, the executor, the distributed coordinator, the
+policy); the tuner stores what each profile decided through ``on_profile``. The run:
+
+1. synthesizes one input set per missing profile and asks every runner for its valid tactics
+   there (blocklisted ones are dropped, and the fallback ``-1`` is a candidate only where a
+   runner lists it);
+2. lets each runner prepare all its tactics of all profiles at once (``prepare_all``: Triton
+   runners compile them in parallel), untimed;
+3. per profile: a lone candidate is picked without timing (there is nothing to choose); else
+   the candidates are prepared and timed by the schedule of :mod:`graphtune.autotuner.schedule`
+   and the rule of :mod:`graphtune.autotuner.selection`. A profile where every candidate failed
+   is *not* cached (a later run retries it); when they all failed with one and the same
+   ``TypeError``, the runner's signature is wrong and a :class:`~graphtune.errors.ConfigError`
+   says so instead.
+
+Faults are data (docs/design.md, principle 5): a tactic that raises, hangs, crashes or returns a
+garbage time (NaN, inf, <= 0) counts as infinitely slow, with its reason counted in
+``TunerStats.tactic_failures``. Tactics that crashed, hung or corrupted the CUDA context go on the
+cache's blocklist.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from graphtune.autotuner.cache import TuningCache
+from graphtune.autotuner.config import TuningConfig
+from graphtune.autotuner.distributed import OpCoordinator
+from graphtune.autotuner.entries import BlockedTactic, CacheEntry, CacheKey, tactic_text
+from graphtune.autotuner.identity import short_runner_name
+from graphtune.autotuner.isolation import Executor, TacticFailure
+from graphtune.autotuner.policy import TuningPolicy
+from graphtune.autotuner.profiles import (
+    Profile,
+    generate_profiles,
+    input_sets,
+    static_inputs_memo,
+    synthesize_inputs,
+)
+from graphtune.autotuner.runner import FALLBACK_TACTIC, TunableRunner
+from graphtune.autotuner.schedule import (
+    Candidate,
+    interleave,
+    record,
+    remeasure_top,
+    select,
+    settle,
+)
+from graphtune.autotuner.selection import ProfileRecord
+from graphtune.autotuner.stats import TunerStats
+from graphtune.errors import ConfigError, TuningError
+from graphtune.reporting import ProgressTask, progress
+
+logger = logging.getLogger(__name__)
+
+#: Bytes all input sets of one profile may take together (``TuningPolicy.input_sets``): sets
+#: past the first are only made while they fit, so a large weight is not copied several times.
+INPUT_SET_BYTES = 1 << 30
+
+
+def _text(tactic: Any) -> str:
+    return tactic_text(tactic)
+
+
+class FailureLog:
+    """Counts failures in ``stats.tactic_failures`` and warns once per (op, reason)."""
+
+    def __init__(self, stats: TunerStats) -> None:
+        self.stats = stats
+        self.logged: set[tuple[str, str]] = set()
+
+    def add(self, op: str, runner: TunableRunner, what: str, exc: Exception) -> None:
+        """Counts one failure of ``runner``'s ``what`` (e.g. ``"timing of tactic 3"``)."""
+        if isinstance(exc, TacticFailure):
+            reason, detail = exc.reason, exc.detail
+        else:
+            reason, detail = type(exc).__name__, str(exc)
+        failures = self.stats.tactic_failures
+        failures[reason] = failures.get(reason, 0) + 1
+        name = type(runner).__qualname__
+        if (op, reason) in self.logged:
+            logger.debug("op %r: %s %s failed: %s: %s", op, name, what, reason, detail)
+            return
+        self.logged.add((op, reason))
+        logger.warning(
+            "op %r: %s %s failed (%s: %s); it counts as infinitely slow and tuning goes on. "
+            "Further %s failures of this op are counted in stats.tactic_failures only.",
+            op,
+            name,
+            what,
+            reason,
+            detail,
+            reason,
+        )
+
+
+@dataclass
+class ProfileOutcome:
+    """What one profile decided: its key and pick (``None`` when every candidate failed, which is
+    not cached) and the record of what was measured."""
+
+    profile: Profile
+    key: CacheKey
+    entry: CacheEntry | None
+    record: ProfileRecord
+
+
+@dataclass
+class _Plan:
+    profile: Profile
+    key: CacheKey
+    first: list[Any]
+    candidates: list[Candidate]
+
+
+@dataclass
+class TuningRun:
+    """One op's tuning (see the module docstring). Fields are what the run reads and writes.
+
+    Attributes:
+        op: Op name.
+        runners: The op's runners.
+        ids: Their identities.
+        config: The op's tuning config.
+        inputs: The live inputs.
+        kwargs: ``choose_one``'s keyword arguments, passed to ``get_valid_tactics`` and
+            ``forward``.
+        device: Device of the inputs.
+        make_key: The cache key of a profile.
+        policy: Measurement and tie knobs.
+        cache: Consulted for what is cached and blocklisted; blocked tactics are added to it.
+        executor: Where tactics are prepared and timed.
+        coordinator: How ranks share the work (non-distributed: an ``independent`` one).
+        stats: Counters to update.
+        failures: The failure counter and once-per-reason warnings.
+        on_profile: Receives each profile's outcome as soon as it is decided.
+        clock: Seconds, for the time accounting in ``stats``.
+        show_progress: Force the progress bar on or off; ``None`` decides from the terminal.
+        only: Tune just this profile key (if it is missing) instead of every missing profile.
+    """
+
+    op: str
+    runners: list[TunableRunner]
+    ids: tuple[str, ...]
+    config: TuningConfig
+    inputs: list[Any]
+    kwargs: dict[str, Any]
+    device: torch.device
+    make_key: Callable[[Profile], CacheKey]
+    policy: TuningPolicy
+    cache: TuningCache
+    executor: Executor
+    coordinator: OpCoordinator
+    stats: TunerStats
+    failures: FailureLog
+    on_profile: Callable[[ProfileOutcome], None]
+    clock: Callable[[], float]
+    show_progress: bool | None = None
+    only: CacheKey | None = None
+    _errors: dict[tuple[int, int], tuple[str, str]] = field(default_factory=dict)
+    _synthesized: dict[Any, Any] = field(default_factory=dict)
+
+    @contextmanager
+    def _phase(self, name: str) -> Iterator[None]:
+        start = self.clock()
+        try:
+            yield
+        finally:
+            seconds = self.stats.phase_seconds
+            seconds[name] = seconds.get(name, 0.0) + self.clock() - start
+
+    def run(self) -> int:
+        """Tunes the missing profiles; returns how many were decided."""
+        start = self.clock()
+        plans = self.plan()
+        with self._phase("prepare"):
+            self._prepare_all(plans)
+        total = sum(len(p.candidates) for p in plans) * self.policy.rounds
+        starts = self.executor.starts
+        try:
+            with progress(f"tuning {self.op}", total, enabled=self.show_progress) as bar:
+                for plan in plans:
+                    self.on_profile(self._tune_profile(plan, bar))
+        finally:
+            self.executor.end()
+            self.stats.workers_started += self.executor.starts - starts
+            self.stats.tuning_seconds += self.clock() - start
+        return len(plans)
+
+    def plan(self, *, local: bool = False) -> list[_Plan]:
+        """The missing profiles with their first input set and candidates. ``local``: what is
+        missing here, without asking the other ranks (no collective)."""
+        profiles = [(p, self.make_key(p)) for p in generate_profiles(self.config, self.inputs)]
+        if self.only is not None:
+            profiles = [(p, k) for p, k in profiles if k == self.only]
+        keys = [k for _, k in profiles]
+        cached = [k in self.cache for k in keys]
+        todo = [not c for c in cached] if local else self.coordinator.profiles_to_tune(keys, cached)
+        tuned = [p for (p, _), t in zip(profiles, todo, strict=True) if t]
+        self._synthesized = static_inputs_memo(tuned)
+        plans = []
+        for (profile, key), tune in zip(profiles, todo, strict=True):
+            if tune:
+                with self._phase("inputs"):
+                    first = synthesize_inputs(
+                        self.config, self.inputs, profile, memo=self._synthesized
+                    )
+                with self._phase("tactics"):
+                    candidates = self._candidates(first, profile)
+                plans.append(_Plan(profile, key, first, candidates))
+        return plans
+
+    def prepare_work(
+        self, plans: list[_Plan]
+    ) -> list[tuple[TunableRunner, list[tuple[list[Any], list[Any]]]]]:
+        """Per runner, the ``(inputs, tactics)`` its ``prepare_all`` gets (profiles with a lone
+        candidate are left out: it is not timed)."""
+        out = []
+        for ri, runner in enumerate(self.runners):
+            work = []
+            for plan in plans:
+                tactics = [c.tactic for c in plan.candidates if c.runner_index == ri]
+                if tactics and len(plan.candidates) > 1:
+                    work.append((plan.first, tactics))
+            if work:
+                out.append((runner, work))
+        return out
+
+    # -- candidates ----------------------------------------------------------------------------
+
+    def _candidates(self, inputs: list[Any], profile: Profile) -> list[Candidate]:
+        candidates: list[Candidate] = []
+        for ri, runner in enumerate(self.runners):
+            try:
+                tactics = list(runner.get_valid_tactics(inputs, profile, **self.kwargs))
+            except Exception as exc:  # a broken runner is data (docs/design.md, principle 5)
+                self.failures.add(self.op, runner, "get_valid_tactics", exc)
+                continue
+            if not tactics and getattr(runner, "requires_tactic", False):
+                raise TuningError(
+                    f"op {self.op!r} [{profile.describe()}]: {type(runner).__qualname__}"
+                    ".get_valid_tactics returned no tactic, but the runner declares "
+                    "requires_tactic = True. Loosen its pruning rules for this shape, or set "
+                    "requires_tactic = False if the runner may not apply to it."
+                )
+            for ti, tactic in enumerate(tactics):
+                blocked = self.cache.blocked(self.ids[ri], tactic)
+                if blocked is not None:  # crashed or hung before: never run it again
+                    self.stats.tactics_blocked += 1
+                    logger.info(
+                        "op %r: skipping blocklisted %s tactic %s (%s); clear it with "
+                        "`graphtune cache unblock FILE` to retry",
+                        self.op,
+                        short_runner_name(self.ids[ri]),
+                        _text(tactic),
+                        blocked.reason,
+                    )
+                    continue
+                candidates.append(Candidate(ri, runner, ti, tactic))
+        return candidates
+
+    def _prepare_all(self, plans: list[_Plan]) -> None:
+        for runner, work in self.prepare_work(plans):
+            try:
+                self.executor.prepare_all(runner, work)
+            except TacticFailure as failure:  # each tactic's own prepare reports it again
+                if failure.fatal:
+                    raise TuningError(
+                        f"op {self.op!r}: {type(runner).__qualname__}.prepare_all corrupted the "
+                        f"CUDA context of this process ({failure.detail}); restart the process."
+                    ) from None
+                logger.warning(
+                    "op %r: %s.prepare_all failed (%s); tactics are prepared one at a time",
+                    self.op,
+                    type(runner).__qualname__,
+                    failure,
+                )
+
+    # -- one profile ---------------------------------------------------------------------------
+
+    def _tune_profile(self, plan: _Plan, bar: ProgressTask) -> ProfileOutcome:
+        start = self.clock()
+        profile, config = plan.profile, self.config
+        label = f"{self.op} [{profile.describe()}]"
+        with self._phase("inputs"):
+            sets = input_sets(
+                config,
+                self.inputs,
+                profile,
+                self.device,
+                self.policy.input_sets,
+                INPUT_SET_BYTES,
+                first=plan.first,
+                memo=self._synthesized,
+            )
+        self.executor.begin(self.runners, sets, rotate_in_call=config.cold_l2, kwargs=self.kwargs)
+        # With rotated copies, one sample must walk through all of them, or the few it touches
+        # stay in L2 (a graph timer replays the same ``repeat`` calls).
+        repeat = max(config.repeat, len(sets)) if config.cold_l2 else config.repeat
+        # Collective strategies leave one agreed time per candidate: no band to refine.
+        adaptive = not self.coordinator.setting.collective
+
+        def time_here(cands: list[Candidate]) -> None:
+            self._time_candidates(cands, bar, repeat, label, adaptive)
+
+        # The seam of distributed tuning: which candidates this rank times, and the agreed times.
+        # Everything below uses only what coord.run left, identical on every rank.
+        candidates = self.coordinator.run(plan.candidates, time_here, skip_single=True)
+        self.executor.end()
+        with self._phase("select"):
+            return self._decide(plan, candidates, self.clock() - start, label)
+
+    def _decide(
+        self, plan: _Plan, candidates: list[Candidate], seconds: float, label: str
+    ) -> ProfileOutcome:
+        profile, ids = plan.profile, self.ids
+        ordered, chosen = select(candidates, self.policy.tie_rule)
+        lone = len(candidates) == 1 and not candidates[0].samples and not candidates[0].failed
+        if lone:  # nothing to choose: picked without timing
+            only = candidates[0]
+            self.stats.untimed_picks += 1
+            chosen = type(chosen)(0, 0, (True,), (), chosen.tie_band)
+            entry = CacheEntry(ids[only.runner_index], only.runner_index, only.tactic, None, None)
+            rec = record(self.op, profile.describe(), ids, ordered, chosen, seconds)
+            return ProfileOutcome(profile, plan.key, entry, rec)
+        rec = record(self.op, profile.describe(), ids, ordered, chosen, seconds)
+        winner = ordered[chosen.winner] if chosen.winner is not None else None
+        if winner is None:
+            self._check_signature(candidates, label)
+            self.stats.profiles_failed += 1
+            if (self.op, "every candidate") not in self.failures.logged:
+                self.failures.logged.add((self.op, "every candidate"))
+                logger.warning(
+                    "%s: every (runner, tactic) failed (see the earlier warnings for the "
+                    "errors); nothing is cached, so look-ups run the fallback %s tactic -1 and a "
+                    "later tuning run tries again. Further such profiles of this op are counted "
+                    "in stats.profiles_failed only.",
+                    label,
+                    short_runner_name(ids[0]),
+                )
+            return ProfileOutcome(profile, plan.key, None, rec)
+        self.stats.profiles_tuned += 1
+        fallback = next(
+            (c for c in candidates if c.runner_index == 0 and c.tactic == FALLBACK_TACTIC), None
+        )
+        fallback_us = fallback.score if fallback is not None else math.inf
+        entry = CacheEntry(
+            ids[winner.runner_index],
+            winner.runner_index,
+            winner.tactic,
+            winner.score,
+            fallback_us if math.isfinite(fallback_us) else None,
+        )
+        return ProfileOutcome(profile, plan.key, entry, rec)
+
+    def _check_signature(self, candidates: list[Candidate], label: str) -> None:
+        """Every candidate failed: if all with one and the same ``TypeError``, it is the
+        runners' signature, not the tactics; say so instead of tuning on."""
+        if self.coordinator.setting.collective or not candidates:
+            return  # other ranks' errors are not known here; stay rank-consistent
+        errors = {self._errors.get((c.runner_index, c.tactic_index)) for c in candidates}
+        if len(errors) != 1:
+            return
+        (error,) = errors
+        if error is None or error[0] != "TypeError":
+            return
+        names = sorted({type(c.runner).__qualname__ for c in candidates})
+        raise ConfigError(
+            f"{label}: every (runner, tactic) of {', '.join(names)} failed with the same "
+            f"TypeError ({error[1]}), so the runner's signature does not match how graphtune "
+            "calls it: runner.forward(inputs, tactic=..., **kwargs) and "
+            "runner.get_valid_tactics(inputs, profile, **kwargs), with the keyword arguments "
+            "given to choose_one. Declare forward(self, inputs, *, tactic=-1, **kwargs)."
+        )
+
+    # -- timing --------------------------------------------------------------------------------
+
+    def _time_candidates(
+        self,
+        candidates: list[Candidate],
+        bar: ProgressTask,
+        repeat: int,
+        label: str,
+        adaptive: bool,
+    ) -> None:
+        """Prepares and times ``candidates`` in this process, interleaved, the top few again,
+        then (``adaptive``) the fastest and the undecided ones until they are decided."""
+        with self._phase("prepare"):
+            for cand in candidates:
+                try:
+                    self.executor.prepare(cand.runner_index, cand.runner, cand.tactic)
+                except TacticFailure as failure:  # recorded as a failed tactic; tuning goes on
+                    self._fail(cand, "prepare", failure, label)
+
+        def measure(cand: Candidate) -> None:
+            self._measure(cand, repeat, label)
+
+        policy = self.policy
+        interleave(candidates, measure, policy.rounds, lambda: bar.advance(label))
+        remeasure_top(candidates, measure, policy.remeasure_top, policy.rounds)
+        if adaptive:
+            extra = settle(candidates, measure, policy.tie_rule, policy.max_extra_rounds)
+            self.stats.extra_rounds += extra
+            if extra:
+                logger.debug("%s: %d extra round(s) to decide near-ties", label, extra)
+        self.stats.tactics_timed += sum(1 for c in candidates if c.failed is None and c.samples)
+
+    def _measure(self, cand: Candidate, repeat: int, label: str) -> None:
+        self.stats.measurements += 1
+        try:
+            with self._phase("measure"):
+                value = self.executor.measure(
+                    cand.runner_index,
+                    cand.runner,
+                    cand.tactic,
+                    warmup=self.config.warmup,
+                    repeat=repeat,
+                    sample=len(cand.samples),
+                )
+        except TacticFailure as failure:  # a failing tactic is data: infinite time, counted
+            self._fail(cand, "timing", failure, label)
+            return
+        cand.samples.append(value)
+
+    def _fail(self, cand: Candidate, stage: str, failure: TacticFailure, label: str) -> None:
+        cand.failed = failure.reason
+        self._errors[(cand.runner_index, cand.tactic_index)] = (failure.reason, failure.detail)
+        what = f"{stage} of tactic {_text(cand.tactic)}"
+        self.failures.add(self.op, cand.runner, what, failure)
+        if failure.block:
+            self.cache.block(
+                BlockedTactic(
+                    self.ids[cand.runner_index], cand.tactic, str(failure), self.op, label
+                )
+            )
+        if failure.fatal:
+            raise TuningError(
+                f"op {self.op!r}: {type(cand.runner).__qualname__} {what} corrupted the CUDA "
+                f"context of this process ({failure.detail}). Nothing in this process can use "
+                "CUDA any more; the tactic is on the cache's blocklist, which autotune() saves, "
+                "so a restarted process skips it. Tune with AutoTuner(isolation='subprocess') to "
+                "survive such tactics without restarting."
+            )

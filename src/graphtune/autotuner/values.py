@@ -1,0 +1,141 @@
+"""JSON forms of the values the tuner stores: tactics (lossless) and identities (canonical).
+
+Two encodings, for two jobs:
+
+* :func:`encode_value` / :func:`decode_value` keep a tactic's Python type through a JSON file: a
+  tuple comes back a tuple, an int an int, a float a float, a dict with non-string keys a dict with
+  those keys. JSON has lists and string-keyed objects only, so a tuple is written
+  ``{"__tuple__": [...]}`` and a dict whose keys are not all plain strings (or that could be read
+  as such a tag) ``{"__dict__": [[key, value], ...]}``. Every other value is written as itself.
+* :func:`identity_value` turns configuration (a runner's attributes, ``choose_one`` keyword
+  arguments) into canonical JSON for a cache key. It accepts only values whose text is the same
+  in every process: ``None``, bools, ints, finite floats, strings, tuples and lists, dicts with
+  string keys, ``torch.dtype`` and ``torch.device`` (their ``str``), enum members
+  (``"Class.NAME"``) and dataclass instances (their fields). Anything else (a tensor, a lock, an
+  arbitrary object whose ``str`` holds a memory address) raises :class:`IdentityError` naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import math
+from typing import Any
+
+import torch
+
+from graphtune.errors import ConfigError
+
+_TUPLE = "__tuple__"
+_DICT = "__dict__"
+
+
+class IdentityError(ConfigError):
+    """A value that must be part of a cache key has no stable text across processes."""
+
+
+def encode_value(value: Any) -> Any:
+    """The JSON form of ``value`` that :func:`decode_value` turns back into an equal value of the
+    same types.
+
+    Raises:
+        TypeError: A value that is not None, a bool, int, float, string, tuple, list or dict.
+        ValueError: A non-finite float (JSON has none).
+    """
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"non-finite float {value!r} cannot be stored in JSON")
+        return value
+    if isinstance(value, tuple):
+        return {_TUPLE: [encode_value(v) for v in value]}
+    if isinstance(value, list):
+        return [encode_value(v) for v in value]
+    if isinstance(value, dict):
+        plain = all(isinstance(k, str) for k in value) and not (
+            len(value) == 1 and next(iter(value)) in (_TUPLE, _DICT)
+        )
+        if plain:
+            return {k: encode_value(v) for k, v in value.items()}
+        return {_DICT: [[encode_value(k), encode_value(v)] for k, v in value.items()]}
+    raise TypeError(
+        f"{type(value).__name__} {value!r} is not a JSON value; tactics must be None, bools, "
+        "ints, floats, strings, tuples, lists or dicts of those"
+    )
+
+
+def decode_value(data: Any) -> Any:
+    """Inverse of :func:`encode_value`; raises ``ValueError`` or ``TypeError`` on bad tags."""
+    if isinstance(data, list):
+        return [decode_value(v) for v in data]
+    if isinstance(data, dict):
+        if len(data) == 1 and _TUPLE in data:
+            items = data[_TUPLE]
+            if not isinstance(items, list):
+                raise ValueError(f"malformed tuple {data!r}")
+            return tuple(decode_value(v) for v in items)
+        if len(data) == 1 and _DICT in data:
+            pairs = data[_DICT]
+            if not isinstance(pairs, list) or any(
+                not isinstance(p, list) or len(p) != 2 for p in pairs
+            ):
+                raise ValueError(f"malformed dict {data!r}")
+            return {_hashable(decode_value(k)): decode_value(v) for k, v in pairs}
+        return {k: decode_value(v) for k, v in data.items()}
+    return data
+
+
+def _hashable(key: Any) -> Any:
+    if isinstance(key, list):  # cannot be a dict key; encode_value never writes one
+        raise TypeError(f"a dict key cannot be a list: {key!r}")
+    return key
+
+
+def identity_value(value: Any, where: str) -> Any:
+    """The canonical JSON form of configuration ``value`` (see the module docstring).
+
+    Args:
+        value: The value.
+        where: What it is, for the error (e.g. ``"attribute 'block' of MyRunner"``).
+
+    Raises:
+        IdentityError: The value (or one nested in it) has no stable text.
+    """
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise IdentityError(f"{where} is {value!r}; a cache key needs a finite number.")
+        return value
+    if isinstance(value, enum.Enum):
+        return f"{type(value).__qualname__}.{value.name}"
+    if isinstance(value, (torch.dtype, torch.device)):
+        return str(value)
+    if isinstance(value, (tuple, list)):
+        return [identity_value(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, (set, frozenset)):
+        items = [identity_value(v, f"{where} item") for v in value]
+        return sorted(items, key=lambda item: json.dumps(item, sort_keys=True))
+    if isinstance(value, dict):
+        bad = [k for k in value if not isinstance(k, str)]
+        if bad:
+            raise IdentityError(
+                f"{where} has the non-string key {bad[0]!r}; a cache key needs string keys."
+            )
+        return {k: identity_value(v, f"{where}[{k!r}]") for k, v in value.items()}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+        return {type(value).__qualname__: identity_value(fields, where)}
+    raise IdentityError(
+        f"{where} is a {type(value).__qualname__}, which has no stable value across processes, "
+        "so it cannot be part of the runner's cache key. Make it private (a leading underscore), "
+        "list it in the runner class's identity_excludes, or override cache_key_extras() to "
+        "state the runner's key."
+    )
+
+
+def canonical_text(value: Any) -> str:
+    """Compact JSON with sorted keys: equal configurations give equal text in every process."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False)

@@ -1,0 +1,97 @@
+"""The decode step of the tuner's CLI commands, built by the engine's own factories.
+
+``graphtune tune``, ``graphtune check-tactics`` and ``benchmarks/tuning_time.py`` need the decode
+step of a model (random weights of its shapes): they tune it with
+:func:`graphtune.engine.tuning.tune_step` or check the op calls it makes
+(:func:`graphtune.engine.tuning.record_step_calls`), so they tune and check exactly what the
+engine's step looks up, with no hand-kept op list. The step comes from
+:func:`graphtune.engine.build.build_step`, as the engine's does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from graphtune.autotuner import AutoTuner, OpCall
+
+
+def resolve_device_and_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
+    """``--device`` / ``--dtype`` values (``auto``: CUDA and bfloat16 when available) resolved
+    by the engine's own helpers."""
+    from graphtune.engine.devices import resolve_device, resolve_dtype
+
+    resolved = resolve_device(device)
+    return resolved, resolve_dtype(dtype, resolved)
+
+
+def decode_step(
+    model: str,
+    max_batch: int,
+    tuner: AutoTuner,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_seq_len: int = 2048,
+) -> Any:
+    """The engine's decode step of ``model`` (random weights) for batches up to ``max_batch``.
+
+    Args:
+        model: Preset name or Hugging Face folder (``graphtune.engine.loading.load_config``).
+        max_batch: KV cache slots: the largest batch the step's ops are tuned for.
+        tuner: The tuner the step's ops ask.
+        device: Where to run.
+        dtype: Weight and activation dtype.
+        max_seq_len: KV cache length (part of decode attention's tuning key), rounded up to a
+            multiple of 16 as the Engine rounds its ``max_seq_len``.
+    """
+    from graphtune.engine.build import build_step
+    from graphtune.engine.kv_cache import KVCache, aligned_seq_len
+    from graphtune.engine.loading import load_config
+    from graphtune.engine.model import random_model
+
+    config = load_config(model)
+    weights = random_model(config, device=device, dtype=dtype)
+    cache = KVCache(config, max_batch, aligned_seq_len(max_seq_len), device, dtype)
+    return build_step(weights, cache, tuner=tuner)
+
+
+def decode_step_calls(
+    model: str, batch: int, *, device: torch.device, dtype: torch.dtype, max_seq_len: int = 256
+) -> list[OpCall]:
+    """The op calls of one decode step of ``batch`` rows, in call order (nothing is timed).
+
+    The KV cache holds random values and every row sits at position ``max_seq_len // 2`` of its
+    own slot, so attention's inputs are not trivial (zeros, or one visible key).
+    """
+    from graphtune.engine.tuning import record_step_calls
+
+    step = decode_step(
+        model, batch, AutoTuner(show_progress=False), device=device, dtype=dtype,
+        max_seq_len=max_seq_len,
+    )  # fmt: skip
+    gen = torch.Generator(device=device).manual_seed(0)
+    step.cache.k.normal_(generator=gen)
+    step.cache.v.normal_(generator=gen)
+    rows = torch.arange(batch, dtype=torch.long, device=device)
+    positions = torch.full_like(rows, step.cache.max_seq_len // 2)
+    return record_step_calls(step, (torch.zeros_like(rows), positions, rows))
+
+
+def tune_decode_step(
+    model: str,
+    max_batch: int,
+    tuner: AutoTuner,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_seq_len: int = 2048,
+) -> Any:
+    """Tunes the decode step of ``model`` for batch buckets up to ``max_batch`` with
+    :func:`graphtune.engine.tuning.tune_step` (call it inside ``autotune(cache, tuner)`` to
+    load and save a cache file); returns its ``TuneReport``."""
+    from graphtune.engine.tuning import tune_step
+
+    step = decode_step(model, max_batch, tuner, device=device, dtype=dtype, max_seq_len=max_seq_len)
+    return tune_step(step)

@@ -1,0 +1,169 @@
+"""``graphtune check-tactics``: does every (runner, tactic) of every decode op match the fallback?
+
+Runs one decode step of the model per batch size with an untuned tuner and records the op calls
+it makes (so exactly the ops and shapes the step uses), then runs every (runner, tactic) of each
+distinct call on copies of its inputs and compares outputs and in-place writes with the fallback's
+(:func:`graphtune.autotuner.check_tactics`). Exit 0 when all pass, 1 when any tactic differs or
+raises, 2 on bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from graphtune.errors import GraphtuneError
+
+
+def _batches(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"batch sizes must be integers >= 1, got {text!r}")
+    return values
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Adds ``check-tactics``."""
+    parser = subparsers.add_parser(
+        "check-tactics",
+        help="run every (runner, tactic) of the decode-step ops and compare with the fallback",
+        description=__doc__.split("\n\n")[1].replace("\n", " "),
+    )
+    parser.add_argument("--model", default="tiny", metavar="PRESET|PATH", help="default tiny")
+    parser.add_argument("--batch", type=_batches, default=(1, 8), metavar="1,8")
+    parser.add_argument("--max-seq-len", type=int, default=256, metavar="N")
+    parser.add_argument("--device", default="auto", help="auto (cuda if present), cuda, cpu")
+    parser.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, else float32)")
+    parser.add_argument("--atol", type=float, default=None, help="absolute tolerance (default 0)")
+    parser.add_argument(
+        "--rtol", type=float, default=None, help="relative tolerance (default by dtype)"
+    )
+    parser.add_argument("--json", type=Path, default=None, metavar="FILE", help="write a report")
+    parser.set_defaults(handler=run_check)
+
+
+def _call_key(call: Any) -> str:
+    from graphtune.autotuner.identity import runner_id
+    from graphtune.autotuner.profiles import profile_for
+
+    profile = profile_for(call.config, call.inputs)
+    shapes = profile.describe() if profile is not None else "-"
+    return json.dumps(
+        [call.op, [runner_id(r) for r in call.runners], shapes, call.kwargs], default=str
+    )
+
+
+def check_step(
+    model: str,
+    batches: tuple[int, ...],
+    *,
+    device: str = "auto",
+    dtype: str = "auto",
+    max_seq_len: int = 256,
+    atol: float | None = None,
+    rtol: float | None = None,
+) -> list[Any]:
+    """:class:`~graphtune.autotuner.ConsistencyReport` of every distinct op call of one decode
+    step of ``model`` at each batch size."""
+    from graphtune.autotuner import check_tactics
+    from graphtune.cli._step_calls import decode_step_calls, resolve_device_and_dtype
+
+    where, kind = resolve_device_and_dtype(device, dtype)
+    reports, seen = [], set()
+    for batch in batches:
+        for call in decode_step_calls(
+            model, batch, device=where, dtype=kind, max_seq_len=max_seq_len
+        ):
+            key = _call_key(call)
+            if key in seen:
+                continue
+            seen.add(key)
+            reports.append(
+                check_tactics(
+                    call.op,
+                    call.runners,
+                    call.config,
+                    call.inputs,
+                    atol=atol,
+                    rtol=rtol,
+                    **call.kwargs,
+                )
+            )
+    return reports
+
+
+def _number(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+def run_check(args: argparse.Namespace) -> int:
+    """Prints one row per (op call, runner, tactic); 1 when any check failed."""
+    from graphtune.reporting import render_table
+
+    try:
+        reports = check_step(
+            args.model,
+            args.batch,
+            device=args.device,
+            dtype=args.dtype,
+            max_seq_len=args.max_seq_len,
+            atol=args.atol,
+            rtol=args.rtol,
+        )
+    except (GraphtuneError, ValueError) as exc:
+        print(f"graphtune check-tactics: {exc}", file=sys.stderr)
+        return 2
+    rows = []
+    for report in reports:
+        if report.reference_error is not None:
+            rows.append((report.op, report.profile, "fallback", -1, None, None, "ERROR"))
+        for c in report.checks:
+            verdict = "ok" if c.passed else f"FAIL {c.error or ''}".strip()
+            rows.append(
+                (
+                    report.op,
+                    report.profile,
+                    c.runner,
+                    json.dumps(c.tactic),
+                    _number(c.max_abs),
+                    _number(c.max_rel),
+                    verdict[:60],
+                )
+            )
+    columns = ("op", "profile", "runner", "tactic", "max abs", "max rel", "result")
+    print(render_table(f"tactic consistency of {args.model}", columns, rows, width=200))
+    failed = [r for r in reports if not r.passed]
+    checked = sum(len(r.checks) for r in reports)
+    print(f"{checked} (runner, tactic) checked on {len(reports)} op calls; {len(failed)} failed")
+    if args.json is not None:
+        args.json.write_text(json.dumps([_report_json(r) for r in reports], indent=1))
+    return 1 if failed else 0
+
+
+def _report_json(report: Any) -> dict[str, Any]:
+    return {
+        "op": report.op,
+        "profile": report.profile,
+        "passed": report.passed,
+        "reference_error": report.reference_error,
+        "checks": [
+            {
+                "runner": c.runner,
+                "tactic": c.tactic,
+                "max_abs": _number(c.max_abs),
+                "max_rel": _number(c.max_rel),
+                "passed": c.passed,
+                "error": c.error,
+            }
+            for c in report.checks
+        ],
+    }

@@ -1,0 +1,64 @@
+"""``graphtune tune --from-misses FILE``: tune exactly the shapes a serving process missed.
+
+A serving process records every call that ran the fallback because its shape was not tuned
+(``AutoTuner.misses``, saved by ``autotune(misses_path=FILE)``, ``GRAPHTUNE_MISSES=FILE`` or
+``tuner.misses.save(FILE)``). This rebuilds each recorded call through the op registry of
+:mod:`graphtune.ops` (same runners, config and input shapes) and tunes only the bucket it missed,
+adding the picks to ``--cache``.
+
+``graphtune tune`` adds these options with :func:`add_arguments` and hands over to :func:`run`
+when ``--from-misses`` is given (no ``--model`` is needed then).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from graphtune.errors import GraphtuneError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds ``--from-misses FILE`` (and what it needs that ``tune`` may not have) to ``parser``."""
+    parser.add_argument(
+        "--from-misses",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="tune exactly the shapes recorded in this misses file (AutoTuner.misses.save); "
+        "--model is not needed then",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Tunes the recorded misses into ``args.cache``; prints the picks and what was skipped.
+
+    Reads ``args.from_misses``, ``args.cache``, ``args.device`` (``auto``: each record's own
+    device type) and ``args.timing``. Returns 0, 1 when a record could not be rebuilt, 2 on an
+    unreadable file.
+    """
+    import torch
+
+    import graphtune.ops  # noqa: F401  (registers the ops the records name)
+    from graphtune.autotuner import AutoTuner, autotune, load_misses
+    from graphtune.autotuner.timing import resolve_timer
+    from graphtune.ops.registry import tune_records
+
+    try:
+        records = load_misses(args.from_misses)
+        device = None if args.device == "auto" else torch.device(args.device)
+        timing = getattr(args, "timing", "auto")
+        timer = None if timing == "auto" else resolve_timer(timing, device or "cpu")
+        tuner = AutoTuner(timer=timer)
+        with autotune(args.cache, tuner, tune=True):
+            report = tune_records(records, tuner, device)
+    except GraphtuneError as exc:
+        print(f"graphtune tune --from-misses: {exc}", file=sys.stderr)
+        return 2
+    table = tuner.summary_table(f"picks for the {len(records)} recorded misses")
+    print(table or "every recorded shape was already in the cache file; nothing to tune")
+    for record, reason in report.skipped:
+        print(f"skipped {record.op}: {reason}")
+    print(f"{len(report.tuned)} of {len(records)} recorded calls tuned into {args.cache}")
+    return 1 if report.skipped else 0

@@ -1,0 +1,337 @@
+"""Triton compiles in worker processes, so that the GIL-bound part of compiling runs in parallel.
+
+Compiling a Triton kernel first runs Triton's code generator, Python code that turns the kernel's
+AST into Triton IR while holding the GIL; only the later LLVM passes and ``ptxas`` release it.
+Compile threads (:mod:`graphtune.ops._triton_runner`) therefore overlap the back end but not the
+front end, which is most of a small kernel's compile. This module moves the whole compile into
+worker processes and leaves the tuning process only loading the results:
+
+1. :func:`capturing`: the caller runs its launches (``launch(..., warmup=True)``) with Triton's
+   ``knobs.runtime.jit_cache_hook`` answering for this thread: every launch that would compile
+   records what Triton would compile (:class:`CompileJob`: the JIT function by module and name,
+   its signature, constants, attributes and options, and the target), and compiles nothing.
+2. :func:`compile_in_workers`: each distinct job goes to a pool of spawned processes, which call
+   ``triton.compile`` with exactly those arguments. Triton writes every binary to its on-disk
+   cache (``triton.knobs.cache.dir``; the workers are given the tuning process's folder).
+3. The caller then compiles in its own process as before. Triton computes the same cache key
+   there (same source, specialisation, options, target and environment), finds the binary on
+   disk and loads it instead of generating code.
+
+Nothing depends on the workers for correctness: a job a worker fails, or one whose binary is not
+found afterwards, is compiled in the tuning process with the error it raises there, exactly as
+without workers. Used when Triton compiles for a GPU (never under ``TRITON_INTERPRET=1``), its
+runtime has ``knobs.runtime.jit_cache_hook`` (Triton 3.4 and later), and
+``GRAPHTUNE_COMPILE_PROCESSES`` is not ``0`` (default ``min(16, cpu_count)`` processes). The
+pool starts for a batch of at least :data:`MIN_JOBS_TO_START` jobs, or earlier through
+:func:`start_compile_workers` (each worker imports torch and Triton once, which takes seconds, so
+``tune_step`` starts them before it plans the step when an op has no pick yet), and stays until
+:func:`close_compile_workers` (``tune_step`` calls it when it is done) or the end of the
+process. Workers never touch the GPU: the target is passed in, so compiling needs no CUDA
+context.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import importlib
+import json
+import logging
+import multiprocessing
+import os
+import pickle
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+from typing import Any
+
+from graphtune import env
+
+logger = logging.getLogger(__name__)
+
+#: Fewest jobs worth starting the worker processes for (a running pool takes any batch of 2+).
+MIN_JOBS_TO_START = 4
+
+
+@dataclass(frozen=True)
+class CompileJob:
+    """What Triton would compile for one launch (the arguments of ``triton.compile``).
+
+    Attributes:
+        module: Module of the ``@triton.jit`` function.
+        qualname: Its name in that module.
+        signature: Argument name -> Triton type, as the JIT computed it.
+        constants: The constexpr values by argument path.
+        attrs: The specialisation attributes (divisibility) by argument path.
+        options: The compile options (``num_warps``, ``num_stages``, ...), parsed by the backend.
+        target: The ``triton.backends.compiler.GPUTarget``.
+        ident: Text that is equal for two jobs exactly when they compile the same binary.
+    """
+
+    module: str
+    qualname: str
+    signature: dict[str, Any]
+    constants: dict[Any, Any]
+    attrs: dict[Any, Any]
+    options: dict[str, Any]
+    target: Any
+    ident: str
+
+
+@dataclass
+class WorkerReport:
+    """What one :func:`compile_in_workers` call did."""
+
+    jobs: int = 0
+    compiled: int = 0
+    failed: int = 0
+    seconds: float = 0.0
+
+
+def compile_processes() -> int:
+    """Worker processes to use: ``GRAPHTUNE_COMPILE_PROCESSES``, else ``min(16, cpu_count)``."""
+    chosen = env.compile_processes()
+    return chosen if chosen is not None else min(16, os.cpu_count() or 1)
+
+
+def _knobs() -> Any:
+    try:
+        import triton
+    except ImportError:
+        return None
+    knobs = getattr(triton, "knobs", None)
+    runtime = getattr(knobs, "runtime", None)
+    return knobs if runtime is not None and hasattr(runtime, "jit_cache_hook") else None
+
+
+def _has_target() -> bool:
+    """Whether Triton has a GPU to compile for (an active driver that names its target)."""
+    try:
+        _current_target()
+    except Exception:  # no active driver (a machine without a GPU): nothing compiles at all
+        return False
+    return True
+
+
+def enabled() -> bool:
+    """Whether compiles can go to worker processes here (see the module docstring)."""
+    from graphtune.ops._triton import kernels_interpreted, triton_available
+
+    return (
+        compile_processes() > 0
+        and triton_available()
+        and not kernels_interpreted()
+        and _knobs() is not None
+        and _has_target()
+    )
+
+
+# -- capture ------------------------------------------------------------------------------------
+
+_LOCAL = threading.local()
+_HOOK_LOCK = threading.Lock()
+_HOOK_USERS = 0
+_PREVIOUS_HOOK: Any = None
+
+
+def _current_target() -> Any:
+    from triton.runtime.driver import driver
+
+    return driver.active.get_current_target()
+
+
+def _tuples(value: Any) -> Any:
+    """JSON lists back to the tuples Triton's options hold (their text is part of the key)."""
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
+
+
+def _job_of(fn: Any, compile: dict[str, Any]) -> CompileJob | None:
+    """The job for one compile the JIT is about to do; ``None`` when a worker cannot import
+    the function (defined inside another function)."""
+    function = getattr(getattr(fn, "jit_function", None), "fn", None)
+    module = getattr(function, "__module__", None)
+    qualname = getattr(function, "__qualname__", "")
+    if not module or not qualname or "<locals>" in qualname:
+        return None
+    data = json.loads(compile["specialization_data"])
+    options = {k: _tuples(v) for k, v in data["options"].items()}
+    if isinstance(data.get("target"), dict):  # Triton 3.9 records it; older versions do not
+        from triton.backends.compiler import GPUTarget
+
+        target = GPUTarget(**data["target"])
+    else:
+        target = _current_target()
+    ident = repr((module, qualname, compile["key"], repr(target)))
+    return CompileJob(
+        module,
+        qualname,
+        dict(compile["signature"]),
+        dict(compile["constants"] or {}),
+        dict(compile["configs"][0]) if compile.get("configs") else {},
+        options,
+        target,
+        ident,
+    )
+
+
+def _hook(*, fn: Any, compile: dict[str, Any], **kwargs: Any) -> Any:
+    jobs = getattr(_LOCAL, "jobs", None)
+    if jobs is None:  # another thread's compile: not ours to capture
+        previous = _PREVIOUS_HOOK
+        return previous(fn=fn, compile=compile, **kwargs) if previous is not None else None
+    try:
+        job = _job_of(fn, compile)
+    except Exception as exc:  # a form this Triton serialises differently: compiled in-process
+        logger.debug("cannot hand %r to a compile worker: %s", fn, exc)
+        job = None
+    if job is not None:
+        jobs.append(job)
+    return True  # compile nothing now; the caller compiles (or loads) it afterwards
+
+
+@contextlib.contextmanager
+def capturing() -> Iterator[list[CompileJob]]:
+    """Within the block (this thread), every Triton launch that would compile appends its
+    :class:`CompileJob` to the yielded list and compiles nothing (``warmup`` returns ``None``).
+    Other threads compile as usual."""
+    global _HOOK_USERS, _PREVIOUS_HOOK
+    knobs = _knobs()
+    if knobs is None:
+        raise RuntimeError("capturing() needs Triton's knobs.runtime.jit_cache_hook")
+    with _HOOK_LOCK:
+        if _HOOK_USERS == 0:
+            _PREVIOUS_HOOK = knobs.runtime.jit_cache_hook
+            knobs.runtime.jit_cache_hook = _hook
+        _HOOK_USERS += 1
+    jobs: list[CompileJob] = []
+    _LOCAL.jobs = jobs
+    try:
+        yield jobs
+    finally:
+        _LOCAL.jobs = None
+        with _HOOK_LOCK:
+            _HOOK_USERS -= 1
+            if _HOOK_USERS == 0:
+                if knobs.runtime.jit_cache_hook is _hook:  # nobody replaced it meanwhile
+                    knobs.runtime.jit_cache_hook = _PREVIOUS_HOOK
+                _PREVIOUS_HOOK = None
+
+
+# -- workers ------------------------------------------------------------------------------------
+
+
+def _init_worker(cache_dir: str | None) -> None:
+    knobs = _knobs()
+    if cache_dir and knobs is not None:
+        knobs.cache.dir = cache_dir
+
+
+def _compile_job(job: CompileJob) -> str | None:
+    """In a worker: compiles ``job`` into Triton's on-disk cache; the error text, or ``None``."""
+    try:
+        import triton
+        from triton.compiler import ASTSource
+
+        function: Any = importlib.import_module(job.module)
+        for part in job.qualname.split("."):
+            function = getattr(function, part)
+        source = ASTSource(function, job.signature, job.constants, job.attrs)
+        triton.compile(source, target=job.target, options=dict(job.options))
+    except Exception as exc:  # reported; the tuning process compiles it again and raises there
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+_POOL_LOCK = threading.Lock()
+_POOL: ProcessPoolExecutor | None = None
+
+
+def _pool(start: bool) -> ProcessPoolExecutor | None:
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None and start:
+            knobs = _knobs()
+            cache_dir = getattr(getattr(knobs, "cache", None), "dir", None)
+            _POOL = ProcessPoolExecutor(
+                max_workers=compile_processes(),
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=_init_worker,
+                initargs=(cache_dir,),
+            )
+            logger.debug("started %d Triton compile workers", compile_processes())
+        return _POOL
+
+
+def _warm_up() -> None:
+    """In a worker: the one-time costs of its first compile (imports, Triton's own hash)."""
+    import triton.compiler  # noqa: F401
+
+    try:
+        from triton.runtime.cache import triton_key
+    except ImportError:  # kept elsewhere by this Triton: its first compile pays it instead
+        return
+    triton_key()
+
+
+def start_compile_workers() -> bool:
+    """Starts the worker processes now, without waiting for them (their imports then overlap
+    whatever the caller does before its first batch); returns whether they are used here."""
+    if not enabled():
+        return False
+    pool = _pool(start=True)
+    if pool is not None:
+        for _ in range(compile_processes()):
+            pool.submit(_warm_up)
+    return pool is not None
+
+
+def close_compile_workers() -> None:
+    """Stops the worker processes (a later batch starts them again)."""
+    global _POOL
+    with _POOL_LOCK:
+        pool, _POOL = _POOL, None
+    if pool is not None:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+atexit.register(close_compile_workers)
+
+
+def compile_in_workers(jobs: Sequence[CompileJob]) -> WorkerReport:
+    """Compiles each distinct job in the worker processes (into Triton's on-disk cache) and
+    waits for them; returns what happened. Does nothing when the pool is off or the batch too
+    small to start it; a broken pool is dropped (the caller compiles in-process either way)."""
+    distinct = list({job.ident: job for job in jobs}.values())
+    report = WorkerReport(jobs=len(distinct))
+    if len(distinct) < 2 or not enabled():
+        return report
+    pool = _pool(start=len(distinct) >= MIN_JOBS_TO_START)
+    if pool is None:
+        return report
+    started = time.perf_counter()
+    futures: list[Future[str | None]] = []
+    try:
+        for job in distinct:
+            pickle.dumps(job)  # a job that cannot travel is compiled in-process instead
+            futures.append(pool.submit(_compile_job, job))
+    except (pickle.PicklingError, TypeError, AttributeError, RuntimeError) as exc:
+        logger.debug("compile workers not used for this batch: %s", exc)
+    wait(futures)
+    for future in futures:
+        try:
+            error = future.result()
+        except BrokenProcessPool as exc:
+            logger.warning("a Triton compile worker died (%s); compiling in-process", exc)
+            close_compile_workers()
+            report.failed += 1
+            continue
+        if error is None:
+            report.compiled += 1
+        else:
+            report.failed += 1
+            logger.debug("compile worker: %s", error)
+    report.seconds = time.perf_counter() - started
+    return report

@@ -1,0 +1,188 @@
+"""What every GEMM runner shares: the input rules, ``out=`` and in-place handling, split-K
+plumbing, and the torch path.
+
+Inputs of every GEMM runner are ``[a, weight, bias, residual, inplace]`` (see
+:mod:`graphtune.ops.gemm`), plus, for ``forward`` only, an optional sixth element: the output
+tensor of ``gemm(..., out=)``. Where the result goes does not change which kernel is fastest, so
+it stays out of the inputs the tuner sees (and out of the cache key).
+
+Split-K (both Triton runners): ``split_k`` programs per output tile each sum one slice of ``K``
+into a float32 ``[split, M, N]`` partial (:func:`split_k_partials`), and
+``splitk_reduce_kernel`` sums the partials in a fixed order and adds bias and residual
+(:func:`reduce_split_k`): deterministic, no atomics, no zero-fill, so capturable.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from graphtune.autotuner.runner import FALLBACK_TACTIC, TunableRunner
+from graphtune.errors import InputError
+from graphtune.ops._triton import device_supported, kernels, run_kernel
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+"""Operand dtypes the Triton GEMM kernels take."""
+
+_Inputs = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None", "torch.Tensor | None", bool]
+
+
+def unpack_gemm_inputs(inputs: list[Any]) -> _Inputs:
+    """Unpacks ``[a, weight, bias, residual, inplace]`` and checks the shapes (an optional sixth
+    element, the output tensor, is read by :func:`out_of`)."""
+    a, weight, bias, residual, inplace = inputs[:5]
+    if a.dim() != 2 or weight.dim() != 2 or a.shape[1] != weight.shape[1]:
+        raise InputError(
+            f"GEMM needs a [M, K] and weight [N, K] with the same K, got a {tuple(a.shape)} and "
+            f"weight {tuple(weight.shape)}; flatten leading dims of a (gemm() does)."
+        )
+    if residual is not None and tuple(residual.shape) != (a.shape[0], weight.shape[0]):
+        raise InputError(
+            f"GEMM residual must be [M, N] = {[a.shape[0], weight.shape[0]]}, got "
+            f"{tuple(residual.shape)}."
+        )
+    if inplace and residual is None:
+        raise InputError("GEMM inplace=True accumulates into residual, so pass a residual.")
+    return a, weight, bias, residual, bool(inplace)
+
+
+def out_of(inputs: list[Any]) -> torch.Tensor | None:
+    """The caller's output tensor (``gemm(..., out=)``), passed to ``forward`` as a sixth input.
+
+    It is not part of the inputs the tuner sees: where the result goes does not change which
+    kernel is fastest, so it stays out of the cache key.
+    """
+    return inputs[5] if len(inputs) > 5 else None
+
+
+def triton_gemm_supports(inputs: list[Any]) -> bool:
+    """Whether the Triton GEMM kernels (tiled and GEMV) can run these inputs.
+
+    One float dtype for all operands, a 1-D bias, a contiguous residual, a Triton device.
+    """
+    a, weight, bias, residual, _ = unpack_gemm_inputs(inputs)
+    if a.dtype not in DTYPES or weight.dtype != a.dtype:
+        return False
+    if bias is not None and (bias.dtype != a.dtype or bias.dim() != 1):
+        return False
+    if residual is not None and (residual.dtype != a.dtype or not residual.is_contiguous()):
+        return False  # the split-K reduction indexes the residual as a flat [M * N]
+    return device_supported(a.device)
+
+
+def result_tensor(
+    inputs: list[Any], a: torch.Tensor, n: int, residual: torch.Tensor | None, inplace: bool
+) -> torch.Tensor:
+    """Where a Triton GEMM writes ``[M, N]``: ``out=``, else the residual in place, else new."""
+    out = out_of(inputs)
+    if out is not None:
+        return out
+    if inplace:
+        return residual
+    return torch.empty((a.shape[0], n), device=a.device, dtype=a.dtype)
+
+
+def split_k_partials(split: int, m: int, n: int, device: torch.device) -> torch.Tensor:
+    """The float32 ``[split, M, N]`` partials of a split-K launch.
+
+    Uninitialised on purpose: every element is written by exactly one program, so there is no
+    zero-fill kernel (and nothing that would have to run before a graph replay).
+    """
+    return torch.empty((split, m, n), device=device, dtype=torch.float32)
+
+
+def kernel_operands(
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    target: torch.Tensor,
+) -> tuple[tuple[Any, ...], tuple[int, ...]]:
+    """The pointer and stride arguments both Triton GEMM kernels take, in their order.
+
+    Returns:
+        ``(a, weight, bias, res, target)`` (an absent bias or residual is replaced by ``a``, an
+        unread placeholder pointer) and the strides of ``a``, ``weight``, ``res`` and ``target``
+        (the split stride is 0 unless ``target`` is ``[split, M, N]`` partials).
+    """
+    res = residual if residual is not None else a
+    pointers = (a, weight, bias if bias is not None else a, res, target)
+    strides = (
+        a.stride(0),
+        a.stride(1),
+        weight.stride(0),
+        weight.stride(1),
+        res.stride(0),
+        res.stride(1),
+        target.stride(0) if target.dim() == 3 else 0,
+        target.stride(-2),
+        target.stride(-1),
+    )
+    return pointers, strides
+
+
+def reduce_split_k(
+    partials: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    out: torch.Tensor,
+    warmup: bool,
+) -> None:
+    """Launches ``splitk_reduce_kernel``: ``out = sum(partials) (+ bias) (+ residual)``.
+
+    ``out`` and ``residual`` must be contiguous ``[M, N]`` (``out`` may be ``residual``); the sum
+    runs in a fixed order, so split-K results are deterministic.
+    """
+    split, m, n = partials.shape
+    block = 1024
+    placeholder = out  # unread pointer for an absent bias / residual (out's dtype, as theirs)
+    args = (
+        partials,
+        bias if bias is not None else placeholder,
+        residual if residual is not None else placeholder,
+        out,
+        m * n,
+        n,
+    )
+    meta = dict(
+        HAS_BIAS=bias is not None,
+        HAS_RES=residual is not None,
+        SPLIT_K=split,
+        BLOCK=block,
+        num_warps=4,
+    )
+    run_kernel(kernels().splitk_reduce_kernel, (math.ceil(m * n / block),), args, meta, warmup)
+
+
+def torch_gemm(inputs: list[Any]) -> torch.Tensor:
+    """The torch path: ``F.linear``, or ``addmm`` / ``addmm_`` with a residual."""
+    a, weight, bias, residual, inplace = unpack_gemm_inputs(inputs)
+    out = out_of(inputs)
+    if out is not None:
+        if residual is not None:
+            torch.addmm(residual, a, weight.t(), out=out)
+            return out.add_(bias) if bias is not None else out
+        if bias is not None:
+            return torch.addmm(bias, a, weight.t(), out=out)
+        return torch.mm(a, weight.t(), out=out)
+    if residual is None:
+        return F.linear(a, weight, bias)
+    if inplace:
+        out = residual.addmm_(a, weight.t())
+    else:
+        out = torch.addmm(residual, a, weight.t())
+    # A bias next to a residual is rare (no decode projection has both): a second rounding.
+    return out.add_(bias) if bias is not None else out
+
+
+class TorchGemmRunner(TunableRunner):
+    """``F.linear`` / ``torch.addmm`` (cuBLAS on CUDA); only the fallback tactic."""
+
+    def forward(
+        self, inputs: list[Any], tactic: Any = FALLBACK_TACTIC, **kwargs: Any
+    ) -> torch.Tensor:
+        """Runs :func:`torch_gemm`."""
+        return torch_gemm(inputs)

@@ -1,0 +1,221 @@
+"""Where tuning time goes and what makes it cheap: timer sessions reused across a candidate's
+measurements, the time accounting in ``stats``, and the source digest that invalidates picks."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Any
+
+import pytest
+import torch
+
+from graphtune.autotuner import (
+    AutoTuner,
+    DynamicTensorSpec,
+    TunableRunner,
+    TuningConfig,
+    TuningPolicy,
+    autotune,
+)
+from graphtune.autotuner import identity as identity_module
+from graphtune.autotuner.isolation import InProcessExecutor, TacticFailure
+from graphtune.autotuner.stats import PHASES
+from graphtune.autotuner.timing.base import Measurement, SessionTimer
+
+CONFIG = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0, (1, 4)),), warmup=0, repeat=1)
+
+
+class Cost(TunableRunner):
+    """Tactic ``t`` costs ``t`` (the fallback 10); a negative cost raises."""
+
+    def get_valid_tactics(self, inputs: list, profile: Any, **kwargs: Any) -> list:
+        return [-1, 1.0, 2.0, 3.0, -5.0]
+
+    def forward(self, inputs: list, *, tactic: Any = -1, **kwargs: Any) -> Any:
+        if tactic == -5.0:
+            raise RuntimeError("broken tactic")
+        return 10.0 if tactic == -1 else float(tactic)
+
+
+class FakeSession:
+    def __init__(self, timer: FakeSessionTimer, fn: Any) -> None:
+        self.timer, self.fn, self.closed = timer, fn, False
+
+    def measure(self) -> Measurement:
+        assert not self.closed
+        value = float(self.fn(0))
+        return Measurement.from_samples([value], calls_per_sample=1, timer="fake")
+
+    def close(self) -> None:
+        self.closed = True
+        self.timer.closed += 1
+
+    def __enter__(self) -> FakeSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class FakeSessionTimer:
+    """A SessionTimer whose set-up (``open``) is counted: one "capture" per session."""
+
+    name = "fake"
+
+    def __init__(self) -> None:
+        self.opened = 0
+        self.closed = 0
+
+    def open(self, fn: Any, *, warmup: int, repeat: int) -> FakeSession:
+        fn(0)  # set-up runs the call (a capture would), so a raising tactic fails here
+        self.opened += 1
+        return FakeSession(self, fn)
+
+    def measure(self, fn: Any, *, warmup: int, repeat: int) -> Measurement:
+        with self.open(fn, warmup=warmup, repeat=repeat) as session:
+            return session.measure()
+
+
+def test_a_session_timer_is_set_up_once_per_candidate_and_profile() -> None:
+    timer = FakeSessionTimer()
+    assert isinstance(timer, SessionTimer)
+    tuner = AutoTuner(timer, policy=TuningPolicy(rounds=3, remeasure_top=3), show_progress=False)
+    with autotune(None, tuner):
+        runner, tactic = tuner.choose_one("op", [Cost()], CONFIG, [torch.zeros(4, 2)])
+    assert tactic == 1.0
+    # 2 profiles x 4 working candidates opened once each (the raising one fails in open);
+    # 3 rounds + 3 re-measured = 6 measurements for the top 3, 3 for the fallback.
+    assert timer.opened == 2 * 4
+    assert tuner.stats.measurements == 2 * (3 * 5 + 3 * 3) - 2 * 2  # failed: measured once
+    assert timer.closed == timer.opened, "every session is closed when its profile ends"
+    assert tuner.stats.tactic_failures == {"RuntimeError": 2}
+
+
+def test_sessions_over_the_memory_budget_are_closed_after_each_measurement() -> None:
+    timer = FakeSessionTimer()
+    held = [0]
+
+    def reserved() -> int:
+        held[0] += 100  # every open grows the pool by 100 bytes
+        return held[0]
+
+    executor = InProcessExecutor(
+        timer, torch.device("cpu"), session_bytes=150, reserved_bytes=reserved
+    )
+    runner = Cost()
+    executor.begin([runner], [[torch.zeros(1)]])
+    for _ in range(3):
+        for tactic in (1.0, 2.0, 3.0):
+            executor.measure(0, runner, tactic, warmup=0, repeat=1)
+    # The first session fits (100 <= 150) and is reused; the others are re-opened each time.
+    assert timer.opened == 1 + 2 * 3 and executor.session_measurements == 2
+    with pytest.raises(TacticFailure):
+        executor.measure(0, runner, -5.0, warmup=0, repeat=1)
+    executor.end()
+    assert timer.closed == timer.opened
+
+
+def test_stats_say_where_the_tuning_time_went() -> None:
+    now = [0.0]
+
+    def clock() -> float:
+        now[0] += 0.001
+        return now[0]
+
+    tuner = AutoTuner(FakeSessionTimer(), show_progress=False, clock=clock)
+    with autotune(None, tuner):
+        tuner.choose_one("op", [Cost()], CONFIG, [torch.zeros(4, 2)])
+    phases = tuner.stats.phase_seconds
+    assert set(phases) == set(PHASES) and all(v > 0 for v in phases.values())
+    assert sum(phases.values()) <= tuner.stats.tuning_seconds
+    assert all(record.seconds > 0 for record in tuner.history)
+
+
+RUNNER_SOURCE = """
+from graphtune.autotuner import TunableRunner
+
+
+class SourceRunner(TunableRunner):
+    def get_valid_tactics(self, inputs, profile, **kwargs):
+        return [-1, 0]
+
+    def forward(self, inputs, *, tactic=-1, **kwargs):
+        return 1.0 if tactic == 0 else 2.0  # {version}
+"""
+
+
+def test_a_change_to_a_runner_source_invalidates_its_picks(tmp_path, monkeypatch) -> None:
+    module_file = tmp_path / "gt_source_runner.py"
+    module_file.write_text(RUNNER_SOURCE.format(version="v1"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module("gt_source_runner")
+    cache = tmp_path / "cache.json"
+
+    class ReportTimer:
+        name = "report"
+
+        def measure(self, fn: Any, *, warmup: int, repeat: int) -> Measurement:
+            return Measurement.from_samples([float(fn(0))], calls_per_sample=1, timer="report")
+
+    tuner = AutoTuner(ReportTimer(), show_progress=False)
+    with autotune(cache, tuner):
+        assert tuner.choose_one("op", [module.SourceRunner()], CONFIG, [torch.zeros(4, 2)])[1] == 0
+    same = AutoTuner(ReportTimer(), show_progress=False)
+    with autotune(cache, same, tune=False):
+        same.choose_one("op", [module.SourceRunner()], CONFIG, [torch.zeros(4, 2)])
+    assert same.stats.hits == 1
+    # The kernel is edited; a new process hashes the new source (modelled by clearing the
+    # once-per-process digest memo).
+    module_file.write_text(RUNNER_SOURCE.format(version="v2"))
+    identity_module.module_digest.cache_clear()
+    try:
+        edited = AutoTuner(ReportTimer(), show_progress=False)
+        with autotune(cache, edited, tune=False):
+            runner, tactic = edited.choose_one(
+                "op", [module.SourceRunner()], CONFIG, [torch.zeros(4, 2)]
+            )
+        assert tactic == -1 and edited.stats.misses == 1, "the old pick must not be used"
+    finally:
+        identity_module.module_digest.cache_clear()
+        sys.modules.pop("gt_source_runner", None)
+
+
+class SeesInputs(TunableRunner):
+    """Records the storage of each input it runs on."""
+
+    identity_excludes = frozenset({"seen"})
+
+    def __init__(self) -> None:
+        self.seen: set[tuple[int, tuple[int, ...], int]] = set()
+
+    def get_valid_tactics(self, inputs: list, profile: Any, **kwargs: Any) -> list:
+        return [-1, 0]
+
+    def forward(self, inputs: list, *, tactic: Any = -1, **kwargs: Any) -> Any:
+        self.seen.update((i, tuple(x.shape), x.data_ptr()) for i, x in enumerate(inputs))
+        return 1.0
+
+
+def test_an_input_of_the_same_shape_in_every_bucket_is_synthesized_once() -> None:
+    runner = SeesInputs()
+    tuner = AutoTuner(FakeSessionTimer(), show_progress=False)
+    config = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0, (1, 2, 4, 8)),), warmup=0)
+    with autotune(None, tuner):
+        tuner.choose_one("op", [runner], config, [torch.zeros(8, 4), torch.zeros(16, 4)])
+    weights = {ptr for i, _, ptr in runner.seen if i == 1}
+    activations = {shape for i, shape, _ in runner.seen if i == 0}
+    assert len(weights) == 1  # one weight tensor for the four buckets
+    assert activations == {(1, 4), (2, 4), (4, 4), (8, 4)}
+
+
+def test_session_bytes_zero_captures_again_for_every_measurement() -> None:
+    timer = FakeSessionTimer()
+    policy = TuningPolicy(rounds=3, remeasure_top=0, session_bytes=0)
+    tuner = AutoTuner(timer, policy=policy, show_progress=False)
+    with autotune(None, tuner):
+        tuner.choose_one("op", [Cost()], CONFIG, [torch.zeros(4, 2)])
+    # One set-up per measurement, as before sessions (the raising tactic fails inside its set-up,
+    # once per bucket).
+    assert timer.opened == tuner.stats.measurements - 2
+    assert timer.closed == timer.opened

@@ -1,0 +1,39 @@
+"""benchmarks/tuning_time.py: its two phases (the child processes) on the CPU with the tiny model.
+
+The children run as the script runs them, in fresh processes (without ``TRITON_INTERPRET``, so
+on the CPU the ops offer their torch paths and nothing slow is interpreted).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _phase(phase: str, cache: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT / "src")
+    argv = ["--model", "tiny", "--max-batch", "2", "--max-seq-len", "32", "--device", "cpu"]
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks/tuning_time.py"), *argv, "--child", phase,
+         "--cache", str(cache)],
+        env=env, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_cold_then_warm_phase_on_the_tiny_model(tmp_path) -> None:
+    cache = tmp_path / "cache.json"
+    cold = _phase("cold", cache)
+    assert cold["op_calls"] > 0 and cold["profiles_tuned"] + cold["untimed_picks"] > 0
+    assert cold["fallbacks"] == {} and cache.exists()
+    assert set(cold["phase_seconds"]) <= {"inputs", "tactics", "prepare", "measure", "select"}
+    warm = _phase("warm", cache)
+    assert warm["profiles_tuned"] == 0 and warm["measurements"] == 0 and warm["fallbacks"] == {}
+    assert warm["op_calls"] == cold["op_calls"]

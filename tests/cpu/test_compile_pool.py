@@ -1,0 +1,158 @@
+"""Triton compiles in worker processes (graphtune.ops._compile_pool), with the interpreter off.
+
+Triton compiles for a GPU target without a GPU: the code generator, LLVM and ``ptxas`` (shipped
+with Triton) all run on the CPU. Only the question "which GPU is this" needs a driver, so each
+child process here installs a driver that answers it (an sm_90 target, device 0, stream 0) and
+nothing else; the compiles, the worker processes, Triton's on-disk cache and the loads from it
+are the real ones. Nothing is launched.
+
+Each child compiles the same GEMM tactics in a fresh Triton cache: once with worker processes,
+once with threads only (``GRAPHTUNE_COMPILE_PROCESSES=0``). With workers, this process must not
+run Triton's code generator at all (it loads every binary from the on-disk cache), and the
+binaries must be exactly those it compiles by itself. The wall times of both are printed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def child(rows: list[int], k: int, n: int, device: str = "cpu") -> dict:
+    """In a fresh process without TRITON_INTERPRET: compile the one-kernel (no split-K) GEMM
+    tactics of ``[m, k] x [n, k]`` for each ``m`` of ``rows`` up front (``prepare_all``), on the
+    CPU through the target-only driver, or with ``device="cuda"`` through Triton's own driver."""
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import compiler
+    from triton.runtime.driver import driver
+
+    class TargetOnlyDriver:  # what the JIT asks before it compiles; launching is never asked
+        def get_current_device(self) -> int:
+            return 0
+
+        def get_current_stream(self, device: int | None = None) -> int:
+            return 0
+
+        def get_current_target(self) -> GPUTarget:
+            return GPUTarget("cuda", 90, 32)
+
+        def get_active_torch_device(self) -> torch.device:
+            return torch.device("cpu")
+
+    if device == "cpu":
+        driver.set_active(TargetOnlyDriver())
+    generated = []
+    make_ir = compiler.ASTSource.make_ir
+
+    def counting(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
+        generated.append(self.name)
+        return make_ir(self, *args, **kwargs)
+
+    compiler.ASTSource.make_ir = counting
+    from graphtune.ops import _compile_pool
+    from graphtune.ops.gemm import TritonGemmRunner
+
+    runner = TritonGemmRunner(compile_workers=2)
+    work = []
+    for m in rows:
+        a = torch.zeros(m, k, dtype=torch.bfloat16, device=device)
+        w = torch.zeros(n, k, dtype=torch.bfloat16, device=device)
+        inputs = [a, w, None, None, False]
+        work.append((inputs, [t for t in runner.tactics_for(inputs) if t["split_k"] == 1]))
+    start = time.perf_counter()
+    runner.prepare_all(work)
+    seconds = time.perf_counter() - start
+    errors = [
+        str(e) for inputs, tactics in work for e in runner.precompile(inputs, tactics).values() if e
+    ]
+    generated_by_precompile = len(generated)
+    # Jobs a worker cannot do come back as failures (the caller then compiles in-process).
+    bogus = [
+        _compile_pool.CompileJob("no.such.module", "kernel", {}, {}, {}, {}, None, str(i))
+        for i in range(_compile_pool.MIN_JOBS_TO_START)
+    ]
+    failed = _compile_pool.compile_in_workers(bogus).failed
+    _compile_pool.close_compile_workers()
+    # While one thread captures, another thread's compile is its own (compiled, not captured).
+    from graphtune.ops.activation import TritonSiluAndMulRunner
+
+    def silu() -> None:
+        TritonSiluAndMulRunner().launch(
+            [torch.zeros(2, 64)], {"block": 32, "warps": 1}, warmup=True
+        )
+
+    before = len(generated)
+    with _compile_pool.capturing() as captured:
+        other = threading.Thread(target=silu)
+        other.start()
+        other.join()
+    silu_compiled_alone = len(generated) - before == 1 and captured == []
+    cache = Path(triton.knobs.cache.dir)
+    cubins = sorted(hashlib.sha256(p.read_bytes()).hexdigest() for p in cache.rglob("*.cubin"))
+    return {
+        "errors": errors,
+        "binaries": runner.compiled,
+        "seconds": seconds,
+        "generated_here": generated_by_precompile,
+        "compiled_in_workers": runner.compiled_in_workers,
+        "pool_enabled": _compile_pool.enabled(),
+        "bogus_failed": failed,
+        "silu_compiled_alone": silu_compiled_alone,
+        "cubins": cubins,
+    }
+
+
+def run_child(
+    tmp_path: Path, processes: int, rows: list[int], k: int, n: int, device: str = "cpu"
+) -> dict:
+    """:func:`child` in a fresh process with its own Triton cache and worker count."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(
+        PYTHONPATH=str(ROOT / "src"),
+        TRITON_CACHE_DIR=str(tmp_path / f"triton-{processes}"),
+        GRAPHTUNE_COMPILE_PROCESSES=str(processes),
+    )
+    code = (
+        "import json, sys; sys.path.insert(0, 'tests/cpu'); import test_compile_pool as t; "
+        f"print(json.dumps(t.child({rows!r}, {k}, {n}, {device!r})))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=600, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_workers_compile_and_this_process_only_loads_the_same_binaries(tmp_path) -> None:
+    pytest.importorskip("triton")
+    pytest.importorskip("triton.knobs")
+    pooled = run_child(tmp_path, 2, [16], 512, 384)
+    if not pooled["pool_enabled"]:
+        pytest.skip("this Triton has no knobs.runtime.jit_cache_hook (Triton < 3.4)")
+    alone = run_child(tmp_path, 0, [16], 512, 384)
+    assert pooled["errors"] == [] and alone["errors"] == []
+    count = pooled["binaries"]
+    assert alone["binaries"] == count >= 4  # one kernel per tactic (no split-K reduction)
+    assert pooled["generated_here"] == 0  # every binary came from a worker, via the disk cache
+    assert pooled["compiled_in_workers"] == count
+    assert alone["generated_here"] == count and alone["compiled_in_workers"] == 0
+    assert pooled["cubins"] == alone["cubins"] and len(alone["cubins"]) == count + 1  # + SiLU
+    assert pooled["bogus_failed"] == 4 and alone["bogus_failed"] == 0  # no workers: not tried
+    assert pooled["silu_compiled_alone"] and alone["silu_compiled_alone"]
+    print(
+        f"\n{count} GEMM binaries (sm_90, CPU): threads {alone['seconds']:.2f} s, "
+        f"2 worker processes {pooled['seconds']:.2f} s (including their start)"
+    )

@@ -1,0 +1,123 @@
+"""The tactic consistency check (check_tactics) and ``graphtune check-tactics``."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from graphtune.autotuner import DynamicTensorSpec, TunableRunner, TuningConfig, check_tactics
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0, (4,)),))
+
+
+class Scale(TunableRunner):
+    """``x * 2``; tactic ``"wrong"`` computes ``x * 2.1``, ``"raise"`` raises, ``"near"`` is
+    off by one rounding step, ``"inplace"`` also writes (wrongly) into its second input."""
+
+    def get_valid_tactics(self, inputs: list, profile: Any, **kwargs: Any) -> list:
+        return [-1, "near", "wrong", "raise", "inplace"]
+
+    def forward(self, inputs: list, *, tactic: Any = -1, scale: float = 2.0, **kw: Any) -> Any:
+        x, buf = inputs
+        if tactic == "raise":
+            raise RuntimeError("no kernel for this shape")
+        if tactic == "wrong":
+            return x * (scale + 0.1)
+        if tactic == "near":
+            return (x * scale).bfloat16().float()
+        if tactic == "inplace":
+            buf.add_(1.0)
+        return x * scale
+
+
+def test_every_tactic_is_compared_with_the_fallback() -> None:
+    x, buf = torch.randn(4, 8), torch.zeros(3)
+    report = check_tactics("scale", [Scale()], CONFIG, [x, buf], rtol=1e-2)
+    by_tactic = {c.tactic: c for c in report.checks}
+    assert set(by_tactic) == {"near", "wrong", "raise", "inplace"}  # the fallback is the ref
+    assert by_tactic["near"].passed and 0 < by_tactic["near"].max_rel < 1e-2
+    wrong = by_tactic["wrong"]
+    assert not wrong.passed
+    assert wrong.max_abs == pytest.approx(float((x * 0.1).abs().max()), rel=1e-4)
+    assert wrong.max_rel == pytest.approx(0.05, rel=1e-4)
+    assert not by_tactic["raise"].passed and "no kernel" in by_tactic["raise"].error
+    assert math.isnan(by_tactic["raise"].max_abs)
+    inplace = by_tactic["inplace"]  # its output is right; what it wrote into the input is not
+    assert not inplace.passed and inplace.max_abs == 1.0
+    assert not report.passed and {c.tactic for c in report.failures} == {
+        "wrong",
+        "raise",
+        "inplace",
+    }
+    assert torch.equal(buf, torch.zeros(3)), "the caller's inputs are never written"
+    tight = check_tactics("scale", [Scale()], CONFIG, [x, buf], rtol=1e-9)
+    assert not {c.tactic: c for c in tight.checks}["near"].passed
+
+
+def test_keyword_arguments_reach_both_sides() -> None:
+    x = torch.randn(4, 8)
+    report = check_tactics("scale", [Scale()], CONFIG, [x, torch.zeros(1)], rtol=1e-2, scale=3.0)
+    checks = {c.tactic: c for c in report.checks}
+    assert checks["near"].passed  # both sides multiplied by 3 (a side with 2 would be 33% off)
+    assert checks["wrong"].max_rel == pytest.approx(0.1 / 3.0, rel=1e-4)
+
+
+class BrokenFallback(Scale):
+    def forward(self, inputs: list, *, tactic: Any = -1, **kw: Any) -> Any:
+        raise ValueError("fallback broken")
+
+
+def test_a_broken_fallback_is_reported() -> None:
+    report = check_tactics("scale", [BrokenFallback()], CONFIG, [torch.randn(4, 8), None])
+    assert report.reference_error == "ValueError: fallback broken" and not report.passed
+
+
+def test_masks_with_infinities_compare_where_they_are_finite() -> None:
+    mask = torch.tensor([[0.0, float("-inf")]] * 4)
+
+    class Mask(TunableRunner):
+        def get_valid_tactics(self, inputs: list, profile: Any, **kwargs: Any) -> list:
+            return [0, 1]
+
+        def forward(self, inputs: list, *, tactic: Any = -1, **kwargs: Any) -> Any:
+            out = inputs[0].clone()
+            if tactic == 1:
+                out[:, 1] = 0.0  # fills a masked position: a real difference
+            return out
+
+    report = check_tactics("mask", [Mask()], CONFIG, [mask])
+    assert [c.passed for c in report.checks] == [True, False]
+
+
+def test_check_tactics_cli_runs_every_op_of_a_decode_step(tmp_path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT / "src")
+    report = tmp_path / "report.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "graphtune", "check-tactics", "--model", "tiny", "--batch", "1,3",
+         "--device", "cpu", "--json", str(report)],
+        env=env, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    data = json.loads(report.read_text())
+    ops = {item["op"] for item in data}
+    # Every op of the step, once per distinct shape: what the step itself looks up.
+    assert ops == {
+        "graphtune.gemm",
+        "graphtune.rms_norm",
+        "graphtune.rope_kv_cache",
+        "graphtune.silu_and_mul",
+        "decode_attention",
+    }
+    assert all(item["passed"] for item in data)
+    assert any(item["checks"] for item in data)  # the matmul attention runner was compared
+    assert "failed" in done.stdout

@@ -1,0 +1,163 @@
+"""The record of missed shapes, the op registry that rebuilds them, and ``tune --from-misses``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from graphtune import ops
+from graphtune.autotuner import (
+    AutoTuner,
+    CallRecord,
+    DynamicTensorSpec,
+    MissLog,
+    TunableRunner,
+    TuningConfig,
+    TuningPolicy,
+    autotune,
+    load_misses,
+)
+from graphtune.autotuner.timing import WallClockTimer
+from graphtune.cli import from_misses
+from graphtune.errors import CacheFileError, ConfigError
+from graphtune.ops.registry import rebuild_call, registered_ops, tune_records
+
+QUICK = TuningPolicy(rounds=1, remeasure_top=0, max_extra_rounds=0)
+
+
+def quick_tuner() -> AutoTuner:
+    return AutoTuner(WallClockTimer(samples=1), policy=QUICK, show_progress=False)
+
+
+class Plain(TunableRunner):
+    def forward(self, inputs: list, *, tactic: Any = -1, **kwargs: Any) -> Any:
+        return inputs[0]
+
+
+def test_misses_record_shapes_strides_dtypes_scalars_and_counts(tmp_path) -> None:
+    config = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0, (1, 4)),), max_value=4)
+    tuner = AutoTuner(show_progress=False)
+    x = torch.randn(8, 3).t()  # a non-contiguous view: its strides are recorded
+    for _ in range(3):
+        tuner.choose_one("op", [Plain()], config, [x, 1e-5, None, (2, "a")], flag=True)
+    (record,) = tuner.misses.records()
+    assert record.count == 3 and record.op == "op"
+    assert record.inputs[0] == {"shape": [3, 8], "dtype": "float32", "stride": [1, 3],
+                                "device": "cpu"}  # fmt: skip
+    assert record.config["max_value"] == 4 and record.kwargs == {"flag": True}
+    rebuilt = record.make_inputs()
+    assert rebuilt[0].shape == (3, 8) and rebuilt[0].stride() == (1, 3)
+    assert rebuilt[1:] == [1e-5, None, (2, "a")]  # the tuple comes back a tuple
+    path = tmp_path / "misses.json"
+    assert tuner.misses.save(path) == 1
+    assert tuner.misses.save(path) == 1  # merged: one record, counts added
+    (loaded,) = load_misses(path)
+    assert loaded.count == 6 and loaded == CallRecord.from_json(loaded.to_json())
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [("{", "cannot be read"), ('{"format": "x"}', "not a graphtune misses file")],
+)
+def test_unreadable_misses_files_are_clear_errors(tmp_path, text: str, match: str) -> None:
+    path = tmp_path / "m.json"
+    path.write_text(text)
+    with pytest.raises(CacheFileError, match=match):
+        load_misses(path)
+    with pytest.raises(CacheFileError, match="does not exist"):
+        load_misses(tmp_path / "none.json")
+
+
+def _serve_decode_ops(tuner: AutoTuner, rows: int) -> None:
+    """The ops of a tiny decode step, at ``rows`` rows, asking ``tuner`` (look-ups only)."""
+    gen = torch.Generator().manual_seed(0)
+    hidden, heads, kv, dim, inter = 32, 2, 1, 16, 64
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen)
+
+    x = randn(rows, hidden)
+    ops.fused_add_rms_norm(x, randn(hidden), 1e-5, randn(rows, hidden), tuner=tuner, max_m=8)
+    ops.gemm(x, randn(3 * hidden, hidden), tuner=tuner, max_m=8)
+    ops.silu_and_mul(randn(rows, 2 * inter), tuner=tuner, max_m=8)
+    qkv = randn(rows, (heads + 2 * kv) * dim)
+    positions = torch.arange(rows)
+    table = randn(16, dim)
+    cache = randn(8 * kv * 16, dim)
+    rows_written = torch.arange(rows * kv)
+    ops.rope_kv_cache(
+        qkv, positions, table, table, cache, cache.clone(), rows_written,
+        num_heads=heads, num_kv_heads=kv, tuner=tuner, max_m=8,
+    )  # fmt: skip
+
+
+def test_tune_from_misses_tunes_exactly_the_missed_buckets(tmp_path) -> None:
+    serving = AutoTuner(show_progress=False)
+    misses = tmp_path / "misses.json"
+    with autotune(None, serving, tune=False, misses_path=misses):
+        _serve_decode_ops(serving, rows=3)
+    records = load_misses(misses)
+    assert {r.op for r in records} == {
+        "graphtune.rms_norm",
+        "graphtune.gemm",
+        "graphtune.silu_and_mul",
+        "graphtune.rope_kv_cache",
+    }
+    assert set(registered_ops()) >= {r.op for r in records} | {"decode_attention"}
+    tuner = quick_tuner()
+    report = tune_records(records, tuner)
+    assert len(report.tuned) == 4 and report.skipped == []
+    # One profile per record: the bucket the live size (3) maps to, 2; no other bucket.
+    assert sorted(key.op for key, _ in tuner.cache.items()) == sorted(r.op for r in records)
+    assert {key.shapes[0][0] for key, _ in tuner.cache.items()} == {2}
+    # Serving again from that cache: every call hits.
+    again = AutoTuner(show_progress=False, cache=tuner.cache)
+    _serve_decode_ops(again, rows=3)
+    assert again.stats.fallbacks == {} and again.stats.hits == 4
+
+
+def test_a_record_of_other_runners_or_ops_is_skipped_with_its_reason() -> None:
+    good = CallRecord.of(ops_call_silu(rows=2), ("graphtune.ops.activation.TorchSiluAndMulRunner",))
+    with pytest.raises(ConfigError, match="not the ones graphtune.ops builds here"):
+        rebuild_call(good)
+    unknown = CallRecord("no.such.op", ("m.R",), good.config, good.inputs)
+    with pytest.raises(ConfigError, match="not in the graphtune.ops registry"):
+        rebuild_call(unknown)
+    report = tune_records([unknown], quick_tuner())
+    assert report.tuned == [] and "no.such.op" in report.skipped[0][1]
+
+
+def ops_call_silu(rows: int) -> Any:
+    from graphtune.autotuner import OpCall
+    from graphtune.ops.activation import OP_NAME, silu_and_mul_config, silu_and_mul_runners
+
+    return OpCall(OP_NAME, silu_and_mul_runners(), silu_and_mul_config(8), (torch.randn(rows, 16),))
+
+
+def test_tune_from_misses_cli(tmp_path, capsys) -> None:
+    log = MissLog()
+    call = ops_call_silu(rows=5)
+    from graphtune.autotuner.identity import runner_id
+
+    log.add(  # type: ignore[arg-type]
+        "k", lambda: CallRecord.of(call, tuple(runner_id(r) for r in call.runners))
+    )
+    misses = tmp_path / "misses.json"
+    log.save(misses)
+    parser = argparse.ArgumentParser()
+    from_misses.add_arguments(parser)
+    parser.add_argument("--cache", type=Path)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--timing", default="wallclock")
+    args = parser.parse_args(["--from-misses", str(misses), "--cache", str(tmp_path / "c.json")])
+    assert from_misses.run(args) == 0
+    entries = json.loads((tmp_path / "c.json").read_text())["entries"]
+    assert [e["key"]["shapes"][0] for e in entries] == [[4, 16]]
+    assert "1 of 1 recorded calls tuned" in capsys.readouterr().out
+    bad = parser.parse_args(["--from-misses", str(tmp_path / "none.json"), "--cache", "x.json"])
+    assert from_misses.run(bad) == 2

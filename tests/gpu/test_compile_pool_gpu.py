@@ -1,0 +1,38 @@
+"""Triton compiles in worker processes on the GPU machine (skipped without CUDA by conftest.py).
+
+The same check as tests/cpu/test_compile_pool.py through Triton's own CUDA driver: with worker
+processes the tuning process runs no code generator and ends up with the binaries it compiles
+by itself; the wall times of threads only and of the default worker count are printed.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cpu"))
+from test_compile_pool import run_child  # noqa: E402
+
+
+def test_workers_compile_the_gemm_tactics_and_this_process_loads_them(tmp_path) -> None:
+    from graphtune.ops._compile_pool import compile_processes
+
+    workers = compile_processes()
+    if workers < 2:
+        pytest.skip("fewer than two CPU cores for compile workers")
+    rows = [1, 2, 4, 8, 16, 32, 64, 128]  # the decode buckets of one Llama-1B QKV projection
+    pooled = run_child(tmp_path, workers, rows, 2048, 3072, "cuda")
+    if not pooled["pool_enabled"]:
+        pytest.skip("this Triton has no knobs.runtime.jit_cache_hook (Triton < 3.4)")
+    alone = run_child(tmp_path, 0, rows, 2048, 3072, "cuda")
+    count = pooled["binaries"]
+    assert pooled["errors"] == alone["errors"] == [] and alone["binaries"] == count >= 8
+    assert pooled["generated_here"] == 0 and pooled["compiled_in_workers"] == count
+    assert alone["generated_here"] == count
+    assert pooled["cubins"] == alone["cubins"]
+    print(
+        f"\n{count} GEMM binaries on the GPU machine: threads {alone['seconds']:.2f} s, "
+        f"{workers} worker processes {pooled['seconds']:.2f} s (including their start)"
+    )

@@ -79,3 +79,27 @@ def test_tune_from_misses_runs_through_the_tune_command(tmp_path, capsys):
     assert entry["key"]["op"] == "graphtune.silu_and_mul" and entry["key"]["shapes"][0][0] == 2
     assert main(["tune", "--cache", str(cache)]) == 1  # neither --model nor --from-misses
     assert "--model" in capsys.readouterr().err
+
+
+def test_tune_says_when_every_op_has_a_single_candidate(tmp_path, capsys, monkeypatch):
+    import graphtune.ops.attention as attention
+
+    # A CPU where decode attention, too, has only its torch runner (the others already do).
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(attention, "RUNNERS", attention.RUNNERS[:1])
+    cache = tmp_path / "c.json"
+    args = ["tune", "--model", "tiny", "--cache", str(cache), "--max-batch", "4", "--device", "cpu"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "nothing to tune on cpu: every op of the step has a single candidate" in out
+    assert "24 (op, bucket) picks were taken without timing" in out
+    assert len(json.loads(cache.read_text())["entries"]) == 24  # look-ups find a pick
+
+
+def test_tune_counts_the_picks_taken_without_timing(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cache = tmp_path / "c.json"
+    args = ["tune", "--model", "tiny", "--cache", str(cache), "--max-batch", "2", "--device", "cpu"]
+    assert main(args) == 0
+    # On a CPU only decode attention has two runners (SDPA and the matmul one).
+    assert "14 of 16 picks had a single candidate on cpu" in capsys.readouterr().out

@@ -128,6 +128,11 @@ def run_tune(args: argparse.Namespace) -> int:
         return 0
     table = tuner.summary_table(f"picks for {name} (buckets {list(report.buckets)})")
     print(table or "every shape was already in the cache file; nothing to tune")
+    if stats.untimed_picks:
+        print(
+            f"{stats.untimed_picks} of {report.profiles_tuned} picks had a single candidate on "
+            f"{device} and were taken without timing"
+        )
     print(
         f"done in {time.perf_counter() - started:.1f} s "
         f"({report.prepare_seconds:.1f} s recording the step and compiling "

@@ -347,14 +347,15 @@ def test_ctrl_c_during_bench_keeps_finished_batch_sizes(tmp_path):
     assert str(out) in line
 
 
-_INTERRUPT_AT_SECOND_STEP = """
+#: Runs the CLI with Ctrl-C arriving as the decode step is called for the N-th time (argv[1]).
+_INTERRUPT_AT_STEP = """
 import sys
 import graphtune.engine.step as step
 real = step.DecodeStep.__call__
-calls = []
+calls, at = [], int(sys.argv.pop(1))
 def interrupted(self, *args):
     calls.append(1)
-    if len(calls) == 2:
+    if len(calls) == at:
         raise KeyboardInterrupt
     return real(self, *args)
 step.DecodeStep.__call__ = interrupted
@@ -369,7 +370,8 @@ def test_ctrl_c_during_tune_keeps_the_finished_picks(tmp_path):
         [
             sys.executable,
             "-c",
-            _INTERRUPT_AT_SECOND_STEP,
+            _INTERRUPT_AT_STEP,
+            "3",
             "tune",
             "--model",
             "tiny",
@@ -388,7 +390,8 @@ def test_ctrl_c_during_tune_keeps_the_finished_picks(tmp_path):
         timeout=240,
     )
     error_line(result, 130, "interrupted (Ctrl-C)", "picks kept in")
-    # The first step (batch 1, in tuning mode) tuned every bucket of every op: all kept.
+    # Call 1 records the step's op calls, call 2 (batch 1, tuning mode) tunes every bucket of
+    # every op, call 3 (batch 2) is interrupted: every pick is kept.
     assert len(json.loads(cache.read_text())["entries"]) > 0
 
 
@@ -397,7 +400,8 @@ def test_ctrl_c_during_generate_is_one_line():
         [
             sys.executable,
             "-c",
-            _INTERRUPT_AT_SECOND_STEP,
+            _INTERRUPT_AT_STEP,
+            "2",
             "generate",
             "--model",
             "tiny",

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -81,25 +85,45 @@ def test_tune_from_misses_runs_through_the_tune_command(tmp_path, capsys):
     assert "--model" in capsys.readouterr().err
 
 
-def test_tune_says_when_every_op_has_a_single_candidate(tmp_path, capsys, monkeypatch):
-    import graphtune.ops.attention as attention
+# In a fresh process without the TRITON_INTERPRET other test modules set: interpreted Triton
+# tactics would be candidates (and take minutes to time) on the CPU.
+_ENV = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+_ENV.update(PYTHONPATH=str(Path(__file__).resolve().parents[2] / "src"), GRAPHTUNE_NO_PROGRESS="1")
+#: ``graphtune`` with decode attention, too, reduced to its torch runner (argv[1] == "1"): a
+#: device where every op has one candidate.
+_TUNE = """
+import sys
+import graphtune.ops.attention as attention
+if sys.argv.pop(1) == "1":
+    attention.RUNNERS = attention.RUNNERS[:1]
+from graphtune.cli.main import main
+sys.exit(main(sys.argv[1:]))
+"""
 
-    # A CPU where decode attention, too, has only its torch runner (the others already do).
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setattr(attention, "RUNNERS", attention.RUNNERS[:1])
-    cache = tmp_path / "c.json"
-    args = ["tune", "--model", "tiny", "--cache", str(cache), "--max-batch", "4", "--device", "cpu"]
-    assert main(args) == 0
-    out = capsys.readouterr().out
+
+def _tune(tmp_path, lone: bool, max_batch: int) -> str:
+    args = ["tune", "--model", "tiny", "--cache", str(tmp_path / "c.json"), "--device", "cpu"]
+    done = subprocess.run(
+        [sys.executable, "-c", _TUNE, "1" if lone else "0", *args, "--max-batch", str(max_batch)],
+        capture_output=True,
+        text=True,
+        env=_ENV,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_tune_says_when_every_op_has_a_single_candidate(tmp_path):
+    out = _tune(tmp_path, lone=True, max_batch=4)
     assert "nothing to tune on cpu: every op of the step has a single candidate" in out
     assert "24 (op, bucket) picks were taken without timing" in out
-    assert len(json.loads(cache.read_text())["entries"]) == 24  # look-ups find a pick
+    # Saved all the same, so the engine's look-ups find a pick.
+    assert len(json.loads((tmp_path / "c.json").read_text())["entries"]) == 24
 
 
-def test_tune_counts_the_picks_taken_without_timing(tmp_path, capsys, monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    cache = tmp_path / "c.json"
-    args = ["tune", "--model", "tiny", "--cache", str(cache), "--max-batch", "2", "--device", "cpu"]
-    assert main(args) == 0
+def test_tune_counts_the_picks_taken_without_timing(tmp_path):
     # On a CPU only decode attention has two runners (SDPA and the matmul one).
-    assert "14 of 16 picks had a single candidate on cpu" in capsys.readouterr().out
+    assert "14 of 16 picks had a single candidate on cpu" in _tune(
+        tmp_path, lone=False, max_batch=2
+    )

@@ -132,12 +132,23 @@ def _only_bucket(config: Any, m: int) -> Any:
 
 def gemm_case(label: str, n: int, k: int, m: int, max_tactics: int = 20) -> Case:
     def build(device: torch.device, m: int):
-        from graphtune.ops.gemv import TritonGemvRunner
+        from graphtune.ops.fused import TritonSkinnyGemmRunner
+        from graphtune.ops.gemm import (
+            OP_NAME,
+            TorchGemmRunner,
+            TritonGemmRunner,
+            TritonGemvRunner,
+            gemm_config,
+        )
 
-        from graphtune.ops.gemm import OP_NAME, TorchGemmRunner, TritonGemmRunner, gemm_config
-
-        # The engine's runners (gemm_runners()); the GEMV offers tactics for M <= 8 only.
-        runners = (TorchGemmRunner(), TritonGemmRunner(max_tactics=max_tactics), TritonGemvRunner())
+        # The engine's runners (gemm_runners()); the GEMV offers tactics for M <= 8 only, the
+        # skinny tensor-core GEMM for M <= 16.
+        runners = (
+            TorchGemmRunner(),
+            TritonGemmRunner(max_tactics=max_tactics),
+            TritonGemvRunner(),
+            TritonSkinnyGemmRunner(),
+        )
         inputs = [_randn(device, m, k), _randn(device, n, k, scale=k**-0.5), None, None, False]
         return OP_NAME, runners, _only_bucket(gemm_config(m), m), inputs
 

@@ -110,8 +110,13 @@ def test_check_tactics_cli_runs_every_op_of_a_decode_step(tmp_path) -> None:
     assert done.returncode == 0, done.stderr
     data = json.loads(report.read_text())
     ops = {item["op"] for item in data}
-    # Every op of the step, once per distinct shape: what the step itself looks up.
+    # Every op of the step, once per distinct shape: what the step itself looks up (the fused
+    # stages, and the single ops their unfused runners call).
     assert ops == {
+        "graphtune.norm_qkv_rope",
+        "graphtune.add_projection",
+        "graphtune.norm_gate_up_silu",
+        "graphtune.norm_linear",
         "graphtune.gemm",
         "graphtune.rms_norm",
         "graphtune.rope_kv_cache",

@@ -63,13 +63,18 @@ def test_tuned_engine_matches_untuned_and_reuses_the_cache_file(tmp_path):
     assert path.is_file() and tuned.tuner is tuner and not tuner.tuning_mode
     report = tuned.tune_report
     assert report.buckets == (1, 2, 4)
-    # 4 GEMM keys (QKV, gate-up = LM head [256, 64], and O-proj and down with the residual
-    # folded in) + the norm + rope + silu + attention, each for 3 buckets: what the step runs.
-    assert len(report.rows) == 8 * 3
+    # The single ops (tuned by the unfused pass): 4 GEMM keys (QKV, gate-up = LM head [256, 64],
+    # and O-proj and down with the residual folded in) + the norm + rope + silu + attention;
+    # then the 5 fused stages (QKV stage, O-proj, MLP stage, down, final norm + LM head). Each
+    # for 3 buckets: what the step runs.
+    assert len(report.rows) == (8 + 5) * 3
     winners = " ".join(row[2] for row in report.rows)
     if "Triton" in winners:  # Triton importable: its kernels are what the tuned step runs
-        # The last GEMM runner is the GEMV, which has tactics for these buckets (M <= 8).
-        assert "TritonGemvRunner" in winners and "TritonRopeRunner" in winners
+        # The last GEMM runner is the skinny tensor-core GEMM (tactics for M <= 16).
+        assert "TritonSkinnyGemmRunner" in winners and "TritonRopeRunner" in winners
+        # The last runner of every fused stage is its fused kernel.
+        for fused in ("NormQkvRope", "AddProjection", "NormGateUpSilu", "NormLinear"):
+            assert f"Triton{fused}" in winners, fused
     # The fake timer makes the last runner win: Triton's attention where Triton runs (the
     # interpreter), else the matmul runner.
     assert ("TritonDecodeAttention" if "Triton" in winners else "MatmulAttention") in winners
@@ -216,10 +221,11 @@ def test_bench_decode_tune_reports_tuned_beside_untuned(tmp_path, capsys, monkey
     ]
     assert main(args) == 0
     captured = capsys.readouterr()
-    assert "tuning: 16 (op, bucket) profiles tuned" in captured.out
-    assert "tuning: 16 (op, bucket) profiles tuned" in captured.err
+    # 8 single ops and 5 fused stages, 2 buckets (see the test above).
+    assert "tuning: 26 (op, bucket) profiles tuned" in captured.out
+    assert "tuning: 26 (op, bucket) profiles tuned" in captured.err
     data = json.loads(out_json.read_text())
-    assert data["tuning_profiles"] == 16 and data["tuning_fallbacks"] == {}
+    assert data["tuning_profiles"] == 26 and data["tuning_fallbacks"] == {}
     for r in data["results"]:
         assert r["eager_ms"] > 0 and r["tuned_eager_ms"] > 0 and r["tuned_over_untuned"] > 0
         assert r["tuned_max_abs_diff"] < 1e-5 and r["graph_ms"] is None

@@ -43,8 +43,9 @@ def test_tune_preset_writes_cache_and_second_run_reuses_it(tmp_path, capsys, mon
         "decode_attention",
     ):
         assert op in out
-    # What the step runs: 4 GEMM keys, the norm, rope, silu and attention; buckets 1 and 2.
-    assert "16 (op, bucket) picks" in out
+    # What the step runs: 4 GEMM keys, the norm, rope, silu and attention, then the 5 fused
+    # stages (QKV, O-projection, MLP, down, LM head); buckets 1 and 2.
+    assert "26 (op, bucket) picks" in out
     assert "running the step at batch 2" in out
     assert json.loads(cache.read_text())
     assert main(args) == 0

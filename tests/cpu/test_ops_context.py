@@ -80,3 +80,62 @@ def test_context_rules() -> None:
             OpContext(None, bad)  # type: ignore[arg-type]
     with pytest.raises(AttributeError):
         OpContext().tuner = None  # type: ignore[misc]  (frozen)
+
+
+FUSED = {
+    "graphtune.norm_qkv_rope",
+    "graphtune.add_projection",
+    "graphtune.norm_gate_up_silu",
+    "graphtune.norm_linear",
+}
+
+
+def _stage_calls(ops: OpContext, normed: bool) -> list[torch.Tensor]:
+    """The four layer stages on fixed inputs (``normed``: with the norm given); every output and
+    written buffer."""
+    gen = torch.Generator().manual_seed(1)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen)
+
+    hidden = 16
+    x, norm = randn(ROWS, hidden), 1 + 0.1 * randn(hidden)
+    h = OpContext().rms_norm(x, norm, 1e-5) if normed else None
+    wqkv, bqkv = randn((HEADS + 2 * KV) * DIM, hidden), randn((HEADS + 2 * KV) * DIM)
+    cos, sin = randn(32, DIM), randn(32, DIM)
+    k_cache, v_cache = torch.zeros(64, DIM), torch.zeros(64, DIM)
+    positions, rows = torch.tensor([3, 0, 17]), torch.tensor([0, 5, 9, 14, 40, 63])
+    rope = RopeRows(positions, cos, sin, signed_sin=True)
+    residual = x.clone()
+    q = ops.norm_qkv_rope(
+        x, norm, 1e-5, wqkv, bqkv, rope, k_cache, v_cache, rows,
+        num_heads=HEADS, num_kv_heads=KV, normed=h,
+    )  # fmt: skip
+    projected = ops.add_projection(residual, randn(ROWS, 12), randn(hidden, 12))
+    assert projected is residual  # in place
+    act = ops.norm_gate_up_silu(x, norm, 1e-5, randn(40, hidden), normed=h)
+    logits = ops.norm_linear(x, norm, 1e-5, randn(50, hidden), normed=h)
+    return [q, k_cache, v_cache, residual, act, logits]
+
+
+@pytest.mark.parametrize("normed", [False, True])
+def test_untuned_stages_are_the_fused_ops_fallback_and_the_unfused_context_bit_for_bit(
+    normed: bool,
+) -> None:
+    fused_tuner, unfused_tuner = AutoTuner(show_progress=False), AutoTuner(show_progress=False)
+    direct = _stage_calls(OpContext(), normed)
+    fused = _stage_calls(OpContext(fused_tuner, 4), normed)
+    unfused = _stage_calls(OpContext(unfused_tuner, 4).unfused(), normed)
+    for got, via_fused, via_unfused in zip(direct, fused, unfused, strict=True):
+        assert torch.equal(got, via_fused) and torch.equal(got, via_unfused)
+    # Each fused op was asked (and fell back to its unfused runner, whose single ops were asked
+    # too); the unfused context asked only the single ops; a given norm skips the fused ops.
+    single = {"graphtune.gemm", "graphtune.rope_kv_cache", "graphtune.silu_and_mul"}
+    assert single <= set(fused_tuner.stats.fallbacks)
+    assert set(unfused_tuner.stats.fallbacks) & FUSED == set()
+    if normed:
+        assert set(fused_tuner.stats.fallbacks) & FUSED == {"graphtune.add_projection"}
+        assert "graphtune.rms_norm" not in fused_tuner.stats.fallbacks
+    else:
+        assert FUSED <= set(fused_tuner.stats.fallbacks)
+    assert OpContext(fused_tuner, 4).fused and not OpContext(fused_tuner, 4).unfused().fused

@@ -274,7 +274,13 @@ def test_bad_gemv_tactics_raise_config_error_naming_the_rule():
 def test_gemm_runners_list_the_gemv_last_and_ids_name_their_modules():
     names = [type(r).__name__ for r in gemm_runners()]
     if _triton.triton_available():
-        assert names == ["TorchGemmRunner", "TritonGemmRunner", "TritonGemvRunner"]
+        # The GEMV, then the swapped-operand tensor-core GEMM of graphtune.ops.fused.
+        assert names == [
+            "TorchGemmRunner",
+            "TritonGemmRunner",
+            "TritonGemvRunner",
+            "TritonSkinnyGemmRunner",
+        ]
     else:
         assert names == ["TorchGemmRunner"]
     assert [runner_id(r) for r in (TorchGemmRunner(), TritonGemmRunner(), TritonGemvRunner())] == [

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from graphtune.bench.kernel_families import kernel_families
+
 logger = logging.getLogger(__name__)
 
 #: Trace categories that are device work: kernels, and memset/memcpy the op itself issues.
@@ -203,11 +205,14 @@ class BusyTime:
         activities_per_call: Device activities (kernels, copies) per call.
         top: The kernels that take the most device time, ``{"name", "calls", "us", "share"}``
             per call (``share`` of the busy time), largest first.
+        families: Device time and activities per call by kernel family
+            (:func:`graphtune.bench.kernel_families.kernel_families`).
     """
 
     per_call_ms: float
     activities_per_call: float
     top: list[dict[str, Any]]
+    families: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 def top_kernels(events: Sequence[DeviceEvent], calls: int, top: int = 8) -> list[dict[str, Any]]:
@@ -248,4 +253,5 @@ def gpu_busy(fn: Callable[[], object], *, calls: int = 5, top: int = 8) -> BusyT
         per_call_ms=statistics.median(sums) / 1e3,
         activities_per_call=len(events) / calls,
         top=top_kernels(events, calls, top),
+        families=kernel_families(events, calls),
     )

@@ -9,12 +9,14 @@ step must read, over a measured device copy bandwidth.
 With ``tune=True`` the same run then builds the tuned step, tunes it by running it
 (:func:`graphtune.engine.tuning.tune_step`; a cache file is reused when given) and times it the
 same way: through a graph runner on CUDA (else eagerly), with its GPU-busy time, top kernels and
-its ratios to the untuned step and to the bytes floor. Steps and runners come from the engine's
+its ratios to the untuned step and to the bytes floor (and, with ``compare_unfused``, the tuned
+step with its stages unfused). With ``compare_hf`` Hugging Face's static cache +
+``torch.compile`` recipe runs on the same weights (:mod:`graphtune.bench.decode_hf`). Every
+GPU-busy reading also groups the kernels by family (:mod:`graphtune.bench.kernel_families`).
+Steps and runners come from the engine's
 own factories (:func:`graphtune.engine.build.build_step`, :func:`~graphtune.engine.build.
-build_runner`), so the benchmark times what the engine serves.
-
-A progress bar on stderr names each phase and batch size while it runs (hidden when stderr is not
-a terminal or under ``GRAPHTUNE_NO_PROGRESS``).
+build_runner`), so the benchmark times what the engine serves. A progress bar on stderr names each
+phase and batch size while it runs (:mod:`graphtune.bench.decode_progress`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ import torch
 
 from graphtune import autotuner
 from graphtune.bench.cupti import gpu_busy
+from graphtune.bench.decode_hf import time_hf
+from graphtune.bench.decode_progress import PhaseBar, phase_labels
 from graphtune.bench.decode_results import BatchResult, DecodeBenchConfig, DecodeBenchReport
 from graphtune.bench.schema import provenance
 from graphtune.bench.timing import bytes_floor_ms, copy_bandwidth_gbps, sync, time_per_call_ms
@@ -40,7 +44,7 @@ from graphtune.engine.loading import load_model
 from graphtune.engine.step import DecodeStep
 from graphtune.engine.tuning import tune_step
 from graphtune.errors import ConfigError
-from graphtune.reporting import ProgressTask, progress
+from graphtune.reporting import progress
 
 logger = logging.getLogger(__name__)
 
@@ -49,40 +53,15 @@ NO_CUDA_NOTE = "CUDA is not available: CUDA graphs need CUDA, so only the eager 
 Inputs = list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
-class _PhaseBar:
-    """One progress unit per (phase, batch size), in the order the benchmark runs them; the bar
-    shows the unit now running."""
-
-    def __init__(self, task: ProgressTask, labels: list[str]) -> None:
-        self._task = task
-        self._labels = labels
-        self._index = 0
-
-    def done(self) -> None:
-        self._index += 1
-        self._task.advance(self._labels[min(self._index, len(self._labels) - 1)])
+Busy = tuple[float | None, float | None, list[dict[str, Any]], dict[str, dict[str, Any]]]
 
 
-def _phase_labels(cfg: DecodeBenchConfig, runners: tuple[str, ...], cuda: bool) -> list[str]:
-    sizes = sorted(set(cfg.batch_sizes))
-    labels = [f"eager step, batch {b}" for b in sizes] if "eager" in runners else []
-    if "graph" in runners:
-        labels += ["capturing graphs"] + [f"graph step, batch {b}" for b in sizes]
-    if cfg.compare_compile and cuda:
-        labels += [f"torch.compile, batch {b}" for b in sizes]
-    if cfg.tune:
-        labels += ["tuning the step"] + [f"tuned step check, batch {b}" for b in sizes]
-        kind = "graph" if "graph" in runners else "eager"
-        labels += ["capturing tuned graphs"] if kind == "graph" else []
-        labels += [f"tuned {kind} step, batch {b}" for b in sizes]
-    return labels
-
-
-def _busy(fn: Callable[[], object]) -> tuple[float | None, float | None, list[dict[str, Any]]]:
+def _busy(fn: Callable[[], object]) -> Busy:
+    """GPU-busy ms, activities, top kernels and kernel families of one call of ``fn``."""
     busy = gpu_busy(fn)
     if busy is None:
-        return None, None, []
-    return busy.per_call_ms, busy.activities_per_call, busy.top
+        return None, None, [], {}
+    return busy.per_call_ms, busy.activities_per_call, busy.top, busy.families
 
 
 @torch.inference_mode()
@@ -183,22 +162,10 @@ def run_decode_bench(
     report.results = results
     if on_start is not None:
         on_start(report)
-    labels = _phase_labels(cfg, runners, device.type == "cuda")
+    labels = phase_labels(cfg, runners, device.type == "cuda")
     with progress(labels[0], len(labels), enabled=show_progress) as task:
-        _run_phases(
-            step,
-            inputs,
-            results,
-            device,
-            cfg,
-            runners,
-            report,
-            log,
-            tuner,
-            model,
-            cache,
-            _PhaseBar(task, labels),
-        )
+        bar = PhaseBar(task, labels)
+        _run_phases(step, inputs, results, device, cfg, runners, report, log, tuner, bar)
     report.derive()
     return report
 
@@ -213,12 +180,11 @@ def _run_phases(
     report: DecodeBenchReport,
     log: Callable[[str], None],
     tuner: Any,
-    model: Any,
-    cache: KVCache,
-    bar: _PhaseBar,
+    bar: PhaseBar,
 ) -> None:
-    """The timed phases, in the order of :func:`_phase_labels`."""
+    """The timed phases, in the order of :func:`~graphtune.bench.decode_progress.phase_labels`."""
     sizes = [r.batch_size for r in results]
+    model, cache = step.model, step.cache
     bandwidth = copy_bandwidth_gbps(device)
     report.copy_bandwidth_gbps = bandwidth
     # Summed kernel time means nothing with tp > 1: an NCCL all-reduce kernel's duration includes
@@ -239,9 +205,12 @@ def _run_phases(
             )
             log(f"batch {b}: eager {result.eager_ms:.3f} ms/step")
         if measure_busy:
-            result.busy_ms, result.kernels_per_step, result.top_kernels = _busy(
-                lambda a=args: step(*a)
-            )
+            (
+                result.busy_ms,
+                result.kernels_per_step,
+                result.top_kernels,
+                result.kernel_families,
+            ) = _busy(lambda a=args: step(*a))
         if bandwidth:
             needed = model.weight_bytes() + b * (cfg.context + 1) * cache.bytes_per_token()
             result.floor_ms = bytes_floor_ms(needed, bandwidth)
@@ -255,6 +224,9 @@ def _run_phases(
         _time_compiled(step, inputs, cfg, device, results, bar)
     if cfg.tune:
         _time_tuned(step, inputs, results, sizes, device, cfg, runners, report, log, tuner, bar)
+    if cfg.compare_hf:
+        time_hf(step, results, cfg, report, log)
+        bar.done()
 
 
 def _default_tuner(step: DecodeStep) -> Any:
@@ -278,7 +250,7 @@ def _time_tuned(
     report: DecodeBenchReport,
     log: Callable[[str], None],
     tuner: Any,
-    bar: _PhaseBar,
+    bar: PhaseBar,
 ) -> None:
     tuner = tuner if tuner is not None else _default_tuner(step)
     tuned = build_step(
@@ -309,9 +281,12 @@ def _time_tuned(
         got = tuned(*args).float()
         result.tuned_max_abs_diff = (got - want).abs().max().item()
         if device.type == "cuda":
-            result.tuned_busy_ms, result.tuned_kernels_per_step, result.tuned_top_kernels = _busy(
-                lambda a=args: tuned(*a)
-            )
+            (
+                result.tuned_busy_ms,
+                result.tuned_kernels_per_step,
+                result.tuned_top_kernels,
+                result.tuned_kernel_families,
+            ) = _busy(lambda a=args: tuned(*a))
         bar.done()
     if "graph" in runners:
         runner, seconds, _ = _capture(tuned, sizes, device, report)
@@ -333,12 +308,60 @@ def _time_tuned(
             )
             log(f"batch {result.batch_size}: tuned eager {result.tuned_eager_ms:.3f} ms/step")
             bar.done()
+    if cfg.compare_unfused:
+        _time_unfused(tuned, inputs, results, sizes, device, cfg, runners, report, log, bar)
     # Look-ups of shapes never tuned ran the torch fallback (should be none).
     report.tuning_fallbacks = dict(tuner.stats.fallbacks)
     if tuner.stats.fallbacks:
         report.notes.append(
             f"tuned step: untuned shapes ran the torch fallback {dict(tuner.stats.fallbacks)}"
         )
+
+
+def _time_unfused(
+    tuned: DecodeStep,
+    inputs: Inputs,
+    results: list[BatchResult],
+    sizes: list[int],
+    device: torch.device,
+    cfg: DecodeBenchConfig,
+    runners: tuple[str, ...],
+    report: DecodeBenchReport,
+    log: Callable[[str], None],
+    bar: PhaseBar,
+) -> None:
+    """The tuned step with its stages unfused (the step as tuned before the fused ops), on the
+    same tuner's picks (``tune_step`` tuned every single op first), timed as the tuned step is:
+    through its own graphs on CUDA, else eagerly."""
+    unfused = build_step(
+        tuned.model,
+        tuned.cache,
+        tuner=tuned.tuner,
+        gemm_cold_l2=cfg.tune_cold_l2,
+        reducer=getattr(tuned, "reducer", None),
+        fused=False,
+    )
+    graph = "graph" in runners
+    runner = _capture(unfused, sizes, device, report)[0] if graph else None
+    if runner is not None:
+        bar.done()
+    call = runner if runner is not None else unfused
+    try:
+        for args, result in zip(inputs, results, strict=True):
+            result.tuned_unfused_ms = time_per_call_ms(
+                lambda a=args: call(*a), device, cfg.steps, cfg.repeats
+            )
+            if device.type == "cuda" and cfg.tp == 1:
+                result.tuned_unfused_kernels_per_step = _busy(lambda a=args: unfused(*a))[1]
+            kind = "graph" if graph else "eager"
+            log(
+                f"batch {result.batch_size}: tuned unfused {kind} "
+                f"{result.tuned_unfused_ms:.3f} ms/step"
+            )
+            bar.done()
+    finally:
+        if runner is not None:
+            runner.release()
 
 
 def rank_agreement(tuner: Any, parallel: Any) -> float:
@@ -394,7 +417,7 @@ def _time_graph(
     cfg: DecodeBenchConfig,
     report: DecodeBenchReport,
     log: Callable[[str], None],
-    bar: _PhaseBar,
+    bar: PhaseBar,
 ) -> None:
     runner, report.capture_seconds, report.graph_mib = _capture(step, sizes, device, report)
     bar.done()
@@ -434,7 +457,7 @@ def _time_compiled(
     cfg: DecodeBenchConfig,
     device: torch.device,
     results: list[BatchResult],
-    bar: _PhaseBar,
+    bar: PhaseBar,
 ) -> None:
     def plain(tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         return step(tokens, positions, slots)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from graphtune.bench.decode_results import DecodeBenchReport
+from graphtune.bench.decode_results import BatchResult, DecodeBenchReport
+from graphtune.bench.kernel_families import FAMILIES
 from graphtune.errors import ConfigError
 from graphtune.reporting import render_table
 
@@ -14,6 +15,8 @@ def format_report(report: DecodeBenchReport) -> str:
     compile_cols = any(r.compile_ms is not None or r.compile_note for r in report.results)
     tuned_cols = report.tuning_seconds is not None
     tuned_graph = any(r.tuned_graph_ms is not None for r in report.results)
+    unfused_cols = any(r.tuned_unfused_ms is not None for r in report.results)
+    hf_cols = any(r.hf_ms is not None or r.hf_note for r in report.results)
     columns = [
         "batch",
         "eager ms",
@@ -63,6 +66,8 @@ def format_report(report: DecodeBenchReport) -> str:
         f"{cfg['dtype']}, {cfg['device']}"
     )
     lines = [render_table(title, columns, rows)]
+    if unfused_cols or hf_cols:
+        lines.append(comparison_table(report))
     if report.capture_seconds is not None:
         lines.append(
             f"capture: {report.capture_seconds:.2f} s for {len(report.results)} sizes, "
@@ -110,11 +115,80 @@ def format_report(report: DecodeBenchReport) -> str:
                 rows,
             )
         )
+    if first is not None:
+        families = family_table(first)
+        if families:
+            lines.append(families)
+    check = report.hf_logits_check
+    if check:
+        lines.append(
+            f"Hugging Face vs engine prefill logits ({check['positions']} positions, batch 1): "
+            f"max abs diff {check['max_abs_diff']:.3g} (largest logit "
+            f"{check['max_abs_logit']:.3g}), top-1 {'agrees' if check['top1_agree'] else 'differs'}"
+        )
     for r in report.results:
         if r.compile_note:
             lines.append(f"torch.compile batch {r.batch_size}: {r.compile_note}")
+        if r.hf_note:
+            lines.append(f"Hugging Face batch {r.batch_size}: {r.hf_note}")
     lines.extend(report.notes)
     return "\n".join(lines)
+
+
+def comparison_table(report: DecodeBenchReport) -> str:
+    """The steps side by side per batch size (ms per step; graph runners on CUDA): untuned,
+    tuned, tuned with its stages unfused, Hugging Face compiled, the bytes floor, and kernels per
+    step (device activities of one eager call: untuned / tuned / Hugging Face)."""
+    rows = []
+    for r in report.results:
+        kernels = [r.kernels_per_step, r.tuned_kernels_per_step, r.hf_kernels_per_step]
+        rows.append(
+            [
+                r.batch_size,
+                r.graph_ms or r.eager_ms,
+                r.tuned_graph_ms or r.tuned_eager_ms,
+                r.tuned_unfused_ms,
+                r.hf_ms,
+                r.floor_ms,
+                r.tuned_over_floor,
+                " / ".join("-" if k is None else f"{k:.0f}" for k in kernels),
+            ]
+        )
+    columns = ["batch", "untuned", "tuned", "tuned unfused", "HF compile", "floor"]
+    columns += ["tuned/floor", "kernels u/t/HF"]
+    return render_table("ms per step, side by side", columns, rows)
+
+
+def family_table(result: BatchResult) -> str:
+    """Device time per step by kernel family (us, and kernels in brackets) of every step that
+    was profiled at ``result``'s batch size, with the kernels per step; empty when none was."""
+    steps = [
+        ("untuned", result.kernel_families, result.kernels_per_step),
+        ("tuned", result.tuned_kernel_families, result.tuned_kernels_per_step),
+        ("HF compile", result.hf_kernel_families, result.hf_kernels_per_step),
+    ]
+    steps = [s for s in steps if s[1]]
+    if not steps:
+        return ""
+    rows: list[list[Any]] = []
+    for family in FAMILIES:
+        if any(family in fams for _, fams, _ in steps):
+            cells = [fams.get(family) for _, fams, _ in steps]
+            rows.append([family, *(_cell(c) for c in cells)])
+    total = ["total"]
+    for _, fams, kernels in steps:
+        us = sum(f["us"] for f in fams.values())
+        total.append(f"{us:.1f}" + (f" ({kernels:.0f})" if kernels is not None else ""))
+    rows.append(total)
+    return render_table(
+        f"device time per step by kernel family at batch {result.batch_size}: us (kernels)",
+        ["family", *(name for name, _, _ in steps)],
+        rows,
+    )
+
+
+def _cell(entry: dict[str, Any] | None) -> str:
+    return "-" if entry is None else f"{entry['us']:.1f} ({entry['calls']:.0f})"
 
 
 def plot_report(report: DecodeBenchReport, path: str) -> None:
@@ -139,6 +213,8 @@ def plot_report(report: DecodeBenchReport, path: str) -> None:
         ("graph runner", "graph_ms", "s-"),
         ("torch.compile reduce-overhead", "compile_ms", "^-"),
         ("tuned graph runner", "tuned_graph_ms", "D-"),
+        ("tuned, stages unfused", "tuned_unfused_ms", "v-"),
+        ("HF static cache + torch.compile", "hf_ms", "x-"),
         ("GPU-busy (profiler)", "busy_ms", "k--"),
         ("bytes floor", "floor_ms", "k:"),
     ]

@@ -31,6 +31,13 @@ class DecodeBenchConfig:
             context; every rank runs the same benchmark and times its own shard). With ``tune``
             the ranks tune with the ``agree`` strategy and the report says whether every rank
             holds the same picks.
+        compare_hf: Also time Hugging Face transformers' static cache + ``torch.compile(mode=
+            "reduce-overhead")`` recipe on the same shape and weights
+            (:mod:`graphtune.bench.decode_hf`); skipped with a note without CUDA or
+            transformers.
+        compare_unfused: With ``tune``, also time the tuned step with its stages unfused
+            (``DecodeStep(fused=False)``: the step as tuned before the fused ops), timed like
+            the tuned step.
     """
 
     model: str = "llama-1b-shape"
@@ -47,15 +54,21 @@ class DecodeBenchConfig:
     tuning_cache: str | None = None
     tune_cold_l2: bool = False
     tp: int = 1
+    compare_hf: bool = False
+    compare_unfused: bool = False
 
     def __post_init__(self) -> None:
         if self.tp < 1:
             raise ConfigError(f"tp must be >= 1, got {self.tp}")
-        if self.tp > 1 and self.compare_compile:
-            raise ConfigError(
-                "--compare-compile is not supported with --tp > 1; drop it to time "
-                "the tensor-parallel step"
-            )
+        for flag, on in (
+            ("--compare-compile", self.compare_compile),
+            ("--compare-hf", self.compare_hf),
+        ):
+            if self.tp > 1 and on:
+                raise ConfigError(
+                    f"{flag} is not supported with --tp > 1; drop it to time the "
+                    "tensor-parallel step"
+                )
         if not self.batch_sizes or min(self.batch_sizes) <= 0:
             raise ConfigError(f"batch sizes must be positive, got {self.batch_sizes}")
         if self.context < 0 or self.steps <= 0 or self.repeats <= 0:
@@ -91,6 +104,18 @@ class BatchResult:
     tuned_max_abs_diff: float | None = None
     tuned_kernels_per_step: float | None = None
     tuned_top_kernels: list[dict[str, Any]] = field(default_factory=list)
+    # Device time by kernel family (graphtune.bench.kernel_families) of one step.
+    kernel_families: dict[str, dict[str, Any]] = field(default_factory=dict)
+    tuned_kernel_families: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # With ``compare_unfused``: the tuned step with its stages unfused, timed as the tuned step.
+    tuned_unfused_ms: float | None = None
+    tuned_unfused_kernels_per_step: float | None = None
+    # With ``compare_hf``: Hugging Face's static cache + torch.compile(mode="reduce-overhead").
+    hf_ms: float | None = None
+    hf_note: str | None = None
+    hf_busy_ms: float | None = None
+    hf_kernels_per_step: float | None = None
+    hf_kernel_families: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass
@@ -115,6 +140,7 @@ class DecodeBenchReport:
     tuning_picks: list[list[Any]] | None = None
     tuning_rank_agreement: float | None = None
     tuned_capture_seconds: float | None = None
+    hf_logits_check: dict[str, Any] | None = None
 
     def derive(self) -> None:
         """Fills the ratios (speed-up, graph/busy, tokens/s, tuned/untuned, tuned/floor) from

@@ -100,6 +100,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="also time torch.compile(mode='reduce-overhead') of the same step",
     )
     decode.add_argument(
+        "--compare-hf",
+        action="store_true",
+        help="also time Hugging Face transformers' static cache + torch.compile("
+        "mode='reduce-overhead') on the same shape and weights (CUDA and transformers needed)",
+    )
+    decode.add_argument(
         "--tune",
         action="store_true",
         help="also tune the step's ops (GEMMs, RMSNorm, RoPE+KV write, "
@@ -119,6 +125,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="with --tune: time the GEMMs with cold-L2 rotation (weights stream "
         "from HBM, as in a decode step)",
+    )
+    decode.add_argument(
+        "--compare-unfused",
+        action="store_true",
+        help="with --tune: also time the tuned step with its stages unfused (the step as tuned "
+        "before the fused kernels)",
     )
     decode.add_argument(
         "--plot",
@@ -170,11 +182,14 @@ def run_bench_decode(args: argparse.Namespace) -> int:
     from graphtune.engine.devices import resolve_device
 
     device = resolve_device(args.device)
-    if args.tp > 1 and args.compare_compile:
-        raise ConfigError(
-            "--compare-compile is not supported with --tp > 1; drop it to time the "
-            "tensor-parallel step"
-        )
+    for flag, on in (
+        ("--compare-compile", args.compare_compile),
+        ("--compare-hf", args.compare_hf),
+    ):
+        if args.tp > 1 and on:
+            raise ConfigError(
+                f"{flag} is not supported with --tp > 1; drop it to time the tensor-parallel step"
+            )
     model = args.model or ("llama-1b-shape" if device.type == "cuda" else "tiny")
     _check_before_run(args, model)
     runners = ("eager", "graph") if args.runner == "both" else (args.runner,)
@@ -193,6 +208,8 @@ def run_bench_decode(args: argparse.Namespace) -> int:
         tuning_cache=str(args.tuning_cache) if args.tuning_cache else None,
         tune_cold_l2=args.tune_cold_l2,
         tp=args.tp,
+        compare_hf=args.compare_hf,
+        compare_unfused=args.compare_unfused,
     )
     parallel = None
     started: list[Any] = []

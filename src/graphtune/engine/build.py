@@ -31,6 +31,7 @@ def build_step(
     gemm_cold_l2: bool = False,
     reducer: AllReduce | None = None,
     contiguous_slots: bool = True,
+    fused: bool = True,
 ) -> DecodeStep:
     """The decode step for ``model``: :class:`DecodeStep`, or the tensor-parallel step for a
     shard.
@@ -42,6 +43,7 @@ def build_step(
         gemm_cold_l2: Tune the GEMMs with cold-L2 rotation.
         reducer: A shard's all-reduce; ``None`` builds the one its context names (collective).
         contiguous_slots: Row ``i`` owns slot ``i`` (the engine's compacted batch).
+        fused: A tuned step's stages are the fused ops (``False``: their unfused sequences).
 
     Raises:
         ConfigError: ``reducer`` given for a model that is not sharded.
@@ -50,7 +52,12 @@ def build_step(
         if reducer is not None:
             raise ConfigError("build_step: a reducer is only for a tensor-parallel shard")
         return DecodeStep(
-            model, cache, contiguous_slots=contiguous_slots, tuner=tuner, gemm_cold_l2=gemm_cold_l2
+            model,
+            cache,
+            contiguous_slots=contiguous_slots,
+            tuner=tuner,
+            gemm_cold_l2=gemm_cold_l2,
+            fused=fused,
         )
     return TensorParallelDecodeStep(
         model,
@@ -59,6 +66,7 @@ def build_step(
         tuner=tuner,
         gemm_cold_l2=gemm_cold_l2,
         reducer=reducer,
+        fused=fused,
     )
 
 

@@ -302,6 +302,38 @@ PRESETS: dict[str, ModelConfig] = {
         eos_token_ids=(151645, 151643),
         qk_norm=True,
     ),
+    # The shape of Meta-Llama-3-8B: 32 layers, GQA 32/8, untied 128256-token head.
+    "llama-3-8b-shape": ModelConfig(
+        name="llama-3-8b-shape",
+        architecture="llama",
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        max_position_embeddings=8192,
+        bos_token_id=128000,
+        eos_token_ids=(128001,),
+    ),
+    # The shape of Qwen2.5-7B: 28 layers, GQA 28/4, head_dim 128, QKV bias, 152064-token head.
+    "qwen2.5-7b-shape": ModelConfig(
+        name="qwen2.5-7b-shape",
+        architecture="qwen2",
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_layers=28,
+        num_heads=28,
+        num_kv_heads=4,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=32768,
+        attention_bias=True,
+        eos_token_ids=(151643,),
+    ),
 }
 
 

@@ -202,7 +202,7 @@ def shard_model(model: DecoderModel, parallel: ParallelContext) -> DecoderModel:
 
 class TensorParallelDecodeStep(DecodeStep):
     """:class:`DecodeStep` for a sharded model: the same forward, with the row-parallel output
-    projections completed by an all-reduce (:meth:`project_add_norm`, the one hook it overrides).
+    projections completed by an all-reduce (:meth:`add_projection`, the one hook it overrides).
 
     Args:
         model: A sharded model (``model.parallel`` set, see :func:`shard_model`).
@@ -211,6 +211,7 @@ class TensorParallelDecodeStep(DecodeStep):
         tuner: As for :class:`DecodeStep`; tune with a rank-consistent strategy (``agree``,
             ``parallel`` or ``broadcast``) so every rank runs the same kernels.
         gemm_cold_l2: As for :class:`DecodeStep`.
+        fused: As for :class:`DecodeStep`.
         reducer: The all-reduce (see :mod:`graphtune.engine.collectives`); ``None`` builds the
             one ``model.parallel.all_reduce_backend`` names (a collective: every rank builds its
             step at the same point).
@@ -230,6 +231,7 @@ class TensorParallelDecodeStep(DecodeStep):
         tuner: Any = None,
         gemm_cold_l2: bool = False,
         reducer: AllReduce | None = None,
+        fused: bool = True,
     ) -> None:
         if model.parallel is None:
             raise ConfigError(
@@ -237,7 +239,12 @@ class TensorParallelDecodeStep(DecodeStep):
                 "parallel=ParallelContext(...)) or shard_model)"
             )
         super().__init__(
-            model, cache, contiguous_slots=contiguous_slots, tuner=tuner, gemm_cold_l2=gemm_cold_l2
+            model,
+            cache,
+            contiguous_slots=contiguous_slots,
+            tuner=tuner,
+            gemm_cold_l2=gemm_cold_l2,
+            fused=fused,
         )
         self.parallel: ParallelContext = model.parallel
         if reducer is None:
@@ -271,7 +278,7 @@ class TensorParallelDecodeStep(DecodeStep):
             return self.zero_rows[:rows]
         return torch.zeros_like(x)  # prefill of a prompt longer than the largest batch
 
-    def project_add_norm(
+    def add_projection(
         self,
         ops: OpContext,
         a: torch.Tensor,
@@ -279,27 +286,32 @@ class TensorParallelDecodeStep(DecodeStep):
         x: torch.Tensor,
         norm_weight: torch.Tensor,
         parity: int,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's slice of the projection, the all-reduce, the residual add and the RMSNorm.
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This rank's slice of the projection, the all-reduce and the residual add, as
+        ``(x, normed)``.
 
         A tuned step whose reducer offers the fused all-reduce + add + RMSNorm kernel (symmetric
-        memory with Triton) writes the partial into the reducer's buffer and runs that one kernel.
-        Otherwise, as in an untuned step (torch only): rank 0's GEMM adds the residual, the
-        partial goes where the reducer wants it, the all-reduce writes ``x`` and the norm follows.
+        memory with Triton) writes the partial into the reducer's buffer and runs that one
+        kernel, which also returns ``normed = rms_norm(x, norm_weight)``: the next stage then
+        skips its norm prologue. Otherwise, as in an untuned step (torch only): rank 0's GEMM
+        adds the residual, the partial goes where the reducer wants it, the all-reduce writes
+        ``x``, ``normed`` is ``None`` and the next stage normalises ``x`` itself (fused into its
+        projection when its tuned pick is the fused kernel).
         """
-        eps = self.model.config.rms_norm_eps
         rows = a.shape[0]
         fused = getattr(self.reducer, "fused_staging", None) if ops.tuned else None
         staged = fused(rows, parity) if fused is not None else None
         if staged is not None:
             partial = ops.gemm(a, weight, out=staged)
-            return self.reducer.reduce_add_rms_norm(partial, x, norm_weight, eps)
+            eps = self.model.config.rms_norm_eps
+            normed, x = self.reducer.reduce_add_rms_norm(partial, x, norm_weight, eps)
+            return x, normed
         target = self.reducer.staging(rows)
         partial = ops.gemm(
             a, weight, residual=self._residual(x), out=x if target is None else target
         )
         self.reducer.reduce(partial, out=x)
-        return ops.rms_norm(x, norm_weight, eps), x
+        return x, None
 
 
 def init_from_torchrun(

@@ -2,7 +2,11 @@
 
 :meth:`DecodeStep.forward` runs a flat batch of tokens with their positions and KV-cache write
 rows through every layer, calling each op through an :class:`~graphtune.ops.OpContext`; only
-attention differs between decode and prefill (:mod:`graphtune.engine.attention`).
+attention differs between decode and prefill (:mod:`graphtune.engine.attention`). A layer is five
+stages, each one tunable op of :mod:`graphtune.ops.fused` whose fallback is the unfused sequence:
+[RMSNorm + QKV + RoPE + K/V write] -> [attention] -> [O-projection + residual] -> [RMSNorm +
+gate/up + SiLU-and-mul] -> [down projection + residual]; then [final RMSNorm + LM head]. The norm
+after a residual add is the next stage's prologue.
 
 :class:`DecodeStep` is a pure function of three static-shaped tensors ``tokens [B]``,
 ``positions [B]`` and ``slots [B]`` (all int64 on the model's device) plus state that never moves
@@ -10,11 +14,12 @@ attention differs between decode and prefill (:mod:`graphtune.engine.attention`)
 which is what a CUDA graph capture needs: K/V are written by index and attention covers every
 cached position with a mask built from ``positions`` on the device.
 
-Built with a tuner, every op runs the tuner's pick for its batch bucket; without one, every op
-runs its torch fallback (the same code, no look-ups). Tune by running the step in tuning mode
-(:func:`graphtune.engine.tuning.tune_step`), so the keys tuned are the keys looked up. Prefill
-has a different length per request, so it runs eagerly, one request at a time, with the untuned
-ops.
+Built with a tuner, every op runs the tuner's pick for its batch bucket (a fused kernel, or the
+unfused sequence with each single op's own pick); without one, every op runs its torch fallback
+(the same code, no look-ups): exactly the hand-written torch step. Tune by running the step in
+tuning mode (:func:`graphtune.engine.tuning.tune_step`), so the keys tuned are the keys looked up.
+Prefill has a different length per request, so it runs eagerly, one request at a time, with the
+untuned ops.
 """
 
 from __future__ import annotations
@@ -55,7 +60,10 @@ class DecodeStep:
             with :func:`graphtune.engine.tuning.tune_step`. An untuned shape runs the op's torch
             fallback and is counted in ``tuner.stats.fallbacks``. ``None`` (default): every op
             runs its torch fallback without a look-up.
-        gemm_cold_l2: Tune the GEMMs with cold-L2 rotation (see :class:`~graphtune.ops.OpContext`).
+        gemm_cold_l2: Tune the GEMMs and the fused ops with cold-L2 rotation (see
+            :class:`~graphtune.ops.OpContext`).
+        fused: Whether a tuned step's stages are the fused ops (default) or their unfused
+            sequences of single ops (the step as tuned before the fused ops; for comparisons).
 
     Raises:
         ConfigError: ``model`` is a tensor-parallel shard (use
@@ -75,6 +83,7 @@ class DecodeStep:
         contiguous_slots: bool = False,
         tuner: Any = None,
         gemm_cold_l2: bool = False,
+        fused: bool = True,
     ) -> None:
         cfg = model.config
         if model.parallel is not None and not self.tensor_parallel:
@@ -86,7 +95,9 @@ class DecodeStep:
         self.cache = cache
         self.contiguous_slots = contiguous_slots
         self.ops = (
-            OpContext(tuner, cache.max_batch_size, gemm_cold_l2) if tuner is not None else UNTUNED
+            OpContext(tuner, cache.max_batch_size, gemm_cold_l2, fused)
+            if tuner is not None
+            else UNTUNED
         )
         device, dtype = model.device, model.dtype
         # Signed-sin tables: queries and keys share one RoPE pass of three kernels.
@@ -100,7 +111,8 @@ class DecodeStep:
         # Flattened per-layer views [slots * kv_heads * max_seq, head_dim] for the K/V writes.
         self.k_flat = [k.view(-1, cfg.dim_per_head) for k in cache.k_layers]
         self.v_flat = [v.view(-1, cfg.dim_per_head) for v in cache.v_layers]
-        # The norm after each layer's MLP: the next layer's first norm, the final one at the end.
+        # The norm after each layer's MLP: the next layer's first norm, the final one at the end
+        # (for a stage hook that computes it with the residual add: tensor parallelism's).
         self.next_norms = [layer.attn_norm for layer in model.layers[1:]] + [model.final_norm]
 
     @property
@@ -139,37 +151,47 @@ class DecodeStep:
         rope = RopeRows(positions, self.cos, self.sin, signed_sin=True)
         # A fresh tensor: the output projections add into it in place.
         x = F.embedding(tokens, model.embed)
-        h = ops.rms_norm(x, model.layers[0].attn_norm, eps)
+        # rms_norm(x) when an output-projection hook produced it with the residual add (tensor
+        # parallelism's fused all-reduce); the next stage then skips its norm prologue.
+        normed: torch.Tensor | None = None
         for index, layer in enumerate(model.layers):
-            qkv = ops.gemm(h, layer.wqkv, layer.bqkv)
-            if layer.q_norm is not None:  # Qwen3: per-head RMSNorm of q and k, before RoPE
-                ops.head_rms_norm_(
-                    qkv,
-                    layer.q_norm,
-                    layer.k_norm,
-                    eps,
-                    num_heads=cfg.num_heads,
-                    num_kv_heads=cfg.num_kv_heads,
-                )
-            q = ops.rope_kv_cache(
-                qkv,
+            q = ops.norm_qkv_rope(
+                x,
+                layer.attn_norm,
+                eps,
+                layer.wqkv,
+                layer.bqkv,
                 rope,
                 self.k_flat[index],
                 self.v_flat[index],
                 write_rows,
                 num_heads=cfg.num_heads,
                 num_kv_heads=cfg.num_kv_heads,
+                normed=normed,
+                q_norm=layer.q_norm,  # Qwen3: per-head RMSNorm of q and k, before RoPE
+                k_norm=layer.k_norm,
             )
-            h, x = self.project_add_norm(ops, attention(index, q), layer.wo, x, layer.mlp_norm, 0)
-            gate_up = ops.gemm(h, layer.w_gate_up, layer.b_gate_up)
-            act = ops.gated_activation(gate_up, cfg.hidden_act)
+            x, normed = self.add_projection(
+                ops, attention(index, q), layer.wo, x, layer.mlp_norm, 0
+            )
+            act = ops.norm_gate_up_act(
+                x,
+                layer.mlp_norm,
+                eps,
+                layer.w_gate_up,
+                layer.b_gate_up,
+                cfg.hidden_act,
+                normed=normed,
+            )
             if layer.b_down is not None:
                 # mlp_bias: the down projection's bias joins the residual the projection adds to.
                 x.add_(layer.b_down)
-            h, x = self.project_add_norm(ops, act, layer.w_down, x, self.next_norms[index], 1)
-        return ops.gemm(h[-1:] if last_only else h, model.lm_head)
+            x, normed = self.add_projection(ops, act, layer.w_down, x, self.next_norms[index], 1)
+        if last_only:
+            x, normed = x[-1:], None if normed is None else normed[-1:]
+        return ops.norm_linear(x, model.final_norm, eps, model.lm_head, normed=normed)
 
-    def project_add_norm(
+    def add_projection(
         self,
         ops: OpContext,
         a: torch.Tensor,
@@ -177,16 +199,17 @@ class DecodeStep:
         x: torch.Tensor,
         norm_weight: torch.Tensor,
         parity: int,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """An output projection, the residual add and the norm after it: ``x += a @ weight.T``
-        (in place, inside the GEMM: ``addmm_`` untuned) and ``rms_norm(x)``, as ``(normed, x)``.
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """An output projection and the residual add, ``x += a @ weight.T`` in place (inside the
+        GEMM: ``addmm_`` untuned), as ``(x, normed)``; ``normed`` is ``None`` here (the next
+        stage normalises ``x`` in its prologue).
 
         The tensor-parallel step overrides this (its projections are row-parallel: an all-reduce
-        between the GEMM and the norm). ``parity`` alternates between the two calls of a layer
-        (0 after attention, 1 after the MLP) so an override can alternate buffers.
+        after the GEMM, which may come fused with the add and ``rms_norm(x, norm_weight)``, then
+        returned as ``normed``). ``parity`` alternates between the two calls of a layer (0 after
+        attention, 1 after the MLP) so an override can alternate buffers.
         """
-        ops.gemm(a, weight, residual=x, inplace=True)
-        return ops.rms_norm(x, norm_weight, self.model.config.rms_norm_eps), x
+        return ops.add_projection(x, a, weight), None
 
     def write_rows(self, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Row of each (token, KV head) in the flattened cache: ``(slot * kv_heads + head) *
@@ -205,10 +228,19 @@ class DecodeStep:
             positions: ``[B]`` its position (= number of tokens already cached for the request).
             slots: ``[B]`` the KV-cache slot of each row (the scratch slot for padded rows).
         """
-        attention = DecodeAttention(self, self.ops, positions, slots)
-        return self.forward(
-            self.ops, tokens, positions, self.write_rows(positions, slots), attention
-        )
+        return self.decode(self.ops, tokens, positions, slots)
+
+    def decode(
+        self,
+        ops: OpContext,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> torch.Tensor:
+        """One decode step through the op context ``ops`` (``__call__`` passes the step's own;
+        :func:`~graphtune.engine.tuning.tune_step` also runs it unfused)."""
+        attention = DecodeAttention(self, ops, positions, slots)
+        return self.forward(ops, tokens, positions, self.write_rows(positions, slots), attention)
 
     def example_inputs(self, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Step inputs of ``batch`` rows that write only the scratch slot (capture, tuning)."""

@@ -12,6 +12,16 @@ compiles the Triton tactics of every missing profile of those calls at once (Tri
 generator in worker processes, see ``graphtune.ops._compile_pool``), so the tuning runs that
 follow time kernels instead of waiting for the compiler one op at a time.
 
+Then the step runs twice per bucket: first with its stages unfused (``OpContext.unfused``), which
+tunes every single op (GEMMs, norms, RoPE, SiLU-and-mul, attention) from the live calls; then as
+built, which tunes the fused ops (:mod:`graphtune.ops.fused`). A fused op's runner 0 is the
+unfused sequence, so timing it needs the single ops' picks: the first pass has put them in the
+cache, and the nested look-ups hit. So no op is tuned inside another op's timing, the order of
+the tuning collectives is the step's order on every rank whatever the distributed strategy
+(``broadcast`` and ``parallel`` time a candidate on one rank only, which a nested tuning would
+turn into a collective only that rank enters), and the tuned unfused step (``fused=False``)
+finds its picks too.
+
 The calls use :meth:`DecodeStep.example_inputs`: they write only the KV cache's scratch slot.
 Every rank of a tensor-parallel group must call this together (the ops' look-ups and the step's
 all-reduces are collectives in the same order on every rank).
@@ -119,7 +129,8 @@ def record_step_calls(
 def tune_step(
     step: DecodeStep, *, log: Callable[[str], None] | None = None, prepare: bool = True
 ) -> TuneReport:
-    """Tunes every op of ``step`` by running it at batch sizes ``1, 2, 4, ..., max_batch_size``.
+    """Tunes every op of ``step`` by running it at batch sizes ``1, 2, 4, ..., max_batch_size``,
+    unfused and then as built (see the module docstring).
 
     First (with ``prepare``) the calls of one untuned step are recorded
     (:func:`record_step_calls`) and ``tuner.prepare`` compiles the tactics of all their missing
@@ -161,10 +172,14 @@ def tune_step(
                 report.prepared = tuner.prepare(calls)
                 report.prepare_seconds = time.perf_counter() - started
             tuner.tuning_mode = True
-            for batch in report.buckets:
-                if log is not None:
-                    log(f"tuning: running the step at batch {batch}")
-                step(*step.example_inputs(batch))
+            passes = [("single ops", step.ops.unfused())]
+            if step.ops.fused:
+                passes.append(("fused ops", step.ops))
+            for what, ops in passes:
+                for batch in report.buckets:
+                    if log is not None:
+                        log(f"tuning the {what}: running the step at batch {batch}")
+                    step.decode(ops, *step.example_inputs(batch))
     finally:
         tuner.tuning_mode = previous
         close_compile_workers()

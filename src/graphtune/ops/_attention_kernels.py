@@ -178,33 +178,53 @@ def decode_attention_kernel(
             tl.debug_barrier()
             ticket = tl.atomic_add(cnt_ptr + bh, 1, sem="acq_rel", scope="gpu")
             if ticket == SPLITS - 1:
-                tl.debug_barrier()
-                # Partials are read from L2 (.cg): another SM wrote them, and this SM's L1 may
-                # hold lines of the same workspace from an earlier call.
-                first = ws_ptr + (bh * SPLITS * G + rows) * (HEAD_DIM + 2)
-                m_max = tl.zeros((BLOCK_G,), dtype=tl.float32) - 1.0e30
-                for s in range(0, SPLITS):
-                    part = first + s * G * (HEAD_DIM + 2)
-                    m_s = tl.load(part + HEAD_DIM, mask=row_ok, other=-1.0e30, cache_modifier=".cg")
-                    m_max = tl.maximum(m_max, m_s)
-                total = tl.zeros((BLOCK_G,), dtype=tl.float32)
-                merged = tl.zeros((BLOCK_G, HEAD_DIM), dtype=tl.float32)
-                for s in range(0, SPLITS):
-                    part = first + s * G * (HEAD_DIM + 2)
-                    m_s = tl.load(part + HEAD_DIM, mask=row_ok, other=-1.0e30, cache_modifier=".cg")
-                    l_s = tl.load(part + HEAD_DIM + 1, mask=row_ok, other=0.0, cache_modifier=".cg")
-                    a_s = tl.load(
-                        part[:, None] + dims[None, :],
-                        mask=row_ok[:, None],
-                        other=0.0,
-                        cache_modifier=".cg",
-                    )
-                    w = tl.exp2(m_s - m_max)
-                    total += l_s * w
-                    merged += a_s * w[:, None]
-                out = merged / tl.where(total > 0.0, total, 1.0)[:, None]
-                tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+                # A helper of its own: the branch then rebinds no name of this kernel (Triton's
+                # code generator requires a name bound before a runtime `if` to keep its type).
+                _merge_partials(
+                    ws_ptr, out_ptrs, bh, rows, dims, row_ok, G, SPLITS, BLOCK_G, HEAD_DIM
+                )
                 tl.atomic_xchg(cnt_ptr + bh, 0)  # ready for the next call
+
+
+@triton.jit
+def _merge_partials(
+    ws_ptr,
+    out_ptrs,
+    bh,
+    rows,
+    dims,
+    row_ok,
+    G,
+    SPLITS: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    """The inline merge of one row's ``SPLITS`` float32 partials, in split order, into ``out``.
+
+    Partials are read from L2 (``.cg``): other SMs wrote them, and this SM's L1 may hold lines of
+    the same workspace from an earlier call.
+    """
+    tl.debug_barrier()
+    row_base = ws_ptr + (bh * SPLITS * G + rows) * (HEAD_DIM + 2)
+    m_max = tl.zeros((BLOCK_G,), dtype=tl.float32) - 1.0e30
+    for s in range(0, SPLITS):
+        part = row_base + s * G * (HEAD_DIM + 2)
+        m_s = tl.load(part + HEAD_DIM, mask=row_ok, other=-1.0e30, cache_modifier=".cg")
+        m_max = tl.maximum(m_max, m_s)
+    total = tl.zeros((BLOCK_G,), dtype=tl.float32)
+    merged = tl.zeros((BLOCK_G, HEAD_DIM), dtype=tl.float32)
+    for s in range(0, SPLITS):
+        part = row_base + s * G * (HEAD_DIM + 2)
+        m_s = tl.load(part + HEAD_DIM, mask=row_ok, other=-1.0e30, cache_modifier=".cg")
+        l_s = tl.load(part + HEAD_DIM + 1, mask=row_ok, other=0.0, cache_modifier=".cg")
+        a_s = tl.load(
+            part[:, None] + dims[None, :], mask=row_ok[:, None], other=0.0, cache_modifier=".cg"
+        )
+        w = tl.exp2(m_s - m_max)
+        total += l_s * w
+        merged += a_s * w[:, None]
+    out = merged / tl.where(total > 0.0, total, 1.0)[:, None]
+    tl.store(out_ptrs, out.to(out_ptrs.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit

@@ -14,11 +14,20 @@ passing ``tuner=..., max_m=...`` to every call. Activations are 2-D (``[rows, fe
   ``tuner.stats.fallbacks``; in tuning mode (inside :func:`graphtune.autotune`) a miss tunes every
   bucket of that op first. So running the step in tuning mode tunes exactly the keys the step
   looks up later (``graphtune.engine.tuning``).
+
+The stages of a decode layer are the fused ops of :mod:`graphtune.ops.fused`
+(:meth:`OpContext.norm_qkv_rope`, :meth:`~OpContext.norm_gate_up_silu`,
+:meth:`~OpContext.add_projection`, :meth:`~OpContext.norm_linear`). Untuned, and in a context
+built with ``fused=False`` (:meth:`OpContext.unfused`), each runs its unfused sequence of the single
+ops above instead (a fused op's runner 0): the untuned step is the plain torch step, and the
+tuned unfused step is the step as tuned before the fused ops existed. A stage also takes the
+normalised rows when something earlier already produced them (``normed=``, tensor parallelism's
+fused all-reduce + add + RMSNorm); it then skips its norm and runs the single ops.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +36,7 @@ from graphtune.autotuner.config import TuningConfig
 from graphtune.autotuner.tuner import AutoTuner
 from graphtune.errors import ConfigError
 from graphtune.ops import attention as attention_op
+from graphtune.ops import fused as fused_ops
 from graphtune.ops.activation import silu_and_mul, torch_gated_activation, torch_silu_and_mul
 from graphtune.ops.gemm import gemm, torch_gemm
 from graphtune.ops.rmsnorm import fused_add_rms_norm, head_rms_norm_, torch_rms_norm
@@ -42,9 +52,14 @@ class OpContext:
             untuned context (every op runs its torch fallback, no look-up).
         max_batch_size: Largest batch (rows of the activations) tuned and looked up; a larger
             live batch looks up the largest bucket. Required with a tuner.
-        gemm_cold_l2: Tune the GEMMs with cold-L2 rotation (``TuningConfig.cold_l2``): in a
-            decode step every weight streams from HBM once, while one that fits in L2 stays there
-            when the same call is timed back to back. Cache keys are the same either way.
+        gemm_cold_l2: Tune the GEMMs and the fused ops (GEMVs with a prologue or an epilogue)
+            with cold-L2 rotation (``TuningConfig.cold_l2``): in a decode step every weight
+            streams from HBM once, while one that fits in L2 stays there when the same call is
+            timed back to back. Cache keys are the same either way.
+        fused: With a tuner, the layer stages call the fused ops (each a tunable op whose runner
+            0 is the unfused sequence, so the tuner decides per bucket); ``False``: the stages
+            call the unfused sequence of single ops directly. Without a tuner the stages always
+            run the unfused torch code.
 
     Raises:
         ConfigError: ``max_batch_size`` is not an int >= 1 (or missing with a tuner).
@@ -53,6 +68,7 @@ class OpContext:
     tuner: AutoTuner | None = None
     max_batch_size: int | None = None
     gemm_cold_l2: bool = False
+    fused: bool = True
     _attention_config: TuningConfig = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -72,6 +88,14 @@ class OpContext:
     def tuned(self) -> bool:
         """Whether a tuner picks the kernels (else every op is its torch fallback)."""
         return self.tuner is not None
+
+    def unfused(self) -> OpContext:
+        """This context with ``fused=False``: the stages run their single ops, each tuned."""
+        return replace(self, fused=False)
+
+    @property
+    def _fusing(self) -> bool:
+        return self.fused and self.tuner is not None
 
     def gemm(
         self,
@@ -197,3 +221,146 @@ class OpContext:
         return attention_op.decode_attention(
             q, keys, values, mask, tuner=self.tuner, config=self._attention_config
         )
+
+    # -- the stages of a decode layer (graphtune.ops.fused) ----------------------------------
+
+    def norm_qkv_rope(
+        self,
+        x: torch.Tensor,
+        norm_weight: torch.Tensor,
+        eps: float,
+        wqkv: torch.Tensor,
+        bqkv: torch.Tensor | None,
+        rope: RopeRows,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        write_rows: torch.Tensor,
+        *,
+        num_heads: int,
+        num_kv_heads: int,
+        normed: torch.Tensor | None = None,
+        q_norm: torch.Tensor | None = None,
+        k_norm: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """RMSNorm + QKV projection + RoPE + K/V cache write
+        (:func:`graphtune.ops.fused.norm_qkv_rope`); returns ``q [rows, num_heads, head_dim]``.
+
+        ``normed``: ``rms_norm(x, norm_weight, eps)`` already computed; the norm is skipped.
+        ``q_norm`` / ``k_norm``: Qwen3's per-head RMSNorm weights, applied between the projection
+        and RoPE (:meth:`head_rms_norm_`); the fused op has no such step, so the single ops run.
+        """
+        heads = dict(num_heads=num_heads, num_kv_heads=num_kv_heads)
+        if normed is None and self._fusing and q_norm is None:
+            return fused_ops.norm_qkv_rope(
+                x,
+                norm_weight,
+                eps,
+                wqkv,
+                bqkv,
+                rope.positions,
+                rope.cos,
+                rope.sin,
+                k_cache,
+                v_cache,
+                write_rows,
+                **heads,
+                signed_sin=rope.signed_sin,
+                rows=rope,
+                tuner=self.tuner,
+                max_m=self.max_batch_size,
+                cold_l2=self.gemm_cold_l2,
+            )
+        h = normed if normed is not None else self.rms_norm(x, norm_weight, eps)
+        qkv = self.gemm(h, wqkv, bqkv)
+        if q_norm is not None:
+            if k_norm is None:
+                raise ConfigError("norm_qkv_rope: q_norm needs k_norm (Qwen3 has both)")
+            self.head_rms_norm_(qkv, q_norm, k_norm, eps, **heads)
+        return self.rope_kv_cache(qkv, rope, k_cache, v_cache, write_rows, **heads)
+
+    def add_projection(
+        self, x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor
+    ) -> torch.Tensor:
+        """``x += a @ weight.T`` in place (:func:`graphtune.ops.fused.add_projection`); returns
+        ``x``."""
+        if self._fusing:
+            return fused_ops.add_projection(
+                x,
+                a,
+                weight,
+                tuner=self.tuner,
+                max_m=self.max_batch_size,
+                cold_l2=self.gemm_cold_l2,
+            )
+        return self.gemm(a, weight, residual=x, inplace=True)
+
+    def norm_gate_up_silu(
+        self,
+        x: torch.Tensor,
+        norm_weight: torch.Tensor,
+        eps: float,
+        w_gate_up: torch.Tensor,
+        *,
+        normed: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """RMSNorm + gate/up projection + SiLU-and-mul
+        (:func:`graphtune.ops.fused.norm_gate_up_silu`); ``normed`` as for
+        :meth:`norm_qkv_rope`."""
+        if normed is None and self._fusing:
+            return fused_ops.norm_gate_up_silu(
+                x,
+                norm_weight,
+                eps,
+                w_gate_up,
+                tuner=self.tuner,
+                max_m=self.max_batch_size,
+                cold_l2=self.gemm_cold_l2,
+            )
+        h = normed if normed is not None else self.rms_norm(x, norm_weight, eps)
+        return self.silu_and_mul(self.gemm(h, w_gate_up))
+
+    def norm_gate_up_act(
+        self,
+        x: torch.Tensor,
+        norm_weight: torch.Tensor,
+        eps: float,
+        w_gate_up: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        activation: str = "silu",
+        *,
+        normed: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """RMSNorm + gate/up projection (+ ``bias``) + the gated ``activation``: the stage of any
+        model's MLP. SiLU without a bias is :meth:`norm_gate_up_silu` (fused when tuned); a bias
+        or another activation runs the single ops (:meth:`gated_activation`), which the fused
+        kernels do not implement."""
+        if bias is None and activation == "silu":
+            return self.norm_gate_up_silu(x, norm_weight, eps, w_gate_up, normed=normed)
+        h = normed if normed is not None else self.rms_norm(x, norm_weight, eps)
+        return self.gated_activation(self.gemm(h, w_gate_up, bias), activation)
+
+    def norm_linear(
+        self,
+        x: torch.Tensor,
+        norm_weight: torch.Tensor,
+        eps: float,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        normed: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """RMSNorm + a linear layer (:func:`graphtune.ops.fused.norm_linear`: the final norm and
+        the LM head); ``normed`` as for :meth:`norm_qkv_rope`."""
+        if normed is None and self._fusing:
+            return fused_ops.norm_linear(
+                x,
+                norm_weight,
+                eps,
+                weight,
+                bias,
+                tuner=self.tuner,
+                max_m=self.max_batch_size,
+                cold_l2=self.gemm_cold_l2,
+            )
+        h = normed if normed is not None else self.rms_norm(x, norm_weight, eps)
+        return self.gemm(h, weight, bias)

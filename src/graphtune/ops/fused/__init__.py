@@ -13,7 +13,7 @@ kernel's tactics and the unfused path (:mod:`graphtune.ops.fused._base`). The fu
 one Triton GEMV family (:mod:`graphtune.ops.fused._gemv`), launched with programmatic dependent
 launch where the GPU supports it (:mod:`graphtune.ops._pdl`). :class:`TritonSkinnyGemmRunner` is the
 same kernel as a runner of the ``graphtune.gemm`` op (swapped operands on the tensor cores, for
-decode batches of up to 16 rows); it is not registered in ``gemm_runners()``. Importing this
+decode batches of up to 16 rows), the last of ``gemm_runners()``. Importing this
 package imports neither Triton nor the kernels.
 """
 

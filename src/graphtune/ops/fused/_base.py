@@ -55,13 +55,22 @@ class UnfusedRunner(TunableRunner):
     Args:
         tuner: The tuner the inner ops ask (weakly held; ``None``: the process default).
         max_m: ``max_m`` passed to every inner op.
+        cold_l2: ``cold_l2`` passed to the inner GEMM (``graphtune.ops.gemm.gemm``).
     """
 
-    def __init__(self, tuner: AutoTuner | None = None, max_m: int | None = None) -> None:
+    # Neither is part of the cache identity: a bucket's pick does not depend on the largest
+    # bucket of the step that tuned it (a cache tuned up to 128 rows serves a step of 8), nor on
+    # whether its GEMM was timed with cold L2 (the GEMM's keys do not depend on it either).
+    identity_excludes = frozenset({"max_m", "cold_l2"})
+
+    def __init__(
+        self, tuner: AutoTuner | None = None, max_m: int | None = None, cold_l2: bool = False
+    ) -> None:
         # Private, so not part of the cache identity: the picks do not depend on which tuner
-        # the inner ops ask, and a weak reference has no stable text. ``max_m`` is.
+        # the inner ops ask, and a weak reference has no stable text.
         self._tuner_ref = weakref.ref(tuner) if tuner is not None else None
         self.max_m = max_m
+        self.cold_l2 = cold_l2
 
     @property
     def tuner(self) -> AutoTuner:

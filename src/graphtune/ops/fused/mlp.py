@@ -71,7 +71,7 @@ class UnfusedNormGateUpSilu(UnfusedRunner):
         x, norm_weight, w_gate_up, eps = _unpack(inputs)
         tuner, max_m = self.tuner, self.max_m
         h, _ = fused_add_rms_norm(x, norm_weight, eps, tuner=tuner, max_m=max_m)
-        gate_up = gemm(h, w_gate_up, tuner=tuner, max_m=max_m)
+        gate_up = gemm(h, w_gate_up, tuner=tuner, max_m=max_m, cold_l2=self.cold_l2)
         return silu_and_mul(gate_up, tuner=tuner, max_m=max_m)
 
 
@@ -130,22 +130,22 @@ class TritonNormGateUpSilu(FusedTritonRunner):
 
 
 def norm_gate_up_silu_runners(
-    *, tuner: AutoTuner | None = None, max_m: int | None = None
+    *, tuner: AutoTuner | None = None, max_m: int | None = None, cold_l2: bool = False
 ) -> tuple[TunableRunner, ...]:
     """The runners for one tuner: unfused first (fallback), then Triton when importable."""
     tuner = resolve(tuner)
 
     def build() -> tuple[TunableRunner, ...]:
-        first = UnfusedNormGateUpSilu(tuner, max_m)
+        first = UnfusedNormGateUpSilu(tuner, max_m, cold_l2)
         return (first, TritonNormGateUpSilu()) if triton_available() else (first,)
 
-    return runners_for(tuner, (OP_NAME, max_m), build)
+    return runners_for(tuner, (OP_NAME, max_m, cold_l2), build)
 
 
 @functools.lru_cache(maxsize=16)
-def norm_gate_up_silu_config(max_m: int | None = None) -> TuningConfig:
-    """Rows of ``x`` bucketed."""
-    return TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0),), max_value=max_m)
+def norm_gate_up_silu_config(max_m: int | None = None, cold_l2: bool = False) -> TuningConfig:
+    """Rows of ``x`` bucketed; ``cold_l2`` as for ``graphtune.ops.gemm.gemm_config``."""
+    return TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0),), max_value=max_m, cold_l2=cold_l2)
 
 
 def norm_gate_up_silu(
@@ -157,6 +157,7 @@ def norm_gate_up_silu(
     tuner: AutoTuner | None = None,
     max_m: int | None = None,
     runners: tuple[TunableRunner, ...] | None = None,
+    cold_l2: bool = False,
 ) -> torch.Tensor:
     """``silu(gate) * up`` of ``rms_norm(x) @ w_gate_up.T``, through the tuner's pick.
 
@@ -169,6 +170,8 @@ def norm_gate_up_silu(
             when ``None``.
         max_m: Largest tuned row count (``None``: up to the live rows).
         runners: Runners to choose from; :func:`norm_gate_up_silu_runners` when ``None``.
+        cold_l2: Tune with cold-L2 rotation (this op and the unfused path's GEMM); the weights
+            stream from HBM in a decode step. Look-ups are the same.
 
     Returns:
         ``[..., I]`` in ``x``'s dtype.
@@ -178,14 +181,18 @@ def norm_gate_up_silu(
     tuner = resolve(tuner)
     lead = x.shape[:-1]
     inputs = [x.reshape(-1, x.shape[-1]), norm_weight, w_gate_up, float(eps)]
-    chosen = runners if runners is not None else norm_gate_up_silu_runners(tuner=tuner, max_m=max_m)
-    runner, tactic = tuner.choose_one(OP_NAME, chosen, norm_gate_up_silu_config(max_m), inputs)
+    chosen = runners
+    if chosen is None:
+        chosen = norm_gate_up_silu_runners(tuner=tuner, max_m=max_m, cold_l2=cold_l2)
+    config = norm_gate_up_silu_config(max_m, cold_l2)
+    runner, tactic = tuner.choose_one(OP_NAME, chosen, config, inputs)
     return runner.forward(inputs, tactic=tactic).reshape(*lead, w_gate_up.shape[0] // 2)
 
 
 def _rebuild(record: CallRecord, tuner: Any) -> tuple[tuple[TunableRunner, ...], TuningConfig]:
-    max_m = record.config["max_value"]
-    return norm_gate_up_silu_runners(tuner=tuner, max_m=max_m), norm_gate_up_silu_config(max_m)
+    max_m, cold = record.config["max_value"], bool(record.config.get("cold_l2", False))
+    runners = norm_gate_up_silu_runners(tuner=tuner, max_m=max_m, cold_l2=cold)
+    return runners, norm_gate_up_silu_config(max_m, cold)
 
 
 register_op(OP_NAME, _rebuild)

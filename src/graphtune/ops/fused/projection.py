@@ -88,7 +88,15 @@ class UnfusedAddProjection(UnfusedRunner):
     def unfused(self, inputs: list[Any]) -> torch.Tensor:
         """The tunable GEMM with the residual folded in, through :attr:`tuner`."""
         x, a, weight = _unpack_add(inputs)
-        return gemm(a, weight, residual=x, inplace=True, tuner=self.tuner, max_m=self.max_m)
+        return gemm(
+            a,
+            weight,
+            residual=x,
+            inplace=True,
+            tuner=self.tuner,
+            max_m=self.max_m,
+            cold_l2=self.cold_l2,
+        )
 
 
 class TritonAddProjection(_PlainTriton):
@@ -120,16 +128,16 @@ class TritonAddProjection(_PlainTriton):
 
 
 def add_projection_runners(
-    *, tuner: AutoTuner | None = None, max_m: int | None = None
+    *, tuner: AutoTuner | None = None, max_m: int | None = None, cold_l2: bool = False
 ) -> tuple[TunableRunner, ...]:
     """The runners for one tuner: unfused first (fallback), then Triton when importable."""
     tuner = resolve(tuner)
 
     def build() -> tuple[TunableRunner, ...]:
-        first = UnfusedAddProjection(tuner, max_m)
+        first = UnfusedAddProjection(tuner, max_m, cold_l2)
         return (first, TritonAddProjection()) if triton_available() else (first,)
 
-    return runners_for(tuner, (ADD_PROJECTION, max_m), build)
+    return runners_for(tuner, (ADD_PROJECTION, max_m, cold_l2), build)
 
 
 def _rows_of_a(shapes: Any) -> int:
@@ -137,12 +145,13 @@ def _rows_of_a(shapes: Any) -> int:
 
 
 @functools.lru_cache(maxsize=16)
-def add_projection_config(max_m: int | None = None) -> TuningConfig:
-    """Rows of ``a`` (input 1) bucketed; ``x``'s rows follow."""
+def add_projection_config(max_m: int | None = None, cold_l2: bool = False) -> TuningConfig:
+    """Rows of ``a`` (input 1) bucketed; ``x``'s rows follow; ``cold_l2`` as for the GEMM."""
     return TuningConfig(
         dynamic_specs=(DynamicTensorSpec(1, 0),),
         constraint_specs=(ConstraintSpec(0, 0, _rows_of_a),),
         max_value=max_m,
+        cold_l2=cold_l2,
     )
 
 
@@ -154,6 +163,7 @@ def add_projection(
     tuner: AutoTuner | None = None,
     max_m: int | None = None,
     runners: tuple[TunableRunner, ...] | None = None,
+    cold_l2: bool = False,
 ) -> torch.Tensor:
     """``x += a @ weight.T`` in place (float32 sum, one rounding), through the tuner's pick.
 
@@ -164,14 +174,19 @@ def add_projection(
         tuner: Tuner to ask; the process default when ``None``.
         max_m: Largest tuned row count (``None``: up to the live rows).
         runners: Runners to choose from; :func:`add_projection_runners` when ``None``.
+        cold_l2: Tune with cold-L2 rotation (this op and the unfused GEMM); look-ups are the
+            same.
 
     Returns:
         ``x``.
     """
     tuner = resolve(tuner)
     inputs = [x, a, weight]
-    chosen = runners if runners is not None else add_projection_runners(tuner=tuner, max_m=max_m)
-    runner, tactic = tuner.choose_one(ADD_PROJECTION, chosen, add_projection_config(max_m), inputs)
+    chosen = runners
+    if chosen is None:
+        chosen = add_projection_runners(tuner=tuner, max_m=max_m, cold_l2=cold_l2)
+    config = add_projection_config(max_m, cold_l2)
+    runner, tactic = tuner.choose_one(ADD_PROJECTION, chosen, config, inputs)
     runner.forward(inputs, tactic=tactic)
     return x
 
@@ -202,7 +217,7 @@ class UnfusedNormLinear(UnfusedRunner):
         """The two tunable ops, through :attr:`tuner`."""
         x, norm_weight, weight, bias, eps = _unpack_norm(inputs)
         h, _ = fused_add_rms_norm(x, norm_weight, eps, tuner=self.tuner, max_m=self.max_m)
-        return gemm(h, weight, bias, tuner=self.tuner, max_m=self.max_m)
+        return gemm(h, weight, bias, tuner=self.tuner, max_m=self.max_m, cold_l2=self.cold_l2)
 
 
 class TritonNormLinear(_PlainTriton):
@@ -244,22 +259,22 @@ class TritonNormLinear(_PlainTriton):
 
 
 def norm_linear_runners(
-    *, tuner: AutoTuner | None = None, max_m: int | None = None
+    *, tuner: AutoTuner | None = None, max_m: int | None = None, cold_l2: bool = False
 ) -> tuple[TunableRunner, ...]:
     """The runners for one tuner: unfused first (fallback), then Triton when importable."""
     tuner = resolve(tuner)
 
     def build() -> tuple[TunableRunner, ...]:
-        first = UnfusedNormLinear(tuner, max_m)
+        first = UnfusedNormLinear(tuner, max_m, cold_l2)
         return (first, TritonNormLinear()) if triton_available() else (first,)
 
-    return runners_for(tuner, (NORM_LINEAR, max_m), build)
+    return runners_for(tuner, (NORM_LINEAR, max_m, cold_l2), build)
 
 
 @functools.lru_cache(maxsize=16)
-def norm_linear_config(max_m: int | None = None) -> TuningConfig:
-    """Rows of ``x`` bucketed."""
-    return TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0),), max_value=max_m)
+def norm_linear_config(max_m: int | None = None, cold_l2: bool = False) -> TuningConfig:
+    """Rows of ``x`` bucketed; ``cold_l2`` as for the GEMM."""
+    return TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0),), max_value=max_m, cold_l2=cold_l2)
 
 
 def norm_linear(
@@ -272,6 +287,7 @@ def norm_linear(
     tuner: AutoTuner | None = None,
     max_m: int | None = None,
     runners: tuple[TunableRunner, ...] | None = None,
+    cold_l2: bool = False,
 ) -> torch.Tensor:
     """``F.linear(rms_norm(x, norm_weight, eps), weight, bias)`` through the tuner's pick.
 
@@ -285,6 +301,8 @@ def norm_linear(
             when ``None``.
         max_m: Largest tuned row count (``None``: up to the live rows).
         runners: Runners to choose from; :func:`norm_linear_runners` when ``None``.
+        cold_l2: Tune with cold-L2 rotation (this op and the unfused GEMM); look-ups are the
+            same.
 
     Returns:
         ``[..., N]`` in ``x``'s dtype.
@@ -294,19 +312,25 @@ def norm_linear(
     tuner = resolve(tuner)
     lead = x.shape[:-1]
     inputs = [x.reshape(-1, x.shape[-1]), norm_weight, weight, bias, float(eps)]
-    chosen = runners if runners is not None else norm_linear_runners(tuner=tuner, max_m=max_m)
-    runner, tactic = tuner.choose_one(NORM_LINEAR, chosen, norm_linear_config(max_m), inputs)
+    chosen = runners
+    if chosen is None:
+        chosen = norm_linear_runners(tuner=tuner, max_m=max_m, cold_l2=cold_l2)
+    config = norm_linear_config(max_m, cold_l2)
+    runner, tactic = tuner.choose_one(NORM_LINEAR, chosen, config, inputs)
     return runner.forward(inputs, tactic=tactic).reshape(*lead, weight.shape[0])
 
 
 def _rebuild_add(record: CallRecord, tuner: Any) -> tuple[tuple[TunableRunner, ...], TuningConfig]:
-    max_m = record.config["max_value"]
-    return add_projection_runners(tuner=tuner, max_m=max_m), add_projection_config(max_m)
+    max_m, cold = record.config["max_value"], bool(record.config.get("cold_l2", False))
+    runners = add_projection_runners(tuner=tuner, max_m=max_m, cold_l2=cold)
+    return runners, add_projection_config(max_m, cold)
 
 
 def _rebuild_norm(record: CallRecord, tuner: Any) -> tuple[tuple[TunableRunner, ...], TuningConfig]:
-    max_m = record.config["max_value"]
-    return norm_linear_runners(tuner=tuner, max_m=max_m), norm_linear_config(max_m)
+    max_m, cold = record.config["max_value"], bool(record.config.get("cold_l2", False))
+    return norm_linear_runners(tuner=tuner, max_m=max_m, cold_l2=cold), norm_linear_config(
+        max_m, cold
+    )
 
 
 register_op(ADD_PROJECTION, _rebuild_add)

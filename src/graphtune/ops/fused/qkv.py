@@ -15,7 +15,9 @@ and writes rotated q, rotated k and v where the unfused ops write them. The tune
 batch bucket; buckets above 16 rows get no fused tactics.
 
 Tuning keys: as for ``rope_kv_cache``, the tables and caches are pinned to
-``graphtune.ops.rotary.TABLE_ROWS`` / ``CACHE_ROWS`` rows, so a pick holds for any cache size.
+``graphtune.ops.rotary.TABLE_ROWS`` / ``CACHE_ROWS`` rows, so a pick holds for any cache size. A
+step's :class:`~graphtune.ops.rotary.RopeRows` (``rows=``) reaches the unfused path's
+``rope_kv_cache`` as a twelfth input, outside the key, as ``rope_kv_cache`` takes it.
 """
 
 from __future__ import annotations
@@ -45,14 +47,17 @@ from graphtune.ops.rmsnorm import fused_add_rms_norm, torch_rms_norm
 from graphtune.ops.rotary import (
     CACHE_ROWS,
     TABLE_ROWS,
+    RopeRows,
     canonical_rope_indices,
     rope_kv_cache,
     torch_rope_kv_cache,
 )
 
 OP_NAME = "graphtune.norm_qkv_rope"
-# Input order: x, norm_weight, wqkv, bqkv, positions, cos, sin, k_cache, v_cache, write_rows, eps.
+# Input order: x, norm_weight, wqkv, bqkv, positions, cos, sin, k_cache, v_cache, write_rows, eps
+# (and, for the unfused runner only, the step's RopeRows as a twelfth input).
 _X, _POS, _COS, _SIN, _KC, _VC, _ROWS = 0, 4, 5, 6, 7, 8, 9
+_INPUTS = 11
 
 
 class _QkvLayout:
@@ -73,7 +78,8 @@ class _QkvLayout:
         return (self.num_heads, self.num_kv_heads, self.signed_sin)
 
     def unpack(self, inputs: list[Any]) -> list[Any]:
-        """Checks the inputs' shapes; returns them."""
+        """Checks the inputs' shapes; returns the eleven op inputs (without a ``RopeRows``)."""
+        inputs = inputs[:_INPUTS]
         x, norm_weight, wqkv, bqkv, positions, cos, *_ = inputs
         dim = cos.shape[-1]
         rows = (self.num_heads + 2 * self.num_kv_heads) * dim
@@ -124,18 +130,20 @@ class UnfusedNormQkvRope(_QkvLayout, UnfusedRunner):
         *,
         tuner: AutoTuner | None = None,
         max_m: int | None = None,
+        cold_l2: bool = False,
     ) -> None:
-        UnfusedRunner.__init__(self, tuner, max_m)
+        UnfusedRunner.__init__(self, tuner, max_m, cold_l2)
         self._init_layout(num_heads, num_kv_heads, signed_sin)
 
     def unfused(self, inputs: list[Any]) -> torch.Tensor:
-        """The three tunable ops, through :attr:`tuner`."""
+        """The three tunable ops, through :attr:`tuner` (RoPE with the step's rows if given)."""
+        rope_rows = inputs[_INPUTS] if len(inputs) > _INPUTS else None
         x, norm_weight, wqkv, bqkv, positions, cos, sin, k_cache, v_cache, rows, eps = self.unpack(
             inputs
         )
         tuner, max_m = self.tuner, self.max_m
         h, _ = fused_add_rms_norm(x, norm_weight, eps, tuner=tuner, max_m=max_m)
-        qkv = gemm(h, wqkv, bqkv, tuner=tuner, max_m=max_m)
+        qkv = gemm(h, wqkv, bqkv, tuner=tuner, max_m=max_m, cold_l2=self.cold_l2)
         return rope_kv_cache(
             qkv,
             positions,
@@ -147,6 +155,7 @@ class UnfusedNormQkvRope(_QkvLayout, UnfusedRunner):
             num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads,
             signed_sin=self.signed_sin,
+            rows=rope_rows,
             tuner=tuner,
             max_m=max_m,
         )
@@ -240,17 +249,21 @@ def norm_qkv_rope_runners(
     *,
     tuner: AutoTuner | None = None,
     max_m: int | None = None,
+    cold_l2: bool = False,
 ) -> tuple[TunableRunner, ...]:
     """The runners for one head layout and tuner: unfused first (fallback), then Triton."""
     tuner = resolve(tuner)
 
     def build() -> tuple[TunableRunner, ...]:
-        first = UnfusedNormQkvRope(num_heads, num_kv_heads, signed_sin, tuner=tuner, max_m=max_m)
+        first = UnfusedNormQkvRope(
+            num_heads, num_kv_heads, signed_sin, tuner=tuner, max_m=max_m, cold_l2=cold_l2
+        )
         if not triton_available():
             return (first,)
         return (first, TritonNormQkvRope(num_heads, num_kv_heads, signed_sin))
 
-    return runners_for(tuner, (OP_NAME, num_heads, num_kv_heads, signed_sin, max_m), build)
+    key = (OP_NAME, num_heads, num_kv_heads, signed_sin, max_m, cold_l2)
+    return runners_for(tuner, key, build)
 
 
 def _canonical_inputs(inputs: list[Any]) -> list[Any]:
@@ -262,8 +275,11 @@ def _canonical_inputs(inputs: list[Any]) -> list[Any]:
 
 
 @functools.lru_cache(maxsize=16)
-def norm_qkv_rope_config(num_kv_heads: int, max_m: int | None = None) -> TuningConfig:
-    """Rows of ``x`` bucketed; positions and write rows follow; tables and caches pinned."""
+def norm_qkv_rope_config(
+    num_kv_heads: int, max_m: int | None = None, cold_l2: bool = False
+) -> TuningConfig:
+    """Rows of ``x`` bucketed; positions and write rows follow; tables and caches pinned;
+    ``cold_l2`` as for the GEMM."""
 
     def batch(shapes: Any) -> int:
         return int(shapes[_X][0])
@@ -289,6 +305,7 @@ def norm_qkv_rope_config(num_kv_heads: int, max_m: int | None = None) -> TuningC
         ),
         max_value=max_m,
         inputs_pre_hook=_canonical_inputs,
+        cold_l2=cold_l2,
     )
 
 
@@ -308,9 +325,11 @@ def norm_qkv_rope(
     num_heads: int,
     num_kv_heads: int,
     signed_sin: bool = False,
+    rows: RopeRows | None = None,
     tuner: AutoTuner | None = None,
     max_m: int | None = None,
     runners: tuple[TunableRunner, ...] | None = None,
+    cold_l2: bool = False,
 ) -> torch.Tensor:
     """RMSNorm, QKV projection, RoPE and the K/V cache write of one token per row.
 
@@ -325,10 +344,14 @@ def norm_qkv_rope(
         num_heads: Query heads.
         num_kv_heads: Key/value heads.
         signed_sin: ``sin``'s first half holds ``-sin`` (the engine's tables).
+        rows: The step's :class:`~graphtune.ops.rotary.RopeRows` of ``positions``: the unfused
+            path's RoPE reuses its gathered rows (not part of the tuning key).
         tuner: Tuner to ask (for this op and, in the unfused path, for the inner ops); the
             process default when ``None``.
         max_m: Largest tuned batch (``None``: up to the live batch).
         runners: Runners to choose from; :func:`norm_qkv_rope_runners` when ``None``.
+        cold_l2: Tune with cold-L2 rotation (this op and the unfused GEMM); look-ups are the
+            same.
 
     Returns:
         ``q`` rotated, ``[B, num_heads, D]``; k (rotated) and v are written to the caches.
@@ -341,20 +364,20 @@ def norm_qkv_rope(
     chosen = runners
     if chosen is None:
         chosen = norm_qkv_rope_runners(
-            num_heads, num_kv_heads, signed_sin, tuner=tuner, max_m=max_m
+            num_heads, num_kv_heads, signed_sin, tuner=tuner, max_m=max_m, cold_l2=cold_l2
         )
-    config = norm_qkv_rope_config(num_kv_heads, max_m)
+    config = norm_qkv_rope_config(num_kv_heads, max_m, cold_l2)
     runner, tactic = tuner.choose_one(OP_NAME, chosen, config, inputs)
-    return runner.forward(inputs, tactic=tactic)
+    return runner.forward(inputs if rows is None else [*inputs, rows], tactic=tactic)
 
 
 def _rebuild(record: CallRecord, tuner: Any) -> tuple[tuple[TunableRunner, ...], TuningConfig]:
     heads, kv_heads, signed_sin = runner_extras(record.runners[0])
-    max_m = record.config["max_value"]
+    max_m, cold = record.config["max_value"], bool(record.config.get("cold_l2", False))
     runners = norm_qkv_rope_runners(
-        int(heads), int(kv_heads), bool(signed_sin), tuner=tuner, max_m=max_m
+        int(heads), int(kv_heads), bool(signed_sin), tuner=tuner, max_m=max_m, cold_l2=cold
     )
-    return runners, norm_qkv_rope_config(int(kv_heads), max_m)
+    return runners, norm_qkv_rope_config(int(kv_heads), max_m, cold)
 
 
 register_op(OP_NAME, _rebuild)

@@ -8,8 +8,8 @@ the weight streams once (``graphtune.ops.fused._gemv_kernels`` in plain mode, ``
 
 It takes the ``graphtune.gemm`` op's inputs (``[a, weight, bias, residual, inplace]`` and the
 optional ``out``) with the same semantics as ``graphtune.ops.gemm.TritonGemmRunner``: bias and
-residual added in float32 and rounded once, in place when ``inplace``. It is not in
-``gemm_runners()``; add it there to let the tuner pick it.
+residual added in float32 and rounded once, in place when ``inplace``. It is the last runner of
+``graphtune.ops.gemm.gemm_runners()``.
 """
 
 from __future__ import annotations

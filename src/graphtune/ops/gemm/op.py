@@ -30,11 +30,16 @@ def gemm_runners() -> tuple[TunableRunner, ...]:
 
     Order matters: ``runners[0]`` is the untuned fallback and ties in tuning go to the earlier
     runner, so the tiled Triton GEMM comes before the skinny-``M`` GEMV (which offers tactics
-    only for buckets of ``M <= 8``; see :mod:`graphtune.ops.gemm.gemv`).
+    only for buckets of ``M <= 8``; see :mod:`graphtune.ops.gemm.gemv`), and the swapped-operand
+    tensor-core GEMM (:class:`graphtune.ops.fused.TritonSkinnyGemmRunner`, buckets of
+    ``M <= 16``) comes last.
     """
     runners: list[TunableRunner] = [TorchGemmRunner()]
     if triton_available():
-        runners += [TritonGemmRunner(), TritonGemvRunner()]
+        # Imported here: graphtune.ops.fused builds on this package (its ops call gemm).
+        from graphtune.ops.fused.skinny_gemm import TritonSkinnyGemmRunner
+
+        runners += [TritonGemmRunner(), TritonGemvRunner(), TritonSkinnyGemmRunner()]
     return tuple(runners)
 
 

@@ -1,0 +1,194 @@
+"""Compiles graphtune's Triton kernels for an sm_90 GPU with the installed Triton, on the CPU.
+
+Triton's CPU interpreter (how the kernel tests run here) executes a kernel's Python body; it does
+not run the code generator, which is stricter: for example it rejects a name bound before a
+runtime ``if`` and re-bound to another type inside it, which the interpreter runs happily (that
+broke the one-kernel decode attention on the H200's Triton 3.6). This script drives every Triton
+runner's real ``launch(..., warmup=True)`` path on CPU tensors with ``run_kernel`` replaced by a
+recorder, then compiles each recorded launch for ``cuda:90`` (code generator, LLVM and ``ptxas``:
+no GPU needed) through the JIT's own argument specialisation, with ``USE_PDL`` on where a kernel
+declares it (the H200 launches them that way).
+
+Run by ``tests/cpu/test_kernels_compile.py`` in a process without ``TRITON_INTERPRET`` (an
+interpreted kernel cannot be compiled); prints one JSON object ``{label: error or null}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+BF16, F32 = torch.bfloat16, torch.float32
+TARGET = ("cuda", 90, 32)
+
+
+def _rand(*shape: int, dtype: torch.dtype = BF16) -> torch.Tensor:
+    return torch.randn(*shape).to(dtype)
+
+
+def _cases() -> list[tuple[str, Any, list[Any]]]:
+    """``(label, runner, inputs)`` of every Triton runner, small shapes, each kernel mode."""
+    from graphtune.ops import attention
+    from graphtune.ops.activation import TritonSiluAndMulRunner
+    from graphtune.ops.fused import (
+        TritonAddProjection,
+        TritonNormGateUpSilu,
+        TritonNormLinear,
+        TritonNormQkvRope,
+        TritonSkinnyGemmRunner,
+    )
+    from graphtune.ops.gemm.gemv import TritonGemvRunner
+    from graphtune.ops.gemm.tiled import TritonGemmRunner
+    from graphtune.ops.rmsnorm import TritonRMSNormRunner
+    from graphtune.ops.rotary import TritonRopeRunner
+
+    hidden, inter, heads, kv, dim, seq = 256, 512, 4, 2, 64, 512
+    cases: list[tuple[str, Any, list[Any]]] = []
+
+    def add(label: str, runner: Any, inputs: list[Any]) -> None:
+        cases.append((label, runner, inputs))
+
+    for m in (1, 8):
+        x, nw = _rand(m, hidden), _rand(hidden)
+        add(f"norm_linear m={m}", TritonNormLinear(), [x, nw, _rand(inter, hidden), None, 1e-5])
+        add(
+            f"norm_linear+bias m={m}",
+            TritonNormLinear(),
+            [x, nw, _rand(inter, hidden), _rand(inter), 1e-5],
+        )
+        add(
+            f"add_projection m={m}",
+            TritonAddProjection(),
+            [x, _rand(m, inter), _rand(hidden, inter)],
+        )
+        add(
+            f"norm_gate_up_silu m={m}",
+            TritonNormGateUpSilu(),
+            [x, nw, _rand(2 * inter, hidden), 1e-5],
+        )
+        rows = (heads + 2 * kv) * dim
+        positions = torch.zeros(m, dtype=torch.long)
+        write_rows = torch.arange(m * kv, dtype=torch.long)
+        k_cache, v_cache = _rand(64, dim), _rand(64, dim)
+        for signed, bias in ((True, None), (False, _rand(rows))):
+            add(
+                f"norm_qkv_rope m={m} signed={signed} bias={bias is not None}",
+                TritonNormQkvRope(heads, kv, signed),
+                [x, nw, _rand(rows, hidden), bias, positions, _rand(seq, dim), _rand(seq, dim)]
+                + [k_cache, v_cache, write_rows, 1e-5],
+            )
+        add(
+            f"skinny_gemm m={m}",
+            TritonSkinnyGemmRunner(),
+            [x, _rand(inter, hidden), _rand(inter), _rand(m, inter), True],
+        )
+        add(
+            f"gemm m={m}",
+            TritonGemmRunner(),
+            [x, _rand(inter, hidden), None, _rand(m, inter), True],
+        )
+        add(f"gemv m={m}", TritonGemvRunner(), [x, _rand(inter, hidden), None, None, False])
+        add(f"rms_norm m={m}", TritonRMSNormRunner(), [x, nw, _rand(m, hidden), 1e-5])
+        add(f"silu_and_mul m={m}", TritonSiluAndMulRunner(), [_rand(m, 2 * inter)])
+        add(
+            f"rope m={m}",
+            TritonRopeRunner(heads, kv, True),
+            [_rand(m, rows), positions, _rand(seq, dim), _rand(seq, dim), k_cache, v_cache]
+            + [write_rows],
+        )
+        for dtype in (BF16, F32):
+            q = _rand(m, kv, heads // kv, dim, dtype=dtype)
+            keys, values = _rand(m, kv, seq, dim, dtype=dtype), _rand(m, kv, seq, dim, dtype=dtype)
+            mask = torch.zeros(m, 1, 1, seq, dtype=dtype)
+            for runner in (
+                attention.TritonDecodeAttention(),
+                attention.TritonDecodeAttentionOneKernel(),
+            ):
+                add(f"{type(runner).__name__} m={m} {dtype}", runner, [q, keys, values, mask])
+    return cases
+
+
+class Recorder:
+    """Stands in for ``graphtune.ops._triton.run_kernel``: keeps each launch, runs nothing."""
+
+    def __init__(self) -> None:
+        self.launches: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = []
+
+    def __call__(
+        self, kernel: Any, grid: Any, args: tuple[Any, ...], meta: dict[str, Any], warmup: bool
+    ) -> None:
+        meta = dict(meta)
+        if "USE_PDL" in kernel.arg_names:
+            meta.update(USE_PDL=True, launch_pdl=True)
+        self.launches.append((kernel, args, meta))
+
+
+def compile_for_sm90(kernel: Any, args: tuple[Any, ...], meta: dict[str, Any]) -> None:
+    """Compiles one launch as the JIT would for an sm_90 device (raises on any error)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    target = GPUTarget(*TARGET)
+    backend = make_backend(target)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, specialization, options = binder(*args, **meta)
+    options, signature, constexprs, attrs = kernel._pack_args(
+        backend, meta, bound, specialization, options
+    )
+    compile(
+        ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__
+    )
+
+
+def main() -> int:
+    if os.environ.get("TRITON_INTERPRET"):
+        print(json.dumps({"error": "run without TRITON_INTERPRET (interpreted kernels)"}))
+        return 2
+    from graphtune.ops import _triton
+
+    cases = _cases()  # imports every runner's module
+    recorder = Recorder()
+    original = _triton.run_kernel
+    for name, module in list(sys.modules.items()):
+        if name.startswith("graphtune.ops") and getattr(module, "run_kernel", None) is original:
+            module.run_kernel = recorder  # type: ignore[attr-defined]
+    launches: list[tuple[str, Any, tuple[Any, ...], dict[str, Any]]] = []
+    errors: dict[str, str | None] = {}
+    for label, runner, inputs in cases:
+        planned = list(runner.tactics_for(inputs))
+        # The first and the last tactic: the simplest and the largest tiles of each kernel mode.
+        chosen = {json.dumps(t, sort_keys=True): t for t in planned[:1] + planned[-1:]}
+        if not chosen:
+            errors[label] = "the runner offered no tactics"
+        for text, tactic in chosen.items():
+            before = len(recorder.launches)
+            try:
+                runner.launch(inputs, tactic, warmup=True)
+            except Exception as exc:  # a launch that fails before compiling is a finding too
+                errors[f"{label} {text}"] = f"launch: {type(exc).__name__}: {exc}"
+                continue
+            for kernel, args, meta in recorder.launches[before:]:
+                launches.append((f"{label} {text} {kernel.__name__}", kernel, args, meta))
+
+    def compile_one(item: tuple[str, Any, tuple[Any, ...], dict[str, Any]]) -> tuple[str, Any]:
+        label, kernel, args, meta = item
+        try:
+            compile_for_sm90(kernel, args, meta)
+        except Exception as exc:  # every compile error is reported, not raised
+            return label, f"{type(exc).__name__}: {str(exc)[:1500]}"
+        return label, None
+
+    with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
+        errors.update(dict(pool.map(compile_one, launches)))
+    print(json.dumps(errors, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

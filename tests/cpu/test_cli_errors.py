@@ -347,18 +347,18 @@ def test_ctrl_c_during_bench_keeps_finished_batch_sizes(tmp_path):
     assert str(out) in line
 
 
-#: Runs the CLI with Ctrl-C arriving as the decode step is called for the N-th time (argv[1]).
+#: Runs the CLI with Ctrl-C arriving as the decode step runs for the N-th time (argv[1]).
 _INTERRUPT_AT_STEP = """
 import sys
 import graphtune.engine.step as step
-real = step.DecodeStep.__call__
+real = step.DecodeStep.decode
 calls, at = [], int(sys.argv.pop(1))
 def interrupted(self, *args):
     calls.append(1)
     if len(calls) == at:
         raise KeyboardInterrupt
     return real(self, *args)
-step.DecodeStep.__call__ = interrupted
+step.DecodeStep.decode = interrupted
 from graphtune.cli.main import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -390,8 +390,8 @@ def test_ctrl_c_during_tune_keeps_the_finished_picks(tmp_path):
         timeout=240,
     )
     error_line(result, 130, "interrupted (Ctrl-C)", "picks kept in")
-    # Call 1 records the step's op calls, call 2 (batch 1, tuning mode) tunes every bucket of
-    # every op, call 3 (batch 2) is interrupted: every pick is kept.
+    # Run 1 records the step's op calls, run 2 (batch 1, tuning mode, single ops) tunes every
+    # bucket of every single op, run 3 (batch 2) is interrupted: those picks are kept.
     assert len(json.loads(cache.read_text())["entries"]) > 0
 
 

@@ -118,13 +118,14 @@ def _tune(tmp_path, lone: bool, max_batch: int) -> str:
 def test_tune_says_when_every_op_has_a_single_candidate(tmp_path):
     out = _tune(tmp_path, lone=True, max_batch=4)
     assert "nothing to tune on cpu: every op of the step has a single candidate" in out
-    assert "24 (op, bucket) picks were taken without timing" in out
+    # Single ops and fused stages at buckets 1, 2 and 4.
+    assert "39 (op, bucket) picks were taken without timing" in out
     # Saved all the same, so the engine's look-ups find a pick.
-    assert len(json.loads((tmp_path / "c.json").read_text())["entries"]) == 24
+    assert len(json.loads((tmp_path / "c.json").read_text())["entries"]) == 39
 
 
 def test_tune_counts_the_picks_taken_without_timing(tmp_path):
     # On a CPU only decode attention has two runners (SDPA and the matmul one).
-    assert "14 of 16 picks had a single candidate on cpu" in _tune(
+    assert "24 of 26 picks had a single candidate on cpu" in _tune(
         tmp_path, lone=False, max_batch=2
     )

@@ -2,8 +2,8 @@
 # GPU tests and every benchmark on the GPU machine; results (JSON, plots, logs) under $OUT.
 # Usage (repo root): GRAPHTUNE_COMMIT=<sha> bash benchmarks/gpu_all.sh [PART] [--quick]
 #   PART: tests | tuning | tuning-time | faults | timers | graphs | decode | tuned | moe |
-#   moe-decode | tp | all (default all); moe-decode is the Qwen3-30B-A3B-shape decode step
-#   (estimated 4 minutes alone);
+#   moe-decode | qwen3 | tp | all (default all); moe-decode is the Qwen3-30B-A3B-shape decode
+#   step (estimated 4 minutes alone);
 #   tp (two GPUs, kind nvidia-h200-x2; not part of "all") runs the all-reduce benchmark, tuned
 #   (TP=1) and TP=2 tuned / NCCL decode. One device call
 #   has a 10-minute limit, so a full run is split into two calls, e.g. "tests tuning faults" and
@@ -52,6 +52,9 @@ want decode && step decode python3 -m graphtune bench decode --model llama-1b-sh
 want moe-decode && step moe-decode python3 -m graphtune bench decode \
   --model qwen3-30b-a3b-shape --batch-sizes 1,8,64 --tune --compare-hf --steps 10 --repeats 3 \
   --json "$OUT/decode-moe-qwen3-30b-a3b-h200.json"
+# Qwen3-1.7B's shape (per-head q/k norms, head_dim 128): eager, graph and tuned graph.
+want qwen3 && step qwen3 python3 -m graphtune bench decode --model qwen3-1.7b-shape \
+  --batch-sizes 1,8,32,128 --tune --runner both --json "$OUT/decode-qwen3-1.7b-h200.json"
 # The tuned single-GPU step (also TP=1, the baseline of tp): eager, graph and tuned graph.
 tuned_decode() {
   step tuned python3 -m graphtune bench decode --model llama-1b-shape --batch-sizes 1,8,32,128 \

@@ -42,6 +42,10 @@ class _SilentTask:
         return None
 
 
+#: The live progress display while a bar is shown (nested bars join it as extra lines).
+_active: Progress | None = None
+
+
 def progress_enabled() -> bool:
     """Whether progress bars are shown (stderr is a terminal and not disabled by env)."""
     return sys.stderr.isatty() and not env.progress_disabled()
@@ -61,9 +65,20 @@ def progress(
     Yields:
         A task whose ``advance()`` moves the bar by one unit.
     """
+    global _active
     show = progress_enabled() if enabled is None else enabled
     if not show or total <= 0:
         yield _SilentTask()
+        return
+    if _active is not None:
+        # A bar inside another one (a tuner or a capture inside a benchmark phase) is one more
+        # line of the live display already shown: rich shows one live display at a time.
+        outer = _active
+        task_id = outer.add_task(description, total=total)
+        try:
+            yield _RichTask(outer, task_id)
+        finally:
+            outer.remove_task(task_id)
         return
     bar = Progress(
         TextColumn("[bold]{task.description}"),
@@ -74,8 +89,12 @@ def progress(
         transient=True,
     )
     with bar:
-        task_id = bar.add_task(description, total=total)
-        yield _RichTask(bar, task_id)
+        _active = bar
+        try:
+            task_id = bar.add_task(description, total=total)
+            yield _RichTask(bar, task_id)
+        finally:
+            _active = None
 
 
 def render_table(

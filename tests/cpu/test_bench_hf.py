@@ -16,7 +16,14 @@ from graphtune.errors import ConfigError
 
 pytest.importorskip("transformers")
 
-ARCHITECTURES = ["tiny", "qwen2-tiny", "mistral-tiny", "qwen3-moe-tiny", "mixtral-tiny"]
+ARCHITECTURES = [
+    "tiny",
+    "qwen2-tiny",
+    "mistral-tiny",
+    "qwen3-tiny",
+    "qwen3-moe-tiny",
+    "mixtral-tiny",
+]
 
 
 def _engine_storages(model) -> set[int]:
@@ -58,6 +65,10 @@ def test_llama_with_llama3_rope_and_tied_embeddings_matches_the_engine() -> None
 @pytest.mark.parametrize("preset", ARCHITECTURES)
 def test_every_architecture_matches_the_engine(preset: str) -> None:
     _compare(get_preset(preset))
+
+
+def test_mlp_biases_and_another_activation_match_the_engine() -> None:
+    _compare(get_preset("tiny").replace(mlp_bias=True, hidden_act="gelu_tanh"))
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))

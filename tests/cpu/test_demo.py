@@ -7,7 +7,7 @@ import torch
 
 from graphtune.autotuner import AutoTuner, TuningPolicy, persist
 from graphtune.autotuner.timing import WallClockTimer
-from graphtune.cli.demo import ChunkedMatmul, EinsumMatmul, Softmax, TorchMatmul, demo
+from graphtune.cli.demo_ops import ChunkedMatmul, EinsumMatmul, Softmax, TorchMatmul, demo
 from graphtune.cli.main import main
 
 
@@ -44,11 +44,11 @@ def test_demo_function_with_a_quick_timer() -> None:
 
 
 def test_demo_cli_saves_then_reuses_cache(tmp_path, capsys, monkeypatch) -> None:
-    import graphtune.cli.demo as demo_module
+    import graphtune.autotuner
 
     # The CLI path as is, with a one-sample timer so the test stays fast on a busy machine.
     monkeypatch.setattr(
-        demo_module,
+        graphtune.autotuner,
         "AutoTuner",
         lambda **kw: AutoTuner(timer=WallClockTimer(samples=1), policy=TuningPolicy(rounds=1)),
     )

@@ -48,6 +48,9 @@ def build_hf(kind: str, tmp_path, seed: int = 0, max_shard_size: str | None = No
     elif kind == "qwen2":
         config = transformers.Qwen2Config(**{**TINY, **overrides})
         model = transformers.Qwen2ForCausalLM(config)
+    elif kind == "qwen3":
+        config = transformers.Qwen3Config(**{**TINY, **overrides})
+        model = transformers.Qwen3ForCausalLM(config)
     else:
         config = transformers.MistralConfig(**{**TINY, **overrides})
         model = transformers.MistralForCausalLM(config)

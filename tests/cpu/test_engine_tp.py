@@ -185,7 +185,8 @@ def _worker(rank: int, store_path: str, results: Any) -> None:
         dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
         try:
             parallel = ParallelContext.from_group()
-            results.put((rank, {p: _compare(p, parallel) for p in ("tiny", "qwen2-tiny")}))
+            presets = ("tiny", "qwen2-tiny", "qwen3-tiny")
+            results.put((rank, {p: _compare(p, parallel) for p in presets}))
         finally:
             dist.destroy_process_group()
     except Exception:  # report any failure to the parent instead of hanging it
@@ -226,7 +227,7 @@ def tp_results(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Any]:
     return got
 
 
-@pytest.mark.parametrize("preset", ["tiny", "qwen2-tiny"])
+@pytest.mark.parametrize("preset", ["tiny", "qwen2-tiny", "qwen3-tiny"])
 def test_tp2_matches_tp1(tp_results: dict[int, Any], preset: str) -> None:
     for rank in range(WORLD):
         r = tp_results[rank][preset]
@@ -314,9 +315,9 @@ def test_cli_generate_tp2_under_torchrun(capsys: pytest.CaptureFixture[str]) -> 
         "generate",
         "--model",
         "tiny",
-        "--prompt",
+        "--prompt-ids",
         "1,2,3",
-        "--prompt",
+        "--prompt-ids",
         "4,5",
         "--max-new-tokens",
         "5",
@@ -360,7 +361,8 @@ def test_cli_tp_without_torchrun_is_a_clear_error(
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert (
-        main(["generate", "--model", "tiny", "--prompt", "1", "--device", "cpu", "--tp", "2"]) == 2
+        main(["generate", "--model", "tiny", "--prompt-ids", "1", "--device", "cpu", "--tp", "2"])
+        == 1
     )
     assert "torchrun --nproc-per-node 2" in capsys.readouterr().err
     assert (
@@ -377,7 +379,7 @@ def test_cli_tp_without_torchrun_is_a_clear_error(
                 "--compare-compile",
             ]
         )
-        == 2
+        == 1
     )
     assert "not supported with --tp" in capsys.readouterr().err
 

@@ -229,8 +229,7 @@ def test_bench_decode_tune_reports_tuned_beside_untuned(tmp_path, capsys, monkey
     for r in data["results"]:
         assert r["eager_ms"] > 0 and r["tuned_eager_ms"] > 0 and r["tuned_over_untuned"] > 0
         assert r["tuned_max_abs_diff"] < 1e-5 and r["graph_ms"] is None
-    last = json.loads(captured.out.strip().splitlines()[-1])
-    assert last["tuning_seconds"] >= 0 and "tuned_top_kernels" not in last["results"][0]
+    assert data["tuning_seconds"] >= 0
     assert cache.is_file()
     assert main(args) == 0  # the cache file answers everything: nothing tuned again
     assert "tuning: 0 (op, bucket) profiles tuned" in capsys.readouterr().err

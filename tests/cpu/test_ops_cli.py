@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 
 import graphtune.autotuner
 from graphtune.autotuner.timing.base import Measurement
@@ -48,13 +54,17 @@ def test_tune_preset_writes_cache_and_second_run_reuses_it(tmp_path, capsys, mon
 
 
 def test_tune_rejects_unknown_model_and_bad_sizes(tmp_path, capsys):
-    assert main(["tune", "--model", "no-such", "--cache", str(tmp_path / "c.json")]) == 2
-    assert "preset" in capsys.readouterr().err
+    # A failure (the model does not exist): exit 1 and one error line.
+    assert main(["tune", "--model", "no-such", "--cache", str(tmp_path / "c.json")]) == 1
+    assert "not a preset" in capsys.readouterr().err
+    assert not (tmp_path / "c.json").exists() and not (tmp_path / "c.json.lock").exists()
+    # Usage errors (argparse): exit 2.
     args = ["tune", "--model", "tiny", "--cache", str(tmp_path / "c.json"), "--device", "cpu"]
-    assert main([*args, "--max-batch", "0"]) == 2
-    assert "--max-batch must be >= 1" in capsys.readouterr().err
-    assert main([*args, "--dtype", "float12"]) == 2
-    assert "unknown dtype" in capsys.readouterr().err
+    for bad, flag in ((["--max-batch", "0"], "--max-batch"), (["--dtype", "float12"], "--dtype")):
+        with pytest.raises(SystemExit) as exit_info:
+            main([*args, *bad])
+        assert exit_info.value.code == 2
+        assert capsys.readouterr().err.startswith(f"error: argument {flag}")
 
 
 def test_tune_from_misses_runs_through_the_tune_command(tmp_path, capsys):
@@ -72,5 +82,50 @@ def test_tune_from_misses_runs_through_the_tune_command(tmp_path, capsys):
     assert "1 of 1 recorded calls tuned" in capsys.readouterr().out
     (entry,) = json.loads(cache.read_text())["entries"]
     assert entry["key"]["op"] == "graphtune.silu_and_mul" and entry["key"]["shapes"][0][0] == 2
-    assert main(["tune", "--cache", str(cache)]) == 2  # neither --model nor --from-misses
+    assert main(["tune", "--cache", str(cache)]) == 1  # neither --model nor --from-misses
     assert "--model" in capsys.readouterr().err
+
+
+# In a fresh process without the TRITON_INTERPRET other test modules set: interpreted Triton
+# tactics would be candidates (and take minutes to time) on the CPU.
+_ENV = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+_ENV.update(PYTHONPATH=str(Path(__file__).resolve().parents[2] / "src"), GRAPHTUNE_NO_PROGRESS="1")
+#: ``graphtune`` with decode attention, too, reduced to its torch runner (argv[1] == "1"): a
+#: device where every op has one candidate.
+_TUNE = """
+import sys
+import graphtune.ops.attention as attention
+if sys.argv.pop(1) == "1":
+    attention.RUNNERS = attention.RUNNERS[:1]
+from graphtune.cli.main import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _tune(tmp_path, lone: bool, max_batch: int) -> str:
+    args = ["tune", "--model", "tiny", "--cache", str(tmp_path / "c.json"), "--device", "cpu"]
+    done = subprocess.run(
+        [sys.executable, "-c", _TUNE, "1" if lone else "0", *args, "--max-batch", str(max_batch)],
+        capture_output=True,
+        text=True,
+        env=_ENV,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_tune_says_when_every_op_has_a_single_candidate(tmp_path):
+    out = _tune(tmp_path, lone=True, max_batch=4)
+    assert "nothing to tune on cpu: every op of the step has a single candidate" in out
+    # Single ops and fused stages at buckets 1, 2 and 4.
+    assert "39 (op, bucket) picks were taken without timing" in out
+    # Saved all the same, so the engine's look-ups find a pick.
+    assert len(json.loads((tmp_path / "c.json").read_text())["entries"]) == 39
+
+
+def test_tune_counts_the_picks_taken_without_timing(tmp_path):
+    # On a CPU only decode attention has two runners (SDPA and the matmul one).
+    assert "24 of 26 picks had a single candidate on cpu" in _tune(
+        tmp_path, lone=False, max_batch=2
+    )

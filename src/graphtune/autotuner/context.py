@@ -89,6 +89,8 @@ def autotune(
 
 
 def _save_quietly(tuner: AutoTuner, path: str | PathLike[str]) -> None:
+    if not len(tuner.cache) and not tuner.cache.blocklist():
+        return  # nothing tuned, loaded or blocked: leave no empty cache file behind
     try:
         tuner.cache.save(path)
     except CacheFileError as exc:

@@ -64,6 +64,39 @@ def lock_path(path: str | PathLike[str]) -> Path:
     return Path(str(path) + ".lock")
 
 
+def check_lockable(path: str | PathLike[str]) -> None:
+    """Fails now, with the real reason, when :func:`save` could not lock and write ``path``.
+
+    Opens an existing lock file, and creates (then removes) a temporary file of its own next to
+    ``path``, as a save does. Without this a lock file that cannot be created (a read-only or
+    foreign folder) can look like a lock held by another process, which some ``filelock``
+    versions wait out for the whole timeout. The lock file itself is never created or removed
+    here: another process may be holding it (removing a held lock file lets a third process lock
+    a new one at the same time). A folder that does not exist yet passes (saving creates it).
+
+    Raises:
+        CacheFileError: The lock file or a file in the folder cannot be created or opened.
+    """
+    path = Path(path)
+    folder = path.parent
+    if not folder.is_dir():
+        return
+    lock = lock_path(path)
+    try:
+        if lock.exists():
+            os.close(os.open(lock, os.O_RDWR))
+        # Creating a file of our own name proves the lock file could be created too.
+        fd, probe = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".check", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise CacheFileError(
+            f"Cannot lock or write tuning cache {path}: {reason} ({exc.filename}); pass a cache "
+            "path in a folder you can write"
+        ) from None
+
+
 def read_document(path: str | PathLike[str]) -> dict[str, Any]:
     """Parses a cache file without checking its environment (for ``graphtune cache show``).
 
@@ -198,6 +231,7 @@ def save(
     """
     path = Path(path)
     current = environment_fingerprint() if fingerprint is None else fingerprint
+    check_lockable(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with FileLock(str(lock_path(path)), timeout=lock_timeout_s):

@@ -17,7 +17,9 @@ model runs last on the same weight tensors, with a logits check: eagerly, and th
 cache + ``torch.compile`` recipe (:mod:`graphtune.bench.decode_hf`). Every GPU-busy reading also
 groups the kernels by family (:mod:`graphtune.bench.kernel_families`). Steps and runners come from
 the engine's own factories (:func:`graphtune.engine.build.build_step`,
-:func:`~graphtune.engine.build.build_runner`), so the benchmark times what the engine serves.
+:func:`~graphtune.engine.build.build_runner`), so the benchmark times what the engine serves. A
+progress bar on stderr names each phase and batch size while it runs
+(:mod:`graphtune.bench.decode_progress`).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -33,7 +35,9 @@ import torch
 
 from graphtune import autotuner
 from graphtune.bench.cupti import gpu_busy
+from graphtune.bench.decode_compile import time_compiled
 from graphtune.bench.decode_hf import time_hf
+from graphtune.bench.decode_progress import PhaseBar, phase_labels
 from graphtune.bench.decode_results import BatchResult, DecodeBenchConfig, DecodeBenchReport
 from graphtune.bench.moe_floor import expected_experts_hit, step_bytes
 from graphtune.bench.schema import provenance
@@ -46,6 +50,7 @@ from graphtune.engine.presets import fewer_layers
 from graphtune.engine.step import DecodeStep
 from graphtune.engine.tuning import tune_step
 from graphtune.errors import ConfigError
+from graphtune.reporting import progress
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +81,8 @@ def run_decode_bench(
     tuner: Any = None,
     parallel: Any = None,
     command: str | None = None,
+    on_start: Callable[[DecodeBenchReport], None] | None = None,
+    show_progress: bool | None = None,
 ) -> DecodeBenchReport:
     """Runs the decode benchmark described by ``cfg``.
 
@@ -88,9 +95,14 @@ def run_decode_bench(
             (its ``world_size`` must equal ``cfg.tp``). Every rank must call this with the same
             ``cfg``: the steps, captures and timings run the same collectives in the same order.
         command: The command line to record in the provenance (default: this process's).
+        on_start: Called with the report as soon as it exists, before anything is timed; the
+            report fills in as phases and batch sizes finish, so a caller that is interrupted
+            (Ctrl-C) still holds what finished (:meth:`DecodeBenchReport.derive` completes it).
+        show_progress: Force the progress bar on or off; ``None`` decides from the terminal.
 
     Raises:
         ConfigError: ``cfg.tp`` and ``parallel`` disagree, or the model does not split.
+        InputError: ``cfg.context + 1`` positions exceed the model's ``max_position_embeddings``.
 
     Returns:
         The report (per-batch results, capture seconds, graph MiB, provenance).
@@ -123,8 +135,7 @@ def run_decode_bench(
     sizes = sorted(set(cfg.batch_sizes))
     max_batch_size = sizes[-1]
     max_seq = aligned_seq_len(cfg.context + 1)
-    if cfg.context + 1 > mcfg.max_position_embeddings:
-        raise ConfigError(f"context {cfg.context} exceeds the model's max_position_embeddings")
+    mcfg.check_positions(cfg.context + 1, f"a decode step at context {cfg.context}")
     cache = KVCache(mcfg, max_batch_size, max_seq, device, dtype)
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
     # Never time on zeros: random keys and values, random tokens.
@@ -162,6 +173,31 @@ def run_decode_bench(
     )
     results = [BatchResult(b) for b in sizes]
     report.results = results
+    if on_start is not None:
+        on_start(report)
+    labels = phase_labels(cfg, runners, device.type == "cuda")
+    with progress(labels[0], len(labels), enabled=show_progress) as task:
+        bar = PhaseBar(task, labels)
+        _run_phases(step, inputs, results, device, cfg, runners, report, log, tuner, bar)
+    report.derive()
+    return report
+
+
+def _run_phases(
+    step: DecodeStep,
+    inputs: Inputs,
+    results: list[BatchResult],
+    device: torch.device,
+    cfg: DecodeBenchConfig,
+    runners: tuple[str, ...],
+    report: DecodeBenchReport,
+    log: Callable[[str], None],
+    tuner: Any,
+    bar: PhaseBar,
+) -> None:
+    """The timed phases, in the order of :func:`~graphtune.bench.decode_progress.phase_labels`."""
+    sizes = [r.batch_size for r in results]
+    cache, mcfg = step.cache, step.model.config
     bandwidth = copy_bandwidth_gbps(device)
     report.copy_bandwidth_gbps = bandwidth
     # Summed kernel time means nothing with tp > 1: an NCCL all-reduce kernel's duration includes
@@ -198,30 +234,19 @@ def run_decode_bench(
         if bandwidth:
             needed = read.total + b * (cfg.context + 1) * cache.bytes_per_token()
             result.floor_ms = bytes_floor_ms(needed, bandwidth)
+        if "eager" in runners:
+            bar.done()
 
     if "graph" in runners:
-        _time_graph(step, inputs, results, sizes, device, cfg, report, log)
+        _time_graph(step, inputs, results, sizes, device, cfg, report, log, bar)
     if cfg.compare_compile and device.type == "cuda":
         log("timing torch.compile(mode='reduce-overhead') (compiles once per batch size)")
-        _time_compiled(step, inputs, cfg, device, results)
+        time_compiled(step, inputs, cfg, device, results, bar)
     if cfg.tune:
-        _time_tuned(step, inputs, results, sizes, device, cfg, runners, report, log, tuner)
+        _time_tuned(step, inputs, results, sizes, device, cfg, runners, report, log, tuner, bar)
     if cfg.compare_hf:  # last: its logits check overwrites cache slots of the untuned step
         time_hf(step, results, cfg, report, log)
-
-    for result in results:
-        best = result.graph_ms or result.eager_ms
-        if result.graph_ms and result.eager_ms:
-            result.speedup = result.eager_ms / result.graph_ms
-        if result.graph_ms and result.busy_ms:
-            result.graph_over_busy = result.graph_ms / result.busy_ms
-        if best:
-            result.tokens_per_s = result.batch_size / (best * 1e-3)
-        ours = result.tuned_graph_ms or result.tuned_eager_ms or best
-        hf = min((t for t in (result.hf_ms, result.hf_eager_ms) if t), default=None)
-        if hf and ours:
-            result.speedup_over_hf = hf / ours
-    return report
+        bar.done()
 
 
 def _default_tuner(step: DecodeStep) -> Any:
@@ -245,6 +270,7 @@ def _time_tuned(
     report: DecodeBenchReport,
     log: Callable[[str], None],
     tuner: Any,
+    bar: PhaseBar,
 ) -> None:
     tuner = tuner if tuner is not None else _default_tuner(step)
     tuned = build_step(
@@ -260,6 +286,7 @@ def _time_tuned(
     )
     with autotuner.autotune(cfg.tuning_cache, tuner):
         tuned_report = tune_step(tuned, log=lambda line: log(f"  {line}"))
+    bar.done()
     report.tuning_seconds = tuned_report.seconds
     report.tuning_compile_seconds = tuned_report.compile_seconds
     report.tuning_compile_seconds_by_op = dict(tuned_report.compile_seconds_by_op)
@@ -280,30 +307,29 @@ def _time_tuned(
                 result.tuned_top_kernels,
                 result.tuned_kernel_families,
             ) = _busy(lambda a=args: tuned(*a))
+        bar.done()
     if "graph" in runners:
         runner, seconds, _ = _capture(tuned, sizes, device, report)
+        bar.done()
         report.tuned_capture_seconds = seconds
-        for args, result in zip(inputs, results, strict=True):
-            result.tuned_graph_ms = time_per_call_ms(
-                lambda a=args: runner(*a), device, cfg.steps, cfg.repeats
-            )
-            log(f"batch {result.batch_size}: tuned graph {result.tuned_graph_ms:.3f} ms/step")
-        runner.release()
+        try:
+            for args, result in zip(inputs, results, strict=True):
+                result.tuned_graph_ms = time_per_call_ms(
+                    lambda a=args: runner(*a), device, cfg.steps, cfg.repeats
+                )
+                log(f"batch {result.batch_size}: tuned graph {result.tuned_graph_ms:.3f} ms/step")
+                bar.done()
+        finally:
+            runner.release()
     else:
         for args, result in zip(inputs, results, strict=True):
             result.tuned_eager_ms = time_per_call_ms(
                 lambda a=args: tuned(*a), device, cfg.steps, cfg.repeats
             )
             log(f"batch {result.batch_size}: tuned eager {result.tuned_eager_ms:.3f} ms/step")
+            bar.done()
     if cfg.compare_unfused:
-        _time_unfused(tuned, inputs, results, sizes, device, cfg, runners, report, log)
-    for result in results:
-        if result.tuned_graph_ms and result.graph_ms:
-            result.tuned_over_untuned = result.tuned_graph_ms / result.graph_ms
-        elif result.tuned_eager_ms and result.eager_ms:
-            result.tuned_over_untuned = result.tuned_eager_ms / result.eager_ms
-        if result.tuned_graph_ms and result.floor_ms:
-            result.tuned_over_floor = result.tuned_graph_ms / result.floor_ms
+        _time_unfused(tuned, inputs, results, sizes, device, cfg, runners, report, log, bar)
     # Look-ups of shapes never tuned ran the torch fallback (should be none).
     report.tuning_fallbacks = dict(tuner.stats.fallbacks)
     if tuner.stats.fallbacks:
@@ -322,6 +348,7 @@ def _time_unfused(
     runners: tuple[str, ...],
     report: DecodeBenchReport,
     log: Callable[[str], None],
+    bar: PhaseBar,
 ) -> None:
     """The tuned step with its stages unfused (the step as tuned before the fused ops), on the
     same tuner's picks (``tune_step`` tuned every single op first), timed as the tuned step is:
@@ -336,19 +363,25 @@ def _time_unfused(
     )
     graph = "graph" in runners
     runner = _capture(unfused, sizes, device, report)[0] if graph else None
-    call = runner if runner is not None else unfused
-    for args, result in zip(inputs, results, strict=True):
-        result.tuned_unfused_ms = time_per_call_ms(
-            lambda a=args: call(*a), device, cfg.steps, cfg.repeats
-        )
-        if device.type == "cuda" and cfg.tp == 1:
-            result.tuned_unfused_kernels_per_step = _busy(lambda a=args: unfused(*a))[1]
-        kind = "graph" if graph else "eager"
-        log(
-            f"batch {result.batch_size}: tuned unfused {kind} {result.tuned_unfused_ms:.3f} ms/step"
-        )
     if runner is not None:
-        runner.release()
+        bar.done()
+    call = runner if runner is not None else unfused
+    try:
+        for args, result in zip(inputs, results, strict=True):
+            result.tuned_unfused_ms = time_per_call_ms(
+                lambda a=args: call(*a), device, cfg.steps, cfg.repeats
+            )
+            if device.type == "cuda" and cfg.tp == 1:
+                result.tuned_unfused_kernels_per_step = _busy(lambda a=args: unfused(*a))[1]
+            kind = "graph" if graph else "eager"
+            log(
+                f"batch {result.batch_size}: tuned unfused {kind} "
+                f"{result.tuned_unfused_ms:.3f} ms/step"
+            )
+            bar.done()
+    finally:
+        if runner is not None:
+            runner.release()
 
 
 def rank_agreement(tuner: Any, parallel: Any) -> float:
@@ -404,69 +437,26 @@ def _time_graph(
     cfg: DecodeBenchConfig,
     report: DecodeBenchReport,
     log: Callable[[str], None],
+    bar: PhaseBar,
 ) -> None:
     runner, report.capture_seconds, report.graph_mib = _capture(step, sizes, device, report)
+    bar.done()
     stats = runner.stats
     log(
         f"captured {len(sizes)} sizes in {report.capture_seconds:.2f} s, {report.graph_mib:.0f} MiB"
     )
-    for args, result in zip(inputs, results, strict=True):
-        # Same inputs, same cache position: the replay must reproduce the eager logits.
-        want = step(*args).float()
-        got = runner(*args).float()
-        result.graph_max_abs_diff = (got - want).abs().max().item()
-        result.graph_ms = time_per_call_ms(
-            lambda a=args: runner(*a), device, cfg.steps, cfg.repeats
-        )
-        log(f"batch {result.batch_size}: graph {result.graph_ms:.3f} ms/step")
-    report.runner_stats = stats.table()
-    report.runner_stats_detail = stats.as_dict()
-    runner.release()
-
-
-def _compile_skips() -> int | None:
-    # The counter inductor bumps when reduce-overhead declines to use CUDA graphs for a graph.
     try:
-        from torch._dynamo.utils import counters
-    except ImportError:
-        return None
-    return int(counters["inductor"].get("cudagraph_skips", 0))
-
-
-def _time_compiled(
-    step: DecodeStep,
-    inputs: Sequence[tuple[torch.Tensor, ...]],
-    cfg: DecodeBenchConfig,
-    device: torch.device,
-    results: list[BatchResult],
-) -> None:
-    def plain(tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        return step(tokens, positions, slots)
-
-    compiled = torch.compile(plain, mode="reduce-overhead", dynamic=False)
-    mark = getattr(getattr(torch, "compiler", None), "cudagraph_mark_step_begin", None)
-
-    def call(args: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        if mark is not None:
-            mark()
-        return compiled(*args)
-
-    for args, result in zip(inputs, results, strict=True):
-        before = _compile_skips()
-        t0 = time.perf_counter()
-        try:
-            call(args)
-            sync(device)
-            compile_s = time.perf_counter() - t0
-            result.compile_ms = time_per_call_ms(
-                lambda a=args: call(a), device, cfg.steps, cfg.repeats
+        for args, result in zip(inputs, results, strict=True):
+            # Same inputs, same cache position: the replay must reproduce the eager logits.
+            want = step(*args).float()
+            got = runner(*args).float()
+            result.graph_max_abs_diff = (got - want).abs().max().item()
+            result.graph_ms = time_per_call_ms(
+                lambda a=args: runner(*a), device, cfg.steps, cfg.repeats
             )
-        except Exception as exc:  # any compiler failure is a result to report, not a crash
-            logger.warning("torch.compile failed at batch %d: %s", result.batch_size, exc)
-            result.compile_note = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
-            continue
-        after = _compile_skips()
-        skipped = before is not None and after is not None and after > before
-        result.compile_note = f"compiled in {compile_s:.1f} s; " + (
-            "skipped cudagraphs (see TORCH_LOGS=perf_hints)" if skipped else "cudagraphs used"
-        )
+            log(f"batch {result.batch_size}: graph {result.graph_ms:.3f} ms/step")
+            bar.done()
+        report.runner_stats = stats.table()
+        report.runner_stats_detail = stats.as_dict()
+    finally:
+        runner.release()

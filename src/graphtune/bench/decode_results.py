@@ -169,6 +169,28 @@ class DecodeBenchReport:
     tuning_rank_agreement: float | None = None
     tuned_capture_seconds: float | None = None
 
+    def derive(self) -> None:
+        """Fills the ratios (speed-up, graph/busy, tokens/s, tuned/untuned, tuned/floor, over
+        transformers) from the measured times; a batch size not measured yet keeps ``None``."""
+        for r in self.results:
+            best = r.graph_ms or r.eager_ms
+            if r.graph_ms and r.eager_ms:
+                r.speedup = r.eager_ms / r.graph_ms
+            if r.graph_ms and r.busy_ms:
+                r.graph_over_busy = r.graph_ms / r.busy_ms
+            if best:
+                r.tokens_per_s = r.batch_size / (best * 1e-3)
+            if r.tuned_graph_ms and r.graph_ms:
+                r.tuned_over_untuned = r.tuned_graph_ms / r.graph_ms
+            elif r.tuned_eager_ms and r.eager_ms:
+                r.tuned_over_untuned = r.tuned_eager_ms / r.eager_ms
+            if r.tuned_graph_ms and r.floor_ms:
+                r.tuned_over_floor = r.tuned_graph_ms / r.floor_ms
+            ours = r.tuned_graph_ms or r.tuned_eager_ms or best
+            hf = min((t for t in (r.hf_ms, r.hf_eager_ms) if t), default=None)
+            if hf and ours:
+                r.speedup_over_hf = hf / ours
+
     def to_json(self) -> dict[str, Any]:
         """A JSON-serialisable dict."""
         out = asdict(self)

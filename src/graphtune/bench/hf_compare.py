@@ -2,7 +2,8 @@
 ``bench decode --compare-hf``: the anchor, and one logits check.
 
 :func:`hf_model` builds the transformers model of the engine's architecture (``LlamaForCausalLM``,
-``Qwen2ForCausalLM``, ``MistralForCausalLM``, ``Qwen3MoeForCausalLM``, ``MixtralForCausalLM``) on
+``Qwen2ForCausalLM``, ``MistralForCausalLM``, ``Qwen3ForCausalLM``, ``Qwen3MoeForCausalLM``,
+``MixtralForCausalLM``) on
 the ``meta`` device and makes every parameter a view of the engine's tensor: no second random
 init and no copy (Q/K/V and gate/up are row slices of the engine's fused matrices; the experts'
 ``gate_up_proj`` and ``down_proj`` are the engine's stacks as they are); only the RoPE buffers are
@@ -42,6 +43,7 @@ import torch
 from graphtune.bench.cupti import gpu_busy
 from graphtune.bench.timing import sync, time_per_call_ms
 from graphtune.engine.config import ModelConfig
+from graphtune.engine.hf_fields import HF_ACTIVATIONS
 from graphtune.engine.kv_cache import aligned_seq_len
 from graphtune.engine.model import DecoderModel
 from graphtune.engine.step import DecodeStep
@@ -54,6 +56,7 @@ HF_CLASSES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
 }
@@ -102,15 +105,19 @@ def hf_config_fields(config: ModelConfig) -> dict[str, Any]:
         tie_word_embeddings=config.tie_word_embeddings,
         bos_token_id=config.bos_token_id,
         eos_token_id=eos[0] if len(eos) == 1 else (eos or None),
-        hidden_act="silu",
+        hidden_act=next(hf for hf, ours in HF_ACTIVATIONS.items() if ours == config.hidden_act),
     )
     if config.head_dim is not None:
         fields["head_dim"] = config.head_dim
     arch = config.architecture
     if arch in ("mistral", "mixtral"):
         fields["sliding_window"] = config.sliding_window
-    if arch == "qwen2" and config.sliding_window is not None:
-        raise ConfigError("hf_config_fields: Qwen2 with a sliding window is not supported")
+    if arch in ("qwen2", "qwen3") and config.sliding_window is not None:
+        raise ConfigError(f"hf_config_fields: {arch} with a sliding window is not supported")
+    if arch == "llama":
+        fields["mlp_bias"] = config.mlp_bias
+    if arch == "qwen3":
+        fields["use_sliding_window"] = False
     if arch == "mixtral":
         fields.update(
             intermediate_size=config.moe_intermediate_size,
@@ -160,6 +167,10 @@ def hf_state_dict(model: DecoderModel) -> dict[str, torch.Tensor]:
             out[p + "mlp.gate_proj.weight"] = layer.w_gate_up[:inter]
             out[p + "mlp.up_proj.weight"] = layer.w_gate_up[inter:]
             out[p + "mlp.down_proj.weight"] = layer.w_down
+        if layer.b_gate_up is not None and layer.b_down is not None:
+            out[p + "mlp.gate_proj.bias"] = layer.b_gate_up[:inter]
+            out[p + "mlp.up_proj.bias"] = layer.b_gate_up[inter:]
+            out[p + "mlp.down_proj.bias"] = layer.b_down
     return out
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from graphtune.cli._args import positive_int
 from graphtune.errors import ConfigError
 
 #: graphtune.engine.collectives.BACKENDS, kept literal so building the parser imports no torch.
@@ -17,7 +18,7 @@ def add_tensor_parallel_arguments(
     """Adds ``--tp N`` and ``--all-reduce`` to ``parser`` (``command`` names it in the help)."""
     parser.add_argument(
         "--tp",
-        type=int,
+        type=positive_int,
         default=1,
         metavar="N",
         help=f"tensor-parallel degree; N > 1 needs 'torchrun --nproc-per-node N "

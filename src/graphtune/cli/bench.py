@@ -1,4 +1,10 @@
-"""``graphtune bench decode``: eager vs graph runner vs GPU-busy vs bytes floor per batch size."""
+"""``graphtune bench decode``: eager vs graph runner vs GPU-busy vs bytes floor per batch size.
+
+stdout carries the table; JSON goes where ``--json`` says (``--json -``: stdout, and the table
+then goes to stderr). Everything the run needs is checked before it starts: the device, the
+model and its context length, the output paths and matplotlib for ``--plot``. Ctrl-C prints the
+batch sizes that finished (and writes them to ``--json``) before exiting with 130.
+"""
 
 from __future__ import annotations
 
@@ -8,13 +14,21 @@ import logging
 import shlex
 import sys
 from pathlib import Path
+from typing import Any
 
+from graphtune.cli._args import (
+    add_device_arguments,
+    check_output_path,
+    non_negative_int,
+    positive_int,
+    usage,
+)
 from graphtune.cli._parallel import (
     add_tensor_parallel_arguments,
     start_tensor_parallel,
     stop_tensor_parallel,
 )
-from graphtune.errors import ConfigError, GraphtuneError
+from graphtune.errors import ConfigError, ResultsWriteError
 
 logger = logging.getLogger(__name__)
 
@@ -33,13 +47,16 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Adds ``bench decode``."""
-    bench = subparsers.add_parser("bench", help="benchmarks (decode step)")
+    bench = subparsers.add_parser(
+        "bench", help="benchmarks (decode step)", description="Benchmarks of the decode step."
+    )
     actions = bench.add_subparsers(dest="bench_command", metavar="BENCH")
     decode = actions.add_parser(
         "decode",
         help="time the decode step: eager, graph runner, GPU-busy, bytes floor",
         description="Times the reference engine's decode step per batch size. Without CUDA only "
-        "the eager step runs (CUDA graphs need CUDA); the default model then becomes 'tiny'.",
+        "the eager step runs (CUDA graphs need CUDA); the default model then becomes 'tiny'. "
+        "stdout carries the table; JSON only where --json says.",
     )
     decode.add_argument(
         "--model",
@@ -48,24 +65,35 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="checkpoint folder or preset (default: llama-1b-shape on CUDA, tiny otherwise)",
     )
     decode.add_argument(
-        "--batch-sizes", type=_int_list, default=(1, 8, 32, 128), metavar="1,8,32,128"
+        "--batch-sizes",
+        type=_int_list,
+        default=(1, 8, 32, 128),
+        metavar="1,8,32,128",
+        help="batch sizes to time (each is a captured graph size)",
     )
     decode.add_argument(
         "--context",
-        type=int,
+        type=non_negative_int,
         default=512,
         metavar="N",
-        help="tokens already cached per request (default 512)",
+        help="tokens already cached per request",
     )
     decode.add_argument(
-        "--steps",
-        type=int,
-        default=20,
-        metavar="N",
-        help="decode steps per timed repeat (default 20)",
+        "--steps", type=positive_int, default=20, metavar="N", help="decode steps per timed repeat"
     )
-    decode.add_argument("--repeats", type=int, default=5, metavar="N")
-    decode.add_argument("--runner", choices=("both", "graph", "eager"), default="both")
+    decode.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=5,
+        metavar="N",
+        help="timed repeats per measurement (the median is reported)",
+    )
+    decode.add_argument(
+        "--runner",
+        choices=("both", "graph", "eager"),
+        default="both",
+        help="which step runners to time (graph needs CUDA)",
+    )
     decode.add_argument(
         "--compare-compile",
         action="store_true",
@@ -91,7 +119,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         metavar="FILE",
         help="with --tune: tuning cache file, loaded when present and saved "
-        "(a second run tunes nothing)",
+        "(a second run tunes nothing; default: no file)",
     )
     decode.add_argument(
         "--tune-cold-l2",
@@ -115,123 +143,156 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     decode.add_argument(
         "--layers",
-        type=int,
+        type=positive_int,
         default=None,
         metavar="N",
-        help="quick runs: only the first N layers of a preset (labelled as such)",
+        help="quick runs: only the first N layers of a preset, labelled as such (default: every "
+        "layer)",
     )
-    decode.add_argument("--plot", type=Path, default=None, metavar="FILE.png")
-    decode.add_argument("--json", type=Path, default=None, metavar="FILE")
-    decode.add_argument("--device", default="auto")
-    decode.add_argument("--dtype", default="auto")
-    decode.add_argument("--seed", type=int, default=0)
+    decode.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        metavar="FILE.png",
+        help="save a plot (matplotlib; default: no plot)",
+    )
+    decode.add_argument(
+        "--json",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="write the full result as JSON ('-': to stdout, and the table to stderr; "
+        "default: no JSON)",
+    )
+    add_device_arguments(decode)
+    decode.add_argument("--seed", type=int, default=0, help="seed of weights, tokens and KV data")
     add_tensor_parallel_arguments(decode, "bench decode", "only rank 0 prints and writes files")
     decode.set_defaults(handler=run_bench_decode)
-    bench.set_defaults(handler=lambda args: _usage(bench))
+    bench.set_defaults(handler=lambda args: usage(bench))
 
 
-def _usage(parser: argparse.ArgumentParser) -> int:
-    parser.print_help()
-    return 2
+def _check_before_run(args: argparse.Namespace, model: str) -> None:
+    """Everything that would otherwise fail after the whole benchmark ran."""
+    from graphtune.engine.loading import load_config
+
+    check_output_path(args.json, "--json")
+    check_output_path(args.plot, "--plot")
+    if args.plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ConfigError(
+                "--plot needs matplotlib: pip install 'graphtune[plot]' (or drop --plot)"
+            ) from None
+    if args.tuning_cache is not None:
+        from graphtune.autotuner.persist import check_lockable
+
+        check_output_path(args.tuning_cache, "--tuning-cache")
+        check_lockable(args.tuning_cache)
+    load_config(model).check_positions(args.context + 1, f"--context {args.context}")
 
 
 def run_bench_decode(args: argparse.Namespace) -> int:
     """Runs the benchmark, prints the table, and writes JSON and the plot when asked."""
-    import torch
-
     from graphtune.bench.decode import run_decode_bench
-    from graphtune.bench.decode_report import format_report, plot_report
     from graphtune.bench.decode_results import DecodeBenchConfig
-    from graphtune.bench.results import write_json
     from graphtune.engine.devices import resolve_device
 
+    device = resolve_device(args.device)
+    for flag, on in (
+        ("--compare-compile", args.compare_compile),
+        ("--compare-hf", args.compare_hf),
+    ):
+        if args.tp > 1 and on:
+            raise ConfigError(
+                f"{flag} is not supported with --tp > 1; drop it to time the tensor-parallel step"
+            )
+    model = args.model or ("llama-1b-shape" if device.type == "cuda" else "tiny")
+    _check_before_run(args, model)
+    runners = ("eager", "graph") if args.runner == "both" else (args.runner,)
+    cfg = DecodeBenchConfig(
+        model=model,
+        batch_sizes=tuple(args.batch_sizes),
+        context=args.context,
+        steps=args.steps,
+        repeats=args.repeats,
+        runners=runners,
+        compare_compile=args.compare_compile,
+        device=str(device),
+        dtype=args.dtype,
+        seed=args.seed,
+        tune=args.tune,
+        tuning_cache=str(args.tuning_cache) if args.tuning_cache else None,
+        tune_cold_l2=args.tune_cold_l2,
+        tp=args.tp,
+        compare_hf=args.compare_hf,
+        compare_unfused=args.compare_unfused,
+        hf_compile=args.hf_compile,
+        layers=args.layers,
+    )
     parallel = None
+    started: list[Any] = []
     try:
-        device = resolve_device(args.device)
-        for flag, on in (
-            ("--compare-compile", args.compare_compile),
-            ("--compare-hf", args.compare_hf),
-        ):
-            if args.tp > 1 and on:
-                raise ConfigError(
-                    f"{flag} is not supported with --tp > 1; drop it to time the "
-                    "tensor-parallel step"
-                )
         parallel, device = start_tensor_parallel(args, device)
         # Every rank runs the same benchmark (same collectives, same order); rank 0 reports.
         show = parallel is None or parallel.rank == 0
-        model = args.model or ("llama-1b-shape" if device.type == "cuda" else "tiny")
-        if device.type != "cuda" and show:
-            print(
-                "note: CUDA is not available; CUDA graphs need CUDA, so only the eager step "
-                f"is timed (model {model}).",
-                file=sys.stderr,
+        try:
+            report = run_decode_bench(
+                cfg,
+                log=lambda line: print(line, file=sys.stderr) if show else None,
+                parallel=parallel,
+                command=shlex.join(["graphtune", *getattr(args, "argv", [])]),
+                on_start=started.append,
+                show_progress=None if show else False,
             )
-        runners = ("eager", "graph") if args.runner == "both" else (args.runner,)
-        cfg = DecodeBenchConfig(
-            model=model,
-            batch_sizes=tuple(args.batch_sizes),
-            context=args.context,
-            steps=args.steps,
-            repeats=args.repeats,
-            runners=runners,
-            compare_compile=args.compare_compile,
-            device=str(device),
-            dtype=args.dtype,
-            seed=args.seed,
-            tune=args.tune,
-            tuning_cache=str(args.tuning_cache) if args.tuning_cache else None,
-            tune_cold_l2=args.tune_cold_l2,
-            tp=args.tp,
-            compare_hf=args.compare_hf,
-            compare_unfused=args.compare_unfused,
-            hf_compile=args.hf_compile,
-            layers=args.layers,
-        )
-        report = run_decode_bench(
-            cfg,
-            log=lambda line: print(line, file=sys.stderr) if show else None,
-            parallel=parallel,
-            command=shlex.join(["graphtune", *getattr(args, "argv", [])]),
-        )
-        if not show:
-            return 0
-        print(format_report(report))
-        if report.runner_stats:
-            print(report.runner_stats)
-        data = report.to_json()
-        if args.json:
-            print(f"wrote {write_json(args.json, data)}")
-        if args.plot:
-            try:
-                plot_report(report, str(args.plot))
-                print(f"wrote {args.plot}")
-            except ConfigError as exc:
-                print(f"error: {exc}", file=sys.stderr)
-                return 2
-        # One JSON line at the end, like every benchmark script in this repository.
-        summary = {
-            "bench": "decode",
-            "model": report.model["name"],
-            "device": report.provenance.get("gpu") or str(device),
-            "torch": torch.__version__,
-            "tp": args.tp,
-            "results": [
-                {k: v for k, v in r.items() if not k.endswith(("top_kernels", "kernel_families"))}
-                for r in data["results"]
-            ],
-        }
-        if report.model.get("all_reduce"):
-            summary["all_reduce"] = report.model["all_reduce"]
-        if report.tuning_rank_agreement is not None:
-            summary["tuning_rank_agreement"] = report.tuning_rank_agreement
-        if report.tuning_seconds is not None:
-            summary["tuning_seconds"] = report.tuning_seconds
-            summary["tuning_fallbacks"] = report.tuning_fallbacks
-        print(json.dumps(summary, default=str))
-    except GraphtuneError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        except KeyboardInterrupt:
+            if not show or not started:
+                raise
+            kept = _report_partial(args, started[0])
+            raise KeyboardInterrupt(kept) from None
+        if show:
+            _emit(args, report)
     finally:
         stop_tensor_parallel(parallel)
     return 0
+
+
+def _report_partial(args: argparse.Namespace, report: Any) -> str:
+    """Prints and writes what an interrupted run finished; says what was kept."""
+    report.derive()
+    done = [r.batch_size for r in report.results if r.eager_ms or r.graph_ms]
+    report.notes.append(f"interrupted (Ctrl-C): finished batch sizes {done}")
+    # autotune() saved the picks tuned so far before the interrupt reached here.
+    picks = f"; tuned picks so far kept in {args.tuning_cache}" if args.tuning_cache else ""
+    if not done:
+        return "no batch size had finished" + picks
+    _emit(args, report)
+    where = f" and written to {args.json}" if args.json and str(args.json) != "-" else ""
+    return f"finished batch sizes {done} printed above{where}{picks}"
+
+
+def _emit(args: argparse.Namespace, report: Any) -> None:
+    """The table (stdout, or stderr with ``--json -``), the JSON file and the plot."""
+    from graphtune.bench.decode_report import format_report, plot_report
+    from graphtune.bench.results import json_safe, write_json
+
+    to_stdout = args.json is not None and str(args.json) == "-"
+    table_stream = sys.stderr if to_stdout else sys.stdout
+    print(format_report(report), file=table_stream)
+    if report.runner_stats:
+        print(report.runner_stats, file=table_stream)
+    data = report.to_json()
+    if to_stdout:
+        print(json.dumps(json_safe(data), indent=2, default=str))
+    elif args.json is not None:
+        try:
+            written = write_json(args.json, data)
+        except ResultsWriteError as exc:
+            # The results are not lost: they go to stdout, and the error says where they
+            # could not be written.
+            print(json.dumps(json_safe(data), indent=2, default=str))
+            raise ResultsWriteError(f"{exc}; the JSON result is printed above") from None
+        print(f"wrote {written}", file=sys.stderr)
+    if args.plot is not None:
+        plot_report(report, str(args.plot))
+        print(f"wrote {args.plot}", file=sys.stderr)

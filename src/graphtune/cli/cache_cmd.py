@@ -1,23 +1,19 @@
 """``graphtune cache show|clear|verify|merge|unblock``: inspect, check, combine or delete tuning
-cache files."""
+cache files.
+
+The autotuner's modules are imported by the handlers (building the parser imports no torch). A
+file that cannot be used is an ``error:`` line on stderr and exit code 1.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
-from graphtune.autotuner import maintenance, persist
-from graphtune.autotuner.fingerprint import (
-    FINGERPRINT_FIELDS,
-    environment_fingerprint,
-    fingerprint_mismatch,
-)
-from graphtune.autotuner.identity import short_runner_name
+from graphtune.cli._args import usage
 from graphtune.errors import CacheFileError
-from graphtune.reporting import render_table
 
 COLUMNS = (
     "op",
@@ -35,13 +31,24 @@ COLUMNS = (
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Adds ``cache show``, ``clear``, ``verify``, ``merge`` and ``unblock``."""
     cache = subparsers.add_parser(
-        "cache", help="inspect, check, merge or delete tuning cache files"
+        "cache",
+        help="inspect, check, merge or delete tuning cache files",
+        description="Inspect, check, merge or delete tuning cache files (docs/cache-format.md).",
     )
     actions = cache.add_subparsers(dest="cache_command", metavar="ACTION")
-    show = actions.add_parser("show", help="print the entries and environment of a cache file")
+    show = actions.add_parser(
+        "show",
+        help="print the entries and environment of a cache file",
+        description="Prints a cache file's environment fingerprint (and whether it matches this "
+        "one), its entries and its blocked tactics.",
+    )
     show.add_argument("path", metavar="PATH", type=Path, help="tuning cache file (JSON)")
     show.set_defaults(handler=show_command)
-    clear = actions.add_parser("clear", help="delete a cache file and its lock file")
+    clear = actions.add_parser(
+        "clear",
+        help="delete a cache file and its lock file",
+        description="Deletes a tuning cache file and its lock file; exit 1 when there is none.",
+    )
     clear.add_argument("path", metavar="PATH", type=Path, help="tuning cache file (JSON)")
     clear.set_defaults(handler=clear_command)
     verify = actions.add_parser(
@@ -66,7 +73,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     merge.add_argument("a", metavar="A", type=Path, help="first cache file (wins ties)")
     merge.add_argument("b", metavar="B", type=Path, help="second cache file")
-    merge.add_argument("-o", "--output", required=True, type=Path, metavar="C", help="output")
+    merge.add_argument(
+        "-o", "--output", required=True, type=Path, metavar="C", help="output file (required)"
+    )
     merge.add_argument("--force", action="store_true", help="merge even if the fingerprints differ")
     merge.set_defaults(handler=merge_command)
     unblock = actions.add_parser(
@@ -76,15 +85,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "all of them. Entries are untouched.",
     )
     unblock.add_argument("path", metavar="FILE", type=Path, help="tuning cache file (JSON)")
-    unblock.add_argument("--runner", metavar="ID", help="only this runner id (see verify)")
-    unblock.add_argument("--tactic", metavar="JSON", help="only this tactic, as JSON, e.g. 3")
+    unblock.add_argument(
+        "--runner", metavar="ID", help="only this runner id (see verify; default: every runner)"
+    )
+    unblock.add_argument(
+        "--tactic",
+        metavar="JSON",
+        type=_json_text,
+        help="only this tactic, as JSON, e.g. 3 (default: every tactic)",
+    )
     unblock.set_defaults(handler=unblock_command)
-    cache.set_defaults(handler=lambda args: _usage(cache))
+    cache.set_defaults(handler=lambda args: usage(cache))
 
 
-def _usage(parser: argparse.ArgumentParser) -> int:
-    parser.print_help()
-    return 2
+def _json_text(text: str) -> str:
+    """``argparse`` type: text that parses as JSON (returned as given)."""
+    try:
+        json.loads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not JSON (e.g. 3, '\"a\"', '[1, 2]')"
+        ) from None
+    return text
 
 
 def _shapes(shapes: tuple[Any, ...]) -> str:
@@ -93,12 +115,17 @@ def _shapes(shapes: tuple[Any, ...]) -> str:
 
 def show_command(args: argparse.Namespace) -> int:
     """Prints the fingerprint header and one row per entry; 1 if the file is unusable."""
+    from graphtune.autotuner import persist
+    from graphtune.autotuner.fingerprint import (
+        FINGERPRINT_FIELDS,
+        environment_fingerprint,
+        fingerprint_mismatch,
+    )
+    from graphtune.autotuner.identity import short_runner_name
+    from graphtune.reporting import render_table
+
     path: Path = args.path
-    try:
-        doc = persist.read_document(path)
-    except CacheFileError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    doc = persist.read_document(path)
     saved = doc["fingerprint"] if isinstance(doc["fingerprint"], dict) else {}
     header = [(name, saved.get(name)) for name in FINGERPRINT_FIELDS]
     header.append(("format_version", doc["format_version"]))
@@ -138,26 +165,33 @@ def show_command(args: argparse.Namespace) -> int:
 
 
 def verify_command(args: argparse.Namespace) -> int:
-    """Prints every problem of the file; 0 when usable here, 1 otherwise."""
+    """Prints every problem of the file; 0 when usable here, 1 otherwise (one ``error:`` line
+    on stderr)."""
+    from graphtune.autotuner import maintenance
+
     report = maintenance.verify_file(args.path)
     for note in report.notes:
         print(note)
     if report.ok:
         print(f"OK: {args.path} is usable in this environment.")
         return 0
+    if len(report.problems) == 1:
+        raise CacheFileError(
+            f"cache file {args.path}: {report.problems[0]}; graphtune would skip this file here"
+        )
     for problem in report.problems:
         print(f"problem: {problem}")
-    print(f"{args.path}: {len(report.problems)} problem(s); graphtune would skip this file here.")
-    return 1
+    raise CacheFileError(
+        f"cache file {args.path} has {len(report.problems)} problems (listed above); graphtune "
+        "would skip this file here"
+    )
 
 
 def merge_command(args: argparse.Namespace) -> int:
     """Merges A and B into the output; 1 when an input is unusable or environments differ."""
-    try:
-        report = maintenance.merge_files(args.a, args.b, args.output, force=args.force)
-    except CacheFileError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    from graphtune.autotuner import maintenance
+
+    report = maintenance.merge_files(args.a, args.b, args.output, force=args.force)
     print(
         f"Wrote {args.output}: {report.entries} entries ({report.only_a} only in A, "
         f"{report.only_b} only in B, {report.conflicts_kept_a} conflicts kept A, "
@@ -168,23 +202,12 @@ def merge_command(args: argparse.Namespace) -> int:
 
 def unblock_command(args: argparse.Namespace) -> int:
     """Removes matching blocklist items; 1 when the file is unusable or the tactic is not JSON."""
-    tactic = None
-    if args.tactic is not None:
-        try:
-            tactic = json.loads(args.tactic)
-        except ValueError:
-            print(
-                f"error: --tactic {args.tactic!r} is not JSON (e.g. 3, '\"a\"', '[1, 2]')",
-                file=sys.stderr,
-            )
-            return 1
-    try:
-        removed = persist.unblock(
-            args.path, runner_id=args.runner, tactic=tactic, match_tactic=args.tactic is not None
-        )
-    except CacheFileError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    from graphtune.autotuner import persist
+
+    tactic = json.loads(args.tactic) if args.tactic is not None else None
+    removed = persist.unblock(
+        args.path, runner_id=args.runner, tactic=tactic, match_tactic=args.tactic is not None
+    )
     for item in removed:
         print(f"unblocked {item.runner_id} tactic {json.dumps(item.tactic)} ({item.reason})")
     print(f"Removed {len(removed)} blocked tactic(s) from {args.path}.")
@@ -193,16 +216,16 @@ def unblock_command(args: argparse.Namespace) -> int:
 
 def clear_command(args: argparse.Namespace) -> int:
     """Removes the cache file and its lock file; 1 if the file does not exist."""
+    from graphtune.autotuner import persist
+
     path: Path = args.path
     lock = persist.lock_path(path)
     if not path.exists():
-        print(f"error: no tuning cache at {path}; nothing removed.", file=sys.stderr)
-        return 1
+        raise CacheFileError(f"no tuning cache at {path}; nothing removed")
     try:
         path.unlink()
         lock.unlink(missing_ok=True)
     except OSError as exc:
-        print(f"error: could not remove {path}: {exc}", file=sys.stderr)
-        return 1
+        raise CacheFileError(f"could not remove {path}: {exc.strerror or exc}") from None
     print(f"Removed tuning cache {path} (and its lock file).")
     return 0

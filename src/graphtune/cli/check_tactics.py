@@ -4,7 +4,7 @@ Runs one decode step of the model per batch size with an untuned tuner and recor
 it makes (so exactly the ops and shapes the step uses), then runs every (runner, tactic) of each
 distinct call on copies of its inputs and compares outputs and in-place writes with the fallback's
 (:func:`graphtune.autotuner.check_tactics`). Exit 0 when all pass, 1 when any tactic differs or
-raises, 2 on bad arguments.
+raises (or the model cannot be built), 2 on bad arguments.
 """
 
 from __future__ import annotations
@@ -12,11 +12,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from pathlib import Path
 from typing import Any
 
-from graphtune.errors import GraphtuneError
+from graphtune.cli._args import add_device_arguments, check_output_path, positive_int
 
 
 def _batches(text: str) -> tuple[int, ...]:
@@ -38,16 +37,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="run every (runner, tactic) of the decode-step ops and compare with the fallback",
         description=__doc__.split("\n\n")[1].replace("\n", " "),
     )
-    parser.add_argument("--model", default="tiny", metavar="PRESET|PATH", help="default tiny")
-    parser.add_argument("--batch", type=_batches, default=(1, 8), metavar="1,8")
-    parser.add_argument("--max-seq-len", type=int, default=256, metavar="N")
-    parser.add_argument("--device", default="auto", help="auto (cuda if present), cuda, cpu")
-    parser.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, else float32)")
+    parser.add_argument(
+        "--model", default="tiny", metavar="PRESET|PATH", help="preset or checkpoint folder"
+    )
+    parser.add_argument(
+        "--batch", type=_batches, default=(1, 8), metavar="1,8", help="decode batch sizes to run"
+    )
+    parser.add_argument(
+        "--max-seq-len", type=positive_int, default=256, metavar="N", help="KV cache length"
+    )
+    add_device_arguments(parser)
     parser.add_argument("--atol", type=float, default=None, help="absolute tolerance (default 0)")
     parser.add_argument(
         "--rtol", type=float, default=None, help="relative tolerance (default by dtype)"
     )
-    parser.add_argument("--json", type=Path, default=None, metavar="FILE", help="write a report")
+    parser.add_argument(
+        "--json",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="write a report (default: no report)",
+    )
     parser.set_defaults(handler=run_check)
 
 
@@ -109,19 +119,16 @@ def run_check(args: argparse.Namespace) -> int:
     """Prints one row per (op call, runner, tactic); 1 when any check failed."""
     from graphtune.reporting import render_table
 
-    try:
-        reports = check_step(
-            args.model,
-            args.batch,
-            device=args.device,
-            dtype=args.dtype,
-            max_seq_len=args.max_seq_len,
-            atol=args.atol,
-            rtol=args.rtol,
-        )
-    except (GraphtuneError, ValueError) as exc:
-        print(f"graphtune check-tactics: {exc}", file=sys.stderr)
-        return 2
+    check_output_path(args.json, "--json")
+    reports = check_step(
+        args.model,
+        args.batch,
+        device=args.device,
+        dtype=args.dtype,
+        max_seq_len=args.max_seq_len,
+        atol=args.atol,
+        rtol=args.rtol,
+    )
     rows = []
     for report in reports:
         if report.reference_error is not None:

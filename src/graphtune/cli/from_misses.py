@@ -13,10 +13,7 @@ when ``--from-misses`` is given (no ``--model`` is needed then).
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
-
-from graphtune.errors import GraphtuneError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="FILE",
         help="tune exactly the shapes recorded in this misses file (AutoTuner.misses.save); "
-        "--model is not needed then",
+        "--model is not needed then (default: none, tune the step of --model)",
     )
 
 
@@ -35,27 +32,22 @@ def run(args: argparse.Namespace) -> int:
     """Tunes the recorded misses into ``args.cache``; prints the picks and what was skipped.
 
     Reads ``args.from_misses``, ``args.cache``, ``args.device`` (``auto``: each record's own
-    device type) and ``args.timing``. Returns 0, 1 when a record could not be rebuilt, 2 on an
-    unreadable file.
+    device type) and ``args.timing``. Returns 0, or 1 when a record could not be rebuilt; an
+    unreadable file raises (one ``error:`` line, exit 1, from :mod:`graphtune.cli.main`).
     """
-    import torch
-
     import graphtune.ops  # noqa: F401  (registers the ops the records name)
     from graphtune.autotuner import AutoTuner, autotune, load_misses
     from graphtune.autotuner.timing import resolve_timer
+    from graphtune.engine.devices import resolve_device
     from graphtune.ops.registry import tune_records
 
-    try:
-        records = load_misses(args.from_misses)
-        device = None if args.device == "auto" else torch.device(args.device)
-        timing = getattr(args, "timing", "auto")
-        timer = None if timing == "auto" else resolve_timer(timing, device or "cpu")
-        tuner = AutoTuner(timer=timer)
-        with autotune(args.cache, tuner, tune=True):
-            report = tune_records(records, tuner, device)
-    except GraphtuneError as exc:
-        print(f"graphtune tune --from-misses: {exc}", file=sys.stderr)
-        return 2
+    records = load_misses(args.from_misses)
+    device = None if args.device == "auto" else resolve_device(args.device)
+    timing = getattr(args, "timing", "auto")
+    timer = None if timing == "auto" else resolve_timer(timing, device or "cpu")
+    tuner = AutoTuner(timer=timer)
+    with autotune(args.cache, tuner, tune=True):
+        report = tune_records(records, tuner, device)
     table = tuner.summary_table(f"picks for the {len(records)} recorded misses")
     print(table or "every recorded shape was already in the cache file; nothing to tune")
     for record, reason in report.skipped:

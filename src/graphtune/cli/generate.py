@@ -1,4 +1,9 @@
-"""``graphtune generate``: run the reference engine on a checkpoint folder or a preset."""
+"""``graphtune generate``: run the reference engine on a checkpoint folder or a preset.
+
+The request is checked before any weight is read: the device, the prompts (text needs the
+checkpoint's tokenizer; ids go through ``--prompt-ids``), and the one sequence-length rule
+(prompt + new tokens within ``max_position_embeddings`` and within ``--max-seq-len``).
+"""
 
 from __future__ import annotations
 
@@ -6,17 +11,48 @@ import argparse
 import logging
 import sys
 import time
+from pathlib import Path
+from typing import Any
 
-import torch
-
+from graphtune.cli._args import add_device_arguments, non_negative_int, positive_int
 from graphtune.cli._parallel import (
     add_tensor_parallel_arguments,
     start_tensor_parallel,
     stop_tensor_parallel,
 )
-from graphtune.errors import GraphtuneError
+from graphtune.errors import ConfigError
 
 logger = logging.getLogger(__name__)
+
+
+def token_ids(text: str) -> list[int]:
+    """``argparse`` type of ``--prompt-ids``: comma-separated non-negative integers."""
+    parts = [p.strip() for p in text.split(",")]
+    if not parts or not all(p.isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated token ids like 1,2,3, got {text!r}"
+        )
+    return [int(p) for p in parts]
+
+
+def _probability(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0.0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -24,49 +60,65 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "generate",
         help="generate tokens with the reference decode engine",
-        description="Generate with a Llama/Qwen2/Mistral checkpoint folder or a preset with "
-        "random weights. Without a tokenizer, prompts and outputs are token ids ('1,2,3').",
+        description="Generate with a Llama/Qwen2/Mistral/Qwen3 checkpoint folder or a preset "
+        "with random weights. --prompt is text (it needs the checkpoint's tokenizer.json); "
+        "--prompt-ids takes token ids. Repeat either for a batch of prompts.",
     )
     parser.add_argument(
         "--model",
         required=True,
         metavar="PATH|PRESET",
-        help="Hugging Face checkpoint folder or preset (tiny, llama-1b-shape, ...)",
+        help="Hugging Face checkpoint folder or preset (tiny, llama-1b-shape, ...) (required)",
     )
     parser.add_argument(
         "--prompt",
+        dest="prompts",
         action="append",
-        required=True,
-        metavar="TEXT|IDS",
-        help="prompt text (needs tokenizer.json) or comma-separated token ids; "
-        "repeat for several prompts",
+        metavar="TEXT",
+        help="prompt text, encoded with the checkpoint's tokenizer; repeat for several prompts "
+        "(no default: give --prompt or --prompt-ids)",
     )
-    parser.add_argument("--max-new-tokens", type=int, default=32, metavar="N")
-    parser.add_argument("--runner", choices=("graph", "eager"), default="graph")
-    parser.add_argument("--device", default="auto", help="auto (cuda if present), cuda, cpu, ...")
     parser.add_argument(
-        "--dtype",
-        default="auto",
-        help="auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float16, float32",
+        "--prompt-ids",
+        dest="prompts",
+        action="append",
+        type=token_ids,
+        metavar="IDS",
+        help="prompt as comma-separated token ids (1,2,3); repeat for several prompts (no default)",
     )
+    parser.add_argument(
+        "--max-new-tokens", type=positive_int, default=32, metavar="N", help="tokens to generate"
+    )
+    parser.add_argument(
+        "--runner",
+        choices=("graph", "eager"),
+        default="graph",
+        help="decode step runner (graph: CUDA graphs, eager without CUDA)",
+    )
+    add_device_arguments(parser)
     parser.add_argument(
         "--max-seq-len",
-        type=int,
+        type=positive_int,
         default=None,
         metavar="N",
-        help="KV cache length per request (default: longest prompt + N new)",
+        help="KV cache length per request (default: longest prompt + --max-new-tokens)",
+    )
+    parser.add_argument("--temperature", type=_non_negative_float, default=0.0, help="0 = greedy")
+    parser.add_argument(
+        "--top-k", type=non_negative_int, default=0, help="keep the k likeliest tokens (0: all)"
+    )
+    parser.add_argument(
+        "--top-p", type=_probability, default=1.0, help="nucleus sampling mass (1: all)"
     )
     parser.add_argument(
         "--gpu-memory-utilization",
-        type=float,
+        type=_probability,
         default=None,
         metavar="F",
         help="share (0-1] of the GPU's memory the engine may use: the KV cache gets as many "
-        "slots as fit after weights, activations and graphs (prints the memory plan)",
+        "slots as fit after weights, activations and graphs, and the memory plan is printed "
+        "(default: not planned, one slot per prompt)",
     )
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0, help="seed of random weights and sampling")
     parser.add_argument("--ignore-eos", action="store_true", help="always generate N tokens")
     parser.add_argument("--stats", action="store_true", help="print the step runner's stats")
@@ -74,22 +126,71 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=run_generate)
 
 
-def _parse_prompt(text: str) -> str | list[int]:
-    parts = [p.strip() for p in text.split(",")]
-    if parts and all(p.lstrip("-").isdigit() for p in parts):
-        return [int(p) for p in parts]
-    return text
+def _encode(args: argparse.Namespace, tokenizer: Any) -> list[list[int]]:
+    """Token ids of every prompt, in the order given."""
+    if not args.prompts:
+        raise ConfigError("give at least one --prompt TEXT or --prompt-ids 1,2,3")
+    encoded = []
+    for prompt in args.prompts:
+        if isinstance(prompt, list):
+            encoded.append(prompt)
+        elif tokenizer is None:
+            raise ConfigError(
+                f"{args.model} has no tokenizer.json, so --prompt {prompt!r} cannot be encoded; "
+                "pass token ids with --prompt-ids 1,2,3"
+            )
+        else:
+            encoded.append(list(tokenizer.encode(prompt).ids))
+    return encoded
+
+
+def check_lengths(args: argparse.Namespace, config: Any, prompts: list[list[int]]) -> int:
+    """Checks every prompt against the sequence-length rule; returns the KV cache length."""
+    for index, ids in enumerate(prompts):
+        if not ids:
+            raise ConfigError(f"prompt {index} is empty (0 tokens); give at least one token")
+        bad = [t for t in ids if not 0 <= t < config.vocab_size]
+        if bad:
+            raise ConfigError(
+                f"prompt {index} has token ids outside [0, {config.vocab_size}) of "
+                f"{config.name}: {bad[:5]}"
+            )
+        config.check_positions(
+            len(ids) + args.max_new_tokens,
+            f"prompt {index} ({len(ids)} tokens) with --max-new-tokens {args.max_new_tokens}",
+        )
+    needed = max(len(ids) for ids in prompts) + args.max_new_tokens
+    if args.max_seq_len is None:
+        return needed
+    if args.max_seq_len < needed:
+        raise ConfigError(
+            f"--max-seq-len {args.max_seq_len} is too small: the longest prompt plus "
+            f"--max-new-tokens {args.max_new_tokens} needs {needed}; raise --max-seq-len or "
+            "leave it out"
+        )
+    return args.max_seq_len
 
 
 def run_generate(args: argparse.Namespace) -> int:
     """Loads the model, builds an Engine with the chosen runner and prints each continuation."""
+    import torch
+
     from graphtune.engine import Engine, SamplingParams, load_model
     from graphtune.engine.devices import resolve_device, resolve_dtype
+    from graphtune.engine.loading import load_config, load_tokenizer
 
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    sampling = SamplingParams(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed
+    )
+    config = load_config(args.model)
+    folder = Path(args.model).expanduser()
+    tokenizer = load_tokenizer(folder) if folder.is_dir() else None
+    prompts = _encode(args, tokenizer)
+    max_seq = check_lengths(args, config, prompts)
     parallel = None
     try:
-        device = resolve_device(args.device)
-        dtype = resolve_dtype(args.dtype, device)
         parallel, device = start_tensor_parallel(args, device)
         show = parallel is None or parallel.rank == 0
         if args.runner == "graph" and device.type != "cuda" and show:
@@ -100,17 +201,6 @@ def run_generate(args: argparse.Namespace) -> int:
         model = load_model(
             args.model, device=device, dtype=dtype, seed=args.seed, parallel=parallel
         )
-        prompts = [_parse_prompt(p) for p in args.prompt]
-        if any(isinstance(p, str) for p in prompts) and model.tokenizer is None:
-            print(
-                f"error: {args.model} has no tokenizer.json; pass token ids like --prompt '1,2,3'",
-                file=sys.stderr,
-            )
-            return 2
-        lengths = [
-            len(p) if isinstance(p, list) else len(model.tokenizer.encode(p).ids) for p in prompts
-        ]
-        max_seq = args.max_seq_len or max(lengths) + args.max_new_tokens
         engine = Engine(
             model,
             runner=args.runner,
@@ -119,9 +209,6 @@ def run_generate(args: argparse.Namespace) -> int:
             capture_sizes=None,
             lazy_capture=True,
             gpu_memory_utilization=args.gpu_memory_utilization,
-        )
-        sampling = SamplingParams(
-            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed
         )
         t0 = time.perf_counter()
         outputs = engine.generate(
@@ -133,25 +220,35 @@ def run_generate(args: argparse.Namespace) -> int:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - t0
-    except GraphtuneError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        stop_tensor_parallel(parallel)
-        return 2
-    if not show:
+        if show:
+            _print_outputs(args, engine, outputs, elapsed, parallel, device, dtype)
         engine.release()
+    finally:
         stop_tensor_parallel(parallel)
-        return 0
-    for prompt, ids in zip(args.prompt, outputs, strict=True):
+    return 0
+
+
+def _print_outputs(
+    args: argparse.Namespace,
+    engine: Any,
+    outputs: list[list[int]],
+    elapsed: float,
+    parallel: Any,
+    device: Any,
+    dtype: Any,
+) -> None:
+    for prompt, ids in zip(args.prompts, outputs, strict=True):
         text = engine.decode(ids)
-        print(f"prompt: {prompt}")
+        shown = prompt if isinstance(prompt, str) else ",".join(map(str, prompt))
+        print(f"prompt: {shown}")
         print(f"tokens: {','.join(map(str, ids))}")
         if text is not None:
             print(f"text:   {text}")
     total = sum(len(o) for o in outputs)
     tp = f", tp {args.tp}" if parallel is not None else ""
     print(
-        f"{total} tokens in {elapsed:.2f} s ({total / elapsed:.1f} tokens/s, runner "
-        f"{args.runner}, {model.config.name}, {str(dtype).replace('torch.', '')}, "
+        f"{total} tokens in {elapsed:.2f} s ({total / max(elapsed, 1e-9):.1f} tokens/s, runner "
+        f"{args.runner}, {engine.config.name}, {str(dtype).replace('torch.', '')}, "
         f"{device}{tp})"
     )
     if engine.memory_plan is not None:
@@ -159,6 +256,3 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.stats and hasattr(engine.stats, "table"):
         print(engine.stats.table())
         print(engine.prefill_stats.table())
-    engine.release()
-    stop_tensor_parallel(parallel)
-    return 0

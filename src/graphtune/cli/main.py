@@ -1,4 +1,10 @@
-"""Entry point of the ``graphtune`` command and ``python -m graphtune``."""
+"""Entry point of the ``graphtune`` command and ``python -m graphtune``.
+
+Every failure a user can cause ends in one ``error: ...`` line on stderr, never a traceback: exit
+code 2 for a usage error (argparse, :class:`graphtune.cli._args.Parser`), 1 for a failure (a
+:class:`~graphtune.errors.GraphtuneError`, a file that cannot be read or written, memory that
+runs out) and 130 on Ctrl-C, after the command has kept what it finished.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +15,12 @@ import sys
 from collections.abc import Sequence
 
 from graphtune._version import __version__
+from graphtune.cli._args import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, Parser
+from graphtune.errors import GraphtuneError
 
 # Each module defines ``register(subparsers)``, adding its subcommands with a ``handler`` default
-# that takes the parsed namespace and returns an exit code. Imported lazily so ``--help`` stays fast
-# and one broken optional dependency does not take every command down.
+# that takes the parsed namespace and returns an exit code. Building the parser imports no torch
+# (the modules import it inside their handlers), so ``--help`` stays fast.
 _COMMAND_MODULES = (
     "graphtune.cli.cache_cmd",
     "graphtune.cli.demo",
@@ -25,7 +33,7 @@ _COMMAND_MODULES = (
 
 def build_parser() -> argparse.ArgumentParser:
     """Builds the argument parser with every subcommand registered."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="graphtune",
         description="CUDA graph runner and graph-replay autotuner for LLM inference.",
     )
@@ -51,8 +59,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler = getattr(args, "handler", None)
     if handler is None:
         parser.print_help()
-        return 0
-    return int(handler(args) or 0)
+        return EXIT_OK
+    try:
+        return int(handler(args) or 0)
+    except KeyboardInterrupt as exc:
+        # A command that kept partial work says what in the interrupt's message.
+        kept = f"; {exc.args[0]}" if exc.args else ""
+        print(f"error: interrupted (Ctrl-C){kept}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except GraphtuneError as exc:
+        print(f"error: {one_line(exc)}", file=sys.stderr)
+        return EXIT_FAILURE
+    except OSError as exc:
+        print(f"error: {one_line(exc)}", file=sys.stderr)
+        return EXIT_FAILURE
+    except Exception as exc:
+        if not _out_of_memory(exc):
+            raise  # a bug: the traceback is what a report needs
+        print(
+            f"error: out of device memory ({one_line(exc)[:200]}); use a smaller batch, context "
+            "or model",
+            file=sys.stderr,
+        )
+        return EXIT_FAILURE
+
+
+def one_line(exc: BaseException) -> str:
+    """The message of ``exc`` on one line."""
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    torch = sys.modules.get("torch")
+    oom = getattr(torch, "OutOfMemoryError", None) if torch is not None else None
+    return oom is not None and isinstance(exc, oom)
 
 
 if __name__ == "__main__":

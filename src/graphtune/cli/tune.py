@@ -4,20 +4,21 @@ The step is tuned by running it (``graphtune.engine.tuning.tune_step``), as ``En
 does. The model is only read for its dimensions (a preset name or a Hugging Face folder's
 ``config.json``); weights are random, since the kernels' speed does not depend on their values.
 With ``--from-misses FILE`` it instead tunes exactly the shapes a serving process recorded as
-missed (:mod:`graphtune.cli.from_misses`); ``--model`` is not needed then.
+missed (:mod:`graphtune.cli.from_misses`); ``--model`` is not needed then. The cache path is
+checked (folder, lock) before anything runs; Ctrl-C keeps the picks finished so far in the cache
+file. When no op has more than one candidate (a CPU: every op is its torch code), nothing is
+timed and it says so.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
-import torch
-
 from graphtune.cli import from_misses
-from graphtune.errors import GraphtuneError
+from graphtune.cli._args import add_device_arguments, check_output_path, positive_int
+from graphtune.errors import ConfigError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -37,37 +38,32 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--model",
         default=None,
         metavar="PRESET|PATH",
-        help="preset (tiny, llama-1b-shape, ...) or a folder with config.json (required unless "
-        "--from-misses is given)",
+        help="preset (tiny, llama-1b-shape, ...) or a folder with config.json (no default: "
+        "required unless --from-misses is given)",
     )
     parser.add_argument(
         "--cache",
         required=True,
         type=Path,
         metavar="FILE",
-        help="tuning cache file (created or extended)",
+        help="tuning cache file, created or extended (required)",
     )
     parser.add_argument(
         "--max-batch",
-        type=int,
+        type=positive_int,
         default=64,
         metavar="N",
-        help="largest decode batch to tune (default 64)",
+        help="largest decode batch to tune",
     )
     parser.add_argument(
         "--max-seq-len",
-        type=int,
+        type=positive_int,
         default=2048,
         metavar="N",
-        help="KV cache length of the engine that will use the cache, for "
-        "attention (default 2048, the Engine default; a multiple of 16)",
+        help="KV cache length of the engine that will use the cache, for attention (the Engine "
+        "default; rounded up to a multiple of 16)",
     )
-    parser.add_argument("--device", default="auto", help="auto (cuda if present), cuda, cpu, ...")
-    parser.add_argument(
-        "--dtype",
-        default="auto",
-        help="auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float16, float32",
-    )
+    add_device_arguments(parser)
     parser.add_argument(
         "--timing",
         default="auto",
@@ -80,50 +76,73 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run_tune(args: argparse.Namespace) -> int:
     """Tunes the step (or the recorded misses) and prints the picks table."""
+    from graphtune.autotuner.persist import check_lockable
+
+    check_output_path(args.cache, "--cache")
+    check_lockable(args.cache)
     if args.from_misses is not None:
         return from_misses.run(args)
-    from graphtune.autotuner import AutoTuner, autotune
+    if args.model is None:
+        raise ConfigError("pass --model PRESET|PATH (or --from-misses FILE)")
+    import torch
+
+    from graphtune import autotuner
     from graphtune.autotuner.timing import resolve_timer
     from graphtune.cli._step_calls import decode_step, resolve_device_and_dtype
+    from graphtune.engine.loading import load_config
     from graphtune.engine.tuning import tune_step
-    from graphtune.errors import ConfigError
 
+    device, dtype = resolve_device_and_dtype(args.device, args.dtype)
+    load_config(args.model)  # a model that cannot load fails before anything is built
+    timer = None if args.timing == "auto" else resolve_timer(args.timing, device)
+    tuner = autotuner.AutoTuner(timer=timer)
+    step = decode_step(
+        args.model, args.max_batch, tuner, device=device, dtype=dtype, max_seq_len=args.max_seq_len
+    )
+    name = step.model.config.name
+    print(
+        f"tuning {name} ops on {device} ({str(dtype).removeprefix('torch.')}), "
+        f"batch buckets up to {args.max_batch} -> {args.cache}",
+        flush=True,
+    )
+    started = time.perf_counter()
     try:
-        if args.model is None:
-            raise ConfigError("pass --model PRESET|PATH (or --from-misses FILE)")
-        if args.max_batch < 1:
-            raise ConfigError(f"--max-batch must be >= 1, got {args.max_batch}")
-        device, dtype = resolve_device_and_dtype(args.device, args.dtype)
-        timer = None if args.timing == "auto" else resolve_timer(args.timing, device)
-        tuner = AutoTuner(timer=timer)
-        step = decode_step(
-            args.model,
-            args.max_batch,
-            tuner,
-            device=device,
-            dtype=dtype,
-            max_seq_len=args.max_seq_len,
-        )
-        name = step.model.config.name
-        print(
-            f"tuning {name} ops on {device} ({str(dtype).removeprefix('torch.')}), "
-            f"batch buckets up to {args.max_batch} -> {args.cache}",
-            flush=True,
-        )
-        started = time.perf_counter()
-        with autotune(args.cache, tuner):
+        with autotuner.autotune(args.cache, tuner):
             report = tune_step(step, log=lambda line: print(f"  {line}", flush=True))
-    except (GraphtuneError, ValueError) as exc:
-        print(f"graphtune tune: {exc}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        # autotune() saved the picks finished so far before the interrupt reached here.
+        kept = len(tuner.cache)
+        raise KeyboardInterrupt(
+            f"{kept} finished picks kept in {args.cache}" if kept else "nothing was tuned yet"
+        ) from None
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    stats = tuner.stats
+    if _nothing_timed(tuner):
+        # Saved all the same: the engine's look-ups then find a pick instead of counting misses.
+        print(
+            f"nothing to tune on {device}: every op of the step has a single candidate (its "
+            f"torch code), so its {stats.untimed_picks} (op, bucket) picks were taken without "
+            f"timing and saved to {args.cache}"
+        )
+        return 0
     table = tuner.summary_table(f"picks for {name} (buckets {list(report.buckets)})")
     print(table or "every shape was already in the cache file; nothing to tune")
+    if stats.untimed_picks:
+        print(
+            f"{stats.untimed_picks} of {report.profiles_tuned} picks had a single candidate on "
+            f"{device} and were taken without timing"
+        )
     print(
         f"done in {time.perf_counter() - started:.1f} s "
         f"({report.prepare_seconds:.1f} s recording the step and compiling "
         f"{report.prepared} Triton tactics up front); "
         f"{report.profiles_tuned} (op, bucket) picks added to {args.cache}"
     )
-    if torch.cuda.is_available() and device.type == "cuda":
-        torch.cuda.synchronize(device)
     return 0
+
+
+def _nothing_timed(tuner: object) -> bool:
+    """Whether every profile tuned so far had one candidate (picked without timing)."""
+    stats = tuner.stats  # type: ignore[attr-defined]
+    return stats.untimed_picks > 0 and stats.profiles_tuned == 0 and stats.tactics_timed == 0

@@ -1,10 +1,11 @@
 """Model configuration for the reference decode engine: a frozen dataclass and the HF mapping.
 
 Only the Llama family is supported (Llama 2/3 with Llama-3 RoPE scaling, Qwen2 with QKV bias,
-Mistral with an optional sliding window), and its mixture-of-experts relatives Qwen3-MoE (q/k
-RMSNorm, experts in every layer) and Mixtral: they share one decoder layout and differ in a few
-fields (their fields: :mod:`graphtune.engine.moe_config`). Named shapes are in
-:mod:`graphtune.engine.presets`.
+Mistral with an optional sliding window, Qwen3 with per-head q/k RMSNorm), and its
+mixture-of-experts relatives Qwen3-MoE (q/k RMSNorm and experts) and Mixtral: they share one
+decoder layout and differ in a few fields. Which ``config.json`` fields are read, ignored or
+refused is in :mod:`graphtune.engine.hf_fields` (the MoE fields' rules:
+:mod:`graphtune.engine.moe_config`); named shapes are in :mod:`graphtune.engine.presets`.
 """
 
 from __future__ import annotations
@@ -15,8 +16,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from graphtune.engine.hf_fields import (
+    HF_ACTIVATIONS,
+    HF_ROPE_THETA,
+    refuse_unimplemented,
+    with_defaults,
+)
 from graphtune.engine.moe_config import MOE_ARCHITECTURES, check_moe_fields, moe_fields_from_hf
-from graphtune.errors import CheckpointError, ConfigError
+from graphtune.errors import CheckpointError, ConfigError, InputError
+from graphtune.ops.activation import GATED_ACTIVATIONS
 
 logger = logging.getLogger(__name__)
 
@@ -24,9 +32,12 @@ ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "MistralForCausalLM": "mistral",
+    "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
 }
+#: Architectures whose attention normalises every query and key head before RoPE.
+QK_NORM_ARCHITECTURES = ("qwen3", "qwen3_moe")
 
 
 @dataclass(frozen=True)
@@ -65,7 +76,8 @@ class ModelConfig:
 
     Attributes:
         name: Label used in logs and benchmark output.
-        architecture: ``"llama"``, ``"qwen2"``, ``"mistral"``, ``"qwen3_moe"`` or ``"mixtral"``.
+        architecture: ``"llama"``, ``"qwen2"``, ``"mistral"``, ``"qwen3"``, ``"qwen3_moe"`` or
+            ``"mixtral"``.
         vocab_size: Rows of the embedding and the LM head.
         hidden_size: Model width.
         intermediate_size: SwiGLU inner width of the dense MLPs.
@@ -83,8 +95,13 @@ class ModelConfig:
             for full attention.
         bos_token_id: Prepended by the tokenizer path when set.
         eos_token_ids: Generation stops at any of these.
-        qk_norm: RMSNorm over the head dimension of every query and key head before RoPE
-            (Qwen3), with one ``[head_dim]`` weight for the queries and one for the keys.
+        hidden_act: The MLP's gated activation, a name of
+            :data:`graphtune.ops.activation.GATED_ACTIVATIONS` (``"silu"``: SwiGLU; the experts
+            of a mixture-of-experts layer are SwiGLU only).
+        mlp_bias: Gate, up and down projections have biases (some Llama checkpoints).
+        qk_norm: Per-head RMSNorm of queries and keys after the QKV projection, before RoPE
+            (Qwen3, Qwen3-MoE), with one ``[head_dim]`` weight for the queries and one for the
+            keys.
         num_experts: Experts of a mixture-of-experts MLP; 0 for a dense model.
         num_experts_per_tok: Experts each token is routed to (top-k).
         moe_intermediate_size: Width of one expert's SwiGLU.
@@ -113,6 +130,8 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    hidden_act: str = "silu"
+    mlp_bias: bool = False
     qk_norm: bool = False
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -152,6 +171,11 @@ class ModelConfig:
             raise ConfigError("sliding_window must be > 0 or None")
         if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
             raise ConfigError("rms_norm_eps and rope_theta must be > 0")
+        if self.hidden_act not in GATED_ACTIVATIONS:
+            raise ConfigError(
+                f"ModelConfig.hidden_act={self.hidden_act!r} is not implemented; use one of "
+                f"{sorted(GATED_ACTIVATIONS)}"
+            )
         check_moe_fields(self)
 
     def is_moe_layer(self, index: int) -> bool:
@@ -192,9 +216,10 @@ class ModelConfig:
             attn += self.q_size + 2 * self.kv_size
         if self.qk_norm:
             attn += 2 * self.dim_per_head
+        dense = 3 * d * i + (2 * i + d if self.mlp_bias else 0)
         moe = self.num_experts * (d + 3 * d * self.moe_intermediate_size)
         layers = sum(
-            attn + 2 * d + (moe if self.is_moe_layer(index) else 3 * d * i)
+            attn + 2 * d + (moe if self.is_moe_layer(index) else dense)
             for index in range(self.num_layers)
         )
         head = 0 if self.tie_word_embeddings else v * d
@@ -204,13 +229,27 @@ class ModelConfig:
         """Returns a copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
 
+    def check_positions(self, tokens: int, what: str) -> None:
+        """The one rule for sequence length: a request may use positions ``[0, tokens)`` only
+        within ``max_position_embeddings``, the context the checkpoint was trained for (past it
+        RoPE extrapolates and the output is not what the model was trained to give).
 
-def _rope_from_hf(cfg: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
+        Raises:
+            InputError: ``tokens > max_position_embeddings``; the message starts with ``what``.
+        """
+        if tokens > self.max_position_embeddings:
+            raise InputError(
+                f"{what} needs {tokens} positions, more than {self.name}'s "
+                f"max_position_embeddings={self.max_position_embeddings}; shorten it"
+            )
+
+
+def _rope_from_hf(cfg: Mapping[str, Any], default_theta: float) -> tuple[float, RopeScaling | None]:
     # transformers >= 5 writes "rope_parameters" (theta inside); older files and published
     # checkpoints write "rope_theta" and "rope_scaling" at the top level. Accept both.
     params = cfg.get("rope_parameters") or {}
     scaling = cfg.get("rope_scaling") or params
-    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", default_theta)))
     rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
     if rope_type in (None, "default"):
         return theta, None
@@ -227,13 +266,27 @@ def _rope_from_hf(cfg: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
             )
         except KeyError as exc:
             raise CheckpointError(f"llama3 rope scaling is missing the key {exc}") from None
-    raise CheckpointError(
-        f"RoPE type {rope_type!r} is not supported (supported: default, linear, llama3)"
+    field_name = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
+    raise ConfigError(
+        f"config.json: {field_name} rope_type={rope_type!r} is not implemented by graphtune's "
+        "engine (it implements default, linear and llama3 RoPE); use a checkpoint without it"
     )
+
+
+def eos_ids(value: Any) -> tuple[int, ...]:
+    """``eos_token_id`` of a config file (an int, a list of ints or null) as a tuple."""
+    if value is None:
+        return ()
+    if isinstance(value, list):
+        return tuple(int(e) for e in value)
+    return (int(value),)
 
 
 def from_hf_config(cfg: Mapping[str, Any], name: str = "checkpoint") -> ModelConfig:
     """Maps a Hugging Face ``config.json`` (as a dict) to a :class:`ModelConfig`.
+
+    Fields left out take transformers' default for the architecture; which fields are read,
+    ignored or refused is in :mod:`graphtune.engine.hf_fields`.
 
     Args:
         cfg: The parsed ``config.json``.
@@ -243,10 +296,10 @@ def from_hf_config(cfg: Mapping[str, Any], name: str = "checkpoint") -> ModelCon
         The equivalent config.
 
     Raises:
-        CheckpointError: The architecture is not Llama, Qwen2, Mistral, Qwen3-MoE or Mixtral, or a
-            field is missing.
-        ConfigError: A Qwen3-MoE or Mixtral field is unknown or has a value the engine does not
-            implement (:mod:`graphtune.engine.moe_config`).
+        CheckpointError: The architecture is not Llama, Qwen2, Mistral, Qwen3, Qwen3-MoE or
+            Mixtral, or a field is missing.
+        ConfigError: A field has a value the engine does not implement (the message names the
+            field and the value).
     """
     archs = list(cfg.get("architectures") or [])
     arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
@@ -259,27 +312,13 @@ def from_hf_config(cfg: Mapping[str, Any], name: str = "checkpoint") -> ModelCon
                 f"unsupported architecture {archs or model_type!r}: graphtune's engine loads "
                 f"{sorted(ARCHITECTURES)}. Convert the checkpoint or use a preset."
             )
-    theta, scaling = _rope_from_hf(cfg)
-    sliding = cfg.get("sliding_window")
-    if arch == "qwen2" and not cfg.get("use_sliding_window", False):
-        sliding = None  # Qwen2 configs carry a window size but leave it switched off.
-    elif arch == "qwen2" and sliding is not None:
-        raise CheckpointError(
-            "Qwen2 with use_sliding_window=true (per-layer windows) is unsupported"
-        )
-    if arch in ("llama", "qwen3_moe"):
-        sliding = None  # Qwen3-MoE's window is off unless use_sliding_window (refused).
+    cfg = with_defaults(arch, cfg)
+    refuse_unimplemented(arch, cfg)
+    theta, scaling = _rope_from_hf(cfg, HF_ROPE_THETA.get(arch, 10000.0))
+    # Qwen windows are refused above; Llama and Qwen3-MoE have none.
+    sliding = cfg.get("sliding_window") if arch in ("mistral", "mixtral") else None
+    head_dim = cfg.get("head_dim")
     moe = moe_fields_from_hf(cfg, arch) if arch in MOE_ARCHITECTURES else {}
-    if arch != "qwen2" and cfg.get("attention_bias", False):
-        raise CheckpointError(
-            f"{arch} with attention_bias=true (biases on q/k/v/o) is not supported by the engine"
-        )
-    eos = cfg.get("eos_token_id")
-    eos_ids = (
-        tuple(int(e) for e in eos)
-        if isinstance(eos, list)
-        else ((int(eos),) if eos is not None else ())
-    )
     try:
         return ModelConfig(
             name=name,
@@ -290,19 +329,24 @@ def from_hf_config(cfg: Mapping[str, Any], name: str = "checkpoint") -> ModelCon
             num_layers=int(cfg["num_hidden_layers"]),
             num_heads=int(cfg["num_attention_heads"]),
             num_kv_heads=int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"]),
-            head_dim=int(cfg["head_dim"]) if cfg.get("head_dim") else None,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            head_dim=int(head_dim) if head_dim else None,
+            rms_norm_eps=float(cfg["rms_norm_eps"]),
             rope_theta=theta,
             rope_scaling=scaling,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(cfg["max_position_embeddings"]),
+            tie_word_embeddings=bool(cfg["tie_word_embeddings"]),
             attention_bias=arch == "qwen2",
             sliding_window=int(sliding) if sliding else None,
             bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=eos_ids,
+            eos_token_ids=eos_ids(cfg.get("eos_token_id")),
+            hidden_act=HF_ACTIVATIONS[cfg["hidden_act"]],
+            mlp_bias=arch == "llama" and bool(cfg["mlp_bias"]),
+            qk_norm=arch in QK_NORM_ARCHITECTURES,
             **moe,
         )
     except KeyError as exc:
         raise CheckpointError(f"config.json is missing the field {exc}") from None
-    except ConfigError as exc:
-        raise CheckpointError(f"config.json describes an invalid model: {exc}") from exc
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, ConfigError):
+            raise CheckpointError(f"config.json describes an invalid model: {exc}") from None
+        raise CheckpointError(f"config.json has a field of the wrong type: {exc}") from None

@@ -11,16 +11,31 @@ def resolve_device(device: str) -> torch.device:
     """``"auto"`` becomes CUDA when available, else CPU; anything else is a torch device name.
 
     Raises:
-        ConfigError: ``device`` is not a device torch knows.
+        ConfigError: ``device`` is not a device torch knows, or a CUDA device that this torch
+            cannot use (no CUDA build, no GPU, or an index past the last GPU).
     """
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        return torch.device(device)
+        resolved = torch.device(device)
     except RuntimeError as exc:
         raise ConfigError(
             f"unknown device {device!r} ({exc}); use auto, cpu, cuda or cuda:N"
         ) from None
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch has no CUDA" if torch.version.cuda is None else "no GPU is visible"
+            raise ConfigError(
+                f"--device {device}: CUDA is not available ({why}, torch {torch.__version__}); "
+                "use --device cpu or auto"
+            )
+        count = torch.cuda.device_count()
+        if resolved.index is not None and resolved.index >= count:
+            raise ConfigError(
+                f"--device {device}: this machine has {count} CUDA device(s), "
+                f"cuda:0 to cuda:{count - 1}"
+            )
+    return resolved
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:

@@ -38,7 +38,12 @@ from graphtune.engine.build import (
 from graphtune.engine.kv_cache import KVCache, aligned_seq_len
 from graphtune.engine.memory_plan import MemoryPlan, MemoryReport, plan_memory
 from graphtune.engine.model import DecoderModel
-from graphtune.engine.prefill import DEFAULT_MAX_PREFILL_TOKENS, check_max_tokens, prefill_logits
+from graphtune.engine.prefill import (
+    DEFAULT_MAX_PREFILL_TOKENS,
+    check_max_tokens,
+    default_prefill_runner,
+    prefill_logits,
+)
 from graphtune.engine.sampling import GREEDY, NON_FINITE, SamplingParams, sample
 from graphtune.engine.tuning import TuneReport, tune_step
 from graphtune.errors import ConfigError, InputError, NumericalError
@@ -102,10 +107,8 @@ class Engine:
             With neither ``tune``, ``tuning_cache`` nor ``tuner`` the step is the untuned torch
             step.
         prefill_runner: ``"graph"`` (an admission round's prompts packed into calls captured per
-            token-count bucket, each layer's attention a graph break) or ``"eager"``; ``None``
-            (default): as ``runner``, except ``"eager"`` for a mixture-of-experts model (whose
-            untuned experts inside a capture run their dense all-experts form). See
-            :mod:`graphtune.engine.prefill`.
+            token-count bucket, each layer's attention a graph break) or ``"eager"``; ``None``:
+            as ``runner``, but eager for an MoE model (``prefill.default_prefill_runner``).
         max_prefill_tokens: Most tokens of one prefill call (its largest graph; longer prompts
             run eagerly). Default ``min(2048, max_batch_size * max_seq_len)``.
         gpu_memory_utilization: Share (0 to 1] of the device's memory the engine may use, what
@@ -150,11 +153,7 @@ class Engine:
         memory_report: MemoryReport | None = None,
         graph_backend: Any = None,
     ) -> None:
-        if prefill_runner is None:
-            # Untuned (prefill's ops), a mixture-of-experts layer inside a capture runs every
-            # expert on every token (E / k times the loop's work): prompts prefill faster eagerly.
-            moe = any(layer.is_moe for layer in model.layers)
-            prefill_runner = "eager" if moe else runner
+        prefill_runner = prefill_runner or default_prefill_runner(model, runner)
         for name, kind in (("runner", runner), ("prefill_runner", prefill_runner)):
             if kind not in RUNNERS:
                 raise ConfigError(f"{name} must be one of {RUNNERS}, got {kind!r}")
@@ -262,11 +261,8 @@ class Engine:
         if self.tuner is None:
             return "tuning: off (untuned torch decode step)"
         stats = self.tuner.stats
-        lines = []
-        if self.tune_report is not None:
-            lines.append(f"tuning: {self.tune_report.summary()}")
-        else:
-            lines.append("tuning: look-ups only (tune=False)")
+        summary = self.tune_report.summary() if self.tune_report is not None else None
+        lines = [f"tuning: {summary}" if summary else "tuning: look-ups only (tune=False)"]
         lines.append(f"look-ups: {stats.hits} hits, {stats.misses} misses")
         if stats.fallbacks:
             ops = ", ".join(f"{op}: {n}" for op, n in sorted(stats.fallbacks.items()))
@@ -342,6 +338,10 @@ class Engine:
             )
         if max_new <= 0:
             raise InputError(f"max_new_tokens must be > 0, got {max_new} for prompt {where}")
+        self.config.check_positions(
+            len(prompt) + max_new,
+            f"prompt {where} ({len(prompt)} tokens) with max_new_tokens={max_new}",
+        )
         if len(prompt) + max_new > self.max_seq_len:
             raise InputError(
                 f"prompt {where} has {len(prompt)} tokens and asks for {max_new} new ones, more "
@@ -375,7 +375,8 @@ class Engine:
             The generated token ids per prompt, in prompt order.
 
         Raises:
-            InputError: An empty prompt, unknown token ids, or a prompt that does not fit.
+            InputError: An empty prompt, unknown token ids, or a prompt that does not fit (the KV
+                cache, or ``max_position_embeddings``: :meth:`ModelConfig.check_positions`).
             NumericalError: Non-finite logits with ``strict_numerics``; otherwise such a request
                 stops early and is listed in :attr:`failures` (reset by every call).
         """

@@ -3,7 +3,9 @@
 A checkpoint folder holds ``config.json`` and either ``model.safetensors`` or shards listed in
 ``model.safetensors.index.json``. Tensors are read with ``safetensors``; Q/K/V and gate/up are
 concatenated into the fused matrices the decode step uses. A ``tokenizer.json`` next to them is
-loaded with ``tokenizers`` when that package is installed.
+loaded with ``tokenizers`` when that package is installed, and the ``eos_token_id`` of a
+``generation_config.json`` replaces ``config.json``'s, as transformers' ``generate`` does. Every
+file that cannot be read or parsed is a :class:`~graphtune.errors.CheckpointError` naming it.
 """
 
 from __future__ import annotations
@@ -15,11 +17,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from graphtune.engine.config import ModelConfig, from_hf_config
+from graphtune.engine.config import ModelConfig, eos_ids, from_hf_config
 from graphtune.engine.model import DecoderModel, LayerWeights, random_model
 from graphtune.engine.moe_loading import load_moe_layer
 from graphtune.engine.presets import PRESETS, get_preset
-from graphtune.errors import CheckpointError
+from graphtune.errors import CheckpointError, ConfigError
 
 if TYPE_CHECKING:
     from graphtune.engine.parallel import ParallelContext
@@ -39,10 +41,23 @@ class _TensorSource:
                 "pip install 'graphtune[models]'"
             ) from exc
         self._safe_open = safe_open
+        self._handles: dict[Path, Any] = {}
+        self.read: set[str] = set()
         index = folder / "model.safetensors.index.json"
         if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(
+                    f"{index} has no 'weight_map' object; re-save the checkpoint with "
+                    "save_pretrained(safe_serialization=True)"
+                )
             self.files = {name: folder / file for name, file in weight_map.items()}
+            missing = sorted({str(f) for f in self.files.values() if not f.is_file()})
+            if missing:
+                raise CheckpointError(
+                    f"{index} lists shard files that are not in the folder: {missing[:3]}; "
+                    "download the whole checkpoint"
+                )
         else:
             files = sorted(folder.glob("*.safetensors"))
             if not files:
@@ -52,13 +67,25 @@ class _TensorSource:
                 )
             self.files = {}
             for file in files:
-                with safe_open(str(file), framework="pt") as handle:
-                    for name in handle.keys():
-                        self.files[name] = file
-        self._handles: dict[Path, Any] = {}
+                handle = self._handles[file] = self._open(file)
+                for name in handle.keys():
+                    self.files[name] = file
+
+    def _open(self, file: Path) -> Any:
+        try:
+            return self._safe_open(str(file), framework="pt")
+        except Exception as exc:  # safetensors raises its own error types; keep the cause.
+            raise CheckpointError(
+                f"{file} is not a readable safetensors file ({exc}); it may be truncated or "
+                "corrupt: download it again"
+            ) from None
 
     def has(self, name: str) -> bool:
         return name in self.files
+
+    def unread(self) -> list[str]:
+        """Tensors of the checkpoint that no :meth:`get` call read."""
+        return sorted(set(self.files) - self.read)
 
     def get(
         self, name: str, shape: tuple[int, ...], part: tuple[int, int, int] | None = None
@@ -73,8 +100,9 @@ class _TensorSource:
             raise CheckpointError(f"checkpoint is missing the tensor {name!r} (expected {shape})")
         handle = self._handles.get(file)
         if handle is None:
-            handle = self._safe_open(str(file), framework="pt")
+            handle = self._open(file)
             self._handles[file] = handle
+        self.read.add(name)
         try:
             if part is None:
                 tensor = handle.get_tensor(name)
@@ -97,6 +125,70 @@ class _TensorSource:
         return tensor
 
 
+def read_json(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path``.
+
+    Raises:
+        CheckpointError: The file cannot be read, is not valid JSON or not a JSON object.
+    """
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path} cannot be read ({exc})") from None
+    try:
+        doc = json.loads(text)
+    except ValueError as exc:
+        raise CheckpointError(
+            f"{path} is not valid JSON ({exc}); it may be truncated: download it again"
+        ) from None
+    if not isinstance(doc, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(doc).__name__}, not an object")
+    return doc
+
+
+def load_config(spec: str | Path) -> ModelConfig:
+    """The shapes of a model without its weights: a preset name, or a Hugging Face checkpoint
+    folder whose ``config.json`` is read (with ``generation_config.json``'s ``eos_token_id``,
+    which replaces ``config.json``'s as in transformers' ``generate``; Llama-3-Instruct
+    checkpoints list their end-of-turn token only there). Checks a request before loading.
+
+    Raises:
+        ConfigError: ``spec`` is neither an existing folder nor a preset, or a field has a value
+            the engine does not implement.
+        CheckpointError: The folder's config cannot be read or parsed, or names an unsupported
+            architecture.
+    """
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return _folder_config(path)
+    if str(spec) in PRESETS:
+        return PRESETS[str(spec)]
+    raise _not_a_model(spec)
+
+
+def _folder_config(folder: Path) -> ModelConfig:
+    """The :class:`ModelConfig` of a checkpoint folder (see :func:`load_config`)."""
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"{folder} has no config.json; is it a Hugging Face model folder?")
+    config = from_hf_config(read_json(config_file), name=folder.name)
+    generation = folder / "generation_config.json"
+    if generation.is_file():
+        eos = read_json(generation).get("eos_token_id")
+        if eos is not None:
+            config = config.replace(eos_token_ids=eos_ids(eos))
+    return config
+
+
+def _not_a_model(spec: str | Path) -> ConfigError:
+    path = Path(spec).expanduser()
+    what = "is a file, not a folder" if path.exists() else "is not an existing folder"
+    return ConfigError(
+        f"model {str(spec)!r} {what} and not a preset (presets: {', '.join(sorted(PRESETS))}); "
+        "pass a Hugging Face checkpoint folder (config.json and *.safetensors) or a preset name"
+    )
+
+
 def load_checkpoint(
     folder: str | Path,
     *,
@@ -104,7 +196,8 @@ def load_checkpoint(
     dtype: torch.dtype | None = None,
     parallel: ParallelContext | None = None,
 ) -> DecoderModel:
-    """Loads a Hugging Face Llama / Qwen2 / Mistral / Qwen3-MoE / Mixtral checkpoint folder.
+    """Loads a Hugging Face Llama / Qwen2 / Mistral / Qwen3 / Qwen3-MoE / Mixtral checkpoint
+    folder.
 
     Args:
         folder: Directory with ``config.json`` and safetensors weights (sharded or not).
@@ -174,10 +267,8 @@ def load_checkpoint(
                 ]
             ),
             w_down=None if moe else get(p + "mlp.down_proj.weight", (d, inter), cols),
+            **_optional_layer_tensors(config, p, get, rows, moe),
         )
-        if config.qk_norm:
-            layer.q_norm = get(attn + "q_norm.weight", (config.dim_per_head,))
-            layer.k_norm = get(attn + "k_norm.weight", (config.dim_per_head,))
         if moe:
             layer.router, layer.experts_gate_up, layer.experts_down = load_moe_layer(
                 get, source.has, p, config
@@ -197,6 +288,7 @@ def load_checkpoint(
         tokenizer=load_tokenizer(folder),
         source=str(folder),
     )
+    _warn_unread(source, folder, config)
     if rows is not None:
         from graphtune.engine.parallel import shard_config
 
@@ -214,6 +306,51 @@ def load_checkpoint(
     return model
 
 
+def _optional_layer_tensors(
+    config: ModelConfig,
+    prefix: str,
+    get: Any,
+    rows: tuple[int, int, int] | None,
+    moe: bool,
+) -> dict[str, torch.Tensor]:
+    """The layer tensors only some configs have: Qwen3's q/k norms, Llama's MLP biases (never
+    on a mixture-of-experts layer, ``moe``)."""
+    out = {}
+    if config.qk_norm:
+        head = (config.dim_per_head,)
+        out["q_norm"] = get(prefix + "self_attn.q_norm.weight", head)
+        out["k_norm"] = get(prefix + "self_attn.k_norm.weight", head)
+    if config.mlp_bias and not moe:
+        inter = (config.intermediate_size,)
+        out["b_gate_up"] = torch.cat(
+            [
+                get(prefix + "mlp.gate_proj.bias", inter, rows),
+                get(prefix + "mlp.up_proj.bias", inter, rows),
+            ]
+        )
+        out["b_down"] = get(prefix + "mlp.down_proj.bias", (config.hidden_size,))
+    return out
+
+
+def _warn_unread(source: _TensorSource, folder: Path, config: ModelConfig) -> None:
+    # transformers drops these too: RoPE tables some old checkpoints saved, and an LM head that
+    # the config ties to the embedding.
+    unread = [
+        name
+        for name in source.unread()
+        if not name.endswith("rotary_emb.inv_freq")
+        and not (config.tie_word_embeddings and name == "lm_head.weight")
+    ]
+    if unread:
+        logger.warning(
+            "%s: %d tensors of the checkpoint are not used, as config.json describes the model "
+            "(transformers ignores them too): %s",
+            folder,
+            len(unread),
+            ", ".join(unread[:5]) + (", ..." if len(unread) > 5 else ""),
+        )
+
+
 def load_tokenizer(folder: Path) -> Any:
     """Returns a ``tokenizers.Tokenizer`` for ``folder/tokenizer.json``, or ``None``.
 
@@ -227,28 +364,13 @@ def load_tokenizer(folder: Path) -> Any:
     except ImportError:
         logger.warning("%s exists but 'tokenizers' is not installed; using token ids", path)
         return None
-    return Tokenizer.from_file(str(path))
-
-
-def _folder_config(folder: Path) -> ModelConfig:
-    config_file = folder / "config.json"
-    if not config_file.exists():
-        raise CheckpointError(f"{folder} has no config.json; is it a Hugging Face model folder?")
-    return from_hf_config(json.loads(config_file.read_text()), name=folder.name)
-
-
-def load_config(spec: str | Path) -> ModelConfig:
-    """The shapes of a model without its weights: a preset name, or a Hugging Face checkpoint
-    folder whose ``config.json`` is read.
-
-    Raises:
-        ConfigError: Neither a folder nor a preset name.
-        CheckpointError: The folder has no readable ``config.json``.
-    """
-    path = Path(spec).expanduser()
-    if path.is_dir():
-        return _folder_config(path)
-    return get_preset(str(spec))
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises its own exception type; keep the cause.
+        raise CheckpointError(
+            f"{path} cannot be loaded by tokenizers ({exc}); it may be truncated or from a newer "
+            "tokenizers version: download it again or upgrade tokenizers"
+        ) from None
 
 
 def load_model(
@@ -292,8 +414,8 @@ def load_model(
     path = Path(spec)
     if path.is_dir():
         return load_checkpoint(path, device=device, dtype=dtype)
-    if str(spec) in PRESETS or not path.exists():
+    if str(spec) in PRESETS:
         return random_model(
             get_preset(str(spec)), seed=seed, device=device, dtype=dtype or torch.float32
         )
-    raise CheckpointError(f"{spec} is not a folder; pass a checkpoint folder or a preset name")
+    raise _not_a_model(spec)

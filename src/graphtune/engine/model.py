@@ -35,8 +35,11 @@ class LayerWeights:
         w_gate_up: ``[2 * intermediate, hidden]`` fused gate and up projections (gate first);
             ``None`` in a mixture-of-experts layer.
         w_down: ``[hidden, intermediate]`` down projection; ``None`` in a mixture-of-experts layer.
-        q_norm: ``[head_dim]`` RMSNorm weight of every query head (Qwen3), else ``None``.
-        k_norm: ``[head_dim]`` RMSNorm weight of every key head (Qwen3), else ``None``.
+        q_norm: ``[head_dim]`` RMSNorm weight of every query head (Qwen3, Qwen3-MoE), else
+            ``None``.
+        k_norm: ``[head_dim]`` RMSNorm weight of every key head (Qwen3, Qwen3-MoE), else ``None``.
+        b_gate_up: ``[2 * intermediate]`` gate and up biases (``mlp_bias``), or ``None``.
+        b_down: ``[hidden]`` down-projection bias (``mlp_bias``), or ``None``.
         router: ``[experts, hidden]`` router of a mixture-of-experts layer, else ``None``.
         experts_gate_up: ``[experts, 2 * moe_intermediate, hidden]``, each expert's gate rows then
             its up rows (the layout of ``graphtune.ops.fused_moe`` and transformers'
@@ -53,6 +56,8 @@ class LayerWeights:
     w_down: torch.Tensor | None
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
+    b_gate_up: torch.Tensor | None = None
+    b_down: torch.Tensor | None = None
     router: torch.Tensor | None = None
     experts_gate_up: torch.Tensor | None = None
     experts_down: torch.Tensor | None = None
@@ -271,6 +276,9 @@ def random_model(
         if config.qk_norm:
             layer.q_norm = normal((config.dim_per_head,), 0.1, 1.0)
             layer.k_norm = normal((config.dim_per_head,), 0.1, 1.0)
+        if config.mlp_bias and not moe:
+            layer.b_gate_up = normal((2 * inter,), 0.02)
+            layer.b_down = normal((d,), 0.02)
         if moe:
             layer.router = normal((experts, d), d**-0.5)
             layer.experts_gate_up = normal((experts, 2 * expert_inter, d), d**-0.5)

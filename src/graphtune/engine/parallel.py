@@ -28,6 +28,7 @@ At ``tp=1`` nothing here runs: :func:`shard_model` is never called, the model's 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -38,7 +39,7 @@ from graphtune import env
 from graphtune.engine.collectives import BACKENDS, AllReduce, make_all_reduce
 from graphtune.engine.config import ModelConfig
 from graphtune.engine.kv_cache import KVCache
-from graphtune.engine.model import DecoderModel, LayerWeights
+from graphtune.engine.model import DecoderModel
 from graphtune.engine.step import DecodeStep
 from graphtune.errors import ConfigError
 from graphtune.ops.context import OpContext
@@ -109,6 +110,11 @@ def check_shardable(config: ModelConfig, tp: int) -> None:
             f"{config.name} is a mixture-of-experts model (num_experts={config.num_experts}); "
             "tensor parallelism of experts is not implemented: use tp=1"
         )
+    if tp > 1 and config.mlp_bias:
+        raise ConfigError(
+            f"{config.name} has MLP biases (mlp_bias), which the tensor-parallel step does not "
+            "split; run it with tp=1"
+        )
     sizes = {
         "num_heads": config.num_heads,
         "num_kv_heads": config.num_kv_heads,
@@ -174,17 +180,15 @@ def shard_model(model: DecoderModel, parallel: ParallelContext) -> DecoderModel:
     layers = []
     for layer in model.layers:
         gate, up = layer.w_gate_up.chunk(2)
+        # replace() keeps the replicated tensors (norms, Qwen3's per-head q/k norms) as they are.
         layers.append(
-            LayerWeights(
-                attn_norm=layer.attn_norm,
+            dataclasses.replace(
+                layer,
                 wqkv=qkv(layer.wqkv),
                 bqkv=None if layer.bqkv is None else qkv(layer.bqkv),
                 wo=cols(layer.wo),
-                mlp_norm=layer.mlp_norm,
                 w_gate_up=torch.cat([_rows(gate, rank, tp), _rows(up, rank, tp)]).contiguous(),
                 w_down=cols(layer.w_down),
-                q_norm=layer.q_norm,  # per-head weights: every rank's heads use the same
-                k_norm=layer.k_norm,
             )
         )
     return DecoderModel(

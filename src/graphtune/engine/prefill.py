@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from graphtune.engine.attention import PrefillAttention, PrefillBatch, PromptRun
+from graphtune.engine.model import DecoderModel
 from graphtune.engine.step import UNTUNED, DecodeStep
 from graphtune.errors import ConfigError
 
@@ -65,6 +66,14 @@ def check_max_tokens(max_tokens: Any) -> None:
             f"max_prefill_tokens must be a positive int, got {max_tokens!r}; it bounds the tokens "
             "of one prefill call (the largest prefill graph), e.g. 2048"
         )
+
+
+def default_prefill_runner(model: DecoderModel, runner: str) -> str:
+    """The prefill runner an engine with decode ``runner`` uses by default: the same, except
+    ``"eager"`` for a model with mixture-of-experts layers. Prefill runs the untuned ops, and an
+    untuned MoE layer inside a capture runs every expert on every token (the dense form, ``E / k``
+    times the work of the loop over the selected experts, which needs a host synchronisation)."""
+    return "eager" if any(layer.is_moe for layer in model.layers) else runner
 
 
 def prefill_pad_rule(scratch_slot: int) -> tuple[int, int, int, int]:

@@ -60,6 +60,23 @@ PRESETS: dict[str, ModelConfig] = {
         bos_token_id=1,
         eos_token_ids=(2,),
     ),
+    "qwen3-tiny": ModelConfig(
+        name="qwen3-tiny",
+        architecture="qwen3",
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        eos_token_ids=(2,),
+        qk_norm=True,
+    ),
     # The shape of Llama-3.2-1B: 16 layers, GQA 32/8, tied embeddings, Llama-3 RoPE scaling.
     "llama-1b-shape": ModelConfig(
         name="llama-1b-shape",
@@ -78,6 +95,26 @@ PRESETS: dict[str, ModelConfig] = {
         tie_word_embeddings=True,
         bos_token_id=128000,
         eos_token_ids=(128001, 128008, 128009),
+    ),
+    # The shape of Qwen3-1.7B: 28 layers, GQA 16/8 with head_dim 128 (q is wider than the hidden
+    # state), per-head q/k norms, tied embeddings, a 152k vocabulary.
+    "qwen3-1.7b-shape": ModelConfig(
+        name="qwen3-1.7b-shape",
+        architecture="qwen3",
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_layers=28,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=40960,
+        tie_word_embeddings=True,
+        bos_token_id=151643,
+        eos_token_ids=(151645, 151643),
+        qk_norm=True,
     ),
     # The shape of Meta-Llama-3-8B: 32 layers, GQA 32/8, untied 128256-token head.
     "llama-3-8b-shape": ModelConfig(

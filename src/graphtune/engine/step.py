@@ -6,9 +6,11 @@ attention differs between decode and prefill (:mod:`graphtune.engine.attention`)
 stages, each one tunable op of :mod:`graphtune.ops.fused` whose fallback is the unfused sequence:
 [RMSNorm + QKV + RoPE + K/V write] -> [attention] -> [O-projection + residual] -> [RMSNorm +
 gate/up + SiLU-and-mul] -> [down projection + residual]; then [final RMSNorm + LM head]. The norm
-after a residual add is the next stage's prologue. Two model features are small branches inside
-these stages: a per-head q/k RMSNorm (Qwen3, Qwen3-MoE) between the QKV projection and RoPE (the
-QKV stage then runs its single ops: ``OpContext.norm_qkv_rope(qk_norm=...)``), and a
+after a residual add is the next stage's prologue. Model features are small branches inside
+these stages, where a stage runs its single ops when its fused kernel lacks the feature: a
+per-head q/k RMSNorm (Qwen3, Qwen3-MoE) between the QKV projection and RoPE
+(``OpContext.norm_qkv_rope(qk_norm=...)``); MLP biases and activations other than SiLU
+(``OpContext.norm_gate_up_act``; the down projection's bias joins the residual); and a
 mixture-of-experts MLP (router GEMM -> ``route_top_k`` -> ``fused_moe``, then the residual add:
 :mod:`graphtune.engine.moe`) in place of the two dense MLP stages.
 
@@ -191,7 +193,18 @@ class DecodeStep:
             if layer.is_moe:
                 x, normed = add_moe_mlp(ops, x, layer, cfg, normed), None
             else:
-                act = ops.norm_gate_up_silu(x, layer.mlp_norm, eps, layer.w_gate_up, normed=normed)
+                act = ops.norm_gate_up_act(
+                    x,
+                    layer.mlp_norm,
+                    eps,
+                    layer.w_gate_up,
+                    layer.b_gate_up,
+                    cfg.hidden_act,
+                    normed=normed,
+                )
+                if layer.b_down is not None:
+                    # mlp_bias: the down projection's bias joins the residual it adds to.
+                    x.add_(layer.b_down)
                 x, normed = self.add_projection(
                     ops, act, layer.w_down, x, self.next_norms[index], 1
                 )

@@ -9,7 +9,8 @@ shape; outside tuning mode that is a cache look-up, and an untuned shape runs th
 * :func:`fused_add_rms_norm` — residual add + RMSNorm, returning ``(out, new_residual)``;
   :func:`head_rms_norm_` — per-head RMSNorm of q and k in a QKV output, in place (Qwen3).
 * :func:`rope_kv_cache` — rotary embedding of q and k and the K/V cache write, returning ``q``.
-* :func:`silu_and_mul` — SwiGLU activation on a fused gate/up tensor.
+* :func:`silu_and_mul` — SwiGLU activation on a fused gate/up tensor; :func:`gated_activation`
+  for any activation of :data:`GATED_ACTIVATIONS` (SiLU through :func:`silu_and_mul`).
 * :mod:`attention` — decode attention (SDPA backends, a matmul runner and a Triton
   flash-decoding kernel as runners).
 * :mod:`fused` — fused decode ops (norm + projection + epilogue in one kernel) whose first runner
@@ -29,11 +30,14 @@ Importing this package imports neither Triton nor the kernels.
 from graphtune.ops import attention, fused
 from graphtune.ops._triton import TritonUnavailableError, require_triton, triton_available
 from graphtune.ops.activation import (
+    GATED_ACTIVATIONS,
     TorchSiluAndMulRunner,
     TritonSiluAndMulRunner,
+    gated_activation,
     silu_and_mul,
     silu_and_mul_config,
     silu_and_mul_runners,
+    torch_gated_activation,
     torch_silu_and_mul,
 )
 from graphtune.ops.context import OpContext
@@ -87,6 +91,7 @@ from graphtune.ops.rotary import (
 )
 
 __all__ = [
+    "GATED_ACTIVATIONS",
     "OpContext",
     "OpSpec",
     "RopeRows",
@@ -111,6 +116,7 @@ __all__ = [
     "fused_moe",
     "fused_moe_config",
     "fused_moe_runners",
+    "gated_activation",
     "gemm",
     "gemm_config",
     "gemm_runners",
@@ -131,6 +137,7 @@ __all__ = [
     "silu_and_mul",
     "silu_and_mul_config",
     "silu_and_mul_runners",
+    "torch_gated_activation",
     "torch_rms_norm",
     "torch_rope_kv_cache",
     "torch_route_top_k",

@@ -4,6 +4,11 @@
 ``engine.model.swiglu``: the gate half comes first. The torch code (chunk, silu, mul: two kernels
 and an intermediate tensor) is the fallback tactic ``-1``; the Triton kernel reads the row once and
 writes ``[..., I]``, tactics ``{"block", "warps"}`` over a ``(rows, I / block)`` grid.
+
+:func:`gated_activation` is the MLP activation of any model: ``act(gate) * up`` for an activation
+of :data:`GATED_ACTIVATIONS`. SiLU goes through the tunable :func:`silu_and_mul` (the only one with
+a Triton kernel); every other activation has one implementation, its torch code, so there is
+nothing to tune and no look-up.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from graphtune.autotuner.config import DynamicTensorSpec, TuningConfig, next_pow
 from graphtune.autotuner.context import get_tuner
 from graphtune.autotuner.runner import FALLBACK_TACTIC, TunableRunner, preferred_first
 from graphtune.autotuner.tuner import AutoTuner
-from graphtune.errors import InputError
+from graphtune.errors import ConfigError, InputError
 from graphtune.ops._triton import (
     check_block_tactic,
     device_supported,
@@ -40,6 +45,47 @@ def torch_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """The unfused reference (``engine.model.swiglu``)."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def _relu_squared(x: torch.Tensor) -> torch.Tensor:
+    return torch.square(F.relu(x))
+
+
+def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(1.702 * x)
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+#: The activations a gated MLP (``act(gate) * up``) can use, by name: ``silu`` (SwiGLU), ``gelu``
+#: (erf), ``gelu_tanh`` (the tanh approximation, GeGLU as Gemma runs it), ``relu``, ``relu2``
+#: (squared ReLU) and ``quick_gelu`` (``x * sigmoid(1.702 x)``), each as transformers computes it.
+GATED_ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_tanh": _gelu_tanh,
+    "relu": F.relu,
+    "relu2": _relu_squared,
+    "quick_gelu": _quick_gelu,
+}
+
+
+def torch_gated_activation(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """``act(gate) * up`` for a fused ``[..., 2 * I]`` tensor (gate half first), in torch.
+
+    Raises:
+        ConfigError: ``activation`` is not in :data:`GATED_ACTIVATIONS`.
+    """
+    fn = GATED_ACTIVATIONS.get(activation)
+    if fn is None:
+        raise ConfigError(
+            f"gated activation {activation!r} is not implemented; use one of "
+            f"{sorted(GATED_ACTIVATIONS)}"
+        )
+    gate, up = gate_up.chunk(2, dim=-1)
+    return fn(gate) * up
 
 
 def _unpack(inputs: list[Any]) -> torch.Tensor:
@@ -170,3 +216,24 @@ def silu_and_mul(
         OP_NAME, chosen, silu_and_mul_config(max_m), inputs
     )
     return runner.forward(inputs, tactic=tactic).reshape(*shape[:-1], shape[-1] // 2)
+
+
+def gated_activation(
+    gate_up: torch.Tensor,
+    activation: str = "silu",
+    *,
+    tuner: AutoTuner | None = None,
+    max_m: int | None = None,
+) -> torch.Tensor:
+    """``act(gate) * up`` for a fused ``[..., 2 * I]`` tensor, gate half first.
+
+    ``"silu"`` runs the tunable :func:`silu_and_mul` (the tuner's pick); any other activation of
+    :data:`GATED_ACTIVATIONS` runs its torch code: it has no other implementation to pick from, so
+    the tuner is not asked (and the SiLU kernels never run for it).
+
+    Raises:
+        ConfigError: ``activation`` is not in :data:`GATED_ACTIVATIONS`.
+    """
+    if activation == "silu":
+        return silu_and_mul(gate_up, tuner=tuner, max_m=max_m)
+    return torch_gated_activation(gate_up, activation)

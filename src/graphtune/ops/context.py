@@ -38,7 +38,7 @@ from graphtune.autotuner.tuner import AutoTuner
 from graphtune.errors import ConfigError
 from graphtune.ops import attention as attention_op
 from graphtune.ops import fused as fused_ops
-from graphtune.ops.activation import silu_and_mul, torch_silu_and_mul
+from graphtune.ops.activation import silu_and_mul, torch_gated_activation, torch_silu_and_mul
 from graphtune.ops.gemm import gemm, torch_gemm
 from graphtune.ops.moe.op import fused_moe
 from graphtune.ops.moe.reference import torch_fused_moe
@@ -193,6 +193,13 @@ class OpContext:
             return torch_silu_and_mul(gate_up)
         return silu_and_mul(gate_up, tuner=self.tuner, max_m=self.max_batch_size)
 
+    def gated_activation(self, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+        """``act(gate) * up`` (:func:`graphtune.ops.activation.gated_activation`): SiLU through
+        :meth:`silu_and_mul`, any other activation its torch code (nothing to pick from)."""
+        if activation == "silu":
+            return self.silu_and_mul(gate_up)
+        return torch_gated_activation(gate_up, activation)
+
     def decode_attention(
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
     ) -> torch.Tensor:
@@ -336,6 +343,26 @@ class OpContext:
             )
         h = normed if normed is not None else self.rms_norm(x, norm_weight, eps)
         return self.silu_and_mul(self.gemm(h, w_gate_up))
+
+    def norm_gate_up_act(
+        self,
+        x: torch.Tensor,
+        norm_weight: torch.Tensor,
+        eps: float,
+        w_gate_up: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        activation: str = "silu",
+        *,
+        normed: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """RMSNorm + gate/up projection (+ ``bias``) + the gated ``activation``: the stage of any
+        model's MLP. SiLU without a bias is :meth:`norm_gate_up_silu` (fused when tuned); a bias
+        or another activation runs the single ops (:meth:`gated_activation`), which the fused
+        kernels do not implement."""
+        if bias is None and activation == "silu":
+            return self.norm_gate_up_silu(x, norm_weight, eps, w_gate_up, normed=normed)
+        h = normed if normed is not None else self.rms_norm(x, norm_weight, eps)
+        return self.gated_activation(self.gemm(h, w_gate_up, bias), activation)
 
     def norm_linear(
         self,

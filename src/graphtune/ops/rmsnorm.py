@@ -246,7 +246,7 @@ def head_rms_norm_(qkv: torch.Tensor, weights: torch.Tensor, eps: float) -> torc
     heads; ``weights`` is ``[H + KV, D]`` (:func:`head_norm_weights`). Every query and key head is
     normalised over its ``D`` features with float32 statistics, rounded to the dtype and then
     multiplied by its weight row in the dtype: the order of transformers' ``Qwen3RMSNorm``. The
-    query and key heads are adjacent, so this is two kernels (the norm, the scaled write back)
+    query and key heads are adjacent, so this is two torch ops (the norm, the scaled write back)
     and no host synchronisation.
 
     Returns:

@@ -1,0 +1,133 @@
+"""What every command shares: the parser class, argument types, device flags, output paths.
+
+Building the parser imports no torch (``graphtune --help`` stays fast): devices and dtypes are
+checked by spelling here and against the running torch by the command that uses them.
+
+Conventions (every command): each flag has help text and its default shown; a usage error is
+one ``error:`` line on stderr and exit code 2; a failure is one ``error:`` line and exit 1
+(:mod:`graphtune.cli.main`); Ctrl-C stops with one line and exit 130.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, NoReturn
+
+from graphtune.errors import ConfigError
+
+#: Exit codes: done, a failure (a model that cannot load, a file that cannot be written, ...), a
+#: usage error (argparse), interrupted by Ctrl-C (128 + SIGINT, as shells report it).
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+#: ``--dtype`` values: ``auto`` is bfloat16 on CUDA and float32 elsewhere.
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+_DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends ``(default: X)`` to a flag's help unless the help already says its default; a
+    switch (``store_true``) is off by default and says nothing."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.nargs == 0 or action.default is None:
+            return text
+        return super()._get_help_string(action) or text
+
+
+class Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose help shows every default and whose usage errors are one line.
+
+    Subcommand parsers made with ``add_subparsers().add_parser`` are of this class too.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        """Prints ``error: <message>`` and where to read the usage; exits with 2."""
+        print(f"error: {message} (see '{self.prog} --help')", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+
+
+def positive_int(text: str) -> int:
+    """``argparse`` type: an integer >= 1."""
+    return _int_at_least(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    """``argparse`` type: an integer >= 0."""
+    return _int_at_least(text, 0)
+
+
+def _int_at_least(text: str, low: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+    return value
+
+
+def device_name(text: str) -> str:
+    """``argparse`` type: ``auto``, ``cpu``, ``cuda`` or ``cuda:N`` (availability is checked by
+    :func:`graphtune.engine.devices.resolve_device` when the command runs)."""
+    if not _DEVICE.match(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device; use auto, cpu, cuda or cuda:N")
+    return text
+
+
+def add_device_arguments(parser: argparse.ArgumentParser, *, dtype: bool = True) -> None:
+    """Adds ``--device`` (and ``--dtype``)."""
+    parser.add_argument(
+        "--device",
+        type=device_name,
+        default="auto",
+        help="auto (cuda when available, else cpu), cpu, cuda or cuda:N",
+    )
+    if dtype:
+        parser.add_argument(
+            "--dtype",
+            choices=DTYPES,
+            default="auto",
+            help="weight and activation dtype (auto: bfloat16 on CUDA, float32 on CPU)",
+        )
+
+
+def usage(parser: argparse.ArgumentParser) -> int:
+    """Handler of a bare command group (``graphtune bench``): its help, exit 0, as bare
+    ``graphtune`` does."""
+    parser.print_help()
+    return EXIT_OK
+
+
+def check_output_path(path: Path | None, flag: str) -> None:
+    """Checks before any work that ``path`` can be written (``None`` and ``-`` pass), by creating
+    and removing a temporary file next to it (permission bits do not tell for root or for
+    read-only file systems).
+
+    Raises:
+        ConfigError: The folder is missing or not writable, or ``path`` is a folder; the message
+            names ``flag`` and the reason.
+    """
+    if path is None or str(path) == "-":
+        return
+    folder = path.parent
+    if path.is_dir():
+        raise ConfigError(f"{flag} {path} is a folder; give a file name")
+    if not folder.is_dir():
+        raise ConfigError(f"{flag} {path}: the folder {folder} does not exist; create it first")
+    try:
+        tempfile.NamedTemporaryFile(dir=folder, prefix=".graphtune-check-").close()
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise ConfigError(
+            f"{flag} {path}: cannot write to the folder {folder} ({reason}); pass a writable path"
+        ) from None

@@ -1,0 +1,337 @@
+"""Every field of a supported transformers config: read, ignored, or refused with its value.
+
+A Hugging Face ``config.json`` field either changes what the model computes or it does not. The
+rule (checked field by field against transformers' own config classes in
+``tests/cpu/test_engine_hf_fields.py``): a field that changes the math is read into
+:class:`~graphtune.engine.config.ModelConfig` (:data:`HANDLED_FIELDS`, each covered by a test
+against transformers' model), or, for values the engine does not implement, refused with a
+one-line :class:`~graphtune.errors.ConfigError` naming the field and its value
+(:func:`refuse_unimplemented`); a field that does not change the math is listed in
+:data:`IGNORED_FIELDS` with the reason. Fields transformers' class does not define are ignored by
+transformers' model too, so they are ignored here (logged), except :data:`REFUSED_EXTRAS`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from graphtune.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+#: transformers' ``hidden_act`` names the engine implements, and the gated activation each is
+#: (:data:`graphtune.ops.activation.GATED_ACTIVATIONS`). ``gelu_new``, ``gelu_fast`` and
+#: ``gelu_python_tanh`` are formulas of the tanh approximation, as ``gelu_pytorch_tanh`` is.
+HF_ACTIVATIONS = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu": "gelu",
+    "gelu_python": "gelu",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_new": "gelu_tanh",
+    "gelu_fast": "gelu_tanh",
+    "gelu_python_tanh": "gelu_tanh",
+    "relu": "relu",
+    "relu2": "relu2",
+    "quick_gelu": "quick_gelu",
+}
+
+#: transformers' RoPE theta when ``config.json`` gives none, where it is not 10000 (the config
+#: class's ``default_theta``).
+HF_ROPE_THETA = {"mixtral": 1000000.0}
+
+#: Fields that do not change what the model computes for a request, and why.
+IGNORED_FIELDS = {
+    "_name_or_path": "a label",
+    "transformers_version": "a label",
+    "use_cache": "the engine always decodes with a KV cache (the math is the same)",
+    "output_attentions": "what transformers returns besides the logits",
+    "output_hidden_states": "what transformers returns besides the logits",
+    "return_dict": "what transformers returns besides the logits",
+    "dtype": "the weight dtype is chosen when loading (load_model(dtype=...), --dtype)",
+    "torch_dtype": "the weight dtype is chosen when loading (load_model(dtype=...), --dtype)",
+    "initializer_range": "random initialisation only; loaded weights replace it",
+    "attention_dropout": "dropout is off at inference",
+    "pad_token_id": "padding tokens are not part of an unpadded request",
+    "chunk_size_feed_forward": "these decoders do not chunk their MLP in transformers either",
+    "is_encoder_decoder": "the causal-LM classes do not read it",
+    "id2label": "sequence-classification heads only",
+    "label2id": "sequence-classification heads only",
+    "problem_type": "sequence-classification heads only",
+    "pretraining_tp": "transformers' Llama no longer reads it (sliced projections sum the same)",
+    "bos_token_id": "kept as ModelConfig.bos_token_id; the tokenizer adds BOS, not the model",
+    "router_aux_loss_coef": "weight of the experts' load-balancing loss (training)",
+    "router_jitter_noise": "Mixtral multiplies the router input by jitter only in training",
+    "output_router_logits": "what transformers returns besides the logits",
+}
+
+_COMMON = {
+    "architectures": "ModelConfig.architecture",
+    "model_type": "ModelConfig.architecture (when architectures is absent)",
+    "vocab_size": "ModelConfig.vocab_size",
+    "hidden_size": "ModelConfig.hidden_size",
+    "intermediate_size": "ModelConfig.intermediate_size",
+    "num_hidden_layers": "ModelConfig.num_layers",
+    "num_attention_heads": "ModelConfig.num_heads",
+    "num_key_value_heads": "ModelConfig.num_kv_heads",
+    "head_dim": "ModelConfig.head_dim",
+    "hidden_act": "ModelConfig.hidden_act (names in HF_ACTIVATIONS; others refused)",
+    "rms_norm_eps": "ModelConfig.rms_norm_eps",
+    "rope_parameters": "ModelConfig.rope_theta and rope_scaling (default, linear, llama3)",
+    "max_position_embeddings": "ModelConfig.max_position_embeddings (the longest request)",
+    "tie_word_embeddings": "ModelConfig.tie_word_embeddings",
+    "eos_token_id": "ModelConfig.eos_token_ids (generation_config.json's win, as in transformers)",
+}
+_QWEN_WINDOWS = {
+    "use_sliding_window": "sliding layers refused (see layer_types)",
+    "sliding_window": "sliding layers refused (see layer_types)",
+    "max_window_layers": "sliding layers refused (see layer_types)",
+    "layer_types": "full attention in every layer; sliding layers refused",
+}
+
+#: Per architecture, the fields read into ModelConfig and what each becomes.
+HANDLED_FIELDS: dict[str, dict[str, str]] = {
+    "llama": {
+        **_COMMON,
+        "mlp_bias": "ModelConfig.mlp_bias (biases on gate, up and down)",
+        "attention_bias": "false; true (biases on q/k/v/o) refused",
+    },
+    "qwen2": {**_COMMON, **_QWEN_WINDOWS},
+    "mistral": {**_COMMON, "sliding_window": "ModelConfig.sliding_window"},
+    "qwen3": {
+        **_COMMON,
+        **_QWEN_WINDOWS,
+        "attention_bias": "false; true (biases on q/k/v/o) refused",
+    },
+    "qwen3_moe": {
+        **_COMMON,
+        "attention_bias": "false; true (biases on q/k/v/o) refused",
+        "use_sliding_window": "false; true (sliding-window layers) refused",
+        "sliding_window": "unused: use_sliding_window is refused",
+        "num_experts": "ModelConfig.num_experts",
+        "num_local_experts": "ModelConfig.num_experts (transformers 5's name for it)",
+        "num_experts_per_tok": "ModelConfig.num_experts_per_tok",
+        "moe_intermediate_size": "ModelConfig.moe_intermediate_size",
+        "norm_topk_prob": "ModelConfig.norm_topk_prob",
+        "decoder_sparse_step": "ModelConfig.decoder_sparse_step",
+        "mlp_only_layers": "ModelConfig.mlp_only_layers",
+    },
+    "mixtral": {
+        **_COMMON,
+        "intermediate_size": "ModelConfig.moe_intermediate_size (the experts' width)",
+        "sliding_window": "ModelConfig.sliding_window",
+        "num_local_experts": "ModelConfig.num_experts",
+        "num_experts_per_tok": "ModelConfig.num_experts_per_tok",
+    },
+}
+
+#: transformers' defaults of the fields read, per architecture (the class's value when
+#: ``config.json`` leaves a field out). ``head_dim`` ``None``: ``hidden_size // heads``.
+HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {
+        "head_dim": None,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 2048,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "attention_bias": False,
+        "mlp_bias": False,
+    },
+    "qwen2": {
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": False,
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "use_sliding_window": False,
+        "sliding_window": 4096,
+        "max_window_layers": 28,
+    },
+    "mistral": {
+        "head_dim": None,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 131072,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "sliding_window": 4096,
+    },
+    "qwen3": {
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": False,
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "attention_bias": False,
+        "use_sliding_window": False,
+        "sliding_window": 4096,
+        "max_window_layers": 28,
+    },
+    "qwen3_moe": {
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": False,
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "attention_bias": False,
+        "use_sliding_window": False,
+        "sliding_window": 4096,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 768,
+        "norm_topk_prob": False,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": None,
+    },
+    "mixtral": {
+        "head_dim": None,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 131072,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "sliding_window": None,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+    },
+}
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A rule for values of one field the engine does not implement.
+
+    Attributes:
+        allowed: Whether a value (the field's value after defaults, given the whole config) is
+            implemented.
+        why: What the refused values would need, for the message.
+    """
+
+    allowed: Callable[[Any, Mapping[str, Any]], bool]
+    why: str
+
+
+def sliding_layers(cfg: Mapping[str, Any]) -> list[int]:
+    """Layers of a Qwen2/Qwen3 config that attend through a sliding window, as transformers
+    decides: ``use_sliding_window`` with a window, and ``layer_types`` (or, without it, every
+    layer from ``max_window_layers`` on) marking the layer ``sliding_attention``."""
+    if not cfg.get("use_sliding_window") or cfg.get("sliding_window") is None:
+        return []
+    types = cfg.get("layer_types")
+    layers = int(cfg.get("num_hidden_layers", 0))
+    if types is None:
+        start = int(cfg.get("max_window_layers", 0))
+        return list(range(start, layers))
+    return [i for i, kind in enumerate(types) if kind == "sliding_attention"]
+
+
+_NO_BIAS = Refusal(lambda value, cfg: not value, "biases on the q, k, v and o projections")
+_NO_SLIDING = Refusal(
+    lambda value, cfg: not sliding_layers(cfg),
+    "sliding-window layers (with use_sliding_window, from max_window_layers or layer_types)",
+)
+_ACTIVATION = Refusal(
+    lambda value, cfg: value in HF_ACTIVATIONS,
+    f"an activation other than {sorted(HF_ACTIVATIONS)}",
+)
+_EXPERT_ACTIVATION = Refusal(
+    lambda value, cfg: HF_ACTIVATIONS.get(value) == "silu",
+    "experts with an activation other than SiLU (the MoE kernels are SwiGLU)",
+)
+_NO_QWEN3_MOE_WINDOW = Refusal(lambda value, cfg: not value, "Qwen3-MoE's sliding-window layers")
+_LAYER_KINDS = Refusal(
+    # A "sliding_attention" layer attends fully unless use_sliding_window is on (that rule).
+    lambda value, cfg: all(kind in ("full_attention", "sliding_attention") for kind in value or ()),
+    "a layer type other than full_attention and sliding_attention",
+)
+
+#: Per architecture, the fields with values the engine refuses.
+REFUSALS: dict[str, dict[str, Refusal]] = {
+    "llama": {"hidden_act": _ACTIVATION, "attention_bias": _NO_BIAS},
+    "qwen2": {
+        "hidden_act": _ACTIVATION,
+        "use_sliding_window": _NO_SLIDING,
+        "layer_types": _LAYER_KINDS,
+    },
+    "mistral": {"hidden_act": _ACTIVATION},
+    "qwen3": {
+        "hidden_act": _ACTIVATION,
+        "attention_bias": _NO_BIAS,
+        "use_sliding_window": _NO_SLIDING,
+        "layer_types": _LAYER_KINDS,
+    },
+    "qwen3_moe": {
+        "hidden_act": _EXPERT_ACTIVATION,
+        "attention_bias": _NO_BIAS,
+        "use_sliding_window": _NO_QWEN3_MOE_WINDOW,
+    },
+    "mixtral": {"hidden_act": _EXPERT_ACTIVATION},
+}
+
+#: Fields outside transformers' config classes that change how weights are read, refused.
+REFUSED_EXTRAS = {
+    "quantization_config": "quantized weights (load a bf16/fp16/fp32 checkpoint)",
+    "shared_expert_intermediate_size": "shared experts (Qwen2-MoE's), beside the routed ones",
+}
+
+
+def with_defaults(arch: str, cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """``cfg`` with transformers' default for every field of :data:`HF_DEFAULTS` it leaves out
+    (an explicit ``null`` stays ``None``)."""
+    return {**HF_DEFAULTS[arch], **cfg}
+
+
+def refuse_unimplemented(arch: str, cfg: Mapping[str, Any], source: str = "config.json") -> None:
+    """Raises for the first field of ``cfg`` whose value the engine does not implement; logs
+    the fields it does not know (transformers' model does not read them either).
+
+    Args:
+        arch: A ``ModelConfig.architecture`` (a key of :data:`HANDLED_FIELDS`).
+        cfg: The parsed config, with defaults (:func:`with_defaults`).
+        source: Where ``cfg`` came from, for the message.
+
+    Raises:
+        ConfigError: One line naming the field, its value and what it would need.
+    """
+    for field, why in REFUSED_EXTRAS.items():
+        if cfg.get(field) is not None:
+            raise ConfigError(
+                f"{source}: {field} is set ({_short(cfg[field])}); graphtune's engine does not "
+                f"implement {why}"
+            )
+    for field, rule in REFUSALS[arch].items():
+        value = cfg.get(field)
+        if not rule.allowed(value, cfg):
+            raise ConfigError(
+                f"{source}: {field}={_short(value)} is not implemented by graphtune's {arch} "
+                f"engine ({rule.why}); use a checkpoint without it"
+            )
+    known = set(HANDLED_FIELDS[arch]) | set(IGNORED_FIELDS) | set(REFUSED_EXTRAS)
+    unknown = sorted(set(cfg) - known - _LEGACY_FIELDS)
+    if unknown:
+        logger.info(
+            "%s: fields transformers' %s config class does not define, ignored as transformers "
+            "ignores them: %s",
+            source,
+            arch,
+            ", ".join(unknown),
+        )
+
+
+#: Older spellings that transformers still maps onto ``rope_parameters``.
+_LEGACY_FIELDS = {"rope_theta", "rope_scaling"}
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

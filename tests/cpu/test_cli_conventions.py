@@ -1,0 +1,151 @@
+"""CLI conventions: help text and defaults on every flag, a fast ``--help`` that imports no
+torch, progress per phase and batch size, results kept when the JSON cannot be written."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from graphtune.cli.main import build_parser, main
+
+ROOT = Path(__file__).resolve().parents[2]
+# The command as a user runs it: other test modules switch on Triton's interpreter in this
+# process, which would make CPU tuning time interpreted Triton tactics for minutes.
+ENV = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+ENV.update(PYTHONPATH=str(ROOT / "src"), GRAPHTUNE_NO_PROGRESS="1")
+
+
+def _parsers(parser: argparse.ArgumentParser, name: str = "graphtune"):
+    yield name, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub_name, sub in action.choices.items():
+                yield from _parsers(sub, f"{name} {sub_name}")
+
+
+def test_every_flag_has_help_and_shows_its_default():
+    for name, parser in _parsers(build_parser()):
+        assert parser.description, f"`{name}` has no description"
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            if not action.option_strings or action.help == argparse.SUPPRESS:
+                continue
+            flag = action.option_strings[-1]
+            assert action.help, f"`{name} {flag}` has no help text"
+            if action.nargs == 0:  # a switch: off unless given
+                continue
+            shown = formatter._get_help_string(action) % {"default": action.default}
+            said = "default" in shown or (action.required and "required" in shown)
+            assert said, f"`{name} {flag}` does not show its default: {shown!r}"
+
+
+def test_help_is_fast_and_imports_no_torch():
+    probe = (
+        "import sys, time; t = time.perf_counter(); from graphtune.cli.main import build_parser;"
+        " build_parser().format_help(); print('torch' in sys.modules, time.perf_counter() - t)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, env=ENV, check=True
+    ).stdout.split()
+    assert out[0] == "False", "building the parser imported torch"
+    started = time.perf_counter()
+    result = subprocess.run(
+        [sys.executable, "-m", "graphtune", "--help"], capture_output=True, text=True, env=ENV
+    )
+    elapsed = time.perf_counter() - started
+    assert result.returncode == 0 and "bench" in result.stdout
+    assert elapsed < 2.0, f"graphtune --help took {elapsed:.2f} s"
+
+
+@contextmanager
+def _recording_progress(calls, description, total, *, enabled=None):
+    labels = [description]
+
+    class Task:
+        def advance(self, label=None):
+            labels.append(label)
+
+    calls.append((total, labels))
+    yield Task()
+
+
+def test_bench_decode_reports_progress_per_phase_and_batch_size(monkeypatch, capsys):
+    import graphtune.bench.decode as decode
+
+    calls: list = []
+    monkeypatch.setattr(decode, "progress", lambda *a, **k: _recording_progress(calls, *a, **k))
+    args = [
+        "bench",
+        "decode",
+        "--model",
+        "tiny",
+        "--device",
+        "cpu",
+        "--batch-sizes",
+        "1,4",
+        "--steps",
+        "1",
+        "--repeats",
+        "1",
+        "--context",
+        "8",
+        "--runner",
+        "eager",
+    ]
+    assert main(args) == 0
+    ((total, labels),) = calls
+    assert total == 2 and labels[0] == "eager step, batch 1"
+    assert labels[1] == "eager step, batch 4" and len(labels) == total + 1
+
+
+def test_bench_results_survive_an_unwritable_json(monkeypatch, tmp_path, capsys):
+    import graphtune.bench.results as results
+
+    def fail(path, text):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(results, "_write_atomically", fail)
+    args = [
+        "bench",
+        "decode",
+        "--model",
+        "tiny",
+        "--device",
+        "cpu",
+        "--batch-sizes",
+        "1",
+        "--steps",
+        "1",
+        "--repeats",
+        "1",
+        "--context",
+        "8",
+        "--json",
+        str(tmp_path / "r.json"),
+    ]
+    assert main(args) == 1
+    captured = capsys.readouterr()
+    out = captured.out
+    assert captured.err.count("error:") == 1 and "printed above" in captured.err
+    assert "eager ms" in out
+    data = json.loads(out[out.index("{") :])
+    assert data["results"][0]["eager_ms"] > 0
+
+
+def test_nested_progress_bars_share_one_display():
+    from graphtune import reporting
+
+    with reporting.progress("outer", 2, enabled=True) as outer:
+        with reporting.progress("inner", 3, enabled=True) as inner:
+            inner.advance()
+            assert reporting._active is not None
+            assert len(reporting._active.tasks) == 2
+        outer.advance("next")
+        assert len(reporting._active.tasks) == 1
+    assert reporting._active is None

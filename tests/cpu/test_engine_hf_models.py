@@ -1,0 +1,88 @@
+"""Model features checked against transformers: Qwen3, MLP biases, activations, generation EOS.
+
+Each test builds a random tiny checkpoint with transformers, saves it, loads it with graphtune
+and compares logits (prefill and decode, float32) and, where it matters, greedy tokens.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_engine_hf import build_hf, compare
+
+from graphtune.engine import Engine, load_checkpoint, load_model
+from graphtune.engine.hf_fields import HF_ACTIVATIONS
+
+transformers = pytest.importorskip("transformers")
+
+
+def test_qwen3_matches_hf(tmp_path):
+    # head_dim 32 with hidden 64 / 4 heads: q is wider than the hidden state, as in Qwen3.
+    hf, folder = build_hf("qwen3", tmp_path, head_dim=32, tie_word_embeddings=True)
+    model = load_checkpoint(folder)
+    assert model.config.qk_norm and model.config.dim_per_head == 32
+    assert model.layers[0].q_norm is not None and model.layers[0].bqkv is None
+    compare(hf, folder, prompt_len=9, decode_steps=5)
+
+
+def test_qwen3_default_head_dim_is_transformers_default(tmp_path):
+    # Qwen3Config's head_dim default is 128, not hidden_size // heads.
+    hf, folder = build_hf("qwen3", tmp_path, head_dim=128)
+    doc = json.loads((folder / "config.json").read_text())
+    doc.pop("head_dim")
+    (folder / "config.json").write_text(json.dumps(doc))
+    assert load_checkpoint(folder).config.dim_per_head == 128
+    compare(hf, folder, prompt_len=5, decode_steps=2)
+
+
+def test_llama_mlp_bias_matches_hf(tmp_path):
+    hf, folder = build_hf("llama", tmp_path, mlp_bias=True)
+    with torch.no_grad():  # HF initialises biases to zero; make them matter
+        gen = torch.Generator().manual_seed(3)
+        for name, param in hf.named_parameters():
+            if name.endswith(".bias"):
+                param.copy_(0.5 * torch.randn(param.shape, generator=gen))
+    hf.save_pretrained(folder, safe_serialization=True)
+    model = load_checkpoint(folder)
+    assert model.config.mlp_bias and model.layers[0].b_down is not None
+    compare(hf, folder)
+
+
+@pytest.mark.parametrize("act", sorted(set(HF_ACTIVATIONS) - {"silu"}))
+def test_llama_hidden_act_matches_hf(tmp_path, act):
+    hf, folder = build_hf("llama", tmp_path, hidden_act=act)
+    assert load_checkpoint(folder).config.hidden_act == HF_ACTIVATIONS[act]
+    compare(hf, folder, prompt_len=5, decode_steps=2)
+
+
+def _hf_greedy(hf, prompt: list[int], new: int, **kwargs) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, **kwargs)
+    return out[0, len(prompt) :].tolist()
+
+
+def test_eos_from_generation_config_stops_like_transformers(tmp_path):
+    hf, folder = build_hf("llama", tmp_path)
+    prompt = [5, 17, 42, 3]
+    free = _hf_greedy(hf, prompt, 12, eos_token_id=None)
+    stop = next(t for t in free[2:] if t not in free[:2])  # a token first generated at step >= 2
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [250, stop]}))
+    hf_stopped = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    expected = _hf_greedy(hf_stopped, prompt, 12)
+    assert expected[-1] == stop and len(expected) < 12  # transformers stopped at it
+    model = load_model(folder, device="cpu", dtype=torch.float32)
+    assert model.config.eos_token_ids == (250, stop)
+    engine = Engine(model, runner="eager", max_batch_size=1, max_seq_len=32)
+    assert engine.generate([prompt], 12) == [expected]
+
+
+def test_qwen3_preset_shape_and_tiny_step_run():
+    from graphtune.engine.presets import get_preset
+
+    shape = get_preset("qwen3-1.7b-shape")
+    assert shape.qk_norm and shape.q_size == 2048 and shape.kv_size == 1024
+    engine = Engine(load_model("qwen3-tiny"), runner="eager", max_batch_size=2, max_seq_len=32)
+    outputs = engine.generate([[1, 2, 3], [4]], 4, stop_token_ids=[])
+    assert [len(o) for o in outputs] == [4, 4]

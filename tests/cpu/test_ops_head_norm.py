@@ -1,0 +1,49 @@
+"""The per-head q/k RMSNorm of Qwen3 and Qwen3-MoE (graphtune.ops.head_rms_norm_): in place on the
+QKV output, as transformers' Qwen3RMSNorm rounds, values untouched, bad shapes refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphtune.errors import InputError
+from graphtune.ops import head_norm_weights, head_rms_norm_
+
+
+def _reference(qkv: torch.Tensor, q_w, k_w, heads: int, kv_heads: int, eps: float):
+    # transformers' Qwen3RMSNorm per head: float32 statistics, rounded, then times the weight.
+    dim = q_w.shape[0]
+    out = qkv.clone()
+    for start, count, weight in ((0, heads, q_w), (heads * dim, kv_heads, k_w)):
+        part = qkv[:, start : start + count * dim].unflatten(-1, (count, dim))
+        x = part.float()
+        normed = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(qkv.dtype)
+        out[:, start : start + count * dim] = (weight * normed).flatten(1)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_head_rms_norm_normalises_q_and_k_heads_in_place(dtype):
+    gen = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim, rows = 4, 2, 16, 3
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
+    q_w = (1 + 0.1 * torch.randn(dim, generator=gen)).to(dtype)
+    k_w = (1 + 0.1 * torch.randn(dim, generator=gen)).to(dtype)
+    want = _reference(qkv, q_w, k_w, heads, kv_heads, 1e-6)
+    values = qkv[:, (heads + kv_heads) * dim :].clone()
+    weights = head_norm_weights(q_w, k_w, heads, kv_heads)
+    assert weights.shape == (heads + kv_heads, dim)
+    assert head_rms_norm_(qkv, weights, 1e-6) is qkv
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(qkv, want, rtol=tol, atol=tol)
+    assert torch.equal(qkv[:, (heads + kv_heads) * dim :], values)  # the values untouched
+
+
+def test_bad_shapes_are_refused():
+    weights = head_norm_weights(torch.ones(8), torch.ones(8), 2, 1)
+    with pytest.raises(InputError, match="head_rms_norm_ needs qkv"):
+        head_rms_norm_(torch.zeros(2, 16), weights, 1e-6)  # narrower than the 3 heads of 8
+    with pytest.raises(InputError, match="head_rms_norm_ needs qkv"):
+        head_rms_norm_(torch.zeros(32, 2).T, weights, 1e-6)  # rows not contiguous
+    with pytest.raises(InputError, match="head_norm_weights needs"):
+        head_norm_weights(torch.ones(8), torch.ones(4), 2, 1)

@@ -69,10 +69,12 @@ def time_hf(
         return
     compile_on, note = hf_compile_choice(cfg, step)
     config = hf.config
+    experts = getattr(config, "_experts_implementation", None)
     report.notes.append(
         f"transformers {transformers.__version__} on the same weight tensors: attention "
-        f"{config._attn_implementation!r}, experts "
-        f"{getattr(config, '_experts_implementation', None)!r}, StaticCache"
+        f"{config._attn_implementation!r}, "
+        + (f"experts {experts!r}, " if step.model.config.num_experts else "")
+        + "StaticCache"
     )
     if note:
         report.notes.append(note)

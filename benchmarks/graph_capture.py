@@ -15,7 +15,10 @@ engine_decode_step``: ``build_step`` over ``llama-1b-shape``, bf16, random weigh
    (``CapturePolicy(warm_each_size=True)``: one eager step at every size right before its
    capture), and both again with cuDNN's SDPA backend switched off for the process
    (``torch.backends.cuda.enable_cudnn_sdp(False)``), to see whether per-shape set-up of the
-   attention kernel is where first captures spend their time. Per size: warm-up ms, capture ms
+   attention kernel is where first captures spend their time; and ``tuned``: the step the
+   engine serves with ``tune=True`` (tuned by ``tune_step`` to batch 512 in that process first,
+   so its Triton kernels are compiled and loaded, as in an engine), captured cold, then its
+   pool against its own largest size alone and its re-capture. Per size: warm-up ms, capture ms
    (record: running the step under capture; finish: end of capture and instantiation);
 2. in this process: the 67 sizes cold, then **re-capture** after ``release()`` (default policy and
    ``warm_each_size``); the largest size alone (512, and 256) in a fresh pool; the 35 default
@@ -47,6 +50,7 @@ from pathlib import Path
 import torch
 
 from graphtune import bench
+from graphtune.autotuner import AutoTuner
 from graphtune.bench.graph_steps import (
     AttentionBreakStep,
     engine_decode_step,
@@ -54,6 +58,7 @@ from graphtune.bench.graph_steps import (
     step_inputs,
 )
 from graphtune.engine.build import build_runner
+from graphtune.engine.tuning import tune_step
 from graphtune.graphs import CapturePolicy, default_capture_sizes
 from graphtune.reporting import render_table
 
@@ -63,12 +68,13 @@ SIZES_35 = list(default_capture_sizes(256))
 MAX_SEQ_LEN, POSITION = 1056, 1024
 BREAK_BATCHES, BREAK_BATCHES_QUICK = [1, 8, 64, 256], [1, 64]
 COLD_VARIANTS = {
-    "largest": (False, True),  # (warm_each_size, cuDNN SDPA on)
-    "each": (True, True),
-    "largest-no-cudnn": (False, False),
-    "each-no-cudnn": (True, False),
+    "largest": (False, True, False),  # (warm_each_size, cuDNN SDPA on, tuned step)
+    "each": (True, True, False),
+    "largest-no-cudnn": (False, False, False),
+    "each-no-cudnn": (True, False, False),
+    "tuned": (False, True, True),
 }
-COLD_VARIANTS_QUICK = ("largest", "each-no-cudnn")
+COLD_VARIANTS_QUICK = ("largest", "largest-no-cudnn", "tuned")
 TARGET_CAPTURE_S, STRETCH_CAPTURE_S, TARGET_POOL_RATIO, TARGET_POOL_35_MIB = 1.5, 1.0, 1.15, 215.0
 TARGET_NO_BREAK_VS_HAND = 1.05
 
@@ -147,14 +153,34 @@ def first_eager_step(step) -> float:
 
 def cold_variant(name: str) -> dict:
     """This process's first capture of the 67 sizes with variant ``name`` (see the docstring)."""
-    each, cudnn = COLD_VARIANTS[name]
+    each, cudnn, tuned = COLD_VARIANTS[name]
     torch.backends.cuda.enable_cudnn_sdp(cudnn)
-    step = engine_decode_step(SIZES_67[-1], MAX_SEQ_LEN)
+    tuner = AutoTuner(show_progress=False) if tuned else None
+    step = engine_decode_step(SIZES_67[-1], MAX_SEQ_LEN, tuner=tuner)
+    extra: dict = {}
+    if tuned:
+        start = time.perf_counter()
+        report = tune_step(step)
+        extra["tune_s"] = time.perf_counter() - start
+        extra["profiles_tuned"] = report.profiles_tuned
     first = first_eager_step(step)
     policy = CapturePolicy(warm_each_size=each)
     runner, summary = capture(step, SIZES_67, f"67 sizes, cold, {name}", policy=policy)
     runner.release()
-    return {**summary, "variant": name, "first_eager_step_s": first}
+    if tuned:  # the tuned step's pool against its own largest size, and its re-capture
+        extra["largest_alone_mib"] = alone_mib(step, SIZES_67[-1])
+        runner, again = capture(step, SIZES_67, "67 sizes, tuned, re-capture")
+        runner.release()
+        extra["recapture"] = {k: again[k] for k in ("wall_s", "pool_mib", "largest_graph_mib")}
+        print(
+            f"  tuned step: tuned in {extra['tune_s']:.1f} s ({extra['profiles_tuned']} "
+            f"profiles); 67 sizes cold {summary['wall_s']:.3f} s, pool {summary['pool_mib']:.0f} "
+            f"MiB = {summary['pool_mib'] / max(extra['largest_alone_mib'], 1e-9):.2f}x the "
+            f"largest alone ({extra['largest_alone_mib']:.0f} MiB); re-capture "
+            f"{again['wall_s']:.3f} s, pool {again['pool_mib']:.0f} MiB",
+            flush=True,
+        )
+    return {**summary, **extra, "variant": name, "first_eager_step_s": first}
 
 
 def cold_variants(names) -> dict:
@@ -165,7 +191,7 @@ def cold_variants(names) -> dict:
             path = Path(folder) / f"{name}.json"
             script = str(Path(__file__).resolve())
             command = [sys.executable, script, "--cold", name, "--cold-json", str(path)]
-            done = subprocess.run(command, check=False, timeout=240)
+            done = subprocess.run(command, check=False, timeout=420)
             if done.returncode != 0 or not path.is_file():
                 results[name] = {"variant": name, "error": f"exit status {done.returncode}"}
                 continue
@@ -314,6 +340,7 @@ def main() -> int:
             TARGET_POOL_35_MIB,
             data["sizes_35"]["pool_mib"] <= TARGET_POOL_35_MIB,
         ),
+        **_tuned_targets(cold.get("tuned", {})),
         "breaks_bit_exact": _target(exact, True, exact),
         "no_break_vs_hand_max": _target(
             worst_vs_hand, TARGET_NO_BREAK_VS_HAND, worst_vs_hand <= TARGET_NO_BREAK_VS_HAND
@@ -348,6 +375,17 @@ def main() -> int:
     print(f"json: {path}")
     _print_tables(cold, data, alone_512, alone_256)
     return 0 if ok else 1
+
+
+def _tuned_targets(tuned: dict) -> dict:
+    """The capture and pool targets applied to the tuned step's cold variant (when it ran)."""
+    if "wall_s" not in tuned or not tuned.get("largest_alone_mib"):
+        return {}
+    wall, ratio = tuned["wall_s"], tuned["pool_mib"] / tuned["largest_alone_mib"]
+    return {
+        "capture_67_tuned_cold_s": _target(wall, TARGET_CAPTURE_S, wall <= TARGET_CAPTURE_S),
+        "pool_67_tuned_vs_largest": _target(ratio, TARGET_POOL_RATIO, ratio <= TARGET_POOL_RATIO),
+    }
 
 
 def _print_tables(cold, data, alone_512, alone_256):
@@ -385,7 +423,9 @@ def _print_tables(cold, data, alone_512, alone_256):
         )
     )
     rows = []
-    summaries = [(s, alone_512) for s in cold.values() if "wall_s" in s]
+    summaries = [
+        (s, s.get("largest_alone_mib") or alone_512) for s in cold.values() if "wall_s" in s
+    ]
     summaries += [
         (data["cold_67"], alone_512),
         (data["recapture_67"], alone_512),

@@ -116,6 +116,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         "untimed_picks": stats.untimed_picks,
         "candidates": candidates,
         "measurements": stats.measurements,
+        "raced_out": stats.raced_out,
         "tuning_seconds": stats.tuning_seconds,
         "phase_seconds": dict(stats.phase_seconds),
         "fallbacks": dict(stats.fallbacks),
@@ -225,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         ("binaries compiled", cold["compiled_binaries"], warm["compiled_binaries"]),
         ("profiles tuned / untimed", cold["profiles_tuned"], cold["untimed_picks"]),
         ("candidates / measurements", cold["candidates"], cold["measurements"]),
+        ("measured once (out of the race)", cold["raced_out"], None),
         ("median ms per (tactic, bucket)", cold["median_ms_per_tactic_bucket"], None),
         ("overall ms per (tactic, bucket)", cold["overall_ms_per_tactic_bucket"], None),
         *(

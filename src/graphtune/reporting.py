@@ -22,7 +22,7 @@ from graphtune import env
 class ProgressTask(Protocol):
     """What a long-running loop reports to: advance by one unit, optionally with a new label."""
 
-    def advance(self, label: str | None = None) -> None: ...
+    def advance(self, label: str | None = None, steps: int = 1) -> None: ...
 
 
 class _RichTask:
@@ -30,15 +30,15 @@ class _RichTask:
         self._progress = progress
         self._task_id = task_id
 
-    def advance(self, label: str | None = None) -> None:
+    def advance(self, label: str | None = None, steps: int = 1) -> None:
         if label is None:
-            self._progress.advance(self._task_id)
+            self._progress.advance(self._task_id, steps)
         else:
-            self._progress.update(self._task_id, advance=1, description=label)
+            self._progress.update(self._task_id, advance=steps, description=label)
 
 
 class _SilentTask:
-    def advance(self, label: str | None = None) -> None:
+    def advance(self, label: str | None = None, steps: int = 1) -> None:
         return None
 
 

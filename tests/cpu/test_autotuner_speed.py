@@ -80,7 +80,8 @@ class FakeSessionTimer:
 def test_a_session_timer_is_set_up_once_per_candidate_and_profile() -> None:
     timer = FakeSessionTimer()
     assert isinstance(timer, SessionTimer)
-    tuner = AutoTuner(timer, policy=TuningPolicy(rounds=3, remeasure_top=3), show_progress=False)
+    policy = TuningPolicy(rounds=3, remeasure_top=3, race_margin=0)
+    tuner = AutoTuner(timer, policy=policy, show_progress=False)
     with autotune(None, tuner):
         runner, tactic = tuner.choose_one("op", [Cost()], CONFIG, [torch.zeros(4, 2)])
     assert tactic == 1.0

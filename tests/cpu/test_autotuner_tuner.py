@@ -138,13 +138,43 @@ def test_never_profiles_while_capturing() -> None:
 
 
 def test_candidates_are_measured_interleaved() -> None:
-    tuner, runners, timer = make({-1: 5.0, 0: 4.0}, {0: 1.0, 1: 3.0}, rounds=3, remeasure_top=2)
+    tuner, runners, timer = make(
+        {-1: 5.0, 0: 4.0}, {0: 1.0, 1: 3.0}, rounds=3, remeasure_top=2, race_margin=0
+    )
     tuner.tuning_mode = True
     config = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0, (4,)),), warmup=0, repeat=1)
     tuner.choose_one("op", runners, config, [torch.randn(4, 2)])
     everyone = [("a", -1), ("a", 0), ("b", 0), ("b", 1)]
     assert timer.order[:12] == everyone * 3  # round-robin, not one candidate after another
     assert timer.order[12:] == [("b", 0), ("b", 1)] * 3  # the top two, re-measured interleaved
+
+
+def test_candidates_far_behind_after_the_first_round_leave_the_race() -> None:
+    # b0 (1.0) is fastest; a0 (1.10) is inside the 15% margin and races on; a-1 (1.2) and
+    # b1 (3.0) are measured once, and lose.
+    tuner, runners, timer = make({-1: 1.2, 0: 1.1}, {0: 1.0, 1: 3.0}, rounds=3, remeasure_top=0)
+    tuner.tuning_mode = True
+    config = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0, (4,)),), warmup=0, repeat=1)
+    assert tuner.choose_one("op", runners, config, [torch.randn(4, 2)]) == (runners[1], 0)
+    everyone = [("a", -1), ("a", 0), ("b", 0), ("b", 1)]
+    assert timer.order == everyone + [("a", 0), ("b", 0)] * 2
+    assert tuner.stats.raced_out == 2 and tuner.stats.measurements == 8
+    record = tuner.history[-1]
+    assert [c.samples for c in record.candidates] == [1, 3, 3, 1]  # the losers keep their time
+
+
+def test_racing_can_be_turned_off_and_is_validated() -> None:
+    tuner, runners, timer = make(
+        {-1: 1.2, 0: 1.1}, {0: 1.0, 1: 3.0}, rounds=3, remeasure_top=0, race_margin=0
+    )
+    tuner.tuning_mode = True
+    config = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0, (4,)),), warmup=0, repeat=1)
+    tuner.choose_one("op", runners, config, [torch.randn(4, 2)])
+    assert tuner.stats.raced_out == 0 and tuner.stats.measurements == 12
+    with pytest.raises(ConfigError, match="race_margin"):
+        TuningPolicy(race_margin=0.01)  # below the 5% noise cap: a dropped one could have tied
+    with pytest.raises(ConfigError, match="race_margin"):
+        TuningPolicy(race_margin=float("inf"))
 
 
 def test_failing_tactics_are_data(caplog) -> None:

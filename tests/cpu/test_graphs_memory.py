@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from graphtune.errors import ConfigError
 from graphtune.graphs import CapturePolicy, CUDAGraphRunner, SimulatedGraphBackend
 from graphtune.graphs.memory import Disowner
 
@@ -168,3 +169,23 @@ def test_lazy_capture_records_each_sizes_own_warmup():
     runner(torch.randn(3, HIDDEN))
     runner(torch.randn(7, HIDDEN))
     assert all(r.warmup_seconds > 0 for r in runner.stats.records)
+
+
+def test_pool_slack_is_held_during_the_first_capture_into_a_fresh_pool_only():
+    backend = SimulatedGraphBackend()
+    runner, _ = make(backend=backend)  # sizes 1, 2, 4, 8: largest first, one pool
+    assert backend.slack_requests == [CapturePolicy().pool_slack_bytes] == [20 << 20]
+    runner.release()
+    runner.capture(torch.zeros(8, HIDDEN))  # a new pool after release: slack once more
+    assert backend.slack_requests == [20 << 20] * 2
+    single = SimulatedGraphBackend()
+    make(backend=single, capture_sizes=[8])  # one size: nothing drifts, nothing held
+    off = SimulatedGraphBackend()
+    make(backend=off, policy=CapturePolicy(pool_slack_bytes=0))
+    assert single.slack_requests == [] and off.slack_requests == []
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "20MiB"])
+def test_pool_slack_must_be_a_byte_count(bad):
+    with pytest.raises(ConfigError, match="pool_slack_bytes"):
+        CapturePolicy(pool_slack_bytes=bad)

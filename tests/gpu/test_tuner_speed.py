@@ -55,9 +55,7 @@ def test_gemm_tuning_reuses_sessions_and_compiles_each_binary_once() -> None:
     assert stats.phase_seconds["measure"] < stats.tuning_seconds
     tiled = runners[1]
     assert tiled.compiled > 0 and tiled.compile_shared > 0  # ...and shared binaries
-    # Per (tactic, bucket) cost, compile excluded (it ran up front): far below the old 21.7 ms.
-    costs = sorted(1e3 * r.seconds / len(r.candidates) for r in tuner.history)
-    assert costs[len(costs) // 2] < 20.0, costs
+    # The cost per (tactic, bucket) is a speed target: benchmarks/tuning_time.py measures it.
 
 
 def test_every_decode_op_tactic_matches_the_fallback_on_the_gpu() -> None:

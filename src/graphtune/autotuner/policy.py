@@ -6,6 +6,7 @@ parameterise is :mod:`graphtune.autotuner.selection`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +24,13 @@ class TuningPolicy:
     """Measurement and tie knobs of an :class:`~graphtune.autotuner.AutoTuner`.
 
     Attributes:
-        rounds: Interleaved measurement rounds over all candidates (and again over the top few).
+        rounds: Interleaved measurement rounds (and again over the top few). The first round
+            measures every candidate; the later ones only those still racing (``race_margin``).
+        race_margin: After the first round, candidates slower than the fastest by more than this
+            fraction (0.15 = 15%) are not measured again; they keep their one sample and lose.
+            Kept above ``max_tie_tolerance`` so that a candidate left out could never have been
+            tied; 0 turns racing off. Not applied by collective distributed strategies, whose
+            ranks must all measure the same candidates.
         remeasure_top: How many of the fastest candidates are measured again (0 turns it off).
         tie_tolerance: Relative gap below which a difference never matters (0.005 = 0.5%): the
             floor of the tie threshold. Ties go to the lowest (runner index, tactic index).
@@ -48,6 +55,7 @@ class TuningPolicy:
     """
 
     rounds: int = 3
+    race_margin: float = 0.15
     remeasure_top: int = 3
     tie_tolerance: float = 0.005
     noise_z: float = 2.0
@@ -64,6 +72,17 @@ class TuningPolicy:
         _count("input_sets", self.input_sets, 1, " (1 times every candidate on one input set)")
         _count("session_bytes", self.session_bytes, 0, " (0 captures again for every measurement)")
         _ = self.tie_rule  # validates the tie knobs (TieRule names them)
+        margin = self.race_margin
+        if (
+            isinstance(margin, bool)
+            or not isinstance(margin, int | float)
+            or not (margin == 0 or self.max_tie_tolerance <= margin < math.inf)
+        ):
+            raise ConfigError(
+                f"TuningPolicy(race_margin={margin!r}): must be 0 (racing off) or a finite "
+                f"number >= max_tie_tolerance ({self.max_tie_tolerance}), e.g. 0.15 for 15%, so "
+                "that a candidate dropped from the race could never have been tied."
+            )
 
     @property
     def tie_rule(self) -> TieRule:

@@ -4,7 +4,10 @@ The tuner owns the timer, the executor and the failure handling; this module own
 given a ``measure(candidate)`` callback that appends one sample (or marks the candidate failed):
 
 1. :func:`interleave`: ``rounds`` round-robin rounds over every candidate, so a slow drift of
-   clocks or temperature hits every candidate alike;
+   clocks or temperature hits every candidate alike; after the first round, :func:`race` keeps
+   only the candidates within ``race_margin`` of the fastest for the later rounds (a candidate
+   far behind after one sample cannot win, and each of its later samples costs as much as one of
+   a contender's);
 2. :func:`remeasure_top`: the ``top`` fastest again, round-robin, for ``rounds`` rounds;
 3. :func:`settle`: the fastest and the undecided candidates (see
    :mod:`graphtune.autotuner.selection`) again, round-robin, until none is undecided.
@@ -67,6 +70,20 @@ def interleave(
             if cand.failed is None:
                 measure(cand)
             after_each()
+
+
+def race(candidates: list[Candidate], margin: float) -> list[Candidate]:
+    """The working, timed candidates whose score is at most ``(1 + margin)`` times the fastest
+    score, in their given order (every working one when ``margin`` is 0 or none was timed).
+
+    A candidate left out keeps its samples: the pick rule still sees it, and with ``margin``
+    above the noise band's cap it can be neither tied with the fastest nor undecided.
+    """
+    alive = [c for c in candidates if c.failed is None and c.samples]
+    if margin <= 0 or not alive:
+        return [c for c in candidates if c.failed is None]
+    best = min(c.score for c in alive)
+    return [c for c in alive if c.score <= best * (1.0 + margin)]
 
 
 def remeasure_top(candidates: list[Candidate], measure: Measure, top: int, rounds: int) -> None:

@@ -24,6 +24,8 @@ class TunerStats:
         tactics_timed: (runner, tactic) candidates timed successfully, summed over profiles.
         measurements: Timer calls made.
         extra_rounds: Adaptive rounds run to decide candidates inside the noise band.
+        raced_out: Candidates measured once only, being too far behind the fastest after the
+            first round (``TuningPolicy.race_margin``), summed over profiles.
         tactic_failures: Failed candidates by reason: an exception type name, or ``timeout``,
             ``crash``, ``context corrupted``, ``invalid time`` (NaN, inf or <= 0 from the timer).
         tactics_blocked: Candidates skipped because the blocklist names them.
@@ -45,6 +47,7 @@ class TunerStats:
     tactics_timed: int = 0
     measurements: int = 0
     extra_rounds: int = 0
+    raced_out: int = 0
     tactic_failures: dict[str, int] = field(default_factory=dict)
     tactics_blocked: int = 0
     workers_started: int = 0

@@ -51,6 +51,7 @@ from graphtune.autotuner.runner import FALLBACK_TACTIC, TunableRunner
 from graphtune.autotuner.schedule import (
     Candidate,
     interleave,
+    race,
     record,
     remeasure_top,
     select,
@@ -406,7 +407,14 @@ class TuningRun:
             self._measure(cand, repeat, label)
 
         policy = self.policy
-        interleave(candidates, measure, policy.rounds, lambda: bar.advance(label))
+        advance = lambda: bar.advance(label)  # noqa: E731 - one progress step per candidate
+        interleave(candidates, measure, 1, advance)
+        # Collective strategies need every rank to measure the same candidates: no racing.
+        racing = race(candidates, policy.race_margin if adaptive else 0.0)
+        self.stats.raced_out += sum(1 for c in candidates if c.failed is None) - len(racing)
+        for _ in range(policy.rounds - 1):
+            interleave(racing, measure, 1, advance)
+            bar.advance(label, len(candidates) - len(racing))
         remeasure_top(candidates, measure, policy.remeasure_top, policy.rounds)
         if adaptive:
             extra = settle(candidates, measure, policy.tie_rule, policy.max_extra_rounds)

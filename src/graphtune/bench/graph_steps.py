@@ -32,16 +32,18 @@ def engine_decode_step(
     device: torch.device | str = "cuda",
     dtype: torch.dtype = torch.bfloat16,
     seed: int = 0,
+    tuner: Any = None,
 ) -> DecodeStep:
-    """The engine's untuned decode step for ``model`` (random weights, seeded) over a KV cache of
+    """The engine's decode step for ``model`` (random weights, seeded) over a KV cache of
     ``max_batch_size`` slots (plus scratch) and ``max_seq_len`` positions filled with random
-    values (never time on zeros)."""
+    values (never time on zeros); untuned unless a ``tuner`` is given (then tune it with
+    :func:`graphtune.engine.tuning.tune_step`)."""
     loaded = load_model(model, device=device, dtype=dtype, seed=seed)
     cache = KVCache(loaded.config, max_batch_size, max_seq_len, loaded.device, dtype)
     gen = torch.Generator(device=loaded.device).manual_seed(seed)
     cache.k.normal_(generator=gen)
     cache.v.normal_(generator=gen)
-    return build_step(loaded, cache)
+    return build_step(loaded, cache, tuner=tuner)
 
 
 def step_inputs(step: Any, batch: int, position: int, seed: int = 0) -> Inputs:

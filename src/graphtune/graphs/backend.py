@@ -34,7 +34,9 @@ class GraphBackend(Protocol):
     run eagerly after ``execute`` ran the piece before them). ``share_memory`` tells the backend
     that the runner no longer owns the given storages (non-owning twins of graph outputs and break
     inputs), so the pool may reuse their memory for other graphs; ``invalidate`` makes reading
-    such storages fail (or at least not look valid) after ``release()``.
+    such storages fail (or at least not look valid) after ``release()``. ``hold_slack``, called
+    right after the first ``begin_capture`` of a key, allocates spare memory from the pool being
+    captured into (an object to drop after the capture; see ``CapturePolicy.pool_slack_bytes``).
     """
 
     device_type: str | None
@@ -62,6 +64,8 @@ class GraphBackend(Protocol):
     def abort_capture(self, graph: Any, device: Any) -> None: ...
 
     def execute(self, graph: Any) -> None: ...
+
+    def hold_slack(self, device: Any, nbytes: int) -> Any: ...
 
     def share_memory(self, pool: Any, graphs: Sequence[Any], storages: Sequence[Any]) -> None: ...
 
@@ -173,6 +177,11 @@ class CudaGraphBackend:
 
     def execute(self, graph: torch.cuda.CUDAGraph) -> None:
         graph.replay()
+
+    def hold_slack(self, device: torch.device, nbytes: int) -> torch.Tensor | None:
+        # Allocating during the capture takes the memory from the graph's pool and launches no
+        # kernel, so the graph itself is unchanged.
+        return torch.empty(nbytes, dtype=torch.uint8, device=device) if nbytes > 0 else None
 
     def share_memory(self, pool: Any, graphs: Sequence[Any], storages: Sequence[Any]) -> None:
         # The caching allocator returns a block to its pool when the last owning tensor is

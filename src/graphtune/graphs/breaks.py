@@ -222,9 +222,16 @@ class PieceCapture:
     """
 
     def __init__(
-        self, backend: Any, pool: Any, device: Any, buffers: BreakBuffers, size: int
+        self,
+        backend: Any,
+        pool: Any,
+        device: Any,
+        buffers: BreakBuffers,
+        size: int,
+        slack_bytes: int = 0,
     ) -> None:
         self._backend = backend
+        self._slack_bytes = slack_bytes
         self._pool = pool
         self._device = device
         self._buffers = buffers
@@ -245,8 +252,12 @@ class PieceCapture:
         token = _ACTIVE.set(self)
         try:
             self._begin()
+            # Allocated first, so in a new segment of the pool; freed after the capture, so
+            # the next sizes find it (see CapturePolicy.pool_slack_bytes).
+            slack = self._backend.hold_slack(self._device, self._slack_bytes)
             outputs = fn(*args)
             self._end()
+            del slack
         finally:
             _ACTIVE.reset(token)
         return outputs

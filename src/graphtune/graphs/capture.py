@@ -148,6 +148,7 @@ def capture_key(
     buffers: BreakBuffers,
     counters: BreakCounters,
     share_outputs: bool,
+    slack_bytes: int = 0,
 ) -> CapturedGraph | CaptureRecord:
     """Captures ``fn(*args)`` for one key, as one graph or as pieces split at graph breaks.
 
@@ -155,12 +156,14 @@ def capture_key(
         buffers: Static outputs of graph breaks for this extra key.
         counters: Where replays count their breaks (the runner's stats).
         share_outputs: Keep outputs and break inputs as non-owning twins (see memory.py).
+        slack_bytes: Spare pool memory held during this capture and freed after it
+            (``CapturePolicy.pool_slack_bytes``; 0: none).
 
     Returns:
         A CapturedGraph, or a failed CaptureRecord (already logged) when the capture raised.
     """
     start = time.perf_counter()
-    session = PieceCapture(backend, pool, device, buffers, size)
+    session = PieceCapture(backend, pool, device, buffers, size, slack_bytes)
     try:
         with backend.capture_context(device, args):
             try:

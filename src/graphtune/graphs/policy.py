@@ -69,6 +69,14 @@ class CapturePolicy:
             first-use work (a library's per-shape set-up, loading a kernel the process had not
             used) happens outside the capture; each size's warm-up is recorded in
             ``CaptureRecord.warmup_seconds``. Lazy capture always warms the size it captures.
+        pool_slack_bytes: Spare memory (default 20 MiB) held while the first graph is captured
+            into a fresh shared pool and returned to the pool after it, when the runner has
+            more than one size. A smaller size's allocations are a little smaller than the
+            largest's, so the caching allocator's best fit may place one of them elsewhere;
+            without a spare block, the first request that finds no block of its own splits the
+            largest free one (the logits), and the next size's logits need a new one: a pool
+            of 1.54x the largest size instead of about 1.0x. The spare block absorbs that
+            drift. 0 turns it off.
 
     Raises:
         ConfigError: A field has a value outside the documented ones.
@@ -78,6 +86,7 @@ class CapturePolicy:
     when_frozen: str = "fallback"
     share_output_memory: bool = True
     warm_each_size: bool = False
+    pool_slack_bytes: int = 20 << 20
 
     def __post_init__(self) -> None:
         for name in ("padding", "share_output_memory", "warm_each_size"):
@@ -85,6 +94,12 @@ class CapturePolicy:
                 raise ConfigError(
                     f"CapturePolicy.{name} must be True or False, got {getattr(self, name)!r}"
                 )
+        slack = self.pool_slack_bytes
+        if isinstance(slack, bool) or not isinstance(slack, int) or slack < 0:
+            raise ConfigError(
+                f"CapturePolicy.pool_slack_bytes must be an int >= 0 (0 turns it off), got "
+                f"{slack!r}"
+            )
         if self.when_frozen not in WHEN_FROZEN:
             raise ConfigError(
                 f"CapturePolicy.when_frozen={self.when_frozen!r} is not one of {WHEN_FROZEN}; "

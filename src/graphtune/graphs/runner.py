@@ -414,8 +414,11 @@ class CUDAGraphRunner:
         return seconds
 
     def _capture_size(self, key_state: KeyState, size: int, warmup_seconds: float) -> None:
+        slack = 0
         if self._share_pool and self._pool is None:
             self._pool = self._backend.new_pool(self._device)
+            if len(self.capture_sizes) > 1:
+                slack = self.policy.pool_slack_bytes
         result = capture_key(
             self._backend,
             self.fn,
@@ -427,6 +430,7 @@ class CUDAGraphRunner:
             buffers=key_state.breaks,
             counters=self.stats,
             share_outputs=self._share_outputs,
+            slack_bytes=slack,
         )
         if isinstance(result, CapturedGraph):
             result.record = dataclasses.replace(result.record, warmup_seconds=warmup_seconds)

@@ -203,6 +203,7 @@ class SimulatedGraphBackend:
         captures, replays, warmup_runs, recoveries, empty_cache_calls, synchronize_calls:
             Counters for tests (``captures`` counts captured keys, each of which may hold several
             pieces; ``replays`` counts piece replays).
+        slack_requests: Bytes of each non-zero ``hold_slack`` call, in order.
         pieces: Pieces captured (one per key without graph breaks).
     """
 
@@ -227,6 +228,7 @@ class SimulatedGraphBackend:
         self.recoveries = 0
         self.empty_cache_calls = 0
         self.synchronize_calls = 0
+        self.slack_requests: list[int] = []
 
     def available(self) -> bool:
         return self._available
@@ -277,6 +279,10 @@ class SimulatedGraphBackend:
         # Recording ran the piece's ops eagerly, so its results are already in memory; running
         # them again would apply in-place updates twice.
         return None
+
+    def hold_slack(self, device: Any, nbytes: int) -> None:
+        if nbytes > 0:
+            self.slack_requests.append(nbytes)
 
     def share_memory(self, pool: Any, graphs: Sequence[Any], storages: Sequence[Any]) -> None:
         if pool is None:

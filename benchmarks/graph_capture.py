@@ -304,6 +304,14 @@ def main() -> int:
     parser.add_argument("--out", type=Path, help="folder for the JSON result")
     parser.add_argument("--quick", action="store_true", help="fewer variants, batches, repeats")
     parser.add_argument("--commit", default=None, help="commit to record (default: git)")
+    parser.add_argument(
+        "--cold-variants",
+        type=lambda text: [v for v in text.split(",") if v],
+        default=None,
+        metavar="NAMES",
+        help=f"comma-separated cold variants (default: all; --quick: "
+        f"{','.join(COLD_VARIANTS_QUICK)}); of {','.join(COLD_VARIANTS)}",
+    )
     parser.add_argument("--cold", choices=sorted(COLD_VARIANTS), help=argparse.SUPPRESS)
     parser.add_argument("--cold-json", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -315,7 +323,11 @@ def main() -> int:
     if args.out is None:
         parser.error("--out is required")
     print(f"graph_capture: the engine's llama-1b-shape step on {torch.cuda.get_device_name()}")
-    cold = cold_variants(COLD_VARIANTS_QUICK if args.quick else COLD_VARIANTS)
+    names = args.cold_variants or (COLD_VARIANTS_QUICK if args.quick else list(COLD_VARIANTS))
+    unknown = sorted(set(names) - set(COLD_VARIANTS))
+    if unknown:
+        parser.error(f"--cold-variants: unknown {unknown}; choose from {list(COLD_VARIANTS)}")
+    cold = cold_variants(names)
     data = measure(args)
     alone_512, alone_256 = data["largest_alone_mib"]["512"], data["largest_alone_mib"]["256"]
     ratio67 = data["cold_67"]["pool_mib"] / alone_512 if alone_512 else float("nan")

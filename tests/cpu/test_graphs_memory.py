@@ -174,10 +174,10 @@ def test_lazy_capture_records_each_sizes_own_warmup():
 def test_pool_slack_is_held_during_the_first_capture_into_a_fresh_pool_only():
     backend = SimulatedGraphBackend()
     runner, _ = make(backend=backend)  # sizes 1, 2, 4, 8: largest first, one pool
-    assert backend.slack_requests == [CapturePolicy().pool_slack_bytes] == [20 << 20]
+    assert backend.slack_requests == [CapturePolicy().pool_slack_bytes] == [10 << 20]
     runner.release()
     runner.capture(torch.zeros(8, HIDDEN))  # a new pool after release: slack once more
-    assert backend.slack_requests == [20 << 20] * 2
+    assert backend.slack_requests == [10 << 20] * 2
     single = SimulatedGraphBackend()
     make(backend=single, capture_sizes=[8])  # one size: nothing drifts, nothing held
     off = SimulatedGraphBackend()

@@ -71,7 +71,8 @@ class GraphTimer:
        handles and workspaces must happen outside capture, on the stream that will capture).
     2. Capture ``fn(i) .. fn(i + repeat - 1)`` in one ``torch.cuda.CUDAGraph`` on the side stream,
        with the graph's own private memory pool, garbage collection paused.
-    3. One untimed replay (the first replay uploads the graph), then a delay kernel sized to cover
+    3. One untimed replay (the first replay uploads the graph; none when the ``auto_repeat``
+       probe already replayed this graph), then a delay kernel sized to cover
        the host enqueue of all timed replays, then ``replays`` replays each between two events.
        With ``auto_repeat``, a probe replay shorter than ``min_replay_us`` first triggers a
        recapture with more calls (see :func:`auto_repeat_calls`).
@@ -163,11 +164,13 @@ class GraphTimer:
                     for _ in range(max(1, warmup)):
                         fn(next(counter))
                 stream.synchronize()
-                graph, calls = self._capture_sized(fn, counter, repeat, stream, device)
+                graph, calls, probed = self._capture_sized(fn, counter, repeat, stream, device)
             finally:
                 caller.wait_stream(stream)
         self.last_calls = calls
-        return GraphSession(self, graph, calls, stream, device)
+        # A graph the auto-repeat probe replayed is uploaded and its launch cost is known.
+        launch_us = self.last_launch_us if probed else None
+        return GraphSession(self, graph, calls, stream, device, probed=probed, launch_us=launch_us)
 
     def _capture_sized(
         self,
@@ -176,9 +179,12 @@ class GraphTimer:
         repeat: int,
         stream: torch.cuda.Stream,
         device: torch.device,
-    ) -> tuple[torch.cuda.CUDAGraph, int]:
+    ) -> tuple[torch.cuda.CUDAGraph, int, bool]:
+        """The graph and its calls, and whether the returned graph was probed (replayed, so
+        uploaded, with ``last_launch_us`` measured on it)."""
         calls = repeat
         graph = self._capture(fn, counter, calls, stream, device)
+        probed = False
         try:
             # A short probe overstates the per-call time (the replay's fixed launch cost is
             # spread over few calls), so the first estimate can fall short: probe again.
@@ -186,6 +192,7 @@ class GraphTimer:
                 if calls >= self.max_repeat:
                     break
                 probe_us = min(self._time_replays(graph, 2, stream, device))
+                probed = True
                 wanted = auto_repeat_calls(
                     calls, probe_us, min_replay_us=self.min_replay_us, max_repeat=self.max_repeat
                 )
@@ -202,10 +209,11 @@ class GraphTimer:
                 _release(graph)
                 calls = wanted
                 graph = self._capture(fn, counter, calls, stream, device)
+                probed = False
         except BaseException:
             _release(graph)
             raise
-        return graph, calls
+        return graph, calls, probed
 
     def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
         # One side stream per device and timer: a fresh stream per measurement would make torch
@@ -315,6 +323,7 @@ class GraphSession:
     """One captured graph of ``calls`` back-to-back calls, replayed for every measurement.
 
     Made by :meth:`GraphTimer.open`; :meth:`measure` is step 3 and 4 of the timer's procedure.
+    ``probed``: the graph was already replayed (uploaded) and ``launch_us`` measured on it.
     """
 
     def __init__(
@@ -324,21 +333,24 @@ class GraphSession:
         calls: int,
         stream: torch.cuda.Stream,
         device: torch.device,
+        *,
+        probed: bool = False,
+        launch_us: float | None = None,
     ) -> None:
         self.timer = timer
         self.calls = calls
         self._graph: torch.cuda.CUDAGraph | None = graph
         self._stream = stream
         self._device = device
-        self._uploaded = False
-        self._launch_us: float | None = None
+        self._uploaded = probed
+        self._launch_us = launch_us
 
     def measure(self) -> Measurement:
         """``timer.replays`` timed replays of the graph.
 
         The first measurement uploads the graph and measures the host cost of one replay's
-        launch (which sizes the delay kernel); later ones skip both and reuse that cost (the
-        delay has a 1.5x margin and a 20 µs floor over it).
+        launch (which sizes the delay kernel), unless the probe of ``open`` did; later ones skip
+        both and reuse that cost (the delay has a 1.5x margin and a 20 µs floor over it).
 
         Raises:
             ConfigError: The session was closed.

@@ -57,9 +57,9 @@ from graphtune.bench.graph_steps import (
     hand_written_graph,
     step_inputs,
 )
-from graphtune.engine.build import build_runner
+from graphtune.engine.build import build_runner, engine_capture_policy
 from graphtune.engine.tuning import tune_step
-from graphtune.graphs import CapturePolicy, default_capture_sizes
+from graphtune.graphs import default_capture_sizes
 from graphtune.reporting import render_table
 
 MIB = 1024 * 1024
@@ -164,7 +164,7 @@ def cold_variant(name: str) -> dict:
         extra["tune_s"] = time.perf_counter() - start
         extra["profiles_tuned"] = report.profiles_tuned
     first = first_eager_step(step)
-    policy = CapturePolicy(warm_each_size=each)
+    policy = engine_capture_policy(warm_each_size=each)
     runner, summary = capture(step, SIZES_67, f"67 sizes, cold, {name}", policy=policy)
     runner.release()
     if tuned:  # the tuned step's pool against its own largest size, and its re-capture
@@ -276,7 +276,7 @@ def measure(args) -> dict:
     runner.release()
     runner, out["recapture_67"] = capture(step, SIZES_67, "67 sizes, re-capture", runner=runner)
     runner.release()
-    each = CapturePolicy(warm_each_size=True)
+    each = engine_capture_policy(warm_each_size=True)
     runner, out["recapture_67_each"] = capture(
         step, SIZES_67, "67 sizes, re-capture, warm each size", policy=each
     )
@@ -284,7 +284,7 @@ def measure(args) -> dict:
     out["largest_alone_mib"] = {"512": alone_mib(step, 512), "256": alone_mib(step, 256)}
     runner, out["sizes_35"] = capture(step, SIZES_35, "35 sizes to 256")
     runner.release()
-    owning = CapturePolicy(share_output_memory=False)
+    owning = engine_capture_policy(share_output_memory=False)
     runner, out["owning_outputs_67"] = capture(
         step, SIZES_67, "67 sizes, owning outputs", policy=owning
     )

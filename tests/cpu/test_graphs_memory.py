@@ -11,6 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from graphtune.engine.build import ENGINE_POOL_SLACK_BYTES, build_runner, build_step
+from graphtune.engine.kv_cache import KVCache
+from graphtune.engine.loading import load_model
 from graphtune.errors import ConfigError
 from graphtune.graphs import CapturePolicy, CUDAGraphRunner, SimulatedGraphBackend
 from graphtune.graphs.memory import Disowner
@@ -172,17 +175,28 @@ def test_lazy_capture_records_each_sizes_own_warmup():
 
 
 def test_pool_slack_is_held_during_the_first_capture_into_a_fresh_pool_only():
+    slack = CapturePolicy(pool_slack_bytes=10 << 20)
     backend = SimulatedGraphBackend()
-    runner, _ = make(backend=backend)  # sizes 1, 2, 4, 8: largest first, one pool
-    assert backend.slack_requests == [CapturePolicy().pool_slack_bytes] == [10 << 20]
+    runner, _ = make(backend=backend, policy=slack)  # sizes 1, 2, 4, 8: largest first, one pool
+    assert backend.slack_requests == [10 << 20]
     runner.release()
     runner.capture(torch.zeros(8, HIDDEN))  # a new pool after release: slack once more
     assert backend.slack_requests == [10 << 20] * 2
     single = SimulatedGraphBackend()
-    make(backend=single, capture_sizes=[8])  # one size: nothing drifts, nothing held
-    off = SimulatedGraphBackend()
-    make(backend=off, policy=CapturePolicy(pool_slack_bytes=0))
-    assert single.slack_requests == [] and off.slack_requests == []
+    make(backend=single, capture_sizes=[8], policy=slack)  # one size: nothing drifts
+    default = SimulatedGraphBackend()
+    make(backend=default)  # a generic runner holds none by default
+    assert single.slack_requests == [] and default.slack_requests == []
+
+
+def test_the_engines_runners_hold_the_engine_slack():
+
+    model = load_model("tiny", device="cpu", dtype=torch.float32)
+    step = build_step(model, KVCache(model.config, 4, 16, model.device, torch.float32))
+    backend = SimulatedGraphBackend()
+    runner = build_runner(step, "graph", backend=backend)
+    runner.capture(*step.example_inputs(4))
+    assert backend.slack_requests == [ENGINE_POOL_SLACK_BYTES] == [10 << 20]
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "20MiB"])

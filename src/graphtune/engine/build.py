@@ -72,6 +72,20 @@ def build_step(
     )
 
 
+#: Spare pool block of the engine's graph runners (``CapturePolicy.pool_slack_bytes``). A decode
+#: step's logits are by far the largest block of its pool; without a spare block, a smaller
+#: size's allocator drift can split it, and the next size's logits then need a block of their
+#: own (the measured pools: benchmarks/results/README.md). A generic runner's default is 0: for
+#: a small step the block would be a large share of its pool.
+ENGINE_POOL_SLACK_BYTES = 10 << 20
+
+
+def engine_capture_policy(**fields: Any) -> CapturePolicy:
+    """The :class:`~graphtune.graphs.CapturePolicy` of the engine's runners: the given fields,
+    and ``pool_slack_bytes=ENGINE_POOL_SLACK_BYTES`` unless given."""
+    return CapturePolicy(**{"pool_slack_bytes": ENGINE_POOL_SLACK_BYTES, **fields})
+
+
 def build_runner(
     step: DecodeStep,
     kind: str = "graph",
@@ -93,7 +107,8 @@ def build_runner(
             ``step.max_batch_size``.
         lazy: Capture each size on first use.
         device: The CUDA device to capture on (default: the inputs').
-        policy: The graph runner's :class:`~graphtune.graphs.CapturePolicy` (default one).
+        policy: The graph runner's :class:`~graphtune.graphs.CapturePolicy` (default:
+            :func:`engine_capture_policy`).
         backend: The graph backend (default CUDA; CPU tests pass the simulated one).
 
     Raises:
@@ -109,7 +124,7 @@ def build_runner(
         pad=step_pad_rule(step.cache.scratch_slot),
         lazy=lazy,
         device=device,
-        policy=policy,
+        policy=policy if policy is not None else engine_capture_policy(),
         backend=backend,
     )
 
@@ -153,7 +168,7 @@ def build_prefill_runner(
         pad=prefill_pad_rule(step.step.cache.scratch_slot),
         lazy=lazy,
         device=device,
-        policy=policy,
+        policy=policy if policy is not None else engine_capture_policy(),
         backend=backend,
     )
 

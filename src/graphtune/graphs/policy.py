@@ -69,14 +69,16 @@ class CapturePolicy:
             first-use work (a library's per-shape set-up, loading a kernel the process had not
             used) happens outside the capture; each size's warm-up is recorded in
             ``CaptureRecord.warmup_seconds``. Lazy capture always warms the size it captures.
-        pool_slack_bytes: Spare memory (default 10 MiB, the smallest block the caching allocator
-            gives a request of its own outside the small pool) held while the first graph is
-            captured into a fresh shared pool and returned to the pool after it, when the runner has
-            more than one size. A smaller size's allocations are a little smaller than the
-            largest's, so the caching allocator's best fit may place one of them elsewhere; without
-            a spare block, the first request that finds no block of its own splits the largest free
-            one (the logits), and the next size's logits need a new one: a pool of 1.54x the largest
-            size instead of about 1.0x. The spare block absorbs that drift. 0 turns it off.
+        pool_slack_bytes: Spare memory held while the first graph is captured into a fresh
+            shared pool and returned to the pool after it, when the runner has more than one
+            size; 0 (default) holds none. A smaller size's allocations are a little smaller than
+            the largest's, so the caching allocator's best fit may place one of them in a block
+            the largest size used for something else; without a spare block, the first request
+            that finds no block of its own splits the largest free one (a decode step's logits),
+            and the next size's logits need a new one. 10 MiB (the smallest block the allocator
+            gives a request of its own outside its small pool) absorbs that drift, at a cost
+            that only a step with a large block (such as logits) recovers; graphtune's engine
+            sets it for its runners.
 
     Raises:
         ConfigError: A field has a value outside the documented ones.
@@ -86,7 +88,7 @@ class CapturePolicy:
     when_frozen: str = "fallback"
     share_output_memory: bool = True
     warm_each_size: bool = False
-    pool_slack_bytes: int = 10 << 20
+    pool_slack_bytes: int = 0
 
     def __post_init__(self) -> None:
         for name in ("padding", "share_output_memory", "warm_each_size"):

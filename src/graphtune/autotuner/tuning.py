@@ -407,7 +407,10 @@ class TuningRun:
             self._measure(cand, repeat, label)
 
         policy = self.policy
-        advance = lambda: bar.advance(label)  # noqa: E731 - one progress step per candidate
+
+        def advance() -> None:  # one progress step per candidate and round
+            bar.advance(label)
+
         interleave(candidates, measure, 1, advance)
         # Collective strategies need every rank to measure the same candidates: no racing.
         racing = race(candidates, policy.race_margin if adaptive else 0.0)

@@ -132,12 +132,12 @@ def _only_bucket(config: Any, m: int) -> Any:
 
 def gemm_case(label: str, n: int, k: int, m: int, max_tactics: int = 20) -> Case:
     def build(device: torch.device, m: int):
-        from graphtune.ops.fused import TritonSkinnyGemmRunner
         from graphtune.ops.gemm import (
             OP_NAME,
             TorchGemmRunner,
             TritonGemmRunner,
             TritonGemvRunner,
+            TritonSkinnyGemmRunner,
             gemm_config,
         )
 

@@ -40,8 +40,8 @@ def _cases() -> list[tuple[str, Any, list[Any]]]:
         TritonNormGateUpSilu,
         TritonNormLinear,
         TritonNormQkvRope,
-        TritonSkinnyGemmRunner,
     )
+    from graphtune.ops.gemm import TritonSkinnyGemmRunner
     from graphtune.ops.gemm.gemv import TritonGemvRunner
     from graphtune.ops.gemm.tiled import TritonGemmRunner
     from graphtune.ops.moe import TritonFusedMoeRunner, TritonRouteTopKRunner

@@ -62,6 +62,15 @@ def _imports(module: str, path: Path, known: set[str]) -> set[str]:
                 name = name.rpartition(".")[0]
             if name.startswith("graphtune") and name != module:
                 out.add(name)
+    # Importing ``a.b.c`` runs the __init__ of ``a.b`` first, so it imports that package too,
+    # unless the package is one of the importer's own (then its __init__ is already running).
+    own = {module.rsplit(".", k)[0] for k in range(module.count(".") + 1)}
+    for name in list(out):
+        parent = name.rpartition(".")[0]
+        while parent and parent != "graphtune":
+            if parent in known and parent not in own:
+                out.add(parent)
+            parent = parent.rpartition(".")[0]
     return out
 
 

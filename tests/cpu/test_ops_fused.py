@@ -29,8 +29,8 @@ from graphtune.ops.fused import (  # noqa: E402
     TritonNormGateUpSilu,
     TritonNormLinear,
     TritonNormQkvRope,
-    TritonSkinnyGemmRunner,
 )
+from graphtune.ops.gemm import TritonSkinnyGemmRunner
 
 pytestmark = pytest.mark.skipif(
     not _triton.device_supported(torch.device("cpu")),

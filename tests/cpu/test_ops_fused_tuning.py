@@ -21,14 +21,13 @@ from graphtune.ops import _pdl
 from graphtune.ops.fused import (
     TritonNormGateUpSilu,
     add_projection,
-    check_fused_tactic,
-    fused_gemv_tactics,
     norm_gate_up_silu,
     norm_gate_up_silu_runners,
     norm_linear,
     norm_qkv_rope,
 )
-from graphtune.ops.fused._gemv import MAX_M, PLAIN, ROPE, SILU, GemvShape, launch_fused_gemv
+from graphtune.ops.fused_gemv import check_fused_tactic, fused_gemv_tactics
+from graphtune.ops.fused_gemv.family import MAX_M, PLAIN, ROPE, SILU, GemvShape, launch_fused_gemv
 from graphtune.ops.rotary import torch_rope_kv_cache
 
 INNER = {"graphtune.rms_norm", "graphtune.gemm", "graphtune.rope_kv_cache"}
@@ -271,6 +270,6 @@ def test_graphtune_pdl_switch(monkeypatch):
 def test_installed_triton_accepts_pdl_and_every_fused_kernel_declares_it():
     pytest.importorskip("triton")
     assert _pdl.triton_accepts_pdl()
-    from graphtune.ops.fused._gemv import gemv_kernels
+    from graphtune.ops.fused_gemv.family import gemv_kernels
 
     assert _pdl.PDL_ARG in gemv_kernels().fused_gemv_kernel.arg_names

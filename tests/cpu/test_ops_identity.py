@@ -29,8 +29,9 @@ from graphtune.autotuner.runner import TunableRunner  # noqa: E402
 from graphtune.ops import attention, fused, moe  # noqa: E402
 from graphtune.ops._triton_runner import TritonRunner  # noqa: E402
 from graphtune.ops.activation import silu_and_mul_runners  # noqa: E402
-from graphtune.ops.fused._base import FusedTritonRunner, UnfusedRunner  # noqa: E402
-from graphtune.ops.gemm import gemm_runners  # noqa: E402
+from graphtune.ops.fused._base import UnfusedRunner  # noqa: E402
+from graphtune.ops.fused_gemv import FusedTritonRunner  # noqa: E402
+from graphtune.ops.gemm import TritonSkinnyGemmRunner, gemm_runners  # noqa: E402
 from graphtune.ops.registry import rebuild_call, registered_ops  # noqa: E402
 from graphtune.ops.rmsnorm import rms_norm_runners  # noqa: E402
 from graphtune.ops.rotary import rope_runners  # noqa: E402
@@ -54,7 +55,7 @@ def _runner_sets(tuner: AutoTuner | None) -> dict[str, tuple[TunableRunner, ...]
         "norm_qkv_rope": fused.norm_qkv_rope_runners(4, 2, True, tuner=tuner, max_m=8),
         "fused_moe": moe.fused_moe_runners(),
         "route_top_k": moe.route_top_k_runners(2, True, False),
-        "skinny_gemm": (fused.TritonSkinnyGemmRunner(),),
+        "skinny_gemm": (TritonSkinnyGemmRunner(),),
     }
 
 

@@ -20,9 +20,9 @@ from graphtune.ops.fused import (  # noqa: E402
     TritonNormGateUpSilu,
     TritonNormLinear,
     TritonNormQkvRope,
-    TritonSkinnyGemmRunner,
     norm_gate_up_silu,
 )
+from graphtune.ops.gemm import TritonSkinnyGemmRunner
 
 DEV = "cuda"
 BF16 = torch.bfloat16

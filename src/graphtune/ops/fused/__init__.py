@@ -10,14 +10,11 @@ A decode layer in about five kernels (with decode attention between the first tw
 Runner 0, tactic ``-1`` of each is the unfused path through the existing tunable ops (each asks
 the same tuner for its own pick), so the tuner decides per shape bucket between the fused
 kernel's tactics and the unfused path (:mod:`graphtune.ops.fused._base`). The fused kernel is
-one Triton GEMV family (:mod:`graphtune.ops.fused._gemv`), launched with programmatic dependent
-launch where the GPU supports it (:mod:`graphtune.ops._pdl`). :class:`TritonSkinnyGemmRunner` is the
-same kernel as a runner of the ``graphtune.gemm`` op (swapped operands on the tensor cores, for
-decode batches of up to 16 rows), the last of ``gemm_runners()``. Importing this
-package imports neither Triton nor the kernels.
+the Triton GEMV family of :mod:`graphtune.ops.fused_gemv` (which the GEMM op's skinny-``M``
+runner launches too), launched with programmatic dependent launch where the GPU supports it
+(:mod:`graphtune.ops._pdl`). Importing this package imports neither Triton nor the kernels.
 """
 
-from graphtune.ops.fused._gemv import check_fused_tactic, fused_gemv_tactics
 from graphtune.ops.fused.mlp import (
     TritonNormGateUpSilu,
     UnfusedNormGateUpSilu,
@@ -45,14 +42,12 @@ from graphtune.ops.fused.qkv import (
     norm_qkv_rope_config,
     norm_qkv_rope_runners,
 )
-from graphtune.ops.fused.skinny_gemm import TritonSkinnyGemmRunner
 
 __all__ = [
     "TritonAddProjection",
     "TritonNormGateUpSilu",
     "TritonNormLinear",
     "TritonNormQkvRope",
-    "TritonSkinnyGemmRunner",
     "UnfusedAddProjection",
     "UnfusedNormGateUpSilu",
     "UnfusedNormLinear",
@@ -60,8 +55,6 @@ __all__ = [
     "add_projection",
     "add_projection_config",
     "add_projection_runners",
-    "check_fused_tactic",
-    "fused_gemv_tactics",
     "norm_gate_up_silu",
     "norm_gate_up_silu_config",
     "norm_gate_up_silu_runners",

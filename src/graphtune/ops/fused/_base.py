@@ -26,7 +26,6 @@ from typing import Any
 from graphtune.autotuner.context import get_tuner
 from graphtune.autotuner.runner import FALLBACK_TACTIC, TunableRunner
 from graphtune.autotuner.tuner import AutoTuner
-from graphtune.ops._triton_runner import TritonRunner
 
 _RUNNERS: weakref.WeakKeyDictionary[AutoTuner, dict[tuple[Any, ...], tuple[TunableRunner, ...]]]
 _RUNNERS = weakref.WeakKeyDictionary()
@@ -90,14 +89,6 @@ class UnfusedRunner(TunableRunner):
     def forward(self, inputs: list[Any], tactic: Any = FALLBACK_TACTIC, **kwargs: Any) -> Any:
         """Runs :meth:`unfused` (the only tactic is ``-1``)."""
         return self.unfused(inputs)
-
-
-class FusedTritonRunner(TritonRunner):
-    """Base of a fused op's Triton runner: tactic ``-1`` runs the op's torch composition, any
-    other the fused GEMV kernel, whose launch code and kernel source are part of the runner's
-    cache identity."""
-
-    source_modules = ("graphtune.ops.fused._gemv", "graphtune.ops.fused._gemv_kernels")
 
 
 def resolve(tuner: AutoTuner | None) -> AutoTuner:

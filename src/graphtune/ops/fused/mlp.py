@@ -6,7 +6,7 @@
     act = silu_and_mul(gemm(h, w_gate_up))
 
 which is runner 0 (:class:`UnfusedNormGateUpSilu`, tactic ``-1``). :class:`TritonNormGateUpSilu`
-runs ``graphtune.ops.fused._gemv_kernels`` in SiLU mode: a program streams gate rows ``j`` and
+runs ``graphtune.ops.fused_gemv._kernels`` in SiLU mode: a program streams gate rows ``j`` and
 the matching up rows ``I + j`` (``w_gate_up`` is ``[gate | up]``, ``engine.model.swiglu``'s
 order), so the ``[B, 2 * I]`` intermediate is never written. Buckets above 16 rows get no fused
 tactics.
@@ -26,8 +26,9 @@ from graphtune.autotuner.tuner import AutoTuner
 from graphtune.errors import ConfigError, InputError
 from graphtune.ops._triton import device_limits, triton_available
 from graphtune.ops.activation import silu_and_mul, torch_silu_and_mul
-from graphtune.ops.fused._base import FusedTritonRunner, UnfusedRunner, resolve, runners_for
-from graphtune.ops.fused._gemv import (
+from graphtune.ops.fused._base import UnfusedRunner, resolve, runners_for
+from graphtune.ops.fused_gemv import FusedTritonRunner
+from graphtune.ops.fused_gemv.family import (
     SILU,
     GemvShape,
     fused_gemv_tactics,
@@ -97,7 +98,7 @@ class TritonNormGateUpSilu(FusedTritonRunner):
         return norm_weight.dtype.is_floating_point and fused_supports(x, w_gate_up)
 
     def tactics_for(self, inputs: list[Any]) -> list[Any]:
-        """See :func:`graphtune.ops.fused._gemv.fused_gemv_tactics` (column pairs)."""
+        """See :func:`graphtune.ops.fused_gemv.family.fused_gemv_tactics` (column pairs)."""
         x, _, w_gate_up, _ = inputs
         inter = w_gate_up.shape[0] // 2
         shape = GemvShape(SILU, x.shape[0], inter, 1, x.shape[1], w_gate_up.element_size())

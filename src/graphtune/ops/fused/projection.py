@@ -30,8 +30,9 @@ from graphtune.autotuner.runner import TunableRunner
 from graphtune.autotuner.tuner import AutoTuner
 from graphtune.errors import ConfigError, InputError
 from graphtune.ops._triton import device_limits, triton_available
-from graphtune.ops.fused._base import FusedTritonRunner, UnfusedRunner, resolve, runners_for
-from graphtune.ops.fused._gemv import (
+from graphtune.ops.fused._base import UnfusedRunner, resolve, runners_for
+from graphtune.ops.fused_gemv import FusedTritonRunner
+from graphtune.ops.fused_gemv.family import (
     PLAIN,
     GemvShape,
     fused_gemv_tactics,
@@ -58,7 +59,7 @@ class _PlainTriton(FusedTritonRunner):
         return () if self.sm_count is None else ({"sm": self.sm_count},)
 
     def plain_tactics(self, x: torch.Tensor, weight: torch.Tensor) -> list[Any]:
-        """See :func:`graphtune.ops.fused._gemv.fused_gemv_tactics`."""
+        """See :func:`graphtune.ops.fused_gemv.family.fused_gemv_tactics`."""
         shape = GemvShape(PLAIN, x.shape[0], weight.shape[0], 1, x.shape[1], weight.element_size())
         sms = self.sm_count or device_limits(x.device)[1]
         return fused_gemv_tactics(shape, sm_count=sms)

@@ -8,7 +8,7 @@ write_rows, num_heads=H, num_kv_heads=KV)`` is, exactly, the unfused sequence
     q = rope_kv_cache(qkv, positions, cos, sin, k_cache, v_cache, write_rows, ...)
 
 which is runner 0 (:class:`UnfusedNormQkvRope`, tactic ``-1``): three tunable ops, each with its
-own pick. :class:`TritonNormQkvRope` does it in one kernel (``graphtune.ops.fused._gemv_kernels``
+own pick. :class:`TritonNormQkvRope` does it in one kernel (``graphtune.ops.fused_gemv._kernels``
 in RoPE mode): every program recomputes the row statistics, streams the weight rows of half a
 head's columns ``j`` and their partners ``HALF + j`` (so it holds both halves of the rotation),
 and writes rotated q, rotated k and v where the unfused ops write them. The tuner decides per
@@ -33,8 +33,9 @@ from graphtune.autotuner.runner import TunableRunner
 from graphtune.autotuner.tuner import AutoTuner
 from graphtune.errors import ConfigError, InputError
 from graphtune.ops._triton import device_limits, triton_available
-from graphtune.ops.fused._base import FusedTritonRunner, UnfusedRunner, resolve, runners_for
-from graphtune.ops.fused._gemv import (
+from graphtune.ops.fused._base import UnfusedRunner, resolve, runners_for
+from graphtune.ops.fused_gemv import FusedTritonRunner
+from graphtune.ops.fused_gemv.family import (
     ROPE,
     GemvShape,
     fused_gemv_tactics,
@@ -199,7 +200,7 @@ class TritonNormQkvRope(_QkvLayout, FusedTritonRunner):
         return fused_supports(x, wqkv, bqkv, cos, sin, k_cache, v_cache)
 
     def tactics_for(self, inputs: list[Any]) -> list[Any]:
-        """See :func:`graphtune.ops.fused._gemv.fused_gemv_tactics` (RoPE tiles)."""
+        """See :func:`graphtune.ops.fused_gemv.family.fused_gemv_tactics` (RoPE tiles)."""
         x, wqkv, cos = inputs[_X], inputs[2], inputs[_COS]
         shape = GemvShape(
             ROPE,

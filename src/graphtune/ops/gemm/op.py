@@ -18,6 +18,7 @@ from graphtune.errors import ConfigError, InputError
 from graphtune.ops._triton import triton_available
 from graphtune.ops.gemm.common import TorchGemmRunner
 from graphtune.ops.gemm.gemv import TritonGemvRunner
+from graphtune.ops.gemm.skinny import TritonSkinnyGemmRunner
 from graphtune.ops.gemm.tiled import TritonGemmRunner
 from graphtune.ops.registry import is_tensor, register_op
 
@@ -31,14 +32,11 @@ def gemm_runners() -> tuple[TunableRunner, ...]:
     Order matters: ``runners[0]`` is the untuned fallback and ties in tuning go to the earlier
     runner, so the tiled Triton GEMM comes before the skinny-``M`` GEMV (which offers tactics
     only for buckets of ``M <= 8``; see :mod:`graphtune.ops.gemm.gemv`), and the swapped-operand
-    tensor-core GEMM (:class:`graphtune.ops.fused.TritonSkinnyGemmRunner`, buckets of
+    tensor-core GEMM (:class:`graphtune.ops.gemm.TritonSkinnyGemmRunner`, buckets of
     ``M <= 16``) comes last.
     """
     runners: list[TunableRunner] = [TorchGemmRunner()]
     if triton_available():
-        # Imported here: graphtune.ops.fused builds on this package (its ops call gemm).
-        from graphtune.ops.fused.skinny_gemm import TritonSkinnyGemmRunner
-
         runners += [TritonGemmRunner(), TritonGemvRunner(), TritonSkinnyGemmRunner()]
     return tuple(runners)
 

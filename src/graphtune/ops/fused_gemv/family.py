@@ -50,7 +50,7 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 def gemv_kernels() -> ModuleType:
     """The module of the fused GEMV kernel (imported on first use; needs Triton)."""
     require_triton("graphtune's fused Triton GEMV kernel")
-    from graphtune.ops.fused import _gemv_kernels
+    from graphtune.ops.fused_gemv import _kernels as _gemv_kernels
 
     return _gemv_kernels
 

@@ -4,7 +4,7 @@ From about 4 rows on, the CUDA-core GEMV (``graphtune.ops.gemm.gemv``) loses to 
 row costs it a multiply-add per weight on the CUDA cores. :class:`TritonSkinnyGemmRunner` computes
 ``out.T = weight @ a.T`` instead: the weight rows fill the MMA's M side (``bn`` of 16..64) and the
 ``M <= 16`` activation rows are padded to 16 in N, so the tensor cores do the multiply-adds while
-the weight streams once (``graphtune.ops.fused._gemv_kernels`` in plain mode, ``dot=1``).
+the weight streams once (``graphtune.ops.fused_gemv._kernels`` in plain mode, ``dot=1``).
 
 It takes the ``graphtune.gemm`` op's inputs (``[a, weight, bias, residual, inplace]`` and the
 optional ``out``) with the same semantics as ``graphtune.ops.gemm.TritonGemmRunner``: bias and
@@ -19,8 +19,13 @@ from typing import Any
 import torch
 
 from graphtune.ops._triton import device_limits
-from graphtune.ops.fused._base import FusedTritonRunner
-from graphtune.ops.fused._gemv import PLAIN, GemvShape, fused_gemv_tactics, launch_fused_gemv
+from graphtune.ops.fused_gemv import (
+    PLAIN,
+    FusedTritonRunner,
+    GemvShape,
+    fused_gemv_tactics,
+    launch_fused_gemv,
+)
 from graphtune.ops.gemm.common import (
     result_tensor,
     torch_gemm,
@@ -51,7 +56,7 @@ class TritonSkinnyGemmRunner(FusedTritonRunner):
         return a.stride(-1) == 1 and weight.stride(-1) == 1 and triton_gemm_supports(inputs)
 
     def tactics_for(self, inputs: list[Any]) -> list[Any]:
-        """The ``dot=1`` tactics of :func:`graphtune.ops.fused._gemv.fused_gemv_tactics`."""
+        """The ``dot=1`` tactics of :func:`graphtune.ops.fused_gemv.family.fused_gemv_tactics`."""
         a, weight = inputs[0], inputs[1]
         shape = GemvShape(PLAIN, a.shape[0], weight.shape[0], 1, a.shape[1], a.element_size())
         sms = self.sm_count or device_limits(a.device)[1]

@@ -1,5 +1,5 @@
 """The fused decode GEMV kernel of :mod:`graphtune.ops.fused`. Imported only through
-``graphtune.ops.fused._gemv.gemv_kernels()`` (needs Triton).
+``graphtune.ops.fused_gemv.family.gemv_kernels()`` (needs Triton).
 
 One kernel, specialised by ``constexpr`` switches into the stages of a decode layer, so the
 weight-streaming loop (the part that decides the step's speed) exists once:

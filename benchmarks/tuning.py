@@ -59,28 +59,32 @@ was not run, so no target applies).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import math
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _tuning_cases import Case, cases  # noqa: E402
+from _tuning_options import (  # noqa: E402
+    options,
+    parse_args,
+    timer_name,
+    tuner_kwargs,
+)
 from _tuning_scores import (  # noqa: E402
     GRAPH_TRUTH_TARGETS,
     IN_GRAPH,
     KERNEL_SUM,
     KERNEL_SUM_TARGETS,
     MAX_REGRET,
-    MODES,
     TARGET_MS,
     TARGET_REGRET,
     TARGET_SHARE,
@@ -101,182 +105,7 @@ from graphtune import bench as _common  # noqa: E402
 
 logger = logging.getLogger("benchmarks.tuning")
 
-RUNS = 3
-TRUTH_SETS = 3
-HIDDEN, INTER, HEADS, KV, DIM, VOCAB = 2048, 8192, 32, 8, 64, 128256
-FULL_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
-
-
-@dataclass(frozen=True)
-class Case:
-    """One (op, bucket) to tune."""
-
-    op: str
-    label: str
-    bucket: int
-    build: Callable[[torch.device, int], tuple[str, tuple[Any, ...], Any, list[Any]]]
-
-
-def _randn(device: torch.device, *shape: int, scale: float = 1.0) -> torch.Tensor:
-    return (torch.randn(*shape, device=device) * scale).to(torch.bfloat16)
-
-
-def _only_bucket(config: Any, m: int) -> Any:
-    """The op's tuning config restricted to one bucket (the case), so a run tunes just it."""
-    from graphtune.autotuner import DynamicTensorSpec
-
-    return dataclasses.replace(
-        config, dynamic_specs=(DynamicTensorSpec(0, 0, buckets=(m,)),), max_value=m
-    )
-
-
-def gemm_case(label: str, n: int, k: int, m: int, max_tactics: int = 20) -> Case:
-    def build(device: torch.device, m: int):
-        from graphtune.ops.gemm import (
-            OP_NAME,
-            TorchGemmRunner,
-            TritonGemmRunner,
-            TritonGemvRunner,
-            TritonSkinnyGemmRunner,
-            gemm_config,
-        )
-
-        # The engine's runners (gemm_runners()); the GEMV offers tactics for M <= 8 only, the
-        # skinny tensor-core GEMM for M <= 16.
-        runners = (
-            TorchGemmRunner(),
-            TritonGemmRunner(max_tactics=max_tactics),
-            TritonGemvRunner(),
-            TritonSkinnyGemmRunner(),
-        )
-        inputs = [_randn(device, m, k), _randn(device, n, k, scale=k**-0.5), None, None, False]
-        return OP_NAME, runners, _only_bucket(gemm_config(m), m), inputs
-
-    return Case("gemm", f"{label} {k}->{n}", m, build)
-
-
-def norm_case(m: int) -> Case:
-    def build(device: torch.device, m: int):
-        from graphtune.ops.rmsnorm import (
-            OP_NAME,
-            TorchRMSNormRunner,
-            TritonRMSNormRunner,
-            rms_norm_config,
-        )
-
-        inputs = [
-            _randn(device, m, HIDDEN),
-            _randn(device, HIDDEN),
-            _randn(device, m, HIDDEN),
-            1e-5,
-        ]
-        runners = (TorchRMSNormRunner(), TritonRMSNormRunner())
-        return OP_NAME, runners, _only_bucket(rms_norm_config(m, True), m), inputs
-
-    return Case("rms_norm", f"add+rmsnorm {HIDDEN}", m, build)
-
-
-def silu_case(m: int) -> Case:
-    def build(device: torch.device, m: int):
-        from graphtune.ops.activation import (
-            OP_NAME,
-            TorchSiluAndMulRunner,
-            TritonSiluAndMulRunner,
-            silu_and_mul_config,
-        )
-
-        runners = (TorchSiluAndMulRunner(), TritonSiluAndMulRunner())
-        inputs = [_randn(device, m, 2 * INTER)]
-        return OP_NAME, runners, _only_bucket(silu_and_mul_config(m), m), inputs
-
-    return Case("silu_and_mul", f"silu*mul {INTER}", m, build)
-
-
-def rope_case(m: int) -> Case:
-    def build(device: torch.device, m: int):
-        from graphtune.ops.rotary import (
-            CACHE_ROWS,
-            OP_NAME,
-            TABLE_ROWS,
-            TorchRopeRunner,
-            TritonRopeRunner,
-            rope_config,
-        )
-
-        runners = (TorchRopeRunner(HEADS, KV, True), TritonRopeRunner(HEADS, KV, True))
-        rows = torch.randperm(CACHE_ROWS, device=device)[: m * KV]
-        inputs = [
-            _randn(device, m, (HEADS + 2 * KV) * DIM),
-            torch.randint(0, TABLE_ROWS, (m,), device=device),
-            _randn(device, TABLE_ROWS, DIM),
-            _randn(device, TABLE_ROWS, DIM),
-            _randn(device, CACHE_ROWS, DIM),
-            _randn(device, CACHE_ROWS, DIM),
-            rows,
-        ]
-        return OP_NAME, runners, _only_bucket(rope_config(KV, m), m), inputs
-
-    return Case("rope_kv_cache", f"rope+kv {HEADS}/{KV}x{DIM}", m, build)
-
-
-def cases(quick: bool) -> list[Case]:
-    gemm_buckets = (1, 16, 128) if quick else FULL_BUCKETS
-    fused_buckets = (1, 64) if quick else (1, 8, 64)
-    shapes = [
-        ("qkv", 3072, 2048),
-        ("o_proj", 2048, 2048),
-        ("gate_up", 16384, 2048),
-        ("down", 2048, 8192),
-    ]
-    if quick:
-        shapes = [shapes[0], shapes[3]]
-    out = [gemm_case(label, n, k, m) for label, n, k in shapes for m in gemm_buckets]
-    if not quick:
-        out += [gemm_case("lm_head", VOCAB, HIDDEN, m, max_tactics=8) for m in (1, 16, 128)]
-    for m in fused_buckets:
-        out += [norm_case(m), silu_case(m), rope_case(m)]
-    return out
-
-
 # --- measurement (GPU) -------------------------------------------------------------------------
-
-
-def tuner_kwargs(args: argparse.Namespace, mode: str | None = None) -> dict[str, Any]:
-    """TuningPolicy keyword arguments the options ask for (none: the defaults); for a
-    ``--variant`` name, its keywords on top."""
-    kwargs = {} if args.tie_tolerance is None else {"tie_tolerance": args.tie_tolerance}
-    return {**kwargs, **getattr(args, "variants", {}).get(mode, {})}
-
-
-def timer_name(mode: str) -> str:
-    """The timing mode a mode or ``--variant`` name tunes with (variants use the graph timer)."""
-    return mode if mode in MODES else "graph"
-
-
-def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
-    """``"sets3:input_sets=3,tie_floor_us=0.02"`` -> ``("sets3", {"input_sets": 3, ...})``.
-
-    Values are read as JSON (numbers, true/false, quoted strings), else kept as text.
-
-    Raises:
-        argparse.ArgumentTypeError: No name, or a keyword without ``=``.
-    """
-    name, _, rest = text.partition(":")
-    name = name.strip()
-    if not name:
-        raise argparse.ArgumentTypeError(f"--variant {text!r}: give NAME:KEY=VALUE,...")
-    kwargs: dict[str, Any] = {}
-    for item in filter(None, (part.strip() for part in rest.split(","))):
-        key, eq, value = item.partition("=")
-        if not eq or not key.strip():
-            raise argparse.ArgumentTypeError(
-                f"--variant {text!r}: {item!r} is not KEY=VALUE (e.g. input_sets=3)"
-            )
-        try:
-            kwargs[key.strip()] = json.loads(value)
-        except json.JSONDecodeError:
-            kwargs[key.strip()] = value.strip()
-    return name, kwargs
 
 
 def measure_truth(
@@ -500,137 +329,9 @@ def run_case(case: Case, device: torch.device, args: argparse.Namespace) -> dict
     return record
 
 
-# --- options -----------------------------------------------------------------------------------
-
-
-def parse_modes(text: str) -> tuple[str, ...]:
-    """``"graph,events"`` -> ``("graph", "events")``; order kept, duplicates dropped.
-
-    Raises:
-        argparse.ArgumentTypeError: An empty list or a name not in :data:`MODES`.
-    """
-    names = [part.strip() for part in text.split(",") if part.strip()]
-    if not names:
-        raise argparse.ArgumentTypeError(
-            f"no timing mode given; use a comma-separated subset of {','.join(MODES)}"
-        )
-    unknown = [n for n in names if n not in MODES]
-    if unknown:
-        raise argparse.ArgumentTypeError(
-            f"unknown timing mode(s) {', '.join(map(repr, unknown))}; choose from "
-            f"{', '.join(MODES)} (comma-separated, e.g. --modes graph,events)"
-        )
-    return tuple(dict.fromkeys(names))
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
-
-
-def _tie_tolerance(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}") from None
-    if not 0.0 <= value < 1.0:
-        raise argparse.ArgumentTypeError(
-            f"expected a number in [0, 1) (a relative gap, 0.005 = 0.5%), got {value}"
-        )
-    return value
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    """Parses the options; errors exit with status 2 and a message naming the valid values."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="folder")
-    parser.add_argument("--quick", action="store_true", help="fewer shapes and buckets")
-    parser.add_argument("--commit", default=None, help="commit to record (else env / git)")
-    parser.add_argument(
-        "--cupti-calls",
-        type=_positive_int,
-        default=30,
-        help="profiled eager calls per tactic for the kernel-sum truth",
-    )
-    parser.add_argument(
-        "--cupti-graph-replays",
-        type=_positive_int,
-        default=20,
-        help="profiled graph replays per tactic for the in-graph truth",
-    )
-    parser.add_argument(
-        "--modes",
-        type=parse_modes,
-        default=MODES,
-        help=f"comma-separated timing modes to tune with (default {','.join(MODES)})",
-    )
-    parser.add_argument(
-        "--runs",
-        type=_positive_int,
-        default=RUNS,
-        help=f"independent tuning runs per mode (default {RUNS})",
-    )
-    parser.add_argument(
-        "--tie-tolerance",
-        type=_tie_tolerance,
-        default=None,
-        help="TuningPolicy(tie_tolerance=F); default: the policy's own default",
-    )
-    parser.add_argument(
-        "--variant",
-        type=parse_variant,
-        action="append",
-        default=[],
-        metavar="NAME:KEY=VALUE,...",
-        help="also tune with the graph timer and these TuningPolicy keywords (GraphTimer ones "
-        "prefixed timer., e.g. timer.replays=5), "
-        "reported like a mode named NAME (repeatable), e.g. "
-        "sets1:input_sets=1,tie_floor_us=0",
-    )
-    parser.add_argument(
-        "--truth-sets",
-        type=_positive_int,
-        default=TRUTH_SETS,
-        help="fresh input sets each truth is measured on; a candidate's truth "
-        f"is the median over them (default {TRUTH_SETS})",
-    )
-    parser.add_argument("--only", default=None, help="run cases whose label contains this text")
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.cupti_calls = min(args.cupti_calls, 20)
-    names = [name for name, _ in args.variant]
-    clash = sorted({n for n in names if names.count(n) > 1 or n in MODES})
-    if clash:
-        parser.error(f"--variant names must be unique and not a mode name: {clash}")
-    args.variants = dict(args.variant)
-    args.modes = tuple(args.modes) + tuple(n for n in names if n not in args.modes)
-    return args
-
-
-def options(args: argparse.Namespace) -> dict[str, Any]:
-    """The options a result was measured with, for the JSON file."""
-    return {
-        "modes": list(args.modes),
-        "variants": getattr(args, "variants", {}),
-        "truth_sets": getattr(args, "truth_sets", 1),
-        "runs": args.runs,
-        "tie_tolerance": args.tie_tolerance,
-        "cupti_calls": args.cupti_calls,
-        "cupti_graph_replays": args.cupti_graph_replays,
-        "quick": args.quick,
-        "only": args.only,
-    }
-
-
 def main(argv: list[str] | None = None) -> int:
     """Runs the benchmark; returns the exit status (2 without CUDA, 1 if a target failed)."""
-    args = parse_args(argv)
+    args = parse_args(argv, __doc__.split("\n\n")[0])
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",

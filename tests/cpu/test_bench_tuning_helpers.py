@@ -1,14 +1,13 @@
-"""benchmarks/tuning.py (and its scoring, _tuning_scores.py), without a GPU.
+"""benchmarks/tuning.py's scoring (_tuning_scores.py), without a GPU.
 
-The pure helpers (Spearman, regret under both truths, summary and targets, option errors) run on
-synthetic data. The GPU paths (``run_case``, ``main``) run against fakes of CUPTI and the timer,
-so their control flow, bookkeeping and output are checked here before the script reaches the
-H200. The toolkit they measure with (graphtune.bench) is tested in test_bench_toolkit.py.
+The pure helpers (Spearman, regret under both truths, summary and targets, what the tuner
+measured) run on synthetic data; the options and the GPU paths against fakes are in
+test_bench_tuning_run.py. The toolkit they measure with (graphtune.bench) is tested in
+test_bench_toolkit.py.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 from pathlib import Path
@@ -16,22 +15,12 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-import torch
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 if str(BENCHMARKS) not in sys.path:
     sys.path.insert(0, str(BENCHMARKS))
 
 import _tuning_scores as scores  # noqa: E402
-import tuning as bench  # noqa: E402
-
-from graphtune.autotuner import (  # noqa: E402
-    AutoTuner,
-    DynamicTensorSpec,
-    TunableRunner,
-    TuningConfig,
-)
-from graphtune.autotuner.timing.base import Measurement  # noqa: E402
 
 SPLIT_K = {"bm": 16, "bn": 32, "bk": 128, "warps": 4, "stages": 4, "split_k": 4}
 
@@ -341,295 +330,6 @@ def test_real_profile_record_matches_when_the_tuner_has_history():
     assert scores.attach_tuner_times(truth, "events", record) == 0
     assert truth[0]["tuner_us"]["events"] == pytest.approx(5.0)
     assert truth[1]["tuner_detail"]["events"]["samples"] == 2
-
-
-# --- options -----------------------------------------------------------------------------------
-
-
-def test_parse_args_defaults_and_values():
-    args = bench.parse_args([])
-    assert args.modes == scores.MODES and args.runs == 3
-    assert args.tie_tolerance is None and args.cupti_graph_replays == 20
-    assert bench.tuner_kwargs(args) == {}
-    args = bench.parse_args(
-        [
-            "--modes",
-            " events,graph,events ",
-            "--runs",
-            "5",
-            "--tie-tolerance",
-            "0.01",
-            "--cupti-graph-replays",
-            "7",
-        ]
-    )
-    assert args.modes == ("events", "graph")
-    assert bench.tuner_kwargs(args) == {"tie_tolerance": 0.01}
-    opts = bench.options(args)
-    assert opts["modes"] == ["events", "graph"] and opts["runs"] == 5
-    assert opts["tie_tolerance"] == 0.01 and opts["cupti_graph_replays"] == 7
-    json.dumps(opts)  # goes into the result file
-
-
-def test_variants_are_extra_graph_modes_with_their_own_tuner_keywords():
-    args = bench.parse_args(
-        [
-            "--modes",
-            "graph",
-            "--tie-tolerance",
-            "0.01",
-            "--variant",
-            "sets3:input_sets=3,tie_floor_us=0.02",
-            "--variant",
-            "plain:",
-            "--truth-sets",
-            "2",
-        ]
-    )
-    assert args.modes == ("graph", "sets3", "plain") and args.truth_sets == 2
-    assert bench.tuner_kwargs(args, "graph") == {"tie_tolerance": 0.01}
-    assert bench.tuner_kwargs(args, "sets3") == {
-        "tie_tolerance": 0.01,
-        "input_sets": 3,
-        "tie_floor_us": 0.02,
-    }
-    assert bench.timer_name("sets3") == "graph" and bench.timer_name("events") == "events"
-    assert bench.options(args)["variants"]["sets3"] == {"input_sets": 3, "tie_floor_us": 0.02}
-    assert bench.parse_variant("x:mode=fast") == ("x", {"mode": "fast"})  # not JSON: text
-    assert bench.parse_args([]).truth_sets == bench.TRUTH_SETS
-
-
-@pytest.mark.parametrize(
-    ("argv", "message"),
-    [
-        (["--variant", ":input_sets=3"], "give NAME:KEY=VALUE"),
-        (["--variant", "a:input_sets"], "is not KEY=VALUE"),
-        (["--variant", "graph:input_sets=3"], "not a mode name"),
-        (["--variant", "a:", "--variant", "a:input_sets=2"], "must be unique"),
-        (["--truth-sets", "0"], "expected an integer >= 1"),
-    ],
-)
-def test_variant_errors(argv, message, capsys):
-    with pytest.raises(SystemExit):
-        bench.parse_args(argv)
-    assert message in capsys.readouterr().err
-
-
-@pytest.mark.parametrize(
-    ("argv", "message"),
-    [
-        (["--modes", "graph,cupti"], "unknown timing mode(s) 'cupti'"),
-        (["--modes", ","], "no timing mode given"),
-        (["--runs", "0"], "expected an integer >= 1"),
-        (["--runs", "two"], "expected an integer >= 1"),
-        (["--tie-tolerance", "1.5"], "expected a number in [0, 1)"),
-        (["--tie-tolerance", "-0.1"], "expected a number in [0, 1)"),
-        (["--cupti-graph-replays", "0"], "expected an integer >= 1"),
-    ],
-)
-def test_parse_args_errors(argv, message, capsys):
-    with pytest.raises(SystemExit) as exc:
-        bench.parse_args(argv)
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
-    assert message in err
-    if "unknown" in message:
-        assert "graph, events, wallclock" in err  # names the valid modes
-
-
-# --- run_case and main against fakes -----------------------------------------------------------
-
-KEY = scores.candidate_key
-
-
-class State:
-    def __init__(self) -> None:
-        self.clock_us = 0.0
-        self.last: str | None = None
-
-
-#: (kernel sum, in-graph, what the fake tuner timer reads) per candidate key.
-COSTS = {
-    KEY(0, -1): (4.78, 5.00, 5.02),
-    KEY(1, dict(SPLIT_K, split_k=1)): (6.00, 6.20, 6.25),
-    KEY(1, SPLIT_K): (4.61, 5.40, 5.45),
-}
-BROKEN = dict(SPLIT_K, bm=32)
-
-
-class CostRunner(TunableRunner):
-    def __init__(self, index: int, tactics: list[Any], state: State) -> None:
-        self.index, self.tactics, self.state = index, tactics, state
-
-    def get_valid_tactics(self, inputs: list[Any], profile: Any) -> list[Any]:
-        return list(self.tactics)
-
-    def forward(self, inputs: list[Any], tactic: Any = -1) -> Any:
-        key = KEY(self.index, tactic)
-        if key not in COSTS:
-            raise RuntimeError(f"tactic {tactic} does not support this shape")
-        self.state.last = key
-        self.state.clock_us += COSTS[key][2]
-        return inputs[0]
-
-    def cache_key_extras(self) -> tuple[Any, ...]:
-        return (self.index,)
-
-
-class CostTimer:
-    name = "fake"
-
-    def __init__(self, state: State) -> None:
-        self.state = state
-
-    def measure(self, fn, *, warmup: int, repeat: int) -> Measurement:
-        for i in range(max(1, warmup)):
-            fn(i)
-        start = self.state.clock_us
-        for i in range(repeat):
-            fn(i)
-        per_call = (self.state.clock_us - start) / repeat
-        return Measurement.from_samples([per_call] * 3, calls_per_sample=repeat, timer=self.name)
-
-
-def fake_case(state: State, *, broken_build: bool = False) -> bench.Case:
-    def build(device: torch.device, m: int):
-        if broken_build:
-            raise RuntimeError("out of memory")
-        runners = (
-            CostRunner(0, [-1], state),
-            CostRunner(1, [dict(SPLIT_K, split_k=1), dict(SPLIT_K), BROKEN], state),
-        )
-        config = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0, (m,)),), warmup=1, repeat=2)
-        return "fake_gemm", runners, config, [torch.randn(m, 8)]
-
-    return bench.Case("gemm", "broken" if broken_build else "o_proj 2048->2048", 16, build)
-
-
-@pytest.fixture
-def fake_gpu(monkeypatch):
-    """CUPTI, the timers and torch.cuda.synchronize replaced by fakes driven by COSTS."""
-    import graphtune.autotuner.timing as timing
-
-    state = State()
-
-    def kernel_time(call, *, calls, warmup):
-        call(0)
-        ks = COSTS[state.last][0]
-        return SimpleNamespace(per_call_us=ks, kernels_per_call=2 if ks == 4.61 else 1)
-
-    def graph_time(call, *, replays, warmup, estimate_us):
-        assert replays == 4 and estimate_us is not None
-        call(0)
-        ig = COSTS[state.last][1]
-        kernels = 2 if estimate_us == 4.61 else 1
-        return SimpleNamespace(
-            per_call_us=ig,
-            kernels_per_call=kernels,
-            as_dict=lambda: {"per_call_us": ig, "kernels_per_call": kernels},
-        )
-
-    def resolve_timer(mode: str, device: Any):
-        if mode == "wallclock":
-            raise RuntimeError("wallclock timer broke")
-        return CostTimer(state)
-
-    monkeypatch.setattr(bench._common, "cupti_kernel_time", kernel_time)
-    monkeypatch.setattr(bench._common, "cupti_graph_time", graph_time)
-    monkeypatch.setattr(timing, "resolve_timer", resolve_timer)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args, **kwargs: None)
-    return state
-
-
-def test_run_case_records_both_truths_tuner_times_and_survives_failures(fake_gpu):
-    args = bench.parse_args(
-        ["--modes", "graph,events,wallclock", "--runs", "2", "--cupti-graph-replays", "4"]
-    )
-    record = bench.run_case(fake_case(fake_gpu), torch.device("cpu"), args)
-    assert record["error"] is None and record["n_candidates"] == 4
-    by_key = {KEY(c["runner_index"], c["tactic"]): c for c in record["candidates"]}
-    broken = by_key[KEY(1, BROKEN)]
-    assert broken["cupti_us"] == math.inf and "does not support" in broken["cupti_error"]
-    assert broken["cupti_graph_us"] == math.inf and "skipped" in broken["cupti_graph_error"]
-    assert by_key[KEY(1, SPLIT_K)]["cupti_graph"]["kernels_per_call"] == 2
-    # Each truth is the median over --truth-sets (default 3) fresh input sets.
-    assert len(by_key[KEY(0, -1)]["cupti_graph_us_sets"]) == bench.TRUTH_SETS
-    assert broken["cupti_us_sets"] == [] and record["truth_noise_graph"] == 0.0
-    assert record["best"]["tactic"] == SPLIT_K  # kernel sum: split-K
-    assert record["best_graph"]["tactic"] == -1  # in-graph: cuBLAS
-    graph = record["modes"]["graph"]
-    assert [p["runner_index"] for p in graph["picks"]] == [0, 0]
-    assert graph["regrets"] == pytest.approx([4.78 / 4.61 - 1] * 2)
-    assert graph["regret"] == pytest.approx(4.78 / 4.61 - 1)
-    assert graph["regrets_graph"] == [0.0, 0.0] and graph["regret_graph"] == 0.0
-    assert graph["agree"] is True and len(graph["ms_per_tactic"]) == 2
-    assert "error" in record["modes"]["wallclock"]  # one failing mode keeps the others
-    assert record["modes"]["events"]["regret_graph"] == 0.0
-    if hasattr(AutoTuner(), "history"):
-        assert len(graph["tie_bands"]) == 2 and all(b is not None for b in graph["tie_bands"])
-        assert by_key[KEY(0, -1)]["tuner_us"]["graph"] == pytest.approx(5.02)
-        assert by_key[KEY(1, SPLIT_K)]["tuner_spread"]["events"] == 0.0
-        assert record["spearman"]["graph"]["graph_truth"] == pytest.approx(1.0)
-        # tuner ranks (1, 3, 2), kernel-sum ranks (2, 3, 1): 1 - 6 * 2 / (3 * 8)
-        assert record["spearman"]["graph"]["kernel_sum_truth"] == pytest.approx(0.5)
-    else:  # an older tuner: nothing recorded, nothing broken
-        assert graph["tie_bands"] == [None, None] and record["spearman"] == {}
-    summary = scores.summarize([record], args.modes)
-    assert summary["graph"]["share_regret_le_1pct_graph_truth"] == 1.0
-    assert summary["wallclock"]["mode_errors"] == 1
-    scores.table([record], args.modes)
-
-
-def test_main_writes_options_and_keeps_every_case(fake_gpu, monkeypatch, tmp_path, capsys):
-    import graphtune.ops
-
-    monkeypatch.setattr(bench._common, "require_cuda_or_exit", lambda script: torch.device("cpu"))
-    monkeypatch.setattr(
-        bench._common,
-        "provenance",
-        lambda commit, device: {
-            "gpu": "Fake",
-            "gpu_slug": "fake",
-            "compute_capability": "0.0",
-            "torch": "x",
-            "cuda": None,
-            "triton": None,
-            "commit": "abc",
-        },
-    )
-    monkeypatch.setattr(graphtune.ops, "triton_available", lambda: True)
-    monkeypatch.setattr(
-        bench, "cases", lambda quick: [fake_case(fake_gpu, broken_build=True), fake_case(fake_gpu)]
-    )
-    status = bench.main(
-        [
-            "--out",
-            str(tmp_path),
-            "--modes",
-            "graph,wallclock",
-            "--runs",
-            "2",
-            "--cupti-graph-replays",
-            "4",
-            "--tie-tolerance",
-            "0.01",
-        ]
-    )
-    assert status == 1  # 3.7% kernel-sum regret and one failed case
-    data = json.loads((tmp_path / "tuning-fake.json").read_text())
-    assert data["options"]["modes"] == ["graph", "wallclock"]
-    assert data["options"]["tie_tolerance"] == 0.01
-    assert data["options"]["tuner_tie_tolerance"] == 0.01
-    assert [c["error"] is None for c in data["cases"]] == [False, True]
-    assert data["summary"]["all_pass"] is False
-    assert data["summary"]["all_pass_graph_truth"] is False  # the failed case counts
-    assert data["summary"]["targets"]["graph_regret_le_1pct_in_95pct_graph_truth"] is True
-    assert data["cases"][1]["modes"]["wallclock"]["error"].startswith("RuntimeError")
-    out = capsys.readouterr().out
-    line = next(ln for ln in out.splitlines() if ln.startswith('{"bench": "tuning"'))
-    final = json.loads(line)
-    assert final["all_pass"] is False and "graph" in final and "events" not in final
-    assert "graph ig" in out  # the table comes after the JSON line
 
 
 def test_short_tactic_labels_every_runner_family():

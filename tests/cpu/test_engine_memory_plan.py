@@ -203,3 +203,38 @@ def test_tensor_parallel_shards_are_refused():
             gpu_memory_utilization=0.5,
             memory_report=FakeMemoryReport(1 << 30, 0),
         )
+
+
+class GrowingInUseReport(FakeMemoryReport):
+    """A device where ``grow`` more bytes are in use after every ``settle``: the engine's start
+    takes more than it planned (as when allocator caches of earlier work cannot be returned)."""
+
+    def __init__(self, total: int, in_use: int, grow: int) -> None:
+        super().__init__(total, in_use)
+        self.grow = grow
+
+    def settle(self) -> None:
+        super().settle()
+        self.in_use += self.grow
+
+
+def test_an_engine_over_its_budget_after_start_up_says_so(caplog):
+    model = load_model("tiny")
+    fine = Engine(
+        model,
+        runner="eager",
+        max_seq_len=SEQ,
+        gpu_memory_utilization=0.5,
+        memory_report=FakeMemoryReport(1 << 30, 1 << 28),
+    )
+    assert fine.memory_plan.over_budget_bytes == 0
+    assert "over the budget" not in caplog.text
+    report = GrowingInUseReport(1 << 30, 1 << 28, grow=1 << 26)
+    engine = Engine(
+        model, runner="eager", max_seq_len=SEQ, gpu_memory_utilization=0.5, memory_report=report
+    )
+    plan = engine.memory_plan
+    assert plan.over_budget_bytes > 0.01 * plan.budget_bytes
+    assert plan.over_budget_bytes == plan.measured_in_use_bytes - plan.budget_bytes
+    assert "over the budget of gpu_memory_utilization=0.5" in caplog.text
+    assert "measured in use after start-up" in caplog.text  # the table comes with it

@@ -39,6 +39,9 @@ from graphtune.reporting import render_table
 logger = logging.getLogger(__name__)
 
 _MIB = 1024 * 1024
+#: Share of the budget the device may be over after start-up before :meth:`MemoryPlan.measured`
+#: warns (allocator rounding and per-stream workspaces are not planned, byte for byte).
+OVER_BUDGET_TOLERANCE = 0.01
 
 
 class MemoryReport(Protocol):
@@ -166,10 +169,33 @@ class MemoryPlan:
         return self.budget_bytes - used - profile.graph_bytes - self.kv_bytes
 
     def measured(self, report: MemoryReport) -> MemoryPlan:
-        """This plan with the device bytes in use now (after start-up) from ``report``."""
+        """This plan with the device bytes in use now (after start-up) from ``report``.
+
+        Logs a warning with the plan's table when more than :data:`OVER_BUDGET_TOLERANCE` of
+        the budget is in use beyond it, so an engine never exceeds its budget silently.
+        """
         report.settle()
         free, total = report.device_bytes()
-        return replace(self, measured_in_use_bytes=total - free)
+        plan = replace(self, measured_in_use_bytes=total - free)
+        if plan.over_budget_bytes > OVER_BUDGET_TOLERANCE * plan.budget_bytes:
+            logger.warning(
+                "memory plan: %.0f MiB in use after start-up, %.0f MiB over the budget of "
+                "gpu_memory_utilization=%g. Memory this process held before the engine started "
+                "(allocator caches of earlier GPU work that it could not return) is a usual "
+                "cause; start the engine in a fresh process or lower gpu_memory_utilization.\n%s",
+                plan.measured_in_use_bytes / _MIB,
+                plan.over_budget_bytes / _MIB,
+                plan.fraction,
+                plan.table(),
+            )
+        return plan
+
+    @property
+    def over_budget_bytes(self) -> int:
+        """Bytes in use after start-up beyond the budget (0 before :meth:`measured`)."""
+        if self.measured_in_use_bytes is None:
+            return 0
+        return max(0, self.measured_in_use_bytes - self.budget_bytes)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-friendly numbers (bytes)."""

@@ -18,14 +18,17 @@ strong one would keep every tuner alive); a runner sent to a worker process
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
 
+from graphtune.autotuner.config import DynamicTensorSpec, TuningConfig
 from graphtune.autotuner.context import get_tuner
 from graphtune.autotuner.runner import FALLBACK_TACTIC, TunableRunner
 from graphtune.autotuner.tuner import AutoTuner
+from graphtune.ops._triton import triton_available
 
 _RUNNERS: weakref.WeakKeyDictionary[AutoTuner, dict[tuple[Any, ...], tuple[TunableRunner, ...]]]
 _RUNNERS = weakref.WeakKeyDictionary()
@@ -46,6 +49,32 @@ def runners_for(
         if found is None:
             found = per_tuner[key] = build()
         return found
+
+
+def unfused_then_triton(
+    tuner: AutoTuner | None,
+    op: str,
+    unfused: Callable[[AutoTuner, int | None, bool], TunableRunner],
+    triton: Callable[[], TunableRunner],
+    max_m: int | None,
+    cold_l2: bool,
+) -> tuple[TunableRunner, ...]:
+    """The runners of a fused op for one tuner, built once (:func:`runners_for`): the unfused
+    path first (the fallback), then the Triton runner when Triton is importable."""
+    tuner = resolve(tuner)
+
+    def build() -> tuple[TunableRunner, ...]:
+        first = unfused(tuner, max_m, cold_l2)
+        return (first, triton()) if triton_available() else (first,)
+
+    return runners_for(tuner, (op, max_m, cold_l2), build)
+
+
+@functools.lru_cache(maxsize=16)
+def rows_config(max_m: int | None = None, cold_l2: bool = False) -> TuningConfig:
+    """The rows of input 0 bucketed (the fused ops whose only dynamic dimension is there);
+    ``cold_l2`` as for ``graphtune.ops.gemm.gemm_config``."""
+    return TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0),), max_value=max_m, cold_l2=cold_l2)
 
 
 class UnfusedRunner(TunableRunner):

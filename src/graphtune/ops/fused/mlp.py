@@ -14,19 +14,17 @@ tactics.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 
 from graphtune.autotuner.calls import CallRecord
-from graphtune.autotuner.config import DynamicTensorSpec, TuningConfig
+from graphtune.autotuner.config import TuningConfig
 from graphtune.autotuner.runner import TunableRunner
 from graphtune.autotuner.tuner import AutoTuner
 from graphtune.errors import ConfigError, InputError
-from graphtune.ops._triton import device_limits, triton_available
 from graphtune.ops.activation import silu_and_mul, torch_silu_and_mul
-from graphtune.ops.fused._base import UnfusedRunner, resolve, runners_for
+from graphtune.ops.fused._base import UnfusedRunner, resolve, rows_config, unfused_then_triton
 from graphtune.ops.fused_gemv import FusedTritonRunner
 from graphtune.ops.fused_gemv.family import (
     SILU,
@@ -79,18 +77,8 @@ class UnfusedNormGateUpSilu(UnfusedRunner):
 class TritonNormGateUpSilu(FusedTritonRunner):
     """The fused kernel; tactic ``-1`` is the unfused torch code.
 
-    Args:
-        sm_count: Override the device's SM count (tests, or to tune for another GPU).
-        compile_workers: Threads for ahead-of-time compilation.
+    Args: as :class:`~graphtune.ops.fused_gemv.FusedTritonRunner`.
     """
-
-    def __init__(self, *, sm_count: int | None = None, compile_workers: int | None = None) -> None:
-        super().__init__(compile_workers=compile_workers)
-        self.sm_count = sm_count
-
-    def cache_key_extras(self) -> tuple[Any, ...]:
-        """An SM-count override changes the candidates."""
-        return () if self.sm_count is None else ({"sm": self.sm_count},)
 
     def supports(self, inputs: list[Any]) -> bool:
         """Unit last strides, one float dtype (the norm weight may differ), a Triton device."""
@@ -102,7 +90,7 @@ class TritonNormGateUpSilu(FusedTritonRunner):
         x, _, w_gate_up, _ = inputs
         inter = w_gate_up.shape[0] // 2
         shape = GemvShape(SILU, x.shape[0], inter, 1, x.shape[1], w_gate_up.element_size())
-        sms = self.sm_count or device_limits(x.device)[1]
+        sms = self.sm_count_for(x.device)
         return fused_gemv_tactics(shape, sm_count=sms)
 
     def torch_forward(self, inputs: list[Any]) -> torch.Tensor:
@@ -134,19 +122,14 @@ def norm_gate_up_silu_runners(
     *, tuner: AutoTuner | None = None, max_m: int | None = None, cold_l2: bool = False
 ) -> tuple[TunableRunner, ...]:
     """The runners for one tuner: unfused first (fallback), then Triton when importable."""
-    tuner = resolve(tuner)
-
-    def build() -> tuple[TunableRunner, ...]:
-        first = UnfusedNormGateUpSilu(tuner, max_m, cold_l2)
-        return (first, TritonNormGateUpSilu()) if triton_available() else (first,)
-
-    return runners_for(tuner, (OP_NAME, max_m, cold_l2), build)
+    return unfused_then_triton(
+        tuner, OP_NAME, UnfusedNormGateUpSilu, TritonNormGateUpSilu, max_m, cold_l2
+    )
 
 
-@functools.lru_cache(maxsize=16)
 def norm_gate_up_silu_config(max_m: int | None = None, cold_l2: bool = False) -> TuningConfig:
-    """Rows of ``x`` bucketed; ``cold_l2`` as for ``graphtune.ops.gemm.gemm_config``."""
-    return TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0),), max_value=max_m, cold_l2=cold_l2)
+    """Rows of ``x`` bucketed (:func:`graphtune.ops.fused._base.rows_config`)."""
+    return rows_config(max_m, cold_l2)
 
 
 def norm_gate_up_silu(

@@ -29,8 +29,7 @@ from graphtune.autotuner.config import ConstraintSpec, DynamicTensorSpec, Tuning
 from graphtune.autotuner.runner import TunableRunner
 from graphtune.autotuner.tuner import AutoTuner
 from graphtune.errors import ConfigError, InputError
-from graphtune.ops._triton import device_limits, triton_available
-from graphtune.ops.fused._base import UnfusedRunner, resolve, runners_for
+from graphtune.ops.fused._base import UnfusedRunner, resolve, rows_config, unfused_then_triton
 from graphtune.ops.fused_gemv import FusedTritonRunner
 from graphtune.ops.fused_gemv.family import (
     PLAIN,
@@ -48,20 +47,12 @@ NORM_LINEAR = "graphtune.norm_linear"
 
 
 class _PlainTriton(FusedTritonRunner):
-    """What both plain fused runners share: the SM override and the tactic list."""
-
-    def __init__(self, *, sm_count: int | None = None, compile_workers: int | None = None) -> None:
-        super().__init__(compile_workers=compile_workers)
-        self.sm_count = sm_count
-
-    def cache_key_extras(self) -> tuple[Any, ...]:
-        """An SM-count override changes the candidates."""
-        return () if self.sm_count is None else ({"sm": self.sm_count},)
+    """What both plain fused runners share: the tactic list."""
 
     def plain_tactics(self, x: torch.Tensor, weight: torch.Tensor) -> list[Any]:
         """See :func:`graphtune.ops.fused_gemv.family.fused_gemv_tactics`."""
         shape = GemvShape(PLAIN, x.shape[0], weight.shape[0], 1, x.shape[1], weight.element_size())
-        sms = self.sm_count or device_limits(x.device)[1]
+        sms = self.sm_count_for(x.device)
         return fused_gemv_tactics(shape, sm_count=sms)
 
 
@@ -132,13 +123,9 @@ def add_projection_runners(
     *, tuner: AutoTuner | None = None, max_m: int | None = None, cold_l2: bool = False
 ) -> tuple[TunableRunner, ...]:
     """The runners for one tuner: unfused first (fallback), then Triton when importable."""
-    tuner = resolve(tuner)
-
-    def build() -> tuple[TunableRunner, ...]:
-        first = UnfusedAddProjection(tuner, max_m, cold_l2)
-        return (first, TritonAddProjection()) if triton_available() else (first,)
-
-    return runners_for(tuner, (ADD_PROJECTION, max_m, cold_l2), build)
+    return unfused_then_triton(
+        tuner, ADD_PROJECTION, UnfusedAddProjection, TritonAddProjection, max_m, cold_l2
+    )
 
 
 def _rows_of_a(shapes: Any) -> int:
@@ -263,19 +250,14 @@ def norm_linear_runners(
     *, tuner: AutoTuner | None = None, max_m: int | None = None, cold_l2: bool = False
 ) -> tuple[TunableRunner, ...]:
     """The runners for one tuner: unfused first (fallback), then Triton when importable."""
-    tuner = resolve(tuner)
-
-    def build() -> tuple[TunableRunner, ...]:
-        first = UnfusedNormLinear(tuner, max_m, cold_l2)
-        return (first, TritonNormLinear()) if triton_available() else (first,)
-
-    return runners_for(tuner, (NORM_LINEAR, max_m, cold_l2), build)
+    return unfused_then_triton(
+        tuner, NORM_LINEAR, UnfusedNormLinear, TritonNormLinear, max_m, cold_l2
+    )
 
 
-@functools.lru_cache(maxsize=16)
 def norm_linear_config(max_m: int | None = None, cold_l2: bool = False) -> TuningConfig:
-    """Rows of ``x`` bucketed; ``cold_l2`` as for the GEMM."""
-    return TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0),), max_value=max_m, cold_l2=cold_l2)
+    """Rows of ``x`` bucketed (:func:`graphtune.ops.fused._base.rows_config`)."""
+    return rows_config(max_m, cold_l2)
 
 
 def norm_linear(

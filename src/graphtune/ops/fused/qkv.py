@@ -32,7 +32,7 @@ from graphtune.autotuner.config import ConstraintSpec, DynamicTensorSpec, Tuning
 from graphtune.autotuner.runner import TunableRunner
 from graphtune.autotuner.tuner import AutoTuner
 from graphtune.errors import ConfigError, InputError
-from graphtune.ops._triton import device_limits, triton_available
+from graphtune.ops._triton import triton_available
 from graphtune.ops.fused._base import UnfusedRunner, resolve, runners_for
 from graphtune.ops.fused_gemv import FusedTritonRunner
 from graphtune.ops.fused_gemv.family import (
@@ -179,14 +179,12 @@ class TritonNormQkvRope(_QkvLayout, FusedTritonRunner):
         sm_count: int | None = None,
         compile_workers: int | None = None,
     ) -> None:
-        FusedTritonRunner.__init__(self, compile_workers=compile_workers)
+        FusedTritonRunner.__init__(self, sm_count=sm_count, compile_workers=compile_workers)
         self._init_layout(num_heads, num_kv_heads, signed_sin)
-        self.sm_count = sm_count
 
     def cache_key_extras(self) -> tuple[Any, ...]:
         """The head layout, and an SM-count override (it changes the candidates)."""
-        extras = _QkvLayout.cache_key_extras(self)
-        return extras if self.sm_count is None else (*extras, {"sm": self.sm_count})
+        return (*_QkvLayout.cache_key_extras(self), *FusedTritonRunner.cache_key_extras(self))
 
     def supports(self, inputs: list[Any]) -> bool:
         """Unit last strides, one float dtype (the norm weight may differ), a Triton device."""
@@ -210,7 +208,7 @@ class TritonNormQkvRope(_QkvLayout, FusedTritonRunner):
             x.shape[1],
             wqkv.element_size(),
         )
-        sms = self.sm_count or device_limits(x.device)[1]
+        sms = self.sm_count_for(x.device)
         return fused_gemv_tactics(shape, sm_count=sms)
 
     def torch_forward(self, inputs: list[Any]) -> torch.Tensor:

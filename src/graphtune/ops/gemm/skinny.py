@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 
-from graphtune.ops._triton import device_limits
 from graphtune.ops.fused_gemv import (
     PLAIN,
     FusedTritonRunner,
@@ -37,18 +36,8 @@ from graphtune.ops.gemm.common import (
 class TritonSkinnyGemmRunner(FusedTritonRunner):
     """Swapped-operand tensor-core GEMM for ``M <= 16``; tactic ``-1`` is ``F.linear``.
 
-    Args:
-        sm_count: Override the device's SM count (tests, or to tune for another GPU).
-        compile_workers: Threads for ahead-of-time compilation.
+    Args: as :class:`~graphtune.ops.fused_gemv.FusedTritonRunner`.
     """
-
-    def __init__(self, *, sm_count: int | None = None, compile_workers: int | None = None) -> None:
-        super().__init__(compile_workers=compile_workers)
-        self.sm_count = sm_count
-
-    def cache_key_extras(self) -> tuple[Any, ...]:
-        """An SM-count override changes the candidates."""
-        return () if self.sm_count is None else ({"sm": self.sm_count},)
 
     def supports(self, inputs: list[Any]) -> bool:
         """The Triton GEMM's rules, and unit strides along ``K`` (the kernel assumes them)."""
@@ -59,7 +48,7 @@ class TritonSkinnyGemmRunner(FusedTritonRunner):
         """The ``dot=1`` tactics of :func:`graphtune.ops.fused_gemv.family.fused_gemv_tactics`."""
         a, weight = inputs[0], inputs[1]
         shape = GemvShape(PLAIN, a.shape[0], weight.shape[0], 1, a.shape[1], a.element_size())
-        sms = self.sm_count or device_limits(a.device)[1]
+        sms = self.sm_count_for(a.device)
         return [t for t in fused_gemv_tactics(shape, sm_count=sms) if t["dot"] == 1]
 
     def torch_forward(self, inputs: list[Any]) -> torch.Tensor:

@@ -28,7 +28,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -57,6 +57,30 @@ logger = logging.getLogger(__name__)
 NO_CUDA_NOTE = "CUDA is not available: CUDA graphs need CUDA, so only the eager step is timed."
 
 Inputs = list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class _Run:
+    """What every timed phase of one benchmark run reads (and the results it fills in)."""
+
+    step: DecodeStep
+    inputs: Inputs
+    results: list[BatchResult]
+    device: torch.device
+    cfg: DecodeBenchConfig
+    runners: tuple[str, ...]
+    report: DecodeBenchReport
+    log: Callable[[str], None]
+    bar: PhaseBar
+
+    @property
+    def sizes(self) -> list[int]:
+        """The batch sizes, ascending."""
+        return [r.batch_size for r in self.results]
+
+    def rows(self) -> Any:
+        """(inputs, result) per batch size."""
+        return zip(self.inputs, self.results, strict=True)
 
 
 Busy = tuple[float | None, float | None, list[dict[str, Any]], dict[str, dict[str, Any]]]
@@ -178,25 +202,15 @@ def run_decode_bench(
     labels = phase_labels(cfg, runners, device.type == "cuda")
     with progress(labels[0], len(labels), enabled=show_progress) as task:
         bar = PhaseBar(task, labels)
-        _run_phases(step, inputs, results, device, cfg, runners, report, log, tuner, bar)
+        run = _Run(step, inputs, results, device, cfg, runners, report, log, bar)
+        _run_phases(run, tuner)
     report.derive()
     return report
 
 
-def _run_phases(
-    step: DecodeStep,
-    inputs: Inputs,
-    results: list[BatchResult],
-    device: torch.device,
-    cfg: DecodeBenchConfig,
-    runners: tuple[str, ...],
-    report: DecodeBenchReport,
-    log: Callable[[str], None],
-    tuner: Any,
-    bar: PhaseBar,
-) -> None:
+def _run_phases(run: _Run, tuner: Any) -> None:
     """The timed phases, in the order of :func:`~graphtune.bench.decode_progress.phase_labels`."""
-    sizes = [r.batch_size for r in results]
+    step, cfg, device, report, log = run.step, run.cfg, run.device, run.report, run.log
     cache, mcfg = step.cache, step.model.config
     bandwidth = copy_bandwidth_gbps(device)
     report.copy_bandwidth_gbps = bandwidth
@@ -210,9 +224,9 @@ def _run_phases(
             "waiting for the other ranks."
         )
 
-    for args, result in zip(inputs, results, strict=True):
+    for args, result in run.rows():
         b = result.batch_size
-        if "eager" in runners:
+        if "eager" in run.runners:
             result.eager_ms = time_per_call_ms(
                 lambda a=args: step(*a), device, cfg.steps, cfg.repeats
             )
@@ -234,19 +248,19 @@ def _run_phases(
         if bandwidth:
             needed = read.total + b * (cfg.context + 1) * cache.bytes_per_token()
             result.floor_ms = bytes_floor_ms(needed, bandwidth)
-        if "eager" in runners:
-            bar.done()
+        if "eager" in run.runners:
+            run.bar.done()
 
-    if "graph" in runners:
-        _time_graph(step, inputs, results, sizes, device, cfg, report, log, bar)
+    if "graph" in run.runners:
+        _time_graph(run)
     if cfg.compare_compile and device.type == "cuda":
         log("timing torch.compile(mode='reduce-overhead') (compiles once per batch size)")
-        time_compiled(step, inputs, cfg, device, results, bar)
+        time_compiled(step, run.inputs, cfg, device, run.results, run.bar)
     if cfg.tune:
-        _time_tuned(step, inputs, results, sizes, device, cfg, runners, report, log, tuner, bar)
+        _time_tuned(run, tuner)
     if cfg.compare_hf:  # last: its logits check overwrites cache slots of the untuned step
-        time_hf(step, results, cfg, report, log)
-        bar.done()
+        time_hf(step, run.results, cfg, report, log)
+        run.bar.done()
 
 
 def _default_tuner(step: DecodeStep) -> Any:
@@ -259,19 +273,16 @@ def _default_tuner(step: DecodeStep) -> Any:
     )
 
 
-def _time_tuned(
-    step: DecodeStep,
-    inputs: Inputs,
-    results: list[BatchResult],
-    sizes: list[int],
-    device: torch.device,
-    cfg: DecodeBenchConfig,
-    runners: tuple[str, ...],
-    report: DecodeBenchReport,
-    log: Callable[[str], None],
-    tuner: Any,
-    bar: PhaseBar,
-) -> None:
+def _time_tuned(run: _Run, tuner: Any) -> None:
+    step, cfg, device, report, log, bar = (
+        run.step,
+        run.cfg,
+        run.device,
+        run.report,
+        run.log,
+        run.bar,
+    )
+    sizes = run.sizes
     tuner = tuner if tuner is not None else _default_tuner(step)
     tuned = build_step(
         step.model,
@@ -296,7 +307,7 @@ def _time_tuned(
     if step.parallel is not None:
         report.tuning_rank_agreement = rank_agreement(tuner, step.parallel)
         log(f"tuned picks identical on every rank: {100 * report.tuning_rank_agreement:.1f}%")
-    for args, result in zip(inputs, results, strict=True):
+    for args, result in run.rows():
         want = step(*args).float()
         got = tuned(*args).float()
         result.tuned_max_abs_diff = (got - want).abs().max().item()
@@ -308,12 +319,12 @@ def _time_tuned(
                 result.tuned_kernel_families,
             ) = _busy(lambda a=args: tuned(*a))
         bar.done()
-    if "graph" in runners:
+    if "graph" in run.runners:
         runner, seconds, _ = _capture(tuned, sizes, device, report)
         bar.done()
         report.tuned_capture_seconds = seconds
         try:
-            for args, result in zip(inputs, results, strict=True):
+            for args, result in run.rows():
                 result.tuned_graph_ms = time_per_call_ms(
                     lambda a=args: runner(*a), device, cfg.steps, cfg.repeats
                 )
@@ -322,14 +333,14 @@ def _time_tuned(
         finally:
             runner.release()
     else:
-        for args, result in zip(inputs, results, strict=True):
+        for args, result in run.rows():
             result.tuned_eager_ms = time_per_call_ms(
                 lambda a=args: tuned(*a), device, cfg.steps, cfg.repeats
             )
             log(f"batch {result.batch_size}: tuned eager {result.tuned_eager_ms:.3f} ms/step")
             bar.done()
     if cfg.compare_unfused:
-        _time_unfused(tuned, inputs, results, sizes, device, cfg, runners, report, log, bar)
+        _time_unfused(run, tuned)
     # Look-ups of shapes never tuned ran the torch fallback (should be none).
     report.tuning_fallbacks = dict(tuner.stats.fallbacks)
     if tuner.stats.fallbacks:
@@ -338,21 +349,11 @@ def _time_tuned(
         )
 
 
-def _time_unfused(
-    tuned: DecodeStep,
-    inputs: Inputs,
-    results: list[BatchResult],
-    sizes: list[int],
-    device: torch.device,
-    cfg: DecodeBenchConfig,
-    runners: tuple[str, ...],
-    report: DecodeBenchReport,
-    log: Callable[[str], None],
-    bar: PhaseBar,
-) -> None:
+def _time_unfused(run: _Run, tuned: DecodeStep) -> None:
     """The tuned step with its stages unfused (the step as tuned before the fused ops), on the
     same tuner's picks (``tune_step`` tuned every single op first), timed as the tuned step is:
     through its own graphs on CUDA, else eagerly."""
+    cfg, device = run.cfg, run.device
     unfused = build_step(
         tuned.model,
         tuned.cache,
@@ -361,24 +362,24 @@ def _time_unfused(
         reducer=getattr(tuned, "reducer", None),
         fused=False,
     )
-    graph = "graph" in runners
-    runner = _capture(unfused, sizes, device, report)[0] if graph else None
+    graph = "graph" in run.runners
+    runner = _capture(unfused, run.sizes, device, run.report)[0] if graph else None
     if runner is not None:
-        bar.done()
+        run.bar.done()
     call = runner if runner is not None else unfused
     try:
-        for args, result in zip(inputs, results, strict=True):
+        for args, result in run.rows():
             result.tuned_unfused_ms = time_per_call_ms(
                 lambda a=args: call(*a), device, cfg.steps, cfg.repeats
             )
             if device.type == "cuda" and cfg.tp == 1:
                 result.tuned_unfused_kernels_per_step = _busy(lambda a=args: unfused(*a))[1]
             kind = "graph" if graph else "eager"
-            log(
+            run.log(
                 f"batch {result.batch_size}: tuned unfused {kind} "
                 f"{result.tuned_unfused_ms:.3f} ms/step"
             )
-            bar.done()
+            run.bar.done()
     finally:
         if runner is not None:
             runner.release()
@@ -428,25 +429,23 @@ def _capture(
     return runner, seconds, mib
 
 
-def _time_graph(
-    step: DecodeStep,
-    inputs: Inputs,
-    results: list[BatchResult],
-    sizes: list[int],
-    device: torch.device,
-    cfg: DecodeBenchConfig,
-    report: DecodeBenchReport,
-    log: Callable[[str], None],
-    bar: PhaseBar,
-) -> None:
+def _time_graph(run: _Run) -> None:
+    step, cfg, device, report, log, sizes = (
+        run.step,
+        run.cfg,
+        run.device,
+        run.report,
+        run.log,
+        run.sizes,
+    )
     runner, report.capture_seconds, report.graph_mib = _capture(step, sizes, device, report)
-    bar.done()
+    run.bar.done()
     stats = runner.stats
     log(
         f"captured {len(sizes)} sizes in {report.capture_seconds:.2f} s, {report.graph_mib:.0f} MiB"
     )
     try:
-        for args, result in zip(inputs, results, strict=True):
+        for args, result in run.rows():
             # Same inputs, same cache position: the replay must reproduce the eager logits.
             want = step(*args).float()
             got = runner(*args).float()
@@ -455,7 +454,7 @@ def _time_graph(
                 lambda a=args: runner(*a), device, cfg.steps, cfg.repeats
             )
             log(f"batch {result.batch_size}: graph {result.graph_ms:.3f} ms/step")
-            bar.done()
+            run.bar.done()
         report.runner_stats = stats.table()
         report.runner_stats_detail = stats.as_dict()
     finally:

@@ -7,74 +7,64 @@ sizes of published checkpoints (their ``config.json``) for benchmarks.
 
 from __future__ import annotations
 
+from typing import Any
+
 from graphtune.engine.config import ModelConfig, RopeScaling
 from graphtune.errors import ConfigError
 
 _LLAMA3_SCALING = RopeScaling("llama3", 32.0, 1.0, 4.0, 8192)
 
+
+def _tiny(name: str, architecture: str, **fields: Any) -> ModelConfig:
+    """A model for CPU tests: 2 layers of width 64 (MLP 128), 4 heads, a vocabulary of 256 and
+    end-of-sequence id 2, unless ``fields`` says otherwise."""
+    tiny: dict[str, Any] = {
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_layers": 2,
+        "num_heads": 4,
+        "max_position_embeddings": 2048,
+        "eos_token_ids": (2,),
+    }
+    return ModelConfig(name=name, architecture=architecture, **{**tiny, **fields})
+
+
 PRESETS: dict[str, ModelConfig] = {
-    "tiny": ModelConfig(
-        name="tiny",
-        architecture="llama",
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
+    "tiny": _tiny(
+        "tiny",
+        "llama",
         num_kv_heads=2,
         rms_norm_eps=1e-5,
         rope_theta=10000.0,
-        max_position_embeddings=2048,
         bos_token_id=1,
-        eos_token_ids=(2,),
     ),
-    "qwen2-tiny": ModelConfig(
-        name="qwen2-tiny",
-        architecture="qwen2",
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
+    "qwen2-tiny": _tiny(
+        "qwen2-tiny",
+        "qwen2",
         num_kv_heads=2,
         rms_norm_eps=1e-6,
         rope_theta=1000000.0,
-        max_position_embeddings=2048,
         tie_word_embeddings=True,
         attention_bias=True,
-        eos_token_ids=(2,),
     ),
-    "mistral-tiny": ModelConfig(
-        name="mistral-tiny",
-        architecture="mistral",
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
+    "mistral-tiny": _tiny(
+        "mistral-tiny",
+        "mistral",
         num_kv_heads=1,
         rms_norm_eps=1e-5,
         rope_theta=1000000.0,
-        max_position_embeddings=2048,
         sliding_window=32,
         bos_token_id=1,
-        eos_token_ids=(2,),
     ),
-    "qwen3-tiny": ModelConfig(
-        name="qwen3-tiny",
-        architecture="qwen3",
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
+    "qwen3-tiny": _tiny(
+        "qwen3-tiny",
+        "qwen3",
         num_kv_heads=2,
         head_dim=32,
         rms_norm_eps=1e-6,
         rope_theta=1000000.0,
-        max_position_embeddings=2048,
         tie_word_embeddings=True,
-        eos_token_ids=(2,),
         qk_norm=True,
     ),
     # The shape of Llama-3.2-1B: 16 layers, GQA 32/8, tied embeddings, Llama-3 RoPE scaling.
@@ -150,40 +140,27 @@ PRESETS: dict[str, ModelConfig] = {
     ),
     # Mixture-of-experts models for CPU tests: Qwen3-MoE (q/k norm, a head_dim that is not
     # hidden / heads) and Mixtral.
-    "qwen3-moe-tiny": ModelConfig(
-        name="qwen3-moe-tiny",
-        architecture="qwen3_moe",
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
+    "qwen3-moe-tiny": _tiny(
+        "qwen3-moe-tiny",
+        "qwen3_moe",
         num_kv_heads=2,
         head_dim=32,
         rms_norm_eps=1e-6,
         rope_theta=1000000.0,
-        max_position_embeddings=2048,
-        eos_token_ids=(2,),
         qk_norm=True,
         num_experts=8,
         num_experts_per_tok=2,
         moe_intermediate_size=32,
         norm_topk_prob=True,
     ),
-    "mixtral-tiny": ModelConfig(
-        name="mixtral-tiny",
-        architecture="mixtral",
-        vocab_size=256,
-        hidden_size=64,
+    "mixtral-tiny": _tiny(
+        "mixtral-tiny",
+        "mixtral",
         intermediate_size=64,
-        num_layers=2,
-        num_heads=4,
         num_kv_heads=2,
         rms_norm_eps=1e-5,
         rope_theta=1000000.0,
-        max_position_embeddings=2048,
         bos_token_id=1,
-        eos_token_ids=(2,),
         num_experts=4,
         num_experts_per_tok=2,
         moe_intermediate_size=64,

@@ -5,7 +5,7 @@ Usage (on a GPU machine, from the repository root):
 
     PYTHONPATH=src python3 benchmarks/tuning_time.py --out benchmarks/results
         [--model llama-1b-shape] [--max-batch 128] [--max-seq-len 2048] [--commit SHA]
-        [--tune-step MODULE:FUNCTION]
+        [--tune-step MODULE:FUNCTION] [--keep-caches DIR]
 
 Every phase runs in a fresh process, so nothing survives in memory between them:
 
@@ -38,6 +38,7 @@ table last. Exits 2 without CUDA, 1 when a target fails.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
@@ -169,6 +170,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-prepare", action="store_true", help="no up-front compile")
     parser.add_argument("--compile-processes", type=int, default=None, metavar="N")
     parser.add_argument("--label", default=None, help="suffix of the result file name")
+    parser.add_argument(
+        "--keep-caches",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="keep the tuning cache and the Triton cache in DIR (default: a temporary folder)",
+    )
     parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: tests only
     parser.add_argument("--child", choices=("cold", "warm"), help=argparse.SUPPRESS)
     parser.add_argument("--cache", type=Path, default=None, help=argparse.SUPPRESS)
@@ -184,10 +192,14 @@ def main(argv: list[str] | None = None) -> int:
 
     device = bench.require_cuda_or_exit("benchmarks/tuning_time.py")
     prov = bench.provenance(args.commit, device)
-    with tempfile.TemporaryDirectory(prefix="graphtune-tuning-time-") as tmp:
-        args.cache = Path(tmp) / "tuning-cache.json"
-        triton_cache = Path(tmp) / "triton-cache"
-        triton_cache.mkdir()
+    with contextlib.ExitStack() as stack:
+        if args.keep_caches is None:
+            folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="graphtune-tt-")))
+        else:
+            folder = args.keep_caches
+        args.cache = folder / "tuning-cache.json"
+        triton_cache = folder / "triton-cache"
+        triton_cache.mkdir(parents=True, exist_ok=False)  # the cold phase needs it empty
         cold = run_phase("cold", args, triton_cache)
         warm = run_phase("warm", args, triton_cache)
     checks = {

@@ -43,10 +43,12 @@ def gemm_inputs(m: int, n: int = 32, k: int = 128) -> list[Any]:
 
 def test_prepare_all_compiles_each_distinct_binary_once() -> None:
     runner = TritonGemmRunner(compile_workers=2)
-    # M = 2 and M = 4 specialise alike (neither 1 nor a multiple of 16); M = 1 does not.
-    work = [(gemm_inputs(m), [TACTIC, SPLIT]) for m in (2, 4, 1)]
+    # The kernel does not specialise on M, so rows 1, 2, 16 and 40 share binaries; N = 24 (not a
+    # multiple of 16, unlike 32) specialises the strides differently and needs its own.
+    work = [(gemm_inputs(m), [TACTIC, SPLIT]) for m in (2, 16, 1, 40)]
+    work.append((gemm_inputs(2, n=24), [TACTIC, SPLIT]))
     runner.prepare_all(work)
-    assert runner.compiled == 4 and runner.compile_shared == 2
+    assert runner.compiled == 4 and runner.compile_shared == 6
     for inputs, tactics in work:  # prepare finds everything compiled: no compile of its own
         for tactic in tactics:
             runner.prepare(inputs, tactic)

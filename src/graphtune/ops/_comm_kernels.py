@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rank"])
 def allreduce_add_rms_norm_kernel(
     part_ptr,
     deltas_ptr,

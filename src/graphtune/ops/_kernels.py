@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def gemm_kernel(
     a_ptr,
     w_ptr,
@@ -99,7 +99,7 @@ def gemm_kernel(
         tl.store(out_ptrs, acc, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["MN"])
 def splitk_reduce_kernel(
     part_ptr,
     bias_ptr,

@@ -6,6 +6,13 @@ runner is built or used, so a machine without Triton gets torch-only runners and
 works through its torch fallback tactic. The base class of the Triton runners, with their
 ahead-of-time compilation, is :mod:`graphtune.ops._triton_runner`.
 
+Batch-sized integer arguments (rows ``M``, token pairs ``P``, row blocks, a rank) are declared
+``do_not_specialize`` in every kernel. Triton would otherwise compile a separate binary for a
+value of 1, for a multiple of 16 and for any other value: up to three binaries per tactic while
+tuning the buckets 1, 2, 4 .. 128, and a compile inside the first capture of a size such as 40
+whose bucket was timed at 32. Those arguments only bound loops and masks, so one binary serves
+every batch size.
+
 Every Triton launch of graphtune goes through :func:`run_kernel`. Inside
 :func:`collect_launches` it launches nothing and records what each launch would compile instead
 (:func:`launch_key`), which is how a runner finds out which of its (profile, tactic) pairs share
@@ -116,16 +123,18 @@ _LAUNCHES: contextvars.ContextVar[list[tuple[Any, ...]] | None] = contextvars.Co
 )
 
 
-def _arg_key(value: Any) -> Any:
+def _arg_key(value: Any, specialize: bool = True) -> Any:
     """How Triton specialises a launch argument (its default rules): a tensor by dtype and 16-byte
     alignment (and its device: binaries are per device), an int by ``== 1``, divisibility by 16
-    and 64-bit range; other values by type."""
+    (not when declared ``do_not_specialize``) and 64-bit range; other values by type."""
     if isinstance(value, torch.Tensor):
         return ("t", str(value.dtype), value.data_ptr() % 16 == 0, str(value.device))
     if isinstance(value, bool):
         return ("b", value)
     if isinstance(value, int):
         wide = not -(2**31) <= value < 2**31
+        if not specialize:
+            return ("i", 0, wide)
         return ("i", 1 if value == 1 else (16 if value % 16 == 0 else 0), wide)
     return (type(value).__name__,)
 
@@ -135,7 +144,25 @@ def launch_key(kernel: Any, args: tuple[Any, ...], meta: dict[str, Any]) -> tupl
     compile-time parameters. Two launches with one key run one compiled binary (as far as
     Triton's default specialisation goes; a miss only means compiling again, untimed)."""
     name = getattr(kernel, "__name__", None) or getattr(getattr(kernel, "fn", None), "__name__", "")
-    return (id(kernel), name, tuple(_arg_key(a) for a in args), tuple(sorted(meta.items())))
+    plain = _unspecialized_positions(kernel)
+    arg_keys = tuple(_arg_key(a, specialize=i not in plain) for i, a in enumerate(args))
+    return (id(kernel), name, arg_keys, tuple(sorted(meta.items())))
+
+
+def _unspecialized_positions(kernel: Any) -> frozenset[int]:
+    """Positions of the arguments ``kernel`` was declared not to specialise on
+    (``@triton.jit(do_not_specialize=...)``, by name or position). The interpreter's function
+    keeps the decorator's arguments in ``kwargs``, so keys group launches alike there too."""
+    declared = getattr(kernel, "do_not_specialize", None)
+    if declared is None:
+        declared = getattr(kernel, "kwargs", {}).get("do_not_specialize")
+    declared = declared or ()
+    names = list(getattr(kernel, "arg_names", None) or ())
+    return frozenset(
+        d if isinstance(d, int) else names.index(d)
+        for d in declared
+        if d in names or isinstance(d, int)
+    )
 
 
 @contextlib.contextmanager

@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def fused_gemv_kernel(
     x_ptr,
     nw_ptr,

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def gemv_kernel(
     a_ptr,
     w_ptr,

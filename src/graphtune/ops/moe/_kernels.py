@@ -35,7 +35,7 @@ def _chunk_counts(ids_ptr, start, P, E, lanes, CHUNK: tl.constexpr, SUB: tl.cons
     return counts
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P"])
 def moe_histogram_kernel(
     ids_ptr,
     hist_ptr,
@@ -52,7 +52,7 @@ def moe_histogram_kernel(
     tl.store(hist_ptr + pid * BLOCK_E + lanes, counts)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P", "NUM_CHUNKS", "MAX_ROWS", "ROWS_PER_PROGRAM"])
 def moe_align_kernel(
     ids_ptr,
     hist_ptr,
@@ -133,7 +133,7 @@ def _tile_of(pid, num_blocks_m, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr)
     return pid_m, pid_n
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P", "NUM_BLOCKS_M"])
 def moe_gate_up_kernel(
     x_ptr,
     w_ptr,
@@ -209,7 +209,7 @@ def moe_gate_up_kernel(
     tl.store(out_ptrs, act.to(dtype), mask=valid[:, None] & (offs_n[None, :] < N))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P", "NUM_BLOCKS_M"])
 def moe_down_kernel(
     act_ptr,
     w_ptr,

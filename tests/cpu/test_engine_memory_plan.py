@@ -206,16 +206,51 @@ def test_tensor_parallel_shards_are_refused():
 
 
 class GrowingInUseReport(FakeMemoryReport):
-    """A device where ``grow`` more bytes are in use after every ``settle``: the engine's start
-    takes more than it planned (as when allocator caches of earlier work cannot be returned)."""
+    """A device where ``grow`` more bytes are in use at every reading after the first
+    ``planned`` (the plan reads before and after profiling): the engine's start takes more than
+    it planned."""
 
-    def __init__(self, total: int, in_use: int, grow: int) -> None:
+    def __init__(self, total: int, in_use: int, grow: int, planned: int = 2) -> None:
         super().__init__(total, in_use)
-        self.grow = grow
+        self.grow, self.readings, self.planned = grow, 0, planned
 
-    def settle(self) -> None:
-        super().settle()
-        self.in_use += self.grow
+    def device_bytes(self) -> tuple[int, int]:
+        self.readings += 1
+        if self.readings > self.planned:
+            self.in_use += self.grow
+        return super().device_bytes()
+
+
+class RetainingReport(FakeMemoryReport):
+    """A device where profiling leaves ``kept`` bytes in use (the first peak measured takes them
+    for good), as a caching allocator that keeps segments it cannot return."""
+
+    def __init__(self, total: int, in_use: int, kept: int) -> None:
+        super().__init__(total, in_use)
+        self.kept = kept
+
+    def reset_peak(self) -> None:
+        self.in_use += self.kept
+        self.kept = 0
+
+
+def test_memory_that_profiling_keeps_counts_against_the_kv_cache():
+    model = load_model("tiny")
+    slot = _slot_bytes(model)
+    budget = (1 << 30) // 2
+    in_use = budget - 10 * slot - slot // 2  # 9 slots and the scratch slot fit
+    common = dict(runner="eager", max_batch_size=16, max_seq_len=SEQ, gpu_memory_utilization=0.5)
+    plain = Engine(model, memory_report=FakeMemoryReport(1 << 30, in_use), **common)
+    assert plain.memory_plan.slots == 9 and plain.memory_plan.profile.retained_bytes == 0
+    report = RetainingReport(1 << 30, in_use, kept=3 * slot)
+    engine = Engine(model, memory_report=report, **common)
+    plan = engine.memory_plan
+    assert plan.profile.retained_bytes == 3 * slot
+    assert plan.slots == 6 and engine.cache.max_batch_size == 6
+    assert plan.headroom_bytes >= 0 and plan.over_budget_bytes == 0
+    assert plan.measured_in_use_bytes == in_use + 3 * slot
+    assert "kept after profiling" in plan.table()
+    assert plan.as_dict()["retained_bytes"] == 3 * slot
 
 
 def test_an_engine_over_its_budget_after_start_up_says_so(caplog):
@@ -229,7 +264,7 @@ def test_an_engine_over_its_budget_after_start_up_says_so(caplog):
     )
     assert fine.memory_plan.over_budget_bytes == 0
     assert "over the budget" not in caplog.text
-    report = GrowingInUseReport(1 << 30, 1 << 28, grow=1 << 26)
+    report = GrowingInUseReport(1 << 30, 1 << 28, grow=3 << 27)
     engine = Engine(
         model, runner="eager", max_seq_len=SEQ, gpu_memory_utilization=0.5, memory_report=report
     )

@@ -4,7 +4,8 @@ The engine may use ``fraction x total`` bytes of the device. Before it allocates
 profiles what else it will hold (:func:`profile_step_memory`): the decode and prefill steps'
 constants and buffers, the peak activations of one eager decode step at the largest batch and
 of one eager prefill call of ``max_prefill_tokens`` tokens, and the graph pools and static
-buffers of capturing every decode and prefill size (the runners' own stats). What remains of the
+buffers of capturing every decode and prefill size (the runners' own stats), and what profiling
+left in use after freeing everything (:attr:`StepProfile.retained_bytes`). What remains of the
 budget after the memory already in use (weights, the CUDA context, other processes) goes to the
 KV cache: as many slots of the asked length as fit, up to ``max_batch_size``, plus the scratch
 slot (:func:`size_kv_cache`). :class:`MemoryPlan` keeps the numbers and renders them as a table.
@@ -113,6 +114,11 @@ class StepProfile:
         activation_bytes: Peak bytes above the steps of one eager decode step at ``batch`` or one
             eager prefill call of ``prefill_tokens``, whichever is larger.
         graph_bytes: Graph pools plus static buffers of the decode and prefill runners.
+        retained_bytes: Device bytes in use after profiling (everything it built freed, the
+            allocator's cache emptied) beyond those in use before it: segments the caching
+            allocator kept although they hold no tensor, and memory outside the allocator that
+            the first kernels took (library workspaces, loaded kernel code). The engine keeps
+            paying for both, so the KV cache gets less.
     """
 
     batch: int
@@ -120,6 +126,12 @@ class StepProfile:
     step_bytes: int
     activation_bytes: int
     graph_bytes: int
+    retained_bytes: int = 0
+
+    @property
+    def planned_bytes(self) -> int:
+        """Everything profiled that the KV cache cannot use."""
+        return self.step_bytes + self.activation_bytes + self.graph_bytes + self.retained_bytes
 
 
 @dataclass(frozen=True)
@@ -164,9 +176,7 @@ class MemoryPlan:
     @property
     def headroom_bytes(self) -> int:
         """Budget left after everything planned."""
-        profile = self.profile
-        used = self.in_use_bytes + profile.step_bytes + profile.activation_bytes
-        return self.budget_bytes - used - profile.graph_bytes - self.kv_bytes
+        return self.budget_bytes - self.in_use_bytes - self.profile.planned_bytes - self.kv_bytes
 
     def measured(self, report: MemoryReport) -> MemoryPlan:
         """This plan with the device bytes in use now (after start-up) from ``report``.
@@ -209,6 +219,7 @@ class MemoryPlan:
             "step_bytes": profile.step_bytes,
             "activation_bytes": profile.activation_bytes,
             "graph_bytes": profile.graph_bytes,
+            "retained_bytes": profile.retained_bytes,
             "kv_bytes": self.kv_bytes,
             "headroom_bytes": self.headroom_bytes,
             "slots": self.slots,
@@ -238,6 +249,10 @@ class MemoryPlan:
                 profile.activation_bytes,
             ),
             row("  CUDA graphs (pools and static buffers)", profile.graph_bytes),
+            row(
+                "  kept after profiling (allocator segments, library memory)",
+                profile.retained_bytes,
+            ),
             row(
                 f"  KV cache ({self.slots} slots + scratch x {self.seq_len} positions, "
                 f"{self.asked_slots} asked)",
@@ -271,16 +286,16 @@ def size_kv_cache(
         ConfigError: Not even one slot (and the scratch slot) fits.
     """
     budget = int(fraction * total_bytes)
-    other = profile.step_bytes + profile.activation_bytes + profile.graph_bytes
+    other = profile.planned_bytes
     left = budget - in_use_bytes - other
     slots = left // slot_bytes - 1 if slot_bytes > 0 else asked_slots
     if slots < 1:
         raise ConfigError(
             f"gpu_memory_utilization={fraction:g} gives the engine {budget / _MIB:.0f} MiB of "
             f"{total_bytes / _MIB:.0f} MiB; {in_use_bytes / _MIB:.0f} MiB are in use already "
-            f"(weights, CUDA context, other processes) and the steps, activations and graphs "
-            f"need {other / _MIB:.0f} MiB, which leaves {max(left, 0) / _MIB:.0f} MiB for the KV "
-            f"cache, less than one slot of max_seq_len={seq_len} plus the scratch slot "
+            f"(weights, CUDA context, other processes) and the steps, activations, graphs and what "
+            f"profiling kept need {other / _MIB:.0f} MiB, which leaves {max(left, 0) / _MIB:.0f} "
+            f"MiB for the KV cache, less than one slot of max_seq_len={seq_len} plus the scratch slot "
             f"({2 * slot_bytes / _MIB:.1f} MiB); raise gpu_memory_utilization, lower "
             "max_seq_len, or lower max_batch_size and max_prefill_tokens (activations and "
             "graphs grow with them)"
@@ -462,6 +477,11 @@ def plan_memory(
         capture_sizes=capture_sizes,
         backend=backend,
     )
+    # Profiling can leave memory in use although it freed everything (empty segments the caching
+    # allocator keeps, as in a process that captured graphs before; library memory of the first
+    # kernels). The engine keeps paying for it, so it counts against the KV cache.
+    free_after, _ = report.device_bytes()
+    profile = replace(profile, retained_bytes=max(0, (total - free_after) - in_use))
     slots = size_kv_cache(profile=profile, **sizing)
     plan = MemoryPlan(
         fraction,

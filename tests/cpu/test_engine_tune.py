@@ -267,3 +267,31 @@ def test_tune_step_compiles_up_front_and_tunes_what_it_would_without() -> None:
         else:
             assert report.prepared == 0 and report.prepare_seconds == 0.0
     assert tuned[True] == tuned[False]  # the up-front phase changes no key and no pick
+
+
+def test_a_step_whose_profiles_are_all_cached_skips_the_bucket_runs() -> None:
+    model = load_model("tiny")
+    tuner = _tuner()
+    step = DecodeStep(model, KVCache(model.config, 4, 32), tuner=tuner)
+    first = tune_step(step)
+    assert first.profiles_tuned > 0
+    lines: list[str] = []
+    tuned, timed = tuner.stats.profiles_tuned, tuner.timer.calls
+    again = tune_step(step, log=lines.append)
+    assert again.profiles_tuned == 0 and tuner.timer.calls == timed
+    assert not [line for line in lines if "running the step at batch" in line]
+    # The skip was right: the bucket runs in tuning mode find every profile cached.
+    tuner.tuning_mode = True
+    for ops in (step.ops.unfused(), step.ops):
+        for batch in first.buckets:
+            step.decode(ops, *step.example_inputs(batch))
+    assert tuner.stats.profiles_tuned == tuned and tuner.stats.fallbacks == {}
+
+    # A single op that only the unfused sequence calls is missing: the runs happen and tune it.
+    partial = _tuner()
+    kept = {k: e for k, e in tuner.cache.items() if k.op != "graphtune.silu_and_mul"}
+    partial.cache.update(kept)
+    step = DecodeStep(model, KVCache(model.config, 4, 32), tuner=partial)
+    report = tune_step(step)
+    assert {row[0] for row in report.rows} == {"graphtune.silu_and_mul"}
+    assert report.profiles_tuned == len(tuner.cache.items()) - len(kept)

@@ -34,6 +34,7 @@ from graphtune.autotuner.entries import CacheKey, tactic_text
 from graphtune.autotuner.identity import runner_id, short_runner_name, sources_digest
 from graphtune.autotuner.isolation import Executor, InProcessExecutor, Isolation
 from graphtune.autotuner.policy import TuningPolicy
+from graphtune.autotuner.profiles import generate_profiles
 from graphtune.autotuner.resolved import ResolvedCall, device_of, memo_key
 from graphtune.autotuner.runner import FALLBACK_TACTIC, TunableRunner
 from graphtune.autotuner.selection import ProfileRecord
@@ -287,6 +288,18 @@ class AutoTuner:
         phases = self.stats.phase_seconds
         phases["prepare"] = phases.get("prepare", 0.0) + self._clock() - start
         return sum(len(tactics) for _, items in work.values() for _, tactics in items)
+
+    def missing_profiles(self, calls: Sequence[OpCall]) -> int:
+        """How many (op, bucket) profiles of ``calls`` a tuning-mode run would tune: every bucket
+        of each call's op whose key is not in this process's cache (no collective, no timing)."""
+        missing: set[CacheKey] = set()
+        for call in calls:
+            resolved = self._resolve(call)
+            for profile in generate_profiles(call.config, list(call.inputs)):
+                key = resolved.key(profile)
+                if key not in self.cache:
+                    missing.add(key)
+        return len(missing)
 
     def reset_stats(self) -> None:
         """Zeroes ``stats`` and re-arms the once-per-op warnings (for example after warm-up, so

@@ -10,7 +10,9 @@ Before that, :func:`record_step_calls` runs the step once at its largest batch w
 (``AutoTuner.record_calls(dry_run=True)``: nothing is timed or counted) and ``AutoTuner.prepare``
 compiles the Triton tactics of every missing profile of those calls at once (Triton's code
 generator in worker processes, see ``graphtune.ops._compile_pool``), so the tuning runs that
-follow time kernels instead of waiting for the compiler one op at a time.
+follow time kernels instead of waiting for the compiler one op at a time. When no profile of
+those calls, nor of the unfused step's calls, is missing at any bucket (a restart with the cache
+file), the bucket runs below would tune nothing and are skipped (single-process steps only).
 
 Then the step runs twice per bucket: first with its stages unfused (``OpContext.unfused``), which
 tunes every single op (GEMMs, norms, RoPE, SiLU-and-mul, attention) from the live calls; then as
@@ -134,10 +136,10 @@ def tune_step(
 
     First (with ``prepare``) the calls of one untuned step are recorded
     (:func:`record_step_calls`) and ``tuner.prepare`` compiles the tactics of all their missing
-    profiles at once. The step's tuner is switched to tuning mode for the call (and restored
-    after), so this works inside or outside :func:`graphtune.autotune`; wrap it in
-    ``autotune(cache_path, tuner)`` to load and save a cache file. Entries already in the
-    tuner's cache are not tuned again.
+    profiles at once; when nothing is missing, it returns without the bucket runs. The step's
+    tuner is switched to tuning mode for the call (and restored after), so this works inside or
+    outside :func:`graphtune.autotune`; wrap it in ``autotune(cache_path, tuner)`` to load and
+    save a cache file. Entries already in the tuner's cache are not tuned again.
 
     Args:
         step: A step built with a tuner (``build_step(model, cache, tuner=...)``, on every rank
@@ -164,6 +166,10 @@ def tune_step(
                 if log is not None:
                     log(f"tuning: recording the step at batch {step.max_batch_size}, compiling")
                 calls = record_step_calls(step)
+                if _all_cached(step, tuner, calls):
+                    report.prepare_seconds = report.seconds = time.perf_counter() - started
+                    logger.info("tune_step: every profile of the step is cached; nothing to run")
+                    return report
                 cached_ops = {key.op for key, _ in tuner.cache.items()}
                 if step.model.device.type == "cuda" and {c.op for c in calls} - cached_ops:
                     # An op with no pick at all: there is compiling to do, and the workers'
@@ -191,6 +197,22 @@ def tune_step(
     report.compile_seconds = sum(report.compile_seconds_by_op.values())
     logger.info("tuned the step: %s", report.summary())
     return report
+
+
+def _all_cached(step: DecodeStep, tuner: Any, calls: list[OpCall]) -> bool:
+    """Whether the bucket runs would tune nothing: no profile of the recorded calls, nor of the
+    unfused step's calls (a cached fused pick hides its single ops), is missing at any bucket.
+
+    Only for a single-process step: the ranks of a tensor-parallel group must all run the
+    bucket passes or none, and their caches are not compared here.
+    """
+    if step.model.parallel is not None or tuner.missing_profiles(calls):
+        return False
+    if step.ops.fused:
+        with torch.no_grad(), tuner.record_calls(dry_run=True) as unfused:
+            step.decode(step.ops.unfused(), *step.example_inputs(step.max_batch_size))
+        return not tuner.missing_profiles(unfused)
+    return True
 
 
 def _compile_seconds_by_op(tuner: Any, before: dict[int, float]) -> dict[str, float]:

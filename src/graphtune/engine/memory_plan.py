@@ -293,9 +293,10 @@ def size_kv_cache(
         raise ConfigError(
             f"gpu_memory_utilization={fraction:g} gives the engine {budget / _MIB:.0f} MiB of "
             f"{total_bytes / _MIB:.0f} MiB; {in_use_bytes / _MIB:.0f} MiB are in use already "
-            f"(weights, CUDA context, other processes) and the steps, activations, graphs and what "
-            f"profiling kept need {other / _MIB:.0f} MiB, which leaves {max(left, 0) / _MIB:.0f} "
-            f"MiB for the KV cache, less than one slot of max_seq_len={seq_len} plus the scratch slot "
+            "(weights, CUDA context, other processes) and the steps, activations, graphs and "
+            f"what profiling kept need {other / _MIB:.0f} MiB, which leaves "
+            f"{max(left, 0) / _MIB:.0f} MiB for the KV cache, less than one slot of "
+            f"max_seq_len={seq_len} plus the scratch slot "
             f"({2 * slot_bytes / _MIB:.1f} MiB); raise gpu_memory_utilization, lower "
             "max_seq_len, or lower max_batch_size and max_prefill_tokens (activations and "
             "graphs grow with them)"

@@ -148,3 +148,28 @@ def test_prepare_compiles_the_tactics_of_several_op_calls_before_tuning() -> Non
     assert (gemm_runner.compiled, norm_runner.compiled) == compiled  # nothing left to compile
     assert len(tuner.cache) == 6 and tuner.stats.fallbacks == {}
     assert rms_norm_config(4, True) == calls[2].config
+
+
+def test_triton_key_is_computed_in_a_background_thread_only_where_kernels_compile(
+    monkeypatch,
+) -> None:
+    import threading
+
+    import triton.runtime.cache as triton_cache
+
+    calls: list[str] = []
+    monkeypatch.setattr(
+        triton_cache, "triton_key", lambda: calls.append(threading.current_thread().name)
+    )
+    start = _triton.start_cache_key_warmup.__wrapped__  # the uncached function: once per test
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(_triton, "kernels_interpreted", lambda: False)
+    thread = start()
+    assert thread is not None
+    thread.join(timeout=10)
+    assert calls == ["graphtune-triton-key"]
+    monkeypatch.setattr(_triton, "kernels_interpreted", lambda: True)  # nothing to compile
+    assert start() is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(_triton, "kernels_interpreted", lambda: False)
+    assert start() is None and calls == ["graphtune-triton-key"]

@@ -25,6 +25,7 @@ import contextlib
 import contextvars
 import functools
 import logging
+import threading
 from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
@@ -91,6 +92,28 @@ def kernels_interpreted() -> bool:
     except ImportError:  # a Triton without the interpreter module cannot interpret
         return False
     return isinstance(kernels().gemm_kernel, InterpretedFunction)
+
+
+@functools.lru_cache(maxsize=1)
+def start_cache_key_warmup() -> threading.Thread | None:
+    """Starts Triton's key of its own installation in a background thread, once per process.
+
+    Triton hashes every file of its package (``triton.runtime.cache.triton_key``, cached per
+    process) before its first compile or on-disk cache load: a few hundred milliseconds that
+    otherwise delay the first kernel launch of a restarted process. Computed while the model is
+    still being built, the hash overlaps that work (file reads and large ``hashlib`` updates
+    release the GIL). Nothing happens without CUDA, under the interpreter, or on a Triton without
+    that function; a second caller of ``triton_key`` meanwhile just computes it too.
+    """
+    if not torch.cuda.is_available() or not triton_available() or kernels_interpreted():
+        return None
+    try:
+        from triton.runtime.cache import triton_key
+    except ImportError:
+        return None
+    thread = threading.Thread(target=triton_key, name="graphtune-triton-key", daemon=True)
+    thread.start()
+    return thread
 
 
 def device_supported(device: torch.device) -> bool:

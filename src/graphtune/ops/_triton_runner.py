@@ -36,7 +36,12 @@ from graphtune.autotuner.entries import tactic_text
 from graphtune.autotuner.runner import FALLBACK_TACTIC, TunableRunner
 from graphtune.errors import ConfigError
 from graphtune.ops import _compile_pool as compile_pool
-from graphtune.ops._triton import collect_launches, input_signature, triton_available
+from graphtune.ops._triton import (
+    collect_launches,
+    input_signature,
+    start_cache_key_warmup,
+    triton_available,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +109,7 @@ class TritonRunner(TunableRunner):
         self._binaries: dict[tuple[Any, ...], Exception | None] = {}
         self._lock = threading.Lock()
         _LIVE_RUNNERS.add(self)
+        start_cache_key_warmup()
 
     def __getstate__(self) -> dict[str, Any]:
         # Picklable for AutoTuner(isolation="subprocess"): the worker compiles on its own.

@@ -36,4 +36,6 @@ def test_cold_then_warm_phase_on_the_tiny_model(tmp_path) -> None:
     assert set(cold["phase_seconds"]) <= {"inputs", "tactics", "prepare", "measure", "select"}
     warm = _phase("warm", cache)
     assert warm["profiles_tuned"] == 0 and warm["measurements"] == 0 and warm["fallbacks"] == {}
-    assert warm["op_calls"] == cold["op_calls"]
+    # Every profile is cached: tune_step records the step (dry runs, not counted) and skips the
+    # bucket runs whose calls the cold phase counted.
+    assert warm["op_calls"] == 0

@@ -16,7 +16,13 @@ SRC = ROOT / "src" / "graphtune"
 MAX_LINES = 500
 
 # Which graphtune packages each package may import (function-local imports included).
-ALWAYS_ALLOWED = {"graphtune.errors", "graphtune.env", "graphtune.reporting", "graphtune._version"}
+ALWAYS_ALLOWED = {
+    "graphtune.errors",
+    "graphtune.env",
+    "graphtune.reporting",
+    "graphtune._version",
+    "graphtune.cuda_memory",
+}
 ALLOWED_IMPORTS = {
     "graphs": {"graphs"},
     "autotuner": {"autotuner"},

@@ -36,6 +36,7 @@ import torch
 
 from graphtune.autotuner.entries import tactic_text
 from graphtune.autotuner.timing.base import SessionTimer, TimerSession
+from graphtune.cuda_memory import reserved_bytes
 from graphtune.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -235,7 +236,7 @@ class Executor(Protocol):
 
 def _reserved_bytes(device: torch.device) -> Callable[[], int]:
     if device.type == "cuda" and torch.cuda.is_available():
-        return lambda: int(torch.cuda.memory_reserved(device))
+        return lambda: reserved_bytes(device)  # read around every measurement: the cheap way
     return lambda: 0
 
 

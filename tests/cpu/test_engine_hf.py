@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_weights import randomize
 
 from graphtune.engine import DecodeStep, KVCache, load_checkpoint, prefill
 from graphtune.errors import CheckpointError
@@ -28,17 +29,6 @@ LLAMA3_SCALING = {
 }
 
 
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-    # HF's own init (std 0.02, norms at 1) gives near-uniform logits; larger weights make the
-    # comparison sensitive to every layer.
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            scale = 0.1 if "norm" in name else 0.3 if "embed" in name else param.shape[-1] ** -0.5
-            base = 1.0 if "norm" in name else 0.0
-            param.copy_(base + scale * torch.randn(param.shape, generator=gen))
-
-
 def build_hf(kind: str, tmp_path, seed: int = 0, max_shard_size: str | None = None, **overrides):
     """Builds a random HF model of ``kind``, saves it with safetensors, returns (model, folder)."""
     torch.manual_seed(seed)
@@ -55,7 +45,7 @@ def build_hf(kind: str, tmp_path, seed: int = 0, max_shard_size: str | None = No
         config = transformers.MistralConfig(**{**TINY, **overrides})
         model = transformers.MistralForCausalLM(config)
     config._attn_implementation = "eager"
-    _randomize(model, seed)
+    randomize(model, seed)
     model.eval()
     folder = tmp_path / kind
     extra = {"max_shard_size": max_shard_size} if max_shard_size else {}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_weights import randomize
 
 from graphtune.engine import DecodeStep, Engine, KVCache, load_checkpoint, prefill
 from graphtune.errors import CheckpointError
@@ -39,17 +40,6 @@ MIXTRAL = dict(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2)
 PROMPTS = [[5, 17, 99, 3, 250], [7, 3], [42, 1, 8, 8, 200, 13, 9]]
 
 
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-    # Larger weights than transformers' init (std 0.02, norms at 1), so the logits and the
-    # routing depend on every layer; the routers included (transformers' Qwen3-MoE starts at 0).
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            scale = 0.1 if "norm" in name else 0.3 if "embed" in name else param.shape[-1] ** -0.5
-            base = 1.0 if "norm" in name else 0.0
-            param.copy_(base + scale * torch.randn(param.shape, generator=gen))
-
-
 def build_hf(kind: str, tmp_path, *, seed: int = 0, original_format: bool = True, **overrides):
     """A random transformers model of ``kind`` saved with safetensors: ``(model, folder)``."""
     torch.manual_seed(seed)
@@ -61,7 +51,7 @@ def build_hf(kind: str, tmp_path, *, seed: int = 0, original_format: bool = True
         model = transformers.MixtralForCausalLM(config)
     model.config._attn_implementation = "eager"
     model.set_experts_implementation("eager")  # transformers' loop over the selected experts
-    _randomize(model, seed)
+    randomize(model, seed)
     model.eval()
     folder = tmp_path / f"{kind}-{'hub' if original_format else 'fused'}"
     model.save_pretrained(folder, save_original_format=original_format)

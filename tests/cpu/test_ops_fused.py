@@ -40,9 +40,9 @@ pytestmark = pytest.mark.skipif(
 # Relative error against float64 of the same rounded inputs. Low precision: the normalised
 # activations and the output are each rounded once (RoPE: a few roundings per element).
 TOL = {torch.float32: 2e-5, torch.float16: 4e-3}
-CORE = {"bn": 8, "bk": 32, "warps": 1, "dot": 0}
-CORE_DEFER = {"bn": 4, "bk": 64, "warps": 2, "dot": 0}
-DOT = {"bn": 16, "bk": 32, "warps": 4, "dot": 1}
+CORE = {"bn": 8, "bk": 32, "warps": 1, "dot": 0, "stages": 1}
+CORE_DEFER = {"bn": 4, "bk": 64, "warps": 2, "dot": 0, "stages": 1}
+DOT = {"bn": 16, "bk": 32, "warps": 4, "dot": 1, "stages": 3}
 # (tactic, dtype, rows): the CUDA-core path is timed only for one row but runs any row count.
 CASES = [
     (CORE, torch.float32, 1),

@@ -27,7 +27,17 @@ from graphtune.ops.fused import (
     norm_qkv_rope,
 )
 from graphtune.ops.fused_gemv import check_fused_tactic, fused_gemv_tactics
-from graphtune.ops.fused_gemv.family import MAX_M, PLAIN, ROPE, SILU, GemvShape, launch_fused_gemv
+from graphtune.ops.fused_gemv.family import (
+    DOT_SMEM_BYTES,
+    DOT_STAGES,
+    MAX_M,
+    PLAIN,
+    ROPE,
+    SILU,
+    GemvShape,
+    launch_fused_gemv,
+    pipeline_bytes,
+)
 from graphtune.ops.rotary import torch_rope_kv_cache
 
 INNER = {"graphtune.rms_norm", "graphtune.gemm", "graphtune.rope_kv_cache"}
@@ -196,7 +206,10 @@ def test_fused_tactics_obey_the_pruning_rules(shape):
         assert t["bn"] <= max(2, 1 << (shape.columns - 1).bit_length())
         if t["dot"]:
             assert t["bn"] >= 16 and t["bk"] >= 16 and t["warps"] == 4
+            smem = pipeline_bytes(t["bn"], t["bk"], t["stages"], shape.paired, shape.itemsize)
+            assert t["stages"] in DOT_STAGES and smem <= DOT_SMEM_BYTES
         else:
+            assert t["stages"] == 1
             assert shape.m == 1
             per_thread = t["bn"] * t["bk"] * shape.itemsize // (32 * t["warps"])
             assert 16 <= per_thread <= 64
@@ -214,11 +227,12 @@ def test_no_fused_tactics_past_sixteen_rows_and_tiny_shapes_still_get_some():
 @pytest.mark.parametrize(
     "tactic",
     [
-        {"bn": 8, "bk": 64, "warps": 4},
-        {"bn": 6, "bk": 64, "warps": 4, "dot": 0},
-        {"bn": 8, "bk": 64, "warps": 4, "dot": 2},
-        {"bn": 8, "bk": 64, "warps": 4, "dot": 1},
-        {"bn": 8, "bk": 64, "warps": True, "dot": 0},
+        {"bn": 8, "bk": 64, "warps": 4, "dot": 0},
+        {"bn": 6, "bk": 64, "warps": 4, "dot": 0, "stages": 1},
+        {"bn": 8, "bk": 64, "warps": 4, "dot": 2, "stages": 1},
+        {"bn": 8, "bk": 64, "warps": 4, "dot": 1, "stages": 3},
+        {"bn": 8, "bk": 64, "warps": True, "dot": 0, "stages": 1},
+        {"bn": 8, "bk": 64, "warps": 4, "dot": 0, "stages": 3},
     ],
 )
 def test_bad_fused_tactics_raise_config_error_naming_the_rule(tactic):

@@ -79,6 +79,7 @@ def decode_attention_kernel(
     """
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # q and the new K/V row come from the kernel before
+        tl.extra.cuda.gdc_launch_dependents()
     bh = tl.program_id(0).to(tl.int64)  # 64-bit offsets: a long KV cache exceeds 2^31 elements
     split = tl.program_id(1)
     b = bh // KV
@@ -160,9 +161,6 @@ def decode_attention_kernel(
         v_ptrs += BLOCK_N * stride_vs
         m_ptrs += BLOCK_N * stride_ms
 
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-
     out_ptrs = out_ptr + ((bh * G + rows) * HEAD_DIM)[:, None] + dims[None, :]
     if SPLITS == 1:
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -234,6 +232,7 @@ def decode_attention_combine_kernel(
     G,
     SPLITS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Merges the ``SPLITS`` partials of one query row (program ``(b * KV + h) * G + g``).
 
@@ -241,6 +240,9 @@ def decode_attention_combine_kernel(
     sum w_s l_s``, written to contiguous ``out [B, KV, G, D]`` in its dtype. Splits without a
     visible key hold ``m = -1e30, l = 0, acc = 0`` and weigh nothing; a row without any writes 0.
     """
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # the partials come from the attention kernel before
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0).to(tl.int64)
     bh = pid // G
     g = pid % G

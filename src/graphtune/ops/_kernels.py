@@ -1,6 +1,8 @@
 """Triton kernels of graphtune.ops. Imported only through ``graphtune.ops._triton.kernels()``.
 
-Only stable ``tl.`` APIs are used (Triton 3.0 .. 3.9). Elementwise kernels reproduce the rounding
+Only stable ``tl.`` APIs are used (Triton 3.0 .. 3.9); ``griddepcontrol`` only under ``USE_PDL``:
+every kernel here waits for its predecessor before its first load and lets its successor launch
+right after (``graphtune.ops._pdl``). Elementwise kernels reproduce the rounding
 of the unfused torch code they replace: torch computes a bf16/fp16 elementwise op in float32 and
 rounds its result to the tensor dtype, so every intermediate that torch materialises as a tensor
 is rounded here too (``.to(dtype).to(tl.float32)``). That makes the fused kernels agree with the
@@ -41,6 +43,7 @@ def gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """``out = a @ w.T (+ bias) (+ res)`` for ``a [M, K]``, ``w [N, K]``; split ``s``.
 
@@ -67,6 +70,9 @@ def gemm_kernel(
     k_start = pid_s * K_PER_SPLIT
     a_ptrs = a_ptr + rows[:, None] * stride_am + (k_start + offs_k)[None, :] * stride_ak
     w_ptrs = w_ptr + cols[None, :] * stride_wn + (k_start + offs_k)[:, None] * stride_wk
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # a comes from the kernel before (see graphtune.ops._pdl)
+        tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, K_PER_SPLIT, BLOCK_K):
         if EVEN_K:
@@ -111,9 +117,13 @@ def splitk_reduce_kernel(
     HAS_RES: tl.constexpr,
     SPLIT_K: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """``out = sum_s part[s] (+ bias) (+ res)``; ``part [SPLIT_K, M, N]`` float32, ``res`` and
     ``out`` contiguous ``[M, N]`` (``out`` may be ``res``)."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # the partials come from the GEMM before
+        tl.extra.cuda.gdc_launch_dependents()
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < MN
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -142,6 +152,7 @@ def rms_norm_kernel(
     HAS_RES: tl.constexpr,
     BLOCK: tl.constexpr,
     ONE_PASS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """One row: ``s = x (+ res)``; ``out = to_dtype(s * rsqrt(mean(s^2) + eps) * w)``.
 
@@ -152,6 +163,9 @@ def rms_norm_kernel(
     ``s`` instead of re-reading ``res_out``, so no thread reads what another thread of the program
     wrote.
     """
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # x and res come from the kernels before
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     r_row = res_ptr + row * stride_r
@@ -203,8 +217,12 @@ def silu_and_mul_kernel(
     stride_x,
     stride_o,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """``out[:, j] = silu(x[:, j]) * x[:, INTER + j]`` with torch's two roundings."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # x comes from the GEMM before
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < INTER
@@ -237,6 +255,7 @@ def rope_kv_kernel(
     HALF_BLOCK: tl.constexpr,
     HEADS_PER_PROG: tl.constexpr,
     SIGNED_SIN: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Rotary embedding of q and k for one token, and the K/V cache write, in one pass.
 
@@ -249,6 +268,9 @@ def rope_kv_kernel(
     each product rounded to the dtype as torch does (``engine.model.apply_rope``); with
     ``SIGNED_SIN`` the table's first half is ``-sin`` and rounding follows ``apply_rope_signed``.
     """
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # qkv and the positions come from the kernels before
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * HEADS_PER_PROG + tl.arange(0, HEADS_PER_PROG)
     cols = tl.arange(0, HALF_BLOCK)

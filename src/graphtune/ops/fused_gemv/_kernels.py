@@ -22,11 +22,12 @@ the weight rows fill the MMA's M side and the few activation rows are padded to 
 stream the weight once and accumulate in float32; bias, residual and the epilogue's roundings
 follow the unfused ops exactly, so only the summation order of the dot products differs.
 
-The loop keeps one weight chunk in flight ahead of the one being multiplied (``w_next``): Triton
-does not software-pipeline a loop of plain loads, so without it a program's loads stop while it
-multiplies. With ``USE_PDL`` the first chunk is loaded before ``gdc_wait()`` (weights are never
-written by an earlier kernel), which overlaps its DRAM latency with the predecessor's tail (see
-``graphtune.ops._pdl`` for the contract).
+The CUDA-core loop keeps one weight chunk in flight ahead of the one being multiplied
+(``w_next``) in registers: Triton would pipeline a loop of plain loads only through shared memory
+(``cp.async``), which measured slower for this stream on the H200. With ``USE_PDL`` that loop's
+first chunk is loaded before ``gdc_wait()`` (weights are never written by an earlier kernel),
+which overlaps its DRAM latency with the predecessor's tail (see ``graphtune.ops._pdl`` for the
+contract). The tensor-core loop is pipelined by Triton (the tactic's ``stages``).
 
 Rows past ``M`` and columns past the tile are clamped to valid addresses for loading and masked
 at the store, so loads need masks only along ``K``. Only stable ``tl.`` APIs are used, and the
@@ -109,12 +110,14 @@ def fused_gemv_kernel(
     wb_ptrs = w_ptr + rows_b.to(tl.int64)[:, None] * stride_wn + tl.arange(0, BLOCK_K)[None, :]
     kk = tl.arange(0, BLOCK_K)
     k_ok = (kk < K)[None, :]
-    # The first weight chunk depends on no earlier kernel: issue it before waiting for one.
-    wa = tl.load(wa_ptrs, mask=k_ok, other=0.0)
-    if MODE != 0:
-        wb = tl.load(wb_ptrs, mask=k_ok, other=0.0)
+    if not DOT:
+        # The first weight chunk depends on no earlier kernel: issue it before waiting for one.
+        wa = tl.load(wa_ptrs, mask=k_ok, other=0.0)
+        if MODE != 0:
+            wb = tl.load(wb_ptrs, mask=k_ok, other=0.0)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
@@ -148,26 +151,32 @@ def fused_gemv_kernel(
             acc_a = tl.zeros((BLOCK_N,), dtype=tl.float32)
         acc_b = acc_a
 
-    for k0 in range(0, K, BLOCK_K):
-        next_ok = (k0 + BLOCK_K + kk < K)[None, :]
-        wa_next = tl.load(wa_ptrs + (k0 + BLOCK_K), mask=next_ok, other=0.0)
-        if MODE != 0:
-            wb_next = tl.load(wb_ptrs + (k0 + BLOCK_K), mask=next_ok, other=0.0)
-        if DOT:
+    if DOT:
+        # Triton's pipeliner (the launch's num_stages) keeps the weight tiles of the next chunks
+        # in flight through shared memory, as for any tl.dot loop.
+        for k0 in range(0, K, BLOCK_K):
             kmask = (k0 + kk < K)[:, None]
+            wa = tl.load(wa_ptrs + k0, mask=(k0 + kk < K)[None, :], other=0.0)
             xt = tl.load(x_ptrs + k0, mask=kmask, other=0.0)
             if NORM:
                 nw = tl.load(nw_ptr + k0 + kk, mask=k0 + kk < K, other=0.0).to(tl.float32)
                 xt = (xt.to(tl.float32) * rstd[None, :] * nw[:, None]).to(dtype)
             if IEEE:
                 acc_a += tl.dot(wa, xt, input_precision="ieee")
-                if MODE != 0:
-                    acc_b += tl.dot(wb, xt, input_precision="ieee")
             else:
                 acc_a += tl.dot(wa, xt)
-                if MODE != 0:
+            if MODE != 0:
+                wb = tl.load(wb_ptrs + k0, mask=(k0 + kk < K)[None, :], other=0.0)
+                if IEEE:
+                    acc_b += tl.dot(wb, xt, input_precision="ieee")
+                else:
                     acc_b += tl.dot(wb, xt)
-        else:
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            next_ok = (k0 + BLOCK_K + kk < K)[None, :]
+            wa_next = tl.load(wa_ptrs + (k0 + BLOCK_K), mask=next_ok, other=0.0)
+            if MODE != 0:
+                wb_next = tl.load(wb_ptrs + (k0 + BLOCK_K), mask=next_ok, other=0.0)
             kmask = (k0 + kk < K)[None, :]
             xt = tl.load(x_row + same + (k0 + kk)[None, :], mask=kmask, other=0.0)
             if NORM:
@@ -179,11 +188,9 @@ def fused_gemv_kernel(
             if MODE != 0:
                 prod = wb.to(tl.float32) * xf
                 acc_b += prod if DEFER else tl.sum(prod, axis=1)
-        wa = wa_next
-        if MODE != 0:
-            wb = wb_next
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+            wa = wa_next
+            if MODE != 0:
+                wb = wb_next
 
     # Epilogue on [BLOCK_N, BLOCK_M] tiles (column, row): float32 sums, one rounding per tensor
     # the unfused ops materialise.

@@ -1,15 +1,18 @@
 """Tactics and launch of the fused decode GEMV kernel shared by every op of this package.
 
-Tactics are dicts ``{"bn", "bk", "warps", "dot"}``: ``bn`` output columns per program (column
-*pairs* in the SiLU and RoPE modes, whose tiles hold ``2 * bn`` weight rows), ``bk`` the ``K``
-chunk, ``warps``, and ``dot`` 0 (CUDA cores, one row per program) or 1 (tensor cores with
-swapped operands, up to 16 rows per program). Pruning rules of :func:`fused_gemv_tactics`:
+Tactics are dicts ``{"bn", "bk", "warps", "dot", "stages"}``: ``bn`` output columns per program
+(column *pairs* in the SiLU and RoPE modes, whose tiles hold ``2 * bn`` weight rows), ``bk`` the
+``K`` chunk, ``warps``, ``dot`` 0 (CUDA cores, one row per program) or 1 (tensor cores with
+swapped operands, up to 16 rows per program), and ``stages`` the chunks Triton's pipeliner keeps
+in flight (``dot=1``; the CUDA-core loop prefetches in registers and has 1). Pruning rules of
+:func:`fused_gemv_tactics`:
 
 * only buckets of ``M <= 16`` get tactics (beyond, the unfused path's tiled GEMMs win); ``dot=0``
   only for ``M == 1`` (a CUDA-core program re-reads the weights for every further row);
 * ``dot=0``: ``bn`` in 2..32, ``bk`` in 128..1024, warps such that each thread loads 16 to 64
-  bytes of each weight chunk (one to four 16-byte vectors); ``dot=1``: ``bn`` in 16..64 and
-  ``bk`` in 64..256 (``tl.dot`` needs 16), 4 warps;
+  bytes of each weight chunk (one to four 16-byte vectors); ``dot=1``: ``bn`` in 16..128,
+  ``bk`` in 64..256 (``tl.dot`` needs 16), 4 warps, 3 or 4 stages whose shared-memory tiles
+  (weights and activations, :func:`pipeline_bytes`) fit :data:`DOT_SMEM_BYTES`;
 * blocks are clamped to the next power of two of their dimension (``HALF`` for RoPE tiles, which
   never cross a head), duplicates dropped;
 * tactics giving fewer than half as many programs as the GPU has SMs are dropped while any
@@ -31,7 +34,7 @@ from graphtune.autotuner.config import next_power_of_two
 from graphtune.errors import ConfigError
 from graphtune.ops._triton import device_supported, require_triton, run_kernel
 
-TACTIC_KEYS = ("bn", "bk", "warps", "dot")
+TACTIC_KEYS = ("bn", "bk", "warps", "dot", "stages")
 MAX_M = 16
 """Largest bucket that gets fused tactics; also the padded row count of a ``dot=1`` program."""
 PLAIN, SILU, ROPE = 0, 1, 2
@@ -39,8 +42,11 @@ PLAIN, SILU, ROPE = 0, 1, 2
 CORE_BN = (2, 4, 8, 16, 32)
 CORE_BK = (128, 256, 512, 1024)
 CORE_WARPS = (1, 2, 4, 8)
-DOT_BN = (16, 32, 64)
+DOT_BN = (16, 32, 64, 128)
 DOT_BK = (64, 128, 256)
+DOT_STAGES = (3, 4)
+DOT_SMEM_BYTES = 160 * 1024
+"""Shared memory the pipelined tiles of a ``dot=1`` program may take (an H100/H200 SM has 228 KiB)."""
 THREAD_BYTES = (16, 64)
 DEFER_REGISTERS = 32
 """float32 registers per thread that deferred product accumulators may take (both halves)."""
@@ -62,12 +68,20 @@ def check_fused_tactic(tactic: Any) -> str | None:
     values = [tactic[key] for key in TACTIC_KEYS]
     if any(isinstance(v, bool) or not isinstance(v, int) for v in values):
         return f"every value of a fused GEMV tactic must be an int, got {tactic!r}"
-    bn, bk, warps, dot = values
+    bn, bk, warps, dot, stages = values
     if dot not in (0, 1) or any(v < 1 or v & (v - 1) for v in (bn, bk, warps)) or warps > 16:
         return f"bn, bk, warps must be powers of two (warps <= 16) and dot 0 or 1, got {tactic!r}"
     if dot and (bn < 16 or bk < 16):
         return f"a dot=1 tactic needs bn and bk >= 16 (tl.dot), got {tactic!r}"
+    if not 1 <= stages <= 8 or (not dot and stages != 1):
+        return f"stages must be 1 for dot=0 and 1..8 for dot=1, got {tactic!r}"
     return None
+
+
+def pipeline_bytes(bn: int, bk: int, stages: int, paired: bool, itemsize: int) -> int:
+    """Shared memory of a ``dot=1`` program's pipelined tiles: ``stages`` copies of its weight
+    tile(s) and of the ``[bk, 16]`` activation tile."""
+    return stages * ((2 if paired else 1) * bn + MAX_M) * bk * itemsize
 
 
 def defer_products(bn: int, bk: int, warps: int, paired: bool) -> bool:
@@ -113,7 +127,6 @@ def fused_gemv_tactics(
     if shape.m < 1 or shape.m > MAX_M or shape.columns < 1 or shape.k < 1:
         return []
     n_cap, k_cap = next_power_of_two(shape.columns), next_power_of_two(shape.k)
-    rows = 2 if shape.paired else 1
     low, high = THREAD_BYTES
     core: list[dict[str, int]] = []
     if shape.m == 1:
@@ -123,13 +136,15 @@ def fused_gemv_tactics(
                 warps = [w for w in CORE_WARPS if low <= chunk // (32 * w) <= high]
                 if not warps and chunk < 32 * low:
                     warps = [1]  # a tile under one warp's share (tiny shapes): one warp
-                core += [{"bn": bn, "bk": bk, "warps": w, "dot": 0} for w in warps]
+                core += [{"bn": bn, "bk": bk, "warps": w, "dot": 0, "stages": 1} for w in warps]
     dot: list[dict[str, int]] = []
     if shape.columns >= 16 and shape.k >= 16:
         for bn in sorted({min(b, n_cap) for b in DOT_BN}):
             for bk in sorted({min(b, k_cap) for b in DOT_BK}):
-                if bn * rows * bk <= 64 * 256:  # registers of the double-buffered tiles
-                    dot.append({"bn": bn, "bk": bk, "warps": 4, "dot": 1})
+                for stages in DOT_STAGES:
+                    smem = pipeline_bytes(bn, bk, stages, shape.paired, shape.itemsize)
+                    if smem <= DOT_SMEM_BYTES:
+                        dot.append({"bn": bn, "bk": bk, "warps": 4, "dot": 1, "stages": stages})
     kinds = [_prune(core, shape, sm_count), _prune(dot, shape, sm_count)]
     # Each kind keeps its share of max_tactics; the CUDA-core kind (M == 1 only) the larger one.
     dot_share = min(len(kinds[1]), max_tactics // 3 if kinds[0] else max_tactics)
@@ -205,7 +220,7 @@ def launch_fused_gemv(
     if problem is not None:
         raise ConfigError(f"fused GEMV: {problem}; pick a tactic from get_valid_tactics.")
     m, k = x.shape
-    bn, bk, warps, dot = (tactic[key] for key in TACTIC_KEYS)
+    bn, bk, warps, dot, stages = (tactic[key] for key in TACTIC_KEYS)
     block_m = MAX_M if dot else 1
     placeholder = x
     if mode == ROPE:
@@ -255,7 +270,7 @@ def launch_fused_gemv(
         HALF=half,
         SIGNED_SIN=bool(signed),
         num_warps=warps,
-        num_stages=1,
+        num_stages=stages,
     )
     grid = (tiles, math.ceil(m / block_m))
     run_kernel(gemv_kernels().fused_gemv_kernel, grid, args, meta, warmup)

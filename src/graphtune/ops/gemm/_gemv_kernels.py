@@ -15,9 +15,11 @@ while per-row accumulators keep the weight tile in its own 2-D layout, loaded on
 every row. Compiled for sm_90 (Triton 3.9), the loop then has no layout conversion and no register
 spills for any tactic of ``graphtune.ops.gemm.gemv``. Rows past ``BLOCK_M`` compile to nothing.
 
-Only stable ``tl.`` APIs are used (Triton 3.0 .. 3.9). The loop is a plain ``range`` without
-``tl.dot``, which Triton does not software-pipeline: the bytes in flight come from each thread's
-vector loads and from the programs resident per SM, which is how the tactics are sized. No helper
+Only stable ``tl.`` APIs are used (Triton 3.0 .. 3.9); ``griddepcontrol`` only under ``USE_PDL``.
+The loop is a plain ``range`` without ``tl.dot``: Triton would pipeline it only through shared
+memory (``cp.async``), which measured slower for this stream on the H200, so the kernel loads each
+weight chunk one iteration ahead in registers, and the bytes in flight come from those vector
+loads and from the programs resident per SM, which is how the tactics are sized. No helper
 ``@triton.jit`` functions are called per row: Triton's CPU interpreter (the tests) pays
 milliseconds per nested call, and the code is as short written out.
 """
@@ -55,6 +57,7 @@ def gemv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """``out = a @ w.T (+ bias) (+ res)`` for ``a [M, K]``, ``w [N, K]``, without ``tl.dot``.
 
@@ -117,6 +120,15 @@ def gemv_kernel(
     acc5 = acc0
     acc6 = acc0
     acc7 = acc0
+    # The first weight chunk depends on no earlier kernel: with PDL it is issued before waiting
+    # for one (graphtune.ops._pdl), and each chunk after it is loaded one iteration ahead.
+    if EVEN_K:
+        w_next = tl.load(w_ptrs)
+    else:
+        w_next = tl.load(w_ptrs, mask=(offs_k < K_PER_SPLIT)[None, :], other=0.0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     for k in range(0, K_PER_SPLIT, BLOCK_K):
         if EVEN_K:
             k_mask = None
@@ -125,7 +137,9 @@ def gemv_kernel(
             k_mask = (k + offs_k < K_PER_SPLIT)[None, :]
             k_other = 0.0
         a_offs = (k_first + k + offs_k)[None, :] * stride_ak + a_rows
-        w = tl.load(w_ptrs, mask=k_mask, other=k_other).to(tl.float32)  # shared by every row
+        w = w_next.to(tl.float32)  # shared by every row
+        w_ptrs += BLOCK_K * stride_wk
+        w_next = tl.load(w_ptrs, mask=(k + BLOCK_K + offs_k < K_PER_SPLIT)[None, :], other=0.0)
         prod = w * tl.load(a_row0 + a_offs, mask=k_mask, other=k_other).to(tl.float32)
         acc0 += prod if DEFER else tl.sum(prod, axis=1)
         if BLOCK_M > 1:
@@ -145,7 +159,6 @@ def gemv_kernel(
             acc6 += prod if DEFER else tl.sum(prod, axis=1)
             prod = w * tl.load(a_row7 + a_offs, mask=k_mask, other=k_other).to(tl.float32)
             acc7 += prod if DEFER else tl.sum(prod, axis=1)
-        w_ptrs += BLOCK_K * stride_wk
 
     # Epilogue, row by row. A split-K partial skips bias and residual (the reduction adds them)
     # and is stored as float32 (out is the float32 partials, so the cast is a no-op).

@@ -46,7 +46,7 @@ DOT_BN = (16, 32, 64, 128)
 DOT_BK = (64, 128, 256)
 DOT_STAGES = (3, 4)
 DOT_SMEM_BYTES = 160 * 1024
-"""Shared memory the pipelined tiles of a ``dot=1`` program may take (an H100/H200 SM has 228 KiB)."""
+"""Shared memory the pipelined tiles of a ``dot=1`` program may take (an H200 SM has 228 KiB)."""
 THREAD_BYTES = (16, 64)
 DEFER_REGISTERS = 32
 """float32 registers per thread that deferred product accumulators may take (both halves)."""

@@ -295,3 +295,76 @@ def test_a_step_whose_profiles_are_all_cached_skips_the_bucket_runs() -> None:
     report = tune_step(step)
     assert {row[0] for row in report.rows} == {"graphtune.silu_and_mul"}
     assert report.profiles_tuned == len(tuner.cache.items()) - len(kept)
+
+
+class _Scripted:
+    """Fake step timer: returns the given per-step times in order (the step as tuned, then
+    unfused, for each bucket ``check_fusion`` compares), and runs each timed step once."""
+
+    name = "scripted"
+
+    def __init__(self, times: list[float]) -> None:
+        self.times = list(times)
+
+    def measure(self, fn, *, warmup: int, repeat: int) -> Measurement:
+        fn(0)
+        return Measurement.from_samples([self.times.pop(0)], calls_per_sample=1, timer=self.name)
+
+
+def _fused_picks(tuner: AutoTuner, step: DecodeStep, batch: int) -> list[int | None]:
+    with torch.no_grad(), tuner.record_calls(dry_run=True) as calls:
+        step.decode(step.ops, *step.example_inputs(batch))
+    return [tuner.pick_index(c) for c in calls if c.op in FUSED_OPS]
+
+
+FUSED_OPS = {
+    "graphtune.norm_qkv_rope",
+    "graphtune.add_projection",
+    "graphtune.norm_gate_up_silu",
+    "graphtune.norm_linear",
+}
+
+
+def test_whole_step_check_keeps_the_unfused_path_only_where_the_step_is_faster_that_way():
+    from graphtune.engine.tuning import check_fusion
+
+    model = load_model("tiny")
+    tuner = _tuner()  # the last runner wins every op alone: the fused ops pick their kernels
+    step = DecodeStep(model, KVCache(model.config, 4, 32), tuner=tuner)
+    assert tune_step(step).fusion_checks == []  # no step timer on the CPU: no check
+    before = {batch: _fused_picks(tuner, step, batch) for batch in (1, 2, 4)}
+    assert all(any(pick != 0 for pick in picks) for picks in before.values())
+    # Batch 1: unfused clearly faster; batch 2: faster by less than the margin; batch 4: slower.
+    timer = _Scripted([100.0, 50.0, 100.0, 99.5, 50.0, 100.0])
+    lines: list[str] = []
+    checks = check_fusion(step, timer, log=lines.append)
+    assert not timer.times and len(lines) == 3
+    assert [(c.batch, c.pinned > 0) for c in checks] == [(1, True), (2, False), (4, False)]
+    assert set(_fused_picks(tuner, step, 1)) == {0}
+    assert {batch: _fused_picks(tuner, step, batch) for batch in (2, 4)} == {
+        batch: before[batch] for batch in (2, 4)
+    }
+    # At batch 1 the step now runs the unfused path exactly.
+    args = step.example_inputs(1)
+    with torch.no_grad():
+        assert torch.equal(step.decode(step.ops, *args), step.decode(step.ops.unfused(), *args))
+
+    # tune_step runs the check when given a step timer, and says what it kept.
+    other = DecodeStep(model, KVCache(model.config, 4, 32), tuner=_tuner())
+    report = tune_step(other, step_timer=_Scripted([100.0, 50.0, 100.0, 99.5, 50.0, 100.0]))
+    assert [c.batch for c in report.fusion_checks if c.pinned] == [1]
+    assert "unfused path kept at batch [1]" in report.summary()
+
+
+def test_pin_rejects_an_index_that_names_no_runner():
+    import pytest
+
+    from graphtune.errors import ConfigError
+
+    model = load_model("tiny")
+    tuner = _tuner()
+    step = DecodeStep(model, KVCache(model.config, 2, 32), tuner=tuner)
+    with torch.no_grad(), tuner.record_calls(dry_run=True) as calls:
+        step.decode(step.ops, *step.example_inputs(1))
+    with pytest.raises(ConfigError, match="runner_index"):
+        tuner.pin(calls[0], len(calls[0].runners))

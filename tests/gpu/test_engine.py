@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 import warnings
 from pathlib import Path
 
@@ -99,8 +100,15 @@ def test_graph_step_logits_match_eager_step(engines):
 
 
 def _cpu_helpers(name: str):
-    """A module of tests/cpu (its helpers: the HF builders, the hand-written reference step)."""
-    path = Path(__file__).resolve().parents[1] / "cpu" / f"{name}.py"
+    """A module of tests/cpu (its helpers: the HF builders, the hand-written reference step).
+
+    Its folder goes on ``sys.path`` first: those modules import their siblings (``hf_weights``),
+    which pytest puts on the path only when it collects tests/cpu itself.
+    """
+    folder = Path(__file__).resolve().parents[1] / "cpu"
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+    path = folder / f"{name}.py"
     spec = importlib.util.spec_from_file_location(f"_{name}_helpers", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -30,11 +30,11 @@ from graphtune.autotuner.cache import TuningCache
 from graphtune.autotuner.calls import CallRecord, MissLog, OpCall
 from graphtune.autotuner.config import TuningConfig
 from graphtune.autotuner.distributed import DistributedTuning, OpCoordinator
-from graphtune.autotuner.entries import CacheKey, tactic_text
+from graphtune.autotuner.entries import CacheEntry, CacheKey, tactic_text
 from graphtune.autotuner.identity import runner_id, short_runner_name, sources_digest
 from graphtune.autotuner.isolation import Executor, InProcessExecutor, Isolation
 from graphtune.autotuner.policy import TuningPolicy
-from graphtune.autotuner.profiles import generate_profiles
+from graphtune.autotuner.profiles import generate_profiles, profile_for
 from graphtune.autotuner.resolved import ResolvedCall, device_of, memo_key
 from graphtune.autotuner.runner import FALLBACK_TACTIC, TunableRunner
 from graphtune.autotuner.selection import ProfileRecord
@@ -300,6 +300,47 @@ class AutoTuner:
                 if key not in self.cache:
                     missing.add(key)
         return len(missing)
+
+    def pick_index(self, call: OpCall) -> int | None:
+        """Index into ``call.runners`` of the cached pick of the call's profile, or ``None`` when
+        there is none (not tuned, or a size the bucket mapper gives no bucket)."""
+        profile = profile_for(call.config, list(call.inputs))
+        entry = None if profile is None else self.cache.get(self._resolve(call).key(profile))
+        return None if entry is None else entry.runner_index
+
+    def pin(
+        self,
+        call: OpCall,
+        runner_index: int,
+        tactic: Any = FALLBACK_TACTIC,
+        *,
+        time_us: float | None = None,
+    ) -> CacheKey:
+        """Makes ``(call.runners[runner_index], tactic)`` the cached pick of the call's profile,
+        replacing what tuning picked. For decisions that time more than the op alone:
+        ``graphtune.engine.tuning`` keeps a fused op's unfused runner where the whole step runs
+        faster that way. The entry is saved with the cache like any pick.
+
+        Raises:
+            ConfigError: ``runner_index`` names no runner of the call, or the call's size maps
+                to no bucket (such calls always run the fallback).
+        """
+        if not 0 <= runner_index < len(call.runners):
+            raise ConfigError(
+                f"pin: runner_index {runner_index} is not one of the {len(call.runners)} runners "
+                f"of op {call.op!r}; pass an index into call.runners"
+            )
+        profile = profile_for(call.config, list(call.inputs))
+        if profile is None:
+            raise ConfigError(
+                f"pin: this call of op {call.op!r} maps to no bucket, so it always runs the "
+                "fallback and has no pick to pin; pin a call of a tuned size"
+            )
+        resolved = self._resolve(call)
+        key = resolved.key(profile)
+        entry = CacheEntry(resolved.ids[runner_index], runner_index, tactic, time_us, None)
+        self.cache.put(key, entry)
+        return key
 
     def reset_stats(self) -> None:
         """Zeroes ``stats`` and re-arms the once-per-op warnings (for example after warm-up, so

@@ -24,6 +24,12 @@ the tuning collectives is the step's order on every rank whatever the distribute
 turn into a collective only that rank enters), and the tuned unfused step (``fused=False``)
 finds its picks too.
 
+Last, on CUDA, :func:`check_fusion` times the whole step as tuned against its unfused path at
+every bucket where a fused op picked its fused kernel, and keeps the unfused path (pins each such
+op's runner 0) where the step runs faster that way: the tuner times an op alone, but inside the
+step a kernel's cost also depends on its neighbours (with programmatic dependent launch, how much
+of its start overlaps the kernel before), so a fused kernel that wins alone can lose in the step.
+
 The calls use :meth:`DecodeStep.example_inputs`: they write only the KV cache's scratch slot.
 Every rank of a tensor-parallel group must call this together (the ops' look-ups and the step's
 all-reduces are collectives in the same order on every rank).
@@ -42,12 +48,37 @@ import torch
 from graphtune.autotuner.calls import OpCall
 from graphtune.autotuner.config import power_of_two_buckets
 from graphtune.autotuner.identity import runner_id
+from graphtune.autotuner.timing import resolve_timer
+from graphtune.autotuner.timing.base import Timer
 from graphtune.engine.step import DecodeStep
 from graphtune.errors import ConfigError
 from graphtune.ops._compile_pool import close_compile_workers, start_compile_workers
 from graphtune.ops._triton_runner import triton_runners
+from graphtune.ops.fused._base import UnfusedRunner
 
 logger = logging.getLogger(__name__)
+
+UNFUSED_MARGIN = 0.01
+"""How much faster (relative) the unfused step must run at a bucket for :func:`check_fusion` to
+keep its path there; below it the tuner's per-op picks stand."""
+
+
+@dataclass(frozen=True)
+class FusionCheck:
+    """The whole-step comparison of :func:`check_fusion` at one batch bucket.
+
+    Attributes:
+        batch: The bucket (the step ran at this batch size).
+        fused_us: Time per step as tuned.
+        unfused_us: Time per step with every fused op on its unfused runner.
+        pinned: Fused-op profiles switched to their unfused runner (0 when the step as tuned was
+            fast enough).
+    """
+
+    batch: int
+    fused_us: float
+    unfused_us: float
+    pinned: int
 
 
 @dataclass
@@ -67,6 +98,8 @@ class TuneReport:
             ``prepare_seconds``).
         compile_seconds_by_op: That compile time per op name (ops that compiled nothing are left
             out).
+        fusion_checks: :func:`check_fusion`'s comparisons, one per bucket where a fused op had
+            picked its fused kernel (empty when the check did not run).
     """
 
     buckets: tuple[int, ...]
@@ -76,6 +109,7 @@ class TuneReport:
     prepared: int = 0
     compile_seconds: float = 0.0
     compile_seconds_by_op: dict[str, float] = field(default_factory=dict)
+    fusion_checks: list[FusionCheck] = field(default_factory=list)
 
     @property
     def profiles_tuned(self) -> int:
@@ -95,6 +129,9 @@ class TuneReport:
                 for op, seconds in sorted(self.compile_seconds_by_op.items())
             )
             line += f"; compiling by op: {parts}"
+        kept = [c.batch for c in self.fusion_checks if c.pinned]
+        if self.fusion_checks:
+            line += f"; whole-step check: unfused path kept at batch {kept or 'none'}"
         return line
 
 
@@ -129,7 +166,11 @@ def record_step_calls(
 
 
 def tune_step(
-    step: DecodeStep, *, log: Callable[[str], None] | None = None, prepare: bool = True
+    step: DecodeStep,
+    *,
+    log: Callable[[str], None] | None = None,
+    prepare: bool = True,
+    step_timer: Timer | None = None,
 ) -> TuneReport:
     """Tunes every op of ``step`` by running it at batch sizes ``1, 2, 4, ..., max_batch_size``,
     unfused and then as built (see the module docstring).
@@ -147,6 +188,8 @@ def tune_step(
         log: Called with one line per phase and batch size run (progress).
         prepare: Record one untuned step and compile its ops' tactics up front (``False``: each
             op compiles its tactics when it is tuned, as before ``AutoTuner.prepare``).
+        step_timer: Times whole steps for :func:`check_fusion`. Default: a CUDA-graph timer on a
+            CUDA device, and no check on the CPU (pass a timer to check there).
 
     Returns:
         A :class:`TuneReport`.
@@ -189,7 +232,11 @@ def tune_step(
     finally:
         tuner.tuning_mode = previous
         close_compile_workers()
-    if step.model.device.type == "cuda":
+    cuda = step.model.device.type == "cuda"
+    if step.ops.fused and step.model.parallel is None and (cuda or step_timer is not None):
+        timer = step_timer if step_timer is not None else resolve_timer("graph", step.model.device)
+        report.fusion_checks = check_fusion(step, timer, buckets=report.buckets, log=log)
+    if cuda:
         torch.cuda.synchronize(step.model.device)
     report.seconds = time.perf_counter() - started
     report.rows = tuner.summary_rows()[first_row:]
@@ -197,6 +244,75 @@ def tune_step(
     report.compile_seconds = sum(report.compile_seconds_by_op.values())
     logger.info("tuned the step: %s", report.summary())
     return report
+
+
+def check_fusion(
+    step: DecodeStep,
+    timer: Timer,
+    *,
+    buckets: tuple[int, ...] | None = None,
+    margin: float = UNFUSED_MARGIN,
+    log: Callable[[str], None] | None = None,
+) -> list[FusionCheck]:
+    """Keeps the step's unfused path at each bucket where the whole step runs faster that way.
+
+    At every bucket (default ``1, 2, 4, ..., max_batch_size``) where some fused op's cached pick
+    is its fused kernel, the step runs as tuned and with its stages unfused, each timed by
+    ``timer`` (a CUDA-graph timer replays back-to-back steps). When the unfused step is faster by
+    more than ``margin``, every such fused op's pick at that bucket becomes its unfused runner
+    (``AutoTuner.pin``; saved with the cache, so a restart keeps it). Only for single-process
+    steps whose single ops are tuned (the ranks of a tensor-parallel group would each decide on
+    their own timings); the tuner is out of tuning mode meanwhile, so nothing is tuned here.
+
+    Raises:
+        ConfigError: ``step`` has no tuner, or belongs to a tensor-parallel group.
+    """
+    tuner = _require_tuner(step, "check_fusion")
+    if step.model.parallel is not None:
+        raise ConfigError(
+            "check_fusion times a single-process step; a tensor-parallel step's ranks would "
+            "decide on their own timings (tune it with tune_step, which skips the check)"
+        )
+    checks: list[FusionCheck] = []
+    previous = tuner.tuning_mode
+    tuner.tuning_mode = False
+    try:
+        for batch in buckets or power_of_two_buckets(step.max_batch_size):
+            args = step.example_inputs(batch)
+            with torch.no_grad(), tuner.record_calls(dry_run=True) as calls:
+                step.decode(step.ops, *args)
+            fused = [c for c in calls if _picks_fused_kernel(tuner, c)]
+            if not fused:
+                continue
+            times = []
+            for ops in (step.ops, step.ops.unfused()):
+
+                def run(_: int, ops: Any = ops, args: Any = args) -> None:
+                    step.decode(ops, *args)
+
+                with torch.no_grad():
+                    times.append(timer.measure(run, warmup=2, repeat=2).median_us)
+            keep = times[1] < times[0] * (1.0 - margin)
+            for call in fused if keep else []:
+                tuner.pin(call, 0)
+            checks.append(FusionCheck(batch, times[0], times[1], len(fused) if keep else 0))
+            if log is not None:
+                verdict = "keeping the unfused path" if keep else "keeping the fused picks"
+                log(
+                    f"whole-step check at batch {batch}: as tuned {times[0]:.1f} us, unfused "
+                    f"{times[1]:.1f} us; {verdict}"
+                )
+    finally:
+        tuner.tuning_mode = previous
+    return checks
+
+
+def _picks_fused_kernel(tuner: Any, call: OpCall) -> bool:
+    """Whether ``call`` is a fused op (runner 0 is its unfused sequence) whose pick is another
+    runner."""
+    if not call.runners or not isinstance(call.runners[0], UnfusedRunner):
+        return False
+    return tuner.pick_index(call) not in (None, 0)
 
 
 def _all_cached(step: DecodeStep, tuner: Any, calls: list[OpCall]) -> bool:

@@ -11,8 +11,8 @@ in flight (``dot=1``; the CUDA-core loop prefetches in registers and has 1). Pru
   only for ``M == 1`` (a CUDA-core program re-reads the weights for every further row);
 * ``dot=0``: ``bn`` in 2..32, ``bk`` in 128..1024, warps such that each thread loads 16 to 64
   bytes of each weight chunk (one to four 16-byte vectors); ``dot=1``: ``bn`` in 16..128,
-  ``bk`` in 64..256 (``tl.dot`` needs 16), 4 warps, 3 or 4 stages whose shared-memory tiles
-  (weights and activations, :func:`pipeline_bytes`) fit :data:`DOT_SMEM_BYTES`;
+  ``bk`` in 64..256 (``tl.dot`` needs 16), 4 warps and 4 stages (3 measured slower on the H200,
+  5 no faster), the shared-memory tiles (:func:`pipeline_bytes`) within :data:`DOT_SMEM_BYTES`;
 * blocks are clamped to the next power of two of their dimension (``HALF`` for RoPE tiles, which
   never cross a head), duplicates dropped;
 * tactics giving fewer than half as many programs as the GPU has SMs are dropped while any
@@ -44,7 +44,7 @@ CORE_BK = (128, 256, 512, 1024)
 CORE_WARPS = (1, 2, 4, 8)
 DOT_BN = (16, 32, 64, 128)
 DOT_BK = (64, 128, 256)
-DOT_STAGES = (3, 4)
+DOT_STAGES = (4,)
 DOT_SMEM_BYTES = 160 * 1024
 """Shared memory the pipelined tiles of a ``dot=1`` program may take (an H200 SM has 228 KiB)."""
 THREAD_BYTES = (16, 64)

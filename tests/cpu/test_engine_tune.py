@@ -354,6 +354,11 @@ def test_whole_step_check_keeps_the_unfused_path_only_where_the_step_is_faster_t
     report = tune_step(other, step_timer=_Scripted([100.0, 50.0, 100.0, 99.5, 50.0, 100.0]))
     assert [c.batch for c in report.fusion_checks if c.pinned] == [1]
     assert "unfused path kept at batch [1]" in report.summary()
+    # check_fused=False keeps every per-op pick.
+    kept = DecodeStep(model, KVCache(model.config, 4, 32), tuner=_tuner())
+    scripted = _Scripted([100.0, 50.0])
+    assert tune_step(kept, step_timer=scripted, check_fused=False).fusion_checks == []
+    assert scripted.times == [100.0, 50.0]
 
 
 def test_pin_rejects_an_index_that_names_no_runner():

@@ -171,6 +171,7 @@ def tune_step(
     log: Callable[[str], None] | None = None,
     prepare: bool = True,
     step_timer: Timer | None = None,
+    check_fused: bool = True,
 ) -> TuneReport:
     """Tunes every op of ``step`` by running it at batch sizes ``1, 2, 4, ..., max_batch_size``,
     unfused and then as built (see the module docstring).
@@ -190,6 +191,8 @@ def tune_step(
             op compiles its tactics when it is tuned, as before ``AutoTuner.prepare``).
         step_timer: Times whole steps for :func:`check_fusion`. Default: a CUDA-graph timer on a
             CUDA device, and no check on the CPU (pass a timer to check there).
+        check_fused: Run :func:`check_fusion` (``False`` keeps every per-op pick, for example
+            to test the fused kernels where the step would run faster without them).
 
     Returns:
         A :class:`TuneReport`.
@@ -233,7 +236,8 @@ def tune_step(
         tuner.tuning_mode = previous
         close_compile_workers()
     cuda = step.model.device.type == "cuda"
-    if step.ops.fused and step.model.parallel is None and (cuda or step_timer is not None):
+    checkable = check_fused and step.ops.fused and step.model.parallel is None
+    if checkable and (cuda or step_timer is not None):
         timer = step_timer if step_timer is not None else resolve_timer("graph", step.model.device)
         report.fusion_checks = check_fusion(step, timer, buckets=report.buckets, log=log)
     if cuda:

@@ -117,7 +117,8 @@ def fused_gemv_kernel(
             wb = tl.load(wb_ptrs, mask=k_ok, other=0.0)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if MODE != 2:
+            tl.extra.cuda.gdc_launch_dependents()
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
@@ -191,6 +192,12 @@ def fused_gemv_kernel(
             wa = wa_next
             if MODE != 0:
                 wb = wb_next
+
+    if USE_PDL and MODE == 2:
+        # The QKV stage's successor is decode attention, a small grid: launched while this
+        # kernel's programs fill the SMs, its programs were packed onto the few SMs with room
+        # and ran slower; triggered here, they launch as this kernel drains (graphtune.ops._pdl).
+        tl.extra.cuda.gdc_launch_dependents()
 
     # Epilogue on [BLOCK_N, BLOCK_M] tiles (column, row): float32 sums, one rounding per tensor
     # the unfused ops materialise.

@@ -31,9 +31,9 @@ The contract a ``USE_PDL`` kernel keeps (every Triton kernel of a decode step do
   last wave, and keep the memory system busy across the kernel boundary. A trigger at the end of
   the main loop instead measured slower in the decode step: it overlapped only the epilogue.
   The one exception is the fused QKV stage, whose successor is decode attention (a grid of a few
-  dozen programs): launched early, its programs were placed on the few SMs the QKV programs left
-  room on, two to an SM, and attention took 7.3 instead of 4.3 us; that kernel triggers after
-  its main loop.
+  dozen programs): launched that early, attention took 7.3 us after the QKV kernel instead of
+  4.3 us (likely because its programs could only start on the few SMs the QKV programs left room
+  on, several to an SM), so that kernel triggers after its main loop.
 
 A kernel that follows a kernel without PDL (cuBLAS, torch) is ordered as usual: the driver only
 overlaps a PDL launch with a predecessor that triggers it.

@@ -194,9 +194,8 @@ def fused_gemv_kernel(
                 wb = wb_next
 
     if USE_PDL and MODE == 2:
-        # The QKV stage's successor is decode attention, a small grid: launched while this
-        # kernel's programs fill the SMs, its programs were packed onto the few SMs with room
-        # and ran slower; triggered here, they launch as this kernel drains (graphtune.ops._pdl).
+        # The QKV stage's successor is decode attention, a small grid that ran slower when
+        # launched while this kernel's programs fill the SMs (graphtune.ops._pdl).
         tl.extra.cuda.gdc_launch_dependents()
 
     # Epilogue on [BLOCK_N, BLOCK_M] tiles (column, row): float32 sums, one rounding per tensor

@@ -24,6 +24,7 @@ progress bar on stderr names each phase and batch size while it runs
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -303,6 +304,7 @@ def _time_tuned(run: _Run, tuner: Any) -> None:
     report.tuning_compile_seconds_by_op = dict(tuned_report.compile_seconds_by_op)
     report.tuning_profiles = tuned_report.profiles_tuned
     report.tuning_picks = [list(row) for row in tuned_report.rows]
+    report.tuning_fusion_checks = [dataclasses.asdict(c) for c in tuned_report.fusion_checks]
     log(f"tuning: {tuned_report.summary()}")
     if step.parallel is not None:
         report.tuning_rank_agreement = rank_agreement(tuner, step.parallel)

@@ -166,6 +166,8 @@ class DecodeBenchReport:
     tuning_profiles: int | None = None
     tuning_fallbacks: dict[str, int] | None = None
     tuning_picks: list[list[Any]] | None = None
+    #: ``graphtune.engine.tuning.FusionCheck`` of each bucket compared, as dicts.
+    tuning_fusion_checks: list[dict[str, Any]] | None = None
     tuning_rank_agreement: float | None = None
     tuned_capture_seconds: float | None = None
 

@@ -287,3 +287,36 @@ def test_installed_triton_accepts_pdl_and_every_fused_kernel_declares_it():
     from graphtune.ops.fused_gemv.family import gemv_kernels
 
     assert _pdl.PDL_ARG in gemv_kernels().fused_gemv_kernel.arg_names
+
+
+def test_every_decode_step_kernel_waits_then_lets_its_successor_launch():
+    """Each kernel of the decode step declares USE_PDL, waits for its predecessor
+    unconditionally (not inside a runtime branch) and lets its successor launch after that
+    wait (graphtune.ops._pdl's contract)."""
+    pytest.importorskip("triton")
+    import importlib
+    import inspect
+
+    names = (
+        "graphtune.ops._kernels",
+        "graphtune.ops.gemm._gemv_kernels",
+        "graphtune.ops.fused_gemv._kernels",
+        "graphtune.ops._attention_kernels",
+    )
+    checked = []
+    for name in names:
+        module = importlib.import_module(name)
+        for attr, kernel in vars(module).items():
+            if not attr.endswith("_kernel") or not hasattr(kernel, "arg_names"):
+                continue
+            source = inspect.getsource(getattr(kernel, "fn", kernel))
+            assert _pdl.PDL_ARG in kernel.arg_names, attr
+            lines = source.splitlines()
+            at = next(i for i, text in enumerate(lines) if "gdc_wait()" in text)
+            # Directly under a top-level `if USE_PDL:` of the kernel body: no runtime branch.
+            assert lines[at - 1] == "    if USE_PDL:", (attr, lines[at - 1])
+            assert lines[at].startswith(" " * 8 + "tl.extra.cuda.gdc_wait()"), attr
+            assert "gdc_launch_dependents()" in "\n".join(lines[at + 1 :]), attr
+            checked.append(attr)
+    assert {"gemv_kernel", "fused_gemv_kernel", "rms_norm_kernel", "gemm_kernel"} <= set(checked)
+    assert len(checked) >= 9

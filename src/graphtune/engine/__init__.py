@@ -20,7 +20,13 @@ from graphtune.engine.prefill import PrefillStep, prefill, prefill_capture_sizes
 from graphtune.engine.presets import PRESETS, fewer_layers, get_preset
 from graphtune.engine.sampling import GREEDY, SamplingParams, sample
 from graphtune.engine.step import DecodeStep, step_pad_rule
-from graphtune.engine.tuning import TuneReport, record_step_calls, tune_step
+from graphtune.engine.tuning import (
+    FusionCheck,
+    TuneReport,
+    check_fusion,
+    record_step_calls,
+    tune_step,
+)
 
 __all__ = [
     "GREEDY",
@@ -37,6 +43,7 @@ __all__ = [
     "RopeScaling",
     "SamplingParams",
     "TensorParallelDecodeStep",
+    "FusionCheck",
     "TuneReport",
     "build_runner",
     "build_step",
@@ -55,5 +62,6 @@ __all__ = [
     "sample",
     "shard_model",
     "step_pad_rule",
+    "check_fusion",
     "tune_step",
 ]

@@ -373,3 +373,29 @@ def test_pin_rejects_an_index_that_names_no_runner():
         step.decode(step.ops, *step.example_inputs(1))
     with pytest.raises(ConfigError, match="runner_index"):
         tuner.pin(calls[0], len(calls[0].runners))
+
+
+def test_a_restart_records_the_unfused_step_only_where_a_fused_kernel_hides_single_ops():
+    model = load_model("tiny")
+    tuner = _tuner()
+    # Largest bucket 32: above the fused kernels' 16 rows, so there every fused op runs its
+    # unfused runner and the recorded step shows every single-op call.
+    step = DecodeStep(model, KVCache(model.config, 32, 32), tuner=tuner)
+    tune_step(step)
+    unfused_runs = []
+    decode = step.decode
+
+    def counting(ops, *args):
+        if not ops.fused:
+            unfused_runs.append(args[0].shape[0])
+        return decode(ops, *args)
+
+    step.decode = counting
+    assert tune_step(step).profiles_tuned == 0 and unfused_runs == []
+    # With a single op missing, the first recording alone finds it and the bucket runs tune it.
+    kept = {k: e for k, e in tuner.cache.items() if k.op != "graphtune.silu_and_mul"}
+    partial = _tuner()
+    partial.cache.update(kept)
+    again = DecodeStep(model, KVCache(model.config, 32, 32), tuner=partial)
+    report = tune_step(again)
+    assert {row[0] for row in report.rows} == {"graphtune.silu_and_mul"}

@@ -323,12 +323,16 @@ def _all_cached(step: DecodeStep, tuner: Any, calls: list[OpCall]) -> bool:
     """Whether the bucket runs would tune nothing: no profile of the recorded calls, nor of the
     unfused step's calls (a cached fused pick hides its single ops), is missing at any bucket.
 
+    The unfused step is recorded only when some fused op of ``calls`` ran its fused kernel:
+    otherwise each ran its unfused runner, whose single-op calls are the unfused step's calls
+    and are in ``calls`` already (at a largest bucket above the fused kernels' 16 rows, always).
+
     Only for a single-process step: the ranks of a tensor-parallel group must all run the
     bucket passes or none, and their caches are not compared here.
     """
     if step.model.parallel is not None or tuner.missing_profiles(calls):
         return False
-    if step.ops.fused:
+    if step.ops.fused and any(_picks_fused_kernel(tuner, c) for c in calls):
         with torch.no_grad(), tuner.record_calls(dry_run=True) as unfused:
             step.decode(step.ops.unfused(), *step.example_inputs(step.max_batch_size))
         return not tuner.missing_profiles(unfused)

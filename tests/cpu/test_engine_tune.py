@@ -297,68 +297,112 @@ def test_a_step_whose_profiles_are_all_cached_skips_the_bucket_runs() -> None:
     assert report.profiles_tuned == len(tuner.cache.items()) - len(kept)
 
 
-class _Scripted:
-    """Fake step timer: returns the given per-step times in order (the step as tuned, then
-    unfused, for each bucket ``check_fusion`` compares), and runs each timed step once."""
+class _CostModel:
+    """Fake step timer: a step's time is the sum of what its op calls cost, seen through a
+    dry-run recording of the timed call: a fused op on its fused kernel costs ``FUSED[op]``, a
+    single op ``SINGLE[op]`` (a fused op on its unfused runner shows its single ops)."""
 
-    name = "scripted"
+    name = "cost-model"
+    FUSED = {
+        "graphtune.norm_qkv_rope": 10.0,  # unfused: norm + GEMM + RoPE = 2, so unfusing pays
+        "graphtune.add_projection": 5.0,  # unfused: one GEMM = 1
+        "graphtune.norm_gate_up_silu": 5.0,  # unfused: 21.5 (the SiLU is dear), so it stays
+        "graphtune.norm_linear": 1.0,  # unfused: 1.5, so it stays
+    }
+    SINGLE = {"graphtune.gemm": 1.0, "graphtune.silu_and_mul": 20.0}
 
-    def __init__(self, times: list[float]) -> None:
-        self.times = list(times)
+    def __init__(self, tuner: AutoTuner) -> None:
+        self.tuner, self.calls = tuner, 0
 
     def measure(self, fn, *, warmup: int, repeat: int) -> Measurement:
-        fn(0)
-        return Measurement.from_samples([self.times.pop(0)], calls_per_sample=1, timer=self.name)
+        from graphtune.ops.fused._base import UnfusedRunner
+
+        self.calls += 1
+        with torch.no_grad(), self.tuner.record_calls(dry_run=True) as calls:
+            fn(0)
+        total = 0.0
+        for call in calls:
+            if isinstance(call.runners[0], UnfusedRunner):
+                found = self.tuner.cached(call)
+                total += self.FUSED[call.op] if found and found[1].runner_index else 0.0
+            else:
+                total += self.SINGLE.get(call.op, 0.5)
+        return Measurement.from_samples([total], calls_per_sample=1, timer=self.name)
 
 
-def _fused_picks(tuner: AutoTuner, step: DecodeStep, batch: int) -> list[int | None]:
+def _fused_picks(tuner: AutoTuner, step: DecodeStep, batch: int) -> dict[str, set[int]]:
     with torch.no_grad(), tuner.record_calls(dry_run=True) as calls:
         step.decode(step.ops, *step.example_inputs(batch))
-    return [tuner.pick_index(c) for c in calls if c.op in FUSED_OPS]
+    picks: dict[str, set[int]] = {}
+    for call in calls:
+        if call.op in _CostModel.FUSED:
+            picks.setdefault(call.op, set()).add(tuner.cached(call)[1].runner_index)
+    return picks
 
 
-FUSED_OPS = {
-    "graphtune.norm_qkv_rope",
-    "graphtune.add_projection",
-    "graphtune.norm_gate_up_silu",
-    "graphtune.norm_linear",
-}
-
-
-def test_whole_step_check_keeps_the_unfused_path_only_where_the_step_is_faster_that_way():
+def test_whole_step_check_switches_exactly_the_fused_ops_that_slow_the_step():
     from graphtune.engine.tuning import check_fusion
 
     model = load_model("tiny")
     tuner = _tuner()  # the last runner wins every op alone: the fused ops pick their kernels
-    step = DecodeStep(model, KVCache(model.config, 4, 32), tuner=tuner)
+    step = DecodeStep(model, KVCache(model.config, 2, 32), tuner=tuner)
     assert tune_step(step).fusion_checks == []  # no step timer on the CPU: no check
-    before = {batch: _fused_picks(tuner, step, batch) for batch in (1, 2, 4)}
-    assert all(any(pick != 0 for pick in picks) for picks in before.values())
-    # Batch 1: unfused clearly faster; batch 2: faster by less than the margin; batch 4: slower.
-    timer = _Scripted([100.0, 50.0, 100.0, 99.5, 50.0, 100.0])
+    before = {batch: _fused_picks(tuner, step, batch) for batch in (1, 2)}
+    assert all(kinds == {1} for kinds in before[1].values())
+    # The tiny model's QKV kernel has tactics for one row only: at batch 2 it is unfused already.
+    assert before[2]["graphtune.norm_qkv_rope"] == {0}
     lines: list[str] = []
-    checks = check_fusion(step, timer, log=lines.append)
-    assert not timer.times and len(lines) == 3
-    assert [(c.batch, c.pinned > 0) for c in checks] == [(1, True), (2, False), (4, False)]
-    assert set(_fused_picks(tuner, step, 1)) == {0}
-    assert {batch: _fused_picks(tuner, step, batch) for batch in (2, 4)} == {
-        batch: before[batch] for batch in (2, 4)
-    }
-    # At batch 1 the step now runs the unfused path exactly.
-    args = step.example_inputs(1)
-    with torch.no_grad():
-        assert torch.equal(step.decode(step.ops, *args), step.decode(step.ops.unfused(), *args))
+    checks = check_fusion(step, _CostModel(tuner), log=lines.append)
+    assert [c.batch for c in checks] == [1, 2] and len(lines) == 2
+    # QKV, O-projection and down-projection profiles switch; gate/up and the LM head stay.
+    assert [(c.pinned, c.candidates) for c in checks] == [(3, 5), (2, 4)]
+    for check in checks:
+        assert check.kept_us < check.fused_us and check.kept_us < check.unfused_us
+    for batch in (1, 2):
+        assert _fused_picks(tuner, step, batch) == {
+            "graphtune.norm_qkv_rope": {0},
+            "graphtune.add_projection": {0},
+            "graphtune.norm_gate_up_silu": before[batch]["graphtune.norm_gate_up_silu"],
+            "graphtune.norm_linear": before[batch]["graphtune.norm_linear"],
+        }
 
-    # tune_step runs the check when given a step timer, and says what it kept.
-    other = DecodeStep(model, KVCache(model.config, 4, 32), tuner=_tuner())
-    report = tune_step(other, step_timer=_Scripted([100.0, 50.0, 100.0, 99.5, 50.0, 100.0]))
-    assert [c.batch for c in report.fusion_checks if c.pinned] == [1]
-    assert "unfused path kept at batch [1]" in report.summary()
-    # check_fused=False keeps every per-op pick.
-    kept = DecodeStep(model, KVCache(model.config, 4, 32), tuner=_tuner())
-    scripted = _Scripted([100.0, 50.0])
-    assert tune_step(kept, step_timer=scripted, check_fused=False).fusion_checks == []
-    assert scripted.times == [100.0, 50.0]
+    # tune_step runs the check when given a step timer, and says what it switched.
+    other_tuner = _tuner()
+    other = DecodeStep(model, KVCache(model.config, 2, 32), tuner=other_tuner)
+    report = tune_step(other, step_timer=_CostModel(other_tuner))
+    assert [(c.batch, c.pinned) for c in report.fusion_checks] == [(1, 3), (2, 2)]
+    assert "switched to unfused by batch: {1: '3/5', 2: '2/4'}" in report.summary()
+    # check_fused=False keeps every per-op pick and times nothing.
+    kept_tuner = _tuner()
+    kept = DecodeStep(model, KVCache(model.config, 2, 32), tuner=kept_tuner)
+    timer = _CostModel(kept_tuner)
+    assert tune_step(kept, step_timer=timer, check_fused=False).fusion_checks == []
+    assert timer.calls == 0
+
+
+def test_whole_step_check_unfuses_everything_when_only_all_together_pays():
+    from graphtune.engine.tuning import check_fusion
+
+    class _Together(_CostModel):
+        """Every fused kernel costs 1 more than its unfused ops, except when all are unfused."""
+
+        def measure(self, fn, *, warmup: int, repeat: int) -> Measurement:
+            from graphtune.ops.fused._base import UnfusedRunner
+
+            with torch.no_grad(), self.tuner.record_calls(dry_run=True) as calls:
+                fn(0)
+            fused = [c for c in calls if isinstance(c.runners[0], UnfusedRunner)]
+            on_kernel = [c for c in fused if self.tuner.cached(c)[1].runner_index]
+            total = 1.0 if not fused else 100.0 - 0.1 * (len(fused) - len(on_kernel))
+            return Measurement.from_samples([total], calls_per_sample=1, timer=self.name)
+
+    model = load_model("tiny")
+    tuner = _tuner()
+    step = DecodeStep(model, KVCache(model.config, 1, 32), tuner=tuner)
+    tune_step(step)
+    (check,) = check_fusion(step, _Together(tuner))
+    assert check.pinned == check.candidates and check.kept_us == check.unfused_us == 1.0
+    assert set().union(*_fused_picks(tuner, step, 1).values()) == {0}
 
 
 def test_pin_rejects_an_index_that_names_no_runner():

@@ -301,12 +301,14 @@ class AutoTuner:
                     missing.add(key)
         return len(missing)
 
-    def pick_index(self, call: OpCall) -> int | None:
-        """Index into ``call.runners`` of the cached pick of the call's profile, or ``None`` when
-        there is none (not tuned, or a size the bucket mapper gives no bucket)."""
+    def cached(self, call: OpCall) -> tuple[CacheKey, CacheEntry] | None:
+        """The cache key of the call's profile and its entry (``entry.runner_index`` indexes
+        ``call.runners``), or ``None`` when there is none (not tuned, or a size the bucket
+        mapper gives no bucket). ``cache.put(key, entry)`` puts a replaced pick back."""
         profile = profile_for(call.config, list(call.inputs))
-        entry = None if profile is None else self.cache.get(self._resolve(call).key(profile))
-        return None if entry is None else entry.runner_index
+        key = None if profile is None else self._resolve(call).key(profile)
+        entry = None if key is None else self.cache.get(key)
+        return None if key is None or entry is None else (key, entry)
 
     def pin(
         self,
@@ -316,10 +318,9 @@ class AutoTuner:
         *,
         time_us: float | None = None,
     ) -> CacheKey:
-        """Makes ``(call.runners[runner_index], tactic)`` the cached pick of the call's profile,
-        replacing what tuning picked. For decisions that time more than the op alone:
-        ``graphtune.engine.tuning`` keeps a fused op's unfused runner where the whole step runs
-        faster that way. The entry is saved with the cache like any pick.
+        """Makes ``(call.runners[runner_index], tactic)`` the cached pick of the call's profile
+        (saved like any pick), for decisions that time more than the op alone: see
+        ``graphtune.engine.tuning.check_fusion``.
 
         Raises:
             ConfigError: ``runner_index`` names no runner of the call, or the call's size maps

@@ -24,11 +24,11 @@ the tuning collectives is the step's order on every rank whatever the distribute
 turn into a collective only that rank enters), and the tuned unfused step (``fused=False``)
 finds its picks too.
 
-Last, on CUDA, :func:`check_fusion` times the whole step as tuned against its unfused path at
-every bucket where a fused op picked its fused kernel, and keeps the unfused path (pins each such
-op's runner 0) where the step runs faster that way: the tuner times an op alone, but inside the
-step a kernel's cost also depends on its neighbours (with programmatic dependent launch, how much
-of its start overlaps the kernel before), so a fused kernel that wins alone can lose in the step.
+Last, on CUDA, :func:`check_fusion` times the whole step at every bucket where a fused op picked
+its fused kernel and switches each such op to its unfused runner (runner 0) where the step runs
+faster that way: the tuner times an op alone, but inside the step a kernel's cost also depends on
+its neighbours (with programmatic dependent launch, how much of its start overlaps the kernel
+before), so a fused kernel that wins alone can lose in the step.
 
 The calls use :meth:`DecodeStep.example_inputs`: they write only the KV cache's scratch slot.
 Every rank of a tensor-parallel group must call this together (the ops' look-ups and the step's
@@ -59,8 +59,8 @@ from graphtune.ops.fused._base import UnfusedRunner
 logger = logging.getLogger(__name__)
 
 UNFUSED_MARGIN = 0.01
-"""How much faster (relative) the unfused step must run at a bucket for :func:`check_fusion` to
-keep its path there; below it the tuner's per-op picks stand."""
+"""How much faster (relative) the step must run for :func:`check_fusion` to switch a fused op to
+its unfused runner; below it the tuner's per-op picks stand."""
 
 
 @dataclass(frozen=True)
@@ -71,14 +71,17 @@ class FusionCheck:
         batch: The bucket (the step ran at this batch size).
         fused_us: Time per step as tuned.
         unfused_us: Time per step with every fused op on its unfused runner.
-        pinned: Fused-op profiles switched to their unfused runner (0 when the step as tuned was
-            fast enough).
+        kept_us: Time per step with the picks the check kept.
+        pinned: Fused-op profiles switched to their unfused runner.
+        candidates: Fused-op profiles whose pick was a fused kernel.
     """
 
     batch: int
     fused_us: float
     unfused_us: float
+    kept_us: float
     pinned: int
+    candidates: int
 
 
 @dataclass
@@ -129,9 +132,9 @@ class TuneReport:
                 for op, seconds in sorted(self.compile_seconds_by_op.items())
             )
             line += f"; compiling by op: {parts}"
-        kept = [c.batch for c in self.fusion_checks if c.pinned]
         if self.fusion_checks:
-            line += f"; whole-step check: unfused path kept at batch {kept or 'none'}"
+            switched = {c.batch: f"{c.pinned}/{c.candidates}" for c in self.fusion_checks}
+            line += f"; whole-step check, fused profiles switched to unfused by batch: {switched}"
         return line
 
 
@@ -258,14 +261,17 @@ def check_fusion(
     margin: float = UNFUSED_MARGIN,
     log: Callable[[str], None] | None = None,
 ) -> list[FusionCheck]:
-    """Keeps the step's unfused path at each bucket where the whole step runs faster that way.
+    """Keeps a fused op's unfused runner at each bucket where the whole step runs faster so.
 
     At every bucket (default ``1, 2, 4, ..., max_batch_size``) where some fused op's cached pick
-    is its fused kernel, the step runs as tuned and with its stages unfused, each timed by
-    ``timer`` (a CUDA-graph timer replays back-to-back steps). When the unfused step is faster by
-    more than ``margin``, every such fused op's pick at that bucket becomes its unfused runner
-    (``AutoTuner.pin``; saved with the cache, so a restart keeps it). Only for single-process
-    steps whose single ops are tuned (the ranks of a tensor-parallel group would each decide on
+    is its fused kernel, ``timer`` times the whole step (a CUDA-graph timer replays back-to-back
+    steps): as tuned, with every stage unfused, and then once per such fused-op profile, in step
+    order, with that profile switched to its unfused runner (``AutoTuner.pin``). A switch stays
+    when the step got faster than the best so far by more than ``margin``; otherwise the pick
+    is put back. When the fully unfused step beats the result by more than ``margin``, every
+    profile is switched. The picks kept are saved with the cache, so a restart keeps them.
+
+    Only for single-process steps (the ranks of a tensor-parallel group would each decide on
     their own timings); the tuner is out of tuning mode meanwhile, so nothing is tuned here.
 
     Raises:
@@ -285,38 +291,56 @@ def check_fusion(
             args = step.example_inputs(batch)
             with torch.no_grad(), tuner.record_calls(dry_run=True) as calls:
                 step.decode(step.ops, *args)
-            fused = [c for c in calls if _picks_fused_kernel(tuner, c)]
+            fused: dict[Any, tuple[OpCall, Any]] = {}
+            for call in calls:
+                found = _fused_pick(tuner, call)
+                if found is not None and found[0] not in fused:
+                    fused[found[0]] = (call, found[1])
             if not fused:
                 continue
-            times = []
-            for ops in (step.ops, step.ops.unfused()):
-
-                def run(_: int, ops: Any = ops, args: Any = args) -> None:
-                    step.decode(ops, *args)
-
-                with torch.no_grad():
-                    times.append(timer.measure(run, warmup=2, repeat=2).median_us)
-            keep = times[1] < times[0] * (1.0 - margin)
-            for call in fused if keep else []:
+            as_tuned = _step_us(step, timer, step.ops, args)
+            unfused = _step_us(step, timer, step.ops.unfused(), args)
+            best, pinned = as_tuned, 0
+            for key, (call, entry) in fused.items():
                 tuner.pin(call, 0)
-            checks.append(FusionCheck(batch, times[0], times[1], len(fused) if keep else 0))
+                now = _step_us(step, timer, step.ops, args)
+                if now < best * (1.0 - margin):
+                    best, pinned = now, pinned + 1
+                else:
+                    tuner.cache.put(key, entry)
+            if unfused < best * (1.0 - margin):
+                for call, _ in fused.values():
+                    tuner.pin(call, 0)
+                best, pinned = unfused, len(fused)
+            checks.append(FusionCheck(batch, as_tuned, unfused, best, pinned, len(fused)))
             if log is not None:
-                verdict = "keeping the unfused path" if keep else "keeping the fused picks"
                 log(
-                    f"whole-step check at batch {batch}: as tuned {times[0]:.1f} us, unfused "
-                    f"{times[1]:.1f} us; {verdict}"
+                    f"whole-step check at batch {batch}: as tuned {as_tuned:.1f} us, unfused "
+                    f"{unfused:.1f} us, kept {best:.1f} us with {pinned} of {len(fused)} fused "
+                    "profiles switched to their unfused runner"
                 )
     finally:
         tuner.tuning_mode = previous
     return checks
 
 
-def _picks_fused_kernel(tuner: Any, call: OpCall) -> bool:
-    """Whether ``call`` is a fused op (runner 0 is its unfused sequence) whose pick is another
-    runner."""
+def _step_us(step: DecodeStep, timer: Timer, ops: Any, args: tuple[torch.Tensor, ...]) -> float:
+    """Time per step of ``step.decode(ops, *args)`` by ``timer``."""
+
+    def run(_: int) -> None:
+        step.decode(ops, *args)
+
+    with torch.no_grad():
+        return float(timer.measure(run, warmup=2, repeat=2).median_us)
+
+
+def _fused_pick(tuner: Any, call: OpCall) -> tuple[Any, Any] | None:
+    """``(key, entry)`` when ``call`` is a fused op (runner 0 is its unfused sequence) whose
+    cached pick is another runner (its fused kernel), else ``None``."""
     if not call.runners or not isinstance(call.runners[0], UnfusedRunner):
-        return False
-    return tuner.pick_index(call) not in (None, 0)
+        return None
+    found = tuner.cached(call)
+    return found if found is not None and found[1].runner_index != 0 else None
 
 
 def _all_cached(step: DecodeStep, tuner: Any, calls: list[OpCall]) -> bool:
@@ -332,7 +356,7 @@ def _all_cached(step: DecodeStep, tuner: Any, calls: list[OpCall]) -> bool:
     """
     if step.model.parallel is not None or tuner.missing_profiles(calls):
         return False
-    if step.ops.fused and any(_picks_fused_kernel(tuner, c) for c in calls):
+    if step.ops.fused and any(_fused_pick(tuner, c) is not None for c in calls):
         with torch.no_grad(), tuner.record_calls(dry_run=True) as unfused:
             step.decode(step.ops.unfused(), *step.example_inputs(step.max_batch_size))
         return not tuner.missing_profiles(unfused)

@@ -44,7 +44,11 @@ def _cases() -> list[tuple[str, Any, list[Any]]]:
     from graphtune.ops.gemm import TritonSkinnyGemmRunner
     from graphtune.ops.gemm.gemv import TritonGemvRunner
     from graphtune.ops.gemm.tiled import TritonGemmRunner
-    from graphtune.ops.moe import TritonFusedMoeRunner, TritonRouteTopKRunner
+    from graphtune.ops.moe import (
+        TritonFusedMoeRunner,
+        TritonMoeGemvRunner,
+        TritonRouteTopKRunner,
+    )
     from graphtune.ops.rmsnorm import TritonRMSNormRunner
     from graphtune.ops.rotary import TritonRopeRunner
 
@@ -105,12 +109,15 @@ def _cases() -> list[tuple[str, Any, list[Any]]]:
                 [logits],
             )
         ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(m)])
-        add(
-            f"fused_moe m={m}",
-            TritonFusedMoeRunner(smem_bytes=228 * 1024),
-            [x, _rand(experts, 2 * expert_inter, hidden), _rand(experts, hidden, expert_inter)]
-            + [torch.full((m, top_k), 0.5, dtype=BF16), ids],
-        )
+        moe_inputs = [
+            x,
+            _rand(experts, 2 * expert_inter, hidden),
+            _rand(experts, hidden, expert_inter),
+            torch.full((m, top_k), 0.5, dtype=BF16),
+            ids,
+        ]
+        add(f"fused_moe m={m}", TritonFusedMoeRunner(smem_bytes=228 * 1024), moe_inputs)
+        add(f"fused_moe gemv m={m}", TritonMoeGemvRunner(), moe_inputs)
         add(
             f"rope m={m}",
             TritonRopeRunner(heads, kv, True),

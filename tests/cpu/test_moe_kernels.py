@@ -30,10 +30,19 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from moe_cases import (  # noqa: E402
+    TOL,
+    LastIsFastest,
+    NoHostSync,
+    float64_moe,
+    gen_seeded,
+    moe_case,
+    poisoned_allocations,
+    rel_error,
+)
 
 from graphtune.autotuner import AutoTuner, TuningPolicy, autotune  # noqa: E402
-from graphtune.autotuner.timing.base import Measurement  # noqa: E402
 from graphtune.errors import ConfigError  # noqa: E402
 from graphtune.graphs import CUDAGraphRunner, SimulatedGraphBackend  # noqa: E402
 from graphtune.ops import _triton  # noqa: E402
@@ -52,8 +61,6 @@ pytestmark = pytest.mark.skipif(
     not _triton.device_supported(torch.device("cpu")),
     reason="Triton kernels run on the CPU only under TRITON_INTERPRET=1 (set when no GPU)",
 )
-
-TOL = {torch.float32: 1e-5, torch.float16: 3e-3}
 
 
 def _tactic(block_m, block_n, block_k, group_m=1, warps=4, stages=2):
@@ -77,37 +84,6 @@ TACTIC_CLASSES = [
 ]
 
 
-def _gen() -> torch.Generator:
-    return torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
-
-
-def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got.double() - want).norm() / want.norm().clamp_min(1e-30))
-
-
-def _case(gen, tokens, experts, hidden, inter, dtype=torch.float32, top_k=2):
-    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
-    gate_up = (torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden**-0.5).to(dtype)
-    down = (torch.randn(experts, hidden, inter, generator=gen) * inter**-0.5).to(dtype)
-    weights, ids = route_top_k(torch.randn(tokens, experts, generator=gen), top_k, renormalize=True)
-    return [x, gate_up, down, weights, ids]
-
-
-def float64_moe(x, gate_up, down, weights, ids):
-    """The math, one (token, slot) at a time, in float64; ids outside [0, E) add nothing."""
-    inter = down.shape[2]
-    out = torch.zeros(x.shape, dtype=torch.float64)
-    for t in range(x.shape[0]):
-        for j in range(ids.shape[1]):
-            e = int(ids[t, j])
-            if not 0 <= e < gate_up.shape[0]:
-                continue
-            h = gate_up[e].double() @ x[t].double()
-            act = torch.nn.functional.silu(h[:inter]) * h[inter:]
-            out[t] += float(weights[t, j]) * (down[e].double() @ act)
-    return out
-
-
 def oracle_layout(ids, experts, block_m):
     """The sorted layout by hand: pairs by expert then pair id, each expert padded to blocks."""
     flat = ids.reshape(-1).tolist()
@@ -125,23 +101,6 @@ def oracle_layout(ids, experts, block_m):
     )
 
 
-@contextlib.contextmanager
-def poisoned_allocations():
-    """Every ``torch.empty`` inside returns NaN floats or ints of -777 instead of whatever the
-    allocator had (often zeros on the CPU, which would hide a row that is read unwritten)."""
-    original = torch.empty
-
-    def empty(*args, **kwargs):
-        out = original(*args, **kwargs)
-        return out.fill_(float("nan") if out.dtype.is_floating_point else -777)
-
-    torch.empty = empty
-    try:
-        yield
-    finally:
-        torch.empty = original
-
-
 # --- sort step -----------------------------------------------------------------------------------
 
 
@@ -157,7 +116,7 @@ def poisoned_allocations():
     ],
 )
 def test_sort_by_expert_matches_the_oracle(tokens, top_k, experts, block_m):
-    gen = _gen()
+    gen = gen_seeded()
     ids = torch.rand(tokens, experts, generator=gen).topk(top_k, dim=-1).indices
     with poisoned_allocations():
         blocks = sort_by_expert(ids, experts, block_m)
@@ -168,7 +127,7 @@ def test_sort_by_expert_matches_the_oracle(tokens, top_k, experts, block_m):
 
 
 def test_sort_by_expert_skewed_repeated_and_out_of_range_ids():
-    gen = _gen()
+    gen = gen_seeded()
     ids = torch.randint(0, 2, (700, 2), generator=gen, dtype=torch.int32)  # two experts of 6
     ids[5] = torch.tensor([1, 1], dtype=torch.int32)  # a token routed twice to one expert
     ids[7, 1], ids[650, 0] = -1, 6  # no expert: these pairs get no row
@@ -191,52 +150,52 @@ def test_sort_by_expert_rejects_a_bad_block():
     "tokens, experts, hidden, inter", [(1, 4, 32, 32), (3, 8, 40, 48), (17, 6, 64, 40)]
 )
 def test_every_tactic_class_matches_float64(dtype, tokens, experts, hidden, inter):
-    gen = _gen()
+    gen = gen_seeded()
     runner = TritonFusedMoeRunner()
-    inputs = _case(gen, tokens, experts, hidden, inter, dtype)
+    inputs = moe_case(gen, tokens, experts, hidden, inter, dtype)
     want = float64_moe(*inputs)
     for tactic in TACTIC_CLASSES:
         with poisoned_allocations():
             got = runner.forward(inputs, tactic)
         assert got.dtype == dtype and got.shape == (tokens, hidden)
-        assert _rel(got, want) < TOL[dtype], (tactic, gen.initial_seed())
+        assert rel_error(got, want) < TOL[dtype], (tactic, gen.initial_seed())
 
 
 def test_every_listed_tactic_runs_and_the_fallback_is_the_torch_loop():
-    gen = _gen()
+    gen = gen_seeded()
     runner = TritonFusedMoeRunner()
-    inputs = _case(gen, 17, 6, 64, 32)
+    inputs = moe_case(gen, 17, 6, 64, 32)
     tactics = runner.get_valid_tactics(inputs, None)
     assert len(tactics) >= 4
     report = runner.precompile(inputs, tactics, workers=1)
     assert all(error is None for error in report.values()), report
     want = float64_moe(*inputs)
     for tactic in tactics:
-        assert _rel(runner.forward(inputs, tactic), want) < TOL[torch.float32], tactic
+        assert rel_error(runner.forward(inputs, tactic), want) < TOL[torch.float32], tactic
     assert torch.equal(runner.forward(inputs, -1), sparse_fused_moe(*inputs))
 
 
 def test_repeated_and_out_of_range_ids_add_like_the_dense_form():
-    gen = _gen()
-    x, gate_up, down, weights, _ = _case(gen, 4, 5, 32, 32, top_k=3)
+    gen = gen_seeded()
+    x, gate_up, down, weights, _ = moe_case(gen, 4, 5, 32, 32, top_k=3)
     ids = torch.tensor([[1, 1, 4], [0, 5, 2], [-1, 3, 3], [4, 2, 0]])
     want = float64_moe(x, gate_up, down, weights, ids)
     with poisoned_allocations():
         got = TritonFusedMoeRunner().forward([x, gate_up, down, weights, ids], TACTIC_CLASSES[0])
-    assert _rel(got, want) < TOL[torch.float32], gen.initial_seed()
-    assert _rel(dense_fused_moe(x, gate_up, down, weights, ids), want) < TOL[torch.float32]
+    assert rel_error(got, want) < TOL[torch.float32], gen.initial_seed()
+    assert rel_error(dense_fused_moe(x, gate_up, down, weights, ids), want) < TOL[torch.float32]
 
 
 def test_bfloat16_routing_weights_and_int32_ids_are_accepted():
-    gen = _gen()
-    inputs = _case(gen, 5, 4, 32, 32)
+    gen = gen_seeded()
+    inputs = moe_case(gen, 5, 4, 32, 32)
     inputs[3], inputs[4] = inputs[3].to(torch.bfloat16), inputs[4].to(torch.int32)
     want = float64_moe(*inputs)
-    assert _rel(TritonFusedMoeRunner().forward(inputs, TACTIC_CLASSES[1]), want) < 1e-5
+    assert rel_error(TritonFusedMoeRunner().forward(inputs, TACTIC_CLASSES[1]), want) < 1e-5
 
 
 def test_a_bad_tactic_is_a_config_error():
-    inputs = _case(_gen(), 2, 4, 32, 32)
+    inputs = moe_case(gen_seeded(), 2, 4, 32, 32)
     with pytest.raises(ConfigError, match="TritonFusedMoeRunner: block_m"):
         TritonFusedMoeRunner().forward(inputs, _tactic(8, 32, 32))
 
@@ -244,74 +203,38 @@ def test_a_bad_tactic_is_a_config_error():
 # --- tuning and capture ---------------------------------------------------------------------------
 
 
-class LastIsFastest:
-    """Each measurement beats the one before: the last-listed candidate wins every bucket."""
-
-    name = "fake"
-
-    def __init__(self) -> None:
-        self.calls = 0
-
-    def measure(self, fn, *, warmup, repeat):
-        self.calls += 1
-        fn(0)  # runs the candidate once on the synthetic inputs
-        return Measurement.from_samples([1000.0 / self.calls], calls_per_sample=1, timer=self.name)
-
-
 def test_tuning_picks_a_triton_tactic_per_bucket_and_lookups_run_it():
-    gen = _gen()
+    gen = gen_seeded()
     tuner = AutoTuner(
         timer=LastIsFastest(),
         show_progress=False,
         policy=TuningPolicy(rounds=1, remeasure_top=0, tie_tolerance=0.0),
     )
     runners = (TorchFusedMoeRunner(), TritonFusedMoeRunner(compile_workers=1))
-    x, gate_up, down, weights, ids = _case(gen, 4, 4, 32, 32)
+    x, gate_up, down, weights, ids = moe_case(gen, 4, 4, 32, 32)
     with autotune(tuner=tuner):
         fused_moe(x, gate_up, down, weights, ids, tuner=tuner, max_m=4, runners=runners)
     assert tuner.stats.profiles_tuned == 3  # buckets 1, 2, 4
     assert all("TritonFusedMoeRunner" in row[2] for row in tuner.summary_rows())
     assert not tuner.stats.tactic_failures
     for tokens in (1, 3, 5):  # 5 tokens: bucket 4 (max_m caps it)
-        inputs = _case(gen, tokens, 4, 32, 32)
+        inputs = moe_case(gen, tokens, 4, 32, 32)
         inputs[1], inputs[2] = gate_up, down
         got = fused_moe(*inputs, tuner=tuner, max_m=4, runners=runners)
-        assert _rel(got, float64_moe(*inputs)) < TOL[torch.float32], tokens
+        assert rel_error(got, float64_moe(*inputs)) < TOL[torch.float32], tokens
     assert not tuner.stats.fallbacks
-
-
-HOST_SYNC_OPS = {
-    "_local_scalar_dense",
-    "item",
-    "nonzero",
-    "masked_select",
-    "bincount",
-    "_unique2",
-    "unique_dim",
-    "unique_consecutive",
-}
-
-
-class NoHostSync(TorchDispatchMode):
-    """Fails on every torch op that reads a device value on the host or has a data-dependent
-    output shape: what a CUDA graph capture cannot hold."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket.__name__ in HOST_SYNC_OPS:
-            raise RuntimeError(f"host-synchronising op {func} during capture")
-        return func(*args, **(kwargs or {}))
 
 
 def test_the_guard_catches_the_sparse_loop():
     with pytest.raises(RuntimeError, match="host-synchronising"), NoHostSync():
-        sparse_fused_moe(*_case(_gen(), 3, 4, 32, 32))
+        sparse_fused_moe(*moe_case(gen_seeded(), 3, 4, 32, 32))
 
 
 @pytest.mark.parametrize("form", ["triton", "dense"])
 def test_routing_and_kernels_capture_and_replay_without_host_sync(form):
-    gen = _gen()
+    gen = gen_seeded()
     hidden, experts = 32, 6
-    _, gate_up, down, _, _ = _case(gen, 1, experts, hidden, 32)
+    _, gate_up, down, _, _ = moe_case(gen, 1, experts, hidden, 32)
     router = torch.randn(experts, hidden, generator=gen)
     backend = SimulatedGraphBackend()
     runner = TritonFusedMoeRunner()
@@ -331,5 +254,5 @@ def test_routing_and_kernels_capture_and_replay_without_host_sync(form):
         x = torch.randn(tokens, hidden, generator=gen)
         got = graphs(x).clone()
         weights, ids = route_top_k(x @ router.T, 2, renormalize=True)
-        assert _rel(got, float64_moe(x, gate_up, down, weights, ids)) < TOL[torch.float32]
+        assert rel_error(got, float64_moe(x, gate_up, down, weights, ids)) < TOL[torch.float32]
     assert graphs.stats.replays == 3 and graphs.stats.eager_calls == 0

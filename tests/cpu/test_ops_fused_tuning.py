@@ -302,6 +302,8 @@ def test_every_decode_step_kernel_waits_then_lets_its_successor_launch():
         "graphtune.ops.gemm._gemv_kernels",
         "graphtune.ops.fused_gemv._kernels",
         "graphtune.ops._attention_kernels",
+        "graphtune.ops.moe._kernels",
+        "graphtune.ops.moe._gemv_kernels",
     )
     checked = []
     for name in names:

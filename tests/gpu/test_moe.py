@@ -18,6 +18,7 @@ from graphtune.autotuner import AutoTuner, autotune  # noqa: E402
 from graphtune.ops.moe import (  # noqa: E402
     TorchFusedMoeRunner,
     TritonFusedMoeRunner,
+    TritonMoeGemvRunner,
     TritonRouteTopKRunner,
     balanced_routing,
     dense_fused_moe,
@@ -103,6 +104,28 @@ def test_every_listed_tactic_matches_the_float32_loop(experts, name, tokens):
     assert torch.equal(runner.forward(inputs, tactics[0]), runner.forward(inputs, tactics[0]))
 
 
+@pytest.mark.parametrize("name", sorted(SHAPES))
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+def test_every_gemv_tactic_matches_the_float32_loop(experts, name, tokens):
+    gate_up, down = experts[name]
+    x, weights, ids = _routing(name, tokens)
+    inputs = [x, gate_up, down, weights, ids]
+    runner = TritonMoeGemvRunner()
+    tactics = runner.get_valid_tactics(inputs, None)
+    assert 4 <= len(tactics) <= 16
+    report = runner.precompile(inputs, tactics)
+    assert all(v is None for v in report.values()), {k: v for k, v in report.items() if v}
+    want = float32_moe(*inputs)
+    for tactic in tactics:
+        got = runner.forward(inputs, tactic)
+        assert got.dtype == BF16 and got.shape == x.shape
+        assert _rel(got, want) < BF16_TOL, (name, tokens, tactic)
+    assert torch.equal(runner.forward(inputs, tactics[0]), runner.forward(inputs, tactics[0]))
+    # Larger buckets are the grouped GEMMs': no GEMV tactic is listed for them.
+    big = [torch.cat([x] * 64), gate_up, down, torch.cat([weights] * 64), torch.cat([ids] * 64)]
+    assert runner.get_valid_tactics(big, None) == []
+
+
 def test_sort_by_expert_at_4096_tokens_matches_a_torch_oracle():
     e, k = SHAPES["qwen3-30b-a3b"][:2]
     _, _, ids = _routing("qwen3-30b-a3b", 4096)
@@ -135,16 +158,17 @@ def test_torch_fallback_forms_agree(experts, name):
 
 
 @pytest.mark.parametrize("name", sorted(SHAPES))
-@pytest.mark.parametrize("which", ["triton", "torch"])
+@pytest.mark.parametrize("which", ["triton", "gemv", "torch"])
 def test_routing_and_kernels_capture_in_a_cuda_graph_and_replay_new_routings(experts, name, which):
     gate_up, down = experts[name]
     e, _, h, _ = SHAPES[name]
     tokens = 8
     router = torch.randn(e, h, device=DEV).to(BF16) * h**-0.5
-    runner = TritonFusedMoeRunner() if which == "triton" else TorchFusedMoeRunner()
+    runners = {"triton": TritonFusedMoeRunner, "gemv": TritonMoeGemvRunner}
+    runner = runners.get(which, TorchFusedMoeRunner)()
     static_x = _routing(name, tokens)[0].clone()
     tactic = -1
-    if which == "triton":
+    if which != "torch":
         probe = [static_x, gate_up, down, *_routing(name, tokens)[1:]]
         tactic = runner.get_valid_tactics(probe, None)[0]
 
@@ -178,7 +202,7 @@ def test_routing_and_kernels_capture_in_a_cuda_graph_and_replay_new_routings(exp
 def test_tuning_with_the_graph_timer_picks_runnable_tactics(experts):
     gate_up, down = experts["qwen3-30b-a3b"]
     tuner = AutoTuner(show_progress=False)
-    runners = (TorchFusedMoeRunner(), TritonFusedMoeRunner())
+    runners = (TorchFusedMoeRunner(), TritonFusedMoeRunner(), TritonMoeGemvRunner())
     x, weights, ids = _routing("qwen3-30b-a3b", 8)
     with autotune(tuner=tuner):
         fused_moe(x, gate_up, down, weights, ids, tuner=tuner, max_m=8, runners=runners)

@@ -12,11 +12,14 @@
   (:mod:`graphtune.ops.moe.align`), one grouped GEMM launch for gate/up with SiLU-and-mul, one
   for down with the routing weights, a deterministic top-k sum (:mod:`graphtune.ops.moe.runners`);
   tactics and their pruning rules in :mod:`graphtune.ops.moe.tactics`.
+* :class:`TritonMoeGemvRunner` — decode sizes: one GEMV kernel per projection, no sort step, the
+  top-k sum inside the down kernel (:mod:`graphtune.ops.moe.gemv`).
 
 Importing this package imports neither Triton nor the kernels.
 """
 
 from graphtune.ops.moe.align import ExpertBlocks, max_sorted_rows, sort_by_expert
+from graphtune.ops.moe.gemv import TritonMoeGemvRunner, moe_gemv_tactics
 from graphtune.ops.moe.op import OP_NAME, balanced_routing, fused_moe, fused_moe_config
 from graphtune.ops.moe.reference import dense_fused_moe, sparse_fused_moe, torch_fused_moe
 from graphtune.ops.moe.routing import (
@@ -40,6 +43,7 @@ __all__ = [
     "TorchFusedMoeRunner",
     "TorchRouteTopKRunner",
     "TritonFusedMoeRunner",
+    "TritonMoeGemvRunner",
     "TritonRouteTopKRunner",
     "balanced_routing",
     "check_moe_tactic",
@@ -48,6 +52,7 @@ __all__ = [
     "fused_moe_config",
     "fused_moe_runners",
     "max_sorted_rows",
+    "moe_gemv_tactics",
     "moe_tactics",
     "route_top_k",
     "route_top_k_config",

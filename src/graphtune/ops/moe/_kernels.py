@@ -15,6 +15,10 @@ Rounding follows the torch expert loop (``graphtune.ops.moe.reference``): every 
 rounded to the dtype, then ``silu(gate)``, its product with ``up``, and the weighted down output
 (as the kernels of ``graphtune.ops._kernels`` do). The k rows of a token are summed in float32,
 in slot order, and rounded once: deterministic, no atomics.
+
+PDL (``graphtune.ops._pdl``): everything these kernels read (ids, sorted rows, the expert each
+block's weights come from) is written by the kernel before them, so each one waits first and
+then lets its successor launch.
 """
 
 from __future__ import annotations
@@ -44,8 +48,12 @@ def moe_histogram_kernel(
     CHUNK: tl.constexpr,
     SUB: tl.constexpr,
     BLOCK_E: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """``hist[c, e]``: pairs of chunk ``c`` (``CHUNK`` pairs) routed to expert ``e``."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     lanes = tl.arange(0, BLOCK_E)
     counts = _chunk_counts(ids_ptr, pid * CHUNK, P, E, lanes, CHUNK, SUB)
@@ -69,6 +77,7 @@ def moe_align_kernel(
     SUB: tl.constexpr,
     SUB_ROWS: tl.constexpr,
     ONE_CHUNK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Places chunk ``pid``'s pairs in expert order and fills its share of the padding.
 
@@ -80,6 +89,9 @@ def moe_align_kernel(
     sets of rows are disjoint, so no program reads what another writes. With ``ONE_CHUNK`` (one
     program) the counts are computed here and ``hist`` is not read.
     """
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     lanes = tl.arange(0, BLOCK_E)
     if ONE_CHUNK:
@@ -158,6 +170,7 @@ def moe_gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """``act[row, n] = silu(x[tok] . gate[e, n]) * (x[tok] . up[e, n])`` for the rows of one block.
 
@@ -165,6 +178,9 @@ def moe_gate_up_kernel(
     row's pair id divided by ``TOP_K``. Padding rows gather token 0 (unmasked loads) and are not
     stored; blocks whose expert is ``-1`` exit at once.
     """
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid_m, pid_n = _tile_of(tl.program_id(0), NUM_BLOCKS_M, N, BLOCK_N, GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
@@ -234,6 +250,7 @@ def moe_down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """``out[pair, n] = route[pair] * (act[row] . down[e, n])`` for the rows of one block.
 
@@ -241,6 +258,9 @@ def moe_down_kernel(
     dtype before the routing weight is applied in float32 (torch's ``linear`` then ``mul``).
     Padding rows, whose ``act`` row was never written, load zeros and are not stored.
     """
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid_m, pid_n = _tile_of(tl.program_id(0), NUM_BLOCKS_M, N, BLOCK_N, GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
@@ -291,12 +311,16 @@ def moe_sum_kernel(
     stride_p,
     stride_o,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """``out[t] = sum_j pair[t * TOP_K + j]`` in float32, slot order, one rounding.
 
     A slot whose expert id is outside ``[0, E)`` got no row from the sort step (its ``pair`` row
     was never written) and adds nothing.
     """
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
@@ -323,11 +347,15 @@ def moe_route_top_k_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_E: tl.constexpr,
     RENORMALIZE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """One token's routing: softmax over its ``E`` logits in float32, the ``K`` largest
     probabilities by ``K`` rounds of arg-max (ties to the lowest expert id), optionally divided by
     their sum, written largest first as ``weights [T, K]`` (the output's dtype) and ``ids [T, K]``
     (int64)."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     token = tl.program_id(0)
     lanes = tl.arange(0, BLOCK_E)
     valid = lanes < E

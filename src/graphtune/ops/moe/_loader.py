@@ -13,3 +13,11 @@ def moe_kernels() -> ModuleType:
     from graphtune.ops.moe import _kernels
 
     return _kernels
+
+
+def moe_gemv_kernels() -> ModuleType:
+    """The module of the fused-MoE GEMV-path kernels (imported on first use; needs Triton)."""
+    require_triton("graphtune's fused-MoE GEMV kernels")
+    from graphtune.ops.moe import _gemv_kernels
+
+    return _gemv_kernels

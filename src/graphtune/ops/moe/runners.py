@@ -30,6 +30,7 @@ from graphtune.ops._triton import device_limits, device_supported, run_kernel, t
 from graphtune.ops._triton_runner import TritonRunner
 from graphtune.ops.moe._loader import moe_kernels
 from graphtune.ops.moe.align import sort_by_expert
+from graphtune.ops.moe.gemv import TritonMoeGemvRunner
 from graphtune.ops.moe.reference import torch_fused_moe, unpack_moe_inputs
 from graphtune.ops.moe.tactics import check_moe_tactic, moe_tactics
 
@@ -194,8 +195,9 @@ class TritonFusedMoeRunner(TritonRunner):
 
 @functools.lru_cache(maxsize=1)
 def fused_moe_runners() -> tuple[TunableRunner, ...]:
-    """The process-wide runners: torch first (fallback), Triton when importable."""
+    """The process-wide runners: torch first (fallback), then, when Triton is importable, the
+    grouped GEMMs and the GEMV path of decode sizes (:mod:`graphtune.ops.moe.gemv`)."""
     runners: list[TunableRunner] = [TorchFusedMoeRunner()]
     if triton_available():
-        runners.append(TritonFusedMoeRunner())
+        runners += [TritonFusedMoeRunner(), TritonMoeGemvRunner()]
     return tuple(runners)

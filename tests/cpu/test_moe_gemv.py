@@ -1,0 +1,177 @@
+"""The fused-MoE GEMV runner (graphtune.ops.moe.gemv) on the CPU interpreter against float64.
+
+Covered: every tactic the runner lists for a bucket, at T = 1, 3, 5, in float32 and float16,
+with K not a multiple of bk (H = 40, I = 48); poisoned buffers; repeated and out-of-range expert
+ids; bfloat16 routing weights with int32 ids; the pruning rules; the op's runner list and tuning
+(the GEMV runner competes only at decode sizes); capture by the simulated graph backend without a
+host-synchronising op. Shapes are tiny (the interpreter runs every program in numpy).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+# The interpreter must be chosen before Triton decorates the kernels (see test_ops_kernels.py).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+
+from moe_cases import (  # noqa: E402
+    TOL,
+    LastIsFastest,
+    NoHostSync,
+    float64_moe,
+    gen_seeded,
+    moe_case,
+    poisoned_allocations,
+    rel_error,
+)
+
+from graphtune.autotuner import AutoTuner, TuningPolicy, autotune  # noqa: E402
+from graphtune.errors import ConfigError  # noqa: E402
+from graphtune.graphs import CUDAGraphRunner, SimulatedGraphBackend  # noqa: E402
+from graphtune.ops import _triton  # noqa: E402
+from graphtune.ops.moe import (  # noqa: E402
+    TorchFusedMoeRunner,
+    TritonFusedMoeRunner,
+    TritonMoeGemvRunner,
+    fused_moe,
+    fused_moe_runners,
+    moe_gemv_tactics,
+    route_top_k,
+    sparse_fused_moe,
+)
+from graphtune.ops.moe import gemv as moe_gemv  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    not _triton.device_supported(torch.device("cpu")),
+    reason="Triton kernels run on the CPU only under TRITON_INTERPRET=1 (set when no GPU)",
+)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "tokens, experts, top_k, hidden, inter",
+    [(1, 4, 2, 32, 32), (3, 8, 3, 40, 48), (5, 6, 2, 64, 40)],
+)
+def test_every_listed_tactic_matches_float64(dtype, tokens, experts, top_k, hidden, inter):
+    gen = gen_seeded()
+    runner = TritonMoeGemvRunner(compile_workers=1)
+    inputs = moe_case(gen, tokens, experts, hidden, inter, dtype, top_k=top_k)
+    tactics = runner.get_valid_tactics(inputs, None)
+    assert tactics, (tokens, experts, top_k, hidden, inter)
+    want = float64_moe(*inputs)
+    for tactic in tactics:
+        with poisoned_allocations():
+            got = runner.forward(inputs, tactic)
+        assert got.dtype == dtype and got.shape == (tokens, hidden)
+        assert rel_error(got, want) < TOL[dtype], (tactic, gen.initial_seed())
+    assert torch.equal(runner.forward(inputs, -1), sparse_fused_moe(*inputs))
+
+
+def test_repeated_and_out_of_range_ids_add_nothing_for_the_missing_expert():
+    gen = gen_seeded()
+    x, gate_up, down, weights, _ = moe_case(gen, 4, 5, 32, 32, top_k=3)
+    ids = torch.tensor([[1, 1, 4], [0, 5, 2], [-1, 3, 3], [4, 2, 0]])
+    want = float64_moe(x, gate_up, down, weights, ids)
+    tactic = {"bn": 4, "bk": 32, "warps": 1}
+    with poisoned_allocations():  # the act rows of ids 5 and -1 stay NaN: they must not be read
+        got = TritonMoeGemvRunner().forward([x, gate_up, down, weights, ids], tactic)
+    assert rel_error(got, want) < TOL[torch.float32], gen.initial_seed()
+
+
+def test_bfloat16_routing_weights_and_int32_ids_are_accepted():
+    gen = gen_seeded()
+    inputs = moe_case(gen, 3, 4, 32, 32)
+    inputs[3], inputs[4] = inputs[3].to(torch.bfloat16), inputs[4].to(torch.int32)
+    got = TritonMoeGemvRunner().forward(inputs, {"bn": 8, "bk": 16, "warps": 1})
+    assert rel_error(got, float64_moe(*inputs)) < 1e-5, gen.initial_seed()
+
+
+@pytest.mark.parametrize(
+    "tactic",
+    [{"bn": 4, "bk": 32}, {"bn": 3, "bk": 32, "warps": 1}, {"bn": 4, "bk": 32, "warps": 64}],
+)
+def test_a_bad_tactic_is_a_config_error(tactic):
+    inputs = moe_case(gen_seeded(), 2, 4, 32, 32)
+    with pytest.raises(ConfigError, match="TritonMoeGemvRunner"):
+        TritonMoeGemvRunner().forward(inputs, tactic)
+
+
+def test_pruning_rules():
+    # Qwen3-30B-A3B's experts at one token: 8 pairs, bf16.
+    tactics = moe_gemv_tactics(1, 8, 2048, 768, itemsize=2)
+    assert 4 <= len(tactics) <= 16
+    for tactic in tactics:
+        per_thread = tactic["bn"] * tactic["bk"] * 2 / (32 * tactic["warps"])
+        assert moe_gemv.THREAD_BYTES[0] <= per_thread <= moe_gemv.THREAD_BYTES[1], tactic
+        assert tactic["bn"] in moe_gemv.BN_CHOICES and tactic["bk"] in moe_gemv.BK_CHOICES
+    assert tactics == sorted(tactics, key=lambda t: (t["warps"], t["bn"], t["bk"]))
+    # Past MAX_PAIRS pairs the grouped GEMMs read each expert once and the GEMV path is not timed.
+    assert moe_gemv_tactics(8, 8, 2048, 768, itemsize=2)
+    assert moe_gemv_tactics(9, 8, 2048, 768, itemsize=2) == []
+    assert moe_gemv_tactics(32, 2, 4096, 14336, itemsize=2)
+    assert moe_gemv_tactics(33, 2, 4096, 14336, itemsize=2) == []
+    # Toy shapes clamp the tile and run small ones on one warp.
+    small = moe_gemv_tactics(1, 2, 32, 48, itemsize=4)
+    assert small and all(t["bk"] <= 32 and t["bn"] <= 32 for t in small)
+    assert any(t["warps"] == 1 for t in small)
+
+
+def test_the_op_offers_the_gemv_path_and_tuning_keeps_it_to_decode_sizes():
+    assert any(isinstance(r, TritonMoeGemvRunner) for r in fused_moe_runners())
+    gen = gen_seeded()
+    tuner = AutoTuner(
+        timer=LastIsFastest(),
+        show_progress=False,
+        policy=TuningPolicy(rounds=1, remeasure_top=0, tie_tolerance=0.0),
+    )
+    runners = (
+        TorchFusedMoeRunner(),
+        TritonFusedMoeRunner(compile_workers=1),
+        TritonMoeGemvRunner(compile_workers=1),
+    )
+    # E = 4, k = 2: buckets up to T = 32 (64 pairs) get GEMV tactics, bucket 64 does not.
+    experts, hidden, inter = 4, 32, 32
+    x, gate_up, down, weights, ids = moe_case(gen, 64, experts, hidden, inter)
+    with autotune(tuner=tuner):
+        fused_moe(x, gate_up, down, weights, ids, tuner=tuner, max_m=64, runners=runners)
+    picks = {row[1].split("x")[0]: row[2] for row in tuner.summary_rows()}
+    assert all("TritonMoeGemvRunner" in picks[str(t)] for t in (1, 2, 4, 8, 16, 32)), picks
+    assert "TritonFusedMoeRunner" in picks["64"], picks
+    for tokens in (1, 5, 64):
+        inputs = moe_case(gen, tokens, experts, hidden, inter)
+        inputs[1], inputs[2] = gate_up, down
+        got = fused_moe(*inputs, tuner=tuner, max_m=64, runners=runners)
+        assert rel_error(got, float64_moe(*inputs)) < TOL[torch.float32], tokens
+    assert not tuner.stats.fallbacks and not tuner.stats.tactic_failures
+
+
+def test_routing_and_gemv_kernels_capture_and_replay_without_host_sync():
+    gen = gen_seeded()
+    hidden, experts = 32, 6
+    _, gate_up, down, _, _ = moe_case(gen, 1, experts, hidden, 32)
+    router = torch.randn(experts, hidden, generator=gen)
+    backend = SimulatedGraphBackend()
+    runner = TritonMoeGemvRunner()
+
+    def step(x):
+        guard = NoHostSync() if backend.capturing else contextlib.nullcontext()
+        with guard:
+            weights, ids = route_top_k(x @ router.T, 2, renormalize=True)
+            return runner.forward([x, gate_up, down, weights, ids], {"bn": 4, "bk": 32, "warps": 1})
+
+    graphs = CUDAGraphRunner(step, max_batch_size=4, backend=backend)
+    graphs.capture(torch.randn(4, hidden, generator=gen))
+    for tokens in (1, 3, 4):
+        x = torch.randn(tokens, hidden, generator=gen)
+        got = graphs(x).clone()
+        weights, ids = route_top_k(x @ router.T, 2, renormalize=True)
+        assert rel_error(got, float64_moe(x, gate_up, down, weights, ids)) < TOL[torch.float32]
+    assert graphs.stats.replays == 3 and graphs.stats.eager_calls == 0

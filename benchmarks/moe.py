@@ -256,18 +256,29 @@ def run_shape(name: str, args: argparse.Namespace, device: torch.device) -> dict
     return result
 
 
-def short(tactic: Any) -> str:
+RUNNER_NAMES = {"TritonFusedMoeRunner": "grouped", "TritonMoeGemvRunner": "gemv"}
+
+
+def short(bucket: dict[str, Any], index: int | None) -> str:
+    """Candidate ``index`` of a bucket as ``torch``, ``grouped bm/bn/bk/g/w/s`` or ``gemv
+    bn/bk/w`` (its tactic's values in their order)."""
+    if index is None:
+        return "none"
+    cand = bucket["candidates"][index]
+    tactic = cand["tactic"]
+    if tactic == -1:
+        return "torch"
+    name = RUNNER_NAMES.get(cand["runner"], cand["runner"])
     if not isinstance(tactic, dict):
-        return "torch" if tactic == -1 else str(tactic)
-    keys = ("block_m", "block_n", "block_k", "group_m", "warps", "stages")
-    return "/".join(str(tactic.get(k)) for k in keys)
+        return f"{name} {tactic}"
+    return f"{name} " + "/".join(str(v) for v in tactic.values())
 
 
 def table(shapes: list[dict[str, Any]]) -> str:
     lines = [
-        "| shape | T | cands | pick (bm/bn/bk/g/w/s) | pick us | best us | regret | <=2% "
+        "| shape | T | cands | pick | pick us | best | best us | regret | <=2% "
         "| pick GB/s | best GB/s | torch us |",
-        "|---|---:|---:|---|---:|---:|---:|---|---:|---:|---:|",
+        "|---|---:|---:|---|---:|---|---:|---:|---|---:|---:|---:|",
     ]
     for s in shapes:
         for b in s.get("buckets", []):
@@ -275,8 +286,9 @@ def table(shapes: list[dict[str, Any]]) -> str:
                 lines.append(f"| {s['shape']} | {b['tokens']} | error: {b['error'][:60]} |")
                 continue
             lines.append(
-                f"| {s['shape']} | {b['tokens']} | {b['n_candidates']} | {short(b['pick_tactic'])} "
-                f"| {b['pick_us']:.1f} | {b['best_us']:.1f} | {100 * b['regret']:.2f}% "
+                f"| {s['shape']} | {b['tokens']} | {b['n_candidates']} | {short(b, b['pick'])} "
+                f"| {b['pick_us']:.1f} | {short(b, b['best'])} | {b['best_us']:.1f} "
+                f"| {100 * b['regret']:.2f}% "
                 f"| {'yes' if b['regret_pass'] else 'NO'} | {b['pick_gbps'] or 0:.0f} "
                 f"| {b['best_gbps'] or 0:.0f} | {b['fallback_us'] or math.nan:.1f} |"
             )

@@ -246,9 +246,20 @@ def test_split_by_launch_refuses_a_trace_without_correlation():
 
 def test_tokens_of_a_profile_and_short_tactics():
     assert bench.tokens_of("64x2048, 128x1536x2048, 128x2048x768, 64x8, 64x8") == 64
-    assert bench.short(-1) == "torch"
-    tactic = dict(block_m=16, block_n=64, block_k=128, group_m=1, warps=4, stages=3)
-    assert bench.short(tactic) == "16/64/128/1/4/3"
+    grouped = dict(block_m=16, block_n=64, block_k=128, group_m=1, warps=4, stages=3)
+    bucket = {
+        "candidates": [
+            {"runner": "TorchFusedMoeRunner", "tactic": -1},
+            {"runner": "TritonFusedMoeRunner", "tactic": grouped},
+            {"runner": "TritonMoeGemvRunner", "tactic": {"bn": 4, "bk": 256, "warps": 2}},
+        ]
+    }
+    assert [bench.short(bucket, i) for i in (0, 1, 2, None)] == [
+        "torch",
+        "grouped 16/64/128/1/4/3",
+        "gemv 4/256/2",
+        "none",
+    ]
 
 
 def test_selected_bytes_counts_only_the_routed_experts():
@@ -266,6 +277,12 @@ def test_table_shows_buckets_errors_and_tuning_time():
     bucket = dict(
         tokens=8,
         n_candidates=8,
+        candidates=[
+            {"runner": "TorchFusedMoeRunner", "tactic": -1},
+            {"runner": "TritonFusedMoeRunner", "tactic": tactic},
+        ],
+        pick=1,
+        best=0,
         pick_tactic=tactic,
         pick_us=20.5,
         best_us=20.1,
@@ -280,7 +297,8 @@ def test_table_shows_buckets_errors_and_tuning_time():
     good.update(sweep_s=12.0, error=None)
     bad = dict(shape="mixtral-8x7b", buckets=[], error="tuning: RuntimeError: x")
     text = bench.table([good, bad])
-    assert "| qwen3-30b-a3b | 8 | 8 | 16/32/64/1/4/4 | 20.5 | 20.1 | 1.99% | yes |" in text
+    row = "| qwen3-30b-a3b | 8 | 8 | grouped 16/32/64/1/4/4 | 20.5 | torch | 20.1 | 1.99% | yes |"
+    assert row in text
     assert "| qwen3-30b-a3b | 64 | error: boom |" in text
     assert "| qwen3-30b-a3b | 13 | 41.0 | 20.0 | yes | 12.0 |" in text
     assert "| mixtral-8x7b | error: tuning: RuntimeError: x |" in text

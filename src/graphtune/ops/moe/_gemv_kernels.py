@@ -10,15 +10,16 @@ and without ``tl.dot`` tiles of 16 rows that would be mostly padding:
   width); reads the pair's expert id, streams its gate and up rows ``[BLOCK_N, BLOCK_K]`` at a
   time along the hidden size (16-byte vector loads, the next chunk loaded one iteration ahead in
   registers) and writes ``silu(gate) * up`` for the pair;
-* :func:`moe_gemv_down_kernel`: one program per (token, ``BLOCK_N`` features of the hidden size);
-  for each of the token's slots in order it streams the slot's expert's down rows, rounds the
-  product, applies the routing weight and adds it in float32: the top-k sum happens in the
-  program, in slot order, so no per-pair buffer and no sum kernel are needed (deterministic, no
-  atomics).
+* :func:`moe_gemv_down_kernel`: one program per (token, ``BLOCK_F`` features of the hidden size),
+  streaming the down rows of all of the token's experts side by side, then rounding each slot's
+  product, applying its routing weight and adding the slots in float32: the top-k sum happens in
+  the program, so no per-pair buffer and no sum kernel are needed (deterministic, no atomics).
 
 Rounding is the grouped kernels' (and the torch expert loop's): each projection rounded to the
 dtype, then ``silu(gate)`` and its product with ``up``; the down product rounded, times the
-routing weight in float32, rounded again; the k rounded rows summed in float32 and rounded once.
+routing weight in float32, rounded again; the k rounded rows summed in float32 and rounded once
+(by a fixed reduction tree rather than in slot order: the float32 sum may differ from the
+grouped path's in its last bit).
 A slot whose expert id is outside ``[0, E)`` adds nothing and its ``act`` row is never written
 nor read.
 
@@ -133,52 +134,59 @@ def moe_gemv_down_kernel(
     stride_om,
     stride_on,
     EVEN_K: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_F: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """``out[t, n] = sum_j route[t, j] * (act[t * TOP_K + j] . down[ids[t, j], n])``.
 
     ``w [E, N, K]``; ``route`` is the flat ``[T * TOP_K]`` routing weights. Program ``t *
-    cdiv(N, BLOCK_N) + n`` owns features ``[n * BLOCK_N, ...)`` of token ``t`` and walks its
-    slots in order; a slot without an expert is skipped (its weight loads use expert 0 and its
-    unwritten ``act`` row is masked out, so nothing uninitialised is read).
+    cdiv(N, BLOCK_F) + f`` owns features ``[f * BLOCK_F, ...)`` of token ``t`` and all of its
+    slots at once: tile row ``r`` is slot ``r // BLOCK_F`` (``BLOCK_S >= TOP_K`` slots, a power
+    of two) and feature ``r % BLOCK_F``, so every chunk streams ``BLOCK_S * BLOCK_F`` weight rows
+    of up to ``BLOCK_S`` experts side by side (a loop over the slots would wait for each slot's
+    expert id and stream one expert at a time). After the loop each row is rounded, weighted and
+    rounded again, and the slots are summed in float32 (a fixed reduction tree: deterministic).
+    A slot past ``TOP_K`` or without an expert adds nothing: its loads use expert 0 and its
+    unwritten ``act`` row is masked out, so nothing uninitialised is read.
     """
     pid = tl.program_id(0)
-    grid_n = (N + BLOCK_N - 1) // BLOCK_N
+    grid_n = (N + BLOCK_F - 1) // BLOCK_F
     token = (pid // grid_n).to(tl.int64)
     pid_n = pid % grid_n
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, BLOCK_S * BLOCK_F)
+    slot = rows // BLOCK_F
+    offs_n = pid_n * BLOCK_F + rows % BLOCK_F
     n_safe = tl.minimum(offs_n, N - 1).to(tl.int64)
+    pair = token * TOP_K + slot
+    expert = tl.load(ids_ptr + pair, mask=slot < TOP_K, other=-1).to(tl.int64)
+    routed = (slot < TOP_K) & (expert >= 0) & (expert < E)
     offs_k = tl.arange(0, BLOCK_K)
-    rows = n_safe[:, None] * stride_wn + offs_k[None, :] * stride_wk
-    cols = offs_k[None, :] * stride_ak + (n_safe * 0)[:, None]
+    w_ptrs = (
+        w_ptr
+        + (tl.where(routed, expert, 0) * stride_we + n_safe * stride_wn)[:, None]
+        + offs_k[None, :] * stride_wk
+    )
+    a_ptrs = act_ptr + (pair * stride_am)[:, None] + offs_k[None, :] * stride_ak
+    if EVEN_K:
+        w_next = tl.load(w_ptrs)
+    else:
+        w_next = tl.load(w_ptrs, mask=(offs_k < K)[None, :], other=0.0)
+    acc = tl.zeros((BLOCK_S * BLOCK_F,), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        w = w_next.to(tl.float32)
+        w_ptrs += BLOCK_K * stride_wk
+        w_next = tl.load(w_ptrs, mask=(k + BLOCK_K + offs_k < K)[None, :], other=0.0)
+        here = routed[:, None] & (k + offs_k < K)[None, :]
+        a = tl.load(a_ptrs + k * stride_ak, mask=here, other=0.0).to(tl.float32)
+        acc += tl.sum(w * a, axis=1)
     dtype = out_ptr.dtype.element_ty
-    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for j in range(0, TOP_K):
-        pair = token * TOP_K + j
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
-        # A vector bound, not a scalar one: the interpreter mistypes a bool vector and-ed with a
-        # loaded bool scalar (as in moe_sum_kernel).
-        routed = (tl.zeros_like(offs_k) + expert >= 0) & (tl.zeros_like(offs_k) + expert < E)
-        w_ptrs = w_ptr + tl.where((expert >= 0) & (expert < E), expert, 0) * stride_we + rows
-        a_ptrs = act_ptr + pair * stride_am + cols
-        if EVEN_K:
-            w_next = tl.load(w_ptrs)
-        else:
-            w_next = tl.load(w_ptrs, mask=(offs_k < K)[None, :], other=0.0)
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for k in range(0, K, BLOCK_K):
-            w = w_next.to(tl.float32)
-            w_ptrs += BLOCK_K * stride_wk
-            w_next = tl.load(w_ptrs, mask=(k + BLOCK_K + offs_k < K)[None, :], other=0.0)
-            here = routed & (k + offs_k < K)
-            a = tl.load(a_ptrs + k * stride_ak, mask=here[None, :], other=0.0).to(tl.float32)
-            acc += tl.sum(w * a, axis=1)
-        weight = tl.load(route_ptr + pair).to(tl.float32)
-        total += (acc.to(dtype).to(tl.float32) * weight).to(dtype).to(tl.float32)
-    out_ptrs = out_ptr + token * stride_om + offs_n * stride_on
-    tl.store(out_ptrs, total.to(dtype), mask=offs_n < N)
+    weight = tl.load(route_ptr + pair, mask=routed, other=0.0).to(tl.float32)
+    y = (acc.to(dtype).to(tl.float32) * weight).to(dtype).to(tl.float32)
+    total = tl.sum(tl.reshape(tl.where(routed, y, 0.0), (BLOCK_S, BLOCK_F)), axis=0)
+    cols = pid_n * BLOCK_F + tl.arange(0, BLOCK_F)
+    tl.store(out_ptr + token * stride_om + cols * stride_on, total.to(dtype), mask=cols < N)

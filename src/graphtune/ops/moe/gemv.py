@@ -8,16 +8,18 @@ tiles of 16 rows holding one real row, and a per-pair buffer plus a kernel that 
 
 1. ``moe_gemv_gate_up_kernel``: one program per (pair, ``bn`` features of the expert width),
    streaming the pair's expert's gate and up rows (``graphtune.ops.moe._gemv_kernels``);
-2. ``moe_gemv_down_kernel``: one program per (token, ``bn`` features of the hidden size),
-   streaming the down rows of each of the token's experts in slot order and summing the
-   weighted, rounded products in the program.
+2. ``moe_gemv_down_kernel``: one program per (token, a few features of the hidden size: see
+   :func:`down_tile`), streaming the down rows of all of the token's experts side by side and
+   summing the weighted, rounded products in the program.
 
 The runner reads each selected expert's weights once per pair that selects it, where the grouped
 GEMMs read them once per expert: the same bytes while the pairs' experts are distinct, more when
 tokens share experts. So it is offered only to buckets of at most :data:`MAX_PAIRS` pairs and
 the tuner decides per bucket, against the grouped GEMMs and the torch fallback.
 
-Tactics are dicts ``{"bn", "bk", "warps"}``, shared by both kernels. Pruning rules of
+Tactics are dicts ``{"bn", "bk", "warps"}``, shared by both kernels: the gate/up kernel streams
+``[bn, bk]`` tiles of one expert, the down kernel ``[max(bn, slots), bk]`` tiles of all the
+token's experts at once (:func:`down_tile`). Pruning rules of
 :func:`moe_gemv_tactics` (a pruned config is never timed):
 
 * only buckets with ``T * k <= MAX_PAIRS`` get tactics;
@@ -100,6 +102,14 @@ def moe_gemv_tactics(
                     seen.add((bn, bk, use))
                     found.append({"bn": bn, "bk": bk, "warps": use})
     return found
+
+
+def down_tile(top_k: int, bn: int) -> tuple[int, int]:
+    """(slots, features) of one down-kernel program: all ``top_k`` slots (padded to a power of
+    two) side by side, and ``bn / slots`` features (at least one), so its tile has ``max(bn,
+    slots)`` rows of ``bk``: the gate/up tile's size unless the slots alone are more."""
+    slots = next_power_of_two(max(1, top_k))
+    return slots, max(1, bn // slots)
 
 
 class TritonMoeGemvRunner(TritonRunner):
@@ -187,7 +197,14 @@ class TritonMoeGemvRunner(TritonRunner):
             *down.stride(),
             *out.stride(),
         )
-        meta = dict(EVEN_K=inter % bk == 0, BLOCK_N=bn, BLOCK_K=bk, num_warps=tactic["warps"])
-        grid = (tokens * math.ceil(hidden / bn),)
+        slots, features = down_tile(top_k, bn)
+        meta = dict(
+            EVEN_K=inter % bk == 0,
+            BLOCK_S=slots,
+            BLOCK_F=features,
+            BLOCK_K=bk,
+            num_warps=tactic["warps"],
+        )
+        grid = (tokens * math.ceil(hidden / features),)
         run_kernel(kernels.moe_gemv_down_kernel, grid, args, meta, warmup)
         return out

@@ -18,7 +18,12 @@
 Importing this package imports neither Triton nor the kernels.
 """
 
-from graphtune.ops.moe.align import ExpertBlocks, max_sorted_rows, sort_by_expert
+from graphtune.ops.moe.align import (
+    ExpertBlocks,
+    max_sorted_rows,
+    pairs_per_program,
+    sort_by_expert,
+)
 from graphtune.ops.moe.gemv import TritonMoeGemvRunner, moe_gemv_tactics
 from graphtune.ops.moe.op import OP_NAME, balanced_routing, fused_moe, fused_moe_config
 from graphtune.ops.moe.reference import dense_fused_moe, sparse_fused_moe, torch_fused_moe
@@ -53,6 +58,7 @@ __all__ = [
     "fused_moe_runners",
     "max_sorted_rows",
     "moe_gemv_tactics",
+    "pairs_per_program",
     "moe_tactics",
     "route_top_k",
     "route_top_k_config",

@@ -12,8 +12,10 @@ shapes only, :func:`max_sorted_rows`) and the real counts stay on the device:
   the last expert's rows, whose GEMM programs exit at once.
 
 Two small kernels do it (``_kernels.moe_histogram_kernel`` then ``moe_align_kernel``), one program
-per :data:`CHUNK` pairs; when all pairs fit one chunk (decode batches) the second kernel alone
-runs, as one program. No ``.item()``, no ``nonzero``, no data-dependent shapes.
+per chunk of pairs (:func:`pairs_per_program`: up to :data:`CHUNK`, fewer so that about
+:data:`PROGRAMS` programs share the work, since one program's steps run one after another);
+when all pairs fit one chunk the second kernel alone runs, as one program. No ``.item()``, no
+``nonzero``, no data-dependent shapes.
 """
 
 from __future__ import annotations
@@ -28,10 +30,21 @@ from graphtune.errors import ConfigError
 from graphtune.ops._triton import run_kernel
 from graphtune.ops.moe._loader import moe_kernels
 
-#: Pairs per program of the sort kernels.
+#: Most pairs per program of the sort kernels.
 CHUNK = 1024
+#: Programs the sort kernels aim for (:func:`pairs_per_program`).
+PROGRAMS = 64
 #: One-hot elements (pairs x experts) a sort program compares per step (registers).
 STEP_ELEMENTS = 4096
+
+
+def pairs_per_program(pairs: int, sub: int) -> int:
+    """Pairs one sort program takes: enough programs (about :data:`PROGRAMS`) that none walks
+    long serial loops (each step of a program is a few block-wide reductions), at least one
+    step of ``sub`` pairs and at most :data:`CHUNK` (each program reads every earlier chunk's
+    counts, so many tiny chunks cost more than they save); a power of two."""
+    wanted = next_power_of_two(max(1, math.ceil(pairs / PROGRAMS)))
+    return min(CHUNK, max(sub, wanted))
 
 
 def max_sorted_rows(pairs: int, experts: int, block_m: int) -> int:
@@ -96,9 +109,9 @@ def sort_by_expert(
         return blocks
     block_e = max(16, next_power_of_two(num_experts))
     sub = max(1, min(CHUNK, STEP_ELEMENTS // block_e))
-    chunks = math.ceil(pairs / CHUNK)
+    chunk = pairs_per_program(pairs, sub)
+    chunks = math.ceil(pairs / chunk)
     one_chunk = chunks == 1
-    chunk = max(sub, next_power_of_two(pairs)) if one_chunk else CHUNK
     hist = sorted_pairs  # unread placeholder when one program counts the pairs itself
     kernels = moe_kernels()
     if not one_chunk:

@@ -40,6 +40,8 @@ STREAMING_CONFIGS: tuple[tuple[int, int, int, int], ...] = (
     (128, 64, 4, 3),
     (64, 256, 8, 2),
     (128, 128, 8, 3),
+    (128, 64, 8, 4),
+    (256, 64, 8, 3),
 )
 #: (block_n, block_k, warps, stages) for blocks of >= 64 rows: compute-bound tiles.
 TILED_CONFIGS: tuple[tuple[int, int, int, int], ...] = (

@@ -118,6 +118,9 @@ def _cases() -> list[tuple[str, Any, list[Any]]]:
         ]
         add(f"fused_moe m={m}", TritonFusedMoeRunner(smem_bytes=228 * 1024), moe_inputs)
         add(f"fused_moe gemv m={m}", TritonMoeGemvRunner(), moe_inputs)
+        with_residual = [*moe_inputs, _rand(m, hidden)]
+        add(f"fused_moe+residual m={m}", TritonFusedMoeRunner(smem_bytes=228 * 1024), with_residual)
+        add(f"fused_moe gemv+residual m={m}", TritonMoeGemvRunner(), with_residual)
         add(
             f"rope m={m}",
             TritonRopeRunner(heads, kv, True),

@@ -34,7 +34,7 @@ from moe_cases import (  # noqa: E402
 )
 
 from graphtune.autotuner import AutoTuner, TuningPolicy, autotune  # noqa: E402
-from graphtune.errors import ConfigError  # noqa: E402
+from graphtune.errors import ConfigError, InputError  # noqa: E402
 from graphtune.graphs import CUDAGraphRunner, SimulatedGraphBackend  # noqa: E402
 from graphtune.ops import _triton  # noqa: E402
 from graphtune.ops.moe import (  # noqa: E402
@@ -175,3 +175,53 @@ def test_routing_and_gemv_kernels_capture_and_replay_without_host_sync():
         weights, ids = route_top_k(x @ router.T, 2, renormalize=True)
         assert rel_error(got, float64_moe(x, gate_up, down, weights, ids)) < TOL[torch.float32]
     assert graphs.stats.replays == 3 and graphs.stats.eager_calls == 0
+
+
+@pytest.mark.parametrize(
+    "runner_class", [TorchFusedMoeRunner, TritonFusedMoeRunner, TritonMoeGemvRunner]
+)
+def test_a_residual_is_added_in_place_with_the_rounding_of_a_separate_add(runner_class):
+    gen = gen_seeded()
+    inputs = moe_case(gen, 3, 4, 32, 32, torch.float16)
+    runner = runner_class()
+    tactic = (
+        runner.get_valid_tactics(inputs, None)[0] if runner_class is not TorchFusedMoeRunner else -1
+    )
+    residual = torch.randn(3, 32, generator=gen).to(torch.float16)
+    want = residual.clone().add_(runner.forward(inputs, tactic))
+    got = runner.forward([*inputs, residual], tactic)
+    assert got is residual and torch.equal(residual, want), gen.initial_seed()
+
+
+def test_the_op_with_a_residual_tunes_its_own_profiles_and_checks_the_residual():
+    gen = gen_seeded()
+    tuner = AutoTuner(
+        timer=LastIsFastest(),
+        show_progress=False,
+        policy=TuningPolicy(rounds=1, remeasure_top=0, tie_tolerance=0.0),
+    )
+    runners = (TorchFusedMoeRunner(), TritonMoeGemvRunner(compile_workers=1))
+    x, gate_up, down, weights, ids = moe_case(gen, 2, 4, 32, 32)
+    residual = torch.randn(1, 2, 32, generator=gen)  # leading dims as x's: [1, 2, H] for [2, H]
+    before = residual.clone()
+    with autotune(tuner=tuner):
+        got = fused_moe(
+            x.view(1, 2, 32),
+            gate_up,
+            down,
+            weights,
+            ids,
+            residual=residual,
+            tuner=tuner,
+            max_m=2,
+            runners=runners,
+        )
+    assert got is residual
+    want = before[0].double() + float64_moe(x, gate_up, down, weights, ids)
+    assert rel_error(residual[0], want) < TOL[torch.float32]
+    assert all("TritonMoeGemvRunner" in row[2] for row in tuner.summary_rows())
+    assert all(row[1].endswith("2x32") or row[1].endswith("1x32") for row in tuner.summary_rows())
+    with pytest.raises(InputError, match="residual must be a contiguous"):
+        fused_moe(x, gate_up, down, weights, ids, residual=residual.to(torch.float16), tuner=tuner)
+    with pytest.raises(InputError, match="residual must be a contiguous"):
+        fused_moe(x, gate_up, down, weights, ids, residual=torch.zeros(32, 2).T, tuner=tuner)

@@ -126,6 +126,19 @@ def test_every_gemv_tactic_matches_the_float32_loop(experts, name, tokens):
     assert runner.get_valid_tactics(big, None) == []
 
 
+@pytest.mark.parametrize("runner_class", [TritonFusedMoeRunner, TritonMoeGemvRunner])
+def test_the_residual_is_added_in_place_bit_for_bit_as_a_separate_add(experts, runner_class):
+    gate_up, down = experts["qwen3-30b-a3b"]
+    x, weights, ids = _routing("qwen3-30b-a3b", 8)
+    inputs = [x, gate_up, down, weights, ids]
+    runner = runner_class()
+    tactic = runner.get_valid_tactics(inputs, None)[0]
+    residual = torch.randn(x.shape, device=DEV).to(BF16)
+    want = residual.clone().add_(runner.forward(inputs, tactic))
+    got = runner.forward([*inputs, residual], tactic)
+    assert got is residual and torch.equal(residual, want)
+
+
 def test_sort_by_expert_at_4096_tokens_matches_a_torch_oracle():
     e, k = SHAPES["qwen3-30b-a3b"][:2]
     _, _, ids = _routing("qwen3-30b-a3b", 4096)

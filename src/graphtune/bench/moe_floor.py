@@ -42,10 +42,12 @@ class RoutingRecorder(OpContext):
         down: torch.Tensor,
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
+        *,
+        residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Records ``topk_ids``, then runs the untuned op."""
         self.routings.append(topk_ids.detach().clone())
-        return super().fused_moe(x, gate_up, down, topk_weights, topk_ids)
+        return super().fused_moe(x, gate_up, down, topk_weights, topk_ids, residual=residual)
 
 
 def record_routing(

@@ -6,7 +6,7 @@ MLP stage (RMSNorm + gate/up + SiLU-and-mul, then the down projection + residual
     h = rms_norm(x, mlp_norm)                                       [rows, hidden]
     logits = ops.gemm(h, router)                                    [rows, E]
     weights, ids = ops.route_top_k(logits, k, renormalize=norm_topk_prob)
-    x += ops.fused_moe(h, experts_gate_up, experts_down, weights, ids)
+    ops.fused_moe(h, experts_gate_up, experts_down, weights, ids, residual=x)   [x += experts]
 
 Everything stays on the device with fixed shapes (the router is softmax and top-k; the tuned
 experts are the Triton sort and grouped GEMMs), so the whole step can be captured in a CUDA
@@ -14,8 +14,8 @@ graph. Untuned, ``fused_moe`` is its torch fallback: the loop over the selected 
 (one host synchronisation), the dense all-experts form while a graph captures (capturable, but
 ``E / k`` times the work). The norm, the router GEMM, the top-k routing and the experts go
 through the step's :class:`~graphtune.ops.OpContext`, so ``tune_step`` tunes them like every
-other op. The residual add is a plain in-place add, so the next layer's first stage keeps its
-fused norm prologue.
+other op. The residual add happens inside the op (in place, in the Triton runners' last kernel),
+so the next layer's first stage keeps its fused norm prologue.
 
 The routing weights follow transformers: Qwen3-MoE casts them to the activations' dtype, Mixtral
 keeps them in float32 (``ModelConfig.router_weights_in_float32``).
@@ -31,10 +31,14 @@ from graphtune.ops.context import OpContext
 
 
 def moe_experts(
-    ops: OpContext, h: torch.Tensor, layer: LayerWeights, config: ModelConfig
+    ops: OpContext,
+    h: torch.Tensor,
+    layer: LayerWeights,
+    config: ModelConfig,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The mixture-of-experts MLP of ``layer`` on the normed activations ``h [rows, hidden]``;
-    returns ``[rows, hidden]`` (the residual is not added)."""
+    returns ``[rows, hidden]``, or with ``residual`` adds it to that in place and returns it."""
     logits = ops.gemm(h, layer.router)
     weights_dtype = torch.float32 if config.router_weights_in_float32 else logits.dtype
     weights, ids = ops.route_top_k(
@@ -43,7 +47,9 @@ def moe_experts(
         renormalize=config.norm_topk_prob,
         weights_dtype=weights_dtype,
     )
-    return ops.fused_moe(h, layer.experts_gate_up, layer.experts_down, weights, ids)
+    return ops.fused_moe(
+        h, layer.experts_gate_up, layer.experts_down, weights, ids, residual=residual
+    )
 
 
 def add_moe_mlp(
@@ -57,4 +63,4 @@ def add_moe_mlp(
     returns ``x``. ``normed``: ``rms_norm(x, layer.mlp_norm)`` already computed (the stage
     hook's), so the norm is skipped."""
     h = normed if normed is not None else ops.rms_norm(x, layer.mlp_norm, config.rms_norm_eps)
-    return x.add_(moe_experts(ops, h, layer, config))
+    return moe_experts(ops, h, layer, config, residual=x)

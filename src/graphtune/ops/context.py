@@ -218,13 +218,24 @@ class OpContext:
         down: torch.Tensor,
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
+        *,
+        residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """:func:`graphtune.ops.moe.fused_moe`: the experts of a mixture-of-experts layer for a
-        routing (untuned: the sparse expert loop, or the dense form while a graph captures)."""
+        routing (untuned: the sparse expert loop, or the dense form while a graph captures),
+        added in place to ``residual`` when given (which is then returned)."""
         if self.tuner is None:
-            return torch_fused_moe(x, gate_up, down, topk_weights, topk_ids)
+            out = torch_fused_moe(x, gate_up, down, topk_weights, topk_ids)
+            return out if residual is None else residual.add_(out)
         return fused_moe(
-            x, gate_up, down, topk_weights, topk_ids, tuner=self.tuner, max_m=self.max_batch_size
+            x,
+            gate_up,
+            down,
+            topk_weights,
+            topk_ids,
+            residual=residual,
+            tuner=self.tuner,
+            max_m=self.max_batch_size,
         )
 
     def route_top_k(

@@ -137,6 +137,7 @@ def moe_gemv_down_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_F: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    HAS_RES: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """``out[t, n] = sum_j route[t, j] * (act[t * TOP_K + j] . down[ids[t, j], n])``.
@@ -149,7 +150,9 @@ def moe_gemv_down_kernel(
     expert id and stream one expert at a time). After the loop each row is rounded, weighted and
     rounded again, and the slots are summed in float32 (a fixed reduction tree: deterministic).
     A slot past ``TOP_K`` or without an expert adds nothing: its loads use expert 0 and its
-    unwritten ``act`` row is masked out, so nothing uninitialised is read.
+    unwritten ``act`` row is masked out, so nothing uninitialised is read. With ``HAS_RES``
+    ``out`` is the residual and the rounded sum is added to it (a second rounding, as
+    ``residual.add_``; each element is read and written by the same program).
     """
     pid = tl.program_id(0)
     grid_n = (N + BLOCK_F - 1) // BLOCK_F
@@ -189,4 +192,9 @@ def moe_gemv_down_kernel(
     y = (acc.to(dtype).to(tl.float32) * weight).to(dtype).to(tl.float32)
     total = tl.sum(tl.reshape(tl.where(routed, y, 0.0), (BLOCK_S, BLOCK_F)), axis=0)
     cols = pid_n * BLOCK_F + tl.arange(0, BLOCK_F)
-    tl.store(out_ptr + token * stride_om + cols * stride_on, total.to(dtype), mask=cols < N)
+    out_ptrs = out_ptr + token * stride_om + cols * stride_on
+    result = total.to(dtype)
+    if HAS_RES:
+        res = tl.load(out_ptrs, mask=cols < N, other=0.0).to(tl.float32)
+        result = (result.to(tl.float32) + res).to(dtype)
+    tl.store(out_ptrs, result, mask=cols < N)

@@ -311,9 +311,12 @@ def moe_sum_kernel(
     stride_p,
     stride_o,
     BLOCK: tl.constexpr,
+    HAS_RES: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """``out[t] = sum_j pair[t * TOP_K + j]`` in float32, slot order, one rounding.
+    """``out[t] = sum_j pair[t * TOP_K + j]`` in float32, slot order, one rounding; with
+    ``HAS_RES`` ``out`` is the residual and the rounded sum is added to it (a second rounding,
+    as ``residual.add_``; each element is read and written by the same program).
 
     A slot whose expert id is outside ``[0, E)`` got no row from the sort step (its ``pair`` row
     was never written) and adds nothing.
@@ -333,7 +336,11 @@ def moe_sum_kernel(
         routed = (per_col >= 0) & (per_col < E)
         row = tl.load(pair_ptr + pair * stride_p + cols, mask=mask & routed, other=0.0)
         acc += row.to(tl.float32)
-    tl.store(out_ptr + token * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    total = acc.to(out_ptr.dtype.element_ty)
+    if HAS_RES:
+        res = tl.load(out_ptr + token * stride_o + cols, mask=mask, other=0.0)
+        total = (total.to(tl.float32) + res.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + token * stride_o + cols, total, mask=mask)
 
 
 @triton.jit

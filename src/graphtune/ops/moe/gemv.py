@@ -46,7 +46,12 @@ from graphtune.errors import ConfigError
 from graphtune.ops._triton import device_supported, run_kernel
 from graphtune.ops._triton_runner import TritonRunner
 from graphtune.ops.moe._loader import moe_gemv_kernels
-from graphtune.ops.moe.reference import torch_fused_moe, unpack_moe_inputs
+from graphtune.ops.moe.reference import (
+    add_to_residual,
+    moe_residual,
+    torch_fused_moe,
+    unpack_moe_inputs,
+)
 
 TACTIC_KEYS = ("bn", "bk", "warps")
 MAX_PAIRS = 64
@@ -138,11 +143,12 @@ class TritonMoeGemvRunner(TritonRunner):
         )
 
     def torch_forward(self, inputs: list[Any]) -> torch.Tensor:
-        """The torch fallback (``reference.torch_fused_moe``)."""
-        return torch_fused_moe(*unpack_moe_inputs(inputs))
+        """The torch fallback (``reference.torch_fused_moe``, then the residual add)."""
+        return add_to_residual(torch_fused_moe(*unpack_moe_inputs(inputs)), inputs)
 
     def launch(self, inputs: list[Any], tactic: Any, *, warmup: bool = False) -> torch.Tensor:
-        """Runs (or with ``warmup`` only compiles) the two GEMV kernels.
+        """Runs (or with ``warmup`` only compiles) the two GEMV kernels; the down kernel adds the
+        residual in place, when the call has one, and it is returned.
 
         Raises:
             ConfigError: ``tactic`` breaks a rule of :func:`check_moe_gemv_tactic`.
@@ -154,11 +160,13 @@ class TritonMoeGemvRunner(TritonRunner):
         tokens, hidden = x.shape
         experts, two_inter, _ = gate_up.shape
         inter, top_k = two_inter // 2, ids.shape[1]
-        out = torch.empty((tokens, hidden), dtype=x.dtype, device=x.device)
-        if tokens == 0 or hidden == 0:
-            return out
-        if top_k == 0 or inter == 0:
-            return out.zero_()
+        residual = moe_residual(inputs)
+        if tokens == 0 or hidden == 0 or top_k == 0 or inter == 0:
+            empty = torch.zeros((tokens, hidden), dtype=x.dtype, device=x.device)
+            return empty if residual is None else residual
+        out = residual
+        if out is None:
+            out = torch.empty((tokens, hidden), dtype=x.dtype, device=x.device)
         pairs = tokens * top_k
         flat_ids = ids.reshape(-1)
         flat_ids = flat_ids if flat_ids.is_contiguous() else flat_ids.contiguous()
@@ -203,6 +211,7 @@ class TritonMoeGemvRunner(TritonRunner):
             BLOCK_S=slots,
             BLOCK_F=features,
             BLOCK_K=bk,
+            HAS_RES=residual is not None,
             num_warps=tactic["warps"],
         )
         grid = (tokens * math.ceil(hidden / features),)

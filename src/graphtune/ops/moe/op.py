@@ -20,9 +20,9 @@ from graphtune.autotuner.context import get_tuner
 from graphtune.autotuner.runner import TunableRunner
 from graphtune.autotuner.tuner import AutoTuner
 from graphtune.errors import InputError
-from graphtune.ops.moe.reference import unpack_moe_inputs
+from graphtune.ops.moe.reference import moe_residual, unpack_moe_inputs
 from graphtune.ops.moe.runners import fused_moe_runners
-from graphtune.ops.registry import register_op
+from graphtune.ops.registry import is_tensor, register_op
 
 OP_NAME = "graphtune.fused_moe"
 #: Seed of the synthetic routing (the same routing for every candidate of a bucket).
@@ -31,8 +31,9 @@ ROUTING_SEED = 0
 
 def balanced_routing(inputs: list[Any]) -> list[Any]:
     """``inputs`` with a synthetic routing: k distinct uniformly random experts per token and
-    positive weights summing to 1 (the ``inputs_pre_hook`` of :func:`fused_moe_config`)."""
-    x, gate_up, down, weights, ids = inputs
+    positive weights summing to 1 (the ``inputs_pre_hook`` of :func:`fused_moe_config`); the
+    residual, if any, is kept."""
+    x, gate_up, down, weights, ids = inputs[:5]
     tokens, top_k = ids.shape
     experts = gate_up.shape[0]
     gen = torch.Generator(device=ids.device)
@@ -41,7 +42,7 @@ def balanced_routing(inputs: list[Any]) -> list[Any]:
     new_ids = scores.topk(min(top_k, experts), dim=-1).indices.to(ids.dtype)
     new_weights = torch.rand(new_ids.shape, generator=gen, device=ids.device) + 0.5
     new_weights = new_weights / new_weights.sum(dim=-1, keepdim=True)
-    return [x, gate_up, down, new_weights.to(weights.dtype), new_ids]
+    return [x, gate_up, down, new_weights.to(weights.dtype), new_ids, *inputs[5:]]
 
 
 def _tokens_of_x(shapes: Any) -> int:
@@ -49,17 +50,19 @@ def _tokens_of_x(shapes: Any) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def fused_moe_config(max_m: int | None = None) -> TuningConfig:
+def fused_moe_config(max_m: int | None = None, residual: bool = False) -> TuningConfig:
     """Tuning config: ``T`` (input 0, dim 0) in power-of-two buckets; ``topk_weights`` and
-    ``topk_ids`` (inputs 3 and 4) follow it; :func:`balanced_routing` as the pre-hook.
+    ``topk_ids`` (inputs 3 and 4), and the residual (input 5) when ``residual``, follow it;
+    :func:`balanced_routing` as the pre-hook.
 
     One untimed call before a measurement and one call per captured repeat: a bucket of 4096
     tokens of a large expert shape runs for milliseconds, and the graph timer raises the calls
     per replay of short ones by itself until a replay lasts long enough to time.
     """
+    follow = (3, 4, 5) if residual else (3, 4)
     return TuningConfig(
         dynamic_specs=(DynamicTensorSpec(0, 0),),
-        constraint_specs=(ConstraintSpec(3, 0, _tokens_of_x), ConstraintSpec(4, 0, _tokens_of_x)),
+        constraint_specs=tuple(ConstraintSpec(i, 0, _tokens_of_x) for i in follow),
         max_value=max_m,
         inputs_pre_hook=balanced_routing,
         warmup=1,
@@ -74,6 +77,7 @@ def fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     *,
+    residual: torch.Tensor | None = None,
     tuner: AutoTuner | None = None,
     max_m: int | None = None,
     runners: tuple[TunableRunner, ...] | None = None,
@@ -91,13 +95,16 @@ def fused_moe(
         topk_weights: ``[T, k]`` routing weights (any float dtype), e.g. from
             :func:`~graphtune.ops.moe.routing.route_top_k`.
         topk_ids: ``[T, k]`` int32/int64 expert ids.
+        residual: Optional contiguous tensor of ``x``'s shape and dtype: the output is added to
+            it in place (``residual += experts``, one rounding as ``residual.add_``) and it is
+            returned; the Triton runners add it in their last kernel instead of a separate add.
         tuner: The tuner to ask; the process default when ``None``.
         max_m: Largest tuned ``T`` (``None``: buckets up to the live ``T``), as ``max_m`` of the
             other ops (the rows of their inputs are the tokens).
         runners: Runners to choose from; :func:`fused_moe_runners` when ``None``.
 
     Returns:
-        ``[..., H]`` in ``x``'s dtype.
+        ``[..., H]`` in ``x``'s dtype (``residual`` itself when given).
 
     Raises:
         InputError: Shapes or dtypes break the rules of ``reference.unpack_moe_inputs``.
@@ -109,17 +116,22 @@ def fused_moe(
             f"fused_moe: topk_ids must be [T, k] with T = {x2.shape[0]} tokens of x "
             f"{tuple(shape)}, got {tuple(topk_ids.shape)}."
         )
-    inputs = [x2, gate_up_proj, down_proj, topk_weights, topk_ids]
+    inputs: list[Any] = [x2, gate_up_proj, down_proj, topk_weights, topk_ids]
+    if residual is not None:
+        same = residual.shape == shape and residual.is_contiguous()
+        inputs.append(residual.view(x2.shape) if same else residual)  # else: an InputError
     unpack_moe_inputs(inputs)
+    moe_residual(inputs)
     chosen = runners if runners is not None else fused_moe_runners()
-    runner, tactic = (tuner or get_tuner()).choose_one(
-        OP_NAME, chosen, fused_moe_config(max_m), inputs
-    )
-    return runner.forward(inputs, tactic=tactic).reshape(shape)
+    config = fused_moe_config(max_m, residual is not None)
+    runner, tactic = (tuner or get_tuner()).choose_one(OP_NAME, chosen, config, inputs)
+    out = runner.forward(inputs, tactic=tactic)
+    return residual if residual is not None else out.reshape(shape)
 
 
 def _rebuild(record: CallRecord, tuner: Any) -> tuple[tuple[TunableRunner, ...], TuningConfig]:
-    return fused_moe_runners(), fused_moe_config(record.config["max_value"])
+    residual = len(record.inputs) > 5 and is_tensor(record, 5)
+    return fused_moe_runners(), fused_moe_config(record.config["max_value"], residual)
 
 
 register_op(OP_NAME, _rebuild)

@@ -47,12 +47,13 @@ MoeInputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.
 
 
 def unpack_moe_inputs(inputs: list[Any]) -> MoeInputs:
-    """Unpacks ``[x, gate_up, down, topk_weights, topk_ids]`` and checks the shape rules.
+    """Unpacks ``[x, gate_up, down, topk_weights, topk_ids]`` (and an optional sixth input, the
+    residual: see :func:`moe_residual`) and checks the shape rules.
 
     Raises:
         InputError: A shape, dtype or dimension count does not match the layout above.
     """
-    x, gate_up, down, weights, ids = inputs
+    x, gate_up, down, weights, ids = inputs[:5]
     if x.dim() != 2 or gate_up.dim() != 3 or down.dim() != 3:
         raise InputError(
             f"fused_moe needs x [T, H], gate_up [E, 2I, H] and down [E, H, I], got x "
@@ -83,6 +84,43 @@ def unpack_moe_inputs(inputs: list[Any]) -> MoeInputs:
             f"{weights.dtype} and {ids.dtype}."
         )
     return x, gate_up, down, weights, ids
+
+
+def moe_residual(inputs: list[Any]) -> torch.Tensor | None:
+    """The residual of a fused-MoE call (input 5, ``None`` when absent): a contiguous ``[T, H]``
+    tensor of ``x``'s dtype and device, to which the experts' output is added in place.
+
+    Raises:
+        InputError: The residual's shape, dtype, device or layout does not match ``x``.
+    """
+    residual = inputs[5] if len(inputs) > 5 else None
+    if residual is None:
+        return None
+    x = inputs[0]
+    if (
+        not isinstance(residual, torch.Tensor)
+        or residual.shape != x.shape
+        or residual.dtype != x.dtype
+        or residual.device != x.device
+        or not residual.is_contiguous()
+    ):
+        got = (
+            f"{tuple(residual.shape)} {residual.dtype} on {residual.device}"
+            if isinstance(residual, torch.Tensor)
+            else type(residual).__name__
+        )
+        raise InputError(
+            f"fused_moe: residual must be a contiguous {tuple(x.shape)} {x.dtype} tensor on "
+            f"{x.device} like x (the experts' output is added to it in place), got {got}."
+        )
+    return residual
+
+
+def add_to_residual(out: torch.Tensor, inputs: list[Any]) -> torch.Tensor:
+    """``residual += out`` when the call has a residual (returns the residual), else ``out``:
+    one rounding of the bf16/fp16 sum, as ``x.add_(out)``."""
+    residual = moe_residual(inputs)
+    return out if residual is None else residual.add_(out)
 
 
 def _swiglu_expert(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,12 @@ from graphtune.ops._triton_runner import TritonRunner
 from graphtune.ops.moe._loader import moe_kernels
 from graphtune.ops.moe.align import sort_by_expert
 from graphtune.ops.moe.gemv import TritonMoeGemvRunner
-from graphtune.ops.moe.reference import torch_fused_moe, unpack_moe_inputs
+from graphtune.ops.moe.reference import (
+    add_to_residual,
+    moe_residual,
+    torch_fused_moe,
+    unpack_moe_inputs,
+)
 from graphtune.ops.moe.tactics import check_moe_tactic, moe_tactics
 
 #: Most experts the sort kernels take (their per-expert vectors live in registers).
@@ -50,8 +55,8 @@ class TorchFusedMoeRunner(TunableRunner):
     source_modules = ("graphtune.ops.moe.reference",)
 
     def forward(self, inputs: list[Any], tactic: Any = FALLBACK_TACTIC, **kwargs: Any) -> Any:
-        """Returns ``[T, H]``."""
-        return torch_fused_moe(*unpack_moe_inputs(inputs))
+        """Returns ``[T, H]`` (the residual, updated in place, when the call has one)."""
+        return add_to_residual(torch_fused_moe(*unpack_moe_inputs(inputs)), inputs)
 
 
 class TritonFusedMoeRunner(TritonRunner):
@@ -102,8 +107,8 @@ class TritonFusedMoeRunner(TritonRunner):
         )
 
     def torch_forward(self, inputs: list[Any]) -> torch.Tensor:
-        """The torch fallback (``reference.torch_fused_moe``)."""
-        return torch_fused_moe(*unpack_moe_inputs(inputs))
+        """The torch fallback (``reference.torch_fused_moe``, then the residual add)."""
+        return add_to_residual(torch_fused_moe(*unpack_moe_inputs(inputs)), inputs)
 
     def forward(self, inputs: list[Any], tactic: Any = FALLBACK_TACTIC, **kwargs: Any) -> Any:
         """Runs tactic ``-1`` with torch, any other tactic with the Triton kernels."""
@@ -112,7 +117,8 @@ class TritonFusedMoeRunner(TritonRunner):
         return self.launch(inputs, tactic)
 
     def launch(self, inputs: list[Any], tactic: Any, *, warmup: bool = False) -> torch.Tensor:
-        """Runs (or with ``warmup`` only compiles) the sort, both GEMMs and the sum.
+        """Runs (or with ``warmup`` only compiles) the sort, both GEMMs and the sum (which adds
+        the residual in place, when the call has one, and returns it).
 
         Raises:
             ConfigError: ``tactic`` breaks a rule of :func:`~graphtune.ops.moe.tactics.
@@ -127,11 +133,13 @@ class TritonFusedMoeRunner(TritonRunner):
         tokens, hidden = x.shape
         experts, two_inter, _ = gate_up.shape
         inter, top_k = two_inter // 2, ids.shape[1]
-        out = torch.empty((tokens, hidden), dtype=x.dtype, device=x.device)
-        if tokens == 0 or hidden == 0:
-            return out
-        if top_k == 0 or inter == 0:
-            return out.zero_()
+        residual = moe_residual(inputs)
+        if tokens == 0 or hidden == 0 or top_k == 0 or inter == 0:
+            empty = torch.zeros((tokens, hidden), dtype=x.dtype, device=x.device)
+            return empty if residual is None else residual
+        out = residual
+        if out is None:
+            out = torch.empty((tokens, hidden), dtype=x.dtype, device=x.device)
         pairs = tokens * top_k
         blocks = sort_by_expert(ids, experts, tactic["block_m"], warmup=warmup)
         meta = dict(
@@ -188,7 +196,9 @@ class TritonFusedMoeRunner(TritonRunner):
         flat_ids = flat_ids if flat_ids.is_contiguous() else flat_ids.contiguous()
         block = min(SUM_BLOCK, max(32, 1 << (hidden - 1).bit_length()))
         args = (per_pair, flat_ids, out, hidden, experts, top_k, per_pair.stride(0), out.stride(0))
-        meta = dict(BLOCK=block, num_warps=max(1, min(4, block // 256)))
+        meta = dict(
+            BLOCK=block, HAS_RES=residual is not None, num_warps=max(1, min(4, block // 256))
+        )
         run_kernel(kernels.moe_sum_kernel, (tokens, math.ceil(hidden / block)), args, meta, warmup)
         return out
 

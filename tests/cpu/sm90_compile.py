@@ -121,12 +121,11 @@ def _cases() -> list[tuple[str, Any, list[Any]]]:
         with_residual = [*moe_inputs, _rand(m, hidden)]
         add(f"fused_moe+residual m={m}", TritonFusedMoeRunner(smem_bytes=228 * 1024), with_residual)
         add(f"fused_moe gemv+residual m={m}", TritonMoeGemvRunner(), with_residual)
-        add(
-            f"rope m={m}",
-            TritonRopeRunner(heads, kv, True),
-            [_rand(m, rows), positions, _rand(seq, dim), _rand(seq, dim), k_cache, v_cache]
-            + [write_rows],
-        )
+        rope_inputs = [_rand(m, rows), positions, _rand(seq, dim), _rand(seq, dim), k_cache]
+        rope_inputs += [v_cache, write_rows]
+        add(f"rope m={m}", TritonRopeRunner(heads, kv, True), rope_inputs)
+        head_norm = [_rand(heads + kv, dim), 1e-6]
+        add(f"rope+head norm m={m}", TritonRopeRunner(heads, kv, True), rope_inputs + head_norm)
         for dtype in (BF16, F32):
             q = _rand(m, kv, heads // kv, dim, dtype=dtype)
             keys, values = _rand(m, kv, seq, dim, dtype=dtype), _rand(m, kv, seq, dim, dtype=dtype)

@@ -22,10 +22,11 @@ import pytest  # noqa: E402
 pytest.importorskip("triton")
 
 from graphtune.engine import model as engine_model  # noqa: E402
+from graphtune.errors import InputError  # noqa: E402
 from graphtune.ops import _triton  # noqa: E402
 from graphtune.ops.activation import TritonSiluAndMulRunner, torch_silu_and_mul  # noqa: E402
 from graphtune.ops.gemm import TritonGemmRunner  # noqa: E402
-from graphtune.ops.rmsnorm import TritonRMSNormRunner, torch_rms_norm  # noqa: E402
+from graphtune.ops.rmsnorm import TritonRMSNormRunner, head_rms_norm_, torch_rms_norm  # noqa: E402
 from graphtune.ops.rotary import TritonRopeRunner, torch_rope_kv_cache  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
@@ -207,6 +208,40 @@ def test_rope_kv_cache_tactics_match_float64(dtype, signed, dim):
         atol = 1e-5 if dtype == torch.float32 else 4e-3
         assert torch.allclose(q.float(), q_ref.float(), atol=atol, rtol=atol)
         assert torch.allclose(k_cache.float(), k_ref.float(), atol=atol, rtol=atol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dim", [16, 12])
+def test_rope_with_the_head_norm_matches_the_norm_then_the_rope(dtype, dim):
+    """Qwen3's q/k norm inside the RoPE kernel: the same as head_rms_norm_ on qkv first (the
+    fallback's order), every tactic, and the fallback leaves that normalised qkv behind."""
+    gen = _gen()
+    heads, kv, batch, rows_total, table, eps = 4, 2, 3, 60, 20, 1e-6
+    runner = TritonRopeRunner(heads, kv, True)
+    qkv = _randn(gen, batch, (heads + 2 * kv) * dim, dtype=dtype) * 3
+    norm = (1 + 0.2 * _randn(gen, heads + kv, dim)).to(dtype)
+    cos, sin = _randn(gen, table, dim, dtype=dtype), _randn(gen, table, dim, dtype=dtype)
+    positions = torch.randint(0, table, (batch,), generator=gen)
+    rows = torch.randperm(rows_total, generator=gen)[: batch * kv]
+    blank = _randn(gen, rows_total, dim, dtype=dtype)
+    normed = head_rms_norm_(qkv.clone(), norm, eps)
+    k_ref, v_ref = blank.clone(), blank.clone()
+    q_ref = torch_rope_kv_cache(normed, positions, cos, sin, k_ref, v_ref, rows, heads, kv, True)
+    atol = 1e-5 if dtype == torch.float32 else 4e-3
+    for tactic in runner.get_valid_tactics([qkv, positions, cos, sin, blank, blank, rows], None):
+        k_cache, v_cache = blank.clone(), blank.clone()
+        inputs = [qkv, positions, cos, sin, k_cache, v_cache, rows, norm, eps]
+        q = runner.forward(inputs, tactic)
+        assert torch.allclose(q.float(), q_ref.float(), atol=atol, rtol=atol), tactic
+        assert torch.allclose(k_cache.float(), k_ref.float(), atol=atol, rtol=atol), tactic
+        assert torch.equal(v_cache, v_ref)
+    fallback_qkv = qkv.clone()
+    k_cache, v_cache = blank.clone(), blank.clone()
+    q = runner.forward([fallback_qkv, positions, cos, sin, k_cache, v_cache, rows, norm, eps], -1)
+    assert torch.equal(q, q_ref) and torch.equal(k_cache, k_ref)
+    assert torch.equal(fallback_qkv, normed)
+    with pytest.raises(InputError, match="head_norm must be"):
+        runner.forward([qkv, positions, cos, sin, blank, blank, rows, norm[:, :4], eps], -1)
 
 
 @pytest.mark.parametrize("signed", [False, True])

@@ -21,6 +21,7 @@ from graphtune.ops import (  # noqa: E402
     TritonSiluAndMulRunner,
     attention,
     gemm,
+    head_rms_norm_,
     torch_rope_kv_cache,
 )
 from graphtune.ops.gemm import TritonGemvRunner  # noqa: E402
@@ -156,6 +157,27 @@ def test_rope_kv_cache_every_tactic(signed):
     for tactic in runner.get_valid_tactics([qkv, positions, cos, sin, k_ref, v_ref, rows], None):
         k_cache, v_cache = torch.zeros_like(k_ref), torch.zeros_like(v_ref)
         q = runner.forward([qkv, positions, cos, sin, k_cache, v_cache, rows], tactic)
+        assert _rel(q, q_ref.double()) < BF16_TOL, tactic
+        assert _rel(k_cache, k_ref.double()) < BF16_TOL, tactic
+        assert torch.equal(v_cache, v_ref), tactic
+    # With Qwen3's per-head q/k norm inside the kernel: as head_rms_norm_ on qkv, then RoPE.
+    norm = (1 + 0.1 * torch.randn(HEADS + KV, DIM, device=DEV)).to(BF16)
+    k_ref.zero_()
+    q_ref = torch_rope_kv_cache(
+        head_rms_norm_(qkv.clone(), norm, 1e-6),
+        positions,
+        cos,
+        sin,
+        k_ref,
+        v_ref,
+        rows,
+        HEADS,
+        KV,
+        signed,
+    )
+    for tactic in runner.get_valid_tactics([qkv, positions, cos, sin, k_ref, v_ref, rows], None):
+        k_cache, v_cache = torch.zeros_like(k_ref), torch.zeros_like(v_ref)
+        q = runner.forward([qkv, positions, cos, sin, k_cache, v_cache, rows, norm, 1e-6], tactic)
         assert _rel(q, q_ref.double()) < BF16_TOL, tactic
         assert _rel(k_cache, k_ref.double()) < BF16_TOL, tactic
         assert torch.equal(v_cache, v_ref), tactic

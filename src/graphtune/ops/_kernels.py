@@ -243,6 +243,8 @@ def rope_kv_kernel(
     q_out_ptr,
     k_ptr,
     v_ptr,
+    norm_ptr,
+    eps,
     stride_qkv,
     stride_cos,
     stride_sin,
@@ -255,6 +257,7 @@ def rope_kv_kernel(
     HALF_BLOCK: tl.constexpr,
     HEADS_PER_PROG: tl.constexpr,
     SIGNED_SIN: tl.constexpr,
+    HAS_NORM: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """Rotary embedding of q and k for one token, and the K/V cache write, in one pass.
@@ -267,6 +270,11 @@ def rope_kv_kernel(
     ``pos[b]``; ``HALF == HEAD_DIM // 2``. Rotate-half: ``out = x * cos + cat(-x2, x1) * sin``,
     each product rounded to the dtype as torch does (``engine.model.apply_rope``); with
     ``SIGNED_SIN`` the table's first half is ``-sin`` and rounding follows ``apply_rope_signed``.
+
+    ``HAS_NORM``: each q and k head is first RMS-normalised over its ``HEAD_DIM`` features
+    (float32 statistics with ``eps``, rounded to the dtype) and multiplied by its row of
+    ``norm [NUM_HEADS + NUM_KV, HEAD_DIM]`` (rounded again): Qwen3's q/k norm, rounded as
+    ``graphtune.ops.rmsnorm.head_rms_norm_``.
     """
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # qkv and the positions come from the kernels before
@@ -286,6 +294,14 @@ def rope_kv_kernel(
     src = qkv_ptr + b * stride_qkv + heads[:, None] * HEAD_DIM + cols[None, :]
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        mean_sq = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM
+        inv = tl.rsqrt(mean_sq + eps)[:, None]
+        w_src = norm_ptr + heads[:, None] * HEAD_DIM + cols[None, :]
+        w1 = tl.load(w_src, mask=mask, other=0.0).to(tl.float32)
+        w2 = tl.load(w_src + HALF, mask=mask, other=0.0).to(tl.float32)
+        x1 = ((x1 * inv).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+        x2 = ((x2 * inv).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
     if SIGNED_SIN:
         # sin's first half holds -sin (engine.model.apply_rope_signed): x * cos is one rounded
         # tensor, then addcmul adds swap(x) * signed_sin with one more rounding.

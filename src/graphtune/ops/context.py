@@ -43,7 +43,7 @@ from graphtune.ops.gemm import gemm, torch_gemm
 from graphtune.ops.moe.op import fused_moe
 from graphtune.ops.moe.reference import torch_fused_moe
 from graphtune.ops.moe.routing import route_top_k, torch_route_top_k
-from graphtune.ops.rmsnorm import fused_add_rms_norm, head_rms_norm_, torch_rms_norm
+from graphtune.ops.rmsnorm import fused_add_rms_norm, torch_rms_norm
 from graphtune.ops.rotary import RopeRows, rope_kv_cache, torch_rope_kv_cache
 
 
@@ -154,9 +154,12 @@ class OpContext:
         *,
         num_heads: int,
         num_kv_heads: int,
+        head_norm: torch.Tensor | None = None,
+        head_norm_eps: float = 1e-6,
     ) -> torch.Tensor:
         """Rotary q/k and the K/V cache write (:func:`graphtune.ops.rotary.rope_kv_cache`) with
-        the step's signed-sin tables; returns ``q [rows, num_heads, head_dim]``."""
+        the step's signed-sin tables, after the per-head q/k RMSNorm when ``head_norm`` is
+        given; returns ``q [rows, num_heads, head_dim]``."""
         if self.tuner is None:
             return torch_rope_kv_cache(
                 qkv,
@@ -170,6 +173,8 @@ class OpContext:
                 num_kv_heads,
                 rope.signed_sin,
                 rope,
+                head_norm=head_norm,
+                head_norm_eps=head_norm_eps,
             )
         return rope_kv_cache(
             qkv,
@@ -183,6 +188,8 @@ class OpContext:
             num_kv_heads=num_kv_heads,
             signed_sin=rope.signed_sin,
             rows=rope,
+            head_norm=head_norm,
+            head_norm_eps=head_norm_eps,
             tuner=self.tuner,
             max_m=self.max_batch_size,
         )
@@ -285,7 +292,8 @@ class OpContext:
         ``normed``: ``rms_norm(x, norm_weight, eps)`` already computed; the norm is skipped.
         ``qk_norm``: the ``[heads + kv_heads, head_dim]`` weight rows of a per-head q/k RMSNorm
         between the projection and RoPE (Qwen3, :func:`~graphtune.ops.rmsnorm.head_rms_norm_`,
-        ``eps`` too); the fused kernel has no such step, so the stage runs its single ops.
+        ``eps`` too), done by the RoPE op (:func:`~graphtune.ops.rotary.rope_kv_cache`'s
+        ``head_norm``); the fused QKV kernel has no such step, so the stage runs its single ops.
         """
         heads = dict(num_heads=num_heads, num_kv_heads=num_kv_heads)
         if normed is None and qk_norm is None and self._fusing:
@@ -310,9 +318,9 @@ class OpContext:
             )
         h = normed if normed is not None else self.rms_norm(x, norm_weight, eps)
         qkv = self.gemm(h, wqkv, bqkv)
-        if qk_norm is not None:
-            head_rms_norm_(qkv, qk_norm, eps)
-        return self.rope_kv_cache(qkv, rope, k_cache, v_cache, write_rows, **heads)
+        return self.rope_kv_cache(
+            qkv, rope, k_cache, v_cache, write_rows, **heads, head_norm=qk_norm, head_norm_eps=eps
+        )
 
     def add_projection(
         self, x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor

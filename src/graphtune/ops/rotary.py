@@ -13,7 +13,14 @@ Semantics are those of ``engine/step.py`` for one layer::
 with ``k_cache``/``v_cache`` the flattened ``[slots * kv_heads * max_seq, D]`` views of one
 layer's cache and ``write_rows[b * kv_heads + h] = (slot_b * kv_heads + h) * max_seq + pos_b``.
 That torch code is the fallback tactic ``-1``. The Triton kernel does it in one launch; tactics
-``{"heads", "warps"}`` choose how many heads one program handles.
+``{"heads", "warps"}`` choose how many heads one program handles. With ``head_norm`` (Qwen3's
+per-head q/k RMSNorm weights, ``[heads + kv_heads, D]``) the q and k heads are normalised first:
+the fallback runs :func:`graphtune.ops.rmsnorm.head_rms_norm_` on ``qkv`` in place, the kernel
+normalises in registers (same roundings), which saves the two torch kernels of that norm.
+
+Inputs of the op, in order: ``qkv, positions, cos, sin, k_cache, v_cache, write_rows,
+head_norm`` (a tensor or ``None``), ``head_norm_eps`` (a float); then, outside the tuning key,
+the step's :class:`RopeRows`.
 
 Tuning keys: the cache and the cos/sin tables are sized by the engine's ``max_seq_len`` and slot
 count, which say nothing about the kernel's speed (it touches ``B * kv_heads`` rows). So the
@@ -47,6 +54,7 @@ from graphtune.ops._triton import (
 )
 from graphtune.ops._triton_runner import TritonRunner
 from graphtune.ops.registry import register_op, runner_extras
+from graphtune.ops.rmsnorm import head_rms_norm_
 
 OP_NAME = "graphtune.rope_kv_cache"
 TABLE_ROWS = 4096
@@ -117,6 +125,8 @@ def torch_rope_kv_cache(
     num_kv_heads: int,
     signed_sin: bool = False,
     rows: RopeRows | None = None,
+    head_norm: torch.Tensor | None = None,
+    head_norm_eps: float = 1e-6,
 ) -> torch.Tensor:
     """The unfused reference (the engine's decode-step code for one layer); returns ``q``.
 
@@ -124,8 +134,11 @@ def torch_rope_kv_cache(
     adjacent in ``qkv``). With ``signed_sin`` the ``sin`` table's first half holds ``-sin``
     (``engine.model.rope_tables(..., signed_sin=True)``) and the rotation is
     ``apply_rope_signed``'s. ``rows`` supplies ``cos[positions]`` / ``sin[positions]`` gathered
-    once per step (:class:`RopeRows`); without it they are gathered here.
+    once per step (:class:`RopeRows`); without it they are gathered here. ``head_norm``: the
+    q/k heads of ``qkv`` are normalised in place first (``head_rms_norm_``).
     """
+    if head_norm is not None:
+        head_rms_norm_(qkv, head_norm, head_norm_eps)
     batch, dim = qkv.shape[0], cos.shape[-1]
     qk_width = (num_heads + num_kv_heads) * dim
     cos_b, sin_b = (
@@ -161,8 +174,37 @@ class _RopeRunnerMixin:
         """Head counts are not implied by the qkv width, so they are part of the identity."""
         return (self.num_heads, self.num_kv_heads, self.signed_sin)
 
+    def _head_norm(self, inputs: list[Any]) -> tuple[torch.Tensor | None, float]:
+        """``(head_norm, eps)``: inputs 7 and 8 (``(None, 1e-6)`` for a seven-input call).
+
+        Raises:
+            InputError: ``head_norm`` is not ``[heads + kv_heads, D]`` of ``qkv``'s dtype.
+        """
+        norm = inputs[7] if len(inputs) > 7 else None
+        eps = float(inputs[8]) if len(inputs) > 8 else 1e-6
+        if norm is None:
+            return None, eps
+        qkv, dim = inputs[0], inputs[2].shape[-1]
+        want = (self.num_heads + self.num_kv_heads, dim)
+        if (
+            not isinstance(norm, torch.Tensor)
+            or tuple(norm.shape) != want
+            or norm.dtype != qkv.dtype
+        ):
+            got = (
+                f"{tuple(norm.shape)} {norm.dtype}"
+                if isinstance(norm, torch.Tensor)
+                else type(norm).__name__
+            )
+            raise InputError(
+                f"rope_kv_cache: head_norm must be the [heads + kv_heads, D] = {list(want)} "
+                f"weight rows of the q/k norm in {qkv.dtype} (head_norm_weights), got {got}."
+            )
+        return norm, eps
+
     def _unpack(self, inputs: list[Any]) -> list[Any]:
-        """The seven op inputs (an eighth, the step's :class:`RopeRows`, is not checked)."""
+        """The seven tensor inputs (inputs 7 and 8 are :meth:`_head_norm`'s; a tenth, the
+        step's :class:`RopeRows`, is not checked)."""
         qkv, positions, cos, sin, k_cache, v_cache, rows = inputs[:7]
         batch, dim = qkv.shape[0], cos.shape[-1]
         width = (self.num_heads + 2 * self.num_kv_heads) * dim
@@ -187,9 +229,16 @@ class _RopeRunnerMixin:
 
     def torch_forward(self, inputs: list[Any]) -> torch.Tensor:
         """The unfused torch code (with the step's gathered rows when they are given)."""
-        rows = inputs[7] if len(inputs) > 7 else None
+        rows = inputs[9] if len(inputs) > 9 else None
+        norm, eps = self._head_norm(inputs)
         return torch_rope_kv_cache(
-            *self._unpack(inputs), self.num_heads, self.num_kv_heads, self.signed_sin, rows
+            *self._unpack(inputs),
+            self.num_heads,
+            self.num_kv_heads,
+            self.signed_sin,
+            rows,
+            head_norm=norm,
+            head_norm_eps=eps,
         )
 
 
@@ -276,6 +325,7 @@ class TritonRopeRunner(_RopeRunnerMixin, TritonRunner):
     def launch(self, inputs: list[Any], tactic: Any, *, warmup: bool = False) -> torch.Tensor:
         """Runs the fused kernel; returns ``q [B, heads, D]``."""
         qkv, positions, cos, sin, k_cache, v_cache, rows = self._unpack(inputs)
+        norm, eps = self._head_norm(inputs)
         _check_rope_tactic(tactic)
         batch, dim = qkv.shape[0], cos.shape[-1]
         q_out = torch.empty((batch, self.num_heads, dim), device=qkv.device, dtype=qkv.dtype)
@@ -293,6 +343,8 @@ class TritonRopeRunner(_RopeRunnerMixin, TritonRunner):
             q_out,
             k_cache,
             v_cache,
+            norm if norm is not None else qkv,  # unread without HAS_NORM
+            eps,
             qkv.stride(0),
             cos.stride(0),
             sin.stride(0),
@@ -307,6 +359,7 @@ class TritonRopeRunner(_RopeRunnerMixin, TritonRunner):
             HALF_BLOCK=next_power_of_two(dim // 2),
             HEADS_PER_PROG=per_prog,
             SIGNED_SIN=self.signed_sin,
+            HAS_NORM=norm is not None,
             num_warps=tactic["warps"],
         )
         run_kernel(kernels().rope_kv_kernel, grid, args, meta, warmup)
@@ -344,9 +397,9 @@ def canonical_rope_indices(
 
 def _canonical_inputs(inputs: list[Any]) -> list[Any]:
     """Makes synthetic index inputs valid for the canonical table and cache sizes."""
-    qkv, positions, cos, sin, k_cache, v_cache, rows = inputs
+    qkv, positions, cos, sin, k_cache, v_cache, rows = inputs[:7]
     positions, rows = canonical_rope_indices(positions, rows, cos.shape[0], k_cache.shape[0])
-    return [qkv, positions, cos, sin, k_cache, v_cache, rows]
+    return [qkv, positions, cos, sin, k_cache, v_cache, rows, *inputs[7:]]
 
 
 @functools.lru_cache(maxsize=16)
@@ -403,6 +456,8 @@ def rope_kv_cache(
     num_kv_heads: int,
     signed_sin: bool = False,
     rows: RopeRows | None = None,
+    head_norm: torch.Tensor | None = None,
+    head_norm_eps: float = 1e-6,
     tuner: AutoTuner | None = None,
     max_m: int | None = None,
     runners: tuple[TunableRunner, ...] | None = None,
@@ -424,6 +479,10 @@ def rope_kv_cache(
         rows: The step's :class:`RopeRows` of ``positions`` (the torch fallback reuses its
             gathered rows instead of gathering per call). Not part of the tuning key: which
             kernel is fastest does not depend on it.
+        head_norm: ``[num_heads + num_kv_heads, D]`` weight rows of a per-head q/k RMSNorm
+            applied before the rotation (Qwen3; :func:`graphtune.ops.rmsnorm.head_norm_weights`);
+            the fallback normalises ``qkv``'s q/k heads in place, the kernel in registers.
+        head_norm_eps: That norm's epsilon.
         tuner: Tuner to ask; the process default when ``None``.
         max_m: Largest tuned batch (``None``: up to the live batch).
         runners: Runners to choose from; :func:`rope_runners` when ``None``.
@@ -432,7 +491,7 @@ def rope_kv_cache(
         ``q`` rotated, ``[B, num_heads, D]`` (the torch fallback returns a view of its rotated
         ``[B, heads + kv_heads, D]`` tensor).
     """
-    inputs = [qkv, positions, cos, sin, k_cache, v_cache, write_rows]
+    inputs = [qkv, positions, cos, sin, k_cache, v_cache, write_rows, head_norm, head_norm_eps]
     chosen = runners if runners is not None else rope_runners(num_heads, num_kv_heads, signed_sin)
     config = rope_config(num_kv_heads, max_m)
     runner, tactic = (tuner or get_tuner()).choose_one(OP_NAME, chosen, config, inputs)

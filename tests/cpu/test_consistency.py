@@ -126,3 +126,23 @@ def test_check_tactics_cli_runs_every_op_of_a_decode_step(tmp_path) -> None:
     assert all(item["passed"] for item in data)
     assert any(item["checks"] for item in data)  # the matmul attention runner was compared
     assert "failed" in done.stdout
+
+
+def test_check_tactics_passes_for_the_triton_kernels_of_a_qwen3_moe_step(tmp_path) -> None:
+    """Under the interpreter, with the q/k norm inside the RoPE kernel and the MoE kernels: the
+    fallback and every Triton tactic agree on outputs and on every in-place write."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), TRITON_INTERPRET="1")
+    report = tmp_path / "report.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "graphtune", "check-tactics", "--model", "qwen3-moe-tiny",
+         "--batch", "1", "--device", "cpu", "--dtype", "float32", "--json", str(report)],
+        env=env, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    data = {item["op"]: item for item in json.loads(report.read_text())}
+    assert {"graphtune.rope_kv_cache", "graphtune.fused_moe", "graphtune.route_top_k"} <= set(data)
+    for op in ("graphtune.rope_kv_cache", "graphtune.fused_moe"):
+        runners = {check["runner"].split("[")[0] for check in data[op]["checks"]}
+        assert any(name.startswith("Triton") for name in runners), (op, runners)
+        assert data[op]["passed"], op

@@ -213,8 +213,8 @@ def test_rope_kv_cache_tactics_match_float64(dtype, signed, dim):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("dim", [16, 12])
 def test_rope_with_the_head_norm_matches_the_norm_then_the_rope(dtype, dim):
-    """Qwen3's q/k norm inside the RoPE kernel: the same as head_rms_norm_ on qkv first (the
-    fallback's order), every tactic, and the fallback leaves that normalised qkv behind."""
+    """Qwen3's q/k norm inside the RoPE kernel: the same as head_rms_norm_ on qkv first, for
+    every tactic, and neither the kernel nor the fallback writes into qkv."""
     gen = _gen()
     heads, kv, batch, rows_total, table, eps = 4, 2, 3, 60, 20, 1e-6
     runner = TritonRopeRunner(heads, kv, True)
@@ -235,11 +235,11 @@ def test_rope_with_the_head_norm_matches_the_norm_then_the_rope(dtype, dim):
         assert torch.allclose(q.float(), q_ref.float(), atol=atol, rtol=atol), tactic
         assert torch.allclose(k_cache.float(), k_ref.float(), atol=atol, rtol=atol), tactic
         assert torch.equal(v_cache, v_ref)
-    fallback_qkv = qkv.clone()
+    before = qkv.clone()
     k_cache, v_cache = blank.clone(), blank.clone()
-    q = runner.forward([fallback_qkv, positions, cos, sin, k_cache, v_cache, rows, norm, eps], -1)
+    q = runner.forward([qkv, positions, cos, sin, k_cache, v_cache, rows, norm, eps], -1)
     assert torch.equal(q, q_ref) and torch.equal(k_cache, k_ref)
-    assert torch.equal(fallback_qkv, normed)
+    assert torch.equal(qkv, before)
     with pytest.raises(InputError, match="head_norm must be"):
         runner.forward([qkv, positions, cos, sin, blank, blank, rows, norm[:, :4], eps], -1)
 

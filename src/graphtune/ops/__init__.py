@@ -7,7 +7,8 @@ shape; outside tuning mode that is a cache look-up, and an untuned shape runs th
 * :func:`gemm` / :class:`TunableLinear` — ``F.linear`` semantics; cuBLAS, a tiled Triton GEMM
   (block / warp / stage / split-K tactics) and a Triton GEMV for decode batches of up to 8 rows.
 * :func:`fused_add_rms_norm` — residual add + RMSNorm, returning ``(out, new_residual)``;
-  :func:`head_rms_norm_` — per-head RMSNorm of q and k in a QKV output, in place (Qwen3).
+  :func:`head_rms_norm_` — per-head RMSNorm of q and k in a QKV output, in place (Qwen3);
+  :func:`head_rms_norm` the same out of place.
 * :func:`rope_kv_cache` — rotary embedding of q and k and the K/V cache write, returning ``q``.
 * :func:`silu_and_mul` — SwiGLU activation on a fused gate/up tensor; :func:`gated_activation`
   for any activation of :data:`GATED_ACTIVATIONS` (SiLU through :func:`silu_and_mul`).
@@ -75,6 +76,7 @@ from graphtune.ops.rmsnorm import (
     TritonRMSNormRunner,
     fused_add_rms_norm,
     head_norm_weights,
+    head_rms_norm,
     head_rms_norm_,
     rms_norm_config,
     rms_norm_runners,
@@ -123,6 +125,7 @@ __all__ = [
     "gemm_tactics",
     "gemv_tactics",
     "head_norm_weights",
+    "head_rms_norm",
     "head_rms_norm_",
     "require_triton",
     "rebuild_call",

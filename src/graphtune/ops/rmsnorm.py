@@ -238,6 +238,30 @@ def head_norm_weights(
     return torch.cat([q_weight.expand(num_heads, -1), k_weight.expand(num_kv_heads, -1)])
 
 
+def _qk_heads(qkv: torch.Tensor, weights: torch.Tensor, name: str) -> torch.Tensor:
+    """The ``[rows, heads + kv_heads, D]`` view of ``qkv``'s query and key heads."""
+    heads, dim = weights.shape
+    if qkv.dim() != 2 or qkv.stride(1) != 1 or qkv.shape[1] < heads * dim:
+        raise InputError(
+            f"{name} needs qkv [rows, (heads + 2 kv_heads) * D] with contiguous rows and "
+            f"weights [heads + kv_heads, D]; got qkv {tuple(qkv.shape)} (strides "
+            f"{qkv.stride()}) and weights {tuple(weights.shape)}."
+        )
+    return qkv[:, : heads * dim].unflatten(-1, (heads, dim))
+
+
+def head_rms_norm(qkv: torch.Tensor, weights: torch.Tensor, eps: float) -> torch.Tensor:
+    """:func:`head_rms_norm_` out of place: returns the normalised query and key heads as a new
+    ``[rows, heads + kv_heads, D]`` tensor and leaves ``qkv`` as it is (same two torch ops, same
+    roundings).
+
+    Raises:
+        InputError: As :func:`head_rms_norm_`.
+    """
+    qk = _qk_heads(qkv, weights, "head_rms_norm")
+    return torch.mul(F.rms_norm(qk, (weights.shape[1],), eps=eps), weights)
+
+
 def head_rms_norm_(qkv: torch.Tensor, weights: torch.Tensor, eps: float) -> torch.Tensor:
     """Per-head RMSNorm of the queries and keys of a fused QKV output, in place (Qwen3's and
     Qwen3-MoE's ``q_norm`` / ``k_norm``, applied before RoPE); the value heads are untouched.
@@ -256,13 +280,6 @@ def head_rms_norm_(qkv: torch.Tensor, weights: torch.Tensor, eps: float) -> torc
         InputError: ``qkv`` is not 2-D or narrower than the heads ``weights`` describes, or its
             rows are not contiguous.
     """
-    heads, dim = weights.shape
-    if qkv.dim() != 2 or qkv.stride(1) != 1 or qkv.shape[1] < heads * dim:
-        raise InputError(
-            f"head_rms_norm_ needs qkv [rows, (heads + 2 kv_heads) * D] with contiguous rows and "
-            f"weights [heads + kv_heads, D]; got qkv {tuple(qkv.shape)} (strides "
-            f"{qkv.stride()}) and weights {tuple(weights.shape)}."
-        )
-    qk = qkv[:, : heads * dim].unflatten(-1, (heads, dim))
-    torch.mul(F.rms_norm(qk, (dim,), eps=eps), weights, out=qk)
+    qk = _qk_heads(qkv, weights, "head_rms_norm_")
+    torch.mul(F.rms_norm(qk, (weights.shape[1],), eps=eps), weights, out=qk)
     return qkv

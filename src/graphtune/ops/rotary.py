@@ -15,8 +15,9 @@ layer's cache and ``write_rows[b * kv_heads + h] = (slot_b * kv_heads + h) * max
 That torch code is the fallback tactic ``-1``. The Triton kernel does it in one launch; tactics
 ``{"heads", "warps"}`` choose how many heads one program handles. With ``head_norm`` (Qwen3's
 per-head q/k RMSNorm weights, ``[heads + kv_heads, D]``) the q and k heads are normalised first:
-the fallback runs :func:`graphtune.ops.rmsnorm.head_rms_norm_` on ``qkv`` in place, the kernel
-normalises in registers (same roundings), which saves the two torch kernels of that norm.
+the fallback runs :func:`graphtune.ops.rmsnorm.head_rms_norm` (out of place: like the kernel,
+it writes only the caches and ``q``), the kernel normalises in registers (same roundings), which
+saves the two torch kernels of that norm.
 
 Inputs of the op, in order: ``qkv, positions, cos, sin, k_cache, v_cache, write_rows,
 head_norm`` (a tensor or ``None``), ``head_norm_eps`` (a float); then, outside the tuning key,
@@ -54,7 +55,7 @@ from graphtune.ops._triton import (
 )
 from graphtune.ops._triton_runner import TritonRunner
 from graphtune.ops.registry import register_op, runner_extras
-from graphtune.ops.rmsnorm import head_rms_norm_
+from graphtune.ops.rmsnorm import head_rms_norm
 
 OP_NAME = "graphtune.rope_kv_cache"
 TABLE_ROWS = 4096
@@ -135,10 +136,8 @@ def torch_rope_kv_cache(
     (``engine.model.rope_tables(..., signed_sin=True)``) and the rotation is
     ``apply_rope_signed``'s. ``rows`` supplies ``cos[positions]`` / ``sin[positions]`` gathered
     once per step (:class:`RopeRows`); without it they are gathered here. ``head_norm``: the
-    q/k heads of ``qkv`` are normalised in place first (``head_rms_norm_``).
+    q/k heads are normalised first (``head_rms_norm``, out of place: ``qkv`` is only read).
     """
-    if head_norm is not None:
-        head_rms_norm_(qkv, head_norm, head_norm_eps)
     batch, dim = qkv.shape[0], cos.shape[-1]
     qk_width = (num_heads + num_kv_heads) * dim
     cos_b, sin_b = (
@@ -149,9 +148,11 @@ def torch_rope_kv_cache(
             sin.index_select(0, positions)[:, None, :],
         )
     )
-    qk = rotate(
-        qkv[:, :qk_width].reshape(batch, num_heads + num_kv_heads, dim), cos_b, sin_b, signed_sin
-    )
+    if head_norm is not None:
+        heads = head_rms_norm(qkv, head_norm, head_norm_eps)
+    else:
+        heads = qkv[:, :qk_width].reshape(batch, num_heads + num_kv_heads, dim)
+    qk = rotate(heads, cos_b, sin_b, signed_sin)
     k_cache.index_copy_(0, write_rows, qk[:, num_heads:].reshape(-1, dim))
     v_cache.index_copy_(0, write_rows, qkv[:, qk_width:].reshape(-1, dim))
     return qk[:, :num_heads]
@@ -481,7 +482,7 @@ def rope_kv_cache(
             kernel is fastest does not depend on it.
         head_norm: ``[num_heads + num_kv_heads, D]`` weight rows of a per-head q/k RMSNorm
             applied before the rotation (Qwen3; :func:`graphtune.ops.rmsnorm.head_norm_weights`);
-            the fallback normalises ``qkv``'s q/k heads in place, the kernel in registers.
+            the fallback normalises a copy of ``qkv``'s q/k heads, the kernel in registers.
         head_norm_eps: That norm's epsilon.
         tuner: Tuner to ask; the process default when ``None``.
         max_m: Largest tuned batch (``None``: up to the live batch).

@@ -11,6 +11,7 @@ import os
 
 import pytest
 import torch
+from moe_cases import float64_moe
 
 from graphtune.errors import ConfigError, InputError
 from graphtune.ops.moe import (
@@ -39,19 +40,6 @@ def make_experts(gen, experts, hidden, inter, dtype=torch.float32):
     gate_up = torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden**-0.5
     down = torch.randn(experts, hidden, inter, generator=gen) * inter**-0.5
     return gate_up.to(dtype), down.to(dtype)
-
-
-def float64_moe(x, gate_up, down, weights, ids):
-    """The math, one (token, slot) at a time, in float64."""
-    inter = down.shape[2]
-    out = torch.zeros(x.shape, dtype=torch.float64)
-    for t in range(x.shape[0]):
-        for j in range(ids.shape[1]):
-            e = int(ids[t, j])
-            h = gate_up[e].double() @ x[t].double()
-            act = torch.nn.functional.silu(h[:inter]) * h[inter:]
-            out[t] += float(weights[t, j]) * (down[e].double() @ act)
-    return out
 
 
 # --- router ----------------------------------------------------------------------------------

@@ -85,12 +85,16 @@ def float32_moe(x, gate_up, down, weights, ids):
 
 
 @pytest.mark.parametrize("name", sorted(SHAPES))
-@pytest.mark.parametrize("tokens", [1, 8, 64, 512, 4096])
-def test_every_listed_tactic_matches_the_float32_loop(experts, name, tokens):
+@pytest.mark.parametrize(
+    ("runner_class", "tokens"),
+    [(TritonFusedMoeRunner, t) for t in (1, 8, 64, 512, 4096)]
+    + [(TritonMoeGemvRunner, t) for t in (1, 3, 8)],
+)
+def test_every_listed_tactic_matches_the_float32_loop(experts, name, runner_class, tokens):
     gate_up, down = experts[name]
     x, weights, ids = _routing(name, tokens)
     inputs = [x, gate_up, down, weights, ids]
-    runner = TritonFusedMoeRunner()
+    runner = runner_class()
     tactics = runner.get_valid_tactics(inputs, None)
     assert 4 <= len(tactics) <= 24
     report = runner.precompile(inputs, tactics)
@@ -105,38 +109,10 @@ def test_every_listed_tactic_matches_the_float32_loop(experts, name, tokens):
 
 
 @pytest.mark.parametrize("name", sorted(SHAPES))
-@pytest.mark.parametrize("tokens", [1, 3, 8])
-def test_every_gemv_tactic_matches_the_float32_loop(experts, name, tokens):
+def test_the_gemv_path_lists_no_tactic_past_64_pairs(experts, name):
     gate_up, down = experts[name]
-    x, weights, ids = _routing(name, tokens)
-    inputs = [x, gate_up, down, weights, ids]
-    runner = TritonMoeGemvRunner()
-    tactics = runner.get_valid_tactics(inputs, None)
-    assert 4 <= len(tactics) <= 16
-    report = runner.precompile(inputs, tactics)
-    assert all(v is None for v in report.values()), {k: v for k, v in report.items() if v}
-    want = float32_moe(*inputs)
-    for tactic in tactics:
-        got = runner.forward(inputs, tactic)
-        assert got.dtype == BF16 and got.shape == x.shape
-        assert _rel(got, want) < BF16_TOL, (name, tokens, tactic)
-    assert torch.equal(runner.forward(inputs, tactics[0]), runner.forward(inputs, tactics[0]))
-    # Larger buckets are the grouped GEMMs': no GEMV tactic is listed for them.
-    big = [torch.cat([x] * 64), gate_up, down, torch.cat([weights] * 64), torch.cat([ids] * 64)]
-    assert runner.get_valid_tactics(big, None) == []
-
-
-@pytest.mark.parametrize("runner_class", [TritonFusedMoeRunner, TritonMoeGemvRunner])
-def test_the_residual_is_added_in_place_bit_for_bit_as_a_separate_add(experts, runner_class):
-    gate_up, down = experts["qwen3-30b-a3b"]
-    x, weights, ids = _routing("qwen3-30b-a3b", 8)
-    inputs = [x, gate_up, down, weights, ids]
-    runner = runner_class()
-    tactic = runner.get_valid_tactics(inputs, None)[0]
-    residual = torch.randn(x.shape, device=DEV).to(BF16)
-    want = residual.clone().add_(runner.forward(inputs, tactic))
-    got = runner.forward([*inputs, residual], tactic)
-    assert got is residual and torch.equal(residual, want)
+    x, weights, ids = _routing(name, 64)
+    assert TritonMoeGemvRunner().get_valid_tactics([x, gate_up, down, weights, ids], None) == []
 
 
 def test_sort_by_expert_at_4096_tokens_matches_a_torch_oracle():

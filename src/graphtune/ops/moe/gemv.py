@@ -48,6 +48,7 @@ from graphtune.ops._triton_runner import TritonRunner
 from graphtune.ops.moe._loader import moe_gemv_kernels
 from graphtune.ops.moe.reference import (
     add_to_residual,
+    moe_output,
     moe_residual,
     torch_fused_moe,
     unpack_moe_inputs,
@@ -160,13 +161,10 @@ class TritonMoeGemvRunner(TritonRunner):
         tokens, hidden = x.shape
         experts, two_inter, _ = gate_up.shape
         inter, top_k = two_inter // 2, ids.shape[1]
-        residual = moe_residual(inputs)
-        if tokens == 0 or hidden == 0 or top_k == 0 or inter == 0:
-            empty = torch.zeros((tokens, hidden), dtype=x.dtype, device=x.device)
-            return empty if residual is None else residual
-        out = residual
-        if out is None:
-            out = torch.empty((tokens, hidden), dtype=x.dtype, device=x.device)
+        out, work = moe_output(inputs)
+        if not work:
+            return out
+        has_residual = moe_residual(inputs) is not None
         pairs = tokens * top_k
         flat_ids = ids.reshape(-1)
         flat_ids = flat_ids if flat_ids.is_contiguous() else flat_ids.contiguous()
@@ -211,7 +209,7 @@ class TritonMoeGemvRunner(TritonRunner):
             BLOCK_S=slots,
             BLOCK_F=features,
             BLOCK_K=bk,
-            HAS_RES=residual is not None,
+            HAS_RES=has_residual,
             num_warps=tactic["warps"],
         )
         grid = (tokens * math.ceil(hidden / features),)

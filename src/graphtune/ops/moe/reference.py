@@ -116,6 +116,23 @@ def moe_residual(inputs: list[Any]) -> torch.Tensor | None:
     return residual
 
 
+def moe_output(inputs: list[Any]) -> tuple[torch.Tensor, bool]:
+    """Where a Triton runner writes a call's ``[T, H]`` result, and whether there is work.
+
+    The tensor is the residual when the call has one (the runners add into it), else a new
+    uninitialised tensor. Without work (``T``, ``H``, ``I`` or ``k`` zero) it already holds the
+    result: the residual unchanged, or zeros.
+    """
+    x, gate_up, _, _, ids = unpack_moe_inputs(inputs)
+    residual = moe_residual(inputs)
+    tokens, hidden = x.shape
+    work = tokens > 0 and hidden > 0 and ids.shape[1] > 0 and gate_up.shape[1] > 1
+    if residual is not None:
+        return residual, work
+    make = torch.empty if work else torch.zeros
+    return make((tokens, hidden), dtype=x.dtype, device=x.device), work
+
+
 def add_to_residual(out: torch.Tensor, inputs: list[Any]) -> torch.Tensor:
     """``residual += out`` when the call has a residual (returns the residual), else ``out``:
     one rounding of the bf16/fp16 sum, as ``x.add_(out)``."""

@@ -118,6 +118,11 @@ def test_pruning_rules():
     assert moe_gemv_tactics(9, 8, 2048, 768, itemsize=2) == []
     assert moe_gemv_tactics(32, 2, 4096, 14336, itemsize=2)
     assert moe_gemv_tactics(33, 2, 4096, 14336, itemsize=2) == []
+    # Many slots per token: the down kernel's tile of all slots prunes the widest chunks.
+    for tactic in moe_gemv_tactics(1, 32, 2048, 768, itemsize=2):
+        rows = max(tactic["bn"], 32)
+        assert rows * tactic["bk"] * 2 <= moe_gemv.DOWN_THREAD_BYTES * 32 * tactic["warps"]
+    assert len(moe_gemv_tactics(1, 32, 2048, 768, itemsize=2)) < len(tactics)
     # Toy shapes clamp the tile and run small ones on one warp.
     small = moe_gemv_tactics(1, 2, 32, 48, itemsize=4)
     assert small and all(t["bk"] <= 32 and t["bn"] <= 32 for t in small)

@@ -28,7 +28,10 @@ token's experts at once (:func:`down_tile`). Pruning rules of
 * ``warps`` in 2..8 such that each thread loads 16 or 32 bytes of one weight tile per chunk (one
   or two 16-byte vectors; the gate/up kernel holds a gate and an up tile, each loaded one chunk
   ahead, so more costs registers); a tile smaller than a warp's 16-byte share (toy shapes) runs
-  on 1 warp.
+  on 1 warp;
+* the down kernel's tile (``max(bn, slots)`` rows of ``bk``, :func:`down_tile`) holds at most
+  :data:`DOWN_THREAD_BYTES` per thread (eight vectors: more spills registers), which prunes the
+  widest ``bk`` when a token has many slots.
 
 The list is ordered fewer warps first, then smaller ``bn`` and ``bk``; the tuner gives ties to
 the earlier tactic.
@@ -62,6 +65,8 @@ BK_CHOICES = (128, 256, 512)
 WARP_CHOICES = (2, 4, 8)
 THREAD_BYTES = (16, 32)
 """Bounds of the bytes of one weight tile each thread loads per chunk."""
+DOWN_THREAD_BYTES = 128
+"""Most bytes of the down kernel's tile (all slots side by side) per thread and chunk."""
 # Triton refuses tensors of more elements (TRITON_MAX_TENSOR_NUMEL).
 _MAX_TILE_ELEMENTS = 1 << 20
 
@@ -103,6 +108,9 @@ def moe_gemv_tactics(
                 elif low <= tile / (32 * warps) <= high:
                     use = warps
                 else:
+                    continue
+                down_rows = max(bn, down_tile(top_k, bn)[0])
+                if down_rows * bk * itemsize > DOWN_THREAD_BYTES * 32 * use:
                     continue
                 if (bn, bk, use) not in seen:
                     seen.add((bn, bk, use))

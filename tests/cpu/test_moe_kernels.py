@@ -49,6 +49,7 @@ from graphtune.ops import _triton  # noqa: E402
 from graphtune.ops.moe import (  # noqa: E402
     TorchFusedMoeRunner,
     TritonFusedMoeRunner,
+    TritonMoeGemvRunner,
     dense_fused_moe,
     fused_moe,
     max_sorted_rows,
@@ -243,22 +244,26 @@ def test_the_guard_catches_the_sparse_loop():
         sparse_fused_moe(*moe_case(gen_seeded(), 3, 4, 32, 32))
 
 
-@pytest.mark.parametrize("form", ["triton", "dense"])
+@pytest.mark.parametrize("form", ["triton", "gemv", "dense"])
 def test_routing_and_kernels_capture_and_replay_without_host_sync(form):
     gen = gen_seeded()
     hidden, experts = 32, 6
     _, gate_up, down, _, _ = moe_case(gen, 1, experts, hidden, 32)
     router = torch.randn(experts, hidden, generator=gen)
     backend = SimulatedGraphBackend()
-    runner = TritonFusedMoeRunner()
+    runner, tactic = {
+        "triton": (TritonFusedMoeRunner(), TACTIC_CLASSES[0]),
+        "gemv": (TritonMoeGemvRunner(), {"bn": 4, "bk": 32, "warps": 1}),
+        "dense": (None, None),
+    }[form]
 
     def step(x):
         guard = NoHostSync() if backend.capturing else contextlib.nullcontext()
         with guard:
             weights, ids = route_top_k(x @ router.T, 2, renormalize=True)
-            if form == "dense":
+            if runner is None:
                 return dense_fused_moe(x, gate_up, down, weights, ids)
-            return runner.forward([x, gate_up, down, weights, ids], TACTIC_CLASSES[0])
+            return runner.forward([x, gate_up, down, weights, ids], tactic)
 
     graphs = CUDAGraphRunner(step, max_batch_size=4, backend=backend)
     graphs.capture(torch.randn(4, hidden, generator=gen))

@@ -7,6 +7,8 @@ from the built-in exception a caller would naturally catch (``ValueError`` for b
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class GraphtuneError(Exception):
     """Base class of every error raised by graphtune."""
@@ -46,3 +48,12 @@ class DistributedError(GraphtuneError, RuntimeError):
 
 class ResultsWriteError(GraphtuneError, OSError):
     """A benchmark result could be written neither where asked nor to the temporary folder."""
+
+
+def describe_tensor(value: Any) -> str:
+    """How an error message names a value that should have been a tensor: ``shape dtype on
+    device`` for a tensor (read by attribute, so this module imports no torch), else its type."""
+    shape = getattr(value, "shape", None)
+    if shape is None or not hasattr(value, "dtype"):
+        return type(value).__name__
+    return f"{tuple(shape)} {value.dtype} on {getattr(value, 'device', '?')}"

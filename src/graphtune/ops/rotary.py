@@ -46,7 +46,7 @@ from graphtune.autotuner.config import (
 from graphtune.autotuner.context import get_tuner
 from graphtune.autotuner.runner import FALLBACK_TACTIC, TunableRunner, preferred_first
 from graphtune.autotuner.tuner import AutoTuner
-from graphtune.errors import ConfigError, InputError
+from graphtune.errors import ConfigError, InputError, describe_tensor
 from graphtune.ops._triton import (
     device_supported,
     kernels,
@@ -192,14 +192,10 @@ class _RopeRunnerMixin:
             or tuple(norm.shape) != want
             or norm.dtype != qkv.dtype
         ):
-            got = (
-                f"{tuple(norm.shape)} {norm.dtype}"
-                if isinstance(norm, torch.Tensor)
-                else type(norm).__name__
-            )
             raise InputError(
                 f"rope_kv_cache: head_norm must be the [heads + kv_heads, D] = {list(want)} "
-                f"weight rows of the q/k norm in {qkv.dtype} (head_norm_weights), got {got}."
+                f"weight rows of the q/k norm in {qkv.dtype} (head_norm_weights), got "
+                f"{describe_tensor(norm)}."
             )
         return norm, eps
 

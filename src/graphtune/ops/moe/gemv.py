@@ -51,8 +51,8 @@ from graphtune.ops._triton_runner import TritonRunner
 from graphtune.ops.moe._loader import moe_gemv_kernels
 from graphtune.ops.moe.reference import (
     add_to_residual,
+    has_residual,
     moe_output,
-    moe_residual,
     torch_fused_moe,
     unpack_moe_inputs,
 )
@@ -172,7 +172,6 @@ class TritonMoeGemvRunner(TritonRunner):
         out, work = moe_output(inputs)
         if not work:
             return out
-        has_residual = moe_residual(inputs) is not None
         pairs = tokens * top_k
         flat_ids = ids.reshape(-1)
         flat_ids = flat_ids if flat_ids.is_contiguous() else flat_ids.contiguous()
@@ -217,7 +216,7 @@ class TritonMoeGemvRunner(TritonRunner):
             BLOCK_S=slots,
             BLOCK_F=features,
             BLOCK_K=bk,
-            HAS_RES=has_residual,
+            HAS_RES=has_residual(inputs),
             num_warps=tactic["warps"],
         )
         grid = (tokens * math.ceil(hidden / features),)

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from graphtune.errors import InputError
+from graphtune.errors import InputError, describe_tensor
 
 #: Bytes the dense form's intermediates of one token chunk may take (the chunk follows from it).
 DENSE_CHUNK_BYTES = 256 << 20
@@ -86,6 +86,12 @@ def unpack_moe_inputs(inputs: list[Any]) -> MoeInputs:
     return x, gate_up, down, weights, ids
 
 
+def has_residual(inputs: list[Any]) -> bool:
+    """Whether a fused-MoE call has a residual (input 5, not ``None``); :func:`moe_residual`
+    checks it."""
+    return len(inputs) > 5 and inputs[5] is not None
+
+
 def moe_residual(inputs: list[Any]) -> torch.Tensor | None:
     """The residual of a fused-MoE call (input 5, ``None`` when absent): a contiguous ``[T, H]``
     tensor of ``x``'s dtype and device, to which the experts' output is added in place.
@@ -93,9 +99,9 @@ def moe_residual(inputs: list[Any]) -> torch.Tensor | None:
     Raises:
         InputError: The residual's shape, dtype, device or layout does not match ``x``.
     """
-    residual = inputs[5] if len(inputs) > 5 else None
-    if residual is None:
+    if not has_residual(inputs):
         return None
+    residual = inputs[5]
     x = inputs[0]
     if (
         not isinstance(residual, torch.Tensor)
@@ -104,14 +110,10 @@ def moe_residual(inputs: list[Any]) -> torch.Tensor | None:
         or residual.device != x.device
         or not residual.is_contiguous()
     ):
-        got = (
-            f"{tuple(residual.shape)} {residual.dtype} on {residual.device}"
-            if isinstance(residual, torch.Tensor)
-            else type(residual).__name__
-        )
         raise InputError(
             f"fused_moe: residual must be a contiguous {tuple(x.shape)} {x.dtype} tensor on "
-            f"{x.device} like x (the experts' output is added to it in place), got {got}."
+            f"{x.device} like x (the experts' output is added to it in place), got "
+            f"{describe_tensor(residual)}."
         )
     return residual
 

@@ -33,8 +33,8 @@ from graphtune.ops.moe.align import sort_by_expert
 from graphtune.ops.moe.gemv import TritonMoeGemvRunner
 from graphtune.ops.moe.reference import (
     add_to_residual,
+    has_residual,
     moe_output,
-    moe_residual,
     torch_fused_moe,
     unpack_moe_inputs,
 )
@@ -137,7 +137,6 @@ class TritonFusedMoeRunner(TritonRunner):
         out, work = moe_output(inputs)
         if not work:
             return out
-        has_residual = moe_residual(inputs) is not None
         pairs = tokens * top_k
         blocks = sort_by_expert(ids, experts, tactic["block_m"], warmup=warmup)
         meta = dict(
@@ -194,7 +193,9 @@ class TritonFusedMoeRunner(TritonRunner):
         flat_ids = flat_ids if flat_ids.is_contiguous() else flat_ids.contiguous()
         block = min(SUM_BLOCK, max(32, 1 << (hidden - 1).bit_length()))
         args = (per_pair, flat_ids, out, hidden, experts, top_k, per_pair.stride(0), out.stride(0))
-        meta = dict(BLOCK=block, HAS_RES=has_residual, num_warps=max(1, min(4, block // 256)))
+        meta = dict(
+            BLOCK=block, HAS_RES=has_residual(inputs), num_warps=max(1, min(4, block // 256))
+        )
         run_kernel(kernels.moe_sum_kernel, (tokens, math.ceil(hidden / block)), args, meta, warmup)
         return out
 

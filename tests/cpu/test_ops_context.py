@@ -139,3 +139,36 @@ def test_untuned_stages_are_the_fused_ops_fallback_and_the_unfused_context_bit_f
     else:
         assert FUSED <= set(fused_tuner.stats.fallbacks)
     assert OpContext(fused_tuner, 4).fused and not OpContext(fused_tuner, 4).unfused().fused
+
+
+def _qk_norm_stage(ops: OpContext) -> list[torch.Tensor]:
+    """The QKV stage of a Qwen3 layer (per-head q/k RMSNorm before RoPE) on fixed inputs."""
+    gen = torch.Generator().manual_seed(2)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen)
+
+    hidden = 16
+    x, norm = randn(ROWS, hidden), 1 + 0.1 * randn(hidden)
+    wqkv = randn((HEADS + 2 * KV) * DIM, hidden)
+    rope = RopeRows(torch.tensor([3, 0, 17]), randn(32, DIM), randn(32, DIM), signed_sin=True)
+    k_cache, v_cache = torch.zeros(64, DIM), torch.zeros(64, DIM)
+    rows = torch.tensor([0, 5, 9, 14, 40, 63])
+    qk_norm = 1 + 0.1 * randn(HEADS + KV, DIM)
+    q = ops.norm_qkv_rope(
+        x, norm, 1e-5, wqkv, None, rope, k_cache, v_cache, rows,
+        num_heads=HEADS, num_kv_heads=KV, qk_norm=qk_norm,
+    )  # fmt: skip
+    return [q, k_cache, v_cache]
+
+
+def test_a_qk_norm_stage_is_norm_linear_then_the_rope_with_the_head_norm() -> None:
+    # The fused QKV kernel has no per-head norm, so with one the stage asks for the fused norm +
+    # projection (norm_linear) and the RoPE op with the head norm; same numbers as untuned.
+    tuner = AutoTuner(show_progress=False)
+    direct = _qk_norm_stage(OpContext())
+    for got, want in zip(direct, _qk_norm_stage(OpContext(tuner, 4)), strict=True):
+        assert torch.equal(got, want)
+    asked = set(tuner.stats.fallbacks)
+    assert {"graphtune.norm_linear", "graphtune.rope_kv_cache"} <= asked
+    assert "graphtune.norm_qkv_rope" not in asked

@@ -293,7 +293,9 @@ class OpContext:
         ``qk_norm``: the ``[heads + kv_heads, head_dim]`` weight rows of a per-head q/k RMSNorm
         between the projection and RoPE (Qwen3, :func:`~graphtune.ops.rmsnorm.head_rms_norm_`,
         ``eps`` too), done by the RoPE op (:func:`~graphtune.ops.rotary.rope_kv_cache`'s
-        ``head_norm``); the fused QKV kernel has no such step, so the stage runs its single ops.
+        ``head_norm``). The fused QKV kernel has no such step (its tiles hold part of a head),
+        so the stage is then two ops: the norm and the projection as :meth:`norm_linear` (fused
+        or not, as the tuner picks), then RoPE with the head norm.
         """
         heads = dict(num_heads=num_heads, num_kv_heads=num_kv_heads)
         if normed is None and qk_norm is None and self._fusing:
@@ -316,8 +318,7 @@ class OpContext:
                 max_m=self.max_batch_size,
                 cold_l2=self.gemm_cold_l2,
             )
-        h = normed if normed is not None else self.rms_norm(x, norm_weight, eps)
-        qkv = self.gemm(h, wqkv, bqkv)
+        qkv = self.norm_linear(x, norm_weight, eps, wqkv, bqkv, normed=normed)
         return self.rope_kv_cache(
             qkv, rope, k_cache, v_cache, write_rows, **heads, head_norm=qk_norm, head_norm_eps=eps
         )

@@ -116,9 +116,7 @@ def test_the_kernel_routes_as_the_router_op():
     gen = gen_seeded()
     top_k, experts = 3, 8
     x, norm, router, gate_up, down, eps = stage_case(gen, 4, experts, 32, 32)
-    logits = torch.nn.functional.linear(
-        torch.nn.functional.rms_norm(x, (32,), norm, eps), router
-    )
+    logits = torch.nn.functional.linear(torch.nn.functional.rms_norm(x, (32,), norm, eps), router)
     weights, ids = route_top_k(logits, top_k, renormalize=True, weights_dtype=torch.float32)
     got_ids = torch.full((4 * top_k,), -1, dtype=torch.int64)
     got_weights = torch.full((4 * top_k,), float("nan"))

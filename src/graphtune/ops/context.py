@@ -18,8 +18,7 @@ passing ``tuner=..., max_m=...`` to every call. Activations are 2-D (``[rows, fe
 
 The stages of a decode layer are the fused ops of :mod:`graphtune.ops.fused`
 (:meth:`OpContext.norm_qkv_rope`, :meth:`~OpContext.norm_gate_up_silu`,
-:meth:`~OpContext.add_projection`, :meth:`~OpContext.norm_linear`, and
-:meth:`~OpContext.norm_moe_mlp` for a mixture-of-experts MLP). Untuned, and in a context
+:meth:`~OpContext.add_projection`, :meth:`~OpContext.norm_linear`). Untuned, and in a context
 built with ``fused=False`` (:meth:`OpContext.unfused`), each runs its unfused sequence of the single
 ops above instead (a fused op's runner 0): the untuned step is the plain torch step, and the
 tuned unfused step is the step as tuned before the fused ops existed. A stage also takes the
@@ -269,45 +268,6 @@ class OpContext:
         )
 
     # -- the stages of a decode layer (graphtune.ops.fused) ----------------------------------
-
-    def norm_moe_mlp(
-        self,
-        x: torch.Tensor,
-        norm_weight: torch.Tensor,
-        eps: float,
-        router: torch.Tensor,
-        gate_up: torch.Tensor,
-        down: torch.Tensor,
-        *,
-        top_k: int,
-        renormalize: bool,
-        weights_dtype: torch.dtype,
-        normed: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """The mixture-of-experts MLP stage, ``x += experts(rms_norm(x))`` in place
-        (:func:`graphtune.ops.fused.norm_moe_mlp`: RMSNorm, router GEMM, top-k routing and the
-        experts); returns ``x``. ``normed`` as for :meth:`norm_qkv_rope`; a ``weights_dtype``
-        other than float32 or ``x``'s runs the single ops."""
-        if normed is None and self._fusing and weights_dtype in (torch.float32, x.dtype):
-            return fused_ops.norm_moe_mlp(
-                x,
-                norm_weight,
-                eps,
-                router,
-                gate_up,
-                down,
-                top_k=top_k,
-                renormalize=renormalize,
-                weights_dtype=weights_dtype,
-                tuner=self.tuner,
-                max_m=self.max_batch_size,
-                cold_l2=self.gemm_cold_l2,
-            )
-        h = normed if normed is not None else self.rms_norm(x, norm_weight, eps)
-        weights, ids = self.route_top_k(
-            self.gemm(h, router), top_k, renormalize=renormalize, weights_dtype=weights_dtype
-        )
-        return self.fused_moe(h, gate_up, down, weights, ids, residual=x)
 
     def norm_qkv_rope(
         self,

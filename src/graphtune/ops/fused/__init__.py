@@ -5,9 +5,7 @@ A decode layer in about five kernels (with decode attention between the first tw
 * :func:`norm_qkv_rope` — RMSNorm prologue + QKV projection (+ bias) + RoPE + K/V cache write;
 * :func:`norm_gate_up_silu` — RMSNorm prologue + gate/up projection + SiLU-and-mul;
 * :func:`add_projection` — ``x += a @ weight.T`` (output and down projections, residual in place);
-* :func:`norm_linear` — RMSNorm prologue + a linear layer (the final norm and the LM head);
-* :func:`norm_moe_mlp` — a mixture-of-experts MLP: RMSNorm, router, top-k routing, the experts
-  and the residual add (three kernels at decode sizes).
+* :func:`norm_linear` — RMSNorm prologue + a linear layer (the final norm and the LM head).
 
 Runner 0, tactic ``-1`` of each is the unfused path through the existing tunable ops (each asks
 the same tuner for its own pick), so the tuner decides per shape bucket between the fused
@@ -24,13 +22,6 @@ from graphtune.ops.fused.mlp import (
     norm_gate_up_silu_config,
     norm_gate_up_silu_runners,
     torch_norm_gate_up_silu,
-)
-from graphtune.ops.fused.moe_mlp import (
-    TritonNormMoeMlp,
-    UnfusedNormMoeMlp,
-    norm_moe_mlp,
-    norm_moe_mlp_config,
-    norm_moe_mlp_runners,
 )
 from graphtune.ops.fused.projection import (
     TritonAddProjection,
@@ -56,12 +47,10 @@ __all__ = [
     "TritonAddProjection",
     "TritonNormGateUpSilu",
     "TritonNormLinear",
-    "TritonNormMoeMlp",
     "TritonNormQkvRope",
     "UnfusedAddProjection",
     "UnfusedNormGateUpSilu",
     "UnfusedNormLinear",
-    "UnfusedNormMoeMlp",
     "UnfusedNormQkvRope",
     "add_projection",
     "add_projection_config",
@@ -72,9 +61,6 @@ __all__ = [
     "norm_linear",
     "norm_linear_config",
     "norm_linear_runners",
-    "norm_moe_mlp",
-    "norm_moe_mlp_config",
-    "norm_moe_mlp_runners",
     "norm_qkv_rope",
     "norm_qkv_rope_config",
     "norm_qkv_rope_runners",

@@ -22,7 +22,7 @@ import functools
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any
 
 from graphtune.autotuner.config import DynamicTensorSpec, TuningConfig
 from graphtune.autotuner.context import get_tuner
@@ -77,25 +77,25 @@ def rows_config(max_m: int | None = None, cold_l2: bool = False) -> TuningConfig
     return TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0),), max_value=max_m, cold_l2=cold_l2)
 
 
-class InnerOps:
-    """What a runner that calls tunable ops itself holds: the tuner they ask (weakly), and the
-    ``max_m`` and ``cold_l2`` they are called with.
+class UnfusedRunner(TunableRunner):
+    """Base of a fused op's first runner: only the fallback tactic, which runs the unfused ops.
 
-    The tuner is held through a weak reference (the runner tuples are cached per tuner, and a
-    strong one would keep every tuner alive); private, so not part of the cache identity: the
-    picks do not depend on which tuner the inner ops ask, and a weak reference has no stable
-    text. Neither ``max_m`` nor ``cold_l2`` is part of it either (:attr:`INNER_EXCLUDES`): a
-    bucket's pick does not depend on the largest bucket of the step that tuned it (a cache tuned
-    up to 128 rows serves a step of 8), nor on whether its GEMM was timed with cold L2 (the
-    GEMM's keys do not depend on it either).
+    Args:
+        tuner: The tuner the inner ops ask (weakly held; ``None``: the process default).
+        max_m: ``max_m`` passed to every inner op.
+        cold_l2: ``cold_l2`` passed to the inner GEMM (``graphtune.ops.gemm.gemm``).
     """
 
-    INNER_EXCLUDES: ClassVar[frozenset[str]] = frozenset({"max_m", "cold_l2"})
-    _tuner_ref: weakref.ref[AutoTuner] | None
-    max_m: int | None
-    cold_l2: bool
+    # Neither is part of the cache identity: a bucket's pick does not depend on the largest
+    # bucket of the step that tuned it (a cache tuned up to 128 rows serves a step of 8), nor on
+    # whether its GEMM was timed with cold L2 (the GEMM's keys do not depend on it either).
+    identity_excludes = frozenset({"max_m", "cold_l2"})
 
-    def _init_inner(self, tuner: AutoTuner | None, max_m: int | None, cold_l2: bool) -> None:
+    def __init__(
+        self, tuner: AutoTuner | None = None, max_m: int | None = None, cold_l2: bool = False
+    ) -> None:
+        # Private, so not part of the cache identity: the picks do not depend on which tuner
+        # the inner ops ask, and a weak reference has no stable text.
         self._tuner_ref = weakref.ref(tuner) if tuner is not None else None
         self.max_m = max_m
         self.cold_l2 = cold_l2
@@ -106,30 +106,10 @@ class InnerOps:
         tuner = self._tuner_ref() if self._tuner_ref is not None else None
         return tuner if tuner is not None else get_tuner()
 
-    @staticmethod
-    def _without_tuner(state: dict[str, Any]) -> dict[str, Any]:
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
         state["_tuner_ref"] = None  # a weak reference cannot be pickled (subprocess isolation)
         return state
-
-
-class UnfusedRunner(InnerOps, TunableRunner):
-    """Base of a fused op's first runner: only the fallback tactic, which runs the unfused ops.
-
-    Args:
-        tuner: The tuner the inner ops ask (weakly held; ``None``: the process default).
-        max_m: ``max_m`` passed to every inner op.
-        cold_l2: ``cold_l2`` passed to the inner GEMM (``graphtune.ops.gemm.gemm``).
-    """
-
-    identity_excludes = InnerOps.INNER_EXCLUDES
-
-    def __init__(
-        self, tuner: AutoTuner | None = None, max_m: int | None = None, cold_l2: bool = False
-    ) -> None:
-        self._init_inner(tuner, max_m, cold_l2)
-
-    def __getstate__(self) -> dict[str, Any]:
-        return self._without_tuner(dict(self.__dict__))
 
     def unfused(self, inputs: list[Any]) -> Any:
         """The unfused sequence of tunable ops."""

@@ -34,8 +34,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from graphtune.ops.moe._kernels import route_top_k_row
-
 
 @triton.jit
 def moe_gemv_gate_up_kernel(
@@ -43,14 +41,10 @@ def moe_gemv_gate_up_kernel(
     w_ptr,
     ids_ptr,
     act_ptr,
-    nw_ptr,
-    logits_ptr,
-    route_ptr,
     TOP_K,
     E,
     N,
     K,
-    eps,
     stride_xm,
     stride_xk,
     stride_we,
@@ -58,16 +52,9 @@ def moe_gemv_gate_up_kernel(
     stride_wk,
     stride_am,
     stride_an,
-    stride_lt,
     EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    NORM: tl.constexpr,
-    ROUTE: tl.constexpr,
-    ROUTE_K: tl.constexpr,
-    BLOCK_RK: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    RENORMALIZE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """``act[p, n] = silu(x[tok] . gate[e, n]) * (x[tok] . up[e, n])`` for pair ``p``.
@@ -78,16 +65,6 @@ def moe_gemv_gate_up_kernel(
     stored. The activation chunk is loaded as a ``[BLOCK_N, BLOCK_K]`` tile whose rows repeat
     the same columns, so it gets the weight tile's register layout (see
     ``graphtune.ops.gemm._gemv_kernels``).
-
-    Prologues (the MoE stage of ``graphtune.ops.fused.moe_mlp``):
-
-    * ``ROUTE``: the program routes its token itself from ``logits [T, E]``
-      (:func:`~graphtune.ops.moe._kernels.route_top_k_row`, ``ROUTE_K == TOP_K`` slots), takes
-      its slot's expert, and the programs of feature block 0 write each pair's expert id to
-      ``ids`` and its routing weight to ``route`` (the down kernel reads both);
-    * ``NORM``: ``x`` is the layer's residual stream and each program recomputes its row's
-      RMSNorm (weight ``nw``), rounding the normalised activations to the dtype before the
-      product, as the unfused ``rms_norm`` output is.
     """
     pid = tl.program_id(0)
     grid_n = (N + BLOCK_N - 1) // BLOCK_N
@@ -96,23 +73,10 @@ def moe_gemv_gate_up_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    token = (pair // TOP_K).to(tl.int64)
-    if ROUTE:
-        top, top_ids = route_top_k_row(
-            logits_ptr + token * stride_lt, E, ROUTE_K, BLOCK_RK, BLOCK_E, RENORMALIZE
-        )
-        slots = tl.arange(0, BLOCK_RK)
-        slot = pair % TOP_K
-        expert = tl.sum(tl.where(slots == slot, top_ids, 0), axis=0).to(tl.int64)
-        # One writer per pair: its slot's lane in the programs of feature block 0.
-        own = slots == slot + tl.where(pid_n == 0, 0, BLOCK_RK)
-        dst = token * TOP_K + slots
-        tl.store(ids_ptr + dst, top_ids.to(ids_ptr.dtype.element_ty), mask=own)
-        tl.store(route_ptr + dst, top.to(route_ptr.dtype.element_ty), mask=own)
-    else:
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
     if (expert < 0) | (expert >= E):
         return
+    token = (pair // TOP_K).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_safe = tl.minimum(offs_n, N - 1).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
@@ -126,16 +90,6 @@ def moe_gemv_gate_up_kernel(
     else:
         g_next = tl.load(g_ptrs, mask=(offs_k < K)[None, :], other=0.0)
         u_next = tl.load(u_ptrs, mask=(offs_k < K)[None, :], other=0.0)
-    dtype = act_ptr.dtype.element_ty
-    if NORM:
-        x_row = x_ptr + token * stride_xm
-        sq = tl.zeros((BLOCK_K,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            xv = tl.load(x_row + (k0 + offs_k) * stride_xk, mask=k0 + offs_k < K, other=0.0)
-            xv = xv.to(tl.float32)
-            sq += xv * xv
-        rstd = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
-        nw_ptrs = nw_ptr + offs_k[None, :] + (n_safe * 0)[:, None]
     acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
@@ -148,17 +102,12 @@ def moe_gemv_gate_up_kernel(
         u_next = tl.load(u_ptrs, mask=ahead, other=0.0)
         if EVEN_K:
             a = tl.load(a_ptrs + k * stride_xk).to(tl.float32)
-            if NORM:
-                nw = tl.load(nw_ptrs + k).to(tl.float32)
-                a = (a * rstd * nw).to(dtype).to(tl.float32)
         else:
             here = (k + offs_k < K)[None, :]
             a = tl.load(a_ptrs + k * stride_xk, mask=here, other=0.0).to(tl.float32)
-            if NORM:
-                nw = tl.load(nw_ptrs + k, mask=here, other=0.0).to(tl.float32)
-                a = (a * rstd * nw).to(dtype).to(tl.float32)
         acc_g += tl.sum(g * a, axis=1)
         acc_u += tl.sum(u * a, axis=1)
+    dtype = act_ptr.dtype.element_ty
     gate = acc_g.to(dtype).to(tl.float32)
     up = acc_u.to(dtype).to(tl.float32)
     act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up

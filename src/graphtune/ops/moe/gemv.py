@@ -166,118 +166,59 @@ class TritonMoeGemvRunner(TritonRunner):
         if problem is not None:
             raise ConfigError(f"TritonMoeGemvRunner: {problem}; pick one from get_valid_tactics.")
         x, gate_up, down, weights, ids = unpack_moe_inputs(inputs)
+        tokens, hidden = x.shape
+        experts, two_inter, _ = gate_up.shape
+        inter, top_k = two_inter // 2, ids.shape[1]
         out, work = moe_output(inputs)
         if not work:
             return out
+        pairs = tokens * top_k
         flat_ids = ids.reshape(-1)
+        flat_ids = flat_ids if flat_ids.is_contiguous() else flat_ids.contiguous()
         route = weights.reshape(-1)
-        launch_moe_gemv(
+        route = route if route.is_contiguous() else route.contiguous()
+        bn, bk = tactic["bn"], tactic["bk"]
+        kernels = moe_gemv_kernels()
+        act = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)
+        args: tuple[Any, ...] = (
             x,
             gate_up,
-            down,
-            out,
-            tactic,
-            ids=flat_ids if flat_ids.is_contiguous() else flat_ids.contiguous(),
-            route=route if route.is_contiguous() else route.contiguous(),
-            top_k=ids.shape[1],
-            residual=has_residual(inputs),
-            warmup=warmup,
+            flat_ids,
+            act,
+            top_k,
+            experts,
+            inter,
+            hidden,
+            *x.stride(),
+            *gate_up.stride(),
+            *act.stride(),
         )
+        meta = dict(EVEN_K=hidden % bk == 0, BLOCK_N=bn, BLOCK_K=bk, num_warps=tactic["warps"])
+        grid = (pairs * math.ceil(inter / bn),)
+        run_kernel(kernels.moe_gemv_gate_up_kernel, grid, args, meta, warmup)
+        args = (
+            act,
+            down,
+            flat_ids,
+            route,
+            out,
+            top_k,
+            experts,
+            hidden,
+            inter,
+            *act.stride(),
+            *down.stride(),
+            *out.stride(),
+        )
+        slots, features = down_tile(top_k, bn)
+        meta = dict(
+            EVEN_K=inter % bk == 0,
+            BLOCK_S=slots,
+            BLOCK_F=features,
+            BLOCK_K=bk,
+            HAS_RES=has_residual(inputs),
+            num_warps=tactic["warps"],
+        )
+        grid = (tokens * math.ceil(hidden / features),)
+        run_kernel(kernels.moe_gemv_down_kernel, grid, args, meta, warmup)
         return out
-
-
-def launch_moe_gemv(
-    x: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
-    out: torch.Tensor,
-    tactic: dict[str, int],
-    *,
-    ids: torch.Tensor,
-    route: torch.Tensor,
-    top_k: int,
-    residual: bool,
-    warmup: bool = False,
-    norm: tuple[torch.Tensor, float] | None = None,
-    logits: torch.Tensor | None = None,
-    renormalize: bool = False,
-) -> None:
-    """Launches (or with ``warmup`` only compiles) the gate/up and down GEMV kernels of a checked
-    tactic on ``T >= 1`` tokens, writing ``out [T, H]`` (adding to it when ``residual``).
-
-    Args:
-        ids: Flat contiguous ``[T * top_k]`` expert ids, read by both kernels; with ``logits``
-            written by the gate/up kernel (any int dtype).
-        route: Flat contiguous ``[T * top_k]`` routing weights, read by the down kernel; with
-            ``logits`` written by the gate/up kernel (in its dtype).
-        norm: ``(weight [H], eps)``: ``x`` is not normalised yet; the gate/up kernel applies the
-            RMSNorm in its prologue.
-        logits: ``[T, E]`` router logits with unit last stride: the gate/up kernel routes each
-            token itself (softmax, top-k, ``renormalize``), see
-            ``graphtune.ops.moe._gemv_kernels.moe_gemv_gate_up_kernel``.
-    """
-    tokens, hidden = x.shape
-    experts, two_inter, _ = gate_up.shape
-    inter = two_inter // 2
-    pairs = tokens * top_k
-    bn, bk = tactic["bn"], tactic["bk"]
-    kernels = moe_gemv_kernels()
-    act = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)
-    norm_weight, eps = norm if norm is not None else (x, 0.0)
-    args: tuple[Any, ...] = (
-        x,
-        gate_up,
-        ids,
-        act,
-        norm_weight,
-        logits if logits is not None else x,
-        route,
-        top_k,
-        experts,
-        inter,
-        hidden,
-        float(eps),
-        *x.stride(),
-        *gate_up.stride(),
-        *act.stride(),
-        logits.stride(0) if logits is not None else 0,
-    )
-    meta = dict(
-        EVEN_K=hidden % bk == 0,
-        BLOCK_N=bn,
-        BLOCK_K=bk,
-        NORM=norm is not None,
-        ROUTE=logits is not None,
-        ROUTE_K=top_k if logits is not None else 1,
-        BLOCK_RK=next_power_of_two(top_k) if logits is not None else 1,
-        BLOCK_E=max(16, next_power_of_two(experts)) if logits is not None else 16,
-        RENORMALIZE=bool(renormalize and logits is not None),
-        num_warps=tactic["warps"],
-    )
-    grid = (pairs * math.ceil(inter / bn),)
-    run_kernel(kernels.moe_gemv_gate_up_kernel, grid, args, meta, warmup)
-    args = (
-        act,
-        down,
-        ids,
-        route,
-        out,
-        top_k,
-        experts,
-        hidden,
-        inter,
-        *act.stride(),
-        *down.stride(),
-        *out.stride(),
-    )
-    slots, features = down_tile(top_k, bn)
-    meta = dict(
-        EVEN_K=inter % bk == 0,
-        BLOCK_S=slots,
-        BLOCK_F=features,
-        BLOCK_K=bk,
-        HAS_RES=residual,
-        num_warps=tactic["warps"],
-    )
-    grid = (tokens * math.ceil(hidden / features),)
-    run_kernel(kernels.moe_gemv_down_kernel, grid, args, meta, warmup)

@@ -46,13 +46,14 @@ ID_DTYPES = (torch.int32, torch.int64)
 MoeInputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-def check_moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> None:
-    """Checks the shape and dtype rules of ``x [T, H]`` and the experts (see the module
-    docstring).
+def unpack_moe_inputs(inputs: list[Any]) -> MoeInputs:
+    """Unpacks ``[x, gate_up, down, topk_weights, topk_ids]`` (and an optional sixth input, the
+    residual: see :func:`moe_residual`) and checks the shape rules.
 
     Raises:
         InputError: A shape, dtype or dimension count does not match the layout above.
     """
+    x, gate_up, down, weights, ids = inputs[:5]
     if x.dim() != 2 or gate_up.dim() != 3 or down.dim() != 3:
         raise InputError(
             f"fused_moe needs x [T, H], gate_up [E, 2I, H] and down [E, H, I], got x "
@@ -72,18 +73,6 @@ def check_moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
             f"fused_moe: x, gate_up and down must share one of {FLOAT_DTYPES}, got {x.dtype}, "
             f"{gate_up.dtype}, {down.dtype}; cast the weights to the activations' dtype."
         )
-
-
-def unpack_moe_inputs(inputs: list[Any]) -> MoeInputs:
-    """Unpacks ``[x, gate_up, down, topk_weights, topk_ids]`` (and an optional sixth input, the
-    residual: see :func:`moe_residual`) and checks the shape rules.
-
-    Raises:
-        InputError: A shape, dtype or dimension count does not match the layout above.
-    """
-    x, gate_up, down, weights, ids = inputs[:5]
-    check_moe_experts(x, gate_up, down)
-    tokens = x.shape[0]
     if weights.dim() != 2 or weights.shape[0] != tokens or tuple(ids.shape) != tuple(weights.shape):
         raise InputError(
             f"fused_moe: topk_weights and topk_ids must both be [T={tokens}, k], got "

@@ -31,7 +31,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 import torch
-import torch.nn.functional as F
 
 from graphtune.autotuner.config import TuningConfig
 from graphtune.autotuner.tuner import AutoTuner
@@ -212,8 +211,9 @@ class OpContext:
     ) -> torch.Tensor:
         """:func:`graphtune.ops.attention.decode_attention` (one query token per request)."""
         if self.tuner is None:
-            # The op's fallback: SdpaAttention with tactic -1 (PyTorch picks the backend).
-            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+            # The op's fallback: SdpaAttention with tactic -1 (PyTorch picks among the
+            # backends that build no per-shape plan).
+            return attention_op.torch_decode_attention(q, keys, values, mask)
         return attention_op.decode_attention(
             q, keys, values, mask, tuner=self.tuner, config=self._attention_config
         )

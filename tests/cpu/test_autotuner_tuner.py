@@ -342,3 +342,48 @@ def test_hits_are_memoised_until_the_cache_changes(monkeypatch) -> None:
     # A new cache object never answers from the old one's memo.
     tuner.cache = type(tuner.cache)()
     assert tuner.choose_one("op", runners, CONFIG, [x]) == (runners[0], FALLBACK_TACTIC)
+
+
+def test_the_memo_keys_a_config_by_identity_and_keeps_it_alive(monkeypatch) -> None:
+    import gc
+
+    import graphtune.autotuner.resolved as resolved_module
+
+    tuner, runners, _ = make({-1: 5.0, 0: 4.0}, {0: 1.0, 1: 3.0})
+    config = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0),))
+    tuner.tuning_mode = True
+    assert tuner.choose_one("op", runners, config, [torch.randn(4, 8)]) == (runners[1], 0)
+    tuner.tuning_mode = False
+    slow_path = []
+    real = resolved_module.profile_for
+    monkeypatch.setattr(resolved_module, "profile_for", lambda *a: slow_path.append(1) or real(*a))
+    tuner.choose_one("op", runners, config, [torch.randn(4, 8)])
+    assert slow_path == [1]  # one slow look-up fills the memo, then hits
+    tuner.choose_one("op", runners, config, [torch.randn(4, 8)])
+    assert slow_path == [1]
+    # An equal config that is another object is another memo entry, with the same pick.
+    twin = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0),))
+    assert tuner.choose_one("op", runners, twin, [torch.randn(4, 8)]) == (runners[1], 0)
+    assert slow_path == [1, 1]
+    # The entry keeps its config alive, so no later config can take over its id.
+    entry_id = id(config)
+    del config
+    gc.collect()
+    assert any(e[3] is not None and id(e[3]) == entry_id for e in tuner._memo._entries.values())
+
+
+class _UnhashableRunner(TunableRunner):
+    __hash__ = None  # type: ignore[assignment]  (as a dataclass(eq=True) runner would be)
+
+    def forward(self, inputs, tactic=FALLBACK_TACTIC, **kwargs):
+        return inputs[0]
+
+
+def test_an_unhashable_runner_is_looked_up_the_slow_way() -> None:
+    tuner = AutoTuner(show_progress=False)
+    runner = _UnhashableRunner()
+    for _ in range(3):  # no memo for it, and no error
+        assert tuner.choose_one("op", [runner], CONFIG, [torch.randn(4, 8)]) == (
+            runner,
+            FALLBACK_TACTIC,
+        )

@@ -2,8 +2,9 @@
 
 :class:`ResolvedCall` is computed once per slow-path look-up (and per tuning run): the runners'
 identities, the device, the timing mode, the runners' source digest and the keyword arguments'
-text. :func:`memo_key` is what a cache hit of an exact call signature depends on, so that a
-decode step's repeated look-ups skip bucketing and key building.
+text. :func:`memo_key` is what a cache hit of an exact call signature depends on, and
+:class:`HitMemo` keeps those hits, so that a decode step's repeated look-ups skip bucketing and
+key building.
 """
 
 from __future__ import annotations
@@ -31,28 +32,69 @@ def device_of(inputs: Sequence[Any]) -> torch.device:
 
 def memo_key(
     op: str,
-    runners: list[TunableRunner],
+    runners: Sequence[TunableRunner],
     config: TuningConfig,
-    inputs: list[Any],
+    inputs: Sequence[Any],
     kwargs: dict[str, Any],
 ) -> tuple[Any, ...] | None:
-    """What a cache hit depends on, or ``None`` when a part is not hashable (no memo)."""
-    parts: list[Any] = [op, config, *runners]
+    """What a cache hit depends on, or ``None`` when an input is not a tensor, ``None`` or a
+    scalar (no memo).
+
+    The config enters by identity (``id``): hashing a config's fields at every look-up costs
+    more than the rest of the key, and the ops build each config once. Whoever keeps the key must
+    keep ``config`` alive with it, so that its id is not reused. The key may still be unhashable
+    (a runner or keyword value): hashing it raises ``TypeError``.
+    """
+    parts: list[Any] = [op, id(config), *runners]
     for x in inputs:
         if isinstance(x, torch.Tensor):
-            parts.append((tuple(x.shape), x.dtype, x.device.type))
+            parts.append((x.shape, x.dtype, x.device.type))
         elif x is None or isinstance(x, (bool, int, float, str)):
             parts.append(x)
         else:
             return None
     if kwargs:
         parts.append(tuple(sorted(kwargs.items())))
-    try:
-        key = tuple(parts)
-        hash(key)
-    except TypeError:  # an unhashable config, runner or keyword value: look up the slow way
-        return None
-    return key
+    return tuple(parts)
+
+
+class HitMemo:
+    """The cache hits of exact call signatures (:func:`memo_key`), so a decode step's repeated
+    look-ups skip bucketing and key building.
+
+    An entry is valid for one cache at one version: any change to the cache (a new pick, a
+    load, a clear) makes every entry miss. It keeps the call's config alive, since the key holds
+    only its id. Past ``limit`` entries the memo starts again empty.
+    """
+
+    def __init__(self, limit: int = 4096) -> None:
+        self.limit = limit
+        self._entries: dict[tuple[Any, ...], tuple[Any, int, Any, TuningConfig]] = {}
+
+    def get(self, key: tuple[Any, ...] | None, cache: Any) -> Any:
+        """The memoised pick of ``key`` in ``cache`` at its current version, or ``None``."""
+        if key is None:
+            return None
+        try:
+            entry = self._entries.get(key)
+        except TypeError:  # an unhashable runner or keyword value: look up the slow way
+            return None
+        if entry is None or entry[0] is not cache or entry[1] != cache.version:
+            return None
+        return entry[2]
+
+    def put(
+        self, key: tuple[Any, ...] | None, cache: Any, found: Any, config: TuningConfig
+    ) -> None:
+        """Remembers ``found`` (a ``(runner, tactic)`` pick) for ``key`` in ``cache``."""
+        if key is None:
+            return
+        if len(self._entries) >= self.limit:
+            self._entries.clear()
+        try:
+            self._entries[key] = (cache, cache.version, found, config)
+        except TypeError:  # unhashable: nothing to remember
+            pass
 
 
 @dataclass(frozen=True)

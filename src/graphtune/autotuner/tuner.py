@@ -35,7 +35,7 @@ from graphtune.autotuner.identity import runner_id, short_runner_name, sources_d
 from graphtune.autotuner.isolation import Executor, InProcessExecutor, Isolation
 from graphtune.autotuner.policy import TuningPolicy
 from graphtune.autotuner.profiles import generate_profiles, profile_for
-from graphtune.autotuner.resolved import ResolvedCall, device_of, memo_key
+from graphtune.autotuner.resolved import HitMemo, ResolvedCall, device_of, memo_key
 from graphtune.autotuner.runner import FALLBACK_TACTIC, TunableRunner
 from graphtune.autotuner.selection import ProfileRecord
 from graphtune.autotuner.stats import TunerStats
@@ -51,7 +51,6 @@ logger = logging.getLogger(__name__)
 SUMMARY_COLUMNS = ("op", "bucket", "winner", "time (us)", "fallback (us)", "speed-up")
 #: Why a size the bucket mapper maps to 0 runs the fallback (logged at INFO: it is by design).
 NO_BUCKET = "the bucket mapper gives this size no bucket"
-_MEMO_LIMIT = 4096
 
 
 def _default_is_capturing() -> bool:
@@ -135,7 +134,7 @@ class AutoTuner:
         # Hits by exact call signature (op, runners, config, input shapes), valid while the
         # cache's version is unchanged: a decode step asks ~100 times per call, and bucketing
         # plus key building cost tens of microseconds of host time each.
-        self._memo: dict[tuple[Any, ...], tuple[TuningCache, int, tuple[TunableRunner, Any]]] = {}
+        self._memo = HitMemo()
         # One tuning run at a time: two threads tuning one op would time each other's kernels.
         self._tune_lock = threading.RLock()
 
@@ -175,20 +174,21 @@ class AutoTuner:
         runners = list(runners)
         inputs = list(inputs)
         if not runners:
-            raise ConfigError(
-                f"choose_one({op!r}) got no runners; pass at least one TunableRunner."
-            )
+            raise ConfigError(f"choose_one({op!r}) got no runners; pass at least one runner.")
         if not isinstance(config, TuningConfig):
             raise ConfigError(f"choose_one({op!r}) needs a TuningConfig, got {config!r}.")
-        call = OpCall(op, tuple(runners), config, tuple(inputs), kwargs)
+        call = None
         if self._recording is not None:
+            call = OpCall(op, tuple(runners), config, tuple(inputs), kwargs)
             self._recording.append(call)
         signature = memo_key(op, runners, config, inputs, kwargs)
-        memo = self._memo.get(signature) if signature is not None else None
-        if memo is not None and memo[0] is self.cache and memo[1] == self.cache.version:
+        hit = self._memo.get(signature, self.cache)
+        if hit is not None:
             if not self._dry_run:
                 self.stats.hits += 1
-            return memo[2]
+            return hit
+        if call is None:  # a memoised hit needs no OpCall
+            call = OpCall(op, tuple(runners), config, tuple(inputs), kwargs)
         resolved = self._resolve(call)
         key = resolved.live_key()
         found = self._lookup(key, runners) if key is not None else None
@@ -196,10 +196,7 @@ class AutoTuner:
             return found or (runners[0], FALLBACK_TACTIC)
         if found is not None:
             self.stats.hits += 1
-            if signature is not None:
-                if len(self._memo) >= _MEMO_LIMIT:
-                    self._memo.clear()
-                self._memo[signature] = (self.cache, self.cache.version, found)
+            self._memo.put(signature, self.cache, found, config)
             return found
         self.stats.misses += 1
         why = self._miss_reason(key)
@@ -267,9 +264,12 @@ class AutoTuner:
             ident = memo_key(
                 call.op, list(call.runners), call.config, list(call.inputs), call.kwargs
             )
-            if ident is not None and ident in seen:
-                continue  # the same op and shapes (another layer): planned already
-            seen.add(ident)
+            try:
+                if ident is not None and ident in seen:
+                    continue  # the same op and shapes (another layer): planned already
+                seen.add(ident)
+            except TypeError:  # an unhashable runner or keyword value: plan it again
+                pass
             run = self._tuning_run(self._resolve(call))
             for runner, items in run.prepare_work(run.plan(local=True)):
                 work.setdefault(id(runner), (runner, []))[1].extend(items)

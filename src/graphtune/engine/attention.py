@@ -21,15 +21,21 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import sdpa_kernel
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from graphtune.engine.kv_cache import KVCache
 from graphtune.engine.model import DecoderModel
 from graphtune.errors import InputError
 from graphtune.graphs import graph_break
-from graphtune.ops.attention import planless_sdpa_backends
 from graphtune.ops.context import OpContext
 
+#: SDPA backends prefill attention may use. Not cuDNN: its attention builds an execution plan for
+#: every new shape, and a prefill meets a new shape with every new prompt length.
+PREFILL_SDPA_BACKENDS = [
+    SDPBackend.FLASH_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.MATH,
+]
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -232,8 +238,7 @@ class PrefillAttention:
             )
         cfg = step.model.config
         heads, dim = cfg.num_heads, cfg.dim_per_head
-        # Not cuDNN: a prefill meets a new shape with every new prompt length.
-        with sdpa_kernel(planless_sdpa_backends()):
+        with sdpa_kernel(PREFILL_SDPA_BACKENDS):
             for index, run in enumerate(batch.runs):
                 prompts, length = len(run.slots), run.length
                 rows = slice(run.start, run.start + run.rows)

@@ -12,8 +12,7 @@ Inputs of every runner: ``[q, keys, values, mask]`` with ``q [B, kv_heads, group
 
 Runners (index 0 is the untuned fallback):
 
-* :class:`SdpaAttention` — tactics force one SDPA backend (``-1``: PyTorch's choice among the
-  backends that build no per-shape plan, :func:`torch_decode_attention`).
+* :class:`SdpaAttention` — tactics force one SDPA backend (``-1``: PyTorch's own choice).
 * :class:`MatmulAttention` — two batched matmuls around a float32 (or input-dtype) softmax.
 * :class:`TritonDecodeAttention` — a Triton flash-decoding kernel (needs Triton): grid
   ``(B * kv_heads, splits)``, each program walks its slice of the key axis in ``block_n`` tiles
@@ -83,27 +82,6 @@ def arrival_counters(device: torch.device, rows: int) -> torch.Tensor:
     return found
 
 
-def planless_sdpa_backends() -> list[Any]:
-    """The SDPA backends that build nothing per shape: all but cuDNN, whose attention builds an
-    execution plan for every new shape (about 50 ms on the H200), so a runner capturing 67 batch
-    sizes would build 67 plans. The fallback decode attention and prefill attention use these;
-    the tuner can still pick cuDNN by its tactic."""
-    from torch.nn.attention import SDPBackend
-
-    return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
-
-def torch_decode_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
-) -> torch.Tensor:
-    """The op's fallback: ``F.scaled_dot_product_attention`` with PyTorch's choice among
-    :func:`planless_sdpa_backends`."""
-    from torch.nn.attention import sdpa_kernel
-
-    with sdpa_kernel(planless_sdpa_backends()):
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-
-
 def _sdpa_backends() -> dict[str, Any]:
     """SDPA backends this torch build names (the cuDNN one arrived in torch 2.5)."""
     try:
@@ -121,8 +99,7 @@ def _sdpa_backends() -> dict[str, Any]:
 class SdpaAttention(TunableRunner):
     """``F.scaled_dot_product_attention``; a tactic forces one backend.
 
-    Tactic ``-1`` lets PyTorch choose among the backends without per-shape plans
-    (:func:`torch_decode_attention`, always valid). Flash attention is not offered: it takes no
+    Tactic ``-1`` lets PyTorch choose (always valid). Flash attention is not offered: it takes no
     attention mask. A backend that rejects the shape raises, and the tuner records it as failed.
     """
 
@@ -135,7 +112,7 @@ class SdpaAttention(TunableRunner):
     ) -> torch.Tensor:
         q, keys, values, mask = inputs
         if tactic == FALLBACK_TACTIC:
-            return torch_decode_attention(q, keys, values, mask)
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
         from torch.nn.attention import sdpa_kernel
 
         with sdpa_kernel(_sdpa_backends()[tactic]):
@@ -340,8 +317,9 @@ class TritonDecodeAttention(TritonRunner):
         )
 
     def torch_forward(self, inputs: list[Any]) -> torch.Tensor:
-        """:func:`torch_decode_attention`: the fallback tactic."""
-        return torch_decode_attention(*inputs)
+        """``F.scaled_dot_product_attention``: the fallback tactic."""
+        q, keys, values, mask = inputs
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
 
     #: Whether the last split program merges the partials instead of a second kernel.
     inline_combine = False

@@ -31,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 import torch
+import torch.nn.functional as F
 
 from graphtune.autotuner.config import TuningConfig
 from graphtune.autotuner.tuner import AutoTuner
@@ -211,9 +212,8 @@ class OpContext:
     ) -> torch.Tensor:
         """:func:`graphtune.ops.attention.decode_attention` (one query token per request)."""
         if self.tuner is None:
-            # The op's fallback: SdpaAttention with tactic -1 (PyTorch picks among the
-            # backends that build no per-shape plan).
-            return attention_op.torch_decode_attention(q, keys, values, mask)
+            # The op's fallback: SdpaAttention with tactic -1 (PyTorch picks the backend).
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
         return attention_op.decode_attention(
             q, keys, values, mask, tuner=self.tuner, config=self._attention_config
         )

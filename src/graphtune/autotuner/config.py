@@ -8,7 +8,7 @@ for; a live size is mapped to its bucket by ``map_to_bucket`` and capped by ``ma
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from graphtune.errors import ConfigError
@@ -245,6 +245,22 @@ class TuningConfig:
                 f"TuningConfig needs warmup >= 0 and repeat >= 1, got warmup={self.warmup}, "
                 f"repeat={self.repeat}."
             )
+
+    def __hash__(self) -> int:
+        # Computed once: every look-up hashes its config (the tuner's memo key), and hashing the
+        # fields, specs included, costs more than the rest of the key. Equal configs still hash
+        # equal. Not pickled (string hashes differ between processes): see __getstate__.
+        try:
+            return self.__dict__["_hash"]
+        except KeyError:
+            cached = hash(tuple(getattr(self, f.name) for f in fields(self)))
+            object.__setattr__(self, "_hash", cached)
+            return cached
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.pop("_hash", None)
+        return state
 
     def bucket_of(self, spec: DynamicTensorSpec, live: int) -> int:
         """The bucket a live size of ``spec``'s dimension looks up (mapped, then capped); 0 when

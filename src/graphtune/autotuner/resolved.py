@@ -38,14 +38,10 @@ def memo_key(
     kwargs: dict[str, Any],
 ) -> tuple[Any, ...] | None:
     """What a cache hit depends on, or ``None`` when an input is not a tensor, ``None`` or a
-    scalar (no memo).
-
-    The config enters by identity (``id``): hashing a config's fields at every look-up costs
-    more than the rest of the key, and the ops build each config once. Whoever keeps the key must
-    keep ``config`` alive with it, so that its id is not reused. The key may still be unhashable
-    (a runner or keyword value): hashing it raises ``TypeError``.
-    """
-    parts: list[Any] = [op, id(config), *runners]
+    scalar (no memo). The key may still be unhashable (a runner or keyword value): hashing it
+    raises ``TypeError``, which :class:`HitMemo` treats as no memo. Hashing the key is cheap
+    because a config hashes its fields once (``TuningConfig.__hash__``)."""
+    parts: list[Any] = [op, config, *runners]
     for x in inputs:
         if isinstance(x, torch.Tensor):
             parts.append((x.shape, x.dtype, x.device.type))
@@ -63,13 +59,12 @@ class HitMemo:
     look-ups skip bucketing and key building.
 
     An entry is valid for one cache at one version: any change to the cache (a new pick, a
-    load, a clear) makes every entry miss. It keeps the call's config alive, since the key holds
-    only its id. Past ``limit`` entries the memo starts again empty.
+    load, a clear) makes every entry miss. Past ``limit`` entries the memo starts again empty.
     """
 
     def __init__(self, limit: int = 4096) -> None:
         self.limit = limit
-        self._entries: dict[tuple[Any, ...], tuple[Any, int, Any, TuningConfig]] = {}
+        self._entries: dict[tuple[Any, ...], tuple[Any, int, Any]] = {}
 
     def get(self, key: tuple[Any, ...] | None, cache: Any) -> Any:
         """The memoised pick of ``key`` in ``cache`` at its current version, or ``None``."""
@@ -83,16 +78,14 @@ class HitMemo:
             return None
         return entry[2]
 
-    def put(
-        self, key: tuple[Any, ...] | None, cache: Any, found: Any, config: TuningConfig
-    ) -> None:
+    def put(self, key: tuple[Any, ...] | None, cache: Any, found: Any) -> None:
         """Remembers ``found`` (a ``(runner, tactic)`` pick) for ``key`` in ``cache``."""
         if key is None:
             return
         if len(self._entries) >= self.limit:
             self._entries.clear()
         try:
-            self._entries[key] = (cache, cache.version, found, config)
+            self._entries[key] = (cache, cache.version, found)
         except TypeError:  # unhashable: nothing to remember
             pass
 

@@ -196,7 +196,7 @@ class AutoTuner:
             return found or (runners[0], FALLBACK_TACTIC)
         if found is not None:
             self.stats.hits += 1
-            self._memo.put(signature, self.cache, found, config)
+            self._memo.put(signature, self.cache, found)
             return found
         self.stats.misses += 1
         why = self._miss_reason(key)

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from graphtune.autotuner.cache import TuningCache
 from graphtune.autotuner.calls import OpCall
 from graphtune.autotuner.config import TuningConfig
 from graphtune.autotuner.entries import CacheKey
@@ -64,9 +65,9 @@ class HitMemo:
 
     def __init__(self, limit: int = 4096) -> None:
         self.limit = limit
-        self._entries: dict[tuple[Any, ...], tuple[Any, int, Any]] = {}
+        self._entries: dict[tuple[Any, ...], tuple[TuningCache, int, Any]] = {}
 
-    def get(self, key: tuple[Any, ...] | None, cache: Any) -> Any:
+    def get(self, key: tuple[Any, ...] | None, cache: TuningCache) -> Any:
         """The memoised pick of ``key`` in ``cache`` at its current version, or ``None``."""
         if key is None:
             return None
@@ -78,7 +79,7 @@ class HitMemo:
             return None
         return entry[2]
 
-    def put(self, key: tuple[Any, ...] | None, cache: Any, found: Any) -> None:
+    def put(self, key: tuple[Any, ...] | None, cache: TuningCache, found: Any) -> None:
         """Remembers ``found`` (a ``(runner, tactic)`` pick) for ``key`` in ``cache``."""
         if key is None:
             return

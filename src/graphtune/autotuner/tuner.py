@@ -261,9 +261,7 @@ class AutoTuner:
         seen: set[Any] = set()
         start = self._clock()
         for call in calls:
-            ident = memo_key(
-                call.op, list(call.runners), call.config, list(call.inputs), call.kwargs
-            )
+            ident = memo_key(call.op, call.runners, call.config, call.inputs, call.kwargs)
             try:
                 if ident is not None and ident in seen:
                     continue  # the same op and shapes (another layer): planned already

@@ -171,6 +171,56 @@ def compile_for_sm90(kernel: Any, args: tuple[Any, ...], meta: dict[str, Any]) -
     )
 
 
+def _variant(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``args`` with every tensor moved to an address that is not a multiple of 16 bytes and every
+    int plus one (another class for Triton's ``== 1`` / multiple-of-16 specialisation)."""
+    out: list[Any] = []
+    for value in args:
+        if isinstance(value, torch.Tensor):
+            spare = torch.empty(value.numel() + 16, dtype=value.dtype)
+            out.append(spare[1 : 1 + value.numel()].view(value.shape))
+        elif isinstance(value, int) and not isinstance(value, bool):
+            out.append(value + 1)
+        else:
+            out.append(value)
+    return tuple(out)
+
+
+def fast_launch_checks(
+    launches: list[tuple[str, Any, tuple[Any, ...], dict[str, Any]]],
+) -> dict[str, str | None]:
+    """Every launch can go through ``graphtune.ops._launch.LaunchCache``, and ``binary_key`` is
+    at least as fine as the JIT's own specialisation: over the recorded launches and a variant of
+    each (:func:`_variant`), launches with one key always specialise alike."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    from graphtune.ops._launch import binary_key, trailing_values
+
+    backend = make_backend(GPUTarget(*TARGET))
+    binders: dict[int, Any] = {}
+    seen: dict[tuple[Any, ...], tuple[str, str]] = {}
+    results: dict[str, str | None] = {}
+    for label, kernel, args, meta in launches:
+        name = f"fast-launch {label}"
+        results[name] = None
+        if trailing_values(kernel, args, meta) is None:
+            results[name] = "a parameter after the positional ones is a runtime one or unset"
+            continue
+        if id(kernel) not in binders:
+            binders[id(kernel)] = create_function_from_signature(
+                kernel.signature, kernel.params, backend
+            )
+        for variant in (args, _variant(args)):
+            _, specialization, _ = binders[id(kernel)](*variant, **meta)
+            text = repr(specialization)
+            first = seen.setdefault(binary_key(kernel, variant, meta), (label, text))
+            if first[1] != text:
+                results[name] = f"same binary_key as {first[0]}, other specialisation: {text}"
+    return results
+
+
 def main() -> int:
     if os.environ.get("TRITON_INTERPRET"):
         print(json.dumps({"error": "run without TRITON_INTERPRET (interpreted kernels)"}))
@@ -209,6 +259,7 @@ def main() -> int:
             return label, f"{type(exc).__name__}: {str(exc)[:1500]}"
         return label, None
 
+    errors.update(fast_launch_checks(launches))
     with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
         errors.update(dict(pool.map(compile_one, launches)))
     print(json.dumps(errors, sort_keys=True))

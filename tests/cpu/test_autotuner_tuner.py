@@ -18,6 +18,7 @@ from graphtune.autotuner import (
     TuningPolicy,
     autotune,
 )
+from graphtune.autotuner.calls import OpCall
 from graphtune.autotuner.timing.base import Measurement
 from graphtune.errors import ConfigError
 
@@ -385,3 +386,15 @@ def test_an_unhashable_runner_is_looked_up_the_slow_way() -> None:
             runner,
             FALLBACK_TACTIC,
         )
+
+
+def test_missing_profiles_counts_each_key_once_over_repeated_calls() -> None:
+    tuner, runners, _ = make({-1: 5.0, 0: 4.0}, {0: 1.0})
+    layer = [OpCall("op", runners, CONFIG, [torch.randn(3, 8)]) for _ in range(16)]
+    wider = OpCall("op", runners, CONFIG, [torch.randn(3, 12)])  # other shapes: other keys
+    other_op = OpCall("op2", runners, CONFIG, [torch.randn(3, 8)])
+    assert tuner.missing_profiles(layer) == 3  # buckets 1, 4, 16, however many layers
+    assert tuner.missing_profiles([*layer, wider, other_op]) == 9
+    tuner.tuning_mode = True
+    tuner.choose_one("op", runners, CONFIG, [torch.randn(3, 8)])
+    assert tuner.missing_profiles([*layer, wider, other_op]) == 6

@@ -150,7 +150,7 @@ def test_prepare_compiles_the_tactics_of_several_op_calls_before_tuning() -> Non
     assert rms_norm_config(4, True) == calls[2].config
 
 
-def test_triton_key_is_computed_in_a_background_thread_only_where_kernels_compile(
+def test_triton_key_is_computed_in_a_background_thread_that_launches_wait_for(
     monkeypatch,
 ) -> None:
     import threading
@@ -158,18 +158,26 @@ def test_triton_key_is_computed_in_a_background_thread_only_where_kernels_compil
     import triton.runtime.cache as triton_cache
 
     calls: list[str] = []
-    monkeypatch.setattr(
-        triton_cache, "triton_key", lambda: calls.append(threading.current_thread().name)
-    )
-    start = _triton.start_cache_key_warmup.__wrapped__  # the uncached function: once per test
+    release = threading.Event()
+
+    def slow_key() -> None:
+        release.wait(timeout=10)
+        calls.append(threading.current_thread().name)
+
+    monkeypatch.setattr(triton_cache, "triton_key", slow_key)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(_triton, "kernels_interpreted", lambda: False)
-    thread = start()
-    assert thread is not None
-    thread.join(timeout=10)
-    assert calls == ["graphtune-triton-key"]
-    monkeypatch.setattr(_triton, "kernels_interpreted", lambda: True)  # nothing to compile
-    assert start() is None
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(_triton, "kernels_interpreted", lambda: False)
-    assert start() is None and calls == ["graphtune-triton-key"]
+    _triton.start_cache_key_warmup.cache_clear()
+    try:
+        thread = _triton.start_cache_key_warmup()
+        assert thread is not None and thread.is_alive()
+        waiter = threading.Thread(target=_triton.wait_for_cache_key)
+        waiter.start()
+        waiter.join(timeout=0.2)
+        assert waiter.is_alive(), "wait_for_cache_key returned while the key was computed"
+        release.set()
+        waiter.join(timeout=10)
+        assert calls == ["graphtune-triton-key"]  # computed once, in the background
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        assert _triton.start_cache_key_warmup.__wrapped__() is None  # no CUDA: nothing
+    finally:
+        _triton.start_cache_key_warmup.cache_clear()

@@ -9,7 +9,7 @@ key building.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,3 +118,26 @@ class ResolvedCall:
         """The key the live inputs look up (``None``: a size without a bucket)."""
         profile = profile_for(self.call.config, self.call.inputs)
         return self.key(profile) if profile is not None else None
+
+
+def distinct_profiles(calls: Iterable[ResolvedCall]) -> Iterator[ResolvedCall]:
+    """The calls whose profiles have keys no earlier call's profiles have: of calls with one
+    op, runners, mode, runner sources, keyword arguments, tuning config and input shapes and
+    dtypes (a repeated layer's call), the first only. A call whose config cannot be hashed is
+    always kept."""
+    seen: set[tuple[Any, ...]] = set()
+    for resolved in calls:
+        shapes = tuple(
+            (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else type(x)
+            for x in resolved.call.inputs
+        )
+        call = resolved.call
+        signature = (call.op, resolved.ids, resolved.mode, resolved.sources, resolved.kwargs_text)
+        try:
+            key = (*signature, call.config, shapes)
+            if key in seen:
+                continue
+            seen.add(key)
+        except TypeError:
+            pass
+        yield resolved

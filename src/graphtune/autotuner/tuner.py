@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from graphtune.autotuner import resolved as resolved_calls
 from graphtune.autotuner import timing
 from graphtune.autotuner.cache import TuningCache
 from graphtune.autotuner.calls import CallRecord, MissLog, OpCall
@@ -291,9 +292,8 @@ class AutoTuner:
         """How many (op, bucket) profiles of ``calls`` a tuning-mode run would tune: every bucket
         of each call's op whose key is not in this process's cache (no collective, no timing)."""
         missing: set[CacheKey] = set()
-        for call in calls:
-            resolved = self._resolve(call)
-            for profile in generate_profiles(call.config, list(call.inputs)):
+        for resolved in resolved_calls.distinct_profiles(self._resolve(call) for call in calls):
+            for profile in generate_profiles(resolved.call.config, list(resolved.call.inputs)):
                 key = resolved.key(profile)
                 if key not in self.cache:
                     missing.add(key)

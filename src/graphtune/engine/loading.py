@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from graphtune.engine.config import ModelConfig, eos_ids, from_hf_config
-from graphtune.engine.model import DecoderModel, LayerWeights, random_model
+from graphtune.engine.model import DecoderModel, LayerWeights, random_model, warm_triton_for
 from graphtune.engine.moe_loading import load_moe_layer
 from graphtune.engine.presets import PRESETS, get_preset
 from graphtune.errors import CheckpointError, ConfigError
@@ -216,6 +216,7 @@ def load_checkpoint(
     """
     folder = Path(folder)
     config = _folder_config(folder)
+    warm_triton_for(device)
     tp = parallel.world_size if parallel is not None else 1
     if tp > 1:
         from graphtune.engine.parallel import check_shardable

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from graphtune.engine.config import ModelConfig
+from graphtune.ops._triton import start_cache_key_warmup
 from graphtune.ops.rotary import rotate
 
 logger = logging.getLogger(__name__)
@@ -228,6 +229,14 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def warm_triton_for(device: torch.device | str | None) -> None:
+    """Starts importing Triton and hashing its installation in the background when a model is
+    built on a GPU (:func:`graphtune.ops._triton.start_cache_key_warmup`), so both overlap the
+    weights' creation instead of delaying the first kernel launch."""
+    if device is not None and torch.device(device).type == "cuda":
+        start_cache_key_warmup()
+
+
 def random_model(
     config: ModelConfig,
     *,
@@ -251,6 +260,7 @@ def random_model(
         The model, with ``source`` naming the preset and seed.
     """
     device = torch.device(device or "cpu")
+    warm_triton_for(device)
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
 

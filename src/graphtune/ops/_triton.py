@@ -32,7 +32,9 @@ from typing import Any
 
 import torch
 
+from graphtune import env
 from graphtune.errors import ConfigError
+from graphtune.ops._launch import LaunchCache, binary_key
 from graphtune.ops._pdl import pdl_meta
 
 logger = logging.getLogger(__name__)
@@ -96,24 +98,41 @@ def kernels_interpreted() -> bool:
 
 @functools.lru_cache(maxsize=1)
 def start_cache_key_warmup() -> threading.Thread | None:
-    """Starts Triton's key of its own installation in a background thread, once per process.
+    """Imports Triton and computes its key of its own installation in a background thread, once
+    per process.
 
     Triton hashes every file of its package (``triton.runtime.cache.triton_key``, cached per
-    process) before its first compile or on-disk cache load: a few hundred milliseconds that
-    otherwise delay the first kernel launch of a restarted process. Computed while the model is
-    still being built, the hash overlaps that work (file reads and large ``hashlib`` updates
-    release the GIL). Nothing happens without CUDA, under the interpreter, or on a Triton without
-    that function; a second caller of ``triton_key`` meanwhile just computes it too.
+    process) before its first compile or on-disk cache load, and importing it takes a few hundred
+    milliseconds more: time that otherwise delays the first kernel launch of a restarted process.
+    The engine starts this when it begins to build a model on a GPU, so both overlap the weights'
+    creation (file reads and large ``hashlib`` updates release the GIL); a Triton launch that
+    needs a binary first waits for the thread (:func:`wait_for_cache_key`) instead of hashing
+    the same files again beside it. Nothing happens without CUDA.
     """
-    if not torch.cuda.is_available() or not triton_available() or kernels_interpreted():
+    if not torch.cuda.is_available():
         return None
-    try:
-        from triton.runtime.cache import triton_key
-    except ImportError:
-        return None
-    thread = threading.Thread(target=triton_key, name="graphtune-triton-key", daemon=True)
+    thread = threading.Thread(target=_warm_cache_key, name="graphtune-triton-key", daemon=True)
     thread.start()
     return thread
+
+
+def _warm_cache_key() -> None:
+    if not triton_available():
+        return
+    try:
+        from triton.runtime.cache import triton_key
+    except ImportError:  # a Triton without that function: nothing to warm
+        return
+    triton_key()
+
+
+def wait_for_cache_key() -> None:
+    """Waits for :func:`start_cache_key_warmup`'s thread, if it was started and still runs."""
+    if start_cache_key_warmup.cache_info().currsize == 0:
+        return
+    thread = start_cache_key_warmup()
+    if thread is not None and thread.is_alive() and thread is not threading.current_thread():
+        thread.join()
 
 
 def device_supported(device: torch.device) -> bool:
@@ -146,46 +165,10 @@ _LAUNCHES: contextvars.ContextVar[list[tuple[Any, ...]] | None] = contextvars.Co
 )
 
 
-def _arg_key(value: Any, specialize: bool = True) -> Any:
-    """How Triton specialises a launch argument (its default rules): a tensor by dtype and 16-byte
-    alignment (and its device: binaries are per device), an int by ``== 1``, divisibility by 16
-    (not when declared ``do_not_specialize``) and 64-bit range; other values by type."""
-    if isinstance(value, torch.Tensor):
-        return ("t", str(value.dtype), value.data_ptr() % 16 == 0, str(value.device))
-    if isinstance(value, bool):
-        return ("b", value)
-    if isinstance(value, int):
-        wide = not -(2**31) <= value < 2**31
-        if not specialize:
-            return ("i", 0, wide)
-        return ("i", 1 if value == 1 else (16 if value % 16 == 0 else 0), wide)
-    return (type(value).__name__,)
-
-
 def launch_key(kernel: Any, args: tuple[Any, ...], meta: dict[str, Any]) -> tuple[Any, ...]:
-    """What decides the binary one launch needs: the kernel, its specialised arguments and its
-    compile-time parameters. Two launches with one key run one compiled binary (as far as
-    Triton's default specialisation goes; a miss only means compiling again, untimed)."""
-    name = getattr(kernel, "__name__", None) or getattr(getattr(kernel, "fn", None), "__name__", "")
-    plain = _unspecialized_positions(kernel)
-    arg_keys = tuple(_arg_key(a, specialize=i not in plain) for i, a in enumerate(args))
-    return (id(kernel), name, arg_keys, tuple(sorted(meta.items())))
-
-
-def _unspecialized_positions(kernel: Any) -> frozenset[int]:
-    """Positions of the arguments ``kernel`` was declared not to specialise on
-    (``@triton.jit(do_not_specialize=...)``, by name or position). The interpreter's function
-    keeps the decorator's arguments in ``kwargs``, so keys group launches alike there too."""
-    declared = getattr(kernel, "do_not_specialize", None)
-    if declared is None:
-        declared = getattr(kernel, "kwargs", {}).get("do_not_specialize")
-    declared = declared or ()
-    names = list(getattr(kernel, "arg_names", None) or ())
-    return frozenset(
-        d if isinstance(d, int) else names.index(d)
-        for d in declared
-        if d in names or isinstance(d, int)
-    )
+    """What decides the binary one launch needs (:func:`graphtune.ops._launch.binary_key`): two
+    launches with one key run one compiled binary."""
+    return binary_key(kernel, args, meta)
 
 
 @contextlib.contextmanager
@@ -208,16 +191,35 @@ def run_kernel(
 
     A kernel that declares ``USE_PDL`` gets it (and a PDL launch) from
     :func:`graphtune.ops._pdl.pdl_meta`, in all three cases, so the binary compiled ahead of time
-    (and the key that stands for it) is the one launched.
+    (and the key that stands for it) is the one launched. A launch whose binary ran before in
+    this process goes straight to it (:class:`graphtune.ops._launch.LaunchCache`).
     """
-    meta = pdl_meta(kernel, args, meta)
     collecting = _LAUNCHES.get()
+    fast = None
+    if collecting is None and not warmup and env.fast_launch_allowed():
+        fast = _FAST.key(kernel, args, meta, env.pdl_allowed())
+        if fast is not None and _FAST.launch(fast, grid, args):
+            return
+    full = pdl_meta(kernel, args, meta)
     if collecting is not None:
-        collecting.append(launch_key(kernel, args, meta))
-    elif warmup:
-        kernel.warmup(*args, grid=grid, **meta)
+        collecting.append(launch_key(kernel, args, full))
+        return
+    wait_for_cache_key()
+    if warmup:
+        kernel.warmup(*args, grid=grid, **full)
     else:
-        kernel[grid](*args, **meta)
+        compiled = kernel[grid](*args, **full)
+        if fast is not None:
+            _FAST.remember(fast, kernel, args, full, compiled)
+
+
+def launch_cache() -> LaunchCache:
+    """This process's :class:`~graphtune.ops._launch.LaunchCache` (its ``hits`` and ``misses``
+    count launches since the process started)."""
+    return _FAST
+
+
+_FAST = LaunchCache()
 
 
 def elementwise_tactics(

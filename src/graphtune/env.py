@@ -20,10 +20,6 @@ Variables (all optional):
 * ``GRAPHTUNE_PDL``: ``0`` launches every Triton kernel without programmatic dependent launch
   (PDL), even on GPUs that support it; results are identical either way, only the overlap of
   consecutive kernels changes. On by default.
-* ``GRAPHTUNE_FAST_LAUNCH``: ``0`` sends every Triton launch through ``JITFunction.run`` instead
-  of straight to the binary an earlier launch of the same key ran
-  (``graphtune.ops._launch.LaunchCache``); the kernels and results are the same either way, only
-  the host time per launch changes. On by default.
 * ``GRAPHTUNE_COMPILE_PROCESSES``: worker processes that run Triton's code generator for the
   tactics compiled ahead of timing (``graphtune.ops._compile_pool``); ``0`` compiles in threads
   of the tuning process only. Unset: ``min(16, cpu_count)``.
@@ -90,11 +86,6 @@ def progress_disabled() -> bool:
 def pdl_allowed() -> bool:
     """Whether ``GRAPHTUNE_PDL`` leaves programmatic dependent launch on (unset: on)."""
     return os.environ.get("GRAPHTUNE_PDL", "").strip().lower() not in _OFF
-
-
-def fast_launch_allowed() -> bool:
-    """Whether ``GRAPHTUNE_FAST_LAUNCH`` leaves the launch cache on (unset: on)."""
-    return os.environ.get("GRAPHTUNE_FAST_LAUNCH", "").strip().lower() not in _OFF
 
 
 def compile_processes() -> int | None:

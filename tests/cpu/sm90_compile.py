@@ -186,28 +186,24 @@ def _variant(args: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple(out)
 
 
-def fast_launch_checks(
+def launch_key_checks(
     launches: list[tuple[str, Any, tuple[Any, ...], dict[str, Any]]],
 ) -> dict[str, str | None]:
-    """Every launch can go through ``graphtune.ops._launch.LaunchCache``, and ``binary_key`` is
-    at least as fine as the JIT's own specialisation: over the recorded launches and a variant of
-    each (:func:`_variant`), launches with one key always specialise alike."""
+    """``launch_key`` is at least as fine as the JIT's own specialisation: over the recorded
+    launches and a variant of each (:func:`_variant`), launches with one key specialise alike."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
     from triton.runtime.jit import create_function_from_signature
 
-    from graphtune.ops._launch import binary_key, trailing_values
+    from graphtune.ops._launch_key import launch_key
 
     backend = make_backend(GPUTarget(*TARGET))
     binders: dict[int, Any] = {}
     seen: dict[tuple[Any, ...], tuple[str, str]] = {}
     results: dict[str, str | None] = {}
     for label, kernel, args, meta in launches:
-        name = f"fast-launch {label}"
+        name = f"launch-key {label}"
         results[name] = None
-        if trailing_values(kernel, args, meta) is None:
-            results[name] = "a parameter after the positional ones is a runtime one or unset"
-            continue
         if id(kernel) not in binders:
             binders[id(kernel)] = create_function_from_signature(
                 kernel.signature, kernel.params, backend
@@ -215,7 +211,7 @@ def fast_launch_checks(
         for variant in (args, _variant(args)):
             _, specialization, _ = binders[id(kernel)](*variant, **meta)
             text = repr(specialization)
-            first = seen.setdefault(binary_key(kernel, variant, meta), (label, text))
+            first = seen.setdefault(launch_key(kernel, variant, meta), (label, text))
             if first[1] != text:
                 results[name] = f"same binary_key as {first[0]}, other specialisation: {text}"
     return results
@@ -259,7 +255,7 @@ def main() -> int:
             return label, f"{type(exc).__name__}: {str(exc)[:1500]}"
         return label, None
 
-    errors.update(fast_launch_checks(launches))
+    errors.update(launch_key_checks(launches))
     with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
         errors.update(dict(pool.map(compile_one, launches)))
     print(json.dumps(errors, sort_keys=True))

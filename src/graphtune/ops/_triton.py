@@ -15,8 +15,8 @@ every batch size.
 
 Every Triton launch of graphtune goes through :func:`run_kernel`. Inside
 :func:`collect_launches` it launches nothing and records what each launch would compile instead
-(:func:`launch_key`), which is how a runner finds out which of its (profile, tactic) pairs share
-one binary before compiling them.
+(:func:`~graphtune.ops._launch_key.launch_key`), which is how a runner finds out which of its
+(profile, tactic) pairs share one binary before compiling them.
 """
 
 from __future__ import annotations
@@ -32,9 +32,8 @@ from typing import Any
 
 import torch
 
-from graphtune import env
 from graphtune.errors import ConfigError
-from graphtune.ops._launch import LaunchCache, binary_key
+from graphtune.ops._launch_key import launch_key
 from graphtune.ops._pdl import pdl_meta
 
 logger = logging.getLogger(__name__)
@@ -165,12 +164,6 @@ _LAUNCHES: contextvars.ContextVar[list[tuple[Any, ...]] | None] = contextvars.Co
 )
 
 
-def launch_key(kernel: Any, args: tuple[Any, ...], meta: dict[str, Any]) -> tuple[Any, ...]:
-    """What decides the binary one launch needs (:func:`graphtune.ops._launch.binary_key`): two
-    launches with one key run one compiled binary."""
-    return binary_key(kernel, args, meta)
-
-
 @contextlib.contextmanager
 def collect_launches() -> Iterator[list[tuple[Any, ...]]]:
     """Within the block (this thread), :func:`run_kernel` records :func:`launch_key` instead of
@@ -187,39 +180,22 @@ def run_kernel(
     kernel: Any, grid: tuple[int, ...], args: tuple[Any, ...], meta: dict[str, Any], warmup: bool
 ) -> None:
     """Launches ``kernel[grid](*args, **meta)``, or with ``warmup`` only compiles it (inside
-    :func:`collect_launches`: records its key only).
+    :func:`collect_launches`: records its :func:`~graphtune.ops._launch_key.launch_key` only).
 
     A kernel that declares ``USE_PDL`` gets it (and a PDL launch) from
     :func:`graphtune.ops._pdl.pdl_meta`, in all three cases, so the binary compiled ahead of time
-    (and the key that stands for it) is the one launched. A launch whose binary ran before in
-    this process goes straight to it (:class:`graphtune.ops._launch.LaunchCache`).
+    (and the key that stands for it) is the one launched.
     """
+    meta = pdl_meta(kernel, args, meta)
     collecting = _LAUNCHES.get()
-    fast = None
-    if collecting is None and not warmup and env.fast_launch_allowed():
-        fast = _FAST.key(kernel, args, meta, env.pdl_allowed())
-        if fast is not None and _FAST.launch(fast, grid, args):
-            return
-    full = pdl_meta(kernel, args, meta)
     if collecting is not None:
-        collecting.append(launch_key(kernel, args, full))
+        collecting.append(launch_key(kernel, args, meta))
         return
     wait_for_cache_key()
     if warmup:
-        kernel.warmup(*args, grid=grid, **full)
+        kernel.warmup(*args, grid=grid, **meta)
     else:
-        compiled = kernel[grid](*args, **full)
-        if fast is not None:
-            _FAST.remember(fast, kernel, args, full, compiled)
-
-
-def launch_cache() -> LaunchCache:
-    """This process's :class:`~graphtune.ops._launch.LaunchCache` (its ``hits`` and ``misses``
-    count launches since the process started)."""
-    return _FAST
-
-
-_FAST = LaunchCache()
+        kernel[grid](*args, **meta)
 
 
 def elementwise_tactics(

@@ -5,7 +5,7 @@ the timed rounds never include it:
 
 * ``prepare_all`` (called by the tuner once per op, before any timing) compiles every tactic of
   every profile of the op at once. Pairs whose launches would run the same binaries (equal
-  :func:`~graphtune.ops._triton.launch_key` of every kernel they launch, found by a dry run of
+  :func:`~graphtune.ops._launch_key.launch_key` of every kernel they launch, found by a dry run of
   ``launch`` inside :func:`~graphtune.ops._triton.collect_launches`) are compiled once. The
   distinct ones are compiled first by worker processes (:mod:`graphtune.ops._compile_pool`:
   Triton's code generator holds the GIL, so threads cannot run it in parallel), then "compiled"

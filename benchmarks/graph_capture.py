@@ -32,8 +32,10 @@ engine_decode_step``: ``build_step`` over ``llama-1b-shape``, bf16, random weigh
 Targets (issues 15 and 18, H200): 67 sizes <= 1.5 s (stretch 1.0 s) cold (the default variant)
 and after release; pool of 67 sizes <= 1.15x the largest size alone, and of 35 sizes <= 1.15x
 its largest and <= 0.21 GiB; replays with breaks bit-exact; replay without breaks <= 1.05x a
-hand-written graph. Writes ``graph-capture-<gpu>.json`` into ``--out`` and prints the per-size
-table, then the summary table last. Exits 2 without CUDA, 1 if a target failed, else 0.
+hand-written graph. Each process records its ``host_speed`` (``graphtune.bench.host_speed``),
+since capture time is spent on the host. Writes ``graph-capture-<gpu>.json`` into ``--out`` and
+prints the per-size table, then the summary table last. Exits 2 without CUDA, 1 if a target
+failed, else 0.
 """
 
 from __future__ import annotations
@@ -180,7 +182,13 @@ def cold_variant(name: str) -> dict:
             f"{again['wall_s']:.3f} s, pool {again['pool_mib']:.0f} MiB",
             flush=True,
         )
-    return {**summary, **extra, "variant": name, "first_eager_step_s": first}
+    return {
+        **summary,
+        **extra,
+        "variant": name,
+        "first_eager_step_s": first,
+        "host_speed": bench.host_speed(),
+    }
 
 
 def cold_variants(names) -> dict:
@@ -296,6 +304,7 @@ def measure(args) -> dict:
     out["breaks"] = break_costs(step, batches, reps=reps, repeats=repeats)
     out["timing"] = {"method": "CUDA events, median of repeats", "reps": reps, "repeats": repeats}
     out["model"] = step.model.config.name
+    out["host_speed"] = bench.host_speed()
     return out
 
 

@@ -26,6 +26,9 @@ Every phase runs in a fresh process, so nothing survives in memory between them:
    the look-ups). A second call shows the steady state. Graph capture before the first replay
    belongs to the engine and is not in these numbers.
 
+Each phase also records its process's ``host_speed`` (``graphtune.bench.timing.host_speed``),
+measured after the timed calls: these times are spent on the host, and hosts differ.
+
 ``--tune-step`` names the function (default ``graphtune.cli._step_calls:tune_decode_step``, the
 engine's step and ``tune_step``). ``--no-prepare`` skips the up-front compile (each op compiles
 when it is tuned) and ``--compile-processes N`` sets ``GRAPHTUNE_COMPILE_PROCESSES`` in the
@@ -104,8 +107,11 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     ]
     candidates = sum(len(rec.candidates) for rec in tuner.history)
     stats = tuner.stats
+    from graphtune.bench.timing import host_speed
+
     return {
         "phase": args.child,
+        "host_speed": host_speed(),
         "import_s": imported - began,
         "tune_s": tune_s,
         "prepare_s": getattr(report, "prepare_seconds", None),

@@ -363,6 +363,18 @@ def test_copy_bandwidth_and_bytes_floor():
     assert timing.bytes_floor_ms(4_000_000_000, 4000.0) == pytest.approx(1.0)
 
 
+def test_host_speed_times_both_probes_per_call_on_the_clock_it_is_given():
+    ticks = iter(range(1000))
+    got = timing.host_speed(repeats=3, calls=4, clock=lambda: float(next(ticks)))
+    # Each sample spans one tick of a clock that advances one second per reading.
+    assert got == {
+        "python_loop_us": pytest.approx(1e6 / 4),
+        "torch_empty_us": pytest.approx(1e6 / 4),
+    }
+    real = timing.host_speed(repeats=2, calls=50)
+    assert set(real) == {"python_loop_us", "torch_empty_us"} and all(v > 0 for v in real.values())
+
+
 # --- provenance and the results writer ---------------------------------------------------------
 
 

@@ -4,7 +4,8 @@ Benchmark scripts (``benchmarks/``) and ``graphtune bench decode`` measure with 
 number is taken the same way and every result file carries the same provenance record:
 
 * :mod:`~graphtune.bench.timing` — per-call time of a callable (:func:`time_per_call_ms`, on
-  ``EventTimer`` / ``WallClockTimer``), device copy bandwidth, the bytes floor;
+  ``EventTimer`` / ``WallClockTimer``), device copy bandwidth, the bytes floor, the host's speed
+  (:func:`host_speed`, recorded beside host-bound results);
 * :mod:`~graphtune.bench.cupti` — device time from CUPTI: kernel sums per call
   (:func:`cupti_kernel_time`), GPU-busy time and top kernels (:func:`gpu_busy`), trace parsing;
 * :mod:`~graphtune.bench.cupti_graph` — the in-graph truth (:func:`cupti_graph_time`);
@@ -44,6 +45,7 @@ from graphtune.bench.timing import (
     bytes_floor_ms,
     call_timer,
     copy_bandwidth_gbps,
+    host_speed,
     sync,
     time_per_call_ms,
 )
@@ -67,6 +69,7 @@ __all__ = [
     "gpu_slug",
     "graph_calls_for",
     "group_per_call",
+    "host_speed",
     "json_safe",
     "provenance",
     "release",

@@ -1,4 +1,5 @@
-"""Timing helpers on the library's own timers: per-call time, copy bandwidth, bytes floor.
+"""Timing helpers on the library's own timers: per-call time, copy bandwidth, bytes floor, and
+how fast the host runs Python and torch's dispatcher (:func:`host_speed`).
 
 Per-call times come from :mod:`graphtune.autotuner.timing`: CUDA events around back-to-back calls
 without a delay kernel on CUDA (``EventTimer(delay=False)``: what a caller pays, host launch cost
@@ -8,6 +9,8 @@ the real helpers with a fake one. GPU-busy time from CUPTI is in :mod:`graphtune
 
 from __future__ import annotations
 
+import statistics
+import time
 from collections.abc import Callable
 
 import torch
@@ -72,3 +75,42 @@ def copy_bandwidth_gbps(
 def bytes_floor_ms(nbytes: int, bandwidth_gbps: float) -> float:
     """The time to move ``nbytes`` once at ``bandwidth_gbps``: a memory-bound step's floor."""
     return nbytes / (bandwidth_gbps * 1e9) * 1e3
+
+
+def _python_work() -> int:
+    total = 0
+    for i in range(1000):
+        total += i & 7
+    return total
+
+
+def host_speed(
+    *, repeats: int = 5, calls: int = 1000, clock: Callable[[], float] = time.perf_counter
+) -> dict[str, float]:
+    """How fast this process's host thread runs, for results whose time is spent on the host
+    (captures, tuning, a restart): the median over ``repeats`` samples of the time per call of a
+    fixed pure-Python loop (``python_loop_us``, 1000 additions) and of ``torch.empty`` on the CPU
+    (``torch_empty_us``, the dispatcher and allocator). Two runs of the same code on hosts whose
+    values differ by 2x differ in their host-bound times by about as much, so a result with
+    these fields can be compared with one from another process or machine.
+
+    Args:
+        repeats: Samples (each ``calls`` back-to-back calls).
+        calls: Calls per sample.
+        clock: Seconds (tests pass a fake).
+    """
+
+    def per_call_us(fn: Callable[[], object]) -> float:
+        fn()
+        samples = []
+        for _ in range(repeats):
+            start = clock()
+            for _ in range(calls):
+                fn()
+            samples.append(1e6 * (clock() - start) / calls)
+        return statistics.median(samples)
+
+    return {
+        "python_loop_us": per_call_us(_python_work),
+        "torch_empty_us": per_call_us(lambda: torch.empty(8)),
+    }

@@ -398,3 +398,24 @@ def test_missing_profiles_counts_each_key_once_over_repeated_calls() -> None:
     tuner.tuning_mode = True
     tuner.choose_one("op", runners, CONFIG, [torch.randn(3, 8)])
     assert tuner.missing_profiles([*layer, wider, other_op]) == 6
+
+
+def test_memo_keys_tell_devices_and_layouts_apart_and_skip_iterators() -> None:
+    from graphtune.autotuner.resolved import memo_key
+
+    runners = [object()]
+    cpu, meta = torch.empty(3, 8), torch.empty(3, 8, device="meta")
+
+    def key(inputs: Any, of: Any = runners) -> Any:
+        return memo_key("op", of, CONFIG, inputs, {})
+
+    assert key([cpu]) == key([torch.empty(3, 8)])
+    assert len({key([cpu]), key([meta]), key([cpu, None]), key([cpu.double()]), key([cpu, 1])}) == 5
+    assert key([cpu], iter(runners)) is None and key(iter([cpu])) is None
+    assert key([cpu, object()]) is None  # not a tensor, None or a scalar: no memo
+    # A look-up with runners given as a generator still works, through the slow path.
+    tuner, fakes, _ = make({-1: 5.0, 0: 4.0}, {0: 1.0})
+    tuner.tuning_mode = True
+    x = torch.randn(3, 8)
+    assert tuner.choose_one("op", (r for r in fakes), CONFIG, [x]) == (fakes[1], 0)
+    assert tuner.choose_one("op", tuple(fakes), CONFIG, (x,)) == (fakes[1], 0)

@@ -31,6 +31,9 @@ def device_of(inputs: Sequence[Any]) -> torch.device:
     return torch.device("cpu")
 
 
+_SCALARS = (bool, int, float, str)
+
+
 def memo_key(
     op: str,
     runners: Sequence[TunableRunner],
@@ -38,15 +41,23 @@ def memo_key(
     inputs: Sequence[Any],
     kwargs: dict[str, Any],
 ) -> tuple[Any, ...] | None:
-    """What a cache hit depends on, or ``None`` when an input is not a tensor, ``None`` or a
-    scalar (no memo). The key may still be unhashable (a runner or keyword value): hashing it
-    raises ``TypeError``, which :class:`HitMemo` treats as no memo. Hashing the key is cheap
-    because a config hashes its fields once (``TuningConfig.__hash__``)."""
+    """What a cache hit depends on, or ``None`` (no memo) when ``runners`` or ``inputs`` is not a
+    list or tuple, or an input is not a tensor, ``None`` or a scalar. A tensor adds its shape,
+    dtype and device type, a scalar itself (only tensors add a ``torch.Size``, so the flat key is
+    unambiguous). The key may still be unhashable (a runner or keyword value): hashing it raises
+    ``TypeError``, which :class:`HitMemo` treats as no memo. Hashing the key is cheap because a
+    config hashes its fields once (``TuningConfig.__hash__``). This runs on every look-up, so it
+    avoids what costs there: ``tensor.device`` builds a new object per call."""
+    if not isinstance(runners, (list, tuple)) or not isinstance(inputs, (list, tuple)):
+        return None
     parts: list[Any] = [op, config, *runners]
     for x in inputs:
-        if isinstance(x, torch.Tensor):
-            parts.append((x.shape, x.dtype, x.device.type))
-        elif x is None or isinstance(x, (bool, int, float, str)):
+        if x is None:
+            parts.append(None)
+        elif isinstance(x, torch.Tensor):
+            device = "cuda" if x.is_cuda else "cpu" if x.is_cpu else x.device.type
+            parts += (x.shape, x.dtype, device)
+        elif isinstance(x, _SCALARS):
             parts.append(x)
         else:
             return None

@@ -172,24 +172,25 @@ class AutoTuner:
                 (the runner's signature).
             InputError: A spec points at an input or dimension that does not exist.
         """
+        signature = memo_key(op, runners, config, inputs, kwargs)
+        hit = self._memo.get(signature, self.cache) if self._recording is None else None
+        if hit is not None:  # the hot path: no copies, no checks (a bad call is never memoised)
+            self.stats.hits += 1
+            return hit
         runners = list(runners)
         inputs = list(inputs)
         if not runners:
             raise ConfigError(f"choose_one({op!r}) got no runners; pass at least one runner.")
         if not isinstance(config, TuningConfig):
             raise ConfigError(f"choose_one({op!r}) needs a TuningConfig, got {config!r}.")
-        call = None
+        call = OpCall(op, tuple(runners), config, tuple(inputs), kwargs)
         if self._recording is not None:
-            call = OpCall(op, tuple(runners), config, tuple(inputs), kwargs)
             self._recording.append(call)
-        signature = memo_key(op, runners, config, inputs, kwargs)
-        hit = self._memo.get(signature, self.cache)
-        if hit is not None:
-            if not self._dry_run:
-                self.stats.hits += 1
-            return hit
-        if call is None:  # a memoised hit needs no OpCall
-            call = OpCall(op, tuple(runners), config, tuple(inputs), kwargs)
+            hit = self._memo.get(signature, self.cache)
+            if hit is not None:
+                if not self._dry_run:
+                    self.stats.hits += 1
+                return hit
         resolved = self._resolve(call)
         key = resolved.live_key()
         found = self._lookup(key, runners) if key is not None else None

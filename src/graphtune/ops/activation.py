@@ -25,6 +25,7 @@ from graphtune.autotuner.context import get_tuner
 from graphtune.autotuner.runner import FALLBACK_TACTIC, TunableRunner, preferred_first
 from graphtune.autotuner.tuner import AutoTuner
 from graphtune.errors import ConfigError, InputError
+from graphtune.ops._rows import as_rows, from_rows
 from graphtune.ops._triton import (
     check_block_tactic,
     device_supported,
@@ -210,12 +211,12 @@ def silu_and_mul(
         ``[..., I]`` in ``gate_up``'s dtype.
     """
     shape = gate_up.shape
-    inputs = [gate_up.reshape(-1, shape[-1])]
+    inputs = [as_rows(gate_up)]
     chosen = runners if runners is not None else silu_and_mul_runners()
     runner, tactic = (tuner or get_tuner()).choose_one(
         OP_NAME, chosen, silu_and_mul_config(max_m), inputs
     )
-    return runner.forward(inputs, tactic=tactic).reshape(*shape[:-1], shape[-1] // 2)
+    return from_rows(runner.forward(inputs, tactic=tactic), shape[:-1], shape[-1] // 2)
 
 
 def gated_activation(

@@ -27,6 +27,7 @@ from graphtune.autotuner.context import get_tuner
 from graphtune.autotuner.runner import FALLBACK_TACTIC, TunableRunner
 from graphtune.autotuner.tuner import AutoTuner
 from graphtune.errors import ConfigError, InputError
+from graphtune.ops._rows import as_rows, from_rows
 from graphtune.ops._triton import (
     check_block_tactic,
     device_supported,
@@ -208,16 +209,17 @@ def fused_add_rms_norm(
     if not isinstance(eps, (int, float)) or isinstance(eps, bool) or eps < 0:
         raise ConfigError(f"fused_add_rms_norm: eps must be a float >= 0, got {eps!r}.")
     shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    r2 = residual.reshape(-1, shape[-1]) if residual is not None else None
+    x2 = as_rows(x)
+    r2 = as_rows(residual) if residual is not None else None
     inputs = [x2, weight, r2, float(eps)]
     chosen = runners if runners is not None else rms_norm_runners()
     config = rms_norm_config(max_m, residual is not None)
     runner, tactic = (tuner or get_tuner()).choose_one(OP_NAME, chosen, config, inputs)
     out, new_residual = runner.forward(inputs, tactic=tactic)
+    lead, hidden = shape[:-1], shape[-1]
     if residual is None:
-        return out.reshape(shape), x
-    return out.reshape(shape), new_residual.reshape(shape)
+        return from_rows(out, lead, hidden), x
+    return from_rows(out, lead, hidden), from_rows(new_residual, lead, hidden)
 
 
 def head_norm_weights(

@@ -23,6 +23,7 @@ from graphtune.autotuner.config import TuningConfig
 from graphtune.autotuner.runner import TunableRunner
 from graphtune.autotuner.tuner import AutoTuner
 from graphtune.errors import ConfigError, InputError
+from graphtune.ops._rows import as_rows, from_rows
 from graphtune.ops.activation import silu_and_mul, torch_silu_and_mul
 from graphtune.ops.fused._base import UnfusedRunner, resolve, rows_config, unfused_then_triton
 from graphtune.ops.fused_gemv import FusedTritonRunner
@@ -164,13 +165,13 @@ def norm_gate_up_silu(
         raise ConfigError(f"norm_gate_up_silu: eps must be a float >= 0, got {eps!r}.")
     tuner = resolve(tuner)
     lead = x.shape[:-1]
-    inputs = [x.reshape(-1, x.shape[-1]), norm_weight, w_gate_up, float(eps)]
+    inputs = [as_rows(x), norm_weight, w_gate_up, float(eps)]
     chosen = runners
     if chosen is None:
         chosen = norm_gate_up_silu_runners(tuner=tuner, max_m=max_m, cold_l2=cold_l2)
     config = norm_gate_up_silu_config(max_m, cold_l2)
     runner, tactic = tuner.choose_one(OP_NAME, chosen, config, inputs)
-    return runner.forward(inputs, tactic=tactic).reshape(*lead, w_gate_up.shape[0] // 2)
+    return from_rows(runner.forward(inputs, tactic=tactic), lead, w_gate_up.shape[0] // 2)
 
 
 def _rebuild(record: CallRecord, tuner: Any) -> tuple[tuple[TunableRunner, ...], TuningConfig]:

@@ -29,6 +29,7 @@ from graphtune.autotuner.config import ConstraintSpec, DynamicTensorSpec, Tuning
 from graphtune.autotuner.runner import TunableRunner
 from graphtune.autotuner.tuner import AutoTuner
 from graphtune.errors import ConfigError, InputError
+from graphtune.ops._rows import as_rows, from_rows
 from graphtune.ops.fused._base import UnfusedRunner, resolve, rows_config, unfused_then_triton
 from graphtune.ops.fused_gemv import FusedTritonRunner
 from graphtune.ops.fused_gemv.family import (
@@ -294,13 +295,13 @@ def norm_linear(
         raise ConfigError(f"norm_linear: eps must be a float >= 0, got {eps!r}.")
     tuner = resolve(tuner)
     lead = x.shape[:-1]
-    inputs = [x.reshape(-1, x.shape[-1]), norm_weight, weight, bias, float(eps)]
+    inputs = [as_rows(x), norm_weight, weight, bias, float(eps)]
     chosen = runners
     if chosen is None:
         chosen = norm_linear_runners(tuner=tuner, max_m=max_m, cold_l2=cold_l2)
     config = norm_linear_config(max_m, cold_l2)
     runner, tactic = tuner.choose_one(NORM_LINEAR, chosen, config, inputs)
-    return runner.forward(inputs, tactic=tactic).reshape(*lead, weight.shape[0])
+    return from_rows(runner.forward(inputs, tactic=tactic), lead, weight.shape[0])
 
 
 def _rebuild_add(record: CallRecord, tuner: Any) -> tuple[tuple[TunableRunner, ...], TuningConfig]:

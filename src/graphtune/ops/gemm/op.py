@@ -15,6 +15,7 @@ from graphtune.autotuner.context import get_tuner
 from graphtune.autotuner.runner import TunableRunner
 from graphtune.autotuner.tuner import AutoTuner
 from graphtune.errors import ConfigError, InputError
+from graphtune.ops._rows import as_rows, from_rows
 from graphtune.ops._triton import triton_available
 from graphtune.ops.gemm.common import TorchGemmRunner
 from graphtune.ops.gemm.gemv import TritonGemvRunner
@@ -110,11 +111,11 @@ def gemm(
             f"{weight.shape[-1]}; weight must be [N, K] as in nn.Linear."
         )
     lead = a.shape[:-1]
-    a2 = a.reshape(-1, a.shape[-1])
+    a2 = as_rows(a)
     r2 = None
     if residual is not None:
         n = weight.shape[0]
-        r2 = residual.view(-1, n) if inplace else residual.reshape(-1, n)
+        r2 = as_rows(residual) if residual.dim() == 2 or not inplace else residual.view(-1, n)
     if out is not None:
         _check_out(out, a2, weight, inplace)
     inputs = [a2, weight, bias, r2, bool(inplace)]
@@ -124,7 +125,7 @@ def gemm(
     result = runner.forward(inputs if out is None else [*inputs, out], tactic=tactic)
     if inplace:
         return residual
-    return out if out is not None else result.reshape(*lead, weight.shape[0])
+    return out if out is not None else from_rows(result, lead, weight.shape[0])
 
 
 def _rebuild(record: CallRecord, tuner: Any) -> tuple[tuple[TunableRunner, ...], TuningConfig]:

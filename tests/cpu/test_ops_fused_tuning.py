@@ -270,6 +270,20 @@ def test_pdl_is_off_on_the_cpu_and_an_explicit_switch_is_kept():
     assert not _pdl.pdl_enabled(torch.device("cpu")) and not _pdl.pdl_enabled(None)
 
 
+def test_pdl_decisions_are_remembered_per_kernel_object_and_indexed_device(monkeypatch):
+    asks: list[torch.device] = []
+    monkeypatch.setattr(_pdl, "_DEVICES", {})
+    monkeypatch.setattr(_pdl, "device_supports_pdl", lambda d: asks.append(d) or False)
+    with_switch, without = _Kernel("x_ptr", "USE_PDL"), _Kernel("x_ptr", "BLOCK")
+    for _ in range(3):  # each kernel object keeps its own answer, however often it launches
+        assert _pdl.pdl_meta(with_switch, (torch.ones(1),), {}) == {"USE_PDL": False}
+        assert _pdl.pdl_meta(without, (torch.ones(1),), {}) == {}
+    assert asks == [torch.device("cpu")]
+    _pdl.pdl_enabled(torch.device("cuda"))  # no index: whatever device is current, not kept
+    _pdl.pdl_enabled(torch.device("cuda"))
+    assert asks[1:] == [torch.device("cuda")] * 2
+
+
 def test_graphtune_pdl_switch(monkeypatch):
     monkeypatch.delenv("GRAPHTUNE_PDL", raising=False)
     assert env.pdl_allowed()

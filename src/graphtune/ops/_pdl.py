@@ -96,18 +96,41 @@ def _is_interpreted(kernel: Any) -> bool:
     return isinstance(kernel, InterpretedFunction)
 
 
+# Read on every launch, and fixed while the process runs: per kernel (by identity; the entry keeps
+# it alive, so its id is not reused), whether it declares the switch and whether it is
+# interpreted; per device (a CUDA one with its index), whether PDL can work there.
+_KERNELS: dict[int, tuple[Any, bool, bool]] = {}
+_DEVICES: dict[torch.device, bool] = {}
+
+
+def _kernel_flags(kernel: Any) -> tuple[bool, bool]:
+    found = _KERNELS.get(id(kernel))
+    if found is None or found[0] is not kernel:
+        declares = PDL_ARG in getattr(kernel, "arg_names", ())
+        found = (kernel, declares, declares and _is_interpreted(kernel))
+        _KERNELS[id(kernel)] = found
+    return found[1], found[2]
+
+
+def _device_allows(device: torch.device) -> bool:
+    found = _DEVICES.get(device)
+    if found is None:
+        found = device_supports_pdl(device) and triton_accepts_pdl()
+        if device.type != "cuda" or device.index is not None:  # "cuda": the current one
+            _DEVICES[device] = found
+    return found
+
+
 def _device_of(args: tuple[Any, ...]) -> torch.device | None:
-    return next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+    for value in args:
+        if isinstance(value, torch.Tensor):
+            return value.device
+    return None
 
 
 def pdl_enabled(device: torch.device | None) -> bool:
     """Whether a ``USE_PDL`` kernel on ``device`` is launched with PDL (see the module doc)."""
-    return (
-        device is not None
-        and env.pdl_allowed()
-        and device_supports_pdl(device)
-        and triton_accepts_pdl()
-    )
+    return device is not None and env.pdl_allowed() and _device_allows(device)
 
 
 def pdl_meta(kernel: Any, args: tuple[Any, ...], meta: dict[str, Any]) -> dict[str, Any]:
@@ -115,14 +138,16 @@ def pdl_meta(kernel: Any, args: tuple[Any, ...], meta: dict[str, Any]) -> dict[s
 
     A kernel without a ``USE_PDL`` parameter gets ``meta`` unchanged; an explicit ``USE_PDL`` in
     ``meta`` is kept (``launch_pdl`` then follows it). Warm-up compiles pass the same options, so
-    the binary compiled ahead of time is the one launched.
+    the binary compiled ahead of time is the one launched. Called for every launch: what does not
+    change (the kernel's parameters, the device's support) is looked up once.
     """
-    if PDL_ARG not in getattr(kernel, "arg_names", ()):
+    declares, interpreted = _kernel_flags(kernel)
+    if not declares:
         return meta
     if PDL_ARG in meta:
         use = bool(meta[PDL_ARG])
     else:
-        use = not _is_interpreted(kernel) and pdl_enabled(_device_of(args))
+        use = not interpreted and pdl_enabled(_device_of(args))
     out = {**meta, PDL_ARG: use}
     if use:
         out["launch_pdl"] = True

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import importlib
 import logging
 import threading
 from collections.abc import Iterator
@@ -77,12 +78,22 @@ def require_triton(what: str) -> ModuleType:
     return module
 
 
+@functools.cache
+def kernel_module(name: str, what: str) -> ModuleType:
+    """The kernels module ``name``, imported on its first use and kept (every launch asks for its
+    kernel, and a ``from ... import`` costs a microsecond each time); ``what`` names the kernels
+    in the error when Triton is missing, which is raised again on every call.
+
+    Raises:
+        TritonUnavailableError: Triton cannot be imported.
+    """
+    require_triton(what)
+    return importlib.import_module(name)
+
+
 def kernels() -> ModuleType:
     """The module of Triton kernels (imported on first use; needs Triton)."""
-    require_triton("graphtune's Triton kernels")
-    from graphtune.ops import _kernels
-
-    return _kernels
+    return kernel_module("graphtune.ops._kernels", "graphtune's Triton kernels")
 
 
 @functools.lru_cache(maxsize=1)

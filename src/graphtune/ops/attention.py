@@ -43,7 +43,7 @@ from graphtune.autotuner import (
 from graphtune.autotuner.calls import CallRecord
 from graphtune.autotuner.config import last_power_of_two, next_power_of_two, power_of_two_buckets
 from graphtune.errors import ConfigError, InputError
-from graphtune.ops._triton import device_limits, device_supported, require_triton, run_kernel
+from graphtune.ops._triton import device_limits, device_supported, kernel_module, run_kernel
 from graphtune.ops._triton_runner import TritonRunner
 from graphtune.ops.registry import register_op
 
@@ -52,10 +52,9 @@ OP_NAME = "decode_attention"
 
 def attention_kernels() -> ModuleType:
     """The module of the decode-attention kernels (imported on first use; needs Triton)."""
-    require_triton("graphtune's Triton decode-attention kernels")
-    from graphtune.ops import _attention_kernels
-
-    return _attention_kernels
+    return kernel_module(
+        "graphtune.ops._attention_kernels", "graphtune's Triton decode-attention kernels"
+    )
 
 
 _COUNTERS: dict[str, torch.Tensor] = {}

@@ -32,7 +32,7 @@ import torch
 
 from graphtune.autotuner.config import next_power_of_two
 from graphtune.errors import ConfigError
-from graphtune.ops._triton import device_supported, require_triton, run_kernel
+from graphtune.ops._triton import device_supported, kernel_module, run_kernel
 
 TACTIC_KEYS = ("bn", "bk", "warps", "dot", "stages")
 MAX_M = 16
@@ -55,10 +55,9 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def gemv_kernels() -> ModuleType:
     """The module of the fused GEMV kernel (imported on first use; needs Triton)."""
-    require_triton("graphtune's fused Triton GEMV kernel")
-    from graphtune.ops.fused_gemv import _kernels as _gemv_kernels
-
-    return _gemv_kernels
+    return kernel_module(
+        "graphtune.ops.fused_gemv._kernels", "graphtune's fused Triton GEMV kernel"
+    )
 
 
 def check_fused_tactic(tactic: Any) -> str | None:

@@ -110,17 +110,8 @@ def kernel_operands(
     """
     res = residual if residual is not None else a
     pointers = (a, weight, bias if bias is not None else a, res, target)
-    strides = (
-        a.stride(0),
-        a.stride(1),
-        weight.stride(0),
-        weight.stride(1),
-        res.stride(0),
-        res.stride(1),
-        target.stride(0) if target.dim() == 3 else 0,
-        target.stride(-2),
-        target.stride(-1),
-    )
+    split_stride, *target_strides = target.stride() if target.dim() == 3 else (0, *target.stride())
+    strides = (*a.stride(), *weight.stride(), *res.stride(), split_stride, *target_strides)
     return pointers, strides
 
 

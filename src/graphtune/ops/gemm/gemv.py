@@ -47,7 +47,7 @@ import torch
 
 from graphtune.autotuner.config import next_power_of_two
 from graphtune.errors import ConfigError
-from graphtune.ops._triton import device_limits, require_triton, run_kernel
+from graphtune.ops._triton import device_limits, kernel_module, run_kernel
 from graphtune.ops._triton_runner import TritonRunner
 from graphtune.ops.gemm.common import (
     kernel_operands,
@@ -60,6 +60,7 @@ from graphtune.ops.gemm.common import (
 )
 
 TACTIC_KEYS = ("bn", "bk", "warps", "split_k")
+_TACTIC_KEY_SET = frozenset(TACTIC_KEYS)
 MAX_M = 8
 """Largest bucket that gets GEMV tactics; also the most rows one program multiplies."""
 BN_CHOICES = (2, 4, 8, 16, 32)
@@ -79,10 +80,7 @@ _MAX_TILE_ELEMENTS = 1 << 20
 def gemv_kernels() -> ModuleType:
     """The module of the GEMV kernel (imported on first use; needs Triton), so that importing
     :mod:`graphtune.ops` never imports Triton."""
-    require_triton("graphtune's Triton GEMV kernel")
-    from graphtune.ops.gemm import _gemv_kernels
-
-    return _gemv_kernels
+    return kernel_module("graphtune.ops.gemm._gemv_kernels", "graphtune's Triton GEMV kernel")
 
 
 def _pow2(value: int) -> bool:
@@ -95,22 +93,20 @@ def check_gemv_tactic(tactic: Any, k: int) -> str | None:
     Rules that hold for every ``M`` (a bucket's pick runs all the sizes mapped to it): the known
     keys, positive int values, power-of-two ``bn``, ``bk`` and ``warps`` (``tl.arange`` and
     Triton's warp counts), a tile Triton can hold, and split-K slices of whole ``bk`` blocks.
+    Every launch checks its tactic, so this is written as plain tests (no sets or generators).
     """
-    if not isinstance(tactic, dict) or set(tactic) != set(TACTIC_KEYS):
+    if not isinstance(tactic, dict) or tactic.keys() != _TACTIC_KEY_SET:
         return f"a Triton GEMV tactic is a dict with keys {TACTIC_KEYS}, got {tactic!r}"
-    values = [tactic[key] for key in TACTIC_KEYS]
-    if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
-        return f"every value of a GEMV tactic must be a positive int, got {tactic!r}"
-    if not all(_pow2(tactic[key]) for key in ("bn", "bk", "warps")) or tactic["warps"] > 32:
+    bn, bk, warps, split = tactic["bn"], tactic["bk"], tactic["warps"], tactic["split_k"]
+    for v in (bn, bk, warps, split):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            return f"every value of a GEMV tactic must be a positive int, got {tactic!r}"
+    if bn & (bn - 1) or bk & (bk - 1) or warps & (warps - 1) or warps > 32:
         return f"bn, bk and warps must be powers of two (warps <= 32), got {tactic!r}"
-    if tactic["bn"] * tactic["bk"] > _MAX_TILE_ELEMENTS:
+    if bn * bk > _MAX_TILE_ELEMENTS:
         return f"bn * bk must be at most {_MAX_TILE_ELEMENTS} elements (Triton), got {tactic!r}"
-    split = tactic["split_k"]
-    if split > 1 and k % (split * tactic["bk"]):
-        return (
-            f"split_k={split} with bk={tactic['bk']} needs K divisible by "
-            f"{split * tactic['bk']}, but K={k}"
-        )
+    if split > 1 and k % (split * bk):
+        return f"split_k={split} with bk={bk} needs K divisible by {split * bk}, but K={k}"
     return None
 
 
@@ -266,7 +262,7 @@ class TritonGemvRunner(TritonRunner):
         problem = check_gemv_tactic(tactic, k)
         if problem is not None:
             raise ConfigError(f"TritonGemvRunner: {problem}; pick a tactic from get_valid_tactics.")
-        bn, bk, warps, split = (tactic[key] for key in TACTIC_KEYS)
+        bn, bk, warps, split = tactic["bn"], tactic["bk"], tactic["warps"], tactic["split_k"]
         out = result_tensor(inputs, a, n, residual, inplace)
         if m == 0:
             return out
@@ -288,7 +284,7 @@ class TritonGemvRunner(TritonRunner):
             num_warps=warps,
             num_stages=1,
         )
-        grid = (math.ceil(m / bm) * math.ceil(n / bn), split)
+        grid = (-(-m // bm) * -(-n // bn), split)
         run_kernel(gemv_kernels().gemv_kernel, grid, args, meta, warmup)
         if split > 1:
             reduce_split_k(target, bias, residual, out, warmup)

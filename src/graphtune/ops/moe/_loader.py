@@ -4,20 +4,14 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from graphtune.ops._triton import require_triton
+from graphtune.ops._triton import kernel_module
 
 
 def moe_kernels() -> ModuleType:
     """The module of fused-MoE Triton kernels (imported on first use; needs Triton)."""
-    require_triton("graphtune's fused-MoE Triton kernels")
-    from graphtune.ops.moe import _kernels
-
-    return _kernels
+    return kernel_module("graphtune.ops.moe._kernels", "graphtune's fused-MoE Triton kernels")
 
 
 def moe_gemv_kernels() -> ModuleType:
     """The module of the fused-MoE GEMV-path kernels (imported on first use; needs Triton)."""
-    require_triton("graphtune's fused-MoE GEMV kernels")
-    from graphtune.ops.moe import _gemv_kernels
-
-    return _gemv_kernels
+    return kernel_module("graphtune.ops.moe._gemv_kernels", "graphtune's fused-MoE GEMV kernels")

@@ -35,6 +35,7 @@ from graphtune.errors import ConfigError
 from graphtune.ops._triton import device_supported, kernel_module, run_kernel
 
 TACTIC_KEYS = ("bn", "bk", "warps", "dot", "stages")
+_TACTIC_KEY_SET = frozenset(TACTIC_KEYS)
 MAX_M = 16
 """Largest bucket that gets fused tactics; also the padded row count of a ``dot=1`` program."""
 PLAIN, SILU, ROPE = 0, 1, 2
@@ -61,14 +62,16 @@ def gemv_kernels() -> ModuleType:
 
 
 def check_fused_tactic(tactic: Any) -> str | None:
-    """Why ``tactic`` is not a fused GEMV tactic, or ``None`` when it is one."""
-    if not isinstance(tactic, dict) or set(tactic) != set(TACTIC_KEYS):
+    """Why ``tactic`` is not a fused GEMV tactic, or ``None`` when it is one (every launch checks
+    its tactic, so this is written as plain tests, without sets or generators)."""
+    if not isinstance(tactic, dict) or tactic.keys() != _TACTIC_KEY_SET:
         return f"a fused GEMV tactic is a dict with keys {TACTIC_KEYS} (or -1), got {tactic!r}"
-    values = [tactic[key] for key in TACTIC_KEYS]
-    if any(isinstance(v, bool) or not isinstance(v, int) for v in values):
-        return f"every value of a fused GEMV tactic must be an int, got {tactic!r}"
-    bn, bk, warps, dot, stages = values
-    if dot not in (0, 1) or any(v < 1 or v & (v - 1) for v in (bn, bk, warps)) or warps > 16:
+    bn, bk, warps, dot, stages = (tactic[key] for key in TACTIC_KEYS)
+    for v in (bn, bk, warps, dot, stages):
+        if isinstance(v, bool) or not isinstance(v, int):
+            return f"every value of a fused GEMV tactic must be an int, got {tactic!r}"
+    powers = bn >= 1 and bk >= 1 and warps >= 1 and not (bn & (bn - 1) or bk & (bk - 1))
+    if dot not in (0, 1) or not powers or warps & (warps - 1) or warps > 16:
         return f"bn, bk, warps must be powers of two (warps <= 16) and dot 0 or 1, got {tactic!r}"
     if dot and (bn < 16 or bk < 16):
         return f"a dot=1 tactic needs bn and bk >= 16 (tl.dot), got {tactic!r}"
@@ -226,12 +229,12 @@ def launch_fused_gemv(
         assert rope is not None
         positions, cos, sin, write_rows, k_cache, v_cache, heads, kv_heads, signed = rope
         half = cos.shape[-1] // 2
-        tiles = (heads + 2 * kv_heads) * math.ceil(half / bn)
+        tiles = (heads + 2 * kv_heads) * -(-half // bn)
         rope_args: tuple[Any, ...] = (positions, cos, sin, write_rows, k_cache, v_cache)
         rope_strides = (cos.stride(0), sin.stride(0), k_cache.stride(0), v_cache.stride(0))
     else:
         heads, kv_heads, signed, half = 1, 1, False, 1
-        tiles = math.ceil(n / bn)
+        tiles = -(-n // bn)
         rope_args = (placeholder,) * 6
         rope_strides = (0, 0, 0, 0)
     res = residual if residual is not None else placeholder
@@ -271,5 +274,5 @@ def launch_fused_gemv(
         num_warps=warps,
         num_stages=stages,
     )
-    grid = (tiles, math.ceil(m / block_m))
+    grid = (tiles, -(-m // block_m))
     run_kernel(gemv_kernels().fused_gemv_kernel, grid, args, meta, warmup)

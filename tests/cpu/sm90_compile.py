@@ -23,119 +23,7 @@ from typing import Any
 
 import torch
 
-BF16, F32 = torch.bfloat16, torch.float32
 TARGET = ("cuda", 90, 32)
-
-
-def _rand(*shape: int, dtype: torch.dtype = BF16) -> torch.Tensor:
-    return torch.randn(*shape).to(dtype)
-
-
-def _cases() -> list[tuple[str, Any, list[Any]]]:
-    """``(label, runner, inputs)`` of every Triton runner, small shapes, each kernel mode."""
-    from graphtune.ops import attention
-    from graphtune.ops.activation import TritonSiluAndMulRunner
-    from graphtune.ops.fused import (
-        TritonAddProjection,
-        TritonNormGateUpSilu,
-        TritonNormLinear,
-        TritonNormQkvRope,
-    )
-    from graphtune.ops.gemm import TritonSkinnyGemmRunner
-    from graphtune.ops.gemm.gemv import TritonGemvRunner
-    from graphtune.ops.gemm.tiled import TritonGemmRunner
-    from graphtune.ops.moe import (
-        TritonFusedMoeRunner,
-        TritonMoeGemvRunner,
-        TritonRouteTopKRunner,
-    )
-    from graphtune.ops.rmsnorm import TritonRMSNormRunner
-    from graphtune.ops.rotary import TritonRopeRunner
-
-    hidden, inter, heads, kv, dim, seq = 256, 512, 4, 2, 64, 512
-    cases: list[tuple[str, Any, list[Any]]] = []
-
-    def add(label: str, runner: Any, inputs: list[Any]) -> None:
-        cases.append((label, runner, inputs))
-
-    for m in (1, 8):
-        x, nw = _rand(m, hidden), _rand(hidden)
-        add(f"norm_linear m={m}", TritonNormLinear(), [x, nw, _rand(inter, hidden), None, 1e-5])
-        add(
-            f"norm_linear+bias m={m}",
-            TritonNormLinear(),
-            [x, nw, _rand(inter, hidden), _rand(inter), 1e-5],
-        )
-        add(
-            f"add_projection m={m}",
-            TritonAddProjection(),
-            [x, _rand(m, inter), _rand(hidden, inter)],
-        )
-        add(
-            f"norm_gate_up_silu m={m}",
-            TritonNormGateUpSilu(),
-            [x, nw, _rand(2 * inter, hidden), 1e-5],
-        )
-        rows = (heads + 2 * kv) * dim
-        positions = torch.zeros(m, dtype=torch.long)
-        write_rows = torch.arange(m * kv, dtype=torch.long)
-        k_cache, v_cache = _rand(64, dim), _rand(64, dim)
-        for signed, bias in ((True, None), (False, _rand(rows))):
-            add(
-                f"norm_qkv_rope m={m} signed={signed} bias={bias is not None}",
-                TritonNormQkvRope(heads, kv, signed),
-                [x, nw, _rand(rows, hidden), bias, positions, _rand(seq, dim), _rand(seq, dim)]
-                + [k_cache, v_cache, write_rows, 1e-5],
-            )
-        add(
-            f"skinny_gemm m={m}",
-            TritonSkinnyGemmRunner(),
-            [x, _rand(inter, hidden), _rand(inter), _rand(m, inter), True],
-        )
-        add(
-            f"gemm m={m}",
-            TritonGemmRunner(),
-            [x, _rand(inter, hidden), None, _rand(m, inter), True],
-        )
-        add(f"gemv m={m}", TritonGemvRunner(), [x, _rand(inter, hidden), None, None, False])
-        add(f"rms_norm m={m}", TritonRMSNormRunner(), [x, nw, _rand(m, hidden), 1e-5])
-        add(f"silu_and_mul m={m}", TritonSiluAndMulRunner(), [_rand(m, 2 * inter)])
-        experts, top_k, expert_inter = 8, 2, 64
-        logits = _rand(m, experts)
-        for weights_float32 in (True, False):
-            add(
-                f"route_top_k m={m} float32={weights_float32}",
-                TritonRouteTopKRunner(top_k, True, weights_float32),
-                [logits],
-            )
-        ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(m)])
-        moe_inputs = [
-            x,
-            _rand(experts, 2 * expert_inter, hidden),
-            _rand(experts, hidden, expert_inter),
-            torch.full((m, top_k), 0.5, dtype=BF16),
-            ids,
-        ]
-        add(f"fused_moe m={m}", TritonFusedMoeRunner(smem_bytes=228 * 1024), moe_inputs)
-        add(f"fused_moe gemv m={m}", TritonMoeGemvRunner(), moe_inputs)
-        with_residual = [*moe_inputs, _rand(m, hidden)]
-        add(f"fused_moe+residual m={m}", TritonFusedMoeRunner(smem_bytes=228 * 1024), with_residual)
-        add(f"fused_moe gemv+residual m={m}", TritonMoeGemvRunner(), with_residual)
-        rope_inputs = [_rand(m, rows), positions, _rand(seq, dim), _rand(seq, dim), k_cache]
-        rope_inputs += [v_cache, write_rows]
-        add(f"rope m={m}", TritonRopeRunner(heads, kv, True), rope_inputs)
-        head_norm = [_rand(heads + kv, dim), 1e-6]
-        add(f"rope+head norm m={m}", TritonRopeRunner(heads, kv, True), rope_inputs + head_norm)
-        for dtype in (BF16, F32):
-            q = _rand(m, kv, heads // kv, dim, dtype=dtype)
-            keys, values = _rand(m, kv, seq, dim, dtype=dtype), _rand(m, kv, seq, dim, dtype=dtype)
-            mask = torch.zeros(m, 1, 1, seq, dtype=dtype)
-            for runner in (
-                attention.TritonDecodeAttention(),
-                attention.TritonDecodeAttentionOneKernel(),
-            ):
-                add(f"{type(runner).__name__} m={m} {dtype}", runner, [q, keys, values, mask])
-    return cases
 
 
 class Recorder:
@@ -221,9 +109,10 @@ def main() -> int:
     if os.environ.get("TRITON_INTERPRET"):
         print(json.dumps({"error": "run without TRITON_INTERPRET (interpreted kernels)"}))
         return 2
+    from graphtune.bench.runner_cases import runner_cases
     from graphtune.ops import _triton
 
-    cases = _cases()  # imports every runner's module
+    cases = runner_cases()  # imports every runner's module
     recorder = Recorder()
     original = _triton.run_kernel
     for name, module in list(sys.modules.items()):

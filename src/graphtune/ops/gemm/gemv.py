@@ -83,10 +83,6 @@ def gemv_kernels() -> ModuleType:
     return kernel_module("graphtune.ops.gemm._gemv_kernels", "graphtune's Triton GEMV kernel")
 
 
-def _pow2(value: int) -> bool:
-    return value >= 1 and value & (value - 1) == 0
-
-
 def check_gemv_tactic(tactic: Any, k: int) -> str | None:
     """Why ``tactic`` cannot run a GEMV with inner size ``k``, or ``None`` when it can.
 

@@ -8,7 +8,7 @@ machine, the GPU host included):
 
 A CUDA graph replay hides host time, but every capture, every eager step and every one of the
 tuner's timing captures pays it, so it decides capture time (issue 15) and much of tuning time
-(issue 14). Measured here, on CPU tensors, as the best of ``--repeats`` samples:
+(issue 14). Measured here, on CPU tensors, as the median of ``--repeats`` samples:
 
 1. ``lookup_us``: a memoised ``AutoTuner.choose_one`` hit of the GEMM op;
 2. ``launch_us``: graphtune's host code per ``runner.launch`` of every Triton runner
@@ -28,9 +28,7 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
-import timeit
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,10 +38,10 @@ from graphtune import bench
 from graphtune.reporting import render_table
 
 
-def best_us(fn: Callable[[], object], calls: int, repeats: int) -> float:
-    """The fastest of ``repeats`` samples of ``calls`` back-to-back calls, µs per call."""
-    fn()
-    return min(timeit.repeat(fn, number=calls, repeat=repeats)) / calls * 1e6
+def per_call_us(fn: Callable[[], object], calls: int, repeats: int) -> float:
+    """Median over ``repeats`` samples of ``calls`` back-to-back calls, µs per call (the
+    toolkit's wall-clock timing on the CPU)."""
+    return 1e3 * bench.time_per_call_ms(fn, torch.device("cpu"), calls, repeats, warmup=1)
 
 
 def lookup_us(calls: int, repeats: int) -> float:
@@ -56,44 +54,24 @@ def lookup_us(calls: int, repeats: int) -> float:
     runners, config = gemm_runners(), gemm_config(8)
     with autotune(tuner=tuner):
         tuner.choose_one(OP_NAME, runners, config, inputs)
-    return best_us(lambda: tuner.choose_one(OP_NAME, runners, config, inputs), calls, repeats)
-
-
-@contextmanager
-def launches_stubbed() -> Iterator[None]:
-    """Within the block every graphtune module's ``run_kernel`` runs ``pdl_meta`` only."""
-    from graphtune.ops import _triton
-
-    real = _triton.run_kernel
-
-    def stand_in(kernel: Any, grid: Any, args: tuple[Any, ...], meta: dict, warmup: bool) -> None:
-        _triton.pdl_meta(kernel, args, meta)
-
-    patched = [
-        module
-        for name, module in list(sys.modules.items())
-        if name.startswith("graphtune.ops") and getattr(module, "run_kernel", None) is real
-    ]
-    for module in patched:
-        module.run_kernel = stand_in  # type: ignore[attr-defined]
-    try:
-        yield
-    finally:
-        for module in patched:
-            module.run_kernel = real  # type: ignore[attr-defined]
+    return per_call_us(lambda: tuner.choose_one(OP_NAME, runners, config, inputs), calls, repeats)
 
 
 def launch_us(calls: int, repeats: int) -> dict[str, float | str]:
-    from graphtune.bench.runner_cases import runner_cases
+    from graphtune.bench.runner_cases import launches_replaced, runner_cases
+    from graphtune.ops._pdl import pdl_meta
+
+    def stand_in(kernel: Any, grid: Any, args: tuple[Any, ...], meta: dict, warmup: bool) -> None:
+        pdl_meta(kernel, args, meta)  # what run_kernel does before Triton's launch
 
     cases = [c for c in runner_cases() if "m=1" in c[0] and "float32" not in c[0]]
     out: dict[str, float | str] = {}
-    with launches_stubbed():
+    with launches_replaced(stand_in):
         for label, runner, inputs in cases:
             tactic = runner.tactics_for(inputs)[0]
             try:
                 call = functools.partial(runner.launch, inputs, tactic)
-                out[label] = best_us(call, calls, repeats)
+                out[label] = per_call_us(call, calls, repeats)
             except Exception as exc:  # a case that cannot run here is reported, not fatal
                 out[label] = f"{type(exc).__name__}: {exc}"
     return out
@@ -113,7 +91,7 @@ def forward_ms(calls: int, repeats: int) -> float:
     tune_step(step)
     args = step.example_inputs(8)
     with torch.no_grad():
-        return best_us(lambda: step(*args), calls, repeats) / 1e3
+        return per_call_us(lambda: step(*args), calls, repeats) / 1e3
 
 
 def main(argv: list[str] | None = None) -> int:

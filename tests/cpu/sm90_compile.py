@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -109,32 +108,28 @@ def main() -> int:
     if os.environ.get("TRITON_INTERPRET"):
         print(json.dumps({"error": "run without TRITON_INTERPRET (interpreted kernels)"}))
         return 2
-    from graphtune.bench.runner_cases import runner_cases
-    from graphtune.ops import _triton
+    from graphtune.bench.runner_cases import launches_replaced, runner_cases
 
     cases = runner_cases()  # imports every runner's module
     recorder = Recorder()
-    original = _triton.run_kernel
-    for name, module in list(sys.modules.items()):
-        if name.startswith("graphtune.ops") and getattr(module, "run_kernel", None) is original:
-            module.run_kernel = recorder  # type: ignore[attr-defined]
     launches: list[tuple[str, Any, tuple[Any, ...], dict[str, Any]]] = []
     errors: dict[str, str | None] = {}
-    for label, runner, inputs in cases:
-        planned = list(runner.tactics_for(inputs))
-        # The first and the last tactic: the simplest and the largest tiles of each kernel mode.
-        chosen = {json.dumps(t, sort_keys=True): t for t in planned[:1] + planned[-1:]}
-        if not chosen:
-            errors[label] = "the runner offered no tactics"
-        for text, tactic in chosen.items():
-            before = len(recorder.launches)
-            try:
-                runner.launch(inputs, tactic, warmup=True)
-            except Exception as exc:  # a launch that fails before compiling is a finding too
-                errors[f"{label} {text}"] = f"launch: {type(exc).__name__}: {exc}"
-                continue
-            for kernel, args, meta in recorder.launches[before:]:
-                launches.append((f"{label} {text} {kernel.__name__}", kernel, args, meta))
+    with launches_replaced(recorder):
+        for label, runner, inputs in cases:
+            planned = list(runner.tactics_for(inputs))
+            # The first and the last tactic: the simplest and the largest tiles of each mode.
+            chosen = {json.dumps(t, sort_keys=True): t for t in planned[:1] + planned[-1:]}
+            if not chosen:
+                errors[label] = "the runner offered no tactics"
+            for text, tactic in chosen.items():
+                before = len(recorder.launches)
+                try:
+                    runner.launch(inputs, tactic, warmup=True)
+                except Exception as exc:  # a launch that fails before compiling is a finding
+                    errors[f"{label} {text}"] = f"launch: {type(exc).__name__}: {exc}"
+                    continue
+                for kernel, args, meta in recorder.launches[before:]:
+                    launches.append((f"{label} {text} {kernel.__name__}", kernel, args, meta))
 
     def compile_one(item: tuple[str, Any, tuple[Any, ...], dict[str, Any]]) -> tuple[str, Any]:
         label, kernel, args, meta = item

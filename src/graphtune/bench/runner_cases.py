@@ -2,11 +2,15 @@
 
 ``tests/cpu/sm90_compile.py`` compiles every launch these cases make for an sm_90 GPU, and
 ``benchmarks/host_overhead.py`` times graphtune's own host code per launch over them, so both
-see the same runners. Building the cases imports every runner's module but launches nothing.
+see the same runners. Building the cases imports every runner's module but launches nothing;
+:func:`launches_replaced` is how both run the runners' launch code without a kernel.
 """
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -125,3 +129,24 @@ def runner_cases() -> list[tuple[str, Any, list[Any]]]:
             ):
                 add(f"{type(runner).__name__} m={m} {dtype}", runner, [q, keys, values, mask])
     return cases
+
+
+@contextmanager
+def launches_replaced(stand_in: Callable[..., None]) -> Iterator[None]:
+    """Within the block every loaded ``graphtune.ops`` module calls ``stand_in(kernel, grid, args,
+    meta, warmup)`` where it would call ``graphtune.ops._triton.run_kernel``; put back after."""
+    from graphtune.ops import _triton
+
+    real = _triton.run_kernel
+    patched = [
+        module
+        for name, module in list(sys.modules.items())
+        if name.startswith("graphtune.ops") and getattr(module, "run_kernel", None) is real
+    ]
+    for module in patched:
+        module.run_kernel = stand_in
+    try:
+        yield
+    finally:
+        for module in patched:
+            module.run_kernel = real

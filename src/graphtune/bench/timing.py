@@ -9,7 +9,6 @@ the real helpers with a fake one. GPU-busy time from CUPTI is in :mod:`graphtune
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 
@@ -99,16 +98,11 @@ def host_speed(
         calls: Calls per sample.
         clock: Seconds (tests pass a fake).
     """
+    cpu = torch.device("cpu")
 
     def per_call_us(fn: Callable[[], object]) -> float:
-        fn()
-        samples = []
-        for _ in range(repeats):
-            start = clock()
-            for _ in range(calls):
-                fn()
-            samples.append(1e6 * (clock() - start) / calls)
-        return statistics.median(samples)
+        timer = WallClockTimer(samples=repeats, clock=clock)
+        return 1e3 * time_per_call_ms(fn, cpu, calls, repeats, warmup=1, timer=timer)
 
     return {
         "python_loop_us": per_call_us(_python_work),

@@ -119,11 +119,17 @@ def start_cache_key_warmup() -> threading.Thread | None:
     needs a binary first waits for the thread (:func:`wait_for_cache_key`) instead of hashing
     the same files again beside it. Nothing happens without CUDA.
     """
+    global _KEY_THREAD
     if not torch.cuda.is_available():
         return None
     thread = threading.Thread(target=_warm_cache_key, name="graphtune-triton-key", daemon=True)
     thread.start()
+    _KEY_THREAD = thread
     return thread
+
+
+#: The warm-up thread until a launch has waited for it (then ``None``: one global read a launch).
+_KEY_THREAD: threading.Thread | None = None
 
 
 def _warm_cache_key() -> None:
@@ -137,12 +143,14 @@ def _warm_cache_key() -> None:
 
 
 def wait_for_cache_key() -> None:
-    """Waits for :func:`start_cache_key_warmup`'s thread, if it was started and still runs."""
-    if start_cache_key_warmup.cache_info().currsize == 0:
+    """Waits for :func:`start_cache_key_warmup`'s thread, if it was started and has not been
+    waited for. Every launch calls this, so once the thread is done it is one global read."""
+    global _KEY_THREAD
+    thread = _KEY_THREAD
+    if thread is None or thread is threading.current_thread():
         return
-    thread = start_cache_key_warmup()
-    if thread is not None and thread.is_alive() and thread is not threading.current_thread():
-        thread.join()
+    thread.join()
+    _KEY_THREAD = None
 
 
 def device_supported(device: torch.device) -> bool:

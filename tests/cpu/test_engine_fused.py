@@ -117,3 +117,20 @@ def test_cold_l2_tuning_reaches_the_fused_ops(monkeypatch) -> None:
         step.decode(step.ops.unfused(), *step.example_inputs(1))
     assert all(seen[op] == {True} for op in FUSED_OPS | {"graphtune.gemm"}), seen
     assert seen["graphtune.rms_norm"] == {False}  # only the weight-streaming ops rotate
+
+
+def test_cold_l2_by_default_exactly_when_the_weights_exceed_the_l2(monkeypatch) -> None:
+    import graphtune.engine.step as step_module
+
+    model = load_model("tiny")
+    weights = model.weight_bytes()
+
+    def step_with_l2(l2_bytes: int, **kwargs) -> DecodeStep:
+        monkeypatch.setattr(step_module, "l2_cache_bytes", lambda device: l2_bytes)
+        cache = KVCache(model.config, 2, 32)
+        return DecodeStep(model, cache, tuner=AutoTuner(show_progress=False), **kwargs)
+
+    assert step_with_l2(weights - 1).ops.gemm_cold_l2 is True
+    assert step_with_l2(weights).ops.gemm_cold_l2 is False
+    assert step_with_l2(weights - 1, gemm_cold_l2=False).ops.gemm_cold_l2 is False
+    assert step_with_l2(weights, gemm_cold_l2=True).ops.gemm_cold_l2 is True

@@ -230,10 +230,12 @@ def test_bench_decode_tune_reports_tuned_beside_untuned(tmp_path, capsys, monkey
         assert r["eager_ms"] > 0 and r["tuned_eager_ms"] > 0 and r["tuned_over_untuned"] > 0
         assert r["tuned_max_abs_diff"] < 1e-5 and r["graph_ms"] is None
     assert data["tuning_seconds"] >= 0
+    assert data["tuning_cold_l2"] is False  # auto: tiny's weights fit in the CPU's cache
     assert cache.is_file()
-    assert main(args) == 0  # the cache file answers everything: nothing tuned again
+    assert main([*args, "--tune-l2", "cold"]) == 0  # the cache file answers everything
     assert "tuning: 0 (op, bucket) profiles tuned" in capsys.readouterr().err
     assert made[-1].stats.profiles_tuned == 0
+    assert json.loads(out_json.read_text())["tuning_cold_l2"] is True
 
 
 def test_tune_step_compiles_up_front_and_tunes_what_it_would_without() -> None:

@@ -292,8 +292,10 @@ def _time_tuned(run: _Run, tuner: Any) -> None:
         gemm_cold_l2=cfg.tune_cold_l2,
         reducer=getattr(step, "reducer", None),
     )
+    report.tuning_cold_l2 = tuned.ops.gemm_cold_l2
     log(
-        f"tuning the step by running it at batch buckets up to {sizes[-1]}"
+        f"tuning the step by running it at batch buckets up to {sizes[-1]}, GEMMs timed "
+        + ("with cold-L2 rotation" if tuned.ops.gemm_cold_l2 else "in place (hot L2)")
         + (f" (cache {cfg.tuning_cache})" if cfg.tuning_cache else "")
     )
     with autotuner.autotune(cfg.tuning_cache, tuner):
@@ -360,7 +362,7 @@ def _time_unfused(run: _Run, tuned: DecodeStep) -> None:
         tuned.model,
         tuned.cache,
         tuner=tuned.tuner,
-        gemm_cold_l2=cfg.tune_cold_l2,
+        gemm_cold_l2=tuned.ops.gemm_cold_l2,
         reducer=getattr(tuned, "reducer", None),
         fused=False,
     )

@@ -26,7 +26,8 @@ class DecodeBenchConfig:
         tune: Also tune the step's ops and time the tuned step beside the untuned one.
         tuning_cache: Tuning cache file for ``tune`` (loaded when present, saved after).
         tune_cold_l2: With ``tune``, time the GEMMs with cold-L2 rotation (see
-            :class:`graphtune.ops.OpContext`).
+            :class:`graphtune.ops.OpContext`); ``None``: when the weights exceed the L2
+            (:func:`graphtune.engine.step.weights_stream_from_memory`).
         tp: Tensor-parallel degree (``run_decode_bench`` then needs a matching ``parallel``
             context; every rank runs the same benchmark and times its own shard). With ``tune``
             the ranks tune with the ``agree`` strategy and the report says whether every rank
@@ -58,7 +59,7 @@ class DecodeBenchConfig:
     seed: int = 0
     tune: bool = False
     tuning_cache: str | None = None
-    tune_cold_l2: bool = False
+    tune_cold_l2: bool | None = None
     tp: int = 1
     compare_hf: bool = False
     compare_unfused: bool = False
@@ -169,6 +170,8 @@ class DecodeBenchReport:
     #: ``graphtune.engine.tuning.FusionCheck`` of each bucket compared, as dicts.
     tuning_fusion_checks: list[dict[str, Any]] | None = None
     tuning_rank_agreement: float | None = None
+    #: Whether the GEMMs were timed with cold-L2 rotation (``tune_cold_l2`` resolved).
+    tuning_cold_l2: bool | None = None
     tuned_capture_seconds: float | None = None
 
     def derive(self) -> None:

@@ -32,6 +32,9 @@ from graphtune.errors import ConfigError, ResultsWriteError
 
 logger = logging.getLogger(__name__)
 
+#: ``--tune-l2`` choices and the ``DecodeBenchConfig.tune_cold_l2`` each stands for.
+L2_MODES: dict[str, bool | None] = {"auto": None, "cold": True, "hot": False}
+
 
 def _int_list(text: str) -> tuple[int, ...]:
     try:
@@ -122,10 +125,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "(a second run tunes nothing; default: no file)",
     )
     decode.add_argument(
-        "--tune-cold-l2",
-        action="store_true",
-        help="with --tune: time the GEMMs with cold-L2 rotation (weights stream "
-        "from HBM, as in a decode step)",
+        "--tune-l2",
+        choices=sorted(L2_MODES),
+        default="auto",
+        help="with --tune: time the GEMMs with cold-L2 rotation (cold: weights stream from "
+        "HBM, as in a decode step), in place (hot), or cold exactly when the weights exceed "
+        "the L2 (auto, default)",
     )
     decode.add_argument(
         "--compare-unfused",
@@ -223,7 +228,7 @@ def run_bench_decode(args: argparse.Namespace) -> int:
         seed=args.seed,
         tune=args.tune,
         tuning_cache=str(args.tuning_cache) if args.tuning_cache else None,
-        tune_cold_l2=args.tune_cold_l2,
+        tune_cold_l2=L2_MODES[args.tune_l2],
         tp=args.tp,
         compare_hf=args.compare_hf,
         compare_unfused=args.compare_unfused,

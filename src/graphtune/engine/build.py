@@ -30,7 +30,7 @@ def build_step(
     cache: KVCache,
     *,
     tuner: Any = None,
-    gemm_cold_l2: bool = False,
+    gemm_cold_l2: bool | None = None,
     reducer: AllReduce | None = None,
     contiguous_slots: bool = True,
     fused: bool = True,
@@ -42,7 +42,8 @@ def build_step(
         model: Weights (a shard when ``model.parallel`` is set).
         cache: The KV cache the step owns (its ``max_batch_size`` bounds the tuned buckets).
         tuner: The tuner whose picks the step runs; ``None``: untuned.
-        gemm_cold_l2: Tune the GEMMs with cold-L2 rotation.
+        gemm_cold_l2: Tune the GEMMs with cold-L2 rotation; ``None``: when the weights exceed
+            the L2 (see :class:`DecodeStep`).
         reducer: A shard's all-reduce; ``None`` builds the one its context names (collective).
         contiguous_slots: Row ``i`` owns slot ``i`` (the engine's compacted batch).
         fused: A tuned step's stages are the fused ops (``False``: their unfused sequences).

@@ -234,7 +234,7 @@ class TensorParallelDecodeStep(DecodeStep):
         *,
         contiguous_slots: bool = False,
         tuner: Any = None,
-        gemm_cold_l2: bool = False,
+        gemm_cold_l2: bool | None = None,
         reducer: AllReduce | None = None,
         fused: bool = True,
     ) -> None:

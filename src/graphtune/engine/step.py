@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from graphtune.autotuner.timing import l2_cache_bytes
 from graphtune.engine.attention import Attention, DecodeAttention
 from graphtune.engine.kv_cache import KVCache
 from graphtune.engine.model import DecoderModel, rope_tables
@@ -49,6 +50,18 @@ logger = logging.getLogger(__name__)
 
 #: The op context of prefill and of the untuned step: every op runs its torch fallback.
 UNTUNED = OpContext()
+
+
+def weights_stream_from_memory(model: DecoderModel) -> bool:
+    """Whether a step of ``model`` finds its weights evicted from the last-level cache: true when
+    the weights (``model.weight_bytes()``, a shard's own) exceed the L2 of their device (the
+    largest CPU cache on the CPU), so each op's weights stream from memory once per step.
+
+    The step's tuner then times its GEMMs with cold-L2 rotation: timed back to back in place, a
+    weight that fits in L2 (a 1B model's QKV, O and down projections) would read from L2 and
+    flatter the tactics that need the least latency hiding.
+    """
+    return model.weight_bytes() > l2_cache_bytes(model.device)
 
 
 class DecodeStep:
@@ -69,7 +82,9 @@ class DecodeStep:
             fallback and is counted in ``tuner.stats.fallbacks``. ``None`` (default): every op
             runs its torch fallback without a look-up.
         gemm_cold_l2: Tune the GEMMs and the fused ops with cold-L2 rotation (see
-            :class:`~graphtune.ops.OpContext`).
+            :class:`~graphtune.ops.OpContext`). ``None`` (default): exactly when the model's
+            weights exceed the device's L2 (:func:`weights_stream_from_memory`), as every
+            pretrained LLM's do; the resolved choice is ``self.ops.gemm_cold_l2``.
         fused: Whether a tuned step's stages are the fused ops (default) or their unfused
             sequences of single ops (the step as tuned before the fused ops; for comparisons).
 
@@ -90,7 +105,7 @@ class DecodeStep:
         *,
         contiguous_slots: bool = False,
         tuner: Any = None,
-        gemm_cold_l2: bool = False,
+        gemm_cold_l2: bool | None = None,
         fused: bool = True,
     ) -> None:
         cfg = model.config
@@ -102,11 +117,11 @@ class DecodeStep:
         self.model = model
         self.cache = cache
         self.contiguous_slots = contiguous_slots
-        self.ops = (
-            OpContext(tuner, cache.max_batch_size, gemm_cold_l2, fused)
-            if tuner is not None
-            else UNTUNED
-        )
+        if tuner is None:
+            self.ops = UNTUNED
+        else:
+            cold = weights_stream_from_memory(model) if gemm_cold_l2 is None else gemm_cold_l2
+            self.ops = OpContext(tuner, cache.max_batch_size, cold, fused)
         device, dtype = model.device, model.dtype
         # Signed-sin tables: queries and keys share one RoPE pass of three kernels.
         self.cos, self.sin = rope_tables(cfg, cache.max_seq_len, device, dtype, signed_sin=True)

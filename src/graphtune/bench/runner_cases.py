@@ -40,7 +40,6 @@ def runner_cases() -> list[tuple[str, Any, list[Any]]]:
     from graphtune.ops.moe import (
         TritonFusedMoeRunner,
         TritonMoeGemvRunner,
-        TritonRouteExperts,
         TritonRouteTopKRunner,
     )
     from graphtune.ops.rmsnorm import TritonRMSNormRunner
@@ -101,11 +100,6 @@ def runner_cases() -> list[tuple[str, Any, list[Any]]]:
                 f"route_top_k m={m} float32={weights_float32}",
                 TritonRouteTopKRunner(top_k, True, weights_float32),
                 [logits],
-            )
-            add(
-                f"route_experts m={m} float32={weights_float32}",
-                TritonRouteExperts(top_k, weights_float32, weights_float32),
-                [x, _rand(experts, hidden)],
             )
         ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(m)])
         moe_inputs = [

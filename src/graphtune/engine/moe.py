@@ -8,9 +8,6 @@ MLP stage (RMSNorm + gate/up + SiLU-and-mul, then the down projection + residual
     weights, ids = ops.route_top_k(logits, k, renormalize=norm_topk_prob)
     ops.fused_moe(h, experts_gate_up, experts_down, weights, ids, residual=x)   [x += experts]
 
-where the router's two ops are one tunable op when the step is tuned and fused
-(``ops.route_experts``: its runner 0 is the two ops, its Triton runner one kernel).
-
 Everything stays on the device with fixed shapes (the router is softmax and top-k; the tuned
 experts are the Triton sort and grouped GEMMs), so the whole step can be captured in a CUDA
 graph. Untuned, ``fused_moe`` is its torch fallback: the loop over the selected experts eagerly
@@ -42,10 +39,10 @@ def moe_experts(
 ) -> torch.Tensor:
     """The mixture-of-experts MLP of ``layer`` on the normed activations ``h [rows, hidden]``;
     returns ``[rows, hidden]``, or with ``residual`` adds it to that in place and returns it."""
-    weights_dtype = torch.float32 if config.router_weights_in_float32 else h.dtype
-    weights, ids = ops.route_experts(
-        h,
-        layer.router,
+    logits = ops.gemm(h, layer.router)
+    weights_dtype = torch.float32 if config.router_weights_in_float32 else logits.dtype
+    weights, ids = ops.route_top_k(
+        logits,
         config.num_experts_per_tok,
         renormalize=config.norm_topk_prob,
         weights_dtype=weights_dtype,

@@ -43,8 +43,6 @@ from graphtune.autotuner import (
 from graphtune.autotuner.calls import CallRecord
 from graphtune.autotuner.config import last_power_of_two, next_power_of_two, power_of_two_buckets
 from graphtune.errors import ConfigError, InputError
-from graphtune.ops import _arrival
-from graphtune.ops._arrival import COUNTER_ROWS
 from graphtune.ops._triton import device_limits, device_supported, kernel_module, run_kernel
 from graphtune.ops._triton_runner import TritonRunner
 from graphtune.ops.registry import register_op
@@ -59,18 +57,28 @@ def attention_kernels() -> ModuleType:
     )
 
 
+_COUNTERS: dict[str, torch.Tensor] = {}
+#: Arrival counters allocated at once per device (256 KiB): enough for 65536 (request, KV head)
+#: rows, so the buffer never grows, and so is never allocated inside a graph capture.
+COUNTER_ROWS = 1 << 16
+
+
 def arrival_counters(device: torch.device, rows: int) -> torch.Tensor:
-    """The persistent zeroed counters of the inline merge (``graphtune.ops._arrival``).
+    """The persistent zeroed int32 counters of the inline merge (see ``_attention_kernels``).
 
     Raises:
-        InputError: More than :data:`COUNTER_ROWS` (request, KV head) rows.
+        InputError: More than :data:`COUNTER_ROWS` rows.
     """
-    return _arrival.arrival_counters(
-        device,
-        rows,
-        owner="TritonDecodeAttentionOneKernel",
-        hint="use TritonDecodeAttention for such batches",
-    )
+    if rows > COUNTER_ROWS:
+        raise InputError(
+            f"TritonDecodeAttentionOneKernel: {rows} (request, KV head) rows exceed the "
+            f"{COUNTER_ROWS} arrival counters; use TritonDecodeAttention for such batches."
+        )
+    key = str(device)
+    found = _COUNTERS.get(key)
+    if found is None:
+        found = _COUNTERS[key] = torch.zeros(COUNTER_ROWS, device=device, dtype=torch.int32)
+    return found
 
 
 def _sdpa_backends() -> dict[str, Any]:

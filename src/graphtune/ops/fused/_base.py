@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import threading
 import weakref
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from typing import Any
 
 from graphtune.autotuner.config import DynamicTensorSpec, TuningConfig
@@ -53,15 +53,14 @@ def runners_for(
 
 def unfused_then_triton(
     tuner: AutoTuner | None,
-    op: Hashable,
+    op: str,
     unfused: Callable[[AutoTuner, int | None, bool], TunableRunner],
     triton: Callable[[], TunableRunner],
     max_m: int | None,
     cold_l2: bool,
 ) -> tuple[TunableRunner, ...]:
     """The runners of a fused op for one tuner, built once (:func:`runners_for`): the unfused
-    path first (the fallback), then the Triton runner when Triton is importable. ``op`` is the
-    op's name, or a tuple of it and what else selects one runner tuple (a routing rule)."""
+    path first (the fallback), then the Triton runner when Triton is importable."""
     tuner = resolve(tuner)
 
     def build() -> tuple[TunableRunner, ...]:

@@ -57,16 +57,7 @@ def _check(router_logits: torch.Tensor, top_k: Any, weights_dtype: torch.dtype) 
             f"route_top_k needs float router_logits [T, E], got {tuple(router_logits.shape)} "
             f"{router_logits.dtype}; flatten the leading dims of the logits first."
         )
-    check_top_k(top_k, router_logits.shape[1], weights_dtype)
-
-
-def check_top_k(top_k: Any, experts: int, weights_dtype: torch.dtype) -> None:
-    """The routing rule's arguments: ``top_k`` an int in ``[1, experts]``, a float
-    ``weights_dtype``.
-
-    Raises:
-        ConfigError: Either is out of range.
-    """
+    experts = router_logits.shape[1]
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= experts:
         raise ConfigError(
             f"route_top_k: top_k must be an int in [1, E={experts}], got {top_k!r}; it is the "

@@ -5,7 +5,7 @@ Usage (on a GPU machine, from the repository root):
 
     PYTHONPATH=src python3 benchmarks/tuning_time.py --out benchmarks/results
         [--model llama-1b-shape] [--max-batch 128] [--max-seq-len 2048] [--commit SHA]
-        [--tune-step MODULE:FUNCTION] [--keep-caches DIR]
+        [--tune-step MODULE:FUNCTION] [--keep-caches DIR] [--profile DIR]
 
 Every phase runs in a fresh process, so nothing survives in memory between them:
 
@@ -32,7 +32,11 @@ measured after the timed calls: these times are spent on the host, and hosts dif
 ``--tune-step`` names the function (default ``graphtune.cli._step_calls:tune_decode_step``, the
 engine's step and ``tune_step``). ``--no-prepare`` skips the up-front compile (each op compiles
 when it is tuned) and ``--compile-processes N`` sets ``GRAPHTUNE_COMPILE_PROCESSES`` in the
-children (``0``: compile in threads of the tuning process only), to compare. Targets (issue 14):
+children (``0``: compile in threads of the tuning process only), to compare. ``--profile DIR``
+runs each phase's tuning call under ``cProfile`` and writes ``tuning-<phase>.prof`` and a text
+top list (``.txt``) to ``DIR``: where the time goes, for example in ``Stream.synchronize`` (the GPU)
+or in host work; the profiler slows the Python parts, so read the times from a run without it
+(the result records ``options.profiled``). Targets (issue 14):
 cold ``tune_s`` <= 15 s, warm ``tune_s`` <= 1 s, median per (tactic, bucket) <= 10 ms. Writes
 ``tuning-time-<gpu>.json`` (``-<label>`` added with ``--label``) with provenance and prints a
 table last. Exits 2 without CUDA, 1 when a target fails.
@@ -42,9 +46,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import importlib
+import io
 import json
 import os
+import pstats
 import statistics
 import subprocess
 import sys
@@ -89,11 +96,18 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
             **options,
         )
 
+    profiler = cProfile.Profile() if args.profile_to else None
     start = time.perf_counter()
     with tuner.record_calls() as calls, autotune(args.cache, tuner):
+        if profiler is not None:
+            profiler.enable()
         report = tune()
         sync(device)
+        if profiler is not None:
+            profiler.disable()
     tune_s = time.perf_counter() - start
+    if profiler is not None:
+        write_profile(profiler, args.profile_to / f"tuning-{args.child}")
     again = time.perf_counter()
     tune()
     sync(device)
@@ -135,6 +149,17 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def write_profile(profiler: cProfile.Profile, stem: Path, top: int = 40) -> None:
+    """``stem.prof`` (pstats, for snakeviz or ``python -m pstats``) and ``stem.txt``: the ``top``
+    functions by own time and by cumulative time."""
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    profiler.dump_stats(str(stem.with_suffix(".prof")))
+    text = io.StringIO()
+    for key in ("tottime", "cumulative"):
+        pstats.Stats(profiler, stream=text).sort_stats(key).print_stats(top)
+    stem.with_suffix(".txt").write_text(text.getvalue())
+
+
 def run_phase(phase: str, args: argparse.Namespace, triton_cache: Path) -> dict[str, Any]:
     env = {**os.environ, "TRITON_CACHE_DIR": str(triton_cache), "GRAPHTUNE_NO_PROGRESS": "1"}
     env.pop("GRAPHTUNE_CACHE_ONLY", None)
@@ -158,6 +183,7 @@ def run_phase(phase: str, args: argparse.Namespace, triton_cache: Path) -> dict[
         "--device",
         args.device,
         *(["--no-prepare"] if args.no_prepare else []),
+        *(["--profile-to", str(args.profile)] if args.profile else []),
     ]
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -183,6 +209,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="DIR",
         help="keep the tuning cache and the Triton cache in DIR (default: a temporary folder)",
     )
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="run each phase's tuning under cProfile and write tuning-{cold,warm}.prof and .txt "
+        "(top functions) to DIR; the profiler slows the Python parts, so take the times from a "
+        "run without it",
+    )
+    parser.add_argument("--profile-to", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: tests only
     parser.add_argument("--child", choices=("cold", "warm"), help=argparse.SUPPRESS)
     parser.add_argument("--cache", type=Path, default=None, help=argparse.SUPPRESS)
@@ -229,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
                 "tune_step": args.tune_step,
                 "prepare": not args.no_prepare,
                 "compile_processes": args.compile_processes,
+                "profiled": args.profile is not None,
             },
             "cold": cold,
             "warm": warm,

@@ -15,10 +15,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _phase(phase: str, cache: Path) -> dict:
+def _phase(phase: str, cache: Path, *extra: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT / "src")
     argv = ["--model", "tiny", "--max-batch", "2", "--max-seq-len", "32", "--device", "cpu"]
+    argv += list(extra)
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks/tuning_time.py"), *argv, "--child", phase,
          "--cache", str(cache)],
@@ -34,7 +35,11 @@ def test_cold_then_warm_phase_on_the_tiny_model(tmp_path) -> None:
     assert cold["op_calls"] > 0 and cold["profiles_tuned"] + cold["untimed_picks"] > 0
     assert cold["fallbacks"] == {} and cache.exists()
     assert set(cold["phase_seconds"]) <= {"inputs", "tactics", "prepare", "measure", "select"}
-    warm = _phase("warm", cache)
+    warm = _phase("warm", cache, "--profile-to", str(tmp_path / "prof"))
+    # The profile of the warm phase: the pstats file and the text top list, with the tuning call.
+    listed = (tmp_path / "prof" / "tuning-warm.txt").read_text()
+    assert "tottime" in listed and "cumulative" in listed and "tune_decode_step" in listed
+    assert (tmp_path / "prof" / "tuning-warm.prof").stat().st_size > 0
     assert warm["profiles_tuned"] == 0 and warm["measurements"] == 0 and warm["fallbacks"] == {}
     # Every profile is cached: tune_step records the step (dry runs, not counted) and skips the
     # bucket runs whose calls the cold phase counted.

@@ -96,7 +96,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
             **options,
         )
 
-    profiler = cProfile.Profile() if args.profile_to else None
+    profiler = cProfile.Profile() if args.profile else None
     start = time.perf_counter()
     with tuner.record_calls() as calls, autotune(args.cache, tuner):
         if profiler is not None:
@@ -107,7 +107,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
             profiler.disable()
     tune_s = time.perf_counter() - start
     if profiler is not None:
-        write_profile(profiler, args.profile_to / f"tuning-{args.child}")
+        write_profile(profiler, args.profile / f"tuning-{args.child}")
     again = time.perf_counter()
     tune()
     sync(device)
@@ -183,7 +183,7 @@ def run_phase(phase: str, args: argparse.Namespace, triton_cache: Path) -> dict[
         "--device",
         args.device,
         *(["--no-prepare"] if args.no_prepare else []),
-        *(["--profile-to", str(args.profile)] if args.profile else []),
+        *(["--profile", str(args.profile)] if args.profile else []),
     ]
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -218,7 +218,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "(top functions) to DIR; the profiler slows the Python parts, so take the times from a "
         "run without it",
     )
-    parser.add_argument("--profile-to", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: tests only
     parser.add_argument("--child", choices=("cold", "warm"), help=argparse.SUPPRESS)
     parser.add_argument("--cache", type=Path, default=None, help=argparse.SUPPRESS)

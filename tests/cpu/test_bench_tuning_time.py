@@ -35,7 +35,7 @@ def test_cold_then_warm_phase_on_the_tiny_model(tmp_path) -> None:
     assert cold["op_calls"] > 0 and cold["profiles_tuned"] + cold["untimed_picks"] > 0
     assert cold["fallbacks"] == {} and cache.exists()
     assert set(cold["phase_seconds"]) <= {"inputs", "tactics", "prepare", "measure", "select"}
-    warm = _phase("warm", cache, "--profile-to", str(tmp_path / "prof"))
+    warm = _phase("warm", cache, "--profile", str(tmp_path / "prof"))
     # The profile of the warm phase: the pstats file and the text top list, with the tuning call.
     listed = (tmp_path / "prof" / "tuning-warm.txt").read_text()
     assert "tottime" in listed and "cumulative" in listed and "tune_decode_step" in listed

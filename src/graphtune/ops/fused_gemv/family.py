@@ -66,7 +66,8 @@ def check_fused_tactic(tactic: Any) -> str | None:
     its tactic, so this is written as plain tests, without sets or generators)."""
     if not isinstance(tactic, dict) or tactic.keys() != _TACTIC_KEY_SET:
         return f"a fused GEMV tactic is a dict with keys {TACTIC_KEYS} (or -1), got {tactic!r}"
-    bn, bk, warps, dot, stages = (tactic[key] for key in TACTIC_KEYS)
+    bn, bk, warps = tactic["bn"], tactic["bk"], tactic["warps"]
+    dot, stages = tactic["dot"], tactic["stages"]
     for v in (bn, bk, warps, dot, stages):
         if isinstance(v, bool) or not isinstance(v, int):
             return f"every value of a fused GEMV tactic must be an int, got {tactic!r}"
@@ -222,7 +223,8 @@ def launch_fused_gemv(
     if problem is not None:
         raise ConfigError(f"fused GEMV: {problem}; pick a tactic from get_valid_tactics.")
     m, k = x.shape
-    bn, bk, warps, dot, stages = (tactic[key] for key in TACTIC_KEYS)
+    bn, bk, warps = tactic["bn"], tactic["bk"], tactic["warps"]
+    dot, stages = tactic["dot"], tactic["stages"]
     block_m = MAX_M if dot else 1
     placeholder = x
     if mode == ROPE:

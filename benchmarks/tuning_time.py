@@ -20,7 +20,8 @@ Every phase runs in a fresh process, so nothing survives in memory between them:
    untimed picks), the Triton runners' compile seconds (summed over runners, which compile side
    by side) and binaries, and the cost per (tactic, bucket): the median over tuned profiles of
    profile seconds / candidates (``AutoTuner.history``; compilation is not in it) and the
-   overall ``tune_s`` / all candidates.
+   overall ``tune_s`` / all candidates; and per op (``by_op``) its profiles, candidates,
+   measurements, profile seconds and slowest candidate.
 2. ``warm``: the same Triton cache folder and the tuning cache file the cold run saved; the same
    call must tune nothing (``tune_s`` is loading the file, Triton loading its cached binaries and
    the look-ups). A second call shows the steady state. Graph capture before the first replay
@@ -146,7 +147,27 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         "compile_shared": sum(r.compile_shared for r in triton),
         "median_ms_per_tactic_bucket": statistics.median(per_tactic) if per_tactic else None,
         "overall_ms_per_tactic_bucket": 1000.0 * tune_s / candidates if candidates else None,
+        "by_op": by_op(tuner.history),
     }
+
+
+def by_op(history: Any) -> dict[str, dict[str, float]]:
+    """Per op: tuned profiles, candidates, measurements (samples), wall seconds of its profiles,
+    and the slowest working candidate's median per call in µs (a slow candidate's samples are
+    what make a profile long on the GPU)."""
+    table: dict[str, dict[str, float]] = {}
+    for rec in history:
+        row = table.setdefault(
+            rec.op,
+            {"profiles": 0, "candidates": 0, "samples": 0, "seconds": 0.0, "slowest_us": 0.0},
+        )
+        row["profiles"] += 1
+        row["candidates"] += len(rec.candidates)
+        row["samples"] += sum(c.samples for c in rec.candidates)
+        row["seconds"] += rec.seconds
+        timed = [c.median_us for c in rec.candidates if c.samples and c.failed is None]
+        row["slowest_us"] = max([row["slowest_us"], *timed])
+    return dict(sorted(table.items(), key=lambda item: -item[1]["seconds"]))
 
 
 def write_profile(profiler: cProfile.Profile, stem: Path, top: int = 40) -> None:
@@ -289,6 +310,13 @@ def main(argv: list[str] | None = None) -> int:
         ),
         ("second call s", cold["second_call_s"], warm["second_call_s"]),
     ]
+    head = ("profiles", 9), ("cands", 7), ("samples", 8), ("s", 7), ("slowest us", 11)
+    print(f"{'cold, by op':38} " + " ".join(f"{name:>{width}}" for name, width in head))
+    for op, row in cold["by_op"].items():
+        print(
+            f"{op:38} {row['profiles']:9d} {row['candidates']:7d} {row['samples']:8d} "
+            f"{row['seconds']:7.2f} {row['slowest_us']:11.1f}"
+        )
     print(f"{'':38} {'cold':>10} {'warm':>10}")
     for label, a, b in rows:
         fa = f"{a:10.3f}" if isinstance(a, float) else f"{a!s:>10}"

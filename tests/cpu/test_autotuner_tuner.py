@@ -20,6 +20,7 @@ from graphtune.autotuner import (
 )
 from graphtune.autotuner.calls import OpCall
 from graphtune.autotuner.timing.base import Measurement
+from graphtune.autotuner.timing.graph import GraphTimer
 from graphtune.errors import ConfigError
 
 
@@ -228,6 +229,64 @@ def test_cold_l2_rotates_copies_larger_than_l2(monkeypatch) -> None:
         tuner.choose_one("op", [runner], config, [x])
     assert len(timer.order) == 2  # a single measurement of each of the two tactics...
     assert len(runner.seen_inputs) * x.numel() * 4 > l2  # ...walked copies totalling more than L2
+
+
+class SizingTimer(GraphTimer):
+    """A graph timer as the tuner sees it (it sizes its samples), timing on the fake clock;
+    records the ``repeat`` of every session it opens."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        super().__init__()
+        self.fake = FakeTimer(clock)
+        self.repeats: list[int] = []
+
+    def measure(self, fn, *, warmup: int, repeat: int) -> Measurement:
+        self.repeats.append(repeat)
+        return self.fake.measure(fn, warmup=warmup, repeat=repeat)
+
+    def open(self, fn, *, warmup: int, repeat: int) -> Any:
+        timer = self
+
+        class Session:
+            def measure(self) -> Measurement:
+                return timer.measure(fn, warmup=warmup, repeat=repeat)
+
+            def close(self) -> None:
+                pass
+
+        return Session()
+
+
+class RecordingTimer(FakeTimer):
+    """A timer that does not size its samples; records every ``repeat`` asked for."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        super().__init__(clock)
+        self.repeats: list[int] = []
+
+    def measure(self, fn, *, warmup: int, repeat: int) -> Measurement:
+        self.repeats.append(repeat)
+        return super().measure(fn, warmup=warmup, repeat=repeat)
+
+
+@pytest.mark.parametrize(
+    ("timer_kind", "cold", "expected"),
+    [("sizing", True, 3), ("sizing", False, 10), ("fixed", True, 10), ("fixed", False, 10)],
+)
+def test_cold_l2_sample_calls_follow_the_timer(monkeypatch, timer_kind, cold, expected) -> None:
+    from graphtune.autotuner.timing import cold_l2
+
+    # 2 copies of a 256 KiB set overflow this 128 KiB L2 twice: the copies alone are 2 calls,
+    # so a sizing timer gets the floor of 3 and the others the default repeat of 10.
+    monkeypatch.setattr(cold_l2, "l2_cache_bytes", lambda device: 128 << 10)
+    clock = FakeClock()
+    runner = FakeRunner("a", {-1: 1.0, 0: 2.0}, clock)
+    timer = SizingTimer(clock) if timer_kind == "sizing" else RecordingTimer(clock)
+    tuner = AutoTuner(timer=timer, show_progress=False, policy=TuningPolicy(rounds=1))
+    config = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0, (64,)),), cold_l2=cold)
+    with autotune(tuner=tuner):
+        tuner.choose_one("op", [runner], config, [torch.randn(64, 1024)])
+    assert timer.repeats and set(timer.repeats) == {expected}
 
 
 def test_autotune_context_loads_and_saves(tmp_path) -> None:

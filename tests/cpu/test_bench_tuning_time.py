@@ -35,6 +35,10 @@ def test_cold_then_warm_phase_on_the_tiny_model(tmp_path) -> None:
     assert cold["op_calls"] > 0 and cold["profiles_tuned"] + cold["untimed_picks"] > 0
     assert cold["fallbacks"] == {} and cache.exists()
     assert set(cold["phase_seconds"]) <= {"inputs", "tactics", "prepare", "measure", "select"}
+    # Per op: the tuned profiles add up to the history's, and each row is filled in.
+    rows = cold["by_op"].values()
+    assert rows and sum(row["candidates"] for row in rows) == cold["candidates"]
+    assert all(row["profiles"] >= 1 and row["seconds"] >= 0.0 for row in rows)
     warm = _phase("warm", cache, "--profile", str(tmp_path / "prof"))
     # The profile of the warm phase: the pstats file and the text top list, with the tuning call.
     listed = (tmp_path / "prof" / "tuning-warm.txt").read_text()

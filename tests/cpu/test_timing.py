@@ -127,6 +127,24 @@ def test_timers_satisfy_protocol():
     }
 
 
+def test_only_an_auto_repeat_graph_timer_sizes_its_samples():
+    from graphtune.autotuner.isolation import InProcessExecutor, Isolation
+    from graphtune.autotuner.worker import SubprocessExecutor
+
+    assert timing.sizes_its_samples(GraphTimer())
+    assert not timing.sizes_its_samples(GraphTimer(auto_repeat=False))
+    assert not timing.sizes_its_samples(EventTimer())
+    assert not timing.sizes_its_samples(WallClockTimer())
+    cpu = torch.device("cpu")
+    assert InProcessExecutor(GraphTimer(), cpu).sizes_samples
+    assert not InProcessExecutor(WallClockTimer(), cpu).sizes_samples
+    assert SubprocessExecutor(Isolation("subprocess"), GraphTimer(), "auto", cpu).sizes_samples
+    # Without a timer the worker resolves the mode: 'auto' on the CPU is the wall clock, and
+    # 'graph' on the CPU cannot be resolved at all (the worker reports that error).
+    assert not SubprocessExecutor(Isolation("subprocess"), None, "auto", cpu).sizes_samples
+    assert not SubprocessExecutor(Isolation("subprocess"), None, "graph", cpu).sizes_samples
+
+
 # --- resolve_timer -----------------------------------------------------------------------------
 
 

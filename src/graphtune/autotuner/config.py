@@ -179,12 +179,15 @@ class TuningConfig:
         inputs_pre_hook: Called on each synthetic input list (``list -> list``) before timing, e.g.
             to make routing indices or masks realistic.
         cold_l2: Rotate enough copies of the inputs that their total exceeds the L2 cache, so each
-            call reads from DRAM as in a real model step. ``repeat`` is raised to the number of
-            copies so one sample walks through all of them.
+            call reads from DRAM as in a real model step. One sample walks through all copies:
+            the graph timer (which adds calls until a replay lasts its ``min_replay_us``) gets
+            the copies, at least three, as its fewest calls; other timers get ``repeat`` raised
+            to the copies (``graphtune.autotuner.tuning.calls_per_sample``).
         timing: ``"auto"`` (graph on CUDA, wallclock on CPU), ``"graph"``, ``"events"`` or
             ``"wallclock"``. A timer passed to ``AutoTuner(timer=...)`` takes precedence.
         warmup: Untimed calls before each measurement.
-        repeat: Back-to-back calls per sample.
+        repeat: Back-to-back calls per sample (for the graph timer, the fewest calls it
+            captures; see ``cold_l2`` for cold-L2 mode).
     """
 
     dynamic_specs: tuple[DynamicTensorSpec, ...] = ()

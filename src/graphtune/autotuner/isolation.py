@@ -36,6 +36,7 @@ import torch
 
 from graphtune.autotuner.entries import tactic_text
 from graphtune.autotuner.timing.base import SessionTimer, TimerSession
+from graphtune.autotuner.timing.graph import sizes_its_samples
 from graphtune.cuda_memory import reserved_bytes
 from graphtune.errors import ConfigError
 
@@ -181,9 +182,12 @@ class Executor(Protocol):
 
     Attributes:
         starts: Worker processes started so far (0 in-process).
+        sizes_samples: Its timer chooses the calls of a sample itself
+            (:func:`~graphtune.autotuner.timing.sizes_its_samples`), so ``repeat`` is a floor.
     """
 
     starts: int
+    sizes_samples: bool
 
     def begin(
         self,
@@ -267,6 +271,7 @@ class InProcessExecutor:
     ) -> None:
         self.timer = timer
         self.device = device
+        self.sizes_samples = sizes_its_samples(timer)
         self.session_bytes = session_bytes
         self._reserved = reserved_bytes or _reserved_bytes(device)
         self._sets: list[list[Any]] = []

@@ -105,6 +105,28 @@ class FailureLog:
         )
 
 
+#: Fewest calls of a cold-L2 sample when the timer sizes its samples: back-to-back calls, so the
+#: overlap between consecutive kernels (programmatic dependent launch) is in every sample.
+COLD_L2_MIN_CALLS = 3
+
+
+def calls_per_sample(config: TuningConfig, copies: int, timer_sizes_samples: bool) -> int:
+    """The ``repeat`` a profile's measurements ask the timer for.
+
+    With cold-L2 rotation a sample must walk through all ``copies``, or the few it touches stay
+    in L2 (a graph timer replays the same calls). A timer that sizes its samples (the graph
+    timer adds calls until a replay lasts ``min_replay_us``) then gets only that floor, at
+    least :data:`COLD_L2_MIN_CALLS`: ``config.repeat`` on top would make a sample of a 1 ms
+    candidate ten 1 ms calls where one replay of three already lasts far past the timer's
+    target. Other timers get ``config.repeat``, raised to ``copies`` in cold-L2 mode.
+    """
+    if not config.cold_l2:
+        return config.repeat
+    if timer_sizes_samples:
+        return max(copies, COLD_L2_MIN_CALLS)
+    return max(config.repeat, copies)
+
+
 @dataclass
 class ProfileOutcome:
     """What one profile decided: its key and pick (``None`` when every candidate failed, which is
@@ -305,9 +327,7 @@ class TuningRun:
                 memo=self._synthesized,
             )
         self.executor.begin(self.runners, sets, rotate_in_call=config.cold_l2, kwargs=self.kwargs)
-        # With rotated copies, one sample must walk through all of them, or the few it touches
-        # stay in L2 (a graph timer replays the same ``repeat`` calls).
-        repeat = max(config.repeat, len(sets)) if config.cold_l2 else config.repeat
+        repeat = calls_per_sample(config, len(sets), self.executor.sizes_samples)
         # Collective strategies leave one agreed time per candidate: no band to refine.
         adaptive = not self.coordinator.setting.collective
 

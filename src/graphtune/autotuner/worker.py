@@ -32,6 +32,7 @@ from graphtune.autotuner.isolation import (
     context_error,
     sets_for_sample,
 )
+from graphtune.autotuner.timing import resolve_timer, sizes_its_samples
 from graphtune.errors import ConfigError, TuningError
 
 logger = logging.getLogger(__name__)
@@ -76,6 +77,7 @@ class SubprocessExecutor:
     def __init__(self, isolation: Isolation, timer: Any, timing: str, device: torch.device) -> None:
         self.isolation = isolation
         self._timer_blob = _pickle_or_explain("the timer", timer) if timer is not None else None
+        self.sizes_samples = _sizes_samples(timer, timing, device)
         self._timing = timing
         self._device = str(device)
         self.key = (timing, str(device))
@@ -263,6 +265,17 @@ def _kill(proc: Any) -> None:
 # -- worker side ------------------------------------------------------------------------------
 
 
+def _sizes_samples(timer: Any, timing: str, device: torch.device) -> bool:
+    """Whether the worker's timer (``timer``, else the one ``timing`` resolves to) sizes its
+    samples; ``False`` where ``timing`` cannot be resolved here (the worker reports why)."""
+    if timer is not None:
+        return sizes_its_samples(timer)
+    try:
+        return sizes_its_samples(resolve_timer(timing, device))
+    except ConfigError:
+        return False
+
+
 def worker_main(conn: Any, timer_blob: bytes | None, timing: str, device_name: str) -> None:
     """Entry point of the worker process: serve setup/prepare/measure requests until told to stop.
 
@@ -275,8 +288,6 @@ def worker_main(conn: Any, timer_blob: bytes | None, timing: str, device_name: s
         if timer_blob is not None:
             timer = pickle.loads(timer_blob)
         else:
-            from graphtune.autotuner.timing import resolve_timer
-
             timer = resolve_timer(timing, device)
     except Exception as exc:  # reported to the parent, which raises TuningError
         conn.send(("error", type(exc).__name__, str(exc), False))

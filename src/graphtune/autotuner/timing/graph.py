@@ -62,6 +62,13 @@ def auto_repeat_calls(
 _MAX_RESIZES = 3
 
 
+def sizes_its_samples(timer: object) -> bool:
+    """Whether ``timer`` chooses the calls of a sample itself: a :class:`GraphTimer` with
+    ``auto_repeat`` adds calls until a replay lasts ``min_replay_us``, so a caller's ``repeat``
+    is only the fewest calls it captures."""
+    return isinstance(timer, GraphTimer) and timer.auto_repeat
+
+
 class GraphTimer:
     """Times ``fn`` by replaying a CUDA graph of ``repeat`` back-to-back calls.
 

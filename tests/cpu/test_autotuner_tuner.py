@@ -270,20 +270,31 @@ class RecordingTimer(FakeTimer):
 
 
 @pytest.mark.parametrize(
-    ("timer_kind", "cold", "expected"),
-    [("sizing", True, 3), ("sizing", False, 10), ("fixed", True, 10), ("fixed", False, 10)],
+    ("timer_kind", "cold", "repeat", "expected"),
+    [
+        ("sizing", True, None, 3),
+        ("sizing", False, None, 3),
+        ("fixed", True, None, 10),
+        ("fixed", False, None, 10),
+        ("sizing", False, 7, 7),  # a number the config gives is kept
+        ("sizing", True, 1, 2),  # ...and raised to the copies
+        ("fixed", True, 1, 2),
+    ],
 )
-def test_cold_l2_sample_calls_follow_the_timer(monkeypatch, timer_kind, cold, expected) -> None:
+def test_sample_calls_follow_the_timer_and_the_copies(
+    monkeypatch, timer_kind, cold, repeat, expected
+) -> None:
     from graphtune.autotuner.timing import cold_l2
 
-    # 2 copies of a 256 KiB set overflow this 128 KiB L2 twice: the copies alone are 2 calls,
-    # so a sizing timer gets the floor of 3 and the others the default repeat of 10.
+    # 2 copies of a 256 KiB set overflow this 128 KiB L2 twice: the copies alone are 2 calls.
+    # With repeat=None a sizing timer gets SIZED_MIN_CALLS (3) and the others 10.
     monkeypatch.setattr(cold_l2, "l2_cache_bytes", lambda device: 128 << 10)
     clock = FakeClock()
     runner = FakeRunner("a", {-1: 1.0, 0: 2.0}, clock)
     timer = SizingTimer(clock) if timer_kind == "sizing" else RecordingTimer(clock)
     tuner = AutoTuner(timer=timer, show_progress=False, policy=TuningPolicy(rounds=1))
-    config = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0, (64,)),), cold_l2=cold)
+    spec = DynamicTensorSpec(0, 0, (64,))
+    config = TuningConfig(dynamic_specs=(spec,), cold_l2=cold, repeat=repeat)
     with autotune(tuner=tuner):
         tuner.choose_one("op", [runner], config, [torch.randn(64, 1024)])
     assert timer.repeats and set(timer.repeats) == {expected}

@@ -14,6 +14,13 @@ from typing import Any
 from graphtune.errors import ConfigError
 
 TIMING_MODES = ("auto", "graph", "events", "wallclock")
+#: Calls per sample for a timer that does not size its samples, when ``TuningConfig.repeat`` is
+#: ``None``.
+DEFAULT_REPEAT = 10
+#: Fewest calls per sample for a timer that sizes its samples (the graph timer), when
+#: ``TuningConfig.repeat`` is ``None``: back-to-back calls, so the overlap between consecutive
+#: kernels (programmatic dependent launch) is in every sample.
+SIZED_MIN_CALLS = 3
 
 # ``infer`` of a ConstraintSpec receives the shapes of every input (``None`` for non-tensors),
 # with the dynamic dimensions already set to their buckets, and returns the constrained size.
@@ -179,15 +186,17 @@ class TuningConfig:
         inputs_pre_hook: Called on each synthetic input list (``list -> list``) before timing, e.g.
             to make routing indices or masks realistic.
         cold_l2: Rotate enough copies of the inputs that their total exceeds the L2 cache, so each
-            call reads from DRAM as in a real model step. One sample walks through all copies:
-            the graph timer (which adds calls until a replay lasts its ``min_replay_us``) gets
-            the copies, at least three, as its fewest calls; other timers get ``repeat`` raised
-            to the copies (``graphtune.autotuner.tuning.calls_per_sample``).
+            call reads from DRAM as in a real model step. One sample walks through all copies,
+            so it holds at least as many calls as there are copies.
         timing: ``"auto"`` (graph on CUDA, wallclock on CPU), ``"graph"``, ``"events"`` or
             ``"wallclock"``. A timer passed to ``AutoTuner(timer=...)`` takes precedence.
         warmup: Untimed calls before each measurement.
-        repeat: Back-to-back calls per sample (for the graph timer, the fewest calls it
-            captures; see ``cold_l2`` for cold-L2 mode).
+        repeat: Back-to-back calls per sample, or ``None`` (the default) for the timer's
+            choice: the graph timer, which adds calls until a replay lasts its
+            ``min_replay_us``, starts from :data:`SIZED_MIN_CALLS`; other timers make
+            :data:`DEFAULT_REPEAT`. A number is the fewest calls for the graph timer and the
+            count for the others. Raised to the copies in cold-L2 mode
+            (``graphtune.autotuner.tuning.calls_per_sample``).
     """
 
     dynamic_specs: tuple[DynamicTensorSpec, ...] = ()
@@ -197,7 +206,7 @@ class TuningConfig:
     cold_l2: bool = False
     timing: str = "auto"
     warmup: int = 3
-    repeat: int = 10
+    repeat: int | None = None
 
     def __post_init__(self) -> None:
         kinds = (("dynamic_specs", DynamicTensorSpec), ("constraint_specs", ConstraintSpec))
@@ -242,11 +251,12 @@ class TuningConfig:
                 f"TuningConfig.timing={self.timing!r} is not one of {', '.join(TIMING_MODES)}."
             )
         _check_int("TuningConfig.warmup", self.warmup)
-        _check_int("TuningConfig.repeat", self.repeat)
-        if self.warmup < 0 or self.repeat < 1:
+        if self.repeat is not None:
+            _check_int("TuningConfig.repeat", self.repeat)
+        if self.warmup < 0 or (self.repeat is not None and self.repeat < 1):
             raise ConfigError(
-                f"TuningConfig needs warmup >= 0 and repeat >= 1, got warmup={self.warmup}, "
-                f"repeat={self.repeat}."
+                f"TuningConfig needs warmup >= 0 and repeat >= 1 (or None for the timer's "
+                f"choice), got warmup={self.warmup}, repeat={self.repeat}."
             )
 
     def __hash__(self) -> int:

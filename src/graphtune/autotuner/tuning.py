@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from graphtune.autotuner.cache import TuningCache
-from graphtune.autotuner.config import TuningConfig
+from graphtune.autotuner.config import DEFAULT_REPEAT, SIZED_MIN_CALLS, TuningConfig
 from graphtune.autotuner.distributed import OpCoordinator
 from graphtune.autotuner.entries import BlockedTactic, CacheEntry, CacheKey, tactic_text
 from graphtune.autotuner.identity import short_runner_name
@@ -105,26 +105,20 @@ class FailureLog:
         )
 
 
-#: Fewest calls of a cold-L2 sample when the timer sizes its samples: back-to-back calls, so the
-#: overlap between consecutive kernels (programmatic dependent launch) is in every sample.
-COLD_L2_MIN_CALLS = 3
-
-
 def calls_per_sample(config: TuningConfig, copies: int, timer_sizes_samples: bool) -> int:
     """The ``repeat`` a profile's measurements ask the timer for.
 
-    With cold-L2 rotation a sample must walk through all ``copies``, or the few it touches stay
-    in L2 (a graph timer replays the same calls). A timer that sizes its samples (the graph
-    timer adds calls until a replay lasts ``min_replay_us``) then gets only that floor, at
-    least :data:`COLD_L2_MIN_CALLS`: ``config.repeat`` on top would make a sample of a 1 ms
-    candidate ten 1 ms calls where one replay of three already lasts far past the timer's
-    target. Other timers get ``config.repeat``, raised to ``copies`` in cold-L2 mode.
+    ``config.repeat``, or when it is ``None`` :data:`~graphtune.autotuner.config.SIZED_MIN_CALLS`
+    for a timer that sizes its samples (the graph timer adds calls until a replay lasts its
+    ``min_replay_us``, so a fixed ten would make a sample of a 1 ms candidate ten 1 ms calls)
+    and :data:`~graphtune.autotuner.config.DEFAULT_REPEAT` for other timers. With cold-L2
+    rotation at least ``copies``: a sample must walk through all of them, or the few it touches
+    stay in L2 (a graph timer replays the same calls).
     """
-    if not config.cold_l2:
-        return config.repeat
-    if timer_sizes_samples:
-        return max(copies, COLD_L2_MIN_CALLS)
-    return max(config.repeat, copies)
+    floor = copies if config.cold_l2 else 1
+    if config.repeat is not None:
+        return max(config.repeat, floor)
+    return max(SIZED_MIN_CALLS if timer_sizes_samples else DEFAULT_REPEAT, floor)
 
 
 @dataclass

@@ -20,8 +20,9 @@ Every phase runs in a fresh process, so nothing survives in memory between them:
    untimed picks), the Triton runners' compile seconds (summed over runners, which compile side
    by side) and binaries, and the cost per (tactic, bucket): the median over tuned profiles of
    profile seconds / candidates (``AutoTuner.history``; compilation is not in it) and the
-   overall ``tune_s`` / all candidates; and per op (``by_op``) its profiles, candidates,
-   measurements, profile seconds and slowest candidate.
+   overall ``tune_s`` / all candidates; per op (``by_op``) its profiles, candidates,
+   measurements, profile seconds and slowest candidate; and per Triton runner class
+   (``compile_by_runner``) its binaries and compile seconds.
 2. ``warm``: the same Triton cache folder and the tuning cache file the cold run saved; the same
    call must tune nothing (``tune_s`` is loading the file, Triton loading its cached binaries and
    the look-ups). A second call shows the steady state. Graph capture before the first replay
@@ -148,7 +149,22 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         "median_ms_per_tactic_bucket": statistics.median(per_tactic) if per_tactic else None,
         "overall_ms_per_tactic_bucket": 1000.0 * tune_s / candidates if candidates else None,
         "by_op": by_op(tuner.history),
+        "compile_by_runner": compile_by_runner(triton),
     }
+
+
+def compile_by_runner(triton: list[Any]) -> dict[str, dict[str, float]]:
+    """Per Triton runner class: binaries compiled, (profile, tactic) pairs that shared one, and
+    compile seconds (wall time of its compiles, which run beside other runners')."""
+    table: dict[str, dict[str, float]] = {}
+    for runner in triton:
+        row = table.setdefault(
+            type(runner).__name__, {"binaries": 0, "shared": 0, "compile_s": 0.0}
+        )
+        row["binaries"] += runner.compiled
+        row["shared"] += runner.compile_shared
+        row["compile_s"] += runner.compile_seconds
+    return dict(sorted(table.items(), key=lambda item: -item[1]["binaries"]))
 
 
 def by_op(history: Any) -> dict[str, dict[str, float]]:
@@ -317,6 +333,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{op:38} {row['profiles']:9d} {row['candidates']:7d} {row['samples']:8d} "
             f"{row['seconds']:7.2f} {row['slowest_us']:11.1f}"
         )
+    print(f"{'cold, by Triton runner':38} {'binaries':>9} {'shared':>7} {'compile s':>10}")
+    for name, row in cold["compile_by_runner"].items():
+        print(f"{name:38} {row['binaries']:9d} {row['shared']:7d} {row['compile_s']:10.2f}")
     print(f"{'':38} {'cold':>10} {'warm':>10}")
     for label, a, b in rows:
         fa = f"{a:10.3f}" if isinstance(a, float) else f"{a!s:>10}"

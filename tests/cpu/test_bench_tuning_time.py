@@ -39,6 +39,8 @@ def test_cold_then_warm_phase_on_the_tiny_model(tmp_path) -> None:
     rows = cold["by_op"].values()
     assert rows and sum(row["candidates"] for row in rows) == cold["candidates"]
     assert all(row["profiles"] >= 1 and row["seconds"] >= 0.0 for row in rows)
+    by_runner = cold["compile_by_runner"].values()
+    assert sum(row["binaries"] for row in by_runner) == cold["compiled_binaries"]
     warm = _phase("warm", cache, "--profile", str(tmp_path / "prof"))
     # The profile of the warm phase: the pstats file and the text top list, with the tuning call.
     listed = (tmp_path / "prof" / "tuning-warm.txt").read_text()

@@ -262,9 +262,6 @@ def _kill(proc: Any) -> None:
         proc.join(timeout=5.0)
 
 
-# -- worker side ------------------------------------------------------------------------------
-
-
 def _sizes_samples(timer: Any, timing: str, device: torch.device) -> bool:
     """Whether the worker's timer (``timer``, else the one ``timing`` resolves to) sizes its
     samples; ``False`` where ``timing`` cannot be resolved here (the worker reports why)."""
@@ -274,6 +271,9 @@ def _sizes_samples(timer: Any, timing: str, device: torch.device) -> bool:
         return sizes_its_samples(resolve_timer(timing, device))
     except ConfigError:
         return False
+
+
+# -- worker side ------------------------------------------------------------------------------
 
 
 def worker_main(conn: Any, timer_blob: bytes | None, timing: str, device_name: str) -> None:

@@ -94,7 +94,6 @@ def demo(tuner: AutoTuner, device: torch.device, *, cache_path: Path | None = No
         dynamic_specs=(DynamicTensorSpec(0, 0, buckets, map_to_bucket=_floor_to(buckets)),),
         max_value=max_rows,
         warmup=2,
-        repeat=10,
     )
     gen = torch.Generator(device=device).manual_seed(0)
     weight = torch.randn(width, width, device=device, dtype=dtype, generator=gen)

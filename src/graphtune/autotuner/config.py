@@ -196,7 +196,7 @@ class TuningConfig:
             ``min_replay_us``, starts from :data:`SIZED_MIN_CALLS`; other timers make
             :data:`DEFAULT_REPEAT`. A number is the fewest calls for the graph timer and the
             count for the others. Raised to the copies in cold-L2 mode
-            (``graphtune.autotuner.tuning.calls_per_sample``).
+            (:func:`calls_per_sample`).
     """
 
     dynamic_specs: tuple[DynamicTensorSpec, ...] = ()
@@ -301,3 +301,19 @@ class TuningConfig:
         if live_bucket:
             capped.add(live_bucket)
         return tuple(sorted(capped))
+
+
+def calls_per_sample(config: TuningConfig, copies: int, timer_sizes_samples: bool) -> int:
+    """The ``repeat`` a profile's measurements ask the timer for.
+
+    ``config.repeat``, or when it is ``None`` :data:`SIZED_MIN_CALLS` for a timer that sizes
+    its samples (the graph timer adds calls until a replay lasts its ``min_replay_us``, so a
+    fixed ten would make a sample of a 1 ms candidate ten 1 ms calls) and
+    :data:`DEFAULT_REPEAT` for other timers. With cold-L2 rotation at least ``copies``: a
+    sample must walk through all of them, or the few it touches stay in L2 (a graph timer
+    replays the same calls).
+    """
+    floor = copies if config.cold_l2 else 1
+    if config.repeat is not None:
+        return max(config.repeat, floor)
+    return max(SIZED_MIN_CALLS if timer_sizes_samples else DEFAULT_REPEAT, floor)

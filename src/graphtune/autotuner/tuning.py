@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from graphtune.autotuner.cache import TuningCache
-from graphtune.autotuner.config import DEFAULT_REPEAT, SIZED_MIN_CALLS, TuningConfig
+from graphtune.autotuner.config import TuningConfig, calls_per_sample
 from graphtune.autotuner.distributed import OpCoordinator
 from graphtune.autotuner.entries import BlockedTactic, CacheEntry, CacheKey, tactic_text
 from graphtune.autotuner.identity import short_runner_name
@@ -103,22 +103,6 @@ class FailureLog:
             detail,
             reason,
         )
-
-
-def calls_per_sample(config: TuningConfig, copies: int, timer_sizes_samples: bool) -> int:
-    """The ``repeat`` a profile's measurements ask the timer for.
-
-    ``config.repeat``, or when it is ``None`` :data:`~graphtune.autotuner.config.SIZED_MIN_CALLS`
-    for a timer that sizes its samples (the graph timer adds calls until a replay lasts its
-    ``min_replay_us``, so a fixed ten would make a sample of a 1 ms candidate ten 1 ms calls)
-    and :data:`~graphtune.autotuner.config.DEFAULT_REPEAT` for other timers. With cold-L2
-    rotation at least ``copies``: a sample must walk through all of them, or the few it touches
-    stay in L2 (a graph timer replays the same calls).
-    """
-    floor = copies if config.cold_l2 else 1
-    if config.repeat is not None:
-        return max(config.repeat, floor)
-    return max(SIZED_MIN_CALLS if timer_sizes_samples else DEFAULT_REPEAT, floor)
 
 
 @dataclass

@@ -154,14 +154,17 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def compile_by_runner(triton: list[Any]) -> dict[str, dict[str, float]]:
-    """Per Triton runner class: binaries compiled, (profile, tactic) pairs that shared one, and
-    compile seconds (wall time of its compiles, which run beside other runners')."""
+    """Per Triton runner class: binaries compiled, those a compile worker process made (this
+    process only loaded them), (profile, tactic) pairs that shared one, and compile seconds
+    (wall time of its compiles, which run beside other runners')."""
     table: dict[str, dict[str, float]] = {}
     for runner in triton:
         row = table.setdefault(
-            type(runner).__name__, {"binaries": 0, "shared": 0, "compile_s": 0.0}
+            type(runner).__name__,
+            {"binaries": 0, "in_workers": 0, "shared": 0, "compile_s": 0.0},
         )
         row["binaries"] += runner.compiled
+        row["in_workers"] += runner.compiled_in_workers
         row["shared"] += runner.compile_shared
         row["compile_s"] += runner.compile_seconds
     return dict(sorted(table.items(), key=lambda item: -item[1]["binaries"]))
@@ -333,9 +336,15 @@ def main(argv: list[str] | None = None) -> int:
             f"{op:38} {row['profiles']:9d} {row['candidates']:7d} {row['samples']:8d} "
             f"{row['seconds']:7.2f} {row['slowest_us']:11.1f}"
         )
-    print(f"{'cold, by Triton runner':38} {'binaries':>9} {'shared':>7} {'compile s':>10}")
+    print(
+        f"{'cold, by Triton runner':38} {'binaries':>9} {'in workers':>10} {'shared':>7} "
+        f"{'compile s':>10}"
+    )
     for name, row in cold["compile_by_runner"].items():
-        print(f"{name:38} {row['binaries']:9d} {row['shared']:7d} {row['compile_s']:10.2f}")
+        print(
+            f"{name:38} {row['binaries']:9d} {row['in_workers']:10d} {row['shared']:7d} "
+            f"{row['compile_s']:10.2f}"
+        )
     print(f"{'':38} {'cold':>10} {'warm':>10}")
     for label, a, b in rows:
         fa = f"{a:10.3f}" if isinstance(a, float) else f"{a!s:>10}"

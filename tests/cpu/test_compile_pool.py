@@ -26,6 +26,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+# Evaluated in a worker process: the torch and graphtune modules it has loaded.
+LOADED_IN_WORKER = (
+    "sorted(m for m in __import__('sys').modules if m.split('.')[0] in ('torch', 'graphtune'))"
+)
 
 
 def child(rows: list[int], k: int, n: int, device: str = "cpu") -> dict:
@@ -84,6 +88,8 @@ def child(rows: list[int], k: int, n: int, device: str = "cpu") -> dict:
         for i in range(_compile_pool.MIN_JOBS_TO_START)
     ]
     failed = _compile_pool.compile_in_workers(bogus).failed
+    pool = _compile_pool._pool(start=False)
+    worker_modules = [] if pool is None else pool.submit(eval, LOADED_IN_WORKER).result()
     _compile_pool.close_compile_workers()
     # While one thread captures, another thread's compile is its own (compiled, not captured).
     from graphtune.ops.activation import TritonSiluAndMulRunner
@@ -111,6 +117,7 @@ def child(rows: list[int], k: int, n: int, device: str = "cpu") -> dict:
         "bogus_failed": failed,
         "silu_compiled_alone": silu_compiled_alone,
         "cubins": cubins,
+        "worker_modules": worker_modules,
     }
 
 
@@ -152,6 +159,11 @@ def test_workers_compile_and_this_process_only_loads_the_same_binaries(tmp_path)
     assert pooled["cubins"] == alone["cubins"] and len(alone["cubins"]) == count + 1  # + SiLU
     assert pooled["bogus_failed"] == 4 and alone["bogus_failed"] == 0  # no workers: not tried
     assert pooled["silu_compiled_alone"] and alone["silu_compiled_alone"]
+    # A worker loads the kernel module from its file: neither torch nor graphtune.ops (whose
+    # __init__ imports torch and every op) is imported there.
+    loaded = pooled["worker_modules"]
+    assert "graphtune.ops._kernels" in loaded and "graphtune._compile_worker" in loaded
+    assert "torch" not in loaded and "graphtune.ops" not in loaded, loaded
     print(
         f"\n{count} GEMM binaries (sm_90, CPU): threads {alone['seconds']:.2f} s, "
         f"2 worker processes {pooled['seconds']:.2f} s (including their start)"

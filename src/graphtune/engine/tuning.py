@@ -214,15 +214,19 @@ def tune_step(
             if prepare:
                 if log is not None:
                     log(f"tuning: recording the step at batch {step.max_batch_size}, compiling")
+                on_gpu = step.model.device.type == "cuda"
+                # With an empty cache there is compiling to do: the workers' start (seconds)
+                # then overlaps the recording and the planning.
+                workers = on_gpu and len(tuner.cache) == 0 and start_compile_workers()
                 calls = record_step_calls(step)
                 if _all_cached(step, tuner, calls):
                     report.prepare_seconds = report.seconds = time.perf_counter() - started
                     logger.info("tune_step: every profile of the step is cached; nothing to run")
                     return report
                 cached_ops = {key.op for key, _ in tuner.cache.items()}
-                if step.model.device.type == "cuda" and {c.op for c in calls} - cached_ops:
-                    # An op with no pick at all: there is compiling to do, and the workers'
-                    # start overlaps the planning (otherwise they start when a batch needs them).
+                if on_gpu and not workers and {c.op for c in calls} - cached_ops:
+                    # An op with no pick at all: the workers' start overlaps the planning
+                    # (otherwise they start when a batch needs them).
                     start_compile_workers()
                 report.prepared = tuner.prepare(calls)
                 report.prepare_seconds = time.perf_counter() - started

@@ -11,7 +11,8 @@ worker processes and leaves the tuning process only loading the results:
    records what Triton would compile (:class:`CompileJob`: the JIT function by module and name,
    its signature, constants, attributes and options, and the target), and compiles nothing.
 2. :func:`compile_in_workers`: each distinct job goes to a pool of spawned processes, which call
-   ``triton.compile`` with exactly those arguments. Triton writes every binary to its on-disk
+   ``triton.compile`` with exactly those arguments (:mod:`graphtune._compile_worker`: a worker
+   imports neither torch nor ``graphtune.ops``). Triton writes every binary to its on-disk
    cache (``triton.knobs.cache.dir``; the workers are given the tuning process's folder).
 3. The caller then compiles in its own process as before. Triton computes the same cache key
    there (same source, specialisation, options, target and environment), finds the binary on
@@ -23,8 +24,9 @@ without workers. Used when Triton compiles for a GPU (never under ``TRITON_INTER
 runtime has ``knobs.runtime.jit_cache_hook`` (Triton 3.4 and later), and
 ``GRAPHTUNE_COMPILE_PROCESSES`` is not ``0`` (default ``min(16, cpu_count)`` processes). The
 pool starts for a batch of at least :data:`MIN_JOBS_TO_START` jobs, or earlier through
-:func:`start_compile_workers` (each worker imports torch and Triton once, which takes seconds, so
-``tune_step`` starts them before it plans the step when an op has no pick yet), and stays until
+:func:`start_compile_workers` (each worker imports Triton and hashes its installation once, which
+takes a second or two, so ``tune_step`` starts them before it records the step when the tuner's
+cache is empty, else before it plans the step when an op has no pick yet), and stays until
 :func:`close_compile_workers` (``tune_step`` calls it when it is done) or the end of the
 process. Workers never touch the GPU: the target is passed in, so compiling needs no CUDA
 context.
@@ -34,12 +36,12 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import importlib
 import json
 import logging
 import multiprocessing
 import os
 import pickle
+import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -49,36 +51,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from graphtune import env
+from graphtune._compile_worker import CompileJob, compile_job, init_worker, warm_up
 
 logger = logging.getLogger(__name__)
 
 #: Fewest jobs worth starting the worker processes for (a running pool takes any batch of 2+).
 MIN_JOBS_TO_START = 4
-
-
-@dataclass(frozen=True)
-class CompileJob:
-    """What Triton would compile for one launch (the arguments of ``triton.compile``).
-
-    Attributes:
-        module: Module of the ``@triton.jit`` function.
-        qualname: Its name in that module.
-        signature: Argument name -> Triton type, as the JIT computed it.
-        constants: The constexpr values by argument path.
-        attrs: The specialisation attributes (divisibility) by argument path.
-        options: The compile options (``num_warps``, ``num_stages``, ...), parsed by the backend.
-        target: The ``triton.backends.compiler.GPUTarget``.
-        ident: Text that is equal for two jobs exactly when they compile the same binary.
-    """
-
-    module: str
-    qualname: str
-    signature: dict[str, Any]
-    constants: dict[Any, Any]
-    attrs: dict[Any, Any]
-    options: dict[str, Any]
-    target: Any
-    ident: str
 
 
 @dataclass
@@ -165,6 +143,9 @@ def _job_of(fn: Any, compile: dict[str, Any]) -> CompileJob | None:
     else:
         target = _current_target()
     ident = repr((module, qualname, compile["key"], repr(target)))
+    # The worker runs the module from its file, without the packages above it (see
+    # graphtune._compile_worker): the source, and so the cache key, is the one used here.
+    path = getattr(sys.modules.get(module), "__file__", None)
     return CompileJob(
         module,
         qualname,
@@ -174,6 +155,7 @@ def _job_of(fn: Any, compile: dict[str, Any]) -> CompileJob | None:
         options,
         target,
         ident,
+        path,
     )
 
 
@@ -223,28 +205,6 @@ def capturing() -> Iterator[list[CompileJob]]:
 # -- workers ------------------------------------------------------------------------------------
 
 
-def _init_worker(cache_dir: str | None) -> None:
-    knobs = _knobs()
-    if cache_dir and knobs is not None:
-        knobs.cache.dir = cache_dir
-
-
-def _compile_job(job: CompileJob) -> str | None:
-    """In a worker: compiles ``job`` into Triton's on-disk cache; the error text, or ``None``."""
-    try:
-        import triton
-        from triton.compiler import ASTSource
-
-        function: Any = importlib.import_module(job.module)
-        for part in job.qualname.split("."):
-            function = getattr(function, part)
-        source = ASTSource(function, job.signature, job.constants, job.attrs)
-        triton.compile(source, target=job.target, options=dict(job.options))
-    except Exception as exc:  # reported; the tuning process compiles it again and raises there
-        return f"{type(exc).__name__}: {exc}"
-    return None
-
-
 _POOL_LOCK = threading.Lock()
 _POOL: ProcessPoolExecutor | None = None
 
@@ -258,22 +218,11 @@ def _pool(start: bool) -> ProcessPoolExecutor | None:
             _POOL = ProcessPoolExecutor(
                 max_workers=compile_processes(),
                 mp_context=multiprocessing.get_context("spawn"),
-                initializer=_init_worker,
+                initializer=init_worker,
                 initargs=(cache_dir,),
             )
             logger.debug("started %d Triton compile workers", compile_processes())
         return _POOL
-
-
-def _warm_up() -> None:
-    """In a worker: the one-time costs of its first compile (imports, Triton's own hash)."""
-    import triton.compiler  # noqa: F401
-
-    try:
-        from triton.runtime.cache import triton_key
-    except ImportError:  # kept elsewhere by this Triton: its first compile pays it instead
-        return
-    triton_key()
 
 
 def start_compile_workers() -> bool:
@@ -284,7 +233,7 @@ def start_compile_workers() -> bool:
     pool = _pool(start=True)
     if pool is not None:
         for _ in range(compile_processes()):
-            pool.submit(_warm_up)
+            pool.submit(warm_up)
     return pool is not None
 
 
@@ -316,7 +265,7 @@ def compile_in_workers(jobs: Sequence[CompileJob]) -> WorkerReport:
     try:
         for job in distinct:
             pickle.dumps(job)  # a job that cannot travel is compiled in-process instead
-            futures.append(pool.submit(_compile_job, job))
+            futures.append(pool.submit(compile_job, job))
     except (pickle.PicklingError, TypeError, AttributeError, RuntimeError) as exc:
         logger.debug("compile workers not used for this batch: %s", exc)
     wait(futures)

@@ -1,0 +1,111 @@
+"""What a Triton compile worker process runs (see :mod:`graphtune.ops._compile_pool`).
+
+This module sits outside :mod:`graphtune.ops` on purpose. A worker unpickles the functions it
+runs and the jobs it gets by importing the modules that define them, and importing anything
+under ``graphtune.ops`` runs that package's ``__init__``, which imports torch and every op: on
+a 16-core host, 16 workers importing torch at once took about 6 s before the first compile.
+Here a worker imports only this module, ``graphtune``'s own light ``__init__``, and Triton.
+
+The kernel modules (``graphtune.ops.gemm._gemv_kernels`` and the like) import nothing but
+Triton, so :func:`compile_job` loads each one from its file under its own dotted name, without
+running the ``__init__`` of the packages above it. The source, and so Triton's cache key for
+every kernel in it, is the same as in the tuning process, which then finds each binary in the
+on-disk cache.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+
+@dataclass(frozen=True)
+class CompileJob:
+    """What Triton would compile for one launch (the arguments of ``triton.compile``).
+
+    Attributes:
+        module: Module of the ``@triton.jit`` function.
+        qualname: Its name in that module.
+        signature: Argument name -> Triton type, as the JIT computed it.
+        constants: The constexpr values by argument path.
+        attrs: The specialisation attributes (divisibility) by argument path.
+        options: The compile options (``num_warps``, ``num_stages``, ...), parsed by the backend.
+        target: The ``triton.backends.compiler.GPUTarget``.
+        ident: Text that is equal for two jobs exactly when they compile the same binary.
+        path: The module's source file; ``None`` makes the worker import the module by name
+            (with its packages' ``__init__``).
+    """
+
+    module: str
+    qualname: str
+    signature: dict[str, Any]
+    constants: dict[Any, Any]
+    attrs: dict[Any, Any]
+    options: dict[str, Any]
+    target: Any
+    ident: str
+    path: str | None = None
+
+
+def _triton_knobs() -> Any:
+    try:
+        import triton
+    except ImportError:
+        return None
+    return getattr(triton, "knobs", None)
+
+
+def init_worker(cache_dir: str | None) -> None:
+    """Process initializer: compile into the tuning process's Triton cache folder."""
+    knobs = _triton_knobs()
+    if cache_dir and knobs is not None:
+        knobs.cache.dir = cache_dir
+
+
+def warm_up() -> None:
+    """The one-time costs of a worker's first compile (imports, Triton's hash of itself)."""
+    import triton.compiler  # noqa: F401
+
+    try:
+        from triton.runtime.cache import triton_key
+    except ImportError:  # kept elsewhere by this Triton: its first compile pays it instead
+        return
+    triton_key()
+
+
+def kernel_module(name: str, path: str | None) -> ModuleType:
+    """The module ``name``: already loaded, else executed from ``path`` alone (its parent
+    packages are not imported), else imported the usual way when there is no path."""
+    loaded = sys.modules.get(name)
+    if loaded is not None:
+        return loaded
+    spec = importlib.util.spec_from_file_location(name, path) if path else None
+    if spec is None or spec.loader is None:
+        return importlib.import_module(name)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    return module
+
+
+def compile_job(job: CompileJob) -> str | None:
+    """Compiles ``job`` into Triton's on-disk cache; the error text, or ``None``."""
+    try:
+        import triton
+        from triton.compiler import ASTSource
+
+        function: Any = kernel_module(job.module, job.path)
+        for part in job.qualname.split("."):
+            function = getattr(function, part)
+        source = ASTSource(function, job.signature, job.constants, job.attrs)
+        triton.compile(source, target=job.target, options=dict(job.options))
+    except Exception as exc:  # reported; the tuning process compiles it again and raises there
+        return f"{type(exc).__name__}: {exc}"
+    return None

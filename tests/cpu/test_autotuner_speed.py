@@ -220,3 +220,64 @@ def test_session_bytes_zero_captures_again_for_every_measurement() -> None:
     # once per bucket).
     assert timer.opened == tuner.stats.measurements - 2
     assert timer.closed == timer.opened
+
+
+class Ahead(Cost):
+    """Records what the tuner prepares, and whether it may start that in the background."""
+
+    def __init__(self, name: str, log: list, background: bool) -> None:
+        self.name, self.log, self.background = name, log, background
+
+    def prepare_ahead(self, work: Any) -> bool:
+        self.log.append(("ahead", self.name, len(work)))
+        return self.background
+
+    def prepare_all(self, work: Any) -> None:
+        self.log.append(("up front", self.name, len(work)))
+
+    def cache_key_extras(self) -> tuple:
+        return (self.name,)
+
+
+class NoAheadMethod:
+    """A runner of another base class: the protocol's methods, no ``prepare_ahead``."""
+
+    def __init__(self, log: list) -> None:
+        self.log = log
+
+    def get_valid_tactics(self, inputs: list, profile: Any, **kwargs: Any) -> list:
+        return [-1, 1.0]
+
+    def forward(self, inputs: list, *, tactic: Any = -1, **kwargs: Any) -> Any:
+        return 1.0
+
+    def prepare(self, inputs: list, tactic: Any) -> None:
+        pass
+
+    def prepare_all(self, work: Any) -> None:
+        self.log.append(("up front", "other", len(work)))
+
+    def cache_key_extras(self) -> tuple:
+        return ()
+
+
+def test_prepare_ahead_hands_calls_off_in_order_and_prepares_the_rest_up_front() -> None:
+    log: list = []
+    first, second = Ahead("first", log, True), Ahead("second", log, True)
+    stays = Ahead("stays", log, False)
+    other = NoAheadMethod(log)
+    recorder = AutoTuner(show_progress=False)
+    x = torch.randn(4, 2)
+    with recorder.record_calls() as calls:
+        for runner in (second, first, stays, first):  # the last repeats a call: planned once
+            recorder.choose_one(f"op-{runner.name}", [runner], CONFIG, [x])
+        recorder.choose_one("op-other", [other], CONFIG, [x])
+    tuner = AutoTuner(show_progress=False)
+    prepared = tuner.prepare(calls, ahead=True)
+    # Two buckets per op: each call hands off its two profiles, in the order of the calls;
+    # a runner that starts nothing so, or cannot, is prepared up front (after the hand-offs).
+    assert log[:3] == [("ahead", "second", 2), ("ahead", "first", 2), ("ahead", "stays", 2)]
+    assert sorted(log[3:]) == [("up front", "other", 2), ("up front", "stays", 2)]
+    assert prepared == 3 * 2 * 5 + 2 * 2  # every (profile, tactic): 3 Cost ops, the other
+    log.clear()
+    assert tuner.prepare(calls) > 0 and ("ahead", "first", 2) not in log  # off by default

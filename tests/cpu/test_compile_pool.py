@@ -32,10 +32,12 @@ LOADED_IN_WORKER = (
 )
 
 
-def child(rows: list[int], k: int, n: int, device: str = "cpu") -> dict:
+def child(rows: list[int], k: int, n: int, device: str = "cpu", ahead: bool = False) -> dict:
     """In a fresh process without TRITON_INTERPRET: compile the one-kernel (no split-K) GEMM
     tactics of ``[m, k] x [n, k]`` for each ``m`` of ``rows`` up front (``prepare_all``), on the
-    CPU through the target-only driver, or with ``device="cuda"`` through Triton's own driver."""
+    CPU through the target-only driver, or with ``device="cuda"`` through Triton's own driver.
+    With ``ahead``, ``prepare_ahead`` hands them to the workers first and ``prepare_all`` then
+    waits for those binaries."""
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
@@ -76,6 +78,8 @@ def child(rows: list[int], k: int, n: int, device: str = "cpu") -> dict:
         inputs = [a, w, None, None, False]
         work.append((inputs, [t for t in runner.tactics_for(inputs) if t["split_k"] == 1]))
     start = time.perf_counter()
+    handed_over = runner.prepare_ahead(work) if ahead else None
+    ahead_jobs = len(_compile_pool._AHEAD)
     runner.prepare_all(work)
     seconds = time.perf_counter() - start
     errors = [
@@ -118,22 +122,31 @@ def child(rows: list[int], k: int, n: int, device: str = "cpu") -> dict:
         "silu_compiled_alone": silu_compiled_alone,
         "cubins": cubins,
         "worker_modules": worker_modules,
+        "handed_over": handed_over,
+        "ahead_jobs": ahead_jobs,
+        "ahead_left": len(_compile_pool._AHEAD),
     }
 
 
 def run_child(
-    tmp_path: Path, processes: int, rows: list[int], k: int, n: int, device: str = "cpu"
+    tmp_path: Path,
+    processes: int,
+    rows: list[int],
+    k: int,
+    n: int,
+    device: str = "cpu",
+    ahead: bool = False,
 ) -> dict:
     """:func:`child` in a fresh process with its own Triton cache and worker count."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(
         PYTHONPATH=str(ROOT / "src"),
-        TRITON_CACHE_DIR=str(tmp_path / f"triton-{processes}"),
+        TRITON_CACHE_DIR=str(tmp_path / f"triton-{processes}-{ahead}"),
         GRAPHTUNE_COMPILE_PROCESSES=str(processes),
     )
     code = (
         "import json, sys; sys.path.insert(0, 'tests/cpu'); import test_compile_pool as t; "
-        f"print(json.dumps(t.child({rows!r}, {k}, {n}, {device!r})))"
+        f"print(json.dumps(t.child({rows!r}, {k}, {n}, {device!r}, {ahead!r})))"
     )
     done = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -168,3 +181,19 @@ def test_workers_compile_and_this_process_only_loads_the_same_binaries(tmp_path)
         f"\n{count} GEMM binaries (sm_90, CPU): threads {alone['seconds']:.2f} s, "
         f"2 worker processes {pooled['seconds']:.2f} s (including their start)"
     )
+
+
+def test_binaries_handed_over_ahead_are_waited_for_not_compiled_again(tmp_path) -> None:
+    pytest.importorskip("triton")
+    pytest.importorskip("triton.knobs")
+    ahead = run_child(tmp_path, 2, [16], 512, 384, ahead=True)
+    if not ahead["pool_enabled"]:
+        pytest.skip("this Triton has no knobs.runtime.jit_cache_hook (Triton < 3.4)")
+    count = ahead["binaries"]
+    assert ahead["handed_over"] is True and ahead["ahead_jobs"] == count >= 4
+    assert ahead["errors"] == [] and ahead["generated_here"] == 0  # loaded, never generated
+    assert ahead["compiled_in_workers"] == count  # prepare_all waited for the same jobs
+    assert ahead["ahead_left"] == 0  # close_compile_workers forgets them
+    alone = run_child(tmp_path, 0, [16], 512, 384, ahead=True)
+    assert alone["handed_over"] is False and alone["ahead_jobs"] == 0  # no workers: up front
+    assert alone["binaries"] == count and alone["generated_here"] == count

@@ -73,6 +73,14 @@ class TunableRunner:
         still called for each tactic (and should then find its work done)."""
         return None
 
+    def prepare_ahead(self, work: Sequence[tuple[list[Any], Sequence[Any]]]) -> bool:
+        """Starts the one-off work of :meth:`prepare_all` for ``work`` in the background (e.g.
+        compiling in worker processes) and returns at once, so other ops can be timed
+        meanwhile; :meth:`prepare_all` later finishes it. Returns whether it started anything;
+        the default starts nothing (``False``), and the tuner then runs :meth:`prepare_all`
+        up front instead."""
+        return False
+
     def cache_key_extras(self) -> tuple[Any, ...]:
         """Identity beyond the class for the cache key.
 

@@ -247,7 +247,7 @@ class AutoTuner:
                 self._run(resolved, only=key)
         return self._lookup(key, runners) or (runners[0], FALLBACK_TACTIC)
 
-    def prepare(self, calls: Sequence[OpCall]) -> int:
+    def prepare(self, calls: Sequence[OpCall], *, ahead: bool = False) -> int:
         """Prepares (``prepare_all``: compiles) every candidate of every missing profile of
         ``calls`` at once, before any of them is tuned: one ``prepare_all`` per runner over all
         the calls, the runners in parallel threads. Tuning the calls afterwards (running the
@@ -255,39 +255,32 @@ class AutoTuner:
         (a worker process compiles on its own). Returns the (inputs, tactic) pairs prepared.
 
         Args:
-            calls: For example the op calls of one untuned step (``record_calls()``).
+            calls: For example the op calls of one untuned step (``record_calls()``), in the
+                order they will be tuned.
+            ahead: Start each runner's work in the background instead (``prepare_ahead``, in
+                the order of ``calls``) and return at once: each op's tuning then waits only
+                for its own tactics while the rest is still being prepared. A runner that
+                starts nothing so (or has no ``prepare_ahead``) is prepared up front.
         """
         if self.isolation.mode != "inprocess":
             return 0
         work: dict[int, tuple[TunableRunner, list[tuple[list[Any], list[Any]]]]] = {}
-        seen: set[Any] = set()
-        start = self._clock()
-        for call in calls:
-            ident = memo_key(call.op, call.runners, call.config, call.inputs, call.kwargs)
-            try:
-                if ident is not None and ident in seen:
-                    continue  # the same op and shapes (another layer): planned already
-                seen.add(ident)
-            except TypeError:  # an unhashable runner or keyword value: plan it again
-                pass
-            run = self._tuning_run(self._resolve(call))
+        pairs, start = 0, self._clock()
+        for resolved in resolved_calls.distinct_profiles(self._resolve(c) for c in calls):
+            run = self._tuning_run(resolved)
             for runner, items in run.prepare_work(run.plan(local=True)):
+                pairs += sum(len(tactics) for _, tactics in items)
+                started = getattr(runner, "prepare_ahead", None)  # a runner of another base
+                if ahead and started is not None and started(items):
+                    continue
                 work.setdefault(id(runner), (runner, []))[1].extend(items)
-        if not work:
-            return 0
-
-        def prepare_one(entry: tuple[TunableRunner, list[Any]]) -> None:
-            runner, items = entry
-            try:
-                runner.prepare_all(items)
-            except Exception as exc:  # advisory: the tuning run prepares each tactic again
-                logger.warning("%s.prepare_all failed: %s", type(runner).__qualname__, exc)
-
-        with ThreadPoolExecutor(max_workers=len(work), thread_name_prefix="graphtune-prep") as ex:
-            list(ex.map(prepare_one, work.values()))
+        if work:
+            threads = ThreadPoolExecutor(len(work), thread_name_prefix="graphtune-prep")
+            with threads as ex:
+                list(ex.map(_prepare_one, work.values()))
         phases = self.stats.phase_seconds
         phases["prepare"] = phases.get("prepare", 0.0) + self._clock() - start
-        return sum(len(tactics) for _, items in work.values() for _, tactics in items)
+        return pairs
 
     def missing_profiles(self, calls: Sequence[OpCall]) -> int:
         """How many (op, bucket) profiles of ``calls`` a tuning-mode run would tune: every bucket
@@ -496,3 +489,12 @@ class AutoTuner:
         winner = f"{short_runner_name(entry.runner_id)} tactic={tactic_text(entry.tactic)}"
         row = (op, outcome.profile.describe(), winner, entry.time_us, entry.fallback_us)
         self._summary.append((*row, entry.speedup))
+
+
+def _prepare_one(entry: tuple[TunableRunner, list[Any]]) -> None:
+    """``prepare_all`` of one runner (in a thread of :meth:`AutoTuner.prepare`)."""
+    runner, items = entry
+    try:
+        runner.prepare_all(items)
+    except Exception as exc:  # advisory: the tuning run prepares each tactic again
+        logger.warning("%s.prepare_all failed: %s", type(runner).__qualname__, exc)

@@ -8,9 +8,10 @@ included. TensorRT-LLM tunes the same way during its warm-up.
 
 Before that, :func:`record_step_calls` runs the step once at its largest batch without tuning
 (``AutoTuner.record_calls(dry_run=True)``: nothing is timed or counted) and ``AutoTuner.prepare``
-compiles the Triton tactics of every missing profile of those calls at once (Triton's code
-generator in worker processes, see ``graphtune.ops._compile_pool``), so the tuning runs that
-follow time kernels instead of waiting for the compiler one op at a time. When no profile of
+hands the Triton tactics of every missing profile of those calls to the compile worker processes
+at once (``ahead=True``; see ``graphtune.ops._compile_pool``), in the order the passes below tune
+them: each op's tuning then waits only for its own binaries, and the workers compile the later
+ops' while the earlier ones are timed. When no profile of
 those calls, nor of the unfused step's calls, is missing at any bucket (a restart with the cache
 file), the bucket runs below would tune nothing and are skipped (single-process steps only).
 
@@ -94,11 +95,13 @@ class TuneReport:
             per (op, bucket) profile tuned.
         seconds: Wall time of the whole call.
         prepare_seconds: Part of it spent before any timing: recording the untuned step and
-            ``AutoTuner.prepare`` (planning every missing profile and compiling its tactics).
-        prepared: (inputs, tactic) pairs ``prepare`` made ready.
+            ``AutoTuner.prepare`` (planning every missing profile and handing its Triton tactics
+            to the compile workers; runners that cannot compile in the background are compiled
+            here).
+        prepared: (inputs, tactic) pairs ``prepare`` planned.
         compile_seconds: Compile time of the Triton runners during the call, summed over runners
-            (``prepare`` compiles several runners side by side, so this can exceed
-            ``prepare_seconds``).
+            (several runners compile side by side, so this can exceed the call's wall time);
+            with the compile workers, most of it is waiting for binaries compiled ahead.
         compile_seconds_by_op: That compile time per op name (ops that compiled nothing are left
             out).
         fusion_checks: :func:`check_fusion`'s comparisons, one per bucket where a fused op had
@@ -228,7 +231,7 @@ def tune_step(
                     # An op with no pick at all: the workers' start overlaps the planning
                     # (otherwise they start when a batch needs them).
                     start_compile_workers()
-                report.prepared = tuner.prepare(calls)
+                report.prepared = tuner.prepare(_in_tuning_order(calls), ahead=True)
                 report.prepare_seconds = time.perf_counter() - started
             tuner.tuning_mode = True
             passes = [("single ops", step.ops.unfused())]
@@ -336,6 +339,12 @@ def _step_us(step: DecodeStep, timer: Timer, ops: Any, args: tuple[torch.Tensor,
 
     with torch.no_grad():
         return float(timer.measure(run, warmup=2, repeat=2).median_us)
+
+
+def _in_tuning_order(calls: list[OpCall]) -> list[OpCall]:
+    """The single ops' calls first, then the fused ops' (runner 0 is their unfused sequence),
+    each in step order: the order the two bucket passes of :func:`tune_step` tune them in."""
+    return sorted(calls, key=lambda c: bool(c.runners) and isinstance(c.runners[0], UnfusedRunner))
 
 
 def _fused_pick(tuner: Any, call: OpCall) -> tuple[Any, Any] | None:

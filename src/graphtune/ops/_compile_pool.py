@@ -207,6 +207,8 @@ def capturing() -> Iterator[list[CompileJob]]:
 
 _POOL_LOCK = threading.Lock()
 _POOL: ProcessPoolExecutor | None = None
+#: Jobs handed to the workers by :func:`compile_ahead`, by ``CompileJob.ident`` (under the lock).
+_AHEAD: dict[str, Future[str | None]] = {}
 
 
 def _pool(start: bool) -> ProcessPoolExecutor | None:
@@ -242,6 +244,7 @@ def close_compile_workers() -> None:
     global _POOL
     with _POOL_LOCK:
         pool, _POOL = _POOL, None
+        _AHEAD.clear()
     if pool is not None:
         pool.shutdown(wait=True, cancel_futures=True)
 
@@ -264,6 +267,11 @@ def compile_in_workers(jobs: Sequence[CompileJob]) -> WorkerReport:
     futures: list[Future[str | None]] = []
     try:
         for job in distinct:
+            with _POOL_LOCK:
+                ahead = _AHEAD.get(job.ident)
+            if ahead is not None:  # handed over by compile_ahead: wait for it, not again
+                futures.append(ahead)
+                continue
             pickle.dumps(job)  # a job that cannot travel is compiled in-process instead
             futures.append(pool.submit(compile_job, job))
     except (pickle.PicklingError, TypeError, AttributeError, RuntimeError) as exc:
@@ -284,3 +292,35 @@ def compile_in_workers(jobs: Sequence[CompileJob]) -> WorkerReport:
             logger.debug("compile worker: %s", error)
     report.seconds = time.perf_counter() - started
     return report
+
+
+def compile_ahead(jobs: Sequence[CompileJob]) -> int:
+    """Hands each distinct job that was not handed over before to the worker processes and
+    returns at once; returns how many were handed over (0 when the pool is off).
+
+    The workers take jobs in the order they were handed over, so hand them over in the order
+    they will be needed. A later :func:`compile_in_workers` of the same job waits for this one
+    instead of compiling it again; until then the tuning process is free to do other work (to
+    time the ops whose binaries are ready).
+    """
+    distinct = list({job.ident: job for job in jobs}.values())
+    if not distinct or not enabled():
+        return 0
+    pool = _pool(start=True)
+    if pool is None:
+        return 0
+    handed = 0
+    for job in distinct:
+        with _POOL_LOCK:
+            if job.ident in _AHEAD:
+                continue
+        try:
+            pickle.dumps(job)  # a job that cannot travel is compiled in-process later
+            future = pool.submit(_compile_job, job)
+        except (pickle.PicklingError, TypeError, AttributeError, RuntimeError) as exc:
+            logger.debug("compile job not handed to the workers: %s", exc)
+            continue
+        with _POOL_LOCK:
+            _AHEAD[job.ident] = future
+        handed += 1
+    return handed

@@ -216,11 +216,23 @@ class TritonRunner(TunableRunner):
             return ("alone", input_signature(inputs), tactic_text(tactic))
         return tuple(keys) if keys else ("alone", input_signature(inputs), tactic_text(tactic))
 
-    def _compile_in_workers(self, pairs: list[tuple[list[Any], Any]]) -> None:
-        """Has worker processes compile the binaries of ``pairs`` into Triton's on-disk cache
-        first (:mod:`graphtune.ops._compile_pool`), so the in-process compile only loads them."""
+    def prepare_ahead(self, work: Sequence[tuple[list[Any], Sequence[Any]]]) -> bool:
+        """Hands the binaries of ``work`` to the compile worker processes and returns at once
+        (:func:`graphtune.ops._compile_pool.compile_ahead`); :meth:`prepare_all` then waits for
+        those it needs and loads them. ``False`` when the workers are off here (nothing
+        started)."""
         if not compile_pool.enabled():
-            return
+            return False
+        with self._lock:
+            fresh = [
+                (x, tactics) for x, tactics in work if input_signature(x) not in self._prepared
+            ]
+        pairs = [(inputs, t) for inputs, tactics in fresh for t in tactics if t != FALLBACK_TACTIC]
+        compile_pool.compile_ahead(self._compile_jobs(pairs))
+        return True
+
+    def _compile_jobs(self, pairs: list[tuple[list[Any], Any]]) -> list[Any]:
+        """What Triton would compile for ``pairs`` (their launches, captured, compile nothing)."""
         with compile_pool.capturing() as jobs:
             for inputs, tactic in pairs:
                 device = next((x.device for x in inputs if isinstance(x, torch.Tensor)), None)
@@ -230,7 +242,14 @@ class TritonRunner(TunableRunner):
                         self.launch(inputs, tactic, warmup=True)
                 except Exception:  # an invalid tactic: the in-process compile reports it
                     continue
-        report = compile_pool.compile_in_workers(jobs)
+        return jobs
+
+    def _compile_in_workers(self, pairs: list[tuple[list[Any], Any]]) -> None:
+        """Has worker processes compile the binaries of ``pairs`` into Triton's on-disk cache
+        first (:mod:`graphtune.ops._compile_pool`), so the in-process compile only loads them."""
+        if not compile_pool.enabled():
+            return
+        report = compile_pool.compile_in_workers(self._compile_jobs(pairs))
         with self._lock:
             self.compiled_in_workers += report.compiled
 

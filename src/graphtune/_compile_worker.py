@@ -16,6 +16,7 @@ on-disk cache.
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from dataclasses import dataclass
 from types import ModuleType
@@ -58,8 +59,18 @@ def _triton_knobs() -> Any:
     return getattr(triton, "knobs", None)
 
 
+#: Niceness a worker adds to its own: it compiles while the tuning process times the ops whose
+#: binaries are ready, and that process's host work (captures, launches) must not wait for a CPU.
+WORKER_NICENESS = 10
+
+
 def init_worker(cache_dir: str | None) -> None:
-    """Process initializer: compile into the tuning process's Triton cache folder."""
+    """Process initializer: lower the worker's CPU priority, and compile into the tuning
+    process's Triton cache folder."""
+    try:
+        os.nice(WORKER_NICENESS)
+    except OSError:  # not permitted here: the worker runs at its parent's priority
+        pass
     knobs = _triton_knobs()
     if cache_dir and knobs is not None:
         knobs.cache.dir = cache_dir

@@ -316,7 +316,7 @@ def compile_ahead(jobs: Sequence[CompileJob]) -> int:
                 continue
         try:
             pickle.dumps(job)  # a job that cannot travel is compiled in-process later
-            future = pool.submit(_compile_job, job)
+            future = pool.submit(compile_job, job)
         except (pickle.PicklingError, TypeError, AttributeError, RuntimeError) as exc:
             logger.debug("compile job not handed to the workers: %s", exc)
             continue

@@ -22,7 +22,9 @@ Every phase runs in a fresh process, so nothing survives in memory between them:
    profile seconds / candidates (``AutoTuner.history``; compilation is not in it) and the
    overall ``tune_s`` / all candidates; per op (``by_op``) its profiles, candidates,
    measurements, profile seconds and slowest candidate; and per Triton runner class
-   (``compile_by_runner``) its binaries and compile seconds.
+   (``compile_by_runner``) its binaries and compile seconds; and the compile workers' side
+   (``compile_workers``): when the last worker was ready, when the compile jobs ran, and their
+   seconds per kernel, all from the start of the tuning call.
 2. ``warm``: the same Triton cache folder and the tuning cache file the cold run saved; the same
    call must tune nothing (``tune_s`` is loading the file, Triton loading its cached binaries and
    the look-ups). A second call shows the steady state. Graph capture before the first replay
@@ -99,6 +101,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         )
 
     profiler = cProfile.Profile() if args.profile else None
+    wall_start = time.time()  # the compile workers' job log is in wall-clock time
     start = time.perf_counter()
     with tuner.record_calls() as calls, autotune(args.cache, tuner):
         if profiler is not None:
@@ -124,6 +127,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     candidates = sum(len(rec.candidates) for rec in tuner.history)
     stats = tuner.stats
     from graphtune.bench.timing import host_speed
+    from graphtune.ops._compile_pool import job_log
 
     return {
         "phase": args.child,
@@ -150,6 +154,33 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         "overall_ms_per_tactic_bucket": 1000.0 * tune_s / candidates if candidates else None,
         "by_op": by_op(tuner.history),
         "compile_by_runner": compile_by_runner(triton),
+        "compile_workers": compile_workers(job_log(), wall_start),
+    }
+
+
+def compile_workers(log: list[Any], start: float) -> dict[str, Any] | None:
+    """The compile workers' side of a phase from their job log
+    (``graphtune.ops._compile_pool.job_log``), times in seconds from ``start`` (the tuning
+    call's start): when the last worker was ready, the span the compile jobs ran in, their
+    summed seconds, and per kernel its jobs and seconds. ``None`` when no worker ran."""
+    if not log:
+        return None
+    warm = [r for r in log if r.kind == "warm-up"]
+    jobs = [r for r in log if r.kind == "compile"]
+    by_kernel: dict[str, dict[str, float]] = {}
+    for r in jobs:
+        row = by_kernel.setdefault(r.name, {"jobs": 0, "seconds": 0.0})
+        row["jobs"] += 1
+        row["seconds"] += r.finished - r.started
+    return {
+        "processes": len({r.pid for r in log}),
+        "ready_s": max(r.finished for r in warm) - start if warm else None,
+        "jobs": len(jobs),
+        "failed": sum(1 for r in jobs if r.error is not None),
+        "job_seconds": sum(r.finished - r.started for r in jobs),
+        "first_job_s": min(r.started for r in jobs) - start if jobs else None,
+        "last_job_s": max(r.finished for r in jobs) - start if jobs else None,
+        "by_kernel": dict(sorted(by_kernel.items(), key=lambda item: -item[1]["seconds"])),
     }
 
 
@@ -345,6 +376,20 @@ def main(argv: list[str] | None = None) -> int:
             f"{name:38} {row['binaries']:9d} {row['in_workers']:10d} {row['shared']:7d} "
             f"{row['compile_s']:10.2f}"
         )
+    workers = cold["compile_workers"]
+    if workers is not None:
+        ready, first, last = (
+            "-" if v is None else f"{v:.2f}"
+            for v in (workers["ready_s"], workers["first_job_s"], workers["last_job_s"])
+        )
+        print(
+            f"cold, compile workers: {workers['processes']} processes, the last ready at "
+            f"{ready} s; {workers['jobs']} jobs ({workers['failed']} failed), "
+            f"{workers['job_seconds']:.1f} job-seconds, run from {first} to {last} s"
+        )
+        print(f"{'cold, compile jobs by kernel':38} {'jobs':>9} {'job s':>10}")
+        for name, row in workers["by_kernel"].items():
+            print(f"{name:38} {row['jobs']:9d} {row['seconds']:10.2f}")
     print(f"{'':38} {'cold':>10} {'warm':>10}")
     for label, a, b in rows:
         fa = f"{a:10.3f}" if isinstance(a, float) else f"{a!s:>10}"

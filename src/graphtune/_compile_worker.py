@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import time
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -51,6 +52,28 @@ class CompileJob:
     path: str | None = None
 
 
+@dataclass(frozen=True)
+class JobResult:
+    """What one worker call did, with its wall-clock span (``time.time()``, comparable across
+    the processes of one host).
+
+    Attributes:
+        kind: ``"compile"`` (:func:`compile_job`) or ``"warm-up"`` (:func:`warm_up`).
+        name: The compiled kernel's name (empty for a warm-up).
+        error: The error text, or ``None`` when it worked.
+        started: When the worker began it.
+        finished: When it was done.
+        pid: The worker process.
+    """
+
+    kind: str
+    name: str
+    error: str | None
+    started: float
+    finished: float
+    pid: int
+
+
 def _triton_knobs() -> Any:
     try:
         import triton
@@ -76,15 +99,18 @@ def init_worker(cache_dir: str | None) -> None:
         knobs.cache.dir = cache_dir
 
 
-def warm_up() -> None:
+def warm_up() -> JobResult:
     """The one-time costs of a worker's first compile (imports, Triton's hash of itself)."""
+    started = time.time()
     import triton.compiler  # noqa: F401
 
     try:
         from triton.runtime.cache import triton_key
     except ImportError:  # kept elsewhere by this Triton: its first compile pays it instead
-        return
-    triton_key()
+        pass
+    else:
+        triton_key()
+    return JobResult("warm-up", "", None, started, time.time(), os.getpid())
 
 
 def kernel_module(name: str, path: str | None) -> ModuleType:
@@ -106,8 +132,10 @@ def kernel_module(name: str, path: str | None) -> ModuleType:
     return module
 
 
-def compile_job(job: CompileJob) -> str | None:
-    """Compiles ``job`` into Triton's on-disk cache; the error text, or ``None``."""
+def compile_job(job: CompileJob) -> JobResult:
+    """Compiles ``job`` into Triton's on-disk cache; its error text is ``None`` when it worked."""
+    started = time.time()
+    error: str | None = None
     try:
         import triton
         from triton.compiler import ASTSource
@@ -118,5 +146,5 @@ def compile_job(job: CompileJob) -> str | None:
         source = ASTSource(function, job.signature, job.constants, job.attrs)
         triton.compile(source, target=job.target, options=dict(job.options))
     except Exception as exc:  # reported; the tuning process compiles it again and raises there
-        return f"{type(exc).__name__}: {exc}"
-    return None
+        error = f"{type(exc).__name__}: {exc}"
+    return JobResult("compile", job.qualname, error, started, time.time(), os.getpid())

@@ -41,6 +41,7 @@ def test_cold_then_warm_phase_on_the_tiny_model(tmp_path) -> None:
     assert all(row["profiles"] >= 1 and row["seconds"] >= 0.0 for row in rows)
     by_runner = cold["compile_by_runner"].values()
     assert sum(row["binaries"] for row in by_runner) == cold["compiled_binaries"]
+    assert cold["compile_workers"] is None  # the CPU compiles nothing in worker processes
     warm = _phase("warm", cache, "--profile", str(tmp_path / "prof"))
     # The profile of the warm phase: the pstats file and the text top list, with the tuning call.
     listed = (tmp_path / "prof" / "tuning-warm.txt").read_text()
@@ -51,3 +52,32 @@ def test_cold_then_warm_phase_on_the_tiny_model(tmp_path) -> None:
     # bucket runs whose calls the cold phase counted.
     assert warm["op_calls"] == 0
     assert all(phase["host_speed"]["python_loop_us"] > 0 for phase in (cold, warm))
+
+
+def test_the_compile_workers_side_is_summed_from_their_job_log() -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import tuning_time
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    from graphtune._compile_worker import JobResult
+
+    start = 100.0
+    log = [
+        JobResult("warm-up", "", None, 100.1, 101.5, 11),
+        JobResult("warm-up", "", None, 100.1, 102.0, 12),
+        JobResult("compile", "gemv_kernel", None, 102.0, 102.5, 11),
+        JobResult("compile", "gemv_kernel", "CompilationError: no", 102.1, 102.4, 12),
+        JobResult("compile", "rms_norm_kernel", None, 102.5, 103.5, 11),
+    ]
+    summary = tuning_time.compile_workers(log, start)
+    assert summary["processes"] == 2 and summary["jobs"] == 3 and summary["failed"] == 1
+    assert summary["ready_s"] == 2.0  # the last worker to be ready
+    assert (summary["first_job_s"], summary["last_job_s"]) == (2.0, 3.5)
+    assert abs(summary["job_seconds"] - 1.8) < 1e-9
+    kernels = summary["by_kernel"]
+    assert list(kernels) == ["rms_norm_kernel", "gemv_kernel"]  # most seconds first
+    assert (
+        kernels["gemv_kernel"]["jobs"] == 2 and abs(kernels["gemv_kernel"]["seconds"] - 0.8) < 1e-9
+    )
+    assert tuning_time.compile_workers([], start) is None  # no worker ran (the CPU, a warm start)

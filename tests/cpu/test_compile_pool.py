@@ -96,6 +96,7 @@ def child(rows: list[int], k: int, n: int, device: str = "cpu", ahead: bool = Fa
     pool = _compile_pool._pool(start=False)
     worker_modules = [] if pool is None else pool.submit(eval, LOADED_IN_WORKER).result()
     worker_niceness = None if pool is None else pool.submit(eval, NICENESS).result()
+    log = _compile_pool.job_log()
     _compile_pool.close_compile_workers()
     # While one thread captures, another thread's compile is its own (compiled, not captured).
     from graphtune.ops.activation import TritonSiluAndMulRunner
@@ -126,6 +127,10 @@ def child(rows: list[int], k: int, n: int, device: str = "cpu", ahead: bool = Fa
         "worker_modules": worker_modules,
         "worker_niceness": worker_niceness,
         "niceness": os.nice(0),
+        "job_log": [
+            [r.kind, r.name, r.error is None, r.finished >= r.started, r.pid != os.getpid()]
+            for r in log
+        ],
         "handed_over": handed_over,
         "ahead_jobs": ahead_jobs,
         "ahead_left": len(_compile_pool._AHEAD),
@@ -181,6 +186,14 @@ def test_workers_compile_and_this_process_only_loads_the_same_binaries(tmp_path)
     loaded = pooled["worker_modules"]
     assert "graphtune.ops._kernels" in loaded and "graphtune._compile_worker" in loaded
     assert "torch" not in loaded and "graphtune.ops" not in loaded, loaded
+    # The job log has one record per job the workers did (the GEMM binaries, then the bogus
+    # jobs, which failed), each timed in a worker process.
+    log = pooled["job_log"]
+    assert [r[:3] for r in log if r[0] == "compile" and r[2]] == [
+        ["compile", "gemm_kernel", True]
+    ] * count
+    assert sum(1 for r in log if r[0] == "compile" and not r[2]) == 4
+    assert all(r[3] and r[4] for r in log) and alone["job_log"] == []
     # Workers compile at a lower CPU priority than the process that times kernels meanwhile.
     from graphtune._compile_worker import WORKER_NICENESS
 

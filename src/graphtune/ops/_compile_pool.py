@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from graphtune import env
-from graphtune._compile_worker import CompileJob, compile_job, init_worker, warm_up
+from graphtune._compile_worker import CompileJob, JobResult, compile_job, init_worker, warm_up
 
 logger = logging.getLogger(__name__)
 
@@ -208,7 +208,7 @@ def capturing() -> Iterator[list[CompileJob]]:
 _POOL_LOCK = threading.Lock()
 _POOL: ProcessPoolExecutor | None = None
 #: Jobs handed to the workers by :func:`compile_ahead`, by ``CompileJob.ident`` (under the lock).
-_AHEAD: dict[str, Future[str | None]] = {}
+_AHEAD: dict[str, Future[JobResult]] = {}
 
 
 def _pool(start: bool) -> ProcessPoolExecutor | None:
@@ -227,6 +227,32 @@ def _pool(start: bool) -> ProcessPoolExecutor | None:
         return _POOL
 
 
+_LOG: list[JobResult] = []
+_LOG_LOCK = threading.Lock()
+
+
+def _record(future: Future[JobResult]) -> None:
+    """Done-callback of every job handed to the pool: keeps its :class:`JobResult`."""
+    if future.cancelled() or future.exception() is not None:
+        return
+    with _LOG_LOCK:
+        _LOG.append(future.result())
+
+
+def _submit(pool: ProcessPoolExecutor, fn: Any, *args: Any) -> Future[JobResult]:
+    future: Future[JobResult] = pool.submit(fn, *args)
+    future.add_done_callback(_record)
+    return future
+
+
+def job_log() -> list[JobResult]:
+    """What the workers of this process did so far (warm-ups and compiles, in the order they
+    finished), each with its wall-clock span: when the workers were ready, how busy they were,
+    and what each kernel cost to compile (``benchmarks/tuning_time.py`` reports it)."""
+    with _LOG_LOCK:
+        return list(_LOG)
+
+
 def start_compile_workers() -> bool:
     """Starts the worker processes now, without waiting for them (their imports then overlap
     whatever the caller does before its first batch); returns whether they are used here."""
@@ -235,7 +261,7 @@ def start_compile_workers() -> bool:
     pool = _pool(start=True)
     if pool is not None:
         for _ in range(compile_processes()):
-            pool.submit(warm_up)
+            _submit(pool, warm_up)
     return pool is not None
 
 
@@ -264,7 +290,7 @@ def compile_in_workers(jobs: Sequence[CompileJob]) -> WorkerReport:
     if pool is None:
         return report
     started = time.perf_counter()
-    futures: list[Future[str | None]] = []
+    futures: list[Future[JobResult]] = []
     try:
         for job in distinct:
             with _POOL_LOCK:
@@ -273,13 +299,13 @@ def compile_in_workers(jobs: Sequence[CompileJob]) -> WorkerReport:
                 futures.append(ahead)
                 continue
             pickle.dumps(job)  # a job that cannot travel is compiled in-process instead
-            futures.append(pool.submit(compile_job, job))
+            futures.append(_submit(pool, compile_job, job))
     except (pickle.PicklingError, TypeError, AttributeError, RuntimeError) as exc:
         logger.debug("compile workers not used for this batch: %s", exc)
     wait(futures)
     for future in futures:
         try:
-            error = future.result()
+            error = future.result().error
         except BrokenProcessPool as exc:
             logger.warning("a Triton compile worker died (%s); compiling in-process", exc)
             close_compile_workers()
@@ -316,7 +342,7 @@ def compile_ahead(jobs: Sequence[CompileJob]) -> int:
                 continue
         try:
             pickle.dumps(job)  # a job that cannot travel is compiled in-process later
-            future = pool.submit(compile_job, job)
+            future = _submit(pool, compile_job, job)
         except (pickle.PicklingError, TypeError, AttributeError, RuntimeError) as exc:
             logger.debug("compile job not handed to the workers: %s", exc)
             continue

@@ -74,7 +74,8 @@ class JobResult:
     pid: int
 
 
-def _triton_knobs() -> Any:
+def triton_knobs() -> Any:
+    """``triton.knobs``, or ``None`` without Triton (or in a Triton without knobs)."""
     try:
         import triton
     except ImportError:
@@ -94,7 +95,7 @@ def init_worker(cache_dir: str | None) -> None:
         os.nice(WORKER_NICENESS)
     except OSError:  # not permitted here: the worker runs at its parent's priority
         pass
-    knobs = _triton_knobs()
+    knobs = triton_knobs()
     if cache_dir and knobs is not None:
         knobs.cache.dir = cache_dir
 

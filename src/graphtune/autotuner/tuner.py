@@ -270,8 +270,8 @@ class AutoTuner:
             run = self._tuning_run(resolved)
             for runner, items in run.prepare_work(run.plan(local=True)):
                 pairs += sum(len(tactics) for _, tactics in items)
-                started = getattr(runner, "prepare_ahead", None)  # a runner of another base
-                if ahead and started is not None and started(items):
+                prepare_ahead = getattr(runner, "prepare_ahead", None)  # another base class
+                if ahead and prepare_ahead is not None and prepare_ahead(items):
                     continue
                 work.setdefault(id(runner), (runner, []))[1].extend(items)
         if work:

@@ -51,7 +51,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from graphtune import env
-from graphtune._compile_worker import CompileJob, JobResult, compile_job, init_worker, warm_up
+from graphtune._compile_worker import (
+    CompileJob,
+    JobResult,
+    compile_job,
+    init_worker,
+    triton_knobs,
+    warm_up,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -76,11 +83,8 @@ def compile_processes() -> int:
 
 
 def _knobs() -> Any:
-    try:
-        import triton
-    except ImportError:
-        return None
-    knobs = getattr(triton, "knobs", None)
+    """``triton.knobs`` when its runtime has the ``jit_cache_hook`` capturing needs."""
+    knobs = triton_knobs()
     runtime = getattr(knobs, "runtime", None)
     return knobs if runtime is not None and hasattr(runtime, "jit_cache_hook") else None
 
@@ -245,6 +249,17 @@ def _submit(pool: ProcessPoolExecutor, fn: Any, *args: Any) -> Future[JobResult]
     return future
 
 
+def _hand_over(pool: ProcessPoolExecutor, job: CompileJob) -> Future[JobResult] | None:
+    """Submits ``job`` to ``pool``; ``None`` when it cannot travel to a worker or the pool
+    takes no more work (the job is then compiled in-process)."""
+    try:
+        pickle.dumps(job)
+        return _submit(pool, compile_job, job)
+    except (pickle.PicklingError, TypeError, AttributeError, RuntimeError) as exc:
+        logger.debug("compile job %s not handed to the workers: %s", job.qualname, exc)
+        return None
+
+
 def job_log() -> list[JobResult]:
     """What the workers of this process did so far (warm-ups and compiles, in the order they
     finished), each with its wall-clock span: when the workers were ready, how busy they were,
@@ -291,17 +306,14 @@ def compile_in_workers(jobs: Sequence[CompileJob]) -> WorkerReport:
         return report
     started = time.perf_counter()
     futures: list[Future[JobResult]] = []
-    try:
-        for job in distinct:
-            with _POOL_LOCK:
-                ahead = _AHEAD.get(job.ident)
-            if ahead is not None:  # handed over by compile_ahead: wait for it, not again
-                futures.append(ahead)
-                continue
-            pickle.dumps(job)  # a job that cannot travel is compiled in-process instead
-            futures.append(_submit(pool, compile_job, job))
-    except (pickle.PicklingError, TypeError, AttributeError, RuntimeError) as exc:
-        logger.debug("compile workers not used for this batch: %s", exc)
+    for job in distinct:
+        with _POOL_LOCK:
+            future = _AHEAD.get(job.ident)  # handed over by compile_ahead: wait for it
+        if future is None:
+            future = _hand_over(pool, job)
+        if future is None:  # the rest of the batch is compiled in-process
+            break
+        futures.append(future)
     wait(futures)
     for future in futures:
         try:
@@ -340,11 +352,8 @@ def compile_ahead(jobs: Sequence[CompileJob]) -> int:
         with _POOL_LOCK:
             if job.ident in _AHEAD:
                 continue
-        try:
-            pickle.dumps(job)  # a job that cannot travel is compiled in-process later
-            future = _submit(pool, compile_job, job)
-        except (pickle.PicklingError, TypeError, AttributeError, RuntimeError) as exc:
-            logger.debug("compile job not handed to the workers: %s", exc)
+        future = _hand_over(pool, job)
+        if future is None:  # compiled in-process later
             continue
         with _POOL_LOCK:
             _AHEAD[job.ident] = future

@@ -208,6 +208,8 @@ def test_gpu_timer_constructor_validation():
     with pytest.raises(ConfigError):
         GraphTimer(min_replay_us=0)
     with pytest.raises(ConfigError):
+        GraphTimer(min_piece_us=0)
+    with pytest.raises(ConfigError):
         GraphTimer(capture_error_mode="loose")
     with pytest.raises(ConfigError):
         EventTimer(samples=0)
@@ -396,3 +398,106 @@ def test_module_exports_contract():
         "cold_l2_copies",
     ):
         assert hasattr(timing, name), name
+
+
+def test_repeated_pieces_find_the_mapped_cuda_runtime(tmp_path):
+    from graphtune.autotuner.timing import repeated
+
+    maps = tmp_path / "maps"
+    maps.write_text(
+        "7f00-7f01 r-xp 00000000 08:01 1 /usr/lib/libc.so.6\n"
+        "7f02-7f03 r-xp 00000000 08:01 2 /site/nvidia/cu13/lib/libcudart.so.13\n"
+        "7f04-7f05 rw-p 00000000 00:00 0\n"
+    )
+    assert repeated._mapped_cudart(maps) == "/site/nvidia/cu13/lib/libcudart.so.13"
+    maps.write_text("7f00-7f01 r-xp 00000000 08:01 1 /usr/lib/libc.so.6\n")
+    assert repeated._mapped_cudart(maps) is None
+    assert repeated._mapped_cudart(tmp_path / "missing") is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU answer")
+def test_repeated_pieces_are_off_without_cuda():
+    from graphtune.autotuner.timing import repeated
+
+    assert repeated.cuda_runtime() is None
+
+
+class _FakePiece:
+    """A captured graph of ``calls`` calls whose replay lasts ``fixed + calls * per_call`` µs."""
+
+    def __init__(self, calls: int, per_call: float, fixed: float = 1.5) -> None:
+        self.calls, self.per_call, self.fixed = calls, per_call, fixed
+        self.released = False
+
+    def replay_us(self) -> float:
+        return self.fixed + self.calls * self.per_call
+
+    def reset(self) -> None:
+        self.released = True
+
+
+class _FakeRepeated:
+    fail = False
+
+    def __init__(self, piece: _FakePiece, copies: int, runtime: object) -> None:
+        if _FakeRepeated.fail:
+            raise CaptureError("cudaGraphAddChildGraphNode failed")
+        self.piece, self.copies = piece, copies
+
+    def replay_us(self) -> float:
+        return self.piece.fixed + self.copies * self.piece.calls * self.piece.per_call
+
+    def reset(self, *, keep_piece: bool = False) -> None:
+        if not keep_piece:
+            self.piece.reset()
+
+
+def _sized(monkeypatch, per_call: float, repeat: int, *, runtime: object | None = "rt", fail=False):
+    """Runs GraphTimer._capture_sized against fake graphs; returns (graph, calls, captured)."""
+    from graphtune.autotuner.timing import graph as graph_module
+
+    captured: list[int] = []
+    monkeypatch.setattr(graph_module, "cuda_runtime", lambda: runtime)
+    monkeypatch.setattr(graph_module, "RepeatedGraph", _FakeRepeated)
+    monkeypatch.setattr(_FakeRepeated, "fail", fail)
+
+    def capture(self, fn, counter, calls, stream, device, *, keep=False):
+        captured.append(calls)
+        return _FakePiece(calls, per_call)
+
+    def replays(self, graph, count, stream, device, **_):
+        return [graph.replay_us()] * count
+
+    monkeypatch.setattr(GraphTimer, "_capture", capture)
+    monkeypatch.setattr(GraphTimer, "_time_replays", replays)
+    graph, calls, probed = GraphTimer()._capture_sized(lambda i: None, iter(()), repeat, None, None)
+    return graph, calls, captured
+
+
+def test_graph_timer_repeats_a_short_piece_instead_of_capturing_every_call(monkeypatch):
+    graph, calls, captured = _sized(monkeypatch, per_call=2.0, repeat=3)
+    assert isinstance(graph, _FakeRepeated)
+    piece = graph.piece.calls
+    assert captured == [3, piece]  # the floor, then one longer piece; no call captured twice
+    assert piece % 3 == 0 and 1.5 + piece * 2.0 >= 25.0 and piece < 20
+    assert calls == piece * graph.copies and calls * 2.0 >= 100.0
+
+
+def test_graph_timer_pieces_keep_cold_l2_walks_whole(monkeypatch):
+    graph, calls, captured = _sized(monkeypatch, per_call=0.5, repeat=8)
+    assert isinstance(graph, _FakeRepeated) and graph.piece.calls % 8 == 0
+    assert calls * 0.5 >= 100.0
+
+
+def test_graph_timer_long_calls_need_no_pieces(monkeypatch):
+    graph, calls, captured = _sized(monkeypatch, per_call=40.0, repeat=3)
+    assert isinstance(graph, _FakePiece) and calls == 3 and captured == [3]
+    graph, calls, captured = _sized(monkeypatch, per_call=12.0, repeat=3)  # piece 36 us
+    assert isinstance(graph, _FakeRepeated) and graph.piece.calls == 3 and captured == [3]
+
+
+@pytest.mark.parametrize("runtime, fail", [(None, False), ("rt", True)])
+def test_graph_timer_captures_every_call_without_pieces(monkeypatch, runtime, fail):
+    graph, calls, captured = _sized(monkeypatch, per_call=2.0, repeat=3, runtime=runtime, fail=fail)
+    assert isinstance(graph, _FakePiece) and graph.calls == calls
+    assert calls * 2.0 >= 100.0 and captured[-1] == calls

@@ -177,3 +177,56 @@ def test_cold_l2_rotation_reads_slower_than_hot(device):
     hot = timer.measure(lambda i: x.sum(), warmup=3, repeat=max(10, copies))
     cold = timer.measure(rotating(lambda t: t.sum(), sets), warmup=3, repeat=max(10, copies))
     assert cold.median_us > 1.05 * hot.median_us, (hot, cold, copies)
+
+
+def test_repeated_graph_runs_every_copy(device):
+    from graphtune.autotuner.timing.repeated import RepeatedGraph, cuda_runtime
+
+    runtime = cuda_runtime()
+    assert runtime is not None, "torch's libcudart should be usable on a CUDA machine"
+    counter = torch.zeros(1, device=device)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        counter.add_(1.0)
+    torch.cuda.synchronize()
+    piece = torch.cuda.CUDAGraph(keep_graph=True)
+    with torch.cuda.stream(stream):
+        piece.capture_begin()
+        for _ in range(3):
+            counter.add_(1.0)
+        piece.capture_end()
+    repeated = RepeatedGraph(piece, 7, runtime)
+    counter.zero_()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(stream):
+        repeated.replay()
+        repeated.replay()
+    torch.cuda.synchronize()
+    assert float(counter) == 2 * 7 * 3
+    repeated.reset()
+
+
+@pytest.mark.parametrize("hidden", [256, 4096])
+def test_graph_timer_pieces_time_like_direct_capture(device, common, hidden):
+    # A short kernel whose long replay is built from repeated pieces: the same per-call time as
+    # capturing every call, and both close to CUPTI's kernel time.
+    x = torch.randn(4, hidden, device=device)
+    fn = lambda i: torch.nn.functional.layer_norm(x, (hidden,))  # noqa: E731
+    pieces = GraphTimer(device=device, replays=20)
+    direct = GraphTimer(device=device, replays=20, repeat_pieces=False)
+    a = [pieces.measure(fn, warmup=3, repeat=3).median_us for _ in range(3)]
+    b = [direct.measure(fn, warmup=3, repeat=3).median_us for _ in range(3)]
+    assert pieces.last_calls is not None and pieces.last_calls * min(a) >= 50.0
+    ratio = sorted(a)[1] / sorted(b)[1]
+    assert 0.97 <= ratio <= 1.03, (a, b)
+
+
+def test_graph_timer_pieces_fall_back_without_runtime(device, monkeypatch):
+    from graphtune.autotuner.timing import graph as graph_module
+
+    monkeypatch.setattr(graph_module, "cuda_runtime", lambda: None)
+    x = torch.randn(1024, device=device)
+    timer = GraphTimer(device=device)
+    measured = timer.measure(lambda i: x.add(1.0), warmup=2, repeat=2)
+    assert timer.last_calls is not None and timer.last_calls > 2
+    assert measured.median_us * timer.last_calls >= 50.0

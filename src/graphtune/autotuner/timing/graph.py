@@ -12,6 +12,11 @@ with ``repeat`` scaled up to reach it, capped at ``max_repeat`` (1024 calls, whi
 time and graph size). So a 1 µs kernel is timed over about 110 calls per replay, while a 1 ms GEMM
 keeps the caller's ``repeat``. The first replay of a graph uploads it and is never timed.
 
+Capturing a call costs the host the runner's whole launch path, so a long replay of a short kernel
+is built from a piece instead (``repeat_pieces``, the default): the calls are captured once, until
+the piece lasts ``min_piece_us`` (25 µs), and the replay runs copies of that piece as child graphs
+(:mod:`graphtune.autotuner.timing.repeated`). The GPU runs the same kernels either way.
+
 In cold-L2 mode pass ``repeat >= copies`` so that one replay walks through every input copy;
 otherwise consecutive replays touch the same few copies and find them in L2.
 """
@@ -30,9 +35,13 @@ import torch
 from graphtune.autotuner.timing._checks import check_counts, require_cuda
 from graphtune.autotuner.timing.base import Measurement, TimedFn
 from graphtune.autotuner.timing.delay import GpuDelay, delay_us_for_host_time
+from graphtune.autotuner.timing.repeated import RepeatedGraph, cuda_runtime
 from graphtune.errors import CaptureError, ConfigError
 
 logger = logging.getLogger(__name__)
+
+#: What the timer replays: a captured graph, or copies of one (:class:`RepeatedGraph`).
+Replayable = torch.cuda.CUDAGraph | RepeatedGraph
 
 
 def auto_repeat_calls(
@@ -90,7 +99,13 @@ class GraphTimer:
         replays: Timed replays (samples).
         auto_repeat: Raise the number of captured calls until a replay lasts ``min_replay_us``.
         min_replay_us: Target duration of one replay for ``auto_repeat``.
-        max_repeat: Cap on captured calls for ``auto_repeat``.
+        max_repeat: Cap on the calls per replay for ``auto_repeat``.
+        repeat_pieces: With ``auto_repeat``, capture the calls once as a piece of at least
+            ``min_piece_us`` and replay copies of it (:class:`RepeatedGraph`) instead of
+            capturing every call of a long replay; falls back to capturing every call where the
+            CUDA runtime cannot be used (:func:`cuda_runtime`).
+        min_piece_us: Shortest piece to repeat: each copy boundary costs a kernel with
+            programmatic dependent launch its overlap once, so a piece must be long against it.
         device: CUDA device (default: the current device).
         capture_error_mode: Passed to ``CUDAGraph.capture_begin`` (``"global"`` makes any
             CUDA-unsafe call during capture fail loudly, which is what we want while tuning).
@@ -105,15 +120,17 @@ class GraphTimer:
         auto_repeat: bool = True,
         min_replay_us: float = 100.0,
         max_repeat: int = 1024,
+        repeat_pieces: bool = True,
+        min_piece_us: float = 25.0,
         device: torch.device | str | int | None = None,
         capture_error_mode: str = "global",
     ) -> None:
         if isinstance(replays, bool) or not isinstance(replays, int) or replays < 1:
             raise ConfigError(f"GraphTimer: replays must be an integer >= 1, got {replays!r}")
-        if min_replay_us <= 0 or max_repeat < 1:
+        if min_replay_us <= 0 or max_repeat < 1 or min_piece_us <= 0:
             raise ConfigError(
-                "GraphTimer: need min_replay_us > 0 and max_repeat >= 1; "
-                f"got {min_replay_us}, {max_repeat}"
+                "GraphTimer: need min_replay_us > 0, max_repeat >= 1 and min_piece_us > 0; "
+                f"got {min_replay_us}, {max_repeat}, {min_piece_us}"
             )
         if capture_error_mode not in ("global", "thread_local", "relaxed"):
             raise ConfigError(
@@ -124,6 +141,8 @@ class GraphTimer:
         self.auto_repeat = auto_repeat
         self.min_replay_us = min_replay_us
         self.max_repeat = max_repeat
+        self.repeat_pieces = repeat_pieces
+        self.min_piece_us = min_piece_us
         self.device = device
         self.capture_error_mode = capture_error_mode
         self._streams: dict[int, torch.cuda.Stream] = {}
@@ -186,41 +205,85 @@ class GraphTimer:
         repeat: int,
         stream: torch.cuda.Stream,
         device: torch.device,
-    ) -> tuple[torch.cuda.CUDAGraph, int, bool]:
-        """The graph and its calls, and whether the returned graph was probed (replayed, so
-        uploaded, with ``last_launch_us`` measured on it)."""
-        calls = repeat
-        graph = self._capture(fn, counter, calls, stream, device)
-        probed = False
+    ) -> tuple[Replayable, int, bool]:
+        """The graph, its calls per replay, and whether the returned graph was probed (replayed,
+        so uploaded, with ``last_launch_us`` measured on it).
+
+        With ``repeat_pieces`` (and the CUDA runtime usable, :func:`cuda_runtime`) the calls are
+        captured once as a piece of at least ``min_piece_us``, and a replay that must last longer
+        runs copies of the piece (:class:`RepeatedGraph`): the same kernels on the GPU, but the
+        runner's host launch path is paid for the piece only."""
+        runtime = cuda_runtime() if self.auto_repeat and self.repeat_pieces else None
+        calls = repeat  # calls in the piece
+        piece = self._capture(fn, counter, calls, stream, device, keep=runtime is not None)
+        graph: Replayable = piece
+        copies, probed = 1, False
         try:
             # A short probe overstates the per-call time (the replay's fixed launch cost is
             # spread over few calls), so the first estimate can fall short: probe again.
             for _ in range(_MAX_RESIZES if self.auto_repeat else 0):
-                if calls >= self.max_repeat:
+                if calls * copies >= self.max_repeat:
                     break
                 probe_us = min(self._time_replays(graph, 2, stream, device))
                 probed = True
+                if probe_us >= self.min_replay_us:
+                    break
+                if runtime is not None and copies == 1 and probe_us < self.min_piece_us:
+                    # The piece itself is short: capture it longer once (whole multiples of
+                    # ``repeat``, so cold-L2 copies keep their order across pieces).
+                    wanted = auto_repeat_calls(
+                        calls, probe_us, min_replay_us=self.min_piece_us, max_repeat=self.max_repeat
+                    )
+                    wanted = min(self.max_repeat, -(-wanted // repeat) * repeat)
+                    if wanted > calls:
+                        _release(graph)
+                        calls = wanted
+                        piece = self._capture(fn, counter, calls, stream, device, keep=True)
+                        graph, probed = piece, False
+                        continue
+                if runtime is not None:
+                    wanted = auto_repeat_calls(
+                        copies,
+                        probe_us,
+                        min_replay_us=self.min_replay_us,
+                        max_repeat=max(1, self.max_repeat // calls),
+                    )
+                    if wanted <= copies:
+                        break
+                    try:
+                        repeated = RepeatedGraph(piece, wanted, runtime)
+                    except CaptureError as exc:
+                        logger.debug("GraphTimer: %s", exc)
+                        runtime = None  # capture the calls directly, below
+                    else:
+                        if isinstance(graph, RepeatedGraph):
+                            graph.reset(keep_piece=True)
+                        graph, copies, probed = repeated, wanted, False
+                        continue
                 wanted = auto_repeat_calls(
-                    calls, probe_us, min_replay_us=self.min_replay_us, max_repeat=self.max_repeat
+                    calls * copies,
+                    probe_us,
+                    min_replay_us=self.min_replay_us,
+                    max_repeat=self.max_repeat,
                 )
-                if wanted <= calls:
+                if wanted <= calls * copies:
                     break
                 logger.debug(
                     "GraphTimer: replay of %d calls took %.1f us < %.0f us; recapturing %d",
-                    calls,
+                    calls * copies,
                     probe_us,
                     self.min_replay_us,
                     wanted,
                 )
                 # Release before recapturing so both graphs' pools are never held at once.
                 _release(graph)
-                calls = wanted
-                graph = self._capture(fn, counter, calls, stream, device)
-                probed = False
+                calls, copies = wanted, 1
+                piece = self._capture(fn, counter, calls, stream, device)
+                graph, probed = piece, False
         except BaseException:
             _release(graph)
             raise
-        return graph, calls, probed
+        return graph, calls * copies, probed
 
     def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
         # One side stream per device and timer: a fresh stream per measurement would make torch
@@ -239,8 +302,11 @@ class GraphTimer:
         calls: int,
         stream: torch.cuda.Stream,
         device: torch.device,
+        *,
+        keep: bool = False,
     ) -> torch.cuda.CUDAGraph:
-        graph = torch.cuda.CUDAGraph()
+        # ``keep``: keep the captured graph's handle, to build a RepeatedGraph of it.
+        graph = torch.cuda.CUDAGraph(keep_graph=True) if keep else torch.cuda.CUDAGraph()
         # Pending work of other streams must not race the capture (torch.cuda.graph does the same).
         torch.cuda.synchronize(device)
         # A garbage collection during capture could free tensors of other streams mid-capture;
@@ -287,7 +353,7 @@ class GraphTimer:
 
     def _time_replays(
         self,
-        graph: torch.cuda.CUDAGraph,
+        graph: Replayable,
         count: int,
         stream: torch.cuda.Stream,
         device: torch.device,
@@ -336,7 +402,7 @@ class GraphSession:
     def __init__(
         self,
         timer: GraphTimer,
-        graph: torch.cuda.CUDAGraph,
+        graph: Replayable,
         calls: int,
         stream: torch.cuda.Stream,
         device: torch.device,
@@ -346,7 +412,7 @@ class GraphSession:
     ) -> None:
         self.timer = timer
         self.calls = calls
-        self._graph: torch.cuda.CUDAGraph | None = graph
+        self._graph: Replayable | None = graph
         self._stream = stream
         self._device = device
         self._uploaded = probed
@@ -399,7 +465,7 @@ class GraphSession:
         self.close()
 
 
-def _release(graph: torch.cuda.CUDAGraph) -> None:
+def _release(graph: Replayable) -> None:
     """Frees the graph's executable and its hold on the private memory pool."""
     try:
         graph.reset()

@@ -422,6 +422,87 @@ def test_repeated_pieces_are_off_without_cuda():
     assert repeated.cuda_runtime() is None
 
 
+def _drive(plan, per_call_us, fixed_us=1.5, probes=3):
+    """Runs ``plan`` against a replay lasting ``fixed_us + calls * per_call_us``; returns steps."""
+    steps = []
+    for _ in range(probes):
+        step = plan.next(fixed_us + plan.total * per_call_us)
+        steps.append(step)
+        if step is None:
+            break
+    return steps
+
+
+def _plan(repeat=1, *, pieces=True, estimate_us=None, max_repeat=1024):
+    from graphtune.autotuner.timing.sizing import ReplayPlan
+
+    return ReplayPlan(
+        repeat,
+        min_replay_us=100.0,
+        max_repeat=max_repeat,
+        min_calls=3,
+        min_piece_us=25.0,
+        pieces=pieces,
+        estimate_us=estimate_us,
+    )
+
+
+def test_replay_plan_repeats_one_short_piece():
+    from graphtune.autotuner.timing.sizing import Step
+
+    plan = _plan()
+    assert plan.calls == 3  # min_calls while the call's time is unknown
+    steps = _drive(plan, per_call_us=2.0)
+    assert steps == [Step.CAPTURE, Step.REPEAT, None]  # one longer piece, then its copies
+    assert 20.0 <= 1.5 + plan.calls * 2.0 < 40.0 and plan.copies > 1  # about min_piece_us
+    assert plan.total * 2.0 >= 100.0
+
+
+def test_replay_plan_pieces_keep_cold_l2_walks_whole():
+    plan = _plan(repeat=8)
+    _drive(plan, per_call_us=0.5)
+    assert plan.calls % 8 == 0 and plan.copies > 1 and plan.total * 0.5 >= 100.0
+
+
+def test_replay_plan_replays_a_long_call_alone():
+    from graphtune.autotuner.timing.sizing import Step
+
+    plan = _plan()
+    assert _drive(plan, per_call_us=800.0) == [Step.CAPTURE, None] and plan.total == 1
+    plan = _plan(estimate_us=790.0)  # warm-up already showed a long call: no 3-call capture
+    assert plan.calls == 1 and _drive(plan, per_call_us=800.0) == [None]
+    plan = _plan(repeat=2, estimate_us=790.0)  # the caller's cold-L2 walk stays whole
+    assert plan.calls == 2 and _drive(plan, per_call_us=800.0) == [None]
+
+
+def test_replay_plan_keeps_min_calls_below_the_target():
+    plan = _plan()
+    assert _drive(plan, per_call_us=40.0) == [None] and plan.total == 3
+    plan = _plan(estimate_us=250.0)  # a host-bound warm-up overstated a 60 us call
+    _drive(plan, per_call_us=60.0)
+    assert plan.total >= 3 and plan.total * 60.0 >= 100.0
+
+
+def test_replay_plan_without_pieces_captures_every_call():
+    from graphtune.autotuner.timing.sizing import Step
+
+    plan = _plan(pieces=False)
+    steps = _drive(plan, per_call_us=2.0)
+    assert set(steps) <= {Step.CAPTURE, None} and plan.copies == 1
+    assert plan.total * 2.0 >= 90.0
+    plan = _plan()
+    _drive(plan, per_call_us=2.0)
+    total = plan.total
+    assert plan.without_pieces() is Step.CAPTURE
+    assert (plan.calls, plan.copies, plan.pieces) == (total, 1, False)
+
+
+def test_replay_plan_respects_max_repeat():
+    plan = _plan(max_repeat=64)
+    _drive(plan, per_call_us=0.1, probes=5)
+    assert plan.total <= 64
+
+
 class _FakePiece:
     """A captured graph of ``calls`` calls whose replay lasts ``fixed + calls * per_call`` µs."""
 
@@ -452,17 +533,17 @@ class _FakeRepeated:
             self.piece.reset()
 
 
-def _sized(monkeypatch, per_call: float, repeat: int, *, runtime: object | None = "rt", fail=False):
+def _sized(monkeypatch, per_call: float, *, runtime: object | None = "rt", fail=False):
     """Runs GraphTimer._capture_sized against fake graphs; returns (graph, calls, captured)."""
     from graphtune.autotuner.timing import graph as graph_module
 
-    captured: list[int] = []
+    captured: list[tuple[int, bool]] = []
     monkeypatch.setattr(graph_module, "cuda_runtime", lambda: runtime)
     monkeypatch.setattr(graph_module, "RepeatedGraph", _FakeRepeated)
     monkeypatch.setattr(_FakeRepeated, "fail", fail)
 
     def capture(self, fn, counter, calls, stream, device, *, keep=False):
-        captured.append(calls)
+        captured.append((calls, keep))
         return _FakePiece(calls, per_call)
 
     def replays(self, graph, count, stream, device, **_):
@@ -470,34 +551,19 @@ def _sized(monkeypatch, per_call: float, repeat: int, *, runtime: object | None 
 
     monkeypatch.setattr(GraphTimer, "_capture", capture)
     monkeypatch.setattr(GraphTimer, "_time_replays", replays)
-    graph, calls, probed = GraphTimer()._capture_sized(lambda i: None, iter(()), repeat, None, None)
+    graph, calls, probed = GraphTimer()._capture_sized(lambda i: None, iter(()), 1, None, None)
     return graph, calls, captured
 
 
-def test_graph_timer_repeats_a_short_piece_instead_of_capturing_every_call(monkeypatch):
-    graph, calls, captured = _sized(monkeypatch, per_call=2.0, repeat=3)
+def test_graph_timer_builds_a_long_replay_from_copies_of_a_piece(monkeypatch):
+    graph, calls, captured = _sized(monkeypatch, per_call=2.0)
     assert isinstance(graph, _FakeRepeated)
-    piece = graph.piece.calls
-    assert captured == [3, piece]  # the floor, then one longer piece; no call captured twice
-    assert piece % 3 == 0 and 1.5 + piece * 2.0 >= 25.0 and piece < 20
-    assert calls == piece * graph.copies and calls * 2.0 >= 100.0
-
-
-def test_graph_timer_pieces_keep_cold_l2_walks_whole(monkeypatch):
-    graph, calls, captured = _sized(monkeypatch, per_call=0.5, repeat=8)
-    assert isinstance(graph, _FakeRepeated) and graph.piece.calls % 8 == 0
-    assert calls * 0.5 >= 100.0
-
-
-def test_graph_timer_long_calls_need_no_pieces(monkeypatch):
-    graph, calls, captured = _sized(monkeypatch, per_call=40.0, repeat=3)
-    assert isinstance(graph, _FakePiece) and calls == 3 and captured == [3]
-    graph, calls, captured = _sized(monkeypatch, per_call=12.0, repeat=3)  # piece 36 us
-    assert isinstance(graph, _FakeRepeated) and graph.piece.calls == 3 and captured == [3]
+    assert captured == [(3, True), (graph.piece.calls, True)]  # no call is captured twice
+    assert calls == graph.piece.calls * graph.copies and calls * 2.0 >= 100.0
 
 
 @pytest.mark.parametrize("runtime, fail", [(None, False), ("rt", True)])
 def test_graph_timer_captures_every_call_without_pieces(monkeypatch, runtime, fail):
-    graph, calls, captured = _sized(monkeypatch, per_call=2.0, repeat=3, runtime=runtime, fail=fail)
+    graph, calls, captured = _sized(monkeypatch, per_call=2.0, runtime=runtime, fail=fail)
     assert isinstance(graph, _FakePiece) and graph.calls == calls
-    assert calls * 2.0 >= 100.0 and captured[-1] == calls
+    assert calls * 2.0 >= 90.0 and captured[-1] == (calls, False)

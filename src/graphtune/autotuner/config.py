@@ -17,10 +17,6 @@ TIMING_MODES = ("auto", "graph", "events", "wallclock")
 #: Calls per sample for a timer that does not size its samples, when ``TuningConfig.repeat`` is
 #: ``None``.
 DEFAULT_REPEAT = 10
-#: Fewest calls per sample for a timer that sizes its samples (the graph timer), when
-#: ``TuningConfig.repeat`` is ``None``: back-to-back calls, so the overlap between consecutive
-#: kernels (programmatic dependent launch) is in every sample.
-SIZED_MIN_CALLS = 3
 
 # ``infer`` of a ConstraintSpec receives the shapes of every input (``None`` for non-tensors),
 # with the dynamic dimensions already set to their buckets, and returns the constrained size.
@@ -192,11 +188,11 @@ class TuningConfig:
             ``"wallclock"``. A timer passed to ``AutoTuner(timer=...)`` takes precedence.
         warmup: Untimed calls before each measurement.
         repeat: Back-to-back calls per sample, or ``None`` (the default) for the timer's
-            choice: the graph timer, which adds calls until a replay lasts its
-            ``min_replay_us``, starts from :data:`SIZED_MIN_CALLS`; other timers make
-            :data:`DEFAULT_REPEAT`. A number is the fewest calls for the graph timer and the
-            count for the others. Raised to the copies in cold-L2 mode
-            (:func:`calls_per_sample`).
+            choice: the graph timer sizes its replays itself (``GraphTimer.min_calls`` calls
+            or more while a call is shorter than its ``min_replay_us``, one call for a call
+            that alone lasts that long); other timers make :data:`DEFAULT_REPEAT`. A number is
+            the fewest calls for the graph timer and the count for the others. Raised to the
+            copies in cold-L2 mode (:func:`calls_per_sample`).
     """
 
     dynamic_specs: tuple[DynamicTensorSpec, ...] = ()
@@ -306,14 +302,13 @@ class TuningConfig:
 def calls_per_sample(config: TuningConfig, copies: int, timer_sizes_samples: bool) -> int:
     """The ``repeat`` a profile's measurements ask the timer for.
 
-    ``config.repeat``, or when it is ``None`` :data:`SIZED_MIN_CALLS` for a timer that sizes
-    its samples (the graph timer adds calls until a replay lasts its ``min_replay_us``, so a
-    fixed ten would make a sample of a 1 ms candidate ten 1 ms calls) and
-    :data:`DEFAULT_REPEAT` for other timers. With cold-L2 rotation at least ``copies``: a
-    sample must walk through all of them, or the few it touches stay in L2 (a graph timer
-    replays the same calls).
+    ``config.repeat``, or when it is ``None`` 1 for a timer that sizes its samples (the graph
+    timer chooses the calls of a replay itself; a fixed ten would make a sample of a 1 ms
+    candidate ten 1 ms calls) and :data:`DEFAULT_REPEAT` for other timers. With cold-L2
+    rotation at least ``copies``: a sample must walk through all of them, or the few it touches
+    stay in L2 (a graph timer replays the same calls).
     """
     floor = copies if config.cold_l2 else 1
     if config.repeat is not None:
         return max(config.repeat, floor)
-    return max(SIZED_MIN_CALLS if timer_sizes_samples else DEFAULT_REPEAT, floor)
+    return max(1 if timer_sizes_samples else DEFAULT_REPEAT, floor)

@@ -35,12 +35,8 @@ from graphtune.autotuner.timing.cold_l2 import (
 )
 from graphtune.autotuner.timing.delay import GpuDelay, delay_us_for_host_time
 from graphtune.autotuner.timing.events import EventTimer
-from graphtune.autotuner.timing.graph import (
-    GraphSession,
-    GraphTimer,
-    auto_repeat_calls,
-    sizes_its_samples,
-)
+from graphtune.autotuner.timing.graph import GraphSession, GraphTimer, sizes_its_samples
+from graphtune.autotuner.timing.sizing import auto_repeat_calls
 from graphtune.autotuner.timing.wallclock import WallClockTimer
 from graphtune.errors import ConfigError
 

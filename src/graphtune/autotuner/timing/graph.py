@@ -4,13 +4,14 @@ This is how a tuned op runs in production (inside a graph), and it takes host la
 the measurement: a replay is one host launch, whatever it holds. What is left per call is the
 kernel time plus the GPU's own gap between consecutive graph nodes.
 
-Sizing ``repeat`` (calls captured in the graph): one replay is timed by a pair of events whose
-resolution is about 0.5 µs and whose replay launch costs the GPU a few microseconds, so a replay
-must last much longer than that. The caller's ``repeat`` is the minimum; with ``auto_repeat`` (the
-default) a probe replay that lasts less than ``min_replay_us`` (100 µs) makes the timer recapture
-with ``repeat`` scaled up to reach it, capped at ``max_repeat`` (1024 calls, which bounds capture
-time and graph size). So a 1 µs kernel is timed over about 110 calls per replay, while a 1 ms GEMM
-keeps the caller's ``repeat``. The first replay of a graph uploads it and is never timed.
+Sizing a replay: one replay is timed by a pair of events whose resolution is about 0.5 µs and
+whose replay launch costs the GPU a few microseconds, so a replay must last much longer than that.
+With ``auto_repeat`` (the default) the timer probes the captured graph and resizes it until a
+replay lasts ``min_replay_us`` (100 µs), with at least ``min_calls`` (3) back-to-back calls while
+a call is shorter than that, and the caller's ``repeat`` calls for a call that alone lasts that
+long (rules and their reasons: :mod:`graphtune.autotuner.timing.sizing`); at most ``max_repeat``
+(1024) calls. So a 1 µs kernel is timed over about 110 calls per replay, a 1 ms GEMM over one.
+The first replay of a graph uploads it and is never timed.
 
 Capturing a call costs the host the runner's whole launch path, so a long replay of a short kernel
 is built from a piece instead (``repeat_pieces``, the default): the calls are captured once, until
@@ -26,7 +27,6 @@ from __future__ import annotations
 import gc
 import itertools
 import logging
-import math
 import time
 from collections.abc import Iterator
 
@@ -36,35 +36,13 @@ from graphtune.autotuner.timing._checks import check_counts, require_cuda
 from graphtune.autotuner.timing.base import Measurement, TimedFn
 from graphtune.autotuner.timing.delay import GpuDelay, delay_us_for_host_time
 from graphtune.autotuner.timing.repeated import RepeatedGraph, cuda_runtime
+from graphtune.autotuner.timing.sizing import ReplayPlan, Step
 from graphtune.errors import CaptureError, ConfigError
 
 logger = logging.getLogger(__name__)
 
 #: What the timer replays: a captured graph, or copies of one (:class:`RepeatedGraph`).
 Replayable = torch.cuda.CUDAGraph | RepeatedGraph
-
-
-def auto_repeat_calls(
-    calls: int, replay_us: float, *, min_replay_us: float, max_repeat: int, headroom: float = 1.1
-) -> int:
-    """Returns how many calls one graph should hold so that a replay lasts ``min_replay_us``.
-
-    Args:
-        calls: Calls in the probed graph.
-        replay_us: Measured duration of one replay of that graph.
-        min_replay_us: Target replay duration.
-        max_repeat: Upper bound on the result.
-        headroom: Factor over the proportional estimate, so the new replay clears the target.
-
-    Returns:
-        ``calls`` when the replay is already long enough (or the cap is reached), otherwise a
-        larger count, never above ``max(calls, max_repeat)``.
-    """
-    if replay_us >= min_replay_us or calls >= max_repeat:
-        return calls
-    per_call_us = max(replay_us / calls, 1e-3)  # a replay faster than 1 ns per call is noise
-    wanted = math.ceil(min_replay_us / per_call_us * headroom - 1e-9)  # 110.000...01 -> 110
-    return max(calls, min(max_repeat, wanted))
 
 
 #: Recaptures allowed while growing a replay to ``min_replay_us``.
@@ -84,14 +62,14 @@ class GraphTimer:
     Procedure of :meth:`measure`:
 
     1. ``max(1, warmup)`` untimed calls on a side stream (lazy initialisation such as cuBLAS
-       handles and workspaces must happen outside capture, on the stream that will capture).
-    2. Capture ``fn(i) .. fn(i + repeat - 1)`` in one ``torch.cuda.CUDAGraph`` on the side stream,
-       with the graph's own private memory pool, garbage collection paused.
+       handles and workspaces must happen outside capture, on the stream that will capture);
+       events around all but the first bound a call's time, which sizes the first capture.
+    2. Capture ``fn(i) .. fn(i + n - 1)`` in one ``torch.cuda.CUDAGraph`` on the side stream,
+       with the graph's own private memory pool, garbage collection paused; with
+       ``auto_repeat``, probe replays resize it (see the module docstring).
     3. One untimed replay (the first replay uploads the graph; none when the ``auto_repeat``
        probe already replayed this graph), then a delay kernel sized to cover
        the host enqueue of all timed replays, then ``replays`` replays each between two events.
-       With ``auto_repeat``, a probe replay shorter than ``min_replay_us`` first triggers a
-       recapture with more calls (see :func:`auto_repeat_calls`).
     4. Per call = replay time / calls; the median over replays is reported. The graph is reset
        and dropped before returning, also on errors, so its pool can be reused.
 
@@ -100,6 +78,10 @@ class GraphTimer:
         auto_repeat: Raise the number of captured calls until a replay lasts ``min_replay_us``.
         min_replay_us: Target duration of one replay for ``auto_repeat``.
         max_repeat: Cap on the calls per replay for ``auto_repeat``.
+        min_calls: With ``auto_repeat``, the fewest calls per replay while one call is shorter
+            than ``min_replay_us`` (back-to-back calls, so the overlap between consecutive
+            kernels is in every sample); a call that alone lasts that long is replayed with the
+            caller's ``repeat`` calls.
         repeat_pieces: With ``auto_repeat``, capture the calls once as a piece of at least
             ``min_piece_us`` and replay copies of it (:class:`RepeatedGraph`) instead of
             capturing every call of a long replay; falls back to capturing every call where the
@@ -120,6 +102,7 @@ class GraphTimer:
         auto_repeat: bool = True,
         min_replay_us: float = 100.0,
         max_repeat: int = 1024,
+        min_calls: int = 3,
         repeat_pieces: bool = True,
         min_piece_us: float = 25.0,
         device: torch.device | str | int | None = None,
@@ -127,10 +110,10 @@ class GraphTimer:
     ) -> None:
         if isinstance(replays, bool) or not isinstance(replays, int) or replays < 1:
             raise ConfigError(f"GraphTimer: replays must be an integer >= 1, got {replays!r}")
-        if min_replay_us <= 0 or max_repeat < 1 or min_piece_us <= 0:
+        if min_replay_us <= 0 or max_repeat < 1 or min_piece_us <= 0 or min_calls < 1:
             raise ConfigError(
-                "GraphTimer: need min_replay_us > 0, max_repeat >= 1 and min_piece_us > 0; "
-                f"got {min_replay_us}, {max_repeat}, {min_piece_us}"
+                "GraphTimer: need min_replay_us > 0, max_repeat >= 1, min_calls >= 1 and "
+                f"min_piece_us > 0; got {min_replay_us}, {max_repeat}, {min_calls}, {min_piece_us}"
             )
         if capture_error_mode not in ("global", "thread_local", "relaxed"):
             raise ConfigError(
@@ -141,6 +124,7 @@ class GraphTimer:
         self.auto_repeat = auto_repeat
         self.min_replay_us = min_replay_us
         self.max_repeat = max_repeat
+        self.min_calls = min_calls
         self.repeat_pieces = repeat_pieces
         self.min_piece_us = min_piece_us
         self.device = device
@@ -186,11 +170,10 @@ class GraphTimer:
             stream.wait_stream(caller)  # inputs may have been written on the caller's stream
             counter = itertools.count()
             try:
-                with torch.cuda.stream(stream):
-                    for _ in range(max(1, warmup)):
-                        fn(next(counter))
-                stream.synchronize()
-                graph, calls, probed = self._capture_sized(fn, counter, repeat, stream, device)
+                estimate_us = self._warm_up(fn, counter, max(1, warmup), stream)
+                graph, calls, probed = self._capture_sized(
+                    fn, counter, repeat, stream, device, estimate_us
+                )
             finally:
                 caller.wait_stream(stream)
         self.last_calls = calls
@@ -205,85 +188,83 @@ class GraphTimer:
         repeat: int,
         stream: torch.cuda.Stream,
         device: torch.device,
+        estimate_us: float | None = None,
     ) -> tuple[Replayable, int, bool]:
         """The graph, its calls per replay, and whether the returned graph was probed (replayed,
         so uploaded, with ``last_launch_us`` measured on it).
 
-        With ``repeat_pieces`` (and the CUDA runtime usable, :func:`cuda_runtime`) the calls are
-        captured once as a piece of at least ``min_piece_us``, and a replay that must last longer
-        runs copies of the piece (:class:`RepeatedGraph`): the same kernels on the GPU, but the
-        runner's host launch path is paid for the piece only."""
+        The calls and copies follow a :class:`~graphtune.autotuner.timing.sizing.ReplayPlan`
+        revised after each probe. With ``repeat_pieces`` (and the CUDA runtime usable,
+        :func:`cuda_runtime`) a long replay runs copies of one captured piece
+        (:class:`RepeatedGraph`): the same kernels on the GPU, but the runner's host launch path
+        is paid for the piece only."""
         runtime = cuda_runtime() if self.auto_repeat and self.repeat_pieces else None
-        calls = repeat  # calls in the piece
-        piece = self._capture(fn, counter, calls, stream, device, keep=runtime is not None)
+        plan = ReplayPlan(
+            repeat,
+            min_replay_us=self.min_replay_us,
+            max_repeat=self.max_repeat,
+            min_calls=self.min_calls if self.auto_repeat else repeat,
+            min_piece_us=self.min_piece_us,
+            pieces=runtime is not None,
+            estimate_us=estimate_us if self.auto_repeat else None,
+        )
+        piece = self._capture(fn, counter, plan.calls, stream, device, keep=plan.pieces)
         graph: Replayable = piece
-        copies, probed = 1, False
+        probed = False
         try:
             # A short probe overstates the per-call time (the replay's fixed launch cost is
             # spread over few calls), so the first estimate can fall short: probe again.
             for _ in range(_MAX_RESIZES if self.auto_repeat else 0):
-                if calls * copies >= self.max_repeat:
-                    break
                 probe_us = min(self._time_replays(graph, 2, stream, device))
                 probed = True
-                if probe_us >= self.min_replay_us:
-                    break
-                if runtime is not None and copies == 1 and probe_us < self.min_piece_us:
-                    # The piece itself is short: capture it longer once (whole multiples of
-                    # ``repeat``, so cold-L2 copies keep their order across pieces).
-                    wanted = auto_repeat_calls(
-                        calls, probe_us, min_replay_us=self.min_piece_us, max_repeat=self.max_repeat
-                    )
-                    wanted = min(self.max_repeat, -(-wanted // repeat) * repeat)
-                    if wanted > calls:
-                        _release(graph)
-                        calls = wanted
-                        piece = self._capture(fn, counter, calls, stream, device, keep=True)
-                        graph, probed = piece, False
-                        continue
-                if runtime is not None:
-                    wanted = auto_repeat_calls(
-                        copies,
-                        probe_us,
-                        min_replay_us=self.min_replay_us,
-                        max_repeat=max(1, self.max_repeat // calls),
-                    )
-                    if wanted <= copies:
-                        break
+                step = plan.next(probe_us)
+                if step is Step.REPEAT:
+                    assert runtime is not None  # a plan without pieces never repeats
                     try:
-                        repeated = RepeatedGraph(piece, wanted, runtime)
+                        repeated = RepeatedGraph(piece, plan.copies, runtime)
                     except CaptureError as exc:
                         logger.debug("GraphTimer: %s", exc)
-                        runtime = None  # capture the calls directly, below
+                        step = plan.without_pieces()
                     else:
                         if isinstance(graph, RepeatedGraph):
                             graph.reset(keep_piece=True)
-                        graph, copies, probed = repeated, wanted, False
+                        graph, probed = repeated, False
                         continue
-                wanted = auto_repeat_calls(
-                    calls * copies,
-                    probe_us,
-                    min_replay_us=self.min_replay_us,
-                    max_repeat=self.max_repeat,
-                )
-                if wanted <= calls * copies:
+                if step is None:
                     break
                 logger.debug(
-                    "GraphTimer: replay of %d calls took %.1f us < %.0f us; recapturing %d",
-                    calls * copies,
+                    "GraphTimer: probe replay %.1f us (target %.0f us); capturing %d calls",
                     probe_us,
                     self.min_replay_us,
-                    wanted,
+                    plan.calls,
                 )
                 # Release before recapturing so both graphs' pools are never held at once.
                 _release(graph)
-                calls, copies = wanted, 1
-                piece = self._capture(fn, counter, calls, stream, device)
+                piece = self._capture(fn, counter, plan.calls, stream, device, keep=plan.pieces)
                 graph, probed = piece, False
         except BaseException:
             _release(graph)
             raise
-        return graph, calls * copies, probed
+        return graph, plan.total, probed
+
+    def _warm_up(
+        self, fn: TimedFn, counter: Iterator[int], calls: int, stream: torch.cuda.Stream
+    ) -> float | None:
+        """Runs the warm-up calls on ``stream`` and waits for them; returns the time per call of
+        all but the first (which pays lazy initialisation) by events, or ``None`` for a single
+        warm-up call. Eager calls include host gaps, so this bounds a call's GPU time above."""
+        with torch.cuda.stream(stream):
+            fn(next(counter))
+            if calls < 2:
+                stream.synchronize()
+                return None
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            for _ in range(calls - 1):
+                fn(next(counter))
+            end.record(stream)
+        stream.synchronize()
+        return start.elapsed_time(end) * 1000.0 / (calls - 1)
 
     def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
         # One side stream per device and timer: a fresh stream per measurement would make torch

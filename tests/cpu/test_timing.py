@@ -551,8 +551,8 @@ def _sized(monkeypatch, per_call: float, *, runtime: object | None = "rt", fail=
 
     monkeypatch.setattr(GraphTimer, "_capture", capture)
     monkeypatch.setattr(GraphTimer, "_time_replays", replays)
-    graph, calls, probed = GraphTimer()._capture_sized(lambda i: None, iter(()), 1, None, None)
-    return graph, calls, captured
+    graph, plan, probed = GraphTimer()._capture_sized(lambda i: None, iter(()), 1, None, None)
+    return graph, plan.total, captured
 
 
 def test_graph_timer_builds_a_long_replay_from_copies_of_a_piece(monkeypatch):
@@ -567,3 +567,28 @@ def test_graph_timer_captures_every_call_without_pieces(monkeypatch, runtime, fa
     graph, calls, captured = _sized(monkeypatch, per_call=2.0, runtime=runtime, fail=fail)
     assert isinstance(graph, _FakePiece) and graph.calls == calls
     assert calls * 2.0 >= 90.0 and captured[-1] == (calls, False)
+
+
+def test_host_lead_covers_the_first_replay_when_replays_outlast_their_launch():
+    from graphtune.autotuner.timing.delay import host_lead_us
+
+    assert host_lead_us(10, 25.0, None) == 250.0  # unknown replay time: the whole batch
+    assert host_lead_us(10, 25.0, 110.0) == 25.0  # the GPU never catches up after the first
+    # Replays shorter than their launch: the GPU gains on the host by the difference each time.
+    assert host_lead_us(10, 25.0, 20.0) == 250.0 - 9 * 20.0
+    assert host_lead_us(1, 25.0, 5.0) == 25.0
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    count=st.integers(1, 50),
+    host=st.floats(0.5, 200.0),
+    replay=st.floats(0.5, 2000.0),
+)
+def test_host_lead_keeps_every_replay_queued(count, host, replay):
+    from graphtune.autotuner.timing.delay import host_lead_us
+
+    lead = host_lead_us(count, host, replay)
+    # Replay k (1-based) is enqueued by k * host and starts on the GPU at lead + (k-1) * replay.
+    for k in range(1, count + 1):
+        assert lead + (k - 1) * replay >= k * host - 1e-6

@@ -72,6 +72,21 @@ def delay_us_for_host_time(
     return min(cap_us, host_us * margin + floor_us)
 
 
+def host_lead_us(count: int, host_us_per_replay: float, replay_us: float | None) -> float:
+    """How far the host must be ahead of the GPU before ``count`` timed replays are enqueued.
+
+    The host enqueues replay ``k`` by ``k * host_us_per_replay``; behind a delay of ``D`` the GPU
+    starts it at ``D + (k - 1) * replay_us``. No replay waits for its launch when
+    ``D >= k * host_us_per_replay - (k - 1) * replay_us`` for every ``k``: the first replay's
+    enqueue when a replay lasts longer than its launch (the usual case: a 100 µs replay and a
+    launch of tens of microseconds), and the whole batch's enqueue when ``replay_us`` is unknown.
+    """
+    whole = count * host_us_per_replay
+    if replay_us is None:
+        return whole
+    return max(host_us_per_replay, whole - (count - 1) * replay_us)
+
+
 class GpuDelay:
     """Enqueues a kernel that keeps one CUDA device busy for about a requested time.
 

@@ -34,7 +34,7 @@ import torch
 
 from graphtune.autotuner.timing._checks import check_counts, require_cuda
 from graphtune.autotuner.timing.base import Measurement, TimedFn
-from graphtune.autotuner.timing.delay import GpuDelay, delay_us_for_host_time
+from graphtune.autotuner.timing.delay import GpuDelay, delay_us_for_host_time, host_lead_us
 from graphtune.autotuner.timing.repeated import RepeatedGraph, cuda_runtime
 from graphtune.autotuner.timing.sizing import ReplayPlan, Step
 from graphtune.errors import CaptureError, ConfigError
@@ -171,15 +171,25 @@ class GraphTimer:
             counter = itertools.count()
             try:
                 estimate_us = self._warm_up(fn, counter, max(1, warmup), stream)
-                graph, calls, probed = self._capture_sized(
+                graph, plan, probed = self._capture_sized(
                     fn, counter, repeat, stream, device, estimate_us
                 )
             finally:
                 caller.wait_stream(stream)
-        self.last_calls = calls
+        self.last_calls = plan.total
         # A graph the auto-repeat probe replayed is uploaded and its launch cost is known.
         launch_us = self.last_launch_us if probed else None
-        return GraphSession(self, graph, calls, stream, device, probed=probed, launch_us=launch_us)
+        expected = plan.expected_replay_us
+        return GraphSession(
+            self,
+            graph,
+            plan.total,
+            stream,
+            device,
+            probed=probed,
+            launch_us=launch_us,
+            replay_us=None if expected is None else 0.9 * expected,  # see expected_replay_us
+        )
 
     def _capture_sized(
         self,
@@ -189,9 +199,9 @@ class GraphTimer:
         stream: torch.cuda.Stream,
         device: torch.device,
         estimate_us: float | None = None,
-    ) -> tuple[Replayable, int, bool]:
-        """The graph, its calls per replay, and whether the returned graph was probed (replayed,
-        so uploaded, with ``last_launch_us`` measured on it).
+    ) -> tuple[Replayable, ReplayPlan, bool]:
+        """The graph, its plan (``plan.total`` calls per replay), and whether the returned graph
+        was probed (replayed, so uploaded, with ``last_launch_us`` measured on it).
 
         The calls and copies follow a :class:`~graphtune.autotuner.timing.sizing.ReplayPlan`
         revised after each probe. With ``repeat_pieces`` (and the CUDA runtime usable,
@@ -245,7 +255,7 @@ class GraphTimer:
         except BaseException:
             _release(graph)
             raise
-        return graph, plan.total, probed
+        return graph, plan, probed
 
     def _warm_up(
         self, fn: TimedFn, counter: Iterator[int], calls: int, stream: torch.cuda.Stream
@@ -341,10 +351,13 @@ class GraphTimer:
         *,
         uploaded: bool = False,
         launch_us: float | None = None,
+        replay_us: float | None = None,
     ) -> list[float]:
         """Replays ``graph`` untimed (twice; once when ``uploaded``; not at all when also the
         host launch cost ``launch_us`` is known), then ``count`` timed times; returns µs per
-        replay. The launch cost measured here is kept in ``last_launch_us``."""
+        replay. The launch cost measured here is kept in ``last_launch_us``. ``replay_us``, a
+        replay's expected GPU time (or ``None``), shortens the delay in front of the timed
+        replays to what keeps them back to back (:func:`host_lead_us`)."""
         gpu_delay = GpuDelay(device)
         gpu_delay.cycles_per_us()  # calibrate outside the timed region
         events = [
@@ -364,7 +377,8 @@ class GraphTimer:
             # Once the timed replays are queued the GPU runs them back to back; until then a
             # replay started from an idle GPU would count the host's launch of the next one.
             # So a delay kernel covers the host enqueue of all of them (plus event records).
-            gpu_delay.enqueue(delay_us_for_host_time(count * (launch_us + 5.0)))
+            lead_us = host_lead_us(count, launch_us + 5.0, replay_us)
+            gpu_delay.enqueue(delay_us_for_host_time(lead_us))
             for start, end in events:
                 start.record(stream)
                 graph.replay()
@@ -378,6 +392,8 @@ class GraphSession:
 
     Made by :meth:`GraphTimer.open`; :meth:`measure` is step 3 and 4 of the timer's procedure.
     ``probed``: the graph was already replayed (uploaded) and ``launch_us`` measured on it.
+    ``replay_us``: a replay's expected GPU time, which shortens the delay in front of the timed
+    replays (the fastest replay of the last measurement replaces it).
     """
 
     def __init__(
@@ -390,6 +406,7 @@ class GraphSession:
         *,
         probed: bool = False,
         launch_us: float | None = None,
+        replay_us: float | None = None,
     ) -> None:
         self.timer = timer
         self.calls = calls
@@ -398,13 +415,15 @@ class GraphSession:
         self._device = device
         self._uploaded = probed
         self._launch_us = launch_us
+        self._replay_us = replay_us
 
     def measure(self) -> Measurement:
         """``timer.replays`` timed replays of the graph.
 
         The first measurement uploads the graph and measures the host cost of one replay's
-        launch (which sizes the delay kernel), unless the probe of ``open`` did; later ones skip
-        both and reuse that cost (the delay has a 1.5x margin and a 20 µs floor over it).
+        launch (which, with the replay's expected time, sizes the delay kernel), unless the probe
+        of ``open`` did; later ones skip both and reuse that cost (the delay has a 1.5x margin
+        and a 20 µs floor over it).
 
         Raises:
             ConfigError: The session was closed.
@@ -422,11 +441,13 @@ class GraphSession:
                     self._device,
                     uploaded=self._uploaded,
                     launch_us=self._launch_us,
+                    replay_us=self._replay_us,
                 )
             finally:
                 caller.wait_stream(self._stream)
         self._uploaded = True
         self._launch_us = self.timer.last_launch_us
+        self._replay_us = min(replay_us)
         return Measurement.from_samples(
             [us / self.calls for us in replay_us],
             calls_per_sample=self.calls,

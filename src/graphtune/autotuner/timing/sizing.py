@@ -88,6 +88,8 @@ class ReplayPlan:
         self.calls = repeat if long_call else min(self.max_repeat, max(repeat, min_calls))
         #: Copies of the piece per replay (1: the captured graph alone).
         self.copies = 1
+        #: One call's time by the last probe, in µs (``None`` before the first probe).
+        self.per_call_us: float | None = None
         self._piece_grown = False
 
     @property
@@ -95,10 +97,17 @@ class ReplayPlan:
         """Calls per replay."""
         return self.calls * self.copies
 
+    @property
+    def expected_replay_us(self) -> float | None:
+        """A replay's time as the last probe predicts it for the current plan, or ``None``. A
+        probe over fewer calls spreads the replay's fixed cost over them, so this is a little
+        high for a plan that grew since."""
+        return None if self.per_call_us is None else self.per_call_us * self.total
+
     def next(self, probe_us: float) -> Step | None:
         """Revises the plan after a probe replay of the current graph lasted ``probe_us``;
         returns what to build next, or ``None`` to keep the current graph."""
-        per_call_us = probe_us / self.total
+        per_call_us = self.per_call_us = probe_us / self.total
         if per_call_us >= self.min_replay_us:  # one call alone is a long enough replay
             if self.copies == 1 and self.calls > self.repeat:
                 self.calls = self.repeat

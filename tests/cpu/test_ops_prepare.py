@@ -181,3 +181,43 @@ def test_triton_key_is_computed_in_a_background_thread_that_launches_wait_for(
         assert _triton.start_cache_key_warmup.__wrapped__() is None  # no CUDA: nothing
     finally:
         _triton.start_cache_key_warmup.cache_clear()
+
+
+class _Compiled:
+    def __init__(self) -> None:
+        self.loads = 0
+
+    def _init_handles(self) -> None:
+        self.loads += 1
+
+
+class _Kernel:
+    """Stands in for a JITFunction: ``warmup`` returns what Triton's does (or ``None`` when the
+    compile pool only records the job)."""
+
+    arg_names = ("x",)
+
+    def __init__(self, compiled: _Compiled | None) -> None:
+        self.compiled = compiled
+        self.launched = 0
+
+    def warmup(self, *args, grid, **meta):
+        return self.compiled
+
+    def __getitem__(self, grid):
+        def launch(*args, **meta):
+            self.launched += 1
+
+        return launch
+
+
+def test_a_warm_up_compile_loads_the_binary_and_a_launch_does_not_load_again():
+    from graphtune.ops._triton import run_kernel
+
+    compiled = _Compiled()
+    kernel = _Kernel(compiled)
+    run_kernel(kernel, (1,), (1,), {}, True)
+    assert compiled.loads == 1 and kernel.launched == 0
+    run_kernel(kernel, (1,), (1,), {}, False)
+    assert compiled.loads == 1 and kernel.launched == 1
+    run_kernel(_Kernel(None), (1,), (1,), {}, True)  # nothing compiled: nothing to load

@@ -198,8 +198,13 @@ def collect_launches() -> Iterator[list[tuple[Any, ...]]]:
 def run_kernel(
     kernel: Any, grid: tuple[int, ...], args: tuple[Any, ...], meta: dict[str, Any], warmup: bool
 ) -> None:
-    """Launches ``kernel[grid](*args, **meta)``, or with ``warmup`` only compiles it (inside
-    :func:`collect_launches`: records its :func:`~graphtune.ops._launch_key.launch_key` only).
+    """Launches ``kernel[grid](*args, **meta)``, or with ``warmup`` only compiles it and loads
+    the binary onto the device (inside :func:`collect_launches`: records its
+    :func:`~graphtune.ops._launch_key.launch_key` only).
+
+    The load happens where the caller compiles ahead of timing (``TritonRunner._compile``, with
+    no capture running) instead of at the first launch, which is inside a timed measurement's
+    warm-up; a load there waits for the GPU work in flight.
 
     A kernel that declares ``USE_PDL`` gets it (and a PDL launch) from
     :func:`graphtune.ops._pdl.pdl_meta`, in all three cases, so the binary compiled ahead of time
@@ -212,7 +217,10 @@ def run_kernel(
         return
     wait_for_cache_key()
     if warmup:
-        kernel.warmup(*args, grid=grid, **meta)
+        compiled = kernel.warmup(*args, grid=grid, **meta)
+        load = getattr(compiled, "_init_handles", None)  # Triton's CompiledKernel; None when the
+        if callable(load):  # compile pool only recorded the job, or under the interpreter
+            load()
     else:
         kernel[grid](*args, **meta)
 

@@ -45,7 +45,7 @@ logger = logging.getLogger(__name__)
 Replayable = torch.cuda.CUDAGraph | RepeatedGraph
 
 
-#: Recaptures allowed while growing a replay to ``min_replay_us``.
+#: Probe replays allowed while sizing a replay (each may change the graph).
 _MAX_RESIZES = 3
 
 
@@ -68,8 +68,9 @@ class GraphTimer:
        with the graph's own private memory pool, garbage collection paused; with
        ``auto_repeat``, probe replays resize it (see the module docstring).
     3. One untimed replay (the first replay uploads the graph; none when the ``auto_repeat``
-       probe already replayed this graph), then a delay kernel sized to cover
-       the host enqueue of all timed replays, then ``replays`` replays each between two events.
+       probe already replayed this graph), then a delay kernel sized to cover the host enqueue
+       that keeps the timed replays back to back (:func:`host_lead_us`), then ``replays``
+       replays each between two events.
     4. Per call = replay time / calls; the median over replays is reported. The graph is reset
        and dropped before returning, also on errors, so its pool can be reused.
 

@@ -214,10 +214,17 @@ class _Kernel:
 def test_a_warm_up_compile_loads_the_binary_and_a_launch_does_not_load_again():
     from graphtune.ops._triton import run_kernel
 
+    class _OnCuda(torch.Tensor):  # a CPU tensor that says it is on a GPU (no CUDA here)
+        is_cuda = True
+
+    on_gpu = (torch.zeros(1).as_subclass(_OnCuda),)
     compiled = _Compiled()
     kernel = _Kernel(compiled)
-    run_kernel(kernel, (1,), (1,), {}, True)
+    run_kernel(kernel, (1,), on_gpu, {}, True)
     assert compiled.loads == 1 and kernel.launched == 0
-    run_kernel(kernel, (1,), (1,), {}, False)
+    run_kernel(kernel, (1,), on_gpu, {}, False)
     assert compiled.loads == 1 and kernel.launched == 1
-    run_kernel(_Kernel(None), (1,), (1,), {}, True)  # nothing compiled: nothing to load
+    run_kernel(_Kernel(None), (1,), on_gpu, {}, True)  # nothing compiled: nothing to load
+    # Compiled for a GPU target from CPU tensors: there is no device to load onto.
+    run_kernel(kernel, (1,), (torch.zeros(1),), {}, True)
+    assert compiled.loads == 1

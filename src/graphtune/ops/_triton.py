@@ -218,11 +218,18 @@ def run_kernel(
     wait_for_cache_key()
     if warmup:
         compiled = kernel.warmup(*args, grid=grid, **meta)
-        load = getattr(compiled, "_init_handles", None)  # Triton's CompiledKernel; None when the
-        if callable(load):  # compile pool only recorded the job, or under the interpreter
+        # Triton's CompiledKernel; None when the compile pool only recorded the job. A compile for
+        # a GPU target from CPU tensors (tests, a machine without the GPU) has nothing to load on.
+        load = getattr(compiled, "_init_handles", None)
+        if callable(load) and _first_tensor_on_cuda(args):
             load()
     else:
         kernel[grid](*args, **meta)
+
+
+def _first_tensor_on_cuda(args: tuple[Any, ...]) -> bool:
+    tensor = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    return tensor is not None and tensor.is_cuda
 
 
 def elementwise_tactics(

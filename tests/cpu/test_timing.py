@@ -210,6 +210,8 @@ def test_gpu_timer_constructor_validation():
     with pytest.raises(ConfigError):
         GraphTimer(min_piece_us=0)
     with pytest.raises(ConfigError):
+        GraphTimer(min_calls=0)
+    with pytest.raises(ConfigError):
         GraphTimer(capture_error_mode="loose")
     with pytest.raises(ConfigError):
         EventTimer(samples=0)

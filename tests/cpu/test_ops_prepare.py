@@ -215,7 +215,7 @@ def test_a_warm_up_compile_loads_the_binary_and_a_launch_does_not_load_again():
     from graphtune.ops._triton import run_kernel
 
     class _OnCuda(torch.Tensor):  # a CPU tensor that says it is on a GPU (no CUDA here)
-        is_cuda = True
+        device = torch.device("cuda", 0)
 
     on_gpu = (torch.zeros(1).as_subclass(_OnCuda),)
     compiled = _Compiled()

@@ -42,6 +42,7 @@ overlaps a PDL launch with a predecessor that triggers it.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -121,7 +122,9 @@ def _device_allows(device: torch.device) -> bool:
     return found
 
 
-def _device_of(args: tuple[Any, ...]) -> torch.device | None:
+def tensor_device(args: Sequence[Any]) -> torch.device | None:
+    """The device of the first tensor in ``args`` (a launch's arguments, a runner's inputs),
+    or ``None`` when there is none."""
     for value in args:
         if isinstance(value, torch.Tensor):
             return value.device
@@ -147,7 +150,7 @@ def pdl_meta(kernel: Any, args: tuple[Any, ...], meta: dict[str, Any]) -> dict[s
     if PDL_ARG in meta:
         use = bool(meta[PDL_ARG])
     else:
-        use = not interpreted and pdl_enabled(_device_of(args))
+        use = not interpreted and pdl_enabled(tensor_device(args))
     out = {**meta, PDL_ARG: use}
     if use:
         out["launch_pdl"] = True

@@ -35,7 +35,7 @@ import torch
 
 from graphtune.errors import ConfigError
 from graphtune.ops._launch_key import launch_key
-from graphtune.ops._pdl import pdl_meta
+from graphtune.ops._pdl import pdl_meta, tensor_device
 
 logger = logging.getLogger(__name__)
 
@@ -221,15 +221,11 @@ def run_kernel(
         # Triton's CompiledKernel; None when the compile pool only recorded the job. A compile for
         # a GPU target from CPU tensors (tests, a machine without the GPU) has nothing to load on.
         load = getattr(compiled, "_init_handles", None)
-        if callable(load) and _first_tensor_on_cuda(args):
+        device = tensor_device(args)
+        if callable(load) and device is not None and device.type == "cuda":
             load()
     else:
         kernel[grid](*args, **meta)
-
-
-def _first_tensor_on_cuda(args: tuple[Any, ...]) -> bool:
-    tensor = next((a for a in args if isinstance(a, torch.Tensor)), None)
-    return tensor is not None and tensor.is_cuda
 
 
 def elementwise_tactics(

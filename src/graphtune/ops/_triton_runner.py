@@ -36,6 +36,7 @@ from graphtune.autotuner.entries import tactic_text
 from graphtune.autotuner.runner import FALLBACK_TACTIC, TunableRunner
 from graphtune.errors import ConfigError
 from graphtune.ops import _compile_pool as compile_pool
+from graphtune.ops._pdl import tensor_device
 from graphtune.ops._triton import (
     collect_launches,
     input_signature,
@@ -162,11 +163,7 @@ class TritonRunner(TunableRunner):
         """Compiles every (inputs, tactic) pair of ``work`` once per distinct binary, in
         parallel; the profiles' ``prepare`` then only report compile errors. Profiles prepared
         before (``AutoTuner.prepare`` ahead of the tuning runs) are skipped."""
-        with self._lock:
-            fresh = [
-                (x, tactics) for x, tactics in work if input_signature(x) not in self._prepared
-            ]
-        items = [(inputs, t) for inputs, tactics in fresh for t in tactics if t != FALLBACK_TACTIC]
+        fresh, items = self._unprepared(work)
         self._compile(items)
         with self._lock:
             self._prepared.update(input_signature(inputs) for inputs, _ in fresh)
@@ -208,6 +205,18 @@ class TritonRunner(TunableRunner):
 
     # -- compilation --------------------------------------------------------------------------
 
+    def _unprepared(
+        self, work: Sequence[tuple[list[Any], Sequence[Any]]]
+    ) -> tuple[list[tuple[list[Any], Sequence[Any]]], list[tuple[list[Any], Any]]]:
+        """The profiles of ``work`` not prepared before, and their (inputs, Triton tactic)
+        pairs (tactic ``-1`` is torch: nothing to compile)."""
+        with self._lock:
+            fresh = [
+                (x, tactics) for x, tactics in work if input_signature(x) not in self._prepared
+            ]
+        pairs = [(inputs, t) for inputs, tactics in fresh for t in tactics if t != FALLBACK_TACTIC]
+        return fresh, pairs
+
     def _binary_key(self, inputs: list[Any], tactic: Any) -> tuple[Any, ...]:
         """What decides the binaries of one pair: the keys of the launches a dry run makes."""
         try:
@@ -224,11 +233,7 @@ class TritonRunner(TunableRunner):
         started)."""
         if not compile_pool.enabled():
             return False
-        with self._lock:
-            fresh = [
-                (x, tactics) for x, tactics in work if input_signature(x) not in self._prepared
-            ]
-        pairs = [(inputs, t) for inputs, tactics in fresh for t in tactics if t != FALLBACK_TACTIC]
+        _, pairs = self._unprepared(work)
         compile_pool.compile_ahead(self._compile_jobs(pairs))
         return True
 
@@ -236,7 +241,7 @@ class TritonRunner(TunableRunner):
         """What Triton would compile for ``pairs`` (their launches, captured, compile nothing)."""
         with compile_pool.capturing() as jobs:
             for inputs, tactic in pairs:
-                device = next((x.device for x in inputs if isinstance(x, torch.Tensor)), None)
+                device = tensor_device(inputs)
                 on_gpu = device is not None and device.type == "cuda"
                 try:
                     with torch.cuda.device(device) if on_gpu else contextlib.nullcontext():
@@ -274,7 +279,7 @@ class TritonRunner(TunableRunner):
 
         def compile_one(index: int) -> Exception | None:
             inputs, tactic = items[index]
-            device = next((x.device for x in inputs if isinstance(x, torch.Tensor)), None)
+            device = tensor_device(inputs)
             with _COMPILE_SLOTS:
                 return compile_launch(inputs, tactic, device)
 

@@ -66,10 +66,14 @@ class FakeSessionTimer:
     def __init__(self) -> None:
         self.opened = 0
         self.closed = 0
+        self.hints: list[float | None] = []
 
-    def open(self, fn: Any, *, warmup: int, repeat: int) -> FakeSession:
+    def open(
+        self, fn: Any, *, warmup: int, repeat: int, hint_us: float | None = None
+    ) -> FakeSession:
         fn(0)  # set-up runs the call (a capture would), so a raising tactic fails here
         self.opened += 1
+        self.hints.append(hint_us)
         return FakeSession(self, fn)
 
     def measure(self, fn: Any, *, warmup: int, repeat: int) -> Measurement:
@@ -115,6 +119,19 @@ def test_sessions_over_the_memory_budget_are_closed_after_each_measurement() -> 
         executor.measure(0, runner, -5.0, warmup=0, repeat=1)
     executor.end()
     assert timer.closed == timer.opened
+
+
+def test_a_session_is_sized_from_the_fastest_candidate_of_its_bucket_so_far() -> None:
+    timer = FakeSessionTimer()
+    executor = InProcessExecutor(timer, torch.device("cpu"))
+    runner = Cost()
+    executor.begin([runner], [[torch.zeros(1)]])
+    for tactic in (2.0, 3.0, 1.0, -1):
+        executor.measure(0, runner, tactic, warmup=0, repeat=1)
+    assert timer.hints == [None, 2.0, 2.0, 1.0]
+    executor.begin([runner], [[torch.zeros(1)]])  # a new bucket starts without a guess
+    executor.measure(0, runner, 3.0, warmup=0, repeat=1)
+    assert timer.hints[-1] is None
 
 
 def test_stats_say_where_the_tuning_time_went() -> None:

@@ -244,7 +244,7 @@ class SizingTimer(GraphTimer):
         self.repeats.append(repeat)
         return self.fake.measure(fn, warmup=warmup, repeat=repeat)
 
-    def open(self, fn, *, warmup: int, repeat: int) -> Any:
+    def open(self, fn, *, warmup: int, repeat: int, hint_us: float | None = None) -> Any:
         timer = self
 
         class Session:

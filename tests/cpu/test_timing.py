@@ -206,6 +206,8 @@ def test_gpu_timer_constructor_validation():
     with pytest.raises(ConfigError):
         GraphTimer(replays=0)
     with pytest.raises(ConfigError):
+        GraphTimer(probe_replays=0)
+    with pytest.raises(ConfigError):
         GraphTimer(min_replay_us=0)
     with pytest.raises(ConfigError):
         GraphTimer(min_piece_us=0)
@@ -435,7 +437,7 @@ def _drive(plan, per_call_us, fixed_us=1.5, probes=3):
     return steps
 
 
-def _plan(repeat=1, *, pieces=True, estimate_us=None, max_repeat=1024):
+def _plan(repeat=1, *, pieces=True, estimate_us=None, max_repeat=1024, hint_us=None):
     from graphtune.autotuner.timing.sizing import ReplayPlan
 
     return ReplayPlan(
@@ -446,7 +448,43 @@ def _plan(repeat=1, *, pieces=True, estimate_us=None, max_repeat=1024):
         min_piece_us=25.0,
         pieces=pieces,
         estimate_us=estimate_us,
+        hint_us=hint_us,
     )
+
+
+def test_replay_plan_sizes_its_first_piece_from_a_good_guess():
+    from graphtune.autotuner.timing.sizing import Step
+
+    plan = _plan(hint_us=2.0)
+    assert 25.0 <= plan.calls * 2.0 < 40.0  # about min_piece_us at the guess
+    assert _drive(plan, per_call_us=2.0) == [Step.REPEAT, None]  # no 3-call capture first
+    assert plan.total * 2.0 >= 100.0
+
+
+def test_replay_plan_grows_a_piece_sized_from_a_guess_that_was_too_high():
+    from graphtune.autotuner.timing.sizing import Step
+
+    plan = _plan(hint_us=8.0)
+    steps = _drive(plan, per_call_us=1.0)
+    assert steps == [Step.CAPTURE, Step.REPEAT, None]  # as without a guess
+    assert plan.total * 1.0 >= 100.0
+
+
+def test_replay_plan_guess_is_capped_by_the_warm_up_bound_and_spares_long_calls():
+    assert _plan(hint_us=5.0, estimate_us=2.0).calls == _plan(hint_us=2.0).calls  # t <= bound
+    assert _plan(hint_us=0.5, estimate_us=500.0).calls == 1  # a long call: replayed alone
+    assert _plan(repeat=8, hint_us=0.5).calls % 8 == 0  # whole cold-L2 walks
+    assert 100.0 <= _plan(pieces=False, hint_us=2.0).calls * 2.0 < 120.0
+
+
+@settings(max_examples=200, deadline=None)
+@given(guess=st.floats(0.05, 500.0), per_call=st.floats(0.05, 500.0))
+def test_replay_plan_with_any_guess_reaches_the_target_as_without_one(guess, per_call):
+    guessed, plain = _plan(hint_us=guess), _plan()
+    _drive(guessed, per_call_us=per_call, probes=3)
+    _drive(plain, per_call_us=per_call, probes=3)
+    reached = guessed.total * per_call >= 90.0
+    assert reached or plain.total * per_call < 90.0  # tiny calls may hit max_repeat either way
 
 
 def test_replay_plan_repeats_one_short_piece():
@@ -535,11 +573,13 @@ class _FakeRepeated:
             self.piece.reset()
 
 
-def _sized(monkeypatch, per_call: float, *, runtime: object | None = "rt", fail=False):
-    """Runs GraphTimer._capture_sized against fake graphs; returns (graph, calls, captured)."""
+def _sized(monkeypatch, per_call: float, *, runtime: object | None = "rt", fail=False, **kw):
+    """Runs GraphTimer._capture_sized against fake graphs; returns (graph, calls, captured,
+    probe, probes) where ``probes`` lists the replay counts of every probe."""
     from graphtune.autotuner.timing import graph as graph_module
 
     captured: list[tuple[int, bool]] = []
+    probes: list[int] = []
     monkeypatch.setattr(graph_module, "cuda_runtime", lambda: runtime)
     monkeypatch.setattr(graph_module, "RepeatedGraph", _FakeRepeated)
     monkeypatch.setattr(_FakeRepeated, "fail", fail)
@@ -549,16 +589,18 @@ def _sized(monkeypatch, per_call: float, *, runtime: object | None = "rt", fail=
         return _FakePiece(calls, per_call)
 
     def replays(self, graph, count, stream, device, **_):
-        return [graph.replay_us()] * count
+        probes.append(count)
+        return [graph.replay_us() + i for i in range(count)]
 
     monkeypatch.setattr(GraphTimer, "_capture", capture)
     monkeypatch.setattr(GraphTimer, "_time_replays", replays)
-    graph, plan, probed = GraphTimer()._capture_sized(lambda i: None, iter(()), 1, None, None)
-    return graph, plan.total, captured
+    timer = GraphTimer(**kw)
+    graph, plan, probe = timer._capture_sized(lambda i: None, iter(()), 1, None, None)
+    return graph, plan.total, captured, probe, probes
 
 
 def test_graph_timer_builds_a_long_replay_from_copies_of_a_piece(monkeypatch):
-    graph, calls, captured = _sized(monkeypatch, per_call=2.0)
+    graph, calls, captured, _, _ = _sized(monkeypatch, per_call=2.0)
     assert isinstance(graph, _FakeRepeated)
     assert captured == [(3, True), (graph.piece.calls, True)]  # no call is captured twice
     assert calls == graph.piece.calls * graph.copies and calls * 2.0 >= 100.0
@@ -566,9 +608,64 @@ def test_graph_timer_builds_a_long_replay_from_copies_of_a_piece(monkeypatch):
 
 @pytest.mark.parametrize("runtime, fail", [(None, False), ("rt", True)])
 def test_graph_timer_captures_every_call_without_pieces(monkeypatch, runtime, fail):
-    graph, calls, captured = _sized(monkeypatch, per_call=2.0, runtime=runtime, fail=fail)
+    graph, calls, captured, _, _ = _sized(monkeypatch, per_call=2.0, runtime=runtime, fail=fail)
     assert isinstance(graph, _FakePiece) and graph.calls == calls
     assert calls * 2.0 >= 90.0 and captured[-1] == (calls, False)
+
+
+def test_the_last_probe_times_the_returned_graph(monkeypatch):
+    graph, _, _, probe, probes = _sized(monkeypatch, per_call=2.0, probe_replays=4)
+    assert probes == [4, 4, 4]  # each probe times probe_replays replays
+    assert probe == [graph.replay_us() + i for i in range(4)]  # of the graph returned
+
+
+def test_no_probe_is_returned_when_the_last_step_changed_the_graph(monkeypatch):
+    from graphtune.autotuner.timing import graph as graph_module
+
+    monkeypatch.setattr(graph_module, "_MAX_RESIZES", 2)  # stops right after building copies
+    graph, _, _, probe, probes = _sized(monkeypatch, per_call=2.0)
+    assert isinstance(graph, _FakeRepeated) and len(probes) == 2 and probe is None
+
+
+def _session(monkeypatch, probe_us, calls=4):
+    from graphtune.autotuner.timing.graph import GraphSession
+
+    fresh: list[int] = []
+
+    def replays(self, graph, count, stream, device, **_):
+        fresh.append(count)
+        return [10.0 * calls] * count
+
+    monkeypatch.setattr(GraphTimer, "_time_replays", replays)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: _NullContext())
+    stream = SimpleNamespace(wait_stream=lambda other: None)
+    caller = SimpleNamespace(wait_stream=lambda other: None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: caller)
+    timer = GraphTimer(replays=7)
+    session = GraphSession(timer, object(), calls, stream, "cuda:0", probed=True, probe_us=probe_us)
+    return session, fresh
+
+
+class _NullContext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+
+def test_a_sessions_first_measurement_is_its_probe(monkeypatch):
+    session, fresh = _session(monkeypatch, [40.0, 44.0, 48.0])
+    first = session.measure()
+    assert fresh == [] and first.n == 3 and first.median_us == 11.0  # 44 µs over 4 calls
+    second = session.measure()
+    assert fresh == [7] and second.n == 7 and second.median_us == 10.0  # then replays
+
+
+def test_a_fresh_measurement_ignores_the_probe(monkeypatch):
+    session, fresh = _session(monkeypatch, [40.0, 44.0, 48.0])
+    assert session.measure(fresh=True).n == 7 and fresh == [7]
+    assert session.measure().n == 7 and fresh == [7, 7]  # the probe is spent either way
 
 
 def test_host_lead_covers_the_first_replay_when_replays_outlast_their_launch():

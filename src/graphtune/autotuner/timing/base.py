@@ -123,8 +123,13 @@ class SessionTimer(Protocol):
         """As :meth:`Timer.measure` (one session, one measurement)."""
         ...
 
-    def open(self, fn: TimedFn, *, warmup: int, repeat: int) -> TimerSession:
+    def open(
+        self, fn: TimedFn, *, warmup: int, repeat: int, hint_us: float | None = None
+    ) -> TimerSession:
         """Warms ``fn`` up and prepares it for timing (graph timer: captures it).
+
+        ``hint_us`` is a guess of one call's time (or ``None``) that a timer may use to size
+        its set-up; it must never change what is measured.
 
         Raises:
             Whatever :meth:`measure` raises for the same set-up.

@@ -11,7 +11,10 @@ replay lasts ``min_replay_us`` (100 µs), with at least ``min_calls`` (3) back-t
 a call is shorter than that, and the caller's ``repeat`` calls for a call that alone lasts that
 long (rules and their reasons: :mod:`graphtune.autotuner.timing.sizing`); at most ``max_repeat``
 (1024) calls. So a 1 µs kernel is timed over about 110 calls per replay, a 1 ms GEMM over one.
-The first replay of a graph uploads it and is never timed.
+The first replay of a graph uploads it and is never timed. The last probe replays are timed
+like a measurement (behind the same delay kernel), so a session gives them as its first
+measurement (``first_from_probe``) instead of replaying the graph ``replays`` more times: the
+tuner's first round only races the candidates, and each candidate's opening already paid for it.
 
 Capturing a call costs the host the runner's whole launch path, so a long replay of a short kernel
 is built from a piece instead (``repeat_pieces``, the default): the calls are captured once, until
@@ -24,7 +27,6 @@ otherwise consecutive replays touch the same few copies and find them in L2.
 
 from __future__ import annotations
 
-import gc
 import itertools
 import logging
 import time
@@ -34,6 +36,7 @@ import torch
 
 from graphtune.autotuner.timing._checks import check_counts, require_cuda
 from graphtune.autotuner.timing.base import Measurement, TimedFn
+from graphtune.autotuner.timing.capture import capture_calls, release_graph
 from graphtune.autotuner.timing.delay import GpuDelay, delay_us_for_host_time, host_lead_us
 from graphtune.autotuner.timing.repeated import RepeatedGraph, cuda_runtime
 from graphtune.autotuner.timing.sizing import ReplayPlan, Step
@@ -70,7 +73,8 @@ class GraphTimer:
     3. One untimed replay (the first replay uploads the graph; none when the ``auto_repeat``
        probe already replayed this graph), then a delay kernel sized to cover the host enqueue
        that keeps the timed replays back to back (:func:`host_lead_us`), then ``replays``
-       replays each between two events.
+       replays each between two events. A session's first measurement of a graph the probe
+       timed last is that probe's ``probe_replays`` replays (``first_from_probe``).
     4. Per call = replay time / calls; the median over replays is reported. The graph is reset
        and dropped before returning, also on errors, so its pool can be reused.
 
@@ -89,6 +93,11 @@ class GraphTimer:
             CUDA runtime cannot be used (:func:`cuda_runtime`).
         min_piece_us: Shortest piece to repeat: each copy boundary costs a kernel with
             programmatic dependent launch its overlap once, so a piece must be long against it.
+        probe_replays: Timed replays of each ``auto_repeat`` probe.
+        first_from_probe: A session whose graph was timed by the last probe returns that
+            probe's replays as its first measurement (``probe_replays`` samples) instead of
+            timing ``replays`` more; :meth:`measure` (one session, one measurement) always
+            times ``replays``.
         device: CUDA device (default: the current device).
         capture_error_mode: Passed to ``CUDAGraph.capture_begin`` (``"global"`` makes any
             CUDA-unsafe call during capture fail loudly, which is what we want while tuning).
@@ -106,11 +115,14 @@ class GraphTimer:
         min_calls: int = 3,
         repeat_pieces: bool = True,
         min_piece_us: float = 25.0,
+        probe_replays: int = 3,
+        first_from_probe: bool = True,
         device: torch.device | str | int | None = None,
         capture_error_mode: str = "global",
     ) -> None:
-        if isinstance(replays, bool) or not isinstance(replays, int) or replays < 1:
-            raise ConfigError(f"GraphTimer: replays must be an integer >= 1, got {replays!r}")
+        for name, count in (("replays", replays), ("probe_replays", probe_replays)):
+            if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+                raise ConfigError(f"GraphTimer: {name} must be an integer >= 1, got {count!r}")
         if min_replay_us <= 0 or max_repeat < 1 or min_piece_us <= 0 or min_calls < 1:
             raise ConfigError(
                 "GraphTimer: need min_replay_us > 0, max_repeat >= 1, min_calls >= 1 and "
@@ -128,9 +140,14 @@ class GraphTimer:
         self.min_calls = min_calls
         self.repeat_pieces = repeat_pieces
         self.min_piece_us = min_piece_us
+        self.probe_replays = probe_replays
+        self.first_from_probe = bool(first_from_probe)
         self.device = device
         self.capture_error_mode = capture_error_mode
         self._streams: dict[int, torch.cuda.Stream] = {}
+        # Timing events per device, reused by every replay batch (created lazily by torch on
+        # their first record; a batch waits for its events before the next one records them).
+        self._events: dict[int, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = {}
         #: Calls per replay used by the last measurement (after ``auto_repeat``).
         self.last_calls: int | None = None
         #: Host cost of one replay's launch in the last measurement, in microseconds.
@@ -146,14 +163,18 @@ class GraphTimer:
                 failed.
         """
         with self.open(fn, warmup=warmup, repeat=repeat) as session:
-            return session.measure()
+            return session.measure(fresh=True)
 
-    def open(self, fn: TimedFn, *, warmup: int, repeat: int) -> GraphSession:
+    def open(
+        self, fn: TimedFn, *, warmup: int, repeat: int, hint_us: float | None = None
+    ) -> GraphSession:
         """Steps 1 and 2 of the procedure (warm-up, capture sized by ``auto_repeat``), once.
 
         The returned session replays that one graph for every :meth:`GraphSession.measure`, so a
         candidate measured several times is captured once. Close it (or use it as a context
-        manager) to free the graph and its memory pool.
+        manager) to free the graph and its memory pool. ``hint_us``, a guess of one call's time
+        (the tuner passes the fastest candidate of the bucket so far), sizes the first capture
+        (:class:`~graphtune.autotuner.timing.sizing.ReplayPlan`); the probes still decide.
 
         Raises:
             ConfigError, CaptureError: As :meth:`measure`.
@@ -172,12 +193,13 @@ class GraphTimer:
             counter = itertools.count()
             try:
                 estimate_us = self._warm_up(fn, counter, max(1, warmup), stream)
-                graph, plan, probed = self._capture_sized(
-                    fn, counter, repeat, stream, device, estimate_us
+                graph, plan, probe = self._capture_sized(
+                    fn, counter, repeat, stream, device, estimate_us, hint_us
                 )
             finally:
                 caller.wait_stream(stream)
         self.last_calls = plan.total
+        probed = probe is not None
         # A graph the auto-repeat probe replayed is uploaded and its launch cost is known.
         launch_us = self.last_launch_us if probed else None
         expected = plan.expected_replay_us
@@ -190,6 +212,7 @@ class GraphTimer:
             probed=probed,
             launch_us=launch_us,
             replay_us=None if expected is None else 0.9 * expected,  # see expected_replay_us
+            probe_us=probe if self.first_from_probe else None,
         )
 
     def _capture_sized(
@@ -200,9 +223,11 @@ class GraphTimer:
         stream: torch.cuda.Stream,
         device: torch.device,
         estimate_us: float | None = None,
-    ) -> tuple[Replayable, ReplayPlan, bool]:
-        """The graph, its plan (``plan.total`` calls per replay), and whether the returned graph
-        was probed (replayed, so uploaded, with ``last_launch_us`` measured on it).
+        hint_us: float | None = None,
+    ) -> tuple[Replayable, ReplayPlan, list[float] | None]:
+        """The graph, its plan (``plan.total`` calls per replay), and the µs of the timed replays
+        of the last probe when that probe replayed the returned graph (so it is uploaded and
+        ``last_launch_us`` was measured on it), else ``None``.
 
         The calls and copies follow a :class:`~graphtune.autotuner.timing.sizing.ReplayPlan`
         revised after each probe. With ``repeat_pieces`` (and the CUDA runtime usable,
@@ -218,17 +243,17 @@ class GraphTimer:
             min_piece_us=self.min_piece_us,
             pieces=runtime is not None,
             estimate_us=estimate_us if self.auto_repeat else None,
+            hint_us=hint_us if self.auto_repeat else None,
         )
         piece = self._capture(fn, counter, plan.calls, stream, device, keep=plan.pieces)
         graph: Replayable = piece
-        probed = False
+        probe: list[float] | None = None
         try:
             # A short probe overstates the per-call time (the replay's fixed launch cost is
             # spread over few calls), so the first estimate can fall short: probe again.
             for _ in range(_MAX_RESIZES if self.auto_repeat else 0):
-                probe_us = min(self._time_replays(graph, 2, stream, device))
-                probed = True
-                step = plan.next(probe_us)
+                probe = self._time_replays(graph, self.probe_replays, stream, device)
+                step = plan.next(min(probe))
                 if step is Step.REPEAT:
                     assert runtime is not None  # a plan without pieces never repeats
                     try:
@@ -239,24 +264,24 @@ class GraphTimer:
                     else:
                         if isinstance(graph, RepeatedGraph):
                             graph.reset(keep_piece=True)
-                        graph, probed = repeated, False
+                        graph, probe = repeated, None
                         continue
                 if step is None:
                     break
                 logger.debug(
                     "GraphTimer: probe replay %.1f us (target %.0f us); capturing %d calls",
-                    probe_us,
+                    min(probe),
                     self.min_replay_us,
                     plan.calls,
                 )
                 # Release before recapturing so both graphs' pools are never held at once.
-                _release(graph)
+                release_graph(graph)
                 piece = self._capture(fn, counter, plan.calls, stream, device, keep=plan.pieces)
-                graph, probed = piece, False
+                graph, probe = piece, None
         except BaseException:
-            _release(graph)
+            release_graph(graph)
             raise
-        return graph, plan, probed
+        return graph, plan, probe
 
     def _warm_up(
         self, fn: TimedFn, counter: Iterator[int], calls: int, stream: torch.cuda.Stream
@@ -297,51 +322,9 @@ class GraphTimer:
         *,
         keep: bool = False,
     ) -> torch.cuda.CUDAGraph:
-        # ``keep``: keep the captured graph's handle, to build a RepeatedGraph of it.
-        graph = torch.cuda.CUDAGraph(keep_graph=True) if keep else torch.cuda.CUDAGraph()
-        # Pending work of other streams must not race the capture (torch.cuda.graph does the same).
-        torch.cuda.synchronize(device)
-        # A garbage collection during capture could free tensors of other streams mid-capture;
-        # pausing it is cheaper than the full gc.collect() torch.cuda.graph may run.
-        gc_was_enabled = gc.isenabled()
-        gc.disable()
-        failure: BaseException | None = None
-        try:
-            with torch.cuda.stream(stream):
-                try:
-                    graph.capture_begin(capture_error_mode=self.capture_error_mode)
-                except RuntimeError as exc:
-                    failure = exc
-                else:
-                    try:
-                        for _ in range(calls):
-                            fn(next(counter))
-                    except BaseException as exc:  # noqa: B036 - capture must be ended first
-                        failure = exc
-                    try:
-                        # Always end the capture, or the stream stays in capture mode for good.
-                        graph.capture_end()
-                    except RuntimeError as end_exc:
-                        if failure is None:
-                            failure = end_exc
-                        else:
-                            logger.debug("GraphTimer: capture_end after a failed call: %s", end_exc)
-        finally:
-            if gc_was_enabled:
-                gc.enable()
-        if failure is not None:
-            _release(graph)
-            if not isinstance(failure, Exception):  # KeyboardInterrupt, SystemExit: not data
-                raise failure
-            raise CaptureError(
-                f"GraphTimer could not capture {calls} calls in a CUDA graph: "
-                f"{type(failure).__name__}: {_first_line(failure)}. Rule: a timed call must not "
-                "synchronize with the host (.item(), .cpu(), .tolist(), printing a CUDA tensor, "
-                "torch.cuda.synchronize), use pageable host copies, or run ops that are not "
-                "capturable. Remedies: remove the host sync from the runner, mark the tactic "
-                "invalid for graph timing, or tune this op with timing='events'."
-            ) from failure
-        return graph
+        return capture_calls(
+            fn, counter, calls, stream, device, keep=keep, error_mode=self.capture_error_mode
+        )
 
     def _time_replays(
         self,
@@ -358,22 +341,21 @@ class GraphTimer:
         host launch cost ``launch_us`` is known), then ``count`` timed times; returns µs per
         replay. The launch cost measured here is kept in ``last_launch_us``. ``replay_us``, a
         replay's expected GPU time (or ``None``), shortens the delay in front of the timed
-        replays to what keeps them back to back (:func:`host_lead_us`)."""
+        replays to what keeps them back to back (:func:`host_lead_us`).
+
+        The host waits for the GPU once, after the timed replays: the untimed replays only need
+        to be queued before the delay kernel (a launch costs the host the same whether or not
+        the GPU is busy), and work queued ahead of the delay only lengthens it."""
         gpu_delay = GpuDelay(device)
         gpu_delay.cycles_per_us()  # calibrate outside the timed region
-        events = [
-            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            for _ in range(count)
-        ]
+        events = self._timing_events(device, count)
         with torch.cuda.stream(stream):
             if not uploaded:
                 graph.replay()  # untimed: the first replay of a graph includes its upload
-                stream.synchronize()
             if launch_us is None:
                 begin = time.perf_counter()
                 graph.replay()  # untimed: measures the host cost of one launch
                 launch_us = (time.perf_counter() - begin) * 1e6
-                stream.synchronize()
             self.last_launch_us = launch_us
             # Once the timed replays are queued the GPU runs them back to back; until then a
             # replay started from an idle GPU would count the host's launch of the next one.
@@ -387,6 +369,19 @@ class GraphTimer:
         stream.synchronize()
         return [start.elapsed_time(end) * 1000.0 for start, end in events]
 
+    def _timing_events(
+        self, device: torch.device, count: int
+    ) -> list[tuple[torch.cuda.Event, torch.cuda.Event]]:
+        """``count`` pairs of timing events of ``device``, reused across replay batches (the
+        batch that recorded them last has been waited for)."""
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        pool = self._events.setdefault(index, [])
+        while len(pool) < count:
+            pool.append(
+                (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            )
+        return pool[:count]
+
 
 class GraphSession:
     """One captured graph of ``calls`` back-to-back calls, replayed for every measurement.
@@ -394,7 +389,8 @@ class GraphSession:
     Made by :meth:`GraphTimer.open`; :meth:`measure` is step 3 and 4 of the timer's procedure.
     ``probed``: the graph was already replayed (uploaded) and ``launch_us`` measured on it.
     ``replay_us``: a replay's expected GPU time, which shortens the delay in front of the timed
-    replays (the fastest replay of the last measurement replaces it).
+    replays (the fastest replay of the last measurement replaces it). ``probe_us``: the timed
+    replays of the probe that last replayed this graph, given as the first measurement.
     """
 
     def __init__(
@@ -408,6 +404,7 @@ class GraphSession:
         probed: bool = False,
         launch_us: float | None = None,
         replay_us: float | None = None,
+        probe_us: list[float] | None = None,
     ) -> None:
         self.timer = timer
         self.calls = calls
@@ -417,37 +414,43 @@ class GraphSession:
         self._uploaded = probed
         self._launch_us = launch_us
         self._replay_us = replay_us
+        self._probe_us = probe_us or None
 
-    def measure(self) -> Measurement:
-        """``timer.replays`` timed replays of the graph.
+    def measure(self, *, fresh: bool = False) -> Measurement:
+        """One measurement: ``timer.replays`` timed replays of the graph.
 
-        The first measurement uploads the graph and measures the host cost of one replay's
-        launch (which, with the replay's expected time, sizes the delay kernel), unless the probe
-        of ``open`` did; later ones skip both and reuse that cost (the delay has a 1.5x margin
-        and a 20 µs floor over it).
+        The first measurement of a session opened with probe replays (``probe_us``) is those
+        replays, unless ``fresh``. Otherwise the first measurement uploads the graph and
+        measures the host cost of one replay's launch (which, with the replay's expected time,
+        sizes the delay kernel), unless the probe of ``open`` did; later ones skip both and
+        reuse that cost (the delay has a 1.5x margin and a 20 µs floor over it).
 
         Raises:
             ConfigError: The session was closed.
         """
         if self._graph is None:
             raise ConfigError("GraphSession.measure() after close(); open a new session")
-        with torch.cuda.device(self._device):
-            caller = torch.cuda.current_stream(self._device)
-            self._stream.wait_stream(caller)
-            try:
-                replay_us = self.timer._time_replays(
-                    self._graph,
-                    self.timer.replays,
-                    self._stream,
-                    self._device,
-                    uploaded=self._uploaded,
-                    launch_us=self._launch_us,
-                    replay_us=self._replay_us,
-                )
-            finally:
-                caller.wait_stream(self._stream)
-        self._uploaded = True
-        self._launch_us = self.timer.last_launch_us
+        probe_us, self._probe_us = self._probe_us, None
+        if probe_us is not None and not fresh:
+            replay_us = probe_us
+        else:
+            with torch.cuda.device(self._device):
+                caller = torch.cuda.current_stream(self._device)
+                self._stream.wait_stream(caller)
+                try:
+                    replay_us = self.timer._time_replays(
+                        self._graph,
+                        self.timer.replays,
+                        self._stream,
+                        self._device,
+                        uploaded=self._uploaded,
+                        launch_us=self._launch_us,
+                        replay_us=self._replay_us,
+                    )
+                finally:
+                    caller.wait_stream(self._stream)
+            self._uploaded = True
+            self._launch_us = self.timer.last_launch_us
         self._replay_us = min(replay_us)
         return Measurement.from_samples(
             [us / self.calls for us in replay_us],
@@ -459,23 +462,10 @@ class GraphSession:
         """Resets the graph so its memory pool can be reused (idempotent)."""
         graph, self._graph = self._graph, None
         if graph is not None:
-            _release(graph)
+            release_graph(graph)
 
     def __enter__(self) -> GraphSession:
         return self
 
     def __exit__(self, kind: object, exc: object, tb: object) -> None:
         self.close()
-
-
-def _release(graph: Replayable) -> None:
-    """Frees the graph's executable and its hold on the private memory pool."""
-    try:
-        graph.reset()
-    except RuntimeError as exc:  # a graph whose capture failed may have nothing to reset
-        logger.debug("GraphTimer: graph.reset() failed: %s", exc)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else "(no message)"

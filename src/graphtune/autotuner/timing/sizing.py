@@ -12,7 +12,12 @@ launch cost are small against it); within that:
 * with pieces, the calls are captured once as a piece of at least ``min_piece_us`` and the replay
   runs ``copies`` of it (:mod:`graphtune.autotuner.timing.repeated`), instead of capturing every
   call of a long replay. A piece is captured in whole multiples of ``repeat`` calls, so a cold-L2
-  walk through the input copies stays in order across pieces.
+  walk through the input copies stays in order across pieces;
+* a guess of one call's time (``hint_us``, e.g. the fastest candidate timed so far in the same
+  bucket) sizes the first capture, which saves the capture and probe of ``min_calls`` calls
+  that only served to estimate it. A guess above the call's time gives a short first capture,
+  which grows once as without a guess; a guess below it gives a longer one (the first piece
+  lasts ``min_piece_us`` times the ratio), never a wrong time.
 """
 
 from __future__ import annotations
@@ -64,6 +69,9 @@ class ReplayPlan:
         estimate_us: A rough upper bound on one call's time (for example from timed warm-up
             calls), or ``None``. A call estimated at ``2 * min_replay_us`` or more starts at
             ``repeat`` calls instead of ``min_calls``.
+        hint_us: A guess of one call's time, or ``None``: the first capture holds the calls
+            that would last ``min_piece_us`` (with pieces) or ``min_replay_us`` (without) at the
+            smaller of this guess and ``estimate_us``.
     """
 
     def __init__(
@@ -76,6 +84,7 @@ class ReplayPlan:
         min_piece_us: float,
         pieces: bool,
         estimate_us: float | None = None,
+        hint_us: float | None = None,
     ) -> None:
         self.repeat = repeat
         self.min_replay_us = min_replay_us
@@ -86,6 +95,13 @@ class ReplayPlan:
         long_call = estimate_us is not None and estimate_us >= 2.0 * min_replay_us
         #: Calls in the captured graph (the piece, with pieces).
         self.calls = repeat if long_call else min(self.max_repeat, max(repeat, min_calls))
+        if hint_us is not None and hint_us > 0 and not long_call:
+            guess = hint_us if estimate_us is None else min(hint_us, estimate_us)
+            target = min_piece_us if pieces else min_replay_us
+            wanted = auto_repeat_calls(
+                self.calls, self.calls * guess, min_replay_us=target, max_repeat=self.max_repeat
+            )
+            self.calls = min(self.max_repeat, -(-wanted // repeat) * repeat)
         #: Copies of the piece per replay (1: the captured graph alone).
         self.copies = 1
         #: One call's time by the last probe, in µs (``None`` before the first probe).

@@ -230,3 +230,39 @@ def test_graph_timer_pieces_fall_back_without_runtime(device, monkeypatch):
     measured = timer.measure(lambda i: x.add(1.0), warmup=2, repeat=2)
     assert timer.last_calls is not None and timer.last_calls > 2
     assert measured.median_us * timer.last_calls >= 50.0
+
+
+@pytest.mark.parametrize("hidden", [256, 4096])
+def test_a_sessions_first_measurement_from_its_probe_agrees_with_later_ones(device, hidden):
+    # The first measurement is the last probe's replays; later ones replay the graph again.
+    x = torch.randn(4, hidden, device=device)
+    fn = lambda i: torch.nn.functional.layer_norm(x, (hidden,))  # noqa: E731
+    timer = GraphTimer(device=device)
+    with timer.open(fn, warmup=3, repeat=1) as session:
+        first = session.measure()
+        later = sorted(session.measure().median_us for _ in range(5))
+    assert first.n == timer.probe_replays
+    assert abs(first.median_us / later[2] - 1.0) < 0.05, (first, later)
+
+
+def test_a_guess_sizes_the_first_capture_without_changing_the_time(device, monkeypatch):
+    from graphtune.autotuner.timing import graph as graph_module
+
+    captures: list[int] = []
+    real = graph_module.capture_calls
+
+    def counting(fn, counter, calls, *args, **kwargs):
+        captures.append(calls)
+        return real(fn, counter, calls, *args, **kwargs)
+
+    monkeypatch.setattr(graph_module, "capture_calls", counting)
+    x = torch.randn(4, 1024, device=device)
+    fn = lambda i: torch.nn.functional.layer_norm(x, (1024,))  # noqa: E731
+    timer = GraphTimer(device=device)
+    plain = [timer.measure(fn, warmup=3, repeat=1).median_us for _ in range(3)]
+    unguided = len(captures)
+    guess = sorted(plain)[1]
+    with timer.open(fn, warmup=3, repeat=1, hint_us=guess) as session:
+        guessed = [session.measure(fresh=True).median_us for _ in range(3)]
+    assert len(captures) - unguided == 1 and unguided >= 3 * 2  # one capture instead of two
+    assert 0.97 <= sorted(guessed)[1] / guess <= 1.03, (plain, guessed)

@@ -11,6 +11,11 @@ Triton, so :func:`compile_job` loads each one from its file under its own dotted
 running the ``__init__`` of the packages above it. The source, and so Triton's cache key for
 every kernel in it, is the same as in the tuning process, which then finds each binary in the
 on-disk cache.
+
+A job may also build the kernel's host launcher (:func:`build_launcher`): Triton up to 3.6
+generates a C launcher per kernel signature and builds it with the C compiler when a kernel is
+first loaded, a second or so of the tuning process's time per signature on an empty cache. Built
+here, it lands in the same on-disk cache, and the first load only reads it.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ class CompileJob:
         ident: Text that is equal for two jobs exactly when they compile the same binary.
         path: The module's source file; ``None`` makes the worker import the module by name
             (with its packages' ``__init__``).
+        launcher: Also build the kernel's host launcher (:func:`build_launcher`); the pool asks
+            it of the first job of each signature.
     """
 
     module: str
@@ -50,6 +57,7 @@ class CompileJob:
     target: Any
     ident: str
     path: str | None = None
+    launcher: bool = False
 
 
 @dataclass(frozen=True)
@@ -64,6 +72,9 @@ class JobResult:
         started: When the worker began it.
         finished: When it was done.
         pid: The worker process.
+        launcher: What became of the host launcher the job asked for: ``None`` (not asked),
+            ``"built"``, ``"not needed"`` (this Triton builds none) or ``"failed: <error>"``
+            (the tuning process then builds it at the first load, as without workers).
     """
 
     kind: str
@@ -72,6 +83,7 @@ class JobResult:
     started: float
     finished: float
     pid: int
+    launcher: str | None = None
 
 
 def triton_knobs() -> Any:
@@ -145,7 +157,36 @@ def compile_job(job: CompileJob) -> JobResult:
         for part in job.qualname.split("."):
             function = getattr(function, part)
         source = ASTSource(function, job.signature, job.constants, job.attrs)
-        triton.compile(source, target=job.target, options=dict(job.options))
+        kernel = triton.compile(source, target=job.target, options=dict(job.options))
     except Exception as exc:  # reported; the tuning process compiles it again and raises there
         error = f"{type(exc).__name__}: {exc}"
-    return JobResult("compile", job.qualname, error, started, time.time(), os.getpid())
+        kernel = None
+    launcher = None
+    if job.launcher and kernel is not None:
+        launcher = build_launcher(kernel)
+    return JobResult("compile", job.qualname, error, started, time.time(), os.getpid(), launcher)
+
+
+def build_launcher(kernel: Any, launcher_cls: Any = None) -> str:
+    """Builds the host launcher of ``kernel`` (a ``CompiledKernel``) into Triton's on-disk cache
+    the way its first load would; returns ``"built"``, ``"not needed"`` or ``"failed: ..."``.
+
+    Only where the launcher's constructor compiles C (``compile_module_from_src``, Triton up to
+    3.6): it then needs nothing but the kernel's signature, the C compiler and ``libcuda``'s
+    folder, no GPU and no torch. A constructor that compiles nothing (a generic launcher, which
+    may ask the active driver and so import torch) is not called.
+
+    Args:
+        launcher_cls: The launcher class; default Triton's ``CudaLauncher`` (tests pass others).
+    """
+    try:
+        if launcher_cls is None:
+            from triton.backends.nvidia.driver import CudaLauncher
+
+            launcher_cls = CudaLauncher
+        if "compile_module_from_src" not in launcher_cls.__init__.__code__.co_names:
+            return "not needed"
+        launcher_cls(kernel.src, kernel.metadata)
+    except Exception as exc:  # the tuning process builds it at the first load instead
+        return f"failed: {type(exc).__name__}: {exc}"
+    return "built"

@@ -87,6 +87,25 @@ def child(rows: list[int], k: int, n: int, device: str = "cpu", ahead: bool = Fa
         str(e) for inputs, tactics in work for e in runner.precompile(inputs, tactics).values() if e
     ]
     generated_by_precompile = len(generated)
+    launchers_built_here = None
+    if device == "cuda":  # the first launch loads the binary and its host launcher
+        from triton.runtime import build
+
+        builds = []
+        real_build = build._build
+
+        def counting_build(name, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
+            builds.append(name)
+            return real_build(name, *args, **kwargs)
+
+        build._build = counting_build
+        try:
+            inputs, tactics = work[0]
+            runner.forward(inputs, tactic=tactics[0])
+            torch.cuda.synchronize()
+        finally:
+            build._build = real_build
+        launchers_built_here = len(builds)
     # Jobs a worker cannot do come back as failures (the caller then compiles in-process).
     bogus = [
         _compile_pool.CompileJob("no.such.module", "kernel", {}, {}, {}, {}, None, str(i))
@@ -131,6 +150,8 @@ def child(rows: list[int], k: int, n: int, device: str = "cpu", ahead: bool = Fa
             [r.kind, r.name, r.error is None, r.finished >= r.started, r.pid != os.getpid()]
             for r in log
         ],
+        "worker_launchers": sorted({str(r.launcher) for r in log if r.kind == "compile"}),
+        "launchers_built_here": launchers_built_here,
         "handed_over": handed_over,
         "ahead_jobs": ahead_jobs,
         "ahead_left": len(_compile_pool._AHEAD),

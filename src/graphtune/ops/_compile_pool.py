@@ -16,7 +16,9 @@ worker processes and leaves the tuning process only loading the results:
    cache (``triton.knobs.cache.dir``; the workers are given the tuning process's folder).
 3. The caller then compiles in its own process as before. Triton computes the same cache key
    there (same source, specialisation, options, target and environment), finds the binary on
-   disk and loads it instead of generating code.
+   disk and loads it instead of generating code. The first job of each kernel signature also
+   builds the host launcher that Triton up to 3.6 compiles with the C compiler at a kernel's
+   first load (``CompileJob.launcher``), so that load reads it from the cache too.
 
 Nothing depends on the workers for correctness: a job a worker fails, or one whose binary is not
 found afterwards, is compiled in the tuning process with the error it raises there, exactly as
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import json
 import logging
 import multiprocessing
@@ -213,6 +216,9 @@ _POOL_LOCK = threading.Lock()
 _POOL: ProcessPoolExecutor | None = None
 #: Jobs handed to the workers by :func:`compile_ahead`, by ``CompileJob.ident`` (under the lock).
 _AHEAD: dict[str, Future[JobResult]] = {}
+#: Kernel signatures whose host launcher a job was asked to build (under the lock): Triton's
+#: launcher source depends only on the argument types, so one build serves every such kernel.
+_LAUNCHERS: set[tuple[Any, ...]] = set()
 
 
 def _pool(start: bool) -> ProcessPoolExecutor | None:
@@ -250,8 +256,15 @@ def _submit(pool: ProcessPoolExecutor, fn: Any, *args: Any) -> Future[JobResult]
 
 
 def _hand_over(pool: ProcessPoolExecutor, job: CompileJob) -> Future[JobResult] | None:
-    """Submits ``job`` to ``pool``; ``None`` when it cannot travel to a worker or the pool
-    takes no more work (the job is then compiled in-process)."""
+    """Submits ``job`` to ``pool`` (the first of its signature also builds the host launcher);
+    ``None`` when it cannot travel to a worker or the pool takes no more work (the job is then
+    compiled in-process)."""
+    signature = tuple(job.signature.values())
+    with _POOL_LOCK:
+        first = signature not in _LAUNCHERS
+        _LAUNCHERS.add(signature)
+    if first:
+        job = dataclasses.replace(job, launcher=True)
     try:
         pickle.dumps(job)
         return _submit(pool, compile_job, job)
@@ -286,6 +299,7 @@ def close_compile_workers() -> None:
     with _POOL_LOCK:
         pool, _POOL = _POOL, None
         _AHEAD.clear()
+        _LAUNCHERS.clear()
     if pool is not None:
         pool.shutdown(wait=True, cancel_futures=True)
 

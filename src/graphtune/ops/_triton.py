@@ -35,7 +35,7 @@ import torch
 
 from graphtune.errors import ConfigError
 from graphtune.ops._launch_key import launch_key
-from graphtune.ops._pdl import pdl_meta, tensor_device
+from graphtune.ops._pdl import pdl_meta
 
 logger = logging.getLogger(__name__)
 
@@ -198,13 +198,14 @@ def collect_launches() -> Iterator[list[tuple[Any, ...]]]:
 def run_kernel(
     kernel: Any, grid: tuple[int, ...], args: tuple[Any, ...], meta: dict[str, Any], warmup: bool
 ) -> None:
-    """Launches ``kernel[grid](*args, **meta)``, or with ``warmup`` only compiles it and loads
-    the binary onto the device (inside :func:`collect_launches`: records its
-    :func:`~graphtune.ops._launch_key.launch_key` only).
+    """Launches ``kernel[grid](*args, **meta)``, or with ``warmup`` only compiles it (inside
+    :func:`collect_launches`: records its :func:`~graphtune.ops._launch_key.launch_key` only).
 
-    The load happens where the caller compiles ahead of timing (``TritonRunner._compile``, with
-    no capture running) instead of at the first launch, which is inside a timed measurement's
-    warm-up; a load there waits for the GPU work in flight.
+    The binary is loaded onto the device at its first launch, in the thread that launches it:
+    a load waits for the GPU work in flight, so a load in a compile thread while the tuner keeps
+    the GPU busy would hold that thread (and the binaries queued behind it) until the GPU is
+    idle. The host launcher that Triton builds at the first load comes from the compile workers
+    (:mod:`graphtune._compile_worker`).
 
     A kernel that declares ``USE_PDL`` gets it (and a PDL launch) from
     :func:`graphtune.ops._pdl.pdl_meta`, in all three cases, so the binary compiled ahead of time
@@ -217,13 +218,7 @@ def run_kernel(
         return
     wait_for_cache_key()
     if warmup:
-        compiled = kernel.warmup(*args, grid=grid, **meta)
-        # Triton's CompiledKernel; None when the compile pool only recorded the job. A compile for
-        # a GPU target from CPU tensors (tests, a machine without the GPU) has nothing to load on.
-        load = getattr(compiled, "_init_handles", None)
-        device = tensor_device(args)
-        if callable(load) and device is not None and device.type == "cuda":
-            load()
+        kernel.warmup(*args, grid=grid, **meta)
     else:
         kernel[grid](*args, **meta)
 

@@ -478,13 +478,13 @@ def test_replay_plan_guess_is_capped_by_the_warm_up_bound_and_spares_long_calls(
 
 
 @settings(max_examples=200, deadline=None)
-@given(guess=st.floats(0.05, 500.0), per_call=st.floats(0.05, 500.0))
-def test_replay_plan_with_any_guess_reaches_the_target_as_without_one(guess, per_call):
-    guessed, plain = _plan(hint_us=guess), _plan()
-    _drive(guessed, per_call_us=per_call, probes=3)
-    _drive(plain, per_call_us=per_call, probes=3)
-    reached = guessed.total * per_call >= 90.0
-    assert reached or plain.total * per_call < 90.0  # tiny calls may hit max_repeat either way
+@given(guess=st.floats(0.05, 500.0), per_call=st.floats(0.5, 500.0))
+def test_replay_plan_with_any_guess_reaches_the_target(guess, per_call):
+    # A call inside a graph lasts at least about a microsecond (one kernel); far shorter ones
+    # (with or without a guess) can run into max_repeat before the replay reaches its target.
+    plan = _plan(hint_us=guess)
+    _drive(plan, per_call_us=per_call, probes=3)
+    assert plan.total * per_call >= 90.0
 
 
 def test_replay_plan_repeats_one_short_piece():

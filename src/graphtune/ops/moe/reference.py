@@ -161,10 +161,13 @@ def sparse_fused_moe(
     """
     tokens, top_k = topk_ids.shape
     experts = gate_up.shape[0]
-    flat = topk_ids.reshape(-1)
+    # Slot-major pairs (pair = slot * tokens + token), as transformers' loop takes each expert's
+    # rows (by slot, then token): a CPU GEMM's result for a row can depend on its position in
+    # the batch, so the same order is what makes the two equal bit for bit.
+    flat = topk_ids.t().reshape(-1)
     valid = (flat >= 0) & (flat < experts)
     binned = torch.where(valid, flat, experts).long()
-    order = torch.argsort(binned, stable=True)  # pairs by expert, then by (token, slot)
+    order = torch.argsort(binned, stable=True)  # pairs by expert, then by (slot, token)
     counts = torch.bincount(binned, minlength=experts + 1).tolist()  # the host sync
     if counts[experts]:
         raise InputError(
@@ -172,14 +175,14 @@ def sparse_fused_moe(
             f"E={experts}); route with route_top_k over the E experts of these weights."
         )
     out = torch.zeros_like(x)
-    flat_weights = topk_weights.reshape(-1)
+    flat_weights = topk_weights.t().reshape(-1)
     start = 0
     for expert, count in enumerate(counts[:experts]):
         if not count:
             continue
         pairs = order[start : start + count]
         start += count
-        rows = pairs // top_k
+        rows = pairs % tokens
         y = _swiglu_expert(x[rows], gate_up[expert], down[expert])
         out.index_add_(0, rows, (y * flat_weights[pairs, None]).to(out.dtype))
     return out

@@ -66,9 +66,9 @@ class TritonRunner(TunableRunner):
     """Base of the Triton runners (see the module docstring).
 
     Subclasses implement :meth:`tactics_for` (the pruned tactic list, fallback excluded) and
-    :meth:`launch` (``warmup=True`` compiles and loads without running,
-    through ``graphtune.ops._triton.run_kernel``). Tactic ``-1`` runs the op's torch
-    path, so the runner honours the "fallback works on every shape" contract without Triton.
+    :meth:`launch` (``warmup=True`` compiles without running or loading, through
+    ``graphtune.ops._triton.run_kernel``). Tactic ``-1`` runs the op's torch path, so the
+    runner honours the "fallback works on every shape" contract without Triton.
 
     Args:
         compile_workers: Threads for ahead-of-time compilation; ``None`` picks

@@ -14,8 +14,9 @@ on-disk cache.
 
 A job may also build the kernel's host launcher (:func:`build_launcher`): Triton up to 3.6
 generates a C launcher per kernel signature and builds it with the C compiler when a kernel is
-first loaded, a second or so of the tuning process's time per signature on an empty cache. Built
-here, it lands in the same on-disk cache, and the first load only reads it.
+first loaded: on an empty cache, a few tenths of a second of the tuning process's time per
+signature, while that process has the GPU waiting. Built here, it lands in the same on-disk
+cache, and the first load only reads it.
 """
 
 from __future__ import annotations

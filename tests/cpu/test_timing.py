@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -637,21 +638,13 @@ def _session(monkeypatch, probe_us, calls=4):
         return [10.0 * calls] * count
 
     monkeypatch.setattr(GraphTimer, "_time_replays", replays)
-    monkeypatch.setattr(torch.cuda, "device", lambda device: _NullContext())
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     stream = SimpleNamespace(wait_stream=lambda other: None)
     caller = SimpleNamespace(wait_stream=lambda other: None)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device: caller)
     timer = GraphTimer(replays=7)
     session = GraphSession(timer, object(), calls, stream, "cuda:0", probed=True, probe_us=probe_us)
     return session, fresh
-
-
-class _NullContext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return None
 
 
 def test_a_sessions_first_measurement_is_its_probe(monkeypatch):

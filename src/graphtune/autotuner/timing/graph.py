@@ -322,6 +322,7 @@ class GraphTimer:
         *,
         keep: bool = False,
     ) -> torch.cuda.CUDAGraph:
+        """:func:`capture_calls` with this timer's error mode (one seam that tests replace)."""
         return capture_calls(
             fn, counter, calls, stream, device, keep=keep, error_mode=self.capture_error_mode
         )

@@ -52,6 +52,7 @@ from graphtune.autotuner.identity import runner_id
 from graphtune.autotuner.timing import resolve_timer
 from graphtune.autotuner.timing.base import Timer
 from graphtune.engine.step import DecodeStep
+from graphtune.engine.step_refine import StepRefinement, refine_in_step
 from graphtune.errors import ConfigError
 from graphtune.ops._compile_pool import close_compile_workers, start_compile_workers
 from graphtune.ops._triton_runner import triton_runners
@@ -106,6 +107,8 @@ class TuneReport:
             out).
         fusion_checks: :func:`check_fusion`'s comparisons, one per bucket where a fused op had
             picked its fused kernel (empty when the check did not run).
+        refinements: What ``refine=True`` raced in the step
+            (:func:`~graphtune.engine.step_refine.refine_in_step`), one per profile.
     """
 
     buckets: tuple[int, ...]
@@ -116,6 +119,7 @@ class TuneReport:
     compile_seconds: float = 0.0
     compile_seconds_by_op: dict[str, float] = field(default_factory=dict)
     fusion_checks: list[FusionCheck] = field(default_factory=list)
+    refinements: list[StepRefinement] = field(default_factory=list)
 
     @property
     def profiles_tuned(self) -> int:
@@ -138,6 +142,9 @@ class TuneReport:
         if self.fusion_checks:
             switched = {c.batch: f"{c.pinned}/{c.candidates}" for c in self.fusion_checks}
             line += f"; whole-step check, fused profiles switched to unfused by batch: {switched}"
+        if self.refinements:
+            kept = sum(r.switched for r in self.refinements)
+            line += f"; in-step refinement: {kept} of {len(self.refinements)} picks replaced"
         return line
 
 
@@ -178,6 +185,7 @@ def tune_step(
     prepare: bool = True,
     step_timer: Timer | None = None,
     check_fused: bool = True,
+    refine: bool = False,
 ) -> TuneReport:
     """Tunes every op of ``step`` by running it at batch sizes ``1, 2, 4, ..., max_batch_size``,
     unfused and then as built (see the module docstring).
@@ -199,6 +207,9 @@ def tune_step(
             CUDA device, and no check on the CPU (pass a timer to check there).
         check_fused: Run :func:`check_fusion` (``False`` keeps every per-op pick, for example
             to test the fused kernels where the step would run faster without them).
+        refine: Afterwards race each profile's pick against its nearest rivals in the whole
+            step and keep the fastest (:func:`~graphtune.engine.step_refine.refine_in_step`;
+            single-process steps with a step timer; seconds per bucket, so off by default).
 
     Returns:
         A :class:`TuneReport`.
@@ -250,6 +261,9 @@ def tune_step(
     if checkable and (cuda or step_timer is not None):
         timer = step_timer if step_timer is not None else resolve_timer("graph", step.model.device)
         report.fusion_checks = check_fusion(step, timer, buckets=report.buckets, log=log)
+    if refine and step.model.parallel is None and (cuda or step_timer is not None):
+        timer = step_timer if step_timer is not None else resolve_timer("graph", step.model.device)
+        report.refinements = refine_in_step(step, timer, buckets=report.buckets, log=log)
     if cuda:
         torch.cuda.synchronize(step.model.device)
     report.seconds = time.perf_counter() - started

@@ -5,7 +5,8 @@ Usage (on a GPU machine, from the repository root):
 
     PYTHONPATH=src python3 benchmarks/step_truth.py --out benchmarks/results
         [--model llama-1b-shape] [--batches 1,8,16,32] [--context 512] [--ops gemm,...]
-        [--rounds 11] [--steps-per-graph 2] [--commit SHA] [--label TEXT]
+        [--rounds 11] [--steps-per-graph 2] [--refine [--skip-profiles]] [--commit SHA]
+        [--label TEXT]
 
 ``benchmarks/tuning.py`` judges the tuner's picks against two truths measured on the op alone
 (the kernel sum of one eager call, and the span per call of 20-200 back-to-back calls in one CUDA
@@ -27,8 +28,13 @@ of the step's inputs), and the tuner's own median.
 Reported per (batch, profile): the step time of each candidate; the step cost of the tuner's pick,
 of the in-graph truth's best and of the tuner's fastest, over the best candidate's (``*_delta_us``,
 per step, for all the profile's calls in a step); the Spearman rank correlation of the tuner's
-times and of the in-graph truth with the step times. Writes ``step-truth-<gpu>[-label].json``
-with provenance and prints the table last. Exits 2 without CUDA.
+times and of the in-graph truth with the step times.
+
+With ``--refine``, ``graphtune.engine.step_refine.refine_in_step`` then runs at ``--batches``
+(rows in slots ``0..B-1`` at the cache's last position): the step as tuned and the step after
+refinement are captured in this process and replayed side by side (``4 x --rounds`` rounds),
+with the refinement's own seconds and what it switched (``refine``). Writes
+``step-truth-<gpu>[-label].json`` with provenance and prints the table last. Exits 2 without CUDA.
 """
 
 from __future__ import annotations
@@ -59,6 +65,52 @@ from graphtune.bench.graphs import capture_calls, capture_stream, release  # noq
 logger = logging.getLogger("benchmarks.step_truth")
 
 
+def time_graphs(
+    graphs: Sequence[torch.cuda.CUDAGraph | None], *, rounds: int, steps_per_graph: int
+) -> list[float]:
+    """Median µs per step of each graph, replayed round-robin (``inf`` for ``None``).
+
+    Each round starts with an unmeasured replay, so the first measured replay does not start on
+    an idle GPU (its events would then hold the host's launch latency); a drift of clocks hits
+    every graph alike.
+    """
+    stream = capture_stream()
+    live = [g for g in graphs if g is not None]
+    samples: list[list[float]] = [[] for _ in graphs]
+    with torch.cuda.stream(stream):
+        for graph in live:
+            graph.replay()  # upload; never measured
+        for _ in range(rounds):
+            if live:
+                live[-1].replay()
+            events = []
+            for graph in graphs:
+                if graph is None:
+                    events.append(None)
+                    continue
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                graph.replay()
+                end.record()
+                events.append((start, end))
+            stream.synchronize()
+            for row, pair in zip(samples, events, strict=True):
+                if pair is not None:
+                    row.append(pair[0].elapsed_time(pair[1]) * 1000.0 / steps_per_graph)
+    return [statistics.median(row) if row else math.inf for row in samples]
+
+
+def capture_step(run_step: Callable[[], object], steps: int) -> torch.cuda.CUDAGraph | None:
+    """A graph of ``steps`` back-to-back steps as the tuner's cache stands now (``None`` when it
+    cannot be captured)."""
+    try:
+        return capture_calls(lambda _: run_step(), steps, stream=capture_stream())
+    except RuntimeError as exc:
+        logger.warning("step capture failed: %s", exc)
+        return None
+
+
 def step_times(
     run_step: Callable[[], object],
     pins: Sequence[Callable[[], None]],
@@ -69,45 +121,51 @@ def step_times(
     """Median µs per step of the step as each ``pins[i]()`` leaves the tuner's cache.
 
     Each pin is applied just before its graph is captured (the step reads the cache on the host,
-    so the graph holds that candidate); the graphs are replayed round-robin so a drift of clocks
-    hits every candidate alike. A graph that fails to capture reads ``inf``.
+    so the graph holds that candidate), then :func:`time_graphs` races the graphs.
     """
-    stream = capture_stream()
-    graphs: list[torch.cuda.CUDAGraph | None] = []
+    graphs = []
     for pin in pins:
         pin()
-        try:
-            graphs.append(capture_calls(lambda _: run_step(), steps_per_graph, stream=stream))
-        except RuntimeError as exc:
-            logger.warning("step capture failed: %s", exc)
-            graphs.append(None)
-    samples: list[list[float]] = [[] for _ in pins]
+        graphs.append(capture_step(run_step, steps_per_graph))
     try:
-        with torch.cuda.stream(stream):
-            for graph in graphs:
-                if graph is not None:
-                    graph.replay()  # upload; never measured
-            for _ in range(rounds):
-                events = []
-                for graph in graphs:
-                    if graph is None:
-                        events.append(None)
-                        continue
-                    start = torch.cuda.Event(enable_timing=True)
-                    end = torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    graph.replay()
-                    end.record()
-                    events.append((start, end))
-                stream.synchronize()
-                for row, pair in zip(samples, events, strict=True):
-                    if pair is not None:
-                        row.append(pair[0].elapsed_time(pair[1]) * 1000.0 / steps_per_graph)
+        return time_graphs(graphs, rounds=rounds, steps_per_graph=steps_per_graph)
     finally:
         for graph in graphs:
             if graph is not None:
                 release(graph)
-    return [statistics.median(row) if row else math.inf for row in samples]
+
+
+def refine_ab(step: Any, tuner: AutoTuner, batches: list[int], args: argparse.Namespace) -> dict:
+    """The step as tuned against the step after ``refine_in_step`` at ``batches``, each graph
+    captured in this process and replayed side by side; the refinement's own time and rows."""
+    from graphtune.autotuner.timing import resolve_timer
+    from graphtune.engine.step_refine import refine_in_step, refine_inputs
+
+    def runner(batch: int) -> Callable[[], None]:
+        inputs = refine_inputs(step, batch)
+        return lambda: step.decode(step.ops, *inputs)
+
+    with torch.no_grad():
+        before = [capture_step(runner(b), args.steps_per_graph) for b in batches]
+        began = time.perf_counter()
+        refined = refine_in_step(step, resolve_timer("graph", step.model.device), buckets=batches)
+        seconds = time.perf_counter() - began
+        after = [capture_step(runner(b), args.steps_per_graph) for b in batches]
+    times = time_graphs(
+        before + after, rounds=4 * args.rounds, steps_per_graph=args.steps_per_graph
+    )
+    for graph in before + after:
+        if graph is not None:
+            release(graph)
+    n = len(batches)
+    return {
+        "refine_s": seconds,
+        "by_batch": [
+            {"batch": b, "tuned_us": t, "refined_us": r, "ratio": r / t}
+            for b, t, r in zip(batches, times[:n], times[n:], strict=True)
+        ],
+        "refinements": [dataclasses.asdict(r) for r in refined],
+    }
 
 
 def _copied(inputs: Sequence[Any]) -> list[Any]:
@@ -281,6 +339,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--ops", default="", help="only ops whose name contains one of these")
     parser.add_argument("--rounds", type=int, default=11, help="replay rounds per profile")
     parser.add_argument("--steps-per-graph", type=int, default=2, help="steps per graph")
+    parser.add_argument(
+        "--refine",
+        action="store_true",
+        help="also run refine_in_step at --batches and time the step before and after it",
+    )
+    parser.add_argument(
+        "--skip-profiles", action="store_true", help="skip the per-profile pinning (with --refine)"
+    )
     parser.add_argument("--commit", help="commit to record (default: git)")
     parser.add_argument("--label", help="suffix of the result file name")
     args = parser.parse_args(argv)
@@ -305,8 +371,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     tune_step(step)
     tune_s = time.perf_counter() - began
     rows: list[dict[str, Any]] = []
-    for batch in batches:
+    for batch in batches if not args.skip_profiles else []:
         rows.extend(profile_rows(step, tuner, batch, args))
+    refined = refine_ab(step, tuner, batches, args) if args.refine else None
     name = f"step-truth-{bench.gpu_slug(torch.cuda.get_device_name())}"
     path = args.out / (f"{name}-{args.label}.json" if args.label else f"{name}.json")
     bench.write_json(
@@ -317,10 +384,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             "tune_s": tune_s,
             "profiles": rows,
             "history": [dataclasses.asdict(r) for r in tuner.history],
+            "refine": refined,
         },
     )
     print(f"wrote {path}")
     print(table(rows))
+    if refined is not None:
+        switched = sum(r["switched"] for r in refined["refinements"])
+        print(
+            f"in-step refinement: {switched} of {len(refined['refinements'])} profiles switched "
+            f"in {refined['refine_s']:.1f} s"
+        )
+        for row in refined["by_batch"]:
+            print(
+                f"batch {row['batch']:>3}: tuned {row['tuned_us']:8.1f} us, refined "
+                f"{row['refined_us']:8.1f} us ({row['ratio']:.3f}x)"
+            )
     return 0
 
 

@@ -70,6 +70,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         choices=("auto", "graph", "events", "wallclock"),
         help="timer (auto: graph replay on CUDA, wall clock on CPU)",
     )
+    parser.add_argument(
+        "--refine-in-step",
+        action="store_true",
+        help="after tuning, race each pick against its nearest rivals in the whole step and "
+        "keep the fastest (CUDA; several seconds per batch bucket; see docs/engine.md)",
+    )
     from_misses.add_arguments(parser)
     parser.set_defaults(handler=run_tune)
 
@@ -108,7 +114,11 @@ def run_tune(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     try:
         with autotuner.autotune(args.cache, tuner):
-            report = tune_step(step, log=lambda line: print(f"  {line}", flush=True))
+            report = tune_step(
+                step,
+                log=lambda line: print(f"  {line}", flush=True),
+                refine=args.refine_in_step,
+            )
     except KeyboardInterrupt:
         # autotune() saved the picks finished so far before the interrupt reached here.
         kept = len(tuner.cache)

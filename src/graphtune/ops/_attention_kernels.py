@@ -79,7 +79,8 @@ def decode_attention_kernel(
     """
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # q and the new K/V row come from the kernel before
-        tl.extra.cuda.gdc_launch_dependents()
+        if SPLITS > 1 and not INLINE_COMBINE:
+            tl.extra.cuda.gdc_launch_dependents()  # the successor is the small combine kernel
     bh = tl.program_id(0).to(tl.int64)  # 64-bit offsets: a long KV cache exceeds 2^31 elements
     split = tl.program_id(1)
     b = bh // KV
@@ -161,6 +162,10 @@ def decode_attention_kernel(
         v_ptrs += BLOCK_N * stride_vs
         m_ptrs += BLOCK_N * stride_ms
 
+    if USE_PDL and (SPLITS == 1 or INLINE_COMBINE):
+        # The successor is the output projection, a GEMM whose programs, launched while these
+        # fill the SMs, land on the few SMs with room left (graphtune.ops._pdl).
+        tl.extra.cuda.gdc_launch_dependents()
     out_ptrs = out_ptr + ((bh * G + rows) * HEAD_DIM)[:, None] + dims[None, :]
     if SPLITS == 1:
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]

@@ -33,7 +33,11 @@ The contract a ``USE_PDL`` kernel keeps (every Triton kernel of a decode step do
   The one exception is the fused QKV stage, whose successor is decode attention (a grid of a few
   dozen programs): launched that early, attention took 7.3 us after the QKV kernel instead of
   4.3 us (likely because its programs could only start on the few SMs the QKV programs left room
-  on, several to an SM), so that kernel triggers after its main loop.
+  on, several to an SM), so that kernel triggers after its main loop. Decode attention without a
+  separate combine kernel (one split, or the inline combine) triggers after its main loop too:
+  its successor is the output projection, and with the early trigger every Triton GEMM there
+  cost the step 2-5 us a call more than its own time said, at batches 16 and 32 on the H200
+  (``benchmarks/step_truth.py``, results README).
 
 A kernel that follows a kernel without PDL (cuBLAS, torch) is ordered as usual: the driver only
 overlaps a PDL launch with a predecessor that triggers it.

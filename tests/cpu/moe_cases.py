@@ -10,7 +10,6 @@ import os
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from graphtune.autotuner.timing.base import Measurement
 from graphtune.ops.moe import route_top_k
 
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3}
@@ -84,17 +83,3 @@ class NoHostSync(TorchDispatchMode):
         if func.overloadpacket.__name__ in HOST_SYNC_OPS:
             raise RuntimeError(f"host-synchronising op {func} during capture")
         return func(*args, **(kwargs or {}))
-
-
-class LastIsFastest:
-    """Each measurement beats the one before: the last-listed candidate wins every bucket."""
-
-    name = "fake"
-
-    def __init__(self) -> None:
-        self.calls = 0
-
-    def measure(self, fn, *, warmup, repeat):
-        self.calls += 1
-        fn(0)  # runs the candidate once on the synthetic inputs
-        return Measurement.from_samples([1000.0 / self.calls], calls_per_sample=1, timer=self.name)

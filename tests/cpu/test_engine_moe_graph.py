@@ -19,9 +19,9 @@ if not torch.cuda.is_available():  # see test_ops_kernels.py
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+from fake_timers import last_wins_tuner  # noqa: E402
 
-from graphtune.autotuner import AutoTuner, TuningPolicy  # noqa: E402
-from graphtune.autotuner.timing.base import Measurement  # noqa: E402
+from graphtune.autotuner import AutoTuner  # noqa: E402
 from graphtune.engine import DecodeStep, KVCache, load_model, step_pad_rule, tune_step  # noqa: E402
 from graphtune.graphs import CUDAGraphRunner, SimulatedGraphBackend  # noqa: E402
 from graphtune.ops._triton import triton_available  # noqa: E402
@@ -29,25 +29,8 @@ from graphtune.ops.moe import OP_NAME  # noqa: E402
 from graphtune.ops.moe.routing import OP_NAME as ROUTE  # noqa: E402
 
 
-class _LastIsFastest:
-    """Every measurement is faster than the one before: the last candidate of a profile wins."""
-
-    name = "fake"
-
-    def __init__(self) -> None:
-        self.calls = 0
-
-    def measure(self, fn, *, warmup: int, repeat: int) -> Measurement:
-        self.calls += 1
-        return Measurement.from_samples([1000.0 / self.calls], calls_per_sample=1, timer=self.name)
-
-
 def _tuner() -> AutoTuner:
-    return AutoTuner(
-        timer=_LastIsFastest(),
-        policy=TuningPolicy(rounds=1, remeasure_top=0, tie_tolerance=0.0, tie_floor_us=0.0),
-        show_progress=False,
-    )
+    return last_wins_tuner()
 
 
 @pytest.mark.parametrize("preset", ["qwen3-moe-tiny", "mixtral-tiny"])

@@ -17,7 +17,9 @@ import torch
 if not torch.cuda.is_available():  # see test_ops_kernels.py
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from graphtune.autotuner import AutoTuner, TuningPolicy  # noqa: E402
+from fake_timers import last_wins_tuner  # noqa: E402
+
+from graphtune.autotuner import AutoTuner  # noqa: E402
 from graphtune.autotuner.timing.base import Measurement  # noqa: E402
 from graphtune.engine import DecodeStep, Engine, KVCache, load_model, tune_step  # noqa: E402
 from graphtune.ops import attention  # noqa: E402
@@ -25,26 +27,8 @@ from graphtune.ops import attention  # noqa: E402
 PROMPTS = [[1, 5, 9], [7, 3], [3, 4, 5, 6]]
 
 
-class _LastIsFastest:
-    """Fake timer: every measurement is faster than the one before, so with one round, no
-    re-measuring and no tie tolerance the last-listed candidate of each profile wins."""
-
-    name = "fake"
-
-    def __init__(self) -> None:
-        self.calls = 0
-
-    def measure(self, fn, *, warmup: int, repeat: int) -> Measurement:
-        self.calls += 1
-        return Measurement.from_samples([1000.0 / self.calls], calls_per_sample=1, timer=self.name)
-
-
 def _tuner() -> AutoTuner:
-    return AutoTuner(
-        timer=_LastIsFastest(),
-        show_progress=False,
-        policy=TuningPolicy(rounds=1, remeasure_top=0, tie_tolerance=0.0, tie_floor_us=0.0),
-    )
+    return last_wins_tuner()
 
 
 def test_tuned_engine_matches_untuned_and_reuses_the_cache_file(tmp_path):

@@ -22,9 +22,9 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
+from fake_timers import LastIsFastest  # noqa: E402
 from moe_cases import (  # noqa: E402
     TOL,
-    LastIsFastest,
     float64_moe,
     gen_seeded,
     moe_case,
@@ -130,7 +130,7 @@ def test_the_op_offers_the_gemv_path_and_tuning_keeps_it_to_decode_sizes():
     assert any(isinstance(r, TritonMoeGemvRunner) for r in fused_moe_runners())
     gen = gen_seeded()
     tuner = AutoTuner(
-        timer=LastIsFastest(),
+        timer=LastIsFastest(run=True),
         show_progress=False,
         policy=TuningPolicy(rounds=1, remeasure_top=0, tie_tolerance=0.0),
     )
@@ -174,7 +174,7 @@ def test_a_residual_is_added_in_place_with_the_rounding_of_a_separate_add(runner
 def test_the_op_with_a_residual_tunes_its_own_profiles_and_checks_the_residual():
     gen = gen_seeded()
     tuner = AutoTuner(
-        timer=LastIsFastest(),
+        timer=LastIsFastest(run=True),
         show_progress=False,
         policy=TuningPolicy(rounds=1, remeasure_top=0, tie_tolerance=0.0),
     )

@@ -17,9 +17,10 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from graphtune.autotuner import AutoTuner, TuningPolicy, autotune  # noqa: E402
+from fake_timers import last_wins_tuner  # noqa: E402
+
+from graphtune.autotuner import autotune  # noqa: E402
 from graphtune.autotuner.identity import runner_id  # noqa: E402
-from graphtune.autotuner.timing.base import Measurement  # noqa: E402
 from graphtune.errors import ConfigError  # noqa: E402
 from graphtune.ops import OpContext, _triton  # noqa: E402
 from graphtune.ops.moe import (  # noqa: E402
@@ -93,23 +94,8 @@ def test_bad_tactics_and_unsupported_inputs():
     assert w.dtype == torch.float64
 
 
-class _LastIsFastest:
-    name = "fake"
-
-    def __init__(self) -> None:
-        self.calls = 0
-
-    def measure(self, fn, *, warmup: int, repeat: int) -> Measurement:
-        self.calls += 1
-        return Measurement.from_samples([1000.0 / self.calls], calls_per_sample=1, timer=self.name)
-
-
 def test_the_tuned_op_runs_the_pick_and_each_rule_has_its_own_identity():
-    tuner = AutoTuner(
-        timer=_LastIsFastest(),
-        policy=TuningPolicy(rounds=1, remeasure_top=0, tie_tolerance=0.0, tie_floor_us=0.0),
-        show_progress=False,
-    )
+    tuner = last_wins_tuner()
     logits = torch.randn(3, 16, generator=_gen())
     ops = OpContext(tuner, 4)
     with autotune(None, tuner):

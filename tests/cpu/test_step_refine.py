@@ -17,7 +17,9 @@ import torch
 if not torch.cuda.is_available():  # see test_ops_kernels.py
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from graphtune.autotuner import AutoTuner, TuningPolicy  # noqa: E402
+from fake_timers import LastIsFastest, last_wins_tuner  # noqa: E402
+
+from graphtune.autotuner import AutoTuner  # noqa: E402
 from graphtune.autotuner.selection import CandidateRecord, ProfileRecord  # noqa: E402
 from graphtune.autotuner.timing.base import Measurement  # noqa: E402
 from graphtune.engine import DecodeStep, KVCache, load_model, tune_step  # noqa: E402
@@ -124,19 +126,6 @@ def test_race_with_sessions_sets_each_pin_up_once_and_closes_every_session():
     assert times[0] == 5.0 and math.isinf(times[1]) and times[2] == 4.0
 
 
-class _LastIsFastest:
-    """Op-alone timer: each measurement faster than the one before (the last candidate wins)."""
-
-    name = "fake"
-
-    def __init__(self) -> None:
-        self.calls = 0
-
-    def measure(self, fn, *, warmup: int, repeat: int) -> Measurement:
-        self.calls += 1
-        return Measurement.from_samples([1000.0 / self.calls], calls_per_sample=1, timer=self.name)
-
-
 class _PickCosts:
     """Step timer: the sum over the given profiles of what their cached picks cost in the step,
     which is their op-alone time unless ``in_step`` says otherwise for (key, runner, tactic)."""
@@ -175,11 +164,7 @@ class _PickCosts:
 
 def _tuned_step(batch: int = 2) -> tuple[DecodeStep, AutoTuner]:
     model = load_model("tiny")
-    tuner = AutoTuner(
-        timer=_LastIsFastest(),
-        show_progress=False,
-        policy=TuningPolicy(rounds=1, remeasure_top=0, tie_tolerance=0.0, tie_floor_us=0.0),
-    )
+    tuner = last_wins_tuner()
     step = DecodeStep(model, KVCache(model.config, batch, 32), tuner=tuner)
     tune_step(step, check_fused=False)
     return step, tuner
@@ -233,42 +218,47 @@ def test_a_rival_faster_in_the_step_replaces_the_pick_and_others_stay(tmp_path):
     assert (loaded.runner_index, loaded.tactic) == (winner.runner_index, winner.tactic)
 
 
-def test_tune_step_refines_only_when_asked_and_reports_it():
-    step, tuner = _tuned_step(batch=1)
-    assert tune_step(step).refinements == []  # everything cached, nothing refined
-    other, other_tuner = _tuned_step(batch=1)
-    timer = _PickCosts(other_tuner, _calls(other, other_tuner, 1))
-    assert timer.measured == 0
-    model = load_model("tiny")
-    fresh_tuner = AutoTuner(
-        timer=_LastIsFastest(),
-        show_progress=False,
-        policy=TuningPolicy(rounds=1, remeasure_top=0, tie_tolerance=0.0, tie_floor_us=0.0),
-    )
-    fresh = DecodeStep(model, KVCache(model.config, 1, 32), tuner=fresh_tuner)
+def _lazy_step_timer(tuner: AutoTuner, step: DecodeStep) -> _PickCosts:
+    """A :class:`_PickCosts` that reads the step's profiles at its first measurement (they
+    exist only once tuning has run)."""
 
     class _Lazy(_PickCosts):
         def measure(self, fn, *, warmup: int, repeat: int) -> Measurement:
-            if not self.keys:  # the profiles exist only once tuning ran
-                self.__init__(fresh_tuner, _calls(fresh, fresh_tuner, 1))
+            if not self.keys:
+                self.__init__(tuner, _calls(step, tuner, 1))
             return super().measure(fn, warmup=warmup, repeat=repeat)
 
-    lazy = _Lazy(fresh_tuner, [])
-    report = tune_step(fresh, step_timer=lazy, check_fused=False, refine=True)
-    assert report.refinements and all(not r.switched for r in report.refinements)
-    assert "in-step refinement: 0 of" in report.summary()
+    return _Lazy(tuner, [])
+
+
+def test_tune_step_refines_only_when_asked_and_reports_it():
+    model = load_model("tiny")
+    tuner = last_wins_tuner()
+    step = DecodeStep(model, KVCache(model.config, 1, 32), tuner=tuner)
+    timer = _lazy_step_timer(tuner, step)
+    report = tune_step(step, step_timer=timer, check_fused=False)
+    assert report.refinements == [] and timer.measured == 0  # not asked: nothing timed
+
+    tuner = last_wins_tuner()
+    step = DecodeStep(model, KVCache(model.config, 1, 32), tuner=tuner)
+    timer = _lazy_step_timer(tuner, step)
+    report = tune_step(step, step_timer=timer, check_fused=False, refine=True)
+    assert report.refinements and timer.measured > 0
+    # Every rival costs its op-alone time, which is above the pick's: nothing switches.
+    assert not any(r.switched for r in report.refinements)
+    assert f"in-step refinement: 0 of {len(report.refinements)} picks replaced" in report.summary()
 
 
 def test_refinement_rejects_bad_settings_and_steps_it_cannot_race():
     step, _ = _tuned_step(batch=1)
     with pytest.raises(ConfigError, match="rivals >= 1"):
-        refine_in_step(step, _LastIsFastest(), rivals=0)
+        refine_in_step(step, LastIsFastest(), rivals=0)
     with pytest.raises(ConfigError, match="outside 1..1"):
-        refine_in_step(step, _LastIsFastest(), buckets=(2,))
+        refine_in_step(step, LastIsFastest(), buckets=(2,))
     model = load_model("tiny")
     untuned = DecodeStep(model, KVCache(model.config, 1, 32))
     with pytest.raises(ConfigError, match="built with a tuner"):
-        refine_in_step(untuned, _LastIsFastest())
+        refine_in_step(untuned, LastIsFastest())
 
 
 def test_refine_inputs_put_rows_in_their_own_slots_at_the_last_position():

@@ -32,7 +32,12 @@ engine_decode_step``: ``build_step`` over ``llama-1b-shape``, bf16, random weigh
 Targets (issues 15 and 18, H200): 67 sizes <= 1.5 s (stretch 1.0 s) cold (the default variant)
 and after release; pool of 67 sizes <= 1.15x the largest size alone, and of 35 sizes <= 1.15x
 its largest and <= 0.21 GiB; replays with breaks bit-exact; replay without breaks <= 1.05x a
-hand-written graph. Each process records its ``host_speed`` (``graphtune.bench.host_speed``),
+hand-written graph. The default variant's cold capture holds PyTorch's cuDNN attention building
+one plan per new batch size (about 50 ms each on the H200, per thread; results README, "Capture
+and tuning time again"), which no runner can skip; the runner's own cost shows in the
+``largest-no-cudnn`` and ``tuned`` variants and in the re-capture (``capture_67_tuned_cold_s``
+judges the tuned step, the one the engine serves after tuning). Each process records its
+``host_speed`` (``graphtune.bench.host_speed``),
 since capture time is spent on the host. Writes ``graph-capture-<gpu>.json`` into ``--out`` and
 prints the per-size table, then the summary table last. Exits 2 without CUDA, 1 if a target
 failed, else 0.

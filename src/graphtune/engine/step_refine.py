@@ -5,9 +5,9 @@ step a kernel sits between other kernels, and with programmatic dependent launch
 depends on them: how early its programs start, on how many SMs the kernel before left room, how
 many kernels a call launches. ``benchmarks/step_truth.py`` pins every candidate of every profile
 in the whole step and times it there; on the H200 (results README, "Which per-op time predicts
-the step") candidates within 1% of each other alone moved the step by up to 17 us, and the fastest
-alone could cost 60 us a step. Neither the tuner's times nor a CUPTI truth of the op alone can
-see that; only the step can.
+the step") candidates within 3% of each other alone moved the step by up to 17 us, and the
+fastest by the op-alone CUPTI truth could cost the step 60 us. Neither the tuner's times nor a
+truth of the op alone can see that; only the step can.
 
 :func:`refine_in_step` therefore lets the step decide among the candidates the op-alone timing
 cannot separate. After tuning (``tune_step(refine=True)``), at each batch bucket, for every profile

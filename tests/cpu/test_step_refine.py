@@ -249,6 +249,15 @@ def test_tune_step_refines_only_when_asked_and_reports_it():
     assert f"in-step refinement: 0 of {len(report.refinements)} picks replaced" in report.summary()
 
 
+def test_tune_step_says_when_it_cannot_refine(caplog):
+    model = load_model("tiny")
+    step = DecodeStep(model, KVCache(model.config, 1, 32), tuner=last_wins_tuner())
+    with caplog.at_level("WARNING", logger="graphtune.engine.tuning"):
+        report = tune_step(step, check_fused=False, refine=True)  # the CPU: no step timer
+    assert report.refinements == []
+    assert any("skipped the in-step refinement" in r.getMessage() for r in caplog.records)
+
+
 def test_refinement_rejects_bad_settings_and_steps_it_cannot_race():
     step, _ = _tuned_step(batch=1)
     with pytest.raises(ConfigError, match="rivals >= 1"):

@@ -264,6 +264,11 @@ def tune_step(
     if refine and step.model.parallel is None and (cuda or step_timer is not None):
         timer = step_timer if step_timer is not None else resolve_timer("graph", step.model.device)
         report.refinements = refine_in_step(step, timer, buckets=report.buckets, log=log)
+    elif refine:
+        logger.warning(
+            "tune_step(refine=True) skipped the in-step refinement: it needs a single-process "
+            "step and a step timer (CUDA, or step_timer=...); the per-op picks stand"
+        )
     if cuda:
         torch.cuda.synchronize(step.model.device)
     report.seconds = time.perf_counter() - started

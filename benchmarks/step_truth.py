@@ -57,10 +57,14 @@ from _tuning_scores import spearman  # noqa: E402
 
 from graphtune import bench  # noqa: E402
 from graphtune.autotuner import AutoTuner  # noqa: E402
-from graphtune.autotuner.profiles import profile_for  # noqa: E402
 from graphtune.bench.cupti_graph import graph_calls_for  # noqa: E402
 from graphtune.bench.cupti_sweep import cupti_graph_sweep  # noqa: E402
 from graphtune.bench.graphs import capture_calls, capture_stream, release  # noqa: E402
+from graphtune.engine.step_refine import (  # noqa: E402
+    profile_record,
+    refine_in_step,
+    refine_inputs,
+)
 
 logger = logging.getLogger("benchmarks.step_truth")
 
@@ -139,7 +143,6 @@ def refine_ab(step: Any, tuner: AutoTuner, batches: list[int], args: argparse.Na
     """The step as tuned against the step after ``refine_in_step`` at ``batches``, each graph
     captured in this process and replayed side by side; the refinement's own time and rows."""
     from graphtune.autotuner.timing import resolve_timer
-    from graphtune.engine.step_refine import refine_in_step, refine_inputs
 
     def runner(batch: int) -> Callable[[], None]:
         inputs = refine_inputs(step, batch)
@@ -172,15 +175,6 @@ def _copied(inputs: Sequence[Any]) -> list[Any]:
     return [x.clone() if isinstance(x, torch.Tensor) else x for x in inputs]
 
 
-def _history_record(tuner: AutoTuner, call: Any) -> Any:
-    profile = profile_for(call.config, list(call.inputs))
-    if profile is None:
-        return None
-    text = profile.describe()
-    found = [r for r in tuner.history if r.op == call.op and r.profile == text]
-    return found[-1] if found else None
-
-
 def profile_rows(
     step: Any, tuner: AutoTuner, batch: int, args: argparse.Namespace
 ) -> list[dict[str, Any]]:
@@ -202,7 +196,7 @@ def profile_rows(
     wanted = [s for s in args.ops.split(",") if s]
     rows = []
     for key, (call, entry, count) in keys.items():
-        record = _history_record(tuner, call)
+        record = profile_record(tuner, call)
         if wanted and not any(w in call.op for w in wanted) or record is None:
             continue
         cands = [c for c in record.candidates if c.failed is None and math.isfinite(c.median_us)]

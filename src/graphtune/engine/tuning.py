@@ -257,12 +257,13 @@ def tune_step(
         tuner.tuning_mode = previous
         close_compile_workers()
     cuda = step.model.device.type == "cuda"
-    checkable = check_fused and step.ops.fused and step.model.parallel is None
-    if checkable and (cuda or step_timer is not None):
+    # The whole-step passes time a single-process step, on CUDA or with a given step timer.
+    timer = None
+    if step.model.parallel is None and (cuda or step_timer is not None):
         timer = step_timer if step_timer is not None else resolve_timer("graph", step.model.device)
+    if timer is not None and check_fused and step.ops.fused:
         report.fusion_checks = check_fusion(step, timer, buckets=report.buckets, log=log)
-    if refine and step.model.parallel is None and (cuda or step_timer is not None):
-        timer = step_timer if step_timer is not None else resolve_timer("graph", step.model.device)
+    if timer is not None and refine:
         report.refinements = refine_in_step(step, timer, buckets=report.buckets, log=log)
     elif refine:
         logger.warning(

@@ -6,6 +6,7 @@ Usage (on a GPU machine, from the repository root):
     PYTHONPATH=src python3 benchmarks/tuning_time.py --out benchmarks/results
         [--model llama-1b-shape] [--max-batch 128] [--max-seq-len 2048] [--commit SHA]
         [--tune-step MODULE:FUNCTION] [--keep-caches DIR] [--profile DIR]
+        [--cold-bytecode installed|empty]
 
 Every phase runs in a fresh process, so nothing survives in memory between them:
 
@@ -26,9 +27,15 @@ Every phase runs in a fresh process, so nothing survives in memory between them:
    (``compile_workers``): when the last worker was ready, when the compile jobs ran, and their
    seconds per kernel, all from the start of the tuning call.
    Python's bytecode cache is a folder of the run (``PYTHONPYCACHEPREFIX``, with bytecode
-   writing on) and starts empty too: on a machine whose installed packages carry no ``.pyc``
-   files and cannot take them, every process compiles every module it imports from source, in
-   the warm phase too, where a normal installation has its bytecode.
+   writing on): on a machine whose installed packages carry no ``.pyc`` files and cannot take
+   them, every process would compile every module it imports from source, in every phase, where
+   a normal installation (``pip install`` writes the ``.pyc`` files) has its bytecode. With
+   ``--cold-bytecode installed`` (the default) a first cold run with its own throwaway tuning and
+   Triton caches fills that folder, so the cold phase then starts as on a fresh installation:
+   no tuning cache, an empty Triton cache, the bytecode present. That first run is the cold run
+   with an empty bytecode cache too, and is reported as ``cold_empty_bytecode``. With
+   ``--cold-bytecode empty`` there is no first run and the cold phase starts with the folder
+   empty (how runs before this option measured).
 2. ``warm``: the same Triton cache folder and the tuning cache file the cold run saved; the same
    call must tune nothing (``tune_s`` is loading the file, Triton loading its cached binaries and
    the look-ups), with the bytecode the cold phase's imports wrote. A second call shows the
@@ -237,8 +244,10 @@ def write_profile(profiler: cProfile.Profile, stem: Path, top: int = 40) -> None
 
 
 def run_phase(
-    phase: str, args: argparse.Namespace, triton_cache: Path, bytecode: Path
+    phase: str, args: argparse.Namespace, triton_cache: Path, bytecode: Path, cache: Path
 ) -> dict[str, Any]:
+    """Runs one phase in a fresh process with these caches (``cache``: the tuning cache file);
+    returns what the child measured."""
     env = {
         **os.environ,
         "TRITON_CACHE_DIR": str(triton_cache),
@@ -255,7 +264,7 @@ def run_phase(
         "--child",
         phase,
         "--cache",
-        str(args.cache),
+        str(cache),
         "--model",
         args.model,
         "--max-batch",
@@ -302,6 +311,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "(top functions) to DIR; the profiler slows the Python parts, so take the times from a "
         "run without it",
     )
+    parser.add_argument(
+        "--cold-bytecode",
+        choices=("installed", "empty"),
+        default="installed",
+        help="Python bytecode at the cold phase's start: 'installed' (a first, throwaway cold run "
+        "writes it, as pip install would; reported as cold_empty_bytecode) or 'empty'",
+    )
     parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: tests only
     parser.add_argument("--child", choices=("cold", "warm"), help=argparse.SUPPRESS)
     parser.add_argument("--cache", type=Path, default=None, help=argparse.SUPPRESS)
@@ -322,12 +338,19 @@ def main(argv: list[str] | None = None) -> int:
             folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="graphtune-tt-")))
         else:
             folder = args.keep_caches
-        args.cache = folder / "tuning-cache.json"
+        cache = folder / "tuning-cache.json"
         triton_cache = folder / "triton-cache"
         triton_cache.mkdir(parents=True, exist_ok=False)  # the cold phase needs it empty
         bytecode = folder / "bytecode"  # see the module docstring
-        cold = run_phase("cold", args, triton_cache, bytecode)
-        warm = run_phase("warm", args, triton_cache, bytecode)
+        empty_bytecode = None
+        if args.cold_bytecode == "installed":
+            scratch = folder / "bytecode-run"
+            (scratch / "triton-cache").mkdir(parents=True, exist_ok=False)
+            empty_bytecode = run_phase(
+                "cold", args, scratch / "triton-cache", bytecode, scratch / "tuning-cache.json"
+            )
+        cold = run_phase("cold", args, triton_cache, bytecode, cache)
+        warm = run_phase("warm", args, triton_cache, bytecode, cache)
     checks = {
         "cold_tune_s_le": cold["tune_s"] <= TARGETS["cold_tune_s_le"],
         "warm_tune_s_le": warm["tune_s"] <= TARGETS["warm_tune_s_le"],
@@ -350,9 +373,16 @@ def main(argv: list[str] | None = None) -> int:
                 "prepare": not args.no_prepare,
                 "compile_processes": args.compile_processes,
                 "profiled": args.profile is not None,
-                "bytecode_cache": "PYTHONPYCACHEPREFIX of the run, empty in the cold phase",
+                "cold_bytecode": args.cold_bytecode,
+                "bytecode_cache": "PYTHONPYCACHEPREFIX of the run, "
+                + (
+                    "written by a first cold run before the cold phase"
+                    if empty_bytecode is not None
+                    else "empty in the cold phase"
+                ),
             },
             "cold": cold,
+            "cold_empty_bytecode": empty_bytecode,
             "warm": warm,
             "targets": TARGETS,
             "checks": checks,
@@ -405,6 +435,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'cold, compile jobs by kernel':38} {'jobs':>9} {'job s':>10}")
         for name, row in workers["by_kernel"].items():
             print(f"{name:38} {row['jobs']:9d} {row['seconds']:10.2f}")
+    if empty_bytecode is not None:
+        print(
+            f"cold run with an empty bytecode cache first: tune_s {empty_bytecode['tune_s']:.3f}, "
+            f"import_s {empty_bytecode['import_s']:.3f}"
+        )
     print(f"{'':38} {'cold':>10} {'warm':>10}")
     for label, a, b in rows:
         fa = f"{a:10.3f}" if isinstance(a, float) else f"{a!s:>10}"

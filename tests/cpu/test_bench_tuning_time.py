@@ -6,34 +6,41 @@ on the CPU the ops offer their torch paths and nothing slow is interpreted).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _phase(phase: str, cache: Path, *extra: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT / "src")
+def _tuning_time():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import tuning_time
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return tuning_time
+
+
+def _phase(phase: str, folder: Path, monkeypatch, *extra: str) -> dict:
+    """One phase through the script's own ``run_phase`` (the environment it gives the child)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("PYTHONPATH", str(ROOT / "src"))
+    tuning_time = _tuning_time()
     argv = ["--model", "tiny", "--max-batch", "2", "--max-seq-len", "32", "--device", "cpu"]
-    argv += list(extra)
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks/tuning_time.py"), *argv, "--child", phase,
-         "--cache", str(cache)],
-        env=env, capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    args = tuning_time.parse_args(argv + list(extra))
+    (folder / "triton").mkdir(exist_ok=True)
+    return tuning_time.run_phase(
+        phase, args, folder / "triton", folder / "bytecode", folder / "cache.json"
+    )
 
 
-def test_cold_then_warm_phase_on_the_tiny_model(tmp_path) -> None:
-    cache = tmp_path / "cache.json"
-    cold = _phase("cold", cache)
+def test_cold_then_warm_phase_on_the_tiny_model(tmp_path, monkeypatch) -> None:
+    cold = _phase("cold", tmp_path, monkeypatch)
     assert cold["op_calls"] > 0 and cold["profiles_tuned"] + cold["untimed_picks"] > 0
-    assert cold["fallbacks"] == {} and cache.exists()
+    assert cold["fallbacks"] == {} and (tmp_path / "cache.json").exists()
+    # The phase's bytecode goes to the run's folder, which the next phase (and, with
+    # --cold-bytecode installed, the cold phase after a first run) starts from.
+    assert any((tmp_path / "bytecode").rglob("*.pyc"))
     assert set(cold["phase_seconds"]) <= {"inputs", "tactics", "prepare", "measure", "select"}
     # Per op: the tuned profiles add up to the history's, and each row is filled in.
     rows = cold["by_op"].values()
@@ -42,7 +49,7 @@ def test_cold_then_warm_phase_on_the_tiny_model(tmp_path) -> None:
     by_runner = cold["compile_by_runner"].values()
     assert sum(row["binaries"] for row in by_runner) == cold["compiled_binaries"]
     assert cold["compile_workers"] is None  # the CPU compiles nothing in worker processes
-    warm = _phase("warm", cache, "--profile", str(tmp_path / "prof"))
+    warm = _phase("warm", tmp_path, monkeypatch, "--profile", str(tmp_path / "prof"))
     # The profile of the warm phase: the pstats file and the text top list, with the tuning call.
     listed = (tmp_path / "prof" / "tuning-warm.txt").read_text()
     assert "tottime" in listed and "cumulative" in listed and "tune_decode_step" in listed
@@ -55,11 +62,7 @@ def test_cold_then_warm_phase_on_the_tiny_model(tmp_path) -> None:
 
 
 def test_the_compile_workers_side_is_summed_from_their_job_log() -> None:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import tuning_time
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    tuning_time = _tuning_time()
     from graphtune._compile_worker import JobResult
 
     start = 100.0

@@ -19,11 +19,7 @@ The contract a ``USE_PDL`` kernel keeps (every Triton kernel of a decode step do
 
 * before ``gdc_wait()`` it reads only what no kernel of the step writes (weights, norm weights,
   RoPE tables) and writes nothing; after it, anything. So a read-after-write (activations) and a
-  write-after-read (an in-place residual update of a tensor the predecessor reads) are both safe.
-  One exception, where a kernel's predecessor is fixed: the fused-MoE down GEMV always follows
-  its gate/up GEMV, which waits before it triggers, so the down kernel also reads what the
-  kernel before the gate/up kernel wrote (the routing) before its wait
-  (``graphtune.ops.moe._gemv_kernels``);
+  write-after-read (an in-place residual update of a tensor the predecessor reads) are both safe;
 * every program calls ``gdc_wait()`` unconditionally (no early exit before it), so a kernel's
   completion implies its predecessor's, and waiting on the immediate predecessor is enough to
   order a kernel after every earlier one;

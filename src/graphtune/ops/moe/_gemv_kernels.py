@@ -23,14 +23,10 @@ grouped path's in its last bit).
 A slot whose expert id is outside ``[0, E)`` adds nothing and its ``act`` row is never written
 nor read.
 
-PDL (``graphtune.ops._pdl``): the weights these kernels read depend on the routing. The gate/up
-kernel's predecessor computes it, so that kernel loads nothing before ``gdc_wait()``. The down
-kernel's predecessor is always the gate/up kernel, which waits before it triggers: when a down
-program starts, the kernel that wrote the routing has completed. So the down kernel reads the
-expert ids, the routing weights and its first weight chunk before its wait (through L2, ``.cg``),
-and only the gate/up output after it. Both let the successor launch right after their wait.
-As in ``graphtune.ops.gemm._gemv_kernels``, the reduction over ``K`` is written without helper
-``@triton.jit`` calls (the interpreter pays for each nested call).
+PDL (``graphtune.ops._pdl``): the weights these kernels read depend on the routing, which the
+step computes just before, so nothing is loaded before ``gdc_wait()``; the successor may launch
+right after it. As in ``graphtune.ops.gemm._gemv_kernels``, the reduction over ``K`` is written
+without helper ``@triton.jit`` calls (the interpreter pays for each nested call).
 """
 
 from __future__ import annotations
@@ -162,16 +158,16 @@ def moe_gemv_down_kernel(
     grid_n = (N + BLOCK_F - 1) // BLOCK_F
     token = (pid // grid_n).to(tl.int64)
     pid_n = pid % grid_n
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     rows = tl.arange(0, BLOCK_S * BLOCK_F)
     slot = rows // BLOCK_F
     offs_n = pid_n * BLOCK_F + rows % BLOCK_F
     n_safe = tl.minimum(offs_n, N - 1).to(tl.int64)
     pair = token * TOP_K + slot
-    # Written two kernels back (module docstring): read before the wait, from L2.
-    expert = tl.load(ids_ptr + pair, mask=slot < TOP_K, other=-1, cache_modifier=".cg")
-    expert = expert.to(tl.int64)
+    expert = tl.load(ids_ptr + pair, mask=slot < TOP_K, other=-1).to(tl.int64)
     routed = (slot < TOP_K) & (expert >= 0) & (expert < E)
-    weight = tl.load(route_ptr + pair, mask=routed, other=0.0, cache_modifier=".cg")
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = (
         w_ptr
@@ -183,9 +179,6 @@ def moe_gemv_down_kernel(
         w_next = tl.load(w_ptrs)
     else:
         w_next = tl.load(w_ptrs, mask=(offs_k < K)[None, :], other=0.0)
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()  # the gate/up output (act) comes from the kernel before
-        tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros((BLOCK_S * BLOCK_F,), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         w = w_next.to(tl.float32)
@@ -195,7 +188,8 @@ def moe_gemv_down_kernel(
         a = tl.load(a_ptrs + k * stride_ak, mask=here, other=0.0).to(tl.float32)
         acc += tl.sum(w * a, axis=1)
     dtype = out_ptr.dtype.element_ty
-    y = (acc.to(dtype).to(tl.float32) * weight.to(tl.float32)).to(dtype).to(tl.float32)
+    weight = tl.load(route_ptr + pair, mask=routed, other=0.0).to(tl.float32)
+    y = (acc.to(dtype).to(tl.float32) * weight).to(dtype).to(tl.float32)
     total = tl.sum(tl.reshape(tl.where(routed, y, 0.0), (BLOCK_S, BLOCK_F)), axis=0)
     cols = pid_n * BLOCK_F + tl.arange(0, BLOCK_F)
     out_ptrs = out_ptr + token * stride_om + cols * stride_on

@@ -246,7 +246,7 @@ class Ahead(Cost):
         self.name, self.log, self.background = name, log, background
 
     def prepare_ahead(self, work: Any) -> bool:
-        self.log.append(("ahead", self.name, tuple(inputs[0].shape[0] for inputs, _ in work)))
+        self.log.append(("ahead", self.name, len(work)))
         return self.background
 
     def prepare_all(self, work: Any) -> None:
@@ -278,7 +278,7 @@ class NoAheadMethod:
         return ()
 
 
-def test_prepare_ahead_hands_calls_off_bucket_by_bucket_and_prepares_the_rest_up_front() -> None:
+def test_prepare_ahead_hands_calls_off_in_order_and_prepares_the_rest_up_front() -> None:
     log: list = []
     first, second = Ahead("first", log, True), Ahead("second", log, True)
     stays = Ahead("stays", log, False)
@@ -291,15 +291,10 @@ def test_prepare_ahead_hands_calls_off_bucket_by_bucket_and_prepares_the_rest_up
         recorder.choose_one("op-other", [other], CONFIG, [x])
     tuner = AutoTuner(show_progress=False)
     prepared = tuner.prepare(calls, ahead=True)
-    # Two buckets per op, handed off as a step run at each bucket in turn tunes them: every
-    # call's first bucket in the order of the calls, then every call's second; a runner that
-    # starts nothing so, or cannot, is prepared up front (after the hand-offs).
-    small, large = (1,), (4,)
-    assert log[:6] == [
-        *(("ahead", name, small) for name in ("second", "first", "stays")),
-        *(("ahead", name, large) for name in ("second", "first", "stays")),
-    ]
-    assert sorted(log[6:]) == [("up front", "other", 2), ("up front", "stays", 2)]
+    # Two buckets per op: each call hands off its two profiles, in the order of the calls;
+    # a runner that starts nothing so, or cannot, is prepared up front (after the hand-offs).
+    assert log[:3] == [("ahead", "second", 2), ("ahead", "first", 2), ("ahead", "stays", 2)]
+    assert sorted(log[3:]) == [("up front", "other", 2), ("up front", "stays", 2)]
     assert prepared == 3 * 2 * 5 + 2 * 2  # every (profile, tactic): 3 Cost ops, the other
     log.clear()
     assert tuner.prepare(calls) > 0 and ("ahead", "first", 2) not in log  # off by default

@@ -132,16 +132,6 @@ def generate_profiles(config: TuningConfig, inputs: Sequence[Any]) -> list[Profi
     return profiles
 
 
-def bucket_sizes(config: TuningConfig, profile: Profile) -> tuple[int, ...]:
-    """The profile's size along each of ``config``'s dynamic dimensions (its bucket), in spec
-    order."""
-    sizes = []
-    for spec in config.dynamic_specs:
-        shape = profile.shapes[spec.input_idx]
-        sizes.append(int(shape[spec.dim_idx]) if shape is not None else 0)
-    return tuple(sizes)
-
-
 def synthesize_inputs(
     config: TuningConfig,
     live_inputs: Sequence[Any],

@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
@@ -40,13 +41,7 @@ from graphtune.autotuner.runner import FALLBACK_TACTIC, TunableRunner
 from graphtune.autotuner.selection import ProfileRecord
 from graphtune.autotuner.stats import TunerStats
 from graphtune.autotuner.timing.base import Timer
-from graphtune.autotuner.tuning import (
-    FailureLog,
-    ProfileOutcome,
-    TuningRun,
-    prepare_in_threads,
-    work_by_bucket,
-)
+from graphtune.autotuner.tuning import FailureLog, ProfileOutcome, TuningRun
 from graphtune.autotuner.values import canonical_text, identity_value
 from graphtune.autotuner.worker import SubprocessExecutor
 from graphtune.errors import ConfigError
@@ -261,26 +256,28 @@ class AutoTuner:
 
         Args:
             calls: For example the op calls of one untuned step (``record_calls()``), in the
-                order a run at one bucket tunes them.
-            ahead: Start each runner's work in the background instead (``prepare_ahead``) and
-                return at once, handing it over bucket by bucket (each profile's dynamic sizes
-                ascending, in the order of ``calls`` within a bucket: how a step run at each
-                bucket in turn tunes them), so each op's tuning waits only for its own tactics
-                while the later buckets' are still being prepared. A runner that starts nothing
-                so (or has no ``prepare_ahead``) is prepared up front.
+                order they will be tuned.
+            ahead: Start each runner's work in the background instead (``prepare_ahead``, in
+                the order of ``calls``) and return at once: each op's tuning then waits only
+                for its own tactics while the rest is still being prepared. A runner that
+                starts nothing so (or has no ``prepare_ahead``) is prepared up front.
         """
         if self.isolation.mode != "inprocess":
             return 0
-        pairs, start = 0, self._clock()
-        profiles = resolved_calls.distinct_profiles(self._resolve(c) for c in calls)
         work: dict[int, tuple[TunableRunner, list[tuple[list[Any], list[Any]]]]] = {}
-        for runner, items in work_by_bucket([self._tuning_run(r) for r in profiles]):
-            pairs += sum(len(tactics) for _, tactics in items)
-            prepare_ahead = getattr(runner, "prepare_ahead", None)  # another base class
-            if ahead and prepare_ahead is not None and prepare_ahead(items):
-                continue
-            work.setdefault(id(runner), (runner, []))[1].extend(items)
-        prepare_in_threads(list(work.values()))
+        pairs, start = 0, self._clock()
+        for resolved in resolved_calls.distinct_profiles(self._resolve(c) for c in calls):
+            run = self._tuning_run(resolved)
+            for runner, items in run.prepare_work(run.plan(local=True)):
+                pairs += sum(len(tactics) for _, tactics in items)
+                prepare_ahead = getattr(runner, "prepare_ahead", None)  # another base class
+                if ahead and prepare_ahead is not None and prepare_ahead(items):
+                    continue
+                work.setdefault(id(runner), (runner, []))[1].extend(items)
+        if work:
+            threads = ThreadPoolExecutor(len(work), thread_name_prefix="graphtune-prep")
+            with threads as ex:
+                list(ex.map(_prepare_one, work.values()))
         phases = self.stats.phase_seconds
         phases["prepare"] = phases.get("prepare", 0.0) + self._clock() - start
         return pairs
@@ -492,3 +489,12 @@ class AutoTuner:
         winner = f"{short_runner_name(entry.runner_id)} tactic={tactic_text(entry.tactic)}"
         row = (op, outcome.profile.describe(), winner, entry.time_us, entry.fallback_us)
         self._summary.append((*row, entry.speedup))
+
+
+def _prepare_one(entry: tuple[TunableRunner, list[Any]]) -> None:
+    """``prepare_all`` of one runner (in a thread of :meth:`AutoTuner.prepare`)."""
+    runner, items = entry
+    try:
+        runner.prepare_all(items)
+    except Exception as exc:  # advisory: the tuning run prepares each tactic again
+        logger.warning("%s.prepare_all failed: %s", type(runner).__qualname__, exc)

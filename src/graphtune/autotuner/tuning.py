@@ -26,8 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,7 +42,6 @@ from graphtune.autotuner.isolation import Executor, TacticFailure
 from graphtune.autotuner.policy import TuningPolicy
 from graphtune.autotuner.profiles import (
     Profile,
-    bucket_sizes,
     generate_profiles,
     input_sets,
     static_inputs_memo,
@@ -462,34 +460,3 @@ class TuningRun:
                 "so a restarted process skips it. Tune with AutoTuner(isolation='subprocess') to "
                 "survive such tactics without restarting."
             )
-
-
-def work_by_bucket(
-    runs: Sequence[TuningRun],
-) -> list[tuple[TunableRunner, list[tuple[list[Any], list[Any]]]]]:
-    """Each run's ``prepare_work``, one missing profile at a time, bucket by bucket: sorted by the
-    profile's dynamic sizes (``bucket_sizes``), then by the run's place in ``runs`` (how a step
-    run at each bucket in turn tunes its ops)."""
-    ordered = []
-    for order, run in enumerate(runs):
-        for plan in run.plan(local=True):
-            bucket = bucket_sizes(run.config, plan.profile)
-            ordered += [(bucket, order, r, items) for r, items in run.prepare_work([plan])]
-    ordered.sort(key=lambda entry: entry[:2])
-    return [(runner, items) for _, _, runner, items in ordered]
-
-
-def prepare_in_threads(work: Sequence[tuple[TunableRunner, list[Any]]]) -> None:
-    """``prepare_all`` of each ``(runner, items)``, the runners in parallel threads; a failure is
-    logged (advisory: the tuning run prepares each tactic again)."""
-
-    def prepare_one(entry: tuple[TunableRunner, list[Any]]) -> None:
-        runner, items = entry
-        try:
-            runner.prepare_all(items)
-        except Exception as exc:  # advisory: the tuning run prepares each tactic again
-            logger.warning("%s.prepare_all failed: %s", type(runner).__qualname__, exc)
-
-    if work:
-        with ThreadPoolExecutor(len(work), thread_name_prefix="graphtune-prep") as ex:
-            list(ex.map(prepare_one, work))

@@ -10,8 +10,8 @@ Before that, :func:`record_step_calls` runs the step once at its largest batch w
 (``AutoTuner.record_calls(dry_run=True)``: nothing is timed or counted) and ``AutoTuner.prepare``
 hands the Triton tactics of every missing profile of those calls to the compile worker processes
 at once (``ahead=True``; see ``graphtune.ops._compile_pool``), in the order the passes below tune
-them (each pass's calls bucket by bucket): each op's tuning then waits only for its own binaries,
-and the workers compile the later buckets' while the earlier ones are timed. When no profile of
+them: each op's tuning then waits only for its own binaries, and the workers compile the later
+ops' while the earlier ones are timed. When no profile of
 those calls, nor of the unfused step's calls, is missing at any bucket (a restart with the cache
 file), the bucket runs below would tune nothing and are skipped (single-process steps only).
 
@@ -242,9 +242,7 @@ def tune_step(
                     # An op with no pick at all: the workers' start overlaps the planning
                     # (otherwise they start when a batch needs them).
                     start_compile_workers()
-                # One hand-over per pass below, each bucket by bucket as the pass tunes.
-                for group in _in_tuning_order(calls):
-                    report.prepared += tuner.prepare(group, ahead=True)
+                report.prepared = tuner.prepare(_in_tuning_order(calls), ahead=True)
                 report.prepare_seconds = time.perf_counter() - started
             tuner.tuning_mode = True
             passes = [("single ops", step.ops.unfused())]
@@ -363,14 +361,10 @@ def _step_us(step: DecodeStep, timer: Timer, ops: Any, args: tuple[torch.Tensor,
         return float(timer.measure(run, warmup=2, repeat=2).median_us)
 
 
-def _in_tuning_order(calls: list[OpCall]) -> tuple[list[OpCall], list[OpCall]]:
-    """The single ops' calls, then the fused ops' (runner 0 is their unfused sequence), each in
-    step order: what the two bucket passes of :func:`tune_step` tune, in their order."""
-    fused = [bool(c.runners) and isinstance(c.runners[0], UnfusedRunner) for c in calls]
-    return (
-        [c for c, f in zip(calls, fused, strict=True) if not f],
-        [c for c, f in zip(calls, fused, strict=True) if f],
-    )
+def _in_tuning_order(calls: list[OpCall]) -> list[OpCall]:
+    """The single ops' calls first, then the fused ops' (runner 0 is their unfused sequence),
+    each in step order: the order the two bucket passes of :func:`tune_step` tune them in."""
+    return sorted(calls, key=lambda c: bool(c.runners) and isinstance(c.runners[0], UnfusedRunner))
 
 
 def _fused_pick(tuner: Any, call: OpCall) -> tuple[Any, Any] | None:

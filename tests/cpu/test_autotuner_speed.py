@@ -246,7 +246,7 @@ class Ahead(Cost):
         self.name, self.log, self.background = name, log, background
 
     def prepare_ahead(self, work: Any) -> bool:
-        self.log.append(("ahead", self.name, tuple(inputs[0].shape[0] for inputs, _ in work)))
+        self.log.append(("ahead", self.name, len(work)))
         return self.background
 
     def prepare_all(self, work: Any) -> None:
@@ -254,37 +254,6 @@ class Ahead(Cost):
 
     def cache_key_extras(self) -> tuple:
         return (self.name,)
-
-
-class Timed(Ahead):
-    """An :class:`Ahead` runner whose calls are logged with their rows (its bucket)."""
-
-    def forward(self, inputs: list, *, tactic: Any = -1, **kwargs: Any) -> Any:
-        self.log.append(("call", self.name, inputs[0].shape[0]))
-        return super().forward(inputs, tactic=tactic, **kwargs)
-
-
-def test_a_tuning_run_waits_for_each_profiles_preparation_just_before_timing_it() -> None:
-    log: list = []
-    background, batch = Timed("background", log, True), Timed("batch", log, False)
-    tuner = AutoTuner(FakeSessionTimer(), show_progress=False)
-    with autotune(None, tuner):
-        tuner.choose_one("op", [background], CONFIG, [torch.zeros(4, 2)])
-        tuner.choose_one("other", [batch], CONFIG, [torch.zeros(4, 2)])
-    first_call = {
-        (name, rows): log.index(("call", name, rows)) for name in ("background", "batch")
-        for rows in (1, 4)
-    }  # fmt: skip
-    # Started in the background, every profile in tuning order; then each profile's
-    # prepare_all (one profile) runs after the previous profile's timing, before its own.
-    ahead = [e for e in log if e[0] == "ahead" and e[1] == "background"]
-    assert ahead == [("ahead", "background", (1,)), ("ahead", "background", (4,))]
-    waits = [i for i, e in enumerate(log) if e == ("up front", "background", 1)]
-    assert len(waits) == 2
-    assert waits[0] < first_call["background", 1] < waits[1] < first_call["background", 4]
-    # A runner that starts nothing in the background prepares both profiles up front, at once.
-    assert log.count(("up front", "batch", 2)) == 1
-    assert log.index(("up front", "batch", 2)) < first_call["batch", 1]
 
 
 class NoAheadMethod:
@@ -322,13 +291,10 @@ def test_prepare_ahead_hands_calls_off_in_order_and_prepares_the_rest_up_front()
         recorder.choose_one("op-other", [other], CONFIG, [x])
     tuner = AutoTuner(show_progress=False)
     prepared = tuner.prepare(calls, ahead=True)
-    # Two buckets per op: each call hands off its two profiles one by one, in the order the
-    # call's tuning run times them, the calls in order; a runner that starts nothing so, or
-    # cannot, is prepared up front (after the hand-offs).
-    assert log[:6] == [
-        ("ahead", name, (rows,)) for name in ("second", "first", "stays") for rows in (1, 4)
-    ]
-    assert sorted(log[6:]) == [("up front", "other", 2), ("up front", "stays", 2)]
+    # Two buckets per op: each call hands off its two profiles, in the order of the calls;
+    # a runner that starts nothing so, or cannot, is prepared up front (after the hand-offs).
+    assert log[:3] == [("ahead", "second", 2), ("ahead", "first", 2), ("ahead", "stays", 2)]
+    assert sorted(log[3:]) == [("up front", "other", 2), ("up front", "stays", 2)]
     assert prepared == 3 * 2 * 5 + 2 * 2  # every (profile, tactic): 3 Cost ops, the other
     log.clear()
     assert tuner.prepare(calls) > 0 and ("ahead", "first", 2) not in log  # off by default

@@ -212,11 +212,6 @@ class Executor(Protocol):
         """Runs ``runner.prepare_all(work)`` where the tactics will be timed (untimed)."""
         ...
 
-    def prepare_ahead(self, runner: Any, work: Sequence[tuple[list[Any], Sequence[Any]]]) -> bool:
-        """Starts ``runner.prepare_ahead(work)`` where the tactics will be timed; whether it
-        started anything (then :meth:`prepare_all` of the same work finishes it)."""
-        ...
-
     def prepare(self, runner_index: int, runner: Any, tactic: Any) -> None:
         """Runs ``runner.prepare`` on the first input set (untimed)."""
         ...
@@ -313,16 +308,6 @@ class InProcessExecutor:
             runner.prepare_all(work)
         except Exception as exc:  # the runner's own error: data, after cleaning up
             raise self._failure(exc) from None
-
-    def prepare_ahead(self, runner: Any, work: Sequence[tuple[list[Any], Sequence[Any]]]) -> bool:
-        """Runs ``runner.prepare_ahead`` when the runner has one; ``False`` when it has none
-        or it fails (its ``prepare_all`` then reports the error)."""
-        start = getattr(runner, "prepare_ahead", None)  # a runner of another base class
-        try:
-            return bool(start(work)) if start is not None else False
-        except Exception as exc:  # advisory: prepare_all does the work and raises its error
-            logger.debug("%s.prepare_ahead failed: %s", type(runner).__qualname__, exc)
-            return False
 
     def prepare(self, runner_index: int, runner: Any, tactic: Any) -> None:
         """Runs ``runner.prepare`` (untimed); raises :class:`TacticFailure`."""

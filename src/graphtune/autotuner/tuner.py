@@ -258,9 +258,9 @@ class AutoTuner:
             calls: For example the op calls of one untuned step (``record_calls()``), in the
                 order they will be tuned.
             ahead: Start each runner's work in the background instead (``prepare_ahead``, in
-                the order of ``calls``, each op's buckets in turn) and return at once: each
-                profile's tuning then waits only for its own tactics. A runner that starts
-                nothing so (or has no ``prepare_ahead``) is prepared up front.
+                the order of ``calls``) and return at once: each op's tuning then waits only
+                for its own tactics while the rest is still being prepared. A runner that
+                starts nothing so (or has no ``prepare_ahead``) is prepared up front.
         """
         if self.isolation.mode != "inprocess":
             return 0
@@ -268,7 +268,7 @@ class AutoTuner:
         pairs, start = 0, self._clock()
         for resolved in resolved_calls.distinct_profiles(self._resolve(c) for c in calls):
             run = self._tuning_run(resolved)
-            for runner, items in run.work_by_profile(run.plan(local=True)):
+            for runner, items in run.prepare_work(run.plan(local=True)):
                 pairs += sum(len(tactics) for _, tactics in items)
                 prepare_ahead = getattr(runner, "prepare_ahead", None)  # another base class
                 if ahead and prepare_ahead is not None and prepare_ahead(items):

@@ -181,31 +181,16 @@ class TuningRun:
             seconds[name] = seconds.get(name, 0.0) + self.clock() - start
 
     def run(self) -> int:
-        """Tunes the missing profiles; returns how many were decided.
-
-        Every profile's preparation is handed to the runners first, in tuning order; a runner
-        that starts it in the background (``prepare_ahead``: Triton's compile workers) is then
-        waited for one profile at a time, just before that profile is timed, so the later
-        profiles' binaries compile while the earlier ones are timed. The other runners prepare
-        every profile up front (``prepare_all``), as one batch.
-        """
+        """Tunes the missing profiles; returns how many were decided."""
         start = self.clock()
         plans = self.plan()
         with self._phase("prepare"):
-            ahead = {
-                id(runner)
-                for runner, items in self.work_by_profile(plans)
-                if self.executor.prepare_ahead(runner, items)
-            }
-            self._prepare_all(plans, lambda runner: id(runner) not in ahead)
+            self._prepare_all(plans)
         total = sum(len(p.candidates) for p in plans) * self.policy.rounds
         starts = self.executor.starts
         try:
             with progress(f"tuning {self.op}", total, enabled=self.show_progress) as bar:
                 for plan in plans:
-                    if ahead:
-                        with self._phase("prepare"):
-                            self._prepare_all([plan], lambda runner: id(runner) in ahead)
                     self.on_profile(self._tune_profile(plan, bar))
         finally:
             self.executor.end()
@@ -285,19 +270,8 @@ class TuningRun:
                 candidates.append(Candidate(ri, runner, ti, tactic))
         return candidates
 
-    def work_by_profile(
-        self, plans: list[_Plan]
-    ) -> list[tuple[TunableRunner, list[tuple[list[Any], list[Any]]]]]:
-        """:meth:`prepare_work` of one profile at a time, in the order of ``plans`` (the order
-        they are tuned in)."""
-        return [entry for plan in plans for entry in self.prepare_work([plan])]
-
-    def _prepare_all(
-        self, plans: list[_Plan], chosen: Callable[[TunableRunner], bool] = lambda _: True
-    ) -> None:
+    def _prepare_all(self, plans: list[_Plan]) -> None:
         for runner, work in self.prepare_work(plans):
-            if not chosen(runner):
-                continue
             try:
                 self.executor.prepare_all(runner, work)
             except TacticFailure as failure:  # each tactic's own prepare reports it again

@@ -116,10 +116,6 @@ class SubprocessExecutor:
         """Nothing: the worker prepares each tactic on its own, where it is timed."""
         return None
 
-    def prepare_ahead(self, runner: Any, work: Sequence[tuple[list[Any], Sequence[Any]]]) -> bool:
-        """Nothing (``False``): the worker prepares each tactic on its own."""
-        return False
-
     def end(self) -> None:
         """Nothing to release per profile (the worker keeps nothing between measurements)."""
         return None

@@ -106,7 +106,6 @@ class TritonRunner(TunableRunner):
         self._planned: dict[tuple[Any, ...], list[Any]] = {}
         self._compile_errors: dict[tuple[tuple[Any, ...], str], Exception] = {}
         self._prepared: set[tuple[Any, ...]] = set()
-        self._handed_ahead: set[tuple[Any, ...]] = set()  # profiles prepare_ahead handed over
         # Binaries compiled so far (their launch keys) and each one's error, so that a later
         # profile, op or tuning run whose pairs run the same binaries compiles nothing again.
         self._binaries: dict[tuple[Any, ...], Exception | None] = {}
@@ -117,14 +116,7 @@ class TritonRunner(TunableRunner):
     def __getstate__(self) -> dict[str, Any]:
         # Picklable for AutoTuner(isolation="subprocess"): the worker compiles on its own.
         state = dict(self.__dict__)
-        state.update(
-            _lock=None,
-            _planned={},
-            _compile_errors={},
-            _prepared=set(),
-            _handed_ahead=set(),
-            _binaries={},
-        )
+        state.update(_lock=None, _planned={}, _compile_errors={}, _prepared=set(), _binaries={})
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -241,12 +233,7 @@ class TritonRunner(TunableRunner):
         started)."""
         if not compile_pool.enabled():
             return False
-        with self._lock:
-            fresh = [(x, t) for x, t in work if input_signature(x) not in self._handed_ahead]
-            self._handed_ahead.update(input_signature(x) for x, _ in fresh)
-        # A profile handed over before (by AutoTuner.prepare, then again by its tuning run)
-        # is not planned twice: its dry runs are the costly part here.
-        _, pairs = self._unprepared(fresh)
+        _, pairs = self._unprepared(work)
         compile_pool.compile_ahead(self._compile_jobs(pairs))
         return True
 

@@ -194,6 +194,9 @@ def test_bench_config_rules() -> None:
         DecodeBenchConfig(compare_hf=True, context=0)
     with pytest.raises(ConfigError, match="layers must be >= 1"):
         DecodeBenchConfig(layers=0)
+    for bad in (dict(), dict(tune=True, tp=2)):
+        with pytest.raises(ConfigError, match="--refine-in-step refines a tuned single-process"):
+            DecodeBenchConfig(refine_in_step=True, **bad)
 
 
 def test_family_table_lists_each_profiled_step() -> None:

@@ -219,7 +219,11 @@ def test_bench_decode_tune_reports_tuned_beside_untuned(tmp_path, capsys, monkey
     assert main([*args, "--tune-l2", "cold"]) == 0  # the cache file answers everything
     assert "tuning: 0 (op, bucket) profiles tuned" in capsys.readouterr().err
     assert made[-1].stats.profiles_tuned == 0
-    assert json.loads(out_json.read_text())["tuning_cold_l2"] is True
+    data = json.loads(out_json.read_text())
+    assert data["tuning_cold_l2"] is True and data["tuning_refinements"] is None
+    # --refine-in-step reaches tune_step; off CUDA there is no step timer, so nothing is raced.
+    assert main([*args, "--refine-in-step"]) == 0
+    assert json.loads(out_json.read_text())["tuning_refinements"] == []
 
 
 def test_tune_step_compiles_up_front_and_tunes_what_it_would_without() -> None:

@@ -299,7 +299,9 @@ def _time_tuned(run: _Run, tuner: Any) -> None:
         + (f" (cache {cfg.tuning_cache})" if cfg.tuning_cache else "")
     )
     with autotuner.autotune(cfg.tuning_cache, tuner):
-        tuned_report = tune_step(tuned, log=lambda line: log(f"  {line}"))
+        tuned_report = tune_step(
+            tuned, log=lambda line: log(f"  {line}"), refine=cfg.refine_in_step
+        )
     bar.done()
     report.tuning_seconds = tuned_report.seconds
     report.tuning_compile_seconds = tuned_report.compile_seconds
@@ -307,6 +309,8 @@ def _time_tuned(run: _Run, tuner: Any) -> None:
     report.tuning_profiles = tuned_report.profiles_tuned
     report.tuning_picks = [list(row) for row in tuned_report.rows]
     report.tuning_fusion_checks = [dataclasses.asdict(c) for c in tuned_report.fusion_checks]
+    if cfg.refine_in_step:
+        report.tuning_refinements = [dataclasses.asdict(r) for r in tuned_report.refinements]
     log(f"tuning: {tuned_report.summary()}")
     if step.parallel is not None:
         report.tuning_rank_agreement = rank_agreement(tuner, step.parallel)

@@ -45,6 +45,9 @@ class DecodeBenchConfig:
             the tuned step.
         layers: Run a preset with only its first ``layers`` layers (quick runs; the model name
             and a note say so).
+        refine_in_step: With ``tune``, race each pick against its nearest rivals in the whole
+            step after tuning (``tune_step(refine=True)``,
+            :mod:`graphtune.engine.step_refine`); single-process steps only.
     """
 
     model: str = "llama-1b-shape"
@@ -65,10 +68,16 @@ class DecodeBenchConfig:
     compare_unfused: bool = False
     hf_compile: bool | None = None
     layers: int | None = None
+    refine_in_step: bool = False
 
     def __post_init__(self) -> None:
         if self.tp < 1:
             raise ConfigError(f"tp must be >= 1, got {self.tp}")
+        if self.refine_in_step and (not self.tune or self.tp > 1):
+            raise ConfigError(
+                "--refine-in-step refines a tuned single-process step: add --tune, and drop it "
+                "with --tp > 1"
+            )
         for flag, on in (
             ("--compare-compile", self.compare_compile),
             ("--compare-hf", self.compare_hf),
@@ -169,6 +178,8 @@ class DecodeBenchReport:
     tuning_picks: list[list[Any]] | None = None
     #: ``graphtune.engine.tuning.FusionCheck`` of each bucket compared, as dicts.
     tuning_fusion_checks: list[dict[str, Any]] | None = None
+    #: ``graphtune.engine.step_refine.StepRefinement`` of each profile raced, as dicts.
+    tuning_refinements: list[dict[str, Any]] | None = None
     tuning_rank_agreement: float | None = None
     #: Whether the GEMMs were timed with cold-L2 rotation (``tune_cold_l2`` resolved).
     tuning_cold_l2: bool | None = None

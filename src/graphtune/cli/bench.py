@@ -139,6 +139,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "before the fused kernels)",
     )
     decode.add_argument(
+        "--refine-in-step",
+        action="store_true",
+        help="with --tune: after tuning, race each pick against its nearest rivals in the "
+        "whole step and keep the fastest (as graphtune tune --refine-in-step)",
+    )
+    decode.add_argument(
         "--hf-compile",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -232,6 +238,7 @@ def run_bench_decode(args: argparse.Namespace) -> int:
         tp=args.tp,
         compare_hf=args.compare_hf,
         compare_unfused=args.compare_unfused,
+        refine_in_step=args.refine_in_step,
         hf_compile=args.hf_compile,
         layers=args.layers,
     )

@@ -46,6 +46,7 @@ from graphtune.bench.accuracy import decode_accuracy
 from graphtune.bench.decode import run_decode_bench
 from graphtune.bench.decode_report import format_report
 from graphtune.bench.decode_results import DecodeBenchConfig, DecodeBenchReport
+from graphtune.bench.timeline import last_replay
 from graphtune.engine.build import build_runner, build_step
 from graphtune.engine.kv_cache import KVCache, aligned_seq_len
 from graphtune.engine.loading import load_model
@@ -114,23 +115,9 @@ def replay_overlap(tuner: AutoTuner, trace_path: Path) -> dict[str, Any]:
 
 
 def overlap_stats(events: list[Any], replays: int) -> dict[str, Any]:
-    """Overlap and gaps of consecutive kernels in the last of ``replays`` graph replays.
-
-    A replay's kernels share its graph launch's correlation id (the runner's input copies have
-    their own), so the largest correlation groups are the replays; without ids the trace is split
-    at its widest gaps.
-    """
-    by_id: dict[Any, list[Any]] = {}
-    for event in events:
-        by_id.setdefault(event.correlation, []).append(event)
-    if None in by_id:
-        groups, _ = bench.split_replays(events, replays=replays, calls_per_graph=1)
-    else:
-        largest = max(len(g) for g in by_id.values())
-        groups = sorted(
-            (g for g in by_id.values() if len(g) == largest), key=lambda g: g[0].start_us
-        )
-    kernels = sorted(groups[-1], key=lambda e: e.start_us)
+    """Overlap and gaps of consecutive kernels in the last of ``replays`` graph replays
+    (``graphtune.bench.timeline.last_replay``)."""
+    kernels = last_replay(events, replays)
     overlap = gaps = 0.0
     overlapping = 0
     for before, after in zip(kernels, kernels[1:], strict=False):

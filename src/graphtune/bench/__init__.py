@@ -9,6 +9,8 @@ number is taken the same way and every result file carries the same provenance r
 * :mod:`~graphtune.bench.cupti` — device time from CUPTI: kernel sums per call
   (:func:`cupti_kernel_time`), GPU-busy time and top kernels (:func:`gpu_busy`), trace parsing;
 * :mod:`~graphtune.bench.cupti_graph` — the in-graph truth (:func:`cupti_graph_time`);
+* :mod:`~graphtune.bench.timeline` — one graph replay kernel by kernel: what each kernel adds to
+  the step with PDL's overlap counted (imported on its own);
 * :mod:`~graphtune.bench.graphs` — capturing back-to-back calls into one CUDA graph;
 * :mod:`~graphtune.bench.schema` — the one versioned provenance schema (:func:`provenance`);
 * :mod:`~graphtune.bench.results` — the atomic results writer (:func:`write_json`);

@@ -143,9 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.model, max(batches), tuner, device=device, dtype=torch.bfloat16,
         max_seq_len=args.context + 16,
     )  # fmt: skip
-    gen = torch.Generator(device=device).manual_seed(0)
-    step.cache.k.normal_(generator=gen)
-    step.cache.v.normal_(generator=gen)
+    step.cache.fill_random(0)
     began = time.perf_counter()
     if tuner is not None:
         tune_step(step)

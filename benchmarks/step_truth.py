@@ -358,9 +358,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.model, max(batches), tuner, device=device, dtype=torch.bfloat16,
         max_seq_len=args.context + 16,
     )  # fmt: skip
-    gen = torch.Generator(device=device).manual_seed(0)
-    step.cache.k.normal_(generator=gen)
-    step.cache.v.normal_(generator=gen)
+    step.cache.fill_random(0)
     began = time.perf_counter()
     tune_step(step)
     tune_s = time.perf_counter() - began

@@ -179,3 +179,14 @@ def test_sampling_is_seeded_and_respects_top_k():
     assert torch.equal(top1, logits.argmax(-1))
     with pytest.raises(ConfigError):
         SamplingParams(top_p=0)
+
+
+def test_fill_random_is_seeded_keys_first_and_never_zero():
+    config = load_model("tiny").config
+    cache = KVCache(config, max_batch_size=2, max_seq_len=8)
+    cache.fill_random(3)
+    gen = torch.Generator().manual_seed(3)
+    want_k = torch.randn(cache.k.shape, generator=gen)
+    want_v = torch.randn(cache.v.shape, generator=gen)
+    assert torch.equal(cache.k, want_k) and torch.equal(cache.v, want_v)
+    assert not torch.equal(cache.k, cache.v)

@@ -40,9 +40,7 @@ def engine_decode_step(
     :func:`graphtune.engine.tuning.tune_step`)."""
     loaded = load_model(model, device=device, dtype=dtype, seed=seed)
     cache = KVCache(loaded.config, max_batch_size, max_seq_len, loaded.device, dtype)
-    gen = torch.Generator(device=loaded.device).manual_seed(seed)
-    cache.k.normal_(generator=gen)
-    cache.v.normal_(generator=gen)
+    cache.fill_random(seed)
     return build_step(loaded, cache, tuner=tuner)
 
 

@@ -71,9 +71,7 @@ def decode_step_calls(
         model, batch, AutoTuner(show_progress=False), device=device, dtype=dtype,
         max_seq_len=max_seq_len,
     )  # fmt: skip
-    gen = torch.Generator(device=device).manual_seed(0)
-    step.cache.k.normal_(generator=gen)
-    step.cache.v.normal_(generator=gen)
+    step.cache.fill_random(0)
     rows = torch.arange(batch, dtype=torch.long, device=device)
     positions = torch.full_like(rows, step.cache.max_seq_len // 2)
     return record_step_calls(step, (torch.zeros_like(rows), positions, rows))

@@ -90,6 +90,13 @@ class KVCache:
         self.v_layers = list(self.v.unbind(0)) * (config.num_layers // layers)
         self._free = list(range(max_batch_size))
 
+    def fill_random(self, seed: int = 0) -> None:
+        """Fills every key and value with N(0, 1) values, keys first, from a generator on the
+        cache's device seeded with ``seed``: benchmarks never time attention on zeros."""
+        gen = torch.Generator(device=self.k.device).manual_seed(seed)
+        self.k.normal_(generator=gen)
+        self.v.normal_(generator=gen)
+
     @property
     def nbytes(self) -> int:
         """Bytes held by keys and values together."""

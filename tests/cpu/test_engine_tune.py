@@ -56,8 +56,9 @@ def test_tuned_engine_matches_untuned_and_reuses_the_cache_file(tmp_path):
     if "Triton" in winners:  # Triton importable: its kernels are what the tuned step runs
         # The last GEMM runner is the skinny tensor-core GEMM (tactics for M <= 16).
         assert "TritonSkinnyGemmRunner" in winners and "TritonRopeRunner" in winners
-        # The last runner of every fused stage is its fused kernel.
-        for fused in ("NormQkvRope", "AddProjection", "NormGateUpSilu", "NormLinear"):
+        # The last runner of every fused stage is a fused kernel (for the QKV and MLP stages
+        # the one that runs after the RMSNorm op).
+        for fused in ("QkvRopeAfterNorm", "AddProjection", "GateUpSiluAfterNorm", "NormLinear"):
             assert f"Triton{fused}" in winners, fused
     # The fake timer makes the last runner win: Triton's attention where Triton runs (the
     # interpreter), else the matmul runner.
@@ -321,12 +322,13 @@ class _CostModel:
 
 
 def _fused_picks(tuner: AutoTuner, step: DecodeStep, batch: int) -> dict[str, set[int]]:
+    """Per fused op, the kinds of its picks: 0 the unfused runner, 1 a fused kernel."""
     with torch.no_grad(), tuner.record_calls(dry_run=True) as calls:
         step.decode(step.ops, *step.example_inputs(batch))
     picks: dict[str, set[int]] = {}
     for call in calls:
         if call.op in _CostModel.FUSED:
-            picks.setdefault(call.op, set()).add(tuner.cached(call)[1].runner_index)
+            picks.setdefault(call.op, set()).add(int(tuner.cached(call)[1].runner_index > 0))
     return picks
 
 

@@ -26,9 +26,11 @@ pytest.importorskip("triton")
 from graphtune.ops import _triton  # noqa: E402
 from graphtune.ops.fused import (  # noqa: E402
     TritonAddProjection,
+    TritonGateUpSiluAfterNorm,
     TritonNormGateUpSilu,
     TritonNormLinear,
     TritonNormQkvRope,
+    TritonQkvRopeAfterNorm,
 )
 from graphtune.ops.gemm import TritonSkinnyGemmRunner
 
@@ -53,6 +55,10 @@ CASES = [
     (DOT, torch.float16, 18),  # two row blocks of 16
 ]
 IDS = [f"dot{t['dot']}-bn{t['bn']}-{str(d)[6:]}-m{m}" for t, d, m in CASES]
+# The runners that run the RMSNorm op first and the kernel without its prologue: the kernel's
+# other paths are the ones above, so three cases cover both loops and two row blocks.
+AFTER_NORM = [CASES[0], CASES[3], CASES[5]]
+AFTER_NORM_IDS = [IDS[0], IDS[3], IDS[5]]
 
 
 def _gen() -> torch.Generator:
@@ -100,15 +106,20 @@ def test_norm_linear_matches_float64(tactic, dtype, m, with_bias):
     assert _rel(got, want) < TOL[dtype], gen.initial_seed()
 
 
-@pytest.mark.parametrize("tactic,dtype,m", CASES, ids=IDS)
-def test_norm_gate_up_silu_matches_float64(tactic, dtype, m):
+@pytest.mark.parametrize(
+    "tactic,dtype,m,runner",
+    [(*case, TritonNormGateUpSilu) for case in CASES]
+    + [(*case, TritonGateUpSiluAfterNorm) for case in AFTER_NORM],
+    ids=IDS + [f"after-norm-{i}" for i in AFTER_NORM_IDS],
+)
+def test_norm_gate_up_silu_matches_float64(tactic, dtype, m, runner):
     gen = _gen()
     inter, k, eps = 24, 64, 1e-6
     x, w = _randn(gen, m, k, dtype=dtype), _randn(gen, 2 * inter, k, dtype=dtype, scale=0.2)
     norm_w = (1 + 0.1 * torch.randn(k, generator=gen)).to(dtype)
     gate_up = _norm64(x, norm_w, eps) @ w.double().T
     want = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-    got = TritonNormGateUpSilu().forward([x, norm_w, w, eps], tactic)
+    got = runner().forward([x, norm_w, w, eps], tactic)
     assert got.shape == (m, inter) and got.dtype == dtype
     assert _rel(got, want) < TOL[dtype], gen.initial_seed()
 
@@ -119,9 +130,14 @@ def _rope64(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return t * cos + rotated * sin
 
 
-@pytest.mark.parametrize("tactic,dtype,m", CASES, ids=IDS)
+@pytest.mark.parametrize(
+    "tactic,dtype,m,runner",
+    [(*case, TritonNormQkvRope) for case in CASES]
+    + [(*case, TritonQkvRopeAfterNorm) for case in AFTER_NORM],
+    ids=IDS + [f"after-norm-{i}" for i in AFTER_NORM_IDS],
+)
 @pytest.mark.parametrize("signed_sin", [False, True])
-def test_norm_qkv_rope_matches_float64(tactic, dtype, m, signed_sin):
+def test_norm_qkv_rope_matches_float64(tactic, dtype, m, signed_sin, runner):
     gen = _gen()
     heads, kv_heads, dim, hidden, eps = 4, 2, 32, 48, 1e-5
     table, cache_rows = 24, 64
@@ -142,7 +158,7 @@ def test_norm_qkv_rope_matches_float64(tactic, dtype, m, signed_sin):
     k_cache = torch.full((cache_rows, dim), float("nan"), dtype=dtype)
     v_cache = k_cache.clone()
     inputs = [x, norm_w, w, bias, positions, cos, sin, k_cache, v_cache, write_rows, eps]
-    q = TritonNormQkvRope(heads, kv_heads, signed_sin).forward(inputs, tactic)
+    q = runner(heads, kv_heads, signed_sin).forward(inputs, tactic)
 
     qkv = _norm64(x, norm_w, eps) @ w.double().T + bias.double()
     c, s = cos.double()[positions][:, None], sin64[positions][:, None]

@@ -17,9 +17,11 @@ from graphtune.autotuner import AutoTuner, autotune  # noqa: E402
 from graphtune.ops import _pdl, attention  # noqa: E402
 from graphtune.ops.fused import (  # noqa: E402
     TritonAddProjection,
+    TritonGateUpSiluAfterNorm,
     TritonNormGateUpSilu,
     TritonNormLinear,
     TritonNormQkvRope,
+    TritonQkvRopeAfterNorm,
     norm_gate_up_silu,
 )
 from graphtune.ops.gemm import TritonSkinnyGemmRunner
@@ -78,6 +80,7 @@ def test_every_fused_tactic_matches_float64_and_the_unfused_path(name, m):
     want = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
     inputs = [x, norm_w, w_gu, eps]
     _check_all(TritonNormGateUpSilu(), inputs, want, TOL, every)
+    _check_all(TritonGateUpSiluAfterNorm(), inputs, want, TOL, every)
     assert _rel(TritonNormGateUpSilu().forward(inputs, -1), want) < TOL
 
     act = _randn(m, inter)
@@ -110,16 +113,16 @@ def test_every_fused_tactic_matches_float64_and_the_unfused_path(name, m):
     q_want = rope(qkv[:, : heads * dim].view(m, heads, dim))
     k_want = rope(qkv[:, heads * dim : (heads + kv) * dim].view(m, kv, dim)).reshape(-1, dim)
     v_want = qkv[:, (heads + kv) * dim :].reshape(-1, dim)
-    runner = TritonNormQkvRope(heads, kv, True)
     inputs = [x, norm_w, w_qkv, bias, positions, cos, sin, k_cache, v_cache, write_rows, eps]
-    for tactic in _tactics(runner, inputs, every):
-        k_cache.fill_(float("nan"))
-        v_cache.fill_(float("nan"))
-        q = runner.forward(inputs, tactic)
-        assert _rel(q, q_want) < ROPE_TOL, tactic
-        assert _rel(k_cache[write_rows], k_want) < ROPE_TOL, tactic
-        assert _rel(v_cache[write_rows], v_want) < TOL, tactic
-        assert int(torch.isnan(k_cache).sum()) == (k_cache.shape[0] - m * kv) * dim
+    for runner in (TritonNormQkvRope(heads, kv, True), TritonQkvRopeAfterNorm(heads, kv, True)):
+        for tactic in _tactics(runner, inputs, every):
+            k_cache.fill_(float("nan"))
+            v_cache.fill_(float("nan"))
+            q = runner.forward(inputs, tactic)
+            assert _rel(q, q_want) < ROPE_TOL, tactic
+            assert _rel(k_cache[write_rows], k_want) < ROPE_TOL, tactic
+            assert _rel(v_cache[write_rows], v_want) < TOL, tactic
+            assert int(torch.isnan(k_cache).sum()) == (k_cache.shape[0] - m * kv) * dim
 
 
 @pytest.mark.parametrize("name,m", CASES)

@@ -30,9 +30,11 @@ def runner_cases() -> list[tuple[str, Any, list[Any]]]:
     from graphtune.ops.activation import TritonSiluAndMulRunner
     from graphtune.ops.fused import (
         TritonAddProjection,
+        TritonGateUpSiluAfterNorm,
         TritonNormGateUpSilu,
         TritonNormLinear,
         TritonNormQkvRope,
+        TritonQkvRopeAfterNorm,
     )
     from graphtune.ops.gemm import TritonSkinnyGemmRunner
     from graphtune.ops.gemm.gemv import TritonGemvRunner
@@ -64,22 +66,28 @@ def runner_cases() -> list[tuple[str, Any, list[Any]]]:
             TritonAddProjection(),
             [x, _rand(m, inter), _rand(hidden, inter)],
         )
-        add(
-            f"norm_gate_up_silu m={m}",
-            TritonNormGateUpSilu(),
-            [x, nw, _rand(2 * inter, hidden), 1e-5],
-        )
+        for gate_up in (TritonNormGateUpSilu(), TritonGateUpSiluAfterNorm()):
+            add(
+                f"norm_gate_up_silu {type(gate_up).__name__} m={m}",
+                gate_up,
+                [x, nw, _rand(2 * inter, hidden), 1e-5],
+            )
         rows = (heads + 2 * kv) * dim
         positions = torch.zeros(m, dtype=torch.long)
         write_rows = torch.arange(m * kv, dtype=torch.long)
         k_cache, v_cache = _rand(64, dim), _rand(64, dim)
         for signed, bias in ((True, None), (False, _rand(rows))):
-            add(
-                f"norm_qkv_rope m={m} signed={signed} bias={bias is not None}",
+            for qkv in (
                 TritonNormQkvRope(heads, kv, signed),
-                [x, nw, _rand(rows, hidden), bias, positions, _rand(seq, dim), _rand(seq, dim)]
-                + [k_cache, v_cache, write_rows, 1e-5],
-            )
+                TritonQkvRopeAfterNorm(heads, kv, signed),
+            ):
+                add(
+                    f"norm_qkv_rope {type(qkv).__name__} m={m} signed={signed} "
+                    f"bias={bias is not None}",
+                    qkv,
+                    [x, nw, _rand(rows, hidden), bias, positions, _rand(seq, dim), _rand(seq, dim)]
+                    + [k_cache, v_cache, write_rows, 1e-5],
+                )
         add(
             f"skinny_gemm m={m}",
             TritonSkinnyGemmRunner(),

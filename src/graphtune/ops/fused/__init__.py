@@ -3,7 +3,8 @@
 A decode layer in about five kernels (with decode attention between the first two):
 
 * :func:`norm_qkv_rope` — RMSNorm prologue + QKV projection (+ bias) + RoPE + K/V cache write;
-* :func:`norm_gate_up_silu` — RMSNorm prologue + gate/up projection + SiLU-and-mul;
+* :func:`norm_gate_up_silu` — RMSNorm prologue + gate/up projection + SiLU-and-mul (both also as
+  the RMSNorm kernel followed by the fused GEMV without its prologue);
 * :func:`add_projection` — ``x += a @ weight.T`` (output and down projections, residual in place);
 * :func:`norm_linear` — RMSNorm prologue + a linear layer (the final norm and the LM head).
 
@@ -16,6 +17,7 @@ runner launches too), launched with programmatic dependent launch where the GPU 
 """
 
 from graphtune.ops.fused.mlp import (
+    TritonGateUpSiluAfterNorm,
     TritonNormGateUpSilu,
     UnfusedNormGateUpSilu,
     norm_gate_up_silu,
@@ -37,6 +39,7 @@ from graphtune.ops.fused.projection import (
 )
 from graphtune.ops.fused.qkv import (
     TritonNormQkvRope,
+    TritonQkvRopeAfterNorm,
     UnfusedNormQkvRope,
     norm_qkv_rope,
     norm_qkv_rope_config,
@@ -45,9 +48,11 @@ from graphtune.ops.fused.qkv import (
 
 __all__ = [
     "TritonAddProjection",
+    "TritonGateUpSiluAfterNorm",
     "TritonNormGateUpSilu",
     "TritonNormLinear",
     "TritonNormQkvRope",
+    "TritonQkvRopeAfterNorm",
     "UnfusedAddProjection",
     "UnfusedNormGateUpSilu",
     "UnfusedNormLinear",

@@ -22,7 +22,7 @@ import functools
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 from graphtune.autotuner.config import DynamicTensorSpec, TuningConfig
 from graphtune.autotuner.context import get_tuner
@@ -55,17 +55,18 @@ def unfused_then_triton(
     tuner: AutoTuner | None,
     op: str,
     unfused: Callable[[AutoTuner, int | None, bool], TunableRunner],
-    triton: Callable[[], TunableRunner],
+    triton: Callable[[AutoTuner, int | None], tuple[TunableRunner, ...]],
     max_m: int | None,
     cold_l2: bool,
 ) -> tuple[TunableRunner, ...]:
     """The runners of a fused op for one tuner, built once (:func:`runners_for`): the unfused
-    path first (the fallback), then the Triton runner when Triton is importable."""
+    path first (the fallback), then ``triton(tuner, max_m)``'s runners when Triton is
+    importable."""
     tuner = resolve(tuner)
 
     def build() -> tuple[TunableRunner, ...]:
         first = unfused(tuner, max_m, cold_l2)
-        return (first, triton()) if triton_available() else (first,)
+        return (first, *triton(tuner, max_m)) if triton_available() else (first,)
 
     return runners_for(tuner, (op, max_m, cold_l2), build)
 
@@ -77,23 +78,19 @@ def rows_config(max_m: int | None = None, cold_l2: bool = False) -> TuningConfig
     return TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0),), max_value=max_m, cold_l2=cold_l2)
 
 
-class UnfusedRunner(TunableRunner):
-    """Base of a fused op's first runner: only the fallback tactic, which runs the unfused ops.
+class InnerOpsTuner:
+    """Mixin of a fused op's runners that call other tunable ops: the tuner those ops ask.
 
-    Args:
-        tuner: The tuner the inner ops ask (weakly held; ``None``: the process default).
-        max_m: ``max_m`` passed to every inner op.
-        cold_l2: ``cold_l2`` passed to the inner GEMM (``graphtune.ops.gemm.gemm``).
+    The tuner is held through a weak reference (see the module docstring) and dropped when the
+    runner is pickled; ``max_m`` is passed to every inner op.
     """
 
     # Neither is part of the cache identity: a bucket's pick does not depend on the largest
     # bucket of the step that tuned it (a cache tuned up to 128 rows serves a step of 8), nor on
     # whether its GEMM was timed with cold L2 (the GEMM's keys do not depend on it either).
-    identity_excludes = frozenset({"max_m", "cold_l2"})
+    identity_excludes: ClassVar[frozenset[str]] = frozenset({"max_m", "cold_l2"})
 
-    def __init__(
-        self, tuner: AutoTuner | None = None, max_m: int | None = None, cold_l2: bool = False
-    ) -> None:
+    def _hold_tuner(self, tuner: AutoTuner | None, max_m: int | None, cold_l2: bool) -> None:
         # Private, so not part of the cache identity: the picks do not depend on which tuner
         # the inner ops ask, and a weak reference has no stable text.
         self._tuner_ref = weakref.ref(tuner) if tuner is not None else None
@@ -107,9 +104,24 @@ class UnfusedRunner(TunableRunner):
         return tuner if tuner is not None else get_tuner()
 
     def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
+        state = dict(super().__getstate__())  # type: ignore[misc]
         state["_tuner_ref"] = None  # a weak reference cannot be pickled (subprocess isolation)
         return state
+
+
+class UnfusedRunner(InnerOpsTuner, TunableRunner):
+    """Base of a fused op's first runner: only the fallback tactic, which runs the unfused ops.
+
+    Args:
+        tuner: The tuner the inner ops ask (weakly held; ``None``: the process default).
+        max_m: ``max_m`` passed to every inner op.
+        cold_l2: ``cold_l2`` passed to the inner GEMM (``graphtune.ops.gemm.gemm``).
+    """
+
+    def __init__(
+        self, tuner: AutoTuner | None = None, max_m: int | None = None, cold_l2: bool = False
+    ) -> None:
+        self._hold_tuner(tuner, max_m, cold_l2)
 
     def unfused(self, inputs: list[Any]) -> Any:
         """The unfused sequence of tunable ops."""

@@ -8,8 +8,9 @@
 which is runner 0 (:class:`UnfusedNormGateUpSilu`, tactic ``-1``). :class:`TritonNormGateUpSilu`
 runs ``graphtune.ops.fused_gemv._kernels`` in SiLU mode: a program streams gate rows ``j`` and
 the matching up rows ``I + j`` (``w_gate_up`` is ``[gate | up]``, ``engine.model.swiglu``'s
-order), so the ``[B, 2 * I]`` intermediate is never written. Buckets above 16 rows get no fused
-tactics.
+order), so the ``[B, 2 * I]`` intermediate is never written. :class:`TritonGateUpSiluAfterNorm`
+runs the tunable RMSNorm op first and the same kernel without its norm prologue (no per-program
+norm; the SiLU-and-mul stays in the GEMV's epilogue). Buckets above 16 rows get no fused tactics.
 """
 
 from __future__ import annotations
@@ -25,7 +26,13 @@ from graphtune.autotuner.tuner import AutoTuner
 from graphtune.errors import ConfigError, InputError
 from graphtune.ops._rows import as_rows, from_rows
 from graphtune.ops.activation import silu_and_mul, torch_silu_and_mul
-from graphtune.ops.fused._base import UnfusedRunner, resolve, rows_config, unfused_then_triton
+from graphtune.ops.fused._base import (
+    InnerOpsTuner,
+    UnfusedRunner,
+    resolve,
+    rows_config,
+    unfused_then_triton,
+)
 from graphtune.ops.fused_gemv import FusedTritonRunner
 from graphtune.ops.fused_gemv.family import (
     SILU,
@@ -105,27 +112,74 @@ class TritonNormGateUpSilu(FusedTritonRunner):
         out = torch.empty((x.shape[0], inter), device=x.device, dtype=x.dtype)
         if x.shape[0] == 0 or inter == 0:
             return out
+        rows_in, prologue_weight = self.kernel_rows(x, norm_weight, eps, warmup)
         launch_fused_gemv(
             SILU,
             tactic,
-            x=x,
+            x=rows_in,
             weight=w_gate_up,
             out=out,
             n=inter,
-            norm_weight=norm_weight,
+            norm_weight=prologue_weight,
             eps=eps,
             warmup=warmup,
         )
         return out
 
+    def kernel_rows(
+        self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, warmup: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The rows the kernel reads and the weight of its RMSNorm prologue (``None``: none)."""
+        return x, norm_weight
+
+
+class TritonGateUpSiluAfterNorm(InnerOpsTuner, TritonNormGateUpSilu):
+    """The tunable RMSNorm op, then the fused kernel without its norm prologue.
+
+    The prologue makes every program read and reduce its whole input row before its first
+    product; here one small kernel normalises each row once, and the GEMV keeps SiLU-and-mul
+    in its epilogue (no ``[B, 2 * I]`` intermediate, no separate SiLU kernel). Tactic ``-1`` is
+    the unfused torch code.
+
+    Args:
+        tuner: The tuner the RMSNorm op asks (weakly held; ``None``: the process default).
+        max_m: ``max_m`` passed to the RMSNorm op.
+        sm_count, compile_workers: As for :class:`TritonNormGateUpSilu`.
+    """
+
+    identity_excludes = TritonNormGateUpSilu.identity_excludes | InnerOpsTuner.identity_excludes
+
+    def __init__(
+        self,
+        *,
+        tuner: AutoTuner | None = None,
+        max_m: int | None = None,
+        sm_count: int | None = None,
+        compile_workers: int | None = None,
+    ) -> None:
+        TritonNormGateUpSilu.__init__(self, sm_count=sm_count, compile_workers=compile_workers)
+        self._hold_tuner(tuner, max_m, False)
+
+    def kernel_rows(
+        self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, warmup: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``rms_norm(x)`` through the tuner's pick (a compile-only launch skips it: the
+        kernel's binary depends only on the rows' layout); no prologue."""
+        if warmup:
+            return x, None
+        return fused_add_rms_norm(x, norm_weight, eps, tuner=self.tuner, max_m=self.max_m)[0], None
+
 
 def norm_gate_up_silu_runners(
     *, tuner: AutoTuner | None = None, max_m: int | None = None, cold_l2: bool = False
 ) -> tuple[TunableRunner, ...]:
-    """The runners for one tuner: unfused first (fallback), then Triton when importable."""
-    return unfused_then_triton(
-        tuner, OP_NAME, UnfusedNormGateUpSilu, TritonNormGateUpSilu, max_m, cold_l2
-    )
+    """The runners for one tuner: unfused first (fallback), then, when Triton is importable,
+    the fused kernel with its norm prologue and after the RMSNorm op."""
+
+    def triton(tuner: AutoTuner, max_m: int | None) -> tuple[TunableRunner, ...]:
+        return TritonNormGateUpSilu(), TritonGateUpSiluAfterNorm(tuner=tuner, max_m=max_m)
+
+    return unfused_then_triton(tuner, OP_NAME, UnfusedNormGateUpSilu, triton, max_m, cold_l2)
 
 
 def norm_gate_up_silu_config(max_m: int | None = None, cold_l2: bool = False) -> TuningConfig:

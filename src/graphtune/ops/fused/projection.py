@@ -125,7 +125,12 @@ def add_projection_runners(
 ) -> tuple[TunableRunner, ...]:
     """The runners for one tuner: unfused first (fallback), then Triton when importable."""
     return unfused_then_triton(
-        tuner, ADD_PROJECTION, UnfusedAddProjection, TritonAddProjection, max_m, cold_l2
+        tuner,
+        ADD_PROJECTION,
+        UnfusedAddProjection,
+        lambda _tuner, _max_m: (TritonAddProjection(),),
+        max_m,
+        cold_l2,
     )
 
 
@@ -252,7 +257,12 @@ def norm_linear_runners(
 ) -> tuple[TunableRunner, ...]:
     """The runners for one tuner: unfused first (fallback), then Triton when importable."""
     return unfused_then_triton(
-        tuner, NORM_LINEAR, UnfusedNormLinear, TritonNormLinear, max_m, cold_l2
+        tuner,
+        NORM_LINEAR,
+        UnfusedNormLinear,
+        lambda _tuner, _max_m: (TritonNormLinear(),),
+        max_m,
+        cold_l2,
     )
 
 

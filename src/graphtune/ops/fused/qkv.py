@@ -11,8 +11,10 @@ which is runner 0 (:class:`UnfusedNormQkvRope`, tactic ``-1``): three tunable op
 own pick. :class:`TritonNormQkvRope` does it in one kernel (``graphtune.ops.fused_gemv._kernels``
 in RoPE mode): every program recomputes the row statistics, streams the weight rows of half a
 head's columns ``j`` and their partners ``HALF + j`` (so it holds both halves of the rotation),
-and writes rotated q, rotated k and v where the unfused ops write them. The tuner decides per
-batch bucket; buckets above 16 rows get no fused tactics.
+and writes rotated q, rotated k and v where the unfused ops write them.
+:class:`TritonQkvRopeAfterNorm` runs the tunable RMSNorm op first and the same kernel without its
+norm prologue (two kernels instead of three, no per-program norm). The tuner decides per batch
+bucket; buckets above 16 rows get no fused tactics.
 
 Tuning keys: as for ``rope_kv_cache``, the tables and caches are pinned to
 ``graphtune.ops.rotary.TABLE_ROWS`` / ``CACHE_ROWS`` rows, so a pick holds for any cache size. A
@@ -33,7 +35,7 @@ from graphtune.autotuner.runner import TunableRunner
 from graphtune.autotuner.tuner import AutoTuner
 from graphtune.errors import ConfigError, InputError
 from graphtune.ops._triton import triton_available
-from graphtune.ops.fused._base import UnfusedRunner, resolve, runners_for
+from graphtune.ops.fused._base import InnerOpsTuner, UnfusedRunner, resolve, runners_for
 from graphtune.ops.fused_gemv import FusedTritonRunner
 from graphtune.ops.fused_gemv.family import (
     ROPE,
@@ -215,6 +217,12 @@ class TritonNormQkvRope(_QkvLayout, FusedTritonRunner):
         """The unfused torch code."""
         return self.torch_composition(self.unpack(inputs))
 
+    def kernel_rows(
+        self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, warmup: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The rows the kernel reads and the weight of its RMSNorm prologue (``None``: none)."""
+        return x, norm_weight
+
     def launch(self, inputs: list[Any], tactic: Any, *, warmup: bool = False) -> torch.Tensor:
         """Runs the fused kernel; returns ``q [B, heads, D]``."""
         x, norm_weight, wqkv, bqkv, positions, cos, sin, k_cache, v_cache, rows, eps = self.unpack(
@@ -224,21 +232,70 @@ class TritonNormQkvRope(_QkvLayout, FusedTritonRunner):
         q = torch.empty((x.shape[0], self.num_heads, dim), device=x.device, dtype=x.dtype)
         if x.shape[0] == 0:
             return q
+        rows_in, prologue_weight = self.kernel_rows(x, norm_weight, eps, warmup)
         rope = (positions, cos, sin, rows, k_cache, v_cache)
         launch_fused_gemv(
             ROPE,
             tactic,
-            x=x,
+            x=rows_in,
             weight=wqkv,
             out=q,
             n=0,
-            norm_weight=norm_weight,
+            norm_weight=prologue_weight,
             eps=eps,
             bias=bqkv,
             rope=(*rope, self.num_heads, self.num_kv_heads, self.signed_sin),
             warmup=warmup,
         )
         return q
+
+
+class TritonQkvRopeAfterNorm(InnerOpsTuner, TritonNormQkvRope):
+    """The tunable RMSNorm op, then the fused kernel without its norm prologue.
+
+    The prologue makes every program of the fused kernel read and reduce its whole input row
+    before its first product; here one small kernel normalises each row once, and the fused
+    kernel keeps the QKV projection, RoPE and the K/V write in one pass over the weight. Tactic
+    ``-1`` is the unfused torch code.
+
+    Args:
+        num_heads, num_kv_heads, signed_sin: The head layout.
+        tuner: The tuner the RMSNorm op asks (weakly held; ``None``: the process default).
+        max_m: ``max_m`` passed to the RMSNorm op.
+        sm_count, compile_workers: As for :class:`TritonNormQkvRope`.
+    """
+
+    identity_excludes = TritonNormQkvRope.identity_excludes | InnerOpsTuner.identity_excludes
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        signed_sin: bool = False,
+        *,
+        tuner: AutoTuner | None = None,
+        max_m: int | None = None,
+        sm_count: int | None = None,
+        compile_workers: int | None = None,
+    ) -> None:
+        TritonNormQkvRope.__init__(
+            self,
+            num_heads,
+            num_kv_heads,
+            signed_sin,
+            sm_count=sm_count,
+            compile_workers=compile_workers,
+        )
+        self._hold_tuner(tuner, max_m, False)
+
+    def kernel_rows(
+        self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, warmup: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``rms_norm(x)`` through the tuner's pick (a compile-only launch skips it: the
+        kernel's binary depends only on the rows' layout); no prologue."""
+        if warmup:
+            return x, None
+        return fused_add_rms_norm(x, norm_weight, eps, tuner=self.tuner, max_m=self.max_m)[0], None
 
 
 def norm_qkv_rope_runners(
@@ -250,7 +307,8 @@ def norm_qkv_rope_runners(
     max_m: int | None = None,
     cold_l2: bool = False,
 ) -> tuple[TunableRunner, ...]:
-    """The runners for one head layout and tuner: unfused first (fallback), then Triton."""
+    """The runners for one head layout and tuner: unfused first (fallback), then the fused
+    kernel with its norm prologue and after the RMSNorm op."""
     tuner = resolve(tuner)
 
     def build() -> tuple[TunableRunner, ...]:
@@ -259,7 +317,10 @@ def norm_qkv_rope_runners(
         )
         if not triton_available():
             return (first,)
-        return (first, TritonNormQkvRope(num_heads, num_kv_heads, signed_sin))
+        after_norm = TritonQkvRopeAfterNorm(
+            num_heads, num_kv_heads, signed_sin, tuner=tuner, max_m=max_m
+        )
+        return (first, TritonNormQkvRope(num_heads, num_kv_heads, signed_sin), after_norm)
 
     key = (OP_NAME, num_heads, num_kv_heads, signed_sin, max_m, cold_l2)
     return runners_for(tuner, key, build)

@@ -27,10 +27,12 @@ from graphtune.ops import _triton  # noqa: E402
 from graphtune.ops.fused import (  # noqa: E402
     TritonAddProjection,
     TritonGateUpSiluAfterNorm,
+    TritonGateUpSiluNormInLoop,
     TritonNormGateUpSilu,
     TritonNormLinear,
     TritonNormQkvRope,
     TritonQkvRopeAfterNorm,
+    TritonQkvRopeNormInLoop,
 )
 from graphtune.ops.gemm import TritonSkinnyGemmRunner
 
@@ -109,8 +111,9 @@ def test_norm_linear_matches_float64(tactic, dtype, m, with_bias):
 @pytest.mark.parametrize(
     "tactic,dtype,m,runner",
     [(*case, TritonNormGateUpSilu) for case in CASES]
+    + [(*case, TritonGateUpSiluNormInLoop) for case in CASES]
     + [(*case, TritonGateUpSiluAfterNorm) for case in AFTER_NORM],
-    ids=IDS + [f"after-norm-{i}" for i in AFTER_NORM_IDS],
+    ids=IDS + [f"in-loop-{i}" for i in IDS] + [f"after-norm-{i}" for i in AFTER_NORM_IDS],
 )
 def test_norm_gate_up_silu_matches_float64(tactic, dtype, m, runner):
     gen = _gen()
@@ -133,8 +136,9 @@ def _rope64(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 @pytest.mark.parametrize(
     "tactic,dtype,m,runner",
     [(*case, TritonNormQkvRope) for case in CASES]
+    + [(*case, TritonQkvRopeNormInLoop) for case in CASES]
     + [(*case, TritonQkvRopeAfterNorm) for case in AFTER_NORM],
-    ids=IDS + [f"after-norm-{i}" for i in AFTER_NORM_IDS],
+    ids=IDS + [f"in-loop-{i}" for i in IDS] + [f"after-norm-{i}" for i in AFTER_NORM_IDS],
 )
 @pytest.mark.parametrize("signed_sin", [False, True])
 def test_norm_qkv_rope_matches_float64(tactic, dtype, m, signed_sin, runner):

@@ -18,10 +18,12 @@ from graphtune.ops import _pdl, attention  # noqa: E402
 from graphtune.ops.fused import (  # noqa: E402
     TritonAddProjection,
     TritonGateUpSiluAfterNorm,
+    TritonGateUpSiluNormInLoop,
     TritonNormGateUpSilu,
     TritonNormLinear,
     TritonNormQkvRope,
     TritonQkvRopeAfterNorm,
+    TritonQkvRopeNormInLoop,
     norm_gate_up_silu,
 )
 from graphtune.ops.gemm import TritonSkinnyGemmRunner
@@ -80,6 +82,7 @@ def test_every_fused_tactic_matches_float64_and_the_unfused_path(name, m):
     want = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
     inputs = [x, norm_w, w_gu, eps]
     _check_all(TritonNormGateUpSilu(), inputs, want, TOL, every)
+    _check_all(TritonGateUpSiluNormInLoop(), inputs, want, TOL, every)
     _check_all(TritonGateUpSiluAfterNorm(), inputs, want, TOL, every)
     assert _rel(TritonNormGateUpSilu().forward(inputs, -1), want) < TOL
 
@@ -114,7 +117,12 @@ def test_every_fused_tactic_matches_float64_and_the_unfused_path(name, m):
     k_want = rope(qkv[:, heads * dim : (heads + kv) * dim].view(m, kv, dim)).reshape(-1, dim)
     v_want = qkv[:, (heads + kv) * dim :].reshape(-1, dim)
     inputs = [x, norm_w, w_qkv, bias, positions, cos, sin, k_cache, v_cache, write_rows, eps]
-    for runner in (TritonNormQkvRope(heads, kv, True), TritonQkvRopeAfterNorm(heads, kv, True)):
+    runners = (
+        TritonNormQkvRope(heads, kv, True),
+        TritonQkvRopeNormInLoop(heads, kv, True),
+        TritonQkvRopeAfterNorm(heads, kv, True),
+    )
+    for runner in runners:
         for tactic in _tactics(runner, inputs, every):
             k_cache.fill_(float("nan"))
             v_cache.fill_(float("nan"))

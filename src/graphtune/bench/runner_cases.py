@@ -31,10 +31,12 @@ def runner_cases() -> list[tuple[str, Any, list[Any]]]:
     from graphtune.ops.fused import (
         TritonAddProjection,
         TritonGateUpSiluAfterNorm,
+        TritonGateUpSiluNormInLoop,
         TritonNormGateUpSilu,
         TritonNormLinear,
         TritonNormQkvRope,
         TritonQkvRopeAfterNorm,
+        TritonQkvRopeNormInLoop,
     )
     from graphtune.ops.gemm import TritonSkinnyGemmRunner
     from graphtune.ops.gemm.gemv import TritonGemvRunner
@@ -66,7 +68,11 @@ def runner_cases() -> list[tuple[str, Any, list[Any]]]:
             TritonAddProjection(),
             [x, _rand(m, inter), _rand(hidden, inter)],
         )
-        for gate_up in (TritonNormGateUpSilu(), TritonGateUpSiluAfterNorm()):
+        for gate_up in (
+            TritonNormGateUpSilu(),
+            TritonGateUpSiluNormInLoop(),
+            TritonGateUpSiluAfterNorm(),
+        ):
             add(
                 f"norm_gate_up_silu {type(gate_up).__name__} m={m}",
                 gate_up,
@@ -79,6 +85,7 @@ def runner_cases() -> list[tuple[str, Any, list[Any]]]:
         for signed, bias in ((True, None), (False, _rand(rows))):
             for qkv in (
                 TritonNormQkvRope(heads, kv, signed),
+                TritonQkvRopeNormInLoop(heads, kv, signed),
                 TritonQkvRopeAfterNorm(heads, kv, signed),
             ):
                 add(

@@ -3,8 +3,9 @@
 A decode layer in about five kernels (with decode attention between the first two):
 
 * :func:`norm_qkv_rope` — RMSNorm prologue + QKV projection (+ bias) + RoPE + K/V cache write;
-* :func:`norm_gate_up_silu` — RMSNorm prologue + gate/up projection + SiLU-and-mul (both also as
-  the RMSNorm kernel followed by the fused GEMV without its prologue);
+* :func:`norm_gate_up_silu` — RMSNorm prologue + gate/up projection + SiLU-and-mul (the step
+  offers both of these with the norm in the GEMV's main loop, or as the RMSNorm kernel followed
+  by the GEMV without a norm);
 * :func:`add_projection` — ``x += a @ weight.T`` (output and down projections, residual in place);
 * :func:`norm_linear` — RMSNorm prologue + a linear layer (the final norm and the LM head).
 
@@ -18,6 +19,7 @@ runner launches too), launched with programmatic dependent launch where the GPU 
 
 from graphtune.ops.fused.mlp import (
     TritonGateUpSiluAfterNorm,
+    TritonGateUpSiluNormInLoop,
     TritonNormGateUpSilu,
     UnfusedNormGateUpSilu,
     norm_gate_up_silu,
@@ -40,6 +42,7 @@ from graphtune.ops.fused.projection import (
 from graphtune.ops.fused.qkv import (
     TritonNormQkvRope,
     TritonQkvRopeAfterNorm,
+    TritonQkvRopeNormInLoop,
     UnfusedNormQkvRope,
     norm_qkv_rope,
     norm_qkv_rope_config,
@@ -49,10 +52,12 @@ from graphtune.ops.fused.qkv import (
 __all__ = [
     "TritonAddProjection",
     "TritonGateUpSiluAfterNorm",
+    "TritonGateUpSiluNormInLoop",
     "TritonNormGateUpSilu",
     "TritonNormLinear",
     "TritonNormQkvRope",
     "TritonQkvRopeAfterNorm",
+    "TritonQkvRopeNormInLoop",
     "UnfusedAddProjection",
     "UnfusedNormGateUpSilu",
     "UnfusedNormLinear",

@@ -8,14 +8,15 @@
 which is runner 0 (:class:`UnfusedNormGateUpSilu`, tactic ``-1``). :class:`TritonNormGateUpSilu`
 runs ``graphtune.ops.fused_gemv._kernels`` in SiLU mode: a program streams gate rows ``j`` and
 the matching up rows ``I + j`` (``w_gate_up`` is ``[gate | up]``, ``engine.model.swiglu``'s
-order), so the ``[B, 2 * I]`` intermediate is never written. :class:`TritonGateUpSiluAfterNorm`
-runs the tunable RMSNorm op first and the same kernel without its norm prologue (no per-program
-norm; the SiLU-and-mul stays in the GEMV's epilogue). Buckets above 16 rows get no fused tactics.
+order), so the ``[B, 2 * I]`` intermediate is never written. :class:`TritonGateUpSiluNormInLoop`
+applies the norm inside the kernel's main loop instead of a prologue, and
+:class:`TritonGateUpSiluAfterNorm` runs the tunable RMSNorm op first and the kernel without any
+norm (the SiLU-and-mul stays in the GEMV's epilogue). Buckets above 16 rows get no fused tactics.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -122,15 +123,31 @@ class TritonNormGateUpSilu(FusedTritonRunner):
             n=inter,
             norm_weight=prologue_weight,
             eps=eps,
+            norm_in_loop=self.norm_in_loop,
             warmup=warmup,
         )
         return out
 
+    #: Whether the kernel applies the norm in its main loop (kernel ``NORM`` 2) instead of a
+    #: prologue (``NORM`` 1); a class constant, so the class name tells the two apart.
+    norm_in_loop: ClassVar[bool] = False
+
     def kernel_rows(
         self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, warmup: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The rows the kernel reads and the weight of its RMSNorm prologue (``None``: none)."""
+        """The rows the kernel reads and the weight of its RMSNorm (``None``: no norm)."""
         return x, norm_weight
+
+
+class TritonGateUpSiluNormInLoop(TritonNormGateUpSilu):
+    """The fused kernel with the RMSNorm in its main loop (see
+    :class:`graphtune.ops.fused.qkv.TritonQkvRopeNormInLoop`). Tactic ``-1`` is the unfused
+    torch code.
+
+    Args: as :class:`TritonNormGateUpSilu`.
+    """
+
+    norm_in_loop = True
 
 
 class TritonGateUpSiluAfterNorm(InnerOpsTuner, TritonNormGateUpSilu):
@@ -174,10 +191,11 @@ def norm_gate_up_silu_runners(
     *, tuner: AutoTuner | None = None, max_m: int | None = None, cold_l2: bool = False
 ) -> tuple[TunableRunner, ...]:
     """The runners for one tuner: unfused first (fallback), then, when Triton is importable,
-    the fused kernel with its norm prologue and after the RMSNorm op."""
+    the fused kernel with the norm in its loop and after the RMSNorm op. (The prologue form,
+    :class:`TritonNormGateUpSilu`, is not offered: no step measured it faster than these.)"""
 
     def triton(tuner: AutoTuner, max_m: int | None) -> tuple[TunableRunner, ...]:
-        return TritonNormGateUpSilu(), TritonGateUpSiluAfterNorm(tuner=tuner, max_m=max_m)
+        return TritonGateUpSiluNormInLoop(), TritonGateUpSiluAfterNorm(tuner=tuner, max_m=max_m)
 
     return unfused_then_triton(tuner, OP_NAME, UnfusedNormGateUpSilu, triton, max_m, cold_l2)
 

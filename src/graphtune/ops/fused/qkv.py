@@ -12,9 +12,10 @@ own pick. :class:`TritonNormQkvRope` does it in one kernel (``graphtune.ops.fuse
 in RoPE mode): every program recomputes the row statistics, streams the weight rows of half a
 head's columns ``j`` and their partners ``HALF + j`` (so it holds both halves of the rotation),
 and writes rotated q, rotated k and v where the unfused ops write them.
-:class:`TritonQkvRopeAfterNorm` runs the tunable RMSNorm op first and the same kernel without its
-norm prologue (two kernels instead of three, no per-program norm). The tuner decides per batch
-bucket; buckets above 16 rows get no fused tactics.
+:class:`TritonQkvRopeNormInLoop` applies the norm inside the kernel's main loop instead of a
+prologue, and :class:`TritonQkvRopeAfterNorm` runs the tunable RMSNorm op first and the kernel
+without any norm (no per-program pass over ``x`` in either). The tuner decides per batch bucket;
+buckets above 16 rows get no fused tactics.
 
 Tuning keys: as for ``rope_kv_cache``, the tables and caches are pinned to
 ``graphtune.ops.rotary.TABLE_ROWS`` / ``CACHE_ROWS`` rows, so a pick holds for any cache size. A
@@ -25,7 +26,7 @@ step's :class:`~graphtune.ops.rotary.RopeRows` (``rows=``) reaches the unfused p
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -217,10 +218,14 @@ class TritonNormQkvRope(_QkvLayout, FusedTritonRunner):
         """The unfused torch code."""
         return self.torch_composition(self.unpack(inputs))
 
+    #: Whether the kernel applies the norm in its main loop (kernel ``NORM`` 2) instead of a
+    #: prologue (``NORM`` 1); a class constant, so the class name tells the two apart.
+    norm_in_loop: ClassVar[bool] = False
+
     def kernel_rows(
         self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, warmup: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The rows the kernel reads and the weight of its RMSNorm prologue (``None``: none)."""
+        """The rows the kernel reads and the weight of its RMSNorm (``None``: no norm)."""
         return x, norm_weight
 
     def launch(self, inputs: list[Any], tactic: Any, *, warmup: bool = False) -> torch.Tensor:
@@ -245,9 +250,22 @@ class TritonNormQkvRope(_QkvLayout, FusedTritonRunner):
             eps=eps,
             bias=bqkv,
             rope=(*rope, self.num_heads, self.num_kv_heads, self.signed_sin),
+            norm_in_loop=self.norm_in_loop,
             warmup=warmup,
         )
         return q
+
+
+class TritonQkvRopeNormInLoop(TritonNormQkvRope):
+    """The fused kernel with the RMSNorm in its main loop: ``x * norm_weight`` streams with the
+    weight and the row's ``rsqrt(mean(x^2) + eps)`` scales the sums in the epilogue, so neither a
+    norm kernel nor a per-program pass over ``x`` precedes the stream. Tactic ``-1`` is the
+    unfused torch code.
+
+    Args: as :class:`TritonNormQkvRope`.
+    """
+
+    norm_in_loop = True
 
 
 class TritonQkvRopeAfterNorm(InnerOpsTuner, TritonNormQkvRope):
@@ -308,7 +326,8 @@ def norm_qkv_rope_runners(
     cold_l2: bool = False,
 ) -> tuple[TunableRunner, ...]:
     """The runners for one head layout and tuner: unfused first (fallback), then the fused
-    kernel with its norm prologue and after the RMSNorm op."""
+    kernel with the norm in its loop and after the RMSNorm op. (The prologue form,
+    :class:`TritonNormQkvRope`, is not offered: no step measured it faster than these.)"""
     tuner = resolve(tuner)
 
     def build() -> tuple[TunableRunner, ...]:
@@ -317,10 +336,11 @@ def norm_qkv_rope_runners(
         )
         if not triton_available():
             return (first,)
+        in_loop = TritonQkvRopeNormInLoop(num_heads, num_kv_heads, signed_sin)
         after_norm = TritonQkvRopeAfterNorm(
             num_heads, num_kv_heads, signed_sin, tuner=tuner, max_m=max_m
         )
-        return (first, TritonNormQkvRope(num_heads, num_kv_heads, signed_sin), after_norm)
+        return (first, in_loop, after_norm)
 
     key = (OP_NAME, num_heads, num_kv_heads, signed_sin, max_m, cold_l2)
     return runners_for(tuner, key, build)

@@ -4,9 +4,14 @@
 One kernel, specialised by ``constexpr`` switches into the stages of a decode layer, so the
 weight-streaming loop (the part that decides the step's speed) exists once:
 
-* prologue ``NORM``: RMSNorm of the activation rows, recomputed by every program (a row of 2048 to
-  4096 elements is read from L2 in well under a microsecond); the normalised activations are
-  rounded to the dtype before the product, as the unfused ``rms_norm`` output is;
+* ``NORM`` 1, a prologue: RMSNorm of the activation rows, recomputed by every program (a row of
+  2048 to 4096 elements is read from L2 in well under a microsecond) before its first product;
+  the normalised activations are rounded to the dtype before the product, as the unfused
+  ``rms_norm`` output is;
+* ``NORM`` 2, in the loop: the main loop multiplies ``x * norm_weight`` and sums ``x^2`` from the
+  chunks it loads anyway, and the epilogue scales the sums by ``rsqrt(mean(x^2) + eps)``, so no
+  pass over ``x`` precedes the stream; the normalised activations are never rounded (on the
+  tensor-core path ``x * norm_weight`` is rounded once, for ``tl.dot``);
 * ``MODE`` 0 (plain): ``out = x @ w.T (+ bias) (+ res)``, in place when ``out`` is ``res``;
 * ``MODE`` 1 (SiLU-and-mul): a program owns gate rows ``j`` and the matching up rows ``N + j``,
   ``out[:, j] = silu(gate) * up`` with the roundings of ``graphtune.ops.activation``;
@@ -126,7 +131,9 @@ def fused_gemv_kernel(
     if DOT:
         # x.T tile [BLOCK_K, BLOCK_M]; rows past M are clamped (their results are not stored).
         x_ptrs = x_ptr + tl.minimum(rows, M - 1).to(tl.int64)[None, :] * stride_xm + kk[:, None]
-        if NORM:
+        if NORM == 2:
+            sq = tl.zeros((BLOCK_K, BLOCK_M), dtype=tl.float32)  # summed over the main loop
+        if NORM == 1:
             sq = tl.zeros((BLOCK_K, BLOCK_M), dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 xt = tl.load(x_ptrs + k0, mask=(k0 + kk < K)[:, None], other=0.0).to(tl.float32)
@@ -140,7 +147,7 @@ def fused_gemv_kernel(
         # graphtune.ops.gemm._gemv_kernels) and the product needs no layout conversion.
         x_row = x_ptr + pid_m.to(tl.int64) * stride_xm
         same = (lanes * 0)[:, None]
-        if NORM:
+        if NORM == 1:
             sq1 = tl.zeros((BLOCK_K,), dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 xv = tl.load(x_row + k0 + kk, mask=k0 + kk < K, other=0.0).to(tl.float32)
@@ -151,6 +158,7 @@ def fused_gemv_kernel(
         else:
             acc_a = tl.zeros((BLOCK_N,), dtype=tl.float32)
         acc_b = acc_a
+        sq_n = acc_a  # NORM == 2: the row's squares, the same in every lane of the tile
 
     if DOT:
         # Triton's pipeliner (the launch's num_stages) keeps the weight tiles of the next chunks
@@ -159,9 +167,14 @@ def fused_gemv_kernel(
             kmask = (k0 + kk < K)[:, None]
             wa = tl.load(wa_ptrs + k0, mask=(k0 + kk < K)[None, :], other=0.0)
             xt = tl.load(x_ptrs + k0, mask=kmask, other=0.0)
-            if NORM:
+            if NORM == 1:
                 nw = tl.load(nw_ptr + k0 + kk, mask=k0 + kk < K, other=0.0).to(tl.float32)
                 xt = (xt.to(tl.float32) * rstd[None, :] * nw[:, None]).to(dtype)
+            if NORM == 2:
+                nw = tl.load(nw_ptr + k0 + kk, mask=k0 + kk < K, other=0.0).to(tl.float32)
+                x32 = xt.to(tl.float32)
+                sq += x32 * x32
+                xt = (x32 * nw[:, None]).to(dtype)
             if IEEE:
                 acc_a += tl.dot(wa, xt, input_precision="ieee")
             else:
@@ -180,10 +193,14 @@ def fused_gemv_kernel(
                 wb_next = tl.load(wb_ptrs + (k0 + BLOCK_K), mask=next_ok, other=0.0)
             kmask = (k0 + kk < K)[None, :]
             xt = tl.load(x_row + same + (k0 + kk)[None, :], mask=kmask, other=0.0)
-            if NORM:
+            if NORM == 1:
                 nw = tl.load(nw_ptr + same + (k0 + kk)[None, :], mask=kmask, other=0.0)
                 xt = (xt.to(tl.float32) * rstd1 * nw.to(tl.float32)).to(dtype)
             xf = xt.to(tl.float32)
+            if NORM == 2:
+                nw = tl.load(nw_ptr + same + (k0 + kk)[None, :], mask=kmask, other=0.0)
+                sq_n += xf * xf if DEFER else tl.sum(xf * xf, axis=1)
+                xf = xf * nw.to(tl.float32)
             prod = wa.to(tl.float32) * xf
             acc_a += prod if DEFER else tl.sum(prod, axis=1)
             if MODE != 0:
@@ -206,6 +223,14 @@ def fused_gemv_kernel(
     else:
         t_a = (tl.sum(acc_a, axis=1) if DEFER else acc_a)[:, None]
         t_b = (tl.sum(acc_b, axis=1) if DEFER else acc_b)[:, None]
+    if NORM == 2:
+        # rms_norm(x) @ w.T == rsqrt(mean(x^2) + eps) * ((x * norm_weight) @ w.T)
+        if DOT:
+            rstd_t = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)[None, :]
+        else:
+            rstd_t = tl.rsqrt((tl.sum(sq_n, axis=1) if DEFER else sq_n) / K + eps)[:, None]
+        t_a = t_a * rstd_t
+        t_b = t_b * rstd_t
     if HAS_BIAS:
         t_a += tl.load(bias_ptr + rows_a).to(tl.float32)[:, None]
         if MODE != 0:

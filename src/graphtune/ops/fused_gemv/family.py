@@ -198,6 +198,7 @@ def launch_fused_gemv(
     bias: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
     rope: tuple[Any, ...] | None = None,
+    norm_in_loop: bool = False,
     warmup: bool = False,
 ) -> None:
     """Runs (or with ``warmup`` compiles) :func:`fused_gemv_kernel` for one op call.
@@ -209,12 +210,14 @@ def launch_fused_gemv(
         weight: ``[rows, K]``.
         out: Where the result goes (``residual`` itself for an in-place residual add).
         n: Output width (plain: features, SiLU: intermediate size; RoPE: ignored).
-        norm_weight: ``[K]`` RMSNorm weight of the prologue, or ``None`` for no norm.
+        norm_weight: ``[K]`` RMSNorm weight, or ``None`` for no norm.
         eps: RMSNorm epsilon.
         bias: Optional ``[rows]``.
         residual: Optional ``[M, N]`` added in float32 (plain mode).
         rope: ``(positions, cos, sin, write_rows, k_cache, v_cache, num_heads, num_kv_heads,
             signed_sin)`` for RoPE mode.
+        norm_in_loop: Apply ``norm_weight`` in the main loop and the row's ``rsqrt(mean(x^2) +
+            eps)`` in the epilogue (kernel ``NORM`` 2) instead of a prologue (``NORM`` 1).
 
     Raises:
         ConfigError: ``tactic`` is not a fused GEMV tactic.
@@ -260,7 +263,7 @@ def launch_fused_gemv(
     )
     meta = dict(
         MODE=mode,
-        NORM=norm_weight is not None,
+        NORM=0 if norm_weight is None else 2 if norm_in_loop else 1,
         HAS_BIAS=bias is not None,
         HAS_RES=residual is not None,
         DOT=bool(dot),

@@ -64,7 +64,8 @@ def launch_us(calls: int, repeats: int) -> dict[str, float | str]:
     def stand_in(kernel: Any, grid: Any, args: tuple[Any, ...], meta: dict, warmup: bool) -> None:
         pdl_meta(kernel, args, meta)  # what run_kernel does before Triton's launch
 
-    cases = [c for c in runner_cases() if "m=1" in c[0] and "float32" not in c[0]]
+    # The smallest row count of each runner (1; 2 for the GEMMs that offer nothing for one row).
+    cases = [c for c in runner_cases() if "m=8" not in c[0] and "float32" not in c[0]]
     out: dict[str, float | str] = {}
     with launches_replaced(stand_in):
         for label, runner, inputs in cases:

@@ -206,7 +206,8 @@ def test_skinny_gemm_runner_has_the_gemm_ops_semantics(dtype, m):
     bias, residual = _randn(gen, n, dtype=dtype), _randn(gen, m, n, dtype=dtype)
     runner = TritonSkinnyGemmRunner()
     tactics = runner.get_valid_tactics([a, w, None, None, False], None)
-    assert tactics and all(t["dot"] == 1 for t in tactics)
+    # No tactics for one row (the GEMV's), but any tactic runs it.
+    assert all(t["dot"] == 1 for t in tactics) and bool(tactics) == (m > 1)
     product = a.double() @ w.double().T
     got = runner.forward([a, w, bias, None, False], DOT)
     assert _rel(got, product + bias.double()) < TOL[dtype], gen.initial_seed()

@@ -166,8 +166,9 @@ def test_a_bucket_pick_runs_every_row_count_of_its_bucket():
 @needs_interpreter
 def test_every_valid_tactic_of_a_small_shape_runs_and_is_correct():
     gen = _gen()
-    runner = TritonGemvRunner(sm_count=4)  # few SMs: the small grid gets split-K candidates
-    m, n, k = 2, 40, 256
+    # Few SMs: the small grid of one row gets split-K candidates.
+    runner = TritonGemvRunner(sm_count=4)
+    m, n, k = 1, 40, 256
     a, w, bias = _randn(gen, m, k), _randn(gen, n, k), _randn(gen, n)
     inputs = [a, w, bias, None, False]
     tactics = runner.get_valid_tactics(inputs, None)

@@ -24,7 +24,8 @@ def _rand(*shape: int, dtype: torch.dtype = BF16) -> torch.Tensor:
 
 def runner_cases() -> list[tuple[str, Any, list[Any]]]:
     """``(label, runner, inputs)`` of every Triton runner, on small CPU tensors, in each of its
-    kernel modes, at 1 and 8 rows (each label names the case and holds ``m=1`` or ``m=8``). The
+    kernel modes, at 1 and 8 rows (2 and 8 for the tiled and skinny GEMMs, which offer nothing
+    for one row; each label names the case and holds its ``m=``). The
     inputs are random; nothing is launched here."""
     from graphtune.ops import attention
     from graphtune.ops.activation import TritonSiluAndMulRunner
@@ -95,15 +96,18 @@ def runner_cases() -> list[tuple[str, Any, list[Any]]]:
                     [x, nw, _rand(rows, hidden), bias, positions, _rand(seq, dim), _rand(seq, dim)]
                     + [k_cache, v_cache, write_rows, 1e-5],
                 )
+        # The tiled and skinny GEMMs offer no tactics for one row (the GEMV's): two rows.
+        tiled_m = max(m, 2)
+        x_tiled = _rand(tiled_m, hidden)
         add(
-            f"skinny_gemm m={m}",
+            f"skinny_gemm m={tiled_m}",
             TritonSkinnyGemmRunner(),
-            [x, _rand(inter, hidden), _rand(inter), _rand(m, inter), True],
+            [x_tiled, _rand(inter, hidden), _rand(inter), _rand(tiled_m, inter), True],
         )
         add(
-            f"gemm m={m}",
+            f"gemm m={tiled_m}",
             TritonGemmRunner(),
-            [x, _rand(inter, hidden), None, _rand(m, inter), True],
+            [x_tiled, _rand(inter, hidden), None, _rand(tiled_m, inter), True],
         )
         add(f"gemv m={m}", TritonGemvRunner(), [x, _rand(inter, hidden), None, None, False])
         add(f"rms_norm m={m}", TritonRMSNormRunner(), [x, nw, _rand(m, hidden), 1e-5])

@@ -29,7 +29,14 @@ Tactics are dicts ``{"bn", "bk", "warps", "split_k"}``. Pruning rules of :func:`
 * split-K only when the grid without it is small (``programs < 2 * SMs``), ``K`` splits into
   whole ``bk`` blocks (``K % (split_k * bk) == 0``) and ``programs * split_k <= 4 * SMs``;
 * at most ``max_tactics`` (16): when more pass, those with the shortest ``K`` loop
-  (``K / (split_k * bk)`` chunks, each a dependent DRAM round trip) are kept.
+  (``K / (split_k * bk)`` chunks, each a dependent DRAM round trip) are kept;
+* of those, measured losers are dropped (:func:`measured_loser`): split-K beyond 2, split-K for
+  more than one row, ``bn`` 32, and ``bn`` 16 for more than one row. Over every GEMM case of the
+  committed tuning-quality runs (``benchmarks/results/tuning-*.json``: Llama-1B's five decode
+  GEMMs at buckets 1 to 128, 182 observations of 35 cases) no such tactic came within 5.8% of
+  the case's best under either truth (CUPTI kernel time, or replayed back to back in a graph).
+  They are dropped after the cap, so no tactic the runs never timed takes their place, and
+  only when some tactic remains (toy shapes, outside that data, keep theirs).
 
 The list is ordered simplest first: no split before split-K, then fewer warps, then smaller
 ``bn`` and ``bk``; the tuner gives ties to the earlier tactic. How the kernel reduces over ``K``
@@ -189,7 +196,16 @@ def gemv_tactics(
 
         kept = sorted(order, key=lambda ident: (loop_length(ident), order.index(ident)))
         order = sorted(kept[:max_tactics])
-    return [found[ident] for ident in order]
+    offered = [found[ident] for ident in order]
+    return [t for t in offered if not measured_loser(t, m)] or offered
+
+
+def measured_loser(tactic: dict[str, int], m: int) -> bool:
+    """Whether the tuning-quality runs found ``tactic`` far from the best for ``m`` rows (see
+    the module's pruning rules): split-K beyond 2 or for more than one row, ``bn`` 32, or ``bn``
+    16 for more than one row."""
+    split, bn = tactic["split_k"], tactic["bn"]
+    return split > 2 or (split > 1 and m > 1) or bn > 16 or (bn > 8 and m > 1)
 
 
 class TritonGemvRunner(TritonRunner):

@@ -45,11 +45,21 @@ class TritonSkinnyGemmRunner(FusedTritonRunner):
         return a.stride(-1) == 1 and weight.stride(-1) == 1 and triton_gemm_supports(inputs)
 
     def tactics_for(self, inputs: list[Any]) -> list[Any]:
-        """The ``dot=1`` tactics of :func:`graphtune.ops.fused_gemv.family.fused_gemv_tactics`."""
+        """The ``dot=1`` tactics of :func:`graphtune.ops.fused_gemv.family.fused_gemv_tactics`,
+        less the measured losers: none for one row, and only ``bn >= 64`` with ``bk`` 128 up to
+        8 rows. Over every GEMM case of the committed tuning-quality runs
+        (``benchmarks/results/tuning-*.json``, Llama-1B's decode GEMMs) none of these came within
+        5.8% of the case's best under either truth."""
         a, weight = inputs[0], inputs[1]
-        shape = GemvShape(PLAIN, a.shape[0], weight.shape[0], 1, a.shape[1], a.element_size())
+        m = a.shape[0]
+        if m <= 1:
+            return []
+        shape = GemvShape(PLAIN, m, weight.shape[0], 1, a.shape[1], a.element_size())
         sms = self.sm_count_for(a.device)
-        return [t for t in fused_gemv_tactics(shape, sm_count=sms) if t["dot"] == 1]
+        tactics = [t for t in fused_gemv_tactics(shape, sm_count=sms) if t["dot"] == 1]
+        if m <= 8:
+            tactics = [t for t in tactics if t["bn"] >= 64 and t["bk"] == 128]
+        return tactics
 
     def torch_forward(self, inputs: list[Any]) -> torch.Tensor:
         """:func:`graphtune.ops.gemm.common.torch_gemm`: the fallback tactic."""

@@ -10,7 +10,14 @@ Pruning rules of :func:`gemm_tactics` (a pruned config is never timed):
 * a block never exceeds the next power of two of its dimension (it is clamped, duplicates dropped);
 * split-K only for skinny ``M`` (``<= 64``), and only when ``K`` splits into whole ``bk`` blocks
   (``K % (split_k * bk) == 0``); split counts near ``SMs / output tiles`` only;
-* the pipelined operand tiles ``stages * (bm + bn) * bk * itemsize`` fit the shared-memory budget.
+* the pipelined operand tiles ``stages * (bm + bn) * bk * itemsize`` fit the shared-memory budget;
+* measured losers are not offered: no tactics for one row (the GEMV runner and cuBLAS), split-K
+  of at most 8, and no split-K for the ``(32, 128, 4, 4)`` tile up to 16 rows. Over every GEMM
+  case of the committed tuning-quality runs (``benchmarks/results/tuning-*.json``: Llama-1B's five
+  decode GEMMs at buckets 1 to 128, 182 observations of 35 cases) none of these came within 5.8%
+  of the case's best under either truth (CUPTI kernel time, or replayed back to back in a graph);
+  the graph timer read the split-K ``(32, 128, 4, 4)`` tiles about 10% faster than both truths
+  and picked them at 8 and 16 rows, 11 to 18% from the best.
 """
 
 from __future__ import annotations
@@ -43,7 +50,10 @@ BASE_CONFIGS: tuple[tuple[int, int, int, int], ...] = (
     (128, 64, 4, 4),
     (128, 128, 8, 3),
 )
-SPLIT_K_CHOICES = (2, 4, 8, 16)
+SPLIT_K_CHOICES = (2, 4, 8)
+#: The tile whose split-K tactics are not offered up to :data:`NO_SPLIT_TILE_MAX_M` rows.
+NO_SPLIT_TILE = (32, 128, 4, 4)
+NO_SPLIT_TILE_MAX_M = 16
 SKINNY_M = 64
 TACTIC_KEYS = ("bm", "bn", "bk", "warps", "stages", "split_k")
 
@@ -101,6 +111,8 @@ def gemm_tactics(
         Tactic dicts in a fixed order (base config, then split count), so ties in tuning go to
         the simpler config.
     """
+    if m <= 1:
+        return []
     bm = min(max(16, next_power_of_two(m)), 128)
     bms = [bm] if m <= SKINNY_M else sorted({min(bm, 64), bm})
     # Blocks larger than their dimension only compute padding: clamp them to the dimension
@@ -115,7 +127,10 @@ def gemm_tactics(
                 continue
             tiles = math.ceil(m / bm_value) * math.ceil(n / bn)
             splits = [1]
-            if m <= SKINNY_M:
+            no_split = (
+                m <= NO_SPLIT_TILE_MAX_M and (bn_base, bk_base, warps, stages) == NO_SPLIT_TILE
+            )
+            if m <= SKINNY_M and not no_split:
                 target = sm_count / tiles
                 splits += [s for s in SPLIT_K_CHOICES if target / 2 <= s <= target * 2]
             for split in splits:

@@ -95,7 +95,7 @@ def forced(llama_1b, cache, tuner):
     # No whole-step check: it would put back the unfused path where the step runs faster so.
     tune_step(DecodeStep(llama_1b, cache, contiguous_slots=True, tuner=forced), check_fused=False)
     picks = {(key.op, key.shapes[0][0]): entry.runner_index for key, entry in forced.cache.items()}
-    assert all(picks[(op, m)] == 1 for op, m in picks if op in FUSED_OPS), picks
+    assert all(picks[(op, m)] > 0 for op, m in picks if op in FUSED_OPS), picks  # a kernel
     return forced
 
 

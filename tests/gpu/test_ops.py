@@ -47,7 +47,7 @@ def _randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
     return (torch.randn(*shape, device=DEV) * scale).to(BF16)
 
 
-@pytest.mark.parametrize("m", [1, 32])
+@pytest.mark.parametrize("m", [2, 32])  # none for one row: the GEMV's (graphtune.ops.gemm.tiled)
 def test_every_valid_gemm_tactic_on_the_qkv_shape(m):
     n, k = GEMMS["qkv"]
     runner = TritonGemmRunner()
@@ -64,7 +64,7 @@ def test_every_valid_gemm_tactic_on_the_qkv_shape(m):
 
 
 @pytest.mark.parametrize("name", list(GEMMS))
-@pytest.mark.parametrize("m", [1, 8, 64])
+@pytest.mark.parametrize("m", [2, 8, 64])
 def test_gemm_decode_shapes_with_residual_and_split_k(name, m):
     n, k = GEMMS[name]
     runner = TritonGemmRunner()

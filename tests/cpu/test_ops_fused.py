@@ -30,6 +30,7 @@ from graphtune.ops.fused import (  # noqa: E402
     TritonGateUpSiluNormInLoop,
     TritonNormGateUpSilu,
     TritonNormLinear,
+    TritonNormLinearInLoop,
     TritonNormQkvRope,
     TritonQkvRopeAfterNorm,
     TritonQkvRopeNormInLoop,
@@ -92,9 +93,14 @@ def test_add_projection_updates_x_in_place(tactic, dtype, m):
     assert _rel(x, want) < TOL[dtype], gen.initial_seed()
 
 
-@pytest.mark.parametrize("tactic,dtype,m", CASES, ids=IDS)
+@pytest.mark.parametrize(
+    "tactic,dtype,m,runner",
+    [(*case, TritonNormLinear) for case in CASES]
+    + [(*case, TritonNormLinearInLoop) for case in CASES],
+    ids=IDS + [f"in-loop-{i}" for i in IDS],
+)
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_norm_linear_matches_float64(tactic, dtype, m, with_bias):
+def test_norm_linear_matches_float64(tactic, dtype, m, with_bias, runner):
     gen = _gen()
     n, k, eps = 36, 80, 1e-5
     x, w = _randn(gen, m, k, dtype=dtype), _randn(gen, n, k, dtype=dtype, scale=0.2)
@@ -103,7 +109,7 @@ def test_norm_linear_matches_float64(tactic, dtype, m, with_bias):
     want = _norm64(x, norm_w, eps) @ w.double().T
     if bias is not None:
         want = want + bias.double()
-    got = TritonNormLinear().forward([x, norm_w, w, bias, eps], tactic)
+    got = runner().forward([x, norm_w, w, bias, eps], tactic)
     assert got.shape == (m, n) and got.dtype == dtype
     assert _rel(got, want) < TOL[dtype], gen.initial_seed()
 

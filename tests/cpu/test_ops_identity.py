@@ -57,7 +57,11 @@ def _runner_sets(tuner: AutoTuner | None) -> dict[str, tuple[TunableRunner, ...]
         "route_top_k": moe.route_top_k_runners(2, True, False),
         "skinny_gemm": (TritonSkinnyGemmRunner(),),
         # The fused stages' prologue-norm kernels, which their factories no longer offer.
-        "norm_prologue": (fused.TritonNormGateUpSilu(), fused.TritonNormQkvRope(4, 2, True)),
+        "norm_prologue": (
+            fused.TritonNormGateUpSilu(),
+            fused.TritonNormQkvRope(4, 2, True),
+            fused.TritonNormLinear(),
+        ),
     }
 
 

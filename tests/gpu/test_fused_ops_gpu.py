@@ -21,6 +21,7 @@ from graphtune.ops.fused import (  # noqa: E402
     TritonGateUpSiluNormInLoop,
     TritonNormGateUpSilu,
     TritonNormLinear,
+    TritonNormLinearInLoop,
     TritonNormQkvRope,
     TritonQkvRopeAfterNorm,
     TritonQkvRopeNormInLoop,
@@ -140,6 +141,7 @@ def test_lm_head_and_skinny_gemm(name, m):
     w = _randn(vocab, hidden, scale=hidden**-0.5)
     want = _norm64(x, norm_w, 1e-5) @ w.double().T
     _check_all(TritonNormLinear(), [x, norm_w, w, None, 1e-5], want, TOL, 4)
+    _check_all(TritonNormLinearInLoop(), [x, norm_w, w, None, 1e-5], want, TOL, 4)
     if m > 1:  # the skinny GEMM offers no tactics for one row (the GEMV's)
         want = x.double() @ w.double().T
         _check_all(TritonSkinnyGemmRunner(), [x, w, None, None, False], want, TOL, 2)

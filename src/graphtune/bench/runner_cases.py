@@ -35,6 +35,7 @@ def runner_cases() -> list[tuple[str, Any, list[Any]]]:
         TritonGateUpSiluNormInLoop,
         TritonNormGateUpSilu,
         TritonNormLinear,
+        TritonNormLinearInLoop,
         TritonNormQkvRope,
         TritonQkvRopeAfterNorm,
         TritonQkvRopeNormInLoop,
@@ -59,6 +60,11 @@ def runner_cases() -> list[tuple[str, Any, list[Any]]]:
     for m in (1, 8):
         x, nw = _rand(m, hidden), _rand(hidden)
         add(f"norm_linear m={m}", TritonNormLinear(), [x, nw, _rand(inter, hidden), None, 1e-5])
+        add(
+            f"norm_linear in loop m={m}",
+            TritonNormLinearInLoop(),
+            [x, nw, _rand(inter, hidden), _rand(inter), 1e-5],
+        )
         add(
             f"norm_linear+bias m={m}",
             TritonNormLinear(),

@@ -30,6 +30,7 @@ from graphtune.ops.fused.mlp import (
 from graphtune.ops.fused.projection import (
     TritonAddProjection,
     TritonNormLinear,
+    TritonNormLinearInLoop,
     UnfusedAddProjection,
     UnfusedNormLinear,
     add_projection,
@@ -55,6 +56,7 @@ __all__ = [
     "TritonGateUpSiluNormInLoop",
     "TritonNormGateUpSilu",
     "TritonNormLinear",
+    "TritonNormLinearInLoop",
     "TritonNormQkvRope",
     "TritonQkvRopeAfterNorm",
     "TritonQkvRopeNormInLoop",

@@ -7,9 +7,11 @@
   written by the program that computes it.
 * ``norm_linear(x, norm_weight, eps, weight, bias)``: ``F.linear(rms_norm(x), weight, bias)``
   (the final norm and the LM head). Runner 0 (:class:`UnfusedNormLinear`) is
-  ``fused_add_rms_norm`` then ``gemm``; :class:`TritonNormLinear` recomputes the row statistics
-  in every program and rounds the normalised row to the dtype before the product, as the unfused
-  norm's output is.
+  ``fused_add_rms_norm`` then ``gemm``; :class:`TritonNormLinearInLoop`, the op's Triton runner,
+  applies the norm in the GEMV's main loop (``x * norm_weight`` with the stream, the row's
+  ``rsqrt(mean(x^2) + eps)`` in the epilogue). :class:`TritonNormLinear`, not offered by the op
+  any more, recomputes the row statistics in every program before its first product and rounds
+  the normalised row to the dtype, as the unfused norm's output is.
 
 Both kernels stream the weight with one chunk in flight ahead and, under PDL, load their first
 chunk before waiting for the previous kernel (``graphtune.ops._pdl``). Buckets above 16 rows get
@@ -19,7 +21,7 @@ no fused tactics.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -217,6 +219,10 @@ class UnfusedNormLinear(UnfusedRunner):
 class TritonNormLinear(_PlainTriton):
     """The fused GEMV with the RMSNorm prologue; tactic ``-1`` is the unfused torch code."""
 
+    #: Whether the kernel applies the norm in its main loop (kernel ``NORM`` 2) instead of a
+    #: prologue (``NORM`` 1); a class constant, so the class name tells the two apart.
+    norm_in_loop: ClassVar[bool] = False
+
     def supports(self, inputs: list[Any]) -> bool:
         """Unit last strides, one float dtype (the norm weight may differ), a Triton device."""
         x, norm_weight, weight, bias, _ = _unpack_norm(inputs)
@@ -247,20 +253,30 @@ class TritonNormLinear(_PlainTriton):
             norm_weight=norm_weight,
             eps=eps,
             bias=bias,
+            norm_in_loop=self.norm_in_loop,
             warmup=warmup,
         )
         return out
 
 
+class TritonNormLinearInLoop(TritonNormLinear):
+    """The fused GEMV with the RMSNorm in its main loop (see
+    :class:`graphtune.ops.fused.qkv.TritonQkvRopeNormInLoop`); tactic ``-1`` is the unfused torch
+    code."""
+
+    norm_in_loop = True
+
+
 def norm_linear_runners(
     *, tuner: AutoTuner | None = None, max_m: int | None = None, cold_l2: bool = False
 ) -> tuple[TunableRunner, ...]:
-    """The runners for one tuner: unfused first (fallback), then Triton when importable."""
+    """The runners for one tuner: unfused first (fallback), then the fused GEMV with the norm in
+    its loop when Triton is importable."""
     return unfused_then_triton(
         tuner,
         NORM_LINEAR,
         UnfusedNormLinear,
-        lambda _tuner, _max_m: (TritonNormLinear(),),
+        lambda _tuner, _max_m: (TritonNormLinearInLoop(),),
         max_m,
         cold_l2,
     )

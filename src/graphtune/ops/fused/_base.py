@@ -24,11 +24,14 @@ import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+import torch
+
 from graphtune.autotuner.config import DynamicTensorSpec, TuningConfig
 from graphtune.autotuner.context import get_tuner
 from graphtune.autotuner.runner import FALLBACK_TACTIC, TunableRunner
 from graphtune.autotuner.tuner import AutoTuner
 from graphtune.ops._triton import triton_available
+from graphtune.ops.rmsnorm import fused_add_rms_norm
 
 _RUNNERS: weakref.WeakKeyDictionary[AutoTuner, dict[tuple[Any, ...], tuple[TunableRunner, ...]]]
 _RUNNERS = weakref.WeakKeyDictionary()
@@ -107,6 +110,41 @@ class InnerOpsTuner:
         state = dict(super().__getstate__())  # type: ignore[misc]
         state["_tuner_ref"] = None  # a weak reference cannot be pickled (subprocess isolation)
         return state
+
+
+class NormPlacement:
+    """Mixin of a fused GEMV runner whose op normalises its input rows: where the RMSNorm runs.
+
+    By default the kernel normalises in a prologue (kernel ``NORM`` 1); a subclass with
+    :attr:`norm_in_loop` applies it in the main loop (``NORM`` 2), and :class:`AfterNormOp` runs
+    the tunable RMSNorm op first and the kernel without a norm. Class constants, so the class
+    name tells the forms apart in cache keys.
+    """
+
+    norm_in_loop: ClassVar[bool] = False
+
+    def kernel_rows(
+        self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, warmup: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The rows the kernel reads and the weight of its RMSNorm (``None``: no norm)."""
+        return x, norm_weight
+
+
+class AfterNormOp(InnerOpsTuner, NormPlacement):
+    """Mixin: the tunable RMSNorm op (through the held tuner), then the kernel without a norm.
+
+    The prologue makes every program read and reduce its whole input row before its first
+    product; here one small kernel normalises each row once.
+    """
+
+    def kernel_rows(
+        self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, warmup: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``rms_norm(x)`` through the tuner's pick (a compile-only launch skips it: the
+        kernel's binary depends only on the rows' layout); no norm in the kernel."""
+        if warmup:
+            return x, None
+        return fused_add_rms_norm(x, norm_weight, eps, tuner=self.tuner, max_m=self.max_m)[0], None
 
 
 class UnfusedRunner(InnerOpsTuner, TunableRunner):

@@ -16,7 +16,7 @@ norm (the SiLU-and-mul stays in the GEMV's epilogue). Buckets above 16 rows get 
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
@@ -28,7 +28,8 @@ from graphtune.errors import ConfigError, InputError
 from graphtune.ops._rows import as_rows, from_rows
 from graphtune.ops.activation import silu_and_mul, torch_silu_and_mul
 from graphtune.ops.fused._base import (
-    InnerOpsTuner,
+    AfterNormOp,
+    NormPlacement,
     UnfusedRunner,
     resolve,
     rows_config,
@@ -83,7 +84,7 @@ class UnfusedNormGateUpSilu(UnfusedRunner):
         return silu_and_mul(gate_up, tuner=tuner, max_m=max_m)
 
 
-class TritonNormGateUpSilu(FusedTritonRunner):
+class TritonNormGateUpSilu(NormPlacement, FusedTritonRunner):
     """The fused kernel; tactic ``-1`` is the unfused torch code.
 
     Args: as :class:`~graphtune.ops.fused_gemv.FusedTritonRunner`.
@@ -128,16 +129,6 @@ class TritonNormGateUpSilu(FusedTritonRunner):
         )
         return out
 
-    #: Whether the kernel applies the norm in its main loop (kernel ``NORM`` 2) instead of a
-    #: prologue (``NORM`` 1); a class constant, so the class name tells the two apart.
-    norm_in_loop: ClassVar[bool] = False
-
-    def kernel_rows(
-        self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, warmup: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The rows the kernel reads and the weight of its RMSNorm (``None``: no norm)."""
-        return x, norm_weight
-
 
 class TritonGateUpSiluNormInLoop(TritonNormGateUpSilu):
     """The fused kernel with the RMSNorm in its main loop (see
@@ -150,13 +141,10 @@ class TritonGateUpSiluNormInLoop(TritonNormGateUpSilu):
     norm_in_loop = True
 
 
-class TritonGateUpSiluAfterNorm(InnerOpsTuner, TritonNormGateUpSilu):
-    """The tunable RMSNorm op, then the fused kernel without its norm prologue.
-
-    The prologue makes every program read and reduce its whole input row before its first
-    product; here one small kernel normalises each row once, and the GEMV keeps SiLU-and-mul
-    in its epilogue (no ``[B, 2 * I]`` intermediate, no separate SiLU kernel). Tactic ``-1`` is
-    the unfused torch code.
+class TritonGateUpSiluAfterNorm(AfterNormOp, TritonNormGateUpSilu):
+    """The tunable RMSNorm op, then the fused kernel without a norm (see
+    :class:`~graphtune.ops.fused._base.AfterNormOp`); SiLU-and-mul stays in the GEMV's epilogue
+    (no ``[B, 2 * I]`` intermediate, no SiLU kernel). Tactic ``-1`` is the unfused torch code.
 
     Args:
         tuner: The tuner the RMSNorm op asks (weakly held; ``None``: the process default).
@@ -164,7 +152,7 @@ class TritonGateUpSiluAfterNorm(InnerOpsTuner, TritonNormGateUpSilu):
         sm_count, compile_workers: As for :class:`TritonNormGateUpSilu`.
     """
 
-    identity_excludes = TritonNormGateUpSilu.identity_excludes | InnerOpsTuner.identity_excludes
+    identity_excludes = TritonNormGateUpSilu.identity_excludes | AfterNormOp.identity_excludes
 
     def __init__(
         self,
@@ -176,15 +164,6 @@ class TritonGateUpSiluAfterNorm(InnerOpsTuner, TritonNormGateUpSilu):
     ) -> None:
         TritonNormGateUpSilu.__init__(self, sm_count=sm_count, compile_workers=compile_workers)
         self._hold_tuner(tuner, max_m, False)
-
-    def kernel_rows(
-        self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, warmup: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``rms_norm(x)`` through the tuner's pick (a compile-only launch skips it: the
-        kernel's binary depends only on the rows' layout); no prologue."""
-        if warmup:
-            return x, None
-        return fused_add_rms_norm(x, norm_weight, eps, tuner=self.tuner, max_m=self.max_m)[0], None
 
 
 def norm_gate_up_silu_runners(

@@ -21,7 +21,7 @@ no fused tactics.
 from __future__ import annotations
 
 import functools
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +32,13 @@ from graphtune.autotuner.runner import TunableRunner
 from graphtune.autotuner.tuner import AutoTuner
 from graphtune.errors import ConfigError, InputError
 from graphtune.ops._rows import as_rows, from_rows
-from graphtune.ops.fused._base import UnfusedRunner, resolve, rows_config, unfused_then_triton
+from graphtune.ops.fused._base import (
+    NormPlacement,
+    UnfusedRunner,
+    resolve,
+    rows_config,
+    unfused_then_triton,
+)
 from graphtune.ops.fused_gemv import FusedTritonRunner
 from graphtune.ops.fused_gemv.family import (
     PLAIN,
@@ -216,12 +222,8 @@ class UnfusedNormLinear(UnfusedRunner):
         return gemm(h, weight, bias, tuner=self.tuner, max_m=self.max_m, cold_l2=self.cold_l2)
 
 
-class TritonNormLinear(_PlainTriton):
+class TritonNormLinear(NormPlacement, _PlainTriton):
     """The fused GEMV with the RMSNorm prologue; tactic ``-1`` is the unfused torch code."""
-
-    #: Whether the kernel applies the norm in its main loop (kernel ``NORM`` 2) instead of a
-    #: prologue (``NORM`` 1); a class constant, so the class name tells the two apart.
-    norm_in_loop: ClassVar[bool] = False
 
     def supports(self, inputs: list[Any]) -> bool:
         """Unit last strides, one float dtype (the norm weight may differ), a Triton device."""

@@ -26,7 +26,7 @@ step's :class:`~graphtune.ops.rotary.RopeRows` (``rows=``) reaches the unfused p
 from __future__ import annotations
 
 import functools
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
@@ -36,7 +36,13 @@ from graphtune.autotuner.runner import TunableRunner
 from graphtune.autotuner.tuner import AutoTuner
 from graphtune.errors import ConfigError, InputError
 from graphtune.ops._triton import triton_available
-from graphtune.ops.fused._base import InnerOpsTuner, UnfusedRunner, resolve, runners_for
+from graphtune.ops.fused._base import (
+    AfterNormOp,
+    NormPlacement,
+    UnfusedRunner,
+    resolve,
+    runners_for,
+)
 from graphtune.ops.fused_gemv import FusedTritonRunner
 from graphtune.ops.fused_gemv.family import (
     ROPE,
@@ -165,7 +171,7 @@ class UnfusedNormQkvRope(_QkvLayout, UnfusedRunner):
         )
 
 
-class TritonNormQkvRope(_QkvLayout, FusedTritonRunner):
+class TritonNormQkvRope(_QkvLayout, NormPlacement, FusedTritonRunner):
     """The fused kernel; tactic ``-1`` is the unfused torch code.
 
     Args:
@@ -218,16 +224,6 @@ class TritonNormQkvRope(_QkvLayout, FusedTritonRunner):
         """The unfused torch code."""
         return self.torch_composition(self.unpack(inputs))
 
-    #: Whether the kernel applies the norm in its main loop (kernel ``NORM`` 2) instead of a
-    #: prologue (``NORM`` 1); a class constant, so the class name tells the two apart.
-    norm_in_loop: ClassVar[bool] = False
-
-    def kernel_rows(
-        self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, warmup: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The rows the kernel reads and the weight of its RMSNorm (``None``: no norm)."""
-        return x, norm_weight
-
     def launch(self, inputs: list[Any], tactic: Any, *, warmup: bool = False) -> torch.Tensor:
         """Runs the fused kernel; returns ``q [B, heads, D]``."""
         x, norm_weight, wqkv, bqkv, positions, cos, sin, k_cache, v_cache, rows, eps = self.unpack(
@@ -268,13 +264,10 @@ class TritonQkvRopeNormInLoop(TritonNormQkvRope):
     norm_in_loop = True
 
 
-class TritonQkvRopeAfterNorm(InnerOpsTuner, TritonNormQkvRope):
-    """The tunable RMSNorm op, then the fused kernel without its norm prologue.
-
-    The prologue makes every program of the fused kernel read and reduce its whole input row
-    before its first product; here one small kernel normalises each row once, and the fused
-    kernel keeps the QKV projection, RoPE and the K/V write in one pass over the weight. Tactic
-    ``-1`` is the unfused torch code.
+class TritonQkvRopeAfterNorm(AfterNormOp, TritonNormQkvRope):
+    """The tunable RMSNorm op, then the fused kernel without a norm (see
+    :class:`~graphtune.ops.fused._base.AfterNormOp`): QKV projection, RoPE and the K/V write stay
+    one pass over the weight. Tactic ``-1`` is the unfused torch code.
 
     Args:
         num_heads, num_kv_heads, signed_sin: The head layout.
@@ -283,7 +276,7 @@ class TritonQkvRopeAfterNorm(InnerOpsTuner, TritonNormQkvRope):
         sm_count, compile_workers: As for :class:`TritonNormQkvRope`.
     """
 
-    identity_excludes = TritonNormQkvRope.identity_excludes | InnerOpsTuner.identity_excludes
+    identity_excludes = TritonNormQkvRope.identity_excludes | AfterNormOp.identity_excludes
 
     def __init__(
         self,
@@ -305,15 +298,6 @@ class TritonQkvRopeAfterNorm(InnerOpsTuner, TritonNormQkvRope):
             compile_workers=compile_workers,
         )
         self._hold_tuner(tuner, max_m, False)
-
-    def kernel_rows(
-        self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, warmup: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``rms_norm(x)`` through the tuner's pick (a compile-only launch skips it: the
-        kernel's binary depends only on the rows' layout); no prologue."""
-        if warmup:
-            return x, None
-        return fused_add_rms_norm(x, norm_weight, eps, tuner=self.tuner, max_m=self.max_m)[0], None
 
 
 def norm_qkv_rope_runners(

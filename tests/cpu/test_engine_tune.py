@@ -58,7 +58,12 @@ def test_tuned_engine_matches_untuned_and_reuses_the_cache_file(tmp_path):
         assert "TritonSkinnyGemmRunner" in winners and "TritonRopeRunner" in winners
         # The last runner of every fused stage is a fused kernel (for the QKV and MLP stages
         # the one that runs after the RMSNorm op).
-        for fused in ("QkvRopeAfterNorm", "AddProjection", "GateUpSiluAfterNorm", "NormLinearInLoop"):
+        for fused in (
+            "QkvRopeAfterNorm",
+            "AddProjection",
+            "GateUpSiluAfterNorm",
+            "NormLinearInLoop",
+        ):
             assert f"Triton{fused}" in winners, fused
     # The fake timer makes the last runner win: Triton's attention where Triton runs (the
     # interpreter), else the matmul runner.

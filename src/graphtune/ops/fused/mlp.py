@@ -114,7 +114,7 @@ class TritonNormGateUpSilu(NormPlacement, FusedTritonRunner):
         out = torch.empty((x.shape[0], inter), device=x.device, dtype=x.dtype)
         if x.shape[0] == 0 or inter == 0:
             return out
-        rows_in, prologue_weight = self.kernel_rows(x, norm_weight, eps, warmup)
+        rows_in, kernel_norm = self.kernel_rows(x, norm_weight, eps, warmup)
         launch_fused_gemv(
             SILU,
             tactic,
@@ -122,7 +122,7 @@ class TritonNormGateUpSilu(NormPlacement, FusedTritonRunner):
             weight=w_gate_up,
             out=out,
             n=inter,
-            norm_weight=prologue_weight,
+            norm_weight=kernel_norm,
             eps=eps,
             norm_in_loop=self.norm_in_loop,
             warmup=warmup,

@@ -233,7 +233,7 @@ class TritonNormQkvRope(_QkvLayout, NormPlacement, FusedTritonRunner):
         q = torch.empty((x.shape[0], self.num_heads, dim), device=x.device, dtype=x.dtype)
         if x.shape[0] == 0:
             return q
-        rows_in, prologue_weight = self.kernel_rows(x, norm_weight, eps, warmup)
+        rows_in, kernel_norm = self.kernel_rows(x, norm_weight, eps, warmup)
         rope = (positions, cos, sin, rows, k_cache, v_cache)
         launch_fused_gemv(
             ROPE,
@@ -242,7 +242,7 @@ class TritonNormQkvRope(_QkvLayout, NormPlacement, FusedTritonRunner):
             weight=wqkv,
             out=q,
             n=0,
-            norm_weight=prologue_weight,
+            norm_weight=kernel_norm,
             eps=eps,
             bias=bqkv,
             rope=(*rope, self.num_heads, self.num_kv_heads, self.signed_sin),

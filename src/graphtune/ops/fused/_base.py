@@ -93,6 +93,14 @@ class InnerOpsTuner:
     # whether its GEMM was timed with cold L2 (the GEMM's keys do not depend on it either).
     identity_excludes: ClassVar[frozenset[str]] = frozenset({"max_m", "cold_l2"})
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # A runner that mixes this in with another base (a Triton runner) excludes both sets.
+        super().__init_subclass__(**kwargs)
+        bases = cls.__mro__
+        cls.identity_excludes = frozenset().union(
+            *(getattr(base, "identity_excludes", frozenset()) for base in bases)
+        )
+
     def _hold_tuner(self, tuner: AutoTuner | None, max_m: int | None, cold_l2: bool) -> None:
         # Private, so not part of the cache identity: the picks do not depend on which tuner
         # the inner ops ask, and a weak reference has no stable text.

@@ -152,8 +152,6 @@ class TritonGateUpSiluAfterNorm(AfterNormOp, TritonNormGateUpSilu):
         sm_count, compile_workers: As for :class:`TritonNormGateUpSilu`.
     """
 
-    identity_excludes = TritonNormGateUpSilu.identity_excludes | AfterNormOp.identity_excludes
-
     def __init__(
         self,
         *,

@@ -276,8 +276,6 @@ class TritonQkvRopeAfterNorm(AfterNormOp, TritonNormQkvRope):
         sm_count, compile_workers: As for :class:`TritonNormQkvRope`.
     """
 
-    identity_excludes = TritonNormQkvRope.identity_excludes | AfterNormOp.identity_excludes
-
     def __init__(
         self,
         num_heads: int,

@@ -217,12 +217,12 @@ def test_decode_tactics_fit_shared_memory():
     smem = 227 * 1024
     bf16 = attention.decode_attention_tactics(8, 8, 2048, 128, itemsize=2, smem_bytes=smem)
     fp32 = attention.decode_attention_tactics(8, 8, 2048, 128, itemsize=4, smem_bytes=smem)
-    assert {t["block_n"] for t in bf16} == {64, 128}
+    assert {t["block_n"] for t in bf16} == {32, 64, 128}
     for t in fp32:
         assert t["stages"] * 2 * t["block_n"] * 128 * 4 <= smem
     assert len(fp32) < len(bf16)
     tiny = attention.decode_attention_tactics(1, 8, 2048, 256, itemsize=4, smem_bytes=1024)
-    assert [(t["block_n"], t["stages"]) for t in tiny] == [(64, 2)] * len(tiny)
+    assert [(t["block_n"], t["stages"]) for t in tiny] == [(32, 2)] * len(tiny)
 
 
 def test_check_decode_tactic_names_the_rule():
@@ -320,11 +320,12 @@ def test_tuner_can_pick_a_triton_split_tactic_and_lookups_run_it(monkeypatch):
     )
     config = attention.tuning_config(max_batch_size=1)
     gen = _gen()
-    inputs = _decode_inputs(gen, 1, 2, 4, 160, 16)  # splits 1 and 2 are valid
+    inputs = _decode_inputs(gen, 1, 2, 4, 160, 16)  # several split counts are valid
+    most = max(t["splits"] for t in attention.TritonDecodeAttention().tactics_for(inputs))
     with autotune(tuner=tuner):
         runner, tactic = tuner.choose_one(attention.OP_NAME, attention.RUNNERS, config, inputs)
     assert isinstance(runner, attention.TritonDecodeAttention)
-    assert tactic["splits"] == 2 and not tuner.stats.tactic_failures
+    assert most > 1 and tactic["splits"] == most and not tuner.stats.tactic_failures
     assert runner.compiled >= 1  # the tuner's prepare compiled the tactics ahead of timing
     out = attention.decode_attention(*inputs, tuner=tuner, config=config)
     assert timer.current == ("TritonDecodeAttention", tactic)

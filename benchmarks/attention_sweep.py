@@ -1,0 +1,172 @@
+#!/usr/bin/env python3
+"""Decode attention's Triton tactic space swept exhaustively: is the offered subset enough?
+
+Usage (on a GPU machine, from the repository root):
+
+    PYTHONPATH=src python3 benchmarks/attention_sweep.py --out benchmarks/results
+        [--batches 1,8,32,128] [--kv-heads 8] [--groups 4] [--head-dim 64] [--context 512]
+        [--seq 528] [--replays 10] [--commit SHA] [--label TEXT]
+
+Defaults are the llama-1b-shape step's attention (8 KV heads, 4 query heads each, head_dim 64,
+bf16, a 528-key cache with keys ``0..context`` visible, as the engine's decode mask leaves them).
+For each batch every tactic of the full space (``block_n`` 16-128, warps 1-8, stages 2-4, the
+split counts up to about four programs per SM) runs in both Triton runners (the two-kernel split
+of ``TritonDecodeAttention`` and the one-kernel merge of ``TritonDecodeAttentionOneKernel``),
+compiled ahead in parallel (``precompile``), and is timed by the in-graph CUPTI truth of
+``graphtune.bench.cupti_sweep.cupti_graph_sweep`` (all candidates of a batch in one profiler
+session, replays interleaved). Each result says whether ``decode_attention_tactics`` offers the
+tactic, so the table shows the best the tuner can pick beside the best of the space.
+
+Writes ``attention-sweep-<gpu>[-label].json`` with provenance and prints the table last. Exits
+2 without CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from graphtune import bench
+from graphtune.bench.cupti_sweep import cupti_graph_sweep
+from graphtune.ops import attention
+
+SPACE = {"block_n": (16, 32, 64, 128), "warps": (1, 2, 4, 8), "stages": (2, 3, 4)}
+CALLS_PER_GRAPH = 20
+
+
+def _key(tactic: dict) -> tuple:
+    return tuple(sorted(tactic.items()))
+
+
+def space_for(batch: int, kv_heads: int, seq: int, head_dim: int, sms: int) -> list[dict]:
+    """Every valid tactic; splits are powers of two up to ``4 * sms / programs`` and the tiles."""
+    most = max(1, 4 * sms // (batch * kv_heads))
+    out = []
+    for block_n, warps, stages in itertools.product(*SPACE.values()):
+        if stages * 2 * block_n * head_dim * 2 > 227 * 1024:
+            continue
+        tiles = math.ceil(seq / block_n)
+        splits = 1
+        while splits <= min(most, tiles, attention.MAX_SPLITS):
+            out.append({"block_n": block_n, "splits": splits, "warps": warps, "stages": stages})
+            splits *= 2
+    return out
+
+
+def sweep_batch(args: argparse.Namespace, batch: int, sms: int) -> dict[str, Any]:
+    """All candidates of one batch: tuner-offered flags, CUPTI in-graph time, bandwidth."""
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device).manual_seed(batch)
+    dtype = torch.bfloat16
+    kv, groups, dim, seq = args.kv_heads, args.groups, args.head_dim, args.seq
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=device, dtype=dtype, generator=gen)
+
+    mask = torch.zeros(batch, 1, 1, seq, device=device, dtype=dtype)
+    mask[..., args.context + 1 :] = float("-inf")
+    inputs = [rand(batch, kv, groups, dim), rand(batch, kv, seq, dim), rand(batch, kv, seq, dim)]
+    inputs.append(mask)
+    split_runner = attention.TritonDecodeAttention()
+    one_kernel = attention.TritonDecodeAttentionOneKernel()
+    offered = {_key(t) for t in split_runner.tactics_for(inputs)}
+    tactics = space_for(batch, kv, seq, dim, sms)
+    cands = [(split_runner, t) for t in tactics]
+    cands += [(one_kernel, t) for t in tactics if t["splits"] > 1]
+    began = time.perf_counter()
+    split_runner.precompile(inputs, tactics)
+    one_kernel.precompile(inputs, [t for t in tactics if t["splits"] > 1])
+    compile_s = time.perf_counter() - began
+
+    def call_of(runner: Any, tactic: dict) -> Any:
+        return lambda _i: runner.forward(inputs, tactic)
+
+    began = time.perf_counter()
+    truth = cupti_graph_sweep(
+        [call_of(r, t) for r, t in cands], [CALLS_PER_GRAPH] * len(cands), replays=args.replays
+    )
+    sweep_s = time.perf_counter() - began
+    nbytes = 2 * batch * kv * (args.context + 1) * dim * dtype.itemsize
+    rows = [
+        {
+            "runner": type(r).__name__,
+            "tactic": t,
+            "offered": _key(t) in offered,
+            "us": res["per_call_us"],
+            "tb_s": nbytes / (res["per_call_us"] * 1e6) if res["per_call_us"] > 0 else None,
+            "error": res["error"],
+        }
+        for (r, t), res in zip(cands, truth, strict=True)
+    ]
+    rows.sort(key=lambda row: row["us"])
+    best_offered = next((row for row in rows if row["offered"]), None)
+    return {
+        "batch": batch,
+        "kv_bytes": nbytes,
+        "candidates": len(rows),
+        "offered": len(offered),
+        "compile_s": compile_s,
+        "sweep_s": sweep_s,
+        "best": rows[0],
+        "best_offered": best_offered,
+        "offered_over_best": best_offered["us"] / rows[0]["us"] - 1 if best_offered else None,
+        "rows": rows,
+    }
+
+
+def table(found: dict[str, Any]) -> str:
+    """The text printed last: per batch the best offered, the best of the space, the top 5."""
+    lines = ["batch | KV MB | best of space us (TB/s) | best offered us | offered / best - 1"]
+    for b in found["batches"]:
+        best, off = b["best"], b["best_offered"]
+        lines.append(
+            f"{b['batch']:5d} | {b['kv_bytes'] / 1e6:5.1f} | {best['us']:7.2f} ({best['tb_s']:.2f})"
+            f" | {off['us']:7.2f} | {100 * b['offered_over_best']:+.1f}%"
+        )
+        for row in b["rows"][:5]:
+            mark = "offered" if row["offered"] else ""
+            lines.append(f"      {row['us']:7.2f} {row['runner']:32s} {row['tactic']} {mark}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="folder for the JSON result")
+    parser.add_argument("--batches", default="1,8,32,128", help="batch sizes, comma-separated")
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--groups", type=int, default=4, help="query heads per KV head")
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--context", type=int, default=512, help="last visible key position")
+    parser.add_argument("--seq", type=int, default=528, help="KV cache length")
+    parser.add_argument("--replays", type=int, default=10, help="CUPTI replays per candidate")
+    parser.add_argument("--commit", help="commit to record (default: git)")
+    parser.add_argument("--label", help="suffix of the result file name")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("attention_sweep.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    if not 0 <= args.context < args.seq:
+        parser.error(f"--context must be in [0, --seq={args.seq}), got {args.context}")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    found = {
+        "provenance": bench.provenance(args.commit),
+        "options": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "batches": [sweep_batch(args, int(b), sms) for b in args.batches.split(",")],
+    }
+    slug = bench.gpu_slug(torch.cuda.get_device_name())
+    name = f"attention-sweep-{slug}" + (f"-{args.label}" if args.label else "")
+    print(f"wrote {bench.write_json(args.out / f'{name}.json', found)}")
+    print(table(found))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

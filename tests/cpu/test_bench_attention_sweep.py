@@ -1,0 +1,36 @@
+"""benchmarks/attention_sweep.py's tactic space, without a GPU."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+if str(BENCHMARKS) not in sys.path:
+    sys.path.insert(0, str(BENCHMARKS))
+
+import attention_sweep  # noqa: E402
+
+from graphtune.ops import attention  # noqa: E402
+
+
+def _key(tactic: dict) -> tuple:
+    return tuple(sorted(tactic.items()))
+
+
+def test_space_holds_every_offered_tactic_and_only_valid_ones():
+    for batch in (1, 8, 32, 128):
+        space = attention_sweep.space_for(batch, 8, 528, 64, 132)
+        keys = [_key(t) for t in space]
+        assert len(keys) == len(set(keys))
+        assert all(attention.check_decode_tactic(t) is None for t in space)
+        offered = attention.decode_attention_tactics(batch, 8, 528, 64, sm_count=132)
+        assert {_key(t) for t in offered} <= set(keys), batch
+
+
+def test_space_limits_splits_by_programs_and_tiles():
+    large = attention_sweep.space_for(128, 8, 528, 64, 132)
+    assert {t["splits"] for t in large} == {1}  # 1024 programs already fill 132 SMs
+    small = attention_sweep.space_for(1, 8, 528, 64, 132)
+    assert max(t["splits"] for t in small) == 32  # block_n 16: 33 tiles, 66 programs a row
+    assert all(t["splits"] <= -(-528 // t["block_n"]) for t in small)

@@ -47,13 +47,14 @@ def _key(tactic: dict) -> tuple:
 
 
 def space_for(batch: int, kv_heads: int, seq: int, head_dim: int, sms: int) -> list[dict]:
-    """Every valid tactic; splits are powers of two up to ``4 * sms / programs`` and the tiles."""
+    """Every valid tactic; splits are powers of two up to ``4 * sms / programs`` and up to the
+    tile count rounded up to a power of two."""
     most = max(1, 4 * sms // (batch * kv_heads))
     out = []
     for block_n, warps, stages in itertools.product(*SPACE.values()):
         if stages * 2 * block_n * head_dim * 2 > 227 * 1024:
             continue
-        tiles = math.ceil(seq / block_n)
+        tiles = 1 << (math.ceil(seq / block_n) - 1).bit_length()  # a split per tile, rounded up
         splits = 1
         while splits <= min(most, tiles, attention.MAX_SPLITS):
             out.append({"block_n": block_n, "splits": splits, "warps": warps, "stages": stages})

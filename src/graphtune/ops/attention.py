@@ -148,8 +148,9 @@ class MatmulAttention(TunableRunner):
 #: ``(block_n, warps, stages)`` of the Triton tactics before the split count is chosen. Decode is
 #: memory-bound: a few configs that vary the tile and the loads in flight are enough to time. The
 #: small two-warp tile is for large batches, where one split per row already gives several
-#: programs per SM and more of them resident beat wider tiles (an H200 sweep of this space:
-#: ``benchmarks/results/attention-sweep-772c026-h200.json``).
+#: programs per SM and more of them resident beat wider tiles (on an H200 at batch 128:
+#: ``benchmarks/results/logs/session35-call2-attention-sweep-probe-b128.log``, and the step in
+#: ``benchmarks/results/decode-1b-attn-*-h200.json``).
 TRITON_BASE_CONFIGS = ((64, 4, 2), (64, 4, 3), (128, 4, 3), (32, 2, 2))
 MAX_SPLITS = 64
 _DEFAULT_SMS = 132  # an H100/H200; used off-GPU

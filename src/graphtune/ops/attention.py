@@ -149,7 +149,8 @@ class MatmulAttention(TunableRunner):
 #: memory-bound: a few configs that vary the tile and the loads in flight are enough to time. The
 #: small two-warp tile is for large batches, where one split per row already gives several
 #: programs per SM and more of them resident beat wider tiles (on an H200 at batch 128:
-#: ``benchmarks/results/logs/session35-call2-attention-sweep-probe-b128.log``, and the step in
+#: ``benchmarks/results/logs/session35-call2-attention-sweep-probe-b128.log``,
+#: ``benchmarks/results/attention-sweep-h200-b128-cea895b.json``, and the step in
 #: ``benchmarks/results/decode-1b-attn-*-h200.json``).
 TRITON_BASE_CONFIGS = ((64, 4, 2), (64, 4, 3), (128, 4, 3), (32, 2, 2))
 MAX_SPLITS = 64
@@ -183,7 +184,8 @@ def decode_attention_tactics(
     * ``splits`` are powers of two ``<= next_power_of_two(ceil(seq / block_n))`` (at most
       about one tile per split: the kernel rounds a split's keys up to whole tiles, so the
       largest count gives every tile its own split and leaves the few splits past the last
-      tile empty), ``<= MAX_SPLITS``, and ``<= 2 * sm_count / (batch * kv_heads)`` (more
+      tile empty; the batch-1 steps it sped up: ``benchmarks/results/decode-*-splits-*.json``),
+      ``<= MAX_SPLITS``, and ``<= 2 * sm_count / (batch * kv_heads)`` (more
       programs than about two per SM only add partials to merge). Of those, ``1`` (one
       kernel, no merge), the largest and half the largest are kept.
 

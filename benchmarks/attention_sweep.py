@@ -62,9 +62,10 @@ def space_for(batch: int, kv_heads: int, seq: int, head_dim: int, sms: int) -> l
     return out
 
 
-def sweep_batch(args: argparse.Namespace, batch: int, sms: int) -> dict[str, Any]:
+def sweep_batch(
+    args: argparse.Namespace, batch: int, device: torch.device, sms: int
+) -> dict[str, Any]:
     """All candidates of one batch: tuner-offered flags, CUPTI in-graph time, bandwidth."""
-    device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(batch)
     dtype = torch.bfloat16
     kv, groups, dim, seq = args.kv_heads, args.groups, args.head_dim, args.seq
@@ -151,16 +152,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--commit", help="commit to record (default: git)")
     parser.add_argument("--label", help="suffix of the result file name")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("attention_sweep.py needs a CUDA GPU", file=sys.stderr)
-        return 2
     if not 0 <= args.context < args.seq:
         parser.error(f"--context must be in [0, --seq={args.seq}), got {args.context}")
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    device = bench.require_cuda_or_exit("attention_sweep.py")
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
     found = {
         "provenance": bench.provenance(args.commit),
         "options": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "batches": [sweep_batch(args, int(b), sms) for b in args.batches.split(",")],
+        "batches": [sweep_batch(args, int(b), device, sms) for b in args.batches.split(",")],
     }
     slug = bench.gpu_slug(torch.cuda.get_device_name())
     name = f"attention-sweep-{slug}" + (f"-{args.label}" if args.label else "")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 if str(BENCHMARKS) not in sys.path:
     sys.path.insert(0, str(BENCHMARKS))
@@ -34,3 +36,19 @@ def test_space_limits_splits_by_programs_and_tiles():
     small = attention_sweep.space_for(1, 8, 528, 64, 132)
     assert max(t["splits"] for t in small) == 64  # block_n 16: 33 tiles, 66 programs a row
     assert {t["splits"] for t in small if t["block_n"] == 128} == {1, 2, 4, 8}  # 5 tiles
+
+
+def test_main_without_cuda_exits_2_with_a_reason(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(attention_sweep.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exited:
+        attention_sweep.main(["--out", str(tmp_path)])
+    assert exited.value.code == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+def test_context_past_the_cache_is_a_usage_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exited:
+        attention_sweep.main(["--out", str(tmp_path), "--context", "528", "--seq", "528"])
+    assert exited.value.code == 2
+    assert "--context must be in [0, --seq=528)" in capsys.readouterr().err

@@ -56,9 +56,10 @@ def _runner_sets(tuner: AutoTuner | None) -> dict[str, tuple[TunableRunner, ...]
         "fused_moe": moe.fused_moe_runners(),
         "route_top_k": moe.route_top_k_runners(2, True, False),
         "skinny_gemm": (TritonSkinnyGemmRunner(),),
-        # The fused stages' prologue-norm kernels, which their factories no longer offer.
-        "norm_prologue": (
+        # The fused stages' kernels that their factories no longer offer.
+        "not_offered": (
             fused.TritonNormGateUpSilu(),
+            fused.TritonGateUpSiluNormInLoop(),
             fused.TritonNormQkvRope(4, 2, True),
             fused.TritonNormLinear(),
         ),

@@ -11,7 +11,8 @@ the matching up rows ``I + j`` (``w_gate_up`` is ``[gate | up]``, ``engine.model
 order), so the ``[B, 2 * I]`` intermediate is never written. :class:`TritonGateUpSiluNormInLoop`
 applies the norm inside the kernel's main loop instead of a prologue, and
 :class:`TritonGateUpSiluAfterNorm` runs the tunable RMSNorm op first and the kernel without any
-norm (the SiLU-and-mul stays in the GEMV's epilogue). Buckets above 16 rows get no fused tactics.
+norm (the SiLU-and-mul stays in the GEMV's epilogue); only the last is offered
+(:func:`norm_gate_up_silu_runners`). Buckets above 16 rows get no fused tactics.
 """
 
 from __future__ import annotations
@@ -168,11 +169,15 @@ def norm_gate_up_silu_runners(
     *, tuner: AutoTuner | None = None, max_m: int | None = None, cold_l2: bool = False
 ) -> tuple[TunableRunner, ...]:
     """The runners for one tuner: unfused first (fallback), then, when Triton is importable,
-    the fused kernel with the norm in its loop and after the RMSNorm op. (The prologue form,
-    :class:`TritonNormGateUpSilu`, is not offered: no step measured it faster than these.)"""
+    the fused kernel after the RMSNorm op. Not offered, since each would cost the tuner its
+    tactics for nothing: the prologue form (:class:`TritonNormGateUpSilu`; no step measured it
+    faster than these), and the norm in the loop (:class:`TritonGateUpSiluNormInLoop`): in the 22
+    committed decode runs that offered it (``benchmarks/results/decode-*.json`` from 5c453b4 on,
+    ``tuning_picks``; llama-1b-shape, Llama-3-8B and Qwen2.5-7B shapes) the tuner picked the
+    after-norm runner 65 times, the unfused one 12 times and the in-loop one never."""
 
     def triton(tuner: AutoTuner, max_m: int | None) -> tuple[TunableRunner, ...]:
-        return TritonGateUpSiluNormInLoop(), TritonGateUpSiluAfterNorm(tuner=tuner, max_m=max_m)
+        return (TritonGateUpSiluAfterNorm(tuner=tuner, max_m=max_m),)
 
     return unfused_then_triton(tuner, OP_NAME, UnfusedNormGateUpSilu, triton, max_m, cold_l2)
 

@@ -181,13 +181,13 @@ def decode_attention_tactics(
     * ``stages * 2 * block_n * head_dim * itemsize <= smem_bytes``: the pipelined K and V tiles
       fit in shared memory (an upper bound; Triton keeps ``stages - 1`` buffers). Only float32
       with ``head_dim >= 128`` loses configs; if none fits, the smallest tile with 2 stages stays.
-    * ``splits`` are powers of two ``<= next_power_of_two(ceil(seq / block_n))`` (at most
-      about one tile per split: the kernel rounds a split's keys up to whole tiles, so the
-      largest count gives every tile its own split and leaves the few splits past the last
-      tile empty; the batch-1 steps it sped up: ``benchmarks/results/decode-*-splits-*.json``),
-      ``<= MAX_SPLITS``, and ``<= 2 * sm_count / (batch * kv_heads)`` (more
-      programs than about two per SM only add partials to merge). Of those, ``1`` (one
-      kernel, no merge), the largest and half the largest are kept.
+    * ``splits`` are powers of two ``<= next_power_of_two(ceil(seq / block_n))`` (the kernel
+      rounds a split's keys up to whole tiles, so the largest count gives every tile its own
+      split and leaves the few splits past the last tile empty; the batch-1 steps this sped
+      up: ``benchmarks/results/decode-*-splits-*.json``), ``<= MAX_SPLITS``, and
+      ``<= 2 * sm_count / (batch * kv_heads)`` (more programs than about two per SM only add
+      partials to merge). Of those, ``1`` (one kernel, no merge), the largest and half the
+      largest are kept.
 
     Args:
         batch: Batch rows (the bucket).

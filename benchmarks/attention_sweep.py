@@ -4,11 +4,12 @@
 Usage (on a GPU machine, from the repository root):
 
     PYTHONPATH=src python3 benchmarks/attention_sweep.py --out benchmarks/results
-        [--batches 1,8,32,128] [--kv-heads 8] [--groups 4] [--head-dim 64] [--context 512]
-        [--seq 528] [--replays 10] [--commit SHA] [--label TEXT]
+        [--model llama-1b-shape] [--batches 1,8,32,128] [--context 512] [--seq 528]
+        [--replays 10] [--commit SHA] [--label TEXT]
 
-Defaults are the llama-1b-shape step's attention (8 KV heads, 4 query heads each, head_dim 64,
-bf16, a 528-key cache with keys ``0..context`` visible, as the engine's decode mask leaves them).
+The attention of ``--model``'s decode step (a preset of ``graphtune.engine.presets``: its KV
+heads, query heads per KV head and head_dim; llama-1b-shape has 8, 4 and 64), bf16, over a
+528-key cache with keys ``0..context`` visible, as the engine's decode mask leaves them.
 For each batch every tactic of the full space (``block_n`` 16-128, warps 1-8, stages 2-4, the
 split counts up to about four programs per SM) runs in both Triton runners (the two-kernel split
 of ``TritonDecodeAttention`` and the one-kernel merge of ``TritonDecodeAttentionOneKernel``),
@@ -17,8 +18,8 @@ compiled ahead in parallel (``precompile``), and is timed by the in-graph CUPTI 
 session, replays interleaved). Each result says whether ``decode_attention_tactics`` offers the
 tactic, so the table shows the best the tuner can pick beside the best of the space.
 
-Writes ``attention-sweep-<gpu>[-label].json`` with provenance and prints the table last. Exits
-2 without CUDA.
+Writes ``attention-sweep-<model>-<gpu>[-label].json`` with provenance and prints the table
+last. Exits 2 without CUDA.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ import torch
 
 from graphtune import bench
 from graphtune.bench.cupti_sweep import cupti_graph_sweep
+from graphtune.engine.config import ModelConfig
+from graphtune.engine.presets import get_preset
+from graphtune.errors import ConfigError
 from graphtune.ops import attention
 
 SPACE = {"block_n": (16, 32, 64, 128), "warps": (1, 2, 4, 8), "stages": (2, 3, 4)}
@@ -63,12 +67,13 @@ def space_for(batch: int, kv_heads: int, seq: int, head_dim: int, sms: int) -> l
 
 
 def sweep_batch(
-    args: argparse.Namespace, batch: int, device: torch.device, sms: int
+    args: argparse.Namespace, model: ModelConfig, batch: int, device: torch.device, sms: int
 ) -> dict[str, Any]:
     """All candidates of one batch: tuner-offered flags, CUPTI in-graph time, bandwidth."""
     gen = torch.Generator(device=device).manual_seed(batch)
     dtype = torch.bfloat16
-    kv, groups, dim, seq = args.kv_heads, args.groups, args.head_dim, args.seq
+    kv, dim, seq = model.num_kv_heads, model.dim_per_head, args.seq
+    groups = model.num_heads // kv
 
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, device=device, dtype=dtype, generator=gen)
@@ -143,9 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for the JSON result")
     parser.add_argument("--batches", default="1,8,32,128", help="batch sizes, comma-separated")
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--groups", type=int, default=4, help="query heads per KV head")
-    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--model", default="llama-1b-shape", help="preset whose attention to sweep")
     parser.add_argument("--context", type=int, default=512, help="last visible key position")
     parser.add_argument("--seq", type=int, default=528, help="KV cache length")
     parser.add_argument("--replays", type=int, default=10, help="CUPTI replays per candidate")
@@ -154,15 +157,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not 0 <= args.context < args.seq:
         parser.error(f"--context must be in [0, --seq={args.seq}), got {args.context}")
+    try:
+        model = get_preset(args.model)
+    except ConfigError as exc:
+        parser.error(f"--model: {exc}")
     device = bench.require_cuda_or_exit("attention_sweep.py")
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     found = {
         "provenance": bench.provenance(args.commit),
         "options": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "batches": [sweep_batch(args, int(b), device, sms) for b in args.batches.split(",")],
+        "model": {
+            "kv_heads": model.num_kv_heads,
+            "heads": model.num_heads,
+            "head_dim": model.dim_per_head,
+        },
+        "batches": [sweep_batch(args, model, int(b), device, sms) for b in args.batches.split(",")],
     }
     slug = bench.gpu_slug(torch.cuda.get_device_name())
-    name = f"attention-sweep-{slug}" + (f"-{args.label}" if args.label else "")
+    name = f"attention-sweep-{args.model}-{slug}" + (f"-{args.label}" if args.label else "")
     print(f"wrote {bench.write_json(args.out / f'{name}.json', found)}")
     print(table(found))
     return 0

@@ -52,3 +52,11 @@ def test_context_past_the_cache_is_a_usage_error(tmp_path, capsys):
         attention_sweep.main(["--out", str(tmp_path), "--context", "528", "--seq", "528"])
     assert exited.value.code == 2
     assert "--context must be in [0, --seq=528)" in capsys.readouterr().err
+
+
+def test_an_unknown_model_is_a_usage_error_naming_the_presets(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exited:
+        attention_sweep.main(["--out", str(tmp_path), "--model", "llama-9b"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "--model: unknown model preset 'llama-9b'" in err and "llama-3-8b-shape" in err

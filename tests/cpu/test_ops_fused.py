@@ -12,6 +12,7 @@ outputs poisoned with NaN, so a value the kernel does not write shows.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 
@@ -64,6 +65,17 @@ AFTER_NORM = [CASES[0], CASES[3], CASES[5]]
 AFTER_NORM_IDS = [IDS[0], IDS[3], IDS[5]]
 
 
+def _runner_cases(prologue: type, in_loop: type, after_norm: type | None = None) -> dict[str, Any]:
+    """``parametrize`` keywords: every case for the prologue runner and the in-loop one (ids
+    ``in-loop-*``), and the after-norm cases for ``after_norm`` (ids ``after-norm-*``)."""
+    cases = [(*c, prologue) for c in CASES] + [(*c, in_loop) for c in CASES]
+    ids = IDS + [f"in-loop-{i}" for i in IDS]
+    if after_norm is not None:
+        cases += [(*c, after_norm) for c in AFTER_NORM]
+        ids += [f"after-norm-{i}" for i in AFTER_NORM_IDS]
+    return {"argvalues": cases, "ids": ids}
+
+
 def _gen() -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
 
@@ -95,9 +107,7 @@ def test_add_projection_updates_x_in_place(tactic, dtype, m):
 
 @pytest.mark.parametrize(
     "tactic,dtype,m,runner",
-    [(*case, TritonNormLinear) for case in CASES]
-    + [(*case, TritonNormLinearInLoop) for case in CASES],
-    ids=IDS + [f"in-loop-{i}" for i in IDS],
+    **_runner_cases(TritonNormLinear, TritonNormLinearInLoop),
 )
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_norm_linear_matches_float64(tactic, dtype, m, with_bias, runner):
@@ -116,10 +126,9 @@ def test_norm_linear_matches_float64(tactic, dtype, m, with_bias, runner):
 
 @pytest.mark.parametrize(
     "tactic,dtype,m,runner",
-    [(*case, TritonNormGateUpSilu) for case in CASES]
-    + [(*case, TritonGateUpSiluNormInLoop) for case in CASES]
-    + [(*case, TritonGateUpSiluAfterNorm) for case in AFTER_NORM],
-    ids=IDS + [f"in-loop-{i}" for i in IDS] + [f"after-norm-{i}" for i in AFTER_NORM_IDS],
+    **_runner_cases(
+        TritonNormGateUpSilu, TritonGateUpSiluNormInLoop, after_norm=TritonGateUpSiluAfterNorm
+    ),
 )
 def test_norm_gate_up_silu_matches_float64(tactic, dtype, m, runner):
     gen = _gen()
@@ -141,10 +150,7 @@ def _rope64(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 @pytest.mark.parametrize(
     "tactic,dtype,m,runner",
-    [(*case, TritonNormQkvRope) for case in CASES]
-    + [(*case, TritonQkvRopeNormInLoop) for case in CASES]
-    + [(*case, TritonQkvRopeAfterNorm) for case in AFTER_NORM],
-    ids=IDS + [f"in-loop-{i}" for i in IDS] + [f"after-norm-{i}" for i in AFTER_NORM_IDS],
+    **_runner_cases(TritonNormQkvRope, TritonQkvRopeNormInLoop, after_norm=TritonQkvRopeAfterNorm),
 )
 @pytest.mark.parametrize("signed_sin", [False, True])
 def test_norm_qkv_rope_matches_float64(tactic, dtype, m, signed_sin, runner):

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from graphtune import bench
+from graphtune.autotuner.config import next_power_of_two
 from graphtune.bench.cupti_sweep import cupti_graph_sweep
 from graphtune.engine.config import ModelConfig
 from graphtune.engine.presets import get_preset
@@ -58,7 +59,7 @@ def space_for(batch: int, kv_heads: int, seq: int, head_dim: int, sms: int) -> l
     for block_n, warps, stages in itertools.product(*SPACE.values()):
         if stages * 2 * block_n * head_dim * 2 > 227 * 1024:
             continue
-        tiles = 1 << (math.ceil(seq / block_n) - 1).bit_length()  # a split per tile, rounded up
+        tiles = next_power_of_two(math.ceil(seq / block_n))  # a split per tile, rounded up
         splits = 1
         while splits <= min(most, tiles, attention.MAX_SPLITS):
             out.append({"block_n": block_n, "splits": splits, "warps": warps, "stages": stages})

@@ -26,7 +26,7 @@ from graphtune.autotuner import AutoTuner, TuningPolicy, autotune  # noqa: E402
 from graphtune.autotuner.config import next_power_of_two  # noqa: E402
 from graphtune.autotuner.timing.base import Measurement  # noqa: E402
 from graphtune.errors import ConfigError, InputError  # noqa: E402
-from graphtune.ops import _triton, attention  # noqa: E402
+from graphtune.ops import _counters, _triton, attention  # noqa: E402
 
 needs_interpreter = pytest.mark.skipif(
     not (_triton.triton_available() and _triton.device_supported(torch.device("cpu"))),
@@ -368,4 +368,4 @@ def test_one_kernel_merge_of_a_fully_masked_row_gives_zeros():
 def test_one_kernel_runner_is_listed_last_and_refuses_too_many_rows():
     assert isinstance(attention.RUNNERS[-1], attention.TritonDecodeAttentionOneKernel)
     with pytest.raises(InputError, match="arrival counters"):
-        attention.arrival_counters(torch.device("cpu"), attention.COUNTER_ROWS + 1)
+        attention.arrival_counters(torch.device("cpu"), _counters.COUNTERS + 1)

@@ -46,9 +46,12 @@ pytestmark = pytest.mark.skipif(
 # Relative error against float64 of the same rounded inputs. Low precision: the normalised
 # activations and the output are each rounded once (RoPE: a few roundings per element).
 TOL = {torch.float32: 2e-5, torch.float16: 4e-3}
-CORE = {"bn": 8, "bk": 32, "warps": 1, "dot": 0, "stages": 1}
-CORE_DEFER = {"bn": 4, "bk": 64, "warps": 2, "dot": 0, "stages": 1}
-DOT = {"bn": 16, "bk": 32, "warps": 4, "dot": 1, "stages": 3}
+CORE = {"bn": 8, "bk": 32, "warps": 1, "dot": 0, "stages": 1, "split": 1}
+CORE_DEFER = {"bn": 4, "bk": 64, "warps": 2, "dot": 0, "stages": 1, "split": 1}
+DOT = {"bn": 16, "bk": 32, "warps": 4, "dot": 1, "stages": 3, "split": 1}
+# Split-K: K of 64 to 96 gives 2 or 3 chunks of 32, so with 4 splits some get none.
+CORE_SPLIT = {**CORE, "split": 2}
+DOT_SPLIT = {**DOT, "split": 4}
 # (tactic, dtype, rows): the CUDA-core path is timed only for one row but runs any row count.
 CASES = [
     (CORE, torch.float32, 1),
@@ -57,19 +60,22 @@ CASES = [
     (DOT, torch.float32, 3),
     (DOT, torch.float16, 1),
     (DOT, torch.float16, 18),  # two row blocks of 16
+    (CORE_SPLIT, torch.float32, 2),
+    (DOT_SPLIT, torch.float16, 18),
 ]
-IDS = [f"dot{t['dot']}-bn{t['bn']}-{str(d)[6:]}-m{m}" for t, d, m in CASES]
+IDS = [f"dot{t['dot']}-bn{t['bn']}-s{t['split']}-{str(d)[6:]}-m{m}" for t, d, m in CASES]
 # The runners that run the RMSNorm op first and the kernel without its prologue: the kernel's
 # other paths are the ones above, so three cases cover both loops and two row blocks.
-AFTER_NORM = [CASES[0], CASES[3], CASES[5]]
-AFTER_NORM_IDS = [IDS[0], IDS[3], IDS[5]]
+AFTER_NORM = [CASES[0], CASES[3], CASES[5], CASES[7]]
+AFTER_NORM_IDS = [IDS[0], IDS[3], IDS[5], IDS[7]]
 
 
 def _runner_cases(prologue: type, in_loop: type, after_norm: type | None = None) -> dict[str, Any]:
     """``parametrize`` keywords: every case for the prologue runner and the in-loop one (ids
     ``in-loop-*``), and the after-norm cases for ``after_norm`` (ids ``after-norm-*``)."""
-    cases = [(*c, prologue) for c in CASES] + [(*c, in_loop) for c in CASES]
-    ids = IDS + [f"in-loop-{i}" for i in IDS]
+    whole_rows = [(c, i) for c, i in zip(CASES, IDS, strict=True) if c[0]["split"] == 1]
+    cases = [(*c, prologue) for c in CASES] + [(*c, in_loop) for c, _ in whole_rows]
+    ids = IDS + [f"in-loop-{i}" for _, i in whole_rows]
     if after_norm is not None:
         cases += [(*c, after_norm) for c in AFTER_NORM]
         ids += [f"after-norm-{i}" for i in AFTER_NORM_IDS]

@@ -19,6 +19,7 @@ from graphtune.engine import model as engine_model
 from graphtune.errors import ConfigError
 from graphtune.ops import _pdl
 from graphtune.ops.fused import (
+    TritonGateUpSiluNormInLoop,
     TritonNormGateUpSilu,
     add_projection,
     norm_gate_up_silu,
@@ -31,9 +32,13 @@ from graphtune.ops.fused_gemv.family import (
     DOT_SMEM_BYTES,
     DOT_STAGES,
     MAX_M,
+    MAX_SPLIT,
+    MAX_SPLIT_TACTICS,
     PLAIN,
     ROPE,
     SILU,
+    SPLIT_MIN_BK,
+    SPLIT_MIN_ROWS,
     GemvShape,
     launch_fused_gemv,
     pipeline_bytes,
@@ -199,7 +204,7 @@ def test_runners_are_built_once_per_tuner_and_layout():
 )
 def test_fused_tactics_obey_the_pruning_rules(shape):
     tactics = fused_gemv_tactics(shape, sm_count=132)
-    assert 0 < len(tactics) <= 16
+    assert 0 < len(tactics) <= 16 + MAX_SPLIT_TACTICS
     assert all(check_fused_tactic(t) is None for t in tactics)
     assert len({tuple(t.values()) for t in tactics}) == len(tactics)
     for t in tactics:
@@ -213,9 +218,57 @@ def test_fused_tactics_obey_the_pruning_rules(shape):
             assert shape.m == 1
             per_thread = t["bn"] * t["bk"] * shape.itemsize // (32 * t["warps"])
             assert 16 <= per_thread <= 64
-        assert shape.programs(t["bn"]) >= 66
+        if t["split"] == 1:
+            assert shape.programs(t["bn"]) >= 66
+    whole = [t for t in tactics if t["split"] == 1]
+    assert len(whole) <= 16 and len(tactics) - len(whole) <= MAX_SPLIT_TACTICS
     kinds = {t["dot"] for t in tactics}
     assert kinds == ({0, 1} if shape.m == 1 else {1})
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        GemvShape(PLAIN, 8, 2048, 1, 2048, 2),  # O projection, Llama-1B, batch 8
+        GemvShape(PLAIN, 1, 2048, 1, 8192, 2),  # down projection, batch 1
+        GemvShape(ROPE, 8, 32, 48, 2048, 2),  # QKV, head_dim 64
+        GemvShape(SILU, 16, 8192, 1, 2048, 2),  # gate/up
+    ],
+)
+def test_split_k_tactics_give_wide_tiles_the_programs_to_fill_the_gpu(shape):
+    sms = 132
+    split = [t for t in fused_gemv_tactics(shape, sm_count=sms) if t["split"] > 1]
+    assert split  # every shape here has wide tiles that leave SMs idle
+    for t in split:
+        programs, chunks = shape.programs(t["bn"]), -(-shape.k // t["bk"])
+        assert t["dot"] == 1 and t["bk"] >= SPLIT_MIN_BK
+        assert t["bn"] * (2 if shape.paired else 1) >= SPLIT_MIN_ROWS
+        assert programs < sms and t["split"] <= min(MAX_SPLIT, chunks)
+        # the smallest split that fills every SM, unless a cap stops it first
+        fills = programs * t["split"] >= sms and programs * t["split"] // 2 < sms
+        assert fills or t["split"] in (MAX_SPLIT, 1 << (chunks.bit_length() - 1))
+    no_split = fused_gemv_tactics(shape, sm_count=sms, split_k=False)
+    assert no_split and all(t["split"] == 1 for t in no_split)
+    assert fused_gemv_tactics(shape, sm_count=sms)[: len(no_split)] == no_split
+
+
+def test_split_k_with_the_in_loop_norm_is_refused_and_its_runners_never_offer_it():
+    tactic = {"bn": 16, "bk": 32, "warps": 4, "dot": 1, "stages": 3, "split": 2}
+    x, w = torch.randn(1, 64), torch.randn(32, 64)
+    with pytest.raises(ConfigError, match="split"):
+        launch_fused_gemv(
+            PLAIN,
+            tactic,
+            x=x,
+            weight=w,
+            out=torch.empty(1, 32),
+            n=32,
+            norm_weight=torch.ones(64),
+            norm_in_loop=True,
+        )
+    runner = TritonGateUpSiluNormInLoop(sm_count=132)
+    inputs = [torch.randn(8, 2048), torch.ones(2048), torch.randn(2 * 8192, 2048), 1e-6]
+    assert all(t["split"] == 1 for t in runner.tactics_for(inputs))
 
 
 def test_no_fused_tactics_past_sixteen_rows_and_tiny_shapes_still_get_some():
@@ -227,12 +280,14 @@ def test_no_fused_tactics_past_sixteen_rows_and_tiny_shapes_still_get_some():
 @pytest.mark.parametrize(
     "tactic",
     [
-        {"bn": 8, "bk": 64, "warps": 4, "dot": 0},
-        {"bn": 6, "bk": 64, "warps": 4, "dot": 0, "stages": 1},
-        {"bn": 8, "bk": 64, "warps": 4, "dot": 2, "stages": 1},
-        {"bn": 8, "bk": 64, "warps": 4, "dot": 1, "stages": 3},
-        {"bn": 8, "bk": 64, "warps": True, "dot": 0, "stages": 1},
-        {"bn": 8, "bk": 64, "warps": 4, "dot": 0, "stages": 3},
+        {"bn": 8, "bk": 64, "warps": 4, "dot": 0, "stages": 1},
+        {"bn": 6, "bk": 64, "warps": 4, "dot": 0, "stages": 1, "split": 1},
+        {"bn": 8, "bk": 64, "warps": 4, "dot": 2, "stages": 1, "split": 1},
+        {"bn": 8, "bk": 64, "warps": 4, "dot": 1, "stages": 3, "split": 1},
+        {"bn": 8, "bk": 64, "warps": True, "dot": 0, "stages": 1, "split": 1},
+        {"bn": 8, "bk": 64, "warps": 4, "dot": 0, "stages": 3, "split": 1},
+        {"bn": 8, "bk": 64, "warps": 4, "dot": 0, "stages": 1, "split": 3},
+        {"bn": 8, "bk": 64, "warps": 4, "dot": 0, "stages": 1, "split": 2 * MAX_SPLIT},
     ],
 )
 def test_bad_fused_tactics_raise_config_error_naming_the_rule(tactic):

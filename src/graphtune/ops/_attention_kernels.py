@@ -9,7 +9,7 @@ per-row arrival counter; the program holding the last ticket reads every partial
 (so the result does not depend on which program came last: deterministic), writes the output and
 resets the counter to 0 for the next call. That removes the combine kernel and its kernel
 boundary while keeping the split's parallelism. The counters live in a persistent zeroed buffer
-(``graphtune.ops.attention.arrival_counters``), so nothing is zero-filled per call and the launch
+(``graphtune.ops._counters``), so nothing is zero-filled per call and the launch
 is capturable.
 
 Only stable ``tl.`` APIs; ``griddepcontrol`` only under ``USE_PDL`` (``graphtune.ops._pdl``).

@@ -43,6 +43,7 @@ from graphtune.autotuner import (
 from graphtune.autotuner.calls import CallRecord
 from graphtune.autotuner.config import last_power_of_two, next_power_of_two, power_of_two_buckets
 from graphtune.errors import ConfigError, InputError
+from graphtune.ops import _counters
 from graphtune.ops._triton import device_limits, device_supported, kernel_module, run_kernel
 from graphtune.ops._triton_runner import TritonRunner
 from graphtune.ops.registry import register_op
@@ -57,28 +58,18 @@ def attention_kernels() -> ModuleType:
     )
 
 
-_COUNTERS: dict[str, torch.Tensor] = {}
-#: Arrival counters allocated at once per device (256 KiB): enough for 65536 (request, KV head)
-#: rows, so the buffer never grows, and so is never allocated inside a graph capture.
-COUNTER_ROWS = 1 << 16
-
-
 def arrival_counters(device: torch.device, rows: int) -> torch.Tensor:
-    """The persistent zeroed int32 counters of the inline merge (see ``_attention_kernels``).
+    """The persistent zeroed counters of the inline merge (``graphtune.ops._counters``).
 
     Raises:
-        InputError: More than :data:`COUNTER_ROWS` rows.
+        InputError: More than :data:`~graphtune.ops._counters.COUNTERS` rows.
     """
-    if rows > COUNTER_ROWS:
-        raise InputError(
-            f"TritonDecodeAttentionOneKernel: {rows} (request, KV head) rows exceed the "
-            f"{COUNTER_ROWS} arrival counters; use TritonDecodeAttention for such batches."
-        )
-    key = str(device)
-    found = _COUNTERS.get(key)
-    if found is None:
-        found = _COUNTERS[key] = torch.zeros(COUNTER_ROWS, device=device, dtype=torch.int32)
-    return found
+    return _counters.arrival_counters(
+        device,
+        rows,
+        user="TritonDecodeAttentionOneKernel, (request, KV head) rows",
+        fix="use TritonDecodeAttention for such batches",
+    )
 
 
 def _sdpa_backends() -> dict[str, Any]:
@@ -416,7 +407,7 @@ class TritonDecodeAttentionOneKernel(TritonDecodeAttention):
     The last split program of every (request, KV head) row merges the float32 partials in split
     order (deterministic), so there is no merge kernel and no kernel boundary before the output
     projection. The one-split tactics are the parent runner's (already one kernel), so they are
-    not offered twice. Rows above :data:`COUNTER_ROWS` are not offered.
+    not offered twice. Rows above ``graphtune.ops._counters.COUNTERS`` are not offered.
     """
 
     inline_combine = True
@@ -424,7 +415,7 @@ class TritonDecodeAttentionOneKernel(TritonDecodeAttention):
     def tactics_for(self, inputs: list[Any]) -> list[Any]:
         """The parent's tactics with more than one split."""
         q = inputs[0]
-        if q.shape[0] * q.shape[1] > COUNTER_ROWS:
+        if q.shape[0] * q.shape[1] > _counters.COUNTERS:
             return []
         return [t for t in super().tactics_for(inputs) if t["splits"] > 1]
 

@@ -102,7 +102,7 @@ class TritonNormGateUpSilu(NormPlacement, FusedTritonRunner):
         inter = w_gate_up.shape[0] // 2
         shape = GemvShape(SILU, x.shape[0], inter, 1, x.shape[1], w_gate_up.element_size())
         sms = self.sm_count_for(x.device)
-        return fused_gemv_tactics(shape, sm_count=sms)
+        return fused_gemv_tactics(shape, sm_count=sms, split_k=not self.norm_in_loop)
 
     def torch_forward(self, inputs: list[Any]) -> torch.Tensor:
         """The unfused torch code."""

@@ -58,11 +58,13 @@ NORM_LINEAR = "graphtune.norm_linear"
 class _PlainTriton(FusedTritonRunner):
     """What both plain fused runners share: the tactic list."""
 
-    def plain_tactics(self, x: torch.Tensor, weight: torch.Tensor) -> list[Any]:
+    def plain_tactics(
+        self, x: torch.Tensor, weight: torch.Tensor, *, split_k: bool = True
+    ) -> list[Any]:
         """See :func:`graphtune.ops.fused_gemv.family.fused_gemv_tactics`."""
         shape = GemvShape(PLAIN, x.shape[0], weight.shape[0], 1, x.shape[1], weight.element_size())
         sms = self.sm_count_for(x.device)
-        return fused_gemv_tactics(shape, sm_count=sms)
+        return fused_gemv_tactics(shape, sm_count=sms, split_k=split_k)
 
 
 # --- add_projection ---------------------------------------------------------------------------
@@ -232,7 +234,7 @@ class TritonNormLinear(NormPlacement, _PlainTriton):
 
     def tactics_for(self, inputs: list[Any]) -> list[Any]:
         """Plain-mode tactics for ``x`` and ``weight``."""
-        return self.plain_tactics(inputs[0], inputs[2])
+        return self.plain_tactics(inputs[0], inputs[2], split_k=not self.norm_in_loop)
 
     def torch_forward(self, inputs: list[Any]) -> torch.Tensor:
         """``F.linear(rms_norm(x), weight, bias)``."""

@@ -218,7 +218,7 @@ class TritonNormQkvRope(_QkvLayout, NormPlacement, FusedTritonRunner):
             wqkv.element_size(),
         )
         sms = self.sm_count_for(x.device)
-        return fused_gemv_tactics(shape, sm_count=sms)
+        return fused_gemv_tactics(shape, sm_count=sms, split_k=not self.norm_in_loop)
 
     def torch_forward(self, inputs: list[Any]) -> torch.Tensor:
         """The unfused torch code."""

@@ -59,9 +59,13 @@ def fused_gemv_kernel(
     rows_ptr,
     k_ptr,
     v_ptr,
+    ws_ptr,
+    count_ptr,
     M,
     N,
     K,
+    K_SPLIT,
+    WS_PAIR,
     eps,
     stride_xm,
     stride_wn,
@@ -85,6 +89,7 @@ def fused_gemv_kernel(
     NUM_KV: tl.constexpr,
     HALF: tl.constexpr,
     SIGNED_SIN: tl.constexpr,
+    SPLIT: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """Program ``(tile, row block)``; see the module docstring for the modes.
@@ -99,6 +104,13 @@ def fused_gemv_kernel(
     pid = tl.program_id(0)
     pid_m = tl.program_id(1)
     lanes = tl.arange(0, BLOCK_N)
+    if SPLIT > 1:
+        pid_s = tl.program_id(2)
+        k_lo = pid_s * K_SPLIT
+        k_hi = tl.minimum(K, k_lo + K_SPLIT)
+    else:
+        k_lo = 0
+        k_hi = K
     if MODE == 2:
         tiles_per_head = (HALF + BLOCK_N - 1) // BLOCK_N
         head = pid // tiles_per_head
@@ -114,12 +126,12 @@ def fused_gemv_kernel(
     wa_ptrs = w_ptr + rows_a.to(tl.int64)[:, None] * stride_wn + tl.arange(0, BLOCK_K)[None, :]
     wb_ptrs = w_ptr + rows_b.to(tl.int64)[:, None] * stride_wn + tl.arange(0, BLOCK_K)[None, :]
     kk = tl.arange(0, BLOCK_K)
-    k_ok = (kk < K)[None, :]
     if not DOT:
         # The first weight chunk depends on no earlier kernel: issue it before waiting for one.
-        wa = tl.load(wa_ptrs, mask=k_ok, other=0.0)
+        k_ok = (k_lo + kk < k_hi)[None, :]
+        wa = tl.load(wa_ptrs + k_lo, mask=k_ok, other=0.0)
         if MODE != 0:
-            wb = tl.load(wb_ptrs, mask=k_ok, other=0.0)
+            wb = tl.load(wb_ptrs + k_lo, mask=k_ok, other=0.0)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         if MODE != 2:
@@ -163,15 +175,15 @@ def fused_gemv_kernel(
     if DOT:
         # Triton's pipeliner (the launch's num_stages) keeps the weight tiles of the next chunks
         # in flight through shared memory, as for any tl.dot loop.
-        for k0 in range(0, K, BLOCK_K):
-            kmask = (k0 + kk < K)[:, None]
-            wa = tl.load(wa_ptrs + k0, mask=(k0 + kk < K)[None, :], other=0.0)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            kmask = (k0 + kk < k_hi)[:, None]
+            wa = tl.load(wa_ptrs + k0, mask=(k0 + kk < k_hi)[None, :], other=0.0)
             xt = tl.load(x_ptrs + k0, mask=kmask, other=0.0)
             if NORM == 1:
-                nw = tl.load(nw_ptr + k0 + kk, mask=k0 + kk < K, other=0.0).to(tl.float32)
+                nw = tl.load(nw_ptr + k0 + kk, mask=k0 + kk < k_hi, other=0.0).to(tl.float32)
                 xt = (xt.to(tl.float32) * rstd[None, :] * nw[:, None]).to(dtype)
             if NORM == 2:
-                nw = tl.load(nw_ptr + k0 + kk, mask=k0 + kk < K, other=0.0).to(tl.float32)
+                nw = tl.load(nw_ptr + k0 + kk, mask=k0 + kk < k_hi, other=0.0).to(tl.float32)
                 x32 = xt.to(tl.float32)
                 sq += x32 * x32
                 xt = (x32 * nw[:, None]).to(dtype)
@@ -180,18 +192,18 @@ def fused_gemv_kernel(
             else:
                 acc_a += tl.dot(wa, xt)
             if MODE != 0:
-                wb = tl.load(wb_ptrs + k0, mask=(k0 + kk < K)[None, :], other=0.0)
+                wb = tl.load(wb_ptrs + k0, mask=(k0 + kk < k_hi)[None, :], other=0.0)
                 if IEEE:
                     acc_b += tl.dot(wb, xt, input_precision="ieee")
                 else:
                     acc_b += tl.dot(wb, xt)
     else:
-        for k0 in range(0, K, BLOCK_K):
-            next_ok = (k0 + BLOCK_K + kk < K)[None, :]
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            next_ok = (k0 + BLOCK_K + kk < k_hi)[None, :]
             wa_next = tl.load(wa_ptrs + (k0 + BLOCK_K), mask=next_ok, other=0.0)
             if MODE != 0:
                 wb_next = tl.load(wb_ptrs + (k0 + BLOCK_K), mask=next_ok, other=0.0)
-            kmask = (k0 + kk < K)[None, :]
+            kmask = (k0 + kk < k_hi)[None, :]
             xt = tl.load(x_row + same + (k0 + kk)[None, :], mask=kmask, other=0.0)
             if NORM == 1:
                 nw = tl.load(nw_ptr + same + (k0 + kk)[None, :], mask=kmask, other=0.0)
@@ -223,6 +235,33 @@ def fused_gemv_kernel(
     else:
         t_a = (tl.sum(acc_a, axis=1) if DEFER else acc_a)[:, None]
         t_b = (tl.sum(acc_b, axis=1) if DEFER else acc_b)[:, None]
+    if SPLIT > 1:
+        # Split-K without a second kernel: every split stores its float32 partial tile, then
+        # counts itself in the tile's counter; the split that counts last sums the partials in
+        # split order (the result does not depend on which split finished last), resets the
+        # counter for the next launch and runs the epilogue. The barrier orders the whole
+        # program's stores before the release of the count.
+        tile = pid_m * tl.num_programs(0) + pid
+        cell = lanes[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+        mine = ws_ptr + (tile * SPLIT + pid_s).to(tl.int64) * (BLOCK_N * BLOCK_M) + cell
+        tl.store(mine, t_a)
+        if MODE != 0:
+            tl.store(mine + WS_PAIR, t_b)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        is_last = arrived == SPLIT - 1
+        # A block mask and-ed with a scalar one is rejected by the interpreter: a bound instead.
+        live = cell < tl.where(is_last, BLOCK_N * BLOCK_M, 0)
+        first = ws_ptr + (tile * SPLIT).to(tl.int64) * (BLOCK_N * BLOCK_M) + cell
+        t_a = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        t_b = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for s in tl.static_range(SPLIT):
+            part = first + s * (BLOCK_N * BLOCK_M)
+            t_a += tl.load(part, mask=live, other=0.0, cache_modifier=".cg")
+            if MODE != 0:
+                t_b += tl.load(part + WS_PAIR, mask=live, other=0.0, cache_modifier=".cg")
+        tl.store(count_ptr + tile, 0, mask=is_last)
+        row_ok = rows < tl.where(is_last, M, 0)  # only the last split stores results
     if NORM == 2:
         # rms_norm(x) @ w.T == rsqrt(mean(x^2) + eps) * ((x * norm_weight) @ w.T)
         if DOT:

@@ -1,11 +1,12 @@
 """Tactics and launch of the fused decode GEMV kernel shared by every op of this package.
 
-Tactics are dicts ``{"bn", "bk", "warps", "dot", "stages"}``: ``bn`` output columns per program
-(column *pairs* in the SiLU and RoPE modes, whose tiles hold ``2 * bn`` weight rows), ``bk`` the
-``K`` chunk, ``warps``, ``dot`` 0 (CUDA cores, one row per program) or 1 (tensor cores with
-swapped operands, up to 16 rows per program), and ``stages`` the chunks Triton's pipeliner keeps
-in flight (``dot=1``; the CUDA-core loop prefetches in registers and has 1). Pruning rules of
-:func:`fused_gemv_tactics`:
+Tactics are dicts ``{"bn", "bk", "warps", "dot", "stages", "split"}``: ``bn`` output columns per
+program (column *pairs* in the SiLU and RoPE modes, whose tiles hold ``2 * bn`` weight rows),
+``bk`` the ``K`` chunk, ``warps``, ``dot`` 0 (CUDA cores, one row per program) or 1 (tensor cores
+with swapped operands, up to 16 rows per program), ``stages`` the chunks Triton's pipeliner keeps
+in flight (``dot=1``; the CUDA-core loop prefetches in registers and has 1), and ``split`` the
+``K`` slices of a split-K launch (1: none; see :mod:`graphtune.ops.fused_gemv.split`). Pruning
+rules of :func:`fused_gemv_tactics`:
 
 * only buckets of ``M <= 16`` get tactics (beyond, the unfused path's tiled GEMMs win); ``dot=0``
   only for ``M == 1`` (a CUDA-core program re-reads the weights for every further row);
@@ -18,7 +19,13 @@ in flight (``dot=1``; the CUDA-core loop prefetches in registers and has 1). Pru
 * tactics giving fewer than half as many programs as the GPU has SMs are dropped while any
   tactic reaches that (a decode GEMV needs every SM streaming);
 * at most ``max_tactics`` (16), a third of them for ``dot=1`` when both kinds apply; each kind
-  keeps its longest ``K`` chunks (fewest dependent round trips).
+  keeps its longest ``K`` chunks (fewest dependent round trips);
+* besides those, up to :data:`MAX_SPLIT_TACTICS` split-K variants of ``dot=1`` tiles of at least
+  :data:`SPLIT_MIN_ROWS` weight rows and ``bk >= SPLIT_MIN_BK`` (wide enough for the tensor
+  cores to stream well) whose grid has fewer programs than the GPU has SMs: ``split`` is the
+  power of two that first fills every SM, at most :data:`MAX_SPLIT` and at most the tile's
+  ``K`` chunks. Narrow tiles fill the GPU without a split but measured slower than cuBLAS at 2
+  to 16 rows; a split gives the wide tiles the programs.
 """
 
 from __future__ import annotations
@@ -30,11 +37,13 @@ from typing import Any
 
 import torch
 
-from graphtune.autotuner.config import next_power_of_two
+from graphtune.autotuner.config import last_power_of_two, next_power_of_two
 from graphtune.errors import ConfigError
+from graphtune.ops._counters import arrival_counters
 from graphtune.ops._triton import device_supported, kernel_module, run_kernel
+from graphtune.ops.fused_gemv.split import keys_per_split, split_partials
 
-TACTIC_KEYS = ("bn", "bk", "warps", "dot", "stages")
+TACTIC_KEYS = ("bn", "bk", "warps", "dot", "stages", "split")
 _TACTIC_KEY_SET = frozenset(TACTIC_KEYS)
 MAX_M = 16
 """Largest bucket that gets fused tactics; also the padded row count of a ``dot=1`` program."""
@@ -46,6 +55,11 @@ CORE_WARPS = (1, 2, 4, 8)
 DOT_BN = (16, 32, 64, 128)
 DOT_BK = (64, 128, 256)
 DOT_STAGES = (4,)
+MAX_SPLIT = 16
+"""Most ``K`` slices of a split-K tactic (``split``)."""
+SPLIT_MIN_ROWS = 64
+SPLIT_MIN_BK = 128
+MAX_SPLIT_TACTICS = 4
 DOT_SMEM_BYTES = 160 * 1024
 """Shared memory the pipelined tiles of a ``dot=1`` program may take (an H200 SM has 228 KiB)."""
 THREAD_BYTES = (16, 64)
@@ -67,8 +81,8 @@ def check_fused_tactic(tactic: Any) -> str | None:
     if not isinstance(tactic, dict) or tactic.keys() != _TACTIC_KEY_SET:
         return f"a fused GEMV tactic is a dict with keys {TACTIC_KEYS} (or -1), got {tactic!r}"
     bn, bk, warps = tactic["bn"], tactic["bk"], tactic["warps"]
-    dot, stages = tactic["dot"], tactic["stages"]
-    for v in (bn, bk, warps, dot, stages):
+    dot, stages, split = tactic["dot"], tactic["stages"], tactic["split"]
+    for v in (bn, bk, warps, dot, stages, split):
         if isinstance(v, bool) or not isinstance(v, int):
             return f"every value of a fused GEMV tactic must be an int, got {tactic!r}"
     powers = bn >= 1 and bk >= 1 and warps >= 1 and not (bn & (bn - 1) or bk & (bk - 1))
@@ -78,6 +92,8 @@ def check_fused_tactic(tactic: Any) -> str | None:
         return f"a dot=1 tactic needs bn and bk >= 16 (tl.dot), got {tactic!r}"
     if not 1 <= stages <= 8 or (not dot and stages != 1):
         return f"stages must be 1 for dot=0 and 1..8 for dot=1, got {tactic!r}"
+    if not 1 <= split <= MAX_SPLIT or split & (split - 1):
+        return f"split must be a power of two in 1..{MAX_SPLIT}, got {tactic!r}"
     return None
 
 
@@ -124,9 +140,10 @@ class GemvShape:
 
 
 def fused_gemv_tactics(
-    shape: GemvShape, *, sm_count: int, max_tactics: int = 16
+    shape: GemvShape, *, sm_count: int, max_tactics: int = 16, split_k: bool = True
 ) -> list[dict[str, int]]:
-    """Tactics worth timing for one fused GEMV (see the module's pruning rules), simplest first."""
+    """Tactics worth timing for one fused GEMV (see the module's pruning rules), simplest first;
+    no split-K variants with ``split_k`` false (the in-loop RMSNorm needs whole rows)."""
     if shape.m < 1 or shape.m > MAX_M or shape.columns < 1 or shape.k < 1:
         return []
     n_cap, k_cap = next_power_of_two(shape.columns), next_power_of_two(shape.k)
@@ -139,7 +156,10 @@ def fused_gemv_tactics(
                 warps = [w for w in CORE_WARPS if low <= chunk // (32 * w) <= high]
                 if not warps and chunk < 32 * low:
                     warps = [1]  # a tile under one warp's share (tiny shapes): one warp
-                core += [{"bn": bn, "bk": bk, "warps": w, "dot": 0, "stages": 1} for w in warps]
+                core += [
+                    {"bn": bn, "bk": bk, "warps": w, "dot": 0, "stages": 1, "split": 1}
+                    for w in warps
+                ]
     dot: list[dict[str, int]] = []
     if shape.columns >= 16 and shape.k >= 16:
         for bn in sorted({min(b, n_cap) for b in DOT_BN}):
@@ -147,12 +167,33 @@ def fused_gemv_tactics(
                 for stages in DOT_STAGES:
                     smem = pipeline_bytes(bn, bk, stages, shape.paired, shape.itemsize)
                     if smem <= DOT_SMEM_BYTES:
-                        dot.append({"bn": bn, "bk": bk, "warps": 4, "dot": 1, "stages": stages})
+                        dot.append(
+                            {"bn": bn, "bk": bk, "warps": 4, "dot": 1, "stages": stages, "split": 1}
+                        )
     kinds = [_prune(core, shape, sm_count), _prune(dot, shape, sm_count)]
     # Each kind keeps its share of max_tactics; the CUDA-core kind (M == 1 only) the larger one.
     dot_share = min(len(kinds[1]), max_tactics // 3 if kinds[0] else max_tactics)
     kept = _longest_chunks(kinds[0], shape, max_tactics - dot_share)
-    return kept + _longest_chunks(kinds[1], shape, dot_share)
+    kept += _longest_chunks(kinds[1], shape, dot_share)
+    return kept + _split_tactics(dot, shape, sm_count) if split_k else kept
+
+
+def _split_tactics(
+    dot: list[dict[str, int]], shape: GemvShape, sm_count: int
+) -> list[dict[str, int]]:
+    """Split-K variants of the wide tensor-core tiles that leave SMs idle (module rules)."""
+    found: list[dict[str, int]] = []
+    for t in dot:
+        programs = shape.programs(t["bn"])
+        rows = t["bn"] * (2 if shape.paired else 1)
+        chunks = math.ceil(shape.k / t["bk"])
+        if rows < SPLIT_MIN_ROWS or t["bk"] < SPLIT_MIN_BK or programs >= sm_count:
+            continue
+        split = min(MAX_SPLIT, next_power_of_two(math.ceil(sm_count / programs)))
+        split = min(split, last_power_of_two(chunks))
+        if split > 1 and len(found) < MAX_SPLIT_TACTICS:
+            found.append({**t, "split": split})
+    return found
 
 
 def _prune(found: list[dict[str, int]], shape: GemvShape, sm_count: int) -> list[dict[str, int]]:
@@ -227,7 +268,12 @@ def launch_fused_gemv(
         raise ConfigError(f"fused GEMV: {problem}; pick a tactic from get_valid_tactics.")
     m, k = x.shape
     bn, bk, warps = tactic["bn"], tactic["bk"], tactic["warps"]
-    dot, stages = tactic["dot"], tactic["stages"]
+    dot, stages, split = tactic["dot"], tactic["stages"], tactic["split"]
+    if split > 1 and norm_in_loop:
+        raise ConfigError(
+            f"fused GEMV: tactic {tactic!r} splits K, but the in-loop RMSNorm needs the whole "
+            "row in one program; use a tactic with split 1."
+        )
     block_m = MAX_M if dot else 1
     placeholder = x
     if mode == ROPE:
@@ -243,6 +289,15 @@ def launch_fused_gemv(
         rope_args = (placeholder,) * 6
         rope_strides = (0, 0, 0, 0)
     res = residual if residual is not None else placeholder
+    grid = (tiles, -(-m // block_m), split)
+    ws, counters, k_split, ws_pair = placeholder, placeholder, k, 0
+    if split > 1:
+        programs = grid[0] * grid[1]
+        ws = split_partials(programs, split, bn * block_m, mode != PLAIN, x.device)
+        counters = arrival_counters(
+            x.device, programs, user="fused GEMV split-K", fix="use a tactic with split 1"
+        )
+        k_split, ws_pair = keys_per_split(k, split, bk), programs * split * bn * block_m
     args = (
         x,
         norm_weight if norm_weight is not None else placeholder,
@@ -251,9 +306,13 @@ def launch_fused_gemv(
         res,
         out,
         *rope_args,
+        ws,
+        counters,
         m,
         n,
         k,
+        k_split,
+        ws_pair,
         float(eps),
         x.stride(0),
         weight.stride(0),
@@ -276,8 +335,8 @@ def launch_fused_gemv(
         NUM_KV=kv_heads,
         HALF=half,
         SIGNED_SIN=bool(signed),
+        SPLIT=split,
         num_warps=warps,
         num_stages=stages,
     )
-    grid = (tiles, -(-m // block_m))
     run_kernel(gemv_kernels().fused_gemv_kernel, grid, args, meta, warmup)

@@ -1,12 +1,15 @@
 """graphtune.ops.fused on the GPU, in bf16 at the Llama-3.2-1B, Llama-3-8B and Qwen2.5-7B decode
 shapes: every fused tactic against float64 and against the unfused path, the one-kernel decode
 attention, a chain of fused stages captured in a CUDA graph with PDL on (replayed on new inputs,
-equal to eager), PDL on vs off (same bits), and nested tuning with the graph timer.
+equal to eager, with whole-K and split-K tactics), split-K tactics giving the same bits on every
+call, PDL on vs off (same bits), and nested tuning with the graph timer.
 
 Skipped without CUDA (tests/gpu/conftest.py) and without Triton.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 import torch
@@ -68,6 +71,9 @@ def _check_all(runner, inputs, want, tol, every, out_of=lambda out: out):
     for tactic in _tactics(runner, inputs, every):
         got = out_of(runner.forward(inputs, tactic))
         assert _rel(got, want) < tol, (type(runner).__name__, tactic)
+        if tactic["split"] > 1:  # the last split sums in split order, whichever arrived last
+            for _ in range(3):
+                assert torch.equal(out_of(runner.forward(inputs, tactic)), got), tactic
 
 
 @pytest.mark.parametrize("name,m", CASES)
@@ -145,6 +151,11 @@ def test_lm_head_and_skinny_gemm(name, m):
     if m > 1:  # the skinny GEMM offers no tactics for one row (the GEMV's)
         want = x.double() @ w.double().T
         _check_all(TritonSkinnyGemmRunner(), [x, w, None, None, False], want, TOL, 2)
+        # a square projection: too few wide tiles to fill the GPU, so split-K tactics too
+        w_o = _randn(hidden, hidden, scale=hidden**-0.5)
+        inputs = [x, w_o, None, None, False]
+        assert any(t["split"] > 1 for t in TritonSkinnyGemmRunner().get_valid_tactics(inputs, 0))
+        _check_all(TritonSkinnyGemmRunner(), inputs, x.double() @ w_o.double().T, TOL, 1)
 
 
 @pytest.mark.parametrize("batch,seq", [(1, 512), (8, 512), (1, 4096)])
@@ -167,8 +178,9 @@ def test_one_kernel_attention_matches_sdpa(batch, seq):
         assert int(counters.abs().sum()) == 0
 
 
-def _layer_chain(dims, m):
-    """A decode layer of fused stages (fixed first tactics) and its unfused torch twin."""
+def _layer_chain(dims, m, split_k=False):
+    """A decode layer of fused stages (fixed first tactics; with ``split_k`` the first split-K
+    tactic where a runner has one) and its unfused torch twin."""
     hidden, inter, heads, kv, dim, vocab, _ = dims
     eps, seq = 1e-5, 512
     w = dict(
@@ -194,8 +206,13 @@ def _layer_chain(dims, m):
         head=TritonNormLinear(),
     )
 
+    def first(runner: Any, inputs: list[Any]) -> Any:
+        tactics = runner.get_valid_tactics(inputs, None)
+        split = [t for t in tactics if t.get("split", 1) > 1]
+        return split[0] if split_k and split else tactics[0]
+
     def step(x: torch.Tensor, fused: bool) -> torch.Tensor:
-        pick = (lambda r, i: r.get_valid_tactics(i, None)[0]) if fused else (lambda r, i: -1)
+        pick = first if fused else (lambda r, i: -1)
         qkv_in = [x, w["attn"], w["qkv"], None, positions, cos, sin, k_cache, v_cache]
         qkv_in += [write_rows, eps]
         q = runners["qkv"].forward(qkv_in, pick(runners["qkv"], qkv_in))
@@ -214,11 +231,12 @@ def _layer_chain(dims, m):
     return step
 
 
+@pytest.mark.parametrize("split_k", [False, True], ids=["whole-k", "split-k"])
 @pytest.mark.parametrize("m", [1, 8])
-def test_fused_chain_in_a_cuda_graph_with_pdl_replays_to_eager(m):
+def test_fused_chain_in_a_cuda_graph_with_pdl_replays_to_eager(m, split_k):
     if torch.cuda.get_device_capability() >= (9, 0):
         assert _pdl.pdl_enabled(torch.device(DEV))  # H100/H200: every fused launch uses PDL
-    step = _layer_chain(SHAPES["llama-1b"], m)
+    step = _layer_chain(SHAPES["llama-1b"], m, split_k)
     x0 = _randn(m, 2048)
     static = x0.clone()
     stream = torch.cuda.Stream()

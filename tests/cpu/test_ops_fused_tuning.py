@@ -373,6 +373,7 @@ def test_every_decode_step_kernel_waits_then_lets_its_successor_launch():
         "graphtune.ops._attention_kernels",
         "graphtune.ops.moe._kernels",
         "graphtune.ops.moe._gemv_kernels",
+        "graphtune.ops._step_kernels",
     )
     checked = []
     for name in names:
@@ -390,4 +391,4 @@ def test_every_decode_step_kernel_waits_then_lets_its_successor_launch():
             assert "gdc_launch_dependents()" in "\n".join(lines[at + 1 :]), attr
             checked.append(attr)
     assert {"gemv_kernel", "fused_gemv_kernel", "rms_norm_kernel", "gemm_kernel"} <= set(checked)
-    assert len(checked) >= 9
+    assert "decode_inputs_kernel" in checked and len(checked) >= 10

@@ -1,6 +1,7 @@
 """graphtune.ops on the GPU: every Triton kernel at Llama-1B decode shapes in bf16 against a
 float64 reference, every valid GEMM tactic for two buckets, every valid GEMV tactic of the decode
-GEMMs, every decode-attention tactic against SDPA, and capture of each op in a graph.
+GEMMs, every decode-attention tactic against SDPA, capture of each op in a graph, and the step-input
+kernel against the torch code, bit for bit.
 
 Skipped without CUDA (tests/gpu/conftest.py) and without Triton.
 """
@@ -22,6 +23,7 @@ from graphtune.ops import (  # noqa: E402
     attention,
     gemm,
     head_rms_norm_,
+    step_inputs,
     torch_rope_kv_cache,
 )
 from graphtune.ops.gemm import TritonGemvRunner  # noqa: E402
@@ -350,3 +352,29 @@ def test_decode_attention_tunes_with_the_triton_runner_without_failures():
     assert float((out.float() - _attention_reference(*inputs)).abs().max()) < ATTN_ATOL
     for row in rows:  # the picks per bucket, for the log of the GPU run (pytest -s)
         print(row)
+
+
+@pytest.mark.parametrize("batch,window", [(1, None), (8, None), (128, 256)])
+def test_step_inputs_kernel_gives_the_torch_codes_bits(batch, window):
+    max_seq = 4096
+    embed = torch.randn(VOCAB, HIDDEN, device=DEV).to(BF16)
+    tokens = torch.randint(0, VOCAB, (batch,), device=DEV)
+    positions = torch.randint(0, max_seq, (batch,), device=DEV)
+    slots = torch.randperm(batch, device=DEV)
+    x, rows, mask = step_inputs.decode_inputs(
+        tokens,
+        positions,
+        slots,
+        embed,
+        kv_heads=KV,
+        max_seq=max_seq,
+        window=window,
+        mask_dtype=BF16,
+    )
+    assert torch.equal(x, torch.nn.functional.embedding(tokens, embed))
+    heads = torch.arange(KV, device=DEV)[None, :]
+    assert torch.equal(rows, ((slots[:, None] * KV + heads) * max_seq + positions[:, None]).ravel())
+    zero = torch.tensor(0.0, device=DEV, dtype=BF16)
+    neg_inf = torch.tensor(float("-inf"), device=DEV, dtype=BF16)
+    keys = torch.arange(max_seq, device=DEV)
+    assert torch.equal(mask[:, 0, 0], causal_mask(positions, keys, zero, neg_inf, window))

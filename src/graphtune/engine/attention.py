@@ -93,18 +93,28 @@ class DecodeAttention:
         ops: The op context the attention op is looked up in.
         positions: ``[B]`` position of each row's token.
         slots: ``[B]`` KV slot of each row (read by index unless ``step.contiguous_slots``).
+        mask: The ``[B, 1, 1, max_seq]`` mask when the caller made it already
+            (``graphtune.ops.step_inputs``); ``None``: built here from ``positions``.
     """
 
     def __init__(
-        self, step: StepState, ops: OpContext, positions: torch.Tensor, slots: torch.Tensor
+        self,
+        step: StepState,
+        ops: OpContext,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        *,
+        mask: torch.Tensor | None = None,
     ) -> None:
         window = step.model.config.sliding_window
         self.step = step
         self.ops = ops
         self.slots = slots
-        self.mask = causal_mask(positions, step.key_positions, step.zero, step.neg_inf, window)[
-            :, None, None, :
-        ]
+        if mask is None:
+            mask = causal_mask(positions, step.key_positions, step.zero, step.neg_inf, window)[
+                :, None, None, :
+            ]
+        self.mask = mask
 
     def __call__(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         step = self.step

@@ -45,6 +45,7 @@ from graphtune.errors import ConfigError
 from graphtune.ops.context import OpContext
 from graphtune.ops.rmsnorm import head_norm_weights
 from graphtune.ops.rotary import RopeRows
+from graphtune.ops.step_inputs import decode_inputs, decode_inputs_supported
 
 logger = logging.getLogger(__name__)
 
@@ -165,6 +166,7 @@ class DecodeStep:
         attention: Attention,
         *,
         logit_rows: torch.Tensor | None = None,
+        embedded: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The model on a flat batch of tokens; returns logits ``[rows, vocab]``.
 
@@ -177,12 +179,14 @@ class DecodeStep:
             attention: Decode or prefill attention (:mod:`graphtune.engine.attention`).
             logit_rows: Rows whose logits to compute (``[k]`` indices, e.g. each prompt's last
                 token in prefill); ``None``: every row.
+            embedded: ``embed[tokens]`` when the caller made it already (a fresh tensor: the
+                layers add into it in place); ``None``: looked up here.
         """
         model, cfg = self.model, self.model.config
         eps = cfg.rms_norm_eps
         rope = RopeRows(positions, self.cos, self.sin, signed_sin=True)
         # A fresh tensor: the output projections add into it in place.
-        x = F.embedding(tokens, model.embed)
+        x = F.embedding(tokens, model.embed) if embedded is None else embedded
         # rms_norm(x) when an output-projection hook produced it with the residual add (tensor
         # parallelism's fused all-reduce); the next stage then skips its norm prologue.
         normed: torch.Tensor | None = None
@@ -277,6 +281,21 @@ class DecodeStep:
     ) -> torch.Tensor:
         """One decode step through the op context ``ops`` (``__call__`` passes the step's own;
         :func:`~graphtune.engine.tuning.tune_step` also runs it unfused)."""
+        embed = self.model.embed
+        if ops.tuned and decode_inputs_supported(embed):
+            # One kernel for the embedding rows, the KV write rows and the mask (torch: seven).
+            x, write_rows, mask = decode_inputs(
+                tokens,
+                positions,
+                slots,
+                embed,
+                kv_heads=self.model.config.num_kv_heads,
+                max_seq=self.cache.max_seq_len,
+                window=self.model.config.sliding_window,
+                mask_dtype=self.zero.dtype,
+            )
+            attention = DecodeAttention(self, ops, positions, slots, mask=mask)
+            return self.forward(ops, tokens, positions, write_rows, attention, embedded=x)
         attention = DecodeAttention(self, ops, positions, slots)
         return self.forward(ops, tokens, positions, self.write_rows(positions, slots), attention)
 

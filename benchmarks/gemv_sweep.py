@@ -1,0 +1,275 @@
+#!/usr/bin/env python3
+"""The fused GEMV's tactic space swept exhaustively at a model's decode projections.
+
+Usage (on a GPU machine, from the repository root):
+
+    PYTHONPATH=src python3 benchmarks/gemv_sweep.py --out benchmarks/results
+        [--model llama-1b-shape] [--batches 8,16] [--ops qkv,o,gate_up,down] [--replays 10]
+        [--commit SHA] [--label TEXT]
+
+For each projection of ``--model``'s decode layer (a preset of ``graphtune.engine.presets``),
+bf16 with random weights, the fused GEMV kernel runs in the form the tuned step runs it after
+the RMSNorm op: ``qkv`` the QKV projection + RoPE + K/V write (``TritonQkvRopeAfterNorm``),
+``o`` and ``down`` the projection with the residual added in place (``TritonAddProjection``),
+``gate_up`` the gate/up projection + SiLU-and-mul (``TritonGateUpSiluAfterNorm``). The RMSNorm
+itself is left out, so every candidate times the one kernel. Every tactic of the space
+(:func:`space_for`: ``bn``, ``bk``, stages and split on the tensor cores; on the CUDA cores, for
+one row, the tuner's tiles with splits 1, 2 and 4) is compiled ahead in parallel and timed by the
+in-graph CUPTI truth of ``graphtune.bench.cupti_sweep.cupti_graph_sweep`` (all candidates of an
+op and batch in one profiler session, replays interleaved). The weight rotates over enough copies
+to exceed the L2 cache, as in the step, where every weight streams from memory once. Each result
+says whether the runner offers the tactic to the tuner.
+
+Writes ``gemv-sweep-<model>-<gpu>[-label].json`` with provenance and prints the table last.
+Exits 2 without CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from graphtune import bench
+from graphtune.autotuner.config import next_power_of_two
+from graphtune.autotuner.entries import tactic_text
+from graphtune.bench.cupti_sweep import cupti_graph_sweep
+from graphtune.engine.config import ModelConfig
+from graphtune.engine.presets import get_preset
+from graphtune.errors import ConfigError
+from graphtune.ops.fused import (
+    TritonAddProjection,
+    TritonGateUpSiluAfterNorm,
+    TritonQkvRopeAfterNorm,
+)
+from graphtune.ops.fused_gemv import family
+from graphtune.ops.fused_gemv.family import PLAIN, ROPE, SILU, GemvShape
+
+OPS = ("qkv", "o", "gate_up", "down")
+DOT_STAGES = (3, 4)
+SPLITS = (1, 2, 4, 8, 16)
+CORE_SPLITS = (1, 2, 4)
+CALLS_PER_GRAPH = 20
+BF16 = torch.bfloat16
+
+
+def _key(tactic: dict) -> tuple:
+    return tuple(sorted(tactic.items()))
+
+
+def space_for(shape: GemvShape, sms: int) -> list[dict[str, int]]:
+    """Every tactic swept for one projection: on the tensor cores ``bn`` x ``bk`` x stages x
+    split within the shared-memory budget (a split at most the tile's ``K`` chunks); for one row
+    also the tuner's CUDA-core tiles with splits 1, 2 and 4."""
+    out: list[dict[str, int]] = []
+    if shape.m == 1:
+        whole = family.fused_gemv_tactics(shape, sm_count=sms, max_tactics=10**6, split_k=False)
+        for t in (t for t in whole if t["dot"] == 0):
+            chunks = math.ceil(shape.k / t["bk"])
+            out += [{**t, "split": s} for s in CORE_SPLITS if s <= chunks]
+    n_cap, k_cap = next_power_of_two(shape.columns), next_power_of_two(shape.k)
+    bns = sorted({min(b, n_cap) for b in family.DOT_BN})
+    bks = sorted({min(b, k_cap) for b in family.DOT_BK})
+    for bn, bk, stages in itertools.product(bns, bks, DOT_STAGES):
+        if family.pipeline_bytes(bn, bk, stages, shape.paired, shape.itemsize) > (
+            family.DOT_SMEM_BYTES
+        ):
+            continue
+        chunks = math.ceil(shape.k / bk)
+        for split in (s for s in SPLITS if s <= chunks):
+            out.append({"bn": bn, "bk": bk, "warps": 4, "dot": 1, "stages": stages, "split": split})
+    unique = {_key(t): t for t in out if family.check_fused_tactic(t) is None}
+    return list(unique.values())
+
+
+class _QkvKernelOnly(TritonQkvRopeAfterNorm):
+    """The after-norm QKV runner with its input taken as already normalised."""
+
+    def kernel_rows(self, x: torch.Tensor, norm_weight: Any, eps: float, warmup: bool) -> Any:
+        return x, None
+
+
+class _GateUpKernelOnly(TritonGateUpSiluAfterNorm):
+    """The after-norm gate/up runner with its input taken as already normalised."""
+
+    def kernel_rows(self, x: torch.Tensor, norm_weight: Any, eps: float, warmup: bool) -> Any:
+        return x, None
+
+
+def op_cases(model: ModelConfig, m: int, device: torch.device, l2_bytes: int) -> dict[str, Any]:
+    """Per op: (runner, a list of inputs per weight copy, the shape, bytes a call streams)."""
+    hidden, inter = model.hidden_size, model.intermediate_size
+    heads, kv, dim = model.num_heads, model.num_kv_heads, model.dim_per_head
+    gen = torch.Generator(device=device).manual_seed(m)
+
+    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        t = torch.randn(*shape, device=device, generator=gen) * scale
+        return t.to(BF16)
+
+    def copies(rows: int, k: int) -> list[torch.Tensor]:
+        count = max(1, min(16, math.ceil(2 * l2_bytes / (rows * k * 2))))
+        return [rand(rows, k, scale=k**-0.5) for _ in range(count)]
+
+    seq = 4096
+    norm_w = torch.ones(hidden, device=device, dtype=BF16)
+    rows = (heads + 2 * kv) * dim
+    angles = torch.rand(seq, dim // 2, device=device, generator=gen) * 6.3
+    cos = torch.cat((angles.cos(), angles.cos()), -1).to(BF16)
+    sin = torch.cat((-angles.sin(), angles.sin()), -1).to(BF16)
+    positions = torch.randint(0, seq, (m,), device=device, generator=gen)
+    write_rows = torch.randperm(seq * kv, device=device, generator=gen)[: m * kv]
+    k_cache, v_cache = rand(seq * kv, dim), rand(seq * kv, dim)
+    x, act = rand(m, hidden), rand(m, inter)
+    residual, attn = rand(m, hidden), rand(m, heads * dim)
+    qkv_tail = [positions, cos, sin, k_cache, v_cache, write_rows, 1e-5]
+    return {
+        "qkv": (
+            _QkvKernelOnly(heads, kv, True),
+            [[x, norm_w, w, None, *qkv_tail] for w in copies(rows, hidden)],
+            GemvShape(ROPE, m, dim // 2, heads + 2 * kv, hidden, 2),
+            rows * hidden * 2,
+        ),
+        "o": (
+            TritonAddProjection(),
+            [[residual, attn, w] for w in copies(hidden, heads * dim)],
+            GemvShape(PLAIN, m, hidden, 1, heads * dim, 2),
+            hidden * heads * dim * 2,
+        ),
+        "gate_up": (
+            _GateUpKernelOnly(),
+            [[x, norm_w, w, 1e-5] for w in copies(2 * inter, hidden)],
+            GemvShape(SILU, m, inter, 1, hidden, 2),
+            2 * inter * hidden * 2,
+        ),
+        "down": (
+            TritonAddProjection(),
+            [[residual, act, w] for w in copies(hidden, inter)],
+            GemvShape(PLAIN, m, hidden, 1, inter, 2),
+            hidden * inter * 2,
+        ),
+    }
+
+
+def sweep_op(name: str, case: tuple[Any, ...], sms: int, replays: int) -> dict[str, Any]:
+    """All candidates of one op at one batch: offered flags, in-graph time, bandwidth."""
+    runner, inputs, shape, nbytes = case
+    offered = {_key(t) for t in runner.tactics_for(inputs[0])}
+    tactics = space_for(shape, sms)
+    began = time.perf_counter()
+    report = runner.precompile(inputs[0], tactics)
+    compile_s = time.perf_counter() - began
+
+    def call_of(tactic: dict) -> Any:
+        return lambda i: runner.forward(inputs[i % len(inputs)], tactic)
+
+    began = time.perf_counter()
+    truth = cupti_graph_sweep(
+        [call_of(t) for t in tactics], [CALLS_PER_GRAPH] * len(tactics), replays=replays
+    )
+    sweep_s = time.perf_counter() - began
+    rows = [
+        {
+            "tactic": t,
+            "offered": _key(t) in offered,
+            "us": res["per_call_us"],
+            "tb_s": nbytes / (res["per_call_us"] * 1e6)
+            if 0 < res["per_call_us"] < math.inf
+            else None,
+            "error": res["error"] or report.get(tactic_text(t)),
+        }
+        for t, res in zip(tactics, truth, strict=True)
+    ]
+    rows.sort(key=lambda row: row["us"])
+    best_offered = next((row for row in rows if row["offered"]), None)
+    return {
+        "op": name,
+        "batch": shape.m,
+        "weight_bytes": nbytes,
+        "weight_copies": len(inputs),
+        "candidates": len(rows),
+        "offered": len(offered),
+        "compile_s": compile_s,
+        "sweep_s": sweep_s,
+        "best": rows[0],
+        "best_offered": best_offered,
+        "offered_over_best": best_offered["us"] / rows[0]["us"] - 1 if best_offered else None,
+        "rows": rows,
+    }
+
+
+def _tactic_text(t: dict) -> str:
+    return f"bn{t['bn']} bk{t['bk']} w{t['warps']} dot{t['dot']} st{t['stages']} split{t['split']}"
+
+
+def table(found: dict[str, Any]) -> str:
+    """The text printed last: per op and batch the best offered, the best of the space, the
+    top 3."""
+    lines = ["op      | batch | MB   | best of space us (TB/s) | best offered us | offered/best-1"]
+    for r in found["sweeps"]:
+        best, off = r["best"], r["best_offered"]
+        off_us = f"{off['us']:7.2f}" if off else "      -"
+        gap = f"{100 * r['offered_over_best']:+.1f}%" if off else "-"
+        lines.append(
+            f"{r['op']:7s} | {r['batch']:5d} | {r['weight_bytes'] / 1e6:4.1f} | "
+            f"{best['us']:7.2f} ({best['tb_s'] or 0:.2f}) | {off_us} | {gap}"
+        )
+        for row in r["rows"][:3]:
+            mark = "offered" if row["offered"] else ""
+            lines.append(f"          {row['us']:7.2f} {_tactic_text(row['tactic'])} {mark}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="folder for the JSON result")
+    parser.add_argument("--model", default="llama-1b-shape", help="preset whose layer to sweep")
+    parser.add_argument("--batches", default="8,16", help="batch sizes (1..16), comma-separated")
+    parser.add_argument("--ops", default=",".join(OPS), help=f"ops of {OPS}, comma-separated")
+    parser.add_argument("--replays", type=int, default=10, help="CUPTI replays per candidate")
+    parser.add_argument("--commit", help="commit to record (default: git)")
+    parser.add_argument("--label", help="suffix of the result file name")
+    args = parser.parse_args(argv)
+    ops = args.ops.split(",")
+    unknown = [op for op in ops if op not in OPS]
+    if unknown:
+        parser.error(f"--ops: unknown {unknown}; choose from {list(OPS)}")
+    try:
+        batches = [int(b) for b in args.batches.split(",")]
+    except ValueError:
+        parser.error(f"--batches must be integers, got {args.batches!r}")
+    if not all(1 <= b <= family.MAX_M for b in batches):
+        parser.error(f"--batches must lie in 1..{family.MAX_M} (the fused GEMV's rows)")
+    try:
+        model = get_preset(args.model)
+    except ConfigError as exc:
+        parser.error(f"--model: {exc}")
+    device = bench.require_cuda_or_exit("gemv_sweep.py")
+    props = torch.cuda.get_device_properties(device)
+    l2_bytes = int(getattr(props, "L2_cache_size", 60 * 2**20))
+    sweeps = []
+    for m in batches:
+        cases = op_cases(model, m, device, l2_bytes)
+        for op in ops:
+            sweeps.append(sweep_op(op, cases[op], props.multi_processor_count, args.replays))
+            print(f"batch {m} {op}: {sweeps[-1]['candidates']} candidates", flush=True)
+    found = {
+        "provenance": bench.provenance(args.commit),
+        "options": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "sweeps": sweeps,
+    }
+    slug = bench.gpu_slug(torch.cuda.get_device_name())
+    name = f"gemv-sweep-{args.model}-{slug}" + (f"-{args.label}" if args.label else "")
+    print(f"wrote {bench.write_json(args.out / f'{name}.json', found)}")
+    print(table(found))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""benchmarks/gemv_sweep.py's tactic space and arguments, without a GPU."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+if str(BENCHMARKS) not in sys.path:
+    sys.path.insert(0, str(BENCHMARKS))
+
+import gemv_sweep  # noqa: E402
+
+from graphtune.ops.fused_gemv.family import (  # noqa: E402
+    PLAIN,
+    ROPE,
+    SILU,
+    GemvShape,
+    check_fused_tactic,
+    fused_gemv_tactics,
+)
+
+SHAPES = [  # Llama-1B: QKV (RoPE tiles), O, gate/up, down
+    (ROPE, 32, 48, 2048),
+    (PLAIN, 2048, 1, 2048),
+    (SILU, 8192, 1, 2048),
+    (PLAIN, 2048, 1, 8192),
+]
+
+
+@pytest.mark.parametrize("m", [1, 8, 16])
+@pytest.mark.parametrize("mode,columns,heads,k", SHAPES)
+def test_space_holds_every_offered_tactic_and_only_valid_ones(m, mode, columns, heads, k):
+    shape = GemvShape(mode, m, columns, heads, k, 2)
+    space = gemv_sweep.space_for(shape, 132)
+    keys = [gemv_sweep._key(t) for t in space]
+    assert len(keys) == len(set(keys))
+    assert all(check_fused_tactic(t) is None for t in space)
+    assert all(t["split"] <= math.ceil(k / t["bk"]) for t in space)
+    assert {t["dot"] for t in space} == ({0, 1} if m == 1 else {1})
+    offered = fused_gemv_tactics(shape, sm_count=132)
+    assert {gemv_sweep._key(t) for t in offered} <= set(keys)
+
+
+def test_main_without_cuda_exits_2_with_a_reason(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(gemv_sweep.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exited:
+        gemv_sweep.main(["--out", str(tmp_path)])
+    assert exited.value.code == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--ops", "qkv,lm_head"], "--ops: unknown ['lm_head']"),
+        (["--batches", "8,32"], "--batches must lie in 1..16"),
+        (["--batches", "eight"], "--batches must be integers"),
+        (["--model", "llama-9b"], "--model: unknown model preset 'llama-9b'"),
+    ],
+)
+def test_bad_arguments_are_usage_errors(tmp_path, capsys, argv, message):
+    with pytest.raises(SystemExit) as exited:
+        gemv_sweep.main(["--out", str(tmp_path), *argv])
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err

@@ -211,6 +211,10 @@ def test_decode_tactics_obey_the_pruning_rules(batch, kv_heads, seq, sms):
         assert max(t["splits"] for t in tactics) >= 4  # a small batch needs splits to fill SMs
     if batch * kv_heads >= 2 * sms:
         assert {t["splits"] for t in tactics} == {1}
+    one_warp = [t for t in tactics if t["warps"] == 1]
+    # the one-warp tile only where one program per (request, KV head) fills the GPU
+    assert bool(one_warp) == (batch * kv_heads >= sms), one_warp
+    assert all(t["splits"] == 1 for t in one_warp)
 
 
 def test_decode_tactics_fit_shared_memory():

@@ -144,6 +144,9 @@ class MatmulAttention(TunableRunner):
 #: ``benchmarks/results/attention-sweep-h200-b128-cea895b.json``, and the step in
 #: ``benchmarks/results/decode-1b-attn-*-h200.json``).
 TRITON_BASE_CONFIGS = ((64, 4, 2), (64, 4, 3), (128, 4, 3), (32, 2, 2))
+#: A one-warp tile, offered only where the grid fills the GPU without splits (see the rules of
+#: :func:`decode_attention_tactics`).
+ONE_WARP_CONFIG = (32, 1, 2)
 MAX_SPLITS = 64
 _DEFAULT_SMS = 132  # an H100/H200; used off-GPU
 _DEFAULT_SMEM = 227 * 1024
@@ -179,6 +182,10 @@ def decode_attention_tactics(
       ``<= 2 * sm_count / (batch * kv_heads)`` (more programs than about two per SM only add
       partials to merge). Of those, ``1`` (one kernel, no merge), the largest and half the
       largest are kept.
+    * :data:`ONE_WARP_CONFIG` as well when ``batch * kv_heads >= sm_count`` (one program per
+      (request, KV head) already fills the GPU, so it has one split). At batch 128 on the H200
+      (``benchmarks/results/attention-sweep-h200-b128-cea895b.json``) one-warp tiles were the
+      fastest of the whole space, 3.6% ahead of the best base config.
 
     Args:
         batch: Batch rows (the bucket).
@@ -197,7 +204,8 @@ def decode_attention_tactics(
     programs = max(1, batch * kv_heads)
     out: list[dict[str, int]] = []
     seen: set[tuple[int, int, int]] = set()
-    configs = [(min(block_n, cap), warps, stages) for block_n, warps, stages in TRITON_BASE_CONFIGS]
+    bases = TRITON_BASE_CONFIGS + ((ONE_WARP_CONFIG,) if programs >= sm_count else ())
+    configs = [(min(block_n, cap), warps, stages) for block_n, warps, stages in bases]
     fitting = [c for c in configs if c[2] * 2 * c[0] * head_dim * itemsize <= smem_bytes]
     for block_n, warps, stages in fitting or [(min(c[0] for c in configs), 4, 2)]:
         if (block_n, warps, stages) in seen:

@@ -30,25 +30,19 @@ import math
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
+from _sweep import add_common_arguments, model_or_usage_error, ranked, tactic_key, write_result
 
 from graphtune import bench
 from graphtune.autotuner.config import next_power_of_two
 from graphtune.bench.cupti_sweep import cupti_graph_sweep
 from graphtune.engine.config import ModelConfig
-from graphtune.engine.presets import get_preset
-from graphtune.errors import ConfigError
 from graphtune.ops import attention
 
 SPACE = {"block_n": (16, 32, 64, 128), "warps": (1, 2, 4, 8), "stages": (2, 3, 4)}
 CALLS_PER_GRAPH = 20
-
-
-def _key(tactic: dict) -> tuple:
-    return tuple(sorted(tactic.items()))
 
 
 def space_for(batch: int, kv_heads: int, seq: int, head_dim: int, sms: int) -> list[dict]:
@@ -85,7 +79,7 @@ def sweep_batch(
     inputs.append(mask)
     split_runner = attention.TritonDecodeAttention()
     one_kernel = attention.TritonDecodeAttentionOneKernel()
-    offered = {_key(t) for t in split_runner.tactics_for(inputs)}
+    offered = {tactic_key(t) for t in split_runner.tactics_for(inputs)}
     tactics = space_for(batch, kv, seq, dim, sms)
     cands = [(split_runner, t) for t in tactics]
     cands += [(one_kernel, t) for t in tactics if t["splits"] > 1]
@@ -107,26 +101,20 @@ def sweep_batch(
         {
             "runner": type(r).__name__,
             "tactic": t,
-            "offered": _key(t) in offered,
+            "offered": tactic_key(t) in offered,
             "us": res["per_call_us"],
             "tb_s": nbytes / (res["per_call_us"] * 1e6) if res["per_call_us"] > 0 else None,
             "error": res["error"],
         }
         for (r, t), res in zip(cands, truth, strict=True)
     ]
-    rows.sort(key=lambda row: row["us"])
-    best_offered = next((row for row in rows if row["offered"]), None)
     return {
         "batch": batch,
         "kv_bytes": nbytes,
-        "candidates": len(rows),
         "offered": len(offered),
         "compile_s": compile_s,
         "sweep_s": sweep_s,
-        "best": rows[0],
-        "best_offered": best_offered,
-        "offered_over_best": best_offered["us"] / rows[0]["us"] - 1 if best_offered else None,
-        "rows": rows,
+        **ranked(rows),
     }
 
 
@@ -147,26 +135,17 @@ def table(found: dict[str, Any]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True, help="folder for the JSON result")
+    add_common_arguments(parser, "attention")
     parser.add_argument("--batches", default="1,8,32,128", help="batch sizes, comma-separated")
-    parser.add_argument("--model", default="llama-1b-shape", help="preset whose attention to sweep")
     parser.add_argument("--context", type=int, default=512, help="last visible key position")
     parser.add_argument("--seq", type=int, default=528, help="KV cache length")
-    parser.add_argument("--replays", type=int, default=10, help="CUPTI replays per candidate")
-    parser.add_argument("--commit", help="commit to record (default: git)")
-    parser.add_argument("--label", help="suffix of the result file name")
     args = parser.parse_args(argv)
     if not 0 <= args.context < args.seq:
         parser.error(f"--context must be in [0, --seq={args.seq}), got {args.context}")
-    try:
-        model = get_preset(args.model)
-    except ConfigError as exc:
-        parser.error(f"--model: {exc}")
+    model = model_or_usage_error(parser, args.model)
     device = bench.require_cuda_or_exit("attention_sweep.py")
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     found = {
-        "provenance": bench.provenance(args.commit),
-        "options": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "model": {
             "kv_heads": model.num_kv_heads,
             "heads": model.num_heads,
@@ -174,9 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         },
         "batches": [sweep_batch(args, model, int(b), device, sms) for b in args.batches.split(",")],
     }
-    slug = bench.gpu_slug(torch.cuda.get_device_name())
-    name = f"attention-sweep-{args.model}-{slug}" + (f"-{args.label}" if args.label else "")
-    print(f"wrote {bench.write_json(args.out / f'{name}.json', found)}")
+    write_result(args, "attention-sweep", found)
     print(table(found))
     return 0
 

@@ -32,18 +32,16 @@ import math
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
+from _sweep import add_common_arguments, model_or_usage_error, ranked, tactic_key, write_result
 
 from graphtune import bench
 from graphtune.autotuner.config import next_power_of_two
 from graphtune.autotuner.entries import tactic_text
 from graphtune.bench.cupti_sweep import cupti_graph_sweep
 from graphtune.engine.config import ModelConfig
-from graphtune.engine.presets import get_preset
-from graphtune.errors import ConfigError
 from graphtune.ops.fused import (
     TritonAddProjection,
     TritonGateUpSiluAfterNorm,
@@ -58,10 +56,6 @@ SPLITS = (1, 2, 4, 8, 16)
 CORE_SPLITS = (1, 2, 4)
 CALLS_PER_GRAPH = 20
 BF16 = torch.bfloat16
-
-
-def _key(tactic: dict) -> tuple:
-    return tuple(sorted(tactic.items()))
 
 
 def space_for(shape: GemvShape, sms: int) -> list[dict[str, int]]:
@@ -85,7 +79,7 @@ def space_for(shape: GemvShape, sms: int) -> list[dict[str, int]]:
         chunks = math.ceil(shape.k / bk)
         for split in (s for s in SPLITS if s <= chunks):
             out.append({"bn": bn, "bk": bk, "warps": 4, "dot": 1, "stages": stages, "split": split})
-    unique = {_key(t): t for t in out if family.check_fused_tactic(t) is None}
+    unique = {tactic_key(t): t for t in out if family.check_fused_tactic(t) is None}
     return list(unique.values())
 
 
@@ -160,7 +154,7 @@ def op_cases(model: ModelConfig, m: int, device: torch.device, l2_bytes: int) ->
 def sweep_op(name: str, case: tuple[Any, ...], sms: int, replays: int) -> dict[str, Any]:
     """All candidates of one op at one batch: offered flags, in-graph time, bandwidth."""
     runner, inputs, shape, nbytes = case
-    offered = {_key(t) for t in runner.tactics_for(inputs[0])}
+    offered = {tactic_key(t) for t in runner.tactics_for(inputs[0])}
     tactics = space_for(shape, sms)
     began = time.perf_counter()
     report = runner.precompile(inputs[0], tactics)
@@ -177,7 +171,7 @@ def sweep_op(name: str, case: tuple[Any, ...], sms: int, replays: int) -> dict[s
     rows = [
         {
             "tactic": t,
-            "offered": _key(t) in offered,
+            "offered": tactic_key(t) in offered,
             "us": res["per_call_us"],
             "tb_s": nbytes / (res["per_call_us"] * 1e6)
             if 0 < res["per_call_us"] < math.inf
@@ -186,21 +180,15 @@ def sweep_op(name: str, case: tuple[Any, ...], sms: int, replays: int) -> dict[s
         }
         for t, res in zip(tactics, truth, strict=True)
     ]
-    rows.sort(key=lambda row: row["us"])
-    best_offered = next((row for row in rows if row["offered"]), None)
     return {
         "op": name,
         "batch": shape.m,
         "weight_bytes": nbytes,
         "weight_copies": len(inputs),
-        "candidates": len(rows),
         "offered": len(offered),
         "compile_s": compile_s,
         "sweep_s": sweep_s,
-        "best": rows[0],
-        "best_offered": best_offered,
-        "offered_over_best": best_offered["us"] / rows[0]["us"] - 1 if best_offered else None,
-        "rows": rows,
+        **ranked(rows),
     }
 
 
@@ -228,13 +216,9 @@ def table(found: dict[str, Any]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True, help="folder for the JSON result")
-    parser.add_argument("--model", default="llama-1b-shape", help="preset whose layer to sweep")
+    add_common_arguments(parser, "layer")
     parser.add_argument("--batches", default="8,16", help="batch sizes (1..16), comma-separated")
     parser.add_argument("--ops", default=",".join(OPS), help=f"ops of {OPS}, comma-separated")
-    parser.add_argument("--replays", type=int, default=10, help="CUPTI replays per candidate")
-    parser.add_argument("--commit", help="commit to record (default: git)")
-    parser.add_argument("--label", help="suffix of the result file name")
     args = parser.parse_args(argv)
     ops = args.ops.split(",")
     unknown = [op for op in ops if op not in OPS]
@@ -246,10 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--batches must be integers, got {args.batches!r}")
     if not all(1 <= b <= family.MAX_M for b in batches):
         parser.error(f"--batches must lie in 1..{family.MAX_M} (the fused GEMV's rows)")
-    try:
-        model = get_preset(args.model)
-    except ConfigError as exc:
-        parser.error(f"--model: {exc}")
+    model = model_or_usage_error(parser, args.model)
     device = bench.require_cuda_or_exit("gemv_sweep.py")
     props = torch.cuda.get_device_properties(device)
     l2_bytes = int(getattr(props, "L2_cache_size", 60 * 2**20))
@@ -259,14 +240,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for op in ops:
             sweeps.append(sweep_op(op, cases[op], props.multi_processor_count, args.replays))
             print(f"batch {m} {op}: {sweeps[-1]['candidates']} candidates", flush=True)
-    found = {
-        "provenance": bench.provenance(args.commit),
-        "options": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "sweeps": sweeps,
-    }
-    slug = bench.gpu_slug(torch.cuda.get_device_name())
-    name = f"gemv-sweep-{args.model}-{slug}" + (f"-{args.label}" if args.label else "")
-    print(f"wrote {bench.write_json(args.out / f'{name}.json', found)}")
+    found = {"sweeps": sweeps}
+    write_result(args, "gemv-sweep", found)
     print(table(found))
     return 0
 

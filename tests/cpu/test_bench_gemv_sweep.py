@@ -36,13 +36,13 @@ SHAPES = [  # Llama-1B: QKV (RoPE tiles), O, gate/up, down
 def test_space_holds_every_offered_tactic_and_only_valid_ones(m, mode, columns, heads, k):
     shape = GemvShape(mode, m, columns, heads, k, 2)
     space = gemv_sweep.space_for(shape, 132)
-    keys = [gemv_sweep._key(t) for t in space]
+    keys = [gemv_sweep.tactic_key(t) for t in space]
     assert len(keys) == len(set(keys))
     assert all(check_fused_tactic(t) is None for t in space)
     assert all(t["split"] <= math.ceil(k / t["bk"]) for t in space)
     assert {t["dot"] for t in space} == ({0, 1} if m == 1 else {1})
     offered = fused_gemv_tactics(shape, sm_count=132)
-    assert {gemv_sweep._key(t) for t in offered} <= set(keys)
+    assert {gemv_sweep.tactic_key(t) for t in offered} <= set(keys)
 
 
 def test_main_without_cuda_exits_2_with_a_reason(tmp_path, capsys, monkeypatch):

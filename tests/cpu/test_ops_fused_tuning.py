@@ -244,9 +244,11 @@ def test_split_k_tactics_give_wide_tiles_the_programs_to_fill_the_gpu(shape):
         assert t["dot"] == 1 and t["bk"] >= SPLIT_MIN_BK
         assert t["bn"] * (2 if shape.paired else 1) >= SPLIT_MIN_ROWS
         assert programs < sms and t["split"] <= min(MAX_SPLIT, chunks)
-        # the smallest split that fills every SM, unless a cap stops it first
-        fills = programs * t["split"] >= sms and programs * t["split"] // 2 < sms
-        assert fills or t["split"] in (MAX_SPLIT, 1 << (chunks.bit_length() - 1))
+        # one wave of programs, or two, unless a cap stops the split first
+        wave = 1 << ((sms // programs).bit_length() - 1)
+        most = min(MAX_SPLIT, 1 << (chunks.bit_length() - 1))
+        assert t["split"] in (min(wave, most), min(2 * wave, most))
+        assert programs * t["split"] <= 2 * sms
     no_split = fused_gemv_tactics(shape, sm_count=sms, split_k=False)
     assert no_split and all(t["split"] == 1 for t in no_split)
     assert fused_gemv_tactics(shape, sm_count=sms)[: len(no_split)] == no_split

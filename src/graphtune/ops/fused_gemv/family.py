@@ -21,11 +21,14 @@ rules of :func:`fused_gemv_tactics`:
 * at most ``max_tactics`` (16), a third of them for ``dot=1`` when both kinds apply; each kind
   keeps its longest ``K`` chunks (fewest dependent round trips);
 * besides those, up to :data:`MAX_SPLIT_TACTICS` split-K variants of ``dot=1`` tiles of at least
-  :data:`SPLIT_MIN_ROWS` weight rows and ``bk >= SPLIT_MIN_BK`` (wide enough for the tensor
-  cores to stream well) whose grid has fewer programs than the GPU has SMs: ``split`` is the
-  power of two that first fills every SM, at most :data:`MAX_SPLIT` and at most the tile's
-  ``K`` chunks. Narrow tiles fill the GPU without a split but measured slower than cuBLAS at 2
-  to 16 rows; a split gives the wide tiles the programs.
+  :data:`SPLIT_MIN_ROWS` weight rows (wide enough for the tensor cores to stream well) whose
+  grid has fewer programs than the GPU has SMs, in tile order: ``split`` is the largest power of
+  two whose programs fit in one wave (one per SM) and twice that, each at most :data:`MAX_SPLIT`
+  and at most the tile's ``K`` chunks. Narrow tiles fill the GPU without a split but measured
+  slower than cuBLAS at 2 to 16 rows; a split gives the wide tiles the programs. In the sweep of
+  the whole space at 8 and 16 rows (``benchmarks/results/gemv-sweep-llama-1b-shape-h200-*.json``)
+  one wave was the fastest split of the O and down projections of Llama-1B, 12 to 16% ahead of
+  the split that first fills every SM.
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ DOT_STAGES = (4,)
 MAX_SPLIT = 16
 """Most ``K`` slices of a split-K tactic (``split``)."""
 SPLIT_MIN_ROWS = 64
-SPLIT_MIN_BK = 128
+SPLIT_MIN_BK = 64
 MAX_SPLIT_TACTICS = 4
 DOT_SMEM_BYTES = 160 * 1024
 """Shared memory the pipelined tiles of a ``dot=1`` program may take (an H200 SM has 228 KiB)."""
@@ -186,13 +189,13 @@ def _split_tactics(
     for t in dot:
         programs = shape.programs(t["bn"])
         rows = t["bn"] * (2 if shape.paired else 1)
-        chunks = math.ceil(shape.k / t["bk"])
         if rows < SPLIT_MIN_ROWS or t["bk"] < SPLIT_MIN_BK or programs >= sm_count:
             continue
-        split = min(MAX_SPLIT, next_power_of_two(math.ceil(sm_count / programs)))
-        split = min(split, last_power_of_two(chunks))
-        if split > 1 and len(found) < MAX_SPLIT_TACTICS:
-            found.append({**t, "split": split})
+        wave = last_power_of_two(sm_count // programs)  # the most that fit in one wave
+        most = min(MAX_SPLIT, last_power_of_two(math.ceil(shape.k / t["bk"])))
+        for split in sorted({min(wave, most), min(2 * wave, most)} - {1}):
+            if len(found) < MAX_SPLIT_TACTICS:
+                found.append({**t, "split": split})
     return found
 
 

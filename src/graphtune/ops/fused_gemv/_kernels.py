@@ -34,6 +34,11 @@ first chunk is loaded before ``gdc_wait()`` (weights are never written by an ear
 which overlaps its DRAM latency with the predecessor's tail (see ``graphtune.ops._pdl`` for the
 contract). The tensor-core loop is pipelined by Triton (the tactic's ``stages``).
 
+With ``SPLIT > 1`` the grid's third axis splits ``K``: program ``s`` streams ``K_SPLIT`` columns
+from ``s * K_SPLIT``, and the epilogue runs once per tile, in the split that arrives last, on the
+sum of the float32 partials in split order (``graphtune.ops.fused_gemv.split``); the RMSNorm in
+the loop (``NORM`` 2) needs whole rows and is never split.
+
 Rows past ``M`` and columns past the tile are clamped to valid addresses for loading and masked
 at the store, so loads need masks only along ``K``. Only stable ``tl.`` APIs are used, and the
 ``griddepcontrol`` calls only under ``USE_PDL``.
@@ -240,7 +245,8 @@ def fused_gemv_kernel(
         # counts itself in the tile's counter; the split that counts last sums the partials in
         # split order (the result does not depend on which split finished last), resets the
         # counter for the next launch and runs the epilogue. The barrier orders the whole
-        # program's stores before the release of the count.
+        # program's stores before the release of the count; the one after it orders every
+        # thread's reads of the partials after the acquire (as the attention kernel's merge).
         tile = pid_m * tl.num_programs(0) + pid
         cell = lanes[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
         mine = ws_ptr + (tile * SPLIT + pid_s).to(tl.int64) * (BLOCK_N * BLOCK_M) + cell
@@ -249,6 +255,7 @@ def fused_gemv_kernel(
             tl.store(mine + WS_PAIR, t_b)
         tl.debug_barrier()
         arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        tl.debug_barrier()
         is_last = arrived == SPLIT - 1
         # A block mask and-ed with a scalar one is rejected by the interpreter: a bound instead.
         live = cell < tl.where(is_last, BLOCK_N * BLOCK_M, 0)

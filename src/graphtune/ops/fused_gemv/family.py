@@ -61,8 +61,9 @@ DOT_STAGES = (4,)
 MAX_SPLIT = 16
 """Most ``K`` slices of a split-K tactic (``split``)."""
 SPLIT_MIN_ROWS = 64
-SPLIT_MIN_BK = 64
+"""Weight rows a tile needs (``bn``, twice for paired tiles) to be offered split-K."""
 MAX_SPLIT_TACTICS = 4
+"""Split-K tactics a profile is offered at most, besides the whole-``K`` ones."""
 DOT_SMEM_BYTES = 160 * 1024
 """Shared memory the pipelined tiles of a ``dot=1`` program may take (an H200 SM has 228 KiB)."""
 THREAD_BYTES = (16, 64)
@@ -189,7 +190,7 @@ def _split_tactics(
     for t in dot:
         programs = shape.programs(t["bn"])
         rows = t["bn"] * (2 if shape.paired else 1)
-        if rows < SPLIT_MIN_ROWS or t["bk"] < SPLIT_MIN_BK or programs >= sm_count:
+        if rows < SPLIT_MIN_ROWS or programs >= sm_count:
             continue
         wave = last_power_of_two(sm_count // programs)  # the most that fit in one wave
         most = min(MAX_SPLIT, last_power_of_two(math.ceil(shape.k / t["bk"])))

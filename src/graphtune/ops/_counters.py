@@ -43,7 +43,8 @@ def arrival_counters(device: torch.device, count: int, *, user: str, fix: str) -
     """
     if count > COUNTERS:
         raise InputError(
-            f"{user}: {count} tiles exceed the {COUNTERS} arrival counters per device; {fix}."
+            f"{user}: the launch needs {count} arrival counters, more than the {COUNTERS} a "
+            f"device has; {fix}."
         )
     key = str(device)
     with _lock:

@@ -24,11 +24,13 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
+from graphtune.errors import ConfigError  # noqa: E402
 from graphtune.ops import _triton  # noqa: E402
 from graphtune.ops.fused import (  # noqa: E402
     TritonAddProjection,
     TritonGateUpSiluAfterNorm,
     TritonGateUpSiluNormInLoop,
+    TritonGateUpSiluTiled,
     TritonNormGateUpSilu,
     TritonNormLinear,
     TritonNormLinearInLoop,
@@ -146,6 +148,31 @@ def test_norm_gate_up_silu_matches_float64(tactic, dtype, m, runner):
     got = runner().forward([x, norm_w, w, eps], tactic)
     assert got.shape == (m, inter) and got.dtype == dtype
     assert _rel(got, want) < TOL[dtype], gen.initial_seed()
+
+
+@pytest.mark.parametrize(
+    "dtype,m,inter,k",
+    [(torch.float32, 20, 24, 64), (torch.float16, 33, 40, 96), (torch.float16, 17, 64, 48)],
+)
+def test_tiled_gate_up_silu_above_sixteen_rows_matches_float64(dtype, m, inter, k):
+    gen = _gen()
+    eps = 1e-6
+    x, w = _randn(gen, m, k, dtype=dtype), _randn(gen, 2 * inter, k, dtype=dtype, scale=0.2)
+    norm_w = (1 + 0.1 * torch.randn(k, generator=gen)).to(dtype)
+    gate_up = _norm64(x, norm_w, eps) @ w.double().T
+    want = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    runner = TritonGateUpSiluTiled()
+    inputs = [x, norm_w, w, eps]
+    tactics = runner.get_valid_tactics(inputs, None)
+    assert tactics and all(t["split_k"] == 1 for t in tactics)
+    for tactic in (tactics[0], tactics[-1]):  # N and K not multiples of the blocks: masks
+        got = runner.forward(inputs, tactic)
+        assert got.shape == (m, inter) and got.dtype == dtype
+        assert _rel(got, want) < TOL[dtype], (tactic, gen.initial_seed())
+    # up to 16 rows the fused GEMV runs; a split tactic is refused with the rule named
+    assert runner.get_valid_tactics([x[:16], norm_w, w, eps], None) == []
+    with pytest.raises(ConfigError, match="split_k"):
+        runner.forward(inputs, {**tactics[0], "split_k": 2, "bk": 16})
 
 
 def _rope64(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """graphtune.ops.fused on the GPU, in bf16 at the Llama-3.2-1B, Llama-3-8B and Qwen2.5-7B decode
 shapes: every fused tactic against float64 and against the unfused path, the one-kernel decode
-attention, a chain of fused stages captured in a CUDA graph with PDL on (replayed on new inputs,
-equal to eager, with whole-K and split-K tactics), split-K tactics giving the same bits on every
-call, PDL on vs off (same bits), and nested tuning with the graph timer.
+attention, the tiled gate/up + SiLU GEMM above 16 rows, a chain of fused stages captured in a
+CUDA graph with PDL on (replayed on new inputs, equal to eager, with whole-K and split-K
+tactics), split-K tactics giving the same bits on every call, PDL on vs off (same bits), and
+nested tuning with the graph timer.
 
 Skipped without CUDA (tests/gpu/conftest.py) and without Triton.
 """
@@ -22,6 +23,7 @@ from graphtune.ops.fused import (  # noqa: E402
     TritonAddProjection,
     TritonGateUpSiluAfterNorm,
     TritonGateUpSiluNormInLoop,
+    TritonGateUpSiluTiled,
     TritonNormGateUpSilu,
     TritonNormLinear,
     TritonNormLinearInLoop,
@@ -138,6 +140,22 @@ def test_every_fused_tactic_matches_float64_and_the_unfused_path(name, m):
             assert _rel(k_cache[write_rows], k_want) < ROPE_TOL, tactic
             assert _rel(v_cache[write_rows], v_want) < TOL, tactic
             assert int(torch.isnan(k_cache).sum()) == (k_cache.shape[0] - m * kv) * dim
+
+
+@pytest.mark.parametrize("m", [32, 128])
+def test_tiled_gate_up_silu_above_sixteen_rows(m):
+    hidden, inter = SHAPES["llama-1b"][:2]
+    eps = 1e-5
+    x, norm_w = _randn(m, hidden), (1 + 0.1 * torch.randn(hidden, device=DEV)).to(BF16)
+    w_gu = _randn(2 * inter, hidden, scale=hidden**-0.5)
+    gu = _norm64(x, norm_w, eps) @ w_gu.double().T
+    want = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+    runner = TritonGateUpSiluTiled()
+    inputs = [x, norm_w, w_gu, eps]
+    for tactic in _tactics(runner, inputs, 1):
+        got = runner.forward(inputs, tactic)
+        assert _rel(got, want) < TOL, tactic
+        assert torch.equal(runner.forward(inputs, tactic), got), tactic
 
 
 @pytest.mark.parametrize("name,m", CASES)

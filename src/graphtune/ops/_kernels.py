@@ -43,9 +43,16 @@ def gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SILU_PAIRS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """``out = a @ w.T (+ bias) (+ res)`` for ``a [M, K]``, ``w [N, K]``; split ``s``.
+
+    With ``SILU_PAIRS`` (no bias, residual or split) ``w`` is ``[2 * N, K]``, gate rows first, and
+    ``out [M, N] = silu(a @ w[:N].T) * (a @ w[N:].T)`` with the roundings of the unfused
+    ``silu_and_mul`` (gate and up rounded, then SiLU, then the product): a tile streams gate
+    columns ``j`` and up columns ``N + j`` together, so the ``[M, 2 * N]`` intermediate and the
+    SiLU kernel are never needed.
 
     The epilogue adds bias and residual in float32 and rounds once (``torch.addmm``'s
     ``beta = 1`` semantics); ``out`` may be ``res`` itself (each element is read, then written,
@@ -74,22 +81,39 @@ def gemm_kernel(
         tl.extra.cuda.gdc_wait()  # a comes from the kernel before (see graphtune.ops._pdl)
         tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up_ptrs = w_ptrs + N * stride_wn  # the up rows of the tile's columns (SILU_PAIRS)
     for k in range(0, K_PER_SPLIT, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs)
             w = tl.load(w_ptrs)
+            if SILU_PAIRS:
+                w_up = tl.load(up_ptrs)
         else:
             k_mask = (k + offs_k) < K_PER_SPLIT
             a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0)
+            if SILU_PAIRS:
+                w_up = tl.load(up_ptrs, mask=k_mask[:, None], other=0.0)
         if IEEE:
             # float32 inputs: full precision, as torch's default (TF32 off) matmul.
             acc += tl.dot(a, w, input_precision="ieee")
+            if SILU_PAIRS:
+                acc_up += tl.dot(a, w_up, input_precision="ieee")
         else:
             acc += tl.dot(a, w)
+            if SILU_PAIRS:
+                acc_up += tl.dot(a, w_up)
         a_ptrs += BLOCK_K * stride_ak
         w_ptrs += BLOCK_K * stride_wk
+        up_ptrs += BLOCK_K * stride_wk
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    if SILU_PAIRS:
+        dtype = out_ptr.dtype.element_ty
+        gate = acc.to(dtype).to(tl.float32)
+        up = acc_up.to(dtype).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        acc = act * up
     out_ptrs = (
         out_ptr + pid_s * stride_os + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
     )

@@ -20,6 +20,7 @@ runner launches too), launched with programmatic dependent launch where the GPU 
 from graphtune.ops.fused.mlp import (
     TritonGateUpSiluAfterNorm,
     TritonGateUpSiluNormInLoop,
+    TritonGateUpSiluTiled,
     TritonNormGateUpSilu,
     UnfusedNormGateUpSilu,
     norm_gate_up_silu,
@@ -54,6 +55,7 @@ __all__ = [
     "TritonAddProjection",
     "TritonGateUpSiluAfterNorm",
     "TritonGateUpSiluNormInLoop",
+    "TritonGateUpSiluTiled",
     "TritonNormGateUpSilu",
     "TritonNormLinear",
     "TritonNormLinearInLoop",

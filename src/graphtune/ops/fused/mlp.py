@@ -12,7 +12,9 @@ order), so the ``[B, 2 * I]`` intermediate is never written. :class:`TritonGateU
 applies the norm inside the kernel's main loop instead of a prologue, and
 :class:`TritonGateUpSiluAfterNorm` runs the tunable RMSNorm op first and the kernel without any
 norm (the SiLU-and-mul stays in the GEMV's epilogue); only the last is offered
-(:func:`norm_gate_up_silu_runners`). Buckets above 16 rows get no fused tactics.
+(:func:`norm_gate_up_silu_runners`), up to 16 rows. Above 16 rows :class:`TritonGateUpSiluTiled`
+runs the RMSNorm op and the tiled GEMM with gate and up columns in one tile and SiLU-and-mul in
+its epilogue.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from graphtune.autotuner.runner import TunableRunner
 from graphtune.autotuner.tuner import AutoTuner
 from graphtune.errors import ConfigError, InputError
 from graphtune.ops._rows import as_rows, from_rows
+from graphtune.ops._triton import device_limits
+from graphtune.ops._triton_runner import TritonRunner
 from graphtune.ops.activation import silu_and_mul, torch_silu_and_mul
 from graphtune.ops.fused._base import (
     AfterNormOp,
@@ -38,6 +42,7 @@ from graphtune.ops.fused._base import (
 )
 from graphtune.ops.fused_gemv import FusedTritonRunner
 from graphtune.ops.fused_gemv.family import (
+    MAX_M,
     SILU,
     GemvShape,
     fused_gemv_tactics,
@@ -45,6 +50,7 @@ from graphtune.ops.fused_gemv.family import (
     launch_fused_gemv,
 )
 from graphtune.ops.gemm import gemm
+from graphtune.ops.gemm.tiled import check_gemm_tactic, gemm_tactics, launch_tiled_gemm
 from graphtune.ops.registry import register_op
 from graphtune.ops.rmsnorm import fused_add_rms_norm, torch_rms_norm
 
@@ -165,11 +171,88 @@ class TritonGateUpSiluAfterNorm(AfterNormOp, TritonNormGateUpSilu):
         self._hold_tuner(tuner, max_m, False)
 
 
+class TritonGateUpSiluTiled(AfterNormOp, TritonRunner):
+    """Above 16 rows: the tunable RMSNorm op, then the tiled Triton GEMM with each tile's gate
+    and up columns side by side and SiLU-and-mul in its epilogue (``gemm_kernel``'s
+    ``SILU_PAIRS``), so neither the ``[B, 2 * I]`` intermediate nor the SiLU kernel exists.
+    Tactics are the tiled GEMM's one-split tactics whose three pipelined tiles (``a``, gate,
+    up) fit the shared memory; none up to 16 rows, where the fused GEMV runs. Tactic ``-1`` is
+    the unfused torch code.
+
+    Args:
+        tuner: The tuner the RMSNorm op asks (weakly held; ``None``: the process default).
+        max_m: ``max_m`` passed to the RMSNorm op.
+        compile_workers: Threads for ahead-of-time compilation.
+    """
+
+    source_modules = ("graphtune.ops._kernels", "graphtune.ops.gemm.tiled")
+
+    def __init__(
+        self,
+        *,
+        tuner: AutoTuner | None = None,
+        max_m: int | None = None,
+        compile_workers: int | None = None,
+    ) -> None:
+        TritonRunner.__init__(self, compile_workers=compile_workers)
+        self._hold_tuner(tuner, max_m, False)
+
+    def supports(self, inputs: list[Any]) -> bool:
+        """As :meth:`TritonNormGateUpSilu.supports`."""
+        x, norm_weight, w_gate_up, _ = _unpack(inputs)
+        return norm_weight.dtype.is_floating_point and fused_supports(x, w_gate_up)
+
+    def tactics_for(self, inputs: list[Any]) -> list[Any]:
+        """:func:`graphtune.ops.gemm.tiled.gemm_tactics` for ``(B, I, hidden)``, one split,
+        within the shared memory with the up tile added; none up to 16 rows."""
+        x, w_gate_up = inputs[0], inputs[2]
+        m, k = x.shape
+        if m <= MAX_M:
+            return []
+        smem, sms = device_limits(x.device)
+        size = x.element_size()
+        tactics = gemm_tactics(
+            m, w_gate_up.shape[0] // 2, k, itemsize=size, smem_bytes=smem, sm_count=sms
+        )
+        return [
+            t
+            for t in tactics
+            if t["split_k"] == 1 and t["stages"] * (t["bm"] + 2 * t["bn"]) * t["bk"] * size <= smem
+        ]
+
+    def torch_forward(self, inputs: list[Any]) -> torch.Tensor:
+        """The unfused torch code."""
+        return torch_norm_gate_up_silu(inputs)
+
+    def launch(self, inputs: list[Any], tactic: Any, *, warmup: bool = False) -> torch.Tensor:
+        """Runs the RMSNorm op and the paired GEMM; returns ``[B, I]``.
+
+        Raises:
+            ConfigError: ``tactic`` is not a one-split tiled GEMM tactic for this ``hidden``.
+        """
+        x, norm_weight, w_gate_up, eps = _unpack(inputs)
+        problem = check_gemm_tactic(tactic, x.shape[1])
+        if problem is None and tactic["split_k"] != 1:
+            problem = f"SiLU pairs run with split_k=1, got {tactic!r}"
+        if problem is not None:
+            raise ConfigError(
+                f"TritonGateUpSiluTiled: {problem}; pick a tactic from get_valid_tactics."
+            )
+        inter = w_gate_up.shape[0] // 2
+        out = torch.empty((x.shape[0], inter), device=x.device, dtype=x.dtype)
+        if x.shape[0] == 0 or inter == 0:
+            return out
+        rows, _ = self.kernel_rows(x, norm_weight, eps, warmup)
+        launch_tiled_gemm(rows, w_gate_up, None, None, out, tactic, silu_pairs=True, warmup=warmup)
+        return out
+
+
 def norm_gate_up_silu_runners(
     *, tuner: AutoTuner | None = None, max_m: int | None = None, cold_l2: bool = False
 ) -> tuple[TunableRunner, ...]:
     """The runners for one tuner: unfused first (fallback), then, when Triton is importable,
-    the fused kernel after the RMSNorm op. Not offered, since each would cost the tuner its
+    the fused GEMV after the RMSNorm op (up to 16 rows) and the paired tiled GEMM after it (above
+    16 rows). Not offered, since each would cost the tuner its
     tactics for nothing: the prologue form (:class:`TritonNormGateUpSilu`; no step measured it
     faster than these), and the norm in the loop (:class:`TritonGateUpSiluNormInLoop`): in the 22
     committed decode runs that offered it (``benchmarks/results/decode-*.json`` from 5c453b4 on,
@@ -177,7 +260,10 @@ def norm_gate_up_silu_runners(
     after-norm runner 65 times, the unfused one 12 times and the in-loop one never."""
 
     def triton(tuner: AutoTuner, max_m: int | None) -> tuple[TunableRunner, ...]:
-        return (TritonGateUpSiluAfterNorm(tuner=tuner, max_m=max_m),)
+        return (
+            TritonGateUpSiluAfterNorm(tuner=tuner, max_m=max_m),
+            TritonGateUpSiluTiled(tuner=tuner, max_m=max_m),
+        )
 
     return unfused_then_triton(tuner, OP_NAME, UnfusedNormGateUpSilu, triton, max_m, cold_l2)
 

@@ -222,29 +222,51 @@ class TritonGemmRunner(TritonRunner):
         problem = check_gemm_tactic(tactic, k)
         if problem is not None:
             raise ConfigError(f"TritonGemmRunner: {problem}; pick a tactic from get_valid_tactics.")
-        bm, bn, bk = tactic["bm"], tactic["bn"], tactic["bk"]
         split = tactic["split_k"]
         out = result_tensor(inputs, a, n, residual, inplace)
         if m == 0:
             return out
         target = out if split == 1 else split_k_partials(split, m, n, a.device)
-        k_per_split = k // split if split > 1 else k
-        grid = (math.ceil(m / bm) * math.ceil(n / bn), split)
-        pointers, strides = kernel_operands(a, weight, bias, residual, target)
-        args = (*pointers, m, n, k, k_per_split, *strides)
-        meta = dict(
-            HAS_BIAS=bias is not None,
-            HAS_RES=residual is not None,
-            SPLIT_K=split,
-            EVEN_K=k_per_split % bk == 0,
-            IEEE=a.dtype == torch.float32,
-            BLOCK_M=bm,
-            BLOCK_N=bn,
-            BLOCK_K=bk,
-            num_warps=tactic["warps"],
-            num_stages=tactic["stages"],
-        )
-        run_kernel(kernels().gemm_kernel, grid, args, meta, warmup)
+        launch_tiled_gemm(a, weight, bias, residual, target, tactic, warmup=warmup)
         if split > 1:
             reduce_split_k(target, bias, residual, out, warmup)
         return out
+
+
+def launch_tiled_gemm(
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    target: torch.Tensor,
+    tactic: dict[str, int],
+    *,
+    silu_pairs: bool = False,
+    warmup: bool = False,
+) -> None:
+    """Launches (or with ``warmup`` compiles) ``gemm_kernel`` for a checked ``tactic``: into
+    ``target`` (``[M, N]``, or ``[split, M, N]`` float32 partials), or with ``silu_pairs`` (one
+    split, no bias or residual) ``silu(a @ weight[:N].T) * (a @ weight[N:].T)`` for a
+    ``[2 * N, K]`` weight (see the kernel)."""
+    m, k = a.shape
+    n = weight.shape[0] // 2 if silu_pairs else weight.shape[0]
+    bm, bn, bk = tactic["bm"], tactic["bn"], tactic["bk"]
+    split = tactic["split_k"]
+    k_per_split = k // split if split > 1 else k
+    grid = (math.ceil(m / bm) * math.ceil(n / bn), split)
+    pointers, strides = kernel_operands(a, weight, bias, residual, target)
+    args = (*pointers, m, n, k, k_per_split, *strides)
+    meta = dict(
+        HAS_BIAS=bias is not None,
+        HAS_RES=residual is not None,
+        SPLIT_K=split,
+        EVEN_K=k_per_split % bk == 0,
+        IEEE=a.dtype == torch.float32,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        SILU_PAIRS=silu_pairs,
+        num_warps=tactic["warps"],
+        num_stages=tactic["stages"],
+    )
+    run_kernel(kernels().gemm_kernel, grid, args, meta, warmup)

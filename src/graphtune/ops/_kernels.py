@@ -110,10 +110,7 @@ def gemm_kernel(
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     if SILU_PAIRS:
         dtype = out_ptr.dtype.element_ty
-        gate = acc.to(dtype).to(tl.float32)
-        up = acc_up.to(dtype).to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-        acc = act * up
+        acc = silu_times(acc.to(dtype).to(tl.float32), acc_up.to(dtype).to(tl.float32), dtype)
     out_ptrs = (
         out_ptr + pid_s * stride_os + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
     )
@@ -253,8 +250,16 @@ def silu_and_mul_kernel(
     dtype = x_ptr.dtype.element_ty
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + INTER + cols, mask=mask, other=0.0).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+    out = silu_times(gate, up, dtype)
+    tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def silu_times(gate, up, DTYPE: tl.constexpr):
+    """``silu(gate) * up`` in float32, with the SiLU output rounded to ``DTYPE`` as torch's
+    ``F.silu`` tensor is (``gate`` and ``up`` come rounded already)."""
+    act = (gate / (1.0 + tl.exp(-gate))).to(DTYPE).to(tl.float32)
+    return act * up
 
 
 @triton.jit

@@ -419,8 +419,8 @@ def test_pin_rejects_an_index_that_names_no_runner():
 def test_a_restart_records_the_unfused_step_only_where_a_fused_kernel_hides_single_ops():
     model = load_model("tiny")
     tuner = _tuner()
-    # Largest bucket 32: above the fused kernels' 16 rows, so there every fused op runs its
-    # unfused runner and the recorded step shows every single-op call.
+    # Largest bucket 32: above the fused GEMV's 16 rows. There only the MLP stage has a fused
+    # kernel (the tiled gate/up + SiLU GEMM), which the last-wins tuner picks.
     step = DecodeStep(model, KVCache(model.config, 32, 32), tuner=tuner)
     tune_step(step)
     unfused_runs = []
@@ -432,6 +432,15 @@ def test_a_restart_records_the_unfused_step_only_where_a_fused_kernel_hides_sing
         return decode(ops, *args)
 
     step.decode = counting
+    assert tune_step(step).profiles_tuned == 0 and unfused_runs == [32]
+    # With the MLP stage on its unfused runner at 32, every fused op runs its unfused runner
+    # there: the recorded step shows every single-op call, and no unfused step is recorded.
+    with torch.no_grad(), tuner.record_calls(dry_run=True) as calls:
+        decode(step.ops, *step.example_inputs(32))
+    for call in calls:
+        if call.op == "graphtune.norm_gate_up_silu":
+            tuner.pin(call, 0)
+    unfused_runs.clear()
     assert tune_step(step).profiles_tuned == 0 and unfused_runs == []
     # With a single op missing, the first recording alone finds it and the bucket runs tune it.
     kept = {k: e for k, e in tuner.cache.items() if k.op != "graphtune.silu_and_mul"}

@@ -83,18 +83,20 @@ def space_for(shape: GemvShape, sms: int) -> list[dict[str, int]]:
     return list(unique.values())
 
 
-class _QkvKernelOnly(TritonQkvRopeAfterNorm):
-    """The after-norm QKV runner with its input taken as already normalised."""
+class _KernelOnly:
+    """Mixin for an after-norm runner: its input is taken as already normalised, so a call
+    times the fused kernel alone."""
 
     def kernel_rows(self, x: torch.Tensor, norm_weight: Any, eps: float, warmup: bool) -> Any:
         return x, None
 
 
-class _GateUpKernelOnly(TritonGateUpSiluAfterNorm):
-    """The after-norm gate/up runner with its input taken as already normalised."""
+class _QkvKernelOnly(_KernelOnly, TritonQkvRopeAfterNorm):
+    """The after-norm QKV runner without its RMSNorm op."""
 
-    def kernel_rows(self, x: torch.Tensor, norm_weight: Any, eps: float, warmup: bool) -> Any:
-        return x, None
+
+class _GateUpKernelOnly(_KernelOnly, TritonGateUpSiluAfterNorm):
+    """The after-norm gate/up runner without its RMSNorm op."""
 
 
 def op_cases(model: ModelConfig, m: int, device: torch.device, l2_bytes: int) -> dict[str, Any]:

@@ -282,6 +282,8 @@ class DecodeStep:
         """One decode step through the op context ``ops`` (``__call__`` passes the step's own;
         :func:`~graphtune.engine.tuning.tune_step` also runs it unfused)."""
         embed = self.model.embed
+        x: torch.Tensor | None = None
+        mask: torch.Tensor | None = None
         if ops.tuned and decode_inputs_supported(embed):
             # One kernel for the embedding rows, the KV write rows and the mask (torch: seven).
             x, write_rows, mask = decode_inputs(
@@ -294,10 +296,10 @@ class DecodeStep:
                 window=self.model.config.sliding_window,
                 mask_dtype=self.zero.dtype,
             )
-            attention = DecodeAttention(self, ops, positions, slots, mask=mask)
-            return self.forward(ops, tokens, positions, write_rows, attention, embedded=x)
-        attention = DecodeAttention(self, ops, positions, slots)
-        return self.forward(ops, tokens, positions, self.write_rows(positions, slots), attention)
+        else:
+            write_rows = self.write_rows(positions, slots)
+        attention = DecodeAttention(self, ops, positions, slots, mask=mask)
+        return self.forward(ops, tokens, positions, write_rows, attention, embedded=x)
 
     def example_inputs(self, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Step inputs of ``batch`` rows that write only the scratch slot (capture, tuning)."""

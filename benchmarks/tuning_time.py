@@ -148,6 +148,9 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         "tune_s": tune_s,
         "prepare_s": getattr(report, "prepare_seconds", None),
         "prepared_tactics": getattr(report, "prepared", None),
+        "bucket_runs_s": getattr(report, "bucket_runs_seconds", None),
+        "check_s": getattr(report, "check_seconds", None),
+        "fusion_checks": [vars(c) for c in getattr(report, "fusion_checks", [])],
         "second_call_s": second_s,
         "op_calls": len(calls),
         "profiles_tuned": stats.profiles_tuned,
@@ -392,6 +395,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = [
         ("tune_s", cold["tune_s"], warm["tune_s"]),
         ("prepare_s (record + compile up front)", cold["prepare_s"], warm["prepare_s"]),
+        ("bucket runs s (tuning mode)", cold["bucket_runs_s"], warm["bucket_runs_s"]),
+        ("whole-step check s", cold["check_s"], warm["check_s"]),
         ("compile_s (Triton, summed over runners)", cold["compile_s"], warm["compile_s"]),
         ("binaries compiled", cold["compiled_binaries"], warm["compiled_binaries"]),
         ("profiles tuned / untimed", cold["profiles_tuned"], cold["untimed_picks"]),

@@ -100,6 +100,10 @@ class TuneReport:
             to the compile workers; runners that cannot compile in the background are compiled
             here).
         prepared: (inputs, tactic) pairs ``prepare`` planned.
+        bucket_runs_seconds: Part of it spent running the step at every bucket in tuning mode
+            (where the ops are timed and picked).
+        check_seconds: Part of it spent by the whole-step passes after the bucket runs
+            (:func:`check_fusion` and ``refine``).
         compile_seconds: Compile time of the Triton runners during the call, summed over runners
             (several runners compile side by side, so this can exceed the call's wall time);
             with the compile workers, most of it is waiting for binaries compiled ahead.
@@ -116,6 +120,8 @@ class TuneReport:
     seconds: float = 0.0
     prepare_seconds: float = 0.0
     prepared: int = 0
+    bucket_runs_seconds: float = 0.0
+    check_seconds: float = 0.0
     compile_seconds: float = 0.0
     compile_seconds_by_op: dict[str, float] = field(default_factory=dict)
     fusion_checks: list[FusionCheck] = field(default_factory=list)
@@ -245,6 +251,7 @@ def tune_step(
                 report.prepared = tuner.prepare(_in_tuning_order(calls), ahead=True)
                 report.prepare_seconds = time.perf_counter() - started
             tuner.tuning_mode = True
+            runs_started = time.perf_counter()
             passes = [("single ops", step.ops.unfused())]
             if step.ops.fused:
                 passes.append(("fused ops", step.ops))
@@ -253,6 +260,7 @@ def tune_step(
                     if log is not None:
                         log(f"tuning the {what}: running the step at batch {batch}")
                     step.decode(ops, *step.example_inputs(batch))
+            report.bucket_runs_seconds = time.perf_counter() - runs_started
     finally:
         tuner.tuning_mode = previous
         close_compile_workers()
@@ -261,6 +269,7 @@ def tune_step(
     timer = None
     if step.model.parallel is None and (cuda or step_timer is not None):
         timer = step_timer if step_timer is not None else resolve_timer("graph", step.model.device)
+    checks_started = time.perf_counter()
     if timer is not None and check_fused and step.ops.fused:
         report.fusion_checks = check_fusion(step, timer, buckets=report.buckets, log=log)
     if timer is not None and refine:
@@ -272,6 +281,7 @@ def tune_step(
         )
     if cuda:
         torch.cuda.synchronize(step.model.device)
+    report.check_seconds = time.perf_counter() - checks_started
     report.seconds = time.perf_counter() - started
     report.rows = tuner.summary_rows()[first_row:]
     report.compile_seconds_by_op = _compile_seconds_by_op(tuner, compiled_before)

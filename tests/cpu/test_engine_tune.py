@@ -254,6 +254,8 @@ def test_tune_step_compiles_up_front_and_tunes_what_it_would_without() -> None:
         report = tune_step(step, log=log, prepare=prepare)
         tuned[prepare] = {key: (e.runner_id, e.tactic) for key, e in tuner.cache.items()}
         assert tuner.stats.fallbacks == {} and report.profiles_tuned == len(tuned[prepare])
+        parts = report.prepare_seconds + report.bucket_runs_seconds + report.check_seconds
+        assert report.bucket_runs_seconds > 0 and parts <= report.seconds
         if prepare:
             assert report.prepared == 0 or report.prepare_seconds > 0
             after = counters()

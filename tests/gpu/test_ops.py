@@ -26,6 +26,7 @@ from graphtune.ops import (  # noqa: E402
     step_inputs,
     torch_rope_kv_cache,
 )
+from graphtune.ops._counters import arrival_counters  # noqa: E402
 from graphtune.ops.gemm import TritonGemvRunner  # noqa: E402
 
 DEV = "cuda"
@@ -66,20 +67,25 @@ def test_every_valid_gemm_tactic_on_the_qkv_shape(m):
 
 
 @pytest.mark.parametrize("name", list(GEMMS))
-@pytest.mark.parametrize("m", [2, 8, 64])
+@pytest.mark.parametrize("m", [2, 8, 64, 128])
 def test_gemm_decode_shapes_with_residual_and_split_k(name, m):
     n, k = GEMMS[name]
     runner = TritonGemmRunner()
     a, w = _randn(m, k), _randn(n, k, scale=k**-0.5)
     residual = _randn(m, n)
     tactics = runner.get_valid_tactics([a, w, None, residual, True], None)
-    picked = [tactics[0]] + [t for t in tactics if t["split_k"] > 1][:1]
+    picked = [tactics[0]] + [t for t in tactics if t["split_k"] > 1]
+    counters = arrival_counters(a.device, 1, user="test", fix="none")
     for tactic in picked:
         want = residual.double() + a.double() @ w.double().T
         got = runner.forward([a, w, None, residual.clone(), True], tactic)
         assert _rel(got, want) < BF16_TOL, tactic
         plain = runner.forward([a, w, None, None, False], tactic)
         assert _rel(plain, a.double() @ w.double().T) < BF16_TOL, tactic
+        if tactic["split_k"] > 1:  # the last split sums in split order, whichever arrived last
+            for _ in range(3):
+                assert torch.equal(runner.forward([a, w, None, None, False], tactic), plain)
+        assert not counters.any()  # every launch left its counters at zero
 
 
 @pytest.mark.parametrize("name", ["qkv", "o_proj", "down", "gate_up"])

@@ -22,6 +22,8 @@ def gemm_kernel(
     bias_ptr,
     res_ptr,
     out_ptr,
+    ws_ptr,
+    count_ptr,
     M,
     N,
     K,
@@ -32,7 +34,6 @@ def gemm_kernel(
     stride_wk,
     stride_rm,
     stride_rn,
-    stride_os,
     stride_om,
     stride_on,
     HAS_BIAS: tl.constexpr,
@@ -58,9 +59,12 @@ def gemm_kernel(
     ``beta = 1`` semantics); ``out`` may be ``res`` itself (each element is read, then written,
     by the same program).
 
-    With ``SPLIT_K > 1`` each program accumulates ``K_PER_SPLIT`` columns of K and writes a float32
-    partial tile to ``out[s]`` (``[SPLIT_K, M, N]``); :func:`splitk_reduce_kernel` sums them. This
-    keeps split-K deterministic (no atomics) and capturable (no zero-fill).
+    With ``SPLIT_K > 1`` program ``(tile, s)`` accumulates ``K_PER_SPLIT`` columns of K from
+    ``s * K_PER_SPLIT``, stores its float32 partial tile in the workspace ``ws`` (tile-major,
+    ``BLOCK_M * BLOCK_N`` cells each) and counts its arrival in ``count[tile]`` (zero at launch,
+    ``graphtune.ops._counters``). The split that arrives last sums the partials in split order
+    (so the result does not depend on which split finished last), sets the counter back to zero
+    and runs the epilogue: one kernel, no reduction launch, no zero-fill (capturable).
     """
     pid = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -107,23 +111,37 @@ def gemm_kernel(
         a_ptrs += BLOCK_K * stride_ak
         w_ptrs += BLOCK_K * stride_wk
         up_ptrs += BLOCK_K * stride_wk
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    row_bound = M
+    if SPLIT_K > 1:
+        # The barrier before the count orders every thread's partial stores before its release;
+        # the one after orders every thread's reads of the partials after the acquire.
+        cells = BLOCK_M * BLOCK_N
+        cell = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        first = ws_ptr + (pid * SPLIT_K).to(tl.int64) * cells + cell
+        tl.store(first + pid_s * cells, acc)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        tl.debug_barrier()
+        is_last = arrived == SPLIT_K - 1
+        # A block mask and-ed with a scalar one is rejected by the interpreter: bounds instead.
+        live = cell < tl.where(is_last, cells, 0)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for s in tl.static_range(SPLIT_K):
+            acc += tl.load(first + s * cells, mask=live, other=0.0, cache_modifier=".cg")
+        tl.store(count_ptr + pid, 0, mask=is_last)
+        row_bound = tl.where(is_last, M, 0)  # only the last split stores results
+    mask = (offs_m[:, None] < row_bound) & (offs_n[None, :] < N)
     if SILU_PAIRS:
         dtype = out_ptr.dtype.element_ty
         acc = silu_times(acc.to(dtype).to(tl.float32), acc_up.to(dtype).to(tl.float32), dtype)
-    out_ptrs = (
-        out_ptr + pid_s * stride_os + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
-    )
-    if SPLIT_K == 1:
-        if HAS_BIAS:
-            bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
-            acc += bias.to(tl.float32)[None, :]
-        if HAS_RES:
-            res_ptrs = res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :] * stride_rn
-            acc += tl.load(res_ptrs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.store(out_ptrs, acc, mask=mask)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
+    if HAS_RES:
+        res_ptrs = res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :] * stride_rn
+        acc += tl.load(res_ptrs, mask=mask, other=0.0).to(tl.float32)
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["MN"])

@@ -36,7 +36,7 @@ contract). The tensor-core loop is pipelined by Triton (the tactic's ``stages``)
 
 With ``SPLIT > 1`` the grid's third axis splits ``K``: program ``s`` streams ``K_SPLIT`` columns
 from ``s * K_SPLIT``, and the epilogue runs once per tile, in the split that arrives last, on the
-sum of the float32 partials in split order (``graphtune.ops.fused_gemv.split``); the RMSNorm in
+sum of the float32 partials in split order (``graphtune.ops._split_k``); the RMSNorm in
 the loop (``NORM`` 2) needs whole rows and is never split.
 
 Rows past ``M`` and columns past the tile are clamped to valid addresses for loading and masked

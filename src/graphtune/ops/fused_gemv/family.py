@@ -5,7 +5,7 @@ program (column *pairs* in the SiLU and RoPE modes, whose tiles hold ``2 * bn`` 
 ``bk`` the ``K`` chunk, ``warps``, ``dot`` 0 (CUDA cores, one row per program) or 1 (tensor cores
 with swapped operands, up to 16 rows per program), ``stages`` the chunks Triton's pipeliner keeps
 in flight (``dot=1``; the CUDA-core loop prefetches in registers and has 1), and ``split`` the
-``K`` slices of a split-K launch (1: none; see :mod:`graphtune.ops.fused_gemv.split`). Pruning
+``K`` slices of a split-K launch (1: none; see :mod:`graphtune.ops._split_k`). Pruning
 rules of :func:`fused_gemv_tactics`:
 
 * only buckets of ``M <= 16`` get tactics (beyond, the unfused path's tiled GEMMs win); ``dot=0``
@@ -43,8 +43,8 @@ import torch
 from graphtune.autotuner.config import last_power_of_two, next_power_of_two
 from graphtune.errors import ConfigError
 from graphtune.ops._counters import arrival_counters
+from graphtune.ops._split_k import keys_per_split, split_partials
 from graphtune.ops._triton import device_supported, kernel_module, run_kernel
-from graphtune.ops.fused_gemv.split import keys_per_split, split_partials
 
 TACTIC_KEYS = ("bn", "bk", "warps", "dot", "stages", "split")
 _TACTIC_KEY_SET = frozenset(TACTIC_KEYS)

@@ -6,10 +6,11 @@ Inputs of every GEMM runner are ``[a, weight, bias, residual, inplace]`` (see
 tensor of ``gemm(..., out=)``. Where the result goes does not change which kernel is fastest, so
 it stays out of the inputs the tuner sees (and out of the cache key).
 
-Split-K (both Triton runners): ``split_k`` programs per output tile each sum one slice of ``K``
-into a float32 ``[split, M, N]`` partial (:func:`split_k_partials`), and
+Split-K of the CUDA-core GEMV runner: ``split_k`` programs per output tile each sum one slice
+of ``K`` into a float32 ``[split, M, N]`` partial (:func:`split_k_partials`), and
 ``splitk_reduce_kernel`` sums the partials in a fixed order and adds bias and residual
-(:func:`reduce_split_k`): deterministic, no atomics, no zero-fill, so capturable.
+(:func:`reduce_split_k`): deterministic, no atomics, no zero-fill, so capturable. (The tiled GEMM
+reduces its splits inside its own launch: ``graphtune.ops._split_k``.)
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ def kernel_operands(
     residual: torch.Tensor | None,
     target: torch.Tensor,
 ) -> tuple[tuple[Any, ...], tuple[int, ...]]:
-    """The pointer and stride arguments both Triton GEMM kernels take, in their order.
+    """The pointer and stride arguments of the Triton GEMM kernels, in their order.
 
     Returns:
         ``(a, weight, bias, res, target)`` (an absent bias or residual is replaced by ``a``, an

@@ -1,15 +1,17 @@
 """The tiled Triton GEMM runner (``tl.dot`` tiles, optional split-K) of the ``graphtune.gemm`` op.
 
 Tactics are dicts ``{"bm", "bn", "bk", "warps", "stages", "split_k"}``. For decode the batch is
-skinny (``M`` of 1..64), so one row of output tiles gives too few programs to fill the GPU;
-split-K cuts the K loop into ``split_k`` slices run by separate programs (see
-:mod:`graphtune.ops.gemm.common`).
+skinny (``M`` of 1..128), so one or two rows of output tiles give too few programs to fill the
+GPU; split-K cuts the K loop into ``split_k`` slices run by separate programs of one launch (see
+:mod:`graphtune.ops._split_k`).
 
 Pruning rules of :func:`gemm_tactics` (a pruned config is never timed):
 
 * a block never exceeds the next power of two of its dimension (it is clamped, duplicates dropped);
-* split-K only for skinny ``M`` (``<= 64``), and only when ``K`` splits into whole ``bk`` blocks
-  (``K % (split_k * bk) == 0``); split counts near ``SMs / output tiles`` only;
+* split-K only for decode-sized ``M`` (``<= 128``), and only when ``K`` splits into whole ``bk``
+  blocks (``K % (split_k * bk) == 0``); split counts near ``SMs / output tiles`` only. A split
+  adds no launch: the last split of a tile to finish sums the partials in the same kernel
+  (:mod:`graphtune.ops._split_k`);
 * the pipelined operand tiles ``stages * (bm + bn) * bk * itemsize`` fit the shared-memory budget;
 * measured losers are not offered: no tactics for one row (the GEMV runner and cuBLAS), split-K
   of at most 8, and no split-K for the ``(32, 128, 4, 4)`` tile up to 16 rows. Over every GEMM
@@ -29,13 +31,13 @@ import torch
 
 from graphtune.autotuner.config import next_power_of_two
 from graphtune.errors import ConfigError
+from graphtune.ops._counters import arrival_counters
+from graphtune.ops._split_k import split_partials
 from graphtune.ops._triton import device_limits, kernels, run_kernel
 from graphtune.ops._triton_runner import TritonRunner
 from graphtune.ops.gemm.common import (
     kernel_operands,
-    reduce_split_k,
     result_tensor,
-    split_k_partials,
     torch_gemm,
     triton_gemm_supports,
     unpack_gemm_inputs,
@@ -55,6 +57,8 @@ SPLIT_K_CHOICES = (2, 4, 8)
 NO_SPLIT_TILE = (32, 128, 4, 4)
 NO_SPLIT_TILE_MAX_M = 16
 SKINNY_M = 64
+#: Largest ``M`` offered split-K (decode batches; a prefill's ``M`` fills the GPU with tiles).
+SPLIT_K_MAX_M = 128
 TACTIC_KEYS = ("bm", "bn", "bk", "warps", "stages", "split_k")
 
 
@@ -130,7 +134,7 @@ def gemm_tactics(
             no_split = (
                 m <= NO_SPLIT_TILE_MAX_M and (bn_base, bk_base, warps, stages) == NO_SPLIT_TILE
             )
-            if m <= SKINNY_M and not no_split:
+            if m <= SPLIT_K_MAX_M and not no_split:
                 target = sm_count / tiles
                 splits += [s for s in SPLIT_K_CHOICES if target / 2 <= s <= target * 2]
             for split in splits:
@@ -211,7 +215,7 @@ class TritonGemmRunner(TritonRunner):
         return torch_gemm(inputs)
 
     def launch(self, inputs: list[Any], tactic: Any, *, warmup: bool = False) -> torch.Tensor:
-        """Runs the Triton GEMM (and the split-K reduction) for ``tactic``.
+        """Runs the Triton GEMM for ``tactic`` (one launch, split-K included).
 
         Raises:
             ConfigError: ``tactic`` breaks a rule of :func:`check_gemm_tactic` for this K.
@@ -222,14 +226,10 @@ class TritonGemmRunner(TritonRunner):
         problem = check_gemm_tactic(tactic, k)
         if problem is not None:
             raise ConfigError(f"TritonGemmRunner: {problem}; pick a tactic from get_valid_tactics.")
-        split = tactic["split_k"]
         out = result_tensor(inputs, a, n, residual, inplace)
         if m == 0:
             return out
-        target = out if split == 1 else split_k_partials(split, m, n, a.device)
-        launch_tiled_gemm(a, weight, bias, residual, target, tactic, warmup=warmup)
-        if split > 1:
-            reduce_split_k(target, bias, residual, out, warmup)
+        launch_tiled_gemm(a, weight, bias, residual, out, tactic, warmup=warmup)
         return out
 
 
@@ -238,24 +238,35 @@ def launch_tiled_gemm(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     residual: torch.Tensor | None,
-    target: torch.Tensor,
+    out: torch.Tensor,
     tactic: dict[str, int],
     *,
     silu_pairs: bool = False,
     warmup: bool = False,
 ) -> None:
-    """Launches (or with ``warmup`` compiles) ``gemm_kernel`` for a checked ``tactic``: into
-    ``target`` (``[M, N]``, or ``[split, M, N]`` float32 partials), or with ``silu_pairs`` (one
-    split, no bias or residual) ``silu(a @ weight[:N].T) * (a @ weight[N:].T)`` for a
-    ``[2 * N, K]`` weight (see the kernel)."""
+    """Launches (or with ``warmup`` compiles) ``gemm_kernel`` for a checked ``tactic`` into
+    ``out`` (``[M, N]``; a split-K tactic reduces its splits in the same launch), or with
+    ``silu_pairs`` (one split, no bias or residual) ``silu(a @ weight[:N].T) *
+    (a @ weight[N:].T)`` for a ``[2 * N, K]`` weight (see the kernel).
+
+    Raises:
+        InputError: A split-K launch would need more arrival counters than a device has.
+    """
     m, k = a.shape
     n = weight.shape[0] // 2 if silu_pairs else weight.shape[0]
     bm, bn, bk = tactic["bm"], tactic["bn"], tactic["bk"]
     split = tactic["split_k"]
     k_per_split = k // split if split > 1 else k
-    grid = (math.ceil(m / bm) * math.ceil(n / bn), split)
-    pointers, strides = kernel_operands(a, weight, bias, residual, target)
-    args = (*pointers, m, n, k, k_per_split, *strides)
+    tiles = math.ceil(m / bm) * math.ceil(n / bn)
+    grid = (tiles, split)
+    pointers, (*strides, _, stride_om, stride_on) = kernel_operands(a, weight, bias, residual, out)
+    ws = counters = a  # unread placeholders without a split
+    if split > 1:
+        ws = split_partials(tiles, split, bm * bn, False, a.device)
+        counters = arrival_counters(
+            a.device, tiles, user="Triton GEMM split-K", fix="use a tactic with split_k 1"
+        )
+    args = (*pointers, ws, counters, m, n, k, k_per_split, *strides, stride_om, stride_on)
     meta = dict(
         HAS_BIAS=bias is not None,
         HAS_RES=residual is not None,

@@ -379,6 +379,26 @@ def test_whole_step_check_switches_exactly_the_fused_ops_that_slow_the_step():
     assert timer.calls == 0
 
 
+def test_whole_step_check_with_one_fused_profile_times_the_step_twice():
+    from graphtune.engine.tuning import check_fusion
+
+    model = load_model("tiny")
+    tuner = _tuner()
+    step = DecodeStep(model, KVCache(model.config, 1, 32), tuner=tuner)
+    tune_step(step)
+    with torch.no_grad(), tuner.record_calls(dry_run=True) as calls:
+        step.decode(step.ops, *step.example_inputs(1))
+    for call in calls:  # every fused profile but the QKV stage's on its unfused runner
+        if call.op in _CostModel.FUSED and call.op != "graphtune.norm_qkv_rope":
+            tuner.pin(call, 0)
+    timer = _CostModel(tuner)
+    (check,) = check_fusion(step, timer)
+    # As tuned and unfused only: switching the one profile is the unfused step.
+    assert timer.calls == 2 and (check.pinned, check.candidates) == (1, 1)
+    assert check.kept_us == check.unfused_us < check.fused_us
+    assert _fused_picks(tuner, step, 1)["graphtune.norm_qkv_rope"] == {0}
+
+
 def test_whole_step_check_unfuses_everything_when_only_all_together_pays():
     from graphtune.engine.tuning import check_fusion
 

@@ -302,8 +302,9 @@ def check_fusion(
 
     At every bucket (default ``1, 2, 4, ..., max_batch_size``) where some fused op's cached pick
     is its fused kernel, ``timer`` times the whole step (a CUDA-graph timer replays back-to-back
-    steps): as tuned, with every stage unfused, and then once per such fused-op profile, in step
-    order, with that profile switched to its unfused runner (``AutoTuner.pin``). A switch stays
+    steps): as tuned, with every stage unfused, and then, where there are several such fused-op
+    profiles, once per profile, in step order, with that profile switched to its unfused runner
+    (``AutoTuner.pin``; with one profile that switch is the unfused step). A switch stays
     when the step got faster than the best so far by more than ``margin``; otherwise the pick
     is put back. When the fully unfused step beats the result by more than ``margin``, every
     profile is switched. The picks kept are saved with the cache, so a restart keeps them.
@@ -338,7 +339,8 @@ def check_fusion(
             as_tuned = _step_us(step, timer, step.ops, args)
             unfused = _step_us(step, timer, step.ops.unfused(), args)
             best, pinned = as_tuned, 0
-            for key, (call, entry) in fused.items():
+            # With one fused profile, switching it is the unfused step, timed just above.
+            for key, (call, entry) in fused.items() if len(fused) > 1 else ():
                 tuner.pin(call, 0)
                 now = _step_us(step, timer, step.ops, args)
                 if now < best * (1.0 - margin):

@@ -60,7 +60,7 @@ def test_gemm_tactics_obey_every_pruning_rule():
             assert check_gemm_tactic(t, k) is None
             assert t["stages"] * (t["bm"] + t["bn"]) * t["bk"] * 2 <= smem
             if t["split_k"] > 1:
-                assert m <= 128 and k % (t["split_k"] * t["bk"]) == 0 and t["split_k"] <= 8
+                assert m <= 64 and k % (t["split_k"] * t["bk"]) == 0 and t["split_k"] <= 8
                 tile = (t["bn"], t["bk"], t["warps"], t["stages"])
                 assert m > 16 or tile != (32, 128, 4, 4)
             assert t["bn"] <= max(16, 1 << (n - 1).bit_length())
@@ -68,14 +68,11 @@ def test_gemm_tactics_obey_every_pruning_rule():
             assert t["bm"] <= max(16, 1 << (m - 1).bit_length())
 
 
-def test_gemm_tactics_offer_split_k_for_decode_m_only():
+def test_gemm_tactics_offer_split_k_for_skinny_m_only():
     skinny = gemm_tactics(2, 2048, 2048, itemsize=2, smem_bytes=227 * 1024, sm_count=132)
     assert any(t["split_k"] > 1 for t in skinny)
-    # 128 rows of a 2048-wide output are at most 64 tiles: too few for 132 SMs without a split.
-    decode = gemm_tactics(128, 2048, 2048, itemsize=2, smem_bytes=227 * 1024, sm_count=132)
-    assert any(t["split_k"] > 1 for t in decode)
-    prefill = gemm_tactics(256, 2048, 2048, itemsize=2, smem_bytes=227 * 1024, sm_count=132)
-    assert all(t["split_k"] == 1 for t in prefill)
+    wide = gemm_tactics(128, 2048, 2048, itemsize=2, smem_bytes=227 * 1024, sm_count=132)
+    assert all(t["split_k"] == 1 for t in wide)
     # K = 100 cannot be cut into whole 64/128 blocks: no split-K at all.
     odd = gemm_tactics(2, 2048, 100, itemsize=2, smem_bytes=227 * 1024, sm_count=132)
     assert odd and all(t["split_k"] == 1 for t in odd)

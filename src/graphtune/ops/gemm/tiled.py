@@ -1,17 +1,18 @@
 """The tiled Triton GEMM runner (``tl.dot`` tiles, optional split-K) of the ``graphtune.gemm`` op.
 
 Tactics are dicts ``{"bm", "bn", "bk", "warps", "stages", "split_k"}``. For decode the batch is
-skinny (``M`` of 1..128), so one or two rows of output tiles give too few programs to fill the
-GPU; split-K cuts the K loop into ``split_k`` slices run by separate programs of one launch (see
+skinny (``M`` of 1..64), so one row of output tiles gives too few programs to fill the GPU;
+split-K cuts the K loop into ``split_k`` slices run by separate programs of one launch (see
 :mod:`graphtune.ops._split_k`).
 
 Pruning rules of :func:`gemm_tactics` (a pruned config is never timed):
 
 * a block never exceeds the next power of two of its dimension (it is clamped, duplicates dropped);
-* split-K only for decode-sized ``M`` (``<= 128``), and only when ``K`` splits into whole ``bk``
-  blocks (``K % (split_k * bk) == 0``); split counts near ``SMs / output tiles`` only. A split
-  adds no launch: the last split of a tile to finish sums the partials in the same kernel
-  (:mod:`graphtune.ops._split_k`);
+* split-K only for skinny ``M`` (``<= 64``), and only when ``K`` splits into whole ``bk`` blocks
+  (``K % (split_k * bk) == 0``); split counts near ``SMs / output tiles`` only. A split adds no
+  launch: the last split of a tile to finish sums the partials in the same kernel
+  (:mod:`graphtune.ops._split_k`). Offered at 128 rows too, no split tactic won a Llama-1B
+  decode GEMM there on the H200 (cuBLAS kept all four), so 128 rows get none;
 * the pipelined operand tiles ``stages * (bm + bn) * bk * itemsize`` fit the shared-memory budget;
 * measured losers are not offered: no tactics for one row (the GEMV runner and cuBLAS), split-K
   of at most 8, and no split-K for the ``(32, 128, 4, 4)`` tile up to 16 rows. Over every GEMM
@@ -57,8 +58,6 @@ SPLIT_K_CHOICES = (2, 4, 8)
 NO_SPLIT_TILE = (32, 128, 4, 4)
 NO_SPLIT_TILE_MAX_M = 16
 SKINNY_M = 64
-#: Largest ``M`` offered split-K (decode batches; a prefill's ``M`` fills the GPU with tiles).
-SPLIT_K_MAX_M = 128
 TACTIC_KEYS = ("bm", "bn", "bk", "warps", "stages", "split_k")
 
 
@@ -134,7 +133,7 @@ def gemm_tactics(
             no_split = (
                 m <= NO_SPLIT_TILE_MAX_M and (bn_base, bk_base, warps, stages) == NO_SPLIT_TILE
             )
-            if m <= SPLIT_K_MAX_M and not no_split:
+            if m <= SKINNY_M and not no_split:
                 target = sm_count / tiles
                 splits += [s for s in SPLIT_K_CHOICES if target / 2 <= s <= target * 2]
             for split in splits:

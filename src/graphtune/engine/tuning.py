@@ -369,8 +369,11 @@ def _step_us(step: DecodeStep, timer: Timer, ops: Any, args: tuple[torch.Tensor,
     def run(_: int) -> None:
         step.decode(ops, *args)
 
+    # One warm-up call: every kernel of the step has run before (the bucket runs). One step per
+    # replay: a step lasts far longer than a graph timer's shortest replay, so more steps a
+    # replay would only lengthen the capture and the replays.
     with torch.no_grad():
-        return float(timer.measure(run, warmup=2, repeat=2).median_us)
+        return float(timer.measure(run, warmup=1, repeat=1).median_us)
 
 
 def _in_tuning_order(calls: list[OpCall]) -> list[OpCall]:

@@ -63,7 +63,7 @@ from graphtune.bench.graphs import capture_calls, capture_stream, release  # noq
 from graphtune.engine.step_refine import (  # noqa: E402
     profile_record,
     refine_in_step,
-    refine_inputs,
+    whole_step_inputs,
 )
 
 logger = logging.getLogger("benchmarks.step_truth")
@@ -145,7 +145,7 @@ def refine_ab(step: Any, tuner: AutoTuner, batches: list[int], args: argparse.Na
     from graphtune.autotuner.timing import resolve_timer
 
     def runner(batch: int) -> Callable[[], None]:
-        inputs = refine_inputs(step, batch)
+        inputs = whole_step_inputs(step, batch)
         return lambda: step.decode(step.ops, *inputs)
 
     with torch.no_grad():

@@ -28,7 +28,7 @@ from graphtune.engine.step_refine import (  # noqa: E402
     profile_record,
     race_in_step,
     refine_in_step,
-    refine_inputs,
+    whole_step_inputs,
 )
 from graphtune.errors import ConfigError  # noqa: E402
 
@@ -172,7 +172,7 @@ def _tuned_step(batch: int = 2) -> tuple[DecodeStep, AutoTuner]:
 
 def _calls(step: DecodeStep, tuner: AutoTuner, batch: int) -> list:
     with torch.no_grad(), tuner.record_calls(dry_run=True) as calls:
-        step.decode(step.ops, *refine_inputs(step, batch))
+        step.decode(step.ops, *whole_step_inputs(step, batch))
     return calls
 
 
@@ -270,8 +270,8 @@ def test_refinement_rejects_bad_settings_and_steps_it_cannot_race():
         refine_in_step(untuned, LastIsFastest())
 
 
-def test_refine_inputs_put_rows_in_their_own_slots_at_the_last_position():
+def test_whole_step_inputs_put_rows_in_their_own_slots_at_the_last_position():
     step, _ = _tuned_step(batch=2)
-    tokens, positions, slots = refine_inputs(step, 2)
+    tokens, positions, slots = whole_step_inputs(step, 2)
     assert slots.tolist() == [0, 1] and positions.tolist() == [31, 31]
     assert tokens.tolist() == [0, 0]

@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 
 from graphtune.autotuner import AutoTuner  # noqa: E402
 from graphtune.engine import DecodeStep, KVCache, load_model, tune_step  # noqa: E402
-from graphtune.engine.step_refine import profile_record, refine_inputs  # noqa: E402
+from graphtune.engine.step_refine import profile_record, whole_step_inputs  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -45,7 +45,7 @@ def test_refinement_keeps_measured_candidates_and_the_step_still_matches():
             assert refinement.kept_us < refinement.pick_us
     for batch in (1, 2):
         with torch.no_grad(), tuner.record_calls(dry_run=True) as calls:
-            step.decode(step.ops, *refine_inputs(step, batch))
+            step.decode(step.ops, *whole_step_inputs(step, batch))
         for call in calls:
             found = tuner.cached(call)
             record = profile_record(tuner, call)

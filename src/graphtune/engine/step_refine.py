@@ -154,12 +154,20 @@ def race_in_step(
     return [statistics.median(row) if row else math.inf for row in samples]
 
 
-def refine_inputs(step: DecodeStep, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(tokens, positions, slots)``: rows in slots ``0 .. batch-1`` at the last position."""
+def whole_step_inputs(
+    step: DecodeStep, batch: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(tokens, positions, slots)`` of the whole-step timings (this module's and
+    ``graphtune.engine.tuning.check_fusion``'s): rows in slots ``0 .. batch-1`` at the last
+    position, so attention reads a full context.
+
+    Raises:
+        ConfigError: ``batch`` is outside ``1 .. step.max_batch_size``.
+    """
     if not 1 <= batch <= step.max_batch_size:
         raise ConfigError(
-            f"refine_in_step: batch {batch} is outside 1..{step.max_batch_size} (the step's KV "
-            "cache slots); pass buckets within the step's max_batch_size"
+            f"a whole-step timing at batch {batch}: outside 1..{step.max_batch_size} (the step's "
+            "KV cache slots); pass buckets within the step's max_batch_size"
         )
     slots = torch.arange(batch, dtype=torch.long, device=step.model.device)
     positions = torch.full_like(slots, step.cache.max_seq_len - 1)
@@ -213,7 +221,7 @@ def refine_in_step(
     tuner.tuning_mode = False
     try:
         for batch in buckets or power_of_two_buckets(step.max_batch_size):
-            inputs = refine_inputs(step, batch)
+            inputs = whole_step_inputs(step, batch)
 
             def run(_: int, inputs: tuple[torch.Tensor, ...] = inputs) -> None:
                 step.decode(step.ops, *inputs)

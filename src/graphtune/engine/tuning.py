@@ -52,7 +52,7 @@ from graphtune.autotuner.identity import runner_id
 from graphtune.autotuner.timing import resolve_timer
 from graphtune.autotuner.timing.base import Timer
 from graphtune.engine.step import DecodeStep
-from graphtune.engine.step_refine import StepRefinement, refine_in_step
+from graphtune.engine.step_refine import StepRefinement, refine_in_step, whole_step_inputs
 from graphtune.errors import ConfigError
 from graphtune.ops._compile_pool import close_compile_workers, start_compile_workers
 from graphtune.ops._triton_runner import triton_runners
@@ -302,12 +302,14 @@ def check_fusion(
 
     At every bucket (default ``1, 2, 4, ..., max_batch_size``) where some fused op's cached pick
     is its fused kernel, ``timer`` times the whole step (a CUDA-graph timer replays back-to-back
-    steps): as tuned, with every stage unfused, and then, where there are several such fused-op
-    profiles, once per profile, in step order, with that profile switched to its unfused runner
-    (``AutoTuner.pin``; with one profile that switch is the unfused step). A switch stays
-    when the step got faster than the best so far by more than ``margin``; otherwise the pick
-    is put back. When the fully unfused step beats the result by more than ``margin``, every
-    profile is switched. The picks kept are saved with the cache, so a restart keeps them.
+    steps; rows in their own slots at the cache's last position, as served at a full context:
+    :func:`~graphtune.engine.step_refine.whole_step_inputs`): as tuned, with every stage
+    unfused, and then, where there are several such fused-op profiles, once per profile, in step
+    order, with that profile switched to its unfused runner (``AutoTuner.pin``; with one profile
+    that switch is the unfused step). A switch stays when the step got faster than the best so
+    far by more than ``margin``; otherwise the pick is put back. When the fully unfused step
+    beats the result by more than ``margin``, every profile is switched. The picks kept are
+    saved with the cache, so a restart keeps them.
 
     Only for single-process steps (the ranks of a tensor-parallel group would each decide on
     their own timings); the tuner is out of tuning mode meanwhile, so nothing is tuned here.
@@ -326,7 +328,7 @@ def check_fusion(
     tuner.tuning_mode = False
     try:
         for batch in buckets or power_of_two_buckets(step.max_batch_size):
-            args = step.example_inputs(batch)
+            args = whole_step_inputs(step, batch)
             with torch.no_grad(), tuner.record_calls(dry_run=True) as calls:
                 step.decode(step.ops, *args)
             fused: dict[Any, tuple[OpCall, Any]] = {}

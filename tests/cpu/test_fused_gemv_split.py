@@ -18,7 +18,7 @@ import pytest  # noqa: E402
 
 from graphtune.errors import ConfigError, InputError  # noqa: E402
 from graphtune.ops import _counters, _triton  # noqa: E402
-from graphtune.ops.fused_gemv import split as split_mod  # noqa: E402
+from graphtune.ops import _split_k as split_mod  # noqa: E402
 from graphtune.ops.fused_gemv.family import PLAIN, launch_fused_gemv  # noqa: E402
 
 needs_triton = pytest.mark.skipif(

@@ -399,7 +399,7 @@ def _all_cached(step: DecodeStep, tuner: Any, calls: list[OpCall]) -> bool:
 
     The unfused step is recorded only when some fused op of ``calls`` ran its fused kernel:
     otherwise each ran its unfused runner, whose single-op calls are the unfused step's calls
-    and are in ``calls`` already (above 16 rows only the MLP stage has a fused kernel).
+    and are in ``calls`` already (above 16 rows only the MLP stage can have a fused kernel).
 
     Only for a single-process step: the ranks of a tensor-parallel group must all run the
     bucket passes or none, and their caches are not compared here.

@@ -54,10 +54,9 @@ from graphtune.ops.registry import register_op
 from graphtune.ops.rmsnorm import fused_add_rms_norm, torch_rms_norm
 
 TILED_ABOVE_M = 64
-"""Rows above which :class:`TritonGateUpSiluTiled` is offered. At 32 and 64 rows it ran faster
-alone than the unfused stage but made the Llama-1B decode step on the H200 4.4% and 1.3% slower
-(1.5% faster at 128; benchmarks/results/README.md, "The tiled gate/up + SiLU kernel"), and the
-whole-step check, timing at position 0 then, did not see it."""
+"""Rows above which :class:`TritonGateUpSiluTiled` is offered. At 32 and 64 rows it was faster
+alone than the unfused stage but made the measured decode step slower, which timing the op alone
+cannot see (benchmarks/results/README.md, "The tiled gate/up + SiLU kernel")."""
 
 OP_NAME = "graphtune.norm_gate_up_silu"
 

@@ -100,20 +100,17 @@ def kernel_operands(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     residual: torch.Tensor | None,
-    target: torch.Tensor,
 ) -> tuple[tuple[Any, ...], tuple[int, ...]]:
-    """The pointer and stride arguments of the Triton GEMM kernels, in their order.
+    """The operand pointers and strides the Triton GEMM kernels take first, in their order.
 
     Returns:
-        ``(a, weight, bias, res, target)`` (an absent bias or residual is replaced by ``a``, an
-        unread placeholder pointer) and the strides of ``a``, ``weight``, ``res`` and ``target``
-        (the split stride is 0 unless ``target`` is ``[split, M, N]`` partials).
+        ``(a, weight, bias, res)`` (an absent bias or residual is replaced by ``a``, an unread
+        placeholder pointer) and the strides of ``a``, ``weight`` and ``res``; each kernel's
+        output arguments follow them.
     """
     res = residual if residual is not None else a
-    pointers = (a, weight, bias if bias is not None else a, res, target)
-    split_stride, *target_strides = target.stride() if target.dim() == 3 else (0, *target.stride())
-    strides = (*a.stride(), *weight.stride(), *res.stride(), split_stride, *target_strides)
-    return pointers, strides
+    pointers = (a, weight, bias if bias is not None else a, res)
+    return pointers, (*a.stride(), *weight.stride(), *res.stride())
 
 
 def reduce_split_k(

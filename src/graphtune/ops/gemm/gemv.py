@@ -281,8 +281,9 @@ class TritonGemvRunner(TritonRunner):
         bm = rows_per_program(m)
         target = out if split == 1 else split_k_partials(split, m, n, a.device)
         k_per_split = k // split
-        pointers, strides = kernel_operands(a, weight, bias, residual, target)
-        args = (*pointers, m, n, k_per_split, *strides)
+        pointers, strides = kernel_operands(a, weight, bias, residual)
+        split_stride, *target_strides = target.stride() if split > 1 else (0, *target.stride())
+        args = (*pointers, target, m, n, k_per_split, *strides, split_stride, *target_strides)
         meta = dict(
             HAS_BIAS=bias is not None,
             HAS_RES=residual is not None,

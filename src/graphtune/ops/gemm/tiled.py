@@ -11,8 +11,8 @@ Pruning rules of :func:`gemm_tactics` (a pruned config is never timed):
 * split-K only for skinny ``M`` (``<= 64``), and only when ``K`` splits into whole ``bk`` blocks
   (``K % (split_k * bk) == 0``); split counts near ``SMs / output tiles`` only. A split adds no
   launch: the last split of a tile to finish sums the partials in the same kernel
-  (:mod:`graphtune.ops._split_k`). Offered at 128 rows too, no split tactic won a Llama-1B
-  decode GEMM there on the H200 (cuBLAS kept all four), so 128 rows get none;
+  (:mod:`graphtune.ops._split_k`). 128 rows get none: measured there, no split tactic won
+  (benchmarks/results/README.md, "The tiled GEMM's split-K in one launch");
 * the pipelined operand tiles ``stages * (bm + bn) * bk * itemsize`` fit the shared-memory budget;
 * measured losers are not offered: no tactics for one row (the GEMV runner and cuBLAS), split-K
   of at most 8, and no split-K for the ``(32, 128, 4, 4)`` tile up to 16 rows. Over every GEMM
@@ -258,14 +258,14 @@ def launch_tiled_gemm(
     k_per_split = k // split if split > 1 else k
     tiles = math.ceil(m / bm) * math.ceil(n / bn)
     grid = (tiles, split)
-    pointers, (*strides, _, stride_om, stride_on) = kernel_operands(a, weight, bias, residual, out)
+    pointers, strides = kernel_operands(a, weight, bias, residual)
     ws = counters = a  # unread placeholders without a split
     if split > 1:
         ws = split_partials(tiles, split, bm * bn, False, a.device)
         counters = arrival_counters(
             a.device, tiles, user="Triton GEMM split-K", fix="use a tactic with split_k 1"
         )
-    args = (*pointers, ws, counters, m, n, k, k_per_split, *strides, stride_om, stride_on)
+    args = (*pointers, out, ws, counters, m, n, k, k_per_split, *strides, *out.stride())
     meta = dict(
         HAS_BIAS=bias is not None,
         HAS_RES=residual is not None,

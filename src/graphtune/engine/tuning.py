@@ -371,11 +371,12 @@ def _step_us(step: DecodeStep, timer: Timer, ops: Any, args: tuple[torch.Tensor,
     def run(_: int) -> None:
         step.decode(ops, *args)
 
-    # One warm-up call: every kernel of the step has run before (the bucket runs). One step per
-    # replay: a step lasts far longer than a graph timer's shortest replay, so more steps a
-    # replay would only lengthen the capture and the replays.
+    # One step per replay: a step lasts far longer than a graph timer's shortest replay. Two
+    # warm-up calls, since a graph timer times all but the first: that bound on a step's time
+    # lets it capture one step once; after a single untimed warm-up it captures its fewest
+    # calls for a short call (three steps), probes, and captures one step again.
     with torch.no_grad():
-        return float(timer.measure(run, warmup=1, repeat=1).median_us)
+        return float(timer.measure(run, warmup=2, repeat=1).median_us)
 
 
 def _in_tuning_order(calls: list[OpCall]) -> list[OpCall]:

@@ -152,9 +152,9 @@ def test_norm_gate_up_silu_matches_float64(tactic, dtype, m, runner):
 
 @pytest.mark.parametrize(
     "dtype,m,inter,k",
-    [(torch.float32, 72, 24, 64), (torch.float16, 97, 40, 96), (torch.float16, 17, 64, 48)],
+    [(torch.float32, 72, 24, 64), (torch.float16, 97, 40, 96), (torch.float16, 33, 64, 48)],
 )
-def test_tiled_gate_up_silu_above_sixteen_rows_matches_float64(dtype, m, inter, k):
+def test_tiled_gate_up_silu_above_thirty_two_rows_matches_float64(dtype, m, inter, k):
     gen = _gen()
     eps = 1e-6
     x, w = _randn(gen, m, k, dtype=dtype), _randn(gen, 2 * inter, k, dtype=dtype, scale=0.2)
@@ -169,9 +169,9 @@ def test_tiled_gate_up_silu_above_sixteen_rows_matches_float64(dtype, m, inter, 
         got = runner.forward(inputs, tactic)
         assert got.shape == (m, inter) and got.dtype == dtype
         assert _rel(got, want) < TOL[dtype], (tactic, gen.initial_seed())
-    # none up to the fused GEMV's 16 rows; a split tactic is refused with the rule named
-    assert runner.get_valid_tactics([x[:16], norm_w, w, eps], None) == []
-    assert runner.get_valid_tactics([x[:17], norm_w, w, eps], None)
+    # none up to 32 rows (TILED_ABOVE_M); a split tactic is refused with the rule named
+    assert runner.get_valid_tactics([x[:32], norm_w, w, eps], None) == []
+    assert runner.get_valid_tactics([x[:33], norm_w, w, eps], None)
     with pytest.raises(ConfigError, match="split_k"):
         runner.forward(inputs, {**tactics[0], "split_k": 2, "bk": 16})
 

@@ -12,9 +12,9 @@ order), so the ``[B, 2 * I]`` intermediate is never written. :class:`TritonGateU
 applies the norm inside the kernel's main loop instead of a prologue, and
 :class:`TritonGateUpSiluAfterNorm` runs the tunable RMSNorm op first and the kernel without any
 norm (the SiLU-and-mul stays in the GEMV's epilogue); only the last is offered
-(:func:`norm_gate_up_silu_runners`), up to 16 rows. Above 16 rows (where the fused GEMV stops,
-``graphtune.ops.fused_gemv.family.MAX_M``) :class:`TritonGateUpSiluTiled` runs the RMSNorm op
-and the tiled GEMM with gate and up columns in one tile and SiLU-and-mul in its epilogue.
+(:func:`norm_gate_up_silu_runners`), up to 16 rows. Above :data:`TILED_ABOVE_M` rows
+:class:`TritonGateUpSiluTiled` runs the RMSNorm op and the tiled GEMM with gate and up columns in
+one tile and SiLU-and-mul in its epilogue.
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ from graphtune.ops.fused._base import (
 )
 from graphtune.ops.fused_gemv import FusedTritonRunner
 from graphtune.ops.fused_gemv.family import (
-    MAX_M,
     SILU,
     GemvShape,
     fused_gemv_tactics,
@@ -53,6 +52,14 @@ from graphtune.ops.gemm import gemm
 from graphtune.ops.gemm.tiled import check_gemm_tactic, gemm_tactics, launch_tiled_gemm
 from graphtune.ops.registry import register_op
 from graphtune.ops.rmsnorm import fused_add_rms_norm, torch_rms_norm
+
+TILED_ABOVE_M = 32
+"""Rows above which :class:`TritonGateUpSiluTiled` is offered. At 32 rows of the Llama-1B shape
+on the H200 it won alone but the served step ran 2.7 to 4.4% slower with it, in every A/B of
+three sessions, and the whole-step check (``graphtune.engine.tuning.check_fusion``) saw that in
+one call and the opposite in another, so it cannot be left to decide there; at 64 and 128 rows
+the step ran faster with it (benchmarks/results/README.md, "The whole-step check decides the
+tiled gate/up + SiLU kernel")."""
 
 OP_NAME = "graphtune.norm_gate_up_silu"
 
@@ -172,17 +179,12 @@ class TritonGateUpSiluAfterNorm(AfterNormOp, TritonNormGateUpSilu):
 
 
 class TritonGateUpSiluTiled(AfterNormOp, TritonRunner):
-    """Above 16 rows: the tunable RMSNorm op, then the tiled Triton GEMM with each tile's gate
+    """Above 32 rows: the tunable RMSNorm op, then the tiled Triton GEMM with each tile's gate
     and up columns side by side and SiLU-and-mul in its epilogue (``gemm_kernel``'s
     ``SILU_PAIRS``), so neither the ``[B, 2 * I]`` intermediate nor the SiLU kernel exists.
     Tactics are the tiled GEMM's one-split tactics whose three pipelined tiles (``a``, gate,
-    up) fit the shared memory; none up to the fused GEMV's ``MAX_M`` (16) rows, which that
-    family covers. Tactic ``-1`` is the unfused torch code.
-
-    Timed alone it can beat the unfused stage at a size where the step runs slower with it (32
-    rows of the Llama-1B shape on the H200, benchmarks/results/README.md);
-    ``graphtune.engine.tuning.check_fusion`` times the whole step and keeps the unfused runner
-    there.
+    up) fit the shared memory; none up to :data:`TILED_ABOVE_M` rows. Tactic ``-1`` is the
+    unfused torch code.
 
     Args:
         tuner: The tuner the RMSNorm op asks (weakly held; ``None``: the process default).
@@ -209,10 +211,11 @@ class TritonGateUpSiluTiled(AfterNormOp, TritonRunner):
 
     def tactics_for(self, inputs: list[Any]) -> list[Any]:
         """:func:`graphtune.ops.gemm.tiled.gemm_tactics` for ``(B, I, hidden)``, one split,
-        within the shared memory with the up tile added; none up to ``MAX_M`` rows."""
+        within the shared memory with the up tile added; none up to :data:`TILED_ABOVE_M`
+        rows."""
         x, w_gate_up = inputs[0], inputs[2]
         m, k = x.shape
-        if m <= MAX_M:
+        if m <= TILED_ABOVE_M:
             return []
         smem, sms = device_limits(x.device)
         size = x.element_size()
@@ -257,9 +260,9 @@ def norm_gate_up_silu_runners(
 ) -> tuple[TunableRunner, ...]:
     """The runners for one tuner: unfused first (fallback), then, when Triton is importable,
     the fused GEMV after the RMSNorm op (up to 16 rows) and the paired tiled GEMM after it (above
-    16 rows). Not offered, since each would cost the tuner its tactics for nothing: the
-    prologue form (:class:`TritonNormGateUpSilu`; no step measured it faster than these), and
-    the norm in the loop (:class:`TritonGateUpSiluNormInLoop`): in the 22
+    :data:`TILED_ABOVE_M` rows). Not offered, since each would cost the tuner its tactics for
+    nothing: the prologue form (:class:`TritonNormGateUpSilu`; no step measured it faster than
+    these), and the norm in the loop (:class:`TritonGateUpSiluNormInLoop`): in the 22
     committed decode runs that offered it (``benchmarks/results/decode-*.json`` from 5c453b4 on,
     ``tuning_picks``; llama-1b-shape, Llama-3-8B and Qwen2.5-7B shapes) the tuner picked the
     after-norm runner 65 times, the unfused one 12 times and the in-loop one never."""

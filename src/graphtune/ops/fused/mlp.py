@@ -55,11 +55,11 @@ from graphtune.ops.rmsnorm import fused_add_rms_norm, torch_rms_norm
 
 TILED_ABOVE_M = 32
 """Rows above which :class:`TritonGateUpSiluTiled` is offered. At 32 rows of the Llama-1B shape
-on the H200 it won alone but the served step ran 2.7 to 4.4% slower with it, in every A/B of
-three sessions, and the whole-step check (``graphtune.engine.tuning.check_fusion``) saw that in
-one call and the opposite in another, so it cannot be left to decide there; at 64 and 128 rows
-the step ran faster with it (benchmarks/results/README.md, "The whole-step check decides the
-tiled gate/up + SiLU kernel")."""
+on the H200 it won alone, but the served step ran 2.7 to 4.4% slower with it in all three A/Bs
+that measured it, and the whole-step check (``graphtune.engine.tuning.check_fusion``) saw that
+in one process and the opposite in another, so it cannot be left to decide there; at 64 and 128
+rows the step ran faster with it (benchmarks/results/README.md, "The tiled gate/up + SiLU kernel
+from 64 rows")."""
 
 OP_NAME = "graphtune.norm_gate_up_silu"
 

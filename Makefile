@@ -28,14 +28,15 @@ demo: $(STAMP)
 	$(VENV)/bin/graphtune bench decode
 
 # The test command CI runs: house rules first (format, lint, types, a CPU smoke run of the main
-# job), then the test suite.
+# job), then the test suite in two pytest-xdist workers (CI has two cores, and much of the
+# suite is single-threaded Python: the Triton interpreter, the CLI's subprocesses).
 test: $(STAMP)
 	$(VENV)/bin/ruff format --check src tests benchmarks
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/mypy
 	GRAPHTUNE_NO_PROGRESS=1 $(VENV)/bin/graphtune bench decode --model tiny --batch-sizes 1,4 \
 		--steps 2 --repeats 1 > /dev/null
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff format src tests benchmarks

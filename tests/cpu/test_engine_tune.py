@@ -352,8 +352,10 @@ def test_whole_step_check_switches_exactly_the_fused_ops_that_slow_the_step():
     # The tiny model's QKV kernel has tactics for one row only: at batch 2 it is unfused already.
     assert before[2]["graphtune.norm_qkv_rope"] == {0}
     lines: list[str] = []
-    checks = check_fusion(step, _CostModel(tuner), log=lines.append)
+    timer = _CostModel(tuner)
+    checks = check_fusion(step, timer, log=lines.append)
     assert [c.batch for c in checks] == [1, 2] and len(lines) == 2
+    assert timer.calls == sum(c.step_timings for c in checks) == (2 + 5) + (2 + 4)
     # QKV, O-projection and down-projection profiles switch; gate/up and the LM head stay.
     assert [(c.pinned, c.candidates) for c in checks] == [(3, 5), (2, 4)]
     for check in checks:
@@ -395,7 +397,7 @@ def test_whole_step_check_with_one_fused_profile_times_the_step_twice():
     timer = _CostModel(tuner)
     (check,) = check_fusion(step, timer)
     # As tuned and unfused only: switching the one profile is the unfused step.
-    assert timer.calls == 2 and (check.pinned, check.candidates) == (1, 1)
+    assert timer.calls == check.step_timings == 2 and (check.pinned, check.candidates) == (1, 1)
     # One step a replay, after a timed warm-up call: a graph timer's plan then captures one step
     # once (test_timing.py: test_replay_plan_replays_a_long_call_alone).
     assert timer.warmups == [(2, 1), (2, 1)]

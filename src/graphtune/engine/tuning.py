@@ -85,6 +85,12 @@ class FusionCheck:
     pinned: int
     candidates: int
 
+    @property
+    def step_timings(self) -> int:
+        """Whole-step timings the check made at this bucket: as tuned and unfused, and one per
+        candidate profile where there are several (with one, switching it is the unfused step)."""
+        return 2 + (self.candidates if self.candidates > 1 else 0)
+
 
 @dataclass
 class TuneReport:

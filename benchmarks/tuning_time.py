@@ -138,6 +138,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     ]
     candidates = sum(len(rec.candidates) for rec in tuner.history)
     stats = tuner.stats
+    fusion_checks = getattr(report, "fusion_checks", [])
     from graphtune.bench.timing import host_speed
     from graphtune.ops._compile_pool import job_log
 
@@ -150,8 +151,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         "prepared_tactics": getattr(report, "prepared", None),
         "bucket_runs_s": getattr(report, "bucket_runs_seconds", None),
         "check_s": getattr(report, "check_seconds", None),
-        "fusion_checks": [vars(c) for c in getattr(report, "fusion_checks", [])],
-        "check_step_timings": sum(c.step_timings for c in getattr(report, "fusion_checks", [])),
+        "fusion_checks": [vars(c) for c in fusion_checks],
+        "check_step_timings": sum(c.step_timings for c in fusion_checks),
         "second_call_s": second_s,
         "op_calls": len(calls),
         "profiles_tuned": stats.profiles_tuned,

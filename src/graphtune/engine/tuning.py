@@ -76,6 +76,7 @@ class FusionCheck:
         kept_us: Time per step with the picks the check kept.
         pinned: Fused-op profiles switched to their unfused runner.
         candidates: Fused-op profiles whose pick was a fused kernel.
+        step_timings: Whole-step timings the check made at this bucket.
     """
 
     batch: int
@@ -84,12 +85,7 @@ class FusionCheck:
     kept_us: float
     pinned: int
     candidates: int
-
-    @property
-    def step_timings(self) -> int:
-        """Whole-step timings the check made at this bucket: as tuned and unfused, and one per
-        candidate profile where there are several (with one, switching it is the unfused step)."""
-        return 2 + (self.candidates if self.candidates > 1 else 0)
+    step_timings: int
 
 
 @dataclass
@@ -346,11 +342,12 @@ def check_fusion(
                 continue
             as_tuned = _step_us(step, timer, step.ops, args)
             unfused = _step_us(step, timer, step.ops.unfused(), args)
-            best, pinned = as_tuned, 0
+            best, pinned, timings = as_tuned, 0, 2
             # With one fused profile, switching it is the unfused step, timed just above.
             for key, (call, entry) in fused.items() if len(fused) > 1 else ():
                 tuner.pin(call, 0)
                 now = _step_us(step, timer, step.ops, args)
+                timings += 1
                 if now < best * (1.0 - margin):
                     best, pinned = now, pinned + 1
                 else:
@@ -359,7 +356,7 @@ def check_fusion(
                 for call, _ in fused.values():
                     tuner.pin(call, 0)
                 best, pinned = unfused, len(fused)
-            checks.append(FusionCheck(batch, as_tuned, unfused, best, pinned, len(fused)))
+            checks.append(FusionCheck(batch, as_tuned, unfused, best, pinned, len(fused), timings))
             if log is not None:
                 log(
                     f"whole-step check at batch {batch}: as tuned {as_tuned:.1f} us, unfused "

@@ -142,9 +142,6 @@ def decode_attention_kernel(
         key_ok = n + tile < count
         k = tl.load(k_ptrs, mask=key_ok[None, :], other=0.0)
         bias = tl.load(m_ptrs, mask=key_ok, other=float("-inf"))
-        # V is loaded beside K, before the softmax needs it: a program with one tile then
-        # waits for memory once, not twice.
-        v = tl.load(v_ptrs, mask=key_ok[:, None], other=0.0)
         if IEEE:
             qk = tl.dot(q, k, input_precision="ieee")
         else:
@@ -154,6 +151,7 @@ def decode_attention_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptrs, mask=key_ok[:, None], other=0.0)
         acc = acc * alpha[:, None]
         if IEEE:
             acc += tl.dot(p.to(v.dtype), v, input_precision="ieee")

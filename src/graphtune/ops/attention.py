@@ -219,14 +219,6 @@ def decode_attention_tactics(
     return out
 
 
-def scan_block(seq: int, warps: int) -> int:
-    """Mask entries the decode kernel reads per step of its visible-span scan: the whole mask
-    row in one load where it fits (``2048`` keys with 4 or more warps, ``1024`` with fewer, so a
-    thread holds at most 32 entries): every split program scans before its first key load,
-    so each further step is a memory round trip on the kernel's critical path."""
-    return max(16, min(2048 if warps >= 4 else 1024, next_power_of_two(seq)))
-
-
 def check_decode_tactic(tactic: Any) -> str | None:
     """Why ``tactic`` is not a Triton decode-attention tactic, or ``None`` when it is one."""
     keys = {"block_n", "splits", "warps", "stages"}
@@ -398,7 +390,7 @@ class TritonDecodeAttention(TritonRunner):
             BLOCK_G=max(16, next_power_of_two(groups)),
             HEAD_DIM=dim,
             BLOCK_N=tactic["block_n"],
-            SCAN_BLOCK=scan_block(seq, tactic["warps"]),
+            SCAN_BLOCK=max(16, min(512, next_power_of_two(seq))),
             IEEE=q.dtype == torch.float32,
             INLINE_COMBINE=inline,
             num_warps=tactic["warps"],

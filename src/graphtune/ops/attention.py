@@ -144,8 +144,7 @@ class MatmulAttention(TunableRunner):
 #: ``benchmarks/results/attention-sweep-h200-b128-cea895b.json``, and the step in
 #: ``benchmarks/results/decode-1b-attn-*-h200.json``).
 TRITON_BASE_CONFIGS = ((64, 4, 2), (64, 4, 3), (128, 4, 3), (32, 2, 2))
-#: A one-warp tile: at large batches one program per (request, KV head) already fills the GPU,
-#: and at small ones it gets four times the splits of a four-warp tile (see the rules of
+#: A one-warp tile, offered only where the grid fills the GPU without splits (see the rules of
 #: :func:`decode_attention_tactics`).
 ONE_WARP_CONFIG = (32, 1, 2)
 MAX_SPLITS = 64
@@ -166,7 +165,7 @@ def decode_attention_tactics(
     sm_count: int = _DEFAULT_SMS,
     smem_bytes: int = _DEFAULT_SMEM,
 ) -> list[dict[str, int]]:
-    """Triton decode-attention tactics worth timing for one shape (at most 15).
+    """Triton decode-attention tactics worth timing for one shape (at most 12).
 
     Rules:
 
@@ -180,14 +179,13 @@ def decode_attention_tactics(
       rounds a split's keys up to whole tiles, so the largest count gives every tile its own
       split and leaves the few splits past the last tile empty; the batch-1 steps this sped
       up: ``benchmarks/results/decode-*-splits-*.json``), ``<= MAX_SPLITS``, and
-      ``<= 2 * (4 / warps) * sm_count / (batch * kv_heads)`` (more programs than about two
-      four-warp programs per SM only add partials to merge). Of those, ``1`` (one kernel, no
-      merge), the largest and half the largest are kept.
-    * :data:`ONE_WARP_CONFIG` as well. On the H200 one-warp tiles were the fastest of the whole
-      space at batch 128, one split each, 3.6% ahead of the best four-warp config
-      (``benchmarks/results/attention-sweep-h200-b128-cea895b.json``), and at batch 8 with 8
-      splits, 10-11% ahead of the best offered config
-      (``benchmarks/results/attention-sweep-llama-1b-shape-h200-b8-3b2591a.json``).
+      ``<= 2 * sm_count / (batch * kv_heads)`` (more programs than about two per SM only add
+      partials to merge). Of those, ``1`` (one kernel, no merge), the largest and half the
+      largest are kept.
+    * :data:`ONE_WARP_CONFIG` as well when ``batch * kv_heads >= sm_count`` (one program per
+      (request, KV head) already fills the GPU, so it has one split). At batch 128 on the H200
+      (``benchmarks/results/attention-sweep-h200-b128-cea895b.json``) one-warp tiles were the
+      fastest of the whole space, 3.6% ahead of the best base config.
 
     Args:
         batch: Batch rows (the bucket).
@@ -206,7 +204,7 @@ def decode_attention_tactics(
     programs = max(1, batch * kv_heads)
     out: list[dict[str, int]] = []
     seen: set[tuple[int, int, int]] = set()
-    bases = (*TRITON_BASE_CONFIGS, ONE_WARP_CONFIG)
+    bases = TRITON_BASE_CONFIGS + ((ONE_WARP_CONFIG,) if programs >= sm_count else ())
     configs = [(min(block_n, cap), warps, stages) for block_n, warps, stages in bases]
     fitting = [c for c in configs if c[2] * 2 * c[0] * head_dim * itemsize <= smem_bytes]
     for block_n, warps, stages in fitting or [(min(c[0] for c in configs), 4, 2)]:
@@ -214,7 +212,7 @@ def decode_attention_tactics(
             continue
         seen.add((block_n, warps, stages))
         tiles = next_power_of_two(-(-seq // block_n))
-        limit = min(tiles, MAX_SPLITS, int(2 * (4 / warps) * sm_count / programs))
+        limit = min(tiles, MAX_SPLITS, int(2 * sm_count / programs))
         top = last_power_of_two(max(1, limit))
         for splits in sorted({1, max(1, top // 2), top}):
             out.append({"block_n": block_n, "splits": splits, "warps": warps, "stages": stages})

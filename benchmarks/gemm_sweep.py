@@ -48,7 +48,7 @@ from graphtune.ops.gemm.tiled import TritonGemmRunner, check_gemm_tactic
 OPS = ("qkv", "o", "gate_up", "down")
 BMS = (32, 64, 128)
 BNS = (32, 64, 128, 256)
-BKS = (64, 128)
+BKS = (64, 128, 256)
 WARPS = (4, 8)
 STAGES = (3, 4)
 SPLITS = (1, 2, 4, 8)

@@ -33,7 +33,6 @@ def decode_attention_kernel(
     KV,
     G,
     S,
-    SPLITS,
     qk_scale,
     stride_qb,
     stride_qh,
@@ -49,6 +48,7 @@ def decode_attention_kernel(
     stride_vd,
     stride_mb,
     stride_ms,
+    SPLITS: tl.constexpr,
     BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -71,11 +71,6 @@ def decode_attention_kernel(
     tile or a split with no visible key adds ``l = 0`` and never a NaN; a row with no visible key
     at all writes 0 (as torch's SDPA does).
 
-    ``SPLITS`` is a runtime argument, not a ``tl.constexpr``: Triton's default specialisation
-    still compiles ``SPLITS == 1`` on its own (its branches fold away, as before), while every
-    split count above 1 (but multiples of 16) shares one binary, which cuts the binaries a cold
-    tuning run compiles for this kernel, its costliest per binary, by about half.
-
     With ``SPLITS == 1`` the normalised rows go to ``out`` (contiguous ``[B, KV, G, D]``);
     otherwise float32 partials go to ``ws`` (contiguous ``[B * KV, SPLITS, G, D + 2]``: ``acc``,
     then ``m``, then ``l``) and :func:`decode_attention_combine_kernel` merges them, or with
@@ -84,9 +79,8 @@ def decode_attention_kernel(
     """
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # q and the new K/V row come from the kernel before
-        if not INLINE_COMBINE:
-            if SPLITS > 1:
-                tl.extra.cuda.gdc_launch_dependents()  # the successor is the small combine kernel
+        if SPLITS > 1 and not INLINE_COMBINE:
+            tl.extra.cuda.gdc_launch_dependents()  # the successor is the small combine kernel
     bh = tl.program_id(0).to(tl.int64)  # 64-bit offsets: a long KV cache exceeds 2^31 elements
     split = tl.program_id(1)
     b = bh // KV
@@ -168,13 +162,10 @@ def decode_attention_kernel(
         v_ptrs += BLOCK_N * stride_vs
         m_ptrs += BLOCK_N * stride_ms
 
-    if USE_PDL:
+    if USE_PDL and (SPLITS == 1 or INLINE_COMBINE):
         # The successor is the output projection, a GEMM whose programs, launched while these
         # fill the SMs, land on the few SMs with room left (graphtune.ops._pdl).
-        if INLINE_COMBINE:
-            tl.extra.cuda.gdc_launch_dependents()
-        elif SPLITS == 1:
-            tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_launch_dependents()
     out_ptrs = out_ptr + ((bh * G + rows) * HEAD_DIM)[:, None] + dims[None, :]
     if SPLITS == 1:
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -207,7 +198,7 @@ def _merge_partials(
     dims,
     row_ok,
     G,
-    SPLITS,
+    SPLITS: tl.constexpr,
     BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr,
 ):

@@ -378,7 +378,6 @@ class TritonDecodeAttention(TritonRunner):
             kv_heads,
             groups,
             seq,
-            splits,
             _LOG2E / math.sqrt(dim),
             *q.stride(),
             *keys.stride(),
@@ -387,6 +386,7 @@ class TritonDecodeAttention(TritonRunner):
             mask.stride(3),
         )
         meta = dict(
+            SPLITS=splits,
             BLOCK_G=max(16, next_power_of_two(groups)),
             HEAD_DIM=dim,
             BLOCK_N=tactic["block_n"],

@@ -2,11 +2,12 @@
 # GPU tests and every benchmark on the GPU machine; results (JSON, plots, logs) under $OUT.
 # Usage (repo root): GRAPHTUNE_COMMIT=<sha> bash benchmarks/gpu_all.sh [PART] [--quick]
 #   PART: tests | tuning | tuning-time | faults | timers | graphs | decode | tuned | moe |
-#   moe-decode | qwen3 | trace | attention | gemv | tp | all (default all); moe-decode is the
+#   moe-decode | qwen3 | trace | attention | gemv | gemm | tp | all (default all); moe-decode is the
 #   Qwen3-30B-A3B-shape decode step (estimated 4 minutes alone); trace lays out one replay of the
 #   tuned Llama-1B and Qwen3-30B-A3B steps kernel by kernel (about a minute); attention sweeps
 #   decode attention's whole tactic space at the Llama-1B shape (about 1.5 minutes); gemv sweeps
-#   the fused GEMV's tactic space at the Llama-1B projections, batches 8 and 16;
+#   the fused GEMV's tactic space at the Llama-1B projections, batches 8 and 16; gemm sweeps
+#   the tiled GEMM's tactic space beside cuBLAS at those projections, batch 128 (about 1.5 minutes);
 #   tp (two GPUs, kind nvidia-h200-x2; not part of "all") runs the all-reduce benchmark, tuned
 #   (TP=1) and TP=2 tuned / NCCL decode. One device call
 #   has a 10-minute limit, so a full run is split into two calls, e.g. "tests tuning faults" and
@@ -68,6 +69,8 @@ want attention && step attention-sweep python3 benchmarks/attention_sweep.py --o
   --batches 1,8,32,128
 # The fused GEMV's tactic space (split-K included) at the decode projections.
 want gemv && step gemv-sweep python3 benchmarks/gemv_sweep.py --out "$OUT" --batches 8,16
+# The tiled GEMM's tactic space beside cuBLAS where cuBLAS serves the step (128 rows).
+want gemm && step gemm-sweep python3 benchmarks/gemm_sweep.py --out "$OUT" --batches 128
 # The tuned single-GPU step (also TP=1, the baseline of tp): eager, graph and tuned graph.
 tuned_decode() {
   step tuned python3 -m graphtune bench decode --model llama-1b-shape --batch-sizes 1,8,32,128 \

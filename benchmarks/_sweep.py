@@ -1,16 +1,23 @@
-"""What the exhaustive tactic sweeps (attention_sweep.py, gemv_sweep.py) share: the common
-arguments, the ranking of one sweep's candidates against what the tuner is offered, and the
-result file."""
+"""What the exhaustive tactic sweeps (attention_sweep.py, gemv_sweep.py, gemm_sweep.py) share:
+the common arguments, the projection sweeps' ``--ops`` and ``--batches``, their rotating weight
+copies, the ranking of one sweep's candidates against what the tuner is offered, and the result
+file."""
 
 from __future__ import annotations
 
 import argparse
+import math
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from graphtune import bench
+from graphtune.autotuner import FALLBACK_TACTIC
+from graphtune.autotuner.entries import tactic_text
+from graphtune.bench.cupti_sweep import cupti_graph_sweep
 from graphtune.engine.config import ModelConfig
 from graphtune.engine.presets import get_preset
 from graphtune.errors import ConfigError
@@ -29,6 +36,98 @@ def add_common_arguments(parser: argparse.ArgumentParser, what: str) -> None:
     parser.add_argument("--replays", type=int, default=10, help="CUPTI replays per candidate")
     parser.add_argument("--commit", help="commit to record (default: git)")
     parser.add_argument("--label", help="suffix of the result file name")
+
+
+def add_projection_arguments(
+    parser: argparse.ArgumentParser, ops: Sequence[str], batches: str, batches_help: str
+) -> None:
+    """``--batches`` (default ``batches``) and ``--ops`` (of ``ops``, all by default) of a sweep
+    over a decode layer's projections."""
+    parser.add_argument("--batches", default=batches, help=f"{batches_help}, comma-separated")
+    parser.add_argument(
+        "--ops", default=",".join(ops), help=f"ops of {tuple(ops)}, comma-separated"
+    )
+
+
+def projection_choices(
+    parser: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    ops: Sequence[str],
+    batch_ok: Callable[[int], bool],
+    batch_rule: str,
+) -> tuple[list[str], list[int]]:
+    """The ``--ops`` and ``--batches`` asked for; a usage error (exit 2) naming the bad value:
+    an op not in ``ops``, a batch that is not an int or fails ``batch_ok`` (``batch_rule`` says
+    the rule)."""
+    chosen = args.ops.split(",")
+    unknown = [op for op in chosen if op not in ops]
+    if unknown:
+        parser.error(f"--ops: unknown {unknown}; choose from {list(ops)}")
+    try:
+        batches = [int(b) for b in args.batches.split(",")]
+    except ValueError:
+        parser.error(f"--batches must be integers, got {args.batches!r}")
+    if not all(batch_ok(b) for b in batches):
+        parser.error(f"--batches must {batch_rule}")
+    return chosen, batches
+
+
+def rotating_copies(
+    make: Callable[[int, int], torch.Tensor], rows: int, k: int, l2_bytes: int, itemsize: int = 2
+) -> list[torch.Tensor]:
+    """``make(rows, k)`` weights, enough copies (2 to 16) to exceed twice the L2 cache, so a
+    candidate replayed over them streams its weight from memory, as in the step."""
+    count = max(1, min(16, math.ceil(2 * l2_bytes / (rows * k * itemsize))))
+    return [make(rows, k) for _ in range(count)]
+
+
+def sweep_runner(
+    runner: Any,
+    inputs: list[list[Any]],
+    candidates: Sequence[Any],
+    offered: set[tuple],
+    nbytes: int,
+    *,
+    replays: int,
+    calls_per_graph: int,
+) -> dict[str, Any]:
+    """Compiles ``candidates`` of ``runner`` ahead (the fallback tactic is torch: nothing to
+    compile), then times each by the in-graph CUPTI truth, replayed over the ``inputs`` copies
+    in turn, all in one profiler session.
+
+    Returns:
+        ``compile_s``, ``sweep_s`` and one row per candidate: ``tactic``, ``offered`` (the
+        fallback always, a Triton tactic when its :func:`tactic_key` is in ``offered``), ``us``
+        per call, ``kernels`` per call, ``tb_s`` (``nbytes`` per call) and ``error``.
+    """
+    tactics = [t for t in candidates if t != FALLBACK_TACTIC]
+    began = time.perf_counter()
+    report = runner.precompile(inputs[0], tactics)
+    compile_s = time.perf_counter() - began
+
+    def call_of(tactic: Any) -> Callable[[int], object]:
+        return lambda i: runner.forward(inputs[i % len(inputs)], tactic)
+
+    began = time.perf_counter()
+    truth = cupti_graph_sweep(
+        [call_of(t) for t in candidates], [calls_per_graph] * len(candidates), replays=replays
+    )
+    sweep_s = time.perf_counter() - began
+    rows = []
+    for tactic, res in zip(candidates, truth, strict=True):
+        fallback = tactic == FALLBACK_TACTIC
+        us = res["per_call_us"]
+        rows.append(
+            {
+                "tactic": tactic,
+                "offered": fallback or tactic_key(tactic) in offered,
+                "us": us,
+                "kernels": res["kernels_per_call"],
+                "tb_s": nbytes / (us * 1e6) if 0 < us < math.inf else None,
+                "error": res["error"] or (None if fallback else report.get(tactic_text(tactic))),
+            }
+        )
+    return {"compile_s": compile_s, "sweep_s": sweep_s, "rows": rows}
 
 
 def model_or_usage_error(parser: argparse.ArgumentParser, name: str) -> ModelConfig:

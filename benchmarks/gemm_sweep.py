@@ -26,19 +26,26 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import math
 import sys
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch
-from _sweep import add_common_arguments, model_or_usage_error, ranked, tactic_key, write_result
+from _sweep import (
+    add_common_arguments,
+    add_projection_arguments,
+    model_or_usage_error,
+    projection_choices,
+    ranked,
+    rotating_copies,
+    sweep_runner,
+    tactic_key,
+    write_result,
+)
 
 from graphtune import bench
+from graphtune.autotuner import FALLBACK_TACTIC
 from graphtune.autotuner.config import next_power_of_two
-from graphtune.autotuner.entries import tactic_text
-from graphtune.bench.cupti_sweep import cupti_graph_sweep
 from graphtune.engine.config import ModelConfig
 from graphtune.ops._triton import device_limits
 from graphtune.ops.activation import torch_silu_and_mul
@@ -53,7 +60,7 @@ WARPS = (4, 8)
 STAGES = (3, 4)
 SPLITS = (1, 2, 4, 8)
 CALLS_PER_GRAPH = 20
-TORCH = -1
+TORCH = FALLBACK_TACTIC
 BF16 = torch.bfloat16
 
 
@@ -96,8 +103,7 @@ def op_cases(model: ModelConfig, m: int, device: torch.device, l2_bytes: int) ->
         return (torch.randn(*shape, device=device, generator=gen) * scale).to(BF16)
 
     def copies(rows: int, k: int) -> list[torch.Tensor]:
-        count = max(1, min(16, math.ceil(2 * l2_bytes / (rows * k * 2))))
-        return [rand(rows, k, scale=k**-0.5) for _ in range(count)]
+        return rotating_copies(lambda r, c: rand(r, c, scale=c**-0.5), rows, k, l2_bytes)
 
     qkv_rows = (heads + 2 * kv) * dim
     x, act = rand(m, hidden), rand(m, inter)
@@ -138,33 +144,16 @@ def sweep_op(name: str, case: tuple[Any, ...], smem: int, replays: int) -> dict[
     runner, inputs, (m, n, k), paired = case
     offered = {tactic_key(t) for t in runner.tactics_for(inputs[0])}
     nbytes = (2 if paired else 1) * n * k * 2
-    tactics = space_for(m, n, k, paired=paired, smem=smem)
-    began = time.perf_counter()
-    report = runner.precompile(inputs[0], tactics)
-    compile_s = time.perf_counter() - began
-
-    def call_of(tactic: Any) -> Any:
-        return lambda i: runner.forward(inputs[i % len(inputs)], tactic)
-
-    candidates: list[Any] = [TORCH, *tactics]
-    began = time.perf_counter()
-    truth = cupti_graph_sweep(
-        [call_of(t) for t in candidates], [CALLS_PER_GRAPH] * len(candidates), replays=replays
+    swept = sweep_runner(
+        runner,
+        inputs,
+        [TORCH, *space_for(m, n, k, paired=paired, smem=smem)],
+        offered,
+        nbytes,
+        replays=replays,
+        calls_per_graph=CALLS_PER_GRAPH,
     )
-    sweep_s = time.perf_counter() - began
-    rows = [
-        {
-            "tactic": t,
-            "offered": t == TORCH or tactic_key(t) in offered,
-            "us": res["per_call_us"],
-            "kernels": res["kernels_per_call"],
-            "tb_s": nbytes / (res["per_call_us"] * 1e6)
-            if 0 < res["per_call_us"] < math.inf
-            else None,
-            "error": res["error"] or (None if t == TORCH else report.get(tactic_text(t))),
-        }
-        for t, res in zip(candidates, truth, strict=True)
-    ]
+    rows = swept["rows"]
     torch_us = rows[0]["us"]
     found = ranked(rows)
     best_triton = next(row for row in found["rows"] if row["tactic"] != TORCH)
@@ -175,8 +164,8 @@ def sweep_op(name: str, case: tuple[Any, ...], smem: int, replays: int) -> dict[
         "weight_bytes": nbytes,
         "weight_copies": len(inputs),
         "offered": len(offered),
-        "compile_s": compile_s,
-        "sweep_s": sweep_s,
+        "compile_s": swept["compile_s"],
+        "sweep_s": swept["sweep_s"],
         "torch_us": torch_us,
         "best_triton": best_triton,
         **found,
@@ -213,19 +202,11 @@ def table(found: dict[str, Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_common_arguments(parser, "layer")
-    parser.add_argument("--batches", default="128", help="batch sizes (>= 2), comma-separated")
-    parser.add_argument("--ops", default=",".join(OPS), help=f"ops of {OPS}, comma-separated")
+    add_projection_arguments(parser, OPS, "128", "batch sizes (>= 2)")
     args = parser.parse_args(argv)
-    ops = args.ops.split(",")
-    unknown = [op for op in ops if op not in OPS]
-    if unknown:
-        parser.error(f"--ops: unknown {unknown}; choose from {list(OPS)}")
-    try:
-        batches = [int(b) for b in args.batches.split(",")]
-    except ValueError:
-        parser.error(f"--batches must be integers, got {args.batches!r}")
-    if not all(b >= 2 for b in batches):
-        parser.error("--batches must be >= 2 (the tiled GEMM offers nothing for one row)")
+    ops, batches = projection_choices(
+        parser, args, OPS, lambda b: b >= 2, "be >= 2 (the tiled GEMM offers nothing for one row)"
+    )
     model = model_or_usage_error(parser, args.model)
     device = bench.require_cuda_or_exit("gemm_sweep.py")
     props = torch.cuda.get_device_properties(device)

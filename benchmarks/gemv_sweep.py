@@ -30,17 +30,24 @@ import argparse
 import itertools
 import math
 import sys
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch
-from _sweep import add_common_arguments, model_or_usage_error, ranked, tactic_key, write_result
+from _sweep import (
+    add_common_arguments,
+    add_projection_arguments,
+    model_or_usage_error,
+    projection_choices,
+    ranked,
+    rotating_copies,
+    sweep_runner,
+    tactic_key,
+    write_result,
+)
 
 from graphtune import bench
 from graphtune.autotuner.config import next_power_of_two
-from graphtune.autotuner.entries import tactic_text
-from graphtune.bench.cupti_sweep import cupti_graph_sweep
 from graphtune.engine.config import ModelConfig
 from graphtune.ops.fused import (
     TritonAddProjection,
@@ -110,8 +117,7 @@ def op_cases(model: ModelConfig, m: int, device: torch.device, l2_bytes: int) ->
         return t.to(BF16)
 
     def copies(rows: int, k: int) -> list[torch.Tensor]:
-        count = max(1, min(16, math.ceil(2 * l2_bytes / (rows * k * 2))))
-        return [rand(rows, k, scale=k**-0.5) for _ in range(count)]
+        return rotating_copies(lambda r, c: rand(r, c, scale=c**-0.5), rows, k, l2_bytes)
 
     seq = 4096
     norm_w = torch.ones(hidden, device=device, dtype=BF16)
@@ -157,40 +163,24 @@ def sweep_op(name: str, case: tuple[Any, ...], sms: int, replays: int) -> dict[s
     """All candidates of one op at one batch: offered flags, in-graph time, bandwidth."""
     runner, inputs, shape, nbytes = case
     offered = {tactic_key(t) for t in runner.tactics_for(inputs[0])}
-    tactics = space_for(shape, sms)
-    began = time.perf_counter()
-    report = runner.precompile(inputs[0], tactics)
-    compile_s = time.perf_counter() - began
-
-    def call_of(tactic: dict) -> Any:
-        return lambda i: runner.forward(inputs[i % len(inputs)], tactic)
-
-    began = time.perf_counter()
-    truth = cupti_graph_sweep(
-        [call_of(t) for t in tactics], [CALLS_PER_GRAPH] * len(tactics), replays=replays
+    swept = sweep_runner(
+        runner,
+        inputs,
+        space_for(shape, sms),
+        offered,
+        nbytes,
+        replays=replays,
+        calls_per_graph=CALLS_PER_GRAPH,
     )
-    sweep_s = time.perf_counter() - began
-    rows = [
-        {
-            "tactic": t,
-            "offered": tactic_key(t) in offered,
-            "us": res["per_call_us"],
-            "tb_s": nbytes / (res["per_call_us"] * 1e6)
-            if 0 < res["per_call_us"] < math.inf
-            else None,
-            "error": res["error"] or report.get(tactic_text(t)),
-        }
-        for t, res in zip(tactics, truth, strict=True)
-    ]
     return {
         "op": name,
         "batch": shape.m,
         "weight_bytes": nbytes,
         "weight_copies": len(inputs),
         "offered": len(offered),
-        "compile_s": compile_s,
-        "sweep_s": sweep_s,
-        **ranked(rows),
+        "compile_s": swept["compile_s"],
+        "sweep_s": swept["sweep_s"],
+        **ranked(swept["rows"]),
     }
 
 
@@ -219,19 +209,15 @@ def table(found: dict[str, Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_common_arguments(parser, "layer")
-    parser.add_argument("--batches", default="8,16", help="batch sizes (1..16), comma-separated")
-    parser.add_argument("--ops", default=",".join(OPS), help=f"ops of {OPS}, comma-separated")
+    add_projection_arguments(parser, OPS, "8,16", "batch sizes (1..16)")
     args = parser.parse_args(argv)
-    ops = args.ops.split(",")
-    unknown = [op for op in ops if op not in OPS]
-    if unknown:
-        parser.error(f"--ops: unknown {unknown}; choose from {list(OPS)}")
-    try:
-        batches = [int(b) for b in args.batches.split(",")]
-    except ValueError:
-        parser.error(f"--batches must be integers, got {args.batches!r}")
-    if not all(1 <= b <= family.MAX_M for b in batches):
-        parser.error(f"--batches must lie in 1..{family.MAX_M} (the fused GEMV's rows)")
+    ops, batches = projection_choices(
+        parser,
+        args,
+        OPS,
+        lambda b: 1 <= b <= family.MAX_M,
+        f"lie in 1..{family.MAX_M} (the fused GEMV's rows)",
+    )
     model = model_or_usage_error(parser, args.model)
     device = bench.require_cuda_or_exit("gemv_sweep.py")
     props = torch.cuda.get_device_properties(device)

@@ -38,15 +38,6 @@ def test_space_limits_splits_by_programs_and_tiles():
     assert {t["splits"] for t in small if t["block_n"] == 128} == {1, 2, 4, 8}  # 5 tiles
 
 
-def test_main_without_cuda_exits_2_with_a_reason(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(attention_sweep.torch.cuda, "is_available", lambda: False)
-    with pytest.raises(SystemExit) as exited:
-        attention_sweep.main(["--out", str(tmp_path)])
-    assert exited.value.code == 2
-    assert "needs a CUDA GPU" in capsys.readouterr().err
-    assert not list(tmp_path.iterdir())
-
-
 def test_context_past_the_cache_is_a_usage_error(tmp_path, capsys):
     with pytest.raises(SystemExit) as exited:
         attention_sweep.main(["--out", str(tmp_path), "--context", "528", "--seq", "528"])

@@ -42,15 +42,6 @@ def test_paired_space_has_one_split_and_room_for_the_up_tile():
     assert all(t["stages"] * (t["bm"] + 2 * t["bn"]) * t["bk"] * 2 <= SMEM for t in space)
 
 
-def test_main_without_cuda_exits_2_with_a_reason(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(gemm_sweep.torch.cuda, "is_available", lambda: False)
-    with pytest.raises(SystemExit) as exited:
-        gemm_sweep.main(["--out", str(tmp_path)])
-    assert exited.value.code == 2
-    assert "needs a CUDA GPU" in capsys.readouterr().err
-    assert not list(tmp_path.iterdir())
-
-
 @pytest.mark.parametrize(
     "argv,message",
     [

@@ -45,15 +45,6 @@ def test_space_holds_every_offered_tactic_and_only_valid_ones(m, mode, columns, 
     assert {gemv_sweep.tactic_key(t) for t in offered} <= set(keys)
 
 
-def test_main_without_cuda_exits_2_with_a_reason(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(gemv_sweep.torch.cuda, "is_available", lambda: False)
-    with pytest.raises(SystemExit) as exited:
-        gemv_sweep.main(["--out", str(tmp_path)])
-    assert exited.value.code == 2
-    assert "needs a CUDA GPU" in capsys.readouterr().err
-    assert not list(tmp_path.iterdir())
-
-
 @pytest.mark.parametrize(
     "argv,message",
     [

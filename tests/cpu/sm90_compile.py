@@ -58,6 +58,13 @@ def compile_for_sm90(kernel: Any, args: tuple[Any, ...], meta: dict[str, Any]) -
     )
 
 
+def _splits(tactic: Any) -> int:
+    """How many slices a tactic cuts its inner loop into (1 for a tactic without a split)."""
+    if not isinstance(tactic, dict):
+        return 1
+    return max(int(tactic.get(key, 1)) for key in ("split_k", "split", "splits"))
+
+
 def _variant(args: tuple[Any, ...]) -> tuple[Any, ...]:
     """``args`` with every tensor moved to an address that is not a multiple of 16 bytes and every
     int plus one (another class for Triton's ``== 1`` / multiple-of-16 specialisation)."""
@@ -117,8 +124,10 @@ def main() -> int:
     with launches_replaced(recorder):
         for label, runner, inputs in cases:
             planned = list(runner.tactics_for(inputs))
-            # The first and the last tactic: the simplest and the largest tiles of each mode.
-            chosen = {json.dumps(t, sort_keys=True): t for t in planned[:1] + planned[-1:]}
+            # The first and the last tactic (the simplest and the largest tiles of each mode),
+            # and the first that splits its inner loop (a split-K epilogue of its own).
+            split = [t for t in planned if _splits(t) > 1][:1]
+            chosen = {json.dumps(t, sort_keys=True): t for t in planned[:1] + planned[-1:] + split}
             if not chosen:
                 errors[label] = "the runner offered no tactics"
             for text, tactic in chosen.items():

@@ -75,7 +75,7 @@ def projection_choices(
 def rotating_copies(
     make: Callable[[int, int], torch.Tensor], rows: int, k: int, l2_bytes: int, itemsize: int = 2
 ) -> list[torch.Tensor]:
-    """``make(rows, k)`` weights, enough copies (2 to 16) to exceed twice the L2 cache, so a
+    """``make(rows, k)`` weights, enough copies (at most 16) to exceed twice the L2 cache, so a
     candidate replayed over them streams its weight from memory, as in the step."""
     count = max(1, min(16, math.ceil(2 * l2_bytes / (rows * k * itemsize))))
     return [make(rows, k) for _ in range(count)]

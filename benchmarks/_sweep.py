@@ -130,6 +130,28 @@ def sweep_runner(
     return {"compile_s": compile_s, "sweep_s": sweep_s, "rows": rows}
 
 
+def sweep_projections(
+    batches: Sequence[int],
+    ops: Sequence[str],
+    cases_of: Callable[[int], dict[str, Any]],
+    sweep_one: Callable[[str, Any], dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """``sweep_one(op, case)`` for every batch (its cases made once by ``cases_of(batch)``) and
+    op, in that order, with a progress line each (candidates, compile and sweep seconds)."""
+    sweeps = []
+    for m in batches:
+        cases = cases_of(m)
+        for op in ops:
+            found = sweep_one(op, cases[op])
+            sweeps.append(found)
+            print(
+                f"batch {m} {op}: {found['candidates']} candidates, compile "
+                f"{found['compile_s']:.1f} s, sweep {found['sweep_s']:.1f} s",
+                flush=True,
+            )
+    return sweeps
+
+
 def model_or_usage_error(parser: argparse.ArgumentParser, name: str) -> ModelConfig:
     """The preset ``name``; a usage error (exit 2) naming the presets when there is none."""
     try:

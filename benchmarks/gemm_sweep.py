@@ -38,6 +38,7 @@ from _sweep import (
     projection_choices,
     ranked,
     rotating_copies,
+    sweep_projections,
     sweep_runner,
     tactic_key,
     write_result,
@@ -212,17 +213,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     props = torch.cuda.get_device_properties(device)
     l2_bytes = int(getattr(props, "L2_cache_size", 60 * 2**20))
     smem, _ = device_limits(device)
-    sweeps = []
-    for m in batches:
-        cases = op_cases(model, m, device, l2_bytes)
-        for op in ops:
-            sweeps.append(sweep_op(op, cases[op], smem, args.replays))
-            r = sweeps[-1]
-            print(
-                f"batch {m} {op}: {r['candidates']} candidates, compile {r['compile_s']:.1f} s, "
-                f"sweep {r['sweep_s']:.1f} s",
-                flush=True,
-            )
+    sweeps = sweep_projections(
+        batches,
+        ops,
+        lambda m: op_cases(model, m, device, l2_bytes),
+        lambda op, case: sweep_op(op, case, smem, args.replays),
+    )
     found = {"sweeps": sweeps}
     write_result(args, "gemm-sweep", found)
     print(table(found))

@@ -41,6 +41,7 @@ from _sweep import (
     projection_choices,
     ranked,
     rotating_copies,
+    sweep_projections,
     sweep_runner,
     tactic_key,
     write_result,
@@ -222,12 +223,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     device = bench.require_cuda_or_exit("gemv_sweep.py")
     props = torch.cuda.get_device_properties(device)
     l2_bytes = int(getattr(props, "L2_cache_size", 60 * 2**20))
-    sweeps = []
-    for m in batches:
-        cases = op_cases(model, m, device, l2_bytes)
-        for op in ops:
-            sweeps.append(sweep_op(op, cases[op], props.multi_processor_count, args.replays))
-            print(f"batch {m} {op}: {sweeps[-1]['candidates']} candidates", flush=True)
+    sweeps = sweep_projections(
+        batches,
+        ops,
+        lambda m: op_cases(model, m, device, l2_bytes),
+        lambda op, case: sweep_op(op, case, props.multi_processor_count, args.replays),
+    )
     found = {"sweeps": sweeps}
     write_result(args, "gemv-sweep", found)
     print(table(found))

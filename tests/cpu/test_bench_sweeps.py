@@ -31,6 +31,28 @@ def test_main_without_cuda_exits_2_with_a_reason(script, tmp_path, capsys, monke
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize(
+    "script,argv,message",
+    [
+        (gemv_sweep, ["--ops", "qkv,lm_head"], "--ops: unknown ['lm_head']"),
+        (gemv_sweep, ["--batches", "8,32"], "--batches must lie in 1..16"),
+        (gemv_sweep, ["--batches", "eight"], "--batches must be integers"),
+        (gemv_sweep, ["--model", "llama-9b"], "--model: unknown model preset 'llama-9b'"),
+        (gemm_sweep, ["--ops", "qkv,lm_head"], "--ops: unknown ['lm_head']"),
+        (gemm_sweep, ["--batches", "1"], "--batches must be >= 2"),
+        (gemm_sweep, ["--batches", "x"], "--batches must be integers"),
+        (gemm_sweep, ["--model", "llama-9b"], "--model:"),
+    ],
+)
+def test_bad_arguments_of_a_projection_sweep_are_usage_errors(
+    script, argv, message, tmp_path, capsys
+):
+    with pytest.raises(SystemExit) as exited:
+        script.main(["--out", str(tmp_path), *argv])
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 class _Runner:
     """Stands in for a Triton runner: records what is compiled and run."""
 
@@ -73,3 +95,19 @@ def test_sweep_runner_times_every_candidate_and_compiles_only_triton_tactics(mon
     assert [r["offered"] for r in rows] == [True, True, False]
     assert rows[1]["tb_s"] == 4.0 and rows[2]["tb_s"] is None
     assert rows[2]["error"] == "launch failed" and rows[0]["error"] is None
+
+
+def test_sweep_projections_makes_cases_once_per_batch_and_sweeps_ops_in_order(capsys):
+    made: list[int] = []
+
+    def cases_of(m):
+        made.append(m)
+        return {"o": ("o", m), "down": ("down", m)}
+
+    def sweep_one(op, case):
+        return {"case": case, "candidates": 3, "compile_s": 1.0, "sweep_s": 0.5}
+
+    sweeps = _sweep.sweep_projections([8, 128], ["down", "o"], cases_of, sweep_one)
+    assert made == [8, 128]
+    assert [s["case"] for s in sweeps] == [("down", 8), ("o", 8), ("down", 128), ("o", 128)]
+    assert "batch 128 o: 3 candidates, compile 1.0 s, sweep 0.5 s" in capsys.readouterr().out

@@ -43,7 +43,7 @@ from graphtune.autotuner.tuner import AutoTuner
 from graphtune.errors import ConfigError, InputError
 from graphtune.ops._triton import device_supported, run_kernel, triton_available
 from graphtune.ops._triton_runner import TritonRunner
-from graphtune.ops.moe._loader import moe_kernels
+from graphtune.ops.moe._loader import moe_router_kernels
 from graphtune.ops.registry import register_op, runner_extras
 
 OP_NAME = "graphtune.route_top_k"
@@ -57,7 +57,12 @@ def _check(router_logits: torch.Tensor, top_k: Any, weights_dtype: torch.dtype) 
             f"route_top_k needs float router_logits [T, E], got {tuple(router_logits.shape)} "
             f"{router_logits.dtype}; flatten the leading dims of the logits first."
         )
-    experts = router_logits.shape[1]
+    check_routing_rule(router_logits.shape[1], top_k, weights_dtype)
+
+
+def check_routing_rule(experts: int, top_k: Any, weights_dtype: torch.dtype) -> None:
+    """Raises ``ConfigError`` unless ``top_k`` is an int in ``[1, experts]`` and
+    ``weights_dtype`` a float dtype."""
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= experts:
         raise ConfigError(
             f"route_top_k: top_k must be an int in [1, E={experts}], got {top_k!r}; it is the "
@@ -91,7 +96,7 @@ def torch_route_top_k(
     return weights.to(weights_dtype), ids
 
 
-class _RoutingRule:
+class RoutingRule:
     """What a router runner computes besides its input: part of its identity."""
 
     top_k: int
@@ -116,7 +121,7 @@ class _RoutingRule:
         )
 
 
-class TorchRouteTopKRunner(_RoutingRule, TunableRunner):
+class TorchRouteTopKRunner(RoutingRule, TunableRunner):
     """The torch router; only the fallback tactic."""
 
     def __init__(self, top_k: int, renormalize: bool, weights_float32: bool) -> None:
@@ -127,10 +132,10 @@ class TorchRouteTopKRunner(_RoutingRule, TunableRunner):
         return self.torch_forward(inputs)
 
 
-class TritonRouteTopKRunner(_RoutingRule, TritonRunner):
+class TritonRouteTopKRunner(RoutingRule, TritonRunner):
     """The router in one Triton kernel (see the module docstring); tactic ``-1`` is torch."""
 
-    source_modules = ("graphtune.ops.moe._kernels",)
+    source_modules = ("graphtune.ops.moe._router_kernels",)
 
     def __init__(self, top_k: int, renormalize: bool, weights_float32: bool, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -177,7 +182,7 @@ class TritonRouteTopKRunner(_RoutingRule, TritonRunner):
                 num_warps=warps,
             )
             args = (logits, weights, ids, experts, logits.stride(0))
-            run_kernel(moe_kernels().moe_route_top_k_kernel, (tokens,), args, meta, warmup)
+            run_kernel(moe_router_kernels().moe_route_top_k_kernel, (tokens,), args, meta, warmup)
         return weights, ids
 
 

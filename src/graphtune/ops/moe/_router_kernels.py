@@ -12,8 +12,8 @@
   call (the counters: ``graphtune.ops._counters``). One kernel instead of the GEMV, its split-K
   reduction and the routing kernel: two kernel boundaries fewer per MoE layer.
 
-Both route through :func:`_route_token`: softmax over the ``E`` logits in float32, ``K`` rounds
-of arg-max (ties to the lowest expert id), optional renormalisation, weights stored in the output's
+Both route through :func:`_route_token`: the ``K`` largest of the softmax over the ``E`` logits
+in float32 (ties to the lowest expert id), optionally renormalised, weights stored in the output's
 dtype and ids as int64, largest first. So both give the same experts for the same logits.
 
 PDL (``graphtune.ops._pdl``): the router weights are never written by an earlier kernel, so
@@ -37,25 +37,36 @@ def _route_token(
     token,
     K: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr,
     RENORMALIZE: tl.constexpr,
 ):
-    """Routes one token's float32 ``logits [BLOCK_E]`` (``valid``: lanes below ``E``)."""
+    """Routes one token's float32 ``logits [BLOCK_E]`` (``valid``: lanes below ``E``).
+
+    The top k are chosen among ``exp(logit - max)`` (the probabilities times one positive
+    number, so in their order). Each round is one max over int64 keys that hold the value's
+    float32 bits (a non-negative float orders like its bit pattern) above ``BLOCK_E - 1 - lane``,
+    so the largest key is the largest value and, among equal values, the lowest expert id: one
+    reduction per round instead of a max and an arg-max. The weights are those values over
+    their sum (renormalised) or over the sum of all (the probabilities).
+    """
     logits = tl.where(valid, logits, float("-inf"))
     exps = tl.where(valid, tl.exp(logits - tl.max(logits, axis=0)), 0.0)
-    probs = exps / tl.sum(exps, axis=0)
-    # Chosen and padding lanes drop below every probability (which is >= 0).
-    left = tl.where(valid, probs, -1.0)
+    bits = exps.to(tl.int32, bitcast=True).to(tl.int64)
+    keys = tl.where(valid, (bits << 32) | (BLOCK_E - 1 - lanes).to(tl.int64), -1)
     slots = tl.arange(0, BLOCK_K)
     top = tl.zeros([BLOCK_K], dtype=tl.float32)
     top_ids = tl.zeros([BLOCK_K], dtype=tl.int32)
     for j in tl.static_range(K):
-        best = tl.max(left, axis=0)
-        at = tl.argmax(left, axis=0, tie_break_left=True)
-        top = tl.where(slots == j, best, top)
+        best = tl.max(keys, axis=0)
+        at = (BLOCK_E - 1 - (best & 0xFFFFFFFF)).to(tl.int32)
+        value = (best >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        top = tl.where(slots == j, value, top)
         top_ids = tl.where(slots == j, at, top_ids)
-        left = tl.where(lanes == at, -2.0, left)
+        keys = tl.where(lanes == at, -1, keys)  # below every valid key (which is >= 0)
     if RENORMALIZE:
         top = top / tl.sum(tl.where(slots < K, top, 0.0), axis=0)
+    else:
+        top = top / tl.sum(exps, axis=0)
     out = token * K + slots
     tl.store(weights_ptr + out, top.to(weights_ptr.dtype.element_ty), mask=slots < K)
     tl.store(ids_ptr + out, top_ids.to(tl.int64), mask=slots < K)
@@ -84,7 +95,16 @@ def moe_route_top_k_kernel(
     valid = lanes < E
     logits = tl.load(logits_ptr + token * stride_t + lanes, mask=valid, other=float("-inf"))
     _route_token(
-        logits.to(tl.float32), valid, lanes, weights_ptr, ids_ptr, token, K, BLOCK_K, RENORMALIZE
+        logits.to(tl.float32),
+        valid,
+        lanes,
+        weights_ptr,
+        ids_ptr,
+        token,
+        K,
+        BLOCK_K,
+        BLOCK_E,
+        RENORMALIZE,
     )
 
 
@@ -109,7 +129,9 @@ def _route_from_workspace(
     lanes = tl.arange(0, BLOCK_E)
     valid = lanes < E
     logits = tl.load(ws_row + lanes, mask=valid, other=float("-inf"), cache_modifier=".cg")
-    _route_token(logits, valid, lanes, weights_ptr, ids_ptr, token, K, BLOCK_K, RENORMALIZE)
+    _route_token(
+        logits, valid, lanes, weights_ptr, ids_ptr, token, K, BLOCK_K, BLOCK_E, RENORMALIZE
+    )
 
 
 @triton.jit

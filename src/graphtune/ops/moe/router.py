@@ -117,17 +117,17 @@ class UnfusedMoeRouter(RoutingRule, UnfusedRunner):
 
 def moe_router_tactics(tokens: int, experts: int, hidden: int) -> list[dict[str, int]]:
     """The fused kernel's tactics ``{"rows", "block", "warps"}``: ``rows`` experts per program
-    (1, 2 or 4), hidden chunks of ``block`` (512 or 1024, at most the hidden size rounded up to a
-    power of two) and the warps that give each thread 16 or 32 elements of the
+    (1 or 2), hidden chunks of ``block`` (512, 1024 or 2048, at most the hidden size rounded up
+    to a power of two) and the warps that give each thread 16 or 32 elements of the
     ``[rows, block]`` tile (at least one warp). None above :data:`MAX_FUSED_TOKENS` tokens."""
     if tokens > MAX_FUSED_TOKENS:
         return []
     widest = max(16, next_power_of_two(hidden))
     tactics = []
-    for rows in (1, 2, 4):
+    for rows in (1, 2):
         if rows > 1 and rows >= 2 * experts:
             continue  # half the rows of every program would be padding
-        for block in sorted({min(b, widest) for b in (512, 1024)}):
+        for block in sorted({min(b, widest) for b in (512, 1024, 2048)}):
             warps = {w for w in (1, 2, 4, 8) if rows * block // (32 * w) in (16, 32)} or {1}
             tactics += [{"rows": rows, "block": block, "warps": w} for w in sorted(warps)]
     return tactics

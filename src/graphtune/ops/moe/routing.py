@@ -19,7 +19,9 @@ It is a tunable op over the token count (power-of-two buckets up to ``max_m``), 
   torch, the op transformers uses, so both select the same experts on the same device. Six or
   seven small kernels (cast, softmax, top-k, sum, divide, cast).
 * :class:`TritonRouteTopKRunner`: one kernel, one program per token (``moe_route_top_k_kernel``):
-  the softmax in float32, then k rounds of arg-max, then the renormalisation and the cast. In a
+  the exponentials of the softmax in float32, k rounds of one max over keys that carry the
+  value and the expert id, then the division (by the sum of the k, or of all when not
+  renormalising) and the cast (``graphtune.ops.moe._router_kernels``). In a
   decode step of 48 MoE layers that is about 250 kernel launches fewer. Ties between equal
   probabilities go to the lowest expert id (``torch.topk`` promises no order among ties, so the
   two runners may pick different experts of equal probability); the softmax's ``exp`` and sum

@@ -19,7 +19,11 @@ The contract a ``USE_PDL`` kernel keeps (every Triton kernel of a decode step do
 
 * before ``gdc_wait()`` it reads only what no kernel of the step writes (weights, norm weights,
   RoPE tables) and writes nothing; after it, anything. So a read-after-write (activations) and a
-  write-after-read (an in-place residual update of a tensor the predecessor reads) are both safe;
+  write-after-read (an in-place residual update of a tensor the predecessor reads) are both safe.
+  One kernel reads more early: the fused-MoE GEMV path's down kernel, whose predecessor is always
+  the gate/up kernel of the same call, reads the routing (written by the kernel before that one)
+  before its wait; by the next rule that kernel has completed when the down kernel starts
+  (``graphtune.ops.moe._gemv_kernels``);
 * every program calls ``gdc_wait()`` unconditionally (no early exit before it), so a kernel's
   completion implies its predecessor's, and waiting on the immediate predecessor is enough to
   order a kernel after every earlier one;

@@ -23,10 +23,14 @@ grouped path's in its last bit).
 A slot whose expert id is outside ``[0, E)`` adds nothing and its ``act`` row is never written
 nor read.
 
-PDL (``graphtune.ops._pdl``): the weights these kernels read depend on the routing, which the
-step computes just before, so nothing is loaded before ``gdc_wait()``; the successor may launch
-right after it. As in ``graphtune.ops.gemm._gemv_kernels``, the reduction over ``K`` is written
-without helper ``@triton.jit`` calls (the interpreter pays for each nested call).
+PDL (``graphtune.ops._pdl``): the weights these kernels read depend on the routing. The gate/up
+kernel follows the router, which writes the routing, so it loads nothing before ``gdc_wait()``.
+The down kernel always follows the gate/up kernel of the same call, which lets it launch only
+after its own ``gdc_wait()``, so the router has completed when the down kernel starts: it reads
+the expert ids and streams its first weight chunk before its ``gdc_wait()`` (overlapping them
+with the gate/up kernel's last wave), and the gate/up output after it. Each lets its successor
+launch right after its wait. As in ``graphtune.ops.gemm._gemv_kernels``, the reduction over
+``K`` is written without helper ``@triton.jit`` calls (the interpreter pays for each nested call).
 """
 
 from __future__ import annotations
@@ -158,9 +162,6 @@ def moe_gemv_down_kernel(
     grid_n = (N + BLOCK_F - 1) // BLOCK_F
     token = (pid // grid_n).to(tl.int64)
     pid_n = pid % grid_n
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     rows = tl.arange(0, BLOCK_S * BLOCK_F)
     slot = rows // BLOCK_F
     offs_n = pid_n * BLOCK_F + rows % BLOCK_F
@@ -179,6 +180,11 @@ def moe_gemv_down_kernel(
         w_next = tl.load(w_ptrs)
     else:
         w_next = tl.load(w_ptrs, mask=(offs_k < K)[None, :], other=0.0)
+    # The expert ids and the first weight chunk are read before waiting (see the module
+    # docstring); act, written by the gate/up kernel just before, only after.
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros((BLOCK_S * BLOCK_F,), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         w = w_next.to(tl.float32)

@@ -1,10 +1,9 @@
 """The tuned MoE step in a (simulated) CUDA graph on the CPU: captured whole, replayed exactly.
 
-Tuning runs the step (``tune_step``), so the router and ``fused_moe`` are tuned like every
+Tuning runs the step (``tune_step``), so the router GEMM and ``fused_moe`` are tuned like every
 op. A fake timer makes the last-listed candidate of every profile the fastest, so the tuned step
 runs the Triton kernels (interpreted here: ``TRITON_INTERPRET=1``) wherever an op offers them,
-the router (the GEMV and the top-k in one kernel) and ``fused_moe`` (the sort by expert and the
-grouped GEMMs) included.
+the router (one kernel) and ``fused_moe`` (the sort by expert and the grouped GEMMs) included.
 The simulated graph backend records every ATen op and Triton launch of the capture and fails it
 on a host synchronisation, as a CUDA capture does; a replay re-runs the recorded work on the same
 memory.
@@ -27,7 +26,7 @@ from graphtune.engine import DecodeStep, KVCache, load_model, step_pad_rule, tun
 from graphtune.graphs import CUDAGraphRunner, SimulatedGraphBackend  # noqa: E402
 from graphtune.ops._triton import triton_available  # noqa: E402
 from graphtune.ops.moe import OP_NAME  # noqa: E402
-from graphtune.ops.moe.router import OP_NAME as ROUTER  # noqa: E402
+from graphtune.ops.moe.routing import OP_NAME as ROUTE  # noqa: E402
 
 
 def _tuner() -> AutoTuner:
@@ -44,7 +43,7 @@ def test_tuned_moe_step_is_captured_whole_and_replays_the_eager_step(preset):
     step = DecodeStep(model, cache, contiguous_slots=True, tuner=tuner)
     report = tune_step(step)
     # The last-listed runner wins: at these token counts the GEMV path (graphtune.ops.moe.gemv).
-    for op, runner_name in ((OP_NAME, "TritonMoeGemvRunner"), (ROUTER, "TritonMoeRouter")):
+    for op, runner_name in ((OP_NAME, "TritonMoeGemvRunner"), (ROUTE, "TritonRouteTopKRunner")):
         winners = {row[2].split()[0].split("[")[0] for row in report.rows if row[0] == op}
         if triton_available():
             assert winners == {runner_name}, report.rows

@@ -22,7 +22,7 @@ from fake_timers import last_wins_tuner  # noqa: E402
 from graphtune.autotuner import autotune  # noqa: E402
 from graphtune.autotuner.identity import runner_id  # noqa: E402
 from graphtune.errors import ConfigError  # noqa: E402
-from graphtune.ops import _triton  # noqa: E402
+from graphtune.ops import OpContext, _triton  # noqa: E402
 from graphtune.ops.moe import (  # noqa: E402
     OP_NAME,
     TritonRouteTopKRunner,
@@ -97,8 +97,9 @@ def test_bad_tactics_and_unsupported_inputs():
 def test_the_tuned_op_runs_the_pick_and_each_rule_has_its_own_identity():
     tuner = last_wins_tuner()
     logits = torch.randn(3, 16, generator=_gen())
+    ops = OpContext(tuner, 4)
     with autotune(None, tuner):
-        weights, ids = route_top_k(logits, 4, renormalize=True, tuner=tuner, max_m=4)
+        weights, ids = ops.route_top_k(logits, 4, renormalize=True)
     rows = [row for row in tuner.summary_rows() if row[0] == ROUTE_OP]
     assert len(rows) == 3 and all("TritonRouteTopKRunner" in row[2] for row in rows)  # 1, 2, 4
     want_w, want_ids = torch_route_top_k(logits, 4, renormalize=True)

@@ -374,7 +374,6 @@ def test_every_decode_step_kernel_waits_then_lets_its_successor_launch():
         "graphtune.ops._attention_kernels",
         "graphtune.ops.moe._kernels",
         "graphtune.ops.moe._gemv_kernels",
-        "graphtune.ops.moe._router_kernels",
         "graphtune.ops._step_kernels",
     )
     checked = []

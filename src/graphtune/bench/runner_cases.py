@@ -46,7 +46,6 @@ def runner_cases() -> list[tuple[str, Any, list[Any]]]:
     from graphtune.ops.moe import (
         TritonFusedMoeRunner,
         TritonMoeGemvRunner,
-        TritonMoeRouter,
         TritonRouteTopKRunner,
     )
     from graphtune.ops.rmsnorm import TritonRMSNormRunner
@@ -126,11 +125,6 @@ def runner_cases() -> list[tuple[str, Any, list[Any]]]:
                 f"route_top_k m={m} float32={weights_float32}",
                 TritonRouteTopKRunner(top_k, True, weights_float32),
                 [logits],
-            )
-            add(
-                f"moe_router m={m} float32={weights_float32}",
-                TritonMoeRouter(top_k, True, weights_float32),
-                [x, _rand(experts, hidden)],
             )
         ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(m)])
         moe_inputs = [

@@ -16,8 +16,7 @@ shape; outside tuning mode that is a cache look-up, and an untuned shape runs th
   flash-decoding kernel as runners).
 * :mod:`fused` — fused decode ops (norm + projection + epilogue in one kernel) whose first runner
   is the unfused sequence of the ops above.
-* :func:`fused_moe` / :func:`moe_router` / :func:`route_top_k` — mixture-of-experts experts and
-  router (:mod:`moe`).
+* :func:`fused_moe` / :func:`route_top_k` — mixture-of-experts experts and router (:mod:`moe`).
 * :class:`OpContext` — the op settings of one model step (tuner, largest batch), bound once; a
   forward calls its ops through it (``ops.gemm(h, w)``).
 * :mod:`registry` — op name -> how to rebuild its runners and config in another process
@@ -62,9 +61,7 @@ from graphtune.ops.moe import (
     fused_moe,
     fused_moe_config,
     fused_moe_runners,
-    moe_router,
     route_top_k,
-    torch_moe_router,
     torch_route_top_k,
 )
 from graphtune.ops.registry import (
@@ -130,7 +127,6 @@ __all__ = [
     "head_norm_weights",
     "head_rms_norm",
     "head_rms_norm_",
-    "moe_router",
     "require_triton",
     "rebuild_call",
     "register_op",
@@ -145,7 +141,6 @@ __all__ = [
     "silu_and_mul_config",
     "silu_and_mul_runners",
     "torch_gated_activation",
-    "torch_moe_router",
     "torch_rms_norm",
     "torch_rope_kv_cache",
     "torch_route_top_k",

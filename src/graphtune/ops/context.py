@@ -18,8 +18,7 @@ passing ``tuner=..., max_m=...`` to every call. Activations are 2-D (``[rows, fe
 
 The stages of a decode layer are the fused ops of :mod:`graphtune.ops.fused`
 (:meth:`OpContext.norm_qkv_rope`, :meth:`~OpContext.norm_gate_up_silu`,
-:meth:`~OpContext.add_projection`, :meth:`~OpContext.norm_linear`, and a mixture-of-experts
-layer's :meth:`~OpContext.moe_router`). Untuned, and in a context
+:meth:`~OpContext.add_projection`, :meth:`~OpContext.norm_linear`). Untuned, and in a context
 built with ``fused=False`` (:meth:`OpContext.unfused`), each runs its unfused sequence of the single
 ops above instead (a fused op's runner 0): the untuned step is the plain torch step, and the
 tuned unfused step is the step as tuned before the fused ops existed. A stage also takes the
@@ -43,7 +42,6 @@ from graphtune.ops.activation import silu_and_mul, torch_gated_activation, torch
 from graphtune.ops.gemm import gemm, torch_gemm
 from graphtune.ops.moe.op import fused_moe
 from graphtune.ops.moe.reference import torch_fused_moe
-from graphtune.ops.moe.router import moe_router
 from graphtune.ops.moe.routing import route_top_k, torch_route_top_k
 from graphtune.ops.rmsnorm import fused_add_rms_norm, torch_rms_norm
 from graphtune.ops.rotary import RopeRows, rope_kv_cache, torch_rope_kv_cache
@@ -247,36 +245,21 @@ class OpContext:
             max_m=self.max_batch_size,
         )
 
-    def moe_router(
+    def route_top_k(
         self,
-        h: torch.Tensor,
-        router_weight: torch.Tensor,
+        router_logits: torch.Tensor,
         top_k: int,
         *,
         renormalize: bool,
         weights_dtype: torch.dtype = torch.float32,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The router of a mixture-of-experts layer (:func:`graphtune.ops.moe.moe_router`):
-        ``(weights, ids)`` of the top-k experts of each row of ``h``. Untuned, or in an unfused
-        context, it is the router GEMM then :func:`graphtune.ops.moe.route_top_k`."""
-        if self._fusing:
-            return moe_router(
-                h,
-                router_weight,
-                top_k,
-                renormalize=renormalize,
-                weights_dtype=weights_dtype,
-                tuner=self.tuner,
-                max_m=self.max_batch_size,
-                cold_l2=self.gemm_cold_l2,
-            )
-        logits = self.gemm(h, router_weight)
+        """:func:`graphtune.ops.moe.route_top_k`: ``(weights, ids)`` of the top-k experts."""
         if self.tuner is None:
             return torch_route_top_k(
-                logits, top_k, renormalize=renormalize, weights_dtype=weights_dtype
+                router_logits, top_k, renormalize=renormalize, weights_dtype=weights_dtype
             )
         return route_top_k(
-            logits,
+            router_logits,
             top_k,
             renormalize=renormalize,
             weights_dtype=weights_dtype,

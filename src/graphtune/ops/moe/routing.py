@@ -21,7 +21,7 @@ It is a tunable op over the token count (power-of-two buckets up to ``max_m``), 
 * :class:`TritonRouteTopKRunner`: one kernel, one program per token (``moe_route_top_k_kernel``):
   the exponentials of the softmax in float32, k rounds of one max over keys that carry the
   value and the expert id, then the division (by the sum of the k, or of all when not
-  renormalising) and the cast (``graphtune.ops.moe._router_kernels``). In a
+  renormalising) and the cast. In a
   decode step of 48 MoE layers that is about 250 kernel launches fewer. Ties between equal
   probabilities go to the lowest expert id (``torch.topk`` promises no order among ties, so the
   two runners may pick different experts of equal probability); the softmax's ``exp`` and sum
@@ -45,7 +45,7 @@ from graphtune.autotuner.tuner import AutoTuner
 from graphtune.errors import ConfigError, InputError
 from graphtune.ops._triton import device_supported, run_kernel, triton_available
 from graphtune.ops._triton_runner import TritonRunner
-from graphtune.ops.moe._loader import moe_router_kernels
+from graphtune.ops.moe._loader import moe_kernels
 from graphtune.ops.registry import register_op, runner_extras
 
 OP_NAME = "graphtune.route_top_k"
@@ -59,12 +59,7 @@ def _check(router_logits: torch.Tensor, top_k: Any, weights_dtype: torch.dtype) 
             f"route_top_k needs float router_logits [T, E], got {tuple(router_logits.shape)} "
             f"{router_logits.dtype}; flatten the leading dims of the logits first."
         )
-    check_routing_rule(router_logits.shape[1], top_k, weights_dtype)
-
-
-def check_routing_rule(experts: int, top_k: Any, weights_dtype: torch.dtype) -> None:
-    """Raises ``ConfigError`` unless ``top_k`` is an int in ``[1, experts]`` and
-    ``weights_dtype`` a float dtype."""
+    experts = router_logits.shape[1]
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= experts:
         raise ConfigError(
             f"route_top_k: top_k must be an int in [1, E={experts}], got {top_k!r}; it is the "
@@ -98,7 +93,7 @@ def torch_route_top_k(
     return weights.to(weights_dtype), ids
 
 
-class RoutingRule:
+class _RoutingRule:
     """What a router runner computes besides its input: part of its identity."""
 
     top_k: int
@@ -123,7 +118,7 @@ class RoutingRule:
         )
 
 
-class TorchRouteTopKRunner(RoutingRule, TunableRunner):
+class TorchRouteTopKRunner(_RoutingRule, TunableRunner):
     """The torch router; only the fallback tactic."""
 
     def __init__(self, top_k: int, renormalize: bool, weights_float32: bool) -> None:
@@ -134,10 +129,10 @@ class TorchRouteTopKRunner(RoutingRule, TunableRunner):
         return self.torch_forward(inputs)
 
 
-class TritonRouteTopKRunner(RoutingRule, TritonRunner):
+class TritonRouteTopKRunner(_RoutingRule, TritonRunner):
     """The router in one Triton kernel (see the module docstring); tactic ``-1`` is torch."""
 
-    source_modules = ("graphtune.ops.moe._router_kernels",)
+    source_modules = ("graphtune.ops.moe._kernels",)
 
     def __init__(self, top_k: int, renormalize: bool, weights_float32: bool, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -184,7 +179,7 @@ class TritonRouteTopKRunner(RoutingRule, TritonRunner):
                 num_warps=warps,
             )
             args = (logits, weights, ids, experts, logits.stride(0))
-            run_kernel(moe_router_kernels().moe_route_top_k_kernel, (tokens,), args, meta, warmup)
+            run_kernel(moe_kernels().moe_route_top_k_kernel, (tokens,), args, meta, warmup)
         return weights, ids
 
 

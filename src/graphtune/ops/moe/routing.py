@@ -21,11 +21,11 @@ It is a tunable op over the token count (power-of-two buckets up to ``max_m``), 
 * :class:`TritonRouteTopKRunner`: one kernel, one program per token (``moe_route_top_k_kernel``):
   the exponentials of the softmax in float32, k rounds of one max over keys that carry the
   value and the expert id, then the division (by the sum of the k, or of all when not
-  renormalising) and the cast. In a
-  decode step of 48 MoE layers that is about 250 kernel launches fewer. Ties between equal
-  probabilities go to the lowest expert id (``torch.topk`` promises no order among ties, so the
-  two runners may pick different experts of equal probability); the softmax's ``exp`` and sum
-  may differ from torch's in the last float32 bit. Tactics are ``{"warps"}``.
+  renormalising) and the cast. In a decode step of 48 MoE layers that is about 250 kernel
+  launches fewer. Ties between equal probabilities go to the lowest expert id (``torch.topk``
+  promises no order among ties, so the two runners may pick different experts of equal
+  probability); the softmax's ``exp`` and sum may differ from torch's in the last float32 bit.
+  Tactics are ``{"warps"}``.
 
 Everything is a fixed-shape op on the device (no host synchronisation): capturable.
 """

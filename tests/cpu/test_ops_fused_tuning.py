@@ -393,3 +393,20 @@ def test_every_decode_step_kernel_waits_then_lets_its_successor_launch():
             checked.append(attr)
     assert {"gemv_kernel", "fused_gemv_kernel", "rms_norm_kernel", "gemm_kernel"} <= set(checked)
     assert "decode_inputs_kernel" in checked and len(checked) >= 10
+
+
+def test_the_moe_down_kernel_reads_the_gate_up_output_only_after_its_wait():
+    """graphtune.ops._pdl: before gdc_wait() a kernel reads only what no kernel of the step
+    writes, except the MoE down kernel, which also reads the routing (complete when it starts);
+    the gate/up output of the kernel just before it (``act``) only after its wait."""
+    pytest.importorskip("triton")
+    import inspect
+
+    from graphtune.ops.moe import _gemv_kernels
+
+    lines = inspect.getsource(_gemv_kernels.moe_gemv_down_kernel.fn).splitlines()
+    wait = next(i for i, text in enumerate(lines) if "gdc_wait()" in text)
+    early = "\n".join(lines[:wait])
+    assert "tl.load(ids_ptr" in early and "tl.load(w_ptrs" in early
+    assert "tl.load(a_ptrs" not in early and "tl.load(out_ptrs" not in early
+    assert "tl.load(a_ptrs" in "\n".join(lines[wait:])

@@ -410,3 +410,22 @@ def test_the_moe_down_kernel_reads_the_gate_up_output_only_after_its_wait():
     assert "tl.load(ids_ptr" in early and "tl.load(w_ptrs" in early
     assert "tl.load(a_ptrs" not in early and "tl.load(out_ptrs" not in early
     assert "tl.load(a_ptrs" in "\n".join(lines[wait:])
+
+
+def test_decode_attention_reads_q_and_the_new_kv_row_only_after_its_wait():
+    """graphtune.ops._pdl: decode attention reads its mask and first K/V tile before
+    gdc_wait(); q, the newest key's K/V row (which the kernel before it writes) and the later
+    tiles only after it, and the newest row replaces its place in the early tile."""
+    pytest.importorskip("triton")
+    import inspect
+
+    from graphtune.ops import _attention_kernels
+
+    lines = inspect.getsource(_attention_kernels.decode_attention_kernel.fn).splitlines()
+    wait = next(i for i, text in enumerate(lines) if "gdc_wait()" in text)
+    early, late = "\n".join(lines[:wait]), "\n".join(lines[wait:])
+    assert "tl.load(mask_row" in early and "tl.load(k_ptrs" in early and "tl.load(v_ptrs" in early
+    assert "tl.load(q_ptrs" not in early and "newest_at" not in early and "for n in" not in early
+    assert "tl.load(q_ptrs" in late and "tl.load(k_row + newest_at" in late
+    assert "tl.load(v_row + newest_at" in late and "k_first = tl.where(" in late
+    assert "v_first = tl.where(" in late and "for n in range(BLOCK_N" in late

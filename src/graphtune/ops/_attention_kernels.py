@@ -12,7 +12,15 @@ boundary while keeping the split's parallelism. The counters live in a persisten
 (``graphtune.ops._counters``), so nothing is zero-filled per call and the launch
 is capturable.
 
-Only stable ``tl.`` APIs; ``griddepcontrol`` only under ``USE_PDL`` (``graphtune.ops._pdl``).
+PDL (``graphtune.ops._pdl``): :func:`decode_attention_kernel` scans the mask and loads its
+first K/V tile before ``gdc_wait()``, so those loads overlap the kernel before it (the QKV stage
+or the RoPE kernel that writes q and the step's new K/V rows). Everything else it reads was
+written by kernels that have completed when it starts (the kernel before it has passed its own
+wait), except the new K/V row of each request, which that kernel may still be writing. The new
+row is the last key the mask leaves visible (a request's own token is the newest key it sees),
+so after the wait the program whose first tile holds that key reads it again and puts it into
+the tile; q and the later tiles are read after the wait. Only stable ``tl.`` APIs;
+``griddepcontrol`` only under ``USE_PDL``.
 """
 
 from __future__ import annotations
@@ -77,10 +85,6 @@ def decode_attention_kernel(
     ``INLINE_COMBINE`` the last split program of the row does (``cnt [B * KV]`` int32 arrival
     counters, zero between calls; see the module docstring).
     """
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()  # q and the new K/V row come from the kernel before
-        if SPLITS > 1 and not INLINE_COMBINE:
-            tl.extra.cuda.gdc_launch_dependents()  # the successor is the small combine kernel
     bh = tl.program_id(0).to(tl.int64)  # 64-bit offsets: a long KV cache exceeds 2^31 elements
     split = tl.program_id(1)
     b = bh // KV
@@ -105,6 +109,35 @@ def decode_attention_kernel(
     begin = lo + split * per_split
     end = tl.minimum(begin + per_split, hi)
 
+    # Tile pointers start at `begin` and advance by BLOCK_N keys (fewer registers than
+    # recomputing [D, BLOCK_N] 64-bit addresses per tile).
+    tile = tl.arange(0, BLOCK_N)
+    first = begin.to(tl.int64)
+    k_row = k_ptr + b * stride_kb + h * stride_kh
+    v_row = v_ptr + b * stride_vb + h * stride_vh
+    k_ptrs = k_row + dims[:, None] * stride_kd + (first + tile[None, :]) * stride_ks
+    v_ptrs = v_row + dims[None, :] * stride_vd + (first + tile[:, None]) * stride_vs
+    m_ptrs = mask_row + (first + tile) * stride_ms
+    count = end - begin
+    # The first tile is read before the wait (see the module docstring): only its newest key
+    # can be the predecessor's, and that one is read again below.
+    first_ok = tile < count
+    k_first = tl.load(k_ptrs, mask=first_ok[None, :], other=0.0)
+    v_first = tl.load(v_ptrs, mask=first_ok[:, None], other=0.0)
+    bias_first = tl.load(m_ptrs, mask=first_ok, other=float("-inf"))
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # q and the new K/V row come from the kernel before
+        if SPLITS > 1 and not INLINE_COMBINE:
+            tl.extra.cuda.gdc_launch_dependents()  # the successor is the small combine kernel
+    newest = hi - 1 - begin  # the newest key's place in the first tile
+    newest_d = newest + dims * 0  # a vector: the interpreter takes no scalar load mask
+    is_new = (newest_d >= 0) & (newest_d < tl.minimum(count, BLOCK_N))
+    newest_at = (hi - 1).to(tl.int64)
+    k_new = tl.load(k_row + newest_at * stride_ks + dims * stride_kd, mask=is_new, other=0.0)
+    v_new = tl.load(v_row + newest_at * stride_vs + dims * stride_vd, mask=is_new, other=0.0)
+    k_first = tl.where((tile == newest)[None, :], k_new[:, None], k_first)
+    v_first = tl.where((tile == newest)[:, None], v_new[None, :], v_first)
+
     q_ptrs = (
         q_ptr
         + b * stride_qb
@@ -113,51 +146,21 @@ def decode_attention_kernel(
         + dims[None, :] * stride_qd
     )
     q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
-    # Tile pointers start at `begin` and advance by BLOCK_N keys (fewer registers than
-    # recomputing [D, BLOCK_N] 64-bit addresses per tile).
-    tile = tl.arange(0, BLOCK_N)
-    first = begin.to(tl.int64)
-    k_ptrs = (
-        k_ptr
-        + b * stride_kb
-        + h * stride_kh
-        + dims[:, None] * stride_kd
-        + (first + tile[None, :]) * stride_ks
-    )
-    v_ptrs = (
-        v_ptr
-        + b * stride_vb
-        + h * stride_vh
-        + dims[None, :] * stride_vd
-        + (first + tile[:, None]) * stride_vs
-    )
-    m_ptrs = mask_row + (first + tile) * stride_ms
     m_i = tl.zeros((BLOCK_G,), dtype=tl.float32) - 1.0e30
     l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_G, HEAD_DIM), dtype=tl.float32)
-    # Counting from 0 to the slice length (not from `begin` to `end`) lets Triton's software
+    m_i, l_i, acc = _attend_tile(q, k_first, v_first, bias_first, m_i, l_i, acc, qk_scale, IEEE)
+    k_ptrs += BLOCK_N * stride_ks
+    v_ptrs += BLOCK_N * stride_vs
+    m_ptrs += BLOCK_N * stride_ms
+    # A loop over the slice's offsets (not from `begin` to `end`) lets Triton's software
     # pipeliner (num_stages) prefetch the masked K/V tiles; it leaves the other form unpipelined.
-    count = end - begin
-    for n in range(0, count, BLOCK_N):
+    for n in range(BLOCK_N, count, BLOCK_N):
         key_ok = n + tile < count
         k = tl.load(k_ptrs, mask=key_ok[None, :], other=0.0)
         bias = tl.load(m_ptrs, mask=key_ok, other=float("-inf"))
-        if IEEE:
-            qk = tl.dot(q, k, input_precision="ieee")
-        else:
-            qk = tl.dot(q, k)
-        s = qk * qk_scale + bias.to(tl.float32)[None, :] * 1.4426950408889634
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_ptrs, mask=key_ok[:, None], other=0.0)
-        acc = acc * alpha[:, None]
-        if IEEE:
-            acc += tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc += tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, k, v, bias, m_i, l_i, acc, qk_scale, IEEE)
         k_ptrs += BLOCK_N * stride_ks
         v_ptrs += BLOCK_N * stride_vs
         m_ptrs += BLOCK_N * stride_ms
@@ -187,6 +190,26 @@ def decode_attention_kernel(
                     ws_ptr, out_ptrs, bh, rows, dims, row_ok, G, SPLITS, BLOCK_G, HEAD_DIM
                 )
                 tl.atomic_xchg(cnt_ptr + bh, 0)  # ready for the next call
+
+
+@triton.jit
+def _attend_tile(q, k, v, bias, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr):
+    """One ``BLOCK_N``-key tile of the online softmax: the updated ``(m, l, acc)``."""
+    if IEEE:
+        qk = tl.dot(q, k, input_precision="ieee")
+    else:
+        qk = tl.dot(q, k)
+    s = qk * qk_scale + bias.to(tl.float32)[None, :] * 1.4426950408889634
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None]
+    if IEEE:
+        acc += tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc += tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
 
 
 @triton.jit

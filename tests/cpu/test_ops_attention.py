@@ -221,12 +221,12 @@ def test_decode_tactics_obey_the_pruning_rules(batch, kv_heads, seq, sms):
         assert t["block_n"] <= max(16, next_power_of_two(seq))
         splits = t["splits"]
         assert splits & (splits - 1) == 0
-        if splits > 1:  # about one tile per split at most, and no more than ~2 programs per SM
+        if splits > 1:  # about one tile per split at most, and a few programs per SM at most
             assert splits <= next_power_of_two(-(-seq // t["block_n"]))
-            assert batch * kv_heads * splits <= 2 * sms
+            assert batch * kv_heads * splits <= attention.PROGRAMS_PER_SM * sms
     if batch * kv_heads * 4 <= sms and seq >= 4 * 128:
         assert max(t["splits"] for t in tactics) >= 4  # a small batch needs splits to fill SMs
-    if batch * kv_heads >= 2 * sms:
+    if batch * kv_heads >= attention.PROGRAMS_PER_SM * sms:
         assert {t["splits"] for t in tactics} == {1}
     one_warp = [t for t in tactics if t["warps"] == 1]
     # the one-warp tile only where one program per (request, KV head) fills the GPU

@@ -148,6 +148,8 @@ TRITON_BASE_CONFIGS = ((64, 4, 2), (64, 4, 3), (128, 4, 3), (32, 2, 2))
 #: :func:`decode_attention_tactics`).
 ONE_WARP_CONFIG = (32, 1, 2)
 MAX_SPLITS = 64
+#: Most programs per SM the split tactics aim at (see :func:`decode_attention_tactics`).
+PROGRAMS_PER_SM = 4
 _DEFAULT_SMS = 132  # an H100/H200; used off-GPU
 _DEFAULT_SMEM = 227 * 1024
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -179,9 +181,10 @@ def decode_attention_tactics(
       rounds a split's keys up to whole tiles, so the largest count gives every tile its own
       split and leaves the few splits past the last tile empty; the batch-1 steps this sped
       up: ``benchmarks/results/decode-*-splits-*.json``), ``<= MAX_SPLITS``, and
-      ``<= 2 * sm_count / (batch * kv_heads)`` (more programs than about two per SM only add
-      partials to merge). Of those, ``1`` (one kernel, no merge), the largest and half the
-      largest are kept.
+      ``<= PROGRAMS_PER_SM * sm_count / (batch * kv_heads)`` (more programs than fit on the SMs
+      at once only add partials to merge; a program whose slice is one tile reads all of it
+      before waiting for the kernel before, see ``graphtune.ops._attention_kernels``). Of
+      those, ``1`` (one kernel, no merge), the largest and half the largest are kept.
     * :data:`ONE_WARP_CONFIG` as well when ``batch * kv_heads >= sm_count`` (one program per
       (request, KV head) already fills the GPU, so it has one split). At batch 128 on the H200
       (``benchmarks/results/attention-sweep-h200-b128-cea895b.json``) one-warp tiles were the
@@ -212,7 +215,7 @@ def decode_attention_tactics(
             continue
         seen.add((block_n, warps, stages))
         tiles = next_power_of_two(-(-seq // block_n))
-        limit = min(tiles, MAX_SPLITS, int(2 * sm_count / programs))
+        limit = min(tiles, MAX_SPLITS, int(PROGRAMS_PER_SM * sm_count / programs))
         top = last_power_of_two(max(1, limit))
         for splits in sorted({1, max(1, top // 2), top}):
             out.append({"block_n": block_n, "splits": splits, "warps": warps, "stages": stages})

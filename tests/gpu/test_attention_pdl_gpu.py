@@ -47,8 +47,9 @@ def late_kv_writer_kernel(
     h = bh % KV
     dims = tl.arange(0, HEAD_DIM)
     start = tl.extra.cuda.globaltimer()
-    while tl.extra.cuda.globaltimer() - start < spin_ns:
-        pass
+    now = start
+    while now - start < spin_ns:
+        now = tl.extra.cuda.globaltimer()
     row = b * stride_b + h * stride_h + tl.load(pos_ptr + b).to(tl.int64) * stride_s
     tl.store(k_ptr + row + dims, tl.load(new_k_ptr + bh * HEAD_DIM + dims))
     tl.store(v_ptr + row + dims, tl.load(new_v_ptr + bh * HEAD_DIM + dims))

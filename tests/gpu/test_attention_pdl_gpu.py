@@ -104,7 +104,9 @@ def test_attention_reads_the_new_kv_row_its_predecessor_writes_late(batch, seq):
             want = torch.nn.functional.scaled_dot_product_attention(
                 q.double(), keys_run.double(), values_run.double(), attn_mask=mask.double()
             )
-            err = (got.double() - want).abs().max().item()
-            assert err < 5e-2, (type(runner).__name__, tactic, err)
+            # bf16 output rounding is relative; an old row read instead would be off by the
+            # new values' size (8 standard deviations), hundreds of times this bound.
+            err = ((got.double() - want).abs().max() / want.abs().max()).item()
+            assert err < 1e-2, (type(runner).__name__, tactic, err)
             checked += 1
     assert checked >= 6

@@ -413,9 +413,9 @@ def test_the_moe_down_kernel_reads_the_gate_up_output_only_after_its_wait():
 
 
 def test_decode_attention_reads_q_and_the_new_kv_row_only_after_its_wait():
-    """graphtune.ops._pdl: decode attention reads its mask and first K/V tile before
-    gdc_wait(); q, the newest key's K/V row (which the kernel before it writes) and the later
-    tiles only after it, and the newest row replaces its place in the early tile."""
+    """graphtune.ops._pdl: decode attention reads its mask (and a split's only tile) before
+    gdc_wait(); q, the newest key's K/V row (which the kernel before it writes) and the tiles
+    of a longer slice only after it, and the newest row replaces its place in the early tile."""
     pytest.importorskip("triton")
     import inspect
 
@@ -428,4 +428,4 @@ def test_decode_attention_reads_q_and_the_new_kv_row_only_after_its_wait():
     assert "tl.load(q_ptrs" not in early and "newest_at" not in early and "for n in" not in early
     assert "tl.load(q_ptrs" in late and "tl.load(k_row + newest_at" in late
     assert "tl.load(v_row + newest_at" in late and "k_first = tl.where(" in late
-    assert "v_first = tl.where(" in late and "for n in range(BLOCK_N" in late
+    assert "v_first = tl.where(" in late and "for n in range(0, count" in late

@@ -12,14 +12,16 @@ boundary while keeping the split's parallelism. The counters live in a persisten
 (``graphtune.ops._counters``), so nothing is zero-filled per call and the launch
 is capturable.
 
-PDL (``graphtune.ops._pdl``): :func:`decode_attention_kernel` scans the mask and loads its
-first K/V tile before ``gdc_wait()``, so those loads overlap the kernel before it (the QKV stage
-or the RoPE kernel that writes q and the step's new K/V rows). Everything else it reads was
-written by kernels that have completed when it starts (the kernel before it has passed its own
-wait), except the new K/V row of each request, which that kernel may still be writing. The new
-row is the last key the mask leaves visible (a request's own token is the newest key it sees),
-so after the wait the program whose first tile holds that key reads it again and puts it into
-the tile; q and the later tiles are read after the wait. Only stable ``tl.`` APIs;
+PDL (``graphtune.ops._pdl``): :func:`decode_attention_kernel` scans the mask before
+``gdc_wait()``, and when each split's slice is a single tile (``ONE_TILE``: short contexts
+split many ways, the small-batch case) it loads that tile before the wait too, so those loads
+overlap the kernel before it (the QKV stage or the RoPE kernel that writes q and the step's new
+K/V rows). Everything else it reads was written by kernels that have completed when it starts
+(the kernel before it has passed its own wait), except the new K/V row of each request, which
+that kernel may still be writing. The new row is the last key the mask leaves visible (a
+request's own token is the newest key it sees), so after the wait the program whose tile holds
+that key reads it again and puts it into the tile; q is read after the wait, and so are all
+tiles of a slice of several (their pipelined loop). Only stable ``tl.`` APIs;
 ``griddepcontrol`` only under ``USE_PDL``.
 """
 
@@ -63,6 +65,7 @@ def decode_attention_kernel(
     SCAN_BLOCK: tl.constexpr,
     IEEE: tl.constexpr,
     INLINE_COMBINE: tl.constexpr,
+    ONE_TILE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """Flash-decoding: program ``(b * KV + h, split)`` attends ``G`` query rows of one KV head.
@@ -78,6 +81,9 @@ def decode_attention_kernel(
     position) makes the kernel read only the keys that exist. ``m`` starts at a finite -1e30, so a
     tile or a split with no visible key adds ``l = 0`` and never a NaN; a row with no visible key
     at all writes 0 (as torch's SDPA does).
+
+    ``ONE_TILE``: no split's slice is longer than one tile (the launcher knows it from ``S``,
+    ``SPLITS`` and ``BLOCK_N``), so the tile is read before the wait and there is no loop.
 
     With ``SPLITS == 1`` the normalised rows go to ``out`` (contiguous ``[B, KV, G, D]``);
     otherwise float32 partials go to ``ws`` (contiguous ``[B * KV, SPLITS, G, D + 2]``: ``acc``,
@@ -119,24 +125,17 @@ def decode_attention_kernel(
     v_ptrs = v_row + dims[None, :] * stride_vd + (first + tile[:, None]) * stride_vs
     m_ptrs = mask_row + (first + tile) * stride_ms
     count = end - begin
-    # The first tile is read before the wait (see the module docstring): only its newest key
-    # can be the predecessor's, and that one is read again below.
-    first_ok = tile < count
-    k_first = tl.load(k_ptrs, mask=first_ok[None, :], other=0.0)
-    v_first = tl.load(v_ptrs, mask=first_ok[:, None], other=0.0)
-    bias_first = tl.load(m_ptrs, mask=first_ok, other=float("-inf"))
+    if ONE_TILE:
+        # The slice is one tile: read it before the wait (see the module docstring). Only its
+        # newest key can be the predecessor's, and that one is read again after the wait.
+        first_ok = tile < count
+        k_first = tl.load(k_ptrs, mask=first_ok[None, :], other=0.0)
+        v_first = tl.load(v_ptrs, mask=first_ok[:, None], other=0.0)
+        bias_first = tl.load(m_ptrs, mask=first_ok, other=float("-inf"))
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # q and the new K/V row come from the kernel before
         if SPLITS > 1 and not INLINE_COMBINE:
             tl.extra.cuda.gdc_launch_dependents()  # the successor is the small combine kernel
-    newest = hi - 1 - begin  # the newest key's place in the first tile
-    newest_d = newest + dims * 0  # a vector: the interpreter takes no scalar load mask
-    is_new = (newest_d >= 0) & (newest_d < tl.minimum(count, BLOCK_N))
-    newest_at = (hi - 1).to(tl.int64)
-    k_new = tl.load(k_row + newest_at * stride_ks + dims * stride_kd, mask=is_new, other=0.0)
-    v_new = tl.load(v_row + newest_at * stride_vs + dims * stride_vd, mask=is_new, other=0.0)
-    k_first = tl.where((tile == newest)[None, :], k_new[:, None], k_first)
-    v_first = tl.where((tile == newest)[:, None], v_new[None, :], v_first)
 
     q_ptrs = (
         q_ptr
@@ -149,21 +148,31 @@ def decode_attention_kernel(
     m_i = tl.zeros((BLOCK_G,), dtype=tl.float32) - 1.0e30
     l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_G, HEAD_DIM), dtype=tl.float32)
-    m_i, l_i, acc = _attend_tile(q, k_first, v_first, bias_first, m_i, l_i, acc, qk_scale, IEEE)
-    k_ptrs += BLOCK_N * stride_ks
-    v_ptrs += BLOCK_N * stride_vs
-    m_ptrs += BLOCK_N * stride_ms
-    # A loop over the slice's offsets (not from `begin` to `end`) lets Triton's software
-    # pipeliner (num_stages) prefetch the masked K/V tiles; it leaves the other form unpipelined.
-    for n in range(BLOCK_N, count, BLOCK_N):
-        key_ok = n + tile < count
-        k = tl.load(k_ptrs, mask=key_ok[None, :], other=0.0)
-        bias = tl.load(m_ptrs, mask=key_ok, other=float("-inf"))
-        v = tl.load(v_ptrs, mask=key_ok[:, None], other=0.0)
-        m_i, l_i, acc = _attend_tile(q, k, v, bias, m_i, l_i, acc, qk_scale, IEEE)
-        k_ptrs += BLOCK_N * stride_ks
-        v_ptrs += BLOCK_N * stride_vs
-        m_ptrs += BLOCK_N * stride_ms
+    if ONE_TILE:
+        newest = hi - 1 - begin  # the newest key's place in the tile
+        newest_d = newest + dims * 0  # a vector: the interpreter takes no scalar load mask
+        is_new = (newest_d >= 0) & (newest_d < tl.minimum(count, BLOCK_N))
+        newest_at = (hi - 1).to(tl.int64)
+        k_new = tl.load(k_row + newest_at * stride_ks + dims * stride_kd, mask=is_new, other=0.0)
+        v_new = tl.load(v_row + newest_at * stride_vs + dims * stride_vd, mask=is_new, other=0.0)
+        k_first = tl.where((tile == newest)[None, :], k_new[:, None], k_first)
+        v_first = tl.where((tile == newest)[:, None], v_new[None, :], v_first)
+        m_i, l_i, acc = _attend_tile(q, k_first, v_first, bias_first, m_i, l_i, acc, qk_scale, IEEE)
+    else:
+        # Counting from 0 to the slice length (not from `begin` to `end`) lets Triton's
+        # software pipeliner (num_stages) prefetch the masked K/V tiles; it leaves the other
+        # form unpipelined. (A first tile read before the wait and then this loop from the
+        # second tile measured slower: the pipeliner then issues its first loads only after
+        # the first tile's products.)
+        for n in range(0, count, BLOCK_N):
+            key_ok = n + tile < count
+            k = tl.load(k_ptrs, mask=key_ok[None, :], other=0.0)
+            bias = tl.load(m_ptrs, mask=key_ok, other=float("-inf"))
+            v = tl.load(v_ptrs, mask=key_ok[:, None], other=0.0)
+            m_i, l_i, acc = _attend_tile(q, k, v, bias, m_i, l_i, acc, qk_scale, IEEE)
+            k_ptrs += BLOCK_N * stride_ks
+            v_ptrs += BLOCK_N * stride_vs
+            m_ptrs += BLOCK_N * stride_ms
 
     if USE_PDL and (SPLITS == 1 or INLINE_COMBINE):
         # The successor is the output projection, a GEMM whose programs, launched while these

@@ -396,6 +396,7 @@ class TritonDecodeAttention(TritonRunner):
             SCAN_BLOCK=max(16, min(512, next_power_of_two(seq))),
             IEEE=q.dtype == torch.float32,
             INLINE_COMBINE=inline,
+            ONE_TILE=-(-seq // splits) <= tactic["block_n"],
             num_warps=tactic["warps"],
             num_stages=tactic["stages"],
         )

@@ -161,9 +161,9 @@ def decode_attention_kernel(
     else:
         # Counting from 0 to the slice length (not from `begin` to `end`) lets Triton's
         # software pipeliner (num_stages) prefetch the masked K/V tiles; it leaves the other
-        # form unpipelined. (A first tile read before the wait and then this loop from the
-        # second tile measured slower: the pipeliner then issues its first loads only after
-        # the first tile's products.)
+        # form unpipelined. Only a one-tile slice reads early: a first tile read before the
+        # wait, then this loop from the second, leaves the pipeliner's first loads waiting
+        # for that tile's products.
         for n in range(0, count, BLOCK_N):
             key_ok = n + tile < count
             k = tl.load(k_ptrs, mask=key_ok[None, :], other=0.0)

@@ -24,9 +24,9 @@ The contract a ``USE_PDL`` kernel keeps (every Triton kernel of a decode step do
   the gate/up kernel of the same call, reads the routing (written by the kernel before that one)
   before its wait; by the next rule that kernel has completed when the down kernel starts
   (``graphtune.ops.moe._gemv_kernels``). Decode attention reads its mask (written at the step's
-  start) and its first K/V tile before its wait: of those, the kernel before it writes only each
-  request's new K/V row, the last key the mask leaves visible, which it reads again after the
-  wait (``graphtune.ops._attention_kernels``);
+  start) before its wait, and a split's K/V tile when the split is one tile: of those, the
+  kernel before it writes only each request's new K/V row, the last key the mask leaves
+  visible, which it reads again after the wait (``graphtune.ops._attention_kernels``);
 * every program calls ``gdc_wait()`` unconditionally (no early exit before it), so a kernel's
   completion implies its predecessor's, and waiting on the immediate predecessor is enough to
   order a kernel after every earlier one;

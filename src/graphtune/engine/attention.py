@@ -54,8 +54,12 @@ class StepState(Protocol):
 class Attention(Protocol):
     """What the forward calls once per layer."""
 
-    def __call__(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        """Attention output ``[rows, heads * head_dim]`` of layer ``layer`` for ``q``."""
+    def __call__(
+        self, layer: int, q: torch.Tensor, *, l2_prefetch: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Attention output ``[rows, heads * head_dim]`` of layer ``layer`` for ``q``;
+        ``l2_prefetch`` is the weight read next, which an implementation may prefetch into L2
+        while it runs (``graphtune.ops._l2_prefetch``) or ignore."""
         ...
 
 
@@ -116,7 +120,9 @@ class DecodeAttention:
             ]
         self.mask = mask
 
-    def __call__(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, layer: int, q: torch.Tensor, *, l2_prefetch: torch.Tensor | None = None
+    ) -> torch.Tensor:
         step = self.step
         cfg, cache = step.model.config, step.cache
         batch = q.shape[0]
@@ -126,7 +132,7 @@ class DecodeAttention:
             keys = cache.k_layers[layer].index_select(0, self.slots)
             values = cache.v_layers[layer].index_select(0, self.slots)
         grouped = q.reshape(batch, cfg.num_kv_heads, step.groups, cfg.dim_per_head)
-        out = self.ops.decode_attention(grouped, keys, values, self.mask)
+        out = self.ops.decode_attention(grouped, keys, values, self.mask, l2_prefetch=l2_prefetch)
         return out.reshape(batch, cfg.num_heads * cfg.dim_per_head)
 
 
@@ -228,7 +234,10 @@ class PrefillAttention:
         buffer = self.buffer
         return 0 if buffer is None else buffer.numel() * buffer.element_size()
 
-    def __call__(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, layer: int, q: torch.Tensor, *, l2_prefetch: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        # l2_prefetch is ignored: prefill's attention is a graph break, bound by its own work.
         rows = q.shape[0]
         buffer = self.buffer
         out = buffer[:rows] if buffer is not None and rows <= buffer.shape[0] else None

@@ -100,7 +100,8 @@ def device_supports_pdl(device: torch.device) -> bool:
     return _capability(index) >= MIN_CAPABILITY
 
 
-def _is_interpreted(kernel: Any) -> bool:
+def is_interpreted(kernel: Any) -> bool:
+    """Whether ``kernel`` is the Triton interpreter's function (``TRITON_INTERPRET=1``)."""
     try:
         from triton.runtime.interpreter import InterpretedFunction
     except ImportError:
@@ -119,7 +120,7 @@ def _kernel_flags(kernel: Any) -> tuple[bool, bool]:
     found = _KERNELS.get(id(kernel))
     if found is None or found[0] is not kernel:
         declares = PDL_ARG in getattr(kernel, "arg_names", ())
-        found = (kernel, declares, declares and _is_interpreted(kernel))
+        found = (kernel, declares, declares and is_interpreted(kernel))
         _KERNELS[id(kernel)] = found
     return found[1], found[2]
 

@@ -41,6 +41,7 @@ from graphtune.ops.moe import (  # noqa: E402
     TritonMoeGemvRunner,
     fused_moe,
     fused_moe_runners,
+    gemv_down,  # noqa: E402
     moe_gemv_tactics,
     sparse_fused_moe,
 )
@@ -144,9 +145,16 @@ def test_the_op_offers_the_gemv_path_and_tuning_keeps_it_to_decode_sizes():
     x, gate_up, down, weights, ids = moe_case(gen, 64, experts, hidden, inter)
     with autotune(tuner=tuner):
         fused_moe(x, gate_up, down, weights, ids, tuner=tuner, max_m=64, runners=runners)
-    picks = {row[1].split("x")[0]: row[2] for row in tuner.summary_rows()}
+    rows = tuner.summary_rows()
+    picks = {row[1].split("x")[0]: row[2] for row in rows if row[0] == "graphtune.fused_moe"}
     assert all("TritonMoeGemvRunner" in picks[str(t)] for t in (1, 2, 4, 8, 16, 32)), picks
     assert "TritonFusedMoeRunner" in picks["64"], picks
+    # The down tiles were tuned beside them (graphtune.ops.moe.gemv_down); bucket 64 has none
+    # (its single candidate, the fallback, is kept untimed).
+    downs = {row[1].split("x")[0]: row[2] for row in rows if row[0] == gemv_down.OP_NAME}
+    assert set(downs) == {"1", "2", "4", "8", "16", "32", "64"}, downs
+    assert all('"features"' in downs[str(t)] for t in (1, 2, 4, 8, 16, 32)), downs
+    assert '"features"' not in downs["64"], downs
     for tokens in (1, 5, 64):
         inputs = moe_case(gen, tokens, experts, hidden, inter)
         inputs[1], inputs[2] = gate_up, down
@@ -197,9 +205,78 @@ def test_the_op_with_a_residual_tunes_its_own_profiles_and_checks_the_residual()
     assert got is residual
     want = before[0].double() + float64_moe(x, gate_up, down, weights, ids)
     assert rel_error(residual[0], want) < TOL[torch.float32]
-    assert all("TritonMoeGemvRunner" in row[2] for row in tuner.summary_rows())
+    picks = [row[2] for row in tuner.summary_rows() if row[0] == "graphtune.fused_moe"]
+    assert picks and all("TritonMoeGemvRunner" in pick for pick in picks)
     assert all(row[1].endswith("2x32") or row[1].endswith("1x32") for row in tuner.summary_rows())
     with pytest.raises(InputError, match="residual must be a contiguous"):
         fused_moe(x, gate_up, down, weights, ids, residual=residual.to(torch.float16), tuner=tuner)
     with pytest.raises(InputError, match="residual must be a contiguous"):
         fused_moe(x, gate_up, down, weights, ids, residual=torch.zeros(32, 2).T, tuner=tuner)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_every_down_tile_matches_float64_and_the_gemv_pick_runs_with_it(dtype):
+    """The down stage's candidates (graphtune.ops.moe.gemv_down) run the GEMV path with their
+    own down tile, and the GEMV runner runs any of them beside any gate/up tile."""
+    gen = gen_seeded()
+    inputs = moe_case(gen, 3, 8, 40, 48, dtype, top_k=3)
+    want = float64_moe(*inputs)
+    runner = gemv_down.TritonMoeGemvDownRunner(compile_workers=1)
+    tiles = runner.get_valid_tactics(inputs, None)
+    assert len(tiles) >= 3
+    gate_up = moe_gemv_tactics(3, 3, 40, 48, itemsize=inputs[0].element_size())[-1]
+    gemv = TritonMoeGemvRunner(compile_workers=1)
+    for tile in tiles:
+        with poisoned_allocations():
+            alone = runner.forward(inputs, tile)
+            paired = gemv.forward(inputs, gate_up, down_tile=tile)
+        assert rel_error(alone, want) < TOL[dtype], tile
+        assert rel_error(paired, want) < TOL[dtype], (gate_up, tile)
+
+
+def test_down_tile_rules():
+    tiles = gemv_down.down_tiles(1, 8, 2048, 768, itemsize=2)
+    assert tiles and len(tiles) == len({tuple(t.items()) for t in tiles})
+    for tile in tiles:
+        per_thread = 8 * tile["features"] * tile["bk"] * 2 / (32 * tile["warps"])
+        assert 16 <= per_thread <= 64, tile
+        assert moe_gemv.check_down_tile(tile) is None
+    assert {"features": 4, "bk": 256, "warps": 8} in tiles
+    assert gemv_down.down_tiles(9, 8, 2048, 768, itemsize=2) == []  # 72 pairs
+    assert all(
+        t["bk"] <= 32 and t["features"] <= 16
+        for t in gemv_down.down_tiles(1, 2, 16, 24, itemsize=4)
+    )
+    with pytest.raises(ConfigError, match="down tile"):
+        TritonMoeGemvRunner().forward(
+            moe_case(gen_seeded(), 1, 4, 32, 32),
+            {"bn": 2, "bk": 32, "warps": 1},
+            down_tile={"bk": 3},
+        )
+
+
+def test_the_op_runs_the_tuned_down_tile_with_its_gemv_pick(monkeypatch):
+    """Tuned at one size, every GEMV bucket gets a down tile; the op then runs its GEMV pick with
+    the down stage's tile (the last-listed one under this timer), not the implied one."""
+    gen = gen_seeded()
+    tuner = AutoTuner(
+        timer=LastIsFastest(run=True),
+        show_progress=False,
+        policy=TuningPolicy(rounds=1, remeasure_top=0, tie_tolerance=0.0),
+    )
+    runners = (TorchFusedMoeRunner(), TritonMoeGemvRunner(compile_workers=1))
+    inputs = moe_case(gen, 2, 4, 32, 32)
+    with autotune(tuner=tuner):
+        fused_moe(*inputs, tuner=tuner, max_m=2, runners=runners)
+    seen: list = []
+    real = TritonMoeGemvRunner.launch
+
+    def spy(self, inputs, tactic, *, warmup=False, down=None):
+        seen.append(down)
+        return real(self, inputs, tactic, warmup=warmup, down=down)
+
+    monkeypatch.setattr(TritonMoeGemvRunner, "launch", spy)
+    got = fused_moe(*inputs, tuner=tuner, max_m=2, runners=runners)
+    assert rel_error(got, float64_moe(*inputs)) < TOL[torch.float32]
+    assert seen == [gemv_down.down_tiles(2, 2, 32, 32, itemsize=4)[-1]]
+    assert not tuner.stats.fallbacks

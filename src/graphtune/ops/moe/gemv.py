@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from graphtune.autotuner import FALLBACK_TACTIC
 from graphtune.autotuner.config import next_power_of_two
 from graphtune.errors import ConfigError
 from graphtune.ops._triton import device_supported, run_kernel
@@ -118,6 +119,22 @@ def moe_gemv_tactics(
     return found
 
 
+DOWN_KEYS = ("features", "bk", "warps")
+"""Keys of a down tile tuned on its own (:mod:`graphtune.ops.moe.gemv_down`): ``features`` of
+the hidden size per program (all slots side by side), ``bk`` of the expert width per chunk,
+``warps``."""
+
+
+def check_down_tile(tile: Any) -> str | None:
+    """Why ``tile`` cannot run the down kernel, or ``None``: a dict of :data:`DOWN_KEYS`, each
+    a power-of-two int, ``warps <= 32``."""
+    if not isinstance(tile, dict) or set(tile) != set(DOWN_KEYS):
+        return f"a down tile is a dict with keys {DOWN_KEYS}, got {tile!r}"
+    if not all(_pow2(tile[key]) for key in DOWN_KEYS) or tile["warps"] > 32:
+        return f"a down tile's features, bk and warps must be powers of two, got {tile!r}"
+    return None
+
+
 def down_tile(top_k: int, bn: int) -> tuple[int, int]:
     """(slots, features) of one down-kernel program: all ``top_k`` slots (padded to a power of
     two) side by side, and ``bn / slots`` features (at least one), so its tile has ``max(bn,
@@ -155,17 +172,43 @@ class TritonMoeGemvRunner(TritonRunner):
         """The torch fallback (``reference.torch_fused_moe``, then the residual add)."""
         return add_to_residual(torch_fused_moe(*unpack_moe_inputs(inputs)), inputs)
 
-    def launch(self, inputs: list[Any], tactic: Any, *, warmup: bool = False) -> torch.Tensor:
+    def forward(
+        self,
+        inputs: list[Any],
+        tactic: Any = FALLBACK_TACTIC,
+        *,
+        down_tile: dict[str, int] | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Runs tactic ``-1`` with torch, any other with the two kernels; ``down_tile`` (the
+        pick of :mod:`graphtune.ops.moe.gemv_down`) replaces the down kernel's tile that
+        :func:`down_tile` derives from the tactic."""
+        if tactic == FALLBACK_TACTIC:
+            return self.torch_forward(inputs)
+        return self.launch(inputs, tactic, down=down_tile)
+
+    def launch(
+        self,
+        inputs: list[Any],
+        tactic: Any,
+        *,
+        warmup: bool = False,
+        down: dict[str, int] | None = None,
+    ) -> torch.Tensor:
         """Runs (or with ``warmup`` only compiles) the two GEMV kernels; the down kernel adds the
-        residual in place, when the call has one, and it is returned.
+        residual in place, when the call has one, and it is returned. ``down``: the down
+        kernel's tile; ``None``: derived from ``tactic`` (:func:`down_tile`).
 
         Raises:
-            ConfigError: ``tactic`` breaks a rule of :func:`check_moe_gemv_tactic`.
+            ConfigError: ``tactic`` breaks a rule of :func:`check_moe_gemv_tactic`, or ``down``
+                one of :func:`check_down_tile`.
         """
         problem = check_moe_gemv_tactic(tactic)
+        if problem is None and down is not None:
+            problem = check_down_tile(down)
         if problem is not None:
             raise ConfigError(f"TritonMoeGemvRunner: {problem}; pick one from get_valid_tactics.")
-        x, gate_up, down, weights, ids = unpack_moe_inputs(inputs)
+        x, gate_up, down_proj, weights, ids = unpack_moe_inputs(inputs)
         tokens, hidden = x.shape
         experts, two_inter, _ = gate_up.shape
         inter, top_k = two_inter // 2, ids.shape[1]
@@ -198,7 +241,7 @@ class TritonMoeGemvRunner(TritonRunner):
         run_kernel(kernels.moe_gemv_gate_up_kernel, grid, args, meta, warmup)
         args = (
             act,
-            down,
+            down_proj,
             flat_ids,
             route,
             out,
@@ -207,17 +250,20 @@ class TritonMoeGemvRunner(TritonRunner):
             hidden,
             inter,
             *act.stride(),
-            *down.stride(),
+            *down_proj.stride(),
             *out.stride(),
         )
         slots, features = down_tile(top_k, bn)
+        down_bk, down_warps = bk, tactic["warps"]
+        if down is not None:
+            features, down_bk, down_warps = down["features"], down["bk"], down["warps"]
         meta = dict(
-            EVEN_K=inter % bk == 0,
+            EVEN_K=inter % down_bk == 0,
             BLOCK_S=slots,
             BLOCK_F=features,
-            BLOCK_K=bk,
+            BLOCK_K=down_bk,
             HAS_RES=has_residual(inputs),
-            num_warps=tactic["warps"],
+            num_warps=down_warps,
         )
         grid = (tokens * math.ceil(hidden / features),)
         run_kernel(kernels.moe_gemv_down_kernel, grid, args, meta, warmup)

@@ -14,12 +14,16 @@ from typing import Any
 
 import torch
 
+from graphtune.autotuner import FALLBACK_TACTIC
 from graphtune.autotuner.calls import CallRecord
 from graphtune.autotuner.config import ConstraintSpec, DynamicTensorSpec, TuningConfig
 from graphtune.autotuner.context import get_tuner
 from graphtune.autotuner.runner import TunableRunner
 from graphtune.autotuner.tuner import AutoTuner
 from graphtune.errors import InputError
+from graphtune.ops.moe.gemv import TritonMoeGemvRunner
+from graphtune.ops.moe.gemv_down import OP_NAME as DOWN_OP_NAME
+from graphtune.ops.moe.gemv_down import choose_down, down_runners
 from graphtune.ops.moe.reference import moe_residual, unpack_moe_inputs
 from graphtune.ops.moe.runners import fused_moe_runners
 from graphtune.ops.registry import is_tensor, register_op
@@ -124,14 +128,34 @@ def fused_moe(
     moe_residual(inputs)
     chosen = runners if runners is not None else fused_moe_runners()
     config = fused_moe_config(max_m, residual is not None)
-    runner, tactic = (tuner or get_tuner()).choose_one(OP_NAME, chosen, config, inputs)
-    out = runner.forward(inputs, tactic=tactic)
+    tuner = tuner or get_tuner()
+    runner, tactic = tuner.choose_one(OP_NAME, chosen, config, inputs)
+    gemv = isinstance(runner, TritonMoeGemvRunner) and tactic != FALLBACK_TACTIC
+    down_tile = None
+    if gemv or (tuner.tuning_mode and any(isinstance(r, TritonMoeGemvRunner) for r in chosen)):
+        # The down kernel's tile is an op of its own (graphtune.ops.moe.gemv_down); while
+        # tuning it is asked at every call, so its buckets are tuned beside the op's own even
+        # when this size's pick is another runner and a later size's is the GEMV runner.
+        down_tile = choose_down(tuner, config, inputs)
+    if gemv:
+        out = runner.forward(inputs, tactic=tactic, down_tile=down_tile)
+    else:
+        out = runner.forward(inputs, tactic=tactic)
     return residual if residual is not None else out.reshape(shape)
 
 
-def _rebuild(record: CallRecord, tuner: Any) -> tuple[tuple[TunableRunner, ...], TuningConfig]:
+def _recorded_config(record: CallRecord) -> TuningConfig:
     residual = len(record.inputs) > 5 and is_tensor(record, 5)
-    return fused_moe_runners(), fused_moe_config(record.config["max_value"], residual)
+    return fused_moe_config(record.config["max_value"], residual)
+
+
+def _rebuild(record: CallRecord, tuner: Any) -> tuple[tuple[TunableRunner, ...], TuningConfig]:
+    return fused_moe_runners(), _recorded_config(record)
+
+
+def _rebuild_down(record: CallRecord, tuner: Any) -> tuple[tuple[TunableRunner, ...], TuningConfig]:
+    return down_runners(), _recorded_config(record)
 
 
 register_op(OP_NAME, _rebuild)
+register_op(DOWN_OP_NAME, _rebuild_down)

@@ -45,16 +45,15 @@ def test_nothing_is_issued_without_a_weight_off_the_gpu_or_when_switched_off(mon
     assert l2_prefetch_args(weight, placeholder)[1] > 0
 
 
-def test_attention_issues_the_prefetch_after_its_last_tile_with_the_hosts_chunk_size():
-    """After every K/V load (both paths' products), before the output is stored; the
-    instruction's immediate size is the host's CHUNK_BYTES."""
+def test_attention_issues_the_prefetch_first_and_with_the_hosts_chunk_size():
+    """Before gdc_wait() (a weight, which no kernel of the step writes: graphtune.ops._pdl),
+    before the mask scan; the instruction's immediate size is the host's CHUNK_BYTES."""
     pytest.importorskip("triton")
     from graphtune.ops import _attention_kernels, _prefetch_kernels
 
     body = inspect.getsource(_attention_kernels.decode_attention_kernel.fn)
-    issued = body.index("prefetch_l2_share(")
-    assert body.rindex("_attend_tile(") < issued < body.index("tl.store(")
-    assert body.rindex("tl.load(") < issued
+    assert body.index("prefetch_l2_share(") < body.index("for start in range(0, S")
+    assert body.index("prefetch_l2_share(") < body.index("gdc_wait()")
     helper = inspect.getsource(_prefetch_kernels.prefetch_l2_share.fn)
     assert helper.count(str(CHUNK_BYTES)) == 2  # the offset step and the instruction's size
 

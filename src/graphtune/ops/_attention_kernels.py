@@ -98,10 +98,19 @@ def decode_attention_kernel(
     ``INLINE_COMBINE`` the last split program of the row does (``cnt [B * KV]`` int32 arrival
     counters, zero between calls; see the module docstring).
 
-    ``L2_PREFETCH``: after their last K/V tile, the programs share out bulk L2 prefetches of
+    ``L2_PREFETCH``: first, before anything else, the programs share out bulk L2 prefetches of
     ``pf_chunks`` chunks at ``pf_ptr`` (the output projection's weight, read right after this
     kernel; ``graphtune.ops._l2_prefetch``), ``PREFETCH_BLOCK`` lanes at a time.
     """
+    if L2_PREFETCH:
+        prefetch_l2_share(
+            pf_ptr,
+            pf_chunks,
+            pf_last,
+            tl.program_id(0) * SPLITS + tl.program_id(1),
+            tl.num_programs(0) * SPLITS,
+            PREFETCH_BLOCK,
+        )
     bh = tl.program_id(0).to(tl.int64)  # 64-bit offsets: a long KV cache exceeds 2^31 elements
     split = tl.program_id(1)
     b = bh // KV
@@ -185,18 +194,6 @@ def decode_attention_kernel(
             v_ptrs += BLOCK_N * stride_vs
             m_ptrs += BLOCK_N * stride_ms
 
-    if L2_PREFETCH:
-        # Issued once this program's K/V loads have completed (their products are done): in
-        # flight beside them, the prefetch's bytes would queue ahead of those latency-bound
-        # loads. It overlaps the stores, the merge and the kernel boundary instead.
-        prefetch_l2_share(
-            pf_ptr,
-            pf_chunks,
-            pf_last,
-            tl.program_id(0) * SPLITS + split,
-            tl.num_programs(0) * SPLITS,
-            PREFETCH_BLOCK,
-        )
     if USE_PDL and (SPLITS == 1 or INLINE_COMBINE):
         # The successor is the output projection, a GEMM whose programs, launched while these
         # fill the SMs, land on the few SMs with room left (graphtune.ops._pdl).

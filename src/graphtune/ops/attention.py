@@ -290,7 +290,7 @@ class TritonDecodeAttention(TritonRunner):
         compile_workers: Threads for ahead-of-time compilation.
     """
 
-    source_modules = ("graphtune.ops._attention_kernels", "graphtune.ops._prefetch_kernels")
+    source_modules = ("graphtune.ops._attention_kernels",)
 
     def __init__(self, *, sm_count: int | None = None, compile_workers: int | None = None) -> None:
         super().__init__(compile_workers=compile_workers)

@@ -20,9 +20,6 @@ Variables (all optional):
 * ``GRAPHTUNE_PDL``: ``0`` launches every Triton kernel without programmatic dependent launch
   (PDL), even on GPUs that support it; results are identical either way, only the overlap of
   consecutive kernels changes. On by default.
-* ``GRAPHTUNE_L2_PREFETCH``: ``0`` stops the decode step's latency-bound kernels from prefetching
-  the next projection's weights into L2 (``graphtune.ops._l2_prefetch``); results are identical
-  either way. On by default.
 * ``GRAPHTUNE_COMPILE_PROCESSES``: worker processes that run Triton's code generator for the
   tactics compiled ahead of timing (``graphtune.ops._compile_pool``); ``0`` compiles in threads
   of the tuning process only. Unset: ``min(16, cpu_count)``.
@@ -89,11 +86,6 @@ def progress_disabled() -> bool:
 def pdl_allowed() -> bool:
     """Whether ``GRAPHTUNE_PDL`` leaves programmatic dependent launch on (unset: on)."""
     return os.environ.get("GRAPHTUNE_PDL", "").strip().lower() not in _OFF
-
-
-def l2_prefetch_allowed() -> bool:
-    """Whether ``GRAPHTUNE_L2_PREFETCH`` leaves the step's L2 weight prefetch on (unset: on)."""
-    return os.environ.get("GRAPHTUNE_L2_PREFETCH", "").strip().lower() not in _OFF
 
 
 def compile_processes() -> int | None:

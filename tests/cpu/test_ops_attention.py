@@ -300,9 +300,9 @@ def _tag_runners(monkeypatch, timer: _TaggedTimer) -> None:
     ):
         original = cls.forward
 
-        def tagged(self, inputs, tactic=-1, _original=original, _name=cls.__name__, **kwargs):
+        def tagged(self, inputs, tactic=-1, _original=original, _name=cls.__name__):
             timer.current = (_name, tactic)
-            return _original(self, inputs, tactic, **kwargs)
+            return _original(self, inputs, tactic)
 
         monkeypatch.setattr(cls, "forward", tagged)
 

@@ -78,11 +78,7 @@ class AttentionBreakStep:
         step = self.step
         attention = DecodeAttention(step, step.ops, positions, slots)
 
-        def breaking(
-            layer: int, q: torch.Tensor, *, l2_prefetch: torch.Tensor | None = None
-        ) -> torch.Tensor:
-            # No prefetch: the graph after the break starts with wo, and the break's eager
-            # launch gap is the cost this step measures, not what a prefetch could hide.
+        def breaking(layer: int, q: torch.Tensor) -> torch.Tensor:
             return graph_break(attention, layer, q)
 
         return step.forward(

@@ -54,12 +54,8 @@ class StepState(Protocol):
 class Attention(Protocol):
     """What the forward calls once per layer."""
 
-    def __call__(
-        self, layer: int, q: torch.Tensor, *, l2_prefetch: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """Attention output ``[rows, heads * head_dim]`` of layer ``layer`` for ``q``;
-        ``l2_prefetch`` is the weight read next, which an implementation may prefetch into L2
-        while it runs (``graphtune.ops._l2_prefetch``) or ignore."""
+    def __call__(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """Attention output ``[rows, heads * head_dim]`` of layer ``layer`` for ``q``."""
         ...
 
 
@@ -120,9 +116,7 @@ class DecodeAttention:
             ]
         self.mask = mask
 
-    def __call__(
-        self, layer: int, q: torch.Tensor, *, l2_prefetch: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def __call__(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         step = self.step
         cfg, cache = step.model.config, step.cache
         batch = q.shape[0]
@@ -132,7 +126,7 @@ class DecodeAttention:
             keys = cache.k_layers[layer].index_select(0, self.slots)
             values = cache.v_layers[layer].index_select(0, self.slots)
         grouped = q.reshape(batch, cfg.num_kv_heads, step.groups, cfg.dim_per_head)
-        out = self.ops.decode_attention(grouped, keys, values, self.mask, l2_prefetch=l2_prefetch)
+        out = self.ops.decode_attention(grouped, keys, values, self.mask)
         return out.reshape(batch, cfg.num_heads * cfg.dim_per_head)
 
 
@@ -234,10 +228,7 @@ class PrefillAttention:
         buffer = self.buffer
         return 0 if buffer is None else buffer.numel() * buffer.element_size()
 
-    def __call__(
-        self, layer: int, q: torch.Tensor, *, l2_prefetch: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        # l2_prefetch is ignored: prefill's attention is a graph break, bound by its own work.
+    def __call__(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         rows = q.shape[0]
         buffer = self.buffer
         out = buffer[:rows] if buffer is not None and rows <= buffer.shape[0] else None

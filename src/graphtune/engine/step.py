@@ -118,14 +118,10 @@ class DecodeStep:
         self.model = model
         self.cache = cache
         self.contiguous_slots = contiguous_slots
-        # Whether attention prefetches wo into L2 (a Triton pick does; graphtune.ops._l2_prefetch):
-        # only when the step's weights stream from memory, else wo is in L2 anyway.
-        self.prefetch_wo = False
         if tuner is None:
             self.ops = UNTUNED
         else:
-            self.prefetch_wo = weights_stream_from_memory(model)
-            cold = self.prefetch_wo if gemm_cold_l2 is None else gemm_cold_l2
+            cold = weights_stream_from_memory(model) if gemm_cold_l2 is None else gemm_cold_l2
             self.ops = OpContext(tuner, cache.max_batch_size, cold, fused)
         device, dtype = model.device, model.dtype
         # Signed-sin tables: queries and keys share one RoPE pass of three kernels.
@@ -210,9 +206,9 @@ class DecodeStep:
                 normed=normed,
                 qk_norm=self.qk_norms[index],
             )
-            # Attention at small batches leaves HBM idle; it prefetches wo into L2 meanwhile.
-            attended = attention(index, q, l2_prefetch=layer.wo if self.prefetch_wo else None)
-            x, normed = self.add_projection(ops, attended, layer.wo, x, layer.mlp_norm, 0)
+            x, normed = self.add_projection(
+                ops, attention(index, q), layer.wo, x, layer.mlp_norm, 0
+            )
             if layer.is_moe:
                 x, normed = add_moe_mlp(ops, x, layer, cfg, normed), None
             else:

@@ -30,10 +30,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from graphtune.ops._prefetch_kernels import prefetch_l2_share
 
-
-@triton.jit(do_not_specialize=["pf_chunks", "pf_last"])
+@triton.jit
 def decode_attention_kernel(
     q_ptr,
     k_ptr,
@@ -42,9 +40,6 @@ def decode_attention_kernel(
     out_ptr,
     ws_ptr,
     cnt_ptr,
-    pf_ptr,
-    pf_chunks,
-    pf_last,
     KV,
     G,
     S,
@@ -71,8 +66,6 @@ def decode_attention_kernel(
     IEEE: tl.constexpr,
     INLINE_COMBINE: tl.constexpr,
     ONE_TILE: tl.constexpr,
-    L2_PREFETCH: tl.constexpr,
-    PREFETCH_BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """Flash-decoding: program ``(b * KV + h, split)`` attends ``G`` query rows of one KV head.
@@ -97,20 +90,7 @@ def decode_attention_kernel(
     then ``m``, then ``l``) and :func:`decode_attention_combine_kernel` merges them, or with
     ``INLINE_COMBINE`` the last split program of the row does (``cnt [B * KV]`` int32 arrival
     counters, zero between calls; see the module docstring).
-
-    ``L2_PREFETCH``: first, before anything else, the programs share out bulk L2 prefetches of
-    ``pf_chunks`` chunks at ``pf_ptr`` (the output projection's weight, read right after this
-    kernel; ``graphtune.ops._l2_prefetch``), ``PREFETCH_BLOCK`` lanes at a time.
     """
-    if L2_PREFETCH:
-        prefetch_l2_share(
-            pf_ptr,
-            pf_chunks,
-            pf_last,
-            tl.program_id(0) * SPLITS + tl.program_id(1),
-            tl.num_programs(0) * SPLITS,
-            PREFETCH_BLOCK,
-        )
     bh = tl.program_id(0).to(tl.int64)  # 64-bit offsets: a long KV cache exceeds 2^31 elements
     split = tl.program_id(1)
     b = bh // KV

@@ -100,8 +100,7 @@ def device_supports_pdl(device: torch.device) -> bool:
     return _capability(index) >= MIN_CAPABILITY
 
 
-def is_interpreted(kernel: Any) -> bool:
-    """Whether ``kernel`` is the Triton interpreter's function (``TRITON_INTERPRET=1``)."""
+def _is_interpreted(kernel: Any) -> bool:
     try:
         from triton.runtime.interpreter import InterpretedFunction
     except ImportError:
@@ -120,7 +119,7 @@ def _kernel_flags(kernel: Any) -> tuple[bool, bool]:
     found = _KERNELS.get(id(kernel))
     if found is None or found[0] is not kernel:
         declares = PDL_ARG in getattr(kernel, "arg_names", ())
-        found = (kernel, declares, declares and is_interpreted(kernel))
+        found = (kernel, declares, declares and _is_interpreted(kernel))
         _KERNELS[id(kernel)] = found
     return found[1], found[2]
 

@@ -44,7 +44,6 @@ from graphtune.autotuner.calls import CallRecord
 from graphtune.autotuner.config import last_power_of_two, next_power_of_two, power_of_two_buckets
 from graphtune.errors import ConfigError, InputError
 from graphtune.ops import _counters
-from graphtune.ops._l2_prefetch import l2_prefetch_args, l2_prefetch_compiled
 from graphtune.ops._triton import device_limits, device_supported, kernel_module, run_kernel
 from graphtune.ops._triton_runner import TritonRunner
 from graphtune.ops.registry import register_op
@@ -335,33 +334,9 @@ class TritonDecodeAttention(TritonRunner):
     #: Whether the last split program merges the partials instead of a second kernel.
     inline_combine = False
 
-    def forward(
-        self,
-        inputs: list[Any],
-        tactic: Any = FALLBACK_TACTIC,
-        *,
-        l2_prefetch: torch.Tensor | None = None,
-        **kwargs: Any,
-    ) -> Any:
-        """Runs tactic ``-1`` with torch, any other with Triton; a Triton tactic also prefetches
-        ``l2_prefetch`` (a weight read after this op) into L2 when the device can
-        (``graphtune.ops._l2_prefetch``). The prefetch changes no result and is not part of the
-        tuning key: the tuner times the same binary without it."""
-        if tactic == FALLBACK_TACTIC:
-            return self.torch_forward(inputs)
-        return self.launch(inputs, tactic, l2_prefetch=l2_prefetch)
-
-    def launch(
-        self,
-        inputs: list[Any],
-        tactic: Any,
-        *,
-        warmup: bool = False,
-        l2_prefetch: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def launch(self, inputs: list[Any], tactic: Any, *, warmup: bool = False) -> torch.Tensor:
         """Runs the decode kernel (and with ``splits > 1`` the merge kernel, unless
-        :attr:`inline_combine`); returns ``[B, KV, G, D]`` in q's dtype. ``l2_prefetch``: see
-        :meth:`forward`.
+        :attr:`inline_combine`); returns ``[B, KV, G, D]`` in q's dtype.
 
         Raises:
             InputError: Inputs the kernel cannot take (see :meth:`supports`).
@@ -395,7 +370,6 @@ class TritonDecodeAttention(TritonRunner):
         )
         inline = self.inline_combine and splits > 1
         counters = arrival_counters(q.device, batch * kv_heads) if inline else ws
-        kern = attention_kernels()
         args = (
             q,
             keys,
@@ -404,7 +378,6 @@ class TritonDecodeAttention(TritonRunner):
             out,
             ws,
             counters,
-            *l2_prefetch_args(l2_prefetch, keys),
             kv_heads,
             groups,
             seq,
@@ -424,11 +397,10 @@ class TritonDecodeAttention(TritonRunner):
             IEEE=q.dtype == torch.float32,
             INLINE_COMBINE=inline,
             ONE_TILE=-(-seq // splits) <= tactic["block_n"],
-            L2_PREFETCH=l2_prefetch_compiled(kern.decode_attention_kernel, q.device),
-            PREFETCH_BLOCK=32 * tactic["warps"],
             num_warps=tactic["warps"],
             num_stages=tactic["stages"],
         )
+        kern = attention_kernels()
         run_kernel(kern.decode_attention_kernel, (batch * kv_heads, splits), args, meta, warmup)
         if splits > 1 and not inline:
             run_kernel(
@@ -498,7 +470,6 @@ def decode_attention(
     *,
     tuner: Any,
     config: TuningConfig,
-    l2_prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Runs decode attention with the tuner's pick for this batch size (the fallback when untuned).
 
@@ -506,9 +477,7 @@ def decode_attention(
         q, keys, values, mask: See the module docstring.
         tuner: The :class:`~graphtune.autotuner.AutoTuner` to ask.
         config: From :func:`tuning_config`.
-        l2_prefetch: A weight read right after this op, which a Triton pick prefetches into L2
-            (:meth:`TritonDecodeAttention.forward`); other runners ignore it.
     """
     inputs = [q, keys, values, mask]
     runner, tactic = tuner.choose_one(OP_NAME, RUNNERS, config, inputs)
-    return runner.forward(inputs, tactic=tactic, l2_prefetch=l2_prefetch)
+    return runner.forward(inputs, tactic=tactic)

@@ -208,27 +208,14 @@ class OpContext:
         return torch_gated_activation(gate_up, activation)
 
     def decode_attention(
-        self,
-        q: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        mask: torch.Tensor,
-        *,
-        l2_prefetch: torch.Tensor | None = None,
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
     ) -> torch.Tensor:
-        """:func:`graphtune.ops.attention.decode_attention` (one query token per request);
-        ``l2_prefetch``: the weight read next, prefetched into L2 by a Triton pick."""
+        """:func:`graphtune.ops.attention.decode_attention` (one query token per request)."""
         if self.tuner is None:
             # The op's fallback: SdpaAttention with tactic -1 (PyTorch picks the backend).
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
         return attention_op.decode_attention(
-            q,
-            keys,
-            values,
-            mask,
-            tuner=self.tuner,
-            config=self._attention_config,
-            l2_prefetch=l2_prefetch,
+            q, keys, values, mask, tuner=self.tuner, config=self._attention_config
         )
 
     def fused_moe(

@@ -28,10 +28,11 @@ class LastIsFastest:
         return Measurement.from_samples([1000.0 / self.calls], calls_per_sample=1, timer=self.name)
 
 
-def last_wins_tuner() -> AutoTuner:
-    """A tuner on :class:`LastIsFastest` whose picks are the last-listed candidates."""
+def last_wins_tuner(*, run: bool = False) -> AutoTuner:
+    """A tuner on :class:`LastIsFastest` whose picks are the last-listed candidates (``run``:
+    see :class:`LastIsFastest`)."""
     return AutoTuner(
-        timer=LastIsFastest(),
+        timer=LastIsFastest(run=run),
         show_progress=False,
         policy=TuningPolicy(rounds=1, remeasure_top=0, tie_tolerance=0.0, tie_floor_us=0.0),
     )

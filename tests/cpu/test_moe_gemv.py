@@ -22,7 +22,7 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from fake_timers import LastIsFastest  # noqa: E402
+from fake_timers import last_wins_tuner  # noqa: E402
 from moe_cases import (  # noqa: E402
     TOL,
     float64_moe,
@@ -32,7 +32,7 @@ from moe_cases import (  # noqa: E402
     rel_error,
 )
 
-from graphtune.autotuner import AutoTuner, TuningPolicy, autotune  # noqa: E402
+from graphtune.autotuner import autotune  # noqa: E402
 from graphtune.errors import ConfigError, InputError  # noqa: E402
 from graphtune.ops import _triton  # noqa: E402
 from graphtune.ops.moe import (  # noqa: E402
@@ -130,11 +130,7 @@ def test_pruning_rules():
 def test_the_op_offers_the_gemv_path_and_tuning_keeps_it_to_decode_sizes():
     assert any(isinstance(r, TritonMoeGemvRunner) for r in fused_moe_runners())
     gen = gen_seeded()
-    tuner = AutoTuner(
-        timer=LastIsFastest(run=True),
-        show_progress=False,
-        policy=TuningPolicy(rounds=1, remeasure_top=0, tie_tolerance=0.0),
-    )
+    tuner = last_wins_tuner(run=True)
     runners = (
         TorchFusedMoeRunner(),
         TritonFusedMoeRunner(compile_workers=1),
@@ -181,11 +177,7 @@ def test_a_residual_is_added_in_place_with_the_rounding_of_a_separate_add(runner
 
 def test_the_op_with_a_residual_tunes_its_own_profiles_and_checks_the_residual():
     gen = gen_seeded()
-    tuner = AutoTuner(
-        timer=LastIsFastest(run=True),
-        show_progress=False,
-        policy=TuningPolicy(rounds=1, remeasure_top=0, tie_tolerance=0.0),
-    )
+    tuner = last_wins_tuner(run=True)
     runners = (TorchFusedMoeRunner(), TritonMoeGemvRunner(compile_workers=1))
     x, gate_up, down, weights, ids = moe_case(gen, 2, 4, 32, 32)
     residual = torch.randn(1, 2, 32, generator=gen)  # leading dims as x's: [1, 2, H] for [2, H]
@@ -259,11 +251,7 @@ def test_the_op_runs_the_tuned_down_tile_with_its_gemv_pick(monkeypatch):
     """Tuned at one size, every GEMV bucket gets a down tile; the op then runs its GEMV pick with
     the down stage's tile (the last-listed one under this timer), not the implied one."""
     gen = gen_seeded()
-    tuner = AutoTuner(
-        timer=LastIsFastest(run=True),
-        show_progress=False,
-        policy=TuningPolicy(rounds=1, remeasure_top=0, tie_tolerance=0.0),
-    )
+    tuner = last_wins_tuner(run=True)
     runners = (TorchFusedMoeRunner(), TritonMoeGemvRunner(compile_workers=1))
     inputs = moe_case(gen, 2, 4, 32, 32)
     with autotune(tuner=tuner):

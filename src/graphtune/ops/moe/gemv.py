@@ -135,6 +135,12 @@ def check_down_tile(tile: Any) -> str | None:
     return None
 
 
+def gemv_shape(inputs: list[Any]) -> tuple[int, int, int, int]:
+    """``(tokens, top_k, hidden, inter)`` of the op's inputs: what the tactic rules read."""
+    x, _, down, _, ids = unpack_moe_inputs(inputs)
+    return x.shape[0], ids.shape[1], x.shape[1], down.shape[2]
+
+
 def down_tile(top_k: int, bn: int) -> tuple[int, int]:
     """(slots, features) of one down-kernel program: all ``top_k`` slots (padded to a power of
     two) side by side, and ``bn / slots`` features (at least one), so its tile has ``max(bn,
@@ -161,12 +167,7 @@ class TritonMoeGemvRunner(TritonRunner):
 
     def tactics_for(self, inputs: list[Any]) -> list[Any]:
         """See :func:`moe_gemv_tactics`."""
-        x, _, down, _, ids = unpack_moe_inputs(inputs)
-        return list(
-            moe_gemv_tactics(
-                x.shape[0], ids.shape[1], x.shape[1], down.shape[2], itemsize=x.element_size()
-            )
-        )
+        return moe_gemv_tactics(*gemv_shape(inputs), itemsize=inputs[0].element_size())
 
     def torch_forward(self, inputs: list[Any]) -> torch.Tensor:
         """The torch fallback (``reference.torch_fused_moe``, then the residual add)."""

@@ -28,8 +28,13 @@ from graphtune.autotuner import FALLBACK_TACTIC
 from graphtune.autotuner.config import TuningConfig, next_power_of_two
 from graphtune.autotuner.runner import TunableRunner
 from graphtune.errors import ConfigError
-from graphtune.ops.moe.gemv import MAX_PAIRS, TritonMoeGemvRunner, down_tile, moe_gemv_tactics
-from graphtune.ops.moe.reference import unpack_moe_inputs
+from graphtune.ops.moe.gemv import (
+    MAX_PAIRS,
+    TritonMoeGemvRunner,
+    down_tile,
+    gemv_shape,
+    moe_gemv_tactics,
+)
 
 OP_NAME = "graphtune.fused_moe.gemv_down"
 FEATURE_CHOICES = (1, 2, 4, 8)
@@ -76,9 +81,7 @@ class TritonMoeGemvDownRunner(TritonMoeGemvRunner):
 
     def tactics_for(self, inputs: list[Any]) -> list[Any]:
         """See :func:`down_tiles`."""
-        x, _, down, _, ids = unpack_moe_inputs(inputs)
-        shape = (x.shape[0], ids.shape[1], x.shape[1], down.shape[2])
-        return down_tiles(*shape, itemsize=x.element_size())
+        return down_tiles(*gemv_shape(inputs), itemsize=inputs[0].element_size())
 
     def launch(
         self,
@@ -89,9 +92,8 @@ class TritonMoeGemvDownRunner(TritonMoeGemvRunner):
         down: dict[str, int] | None = None,
     ) -> Any:
         """The two kernels: the fixed gate/up tile, then ``tactic`` as the down tile."""
-        x, _, down_proj, _, ids = unpack_moe_inputs(inputs)
-        shape = (x.shape[0], ids.shape[1], x.shape[1], down_proj.shape[2])
-        fixed = moe_gemv_tactics(*shape, itemsize=x.element_size())
+        shape = gemv_shape(inputs)
+        fixed = moe_gemv_tactics(*shape, itemsize=inputs[0].element_size())
         if not fixed:
             raise ConfigError(
                 f"TritonMoeGemvDownRunner: {shape[0]} tokens of top-{shape[1]} routing exceed the "

@@ -32,6 +32,7 @@ from graphtune.ops.activation import silu_and_mul_runners  # noqa: E402
 from graphtune.ops.fused._base import UnfusedRunner  # noqa: E402
 from graphtune.ops.fused_gemv import FusedTritonRunner  # noqa: E402
 from graphtune.ops.gemm import TritonSkinnyGemmRunner, gemm_runners  # noqa: E402
+from graphtune.ops.moe import gemv_down  # noqa: E402
 from graphtune.ops.registry import rebuild_call, registered_ops  # noqa: E402
 from graphtune.ops.rmsnorm import rms_norm_runners  # noqa: E402
 from graphtune.ops.rotary import rope_runners  # noqa: E402
@@ -54,6 +55,7 @@ def _runner_sets(tuner: AutoTuner | None) -> dict[str, tuple[TunableRunner, ...]
         "norm_linear": fused.norm_linear_runners(tuner=tuner, max_m=8),
         "norm_qkv_rope": fused.norm_qkv_rope_runners(4, 2, True, tuner=tuner, max_m=8),
         "fused_moe": moe.fused_moe_runners(),
+        "fused_moe_gemv_down": gemv_down.down_runners(),
         "route_top_k": moe.route_top_k_runners(2, True, False),
         "skinny_gemm": (TritonSkinnyGemmRunner(),),
         # The fused stages' kernels that their factories no longer offer.
@@ -152,10 +154,13 @@ def _op_calls(tuner: AutoTuner) -> list:
         )  # fmt: skip
         experts, top_k = 4, 2
         ids = torch.tensor([[0, 1], [2, 3], [1, 2]])
-        moe.fused_moe(
+        moe_inputs = [
             x, randn(experts, 2 * inter, hidden), randn(experts, hidden, inter),
-            torch.full((rows, top_k), 0.5), ids, tuner=tuner, max_m=4,
-        )  # fmt: skip
+            torch.full((rows, top_k), 0.5), ids,
+        ]  # fmt: skip
+        moe.fused_moe(*moe_inputs, tuner=tuner, max_m=4)
+        # The down stage, which fused_moe asks only after a GEMV pick (none in a dry run).
+        gemv_down.choose_down(tuner, moe.fused_moe_config(4), moe_inputs)
         moe.route_top_k(
             randn(rows, experts), top_k, renormalize=True, weights_dtype=torch.float32,
             tuner=tuner, max_m=4,

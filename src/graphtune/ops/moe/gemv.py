@@ -17,9 +17,10 @@ GEMMs read them once per expert: the same bytes while the pairs' experts are dis
 tokens share experts. So it is offered only to buckets of at most :data:`MAX_PAIRS` pairs and
 the tuner decides per bucket, against the grouped GEMMs and the torch fallback.
 
-Tactics are dicts ``{"bn", "bk", "warps"}``, shared by both kernels: the gate/up kernel streams
-``[bn, bk]`` tiles of one expert, the down kernel ``[max(bn, slots), bk]`` tiles of all the
-token's experts at once (:func:`down_tile`). Pruning rules of
+Tactics are dicts ``{"bn", "bk", "warps"}``: the gate/up kernel streams ``[bn, bk]`` tiles of
+one expert, and the down kernel, unless given a tile of its own (``down_tile``, tuned by
+:mod:`graphtune.ops.moe.gemv_down`), ``[max(bn, slots), bk]`` tiles of all the token's experts
+at once (:func:`down_tile`). Pruning rules of
 :func:`moe_gemv_tactics` (a pruned config is never timed):
 
 * only buckets with ``T * k <= MAX_PAIRS`` get tactics;

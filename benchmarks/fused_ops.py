@@ -118,7 +118,7 @@ class Layer:
         if name == "qkv":
             runners = norm_qkv_rope_runners(self.heads, self.kv, True, tuner=t, max_m=m)
             inputs = [self.x, w["attn_norm"], w["qkv"], w["bqkv"], self.positions, self.cos]
-            inputs += [self.sin, self.k[layer], self.v[layer], self.write_rows, EPS]
+            inputs += [self.sin, self.k[layer], self.v[layer], self.write_rows, EPS, None]
             return "graphtune.norm_qkv_rope", runners, inputs
         if name == "attention":
             keys = self.k[layer].view(m, self.kv, SEQ, self.dim)

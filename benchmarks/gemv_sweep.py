@@ -131,7 +131,7 @@ def op_cases(model: ModelConfig, m: int, device: torch.device, l2_bytes: int) ->
     k_cache, v_cache = rand(seq * kv, dim), rand(seq * kv, dim)
     x, act = rand(m, hidden), rand(m, inter)
     residual, attn = rand(m, hidden), rand(m, heads * dim)
-    qkv_tail = [positions, cos, sin, k_cache, v_cache, write_rows, 1e-5]
+    qkv_tail = [positions, cos, sin, k_cache, v_cache, write_rows, 1e-5, None]
     return {
         "qkv": (
             _QkvKernelOnly(heads, kv, True),

@@ -171,7 +171,9 @@ def test_tuned_step_matches_with_gathered_slots():
     cache.k.copy_(k0)
     cache.v.copy_(v0)
     got = tuned(*args)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # float32 throughout; the tuned kernels sum in other orders than torch, and the logits
+    # inherit every layer's differences (about 1e-5 of an element seen alone).
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=5e-5)
     torch.testing.assert_close(cache.k, k1, rtol=0, atol=1e-5)
     torch.testing.assert_close(cache.v, v1, rtol=0, atol=1e-5)
     assert tuner.stats.fallbacks == {}

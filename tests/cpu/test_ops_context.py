@@ -162,13 +162,16 @@ def _qk_norm_stage(ops: OpContext) -> list[torch.Tensor]:
     return [q, k_cache, v_cache]
 
 
-def test_a_qk_norm_stage_is_norm_linear_then_the_rope_with_the_head_norm() -> None:
-    # The fused QKV kernel has no per-head norm, so with one the stage asks for the fused norm +
-    # projection (norm_linear) and the RoPE op with the head norm; same numbers as untuned.
-    tuner = AutoTuner(show_progress=False)
+def test_a_qk_norm_stage_is_the_fused_op_with_the_head_norm() -> None:
+    # Fused, the stage is one norm_qkv_rope call carrying the head norm (its fallback runs the
+    # three single ops); unfused, those ops without it (the RoPE op with the head norm). Untuned
+    # (empty tuner), both give the torch code's numbers exactly.
     direct = _qk_norm_stage(OpContext())
-    for got, want in zip(direct, _qk_norm_stage(OpContext(tuner, 4)), strict=True):
-        assert torch.equal(got, want)
-    asked = set(tuner.stats.fallbacks)
-    assert {"graphtune.norm_linear", "graphtune.rope_kv_cache"} <= asked
-    assert "graphtune.norm_qkv_rope" not in asked
+    for fused in (True, False):
+        tuner = AutoTuner(show_progress=False)
+        ops = OpContext(tuner, 4) if fused else OpContext(tuner, 4).unfused()
+        for got, want in zip(direct, _qk_norm_stage(ops), strict=True):
+            assert torch.equal(got, want)
+        asked = set(tuner.stats.fallbacks)
+        assert ("graphtune.norm_qkv_rope" in asked) == fused
+        assert {"graphtune.rms_norm", "graphtune.gemm", "graphtune.rope_kv_cache"} <= asked

@@ -207,7 +207,7 @@ def test_norm_qkv_rope_matches_float64(tactic, dtype, m, signed_sin, runner):
     write_rows = torch.randperm(cache_rows, generator=gen)[: m * kv_heads]
     k_cache = torch.full((cache_rows, dim), float("nan"), dtype=dtype)
     v_cache = k_cache.clone()
-    inputs = [x, norm_w, w, bias, positions, cos, sin, k_cache, v_cache, write_rows, eps]
+    inputs = [x, norm_w, w, bias, positions, cos, sin, k_cache, v_cache, write_rows, eps, None]
     q = runner(heads, kv_heads, signed_sin).forward(inputs, tactic)
 
     qkv = _norm64(x, norm_w, eps) @ w.double().T + bias.double()
@@ -224,6 +224,80 @@ def test_norm_qkv_rope_matches_float64(tactic, dtype, m, signed_sin, runner):
     assert torch.isnan(k_cache[untouched]).all() and torch.isnan(v_cache[untouched]).all()
 
 
+# Head-norm tiles hold a whole head (bn >= D / 2 = 16): exactly, and wider (clamped columns).
+WHOLE_HEAD = [
+    ({**CORE, "bn": 16}, torch.float32, 1),
+    ({**CORE, "bn": 32, "split": 2}, torch.float16, 1),
+    (DOT, torch.float16, 3),
+    ({**DOT, "bn": 32}, torch.float32, 18),
+    (DOT_SPLIT, torch.float32, 2),
+]
+WHOLE_HEAD_IDS = [
+    f"dot{t['dot']}-bn{t['bn']}-s{t['split']}-{str(d)[6:]}-m{m}" for t, d, m in WHOLE_HEAD
+]
+
+
+@pytest.mark.parametrize("tactic,dtype,m", WHOLE_HEAD, ids=WHOLE_HEAD_IDS)
+@pytest.mark.parametrize(
+    "runner", [TritonNormQkvRope, TritonQkvRopeNormInLoop, TritonQkvRopeAfterNorm]
+)
+def test_norm_qkv_rope_with_a_head_norm_matches_float64(tactic, dtype, m, runner):
+    """Qwen3's per-head q/k RMSNorm in the epilogue: q and k heads normalised, v heads not."""
+    if runner is TritonQkvRopeNormInLoop and tactic["split"] > 1:
+        pytest.skip("the in-loop RMSNorm takes no split-K tactics")
+    gen = _gen()
+    heads, kv_heads, dim, hidden, eps = 4, 2, 32, 48, 1e-5
+    table, cache_rows = 24, 64
+    rows_total = (heads + 2 * kv_heads) * dim
+    x = _randn(gen, m, hidden, dtype=dtype)
+    w = _randn(gen, rows_total, hidden, dtype=dtype, scale=0.2)
+    norm_w = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype)
+    head_norm = (1 + 0.2 * torch.randn(heads + kv_heads, dim, generator=gen)).to(dtype)
+    angles = torch.rand(table, dim // 2, generator=gen, dtype=torch.float64) * 6.3
+    cos64 = torch.cat((angles.cos(), angles.cos()), -1)
+    sin64 = torch.cat((-angles.sin(), angles.sin()), -1)
+    cos, sin = cos64.to(dtype), sin64.to(dtype)
+    positions = torch.randint(0, table, (m,), generator=gen)
+    write_rows = torch.randperm(cache_rows, generator=gen)[: m * kv_heads]
+    k_cache = torch.full((cache_rows, dim), float("nan"), dtype=dtype)
+    v_cache = k_cache.clone()
+    inputs = [x, norm_w, w, None, positions, cos, sin, k_cache, v_cache, write_rows, eps, head_norm]
+    q = runner(heads, kv_heads, True).forward(inputs, tactic)
+
+    qkv = _norm64(x, norm_w, eps) @ w.double().T
+    qk = qkv[:, : (heads + kv_heads) * dim].view(m, heads + kv_heads, dim)
+    qk = qk * torch.rsqrt(qk.pow(2).mean(-1, keepdim=True) + eps) * head_norm.double()
+    c, s = cos.double()[positions][:, None], sin.double()[positions][:, None]
+
+    def rope(t: torch.Tensor) -> torch.Tensor:  # rotate-half with the signed table
+        half = t.shape[-1] // 2
+        return t * c + torch.cat((t[..., half:], t[..., :half]), -1) * s
+
+    q_want, k_want = rope(qk[:, :heads]), rope(qk[:, heads:]).reshape(m * kv_heads, dim)
+    v_want = qkv[:, (heads + kv_heads) * dim :].reshape(m * kv_heads, dim)
+    seed = gen.initial_seed()
+    assert _rel(q, q_want) < TOL[dtype], seed
+    assert _rel(k_cache[write_rows], k_want) < TOL[dtype], seed
+    assert _rel(v_cache[write_rows], v_want) < TOL[dtype], seed
+
+
+def test_a_head_norm_takes_only_whole_head_tiles():
+    heads, kv_heads, dim, hidden = 4, 2, 32, 512
+    runner = TritonQkvRopeAfterNorm(heads, kv_heads, True)
+    x, norm_w = torch.randn(1, hidden), torch.ones(hidden)
+    w = torch.randn((heads + 2 * kv_heads) * dim, hidden)
+    tail = [torch.zeros(1, dtype=torch.long), torch.randn(8, dim), torch.randn(8, dim)]
+    tail += [torch.zeros(8, dim), torch.zeros(8, dim), torch.zeros(kv_heads, dtype=torch.long)]
+    plain = [x, norm_w, w, None, *tail, 1e-5, None]
+    normed = [*plain[:-1], torch.ones(heads + kv_heads, dim)]
+    tactics = runner.get_valid_tactics(normed, None)
+    assert tactics and all(t["bn"] >= dim // 2 for t in tactics)
+    assert any(t["split"] > 1 for t in tactics)  # the heads alone do not fill the GPU
+    assert any(t["bn"] < dim // 2 for t in runner.get_valid_tactics(plain, None))
+    with pytest.raises(ConfigError):
+        runner.forward(normed, {**CORE, "bn": 8})
+
+
 def test_paths_agree_with_the_unfused_triton_kernels_to_rounding():
     """The fused RoPE epilogue rounds like rope_kv_kernel: same bits from the same qkv row."""
     gen = _gen()
@@ -236,8 +310,8 @@ def test_paths_agree_with_the_unfused_triton_kernels_to_rounding():
     pos, rows = torch.tensor([5]), torch.tensor([3])
     caches = [torch.full((8, dim), float("nan")) for _ in range(4)]
     runner = TritonNormQkvRope(heads, kv_heads, True)
-    fused = runner.forward([x, norm_w, w, None, pos, cos, sin, *caches[:2], rows, 0.0], DOT)
-    torch_q = runner.forward([x, norm_w, w, None, pos, cos, sin, *caches[2:], rows, 0.0], -1)
+    fused = runner.forward([x, norm_w, w, None, pos, cos, sin, *caches[:2], rows, 0.0, None], DOT)
+    torch_q = runner.forward([x, norm_w, w, None, pos, cos, sin, *caches[2:], rows, 0.0, None], -1)
     assert _rel(fused, torch_q.double()) < 1e-5
     assert _rel(caches[0][3], caches[2][3].double()) < 1e-5
     assert torch.equal(caches[1][3].isnan(), caches[3][3].isnan())

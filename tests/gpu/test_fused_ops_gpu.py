@@ -2,8 +2,8 @@
 shapes: every fused tactic against float64 and against the unfused path, the one-kernel decode
 attention, the tiled gate/up + SiLU GEMM above 16 rows, a chain of fused stages captured in a
 CUDA graph with PDL on (replayed on new inputs, equal to eager, with whole-K and split-K
-tactics), split-K tactics giving the same bits on every call, PDL on vs off (same bits), and
-nested tuning with the graph timer.
+tactics), split-K tactics giving the same bits on every call, PDL on vs off (same bits), the
+Qwen3 q/k norm in the fused QKV kernel, and nested tuning with the graph timer.
 
 Skipped without CUDA (tests/gpu/conftest.py) and without Triton.
 """
@@ -126,6 +126,7 @@ def test_every_fused_tactic_matches_float64_and_the_unfused_path(name, m):
     k_want = rope(qkv[:, heads * dim : (heads + kv) * dim].view(m, kv, dim)).reshape(-1, dim)
     v_want = qkv[:, (heads + kv) * dim :].reshape(-1, dim)
     inputs = [x, norm_w, w_qkv, bias, positions, cos, sin, k_cache, v_cache, write_rows, eps]
+    inputs.append(None)
     runners = (
         TritonNormQkvRope(heads, kv, True),
         TritonQkvRopeNormInLoop(heads, kv, True),
@@ -140,6 +141,52 @@ def test_every_fused_tactic_matches_float64_and_the_unfused_path(name, m):
             assert _rel(k_cache[write_rows], k_want) < ROPE_TOL, tactic
             assert _rel(v_cache[write_rows], v_want) < TOL, tactic
             assert int(torch.isnan(k_cache).sum()) == (k_cache.shape[0] - m * kv) * dim
+
+
+@pytest.mark.parametrize("m", [1, 8])
+def test_qk_norm_tactics_match_float64_at_the_qwen3_moe_shape(m):
+    """Qwen3-30B-A3B's attention (hidden 2048, 32/4 heads of 128) with its per-head q/k norm in
+    the fused QKV kernel: every whole-head tactic of the three runners against float64, split-K
+    tactics giving the same bits on every call."""
+    hidden, heads, kv, dim, eps = 2048, 32, 4, 128, 1e-6
+    x, norm_w = _randn(m, hidden), (1 + 0.1 * torch.randn(hidden, device=DEV)).to(BF16)
+    w_qkv = _randn((heads + 2 * kv) * dim, hidden, scale=hidden**-0.5)
+    head_norm = (1 + 0.2 * torch.randn(heads + kv, dim, device=DEV)).to(BF16)
+    positions = torch.randint(0, 4096, (m,), device=DEV)
+    angles = torch.rand(4096, dim // 2, device=DEV, dtype=torch.float64) * 6.3
+    cos = torch.cat((angles.cos(), angles.cos()), -1).to(BF16)
+    sin = torch.cat((-angles.sin(), angles.sin()), -1).to(BF16)
+    write_rows = torch.randperm(4096 * kv, device=DEV)[: m * kv]
+    k_cache = torch.full((4096 * kv, dim), float("nan"), device=DEV, dtype=BF16)
+    v_cache = k_cache.clone()
+    qkv = _norm64(x, norm_w, eps) @ w_qkv.double().T
+    qk = qkv[:, : (heads + kv) * dim].view(m, heads + kv, dim)
+    qk = qk * torch.rsqrt(qk.pow(2).mean(-1, keepdim=True) + eps) * head_norm.double()
+    c, s = cos.double()[positions][:, None], sin.double()[positions][:, None]
+
+    def rope(t: torch.Tensor) -> torch.Tensor:  # rotate-half with the signed table
+        half = t.shape[-1] // 2
+        return t * c + torch.cat((t[..., half:], t[..., :half]), -1) * s
+
+    q_want, k_want = rope(qk[:, :heads]), rope(qk[:, heads:]).reshape(-1, dim)
+    inputs = [x, norm_w, w_qkv, None, positions, cos, sin, k_cache, v_cache, write_rows, eps]
+    inputs.append(head_norm)
+    runners = (
+        TritonNormQkvRope(heads, kv, True),
+        TritonQkvRopeNormInLoop(heads, kv, True),
+        TritonQkvRopeAfterNorm(heads, kv, True),
+    )
+    for runner in runners:
+        for tactic in _tactics(runner, inputs, 1):
+            assert tactic["bn"] >= dim // 2, tactic
+            k_cache.fill_(float("nan"))
+            q = runner.forward(inputs, tactic)
+            assert _rel(q, q_want) < ROPE_TOL, tactic
+            assert _rel(k_cache[write_rows], k_want) < ROPE_TOL, tactic
+            if tactic["split"] > 1:
+                for _ in range(3):
+                    assert torch.equal(runner.forward(inputs, tactic), q), tactic
+    assert _rel(runners[0].forward(inputs, -1), q_want) < ROPE_TOL
 
 
 @pytest.mark.parametrize("m", [64, 96, 128])
@@ -232,7 +279,7 @@ def _layer_chain(dims, m, split_k=False):
     def step(x: torch.Tensor, fused: bool) -> torch.Tensor:
         pick = first if fused else (lambda r, i: -1)
         qkv_in = [x, w["attn"], w["qkv"], None, positions, cos, sin, k_cache, v_cache]
-        qkv_in += [write_rows, eps]
+        qkv_in += [write_rows, eps, None]
         q = runners["qkv"].forward(qkv_in, pick(runners["qkv"], qkv_in))
         keys, values = k_cache.view(m, kv, seq, dim), v_cache.view(m, kv, seq, dim)
         att_in = [q.view(m, kv, heads // kv, dim), keys, values, mask]

@@ -100,7 +100,7 @@ def runner_cases() -> list[tuple[str, Any, list[Any]]]:
                     f"bias={bias is not None}",
                     qkv,
                     [x, nw, _rand(rows, hidden), bias, positions, _rand(seq, dim), _rand(seq, dim)]
-                    + [k_cache, v_cache, write_rows, 1e-5],
+                    + [k_cache, v_cache, write_rows, 1e-5, None],
                 )
         # The tiled and skinny GEMMs offer no tactics for one row (the GEMV's): two rows.
         tiled_m = max(m, 2)

@@ -292,13 +292,11 @@ class OpContext:
         ``normed``: ``rms_norm(x, norm_weight, eps)`` already computed; the norm is skipped.
         ``qk_norm``: the ``[heads + kv_heads, head_dim]`` weight rows of a per-head q/k RMSNorm
         between the projection and RoPE (Qwen3, :func:`~graphtune.ops.rmsnorm.head_rms_norm_`,
-        ``eps`` too), done by the RoPE op (:func:`~graphtune.ops.rotary.rope_kv_cache`'s
-        ``head_norm``). The fused QKV kernel has no such step (its tiles hold part of a head),
-        so the stage is then two ops: the norm and the projection as :meth:`norm_linear` (fused
-        or not, as the tuner picks), then RoPE with the head norm.
+        ``eps`` too): the fused op's ``head_norm`` (its kernel then holds whole heads), or with
+        ``normed`` or unfused the RoPE op's (:func:`~graphtune.ops.rotary.rope_kv_cache`).
         """
         heads = dict(num_heads=num_heads, num_kv_heads=num_kv_heads)
-        if normed is None and qk_norm is None and self._fusing:
+        if normed is None and self._fusing:
             return fused_ops.norm_qkv_rope(
                 x,
                 norm_weight,
@@ -313,6 +311,7 @@ class OpContext:
                 write_rows,
                 **heads,
                 signed_sin=rope.signed_sin,
+                head_norm=qk_norm,
                 rows=rope,
                 tuner=self.tuner,
                 max_m=self.max_batch_size,

@@ -1,17 +1,21 @@
 """Fused RMSNorm + QKV projection (+ bias) + RoPE + K/V cache write of one decode layer.
 
 ``q = norm_qkv_rope(x, norm_weight, eps, wqkv, bqkv, positions, cos, sin, k_cache, v_cache,
-write_rows, num_heads=H, num_kv_heads=KV)`` is, exactly, the unfused sequence
+write_rows, num_heads=H, num_kv_heads=KV, head_norm=None)`` is, exactly, the unfused sequence
 
     h, _ = fused_add_rms_norm(x, norm_weight, eps)
     qkv = gemm(h, wqkv, bqkv)
-    q = rope_kv_cache(qkv, positions, cos, sin, k_cache, v_cache, write_rows, ...)
+    q = rope_kv_cache(qkv, positions, cos, sin, k_cache, v_cache, write_rows, ...,
+                      head_norm=head_norm, head_norm_eps=eps)
 
 which is runner 0 (:class:`UnfusedNormQkvRope`, tactic ``-1``): three tunable ops, each with its
 own pick. :class:`TritonNormQkvRope` does it in one kernel (``graphtune.ops.fused_gemv._kernels``
 in RoPE mode): every program recomputes the row statistics, streams the weight rows of half a
 head's columns ``j`` and their partners ``HALF + j`` (so it holds both halves of the rotation),
-and writes rotated q, rotated k and v where the unfused ops write them.
+and writes rotated q, rotated k and v where the unfused ops write them. With ``head_norm``
+(Qwen3's per-head q/k RMSNorm before RoPE) its tiles hold whole heads and are split in ``K``
+instead (``fused_gemv_tactics(..., whole_columns=True)``), and the epilogue normalises each q and
+k head before rotating it.
 :class:`TritonQkvRopeNormInLoop` applies the norm inside the kernel's main loop instead of a
 prologue, and :class:`TritonQkvRopeAfterNorm` runs the tunable RMSNorm op first and the kernel
 without any norm (no per-program pass over ``x`` in either). The tuner decides per batch bucket;
@@ -64,10 +68,10 @@ from graphtune.ops.rotary import (
 )
 
 OP_NAME = "graphtune.norm_qkv_rope"
-# Input order: x, norm_weight, wqkv, bqkv, positions, cos, sin, k_cache, v_cache, write_rows, eps
-# (and, for the unfused runner only, the step's RopeRows as a twelfth input).
-_X, _POS, _COS, _SIN, _KC, _VC, _ROWS = 0, 4, 5, 6, 7, 8, 9
-_INPUTS = 11
+# Input order: x, norm_weight, wqkv, bqkv, positions, cos, sin, k_cache, v_cache, write_rows, eps,
+# head_norm (and, for the unfused runner only, the step's RopeRows as a thirteenth input).
+_X, _POS, _COS, _SIN, _KC, _VC, _ROWS, _HEAD_NORM = 0, 4, 5, 6, 7, 8, 9, 11
+_INPUTS = 12
 
 
 class _QkvLayout:
@@ -88,9 +92,15 @@ class _QkvLayout:
         return (self.num_heads, self.num_kv_heads, self.signed_sin)
 
     def unpack(self, inputs: list[Any]) -> list[Any]:
-        """Checks the inputs' shapes; returns the eleven op inputs (without a ``RopeRows``)."""
+        """Checks the inputs' shapes; returns the twelve op inputs (without a ``RopeRows``)."""
         inputs = inputs[:_INPUTS]
-        x, norm_weight, wqkv, bqkv, positions, cos, *_ = inputs
+        if len(inputs) != _INPUTS:
+            raise InputError(
+                f"norm_qkv_rope: a runner takes {_INPUTS} inputs (x, norm_weight, wqkv, bqkv, "
+                "positions, cos, sin, k_cache, v_cache, write_rows, eps, head_norm), got "
+                f"{len(inputs)}; pass head_norm=None when the model has no q/k norm."
+            )
+        x, norm_weight, wqkv, bqkv, positions, cos, *_, head_norm = inputs
         dim = cos.shape[-1]
         rows = (self.num_heads + 2 * self.num_kv_heads) * dim
         if x.dim() != 2 or norm_weight.shape != (x.shape[1],) or dim % 2:
@@ -108,11 +118,17 @@ class _QkvLayout:
             raise InputError(
                 f"norm_qkv_rope: positions must be [B]={x.shape[0]}, got {tuple(positions.shape)}."
             )
+        heads = (self.num_heads + self.num_kv_heads, dim)
+        if head_norm is not None and tuple(head_norm.shape) != heads:
+            raise InputError(
+                f"norm_qkv_rope: head_norm must be [heads + kv_heads, D] = {list(heads)} (the "
+                f"q heads' norm weight rows, then the k heads'), got {tuple(head_norm.shape)}."
+            )
         return inputs
 
     def torch_composition(self, inputs: list[Any]) -> torch.Tensor:
         """The unfused torch code (no tuner): ``rms_norm``, ``F.linear``, RoPE + cache write."""
-        x, norm_weight, wqkv, bqkv, positions, cos, sin, k_cache, v_cache, rows, eps = inputs
+        x, norm_weight, wqkv, bqkv, positions, cos, sin, k_cache, v_cache, rows, eps, hn = inputs
         h, _ = torch_rms_norm(x, norm_weight, eps)
         qkv = torch.nn.functional.linear(h, wqkv, bqkv)
         return torch_rope_kv_cache(
@@ -126,6 +142,8 @@ class _QkvLayout:
             self.num_heads,
             self.num_kv_heads,
             self.signed_sin,
+            head_norm=hn,
+            head_norm_eps=eps,
         )
 
 
@@ -148,8 +166,8 @@ class UnfusedNormQkvRope(_QkvLayout, UnfusedRunner):
     def unfused(self, inputs: list[Any]) -> torch.Tensor:
         """The three tunable ops, through :attr:`tuner` (RoPE with the step's rows if given)."""
         rope_rows = inputs[_INPUTS] if len(inputs) > _INPUTS else None
-        x, norm_weight, wqkv, bqkv, positions, cos, sin, k_cache, v_cache, rows, eps = self.unpack(
-            inputs
+        x, norm_weight, wqkv, bqkv, positions, cos, sin, k_cache, v_cache, rows, eps, hn = (
+            self.unpack(inputs)
         )
         tuner, max_m = self.tuner, self.max_m
         h, _ = fused_add_rms_norm(x, norm_weight, eps, tuner=tuner, max_m=max_m)
@@ -166,6 +184,8 @@ class UnfusedNormQkvRope(_QkvLayout, UnfusedRunner):
             num_kv_heads=self.num_kv_heads,
             signed_sin=self.signed_sin,
             rows=rope_rows,
+            head_norm=hn,
+            head_norm_eps=eps,
             tuner=tuner,
             max_m=max_m,
         )
@@ -196,18 +216,22 @@ class TritonNormQkvRope(_QkvLayout, NormPlacement, FusedTritonRunner):
         return (*_QkvLayout.cache_key_extras(self), *FusedTritonRunner.cache_key_extras(self))
 
     def supports(self, inputs: list[Any]) -> bool:
-        """Unit last strides, one float dtype (the norm weight may differ), a Triton device."""
-        x, norm_weight, wqkv, bqkv, positions, cos, sin, k_cache, v_cache, rows, _ = self.unpack(
-            inputs
+        """Unit last strides, one float dtype (the norm weight may differ), a Triton device;
+        a head norm's weight rows contiguous."""
+        x, norm_weight, wqkv, bqkv, positions, cos, sin, k_cache, v_cache, rows, _, hn = (
+            self.unpack(inputs)
         )
         if positions.dtype.is_floating_point or rows.dtype.is_floating_point:
             return False
         if not norm_weight.dtype.is_floating_point:
             return False
+        if hn is not None and not (hn.dtype.is_floating_point and hn.is_contiguous()):
+            return False
         return fused_supports(x, wqkv, bqkv, cos, sin, k_cache, v_cache)
 
     def tactics_for(self, inputs: list[Any]) -> list[Any]:
-        """See :func:`graphtune.ops.fused_gemv.family.fused_gemv_tactics` (RoPE tiles)."""
+        """See :func:`graphtune.ops.fused_gemv.family.fused_gemv_tactics` (RoPE tiles; whole
+        heads with a head norm)."""
         x, wqkv, cos = inputs[_X], inputs[2], inputs[_COS]
         shape = GemvShape(
             ROPE,
@@ -218,7 +242,12 @@ class TritonNormQkvRope(_QkvLayout, NormPlacement, FusedTritonRunner):
             wqkv.element_size(),
         )
         sms = self.sm_count_for(x.device)
-        return fused_gemv_tactics(shape, sm_count=sms, split_k=not self.norm_in_loop)
+        return fused_gemv_tactics(
+            shape,
+            sm_count=sms,
+            split_k=not self.norm_in_loop,
+            whole_columns=inputs[_HEAD_NORM] is not None,
+        )
 
     def torch_forward(self, inputs: list[Any]) -> torch.Tensor:
         """The unfused torch code."""
@@ -226,8 +255,8 @@ class TritonNormQkvRope(_QkvLayout, NormPlacement, FusedTritonRunner):
 
     def launch(self, inputs: list[Any], tactic: Any, *, warmup: bool = False) -> torch.Tensor:
         """Runs the fused kernel; returns ``q [B, heads, D]``."""
-        x, norm_weight, wqkv, bqkv, positions, cos, sin, k_cache, v_cache, rows, eps = self.unpack(
-            inputs
+        x, norm_weight, wqkv, bqkv, positions, cos, sin, k_cache, v_cache, rows, eps, hn = (
+            self.unpack(inputs)
         )
         dim = cos.shape[-1]
         q = torch.empty((x.shape[0], self.num_heads, dim), device=x.device, dtype=x.dtype)
@@ -247,6 +276,7 @@ class TritonNormQkvRope(_QkvLayout, NormPlacement, FusedTritonRunner):
             bias=bqkv,
             rope=(*rope, self.num_heads, self.num_kv_heads, self.signed_sin),
             norm_in_loop=self.norm_in_loop,
+            head_norm=hn,
             warmup=warmup,
         )
         return q
@@ -387,6 +417,7 @@ def norm_qkv_rope(
     num_heads: int,
     num_kv_heads: int,
     signed_sin: bool = False,
+    head_norm: torch.Tensor | None = None,
     rows: RopeRows | None = None,
     tuner: AutoTuner | None = None,
     max_m: int | None = None,
@@ -406,6 +437,9 @@ def norm_qkv_rope(
         num_heads: Query heads.
         num_kv_heads: Key/value heads.
         signed_sin: ``sin``'s first half holds ``-sin`` (the engine's tables).
+        head_norm: ``[num_heads + num_kv_heads, D]`` weight rows of a per-head RMSNorm of q and k
+            between the projection and RoPE, with ``eps`` (Qwen3's q/k norm,
+            :func:`graphtune.ops.rmsnorm.head_norm_weights`); ``None``: none.
         rows: The step's :class:`~graphtune.ops.rotary.RopeRows` of ``positions``: the unfused
             path's RoPE reuses its gathered rows (not part of the tuning key).
         tuner: Tuner to ask (for this op and, in the unfused path, for the inner ops); the
@@ -422,7 +456,7 @@ def norm_qkv_rope(
         raise ConfigError(f"norm_qkv_rope: eps must be a float >= 0, got {eps!r}.")
     tuner = resolve(tuner)
     inputs = [x, norm_weight, wqkv, bqkv, positions, cos, sin, k_cache, v_cache, write_rows]
-    inputs.append(float(eps))
+    inputs += [float(eps), head_norm]
     chosen = runners
     if chosen is None:
         chosen = norm_qkv_rope_runners(

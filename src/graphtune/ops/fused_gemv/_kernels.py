@@ -18,7 +18,8 @@ weight-streaming loop (the part that decides the step's speed) exists once:
 * ``MODE`` 2 (RoPE + K/V write): tiles lie inside one head of the fused ``[q | k | v]`` rows and
   hold both halves' rows ``j`` and ``HALF + j``; q heads are rotated into ``out``, k heads rotated
   into the K cache, v heads copied into the V cache, with the roundings of
-  ``graphtune.ops._kernels.rope_kv_kernel``.
+  ``graphtune.ops._kernels.rope_kv_kernel``; with ``HEAD_NORM`` a tile holds a whole head and q
+  and k heads are first RMS-normalised over it (Qwen3's q/k norm, same ``eps``).
 
 The product runs on the CUDA cores for one row (``DOT`` false: every weight element is used once,
 so there is nothing for a tensor core to reuse) or on the tensor cores with swapped operands for
@@ -64,6 +65,7 @@ def fused_gemv_kernel(
     rows_ptr,
     k_ptr,
     v_ptr,
+    hn_ptr,
     ws_ptr,
     count_ptr,
     M,
@@ -94,6 +96,7 @@ def fused_gemv_kernel(
     NUM_KV: tl.constexpr,
     HALF: tl.constexpr,
     SIGNED_SIN: tl.constexpr,
+    HEAD_NORM: tl.constexpr,
     SPLIT: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -103,8 +106,9 @@ def fused_gemv_kernel(
     ``N`` is the output width: features (mode 0), the intermediate size (mode 1, ``w`` has
     ``2 * N`` rows), or unused (mode 2, where ``w`` has ``(NUM_HEADS + 2 * NUM_KV) * 2 * HALF``
     rows, ``out`` is ``q [M, NUM_HEADS, 2 * HALF]`` and ``rows[m * NUM_KV + h]`` is the cache row
-    of token ``m``'s KV head ``h``). ``DEFER`` (CUDA-core path only) keeps ``[BLOCK_N, BLOCK_K]``
-    product accumulators and sums them once after the loop.
+    of token ``m``'s KV head ``h``; with ``HEAD_NORM``, ``hn [NUM_HEADS + NUM_KV, 2 * HALF]``
+    holds the q and k heads' norm weights and ``BLOCK_N >= HALF``). ``DEFER`` (CUDA-core path
+    only) keeps ``[BLOCK_N, BLOCK_K]`` product accumulators and sums them once after the loop.
     """
     pid = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -303,6 +307,25 @@ def fused_gemv_kernel(
         safe_rows = tl.minimum(rows, M - 1).to(tl.int64)
         pos = tl.load(pos_ptr + safe_rows).to(tl.int64)
         jc = tl.minimum(col, HALF - 1)[:, None]
+        # The head kind is one scalar per program; it becomes a per-column bound (HALF, or 0)
+        # because the interpreter rejects a block mask and-ed with a scalar one.
+        is_q = head < NUM_HEADS
+        is_k = (head >= NUM_HEADS) & (head < NUM_HEADS + NUM_KV)
+        is_v = head >= NUM_HEADS + NUM_KV
+        if HEAD_NORM:
+            # The tile is the whole head (columns past HALF are clamped copies, left out of the
+            # sum): float32 statistics of the rounded projection, then the roundings of
+            # graphtune.ops.rmsnorm.head_rms_norm_ (normalised, then times the weight).
+            sq = tl.where(col_ok[:, None], x1f * x1f + x2f * x2f, 0.0)
+            inv = tl.rsqrt(tl.sum(sq, axis=0) / (2 * HALF) + eps)[None, :]
+            w_row = hn_ptr + tl.minimum(head, NUM_HEADS + NUM_KV - 1) * (2 * HALF) + jc
+            w1 = tl.load(w_row).to(tl.float32)
+            w2 = tl.load(w_row + HALF).to(tl.float32)
+            n1 = ((x1f * inv).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+            n2 = ((x2f * inv).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+            normed = (col < tl.where(is_v, 0, HALF))[:, None]
+            x1f = tl.where(normed, n1, x1f)
+            x2f = tl.where(normed, n2, x2f)
         c1 = tl.load(cos_ptr + pos[None, :] * stride_cos + jc).to(tl.float32)
         c2 = tl.load(cos_ptr + pos[None, :] * stride_cos + HALF + jc).to(tl.float32)
         s1 = tl.load(sin_ptr + pos[None, :] * stride_sin + jc).to(tl.float32)
@@ -317,11 +340,6 @@ def fused_gemv_kernel(
             o2 = ((x2f * c2).to(dtype).to(tl.float32) + (x1f * s2).to(dtype).to(tl.float32)).to(
                 dtype
             )
-        # The head kind is one scalar per program; it becomes a per-column bound (HALF, or 0)
-        # because the interpreter rejects a block mask and-ed with a scalar one.
-        is_q = head < NUM_HEADS
-        is_k = (head >= NUM_HEADS) & (head < NUM_HEADS + NUM_KV)
-        is_v = head >= NUM_HEADS + NUM_KV
         q_mask = (col < tl.where(is_q, HALF, 0))[:, None] & row_ok[None, :]
         q_dst = out_ptr + rows64[None, :] * stride_om + head * (2 * HALF) + col[:, None]
         tl.store(q_dst, o1, mask=q_mask)

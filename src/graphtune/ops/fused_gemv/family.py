@@ -29,6 +29,12 @@ rules of :func:`fused_gemv_tactics`:
   the whole space at 8 and 16 rows (``benchmarks/results/gemv-sweep-llama-1b-shape-h200-*.json``)
   one wave was the fastest split of the O and down projections of Llama-1B, 12 to 16% ahead of
   the split that first fills every SM.
+
+With ``whole_columns`` (the per-head q/k norm of a RoPE tile needs all of a head's columns in one
+program) only tiles of ``bn = next_power_of_two(columns)`` are offered, of both kinds by the rules
+above, each also split in ``K`` into the largest power of two of programs per head that fits in
+one wave, and twice and four times that (at most :data:`MAX_SPLIT` and the tile's ``K`` chunks):
+a tile per head alone leaves most SMs idle.
 """
 
 from __future__ import annotations
@@ -144,42 +150,77 @@ class GemvShape:
 
 
 def fused_gemv_tactics(
-    shape: GemvShape, *, sm_count: int, max_tactics: int = 16, split_k: bool = True
+    shape: GemvShape,
+    *,
+    sm_count: int,
+    max_tactics: int = 16,
+    split_k: bool = True,
+    whole_columns: bool = False,
 ) -> list[dict[str, int]]:
     """Tactics worth timing for one fused GEMV (see the module's pruning rules), simplest first;
-    no split-K variants with ``split_k`` false (the in-loop RMSNorm needs whole rows)."""
+    no split-K variants with ``split_k`` false (the in-loop RMSNorm needs whole rows); only tiles
+    holding all ``shape.columns`` with ``whole_columns``."""
     if shape.m < 1 or shape.m > MAX_M or shape.columns < 1 or shape.k < 1:
         return []
-    n_cap, k_cap = next_power_of_two(shape.columns), next_power_of_two(shape.k)
-    low, high = THREAD_BYTES
-    core: list[dict[str, int]] = []
-    if shape.m == 1:
-        for bn in sorted({min(b, n_cap) for b in CORE_BN}):
-            for bk in sorted({min(b, k_cap) for b in CORE_BK}):
-                chunk = bn * bk * shape.itemsize  # bytes of one weight tile (each of a pair)
-                warps = [w for w in CORE_WARPS if low <= chunk // (32 * w) <= high]
-                if not warps and chunk < 32 * low:
-                    warps = [1]  # a tile under one warp's share (tiny shapes): one warp
-                core += [
-                    {"bn": bn, "bk": bk, "warps": w, "dot": 0, "stages": 1, "split": 1}
-                    for w in warps
-                ]
-    dot: list[dict[str, int]] = []
-    if shape.columns >= 16 and shape.k >= 16:
-        for bn in sorted({min(b, n_cap) for b in DOT_BN}):
-            for bk in sorted({min(b, k_cap) for b in DOT_BK}):
-                for stages in DOT_STAGES:
-                    smem = pipeline_bytes(bn, bk, stages, shape.paired, shape.itemsize)
-                    if smem <= DOT_SMEM_BYTES:
-                        dot.append(
-                            {"bn": bn, "bk": bk, "warps": 4, "dot": 1, "stages": stages, "split": 1}
-                        )
+    if whole_columns:
+        return _whole_column_tactics(shape, sm_count, split_k)
+    n_cap = next_power_of_two(shape.columns)
+    core = _core_tiles(shape, sorted({min(b, n_cap) for b in CORE_BN}))
+    dot = _dot_tiles(shape, sorted({min(b, n_cap) for b in DOT_BN}))
     kinds = [_prune(core, shape, sm_count), _prune(dot, shape, sm_count)]
     # Each kind keeps its share of max_tactics; the CUDA-core kind (M == 1 only) the larger one.
     dot_share = min(len(kinds[1]), max_tactics // 3 if kinds[0] else max_tactics)
     kept = _longest_chunks(kinds[0], shape, max_tactics - dot_share)
     kept += _longest_chunks(kinds[1], shape, dot_share)
     return kept + _split_tactics(dot, shape, sm_count) if split_k else kept
+
+
+def _whole_column_tactics(shape: GemvShape, sm_count: int, split_k: bool) -> list[dict[str, int]]:
+    """Tiles of all the columns, whole-``K`` and split (the module's ``whole_columns`` rule)."""
+    bn = next_power_of_two(shape.columns)
+    tiles = _prune(_core_tiles(shape, [bn]) + _dot_tiles(shape, [bn]), shape, sm_count)
+    wave = last_power_of_two(max(1, sm_count // shape.programs(bn)))
+    found: list[dict[str, int]] = []
+    for t in tiles:
+        most = min(MAX_SPLIT, last_power_of_two(math.ceil(shape.k / t["bk"])))
+        splits = {min(s, most) for s in (wave, 2 * wave, 4 * wave)} if split_k else set()
+        found += [{**t, "split": s} for s in sorted(splits | {1})]
+    return found
+
+
+def _core_tiles(shape: GemvShape, widths: list[int]) -> list[dict[str, int]]:
+    """CUDA-core tiles (one row: ``M == 1`` only) of the given ``bn`` (module rules)."""
+    if shape.m != 1:
+        return []
+    k_cap = next_power_of_two(shape.k)
+    low, high = THREAD_BYTES
+    core: list[dict[str, int]] = []
+    for bn in widths:
+        for bk in sorted({min(b, k_cap) for b in CORE_BK}):
+            chunk = bn * bk * shape.itemsize  # bytes of one weight tile (each of a pair)
+            warps = [w for w in CORE_WARPS if low <= chunk // (32 * w) <= high]
+            if not warps and chunk < 32 * low:
+                warps = [1]  # a tile under one warp's share (tiny shapes): one warp
+            core += [
+                {"bn": bn, "bk": bk, "warps": w, "dot": 0, "stages": 1, "split": 1} for w in warps
+            ]
+    return core
+
+
+def _dot_tiles(shape: GemvShape, widths: list[int]) -> list[dict[str, int]]:
+    """Tensor-core tiles of the given ``bn`` whose pipeline fits (module rules)."""
+    if shape.columns < 16 or shape.k < 16:
+        return []
+    k_cap = next_power_of_two(shape.k)
+    dot: list[dict[str, int]] = []
+    for bn in widths:
+        for bk in sorted({min(b, k_cap) for b in DOT_BK}):
+            for stages in DOT_STAGES:
+                if pipeline_bytes(bn, bk, stages, shape.paired, shape.itemsize) <= DOT_SMEM_BYTES:
+                    dot.append(
+                        {"bn": bn, "bk": bk, "warps": 4, "dot": 1, "stages": stages, "split": 1}
+                    )
+    return dot
 
 
 def _split_tactics(
@@ -244,6 +285,7 @@ def launch_fused_gemv(
     residual: torch.Tensor | None = None,
     rope: tuple[Any, ...] | None = None,
     norm_in_loop: bool = False,
+    head_norm: torch.Tensor | None = None,
     warmup: bool = False,
 ) -> None:
     """Runs (or with ``warmup`` compiles) :func:`fused_gemv_kernel` for one op call.
@@ -263,9 +305,12 @@ def launch_fused_gemv(
             signed_sin)`` for RoPE mode.
         norm_in_loop: Apply ``norm_weight`` in the main loop and the row's ``rsqrt(mean(x^2) +
             eps)`` in the epilogue (kernel ``NORM`` 2) instead of a prologue (``NORM`` 1).
+        head_norm: RoPE mode: ``[num_heads + num_kv_heads, D]`` weights of a per-head RMSNorm of
+            q and k before the rotation (Qwen3; with ``eps``), or ``None``.
 
     Raises:
-        ConfigError: ``tactic`` is not a fused GEMV tactic.
+        ConfigError: ``tactic`` is not a fused GEMV tactic, or its tiles split a head while
+            ``head_norm`` is given.
     """
     problem = check_fused_tactic(tactic)
     if problem is not None:
@@ -284,6 +329,12 @@ def launch_fused_gemv(
         assert rope is not None
         positions, cos, sin, write_rows, k_cache, v_cache, heads, kv_heads, signed = rope
         half = cos.shape[-1] // 2
+        if head_norm is not None and bn < half:
+            raise ConfigError(
+                f"fused GEMV: tactic {tactic!r} splits a head of {2 * half} features, but the "
+                "per-head q/k norm needs the whole head in one program; use a tactic with bn >= "
+                f"{half} (fused_gemv_tactics(..., whole_columns=True))."
+            )
         tiles = (heads + 2 * kv_heads) * -(-half // bn)
         rope_args: tuple[Any, ...] = (positions, cos, sin, write_rows, k_cache, v_cache)
         rope_strides = (cos.stride(0), sin.stride(0), k_cache.stride(0), v_cache.stride(0))
@@ -310,6 +361,7 @@ def launch_fused_gemv(
         res,
         out,
         *rope_args,
+        head_norm if head_norm is not None else placeholder,
         ws,
         counters,
         m,
@@ -339,6 +391,7 @@ def launch_fused_gemv(
         NUM_KV=kv_heads,
         HALF=half,
         SIGNED_SIN=bool(signed),
+        HEAD_NORM=mode == ROPE and head_norm is not None,
         SPLIT=split,
         num_warps=warps,
         num_stages=stages,

@@ -3,9 +3,10 @@
 The sweep runs against a fake of ``torch.cuda`` and of the profiler trace (each replay's kernels
 carry the correlation id of its graph launch, as CUPTI reports them), so its capture, interleaved
 replay, trace split and fallbacks are checked before the script reaches the H200; the script's
-pure helpers (profile parsing, bytes moved, the table, options) run on synthetic data, and its
-``main`` runs end to end on a tiny expert shape with the kernels under the Triton interpreter,
-the tuner's CPU timer and a sweep that calls each candidate instead of profiling it.
+pure helpers (bytes moved, the table, options) run on synthetic data (the scores of the GEMV
+path's two stages: test_bench_moe_scores.py), and its ``main`` runs end to end on a tiny expert
+shape with the kernels under the Triton interpreter, the tuner's CPU timer and a sweep that calls
+each configuration instead of profiling it.
 """
 
 from __future__ import annotations
@@ -244,24 +245,6 @@ def test_split_by_launch_refuses_a_trace_without_correlation():
 # --- benchmarks/moe.py helpers ------------------------------------------------------------------
 
 
-def test_tokens_of_a_profile_and_short_tactics():
-    assert bench.tokens_of("64x2048, 128x1536x2048, 128x2048x768, 64x8, 64x8") == 64
-    grouped = dict(block_m=16, block_n=64, block_k=128, group_m=1, warps=4, stages=3)
-    bucket = {
-        "candidates": [
-            {"runner": "TorchFusedMoeRunner", "tactic": -1},
-            {"runner": "TritonFusedMoeRunner", "tactic": grouped},
-            {"runner": "TritonMoeGemvRunner", "tactic": {"bn": 4, "bk": 256, "warps": 2}},
-        ]
-    }
-    assert [bench.short(bucket, i) for i in (0, 1, 2, None)] == [
-        "torch",
-        "grouped 16/64/128/1/4/3",
-        "gemv 4/256/2",
-        "none",
-    ]
-
-
 def test_selected_bytes_counts_only_the_routed_experts():
     x = torch.zeros(3, 8, dtype=torch.bfloat16)
     gate_up = torch.zeros(5, 12, 8, dtype=torch.bfloat16)
@@ -277,31 +260,68 @@ def test_table_shows_buckets_errors_and_tuning_time():
     bucket = dict(
         tokens=8,
         n_candidates=8,
+        n_measured=8,
         candidates=[
             {"runner": "TorchFusedMoeRunner", "tactic": -1},
             {"runner": "TritonFusedMoeRunner", "tactic": tactic},
         ],
         pick=1,
         best=0,
-        pick_tactic=tactic,
-        pick_us=20.5,
-        best_us=20.1,
         regret=0.0199,
         regret_pass=True,
-        pick_gbps=3000.0,
-        best_gbps=3100.0,
+        regret_op=0.0199,
+        regret_down=None,
+        step=dict(
+            kind="op",
+            pick=[1, None],
+            pick_us=20.5,
+            best=[0, None],
+            best_us=20.1,
+            pick_gbps=3000.0,
+            best_gbps=3100.0,
+        ),
+        down=None,
         fallback_us=300.0,
     )
-    good = dict(shape="qwen3-30b-a3b", buckets=[bucket, {"tokens": 64, "error": "boom"}])
+    gemv = {"runner": "TritonMoeGemvRunner", "tactic": {"bn": 4, "bk": 256, "warps": 2}}
+    pair = dict(
+        bucket,
+        tokens=1,
+        n_measured=40,
+        candidates=[bucket["candidates"][0], gemv],
+        regret=0.0251,
+        regret_pass=False,
+        regret_op=0.001,
+        regret_down=0.0125,
+        step=dict(bucket["step"], kind="pair", pick=[1, 1], best=[1, 0]),
+        down={
+            "candidates": [
+                {"tactic": {"features": 1, "bk": 128, "warps": 2}},
+                {"tactic": {"features": 2, "bk": 256, "warps": 4}},
+            ],
+            "pick_tactic": {"features": 2, "bk": 256, "warps": 4},
+        },
+    )
+    good = dict(shape="qwen3-30b-a3b", buckets=[pair, bucket, {"tokens": 64, "error": "boom"}])
     good.update(tuned_buckets=list(range(13)), tune_s=41.0, compile_s=20.0, tune_pass=True)
     good.update(sweep_s=12.0, error=None)
     bad = dict(shape="mixtral-8x7b", buckets=[], error="tuning: RuntimeError: x")
     text = bench.table([good, bad])
-    row = "| qwen3-30b-a3b | 8 | 8 | grouped 16/32/64/1/4/4 | 20.5 | torch | 20.1 | 1.99% | yes |"
+    row = (
+        "| qwen3-30b-a3b | 8 | 8 | grouped 16/32/64/1/4/4 | 20.5 | torch | 20.1 | 1.99% | yes "
+        "| 1.99% | - | - | 3000 | 3100 | 300.0 |"
+    )
+    assert row in text
+    row = (
+        "| qwen3-30b-a3b | 1 | 40 | gemv 4/256/2 + 2/256/4 | 20.5 | gemv 4/256/2 + 1/128/2 "
+        "| 20.1 | 2.51% | NO | 0.10% | 2/256/4 | 1.25% |"
+    )
     assert row in text
     assert "| qwen3-30b-a3b | 64 | error: boom |" in text
     assert "| qwen3-30b-a3b | 13 | 41.0 | 20.0 | yes | 12.0 |" in text
     assert "| mixtral-8x7b | error: tuning: RuntimeError: x |" in text
+    header, rule = text.splitlines()[:2]
+    assert header.count("|") == rule.count("|")
 
 
 def test_options_quick_and_errors(capsys):
@@ -341,19 +361,32 @@ def test_main_end_to_end_on_a_tiny_shape(monkeypatch, tmp_path, capsys):
         return out
 
     monkeypatch.setattr(bench, "cupti_graph_sweep", fake_sweep)
-    argv = ["--out", str(tmp_path), "--shapes", "tiny", "--tokens", "1,2", "--max-tokens", "2"]
+    argv = ["--out", str(tmp_path), "--shapes", "tiny", "--tokens", "2", "--max-tokens", "2"]
     status = bench.main(argv)
     out = capsys.readouterr().out
     (path,) = tmp_path.glob("moe-*.json")
     payload = json.loads(path.read_text())
     (shape,) = payload["shapes"]
     assert shape["error"] is None and shape["tuned_buckets"] == [1, 2]
-    assert [b["tokens"] for b in shape["buckets"]] == [1, 2]
+    assert [b["tokens"] for b in shape["buckets"]] == [2]  # one: the interpreter is slow
+    assert shape["down_buckets"] == [1, 2]  # the down stage tuned by the same call
     for bucket in shape["buckets"]:
         assert bucket["n_candidates"] == len(bucket["candidates"]) >= 2
         assert bucket["best"] == 0 and bucket["best_us"] == 10.0  # the fake's fastest: first
-        assert bucket["regret"] == bucket["pick_us"] / 10.0 - 1
+        assert bucket["regret_op"] == bucket["pick_us"] / 10.0 - 1
+        gemv = [c for c in bucket["candidates"] if c["runner"] == "TritonMoeGemvRunner"]
+        down = bucket["down"]  # T * k <= MAX_PAIRS: a GEMV bucket
+        assert gemv and down["n_candidates"] == len(down["candidates"]) >= 1
+        assert len(bucket["pairs"]) == len(gemv) * down["n_candidates"]
+        assert bucket["n_measured"] == bucket["n_candidates"] + len(bucket["pairs"]) + len(
+            down["candidates"]
+        )
+        step = bucket["step"]
+        assert step["best"] == [0, None] and step["best_us"] == 10.0
+        assert bucket["regret"] == step["pick_us"] / 10.0 - 1
+        if bucket["candidates"][bucket["pick"]]["runner"] == "TritonMoeGemvRunner":
+            assert step["kind"] == "pair" and step["pick"] == [bucket["pick"], down["pick"]]
         assert bucket["experts_selected"] >= 2 and bucket["bytes"] > 0
-    assert swept == [b["n_candidates"] for b in shape["buckets"]]
-    assert payload["provenance"]["command"] and "| tiny | 1 |" in out
+    assert swept == [b["n_measured"] for b in shape["buckets"]]
+    assert payload["provenance"]["command"] and "| tiny | 2 |" in out
     assert status in (0, 1) and payload["summary"]["all_pass"] == (status == 0)

@@ -32,9 +32,10 @@ rules of :func:`fused_gemv_tactics`:
 
 With ``whole_columns`` (the per-head q/k norm of a RoPE tile needs all of a head's columns in one
 program) only tiles of ``bn = next_power_of_two(columns)`` are offered, of both kinds by the rules
-above, each also split in ``K`` into the largest power of two of programs per head that fits in
-one wave, and twice and four times that (at most :data:`MAX_SPLIT` and the tile's ``K`` chunks):
-a tile per head alone leaves most SMs idle.
+above (CUDA-core chunks from ``bk`` 64: such a tile is wide, so a short chunk still gives each
+thread 16 bytes or more), each also split in ``K`` into the largest power of two of programs per
+head that fits in one wave, and twice and four times that (at most :data:`MAX_SPLIT` and the
+tile's ``K`` chunks): a tile per head alone leaves most SMs idle.
 """
 
 from __future__ import annotations
@@ -178,7 +179,8 @@ def fused_gemv_tactics(
 def _whole_column_tactics(shape: GemvShape, sm_count: int, split_k: bool) -> list[dict[str, int]]:
     """Tiles of all the columns, whole-``K`` and split (the module's ``whole_columns`` rule)."""
     bn = next_power_of_two(shape.columns)
-    tiles = _prune(_core_tiles(shape, [bn]) + _dot_tiles(shape, [bn]), shape, sm_count)
+    core = _core_tiles(shape, [bn], (64, *CORE_BK))
+    tiles = _prune(core + _dot_tiles(shape, [bn]), shape, sm_count)
     wave = last_power_of_two(max(1, sm_count // shape.programs(bn)))
     found: list[dict[str, int]] = []
     for t in tiles:
@@ -188,15 +190,18 @@ def _whole_column_tactics(shape: GemvShape, sm_count: int, split_k: bool) -> lis
     return found
 
 
-def _core_tiles(shape: GemvShape, widths: list[int]) -> list[dict[str, int]]:
-    """CUDA-core tiles (one row: ``M == 1`` only) of the given ``bn`` (module rules)."""
+def _core_tiles(
+    shape: GemvShape, widths: list[int], chunks: tuple[int, ...] = CORE_BK
+) -> list[dict[str, int]]:
+    """CUDA-core tiles (one row: ``M == 1`` only) of the given ``bn`` and ``bk`` (module
+    rules)."""
     if shape.m != 1:
         return []
     k_cap = next_power_of_two(shape.k)
     low, high = THREAD_BYTES
     core: list[dict[str, int]] = []
     for bn in widths:
-        for bk in sorted({min(b, k_cap) for b in CORE_BK}):
+        for bk in sorted({min(b, k_cap) for b in chunks}):
             chunk = bn * bk * shape.itemsize  # bytes of one weight tile (each of a pair)
             warps = [w for w in CORE_WARPS if low <= chunk // (32 * w) <= high]
             if not warps and chunk < 32 * low:

@@ -15,6 +15,8 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from _tuning_scores import regret
+
 from graphtune.autotuner import FALLBACK_TACTIC
 
 
@@ -47,12 +49,6 @@ def pair_plan(gemv: Sequence[bool], tiles: int) -> list[tuple[int, int]]:
     """Every (gate/up, down) pair to measure: each op candidate ``i`` with ``gemv[i]`` times each
     of the ``tiles`` down tiles, gate/up-major in the records' orders."""
     return [(i, j) for i, g in enumerate(gemv) if g for j in range(tiles)]
-
-
-def regret(pick_us: float, best_us: float) -> float:
-    """``pick / best - 1``; ``inf`` unless both are finite positive times."""
-    ok = all(math.isfinite(v) and v > 0 for v in (pick_us, best_us))
-    return pick_us / best_us - 1 if ok else math.inf
 
 
 def pick_scores(times: Sequence[float], pick: int | None) -> dict[str, Any]:

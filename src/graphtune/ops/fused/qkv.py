@@ -13,10 +13,9 @@ own pick. :class:`TritonNormQkvRope` does it in one kernel (``graphtune.ops.fuse
 in RoPE mode): every program recomputes the row statistics, streams the weight rows of half a
 head's columns ``j`` and their partners ``HALF + j`` (so it holds both halves of the rotation),
 and writes rotated q, rotated k and v where the unfused ops write them. With ``head_norm``
-(Qwen3's per-head q/k RMSNorm before RoPE) the epilogue normalises each q and k head before
-rotating it: tiles of part of a head (whole ``K``) hand their values to the head's last tile,
-which runs the epilogue on the whole head; tiles of a whole head (``fused_gemv_tactics(...,
-whole_columns=True)``, split in ``K`` as well) run it themselves. The tuner times both kinds.
+(Qwen3's per-head q/k RMSNorm before RoPE) its tiles hold whole heads and are split in ``K``
+instead (``fused_gemv_tactics(..., whole_columns=True)``), and the epilogue normalises each q and
+k head before rotating it.
 :class:`TritonQkvRopeNormInLoop` applies the norm inside the kernel's main loop instead of a
 prologue, and :class:`TritonQkvRopeAfterNorm` runs the tunable RMSNorm op first and the kernel
 without any norm (no per-program pass over ``x`` in either). The tuner decides per batch bucket;
@@ -231,8 +230,8 @@ class TritonNormQkvRope(_QkvLayout, NormPlacement, FusedTritonRunner):
         return fused_supports(x, wqkv, bqkv, cos, sin, k_cache, v_cache)
 
     def tactics_for(self, inputs: list[Any]) -> list[Any]:
-        """See :func:`graphtune.ops.fused_gemv.family.fused_gemv_tactics` (RoPE tiles); with a
-        head norm, its tiles of part of a head without split-K, and its whole-head tiles."""
+        """See :func:`graphtune.ops.fused_gemv.family.fused_gemv_tactics` (RoPE tiles; whole
+        heads with a head norm)."""
         x, wqkv, cos = inputs[_X], inputs[2], inputs[_COS]
         shape = GemvShape(
             ROPE,
@@ -243,12 +242,12 @@ class TritonNormQkvRope(_QkvLayout, NormPlacement, FusedTritonRunner):
             wqkv.element_size(),
         )
         sms = self.sm_count_for(x.device)
-        split_k = not self.norm_in_loop
-        if inputs[_HEAD_NORM] is None:
-            return fused_gemv_tactics(shape, sm_count=sms, split_k=split_k)
-        parts = fused_gemv_tactics(shape, sm_count=sms, split_k=False)
-        whole = fused_gemv_tactics(shape, sm_count=sms, split_k=split_k, whole_columns=True)
-        return [t for t in parts if t["bn"] < shape.columns] + whole
+        return fused_gemv_tactics(
+            shape,
+            sm_count=sms,
+            split_k=not self.norm_in_loop,
+            whole_columns=inputs[_HEAD_NORM] is not None,
+        )
 
     def torch_forward(self, inputs: list[Any]) -> torch.Tensor:
         """The unfused torch code."""

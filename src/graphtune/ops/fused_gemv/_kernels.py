@@ -18,10 +18,8 @@ weight-streaming loop (the part that decides the step's speed) exists once:
 * ``MODE`` 2 (RoPE + K/V write): tiles lie inside one head of the fused ``[q | k | v]`` rows and
   hold both halves' rows ``j`` and ``HALF + j``; q heads are rotated into ``out``, k heads rotated
   into the K cache, v heads copied into the V cache, with the roundings of
-  ``graphtune.ops._kernels.rope_kv_kernel``; with ``HEAD_NORM`` q and k heads are first
-  RMS-normalised over the head (Qwen3's q/k norm, same ``eps``): a tile holding part of a head
-  hands its values to the head's last tile (arrival counters, as split-K), which runs the
-  epilogue on the whole head.
+  ``graphtune.ops._kernels.rope_kv_kernel``; with ``HEAD_NORM`` a tile holds a whole head and q
+  and k heads are first RMS-normalised over it (Qwen3's q/k norm, same ``eps``).
 
 The product runs on the CUDA cores for one row (``DOT`` false: every weight element is used once,
 so there is nothing for a tensor core to reuse) or on the tensor cores with swapped operands for
@@ -99,7 +97,6 @@ def fused_gemv_kernel(
     HALF: tl.constexpr,
     SIGNED_SIN: tl.constexpr,
     HEAD_NORM: tl.constexpr,
-    HEAD_BLOCK: tl.constexpr,
     SPLIT: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -110,9 +107,8 @@ def fused_gemv_kernel(
     ``2 * N`` rows), or unused (mode 2, where ``w`` has ``(NUM_HEADS + 2 * NUM_KV) * 2 * HALF``
     rows, ``out`` is ``q [M, NUM_HEADS, 2 * HALF]`` and ``rows[m * NUM_KV + h]`` is the cache row
     of token ``m``'s KV head ``h``; with ``HEAD_NORM``, ``hn [NUM_HEADS + NUM_KV, 2 * HALF]``
-    holds the q and k heads' norm weights, ``HEAD_BLOCK`` is the next power of two of ``HALF``,
-    and tiles narrower than ``HALF`` need ``SPLIT == 1``). ``DEFER`` (CUDA-core path only) keeps
-    ``[BLOCK_N, BLOCK_K]`` product accumulators and sums them once after the loop.
+    holds the q and k heads' norm weights and ``BLOCK_N >= HALF``). ``DEFER`` (CUDA-core path
+    only) keeps ``[BLOCK_N, BLOCK_K]`` product accumulators and sums them once after the loop.
     """
     pid = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -308,32 +304,6 @@ def fused_gemv_kernel(
     else:
         x1f = t_a.to(dtype).to(tl.float32)
         x2f = t_b.to(dtype).to(tl.float32)
-        if HEAD_NORM and BLOCK_N < HALF:
-            # The head's q/k norm needs all of a head, and this tile holds part of it: every tile
-            # stores its rounded projection and counts itself in the head's counter; the tile
-            # that counts last gathers the whole head (in column order, so the result does not
-            # depend on which tile was last), resets the counter and runs the epilogue on it.
-            # Barriers and .cg reads as in the split-K merge above.
-            tile_cells = 2 * BLOCK_N * BLOCK_M
-            slot = pid_m * (NUM_HEADS + 2 * NUM_KV) + head
-            cell = lanes[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
-            mine = ws_ptr + (pid_m * tl.num_programs(0) + pid).to(tl.int64) * tile_cells + cell
-            tl.store(mine, x1f)
-            tl.store(mine + BLOCK_N * BLOCK_M, x2f)
-            tl.debug_barrier()
-            arrived = tl.atomic_add(count_ptr + slot, 1, sem="acq_rel", scope="gpu")
-            tl.debug_barrier()
-            is_last = arrived == tiles_per_head - 1
-            col = tl.arange(0, HEAD_BLOCK)
-            col_ok = col < HALF
-            row_ok = rows < tl.where(is_last, M, 0)  # only the last tile stores results
-            first = (pid_m * tl.num_programs(0) + head * tiles_per_head).to(tl.int64) * tile_cells
-            at_col = (col // BLOCK_N) * tile_cells + (col % BLOCK_N) * BLOCK_M
-            at = ws_ptr + first + at_col[:, None] + tl.arange(0, BLOCK_M)[None, :]
-            live = col_ok[:, None] & row_ok[None, :]
-            x1f = tl.load(at, mask=live, other=0.0, cache_modifier=".cg")
-            x2f = tl.load(at + BLOCK_N * BLOCK_M, mask=live, other=0.0, cache_modifier=".cg")
-            tl.store(count_ptr + slot, 0, mask=is_last)
         safe_rows = tl.minimum(rows, M - 1).to(tl.int64)
         pos = tl.load(pos_ptr + safe_rows).to(tl.int64)
         jc = tl.minimum(col, HALF - 1)[:, None]

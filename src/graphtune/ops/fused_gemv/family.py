@@ -314,8 +314,8 @@ def launch_fused_gemv(
             q and k before the rotation (Qwen3; with ``eps``), or ``None``.
 
     Raises:
-        ConfigError: ``tactic`` is not a fused GEMV tactic, or with ``head_norm`` its tiles split
-            both a head and ``K``.
+        ConfigError: ``tactic`` is not a fused GEMV tactic, or its tiles split a head while
+            ``head_norm`` is given.
     """
     problem = check_fused_tactic(tactic)
     if problem is not None:
@@ -334,18 +334,17 @@ def launch_fused_gemv(
         assert rope is not None
         positions, cos, sin, write_rows, k_cache, v_cache, heads, kv_heads, signed = rope
         half = cos.shape[-1] // 2
-        gather = head_norm is not None and bn < half
-        if gather and split > 1:
+        if head_norm is not None and bn < half:
             raise ConfigError(
-                f"fused GEMV: tactic {tactic!r} splits both a head of {2 * half} features and K, "
-                "but the per-head q/k norm gathers a head from its tiles only without split-K; "
-                f"use split 1 or bn >= {half}."
+                f"fused GEMV: tactic {tactic!r} splits a head of {2 * half} features, but the "
+                "per-head q/k norm needs the whole head in one program; use a tactic with bn >= "
+                f"{half} (fused_gemv_tactics(..., whole_columns=True))."
             )
         tiles = (heads + 2 * kv_heads) * -(-half // bn)
         rope_args: tuple[Any, ...] = (positions, cos, sin, write_rows, k_cache, v_cache)
         rope_strides = (cos.stride(0), sin.stride(0), k_cache.stride(0), v_cache.stride(0))
     else:
-        heads, kv_heads, signed, half, gather = 1, 1, False, 1, False
+        heads, kv_heads, signed, half = 1, 1, False, 1
         tiles = -(-n // bn)
         rope_args = (placeholder,) * 6
         rope_strides = (0, 0, 0, 0)
@@ -359,15 +358,6 @@ def launch_fused_gemv(
             x.device, programs, user="fused GEMV split-K", fix="use a tactic with split 1"
         )
         k_split, ws_pair = keys_per_split(k, split, bk), programs * split * bn * block_m
-    elif gather:
-        # Each tile's rounded projection, for the head's last tile to gather (kernel docstring).
-        ws = split_partials(grid[0] * grid[1], 1, bn * block_m, True, x.device)
-        counters = arrival_counters(
-            x.device,
-            grid[1] * (heads + 2 * kv_heads),
-            user="fused QKV with a head norm",
-            fix=f"use a tactic with bn >= {half}",
-        )
     args = (
         x,
         norm_weight if norm_weight is not None else placeholder,
@@ -407,7 +397,6 @@ def launch_fused_gemv(
         HALF=half,
         SIGNED_SIN=bool(signed),
         HEAD_NORM=mode == ROPE and head_norm is not None,
-        HEAD_BLOCK=next_power_of_two(half),
         SPLIT=split,
         num_warps=warps,
         num_stages=stages,

@@ -182,6 +182,34 @@ def _rope64(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return t * cos + rotated * sin
 
 
+class _RopeCase:
+    """RoPE tables of 24 positions rounded to ``dtype`` (``sin`` signed as the engine's tables
+    with ``signed_sin``; ``sin64`` the exact unsigned one), random positions, distinct cache rows
+    and NaN-poisoned K/V caches of 64 rows."""
+
+    cache_rows = 64
+
+    def __init__(
+        self,
+        gen: torch.Generator,
+        dtype: torch.dtype,
+        m: int,
+        kv_heads: int,
+        dim: int,
+        signed_sin: bool,
+    ) -> None:
+        table, half = 24, dim // 2
+        angles = torch.rand(table, half, generator=gen, dtype=torch.float64) * 6.3
+        self.sin64 = torch.cat((angles.sin(), angles.sin()), -1)
+        signed = torch.cat((-self.sin64[:, :half], self.sin64[:, half:]), -1)
+        self.cos = torch.cat((angles.cos(), angles.cos()), -1).to(dtype)
+        self.sin = (signed if signed_sin else self.sin64).to(dtype)
+        self.positions = torch.randint(0, table, (m,), generator=gen)
+        self.rows = torch.randperm(self.cache_rows, generator=gen)[: m * kv_heads]
+        self.k_cache = torch.full((self.cache_rows, dim), float("nan"), dtype=dtype)
+        self.v_cache = self.k_cache.clone()
+
+
 @pytest.mark.parametrize(
     "tactic,dtype,m,runner",
     **_runner_cases(TritonNormQkvRope, TritonQkvRopeNormInLoop, after_norm=TritonQkvRopeAfterNorm),
@@ -190,23 +218,19 @@ def _rope64(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 def test_norm_qkv_rope_matches_float64(tactic, dtype, m, signed_sin, runner):
     gen = _gen()
     heads, kv_heads, dim, hidden, eps = 4, 2, 32, 48, 1e-5
-    table, cache_rows = 24, 64
     rows_total = (heads + 2 * kv_heads) * dim
     x, w = _randn(gen, m, hidden, dtype=dtype), _randn(gen, rows_total, hidden, dtype=dtype)
     w = (w.float() * 0.2).to(dtype)
     bias = _randn(gen, rows_total, dtype=dtype)
     norm_w = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype)
-    angles = torch.rand(table, dim // 2, generator=gen, dtype=torch.float64) * 6.3
-    cos64 = torch.cat((angles.cos(), angles.cos()), -1)
-    sin64 = torch.cat((angles.sin(), angles.sin()), -1)
-    table_sin = (
-        torch.cat((-sin64[:, : dim // 2], sin64[:, dim // 2 :]), -1) if signed_sin else sin64
+    rope = _RopeCase(gen, dtype, m, kv_heads, dim, signed_sin)
+    cos, sin, sin64, positions = rope.cos, rope.sin, rope.sin64, rope.positions
+    k_cache, v_cache, write_rows, cache_rows = (
+        rope.k_cache,
+        rope.v_cache,
+        rope.rows,
+        rope.cache_rows,
     )
-    cos, sin = cos64.to(dtype), table_sin.to(dtype)
-    positions = torch.randint(0, table, (m,), generator=gen)
-    write_rows = torch.randperm(cache_rows, generator=gen)[: m * kv_heads]
-    k_cache = torch.full((cache_rows, dim), float("nan"), dtype=dtype)
-    v_cache = k_cache.clone()
     inputs = [x, norm_w, w, bias, positions, cos, sin, k_cache, v_cache, write_rows, eps, None]
     q = runner(heads, kv_heads, signed_sin).forward(inputs, tactic)
 
@@ -247,33 +271,24 @@ def test_norm_qkv_rope_with_a_head_norm_matches_float64(tactic, dtype, m, runner
         pytest.skip("the in-loop RMSNorm takes no split-K tactics")
     gen = _gen()
     heads, kv_heads, dim, hidden, eps = 4, 2, 32, 48, 1e-5
-    table, cache_rows = 24, 64
     rows_total = (heads + 2 * kv_heads) * dim
     x = _randn(gen, m, hidden, dtype=dtype)
     w = _randn(gen, rows_total, hidden, dtype=dtype, scale=0.2)
     norm_w = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype)
     head_norm = (1 + 0.2 * torch.randn(heads + kv_heads, dim, generator=gen)).to(dtype)
-    angles = torch.rand(table, dim // 2, generator=gen, dtype=torch.float64) * 6.3
-    cos64 = torch.cat((angles.cos(), angles.cos()), -1)
-    sin64 = torch.cat((-angles.sin(), angles.sin()), -1)
-    cos, sin = cos64.to(dtype), sin64.to(dtype)
-    positions = torch.randint(0, table, (m,), generator=gen)
-    write_rows = torch.randperm(cache_rows, generator=gen)[: m * kv_heads]
-    k_cache = torch.full((cache_rows, dim), float("nan"), dtype=dtype)
-    v_cache = k_cache.clone()
-    inputs = [x, norm_w, w, None, positions, cos, sin, k_cache, v_cache, write_rows, eps, head_norm]
+    rope = _RopeCase(gen, dtype, m, kv_heads, dim, signed_sin=True)
+    k_cache, v_cache, write_rows = rope.k_cache, rope.v_cache, rope.rows
+    inputs = [x, norm_w, w, None, rope.positions, rope.cos, rope.sin, k_cache, v_cache, write_rows]
+    inputs += [eps, head_norm]
     q = runner(heads, kv_heads, True).forward(inputs, tactic)
 
     qkv = _norm64(x, norm_w, eps) @ w.double().T
     qk = qkv[:, : (heads + kv_heads) * dim].view(m, heads + kv_heads, dim)
     qk = qk * torch.rsqrt(qk.pow(2).mean(-1, keepdim=True) + eps) * head_norm.double()
-    c, s = cos.double()[positions][:, None], sin.double()[positions][:, None]
-
-    def rope(t: torch.Tensor) -> torch.Tensor:  # rotate-half with the signed table
-        half = t.shape[-1] // 2
-        return t * c + torch.cat((t[..., half:], t[..., :half]), -1) * s
-
-    q_want, k_want = rope(qk[:, :heads]), rope(qk[:, heads:]).reshape(m * kv_heads, dim)
+    c = rope.cos.double()[rope.positions][:, None]
+    s = rope.sin64[rope.positions][:, None]
+    q_want = _rope64(qk[:, :heads], c, s)
+    k_want = _rope64(qk[:, heads:], c, s).reshape(m * kv_heads, dim)
     v_want = qkv[:, (heads + kv_heads) * dim :].reshape(m * kv_heads, dim)
     seed = gen.initial_seed()
     assert _rel(q, q_want) < TOL[dtype], seed

@@ -78,6 +78,36 @@ def _check_all(runner, inputs, want, tol, every, out_of=lambda out: out):
                 assert torch.equal(out_of(runner.forward(inputs, tactic)), got), tactic
 
 
+class _Rope:
+    """The engine's signed RoPE tables over 4096 positions in bf16, random positions of ``m``
+    tokens, their cache rows and NaN-poisoned K/V caches; :meth:`apply` rotates a float64 tensor
+    with the rounded tables, as the kernels read them."""
+
+    def __init__(self, m: int, kv: int, dim: int) -> None:
+        self.positions = torch.randint(0, 4096, (m,), device=DEV)
+        angles = torch.rand(4096, dim // 2, device=DEV, dtype=torch.float64) * 6.3
+        self.cos = torch.cat((angles.cos(), angles.cos()), -1).to(BF16)
+        self.sin = torch.cat((-angles.sin(), angles.sin()), -1).to(BF16)
+        self.rows = torch.randperm(4096 * kv, device=DEV)[: m * kv]
+        self.k_cache = torch.full((4096 * kv, dim), float("nan"), device=DEV, dtype=BF16)
+        self.v_cache = self.k_cache.clone()
+
+    def apply(self, t: torch.Tensor) -> torch.Tensor:
+        c = self.cos.double()[self.positions][:, None]
+        s = self.sin.double()[self.positions][:, None]
+        half = t.shape[-1] // 2
+        return t * c + torch.cat((t[..., half:], t[..., :half]), -1) * s
+
+
+def _qkv_runners(heads: int, kv: int) -> tuple[Any, ...]:
+    """The fused QKV op's three Triton runners for the engine's signed tables."""
+    return (
+        TritonNormQkvRope(heads, kv, True),
+        TritonQkvRopeNormInLoop(heads, kv, True),
+        TritonQkvRopeAfterNorm(heads, kv, True),
+    )
+
+
 @pytest.mark.parametrize("name,m", CASES)
 def test_every_fused_tactic_matches_float64_and_the_unfused_path(name, m):
     hidden, inter, heads, kv, dim, _, has_bias = SHAPES[name]
@@ -106,33 +136,15 @@ def test_every_fused_tactic_matches_float64_and_the_unfused_path(name, m):
     rows = (heads + 2 * kv) * dim
     w_qkv = _randn(rows, hidden, scale=hidden**-0.5)
     bias = _randn(rows) if has_bias else None
-    positions = torch.randint(0, 4096, (m,), device=DEV)
-    angles = torch.rand(4096, dim // 2, device=DEV, dtype=torch.float64) * 6.3
-    cos = torch.cat((angles.cos(), angles.cos()), -1).to(BF16)
-    sin = torch.cat((-angles.sin(), angles.sin()), -1).to(BF16)  # the engine's signed table
-    write_rows = torch.randperm(4096 * kv, device=DEV)[: m * kv]
-    k_cache = torch.full((4096 * kv, dim), float("nan"), device=DEV, dtype=BF16)
-    v_cache = k_cache.clone()
+    rope = _Rope(m, kv, dim)
+    k_cache, v_cache, write_rows = rope.k_cache, rope.v_cache, rope.rows
     qkv = h64 @ w_qkv.double().T + (bias.double() if bias is not None else 0.0)
-    # The kernel reads the rounded tables; so does the reference.
-    c, s = cos.double()[positions][:, None], sin.double()[positions][:, None]
-
-    def rope(t: torch.Tensor) -> torch.Tensor:  # rotate-half with the signed table
-        half = t.shape[-1] // 2
-        swapped = torch.cat((t[..., half:], t[..., :half]), -1)
-        return t * c + swapped * s
-
-    q_want = rope(qkv[:, : heads * dim].view(m, heads, dim))
-    k_want = rope(qkv[:, heads * dim : (heads + kv) * dim].view(m, kv, dim)).reshape(-1, dim)
+    q_want = rope.apply(qkv[:, : heads * dim].view(m, heads, dim))
+    k_want = rope.apply(qkv[:, heads * dim : (heads + kv) * dim].view(m, kv, dim)).reshape(-1, dim)
     v_want = qkv[:, (heads + kv) * dim :].reshape(-1, dim)
-    inputs = [x, norm_w, w_qkv, bias, positions, cos, sin, k_cache, v_cache, write_rows, eps]
-    inputs.append(None)
-    runners = (
-        TritonNormQkvRope(heads, kv, True),
-        TritonQkvRopeNormInLoop(heads, kv, True),
-        TritonQkvRopeAfterNorm(heads, kv, True),
-    )
-    for runner in runners:
+    inputs = [x, norm_w, w_qkv, bias, rope.positions, rope.cos, rope.sin, k_cache, v_cache]
+    inputs += [write_rows, eps, None]
+    for runner in _qkv_runners(heads, kv):
         for tactic in _tactics(runner, inputs, every):
             k_cache.fill_(float("nan"))
             v_cache.fill_(float("nan"))
@@ -152,30 +164,15 @@ def test_qk_norm_tactics_match_float64_at_the_qwen3_moe_shape(m):
     x, norm_w = _randn(m, hidden), (1 + 0.1 * torch.randn(hidden, device=DEV)).to(BF16)
     w_qkv = _randn((heads + 2 * kv) * dim, hidden, scale=hidden**-0.5)
     head_norm = (1 + 0.2 * torch.randn(heads + kv, dim, device=DEV)).to(BF16)
-    positions = torch.randint(0, 4096, (m,), device=DEV)
-    angles = torch.rand(4096, dim // 2, device=DEV, dtype=torch.float64) * 6.3
-    cos = torch.cat((angles.cos(), angles.cos()), -1).to(BF16)
-    sin = torch.cat((-angles.sin(), angles.sin()), -1).to(BF16)
-    write_rows = torch.randperm(4096 * kv, device=DEV)[: m * kv]
-    k_cache = torch.full((4096 * kv, dim), float("nan"), device=DEV, dtype=BF16)
-    v_cache = k_cache.clone()
+    rope = _Rope(m, kv, dim)
+    k_cache, write_rows = rope.k_cache, rope.rows
     qkv = _norm64(x, norm_w, eps) @ w_qkv.double().T
     qk = qkv[:, : (heads + kv) * dim].view(m, heads + kv, dim)
     qk = qk * torch.rsqrt(qk.pow(2).mean(-1, keepdim=True) + eps) * head_norm.double()
-    c, s = cos.double()[positions][:, None], sin.double()[positions][:, None]
-
-    def rope(t: torch.Tensor) -> torch.Tensor:  # rotate-half with the signed table
-        half = t.shape[-1] // 2
-        return t * c + torch.cat((t[..., half:], t[..., :half]), -1) * s
-
-    q_want, k_want = rope(qk[:, :heads]), rope(qk[:, heads:]).reshape(-1, dim)
-    inputs = [x, norm_w, w_qkv, None, positions, cos, sin, k_cache, v_cache, write_rows, eps]
-    inputs.append(head_norm)
-    runners = (
-        TritonNormQkvRope(heads, kv, True),
-        TritonQkvRopeNormInLoop(heads, kv, True),
-        TritonQkvRopeAfterNorm(heads, kv, True),
-    )
+    q_want, k_want = rope.apply(qk[:, :heads]), rope.apply(qk[:, heads:]).reshape(-1, dim)
+    inputs = [x, norm_w, w_qkv, None, rope.positions, rope.cos, rope.sin, k_cache, rope.v_cache]
+    inputs += [write_rows, eps, head_norm]
+    runners = _qkv_runners(heads, kv)
     for runner in runners:
         for tactic in _tactics(runner, inputs, 1):
             assert tactic["bn"] >= dim // 2, tactic

@@ -57,7 +57,6 @@ def gemv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    AHEAD: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """``out = a @ w.T (+ bias) (+ res)`` for ``a [M, K]``, ``w [N, K]``, without ``tl.dot``.
@@ -127,9 +126,6 @@ def gemv_kernel(
         w_next = tl.load(w_ptrs)
     else:
         w_next = tl.load(w_ptrs, mask=(offs_k < K_PER_SPLIT)[None, :], other=0.0)
-    if AHEAD == 2:
-        w_ptrs += BLOCK_K * stride_wk
-        w_next2 = tl.load(w_ptrs, mask=(BLOCK_K + offs_k < K_PER_SPLIT)[None, :], other=0.0)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -143,12 +139,7 @@ def gemv_kernel(
         a_offs = (k_first + k + offs_k)[None, :] * stride_ak + a_rows
         w = w_next.to(tl.float32)  # shared by every row
         w_ptrs += BLOCK_K * stride_wk
-        if AHEAD == 2:
-            w_next = w_next2
-            ahead = (k + 2 * BLOCK_K + offs_k < K_PER_SPLIT)[None, :]
-            w_next2 = tl.load(w_ptrs, mask=ahead, other=0.0)
-        else:
-            w_next = tl.load(w_ptrs, mask=(k + BLOCK_K + offs_k < K_PER_SPLIT)[None, :], other=0.0)
+        w_next = tl.load(w_ptrs, mask=(k + BLOCK_K + offs_k < K_PER_SPLIT)[None, :], other=0.0)
         prod = w * tl.load(a_row0 + a_offs, mask=k_mask, other=k_other).to(tl.float32)
         acc0 += prod if DEFER else tl.sum(prod, axis=1)
         if BLOCK_M > 1:

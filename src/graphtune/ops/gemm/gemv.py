@@ -84,9 +84,6 @@ MIN_PROGRAM_BYTES = 4096
 _MAX_TILE_ELEMENTS = 1 << 20
 
 
-GEMV_AHEAD = 1
-
-
 def gemv_kernels() -> ModuleType:
     """The module of the GEMV kernel (imported on first use; needs Triton), so that importing
     :mod:`graphtune.ops` never imports Triton."""
@@ -296,7 +293,6 @@ class TritonGemvRunner(TritonRunner):
             BLOCK_M=bm,
             BLOCK_N=bn,
             BLOCK_K=bk,
-            AHEAD=GEMV_AHEAD,
             # No tl.dot and a plain range loop: nothing to pipeline, so no shared-memory stages.
             num_warps=warps,
             num_stages=1,

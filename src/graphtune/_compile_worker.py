@@ -7,8 +7,9 @@ a 16-core host, 16 workers importing torch at once took about 6 s before the fir
 Here a worker imports only this module, ``graphtune``'s own light ``__init__``, and Triton.
 
 The kernel modules (``graphtune.ops.gemm._gemv_kernels`` and the like) import nothing but
-Triton, so :func:`compile_job` loads each one from its file under its own dotted name, without
-running the ``__init__`` of the packages above it. The source, and so Triton's cache key for
+Triton and :mod:`graphtune._rope_jit` (device functions two of them share, which imports nothing
+but Triton either), so :func:`compile_job` loads each one from its file under its own dotted
+name, without running the ``__init__`` of the packages above it. The source, and so Triton's cache key for
 every kernel in it, is the same as in the tuning process, which then finds each binary in the
 on-disk cache.
 

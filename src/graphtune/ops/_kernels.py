@@ -14,6 +14,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from graphtune._rope_jit import head_rms_norm_halves, rotate_halves
+
 
 @triton.jit(do_not_specialize=["M"])
 def gemm_kernel(
@@ -347,22 +349,10 @@ def rope_kv_kernel(
         w_src = norm_ptr + heads[:, None] * HEAD_DIM + cols[None, :]
         w1 = tl.load(w_src, mask=mask, other=0.0).to(tl.float32)
         w2 = tl.load(w_src + HALF, mask=mask, other=0.0).to(tl.float32)
-        x1 = ((x1 * inv).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
-        x2 = ((x2 * inv).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
-    if SIGNED_SIN:
-        # sin's first half holds -sin (engine.model.apply_rope_signed): x * cos is one rounded
-        # tensor, then addcmul adds swap(x) * signed_sin with one more rounding.
-        o1 = ((x1 * c1[None, :]).to(dtype).to(tl.float32) + x2 * s1[None, :]).to(dtype)
-        o2 = ((x2 * c2[None, :]).to(dtype).to(tl.float32) + x1 * s2[None, :]).to(dtype)
-    else:
-        o1 = (
-            (x1 * c1[None, :]).to(dtype).to(tl.float32)
-            + (-x2 * s1[None, :]).to(dtype).to(tl.float32)
-        ).to(dtype)
-        o2 = (
-            (x2 * c2[None, :]).to(dtype).to(tl.float32)
-            + (x1 * s2[None, :]).to(dtype).to(tl.float32)
-        ).to(dtype)
+        x1, x2 = head_rms_norm_halves(x1, x2, inv, w1, w2, dtype)
+    o1, o2 = rotate_halves(
+        x1, x2, c1[None, :], c2[None, :], s1[None, :], s2[None, :], SIGNED_SIN, dtype
+    )
     is_q = heads < NUM_HEADS
     q_dst = q_out_ptr + (b * NUM_HEADS + heads)[:, None] * HEAD_DIM + cols[None, :]
     q_mask = mask & is_q[:, None]

@@ -50,6 +50,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from graphtune._rope_jit import head_rms_norm_halves, rotate_halves
+
 
 @triton.jit(do_not_specialize=["M"])
 def fused_gemv_kernel(
@@ -321,8 +323,7 @@ def fused_gemv_kernel(
             w_row = hn_ptr + tl.minimum(head, NUM_HEADS + NUM_KV - 1) * (2 * HALF) + jc
             w1 = tl.load(w_row).to(tl.float32)
             w2 = tl.load(w_row + HALF).to(tl.float32)
-            n1 = ((x1f * inv).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
-            n2 = ((x2f * inv).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+            n1, n2 = head_rms_norm_halves(x1f, x2f, inv, w1, w2, dtype)
             normed = (col < tl.where(is_v, 0, HALF))[:, None]
             x1f = tl.where(normed, n1, x1f)
             x2f = tl.where(normed, n2, x2f)
@@ -330,16 +331,7 @@ def fused_gemv_kernel(
         c2 = tl.load(cos_ptr + pos[None, :] * stride_cos + HALF + jc).to(tl.float32)
         s1 = tl.load(sin_ptr + pos[None, :] * stride_sin + jc).to(tl.float32)
         s2 = tl.load(sin_ptr + pos[None, :] * stride_sin + HALF + jc).to(tl.float32)
-        if SIGNED_SIN:
-            o1 = ((x1f * c1).to(dtype).to(tl.float32) + x2f * s1).to(dtype)
-            o2 = ((x2f * c2).to(dtype).to(tl.float32) + x1f * s2).to(dtype)
-        else:
-            o1 = ((x1f * c1).to(dtype).to(tl.float32) + (-x2f * s1).to(dtype).to(tl.float32)).to(
-                dtype
-            )
-            o2 = ((x2f * c2).to(dtype).to(tl.float32) + (x1f * s2).to(dtype).to(tl.float32)).to(
-                dtype
-            )
+        o1, o2 = rotate_halves(x1f, x2f, c1, c2, s1, s2, SIGNED_SIN, dtype)
         q_mask = (col < tl.where(is_q, HALF, 0))[:, None] & row_ok[None, :]
         q_dst = out_ptr + rows64[None, :] * stride_om + head * (2 * HALF) + col[:, None]
         tl.store(q_dst, o1, mask=q_mask)

@@ -292,7 +292,7 @@ def _check_rope_tactic(tactic: Any) -> None:
 class TritonRopeRunner(_RopeRunnerMixin, TritonRunner):
     """Rotary q/k and the K/V cache write in one Triton kernel."""
 
-    source_modules = ("graphtune.ops._kernels",)
+    source_modules = ("graphtune.ops._kernels", "graphtune._rope_jit")
 
     def __init__(
         self,

@@ -20,7 +20,11 @@ class FusedTritonRunner(TritonRunner):
         compile_workers: Threads for ahead-of-time compilation.
     """
 
-    source_modules = ("graphtune.ops.fused_gemv.family", "graphtune.ops.fused_gemv._kernels")
+    source_modules = (
+        "graphtune.ops.fused_gemv.family",
+        "graphtune.ops.fused_gemv._kernels",
+        "graphtune._rope_jit",
+    )
 
     def __init__(self, *, sm_count: int | None = None, compile_workers: int | None = None) -> None:
         super().__init__(compile_workers=compile_workers)

@@ -146,37 +146,6 @@ def gemm_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["MN"])
-def splitk_reduce_kernel(
-    part_ptr,
-    bias_ptr,
-    res_ptr,
-    out_ptr,
-    MN,
-    N,
-    HAS_BIAS: tl.constexpr,
-    HAS_RES: tl.constexpr,
-    SPLIT_K: tl.constexpr,
-    BLOCK: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    """``out = sum_s part[s] (+ bias) (+ res)``; ``part [SPLIT_K, M, N]`` float32, ``res`` and
-    ``out`` contiguous ``[M, N]`` (``out`` may be ``res``)."""
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()  # the partials come from the GEMM before
-        tl.extra.cuda.gdc_launch_dependents()
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < MN
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in tl.static_range(SPLIT_K):
-        acc += tl.load(part_ptr + s * MN + offs, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
-    if HAS_RES:
-        acc += tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
 @triton.jit
 def rms_norm_kernel(
     x_ptr,

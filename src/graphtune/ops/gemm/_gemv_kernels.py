@@ -37,6 +37,8 @@ def gemv_kernel(
     bias_ptr,
     res_ptr,
     out_ptr,
+    ws_ptr,
+    count_ptr,
     M,
     N,
     K_PER_SPLIT,
@@ -46,7 +48,6 @@ def gemv_kernel(
     stride_wk,
     stride_rm,
     stride_rn,
-    stride_os,
     stride_om,
     stride_on,
     HAS_BIAS: tl.constexpr,
@@ -76,8 +77,11 @@ def gemv_kernel(
 
     Epilogue as :func:`graphtune.ops._kernels.gemm_kernel`: bias and residual are added in float32
     and rounded once; ``out`` may be ``res`` (each element is read, then written, by the same
-    program). With ``SPLIT_K > 1`` float32 partials go to ``out[s]`` (``[SPLIT_K, M, N]``) and
-    ``splitk_reduce_kernel`` sums them (deterministic, no atomics, no zero-fill: capturable).
+    program). With ``SPLIT_K > 1`` the splits of a tile meet in this launch, as the tiled GEMM's
+    do (``graphtune.ops._split_k``): each stores its float32 ``[BLOCK_M, BLOCK_N]`` partial in
+    ``ws``, counts itself in the tile's counter (``count``, zero between launches), and the split
+    that counts last sums the partials in split order (deterministic), runs the epilogue and
+    resets the counter.
     """
     pid = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -160,81 +164,119 @@ def gemv_kernel(
             prod = w * tl.load(a_row7 + a_offs, mask=k_mask, other=k_other).to(tl.float32)
             acc7 += prod if DEFER else tl.sum(prod, axis=1)
 
-    # Epilogue, row by row. A split-K partial skips bias and residual (the reduction adds them)
-    # and is stored as float32 (out is the float32 partials, so the cast is a no-op).
-    EPILOGUE: tl.constexpr = SPLIT_K == 1
-    if HAS_BIAS and EPILOGUE:
+    if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
-    out_ptr += pid_s.to(tl.int64) * stride_os
     out_cols = offs_n * stride_on
     res_cols = offs_n * stride_rn
     out_ty = out_ptr.dtype.element_ty
+    if SPLIT_K > 1:
+        # The rows' sums as one [BLOCK_M, BLOCK_N] tile, exchanged as gemm_kernel's split-K does:
+        # the barrier before the count orders every thread's partial stores before its release,
+        # the one after orders every thread's reads of the partials after the acquire.
+        lines = tl.arange(0, BLOCK_M)[:, None]
+        tile = tl.where(lines == 0, (tl.sum(acc0, axis=1) if DEFER else acc0)[None, :], 0.0)
+        if BLOCK_M > 1:
+            tile = tl.where(lines == 1, (tl.sum(acc1, axis=1) if DEFER else acc1)[None, :], tile)
+        if BLOCK_M > 2:
+            tile = tl.where(lines == 2, (tl.sum(acc2, axis=1) if DEFER else acc2)[None, :], tile)
+            tile = tl.where(lines == 3, (tl.sum(acc3, axis=1) if DEFER else acc3)[None, :], tile)
+        if BLOCK_M > 4:
+            tile = tl.where(lines == 4, (tl.sum(acc4, axis=1) if DEFER else acc4)[None, :], tile)
+            tile = tl.where(lines == 5, (tl.sum(acc5, axis=1) if DEFER else acc5)[None, :], tile)
+            tile = tl.where(lines == 6, (tl.sum(acc6, axis=1) if DEFER else acc6)[None, :], tile)
+            tile = tl.where(lines == 7, (tl.sum(acc7, axis=1) if DEFER else acc7)[None, :], tile)
+        cells = BLOCK_M * BLOCK_N
+        cell = lines * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        first = ws_ptr + (pid * SPLIT_K).to(tl.int64) * cells + cell
+        tl.store(first + pid_s * cells, tile)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        tl.debug_barrier()
+        is_last = arrived == SPLIT_K - 1
+        # A block mask and-ed with a scalar one is rejected by the interpreter: bounds instead.
+        live = cell < tl.where(is_last, cells, 0)
+        tile = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for s in tl.static_range(SPLIT_K):
+            tile += tl.load(first + s * cells, mask=live, other=0.0, cache_modifier=".cg")
+        tl.store(count_ptr + pid, 0, mask=is_last)
+        rows = (row0 + lines).to(tl.int64)
+        mask = (rows < tl.where(is_last, M, 0)) & (offs_n < N)[None, :]
+        if HAS_BIAS:
+            tile += bias[None, :]
+        if HAS_RES:
+            tile += tl.load(res_ptr + rows * stride_rm + res_cols[None, :], mask=mask).to(
+                tl.float32
+            )
+        tl.store(out_ptr + rows * stride_om + out_cols[None, :], tile.to(out_ty), mask=mask)
+        return
+
+    # Epilogue, row by row.
     # A per-row bound (N, or 0 past the last row) instead of `n_ok & (row < M)`: Triton's CPU
     # interpreter rejects a block mask and-ed with a scalar one.
     row = row0.to(tl.int64)
     mask = offs_n < tl.where(row < M, N, 0)
     total = tl.sum(acc0, axis=1) if DEFER else acc0
-    if HAS_BIAS and EPILOGUE:
+    if HAS_BIAS:
         total += bias
-    if HAS_RES and EPILOGUE:
+    if HAS_RES:
         total += tl.load(res_ptr + row * stride_rm + res_cols, mask=mask).to(tl.float32)
     tl.store(out_ptr + row * stride_om + out_cols, total.to(out_ty), mask=mask)
     if BLOCK_M > 1:
         row += 1
         mask = offs_n < tl.where(row < M, N, 0)
         total = tl.sum(acc1, axis=1) if DEFER else acc1
-        if HAS_BIAS and EPILOGUE:
+        if HAS_BIAS:
             total += bias
-        if HAS_RES and EPILOGUE:
+        if HAS_RES:
             total += tl.load(res_ptr + row * stride_rm + res_cols, mask=mask).to(tl.float32)
         tl.store(out_ptr + row * stride_om + out_cols, total.to(out_ty), mask=mask)
     if BLOCK_M > 2:
         row += 1
         mask = offs_n < tl.where(row < M, N, 0)
         total = tl.sum(acc2, axis=1) if DEFER else acc2
-        if HAS_BIAS and EPILOGUE:
+        if HAS_BIAS:
             total += bias
-        if HAS_RES and EPILOGUE:
+        if HAS_RES:
             total += tl.load(res_ptr + row * stride_rm + res_cols, mask=mask).to(tl.float32)
         tl.store(out_ptr + row * stride_om + out_cols, total.to(out_ty), mask=mask)
         row += 1
         mask = offs_n < tl.where(row < M, N, 0)
         total = tl.sum(acc3, axis=1) if DEFER else acc3
-        if HAS_BIAS and EPILOGUE:
+        if HAS_BIAS:
             total += bias
-        if HAS_RES and EPILOGUE:
+        if HAS_RES:
             total += tl.load(res_ptr + row * stride_rm + res_cols, mask=mask).to(tl.float32)
         tl.store(out_ptr + row * stride_om + out_cols, total.to(out_ty), mask=mask)
     if BLOCK_M > 4:
         row += 1
         mask = offs_n < tl.where(row < M, N, 0)
         total = tl.sum(acc4, axis=1) if DEFER else acc4
-        if HAS_BIAS and EPILOGUE:
+        if HAS_BIAS:
             total += bias
-        if HAS_RES and EPILOGUE:
+        if HAS_RES:
             total += tl.load(res_ptr + row * stride_rm + res_cols, mask=mask).to(tl.float32)
         tl.store(out_ptr + row * stride_om + out_cols, total.to(out_ty), mask=mask)
         row += 1
         mask = offs_n < tl.where(row < M, N, 0)
         total = tl.sum(acc5, axis=1) if DEFER else acc5
-        if HAS_BIAS and EPILOGUE:
+        if HAS_BIAS:
             total += bias
-        if HAS_RES and EPILOGUE:
+        if HAS_RES:
             total += tl.load(res_ptr + row * stride_rm + res_cols, mask=mask).to(tl.float32)
         tl.store(out_ptr + row * stride_om + out_cols, total.to(out_ty), mask=mask)
         row += 1
         mask = offs_n < tl.where(row < M, N, 0)
         total = tl.sum(acc6, axis=1) if DEFER else acc6
-        if HAS_BIAS and EPILOGUE:
+        if HAS_BIAS:
             total += bias
-        if HAS_RES and EPILOGUE:
+        if HAS_RES:
             total += tl.load(res_ptr + row * stride_rm + res_cols, mask=mask).to(tl.float32)
         tl.store(out_ptr + row * stride_om + out_cols, total.to(out_ty), mask=mask)
         row += 1
         mask = offs_n < tl.where(row < M, N, 0)
         total = tl.sum(acc7, axis=1) if DEFER else acc7
-        if HAS_BIAS and EPILOGUE:
+        if HAS_BIAS:
             total += bias
-        if HAS_RES and EPILOGUE:
+        if HAS_RES:
             total += tl.load(res_ptr + row * stride_rm + res_cols, mask=mask).to(tl.float32)
         tl.store(out_ptr + row * stride_om + out_cols, total.to(out_ty), mask=mask)

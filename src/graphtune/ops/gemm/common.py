@@ -1,21 +1,17 @@
-"""What every GEMM runner shares: the input rules, ``out=`` and in-place handling, split-K
-plumbing, and the torch path.
+"""What every GEMM runner shares: the input rules, ``out=`` and in-place handling, the kernels'
+operands, and the torch path.
 
 Inputs of every GEMM runner are ``[a, weight, bias, residual, inplace]`` (see
 :mod:`graphtune.ops.gemm`), plus, for ``forward`` only, an optional sixth element: the output
 tensor of ``gemm(..., out=)``. Where the result goes does not change which kernel is fastest, so
 it stays out of the inputs the tuner sees (and out of the cache key).
 
-Split-K of the CUDA-core GEMV runner: ``split_k`` programs per output tile each sum one slice
-of ``K`` into a float32 ``[split, M, N]`` partial (:func:`split_k_partials`), and
-``splitk_reduce_kernel`` sums the partials in a fixed order and adds bias and residual
-(:func:`reduce_split_k`): deterministic, no atomics, no zero-fill, so capturable. (The tiled GEMM
-reduces its splits inside its own launch: ``graphtune.ops._split_k``.)
+Both Triton GEMM kernels reduce a split-K tactic's splits inside their own launch
+(``graphtune.ops._split_k``).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -23,7 +19,7 @@ import torch.nn.functional as F
 
 from graphtune.autotuner.runner import FALLBACK_TACTIC, TunableRunner
 from graphtune.errors import InputError
-from graphtune.ops._triton import device_supported, kernels, run_kernel
+from graphtune.ops._triton import device_supported
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 """Operand dtypes the Triton GEMM kernels take."""
@@ -86,15 +82,6 @@ def result_tensor(
     return torch.empty((a.shape[0], n), device=a.device, dtype=a.dtype)
 
 
-def split_k_partials(split: int, m: int, n: int, device: torch.device) -> torch.Tensor:
-    """The float32 ``[split, M, N]`` partials of a split-K launch.
-
-    Uninitialised on purpose: every element is written by exactly one program, so there is no
-    zero-fill kernel (and nothing that would have to run before a graph replay).
-    """
-    return torch.empty((split, m, n), device=device, dtype=torch.float32)
-
-
 def kernel_operands(
     a: torch.Tensor,
     weight: torch.Tensor,
@@ -111,39 +98,6 @@ def kernel_operands(
     res = residual if residual is not None else a
     pointers = (a, weight, bias if bias is not None else a, res)
     return pointers, (*a.stride(), *weight.stride(), *res.stride())
-
-
-def reduce_split_k(
-    partials: torch.Tensor,
-    bias: torch.Tensor | None,
-    residual: torch.Tensor | None,
-    out: torch.Tensor,
-    warmup: bool,
-) -> None:
-    """Launches ``splitk_reduce_kernel``: ``out = sum(partials) (+ bias) (+ residual)``.
-
-    ``out`` and ``residual`` must be contiguous ``[M, N]`` (``out`` may be ``residual``); the sum
-    runs in a fixed order, so split-K results are deterministic.
-    """
-    split, m, n = partials.shape
-    block = 1024
-    placeholder = out  # unread pointer for an absent bias / residual (out's dtype, as theirs)
-    args = (
-        partials,
-        bias if bias is not None else placeholder,
-        residual if residual is not None else placeholder,
-        out,
-        m * n,
-        n,
-    )
-    meta = dict(
-        HAS_BIAS=bias is not None,
-        HAS_RES=residual is not None,
-        SPLIT_K=split,
-        BLOCK=block,
-        num_warps=4,
-    )
-    run_kernel(kernels().splitk_reduce_kernel, (math.ceil(m * n / block),), args, meta, warmup)
 
 
 def torch_gemm(inputs: list[Any]) -> torch.Tensor:

@@ -5,8 +5,8 @@ At batch 1..8 ``out = a @ weight.T`` streams the whole weight once and is memory
 bandwidth. :class:`TritonGemvRunner` runs ``graphtune.ops.gemm._gemv_kernels.gemv_kernel``: each
 program streams ``[bn, bk]`` weight tiles along ``K`` and multiplies every tile by all activation
 rows in float32, then adds bias / residual like :class:`~graphtune.ops.gemm.TritonGemmRunner`
-(same inputs, ``out=`` and in-place semantics, same split-K reduction kernel: see
-:mod:`graphtune.ops.gemm.common`).
+(same inputs, ``out=`` and in-place semantics, and the same split-K in one launch: the last
+split of a tile to finish sums the partials, :mod:`graphtune.ops._split_k`).
 
 Tactics are dicts ``{"bn", "bk", "warps", "split_k"}``. Pruning rules of :func:`gemv_tactics`
 (a pruned config is never timed):
@@ -54,13 +54,13 @@ import torch
 
 from graphtune.autotuner.config import next_power_of_two
 from graphtune.errors import ConfigError
+from graphtune.ops._counters import arrival_counters
+from graphtune.ops._split_k import split_partials
 from graphtune.ops._triton import device_limits, kernel_module, run_kernel
 from graphtune.ops._triton_runner import TritonRunner
 from graphtune.ops.gemm.common import (
     kernel_operands,
-    reduce_split_k,
     result_tensor,
-    split_k_partials,
     torch_gemm,
     triton_gemm_supports,
     unpack_gemm_inputs,
@@ -220,7 +220,7 @@ class TritonGemvRunner(TritonRunner):
         compile_workers: Threads for ahead-of-time compilation.
     """
 
-    source_modules = ("graphtune.ops.gemm._gemv_kernels", "graphtune.ops._kernels")
+    source_modules = ("graphtune.ops.gemm._gemv_kernels",)
 
     def __init__(
         self,
@@ -263,7 +263,7 @@ class TritonGemvRunner(TritonRunner):
         return torch_gemm(inputs)
 
     def launch(self, inputs: list[Any], tactic: Any, *, warmup: bool = False) -> torch.Tensor:
-        """Runs the GEMV kernel (and the split-K reduction) for ``tactic``.
+        """Runs the GEMV kernel for ``tactic`` (one launch, split-K included).
 
         Raises:
             ConfigError: ``tactic`` breaks a rule of :func:`check_gemv_tactic` for this K.
@@ -279,11 +279,16 @@ class TritonGemvRunner(TritonRunner):
         if m == 0:
             return out
         bm = rows_per_program(m)
-        target = out if split == 1 else split_k_partials(split, m, n, a.device)
+        tiles = -(-m // bm) * -(-n // bn)
         k_per_split = k // split
         pointers, strides = kernel_operands(a, weight, bias, residual)
-        split_stride, *target_strides = target.stride() if split > 1 else (0, *target.stride())
-        args = (*pointers, target, m, n, k_per_split, *strides, split_stride, *target_strides)
+        ws = counters = a  # unread placeholders without a split
+        if split > 1:
+            ws = split_partials(tiles, split, bm * bn, False, a.device)
+            counters = arrival_counters(
+                a.device, tiles, user="Triton GEMV split-K", fix="use a tactic with split_k 1"
+            )
+        args = (*pointers, out, ws, counters, m, n, k_per_split, *strides, *out.stride())
         meta = dict(
             HAS_BIAS=bias is not None,
             HAS_RES=residual is not None,
@@ -297,8 +302,5 @@ class TritonGemvRunner(TritonRunner):
             num_warps=warps,
             num_stages=1,
         )
-        grid = (-(-m // bm) * -(-n // bn), split)
-        run_kernel(gemv_kernels().gemv_kernel, grid, args, meta, warmup)
-        if split > 1:
-            reduce_split_k(target, bias, residual, out, warmup)
+        run_kernel(gemv_kernels().gemv_kernel, (tiles, split), args, meta, warmup)
         return out

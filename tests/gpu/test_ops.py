@@ -109,6 +109,14 @@ def test_every_valid_gemv_tactic_on_the_decode_shapes(name, m):
     inplace = residual.clone()
     assert runner.forward([a, w, None, inplace, True], tactics[-1]) is inplace
     assert _rel(inplace, want.double()) < BF16_TOL
+    # Split-K (offered for one row only) runs any row count, its splits summed in one launch.
+    counters = arrival_counters(a.device, 1, user="test", fix="none")
+    split = {"bn": 4, "bk": 256, "warps": 4, "split_k": 2}
+    got = runner.forward(inputs, split)
+    assert _rel(got, want.double()) < BF16_TOL
+    for _ in range(3):
+        assert torch.equal(runner.forward(inputs, split), got)
+    assert not counters.any()  # every launch left its counters at zero
 
 
 def test_lm_head_gemm_shape():

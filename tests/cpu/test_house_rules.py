@@ -23,6 +23,7 @@ ALWAYS_ALLOWED = {
     "graphtune._version",
     "graphtune.cuda_memory",
     "graphtune._compile_worker",  # imports nothing from graphtune (docs/design.md)
+    "graphtune._rope_jit",  # Triton device functions kernel modules share (docs/design.md)
 }
 ALLOWED_IMPORTS = {
     "graphs": {"graphs"},

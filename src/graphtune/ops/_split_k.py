@@ -1,8 +1,9 @@
 """Split-K in one kernel: a launch's partials workspace and its slices of ``K``.
 
-A split-K launch of the fused GEMV (``graphtune.ops.fused_gemv._kernels.fused_gemv_kernel``) or
-of the tiled GEMM (``graphtune.ops._kernels.gemm_kernel``) runs ``split`` programs per output
-tile, each over one slice of ``K``. Each stores its float32 partial tile into a per-launch
+A split-K launch of the fused GEMV (``graphtune.ops.fused_gemv._kernels.fused_gemv_kernel``), of
+the tiled GEMM (``graphtune.ops._kernels.gemm_kernel``) or of the CUDA-core GEMV
+(``graphtune.ops.gemm._gemv_kernels.gemv_kernel``) runs ``split`` programs per output tile, each
+over one slice of ``K``. Each stores its float32 partial tile into a per-launch
 workspace (:func:`split_partials`) and counts its arrival in the tile's counter
 (``graphtune.ops._counters``); the program that arrives last sums the partials in split order,
 runs the epilogue and sets the counter back to zero. So one kernel does the whole product, and

@@ -7,11 +7,11 @@ a 16-core host, 16 workers importing torch at once took about 6 s before the fir
 Here a worker imports only this module, ``graphtune``'s own light ``__init__``, and Triton.
 
 The kernel modules (``graphtune.ops.gemm._gemv_kernels`` and the like) import nothing but
-Triton and :mod:`graphtune._rope_jit` (device functions two of them share, which imports nothing
-but Triton either), so :func:`compile_job` loads each one from its file under its own dotted
-name, without running the ``__init__`` of the packages above it. The source, and so Triton's
-cache key for every kernel in it, is the same as in the tuning process, which then finds each
-binary in the on-disk cache.
+Triton, :mod:`graphtune._rope_jit` and :mod:`graphtune._split_k_jit` (device functions several of
+them share, which import nothing but Triton either), so :func:`compile_job` loads each one from
+its file under its own dotted name, without running the ``__init__`` of the packages above it.
+The source, and so Triton's cache key for every kernel in it, is the same as in the tuning
+process, which then finds each binary in the on-disk cache.
 
 A job may also build the kernel's host launcher (:func:`build_launcher`): Triton up to 3.6
 generates a C launcher per kernel signature and builds it with the C compiler when a kernel is

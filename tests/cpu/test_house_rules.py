@@ -4,6 +4,7 @@ no references to files outside the repository."""
 from __future__ import annotations
 
 import ast
+import importlib
 import re
 import subprocess
 import sys
@@ -24,7 +25,10 @@ ALWAYS_ALLOWED = {
     "graphtune.cuda_memory",
     "graphtune._compile_worker",  # imports nothing from graphtune (docs/design.md)
     "graphtune._rope_jit",  # Triton device functions kernel modules share (docs/design.md)
+    "graphtune._split_k_jit",  # the same, for the one-kernel split exchange
 }
+# Leaf modules of Triton device functions: a runner's cache identity must hash them too.
+JIT_LEAVES = {"graphtune._rope_jit", "graphtune._split_k_jit"}
 ALLOWED_IMPORTS = {
     "graphs": {"graphs"},
     "autotuner": {"autotuner"},
@@ -172,6 +176,34 @@ def _cycle_path(graph: dict[str, set[str]], component: list[str]) -> list[str]:
         node = fresh[0]
         seen.add(node)
         path.append(node)
+
+
+def _declared_source_modules() -> dict[str, tuple[str, ...]]:
+    """``source_modules`` of every runner class under ``graphtune.ops``, by ``module.Class``."""
+    found = {}
+    for module in _modules():
+        if not module.startswith("graphtune.ops"):
+            continue
+        for name, obj in vars(importlib.import_module(module)).items():
+            if isinstance(obj, type) and obj.__module__ == module and "source_modules" in vars(obj):
+                found[f"{module}.{name}"] = tuple(obj.source_modules)
+    return found
+
+
+def test_runners_hash_the_device_functions_their_kernels_import() -> None:
+    # A kernel that calls a shared device function changes when that function does; its picks
+    # must then be tuned again, so the function's module is part of the runner's identity.
+    graph = _graph()
+    declared = _declared_source_modules()
+    assert declared, "no runner declares source_modules: the scan found nothing"
+    missing = [
+        f"{runner} lists {module}, which imports {leaf}: add {leaf!r} to its source_modules"
+        for runner, listed in sorted(declared.items())
+        for module in listed
+        for leaf in sorted(graph.get(module, set()) & JIT_LEAVES)
+        if leaf not in listed
+    ]
+    assert not missing, "\n".join(missing)
 
 
 OUTSIDE_REFERENCES = re.compile(r"\bDESIGN\.md|\.\./shared|/work/|EXAMPLES\.md")

@@ -5,12 +5,12 @@
 With several splits per (request, KV head) its float32 partials are merged either by the second
 kernel, :func:`decode_attention_combine_kernel`, or (``INLINE_COMBINE``) by whichever split
 program of the row finishes last: each program stores its partial, then takes a ticket from a
-per-row arrival counter; the program holding the last ticket reads every partial in split order
-(so the result does not depend on which program came last: deterministic), writes the output and
-resets the counter to 0 for the next call. That removes the combine kernel and its kernel
-boundary while keeping the split's parallelism. The counters live in a persistent zeroed buffer
-(``graphtune.ops._counters``), so nothing is zero-filled per call and the launch
-is capturable.
+per-row arrival counter; the program holding the last ticket resets the counter to 0 for the
+next call, reads every partial in split order (so the result does not depend on which program
+came last: deterministic) and writes the output (``graphtune/_split_k_jit.py``). That removes
+the combine kernel and its kernel boundary while keeping the split's parallelism. The counters
+live in a persistent zeroed buffer (``graphtune.ops._counters``), so nothing is zero-filled per
+call and the launch is capturable.
 
 PDL (``graphtune.ops._pdl``): :func:`decode_attention_kernel` scans the mask before
 ``gdc_wait()``, and when each split's slice is a single tile (``ONE_TILE``: short contexts
@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from graphtune._split_k_jit import last_to_arrive
 
 
 @triton.jit
@@ -188,17 +190,13 @@ def decode_attention_kernel(
         tl.store(ws_rows + HEAD_DIM, m_i, mask=row_ok)
         tl.store(ws_rows + HEAD_DIM + 1, l_i, mask=row_ok)
         if INLINE_COMBINE:
-            # Every thread's partial is stored before the ticket is taken (the release of the
-            # acq_rel atomic then publishes them at GPU scope).
-            tl.debug_barrier()
-            ticket = tl.atomic_add(cnt_ptr + bh, 1, sem="acq_rel", scope="gpu")
-            if ticket == SPLITS - 1:
+            # The one-kernel split exchange (graphtune/_split_k_jit.py), with a softmax merge.
+            if last_to_arrive(cnt_ptr + bh, SPLITS):
                 # A helper of its own: the branch then rebinds no name of this kernel (Triton's
                 # code generator requires a name bound before a runtime `if` to keep its type).
                 _merge_partials(
                     ws_ptr, out_ptrs, bh, rows, dims, row_ok, G, SPLITS, BLOCK_G, HEAD_DIM
                 )
-                tl.atomic_xchg(cnt_ptr + bh, 0)  # ready for the next call
 
 
 @triton.jit
@@ -239,7 +237,6 @@ def _merge_partials(
     Partials are read from L2 (``.cg``): other SMs wrote them, and this SM's L1 may hold lines of
     the same workspace from an earlier call.
     """
-    tl.debug_barrier()
     row_base = ws_ptr + (bh * SPLITS * G + rows) * (HEAD_DIM + 2)
     m_max = tl.zeros((BLOCK_G,), dtype=tl.float32) - 1.0e30
     for s in range(0, SPLITS):

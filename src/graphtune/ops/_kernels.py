@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from graphtune._rope_jit import head_rms_norm_halves, rotate_halves
+from graphtune._split_k_jit import last_to_arrive, sum_partials
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -115,22 +116,13 @@ def gemm_kernel(
         up_ptrs += BLOCK_K * stride_wk
     row_bound = M
     if SPLIT_K > 1:
-        # The barrier before the count orders every thread's partial stores before its release;
-        # the one after orders every thread's reads of the partials after the acquire.
+        # The one-kernel split exchange (graphtune/_split_k_jit.py).
         cells = BLOCK_M * BLOCK_N
         cell = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        first = ws_ptr + (pid * SPLIT_K).to(tl.int64) * cells + cell
-        tl.store(first + pid_s * cells, acc)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu")
-        tl.debug_barrier()
-        is_last = arrived == SPLIT_K - 1
-        # A block mask and-ed with a scalar one is rejected by the interpreter: bounds instead.
-        live = cell < tl.where(is_last, cells, 0)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for s in tl.static_range(SPLIT_K):
-            acc += tl.load(first + s * cells, mask=live, other=0.0, cache_modifier=".cg")
-        tl.store(count_ptr + pid, 0, mask=is_last)
+        first = ws_ptr + (pid * SPLIT_K).to(tl.int64) * cells
+        tl.store(first + pid_s * cells + cell, acc)
+        is_last = last_to_arrive(count_ptr + pid, SPLIT_K)
+        acc = sum_partials(first, cell, is_last, SPLIT_K, cells)
         row_bound = tl.where(is_last, M, 0)  # only the last split stores results
     mask = (offs_m[:, None] < row_bound) & (offs_n[None, :] < N)
     if SILU_PAIRS:

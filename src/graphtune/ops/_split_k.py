@@ -6,8 +6,9 @@ the tiled GEMM (``graphtune.ops._kernels.gemm_kernel``) or of the CUDA-core GEMV
 over one slice of ``K``. Each stores its float32 partial tile into a per-launch
 workspace (:func:`split_partials`) and counts its arrival in the tile's counter
 (``graphtune.ops._counters``); the program that arrives last sums the partials in split order,
-runs the epilogue and sets the counter back to zero. So one kernel does the whole product, and
-the result does not depend on the order in which the splits finish.
+runs the epilogue and sets the counter back to zero (the device functions of
+``graphtune._split_k_jit``). So one kernel does the whole product, and the result does not depend
+on the order in which the splits finish.
 """
 
 from __future__ import annotations

@@ -39,6 +39,10 @@ from graphtune.ops._pdl import pdl_meta
 
 logger = logging.getLogger(__name__)
 
+#: The source modules of a runner of ``graphtune.ops._kernels`` (its ``source_modules``): the
+#: kernels, and the Triton device functions they import.
+KERNELS_SOURCES = ("graphtune.ops._kernels", "graphtune._rope_jit", "graphtune._split_k_jit")
+
 
 class TritonUnavailableError(ConfigError, ImportError):
     """A Triton runner was asked for, but Triton cannot be imported."""

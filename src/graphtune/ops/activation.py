@@ -27,6 +27,7 @@ from graphtune.autotuner.tuner import AutoTuner
 from graphtune.errors import ConfigError, InputError
 from graphtune.ops._rows import as_rows, from_rows
 from graphtune.ops._triton import (
+    KERNELS_SOURCES,
     check_block_tactic,
     device_supported,
     elementwise_tactics,
@@ -133,7 +134,7 @@ class TorchSiluAndMulRunner(TunableRunner):
 class TritonSiluAndMulRunner(TritonRunner):
     """Fused SiLU-and-mul in one Triton kernel."""
 
-    source_modules = ("graphtune.ops._kernels",)
+    source_modules = KERNELS_SOURCES
 
     def supports(self, inputs: list[Any]) -> bool:
         """Float rows with a unit last stride, on a Triton device."""

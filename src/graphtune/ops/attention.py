@@ -289,7 +289,7 @@ class TritonDecodeAttention(TritonRunner):
         compile_workers: Threads for ahead-of-time compilation.
     """
 
-    source_modules = ("graphtune.ops._attention_kernels",)
+    source_modules = ("graphtune.ops._attention_kernels", "graphtune._split_k_jit")
 
     def __init__(self, *, sm_count: int | None = None, compile_workers: int | None = None) -> None:
         super().__init__(compile_workers=compile_workers)

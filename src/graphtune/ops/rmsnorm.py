@@ -29,6 +29,7 @@ from graphtune.autotuner.tuner import AutoTuner
 from graphtune.errors import ConfigError, InputError
 from graphtune.ops._rows import as_rows, from_rows
 from graphtune.ops._triton import (
+    KERNELS_SOURCES,
     check_block_tactic,
     device_supported,
     elementwise_tactics,
@@ -97,7 +98,7 @@ class TorchRMSNormRunner(TunableRunner):
 class TritonRMSNormRunner(TritonRunner):
     """Fused residual add + RMSNorm in one Triton kernel (one program per row)."""
 
-    source_modules = ("graphtune.ops._kernels",)
+    source_modules = KERNELS_SOURCES
 
     def supports(self, inputs: list[Any]) -> bool:
         """Float16/bfloat16/float32 rows with a unit last stride, on a Triton device."""

@@ -48,6 +48,7 @@ from graphtune.autotuner.runner import FALLBACK_TACTIC, TunableRunner, preferred
 from graphtune.autotuner.tuner import AutoTuner
 from graphtune.errors import ConfigError, InputError, describe_tensor
 from graphtune.ops._triton import (
+    KERNELS_SOURCES,
     device_supported,
     kernels,
     run_kernel,
@@ -292,7 +293,7 @@ def _check_rope_tactic(tactic: Any) -> None:
 class TritonRopeRunner(_RopeRunnerMixin, TritonRunner):
     """Rotary q/k and the K/V cache write in one Triton kernel."""
 
-    source_modules = ("graphtune.ops._kernels", "graphtune._rope_jit")
+    source_modules = KERNELS_SOURCES
 
     def __init__(
         self,

@@ -29,7 +29,7 @@ from graphtune.autotuner.runner import TunableRunner
 from graphtune.autotuner.tuner import AutoTuner
 from graphtune.errors import ConfigError, InputError
 from graphtune.ops._rows import as_rows, from_rows
-from graphtune.ops._triton import device_limits
+from graphtune.ops._triton import KERNELS_SOURCES, device_limits
 from graphtune.ops._triton_runner import TritonRunner
 from graphtune.ops.activation import silu_and_mul, torch_silu_and_mul
 from graphtune.ops.fused._base import (
@@ -192,7 +192,7 @@ class TritonGateUpSiluTiled(AfterNormOp, TritonRunner):
         compile_workers: Threads for ahead-of-time compilation.
     """
 
-    source_modules = ("graphtune.ops._kernels", "graphtune.ops.gemm.tiled")
+    source_modules = (*KERNELS_SOURCES, "graphtune.ops.gemm.tiled")
 
     def __init__(
         self,

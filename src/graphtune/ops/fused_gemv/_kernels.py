@@ -51,6 +51,7 @@ import triton
 import triton.language as tl
 
 from graphtune._rope_jit import head_rms_norm_halves, rotate_halves
+from graphtune._split_k_jit import last_to_arrive, sum_partials
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -247,33 +248,20 @@ def fused_gemv_kernel(
         t_a = (tl.sum(acc_a, axis=1) if DEFER else acc_a)[:, None]
         t_b = (tl.sum(acc_b, axis=1) if DEFER else acc_b)[:, None]
     if SPLIT > 1:
-        # Split-K without a second kernel: every split stores its float32 partial tile, then
-        # counts itself in the tile's counter; the split that counts last sums the partials in
-        # split order (the result does not depend on which split finished last), resets the
-        # counter for the next launch and runs the epilogue. The barrier orders the whole
-        # program's stores before the release of the count; the one after it orders every
-        # thread's reads of the partials after the acquire (as the attention kernel's merge).
+        # Split-K without a second kernel: every split stores its float32 partial tile (two for
+        # paired tiles), and the split that counts last in the tile's counter sums them in split
+        # order and runs the epilogue (graphtune/_split_k_jit.py).
         tile = pid_m * tl.num_programs(0) + pid
+        cells = BLOCK_N * BLOCK_M
         cell = lanes[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
-        mine = ws_ptr + (tile * SPLIT + pid_s).to(tl.int64) * (BLOCK_N * BLOCK_M) + cell
-        tl.store(mine, t_a)
+        first = ws_ptr + (tile * SPLIT).to(tl.int64) * cells
+        tl.store(first + pid_s * cells + cell, t_a)
         if MODE != 0:
-            tl.store(mine + WS_PAIR, t_b)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        tl.debug_barrier()
-        is_last = arrived == SPLIT - 1
-        # A block mask and-ed with a scalar one is rejected by the interpreter: a bound instead.
-        live = cell < tl.where(is_last, BLOCK_N * BLOCK_M, 0)
-        first = ws_ptr + (tile * SPLIT).to(tl.int64) * (BLOCK_N * BLOCK_M) + cell
-        t_a = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        t_b = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for s in tl.static_range(SPLIT):
-            part = first + s * (BLOCK_N * BLOCK_M)
-            t_a += tl.load(part, mask=live, other=0.0, cache_modifier=".cg")
-            if MODE != 0:
-                t_b += tl.load(part + WS_PAIR, mask=live, other=0.0, cache_modifier=".cg")
-        tl.store(count_ptr + tile, 0, mask=is_last)
+            tl.store(first + WS_PAIR + pid_s * cells + cell, t_b)
+        is_last = last_to_arrive(count_ptr + tile, SPLIT)
+        t_a = sum_partials(first, cell, is_last, SPLIT, cells)
+        if MODE != 0:
+            t_b = sum_partials(first + WS_PAIR, cell, is_last, SPLIT, cells)
         row_ok = rows < tl.where(is_last, M, 0)  # only the last split stores results
     if NORM == 2:
         # rms_norm(x) @ w.T == rsqrt(mean(x^2) + eps) * ((x * norm_weight) @ w.T)

@@ -24,6 +24,7 @@ class FusedTritonRunner(TritonRunner):
         "graphtune.ops.fused_gemv.family",
         "graphtune.ops.fused_gemv._kernels",
         "graphtune._rope_jit",
+        "graphtune._split_k_jit",
     )
 
     def __init__(self, *, sm_count: int | None = None, compile_workers: int | None = None) -> None:

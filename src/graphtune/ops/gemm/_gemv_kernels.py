@@ -29,6 +29,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from graphtune._split_k_jit import last_to_arrive, sum_partials
+
 
 @triton.jit(do_not_specialize=["M"])
 def gemv_kernel(
@@ -170,9 +172,8 @@ def gemv_kernel(
     res_cols = offs_n * stride_rn
     out_ty = out_ptr.dtype.element_ty
     if SPLIT_K > 1:
-        # The rows' sums as one [BLOCK_M, BLOCK_N] tile, exchanged as gemm_kernel's split-K does:
-        # the barrier before the count orders every thread's partial stores before its release,
-        # the one after orders every thread's reads of the partials after the acquire.
+        # The rows' sums as one [BLOCK_M, BLOCK_N] tile, exchanged as every split-K kernel's
+        # (graphtune/_split_k_jit.py).
         lines = tl.arange(0, BLOCK_M)[:, None]
         tile = tl.where(lines == 0, (tl.sum(acc0, axis=1) if DEFER else acc0)[None, :], 0.0)
         if BLOCK_M > 1:
@@ -187,18 +188,10 @@ def gemv_kernel(
             tile = tl.where(lines == 7, (tl.sum(acc7, axis=1) if DEFER else acc7)[None, :], tile)
         cells = BLOCK_M * BLOCK_N
         cell = lines * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        first = ws_ptr + (pid * SPLIT_K).to(tl.int64) * cells + cell
-        tl.store(first + pid_s * cells, tile)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu")
-        tl.debug_barrier()
-        is_last = arrived == SPLIT_K - 1
-        # A block mask and-ed with a scalar one is rejected by the interpreter: bounds instead.
-        live = cell < tl.where(is_last, cells, 0)
-        tile = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for s in tl.static_range(SPLIT_K):
-            tile += tl.load(first + s * cells, mask=live, other=0.0, cache_modifier=".cg")
-        tl.store(count_ptr + pid, 0, mask=is_last)
+        first = ws_ptr + (pid * SPLIT_K).to(tl.int64) * cells
+        tl.store(first + pid_s * cells + cell, tile)
+        is_last = last_to_arrive(count_ptr + pid, SPLIT_K)
+        tile = sum_partials(first, cell, is_last, SPLIT_K, cells)
         rows = (row0 + lines).to(tl.int64)
         mask = (rows < tl.where(is_last, M, 0)) & (offs_n < N)[None, :]
         if HAS_BIAS:

@@ -220,7 +220,7 @@ class TritonGemvRunner(TritonRunner):
         compile_workers: Threads for ahead-of-time compilation.
     """
 
-    source_modules = ("graphtune.ops.gemm._gemv_kernels",)
+    source_modules = ("graphtune.ops.gemm._gemv_kernels", "graphtune._split_k_jit")
 
     def __init__(
         self,

@@ -34,7 +34,7 @@ from graphtune.autotuner.config import next_power_of_two
 from graphtune.errors import ConfigError
 from graphtune.ops._counters import arrival_counters
 from graphtune.ops._split_k import split_partials
-from graphtune.ops._triton import device_limits, kernels, run_kernel
+from graphtune.ops._triton import KERNELS_SOURCES, device_limits, kernels, run_kernel
 from graphtune.ops._triton_runner import TritonRunner
 from graphtune.ops.gemm.common import (
     kernel_operands,
@@ -169,7 +169,7 @@ class TritonGemmRunner(TritonRunner):
         compile_workers: Threads for ahead-of-time compilation.
     """
 
-    source_modules = ("graphtune.ops._kernels",)
+    source_modules = KERNELS_SOURCES
 
     def __init__(
         self,

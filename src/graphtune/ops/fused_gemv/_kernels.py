@@ -144,6 +144,20 @@ def fused_gemv_kernel(
         wa = tl.load(wa_ptrs + k_lo, mask=k_ok, other=0.0)
         if MODE != 0:
             wb = tl.load(wb_ptrs + k_lo, mask=k_ok, other=0.0)
+    # The epilogue's weights (bias, q/k norm) are read before the wait as well; its reads of
+    # earlier kernels' outputs (the residual; the positions, and through them the cos/sin rows,
+    # and the cache rows) right after it: issued before the main loop, they arrive during it
+    # instead of costing dependent round trips after it.
+    if HAS_BIAS:
+        bias_a = tl.load(bias_ptr + rows_a)
+        if MODE != 0:
+            bias_b = tl.load(bias_ptr + rows_b)
+    if MODE == 2:
+        jc = tl.minimum(col, HALF - 1)[:, None]
+        if HEAD_NORM:
+            w_row = hn_ptr + tl.minimum(head, NUM_HEADS + NUM_KV - 1) * (2 * HALF) + jc
+            w1 = tl.load(w_row)
+            w2 = tl.load(w_row + HALF)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         if MODE != 2:
@@ -151,7 +165,25 @@ def fused_gemv_kernel(
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
+    rows64 = rows.to(tl.int64)
     dtype = w_ptr.dtype.element_ty
+    if MODE == 0 and HAS_RES:
+        res = tl.load(
+            res_ptr + rows64[None, :] * stride_rm + col[:, None],
+            mask=col_ok[:, None] & row_ok[None, :],
+        )
+    if MODE == 2:
+        is_q = head < NUM_HEADS
+        is_k = (head >= NUM_HEADS) & (head < NUM_HEADS + NUM_KV)
+        is_v = head >= NUM_HEADS + NUM_KV
+        safe_rows = tl.minimum(rows, M - 1).to(tl.int64)
+        pos = tl.load(pos_ptr + safe_rows).to(tl.int64)
+        c1 = tl.load(cos_ptr + pos[None, :] * stride_cos + jc)
+        c2 = tl.load(cos_ptr + pos[None, :] * stride_cos + HALF + jc)
+        s1 = tl.load(sin_ptr + pos[None, :] * stride_sin + jc)
+        s2 = tl.load(sin_ptr + pos[None, :] * stride_sin + HALF + jc)
+        kv_head = tl.where(is_k, head - NUM_HEADS, tl.where(is_v, head - NUM_HEADS - NUM_KV, 0))
+        cache_row = tl.load(rows_ptr + safe_rows * NUM_KV + kv_head).to(tl.int64)
     if DOT:
         # x.T tile [BLOCK_K, BLOCK_M]; rows past M are clamped (their results are not stored).
         x_ptrs = x_ptr + tl.minimum(rows, M - 1).to(tl.int64)[None, :] * stride_xm + kk[:, None]
@@ -272,15 +304,13 @@ def fused_gemv_kernel(
         t_a = t_a * rstd_t
         t_b = t_b * rstd_t
     if HAS_BIAS:
-        t_a += tl.load(bias_ptr + rows_a).to(tl.float32)[:, None]
+        t_a += bias_a.to(tl.float32)[:, None]
         if MODE != 0:
-            t_b += tl.load(bias_ptr + rows_b).to(tl.float32)[:, None]
-    rows64 = rows.to(tl.int64)
+            t_b += bias_b.to(tl.float32)[:, None]
     out_ty = out_ptr.dtype.element_ty
     if MODE == 0:
         mask = col_ok[:, None] & row_ok[None, :]
         if HAS_RES:
-            res = tl.load(res_ptr + rows64[None, :] * stride_rm + col[:, None], mask=mask)
             t_a += res.to(tl.float32)
         tl.store(out_ptr + rows64[None, :] * stride_om + col[:, None], t_a.to(out_ty), mask=mask)
     elif MODE == 1:
@@ -294,38 +324,34 @@ def fused_gemv_kernel(
     else:
         x1f = t_a.to(dtype).to(tl.float32)
         x2f = t_b.to(dtype).to(tl.float32)
-        safe_rows = tl.minimum(rows, M - 1).to(tl.int64)
-        pos = tl.load(pos_ptr + safe_rows).to(tl.int64)
-        jc = tl.minimum(col, HALF - 1)[:, None]
         # The head kind is one scalar per program; it becomes a per-column bound (HALF, or 0)
         # because the interpreter rejects a block mask and-ed with a scalar one.
-        is_q = head < NUM_HEADS
-        is_k = (head >= NUM_HEADS) & (head < NUM_HEADS + NUM_KV)
-        is_v = head >= NUM_HEADS + NUM_KV
         if HEAD_NORM:
             # The tile is the whole head (columns past HALF are clamped copies, left out of the
             # sum): float32 statistics of the rounded projection, then the roundings of
             # graphtune.ops.rmsnorm.head_rms_norm_ (normalised, then times the weight).
             sq = tl.where(col_ok[:, None], x1f * x1f + x2f * x2f, 0.0)
             inv = tl.rsqrt(tl.sum(sq, axis=0) / (2 * HALF) + eps)[None, :]
-            w_row = hn_ptr + tl.minimum(head, NUM_HEADS + NUM_KV - 1) * (2 * HALF) + jc
-            w1 = tl.load(w_row).to(tl.float32)
-            w2 = tl.load(w_row + HALF).to(tl.float32)
-            n1, n2 = head_rms_norm_halves(x1f, x2f, inv, w1, w2, dtype)
+            n1, n2 = head_rms_norm_halves(
+                x1f, x2f, inv, w1.to(tl.float32), w2.to(tl.float32), dtype
+            )
             normed = (col < tl.where(is_v, 0, HALF))[:, None]
             x1f = tl.where(normed, n1, x1f)
             x2f = tl.where(normed, n2, x2f)
-        c1 = tl.load(cos_ptr + pos[None, :] * stride_cos + jc).to(tl.float32)
-        c2 = tl.load(cos_ptr + pos[None, :] * stride_cos + HALF + jc).to(tl.float32)
-        s1 = tl.load(sin_ptr + pos[None, :] * stride_sin + jc).to(tl.float32)
-        s2 = tl.load(sin_ptr + pos[None, :] * stride_sin + HALF + jc).to(tl.float32)
-        o1, o2 = rotate_halves(x1f, x2f, c1, c2, s1, s2, SIGNED_SIN, dtype)
+        o1, o2 = rotate_halves(
+            x1f,
+            x2f,
+            c1.to(tl.float32),
+            c2.to(tl.float32),
+            s1.to(tl.float32),
+            s2.to(tl.float32),
+            SIGNED_SIN,
+            dtype,
+        )
         q_mask = (col < tl.where(is_q, HALF, 0))[:, None] & row_ok[None, :]
         q_dst = out_ptr + rows64[None, :] * stride_om + head * (2 * HALF) + col[:, None]
         tl.store(q_dst, o1, mask=q_mask)
         tl.store(q_dst + HALF, o2, mask=q_mask)
-        kv_head = tl.where(is_k, head - NUM_HEADS, tl.where(is_v, head - NUM_HEADS - NUM_KV, 0))
-        cache_row = tl.load(rows_ptr + safe_rows * NUM_KV + kv_head).to(tl.int64)
         k_mask = (col < tl.where(is_k, HALF, 0))[:, None] & row_ok[None, :]
         k_dst = k_ptr + cache_row[None, :] * stride_kc + col[:, None]
         tl.store(k_dst, o1, mask=k_mask)

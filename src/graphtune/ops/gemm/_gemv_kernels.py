@@ -132,9 +132,33 @@ def gemv_kernel(
         w_next = tl.load(w_ptrs)
     else:
         w_next = tl.load(w_ptrs, mask=(offs_k < K_PER_SPLIT)[None, :], other=0.0)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + n_safe).to(tl.float32)  # a weight too: before the wait
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    # The residual is the epilogue's one read of an earlier kernel's output: issued here, it
+    # arrives during the main loop instead of costing a round trip after it. Rows and features
+    # are clamped like the loads above (the store masks drop them).
+    lines = tl.arange(0, BLOCK_M)[:, None]
+    res_cols = n_safe * stride_rn
+    if HAS_RES:
+        if SPLIT_K > 1:
+            res_rows = tl.minimum(row0 + lines, M - 1).to(tl.int64) * stride_rm
+            res_tile = tl.load(res_ptr + res_rows + res_cols[None, :]).to(tl.float32)
+        else:
+            res_at = res_ptr + res_cols
+            res0 = tl.load(res_at + tl.minimum(row0, M - 1).to(tl.int64) * stride_rm)
+            if BLOCK_M > 1:
+                res1 = tl.load(res_at + tl.minimum(row0 + 1, M - 1).to(tl.int64) * stride_rm)
+            if BLOCK_M > 2:
+                res2 = tl.load(res_at + tl.minimum(row0 + 2, M - 1).to(tl.int64) * stride_rm)
+                res3 = tl.load(res_at + tl.minimum(row0 + 3, M - 1).to(tl.int64) * stride_rm)
+            if BLOCK_M > 4:
+                res4 = tl.load(res_at + tl.minimum(row0 + 4, M - 1).to(tl.int64) * stride_rm)
+                res5 = tl.load(res_at + tl.minimum(row0 + 5, M - 1).to(tl.int64) * stride_rm)
+                res6 = tl.load(res_at + tl.minimum(row0 + 6, M - 1).to(tl.int64) * stride_rm)
+                res7 = tl.load(res_at + tl.minimum(row0 + 7, M - 1).to(tl.int64) * stride_rm)
     for k in range(0, K_PER_SPLIT, BLOCK_K):
         if EVEN_K:
             k_mask = None
@@ -166,15 +190,11 @@ def gemv_kernel(
             prod = w * tl.load(a_row7 + a_offs, mask=k_mask, other=k_other).to(tl.float32)
             acc7 += prod if DEFER else tl.sum(prod, axis=1)
 
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
     out_cols = offs_n * stride_on
-    res_cols = offs_n * stride_rn
     out_ty = out_ptr.dtype.element_ty
     if SPLIT_K > 1:
         # The rows' sums as one [BLOCK_M, BLOCK_N] tile, exchanged as every split-K kernel's
         # (graphtune/_split_k_jit.py).
-        lines = tl.arange(0, BLOCK_M)[:, None]
         tile = tl.where(lines == 0, (tl.sum(acc0, axis=1) if DEFER else acc0)[None, :], 0.0)
         if BLOCK_M > 1:
             tile = tl.where(lines == 1, (tl.sum(acc1, axis=1) if DEFER else acc1)[None, :], tile)
@@ -197,9 +217,7 @@ def gemv_kernel(
         if HAS_BIAS:
             tile += bias[None, :]
         if HAS_RES:
-            tile += tl.load(res_ptr + rows * stride_rm + res_cols[None, :], mask=mask).to(
-                tl.float32
-            )
+            tile += res_tile
         tl.store(out_ptr + rows * stride_om + out_cols[None, :], tile.to(out_ty), mask=mask)
         return
 
@@ -212,7 +230,7 @@ def gemv_kernel(
     if HAS_BIAS:
         total += bias
     if HAS_RES:
-        total += tl.load(res_ptr + row * stride_rm + res_cols, mask=mask).to(tl.float32)
+        total += res0.to(tl.float32)
     tl.store(out_ptr + row * stride_om + out_cols, total.to(out_ty), mask=mask)
     if BLOCK_M > 1:
         row += 1
@@ -221,7 +239,7 @@ def gemv_kernel(
         if HAS_BIAS:
             total += bias
         if HAS_RES:
-            total += tl.load(res_ptr + row * stride_rm + res_cols, mask=mask).to(tl.float32)
+            total += res1.to(tl.float32)
         tl.store(out_ptr + row * stride_om + out_cols, total.to(out_ty), mask=mask)
     if BLOCK_M > 2:
         row += 1
@@ -230,7 +248,7 @@ def gemv_kernel(
         if HAS_BIAS:
             total += bias
         if HAS_RES:
-            total += tl.load(res_ptr + row * stride_rm + res_cols, mask=mask).to(tl.float32)
+            total += res2.to(tl.float32)
         tl.store(out_ptr + row * stride_om + out_cols, total.to(out_ty), mask=mask)
         row += 1
         mask = offs_n < tl.where(row < M, N, 0)
@@ -238,7 +256,7 @@ def gemv_kernel(
         if HAS_BIAS:
             total += bias
         if HAS_RES:
-            total += tl.load(res_ptr + row * stride_rm + res_cols, mask=mask).to(tl.float32)
+            total += res3.to(tl.float32)
         tl.store(out_ptr + row * stride_om + out_cols, total.to(out_ty), mask=mask)
     if BLOCK_M > 4:
         row += 1
@@ -247,7 +265,7 @@ def gemv_kernel(
         if HAS_BIAS:
             total += bias
         if HAS_RES:
-            total += tl.load(res_ptr + row * stride_rm + res_cols, mask=mask).to(tl.float32)
+            total += res4.to(tl.float32)
         tl.store(out_ptr + row * stride_om + out_cols, total.to(out_ty), mask=mask)
         row += 1
         mask = offs_n < tl.where(row < M, N, 0)
@@ -255,7 +273,7 @@ def gemv_kernel(
         if HAS_BIAS:
             total += bias
         if HAS_RES:
-            total += tl.load(res_ptr + row * stride_rm + res_cols, mask=mask).to(tl.float32)
+            total += res5.to(tl.float32)
         tl.store(out_ptr + row * stride_om + out_cols, total.to(out_ty), mask=mask)
         row += 1
         mask = offs_n < tl.where(row < M, N, 0)
@@ -263,7 +281,7 @@ def gemv_kernel(
         if HAS_BIAS:
             total += bias
         if HAS_RES:
-            total += tl.load(res_ptr + row * stride_rm + res_cols, mask=mask).to(tl.float32)
+            total += res6.to(tl.float32)
         tl.store(out_ptr + row * stride_om + out_cols, total.to(out_ty), mask=mask)
         row += 1
         mask = offs_n < tl.where(row < M, N, 0)
@@ -271,5 +289,5 @@ def gemv_kernel(
         if HAS_BIAS:
             total += bias
         if HAS_RES:
-            total += tl.load(res_ptr + row * stride_rm + res_cols, mask=mask).to(tl.float32)
+            total += res7.to(tl.float32)
         tl.store(out_ptr + row * stride_om + out_cols, total.to(out_ty), mask=mask)

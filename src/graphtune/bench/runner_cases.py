@@ -116,6 +116,11 @@ def runner_cases() -> list[tuple[str, Any, list[Any]]]:
             [x_tiled, _rand(inter, hidden), None, _rand(tiled_m, inter), True],
         )
         add(f"gemv m={m}", TritonGemvRunner(), [x, _rand(inter, hidden), None, None, False])
+        add(
+            f"gemv+bias+residual m={m}",
+            TritonGemvRunner(),
+            [x, _rand(inter, hidden), _rand(inter), _rand(m, inter), True],
+        )
         add(f"rms_norm m={m}", TritonRMSNormRunner(), [x, nw, _rand(m, hidden), 1e-5])
         add(f"silu_and_mul m={m}", TritonSiluAndMulRunner(), [_rand(m, 2 * inter)])
         experts, top_k, expert_inter = 8, 2, 64

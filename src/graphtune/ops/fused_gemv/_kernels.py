@@ -144,10 +144,12 @@ def fused_gemv_kernel(
         wa = tl.load(wa_ptrs + k_lo, mask=k_ok, other=0.0)
         if MODE != 0:
             wb = tl.load(wb_ptrs + k_lo, mask=k_ok, other=0.0)
-    # The epilogue's weights (bias, q/k norm) are read before the wait as well; its reads of
-    # earlier kernels' outputs (the residual; the positions, and through them the cos/sin rows,
-    # and the cache rows) right after it: issued before the main loop, they arrive during it
-    # instead of costing dependent round trips after it.
+    # The epilogue's weights (bias, q/k norm) are read before the wait as well, and its reads of
+    # earlier kernels' outputs that need nothing else (the residual, the positions, the cache
+    # rows) right after it: issued before the main loop, they arrive during it instead of costing
+    # round trips after it. Nothing uses them before the loop (not even a cast): a warp stops at
+    # the first use of a load, and the loop's loads would wait behind it. The cos/sin rows need
+    # the positions, so they are read after the loop.
     if HAS_BIAS:
         bias_a = tl.load(bias_ptr + rows_a)
         if MODE != 0:
@@ -177,13 +179,9 @@ def fused_gemv_kernel(
         is_k = (head >= NUM_HEADS) & (head < NUM_HEADS + NUM_KV)
         is_v = head >= NUM_HEADS + NUM_KV
         safe_rows = tl.minimum(rows, M - 1).to(tl.int64)
-        pos = tl.load(pos_ptr + safe_rows).to(tl.int64)
-        c1 = tl.load(cos_ptr + pos[None, :] * stride_cos + jc)
-        c2 = tl.load(cos_ptr + pos[None, :] * stride_cos + HALF + jc)
-        s1 = tl.load(sin_ptr + pos[None, :] * stride_sin + jc)
-        s2 = tl.load(sin_ptr + pos[None, :] * stride_sin + HALF + jc)
+        pos = tl.load(pos_ptr + safe_rows)
         kv_head = tl.where(is_k, head - NUM_HEADS, tl.where(is_v, head - NUM_HEADS - NUM_KV, 0))
-        cache_row = tl.load(rows_ptr + safe_rows * NUM_KV + kv_head).to(tl.int64)
+        cache_row = tl.load(rows_ptr + safe_rows * NUM_KV + kv_head)
     if DOT:
         # x.T tile [BLOCK_K, BLOCK_M]; rows past M are clamped (their results are not stored).
         x_ptrs = x_ptr + tl.minimum(rows, M - 1).to(tl.int64)[None, :] * stride_xm + kk[:, None]
@@ -338,25 +336,22 @@ def fused_gemv_kernel(
             normed = (col < tl.where(is_v, 0, HALF))[:, None]
             x1f = tl.where(normed, n1, x1f)
             x2f = tl.where(normed, n2, x2f)
-        o1, o2 = rotate_halves(
-            x1f,
-            x2f,
-            c1.to(tl.float32),
-            c2.to(tl.float32),
-            s1.to(tl.float32),
-            s2.to(tl.float32),
-            SIGNED_SIN,
-            dtype,
-        )
+        at_cos = cos_ptr + pos.to(tl.int64)[None, :] * stride_cos + jc
+        at_sin = sin_ptr + pos.to(tl.int64)[None, :] * stride_sin + jc
+        c1 = tl.load(at_cos).to(tl.float32)
+        c2 = tl.load(at_cos + HALF).to(tl.float32)
+        s1 = tl.load(at_sin).to(tl.float32)
+        s2 = tl.load(at_sin + HALF).to(tl.float32)
+        o1, o2 = rotate_halves(x1f, x2f, c1, c2, s1, s2, SIGNED_SIN, dtype)
         q_mask = (col < tl.where(is_q, HALF, 0))[:, None] & row_ok[None, :]
         q_dst = out_ptr + rows64[None, :] * stride_om + head * (2 * HALF) + col[:, None]
         tl.store(q_dst, o1, mask=q_mask)
         tl.store(q_dst + HALF, o2, mask=q_mask)
         k_mask = (col < tl.where(is_k, HALF, 0))[:, None] & row_ok[None, :]
-        k_dst = k_ptr + cache_row[None, :] * stride_kc + col[:, None]
+        k_dst = k_ptr + cache_row.to(tl.int64)[None, :] * stride_kc + col[:, None]
         tl.store(k_dst, o1, mask=k_mask)
         tl.store(k_dst + HALF, o2, mask=k_mask)
         v_mask = (col < tl.where(is_v, HALF, 0))[:, None] & row_ok[None, :]
-        v_dst = v_ptr + cache_row[None, :] * stride_vc + col[:, None]
+        v_dst = v_ptr + cache_row.to(tl.int64)[None, :] * stride_vc + col[:, None]
         tl.store(v_dst, x1f.to(dtype), mask=v_mask)
         tl.store(v_dst + HALF, x2f.to(dtype), mask=v_mask)

@@ -133,19 +133,21 @@ def gemv_kernel(
     else:
         w_next = tl.load(w_ptrs, mask=(offs_k < K_PER_SPLIT)[None, :], other=0.0)
     if HAS_BIAS:
-        bias = tl.load(bias_ptr + n_safe).to(tl.float32)  # a weight too: before the wait
+        bias = tl.load(bias_ptr + n_safe)  # a weight too: before the wait
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     # The residual is the epilogue's one read of an earlier kernel's output: issued here, it
-    # arrives during the main loop instead of costing a round trip after it. Rows and features
-    # are clamped like the loads above (the store masks drop them).
+    # arrives during the main loop instead of costing a round trip after it. Nothing uses it
+    # before the loop (not even a cast): a warp stops at the first use of a load, and the loop's
+    # loads would wait behind it. Rows and features are clamped like the loads above (the store
+    # masks drop them).
     lines = tl.arange(0, BLOCK_M)[:, None]
     res_cols = n_safe * stride_rn
     if HAS_RES:
         if SPLIT_K > 1:
             res_rows = tl.minimum(row0 + lines, M - 1).to(tl.int64) * stride_rm
-            res_tile = tl.load(res_ptr + res_rows + res_cols[None, :]).to(tl.float32)
+            res_tile = tl.load(res_ptr + res_rows + res_cols[None, :])
         else:
             res_at = res_ptr + res_cols
             res0 = tl.load(res_at + tl.minimum(row0, M - 1).to(tl.int64) * stride_rm)
@@ -215,79 +217,79 @@ def gemv_kernel(
         rows = (row0 + lines).to(tl.int64)
         mask = (rows < tl.where(is_last, M, 0)) & (offs_n < N)[None, :]
         if HAS_BIAS:
-            tile += bias[None, :]
+            tile += bias.to(tl.float32)[None, :]
         if HAS_RES:
-            tile += res_tile
+            tile += res_tile.to(tl.float32)
         tl.store(out_ptr + rows * stride_om + out_cols[None, :], tile.to(out_ty), mask=mask)
-        return
-
-    # Epilogue, row by row.
-    # A per-row bound (N, or 0 past the last row) instead of `n_ok & (row < M)`: Triton's CPU
-    # interpreter rejects a block mask and-ed with a scalar one.
-    row = row0.to(tl.int64)
-    mask = offs_n < tl.where(row < M, N, 0)
-    total = tl.sum(acc0, axis=1) if DEFER else acc0
-    if HAS_BIAS:
-        total += bias
-    if HAS_RES:
-        total += res0.to(tl.float32)
-    tl.store(out_ptr + row * stride_om + out_cols, total.to(out_ty), mask=mask)
-    if BLOCK_M > 1:
-        row += 1
+    else:
+        # Epilogue, row by row. (An `else`, not a `return` above: Triton's code generator
+        # compiles the statements after a `return` nested in a static `if`.)
+        # A per-row bound (N, or 0 past the last row) instead of `n_ok & (row < M)`: Triton's CPU
+        # interpreter rejects a block mask and-ed with a scalar one.
+        row = row0.to(tl.int64)
         mask = offs_n < tl.where(row < M, N, 0)
-        total = tl.sum(acc1, axis=1) if DEFER else acc1
+        total = tl.sum(acc0, axis=1) if DEFER else acc0
         if HAS_BIAS:
-            total += bias
+            total += bias.to(tl.float32)
         if HAS_RES:
-            total += res1.to(tl.float32)
+            total += res0.to(tl.float32)
         tl.store(out_ptr + row * stride_om + out_cols, total.to(out_ty), mask=mask)
-    if BLOCK_M > 2:
-        row += 1
-        mask = offs_n < tl.where(row < M, N, 0)
-        total = tl.sum(acc2, axis=1) if DEFER else acc2
-        if HAS_BIAS:
-            total += bias
-        if HAS_RES:
-            total += res2.to(tl.float32)
-        tl.store(out_ptr + row * stride_om + out_cols, total.to(out_ty), mask=mask)
-        row += 1
-        mask = offs_n < tl.where(row < M, N, 0)
-        total = tl.sum(acc3, axis=1) if DEFER else acc3
-        if HAS_BIAS:
-            total += bias
-        if HAS_RES:
-            total += res3.to(tl.float32)
-        tl.store(out_ptr + row * stride_om + out_cols, total.to(out_ty), mask=mask)
-    if BLOCK_M > 4:
-        row += 1
-        mask = offs_n < tl.where(row < M, N, 0)
-        total = tl.sum(acc4, axis=1) if DEFER else acc4
-        if HAS_BIAS:
-            total += bias
-        if HAS_RES:
-            total += res4.to(tl.float32)
-        tl.store(out_ptr + row * stride_om + out_cols, total.to(out_ty), mask=mask)
-        row += 1
-        mask = offs_n < tl.where(row < M, N, 0)
-        total = tl.sum(acc5, axis=1) if DEFER else acc5
-        if HAS_BIAS:
-            total += bias
-        if HAS_RES:
-            total += res5.to(tl.float32)
-        tl.store(out_ptr + row * stride_om + out_cols, total.to(out_ty), mask=mask)
-        row += 1
-        mask = offs_n < tl.where(row < M, N, 0)
-        total = tl.sum(acc6, axis=1) if DEFER else acc6
-        if HAS_BIAS:
-            total += bias
-        if HAS_RES:
-            total += res6.to(tl.float32)
-        tl.store(out_ptr + row * stride_om + out_cols, total.to(out_ty), mask=mask)
-        row += 1
-        mask = offs_n < tl.where(row < M, N, 0)
-        total = tl.sum(acc7, axis=1) if DEFER else acc7
-        if HAS_BIAS:
-            total += bias
-        if HAS_RES:
-            total += res7.to(tl.float32)
-        tl.store(out_ptr + row * stride_om + out_cols, total.to(out_ty), mask=mask)
+        if BLOCK_M > 1:
+            row += 1
+            mask = offs_n < tl.where(row < M, N, 0)
+            total = tl.sum(acc1, axis=1) if DEFER else acc1
+            if HAS_BIAS:
+                total += bias.to(tl.float32)
+            if HAS_RES:
+                total += res1.to(tl.float32)
+            tl.store(out_ptr + row * stride_om + out_cols, total.to(out_ty), mask=mask)
+        if BLOCK_M > 2:
+            row += 1
+            mask = offs_n < tl.where(row < M, N, 0)
+            total = tl.sum(acc2, axis=1) if DEFER else acc2
+            if HAS_BIAS:
+                total += bias.to(tl.float32)
+            if HAS_RES:
+                total += res2.to(tl.float32)
+            tl.store(out_ptr + row * stride_om + out_cols, total.to(out_ty), mask=mask)
+            row += 1
+            mask = offs_n < tl.where(row < M, N, 0)
+            total = tl.sum(acc3, axis=1) if DEFER else acc3
+            if HAS_BIAS:
+                total += bias.to(tl.float32)
+            if HAS_RES:
+                total += res3.to(tl.float32)
+            tl.store(out_ptr + row * stride_om + out_cols, total.to(out_ty), mask=mask)
+        if BLOCK_M > 4:
+            row += 1
+            mask = offs_n < tl.where(row < M, N, 0)
+            total = tl.sum(acc4, axis=1) if DEFER else acc4
+            if HAS_BIAS:
+                total += bias.to(tl.float32)
+            if HAS_RES:
+                total += res4.to(tl.float32)
+            tl.store(out_ptr + row * stride_om + out_cols, total.to(out_ty), mask=mask)
+            row += 1
+            mask = offs_n < tl.where(row < M, N, 0)
+            total = tl.sum(acc5, axis=1) if DEFER else acc5
+            if HAS_BIAS:
+                total += bias.to(tl.float32)
+            if HAS_RES:
+                total += res5.to(tl.float32)
+            tl.store(out_ptr + row * stride_om + out_cols, total.to(out_ty), mask=mask)
+            row += 1
+            mask = offs_n < tl.where(row < M, N, 0)
+            total = tl.sum(acc6, axis=1) if DEFER else acc6
+            if HAS_BIAS:
+                total += bias.to(tl.float32)
+            if HAS_RES:
+                total += res6.to(tl.float32)
+            tl.store(out_ptr + row * stride_om + out_cols, total.to(out_ty), mask=mask)
+            row += 1
+            mask = offs_n < tl.where(row < M, N, 0)
+            total = tl.sum(acc7, axis=1) if DEFER else acc7
+            if HAS_BIAS:
+                total += bias.to(tl.float32)
+            if HAS_RES:
+                total += res7.to(tl.float32)
+            tl.store(out_ptr + row * stride_om + out_cols, total.to(out_ty), mask=mask)

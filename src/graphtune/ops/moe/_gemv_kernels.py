@@ -27,8 +27,9 @@ PDL (``graphtune.ops._pdl``): the weights these kernels read depend on the routi
 kernel follows the router, which writes the routing, so it loads nothing before ``gdc_wait()``.
 The down kernel always follows the gate/up kernel of the same call, which lets it launch only
 after its own ``gdc_wait()``, so the router has completed when the down kernel starts: it reads
-the expert ids and streams its first weight chunk before its ``gdc_wait()`` (overlapping them
-with the gate/up kernel's last wave), and the gate/up output after it. Each lets its successor
+the expert ids and routing weights and streams its first weight chunk before its
+``gdc_wait()`` (overlapping them with the gate/up kernel's last wave), and the gate/up output
+after it; the residual right after it, before its main loop. Each lets its successor
 launch right after its wait. As in ``graphtune.ops.gemm._gemv_kernels``, the reduction over
 ``K`` is written without helper ``@triton.jit`` calls (the interpreter pays for each nested call).
 """
@@ -180,11 +181,17 @@ def moe_gemv_down_kernel(
         w_next = tl.load(w_ptrs)
     else:
         w_next = tl.load(w_ptrs, mask=(offs_k < K)[None, :], other=0.0)
-    # The expert ids and the first weight chunk are read before waiting (see the module
-    # docstring); act, written by the gate/up kernel just before, only after.
+    # The expert ids, the routing weights and the first weight chunk are read before waiting
+    # (see the module docstring); act, written by the gate/up kernel just before, only after.
+    weight = tl.load(route_ptr + pair, mask=routed, other=0.0)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    cols = pid_n * BLOCK_F + tl.arange(0, BLOCK_F)
+    out_ptrs = out_ptr + token * stride_om + cols * stride_on
+    if HAS_RES:
+        # Issued before the loop and used only after it, so its round trip overlaps the loop.
+        res = tl.load(out_ptrs, mask=cols < N, other=0.0)
     acc = tl.zeros((BLOCK_S * BLOCK_F,), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         w = w_next.to(tl.float32)
@@ -194,13 +201,9 @@ def moe_gemv_down_kernel(
         a = tl.load(a_ptrs + k * stride_ak, mask=here, other=0.0).to(tl.float32)
         acc += tl.sum(w * a, axis=1)
     dtype = out_ptr.dtype.element_ty
-    weight = tl.load(route_ptr + pair, mask=routed, other=0.0).to(tl.float32)
-    y = (acc.to(dtype).to(tl.float32) * weight).to(dtype).to(tl.float32)
+    y = (acc.to(dtype).to(tl.float32) * weight.to(tl.float32)).to(dtype).to(tl.float32)
     total = tl.sum(tl.reshape(tl.where(routed, y, 0.0), (BLOCK_S, BLOCK_F)), axis=0)
-    cols = pid_n * BLOCK_F + tl.arange(0, BLOCK_F)
-    out_ptrs = out_ptr + token * stride_om + cols * stride_on
     result = total.to(dtype)
     if HAS_RES:
-        res = tl.load(out_ptrs, mask=cols < N, other=0.0).to(tl.float32)
-        result = (result.to(tl.float32) + res).to(dtype)
+        result = (result.to(tl.float32) + res.to(tl.float32)).to(dtype)
     tl.store(out_ptrs, result, mask=cols < N)

@@ -346,10 +346,14 @@ def test_main_end_to_end_on_a_tiny_shape(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(bench, "DTYPE", torch.float32)  # the interpreter's bf16 dot is broken
     import graphtune.autotuner as autotuner
+    from graphtune.autotuner.timing.wallclock import WallClockTimer
 
     policy = autotuner.TuningPolicy(rounds=1, remeasure_top=0, max_extra_rounds=0)
-    quick = functools.partial(autotuner.AutoTuner, policy=policy)
-    monkeypatch.setattr(autotuner, "AutoTuner", quick)  # one measurement per candidate
+    # The tuner's CPU timer (wall clock) with one window: one measurement per candidate, a
+    # warm-up and one timed call (its default of 5 windows runs each candidate 6 times).
+    timer = WallClockTimer(samples=1)
+    quick = functools.partial(autotuner.AutoTuner, timer, policy=policy)
+    monkeypatch.setattr(autotuner, "AutoTuner", quick)
     swept = []
 
     def fake_sweep(fns, calls, *, replays):

@@ -189,10 +189,10 @@ def run_child(
 def test_workers_compile_and_this_process_only_loads_the_same_binaries(tmp_path) -> None:
     pytest.importorskip("triton")
     pytest.importorskip("triton.knobs")
-    pooled = run_child(tmp_path, 2, [16], 512, 384)
+    pooled = run_child(tmp_path, 2, [16], 64, 64)
     if not pooled["pool_enabled"]:
         pytest.skip("this Triton has no knobs.runtime.jit_cache_hook (Triton < 3.4)")
-    alone = run_child(tmp_path, 0, [16], 512, 384)
+    alone = run_child(tmp_path, 0, [16], 64, 64)
     assert pooled["errors"] == [] and alone["errors"] == []
     count = pooled["binaries"]
     assert alone["binaries"] == count >= 4  # one kernel per tactic (no split-K reduction)
@@ -229,7 +229,7 @@ def test_workers_compile_and_this_process_only_loads_the_same_binaries(tmp_path)
 def test_binaries_handed_over_ahead_are_waited_for_not_compiled_again(tmp_path) -> None:
     pytest.importorskip("triton")
     pytest.importorskip("triton.knobs")
-    ahead = run_child(tmp_path, 2, [16], 512, 384, ahead=True)
+    ahead = run_child(tmp_path, 2, [16], 64, 64, ahead=True)
     if not ahead["pool_enabled"]:
         pytest.skip("this Triton has no knobs.runtime.jit_cache_hook (Triton < 3.4)")
     count = ahead["binaries"]
@@ -237,6 +237,6 @@ def test_binaries_handed_over_ahead_are_waited_for_not_compiled_again(tmp_path) 
     assert ahead["errors"] == [] and ahead["generated_here"] == 0  # loaded, never generated
     assert ahead["compiled_in_workers"] == count  # prepare_all waited for the same jobs
     assert ahead["ahead_left"] == 0  # close_compile_workers forgets them
-    alone = run_child(tmp_path, 0, [16], 512, 384, ahead=True)
+    alone = run_child(tmp_path, 0, [16], 64, 64, ahead=True)
     assert alone["handed_over"] is False and alone["ahead_jobs"] == 0  # no workers: up front
     assert alone["binaries"] == count and alone["generated_here"] == count

@@ -10,6 +10,7 @@ offer them, and the comparison with the untuned torch step means something.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -23,12 +24,22 @@ from graphtune.autotuner import AutoTuner  # noqa: E402
 from graphtune.autotuner.timing.base import Measurement  # noqa: E402
 from graphtune.engine import DecodeStep, Engine, KVCache, load_model, tune_step  # noqa: E402
 from graphtune.ops import attention  # noqa: E402
+from graphtune.ops._triton import collect_launches  # noqa: E402
 
 PROMPTS = [[1, 5, 9], [7, 3], [3, 4, 5, 6]]
 
 
 def _tuner() -> AutoTuner:
     return last_wins_tuner()
+
+
+@contextlib.contextmanager
+def _recorded(tuner: AutoTuner):
+    """A dry-run recording of the block's op calls (their picks from the cache) in which the
+    Triton kernels are keyed, not run (``collect_launches``): the fakes below read only the calls
+    and picks, and the interpreter takes about a second to run one step's kernels."""
+    with torch.no_grad(), tuner.record_calls(dry_run=True) as calls, collect_launches():
+        yield calls
 
 
 def test_tuned_engine_matches_untuned_and_reuses_the_cache_file(tmp_path):
@@ -319,7 +330,7 @@ class _CostModel:
 
         self.calls += 1
         self.warmups.append((warmup, repeat))
-        with torch.no_grad(), self.tuner.record_calls(dry_run=True) as calls:
+        with _recorded(self.tuner) as calls:
             fn(0)
         total = 0.0
         for call in calls:
@@ -333,7 +344,7 @@ class _CostModel:
 
 def _fused_picks(tuner: AutoTuner, step: DecodeStep, batch: int) -> dict[str, set[int]]:
     """Per fused op, the kinds of its picks: 0 the unfused runner, 1 a fused kernel."""
-    with torch.no_grad(), tuner.record_calls(dry_run=True) as calls:
+    with _recorded(tuner) as calls:
         step.decode(step.ops, *step.example_inputs(batch))
     picks: dict[str, set[int]] = {}
     for call in calls:
@@ -391,7 +402,7 @@ def test_whole_step_check_with_one_fused_profile_times_the_step_twice():
     tuner = _tuner()
     step = DecodeStep(model, KVCache(model.config, 1, 32), tuner=tuner)
     tune_step(step)
-    with torch.no_grad(), tuner.record_calls(dry_run=True) as calls:
+    with _recorded(tuner) as calls:
         step.decode(step.ops, *step.example_inputs(1))
     for call in calls:  # every fused profile but the QKV stage's on its unfused runner
         if call.op in _CostModel.FUSED and call.op != "graphtune.norm_qkv_rope":
@@ -416,7 +427,7 @@ def test_whole_step_check_unfuses_everything_when_only_all_together_pays():
         def measure(self, fn, *, warmup: int, repeat: int) -> Measurement:
             from graphtune.ops.fused._base import UnfusedRunner
 
-            with torch.no_grad(), self.tuner.record_calls(dry_run=True) as calls:
+            with _recorded(self.tuner) as calls:
                 fn(0)
             fused = [c for c in calls if isinstance(c.runners[0], UnfusedRunner)]
             on_kernel = [c for c in fused if self.tuner.cached(c)[1].runner_index]
@@ -471,7 +482,7 @@ def test_a_restart_records_the_unfused_step_only_where_a_fused_kernel_hides_sing
     assert tune_step(step).profiles_tuned == 0 and unfused_runs == [32]
     # With the MLP stage on its unfused runner at 32, every fused op runs its unfused runner
     # there: the recorded step shows every single-op call, and no unfused step is recorded.
-    with torch.no_grad(), tuner.record_calls(dry_run=True) as calls:
+    with _recorded(tuner) as calls:
         decode(step.ops, *step.example_inputs(32))
     for call in calls:
         if call.op == "graphtune.norm_gate_up_silu":

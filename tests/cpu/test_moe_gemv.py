@@ -136,25 +136,29 @@ def test_the_op_offers_the_gemv_path_and_tuning_keeps_it_to_decode_sizes():
         TritonFusedMoeRunner(compile_workers=1),
         TritonMoeGemvRunner(compile_workers=1),
     )
-    # E = 4, k = 2: buckets up to T = 32 (64 pairs) get GEMV tactics, bucket 64 does not.
-    experts, hidden, inter = 4, 32, 32
-    x, gate_up, down, weights, ids = moe_case(gen, 64, experts, hidden, inter)
+    # E = 8, k = 4: buckets up to T = 16 (64 pairs) get GEMV tactics, bucket 32 does not. The
+    # pairs of the largest GEMV bucket, not the bucket count, set the interpreter's cost (every
+    # candidate runs once per (pair, tile) program); H = I = 16 with 4 slots per token still
+    # lists 3 GEMV tactics and 3 down tiles at every GEMV bucket, so each is timed (run), none
+    # kept untimed as a single candidate.
+    experts, top_k, hidden, inter = 8, 4, 16, 16
+    x, gate_up, down, weights, ids = moe_case(gen, 32, experts, hidden, inter, top_k=top_k)
     with autotune(tuner=tuner):
-        fused_moe(x, gate_up, down, weights, ids, tuner=tuner, max_m=64, runners=runners)
+        fused_moe(x, gate_up, down, weights, ids, tuner=tuner, max_m=32, runners=runners)
     rows = tuner.summary_rows()
     picks = {row[1].split("x")[0]: row[2] for row in rows if row[0] == "graphtune.fused_moe"}
-    assert all("TritonMoeGemvRunner" in picks[str(t)] for t in (1, 2, 4, 8, 16, 32)), picks
-    assert "TritonFusedMoeRunner" in picks["64"], picks
-    # The down tiles were tuned beside them (graphtune.ops.moe.gemv_down); bucket 64 has none
+    assert all("TritonMoeGemvRunner" in picks[str(t)] for t in (1, 2, 4, 8, 16)), picks
+    assert "TritonFusedMoeRunner" in picks["32"], picks
+    # The down tiles were tuned beside them (graphtune.ops.moe.gemv_down); bucket 32 has none
     # (its single candidate, the fallback, is kept untimed).
     downs = {row[1].split("x")[0]: row[2] for row in rows if row[0] == gemv_down.OP_NAME}
-    assert set(downs) == {"1", "2", "4", "8", "16", "32", "64"}, downs
-    assert all('"features"' in downs[str(t)] for t in (1, 2, 4, 8, 16, 32)), downs
-    assert '"features"' not in downs["64"], downs
-    for tokens in (1, 5, 64):
-        inputs = moe_case(gen, tokens, experts, hidden, inter)
+    assert set(downs) == {"1", "2", "4", "8", "16", "32"}, downs
+    assert all('"features"' in downs[str(t)] for t in (1, 2, 4, 8, 16)), downs
+    assert '"features"' not in downs["32"], downs
+    for tokens in (1, 5, 32):
+        inputs = moe_case(gen, tokens, experts, hidden, inter, top_k=top_k)
         inputs[1], inputs[2] = gate_up, down
-        got = fused_moe(*inputs, tuner=tuner, max_m=64, runners=runners)
+        got = fused_moe(*inputs, tuner=tuner, max_m=32, runners=runners)
         assert rel_error(got, float64_moe(*inputs)) < TOL[torch.float32], tokens
     assert not tuner.stats.fallbacks and not tuner.stats.tactic_failures
 
@@ -211,12 +215,15 @@ def test_every_down_tile_matches_float64_and_the_gemv_pick_runs_with_it(dtype):
     """The down stage's candidates (graphtune.ops.moe.gemv_down) run the GEMV path with their
     own down tile, and the GEMV runner runs any of them beside any gate/up tile."""
     gen = gen_seeded()
-    inputs = moe_case(gen, 3, 8, 40, 48, dtype, top_k=3)
+    # 2 tokens of 3 slots (4 padded). H = 20, I = 40 list the same tiles as H = 40, I = 48 and
+    # run every mask: K in both kernels (20 < bk 32, 40 < bk 64) and the last program's
+    # features (8-feature down tiles, the 16-row gate/up tile).
+    inputs = moe_case(gen, 2, 8, 20, 40, dtype, top_k=3)
     want = float64_moe(*inputs)
     runner = gemv_down.TritonMoeGemvDownRunner(compile_workers=1)
     tiles = runner.get_valid_tactics(inputs, None)
     assert len(tiles) >= 3
-    gate_up = moe_gemv_tactics(3, 3, 40, 48, itemsize=inputs[0].element_size())[-1]
+    gate_up = moe_gemv_tactics(2, 3, 20, 40, itemsize=inputs[0].element_size())[-1]
     gemv = TritonMoeGemvRunner(compile_workers=1)
     for tile in tiles:
         with poisoned_allocations():

@@ -22,12 +22,12 @@ The contract a ``USE_PDL`` kernel keeps (every Triton kernel of a decode step do
   write-after-read (an in-place residual update of a tensor the predecessor reads) are both safe.
   One kernel reads more early: the fused-MoE GEMV path's down kernel, whose predecessor is always
   the gate/up kernel of the same call, reads the routing (expert ids and weights, written by
-  the kernel before that one) before its wait; by the next rule that kernel has completed when the down kernel starts
-  (``graphtune.ops.moe._gemv_kernels``). Decode attention reads its mask (written at the step's
-  start) before its wait, and a split's K/V tile when the split is one tile: of those, the
-  kernel before it writes only each request's new K/V row, the last key the mask leaves
-  visible, which it reads again after the wait (``graphtune.ops._attention_kernels``). The
-  GEMV, fused GEMV and MoE down kernels issue their epilogues' reads of earlier kernels'
+  the kernel before that one) before its wait; by the next rule that kernel has completed when
+  the down kernel starts (``graphtune.ops.moe._gemv_kernels``). Decode attention reads its mask
+  (written at the step's start) before its wait, and a split's K/V tile when the split is one
+  tile: of those, the kernel before it writes only each request's new K/V row, the last key the
+  mask leaves visible, which it reads again after the wait (``graphtune.ops._attention_kernels``).
+  The GEMV, fused GEMV and MoE down kernels issue their epilogues' reads of earlier kernels'
   outputs (the residual, the positions, the cache rows) right after the wait, before the main
   loop, and use them only in the epilogue, so those round trips overlap the loop instead of
   following it;

@@ -137,30 +137,18 @@ def gemv_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    # The epilogue's tiles are [BLOCK_N, BLOCK_M], features by rows: a row's [BLOCK_N] sum
+    # expands along axis 1 back into the weight tile's register layout, so assembling the tile
+    # needs no layout conversion through shared memory.
+    lines = tl.arange(0, BLOCK_M)[None, :]
     # The residual is the epilogue's one read of an earlier kernel's output: issued here, it
     # arrives during the main loop instead of costing a round trip after it. Nothing uses it
     # before the loop (not even a cast): a warp stops at the first use of a load, and the loop's
     # loads would wait behind it. Rows and features are clamped like the loads above (the store
     # masks drop them).
-    lines = tl.arange(0, BLOCK_M)[:, None]
-    res_cols = n_safe * stride_rn
     if HAS_RES:
-        if SPLIT_K > 1:
-            res_rows = tl.minimum(row0 + lines, M - 1).to(tl.int64) * stride_rm
-            res_tile = tl.load(res_ptr + res_rows + res_cols[None, :])
-        else:
-            res_at = res_ptr + res_cols
-            res0 = tl.load(res_at + tl.minimum(row0, M - 1).to(tl.int64) * stride_rm)
-            if BLOCK_M > 1:
-                res1 = tl.load(res_at + tl.minimum(row0 + 1, M - 1).to(tl.int64) * stride_rm)
-            if BLOCK_M > 2:
-                res2 = tl.load(res_at + tl.minimum(row0 + 2, M - 1).to(tl.int64) * stride_rm)
-                res3 = tl.load(res_at + tl.minimum(row0 + 3, M - 1).to(tl.int64) * stride_rm)
-            if BLOCK_M > 4:
-                res4 = tl.load(res_at + tl.minimum(row0 + 4, M - 1).to(tl.int64) * stride_rm)
-                res5 = tl.load(res_at + tl.minimum(row0 + 5, M - 1).to(tl.int64) * stride_rm)
-                res6 = tl.load(res_at + tl.minimum(row0 + 6, M - 1).to(tl.int64) * stride_rm)
-                res7 = tl.load(res_at + tl.minimum(row0 + 7, M - 1).to(tl.int64) * stride_rm)
+        res_rows = tl.minimum(row0 + lines, M - 1).to(tl.int64) * stride_rm
+        res_tile = tl.load(res_ptr + res_rows + (n_safe * stride_rn)[:, None])
     for k in range(0, K_PER_SPLIT, BLOCK_K):
         if EVEN_K:
             k_mask = None
@@ -192,104 +180,33 @@ def gemv_kernel(
             prod = w * tl.load(a_row7 + a_offs, mask=k_mask, other=k_other).to(tl.float32)
             acc7 += prod if DEFER else tl.sum(prod, axis=1)
 
-    out_cols = offs_n * stride_on
-    out_ty = out_ptr.dtype.element_ty
+    tile = tl.where(lines == 0, (tl.sum(acc0, axis=1) if DEFER else acc0)[:, None], 0.0)
+    if BLOCK_M > 1:
+        tile = tl.where(lines == 1, (tl.sum(acc1, axis=1) if DEFER else acc1)[:, None], tile)
+    if BLOCK_M > 2:
+        tile = tl.where(lines == 2, (tl.sum(acc2, axis=1) if DEFER else acc2)[:, None], tile)
+        tile = tl.where(lines == 3, (tl.sum(acc3, axis=1) if DEFER else acc3)[:, None], tile)
+    if BLOCK_M > 4:
+        tile = tl.where(lines == 4, (tl.sum(acc4, axis=1) if DEFER else acc4)[:, None], tile)
+        tile = tl.where(lines == 5, (tl.sum(acc5, axis=1) if DEFER else acc5)[:, None], tile)
+        tile = tl.where(lines == 6, (tl.sum(acc6, axis=1) if DEFER else acc6)[:, None], tile)
+        tile = tl.where(lines == 7, (tl.sum(acc7, axis=1) if DEFER else acc7)[:, None], tile)
     if SPLIT_K > 1:
-        # The rows' sums as one [BLOCK_M, BLOCK_N] tile, exchanged as every split-K kernel's
-        # (graphtune/_split_k_jit.py).
-        tile = tl.where(lines == 0, (tl.sum(acc0, axis=1) if DEFER else acc0)[None, :], 0.0)
-        if BLOCK_M > 1:
-            tile = tl.where(lines == 1, (tl.sum(acc1, axis=1) if DEFER else acc1)[None, :], tile)
-        if BLOCK_M > 2:
-            tile = tl.where(lines == 2, (tl.sum(acc2, axis=1) if DEFER else acc2)[None, :], tile)
-            tile = tl.where(lines == 3, (tl.sum(acc3, axis=1) if DEFER else acc3)[None, :], tile)
-        if BLOCK_M > 4:
-            tile = tl.where(lines == 4, (tl.sum(acc4, axis=1) if DEFER else acc4)[None, :], tile)
-            tile = tl.where(lines == 5, (tl.sum(acc5, axis=1) if DEFER else acc5)[None, :], tile)
-            tile = tl.where(lines == 6, (tl.sum(acc6, axis=1) if DEFER else acc6)[None, :], tile)
-            tile = tl.where(lines == 7, (tl.sum(acc7, axis=1) if DEFER else acc7)[None, :], tile)
+        # The splits' tiles meet as every split-K kernel's do (graphtune/_split_k_jit.py).
         cells = BLOCK_M * BLOCK_N
-        cell = lines * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        cell = lines * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
         first = ws_ptr + (pid * SPLIT_K).to(tl.int64) * cells
         tl.store(first + pid_s * cells + cell, tile)
         is_last = last_to_arrive(count_ptr + pid, SPLIT_K)
         tile = sum_partials(first, cell, is_last, SPLIT_K, cells)
-        rows = (row0 + lines).to(tl.int64)
-        mask = (rows < tl.where(is_last, M, 0)) & (offs_n < N)[None, :]
-        if HAS_BIAS:
-            tile += bias.to(tl.float32)[None, :]
-        if HAS_RES:
-            tile += res_tile.to(tl.float32)
-        tl.store(out_ptr + rows * stride_om + out_cols[None, :], tile.to(out_ty), mask=mask)
+        rows_bound = tl.where(is_last, M, 0)  # only the last split stores
     else:
-        # Epilogue, row by row. (An `else`, not a `return` above: Triton's code generator
-        # compiles the statements after a `return` nested in a static `if`.)
-        # A per-row bound (N, or 0 past the last row) instead of `n_ok & (row < M)`: Triton's CPU
-        # interpreter rejects a block mask and-ed with a scalar one.
-        row = row0.to(tl.int64)
-        mask = offs_n < tl.where(row < M, N, 0)
-        total = tl.sum(acc0, axis=1) if DEFER else acc0
-        if HAS_BIAS:
-            total += bias.to(tl.float32)
-        if HAS_RES:
-            total += res0.to(tl.float32)
-        tl.store(out_ptr + row * stride_om + out_cols, total.to(out_ty), mask=mask)
-        if BLOCK_M > 1:
-            row += 1
-            mask = offs_n < tl.where(row < M, N, 0)
-            total = tl.sum(acc1, axis=1) if DEFER else acc1
-            if HAS_BIAS:
-                total += bias.to(tl.float32)
-            if HAS_RES:
-                total += res1.to(tl.float32)
-            tl.store(out_ptr + row * stride_om + out_cols, total.to(out_ty), mask=mask)
-        if BLOCK_M > 2:
-            row += 1
-            mask = offs_n < tl.where(row < M, N, 0)
-            total = tl.sum(acc2, axis=1) if DEFER else acc2
-            if HAS_BIAS:
-                total += bias.to(tl.float32)
-            if HAS_RES:
-                total += res2.to(tl.float32)
-            tl.store(out_ptr + row * stride_om + out_cols, total.to(out_ty), mask=mask)
-            row += 1
-            mask = offs_n < tl.where(row < M, N, 0)
-            total = tl.sum(acc3, axis=1) if DEFER else acc3
-            if HAS_BIAS:
-                total += bias.to(tl.float32)
-            if HAS_RES:
-                total += res3.to(tl.float32)
-            tl.store(out_ptr + row * stride_om + out_cols, total.to(out_ty), mask=mask)
-        if BLOCK_M > 4:
-            row += 1
-            mask = offs_n < tl.where(row < M, N, 0)
-            total = tl.sum(acc4, axis=1) if DEFER else acc4
-            if HAS_BIAS:
-                total += bias.to(tl.float32)
-            if HAS_RES:
-                total += res4.to(tl.float32)
-            tl.store(out_ptr + row * stride_om + out_cols, total.to(out_ty), mask=mask)
-            row += 1
-            mask = offs_n < tl.where(row < M, N, 0)
-            total = tl.sum(acc5, axis=1) if DEFER else acc5
-            if HAS_BIAS:
-                total += bias.to(tl.float32)
-            if HAS_RES:
-                total += res5.to(tl.float32)
-            tl.store(out_ptr + row * stride_om + out_cols, total.to(out_ty), mask=mask)
-            row += 1
-            mask = offs_n < tl.where(row < M, N, 0)
-            total = tl.sum(acc6, axis=1) if DEFER else acc6
-            if HAS_BIAS:
-                total += bias.to(tl.float32)
-            if HAS_RES:
-                total += res6.to(tl.float32)
-            tl.store(out_ptr + row * stride_om + out_cols, total.to(out_ty), mask=mask)
-            row += 1
-            mask = offs_n < tl.where(row < M, N, 0)
-            total = tl.sum(acc7, axis=1) if DEFER else acc7
-            if HAS_BIAS:
-                total += bias.to(tl.float32)
-            if HAS_RES:
-                total += res7.to(tl.float32)
-            tl.store(out_ptr + row * stride_om + out_cols, total.to(out_ty), mask=mask)
+        rows_bound = M
+    rows = (row0 + lines).to(tl.int64)
+    mask = (rows < rows_bound) & (offs_n < N)[:, None]
+    if HAS_BIAS:
+        tile += bias.to(tl.float32)[:, None]
+    if HAS_RES:
+        tile += res_tile.to(tl.float32)
+    out_ty = out_ptr.dtype.element_ty
+    tl.store(out_ptr + rows * stride_om + (offs_n * stride_on)[:, None], tile.to(out_ty), mask=mask)

@@ -23,6 +23,7 @@ from fake_timers import last_wins_tuner  # noqa: E402
 from graphtune.autotuner import AutoTuner  # noqa: E402
 from graphtune.autotuner.timing.base import Measurement  # noqa: E402
 from graphtune.engine import DecodeStep, Engine, KVCache, load_model, tune_step  # noqa: E402
+from graphtune.engine.presets import fewer_layers  # noqa: E402
 from graphtune.ops import attention  # noqa: E402
 from graphtune.ops._triton import collect_launches  # noqa: E402
 
@@ -35,9 +36,8 @@ def _tuner() -> AutoTuner:
 
 @contextlib.contextmanager
 def _recorded(tuner: AutoTuner):
-    """A dry-run recording of the block's op calls (their picks from the cache) in which the
-    Triton kernels are keyed, not run (``collect_launches``): the fakes below read only the calls
-    and picks, and the interpreter takes about a second to run one step's kernels."""
+    """A dry-run recording of the block's op calls whose Triton kernels are not run (only keyed:
+    the fakes below read calls and picks; the interpreter takes ~1 s per step's kernels)."""
     with torch.no_grad(), tuner.record_calls(dry_run=True) as calls, collect_launches():
         yield calls
 
@@ -462,9 +462,10 @@ def test_a_restart_records_the_unfused_step_only_where_a_fused_kernel_hides_sing
 ):
     import graphtune.ops.fused.mlp as mlp
 
-    # The tiled gate/up + SiLU GEMM offered above 16 rows (not 32) keeps the step small.
+    # The tiled gate/up + SiLU GEMM offered above 16 rows (not 32) keeps the step small, and so
+    # does one layer (each layer makes the same calls; tune_step runs every bucket up to 32).
     monkeypatch.setattr(mlp, "TILED_ABOVE_M", 16)
-    model = load_model("tiny")
+    model = load_model(fewer_layers("tiny", 1))
     tuner = _tuner()
     # Largest bucket 32: above the fused GEMV's 16 rows. There only the MLP stage has a fused
     # kernel (the tiled gate/up + SiLU GEMM), which the last-wins tuner picks.

@@ -56,6 +56,7 @@ def test_every_triton_kernel_compiles_for_sm90(tmp_path: Path) -> None:
         "silu_and_mul_kernel",
         "rope_kv_kernel",
         "moe_route_top_k_kernel",
+        "moe_router_kernel",
         "moe_gate_up_kernel",
         "moe_down_kernel",
         "moe_sum_kernel",

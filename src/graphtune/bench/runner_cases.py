@@ -46,6 +46,7 @@ def runner_cases() -> list[tuple[str, Any, list[Any]]]:
     from graphtune.ops.moe import (
         TritonFusedMoeRunner,
         TritonMoeGemvRunner,
+        TritonMoeRouter,
         TritonRouteTopKRunner,
     )
     from graphtune.ops.rmsnorm import TritonRMSNormRunner
@@ -131,6 +132,12 @@ def runner_cases() -> list[tuple[str, Any, list[Any]]]:
                 TritonRouteTopKRunner(top_k, True, weights_float32),
                 [logits],
             )
+            for experts_of_router in (experts, 128):  # a 16-lane block and a wide one
+                add(
+                    f"moe_router m={m} experts={experts_of_router} float32={weights_float32}",
+                    TritonMoeRouter(top_k, True, weights_float32),
+                    [x, _rand(experts_of_router, hidden)],
+                )
         ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(m)])
         moe_inputs = [
             x,

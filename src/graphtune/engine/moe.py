@@ -4,15 +4,15 @@ A layer whose MLP is a mixture of experts (``LayerWeights.is_moe``) runs, in pla
 MLP stage (RMSNorm + gate/up + SiLU-and-mul, then the down projection + residual):
 
     h = rms_norm(x, mlp_norm)                                       [rows, hidden]
-    logits = ops.gemm(h, router)                                    [rows, E]
-    weights, ids = ops.route_top_k(logits, k, renormalize=norm_topk_prob)
+    weights, ids = ops.moe_router(h, router, k, renormalize=norm_topk_prob)
+        (tuned: the router GEMM then the routing, or one fused kernel)
     ops.fused_moe(h, experts_gate_up, experts_down, weights, ids, residual=x)   [x += experts]
 
 Everything stays on the device with fixed shapes (the router is softmax and top-k; the tuned
 experts are the Triton sort and grouped GEMMs), so the whole step can be captured in a CUDA
 graph. Untuned, ``fused_moe`` is its torch fallback: the loop over the selected experts eagerly
 (one host synchronisation), the dense all-experts form while a graph captures (capturable, but
-``E / k`` times the work). The norm, the router GEMM, the top-k routing and the experts go
+``E / k`` times the work). The norm, the router (GEMM and top-k routing) and the experts go
 through the step's :class:`~graphtune.ops.OpContext`, so ``tune_step`` tunes them like every
 other op. The residual add happens inside the op (in place, in the Triton runners' last kernel),
 so the next layer's first stage keeps its fused norm prologue.
@@ -39,10 +39,10 @@ def moe_experts(
 ) -> torch.Tensor:
     """The mixture-of-experts MLP of ``layer`` on the normed activations ``h [rows, hidden]``;
     returns ``[rows, hidden]``, or with ``residual`` adds it to that in place and returns it."""
-    logits = ops.gemm(h, layer.router)
-    weights_dtype = torch.float32 if config.router_weights_in_float32 else logits.dtype
-    weights, ids = ops.route_top_k(
-        logits,
+    weights_dtype = torch.float32 if config.router_weights_in_float32 else h.dtype
+    weights, ids = ops.moe_router(
+        h,
+        layer.router,
         config.num_experts_per_tok,
         renormalize=config.norm_topk_prob,
         weights_dtype=weights_dtype,

@@ -42,6 +42,7 @@ from graphtune.ops.activation import silu_and_mul, torch_gated_activation, torch
 from graphtune.ops.gemm import gemm, torch_gemm
 from graphtune.ops.moe.op import fused_moe
 from graphtune.ops.moe.reference import torch_fused_moe
+from graphtune.ops.moe.router import moe_router
 from graphtune.ops.moe.routing import route_top_k, torch_route_top_k
 from graphtune.ops.rmsnorm import fused_add_rms_norm, torch_rms_norm
 from graphtune.ops.rotary import RopeRows, rope_kv_cache, torch_rope_kv_cache
@@ -266,6 +267,31 @@ class OpContext:
             tuner=self.tuner,
             max_m=self.max_batch_size,
         )
+
+    def moe_router(
+        self,
+        h: torch.Tensor,
+        router_weight: torch.Tensor,
+        top_k: int,
+        *,
+        renormalize: bool,
+        weights_dtype: torch.dtype = torch.float32,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(weights, ids)`` of the top-k experts of ``h @ router_weight.T``: the fused op
+        :func:`graphtune.ops.moe.moe_router`, or unfused :meth:`gemm` then :meth:`route_top_k`."""
+        if self._fusing:
+            return moe_router(
+                h,
+                router_weight,
+                top_k,
+                renormalize=renormalize,
+                weights_dtype=weights_dtype,
+                tuner=self.tuner,
+                max_m=self.max_batch_size,
+                cold_l2=self.gemm_cold_l2,
+            )
+        logits = self.gemm(h, router_weight)
+        return self.route_top_k(logits, top_k, renormalize=renormalize, weights_dtype=weights_dtype)
 
     # -- the stages of a decode layer (graphtune.ops.fused) ----------------------------------
 

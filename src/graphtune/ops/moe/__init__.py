@@ -3,6 +3,8 @@
 * :func:`route_top_k` — softmax over the experts, top-k, optional renormalisation
   (Qwen3-MoE's and Mixtral's routers), a tunable op: the torch router
   (:func:`torch_route_top_k`) or one Triton kernel (:mod:`graphtune.ops.moe.routing`).
+* :func:`moe_router` — the router GEMM and the routing as one fused op: the two tunable ops
+  above, or one Triton kernel at decode sizes (:mod:`graphtune.ops.moe.router`).
 * :func:`fused_moe` — the experts: ``sum_j w[t, j] * down[e] @ (silu(gate[e] @ x[t]) *
   (up[e] @ x[t]))``, through the tuner's pick per token-count bucket
   (:mod:`graphtune.ops.moe.op`).
@@ -27,6 +29,13 @@ from graphtune.ops.moe.align import (
 from graphtune.ops.moe.gemv import TritonMoeGemvRunner, moe_gemv_tactics
 from graphtune.ops.moe.op import OP_NAME, balanced_routing, fused_moe, fused_moe_config
 from graphtune.ops.moe.reference import dense_fused_moe, sparse_fused_moe, torch_fused_moe
+from graphtune.ops.moe.router import (
+    TritonMoeRouter,
+    UnfusedMoeRouter,
+    moe_router,
+    moe_router_config,
+    moe_router_runners,
+)
 from graphtune.ops.moe.routing import (
     TorchRouteTopKRunner,
     TritonRouteTopKRunner,
@@ -49,7 +58,9 @@ __all__ = [
     "TorchRouteTopKRunner",
     "TritonFusedMoeRunner",
     "TritonMoeGemvRunner",
+    "TritonMoeRouter",
     "TritonRouteTopKRunner",
+    "UnfusedMoeRouter",
     "balanced_routing",
     "check_moe_tactic",
     "dense_fused_moe",
@@ -58,6 +69,9 @@ __all__ = [
     "fused_moe_runners",
     "max_sorted_rows",
     "moe_gemv_tactics",
+    "moe_router",
+    "moe_router_config",
+    "moe_router_runners",
     "pairs_per_program",
     "moe_tactics",
     "route_top_k",

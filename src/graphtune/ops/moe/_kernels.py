@@ -9,7 +9,7 @@ tile): :func:`moe_gate_up_kernel` gathers the block's token rows of ``x`` and wr
 ``silu(gate) * up`` per sorted row; :func:`moe_down_kernel` multiplies by the expert's down weight
 and the routing weight and writes one row per pair; :func:`moe_sum_kernel` adds each token's k
 rows. Padding rows hold the pair id ``P`` (one past the last), are never stored and never read
-uninitialised memory. :func:`moe_route_top_k_kernel` is the router (``graphtune.ops.moe.routing``).
+uninitialised memory.
 
 Rounding follows the torch expert loop (``graphtune.ops.moe.reference``): every projection is
 rounded to the dtype, then ``silu(gate)``, its product with ``up``, and the weighted down output
@@ -341,57 +341,3 @@ def moe_sum_kernel(
         res = tl.load(out_ptr + token * stride_o + cols, mask=mask, other=0.0)
         total = (total.to(tl.float32) + res.to(tl.float32)).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + token * stride_o + cols, total, mask=mask)
-
-
-@triton.jit
-def moe_route_top_k_kernel(
-    logits_ptr,
-    weights_ptr,
-    ids_ptr,
-    E,
-    stride_t,
-    K: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    RENORMALIZE: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    """One token's routing: softmax over its ``E`` logits in float32, the ``K`` largest
-    probabilities (ties to the lowest expert id), optionally divided by their sum, written
-    largest first as ``weights [T, K]`` (the output's dtype) and ``ids [T, K]`` (int64).
-
-    The top k are chosen among ``exp(logit - max)`` (the probabilities times one positive
-    number, so in their order). Each round is one max over int64 keys that hold the value's
-    float32 bits (a non-negative float orders like its bit pattern) above ``BLOCK_E - 1 - lane``,
-    so the largest key is the largest value and, among equal values, the lowest expert id: one
-    reduction per round instead of a max and an arg-max. The weights are those values over
-    their sum (renormalised) or over the sum of all (the probabilities).
-    """
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    token = tl.program_id(0)
-    lanes = tl.arange(0, BLOCK_E)
-    valid = lanes < E
-    logits = tl.load(logits_ptr + token * stride_t + lanes, mask=valid, other=float("-inf"))
-    logits = logits.to(tl.float32)
-    exps = tl.where(valid, tl.exp(logits - tl.max(logits, axis=0)), 0.0)
-    bits = exps.to(tl.int32, bitcast=True).to(tl.int64)
-    keys = tl.where(valid, (bits << 32) | (BLOCK_E - 1 - lanes).to(tl.int64), -1)
-    slots = tl.arange(0, BLOCK_K)
-    top = tl.zeros([BLOCK_K], dtype=tl.float32)
-    top_ids = tl.zeros([BLOCK_K], dtype=tl.int32)
-    for j in tl.static_range(K):
-        best = tl.max(keys, axis=0)
-        at = (BLOCK_E - 1 - (best & 0xFFFFFFFF)).to(tl.int32)
-        value = (best >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-        top = tl.where(slots == j, value, top)
-        top_ids = tl.where(slots == j, at, top_ids)
-        keys = tl.where(lanes == at, -1, keys)  # below every valid key (which is >= 0)
-    if RENORMALIZE:
-        top = top / tl.sum(tl.where(slots < K, top, 0.0), axis=0)
-    else:
-        top = top / tl.sum(exps, axis=0)
-    out = token * K + slots
-    tl.store(weights_ptr + out, top.to(weights_ptr.dtype.element_ty), mask=slots < K)
-    tl.store(ids_ptr + out, top_ids.to(tl.int64), mask=slots < K)

@@ -15,3 +15,8 @@ def moe_kernels() -> ModuleType:
 def moe_gemv_kernels() -> ModuleType:
     """The module of the fused-MoE GEMV-path kernels (imported on first use; needs Triton)."""
     return kernel_module("graphtune.ops.moe._gemv_kernels", "graphtune's fused-MoE GEMV kernels")
+
+
+def router_kernels() -> ModuleType:
+    """The module of the router's Triton kernels (imported on first use; needs Triton)."""
+    return kernel_module("graphtune.ops.moe._router_kernels", "graphtune's MoE router kernels")

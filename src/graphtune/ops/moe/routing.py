@@ -45,7 +45,7 @@ from graphtune.autotuner.tuner import AutoTuner
 from graphtune.errors import ConfigError, InputError
 from graphtune.ops._triton import device_supported, run_kernel, triton_available
 from graphtune.ops._triton_runner import TritonRunner
-from graphtune.ops.moe._loader import moe_kernels
+from graphtune.ops.moe._loader import router_kernels
 from graphtune.ops.registry import register_op, runner_extras
 
 OP_NAME = "graphtune.route_top_k"
@@ -93,8 +93,9 @@ def torch_route_top_k(
     return weights.to(weights_dtype), ids
 
 
-class _RoutingRule:
-    """What a router runner computes besides its input: part of its identity."""
+class RoutingRule:
+    """What a router runner computes besides its input: part of its identity (the mixin of
+    this module's runners and of ``graphtune.ops.moe.router``'s)."""
 
     top_k: int
     renormalize: bool
@@ -118,7 +119,7 @@ class _RoutingRule:
         )
 
 
-class TorchRouteTopKRunner(_RoutingRule, TunableRunner):
+class TorchRouteTopKRunner(RoutingRule, TunableRunner):
     """The torch router; only the fallback tactic."""
 
     def __init__(self, top_k: int, renormalize: bool, weights_float32: bool) -> None:
@@ -129,10 +130,10 @@ class TorchRouteTopKRunner(_RoutingRule, TunableRunner):
         return self.torch_forward(inputs)
 
 
-class TritonRouteTopKRunner(_RoutingRule, TritonRunner):
+class TritonRouteTopKRunner(RoutingRule, TritonRunner):
     """The router in one Triton kernel (see the module docstring); tactic ``-1`` is torch."""
 
-    source_modules = ("graphtune.ops.moe._kernels",)
+    source_modules = ("graphtune.ops.moe._router_kernels", "graphtune._split_k_jit")
 
     def __init__(self, top_k: int, renormalize: bool, weights_float32: bool, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -172,14 +173,14 @@ class TritonRouteTopKRunner(_RoutingRule, TritonRunner):
         ids = torch.empty((tokens, self.top_k), dtype=torch.int64, device=logits.device)
         if tokens:
             meta = dict(
-                K=self.top_k,
-                BLOCK_K=next_power_of_two(self.top_k),
+                TOP_K=self.top_k,
+                BLOCK_TOP=next_power_of_two(self.top_k),
                 BLOCK_E=max(16, next_power_of_two(experts)),
                 RENORMALIZE=self.renormalize,
                 num_warps=warps,
             )
             args = (logits, weights, ids, experts, logits.stride(0))
-            run_kernel(moe_kernels().moe_route_top_k_kernel, (tokens,), args, meta, warmup)
+            run_kernel(router_kernels().moe_route_top_k_kernel, (tokens,), args, meta, warmup)
         return weights, ids
 
 

@@ -1,0 +1,197 @@
+"""Triton kernels of a mixture-of-experts router. Imported only through
+``graphtune.ops.moe._loader``.
+
+* :func:`moe_route_top_k_kernel` (``graphtune.ops.moe.routing``): one program per token routes
+  its ``E`` logits, written by the router GEMM before it.
+* :func:`moe_router_kernel` (``graphtune.ops.moe.router``): the router GEMM and the routing in
+  one launch. At decode sizes the router product ``[T, K] @ [E, K].T`` is a small stream of
+  weights (``E * K``, 0.5 MiB for 128 experts of width 2048) that needs many programs to be read
+  at bandwidth, and the routing needs every logit of a token in one program. So programs
+  ``(token, split)`` each stream one slice of ``K`` for all experts, store their float32 partial
+  logits, and the one that counts last in the token's arrival counter sums the partials in split
+  order (``graphtune/_split_k_jit.py``: deterministic) and routes the token. That removes the
+  routing kernel and its kernel boundary from each MoE layer of a decode step.
+
+Both route with :func:`_route_token`: the softmax's exponentials in float32, ``k`` rounds of one
+max over int64 keys that hold the value's float32 bits (a non-negative float orders like its bit
+pattern) above ``BLOCK_E - 1 - lane``, so the largest key is the largest value and, among equal
+values, the lowest expert id: one reduction per round instead of a max and an arg-max; then the
+weights over their sum (renormalised) or over the sum of all (the probabilities). The fused
+kernel rounds its logits to the activations' dtype first, as the router GEMM's output is.
+
+PDL (``graphtune.ops._pdl``): the router's weight is read by no kernel of the step as an output,
+so :func:`moe_router_kernel` loads its first chunk before ``gdc_wait()``; the activations after
+it. The routing kernel reads only the logits, after its wait. Each lets its successor launch
+right after its wait.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from graphtune._split_k_jit import last_to_arrive, sum_partials
+
+
+@triton.jit
+def _route_token(
+    logits,
+    lanes,
+    valid,
+    out_at,
+    weights_ptr,
+    ids_ptr,
+    live,
+    TOP_K: tl.constexpr,
+    BLOCK_TOP: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+):
+    """Routes one token's float32 ``logits [BLOCK_E]`` (lanes past ``E`` not ``valid``):
+    ``weights[out_at + j]`` and ``ids[out_at + j]`` for the ``TOP_K`` largest probabilities,
+    largest first, stored for slots below ``live`` (``TOP_K``, or 0 to store nothing)."""
+    exps = tl.where(valid, tl.exp(logits - tl.max(logits, axis=0)), 0.0)
+    bits = exps.to(tl.int32, bitcast=True).to(tl.int64)
+    keys = tl.where(valid, (bits << 32) | (BLOCK_E - 1 - lanes).to(tl.int64), -1)
+    slots = tl.arange(0, BLOCK_TOP)
+    top = tl.zeros([BLOCK_TOP], dtype=tl.float32)
+    top_ids = tl.zeros([BLOCK_TOP], dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(keys, axis=0)
+        at = (BLOCK_E - 1 - (best & 0xFFFFFFFF)).to(tl.int32)
+        value = (best >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        top = tl.where(slots == j, value, top)
+        top_ids = tl.where(slots == j, at, top_ids)
+        keys = tl.where(lanes == at, -1, keys)  # below every valid key (which is >= 0)
+    if RENORMALIZE:
+        top = top / tl.sum(tl.where(slots < TOP_K, top, 0.0), axis=0)
+    else:
+        top = top / tl.sum(exps, axis=0)
+    keep = slots < live
+    tl.store(weights_ptr + out_at + slots, top.to(weights_ptr.dtype.element_ty), mask=keep)
+    tl.store(ids_ptr + out_at + slots, top_ids.to(tl.int64), mask=keep)
+
+
+@triton.jit
+def moe_route_top_k_kernel(
+    logits_ptr,
+    weights_ptr,
+    ids_ptr,
+    E,
+    stride_t,
+    TOP_K: tl.constexpr,
+    BLOCK_TOP: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """One token's routing from its ``E`` logits (program ``t``: row ``t``), as
+    :func:`_route_token`: ``weights [T, TOP_K]`` (the output's dtype) and ``ids [T, TOP_K]``
+    (int64), largest first."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    token = tl.program_id(0)
+    lanes = tl.arange(0, BLOCK_E)
+    valid = lanes < E
+    logits = tl.load(logits_ptr + token * stride_t + lanes, mask=valid, other=float("-inf"))
+    out_at = token * TOP_K
+    _route_token(
+        logits.to(tl.float32),
+        lanes,
+        valid,
+        out_at,
+        weights_ptr,
+        ids_ptr,
+        TOP_K,
+        TOP_K,
+        BLOCK_TOP,
+        BLOCK_E,
+        RENORMALIZE,
+    )
+
+
+@triton.jit
+def moe_router_kernel(
+    x_ptr,
+    w_ptr,
+    ws_ptr,
+    cnt_ptr,
+    weights_ptr,
+    ids_ptr,
+    E,
+    K,
+    K_PER_SPLIT,
+    stride_xm,
+    stride_we,
+    TOP_K: tl.constexpr,
+    BLOCK_TOP: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLITS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """``route(round(x[t] @ w.T))`` for token ``t``: program ``(t, s)`` multiplies columns
+    ``[s * K_PER_SPLIT, ...)`` of ``x [T, K]`` and ``w [E, K]`` (unit last strides) on the
+    CUDA cores, ``[BLOCK_E, BLOCK_K]`` weights at a time, the next chunk loaded one iteration
+    ahead. ``EVEN_K``: the splits tile ``K`` exactly in whole chunks (no masks). With
+    ``SPLITS > 1`` the partial logits meet in ``ws [T, SPLITS, BLOCK_E]`` (float32) and the
+    token's counter ``cnt[t]`` (zero between launches); the last program routes. Experts past
+    ``E`` are clamped to ``E - 1`` for loading and are never routed to."""
+    token = tl.program_id(0)
+    split = tl.program_id(1)
+    lanes = tl.arange(0, BLOCK_E)
+    valid = lanes < E
+    rows = tl.minimum(lanes, E - 1).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    k_first = split.to(tl.int64) * K_PER_SPLIT
+    w_ptrs = w_ptr + rows[:, None] * stride_we + (k_first + offs_k)[None, :]
+    # The activation chunk as a [BLOCK_E, BLOCK_K] tile whose rows repeat the same columns: it
+    # gets the weight tile's register layout (see graphtune.ops.gemm._gemv_kernels).
+    x_ptrs = (
+        x_ptr + token.to(tl.int64) * stride_xm + (k_first + offs_k)[None, :] + rows[:, None] * 0
+    )
+    k_end = tl.minimum(K - k_first, K_PER_SPLIT)  # this split's columns
+    if EVEN_K:
+        w_next = tl.load(w_ptrs)
+    else:
+        w_next = tl.load(w_ptrs, mask=(offs_k < k_end)[None, :], other=0.0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    acc = tl.zeros((BLOCK_E,), dtype=tl.float32)
+    for k in range(0, K_PER_SPLIT, BLOCK_K):
+        w = w_next.to(tl.float32)
+        w_ptrs += BLOCK_K
+        w_next = tl.load(w_ptrs, mask=(k + BLOCK_K + offs_k < k_end)[None, :], other=0.0)
+        if EVEN_K:
+            a = tl.load(x_ptrs + k)
+        else:
+            a = tl.load(x_ptrs + k, mask=(k + offs_k < k_end)[None, :], other=0.0)
+        acc += tl.sum(w * a.to(tl.float32), axis=1)
+    out_at = token * TOP_K
+    if SPLITS > 1:
+        first = ws_ptr + (token * SPLITS).to(tl.int64) * BLOCK_E
+        tl.store(first + split * BLOCK_E + lanes, acc)
+        is_last = last_to_arrive(cnt_ptr + token, SPLITS)
+        acc = sum_partials(first, lanes, is_last, SPLITS, BLOCK_E)
+        live = tl.where(is_last, TOP_K, 0)  # only the last program stores
+    else:
+        live = TOP_K
+    # Rounded as the router GEMM's output is, then routed in float32.
+    logits = tl.where(valid, acc.to(x_ptr.dtype.element_ty).to(tl.float32), float("-inf"))
+    _route_token(
+        logits,
+        lanes,
+        valid,
+        out_at,
+        weights_ptr,
+        ids_ptr,
+        live,
+        TOP_K,
+        BLOCK_TOP,
+        BLOCK_E,
+        RENORMALIZE,
+    )

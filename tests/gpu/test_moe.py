@@ -19,6 +19,7 @@ from graphtune.ops.moe import (  # noqa: E402
     TorchFusedMoeRunner,
     TritonFusedMoeRunner,
     TritonMoeGemvRunner,
+    TritonMoeRouter,
     TritonRouteTopKRunner,
     balanced_routing,
     dense_fused_moe,
@@ -250,4 +251,45 @@ def test_triton_router_replays_in_a_cuda_graph():
     graph.replay()
     want_w, want_ids = runner.forward([logits], tactic=tactic)
     assert torch.equal(static_ids, want_ids) and torch.equal(static_w, want_w)
+    graph.reset()
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+@pytest.mark.parametrize("tokens", [1, 8, 16])
+def test_fused_router_routes_as_the_float64_product(name, tokens):
+    experts, top_k, hidden = SHAPES[name][:3]
+    gen = torch.Generator(device=DEV).manual_seed(tokens)
+    h = torch.randn(tokens, hidden, device=DEV, generator=gen).to(BF16)
+    weight = (torch.randn(experts, hidden, device=DEV, generator=gen) * hidden**-0.5).to(BF16)
+    logits = (h.double() @ weight.double().T).to(BF16)
+    probs = torch.softmax(logits.double(), dim=-1)
+    for weights_float32 in (True, False):
+        dtype = torch.float32 if weights_float32 else BF16
+        runner = TritonMoeRouter(top_k, True, weights_float32)
+        want_w, want_ids = torch_route_top_k(logits, top_k, renormalize=True, weights_dtype=dtype)
+        tactics = runner.get_valid_tactics([h, weight], None)
+        assert any(t["splits"] > 1 for t in tactics)
+        for tactic in tactics:
+            for _ in range(2):  # again: the arrival counters were set back to zero
+                got_w, got_ids = runner.forward([h, weight], tactic=tactic)
+                # A bf16 logit may round the other way from a float32 sum; ties as above.
+                assert torch.equal(probs.gather(1, got_ids), probs.gather(1, want_ids)), tactic
+                torch.testing.assert_close(got_w.float(), want_w.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_fused_router_replays_in_a_cuda_graph():
+    experts, top_k, hidden = SHAPES["qwen3-30b-a3b"][:3]
+    runner = TritonMoeRouter(top_k, True, False)
+    h = torch.randn(4, hidden, device=DEV).to(BF16)
+    weight = (torch.randn(experts, hidden, device=DEV) * hidden**-0.5).to(BF16)
+    tactic = max(runner.get_valid_tactics([h, weight], None), key=lambda t: t["splits"])
+    runner.forward([h, weight], tactic=tactic)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_w, static_ids = runner.forward([h, weight], tactic=tactic)
+    for _ in range(2):
+        h.copy_(torch.randn(4, hidden, device=DEV).to(BF16))
+        graph.replay()
+        want_w, want_ids = runner.forward([h, weight], tactic=tactic)
+        assert torch.equal(static_ids, want_ids) and torch.equal(static_w, want_w)
     graph.reset()

@@ -33,6 +33,7 @@ from graphtune.ops.moe import (  # noqa: E402
 )
 from graphtune.ops.moe.router import MAX_TOKENS, OP_NAME, router_tactics  # noqa: E402
 from graphtune.ops.moe.routing import OP_NAME as ROUTE_OP  # noqa: E402
+from moe_routing_check import assert_routed_as_float64  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     not _triton.device_supported(torch.device("cpu")),
@@ -42,15 +43,6 @@ pytestmark = pytest.mark.skipif(
 
 def _gen() -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
-
-
-def _reference(h, weight, top_k, renormalize, weights_dtype):
-    """Routing of the float64 product rounded to the activations' dtype, and its probabilities."""
-    logits = (h.double() @ weight.double().T).to(h.dtype)
-    probs = torch.softmax(logits.double(), dim=-1)
-    return torch_route_top_k(
-        logits, top_k, renormalize=renormalize, weights_dtype=weights_dtype
-    ), probs
 
 
 # (tokens, experts, top_k, hidden): Qwen3-MoE-like routing (many experts, k = 8), Mixtral-like
@@ -68,7 +60,6 @@ def test_every_tactic_routes_as_the_float64_product(tokens, experts, top_k, hidd
     for renormalize, weights_float32 in ((True, dtype == torch.float32), (False, True)):
         weights_dtype = torch.float32 if weights_float32 else dtype
         runner = TritonMoeRouter(top_k, renormalize, weights_float32)
-        (want_w, want_ids), probs = _reference(h, weight, top_k, renormalize, weights_dtype)
         tactics = runner.get_valid_tactics([h, weight], None)
         assert tactics and {t["splits"] for t in tactics} >= {1, 2}
         for tactic in tactics:
@@ -76,13 +67,8 @@ def test_every_tactic_routes_as_the_float64_product(tokens, experts, top_k, hidd
                 got_w, got_ids = runner.forward([h, weight], tactic=tactic)
                 assert got_w.dtype == weights_dtype and got_ids.dtype == torch.int64
                 assert got_ids.shape == (tokens, top_k) == got_w.shape
-                # Equal probabilities, not ids: two experts may tie once rounded to bfloat16.
-                chosen = probs.gather(1, got_ids)
-                assert torch.equal(chosen, probs.gather(1, want_ids)), (gen.initial_seed(), tactic)
-                # A bfloat16 logit may round the other way from a float32 sum than from the
-                # float64 one: the softmax's sum moves by up to one of its units in the last place.
-                tol = 1e-5 if dtype == torch.float32 else 2e-2
-                torch.testing.assert_close(got_w.float(), want_w.float(), rtol=tol, atol=tol)
+                label = (gen.initial_seed(), tactic)
+                assert_routed_as_float64(got_w, got_ids, h, weight, top_k, renormalize, label)
 
 
 def test_the_tactic_rules():
@@ -142,9 +128,7 @@ def test_the_tuned_op_and_the_step_context():
         weights, ids = OpContext(tuner, 4).moe_router(h, weight, 4, renormalize=True)
     rows = [row for row in tuner.summary_rows() if row[0] == OP_NAME]
     assert len(rows) == 3 and all("TritonMoeRouter" in row[2] for row in rows)  # 1, 2, 4
-    (want_w, want_ids), probs = _reference(h, weight, 4, True, torch.float32)
-    assert torch.equal(probs.gather(1, ids), probs.gather(1, want_ids)), gen.initial_seed()
-    torch.testing.assert_close(weights, want_w, rtol=1e-5, atol=1e-6)
+    assert_routed_as_float64(weights, ids, h, weight, 4, True, gen.initial_seed())
     # Unfused, the context runs the GEMM and the routing op: no fused-op look-up.
     unfused = last_wins_tuner()
     with autotune(None, unfused):

@@ -12,12 +12,16 @@
   order (``graphtune/_split_k_jit.py``: deterministic) and routes the token. That removes the
   routing kernel and its kernel boundary from each MoE layer of a decode step.
 
-Both route with :func:`_route_token`: the softmax's exponentials in float32 and each expert's
-rank (how many logits are larger, or equal with a lower expert id: ties go to the lowest id),
-which is its slot when below ``k``; then the weights over their sum (renormalised) or over the
-sum of all (the probabilities). Ranking costs no reduction across warps per slot, where
-selecting the largest value ``k`` times costs ``k`` of them. The fused kernel rounds its logits
-to the activations' dtype first, as the router GEMM's output is.
+Both route with :func:`_route_token`: the softmax's exponentials in float32, ``k`` rounds of one
+max over int64 keys that hold the value's float32 bits (a non-negative float orders like its bit
+pattern) above ``BLOCK_E - 1 - lane``, so the largest key is the largest value and, among equal
+values, the lowest expert id: one reduction per round instead of a max and an arg-max; then the
+weights over their sum (renormalised) or over the sum of all (the probabilities). The token's
+logits are read as ``ROWS`` copies, one per warp (the kernels pass their warp count), laid out
+so that each warp reduces its own copy: a round then exchanges nothing between warps (no shared
+memory, no barrier), where one vector of logits spread over the warps would need both each
+round. The fused kernel rounds its logits to the activations' dtype first, as the router GEMM's
+output is, and stores them for that read.
 
 PDL (``graphtune.ops._pdl``): the router's weight is read by no kernel of the step as an output,
 so :func:`moe_router_kernel` loads its first chunk before ``gdc_wait()``; the activations after
@@ -35,47 +39,49 @@ from graphtune._split_k_jit import last_to_arrive, sum_partials
 
 @triton.jit
 def _route_token(
-    logits,
     row_ptr,
-    lanes,
-    valid,
     E,
     out_at,
     weights_ptr,
     ids_ptr,
     live,
     TOP_K: tl.constexpr,
+    BLOCK_TOP: tl.constexpr,
     BLOCK_E: tl.constexpr,
-    CHUNK: tl.constexpr,
+    ROWS: tl.constexpr,
     RENORMALIZE: tl.constexpr,
 ):
-    """Routes one token's float32 ``logits [BLOCK_E]`` (``-inf`` at lanes past ``E``, which are
-    not ``valid``), whose ``E`` values are also at ``row_ptr`` (any float dtype, bitwise the
-    same once converted): ``weights[out_at + j]`` and ``ids[out_at + j]`` for the ``TOP_K``
-    largest, largest first, stored for slots below ``live`` (``TOP_K``, or 0 to store nothing).
-
-    Each expert's slot is its rank: how many experts have a larger logit, or an equal one and a
-    lower id, counted against ``CHUNK`` logits at a time read back from ``row_ptr``. So the
-    whole top-k costs two reductions across the program's warps (the max and the sum), where
-    selecting the largest k times costs k."""
-    exps = tl.where(valid, tl.exp(logits - tl.max(logits, axis=0)), 0.0)
-    rank = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for first in tl.static_range(0, BLOCK_E, CHUNK):
-        others = first + tl.arange(0, CHUNK)
-        theirs = tl.load(row_ptr + others, mask=others < E, other=float("-inf")).to(tl.float32)
-        larger = theirs[None, :] > logits[:, None]
-        tied_lower = (theirs[None, :] == logits[:, None]) & (others[None, :] < lanes[:, None])
-        rank += tl.sum((larger | tied_lower).to(tl.int32), axis=1)
-    chosen = valid & (rank < TOP_K)
+    """Routes the token whose ``E`` logits (any float dtype) are at ``row_ptr``:
+    ``weights[out_at + j]`` and ``ids[out_at + j]`` for the ``TOP_K`` largest probabilities,
+    largest first, stored for slots below ``live`` (``TOP_K``, or 0 to store nothing). The
+    logits are read as ``[ROWS, BLOCK_E]``, the same row ``ROWS`` times (see the module
+    docstring); only row 0 stores."""
+    lanes = tl.arange(0, BLOCK_E)[None, :]
+    copies = tl.arange(0, ROWS)[:, None]
+    valid = (lanes < E) & (copies >= 0)
+    logits = tl.load(row_ptr + lanes + copies * 0, mask=valid, other=float("-inf"))
+    logits = logits.to(tl.float32)
+    exps = tl.where(valid, tl.exp(logits - tl.max(logits, axis=1)[:, None]), 0.0)
+    bits = exps.to(tl.int32, bitcast=True).to(tl.int64)
+    keys = tl.where(valid, (bits << 32) | (BLOCK_E - 1 - lanes).to(tl.int64), -1)
+    slots = tl.arange(0, BLOCK_TOP)[None, :]
+    top = tl.zeros([ROWS, BLOCK_TOP], dtype=tl.float32)
+    top_ids = tl.zeros([ROWS, BLOCK_TOP], dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(keys, axis=1)[:, None]
+        at = (BLOCK_E - 1 - (best & 0xFFFFFFFF)).to(tl.int32)
+        value = (best >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        top = tl.where(slots == j, value, top)
+        top_ids = tl.where(slots == j, at, top_ids)
+        keys = tl.where(lanes == at, -1, keys)  # below every valid key (which is >= 0)
     if RENORMALIZE:
-        total = tl.sum(tl.where(chosen, exps, 0.0), axis=0)
+        top = top / tl.sum(tl.where(slots < TOP_K, top, 0.0), axis=1)[:, None]
     else:
-        total = tl.sum(exps, axis=0)
-    keep = chosen & (rank < live)
-    # A program that stores nothing (live 0) may rank stale logits: no division by zero there.
-    weight = (exps / tl.where(total > 0.0, total, 1.0)).to(weights_ptr.dtype.element_ty)
-    tl.store(weights_ptr + out_at + rank, weight, mask=keep)
-    tl.store(ids_ptr + out_at + rank, lanes.to(tl.int64), mask=keep)
+        top = top / tl.sum(exps, axis=1)[:, None]
+    keep = (slots < live) & (copies == 0)
+    out = out_at + slots + copies * 0
+    tl.store(weights_ptr + out, top.to(weights_ptr.dtype.element_ty), mask=keep)
+    tl.store(ids_ptr + out, top_ids.to(tl.int64), mask=keep)
 
 
 @triton.jit
@@ -86,8 +92,9 @@ def moe_route_top_k_kernel(
     E,
     stride_t,
     TOP_K: tl.constexpr,
+    BLOCK_TOP: tl.constexpr,
     BLOCK_E: tl.constexpr,
-    CHUNK: tl.constexpr,
+    ROWS: tl.constexpr,
     RENORMALIZE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -98,22 +105,17 @@ def moe_route_top_k_kernel(
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     token = tl.program_id(0)
-    lanes = tl.arange(0, BLOCK_E)
-    valid = lanes < E
-    logits = tl.load(logits_ptr + token * stride_t + lanes, mask=valid, other=float("-inf"))
     _route_token(
-        logits.to(tl.float32),
         logits_ptr + token * stride_t,
-        lanes,
-        valid,
         E,
         token * TOP_K,
         weights_ptr,
         ids_ptr,
         TOP_K,
         TOP_K,
+        BLOCK_TOP,
         BLOCK_E,
-        CHUNK,
+        ROWS,
         RENORMALIZE,
     )
 
@@ -132,8 +134,9 @@ def moe_router_kernel(
     stride_xm,
     stride_we,
     TOP_K: tl.constexpr,
+    BLOCK_TOP: tl.constexpr,
     BLOCK_E: tl.constexpr,
-    CHUNK: tl.constexpr,
+    ROWS: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLITS: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -180,7 +183,7 @@ def moe_router_kernel(
             a = tl.load(x_ptrs + k, mask=(k + offs_k < k_end)[None, :], other=0.0)
         acc += tl.sum(w * a.to(tl.float32), axis=1)
     first = ws_ptr + (token * (SPLITS + 1)).to(tl.int64) * BLOCK_E
-    scratch = first + SPLITS * BLOCK_E  # the token's routed logits, for the ranks to read back
+    scratch = first + SPLITS * BLOCK_E  # the token's logits, for _route_token to read
     if SPLITS > 1:
         tl.store(first + split * BLOCK_E + lanes, acc)
         is_last = last_to_arrive(cnt_ptr + token, SPLITS)
@@ -193,19 +196,17 @@ def moe_router_kernel(
     # Rounded as the router GEMM's output is, then routed in float32.
     logits = tl.where(valid, acc.to(x_ptr.dtype.element_ty).to(tl.float32), float("-inf"))
     tl.store(scratch + lanes, logits, mask=lanes < lanes_stored)
-    tl.debug_barrier()  # every thread's logits stored before any thread reads them back
+    tl.debug_barrier()  # every thread's logits stored before any warp reads them
     _route_token(
-        logits,
         scratch,
-        lanes,
-        valid,
         E,
         token * TOP_K,
         weights_ptr,
         ids_ptr,
         live,
         TOP_K,
+        BLOCK_TOP,
         BLOCK_E,
-        CHUNK,
+        ROWS,
         RENORMALIZE,
     )

@@ -43,7 +43,7 @@ from graphtune.ops._triton_runner import TritonRunner
 from graphtune.ops.fused._base import UnfusedRunner, resolve, rows_config, runners_for
 from graphtune.ops.gemm import gemm
 from graphtune.ops.moe._loader import router_kernels
-from graphtune.ops.moe.routing import RoutingRule, rank_chunk, route_top_k, torch_route_top_k
+from graphtune.ops.moe.routing import RoutingRule, route_top_k, torch_route_top_k
 from graphtune.ops.registry import register_op, runner_extras
 
 OP_NAME = "graphtune.moe_router"
@@ -174,7 +174,7 @@ class TritonMoeRouter(_RouterRule, TritonRunner):
         bk, splits = tactic["bk"], tactic["splits"]
         block_e = max(16, next_power_of_two(experts))
         k_per_split = keys_per_split(k, splits, bk)
-        # Each token's partials and, in one more row, its routed logits.
+        # Each token's partials and, in one more row, its logits for the routing to read.
         ws = split_partials(tokens, splits + 1, block_e, False, h.device)
         counters = h  # an unread placeholder without a split
         if splits > 1:
@@ -184,8 +184,9 @@ class TritonMoeRouter(_RouterRule, TritonRunner):
         args = (h, weight, ws, counters, weights, ids, experts, k, k_per_split)
         meta = dict(
             TOP_K=self.top_k,
+            BLOCK_TOP=next_power_of_two(self.top_k),
             BLOCK_E=block_e,
-            CHUNK=rank_chunk(block_e),
+            ROWS=tactic["warps"],
             BLOCK_K=bk,
             SPLITS=splits,
             EVEN_K=k_per_split * splits == k,

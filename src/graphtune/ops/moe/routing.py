@@ -19,12 +19,13 @@ It is a tunable op over the token count (power-of-two buckets up to ``max_m``), 
   torch, the op transformers uses, so both select the same experts on the same device. Six or
   seven small kernels (cast, softmax, top-k, sum, divide, cast).
 * :class:`TritonRouteTopKRunner`: one kernel, one program per token (``moe_route_top_k_kernel``):
-  the exponentials of the softmax in float32, each expert's rank among the logits (its slot
-  when below k), then the division (by the sum of the k, or of all when not renormalising) and
-  the cast. In a decode step of 48 MoE layers that is about 250 kernel launches fewer. Ties
-  between equal logits go to the lowest expert id (``torch.topk`` promises no order among ties,
-  so the two runners may pick different experts of equal probability); the softmax's ``exp``
-  and sum may differ from torch's in the last float32 bit. Tactics are ``{"warps"}``.
+  the exponentials of the softmax in float32, k rounds of one max over keys that carry the
+  value and the expert id, then the division (by the sum of the k, or of all when not
+  renormalising) and the cast. In a decode step of 48 MoE layers that is about 250 kernel
+  launches fewer. Ties between equal probabilities go to the lowest expert id (``torch.topk``
+  promises no order among ties, so the two runners may pick different experts of equal
+  probability); the softmax's ``exp`` and sum may differ from torch's in the last float32 bit.
+  Tactics are ``{"warps"}``.
 
 Everything is a fixed-shape op on the device (no host synchronisation): capturable.
 """
@@ -90,12 +91,6 @@ def torch_route_top_k(
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights.to(weights_dtype), ids
-
-
-def rank_chunk(block_e: int) -> int:
-    """Logits compared at a time when the router kernels rank the experts
-    (``graphtune.ops.moe._router_kernels``)."""
-    return min(block_e, 32)
 
 
 class RoutingRule:
@@ -177,11 +172,11 @@ class TritonRouteTopKRunner(RoutingRule, TritonRunner):
         weights = torch.empty((tokens, self.top_k), dtype=self._dtype(logits), device=logits.device)
         ids = torch.empty((tokens, self.top_k), dtype=torch.int64, device=logits.device)
         if tokens:
-            block_e = max(16, next_power_of_two(experts))
             meta = dict(
                 TOP_K=self.top_k,
-                BLOCK_E=block_e,
-                CHUNK=rank_chunk(block_e),
+                BLOCK_TOP=next_power_of_two(self.top_k),
+                BLOCK_E=max(16, next_power_of_two(experts)),
+                ROWS=warps,
                 RENORMALIZE=self.renormalize,
                 num_warps=warps,
             )

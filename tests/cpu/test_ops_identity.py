@@ -57,6 +57,7 @@ def _runner_sets(tuner: AutoTuner | None) -> dict[str, tuple[TunableRunner, ...]
         "fused_moe": moe.fused_moe_runners(),
         "fused_moe_gemv_down": gemv_down.down_runners(),
         "route_top_k": moe.route_top_k_runners(2, True, False),
+        "moe_router": moe.moe_router_runners(2, True, False, tuner=tuner, max_m=8),
         "skinny_gemm": (TritonSkinnyGemmRunner(),),
         # The fused stages' kernels that their factories no longer offer.
         "not_offered": (
@@ -163,6 +164,10 @@ def _op_calls(tuner: AutoTuner) -> list:
         gemv_down.choose_down(tuner, moe.fused_moe_config(4), moe_inputs)
         moe.route_top_k(
             randn(rows, experts), top_k, renormalize=True, weights_dtype=torch.float32,
+            tuner=tuner, max_m=4,
+        )  # fmt: skip
+        moe.moe_router(
+            x, randn(experts, hidden), top_k, renormalize=True, weights_dtype=torch.float32,
             tuner=tuner, max_m=4,
         )  # fmt: skip
     return calls

@@ -39,7 +39,13 @@ from graphtune.ops.rotary import rope_runners  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Bases that no factory builds by themselves (their subclasses are the runners).
-BASES = {TritonRunner, UnfusedRunner, FusedTritonRunner, fused.projection._PlainTriton}
+BASES = {
+    TritonRunner,
+    UnfusedRunner,
+    FusedTritonRunner,
+    fused.projection._PlainTriton,
+    moe.routing.TritonRoutingRunner,
+}
 
 
 def _runner_sets(tuner: AutoTuner | None) -> dict[str, tuple[TunableRunner, ...]]:

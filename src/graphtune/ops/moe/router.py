@@ -39,11 +39,15 @@ from graphtune.errors import ConfigError, InputError
 from graphtune.ops._counters import arrival_counters
 from graphtune.ops._split_k import keys_per_split, split_partials
 from graphtune.ops._triton import device_supported, run_kernel, triton_available
-from graphtune.ops._triton_runner import TritonRunner
 from graphtune.ops.fused._base import UnfusedRunner, resolve, rows_config, runners_for
 from graphtune.ops.gemm import gemm
 from graphtune.ops.moe._loader import router_kernels
-from graphtune.ops.moe.routing import RoutingRule, route_top_k, torch_route_top_k
+from graphtune.ops.moe.routing import (
+    RoutingRule,
+    TritonRoutingRunner,
+    route_top_k,
+    torch_route_top_k,
+)
 from graphtune.ops.registry import register_op, runner_extras
 
 OP_NAME = "graphtune.moe_router"
@@ -125,14 +129,8 @@ def router_tactics(tokens: int, experts: int, k: int) -> list[dict[str, int]]:
     return tactics
 
 
-class TritonMoeRouter(_RouterRule, TritonRunner):
+class TritonMoeRouter(_RouterRule, TritonRoutingRunner):
     """The router GEMM and the routing in one Triton kernel; tactic ``-1`` is torch."""
-
-    source_modules = ("graphtune.ops.moe._router_kernels", "graphtune._split_k_jit")
-
-    def __init__(self, top_k: int, renormalize: bool, weights_float32: bool, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._init_rule(top_k, renormalize, weights_float32)
 
     def supports(self, inputs: list[Any]) -> bool:
         """float16/bfloat16/float32 ``h`` and weight of one dtype, unit last strides, at most

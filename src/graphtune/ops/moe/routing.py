@@ -130,14 +130,19 @@ class TorchRouteTopKRunner(RoutingRule, TunableRunner):
         return self.torch_forward(inputs)
 
 
-class TritonRouteTopKRunner(RoutingRule, TritonRunner):
-    """The router in one Triton kernel (see the module docstring); tactic ``-1`` is torch."""
+class TritonRoutingRunner(RoutingRule, TritonRunner):
+    """What the runners of the router kernels (``graphtune.ops.moe._router_kernels``) share:
+    the routing rule and the kernels' sources."""
 
     source_modules = ("graphtune.ops.moe._router_kernels", "graphtune._split_k_jit")
 
     def __init__(self, top_k: int, renormalize: bool, weights_float32: bool, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._init_rule(top_k, renormalize, weights_float32)
+
+
+class TritonRouteTopKRunner(TritonRoutingRunner):
+    """The router in one Triton kernel (see the module docstring); tactic ``-1`` is torch."""
 
     def supports(self, inputs: list[Any]) -> bool:
         """At most :data:`MAX_TRITON_EXPERTS` experts of float16/bfloat16/float32 logits whose

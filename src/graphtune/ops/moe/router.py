@@ -14,8 +14,9 @@
   a token's splits sums the partial logits in split order, rounds them to the activations'
   dtype (as the GEMM's output is) and routes the token. Decode sizes only (at most
   :data:`MAX_TOKENS` tokens, :data:`MAX_EXPERTS` experts). Tactics ``{"bk", "splits",
-  "warps"}``: chunks of 64, 128 or 256 columns; 1 to 32 splits, each at least one chunk; 1 to 8
-  warps, those that give each thread 32 or 64 weights of a chunk.
+  "warps"}``: chunks of 64, 128 or 256 columns; 8, 16 or 32 splits of at least one chunk each
+  (fewer only where the hidden size has fewer chunks: :data:`MIN_SPLITS`); 1 to 8 warps, those
+  that give each thread 32 or 64 weights of a chunk.
 
 The fused kernel's logits are summed in another order than the GEMM runners' (float32, then one
 rounding), so a token whose two candidate experts' logits differ in the last bit of the
@@ -55,6 +56,11 @@ OP_NAME = "graphtune.moe_router"
 MAX_TOKENS = 16
 #: Most experts the fused kernel holds in one program's registers.
 MAX_EXPERTS = 256
+SPLITS = (1, 2, 4, 8, 16, 32)
+#: Fewest splits offered when the hidden size allows that many: on the H200 every tactic with 4
+#: or fewer splits took at least 28% longer than the best at 1 and 8 tokens of the Qwen3-30B-A3B
+#: and Mixtral router shapes (benchmarks/results/logs/session46-call5-router-probe-ebd58fb.json).
+MIN_SPLITS = 8
 #: Weights of a chunk each thread may multiply (sets the warps of a tactic): enough 16-byte
 #: loads in flight per thread, few enough registers.
 WEIGHTS_PER_THREAD = (32, 64)
@@ -119,13 +125,12 @@ def router_tactics(tokens: int, experts: int, k: int) -> list[dict[str, int]]:
     block_e = max(16, next_power_of_two(experts))
     tactics = []
     for bk in (64, 128, 256):
+        # Every split gets at least one chunk of columns.
+        splits = [s for s in SPLITS if -(-k // keys_per_split(k, s, bk)) == s]
+        fewest = min(MIN_SPLITS, max(splits))
         for warps in (1, 2, 4, 8):
-            if block_e * bk // (32 * warps) not in WEIGHTS_PER_THREAD:
-                continue
-            for splits in (1, 2, 4, 8, 16, 32):
-                # Every split gets at least one chunk of columns.
-                if -(-k // keys_per_split(k, splits, bk)) == splits:
-                    tactics.append({"bk": bk, "splits": splits, "warps": warps})
+            if block_e * bk // (32 * warps) in WEIGHTS_PER_THREAD:
+                tactics += [{"bk": bk, "splits": s, "warps": warps} for s in splits if s >= fewest]
     return tactics
 
 

@@ -26,6 +26,7 @@ from graphtune.engine import DecodeStep, KVCache, load_model, step_pad_rule, tun
 from graphtune.graphs import CUDAGraphRunner, SimulatedGraphBackend  # noqa: E402
 from graphtune.ops._triton import triton_available  # noqa: E402
 from graphtune.ops.moe import OP_NAME  # noqa: E402
+from graphtune.ops.moe.router import OP_NAME as ROUTER  # noqa: E402
 from graphtune.ops.moe.routing import OP_NAME as ROUTE  # noqa: E402
 
 
@@ -42,8 +43,15 @@ def test_tuned_moe_step_is_captured_whole_and_replays_the_eager_step(preset):
     tuner = _tuner()
     step = DecodeStep(model, cache, contiguous_slots=True, tuner=tuner)
     report = tune_step(step)
-    # The last-listed runner wins: at these token counts the GEMV path (graphtune.ops.moe.gemv).
-    for op, runner_name in ((OP_NAME, "TritonMoeGemvRunner"), (ROUTE, "TritonRouteTopKRunner")):
+    # The last-listed runner wins: at these token counts the GEMV path (graphtune.ops.moe.gemv),
+    # and the fused router (graphtune.ops.moe.router), whose unfused runner's routing op was
+    # tuned in the single-ops pass.
+    picks = (
+        (OP_NAME, "TritonMoeGemvRunner"),
+        (ROUTE, "TritonRouteTopKRunner"),
+        (ROUTER, "TritonMoeRouter"),
+    )
+    for op, runner_name in picks:
         winners = {row[2].split()[0].split("[")[0] for row in report.rows if row[0] == op}
         if triton_available():
             assert winners == {runner_name}, report.rows

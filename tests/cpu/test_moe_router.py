@@ -99,6 +99,17 @@ def test_the_tactic_rules():
     assert router_tactics(1, 512, 2048) == []
 
 
+def test_a_pick_serves_more_tokens_than_the_kernel_is_offered_for():
+    # A bucket's pick serves every count that maps to it, past MAX_TOKENS too.
+    gen = _gen()
+    h = torch.randn(MAX_TOKENS + 3, 64, generator=gen)
+    weight = torch.randn(8, 64, generator=gen) / 8
+    runner = TritonMoeRouter(2, True, True)
+    tactic = router_tactics(1, 8, 64)[0]
+    got_w, got_ids = runner.forward([h, weight], tactic=tactic)
+    assert_routed_as_float64(got_w, got_ids, h, weight, 2, True, gen.initial_seed())
+
+
 def test_bad_inputs_and_tactics():
     runner = TritonMoeRouter(2, True, True)
     h, weight = torch.randn(2, 64), torch.randn(8, 64)

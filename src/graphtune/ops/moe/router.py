@@ -52,10 +52,12 @@ from graphtune.ops.moe.routing import (
 from graphtune.ops.registry import register_op, runner_extras
 
 OP_NAME = "graphtune.moe_router"
-#: Most tokens the fused kernel is offered for (decode sizes; above, the GEMM runners win).
+#: Most tokens the fused kernel is offered for (decode sizes: each token's programs read the
+#: whole router weight, so its reads grow with the tokens where a GEMM's do not).
 MAX_TOKENS = 16
 #: Most experts the fused kernel holds in one program's registers.
 MAX_EXPERTS = 256
+#: Split counts a tactic may have.
 SPLITS = (1, 2, 4, 8, 16, 32)
 #: Fewest splits offered when the hidden size allows that many: on the H200 every tactic with 4
 #: or fewer splits took at least 28% longer than the best at 1 and 8 tokens of the Qwen3-30B-A3B
@@ -158,13 +160,16 @@ class TritonMoeRouter(_RouterRule, TritonRoutingRunner):
     def launch(self, inputs: list[Any], tactic: Any, *, warmup: bool = False) -> Any:
         """Runs (or with ``warmup`` only compiles) the kernel; returns ``(weights, ids)``.
 
+        Any token count runs (a bucket's pick serves every count that maps to the bucket).
+
         Raises:
-            ConfigError: ``tactic`` is not one of :func:`router_tactics`'s for this shape.
+            ConfigError: ``tactic`` is not one of :func:`router_tactics`'s for these experts and
+                hidden size.
         """
         h, weight = _unpack(inputs)
         tokens, k = h.shape
         experts = weight.shape[0]
-        if tactic not in router_tactics(max(tokens, 1), experts, k):
+        if tactic not in router_tactics(1, experts, k):
             raise ConfigError(
                 f"TritonMoeRouter: tactic {tactic!r} is not offered for {experts} experts of "
                 f"width {k}; pick one from get_valid_tactics."

@@ -17,16 +17,16 @@ max over int64 keys that hold the value's float32 bits (a non-negative float ord
 pattern) above ``BLOCK_E - 1 - lane``, so the largest key is the largest value and, among equal
 values, the lowest expert id: one reduction per round instead of a max and an arg-max; then the
 weights over their sum (renormalised) or over the sum of all (the probabilities). The token's
-logits are read as ``ROWS`` copies, one per warp (the kernels pass their warp count), laid out
-so that each warp reduces its own copy: a round then exchanges nothing between warps (no shared
-memory, no barrier), where one vector of logits spread over the warps would need both each
-round. The fused kernel rounds its logits to the activations' dtype first, as the router GEMM's
-output is, and stores them for that read.
+logits are read as a ``[ROWS, BLOCK_E]`` tile of ``ROWS`` copies, one per warp (the kernels pass
+their warp count), which Triton lays out a row per warp, so each warp reduces its own copy: a
+round then exchanges nothing between warps (no shared memory, no barrier), where one vector of
+logits spread over the warps needs both each round. The fused kernel rounds its logits to the
+activations' dtype first, as the router GEMM's output is, and stores them for that read.
 
-PDL (``graphtune.ops._pdl``): the router's weight is read by no kernel of the step as an output,
-so :func:`moe_router_kernel` loads its first chunk before ``gdc_wait()``; the activations after
-it. The routing kernel reads only the logits, after its wait. Each lets its successor launch
-right after its wait.
+PDL (``graphtune.ops._pdl``): no kernel of the step writes the router's weight, so
+:func:`moe_router_kernel` loads its first chunk before ``gdc_wait()``; the activations after it.
+The routing kernel reads only the logits, after its wait. Each lets its successor launch right
+after its wait.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ import pytest  # noqa: E402
 pytest.importorskip("triton")
 
 from fake_timers import last_wins_tuner  # noqa: E402
+from moe_cases import gen_seeded  # noqa: E402
 
 from graphtune.autotuner import autotune  # noqa: E402
 from graphtune.autotuner.identity import runner_id  # noqa: E402
@@ -41,10 +42,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _gen() -> torch.Generator:
-    return torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
-
-
 # (tokens, experts, top_k, hidden): Qwen3-MoE-like routing (many experts, k = 8), Mixtral-like
 # (8 experts, k = 2), an expert count that is not a power of two with a hidden size that no
 # chunk divides (masked loads, a short last split), k = 1.
@@ -54,7 +51,7 @@ CASES = [(2, 128, 8, 256), (3, 8, 2, 512), (1, 60, 4, 200), (4, 16, 1, 128)]
 @pytest.mark.parametrize(("tokens", "experts", "top_k", "hidden"), CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_tactic_routes_as_the_float64_product(tokens, experts, top_k, hidden, dtype):
-    gen = _gen()
+    gen = gen_seeded()
     h = torch.randn(tokens, hidden, generator=gen).to(dtype)
     weight = (torch.randn(experts, hidden, generator=gen) / hidden**0.5).to(dtype)
     for renormalize, weights_float32 in ((True, dtype == torch.float32), (False, True)):
@@ -101,7 +98,7 @@ def test_the_tactic_rules():
 
 def test_a_pick_serves_more_tokens_than_the_kernel_is_offered_for():
     # A bucket's pick serves every count that maps to it, past MAX_TOKENS too.
-    gen = _gen()
+    gen = gen_seeded()
     h = torch.randn(MAX_TOKENS + 3, 64, generator=gen)
     weight = torch.randn(8, 64, generator=gen) / 8
     runner = TritonMoeRouter(2, True, True)
@@ -127,7 +124,7 @@ def test_bad_inputs_and_tactics():
 
 
 def test_the_unfused_runner_is_the_gemm_then_the_routing_op():
-    gen = _gen()
+    gen = gen_seeded()
     h = torch.randn(3, 96, generator=gen)
     weight = torch.randn(16, 96, generator=gen)
     unfused = UnfusedMoeRouter(4, False, True, tuner=last_wins_tuner())
@@ -138,7 +135,7 @@ def test_the_unfused_runner_is_the_gemm_then_the_routing_op():
 
 
 def test_the_tuned_op_and_the_step_context():
-    gen = _gen()
+    gen = gen_seeded()
     h = torch.randn(3, 128, generator=gen)
     weight = torch.randn(16, 128, generator=gen) / 8
     tuner = last_wins_tuner()

@@ -27,6 +27,7 @@ broken to the lowest expert id, as the routing kernel does. The whole-step check
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -46,6 +47,7 @@ from graphtune.ops.moe._loader import router_kernels
 from graphtune.ops.moe.routing import (
     RoutingRule,
     TritonRoutingRunner,
+    check_routing_rule,
     route_top_k,
     torch_route_top_k,
 )
@@ -136,6 +138,13 @@ def router_tactics(tokens: int, experts: int, k: int) -> list[dict[str, int]]:
     return tactics
 
 
+@functools.lru_cache(maxsize=64)
+def _offered(experts: int, k: int) -> frozenset[tuple[tuple[str, int], ...]]:
+    """The tactics any token count of these experts and hidden size may launch, as keys (the
+    launch checks its tactic against this once per shape, not per call)."""
+    return frozenset(tuple(sorted(t.items())) for t in router_tactics(1, experts, k))
+
+
 class TritonMoeRouter(_RouterRule, TritonRoutingRunner):
     """The router GEMM and the routing in one Triton kernel; tactic ``-1`` is torch."""
 
@@ -169,7 +178,9 @@ class TritonMoeRouter(_RouterRule, TritonRoutingRunner):
         h, weight = _unpack(inputs)
         tokens, k = h.shape
         experts = weight.shape[0]
-        if tactic not in router_tactics(1, experts, k):
+        if not isinstance(tactic, dict) or tuple(sorted(tactic.items())) not in _offered(
+            experts, k
+        ):
             raise ConfigError(
                 f"TritonMoeRouter: tactic {tactic!r} is not offered for {experts} experts of "
                 f"width {k}; pick one from get_valid_tactics."
@@ -283,20 +294,12 @@ def moe_router(
             dtype.
     """
     h, router_weight = _unpack([h, router_weight])
+    check_routing_rule("moe_router", top_k, len(router_weight), weights_dtype)
     tuner = resolve(tuner)
     if weights_dtype not in (torch.float32, h.dtype) or h.dtype not in _FLOAT_DTYPES:
         logits = gemm(h, router_weight, tuner=tuner, max_m=max_m, cold_l2=cold_l2)
         return route_top_k(
             logits, top_k, renormalize=renormalize, weights_dtype=weights_dtype, tuner=tuner
-        )
-    if (
-        isinstance(top_k, bool)
-        or not isinstance(top_k, int)
-        or not 1 <= top_k <= len(router_weight)
-    ):
-        raise ConfigError(
-            f"moe_router: top_k must be an int in [1, E={len(router_weight)}], got {top_k!r}; "
-            "it is the config's num_experts_per_tok."
         )
     weights_float32 = weights_dtype == torch.float32
     chosen = runners

@@ -59,15 +59,24 @@ def _check(router_logits: torch.Tensor, top_k: Any, weights_dtype: torch.dtype) 
             f"route_top_k needs float router_logits [T, E], got {tuple(router_logits.shape)} "
             f"{router_logits.dtype}; flatten the leading dims of the logits first."
         )
-    experts = router_logits.shape[1]
+    check_routing_rule("route_top_k", top_k, router_logits.shape[1], weights_dtype)
+
+
+def check_routing_rule(op: str, top_k: Any, experts: int, weights_dtype: torch.dtype) -> None:
+    """The rule's arguments of ``op`` (this op or ``graphtune.ops.moe.router``'s).
+
+    Raises:
+        ConfigError: ``top_k`` is not an int in ``[1, experts]`` or ``weights_dtype`` is not a
+            float dtype.
+    """
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= experts:
         raise ConfigError(
-            f"route_top_k: top_k must be an int in [1, E={experts}], got {top_k!r}; it is the "
+            f"{op}: top_k must be an int in [1, E={experts}], got {top_k!r}; it is the "
             "config's num_experts_per_tok."
         )
     if not weights_dtype.is_floating_point:
         raise ConfigError(
-            f"route_top_k: weights_dtype must be a float dtype, got {weights_dtype}; pass the "
+            f"{op}: weights_dtype must be a float dtype, got {weights_dtype}; pass the "
             "logits' dtype (Qwen3-MoE) or torch.float32 (Mixtral)."
         )
 

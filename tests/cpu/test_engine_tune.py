@@ -412,7 +412,7 @@ def test_whole_step_check_with_one_fused_profile_times_the_step_twice():
     # As tuned and unfused only: switching the one profile is the unfused step.
     assert timer.calls == check.step_timings == 2 and (check.pinned, check.candidates) == (1, 1)
     # One step a replay, after a timed warm-up call: a graph timer's plan then captures one step
-    # once (test_timing.py: test_replay_plan_replays_a_long_call_alone).
+    # once (test_timing_replay_plan.py: test_replay_plan_replays_a_long_call_alone).
     assert timer.warmups == [(2, 1), (2, 1)]
     assert check.kept_us == check.unfused_us < check.fused_us
     assert _fused_picks(tuner, step, 1)["graphtune.norm_qkv_rope"] == {0}

@@ -221,7 +221,7 @@ def test_verify_lists_every_problem(tmp_path, capsys) -> None:
 
 @pytest.mark.parametrize(
     "content, message",
-    [(None, "does not exist"), ("{", "parse error"), ('{"format_version": 0}', "format_version")],
+    [(None, "does not exist"), ("{", "invalid JSON"), ('{"format_version": 0}', "format_version")],
 )
 def test_verify_unreadable_files(tmp_path, capsys, content, message) -> None:
     path = tmp_path / "cache.json"

@@ -57,19 +57,33 @@ class CacheKey:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> CacheKey:
-        """Inverse of :meth:`to_json`; raises ``ValueError``, ``KeyError`` or ``TypeError``."""
-        shapes = tuple(tuple(int(d) for d in s) if s is not None else None for s in data["shapes"])
+        """Inverse of :meth:`to_json`.
+
+        Raises:
+            ValueError: A field is missing or of the wrong JSON type (a number where a string
+                belongs would never equal a key made by ``choose_one``), or the shapes and
+                dtypes differ in count.
+        """
+        shapes = tuple(
+            None
+            if s is None
+            else tuple(_typed(d, int, "a size") for d in _typed(s, list, "a shape"))
+            for s in _field(data, "shapes", list)
+        )
         key = cls(
-            op=str(data["op"]),
-            runners=tuple(str(r) for r in data["runners"]),
+            op=_field(data, "op", str),
+            runners=tuple(_typed(r, str, "a runner") for r in _field(data, "runners", list)),
             shapes=shapes,
-            dtypes=tuple(str(d) for d in data["dtypes"]),
-            timing=str(data["timing"]),
-            sources=str(data["sources"]),
-            kwargs=str(data.get("kwargs", "")),
+            dtypes=tuple(_typed(d, str, "a dtype") for d in _field(data, "dtypes", list)),
+            timing=_field(data, "timing", str),
+            sources=_field(data, "sources", str),
+            kwargs=_field(data, "kwargs", str, default=""),
         )
         if len(key.shapes) != len(key.dtypes) or not key.runners:
-            raise ValueError(f"inconsistent cache key {data!r}")
+            raise ValueError(
+                f"{len(key.shapes)} shapes for {len(key.dtypes)} dtypes and {len(key.runners)} "
+                "runners (shapes and dtypes pair up, and a key has at least one runner)"
+            )
         return key
 
 
@@ -117,23 +131,94 @@ class CacheEntry:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> CacheEntry:
-        """Inverse of :meth:`to_json`; raises on malformed data."""
-        time_us = data["time_us"]
-        fallback_us = data["fallback_us"]
-        tuned_by = data.get("tuned_by")
+        """Inverse of :meth:`to_json`.
+
+        Raises:
+            ValueError: A field is missing or of the wrong JSON type.
+        """
+        time_us = _field(data, "time_us", float, optional=True)
+        fallback_us = _field(data, "fallback_us", float, optional=True)
+        tuned_by = _field(data, "tuned_by", dict, optional=True, default=None)
         if tuned_by is not None:
             tuned_by = {
-                "strategy": str(tuned_by["strategy"]),
-                "world_size": int(tuned_by["world_size"]),
+                "strategy": _field(tuned_by, "strategy", str),
+                "world_size": _field(tuned_by, "world_size", int),
             }
+        if "tactic" not in data:
+            raise ValueError("missing field 'tactic'")
         return cls(
-            runner_id=str(data["runner_id"]),
-            runner_index=int(data["runner_index"]),
+            runner_id=_field(data, "runner_id", str),
+            runner_index=_field(data, "runner_index", int),
             tactic=decode_value(data["tactic"]),
-            time_us=float(time_us) if time_us is not None else None,
-            fallback_us=float(fallback_us) if fallback_us is not None else None,
+            time_us=None if time_us is None else float(time_us),
+            fallback_us=None if fallback_us is None else float(fallback_us),
             tuned_by=tuned_by,
         )
+
+
+def entry_problems(key: CacheKey, entry: CacheEntry) -> list[str]:
+    """Why a well-formed entry cannot be used for its key (empty when it can): a runner that is
+    not the key's, a tactic that is not JSON, a time that is not finite and positive. Loading
+    ignores such an entry; ``graphtune cache verify`` lists each."""
+    problems = []
+    index = entry.runner_index
+    if not 0 <= index < len(key.runners) or key.runners[index] != entry.runner_id:
+        problems.append(
+            f"runner_index {index} / runner_id {entry.runner_id!r} do not name a runner of the "
+            "key, so look-ups never use it"
+        )
+    try:
+        json.dumps(entry.tactic, allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as exc:
+        problems.append(f"tactic is not JSON-serialisable ({exc})")
+    for name in ("time_us", "fallback_us"):
+        value = getattr(entry, name)
+        if value is not None and (not math.isfinite(value) or value <= 0):
+            problems.append(f"{name} is {value}; times must be finite and > 0 (or null)")
+    return problems
+
+
+_JSON_TYPE_NAMES = {
+    str: "a string",
+    int: "an integer",
+    float: "a number",
+    list: "a list",
+    dict: "an object",
+}
+_MISSING = object()
+
+
+def _field(
+    data: Any, name: str, kind: type, *, optional: bool = False, default: Any = _MISSING
+) -> Any:
+    """``data[name]`` checked by :func:`_typed`; ``default`` when the field may be absent.
+
+    Raises:
+        ValueError: ``data`` is not an object, or the field is missing or of another type.
+    """
+    if not isinstance(data, dict):
+        raise ValueError(f"expected an object holding {name!r}, got {type(data).__name__}")
+    if name not in data:
+        if default is _MISSING:
+            raise ValueError(f"missing field {name!r}")
+        return default
+    return _typed(data[name], kind, f"field {name!r}", optional=optional)
+
+
+def _typed(value: Any, kind: type, what: str, *, optional: bool = False) -> Any:
+    """``value`` when it is of JSON type ``kind`` (``float`` takes integers too; a bool is no
+    number), or ``None`` where ``optional``.
+
+    Raises:
+        ValueError: Another type; the message names ``what``.
+    """
+    if value is None and optional:
+        return None
+    kinds = (int, float) if kind is float else (kind,)
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        expected = _JSON_TYPE_NAMES[kind] + (" or null" if optional else "")
+        raise ValueError(f"{what} is {json.dumps(value)[:60]}, expected {expected}")
+    return value
 
 
 def _canonical(value: Any) -> Any:
@@ -192,15 +277,17 @@ class BlockedTactic:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> BlockedTactic:
-        """Inverse of :meth:`to_json`; raises ``KeyError``/``TypeError`` on malformed data."""
+        """Inverse of :meth:`to_json`; raises ``ValueError`` on malformed data."""
         if not isinstance(data, dict):
-            raise TypeError(f"blocklist item must be an object, got {type(data).__name__}")
+            raise ValueError(f"a blocklist item must be an object, got {type(data).__name__}")
+        if "tactic" not in data:
+            raise ValueError("missing field 'tactic'")
         return cls(
-            runner_id=str(data["runner_id"]),
+            runner_id=_field(data, "runner_id", str),
             tactic=decode_value(data["tactic"]),
-            reason=str(data["reason"]),
-            op=str(data.get("op", "")),
-            shapes=str(data.get("shapes", "")),
+            reason=_field(data, "reason", str),
+            op=_field(data, "op", str, default=""),
+            shapes=_field(data, "shapes", str, default=""),
         )
 
 

@@ -10,13 +10,14 @@ skips the whole file. ``merge`` combines two files under a stated rule (also in
 * for a key present in both, the entry with the faster recorded ``time_us`` is kept (both entries
   were measured with the same timer, because the timing mode is part of the key); an entry with a
   time beats one without (every candidate failed); a tie, or no time on either side, keeps A's;
-* blocklists are unioned; for the same (runner, tactic) A's reason is kept.
+* blocklists are unioned; for the same (runner, tactic) A's reason is kept;
+* an entry that no look-up can use (``graphtune.autotuner.entries.entry_problems``: a runner not
+  in its key, a time that is not positive) is left out, and the report lists it.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from os import PathLike
 from pathlib import Path
@@ -24,6 +25,7 @@ from typing import Any
 
 from graphtune.autotuner import persist
 from graphtune.autotuner.cache import BlockedTactic, CacheEntry, CacheKey
+from graphtune.autotuner.entries import entry_problems
 from graphtune.autotuner.fingerprint import environment_fingerprint, fingerprint_mismatch
 from graphtune.errors import CacheFileError
 
@@ -33,21 +35,25 @@ class VerifyReport:
     """Result of :func:`verify_file`.
 
     Attributes:
-        problems: Everything wrong with the file; empty means it is usable here.
+        problems: What makes graphtune skip the whole file here (unreadable, another format
+            version or environment, malformed entries or blocklist items).
+        ignored: Well-formed entries that loading ignores (a runner not in the key, a time that
+            is not positive, a duplicate key), one line each.
         notes: Information that is not a problem (counts, blocklist summary).
         entries: Well-formed entries found.
         blocked: Well-formed blocklist items found.
     """
 
     problems: list[str] = field(default_factory=list)
+    ignored: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     entries: int = 0
     blocked: list[BlockedTactic] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        """Whether the file has no problem."""
-        return not self.problems
+        """Whether the file is usable here with every entry."""
+        return not self.problems and not self.ignored
 
 
 def verify_file(
@@ -63,23 +69,10 @@ def verify_file(
         The report (never raises for a bad file).
     """
     report = VerifyReport()
-    path = Path(path)
     try:
-        doc = persist.parse_json(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        report.problems.append("the file does not exist")
-        return report
-    except UnicodeDecodeError as exc:
-        report.problems.append(f"parse error: not UTF-8 text ({exc})")
-        return report
-    except OSError as exc:
-        report.problems.append(f"cannot be read: {exc}")
-        return report
-    except (ValueError, RecursionError) as exc:
-        report.problems.append(f"parse error: invalid JSON, corrupt or truncated ({exc})")
-        return report
-    if not isinstance(doc, dict) or "format_version" not in doc:
-        report.problems.append("not a graphtune cache: no top-level format_version")
+        doc = persist.read_cache_json(Path(path))
+    except CacheFileError as exc:
+        report.problems.append(str(exc))
         return report
     if doc["format_version"] != persist.FORMAT_VERSION:
         report.problems.append(
@@ -103,36 +96,19 @@ def _verify_entries(items: Any, report: VerifyReport) -> None:
     for index, item in enumerate(items):
         where = f"entry {index}"
         try:
+            if not isinstance(item, dict) or "key" not in item or "value" not in item:
+                raise ValueError("expected an object with 'key' and 'value'")
             key = CacheKey.from_json(item["key"])
             entry = CacheEntry.from_json(item["value"])
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            report.problems.append(f"{where}: malformed ({type(exc).__name__}: {exc})")
+            report.problems.append(f"{where}: malformed ({exc})")
             continue
         where = f"entry {index} (op {key.op!r}, shapes {list(key.shapes)})"
         if key in seen:
-            report.problems.append(f"{where}: duplicate of entry {seen[key]} (one is ignored)")
+            report.ignored.append(f"{where}: duplicate of entry {seen[key]} (the last one is used)")
         seen[key] = index
         report.entries += 1
-        report.problems.extend(f"{where}: {p}" for p in _entry_problems(key, entry))
-
-
-def _entry_problems(key: CacheKey, entry: CacheEntry) -> list[str]:
-    problems = []
-    index = entry.runner_index
-    if not 0 <= index < len(key.runners) or key.runners[index] != entry.runner_id:
-        problems.append(
-            f"runner_index {index} / runner_id {entry.runner_id!r} do not name a runner of the "
-            "key, so look-ups never use it"
-        )
-    try:
-        json.dumps(entry.tactic, allow_nan=False)
-    except (TypeError, ValueError, RecursionError) as exc:
-        problems.append(f"tactic is not JSON-serialisable ({exc})")
-    for name in ("time_us", "fallback_us"):
-        value = getattr(entry, name)
-        if value is not None and (not math.isfinite(value) or value <= 0):
-            problems.append(f"{name} is {value}; times must be finite and > 0 (or null)")
-    return problems
+        report.ignored.extend(f"{where}: {p}" for p in entry_problems(key, entry))
 
 
 def _verify_blocklist(items: Any, report: VerifyReport) -> None:
@@ -161,6 +137,8 @@ class MergeReport:
     conflicts_kept_a: int = 0
     conflicts_kept_b: int = 0
     blocked: int = 0
+    #: Entries of A or B that no look-up can use (``entry_problems``), left out of the output.
+    ignored: list[str] = field(default_factory=list)
 
 
 def _faster(a: CacheEntry, b: CacheEntry) -> bool:
@@ -194,6 +172,7 @@ def merge_files(
             "merge anyway (the output gets A's fingerprint)."
         )
     report = MergeReport()
+    report.ignored = [f"A, {p}" for p in doc_a["ignored"]] + [f"B, {p}" for p in doc_b["ignored"]]
     merged = dict(doc_a["entries"])
     report.only_a = len(set(merged) - set(doc_b["entries"]))
     for key, entry in doc_b["entries"].items():

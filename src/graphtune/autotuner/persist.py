@@ -24,7 +24,14 @@ from typing import Any
 from filelock import FileLock, Timeout
 
 from graphtune import env
-from graphtune.autotuner.entries import BlockedTactic, Blocklist, CacheEntry, CacheKey, tactic_text
+from graphtune.autotuner.entries import (
+    BlockedTactic,
+    Blocklist,
+    CacheEntry,
+    CacheKey,
+    entry_problems,
+    tactic_text,
+)
 from graphtune.autotuner.fingerprint import environment_fingerprint, fingerprint_mismatch
 from graphtune.errors import CacheFileError
 
@@ -78,6 +85,7 @@ def check_lockable(path: str | PathLike[str]) -> None:
         CacheFileError: The lock file or a file in the folder cannot be created or opened.
     """
     path = Path(path)
+    check_regular_target(path)
     folder = path.parent
     if not folder.is_dir():
         return
@@ -97,12 +105,29 @@ def check_lockable(path: str | PathLike[str]) -> None:
         ) from None
 
 
+def check_regular_target(path: str | PathLike[str]) -> None:
+    """Refuses a save target that exists but is not a regular file: ``os.replace`` would put a
+    plain file in place of a FIFO, a socket or a device such as ``/dev/null``.
+
+    Raises:
+        CacheFileError: ``path`` exists and is not a regular file.
+    """
+    path = Path(path)
+    if path.exists() and not path.is_file() and not path.is_dir():
+        raise CacheFileError(
+            f"Cannot write {path}: it is not a regular file (a device, FIFO or socket), which "
+            "graphtune would replace; pass the path of a file"
+        )
+
+
 def read_document(path: str | PathLike[str]) -> dict[str, Any]:
     """Parses a cache file without checking its environment (for ``graphtune cache show``).
 
     Returns:
         ``{"format_version", "fingerprint", "entries": {CacheKey: CacheEntry},
-        "blocklist": {(runner_id, tactic text): BlockedTactic}}``.
+        "blocklist": {(runner_id, tactic text): BlockedTactic}, "ignored": [str]}``: the
+        entries usable for their keys, and why each other one is not
+        (:func:`~graphtune.autotuner.entries.entry_problems`).
 
     Raises:
         CacheFileError: The file is missing, not valid JSON, of another format version or has
@@ -114,43 +139,108 @@ def read_document(path: str | PathLike[str]) -> dict[str, Any]:
         raise CacheFileError(f"cache file {path}: {exc}") from None
 
 
-def _parse(path: Path) -> dict[str, Any]:
+def _read_text(path: Path) -> str:
+    """The text of the regular file ``path``; raises :class:`_Unusable` saying why not (a FIFO
+    or a device is refused before it is opened: reading one would block or never end)."""
     try:
-        text = path.read_text(encoding="utf-8")
+        if path.exists() and not path.is_file():
+            raise _Unusable("is not a regular file")
+        return path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise _Unusable("does not exist") from None
     except OSError as exc:
         raise _Unusable(f"cannot be read ({exc})") from None
     except UnicodeDecodeError as exc:
         raise _Unusable(f"is corrupt (not UTF-8 text: {exc})") from None
+
+
+def _parse(path: Path) -> dict[str, Any]:
+    doc = _parse_cache_json(_read_text(path))
+    if doc["format_version"] != FORMAT_VERSION:
+        raise _Unusable(
+            f"has format_version {doc['format_version']!r}; this graphtune reads {FORMAT_VERSION}"
+        )
+    entries: Entries = {}
+    ignored: list[str] = []
+    try:
+        for item in _list_field(doc, "entries"):
+            key = CacheKey.from_json(_list_item(item, "key"))
+            entry = CacheEntry.from_json(_list_item(item, "value"))
+            problems = entry_problems(key, entry)
+            if problems:
+                ignored.append(f"op {key.op!r} shapes {list(key.shapes)}: {'; '.join(problems)}")
+            else:
+                entries[key] = entry
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise _Unusable(f"is corrupt (malformed entry: {exc})") from None
+    try:
+        # Optional: files written before the blocklist existed have none.
+        blocked = [
+            BlockedTactic.from_json(item) for item in _list_field(doc, "blocklist", optional=True)
+        ]
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise _Unusable(f"is corrupt (malformed blocklist: {exc})") from None
+    return {
+        "format_version": doc["format_version"],
+        "fingerprint": doc.get("fingerprint"),
+        "entries": entries,
+        "blocklist": {item.ident: item for item in blocked},
+        "ignored": ignored,
+    }
+
+
+def _parse_cache_json(text: str) -> dict[str, Any]:
+    """The JSON object of a graphtune cache file of any format version; :class:`_Unusable`
+    when ``text`` is not one."""
     try:
         doc = parse_json(text)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
         raise _Unusable(f"is corrupt or truncated (invalid JSON: {exc})") from None
     if not isinstance(doc, dict) or "format_version" not in doc:
         raise _Unusable("is not a graphtune cache (no format_version)")
-    if doc["format_version"] != FORMAT_VERSION:
-        raise _Unusable(
-            f"has format_version {doc['format_version']!r}; this graphtune reads {FORMAT_VERSION}"
-        )
+    return doc
+
+
+def _list_field(doc: dict[str, Any], name: str, *, optional: bool = False) -> list[Any]:
+    value = doc.get(name, [] if optional else None)
+    if not isinstance(value, list):
+        what = "missing" if value is None else f"{type(value).__name__}, not a list"
+        raise ValueError(f"{name!r} is {what}")
+    return value
+
+
+def _list_item(item: Any, name: str) -> Any:
+    if not isinstance(item, dict) or name not in item:
+        raise ValueError(f"an entry has no {name!r}")
+    return item[name]
+
+
+def read_cache_json(path: str | PathLike[str]) -> dict[str, Any]:
+    """The JSON object of the graphtune cache file ``path``, of any format version, unchecked
+    beyond that (``graphtune cache verify`` checks the rest item by item).
+
+    Raises:
+        CacheFileError: The file is missing, not a regular file, unreadable, not JSON, or has no
+            ``format_version``.
+    """
     try:
-        entries = {
-            CacheKey.from_json(item["key"]): CacheEntry.from_json(item["value"])
-            for item in doc["entries"]
-        }
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise _Unusable(f"is corrupt (malformed entry: {type(exc).__name__}: {exc})") from None
+        return _parse_cache_json(_read_text(Path(path)))
+    except _Unusable as exc:
+        raise CacheFileError(f"the file {exc}") from None
+
+
+def not_a_cache_file(path: str | PathLike[str]) -> str | None:
+    """Why the existing file ``path`` is not a graphtune tuning cache file, or ``None`` when it
+    is one (of any format version or environment: those are graphtune's to replace).
+
+    ``graphtune cache clear`` removes, and the commands that save a cache overwrite, only files
+    for which this is ``None``, so a mistyped path never destroys another file.
+    """
     try:
-        # Optional: files written before the blocklist existed have none.
-        blocked = [BlockedTactic.from_json(item) for item in doc.get("blocklist", [])]
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise _Unusable(f"is corrupt (malformed blocklist: {type(exc).__name__}: {exc})") from None
-    return {
-        "format_version": doc["format_version"],
-        "fingerprint": doc.get("fingerprint"),
-        "entries": entries,
-        "blocklist": {item.ident: item for item in blocked},
-    }
+        _parse_cache_json(_read_text(Path(path)))
+    except _Unusable as exc:
+        return str(exc)
+    return None
 
 
 def _retune_hint(path: Path) -> str:
@@ -206,7 +296,20 @@ def load_file(
             raise CacheFileError(message) from None
         logger.warning(message)
         return LoadedCache()
+    _warn_ignored(path, doc["ignored"])
     return LoadedCache(doc["entries"], doc["blocklist"])
+
+
+def _warn_ignored(path: Path, ignored: list[str]) -> None:
+    if ignored:
+        logger.warning(
+            "Ignoring %d entries of tuning cache %s that no look-up can use (%s); `graphtune "
+            "cache verify %s` lists them, and the next save drops them.",
+            len(ignored),
+            path,
+            ignored[0] if len(ignored) == 1 else ignored[0] + "; ...",
+            path,
+        )
 
 
 def save(
@@ -328,6 +431,10 @@ def _remove_stale_temp_files(path: Path) -> None:
 def _existing(path: Path, current: dict[str, Any]) -> LoadedCache:
     if not path.exists():
         return LoadedCache()
+    reason = not_a_cache_file(path)
+    if reason is not None:
+        _move_aside(path, reason)
+        return LoadedCache()
     try:
         doc = _parse(path)
     except _Unusable as exc:
@@ -344,6 +451,24 @@ def _existing(path: Path, current: dict[str, Any]) -> LoadedCache:
     return LoadedCache(doc["entries"], doc["blocklist"])
 
 
+def _move_aside(path: Path, reason: str) -> None:
+    """Renames a file that is in the way of a save but is no graphtune cache (someone's file at
+    a mistyped path, or a cache damaged by hand) to a free ``<name>.unusable[.N]`` next to it, so
+    the save loses nothing; the warning says where it went."""
+    for n in range(1000):
+        aside = path.with_name(f"{path.name}.unusable" + (f".{n}" if n else ""))
+        if not aside.exists():
+            break
+    os.replace(path, aside)
+    logger.warning(
+        "Moved %s to %s before saving the tuning cache there: it %s. Pass another cache path "
+        "if that file was not meant to be a tuning cache.",
+        path,
+        aside,
+        reason,
+    )
+
+
 def document(
     entries: Entries, fingerprint: Any, blocklist: Blocklist | None = None
 ) -> dict[str, Any]:
@@ -358,6 +483,7 @@ def write_atomic(path: str | PathLike[str], doc: dict[str, Any]) -> None:
         CacheFileError: The lock could not be taken or the file could not be written.
     """
     path = Path(path)
+    check_regular_target(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with FileLock(str(lock_path(path)), timeout=LOCK_TIMEOUT_S):
@@ -389,6 +515,7 @@ def update_json(
         CacheFileError: The lock could not be taken or the file could not be written.
     """
     path = Path(path)
+    check_regular_target(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with FileLock(str(lock_path(path)), timeout=lock_timeout_s):

@@ -114,14 +114,19 @@ def check_output_path(path: Path | None, flag: str) -> None:
     read-only file systems).
 
     Raises:
-        ConfigError: The folder is missing or not writable, or ``path`` is a folder; the message
-            names ``flag`` and the reason.
+        ConfigError: The folder is missing or not writable, or ``path`` is a folder or another
+            file that is not a regular one; the message names ``flag`` and the reason.
     """
     if path is None or str(path) == "-":
         return
     folder = path.parent
     if path.is_dir():
         raise ConfigError(f"{flag} {path} is a folder; give a file name")
+    if path.exists() and not path.is_file():
+        raise ConfigError(
+            f"{flag} {path} is not a regular file (a device, FIFO or socket), which graphtune "
+            "would replace with its own; give a file path"
+        )
     if not folder.is_dir():
         raise ConfigError(f"{flag} {path}: the folder {folder} does not exist; create it first")
     try:
@@ -131,3 +136,25 @@ def check_output_path(path: Path | None, flag: str) -> None:
         raise ConfigError(
             f"{flag} {path}: cannot write to the folder {folder} ({reason}); pass a writable path"
         ) from None
+
+
+def check_cache_path(path: Path, flag: str) -> None:
+    """Checks before any work that a tuning cache can be saved at ``path``: as
+    :func:`check_output_path`, and a file already there must be a graphtune tuning cache (a save
+    replaces one of another version or environment, but never someone's other file at a
+    mistyped path), and its lock must be takable.
+
+    Raises:
+        ConfigError: ``path`` cannot be written, or holds a file that is not a tuning cache.
+        CacheFileError: The lock file cannot be created or opened.
+    """
+    from graphtune.autotuner.persist import check_lockable, not_a_cache_file
+
+    check_output_path(path, flag)
+    reason = not_a_cache_file(path) if path.exists() else None
+    if reason is not None:
+        raise ConfigError(
+            f"{flag} {path} is not a graphtune tuning cache (it {reason}), and saving the picks "
+            "would replace it; give another path, or move that file away"
+        )
+    check_lockable(path)

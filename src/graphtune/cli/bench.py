@@ -18,6 +18,7 @@ from typing import Any
 
 from graphtune.cli._args import (
     add_device_arguments,
+    check_cache_path,
     check_output_path,
     non_negative_int,
     positive_int,
@@ -196,10 +197,7 @@ def _check_before_run(args: argparse.Namespace, model: str) -> None:
                 "--plot needs matplotlib: pip install 'graphtune[plot]' (or drop --plot)"
             ) from None
     if args.tuning_cache is not None:
-        from graphtune.autotuner.persist import check_lockable
-
-        check_output_path(args.tuning_cache, "--tuning-cache")
-        check_lockable(args.tuning_cache)
+        check_cache_path(args.tuning_cache, "--tuning-cache")
     load_config(model).check_positions(args.context + 1, f"--context {args.context}")
 
 

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from graphtune.cli._args import usage
+from graphtune.cli._args import check_output_path, usage
 from graphtune.errors import CacheFileError
 
 COLUMNS = (
@@ -175,15 +175,21 @@ def verify_command(args: argparse.Namespace) -> int:
     if report.ok:
         print(f"OK: {args.path} is usable in this environment.")
         return 0
-    if len(report.problems) == 1:
+    lines = [f"problem: {p}" for p in report.problems] + [f"ignored: {p}" for p in report.ignored]
+    if report.problems and len(lines) == 1:
         raise CacheFileError(
             f"cache file {args.path}: {report.problems[0]}; graphtune would skip this file here"
         )
-    for problem in report.problems:
-        print(f"problem: {problem}")
+    print("\n".join(lines))
+    if report.problems:
+        raise CacheFileError(
+            f"cache file {args.path} has {len(report.problems)} problems (listed above); "
+            "graphtune would skip this file here"
+        )
     raise CacheFileError(
-        f"cache file {args.path} has {len(report.problems)} problems (listed above); graphtune "
-        "would skip this file here"
+        f"cache file {args.path}: graphtune would ignore the {len(report.ignored)} entries listed "
+        f"above and use the other {report.entries - len(report.ignored)}; re-tune those shapes, "
+        "or save over the file to drop them"
     )
 
 
@@ -191,11 +197,15 @@ def merge_command(args: argparse.Namespace) -> int:
     """Merges A and B into the output; 1 when an input is unusable or environments differ."""
     from graphtune.autotuner import maintenance
 
+    check_output_path(args.output, "--output")
     report = maintenance.merge_files(args.a, args.b, args.output, force=args.force)
+    for problem in report.ignored:
+        print(f"left out: {problem}")
     print(
         f"Wrote {args.output}: {report.entries} entries ({report.only_a} only in A, "
         f"{report.only_b} only in B, {report.conflicts_kept_a} conflicts kept A, "
-        f"{report.conflicts_kept_b} kept B), {report.blocked} blocked tactics."
+        f"{report.conflicts_kept_b} kept B), {report.blocked} blocked tactics"
+        + (f"; {len(report.ignored)} unusable entries left out." if report.ignored else ".")
     )
     return 0
 
@@ -205,13 +215,33 @@ def unblock_command(args: argparse.Namespace) -> int:
     from graphtune.autotuner import persist
 
     tactic = json.loads(args.tactic) if args.tactic is not None else None
+    runner = None if args.runner is None else _blocked_runner(args.path, args.runner)
     removed = persist.unblock(
-        args.path, runner_id=args.runner, tactic=tactic, match_tactic=args.tactic is not None
+        args.path, runner_id=runner, tactic=tactic, match_tactic=args.tactic is not None
     )
     for item in removed:
         print(f"unblocked {item.runner_id} tactic {json.dumps(item.tactic)} ({item.reason})")
     print(f"Removed {len(removed)} blocked tactic(s) from {args.path}.")
     return 0
+
+
+def _blocked_runner(path: Path, name: str) -> str:
+    """The full id of the blocked runner ``name`` names: its id, or the short name ``cache
+    show`` prints when that names one runner of the blocklist."""
+    from graphtune.autotuner import persist
+    from graphtune.autotuner.identity import short_runner_name
+
+    ids = sorted({item.runner_id for item in persist.read_document(path)["blocklist"].values()})
+    if name in ids:
+        return name
+    matches = [i for i in ids if short_runner_name(i) == name]
+    if len(matches) == 1:
+        return matches[0]
+    listed = ", ".join(ids) or "none"
+    rule = "names several" if matches else "names none"
+    raise CacheFileError(
+        f"--runner {name} {rule} of the blocked runners of {path} ({listed}); pass one of those ids"
+    )
 
 
 def clear_command(args: argparse.Namespace) -> int:
@@ -222,6 +252,12 @@ def clear_command(args: argparse.Namespace) -> int:
     lock = persist.lock_path(path)
     if not path.exists():
         raise CacheFileError(f"no tuning cache at {path}; nothing removed")
+    reason = persist.not_a_cache_file(path)
+    if reason is not None:
+        raise CacheFileError(
+            f"{path} is not a graphtune tuning cache (it {reason}); nothing removed. Remove it "
+            "with rm if that is what you meant"
+        )
     try:
         path.unlink()
         lock.unlink(missing_ok=True)

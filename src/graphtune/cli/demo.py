@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from graphtune.cli._args import check_output_path, device_name
+from graphtune.cli._args import check_cache_path, device_name
 
 DESCRIPTION = (
     "Tunes two small ops on the best device present and prints the picks: matmul (torch.matmul, "
@@ -51,10 +51,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
     device = resolve_device(args.device)
     if args.cache is not None:
-        from graphtune.autotuner.persist import check_lockable
-
-        check_output_path(args.cache, "--cache")
-        check_lockable(args.cache)
+        check_cache_path(args.cache, "--cache")
     tuner = autotuner.AutoTuner(policy=autotuner.TuningPolicy(rounds=3, remeasure_top=2))
     print(demo(tuner, device, cache_path=args.cache))
     return 0

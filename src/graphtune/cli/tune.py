@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from graphtune.cli import from_misses
-from graphtune.cli._args import add_device_arguments, check_output_path, positive_int
+from graphtune.cli._args import add_device_arguments, check_cache_path, positive_int
 from graphtune.errors import ConfigError
 
 
@@ -82,10 +82,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run_tune(args: argparse.Namespace) -> int:
     """Tunes the step (or the recorded misses) and prints the picks table."""
-    from graphtune.autotuner.persist import check_lockable
-
-    check_output_path(args.cache, "--cache")
-    check_lockable(args.cache)
+    check_cache_path(args.cache, "--cache")
     if args.from_misses is not None:
         return from_misses.run(args)
     if args.model is None:

@@ -9,8 +9,7 @@ import os
 
 import pytest
 
-from graphtune.autotuner import CacheEntry, CacheKey, TuningCache
-from graphtune.autotuner import persist
+from graphtune.autotuner import CacheEntry, CacheKey, TuningCache, persist
 from graphtune.cli.main import main
 from graphtune.errors import CacheFileError
 

@@ -129,3 +129,33 @@ def test_generate_gpu_memory_utilization_needs_cuda(capsys):
         main([*args, "--gpu-memory-utilization", "1.5"])
     assert exit_info.value.code == 2
     assert "must be in (0, 1]" in capsys.readouterr().err
+
+
+BENCH = ["bench", "decode", "--model", "tiny", "--device", "cpu", "--batch-sizes", "1"]
+
+
+@pytest.mark.parametrize(
+    "flags, fragment",
+    [
+        (["--json", "{d}/r.json", "--plot", "{d}/r.json"], "--json and --plot both name"),
+        (["--tune", "--tuning-cache", "{d}/r.json", "--json", "{d}/r.json"], "both name"),
+        (["--plot", "{d}/p.xyz"], "'.xyz' is none of"),
+        (["--plot", "{d}/plot"], "it has none"),
+        (["--plot", "-"], "it has none"),
+    ],
+)
+def test_bench_refuses_outputs_that_would_be_lost_before_running(tmp_path, capsys, flags, fragment):
+    pytest.importorskip("matplotlib")
+    args = [flag.format(d=tmp_path) for flag in flags]
+    assert main([*BENCH, *args]) == 1
+    err = capsys.readouterr().err
+    assert fragment in err and "batch 1" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "inf"])
+def test_check_tactics_rejects_a_tolerance_that_is_not_finite_and_positive(capsys, value):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["check-tactics", "--model", "tiny", "--atol", value])
+    assert exit_info.value.code == 2
+    assert "--atol" in capsys.readouterr().err

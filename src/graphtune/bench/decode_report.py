@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import io
+from pathlib import Path
 from typing import Any
 
 from graphtune.bench.decode_results import BatchResult, DecodeBenchReport
 from graphtune.bench.kernel_families import FAMILIES
+from graphtune.bench.results import write_result
 from graphtune.errors import ConfigError
 from graphtune.reporting import render_table
 
@@ -224,12 +227,20 @@ def weights_table(report: DecodeBenchReport) -> str | None:
     )
 
 
-def plot_report(report: DecodeBenchReport, path: str) -> None:
-    """Saves ms/step vs batch size per runner, with the GPU-busy line and the bytes floor.
+def plot_formats() -> frozenset[str]:
+    """The file suffixes (without the dot) a plot can be saved as: matplotlib's Agg backend's.
 
     Raises:
         ConfigError: matplotlib is not installed (the message says how to get it).
     """
+    _pyplot()
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    return frozenset(FigureCanvasAgg(Figure()).get_supported_filetypes())
+
+
+def _pyplot() -> Any:
     try:
         import matplotlib
 
@@ -239,6 +250,21 @@ def plot_report(report: DecodeBenchReport, path: str) -> None:
         raise ConfigError(
             "--plot needs matplotlib: pip install 'graphtune[plot]' (or drop --plot)"
         ) from exc
+    return plt
+
+
+def plot_report(report: DecodeBenchReport, path: str | Path) -> Path:
+    """Saves ms/step vs batch size per runner, with the GPU-busy line and the bytes floor, in
+    the format of ``path``'s suffix (one of :func:`plot_formats`), atomically
+    (:func:`graphtune.bench.results.write_result`).
+
+    Returns:
+        The file holding the plot: ``path``, or the temporary folder's file it went to instead.
+
+    Raises:
+        ConfigError: matplotlib is not installed (the message says how to get it).
+    """
+    plt = _pyplot()
     sizes = [r.batch_size for r in report.results]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     series = [
@@ -269,5 +295,7 @@ def plot_report(report: DecodeBenchReport, path: str) -> None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    image = io.BytesIO()
+    fig.savefig(image, format=Path(path).suffix.lstrip(".").lower(), dpi=120)
     plt.close(fig)
+    return write_result(path, image.getvalue())

@@ -1,10 +1,10 @@
-"""Writing a result JSON: strict JSON, atomically, and never losing the data.
+"""Writing a result file (JSON, a plot): atomically, and never losing the data.
 
-:func:`write_json` writes a temporary file next to the target and renames it over the target
-(``os.replace``), so a reader sees the old file or the new one, never half of one. When the
-target cannot be written (a read-only folder, a full disk) the data goes to a file in the system's
-temporary folder instead: the returned path says where, and a warning names both; only when that
-fails too is an error raised, naming both places.
+:func:`write_result` (and :func:`write_json` for strict JSON) writes a temporary file next to
+the target and renames it over the target (``os.replace``), so a reader sees the old file or the
+new one, never half of one. When the target cannot be written (a read-only folder, a full disk)
+the data goes to a file in the system's temporary folder instead: the returned path says where,
+and a warning names both; only when that fails too is an error raised, naming both places.
 """
 
 from __future__ import annotations
@@ -33,14 +33,14 @@ def json_safe(value: Any) -> Any:
     return value
 
 
-def _write_atomically(path: Path, text: str) -> None:
+def _write_atomically(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(
-        "w", dir=path.parent, prefix=path.name, suffix=".tmp", delete=False
+        "wb", dir=path.parent, prefix=path.name, suffix=".tmp", delete=False
     ) as handle:
         temp = Path(handle.name)
         try:
-            handle.write(text)
+            handle.write(data)
         except BaseException:
             handle.close()
             temp.unlink(missing_ok=True)
@@ -53,9 +53,16 @@ def _write_atomically(path: Path, text: str) -> None:
 
 
 def write_json(path: str | os.PathLike[str], payload: Any) -> Path:
-    """Writes ``payload`` as indented strict JSON to ``path``, atomically.
+    """Writes ``payload`` as indented strict JSON to ``path`` (:func:`write_result`).
 
     Non-finite floats become ``null``; values JSON cannot represent are written with ``str``.
+    """
+    text = json.dumps(json_safe(payload), indent=2, sort_keys=False, default=str) + "\n"
+    return write_result(path, text.encode("utf-8"))
+
+
+def write_result(path: str | os.PathLike[str], data: bytes) -> Path:
+    """Writes ``data`` to ``path`` atomically, or where it can when ``path`` cannot be written.
 
     Returns:
         The file holding the data: ``path``, or, when ``path`` could not be written, a file in
@@ -65,15 +72,14 @@ def write_json(path: str | os.PathLike[str], payload: Any) -> Path:
         ResultsWriteError: Neither ``path`` nor the temporary folder could be written.
     """
     target = Path(path)
-    text = json.dumps(json_safe(payload), indent=2, sort_keys=False, default=str) + "\n"
     try:
-        _write_atomically(target, text)
+        _write_atomically(target, data)
         return target
     except OSError as exc:
         first = f"{type(exc).__name__}: {exc}"
     fallback = Path(tempfile.gettempdir()) / f"graphtune-{os.getpid()}-{target.name}"
     try:
-        _write_atomically(fallback, text)
+        _write_atomically(fallback, data)
     except OSError as exc:
         raise ResultsWriteError(
             f"could not write the result to {target} ({first}) nor to {fallback} "

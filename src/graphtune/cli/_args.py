@@ -11,6 +11,7 @@ one ``error:`` line on stderr and exit code 2; a failure is one ``error:`` line 
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import sys
 import tempfile
@@ -73,6 +74,17 @@ def _int_at_least(text: str, low: int) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
     if value < low:
         raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """``argparse`` type: a finite number >= 0 (a tolerance)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
     return value
 
 
@@ -158,3 +170,23 @@ def check_cache_path(path: Path, flag: str) -> None:
             "would replace it; give another path, or move that file away"
         )
     check_lockable(path)
+
+
+def check_distinct_outputs(*outputs: tuple[str, Path | None]) -> None:
+    """Refuses two output flags naming one file (the second write would replace the first's
+    data); ``None`` and ``-`` (stdout) are skipped.
+
+    Raises:
+        ConfigError: Two of ``outputs`` (``(flag, path)`` pairs) resolve to the same file.
+    """
+    seen: dict[Path, str] = {}
+    for flag, path in outputs:
+        if path is None or str(path) == "-":
+            continue
+        where = path.resolve()
+        if where in seen:
+            raise ConfigError(
+                f"{seen[where]} and {flag} both name {path}, so one would replace the other; "
+                "give them different files"
+            )
+        seen[where] = flag

@@ -19,6 +19,7 @@ from typing import Any
 from graphtune.cli._args import (
     add_device_arguments,
     check_cache_path,
+    check_distinct_outputs,
     check_output_path,
     non_negative_int,
     positive_int,
@@ -166,7 +167,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=Path,
         default=None,
         metavar="FILE.png",
-        help="save a plot (matplotlib; default: no plot)",
+        help="save a plot (matplotlib; the suffix picks the format: .png, .svg, .pdf, ...; "
+        "default: no plot)",
     )
     decode.add_argument(
         "--json",
@@ -189,13 +191,20 @@ def _check_before_run(args: argparse.Namespace, model: str) -> None:
 
     check_output_path(args.json, "--json")
     check_output_path(args.plot, "--plot")
+    check_distinct_outputs(
+        ("--json", args.json), ("--plot", args.plot), ("--tuning-cache", args.tuning_cache)
+    )
     if args.plot is not None:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
+        from graphtune.bench.decode_report import plot_formats
+
+        formats = plot_formats()
+        suffix = args.plot.suffix
+        if suffix.lstrip(".").lower() not in formats:
             raise ConfigError(
-                "--plot needs matplotlib: pip install 'graphtune[plot]' (or drop --plot)"
-            ) from None
+                f"--plot {args.plot}: its suffix picks the image format, and "
+                f"{repr(suffix) if suffix else 'it has none'} is none of "
+                f"{', '.join(sorted(formats))}; give e.g. plot.png"
+            )
     if args.tuning_cache is not None:
         check_cache_path(args.tuning_cache, "--tuning-cache")
     load_config(model).check_positions(args.context + 1, f"--context {args.context}")
@@ -304,5 +313,4 @@ def _emit(args: argparse.Namespace, report: Any) -> None:
             raise ResultsWriteError(f"{exc}; the JSON result is printed above") from None
         print(f"wrote {written}", file=sys.stderr)
     if args.plot is not None:
-        plot_report(report, str(args.plot))
-        print(f"wrote {args.plot}", file=sys.stderr)
+        print(f"wrote {plot_report(report, args.plot)}", file=sys.stderr)

@@ -12,10 +12,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
-from graphtune.cli._args import add_device_arguments, check_output_path, positive_int
+from graphtune.cli._args import (
+    add_device_arguments,
+    check_output_path,
+    non_negative_float,
+    positive_int,
+)
 
 
 def _batches(text: str) -> tuple[int, ...]:
@@ -47,16 +53,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--max-seq-len", type=positive_int, default=256, metavar="N", help="KV cache length"
     )
     add_device_arguments(parser)
-    parser.add_argument("--atol", type=float, default=None, help="absolute tolerance (default 0)")
     parser.add_argument(
-        "--rtol", type=float, default=None, help="relative tolerance (default by dtype)"
+        "--atol", type=non_negative_float, default=None, help="absolute tolerance (default 0)"
+    )
+    parser.add_argument(
+        "--rtol",
+        type=non_negative_float,
+        default=None,
+        help="relative tolerance (default by dtype)",
     )
     parser.add_argument(
         "--json",
         type=Path,
         default=None,
         metavar="FILE",
-        help="write a report (default: no report)",
+        help="write the report as JSON ('-': to stdout, and the table to stderr; default: no "
+        "report)",
     )
     parser.set_defaults(handler=run_check)
 
@@ -117,6 +129,7 @@ def _number(value: float) -> float | None:
 
 def run_check(args: argparse.Namespace) -> int:
     """Prints one row per (op call, runner, tactic); 1 when any check failed."""
+    from graphtune.bench.results import json_safe, write_json
     from graphtune.reporting import render_table
 
     check_output_path(args.json, "--json")
@@ -147,12 +160,21 @@ def run_check(args: argparse.Namespace) -> int:
                 )
             )
     columns = ("op", "profile", "runner", "tactic", "max abs", "max rel", "result")
-    print(render_table(f"tactic consistency of {args.model}", columns, rows, width=200))
+    to_stdout = args.json is not None and str(args.json) == "-"
+    table_stream = sys.stderr if to_stdout else sys.stdout
+    title = f"tactic consistency of {args.model}"
+    print(render_table(title, columns, rows, width=200), file=table_stream)
     failed = [r for r in reports if not r.passed]
     checked = sum(len(r.checks) for r in reports)
-    print(f"{checked} (runner, tactic) checked on {len(reports)} op calls; {len(failed)} failed")
-    if args.json is not None:
-        args.json.write_text(json.dumps([_report_json(r) for r in reports], indent=1))
+    print(
+        f"{checked} (runner, tactic) checked on {len(reports)} op calls; {len(failed)} failed",
+        file=table_stream,
+    )
+    data = [_report_json(r) for r in reports]
+    if to_stdout:
+        print(json.dumps(json_safe(data), indent=1))
+    elif args.json is not None:
+        print(f"wrote {write_json(args.json, data)}", file=sys.stderr)
     return 1 if failed else 0
 
 

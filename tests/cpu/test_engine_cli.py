@@ -159,3 +159,38 @@ def test_check_tactics_rejects_a_tolerance_that_is_not_finite_and_positive(capsy
         main(["check-tactics", "--model", "tiny", "--atol", value])
     assert exit_info.value.code == 2
     assert "--atol" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [BENCH, ["generate", "--model", "tiny", "--prompt-ids", "1"]])
+@pytest.mark.parametrize("seed", ["-1", str(2**63), "99999999999999999999999"])
+def test_a_seed_torch_cannot_take_is_a_usage_error(capsys, command, seed):
+    with pytest.raises(SystemExit) as exit_info:
+        main([*command, "--seed", seed])
+    assert exit_info.value.code == 2
+    assert "--seed" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["tune", "--model", "tiny", "--cache", "{d}/c.json", "--device", "cpu"],
+        ["check-tactics", "--model", "tiny", "--device", "cpu"],
+        ["generate", "--model", "tiny", "--prompt-ids", "1", "--device", "cpu"],
+    ],
+)
+def test_a_kv_cache_longer_than_the_model_positions_is_refused(tmp_path, capsys, command):
+    args = [part.format(d=tmp_path) for part in command]
+    assert main([*args, "--max-seq-len", "999999999"]) == 1
+    assert "--max-seq-len 999999999 needs 999999999 positions" in capsys.readouterr().err
+
+
+def test_host_allocation_failures_are_reported_as_out_of_memory():
+    from graphtune.cli.main import _out_of_memory
+
+    failed = RuntimeError(
+        "[enforce fail at alloc_cpu.cpp:121] DefaultCPUAllocator: can't allocate memory: you "
+        "tried to allocate 512000000000 bytes"
+    )
+    assert _out_of_memory(failed) == "host"
+    assert _out_of_memory(MemoryError()) == "host"
+    assert _out_of_memory(RuntimeError("shape mismatch")) is None

@@ -162,3 +162,54 @@ def test_tune_from_misses_cli(tmp_path, capsys) -> None:
     bad = parser.parse_args(["--from-misses", str(tmp_path / "none.json"), "--cache", "x.json"])
     with pytest.raises(GraphtuneError):  # graphtune.cli.main makes it one error line, exit 1
         from_misses.run(bad)
+
+
+def _damaged(record: CallRecord, **changes: Any) -> CallRecord:
+    """``record`` with its first input's description edited, as by hand."""
+    data = record.to_json()
+    data["inputs"][0].update(changes.pop("input", {}))
+    data.update(changes)
+    return CallRecord.from_json(data)
+
+
+@pytest.mark.parametrize(
+    "changes, reason",
+    [
+        ({"input": {"shape": [-1, 16], "stride": [16, 1]}}, "not a list of integers >= 0"),
+        ({"input": {"shape": [2, 16], "stride": [1]}}, "but stride"),
+        ({"input": {"shape": [10**12, 16], "stride": [16, 1]}}, "cannot allocate"),
+        ({"input": {"device": "tpu:0"}}, "not a device"),
+        ({"runners": ["x.Y"]}, "not the ones graphtune.ops builds here"),
+    ],
+)
+def test_a_damaged_record_is_skipped_and_the_others_tuned(changes, reason) -> None:
+    from graphtune.autotuner.identity import runner_id
+
+    call = ops_call_silu(rows=5)
+    good = CallRecord.of(call, tuple(runner_id(r) for r in call.runners))
+    report = tune_records([_damaged(good, **changes), good], quick_tuner())
+    assert [record for record, _, _ in report.tuned] == [good]
+    ((_, why),) = report.skipped
+    assert reason in why
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the machine without CUDA")
+def test_a_record_made_on_cuda_is_skipped_on_a_machine_without_it() -> None:
+    from graphtune.autotuner.identity import runner_id
+
+    call = ops_call_silu(rows=5)
+    record = _damaged(
+        CallRecord.of(call, tuple(runner_id(r) for r in call.runners)), input={"device": "cuda:0"}
+    )
+    report = tune_records([record], quick_tuner())
+    assert report.tuned == [] and "has no CUDA" in report.skipped[0][1]
+
+
+def test_a_record_whose_runner_ids_do_not_parse_is_skipped(tmp_path) -> None:
+    serving = AutoTuner(show_progress=False)
+    misses = tmp_path / "misses.json"
+    with autotune(None, serving, tune=False, misses_path=misses):
+        _serve_decode_ops(serving, rows=3)
+    (rope,) = [r for r in load_misses(misses) if r.op == "graphtune.rope_kv_cache"]
+    report = tune_records([_damaged(rope, runners=["x.Y"])], quick_tuner())
+    assert report.tuned == [] and "does not rebuild" in report.skipped[0][1]

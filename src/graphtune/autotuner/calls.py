@@ -148,9 +148,20 @@ class CallRecord:
                     f"op {self.op!r}: recorded dtype {x['dtype']!r} is not a torch dtype here; "
                     "re-create the record with this torch version."
                 )
-            where = torch.device(device) if device is not None else torch.device(x["device"])
-            shape, stride = tuple(x["shape"]), tuple(x["stride"])
-            t = torch.empty_strided(shape, stride, dtype=dtype, device=where)
+            where = _input_device(self.op, device if device is not None else x["device"])
+            shape, stride = _sizes(self.op, x, "shape"), _sizes(self.op, x, "stride")
+            if len(shape) != len(stride):
+                raise InputError(
+                    f"op {self.op!r}: a recorded input has shape {list(shape)} but stride "
+                    f"{list(stride)}; the misses file was edited or damaged"
+                )
+            try:
+                t = torch.empty_strided(shape, stride, dtype=dtype, device=where)
+            except (RuntimeError, MemoryError) as exc:  # torch's allocators' errors
+                raise InputError(
+                    f"op {self.op!r}: cannot allocate a recorded input of shape {list(shape)} on "
+                    f"{where} ({' '.join(str(exc).split())[:160]})"
+                ) from None
             if dtype.is_floating_point or dtype.is_complex:
                 values = torch.randn(t.shape, generator=gen, dtype=torch.float32)
                 t.copy_(values.to(dtype))
@@ -158,6 +169,34 @@ class CallRecord:
                 t.zero_()
             out.append(t)
         return out
+
+
+def _input_device(op: str, name: Any) -> torch.device:
+    """The device a recorded input is made on; :class:`InputError` when it is no device name or
+    this machine lacks it."""
+    try:
+        where = torch.device(name)
+    except (RuntimeError, TypeError) as exc:
+        raise InputError(f"op {op!r}: recorded device {name!r} is not a device ({exc})") from None
+    if where.type == "cuda" and not torch.cuda.is_available():
+        raise InputError(
+            f"op {op!r} was recorded on {where}, and this machine has no CUDA; tune the misses "
+            "on a machine like the one that recorded them (a pick is only valid there)"
+        )
+    return where
+
+
+def _sizes(op: str, description: dict[str, Any], name: str) -> tuple[int, ...]:
+    """A recorded input's shape or stride: non-negative integers, or :class:`InputError`."""
+    value = description[name]
+    if not isinstance(value, list) or not all(
+        isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in value
+    ):
+        raise InputError(
+            f"op {op!r}: a recorded input's {name} is {value!r}, not a list of integers >= 0; "
+            "the misses file was edited or damaged"
+        )
+    return tuple(value)
 
 
 class MissLog:

@@ -77,6 +77,14 @@ def _int_at_least(text: str, low: int) -> int:
     return value
 
 
+def seed_value(text: str) -> int:
+    """``argparse`` type: a seed, an integer in ``[0, 2**63)`` (what a torch generator takes)."""
+    value = _int_at_least(text, 0)
+    if value >= 2**63:
+        raise argparse.ArgumentTypeError(f"must be below 2**63, got {value}")
+    return value
+
+
 def non_negative_float(text: str) -> float:
     """``argparse`` type: a finite number >= 0 (a tolerance)."""
     try:

@@ -45,6 +45,9 @@ def decode_step(
         dtype: Weight and activation dtype.
         max_seq_len: KV cache length (part of decode attention's tuning key), rounded up to a
             multiple of 16 as the Engine rounds its ``max_seq_len``.
+
+    Raises:
+        InputError: ``max_seq_len`` is above the model's ``max_position_embeddings``.
     """
     from graphtune.engine.build import build_step
     from graphtune.engine.kv_cache import KVCache, aligned_seq_len
@@ -52,6 +55,7 @@ def decode_step(
     from graphtune.engine.model import random_model
 
     config = load_config(model)
+    config.check_positions(max_seq_len, f"--max-seq-len {max_seq_len}")
     weights = random_model(config, device=device, dtype=dtype)
     cache = KVCache(config, max_batch, aligned_seq_len(max_seq_len), device, dtype)
     return build_step(weights, cache, tuner=tuner)

@@ -23,6 +23,7 @@ from graphtune.cli._args import (
     check_output_path,
     non_negative_int,
     positive_int,
+    seed_value,
     usage,
 )
 from graphtune.cli._parallel import (
@@ -179,7 +180,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "default: no JSON)",
     )
     add_device_arguments(decode)
-    decode.add_argument("--seed", type=int, default=0, help="seed of weights, tokens and KV data")
+    decode.add_argument(
+        "--seed", type=seed_value, default=0, help="seed of weights, tokens and KV data"
+    )
     add_tensor_parallel_arguments(decode, "bench decode", "only rank 0 prints and writes files")
     decode.set_defaults(handler=run_bench_decode)
     bench.set_defaults(handler=lambda args: usage(bench))

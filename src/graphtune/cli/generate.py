@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from graphtune.cli._args import add_device_arguments, non_negative_int, positive_int
+from graphtune.cli._args import add_device_arguments, non_negative_int, positive_int, seed_value
 from graphtune.cli._parallel import (
     add_tensor_parallel_arguments,
     start_tensor_parallel,
@@ -119,7 +119,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "slots as fit after weights, activations and graphs, and the memory plan is printed "
         "(default: not planned, one slot per prompt)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed of random weights and sampling")
+    parser.add_argument(
+        "--seed", type=seed_value, default=0, help="seed of random weights and sampling"
+    )
     parser.add_argument("--ignore-eos", action="store_true", help="always generate N tokens")
     parser.add_argument("--stats", action="store_true", help="print the step runner's stats")
     add_tensor_parallel_arguments(parser, "generate", "only rank 0 prints")
@@ -168,6 +170,7 @@ def check_lengths(args: argparse.Namespace, config: Any, prompts: list[list[int]
             f"--max-new-tokens {args.max_new_tokens} needs {needed}; raise --max-seq-len or "
             "leave it out"
         )
+    config.check_positions(args.max_seq_len, f"--max-seq-len {args.max_seq_len}")
     return args.max_seq_len
 
 

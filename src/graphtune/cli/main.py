@@ -74,11 +74,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {one_line(exc)}", file=sys.stderr)
         return EXIT_FAILURE
     except Exception as exc:
-        if not _out_of_memory(exc):
+        where = _out_of_memory(exc)
+        if where is None:
             raise  # a bug: the traceback is what a report needs
         print(
-            f"error: out of device memory ({one_line(exc)[:200]}); use a smaller batch, context "
-            "or model",
+            f"error: out of {where} memory ({one_line(exc)[:200]}); use a smaller batch, "
+            "context (--max-seq-len) or model",
             file=sys.stderr,
         )
         return EXIT_FAILURE
@@ -89,10 +90,20 @@ def one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
-def _out_of_memory(exc: BaseException) -> bool:
+def _out_of_memory(exc: BaseException) -> str | None:
+    """``"device"`` or ``"host"`` when ``exc`` is an allocation that failed, else ``None``.
+
+    torch raises ``torch.OutOfMemoryError`` for a device, but a plain ``RuntimeError`` naming its
+    CPU allocator for host memory (a KV cache of a billion positions on the CPU)."""
     torch = sys.modules.get("torch")
     oom = getattr(torch, "OutOfMemoryError", None) if torch is not None else None
-    return oom is not None and isinstance(exc, oom)
+    if oom is not None and isinstance(exc, oom):
+        return "device"
+    if isinstance(exc, MemoryError) or (
+        isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)
+    ):
+        return "host"
+    return None
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from graphtune.autotuner.calls import CallRecord, OpCall
 from graphtune.autotuner.config import TuningConfig
 from graphtune.autotuner.identity import runner_id
 from graphtune.autotuner.runner import TunableRunner
-from graphtune.errors import ConfigError, GraphtuneError
+from graphtune.errors import ConfigError, GraphtuneError, InputError
 
 logger = logging.getLogger(__name__)
 
@@ -131,17 +131,28 @@ def tune_records(
 ) -> RecordsReport:
     """Tunes exactly the profiles of ``records`` with ``tuner`` (``AutoTuner.tune_call``).
 
-    A record that cannot be rebuilt (unknown op, other runners or config) is skipped with its
-    reason; the others are tuned.
+    A record that cannot be rebuilt (unknown op, other runners or config, inputs this machine
+    cannot make, a record damaged by hand) is skipped with its reason; the others are tuned.
     """
     report = RecordsReport()
     for record in records:
         try:
-            call = rebuild_call(record, device, tuner)
-            runner, tactic = tuner.tune_call(call)
+            runner, tactic = tuner.tune_call(_rebuilt(record, device, tuner))
         except GraphtuneError as exc:
             logger.warning("skipping the recorded %r call: %s", record.op, exc)
             report.skipped.append((record, str(exc)))
             continue
         report.tuned.append((record, type(runner).__qualname__, tactic))
     return report
+
+
+def _rebuilt(record: CallRecord, device: torch.device | str | None, tuner: Any) -> OpCall:
+    """:func:`rebuild_call`, with what an op's rebuild raises on a record edited by hand or
+    damaged (a runner id it cannot parse, a missing field) as an :class:`InputError`."""
+    try:
+        return rebuild_call(record, device, tuner)
+    except (KeyError, TypeError, ValueError, IndexError) as exc:
+        raise InputError(
+            f"op {record.op!r}: the record does not rebuild ({type(exc).__name__}: {exc}); "
+            "record the misses again with this graphtune"
+        ) from None

@@ -197,6 +197,11 @@ def test_bench_config_rules() -> None:
     for bad in (dict(), dict(tune=True, tp=2)):
         with pytest.raises(ConfigError, match="--refine-in-step refines a tuned single-process"):
             DecodeBenchConfig(refine_in_step=True, **bad)
+    tuned_only = dict(tuning_cache="c.json", compare_unfused=True, tune_cold_l2=False)
+    for name, value in tuned_only.items():
+        with pytest.raises(ConfigError, match="applies to the tuned step only: add --tune"):
+            DecodeBenchConfig(**{name: value})
+        DecodeBenchConfig(tune=True, **{name: value})
 
 
 def test_family_table_lists_each_profiled_step() -> None:

@@ -87,6 +87,13 @@ class DecodeBenchConfig:
                     f"{flag} is not supported with --tp > 1; drop it to time the "
                     "tensor-parallel step"
                 )
+        for flag, given in (
+            ("--tuning-cache", self.tuning_cache is not None),
+            ("--compare-unfused", self.compare_unfused),
+            ("--tune-l2 cold / hot", self.tune_cold_l2 is not None),
+        ):
+            if given and not self.tune:
+                raise ConfigError(f"{flag} applies to the tuned step only: add --tune, or drop it")
         if self.hf_compile is not None and not self.compare_hf:
             raise ConfigError(
                 "--hf-compile / --no-hf-compile choose how transformers runs; add --compare-hf"

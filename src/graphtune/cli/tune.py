@@ -84,6 +84,11 @@ def run_tune(args: argparse.Namespace) -> int:
     """Tunes the step (or the recorded misses) and prints the picks table."""
     check_cache_path(args.cache, "--cache")
     if args.from_misses is not None:
+        if args.model is not None:
+            raise ConfigError(
+                "--from-misses tunes the recorded calls, whatever model made them, so --model "
+                "has no use with it; drop one of the two"
+            )
         return from_misses.run(args)
     if args.model is None:
         raise ConfigError("pass --model PRESET|PATH (or --from-misses FILE)")

@@ -418,3 +418,21 @@ def test_ctrl_c_during_generate_is_one_line():
         timeout=240,
     )
     error_line(result, 130, "interrupted (Ctrl-C)")
+
+
+def test_generate_from_weights_with_nan_is_a_failure_not_empty_output(checkpoint, tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    from graphtune.cli.main import main
+
+    folder = _copy(checkpoint, tmp_path / "nan")
+    (weights_file,) = folder.glob("*.safetensors")
+    weights = load_file(weights_file)
+    weights["model.norm.weight"] = torch.full_like(weights["model.norm.weight"], float("nan"))
+    save_file(weights, weights_file, metadata={"format": "pt"})
+    args = ["generate", "--model", str(folder), "--prompt-ids", "1,2", "--device", "cpu"]
+    assert main([*args, "--max-new-tokens", "2"]) == 1
+    captured = capsys.readouterr()
+    assert "tokens: \n" in captured.out  # what it had, printed: nothing
+    (error,) = [line for line in captured.err.splitlines() if line.startswith("error:")]
+    assert "1 of 1 requests stopped early" in error and "not finite" in error

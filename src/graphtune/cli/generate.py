@@ -20,7 +20,7 @@ from graphtune.cli._parallel import (
     start_tensor_parallel,
     stop_tensor_parallel,
 )
-from graphtune.errors import ConfigError
+from graphtune.errors import ConfigError, NumericalError
 
 logger = logging.getLogger(__name__)
 
@@ -225,9 +225,16 @@ def run_generate(args: argparse.Namespace) -> int:
         elapsed = time.perf_counter() - t0
         if show:
             _print_outputs(args, engine, outputs, elapsed, parallel, device, dtype)
+        failures = list(engine.failures)
         engine.release()
     finally:
         stop_tensor_parallel(parallel)
+    if failures:
+        first = failures[0]
+        raise NumericalError(
+            f"{len(failures)} of {len(prompts)} requests stopped early (their tokens until then "
+            f"are printed above); request {first.index}: {first.reason}"
+        )
     return 0
 
 

@@ -194,3 +194,34 @@ def test_host_allocation_failures_are_reported_as_out_of_memory():
     assert _out_of_memory(failed) == "host"
     assert _out_of_memory(MemoryError()) == "host"
     assert _out_of_memory(RuntimeError("shape mismatch")) is None
+
+
+@pytest.mark.parametrize(
+    "command, flag",
+    [(BENCH[:-2], "--batch-sizes"), (["check-tactics", "--model", "tiny"], "--batch")],
+)
+@pytest.mark.parametrize("sizes, fragment", [("1,,2", "comma-separated"), ("1,4,1", "twice")])
+def test_batch_size_lists_with_blanks_or_repeats_are_usage_errors(
+    capsys, command, flag, sizes, fragment
+):
+    with pytest.raises(SystemExit) as exit_info:
+        main([*command, flag, sizes])
+    assert exit_info.value.code == 2
+    assert fragment in capsys.readouterr().err
+
+
+def test_usage_lists_defaults_as_typed_and_rejects_odd_numbers(capsys):
+    with pytest.raises(SystemExit):
+        main(["check-tactics", "--help"])
+    assert "(default: 1,8)" in capsys.readouterr().out
+    for args in (["--prompt-ids", "1,²"], ["--prompt-ids", "1", "--temperature", "inf"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["generate", "--model", "tiny", *args])
+        assert exit_info.value.code == 2
+        assert args[-2] in capsys.readouterr().err
+
+
+def test_an_output_path_under_a_file_names_the_file(tmp_path, capsys):
+    (tmp_path / "good.json").write_text("{}")
+    assert main([*BENCH, "--json", str(tmp_path / "good.json" / "r.json")]) == 1
+    assert "good.json is a file, not a folder" in capsys.readouterr().err

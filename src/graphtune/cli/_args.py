@@ -38,6 +38,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         text = action.help or ""
         if "default" in text or action.nargs == 0 or action.default is None:
             return text
+        if isinstance(action.default, (tuple, list)):  # as typed: 1,8 rather than (1, 8)
+            return f"{text} (default: {','.join(map(str, action.default))})"
         return super()._get_help_string(action) or text
 
 
@@ -75,6 +77,26 @@ def _int_at_least(text: str, low: int) -> int:
     if value < low:
         raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
     return value
+
+
+def batch_sizes(text: str) -> tuple[int, ...]:
+    """``argparse`` type: comma-separated batch sizes, each an integer >= 1 given once, in the
+    order given."""
+    parts = [part.strip() for part in text.split(",")]
+    try:
+        values = tuple(int(part) for part in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers like 1,8, got {text!r}"
+        ) from None
+    if min(values) < 1:
+        raise argparse.ArgumentTypeError(f"batch sizes must be integers >= 1, got {text!r}")
+    repeated = sorted({v for v in values if values.count(v) > 1})
+    if repeated:
+        raise argparse.ArgumentTypeError(
+            f"batch size {repeated[0]} is given twice in {text!r}; give each size once"
+        )
+    return values
 
 
 def seed_value(text: str) -> int:
@@ -147,6 +169,8 @@ def check_output_path(path: Path | None, flag: str) -> None:
             f"{flag} {path} is not a regular file (a device, FIFO or socket), which graphtune "
             "would replace with its own; give a file path"
         )
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(f"{flag} {path}: {folder} is a file, not a folder; give another path")
     if not folder.is_dir():
         raise ConfigError(f"{flag} {path}: the folder {folder} does not exist; create it first")
     try:

@@ -18,6 +18,7 @@ from typing import Any
 
 from graphtune.cli._args import (
     add_device_arguments,
+    batch_sizes,
     check_cache_path,
     check_distinct_outputs,
     check_output_path,
@@ -37,18 +38,6 @@ logger = logging.getLogger(__name__)
 
 #: ``--tune-l2`` choices and the ``DecodeBenchConfig.tune_cold_l2`` each stands for.
 L2_MODES: dict[str, bool | None] = {"auto": None, "cold": True, "hot": False}
-
-
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
-        ) from None
-    if not values or min(values) <= 0:
-        raise argparse.ArgumentTypeError(f"batch sizes must be positive integers, got {text!r}")
-    return values
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -72,7 +61,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     decode.add_argument(
         "--batch-sizes",
-        type=_int_list,
+        type=batch_sizes,
         default=(1, 8, 32, 128),
         metavar="1,8,32,128",
         help="batch sizes to time (each is a captured graph size)",

@@ -18,22 +18,11 @@ from typing import Any
 
 from graphtune.cli._args import (
     add_device_arguments,
+    batch_sizes,
     check_output_path,
     non_negative_float,
     positive_int,
 )
-
-
-def _batches(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
-        ) from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"batch sizes must be integers >= 1, got {text!r}")
-    return values
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -47,7 +36,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--model", default="tiny", metavar="PRESET|PATH", help="preset or checkpoint folder"
     )
     parser.add_argument(
-        "--batch", type=_batches, default=(1, 8), metavar="1,8", help="decode batch sizes to run"
+        "--batch", type=batch_sizes, default=(1, 8), metavar="1,8", help="decode batch sizes to run"
     )
     parser.add_argument(
         "--max-seq-len", type=positive_int, default=256, metavar="N", help="KV cache length"

@@ -14,7 +14,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from graphtune.cli._args import add_device_arguments, non_negative_int, positive_int, seed_value
+from graphtune.cli._args import (
+    add_device_arguments,
+    non_negative_float,
+    non_negative_int,
+    positive_int,
+    seed_value,
+)
 from graphtune.cli._parallel import (
     add_tensor_parallel_arguments,
     start_tensor_parallel,
@@ -28,7 +34,7 @@ logger = logging.getLogger(__name__)
 def token_ids(text: str) -> list[int]:
     """``argparse`` type of ``--prompt-ids``: comma-separated non-negative integers."""
     parts = [p.strip() for p in text.split(",")]
-    if not parts or not all(p.isdigit() for p in parts):
+    if not all(p.isascii() and p.isdigit() for p in parts):
         raise argparse.ArgumentTypeError(
             f"expected comma-separated token ids like 1,2,3, got {text!r}"
         )
@@ -42,16 +48,6 @@ def _probability(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if not 0.0 < value <= 1.0:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value >= 0.0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
 
 
@@ -103,7 +99,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="N",
         help="KV cache length per request (default: longest prompt + --max-new-tokens)",
     )
-    parser.add_argument("--temperature", type=_non_negative_float, default=0.0, help="0 = greedy")
+    parser.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
     parser.add_argument(
         "--top-k", type=non_negative_int, default=0, help="keep the k likeliest tokens (0: all)"
     )

@@ -124,7 +124,7 @@ def test_generate_gpu_memory_utilization_needs_cuda(capsys):
     args = ["generate", "--model", "tiny", "--prompt-ids", "1,2", "--device", "cpu"]
     assert main([*args, "--gpu-memory-utilization", "0.5"]) == 1
     err = capsys.readouterr().err
-    assert "gpu_memory_utilization needs a CUDA device" in err and "Traceback" not in err
+    assert "--gpu-memory-utilization sizes the KV cache" in err and "Traceback" not in err
     with pytest.raises(SystemExit) as exit_info:
         main([*args, "--gpu-memory-utilization", "1.5"])
     assert exit_info.value.code == 2
@@ -225,3 +225,10 @@ def test_an_output_path_under_a_file_names_the_file(tmp_path, capsys):
     (tmp_path / "good.json").write_text("{}")
     assert main([*BENCH, "--json", str(tmp_path / "good.json" / "r.json")]) == 1
     assert "good.json is a file, not a folder" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("timing", ["graph", "events"])
+def test_a_cuda_timer_for_cpu_ops_names_the_flag(tmp_path, capsys, timing):
+    args = ["tune", "--model", "tiny", "--device", "cpu", "--cache", str(tmp_path / "c.json")]
+    assert main([*args, "--timing", timing]) == 1
+    assert f"--timing {timing} times CUDA work" in capsys.readouterr().err

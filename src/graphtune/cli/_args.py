@@ -222,3 +222,22 @@ def check_distinct_outputs(*outputs: tuple[str, Path | None]) -> None:
                 "give them different files"
             )
         seen[where] = flag
+
+
+def timing_timer(timing: str, device: Any) -> Any:
+    """The timer ``--timing`` names for ops on ``device`` (``None`` for ``auto``: the tuner
+    picks), checked here so the error speaks of the flag.
+
+    Raises:
+        ConfigError: A CUDA timer (graph, events) for ops that do not run on CUDA.
+    """
+    if timing == "auto":
+        return None
+    if timing in ("graph", "events") and getattr(device, "type", None) != "cuda":
+        raise ConfigError(
+            f"--timing {timing} times CUDA work, and the ops run on {device}; use --timing "
+            "wallclock (or auto)"
+        )
+    from graphtune.autotuner.timing import resolve_timer
+
+    return resolve_timer(timing, device)

@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from graphtune.cli._args import timing_timer
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds ``--from-misses FILE`` (and what it needs that ``tune`` may not have) to ``parser``."""
@@ -37,14 +39,14 @@ def run(args: argparse.Namespace) -> int:
     """
     import graphtune.ops  # noqa: F401  (registers the ops the records name)
     from graphtune.autotuner import AutoTuner, autotune, load_misses
-    from graphtune.autotuner.timing import resolve_timer
     from graphtune.engine.devices import resolve_device
     from graphtune.ops.registry import tune_records
 
     records = load_misses(args.from_misses)
     device = None if args.device == "auto" else resolve_device(args.device)
     timing = getattr(args, "timing", "auto")
-    timer = None if timing == "auto" else resolve_timer(timing, device or "cpu")
+    # With --device auto each record keeps its device: time on this machine's best one.
+    timer = timing_timer(timing, device or resolve_device("auto"))
     tuner = AutoTuner(timer=timer)
     with autotune(args.cache, tuner, tune=True):
         report = tune_records(records, tuner, device)

@@ -188,6 +188,11 @@ def run_generate(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(folder) if folder.is_dir() else None
     prompts = _encode(args, tokenizer)
     max_seq = check_lengths(args, config, prompts)
+    if args.gpu_memory_utilization is not None and device.type != "cuda":
+        raise ConfigError(
+            "--gpu-memory-utilization sizes the KV cache from free GPU memory, and the device is "
+            f"{device}; drop it there (the cache then holds what the prompts need)"
+        )
     parallel = None
     try:
         parallel, device = start_tensor_parallel(args, device)

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from graphtune.cli import from_misses
-from graphtune.cli._args import add_device_arguments, check_cache_path, positive_int
+from graphtune.cli._args import add_device_arguments, check_cache_path, positive_int, timing_timer
 from graphtune.errors import ConfigError
 
 
@@ -95,14 +95,13 @@ def run_tune(args: argparse.Namespace) -> int:
     import torch
 
     from graphtune import autotuner
-    from graphtune.autotuner.timing import resolve_timer
     from graphtune.cli._step_calls import decode_step, resolve_device_and_dtype
     from graphtune.engine.loading import load_config
     from graphtune.engine.tuning import tune_step
 
     device, dtype = resolve_device_and_dtype(args.device, args.dtype)
     load_config(args.model)  # a model that cannot load fails before anything is built
-    timer = None if args.timing == "auto" else resolve_timer(args.timing, device)
+    timer = timing_timer(args.timing, device)
     tuner = autotuner.AutoTuner(timer=timer)
     step = decode_step(
         args.model, args.max_batch, tuner, device=device, dtype=dtype, max_seq_len=args.max_seq_len

@@ -9,6 +9,8 @@ from typing import Any
 
 from _tuning_scores import MODES
 
+from graphtune.cli._args import positive_int
+
 RUNS = 3
 TRUTH_SETS = 3
 
@@ -71,16 +73,6 @@ def parse_modes(text: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
-
-
 def _tie_tolerance(text: str) -> float:
     try:
         value = float(text)
@@ -101,13 +93,13 @@ def parse_args(argv: list[str] | None, description: str | None = None) -> argpar
     parser.add_argument("--commit", default=None, help="commit to record (else env / git)")
     parser.add_argument(
         "--cupti-calls",
-        type=_positive_int,
+        type=positive_int,
         default=30,
         help="profiled eager calls per tactic for the kernel-sum truth",
     )
     parser.add_argument(
         "--cupti-graph-replays",
-        type=_positive_int,
+        type=positive_int,
         default=20,
         help="profiled graph replays per tactic for the in-graph truth",
     )
@@ -119,7 +111,7 @@ def parse_args(argv: list[str] | None, description: str | None = None) -> argpar
     )
     parser.add_argument(
         "--runs",
-        type=_positive_int,
+        type=positive_int,
         default=RUNS,
         help=f"independent tuning runs per mode (default {RUNS})",
     )
@@ -142,7 +134,7 @@ def parse_args(argv: list[str] | None, description: str | None = None) -> argpar
     )
     parser.add_argument(
         "--truth-sets",
-        type=_positive_int,
+        type=positive_int,
         default=TRUTH_SETS,
         help="fresh input sets each truth is measured on; a candidate's truth "
         f"is the median over them (default {TRUTH_SETS})",

@@ -104,7 +104,7 @@ def test_variants_are_extra_graph_modes_with_their_own_tuner_keywords():
         (["--variant", "a:input_sets"], "is not KEY=VALUE"),
         (["--variant", "graph:input_sets=3"], "not a mode name"),
         (["--variant", "a:", "--variant", "a:input_sets=2"], "must be unique"),
-        (["--truth-sets", "0"], "expected an integer >= 1"),
+        (["--truth-sets", "0"], "must be >= 1, got 0"),
     ],
 )
 def test_variant_errors(argv, message, capsys):
@@ -118,11 +118,11 @@ def test_variant_errors(argv, message, capsys):
     [
         (["--modes", "graph,cupti"], "unknown timing mode(s) 'cupti'"),
         (["--modes", ","], "no timing mode given"),
-        (["--runs", "0"], "expected an integer >= 1"),
-        (["--runs", "two"], "expected an integer >= 1"),
+        (["--runs", "0"], "must be >= 1, got 0"),
+        (["--runs", "two"], "expected an integer, got 'two'"),
         (["--tie-tolerance", "1.5"], "expected a number in [0, 1)"),
         (["--tie-tolerance", "-0.1"], "expected a number in [0, 1)"),
-        (["--cupti-graph-replays", "0"], "expected an integer >= 1"),
+        (["--cupti-graph-replays", "0"], "must be >= 1, got 0"),
     ],
 )
 def test_parse_args_errors(argv, message, capsys):

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from graphtune.autotuner import persist
+from graphtune.autotuner.cache_reader import parse_json
 from graphtune.autotuner.config import TuningConfig
 from graphtune.autotuner.entries import CacheKey
 from graphtune.autotuner.values import decode_value, encode_value
@@ -288,7 +289,7 @@ def load_misses(path: str | PathLike[str]) -> list[CallRecord]:
     """
     try:
         with open(path, encoding="utf-8") as handle:
-            doc = persist.parse_json(handle.read())
+            doc = parse_json(handle.read())
     except FileNotFoundError:
         raise CacheFileError(f"misses file {path} does not exist.") from None
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:

@@ -23,7 +23,7 @@ from os import PathLike
 from pathlib import Path
 from typing import Any
 
-from graphtune.autotuner import persist
+from graphtune.autotuner import cache_reader, persist
 from graphtune.autotuner.cache import BlockedTactic, CacheEntry, CacheKey
 from graphtune.autotuner.entries import entry_problems
 from graphtune.autotuner.fingerprint import environment_fingerprint, fingerprint_mismatch
@@ -70,14 +70,14 @@ def verify_file(
     """
     report = VerifyReport()
     try:
-        doc = persist.read_cache_json(Path(path))
+        doc = cache_reader.read_cache_json(Path(path))
     except CacheFileError as exc:
         report.problems.append(str(exc))
         return report
-    if doc["format_version"] != persist.FORMAT_VERSION:
+    if doc["format_version"] != cache_reader.FORMAT_VERSION:
         report.problems.append(
             f"format_version is {doc['format_version']!r}; this graphtune reads "
-            f"{persist.FORMAT_VERSION} (re-tune to rewrite it)"
+            f"{cache_reader.FORMAT_VERSION} (re-tune to rewrite it)"
         )
         return report
     current = environment_fingerprint() if fingerprint is None else fingerprint
@@ -161,8 +161,8 @@ def merge_files(
         CacheFileError: A or B is unusable, their environments differ (without ``force``), or
             ``out`` could not be written.
     """
-    doc_a = persist.read_document(a)
-    doc_b = persist.read_document(b)
+    doc_a = cache_reader.read_document(a)
+    doc_b = cache_reader.read_document(b)
     diffs = fingerprint_mismatch(doc_b["fingerprint"], doc_a["fingerprint"] or {})
     if diffs and not force:
         raise CacheFileError(

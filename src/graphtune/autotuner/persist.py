@@ -24,23 +24,22 @@ from typing import Any
 from filelock import FileLock, Timeout
 
 from graphtune import env
-from graphtune.autotuner.entries import (
-    BlockedTactic,
-    Blocklist,
-    CacheEntry,
-    CacheKey,
-    entry_problems,
-    tactic_text,
+from graphtune.autotuner.cache_reader import (
+    FORMAT_VERSION,
+    Entries,
+    Unusable,
+    not_a_cache_file,
+    parse,
+    parse_json,
+    read_document,
 )
+from graphtune.autotuner.entries import BlockedTactic, Blocklist, tactic_text
 from graphtune.autotuner.fingerprint import environment_fingerprint, fingerprint_mismatch
 from graphtune.errors import CacheFileError
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2
 LOCK_TIMEOUT_S = 60.0
-
-Entries = dict[CacheKey, CacheEntry]
 
 
 @dataclass
@@ -49,21 +48,6 @@ class LoadedCache:
 
     entries: Entries = field(default_factory=dict)
     blocklist: Blocklist = field(default_factory=dict)
-
-
-class _Unusable(Exception):
-    """Internal: the file cannot be used; the message says why."""
-
-
-def _reject_constant(name: str) -> float:
-    # JSON has no NaN or Infinity; Python's json accepts them by default, so a hand-edited file
-    # could smuggle a NaN time into the merge rule. The writer never produces them.
-    raise ValueError(f"non-finite number {name} (JSON has none)")
-
-
-def parse_json(text: str) -> Any:
-    """``json.loads`` that rejects ``NaN``/``Infinity`` (raises ``ValueError``)."""
-    return json.loads(text, parse_constant=_reject_constant)
 
 
 def lock_path(path: str | PathLike[str]) -> Path:
@@ -120,129 +104,6 @@ def check_regular_target(path: str | PathLike[str]) -> None:
         )
 
 
-def read_document(path: str | PathLike[str]) -> dict[str, Any]:
-    """Parses a cache file without checking its environment (for ``graphtune cache show``).
-
-    Returns:
-        ``{"format_version", "fingerprint", "entries": {CacheKey: CacheEntry},
-        "blocklist": {(runner_id, tactic text): BlockedTactic}, "ignored": [str]}``: the
-        entries usable for their keys, and why each other one is not
-        (:func:`~graphtune.autotuner.entries.entry_problems`).
-
-    Raises:
-        CacheFileError: The file is missing, not valid JSON, of another format version or has
-            malformed entries.
-    """
-    try:
-        return _parse(Path(path))
-    except _Unusable as exc:
-        raise CacheFileError(f"cache file {path}: {exc}") from None
-
-
-def _read_text(path: Path) -> str:
-    """The text of the regular file ``path``; raises :class:`_Unusable` saying why not (a FIFO
-    or a device is refused before it is opened: reading one would block or never end)."""
-    try:
-        if path.exists() and not path.is_file():
-            raise _Unusable("is not a regular file")
-        return path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise _Unusable("does not exist") from None
-    except OSError as exc:
-        raise _Unusable(f"cannot be read ({exc})") from None
-    except UnicodeDecodeError as exc:
-        raise _Unusable(f"is corrupt (not UTF-8 text: {exc})") from None
-
-
-def _parse(path: Path) -> dict[str, Any]:
-    doc = _parse_cache_json(_read_text(path))
-    if doc["format_version"] != FORMAT_VERSION:
-        raise _Unusable(
-            f"has format_version {doc['format_version']!r}; this graphtune reads {FORMAT_VERSION}"
-        )
-    entries: Entries = {}
-    ignored: list[str] = []
-    try:
-        for item in _list_field(doc, "entries"):
-            key = CacheKey.from_json(_list_item(item, "key"))
-            entry = CacheEntry.from_json(_list_item(item, "value"))
-            problems = entry_problems(key, entry)
-            if problems:
-                ignored.append(f"op {key.op!r} shapes {list(key.shapes)}: {'; '.join(problems)}")
-            else:
-                entries[key] = entry
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise _Unusable(f"is corrupt (malformed entry: {exc})") from None
-    try:
-        # Optional: files written before the blocklist existed have none.
-        blocked = [
-            BlockedTactic.from_json(item) for item in _list_field(doc, "blocklist", optional=True)
-        ]
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise _Unusable(f"is corrupt (malformed blocklist: {exc})") from None
-    return {
-        "format_version": doc["format_version"],
-        "fingerprint": doc.get("fingerprint"),
-        "entries": entries,
-        "blocklist": {item.ident: item for item in blocked},
-        "ignored": ignored,
-    }
-
-
-def _parse_cache_json(text: str) -> dict[str, Any]:
-    """The JSON object of a graphtune cache file of any format version; :class:`_Unusable`
-    when ``text`` is not one."""
-    try:
-        doc = parse_json(text)
-    except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
-        raise _Unusable(f"is corrupt or truncated (invalid JSON: {exc})") from None
-    if not isinstance(doc, dict) or "format_version" not in doc:
-        raise _Unusable("is not a graphtune cache (no format_version)")
-    return doc
-
-
-def _list_field(doc: dict[str, Any], name: str, *, optional: bool = False) -> list[Any]:
-    value = doc.get(name, [] if optional else None)
-    if not isinstance(value, list):
-        what = "missing" if value is None else f"{type(value).__name__}, not a list"
-        raise ValueError(f"{name!r} is {what}")
-    return value
-
-
-def _list_item(item: Any, name: str) -> Any:
-    if not isinstance(item, dict) or name not in item:
-        raise ValueError(f"an entry has no {name!r}")
-    return item[name]
-
-
-def read_cache_json(path: str | PathLike[str]) -> dict[str, Any]:
-    """The JSON object of the graphtune cache file ``path``, of any format version, unchecked
-    beyond that (``graphtune cache verify`` checks the rest item by item).
-
-    Raises:
-        CacheFileError: The file is missing, not a regular file, unreadable, not JSON, or has no
-            ``format_version``.
-    """
-    try:
-        return _parse_cache_json(_read_text(Path(path)))
-    except _Unusable as exc:
-        raise CacheFileError(f"the file {exc}") from None
-
-
-def not_a_cache_file(path: str | PathLike[str]) -> str | None:
-    """Why the existing file ``path`` is not a graphtune tuning cache file, or ``None`` when it
-    is one (of any format version or environment: those are graphtune's to replace).
-
-    ``graphtune cache clear`` removes, and the commands that save a cache overwrite, only files
-    for which this is ``None``, so a mistyped path never destroys another file.
-    """
-    try:
-        _parse_cache_json(_read_text(Path(path)))
-    except _Unusable as exc:
-        return str(exc)
-    return None
-
-
 def _retune_hint(path: Path) -> str:
     return (
         f"Its picks are ignored; re-tune by running your workload under graphtune.autotune("
@@ -285,12 +146,12 @@ def load_file(
         logger.debug("tuning cache %s does not exist yet; starting empty", path)
         return LoadedCache()
     try:
-        doc = _parse(path)
+        doc = parse(path)
         current = environment_fingerprint() if fingerprint is None else fingerprint
         diffs = fingerprint_mismatch(doc["fingerprint"], current)
         if diffs:
-            raise _Unusable("was made in another environment (" + "; ".join(diffs) + ")")
-    except _Unusable as exc:
+            raise Unusable("was made in another environment (" + "; ".join(diffs) + ")")
+    except Unusable as exc:
         message = f"Skipping tuning cache {path}: it {exc}. {_retune_hint(path)}"
         if strict:
             raise CacheFileError(message) from None
@@ -436,8 +297,8 @@ def _existing(path: Path, current: dict[str, Any]) -> LoadedCache:
         _move_aside(path, reason)
         return LoadedCache()
     try:
-        doc = _parse(path)
-    except _Unusable as exc:
+        doc = parse(path)
+    except Unusable as exc:
         logger.warning("Replacing tuning cache %s: it %s.", path, exc)
         return LoadedCache()
     diffs = fingerprint_mismatch(doc["fingerprint"], current)

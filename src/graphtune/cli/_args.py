@@ -192,7 +192,8 @@ def check_cache_path(path: Path, flag: str) -> None:
         ConfigError: ``path`` cannot be written, or holds a file that is not a tuning cache.
         CacheFileError: The lock file cannot be created or opened.
     """
-    from graphtune.autotuner.persist import check_lockable, not_a_cache_file
+    from graphtune.autotuner.cache_reader import not_a_cache_file
+    from graphtune.autotuner.persist import check_lockable
 
     check_output_path(path, flag)
     reason = not_a_cache_file(path) if path.exists() else None

@@ -115,7 +115,7 @@ def _shapes(shapes: tuple[Any, ...]) -> str:
 
 def show_command(args: argparse.Namespace) -> int:
     """Prints the fingerprint header and one row per entry; 1 if the file is unusable."""
-    from graphtune.autotuner import persist
+    from graphtune.autotuner import cache_reader
     from graphtune.autotuner.fingerprint import (
         FINGERPRINT_FIELDS,
         environment_fingerprint,
@@ -125,7 +125,7 @@ def show_command(args: argparse.Namespace) -> int:
     from graphtune.reporting import render_table
 
     path: Path = args.path
-    doc = persist.read_document(path)
+    doc = cache_reader.read_document(path)
     saved = doc["fingerprint"] if isinstance(doc["fingerprint"], dict) else {}
     header = [(name, saved.get(name)) for name in FINGERPRINT_FIELDS]
     header.append(("format_version", doc["format_version"]))
@@ -228,10 +228,11 @@ def unblock_command(args: argparse.Namespace) -> int:
 def _blocked_runner(path: Path, name: str) -> str:
     """The full id of the blocked runner ``name`` names: its id, or the short name ``cache
     show`` prints when that names one runner of the blocklist."""
-    from graphtune.autotuner import persist
+    from graphtune.autotuner import cache_reader
     from graphtune.autotuner.identity import short_runner_name
 
-    ids = sorted({item.runner_id for item in persist.read_document(path)["blocklist"].values()})
+    blocked = cache_reader.read_document(path)["blocklist"].values()
+    ids = sorted({item.runner_id for item in blocked})
     if name in ids:
         return name
     matches = [i for i in ids if short_runner_name(i) == name]
@@ -246,13 +247,13 @@ def _blocked_runner(path: Path, name: str) -> str:
 
 def clear_command(args: argparse.Namespace) -> int:
     """Removes the cache file and its lock file; 1 if the file does not exist."""
-    from graphtune.autotuner import persist
+    from graphtune.autotuner import cache_reader, persist
 
     path: Path = args.path
     lock = persist.lock_path(path)
     if not path.exists():
         raise CacheFileError(f"no tuning cache at {path}; nothing removed")
-    reason = persist.not_a_cache_file(path)
+    reason = cache_reader.not_a_cache_file(path)
     if reason is not None:
         raise CacheFileError(
             f"{path} is not a graphtune tuning cache (it {reason}); nothing removed. Remove it "

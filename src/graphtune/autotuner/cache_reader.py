@@ -1,0 +1,157 @@
+"""Reading a tuning cache file: the one parser that loading, ``graphtune cache show``, ``verify``
+and ``merge`` share, and :func:`not_a_cache_file`, the test of what graphtune may remove or
+replace. Writing is :mod:`graphtune.autotuner.persist`; the format is ``docs/cache-format.md``.
+"""
+
+from __future__ import annotations
+
+import json
+from os import PathLike
+from pathlib import Path
+from typing import Any
+
+from graphtune.autotuner.entries import BlockedTactic, CacheEntry, CacheKey, entry_problems
+from graphtune.errors import CacheFileError
+
+FORMAT_VERSION = 2
+
+Entries = dict[CacheKey, CacheEntry]
+
+
+class Unusable(Exception):
+    """The file cannot be used; the message says why (for :mod:`graphtune.autotuner.persist`,
+    which turns it into a warning or a :class:`~graphtune.errors.CacheFileError`)."""
+
+
+def _reject_constant(name: str) -> float:
+    # JSON has no NaN or Infinity; Python's json accepts them by default, so a hand-edited file
+    # could smuggle a NaN time into the merge rule. The writer never produces them.
+    raise ValueError(f"non-finite number {name} (JSON has none)")
+
+
+def parse_json(text: str) -> Any:
+    """``json.loads`` that rejects ``NaN``/``Infinity`` (raises ``ValueError``)."""
+    return json.loads(text, parse_constant=_reject_constant)
+
+
+def read_document(path: str | PathLike[str]) -> dict[str, Any]:
+    """Parses a cache file without checking its environment (for ``graphtune cache show``).
+
+    Returns:
+        ``{"format_version", "fingerprint", "entries": {CacheKey: CacheEntry},
+        "blocklist": {(runner_id, tactic text): BlockedTactic}, "ignored": [str]}``: the
+        entries usable for their keys, and why each other one is not
+        (:func:`~graphtune.autotuner.entries.entry_problems`).
+
+    Raises:
+        CacheFileError: The file is missing, not valid JSON, of another format version or has
+            malformed entries.
+    """
+    try:
+        return parse(Path(path))
+    except Unusable as exc:
+        raise CacheFileError(f"cache file {path}: {exc}") from None
+
+
+def _read_text(path: Path) -> str:
+    """The text of the regular file ``path``; raises :class:`Unusable` saying why not (a FIFO
+    or a device is refused before it is opened: reading one would block or never end)."""
+    try:
+        if path.exists() and not path.is_file():
+            raise Unusable("is not a regular file")
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise Unusable("does not exist") from None
+    except OSError as exc:
+        raise Unusable(f"cannot be read ({exc})") from None
+    except UnicodeDecodeError as exc:
+        raise Unusable(f"is corrupt (not UTF-8 text: {exc})") from None
+
+
+def parse(path: Path) -> dict[str, Any]:
+    doc = _parse_cache_json(_read_text(path))
+    if doc["format_version"] != FORMAT_VERSION:
+        raise Unusable(
+            f"has format_version {doc['format_version']!r}; this graphtune reads {FORMAT_VERSION}"
+        )
+    entries: Entries = {}
+    ignored: list[str] = []
+    try:
+        for item in _list_field(doc, "entries"):
+            key = CacheKey.from_json(_list_item(item, "key"))
+            entry = CacheEntry.from_json(_list_item(item, "value"))
+            problems = entry_problems(key, entry)
+            if problems:
+                ignored.append(f"op {key.op!r} shapes {list(key.shapes)}: {'; '.join(problems)}")
+            else:
+                entries[key] = entry
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise Unusable(f"is corrupt (malformed entry: {exc})") from None
+    try:
+        # Optional: files written before the blocklist existed have none.
+        blocked = [
+            BlockedTactic.from_json(item) for item in _list_field(doc, "blocklist", optional=True)
+        ]
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise Unusable(f"is corrupt (malformed blocklist: {exc})") from None
+    return {
+        "format_version": doc["format_version"],
+        "fingerprint": doc.get("fingerprint"),
+        "entries": entries,
+        "blocklist": {item.ident: item for item in blocked},
+        "ignored": ignored,
+    }
+
+
+def _parse_cache_json(text: str) -> dict[str, Any]:
+    """The JSON object of a graphtune cache file of any format version; :class:`Unusable`
+    when ``text`` is not one."""
+    try:
+        doc = parse_json(text)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
+        raise Unusable(f"is corrupt or truncated (invalid JSON: {exc})") from None
+    if not isinstance(doc, dict) or "format_version" not in doc:
+        raise Unusable("is not a graphtune cache (no format_version)")
+    return doc
+
+
+def _list_field(doc: dict[str, Any], name: str, *, optional: bool = False) -> list[Any]:
+    value = doc.get(name, [] if optional else None)
+    if not isinstance(value, list):
+        what = "missing" if value is None else f"{type(value).__name__}, not a list"
+        raise ValueError(f"{name!r} is {what}")
+    return value
+
+
+def _list_item(item: Any, name: str) -> Any:
+    if not isinstance(item, dict) or name not in item:
+        raise ValueError(f"an entry has no {name!r}")
+    return item[name]
+
+
+def read_cache_json(path: str | PathLike[str]) -> dict[str, Any]:
+    """The JSON object of the graphtune cache file ``path``, of any format version, unchecked
+    beyond that (``graphtune cache verify`` checks the rest item by item).
+
+    Raises:
+        CacheFileError: The file is missing, not a regular file, unreadable, not JSON, or has no
+            ``format_version``.
+    """
+    try:
+        return _parse_cache_json(_read_text(Path(path)))
+    except Unusable as exc:
+        raise CacheFileError(f"the file {exc}") from None
+
+
+def not_a_cache_file(path: str | PathLike[str]) -> str | None:
+    """Why the existing file ``path`` is not a graphtune tuning cache file, or ``None`` when it
+    is one (of any format version or environment: those are graphtune's to replace).
+
+    ``graphtune cache clear`` removes, and the commands that save a cache overwrite, only files
+    for which this is ``None``, so a mistyped path never destroys another file.
+    """
+    try:
+        _parse_cache_json(_read_text(Path(path)))
+    except Unusable as exc:
+        return str(exc)
+    return None

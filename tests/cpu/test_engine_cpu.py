@@ -190,3 +190,54 @@ def test_fill_random_is_seeded_keys_first_and_never_zero():
     want_v = torch.randn(cache.v.shape, generator=gen)
     assert torch.equal(cache.k, want_k) and torch.equal(cache.v, want_v)
     assert not torch.equal(cache.k, cache.v)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("temperature", float("nan")),
+        ("temperature", float("inf")),
+        ("temperature", "1"),
+        ("top_k", 2.5),
+        ("top_k", True),
+        ("top_p", float("nan")),
+        ("seed", 2**70),
+        ("seed", 1.5),
+    ],
+)
+def test_sampling_params_refuse_values_that_would_sample_garbage(field, value):
+    with pytest.raises(ConfigError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_a_tiny_temperature_samples_the_argmax_not_token_zero():
+    from graphtune.engine import sample
+
+    logits = torch.randn(6, 256) * 4
+    picked = sample(logits, SamplingParams(temperature=1e-45, seed=1), torch.Generator())
+    assert torch.equal(picked, logits.argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.int64, torch.float8_e4m3fn])
+def test_an_engine_of_a_non_float_dtype_is_refused_before_the_weights_change(dtype):
+    model = load_model("tiny")
+    embed, norm = model.embed.clone(), model.layers[0].attn_norm.clone()
+    with pytest.raises(ConfigError, match="dtype must be one of"):
+        Engine(model, runner="eager", dtype=dtype)
+    assert torch.equal(model.embed, embed) and torch.equal(model.layers[0].attn_norm, norm)
+    with pytest.raises(ConfigError, match="dtype must be one of"):
+        load_model("tiny", dtype=dtype)
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        ({"max_batch_size": 2.5}, "max_batch_size must be an integer >= 1"),
+        ({"max_batch_size": None}, "max_batch_size must be an integer >= 1"),
+        ({"max_seq_len": 64.5}, "max_seq_len must be an integer >= 2"),
+        ({"device": "gpu"}, "'gpu' is not a device torch knows"),
+    ],
+)
+def test_engine_arguments_of_the_wrong_kind_are_config_errors(kwargs, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        Engine(load_model("tiny"), runner="eager", **kwargs)

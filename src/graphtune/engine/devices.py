@@ -50,3 +50,30 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if not isinstance(value, torch.dtype):
         raise ConfigError(f"unknown dtype {dtype!r}; use bfloat16, float16 or float32")
     return value
+
+
+#: The dtypes a model's weights, activations and KV cache may have.
+MODEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+def check_model_dtype(dtype: object, what: str = "dtype") -> None:
+    """Raises unless ``dtype`` is ``None`` or one of :data:`MODEL_DTYPES` (before anything is
+    converted: ``model.to(torch.bool)`` would destroy the weights).
+
+    Raises:
+        ConfigError: Another dtype, or not a ``torch.dtype``; the message names ``what``.
+    """
+    if dtype is not None and dtype not in MODEL_DTYPES:
+        names = ", ".join(f"torch.{str(d).removeprefix('torch.')}" for d in MODEL_DTYPES)
+        raise ConfigError(f"{what} must be one of {names}, got {dtype!r}")
+
+
+def as_torch_device(device: torch.device | str | int, what: str = "device") -> torch.device:
+    """``torch.device(device)``, with a name torch does not know as a :class:`ConfigError`
+    that names ``what``."""
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError(
+            f"{what} {device!r} is not a device torch knows ({exc}); use 'cpu', 'cuda' or 'cuda:N'"
+        ) from None

@@ -35,6 +35,7 @@ from graphtune.engine.build import (
     build_runner,
     build_step,
 )
+from graphtune.engine.devices import as_torch_device
 from graphtune.engine.kv_cache import KVCache, aligned_seq_len
 from graphtune.engine.memory_plan import MemoryPlan, MemoryReport, plan_memory
 from graphtune.engine.model import DecoderModel
@@ -157,11 +158,13 @@ class Engine:
         for name, kind in (("runner", runner), ("prefill_runner", prefill_runner)):
             if kind not in RUNNERS:
                 raise ConfigError(f"{name} must be one of {RUNNERS}, got {kind!r}")
-        if max_batch_size <= 0:
-            raise ConfigError(f"max_batch_size must be > 0, got {max_batch_size}")
-        if max_seq_len <= 1:
-            raise ConfigError(f"max_seq_len must be > 1, got {max_seq_len}")
-        target_device = torch.device(device) if device is not None else model.device
+        for name, value, low in (
+            ("max_batch_size", max_batch_size, 1),
+            ("max_seq_len", max_seq_len, 2),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
+        target_device = as_torch_device(device) if device is not None else model.device
         target_dtype = dtype or model.dtype
         if model.device != target_device or model.dtype != target_dtype:
             model.to(target_device, target_dtype)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from graphtune.engine.config import ModelConfig, eos_ids, from_hf_config
+from graphtune.engine.devices import check_model_dtype
 from graphtune.engine.model import DecoderModel, LayerWeights, random_model, warm_triton_for
 from graphtune.engine.moe_loading import load_moe_layer
 from graphtune.engine.presets import PRESETS, get_preset
@@ -400,6 +401,7 @@ def load_model(
             split evenly over ``parallel.world_size`` ranks.
         CheckpointError: The folder cannot be loaded.
     """
+    check_model_dtype(dtype)
     if parallel is not None and parallel.world_size > 1:
         from graphtune.engine.parallel import check_shardable, shard_model
 

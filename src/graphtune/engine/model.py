@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from graphtune.engine.config import ModelConfig
+from graphtune.engine.devices import check_model_dtype
 from graphtune.ops._triton import start_cache_key_warmup
 from graphtune.ops.rotary import rotate
 
@@ -116,7 +117,13 @@ class DecoderModel:
     def to(
         self, device: torch.device | str | None = None, dtype: torch.dtype | None = None
     ) -> DecoderModel:
-        """Moves and casts every weight in place (keeps tied embeddings tied) and returns self."""
+        """Moves and casts every weight in place (keeps tied embeddings tied) and returns self.
+
+        Raises:
+            ConfigError: ``dtype`` is not a floating dtype a model can run in (checked before
+                any weight changes).
+        """
+        check_model_dtype(dtype)
         tied = self.lm_head is self.embed
 
         def move(t: torch.Tensor) -> torch.Tensor:

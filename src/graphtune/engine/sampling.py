@@ -8,6 +8,7 @@ on some versions) nor data-dependent shapes.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -32,17 +33,29 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ConfigError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not _is_real(self.temperature) or not 0.0 <= self.temperature < math.inf:
+            raise ConfigError(
+                f"temperature must be a finite number >= 0 (0: greedy), got {self.temperature!r}"
+            )
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ConfigError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.seed) or not 0 <= self.seed < 2**63:
+            raise ConfigError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:
         """Whether sampling reduces to argmax."""
         return self.temperature == 0.0 or self.top_k == 1
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 GREEDY = SamplingParams()
@@ -75,7 +88,10 @@ def _choose(
 ) -> torch.Tensor:
     if params.greedy:
         return logits.argmax(dim=-1)
-    scores = logits.float() / params.temperature
+    # Each row's largest logit is brought to 0 first, so that a small temperature turns the
+    # others into -inf instead of overflowing them all to +inf (a NaN softmax, token 0).
+    scores = logits.float()
+    scores = (scores - scores.amax(dim=-1, keepdim=True)) / params.temperature
     vocab = scores.shape[-1]
     if 0 < params.top_k < vocab:
         kth = scores.topk(params.top_k, dim=-1).values[:, -1:]

@@ -183,8 +183,9 @@ def test_save_errors_are_cache_file_errors(tmp_path) -> None:
     with pytest.raises(CacheFileError, match="Could not"):
         cache.save(blocker / "cache.json")  # parent is a file
     cache.put(key(m=3), CacheEntry("mod.A", 0, object(), 1.0, 2.0))
-    with pytest.raises(CacheFileError, match="JSON-serialisable"):
+    with pytest.raises(CacheFileError, match="left out 1 whose tactic is not JSON-serialisable"):
         cache.save(tmp_path / "cache.json")
+    assert list(persist.load(tmp_path / "cache.json")) == [key()]  # the storable one is saved
 
 
 def test_serving_process_survives_corrupt_file_via_autotune(tmp_path) -> None:

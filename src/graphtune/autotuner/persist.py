@@ -196,6 +196,7 @@ def save(
     path = Path(path)
     current = environment_fingerprint() if fingerprint is None else fingerprint
     check_lockable(path)
+    entries, unstorable = _storable(entries)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with FileLock(str(lock_path(path)), timeout=lock_timeout_s):
@@ -217,14 +218,32 @@ def save(
             f"Could not write tuning cache {path}: {exc}. Check the directory exists and is "
             "writable, or pass another cache_path."
         ) from exc
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError) as exc:  # a blocklist item JSON cannot hold
+        raise CacheFileError(f"Could not write tuning cache {path}: {exc}.") from exc
+    if unstorable:
         raise CacheFileError(
-            f"Could not write tuning cache {path}: an entry is not JSON-serialisable ({exc}). "
+            f"Saved {len(merged)} entries to tuning cache {path}, but left out "
+            f"{len(unstorable)} whose tactic is not JSON-serialisable, e.g. {unstorable[0]}. "
             "Tactics must be None, bools, ints, finite floats, strings, tuples, lists or dicts "
             "of those."
-        ) from exc
+        )
     logger.debug("saved %d tuning entries to %s", len(merged), path)
     return len(merged)
+
+
+def _storable(entries: Entries) -> tuple[Entries, list[str]]:
+    """The entries a cache file can hold, and a description of each other one (a pick whose
+    tactic JSON cannot represent), so one such pick never costs the others their save."""
+    kept: Entries = {}
+    left_out: list[str] = []
+    for key, entry in entries.items():
+        try:
+            json.dumps(entry.to_json(), allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            left_out.append(f"op {key.op!r} runner {entry.runner_id} ({exc})")
+            continue
+        kept[key] = entry
+    return kept, left_out
 
 
 def unblock(

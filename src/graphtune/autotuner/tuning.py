@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,6 +59,7 @@ from graphtune.autotuner.schedule import (
 )
 from graphtune.autotuner.selection import ProfileRecord
 from graphtune.autotuner.stats import TunerStats
+from graphtune.autotuner.values import encode_value
 from graphtune.errors import ConfigError, TuningError
 from graphtune.reporting import ProgressTask, progress
 
@@ -243,7 +244,9 @@ class TuningRun:
         candidates: list[Candidate] = []
         for ri, runner in enumerate(self.runners):
             try:
-                tactics = list(runner.get_valid_tactics(inputs, profile, **self.kwargs))
+                tactics = _tactic_list(
+                    runner, runner.get_valid_tactics(inputs, profile, **self.kwargs)
+                )
             except Exception as exc:  # a broken runner is data (docs/design.md, principle 5)
                 self.failures.add(self.op, runner, "get_valid_tactics", exc)
                 continue
@@ -255,6 +258,13 @@ class TuningRun:
                     "requires_tactic = False if the runner may not apply to it."
                 )
             for ti, tactic in enumerate(tactics):
+                try:
+                    encode_value(tactic)  # what the cache file will store, checked now
+                except (TypeError, ValueError) as exc:
+                    # A pick the cache cannot store would make the whole save fail at the end.
+                    problem = ConfigError(f"tactic {tactic!r} cannot be stored in a cache: {exc}")
+                    self.failures.add(self.op, runner, "get_valid_tactics", problem)
+                    continue
                 blocked = self.cache.blocked(self.ids[ri], tactic)
                 if blocked is not None:  # crashed or hung before: never run it again
                     self.stats.tactics_blocked += 1
@@ -460,3 +470,14 @@ class TuningRun:
                 "so a restarted process skips it. Tune with AutoTuner(isolation='subprocess') to "
                 "survive such tactics without restarting."
             )
+
+
+def _tactic_list(runner: TunableRunner, found: Any) -> list[Any]:
+    """What ``get_valid_tactics`` returned, as a list; :class:`ConfigError` when it is no
+    sequence of tactics (a string would otherwise be tuned letter by letter)."""
+    if isinstance(found, (str, bytes, dict, set, frozenset)) or not isinstance(found, Iterable):
+        raise ConfigError(
+            f"{type(runner).__qualname__}.get_valid_tactics must return a list of tactics, got "
+            f"{type(found).__name__} {found!r:.60}"
+        )
+    return list(found)

@@ -31,7 +31,7 @@ class Step:
     def __call__(self, x):
         h = torch.tanh(x @ self.w)
         self.total.add_(h.sum(0))
-        return {"h": h, "head": h[:, :2], "ht": h.t()}, self.total
+        return {"h": h, "head": h[:, :2], "hv": h.view(-1, 2, 2)}, self.total
 
 
 def make(**kwargs):
@@ -64,8 +64,8 @@ def test_outputs_are_twins_and_the_record_says_so():
     assert graph.shared and all(r.shared_outputs for r in runner.stats.records)
     out, total = runner(torch.randn(8, HIDDEN))
     assert out["head"].data_ptr() == out["h"].data_ptr()  # aliasing survived the twinning
-    assert out["ht"].data_ptr() == out["h"].data_ptr()
-    torch.testing.assert_close(out["ht"], out["h"].t(), rtol=0, atol=0)
+    assert out["hv"].data_ptr() == out["h"].data_ptr()
+    torch.testing.assert_close(out["hv"], out["h"].view(-1, 2, 2), rtol=0, atol=0)
 
 
 def test_output_is_valid_until_the_next_call_and_a_clone_survives():

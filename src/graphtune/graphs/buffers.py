@@ -345,6 +345,40 @@ class StaticOutputs:
             views = [x.clone() if t else x for x, t in zip(views, self._is_tensor, strict=True)]
         return self.spec.unflatten(views)
 
+    def batch_mismatch(self, other: StaticOutputs) -> str | None:
+        """Why the outputs of this graph and of ``other`` (another size of the same key) cannot
+        both be sliced by the rule above, or ``None``. A tensor output must, at every size,
+        have the batch as its first dim, or one shape, or ``min(batch, cap)`` rows (the batch
+        up to some size and ``cap`` above it, as the engine's prefill returns its logits); its
+        other dims may not change. ``x[1:]``, ``x.t()`` or ``x.mean(0)`` break that, and slicing
+        them would return padded rows or a wrong shape without an error."""
+        if self.paths != other.paths:
+            return (
+                f"the outputs have other leaves at size {self.size} ({len(self.paths)}) than at "
+                f"size {other.size} ({len(other.paths)}); fn must return one structure"
+            )
+        small, large = (self, other) if self.size < other.size else (other, self)
+        for index, path in enumerate(self.paths):
+            a, b = small._leaves[index], large._leaves[index]
+            if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+                continue
+            cut_a, cut_b = small._sliced[index], large._sliced[index]
+            if cut_a and cut_b:
+                same = a.shape[1:] == b.shape[1:]
+            elif cut_a:  # capped: the batch at the small size, a fixed count at the large one
+                same = a.shape[1:] == b.shape[1:] and small.size <= b.shape[0] < large.size
+            else:
+                same = not cut_b and a.shape == b.shape
+            if not same:
+                return (
+                    f"output {path_str(path, '<output>')} is {tuple(a.shape)} at size "
+                    f"{small.size} and {tuple(b.shape)} at size {large.size}: the graph runner "
+                    "slices an output whose first dim is the batch and returns any other as it "
+                    "is, so an output must have the batch first (or min(batch, a cap)) or not "
+                    "depend on the batch"
+                )
+        return None
+
     @property
     def tensors(self) -> list[torch.Tensor]:
         """The full-size output tensors (for tests)."""

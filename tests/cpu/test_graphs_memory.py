@@ -106,6 +106,18 @@ def test_outputs_kept_after_release_are_invalidated():
     assert torch.isnan(kept).all()  # on a GPU, reading it raises RuntimeError instead
 
 
+def test_outputs_kept_after_the_runner_is_collected_are_invalidated():
+    import gc
+
+    backend = SimulatedGraphBackend()  # kept: its memory stands in for the device's
+    runner, _ = make(backend=backend)
+    out, _ = runner(torch.randn(8, HIDDEN))
+    kept = out["h"]
+    del runner, out
+    gc.collect()
+    assert torch.isnan(kept).all()  # as after release(): on a GPU, reading it raises
+
+
 def test_share_output_memory_off_keeps_one_owning_output_set_per_size():
     runner, step = make(policy=CapturePolicy(share_output_memory=False))
     assert not any(r.shared_outputs for r in runner.stats.records)

@@ -20,6 +20,7 @@ import enum
 import gc
 import logging
 import time
+import weakref
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -150,6 +151,12 @@ class CUDAGraphRunner:
         else:
             self._static_reason = None
         self._keys: dict[Hashable, KeyState] = {}
+        # The non-owning output storages of every graph captured since the last release(): they
+        # are poisoned on release(), and by this finalizer when the runner is collected without
+        # one (its pool goes back to the allocator then, and a kept output would read whatever
+        # reuses that memory). The finalizer holds the list and the backend, never the runner.
+        self._shared: list[Any] = []
+        weakref.finalize(self, _invalidate, self._backend, self._shared)
         self._pool: Any = None
         self._noted_static_reason = False
         self.state = RunnerState.NEW
@@ -281,10 +288,7 @@ class CUDAGraphRunner:
         if self._keys or self._pool is not None:
             if any(st.graphs for st in self._keys.values()):
                 self._backend.synchronize(self._device)  # no replay may still read the memory
-            for key_state in self._keys.values():
-                for graph in key_state.graphs.values():
-                    if graph.shared:
-                        self._backend.invalidate(graph.shared, RELEASED_MESSAGE)
+            _invalidate(self._backend, self._shared)
             self._keys.clear()
             self._pool = None
             self.stats.records.clear()
@@ -438,6 +442,7 @@ class CUDAGraphRunner:
         if isinstance(result, CapturedGraph):
             result.record = dataclasses.replace(result.record, warmup_seconds=warmup_seconds)
             key_state.graphs[size] = result
+            self._shared.extend(result.shared)
             self.stats.records.append(result.record)
             self._check_outputs(key_state, result)
         else:
@@ -489,3 +494,10 @@ class CUDAGraphRunner:
                 self._static_reason,
                 getattr(self.fn, "__name__", "fn"),
             )
+
+
+def _invalidate(backend: GraphBackend, shared: list[Any]) -> None:
+    """Makes every kept output of the storages in ``shared`` raise on access, and forgets them."""
+    if shared:
+        backend.invalidate(list(shared), RELEASED_MESSAGE)
+        shared.clear()

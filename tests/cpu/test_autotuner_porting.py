@@ -496,3 +496,27 @@ def test_a_tactic_the_cache_cannot_store_is_skipped_and_the_rest_saved(tmp_path,
     assert any("cannot be stored in a cache" in r.getMessage() for r in caplog.records)
     ops = [e["key"]["op"] for e in json.loads(path.read_text())["entries"]]
     assert ops == ["good"]
+
+
+def test_inputs_that_are_no_list_and_runners_that_are_no_instances_are_refused() -> None:
+    clock = Clock()
+    tuner = tuner_for(clock)
+    runner = Listed(clock, [0], {-1: 1.0, 0: 1.0})
+    with pytest.raises(ConfigError, match="takes its inputs as a list"):
+        tuner.choose_one("op", [runner], CONFIG, torch.zeros(4, 2))
+    for bad in (Listed, object()):
+        with pytest.raises(ConfigError, match="is not a runner"):
+            tuner.choose_one("op", [bad], CONFIG, X)
+
+
+def test_two_specs_naming_one_dimension_through_a_negative_index_are_refused() -> None:
+    clock = Clock()
+    tuner = tuner_for(clock)
+    tuner.tuning_mode = True
+    twice = TuningConfig(
+        dynamic_specs=(DynamicTensorSpec(0, 0, (4,)), DynamicTensorSpec(0, -2, (4,))),
+        warmup=0,
+        repeat=1,
+    )
+    with pytest.raises(ConfigError, match="name the same dimension"):
+        tuner.choose_one("op", [Listed(clock, [0], {-1: 1.0, 0: 1.0})], twice, X)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from os import PathLike
 from typing import Any
@@ -30,7 +30,7 @@ from graphtune.autotuner.cache_reader import parse_json
 from graphtune.autotuner.config import TuningConfig
 from graphtune.autotuner.entries import CacheKey
 from graphtune.autotuner.values import decode_value, encode_value
-from graphtune.errors import CacheFileError, InputError
+from graphtune.errors import CacheFileError, ConfigError, InputError
 
 MISSES_FORMAT = "graphtune-misses"
 MISSES_VERSION = 1
@@ -46,6 +46,41 @@ class OpCall:
     config: TuningConfig
     inputs: tuple[Any, ...]
     kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def checked(
+        cls,
+        op: str,
+        runners: Iterable[Any],
+        config: TuningConfig,
+        inputs: Iterable[Any],
+        kwargs: dict[str, Any],
+    ) -> OpCall:
+        """The call ``choose_one(op, runners, config, inputs, **kwargs)`` makes, after the
+        checks of what it was given.
+
+        Raises:
+            ConfigError: ``inputs`` is not a list or tuple (a tensor would be split into its
+                rows), no runner, something that is not a runner instance, or ``config`` is not
+                a :class:`TuningConfig`.
+        """
+        if isinstance(inputs, (torch.Tensor, str, bytes, dict)) or not isinstance(inputs, Iterable):
+            raise ConfigError(
+                f"choose_one({op!r}) takes its inputs as a list, as forward receives them; got "
+                f"{type(inputs).__name__} (pass [x] for one tensor)."
+            )
+        runners = list(runners)
+        if not runners:
+            raise ConfigError(f"choose_one({op!r}) got no runners; pass at least one runner.")
+        for runner in runners:
+            if isinstance(runner, type) or not callable(getattr(runner, "forward", None)):
+                raise ConfigError(
+                    f"choose_one({op!r}): {runner!r} is not a runner; pass instances of "
+                    "TunableRunner subclasses (with forward and get_valid_tactics)."
+                )
+        if not isinstance(config, TuningConfig):
+            raise ConfigError(f"choose_one({op!r}) needs a TuningConfig, got {config!r}.")
+        return cls(op, tuple(runners), config, tuple(inputs), kwargs)
 
 
 def _describe_input(x: Any) -> dict[str, Any]:

@@ -98,8 +98,16 @@ def _apply(config: TuningConfig, inputs: Sequence[Any], sizes: Sequence[int]) ->
 
 def _live_sizes(config: TuningConfig, inputs: Sequence[Any]) -> list[int]:
     sizes = []
+    seen: dict[tuple[int, int], int] = {}
     for spec in config.dynamic_specs:
         dim = _resolve_dim("DynamicTensorSpec", inputs, spec.input_idx, spec.dim_idx)
+        first = seen.setdefault((spec.input_idx, dim), spec.dim_idx)
+        if first != spec.dim_idx:  # e.g. 0 and -2 of a 2-D input: one dim, swept twice
+            raise ConfigError(
+                f"DynamicTensorSpec dim_idx={first} and dim_idx={spec.dim_idx} of input "
+                f"{spec.input_idx} (shape {tuple(inputs[spec.input_idx].shape)}) name the same "
+                "dimension; give each dimension one spec."
+            )
         sizes.append(int(inputs[spec.input_idx].shape[dim]))
     return sizes
 

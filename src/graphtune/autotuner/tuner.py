@@ -177,13 +177,8 @@ class AutoTuner:
         if hit is not None:  # the hot path: no copies, no checks (a bad call is never memoised)
             self.stats.hits += 1
             return hit
-        runners = list(runners)
-        inputs = list(inputs)
-        if not runners:
-            raise ConfigError(f"choose_one({op!r}) got no runners; pass at least one runner.")
-        if not isinstance(config, TuningConfig):
-            raise ConfigError(f"choose_one({op!r}) needs a TuningConfig, got {config!r}.")
-        call = OpCall(op, tuple(runners), config, tuple(inputs), kwargs)
+        call = OpCall.checked(op, runners, config, inputs, kwargs)
+        runners, inputs = list(call.runners), list(call.inputs)
         if self._recording is not None:
             self._recording.append(call)
             hit = self._memo.get(signature, self.cache)

@@ -24,7 +24,7 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from graphtune.errors import ConfigError  # noqa: E402
+from graphtune.errors import ConfigError, InputError  # noqa: E402
 from graphtune.ops import _triton  # noqa: E402
 from graphtune.ops.fused import (  # noqa: E402
     TritonAddProjection,
@@ -353,3 +353,20 @@ def test_skinny_gemm_runner_has_the_gemm_ops_semantics(dtype, m):
     assert _rel(out, product) < TOL[dtype]
     assert runner.forward([a, w, None, residual, True], DOT) is residual
     assert _rel(residual, want) < TOL[dtype], gen.initial_seed()
+
+
+@pytest.mark.parametrize("eps", [float("nan"), float("inf"), -1e-6, True, "1e-5"])
+def test_a_norm_refuses_an_eps_that_is_not_finite_and_positive(eps):
+    from graphtune.ops import fused_add_rms_norm
+
+    x, w = torch.randn(2, 8), torch.ones(8)
+    with pytest.raises(ConfigError, match="eps must be a finite float >= 0"):
+        fused_add_rms_norm(x, w, eps)
+
+
+def test_a_residual_of_another_dtype_is_an_input_error():
+    from graphtune.ops import fused_add_rms_norm
+
+    x, w = torch.randn(2, 8), torch.ones(8)
+    with pytest.raises(InputError, match="residual must have x's shape .* and dtype"):
+        fused_add_rms_norm(x, w, 1e-5, x.double())

@@ -15,6 +15,7 @@ narrower block walks the row twice.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import torch
@@ -65,11 +66,24 @@ def _unpack(inputs: list[Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
             f"rms_norm needs x [M, H] and weight [H], got x {tuple(x.shape)} and weight "
             f"{tuple(weight.shape)}; fused_add_rms_norm() flattens leading dims."
         )
-    if residual is not None and residual.shape != x.shape:
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         raise InputError(
-            f"rms_norm residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}."
+            f"rms_norm residual must have x's shape {tuple(x.shape)} and dtype {x.dtype}, got "
+            f"{tuple(residual.shape)} {residual.dtype}; cast it with .to(x.dtype)."
         )
     return x, weight, residual, float(eps)
+
+
+def check_eps(op: str, eps: Any) -> float:
+    """``eps`` of a norm as a float: a finite number >= 0 (a NaN makes every output NaN, an
+    infinity every output 0).
+
+    Raises:
+        ConfigError: Anything else; the message names ``op``.
+    """
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < math.inf:
+        raise ConfigError(f"{op}: eps must be a finite float >= 0, got {eps!r}.")
+    return float(eps)
 
 
 def rms_norm_tactics(hidden: int) -> list[dict[str, int]]:
@@ -207,12 +221,11 @@ def fused_add_rms_norm(
         ``(out, new_residual)``, both shaped and typed like ``x``; ``new_residual`` is ``x``
         itself when ``residual`` is ``None``.
     """
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or eps < 0:
-        raise ConfigError(f"fused_add_rms_norm: eps must be a float >= 0, got {eps!r}.")
+    eps = check_eps("fused_add_rms_norm", eps)
     shape = x.shape
     x2 = as_rows(x)
     r2 = as_rows(residual) if residual is not None else None
-    inputs = [x2, weight, r2, float(eps)]
+    inputs = [x2, weight, r2, eps]
     chosen = runners if runners is not None else rms_norm_runners()
     config = rms_norm_config(max_m, residual is not None)
     runner, tactic = (tuner or get_tuner()).choose_one(OP_NAME, chosen, config, inputs)

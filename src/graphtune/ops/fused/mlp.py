@@ -51,7 +51,7 @@ from graphtune.ops.fused_gemv.family import (
 from graphtune.ops.gemm import gemm
 from graphtune.ops.gemm.tiled import check_gemm_tactic, gemm_tactics, launch_tiled_gemm
 from graphtune.ops.registry import register_op
-from graphtune.ops.rmsnorm import fused_add_rms_norm, torch_rms_norm
+from graphtune.ops.rmsnorm import check_eps, fused_add_rms_norm, torch_rms_norm
 
 TILED_ABOVE_M = 32
 """Rows above which :class:`TritonGateUpSiluTiled` is offered. At 32 rows of the Llama-1B shape
@@ -309,8 +309,7 @@ def norm_gate_up_silu(
     Returns:
         ``[..., I]`` in ``x``'s dtype.
     """
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or eps < 0:
-        raise ConfigError(f"norm_gate_up_silu: eps must be a float >= 0, got {eps!r}.")
+    eps = check_eps("norm_gate_up_silu", eps)
     tuner = resolve(tuner)
     lead = x.shape[:-1]
     inputs = [as_rows(x), norm_weight, w_gate_up, float(eps)]

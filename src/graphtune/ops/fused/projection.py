@@ -30,7 +30,7 @@ from graphtune.autotuner.calls import CallRecord
 from graphtune.autotuner.config import ConstraintSpec, DynamicTensorSpec, TuningConfig
 from graphtune.autotuner.runner import TunableRunner
 from graphtune.autotuner.tuner import AutoTuner
-from graphtune.errors import ConfigError, InputError
+from graphtune.errors import InputError
 from graphtune.ops._rows import as_rows, from_rows
 from graphtune.ops.fused._base import (
     NormPlacement,
@@ -49,7 +49,7 @@ from graphtune.ops.fused_gemv.family import (
 )
 from graphtune.ops.gemm import gemm
 from graphtune.ops.registry import register_op
-from graphtune.ops.rmsnorm import fused_add_rms_norm, torch_rms_norm
+from graphtune.ops.rmsnorm import check_eps, fused_add_rms_norm, torch_rms_norm
 
 ADD_PROJECTION = "graphtune.add_projection"
 NORM_LINEAR = "graphtune.norm_linear"
@@ -321,8 +321,7 @@ def norm_linear(
     Returns:
         ``[..., N]`` in ``x``'s dtype.
     """
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or eps < 0:
-        raise ConfigError(f"norm_linear: eps must be a float >= 0, got {eps!r}.")
+    eps = check_eps("norm_linear", eps)
     tuner = resolve(tuner)
     lead = x.shape[:-1]
     inputs = [as_rows(x), norm_weight, weight, bias, float(eps)]

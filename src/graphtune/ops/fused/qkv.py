@@ -57,7 +57,7 @@ from graphtune.ops.fused_gemv.family import (
 )
 from graphtune.ops.gemm import gemm
 from graphtune.ops.registry import register_op, runner_extras
-from graphtune.ops.rmsnorm import fused_add_rms_norm, torch_rms_norm
+from graphtune.ops.rmsnorm import check_eps, fused_add_rms_norm, torch_rms_norm
 from graphtune.ops.rotary import (
     CACHE_ROWS,
     TABLE_ROWS,
@@ -452,8 +452,7 @@ def norm_qkv_rope(
     Returns:
         ``q`` rotated, ``[B, num_heads, D]``; k (rotated) and v are written to the caches.
     """
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or eps < 0:
-        raise ConfigError(f"norm_qkv_rope: eps must be a float >= 0, got {eps!r}.")
+    eps = check_eps("norm_qkv_rope", eps)
     tuner = resolve(tuner)
     inputs = [x, norm_weight, wqkv, bqkv, positions, cos, sin, k_cache, v_cache, write_rows]
     inputs += [float(eps), head_norm]

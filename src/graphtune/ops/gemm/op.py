@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import torch
@@ -105,12 +106,34 @@ def gemm(
     Returns:
         ``[..., N]`` in ``a``'s dtype.
     """
+    for name, operand in (("a", a), ("weight", weight)):
+        if not isinstance(operand, torch.Tensor) or operand.dim() < 1:
+            raise InputError(
+                f"gemm: {name} must be a tensor with at least one dim, got "
+                f"{getattr(operand, 'shape', type(operand).__name__)}."
+            )
     if a.shape[-1] != weight.shape[-1]:
         raise InputError(
             f"gemm: a has K={a.shape[-1]} but weight {tuple(weight.shape)} has K="
             f"{weight.shape[-1]}; weight must be [N, K] as in nn.Linear."
         )
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise InputError(f"gemm: bias must be [N] = [{weight.shape[0]}], got {tuple(bias.shape)}.")
+    for name, operand in (("weight", weight), ("bias", bias), ("residual", residual)):
+        if operand is not None and operand.dtype != a.dtype:
+            raise InputError(
+                f"gemm: {name} is {operand.dtype} but a is {a.dtype}; every operand takes a's "
+                f"dtype (cast with .to({a.dtype}))."
+            )
     lead = a.shape[:-1]
+    if residual is not None:
+        rows = math.prod(lead)
+        wanted = ((*lead, weight.shape[0]), (rows, weight.shape[0]))
+        if tuple(residual.shape) not in wanted:
+            raise InputError(
+                f"gemm: residual must be a's leading shape then N, {list(wanted[0])} (or "
+                f"{list(wanted[1])}), got {tuple(residual.shape)}."
+            )
     a2 = as_rows(a)
     r2 = None
     if residual is not None:

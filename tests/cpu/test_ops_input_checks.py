@@ -1,0 +1,41 @@
+"""The public ops refuse operands that do not fit with an InputError that names the operand, the
+rule and the fix, before anything runs (torch's own error, deep inside a runner, names none)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from graphtune.autotuner import AutoTuner
+from graphtune.errors import InputError
+from graphtune.ops import gemm
+
+A, W = torch.randn(2, 3, 8), torch.randn(16, 8)
+TUNER = AutoTuner(show_progress=False)
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        ({"weight": W.double()}, "weight is torch.float64 but a is torch.float32"),
+        ({"bias": torch.randn(16).double()}, "bias is torch.float64"),
+        ({"residual": torch.randn(2, 3, 16).double()}, "residual is torch.float64"),
+        ({"bias": torch.randn(5)}, "bias must be [N] = [16]"),
+        ({"residual": torch.randn(3, 2, 16)}, "residual must be a's leading shape then N"),
+        ({"a": torch.tensor(1.0)}, "a must be a tensor with at least one dim"),
+        ({"a": np.ones((2, 8), dtype=np.float32)}, "a must be a tensor"),
+    ],
+)
+def test_gemm_names_the_operand_that_does_not_fit(kwargs, fragment):
+    args = {"a": A, "weight": W, **kwargs}
+    with pytest.raises(InputError, match=fragment.replace("[", r"\[").replace("]", r"\]")):
+        gemm(args.pop("a"), args.pop("weight"), tuner=TUNER, **args)
+
+
+def test_gemm_takes_a_residual_with_a_leading_shape_or_flattened():
+    bias = torch.randn(16)
+    want = A @ W.T + bias
+    for residual in (torch.zeros(2, 3, 16), torch.zeros(6, 16)):
+        out = gemm(A, W, bias, residual, tuner=TUNER)
+        torch.testing.assert_close(out, want)

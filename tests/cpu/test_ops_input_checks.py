@@ -39,3 +39,28 @@ def test_gemm_takes_a_residual_with_a_leading_shape_or_flattened():
     for residual in (torch.zeros(2, 3, 16), torch.zeros(6, 16)):
         out = gemm(A, W, bias, residual, tuner=TUNER)
         torch.testing.assert_close(out, want)
+
+
+def _attention_inputs(batch=2, kv=2, groups=2, seq=5, dim=16):
+    q = torch.randn(batch, kv, groups, dim)
+    keys, values = torch.randn(batch, kv, seq, dim), torch.randn(batch, kv, seq, dim)
+    return q, keys, values, torch.zeros(batch, 1, 1, seq)
+
+
+@pytest.mark.parametrize(
+    "change, fragment",
+    [
+        (lambda q, k, v, m: (q, k, v[:, :, :-1], m), "keys == values"),
+        (lambda q, k, v, m: (q, k[:, :1], v[:, :1], m), "do not match q"),
+        (lambda q, k, v, m: (q, k, v, m[..., :-1]), "additive mask"),
+        (lambda q, k, v, m: (q.bfloat16(), k, v, m), "one dtype"),
+        (lambda q, k, v, m: (q, k, v, m.long()), "float dtype"),
+        (lambda q, k, v, m: (q[0], k, v, m), "q \\[B, KV, G, D\\]"),
+    ],
+)
+def test_decode_attention_names_the_layout_rule_for_every_runner(change, fragment):
+    from graphtune.ops.attention import decode_attention, tuning_config
+
+    q, keys, values, mask = change(*_attention_inputs())
+    with pytest.raises(InputError, match=fragment):
+        decode_attention(q, keys, values, mask, tuner=TUNER, config=tuning_config(4))

@@ -39,11 +39,13 @@ from graphtune.autotuner import (
     DynamicTensorSpec,
     TunableRunner,
     TuningConfig,
+    get_tuner,
 )
 from graphtune.autotuner.calls import CallRecord
 from graphtune.autotuner.config import last_power_of_two, next_power_of_two, power_of_two_buckets
 from graphtune.errors import ConfigError, InputError
 from graphtune.ops import _counters
+from graphtune.ops._attention_layout import layout_problem, triton_layout_problem
 from graphtune.ops._triton import device_limits, device_supported, kernel_module, run_kernel
 from graphtune.ops._triton_runner import TritonRunner
 from graphtune.ops.registry import register_op
@@ -152,8 +154,6 @@ MAX_SPLITS = 64
 PROGRAMS_PER_SM = 4
 _DEFAULT_SMS = 132  # an H100/H200; used off-GPU
 _DEFAULT_SMEM = 227 * 1024
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_MAX_GROUPS = 32  # query rows per KV head held in registers (GQA ratios are 1..16 in practice)
 _LOG2E = 1.4426950408889634
 
 
@@ -241,36 +241,6 @@ def check_decode_tactic(tactic: Any) -> str | None:
     return None
 
 
-def _layout_problem(inputs: list[Any]) -> str | None:
-    """Why the Triton kernel cannot take these inputs, or ``None`` when it can."""
-    q, keys, values, mask = inputs
-    if q.dim() != 4 or keys.dim() != 4 or keys.shape != values.shape:
-        return (
-            f"need q [B, KV, G, D] and keys == values [B, KV, S, D], got q "
-            f"{tuple(q.shape)}, keys {tuple(keys.shape)}, values {tuple(values.shape)}"
-        )
-    batch, kv_heads, groups, dim = q.shape
-    if tuple(keys.shape[:2]) != (batch, kv_heads) or keys.shape[3] != dim:
-        return f"keys {tuple(keys.shape)} do not match q {tuple(q.shape)} in B, KV or D"
-    seq = keys.shape[2]
-    if mask.dim() != 4 or mask.shape[0] not in (1, batch) or tuple(mask.shape[1:]) != (1, 1, seq):
-        return f"need an additive mask [B or 1, 1, 1, S={seq}], got {tuple(mask.shape)}"
-    if q.dtype not in _DTYPES or keys.dtype != q.dtype or values.dtype != q.dtype:
-        return (
-            f"q, keys and values need one dtype of {_DTYPES}, got {q.dtype}, {keys.dtype}, "
-            f"{values.dtype}"
-        )
-    if not mask.dtype.is_floating_point:
-        return f"the mask must be additive (a float dtype), got {mask.dtype}"
-    if dim < 16 or dim > 256 or dim & (dim - 1):
-        return f"head_dim must be a power of two in [16, 256] (tl.dot tiles), got {dim}"
-    if groups > _MAX_GROUPS:
-        return f"at most {_MAX_GROUPS} query heads per KV head, got {groups}"
-    if len({t.device for t in inputs}) != 1:
-        return "q, keys, values and mask must be on one device"
-    return None
-
-
 class TritonDecodeAttention(TritonRunner):
     """Flash-decoding in Triton (``graphtune.ops._attention_kernels.decode_attention_kernel``).
 
@@ -306,8 +276,9 @@ class TritonDecodeAttention(TritonRunner):
         return () if self.sm_count is None else ({"sm": self.sm_count},)
 
     def supports(self, inputs: list[Any]) -> bool:
-        """See :func:`_layout_problem`; and a Triton device (CUDA, or the CPU interpreter)."""
-        return _layout_problem(inputs) is None and device_supported(inputs[0].device)
+        """See :func:`triton_layout_problem`; and a Triton device (CUDA, or the CPU
+        interpreter)."""
+        return triton_layout_problem(inputs) is None and device_supported(inputs[0].device)
 
     def tactics_for(self, inputs: list[Any]) -> list[Any]:
         """See :func:`decode_attention_tactics`; SM count and shared memory come from the
@@ -342,7 +313,7 @@ class TritonDecodeAttention(TritonRunner):
             InputError: Inputs the kernel cannot take (see :meth:`supports`).
             ConfigError: ``tactic`` breaks a rule of :func:`check_decode_tactic`.
         """
-        problem = _layout_problem(inputs)
+        problem = triton_layout_problem(inputs)
         if problem is not None:
             raise InputError(
                 f"TritonDecodeAttention: {problem}; use tactic -1 (torch SDPA) or "
@@ -475,9 +446,16 @@ def decode_attention(
 
     Args:
         q, keys, values, mask: See the module docstring.
-        tuner: The :class:`~graphtune.autotuner.AutoTuner` to ask.
+        tuner: The :class:`~graphtune.autotuner.AutoTuner` to ask; the process default when
+            ``None``.
         config: From :func:`tuning_config`.
+
+    Raises:
+        InputError: The inputs do not have the layout of the module docstring.
     """
     inputs = [q, keys, values, mask]
-    runner, tactic = tuner.choose_one(OP_NAME, RUNNERS, config, inputs)
+    problem = layout_problem(inputs)
+    if problem is not None:
+        raise InputError(f"decode_attention: {problem}.")
+    runner, tactic = (tuner or get_tuner()).choose_one(OP_NAME, RUNNERS, config, inputs)
     return runner.forward(inputs, tactic=tactic)

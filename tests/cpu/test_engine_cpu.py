@@ -241,3 +241,35 @@ def test_an_engine_of_a_non_float_dtype_is_refused_before_the_weights_change(dty
 def test_engine_arguments_of_the_wrong_kind_are_config_errors(kwargs, fragment):
     with pytest.raises(ConfigError, match=fragment):
         Engine(load_model("tiny"), runner="eager", **kwargs)
+
+
+def _step_inputs(rows=2):
+    ids = torch.arange(rows, dtype=torch.long)
+    return ids + 1, ids + 3, ids
+
+
+@pytest.mark.parametrize(
+    "change, fragment",
+    [
+        (lambda t, p, s: (t.float(), p, s), "tokens must be a 1-D int64 tensor"),
+        (lambda t, p, s: (t.tolist(), p, s), "tokens must be a 1-D int64 tensor"),
+        (lambda t, p, s: (t, p[:1], s), "have 2, 1 and 2 rows"),
+        (lambda t, p, s: (t[None], p, s), "tokens must be a 1-D int64 tensor"),
+        (lambda t, p, s: (t, p, s.to("meta")), "slots is on meta"),
+    ],
+)
+def test_step_names_the_input_that_does_not_fit(change, fragment):
+    engine = Engine(load_model("tiny"), runner="eager", max_batch_size=4, max_seq_len=32)
+    with pytest.raises(InputError, match=fragment):
+        engine.step(*change(*_step_inputs()))
+
+
+def test_step_checks_values_in_debug_mode(monkeypatch):
+    engine = Engine(load_model("tiny"), runner="eager", max_batch_size=4, max_seq_len=32)
+    tokens, positions, slots = _step_inputs()
+    monkeypatch.setenv("GRAPHTUNE_DEBUG", "1")
+    with pytest.raises(InputError, match=r"tokens must be in \[0, "):
+        engine.step(tokens - 5, positions, slots)
+    with pytest.raises(InputError, match=r"slots must be in \[0, 4\)"):
+        engine.step(tokens, positions, slots + 9)
+    assert engine.step(tokens, positions, slots).shape[0] == 2

@@ -11,13 +11,14 @@ tensor-parallel decode over a ``torch.distributed`` group. The step has one forw
 from graphtune.engine.build import build_runner, build_step
 from graphtune.engine.config import ModelConfig, RopeScaling, from_hf_config
 from graphtune.engine.devices import resolve_device, resolve_dtype
-from graphtune.engine.engine import Engine, RequestFailure
+from graphtune.engine.engine import Engine
 from graphtune.engine.kv_cache import KVCache
 from graphtune.engine.loading import load_checkpoint, load_config, load_model
 from graphtune.engine.model import DecoderModel, LayerWeights, random_model
 from graphtune.engine.parallel import ParallelContext, TensorParallelDecodeStep, shard_model
 from graphtune.engine.prefill import PrefillStep, prefill, prefill_capture_sizes
 from graphtune.engine.presets import PRESETS, fewer_layers, get_preset
+from graphtune.engine.requests import RequestFailure
 from graphtune.engine.sampling import GREEDY, SamplingParams, sample
 from graphtune.engine.step import DecodeStep, step_pad_rule
 from graphtune.engine.tuning import (

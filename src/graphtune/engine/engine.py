@@ -18,10 +18,8 @@ tactics, and since tuning mode is off again while capturing, the tuner only look
 from __future__ import annotations
 
 import logging
-import operator
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from os import PathLike
 from typing import Any
 
@@ -45,37 +43,18 @@ from graphtune.engine.prefill import (
     default_prefill_runner,
     prefill_logits,
 )
+from graphtune.engine.requests import (
+    LiveRequest,
+    RequestFailure,
+    check_step_inputs,
+    token_id,
+    validate_request,
+)
 from graphtune.engine.sampling import GREEDY, NON_FINITE, SamplingParams, sample
 from graphtune.engine.tuning import TuneReport, tune_step
 from graphtune.errors import ConfigError, InputError, NumericalError
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _Request:
-    index: int
-    prompt: list[int]
-    max_new_tokens: int
-    slot: int = -1
-    cached: int = 0  # tokens whose K/V are in the cache
-    output: list[int] = field(default_factory=list)
-    failed: str | None = None
-
-
-@dataclass(frozen=True)
-class RequestFailure:
-    """A request that was stopped early instead of taking the whole batch down.
-
-    Attributes:
-        index: Position of the prompt in the ``generate`` call.
-        generated: Tokens it had produced before the failure (its output).
-        reason: What went wrong and what to check.
-    """
-
-    index: int
-    generated: int
-    reason: str
 
 
 class Engine:
@@ -304,13 +283,11 @@ class Engine:
         result is a view the next step overwrites.
 
         Raises:
-            InputError: More rows than ``max_batch_size``.
+            InputError: Inputs that are not three 1-D int64 tensors of one length on the
+                engine's device, or more rows than ``max_batch_size``
+                (:func:`~graphtune.engine.requests.check_step_inputs`).
         """
-        if tokens.shape[0] > self.max_batch_size:
-            raise InputError(
-                f"decode batch of {tokens.shape[0]} rows exceeds max_batch_size="
-                f"{self.max_batch_size}; build the Engine with a larger max_batch_size"
-            )
+        check_step_inputs(self, tokens, positions, slots)
         return self.runner(tokens, positions, slots)
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
@@ -322,35 +299,12 @@ class Engine:
                     "pass token ids instead"
                 )
             return list(self.model.tokenizer.encode(prompt).ids)
-        return [_token_id(t, "prompt") for t in prompt]
+        return [token_id(t, "prompt") for t in prompt]
 
     def decode(self, ids: Sequence[int]) -> str | None:
         """Text of ``ids`` when a tokenizer is attached, else ``None``."""
         tokenizer = self.model.tokenizer
         return None if tokenizer is None else tokenizer.decode(list(ids))
-
-    def _validate(self, prompt: list[int], max_new: int, where: int) -> None:
-        if not prompt:
-            raise InputError(f"prompt {where} is empty; give at least one token")
-        vocab = self.config.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise InputError(
-                f"prompt {where} has token ids outside [0, {vocab}): {bad[:5]}; check the "
-                "tokenizer matches the model"
-            )
-        if max_new <= 0:
-            raise InputError(f"max_new_tokens must be > 0, got {max_new} for prompt {where}")
-        self.config.check_positions(
-            len(prompt) + max_new,
-            f"prompt {where} ({len(prompt)} tokens) with max_new_tokens={max_new}",
-        )
-        if len(prompt) + max_new > self.max_seq_len:
-            raise InputError(
-                f"prompt {where} has {len(prompt)} tokens and asks for {max_new} new ones, more "
-                f"than the KV cache holds per request (max_seq_len={self.max_seq_len}); shorten "
-                "the prompt, ask for fewer tokens or build the Engine with a larger max_seq_len"
-            )
 
     @torch.inference_mode()
     def generate(
@@ -385,17 +339,17 @@ class Engine:
         """
         sampling = sampling or GREEDY
         limits = (
-            [_token_id(max_new_tokens, "max_new_tokens")] * len(prompts)
+            [token_id(max_new_tokens, "max_new_tokens")] * len(prompts)
             if not isinstance(max_new_tokens, Sequence)
-            else [_token_id(m, "max_new_tokens") for m in max_new_tokens]
+            else [token_id(m, "max_new_tokens") for m in max_new_tokens]
         )
         if len(limits) != len(prompts):
             raise InputError(f"{len(prompts)} prompts but {len(limits)} max_new_tokens values")
         requests = []
         for i, (prompt, limit) in enumerate(zip(prompts, limits, strict=True)):
             ids = self.encode(prompt)
-            self._validate(ids, limit, i)
-            requests.append(_Request(i, ids, limit))
+            validate_request(self.config, self.max_seq_len, ids, limit, i)
+            requests.append(LiveRequest(i, ids, limit))
         stops = set(self.config.eos_token_ids if stop_token_ids is None else stop_token_ids)
         generator = None
         if not sampling.greedy:
@@ -403,7 +357,7 @@ class Engine:
             generator.manual_seed(sampling.seed)
 
         pending = deque(requests)
-        live: list[_Request] = []
+        live: list[LiveRequest] = []
         self.failures = []
         try:
             while pending or live:
@@ -424,7 +378,10 @@ class Engine:
         return [r.output for r in requests]
 
     def _admit(
-        self, admitted: list[_Request], sampling: SamplingParams, generator: torch.Generator | None
+        self,
+        admitted: list[LiveRequest],
+        sampling: SamplingParams,
+        generator: torch.Generator | None,
     ) -> None:
         for request in admitted:
             request.slot = self.cache.allocate()
@@ -441,7 +398,7 @@ class Engine:
             self._accept(request, int(token))
 
     def _decode(
-        self, live: list[_Request], sampling: SamplingParams, generator: torch.Generator | None
+        self, live: list[LiveRequest], sampling: SamplingParams, generator: torch.Generator | None
     ) -> None:
         host = torch.tensor(
             [[r.output[-1] for r in live], [r.cached for r in live], [r.slot for r in live]],
@@ -455,7 +412,7 @@ class Engine:
             request.cached += 1
             self._accept(request, int(token))
 
-    def _accept(self, request: _Request, token: int) -> None:
+    def _accept(self, request: LiveRequest, token: int) -> None:
         if token != NON_FINITE:
             request.output.append(token)
             return
@@ -470,7 +427,7 @@ class Engine:
         if self.strict_numerics:
             raise NumericalError(f"request {request.index}: {request.failed}")
 
-    def _retire(self, live: list[_Request], stops: set[int]) -> None:
+    def _retire(self, live: list[LiveRequest], stops: set[int]) -> None:
         done = [
             i
             for i, r in enumerate(live)
@@ -486,16 +443,3 @@ class Engine:
                 live[row] = mover
             live.pop()
             self.cache.free(last)
-
-
-def _token_id(value: Any, what: str) -> int:
-    # operator.index accepts ints and integer tensors/NumPy scalars but not floats (1.7 must not
-    # silently become token 1); bools are ints in Python and are refused explicitly.
-    if isinstance(value, bool):
-        raise InputError(f"{what} must be integers, got the bool {value!r}")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise InputError(
-            f"{what} must be integers, got {value!r} ({type(value).__name__})"
-        ) from None

@@ -1,0 +1,132 @@
+"""What the engine keeps per request, and its checks of what a caller passes in: a request of
+``Engine.generate`` (:func:`validate_request`) and the inputs of ``Engine.step``
+(:func:`check_step_inputs`)."""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from graphtune import env
+from graphtune.engine.config import ModelConfig
+from graphtune.errors import InputError
+
+
+@dataclass
+class LiveRequest:
+    """A request of ``Engine.generate`` while it is admitted (its slot) and decoded."""
+
+    index: int
+    prompt: list[int]
+    max_new_tokens: int
+    slot: int = -1
+    cached: int = 0  # tokens whose K/V are in the cache
+    output: list[int] = field(default_factory=list)
+    failed: str | None = None
+
+
+@dataclass(frozen=True)
+class RequestFailure:
+    """A request that was stopped early instead of taking the whole batch down.
+
+    Attributes:
+        index: Position of the prompt in the ``generate`` call.
+        generated: Tokens it had produced before the failure (its output).
+        reason: What went wrong and what to check.
+    """
+
+    index: int
+    generated: int
+    reason: str
+
+
+def validate_request(
+    config: ModelConfig, max_seq_len: int, prompt: list[int], max_new: int, where: int
+) -> None:
+    """Checks one request of ``Engine.generate`` before anything runs.
+
+    Raises:
+        InputError: An empty prompt, a token id outside the vocabulary, ``max_new < 1``, or more
+            positions than the model or the KV cache holds.
+    """
+    if not prompt:
+        raise InputError(f"prompt {where} is empty; give at least one token")
+    vocab = config.vocab_size
+    bad = [t for t in prompt if not 0 <= t < vocab]
+    if bad:
+        raise InputError(
+            f"prompt {where} has token ids outside [0, {vocab}): {bad[:5]}; check the "
+            "tokenizer matches the model"
+        )
+    if max_new <= 0:
+        raise InputError(f"max_new_tokens must be > 0, got {max_new} for prompt {where}")
+    config.check_positions(
+        len(prompt) + max_new,
+        f"prompt {where} ({len(prompt)} tokens) with max_new_tokens={max_new}",
+    )
+    if len(prompt) + max_new > max_seq_len:
+        raise InputError(
+            f"prompt {where} has {len(prompt)} tokens and asks for {max_new} new ones, more "
+            f"than the KV cache holds per request (max_seq_len={max_seq_len}); shorten "
+            "the prompt, ask for fewer tokens or build the Engine with a larger max_seq_len"
+        )
+
+
+def token_id(value: Any, what: str) -> int:
+    # operator.index accepts ints and integer tensors/NumPy scalars but not floats (1.7 must not
+    # silently become token 1); bools are ints in Python and are refused explicitly.
+    if isinstance(value, bool):
+        raise InputError(f"{what} must be integers, got the bool {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise InputError(
+            f"{what} must be integers, got {value!r} ({type(value).__name__})"
+        ) from None
+
+
+def check_step_inputs(engine: Any, tokens: Any, positions: Any, slots: Any) -> None:
+    """Checks the inputs of ``Engine.step`` from their metadata (no device read): three 1-D
+    int64 tensors of one length on the engine's device, at most ``max_batch_size`` rows. With
+    ``GRAPHTUNE_DEBUG=1`` also their values (one host read): token ids in the vocabulary,
+    positions and slots within the KV cache.
+
+    Raises:
+        InputError: The first rule broken, named with its fix.
+    """
+    named = (("tokens", tokens), ("positions", positions), ("slots", slots))
+    for name, value in named:
+        if not isinstance(value, torch.Tensor) or value.dim() != 1 or value.dtype != torch.long:
+            raise InputError(
+                f"Engine.step: {name} must be a 1-D int64 tensor, got "
+                f"{getattr(value, 'dtype', type(value).__name__)} "
+                f"{tuple(getattr(value, 'shape', ()))}"
+            )
+        device, want = value.device, engine.device
+        if device.type != want.type or want.index not in (None, device.index):
+            raise InputError(
+                f"Engine.step: {name} is on {value.device}, the engine on {engine.device}"
+            )
+    rows = tokens.shape[0]
+    if positions.shape[0] != rows or slots.shape[0] != rows:
+        raise InputError(
+            f"Engine.step: tokens, positions and slots have {rows}, {positions.shape[0]} and "
+            f"{slots.shape[0]} rows; give one of each per row"
+        )
+    if rows > engine.max_batch_size:
+        raise InputError(
+            f"decode batch of {rows} rows exceeds max_batch_size="
+            f"{engine.max_batch_size}; build the Engine with a larger max_batch_size"
+        )
+    if env.debug_checks() and rows:
+        for name, value, bound in (
+            ("tokens", tokens, engine.config.vocab_size),
+            ("positions", positions, engine.max_seq_len),
+            ("slots", slots, engine.max_batch_size),
+        ):
+            low, high = int(value.min()), int(value.max())
+            if low < 0 or high >= bound:
+                raise InputError(f"Engine.step: {name} must be in [0, {bound}), got {low}..{high}")

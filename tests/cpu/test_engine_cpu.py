@@ -243,7 +243,7 @@ def test_engine_arguments_of_the_wrong_kind_are_config_errors(kwargs, fragment):
         Engine(load_model("tiny"), runner="eager", **kwargs)
 
 
-def _step_inputs(rows=2):
+def _two_rows(rows=2):
     ids = torch.arange(rows, dtype=torch.long)
     return ids + 1, ids + 3, ids
 
@@ -261,12 +261,12 @@ def _step_inputs(rows=2):
 def test_step_names_the_input_that_does_not_fit(change, fragment):
     engine = Engine(load_model("tiny"), runner="eager", max_batch_size=4, max_seq_len=32)
     with pytest.raises(InputError, match=fragment):
-        engine.step(*change(*_step_inputs()))
+        engine.step(*change(*_two_rows()))
 
 
 def test_step_checks_values_in_debug_mode(monkeypatch):
     engine = Engine(load_model("tiny"), runner="eager", max_batch_size=4, max_seq_len=32)
-    tokens, positions, slots = _step_inputs()
+    tokens, positions, slots = _two_rows()
     monkeypatch.setenv("GRAPHTUNE_DEBUG", "1")
     with pytest.raises(InputError, match=r"tokens must be in \[0, "):
         engine.step(tokens - 5, positions, slots)

@@ -64,3 +64,37 @@ def test_decode_attention_names_the_layout_rule_for_every_runner(change, fragmen
     q, keys, values, mask = change(*_attention_inputs())
     with pytest.raises(InputError, match=fragment):
         decode_attention(q, keys, values, mask, tuner=TUNER, config=tuning_config(4))
+
+
+def _rope_inputs(dim=8, heads=2, kv=1, batch=2):
+    qkv = torch.randn(batch, (heads + 2 * kv) * dim)
+    cos, sin = torch.randn(16, dim), torch.randn(16, dim)
+    k_cache, v_cache = torch.zeros(64, dim), torch.zeros(64, dim)
+    positions, rows = torch.arange(batch), torch.arange(batch * kv)
+    return [qkv, positions, cos, sin, k_cache, v_cache, rows]
+
+
+@pytest.mark.parametrize(
+    "change, fragment",
+    [
+        (lambda x: [x[0], x[1].float(), *x[2:]], "must be int64"),
+        (lambda x: [*x[:4], x[4].double(), *x[5:]], "must have qkv's dtype"),
+    ],
+)
+def test_rope_kv_cache_names_the_input_that_does_not_fit(change, fragment):
+    from graphtune.ops import rope_kv_cache
+
+    qkv, positions, cos, sin, k_cache, v_cache, rows = change(_rope_inputs())
+    with pytest.raises(InputError, match=fragment):
+        rope_kv_cache(
+            qkv, positions, cos, sin, k_cache, v_cache, rows, num_heads=2, num_kv_heads=1,
+            tuner=TUNER,
+        )  # fmt: skip
+
+
+def test_rope_kv_cache_refuses_an_odd_head_dim():
+    from graphtune.ops import rope_kv_cache
+
+    x = _rope_inputs(dim=7)
+    with pytest.raises(InputError, match="D must be even"):
+        rope_kv_cache(*x, num_heads=2, num_kv_heads=1, tuner=TUNER)

@@ -46,7 +46,8 @@ from graphtune.autotuner.config import (
 from graphtune.autotuner.context import get_tuner
 from graphtune.autotuner.runner import FALLBACK_TACTIC, TunableRunner, preferred_first
 from graphtune.autotuner.tuner import AutoTuner
-from graphtune.errors import ConfigError, InputError, describe_tensor
+from graphtune.errors import ConfigError
+from graphtune.ops._rope_inputs import head_norm_of, rope_tensors
 from graphtune.ops._triton import (
     KERNELS_SOURCES,
     device_supported,
@@ -177,53 +178,12 @@ class _RopeRunnerMixin:
         return (self.num_heads, self.num_kv_heads, self.signed_sin)
 
     def _head_norm(self, inputs: list[Any]) -> tuple[torch.Tensor | None, float]:
-        """``(head_norm, eps)``: inputs 7 and 8 (``(None, 1e-6)`` for a seven-input call).
-
-        Raises:
-            InputError: ``head_norm`` is not ``[heads + kv_heads, D]`` of ``qkv``'s dtype.
-        """
-        norm = inputs[7] if len(inputs) > 7 else None
-        eps = float(inputs[8]) if len(inputs) > 8 else 1e-6
-        if norm is None:
-            return None, eps
-        qkv, dim = inputs[0], inputs[2].shape[-1]
-        want = (self.num_heads + self.num_kv_heads, dim)
-        if (
-            not isinstance(norm, torch.Tensor)
-            or tuple(norm.shape) != want
-            or norm.dtype != qkv.dtype
-        ):
-            raise InputError(
-                f"rope_kv_cache: head_norm must be the [heads + kv_heads, D] = {list(want)} "
-                f"weight rows of the q/k norm in {qkv.dtype} (head_norm_weights), got "
-                f"{describe_tensor(norm)}."
-            )
-        return norm, eps
+        """:func:`~graphtune.ops._rope_inputs.head_norm_of` for these heads."""
+        return head_norm_of(inputs, self.num_heads, self.num_kv_heads)
 
     def _unpack(self, inputs: list[Any]) -> list[Any]:
-        """The seven tensor inputs (inputs 7 and 8 are :meth:`_head_norm`'s; a tenth, the
-        step's :class:`RopeRows`, is not checked)."""
-        qkv, positions, cos, sin, k_cache, v_cache, rows = inputs[:7]
-        batch, dim = qkv.shape[0], cos.shape[-1]
-        width = (self.num_heads + 2 * self.num_kv_heads) * dim
-        if qkv.dim() != 2 or qkv.shape[1] != width or sin.shape[-1] != dim:
-            raise InputError(
-                f"rope_kv_cache: qkv must be [B, (heads + 2 * kv_heads) * D] = [B, {width}] for "
-                f"{self.num_heads}/{self.num_kv_heads} heads and D={dim} (cos/sin [rows, D]), "
-                f"got qkv {tuple(qkv.shape)}."
-            )
-        if positions.shape != (batch,) or rows.shape != (batch * self.num_kv_heads,):
-            raise InputError(
-                f"rope_kv_cache: positions must be [B]={batch} and write_rows [B * kv_heads]="
-                f"{batch * self.num_kv_heads}, got {tuple(positions.shape)} and "
-                f"{tuple(rows.shape)}."
-            )
-        if k_cache.shape[-1] != dim or v_cache.shape[-1] != dim or k_cache.dim() != 2:
-            raise InputError(
-                f"rope_kv_cache: caches must be flattened [rows, D={dim}] views, got "
-                f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}."
-            )
-        return inputs[:7]
+        """:func:`~graphtune.ops._rope_inputs.rope_tensors` for these heads."""
+        return rope_tensors(inputs, self.num_heads, self.num_kv_heads)
 
     def torch_forward(self, inputs: list[Any]) -> torch.Tensor:
         """The unfused torch code (with the step's gathered rows when they are given)."""

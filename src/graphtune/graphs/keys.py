@@ -6,7 +6,8 @@ its graph breaks, its captured graphs by size and its failed captures by size.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+import dataclasses
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 from graphtune.errors import InputError
@@ -39,6 +40,24 @@ class KeyState:
             for brk in graph.graph.breaks
         )
         return self.inputs.nbytes + self.breaks.nbytes + own
+
+    def drop_if_unsliceable(self, captured: CapturedGraph, sizes: Sequence[int]) -> str | None:
+        """Compares a new graph's outputs with another size's of this key; when they cannot both
+        be sliced to the real batch (``StaticOutputs.batch_mismatch``), drops every graph of the
+        key and marks each of ``sizes`` failed (its calls then run eagerly, reason
+        ``capture_failed``), and returns why; else ``None``."""
+        other = next((g for g in self.graphs.values() if g is not captured), None)
+        problem = None if other is None else captured.outputs.batch_mismatch(other.outputs)
+        if problem is None:
+            return None
+        for size, graph in list(self.graphs.items()):
+            self.failed[size] = dataclasses.replace(graph.record, ok=False, error=problem)
+        self.graphs.clear()
+        for size in sizes:  # the sizes not captured yet are not captured at all
+            self.failed.setdefault(
+                size, CaptureRecord(self.extra_key, size, 0.0, 0, ok=False, error=problem)
+            )
+        return problem
 
     def graph_state(self, size: int | None) -> GraphState:
         if size in self.graphs:

@@ -29,7 +29,7 @@ from graphtune.errors import CaptureError, ConfigError, InputError
 from graphtune.graphs import policy as policies
 from graphtune.graphs.backend import GraphBackend, default_backend
 from graphtune.graphs.buffers import StaticInputs, check_pad_argument
-from graphtune.graphs.capture import CapturedGraph, CaptureRecord, capture_key, frozen_gc
+from graphtune.graphs.capture import CapturedGraph, capture_key, frozen_gc
 from graphtune.graphs.keys import KeyState, batch_of
 from graphtune.graphs.memory import RELEASED_MESSAGE, can_disown
 from graphtune.graphs.policy import CapturePolicy, FallbackReason, GraphState, Route
@@ -444,7 +444,14 @@ class CUDAGraphRunner:
             key_state.graphs[size] = result
             self._shared.extend(result.shared)
             self.stats.records.append(result.record)
-            self._check_outputs(key_state, result)
+            dropped = key_state.drop_if_unsliceable(result, self.capture_sizes)
+            if dropped is not None:
+                logger.warning(
+                    "CUDA graphs of key %r of %s dropped, every call runs eagerly: %s",
+                    key_state.extra_key,
+                    getattr(self.fn, "__name__", "fn"),
+                    dropped,
+                )
         else:
             result = dataclasses.replace(result, warmup_seconds=warmup_seconds)
             key_state.failed[size] = result
@@ -456,24 +463,6 @@ class CUDAGraphRunner:
                 # torch 2.11). Graphs captured so far keep their pool; later sizes get a new one.
                 self._pool = None
         self._count_buffers()
-
-    def _check_outputs(self, key_state: KeyState, captured: CapturedGraph) -> None:
-        """Compares the outputs of a new graph with another size's of the same key: when they
-        cannot both be sliced to the real batch (``StaticOutputs.batch_mismatch``), no graph of
-        the key replays again, and its calls run eagerly with the reason ``capture_failed``."""
-        other = next((g for s, g in key_state.graphs.items() if g is not captured), None)
-        problem = None if other is None else captured.outputs.batch_mismatch(other.outputs)
-        if problem is None:
-            return
-        message = f"{getattr(self.fn, '__name__', 'fn')}: {problem}; every call runs eagerly"
-        logger.warning("CUDA graphs of key %r dropped: %s", key_state.extra_key, message)
-        for size, graph in list(key_state.graphs.items()):
-            key_state.failed[size] = dataclasses.replace(graph.record, ok=False, error=message)
-        key_state.graphs.clear()
-        for size in self.capture_sizes:  # the sizes not captured yet are not captured at all
-            key_state.failed.setdefault(
-                size, CaptureRecord(key_state.extra_key, size, 0.0, 0, ok=False, error=message)
-            )
 
     def _count_buffers(self) -> None:
         self.stats.buffer_bytes = sum(st.nbytes for st in self._keys.values())

@@ -273,3 +273,25 @@ def test_step_checks_values_in_debug_mode(monkeypatch):
     with pytest.raises(InputError, match=r"slots must be in \[0, 4\)"):
         engine.step(tokens, positions, slots + 9)
     assert engine.step(tokens, positions, slots).shape[0] == 2
+
+
+@pytest.mark.parametrize(
+    "call, error, fragment",
+    [
+        (lambda e: e.generate([1, 2, 3], 2), InputError, "pass \\[\\[1, 2, 3\\]\\]"),
+        (lambda e: e.generate("hello", 2), InputError, "list of prompts"),
+        (lambda e: e.generate([[1, 2]], 2, stop_token_ids=5), InputError, "stop_token_ids"),
+        (lambda e: e.generate([[1, 2]], 2, stop_token_ids=[1.5]), InputError, "stop_token_ids"),
+        (lambda e: e.generate([[1, 2]], 2, sampling={"temperature": 1}), ConfigError, "sampling"),
+    ],
+)
+def test_generate_names_an_argument_of_the_wrong_kind(call, error, fragment):
+    engine = Engine(load_model("tiny"), runner="eager", max_batch_size=2, max_seq_len=32)
+    with pytest.raises(error, match=fragment):
+        call(engine)
+
+
+def test_generate_takes_prompts_as_tensors():
+    engine = Engine(load_model("tiny"), runner="eager", max_batch_size=2, max_seq_len=32)
+    ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    assert engine.generate(ids, 2) == engine.generate([[5, 6, 7], [8, 9, 10]], 2)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from os import PathLike
 from typing import Any
 
@@ -299,6 +299,11 @@ class Engine:
                     "pass token ids instead"
                 )
             return list(self.model.tokenizer.encode(prompt).ids)
+        if not isinstance(prompt, Iterable):
+            raise InputError(
+                f"a prompt must be text or a list of token ids, got {type(prompt).__name__} "
+                f"{prompt!r:.40}; for one prompt of ids pass [[1, 2, 3]], not [1, 2, 3]"
+            )
         return [token_id(t, "prompt") for t in prompt]
 
     def decode(self, ids: Sequence[int]) -> str | None:
@@ -338,6 +343,13 @@ class Engine:
                 stops early and is listed in :attr:`failures` (reset by every call).
         """
         sampling = sampling or GREEDY
+        if not isinstance(sampling, SamplingParams):
+            raise ConfigError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        if isinstance(prompts, str) or not isinstance(prompts, (Sequence, torch.Tensor)):
+            raise InputError(
+                f"prompts must be a list of prompts, got {type(prompts).__name__}; pass [prompt] "
+                "for one"
+            )
         limits = (
             [token_id(max_new_tokens, "max_new_tokens")] * len(prompts)
             if not isinstance(max_new_tokens, Sequence)
@@ -350,7 +362,11 @@ class Engine:
             ids = self.encode(prompt)
             validate_request(self.config, self.max_seq_len, ids, limit, i)
             requests.append(LiveRequest(i, ids, limit))
-        stops = set(self.config.eos_token_ids if stop_token_ids is None else stop_token_ids)
+        stops = set(self.config.eos_token_ids)
+        if stop_token_ids is not None:
+            if not isinstance(stop_token_ids, Sequence) or isinstance(stop_token_ids, str):
+                raise InputError(f"stop_token_ids must be a list of ints, got {stop_token_ids!r}")
+            stops = {token_id(t, "stop_token_ids") for t in stop_token_ids}
         generator = None
         if not sampling.greedy:
             generator = torch.Generator(device=self.device)

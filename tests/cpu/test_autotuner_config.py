@@ -170,3 +170,9 @@ def test_synthetic_inputs_random_valid_and_hooked() -> None:
     assert out[2].dtype == torch.bool and out[3] == "s"
     assert torch.equal(out[0], synthesize_inputs(config, [x, idx, mask, "s"], profile)[0])
     assert input_bytes(out) == 16 * 8 * 2 + 3 * 8 + 2
+
+
+@pytest.mark.parametrize("specs", [None, 3, "0,0"])
+def test_specs_that_are_no_sequence_of_specs_are_refused(specs):
+    with pytest.raises(ConfigError, match="must be a DynamicTensorSpec or a tuple of them"):
+        TuningConfig(dynamic_specs=specs)

@@ -7,7 +7,7 @@ for; a live size is mapped to its bucket by ``map_to_bucket`` and capped by ``ma
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -210,6 +210,11 @@ class TuningConfig:
             specs = getattr(self, name)
             if isinstance(specs, kind):
                 specs = (specs,)
+            if isinstance(specs, (str, bytes)) or not isinstance(specs, Iterable):
+                raise ConfigError(
+                    f"TuningConfig.{name} must be a {kind.__name__} or a tuple of them, got "
+                    f"{specs!r}."
+                )
             specs = tuple(specs)
             for spec in specs:
                 if not isinstance(spec, kind):

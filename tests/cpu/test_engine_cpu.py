@@ -295,3 +295,15 @@ def test_generate_takes_prompts_as_tensors():
     engine = Engine(load_model("tiny"), runner="eager", max_batch_size=2, max_seq_len=32)
     ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
     assert engine.generate(ids, 2) == engine.generate([[5, 6, 7], [8, 9, 10]], 2)
+
+
+def test_a_kv_cache_too_large_to_allocate_says_its_size_and_the_fix(monkeypatch):
+    from graphtune.engine import kv_cache
+
+    def refuse(*args, **kwargs):  # what torch's CPU allocator raises (no real huge allocation)
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate")
+
+    model = load_model("tiny")
+    monkeypatch.setattr(kv_cache.torch, "zeros", refuse)
+    with pytest.raises(ConfigError, match=r"the KV cache \(1000000 slots .* GiB .* lower"):
+        Engine(model, runner="eager", max_batch_size=10**6, max_seq_len=2048)

@@ -494,3 +494,10 @@ def test_outputs_with_the_batch_first_or_a_fixed_shape_still_replay():
     rows, fixed = runner(x)
     assert torch.equal(rows, x * 2) and torch.equal(fixed, table + 1)
     assert runner.stats.replays == 1 and runner.stats.fallbacks == {}
+
+
+@pytest.mark.parametrize("pad", [1.5, float("nan"), 2**70])
+def test_a_pad_value_an_integer_input_cannot_hold_is_refused_at_capture(pad):
+    runner, _ = make(pad={"1.slot": pad})
+    with pytest.raises(ConfigError, match="is not a value of its dtype torch.int64"):
+        runner.capture(*inputs(4))

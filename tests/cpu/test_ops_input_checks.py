@@ -98,3 +98,13 @@ def test_rope_kv_cache_refuses_an_odd_head_dim():
     x = _rope_inputs(dim=7)
     with pytest.raises(InputError, match="D must be even"):
         rope_kv_cache(*x, num_heads=2, num_kv_heads=1, tuner=TUNER)
+
+
+def test_norm_and_activation_name_an_integer_input():
+    from graphtune.ops import fused_add_rms_norm, silu_and_mul
+
+    ints = torch.ones(2, 8, dtype=torch.long)
+    with pytest.raises(InputError, match="rms_norm needs a float x"):
+        fused_add_rms_norm(ints, torch.ones(8), 1e-5, tuner=TUNER)
+    with pytest.raises(InputError, match="silu_and_mul needs a float gate_up"):
+        silu_and_mul(ints, tuner=TUNER)

@@ -14,6 +14,7 @@ never touch a live request's slot.
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
@@ -83,8 +84,20 @@ class KVCache:
         )
         # Zeros, not empty: a padded row reads position 0 of the scratch slot and stale NaN bit
         # patterns there would be harmless but confusing in a debugger.
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        try:
+            self.k = torch.zeros(shape, device=device, dtype=dtype)
+            self.v = torch.zeros(shape, device=device, dtype=dtype)
+        except (RuntimeError, MemoryError) as exc:  # torch's allocators (OutOfMemoryError too)
+            out_of_memory = isinstance(exc, (torch.OutOfMemoryError, MemoryError))
+            if not out_of_memory and "allocate" not in str(exc):
+                raise
+            need = 2 * math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+            raise ConfigError(
+                f"the KV cache ({max_batch_size} slots x {max_seq_len} positions x {layers} "
+                f"layers) needs {need / 2**30:.1f} GiB on {device or 'cpu'}, which could not be "
+                f"allocated ({' '.join(str(exc).split())[:120]}); lower max_batch_size or "
+                "max_seq_len, or size it from free memory with gpu_memory_utilization"
+            ) from None
         # Per-layer views made once, so the decode step does no view bookkeeping per call.
         self.k_layers = list(self.k.unbind(0)) * (config.num_layers // layers)
         self.v_layers = list(self.v.unbind(0)) * (config.num_layers // layers)

@@ -52,6 +52,25 @@ def check_pad_argument(pad: Any) -> None:
         raise ConfigError("pad=True/False is ambiguous; use 'zeros', 'repeat' or a number")
 
 
+def _check_pad_value(rule: Any, leaf: torch.Tensor, path: Path) -> None:
+    """A number pad rule must be a value of the input's dtype: for an integer input an integer
+    in its range (1.5 would be truncated to 1, nan and 2**70 fail on every padded call)."""
+    if (
+        not isinstance(rule, numbers.Number)
+        or leaf.dtype.is_floating_point
+        or leaf.dtype.is_complex
+    ):
+        return
+    whole = isinstance(rule, numbers.Integral) or (isinstance(rule, float) and rule.is_integer())
+    info = torch.iinfo(leaf.dtype) if leaf.dtype != torch.bool else None
+    if not whole or (info is not None and not info.min <= rule <= info.max):
+        raise ConfigError(
+            f"pad rule {rule!r} for input {path_str(path)} is not a value of its dtype "
+            f"{leaf.dtype}; give an integer"
+            + (f" in [{info.min}, {info.max}]" if info is not None else " (0 or 1)")
+        )
+
+
 def _is_batched_flag(value: Any) -> bool:
     return isinstance(value, bool)
 
@@ -187,6 +206,9 @@ class StaticInputs:
                 )
             flags.append(marked)
         rules = resolve_rules(pad, paths, name="pad", is_rule=is_pad_rule)
+        for leaf, marked, rule, path in zip(leaves, flags, rules, paths, strict=True):
+            if marked:
+                _check_pad_value(rule, leaf, path)
         return cls(spec, paths, leaves, flags, rules, batch_index, rows)
 
     # ---------------------------------------------------------------- per call (hot path)

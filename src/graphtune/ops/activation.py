@@ -92,9 +92,10 @@ def torch_gated_activation(gate_up: torch.Tensor, activation: str = "silu") -> t
 
 def _unpack(inputs: list[Any]) -> torch.Tensor:
     (x,) = inputs
-    if x.dim() != 2 or x.shape[1] % 2:
+    if x.dim() != 2 or x.shape[1] % 2 or not x.dtype.is_floating_point:
         raise InputError(
-            f"silu_and_mul needs gate_up [M, 2 * I] (an even last dim), got {tuple(x.shape)}."
+            "silu_and_mul needs a float gate_up [M, 2 * I] (an even last dim), got "
+            f"{tuple(x.shape)} {x.dtype}."
         )
     return x
 

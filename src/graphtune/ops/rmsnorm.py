@@ -66,6 +66,8 @@ def _unpack(inputs: list[Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
             f"rms_norm needs x [M, H] and weight [H], got x {tuple(x.shape)} and weight "
             f"{tuple(weight.shape)}; fused_add_rms_norm() flattens leading dims."
         )
+    if not x.dtype.is_floating_point:
+        raise InputError(f"rms_norm needs a float x, got {x.dtype}.")
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         raise InputError(
             f"rms_norm residual must have x's shape {tuple(x.shape)} and dtype {x.dtype}, got "

@@ -61,9 +61,11 @@ def _check_pad_value(rule: Any, leaf: torch.Tensor, path: Path) -> None:
         or leaf.dtype.is_complex
     ):
         return
-    whole = isinstance(rule, numbers.Integral) or (isinstance(rule, float) and rule.is_integer())
+    value: int | None = None
+    if isinstance(rule, numbers.Integral) or (isinstance(rule, float) and rule.is_integer()):
+        value = int(rule)
     info = torch.iinfo(leaf.dtype) if leaf.dtype != torch.bool else None
-    if not whole or (info is not None and not info.min <= rule <= info.max):
+    if value is None or (info is not None and not info.min <= value <= info.max):
         raise ConfigError(
             f"pad rule {rule!r} for input {path_str(path)} is not a value of its dtype "
             f"{leaf.dtype}; give an integer"

@@ -63,6 +63,15 @@ def test_every_tactic_is_compared_with_the_fallback() -> None:
     assert not {c.tactic: c for c in tight.checks}["near"].passed
 
 
+@pytest.mark.parametrize("tolerance", [{"atol": -1.0}, {"rtol": math.nan}, {"atol": math.inf}])
+def test_a_tolerance_that_is_not_finite_and_positive_is_refused(tolerance) -> None:
+    from graphtune.errors import ConfigError
+
+    x = torch.randn(4, 3)
+    with pytest.raises(ConfigError, match="must be a finite number >= 0"):
+        check_tactics("scale", [Scale()], CONFIG, [x, torch.zeros(4, 3)], **tolerance)
+
+
 def test_keyword_arguments_reach_both_sides() -> None:
     x = torch.randn(4, 8)
     report = check_tactics("scale", [Scale()], CONFIG, [x, torch.zeros(1)], rtol=1e-2, scale=3.0)

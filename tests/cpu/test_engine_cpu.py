@@ -307,3 +307,9 @@ def test_a_kv_cache_too_large_to_allocate_says_its_size_and_the_fix(monkeypatch)
     monkeypatch.setattr(kv_cache.torch, "zeros", refuse)
     with pytest.raises(ConfigError, match=r"the KV cache \(1000000 slots .* GiB .* lower"):
         Engine(model, runner="eager", max_batch_size=10**6, max_seq_len=2048)
+
+
+def test_a_kv_cache_longer_than_the_model_positions_is_refused():
+    model = load_model("tiny")  # max_position_embeddings 2048
+    with pytest.raises(InputError, match="max_seq_len=4096 needs 4096 positions"):
+        Engine(model, runner="eager", max_batch_size=1, max_seq_len=4096)

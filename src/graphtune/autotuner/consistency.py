@@ -151,10 +151,19 @@ def check_tactics(
         The report: one :class:`TacticCheck` per (runner, tactic) other than the fallback.
 
     Raises:
-        ConfigError: No runners.
+        ConfigError: No runners, or a tolerance that is not a finite number >= 0.
     """
     if not runners:
         raise ConfigError(f"check_tactics({op!r}) got no runners; pass the op's runners.")
+    for name, value in (("atol", atol), ("rtol", rtol)):
+        if value is not None and (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not 0 <= value < math.inf
+        ):
+            raise ConfigError(
+                f"check_tactics({op!r}): {name} must be a finite number >= 0, got {value!r}."
+            )
     profile = profile_for(config, inputs)
     report = ConsistencyReport(op, profile.describe() if profile is not None else "no bucket")
     reference_inputs = _copy(inputs)

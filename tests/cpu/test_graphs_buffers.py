@@ -161,7 +161,7 @@ def _pad_rows(plan, inputs, n, s):
     [
         (None, [0.0, 0.0, 0.0, 0.0]),
         ("zeros", [0.0, 0.0, 0.0, 0.0]),
-        (-1.5, [-1.5] * 4),
+        ({"0": -1.5}, [-1.5] * 4),  # a fraction only for the float input (the int one refuses it)
         ("repeat", [1.0, 2.0, 3.0, 4.0]),
         (lambda pad_rows, real: pad_rows.copy_(real[-1:].expand_as(pad_rows)), [9.0, 10, 11, 12]),
     ],

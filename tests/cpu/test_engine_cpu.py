@@ -282,6 +282,7 @@ def test_step_checks_values_in_debug_mode(monkeypatch):
         (lambda e: e.generate("hello", 2), InputError, "list of prompts"),
         (lambda e: e.generate([[1, 2]], 2, stop_token_ids=5), InputError, "stop_token_ids"),
         (lambda e: e.generate([[1, 2]], 2, stop_token_ids=[1.5]), InputError, "stop_token_ids"),
+        (lambda e: e.generate([[1, 2]], 2, stop_token_ids=[10**6]), InputError, "outside"),
         (lambda e: e.generate([[1, 2]], 2, sampling={"temperature": 1}), ConfigError, "sampling"),
     ],
 )

@@ -108,3 +108,12 @@ def test_norm_and_activation_name_an_integer_input():
         fused_add_rms_norm(ints, torch.ones(8), 1e-5, tuner=TUNER)
     with pytest.raises(InputError, match="silu_and_mul needs a float gate_up"):
         silu_and_mul(ints, tuner=TUNER)
+
+
+def test_head_rms_norm_refuses_weight_rows_that_do_not_fit_the_heads():
+    from graphtune.ops.rmsnorm import head_rms_norm
+
+    qkv = torch.randn(2, (4 + 2 * 2) * 16)  # 4 query heads, 2 key/value heads, D = 16
+    assert head_rms_norm(qkv, torch.ones(6, 16), 1e-6).shape == (2, 6, 16)
+    with pytest.raises(InputError, match="head_rms_norm needs qkv"):
+        head_rms_norm(qkv, torch.ones(3, 16), 1e-6)  # half the q/k heads

@@ -368,6 +368,12 @@ class Engine:
             if not isinstance(stop_token_ids, Sequence) or isinstance(stop_token_ids, str):
                 raise InputError(f"stop_token_ids must be a list of ints, got {stop_token_ids!r}")
             stops = {token_id(t, "stop_token_ids") for t in stop_token_ids}
+            outside = sorted(t for t in stops if not 0 <= t < self.config.vocab_size)
+            if outside:
+                raise InputError(
+                    f"stop_token_ids {outside[:5]} are outside [0, {self.config.vocab_size}) "
+                    "and could never stop a request; check they come from this model's tokenizer"
+                )
         generator = None
         if not sampling.greedy:
             generator = torch.Generator(device=self.device)

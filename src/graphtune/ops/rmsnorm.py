@@ -259,7 +259,16 @@ def head_norm_weights(
 def _qk_heads(qkv: torch.Tensor, weights: torch.Tensor, name: str) -> torch.Tensor:
     """The ``[rows, heads + kv_heads, D]`` view of ``qkv``'s query and key heads."""
     heads, dim = weights.shape
-    if qkv.dim() != 2 or qkv.stride(1) != 1 or qkv.shape[1] < heads * dim:
+    # qkv holds heads + kv_heads query/key heads and kv_heads value heads of D features each:
+    # kv_heads is what the width leaves after the weight rows, and the query heads a multiple.
+    kv_heads = qkv.shape[-1] // dim - heads if dim else 0
+    layout_ok = (
+        qkv.dim() == 2
+        and qkv.shape[1] % dim == 0
+        and 1 <= kv_heads < heads
+        and (heads - kv_heads) % kv_heads == 0
+    )
+    if not layout_ok or qkv.stride(1) != 1:
         raise InputError(
             f"{name} needs qkv [rows, (heads + 2 kv_heads) * D] with contiguous rows and "
             f"weights [heads + kv_heads, D]; got qkv {tuple(qkv.shape)} (strides "

@@ -501,3 +501,13 @@ def test_a_pad_value_an_integer_input_cannot_hold_is_refused_at_capture(pad):
     runner, _ = make(pad={"1.slot": pad})
     with pytest.raises(ConfigError, match="is not a value of its dtype torch.int64"):
         runner.capture(*inputs(4))
+
+
+def test_a_backend_of_the_wrong_kind_and_an_unhashable_key_are_named():
+    with pytest.raises(ConfigError, match="backend must be a GraphBackend"):
+        CUDAGraphRunner(lambda x: x, max_batch_size=4, backend=5)
+    runner = CUDAGraphRunner(
+        lambda x: x * 2, max_batch_size=4, backend=SimulatedGraphBackend(), key_fn=lambda i: [1]
+    )
+    with pytest.raises(ConfigError, match="key_fn returned \\[1\\].*not hashable"):
+        runner(torch.randn(2, 3))

@@ -12,6 +12,7 @@ import bisect
 import enum
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from graphtune.errors import ConfigError
 
@@ -293,3 +294,31 @@ def _check_max(max_batch_size: int) -> None:
             f"max_batch_size must be a positive int, got {max_batch_size!r}; pass the largest "
             "batch the step will be called with, e.g. max_batch_size=256"
         )
+
+
+def checked_arguments(
+    fn: Any, warmup: Any, key_fn: Any, can_graph: Any, backend: Any, policy: Any
+) -> CapturePolicy:
+    """Checks ``CUDAGraphRunner``'s constructor arguments; returns the policy (the default one
+    for ``None``).
+
+    Raises:
+        ConfigError: The first argument of the wrong kind, named with what it must be.
+    """
+    if not callable(fn):
+        raise ConfigError(f"fn must be callable, got {type(fn).__name__}; pass the step")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ConfigError(f"warmup must be an int >= 0, got {warmup!r}; 2 is typical")
+    for name, value in (("key_fn", key_fn), ("can_graph", can_graph)):
+        if value is not None and not callable(value):
+            raise ConfigError(f"{name} must be callable(inputs) or None, got {value!r}")
+    if backend is not None and not callable(getattr(backend, "capture_context", None)):
+        raise ConfigError(
+            f"backend must be a GraphBackend (graphtune.graphs.backend), got {backend!r}; "
+            "leave it None for CUDA graphs"
+        )
+    if policy is None:
+        return CapturePolicy()
+    if not isinstance(policy, CapturePolicy):
+        raise ConfigError(f"policy must be a CapturePolicy or None, got {policy!r}")
+    return policy

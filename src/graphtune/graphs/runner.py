@@ -104,18 +104,8 @@ class CUDAGraphRunner:
         backend: GraphBackend | None = None,
         policy: CapturePolicy | None = None,
     ) -> None:
-        if not callable(fn):
-            raise ConfigError(f"fn must be callable, got {type(fn).__name__}; pass the step")
-        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-            raise ConfigError(f"warmup must be an int >= 0, got {warmup!r}; 2 is typical")
-        for name, value in (("key_fn", key_fn), ("can_graph", can_graph)):
-            if value is not None and not callable(value):
-                raise ConfigError(f"{name} must be callable(inputs) or None, got {value!r}")
         check_pad_argument(pad)
-        if policy is None:
-            policy = CapturePolicy()
-        elif not isinstance(policy, CapturePolicy):
-            raise ConfigError(f"policy must be a CapturePolicy or None, got {policy!r}")
+        policy = policies.checked_arguments(fn, warmup, key_fn, can_graph, backend, policy)
         if capture_sizes is None:
             sizes = policies.default_capture_sizes(max_batch_size)
         else:
@@ -261,7 +251,13 @@ class CUDAGraphRunner:
         if self._can_graph is not None and not self._can_graph(inputs):
             return self._eager(FallbackReason.PREDICATE_REFUSED, inputs)
         extra = self._key_fn(inputs) if self._key_fn is not None else None
-        key_state = self._keys.get(extra)
+        try:
+            key_state = self._keys.get(extra)
+        except TypeError:  # an unhashable key (a list): free to guard, raised only then
+            raise ConfigError(
+                f"key_fn returned {extra!r}, which cannot key a graph (not hashable); return a "
+                "tuple, a string or a number"
+            ) from None
         if key_state is not None:
             plan = key_state.inputs
             leaves = plan.flatten(inputs)

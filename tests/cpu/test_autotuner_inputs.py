@@ -1,0 +1,92 @@
+"""What the tuner refuses from a runner or a caller: a get_valid_tactics return that is no list
+of tactics, a tactic a cache cannot store, inputs that are no list, runners that are no
+instances, two specs of one dimension (fake runners on a virtual clock, as in
+test_autotuner_porting.py)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import pytest
+import torch
+from test_autotuner_porting import CONFIG, Clock, Listed, X, tuner_for
+
+from graphtune.autotuner import DynamicTensorSpec, TunableRunner, TuningConfig, autotune
+from graphtune.errors import ConfigError
+
+# what a runner returns -------------------------------------------------------------------------
+
+
+class Returns(TunableRunner):
+    """``get_valid_tactics`` returns ``found`` as it is."""
+
+    def __init__(self, clock: Clock, found: Any) -> None:
+        self._found = found
+        self._clock = clock
+
+    def get_valid_tactics(self, inputs: list, profile: Any, **kwargs: Any) -> Any:
+        return self._found
+
+    def forward(self, inputs: list, *, tactic: Any = -1, **kwargs: Any) -> Any:
+        self._clock.now_us += 1.0
+        self._clock.calls.append(("returns", tactic))
+        return inputs[0]
+
+
+@pytest.mark.parametrize("found", ["abc", None, 3, {"a": 1}])
+def test_a_return_that_is_no_list_of_tactics_is_a_named_failure(caplog, found) -> None:
+    clock = Clock()
+    tuner = tuner_for(clock)
+    tuner.tuning_mode = True
+    runner = Returns(clock, found)
+    with caplog.at_level(logging.WARNING, logger="graphtune"):
+        assert tuner.choose_one("op", [runner], CONFIG, X) == (runner, -1)
+    assert not any(tactic in ("a", "b", "c") for _, tactic in clock.calls)
+    assert any("must return a list of tactics" in r.getMessage() for r in caplog.records)
+
+
+class Opaque:
+    def __repr__(self) -> str:
+        return "Opaque()"
+
+
+def test_a_tactic_the_cache_cannot_store_is_skipped_and_the_rest_saved(tmp_path, caplog) -> None:
+    clock = Clock()
+    tuner = tuner_for(clock)
+    good = Listed(clock, [0, 1], {-1: 9.0, 0: 1.0, 1: 2.0})
+    junk = Returns(clock, [Opaque(), float("nan")])
+    path = tmp_path / "cache.json"
+    with caplog.at_level(logging.WARNING, logger="graphtune"):
+        with autotune(path, tuner):
+            assert tuner.choose_one("good", [good], CONFIG, X) == (good, 0)
+            assert tuner.choose_one("junk", [junk], CONFIG, X) == (junk, -1)
+    assert ("returns", "Opaque()") not in [(n, repr(t)) for n, t in clock.calls]
+    assert any("cannot be stored in a cache" in r.getMessage() for r in caplog.records)
+    ops = [e["key"]["op"] for e in json.loads(path.read_text())["entries"]]
+    assert ops == ["good"]
+
+
+def test_inputs_that_are_no_list_and_runners_that_are_no_instances_are_refused() -> None:
+    clock = Clock()
+    tuner = tuner_for(clock)
+    runner = Listed(clock, [0], {-1: 1.0, 0: 1.0})
+    with pytest.raises(ConfigError, match="takes its inputs as a list"):
+        tuner.choose_one("op", [runner], CONFIG, torch.zeros(4, 2))
+    for bad in (Listed, object()):
+        with pytest.raises(ConfigError, match="is not a runner"):
+            tuner.choose_one("op", [bad], CONFIG, X)
+
+
+def test_two_specs_naming_one_dimension_through_a_negative_index_are_refused() -> None:
+    clock = Clock()
+    tuner = tuner_for(clock)
+    tuner.tuning_mode = True
+    twice = TuningConfig(
+        dynamic_specs=(DynamicTensorSpec(0, 0, (4,)), DynamicTensorSpec(0, -2, (4,))),
+        warmup=0,
+        repeat=1,
+    )
+    with pytest.raises(ConfigError, match="name the same dimension"):
+        tuner.choose_one("op", [Listed(clock, [0], {-1: 1.0, 0: 1.0})], twice, X)

@@ -1,0 +1,80 @@
+"""The graph runner refuses what it cannot serve correctly: outputs that cannot be sliced to the
+real batch (their key runs eagerly), pad values an input cannot hold, a backend or key of the
+wrong kind (CPU, SimulatedGraphBackend)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from test_graphs_runner import inputs, make
+
+from graphtune.errors import ConfigError
+from graphtune.graphs import CUDAGraphRunner, FallbackReason, SimulatedGraphBackend
+
+# ---------------------------------------------------------------- outputs that cannot be sliced
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: x[1:] * 2,  # the batch first, but one row short: padded rows would leak out
+        lambda x: x.t() * 2,  # the batch second
+        lambda x: x @ x.t(),  # the batch in both dims
+        lambda x: x.mean(0),  # no batch, but its length (8) is a captured size
+    ],
+    ids=["shifted", "transposed", "square", "reduced"],
+)
+@pytest.mark.parametrize("lazy", [False, True])
+def test_outputs_that_cannot_be_sliced_run_eagerly_instead_of_wrong(caplog, fn, lazy):
+    runner = CUDAGraphRunner(
+        fn, backend=SimulatedGraphBackend(), max_batch_size=8, capture_sizes=[1, 2, 4, 8], lazy=lazy
+    )
+    x8 = torch.randn(8, 8)
+    with caplog.at_level(logging.WARNING, logger="graphtune"):
+        runner.capture(x8)
+        if lazy:  # two sizes captured on first use are what shows the mismatch
+            runner(torch.randn(8, 8))
+            runner(torch.randn(4, 8))
+    for n in (5, 8, 3):
+        x = torch.randn(n, 8)
+        out = runner(x)
+        assert out.shape == fn(x).shape and torch.allclose(out, fn(x))
+    assert runner.stats.replays == 0 or lazy
+    assert runner.stats.fallbacks.get(FallbackReason.CAPTURE_FAILED, 0) >= 3
+    assert any(
+        "cannot" in r.getMessage() or "batch first" in r.getMessage() for r in caplog.records
+    )
+
+
+def test_outputs_with_the_batch_first_or_a_fixed_shape_still_replay():
+    table = torch.randn(3, 5)
+    runner = CUDAGraphRunner(
+        lambda x: (x * 2, table + 1),
+        backend=SimulatedGraphBackend(),
+        max_batch_size=8,
+        capture_sizes=[1, 2, 4, 8],
+    )
+    runner.capture(torch.randn(8, 8))
+    x = torch.randn(5, 8)
+    rows, fixed = runner(x)
+    assert torch.equal(rows, x * 2) and torch.equal(fixed, table + 1)
+    assert runner.stats.replays == 1 and runner.stats.fallbacks == {}
+
+
+@pytest.mark.parametrize("pad", [1.5, float("nan"), 2**70])
+def test_a_pad_value_an_integer_input_cannot_hold_is_refused_at_capture(pad):
+    runner, _ = make(pad={"1.slot": pad})
+    with pytest.raises(ConfigError, match="is not a value of its dtype torch.int64"):
+        runner.capture(*inputs(4))
+
+
+def test_a_backend_of_the_wrong_kind_and_an_unhashable_key_are_named():
+    with pytest.raises(ConfigError, match="backend must be a GraphBackend"):
+        CUDAGraphRunner(lambda x: x, max_batch_size=4, backend=5)
+    runner = CUDAGraphRunner(
+        lambda x: x * 2, max_batch_size=4, backend=SimulatedGraphBackend(), key_fn=lambda i: [1]
+    )
+    with pytest.raises(ConfigError, match="key_fn returned \\[1\\].*not hashable"):
+        runner(torch.randn(2, 3))

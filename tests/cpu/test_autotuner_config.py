@@ -176,3 +176,11 @@ def test_synthetic_inputs_random_valid_and_hooked() -> None:
 def test_specs_that_are_no_sequence_of_specs_are_refused(specs):
     with pytest.raises(ConfigError, match="must be a DynamicTensorSpec or a tuple of them"):
         TuningConfig(dynamic_specs=specs)
+
+
+def test_power_of_two_buckets_refuses_a_floor_above_the_top():
+    from graphtune.autotuner import power_of_two_buckets
+
+    assert power_of_two_buckets(64, min_value=16) == (16, 32, 64)
+    with pytest.raises(ConfigError, match="min_value <= max_value"):
+        power_of_two_buckets(4, min_value=16)

@@ -78,3 +78,20 @@ def test_a_backend_of_the_wrong_kind_and_an_unhashable_key_are_named():
     )
     with pytest.raises(ConfigError, match="key_fn returned \\[1\\].*not hashable"):
         runner(torch.randn(2, 3))
+
+
+def test_callables_and_the_predicate_answer_are_checked():
+    from graphtune.graphs import EagerRunner, graph_break
+
+    with pytest.raises(ConfigError, match="fn must be callable"):
+        EagerRunner(5)
+    with pytest.raises(ConfigError, match="graph_break needs a callable"):
+        graph_break(5)
+    runner = CUDAGraphRunner(
+        lambda x: x * 2,
+        max_batch_size=4,
+        backend=SimulatedGraphBackend(),
+        can_graph=lambda i: torch.tensor(True),
+    )
+    with pytest.raises(ConfigError, match="can_graph must return True or False, got Tensor"):
+        runner(torch.randn(2, 3))

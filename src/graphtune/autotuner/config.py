@@ -50,10 +50,10 @@ def power_of_two_buckets(max_value: int, min_value: int = 1) -> tuple[int, ...]:
     """
     _check_int("max_value", max_value)
     _check_int("min_value", min_value)
-    if max_value < 1 or min_value < 1:
+    if max_value < 1 or min_value < 1 or min_value > max_value:
         raise ConfigError(
             f"power_of_two_buckets(max_value={max_value}, min_value={min_value}): both must be "
-            ">= 1; pass the largest size you will run as max_value."
+            ">= 1 and min_value <= max_value; pass the largest size you will run as max_value."
         )
     buckets = []
     value = next_power_of_two(min_value)

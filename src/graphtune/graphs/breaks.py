@@ -32,7 +32,7 @@ from typing import Any, Protocol
 
 import torch
 
-from graphtune.errors import InputError
+from graphtune.errors import ConfigError, InputError
 from graphtune.graphs.tree import TreeSpec, flatten_with_paths
 
 _clock = time.perf_counter
@@ -69,6 +69,8 @@ def graph_break(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     Returns:
         ``fn``'s result (static copies of its tensors while capturing), or the wrapper.
     """
+    if not callable(fn):
+        raise ConfigError(f"graph_break needs a callable, got {type(fn).__name__}")
     if not args and not kwargs:
 
         @functools.wraps(fn)

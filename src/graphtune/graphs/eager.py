@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from graphtune.errors import ConfigError
 from graphtune.graphs.runner import RunnerState
 from graphtune.graphs.stats import RunnerStats
 
@@ -17,6 +18,8 @@ class EagerRunner:
     """
 
     def __init__(self, fn: Callable[..., Any]) -> None:
+        if not callable(fn):
+            raise ConfigError(f"fn must be callable, got {type(fn).__name__}; pass the step")
         self.fn = fn
         self.stats = RunnerStats()
         self.state = RunnerState.NEW

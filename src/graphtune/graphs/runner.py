@@ -248,7 +248,7 @@ class CUDAGraphRunner:
             return self._eager(self._static_reason, inputs)
         if self._is_capturing():
             return self._eager(FallbackReason.NESTED_CAPTURE, inputs)
-        if self._can_graph is not None and not self._can_graph(inputs):
+        if self._can_graph is not None and not _decision(self._can_graph(inputs)):
             return self._eager(FallbackReason.PREDICATE_REFUSED, inputs)
         extra = self._key_fn(inputs) if self._key_fn is not None else None
         try:
@@ -486,3 +486,10 @@ def _invalidate(backend: GraphBackend, shared: list[Any]) -> None:
     if shared:
         backend.invalidate(list(shared), RELEASED_MESSAGE)
         shared.clear()
+
+
+def _decision(value: Any) -> bool:
+    """``can_graph``'s answer, which must be a bool (a tensor's truth is ambiguous or a sync)."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"can_graph must return True or False, got {type(value).__name__}")
+    return value

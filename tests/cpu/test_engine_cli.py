@@ -232,3 +232,16 @@ def test_a_cuda_timer_for_cpu_ops_names_the_flag(tmp_path, capsys, timing):
     args = ["tune", "--model", "tiny", "--device", "cpu", "--cache", str(tmp_path / "c.json")]
     assert main([*args, "--timing", timing]) == 1
     assert f"--timing {timing} times CUDA work" in capsys.readouterr().err
+
+
+def test_an_empty_misses_file_says_so_and_all_reduce_needs_tp(tmp_path, capsys):
+    misses = tmp_path / "misses.json"
+    misses.write_text('{"format": "graphtune-misses", "version": 1, "misses": []}')
+    args = ["tune", "--from-misses", str(misses), "--cache", str(tmp_path / "c.json")]
+    assert main(args) == 0
+    assert "holds no recorded misses" in capsys.readouterr().out
+    generate = ["generate", "--model", "tiny", "--prompt-ids", "1", "--device", "cpu"]
+    assert main([*generate, "--all-reduce", "nccl"]) == 1
+    assert "--all-reduce nccl picks the all-reduce of a tensor-parallel step" in (
+        capsys.readouterr().err
+    )

@@ -62,7 +62,11 @@ def test_misses_record_shapes_strides_dtypes_scalars_and_counts(tmp_path) -> Non
 
 @pytest.mark.parametrize(
     "text, match",
-    [("{", "cannot be read"), ('{"format": "x"}', "not a graphtune misses file")],
+    [
+        ("{", "cannot be read"),
+        ('{"format": "x"}', "not a graphtune misses file"),
+        ('{"format": "graphtune-misses", "version": 99, "misses": []}', "has version 99"),
+    ],
 )
 def test_unreadable_misses_files_are_clear_errors(tmp_path, text: str, match: str) -> None:
     path = tmp_path / "m.json"

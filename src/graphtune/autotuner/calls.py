@@ -329,6 +329,12 @@ def load_misses(path: str | PathLike[str]) -> list[CallRecord]:
         raise CacheFileError(f"misses file {path} does not exist.") from None
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise CacheFileError(f"misses file {path} cannot be read as JSON ({exc}).") from None
+    if isinstance(doc, dict) and doc.get("format") == MISSES_FORMAT:
+        if doc.get("version") != MISSES_VERSION:
+            raise CacheFileError(
+                f"misses file {path} has version {doc.get('version')!r}; this graphtune reads "
+                f"{MISSES_VERSION}. Record the misses again with this graphtune."
+            )
     if not _is_misses_doc(doc):
         raise CacheFileError(
             f"{path} is not a graphtune misses file (format {MISSES_FORMAT!r} version "

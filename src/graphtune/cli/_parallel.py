@@ -39,11 +39,17 @@ def start_tensor_parallel(args: argparse.Namespace, device: Any) -> tuple[Any, A
     """``(ParallelContext or None, device)`` for ``args.tp``; starts the process group for tp > 1.
 
     Raises:
-        ConfigError: ``--tp`` below 1, or tp > 1 without a matching torchrun launch.
+        ConfigError: ``--tp`` below 1, ``--all-reduce`` without ``--tp`` above 1, or tp > 1
+            without a matching torchrun launch.
     """
     if args.tp < 1:
         raise ConfigError(f"--tp must be >= 1, got {args.tp}")
     if args.tp == 1:
+        if args.all_reduce != "auto":
+            raise ConfigError(
+                f"--all-reduce {args.all_reduce} picks the all-reduce of a tensor-parallel step; "
+                "it needs --tp 2 or more (drop it for one process)"
+            )
         return None, device
     from graphtune.engine.parallel import init_from_torchrun
 

@@ -43,6 +43,9 @@ def run(args: argparse.Namespace) -> int:
     from graphtune.ops.registry import tune_records
 
     records = load_misses(args.from_misses)
+    if not records:
+        print(f"{args.from_misses} holds no recorded misses; nothing to tune")
+        return 0
     device = None if args.device == "auto" else resolve_device(args.device)
     timing = getattr(args, "timing", "auto")
     # With --device auto each record keeps its device: time on this machine's best one.

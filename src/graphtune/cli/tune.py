@@ -20,6 +20,9 @@ from graphtune.cli import from_misses
 from graphtune.cli._args import add_device_arguments, check_cache_path, positive_int, timing_timer
 from graphtune.errors import ConfigError
 
+#: Defaults of ``--max-batch`` and ``--max-seq-len`` (the Engine's ``max_seq_len`` default).
+DEFAULT_MAX_BATCH, DEFAULT_MAX_SEQ_LEN = 64, 2048
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Adds ``tune``."""
@@ -51,14 +54,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--max-batch",
         type=positive_int,
-        default=64,
+        default=DEFAULT_MAX_BATCH,
         metavar="N",
         help="largest decode batch to tune",
     )
     parser.add_argument(
         "--max-seq-len",
         type=positive_int,
-        default=2048,
+        default=DEFAULT_MAX_SEQ_LEN,
         metavar="N",
         help="KV cache length of the engine that will use the cache, for attention (the Engine "
         "default; rounded up to a multiple of 16)",
@@ -84,10 +87,18 @@ def run_tune(args: argparse.Namespace) -> int:
     """Tunes the step (or the recorded misses) and prints the picks table."""
     check_cache_path(args.cache, "--cache")
     if args.from_misses is not None:
-        if args.model is not None:
+        step_only = (
+            ("--model", args.model is not None),
+            (f"--max-batch {args.max_batch}", args.max_batch != DEFAULT_MAX_BATCH),
+            (f"--max-seq-len {args.max_seq_len}", args.max_seq_len != DEFAULT_MAX_SEQ_LEN),
+            (f"--dtype {args.dtype}", args.dtype != "auto"),
+            ("--refine-in-step", args.refine_in_step),
+        )
+        given = [flag for flag, on in step_only if on]
+        if given:
             raise ConfigError(
-                "--from-misses tunes the recorded calls, whatever model made them, so --model "
-                "has no use with it; drop one of the two"
+                f"--from-misses tunes the recorded calls with their own shapes and dtypes, so "
+                f"{', '.join(given)} (options of a model's step) has no use with it; drop it"
             )
         return from_misses.run(args)
     if args.model is None:

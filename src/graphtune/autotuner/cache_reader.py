@@ -69,7 +69,20 @@ def _read_text(path: Path) -> str:
 
 
 def parse(path: Path) -> dict[str, Any]:
-    doc = _parse_cache_json(_read_text(path))
+    """:func:`parse_document` of the file ``path``; :class:`Unusable` says why it cannot be."""
+    return parse_document(raw_document(path))
+
+
+def raw_document(path: Path) -> dict[str, Any]:
+    """The JSON object of the graphtune cache file ``path`` of any format version, unchecked
+    beyond that; :class:`Unusable` when the file is no graphtune cache (or cannot be read)."""
+    return _parse_cache_json(_read_text(path))
+
+
+def parse_document(doc: dict[str, Any]) -> dict[str, Any]:
+    """The usable content of a cache file's JSON object (:func:`raw_document`), in the form
+    :func:`read_document` returns; :class:`Unusable` for another format version or a malformed
+    entry or blocklist item."""
     if doc["format_version"] != FORMAT_VERSION:
         raise Unusable(
             f"has format_version {doc['format_version']!r}; this graphtune reads {FORMAT_VERSION}"
@@ -138,7 +151,7 @@ def read_cache_json(path: str | PathLike[str]) -> dict[str, Any]:
             ``format_version``.
     """
     try:
-        return _parse_cache_json(_read_text(Path(path)))
+        return raw_document(Path(path))
     except Unusable as exc:
         raise CacheFileError(f"the file {exc}") from None
 
@@ -151,7 +164,7 @@ def not_a_cache_file(path: str | PathLike[str]) -> str | None:
     for which this is ``None``, so a mistyped path never destroys another file.
     """
     try:
-        _parse_cache_json(_read_text(Path(path)))
+        raw_document(Path(path))
     except Unusable as exc:
         return str(exc)
     return None

@@ -28,9 +28,10 @@ from graphtune.autotuner.cache_reader import (
     FORMAT_VERSION,
     Entries,
     Unusable,
-    not_a_cache_file,
     parse,
+    parse_document,
     parse_json,
+    raw_document,
     read_document,
 )
 from graphtune.autotuner.entries import BlockedTactic, Blocklist, tactic_text
@@ -311,12 +312,13 @@ def _remove_stale_temp_files(path: Path) -> None:
 def _existing(path: Path, current: dict[str, Any]) -> LoadedCache:
     if not path.exists():
         return LoadedCache()
-    reason = not_a_cache_file(path)
-    if reason is not None:
-        _move_aside(path, reason)
+    try:
+        raw = raw_document(path)  # read once: the test below and the entries both use it
+    except Unusable as exc:
+        _move_aside(path, str(exc))
         return LoadedCache()
     try:
-        doc = parse(path)
+        doc = parse_document(raw)
     except Unusable as exc:
         logger.warning("Replacing tuning cache %s: it %s.", path, exc)
         return LoadedCache()

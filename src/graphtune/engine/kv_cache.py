@@ -91,7 +91,7 @@ class KVCache:
             out_of_memory = isinstance(exc, (torch.OutOfMemoryError, MemoryError))
             if not out_of_memory and "allocate" not in str(exc):
                 raise
-            need = 2 * math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+            need = 2 * math.prod(shape) * dtype.itemsize
             raise ConfigError(
                 f"the KV cache ({max_batch_size} slots x {max_seq_len} positions x {layers} "
                 f"layers) needs {need / 2**30:.1f} GiB on {device or 'cpu'}, which could not be "

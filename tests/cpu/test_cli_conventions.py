@@ -138,6 +138,29 @@ def test_bench_results_survive_an_unwritable_json(monkeypatch, tmp_path, capsys)
     assert data["results"][0]["eager_ms"] > 0
 
 
+def test_bench_exits_1_when_its_json_went_to_the_temporary_folder(monkeypatch, tmp_path, capsys):
+    import graphtune.bench.results as results
+
+    target = tmp_path / "out" / "r.json"
+    target.parent.mkdir()
+    write = results._write_atomically
+
+    def fail_at_target(path, data):
+        if path == target:
+            raise OSError(28, "No space left on device")
+        write(path, data)
+
+    monkeypatch.setattr(results, "_write_atomically", fail_at_target)
+    monkeypatch.setattr(results.tempfile, "gettempdir", lambda: str(tmp_path))
+    args = ["bench", "decode", "--model", "tiny", "--device", "cpu", "--batch-sizes", "1"]
+    args += ["--steps", "1", "--repeats", "1", "--context", "8", "--json", str(target)]
+    assert main(args) == 1
+    assert not target.exists()
+    (kept,) = tmp_path.glob("graphtune-*-r.json")
+    assert json.loads(kept.read_text())["results"][0]["eager_ms"] > 0
+    assert str(kept) in capsys.readouterr().err
+
+
 def test_nested_progress_bars_share_one_display():
     from graphtune import reporting
 

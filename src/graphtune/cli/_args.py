@@ -182,6 +182,24 @@ def check_output_path(path: Path | None, flag: str) -> None:
         ) from None
 
 
+def report_written(flag: str, requested: Path, written: Path) -> bool:
+    """Prints where ``flag``'s output went; ``False`` when it is not ``requested``.
+
+    ``requested`` passed :func:`check_output_path` before the work, so a different ``written``
+    means the write failed late (a full disk, a folder made read-only meanwhile) and the data went
+    to the temporary folder: the command must then exit 1, since a script would find the old file
+    or none at ``requested``.
+    """
+    if Path(written) == Path(requested):
+        print(f"wrote {written}", file=sys.stderr)
+        return True
+    print(
+        f"error: {flag} {requested} could not be written; the data is in {written} instead",
+        file=sys.stderr,
+    )
+    return False
+
+
 def check_cache_path(path: Path, flag: str) -> None:
     """Checks before any work that a tuning cache can be saved at ``path``: as
     :func:`check_output_path`, and a file already there must be a graphtune tuning cache (a save

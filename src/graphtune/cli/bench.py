@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from graphtune.cli._args import (
+    EXIT_FAILURE,
+    EXIT_OK,
     add_device_arguments,
     batch_sizes,
     check_cache_path,
@@ -24,6 +26,7 @@ from graphtune.cli._args import (
     check_output_path,
     non_negative_int,
     positive_int,
+    report_written,
     seed_value,
     usage,
 )
@@ -261,11 +264,10 @@ def run_bench_decode(args: argparse.Namespace) -> int:
                 raise
             kept = _report_partial(args, started[0])
             raise KeyboardInterrupt(kept) from None
-        if show:
-            _emit(args, report)
+        kept_all = _emit(args, report) if show else True
     finally:
         stop_tensor_parallel(parallel)
-    return 0
+    return EXIT_OK if kept_all else EXIT_FAILURE
 
 
 def _report_partial(args: argparse.Namespace, report: Any) -> str:
@@ -277,13 +279,16 @@ def _report_partial(args: argparse.Namespace, report: Any) -> str:
     picks = f"; tuned picks so far kept in {args.tuning_cache}" if args.tuning_cache else ""
     if not done:
         return "no batch size had finished" + picks
-    _emit(args, report)
-    where = f" and written to {args.json}" if args.json and str(args.json) != "-" else ""
+    kept_files = _emit(args, report)
+    where = (
+        f" and written to {args.json}" if kept_files and args.json and str(args.json) != "-" else ""
+    )
     return f"finished batch sizes {done} printed above{where}{picks}"
 
 
-def _emit(args: argparse.Namespace, report: Any) -> None:
-    """The table (stdout, or stderr with ``--json -``), the JSON file and the plot."""
+def _emit(args: argparse.Namespace, report: Any) -> bool:
+    """The table (stdout, or stderr with ``--json -``), the JSON file and the plot; ``False``
+    when a file went to the temporary folder instead of its path (:func:`report_written`)."""
     from graphtune.bench.decode_report import format_report, plot_report
     from graphtune.bench.results import json_safe, write_json
 
@@ -295,7 +300,8 @@ def _emit(args: argparse.Namespace, report: Any) -> None:
     data = report.to_json()
     if to_stdout:
         print(json.dumps(json_safe(data), indent=2, default=str))
-    elif args.json is not None:
+    kept_json = True
+    if args.json is not None and not to_stdout:
         try:
             written = write_json(args.json, data)
         except ResultsWriteError as exc:
@@ -303,6 +309,8 @@ def _emit(args: argparse.Namespace, report: Any) -> None:
             # could not be written.
             print(json.dumps(json_safe(data), indent=2, default=str))
             raise ResultsWriteError(f"{exc}; the JSON result is printed above") from None
-        print(f"wrote {written}", file=sys.stderr)
-    if args.plot is not None:
-        print(f"wrote {plot_report(report, args.plot)}", file=sys.stderr)
+        kept_json = report_written("--json", args.json, written)
+    kept_plot = args.plot is None or report_written(
+        "--plot", args.plot, plot_report(report, args.plot)
+    )
+    return kept_json and kept_plot

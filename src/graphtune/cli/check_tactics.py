@@ -17,11 +17,14 @@ from pathlib import Path
 from typing import Any
 
 from graphtune.cli._args import (
+    EXIT_FAILURE,
+    EXIT_OK,
     add_device_arguments,
     batch_sizes,
     check_output_path,
     non_negative_float,
     positive_int,
+    report_written,
 )
 
 
@@ -162,9 +165,11 @@ def run_check(args: argparse.Namespace) -> int:
     data = [_report_json(r) for r in reports]
     if to_stdout:
         print(json.dumps(json_safe(data), indent=1))
-    elif args.json is not None:
-        print(f"wrote {write_json(args.json, data)}", file=sys.stderr)
-    return 1 if failed else 0
+    elif args.json is not None and not report_written(
+        "--json", args.json, write_json(args.json, data)
+    ):
+        return EXIT_FAILURE
+    return EXIT_FAILURE if failed else EXIT_OK
 
 
 def _report_json(report: Any) -> dict[str, Any]:

@@ -283,6 +283,15 @@ def test_bench_json_to_stdout_puts_the_table_on_stderr():
     assert "eager ms" in result.stderr and "eager ms" not in result.stdout
 
 
+def test_tune_refine_in_step_off_cuda_is_refused_before_any_tuning(tmp_path):
+    cache = tmp_path / "c.json"
+    result = graphtune(
+        "tune", "--model", "tiny", "--cache", str(cache), "--device", "cpu", "--refine-in-step"
+    )
+    error_line(result, 1, "--refine-in-step", "drop it")
+    assert not cache.exists()
+
+
 def test_cache_lock_failure_is_immediate_and_names_the_reason(tmp_path):
     if not Path("/sys").is_dir():
         pytest.skip("needs /sys")

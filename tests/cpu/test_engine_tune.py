@@ -240,9 +240,11 @@ def test_bench_decode_tune_reports_tuned_beside_untuned(tmp_path, capsys, monkey
     assert made[-1].stats.profiles_tuned == 0
     data = json.loads(out_json.read_text())
     assert data["tuning_cold_l2"] is True and data["tuning_refinements"] is None
-    # --refine-in-step reaches tune_step; off CUDA there is no step timer, so nothing is raced.
-    assert main([*args, "--refine-in-step"]) == 0
-    assert json.loads(out_json.read_text())["tuning_refinements"] == []
+    # --refine-in-step times the whole step on the GPU: off CUDA it is refused, not ignored.
+    assert main([*args, "--refine-in-step"]) == 1
+    assert "--refine-in-step times the whole step on the GPU" in capsys.readouterr().err
+    assert main([*args[: args.index("--tune")], "--compare-compile"]) == 1
+    assert "--compare-compile captures CUDA graphs" in capsys.readouterr().err
 
 
 def test_tune_step_compiles_up_front_and_tunes_what_it_would_without() -> None:

@@ -126,7 +126,8 @@ def run_decode_bench(
         show_progress: Force the progress bar on or off; ``None`` decides from the terminal.
 
     Raises:
-        ConfigError: ``cfg.tp`` and ``parallel`` disagree, or the model does not split.
+        ConfigError: ``cfg.tp`` and ``parallel`` disagree, the model does not split, or
+            ``compare_compile`` or ``refine_in_step`` is asked for off CUDA.
         InputError: ``cfg.context + 1`` positions exceed the model's ``max_position_embeddings``.
 
     Returns:
@@ -137,7 +138,13 @@ def run_decode_bench(
     runners = tuple(cfg.runners)
     notes = []
     if device.type != "cuda":
-        if "graph" in runners or cfg.compare_compile:
+        for flag, on, why in (
+            ("--compare-compile", cfg.compare_compile, "captures CUDA graphs"),
+            ("--refine-in-step", cfg.refine_in_step, "times the whole step on the GPU"),
+        ):
+            if on:
+                raise ConfigError(f"{flag} {why}, and the device is {device}: drop it")
+        if "graph" in runners:
             notes.append(NO_CUDA_NOTE)
         runners = ("eager",)
     world = parallel.world_size if parallel is not None else 1

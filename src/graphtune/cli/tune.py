@@ -111,6 +111,11 @@ def run_tune(args: argparse.Namespace) -> int:
     from graphtune.engine.tuning import tune_step
 
     device, dtype = resolve_device_and_dtype(args.device, args.dtype)
+    if args.refine_in_step and device.type != "cuda":
+        raise ConfigError(
+            f"--refine-in-step times the whole step on the GPU, and the device is {device}: "
+            "run with --device cuda, or drop it"
+        )
     load_config(args.model)  # a model that cannot load fails before anything is built
     timer = timing_timer(args.timing, device)
     tuner = autotuner.AutoTuner(timer=timer)

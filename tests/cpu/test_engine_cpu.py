@@ -120,8 +120,9 @@ def test_unknown_architecture_is_a_checkpoint_error():
 
 def test_config_without_fields_or_folder_without_weights(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
-    with pytest.raises(CheckpointError, match="missing the field"):
+    with pytest.raises(CheckpointError, match="missing the field") as missing:
         load_checkpoint(tmp_path)
+    assert str(tmp_path / "config.json") in str(missing.value)  # which folder's config
     with pytest.raises(CheckpointError, match="config.json"):
         load_checkpoint(tmp_path / "nothing")
 

@@ -172,7 +172,11 @@ def _folder_config(folder: Path) -> ModelConfig:
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise CheckpointError(f"{folder} has no config.json; is it a Hugging Face model folder?")
-    config = from_hf_config(read_json(config_file), name=folder.name)
+    try:
+        config = from_hf_config(read_json(config_file), name=folder.name)
+    except (CheckpointError, ConfigError) as exc:
+        # from_hf_config sees the parsed fields only; the user needs to know which folder.
+        raise type(exc)(f"{config_file}: {exc}") from None
     generation = folder / "generation_config.json"
     if generation.is_file():
         eos = read_json(generation).get("eos_token_id")

@@ -160,6 +160,7 @@ def test_unusable_file_skipped_with_one_warning_naming_file_and_reason(
     warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1
     assert str(path) in warnings[0].getMessage() and reason in warnings[0].getMessage()
+    assert f"graphtune cache verify {path}" in warnings[0].getMessage()  # a CLI user's next step
 
 
 def test_blocklist_round_trip_and_unblock(tmp_path) -> None:

@@ -107,8 +107,9 @@ def check_regular_target(path: str | PathLike[str]) -> None:
 
 def _retune_hint(path: Path) -> str:
     return (
-        f"Its picks are ignored; re-tune by running your workload under graphtune.autotune("
-        f"cache_path='{path}') (or remove it first with `graphtune cache clear {path}`)."
+        f"Its picks are ignored; the next tuning run with this cache replaces it (`graphtune "
+        f"tune --model M --cache {path}`, or your workload under graphtune.autotune('{path}')); "
+        f"`graphtune cache verify {path}` says what is wrong with it."
     )
 
 

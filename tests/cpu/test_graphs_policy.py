@@ -25,6 +25,19 @@ def test_default_sizes_every_16_above_256():
     assert 264 not in sizes and 272 in sizes
 
 
+def test_default_sizes_grow_with_the_size_above_1024():
+    sizes = default_capture_sizes(4096)
+    assert sizes[sizes.index(1024) - 1 :][:4] == (1008, 1024, 1088, 1152)
+    assert sizes[-3:] == (3840, 3968, 4096)
+    # 16 sizes per doubling: a million rows need a few hundred graphs, not 60 000.
+    assert len(default_capture_sizes(2**20)) == 35 + 48 + 16 * 10
+    wide = default_capture_sizes(10**7)
+    assert len(wide) < 320 and wide[-1] == 10**7
+    # Padding stays under 1/16 of the batch at every size above 256.
+    for low, high in zip(wide[34:], wide[35:]):
+        assert high - low <= high / 16
+
+
 @pytest.mark.parametrize(
     "max_bs, expected_tail",
     [(1, (1,)), (3, (1, 2, 3)), (4, (1, 2, 4)), (100, (88, 96, 100)), (300, (288, 300))],
@@ -35,7 +48,7 @@ def test_default_sizes_include_max_when_off_grid(max_bs, expected_tail):
     assert max(sizes) == max_bs
 
 
-@given(st.integers(min_value=1, max_value=2048))
+@given(st.integers(min_value=1, max_value=10**6))
 def test_default_sizes_sorted_distinct_capped(max_bs):
     sizes = default_capture_sizes(max_bs)
     assert list(sizes) == sorted(set(sizes))

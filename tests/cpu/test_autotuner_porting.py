@@ -187,6 +187,24 @@ def test_a_bucket_mapper_returning_zero_is_a_miss_that_runs_the_fallback() -> No
     assert tuner.stats.fallbacks == {"op": 2} and len(tuner.misses) == 0  # nothing to tune
 
 
+def test_a_bucket_too_large_for_the_device_is_not_tuned_and_runs_the_fallback(caplog) -> None:
+    # A mapper rounding far up: its bucket's inputs (10**13 rows) cannot exist on any device.
+    far = DynamicTensorSpec(0, 0, (1, 2, 4), map_to_bucket=lambda x: 10**13 if x == 3 else x)
+    config = TuningConfig(dynamic_specs=(far,), warmup=0, repeat=1)
+    clock = Clock()
+    runner = ScaleRunner(clock)
+    tuner = tuner_for(clock)
+    caplog.set_level(logging.WARNING)
+    with autotune(None, tuner):
+        for _ in range(2):
+            assert tuner.choose_one("op", [runner], config, [torch.zeros(3, 2)]) == (runner, -1)
+        assert tuner.choose_one("op", [runner], config, [torch.zeros(4, 2)]) == (runner, 0)
+    assert len(tuner.cache) == 3  # buckets 1, 2, 4 tuned all the same; nothing for 10**13
+    assert tuner.stats.profiles_failed == 1  # the second call did not try again
+    oversized = [r.getMessage() for r in caplog.records if "more than the" in r.getMessage()]
+    assert len(oversized) == 1 and "max_value" in oversized[0]
+
+
 # 4 -------------------------------------------------------------------------------------------
 
 

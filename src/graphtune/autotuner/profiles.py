@@ -9,6 +9,7 @@ filled the cache always agree on the key.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -209,6 +210,15 @@ def static_inputs_memo(profiles: Sequence[Profile]) -> dict[Any, Any]:
         if shape is not None and all(p.shapes[i] == shape for p in profiles)
     }
     return {"static": frozenset(static)}
+
+
+def profile_bytes(live_inputs: Sequence[Any], profile: Profile) -> int:
+    """Bytes of one synthetic input set of ``profile``, counted without making it."""
+    return sum(
+        math.prod(shape) * x.element_size()
+        for x, shape in zip(live_inputs, profile.shapes, strict=True)
+        if isinstance(x, torch.Tensor) and shape is not None
+    )
 
 
 def input_bytes(inputs: Sequence[Any]) -> int:

@@ -32,6 +32,7 @@ from graphtune.autotuner.calls import CallRecord, MissLog, OpCall
 from graphtune.autotuner.config import TuningConfig
 from graphtune.autotuner.distributed import DistributedTuning, OpCoordinator
 from graphtune.autotuner.entries import CacheEntry, CacheKey, tactic_text
+from graphtune.autotuner.failures import FailureLog
 from graphtune.autotuner.identity import runner_id, short_runner_name, sources_digest
 from graphtune.autotuner.isolation import Executor, InProcessExecutor, Isolation
 from graphtune.autotuner.policy import TuningPolicy
@@ -41,7 +42,7 @@ from graphtune.autotuner.runner import FALLBACK_TACTIC, TunableRunner
 from graphtune.autotuner.selection import ProfileRecord
 from graphtune.autotuner.stats import TunerStats
 from graphtune.autotuner.timing.base import Timer
-from graphtune.autotuner.tuning import FailureLog, ProfileOutcome, TuningRun
+from graphtune.autotuner.tuning import ProfileOutcome, TuningRun
 from graphtune.autotuner.values import canonical_text, identity_value
 from graphtune.autotuner.worker import SubprocessExecutor
 from graphtune.errors import ConfigError
@@ -52,6 +53,7 @@ logger = logging.getLogger(__name__)
 SUMMARY_COLUMNS = ("op", "bucket", "winner", "time (us)", "fallback (us)", "speed-up")
 #: Why a size the bucket mapper maps to 0 runs the fallback (logged at INFO: it is by design).
 NO_BUCKET = "the bucket mapper gives this size no bucket"
+UNTUNABLE = "it could not be tuned: every candidate failed, or its inputs do not fit the device"
 
 
 def _default_is_capturing() -> bool:
@@ -203,7 +205,7 @@ class AutoTuner:
             found = self._lookup(key, runners) if key is not None else None
             if found is not None:
                 return found
-            why = "every candidate failed when it was tuned"
+            why = UNTUNABLE
         if key is None:
             return self._fallback(op, runners, NO_BUCKET)
         self.misses.add(key, lambda: CallRecord.of(call, resolved.ids, key))
@@ -394,7 +396,7 @@ class AutoTuner:
         if self._is_capturing():
             return "a CUDA stream is capturing, so it cannot be timed"
         if key is not None and key in self.failed_profiles:
-            return "every candidate failed when it was tuned"
+            return UNTUNABLE
         return None
 
     def _fallback(
@@ -407,11 +409,13 @@ class AutoTuner:
             logger.log(
                 level,
                 "op %r: no tuned pick for this shape (%s); using %s with the fallback tactic -1. "
-                "Tune it by running the workload under graphtune.autotune() before serving. "
-                "Further misses of this op are counted in stats.fallbacks only.",
+                "%s Further misses of this op are counted in stats.fallbacks only.",
                 op,
                 why,
                 type(runners[0]).__qualname__,
+                "The warnings of its tuning say why."
+                if why == UNTUNABLE
+                else "Tune it by running the workload under graphtune.autotune() before serving.",
             )
         return runners[0], FALLBACK_TACTIC
 

@@ -37,6 +37,7 @@ from graphtune.autotuner.cache import TuningCache
 from graphtune.autotuner.config import TuningConfig, calls_per_sample
 from graphtune.autotuner.distributed import OpCoordinator
 from graphtune.autotuner.entries import BlockedTactic, CacheEntry, CacheKey, tactic_text
+from graphtune.autotuner.failures import FailureLog
 from graphtune.autotuner.identity import short_runner_name
 from graphtune.autotuner.isolation import Executor, TacticFailure
 from graphtune.autotuner.policy import TuningPolicy
@@ -44,6 +45,7 @@ from graphtune.autotuner.profiles import (
     Profile,
     generate_profiles,
     input_sets,
+    profile_bytes,
     static_inputs_memo,
     synthesize_inputs,
 )
@@ -59,6 +61,7 @@ from graphtune.autotuner.schedule import (
 )
 from graphtune.autotuner.selection import ProfileRecord
 from graphtune.autotuner.stats import TunerStats
+from graphtune.autotuner.timing.cold_l2 import device_memory_bytes
 from graphtune.autotuner.values import encode_value
 from graphtune.errors import ConfigError, TuningError
 from graphtune.reporting import ProgressTask, progress
@@ -68,42 +71,6 @@ logger = logging.getLogger(__name__)
 #: Bytes all input sets of one profile may take together (``TuningPolicy.input_sets``): sets
 #: past the first are only made while they fit, so a large weight is not copied several times.
 INPUT_SET_BYTES = 1 << 30
-
-
-def _text(tactic: Any) -> str:
-    return tactic_text(tactic)
-
-
-class FailureLog:
-    """Counts failures in ``stats.tactic_failures`` and warns once per (op, reason)."""
-
-    def __init__(self, stats: TunerStats) -> None:
-        self.stats = stats
-        self.logged: set[tuple[str, str]] = set()
-
-    def add(self, op: str, runner: TunableRunner, what: str, exc: Exception) -> None:
-        """Counts one failure of ``runner``'s ``what`` (e.g. ``"timing of tactic 3"``)."""
-        if isinstance(exc, TacticFailure):
-            reason, detail = exc.reason, exc.detail
-        else:
-            reason, detail = type(exc).__name__, str(exc)
-        failures = self.stats.tactic_failures
-        failures[reason] = failures.get(reason, 0) + 1
-        name = type(runner).__qualname__
-        if (op, reason) in self.logged:
-            logger.debug("op %r: %s %s failed: %s: %s", op, name, what, reason, detail)
-            return
-        self.logged.add((op, reason))
-        logger.warning(
-            "op %r: %s %s failed (%s: %s); it counts as infinitely slow and tuning goes on. "
-            "Further %s failures of this op are counted in stats.tactic_failures only.",
-            op,
-            name,
-            what,
-            reason,
-            detail,
-            reason,
-        )
 
 
 @dataclass
@@ -211,8 +178,11 @@ class TuningRun:
         tuned = [p for (p, _), t in zip(profiles, todo, strict=True) if t]
         self._synthesized = static_inputs_memo(tuned)
         plans = []
+        memory = device_memory_bytes(self.device)
         for (profile, key), tune in zip(profiles, todo, strict=True):
-            if tune:
+            if tune and profile_bytes(self.inputs, profile) > memory:
+                self._skip_oversized(profile, key, memory)
+            elif tune:
                 with self._phase("inputs"):
                     first = synthesize_inputs(
                         self.config, self.inputs, profile, memo=self._synthesized
@@ -221,6 +191,25 @@ class TuningRun:
                     candidates = self._candidates(first, profile)
                 plans.append(_Plan(profile, key, first, candidates))
         return plans
+
+    def _skip_oversized(self, profile: Profile, key: CacheKey, memory: int) -> None:
+        """A profile whose inputs cannot exist on the device (a mapper's far-off bucket) is not
+        tuned, as one whose candidates all failed: look-ups run the fallback."""
+        self.stats.profiles_failed += 1
+        record = ProfileRecord(self.op, profile.describe(), (), None, 0.0)
+        self.on_profile(ProfileOutcome(profile, key, None, record))
+        if (self.op, "oversized") not in self.failures.logged:
+            self.failures.logged.add((self.op, "oversized"))
+            logger.warning(
+                "op %r [%s]: its inputs need %.3g GiB, more than the %.3g GiB of %s, so it is not "
+                "tuned (look-ups run the fallback). A DynamicTensorSpec's buckets or map_to_bucket "
+                "gave this size; cap them with TuningConfig(max_value=...).",
+                self.op,
+                profile.describe(),
+                profile_bytes(self.inputs, profile) / 2**30,
+                memory / 2**30,
+                self.device,
+            )
 
     def prepare_work(
         self, plans: list[_Plan]
@@ -273,7 +262,7 @@ class TuningRun:
                         "`graphtune cache unblock FILE` to retry",
                         self.op,
                         short_runner_name(self.ids[ri]),
-                        _text(tactic),
+                        tactic_text(tactic),
                         blocked.reason,
                     )
                     continue
@@ -454,7 +443,7 @@ class TuningRun:
     def _fail(self, cand: Candidate, stage: str, failure: TacticFailure, label: str) -> None:
         cand.failed = failure.reason
         self._errors[(cand.runner_index, cand.tactic_index)] = (failure.reason, failure.detail)
-        what = f"{stage} of tactic {_text(cand.tactic)}"
+        what = f"{stage} of tactic {tactic_text(cand.tactic)}"
         self.failures.add(self.op, cand.runner, what, failure)
         if failure.block:
             self.cache.block(

@@ -29,6 +29,7 @@ from graphtune.autotuner.timing.base import (
 )
 from graphtune.autotuner.timing.cold_l2 import (
     cold_l2_copies,
+    device_memory_bytes,
     input_set_bytes,
     l2_cache_bytes,
     rotating,
@@ -57,6 +58,7 @@ __all__ = [
     "WallClockTimer",
     "auto_repeat_calls",
     "cold_l2_copies",
+    "device_memory_bytes",
     "delay_us_for_host_time",
     "input_set_bytes",
     "l2_cache_bytes",

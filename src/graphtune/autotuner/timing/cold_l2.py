@@ -131,16 +131,20 @@ def parse_cache_size(text: str) -> int | None:
     return value * scale if value > 0 else None
 
 
-def _default_max_total_bytes(device: torch.device) -> int:
+def device_memory_bytes(device: torch.device) -> int:
+    """The memory of ``device``: a GPU's total memory, the host's physical memory otherwise
+    (16 GiB when the platform does not say)."""
     if device.type == "cuda" and torch.cuda.is_available():
         index = device.index if device.index is not None else torch.cuda.current_device()
-        total = int(torch.cuda.get_device_properties(index).total_memory)
-    else:
-        try:
-            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        except (ValueError, OSError, AttributeError):  # not every platform has these names
-            total = 16 * 1024**3
-    return int(total * DEFAULT_MAX_MEMORY_FRACTION)
+        return int(torch.cuda.get_device_properties(index).total_memory)
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):  # not every platform has these names
+        return 16 * 1024**3
+
+
+def _default_max_total_bytes(device: torch.device) -> int:
+    return int(device_memory_bytes(device) * DEFAULT_MAX_MEMORY_FRACTION)
 
 
 def cold_l2_copies(

@@ -25,7 +25,8 @@ Every phase runs in a fresh process, so nothing survives in memory between them:
    measurements, profile seconds and slowest candidate; and per Triton runner class
    (``compile_by_runner``) its binaries and compile seconds; and the compile workers' side
    (``compile_workers``): when the last worker was ready, when the compile jobs ran, and their
-   seconds per kernel, all from the start of the tuning call.
+   seconds per kernel, all from the start of the tuning call; and ``candidates_table``, every
+   tuned profile's candidates with their medians (for studies of which tactics to prune).
    Python's bytecode cache is a folder of the run (``PYTHONPYCACHEPREFIX``, with bytecode
    writing on): on a machine whose installed packages carry no ``.pyc`` files and cannot take
    them, every process would compile every module it imports from source, in every phase, where
@@ -170,6 +171,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         "median_ms_per_tactic_bucket": statistics.median(per_tactic) if per_tactic else None,
         "overall_ms_per_tactic_bucket": 1000.0 * tune_s / candidates if candidates else None,
         "by_op": by_op(tuner.history),
+        "candidates_table": candidates_table(tuner.history),
         "compile_by_runner": compile_by_runner(triton),
         "compile_workers": compile_workers(job_log(), wall_start),
     }
@@ -235,6 +237,33 @@ def by_op(history: Any) -> dict[str, dict[str, float]]:
         timed = [c.median_us for c in rec.candidates if c.samples and c.failed is None]
         row["slowest_us"] = max([row["slowest_us"], *timed])
     return dict(sorted(table.items(), key=lambda item: -item[1]["seconds"]))
+
+
+def candidates_table(history: Any) -> list[dict[str, Any]]:
+    """Every tuned profile's candidates as the tuner timed them, for offline pruning studies
+    (which tactics never come near a profile's best): per profile its op, shapes, the winner's
+    index and one row per candidate, ``[runner, tactic, median µs, samples, failure]`` (a
+    candidate raced out after one round has one sample; a failed one a median of ``null``)."""
+    from graphtune.autotuner.entries import tactic_text
+
+    return [
+        {
+            "op": rec.op,
+            "profile": rec.profile,
+            "winner": rec.winner_index,
+            "rows": [
+                [
+                    c.runner,
+                    tactic_text(c.tactic),
+                    c.median_us,
+                    c.samples,
+                    c.failed,
+                ]
+                for c in rec.candidates
+            ],
+        }
+        for rec in history
+    ]
 
 
 def write_profile(profiler: cProfile.Profile, stem: Path, top: int = 40) -> None:

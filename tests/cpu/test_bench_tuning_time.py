@@ -46,6 +46,11 @@ def test_cold_then_warm_phase_on_the_tiny_model(tmp_path, monkeypatch) -> None:
     rows = cold["by_op"].values()
     assert rows and sum(row["candidates"] for row in rows) == cold["candidates"]
     assert all(row["profiles"] >= 1 and row["seconds"] >= 0.0 for row in rows)
+    # The candidates table: every profile's candidates, the winner's row among them.
+    table = cold["candidates_table"]
+    assert sum(len(p["rows"]) for p in table) == cold["candidates"]
+    assert all(0 <= p["winner"] < len(p["rows"]) for p in table)
+    assert all(isinstance(row[0], str) and row[3] >= 0 for p in table for row in p["rows"])
     by_runner = cold["compile_by_runner"].values()
     assert sum(row["binaries"] for row in by_runner) == cold["compiled_binaries"]
     assert cold["compile_workers"] is None  # the CPU compiles nothing in worker processes

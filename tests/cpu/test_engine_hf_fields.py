@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import test_engine_hf
+import test_engine_hf_config_reading
 import test_engine_hf_models
 import test_engine_moe_config
 import test_engine_moe_hf
@@ -45,7 +46,10 @@ ORACLES = {
         "test_qwen3_matches_hf",
         "test_moe_logits_and_greedy_tokens_match_transformers",
     ],
-    "model_type": ["test_model_type_alone_selects_the_architecture"],
+    "model_type": [
+        "test_model_type_alone_selects_the_architecture",
+        "test_architectures_that_disagree_with_model_type_are_refused",
+    ],
     "vocab_size": ["test_llama_matches_hf"],
     "hidden_size": ["test_llama_matches_hf"],
     "intermediate_size": ["test_llama_matches_hf"],
@@ -55,9 +59,15 @@ ORACLES = {
     "head_dim": ["test_qwen3_matches_hf", "test_qwen3_default_head_dim_is_transformers_default"],
     "hidden_act": ["test_llama_hidden_act_matches_hf", "test_hidden_act_of_every_architecture"],
     "rms_norm_eps": ["test_llama_matches_hf", "test_qwen2_matches_hf"],
-    "rope_parameters": ["test_llama3_rope_scaling_and_tied_embeddings_match_hf"],
+    "rope_parameters": [
+        "test_llama3_rope_scaling_and_tied_embeddings_match_hf",
+        "test_rope_fields_are_read_as_transformers_reads_them",
+    ],
     "max_position_embeddings": ["test_max_position_embeddings_bounds_a_request"],
-    "tie_word_embeddings": ["test_llama3_rope_scaling_and_tied_embeddings_match_hf"],
+    "tie_word_embeddings": [
+        "test_llama3_rope_scaling_and_tied_embeddings_match_hf",
+        "test_a_tied_config_whose_file_has_another_lm_head_uses_that_head",
+    ],
     "eos_token_id": ["test_eos_from_generation_config_stops_like_transformers"],
     "mlp_bias": ["test_llama_mlp_bias_matches_hf"],
     "attention_bias": ["test_llama_matches_hf", "test_qwen3_matches_hf"],
@@ -68,7 +78,11 @@ ORACLES = {
     ],
     "use_sliding_window": ["test_qwen2_matches_hf", "test_qwen3_matches_hf"],
     "max_window_layers": ["test_qwen2_matches_hf", "test_qwen3_matches_hf"],
-    "layer_types": ["test_qwen2_matches_hf", "test_qwen3_matches_hf"],
+    "layer_types": [
+        "test_qwen2_matches_hf",
+        "test_qwen3_matches_hf",
+        "test_mistral_layer_types_of_one_kind_match_transformers",
+    ],
     # The experts of Qwen3-MoE and Mixtral (tests/cpu/test_engine_moe_hf.py, _moe_config.py).
     "num_experts": ["test_moe_logits_and_greedy_tokens_match_transformers"],
     "num_local_experts": [
@@ -87,6 +101,7 @@ ORACLES = {
 }
 TEST_MODULES = (
     test_engine_hf,
+    test_engine_hf_config_reading,
     test_engine_hf_models,
     test_engine_moe_hf,
     test_engine_moe_config,
@@ -158,6 +173,7 @@ REFUSED = [
     ("qwen3", "use_sliding_window", True),
     ("qwen2", "layer_types", ["full_attention", "chunked_attention"]),
     ("qwen3", "layer_types", ["full_attention", "chunked_attention"]),
+    ("mistral", "layer_types", ["full_attention", "sliding_attention"]),
     ("qwen3_moe", "attention_bias", True),
     ("qwen3_moe", "use_sliding_window", True),
     *((arch, "hidden_act", "xielu") for arch in sorted(CLASSES)),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -34,7 +36,7 @@ def test_default_sizes_grow_with_the_size_above_1024():
     wide = default_capture_sizes(10**7)
     assert len(wide) < 320 and wide[-1] == 10**7
     # Padding stays under 1/16 of the batch at every size above 256.
-    for low, high in zip(wide[34:], wide[35:]):
+    for low, high in itertools.pairwise(wide[34:]):
         assert high - low <= high / 16
 
 

@@ -19,7 +19,11 @@ from typing import Any
 from graphtune.engine.hf_fields import (
     HF_ACTIVATIONS,
     HF_ROPE_THETA,
+    hf_bool,
+    hf_float,
+    hf_int,
     refuse_unimplemented,
+    sliding_window,
     with_defaults,
 )
 from graphtune.engine.moe_config import MOE_ARCHITECTURES, check_moe_fields, moe_fields_from_hf
@@ -161,6 +165,8 @@ class ModelConfig:
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                 f"({self.num_kv_heads}) for grouped-query attention"
             )
+        if self.head_dim is not None and self.head_dim <= 0:
+            raise ConfigError(f"ModelConfig.head_dim must be > 0 or None, got {self.head_dim}")
         if self.head_dim is None and self.hidden_size % self.num_heads:
             raise ConfigError("hidden_size must be divisible by num_heads when head_dim is unset")
         if self.dim_per_head % 2:
@@ -245,41 +251,67 @@ class ModelConfig:
 
 
 def _rope_from_hf(cfg: Mapping[str, Any], default_theta: float) -> tuple[float, RopeScaling | None]:
-    # transformers >= 5 writes "rope_parameters" (theta inside); older files and published
-    # checkpoints write "rope_theta" and "rope_scaling" at the top level. Accept both.
-    params = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or params
-    theta = float(params.get("rope_theta", cfg.get("rope_theta", default_theta)))
-    rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
-    if rope_type in (None, "default"):
-        return theta, None
-    if rope_type == "linear":
-        return theta, RopeScaling("linear", float(scaling["factor"]))
-    if rope_type == "llama3":
-        try:
+    """RoPE's theta and scaling as transformers' configs standardise them: the legacy
+    ``rope_scaling`` object, when present, replaces ``rope_parameters``; the object's own
+    ``rope_theta`` wins over the top-level one; for llama3 a top-level
+    ``original_max_position_embeddings`` wins over the object's, and ``max_position_embeddings``
+    stands in when neither gives one."""
+    field_name = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
+    params = cfg.get(field_name) or {}
+    if not isinstance(params, Mapping):
+        raise CheckpointError(
+            f"config.json: {field_name}={params!r} must be an object (rope_type, factor, ...); "
+            "fix the file"
+        )
+    where = f"config.json {field_name}"
+    theta_source = params if "rope_theta" in params else cfg
+    theta = default_theta
+    if "rope_theta" in theta_source:  # null too: transformers fails on it
+        theta = hf_float(
+            theta_source, "rope_theta", where if theta_source is params else "config.json"
+        )
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    try:
+        if rope_type in (None, "default"):
+            return theta, None
+        if rope_type == "linear":
+            return theta, RopeScaling("linear", hf_float(params, "factor", where))
+        if rope_type == "llama3":
+            key = "original_max_position_embeddings"
+            source = cfg if key in cfg else params
+            original = {key: source.get(key, cfg["max_position_embeddings"])}
             return theta, RopeScaling(
                 "llama3",
-                float(scaling["factor"]),
-                float(scaling["low_freq_factor"]),
-                float(scaling["high_freq_factor"]),
-                int(scaling["original_max_position_embeddings"]),
+                hf_float(params, "factor", where),
+                hf_float(params, "low_freq_factor", where),
+                hf_float(params, "high_freq_factor", where),
+                hf_int(original, key, "config.json" if source is cfg else where),
             )
-        except KeyError as exc:
-            raise CheckpointError(f"llama3 rope scaling is missing the key {exc}") from None
-    field_name = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
+    except KeyError as exc:
+        raise CheckpointError(
+            f"{where} with rope_type={rope_type!r} is missing the key {exc}; fix the file"
+        ) from None
     raise ConfigError(
         f"config.json: {field_name} rope_type={rope_type!r} is not implemented by graphtune's "
         "engine (it implements default, linear and llama3 RoPE); use a checkpoint without it"
     )
 
 
-def eos_ids(value: Any) -> tuple[int, ...]:
-    """``eos_token_id`` of a config file (an int, a list of ints or null) as a tuple."""
+def eos_ids(value: Any, where: str = "config.json") -> tuple[int, ...]:
+    """``eos_token_id`` of a config file (an int, a list of ints or null) as a tuple.
+
+    Raises:
+        CheckpointError: Anything else (``where`` names the file).
+    """
     if value is None:
         return ()
-    if isinstance(value, list):
-        return tuple(int(e) for e in value)
-    return (int(value),)
+    values = value if isinstance(value, list) else [value]
+    if not all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in values):
+        raise CheckpointError(
+            f"{where}: eos_token_id={value!r} must be a token id, a list of token ids or null; "
+            "fix the file"
+        )
+    return tuple(values)
 
 
 def from_hf_config(cfg: Mapping[str, Any], name: str = "checkpoint") -> ModelConfig:
@@ -301,7 +333,12 @@ def from_hf_config(cfg: Mapping[str, Any], name: str = "checkpoint") -> ModelCon
         ConfigError: A field has a value the engine does not implement (the message names the
             field and the value).
     """
-    archs = list(cfg.get("architectures") or [])
+    archs = cfg.get("architectures") or []
+    if not isinstance(archs, list):
+        raise CheckpointError(
+            f"config.json: architectures={archs!r} must be a list of class names, such as "
+            '["LlamaForCausalLM"]; fix the file'
+        )
     arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
     if arch is None:
         model_type = cfg.get("model_type")
@@ -312,40 +349,50 @@ def from_hf_config(cfg: Mapping[str, Any], name: str = "checkpoint") -> ModelCon
                 f"unsupported architecture {archs or model_type!r}: graphtune's engine loads "
                 f"{sorted(ARCHITECTURES)}. Convert the checkpoint or use a preset."
             )
+    model_type = cfg.get("model_type")
+    if model_type is not None and model_type != arch:
+        # transformers' Auto classes build the model that model_type names, whatever
+        # architectures says: reading it as another family would compute another model.
+        raise CheckpointError(
+            f"config.json: architectures {archs} is graphtune's {arch!r} but model_type is "
+            f"{model_type!r}, which transformers builds instead; make the two agree"
+        )
     cfg = with_defaults(arch, cfg)
     refuse_unimplemented(arch, cfg)
     theta, scaling = _rope_from_hf(cfg, HF_ROPE_THETA.get(arch, 10000.0))
-    # Qwen windows are refused above; Llama and Qwen3-MoE have none.
-    sliding = cfg.get("sliding_window") if arch in ("mistral", "mixtral") else None
-    head_dim = cfg.get("head_dim")
     moe = moe_fields_from_hf(cfg, arch) if arch in MOE_ARCHITECTURES else {}
     try:
+        heads = hf_int(cfg, "num_attention_heads")
         return ModelConfig(
             name=name,
             architecture=arch,
-            vocab_size=int(cfg["vocab_size"]),
-            hidden_size=int(cfg["hidden_size"]),
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
-            num_heads=int(cfg["num_attention_heads"]),
-            num_kv_heads=int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"]),
-            head_dim=int(head_dim) if head_dim else None,
-            rms_norm_eps=float(cfg["rms_norm_eps"]),
+            vocab_size=hf_int(cfg, "vocab_size"),
+            hidden_size=hf_int(cfg, "hidden_size"),
+            intermediate_size=hf_int(cfg, "intermediate_size"),
+            num_layers=hf_int(cfg, "num_hidden_layers"),
+            num_heads=heads,
+            num_kv_heads=heads
+            if cfg.get("num_key_value_heads") is None
+            else hf_int(cfg, "num_key_value_heads"),
+            head_dim=None if cfg.get("head_dim") is None else hf_int(cfg, "head_dim"),
+            rms_norm_eps=hf_float(cfg, "rms_norm_eps"),
             rope_theta=theta,
             rope_scaling=scaling,
-            max_position_embeddings=int(cfg["max_position_embeddings"]),
-            tie_word_embeddings=bool(cfg["tie_word_embeddings"]),
+            max_position_embeddings=hf_int(cfg, "max_position_embeddings"),
+            tie_word_embeddings=hf_bool(cfg, "tie_word_embeddings"),
             attention_bias=arch == "qwen2",
-            sliding_window=int(sliding) if sliding else None,
+            sliding_window=sliding_window(arch, cfg),  # Qwen's are refused above
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids(cfg.get("eos_token_id")),
             hidden_act=HF_ACTIVATIONS[cfg["hidden_act"]],
-            mlp_bias=arch == "llama" and bool(cfg["mlp_bias"]),
+            mlp_bias=arch == "llama" and hf_bool(cfg, "mlp_bias"),
             qk_norm=arch in QK_NORM_ARCHITECTURES,
             **moe,
         )
     except KeyError as exc:
         raise CheckpointError(f"config.json is missing the field {exc}") from None
+    except CheckpointError:
+        raise
     except (TypeError, ValueError) as exc:
         if isinstance(exc, ConfigError):
             raise CheckpointError(f"config.json describes an invalid model: {exc}") from None

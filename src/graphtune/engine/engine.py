@@ -66,8 +66,9 @@ class Engine:
             CUDA) or ``"eager"``.
         capture_sizes: Batch sizes to capture; ``None`` uses the graph runner's default list.
         max_batch_size: Most requests decoded together (KV slots; larger prompt lists queue).
-        max_seq_len: Longest prompt + generation per request (KV cache length; rounded up to a
-            multiple of 16 so attention rows stay aligned).
+        max_seq_len: Longest prompt + generation per request; longer requests are refused. The
+            KV cache's length (``self.max_seq_len``) is this rounded up to a multiple of 16, so
+            attention rows stay aligned.
         device: Target device; ``None`` keeps the model's.
         dtype: Weight and cache dtype; ``None`` keeps the model's.
         lazy_capture: Capture each batch size on first use instead of at construction.
@@ -152,6 +153,7 @@ class Engine:
         self.config = model.config
         self.device = target_device
         self.max_seq_len = aligned_seq_len(max_seq_len)
+        self._request_limit = max_seq_len  # requests keep to the caller's number, not the cache's
         if max_prefill_tokens is None:
             max_prefill_tokens = min(DEFAULT_MAX_PREFILL_TOKENS, max_batch_size * self.max_seq_len)
         check_max_tokens(max_prefill_tokens)
@@ -361,7 +363,7 @@ class Engine:
         requests = []
         for i, (prompt, limit) in enumerate(zip(prompts, limits, strict=True)):
             ids = self.encode(prompt)
-            validate_request(self.config, self.max_seq_len, ids, limit, i)
+            validate_request(self.config, self._request_limit, ids, limit, i)
             requests.append(LiveRequest(i, ids, limit))
         stops = set(self.config.eos_token_ids)
         if stop_token_ids is not None:

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from graphtune.errors import ConfigError
+from graphtune.errors import CheckpointError, ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +100,12 @@ HANDLED_FIELDS: dict[str, dict[str, str]] = {
         "attention_bias": "false; true (biases on q/k/v/o) refused",
     },
     "qwen2": {**_COMMON, **_QWEN_WINDOWS},
-    "mistral": {**_COMMON, "sliding_window": "ModelConfig.sliding_window"},
+    "mistral": {
+        **_COMMON,
+        "sliding_window": "ModelConfig.sliding_window",
+        "layer_types": "all full_attention: no window; all sliding_attention: the window in "
+        "every layer; a mix (what transformers reads as Ministral) refused",
+    },
     "qwen3": {
         **_COMMON,
         **_QWEN_WINDOWS,
@@ -241,11 +246,11 @@ _NO_SLIDING = Refusal(
     "sliding-window layers (with use_sliding_window, from max_window_layers or layer_types)",
 )
 _ACTIVATION = Refusal(
-    lambda value, cfg: value in HF_ACTIVATIONS,
+    lambda value, cfg: isinstance(value, str) and value in HF_ACTIVATIONS,
     f"an activation other than {sorted(HF_ACTIVATIONS)}",
 )
 _EXPERT_ACTIVATION = Refusal(
-    lambda value, cfg: HF_ACTIVATIONS.get(value) == "silu",
+    lambda value, cfg: isinstance(value, str) and HF_ACTIVATIONS.get(value) == "silu",
     "experts with an activation other than SiLU (the MoE kernels are SwiGLU)",
 )
 _NO_QWEN3_MOE_WINDOW = Refusal(lambda value, cfg: not value, "Qwen3-MoE's sliding-window layers")
@@ -255,6 +260,26 @@ _LAYER_KINDS = Refusal(
     "a layer type other than full_attention and sliding_attention",
 )
 
+_ONE_LAYER_KIND = Refusal(
+    lambda value, cfg: (
+        value is None
+        or (isinstance(value, list) and _LAYER_KINDS.allowed(value, cfg) and len(set(value)) <= 1)
+    ),
+    "full_attention in some layers and sliding_attention in others (Ministral's layout)",
+)
+
+
+def sliding_window(arch: str, cfg: Mapping[str, Any]) -> int | None:
+    """The window of a Mistral or Mixtral file's layers (``None``: full attention), after
+    :func:`refuse_unimplemented`: Mistral's ``layer_types``, when present, are all one kind."""
+    if arch not in ("mistral", "mixtral") or cfg.get("sliding_window") is None:
+        return None
+    kinds = cfg.get("layer_types") if arch == "mistral" else None
+    if kinds and kinds[0] == "full_attention":
+        return None
+    return hf_int(cfg, "sliding_window")
+
+
 #: Per architecture, the fields with values the engine refuses.
 REFUSALS: dict[str, dict[str, Refusal]] = {
     "llama": {"hidden_act": _ACTIVATION, "attention_bias": _NO_BIAS},
@@ -263,7 +288,7 @@ REFUSALS: dict[str, dict[str, Refusal]] = {
         "use_sliding_window": _NO_SLIDING,
         "layer_types": _LAYER_KINDS,
     },
-    "mistral": {"hidden_act": _ACTIVATION},
+    "mistral": {"hidden_act": _ACTIVATION, "layer_types": _ONE_LAYER_KIND},
     "qwen3": {
         "hidden_act": _ACTIVATION,
         "attention_bias": _NO_BIAS,
@@ -283,6 +308,44 @@ REFUSED_EXTRAS = {
     "quantization_config": "quantized weights (load a bf16/fp16/fp32 checkpoint)",
     "shared_expert_intermediate_size": "shared experts (Qwen2-MoE's), beside the routed ones",
 }
+
+
+def hf_int(cfg: Mapping[str, Any], field: str, where: str = "config.json") -> int:
+    """``cfg[field]`` as transformers' strict config classes take an int field: an int, not a
+    bool or a float such as ``2.0`` (``where`` names the file or the field holding ``cfg``).
+
+    Raises:
+        KeyError: The field is missing (the caller names it).
+        CheckpointError: Another type.
+    """
+    value = cfg[field]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _wrong_type(where, field, value, "an integer")
+    return value
+
+
+def hf_float(cfg: Mapping[str, Any], field: str, where: str = "config.json") -> float:
+    """``cfg[field]`` as a float: an int or a float, not a bool or a string (see :func:`hf_int`)."""
+    value = cfg[field]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _wrong_type(where, field, value, "a number")
+    return float(value)
+
+
+def hf_bool(cfg: Mapping[str, Any], field: str, where: str = "config.json") -> bool:
+    """``cfg[field]`` as a bool: ``true`` or ``false`` only, as transformers requires (``bool()``
+    would make the string ``"false"`` true; see :func:`hf_int`)."""
+    value = cfg[field]
+    if not isinstance(value, bool):
+        raise _wrong_type(where, field, value, "true or false")
+    return value
+
+
+def _wrong_type(where: str, field: str, value: Any, kind: str) -> CheckpointError:
+    return CheckpointError(
+        f"{where}: {field}={_short(value)} must be {kind} (transformers refuses it too); fix "
+        "the file"
+    )
 
 
 def with_defaults(arch: str, cfg: Mapping[str, Any]) -> dict[str, Any]:

@@ -176,12 +176,13 @@ def _folder_config(folder: Path) -> ModelConfig:
         config = from_hf_config(read_json(config_file), name=folder.name)
     except (CheckpointError, ConfigError) as exc:
         # from_hf_config sees the parsed fields only; the user needs to know which folder.
-        raise type(exc)(f"{config_file}: {exc}") from None
+        text = str(exc).removeprefix("config.json")
+        raise type(exc)(f"{config_file}{text if text[:1] in ':,; ' else ': ' + text}") from None
     generation = folder / "generation_config.json"
     if generation.is_file():
         eos = read_json(generation).get("eos_token_id")
         if eos is not None:
-            config = config.replace(eos_token_ids=eos_ids(eos))
+            config = config.replace(eos_token_ids=eos_ids(eos, str(generation)))
     return config
 
 
@@ -281,10 +282,19 @@ def load_checkpoint(
             )
         layers.append(layer)
     embed = get("model.embed_tokens.weight", (config.vocab_size, d))
-    if config.tie_word_embeddings:
-        lm_head = embed
-    else:
+    lm_head = embed
+    if not config.tie_word_embeddings or source.has("lm_head.weight"):
         lm_head = get("lm_head.weight", (config.vocab_size, d))
+    if config.tie_word_embeddings and torch.equal(lm_head, embed):
+        lm_head = embed  # one tensor, as tied
+    elif config.tie_word_embeddings:
+        # transformers keeps a file's own head that differs from the embedding, tie or not.
+        logger.warning(
+            "%s: config.json ties the LM head to the embedding, but the file's lm_head.weight "
+            "differs from it; using lm_head.weight, as transformers does",
+            folder,
+        )
+        config = config.replace(tie_word_embeddings=False)
     model = DecoderModel(
         config=config,
         embed=embed,
@@ -294,7 +304,7 @@ def load_checkpoint(
         tokenizer=load_tokenizer(folder),
         source=str(folder),
     )
-    _warn_unread(source, folder, config)
+    _warn_unread(source, folder)
     if rows is not None:
         from graphtune.engine.parallel import shard_config
 
@@ -338,15 +348,9 @@ def _optional_layer_tensors(
     return out
 
 
-def _warn_unread(source: _TensorSource, folder: Path, config: ModelConfig) -> None:
-    # transformers drops these too: RoPE tables some old checkpoints saved, and an LM head that
-    # the config ties to the embedding.
-    unread = [
-        name
-        for name in source.unread()
-        if not name.endswith("rotary_emb.inv_freq")
-        and not (config.tie_word_embeddings and name == "lm_head.weight")
-    ]
+def _warn_unread(source: _TensorSource, folder: Path) -> None:
+    # transformers drops these too: RoPE tables some old checkpoints saved.
+    unread = [name for name in source.unread() if not name.endswith("rotary_emb.inv_freq")]
     if unread:
         logger.warning(
             "%s: %d tensors of the checkpoint are not used, as config.json describes the model "

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from graphtune.engine.hf_fields import hf_bool, hf_int
 from graphtune.errors import ConfigError
 
 #: Architectures (``ModelConfig.architecture``) whose MLPs are mixtures of experts.
@@ -77,10 +78,7 @@ def _refuse(field: str, value: Any, rule: str) -> ConfigError:
 
 
 def _int(cfg: Mapping[str, Any], field: str, default: int | None = None) -> int:
-    value = cfg.get(field, default)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _refuse(field, value, "must be an integer; fix config.json")
-    return value
+    return hf_int(cfg if field in cfg or default is None else {field: default}, field)
 
 
 def moe_fields_from_hf(cfg: Mapping[str, Any], architecture: str) -> dict[str, Any]:
@@ -125,7 +123,7 @@ def moe_fields_from_hf(cfg: Mapping[str, Any], architecture: str) -> dict[str, A
         num_experts=_int(cfg, experts_field, 128),
         num_experts_per_tok=_int(cfg, "num_experts_per_tok"),
         moe_intermediate_size=_int(cfg, "moe_intermediate_size"),
-        norm_topk_prob=bool(cfg["norm_topk_prob"]),
+        norm_topk_prob=hf_bool(cfg, "norm_topk_prob"),
         mlp_only_layers=tuple(mlp_only),
         decoder_sparse_step=_int(cfg, "decoder_sparse_step"),
     )

@@ -1,0 +1,170 @@
+"""``config.json`` read the way transformers reads it where its rules are subtle: a file edited by
+hand is loaded by transformers (``from_pretrained``, the oracle) and by graphtune from the same
+folder, and their logits must agree, or graphtune must refuse the file in one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_engine_hf import LLAMA3_SCALING, TINY, build_hf, compare
+
+from graphtune.engine import Engine, load_checkpoint, load_model
+from graphtune.engine.config import from_hf_config
+from graphtune.errors import CheckpointError, ConfigError, InputError
+
+transformers = pytest.importorskip("transformers")
+
+
+def _edit(folder, **changes) -> None:
+    doc = json.loads((folder / "config.json").read_text())
+    for key, value in changes.items():
+        if value is None:
+            doc.pop(key, None)
+        else:
+            doc[key] = value
+    (folder / "config.json").write_text(json.dumps(doc))
+
+
+def _transformers(folder):
+    """transformers' own reading of the folder, as a user's ``from_pretrained`` does it."""
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        folder, attn_implementation="eager"
+    ).eval()
+
+
+@pytest.mark.parametrize("kind", ["full_attention", "sliding_attention"])
+def test_mistral_layer_types_of_one_kind_match_transformers(tmp_path, kind):
+    # transformers reads a Mistral file with layer_types as Ministral: each layer's type decides
+    # whether the window applies.
+    _, folder = build_hf("mistral", tmp_path, sliding_window=4)
+    _edit(folder, layer_types=[kind] * TINY["num_hidden_layers"])
+    window = load_checkpoint(folder).config.sliding_window
+    assert window == (4 if kind == "sliding_attention" else None)
+    compare(_transformers(folder), folder, prompt_len=9, decode_steps=4)
+
+
+def test_mistral_with_both_layer_types_is_refused(tmp_path):
+    _, folder = build_hf("mistral", tmp_path, sliding_window=4)
+    _edit(folder, layer_types=["full_attention", "sliding_attention"])
+    with pytest.raises(ConfigError, match="layer_types=.*Ministral"):
+        load_checkpoint(folder)
+
+
+def test_a_tied_config_whose_file_has_another_lm_head_uses_that_head(tmp_path, caplog):
+    from safetensors.torch import load_file, save_file
+
+    _, folder = build_hf("llama", tmp_path, tie_word_embeddings=True)
+    (file,) = folder.glob("*.safetensors")
+    tensors = load_file(file)
+    tensors["lm_head.weight"] = torch.randn(TINY["vocab_size"], TINY["hidden_size"])
+    save_file(tensors, file, metadata={"format": "pt"})
+    model = load_checkpoint(folder)
+    assert not model.config.tie_word_embeddings and model.lm_head is not model.embed
+    assert "differs" in caplog.text
+    compare(_transformers(folder), folder)
+
+
+def test_a_tied_config_whose_file_repeats_the_embedding_keeps_one_tensor(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    _, folder = build_hf("llama", tmp_path, tie_word_embeddings=True)
+    (file,) = folder.glob("*.safetensors")
+    tensors = load_file(file)
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, file, metadata={"format": "pt"})
+    model = load_checkpoint(folder)
+    assert model.config.tie_word_embeddings and model.lm_head is model.embed
+
+
+@pytest.mark.parametrize("written_as", ["qwen2", "mistral"])
+def test_architectures_that_disagree_with_model_type_are_refused(tmp_path, written_as):
+    # transformers builds the model model_type names; reading architectures instead dropped
+    # Qwen2's q/k/v biases or Mistral's window.
+    _, folder = build_hf(written_as, tmp_path, sliding_window=4)
+    _edit(folder, architectures=["LlamaForCausalLM"])
+    with pytest.raises(CheckpointError, match=f"model_type is '{written_as}'"):
+        load_checkpoint(folder)
+
+
+ROPE_FILES = {
+    # A top-level original_max_position_embeddings wins over rope_parameters' own for llama3.
+    "llama3 top-level original": dict(
+        rope_parameters={"rope_theta": 500000.0, **LLAMA3_SCALING},
+        original_max_position_embeddings=8,
+    ),
+    # Without one anywhere, max_position_embeddings stands in.
+    "llama3 without original": dict(
+        rope_parameters={
+            "rope_theta": 500000.0,
+            **{k: v for k, v in LLAMA3_SCALING.items() if k != "original_max_position_embeddings"},
+        },
+    ),
+    # The legacy rope_scaling replaces rope_parameters, and its own theta wins.
+    "rope_scaling with its theta": dict(
+        rope_parameters=None,
+        rope_theta=10000.0,
+        rope_scaling={"rope_type": "linear", "factor": 2.0, "rope_theta": 50.0},
+    ),
+    "rope_scaling beside rope_parameters": dict(
+        rope_parameters={"rope_type": "default", "rope_theta": 100.0},
+        rope_scaling={"rope_type": "linear", "factor": 2.0},
+        rope_theta=5000.0,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ROPE_FILES))
+def test_rope_fields_are_read_as_transformers_reads_them(tmp_path, case):
+    _, folder = build_hf("llama", tmp_path)
+    _edit(folder, **ROPE_FILES[case])
+    compare(_transformers(folder), folder, prompt_len=20, decode_steps=4)
+
+
+WRONG_TYPES = [
+    ("tie_word_embeddings", "false"),
+    ("mlp_bias", 0),
+    ("num_hidden_layers", 2.0),
+    ("vocab_size", "256"),
+    ("rms_norm_eps", "1e-6"),
+    ("num_key_value_heads", True),
+    ("head_dim", 0),
+    ("architectures", "LlamaForCausalLM"),
+    ("eos_token_id", "two"),
+    ("rope_parameters", "default"),
+    ("rope_parameters", {"rope_type": "linear", "rope_theta": 10000.0}),
+    ("rope_parameters", {"rope_type": "linear", "factor": "2", "rope_theta": 10000.0}),
+    ("rope_parameters", {"rope_type": "default", "rope_theta": None}),
+]
+
+
+@pytest.mark.parametrize("field,value", WRONG_TYPES)
+def test_values_transformers_refuses_are_refused_in_one_line(field, value):
+    doc = {**TINY, "architectures": ["LlamaForCausalLM"], "model_type": "llama", field: value}
+    with pytest.raises(CheckpointError) as info:
+        from_hf_config(doc)
+    assert "\n" not in str(info.value) and field in str(info.value) + str(value)
+
+
+def test_moe_fields_of_the_wrong_type_are_refused():
+    doc = dict(TINY, architectures=["Qwen3MoeForCausalLM"], num_experts=4, moe_intermediate_size=32)
+    with pytest.raises(CheckpointError, match="norm_topk_prob='false' must be true or false"):
+        from_hf_config({**doc, "norm_topk_prob": "false"})
+    with pytest.raises(CheckpointError, match="num_experts_per_tok=2.0 must be an integer"):
+        from_hf_config({**doc, "num_experts_per_tok": 2.0})
+
+
+def test_generation_config_eos_of_the_wrong_type_names_the_file(tmp_path):
+    _, folder = build_hf("llama", tmp_path)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [None]}))
+    with pytest.raises(CheckpointError, match=r"generation_config\.json: eos_token_id=\[None\]"):
+        load_checkpoint(folder)
+
+
+def test_requests_keep_to_the_callers_max_seq_len_not_the_caches():
+    engine = Engine(load_model("tiny"), runner="eager", max_batch_size=1, max_seq_len=20)
+    assert engine.max_seq_len == 32  # the cache rounds up to a multiple of 16
+    assert len(engine.generate([[1] * 10], 10, stop_token_ids=[])[0]) == 10
+    with pytest.raises(InputError, match="max_seq_len=20"):
+        engine.generate([[1] * 10], 11)

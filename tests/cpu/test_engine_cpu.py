@@ -313,5 +313,5 @@ def test_a_kv_cache_too_large_to_allocate_says_its_size_and_the_fix(monkeypatch)
 
 def test_a_kv_cache_longer_than_the_model_positions_is_refused():
     model = load_model("tiny")  # max_position_embeddings 2048
-    with pytest.raises(InputError, match="max_seq_len=4096 needs 4096 positions"):
+    with pytest.raises(ConfigError, match="max_seq_len=4096 needs 4096 positions"):
         Engine(model, runner="eager", max_batch_size=1, max_seq_len=4096)

@@ -56,9 +56,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "generate",
         help="generate tokens with the reference decode engine",
-        description="Generate with a Llama/Qwen2/Mistral/Qwen3 checkpoint folder or a preset "
-        "with random weights. --prompt is text (it needs the checkpoint's tokenizer.json); "
-        "--prompt-ids takes token ids. Repeat either for a batch of prompts.",
+        description="Generate with a Llama/Qwen2/Mistral/Qwen3/Qwen3-MoE/Mixtral checkpoint "
+        "folder or a preset with random weights. --prompt is text (it needs the checkpoint's "
+        "tokenizer.json); --prompt-ids takes token ids. Repeat either for a batch of prompts.",
     )
     parser.add_argument(
         "--model",

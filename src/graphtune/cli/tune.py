@@ -63,8 +63,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=positive_int,
         default=DEFAULT_MAX_SEQ_LEN,
         metavar="N",
-        help="KV cache length of the engine that will use the cache, for attention (the Engine "
-        "default; rounded up to a multiple of 16)",
+        help=f"KV cache length of the engine that will use the cache, for attention (default: "
+        f"{DEFAULT_MAX_SEQ_LEN}, the Engine's; rounded up to a multiple of 16)",
     )
     add_device_arguments(parser)
     parser.add_argument(

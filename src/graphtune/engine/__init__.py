@@ -1,4 +1,5 @@
-"""Reference decode engine for Llama-family models (Llama 2/3, Qwen2, Mistral, Qwen3).
+"""Reference decode engine for Llama-family models (Llama 2/3, Qwen2, Mistral, Qwen3) and their
+mixture-of-experts relatives (Qwen3-MoE, Mixtral).
 
 Build a model with :func:`load_model` (a Hugging Face checkpoint folder or a preset with random
 weights), wrap it in an :class:`Engine` that picks a graph or eager step runner, and call

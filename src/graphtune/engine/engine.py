@@ -144,7 +144,10 @@ class Engine:
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
-        model.config.check_positions(max_seq_len, f"max_seq_len={max_seq_len}")
+        try:
+            model.config.check_positions(max_seq_len, f"max_seq_len={max_seq_len}")
+        except InputError as exc:  # the same rule as a request's, but here it is configuration
+            raise ConfigError(str(exc)) from None
         target_device = as_torch_device(device) if device is not None else model.device
         target_dtype = dtype or model.dtype
         if model.device != target_device or model.dtype != target_dtype:

@@ -139,6 +139,28 @@ def _tune(rank: int, strategy: str, costs: dict, fail: frozenset, path: str, gro
     }
 
 
+def _look_up_after_caches_differ(rank: int, case: str, tmp: str) -> dict:
+    """Rank 0's cache file holds picks it tuned alone; rank 1's holds none (``missing``) or its
+    own, other picks (``differs``). Then both look up every bucket under ``agree``."""
+    path = f"{tmp}/align-{case}-{rank}.json"
+    if rank == 0 or case == "differs":
+        clock = Clock()
+        alone = AutoTuner(ClockTimer(clock))
+        with autotune(path, alone, distributed="independent"):
+            for rows in BUCKETS:
+                alone.choose_one(
+                    "op", [RankRunner(SPLIT_COSTS[rank], clock)], CONFIG, [torch.zeros(rows, 8)]
+                )
+    clock = Clock()
+    runner = RankRunner(SPLIT_COSTS[rank], clock)
+    tuner = AutoTuner(ClockTimer(clock))
+    with autotune(path, tuner, distributed="agree"):
+        picks = [
+            tuner.choose_one("op", [runner], CONFIG, [torch.zeros(rows, 8)])[1] for rows in BUCKETS
+        ]
+    return {"picks": picks, "timed": sorted(set(runner.log))}
+
+
 def _worker(rank: int, init: str, tmp: str, results) -> None:
     import torch.distributed as dist
 
@@ -161,6 +183,8 @@ def _worker(rank: int, init: str, tmp: str, results) -> None:
                     rank, strategy, FAIL_COSTS, fail, f"{tmp}/fail-{strategy}-{rank}.json", group
                 )
                 out[f"noisy/{strategy}"] = _tune_noisy(rank, strategy, group)
+            for case in ("missing", "differs"):
+                out[f"align/{case}"] = _look_up_after_caches_differ(rank, case, tmp)
             # Ranks tuning different shapes: every rank raises instead of hanging.
             try:
                 clock = Clock()
@@ -308,6 +332,15 @@ def test_saved_cache_records_strategy_and_world_size(ranks) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("case", ["missing", "differs"])
+def test_ranks_whose_caches_differ_look_up_the_lowest_ranks_picks(ranks, case) -> None:
+    # Without aligning the caches, "missing" hangs both ranks (rank 1 alone enters the tuning
+    # collectives) and "differs" runs tactic 1 on rank 0 and tactic 2 on rank 1.
+    a, b = (r[f"align/{case}"] for r in ranks)
+    assert a["picks"] == b["picks"] == [1, 1, 1]  # what rank 0 tuned alone
+    assert a["timed"] == b["timed"] == []  # nothing was tuned again
+
+
 def test_ranks_tuning_different_shapes_all_raise(ranks) -> None:
     for rank in ranks:
         assert "tuning other profiles than rank 0" in rank["mismatch"]

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from os import PathLike
 
 from graphtune import env
-from graphtune.autotuner.distributed import DistributedTuning
+from graphtune.autotuner.distributed import DistributedTuning, align_cache
 from graphtune.autotuner.tuner import SUMMARY_COLUMNS, AutoTuner
 from graphtune.errors import CacheFileError
 from graphtune.reporting import render_table
@@ -55,7 +55,9 @@ def autotune(
             when that is unset too).
 
     Yields:
-        The tuner, in tuning mode (cache-only: not in tuning mode).
+        The tuner, in tuning mode (cache-only: not in tuning mode). With a collective distributed
+        strategy every rank's cache is the same one first
+        (:func:`~graphtune.autotuner.distributed.align_cache`).
     """
     tuner = tuner if tuner is not None else get_tuner()
     path = cache_path if cache_path is not None else env.default_cache_path()
@@ -66,6 +68,7 @@ def autotune(
     previous, previous_dist = tuner.tuning_mode, tuner.distributed
     if distributed is not None:
         tuner.distributed = DistributedTuning.resolve(distributed)
+    align_cache(tuner.cache, tuner.distributed)  # ranks that looked up different caches would hang
     first_row = len(tuner.summary_rows())
     tuner.tuning_mode = tuning
     try:

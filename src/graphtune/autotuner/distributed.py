@@ -23,13 +23,18 @@ order, which is also the tie-break order). A tactic that fails on one rank contr
 must stop (a tactic corrupted its CUDA context) still joins the profile's collective with an abort
 flag, and then every rank raises, instead of the others waiting forever.
 
-Every rank must make the same ``choose_one`` calls in the same order, starting from the same cache
-(the same cache file, or none): a shape found in one rank's cache but not another's makes only the
-latter enter the collectives. The process group's timeout then turns that hang into an error.
+Every rank must make the same ``choose_one`` calls in the same order, starting from the same
+cache: a shape found in one rank's cache but not another's would make only the latter enter the
+collectives and wait there forever, and ranks holding different picks would run different kernels.
+So :func:`align_cache` makes the ranks' caches one before any look-up (``autotune()`` calls it
+after loading the file, the engine after loading its cache): every rank gets the entries it lacks
+from the others, and where ranks hold different picks for one key the lowest rank's wins.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -38,7 +43,8 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from graphtune.autotuner.entries import CacheKey, tactic_text
+from graphtune.autotuner.cache import TuningCache
+from graphtune.autotuner.entries import CacheEntry, CacheKey, tactic_text
 from graphtune.errors import ConfigError, DistributedError, TuningError
 
 logger = logging.getLogger(__name__)
@@ -305,6 +311,55 @@ class OpCoordinator:
         for position, cand in enumerate(chosen):
             cand.tactic_index = position
         return chosen
+
+
+def align_cache(cache: TuningCache, setting: DistributedTuning | None) -> None:
+    """Makes every rank's cache the same: the union of the ranks' entries, the lowest rank's
+    pick where they differ (a collective strategy only; see the module docstring). Costs one
+    small ``all_gather_object`` when the caches already agree, two when they do not.
+
+    Raises:
+        DistributedError: A collective strategy without an initialised process group.
+    """
+    if setting is None or not setting.collective:
+        return
+    rank, world = setting.rank_and_world()
+    if world == 1:
+        return
+    entries = dict(cache.items())
+    digest = hashlib.sha256(
+        json.dumps(
+            sorted(
+                json.dumps([k.to_json(), e.to_json()], sort_keys=True) for k, e in entries.items()
+            )
+        ).encode()
+    ).hexdigest()
+    digests: list[Any] = [None] * world
+    torch.distributed.all_gather_object(digests, digest, group=setting.group)
+    if len(set(digests)) == 1:
+        return
+    views: list[Any] = [None] * world
+    torch.distributed.all_gather_object(views, entries, group=setting.group)
+    merged: dict[CacheKey, CacheEntry] = {}
+    for view in reversed(views):  # the lowest rank's entry is written last: it wins
+        merged.update(view)
+    added = [k for k in merged if k not in entries]
+    replaced = [
+        k
+        for k, e in entries.items()
+        if (merged[k].runner_id, tactic_text(merged[k].tactic))
+        != (e.runner_id, tactic_text(e.tactic))
+    ]
+    if added or replaced:
+        logger.warning(
+            "rank %d's tuning cache differed from the other ranks': it takes %d entries it lacked "
+            "and the lowest rank's pick for %d shapes it held another pick for, so every rank "
+            "looks up the same picks and runs the same kernels",
+            rank,
+            len(added),
+            len(replaced),
+        )
+    cache.update(merged)
 
 
 def _collective_device(group: Any) -> torch.device:

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from graphtune.autotuner import AutoTuner, DistributedTuning, autotune
+from graphtune.autotuner.distributed import align_cache
 from graphtune.engine.build import (
     RUNNERS,
     build_prefill_runner,
@@ -236,6 +237,7 @@ class Engine:
             )
         if not tune and cache_path is not None:
             tuner.cache.load(cache_path)
+            align_cache(tuner.cache, tuner.distributed)  # every shard looks up the same picks
         return tuner
 
     @property

@@ -26,7 +26,8 @@ Variables (all optional):
 * ``GRAPHTUNE_COMMIT``: the source commit recorded in benchmark results when the tree being run has
   no ``.git`` (for example a copy shipped to a GPU machine).
 * ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``: set by ``torchrun``; read for ``--tp N`` (the process
-  group itself is initialised by ``torch.distributed`` from ``MASTER_ADDR``/``MASTER_PORT``).
+  group itself is initialised by ``torch.distributed`` from ``MASTER_ADDR``/``MASTER_PORT``,
+  whose presence is checked first: :func:`missing_rendezvous`).
 
 Values are read when the function is called, never at import time.
 """
@@ -106,16 +107,45 @@ def compile_processes() -> int | None:
 
 
 def torchrun_rank() -> tuple[int, int] | None:
-    """Returns ``(rank, world_size)`` when launched by torchrun, else ``None``."""
+    """Returns ``(rank, world_size)`` when launched by torchrun, else ``None``.
+
+    Raises:
+        ConfigError: A value that is not an integer, or a rank outside ``[0, WORLD_SIZE)``.
+    """
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        rank, world = _launch_int("RANK"), _launch_int("WORLD_SIZE")
+        if not 0 <= rank < world:
+            raise ConfigError(
+                f"RANK={rank} is not a rank of WORLD_SIZE={world} (0 to {world - 1}); launch with "
+                "torchrun, which sets both"
+            )
+        return rank, world
     return None
 
 
 def torchrun_local_rank() -> int | None:
-    """Returns torchrun's ``LOCAL_RANK`` (this process's GPU index on its host), else ``None``."""
-    value = os.environ.get("LOCAL_RANK", "").strip()
-    return int(value) if value else None
+    """Returns torchrun's ``LOCAL_RANK`` (this process's GPU index on its host), else ``None``.
+
+    Raises:
+        ConfigError: A value that is not a non-negative integer.
+    """
+    return _launch_int("LOCAL_RANK") if os.environ.get("LOCAL_RANK", "").strip() else None
+
+
+def missing_rendezvous() -> list[str]:
+    """The variables of torch.distributed's ``env://`` rendezvous that are not set (torchrun
+    sets ``MASTER_ADDR`` and ``MASTER_PORT``; a hand-made launch must too)."""
+    return [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
+
+
+def _launch_int(name: str) -> int:
+    value = os.environ[name].strip()
+    if not value.isdigit():
+        raise ConfigError(
+            f"environment variable {name}={os.environ[name]!r} must be a non-negative integer; "
+            "launch with torchrun, which sets it"
+        )
+    return int(value)
 
 
 def source_commit() -> str | None:

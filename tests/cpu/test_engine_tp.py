@@ -16,7 +16,6 @@ from typing import Any
 import pytest
 import torch
 
-from graphtune.autotuner import AutoTuner
 from graphtune.engine import Engine, KVCache, SamplingParams, load_model, prefill
 from graphtune.engine.parallel import (
     ParallelContext,
@@ -295,10 +294,6 @@ def test_shard_layout_and_misuse() -> None:
     cache = KVCache(shard.config, 1, 16)
     with pytest.raises(ConfigError, match="TensorParallelDecodeStep"):
         DecodeStep(shard, cache)
-    with pytest.raises(ConfigError, match="rank-consistent"):
-        Engine(
-            shard, runner="eager", max_batch_size=1, max_seq_len=16, tune=True, tuner=AutoTuner()
-        )
     with pytest.raises(ConfigError, match="all_reduce_backend"):
         ParallelContext(None, 0, 2, all_reduce_backend="mpi")
     with pytest.raises(ConfigError, match="sharded model"):

@@ -45,6 +45,14 @@ def start_tensor_parallel(args: argparse.Namespace, device: Any) -> tuple[Any, A
     if args.tp < 1:
         raise ConfigError(f"--tp must be >= 1, got {args.tp}")
     if args.tp == 1:
+        from graphtune import env
+
+        launched = env.torchrun_rank()
+        if launched is not None and launched[1] > 1:
+            raise ConfigError(
+                f"{launched[1]} processes were started (WORLD_SIZE) but --tp is 1: each would run "
+                f"the whole model and write the same files; pass --tp {launched[1]}, or start one"
+            )
         if args.all_reduce != "auto":
             raise ConfigError(
                 f"--all-reduce {args.all_reduce} picks the all-reduce of a tensor-parallel step; "

@@ -47,6 +47,7 @@ from graphtune.engine.prefill import (
 from graphtune.engine.requests import (
     LiveRequest,
     RequestFailure,
+    check_same_requests,
     check_step_inputs,
     token_id,
     validate_request,
@@ -156,6 +157,20 @@ class Engine:
         self.model = model
         self.config = model.config
         self.device = target_device
+        if model.parallel is not None:
+            model.parallel.check_ready()
+            model.parallel.check_same_on_ranks(
+                "Engine(...)",
+                {
+                    "model": model.config,
+                    "weights": model.embed[:2, :4].float().tolist(),  # a seed's or file's mark
+                    "dtype": target_dtype,
+                    "max_batch_size": max_batch_size,
+                    "max_seq_len": max_seq_len,
+                    "runners": (runner, prefill_runner, max_prefill_tokens),
+                    "tune": (tune, tuning_cache is not None),
+                },
+            )
         self.max_seq_len = aligned_seq_len(max_seq_len)
         self._request_limit = max_seq_len  # requests keep to the caller's number, not the cache's
         if max_prefill_tokens is None:
@@ -381,6 +396,8 @@ class Engine:
                     f"stop_token_ids {outside[:5]} are outside [0, {self.config.vocab_size}) "
                     "and could never stop a request; check they come from this model's tokenizer"
                 )
+        if self.model.parallel is not None:
+            check_same_requests(self.model.parallel, requests, sampling, stops)
         generator = None
         if not sampling.greedy:
             generator = torch.Generator(device=self.device)

@@ -29,6 +29,7 @@ At ``tp=1`` nothing here runs: :func:`shard_model` is never called, the model's 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -41,7 +42,7 @@ from graphtune.engine.config import ModelConfig
 from graphtune.engine.kv_cache import KVCache
 from graphtune.engine.model import DecoderModel
 from graphtune.engine.step import DecodeStep
-from graphtune.errors import ConfigError
+from graphtune.errors import ConfigError, DistributedError
 from graphtune.ops.context import OpContext
 
 logger = logging.getLogger(__name__)
@@ -81,6 +82,55 @@ class ParallelContext:
         if not 0 <= self.rank < self.world_size:
             raise ConfigError(
                 f"ParallelContext.rank must be in [0, {self.world_size}), got {self.rank}"
+            )
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized():
+            # Two processes claiming one rank, or a degree other than the group's, would
+            # all-reduce the wrong shards together: wrong tokens, no error.
+            actual = (dist.get_rank(self.group), dist.get_world_size(self.group))
+            if actual != (self.rank, self.world_size):
+                raise ConfigError(
+                    f"ParallelContext(rank={self.rank}, world_size={self.world_size}) but this "
+                    f"process is rank {actual[0]} of {actual[1]} in its group (-1: not in it); "
+                    "use ParallelContext.from_group(group)"
+                )
+
+    def check_ready(self) -> None:
+        """Checks that the group the shard's all-reduces run on exists (an Engine runs them).
+
+        Raises:
+            ConfigError: ``world_size > 1`` and no ``torch.distributed`` group is initialised.
+        """
+        dist = torch.distributed
+        if self.world_size > 1 and not (dist.is_available() and dist.is_initialized()):
+            raise ConfigError(
+                f"a tensor-parallel shard (rank {self.rank} of {self.world_size}) needs the "
+                "torch.distributed group its all-reduces run on: call init_process_group first "
+                "(torchrun sets its environment)"
+            )
+
+    def check_same_on_ranks(self, what: str, values: dict[str, Any]) -> None:
+        """Checks that every rank passes equal ``values`` (one ``all_gather_object`` of their
+        digests): a tensor-parallel step needs the same requests, limits and sampling on every
+        rank, or the ranks' collectives pair up different work (wrong tokens, a hang or an
+        abort in the collective library).
+
+        Raises:
+            DistributedError: A value differs; the message names it and the ranks.
+        """
+        mine = {name: hashlib.sha256(repr(v).encode()).hexdigest() for name, v in values.items()}
+        views: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(views, mine, group=self.group)
+        differ = {
+            name: [r for r, view in enumerate(views) if view[name] != views[0][name]]
+            for name in mine
+        }
+        differ = {name: ranks for name, ranks in differ.items() if ranks}
+        if differ:
+            listed = "; ".join(f"{name} on ranks {ranks}" for name, ranks in differ.items())
+            raise DistributedError(
+                f"{what}: every tensor-parallel rank must pass the same arguments, but these "
+                f"differ from rank 0's: {listed}"
             )
 
     @classmethod
@@ -360,8 +410,20 @@ def init_from_torchrun(
     else:
         backend = "gloo"
     if not dist.is_initialized():
+        missing = env.missing_rendezvous()
+        if missing:
+            raise ConfigError(
+                f"--tp {tp}: {' and '.join(missing)} not set, so the ranks cannot meet; launch "
+                "with torchrun, which sets them"
+            )
         kwargs: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
-        dist.init_process_group(backend, rank=rank, world_size=world, **kwargs)
+        try:
+            dist.init_process_group(backend, rank=rank, world_size=world, **kwargs)
+        except dist.DistNetworkError as exc:  # a port in use, an address not reachable
+            raise ConfigError(
+                f"--tp {tp}: the ranks could not meet at MASTER_ADDR:MASTER_PORT ({exc}); pick a "
+                "free port (torchrun --master-port) or check the address"
+            ) from None
     logger.info("rank %d/%d: %s process group on %s", rank, world, backend, device)
     return ParallelContext(dist.group.WORLD, rank, world, all_reduce_backend), device
 

@@ -1,5 +1,6 @@
 """What the engine keeps per request, and its checks of what a caller passes in: a request of
-``Engine.generate`` (:func:`validate_request`) and the inputs of ``Engine.step``
+``Engine.generate`` (:func:`validate_request`; on tensor-parallel ranks, that every rank passes
+the same ones: :func:`check_same_requests`) and the inputs of ``Engine.step``
 (:func:`check_step_inputs`)."""
 
 from __future__ import annotations
@@ -73,6 +74,26 @@ def validate_request(
             f"than the KV cache holds per request (max_seq_len={max_seq_len}); shorten "
             "the prompt, ask for fewer tokens or build the Engine with a larger max_seq_len"
         )
+
+
+def check_same_requests(
+    parallel: Any, requests: list[LiveRequest], sampling: Any, stops: set[int]
+) -> None:
+    """Checks that every tensor-parallel rank generates for the same requests
+    (:meth:`~graphtune.engine.parallel.ParallelContext.check_same_on_ranks`).
+
+    Raises:
+        DistributedError: The prompts, limits, sampling or stop ids differ between ranks.
+    """
+    parallel.check_same_on_ranks(
+        "Engine.generate",
+        {
+            "prompts": [r.prompt for r in requests],
+            "max_new_tokens": [r.max_new_tokens for r in requests],
+            "sampling": sampling,
+            "stop_token_ids": sorted(stops),
+        },
+    )
 
 
 def token_id(value: Any, what: str) -> int:

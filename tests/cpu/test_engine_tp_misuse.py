@@ -1,0 +1,176 @@
+"""Tensor-parallel misuse is a one-line error, never a hang or a silent wrong answer: ranks that
+pass different arguments, a context that disagrees with its process group, a shard without a
+group, and launches whose environment is wrong.
+
+One pair of ``spawn`` workers over gloo runs the multi-process cases; each case ends with no rank
+inside a collective, so one failing case cannot hang the next.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import queue
+import traceback
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from graphtune import env
+from graphtune.autotuner import AutoTuner
+from graphtune.engine import Engine, load_model
+from graphtune.engine.parallel import ParallelContext, shard_model
+from graphtune.errors import ConfigError, DistributedError
+
+WORLD = 2
+
+
+def _outcome(fn: Any) -> str:
+    try:
+        fn()
+    except (ConfigError, DistributedError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "ok"
+
+
+def _cases(rank: int) -> dict[str, str]:
+    parallel = ParallelContext.from_group()
+    shard = load_model("tiny", seed=3, parallel=parallel)
+    engine = Engine(shard, runner="eager", max_batch_size=2, max_seq_len=32)
+    prompt = [1, 2, 3] if rank == 0 else [1, 2, 4]  # one token apart: same shapes, other tokens
+    return {
+        "same requests": _outcome(lambda: engine.generate([[1, 2, 3]], 3)),
+        "other prompt": _outcome(lambda: engine.generate([prompt], 3)),
+        "other limit": _outcome(lambda: engine.generate([[1, 2, 3]], 3 + rank)),
+        "other engine": _outcome(
+            lambda: Engine(shard, runner="eager", max_batch_size=1 + rank, max_seq_len=32)
+        ),
+        "other weights": _outcome(
+            lambda: Engine(
+                load_model("tiny", seed=rank, parallel=parallel), runner="eager", max_batch_size=1
+            )
+        ),
+        "tuner of one rank": _outcome(
+            lambda: Engine(shard, runner="eager", max_batch_size=1, tune=True, tuner=AutoTuner())
+        ),
+        # Both processes claim rank 0 (no collective: rank 0's context is right).
+        "claimed rank": _outcome(lambda: ParallelContext(None, 0, WORLD)),
+        "claimed degree": _outcome(lambda: ParallelContext(None, rank, 4)),
+    }
+
+
+def _worker(rank: int, store_path: str, results: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        store = dist.FileStore(store_path, WORLD)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
+        try:
+            results.put((rank, _cases(rank)))
+        finally:
+            dist.destroy_process_group()
+    except Exception:  # report any failure to the parent instead of hanging it
+        results.put((rank, traceback.format_exc()))
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Any]:
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    store = str(Path(tmp_path_factory.mktemp("tp-misuse")) / "store")
+    procs = [ctx.Process(target=_worker, args=(r, store, results)) for r in range(WORLD)]
+    interpret = os.environ.pop("TRITON_INTERPRET", None)  # see test_engine_tp.tp_results
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        if interpret is not None:
+            os.environ["TRITON_INTERPRET"] = interpret
+    got: dict[int, Any] = {}
+    try:
+        for _ in range(WORLD):
+            rank, value = results.get(timeout=120)
+            got[rank] = value
+    except queue.Empty:
+        pytest.fail(f"ranks hung: only {sorted(got)} reported within 120 s")
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    for rank, value in got.items():
+        assert not isinstance(value, str), f"rank {rank} failed:\n{value}"
+    return got
+
+
+@pytest.mark.parametrize(
+    "case, differs",
+    [
+        ("other prompt", "prompts"),
+        ("other limit", "max_new_tokens"),
+        ("other engine", "max_batch_size"),
+        ("other weights", "weights"),
+    ],
+)
+def test_ranks_passing_different_arguments_all_raise_naming_them(outcomes, case, differs):
+    for rank in range(WORLD):
+        assert outcomes[rank]["same requests"] == "ok"
+        message = outcomes[rank][case]
+        assert message.startswith("DistributedError") and f"{differs} on ranks [1]" in message
+
+
+def test_tuning_a_shard_needs_a_rank_consistent_tuner(outcomes):
+    for rank in range(WORLD):
+        assert "rank-consistent" in outcomes[rank]["tuner of one rank"]
+
+
+def test_a_context_that_disagrees_with_its_group_is_refused(outcomes):
+    assert outcomes[0]["claimed rank"] == "ok"
+    assert "this process is rank 1 of 2" in outcomes[1]["claimed rank"]
+    for rank in range(WORLD):
+        assert "world_size=4" in outcomes[rank]["claimed degree"]
+
+
+def test_a_shard_without_a_process_group_is_refused_by_the_engine():
+    shard = shard_model(load_model("tiny"), ParallelContext(None, 0, WORLD))
+    with pytest.raises(ConfigError, match="init_process_group"):
+        Engine(shard, runner="eager", max_batch_size=1, max_seq_len=16)
+
+
+@pytest.mark.parametrize(
+    "variables, message",
+    [
+        ({"RANK": "abc", "WORLD_SIZE": "2"}, "RANK='abc' must be a non-negative integer"),
+        ({"RANK": "", "WORLD_SIZE": ""}, "RANK='' must be a non-negative integer"),
+        ({"RANK": "5", "WORLD_SIZE": "2"}, "RANK=5 is not a rank of WORLD_SIZE=2"),
+        ({"RANK": "-1", "WORLD_SIZE": "2"}, "RANK='-1' must be a non-negative integer"),
+    ],
+)
+def test_a_launch_environment_that_is_wrong_is_named(monkeypatch, variables, message):
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match=message):
+        env.torchrun_rank()
+
+
+def test_cli_refuses_launches_that_would_hang_or_repeat_work(monkeypatch, capsys):
+    from graphtune.cli.main import main
+
+    args = ["generate", "--model", "tiny", "--prompt-ids", "1", "--device", "cpu"]
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    # Two processes and --tp 1: each would run the whole model and write the same files.
+    assert main(args) == 1
+    assert "but --tp is 1" in capsys.readouterr().err
+    # --tp 2 without the rendezvous address: the ranks could never meet.
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    assert main([*args, "--tp", "2"]) == 1
+    assert "MASTER_ADDR and MASTER_PORT not set" in capsys.readouterr().err
+    monkeypatch.setenv("LOCAL_RANK", "x")
+    with pytest.raises(ConfigError, match="LOCAL_RANK='x'"):
+        env.torchrun_local_rank()

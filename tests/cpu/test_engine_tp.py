@@ -6,15 +6,13 @@ compares its TP=2 results with a whole TP=1 model it builds itself from the same
 
 from __future__ import annotations
 
-import multiprocessing
 import os
-import queue
-import traceback
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from gloo_ranks import run_on_ranks
 
 from graphtune.engine import Engine, KVCache, SamplingParams, load_model, prefill
 from graphtune.engine.parallel import (
@@ -175,55 +173,14 @@ def _compare(preset: str, parallel: ParallelContext) -> dict[str, Any]:
     return out
 
 
-def _worker(rank: int, store_path: str, results: Any) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)  # two ranks share the CPU; oversubscription slows gloo a lot
-    try:
-        store = dist.FileStore(store_path, WORLD)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
-        try:
-            parallel = ParallelContext.from_group()
-            presets = ("tiny", "qwen2-tiny", "qwen3-tiny")
-            results.put((rank, {p: _compare(p, parallel) for p in presets}))
-        finally:
-            dist.destroy_process_group()
-    except Exception:  # report any failure to the parent instead of hanging it
-        results.put((rank, traceback.format_exc()))
+def _compare_presets(rank: int) -> dict[str, Any]:
+    parallel = ParallelContext.from_group()
+    return {p: _compare(p, parallel) for p in ("tiny", "qwen2-tiny", "qwen3-tiny")}
 
 
 @pytest.fixture(scope="module")
 def tp_results(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Any]:
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    store = str(Path(tmp_path_factory.mktemp("tp")) / "store")
-    procs = [ctx.Process(target=_worker, args=(r, store, results)) for r in range(WORLD)]
-    # Other test modules turn on Triton's interpreter for this process; the workers tune on the
-    # CPU, where interpreted Triton tactics would take minutes: start them without it.
-    interpret = os.environ.pop("TRITON_INTERPRET", None)
-    try:
-        for p in procs:
-            p.start()
-    finally:
-        if interpret is not None:
-            os.environ["TRITON_INTERPRET"] = interpret
-    got: dict[int, Any] = {}
-    try:
-        for _ in range(WORLD):
-            rank, value = results.get(timeout=120)
-            got[rank] = value
-    except queue.Empty:
-        pytest.fail(f"TP workers did not report within 120 s (got ranks {sorted(got)})")
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-    for rank, value in got.items():
-        assert not isinstance(value, str), f"rank {rank} failed:\n{value}"
-    assert all(p.exitcode == 0 for p in procs)
-    return got
+    return run_on_ranks(_compare_presets, WORLD, tmp_path_factory.mktemp("tp"))
 
 
 @pytest.mark.parametrize("preset", ["tiny", "qwen2-tiny", "qwen3-tiny"])

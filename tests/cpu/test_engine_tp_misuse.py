@@ -8,14 +8,10 @@ inside a collective, so one failing case cannot hang the next.
 
 from __future__ import annotations
 
-import multiprocessing
-import os
-import queue
-import traceback
-from pathlib import Path
 from typing import Any
 
 import pytest
+from gloo_ranks import run_on_ranks
 
 from graphtune import env
 from graphtune.autotuner import AutoTuner
@@ -60,51 +56,9 @@ def _cases(rank: int) -> dict[str, str]:
     }
 
 
-def _worker(rank: int, store_path: str, results: Any) -> None:
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    try:
-        store = dist.FileStore(store_path, WORLD)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
-        try:
-            results.put((rank, _cases(rank)))
-        finally:
-            dist.destroy_process_group()
-    except Exception:  # report any failure to the parent instead of hanging it
-        results.put((rank, traceback.format_exc()))
-
-
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Any]:
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    store = str(Path(tmp_path_factory.mktemp("tp-misuse")) / "store")
-    procs = [ctx.Process(target=_worker, args=(r, store, results)) for r in range(WORLD)]
-    interpret = os.environ.pop("TRITON_INTERPRET", None)  # see test_engine_tp.tp_results
-    try:
-        for p in procs:
-            p.start()
-    finally:
-        if interpret is not None:
-            os.environ["TRITON_INTERPRET"] = interpret
-    got: dict[int, Any] = {}
-    try:
-        for _ in range(WORLD):
-            rank, value = results.get(timeout=120)
-            got[rank] = value
-    except queue.Empty:
-        pytest.fail(f"ranks hung: only {sorted(got)} reported within 120 s")
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-    for rank, value in got.items():
-        assert not isinstance(value, str), f"rank {rank} failed:\n{value}"
-    return got
+    return run_on_ranks(_cases, WORLD, tmp_path_factory.mktemp("tp-misuse"))
 
 
 @pytest.mark.parametrize(

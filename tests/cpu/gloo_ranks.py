@@ -1,0 +1,69 @@
+"""Runs a function in several ``spawn`` processes joined by one gloo process group, for the
+tensor-parallel tests (``test_engine_tp.py``, ``test_engine_tp_misuse.py``)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import queue
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+def _worker(fn: Callable[[int], Any], rank: int, world: int, store: str, results: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # the ranks share the CPU; oversubscription slows gloo a lot
+    try:
+        dist.init_process_group(
+            "gloo", store=dist.FileStore(store, world), rank=rank, world_size=world
+        )
+        try:
+            results.put((rank, fn(rank)))
+        finally:
+            dist.destroy_process_group()
+    except Exception:  # report any failure to the parent instead of hanging it
+        results.put((rank, traceback.format_exc()))
+
+
+def run_on_ranks(
+    fn: Callable[[int], Any], world: int, folder: Path, timeout: float = 120.0
+) -> dict[int, Any]:
+    """``fn(rank)`` on ``world`` ranks (``fn`` must be importable by a spawned process); returns
+    each rank's result, failing the test with a rank's traceback or when one does not report
+    within ``timeout`` seconds (a collective some rank never reached)."""
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    store = str(folder / "store")
+    procs = [ctx.Process(target=_worker, args=(fn, r, world, store, results)) for r in range(world)]
+    # Other test modules turn on Triton's interpreter for this process; the ranks may tune on
+    # the CPU, where interpreted Triton tactics would take minutes: start them without it.
+    interpret = os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        if interpret is not None:
+            os.environ["TRITON_INTERPRET"] = interpret
+    got: dict[int, Any] = {}
+    try:
+        for _ in range(world):
+            rank, value = results.get(timeout=timeout)
+            got[rank] = value
+    except queue.Empty:
+        pytest.fail(f"ranks hung: only {sorted(got)} reported within {timeout:.0f} s")
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    for rank, value in got.items():
+        assert not isinstance(value, str), f"rank {rank} failed:\n{value}"
+    assert all(p.exitcode == 0 for p in procs)
+    return got

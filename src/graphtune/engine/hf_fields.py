@@ -275,7 +275,7 @@ def sliding_window(arch: str, cfg: Mapping[str, Any]) -> int | None:
     if arch not in ("mistral", "mixtral") or cfg.get("sliding_window") is None:
         return None
     kinds = cfg.get("layer_types") if arch == "mistral" else None
-    if kinds and kinds[0] == "full_attention":
+    if kinds and "sliding_attention" not in kinds:
         return None
     return hf_int(cfg, "sliding_window")
 

@@ -108,11 +108,14 @@ class Engine:
     engine builds :class:`~graphtune.engine.parallel.TensorParallelDecodeStep` for such a model.
     With ``tune=True`` a shard tunes its own (sharded) op shapes with the ``agree`` strategy
     over the model's group (every rank times every candidate, the slowest rank's time counts),
-    so all ranks run the same kernels; a given ``tuner`` must have a collective strategy.
+    so all ranks run the same kernels; a given ``tuner`` must have a collective strategy. The
+    construction and every ``generate`` check that the ranks passed the same arguments.
 
     Raises:
         ConfigError: Unknown runner, sizes out of range, ``tune=True`` on a shard with a tuner
-            that is not rank-consistent, or a memory budget in which not one KV slot fits.
+            that is not rank-consistent, a shard without an initialised process group, or a
+            memory budget in which not one KV slot fits.
+        DistributedError: Tensor-parallel ranks passed different arguments (named).
     """
 
     def __init__(

@@ -60,6 +60,29 @@ def test_misses_record_shapes_strides_dtypes_scalars_and_counts(tmp_path) -> Non
     assert loaded.count == 6 and loaded == CallRecord.from_json(loaded.to_json())
 
 
+def test_misses_keep_dtypes_and_devices_and_never_fail_the_call(tmp_path, caplog) -> None:
+    import enum
+
+    config = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0, (1, 4)),))
+    tuner = AutoTuner(show_progress=False)
+    x = torch.randn(4, 3)
+    args = dict(out_dtype=torch.float16, where=torch.device("cpu"))
+    assert tuner.choose_one("op", [Plain()], config, [x, torch.bfloat16], **args)[1] == -1
+    (record,) = tuner.misses.records()
+    assert record.call_kwargs() == args and record.make_inputs()[1] is torch.bfloat16
+    assert CallRecord.from_json(json.loads(json.dumps(record.to_json()))) == record
+
+    class Act(enum.Enum):
+        SILU = 1
+
+    # An argument no file can describe: the call still runs the fallback, the miss is counted
+    # and left out of the record, with one warning.
+    for _ in range(2):
+        assert tuner.choose_one("other", [Plain()], config, [x], act=Act.SILU)[1] == -1
+    assert len(tuner.misses) == 1 and tuner.stats.fallbacks["other"] == 2
+    assert caplog.text.count("is not recorded for `graphtune tune --from-misses`") == 1
+
+
 @pytest.mark.parametrize(
     "text, match",
     [

@@ -17,6 +17,7 @@ and bool tensors, which the config's ``inputs_pre_hook`` must make valid when th
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -31,6 +32,8 @@ from graphtune.autotuner.config import TuningConfig
 from graphtune.autotuner.entries import CacheKey
 from graphtune.autotuner.values import decode_value, encode_value
 from graphtune.errors import CacheFileError, ConfigError, InputError
+
+logger = logging.getLogger(__name__)
 
 MISSES_FORMAT = "graphtune-misses"
 MISSES_VERSION = 1
@@ -240,14 +243,27 @@ class MissLog:
 
     def __init__(self) -> None:
         self._records: dict[CacheKey, CallRecord] = {}
+        self._unrecordable: set[str] = set()
         self._lock = threading.Lock()
 
     def add(self, key: CacheKey, make: Callable[[], CallRecord]) -> None:
-        """Counts a miss of ``key``; ``make`` builds its record the first time only."""
+        """Counts a miss of ``key``; ``make`` builds its record the first time only. A call the
+        file cannot describe (an argument JSON cannot hold) is left out with one warning per op:
+        a miss must never fail the call that missed."""
         with self._lock:
             found = self._records.get(key)
             if found is None:
-                self._records[key] = make()
+                try:
+                    self._records[key] = make()
+                except (TypeError, ValueError) as exc:
+                    if key.op not in self._unrecordable:
+                        self._unrecordable.add(key.op)
+                        logger.warning(
+                            "op %r: a missed call is not recorded for `graphtune tune "
+                            "--from-misses` (%s); tune it in the workload instead",
+                            key.op,
+                            exc,
+                        )
             else:
                 self._records[key] = _with_count(found, found.count + 1)
 

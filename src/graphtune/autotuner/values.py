@@ -2,11 +2,13 @@
 
 Two encodings, for two jobs:
 
-* :func:`encode_value` / :func:`decode_value` keep a tactic's Python type through a JSON file: a
-  tuple comes back a tuple, an int an int, a float a float, a dict with non-string keys a dict with
-  those keys. JSON has lists and string-keyed objects only, so a tuple is written
-  ``{"__tuple__": [...]}`` and a dict whose keys are not all plain strings (or that could be read
-  as such a tag) ``{"__dict__": [[key, value], ...]}``. Every other value is written as itself.
+* :func:`encode_value` / :func:`decode_value` keep a tactic's (or a recorded call's argument's)
+  Python type through a JSON file: a tuple comes back a tuple, an int an int, a float a float, a
+  dict with non-string keys a dict with those keys, a ``torch.dtype`` or ``torch.device`` itself.
+  JSON has lists and string-keyed objects only, so a tuple is written ``{"__tuple__": [...]}``, a
+  dict whose keys are not all plain strings (or that could be read as such a tag)
+  ``{"__dict__": [[key, value], ...]}``, a dtype ``{"__dtype__": "float16"}`` and a device
+  ``{"__device__": "cuda:0"}``. Every other value is written as itself.
 * :func:`identity_value` turns configuration (a runner's attributes, ``choose_one`` keyword
   arguments) into canonical JSON for a cache key. It accepts only values whose text is the same
   in every process: ``None``, bools, ints, finite floats, strings, tuples and lists, dicts with
@@ -29,6 +31,9 @@ from graphtune.errors import ConfigError
 
 _TUPLE = "__tuple__"
 _DICT = "__dict__"
+_DTYPE = "__dtype__"
+_DEVICE = "__device__"
+_TAGS = (_TUPLE, _DICT, _DTYPE, _DEVICE)
 
 
 class IdentityError(ConfigError):
@@ -53,16 +58,20 @@ def encode_value(value: Any) -> Any:
         return {_TUPLE: [encode_value(v) for v in value]}
     if isinstance(value, list):
         return [encode_value(v) for v in value]
+    if isinstance(value, torch.dtype):
+        return {_DTYPE: str(value).removeprefix("torch.")}
+    if isinstance(value, torch.device):
+        return {_DEVICE: str(value)}
     if isinstance(value, dict):
         plain = all(isinstance(k, str) for k in value) and not (
-            len(value) == 1 and next(iter(value)) in (_TUPLE, _DICT)
+            len(value) == 1 and next(iter(value)) in _TAGS
         )
         if plain:
             return {k: encode_value(v) for k, v in value.items()}
         return {_DICT: [[encode_value(k), encode_value(v)] for k, v in value.items()]}
     raise TypeError(
         f"{type(value).__name__} {value!r} is not a JSON value; tactics must be None, bools, "
-        "ints, floats, strings, tuples, lists or dicts of those"
+        "ints, floats, strings, torch dtypes or devices, tuples, lists or dicts of those"
     )
 
 
@@ -76,6 +85,16 @@ def decode_value(data: Any) -> Any:
             if not isinstance(items, list):
                 raise ValueError(f"malformed tuple {data!r}")
             return tuple(decode_value(v) for v in items)
+        if len(data) == 1 and _DTYPE in data:
+            dtype = getattr(torch, str(data[_DTYPE]), None)
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"unknown torch dtype {data!r}")
+            return dtype
+        if len(data) == 1 and _DEVICE in data:
+            try:
+                return torch.device(str(data[_DEVICE]))
+            except RuntimeError as exc:
+                raise ValueError(f"unknown torch device {data!r}: {exc}") from None
         if len(data) == 1 and _DICT in data:
             pairs = data[_DICT]
             if not isinstance(pairs, list) or any(

@@ -483,6 +483,11 @@ def test_memo_keys_tell_devices_and_layouts_apart_and_skip_iterators() -> None:
     assert len({key([cpu]), key([meta]), key([cpu, None]), key([cpu.double()]), key([cpu, 1])}) == 5
     assert key([cpu], iter(runners)) is None and key(iter([cpu])) is None
     assert key([cpu, object()]) is None  # not a tensor, None or a scalar: no memo
+    # 1, 1.0 and True are equal in Python, but their cache keys differ: so do their memo keys.
+    assert len({key([cpu, 1]), key([cpu, 1.0]), key([cpu, True])}) == 3
+    kwargs = [memo_key("op", runners, CONFIG, [cpu], {"flag": v}) for v in (1, 1.0, True)]
+    assert len(set(kwargs)) == 3
+    assert memo_key("op", runners, CONFIG, [cpu], {"shape": (1, 2)}) is None  # the slow path
     # A look-up with runners given as a generator still works, through the slow path.
     tuner, fakes, _ = make({-1: 5.0, 0: 4.0}, {0: 1.0})
     tuner.tuning_mode = True

@@ -42,10 +42,12 @@ def memo_key(
     kwargs: dict[str, Any],
 ) -> tuple[Any, ...] | None:
     """What a cache hit depends on, or ``None`` (no memo) when ``runners`` or ``inputs`` is not a
-    list or tuple, or an input is not a tensor, ``None`` or a scalar. A tensor adds its shape,
-    dtype and device type, a scalar itself (only tensors add a ``torch.Size``, so the flat key is
-    unambiguous). The key may still be unhashable (a runner or keyword value): hashing it raises
-    ``TypeError``, which :class:`HitMemo` treats as no memo. Hashing the key is cheap because a
+    list or tuple, an input is not a tensor, ``None`` or a scalar, or a keyword value is not
+    ``None`` or a scalar. A tensor adds its shape, dtype and device type, a scalar its type and
+    itself (``1``, ``1.0`` and ``True`` are equal in Python but are other keys, as in the cache
+    key's text; only tensors add a ``torch.Size``, so the flat key is unambiguous). The key may
+    still be unhashable (a runner): hashing it raises ``TypeError``, which :class:`HitMemo` treats
+    as no memo. Hashing the key is cheap because a
     config hashes its fields once (``TuningConfig.__hash__``). This runs on every look-up, so it
     avoids what costs there: ``tensor.device`` builds a new object per call."""
     if not isinstance(runners, (list, tuple)) or not isinstance(inputs, (list, tuple)):
@@ -58,11 +60,13 @@ def memo_key(
             device = "cuda" if x.is_cuda else "cpu" if x.is_cpu else x.device.type
             parts += (x.shape, x.dtype, device)
         elif isinstance(x, _SCALARS):
-            parts.append(x)
+            parts += (type(x), x)
         else:
             return None
     if kwargs:
-        parts.append(tuple(sorted(kwargs.items())))
+        if not all(v is None or isinstance(v, _SCALARS) for v in kwargs.values()):
+            return None  # nested values may hide 1 and True alike: the slow path tells them apart
+        parts.append(tuple(sorted((k, type(v), v) for k, v in kwargs.items())))
     return tuple(parts)
 
 

@@ -33,7 +33,7 @@ def test_show_prints_fingerprint_and_entries(tmp_path, capsys) -> None:
         "16x64, 64x32",
         "bfloat16",
         "graph",
-        '{"block": 64}',
+        '{"block":64}',
         "2.500",
     ):
         assert text in out, text
@@ -73,3 +73,20 @@ def test_cache_without_action_prints_usage(capsys) -> None:
     # Like bare ``graphtune``: the group's help, exit 0.
     assert main(["cache"]) == 0
     assert "show" in capsys.readouterr().out
+
+
+def test_tactics_with_tuple_keys_survive_a_reload_and_the_cache_commands(tmp_path, capsys) -> None:
+    from graphtune.autotuner.entries import BlockedTactic
+
+    path = tmp_path / "cache.json"
+    key = CacheKey("op", ("m.R",), ((4, 2),), ("float32",), "graph")
+    tactic = {(64, 128): {"warps": 4}}  # a dict keyed by tile: JSON holds it as its pairs
+    cache = TuningCache()
+    cache.put(key, CacheEntry("m.R", 0, tactic, 1.0, 2.0))
+    cache.block(BlockedTactic("m.R", {(32, 64): 2}, "crash", "op", "4x2"))
+    cache.save(path)
+    loaded = TuningCache()
+    assert loaded.load(path, strict=True) == 1 and loaded.get(key).tactic == tactic
+    for command in (["verify"], ["show"], ["unblock", "--runner", "R"]):
+        assert main(["cache", command[0], str(path), *command[1:]]) == 0, command
+    assert '[[64,128],{"warps":4}]' in capsys.readouterr().out.replace(" ", "")

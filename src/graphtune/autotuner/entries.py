@@ -167,8 +167,8 @@ def entry_problems(key: CacheKey, entry: CacheEntry) -> list[str]:
             f"runner_index {index} / runner_id {entry.runner_id!r} do not name a runner of the "
             "key, so look-ups never use it"
         )
-    try:
-        json.dumps(entry.tactic, allow_nan=False)
+    try:  # in the file's form: a dict with tuple keys is stored as its pairs
+        json.dumps(encode_value(entry.tactic), allow_nan=False)
     except (TypeError, ValueError, RecursionError) as exc:
         problems.append(f"tactic is not JSON-serialisable ({exc})")
     for name in ("time_us", "fallback_us"):

@@ -17,7 +17,6 @@ skips the whole file. ``merge`` combines two files under a stated rule (also in
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from os import PathLike
 from pathlib import Path
@@ -25,7 +24,7 @@ from typing import Any
 
 from graphtune.autotuner import cache_reader, persist
 from graphtune.autotuner.cache import BlockedTactic, CacheEntry, CacheKey
-from graphtune.autotuner.entries import entry_problems
+from graphtune.autotuner.entries import entry_problems, tactic_text
 from graphtune.autotuner.fingerprint import environment_fingerprint, fingerprint_mismatch
 from graphtune.errors import CacheFileError
 
@@ -123,7 +122,7 @@ def _verify_blocklist(items: Any, report: VerifyReport) -> None:
     report.notes.append(f"{report.entries} entries, {len(report.blocked)} blocked tactics")
     for item in report.blocked:
         report.notes.append(
-            f"blocked: {item.runner_id} tactic {json.dumps(item.tactic)} ({item.reason})"
+            f"blocked: {item.runner_id} tactic {tactic_text(item.tactic)} ({item.reason})"
         )
 
 

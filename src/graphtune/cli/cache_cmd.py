@@ -116,6 +116,7 @@ def _shapes(shapes: tuple[Any, ...]) -> str:
 def show_command(args: argparse.Namespace) -> int:
     """Prints the fingerprint header and one row per entry; 1 if the file is unusable."""
     from graphtune.autotuner import cache_reader
+    from graphtune.autotuner.entries import tactic_text
     from graphtune.autotuner.fingerprint import (
         FINGERPRINT_FIELDS,
         environment_fingerprint,
@@ -144,7 +145,7 @@ def show_command(args: argparse.Namespace) -> int:
                 _shapes(key.shapes),
                 ", ".join(key.dtypes),
                 key.timing,
-                json.dumps(entry.tactic),
+                tactic_text(entry.tactic),
                 entry.time_us,
                 entry.fallback_us,
                 entry.speedup,
@@ -155,7 +156,7 @@ def show_command(args: argparse.Namespace) -> int:
     else:
         print("No entries.")
     blocked = [
-        (short_runner_name(b.runner_id), json.dumps(b.tactic), b.op, b.reason)
+        (short_runner_name(b.runner_id), tactic_text(b.tactic), b.op, b.reason)
         for b in doc["blocklist"].values()
     ]
     if blocked:
@@ -213,6 +214,7 @@ def merge_command(args: argparse.Namespace) -> int:
 def unblock_command(args: argparse.Namespace) -> int:
     """Removes matching blocklist items; 1 when the file is unusable or the tactic is not JSON."""
     from graphtune.autotuner import persist
+    from graphtune.autotuner.entries import tactic_text
 
     tactic = json.loads(args.tactic) if args.tactic is not None else None
     runner = None if args.runner is None else _blocked_runner(args.path, args.runner)
@@ -220,7 +222,7 @@ def unblock_command(args: argparse.Namespace) -> int:
         args.path, runner_id=runner, tactic=tactic, match_tactic=args.tactic is not None
     )
     for item in removed:
-        print(f"unblocked {item.runner_id} tactic {json.dumps(item.tactic)} ({item.reason})")
+        print(f"unblocked {item.runner_id} tactic {tactic_text(item.tactic)} ({item.reason})")
     print(f"Removed {len(removed)} blocked tactic(s) from {args.path}.")
     return 0
 

@@ -121,6 +121,7 @@ def _number(value: float) -> float | None:
 
 def run_check(args: argparse.Namespace) -> int:
     """Prints one row per (op call, runner, tactic); 1 when any check failed."""
+    from graphtune.autotuner.entries import tactic_text
     from graphtune.bench.results import json_safe, write_json
     from graphtune.reporting import render_table
 
@@ -145,7 +146,7 @@ def run_check(args: argparse.Namespace) -> int:
                     report.op,
                     report.profile,
                     c.runner,
-                    json.dumps(c.tactic),
+                    tactic_text(c.tactic),
                     _number(c.max_abs),
                     _number(c.max_rel),
                     verdict[:60],

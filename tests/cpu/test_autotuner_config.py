@@ -184,3 +184,13 @@ def test_power_of_two_buckets_refuses_a_floor_above_the_top():
     assert power_of_two_buckets(64, min_value=16) == (16, 32, 64)
     with pytest.raises(ConfigError, match="min_value <= max_value"):
         power_of_two_buckets(4, min_value=16)
+
+
+def test_sizes_at_or_above_max_value_look_up_its_own_bucket() -> None:
+    from graphtune.autotuner.profiles import generate_profiles, profile_for
+
+    config = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0),), max_value=12)
+    tuned = [p.shapes[0][0] for p in generate_profiles(config, [torch.zeros(12, 4)])]
+    assert tuned == [1, 2, 4, 8, 12]
+    looked_up = {n: profile_for(config, [torch.zeros(n, 4)]).shapes[0][0] for n in (8, 11, 12, 40)}
+    assert looked_up == {8: 8, 11: 8, 12: 12, 40: 12}  # 12 was tuned, and is used

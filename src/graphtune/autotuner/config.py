@@ -84,9 +84,10 @@ class DynamicTensorSpec:
             miss that runs the fallback, and tuning covers the other sizes. ``None`` (the
             default) maps to the listed buckets when ``buckets`` is a tuple (a listed size to
             itself, any other to the largest listed bucket below it, or to the smallest one when
-            it is below all of them), else rounds down to a power of two. Either way a live size
-            never borrows a pick tuned for a larger (possibly padded) shape, except below the
-            smallest listed bucket.
+            it is below all of them), else rounds down to a power of two, and a size at or above
+            ``TuningConfig.max_value`` looks up ``max_value`` (the callable's largest bucket, as
+            :func:`power_of_two_buckets` gives it). Either way a live size never borrows a pick
+            tuned for a larger (possibly padded) shape, except below the smallest listed bucket.
     """
 
     input_idx: int
@@ -288,7 +289,12 @@ class TuningConfig:
             )
         if bucket == 0:
             return 0
-        return bucket if self.max_value is None else min(bucket, self.max_value)
+        if self.max_value is None:
+            return bucket
+        if live >= self.max_value and spec.map_to_bucket is None and callable(spec.buckets):
+            # Rounding down would skip the max_value bucket the sweep tuned (12 -> 8).
+            return self.max_value
+        return min(bucket, self.max_value)
 
     def sweep_values(self, spec: DynamicTensorSpec, live: int) -> tuple[int, ...]:
         """Sizes tuned for ``spec``: its buckets capped by ``max_value``, plus the live bucket

@@ -259,7 +259,8 @@ class MaybeBroken(TunableRunner):
 def test_a_profile_where_every_candidate_failed_is_neither_cached_nor_saved(
     tmp_path, caplog
 ) -> None:
-    config = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0, (1, 4)),), warmup=0, repeat=1)
+    spec = DynamicTensorSpec(0, 0, (1, 4), map_to_bucket=lambda n: n)  # each size its own bucket
+    config = TuningConfig(dynamic_specs=(spec,), warmup=0, repeat=1)
     path = tmp_path / "cache.json"
     clock = Clock()
     broken = MaybeBroken(clock, broken=True)
@@ -267,8 +268,10 @@ def test_a_profile_where_every_candidate_failed_is_neither_cached_nor_saved(
     with caplog.at_level(logging.WARNING), autotune(path, tuner):
         assert tuner.choose_one("op", [broken], config, [torch.zeros(4, 2)]) == (broken, -1)
         tuner.choose_one("op", [broken], config, [torch.zeros(4, 2)])  # not re-tuned
-    assert len(tuner.cache) == 0 and tuner.stats.profiles_failed == 2
-    assert tuner.stats.tactic_failures == {"RuntimeError": 4}
+        # A size of a new bucket tunes that bucket alone, not the failed ones again.
+        tuner.choose_one("op", [broken], config, [torch.zeros(6, 2)])
+    assert len(tuner.cache) == 0 and tuner.stats.profiles_failed == 3
+    assert tuner.stats.tactic_failures == {"RuntimeError": 6}
     said = [r for r in caplog.records if "every (runner, tactic) failed" in r.getMessage()]
     assert len(said) == 1
     assert json.loads(path.read_text())["entries"] == []

@@ -462,6 +462,7 @@ class AutoTuner:
             clock=self._clock,
             show_progress=self.show_progress,
             only=only,
+            failed=self.failed_profiles,
         )
 
     def _run(self, resolved: ResolvedCall, only: CacheKey | None = None) -> None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Container, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -136,6 +136,7 @@ class TuningRun:
     clock: Callable[[], float]
     show_progress: bool | None = None
     only: CacheKey | None = None
+    failed: Container[CacheKey] = frozenset()  # not tuned again in this process
     _errors: dict[tuple[int, int], tuple[str, str]] = field(default_factory=dict)
     _synthesized: dict[Any, Any] = field(default_factory=dict)
 
@@ -173,7 +174,7 @@ class TuningRun:
         if self.only is not None:
             profiles = [(p, k) for p, k in profiles if k == self.only]
         keys = [k for _, k in profiles]
-        cached = [k in self.cache for k in keys]
+        cached = [k in self.cache or k in self.failed for k in keys]
         todo = [not c for c in cached] if local else self.coordinator.profiles_to_tune(keys, cached)
         tuned = [p for (p, _), t in zip(profiles, todo, strict=True) if t]
         self._synthesized = static_inputs_memo(tuned)

@@ -336,6 +336,14 @@ def test_the_same_type_error_from_every_candidate_is_a_signature_error() -> None
             tuner.choose_one("op", [PositionalOnly()], CONFIG, X)
     assert len(tuner.cache) == 0
 
+    class NoKwargs(TunableRunner):  # a ported runner whose pruning takes no keyword arguments
+        def get_valid_tactics(self, inputs: list, profile: Any) -> list:
+            return [-1, 0]
+
+    with pytest.raises(ConfigError, match=r"get_valid_tactics\(self, inputs, profile, \*\*kw"):
+        with autotune(None, tuner):
+            tuner.choose_one("op", [NoKwargs()], CONFIG, X, gemm_idx=1)
+
 
 # 7 -------------------------------------------------------------------------------------------
 

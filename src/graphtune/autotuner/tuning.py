@@ -24,6 +24,7 @@ cache's blocklist.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 from collections.abc import Callable, Container, Iterable, Iterator
@@ -238,6 +239,15 @@ class TuningRun:
                     runner, runner.get_valid_tactics(inputs, profile, **self.kwargs)
                 )
             except Exception as exc:  # a broken runner is data (docs/design.md, principle 5)
+                if isinstance(exc, TypeError) and not _takes(
+                    runner.get_valid_tactics, inputs, profile, **self.kwargs
+                ):
+                    raise ConfigError(
+                        f"op {self.op!r}: {type(runner).__qualname__}.get_valid_tactics cannot "
+                        f"take the call graphtune makes, get_valid_tactics(inputs, profile, "
+                        f"**kwargs) with choose_one's keyword arguments {sorted(self.kwargs)}; "
+                        "declare get_valid_tactics(self, inputs, profile, **kwargs)"
+                    ) from None
                 self.failures.add(self.op, runner, "get_valid_tactics", exc)
                 continue
             if not tactics and getattr(runner, "requires_tactic", False):
@@ -471,3 +481,15 @@ def _tactic_list(runner: TunableRunner, found: Any) -> list[Any]:
             f"{type(found).__name__} {found!r:.60}"
         )
     return list(found)
+
+
+def _takes(method: Callable[..., Any], *args: Any, **kwargs: Any) -> bool:
+    """Whether ``method`` can be called with these arguments (a signature that cannot be read,
+    a builtin's, counts as yes)."""
+    try:
+        inspect.signature(method).bind(*args, **kwargs)
+    except TypeError:
+        return False
+    except ValueError:
+        return True
+    return True

@@ -257,6 +257,36 @@ def test_merge_rule_faster_wins_ties_keep_a_blocklists_union(tmp_path, capsys) -
     assert {b.tactic: b.reason for b in merged.blocklist.values()} == {1: "reason A", 2: "only B"}
 
 
+def test_merge_into_a_holds_its_lock_so_a_save_meanwhile_is_kept(tmp_path, monkeypatch) -> None:
+    import threading
+
+    from graphtune.autotuner import cache_reader, maintenance
+
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    ca, cb, writer = TuningCache(), TuningCache(), TuningCache()
+    ca.put(key(1), entry("a1", 1.0))
+    cb.put(key(2), entry("b2", 1.0))
+    writer.put(key(3), entry("w3", 1.0))
+    ca.save(a)
+    cb.save(b)
+    read = cache_reader.read_document
+    racers: list[threading.Thread] = []
+
+    def read_then_race(path):
+        doc = read(path)
+        if path == a and not racers:  # another process saves to A right after the merge read it
+            racers.append(threading.Thread(target=writer.save, args=(a,)))
+            racers[0].start()
+            time.sleep(0.3)  # without the lock its save lands here and the merge overwrites it
+        return doc
+
+    monkeypatch.setattr(cache_reader, "read_document", read_then_race)
+    maintenance.merge_files(a, b, a)
+    racers[0].join(timeout=30)
+    merged = persist.load_file(a, strict=True).entries
+    assert sorted(k.shapes[0][0] for k in merged) == [1, 2, 3]
+
+
 def test_merge_refuses_other_environment_unless_forced(tmp_path, capsys) -> None:
     a, b, c = (tmp_path / n for n in ("a.json", "b.json", "c.json"))
     write_cache(a)

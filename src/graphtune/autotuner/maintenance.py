@@ -160,6 +160,14 @@ def merge_files(
         CacheFileError: A or B is unusable, their environments differ (without ``force``), or
             ``out`` could not be written.
     """
+    with persist.locked(out):  # a save to ``out`` meanwhile (often A itself) is not lost
+        report = _merge_locked(a, b, out, force)
+    return report
+
+
+def _merge_locked(
+    a: str | PathLike[str], b: str | PathLike[str], out: str | PathLike[str], force: bool
+) -> MergeReport:
     doc_a = cache_reader.read_document(a)
     doc_b = cache_reader.read_document(b)
     diffs = fingerprint_mismatch(doc_b["fingerprint"], doc_a["fingerprint"] or {})
@@ -186,7 +194,7 @@ def merge_files(
             report.conflicts_kept_a += 1
     blocked = dict(doc_b["blocklist"])
     blocked.update(doc_a["blocklist"])  # A's reason wins for the same (runner, tactic)
-    persist.write_atomic(out, persist.document(merged, doc_a["fingerprint"], blocked))
+    persist.write_atomic(out, persist.document(merged, doc_a["fingerprint"], blocked), lock=False)
     report.entries = len(merged)
     report.blocked = len(blocked)
     return report

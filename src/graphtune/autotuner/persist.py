@@ -15,7 +15,8 @@ import json
 import logging
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from os import PathLike
 from pathlib import Path
@@ -359,8 +360,26 @@ def document(
     return _document(entries, fingerprint, blocklist or {})
 
 
-def write_atomic(path: str | PathLike[str], doc: dict[str, Any]) -> None:
-    """Writes ``doc`` to ``path`` via a temporary file and ``os.replace`` under the file lock.
+@contextmanager
+def locked(path: str | PathLike[str]) -> Iterator[Path]:
+    """Holds ``path``'s file lock for a read-merge-write of the caller's own (``cache merge``
+    into one of its inputs); write with :func:`write_atomic` ``(..., lock=False)`` inside.
+
+    Raises:
+        CacheFileError: The lock could not be taken.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with FileLock(str(lock_path(path)), timeout=LOCK_TIMEOUT_S):
+            yield path
+    except Timeout:
+        raise CacheFileError(f"Could not lock {lock_path(path)} to write {path}.") from None
+
+
+def write_atomic(path: str | PathLike[str], doc: dict[str, Any], *, lock: bool = True) -> None:
+    """Writes ``doc`` to ``path`` via a temporary file and ``os.replace`` under the file lock
+    (``lock=False``: the caller holds it, :func:`locked`).
 
     Raises:
         CacheFileError: The lock could not be taken or the file could not be written.
@@ -368,12 +387,13 @@ def write_atomic(path: str | PathLike[str], doc: dict[str, Any]) -> None:
     path = Path(path)
     check_regular_target(path)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(lock_path(path)), timeout=LOCK_TIMEOUT_S):
+        if not lock:
             _remove_stale_temp_files(path)
             _atomic_write(path, doc)
-    except Timeout:
-        raise CacheFileError(f"Could not lock {lock_path(path)} to write {path}.") from None
+            return
+        with locked(path):
+            _remove_stale_temp_files(path)
+            _atomic_write(path, doc)
     except (OSError, TypeError, ValueError) as exc:
         raise CacheFileError(f"Could not write tuning cache {path}: {exc}.") from exc
 

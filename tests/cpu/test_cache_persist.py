@@ -99,6 +99,28 @@ def test_save_merges_with_file_and_memory_wins(tmp_path) -> None:
     assert merged[key(m=1)] == ENTRY and merged[key(m=2)] == newer
 
 
+def test_a_save_does_not_revert_what_another_process_changed_in_the_file(tmp_path) -> None:
+    from graphtune.autotuner.entries import BlockedTactic
+
+    path = tmp_path / "cache.json"
+    seed = TuningCache()
+    seed.put(key(m=1), ENTRY)
+    seed.block(BlockedTactic("mod.A", 3, "timeout"))
+    seed.save(path)
+    long_lived = TuningCache()
+    long_lived.load(path)
+    # Meanwhile another process re-tunes m=1 and unblocks tactic 3 in the file.
+    other = TuningCache()
+    retuned = CacheEntry("mod.A", 0, 7, 1.0, 15.0)
+    other.put(key(m=1), retuned)
+    other.save(path)
+    persist.unblock(path)
+    long_lived.put(key(m=2), ENTRY)  # what the long-lived process tuned itself
+    long_lived.save(path)
+    after = persist.load_file(path)
+    assert after.entries == {key(m=1): retuned, key(m=2): ENTRY} and not after.blocklist
+
+
 def test_load_keeps_entries_already_in_memory(tmp_path) -> None:
     path = tmp_path / "cache.json"
     on_disk = TuningCache()

@@ -9,6 +9,7 @@ the user clears it (``graphtune cache unblock``). Files are read and written by
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator
 from os import PathLike
@@ -31,6 +32,10 @@ class TuningCache:
     def __init__(self) -> None:
         self._entries: dict[CacheKey, CacheEntry] = {}
         self._blocked: Blocklist = {}
+        # Per file (resolved path): the entries and blocked tactics as this cache last read or
+        # wrote them there. A save writes only what changed since, so it never reverts what
+        # another process re-tuned, pinned or unblocked in that file meanwhile.
+        self._synced: dict[str, tuple[dict[CacheKey, CacheEntry], set[tuple[str, str]]]] = {}
         self._lock = threading.Lock()
         #: Bumped by every change of the entries, so look-up memos know when to forget.
         self.version = 0
@@ -104,7 +109,10 @@ class TuningCache:
         return iter([key for key, _ in self.items()])
 
     def save(self, path: str | PathLike[str]) -> int:
-        """Merges this cache into the file at ``path`` (see ``docs/cache-format.md``).
+        """Merges this cache into the file at ``path`` (see ``docs/cache-format.md``): the entries
+        and blocked tactics that are new or changed since this cache last loaded or saved that
+        file win over the file's; the others are the file's business (another process may have
+        re-tuned or unblocked them meanwhile).
 
         Returns:
             The number of entries in the file after the merge.
@@ -112,9 +120,17 @@ class TuningCache:
         Raises:
             CacheFileError: The file could not be written.
         """
+        where = _file_id(path)
         with self._lock:
-            blocked = dict(self._blocked)
-        return persist.save(path, dict(self.items()), blocklist=blocked)
+            known, known_blocked = self._synced.get(where, ({}, set()))
+            changed = {k: e for k, e in self._entries.items() if known.get(k) is not e}
+            blocked = {i: b for i, b in self._blocked.items() if i not in known_blocked}
+        count = persist.save(path, changed, blocklist=blocked)
+        with self._lock:
+            synced = self._synced.setdefault(where, ({}, set()))
+            synced[0].update(changed)
+            synced[1].update(blocked)
+        return count
 
     def load(self, path: str | PathLike[str], *, strict: bool | None = None) -> int:
         """Adds the entries and blocklist of the file at ``path``; entries already in memory win.
@@ -137,4 +153,11 @@ class TuningCache:
             self.version += 1
             for ident, item in loaded.blocklist.items():
                 self._blocked.setdefault(ident, item)
+            synced = self._synced.setdefault(_file_id(path), ({}, set()))
+            synced[0].update(added)
+            synced[1].update(loaded.blocklist)
         return len(added)
+
+
+def _file_id(path: str | PathLike[str]) -> str:
+    return os.path.realpath(path)

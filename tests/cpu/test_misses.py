@@ -240,3 +240,55 @@ def test_a_record_whose_runner_ids_do_not_parse_is_skipped(tmp_path) -> None:
     (rope,) = [r for r in load_misses(misses) if r.op == "graphtune.rope_kv_cache"]
     report = tune_records([_damaged(rope, runners=["x.Y"])], quick_tuner())
     assert report.tuned == [] and "does not rebuild" in report.skipped[0][1]
+
+
+USER_OPS = """
+import torch
+from graphtune.autotuner import DynamicTensorSpec, TunableRunner, TuningConfig
+from graphtune.ops.registry import register_op
+
+
+class Scale(TunableRunner):
+    def get_valid_tactics(self, inputs, profile, **kwargs):
+        return [-1, 0]
+
+    def forward(self, inputs, *, tactic=-1, **kwargs):
+        return inputs[0] * 2
+
+
+CONFIG = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0, (1, 4)),))
+register_op("user.scale", lambda record, tuner: ([Scale()], CONFIG))
+"""
+
+
+def test_from_misses_imports_a_users_ops_and_checks_the_key_it_tuned(
+    tmp_path, monkeypatch, capsys
+) -> None:
+    import importlib
+
+    from graphtune.cli.main import main
+
+    (tmp_path / "user_ops_for_misses.py").write_text(USER_OPS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    user = importlib.import_module("user_ops_for_misses")
+    misses, cache = tmp_path / "misses.json", tmp_path / "cache.json"
+
+    class EventsNamed(WallClockTimer):  # what a CUDA serving process's key says
+        name = "events"
+
+    for timer in (None, EventsNamed()):
+        serving = AutoTuner(timer=timer, show_progress=False)
+        with autotune(None, serving, tune=False, misses_path=misses):
+            serving.choose_one("user.scale", [user.Scale()], user.CONFIG, [torch.randn(3, 4)])
+    args = ["tune", "--from-misses", str(misses), "--cache", str(cache), "--device", "cpu"]
+    assert main([*args, "--import", "user_ops_for_misses"]) == 1
+    out = capsys.readouterr().out
+    # The wallclock record is tuned; the events one is tuned under wallclock, which the serving
+    # process never looks up: said, with the fix, instead of "tuned".
+    assert "1 of 2 recorded calls tuned" in out and "pass --timing events" in out
+    assert main(["tune", "--cache", str(cache), "--import", "x"]) == 1  # needs --from-misses
+    assert "--import" in capsys.readouterr().err
+    assert main([*args, "--import", "no_such_module_here"]) == 1
+    assert "--import no_such_module_here: the module could not be imported" in (
+        capsys.readouterr().err
+    )

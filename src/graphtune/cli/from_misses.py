@@ -13,9 +13,11 @@ when ``--from-misses`` is given (no ``--model`` is needed then).
 from __future__ import annotations
 
 import argparse
+import importlib
 from pathlib import Path
 
 from graphtune.cli._args import timing_timer
+from graphtune.errors import ConfigError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,6 +29,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="tune exactly the shapes recorded in this misses file (AutoTuner.misses.save); "
         "--model is not needed then (default: none, tune the step of --model)",
+    )
+    parser.add_argument(
+        "--import",
+        dest="imports",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="with --from-misses: import this module first, so the ops it registers "
+        "(graphtune.ops.registry.register_op) can be rebuilt; repeat for several "
+        "(default: graphtune.ops only)",
     )
 
 
@@ -42,6 +54,14 @@ def run(args: argparse.Namespace) -> int:
     from graphtune.engine.devices import resolve_device
     from graphtune.ops.registry import tune_records
 
+    for name in args.imports:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # whatever the user's module raises, say which and why
+            raise ConfigError(
+                f"--import {name}: the module could not be imported ({type(exc).__name__}: "
+                f"{exc}); check its name and that it is on PYTHONPATH"
+            ) from None
     records = load_misses(args.from_misses)
     if not records:
         print(f"{args.from_misses} holds no recorded misses; nothing to tune")

@@ -101,6 +101,8 @@ def run_tune(args: argparse.Namespace) -> int:
                 f"{', '.join(given)} (options of a model's step) has no use with it; drop it"
             )
         return from_misses.run(args)
+    if args.imports:
+        raise ConfigError("--import names modules whose ops --from-misses rebuilds; add it or drop")
     if args.model is None:
         raise ConfigError("pass --model PRESET|PATH (or --from-misses FILE)")
     import torch

@@ -21,6 +21,7 @@ import torch
 
 from graphtune.autotuner.calls import CallRecord, OpCall
 from graphtune.autotuner.config import TuningConfig
+from graphtune.autotuner.entries import CacheKey
 from graphtune.autotuner.identity import runner_id
 from graphtune.autotuner.runner import TunableRunner
 from graphtune.errors import ConfigError, GraphtuneError, InputError
@@ -73,7 +74,8 @@ def op_spec(name: str) -> OpSpec:
         raise ConfigError(
             f"op {name!r} is not in the graphtune.ops registry (registered: "
             f"{', '.join(registered_ops())}); register it with "
-            "graphtune.ops.registry.register_op(name, rebuild) in the module that defines it."
+            "graphtune.ops.registry.register_op(name, rebuild) in the module that defines it "
+            "(and give `graphtune tune --from-misses` that module with --import)."
         )
     return spec
 
@@ -142,8 +144,49 @@ def tune_records(
             logger.warning("skipping the recorded %r call: %s", record.op, exc)
             report.skipped.append((record, str(exc)))
             continue
+        problem = _missed_key_problem(record, tuner.cache)
+        if problem is not None:
+            logger.warning("the recorded %r call: %s", record.op, problem)
+            report.skipped.append((record, problem))
+            continue
         report.tuned.append((record, type(runner).__qualname__, tactic))
     return report
+
+
+def _missed_key_problem(record: CallRecord, cache: Any) -> str | None:
+    """Why the key the serving process missed is still not in ``cache`` after tuning the record
+    (``None``: it is). The tuned key differs from it only where this process is not the serving
+    one: the timer, the runners' source, the keyword arguments."""
+    if record.key is None:
+        return None
+    try:
+        missed = CacheKey.from_json(record.key)
+    except (KeyError, TypeError, ValueError):
+        return None  # a record without a readable key: what was tuned is all there is to check
+    if missed in cache:
+        return None
+    near = [
+        k for k in cache if (k.op, k.shapes, k.dtypes) == (missed.op, missed.shapes, missed.dtypes)
+    ]
+    fields = [
+        f
+        for f in ("runners", "timing", "sources", "kwargs")
+        if near and all(getattr(k, f) != getattr(missed, f) for k in near)
+    ]
+    hint = {
+        "timing": f"the serving process times with {missed.timing!r}: pass --timing "
+        f"{missed.timing}",
+        "sources": "the runners' source files changed since the misses were recorded: record "
+        "them again",
+    }
+    fixes = (
+        "; ".join(hint[f] for f in fields if f in hint)
+        or "tune that call in the process that makes it"
+    )
+    return (
+        f"tuned, but the serving process looks up another key (it differs in "
+        f"{', '.join(fields) or 'the key'}): {fixes}"
+    )
 
 
 def _rebuilt(record: CallRecord, device: torch.device | str | None, tuner: Any) -> OpCall:

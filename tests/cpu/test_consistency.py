@@ -63,6 +63,27 @@ def test_every_tactic_is_compared_with_the_fallback() -> None:
     assert not {c.tactic: c for c in tight.checks}["near"].passed
 
 
+class Outputs(TunableRunner):
+    """Tactic ``"conj"`` negates a complex output's imaginary part; ``"sum"`` returns the sum as
+    a Python number, off by 100 for tactic ``"sum off"``."""
+
+    def get_valid_tactics(self, inputs: list, profile: Any, **kwargs: Any) -> list:
+        return [-1, "conj", "same"]
+
+    def forward(self, inputs: list, *, tactic: Any = -1, **kwargs: Any) -> Any:
+        x = inputs[0]
+        total = float(x.abs().sum()) + (100.0 if tactic == "conj" else 0.0)
+        return (x.conj().resolve_conj() if tactic == "conj" else x.clone()), total
+
+
+def test_complex_parts_and_python_numbers_are_compared_too() -> None:
+    x = torch.randn(4, 3, dtype=torch.complex64)
+    checks = {c.tactic: c for c in check_tactics("c", [Outputs()], CONFIG, [x]).checks}
+    assert checks["same"].passed and checks["same"].max_abs == 0.0
+    # The real parts agree; the imaginary parts and the number do not.
+    assert not checks["conj"].passed and checks["conj"].max_abs >= 100.0
+
+
 @pytest.mark.parametrize("tolerance", [{"atol": -1.0}, {"rtol": math.nan}, {"atol": math.inf}])
 def test_a_tolerance_that_is_not_finite_and_positive_is_refused(tolerance) -> None:
     from graphtune.errors import ConfigError

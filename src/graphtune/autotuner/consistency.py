@@ -75,8 +75,11 @@ class ConsistencyReport:
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
+    """The output's tensors, and its Python numbers as 0-d tensors (compared alike)."""
     if isinstance(value, torch.Tensor):
         return [value]
+    if isinstance(value, (bool, int, float, complex)):
+        return [torch.tensor(value)]
     if isinstance(value, (list, tuple)):
         return [t for v in value for t in _tensors(v)]
     if isinstance(value, dict):
@@ -108,6 +111,8 @@ def _compare(
             worst_abs = max(worst_abs, diff)
             ok = ok and diff == 0
             continue
+        if b.dtype.is_complex:  # both parts count (a cast to float would drop the imaginary one)
+            a, b = torch.view_as_real(a.resolve_conj()), torch.view_as_real(b.resolve_conj())
         fa, fb = a.double(), b.double()
         if not _same_nonfinite(fa, fb):
             return math.inf, math.inf, False, f"tensor {i} has NaN or infinities elsewhere"

@@ -72,18 +72,21 @@ def interleave(
             after_each()
 
 
-def race(candidates: list[Candidate], margin: float) -> list[Candidate]:
+def race(candidates: list[Candidate], margin: float, rule: TieRule) -> list[Candidate]:
     """The working, timed candidates whose score is at most ``(1 + margin)`` times the fastest
     score, in their given order (every working one when ``margin`` is 0 or none was timed).
 
-    A candidate left out keeps its samples: the pick rule still sees it, and with ``margin``
-    above the noise band's cap it can be neither tied with the fastest nor undecided.
+    A candidate left out keeps its one sample: the pick rule still sees it, and it can be
+    neither tied with the fastest nor undecided, since the margin is widened to every fixed part
+    of ``rule``'s tie band (its tolerance, and its floor in µs over the fastest time: below
+    0.2 µs the floor is wider than 15%) and is at least the noise band's cap.
     """
     alive = [c for c in candidates if c.failed is None and c.samples]
     if margin <= 0 or not alive:
         return [c for c in candidates if c.failed is None]
     best = min(c.score for c in alive)
-    return [c for c in alive if c.score <= best * (1.0 + margin)]
+    widest = max(margin, rule.floor, rule.floor_us / best if best > 0 else math.inf)
+    return [c for c in alive if c.score <= best * (1.0 + widest)]
 
 
 def remeasure_top(candidates: list[Candidate], measure: Measure, top: int, rounds: int) -> None:

@@ -421,12 +421,12 @@ class TuningRun:
 
         interleave(candidates, measure, 1, advance)
         # Collective strategies need every rank to measure the same candidates: no racing.
-        racing = race(candidates, policy.race_margin if adaptive else 0.0)
+        racing = race(candidates, policy.race_margin if adaptive else 0.0, policy.tie_rule)
         self.stats.raced_out += sum(1 for c in candidates if c.failed is None) - len(racing)
         for _ in range(policy.rounds - 1):
             interleave(racing, measure, 1, advance)
             bar.advance(label, len(candidates) - len(racing))
-        remeasure_top(candidates, measure, policy.remeasure_top, policy.rounds)
+        remeasure_top(racing, measure, policy.remeasure_top, policy.rounds)
         if adaptive:
             extra = settle(candidates, measure, policy.tie_rule, policy.max_extra_rounds)
             self.stats.extra_rounds += extra

@@ -197,13 +197,13 @@ def test_verify_ok_and_blocklist_summary(tmp_path, capsys) -> None:
 
 def test_verify_lists_every_problem(tmp_path, capsys) -> None:
     path = tmp_path / "cache.json"
-    write_cache(path)
+    write_cache(path, n=4)
     doc = json.loads(path.read_text())
     doc["fingerprint"]["torch"] = "0.1"
     doc["entries"][0]["value"]["runner_index"] = 5
     doc["entries"][1]["value"]["time_us"] = -1.0
     del doc["entries"][2]["value"]["tactic"]
-    doc["entries"].append(doc["entries"][1])
+    doc["entries"].append(doc["entries"][3])  # a usable key twice: the last copy is used
     doc["blocklist"] = [{"tactic": 1}]
     path.write_text(json.dumps(doc))
     assert main(["cache", "verify", str(path)]) == 1
@@ -213,7 +213,7 @@ def test_verify_lists_every_problem(tmp_path, capsys) -> None:
         "runner_index 5",
         "time_us is -1.0",
         "entry 2: malformed",
-        "duplicate of entry 1",
+        "entry 3: the same key as entry 4",
         "blocklist item 0: malformed",
     ):
         assert text in captured.out, text

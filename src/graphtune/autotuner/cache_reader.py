@@ -107,9 +107,14 @@ def parse_document(doc: dict[str, Any]) -> dict[str, Any]:
         ]
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise Unusable(f"is corrupt (malformed blocklist: {exc})") from None
+    fingerprint = doc.get("fingerprint")
+    if not isinstance(fingerprint, dict):
+        raise Unusable(
+            f"is corrupt (its fingerprint is {type(fingerprint).__name__}, not an object)"
+        )
     return {
         "format_version": doc["format_version"],
-        "fingerprint": doc.get("fingerprint"),
+        "fingerprint": fingerprint,
         "entries": entries,
         "blocklist": {item.ident: item for item in blocked},
         "ignored": ignored,

@@ -103,11 +103,14 @@ def _verify_entries(items: Any, report: VerifyReport) -> None:
             report.problems.append(f"{where}: malformed ({exc})")
             continue
         where = f"entry {index} (op {key.op!r}, shapes {list(key.shapes)})"
-        if key in seen:
-            report.ignored.append(f"{where}: duplicate of entry {seen[key]} (the last one is used)")
-        seen[key] = index
         report.entries += 1
-        report.ignored.extend(f"{where}: {p}" for p in entry_problems(key, entry))
+        problems = entry_problems(key, entry)
+        report.ignored.extend(f"{where}: {p}" for p in problems)
+        if problems:
+            continue
+        if key in seen:  # as loading does: the last usable copy of a key is the one used
+            report.ignored.append(f"entry {seen[key]}: the same key as {where}, which is used")
+        seen[key] = index
 
 
 def _verify_blocklist(items: Any, report: VerifyReport) -> None:

@@ -350,11 +350,13 @@ class TuningRun:
             if (self.op, "every candidate") not in self.failures.logged:
                 self.failures.logged.add((self.op, "every candidate"))
                 logger.warning(
-                    "%s: every (runner, tactic) failed (see the earlier warnings for the "
-                    "errors); nothing is cached, so look-ups run the fallback %s tactic -1 and a "
+                    "%s: %s; nothing is cached, so look-ups run the fallback %s tactic -1 and a "
                     "later tuning run tries again. Further such profiles of this op are counted "
                     "in stats.profiles_failed only.",
                     label,
+                    "every (runner, tactic) failed (see the earlier warnings for the errors)"
+                    if candidates
+                    else "no runner offers a tactic for this shape",
                     short_runner_name(ids[0]),
                 )
             return ProfileOutcome(profile, plan.key, None, rec)

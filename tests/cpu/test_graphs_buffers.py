@@ -211,6 +211,31 @@ def test_debug_check_catches_moved_static_tensor():
     plan.copy_in(plan.flatten(moved), 2, 2, debug=False)  # not checked outside debug mode
     with pytest.raises(InputError, match="1.table changed address"):
         plan.copy_in(plan.flatten(moved), 2, 2, debug=True)
+    table = example[1]["table"]
+    for view in (table.t(), table[:, :2]):  # the same address, another tensor
+        viewed = (x, {**d, "table": view}, c)
+        with pytest.raises(InputError, match="1.table changed address"):
+            plan.copy_in(plan.flatten(viewed), 2, 2, debug=True)
+
+
+@pytest.mark.parametrize("captured, called", [(1, 1.0), (1, True), (2.0, 2)])
+def test_a_constant_of_another_type_is_not_the_captured_one(captured, called):
+    x = torch.randn(4, 3)
+    plan = StaticInputs.build((x, captured), rows=4)
+    with pytest.raises(InputError, match="non-tensor inputs are baked into the graph"):
+        plan.copy_in(plan.flatten((x, called)), 4, 4, debug=False)
+
+
+def test_a_nan_constant_is_the_captured_nan():
+    x = torch.randn(4, 3)
+    plan = StaticInputs.build((x, float("nan")), rows=4)
+    plan.copy_in(plan.flatten((x, float("nan"))), 4, 4, debug=False)
+
+
+def test_a_bool_input_pads_with_0_or_1_only():
+    with pytest.raises(ConfigError, match="0 or 1"):
+        StaticInputs.build((torch.zeros(4, dtype=torch.bool),), rows=8, pad=2)
+    StaticInputs.build((torch.zeros(4, dtype=torch.bool),), rows=8, pad=1)
 
 
 def test_padded_copy_matches_static_args():

@@ -14,6 +14,7 @@ padded input, with no tree rebuilding and no host synchronisation.
 from __future__ import annotations
 
 import functools
+import math
 import numbers
 from collections.abc import Callable
 from typing import Any
@@ -65,7 +66,10 @@ def _check_pad_value(rule: Any, leaf: torch.Tensor, path: Path) -> None:
     if isinstance(rule, numbers.Integral) or (isinstance(rule, float) and rule.is_integer()):
         value = int(rule)
     info = torch.iinfo(leaf.dtype) if leaf.dtype != torch.bool else None
-    if value is None or (info is not None and not info.min <= value <= info.max):
+    in_range = (
+        value in (0, 1) if info is None else value is not None and info.min <= value <= info.max
+    )
+    if not in_range:
         raise ConfigError(
             f"pad rule {rule!r} for input {path_str(path)} is not a value of its dtype "
             f"{leaf.dtype}; give an integer"
@@ -132,7 +136,9 @@ class StaticInputs:
         self._rules: dict[int, Any] = {}
         self._trailing: dict[int, tuple[int, ...]] = {}
         self._constants: list[tuple[int, Any]] = []
-        self._static_ptrs: list[tuple[int, int]] = []
+        # Non-batched tensors by what a graph reads of them: address, shape and strides (a view
+        # such as w.t() or w[:, :2] shares w's address but is another tensor).
+        self._static_ptrs: list[tuple[int, tuple[Any, ...]]] = []
         example_batch = leaves[batch_index].shape[0]
         for index, (leaf, batched) in enumerate(zip(leaves, flags, strict=True)):
             if batched:
@@ -146,7 +152,7 @@ class StaticInputs:
                 self._trailing[index] = tuple(leaf.shape[1:])
                 self._statics[index] = None
             elif isinstance(leaf, torch.Tensor):
-                self._static_ptrs.append((index, leaf.data_ptr()))
+                self._static_ptrs.append((index, _layout(leaf)))
             else:
                 self._constants.append((index, leaf))
         self._views: dict[int, _Rows] = {}
@@ -254,15 +260,17 @@ class StaticInputs:
             self.check_statics(leaves)
 
     def check_statics(self, leaves: Any) -> None:
-        """Raises InputError when a non-batched tensor is not at its captured address."""
-        for index, ptr in self._static_ptrs:
+        """Raises InputError when a non-batched tensor is not the captured one (its address,
+        shape, strides or dtype differ)."""
+        for index, layout in self._static_ptrs:
             got = leaves[index]
-            if not isinstance(got, torch.Tensor) or got.data_ptr() != ptr:
+            if not isinstance(got, torch.Tensor) or _layout(got) != layout:
                 raise InputError(
-                    f"non-batched input {path_str(self.paths[index])} changed address since "
-                    "capture: the graph reads the original tensor's memory, so a new tensor "
-                    "would be silently ignored; pass the same tensor object every call (update it "
-                    "in place with copy_), or mark it batched if its leading dim is the batch"
+                    f"non-batched input {path_str(self.paths[index])} changed address (or shape, "
+                    "strides, dtype) since capture: the graph reads the original tensor's memory, "
+                    "so another tensor or view would be silently ignored; pass the same tensor "
+                    "object every call (update it in place with copy_), or mark it batched if "
+                    "its leading dim is the batch"
                 )
 
     def _make_rows(self, n: int, s: int) -> _Rows:
@@ -332,7 +340,17 @@ def _find_batch_index(leaves: list, is_tensor: list[bool], explicit: list) -> in
     return None
 
 
+def _layout(t: torch.Tensor) -> tuple[Any, ...]:
+    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+
+
 def _equal(a: Any, b: Any) -> bool:
+    """Whether a call's constant is the captured one: the same type (1, 1.0 and True are equal
+    in Python but trace other graphs) and value, NaN equal to NaN."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, float) and math.isnan(a) and math.isnan(b):
+        return True
     try:
         return bool(a == b)
     except (TypeError, ValueError, RuntimeError):  # e.g. arrays with ambiguous truth values

@@ -43,6 +43,10 @@ def test_outputs_that_cannot_be_sliced_run_eagerly_instead_of_wrong(caplog, fn, 
         assert out.shape == fn(x).shape and torch.allclose(out, fn(x))
     assert runner.stats.replays == 0 or lazy
     assert runner.stats.fallbacks.get(FallbackReason.CAPTURE_FAILED, 0) >= 3
+    # The stats say what is alive: no graph, every capture of the key failed.
+    assert runner.captured_keys == [] and runner.stats.graphs == 0
+    assert runner.stats.pool_bytes == 0 and runner.stats.failed_captures
+    assert runner.state.value != "captured"
     assert any(
         "cannot" in r.getMessage() or "batch first" in r.getMessage() for r in caplog.records
     )
@@ -95,3 +99,20 @@ def test_callables_and_the_predicate_answer_are_checked():
     )
     with pytest.raises(ConfigError, match="can_graph must return True or False, got Tensor"):
         runner(torch.randn(2, 3))
+
+
+def test_a_second_capture_warms_up_on_its_own_examples():
+    seen = []
+
+    def step(x):
+        seen.append(x[:2].clone())
+        return x * 2
+
+    runner = CUDAGraphRunner(
+        step, backend=SimulatedGraphBackend(), max_batch_size=4, capture_sizes=[4], warmup=1
+    )
+    runner.capture(torch.zeros(4, 3))
+    runner(torch.full((2, 3), 7.0))  # leaves 7s in the buffers' first rows
+    seen.clear()
+    runner.capture(torch.ones(4, 3))  # the size is captured already: only the warm-up runs
+    assert seen and all(torch.equal(s, torch.ones(2, 3)) for s in seen)

@@ -41,6 +41,27 @@ class KeyState:
         )
         return self.inputs.nbytes + self.breaks.nbytes + own
 
+    def keep(
+        self, result: CapturedGraph | CaptureRecord, sizes: Sequence[int], records: list[Any]
+    ) -> str | None:
+        """Keeps a capture's result (a graph, or the record of a failed capture) and its record
+        in ``records`` (the runner's ``stats.records``). A new graph whose outputs cannot be
+        sliced beside another size's drops the key's graphs (:meth:`drop_if_unsliceable`):
+        their records in ``records`` then say failed too. Returns why it dropped them, or
+        ``None``."""
+        if not isinstance(result, CapturedGraph):
+            self.failed[result.size] = result
+            records.append(result)
+            return None
+        self.graphs[result.record.size] = result
+        records.append(result.record)
+        dropped = self.drop_if_unsliceable(result, sizes)
+        if dropped is not None:
+            for i, record in enumerate(records):
+                if record.extra_key == self.extra_key and record.ok:
+                    records[i] = self.failed[record.size]
+        return dropped
+
     def drop_if_unsliceable(self, captured: CapturedGraph, sizes: Sequence[int]) -> str | None:
         """Compares a new graph's outputs with another size's of this key; when they cannot both
         be sliced to the real batch (``StaticOutputs.batch_mismatch``), drops every graph of the

@@ -48,6 +48,15 @@ class FallbackReason(str, enum.Enum):
 WHEN_FROZEN = ("fallback", "raise")
 
 
+def frozen_message(what: str, when_frozen: str) -> str:
+    """The message of a capture a frozen runner refuses (``what`` would have captured)."""
+    return (
+        f"{what} would capture a CUDA graph, but the runner is frozen (freeze() was called) "
+        f"and CapturePolicy.when_frozen is {when_frozen!r}: capture every size before freeze(), "
+        "call unfreeze() first, or use when_frozen='fallback' to run such calls eagerly"
+    )
+
+
 @dataclass(frozen=True)
 class CapturePolicy:
     """Serving switches of a :class:`CUDAGraphRunner`, grouped so the constructor stays narrow.

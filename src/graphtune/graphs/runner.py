@@ -203,8 +203,8 @@ class CUDAGraphRunner:
             return
         if self._frozen:
             if self.policy.when_frozen == "raise":
-                raise CaptureError(self._frozen_message("capture()"))
-            logger.warning("%s", self._frozen_message("capture()"))
+                raise CaptureError(policies.frozen_message("capture()", self.policy.when_frozen))
+            logger.warning("%s", policies.frozen_message("capture()", self.policy.when_frozen))
             return
         if self._backend.is_capturing():
             raise CaptureError(
@@ -212,7 +212,10 @@ class CUDAGraphRunner:
                 "be captured inside another capture. Capture this runner before the outer one"
             )
         extra = self._key_fn(example_inputs) if self._key_fn is not None else None
-        key_state = self._keys.get(extra) or self._build(extra, example_inputs)
+        existing = self._keys.get(extra)
+        key_state = existing or self._build(extra, example_inputs)
+        if existing is not None:  # the warm-up runs on these examples, not on earlier calls' rows
+            self._copy_examples(existing, example_inputs)
         if key_state is None:
             raise InputError(
                 "capture() needs at least one batched tensor (a tensor with a leading dim >= 1) "
@@ -359,7 +362,9 @@ class CUDAGraphRunner:
         )
         if isinstance(decision, FallbackReason):
             if decision is FallbackReason.FROZEN and self.policy.when_frozen == "raise":
-                raise CaptureError(self._frozen_message(f"a call of batch {n} (size {size})"))
+                raise CaptureError(
+                    policies.frozen_message(f"a call of batch {n} (size {size})", "raise")
+                )
             return self._eager(decision, inputs)
         assert key_state is not None and n is not None and size is not None
         plan = key_state.inputs
@@ -378,6 +383,13 @@ class CUDAGraphRunner:
         self.stats.real_rows += n
         self.stats.padded_rows += size
         return graph.outputs.result(n, self._clone_outputs)
+
+    def _copy_examples(self, key_state: KeyState, example_inputs: tuple) -> None:
+        plan = key_state.inputs
+        leaves = plan.flatten(example_inputs)
+        n = batch_of(plan, leaves)
+        if 0 < n <= self._largest:
+            plan.copy_in(leaves, n, self._largest, self._debug)
 
     def _build(self, extra: Hashable, inputs: tuple) -> KeyState | None:
         plan = StaticInputs.build(
@@ -437,21 +449,20 @@ class CUDAGraphRunner:
         )
         if isinstance(result, CapturedGraph):
             result.record = dataclasses.replace(result.record, warmup_seconds=warmup_seconds)
-            key_state.graphs[size] = result
             self._shared.extend(result.shared)
-            self.stats.records.append(result.record)
-            dropped = key_state.drop_if_unsliceable(result, self.capture_sizes)
-            if dropped is not None:
-                logger.warning(
-                    "CUDA graphs of key %r of %s dropped, every call runs eagerly: %s",
-                    key_state.extra_key,
-                    getattr(self.fn, "__name__", "fn"),
-                    dropped,
-                )
         else:
             result = dataclasses.replace(result, warmup_seconds=warmup_seconds)
-            key_state.failed[size] = result
-            self.stats.records.append(result)
+        dropped = key_state.keep(result, self.capture_sizes, self.stats.records)
+        if dropped is not None:
+            logger.warning(
+                "CUDA graphs of key %r of %s dropped, every call runs eagerly: %s",
+                key_state.extra_key,
+                getattr(self.fn, "__name__", "fn"),
+                dropped,
+            )
+            if not any(k.graphs for k in self._keys.values()):
+                self.state = RunnerState.WARMED
+        if not isinstance(result, CapturedGraph):
             if self._share_pool:
                 # When capture_end fails (an invalidated capture: a host sync inside fn), torch
                 # never tells the caching allocator that the capture ended, so every later
@@ -462,14 +473,6 @@ class CUDAGraphRunner:
 
     def _count_buffers(self) -> None:
         self.stats.buffer_bytes = sum(st.nbytes for st in self._keys.values())
-
-    def _frozen_message(self, what: str) -> str:
-        return (
-            f"{what} would capture a CUDA graph, but the runner is frozen (freeze() was called) "
-            f"and CapturePolicy.when_frozen is {self.policy.when_frozen!r}: capture every size "
-            "before freeze(), call unfreeze() first, or use when_frozen='fallback' to run such "
-            "calls eagerly"
-        )
 
     def _note_static_reason(self) -> None:
         if not self._noted_static_reason:

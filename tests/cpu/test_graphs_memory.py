@@ -180,9 +180,16 @@ def test_capture_phases_add_up_to_at_most_the_capture_time():
 
 
 def test_lazy_capture_records_each_sizes_own_warmup():
-    runner = CUDAGraphRunner(Step(), max_batch_size=8, lazy=True, backend=SimulatedGraphBackend())
-    runner(torch.randn(3, HIDDEN))
-    runner(torch.randn(7, HIDDEN))
+    runner = CUDAGraphRunner(
+        Step(),
+        max_batch_size=8,
+        lazy=True,
+        backend=SimulatedGraphBackend(),
+        policy=CapturePolicy(warm_each_size=True),
+    )
+    for n in (3, 3, 7, 7):  # each size: its warm-up call, then its capture
+        runner(torch.randn(n, HIDDEN))
+    assert len(runner.stats.records) == 2
     assert all(r.warmup_seconds > 0 for r in runner.stats.records)
 
 

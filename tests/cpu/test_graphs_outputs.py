@@ -116,3 +116,35 @@ def test_a_second_capture_warms_up_on_its_own_examples():
     seen.clear()
     runner.capture(torch.ones(4, 3))  # the size is captured already: only the warm-up runs
     assert seen and all(torch.equal(s, torch.ones(2, 3)) for s in seen)
+
+
+@pytest.mark.parametrize("with_break", [False, True])
+def test_lazy_capture_runs_a_stateful_step_once_per_call(with_break):
+    from graphtune.graphs import graph_break
+
+    state = torch.zeros(16)
+
+    def update(new, slots):
+        state[slots] = new  # persistent state, read and written by every call
+        return new
+
+    def step(x, slots):
+        new = 0.5 * state[slots] + x
+        if with_break:
+            new = graph_break(update, new, slots)
+        else:
+            state[slots] = new
+        return new * 1.0
+
+    runner = CUDAGraphRunner(
+        step, backend=SimulatedGraphBackend(), max_batch_size=8, capture_sizes=[4, 8], lazy=True,
+        pad={1: 15},  # padded rows update a scratch slot of their own
+    )  # fmt: skip
+    want = torch.zeros(16)
+    for n in (3, 3, 6, 3, 6):
+        x, slots = torch.ones(n), torch.arange(n)
+        expected = 0.5 * want[slots] + x
+        want[slots] = expected
+        assert torch.equal(runner(x, slots), expected)
+        assert torch.equal(state[:14], want[:14])
+    assert runner.stats.fallbacks == {FallbackReason.WARMING_UP: 1}

@@ -282,15 +282,17 @@ def test_no_batch_dimension_falls_back_in_lazy_mode_and_errors_in_capture():
 # ---------------------------------------------------------------- lazy, key_fn, release
 
 
-def test_lazy_captures_on_first_use_only():
+def test_lazy_warms_up_on_a_keys_first_call_and_captures_each_size_on_first_use():
     backend = SimulatedGraphBackend()
     runner, _ = make(backend=backend, lazy=True)
     assert runner.state is RunnerState.NEW
+    runner(*inputs(3))  # the key's warm-up: this call, eagerly (fn runs once per call)
+    assert runner.captured_keys == [] and runner.stats.fallbacks == {FallbackReason.WARMING_UP: 1}
     out, _ = runner(*inputs(3))
     assert_matches_eager(out, 3, runner)
     assert runner.captured_keys == [(None, 4)] and backend.captures == 1
     runner(*inputs(4))
-    runner(*inputs(11))
+    runner(*inputs(11))  # a new size of a warmed key: captured on first use
     assert runner.captured_keys == [(None, 4), (None, 16)]
     assert runner.stats.replays == 3 and runner.state is RunnerState.CAPTURED
 

@@ -31,12 +31,13 @@ def make(**kwargs):
 
 def test_freeze_with_fallback_runs_new_sizes_eagerly_and_keeps_replaying_captured_ones(caplog):
     runner, backend = make(lazy=True)
+    runner(torch.ones(3, 2))  # the key's warm-up, eagerly
     runner(torch.ones(3, 2))  # lazy capture of size 4
     runner.freeze()
     assert runner.frozen
     assert torch.equal(runner(torch.ones(7, 2)), torch.full((7, 2), 2.0))  # would capture 8
     assert torch.equal(runner(torch.ones(4, 2)), torch.full((4, 2), 2.0))  # replays 4
-    assert runner.stats.fallbacks == {FallbackReason.FROZEN: 1}
+    assert runner.stats.fallbacks == {FallbackReason.WARMING_UP: 1, FallbackReason.FROZEN: 1}
     assert runner.stats.replays == 2 and backend.captures == 1
     with caplog.at_level(logging.WARNING, logger="graphtune.graphs"):
         runner.capture(torch.ones(8, 2))
@@ -48,7 +49,8 @@ def test_freeze_with_fallback_runs_new_sizes_eagerly_and_keeps_replaying_capture
 
 def test_freeze_with_raise_refuses_every_capture():
     runner, backend = make(lazy=True, policy=CapturePolicy(when_frozen="raise"))
-    runner(torch.ones(1, 2))
+    runner(torch.ones(1, 2))  # the key's warm-up
+    runner(torch.ones(1, 2))  # captures size 1
     runner.freeze()
     with pytest.raises(CaptureError, match=r"a call of batch 5 \(size 8\) would capture"):
         runner(torch.ones(5, 2))
@@ -84,9 +86,13 @@ def test_padding_off_uses_graphs_only_for_exact_sizes():
 def test_padding_off_with_lazy_capture_captures_only_exact_sizes():
     runner, backend = make(lazy=True, policy=CapturePolicy(padding=False))
     runner(torch.ones(3, 2))
+    runner(torch.ones(4, 2))  # the key's warm-up
     runner(torch.ones(4, 2))
     assert runner.captured_keys == [(None, 4)] and backend.captures == 1
-    assert runner.stats.fallbacks == {FallbackReason.SIZE_NOT_CAPTURED: 1}
+    assert runner.stats.fallbacks == {
+        FallbackReason.SIZE_NOT_CAPTURED: 1,
+        FallbackReason.WARMING_UP: 1,
+    }
 
 
 @pytest.mark.parametrize(

@@ -39,9 +39,12 @@ class GraphBackend(Protocol):
     such storages fail (or at least not look valid) after ``release()``. ``hold_slack``, called
     right after the first ``begin_capture`` of a key, allocates spare memory from the pool being
     captured into (an object to drop after the capture; see ``CapturePolicy.pool_slack_bytes``).
+    ``capture_computes`` says whether a capture also computes the captured call (a simulation
+    that runs the code while recording) or, as CUDA capture, only records it.
     """
 
     device_type: str | None
+    capture_computes: bool
 
     def available(self) -> bool: ...
 
@@ -95,6 +98,7 @@ class CudaGraphBackend:
     """
 
     device_type: str | None = "cuda"
+    capture_computes = False
 
     def __init__(self) -> None:
         self._streams: dict[int, torch.cuda.Stream] = {}

@@ -359,3 +359,15 @@ class PiecewiseGraph:
         counters = self._counters
         counters.break_runs += len(self.breaks)
         counters.break_seconds += spent
+
+
+def finish_capture_call(backend: Any, graph: Any) -> None:
+    """Computes what capturing a call left undone, so the call runs ``fn`` exactly once: nothing
+    on a backend whose capture computes; the last piece of a piecewise graph (the pieces before
+    each break ran at the break, and the breaks ran); a whole replay of a plain graph."""
+    if getattr(backend, "capture_computes", False):
+        return
+    if isinstance(graph, PiecewiseGraph):
+        backend.execute(graph.pieces[-1])
+    else:
+        graph.replay()

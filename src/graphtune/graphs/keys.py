@@ -21,7 +21,7 @@ from graphtune.graphs.tree import path_str
 class KeyState:
     """Buffers and graphs of one extra key."""
 
-    __slots__ = ("extra_key", "inputs", "breaks", "graphs", "failed")
+    __slots__ = ("extra_key", "inputs", "breaks", "graphs", "failed", "warmed")
 
     def __init__(self, extra_key: Hashable, inputs: StaticInputs) -> None:
         self.extra_key = extra_key
@@ -29,6 +29,8 @@ class KeyState:
         self.breaks = BreakBuffers(inputs.rows)
         self.graphs: dict[int, CapturedGraph] = {}
         self.failed: dict[int, CaptureRecord] = {}
+        # Seconds of the warm-up per size fn ran at (capture()'s warm-up, or a lazy first call).
+        self.warmed: dict[int, float] = {}
 
     @property
     def nbytes(self) -> int:
@@ -40,6 +42,30 @@ class KeyState:
             for brk in graph.graph.breaks
         )
         return self.inputs.nbytes + self.breaks.nbytes + own
+
+    def copy_examples(self, example_inputs: tuple, debug: bool) -> None:
+        """Puts ``capture()``'s example rows into the buffers (the warm-up then runs on them)."""
+        leaves = self.inputs.flatten(example_inputs)
+        n = batch_of(self.inputs, leaves)
+        if 0 < n <= self.inputs.rows:
+            self.inputs.copy_in(leaves, n, self.inputs.rows, debug)
+
+    def padded_copy(self, inputs: tuple, pad_table: Sequence[int]) -> tuple[tuple, int, int]:
+        """``CUDAGraphRunner.padded_inputs`` for this key: ``(padded inputs, n, padded size)``.
+
+        Raises:
+            InputError: The batch is too large, or not a capture size with padding off.
+        """
+        n = batch_of(self.inputs, self.inputs.flatten(inputs))
+        if not 0 < n <= self.inputs.rows:
+            raise InputError(f"batch {n} is outside 1..{self.inputs.rows}; nothing to pad to")
+        size = pad_table[n]
+        if not size:
+            raise InputError(
+                f"batch {n} is not a capture size and padding is off (CapturePolicy(padding="
+                "False)); such calls run eagerly, so there is nothing to pad to"
+            )
+        return self.inputs.padded_copy(inputs, size), n, size
 
     def keep(
         self, result: CapturedGraph | CaptureRecord, sizes: Sequence[int], records: list[Any]

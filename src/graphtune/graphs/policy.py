@@ -40,6 +40,10 @@ class FallbackReason(str, enum.Enum):
     """``CapturePolicy(padding=False)`` and the batch is not one of the capture sizes."""
     FROZEN = "frozen (capture refused)"
     """The key would be captured lazily, but :meth:`CUDAGraphRunner.freeze` forbids captures."""
+    WARMING_UP = "warm-up (first call of a key)"
+    """``lazy=True`` without a ``capture()`` call: a key's first call (of each size, with
+    ``CapturePolicy.warm_each_size``) runs eagerly on its own inputs as the warm-up, so ``fn``
+    runs once per call; the next call of that size captures."""
 
     def __str__(self) -> str:
         return self.value

@@ -28,6 +28,7 @@ from graphtune import env
 from graphtune.errors import CaptureError, ConfigError, InputError
 from graphtune.graphs import policy as policies
 from graphtune.graphs.backend import GraphBackend, default_backend
+from graphtune.graphs.breaks import finish_capture_call
 from graphtune.graphs.buffers import StaticInputs, check_pad_argument
 from graphtune.graphs.capture import CapturedGraph, capture_key, frozen_gc
 from graphtune.graphs.keys import KeyState, batch_of
@@ -215,7 +216,7 @@ class CUDAGraphRunner:
         existing = self._keys.get(extra)
         key_state = existing or self._build(extra, example_inputs)
         if existing is not None:  # the warm-up runs on these examples, not on earlier calls' rows
-            self._copy_examples(existing, example_inputs)
+            existing.copy_examples(example_inputs, self._debug)
         if key_state is None:
             raise InputError(
                 "capture() needs at least one batched tensor (a tensor with a leading dim >= 1) "
@@ -310,17 +311,7 @@ class CUDAGraphRunner:
         key_state = self._keys.get(extra)
         if key_state is None:
             raise InputError(f"no buffers for extra key {extra!r}; call capture() first")
-        plan = key_state.inputs
-        n = batch_of(plan, plan.flatten(inputs))
-        if not 0 < n <= self._largest:
-            raise InputError(f"batch {n} is outside 1..{self._largest}; nothing to pad to")
-        size = self._pad_table[n]
-        if not size:
-            raise InputError(
-                f"batch {n} is not a capture size and padding is off (CapturePolicy(padding="
-                "False)); such calls run eagerly, so there is nothing to pad to"
-            )
-        return plan.padded_copy(inputs, size), n, size
+        return key_state.padded_copy(inputs, self._pad_table)
 
     def __repr__(self) -> str:
         return (
@@ -369,27 +360,32 @@ class CUDAGraphRunner:
         assert key_state is not None and n is not None and size is not None
         plan = key_state.inputs
         if decision is Route.CAPTURE_THEN_REPLAY:
-            # This call's rows go into the buffers first, so the warm-up computes this very call.
-            plan.copy_in(leaves, n, size, self._debug)
+            warm_size = self.policy.warm_each_size and size not in key_state.warmed
+            if self._warmup and (not key_state.warmed or warm_size):
+                # The warm-up is this call, run eagerly on its own inputs: warming up on the
+                # buffers would run its rows again, and a step that updates state would step
+                # twice. The next call of the size captures (as capture() does, a key warms once).
+                start = time.perf_counter()
+                out = self._eager(FallbackReason.WARMING_UP, inputs)
+                key_state.warmed[size] = time.perf_counter() - start
+                self.stats.warmup_seconds += key_state.warmed[size]
+                return out
+            plan.copy_in(leaves, n, size, self._debug)  # the capture computes on these rows
             with self._backend.device_guard(self._device), frozen_gc(collect=False):
-                self._capture_size(key_state, size, self._warm(key_state, size))
+                self._capture_size(key_state, size, key_state.warmed.get(size, 0.0))
             if size not in key_state.graphs:
                 return self._eager(FallbackReason.CAPTURE_FAILED, inputs)
             self.state = RunnerState.CAPTURED
-        graph = key_state.graphs[size]
-        plan.copy_in(leaves, n, size, self._debug)
-        graph.replay()
+            graph = key_state.graphs[size]
+            finish_capture_call(self._backend, graph.graph)  # no second run of this call's rows
+        else:
+            graph = key_state.graphs[size]
+            plan.copy_in(leaves, n, size, self._debug)
+            graph.replay()
         self.stats.replays += 1
         self.stats.real_rows += n
         self.stats.padded_rows += size
         return graph.outputs.result(n, self._clone_outputs)
-
-    def _copy_examples(self, key_state: KeyState, example_inputs: tuple) -> None:
-        plan = key_state.inputs
-        leaves = plan.flatten(example_inputs)
-        n = batch_of(plan, leaves)
-        if 0 < n <= self._largest:
-            plan.copy_in(leaves, n, self._largest, self._debug)
 
     def _build(self, extra: Hashable, inputs: tuple) -> KeyState | None:
         plan = StaticInputs.build(
@@ -423,6 +419,7 @@ class CUDAGraphRunner:
             start = time.perf_counter()
             self._backend.warmup(self.fn, key_state.inputs.static_args(size), runs, self._device)
             seconds = time.perf_counter() - start
+            key_state.warmed[size] = seconds
             self.stats.warmup_seconds += seconds
         if self.state in (RunnerState.NEW, RunnerState.RELEASED):
             self.state = RunnerState.WARMED

@@ -208,6 +208,7 @@ class SimulatedGraphBackend:
     """
 
     device_type: str | None = None
+    capture_computes = True  # recording runs the step's ops (see the module docstring)
 
     def __init__(
         self,

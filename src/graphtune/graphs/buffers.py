@@ -357,11 +357,18 @@ def _equal(a: Any, b: Any) -> bool:
         return False
 
 
+#: A row rule: ``None`` returns a leaf as it is; a number ``c`` slices it to ``min(n, c)`` rows
+#: (:data:`BATCH`: to the real batch ``n``).
+RowRule = int | None
+BATCH = 1 << 62
+
+
 class StaticOutputs:
     """The outputs one graph writes, and cached per-``n`` views of them.
 
-    Tensor leaves whose leading dim equals the captured size are sliced to the real batch; other
-    leaves are returned as they are.
+    Each tensor leaf has a row rule. With one captured size of the key, a leaf whose leading dim
+    equals the size is sliced to the real batch and any other is returned as it is; once the
+    key has several sizes, :func:`row_rules` decides each leaf from its rows at every size.
     """
 
     def __init__(self, outputs: Any, size: int) -> None:
@@ -370,58 +377,81 @@ class StaticOutputs:
         self.paths = paths
         self.size = size
         self._leaves = leaves
-        self._sliced = [
-            isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] == size for x in leaves
-        ]
         self._is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
+        self._rules: list[RowRule] = [BATCH if _rows(x) == size else None for x in leaves]
         self._views: dict[int, list] = {}
+
+    def use_rules(self, rules: list[RowRule]) -> None:
+        """Slices by ``rules`` from now on (one per leaf, from :func:`row_rules`)."""
+        self._rules = list(rules)
+        self._views.clear()
 
     def result(self, n: int, clone: bool) -> Any:
         """Outputs for a call of real batch ``n`` (views into graph memory unless ``clone``)."""
         views = self._views.get(n)
         if views is None:
-            pairs = zip(self._leaves, self._sliced, strict=True)
-            views = [x[:n] if cut else x for x, cut in pairs]
+            pairs = zip(self._leaves, self._rules, strict=True)
+            views = [x if cap is None else x[: min(n, cap)] for x, cap in pairs]
             self._views[n] = views
         if clone:
             views = [x.clone() if t else x for x, t in zip(views, self._is_tensor, strict=True)]
         return self.spec.unflatten(views)
 
-    def batch_mismatch(self, other: StaticOutputs) -> str | None:
-        """Why the outputs of this graph and of ``other`` (another size of the same key) cannot
-        both be sliced by the rule above, or ``None``. A tensor output must, at every size,
-        have the batch as its first dim, or one shape, or ``min(batch, cap)`` rows (the batch
-        up to some size and ``cap`` above it, as the engine's prefill returns its logits); its
-        other dims may not change. ``x[1:]``, ``x.t()`` or ``x.mean(0)`` break that, and slicing
-        them would return padded rows or a wrong shape without an error."""
-        if self.paths != other.paths:
-            return (
-                f"the outputs have other leaves at size {self.size} ({len(self.paths)}) than at "
-                f"size {other.size} ({len(other.paths)}); fn must return one structure"
-            )
-        small, large = (self, other) if self.size < other.size else (other, self)
-        for index, path in enumerate(self.paths):
-            a, b = small._leaves[index], large._leaves[index]
-            if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
-                continue
-            cut_a, cut_b = small._sliced[index], large._sliced[index]
-            if cut_a and cut_b:
-                same = a.shape[1:] == b.shape[1:]
-            elif cut_a:  # capped: the batch at the small size, a fixed count at the large one
-                same = a.shape[1:] == b.shape[1:] and small.size <= b.shape[0] < large.size
-            else:
-                same = not cut_b and a.shape == b.shape
-            if not same:
-                return (
-                    f"output {path_str(path, '<output>')} is {tuple(a.shape)} at size "
-                    f"{small.size} and {tuple(b.shape)} at size {large.size}: the graph runner "
-                    "slices an output whose first dim is the batch and returns any other as it "
-                    "is, so an output must have the batch first (or min(batch, a cap)) or not "
-                    "depend on the batch"
-                )
-        return None
-
     @property
     def tensors(self) -> list[torch.Tensor]:
         """The full-size output tensors (for tests)."""
         return [x for x, t in zip(self._leaves, self._is_tensor, strict=True) if t]
+
+
+def _rows(x: Any) -> int | None:
+    return x.shape[0] if isinstance(x, torch.Tensor) and x.dim() >= 1 else None
+
+
+def row_rules(outputs: list[StaticOutputs]) -> list[RowRule] | str:
+    """Each leaf's row rule from its shapes at the key's captured sizes (two or more), or why
+    some leaf fits none. A tensor leaf must, at every size ``s``, have ``s`` rows (the batch:
+    sliced to ``n``), one shape (returned as it is, even when its rows equal some size), or
+    ``min(s, cap)`` rows (sliced to ``min(n, cap)``, as the engine's prefill returns its logits);
+    its other dims may not change. ``x[1:]``, ``x.t()`` or ``x @ x.t()`` fit none, and slicing
+    them would return padded rows or a wrong shape without an error."""
+    first = outputs[0]
+    for other in outputs[1:]:
+        if other.paths != first.paths:
+            return (
+                f"the outputs have other leaves at size {other.size} ({len(other.paths)}) than "
+                f"at size {first.size} ({len(first.paths)}); fn must return one structure"
+            )
+    by_size = sorted(outputs, key=lambda o: o.size)
+    rules: list[RowRule] = []
+    for index, path in enumerate(first.paths):
+        leaves = [o._leaves[index] for o in by_size]
+        if not all(isinstance(x, torch.Tensor) for x in leaves):
+            rules.append(None)
+            continue
+        sizes = [o.size for o in by_size]
+        shapes = [tuple(x.shape) for x in leaves]
+        rows = [_rows(x) for x in leaves]
+        rule = _rule(sizes, shapes, rows)
+        if isinstance(rule, str):
+            seen = ", ".join(f"{s} at size {n}" for s, n in zip(shapes, sizes, strict=True))
+            return (
+                f"output {path_str(path, '<output>')} is {seen}, so it cannot be sliced to "
+                "the real batch: the graph runner slices an output whose first dim is the batch "
+                "(or min(batch, a cap)) and returns one that does not depend on the batch as it "
+                "is; this one is neither"
+            )
+        rules.append(rule)
+    return rules
+
+
+def _rule(sizes: list[int], shapes: list[tuple[int, ...]], rows: list[int | None]) -> RowRule | str:
+    if len(set(shapes)) == 1:
+        return None  # one shape at every size: not batched (even when it equals a size)
+    if any(r is None for r in rows) or len({s[1:] for s in shapes}) != 1:
+        return "unsliceable"
+    if rows == sizes:
+        return BATCH
+    cap = max(r for r, s in zip(rows, sizes, strict=True) if r is not None and r < s)
+    if all(r == min(s, cap) for r, s in zip(rows, sizes, strict=True)):
+        return cap
+    return "unsliceable"

@@ -12,7 +12,7 @@ from typing import Any
 
 from graphtune.errors import InputError
 from graphtune.graphs.breaks import BreakBuffers, PiecewiseGraph
-from graphtune.graphs.buffers import StaticInputs
+from graphtune.graphs.buffers import StaticInputs, row_rules
 from graphtune.graphs.capture import CapturedGraph, CaptureRecord
 from graphtune.graphs.policy import GraphState
 from graphtune.graphs.tree import path_str
@@ -90,13 +90,18 @@ class KeyState:
 
     def drop_if_unsliceable(self, captured: CapturedGraph, sizes: Sequence[int]) -> str | None:
         """Compares a new graph's outputs with another size's of this key; when they cannot both
-        be sliced to the real batch (``StaticOutputs.batch_mismatch``), drops every graph of the
+        be sliced to the real batch (:func:`~graphtune.graphs.buffers.row_rules`: which also sets
+        how every graph of the key slices each output), drops every graph of the
         key and marks each of ``sizes`` failed (its calls then run eagerly, reason
         ``capture_failed``), and returns why; else ``None``."""
-        other = next((g for g in self.graphs.values() if g is not captured), None)
-        problem = None if other is None else captured.outputs.batch_mismatch(other.outputs)
-        if problem is None:
+        if len(self.graphs) < 2:
             return None
+        rules = row_rules([g.outputs for g in self.graphs.values()])
+        if not isinstance(rules, str):
+            for graph in self.graphs.values():
+                graph.outputs.use_rules(rules)
+            return None
+        problem = rules
         for size, graph in list(self.graphs.items()):
             self.failed[size] = dataclasses.replace(graph.record, ok=False, error=problem)
         self.graphs.clear()

@@ -10,7 +10,7 @@ import pytest
 import torch
 from test_graphs_runner import inputs, make
 
-from graphtune.errors import ConfigError
+from graphtune.errors import ConfigError, InputError
 from graphtune.graphs import CUDAGraphRunner, FallbackReason, SimulatedGraphBackend
 
 # ---------------------------------------------------------------- outputs that cannot be sliced
@@ -169,3 +169,20 @@ def test_lazy_capture_runs_a_stateful_step_once_per_call(with_break):
         assert torch.equal(runner(x, slots), expected)
         assert torch.equal(state[:14], want[:14])
     assert runner.stats.fallbacks == {FallbackReason.WARMING_UP: 1}
+
+
+def test_calls_the_graphs_cannot_serve_are_named():
+    runner = CUDAGraphRunner(
+        lambda x: x * 2, backend=SimulatedGraphBackend(), max_batch_size=4, capture_sizes=[4]
+    )
+    with torch.inference_mode():
+        runner.capture(torch.randn(4, 3))
+    with pytest.raises(InputError, match="inference_mode"):  # buffers made under it
+        runner(torch.randn(2, 3))
+    with pytest.raises(InputError, match="positional inputs only"):
+        runner(x=torch.randn(2, 3))
+    keyed = CUDAGraphRunner(
+        lambda x: x * 2, backend=SimulatedGraphBackend(), max_batch_size=4, key_fn=lambda i: i[0]
+    )
+    with pytest.raises(ConfigError, match="key_fn returned a tensor"):
+        keyed.capture(torch.randn(4, 3))

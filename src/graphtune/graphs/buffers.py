@@ -245,7 +245,16 @@ class StaticInputs:
                 ok = False
             if not ok:
                 raise self._mismatch(index, src, n, leaves)
-            dst.copy_(src)
+            try:
+                dst.copy_(src)
+            except RuntimeError as exc:
+                if "inference tensor" not in str(exc):
+                    raise
+                raise InputError(
+                    "the graph runner's buffers were made under torch.inference_mode() and this "
+                    "call runs outside it, where they cannot be written; call the runner under "
+                    "torch.inference_mode() too (or capture outside it)"
+                ) from None
         for fill in rows.pads:
             fill()
         for index, value in self._constants:

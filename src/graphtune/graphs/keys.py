@@ -10,7 +10,9 @@ import dataclasses
 from collections.abc import Hashable, Sequence
 from typing import Any
 
-from graphtune.errors import InputError
+import torch
+
+from graphtune.errors import ConfigError, InputError
 from graphtune.graphs.breaks import BreakBuffers, PiecewiseGraph
 from graphtune.graphs.buffers import StaticInputs, row_rules
 from graphtune.graphs.capture import CapturedGraph, CaptureRecord
@@ -134,3 +136,25 @@ def batch_of(plan: StaticInputs, leaves: Any) -> int:
             f"tensor with a leading dim, got {type(leaf).__name__}"
             f"{tuple(leaf.shape) if hasattr(leaf, 'shape') else ''}; keep the captured structure"
         ) from None
+
+
+def check_key(extra: Hashable) -> None:
+    """Refuses a ``key_fn`` value that would key graphs by object identity.
+
+    Raises:
+        ConfigError: ``extra`` is a tensor (hashed by identity: new buffers and graphs for
+            every call).
+    """
+    if isinstance(extra, torch.Tensor):
+        raise ConfigError(
+            "key_fn returned a tensor, which would key graphs by the tensor object (new buffers "
+            "and graphs every call); return a Python value, e.g. int(t)"
+        )
+
+
+def named_inputs_error(named: dict[str, Any]) -> InputError:
+    """The error of a runner call with inputs given by name (graphs take positional inputs)."""
+    return InputError(
+        f"the graph runner takes positional inputs only, got {sorted(named)} by name; pass them "
+        "in fn's order (or in a dict input)"
+    )

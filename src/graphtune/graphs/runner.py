@@ -26,6 +26,7 @@ from typing import Any
 
 from graphtune import env
 from graphtune.errors import CaptureError, ConfigError, InputError
+from graphtune.graphs import keys
 from graphtune.graphs import policy as policies
 from graphtune.graphs.backend import GraphBackend, default_backend
 from graphtune.graphs.breaks import finish_capture_call
@@ -245,7 +246,9 @@ class CUDAGraphRunner:
         if key_state.graphs:
             self.state = RunnerState.CAPTURED
 
-    def __call__(self, *inputs: Any) -> Any:
+    def __call__(self, *inputs: Any, **named: Any) -> Any:
+        if named:
+            raise keys.named_inputs_error(named)
         stats = self.stats
         stats.calls += 1
         if self._static_reason is not None:
@@ -388,6 +391,7 @@ class CUDAGraphRunner:
         return graph.outputs.result(n, self._clone_outputs)
 
     def _build(self, extra: Hashable, inputs: tuple) -> KeyState | None:
+        keys.check_key(extra)
         plan = StaticInputs.build(
             inputs,
             rows=self._largest,

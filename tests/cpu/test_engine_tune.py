@@ -201,27 +201,8 @@ def test_bench_decode_tune_reports_tuned_beside_untuned(tmp_path, capsys, monkey
     made = []
     monkeypatch.setattr(graphtune.autotuner, "AutoTuner", lambda: made.append(_tuner()) or made[-1])
     cache, out_json = tmp_path / "tc.json", tmp_path / "d.json"
-    args = [
-        "bench",
-        "decode",
-        "--model",
-        "tiny",
-        "--batch-sizes",
-        "1,2",
-        "--context",
-        "8",
-        "--steps",
-        "1",
-        "--repeats",
-        "1",
-        "--device",
-        "cpu",
-        "--tune",
-        "--tuning-cache",
-        str(cache),
-        "--json",
-        str(out_json),
-    ]
+    args = "bench decode --model tiny --batch-sizes 1,2 --context 8 --steps 1 --repeats 1".split()
+    args += ["--device", "cpu", "--tune", "--tuning-cache", str(cache), "--json", str(out_json)]
     assert main(args) == 0
     captured = capsys.readouterr()
     # 8 single ops and 5 fused stages, 2 buckets (see the test above).

@@ -1,0 +1,55 @@
+"""Racing: after the first round, candidates far behind the fastest leave the race (the rule:
+``graphtune.autotuner.schedule.race``), with fake runners and a fake clock."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_autotuner_tuner import make
+
+from graphtune.autotuner import DynamicTensorSpec, TuningConfig, TuningPolicy
+from graphtune.errors import ConfigError
+
+
+def test_candidates_far_behind_after_the_first_round_leave_the_race() -> None:
+    # b0 (1.0) is fastest; a0 (1.10) is inside the 15% margin and races on; a-1 (1.2) and
+    # b1 (3.0) are measured once, and lose.
+    tuner, runners, timer = make({-1: 1.2, 0: 1.1}, {0: 1.0, 1: 3.0}, rounds=3, remeasure_top=0)
+    tuner.tuning_mode = True
+    config = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0, (4,)),), warmup=0, repeat=1)
+    assert tuner.choose_one("op", runners, config, [torch.randn(4, 2)]) == (runners[1], 0)
+    everyone = [("a", -1), ("a", 0), ("b", 0), ("b", 1)]
+    assert timer.order == everyone + [("a", 0), ("b", 0)] * 2
+    assert tuner.stats.raced_out == 2 and tuner.stats.measurements == 8
+    record = tuner.history[-1]
+    assert [c.samples for c in record.candidates] == [1, 3, 3, 1]  # the losers keep their time
+    # Re-measuring the fastest three takes the ones still racing only: a-1 keeps one sample.
+    tuner, runners, timer = make({-1: 1.2, 0: 1.1}, {0: 1.0, 1: 3.0}, rounds=3, remeasure_top=3)
+    tuner.tuning_mode = True
+    tuner.choose_one("op", runners, config, [torch.randn(4, 2)])
+    assert [c.samples for c in tuner.history[-1].candidates] == [1, 6, 6, 1]
+    assert tuner.stats.raced_out == 2
+
+
+def test_racing_never_drops_a_candidate_the_tie_floor_would_tie() -> None:
+    # 0.12 against 0.10 µs (4 rows at 0.03 and 0.025) is 20% behind, but within tie_floor_us
+    # (0.03 µs): a tie, so it races on, and the earlier-listed one wins the tie.
+    tuner, runners, _ = make({0: 0.03}, {0: 0.025}, rounds=3, remeasure_top=0)
+    tuner.tuning_mode = True
+    config = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0, (4,)),), warmup=0, repeat=1)
+    assert tuner.choose_one("op", runners, config, [torch.randn(4, 2)]) == (runners[0], 0)
+    assert tuner.stats.raced_out == 0
+
+
+def test_racing_can_be_turned_off_and_is_validated() -> None:
+    tuner, runners, timer = make(
+        {-1: 1.2, 0: 1.1}, {0: 1.0, 1: 3.0}, rounds=3, remeasure_top=0, race_margin=0
+    )
+    tuner.tuning_mode = True
+    config = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0, (4,)),), warmup=0, repeat=1)
+    tuner.choose_one("op", runners, config, [torch.randn(4, 2)])
+    assert tuner.stats.raced_out == 0 and tuner.stats.measurements == 12
+    with pytest.raises(ConfigError, match="race_margin"):
+        TuningPolicy(race_margin=0.01)  # below the 5% noise cap: a dropped one could have tied
+    with pytest.raises(ConfigError, match="race_margin"):
+        TuningPolicy(race_margin=float("inf"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -267,9 +268,13 @@ def test_from_misses_imports_a_users_ops_and_checks_the_key_it_tuned(
     import importlib
 
     from graphtune.cli.main import main
+    from graphtune.ops import registry
 
     (tmp_path / "user_ops_for_misses.py").write_text(USER_OPS)
     monkeypatch.syspath_prepend(str(tmp_path))
+    # The user's op leaves the registry with the test (other tests list every registered op).
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    monkeypatch.delitem(sys.modules, "user_ops_for_misses", raising=False)
     user = importlib.import_module("user_ops_for_misses")
     misses, cache = tmp_path / "misses.json", tmp_path / "cache.json"
 

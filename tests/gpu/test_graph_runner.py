@@ -271,6 +271,8 @@ def test_wrong_dtype_or_shape_raises():
 def test_lazy_captures_only_used_sizes():
     step = MLPStack(layers=2)
     runner = CUDAGraphRunner(step, max_batch_size=64, lazy=True)
+    runner(_x(3))  # the key's first call is its warm-up, run eagerly (fn runs once per call)
+    assert runner.stats.fallbacks == {FallbackReason.WARMING_UP: 1}
     for n in (3, 17, 3):
         x = _x(n)
         got = runner(x).clone()

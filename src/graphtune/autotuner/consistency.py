@@ -88,7 +88,18 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 
 
 def _copy(inputs: Sequence[Any]) -> list[Any]:
-    return [x.clone() if isinstance(x, torch.Tensor) else x for x in inputs]
+    return [_same_layout_copy(x) if isinstance(x, torch.Tensor) else x for x in inputs]
+
+
+def _same_layout_copy(x: torch.Tensor) -> torch.Tensor:
+    """A copy with ``x``'s strides (``clone()`` makes a strided view contiguous, and a runner
+    that mishandles strides would then pass the check); a layout that cannot be written
+    element by element (a stride of 0) is cloned."""
+    copy = torch.empty_strided(x.size(), x.stride(), dtype=x.dtype, device=x.device)
+    try:
+        return copy.copy_(x)
+    except RuntimeError:
+        return x.clone()
 
 
 def _same_nonfinite(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -58,12 +58,13 @@ def out_of(inputs: list[Any]) -> torch.Tensor | None:
 def triton_gemm_supports(inputs: list[Any]) -> bool:
     """Whether the Triton GEMM kernels (tiled and GEMV) can run these inputs.
 
-    One float dtype for all operands, a 1-D bias, a contiguous residual, a Triton device.
+    One float dtype for all operands, a contiguous 1-D bias (the kernels read ``bias_ptr + n``),
+    a contiguous residual, a Triton device.
     """
     a, weight, bias, residual, _ = unpack_gemm_inputs(inputs)
     if a.dtype not in DTYPES or weight.dtype != a.dtype:
         return False
-    if bias is not None and (bias.dtype != a.dtype or bias.dim() != 1):
+    if bias is not None and (bias.dtype != a.dtype or bias.dim() != 1 or bias.stride(0) != 1):
         return False
     if residual is not None and (residual.dtype != a.dtype or not residual.is_contiguous()):
         return False  # the split-K reduction indexes the residual as a flat [M * N]

@@ -182,8 +182,9 @@ class TuningRun:
         plans = []
         memory = device_memory_bytes(self.device)
         for (profile, key), tune in zip(profiles, todo, strict=True):
-            if tune and profile_bytes(self.inputs, profile) > memory:
-                self._skip_oversized(profile, key, memory)
+            needed = profile_bytes(self.inputs, profile) if tune else 0
+            if needed > memory:
+                self._skip_oversized(profile, key, needed, memory)
             elif tune:
                 with self._phase("inputs"):
                     first = synthesize_inputs(
@@ -194,7 +195,7 @@ class TuningRun:
                 plans.append(_Plan(profile, key, first, candidates))
         return plans
 
-    def _skip_oversized(self, profile: Profile, key: CacheKey, memory: int) -> None:
+    def _skip_oversized(self, profile: Profile, key: CacheKey, needed: int, memory: int) -> None:
         """A profile whose inputs cannot exist on the device (a mapper's far-off bucket) is not
         tuned, as one whose candidates all failed: look-ups run the fallback."""
         self.stats.profiles_failed += 1
@@ -208,7 +209,7 @@ class TuningRun:
                 "gave this size; cap them with TuningConfig(max_value=...).",
                 self.op,
                 profile.describe(),
-                profile_bytes(self.inputs, profile) / 2**30,
+                needed / 2**30,
                 memory / 2**30,
                 self.device,
             )

@@ -47,8 +47,9 @@ def gemm_case(label: str, n: int, k: int, m: int, max_tactics: int = 20) -> Case
             gemm_config,
         )
 
-        # The engine's runners (gemm_runners()); the GEMV offers tactics for M <= 8 only, the
-        # skinny tensor-core GEMM for M <= 16.
+        # The engine's runners (gemm_runners()): the GEMV offers tactics for M <= 2 only, the
+        # skinny tensor-core GEMM for 2 <= M <= 16, the tiled GEMM from 17 rows
+        # (graphtune.ops._pruned).
         runners = (
             TorchGemmRunner(),
             TritonGemmRunner(max_tactics=max_tactics),

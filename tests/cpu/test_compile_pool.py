@@ -71,7 +71,7 @@ def child(rows: list[int], k: int, n: int, device: str = "cpu", ahead: bool = Fa
     from graphtune.ops import _compile_pool
     from graphtune.ops.gemm import TritonGemmRunner
 
-    runner = TritonGemmRunner(compile_workers=2)
+    runner = TritonGemmRunner(min_rows=1, compile_workers=2)
     work = []
     for m in rows:
         a = torch.zeros(m, k, dtype=torch.bfloat16, device=device)

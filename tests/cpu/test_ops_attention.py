@@ -386,7 +386,9 @@ def test_one_kernel_merge_of_a_fully_masked_row_gives_zeros():
     assert torch.isfinite(got).all() and torch.equal(got[1], torch.zeros_like(got[1]))
 
 
-def test_one_kernel_runner_is_listed_last_and_refuses_too_many_rows():
-    assert isinstance(attention.RUNNERS[-1], attention.TritonDecodeAttentionOneKernel)
+def test_one_kernel_runner_is_not_a_default_runner_and_refuses_too_many_rows():
+    assert not any(
+        isinstance(r, attention.TritonDecodeAttentionOneKernel) for r in attention.RUNNERS
+    )
     with pytest.raises(InputError, match="arrival counters"):
         attention.arrival_counters(torch.device("cpu"), _counters.COUNTERS + 1)

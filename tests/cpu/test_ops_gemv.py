@@ -198,12 +198,12 @@ def test_tuned_gemm_runs_the_gemv_pick_for_every_m_of_each_bucket():
     )
     runners = (TorchGemmRunner(), TritonGemmRunner(max_tactics=2), TritonGemvRunner())
     gen = _gen()
-    layer = TunableLinear(64, 24, bias=True, max_m=8, tuner=tuner, runners=runners)
+    layer = TunableLinear(64, 24, bias=True, max_m=2, tuner=tuner, runners=runners)
     with autotune(tuner=tuner):
-        layer(_randn(gen, 8, 64))
-    assert tuner.stats.profiles_tuned == 4  # buckets 1, 2, 4, 8
+        layer(_randn(gen, 2, 64))
+    assert tuner.stats.profiles_tuned == 2  # buckets 1 and 2: the GEMV offers tactics up to 2
     assert all("TritonGemvRunner" in row[2] for row in tuner.summary_rows())
-    for m in (1, 3, 7, 8, 11):  # 11 rows: bucket 8 (max_m caps it), two row blocks
+    for m in (1, 2, 3, 7, 11):  # 3 rows and more: bucket 2 (max_m caps it), several row blocks
         x = _randn(gen, m, 64)
         assert _rel(layer(x), _want(x, layer.weight, layer.bias)) < 1e-5, m
     assert not tuner.stats.fallbacks
@@ -242,10 +242,14 @@ def test_gemv_tactics_only_for_buckets_up_to_eight_rows():
     assert gemv_tactics(8, 3072, 2048, itemsize=2, sm_count=132)
     for m in (9, 12, 16, 64):
         assert gemv_tactics(m, 3072, 2048, itemsize=2, sm_count=132) == []
-    runner = TritonGemvRunner()
+    runner = TritonGemvRunner(max_rows=MAX_M)
     w = torch.randn(40, 64)
     if _triton.device_supported(torch.device("cpu")):
         assert runner.get_valid_tactics([torch.randn(8, 64), w, None, None, False], None)
+        # By default only the buckets where the GEMV measured near the best (graphtune.ops._pruned).
+        default = TritonGemvRunner()
+        assert default.get_valid_tactics([torch.randn(2, 64), w, None, None, False], None)
+        assert default.get_valid_tactics([torch.randn(4, 64), w, None, None, False], None) == []
     assert runner.get_valid_tactics([torch.randn(16, 64), w, None, None, False], None) == []
     assert runner.get_valid_tactics([torch.randn(9, 64), w, None, None, False], None) == []
     # Same operand rules as the tiled GEMM: one dtype, a contiguous residual.

@@ -71,6 +71,7 @@ def _runner_sets(tuner: AutoTuner | None) -> dict[str, tuple[TunableRunner, ...]
             fused.TritonGateUpSiluNormInLoop(),
             fused.TritonNormQkvRope(4, 2, True),
             fused.TritonNormLinear(),
+            attention.TritonDecodeAttentionOneKernel(),
         ),
     }
 

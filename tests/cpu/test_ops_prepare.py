@@ -71,7 +71,7 @@ class CountingGemm(TritonGemmRunner):
     identity_excludes = TritonGemmRunner.identity_excludes | {"calls"}
 
     def __init__(self) -> None:
-        super().__init__(max_tactics=2, compile_workers=2)
+        super().__init__(max_tactics=2, min_rows=1, compile_workers=2)
         self.calls: list[int] = []
 
     def prepare_all(self, work: Any) -> None:

@@ -195,7 +195,7 @@ class _TacticTimer:
 
 @needs_interpreter
 def test_tunable_linear_picks_what_the_timer_says_and_lookups_use_it(tmp_path):
-    runners = (_RecordingTorch(), _RecordingTriton(sm_count=4, max_tactics=6))
+    runners = (_RecordingTorch(), _RecordingTriton(sm_count=4, max_tactics=6, min_rows=1))
     probe = runners[1].get_valid_tactics(
         [torch.randn(2, 256), torch.randn(24, 256), None, None, False], None
     )
@@ -226,7 +226,7 @@ def test_tunable_linear_picks_what_the_timer_says_and_lookups_use_it(tmp_path):
 
 @needs_interpreter
 def test_tunable_linear_with_the_wallclock_timer_on_cpu():
-    runners = (TorchGemmRunner(), TritonGemmRunner(max_tactics=2))
+    runners = (TorchGemmRunner(), TritonGemmRunner(max_tactics=2, min_rows=1))
     tuner = AutoTuner(
         # The median of three windows: one window of the torch call stalled by a busy CPU (17.6
         # ms in one run beside other test processes) made the interpreted kernel look faster.

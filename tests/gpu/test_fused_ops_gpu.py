@@ -19,6 +19,11 @@ pytest.importorskip("triton")
 
 from graphtune.autotuner import AutoTuner, autotune  # noqa: E402
 from graphtune.ops import _pdl, attention  # noqa: E402
+from graphtune.ops._pruned import (  # noqa: E402
+    ADD_PROJECTION_MIN_ROWS,
+    NORM_LINEAR_IN_LOOP_MIN_ROWS,
+    QKV_AFTER_NORM_MIN_ROWS,
+)
 from graphtune.ops.fused import (  # noqa: E402
     TritonAddProjection,
     TritonGateUpSiluAfterNorm,
@@ -60,8 +65,13 @@ def _norm64(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps) * w.double()
 
 
-def _tactics(runner, inputs, every: int):
+def _tactics(runner, inputs, every: int, pruned_below: int = 1):
+    """A sample of the runner's tactics, compiled; none (and none offered) when the inputs have
+    fewer rows than ``pruned_below`` (graphtune.ops._pruned)."""
     tactics = runner.get_valid_tactics(inputs, None)
+    if inputs[0].shape[0] < pruned_below:
+        assert not tactics, type(runner).__name__
+        return []
     assert tactics, type(runner).__name__
     chosen = tactics[::every] + [tactics[-1]]
     report = runner.precompile(inputs, chosen)
@@ -69,13 +79,13 @@ def _tactics(runner, inputs, every: int):
     return chosen
 
 
-def _check_all(runner, inputs, want, tol, every, out_of=lambda out: out):
-    for tactic in _tactics(runner, inputs, every):
-        got = out_of(runner.forward(inputs, tactic))
+def _check_all(runner, inputs, want, tol, every, pruned_below=1):
+    for tactic in _tactics(runner, inputs, every, pruned_below):
+        got = runner.forward(inputs, tactic)
         assert _rel(got, want) < tol, (type(runner).__name__, tactic)
         if tactic["split"] > 1:  # the last split sums in split order, whichever arrived last
             for _ in range(3):
-                assert torch.equal(out_of(runner.forward(inputs, tactic)), got), tactic
+                assert torch.equal(runner.forward(inputs, tactic), got), tactic
 
 
 class _Rope:
@@ -99,13 +109,13 @@ class _Rope:
         return t * c + torch.cat((t[..., half:], t[..., :half]), -1) * s
 
 
-def _qkv_runners(heads: int, kv: int) -> tuple[Any, ...]:
-    """The fused QKV op's three Triton runners for the engine's signed tables."""
-    return (
-        TritonNormQkvRope(heads, kv, True),
-        TritonQkvRopeNormInLoop(heads, kv, True),
-        TritonQkvRopeAfterNorm(heads, kv, True),
-    )
+def _qkv_runners(heads: int, kv: int, m: int) -> tuple[Any, ...]:
+    """The fused QKV op's Triton runners for the engine's signed tables that offer tactics for
+    ``m`` rows (the norm-first one offers none below ``QKV_AFTER_NORM_MIN_ROWS``)."""
+    runners = (TritonNormQkvRope(heads, kv, True), TritonQkvRopeNormInLoop(heads, kv, True))
+    if m < QKV_AFTER_NORM_MIN_ROWS:
+        return runners
+    return (*runners, TritonQkvRopeAfterNorm(heads, kv, True))
 
 
 @pytest.mark.parametrize("name,m", CASES)
@@ -128,7 +138,9 @@ def test_every_fused_tactic_matches_float64_and_the_unfused_path(name, m):
     act = _randn(m, inter)
     w_down = _randn(hidden, inter, scale=inter**-0.5)
     want = x.double() + act.double() @ w_down.double().T
-    for tactic in _tactics(TritonAddProjection(), [x.clone(), act, w_down], every):
+    proj_in = [x.clone(), act, w_down]
+    proj_tactics = _tactics(TritonAddProjection(), proj_in, every, ADD_PROJECTION_MIN_ROWS)
+    for tactic in proj_tactics:
         res = x.clone()
         TritonAddProjection().forward([res, act, w_down], tactic)
         assert _rel(res, want) < TOL, tactic
@@ -144,7 +156,7 @@ def test_every_fused_tactic_matches_float64_and_the_unfused_path(name, m):
     v_want = qkv[:, (heads + kv) * dim :].reshape(-1, dim)
     inputs = [x, norm_w, w_qkv, bias, rope.positions, rope.cos, rope.sin, k_cache, v_cache]
     inputs += [write_rows, eps, None]
-    for runner in _qkv_runners(heads, kv):
+    for runner in _qkv_runners(heads, kv, m):
         for tactic in _tactics(runner, inputs, every):
             k_cache.fill_(float("nan"))
             v_cache.fill_(float("nan"))
@@ -172,7 +184,7 @@ def test_qk_norm_tactics_match_float64_at_the_qwen3_moe_shape(m):
     q_want, k_want = rope.apply(qk[:, :heads]), rope.apply(qk[:, heads:]).reshape(-1, dim)
     inputs = [x, norm_w, w_qkv, None, rope.positions, rope.cos, rope.sin, k_cache, rope.v_cache]
     inputs += [write_rows, eps, head_norm]
-    runners = _qkv_runners(heads, kv)
+    runners = _qkv_runners(heads, kv, m)
     for runner in runners:
         for tactic in _tactics(runner, inputs, 1):
             assert tactic["bn"] >= dim // 2, tactic
@@ -209,7 +221,8 @@ def test_lm_head_and_skinny_gemm(name, m):
     w = _randn(vocab, hidden, scale=hidden**-0.5)
     want = _norm64(x, norm_w, 1e-5) @ w.double().T
     _check_all(TritonNormLinear(), [x, norm_w, w, None, 1e-5], want, TOL, 4)
-    _check_all(TritonNormLinearInLoop(), [x, norm_w, w, None, 1e-5], want, TOL, 4)
+    in_loop = [x, norm_w, w, None, 1e-5]
+    _check_all(TritonNormLinearInLoop(), in_loop, want, TOL, 4, NORM_LINEAR_IN_LOOP_MIN_ROWS)
     if m > 1:  # the skinny GEMM offers no tactics for one row (the GEMV's)
         want = x.double() @ w.double().T
         _check_all(TritonSkinnyGemmRunner(), [x, w, None, None, False], want, TOL, 2)
@@ -271,6 +284,8 @@ def _layer_chain(dims, m, split_k=False):
     def first(runner: Any, inputs: list[Any]) -> Any:
         tactics = runner.get_valid_tactics(inputs, None)
         split = [t for t in tactics if t.get("split", 1) > 1]
+        if not tactics:  # pruned at these rows (graphtune.ops._pruned): the torch path
+            return -1
         return split[0] if split_k and split else tactics[0]
 
     def step(x: torch.Tensor, fused: bool) -> torch.Tensor:

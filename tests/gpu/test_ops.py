@@ -53,7 +53,7 @@ def _randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
 @pytest.mark.parametrize("m", [2, 32])  # none for one row: the GEMV's (graphtune.ops.gemm.tiled)
 def test_every_valid_gemm_tactic_on_the_qkv_shape(m):
     n, k = GEMMS["qkv"]
-    runner = TritonGemmRunner()
+    runner = TritonGemmRunner(min_rows=1)
     a, w = _randn(m, k), _randn(n, k, scale=k**-0.5)
     inputs = [a, w, None, None, False]
     tactics = runner.get_valid_tactics(inputs, None)
@@ -70,7 +70,7 @@ def test_every_valid_gemm_tactic_on_the_qkv_shape(m):
 @pytest.mark.parametrize("m", [2, 8, 64, 128])
 def test_gemm_decode_shapes_with_residual_and_split_k(name, m):
     n, k = GEMMS[name]
-    runner = TritonGemmRunner()
+    runner = TritonGemmRunner(min_rows=1)
     a, w = _randn(m, k), _randn(n, k, scale=k**-0.5)
     residual = _randn(m, n)
     tactics = runner.get_valid_tactics([a, w, None, residual, True], None)
@@ -92,7 +92,7 @@ def test_gemm_decode_shapes_with_residual_and_split_k(name, m):
 @pytest.mark.parametrize("m", [1, 2, 8])
 def test_every_valid_gemv_tactic_on_the_decode_shapes(name, m):
     n, k = GEMMS[name]
-    runner = TritonGemvRunner()
+    runner = TritonGemvRunner(max_rows=8)
     a, w, residual = _randn(m, k), _randn(n, k, scale=k**-0.5), _randn(m, n)
     inputs = [a, w, None, residual, False]
     tactics = runner.get_valid_tactics(inputs, None)
@@ -120,7 +120,7 @@ def test_every_valid_gemv_tactic_on_the_decode_shapes(name, m):
 
 
 def test_lm_head_gemm_shape():
-    runner = TritonGemmRunner()
+    runner = TritonGemmRunner(min_rows=1)
     a, w = _randn(4, HIDDEN), _randn(VOCAB, HIDDEN, scale=HIDDEN**-0.5)
     tactic = runner.get_valid_tactics([a, w, None, None, False], None)[0]
     assert (
@@ -216,13 +216,13 @@ def test_each_op_captures_in_a_cuda_graph_and_replays_to_eager_results():
     m = 4
     a = _randn(m, HIDDEN)
     w = _randn(3072, HIDDEN, scale=HIDDEN**-0.5)
-    gemm_runner = TritonGemmRunner()
+    gemm_runner = TritonGemmRunner(min_rows=1)
     split = next(
         t
         for t in gemm_runner.get_valid_tactics([a, w, None, None, False], None)
         if t["split_k"] > 1
     )
-    gemv_runner = TritonGemvRunner()
+    gemv_runner = TritonGemvRunner(max_rows=8)
     # Split-K is offered for one row only; like any GEMV tactic it runs every row count.
     gemv_tactics = gemv_runner.get_valid_tactics([a[:1], w, None, None, False], None)
     gemv_split = next(t for t in gemv_tactics if t["split_k"] > 1)

@@ -43,7 +43,7 @@ def test_a_graph_session_replays_one_capture_for_every_measurement() -> None:
 
 def test_gemm_tuning_reuses_sessions_and_compiles_each_binary_once() -> None:
     device = _device()
-    runners = (TorchGemmRunner(), TritonGemmRunner(), TritonGemvRunner())
+    runners = (TorchGemmRunner(), TritonGemmRunner(min_rows=1), TritonGemvRunner(max_rows=8))
     tuner = AutoTuner(show_progress=False)
     a = torch.randn(8, 2048, device=device, dtype=torch.bfloat16)
     w = torch.randn(3072, 2048, device=device, dtype=torch.bfloat16)
@@ -70,6 +70,6 @@ def test_check_tactics_on_a_gemm_with_a_residual_in_place() -> None:
     a = torch.randn(4, 512, device=device, dtype=torch.bfloat16)
     w = torch.randn(256, 512, device=device, dtype=torch.bfloat16) / 512**0.5
     residual = torch.randn(4, 256, device=device, dtype=torch.bfloat16)
-    runners = (TorchGemmRunner(), TritonGemmRunner(), TritonGemvRunner())
+    runners = (TorchGemmRunner(), TritonGemmRunner(min_rows=1), TritonGemvRunner(max_rows=8))
     report = check_tactics(OP_NAME, runners, gemm_config(4, True), [a, w, None, residual, True])
     assert report.passed and len(report.checks) > 10, report.failures

@@ -25,9 +25,15 @@ def _rand(*shape: int, dtype: torch.dtype = BF16) -> torch.Tensor:
 def runner_cases() -> list[tuple[str, Any, list[Any]]]:
     """``(label, runner, inputs)`` of every Triton runner, on small CPU tensors, in each of its
     kernel modes, at 1 and 8 rows (2 and 8 for the tiled and skinny GEMMs, which offer nothing
-    for one row; each label names the case and holds its ``m=``). The
-    inputs are random; nothing is launched here."""
+    for one row; only 8 for the runners :mod:`graphtune.ops._pruned` offers nothing at one row;
+    each label names the case and holds its ``m=``). The inputs are random; nothing is launched
+    here."""
     from graphtune.ops import attention
+    from graphtune.ops._pruned import (
+        ADD_PROJECTION_MIN_ROWS,
+        NORM_LINEAR_IN_LOOP_MIN_ROWS,
+        QKV_AFTER_NORM_MIN_ROWS,
+    )
     from graphtune.ops.activation import TritonSiluAndMulRunner
     from graphtune.ops.fused import (
         TritonAddProjection,
@@ -61,21 +67,23 @@ def runner_cases() -> list[tuple[str, Any, list[Any]]]:
     for m in (1, 8):
         x, nw = _rand(m, hidden), _rand(hidden)
         add(f"norm_linear m={m}", TritonNormLinear(), [x, nw, _rand(inter, hidden), None, 1e-5])
-        add(
-            f"norm_linear in loop m={m}",
-            TritonNormLinearInLoop(),
-            [x, nw, _rand(inter, hidden), _rand(inter), 1e-5],
-        )
+        if m >= NORM_LINEAR_IN_LOOP_MIN_ROWS:
+            add(
+                f"norm_linear in loop m={m}",
+                TritonNormLinearInLoop(),
+                [x, nw, _rand(inter, hidden), _rand(inter), 1e-5],
+            )
         add(
             f"norm_linear+bias m={m}",
             TritonNormLinear(),
             [x, nw, _rand(inter, hidden), _rand(inter), 1e-5],
         )
-        add(
-            f"add_projection m={m}",
-            TritonAddProjection(),
-            [x, _rand(m, inter), _rand(hidden, inter)],
-        )
+        if m >= ADD_PROJECTION_MIN_ROWS:
+            add(
+                f"add_projection m={m}",
+                TritonAddProjection(),
+                [x, _rand(m, inter), _rand(hidden, inter)],
+            )
         for gate_up in (
             TritonNormGateUpSilu(),
             TritonGateUpSiluNormInLoop(),
@@ -91,11 +99,13 @@ def runner_cases() -> list[tuple[str, Any, list[Any]]]:
         write_rows = torch.arange(m * kv, dtype=torch.long)
         k_cache, v_cache = _rand(64, dim), _rand(64, dim)
         for signed, bias in ((True, None), (False, _rand(rows))):
-            for qkv in (
+            qkv_runners = [
                 TritonNormQkvRope(heads, kv, signed),
                 TritonQkvRopeNormInLoop(heads, kv, signed),
-                TritonQkvRopeAfterNorm(heads, kv, signed),
-            ):
+            ]
+            if m >= QKV_AFTER_NORM_MIN_ROWS:
+                qkv_runners.append(TritonQkvRopeAfterNorm(heads, kv, signed))
+            for qkv in qkv_runners:
                 add(
                     f"norm_qkv_rope {type(qkv).__name__} m={m} signed={signed} "
                     f"bias={bias is not None}",
@@ -113,13 +123,17 @@ def runner_cases() -> list[tuple[str, Any, list[Any]]]:
         )
         add(
             f"gemm m={tiled_m}",
-            TritonGemmRunner(),
+            TritonGemmRunner(min_rows=1),
             [x_tiled, _rand(inter, hidden), None, _rand(tiled_m, inter), True],
         )
-        add(f"gemv m={m}", TritonGemvRunner(), [x, _rand(inter, hidden), None, None, False])
+        add(
+            f"gemv m={m}",
+            TritonGemvRunner(max_rows=8),
+            [x, _rand(inter, hidden), None, None, False],
+        )
         add(
             f"gemv+bias+residual m={m}",
-            TritonGemvRunner(),
+            TritonGemvRunner(max_rows=8),
             [x, _rand(inter, hidden), _rand(inter), _rand(m, inter), True],
         )
         add(f"rms_norm m={m}", TritonRMSNormRunner(), [x, nw, _rand(m, hidden), 1e-5])

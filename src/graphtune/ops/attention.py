@@ -391,6 +391,9 @@ class TritonDecodeAttentionOneKernel(TritonDecodeAttention):
     order (deterministic), so there is no merge kernel and no kernel boundary before the output
     projection. The one-split tactics are the parent runner's (already one kernel), so they are
     not offered twice. Rows above ``graphtune.ops._counters.COUNTERS`` are not offered.
+
+    It is not one of the op's :data:`RUNNERS`: measured, it lost to the split + combine pair at
+    every tactic (:mod:`graphtune.ops._pruned`). ``benchmarks/attention_sweep.py`` times it.
     """
 
     inline_combine = True
@@ -407,7 +410,6 @@ RUNNERS: tuple[TunableRunner, ...] = (
     SdpaAttention(),
     MatmulAttention(),
     TritonDecodeAttention(),
-    TritonDecodeAttentionOneKernel(),
 )
 
 

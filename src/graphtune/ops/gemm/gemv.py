@@ -55,6 +55,7 @@ import torch
 from graphtune.autotuner.config import next_power_of_two
 from graphtune.errors import ConfigError
 from graphtune.ops._counters import arrival_counters
+from graphtune.ops._pruned import GEMV_MAX_ROWS
 from graphtune.ops._split_k import split_partials
 from graphtune.ops._triton import device_limits, kernel_module, run_kernel
 from graphtune.ops._triton_runner import TritonRunner
@@ -209,14 +210,17 @@ def measured_loser(tactic: dict[str, int], m: int) -> bool:
 
 
 class TritonGemvRunner(TritonRunner):
-    """Triton GEMV for skinny ``M`` (decode batches up to 8); tactic ``-1`` is ``F.linear``.
+    """Triton GEMV for skinny ``M``; tactic ``-1`` is ``F.linear``.
 
-    Offers tactics only for buckets of ``M <= 8`` (see :func:`gemv_tactics`), but a tactic runs
-    every ``M``, so a bucket's pick is valid for all the live sizes that map to it.
+    Offers tactics only for buckets of ``M <= 2`` (:data:`graphtune.ops._pruned.GEMV_MAX_ROWS`;
+    :func:`gemv_tactics` itself goes to 8), but a tactic runs every ``M``, so a bucket's pick is
+    valid for all the live sizes that map to it.
 
     Args:
         max_tactics: Upper bound on tactics per bucket.
         sm_count: Override the device's SM count (tests, or to tune for another GPU's split-K).
+        max_rows: Largest bucket offered tactics (:data:`graphtune.ops._pruned.GEMV_MAX_ROWS`,
+            measured losers above; :data:`MAX_M` offers every bucket :func:`gemv_tactics` has).
         compile_workers: Threads for ahead-of-time compilation.
     """
 
@@ -227,16 +231,18 @@ class TritonGemvRunner(TritonRunner):
         *,
         max_tactics: int = 16,
         sm_count: int | None = None,
+        max_rows: int = GEMV_MAX_ROWS,
         compile_workers: int | None = None,
     ) -> None:
         super().__init__(compile_workers=compile_workers)
         self.max_tactics = max_tactics
         self.sm_count = sm_count
+        self.max_rows = max_rows
 
     def cache_key_extras(self) -> tuple[Any, ...]:
         """Overrides change the candidate set, so they are part of the runner's identity."""
-        extras = {"sm": self.sm_count, "max": self.max_tactics}
-        return () if extras == {"sm": None, "max": 16} else (extras,)
+        extras = {"sm": self.sm_count, "max": self.max_tactics, "rows": self.max_rows}
+        return () if extras == {"sm": None, "max": 16, "rows": GEMV_MAX_ROWS} else (extras,)
 
     def supports(self, inputs: list[Any]) -> bool:
         """The dtype, residual and device rules of the Triton GEMM
@@ -244,8 +250,11 @@ class TritonGemvRunner(TritonRunner):
         return triton_gemm_supports(inputs)
 
     def tactics_for(self, inputs: list[Any]) -> list[Any]:
-        """See :func:`gemv_tactics`; the SM count comes from the inputs' device."""
+        """See :func:`gemv_tactics`, for buckets of at most ``max_rows`` rows; the SM count
+        comes from the inputs' device."""
         a, weight = inputs[0], inputs[1]
+        if a.shape[0] > self.max_rows:
+            return []
         _, sms = device_limits(a.device)
         return list(
             gemv_tactics(

@@ -33,9 +33,10 @@ def gemm_runners() -> tuple[TunableRunner, ...]:
 
     Order matters: ``runners[0]`` is the untuned fallback and ties in tuning go to the earlier
     runner, so the tiled Triton GEMM comes before the skinny-``M`` GEMV (which offers tactics
-    only for buckets of ``M <= 8``; see :mod:`graphtune.ops.gemm.gemv`), and the swapped-operand
+    only for buckets of ``M <= 2``; see :mod:`graphtune.ops.gemm.gemv`), and the swapped-operand
     tensor-core GEMM (:class:`graphtune.ops.gemm.TritonSkinnyGemmRunner`, buckets of
-    ``M <= 16``) comes last.
+    ``2 <= M <= 16``, where the tiled GEMM offers none: :mod:`graphtune.ops._pruned`) comes
+    last.
     """
     runners: list[TunableRunner] = [TorchGemmRunner()]
     if triton_available():

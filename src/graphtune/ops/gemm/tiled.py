@@ -33,6 +33,7 @@ import torch
 from graphtune.autotuner.config import next_power_of_two
 from graphtune.errors import ConfigError
 from graphtune.ops._counters import arrival_counters
+from graphtune.ops._pruned import TILED_GEMM_MIN_ROWS
 from graphtune.ops._split_k import split_partials
 from graphtune.ops._triton import KERNELS_SOURCES, device_limits, kernels, run_kernel
 from graphtune.ops._triton_runner import TritonRunner
@@ -166,10 +167,13 @@ class TritonGemmRunner(TritonRunner):
         max_tactics: Upper bound on tactics per bucket.
         sm_count: Override the device's SM count (tests, or to tune for another GPU's split-K).
         smem_bytes: Override the shared-memory budget per program.
+        min_rows: Smallest bucket offered tactics when the skinny GEMM takes the inputs
+            (:data:`graphtune.ops._pruned.TILED_GEMM_MIN_ROWS`; 1 offers every bucket).
         compile_workers: Threads for ahead-of-time compilation.
     """
 
     source_modules = KERNELS_SOURCES
+    _DEFAULTS = {"sm": None, "smem": None, "max": 20, "min": TILED_GEMM_MIN_ROWS}
 
     def __init__(
         self,
@@ -177,25 +181,36 @@ class TritonGemmRunner(TritonRunner):
         max_tactics: int = 20,
         sm_count: int | None = None,
         smem_bytes: int | None = None,
+        min_rows: int = TILED_GEMM_MIN_ROWS,
         compile_workers: int | None = None,
     ) -> None:
         super().__init__(compile_workers=compile_workers)
         self.max_tactics = max_tactics
         self.sm_count = sm_count
         self.smem_bytes = smem_bytes
+        self.min_rows = min_rows
 
     def cache_key_extras(self) -> tuple[Any, ...]:
         """Overrides change the candidate set, so they are part of the runner's identity."""
-        extras = {"sm": self.sm_count, "smem": self.smem_bytes, "max": self.max_tactics}
-        return () if extras == {"sm": None, "smem": None, "max": 20} else (extras,)
+        extras = {
+            "sm": self.sm_count,
+            "smem": self.smem_bytes,
+            "max": self.max_tactics,
+            "min": self.min_rows,
+        }
+        return () if extras == self._DEFAULTS else (extras,)
 
     def supports(self, inputs: list[Any]) -> bool:
         """See :func:`triton_gemm_supports`."""
         return triton_gemm_supports(inputs)
 
     def tactics_for(self, inputs: list[Any]) -> list[Any]:
-        """See :func:`gemm_tactics`; device limits come from the inputs' device."""
+        """See :func:`gemm_tactics`; device limits come from the inputs' device. None below
+        ``min_rows`` rows when the skinny GEMM (``graphtune.ops.gemm.skinny``) takes the inputs:
+        it covers those rows."""
         a, weight = inputs[0], inputs[1]
+        if a.shape[0] < self.min_rows and a.stride(-1) == 1 and weight.stride(-1) == 1:
+            return []
         smem, sms = device_limits(a.device)
         return list(
             gemm_tactics(

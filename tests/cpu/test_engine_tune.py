@@ -42,7 +42,7 @@ def _recorded(tuner: AutoTuner):
         yield calls
 
 
-def test_tuned_engine_matches_untuned_and_reuses_the_cache_file(tmp_path):
+def test_tuned_engine_matches_untuned_and_reuses_the_cache_file(tmp_path, unpruned):
     path = tmp_path / "tuning.json"
     plain = Engine(load_model("tiny"), runner="graph", max_batch_size=4, max_seq_len=32)
     tuner = _tuner()
@@ -336,7 +336,7 @@ def _fused_picks(tuner: AutoTuner, step: DecodeStep, batch: int) -> dict[str, se
     return picks
 
 
-def test_whole_step_check_switches_exactly_the_fused_ops_that_slow_the_step():
+def test_whole_step_check_switches_exactly_the_fused_ops_that_slow_the_step(unpruned):
     from graphtune.engine.tuning import check_fusion
 
     model = load_model("tiny")

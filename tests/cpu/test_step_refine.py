@@ -176,7 +176,7 @@ def _calls(step: DecodeStep, tuner: AutoTuner, batch: int) -> list:
     return calls
 
 
-def test_a_rival_faster_in_the_step_replaces_the_pick_and_others_stay(tmp_path):
+def test_a_rival_faster_in_the_step_replaces_the_pick_and_others_stay(tmp_path, unpruned):
     step, tuner = _tuned_step()
     calls = _calls(step, tuner, 1)
     timer = _PickCosts(tuner, calls)

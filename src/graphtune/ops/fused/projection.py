@@ -31,7 +31,7 @@ from graphtune.autotuner.config import ConstraintSpec, DynamicTensorSpec, Tuning
 from graphtune.autotuner.runner import TunableRunner
 from graphtune.autotuner.tuner import AutoTuner
 from graphtune.errors import InputError
-from graphtune.ops._pruned import ADD_PROJECTION_MIN_ROWS, NORM_LINEAR_IN_LOOP_MIN_ROWS
+from graphtune.ops import _pruned
 from graphtune.ops._rows import as_rows, from_rows
 from graphtune.ops.fused._base import (
     NormPlacement,
@@ -114,7 +114,7 @@ class TritonAddProjection(_PlainTriton):
     def tactics_for(self, inputs: list[Any]) -> list[Any]:
         """Plain-mode tactics for ``a`` and ``weight``; none below
         :data:`graphtune.ops._pruned.ADD_PROJECTION_MIN_ROWS` rows (measured losers)."""
-        if inputs[1].shape[0] < ADD_PROJECTION_MIN_ROWS:
+        if inputs[1].shape[0] < _pruned.ADD_PROJECTION_MIN_ROWS:
             return []
         return self.plain_tactics(inputs[1], inputs[2])
 
@@ -277,7 +277,7 @@ class TritonNormLinearInLoop(TritonNormLinear):
     def tactics_for(self, inputs: list[Any]) -> list[Any]:
         """The plain-mode tactics; none below
         :data:`graphtune.ops._pruned.NORM_LINEAR_IN_LOOP_MIN_ROWS` rows (measured losers)."""
-        if inputs[0].shape[0] < NORM_LINEAR_IN_LOOP_MIN_ROWS:
+        if inputs[0].shape[0] < _pruned.NORM_LINEAR_IN_LOOP_MIN_ROWS:
             return []
         return super().tactics_for(inputs)
 

@@ -39,7 +39,7 @@ from graphtune.autotuner.config import ConstraintSpec, DynamicTensorSpec, Tuning
 from graphtune.autotuner.runner import TunableRunner
 from graphtune.autotuner.tuner import AutoTuner
 from graphtune.errors import ConfigError, InputError
-from graphtune.ops._pruned import QKV_AFTER_NORM_MIN_ROWS
+from graphtune.ops import _pruned
 from graphtune.ops._triton import triton_available
 from graphtune.ops.fused._base import (
     AfterNormOp,
@@ -331,7 +331,7 @@ class TritonQkvRopeAfterNorm(AfterNormOp, TritonNormQkvRope):
     def tactics_for(self, inputs: list[Any]) -> list[Any]:
         """The fused kernel's tactics; none below
         :data:`graphtune.ops._pruned.QKV_AFTER_NORM_MIN_ROWS` rows (measured losers)."""
-        if inputs[_X].shape[0] < QKV_AFTER_NORM_MIN_ROWS:
+        if inputs[_X].shape[0] < _pruned.QKV_AFTER_NORM_MIN_ROWS:
             return []
         return super().tactics_for(inputs)
 

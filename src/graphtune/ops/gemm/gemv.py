@@ -54,8 +54,8 @@ import torch
 
 from graphtune.autotuner.config import next_power_of_two
 from graphtune.errors import ConfigError
+from graphtune.ops import _pruned
 from graphtune.ops._counters import arrival_counters
-from graphtune.ops._pruned import GEMV_MAX_ROWS
 from graphtune.ops._split_k import split_partials
 from graphtune.ops._triton import device_limits, kernel_module, run_kernel
 from graphtune.ops._triton_runner import TritonRunner
@@ -219,8 +219,9 @@ class TritonGemvRunner(TritonRunner):
     Args:
         max_tactics: Upper bound on tactics per bucket.
         sm_count: Override the device's SM count (tests, or to tune for another GPU's split-K).
-        max_rows: Largest bucket offered tactics (:data:`graphtune.ops._pruned.GEMV_MAX_ROWS`,
-            measured losers above; :data:`MAX_M` offers every bucket :func:`gemv_tactics` has).
+        max_rows: Largest bucket offered tactics (``None``:
+            :data:`graphtune.ops._pruned.GEMV_MAX_ROWS`, measured losers above; :data:`MAX_M`
+            offers every bucket :func:`gemv_tactics` has).
         compile_workers: Threads for ahead-of-time compilation.
     """
 
@@ -231,7 +232,7 @@ class TritonGemvRunner(TritonRunner):
         *,
         max_tactics: int = 16,
         sm_count: int | None = None,
-        max_rows: int = GEMV_MAX_ROWS,
+        max_rows: int | None = None,
         compile_workers: int | None = None,
     ) -> None:
         super().__init__(compile_workers=compile_workers)
@@ -242,7 +243,7 @@ class TritonGemvRunner(TritonRunner):
     def cache_key_extras(self) -> tuple[Any, ...]:
         """Overrides change the candidate set, so they are part of the runner's identity."""
         extras = {"sm": self.sm_count, "max": self.max_tactics, "rows": self.max_rows}
-        return () if extras == {"sm": None, "max": 16, "rows": GEMV_MAX_ROWS} else (extras,)
+        return () if extras == {"sm": None, "max": 16, "rows": None} else (extras,)
 
     def supports(self, inputs: list[Any]) -> bool:
         """The dtype, residual and device rules of the Triton GEMM
@@ -253,7 +254,7 @@ class TritonGemvRunner(TritonRunner):
         """See :func:`gemv_tactics`, for buckets of at most ``max_rows`` rows; the SM count
         comes from the inputs' device."""
         a, weight = inputs[0], inputs[1]
-        if a.shape[0] > self.max_rows:
+        if a.shape[0] > (_pruned.GEMV_MAX_ROWS if self.max_rows is None else self.max_rows):
             return []
         _, sms = device_limits(a.device)
         return list(

@@ -32,8 +32,8 @@ import torch
 
 from graphtune.autotuner.config import next_power_of_two
 from graphtune.errors import ConfigError
+from graphtune.ops import _pruned
 from graphtune.ops._counters import arrival_counters
-from graphtune.ops._pruned import TILED_GEMM_MIN_ROWS
 from graphtune.ops._split_k import split_partials
 from graphtune.ops._triton import KERNELS_SOURCES, device_limits, kernels, run_kernel
 from graphtune.ops._triton_runner import TritonRunner
@@ -168,12 +168,13 @@ class TritonGemmRunner(TritonRunner):
         sm_count: Override the device's SM count (tests, or to tune for another GPU's split-K).
         smem_bytes: Override the shared-memory budget per program.
         min_rows: Smallest bucket offered tactics when the skinny GEMM takes the inputs
-            (:data:`graphtune.ops._pruned.TILED_GEMM_MIN_ROWS`; 1 offers every bucket).
+            (``None``: :data:`graphtune.ops._pruned.TILED_GEMM_MIN_ROWS`; 1 offers every
+            bucket).
         compile_workers: Threads for ahead-of-time compilation.
     """
 
     source_modules = KERNELS_SOURCES
-    _DEFAULTS = {"sm": None, "smem": None, "max": 20, "min": TILED_GEMM_MIN_ROWS}
+    _DEFAULTS = {"sm": None, "smem": None, "max": 20, "min": None}
 
     def __init__(
         self,
@@ -181,7 +182,7 @@ class TritonGemmRunner(TritonRunner):
         max_tactics: int = 20,
         sm_count: int | None = None,
         smem_bytes: int | None = None,
-        min_rows: int = TILED_GEMM_MIN_ROWS,
+        min_rows: int | None = None,
         compile_workers: int | None = None,
     ) -> None:
         super().__init__(compile_workers=compile_workers)
@@ -209,7 +210,8 @@ class TritonGemmRunner(TritonRunner):
         ``min_rows`` rows when the skinny GEMM (``graphtune.ops.gemm.skinny``) takes the inputs:
         it covers those rows."""
         a, weight = inputs[0], inputs[1]
-        if a.shape[0] < self.min_rows and a.stride(-1) == 1 and weight.stride(-1) == 1:
+        min_rows = _pruned.TILED_GEMM_MIN_ROWS if self.min_rows is None else self.min_rows
+        if a.shape[0] < min_rows and a.stride(-1) == 1 and weight.stride(-1) == 1:
             return []
         smem, sms = device_limits(a.device)
         return list(

@@ -9,12 +9,14 @@ import pytest  # noqa: E402
 
 @pytest.fixture
 def unpruned(monkeypatch):
-    """Lifts the row limits of ``graphtune.ops._pruned``: every runner offers its tactics at every
+    """Lifts the limits of ``graphtune.ops._pruned``: every runner offers its tactics at every
     bucket, as before the limits (tests whose scenario needs a fused kernel at one or two rows)."""
     from graphtune.ops import _pruned
     from graphtune.ops.gemm.gemv import MAX_M
 
     monkeypatch.setattr(_pruned, "GEMV_MAX_ROWS", MAX_M)
+    monkeypatch.setattr(_pruned, "RMS_NORM_ONE_PASS_UP_TO", 0)
+    monkeypatch.setattr(_pruned, "SILU_MAX_PER_THREAD", 16)
     for name in (
         "TILED_GEMM_MIN_ROWS",
         "ADD_PROJECTION_MIN_ROWS",

@@ -20,6 +20,14 @@ count with ``python3 benchmarks/pruning_evidence.py FILE`` on a newer run of
 * :data:`NORM_LINEAR_IN_LOOP_MIN_ROWS`: up to 4 rows none of the norm-in-loop LM head's 38
   candidates came within 5% (the unfused norm and GEMM won every profile of the op).
 
+Two limits on the elementwise kernels' tactics come from three such runs (that one and the two of
+``benchmarks/results/tuning-time-h200-s49-*.json``), 8 profiles each, rows of 2048 and 8192:
+
+* :data:`RMS_NORM_ONE_PASS_UP_TO`: none of the 192 two-pass RMSNorm candidates (blocks of 512 and
+  1024 on a 2048-wide row) came within 5%; the one-pass block won every profile.
+* :data:`SILU_MAX_PER_THREAD`: none of the 96 SiLU-and-mul candidates with 16 elements per thread
+  came within 5%.
+
 The one-kernel decode attention (``graphtune.ops.attention.TritonDecodeAttentionOneKernel``) is
 left out of the op's default runners for the same reason: none of its 45 candidates came within
 5%, and forced into the tuned step it was slower than the split + combine pair at every tactic
@@ -40,3 +48,7 @@ ADD_PROJECTION_MIN_ROWS = 3
 QKV_AFTER_NORM_MIN_ROWS = 3
 #: Smallest bucket for which the norm-in-loop fused LM head offers tactics.
 NORM_LINEAR_IN_LOOP_MIN_ROWS = 5
+#: Longest row for which RMSNorm offers only the one-pass (whole-row) block.
+RMS_NORM_ONE_PASS_UP_TO = 2048
+#: Most elements per thread a SiLU-and-mul tactic may give each thread.
+SILU_MAX_PER_THREAD = 8

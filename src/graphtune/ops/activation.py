@@ -25,6 +25,7 @@ from graphtune.autotuner.context import get_tuner
 from graphtune.autotuner.runner import FALLBACK_TACTIC, TunableRunner, preferred_first
 from graphtune.autotuner.tuner import AutoTuner
 from graphtune.errors import ConfigError, InputError
+from graphtune.ops import _pruned
 from graphtune.ops._rows import as_rows, from_rows
 from graphtune.ops._triton import (
     KERNELS_SOURCES,
@@ -115,10 +116,13 @@ def preferred_silu_tactic(inter: int, rows: int) -> dict[str, int]:
 
 
 def silu_and_mul_tactics(inter: int, rows: int = 1) -> list[dict[str, int]]:
-    """Block/warp tactics for ``I`` output columns (blocks up to ``next_power_of_two(I)``), the
-    prior (:func:`preferred_silu_tactic` for ``rows``) first when valid."""
+    """Block/warp tactics for ``I`` output columns (blocks up to ``next_power_of_two(I)``, 4 to
+    :data:`graphtune.ops._pruned.SILU_MAX_PER_THREAD` elements per thread), the prior
+    (:func:`preferred_silu_tactic` for ``rows``) first when valid."""
     limit = max(BLOCKS[0], next_power_of_two(inter))
-    tactics = elementwise_tactics([b for b in BLOCKS if b <= limit], warps=(1, 2, 4, 8))
+    blocks = [b for b in BLOCKS if b <= limit]
+    per_thread = (4, _pruned.SILU_MAX_PER_THREAD)
+    tactics = elementwise_tactics(blocks, warps=(1, 2, 4, 8), per_thread=per_thread)
     return preferred_first(tactics, preferred_silu_tactic(inter, rows))
 
 

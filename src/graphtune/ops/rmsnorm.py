@@ -28,6 +28,7 @@ from graphtune.autotuner.context import get_tuner
 from graphtune.autotuner.runner import FALLBACK_TACTIC, TunableRunner
 from graphtune.autotuner.tuner import AutoTuner
 from graphtune.errors import ConfigError, InputError
+from graphtune.ops import _pruned
 from graphtune.ops._rows import as_rows, from_rows
 from graphtune.ops._triton import (
     KERNELS_SOURCES,
@@ -92,11 +93,13 @@ def rms_norm_tactics(hidden: int) -> list[dict[str, int]]:
     """Block/warp tactics for rows of ``hidden`` elements.
 
     Blocks: the whole row (one pass) when it fits :data:`MAX_ONE_PASS_BLOCK`, and one or two
-    narrower power-of-two blocks (two passes, fewer registers) when the row is at least 1024.
+    narrower power-of-two blocks (two passes, fewer registers) when the row is longer than
+    :data:`graphtune.ops._pruned.RMS_NORM_ONE_PASS_UP_TO` (measured losers up to there).
     """
     full = _np2(hidden)
     blocks = [full] if full <= MAX_ONE_PASS_BLOCK else []
-    blocks += [b for b in (full // 2, full // 4) if b >= 512 and b < full]
+    if hidden > _pruned.RMS_NORM_ONE_PASS_UP_TO or not blocks:
+        blocks += [b for b in (full // 2, full // 4) if b >= 512 and b < full]
     if not blocks:
         blocks = [MAX_ONE_PASS_BLOCK]
     return elementwise_tactics(sorted(set(blocks), reverse=True), per_thread=(2, 16))

@@ -130,7 +130,7 @@ def test_lm_head_gemm_shape():
 
 
 @pytest.mark.parametrize("m", [1, 16])
-def test_rms_norm_every_tactic(m):
+def test_rms_norm_every_tactic(m, unpruned):  # the two-pass blocks too
     runner = TritonRMSNormRunner()
     x, r, w = _randn(m, HIDDEN), _randn(m, HIDDEN), (1 + 0.1 * torch.randn(HIDDEN, device=DEV))
     w = w.to(BF16)
@@ -146,7 +146,7 @@ def test_rms_norm_every_tactic(m):
 
 
 @pytest.mark.parametrize("m", [1, 16])
-def test_silu_and_mul_every_tactic(m):
+def test_silu_and_mul_every_tactic(m, unpruned):
     runner = TritonSiluAndMulRunner()
     x = _randn(m, 2 * INTER)
     xd = x.double()

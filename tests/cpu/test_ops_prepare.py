@@ -103,10 +103,10 @@ class OffByOne(TritonRMSNormRunner):
         return out, res
 
 
-def test_check_tactics_finds_a_wrong_triton_tactic() -> None:
+def test_check_tactics_finds_a_wrong_triton_tactic(unpruned) -> None:
     from graphtune.ops.rmsnorm import TorchRMSNormRunner, rms_norm_config
 
-    hidden = 1024  # wide enough for a two-pass (split-row) tactic
+    hidden = 1024  # wide enough for a two-pass (split-row) tactic, offered when unpruned
     x, weight, residual = torch.randn(2, hidden), torch.randn(hidden), torch.randn(2, hidden)
     inputs = [x, weight, residual, 1e-5]
     config = rms_norm_config(4, True)

@@ -64,10 +64,18 @@ class NcclAllReduce:
         group: The process group (``None``: the default group).
     """
 
-    name = "nccl"
-
     def __init__(self, group: Any = None) -> None:
         self.group = group
+
+    @property
+    def name(self) -> str:
+        """The group's backend (``"nccl"`` on GPUs, ``"gloo"`` on CPUs); ``"nccl"`` before the
+        default group exists."""
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            return "nccl"
+        return str(dist.get_backend(self.group))
 
     def staging(self, rows: int) -> torch.Tensor | None:
         """Always ``None``: NCCL reduces any contiguous tensor in place."""

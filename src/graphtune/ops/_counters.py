@@ -28,6 +28,17 @@ _lock = threading.Lock()
 _buffers: dict[str, torch.Tensor] = {}
 
 
+def split_fits(count: int) -> bool:
+    """Whether a split launch that needs ``count`` arrival counters fits the device's buffer.
+
+    A bucket's pick serves every larger size mapped to it (all sizes past a capped bucket), so a
+    split tactic tuned on few rows can meet a launch with more output tiles than counters. The
+    split runners then launch the same tiles unsplit: the same result up to the order of the
+    float32 sums, where :func:`arrival_counters` would refuse the launch.
+    """
+    return count <= COUNTERS
+
+
 def arrival_counters(device: torch.device, count: int, *, user: str, fix: str) -> torch.Tensor:
     """The zeroed counters of ``device`` (at least ``count`` of them).
 

@@ -49,7 +49,7 @@ import torch
 
 from graphtune.autotuner.config import last_power_of_two, next_power_of_two
 from graphtune.errors import ConfigError
-from graphtune.ops._counters import arrival_counters
+from graphtune.ops._counters import arrival_counters, split_fits
 from graphtune.ops._split_k import keys_per_split, split_partials
 from graphtune.ops._triton import device_supported, kernel_module, run_kernel
 
@@ -349,6 +349,8 @@ def launch_fused_gemv(
         rope_args = (placeholder,) * 6
         rope_strides = (0, 0, 0, 0)
     res = residual if residual is not None else placeholder
+    if not split_fits(tiles * -(-m // block_m)):
+        split = 1  # more programs than arrival counters (a pick serving many more rows): unsplit
     grid = (tiles, -(-m // block_m), split)
     ws, counters, k_split, ws_pair = placeholder, placeholder, k, 0
     if split > 1:

@@ -55,7 +55,7 @@ import torch
 from graphtune.autotuner.config import next_power_of_two
 from graphtune.errors import ConfigError
 from graphtune.ops import _pruned
-from graphtune.ops._counters import arrival_counters
+from graphtune.ops._counters import arrival_counters, split_fits
 from graphtune.ops._split_k import split_partials
 from graphtune.ops._triton import device_limits, kernel_module, run_kernel
 from graphtune.ops._triton_runner import TritonRunner
@@ -290,6 +290,7 @@ class TritonGemvRunner(TritonRunner):
             return out
         bm = rows_per_program(m)
         tiles = -(-m // bm) * -(-n // bn)
+        split = split if split_fits(tiles) else 1  # more tiles than counters: unsplit
         k_per_split = k // split
         pointers, strides = kernel_operands(a, weight, bias, residual)
         ws = counters = a  # unread placeholders without a split

@@ -33,7 +33,7 @@ import torch
 from graphtune.autotuner.config import next_power_of_two
 from graphtune.errors import ConfigError
 from graphtune.ops import _pruned
-from graphtune.ops._counters import arrival_counters
+from graphtune.ops._counters import arrival_counters, split_fits
 from graphtune.ops._split_k import split_partials
 from graphtune.ops._triton import KERNELS_SOURCES, device_limits, kernels, run_kernel
 from graphtune.ops._triton_runner import TritonRunner
@@ -265,15 +265,15 @@ def launch_tiled_gemm(
     ``silu_pairs`` (one split, no bias or residual) ``silu(a @ weight[:N].T) *
     (a @ weight[N:].T)`` for a ``[2 * N, K]`` weight (see the kernel).
 
-    Raises:
-        InputError: A split-K launch would need more arrival counters than a device has.
+    A split-K tactic launches unsplit when its tiles outnumber the arrival counters
+    (:func:`graphtune.ops._counters.split_fits`).
     """
     m, k = a.shape
     n = weight.shape[0] // 2 if silu_pairs else weight.shape[0]
     bm, bn, bk = tactic["bm"], tactic["bn"], tactic["bk"]
-    split = tactic["split_k"]
-    k_per_split = k // split if split > 1 else k
     tiles = math.ceil(m / bm) * math.ceil(n / bn)
+    split = tactic["split_k"] if split_fits(tiles) else 1  # more tiles than counters: unsplit
+    k_per_split = k // split if split > 1 else k
     grid = (tiles, split)
     pointers, strides = kernel_operands(a, weight, bias, residual)
     ws = counters = a  # unread placeholders without a split

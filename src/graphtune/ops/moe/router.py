@@ -38,7 +38,7 @@ from graphtune.autotuner.config import TuningConfig, next_power_of_two
 from graphtune.autotuner.runner import TunableRunner
 from graphtune.autotuner.tuner import AutoTuner
 from graphtune.errors import ConfigError, InputError
-from graphtune.ops._counters import arrival_counters
+from graphtune.ops._counters import arrival_counters, split_fits
 from graphtune.ops._split_k import keys_per_split, split_partials
 from graphtune.ops._triton import device_supported, run_kernel, triton_available
 from graphtune.ops.fused._base import UnfusedRunner, resolve, rows_config, runners_for
@@ -169,7 +169,8 @@ class TritonMoeRouter(_RouterRule, TritonRoutingRunner):
     def launch(self, inputs: list[Any], tactic: Any, *, warmup: bool = False) -> Any:
         """Runs (or with ``warmup`` only compiles) the kernel; returns ``(weights, ids)``.
 
-        Any token count runs (a bucket's pick serves every count that maps to the bucket).
+        Any token count runs (a bucket's pick serves every count that maps to the bucket); a split
+        tactic runs unsplit past :data:`graphtune.ops._counters.COUNTERS` tokens.
 
         Raises:
             ConfigError: ``tactic`` is not one of :func:`router_tactics`'s for these experts and
@@ -190,7 +191,9 @@ class TritonMoeRouter(_RouterRule, TritonRoutingRunner):
         ids = torch.empty((tokens, self.top_k), dtype=torch.int64, device=h.device)
         if tokens == 0:
             return weights, ids
-        bk, splits = tactic["bk"], tactic["splits"]
+        bk = tactic["bk"]
+        # More tokens than arrival counters (a pick serving far more tokens): unsplit.
+        splits = tactic["splits"] if split_fits(tokens) else 1
         block_e = max(16, next_power_of_two(experts))
         k_per_split = keys_per_split(k, splits, bk)
         # Each token's partials and, in one more row, its logits for the routing to read.

@@ -10,7 +10,8 @@ import pytest  # noqa: E402
 @pytest.fixture
 def unpruned(monkeypatch):
     """Lifts the limits of ``graphtune.ops._pruned``: every runner offers its tactics at every
-    bucket, as before the limits (tests whose scenario needs a fused kernel at one or two rows)."""
+    bucket, as before the limits (tests whose scenario needs a fused kernel at one or two rows).
+    The one-kernel attention stays out of the op's runners."""
     from graphtune.ops import _pruned
     from graphtune.ops.gemm.gemv import MAX_M
 

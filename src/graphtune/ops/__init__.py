@@ -5,7 +5,9 @@ shape; outside tuning mode that is a cache look-up, and an untuned shape runs th
 (tactic ``-1``). Triton is optional: without it each op offers only its torch runner.
 
 * :func:`gemm` / :class:`TunableLinear` — ``F.linear`` semantics; cuBLAS, a tiled Triton GEMM
-  (block / warp / stage / split-K tactics) and a Triton GEMV for decode batches of up to 8 rows.
+  (block / warp / stage / split-K tactics), a Triton GEMV for one or two rows and a
+  swapped-operand tensor-core GEMM for 2 to 16 (:mod:`graphtune.ops._pruned` says which offers
+  tactics where).
 * :func:`fused_add_rms_norm` — residual add + RMSNorm, returning ``(out, new_residual)``;
   :func:`head_rms_norm_` — per-head RMSNorm of q and k in a QKV output, in place (Qwen3);
   :func:`head_rms_norm` the same out of place.

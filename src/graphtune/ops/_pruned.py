@@ -12,7 +12,8 @@ count with ``python3 benchmarks/pruning_evidence.py FILE`` on a newer run of
 * :data:`TILED_GEMM_MIN_ROWS`: from 2 to 16 rows the tiled GEMM (``bm`` 16) won 2 of 32 profiles,
   by 0.6% and 0.2% over the swapped-operand skinny GEMM, which covers these rows with the same
   tensor-core tiles; its 232 candidates there were 15% of the run's. The rule holds only where
-  the skinny GEMM takes the inputs (unit strides along ``K``).
+  the skinny GEMM takes the inputs (unit strides along ``K``) and offers tactics for them (it
+  offers none for small ``N`` or ``K``, say a router of 8 experts).
 * :data:`ADD_PROJECTION_MIN_ROWS`: at 1 and 2 rows none of the fused residual projection's 54
   candidates came within 5% (the GEMM op with the residual in its epilogue won every profile).
 * :data:`QKV_AFTER_NORM_MIN_ROWS`: at 1 and 2 rows none of the norm-first fused QKV's 27

@@ -154,8 +154,14 @@ class TritonRunner(TunableRunner):
         return tactics
 
     def forward(self, inputs: list[Any], tactic: Any = FALLBACK_TACTIC, **kwargs: Any) -> Any:
-        """Runs tactic ``-1`` with torch, any other tactic with Triton."""
-        if tactic == FALLBACK_TACTIC:
+        """Runs tactic ``-1`` with torch, any other tactic with Triton, unless the kernels cannot
+        take these inputs (:meth:`supports`): then torch.
+
+        A pick is tuned on contiguous synthetic inputs and looked up by shape, dtype and device,
+        so it is served to live inputs of any layout (a transposed weight view, a strided bias);
+        a kernel that assumes unit strides would read them wrongly.
+        """
+        if tactic == FALLBACK_TACTIC or not self.supports(inputs):
             return self.torch_forward(inputs)
         return self.launch(inputs, tactic)
 

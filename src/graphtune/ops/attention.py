@@ -20,8 +20,10 @@ Runners (index 0 is the untuned fallback):
   Only the keys the mask leaves visible are read. Tactics are
   ``{"block_n", "splits", "warps", "stages"}`` (see :func:`decode_attention_tactics` for the
   pruning rules); ``-1`` is torch SDPA.
-* :class:`TritonDecodeAttentionOneKernel` — the same kernel's split tactics with the merge done
-  by the last split program of each row (no second kernel, no kernel boundary between them).
+
+:class:`TritonDecodeAttentionOneKernel` (the same kernel's split tactics with the merge done by
+the last split program of each row) is not among the op's :data:`RUNNERS`: it measured slower
+(``graphtune.ops._pruned``).
 """
 
 from __future__ import annotations

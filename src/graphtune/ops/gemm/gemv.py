@@ -1,4 +1,4 @@
-"""Triton GEMV runner for decode GEMMs with ``M <= 8`` rows (the ``graphtune.gemm`` op).
+"""Triton GEMV runner for decode GEMMs of a few rows (the ``graphtune.gemm`` op).
 
 At batch 1..8 ``out = a @ weight.T`` streams the whole weight once and is memory-bound; tiles for
 ``tl.dot`` (``BLOCK_M >= 16``) multiply padding and cuBLAS reaches only about half of the copy
@@ -11,7 +11,9 @@ split of a tile to finish sums the partials, :mod:`graphtune.ops._split_k`).
 Tactics are dicts ``{"bn", "bk", "warps", "split_k"}``. Pruning rules of :func:`gemv_tactics`
 (a pruned config is never timed):
 
-* only buckets of ``M <= 8`` get tactics (larger batches are the tiled GEMM's); ``bm``, the rows
+* only buckets of ``M <= 8`` get tactics (the runner offers them up to
+  :data:`graphtune.ops._pruned.GEMV_MAX_ROWS`, 2; larger batches are the skinny and tiled
+  GEMMs'); ``bm``, the rows
   one program multiplies, is the next power of two of ``M``. A pick still runs *any* ``M``: the
   kernel takes more row blocks when a live ``M`` exceeds 8 (a bucket's pick runs every size that
   maps to it, up to ``2 * bucket - 1``, and larger ones when ``max_m`` caps the buckets);

@@ -33,6 +33,28 @@ from graphtune.ops.gemm.common import (
 )
 
 
+def skinny_supports(inputs: list[Any]) -> bool:
+    """The Triton GEMM's rules, and unit strides along ``K`` (the kernel assumes them)."""
+    a, weight = inputs[0], inputs[1]
+    return a.stride(-1) == 1 and weight.stride(-1) == 1 and triton_gemm_supports(inputs)
+
+
+def skinny_tactics(a: torch.Tensor, weight: torch.Tensor, sm_count: int) -> list[dict[str, int]]:
+    """The ``dot=1`` tactics of :func:`graphtune.ops.fused_gemv.family.fused_gemv_tactics`,
+    less the measured losers: none for one row, and only ``bn >= 64`` with ``bk`` 128 up to
+    8 rows. Over every GEMM case of the committed tuning-quality runs
+    (``benchmarks/results/tuning-*.json``, Llama-1B's decode GEMMs) none of these came within
+    5.8% of the case's best under either truth."""
+    m = a.shape[0]
+    if m <= 1:
+        return []
+    shape = GemvShape(PLAIN, m, weight.shape[0], 1, a.shape[1], a.element_size())
+    tactics = [t for t in fused_gemv_tactics(shape, sm_count=sm_count) if t["dot"] == 1]
+    if m <= 8:
+        tactics = [t for t in tactics if t["bn"] >= 64 and t["bk"] == 128]
+    return tactics
+
+
 class TritonSkinnyGemmRunner(FusedTritonRunner):
     """Swapped-operand tensor-core GEMM for ``M <= 16``; tactic ``-1`` is ``F.linear``.
 
@@ -40,26 +62,13 @@ class TritonSkinnyGemmRunner(FusedTritonRunner):
     """
 
     def supports(self, inputs: list[Any]) -> bool:
-        """The Triton GEMM's rules, and unit strides along ``K`` (the kernel assumes them)."""
-        a, weight = inputs[0], inputs[1]
-        return a.stride(-1) == 1 and weight.stride(-1) == 1 and triton_gemm_supports(inputs)
+        """See :func:`skinny_supports`."""
+        return skinny_supports(inputs)
 
     def tactics_for(self, inputs: list[Any]) -> list[Any]:
-        """The ``dot=1`` tactics of :func:`graphtune.ops.fused_gemv.family.fused_gemv_tactics`,
-        less the measured losers: none for one row, and only ``bn >= 64`` with ``bk`` 128 up to
-        8 rows. Over every GEMM case of the committed tuning-quality runs
-        (``benchmarks/results/tuning-*.json``, Llama-1B's decode GEMMs) none of these came within
-        5.8% of the case's best under either truth."""
+        """See :func:`skinny_tactics`; the SM count of the inputs' device (or the override)."""
         a, weight = inputs[0], inputs[1]
-        m = a.shape[0]
-        if m <= 1:
-            return []
-        shape = GemvShape(PLAIN, m, weight.shape[0], 1, a.shape[1], a.element_size())
-        sms = self.sm_count_for(a.device)
-        tactics = [t for t in fused_gemv_tactics(shape, sm_count=sms) if t["dot"] == 1]
-        if m <= 8:
-            tactics = [t for t in tactics if t["bn"] >= 64 and t["bk"] == 128]
-        return tactics
+        return skinny_tactics(a, weight, self.sm_count_for(a.device))
 
     def torch_forward(self, inputs: list[Any]) -> torch.Tensor:
         """:func:`graphtune.ops.gemm.common.torch_gemm`: the fallback tactic."""

@@ -44,6 +44,7 @@ from graphtune.ops.gemm.common import (
     triton_gemm_supports,
     unpack_gemm_inputs,
 )
+from graphtune.ops.gemm.skinny import skinny_supports, skinny_tactics
 
 # (bn, bk, warps, stages): tiles that suit skinny-M GEMMs with large N and K; bm follows M.
 BASE_CONFIGS: tuple[tuple[int, int, int, int], ...] = (
@@ -207,13 +208,14 @@ class TritonGemmRunner(TritonRunner):
 
     def tactics_for(self, inputs: list[Any]) -> list[Any]:
         """See :func:`gemm_tactics`; device limits come from the inputs' device. None below
-        ``min_rows`` rows when the skinny GEMM (``graphtune.ops.gemm.skinny``) takes the inputs:
-        it covers those rows."""
+        ``min_rows`` rows where the skinny GEMM (``graphtune.ops.gemm.skinny``) takes the inputs
+        and offers tactics for them: it covers those rows."""
         a, weight = inputs[0], inputs[1]
-        min_rows = _pruned.TILED_GEMM_MIN_ROWS if self.min_rows is None else self.min_rows
-        if a.shape[0] < min_rows and a.stride(-1) == 1 and weight.stride(-1) == 1:
-            return []
         smem, sms = device_limits(a.device)
+        min_rows = _pruned.TILED_GEMM_MIN_ROWS if self.min_rows is None else self.min_rows
+        if a.shape[0] < min_rows and skinny_supports(inputs):
+            if skinny_tactics(a, weight, self.sm_count or sms):
+                return []
         return list(
             gemm_tactics(
                 a.shape[0],

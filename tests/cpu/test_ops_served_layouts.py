@@ -1,0 +1,82 @@
+"""A pick is served to live inputs of any layout: a kernel that cannot take them runs torch.
+
+Picks are tuned on contiguous synthetic inputs and looked up by shape, dtype and device only. A
+weight passed as a transposed view, or a strided bias, reaches the picked runner at serving time;
+the Triton kernels that assume unit strides must not read it wrongly.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+
+from fake_timers import last_wins_tuner  # noqa: E402
+
+from graphtune.autotuner import autotune  # noqa: E402
+from graphtune.ops import _triton  # noqa: E402
+from graphtune.ops.gemm import TritonGemmRunner, TritonSkinnyGemmRunner, gemm  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    not _triton.device_supported(torch.device("cpu")),
+    reason="Triton kernels run on the CPU only under TRITON_INTERPRET=1 (set when no GPU)",
+)
+
+
+def _err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want).abs().max() / want.abs().max())
+
+
+def test_a_skinny_pick_served_a_transposed_weight_gives_the_right_product():
+    gen = torch.Generator().manual_seed(11)
+    a, w_t = torch.randn(4, 128, generator=gen), torch.randn(128, 64, generator=gen)
+    tuner = last_wins_tuner()  # the skinny GEMM is the last runner with tactics at 4 rows
+    with autotune(tuner=tuner):
+        gemm(a, w_t.t().contiguous(), tuner=tuner, max_m=4)  # tuned on a contiguous weight
+    picks = " ".join(row[2] for row in tuner.summary_rows())
+    assert "TritonSkinnyGemmRunner" in picks
+    got = gemm(a, w_t.t(), tuner=tuner, max_m=4)  # the same key, a transposed view
+    assert _err(got, a.double() @ w_t.double()) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "runner,tactic",
+    [
+        (
+            TritonSkinnyGemmRunner(),
+            {"bn": 16, "bk": 32, "warps": 4, "dot": 1, "stages": 2, "split": 1},
+        ),
+        (
+            TritonGemmRunner(min_rows=1),
+            {"bm": 16, "bn": 16, "bk": 32, "warps": 4, "stages": 2, "split_k": 1},
+        ),
+    ],
+    ids=["skinny", "tiled"],
+)
+def test_a_tactic_on_inputs_its_kernel_cannot_take_runs_torch(runner, tactic):
+    gen = torch.Generator().manual_seed(5)
+    a, w = torch.randn(3, 64, generator=gen), torch.randn(32, 64, generator=gen)
+    bias = torch.randn(32, 2, generator=gen)[:, 0]  # a strided bias: no Triton GEMM takes it
+    inputs = [a, w, bias, None, False]
+    assert not runner.supports(inputs)
+    want = a.double() @ w.double().T + bias.double()
+    assert _err(runner.forward(inputs, tactic), want) < 1e-5
+
+
+def test_the_tiled_gemm_covers_the_few_rows_the_skinny_gemm_offers_nothing_for():
+    # A router of 8 experts: N = 8 is too narrow for the skinny GEMM's 64-row weight tiles at 4
+    # rows, so the tiled GEMM keeps its tactics there; a wide projection is the skinny GEMM's.
+    tiled, skinny = TritonGemmRunner(), TritonSkinnyGemmRunner()
+    a = torch.randn(4, 2048)
+    router = [a, torch.randn(8, 2048), None, None, False]
+    assert skinny.get_valid_tactics(router, None) == []
+    assert tiled.get_valid_tactics(router, None)
+    wide = [a, torch.randn(3072, 2048), None, None, False]
+    assert skinny.get_valid_tactics(wide, None) and tiled.get_valid_tactics(wide, None) == []

@@ -39,7 +39,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--model", default="tiny", metavar="PRESET|PATH", help="preset or checkpoint folder"
     )
     parser.add_argument(
-        "--batch", type=batch_sizes, default=(1, 8), metavar="1,8", help="decode batch sizes to run"
+        "--batch",
+        type=batch_sizes,
+        default=(1, 8, 32),
+        metavar="1,8,32",
+        help="decode batch sizes to run (some runners offer tactics only from 17 rows: "
+        "graphtune/ops/_pruned.py)",
     )
     parser.add_argument(
         "--max-seq-len", type=positive_int, default=256, metavar="N", help="KV cache length"
@@ -159,8 +164,10 @@ def run_check(args: argparse.Namespace) -> int:
     print(render_table(title, columns, rows, width=200), file=table_stream)
     failed = [r for r in reports if not r.passed]
     checked = sum(len(r.checks) for r in reports)
+    fallback_only = sum(1 for r in reports if not r.checks)
     print(
-        f"{checked} (runner, tactic) checked on {len(reports)} op calls; {len(failed)} failed",
+        f"{checked} (runner, tactic) checked on {len(reports)} op calls; {len(failed)} failed; "
+        f"{fallback_only} op calls offered no Triton tactic (only the fallback runs there)",
         file=table_stream,
     )
     data = [_report_json(r) for r in reports]

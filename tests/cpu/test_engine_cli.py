@@ -213,7 +213,7 @@ def test_batch_size_lists_with_blanks_or_repeats_are_usage_errors(
 def test_usage_lists_defaults_as_typed_and_rejects_odd_numbers(capsys):
     with pytest.raises(SystemExit):
         main(["check-tactics", "--help"])
-    assert "(default: 1,8)" in capsys.readouterr().out
+    assert "(default: 1,8,32)" in capsys.readouterr().out
     for args in (["--prompt-ids", "1,²"], ["--prompt-ids", "1", "--temperature", "inf"]):
         with pytest.raises(SystemExit) as exit_info:
             main(["generate", "--model", "tiny", *args])

@@ -264,10 +264,14 @@ def test_triton_runner_rejects_what_its_kernel_cannot_take():
     odd_dim = _decode_inputs(gen, 1, 2, 4, 40, 24)  # head_dim not a power of two
     bool_mask = _decode_inputs(gen, 1, 2, 4, 40, 16)
     bool_mask[3] = bool_mask[3] == 0
+    tactic = {"block_n": 64, "splits": 1, "warps": 4, "stages": 2}
     for inputs in (odd_dim, bool_mask):
         assert runner.get_valid_tactics(inputs, None) == []
+        # A pick served such inputs runs torch SDPA (TritonRunner.forward); the kernel's own
+        # launch refuses them.
+        torch.testing.assert_close(runner.forward(inputs, tactic), runner.forward(inputs, -1))
         with pytest.raises(InputError, match="tactic -1"):
-            runner.forward(inputs, {"block_n": 64, "splits": 1, "warps": 4, "stages": 2})
+            runner.launch(inputs, tactic)
         if inputs is odd_dim:  # the fallback still works on every shape
             torch.testing.assert_close(
                 runner.forward(inputs, -1).double(), _reference(*inputs), rtol=0, atol=1e-5

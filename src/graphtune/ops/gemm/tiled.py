@@ -213,9 +213,9 @@ class TritonGemmRunner(TritonRunner):
         a, weight = inputs[0], inputs[1]
         smem, sms = device_limits(a.device)
         min_rows = _pruned.TILED_GEMM_MIN_ROWS if self.min_rows is None else self.min_rows
-        if a.shape[0] < min_rows and skinny_supports(inputs):
-            if skinny_tactics(a, weight, self.sm_count or sms):
-                return []
+        few_rows = a.shape[0] < min_rows
+        if few_rows and skinny_supports(inputs) and skinny_tactics(a, weight, self.sm_count or sms):
+            return []  # the skinny GEMM covers these rows
         return list(
             gemm_tactics(
                 a.shape[0],

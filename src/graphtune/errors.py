@@ -52,8 +52,11 @@ class ResultsWriteError(GraphtuneError, OSError):
 
 def describe_tensor(value: Any) -> str:
     """How an error message names a value that should have been a tensor: ``shape dtype on
-    device`` for a tensor (read by attribute, so this module imports no torch), else its type."""
+    device`` for a tensor, with ``, not contiguous`` when it is not (read by attribute, so this
+    module imports no torch), else its type."""
     shape = getattr(value, "shape", None)
     if shape is None or not hasattr(value, "dtype"):
         return type(value).__name__
-    return f"{tuple(shape)} {value.dtype} on {getattr(value, 'device', '?')}"
+    text = f"{tuple(shape)} {value.dtype} on {getattr(value, 'device', '?')}"
+    is_contiguous = getattr(value, "is_contiguous", None)
+    return text if is_contiguous is None or is_contiguous() else text + ", not contiguous"

@@ -206,6 +206,41 @@ def test_runners_hash_the_device_functions_their_kernels_import() -> None:
     assert not missing, "\n".join(missing)
 
 
+# The runners whose candidates a limit of graphtune.ops._pruned decides.
+PRUNED_RUNNERS = (
+    "graphtune.ops.gemm.gemv.TritonGemvRunner",
+    "graphtune.ops.gemm.tiled.TritonGemmRunner",
+    "graphtune.ops.fused.projection.TritonAddProjection",
+    "graphtune.ops.fused.projection.TritonNormLinearInLoop",
+    "graphtune.ops.fused.qkv.TritonQkvRopeAfterNorm",
+    "graphtune.ops.rmsnorm.TritonRMSNormRunner",
+    "graphtune.ops.activation.TritonSiluAndMulRunner",
+)
+
+
+def _reads_pruning_limits(path: Path) -> bool:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    return any(
+        isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "_pruned"
+        for node in ast.walk(tree)
+    )
+
+
+def test_runners_hash_the_pruning_limits_they_read() -> None:
+    # Editing a limit changes a runner's candidates, so the picks tuned under the old limit must
+    # be tuned again: the limits' module is part of the identity of every runner that reads one.
+    readers = {m for m, path in _modules().items() if _reads_pruning_limits(path)}
+    listed = {name.rpartition(".")[0] for name in PRUNED_RUNNERS}
+    assert readers, "no module reads graphtune.ops._pruned: the scan found nothing"
+    assert readers <= listed, f"add the runners of {sorted(readers - listed)} to PRUNED_RUNNERS"
+    for name in PRUNED_RUNNERS:
+        module, _, class_name = name.rpartition(".")
+        runner = getattr(importlib.import_module(module), class_name)
+        assert "graphtune.ops._pruned" in runner.source_modules, name
+
+
 OUTSIDE_REFERENCES = re.compile(r"\bDESIGN\.md|\.\./shared|/work/|EXAMPLES\.md")
 
 

@@ -208,6 +208,8 @@ def test_the_op_with_a_residual_tunes_its_own_profiles_and_checks_the_residual()
         fused_moe(x, gate_up, down, weights, ids, residual=residual.to(torch.float16), tuner=tuner)
     with pytest.raises(InputError, match="residual must be a contiguous"):
         fused_moe(x, gate_up, down, weights, ids, residual=torch.zeros(32, 2).T, tuner=tuner)
+    with pytest.raises(InputError, match="residual must be a contiguous"):  # x's rows flattened
+        fused_moe(x.view(1, 2, 32), gate_up, down, weights, ids, residual=before[0], tuner=tuner)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -1,6 +1,8 @@
 """Row counts at which a runner offers no tactics, because it measured far from the best there.
 
-A pruned candidate is never compiled or timed, which is most of what cold tuning costs. Each
+A pruned candidate is never compiled or timed, which is most of what cold tuning costs. Every
+runner that reads a limit lists this module in its ``source_modules``, so editing a limit changes
+the runner's cache identity and its picks are tuned again. Each
 limit below comes from the per-candidate table of a cold whole-model tuning run
 (``candidates_table`` of ``benchmarks/results/tuning-time-h200-25accda.json``: Llama-1B's decode
 ops at buckets 1 to 128 on the H200, every candidate's time as the tuner measured it). Rerun the

@@ -139,7 +139,7 @@ class TorchSiluAndMulRunner(TunableRunner):
 class TritonSiluAndMulRunner(TritonRunner):
     """Fused SiLU-and-mul in one Triton kernel."""
 
-    source_modules = KERNELS_SOURCES
+    source_modules = (*KERNELS_SOURCES, "graphtune.ops._pruned")
 
     def supports(self, inputs: list[Any]) -> bool:
         """Float rows with a unit last stride, on a Triton device."""

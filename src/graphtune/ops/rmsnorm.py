@@ -117,7 +117,7 @@ class TorchRMSNormRunner(TunableRunner):
 class TritonRMSNormRunner(TritonRunner):
     """Fused residual add + RMSNorm in one Triton kernel (one program per row)."""
 
-    source_modules = KERNELS_SOURCES
+    source_modules = (*KERNELS_SOURCES, "graphtune.ops._pruned")
 
     def supports(self, inputs: list[Any]) -> bool:
         """Float16/bfloat16/float32 rows with a unit last stride, on a Triton device."""

@@ -106,6 +106,8 @@ class UnfusedAddProjection(UnfusedRunner):
 class TritonAddProjection(_PlainTriton):
     """The fused GEMV with the in-place residual add; tactic ``-1`` is ``x.addmm_``."""
 
+    source_modules = (*_PlainTriton.source_modules, "graphtune.ops._pruned")
+
     def supports(self, inputs: list[Any]) -> bool:
         """Unit last strides, one float dtype, a Triton device."""
         x, a, weight = _unpack_add(inputs)
@@ -273,6 +275,7 @@ class TritonNormLinearInLoop(TritonNormLinear):
     code."""
 
     norm_in_loop = True
+    source_modules = (*TritonNormLinear.source_modules, "graphtune.ops._pruned")
 
     def tactics_for(self, inputs: list[Any]) -> list[Any]:
         """The plain-mode tactics; none below

@@ -307,6 +307,8 @@ class TritonQkvRopeAfterNorm(AfterNormOp, TritonNormQkvRope):
         sm_count, compile_workers: As for :class:`TritonNormQkvRope`.
     """
 
+    source_modules = (*TritonNormQkvRope.source_modules, "graphtune.ops._pruned")
+
     def __init__(
         self,
         num_heads: int,

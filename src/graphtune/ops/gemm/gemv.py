@@ -227,7 +227,11 @@ class TritonGemvRunner(TritonRunner):
         compile_workers: Threads for ahead-of-time compilation.
     """
 
-    source_modules = ("graphtune.ops.gemm._gemv_kernels", "graphtune._split_k_jit")
+    source_modules = (
+        "graphtune.ops.gemm._gemv_kernels",
+        "graphtune._split_k_jit",
+        "graphtune.ops._pruned",
+    )
 
     def __init__(
         self,

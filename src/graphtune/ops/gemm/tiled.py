@@ -174,7 +174,8 @@ class TritonGemmRunner(TritonRunner):
         compile_workers: Threads for ahead-of-time compilation.
     """
 
-    source_modules = KERNELS_SOURCES
+    # The pruning rule reads the limits and the skinny GEMM's coverage: both change the candidates.
+    source_modules = (*KERNELS_SOURCES, "graphtune.ops._pruned", "graphtune.ops.gemm.skinny")
     _DEFAULTS = {"sm": None, "smem": None, "max": 20, "min": None}
 
     def __init__(

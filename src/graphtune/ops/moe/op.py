@@ -20,7 +20,7 @@ from graphtune.autotuner.config import ConstraintSpec, DynamicTensorSpec, Tuning
 from graphtune.autotuner.context import get_tuner
 from graphtune.autotuner.runner import TunableRunner
 from graphtune.autotuner.tuner import AutoTuner
-from graphtune.errors import InputError
+from graphtune.errors import InputError, describe_tensor
 from graphtune.ops.moe.gemv import TritonMoeGemvRunner
 from graphtune.ops.moe.gemv_down import OP_NAME as DOWN_OP_NAME
 from graphtune.ops.moe.gemv_down import choose_down, down_runners
@@ -122,8 +122,16 @@ def fused_moe(
         )
     inputs: list[Any] = [x2, gate_up_proj, down_proj, topk_weights, topk_ids]
     if residual is not None:
-        same = residual.shape == shape and residual.is_contiguous()
-        inputs.append(residual.view(x2.shape) if same else residual)  # else: an InputError
+        if (
+            not isinstance(residual, torch.Tensor)
+            or residual.shape != shape
+            or not residual.is_contiguous()
+        ):
+            raise InputError(
+                f"fused_moe: residual must be a contiguous tensor of x's shape {tuple(shape)} "
+                f"(the experts' output is added to it in place), got {describe_tensor(residual)}."
+            )
+        inputs.append(residual.view(x2.shape))
     unpack_moe_inputs(inputs)
     moe_residual(inputs)
     chosen = runners if runners is not None else fused_moe_runners()

@@ -22,8 +22,9 @@ from graphtune.graphs import CUDAGraphRunner, FallbackReason, SimulatedGraphBack
         lambda x: x[1:] * 2,  # the batch first, but one row short: padded rows would leak out
         lambda x: x.t() * 2,  # the batch second
         lambda x: x @ x.t(),  # the batch in both dims
+        lambda x: torch.cat([x, x]),  # more rows than the batch at every size: no cap
     ],
-    ids=["shifted", "transposed", "square"],
+    ids=["shifted", "transposed", "square", "doubled"],
 )
 @pytest.mark.parametrize("lazy", [False, True])
 def test_outputs_that_cannot_be_sliced_run_eagerly_instead_of_wrong(caplog, fn, lazy):
@@ -103,6 +104,8 @@ def test_a_backend_of_the_wrong_kind_and_an_unhashable_key_are_named():
     )
     with pytest.raises(ConfigError, match="key_fn returned \\[1\\].*not hashable"):
         runner(torch.randn(2, 3))
+    with pytest.raises(ConfigError, match="key_fn returned \\[1\\].*not hashable"):
+        runner.capture(torch.randn(4, 3))
 
 
 def test_callables_and_the_predicate_answer_are_checked():
@@ -179,10 +182,107 @@ def test_calls_the_graphs_cannot_serve_are_named():
         runner.capture(torch.randn(4, 3))
     with pytest.raises(InputError, match="inference_mode"):  # buffers made under it
         runner(torch.randn(2, 3))
+    calls = runner.stats.calls
     with pytest.raises(InputError, match="positional inputs only"):
         runner(x=torch.randn(2, 3))
+    assert runner.stats.calls == calls + 1  # counted as every refused call is
     keyed = CUDAGraphRunner(
         lambda x: x * 2, backend=SimulatedGraphBackend(), max_batch_size=4, key_fn=lambda i: i[0]
     )
     with pytest.raises(ConfigError, match="key_fn returned a tensor"):
         keyed.capture(torch.randn(4, 3))
+
+
+def test_a_value_that_is_not_a_tensor_may_not_depend_on_the_batch():
+    runner = CUDAGraphRunner(
+        lambda x: (x * 2, x.shape[0], "kept"),
+        backend=SimulatedGraphBackend(),
+        max_batch_size=8,
+        capture_sizes=[4, 8],
+    )
+    runner.capture(torch.zeros(8, 1))
+    rows, count, text = runner(torch.ones(5, 1))
+    assert count == 5 and text == "kept" and torch.equal(rows, torch.full((5, 1), 2.0))
+    assert runner.captured_keys == [] and runner.stats.failed_captures
+    constant = CUDAGraphRunner(
+        lambda x: (x * 2, "kept"), backend=SimulatedGraphBackend(), max_batch_size=8,
+        capture_sizes=[4, 8],
+    )  # fmt: skip
+    constant.capture(torch.zeros(8, 1))
+    assert constant(torch.ones(5, 1))[1] == "kept" and constant.stats.replays == 1
+
+
+def test_a_second_capture_pads_the_rows_an_earlier_smaller_call_left():
+    scratch = 15
+    cache = torch.zeros(16)
+
+    def step(x, slot):
+        cache.index_copy_(0, slot, x)  # state written by slot, as a KV cache is
+        return x * 2
+
+    runner = CUDAGraphRunner(
+        step, backend=SimulatedGraphBackend(), max_batch_size=8, capture_sizes=[2, 8],
+        pad={"1": scratch},
+    )  # fmt: skip
+    example = (torch.zeros(1), torch.tensor([scratch]))
+    runner.capture(*example)
+    runner(torch.tensor([7.0]), torch.tensor([scratch]))  # one row, padded to 2
+    runner(torch.arange(1.0, 6.0), torch.arange(5))  # real rows in slots 0..4
+    cache.zero_()
+    cache[:5] = 100.0
+    runner.capture(*example)  # the warm-up runs on the example, padded to every row
+    assert cache[:5].tolist() == [100.0] * 5
+
+
+def test_a_lazy_capture_that_fails_after_a_break_ran_raises_instead_of_running_twice(caplog):
+    from graphtune.errors import CaptureError
+    from graphtune.graphs import graph_break
+
+    steps = torch.zeros(4)
+
+    def step(x, slot):
+        steps.index_add_(0, slot, torch.ones_like(slot, dtype=steps.dtype))  # before the break
+        h = graph_break(torch.relu, x)
+        if x.shape[0] == 2:
+            h.sum().item()  # a host sync after the break: this size's capture fails
+        return h * 2
+
+    runner = CUDAGraphRunner(
+        step, backend=SimulatedGraphBackend(), max_batch_size=4, capture_sizes=[2, 4], lazy=True,
+        warmup=0, pad={"1": 3},
+    )  # fmt: skip
+    runner(torch.ones(4), torch.arange(4))
+    with caplog.at_level(logging.WARNING, logger="graphtune"):
+        with pytest.raises(CaptureError, match="run them twice"):
+            runner(torch.ones(2), torch.tensor([0, 1]))
+    assert steps.tolist() == [2.0, 2.0, 1.0, 1.0]  # the first piece ran once for each call
+    assert torch.equal(runner(torch.ones(2), torch.tensor([0, 1])), torch.full((2,), 2.0))
+    assert steps.tolist() == [3.0, 3.0, 1.0, 1.0]  # later calls of the size run eagerly, once
+
+
+def test_capture_keeps_the_applications_own_gc_freeze():
+    import gc
+
+    runner = CUDAGraphRunner(
+        lambda x: x * 2, backend=SimulatedGraphBackend(), max_batch_size=4, capture_sizes=[4]
+    )
+    gc.freeze()
+    try:
+        runner.capture(torch.zeros(4))
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+    runner.release()
+    runner.capture(torch.zeros(4))
+    assert gc.get_freeze_count() == 0  # its own freeze is undone
+
+
+def test_a_pad_rule_for_an_input_that_is_not_batched_is_refused():
+    runner = CUDAGraphRunner(
+        lambda x, table, k: x + table.sum() + k,
+        backend=SimulatedGraphBackend(),
+        max_batch_size=4,
+        pad={"1": 99},
+    )
+    with pytest.raises(ConfigError, match="pad names input 1, which is not batched"):
+        runner.capture(torch.zeros(4), torch.zeros(3), 1)

@@ -221,6 +221,7 @@ class PieceCapture:
         break_seconds: Time spent at breaks (running the piece before, the break, the copies).
         account_seconds: Time spent reading memory statistics.
         pool_bytes: Bytes the device's reserved memory grew by while pieces were being captured.
+        executed: Pieces run on the captured rows at breaks (a break reads what they computed).
     """
 
     def __init__(
@@ -248,6 +249,7 @@ class PieceCapture:
         self.break_seconds = 0.0
         self.account_seconds = 0.0
         self.pool_bytes = 0
+        self.executed = 0
 
     def run(self, fn: Callable[..., Any], args: tuple) -> Any:
         """Runs ``fn(*args)`` under capture, with this object answering its graph breaks."""
@@ -269,6 +271,7 @@ class PieceCapture:
         self._end()
         start = _clock()
         self._backend.execute(self.pieces[-1])
+        self.executed += 1
         token = _ACTIVE.set(None)  # a break inside the break is an ordinary call
         try:
             result = fn(*args, **kwargs)

@@ -155,7 +155,7 @@ class StaticInputs:
                 self._static_ptrs.append((index, _layout(leaf)))
             else:
                 self._constants.append((index, leaf))
-        self._views: dict[int, _Rows] = {}
+        self._views: dict[tuple[int, int], _Rows] = {}  # by (rows copied, padded size)
 
     @classmethod
     def build(
@@ -214,6 +214,14 @@ class StaticInputs:
                 )
             flags.append(marked)
         rules = resolve_rules(pad, paths, name="pad", is_rule=is_pad_rule)
+        named = {str(key) for key in pad} if isinstance(pad, dict) else set()
+        for marked, path in zip(flags, paths, strict=True):
+            if not marked and path_str(path) in named:  # a rule for this very input
+                raise ConfigError(
+                    f"pad names input {path_str(path)}, which is not batched (its leading dim is "
+                    f"not the batch {batch} of input {path_str(paths[batch_index])}); drop its pad "
+                    "rule, or pass it with the batch as its leading dim"
+                )
         for leaf, marked, rule, path in zip(leaves, flags, rules, paths, strict=True):
             if marked:
                 _check_pad_value(rule, leaf, path)
@@ -234,7 +242,7 @@ class StaticInputs:
             InputError: A batched input has the wrong shape, dtype or device; a constant differs
                 from the captured one; or (``debug``) a non-batched tensor moved.
         """
-        rows = self._views.get(n)
+        rows = self._views.get((n, s))
         if rows is None:
             rows = self._make_rows(n, s)
         for index, dst, shape, dtype, device in rows.copies:
@@ -268,6 +276,14 @@ class StaticInputs:
         if debug:
             self.check_statics(leaves)
 
+    def first_rows(self, leaves: Any) -> list:
+        """``leaves`` with each batched tensor cut to the buffers' rows (as :meth:`build` copies
+        examples with more rows than the buffers hold)."""
+        return [
+            leaf[: self.rows] if index in self._buffers else leaf
+            for index, leaf in enumerate(leaves)
+        ]
+
     def check_statics(self, leaves: Any) -> None:
         """Raises InputError when a non-batched tensor is not the captured one (its address,
         shape, strides or dtype differ)."""
@@ -291,7 +307,7 @@ class StaticInputs:
             if n < s:
                 pads.append(_pad_filler(self._rules[index], buf[n:s], buf[:n]))
         rows = _Rows(copies, pads)
-        self._views[n] = rows
+        self._views[(n, s)] = rows
         return rows
 
     def _mismatch(self, index: int, got: Any, n: int, leaves: Any) -> InputError:
@@ -421,8 +437,9 @@ def row_rules(outputs: list[StaticOutputs]) -> list[RowRule] | str:
     some leaf fits none. A tensor leaf must, at every size ``s``, have ``s`` rows (the batch:
     sliced to ``n``), one shape (returned as it is, even when its rows equal some size), or
     ``min(s, cap)`` rows (sliced to ``min(n, cap)``, as the engine's prefill returns its logits);
-    its other dims may not change. ``x[1:]``, ``x.t()`` or ``x @ x.t()`` fit none, and slicing
-    them would return padded rows or a wrong shape without an error."""
+    its other dims may not change. A leaf that is not a tensor must be equal at every size.
+    ``x[1:]``, ``x.t()`` or ``x @ x.t()`` fit none, and slicing them would return padded rows or
+    a wrong shape without an error."""
     first = outputs[0]
     for other in outputs[1:]:
         if other.paths != first.paths:
@@ -435,6 +452,16 @@ def row_rules(outputs: list[StaticOutputs]) -> list[RowRule] | str:
     for index, path in enumerate(first.paths):
         leaves = [o._leaves[index] for o in by_size]
         if not all(isinstance(x, torch.Tensor) for x in leaves):
+            # A value that depends on the size (x.shape[0]) would come back as the padded size's.
+            if any(isinstance(x, torch.Tensor) or not _equal(x, leaves[0]) for x in leaves):
+                seen = ", ".join(
+                    f"{x!r:.40} at size {o.size}" for x, o in zip(leaves, by_size, strict=True)
+                )
+                return (
+                    f"output {path_str(path, '<output>')} is {seen}: a value that is not a "
+                    "tensor is returned as captured, so it may not depend on the batch; return "
+                    "it as a tensor with the batch as its first dim, or compute it outside fn"
+                )
             rules.append(None)
             continue
         sizes = [o.size for o in by_size]
@@ -460,7 +487,8 @@ def _rule(sizes: list[int], shapes: list[tuple[int, ...]], rows: list[int | None
         return "unsliceable"
     if rows == sizes:
         return BATCH
-    cap = max(r for r, s in zip(rows, sizes, strict=True) if r is not None and r < s)
-    if all(r == min(s, cap) for r, s in zip(rows, sizes, strict=True)):
+    # More rows than the size at every size (torch.cat([x, x]), an extra row) leaves no cap.
+    cap = max((r for r, s in zip(rows, sizes, strict=True) if r is not None and r < s), default=0)
+    if cap and all(r == min(s, cap) for r, s in zip(rows, sizes, strict=True)):
         return cap
     return "unsliceable"

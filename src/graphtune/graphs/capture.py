@@ -8,11 +8,12 @@ Rules applied here, where the work happens:
   outputs (and the tensors its graph breaks read) only as non-owning twins (see memory.py), so
   their blocks go back to the pool and the next, smaller capture reuses them: the pool grows to
   about the largest graph alone instead of the sum of all graphs' outputs.
-* The garbage collector is *frozen* (``gc.freeze()``, undone by ``gc.unfreeze()``) rather than
-  only disabled, and automatic collection is disabled for the duration (restored as it was): a
-  collection that runs mid-capture could free a tensor from another stream's memory at an
-  arbitrary point, and freezing also makes any ``gc.collect()`` that runs during capture skip the
-  whole existing heap (it only scans objects created since the freeze).
+* The garbage collector is *frozen* (``gc.freeze()``, undone by ``gc.unfreeze()``; left as it
+  is when the application froze it already) rather than only disabled, and automatic collection
+  is disabled for the duration (restored as it was): a collection that runs mid-capture could
+  free a tensor from another stream's memory at an arbitrary point, and freezing also makes any
+  ``gc.collect()`` that runs during capture skip the whole existing heap (it only scans objects
+  created since the freeze).
 * No device synchronisation and no emptying of the allocator cache per size: the capture stream
   is ordered after the caller's stream by an event, and the pool bytes a capture added are the
   growth of the allocator's reserved bytes while its pieces were captured. That count is exact
@@ -66,6 +67,8 @@ class CaptureRecord:
         breaks: Graph breaks run eagerly per replay.
         shared_outputs: Whether every output with memory went back to the pool (see
             ``CapturePolicy``; an ``nn.Parameter`` or a tensor that requires grad is kept).
+        ran_pieces: Pieces of ``fn`` that ran on the captured rows (at graph breaks), also when
+            the capture then failed.
     """
 
     extra_key: Hashable
@@ -82,6 +85,7 @@ class CaptureRecord:
     pieces: int = 1
     breaks: int = 0
     shared_outputs: bool = False
+    ran_pieces: int = 0
 
     @property
     def key(self) -> tuple[Hashable, int]:
@@ -124,14 +128,19 @@ class CapturedGraph:
 def frozen_gc(collect: bool = False) -> Iterator[None]:
     """Freezes the garbage collector for the block (see the module docstring for why)."""
     was_enabled = gc.isenabled()
+    # An application's own gc.freeze() (a pre-fork server's) must outlive the block, and
+    # unfreeze() cannot undo only this block's freeze: then only collection is disabled.
+    ours = gc.get_freeze_count() == 0
     if collect:
         gc.collect()
-    gc.freeze()
+    if ours:
+        gc.freeze()
     gc.disable()
     try:
         yield
     finally:
-        gc.unfreeze()
+        if ours:
+            gc.unfreeze()
         if was_enabled:
             gc.enable()
 
@@ -178,7 +187,9 @@ def capture_key(
         logger.warning("%s", message)
         backend.recover(device)
         gc.collect()  # drop cycles through the failed frames that still pin pool memory
-        return CaptureRecord(extra_key, size, seconds, 0, ok=False, error=message)
+        return CaptureRecord(
+            extra_key, size, seconds, 0, ok=False, error=message, ran_pieces=session.executed
+        )
     shared: list = []
     all_shared = False
     if share_outputs:
@@ -204,6 +215,7 @@ def capture_key(
         pieces=len(session.pieces),
         breaks=len(session.breaks),
         shared_outputs=all_shared,
+        ran_pieces=session.executed,
     )
     graph = session.graph(counters)
     return CapturedGraph((extra_key, size), graph, StaticOutputs(outputs, size), record, shared)

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from graphtune.errors import ConfigError, InputError
+from graphtune.errors import CaptureError, ConfigError, InputError
 from graphtune.graphs.breaks import BreakBuffers, PiecewiseGraph
 from graphtune.graphs.buffers import StaticInputs, row_rules
 from graphtune.graphs.capture import CapturedGraph, CaptureRecord
@@ -49,7 +49,9 @@ class KeyState:
         """Puts ``capture()``'s example rows into the buffers (the warm-up then runs on them)."""
         leaves = self.inputs.flatten(example_inputs)
         n = batch_of(self.inputs, leaves)
-        if 0 < n <= self.inputs.rows:
+        if n > self.inputs.rows:
+            leaves, n = self.inputs.first_rows(leaves), self.inputs.rows
+        if n > 0:
             self.inputs.copy_in(leaves, n, self.inputs.rows, debug)
 
     def padded_copy(self, inputs: tuple, pad_table: Sequence[int]) -> tuple[tuple, int, int]:
@@ -89,6 +91,23 @@ class KeyState:
                 if record.extra_key == self.extra_key and record.ok:
                     records[i] = self.failed[record.size]
         return dropped
+
+    def refuse_rerun(self, size: int) -> None:
+        """Raises when the failed (or dropped) capture of ``size`` ran pieces of this call's
+        ``fn`` at graph breaks: running ``fn`` again eagerly would run them twice.
+
+        Raises:
+            CaptureError: Those pieces ran; the key runs eagerly from the next call on.
+        """
+        record = self.failed.get(size)
+        if record is not None and record.ran_pieces:
+            raise CaptureError(
+                f"the lazy capture of size {size} failed after {record.ran_pieces} piece(s) of "
+                "fn ran on this call's rows (at graph breaks), so running fn again eagerly would "
+                "run them twice; this call raises, later calls of the key run eagerly. Capture "
+                f"the key ahead with capture(), which captures on example rows. Cause: "
+                f"{record.error}"
+            )
 
     def drop_if_unsliceable(self, captured: CapturedGraph, sizes: Sequence[int]) -> str | None:
         """Compares a new graph's outputs with another size's of this key; when they cannot both
@@ -143,13 +162,25 @@ def check_key(extra: Hashable) -> None:
 
     Raises:
         ConfigError: ``extra`` is a tensor (hashed by identity: new buffers and graphs for
-            every call).
+            every call), or it cannot be hashed.
     """
+    try:
+        hash(extra)
+    except TypeError:
+        raise unhashable_key_error(extra) from None
     if isinstance(extra, torch.Tensor):
         raise ConfigError(
             "key_fn returned a tensor, which would key graphs by the tensor object (new buffers "
             "and graphs every call); return a Python value, e.g. int(t)"
         )
+
+
+def unhashable_key_error(extra: Any) -> ConfigError:
+    """The error of a ``key_fn`` value that cannot key a graph."""
+    return ConfigError(
+        f"key_fn returned {extra!r}, which cannot key a graph (not hashable); return a tuple, a "
+        "string or a number"
+    )
 
 
 def named_inputs_error(named: dict[str, Any]) -> InputError:

@@ -214,6 +214,7 @@ class CUDAGraphRunner:
                 "be captured inside another capture. Capture this runner before the outer one"
             )
         extra = self._key_fn(example_inputs) if self._key_fn is not None else None
+        keys.check_key(extra)
         existing = self._keys.get(extra)
         key_state = existing or self._build(extra, example_inputs)
         if existing is not None:  # the warm-up runs on these examples, not on earlier calls' rows
@@ -247,10 +248,10 @@ class CUDAGraphRunner:
             self.state = RunnerState.CAPTURED
 
     def __call__(self, *inputs: Any, **named: Any) -> Any:
-        if named:
-            raise keys.named_inputs_error(named)
         stats = self.stats
         stats.calls += 1
+        if named:
+            raise keys.named_inputs_error(named)
         if self._static_reason is not None:
             return self._eager(self._static_reason, inputs)
         if self._is_capturing():
@@ -261,10 +262,7 @@ class CUDAGraphRunner:
         try:
             key_state = self._keys.get(extra)
         except TypeError:  # an unhashable key (a list): free to guard, raised only then
-            raise ConfigError(
-                f"key_fn returned {extra!r}, which cannot key a graph (not hashable); return a "
-                "tuple, a string or a number"
-            ) from None
+            raise keys.unhashable_key_error(extra) from None
         if key_state is not None:
             plan = key_state.inputs
             leaves = plan.flatten(inputs)
@@ -377,6 +375,7 @@ class CUDAGraphRunner:
             with self._backend.device_guard(self._device), frozen_gc(collect=False):
                 self._capture_size(key_state, size, key_state.warmed.get(size, 0.0))
             if size not in key_state.graphs:
+                key_state.refuse_rerun(size)
                 return self._eager(FallbackReason.CAPTURE_FAILED, inputs)
             self.state = RunnerState.CAPTURED
             graph = key_state.graphs[size]

@@ -112,3 +112,16 @@ def test_nan_logits_raise_in_strict_mode_and_free_the_slots():
     with pytest.raises(NumericalError, match="request 0: logits were not finite"):
         engine.generate(PROMPTS, 4, stop_token_ids=[])
     assert engine.cache.num_free == 2
+
+
+def test_failed_admission_frees_its_slots_for_the_next_generate():
+    # NaN logits at the first sample (strict mode) raise inside the admission, before the
+    # requests join the live batch; their slots must still come back.
+    model = load_model("tiny")
+    model.lm_head = model.lm_head.clone()
+    model.lm_head[7, 0] = float("nan")
+    engine = Engine(model, runner="eager", max_batch_size=2, max_seq_len=32, strict_numerics=True)
+    for _ in range(3):
+        with pytest.raises(NumericalError, match="after 0 generated tokens"):
+            engine.generate([[5, 6]], 3)
+        assert engine.cache.num_free == 2

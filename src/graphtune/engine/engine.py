@@ -414,9 +414,12 @@ class Engine:
                 admitted = []
                 while pending and len(live) + len(admitted) < self.max_batch_size:
                     admitted.append(pending.popleft())
+                for request in admitted:  # in ``live`` as soon as it owns a slot, for the finally
+                    request.slot = self.cache.allocate()
+                    request.cached = len(request.prompt)
+                    live.append(request)
                 if admitted:
                     self._admit(admitted, sampling, generator)
-                    live.extend(admitted)
                 else:
                     self._decode(live, sampling, generator)
                 self._retire(live, stops)
@@ -433,9 +436,6 @@ class Engine:
         sampling: SamplingParams,
         generator: torch.Generator | None,
     ) -> None:
-        for request in admitted:
-            request.slot = self.cache.allocate()
-            request.cached = len(request.prompt)
         logits = prefill_logits(
             self.prefill_step,
             self.prefill_runner,

@@ -215,8 +215,17 @@ def test_a_tiny_temperature_samples_the_argmax_not_token_zero():
     from graphtune.engine import sample
 
     logits = torch.randn(6, 256) * 4
-    picked = sample(logits, SamplingParams(temperature=1e-45, seed=1), torch.Generator())
+    # 2e-38: just above the smallest allowed temperature; logits / 2e-38 overflow float32.
+    picked = sample(logits, SamplingParams(temperature=2e-38, seed=1), torch.Generator())
     assert torch.equal(picked, logits.argmax(-1))
+
+
+@pytest.mark.parametrize("temperature", [1e-46, 1e-45, 5e-324, 1e-39])
+def test_a_temperature_too_small_for_float32_is_refused_not_sampled_as_token_zero(temperature):
+    # Below float32's smallest normal number the divisor is 0 (or a subnormal that flushing
+    # makes 0), the scores NaN, and argmax used to return token 0 with no failure.
+    with pytest.raises(ConfigError, match=r"below 1\.175e-38.*use temperature=0 for greedy"):
+        SamplingParams(temperature=temperature)
 
 
 @pytest.mark.parametrize("dtype", [torch.bool, torch.int64, torch.float8_e4m3fn])

@@ -15,13 +15,23 @@ import torch
 
 from graphtune.errors import ConfigError
 
+#: Smallest positive temperature: logits are divided by it in float32, where anything smaller
+#: is subnormal (flushed to 0 on some devices) or rounds to 0 outright, and 0 / 0 is NaN.
+MIN_TEMPERATURE = torch.finfo(torch.float32).tiny
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to choose the next token.
 
+    Raises:
+        ConfigError: A value out of range, or a positive temperature below
+            :data:`MIN_TEMPERATURE`.
+
     Attributes:
-        temperature: ``0`` means greedy; otherwise logits are divided by it.
+        temperature: ``0`` means greedy; otherwise logits are divided by it, so a positive
+            temperature must be at least :data:`MIN_TEMPERATURE` (float32's smallest normal
+            number, about ``1.18e-38``).
         top_k: Keep only the ``top_k`` most likely tokens (``0`` keeps all).
         top_p: Keep the smallest set of tokens whose probability reaches ``top_p`` (``1``: all).
         seed: Seed of the sampling generator (reproducible runs).
@@ -36,6 +46,12 @@ class SamplingParams:
         if not _is_real(self.temperature) or not 0.0 <= self.temperature < math.inf:
             raise ConfigError(
                 f"temperature must be a finite number >= 0 (0: greedy), got {self.temperature!r}"
+            )
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            raise ConfigError(
+                f"temperature {self.temperature!r} is below {MIN_TEMPERATURE:.4g}, float32's "
+                "smallest normal number, and would round to 0 when the float32 logits are "
+                "divided by it; use temperature=0 for greedy"
             )
         if not _is_int(self.top_k) or self.top_k < 0:
             raise ConfigError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")

@@ -52,6 +52,15 @@ def test_mistral_with_both_layer_types_is_refused(tmp_path):
         load_checkpoint(folder)
 
 
+def test_a_mistral_file_without_num_key_value_heads_gets_transformers_default_of_8(tmp_path):
+    # MistralConfig defaults to 8 KV heads, not num_attention_heads (16 here).
+    shape = dict(hidden_size=128, num_attention_heads=16, num_key_value_heads=8)
+    _, folder = build_hf("mistral", tmp_path, sliding_window=None, **shape)
+    _edit(folder, num_key_value_heads=None)
+    assert load_checkpoint(folder).config.num_kv_heads == 8
+    compare(_transformers(folder), folder, prompt_len=9, decode_steps=4)
+
+
 def test_a_tied_config_whose_file_has_another_lm_head_uses_that_head(tmp_path, caplog):
     from safetensors.torch import load_file, save_file
 

@@ -55,7 +55,11 @@ ORACLES = {
     "intermediate_size": ["test_llama_matches_hf"],
     "num_hidden_layers": ["test_llama_matches_hf"],
     "num_attention_heads": ["test_llama_matches_hf"],
-    "num_key_value_heads": ["test_llama_matches_hf", "test_mistral_sliding_window_matches_hf"],
+    "num_key_value_heads": [
+        "test_llama_matches_hf",
+        "test_mistral_sliding_window_matches_hf",
+        "test_a_mistral_file_without_num_key_value_heads_gets_transformers_default_of_8",
+    ],
     "head_dim": ["test_qwen3_matches_hf", "test_qwen3_default_head_dim_is_transformers_default"],
     "hidden_act": ["test_llama_hidden_act_matches_hf", "test_hidden_act_of_every_architecture"],
     "rms_norm_eps": ["test_llama_matches_hf", "test_qwen2_matches_hf"],

@@ -134,9 +134,11 @@ HANDLED_FIELDS: dict[str, dict[str, str]] = {
 }
 
 #: transformers' defaults of the fields read, per architecture (the class's value when
-#: ``config.json`` leaves a field out). ``head_dim`` ``None``: ``hidden_size // heads``.
+#: ``config.json`` leaves a field out). ``head_dim`` ``None``: ``hidden_size // heads``;
+#: ``num_key_value_heads`` ``None``: ``num_attention_heads`` (as the classes' own fallback).
 HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {
+        "num_key_value_heads": None,
         "head_dim": None,
         "hidden_act": "silu",
         "rms_norm_eps": 1e-6,
@@ -148,6 +150,7 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
         "mlp_bias": False,
     },
     "qwen2": {
+        "num_key_value_heads": 32,
         "hidden_act": "silu",
         "rms_norm_eps": 1e-6,
         "max_position_embeddings": 32768,
@@ -159,6 +162,7 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
         "max_window_layers": 28,
     },
     "mistral": {
+        "num_key_value_heads": 8,
         "head_dim": None,
         "hidden_act": "silu",
         "rms_norm_eps": 1e-6,
@@ -169,6 +173,7 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
         "sliding_window": 4096,
     },
     "qwen3": {
+        "num_key_value_heads": 32,
         "head_dim": 128,
         "hidden_act": "silu",
         "rms_norm_eps": 1e-6,
@@ -182,6 +187,7 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
         "max_window_layers": 28,
     },
     "qwen3_moe": {
+        "num_key_value_heads": 4,
         "hidden_act": "silu",
         "rms_norm_eps": 1e-6,
         "max_position_embeddings": 32768,
@@ -198,6 +204,7 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
         "mlp_only_layers": None,
     },
     "mixtral": {
+        "num_key_value_heads": 8,
         "head_dim": None,
         "hidden_act": "silu",
         "rms_norm_eps": 1e-5,

@@ -253,6 +253,19 @@ def test_engine_arguments_of_the_wrong_kind_are_config_errors(kwargs, fragment):
         Engine(load_model("tiny"), runner="eager", **kwargs)
 
 
+def test_a_cuda_device_without_cuda_is_a_config_error_not_a_torch_crash(monkeypatch):
+    model = load_model("tiny")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for call in (
+        lambda: Engine(model, runner="eager", max_seq_len=32, device="cuda"),
+        lambda: load_model("tiny", device="cuda"),
+        lambda: load_model("tiny", device=torch.device("cuda", 0)),
+    ):
+        with pytest.raises(ConfigError, match=r"device=.*CUDA is not available.*device='cpu'"):
+            call()
+    assert model.device.type == "cpu"
+
+
 def _two_rows(rows=2):
     ids = torch.arange(rows, dtype=torch.long)
     return ids + 1, ids + 3, ids
@@ -290,6 +303,7 @@ def test_step_checks_values_in_debug_mode(monkeypatch):
     [
         (lambda e: e.generate([1, 2, 3], 2), InputError, "pass \\[\\[1, 2, 3\\]\\]"),
         (lambda e: e.generate("hello", 2), InputError, "list of prompts"),
+        (lambda e: e.generate(torch.tensor([5, 6, 7]), 2), InputError, "tensor of prompts is 2-D"),
         (lambda e: e.generate([[1, 2]], 2, stop_token_ids=5), InputError, "stop_token_ids"),
         (lambda e: e.generate([[1, 2]], 2, stop_token_ids=[1.5]), InputError, "stop_token_ids"),
         (lambda e: e.generate([[1, 2]], 2, stop_token_ids=[10**6]), InputError, "outside"),

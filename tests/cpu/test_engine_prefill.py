@@ -18,7 +18,7 @@ from graphtune.engine.prefill import (
     prefill_logits,
     prefill_pad_rule,
 )
-from graphtune.errors import ConfigError
+from graphtune.errors import ConfigError, InputError
 from graphtune.graphs import FallbackReason, SimulatedGraphBackend
 
 PROMPTS = [[1, 5, 9], [7, 8, 2], [3, 4, 5, 6, 7, 8], [10, 11], [12, 13, 14], [15]]
@@ -255,3 +255,24 @@ def test_prefill_batch_layout_helpers():
     assert batch.derived(("x",), lambda: made.append(1) or torch.zeros(1)) is first
     assert made == [1]
     assert PrefillBatch().tokens == 0
+
+
+@pytest.mark.parametrize(
+    "tokens, slot, fragment",
+    [
+        (torch.arange(20), 0, "20 tokens, but a prompt needs 1 to 16"),
+        (torch.arange(0), 0, "0 tokens, but a prompt needs 1 to 16"),
+        (torch.arange(4), 5, r"slot must be an int in \[0, 2\), got 5"),
+        (torch.arange(4), 2, r"slot must be an int in \[0, 2\), got 2"),  # the scratch slot
+        (torch.tensor([300]), 0, r"token ids must be in \[0, 256\), got 300..300"),
+        (torch.arange(4.0), 0, "tokens must be a 1-D int64"),
+        (torch.arange(4)[None], 0, "tokens must be a 1-D int64"),
+    ],
+)
+def test_prefill_names_the_input_that_does_not_fit(tokens, slot, fragment):
+    # Each used to fail deep in the forward (a shape mismatch in RoPE, an index error).
+    model = load_model("tiny")
+    step = DecodeStep(model, KVCache(model.config, 2, 16))
+    with pytest.raises(InputError, match=fragment):
+        prefill(step, tokens, slot)
+    assert prefill(step, torch.arange(16), 1).shape == (model.config.vocab_size,)

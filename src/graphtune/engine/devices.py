@@ -22,20 +22,35 @@ def resolve_device(device: str) -> torch.device:
         raise ConfigError(
             f"unknown device {device!r} ({exc}); use auto, cpu, cuda or cuda:N"
         ) from None
-    if resolved.type == "cuda":
-        if not torch.cuda.is_available():
-            why = "this torch has no CUDA" if torch.version.cuda is None else "no GPU is visible"
-            raise ConfigError(
-                f"--device {device}: CUDA is not available ({why}, torch {torch.__version__}); "
-                "use --device cpu or auto"
-            )
-        count = torch.cuda.device_count()
-        if resolved.index is not None and resolved.index >= count:
-            raise ConfigError(
-                f"--device {device}: this machine has {count} CUDA device(s), "
-                f"cuda:0 to cuda:{count - 1}"
-            )
+    check_device_available(resolved, f"--device {device}", "use --device cpu or auto")
     return resolved
+
+
+def check_device_available(device: torch.device, what: str, fix: str) -> None:
+    """Raises unless this torch can use ``device``: a CUDA device needs a CUDA build, a visible
+    GPU and an index below the GPU count (torch itself fails later, deep inside, with an
+    AssertionError or RuntimeError).
+
+    Args:
+        device: The device to check.
+        what: Names the input in the message (``--device cuda``, ``device='cuda'``).
+        fix: What to do instead when CUDA is missing.
+
+    Raises:
+        ConfigError: One line naming ``what``, what is missing, and ``fix``.
+    """
+    if device.type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        why = "this torch has no CUDA" if torch.version.cuda is None else "no GPU is visible"
+        raise ConfigError(
+            f"{what}: CUDA is not available ({why}, torch {torch.__version__}); {fix}"
+        )
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        raise ConfigError(
+            f"{what}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}"
+        )
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -69,11 +84,17 @@ def check_model_dtype(dtype: object, what: str = "dtype") -> None:
 
 
 def as_torch_device(device: torch.device | str | int, what: str = "device") -> torch.device:
-    """``torch.device(device)``, with a name torch does not know as a :class:`ConfigError`
-    that names ``what``."""
+    """``torch.device(device)``, checked to be usable here (:func:`check_device_available`).
+
+    Raises:
+        ConfigError: A name torch does not know, or a CUDA device this torch cannot use; the
+            message names ``what``.
+    """
     try:
-        return torch.device(device)
+        resolved = torch.device(device)
     except (RuntimeError, TypeError) as exc:
         raise ConfigError(
             f"{what} {device!r} is not a device torch knows ({exc}); use 'cpu', 'cuda' or 'cuda:N'"
         ) from None
+    check_device_available(resolved, f"{what}={device!r}", f"pass {what}='cpu'")
+    return resolved

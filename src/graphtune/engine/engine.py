@@ -325,10 +325,11 @@ class Engine:
                     "pass token ids instead"
                 )
             return list(self.model.tokenizer.encode(prompt).ids)
-        if not isinstance(prompt, Iterable):
+        if not isinstance(prompt, Iterable) or getattr(prompt, "ndim", 1) != 1:
             raise InputError(
                 f"a prompt must be text or a list of token ids, got {type(prompt).__name__} "
-                f"{prompt!r:.40}; for one prompt of ids pass [[1, 2, 3]], not [1, 2, 3]"
+                f"{prompt!r:.40}; for one prompt of ids pass [[1, 2, 3]], not [1, 2, 3] (a "
+                "tensor of prompts is 2-D: one row per prompt)"
             )
         return [token_id(t, "prompt") for t in prompt]
 
@@ -353,7 +354,8 @@ class Engine:
         its output).
 
         Args:
-            prompts: Token-id lists, or strings when the model has a tokenizer.
+            prompts: Token-id lists (or a 2-D tensor, a row per prompt), or strings when the
+                model has a tokenizer.
             max_new_tokens: One limit for all, or one per prompt.
             sampling: Greedy by default.
             stop_token_ids: Stop tokens; ``None`` uses the config's EOS ids, ``[]`` never stops

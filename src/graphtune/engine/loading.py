@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from graphtune.engine.config import ModelConfig, eos_ids, from_hf_config
-from graphtune.engine.devices import check_model_dtype
+from graphtune.engine.devices import as_torch_device, check_model_dtype
 from graphtune.engine.model import DecoderModel, LayerWeights, random_model, warm_triton_for
 from graphtune.engine.moe_loading import load_moe_layer
 from graphtune.engine.presets import PRESETS, get_preset
@@ -217,10 +217,12 @@ def load_checkpoint(
         The model, with a tokenizer attached when ``tokenizer.json`` exists.
 
     Raises:
+        ConfigError: ``device`` is unknown or not usable here (CUDA without CUDA).
         CheckpointError: Missing files, unknown architecture, a missing tensor or a shape mismatch
             (the message names the tensor).
     """
     folder = Path(folder)
+    device = None if device is None else as_torch_device(device)
     config = _folder_config(folder)
     warm_triton_for(device)
     tp = parallel.world_size if parallel is not None else 1
@@ -405,8 +407,9 @@ def load_model(
             projections are read. ``None`` or ``world_size == 1``: the whole model.
 
     Raises:
-        ConfigError: ``spec`` is neither an existing folder nor a preset, or the model does not
-            split evenly over ``parallel.world_size`` ranks.
+        ConfigError: ``spec`` is neither an existing folder nor a preset, the model does not
+            split evenly over ``parallel.world_size`` ranks, or ``device`` is unknown or not
+            usable here (CUDA without CUDA).
         CheckpointError: The folder cannot be loaded.
     """
     check_model_dtype(dtype)

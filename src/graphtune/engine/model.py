@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from graphtune.engine.config import ModelConfig
-from graphtune.engine.devices import check_model_dtype
+from graphtune.engine.devices import as_torch_device, check_model_dtype
 from graphtune.ops._triton import start_cache_key_warmup
 from graphtune.ops.rotary import rotate
 
@@ -265,8 +265,11 @@ def random_model(
 
     Returns:
         The model, with ``source`` naming the preset and seed.
+
+    Raises:
+        ConfigError: ``device`` is unknown or not usable here (CUDA without CUDA).
     """
-    device = torch.device(device or "cpu")
+    device = as_torch_device(device or "cpu")
     warm_triton_for(device)
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)

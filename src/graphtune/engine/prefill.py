@@ -30,7 +30,7 @@ import torch
 from graphtune.engine.attention import PrefillAttention, PrefillBatch, PromptRun
 from graphtune.engine.model import DecoderModel
 from graphtune.engine.step import UNTUNED, DecodeStep
-from graphtune.errors import ConfigError
+from graphtune.errors import ConfigError, InputError
 
 logger = logging.getLogger(__name__)
 
@@ -278,7 +278,13 @@ def prefill(
 
     Returns:
         ``[vocab]`` logits of the last position, or ``[L, vocab]`` with ``all_logits``.
+
+    Raises:
+        InputError: ``tokens`` is not a non-empty 1-D integer tensor on the model's device, has
+            more tokens than the cache holds per slot or ids outside the vocabulary (one host
+            read), or ``slot`` is not a slot of the cache.
     """
+    _check_prefill_inputs(step, tokens, slot)
     length = tokens.shape[0]
     positions = step.key_positions[:length]
     slots = torch.full_like(positions, slot)
@@ -293,3 +299,33 @@ def prefill(
         logit_rows=None if all_logits else positions[-1:],
     )
     return logits if all_logits else logits[0]
+
+
+def _check_prefill_inputs(step: DecodeStep, tokens: Any, slot: Any) -> None:
+    # Each broken rule would otherwise surface as a shape or index error deep in the forward.
+    where = step.key_positions.device
+    if (
+        not isinstance(tokens, torch.Tensor)
+        or tokens.dim() != 1
+        or tokens.dtype not in (torch.int32, torch.int64)
+    ):
+        raise InputError(
+            f"prefill: tokens must be a 1-D int64 (or int32) tensor of prompt ids, got "
+            f"{getattr(tokens, 'dtype', type(tokens).__name__)} "
+            f"{tuple(getattr(tokens, 'shape', ()))}"
+        )
+    if tokens.device.type != where.type or where.index not in (None, tokens.device.index):
+        raise InputError(f"prefill: tokens are on {tokens.device}, the model on {where}; move them")
+    capacity = step.key_positions.shape[0]
+    if not 1 <= tokens.shape[0] <= capacity:
+        raise InputError(
+            f"prefill: {tokens.shape[0]} tokens, but a prompt needs 1 to {capacity} (the KV "
+            "cache's max_seq_len); shorten it or build the cache longer"
+        )
+    vocab = step.model.config.vocab_size
+    low, high = int(tokens.min()), int(tokens.max())
+    if low < 0 or high >= vocab:
+        raise InputError(f"prefill: token ids must be in [0, {vocab}), got {low}..{high}")
+    slots = step.cache.max_batch_size
+    if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < slots:
+        raise InputError(f"prefill: slot must be an int in [0, {slots}), got {slot!r}")

@@ -245,3 +245,16 @@ def test_an_empty_misses_file_says_so_and_all_reduce_needs_tp(tmp_path, capsys):
     assert "--all-reduce nccl picks the all-reduce of a tensor-parallel step" in (
         capsys.readouterr().err
     )
+
+
+def test_generate_sizes_the_cache_for_all_but_the_last_new_token():
+    from argparse import Namespace
+
+    from graphtune.cli.generate import check_lengths
+    from graphtune.engine import get_preset
+
+    config = get_preset("tiny").replace(max_position_embeddings=24)
+    fits = Namespace(max_new_tokens=5, max_seq_len=24)
+    assert check_lengths(fits, config, [[5] * 20]) == 24
+    assert check_lengths(Namespace(max_new_tokens=5, max_seq_len=None), config, [[5] * 20]) == 24
+    assert check_lengths(Namespace(max_new_tokens=1, max_seq_len=None), config, [[5]]) == 2

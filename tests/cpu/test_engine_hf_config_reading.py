@@ -174,6 +174,6 @@ def test_generation_config_eos_of_the_wrong_type_names_the_file(tmp_path):
 def test_requests_keep_to_the_callers_max_seq_len_not_the_caches():
     engine = Engine(load_model("tiny"), runner="eager", max_batch_size=1, max_seq_len=20)
     assert engine.max_seq_len == 32  # the cache rounds up to a multiple of 16
-    assert len(engine.generate([[1] * 10], 10, stop_token_ids=[])[0]) == 10
-    with pytest.raises(InputError, match="max_seq_len=20"):
-        engine.generate([[1] * 10], 11)
+    assert len(engine.generate([[1] * 10], 11, stop_token_ids=[])[0]) == 11  # 20 positions
+    with pytest.raises(InputError, match="need 21 positions.*max_seq_len=20"):
+        engine.generate([[1] * 10], 12)

@@ -125,3 +125,30 @@ def test_failed_admission_frees_its_slots_for_the_next_generate():
         with pytest.raises(NumericalError, match="after 0 generated tokens"):
             engine.generate([[5, 6]], 3)
         assert engine.cache.num_free == 2
+
+
+def test_a_request_filling_every_cache_position_gives_the_longer_engines_tokens():
+    # The last new token is never fed back: 30 prompt tokens + 3 new ones use 32 positions,
+    # which a max_seq_len=32 engine holds (position 31 is the cache's last), as transformers'
+    # generate allows.
+    model = load_model("tiny")
+    prompts = [list(range(3, 33)), list(range(40, 61))]
+    limits = [3, 12]  # 32 positions each
+    exact = Engine(model, runner="eager", max_batch_size=2, max_seq_len=32)
+    assert exact.max_seq_len == 32
+    roomy = Engine(model, runner="eager", max_batch_size=2, max_seq_len=64)
+    out = exact.generate(prompts, limits, stop_token_ids=[])
+    assert out == roomy.generate(prompts, limits, stop_token_ids=[])
+    assert [len(o) for o in out] == limits
+    with pytest.raises(InputError, match="need 33 positions"):
+        exact.generate([prompts[0]], 4)
+
+
+def test_the_position_limit_counts_all_but_the_last_new_token():
+    from graphtune.engine import get_preset
+
+    model = load_model(get_preset("tiny").replace(max_position_embeddings=24))
+    engine = Engine(model, runner="eager", max_batch_size=1, max_seq_len=24)
+    assert len(engine.generate([[5] * 20], 5, stop_token_ids=[])[0]) == 5  # 24 positions
+    with pytest.raises(InputError, match="needs 25 positions.*max_position_embeddings=24"):
+        engine.generate([[5] * 20], 6)

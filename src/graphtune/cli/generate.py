@@ -2,7 +2,8 @@
 
 The request is checked before any weight is read: the device, the prompts (text needs the
 checkpoint's tokenizer; ids go through ``--prompt-ids``), and the one sequence-length rule
-(prompt + new tokens within ``max_position_embeddings`` and within ``--max-seq-len``).
+(the prompt and all but the last new token within ``max_position_embeddings`` and within
+``--max-seq-len``).
 """
 
 from __future__ import annotations
@@ -144,6 +145,8 @@ def _encode(args: argparse.Namespace, tokenizer: Any) -> list[list[int]]:
 
 def check_lengths(args: argparse.Namespace, config: Any, prompts: list[list[int]]) -> int:
     """Checks every prompt against the sequence-length rule; returns the KV cache length."""
+    from graphtune.engine.config import request_positions
+
     for index, ids in enumerate(prompts):
         if not ids:
             raise ConfigError(f"prompt {index} is empty (0 tokens); give at least one token")
@@ -154,17 +157,17 @@ def check_lengths(args: argparse.Namespace, config: Any, prompts: list[list[int]
                 f"{config.name}: {bad[:5]}"
             )
         config.check_positions(
-            len(ids) + args.max_new_tokens,
+            request_positions(len(ids), args.max_new_tokens),
             f"prompt {index} ({len(ids)} tokens) with --max-new-tokens {args.max_new_tokens}",
         )
-    needed = max(len(ids) for ids in prompts) + args.max_new_tokens
+    needed = request_positions(max(len(ids) for ids in prompts), args.max_new_tokens)
     if args.max_seq_len is None:
-        return needed
+        return max(needed, 2)  # the Engine's smallest max_seq_len
     if args.max_seq_len < needed:
         raise ConfigError(
-            f"--max-seq-len {args.max_seq_len} is too small: the longest prompt plus "
-            f"--max-new-tokens {args.max_new_tokens} needs {needed}; raise --max-seq-len or "
-            "leave it out"
+            f"--max-seq-len {args.max_seq_len} is too small: the longest prompt and "
+            f"--max-new-tokens {args.max_new_tokens} need {needed} positions (the last new "
+            "token is not cached); raise --max-seq-len or leave it out"
         )
     config.check_positions(args.max_seq_len, f"--max-seq-len {args.max_seq_len}")
     return args.max_seq_len

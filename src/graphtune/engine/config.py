@@ -250,6 +250,15 @@ class ModelConfig:
             )
 
 
+def request_positions(prompt_len: int, max_new_tokens: int) -> int:
+    """KV-cache positions a request of ``prompt_len`` tokens that generates ``max_new_tokens``
+    uses: ``prompt_len + max_new_tokens - 1``, since its last generated token is returned and
+    never fed back (transformers' ``generate`` runs such a request within the same bound). The
+    one count that ``Engine.generate`` and ``graphtune generate`` check against
+    ``max_seq_len`` and :meth:`ModelConfig.check_positions`."""
+    return prompt_len + max_new_tokens - 1
+
+
 def _rope_from_hf(cfg: Mapping[str, Any], default_theta: float) -> tuple[float, RopeScaling | None]:
     """RoPE's theta and scaling as transformers' configs standardise them: the legacy
     ``rope_scaling`` object, when present, replaces ``rope_parameters``; the object's own

@@ -68,9 +68,9 @@ class Engine:
             CUDA) or ``"eager"``.
         capture_sizes: Batch sizes to capture; ``None`` uses the graph runner's default list.
         max_batch_size: Most requests decoded together (KV slots; larger prompt lists queue).
-        max_seq_len: Longest prompt + generation per request; longer requests are refused. The
-            KV cache's length (``self.max_seq_len``) is this rounded up to a multiple of 16, so
-            attention rows stay aligned.
+        max_seq_len: Most positions per request, ``len(prompt) + max_new_tokens - 1`` (the
+            last new token is never cached); longer requests are refused. The KV cache's
+            length (``self.max_seq_len``) is this rounded up to a multiple of 16.
         device: Target device; ``None`` keeps the model's.
         dtype: Weight and cache dtype; ``None`` keeps the model's.
         lazy_capture: Capture each batch size on first use instead of at construction.

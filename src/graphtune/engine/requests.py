@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from graphtune import env
-from graphtune.engine.config import ModelConfig
+from graphtune.engine.config import ModelConfig, request_positions
 from graphtune.errors import InputError
 
 
@@ -51,7 +51,8 @@ def validate_request(
 
     Raises:
         InputError: An empty prompt, a token id outside the vocabulary, ``max_new < 1``, or more
-            positions than the model or the KV cache holds.
+            positions (:func:`~graphtune.engine.config.request_positions`) than the model or
+            the KV cache holds.
     """
     if not prompt:
         raise InputError(f"prompt {where} is empty; give at least one token")
@@ -64,15 +65,16 @@ def validate_request(
         )
     if max_new <= 0:
         raise InputError(f"max_new_tokens must be > 0, got {max_new} for prompt {where}")
+    positions = request_positions(len(prompt), max_new)
     config.check_positions(
-        len(prompt) + max_new,
-        f"prompt {where} ({len(prompt)} tokens) with max_new_tokens={max_new}",
+        positions, f"prompt {where} ({len(prompt)} tokens) with max_new_tokens={max_new}"
     )
-    if len(prompt) + max_new > max_seq_len:
+    if positions > max_seq_len:
         raise InputError(
-            f"prompt {where} has {len(prompt)} tokens and asks for {max_new} new ones, more "
-            f"than the KV cache holds per request (max_seq_len={max_seq_len}); shorten "
-            "the prompt, ask for fewer tokens or build the Engine with a larger max_seq_len"
+            f"prompt {where} has {len(prompt)} tokens and asks for {max_new} new ones, which "
+            f"need {positions} positions (the last new token is not cached), more than the KV "
+            f"cache holds per request (max_seq_len={max_seq_len}); shorten the prompt, ask for "
+            "fewer tokens or build the Engine with a larger max_seq_len"
         )
 
 

@@ -116,6 +116,11 @@ ROPE_FILES = {
         rope_theta=10000.0,
         rope_scaling={"rope_type": "linear", "factor": 2.0, "rope_theta": 50.0},
     ),
+    # Default RoPE in transformers' six models ignores partial_rotary_factor; so does the engine.
+    "default with partial_rotary_factor": dict(partial_rotary_factor=0.5),
+    "default with partial_rotary_factor inside": dict(
+        rope_parameters={"rope_type": "default", "rope_theta": 100.0, "partial_rotary_factor": 0.5}
+    ),
     "rope_scaling beside rope_parameters": dict(
         rope_parameters={"rope_type": "default", "rope_theta": 100.0},
         rope_scaling={"rope_type": "linear", "factor": 2.0},
@@ -129,6 +134,40 @@ def test_rope_fields_are_read_as_transformers_reads_them(tmp_path, case):
     _, folder = build_hf("llama", tmp_path)
     _edit(folder, **ROPE_FILES[case])
     compare(_transformers(folder), folder, prompt_len=20, decode_steps=4)
+
+
+PARTIAL_ROTARY = {
+    "linear, inside": dict(
+        rope_parameters={
+            "rope_type": "linear",
+            "factor": 2.0,
+            "rope_theta": 1e4,
+            "partial_rotary_factor": 0.5,
+        }
+    ),
+    "linear, top level": dict(
+        rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
+        partial_rotary_factor=0.5,
+    ),
+    "llama3, inside": dict(
+        rope_parameters={**LLAMA3_SCALING, "rope_theta": 1e4, "partial_rotary_factor": 0.25}
+    ),
+    "legacy rope_scaling": dict(
+        rope_scaling={"rope_type": "linear", "factor": 2.0}, partial_rotary_factor=0.5
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PARTIAL_ROTARY))
+def test_partial_rotary_factor_with_scaled_rope_is_refused(tmp_path, case):
+    # transformers rotates part of each head there and fails on the width; the engine used to
+    # load the file and rotate whole heads.
+    _, folder = build_hf("llama", tmp_path)
+    _edit(folder, **PARTIAL_ROTARY[case])
+    with pytest.raises(ConfigError, match=r"partial_rotary_factor=0\.\d+ with rope_type="):
+        load_checkpoint(folder)
+    with pytest.raises(RuntimeError):  # the oracle: transformers cannot run it either
+        _transformers(folder)(torch.arange(4)[None])
 
 
 WRONG_TYPES = [

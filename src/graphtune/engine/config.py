@@ -264,7 +264,9 @@ def _rope_from_hf(cfg: Mapping[str, Any], default_theta: float) -> tuple[float, 
     ``rope_scaling`` object, when present, replaces ``rope_parameters``; the object's own
     ``rope_theta`` wins over the top-level one; for llama3 a top-level
     ``original_max_position_embeddings`` wins over the object's, and ``max_position_embeddings``
-    stands in when neither gives one."""
+    stands in when neither gives one. ``partial_rotary_factor`` (in the object or at the top
+    level) is ignored with default RoPE, as the six models' default RoPE ignores it, and refused
+    otherwise unless it is 1."""
     field_name = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
     params = cfg.get(field_name) or {}
     if not isinstance(params, Mapping):
@@ -280,6 +282,15 @@ def _rope_from_hf(cfg: Mapping[str, Any], default_theta: float) -> tuple[float, 
             theta_source, "rope_theta", where if theta_source is params else "config.json"
         )
     rope_type = params.get("rope_type", params.get("type", "default"))
+    partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    if rope_type not in (None, "default") and partial not in (None, 1):
+        # transformers' linear and llama3 RoPE would rotate only part of each head (and then
+        # fail on the width); the engine rotates whole heads.
+        raise ConfigError(
+            f"config.json: partial_rotary_factor={partial!r} with rope_type={rope_type!r} is not "
+            "implemented by graphtune's engine (it rotates whole heads; transformers fails on "
+            "it too); use a checkpoint without it or with partial_rotary_factor 1"
+        )
     try:
         if rope_type in (None, "default"):
             return theta, None

@@ -304,6 +304,8 @@ def test_step_checks_values_in_debug_mode(monkeypatch):
         (lambda e: e.generate([1, 2, 3], 2), InputError, "pass \\[\\[1, 2, 3\\]\\]"),
         (lambda e: e.generate("hello", 2), InputError, "list of prompts"),
         (lambda e: e.generate(torch.tensor([5, 6, 7]), 2), InputError, "tensor of prompts is 2-D"),
+        (lambda e: e.generate([{5: 1, 6: 2}], 2), InputError, "list of token ids, got dict"),
+        (lambda e: e.generate([{5, 6}], 2), InputError, "list of token ids, got set"),
         (lambda e: e.generate([[1, 2]], 2, stop_token_ids=5), InputError, "stop_token_ids"),
         (lambda e: e.generate([[1, 2]], 2, stop_token_ids=[1.5]), InputError, "stop_token_ids"),
         (lambda e: e.generate([[1, 2]], 2, stop_token_ids=[10**6]), InputError, "outside"),

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence, Set
 from os import PathLike
 from typing import Any
 
@@ -325,7 +325,8 @@ class Engine:
                     "pass token ids instead"
                 )
             return list(self.model.tokenizer.encode(prompt).ids)
-        if not isinstance(prompt, Iterable) or getattr(prompt, "ndim", 1) != 1:
+        unordered = isinstance(prompt, (Mapping, Set))  # a dict's keys, a set: no token order
+        if not isinstance(prompt, Iterable) or unordered or getattr(prompt, "ndim", 1) != 1:
             raise InputError(
                 f"a prompt must be text or a list of token ids, got {type(prompt).__name__} "
                 f"{prompt!r:.40}; for one prompt of ids pass [[1, 2, 3]], not [1, 2, 3] (a "

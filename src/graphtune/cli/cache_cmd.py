@@ -46,8 +46,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     show.set_defaults(handler=show_command)
     clear = actions.add_parser(
         "clear",
-        help="delete a cache file and its lock file",
-        description="Deletes a tuning cache file and its lock file; exit 1 when there is none.",
+        help="delete a cache file (waits for a save in progress)",
+        description="Deletes a tuning cache file under its lock, so a save in progress finishes "
+        "first; the lock file stays. Exit 1 when there is no cache file.",
     )
     clear.add_argument("path", metavar="PATH", type=Path, help="tuning cache file (JSON)")
     clear.set_defaults(handler=clear_command)
@@ -248,23 +249,26 @@ def _blocked_runner(path: Path, name: str) -> str:
 
 
 def clear_command(args: argparse.Namespace) -> int:
-    """Removes the cache file and its lock file; 1 if the file does not exist."""
+    """Removes the cache file under its lock (the lock file stays: a process waiting on it, or
+    holding it mid-save, must keep locking the same file); 1 if the file does not exist."""
     from graphtune.autotuner import cache_reader, persist
 
     path: Path = args.path
-    lock = persist.lock_path(path)
     if not path.exists():
         raise CacheFileError(f"no tuning cache at {path}; nothing removed")
-    reason = cache_reader.not_a_cache_file(path)
-    if reason is not None:
-        raise CacheFileError(
-            f"{path} is not a graphtune tuning cache (it {reason}); nothing removed. Remove it "
-            "with rm if that is what you meant"
-        )
-    try:
-        path.unlink()
-        lock.unlink(missing_ok=True)
-    except OSError as exc:
-        raise CacheFileError(f"could not remove {path}: {exc.strerror or exc}") from None
-    print(f"Removed tuning cache {path} (and its lock file).")
+    # Under the lock, so a save in progress finishes first and the next one starts from nothing.
+    with persist.locked(path):
+        if not path.exists():
+            raise CacheFileError(f"no tuning cache at {path}; nothing removed")
+        reason = cache_reader.not_a_cache_file(path)
+        if reason is not None:
+            raise CacheFileError(
+                f"{path} is not a graphtune tuning cache (it {reason}); nothing removed. Remove "
+                "it with rm if that is what you meant"
+            )
+        try:
+            path.unlink()
+        except OSError as exc:
+            raise CacheFileError(f"could not remove {path}: {exc.strerror or exc}") from None
+    print(f"Removed tuning cache {path}.")
     return 0

@@ -99,6 +99,19 @@ def test_failed_rename_keeps_old_file_and_removes_temp(tmp_path, monkeypatch) ->
     assert not list(tmp_path.glob(".cache.json.*.tmp"))
 
 
+def test_a_save_removes_only_its_own_stale_temp_files(tmp_path) -> None:
+    # ``t.json.rank1`` is another cache with its own lock: its writer may be mid-save while
+    # ``t.json`` saves, and a prefix match on ``.t.json.`` would delete its temporary file.
+    others = [tmp_path / ".t.json.rank1.ab12cd34.tmp", tmp_path / ".t.json.tmp.ab12cd34.tmp"]
+    for other in others:
+        other.write_text("{}")
+    own = tmp_path / ".t.json.ab12cd34.tmp"  # left by a writer of t.json that died
+    own.write_text("{")
+    write_cache(tmp_path / "t.json", n=1)
+    assert all(other.exists() for other in others) and not own.exists()
+    assert len(persist.load(tmp_path / "t.json", strict=True)) == 1
+
+
 # ---------------------------------------------------------------- concurrent writers
 
 WRITERS, SAVES = 3, 8

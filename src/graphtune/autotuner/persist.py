@@ -25,6 +25,7 @@ from typing import Any
 from filelock import FileLock, Timeout
 
 from graphtune import env
+from graphtune.atomic_files import remove_stale_temp_files, write_atomically
 from graphtune.autotuner.cache_reader import (
     FORMAT_VERSION,
     Entries,
@@ -203,7 +204,7 @@ def save(
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with FileLock(str(lock_path(path)), timeout=lock_timeout_s):
-            _remove_stale_temp_files(path)
+            remove_stale_temp_files(path)
             existing = _existing(path, current)
             merged = existing.entries
             merged.update(entries)
@@ -297,20 +298,6 @@ def unblock(
     return removed
 
 
-def _remove_stale_temp_files(path: Path) -> None:
-    """Deletes temporary files that a writer killed mid-save left behind.
-
-    Called with the lock held: every writer creates its temporary file only while holding the
-    lock, so any temporary file that exists now belongs to a writer that died.
-    """
-    for stale in path.parent.glob(f".{path.name}.*.tmp"):
-        try:
-            stale.unlink()
-            logger.info("removed %s, left behind by a save that was interrupted", stale)
-        except OSError as exc:  # another user's file, or already gone: harmless
-            logger.debug("could not remove stale temporary file %s: %s", stale, exc)
-
-
 def _existing(path: Path, current: dict[str, Any]) -> LoadedCache:
     if not path.exists():
         return LoadedCache()
@@ -388,11 +375,11 @@ def write_atomic(path: str | PathLike[str], doc: dict[str, Any], *, lock: bool =
     check_regular_target(path)
     try:
         if not lock:
-            _remove_stale_temp_files(path)
+            remove_stale_temp_files(path)
             _atomic_write(path, doc)
             return
         with locked(path):
-            _remove_stale_temp_files(path)
+            remove_stale_temp_files(path)
             _atomic_write(path, doc)
     except (OSError, TypeError, ValueError) as exc:
         raise CacheFileError(f"Could not write tuning cache {path}: {exc}.") from exc
@@ -422,7 +409,7 @@ def update_json(
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with FileLock(str(lock_path(path)), timeout=lock_timeout_s):
-            _remove_stale_temp_files(path)
+            remove_stale_temp_files(path)
             try:
                 current = parse_json(path.read_text(encoding="utf-8"))
             except (OSError, UnicodeDecodeError, ValueError, RecursionError):
@@ -461,14 +448,5 @@ def _after_temp_write(tmp: Path) -> None:
 def _atomic_write(path: Path, doc: dict[str, Any]) -> None:
     # allow_nan=False: a non-finite time must never reach the file (the tuner stores None).
     text = json.dumps(doc, indent=1, allow_nan=False) + "\n"
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        _after_temp_write(Path(tmp))
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    # A lambda, so a test's replacement of the seam is seen at call time.
+    write_atomically(path, text.encode("utf-8"), before_replace=lambda tmp: _after_temp_write(tmp))

@@ -322,9 +322,9 @@ def _existing(path: Path, current: dict[str, Any]) -> LoadedCache:
     return LoadedCache(doc["entries"], doc["blocklist"])
 
 
-def _move_aside(path: Path, reason: str) -> None:
-    """Renames a file that is in the way of a save but is no graphtune cache (someone's file at
-    a mistyped path, or a cache damaged by hand) to a free ``<name>.unusable[.N]`` next to it, so
+def _move_aside(path: Path, reason: str, what: str = "tuning cache") -> None:
+    """Renames a file that is in the way of a save but is not what is saved there (someone's file
+    at a mistyped path, a file damaged by hand) to a free ``<name>.unusable[.N]`` next to it, so
     the save loses nothing; the warning says where it went."""
     for n in range(1000):
         aside = path.with_name(f"{path.name}.unusable" + (f".{n}" if n else ""))
@@ -332,11 +332,13 @@ def _move_aside(path: Path, reason: str) -> None:
             break
     os.replace(path, aside)
     logger.warning(
-        "Moved %s to %s before saving the tuning cache there: it %s. Pass another cache path "
-        "if that file was not meant to be a tuning cache.",
+        "Moved %s to %s before saving the %s there: it %s. Pass another path if that file was "
+        "not meant to be a %s.",
         path,
         aside,
+        what,
         reason,
+        what,
     )
 
 
@@ -389,14 +391,22 @@ def update_json(
     path: str | PathLike[str],
     merge: Callable[[Any], dict[str, Any]],
     *,
+    problem: Callable[[Any], str | None] | None = None,
+    what: str = "file",
     lock_timeout_s: float = LOCK_TIMEOUT_S,
 ) -> dict[str, Any]:
     """Read-merge-write of any JSON document under the file's lock, atomically (as :func:`save`).
 
     Args:
         path: The file.
-        merge: Given the current document (``None`` when the file is missing or not valid JSON),
-            returns the document to write.
+        merge: Given the current document (``None`` when the file is missing or was moved
+            aside), returns the document to write.
+        problem: Why a parsed document is not one this save may merge into (``None``: it may).
+            With it, an existing file that is not JSON or has a problem is renamed to
+            ``<name>.unusable`` first, with a warning naming ``what`` and where it went, as
+            :func:`save` does with a file that is no tuning cache. Without it, such a file is
+            merged as ``None`` (replaced).
+        what: What the file is, for that warning.
 
     Returns:
         The document written.
@@ -410,9 +420,11 @@ def update_json(
         path.parent.mkdir(parents=True, exist_ok=True)
         with FileLock(str(lock_path(path)), timeout=lock_timeout_s):
             remove_stale_temp_files(path)
-            try:
-                current = parse_json(path.read_text(encoding="utf-8"))
-            except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+            current, reason = _current_json(path)
+            if reason is None and current is not None and problem is not None:
+                reason = problem(current)
+            if reason is not None and problem is not None:
+                _move_aside(path, reason, what)
                 current = None
             doc = merge(current)
             _atomic_write(path, doc)
@@ -421,6 +433,16 @@ def update_json(
     except (OSError, TypeError, ValueError) as exc:
         raise CacheFileError(f"Could not write {path}: {exc}.") from exc
     return doc
+
+
+def _current_json(path: Path) -> tuple[Any, str | None]:
+    """The document at ``path`` (``None`` when there is no file), and why it is not JSON."""
+    try:
+        return parse_json(path.read_text(encoding="utf-8")), None
+    except FileNotFoundError:
+        return None, None
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        return None, f"is not JSON ({exc})"
 
 
 def _document(entries: Entries, fingerprint: Any, blocklist: Blocklist) -> dict[str, Any]:

@@ -69,6 +69,18 @@ def test_cli_refuses_to_tune_into_a_file_that_is_not_a_cache(tmp_path, capsys) -
     assert config.read_text() == '{"hidden_size": 64}'
 
 
+def test_merge_refuses_an_output_that_is_not_a_cache(tmp_path, capsys) -> None:
+    a = _save(tmp_path / "a.json", (KEY, CacheEntry("m.Tiled", 1, 3, 4.0, 10.0)))
+    b = _save(tmp_path / "b.json", (OTHER_KEY, CacheEntry("m.Tiled", 1, 5, 4.0, 10.0)))
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes")
+    assert main(["cache", "merge", str(a), str(b), "-o", str(notes)]) == 1
+    assert "is not a graphtune tuning cache" in capsys.readouterr().err
+    assert notes.read_text() == "my notes"
+    assert main(["cache", "merge", str(a), str(b), "-o", str(a)]) == 0  # a cache may be replaced
+    assert set(persist.load(a)) == {KEY, OTHER_KEY}
+
+
 @needs_fifo
 def test_a_fifo_is_refused_without_opening_it(tmp_path, capsys) -> None:
     fifo = tmp_path / "fifo"

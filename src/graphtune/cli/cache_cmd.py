@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from graphtune.cli._args import check_output_path, usage
+from graphtune.cli._args import check_cache_path, usage
 from graphtune.errors import CacheFileError
 
 COLUMNS = (
@@ -70,7 +70,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "file only is copied. For a key in both, the entry with the faster recorded time_us is "
         "kept (the timing mode is part of the key, so both were measured the same way); an entry "
         "with a time beats one without; ties keep A's. Blocklists are unioned (A's reason wins). "
-        "C is written atomically under its lock file; it may be A or B.",
+        "C is written atomically under its lock file; it may be A or B. An existing C that is "
+        "not a tuning cache is refused.",
     )
     merge.add_argument("a", metavar="A", type=Path, help="first cache file (wins ties)")
     merge.add_argument("b", metavar="B", type=Path, help="second cache file")
@@ -199,7 +200,8 @@ def merge_command(args: argparse.Namespace) -> int:
     """Merges A and B into the output; 1 when an input is unusable or environments differ."""
     from graphtune.autotuner import maintenance
 
-    check_output_path(args.output, "--output")
+    # As a cache path: an existing file there must be a tuning cache (never someone's notes).
+    check_cache_path(args.output, "--output")
     report = maintenance.merge_files(args.a, args.b, args.output, force=args.force)
     for problem in report.ignored:
         print(f"left out: {problem}")

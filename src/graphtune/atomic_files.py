@@ -1,4 +1,4 @@
-"""Writing a file atomically.
+"""Writing a file atomically, and keeping the data when the file cannot be written.
 
 A leaf module (standard library only) so that both the tuning cache (``graphtune.autotuner``) and
 the benchmark results (``graphtune.bench``) use one implementation.
@@ -10,6 +10,10 @@ and a writer killed at any point leaves the old file intact. The temporary file 
 temporary name (equal length and equal prefix would make the names equal), so
 :func:`remove_stale_temp_files`, which matches exactly that form, removes only temporary files
 of its own target, never another file's in-progress one (``t.json`` vs ``t.json.rank1``).
+
+:func:`write_with_fallback` (and :func:`write_fallback`, for a caller that tried the target
+itself) writes the data to a file in the system's temporary folder when the target cannot be
+written (a read-only folder, a full disk) and returns where it went.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import logging
 import os
 import re
 import secrets
+import tempfile
 from collections.abc import Callable
 from os import PathLike
 from pathlib import Path
@@ -108,3 +113,65 @@ def write_atomically(
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+class FallbackFailed(OSError):
+    """Neither the target nor the fallback file could be written (:func:`write_with_fallback`);
+    callers raise their own error type naming both."""
+
+    def __init__(self, target: Path, first: str, fallback: Path, second: str) -> None:
+        super().__init__(f"could not write {target} ({first}) nor {fallback} ({second})")
+        self.target, self.first, self.fallback, self.second = target, first, fallback, second
+
+
+def fallback_path(path: str | PathLike[str]) -> Path:
+    """Where :func:`write_with_fallback` puts ``path``'s data when ``path`` cannot be written."""
+    return Path(tempfile.gettempdir()) / f"graphtune-{os.getpid()}-{Path(path).name}"
+
+
+def write_with_fallback(
+    path: str | PathLike[str],
+    data: bytes,
+    *,
+    write: Callable[[Path, bytes], None] = write_atomically,
+) -> tuple[Path, str | None]:
+    """Writes ``data`` to ``path`` with ``write``, or to :func:`fallback_path` when that fails.
+
+    Returns:
+        The file holding the data, and ``None`` or (when it is the fallback) why ``path`` could
+        not be written.
+
+    Raises:
+        FallbackFailed: Neither could be written (it names both files and both reasons).
+    """
+    target = Path(path)
+    try:
+        write(target, data)
+        return target, None
+    except OSError as exc:
+        first = f"{type(exc).__name__}: {exc}"
+    return write_fallback(target, data, first, write=write), first
+
+
+def write_fallback(
+    path: str | PathLike[str],
+    data: bytes,
+    why: str,
+    *,
+    write: Callable[[Path, bytes], None] = write_atomically,
+) -> Path:
+    """Writes ``data``, which could not be written to ``path`` (``why``), to
+    :func:`fallback_path` instead.
+
+    Returns:
+        The fallback file.
+
+    Raises:
+        FallbackFailed: The fallback could not be written either.
+    """
+    fallback = fallback_path(path)
+    try:
+        write(fallback, data)
+    except OSError as exc:
+        raise FallbackFailed(Path(path), why, fallback, f"{type(exc).__name__}: {exc}") from None
+    return fallback

@@ -99,6 +99,27 @@ def test_failed_rename_keeps_old_file_and_removes_temp(tmp_path, monkeypatch) ->
     assert not list(tmp_path.glob(".cache.json.*.tmp"))
 
 
+def test_a_failed_save_keeps_the_picks_in_a_fallback_file_it_names(tmp_path, monkeypatch) -> None:
+    path = tmp_path / "cache.json"
+    write_cache(path, n=2)
+
+    def disk_full(tmp) -> None:  # the target's disk only: the temporary folder has room
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(persist, "_after_temp_write", disk_full)
+    monkeypatch.setattr("tempfile.gettempdir", lambda: str(tmp_path / "tmp"))
+    cache = TuningCache()
+    cache.put(key(7), entry(["x"]))
+    with pytest.raises(CacheFileError, match="No space left") as info:
+        cache.save(path)
+    (kept,) = (tmp_path / "tmp").glob("graphtune-*-cache.json")
+    assert str(kept) in str(info.value) and "\n" not in str(info.value)
+    # The fallback holds what the file would have held: its two entries and the new one.
+    monkeypatch.undo()
+    assert len(persist.load(kept, strict=True)) == 3 and len(persist.load(path)) == 2
+    assert cache.unsaved(path) == 1  # so `graphtune tune` does not claim the picks were kept
+
+
 def test_a_save_removes_only_its_own_stale_temp_files(tmp_path) -> None:
     # ``t.json.rank1`` is another cache with its own lock: its writer may be mid-save while
     # ``t.json`` saves, and a prefix match on ``.t.json.`` would delete its temporary file.

@@ -122,15 +122,26 @@ class TuningCache:
         """
         where = _file_id(path)
         with self._lock:
-            known, known_blocked = self._synced.get(where, ({}, set()))
-            changed = {k: e for k, e in self._entries.items() if known.get(k) is not e}
-            blocked = {i: b for i, b in self._blocked.items() if i not in known_blocked}
+            changed, blocked = self._unsynced(where)
         count = persist.save(path, changed, blocklist=blocked)
         with self._lock:
             synced = self._synced.setdefault(where, ({}, set()))
             synced[0].update(changed)
             synced[1].update(blocked)
         return count
+
+    def unsaved(self, path: str | PathLike[str]) -> int:
+        """How many entries and blocked tactics :meth:`save` would still write to ``path``: 0
+        right after a save there returned, more after a save that failed."""
+        with self._lock:
+            changed, blocked = self._unsynced(_file_id(path))
+        return len(changed) + len(blocked)
+
+    def _unsynced(self, where: str) -> tuple[dict[CacheKey, CacheEntry], Blocklist]:
+        known, known_blocked = self._synced.get(where, ({}, set()))
+        changed = {k: e for k, e in self._entries.items() if known.get(k) is not e}
+        blocked = {i: b for i, b in self._blocked.items() if i not in known_blocked}
+        return changed, blocked
 
     def load(self, path: str | PathLike[str], *, strict: bool | None = None) -> int:
         """Adds the entries and blocklist of the file at ``path``; entries already in memory win.

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from graphtune.autotuner import persist
+from graphtune.autotuner import json_update
 from graphtune.autotuner.cache_reader import parse_json
 from graphtune.autotuner.config import TuningConfig
 from graphtune.autotuner.entries import CacheKey
@@ -315,7 +315,7 @@ class MissLog:
             }
 
         return len(
-            persist.update_json(path, merge, problem=_not_misses_doc, what="misses record")[
+            json_update.update_json(path, merge, problem=_not_misses_doc, what="misses record")[
                 "misses"
             ]
         )

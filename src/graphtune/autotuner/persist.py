@@ -15,7 +15,7 @@ import json
 import logging
 import os
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from os import PathLike
@@ -25,14 +25,18 @@ from typing import Any
 from filelock import FileLock, Timeout
 
 from graphtune import env
-from graphtune.atomic_files import remove_stale_temp_files, write_atomically
+from graphtune.atomic_files import (
+    FallbackFailed,
+    remove_stale_temp_files,
+    write_atomically,
+    write_fallback,
+)
 from graphtune.autotuner.cache_reader import (
     FORMAT_VERSION,
     Entries,
     Unusable,
     parse,
     parse_document,
-    parse_json,
     raw_document,
     read_document,
 )
@@ -195,12 +199,17 @@ def save(
         The number of entries in the file after the write.
 
     Raises:
-        CacheFileError: The lock could not be taken in time or the file could not be written.
+        CacheFileError: The lock could not be taken in time or the file could not be written;
+            the document is then written to a file in the temporary folder, which the message
+            names (:func:`graphtune.atomic_files.write_fallback`).
     """
     path = Path(path)
     current = environment_fingerprint() if fingerprint is None else fingerprint
     check_lockable(path)
     entries, unstorable = _storable(entries)
+    # What the file would have held, once known: a failed write puts it in a fallback file.
+    doc = _document(entries, current, blocklist or {})
+    merged = entries
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with FileLock(str(lock_path(path)), timeout=lock_timeout_s):
@@ -210,17 +219,19 @@ def save(
             merged.update(entries)
             blocked = existing.blocklist
             blocked.update(blocklist or {})
-            _atomic_write(path, _document(merged, current, blocked))
+            doc = _document(merged, current, blocked)
+            _atomic_write(path, doc)
     except Timeout:
+        why = f"could not lock {lock_path(path)} within {lock_timeout_s:.0f} s"
         raise CacheFileError(
-            f"Could not lock {lock_path(path)} within {lock_timeout_s:.0f} s to save the tuning "
-            "cache; another process holds it. Retry, or remove the lock file if no graphtune "
-            "process is running."
+            _kept_elsewhere(path, doc, why)
+            + "; another process holds the lock: retry, or remove the lock file if no "
+            "graphtune process is running"
         ) from None
     except OSError as exc:
         raise CacheFileError(
-            f"Could not write tuning cache {path}: {exc}. Check the directory exists and is "
-            "writable, or pass another cache_path."
+            _kept_elsewhere(path, doc, f"{type(exc).__name__}: {exc}")
+            + "; check the folder exists and is writable, or pass another cache_path"
         ) from exc
     except (TypeError, ValueError) as exc:  # a blocklist item JSON cannot hold
         raise CacheFileError(f"Could not write tuning cache {path}: {exc}.") from exc
@@ -233,6 +244,26 @@ def save(
         )
     logger.debug("saved %d tuning entries to %s", len(merged), path)
     return len(merged)
+
+
+def _kept_elsewhere(path: Path, doc: dict[str, Any], why: str) -> str:
+    """Writes ``doc``, which could not be saved to ``path`` (``why``), to the fallback file of
+    :mod:`graphtune.atomic_files`; returns the start of the error message, naming where the
+    picks are (or that they are lost, when the fallback fails too)."""
+    try:
+        text = json.dumps(doc, indent=1, allow_nan=False) + "\n"
+        fallback = write_fallback(path, text.encode("utf-8"), why)
+    except FallbackFailed as exc:
+        return (
+            f"Could not save tuning cache {path} ({why}) nor its copy {exc.fallback} "
+            f"({exc.second}); its {len(doc['entries'])} entries are lost"
+        )
+    except (TypeError, ValueError) as exc:
+        return f"Could not save tuning cache {path} ({why}); no copy could be written ({exc})"
+    return (
+        f"Could not save tuning cache {path} ({why}); its {len(doc['entries'])} entries are in "
+        f"{fallback} instead (copy it to {path} once that can be written)"
+    )
 
 
 def _storable(entries: Entries) -> tuple[Entries, list[str]]:
@@ -304,7 +335,7 @@ def _existing(path: Path, current: dict[str, Any]) -> LoadedCache:
     try:
         raw = raw_document(path)  # read once: the test below and the entries both use it
     except Unusable as exc:
-        _move_aside(path, str(exc))
+        move_aside(path, str(exc))
         return LoadedCache()
     try:
         doc = parse_document(raw)
@@ -322,7 +353,7 @@ def _existing(path: Path, current: dict[str, Any]) -> LoadedCache:
     return LoadedCache(doc["entries"], doc["blocklist"])
 
 
-def _move_aside(path: Path, reason: str, what: str = "tuning cache") -> None:
+def move_aside(path: Path, reason: str, what: str = "tuning cache") -> None:
     """Renames a file that is in the way of a save but is not what is saved there (someone's file
     at a mistyped path, a file damaged by hand) to a free ``<name>.unusable[.N]`` next to it, so
     the save loses nothing; the warning says where it went."""
@@ -385,64 +416,6 @@ def write_atomic(path: str | PathLike[str], doc: dict[str, Any], *, lock: bool =
             _atomic_write(path, doc)
     except (OSError, TypeError, ValueError) as exc:
         raise CacheFileError(f"Could not write tuning cache {path}: {exc}.") from exc
-
-
-def update_json(
-    path: str | PathLike[str],
-    merge: Callable[[Any], dict[str, Any]],
-    *,
-    problem: Callable[[Any], str | None] | None = None,
-    what: str = "file",
-    lock_timeout_s: float = LOCK_TIMEOUT_S,
-) -> dict[str, Any]:
-    """Read-merge-write of any JSON document under the file's lock, atomically (as :func:`save`).
-
-    Args:
-        path: The file.
-        merge: Given the current document (``None`` when the file is missing or was moved
-            aside), returns the document to write.
-        problem: Why a parsed document is not one this save may merge into (``None``: it may).
-            With it, an existing file that is not JSON or has a problem is renamed to
-            ``<name>.unusable`` first, with a warning naming ``what`` and where it went, as
-            :func:`save` does with a file that is no tuning cache. Without it, such a file is
-            merged as ``None`` (replaced).
-        what: What the file is, for that warning.
-
-    Returns:
-        The document written.
-
-    Raises:
-        CacheFileError: The lock could not be taken or the file could not be written.
-    """
-    path = Path(path)
-    check_regular_target(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(lock_path(path)), timeout=lock_timeout_s):
-            remove_stale_temp_files(path)
-            current, reason = _current_json(path)
-            if reason is None and current is not None and problem is not None:
-                reason = problem(current)
-            if reason is not None and problem is not None:
-                _move_aside(path, reason, what)
-                current = None
-            doc = merge(current)
-            _atomic_write(path, doc)
-    except Timeout:
-        raise CacheFileError(f"Could not lock {lock_path(path)} to write {path}.") from None
-    except (OSError, TypeError, ValueError) as exc:
-        raise CacheFileError(f"Could not write {path}: {exc}.") from exc
-    return doc
-
-
-def _current_json(path: Path) -> tuple[Any, str | None]:
-    """The document at ``path`` (``None`` when there is no file), and why it is not JSON."""
-    try:
-        return parse_json(path.read_text(encoding="utf-8")), None
-    except FileNotFoundError:
-        return None, None
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
-        return None, f"is not JSON ({exc})"
 
 
 def _document(entries: Entries, fingerprint: Any, blocklist: Blocklist) -> dict[str, Any]:

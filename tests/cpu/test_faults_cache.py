@@ -212,6 +212,21 @@ def test_blocklist_round_trip_and_unblock(tmp_path) -> None:
     assert len(persist.load(path)) == 3, "entries are untouched"
 
 
+def test_a_tactic_blocked_again_after_an_unblock_is_saved(tmp_path) -> None:
+    path = tmp_path / "cache.json"
+    write_cache(path, n=1, blocked=(3,))
+    cache = TuningCache()
+    cache.load(path, strict=True)
+    persist.unblock(path, runner_id="m.B")  # `graphtune cache unblock`, from another process
+    cache.clear_blocklist()  # this process retries the blocked tactics...
+    again = BlockedTactic("m.B", 3, "crash: exit code -11 (again)", "gemm", "1x64")
+    cache.block(again)  # ...and tactic 3 crashes again
+    cache.save(path)
+    assert list(persist.load_file(path).blocklist.values()) == [again]
+    cache.save(path)  # nothing new: the file keeps it, memory does not write it twice
+    assert cache.unsaved(path) == 0
+
+
 def test_file_without_blocklist_keeps_its_layout(tmp_path) -> None:
     path = tmp_path / "cache.json"
     write_cache(path)

@@ -35,7 +35,7 @@ class TuningCache:
         # Per file (resolved path): the entries and blocked tactics as this cache last read or
         # wrote them there. A save writes only what changed since, so it never reverts what
         # another process re-tuned, pinned or unblocked in that file meanwhile.
-        self._synced: dict[str, tuple[dict[CacheKey, CacheEntry], set[tuple[str, str]]]] = {}
+        self._synced: dict[str, tuple[dict[CacheKey, CacheEntry], Blocklist]] = {}
         self._lock = threading.Lock()
         #: Bumped by every change of the entries, so look-up memos know when to forget.
         self.version = 0
@@ -125,7 +125,7 @@ class TuningCache:
             changed, blocked = self._unsynced(where)
         count = persist.save(path, changed, blocklist=blocked)
         with self._lock:
-            synced = self._synced.setdefault(where, ({}, set()))
+            synced = self._synced.setdefault(where, ({}, {}))
             synced[0].update(changed)
             synced[1].update(blocked)
         return count
@@ -138,9 +138,11 @@ class TuningCache:
         return len(changed) + len(blocked)
 
     def _unsynced(self, where: str) -> tuple[dict[CacheKey, CacheEntry], Blocklist]:
-        known, known_blocked = self._synced.get(where, ({}, set()))
+        known, known_blocked = self._synced.get(where, ({}, {}))
+        # By identity, for entries and blocked tactics alike: a tactic blocked again after an
+        # unblock has the ident the file once had, but it is a new item the file lacks now.
         changed = {k: e for k, e in self._entries.items() if known.get(k) is not e}
-        blocked = {i: b for i, b in self._blocked.items() if i not in known_blocked}
+        blocked = {i: b for i, b in self._blocked.items() if known_blocked.get(i) is not b}
         return changed, blocked
 
     def load(self, path: str | PathLike[str], *, strict: bool | None = None) -> int:
@@ -164,9 +166,11 @@ class TuningCache:
             self.version += 1
             for ident, item in loaded.blocklist.items():
                 self._blocked.setdefault(ident, item)
-            synced = self._synced.setdefault(_file_id(path), ({}, set()))
+            synced = self._synced.setdefault(_file_id(path), ({}, {}))
             synced[0].update(added)
-            synced[1].update(loaded.blocklist)
+            # As for entries: only what memory took from the file is the file's; an item memory
+            # already held is newer and is written by the next save.
+            synced[1].update({i: b for i, b in loaded.blocklist.items() if self._blocked[i] is b})
         return len(added)
 
 

@@ -103,7 +103,7 @@ def test_an_entry_no_look_up_can_use_is_ignored_everywhere(tmp_path, capsys, cap
     assert main(["cache", "verify", str(path)]) == 1
     captured = capsys.readouterr()
     assert "ignored: entry 1" in captured.out and "time_us is -5.0" in captured.out
-    assert "ignore the 1 entries" in captured.err and "use the other 1" in captured.err
+    assert "ignore the 1 entry" in captured.err and "use the other 1" in captured.err
     # loading: the other entry is used, one warning names the file
     with caplog.at_level(logging.WARNING, logger="graphtune"):
         assert list(persist.load(path)) == [KEY]

@@ -269,6 +269,18 @@ def test_verify_lists_every_problem(tmp_path, capsys) -> None:
     assert captured.err.startswith("error:") and "problems (listed above)" in captured.err
 
 
+def test_verify_counts_ignored_entries_not_their_problems(tmp_path, capsys) -> None:
+    path = tmp_path / "cache.json"
+    write_cache(path, n=2)
+    doc = json.loads(path.read_text())
+    doc["entries"][0]["value"].update(runner_index=5, time_us=-1.0)  # one entry, two problems
+    path.write_text(json.dumps(doc))
+    assert main(["cache", "verify", str(path)]) == 1
+    captured = capsys.readouterr()
+    assert captured.out.count("ignored: entry 0") == 2
+    assert "ignore the 1 entry listed above and use the other 1;" in captured.err
+
+
 @pytest.mark.parametrize(
     "content, message",
     [(None, "does not exist"), ("{", "invalid JSON"), ('{"format_version": 0}', "format_version")],

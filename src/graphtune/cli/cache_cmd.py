@@ -189,10 +189,12 @@ def verify_command(args: argparse.Namespace) -> int:
             f"cache file {args.path} has {len(report.problems)} problems (listed above); "
             "graphtune would skip this file here"
         )
+    # Entries, not lines: one entry can have several problems.
+    ignored = report.ignored_entries
     raise CacheFileError(
-        f"cache file {args.path}: graphtune would ignore the {len(report.ignored)} entries listed "
-        f"above and use the other {report.entries - len(report.ignored)}; re-tune those shapes, "
-        "or save over the file to drop them"
+        f"cache file {args.path}: graphtune would ignore the {ignored} "
+        f"entr{'y' if ignored == 1 else 'ies'} listed above and use the other "
+        f"{report.entries - ignored}; re-tune those shapes, or save over the file to drop them"
     )
 
 

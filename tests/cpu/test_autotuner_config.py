@@ -194,3 +194,42 @@ def test_sizes_at_or_above_max_value_look_up_its_own_bucket() -> None:
     assert tuned == [1, 2, 4, 8, 12]
     looked_up = {n: profile_for(config, [torch.zeros(n, 4)]).shapes[0][0] for n in (8, 11, 12, 40)}
     assert looked_up == {8: 8, 11: 8, 12: 12, 40: 12}  # 12 was tuned, and is used
+
+
+def test_a_constraint_on_a_dynamic_dimension_is_refused_whatever_its_sign() -> None:
+    # dim 0 and dim -2 of a 2-D input are one dimension: the constraint would overwrite the
+    # swept size, so every profile would be the same shape.
+    config = TuningConfig(
+        dynamic_specs=(DynamicTensorSpec(0, 0),),
+        constraint_specs=(ConstraintSpec(0, -2, lambda shapes: 7),),
+        max_value=64,
+    )
+    with pytest.raises(ConfigError, match="cannot also be constrained"):
+        generate_profiles(config, [torch.randn(16, 4)])
+    with pytest.raises(ConfigError, match="dim_idx=0 and ConstraintSpec dim_idx=-2 of input 0"):
+        profile_for(config, [torch.randn(16, 4)])
+    with pytest.raises(ConfigError, match="more than one dynamic/constraint spec"):
+        TuningConfig(
+            dynamic_specs=(DynamicTensorSpec(0, 0),),
+            constraint_specs=(ConstraintSpec(0, 0, lambda shapes: 7),),
+        )
+
+
+def test_callable_buckets_that_are_not_powers_of_two_are_looked_up() -> None:
+    spec = DynamicTensorSpec(0, 0, buckets=lambda m: (1, 3, 9, 27, 81))
+    config = TuningConfig(dynamic_specs=(spec,), max_value=27)
+    tuned = [p.shapes[0][0] for p in generate_profiles(config, [torch.randn(5, 4)])]
+    assert tuned == [1, 3, 9, 27]
+    # As for a tuple: a listed size hits itself, another the largest bucket below it.
+    looked_up = {n: profile_for(config, [torch.randn(n, 4)]).shapes[0][0] for n in (3, 9, 20, 40)}
+    assert looked_up == {3: 3, 9: 9, 20: 9, 40: 27}
+    # Without max_value the list depends on the live size, so look-ups cannot follow it.
+    with pytest.raises(ConfigError, match="pass max_value, or map_to_bucket"):
+        generate_profiles(TuningConfig(dynamic_specs=(spec,)), [torch.randn(5, 4)])
+
+
+def test_default_buckets_without_max_value_tune_only_buckets_a_look_up_uses() -> None:
+    config = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0),))
+    tuned = [p.shapes[0][0] for p in generate_profiles(config, [torch.zeros(12, 4)])]
+    assert tuned == [1, 2, 4, 8]  # not 12: a live 12 looks up 8
+    assert profile_for(config, [torch.zeros(12, 4)]).shapes == ((8, 4),)

@@ -199,6 +199,33 @@ def test_a_change_to_a_runner_source_invalidates_its_picks(tmp_path, monkeypatch
         sys.modules.pop("gt_source_runner", None)
 
 
+def _cell_class(source: str, filename: str) -> type:
+    """``SourceRunner`` defined as a notebook cell defines it: no module file, the cell's text in
+    ``linecache`` under the cell's name (as IPython registers it)."""
+    import linecache
+
+    if not filename.startswith("<string"):  # `python -c` registers nothing
+        linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    namespace: dict[str, Any] = {"__name__": "gt_cell_module"}
+    exec(compile(source, filename, "exec"), namespace)
+    return namespace["SourceRunner"]
+
+
+def test_a_runner_without_a_source_file_is_hashed_by_its_source_text(caplog) -> None:
+    one = _cell_class(RUNNER_SOURCE.format(version="v1"), "<ipython-input-1-gt>")
+    two = _cell_class(RUNNER_SOURCE.format(version="v2"), "<ipython-input-2-gt>")
+    same = _cell_class(RUNNER_SOURCE.format(version="v1"), "<ipython-input-3-gt>")
+    digest = identity_module.sources_digest
+    assert digest([one()]) != digest([two()]), "an edited cell must not reuse the old picks"
+    assert digest([one()]) == digest([same()])
+    # No source anywhere: one warning per class that its edits go unnoticed.
+    hidden = _cell_class(RUNNER_SOURCE.format(version="v1"), "<string>")
+    with caplog.at_level("WARNING", logger="graphtune.autotuner.identity"):
+        digest([hidden()])
+        digest([hidden()])
+    assert caplog.text.count("will not invalidate its cached picks") == 1
+
+
 class SeesInputs(TunableRunner):
     """Records the storage of each input it runs on."""
 

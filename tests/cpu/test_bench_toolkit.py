@@ -415,11 +415,11 @@ def test_write_json_is_atomic_and_strict(tmp_path):
 def test_write_json_says_where_the_data_went_when_the_target_fails(tmp_path, monkeypatch):
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
-    monkeypatch.setattr(results.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    monkeypatch.setattr("tempfile.gettempdir", lambda: str(tmp_path / "tmp"))
     written = results.write_json(blocker / "r.json", {"x": 1})
     assert written.parent == tmp_path / "tmp" and written.name.endswith("r.json")
     assert json.loads(written.read_text()) == {"x": 1}
-    monkeypatch.setattr(results.tempfile, "gettempdir", lambda: str(blocker))
+    monkeypatch.setattr("tempfile.gettempdir", lambda: str(blocker))
     with pytest.raises(ResultsWriteError, match="could not write the result to .* nor to"):
         results.write_json(blocker / "r.json", {"x": 1})
 

@@ -69,6 +69,18 @@ def test_cli_refuses_to_tune_into_a_file_that_is_not_a_cache(tmp_path, capsys) -
     assert config.read_text() == '{"hidden_size": 64}'
 
 
+def test_merge_refuses_an_output_that_is_not_a_cache(tmp_path, capsys) -> None:
+    a = _save(tmp_path / "a.json", (KEY, CacheEntry("m.Tiled", 1, 3, 4.0, 10.0)))
+    b = _save(tmp_path / "b.json", (OTHER_KEY, CacheEntry("m.Tiled", 1, 5, 4.0, 10.0)))
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes")
+    assert main(["cache", "merge", str(a), str(b), "-o", str(notes)]) == 1
+    assert "is not a graphtune tuning cache" in capsys.readouterr().err
+    assert notes.read_text() == "my notes"
+    assert main(["cache", "merge", str(a), str(b), "-o", str(a)]) == 0  # a cache may be replaced
+    assert set(persist.load(a)) == {KEY, OTHER_KEY}
+
+
 @needs_fifo
 def test_a_fifo_is_refused_without_opening_it(tmp_path, capsys) -> None:
     fifo = tmp_path / "fifo"
@@ -91,7 +103,7 @@ def test_an_entry_no_look_up_can_use_is_ignored_everywhere(tmp_path, capsys, cap
     assert main(["cache", "verify", str(path)]) == 1
     captured = capsys.readouterr()
     assert "ignored: entry 1" in captured.out and "time_us is -5.0" in captured.out
-    assert "ignore the 1 entries" in captured.err and "use the other 1" in captured.err
+    assert "ignore the 1 entry" in captured.err and "use the other 1" in captured.err
     # loading: the other entry is used, one warning names the file
     with caplog.at_level(logging.WARNING, logger="graphtune"):
         assert list(persist.load(path)) == [KEY]

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 
-from graphtune.autotuner import CacheEntry, CacheKey, TuningCache
+from filelock import FileLock
+
+from graphtune.autotuner import CacheEntry, CacheKey, TuningCache, persist
 from graphtune.autotuner.fingerprint import environment_fingerprint
 from graphtune.cli.main import main
 
@@ -58,13 +60,22 @@ def test_show_reports_corrupt_and_missing_files(tmp_path, capsys) -> None:
     assert "does not exist" in capsys.readouterr().err
 
 
-def test_clear_removes_file_and_lock(tmp_path, capsys) -> None:
+def test_clear_removes_the_file_under_its_lock_and_keeps_the_lock_file(
+    tmp_path, capsys, monkeypatch
+) -> None:
     path = _cache_file(tmp_path)
-    lock = tmp_path / "cache.json.lock"
+    lock = persist.lock_path(path)
     lock.touch()
+    inode = lock.stat().st_ino
+    # A save in progress holds the lock: clear waits for it (here: times out) and removes nothing.
+    monkeypatch.setattr(persist, "LOCK_TIMEOUT_S", 0.2)
+    with FileLock(str(lock)):
+        assert main(["cache", "clear", str(path)]) == 1
+    assert "Could not lock" in capsys.readouterr().err and path.exists()
     assert main(["cache", "clear", str(path)]) == 0
     assert "Removed" in capsys.readouterr().out
-    assert not path.exists() and not lock.exists()
+    # The lock file stays: a process waiting on it must lock the same file as the next one.
+    assert not path.exists() and lock.exists() and lock.stat().st_ino == inode
     assert main(["cache", "clear", str(path)]) == 1
     assert "no tuning cache" in capsys.readouterr().err
 

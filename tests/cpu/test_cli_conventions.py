@@ -151,7 +151,7 @@ def test_bench_exits_1_when_its_json_went_to_the_temporary_folder(monkeypatch, t
         write(path, data)
 
     monkeypatch.setattr(results, "_write_atomically", fail_at_target)
-    monkeypatch.setattr(results.tempfile, "gettempdir", lambda: str(tmp_path))
+    monkeypatch.setattr("tempfile.gettempdir", lambda: str(tmp_path))
     args = ["bench", "decode", "--model", "tiny", "--device", "cpu", "--batch-sizes", "1"]
     args += ["--steps", "1", "--repeats", "1", "--context", "8", "--json", str(target)]
     assert main(args) == 1

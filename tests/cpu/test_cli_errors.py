@@ -404,6 +404,30 @@ def test_ctrl_c_during_tune_keeps_the_finished_picks(tmp_path):
     assert len(json.loads(cache.read_text())["entries"]) > 0
 
 
+def test_ctrl_c_during_tune_with_a_failing_save_says_where_the_picks_went(tmp_path):
+    cache = tmp_path / "partial.json"
+    # The cache's disk is full when autotune() saves after the interrupt; the temp folder is not.
+    failing_save = _INTERRUPT_AT_STEP.replace(
+        "from graphtune.cli.main import main",
+        "import graphtune.autotuner.persist as persist\n"
+        "def full(tmp): raise OSError(28, 'No space left on device')\n"
+        "persist._after_temp_write = full\n"
+        "from graphtune.cli.main import main",
+    )
+    args = ["tune", "--model", "tiny", "--cache", str(cache), "--device", "cpu"]
+    result = subprocess.run(
+        [sys.executable, "-c", failing_save, "3", *args, "--max-batch", "2", "--max-seq-len", "64"],
+        capture_output=True,
+        text=True,
+        env={**ENV, "TMPDIR": str(tmp_path)},
+        timeout=240,
+    )
+    error_line(result, 130, "interrupted (Ctrl-C)", "could not be saved to")
+    assert "kept in" not in result.stderr and not cache.exists()
+    (kept,) = tmp_path.glob("graphtune-*-partial.json")
+    assert str(kept) in result.stderr and json.loads(kept.read_text())["entries"]
+
+
 def test_ctrl_c_during_generate_is_one_line():
     result = subprocess.run(
         [

@@ -99,6 +99,40 @@ def test_failed_rename_keeps_old_file_and_removes_temp(tmp_path, monkeypatch) ->
     assert not list(tmp_path.glob(".cache.json.*.tmp"))
 
 
+def test_a_failed_save_keeps_the_picks_in_a_fallback_file_it_names(tmp_path, monkeypatch) -> None:
+    path = tmp_path / "cache.json"
+    write_cache(path, n=2)
+
+    def disk_full(tmp) -> None:  # the target's disk only: the temporary folder has room
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(persist, "_after_temp_write", disk_full)
+    monkeypatch.setattr("tempfile.gettempdir", lambda: str(tmp_path / "tmp"))
+    cache = TuningCache()
+    cache.put(key(7), entry(["x"]))
+    with pytest.raises(CacheFileError, match="No space left") as info:
+        cache.save(path)
+    (kept,) = (tmp_path / "tmp").glob("graphtune-*-cache.json")
+    assert str(kept) in str(info.value) and "\n" not in str(info.value)
+    # The fallback holds what the file would have held: its two entries and the new one.
+    monkeypatch.undo()
+    assert len(persist.load(kept, strict=True)) == 3 and len(persist.load(path)) == 2
+    assert cache.unsaved(path) == 1  # so `graphtune tune` does not claim the picks were kept
+
+
+def test_a_save_removes_only_its_own_stale_temp_files(tmp_path) -> None:
+    # ``t.json.rank1`` is another cache with its own lock: its writer may be mid-save while
+    # ``t.json`` saves, and a prefix match on ``.t.json.`` would delete its temporary file.
+    others = [tmp_path / ".t.json.rank1.ab12cd34.tmp", tmp_path / ".t.json.tmp.ab12cd34.tmp"]
+    for other in others:
+        other.write_text("{}")
+    own = tmp_path / ".t.json.ab12cd34.tmp"  # left by a writer of t.json that died
+    own.write_text("{")
+    write_cache(tmp_path / "t.json", n=1)
+    assert all(other.exists() for other in others) and not own.exists()
+    assert len(persist.load(tmp_path / "t.json", strict=True)) == 1
+
+
 # ---------------------------------------------------------------- concurrent writers
 
 WRITERS, SAVES = 3, 8
@@ -178,6 +212,21 @@ def test_blocklist_round_trip_and_unblock(tmp_path) -> None:
     assert len(persist.load(path)) == 3, "entries are untouched"
 
 
+def test_a_tactic_blocked_again_after_an_unblock_is_saved(tmp_path) -> None:
+    path = tmp_path / "cache.json"
+    write_cache(path, n=1, blocked=(3,))
+    cache = TuningCache()
+    cache.load(path, strict=True)
+    persist.unblock(path, runner_id="m.B")  # `graphtune cache unblock`, from another process
+    cache.clear_blocklist()  # this process retries the blocked tactics...
+    again = BlockedTactic("m.B", 3, "crash: exit code -11 (again)", "gemm", "1x64")
+    cache.block(again)  # ...and tactic 3 crashes again
+    cache.save(path)
+    assert list(persist.load_file(path).blocklist.values()) == [again]
+    cache.save(path)  # nothing new: the file keeps it, memory does not write it twice
+    assert cache.unsaved(path) == 0
+
+
 def test_file_without_blocklist_keeps_its_layout(tmp_path) -> None:
     path = tmp_path / "cache.json"
     write_cache(path)
@@ -218,6 +267,18 @@ def test_verify_lists_every_problem(tmp_path, capsys) -> None:
     ):
         assert text in captured.out, text
     assert captured.err.startswith("error:") and "problems (listed above)" in captured.err
+
+
+def test_verify_counts_ignored_entries_not_their_problems(tmp_path, capsys) -> None:
+    path = tmp_path / "cache.json"
+    write_cache(path, n=2)
+    doc = json.loads(path.read_text())
+    doc["entries"][0]["value"].update(runner_index=5, time_us=-1.0)  # one entry, two problems
+    path.write_text(json.dumps(doc))
+    assert main(["cache", "verify", str(path)]) == 1
+    captured = capsys.readouterr()
+    assert captured.out.count("ignored: entry 0") == 2
+    assert "ignore the 1 entry listed above and use the other 1;" in captured.err
 
 
 @pytest.mark.parametrize(

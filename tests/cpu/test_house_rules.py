@@ -20,6 +20,7 @@ MAX_LINES = 500
 ALWAYS_ALLOWED = {
     "graphtune.errors",
     "graphtune.env",
+    "graphtune.atomic_files",  # atomic writes and their fallback, standard library only
     "graphtune.reporting",
     "graphtune._version",
     "graphtune.cuda_memory",

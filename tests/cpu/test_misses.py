@@ -101,6 +101,29 @@ def test_unreadable_misses_files_are_clear_errors(tmp_path, text: str, match: st
         load_misses(tmp_path / "none.json")
 
 
+@pytest.mark.parametrize(
+    "text, reason",
+    [
+        ('{"format_version": 2, "fingerprint": {}, "entries": []}', "is a graphtune tuning cache"),
+        ("notes, not JSON\n", "is not JSON"),
+        ('{"format": "graphtune-misses", "version": 99, "misses": []}', "of version 99"),
+    ],
+)
+def test_saving_misses_moves_a_file_that_is_no_misses_record_aside(
+    tmp_path, caplog, text: str, reason: str
+) -> None:
+    path = tmp_path / "m.json"
+    path.write_text(text)
+    tuner = AutoTuner(show_progress=False)
+    config = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0, (1, 4)),))
+    tuner.choose_one("op", [Plain()], config, [torch.randn(4, 3)])
+    assert tuner.misses.save(path) == 1
+    assert len(load_misses(path)) == 1
+    # Nothing is lost: the file that was there is next to it, and the warning says where.
+    assert (tmp_path / "m.json.unusable").read_text() == text
+    assert reason in caplog.text and "m.json.unusable" in caplog.text
+
+
 def _serve_decode_ops(tuner: AutoTuner, rows: int) -> None:
     """The ops of a tiny decode step, at ``rows`` rows, asking ``tuner`` (look-ups only)."""
     gen = torch.Generator().manual_seed(0)

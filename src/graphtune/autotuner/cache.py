@@ -35,7 +35,7 @@ class TuningCache:
         # Per file (resolved path): the entries and blocked tactics as this cache last read or
         # wrote them there. A save writes only what changed since, so it never reverts what
         # another process re-tuned, pinned or unblocked in that file meanwhile.
-        self._synced: dict[str, tuple[dict[CacheKey, CacheEntry], set[tuple[str, str]]]] = {}
+        self._synced: dict[str, tuple[dict[CacheKey, CacheEntry], Blocklist]] = {}
         self._lock = threading.Lock()
         #: Bumped by every change of the entries, so look-up memos know when to forget.
         self.version = 0
@@ -122,15 +122,28 @@ class TuningCache:
         """
         where = _file_id(path)
         with self._lock:
-            known, known_blocked = self._synced.get(where, ({}, set()))
-            changed = {k: e for k, e in self._entries.items() if known.get(k) is not e}
-            blocked = {i: b for i, b in self._blocked.items() if i not in known_blocked}
+            changed, blocked = self._unsynced(where)
         count = persist.save(path, changed, blocklist=blocked)
         with self._lock:
-            synced = self._synced.setdefault(where, ({}, set()))
+            synced = self._synced.setdefault(where, ({}, {}))
             synced[0].update(changed)
             synced[1].update(blocked)
         return count
+
+    def unsaved(self, path: str | PathLike[str]) -> int:
+        """How many entries and blocked tactics :meth:`save` would still write to ``path``: 0
+        right after a save there returned, more after a save that failed."""
+        with self._lock:
+            changed, blocked = self._unsynced(_file_id(path))
+        return len(changed) + len(blocked)
+
+    def _unsynced(self, where: str) -> tuple[dict[CacheKey, CacheEntry], Blocklist]:
+        known, known_blocked = self._synced.get(where, ({}, {}))
+        # By identity, for entries and blocked tactics alike: a tactic blocked again after an
+        # unblock has the ident the file once had, but it is a new item the file lacks now.
+        changed = {k: e for k, e in self._entries.items() if known.get(k) is not e}
+        blocked = {i: b for i, b in self._blocked.items() if known_blocked.get(i) is not b}
+        return changed, blocked
 
     def load(self, path: str | PathLike[str], *, strict: bool | None = None) -> int:
         """Adds the entries and blocklist of the file at ``path``; entries already in memory win.
@@ -153,9 +166,11 @@ class TuningCache:
             self.version += 1
             for ident, item in loaded.blocklist.items():
                 self._blocked.setdefault(ident, item)
-            synced = self._synced.setdefault(_file_id(path), ({}, set()))
+            synced = self._synced.setdefault(_file_id(path), ({}, {}))
             synced[0].update(added)
-            synced[1].update(loaded.blocklist)
+            # As for entries: only what memory took from the file is the file's; an item memory
+            # already held is newer and is written by the next save.
+            synced[1].update({i: b for i, b in loaded.blocklist.items() if self._blocked[i] is b})
         return len(added)
 
 

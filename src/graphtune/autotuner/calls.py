@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from graphtune.autotuner import persist
+from graphtune.autotuner import json_update
 from graphtune.autotuner.cache_reader import parse_json
 from graphtune.autotuner.config import TuningConfig
 from graphtune.autotuner.entries import CacheKey
@@ -284,8 +284,10 @@ class MissLog:
     def save(self, path: str | PathLike[str]) -> int:
         """Merges these records into the misses file at ``path``, atomically under its lock.
 
-        A record already in the file (same key) has its count raised. Returns the number of
-        records in the file.
+        A record already in the file (same key) has its count raised. A file there that is not
+        a misses file of this version (a tuning cache, any other file) is renamed to
+        ``<name>.unusable`` first, with a warning saying so, as a tuning cache save does.
+        Returns the number of records in the file.
 
         Raises:
             CacheFileError: The file could not be written.
@@ -312,7 +314,11 @@ class MissLog:
                 "misses": [r.to_json() for r in merged.values()],
             }
 
-        return len(persist.update_json(path, merge)["misses"])
+        return len(
+            json_update.update_json(path, merge, problem=_not_misses_doc, what="misses record")[
+                "misses"
+            ]
+        )
 
 
 def _with_count(rec: CallRecord, count: int) -> CallRecord:
@@ -330,6 +336,22 @@ def _is_misses_doc(doc: Any) -> bool:
         and doc.get("version") == MISSES_VERSION
         and isinstance(doc.get("misses"), list)
     )
+
+
+def _not_misses_doc(doc: Any) -> str | None:
+    """Why ``doc`` is not a misses document this graphtune may merge into, or ``None``."""
+    if _is_misses_doc(doc):
+        return None
+    if isinstance(doc, dict) and "format_version" in doc:
+        return "is a graphtune tuning cache, not a misses file"
+    if isinstance(doc, dict) and doc.get("format") == MISSES_FORMAT:
+        if doc.get("version") == MISSES_VERSION:
+            return "is a misses file without a list of misses"
+        return (
+            f"is a misses file of version {doc.get('version')!r} (this graphtune writes "
+            f"{MISSES_VERSION})"
+        )
+    return f"is not a graphtune misses file (format {MISSES_FORMAT!r})"
 
 
 def load_misses(path: str | PathLike[str]) -> list[CallRecord]:

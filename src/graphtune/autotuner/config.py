@@ -7,6 +7,7 @@ for; a live size is mapped to its bucket by ``map_to_bucket`` and capped by ``ma
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
@@ -84,10 +85,11 @@ class DynamicTensorSpec:
             miss that runs the fallback, and tuning covers the other sizes. ``None`` (the
             default) maps to the listed buckets when ``buckets`` is a tuple (a listed size to
             itself, any other to the largest listed bucket below it, or to the smallest one when
-            it is below all of them), else rounds down to a power of two, and a size at or above
-            ``TuningConfig.max_value`` looks up ``max_value`` (the callable's largest bucket, as
-            :func:`power_of_two_buckets` gives it). Either way a live size never borrows a pick
-            tuned for a larger (possibly padded) shape, except below the smallest listed bucket.
+            it is below all of them), and to the callable's buckets for
+            ``TuningConfig.max_value`` the same way; without ``max_value`` a callable's list
+            depends on the live size, so a size rounds down to a power of two (and a callable
+            giving other sizes is refused when tuning). Either way a live size never borrows a
+            pick tuned for a larger (possibly padded) shape, except below the smallest bucket.
     """
 
     input_idx: int
@@ -280,6 +282,10 @@ class TuningConfig:
     def bucket_of(self, spec: DynamicTensorSpec, live: int) -> int:
         """The bucket a live size of ``spec``'s dimension looks up (mapped, then capped); 0 when
         the mapper says the size has no bucket."""
+        if spec.map_to_bucket is None and callable(spec.buckets) and self.max_value is not None:
+            # The sweep tunes exactly these, so a look-up must land on one of them (a rounding
+            # rule of its own would miss buckets that are not powers of two: 9 -> 8).
+            return listed_bucket(_capped_buckets(spec, self.max_value), live)
         bucket = spec.bucket(live)
         if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 0:
             raise ConfigError(
@@ -287,20 +293,23 @@ class TuningConfig:
                 f"map_to_bucket({live}) returned {bucket!r}; it must return an int >= 0 (0: no "
                 "bucket, the call runs the fallback)."
             )
-        if bucket == 0:
-            return 0
-        if self.max_value is None:
+        if bucket == 0 or self.max_value is None:
             return bucket
-        if live >= self.max_value and spec.map_to_bucket is None and callable(spec.buckets):
-            # Rounding down would skip the max_value bucket the sweep tuned (12 -> 8).
-            return self.max_value
         return min(bucket, self.max_value)
 
     def sweep_values(self, spec: DynamicTensorSpec, live: int) -> tuple[int, ...]:
         """Sizes tuned for ``spec``: its buckets capped by ``max_value``, plus the live bucket
-        (unless the live size has none)."""
-        if callable(spec.buckets):
-            raw = validate_buckets(tuple(spec.buckets(self.max_value or max(live, 1))), spec)
+        (unless the live size has none).
+
+        Raises:
+            ConfigError: Callable buckets without ``max_value`` and ``map_to_bucket`` gave a size
+                that is not a power of two (other than the live size they were given): look-ups
+                round down to powers of two, so that bucket would be tuned and never used.
+        """
+        if callable(spec.buckets) and self.max_value is not None:
+            raw = _capped_buckets(spec, self.max_value)
+        elif callable(spec.buckets):
+            raw = _uncapped_buckets(spec, live)
         else:
             raw = spec.buckets
         capped = {b for b in raw if self.max_value is None or b <= self.max_value}
@@ -308,6 +317,32 @@ class TuningConfig:
         if live_bucket:
             capped.add(live_bucket)
         return tuple(sorted(capped))
+
+
+@functools.lru_cache(maxsize=256)
+def _capped_buckets(spec: DynamicTensorSpec, max_value: int) -> tuple[int, ...]:
+    """Callable buckets for ``max_value``, those above it left out (the smallest of them when
+    every one is above it, so a look-up always has a bucket)."""
+    raw = validate_buckets(tuple(spec.buckets(max_value)), spec)  # type: ignore[operator]
+    return tuple(b for b in raw if b <= max_value) or (min(raw[0], max_value),)
+
+
+def _uncapped_buckets(spec: DynamicTensorSpec, live: int) -> tuple[int, ...]:
+    """Callable buckets without ``max_value``: the list depends on the live size, so look-ups
+    round down to a power of two and only powers of two can be tuned. The live size itself (the
+    cap :func:`power_of_two_buckets` appends) is left out: its calls look up the power below."""
+    raw = validate_buckets(tuple(spec.buckets(max(live, 1))), spec)  # type: ignore[operator]
+    odd = [b for b in raw if b & (b - 1) and b != live]
+    if odd and spec.map_to_bucket is None:
+        raise ConfigError(
+            f"DynamicTensorSpec(input_idx={spec.input_idx}, dim_idx={spec.dim_idx}): its buckets "
+            f"callable gave {list(raw)}, and without TuningConfig.max_value a live size rounds "
+            f"down to a power of two, so {odd[0]} would be tuned but never looked up; pass "
+            "max_value, or map_to_bucket, or the buckets as a tuple."
+        )
+    if spec.map_to_bucket is None:
+        return tuple(b for b in raw if not b & (b - 1))
+    return raw
 
 
 def calls_per_sample(config: TuningConfig, copies: int, timer_sizes_samples: bool) -> int:

@@ -10,7 +10,8 @@
   its base classes (up to :class:`~graphtune.autotuner.runner.TunableRunner`), plus the modules
   its class lists in ``source_modules`` (for example the module of its Triton kernels). It is
   part of every cache key, so editing a kernel invalidates its picks. Each file is read and
-  hashed once per process.
+  hashed once per process. A class whose module has no file (``python -c``, a notebook) is
+  hashed by its source text (:func:`class_digest`), or warned about once when it has none.
 """
 
 from __future__ import annotations
@@ -18,11 +19,15 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.util
+import inspect
+import logging
 import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 from graphtune.autotuner.values import canonical_text, identity_value
+
+logger = logging.getLogger(__name__)
 
 #: Modules whose classes are never part of a runner's source identity (the interface itself).
 _INTERFACE_MODULES = frozenset({"builtins", "abc", "graphtune.autotuner.runner"})
@@ -120,8 +125,65 @@ def source_modules(runners: Iterable[Any]) -> tuple[str, ...]:
 
 
 def sources_digest(runners: Sequence[Any]) -> str:
-    """A 16-hex-digit hash of the source files behind ``runners`` (see the module docstring)."""
+    """A 16-hex-digit hash of the source files behind ``runners`` (see the module docstring).
+
+    A class of a module without a source file (defined in ``python -c``, a notebook, an
+    interactive session) is hashed by its own source text instead (:func:`class_digest`).
+    """
     h = hashlib.sha256()
     for name in source_modules(runners):
         h.update(f"{name}={module_digest(name)};".encode())
+    fileless = {
+        cls
+        for runner in runners
+        for cls in type(runner).__mro__
+        if cls.__module__ not in _INTERFACE_MODULES and not module_digest(cls.__module__)
+    }
+    for cls in sorted(fileless, key=lambda c: (c.__module__, c.__qualname__)):
+        h.update(f"{cls.__module__}.{cls.__qualname__}={class_digest(cls)};".encode())
     return h.hexdigest()[:16]
+
+
+_CLASS_DIGESTS: dict[type, str] = {}
+
+
+def class_digest(cls: type) -> str:
+    """SHA-256 of ``cls``'s source text, once per class; ``""`` when none can be found, with one
+    warning, since editing such a class cannot invalidate its cached picks.
+
+    ``inspect.getsource`` finds the class through its module's file; a class of a notebook cell
+    has none, but its methods' code names the cell, whose text ``linecache`` holds, so the
+    methods' sources are hashed then.
+    """
+    found = _CLASS_DIGESTS.get(cls)
+    if found is None:
+        text = _class_source(cls)
+        found = _CLASS_DIGESTS[cls] = hashlib.sha256(text.encode()).hexdigest() if text else ""
+        if not text:
+            logger.warning(
+                "Runner class %s.%s has no source graphtune can read (defined in `python -c` or "
+                "an interactive session?), so editing it will not invalidate its cached picks; "
+                "define it in a module file, or re-tune after each edit.",
+                cls.__module__,
+                cls.__qualname__,
+            )
+    return found
+
+
+def _class_source(cls: type) -> str:
+    try:
+        return inspect.getsource(cls)
+    except (OSError, TypeError):
+        pass
+    parts = []
+    for name, value in sorted(vars(cls).items()):
+        if isinstance(value, (staticmethod, classmethod)):
+            value = value.__func__
+        elif isinstance(value, property):
+            value = value.fget
+        if inspect.isfunction(value):
+            try:
+                parts.append(f"{name}:{inspect.getsource(value)}")
+            except (OSError, TypeError):
+                continue
+    return "\n".join(parts)

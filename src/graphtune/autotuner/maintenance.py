@@ -36,8 +36,9 @@ class VerifyReport:
     Attributes:
         problems: What makes graphtune skip the whole file here (unreadable, another format
             version or environment, malformed entries or blocklist items).
-        ignored: Well-formed entries that loading ignores (a runner not in the key, a time that
-            is not positive, a duplicate key), one line each.
+        ignored: Why loading ignores well-formed entries (a runner not in the key, a time that
+            is not positive, a duplicate key), one line per reason (an entry may have several).
+        ignored_entries: How many entries those lines are about.
         notes: Information that is not a problem (counts, blocklist summary).
         entries: Well-formed entries found.
         blocked: Well-formed blocklist items found.
@@ -47,6 +48,7 @@ class VerifyReport:
     ignored: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     entries: int = 0
+    ignored_entries: int = 0
     blocked: list[BlockedTactic] = field(default_factory=list)
 
     @property
@@ -92,6 +94,7 @@ def _verify_entries(items: Any, report: VerifyReport) -> None:
         report.problems.append(f"'entries' is {type(items).__name__}, expected a list")
         return
     seen: dict[CacheKey, int] = {}
+    ignored: set[int] = set()
     for index, item in enumerate(items):
         where = f"entry {index}"
         try:
@@ -107,10 +110,13 @@ def _verify_entries(items: Any, report: VerifyReport) -> None:
         problems = entry_problems(key, entry)
         report.ignored.extend(f"{where}: {p}" for p in problems)
         if problems:
+            ignored.add(index)
             continue
         if key in seen:  # as loading does: the last usable copy of a key is the one used
             report.ignored.append(f"entry {seen[key]}: the same key as {where}, which is used")
+            ignored.add(seen[key])
         seen[key] = index
+    report.ignored_entries = len(ignored)
 
 
 def _verify_blocklist(items: Any, report: VerifyReport) -> None:

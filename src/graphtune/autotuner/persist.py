@@ -15,7 +15,7 @@ import json
 import logging
 import os
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from os import PathLike
@@ -25,13 +25,18 @@ from typing import Any
 from filelock import FileLock, Timeout
 
 from graphtune import env
+from graphtune.atomic_files import (
+    FallbackFailed,
+    remove_stale_temp_files,
+    write_atomically,
+    write_fallback,
+)
 from graphtune.autotuner.cache_reader import (
     FORMAT_VERSION,
     Entries,
     Unusable,
     parse,
     parse_document,
-    parse_json,
     raw_document,
     read_document,
 )
@@ -194,32 +199,39 @@ def save(
         The number of entries in the file after the write.
 
     Raises:
-        CacheFileError: The lock could not be taken in time or the file could not be written.
+        CacheFileError: The lock could not be taken in time or the file could not be written;
+            the document is then written to a file in the temporary folder, which the message
+            names (:func:`graphtune.atomic_files.write_fallback`).
     """
     path = Path(path)
     current = environment_fingerprint() if fingerprint is None else fingerprint
     check_lockable(path)
     entries, unstorable = _storable(entries)
+    # What the file would have held, once known: a failed write puts it in a fallback file.
+    doc = _document(entries, current, blocklist or {})
+    merged = entries
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with FileLock(str(lock_path(path)), timeout=lock_timeout_s):
-            _remove_stale_temp_files(path)
+            remove_stale_temp_files(path)
             existing = _existing(path, current)
             merged = existing.entries
             merged.update(entries)
             blocked = existing.blocklist
             blocked.update(blocklist or {})
-            _atomic_write(path, _document(merged, current, blocked))
+            doc = _document(merged, current, blocked)
+            _atomic_write(path, doc)
     except Timeout:
+        why = f"could not lock {lock_path(path)} within {lock_timeout_s:.0f} s"
         raise CacheFileError(
-            f"Could not lock {lock_path(path)} within {lock_timeout_s:.0f} s to save the tuning "
-            "cache; another process holds it. Retry, or remove the lock file if no graphtune "
-            "process is running."
+            _kept_elsewhere(path, doc, why)
+            + "; another process holds the lock: retry, or remove the lock file if no "
+            "graphtune process is running"
         ) from None
     except OSError as exc:
         raise CacheFileError(
-            f"Could not write tuning cache {path}: {exc}. Check the directory exists and is "
-            "writable, or pass another cache_path."
+            _kept_elsewhere(path, doc, f"{type(exc).__name__}: {exc}")
+            + "; check the folder exists and is writable, or pass another cache_path"
         ) from exc
     except (TypeError, ValueError) as exc:  # a blocklist item JSON cannot hold
         raise CacheFileError(f"Could not write tuning cache {path}: {exc}.") from exc
@@ -232,6 +244,26 @@ def save(
         )
     logger.debug("saved %d tuning entries to %s", len(merged), path)
     return len(merged)
+
+
+def _kept_elsewhere(path: Path, doc: dict[str, Any], why: str) -> str:
+    """Writes ``doc``, which could not be saved to ``path`` (``why``), to the fallback file of
+    :mod:`graphtune.atomic_files`; returns the start of the error message, naming where the
+    picks are (or that they are lost, when the fallback fails too)."""
+    try:
+        text = json.dumps(doc, indent=1, allow_nan=False) + "\n"
+        fallback = write_fallback(path, text.encode("utf-8"), why)
+    except FallbackFailed as exc:
+        return (
+            f"Could not save tuning cache {path} ({why}) nor its copy {exc.fallback} "
+            f"({exc.second}); its {len(doc['entries'])} entries are lost"
+        )
+    except (TypeError, ValueError) as exc:
+        return f"Could not save tuning cache {path} ({why}); no copy could be written ({exc})"
+    return (
+        f"Could not save tuning cache {path} ({why}); its {len(doc['entries'])} entries are in "
+        f"{fallback} instead (copy it to {path} once that can be written)"
+    )
 
 
 def _storable(entries: Entries) -> tuple[Entries, list[str]]:
@@ -297,27 +329,13 @@ def unblock(
     return removed
 
 
-def _remove_stale_temp_files(path: Path) -> None:
-    """Deletes temporary files that a writer killed mid-save left behind.
-
-    Called with the lock held: every writer creates its temporary file only while holding the
-    lock, so any temporary file that exists now belongs to a writer that died.
-    """
-    for stale in path.parent.glob(f".{path.name}.*.tmp"):
-        try:
-            stale.unlink()
-            logger.info("removed %s, left behind by a save that was interrupted", stale)
-        except OSError as exc:  # another user's file, or already gone: harmless
-            logger.debug("could not remove stale temporary file %s: %s", stale, exc)
-
-
 def _existing(path: Path, current: dict[str, Any]) -> LoadedCache:
     if not path.exists():
         return LoadedCache()
     try:
         raw = raw_document(path)  # read once: the test below and the entries both use it
     except Unusable as exc:
-        _move_aside(path, str(exc))
+        move_aside(path, str(exc))
         return LoadedCache()
     try:
         doc = parse_document(raw)
@@ -335,9 +353,9 @@ def _existing(path: Path, current: dict[str, Any]) -> LoadedCache:
     return LoadedCache(doc["entries"], doc["blocklist"])
 
 
-def _move_aside(path: Path, reason: str) -> None:
-    """Renames a file that is in the way of a save but is no graphtune cache (someone's file at
-    a mistyped path, or a cache damaged by hand) to a free ``<name>.unusable[.N]`` next to it, so
+def move_aside(path: Path, reason: str, what: str = "tuning cache") -> None:
+    """Renames a file that is in the way of a save but is not what is saved there (someone's file
+    at a mistyped path, a file damaged by hand) to a free ``<name>.unusable[.N]`` next to it, so
     the save loses nothing; the warning says where it went."""
     for n in range(1000):
         aside = path.with_name(f"{path.name}.unusable" + (f".{n}" if n else ""))
@@ -345,11 +363,13 @@ def _move_aside(path: Path, reason: str) -> None:
             break
     os.replace(path, aside)
     logger.warning(
-        "Moved %s to %s before saving the tuning cache there: it %s. Pass another cache path "
-        "if that file was not meant to be a tuning cache.",
+        "Moved %s to %s before saving the %s there: it %s. Pass another path if that file was "
+        "not meant to be a %s.",
         path,
         aside,
+        what,
         reason,
+        what,
     )
 
 
@@ -388,52 +408,14 @@ def write_atomic(path: str | PathLike[str], doc: dict[str, Any], *, lock: bool =
     check_regular_target(path)
     try:
         if not lock:
-            _remove_stale_temp_files(path)
+            remove_stale_temp_files(path)
             _atomic_write(path, doc)
             return
         with locked(path):
-            _remove_stale_temp_files(path)
+            remove_stale_temp_files(path)
             _atomic_write(path, doc)
     except (OSError, TypeError, ValueError) as exc:
         raise CacheFileError(f"Could not write tuning cache {path}: {exc}.") from exc
-
-
-def update_json(
-    path: str | PathLike[str],
-    merge: Callable[[Any], dict[str, Any]],
-    *,
-    lock_timeout_s: float = LOCK_TIMEOUT_S,
-) -> dict[str, Any]:
-    """Read-merge-write of any JSON document under the file's lock, atomically (as :func:`save`).
-
-    Args:
-        path: The file.
-        merge: Given the current document (``None`` when the file is missing or not valid JSON),
-            returns the document to write.
-
-    Returns:
-        The document written.
-
-    Raises:
-        CacheFileError: The lock could not be taken or the file could not be written.
-    """
-    path = Path(path)
-    check_regular_target(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(lock_path(path)), timeout=lock_timeout_s):
-            _remove_stale_temp_files(path)
-            try:
-                current = parse_json(path.read_text(encoding="utf-8"))
-            except (OSError, UnicodeDecodeError, ValueError, RecursionError):
-                current = None
-            doc = merge(current)
-            _atomic_write(path, doc)
-    except Timeout:
-        raise CacheFileError(f"Could not lock {lock_path(path)} to write {path}.") from None
-    except (OSError, TypeError, ValueError) as exc:
-        raise CacheFileError(f"Could not write {path}: {exc}.") from exc
-    return doc
 
 
 def _document(entries: Entries, fingerprint: Any, blocklist: Blocklist) -> dict[str, Any]:
@@ -461,14 +443,5 @@ def _after_temp_write(tmp: Path) -> None:
 def _atomic_write(path: Path, doc: dict[str, Any]) -> None:
     # allow_nan=False: a non-finite time must never reach the file (the tuner stores None).
     text = json.dumps(doc, indent=1, allow_nan=False) + "\n"
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        _after_temp_write(Path(tmp))
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    # A lambda, so a test's replacement of the seam is seen at call time.
+    write_atomically(path, text.encode("utf-8"), before_replace=lambda tmp: _after_temp_write(tmp))

@@ -98,18 +98,31 @@ def _apply(config: TuningConfig, inputs: Sequence[Any], sizes: Sequence[int]) ->
 
 
 def _live_sizes(config: TuningConfig, inputs: Sequence[Any]) -> list[int]:
+    """The live size of each dynamic dimension, after checking that no two specs name one
+    dimension (``TuningConfig`` refuses equal indices; 0 and -2 of a 2-D input meet only here)."""
     sizes = []
-    seen: dict[tuple[int, int], int] = {}
+    seen: dict[tuple[int, int], str] = {}
     for spec in config.dynamic_specs:
         dim = _resolve_dim("DynamicTensorSpec", inputs, spec.input_idx, spec.dim_idx)
-        first = seen.setdefault((spec.input_idx, dim), spec.dim_idx)
-        if first != spec.dim_idx:  # e.g. 0 and -2 of a 2-D input: one dim, swept twice
+        label = f"DynamicTensorSpec dim_idx={spec.dim_idx}"
+        first = seen.setdefault((spec.input_idx, dim), label)
+        if first != label:  # one dim, swept twice
             raise ConfigError(
-                f"DynamicTensorSpec dim_idx={first} and dim_idx={spec.dim_idx} of input "
+                f"{first} and dim_idx={spec.dim_idx} of input "
                 f"{spec.input_idx} (shape {tuple(inputs[spec.input_idx].shape)}) name the same "
                 "dimension; give each dimension one spec."
             )
         sizes.append(int(inputs[spec.input_idx].shape[dim]))
+    for constraint in config.constraint_specs:
+        where = constraint.input_idx
+        dim = _resolve_dim("ConstraintSpec", inputs, where, constraint.dim_idx)
+        if (where, dim) in seen:  # a constraint would overwrite the dynamic size (or another)
+            raise ConfigError(
+                f"{seen[where, dim]} and ConstraintSpec dim_idx={constraint.dim_idx} of "
+                f"input {where} (shape {tuple(inputs[where].shape)}) name the same dimension; "
+                "give each dimension one spec (a dynamic dimension cannot also be constrained)."
+            )
+        seen[where, dim] = f"ConstraintSpec dim_idx={constraint.dim_idx}"
     return sizes
 
 

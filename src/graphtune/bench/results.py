@@ -13,10 +13,11 @@ import json
 import logging
 import math
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from graphtune.atomic_files import FallbackFailed, write_with_fallback
+from graphtune.atomic_files import write_atomically as _write_atomically
 from graphtune.errors import ResultsWriteError
 
 logger = logging.getLogger(__name__)
@@ -31,25 +32,6 @@ def json_safe(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [json_safe(v) for v in value]
     return value
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(
-        "wb", dir=path.parent, prefix=path.name, suffix=".tmp", delete=False
-    ) as handle:
-        temp = Path(handle.name)
-        try:
-            handle.write(data)
-        except BaseException:
-            handle.close()
-            temp.unlink(missing_ok=True)
-            raise
-    try:
-        os.replace(temp, path)
-    except BaseException:
-        temp.unlink(missing_ok=True)
-        raise
 
 
 def write_json(path: str | os.PathLike[str], payload: Any) -> Path:
@@ -73,17 +55,15 @@ def write_result(path: str | os.PathLike[str], data: bytes) -> Path:
     """
     target = Path(path)
     try:
-        _write_atomically(target, data)
-        return target
-    except OSError as exc:
-        first = f"{type(exc).__name__}: {exc}"
-    fallback = Path(tempfile.gettempdir()) / f"graphtune-{os.getpid()}-{target.name}"
-    try:
-        _write_atomically(fallback, data)
-    except OSError as exc:
+        # Looked up at call time (tests replace it).
+        written, first = write_with_fallback(target, data, write=_write_atomically)
+    except FallbackFailed as exc:
         raise ResultsWriteError(
-            f"could not write the result to {target} ({first}) nor to {fallback} "
-            f"({type(exc).__name__}: {exc}); free some disk space or pass a writable path"
+            f"could not write the result to {exc.target} ({exc.first}) nor to {exc.fallback} "
+            f"({exc.second}); free some disk space or pass a writable path"
         ) from None
-    logger.warning("could not write %s (%s); the result is in %s instead", target, first, fallback)
-    return fallback
+    if first is not None:
+        logger.warning(
+            "could not write %s (%s); the result is in %s instead", target, first, written
+        )
+    return written

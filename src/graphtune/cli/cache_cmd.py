@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from graphtune.cli._args import check_output_path, usage
+from graphtune.cli._args import check_cache_path, usage
 from graphtune.errors import CacheFileError
 
 COLUMNS = (
@@ -46,8 +46,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     show.set_defaults(handler=show_command)
     clear = actions.add_parser(
         "clear",
-        help="delete a cache file and its lock file",
-        description="Deletes a tuning cache file and its lock file; exit 1 when there is none.",
+        help="delete a cache file (waits for a save in progress)",
+        description="Deletes a tuning cache file under its lock, so a save in progress finishes "
+        "first; the lock file stays. Exit 1 when there is no cache file.",
     )
     clear.add_argument("path", metavar="PATH", type=Path, help="tuning cache file (JSON)")
     clear.set_defaults(handler=clear_command)
@@ -69,7 +70,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "file only is copied. For a key in both, the entry with the faster recorded time_us is "
         "kept (the timing mode is part of the key, so both were measured the same way); an entry "
         "with a time beats one without; ties keep A's. Blocklists are unioned (A's reason wins). "
-        "C is written atomically under its lock file; it may be A or B.",
+        "C is written atomically under its lock file; it may be A or B. An existing C that is "
+        "not a tuning cache is refused.",
     )
     merge.add_argument("a", metavar="A", type=Path, help="first cache file (wins ties)")
     merge.add_argument("b", metavar="B", type=Path, help="second cache file")
@@ -187,10 +189,12 @@ def verify_command(args: argparse.Namespace) -> int:
             f"cache file {args.path} has {len(report.problems)} problems (listed above); "
             "graphtune would skip this file here"
         )
+    # Entries, not lines: one entry can have several problems.
+    ignored = report.ignored_entries
     raise CacheFileError(
-        f"cache file {args.path}: graphtune would ignore the {len(report.ignored)} entries listed "
-        f"above and use the other {report.entries - len(report.ignored)}; re-tune those shapes, "
-        "or save over the file to drop them"
+        f"cache file {args.path}: graphtune would ignore the {ignored} "
+        f"entr{'y' if ignored == 1 else 'ies'} listed above and use the other "
+        f"{report.entries - ignored}; re-tune those shapes, or save over the file to drop them"
     )
 
 
@@ -198,7 +202,8 @@ def merge_command(args: argparse.Namespace) -> int:
     """Merges A and B into the output; 1 when an input is unusable or environments differ."""
     from graphtune.autotuner import maintenance
 
-    check_output_path(args.output, "--output")
+    # As a cache path: an existing file there must be a tuning cache (never someone's notes).
+    check_cache_path(args.output, "--output")
     report = maintenance.merge_files(args.a, args.b, args.output, force=args.force)
     for problem in report.ignored:
         print(f"left out: {problem}")
@@ -248,23 +253,26 @@ def _blocked_runner(path: Path, name: str) -> str:
 
 
 def clear_command(args: argparse.Namespace) -> int:
-    """Removes the cache file and its lock file; 1 if the file does not exist."""
+    """Removes the cache file under its lock (the lock file stays: a process waiting on it, or
+    holding it mid-save, must keep locking the same file); 1 if the file does not exist."""
     from graphtune.autotuner import cache_reader, persist
 
     path: Path = args.path
-    lock = persist.lock_path(path)
     if not path.exists():
         raise CacheFileError(f"no tuning cache at {path}; nothing removed")
-    reason = cache_reader.not_a_cache_file(path)
-    if reason is not None:
-        raise CacheFileError(
-            f"{path} is not a graphtune tuning cache (it {reason}); nothing removed. Remove it "
-            "with rm if that is what you meant"
-        )
-    try:
-        path.unlink()
-        lock.unlink(missing_ok=True)
-    except OSError as exc:
-        raise CacheFileError(f"could not remove {path}: {exc.strerror or exc}") from None
-    print(f"Removed tuning cache {path} (and its lock file).")
+    # Under the lock, so a save in progress finishes first and the next one starts from nothing.
+    with persist.locked(path):
+        if not path.exists():
+            raise CacheFileError(f"no tuning cache at {path}; nothing removed")
+        reason = cache_reader.not_a_cache_file(path)
+        if reason is not None:
+            raise CacheFileError(
+                f"{path} is not a graphtune tuning cache (it {reason}); nothing removed. Remove "
+                "it with rm if that is what you meant"
+            )
+        try:
+            path.unlink()
+        except OSError as exc:
+            raise CacheFileError(f"could not remove {path}: {exc.strerror or exc}") from None
+    print(f"Removed tuning cache {path}.")
     return 0

@@ -139,11 +139,19 @@ def run_tune(args: argparse.Namespace) -> int:
                 refine=args.refine_in_step,
             )
     except KeyboardInterrupt:
-        # autotune() saved the picks finished so far before the interrupt reached here.
+        # autotune() tried to save the picks finished so far before the interrupt reached here;
+        # a failed save is a warning above, naming where the picks went instead.
         kept = len(tuner.cache)
-        raise KeyboardInterrupt(
-            f"{kept} finished picks kept in {args.cache}" if kept else "nothing was tuned yet"
-        ) from None
+        if not kept:
+            message = "nothing was tuned yet"
+        elif tuner.cache.unsaved(args.cache):
+            message = (
+                f"{kept} finished picks could not be saved to {args.cache} (the warning above "
+                "says where they are)"
+            )
+        else:
+            message = f"{kept} finished picks kept in {args.cache}"
+        raise KeyboardInterrupt(message) from None
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     stats = tuner.stats

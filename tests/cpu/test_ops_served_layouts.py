@@ -3,8 +3,8 @@
 Picks are tuned on contiguous synthetic inputs of the bucket's size and looked up by shape, dtype
 and device only:
 
-* a weight passed as a transposed view, or a strided bias, reaches the picked runner at serving
-  time; the Triton kernels that assume unit strides must not read it wrongly (the runner runs
+* a weight passed as a transposed view, a strided bias or a strided RMSNorm weight reaches the
+  picked runner at serving time; the Triton kernels that assume unit strides must not read it wrongly (the runner runs
   torch);
 * a bucket's pick serves every larger size mapped to it (every size past a capped bucket), so a
   split tactic tuned on a few rows can meet more output tiles than the device's arrival counters
@@ -145,3 +145,31 @@ def test_router_split_beyond_the_counters_runs_unsplit(few_counters):
     split = next(t for t in router_tactics(1, 8, 256) if t["splits"] > 1)
     got_w, got_ids = runner.forward([h, weight], split)
     assert_routed_as_float64(got_w, got_ids, h, weight, 2, True, "split past the counters")
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x = x.double()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
+
+
+@pytest.mark.parametrize("runner_name", ["norm_linear", "norm_gate_up_silu"])
+def test_a_fused_norm_pick_served_a_strided_norm_weight_gives_the_right_result(runner_name):
+    from graphtune.ops.fused.mlp import TritonGateUpSiluNormInLoop
+    from graphtune.ops.fused.projection import TritonNormLinearInLoop
+
+    gen = torch.Generator().manual_seed(3)
+    x, eps = torch.randn(5, 32, generator=gen), 1e-6
+    strided = torch.randn(32, 2, generator=gen)[:, 0]  # a column: stride 2
+    if runner_name == "norm_linear":
+        runner, w = TritonNormLinearInLoop(), torch.randn(16, 32, generator=gen)
+        inputs = [x, strided.contiguous(), w, None, eps]
+        want = _rms(x, strided, eps) @ w.double().t()
+    else:
+        runner, w = TritonGateUpSiluNormInLoop(), torch.randn(32, 32, generator=gen)
+        inputs = [x, strided.contiguous(), w, eps]
+        gate, up = (_rms(x, strided, eps) @ w.double().t()).chunk(2, dim=-1)
+        want = torch.nn.functional.silu(gate) * up
+    tactic = runner.get_valid_tactics(inputs, None)[0]  # listed for a contiguous weight
+    inputs[1] = strided
+    assert not runner.supports(inputs)
+    assert _err(runner.forward(inputs, tactic=tactic), want) < 1e-5

@@ -47,6 +47,7 @@ from graphtune.ops.fused_gemv.family import (
     fused_gemv_tactics,
     fused_supports,
     launch_fused_gemv,
+    norm_weight_supported,
 )
 from graphtune.ops.gemm import gemm
 from graphtune.ops.gemm.tiled import check_gemm_tactic, gemm_tactics, launch_tiled_gemm
@@ -105,9 +106,10 @@ class TritonNormGateUpSilu(NormPlacement, FusedTritonRunner):
     """
 
     def supports(self, inputs: list[Any]) -> bool:
-        """Unit last strides, one float dtype (the norm weight may differ), a Triton device."""
+        """Unit last strides, one float dtype (the norm weight may differ; its one dim of unit
+        stride), a Triton device."""
         x, norm_weight, w_gate_up, _ = _unpack(inputs)
-        return norm_weight.dtype.is_floating_point and fused_supports(x, w_gate_up)
+        return norm_weight_supported(norm_weight) and fused_supports(x, w_gate_up)
 
     def tactics_for(self, inputs: list[Any]) -> list[Any]:
         """See :func:`graphtune.ops.fused_gemv.family.fused_gemv_tactics` (column pairs)."""

@@ -47,6 +47,7 @@ from graphtune.ops.fused_gemv.family import (
     fused_gemv_tactics,
     fused_supports,
     launch_fused_gemv,
+    norm_weight_supported,
 )
 from graphtune.ops.gemm import gemm
 from graphtune.ops.registry import register_op
@@ -234,9 +235,10 @@ class TritonNormLinear(NormPlacement, _PlainTriton):
     """The fused GEMV with the RMSNorm prologue; tactic ``-1`` is the unfused torch code."""
 
     def supports(self, inputs: list[Any]) -> bool:
-        """Unit last strides, one float dtype (the norm weight may differ), a Triton device."""
+        """Unit last strides, one float dtype (the norm weight may differ; its one dim of unit
+        stride), a Triton device."""
         x, norm_weight, weight, bias, _ = _unpack_norm(inputs)
-        return norm_weight.dtype.is_floating_point and fused_supports(x, weight, bias)
+        return norm_weight_supported(norm_weight) and fused_supports(x, weight, bias)
 
     def tactics_for(self, inputs: list[Any]) -> list[Any]:
         """Plain-mode tactics for ``x`` and ``weight``."""

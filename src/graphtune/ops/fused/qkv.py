@@ -55,6 +55,7 @@ from graphtune.ops.fused_gemv.family import (
     fused_gemv_tactics,
     fused_supports,
     launch_fused_gemv,
+    norm_weight_supported,
 )
 from graphtune.ops.gemm import gemm
 from graphtune.ops.registry import register_op, runner_extras
@@ -217,14 +218,14 @@ class TritonNormQkvRope(_QkvLayout, NormPlacement, FusedTritonRunner):
         return (*_QkvLayout.cache_key_extras(self), *FusedTritonRunner.cache_key_extras(self))
 
     def supports(self, inputs: list[Any]) -> bool:
-        """Unit last strides, one float dtype (the norm weight may differ), a Triton device;
-        a head norm's weight rows contiguous."""
+        """Unit last strides, one float dtype (the norm weight may differ; its one dim of unit
+        stride), a Triton device; a head norm's weight rows contiguous."""
         x, norm_weight, wqkv, bqkv, positions, cos, sin, k_cache, v_cache, rows, _, hn = (
             self.unpack(inputs)
         )
         if positions.dtype.is_floating_point or rows.dtype.is_floating_point:
             return False
-        if not norm_weight.dtype.is_floating_point:
+        if not norm_weight_supported(norm_weight):
             return False
         if hn is not None and not (hn.dtype.is_floating_point and hn.is_contiguous()):
             return False

@@ -276,6 +276,16 @@ def fused_supports(x: torch.Tensor, weight: torch.Tensor, *others: torch.Tensor 
     return device_supported(x.device)
 
 
+def norm_weight_supported(norm_weight: torch.Tensor) -> bool:
+    """Whether the fused kernels can read this RMSNorm weight: one float dim of unit stride (they
+    index it by the feature alone)."""
+    return (
+        norm_weight.dtype.is_floating_point
+        and norm_weight.dim() == 1
+        and norm_weight.stride(0) == 1
+    )
+
+
 def launch_fused_gemv(
     mode: int,
     tactic: Any,

@@ -4,8 +4,8 @@ Picks are tuned on contiguous synthetic inputs of the bucket's size and looked u
 and device only:
 
 * a weight passed as a transposed view, a strided bias or a strided RMSNorm weight reaches the
-  picked runner at serving time; the Triton kernels that assume unit strides must not read it wrongly (the runner runs
-  torch);
+  picked runner at serving time; the Triton kernels that assume unit strides must not read it
+  wrongly (the runner runs torch);
 * a bucket's pick serves every larger size mapped to it (every size past a capped bucket), so a
   split tactic tuned on a few rows can meet more output tiles than the device's arrival counters
   (``graphtune.ops._counters.COUNTERS``); it runs unsplit. These tests lower the limit instead of

@@ -25,6 +25,11 @@ TUNER = AutoTuner(show_progress=False)
         ({"residual": torch.randn(3, 2, 16)}, "residual must be a's leading shape then N"),
         ({"a": torch.tensor(1.0)}, "a must be a tensor with at least one dim"),
         ({"a": np.ones((2, 8), dtype=np.float32)}, "a must be a tensor"),
+        ({"weight": W.to("meta")}, "weight is on meta but a is on cpu"),
+        (
+            {"residual": torch.randn(3, 2, 16).transpose(0, 1), "inplace": True},
+            "with more than two dims must be contiguous",
+        ),
     ],
 )
 def test_gemm_names_the_operand_that_does_not_fit(kwargs, fragment):
@@ -45,6 +50,27 @@ def _attention_inputs(batch=2, kv=2, groups=2, seq=5, dim=16):
     q = torch.randn(batch, kv, groups, dim)
     keys, values = torch.randn(batch, kv, seq, dim), torch.randn(batch, kv, seq, dim)
     return q, keys, values, torch.zeros(batch, 1, 1, seq)
+
+
+def test_an_output_that_shares_memory_with_an_operand_is_refused():
+    # Writing the result where the op still reads an operand gave relative errors near 1, on the
+    # torch path too (addmm_ does not detect it).
+    from graphtune.ops.fused import add_projection
+
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    calls = {
+        "out and a": lambda y: gemm(y, w, out=y, tuner=TUNER),
+        "residual and a": lambda y: gemm(y, w, residual=y, inplace=True, tuner=TUNER),
+        "residual and weight": lambda y: gemm(x, w, residual=w[:4], inplace=True, tuner=TUNER),
+        "add_projection": lambda y: add_projection(y, y, w, tuner=TUNER),
+    }
+    both = torch.randn(8, 8)  # one storage, apart: rows 0-3 read, rows 4-7 written
+    assert torch.allclose(gemm(both[:4], w, out=both[4:], tuner=TUNER), both[:4] @ w.T)
+    for name, call in calls.items():
+        y = x.clone()
+        with pytest.raises(InputError, match="share memory"):
+            call(y)
+        assert torch.equal(y, x), name  # refused before anything ran
 
 
 @pytest.mark.parametrize(

@@ -32,6 +32,7 @@ from graphtune.autotuner.runner import TunableRunner
 from graphtune.autotuner.tuner import AutoTuner
 from graphtune.errors import InputError
 from graphtune.ops import _pruned
+from graphtune.ops._aliasing import check_written_apart
 from graphtune.ops._rows import as_rows, from_rows
 from graphtune.ops.fused._base import (
     NormPlacement,
@@ -191,6 +192,7 @@ def add_projection(
     Returns:
         ``x``.
     """
+    check_written_apart("add_projection", "x", x, a=a, weight=weight)
     tuner = resolve(tuner)
     inputs = [x, a, weight]
     chosen = runners

@@ -15,7 +15,8 @@ from graphtune.autotuner.config import ConstraintSpec, DynamicTensorSpec, Tuning
 from graphtune.autotuner.context import get_tuner
 from graphtune.autotuner.runner import TunableRunner
 from graphtune.autotuner.tuner import AutoTuner
-from graphtune.errors import ConfigError, InputError
+from graphtune.errors import ConfigError, InputError, describe_tensor
+from graphtune.ops._aliasing import check_written_apart
 from graphtune.ops._rows import as_rows, from_rows
 from graphtune.ops._triton import triton_available
 from graphtune.ops.gemm.common import TorchGemmRunner
@@ -126,6 +127,11 @@ def gemm(
                 f"gemm: {name} is {operand.dtype} but a is {a.dtype}; every operand takes a's "
                 f"dtype (cast with .to({a.dtype}))."
             )
+        if operand is not None and operand.device != a.device:
+            raise InputError(
+                f"gemm: {name} is on {operand.device} but a is on {a.device}; every operand "
+                f"must be on a's device (move it with .to({str(a.device)!r}))."
+            )
     lead = a.shape[:-1]
     if residual is not None:
         rows = math.prod(lead)
@@ -138,10 +144,19 @@ def gemm(
     a2 = as_rows(a)
     r2 = None
     if residual is not None:
+        if inplace and residual.dim() > 2 and not residual.is_contiguous():
+            raise InputError(
+                f"gemm: a residual updated in place (inplace=True) with more than two dims must "
+                f"be contiguous, got {describe_tensor(residual)}; pass it as [rows, N] or "
+                "contiguous."
+            )
         n = weight.shape[0]
         r2 = as_rows(residual) if residual.dim() == 2 or not inplace else residual.view(-1, n)
+        if inplace:
+            check_written_apart("gemm", "residual", r2, a=a2, weight=weight)
     if out is not None:
         _check_out(out, a2, weight, inplace)
+        check_written_apart("gemm", "out", out, a=a2, weight=weight)
     inputs = [a2, weight, bias, r2, bool(inplace)]
     chosen = runners if runners is not None else gemm_runners()
     config = gemm_config(max_m, residual is not None, cold_l2)

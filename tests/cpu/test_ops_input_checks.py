@@ -79,6 +79,13 @@ def _rope_inputs(dim=8, heads=2, kv=1, batch=2):
     [
         (lambda x: [x[0], x[1].float(), *x[2:]], "must be int64"),
         (lambda x: [*x[:4], x[4].double(), *x[5:]], "must have qkv's dtype"),
+        # These four used to fail inside torch's index ops with their own errors.
+        (lambda x: [*x[:2], x[2].double(), x[3].double(), *x[4:]], "cos and sin must have qkv"),
+        (lambda x: [*x[:5], x[5][:, None], x[6]], "caches must be flattened"),
+        (lambda x: [*x[:6], x[6] + 64], "write_rows rows of the caches"),
+        (lambda x: [x[0], x[1] + 16, *x[2:]], "positions must index rows of cos/sin"),
+        (lambda x: [*x[:4], x[4].to("meta"), *x[5:]], "k_cache must be on qkv's device cpu"),
+        (lambda x: [x[0], x[1].to("meta"), *x[2:]], "positions must be on qkv's device cpu"),
     ],
 )
 def test_rope_kv_cache_names_the_input_that_does_not_fit(change, fragment):
@@ -90,6 +97,14 @@ def test_rope_kv_cache_names_the_input_that_does_not_fit(change, fragment):
             qkv, positions, cos, sin, k_cache, v_cache, rows, num_heads=2, num_kv_heads=1,
             tuner=TUNER,
         )  # fmt: skip
+
+
+def test_rope_kv_cache_refuses_a_head_norm_on_another_device():
+    from graphtune.ops import rope_kv_cache
+
+    norm = torch.ones(3, 8, device="meta")
+    with pytest.raises(InputError, match="head_norm must be .* on cpu"):
+        rope_kv_cache(*_rope_inputs(), num_heads=2, num_kv_heads=1, head_norm=norm, tuner=TUNER)
 
 
 def test_rope_kv_cache_refuses_an_odd_head_dim():

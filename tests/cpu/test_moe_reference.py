@@ -91,6 +91,7 @@ def test_route_top_k_weights_dtype_is_the_only_rounding():
         (dict(top_k=9), ConfigError),
         (dict(top_k=True), ConfigError),
         (dict(top_k=2, weights_dtype=torch.int32), ConfigError),
+        (dict(top_k=2, weights_dtype="float32"), ConfigError),  # was an AttributeError
     ],
 )
 def test_route_top_k_rejects_bad_arguments(kwargs, error):

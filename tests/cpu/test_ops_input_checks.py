@@ -125,6 +125,38 @@ def test_norm_and_activation_name_an_integer_input():
         silu_and_mul(ints, tuner=TUNER)
 
 
+@pytest.mark.parametrize(
+    "call, fragment",
+    [
+        (lambda ops: ops.fused_add_rms_norm(torch.tensor(1.0), torch.ones(1), 1e-5, tuner=TUNER),
+         "fused_add_rms_norm: x must be"),
+        (lambda ops: ops.silu_and_mul(torch.tensor(1.0), tuner=TUNER),
+         "silu_and_mul: gate_up must be"),
+        # The torch-only activations (silu goes through silu_and_mul's checks).
+        (lambda ops: ops.gated_activation(torch.randn(3, 7), "gelu", tuner=TUNER),
+         "gated_activation: gate_up must be"),
+        (lambda ops: ops.gated_activation(torch.randn(3, 7), "relu2", tuner=TUNER),
+         "gated_activation: gate_up must be"),
+    ],
+)  # fmt: skip
+def test_norm_and_activation_name_a_0d_input_or_an_odd_gate_up(call, fragment):
+    import graphtune.ops as ops
+
+    with pytest.raises(InputError, match=fragment):
+        call(ops)
+
+
+@pytest.mark.parametrize("operand", ["weight", "residual"])
+def test_rms_norm_names_an_operand_on_another_device(operand):
+    from graphtune.ops import fused_add_rms_norm
+
+    x = torch.randn(3, 16)
+    args = {"weight": torch.ones(16), "residual": torch.randn(3, 16)}
+    args[operand] = args[operand].to("meta")
+    with pytest.raises(InputError, match=f"rms_norm: {operand} must be on x's device cpu"):
+        fused_add_rms_norm(x, args["weight"], 1e-6, args["residual"], tuner=TUNER)
+
+
 def test_head_rms_norm_refuses_weight_rows_that_do_not_fit_the_heads():
     from graphtune.ops.rmsnorm import head_rms_norm
 

@@ -295,14 +295,17 @@ def _qk_heads(qkv: torch.Tensor, weights: torch.Tensor, name: str) -> torch.Tens
 
 def head_rms_norm(qkv: torch.Tensor, weights: torch.Tensor, eps: float) -> torch.Tensor:
     """:func:`head_rms_norm_` out of place: returns the normalised query and key heads as a new
-    ``[rows, heads + kv_heads, D]`` tensor and leaves ``qkv`` as it is (same two torch ops, same
-    roundings).
+    ``[rows, heads + kv_heads, D]`` tensor of ``qkv``'s dtype and leaves ``qkv`` as it is (same
+    two torch ops, same roundings).
 
     Raises:
         InputError: As :func:`head_rms_norm_`.
     """
     qk = _qk_heads(qkv, weights, "head_rms_norm")
-    return torch.mul(F.rms_norm(qk, (weights.shape[1],), eps=eps), weights)
+    out = torch.mul(F.rms_norm(qk, (weights.shape[1],), eps=eps), weights)
+    # Weights of a wider dtype promote the product; the in-place form rounds it to qkv's dtype
+    # when it writes back, so round here too (compared first: even a no-op .to() dispatches).
+    return out if out.dtype == qkv.dtype else out.to(qkv.dtype)
 
 
 def head_rms_norm_(qkv: torch.Tensor, weights: torch.Tensor, eps: float) -> torch.Tensor:

@@ -91,6 +91,7 @@ def test_route_top_k_weights_dtype_is_the_only_rounding():
         (dict(top_k=9), ConfigError),
         (dict(top_k=True), ConfigError),
         (dict(top_k=2, weights_dtype=torch.int32), ConfigError),
+        (dict(top_k=2, weights_dtype="float32"), ConfigError),  # was an AttributeError
     ],
 )
 def test_route_top_k_rejects_bad_arguments(kwargs, error):
@@ -245,6 +246,10 @@ def test_torch_fused_moe_picks_the_form_and_both_agree():
         (lambda i: i.__setitem__(1, i[1].double()), "share one of"),
         (lambda i: i.__setitem__(3, i[3][:-1]), "topk_weights and topk_ids"),
         (lambda i: i.__setitem__(4, i[4].float()), "int32 or int64"),
+        # Used to return garbage on the CPU (a meta weight is never read by the torch code).
+        (lambda i: i.__setitem__(1, i[1].to("meta")), "gate_up must be on x's device"),
+        (lambda i: i.__setitem__(2, i[2].to("meta")), "down must be on x's device"),
+        (lambda i: i.__setitem__(3, i[3].to("meta")), "topk_weights must be on x's device"),
     ],
 )
 def test_bad_inputs_name_the_rule(change, match):

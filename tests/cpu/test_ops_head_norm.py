@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from graphtune.errors import InputError
-from graphtune.ops import head_norm_weights, head_rms_norm_
+from graphtune.ops import head_norm_weights, head_rms_norm, head_rms_norm_
 
 
 def _reference(qkv: torch.Tensor, q_w, k_w, heads: int, kv_heads: int, eps: float):
@@ -47,3 +47,18 @@ def test_bad_shapes_are_refused():
         head_rms_norm_(torch.zeros(32, 2).T, weights, 1e-6)  # rows not contiguous
     with pytest.raises(InputError, match="head_norm_weights needs"):
         head_norm_weights(torch.ones(8), torch.ones(4), 2, 1)
+    with pytest.raises(InputError, match="head_rms_norm needs qkv"):
+        head_rms_norm(torch.zeros(2, 16), torch.ones(2, 0), 1e-6)  # D = 0: was a ZeroDivisionError
+    with pytest.raises(InputError, match="head_rms_norm_ needs qkv"):
+        head_rms_norm_(torch.zeros(2, 16), torch.ones(16), 1e-6)  # weights not 2-D
+
+
+def test_out_of_place_form_rounds_as_the_in_place_form():
+    # bf16 qkv with float32 weight rows: the in-place form rounds the product to bf16 when it
+    # writes back; the out-of-place one returned it in float32.
+    gen = torch.Generator().manual_seed(1)
+    qkv = torch.randn(3, (2 + 2 * 1) * 8, generator=gen).to(torch.bfloat16)
+    weights = 1 + 0.1 * torch.randn(3, 8, generator=gen)
+    got = head_rms_norm(qkv, weights, 1e-6)
+    want = head_rms_norm_(qkv.clone(), weights, 1e-6)[:, : 3 * 8].unflatten(-1, (3, 8))
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)

@@ -105,6 +105,13 @@ def _rope_inputs(dim=8, heads=2, kv=1, batch=2):
     [
         (lambda x: [x[0], x[1].float(), *x[2:]], "must be int64"),
         (lambda x: [*x[:4], x[4].double(), *x[5:]], "must have qkv's dtype"),
+        # These four used to fail inside torch's index ops with their own errors.
+        (lambda x: [*x[:2], x[2].double(), x[3].double(), *x[4:]], "cos and sin must have qkv"),
+        (lambda x: [*x[:5], x[5][:, None], x[6]], "caches must be flattened"),
+        (lambda x: [*x[:6], x[6] + 64], "write_rows rows of the caches"),
+        (lambda x: [x[0], x[1] + 16, *x[2:]], "positions must index rows of cos/sin"),
+        (lambda x: [*x[:4], x[4].to("meta"), *x[5:]], "k_cache must be on qkv's device cpu"),
+        (lambda x: [x[0], x[1].to("meta"), *x[2:]], "positions must be on qkv's device cpu"),
     ],
 )
 def test_rope_kv_cache_names_the_input_that_does_not_fit(change, fragment):
@@ -116,6 +123,14 @@ def test_rope_kv_cache_names_the_input_that_does_not_fit(change, fragment):
             qkv, positions, cos, sin, k_cache, v_cache, rows, num_heads=2, num_kv_heads=1,
             tuner=TUNER,
         )  # fmt: skip
+
+
+def test_rope_kv_cache_refuses_a_head_norm_on_another_device():
+    from graphtune.ops import rope_kv_cache
+
+    norm = torch.ones(3, 8, device="meta")
+    with pytest.raises(InputError, match="head_norm must be .* on cpu"):
+        rope_kv_cache(*_rope_inputs(), num_heads=2, num_kv_heads=1, head_norm=norm, tuner=TUNER)
 
 
 def test_rope_kv_cache_refuses_an_odd_head_dim():
@@ -134,6 +149,38 @@ def test_norm_and_activation_name_an_integer_input():
         fused_add_rms_norm(ints, torch.ones(8), 1e-5, tuner=TUNER)
     with pytest.raises(InputError, match="silu_and_mul needs a float gate_up"):
         silu_and_mul(ints, tuner=TUNER)
+
+
+@pytest.mark.parametrize(
+    "call, fragment",
+    [
+        (lambda ops: ops.fused_add_rms_norm(torch.tensor(1.0), torch.ones(1), 1e-5, tuner=TUNER),
+         "fused_add_rms_norm: x must be"),
+        (lambda ops: ops.silu_and_mul(torch.tensor(1.0), tuner=TUNER),
+         "silu_and_mul: gate_up must be"),
+        # The torch-only activations (silu goes through silu_and_mul's checks).
+        (lambda ops: ops.gated_activation(torch.randn(3, 7), "gelu", tuner=TUNER),
+         "gated_activation: gate_up must be"),
+        (lambda ops: ops.gated_activation(torch.randn(3, 7), "relu2", tuner=TUNER),
+         "gated_activation: gate_up must be"),
+    ],
+)  # fmt: skip
+def test_norm_and_activation_name_a_0d_input_or_an_odd_gate_up(call, fragment):
+    import graphtune.ops as ops
+
+    with pytest.raises(InputError, match=fragment):
+        call(ops)
+
+
+@pytest.mark.parametrize("operand", ["weight", "residual"])
+def test_rms_norm_names_an_operand_on_another_device(operand):
+    from graphtune.ops import fused_add_rms_norm
+
+    x = torch.randn(3, 16)
+    args = {"weight": torch.ones(16), "residual": torch.randn(3, 16)}
+    args[operand] = args[operand].to("meta")
+    with pytest.raises(InputError, match=f"rms_norm: {operand} must be on x's device cpu"):
+        fused_add_rms_norm(x, args["weight"], 1e-6, args["residual"], tuner=TUNER)
 
 
 def test_head_rms_norm_refuses_weight_rows_that_do_not_fit_the_heads():

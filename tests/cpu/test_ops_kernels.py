@@ -244,6 +244,46 @@ def test_rope_with_the_head_norm_matches_the_norm_then_the_rope(dtype, dim):
         runner.forward([qkv, positions, cos, sin, blank, blank, rows, norm[:, :4], eps], -1)
 
 
+def test_rope_kernel_takes_strided_positions_write_rows_and_head_norm():
+    """The kernel reads positions, write rows and head-norm rows at unit strides: strided views
+    (which gave other rows' tables, cache rows and weights) go to the torch code."""
+    gen = _gen()
+    heads, kv, dim, batch = 2, 1, 8, 3
+    qkv = _randn(gen, batch, (heads + 2 * kv) * dim)
+    cos, sin = _randn(gen, 16, dim), _randn(gen, 16, dim)
+    positions = torch.tensor([[1, 0], [5, 0], [9, 0]])[:, 0]
+    rows = torch.tensor([[0, 9], [3, 9], [6, 9]])[:, 0]
+    norm = _randn(gen, heads + kv, 2 * dim)[:, :dim]
+    runner = TritonRopeRunner(heads, kv)
+    for extra in ([], [norm, 1e-6]):
+        results = []
+        for tactic in (-1, {"heads": 2, "warps": 1}):
+            k_cache, v_cache = torch.zeros(16, dim), torch.zeros(16, dim)
+            inputs = [qkv, positions, cos, sin, k_cache, v_cache, rows, *extra]
+            results.append((runner.forward(inputs, tactic), k_cache, v_cache))
+        for got, want in zip(results[1], results[0], strict=True):
+            assert torch.equal(got, want), len(extra)
+
+
+@pytest.mark.parametrize("tactic", [-1, {"heads": 2, "warps": 1}])
+def test_rope_checks_the_index_ranges_under_graphtune_debug(monkeypatch, tactic):
+    """The kernel would write past the caches: with GRAPHTUNE_DEBUG set (read when the runner
+    is built) both runners check positions and write rows on the host first."""
+    monkeypatch.setenv("GRAPHTUNE_DEBUG", "1")
+    runner = TritonRopeRunner(2, 1)
+    dim = 8
+    qkv, cos, sin = torch.randn(2, 4 * dim), torch.randn(16, dim), torch.randn(16, dim)
+    k_cache, v_cache = torch.zeros(4, dim), torch.zeros(4, dim)
+    good = [qkv, torch.tensor([0, 15]), cos, sin, k_cache, v_cache, torch.tensor([0, 3])]
+    runner.forward(good, tactic)
+    bad_rows = [*good[:6], torch.tensor([0, 4])]
+    with pytest.raises(InputError, match=r"write_rows must be in \[0, 4\) \(cache rows\)"):
+        runner.forward(bad_rows, tactic)
+    bad_positions = [good[0], torch.tensor([-1, 0]), *good[2:]]
+    with pytest.raises(InputError, match=r"positions must be in \[0, 16\)"):
+        runner.forward(bad_positions, tactic)
+
+
 @pytest.mark.parametrize("signed", [False, True])
 def test_rope_torch_fallback_is_the_engine_code(signed):
     gen = _gen()

@@ -19,6 +19,7 @@ from graphtune.autotuner import AutoTuner  # noqa: E402
 from graphtune.engine import DecodeStep, KVCache, load_model  # noqa: E402
 from graphtune.engine import step as step_module  # noqa: E402
 from graphtune.engine.attention import causal_mask  # noqa: E402
+from graphtune.errors import InputError  # noqa: E402
 from graphtune.ops import _triton, step_inputs  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
@@ -90,3 +91,47 @@ def test_the_tuned_step_runs_the_kernel_and_gives_the_untuned_logits(monkeypatch
         want = untuned(tokens, positions, slots)
         got = tuned.decode(tuned.ops.unfused(), tokens, positions, slots)
     assert calls == [2] and torch.equal(got, want)
+
+
+def test_strided_index_views_give_the_contiguous_bits():
+    # The kernel reads element b at offset b: a strided view (the last column of a token
+    # history) used to give other rows' embeddings and cache rows, silently.
+    embed = torch.randn(10, 8)
+    history = torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9]])
+    tokens = history[:, -1]
+    positions = torch.tensor([[2, 0], [5, 0], [9, 0]])[:, 0]
+    slots = torch.tensor([[0, 7], [1, 7], [2, 7]])[:, 0]
+    kwargs = dict(kv_heads=2, max_seq=16, window=None, mask_dtype=torch.float32)
+    got = step_inputs.decode_inputs(tokens, positions, slots, embed, **kwargs)
+    want = step_inputs.decode_inputs(
+        tokens.contiguous(), positions.contiguous(), slots.contiguous(), embed, **kwargs
+    )
+    assert torch.equal(got[0], F.embedding(tokens, embed))
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (dict(embed=torch.randn(16, 10).t()), "embed must be a .vocab, hidden. table"),
+        (dict(embed=torch.randn(10)), "embed must be a .vocab, hidden. table"),
+        (dict(mask_dtype=torch.int64), "mask_dtype must be a float"),
+        (dict(mask_dtype="float32"), "mask_dtype must be a float"),
+        (dict(tokens=torch.tensor([1.0, 2.0])), "got tokens"),
+        (dict(tokens=torch.tensor(1)), "got tokens"),
+        (dict(positions=torch.tensor([0, 1], device="meta")), "got positions"),
+        (dict(slots=torch.tensor([0, 1, 2])), "got slots"),
+    ],
+)
+def test_bad_inputs_are_refused(change, match):
+    args = dict(
+        tokens=torch.tensor([1, 2]),
+        positions=torch.tensor([0, 1]),
+        slots=torch.tensor([0, 1]),
+        embed=torch.randn(10, 16),
+        mask_dtype=torch.float32,
+    )
+    args.update(change)
+    with pytest.raises(InputError, match=match):
+        step_inputs.decode_inputs(**args, kv_heads=2, max_seq=8, window=None)

@@ -9,6 +9,8 @@ import torch
 
 from graphtune.errors import InputError, describe_tensor
 
+_NAMES = ("qkv", "positions", "cos", "sin", "k_cache", "v_cache", "write_rows")
+
 
 def head_norm_of(
     inputs: list[Any], num_heads: int, num_kv_heads: int
@@ -16,7 +18,7 @@ def head_norm_of(
     """``(head_norm, eps)``: inputs 7 and 8 (``(None, 1e-6)`` for a seven-input call).
 
     Raises:
-        InputError: ``head_norm`` is not ``[heads + kv_heads, D]`` of ``qkv``'s dtype.
+        InputError: ``head_norm`` is not ``[heads + kv_heads, D]`` of ``qkv``'s dtype and device.
     """
     norm = inputs[7] if len(inputs) > 7 else None
     eps = float(inputs[8]) if len(inputs) > 8 else 1e-6
@@ -24,34 +26,46 @@ def head_norm_of(
         return None, eps
     qkv, dim = inputs[0], inputs[2].shape[-1]
     want = (num_heads + num_kv_heads, dim)
-    if not isinstance(norm, torch.Tensor) or tuple(norm.shape) != want or norm.dtype != qkv.dtype:
+    if (
+        not isinstance(norm, torch.Tensor)
+        or tuple(norm.shape) != want
+        or norm.dtype != qkv.dtype
+        or norm.device != qkv.device
+    ):
         raise InputError(
             f"rope_kv_cache: head_norm must be the [heads + kv_heads, D] = {list(want)} "
-            f"weight rows of the q/k norm in {qkv.dtype} (head_norm_weights), got "
-            f"{describe_tensor(norm)}."
+            f"weight rows of the q/k norm in {qkv.dtype} on {qkv.device} (head_norm_weights), "
+            f"got {describe_tensor(norm)}."
         )
     return norm, eps
 
 
 def rope_tensors(inputs: list[Any], num_heads: int, num_kv_heads: int) -> list[Any]:
     """The seven tensor inputs (inputs 7 and 8 are :func:`head_norm_of`'s; a tenth, the
-    step's ``graphtune.ops.rotary.RopeRows``, is not checked)."""
+    step's ``graphtune.ops.rotary.RopeRows``, is not checked). Shapes, dtypes and devices
+    only: the index values are :func:`check_rope_indices`' (a host synchronisation)."""
     qkv, positions, cos, sin, k_cache, v_cache, rows = inputs[:7]
-    batch, dim = qkv.shape[0], cos.shape[-1]
+    dim = cos.shape[-1] if cos.dim() == 2 else -1
     width = (num_heads + 2 * num_kv_heads) * dim
-    if qkv.dim() != 2 or qkv.shape[1] != width or sin.shape[-1] != dim:
+    if qkv.dim() != 2 or qkv.shape[1] != width or sin.dim() != 2 or sin.shape[-1] != dim:
         raise InputError(
             f"rope_kv_cache: qkv must be [B, (heads + 2 * kv_heads) * D] = [B, {width}] for "
             f"{num_heads}/{num_kv_heads} heads and D={dim} (cos/sin [rows, D]), "
-            f"got qkv {tuple(qkv.shape)}."
+            f"got qkv {tuple(qkv.shape)}, cos {tuple(cos.shape)}, sin {tuple(sin.shape)}."
         )
+    batch = qkv.shape[0]
     if positions.shape != (batch,) or rows.shape != (batch * num_kv_heads,):
         raise InputError(
             f"rope_kv_cache: positions must be [B]={batch} and write_rows [B * kv_heads]="
             f"{batch * num_kv_heads}, got {tuple(positions.shape)} and "
             f"{tuple(rows.shape)}."
         )
-    if k_cache.shape[-1] != dim or v_cache.shape[-1] != dim or k_cache.dim() != 2:
+    if (
+        k_cache.dim() != 2
+        or v_cache.dim() != 2
+        or k_cache.shape[-1] != dim
+        or v_cache.shape[-1] != dim
+    ):
         raise InputError(
             f"rope_kv_cache: caches must be flattened [rows, D={dim}] views, got "
             f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}."
@@ -68,4 +82,51 @@ def rope_tensors(inputs: list[Any], num_heads: int, num_kv_heads: int) -> list[A
             f"rope_kv_cache: the caches must have qkv's dtype {qkv.dtype}, got "
             f"{k_cache.dtype} and {v_cache.dtype}."
         )
+    if cos.dtype != qkv.dtype or sin.dtype != qkv.dtype:
+        # The rotated keys would be promoted to the tables' dtype and miss the caches'.
+        raise InputError(
+            f"rope_kv_cache: cos and sin must have qkv's dtype {qkv.dtype}, got {cos.dtype} "
+            f"and {sin.dtype}; build the tables in it (rope_tables(..., dtype)) or cast once."
+        )
+    device = qkv.device
+    if (
+        positions.device != device
+        or cos.device != device
+        or sin.device != device
+        or k_cache.device != device
+        or v_cache.device != device
+        or rows.device != device
+    ):
+        named = zip(_NAMES, inputs[:7], strict=True)
+        name, other = next((n, t) for n, t in named if t.device != device)
+        raise InputError(
+            f"rope_kv_cache: {name} must be on qkv's device {device}, got "
+            f"{describe_tensor(other)}; move it with .to({str(device)!r})."
+        )
     return inputs[:7]
+
+
+def check_rope_indices(inputs: list[Any]) -> None:
+    """``positions`` must index rows of both tables and ``write_rows`` rows of both caches: the
+    Triton kernel reads and writes out of bounds otherwise (the fallback's index ops raise on
+    the CPU and assert on the GPU). A host synchronisation, so the runners check only under
+    ``GRAPHTUNE_DEBUG``, and not while a CUDA stream is capturing (where it is illegal).
+
+    Raises:
+        InputError: An index is out of range.
+    """
+    qkv, positions, cos, sin, k_cache, v_cache, rows = inputs[:7]
+    if qkv.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    bounds = (
+        ("positions", positions, min(cos.shape[0], sin.shape[0]), "cos/sin rows"),
+        ("write_rows", rows, min(k_cache.shape[0], v_cache.shape[0]), "cache rows"),
+    )
+    for name, value, bound, what in bounds:
+        if value.numel():
+            low, high = int(value.min()), int(value.max())
+            if low < 0 or high >= bound:
+                raise InputError(
+                    f"rope_kv_cache: {name} must be in [0, {bound}) ({what}), got "
+                    f"{low}..{high}; size the tables and caches for every position and slot."
+                )

@@ -24,7 +24,7 @@ from graphtune.autotuner.config import DynamicTensorSpec, TuningConfig, next_pow
 from graphtune.autotuner.context import get_tuner
 from graphtune.autotuner.runner import FALLBACK_TACTIC, TunableRunner, preferred_first
 from graphtune.autotuner.tuner import AutoTuner
-from graphtune.errors import ConfigError, InputError
+from graphtune.errors import ConfigError, InputError, describe_tensor
 from graphtune.ops import _pruned
 from graphtune.ops._rows import as_rows, from_rows
 from graphtune.ops._triton import (
@@ -80,12 +80,18 @@ def torch_gated_activation(gate_up: torch.Tensor, activation: str = "silu") -> t
 
     Raises:
         ConfigError: ``activation`` is not in :data:`GATED_ACTIVATIONS`.
+        InputError: ``gate_up``'s last dim is not even.
     """
     fn = GATED_ACTIVATIONS.get(activation)
     if fn is None:
         raise ConfigError(
             f"gated activation {activation!r} is not implemented; use one of "
             f"{sorted(GATED_ACTIVATIONS)}"
+        )
+    if not gate_up.shape or gate_up.shape[-1] % 2:  # chunk would split it unevenly
+        raise InputError(
+            f"gated_activation: gate_up must be [..., 2 * I] (gate half, then up half: an even "
+            f"last dim), got {describe_tensor(gate_up)}."
         )
     gate, up = gate_up.chunk(2, dim=-1)
     return fn(gate) * up
@@ -217,6 +223,10 @@ def silu_and_mul(
         ``[..., I]`` in ``gate_up``'s dtype.
     """
     shape = gate_up.shape
+    if not shape:  # as_rows needs a last dim
+        raise InputError(
+            f"silu_and_mul: gate_up must be [..., 2 * I], got {describe_tensor(gate_up)}."
+        )
     inputs = [as_rows(gate_up)]
     chosen = runners if runners is not None else silu_and_mul_runners()
     runner, tactic = (tuner or get_tuner()).choose_one(
@@ -240,6 +250,7 @@ def gated_activation(
 
     Raises:
         ConfigError: ``activation`` is not in :data:`GATED_ACTIVATIONS`.
+        InputError: ``gate_up``'s last dim is not even.
     """
     if activation == "silu":
         return silu_and_mul(gate_up, tuner=tuner, max_m=max_m)

@@ -27,7 +27,7 @@ from graphtune.autotuner.config import next_power_of_two as _np2
 from graphtune.autotuner.context import get_tuner
 from graphtune.autotuner.runner import FALLBACK_TACTIC, TunableRunner
 from graphtune.autotuner.tuner import AutoTuner
-from graphtune.errors import ConfigError, InputError
+from graphtune.errors import ConfigError, InputError, describe_tensor
 from graphtune.ops import _pruned
 from graphtune.ops._rows import as_rows, from_rows
 from graphtune.ops._triton import (
@@ -73,6 +73,13 @@ def _unpack(inputs: list[Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
         raise InputError(
             f"rms_norm residual must have x's shape {tuple(x.shape)} and dtype {x.dtype}, got "
             f"{tuple(residual.shape)} {residual.dtype}; cast it with .to(x.dtype)."
+        )
+    device = x.device
+    if weight.device != device or (residual is not None and residual.device != device):
+        other = ("weight", weight) if weight.device != device else ("residual", residual)
+        raise InputError(
+            f"rms_norm: {other[0]} must be on x's device {device}, got "
+            f"{describe_tensor(other[1])}; move it with .to({str(device)!r})."
         )
     return x, weight, residual, float(eps)
 
@@ -228,6 +235,11 @@ def fused_add_rms_norm(
     """
     eps = check_eps("fused_add_rms_norm", eps)
     shape = x.shape
+    if not shape:  # as_rows needs a last dim
+        raise InputError(
+            f"fused_add_rms_norm: x must be [..., H] with at least one dim, got "
+            f"{describe_tensor(x)}; normalise a 1-D [H] row at least."
+        )
     x2 = as_rows(x)
     r2 = as_rows(residual) if residual is not None else None
     inputs = [x2, weight, r2, eps]
@@ -261,12 +273,13 @@ def head_norm_weights(
 
 def _qk_heads(qkv: torch.Tensor, weights: torch.Tensor, name: str) -> torch.Tensor:
     """The ``[rows, heads + kv_heads, D]`` view of ``qkv``'s query and key heads."""
-    heads, dim = weights.shape
+    heads, dim = weights.shape if weights.dim() == 2 else (0, 0)
     # qkv holds heads + kv_heads query/key heads and kv_heads value heads of D features each:
     # kv_heads is what the width leaves after the weight rows, and the query heads a multiple.
-    kv_heads = qkv.shape[-1] // dim - heads if dim else 0
+    # (D = 0 or a qkv that is not 2-D fails here, before a division by D or a missing dim.)
+    kv_heads = qkv.shape[1] // dim - heads if dim and qkv.dim() == 2 else 0
     layout_ok = (
-        qkv.dim() == 2
+        kv_heads > 0
         and qkv.shape[1] % dim == 0
         and 1 <= kv_heads < heads
         and (heads - kv_heads) % kv_heads == 0
@@ -282,14 +295,17 @@ def _qk_heads(qkv: torch.Tensor, weights: torch.Tensor, name: str) -> torch.Tens
 
 def head_rms_norm(qkv: torch.Tensor, weights: torch.Tensor, eps: float) -> torch.Tensor:
     """:func:`head_rms_norm_` out of place: returns the normalised query and key heads as a new
-    ``[rows, heads + kv_heads, D]`` tensor and leaves ``qkv`` as it is (same two torch ops, same
-    roundings).
+    ``[rows, heads + kv_heads, D]`` tensor of ``qkv``'s dtype and leaves ``qkv`` as it is (same
+    two torch ops, same roundings).
 
     Raises:
         InputError: As :func:`head_rms_norm_`.
     """
     qk = _qk_heads(qkv, weights, "head_rms_norm")
-    return torch.mul(F.rms_norm(qk, (weights.shape[1],), eps=eps), weights)
+    out = torch.mul(F.rms_norm(qk, (weights.shape[1],), eps=eps), weights)
+    # Weights of a wider dtype promote the product; the in-place form rounds it to qkv's dtype
+    # when it writes back, so round here too (compared first: even a no-op .to() dispatches).
+    return out if out.dtype == qkv.dtype else out.to(qkv.dtype)
 
 
 def head_rms_norm_(qkv: torch.Tensor, weights: torch.Tensor, eps: float) -> torch.Tensor:

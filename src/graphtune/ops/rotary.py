@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from graphtune import env
 from graphtune.autotuner.calls import CallRecord
 from graphtune.autotuner.config import (
     ConstraintSpec,
@@ -46,8 +47,8 @@ from graphtune.autotuner.config import (
 from graphtune.autotuner.context import get_tuner
 from graphtune.autotuner.runner import FALLBACK_TACTIC, TunableRunner, preferred_first
 from graphtune.autotuner.tuner import AutoTuner
-from graphtune.errors import ConfigError
-from graphtune.ops._rope_inputs import head_norm_of, rope_tensors
+from graphtune.errors import ConfigError, InputError
+from graphtune.ops._rope_inputs import check_rope_indices, head_norm_of, rope_tensors
 from graphtune.ops._triton import (
     KERNELS_SOURCES,
     device_supported,
@@ -139,24 +140,34 @@ def torch_rope_kv_cache(
     ``apply_rope_signed``'s. ``rows`` supplies ``cos[positions]`` / ``sin[positions]`` gathered
     once per step (:class:`RopeRows`); without it they are gathered here. ``head_norm``: the
     q/k heads are normalised first (``head_rms_norm``, out of place: ``qkv`` is only read).
+
+    Raises:
+        InputError: A position or write row is out of range (the CPU's index ops check them;
+            CUDA's assert on the device instead).
     """
     batch, dim = qkv.shape[0], cos.shape[-1]
     qk_width = (num_heads + num_kv_heads) * dim
-    cos_b, sin_b = (
-        rows.gathered()
-        if rows is not None
-        else (
-            cos.index_select(0, positions)[:, None, :],
-            sin.index_select(0, positions)[:, None, :],
+    try:  # the CPU's index ops check positions and write_rows (CUDA's assert on the device)
+        cos_b, sin_b = (
+            rows.gathered()
+            if rows is not None
+            else (
+                cos.index_select(0, positions)[:, None, :],
+                sin.index_select(0, positions)[:, None, :],
+            )
         )
-    )
-    if head_norm is not None:
-        heads = head_rms_norm(qkv, head_norm, head_norm_eps)
-    else:
-        heads = qkv[:, :qk_width].reshape(batch, num_heads + num_kv_heads, dim)
-    qk = rotate(heads, cos_b, sin_b, signed_sin)
-    k_cache.index_copy_(0, write_rows, qk[:, num_heads:].reshape(-1, dim))
-    v_cache.index_copy_(0, write_rows, qkv[:, qk_width:].reshape(-1, dim))
+        if head_norm is not None:
+            heads = head_rms_norm(qkv, head_norm, head_norm_eps)
+        else:
+            heads = qkv[:, :qk_width].reshape(batch, num_heads + num_kv_heads, dim)
+        qk = rotate(heads, cos_b, sin_b, signed_sin)
+        k_cache.index_copy_(0, write_rows, qk[:, num_heads:].reshape(-1, dim))
+        v_cache.index_copy_(0, write_rows, qkv[:, qk_width:].reshape(-1, dim))
+    except IndexError as error:
+        raise InputError(
+            f"rope_kv_cache: positions must index rows of cos/sin and write_rows rows of the "
+            f"caches ({error}); size the tables and caches for every position and slot."
+        ) from error
     return qk[:, :num_heads]
 
 
@@ -164,6 +175,7 @@ class _RopeRunnerMixin:
     num_heads: int
     num_kv_heads: int
     signed_sin: bool
+    debug: bool
 
     def _init_heads(self, num_heads: int, num_kv_heads: int, signed_sin: bool) -> None:
         for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
@@ -172,6 +184,9 @@ class _RopeRunnerMixin:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.signed_sin = bool(signed_sin)
+        # GRAPHTUNE_DEBUG, read once here (the runners are built once per head layout): per
+        # call it would cost the hot path a microsecond.
+        self.debug = env.debug_checks()
 
     def cache_key_extras(self) -> tuple[Any, ...]:
         """Head counts are not implied by the qkv width, so they are part of the identity."""
@@ -189,8 +204,11 @@ class _RopeRunnerMixin:
         """The unfused torch code (with the step's gathered rows when they are given)."""
         rows = inputs[9] if len(inputs) > 9 else None
         norm, eps = self._head_norm(inputs)
+        tensors = self._unpack(inputs)
+        if self.debug:
+            check_rope_indices(tensors)
         return torch_rope_kv_cache(
-            *self._unpack(inputs),
+            *tensors,
             self.num_heads,
             self.num_kv_heads,
             self.signed_sin,
@@ -267,12 +285,19 @@ class TritonRopeRunner(_RopeRunnerMixin, TritonRunner):
         self._init_heads(num_heads, num_kv_heads, signed_sin)
 
     def supports(self, inputs: list[Any]) -> bool:
-        """One float dtype for qkv, tables and caches; unit last strides; a Triton device."""
+        """One float dtype for qkv, tables and caches; unit last strides; contiguous positions,
+        write rows and head norm (the kernel reads element ``i`` at offset ``i``); a Triton
+        device."""
         qkv, positions, cos, sin, k_cache, v_cache, rows = self._unpack(inputs)
+        norm, _ = self._head_norm(inputs)
         tensors = (qkv, cos, sin, k_cache, v_cache)
         if qkv.dtype not in _DTYPES or any(t.dtype != qkv.dtype for t in tensors):
             return False
         if any(t.stride(-1) != 1 for t in tensors) or positions.dtype.is_floating_point:
+            return False
+        if not (positions.is_contiguous() and rows.is_contiguous()):
+            return False
+        if norm is not None and not norm.is_contiguous():
             return False
         return not rows.dtype.is_floating_point and device_supported(qkv.device)
 
@@ -282,9 +307,12 @@ class TritonRopeRunner(_RopeRunnerMixin, TritonRunner):
 
     def launch(self, inputs: list[Any], tactic: Any, *, warmup: bool = False) -> torch.Tensor:
         """Runs the fused kernel; returns ``q [B, heads, D]``."""
-        qkv, positions, cos, sin, k_cache, v_cache, rows = self._unpack(inputs)
+        tensors = self._unpack(inputs)
+        qkv, positions, cos, sin, k_cache, v_cache, rows = tensors
         norm, eps = self._head_norm(inputs)
         _check_rope_tactic(tactic)
+        if self.debug and not warmup:  # the kernel would read and write out of bounds
+            check_rope_indices(tensors)
         batch, dim = qkv.shape[0], cos.shape[-1]
         q_out = torch.empty((batch, self.num_heads, dim), device=qkv.device, dtype=qkv.dtype)
         if batch == 0:
@@ -429,7 +457,10 @@ def rope_kv_cache(
         sin: ``[max_seq, D]`` table.
         k_cache: ``[rows, D]`` flattened key cache of the layer (written in place).
         v_cache: ``[rows, D]`` flattened value cache of the layer (written in place).
-        write_rows: ``[B * num_kv_heads]`` int64 cache row of each (token, kv head).
+        write_rows: ``[B * num_kv_heads]`` int64 cache row of each (token, kv head), each in
+            ``[0, rows)``, as ``positions`` must be in ``[0, max_seq)``: the Triton kernel does
+            not check them (a host synchronisation; ``GRAPHTUNE_DEBUG=1`` does) and would
+            write another tensor's memory.
         num_heads: Query heads.
         num_kv_heads: Key/value heads.
         signed_sin: ``sin``'s first half holds ``-sin`` (the engine's ``signed_sin`` tables);

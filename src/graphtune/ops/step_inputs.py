@@ -15,12 +15,15 @@ the kernel can run, and the untuned step keeps the torch code.
 from __future__ import annotations
 
 from types import ModuleType
+from typing import Any
 
 import torch
 
+from graphtune.errors import InputError, describe_tensor
 from graphtune.ops._triton import device_supported, kernel_module, run_kernel
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+INDEX_DTYPES = (torch.int32, torch.int64)
 BLOCK = 1024
 """Embedding and mask elements per program (4 warps, 8 elements a thread)."""
 
@@ -50,9 +53,21 @@ def decode_inputs(
     """The embedding rows ``[B, hidden]``, the KV write rows ``[B * kv_heads]`` (int64) and the
     decode mask ``[B, 1, 1, max_seq]`` of ``mask_dtype``, from one kernel launch.
 
-    ``tokens`` must lie in ``[0, vocab)``: the kernel does not check them (the engine checks
-    prompts on the host, and sampled tokens are in range by construction).
+    ``tokens``, ``positions`` and ``slots`` are ``[B]`` int32 or int64 tensors on ``embed``'s
+    device; strided views are copied to contiguous ones first (the kernel reads element ``b``
+    at offset ``b``), which costs nothing for the engine's contiguous step inputs. ``tokens``
+    must lie in ``[0, vocab)``: the kernel does not check them (the engine checks prompts on
+    the host, and sampled tokens are in range by construction).
+
+    Raises:
+        InputError: ``embed`` is not a ``[vocab, hidden]`` table with a unit last stride,
+            ``mask_dtype`` is not a float dtype, or an index tensor is not ``[B]`` int32/int64
+            on ``embed``'s device.
     """
+    _check_inputs(tokens, positions, slots, embed, mask_dtype)
+    # Copy strided views rather than refuse them: the untuned step's torch code takes them, and
+    # inside a captured step the copy is captured too (reading the same static buffer).
+    tokens, positions, slots = tokens.contiguous(), positions.contiguous(), slots.contiguous()
     batch, hidden = tokens.shape[0], embed.shape[1]
     device = embed.device
     x = torch.empty((batch, hidden), device=device, dtype=embed.dtype)
@@ -86,3 +101,37 @@ def decode_inputs(
     )
     run_kernel(step_input_kernels().decode_inputs_kernel, grid, args, meta, False)
     return x, rows, mask
+
+
+def _check_inputs(
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    embed: torch.Tensor,
+    mask_dtype: Any,
+) -> None:
+    """:func:`decode_inputs`' rules, attribute comparisons only (no host synchronisation)."""
+    if embed.dim() != 2 or embed.stride(-1) != 1:
+        raise InputError(
+            f"decode_inputs: embed must be a [vocab, hidden] table with unit last stride (the "
+            f"kernel reads a row as one run; see decode_inputs_supported), got "
+            f"{describe_tensor(embed)} with strides {embed.stride()}."
+        )
+    if not isinstance(mask_dtype, torch.dtype) or not mask_dtype.is_floating_point:
+        raise InputError(
+            f"decode_inputs: mask_dtype must be a float torch.dtype (the mask holds 0 and -inf), "
+            f"got {mask_dtype!r}; pass the attention's dtype."
+        )
+    batch = tokens.shape[0] if tokens.dim() == 1 else -1
+    for name, value in (("tokens", tokens), ("positions", positions), ("slots", slots)):
+        if (
+            value.dim() != 1
+            or value.shape[0] != batch
+            or value.dtype not in INDEX_DTYPES
+            or value.device != embed.device
+        ):
+            raise InputError(
+                f"decode_inputs: tokens, positions and slots must be [B] int32 or int64 tensors "
+                f"of one B on embed's device {embed.device}, got {name} {describe_tensor(value)}"
+                f" (tokens {tuple(tokens.shape)}); move or cast it with .to()."
+            )

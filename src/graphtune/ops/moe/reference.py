@@ -51,7 +51,8 @@ def unpack_moe_inputs(inputs: list[Any]) -> MoeInputs:
     residual: see :func:`moe_residual`) and checks the shape rules.
 
     Raises:
-        InputError: A shape, dtype or dimension count does not match the layout above.
+        InputError: A shape, dtype or dimension count does not match the layout above, or a
+            tensor is not on ``x``'s device.
     """
     x, gate_up, down, weights, ids = inputs[:5]
     if x.dim() != 2 or gate_up.dim() != 3 or down.dim() != 3:
@@ -82,6 +83,20 @@ def unpack_moe_inputs(inputs: list[Any]) -> MoeInputs:
         raise InputError(
             f"fused_moe: topk_weights must be a float tensor and topk_ids int32 or int64, got "
             f"{weights.dtype} and {ids.dtype}."
+        )
+    device = x.device
+    if (
+        gate_up.device != device
+        or down.device != device
+        or weights.device != device
+        or ids.device != device
+    ):
+        # The torch code does not always notice (a meta weight gives garbage on the CPU).
+        named = (("gate_up", gate_up), ("down", down), ("topk_weights", weights), ("topk_ids", ids))
+        name, other = next((n, t) for n, t in named if t.device != device)
+        raise InputError(
+            f"fused_moe: {name} must be on x's device {device}, got {describe_tensor(other)}; "
+            f"move it with .to({str(device)!r})."
         )
     return x, gate_up, down, weights, ids
 

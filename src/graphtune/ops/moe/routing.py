@@ -67,16 +67,16 @@ def check_routing_rule(op: str, top_k: Any, experts: int, weights_dtype: torch.d
 
     Raises:
         ConfigError: ``top_k`` is not an int in ``[1, experts]`` or ``weights_dtype`` is not a
-            float dtype.
+            float ``torch.dtype`` (a string such as ``"float32"`` is not one).
     """
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= experts:
         raise ConfigError(
             f"{op}: top_k must be an int in [1, E={experts}], got {top_k!r}; it is the "
             "config's num_experts_per_tok."
         )
-    if not weights_dtype.is_floating_point:
+    if not isinstance(weights_dtype, torch.dtype) or not weights_dtype.is_floating_point:
         raise ConfigError(
-            f"{op}: weights_dtype must be a float dtype, got {weights_dtype}; pass the "
+            f"{op}: weights_dtype must be a float torch.dtype, got {weights_dtype!r}; pass the "
             "logits' dtype (Qwen3-MoE) or torch.float32 (Mixtral)."
         )
 

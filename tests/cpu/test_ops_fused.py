@@ -248,6 +248,32 @@ def test_norm_qkv_rope_matches_float64(tactic, dtype, m, signed_sin, runner):
     assert torch.isnan(k_cache[untouched]).all() and torch.isnan(v_cache[untouched]).all()
 
 
+@pytest.mark.parametrize("strided", ["positions", "write_rows"])
+def test_norm_qkv_rope_served_strided_indices_runs_torch(strided):
+    # The kernel indexes positions and cache rows by row alone; a strided view read that way
+    # gave other positions and wrote other cache rows, with no error.
+    gen = _gen()
+    heads, kv_heads, dim, hidden, m = 4, 2, 32, 48, 3
+    rows_total = (heads + 2 * kv_heads) * dim
+    f32 = torch.float32
+    x, w = _randn(gen, m, hidden, dtype=f32), _randn(gen, rows_total, hidden, dtype=f32) * 0.2
+    rope = _RopeCase(gen, torch.float32, m, kv_heads, dim, False)
+    inputs = [x, torch.ones(hidden), w, None, rope.positions, rope.cos, rope.sin]
+    inputs += [rope.k_cache, rope.v_cache, rope.rows, 1e-5, None]
+    runner = TritonQkvRopeNormInLoop(heads, kv_heads)
+    tactic = runner.get_valid_tactics(inputs, None)[0]
+    index = 4 if strided == "positions" else 9
+    inputs[index] = torch.stack([inputs[index], inputs[index] * 0], 1)[:, 0]  # stride 2
+    assert not runner.supports(inputs)
+    q = runner.forward(inputs, tactic)
+    c, s = rope.cos.double()[rope.positions][:, None], rope.sin64[rope.positions][:, None]
+    qkv = _norm64(x, torch.ones(hidden), 1e-5) @ w.double().T
+    q_want = _rope64(qkv[:, : heads * dim].view(m, heads, dim), c, s)
+    k_want = _rope64(qkv[:, heads * dim : (heads + kv_heads) * dim].view(m, kv_heads, dim), c, s)
+    assert _rel(q, q_want) < TOL[torch.float32]
+    assert _rel(rope.k_cache[rope.rows], k_want.reshape(m * kv_heads, dim)) < TOL[torch.float32]
+
+
 # Head-norm tiles hold a whole head (bn >= D / 2 = 16): exactly, and wider (clamped columns).
 WHOLE_HEAD = [
     ({**CORE, "bn": 16}, torch.float32, 1),

@@ -219,11 +219,14 @@ class TritonNormQkvRope(_QkvLayout, NormPlacement, FusedTritonRunner):
 
     def supports(self, inputs: list[Any]) -> bool:
         """Unit last strides, one float dtype (the norm weight may differ; its one dim of unit
-        stride), a Triton device; a head norm's weight rows contiguous."""
+        stride), a Triton device; a head norm's weight rows, the positions and the cache rows
+        contiguous (the kernel indexes them by row alone)."""
         x, norm_weight, wqkv, bqkv, positions, cos, sin, k_cache, v_cache, rows, _, hn = (
             self.unpack(inputs)
         )
         if positions.dtype.is_floating_point or rows.dtype.is_floating_point:
+            return False
+        if not (positions.is_contiguous() and rows.is_contiguous()):
             return False
         if not norm_weight_supported(norm_weight):
             return False

@@ -25,6 +25,7 @@ from graphtune.engine.parallel import (
 from graphtune.engine.presets import get_preset
 from graphtune.engine.step import DecodeStep
 from graphtune.errors import ConfigError
+from graphtune.graphs import SimulatedGraphBackend
 from graphtune.graphs.policy import default_capture_sizes
 
 WORLD = 2
@@ -164,6 +165,16 @@ def _compare(preset: str, parallel: ParallelContext) -> dict[str, Any]:
         )
         tokens_by_tp.append(engine.generate(PROMPTS, [6, 3, 8, 5], stop_token_ids=[]))
     out["greedy_tp1"], out["greedy_tp2"] = tokens_by_tp
+    # Replayed graphs (simulated on the CPU) must wait for the all-reduce as the eager call did.
+    replayed = Engine(
+        shard,
+        max_batch_size=2,
+        max_seq_len=48,
+        capture_sizes=[1, 2],
+        graph_backend=SimulatedGraphBackend(),
+    )
+    out["greedy_tp2_replayed"] = replayed.generate(PROMPTS, [6, 3, 8, 5], stop_token_ids=[])
+    out["replays"] = replayed.runner.stats.replays
     out["sampled"] = Engine(shard, runner="eager", max_batch_size=2, max_seq_len=48).generate(
         PROMPTS[:3],
         6,
@@ -192,6 +203,7 @@ def test_tp2_matches_tp1(tp_results: dict[int, Any], preset: str) -> None:
         assert r["prefill_diff"] < 1e-4, r["prefill_diff"]
         assert r["decode_diff"] < 1e-4, r["decode_diff"]
         assert r["greedy_tp2"] == r["greedy_tp1"]
+        assert r["greedy_tp2_replayed"] == r["greedy_tp1"] and r["replays"] > 0
         assert [len(t) for t in r["greedy_tp2"]] == [6, 3, 8, 5]
         assert r["reducer"] == "gloo"  # the process group (no symmetric memory on CPU)
         # Two staged reduces per layer and decode step; prefill rows (5 and 2 tokens) are
@@ -410,6 +422,40 @@ def test_checkpoint_folder_shards_like_the_whole_model(tmp_path: Path) -> None:
             for name, tensor in mine.tensors().items():
                 assert torch.equal(tensor, theirs.tensors()[name]), name
         assert got.layers[0].bqkv is not None and torch.equal(got.lm_head, full.lm_head)
+
+
+def test_ranks_that_loaded_other_checkpoints_of_one_shape_have_other_weight_marks(
+    tmp_path: Path,
+) -> None:
+    # Only the embedding's corner was compared: a checkpoint whose layers differ (a stale copy
+    # on one node) passed, and the shards' sums mixed two models' weights.
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    model = transformers.LlamaForCausalLM(config)
+    model.save_pretrained(tmp_path / "a", safe_serialization=True)
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight.neg_()  # a row-parallel (sharded) weight
+    model.save_pretrained(tmp_path / "b", safe_serialization=True)
+    marks = {
+        name: {
+            load_model(tmp_path / name, parallel=ParallelContext(None, rank, WORLD)).extras[
+                "weights_mark"
+            ]
+            for rank in range(WORLD)
+        }
+        for name in ("a", "b")
+    }
+    assert len(marks["a"]) == 1 and len(marks["b"]) == 1  # every shard of one file agrees
+    assert marks["a"] != marks["b"]
+    assert marks["a"] == {load_model(tmp_path / "a").extras["weights_mark"]}
 
 
 def test_cli_all_reduce_choices_are_the_backends() -> None:

@@ -14,10 +14,10 @@ import pytest
 from gloo_ranks import run_on_ranks
 
 from graphtune import env
-from graphtune.autotuner import AutoTuner
+from graphtune.autotuner import AutoTuner, DistributedTuning, autotune
 from graphtune.engine import Engine, load_model
 from graphtune.engine.parallel import ParallelContext, shard_model
-from graphtune.errors import ConfigError, DistributedError
+from graphtune.errors import ConfigError, DistributedError, InputError
 
 WORLD = 2
 
@@ -25,9 +25,18 @@ WORLD = 2
 def _outcome(fn: Any) -> str:
     try:
         fn()
-    except (ConfigError, DistributedError) as exc:
+    except (ConfigError, DistributedError, InputError) as exc:
         return f"{type(exc).__name__}: {exc}"
     return "ok"
+
+
+def _agreeing() -> AutoTuner:
+    return AutoTuner(distributed=DistributedTuning("agree"))
+
+
+def _enter(context: Any) -> None:
+    with context:
+        pass
 
 
 def _cases(rank: int) -> dict[str, str]:
@@ -50,6 +59,25 @@ def _cases(rank: int) -> dict[str, str]:
         "tuner of one rank": _outcome(
             lambda: Engine(shard, runner="eager", max_batch_size=1, tune=True, tuner=AutoTuner())
         ),
+        "cache-only tuner of one rank": _outcome(
+            lambda: Engine(shard, runner="eager", max_batch_size=1, tuner=AutoTuner())
+        ),
+        "other capture": _outcome(
+            lambda: Engine(
+                shard, runner="eager", max_batch_size=2, capture_sizes=[1, 2] if rank == 0 else [2]
+            )
+        ),
+        # One rank's own checks fail: it raises its error, the other names it (no hang).
+        "bad prompt on one rank": _outcome(
+            lambda: engine.generate([[1, 2, 10**6 if rank else 3]], 3)
+        ),
+        "bad engine on one rank": _outcome(
+            lambda: Engine(shard, runner="eager", max_batch_size=1, max_seq_len=10**9 * rank + 32)
+        ),
+        "tune on one rank": _outcome(lambda: _enter(autotune(None, _agreeing(), tune=rank == 0))),
+        "other strategy": _outcome(
+            lambda: _enter(autotune(None, AutoTuner(distributed="agree" if rank else "broadcast")))
+        ),
         # Both processes claim rank 0 (no collective: rank 0's context is right).
         "claimed rank": _outcome(lambda: ParallelContext(None, 0, WORLD)),
         "claimed degree": _outcome(lambda: ParallelContext(None, rank, 4)),
@@ -68,6 +96,7 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Any]:
         ("other limit", "max_new_tokens"),
         ("other engine", "max_batch_size"),
         ("other weights", "weights"),
+        ("other capture", "capture"),
     ],
 )
 def test_ranks_passing_different_arguments_all_raise_naming_them(outcomes, case, differs):
@@ -80,6 +109,20 @@ def test_ranks_passing_different_arguments_all_raise_naming_them(outcomes, case,
 def test_tuning_a_shard_needs_a_rank_consistent_tuner(outcomes):
     for rank in range(WORLD):
         assert "rank-consistent" in outcomes[rank]["tuner of one rank"]
+        assert "rank-consistent" in outcomes[rank]["cache-only tuner of one rank"]
+
+
+def test_a_rank_whose_own_arguments_fail_is_named_by_the_others(outcomes):
+    assert outcomes[1]["bad prompt on one rank"].startswith("InputError")
+    assert "rank 1 refused its arguments (InputError" in outcomes[0]["bad prompt on one rank"]
+    assert outcomes[1]["bad engine on one rank"].startswith("ConfigError")
+    assert "rank 1 refused its arguments (ConfigError" in outcomes[0]["bad engine on one rank"]
+
+
+@pytest.mark.parametrize("case", ["tune on one rank", "other strategy"])
+def test_ranks_that_tune_differently_all_raise(outcomes, case):
+    for rank in range(WORLD):
+        assert outcomes[rank][case].startswith("DistributedError"), outcomes[rank][case]
 
 
 def test_a_context_that_disagrees_with_its_group_is_refused(outcomes):

@@ -68,7 +68,7 @@ def autotune(
     previous, previous_dist = tuner.tuning_mode, tuner.distributed
     if distributed is not None:
         tuner.distributed = DistributedTuning.resolve(distributed)
-    align_cache(tuner.cache, tuner.distributed)  # ranks that looked up different caches would hang
+    align_cache(tuner.cache, tuner.distributed, tuning)  # ranks looking up other caches would hang
     first_row = len(tuner.summary_rows())
     tuner.tuning_mode = tuning
     try:

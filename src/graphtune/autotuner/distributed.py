@@ -313,13 +313,20 @@ class OpCoordinator:
         return chosen
 
 
-def align_cache(cache: TuningCache, setting: DistributedTuning | None) -> None:
+def align_cache(
+    cache: TuningCache, setting: DistributedTuning | None, tuning: bool = False
+) -> None:
     """Makes every rank's cache the same: the union of the ranks' entries, the lowest rank's
     pick where they differ (a collective strategy only; see the module docstring). Costs one
     small ``all_gather_object`` when the caches already agree, two when they do not.
 
+    The first exchange also compares the ranks' strategies and whether they tune (``tuning``):
+    ranks that tune by different strategies, or of which only some tune, would wait for each
+    other's collectives forever.
+
     Raises:
-        DistributedError: A collective strategy without an initialised process group.
+        DistributedError: A collective strategy without an initialised process group, or ranks
+            whose strategy or tuning mode differs from rank 0's (named).
     """
     if setting is None or not setting.collective:
         return
@@ -334,9 +341,18 @@ def align_cache(cache: TuningCache, setting: DistributedTuning | None) -> None:
             )
         ).encode()
     ).hexdigest()
-    digests: list[Any] = [None] * world
-    torch.distributed.all_gather_object(digests, digest, group=setting.group)
-    if len(set(digests)) == 1:
+    states: list[Any] = [None] * world
+    mine = (setting.strategy, bool(tuning), digest)
+    torch.distributed.all_gather_object(states, mine, group=setting.group)
+    for index, what in ((0, "strategy"), (1, "tuning mode (tune=True or cache-only)")):
+        differ = [r for r, view in enumerate(states) if view[index] != states[0][index]]
+        if differ:
+            raise DistributedError(
+                f"distributed tuning: ranks {differ} have another {what} than rank 0 "
+                f"({states[differ[0]][index]!r} against {states[0][index]!r}); every rank must "
+                "enter autotune() with the same tune= and distributed strategy"
+            )
+    if len({view[2] for view in states}) == 1:
         return
     views: list[Any] = [None] * world
     torch.distributed.all_gather_object(views, entries, group=setting.group)

@@ -27,14 +27,13 @@ import torch
 
 from graphtune.autotuner import AutoTuner, DistributedTuning, autotune
 from graphtune.autotuner.distributed import align_cache
+from graphtune.engine.arguments import checked_engine_arguments
 from graphtune.engine.build import (
-    RUNNERS,
     build_prefill_runner,
     build_prefill_step,
     build_runner,
     build_step,
 )
-from graphtune.engine.devices import as_torch_device
 from graphtune.engine.kv_cache import KVCache, aligned_seq_len
 from graphtune.engine.memory_plan import MemoryPlan, MemoryReport, plan_memory
 from graphtune.engine.model import DecoderModel
@@ -47,7 +46,7 @@ from graphtune.engine.prefill import (
 from graphtune.engine.requests import (
     LiveRequest,
     RequestFailure,
-    check_same_requests,
+    agreed_requests,
     check_step_inputs,
     token_id,
     validate_request,
@@ -108,14 +107,17 @@ class Engine:
     engine builds :class:`~graphtune.engine.parallel.TensorParallelDecodeStep` for such a model.
     With ``tune=True`` a shard tunes its own (sharded) op shapes with the ``agree`` strategy
     over the model's group (every rank times every candidate, the slowest rank's time counts),
-    so all ranks run the same kernels; a given ``tuner`` must have a collective strategy. The
-    construction and every ``generate`` check that the ranks passed the same arguments.
+    so all ranks run the same kernels; a given ``tuner`` must have a collective strategy (also
+    cache-only). The construction and every ``generate`` check that the ranks passed the same
+    arguments and weights; a rank whose own arguments fail raises its error and the others a
+    ``DistributedError`` naming it, rather than waiting for it.
 
     Raises:
-        ConfigError: Unknown runner, sizes out of range, ``tune=True`` on a shard with a tuner
-            that is not rank-consistent, a shard without an initialised process group, or a
+        ConfigError: Unknown runner, sizes out of range, a tuner on a shard that is not
+            rank-consistent, a shard without an initialised process group, or a
             memory budget in which not one KV slot fits.
-        DistributedError: Tensor-parallel ranks passed different arguments (named).
+        DistributedError: Tensor-parallel ranks passed different arguments or weights, or
+            another rank's arguments failed (named).
     """
 
     def __init__(
@@ -140,40 +142,29 @@ class Engine:
         graph_backend: Any = None,
     ) -> None:
         prefill_runner = prefill_runner or default_prefill_runner(model, runner)
-        for name, kind in (("runner", runner), ("prefill_runner", prefill_runner)):
-            if kind not in RUNNERS:
-                raise ConfigError(f"{name} must be one of {RUNNERS}, got {kind!r}")
-        for name, value, low in (
-            ("max_batch_size", max_batch_size, 1),
-            ("max_seq_len", max_seq_len, 2),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
-        try:
-            model.config.check_positions(max_seq_len, f"max_seq_len={max_seq_len}")
-        except InputError as exc:  # the same rule as a request's, but here it is configuration
-            raise ConfigError(str(exc)) from None
-        target_device = as_torch_device(device) if device is not None else model.device
         target_dtype = dtype or model.dtype
+        target_device = checked_engine_arguments(
+            model,
+            runners=(runner, prefill_runner),
+            max_batch_size=max_batch_size,
+            max_seq_len=max_seq_len,
+            device=device,
+            agreed={
+                "model": model.config,
+                "dtype": target_dtype,
+                "max_batch_size": max_batch_size,
+                "max_seq_len": max_seq_len,
+                "runners": (runner, prefill_runner, max_prefill_tokens),
+                "capture": (capture_sizes, lazy_capture),
+                "tune": (tune, tuning_cache is not None),
+                "strict_numerics": strict_numerics,
+            },
+        )
         if model.device != target_device or model.dtype != target_dtype:
             model.to(target_device, target_dtype)
         self.model = model
         self.config = model.config
         self.device = target_device
-        if model.parallel is not None:
-            model.parallel.check_ready()
-            model.parallel.check_same_on_ranks(
-                "Engine(...)",
-                {
-                    "model": model.config,
-                    "weights": model.embed[:2, :4].float().tolist(),  # a seed's or file's mark
-                    "dtype": target_dtype,
-                    "max_batch_size": max_batch_size,
-                    "max_seq_len": max_seq_len,
-                    "runners": (runner, prefill_runner, max_prefill_tokens),
-                    "tune": (tune, tuning_cache is not None),
-                },
-            )
         self.max_seq_len = aligned_seq_len(max_seq_len)
         self._request_limit = max_seq_len  # requests keep to the caller's number, not the cache's
         if max_prefill_tokens is None:
@@ -205,7 +196,7 @@ class Engine:
             self.tuner = self._prepare_tuner(tune, tuning_cache, tuner)
         self.step_fn = build_step(model, self.cache, tuner=self.tuner)
         if tune:
-            with autotune(tuning_cache, self.tuner):
+            with autotune(tuning_cache, self.tuner, tune=True):
                 self.tune_report = tune_step(self.step_fn)
             logger.info("%s", self.tune_report.summary())
         self.runner_kind = runner
@@ -243,13 +234,12 @@ class Engine:
             # LM head), or their logits, and then their tokens, could drift apart.
             agree = DistributedTuning("agree", parallel.group) if parallel is not None else None
             tuner = AutoTuner(distributed=agree)
-        elif (
-            tune
-            and parallel is not None
-            and not (tuner.distributed is not None and tuner.distributed.collective)
+        elif parallel is not None and not (
+            tuner.distributed is not None and tuner.distributed.collective
         ):
+            # Cache-only too: ranks that look up different caches run different kernels.
             raise ConfigError(
-                "tune=True on a tensor-parallel shard needs a rank-consistent tuner: "
+                "a tuner on a tensor-parallel shard must be rank-consistent: "
                 "AutoTuner(distributed=DistributedTuning('agree', group)) (or 'parallel' / "
                 "'broadcast'), or leave tuner=None and the engine uses 'agree'"
             )
@@ -334,6 +324,42 @@ class Engine:
             )
         return [token_id(t, "prompt") for t in prompt]
 
+    def _requests(
+        self, prompts: Any, max_new_tokens: Any, sampling: Any, stop_token_ids: Any
+    ) -> tuple[list[LiveRequest], set[int]]:
+        """``generate``'s arguments checked, as requests and stop ids."""
+        if not isinstance(sampling, SamplingParams):
+            raise ConfigError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        if isinstance(prompts, str) or not isinstance(prompts, (Sequence, torch.Tensor)):
+            raise InputError(
+                f"prompts must be a list of prompts, got {type(prompts).__name__}; pass [prompt] "
+                "for one"
+            )
+        limits = (
+            [token_id(max_new_tokens, "max_new_tokens")] * len(prompts)
+            if not isinstance(max_new_tokens, Sequence)
+            else [token_id(m, "max_new_tokens") for m in max_new_tokens]
+        )
+        if len(limits) != len(prompts):
+            raise InputError(f"{len(prompts)} prompts but {len(limits)} max_new_tokens values")
+        requests = []
+        for i, (prompt, limit) in enumerate(zip(prompts, limits, strict=True)):
+            ids = self.encode(prompt)
+            validate_request(self.config, self._request_limit, ids, limit, i)
+            requests.append(LiveRequest(i, ids, limit))
+        stops = set(self.config.eos_token_ids)
+        if stop_token_ids is not None:
+            if not isinstance(stop_token_ids, Sequence) or isinstance(stop_token_ids, str):
+                raise InputError(f"stop_token_ids must be a list of ints, got {stop_token_ids!r}")
+            stops = {token_id(t, "stop_token_ids") for t in stop_token_ids}
+            outside = sorted(t for t in stops if not 0 <= t < self.config.vocab_size)
+            if outside:
+                raise InputError(
+                    f"stop_token_ids {outside[:5]} are outside [0, {self.config.vocab_size}) "
+                    "and could never stop a request; check they come from this model's tokenizer"
+                )
+        return requests, stops
+
     def decode(self, ids: Sequence[int]) -> str | None:
         """Text of ``ids`` when a tokenizer is attached, else ``None``."""
         tokenizer = self.model.tokenizer
@@ -372,38 +398,11 @@ class Engine:
                 stops early and is listed in :attr:`failures` (reset by every call).
         """
         sampling = sampling or GREEDY
-        if not isinstance(sampling, SamplingParams):
-            raise ConfigError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
-        if isinstance(prompts, str) or not isinstance(prompts, (Sequence, torch.Tensor)):
-            raise InputError(
-                f"prompts must be a list of prompts, got {type(prompts).__name__}; pass [prompt] "
-                "for one"
-            )
-        limits = (
-            [token_id(max_new_tokens, "max_new_tokens")] * len(prompts)
-            if not isinstance(max_new_tokens, Sequence)
-            else [token_id(m, "max_new_tokens") for m in max_new_tokens]
+        requests, stops = agreed_requests(
+            self.model.parallel,
+            lambda: self._requests(prompts, max_new_tokens, sampling, stop_token_ids),
+            sampling,
         )
-        if len(limits) != len(prompts):
-            raise InputError(f"{len(prompts)} prompts but {len(limits)} max_new_tokens values")
-        requests = []
-        for i, (prompt, limit) in enumerate(zip(prompts, limits, strict=True)):
-            ids = self.encode(prompt)
-            validate_request(self.config, self._request_limit, ids, limit, i)
-            requests.append(LiveRequest(i, ids, limit))
-        stops = set(self.config.eos_token_ids)
-        if stop_token_ids is not None:
-            if not isinstance(stop_token_ids, Sequence) or isinstance(stop_token_ids, str):
-                raise InputError(f"stop_token_ids must be a list of ints, got {stop_token_ids!r}")
-            stops = {token_id(t, "stop_token_ids") for t in stop_token_ids}
-            outside = sorted(t for t in stops if not 0 <= t < self.config.vocab_size)
-            if outside:
-                raise InputError(
-                    f"stop_token_ids {outside[:5]} are outside [0, {self.config.vocab_size}) "
-                    "and could never stop a request; check they come from this model's tokenizer"
-                )
-        if self.model.parallel is not None:
-            check_same_requests(self.model.parallel, requests, sampling, stops)
         generator = None
         if not sampling.greedy:
             generator = torch.Generator(device=self.device)

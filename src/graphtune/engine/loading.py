@@ -10,6 +10,7 @@ file that cannot be read or parsed is a :class:`~graphtune.errors.CheckpointErro
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from pathlib import Path
@@ -30,6 +31,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+# Elements of each tensor's first row in the checkpoint's mark (:meth:`_TensorSource.mark`).
+_MARK_ELEMENTS = 64
+
+
 class _TensorSource:
     """Reads named tensors from one or more safetensors files, checking names and shapes."""
 
@@ -44,6 +49,7 @@ class _TensorSource:
         self._safe_open = safe_open
         self._handles: dict[Path, Any] = {}
         self.read: set[str] = set()
+        self._mark = hashlib.sha256()
         index = folder / "model.safetensors.index.json"
         if index.exists():
             weight_map = read_json(index).get("weight_map")
@@ -84,6 +90,12 @@ class _TensorSource:
     def has(self, name: str) -> bool:
         return name in self.files
 
+    def mark(self) -> str:
+        """A digest of a sample of every tensor read so far: the first elements of its first
+        row, which every tensor-parallel rank reads whatever its shard (so ranks that loaded
+        different checkpoints of one shape are told apart, :mod:`graphtune.engine.arguments`)."""
+        return self._mark.hexdigest()
+
     def unread(self) -> list[str]:
         """Tensors of the checkpoint that no :meth:`get` call read."""
         return sorted(set(self.files) - self.read)
@@ -122,7 +134,12 @@ class _TensorSource:
             dim, rank, parts = part
             size = shape[dim] // parts
             index = slice(rank * size, (rank + 1) * size)
+            sample = lazy[0:1]
             tensor = lazy[index] if dim == 0 else lazy[:, index]
+        else:
+            sample = tensor[:1] if tensor.dim() > 1 else tensor
+        sample = sample.reshape(-1)[:_MARK_ELEMENTS].contiguous()
+        self._mark.update(name.encode() + sample.view(torch.uint8).numpy().tobytes())
         return tensor
 
 
@@ -306,6 +323,7 @@ def load_checkpoint(
         tokenizer=load_tokenizer(folder),
         source=str(folder),
     )
+    model.extras["weights_mark"] = source.mark()
     _warn_unread(source, folder)
     if rows is not None:
         from graphtune.engine.parallel import shard_config

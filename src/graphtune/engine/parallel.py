@@ -47,6 +47,9 @@ from graphtune.ops.context import OpContext
 
 logger = logging.getLogger(__name__)
 
+# The key under which check_same_on_ranks exchanges a rank's own failure.
+_FAILURE = "(its own checks)"
+
 
 @dataclass(frozen=True)
 class ParallelContext:
@@ -109,18 +112,38 @@ class ParallelContext:
                 "(torchrun sets its environment)"
             )
 
-    def check_same_on_ranks(self, what: str, values: dict[str, Any]) -> None:
+    def check_same_on_ranks(
+        self, what: str, values: dict[str, Any], failure: Exception | None = None
+    ) -> None:
         """Checks that every rank passes equal ``values`` (one ``all_gather_object`` of their
         digests): a tensor-parallel step needs the same requests, limits and sampling on every
         rank, or the ranks' collectives pair up different work (wrong tokens, a hang or an
         abort in the collective library).
 
+        A rank whose own checks of its arguments failed passes that error as ``failure``
+        (``values`` then do not matter): it still joins the exchange, so the other ranks learn
+        of it instead of waiting for it in their next collective.
+
         Raises:
-            DistributedError: A value differs; the message names it and the ranks.
+            Exception: ``failure`` itself, on the rank that passed it.
+            DistributedError: Another rank failed its checks, or a value differs; the message
+                names the ranks and the error or the value.
         """
-        mine = {name: hashlib.sha256(repr(v).encode()).hexdigest() for name, v in values.items()}
+        mine: dict[str, Any] = {
+            name: hashlib.sha256(repr(v).encode()).hexdigest() for name, v in values.items()
+        }
+        mine[_FAILURE] = None if failure is None else f"{type(failure).__name__}: {failure}"
         views: list[Any] = [None] * self.world_size
         torch.distributed.all_gather_object(views, mine, group=self.group)
+        if failure is not None:
+            raise failure
+        failed = [(rank, view[_FAILURE]) for rank, view in enumerate(views) if view[_FAILURE]]
+        if failed:
+            rank, error = failed[0]
+            raise DistributedError(
+                f"{what}: rank {rank} refused its arguments ({error}); every tensor-parallel "
+                "rank must pass the same valid arguments"
+            )
         differ = {
             name: [r for r, view in enumerate(views) if view[name] != views[0][name]]
             for name in mine

@@ -6,6 +6,7 @@ the same ones: :func:`check_same_requests`) and the inputs of ``Engine.step``
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,7 +14,7 @@ import torch
 
 from graphtune import env
 from graphtune.engine.config import ModelConfig, request_positions
-from graphtune.errors import InputError
+from graphtune.errors import ConfigError, InputError
 
 
 @dataclass
@@ -96,6 +97,30 @@ def check_same_requests(
             "stop_token_ids": sorted(stops),
         },
     )
+
+
+def agreed_requests(
+    parallel: Any,
+    parse: Callable[[], tuple[list[LiveRequest], set[int]]],
+    sampling: Any,
+) -> tuple[list[LiveRequest], set[int]]:
+    """``parse()``'s requests and stop ids; on a tensor-parallel shard (``parallel``), the same
+    on every rank (:func:`check_same_requests`). A rank whose arguments fail ``parse`` still
+    joins that check, so the other ranks raise instead of waiting for it in the step.
+
+    Raises:
+        ConfigError, InputError: This rank's arguments break a rule (from ``parse``).
+        DistributedError: Another rank's arguments failed, or the ranks' requests differ.
+    """
+    try:
+        requests, stops = parse()
+    except (ConfigError, InputError) as exc:
+        if parallel is not None:
+            parallel.check_same_on_ranks("Engine.generate", {}, failure=exc)
+        raise
+    if parallel is not None:
+        check_same_requests(parallel, requests, sampling, stops)
+    return requests, stops
 
 
 def token_id(value: Any, what: str) -> int:

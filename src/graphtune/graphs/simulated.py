@@ -55,7 +55,7 @@ def _storage_ptrs(values: Any) -> set[int]:
 class _Op:
     """One recorded op: what to call, and which outputs to refresh after calling it again."""
 
-    __slots__ = ("func", "args", "kwargs", "refresh")
+    __slots__ = ("func", "args", "kwargs", "refresh", "waits")
 
     def __init__(self, func: Any, args: tuple, kwargs: dict, output: Any) -> None:
         self.func = func
@@ -69,12 +69,21 @@ class _Op:
             for index, leaf in enumerate(tree_leaves(output))
             if isinstance(leaf, torch.Tensor) and leaf.untyped_storage().data_ptr() not in inputs
         ]
+        # An asynchronous collective (c10d's allreduce_) returns work that the eager call waited
+        # on; a replay that did not would let the next op read a sum that is not finished.
+        self.waits = [
+            index
+            for index, leaf in enumerate(tree_leaves(output))
+            if not isinstance(leaf, torch.Tensor) and callable(getattr(leaf, "wait", None))
+        ]
 
     def replay(self) -> None:
         fresh = self.func(*self.args, **self.kwargs)
-        if not self.refresh:
+        if not self.refresh and not self.waits:
             return
         leaves = tree_leaves(fresh)
+        for index in self.waits:
+            leaves[index].wait()
         for index, recorded in self.refresh:
             recorded.copy_(leaves[index])
 

@@ -1,0 +1,78 @@
+"""The checks of ``Engine(...)``'s own arguments, agreed between tensor-parallel ranks.
+
+On a shard, every rank must build the same engine: its collectives pair up with the other
+ranks' only when they run the same step. So the ranks exchange what they were given, and a rank
+whose arguments fail their checks still joins that exchange: it raises its own error, and the
+other ranks raise :class:`~graphtune.errors.DistributedError` naming it, instead of waiting for
+it in their next collective.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from graphtune.engine.build import RUNNERS
+from graphtune.engine.devices import as_torch_device
+from graphtune.engine.model import DecoderModel
+from graphtune.errors import ConfigError, InputError
+
+
+def checked_engine_arguments(
+    model: DecoderModel,
+    *,
+    runners: tuple[str, str],
+    max_batch_size: Any,
+    max_seq_len: Any,
+    device: torch.device | str | None,
+    agreed: dict[str, Any],
+) -> torch.device:
+    """Checks ``Engine``'s runner kinds, sizes and device; on a shard, that every rank passes
+    the same ``agreed`` values and weights. Returns the device the engine runs on.
+
+    Raises:
+        ConfigError: An argument of this rank breaks its rule.
+        DistributedError: Another rank's arguments failed their checks, or differ from rank
+            0's (named).
+    """
+    parallel = model.parallel
+    if parallel is not None:
+        parallel.check_ready()
+    try:
+        for name, kind in zip(("runner", "prefill_runner"), runners, strict=True):
+            if kind not in RUNNERS:
+                raise ConfigError(f"{name} must be one of {RUNNERS}, got {kind!r}")
+        for name, value, low in (
+            ("max_batch_size", max_batch_size, 1),
+            ("max_seq_len", max_seq_len, 2),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
+        try:
+            model.config.check_positions(max_seq_len, f"max_seq_len={max_seq_len}")
+        except InputError as exc:  # the same rule as a request's, but here it is configuration
+            raise ConfigError(str(exc)) from None
+        target = as_torch_device(device) if device is not None else model.device
+    except ConfigError as exc:
+        if parallel is not None:
+            parallel.check_same_on_ranks("Engine(...)", {}, failure=exc)
+        raise
+    if parallel is not None:
+        parallel.check_same_on_ranks(
+            "Engine(...)",
+            {
+                **agreed,
+                "weights": weights_mark(model),
+                "all_reduce": parallel.all_reduce_backend,
+            },
+        )
+    return target
+
+
+def weights_mark(model: DecoderModel) -> tuple[Any, ...]:
+    """What tells two ranks' weights apart without reading them whole: a corner of the
+    (replicated) embedding, and the checkpoint's sample of every tensor it read (the same
+    elements on every rank, whatever its shard: ``extras["weights_mark"]``, set by
+    :func:`~graphtune.engine.loading.load_checkpoint`)."""
+    return (model.embed[:2, :4].float().tolist(), model.extras.get("weights_mark"))

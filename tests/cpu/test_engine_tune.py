@@ -228,6 +228,31 @@ def test_bench_decode_tune_reports_tuned_beside_untuned(tmp_path, capsys, monkey
     assert "--compare-compile captures CUDA graphs" in capsys.readouterr().err
 
 
+def test_bench_decode_tune_uses_checks_and_records_graphtune_cache(tmp_path, capsys, monkeypatch):
+    import json
+
+    import graphtune.autotuner
+    from graphtune.cli.main import main
+
+    monkeypatch.setattr(graphtune.autotuner, "AutoTuner", _tuner)
+    args = "bench decode --model tiny --batch-sizes 1 --context 4 --steps 1 --repeats 1".split()
+    args += ["--device", "cpu", "--tune", "--json", str(tmp_path / "d.json")]
+    # A folder where GRAPHTUNE_CACHE points is refused before the run, not renamed away.
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    monkeypatch.setenv("GRAPHTUNE_CACHE", str(folder))
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert "GRAPHTUNE_CACHE (the default of --tuning-cache)" in err and "batch 1" not in err
+    assert folder.is_dir() and sorted(p.name for p in tmp_path.iterdir()) == ["folder"]
+    # A usable file is the run's cache, and the JSON says so.
+    cache = tmp_path / "env.json"
+    monkeypatch.setenv("GRAPHTUNE_CACHE", str(cache))
+    assert main(args) == 0
+    assert json.loads((tmp_path / "d.json").read_text())["config"]["tuning_cache"] == str(cache)
+    assert cache.is_file()
+
+
 def test_tune_step_compiles_up_front_and_tunes_what_it_would_without() -> None:
     from graphtune.ops import triton_available
     from graphtune.ops._triton_runner import triton_runners

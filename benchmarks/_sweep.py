@@ -18,6 +18,7 @@ from graphtune import bench
 from graphtune.autotuner import FALLBACK_TACTIC
 from graphtune.autotuner.entries import tactic_text
 from graphtune.bench.cupti_sweep import cupti_graph_sweep
+from graphtune.cli._args import positive_int
 from graphtune.engine.config import ModelConfig
 from graphtune.engine.presets import get_preset
 from graphtune.errors import ConfigError
@@ -33,7 +34,9 @@ def add_common_arguments(parser: argparse.ArgumentParser, what: str) -> None:
     and ``--label``."""
     parser.add_argument("--out", type=Path, required=True, help="folder for the JSON result")
     parser.add_argument("--model", default="llama-1b-shape", help=f"preset whose {what} to sweep")
-    parser.add_argument("--replays", type=int, default=10, help="CUPTI replays per candidate")
+    parser.add_argument(
+        "--replays", type=positive_int, default=10, help="CUPTI replays per candidate"
+    )
     parser.add_argument("--commit", help="commit to record (default: git)")
     parser.add_argument("--label", help="suffix of the result file name")
 

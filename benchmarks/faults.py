@@ -63,6 +63,7 @@ from graphtune.autotuner import (
 from graphtune.autotuner.isolation import Isolation
 from graphtune.autotuner.maintenance import verify_file
 from graphtune.bench import gpu_slug, provenance, require_cuda_or_exit, write_json
+from graphtune.cli._args import positive_int
 
 try:
     import triton
@@ -335,7 +336,9 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True, help="folder for the JSON result")
     parser.add_argument("--quick", action="store_true", help="2,000 soak steps instead of 20,000")
     parser.add_argument("--commit", default=None, help="commit to record (default: git)")
-    parser.add_argument("--steps", type=int, default=None, help="soak steps (overrides --quick)")
+    parser.add_argument(
+        "--steps", type=positive_int, default=None, help="soak steps (overrides --quick)"
+    )
     parser.add_argument("--timeout", type=float, default=30.0, help="per-tactic timeout (s)")
     args = parser.parse_args()
     device = require_cuda_or_exit("faults.py")

@@ -38,6 +38,8 @@ import torch
 
 from graphtune import bench
 from graphtune.autotuner import AutoTuner, autotune
+from graphtune.cli._args import check_output_path, non_negative_int, report_written
+from graphtune.errors import ConfigError
 from graphtune.ops import attention
 from graphtune.ops.fused import (
     add_projection,
@@ -291,9 +293,16 @@ def main(argv: list[str] | None = None) -> int:
         default=",".join(CASES),
         help=f"SHAPE:M,... to run (default {','.join(CASES)}; all: {','.join(ALL_CASES)})",
     )
-    parser.add_argument("--layers", type=int, default=0, help="weight copies (0: 4 / 2 for 8B)")
+    parser.add_argument(
+        "--layers", type=non_negative_int, default=0, help="weight copies (0: 4 / 2 for 8B)"
+    )
     args = parser.parse_args(argv)
     device = bench.require_cuda_or_exit("fused_ops.py")
+    target = args.out / f"fused-ops-{bench.gpu_slug(torch.cuda.get_device_name(device))}.json"
+    try:  # before the tuning: a result that cannot land at target is found late otherwise
+        check_output_path(target, "--out")
+    except ConfigError as exc:
+        parser.error(str(exc))
     tuner = AutoTuner(show_progress=False)  # one tuner: shapes shared between cases tune once
     results = []
     start = time.perf_counter()
@@ -311,11 +320,11 @@ def main(argv: list[str] | None = None) -> int:
         "cases": results,
         "tuner_stats": vars(tuner.stats),
     }
-    path = args.out / f"fused-ops-{bench.gpu_slug(torch.cuda.get_device_name(device))}.json"
-    bench.write_json(path, payload)
-    print(f"wrote {path} in {payload['seconds']:.0f} s")
+    path = bench.write_json(target, payload)  # target, or the fallback file it went to instead
+    print(f"done in {payload['seconds']:.0f} s")
     print(table(results))
-    return 0
+    # Exit 1 when the result went to the temporary folder: a script would find no file at target.
+    return 0 if report_written("--out", target, path) else 1
 
 
 if __name__ == "__main__":

@@ -35,6 +35,8 @@ from typing import Any
 import torch
 
 from graphtune import bench
+from graphtune.cli._args import check_output_path, positive_int, report_written
+from graphtune.errors import ConfigError
 from graphtune.reporting import render_table
 
 
@@ -108,9 +110,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for the JSON result")
     parser.add_argument("--quick", action="store_true", help="fewer calls (tests)")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=positive_int, default=5)
     parser.add_argument("--commit", default=None)
     args = parser.parse_args(argv)
+    target = args.out / "host-overhead-cpu.json"
+    try:  # before the measurements: a result that cannot land at target is found late otherwise
+        check_output_path(target, "--out")
+    except ConfigError as exc:
+        parser.error(str(exc))
     scale = 20 if args.quick else 1
     result = {
         "benchmark": "host_overhead",
@@ -120,16 +127,16 @@ def main(argv: list[str] | None = None) -> int:
         "launch_us": launch_us(3000 // scale, args.repeats),
         "forward_ms": forward_ms(200 // scale, args.repeats),
     }
-    path = bench.write_json(args.out / "host-overhead-cpu.json", result)
+    path = bench.write_json(target, result)
     rows = [("memoised look-up, us", f"{result['lookup_us']:.2f}")]
     rows += [
         (f"launch: {label}, us", f"{v:.2f}" if isinstance(v, float) else v)
         for label, v in result["launch_us"].items()
     ]
     rows.append(("eager forward, tiny x 16 layers, batch 8, ms", f"{result['forward_ms']:.3f}"))
-    print(f"wrote {path}")
     print(render_table("graphtune host time (CPU)", ["measurement", "value"], rows))
-    return 0
+    # Exit 1 when the result went to the temporary folder: a script would find no file at target.
+    return 0 if report_written("--out", target, path) else 1
 
 
 if __name__ == "__main__":

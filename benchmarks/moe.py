@@ -75,6 +75,7 @@ from _moe_scores import (
 
 from graphtune import bench
 from graphtune.bench.cupti_sweep import cupti_graph_sweep
+from graphtune.cli._args import positive_int
 
 logger = logging.getLogger("benchmarks.moe")
 
@@ -407,8 +408,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--tokens", type=_int_list, default=[1, 8, 64, 512, 4096])
-    parser.add_argument("--max-tokens", type=int, default=4096)
-    parser.add_argument("--replays", type=int, default=10)
+    parser.add_argument("--max-tokens", type=positive_int, default=4096)
+    parser.add_argument("--replays", type=positive_int, default=10)
     parser.add_argument("--min-replay-us", type=float, default=200.0)
     parser.add_argument("--commit", default=None)
     parser.add_argument("--quick", action="store_true", help="tokens 1,64; buckets up to 64")

@@ -60,6 +60,7 @@ from graphtune.autotuner import AutoTuner  # noqa: E402
 from graphtune.bench.cupti_graph import graph_calls_for  # noqa: E402
 from graphtune.bench.cupti_sweep import cupti_graph_sweep  # noqa: E402
 from graphtune.bench.graphs import capture_calls, capture_stream, release  # noqa: E402
+from graphtune.cli._args import positive_int  # noqa: E402
 from graphtune.engine.step_refine import (  # noqa: E402
     profile_record,
     refine_in_step,
@@ -331,8 +332,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--batches", default="1,8,16,32", help="batch sizes, comma-separated")
     parser.add_argument("--context", type=int, default=512, help="position of every row")
     parser.add_argument("--ops", default="", help="only ops whose name contains one of these")
-    parser.add_argument("--rounds", type=int, default=11, help="replay rounds per profile")
-    parser.add_argument("--steps-per-graph", type=int, default=2, help="steps per graph")
+    parser.add_argument("--rounds", type=positive_int, default=11, help="replay rounds per profile")
+    parser.add_argument("--steps-per-graph", type=positive_int, default=2, help="steps per graph")
     parser.add_argument(
         "--refine",
         action="store_true",

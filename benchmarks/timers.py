@@ -48,6 +48,7 @@ from graphtune.bench import (
     require_cuda_or_exit,
     write_json,
 )
+from graphtune.cli._args import non_negative_int, positive_int
 
 logger = logging.getLogger("benchmarks.timers")
 
@@ -344,11 +345,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="folder")
     parser.add_argument("--quick", action="store_true", help="smaller set, fewer samples")
     parser.add_argument("--commit", default=None, help="commit to record (else env / git)")
-    parser.add_argument("--warmup", type=int, default=3, help="timer warm-up (tuner default 3)")
-    parser.add_argument("--repeat", type=int, default=10, help="calls/sample (tuner default 10)")
-    parser.add_argument("--replays", type=int, default=10, help="GraphTimer timed replays")
-    parser.add_argument("--samples", type=int, default=10, help="EventTimer samples")
-    parser.add_argument("--cupti-calls", type=int, default=50, help="profiled calls per case")
+    parser.add_argument(
+        "--warmup", type=non_negative_int, default=3, help="timer warm-up (tuner default 3)"
+    )
+    parser.add_argument(
+        "--repeat", type=positive_int, default=10, help="calls/sample (tuner default 10)"
+    )
+    parser.add_argument("--replays", type=positive_int, default=10, help="GraphTimer timed replays")
+    parser.add_argument("--samples", type=positive_int, default=10, help="EventTimer samples")
+    parser.add_argument(
+        "--cupti-calls", type=positive_int, default=50, help="profiled calls per case"
+    )
     parser.add_argument("--only", default=None, help="run cases whose name contains this text")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     args = parser.parse_args(argv)

@@ -41,6 +41,7 @@ import tuning  # noqa: E402
 from _tuning_scores import short_tactic  # noqa: E402
 
 from graphtune import bench as _common  # noqa: E402
+from graphtune.cli._args import positive_int  # noqa: E402
 
 DEFAULT_CASES = (
     "down 8192->2048 M=2",
@@ -202,9 +203,9 @@ def table(records: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("."))
-    parser.add_argument("--sessions", type=int, default=8)
-    parser.add_argument("--runs", type=int, default=6)
-    parser.add_argument("--top", type=int, default=4)
+    parser.add_argument("--sessions", type=positive_int, default=8)
+    parser.add_argument("--runs", type=positive_int, default=6)
+    parser.add_argument("--top", type=positive_int, default=4)
     parser.add_argument(
         "--only",
         action="append",

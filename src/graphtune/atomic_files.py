@@ -22,6 +22,7 @@ import logging
 import os
 import re
 import secrets
+import stat
 import tempfile
 from collections.abc import Callable
 from os import PathLike
@@ -35,7 +36,10 @@ _RANDOM = f"[a-z0-9_]{{{_RANDOM_CHARS}}}"
 
 
 def temp_file(path: str | PathLike[str]) -> tuple[int, Path]:
-    """Creates ``path``'s next temporary file (mode 0600, next to it) and opens it for writing.
+    """Creates ``path``'s next temporary file (next to it) and opens it for writing.
+
+    The file gets the mode ``path`` should have once it is renamed over ``path``: ``path``'s own
+    mode when it exists, else that of any new file the user creates (``0o666`` less the umask).
 
     Returns:
         The open file descriptor and the temporary file's path.
@@ -44,13 +48,29 @@ def temp_file(path: str | PathLike[str]) -> tuple[int, Path]:
         OSError: The folder cannot be written.
     """
     path = Path(path)
+    try:
+        keep: int | None = stat.S_IMODE(os.stat(path).st_mode)
+    except OSError:  # no file yet (or none we can see): a new file's mode
+        keep = None
+    # A new file is opened with 0o666 and the kernel takes the umask (and a folder's default
+    # ACL) off, as for any file the user creates: the umask is never read, since reading it
+    # means setting it (os.umask) and setting it back, and a thread creating a file meanwhile
+    # would get the wrong mode. A replaced file's mode is copied onto a 0o600 file before any
+    # byte is written, so a private file's data is never readable by others, even briefly.
+    create_mode = 0o666 if keep is None else 0o600
     while True:
         name = f".{path.name}.{secrets.token_hex(_RANDOM_CHARS // 2)}.tmp"
         tmp = path.with_name(name)
         try:
-            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), tmp
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, create_mode)
         except FileExistsError:
             continue
+        if keep is not None and keep != 0o600:
+            try:
+                os.fchmod(fd, keep)
+            except OSError as exc:  # a file system without modes (FAT, some mounts): keep 0600
+                logger.debug("could not give %s the mode of %s: %s", tmp, path, exc)
+        return fd, tmp
 
 
 def is_temp_file_of(path: str | PathLike[str], candidate: str | PathLike[str]) -> bool:

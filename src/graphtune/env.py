@@ -45,6 +45,12 @@ _TRUE = {"1", "true", "yes", "on"}
 _OFF = frozenset({"0", "false", "no", "off"})
 
 
+def _is_decimal(value: str) -> bool:
+    """Whether ``value`` is ASCII digits only: ``str.isdigit`` also accepts ``"²"`` and other
+    digit characters that ``int`` then refuses with a ValueError."""
+    return value.isascii() and value.isdigit()
+
+
 def _flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in _TRUE
 
@@ -100,7 +106,7 @@ def compile_processes() -> int | None:
     value = os.environ.get("GRAPHTUNE_COMPILE_PROCESSES", "").strip()
     if not value:
         return None
-    if not value.isdigit():
+    if not _is_decimal(value):
         raise ConfigError(
             f"GRAPHTUNE_COMPILE_PROCESSES={value!r}: must be an integer >= 0 (0 compiles in "
             "threads only); unset it for the default."
@@ -142,7 +148,7 @@ def missing_rendezvous() -> list[str]:
 
 def _launch_int(name: str) -> int:
     value = os.environ[name].strip()
-    if not value.isdigit():
+    if not _is_decimal(value):
         raise ConfigError(
             f"environment variable {name}={os.environ[name]!r} must be a non-negative integer; "
             "launch with torchrun, which sets it"

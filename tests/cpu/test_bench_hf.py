@@ -204,6 +204,34 @@ def test_bench_config_rules() -> None:
         DecodeBenchConfig(tune=True, **{name: value})
 
 
+def test_speedup_over_hf_is_over_the_engines_fastest_step() -> None:
+    from graphtune.bench.decode_results import BatchResult, DecodeBenchReport
+
+    # The tuned step lost to the untuned graph here: the engine's fastest is the untuned one.
+    result = BatchResult(1, graph_ms=1.0, tuned_graph_ms=2.0, hf_ms=1.5, hf_eager_ms=3.0)
+    report = DecodeBenchReport(config={}, model={}, provenance={}, results=[result])
+    report.derive()
+    assert result.speedup_over_hf == pytest.approx(1.5)
+    eager_only = BatchResult(1, eager_ms=4.0, tuned_eager_ms=2.0, hf_eager_ms=3.0)
+    DecodeBenchReport(config={}, model={}, provenance={}, results=[eager_only]).derive()
+    assert eager_only.speedup_over_hf == pytest.approx(1.5)
+
+
+def test_main_table_headers_stay_distinguishable_in_140_columns() -> None:
+    from graphtune.bench.decode_report import format_report
+    from graphtune.bench.decode_results import BatchResult, DecodeBenchReport
+
+    result = BatchResult(1, eager_ms=19.0, tuned_eager_ms=2.6, compile_ms=1.0)
+    config = {"context": 8, "dtype": "float32", "device": "cpu"}
+    model = {"name": "tiny", "parameters": 110_000}
+    report = DecodeBenchReport(config=config, model=model, provenance={}, results=[result])
+    report.tuning_seconds, report.tuning_compile_seconds, report.tuning_profiles = 1.0, 0.0, 1
+    report.derive()
+    header = format_report(report).split("┡")[0]
+    assert "…" not in header  # "tuned/untuned" and "tuned/floor" were both cut to "tuned/…"
+    assert "untuned" in header and "floor" in header
+
+
 def test_family_table_lists_each_profiled_step() -> None:
     from graphtune.bench.decode_report import family_table
     from graphtune.bench.decode_results import BatchResult

@@ -43,3 +43,65 @@ def test_host_overhead_refuses_the_interpreter(tmp_path):
     assert done.returncode == 2, done.stderr[-2000:]
     assert done.stderr.count("error:") == 1 and "TRITON_INTERPRET" in done.stderr
     assert not list(tmp_path.iterdir())  # nothing written
+
+
+def _script(monkeypatch):
+    """The script in this process, with its measurements stubbed (only main's checks and
+    writes are under test) and the interpreter guard off (other test modules set it)."""
+    benchmarks = str(ROOT / "benchmarks")
+    monkeypatch.syspath_prepend(benchmarks)
+    import host_overhead
+
+    import graphtune.ops._triton
+
+    monkeypatch.setattr(graphtune.ops._triton, "kernels_interpreted", lambda: False)
+    monkeypatch.setattr(host_overhead.bench, "host_speed", lambda: {"python_loop_us": 1.0})
+    monkeypatch.setattr(host_overhead, "lookup_us", lambda calls, repeats: 1.0)
+    monkeypatch.setattr(host_overhead, "launch_us", lambda calls, repeats: {})
+    monkeypatch.setattr(host_overhead, "forward_ms", lambda calls, repeats: 1.0)
+    return host_overhead
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--out", "{d}/afile"], "afile is a file, not a folder"),
+        (["--out", "{d}", "--repeats", "0"], "--repeats: must be >= 1"),
+    ],
+)
+def test_host_overhead_refuses_bad_arguments_before_measuring(
+    tmp_path, capsys, monkeypatch, flags, message
+):
+    script = _script(monkeypatch)
+    monkeypatch.setattr(script, "lookup_us", lambda *a: pytest.fail("measured"))
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(SystemExit) as exited:
+        script.main([flag.format(d=tmp_path) for flag in flags])
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
+    assert [p.name for p in tmp_path.iterdir()] == ["afile"]
+
+
+def test_host_overhead_exits_1_when_its_result_went_to_the_temporary_folder(
+    tmp_path, capsys, monkeypatch
+):
+    import graphtune.bench.results as results
+
+    script = _script(monkeypatch)
+    out, spare = tmp_path / "out", tmp_path / "spare"
+    out.mkdir()
+    spare.mkdir()
+    write = results._write_atomically
+
+    def fail_in_out(path, data):
+        if Path(path).parent == out:
+            raise OSError(28, "No space left on device")
+        write(path, data)
+
+    monkeypatch.setattr(results, "_write_atomically", fail_in_out)
+    monkeypatch.setattr("tempfile.gettempdir", lambda: str(spare))
+    assert script.main(["--out", str(out), "--quick"]) == 1
+    (kept,) = spare.iterdir()
+    err = capsys.readouterr().err
+    assert "could not be written" in err and str(kept) in err and "wrote" not in err
+    assert not list(out.iterdir())

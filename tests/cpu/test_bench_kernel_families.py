@@ -37,6 +37,25 @@ from graphtune.bench.kernel_families import FAMILIES, family_of, kernel_families
         ),
         ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add>", "other"),
         ("Memset (Device)", "other"),
+        # graphtune's mixture-of-experts Triton kernels (graphtune.ops.moe).
+        ("moe_gate_up_kernel", "GEMV/GEMM"),
+        ("moe_down_kernel", "GEMV/GEMM"),
+        ("moe_gemv_gate_up_kernel", "GEMV/GEMM"),
+        ("moe_gemv_down_kernel", "GEMV/GEMM"),
+        ("moe_router_kernel", "routing"),
+        ("moe_route_top_k_kernel", "routing"),
+        ("moe_histogram_kernel", "routing"),
+        ("moe_align_kernel", "routing"),
+        ("moe_sum_kernel", "other"),
+        ("decode_inputs_kernel", "other"),
+        # torch's and vLLM-style routing kernels; a bare softmax does not say whose it is.
+        ("void at::native::sbtopk::gatherTopK<float, unsigned int, 2, false>", "routing"),
+        ("void moe::topkGatingSoftmax<4, 64, 4, 16, int>", "routing"),
+        (
+            "void (anonymous namespace)::cunn_SoftMaxForward<4, float, float, float, "
+            "(anonymous namespace)::SoftMaxForwardEpilogue>",
+            "other",
+        ),
     ],
 )
 def test_family_of_known_kernel_names(name: str, family: str) -> None:

@@ -1,4 +1,5 @@
-"""What every exhaustive sweep script in benchmarks/ does without a GPU."""
+"""What every exhaustive sweep script in benchmarks/ (and fused_ops.py, a sweep of fused stages)
+does without a GPU."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ if str(BENCHMARKS) not in sys.path:
 
 import _sweep  # noqa: E402
 import attention_sweep  # noqa: E402
+import fused_ops  # noqa: E402
 import gemm_sweep  # noqa: E402
 import gemv_sweep  # noqa: E402
 
@@ -42,6 +44,8 @@ def test_main_without_cuda_exits_2_with_a_reason(script, tmp_path, capsys, monke
         (gemm_sweep, ["--batches", "1"], "--batches must be >= 2"),
         (gemm_sweep, ["--batches", "x"], "--batches must be integers"),
         (gemm_sweep, ["--model", "llama-9b"], "--model:"),
+        (gemm_sweep, ["--replays", "0"], "--replays: must be >= 1"),
+        (attention_sweep, ["--replays", "x"], "--replays: expected an integer"),
     ],
 )
 def test_bad_arguments_of_a_projection_sweep_are_usage_errors(
@@ -111,3 +115,38 @@ def test_sweep_projections_makes_cases_once_per_batch_and_sweeps_ops_in_order(ca
     assert made == [8, 128]
     assert [s["case"] for s in sweeps] == [("down", 8), ("o", 8), ("down", 128), ("o", 128)]
     assert "batch 128 o: 3 candidates, compile 1.0 s, sweep 0.5 s" in capsys.readouterr().out
+
+
+def test_fused_ops_checks_out_first_and_exits_1_when_the_result_went_elsewhere(
+    tmp_path, capsys, monkeypatch
+):
+    import graphtune.bench.results as results
+
+    monkeypatch.setattr(fused_ops.bench, "require_cuda_or_exit", lambda script: "cpu")
+    monkeypatch.setattr(fused_ops.torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setattr(fused_ops.bench, "provenance", lambda **kw: {})
+    monkeypatch.setattr(fused_ops, "table", lambda found: "table")
+    monkeypatch.setattr(fused_ops, "run_case", lambda *a: {"tuning_s": 0.0, "seconds": 0.0})
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(SystemExit) as exited:  # checked before tuning, not after
+        fused_ops.main(["--out", str(tmp_path / "afile"), "--cases", "llama-1b:1"])
+    assert exited.value.code == 2 and "is a file, not a folder" in capsys.readouterr().err
+    # The write fails late: the path printed is where the data is, and the exit status says so.
+    out, spare = tmp_path / "out", tmp_path / "spare"
+    out.mkdir()
+    spare.mkdir()
+    write = results._write_atomically
+
+    def fail_in_out(path, data):
+        if Path(path).parent == out:
+            raise OSError(28, "No space left on device")
+        write(path, data)
+
+    monkeypatch.setattr(results, "_write_atomically", fail_in_out)
+    monkeypatch.setattr("tempfile.gettempdir", lambda: str(spare))
+    assert fused_ops.main(["--out", str(out), "--cases", "llama-1b:1"]) == 1
+    (kept,) = spare.iterdir()
+    captured = capsys.readouterr()
+    assert str(kept) in captured.err and "wrote" not in captured.out + captured.err
+    assert fused_ops.main(["--out", str(tmp_path), "--cases", "llama-1b:1"]) == 0
+    assert f"wrote {tmp_path / 'fused-ops-h200.json'}" in capsys.readouterr().err

@@ -394,6 +394,35 @@ def test_provenance_has_every_field_of_the_schema():
     assert not schema.is_provenance({"schema": schema.SCHEMA})
 
 
+def test_git_commit_ignores_a_repository_that_does_not_track_the_package(tmp_path, monkeypatch):
+    import shutil
+    import subprocess
+
+    if shutil.which("git") is None:
+        pytest.skip("needs git")
+
+    def git(*args: str) -> str:
+        command = ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args]
+        done = subprocess.run(command, cwd=tmp_path, check=True, capture_output=True, text=True)
+        return done.stdout.strip()
+
+    # graphtune installed in a virtual environment inside someone's project repository.
+    git("init", "-q")
+    (tmp_path / "README").write_text("x\n")
+    git("add", "README")
+    git("commit", "-q", "-m", "project")
+    installed = tmp_path / "venv" / "graphtune" / "bench" / "schema.py"
+    installed.parent.mkdir(parents=True)
+    installed.write_text("")
+    monkeypatch.setattr(schema, "__file__", str(installed))
+    monkeypatch.setattr(schema.env, "source_commit", lambda: None)
+    assert schema.git_commit() == "unknown"
+    # A checkout that tracks the file is graphtune's own source: its commit is recorded.
+    git("add", str(installed))
+    git("commit", "-q", "-m", "source")
+    assert schema.git_commit() == git("rev-parse", "HEAD")
+
+
 def test_command_line_names_the_program(monkeypatch):
     monkeypatch.setattr(schema.sys, "argv", ["/x/graphtune/__main__.py", "bench", "decode"])
     assert schema.command_line().endswith("-m graphtune bench decode")

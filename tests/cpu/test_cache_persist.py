@@ -84,6 +84,21 @@ def test_save_load_round_trip(tmp_path) -> None:
     assert not list(tmp_path.glob("sub/.cache.json.*.tmp"))  # no temp file left behind
 
 
+def test_saved_cache_file_is_readable_as_the_umask_allows(tmp_path) -> None:
+    import os
+
+    path = tmp_path / "cache.json"
+    cache = TuningCache()
+    cache.put(key(), ENTRY)
+    old = os.umask(0o022)
+    try:
+        cache.save(path)
+    finally:
+        os.umask(old)
+    # As any new file of the user's (it was 0600 whatever the umask).
+    assert path.stat().st_mode & 0o777 == 0o644
+
+
 def test_save_merges_with_file_and_memory_wins(tmp_path) -> None:
     path = tmp_path / "cache.json"
     first = TuningCache()

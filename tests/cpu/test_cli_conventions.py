@@ -161,6 +161,23 @@ def test_bench_exits_1_when_its_json_went_to_the_temporary_folder(monkeypatch, t
     assert str(kept) in capsys.readouterr().err
 
 
+def test_result_files_get_the_umask_mode_or_keep_the_replaced_files_mode(tmp_path):
+    from graphtune.bench.results import write_json
+
+    old = os.umask(0o022)
+    try:
+        new, kept = tmp_path / "new.json", tmp_path / "kept.json"
+        assert write_json(new, {"a": 1}) == new
+        kept.write_text("{}")
+        kept.chmod(0o640)
+        assert write_json(kept, {"a": 1}) == kept
+    finally:
+        os.umask(old)
+    # As any file the user creates (0o666 less the umask), and a replaced file keeps its mode.
+    assert new.stat().st_mode & 0o777 == 0o644
+    assert kept.stat().st_mode & 0o777 == 0o640 and json.loads(kept.read_text()) == {"a": 1}
+
+
 def test_nested_progress_bars_share_one_display():
     from graphtune import reporting
 

@@ -240,3 +240,15 @@ def test_binaries_handed_over_ahead_are_waited_for_not_compiled_again(tmp_path) 
     alone = run_child(tmp_path, 0, [16], 64, 64, ahead=True)
     assert alone["handed_over"] is False and alone["ahead_jobs"] == 0  # no workers: up front
     assert alone["binaries"] == count and alone["generated_here"] == count
+
+
+@pytest.mark.parametrize("value", ["x", "-1", "\u00b2"])
+def test_a_compile_processes_value_that_is_not_a_count_is_named(monkeypatch, value) -> None:
+    from graphtune import env
+    from graphtune.errors import ConfigError
+
+    monkeypatch.setenv("GRAPHTUNE_COMPILE_PROCESSES", value)
+    with pytest.raises(ConfigError, match=f"GRAPHTUNE_COMPILE_PROCESSES={value!r}: must be"):
+        env.compile_processes()
+    monkeypatch.setenv("GRAPHTUNE_COMPILE_PROCESSES", "3")
+    assert env.compile_processes() == 3

@@ -59,3 +59,14 @@ def test_demo_cli_saves_then_reuses_cache(tmp_path, capsys, monkeypatch) -> None
     assert len(persist.load(path, strict=True)) == 8
     assert main(["demo", "--cache", str(path), "--device", "cpu"]) == 0
     assert "Every pick came from" in capsys.readouterr().out
+
+
+def test_demo_checks_the_graphtune_cache_file(tmp_path, capsys, monkeypatch) -> None:
+    # The default cache (GRAPHTUNE_CACHE) gets --cache's checks: a folder there is refused, not
+    # renamed away and replaced by a cache file.
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    monkeypatch.setenv("GRAPHTUNE_CACHE", str(folder))
+    assert main(["demo", "--device", "cpu"]) == 1
+    assert "GRAPHTUNE_CACHE (the default of --cache): " in capsys.readouterr().err
+    assert folder.is_dir() and [p.name for p in tmp_path.iterdir()] == ["folder"]

@@ -145,6 +145,9 @@ def test_a_shard_without_a_process_group_is_refused_by_the_engine():
         ({"RANK": "", "WORLD_SIZE": ""}, "RANK='' must be a non-negative integer"),
         ({"RANK": "5", "WORLD_SIZE": "2"}, "RANK=5 is not a rank of WORLD_SIZE=2"),
         ({"RANK": "-1", "WORLD_SIZE": "2"}, "RANK='-1' must be a non-negative integer"),
+        # Digits str.isdigit accepts and int refuses (a ValueError traceback before).
+        ({"RANK": "\u00b2", "WORLD_SIZE": "2"}, "RANK='\u00b2' must be a non-negative integer"),
+        ({"RANK": "0", "WORLD_SIZE": "\u00b2"}, "WORLD_SIZE='\u00b2' must be a non-negative"),
     ],
 )
 def test_a_launch_environment_that_is_wrong_is_named(monkeypatch, variables, message):
@@ -168,6 +171,7 @@ def test_cli_refuses_launches_that_would_hang_or_repeat_work(monkeypatch, capsys
     monkeypatch.delenv("MASTER_PORT", raising=False)
     assert main([*args, "--tp", "2"]) == 1
     assert "MASTER_ADDR and MASTER_PORT not set" in capsys.readouterr().err
-    monkeypatch.setenv("LOCAL_RANK", "x")
-    with pytest.raises(ConfigError, match="LOCAL_RANK='x'"):
-        env.torchrun_local_rank()
+    for value in ("x", "\u00b2"):
+        monkeypatch.setenv("LOCAL_RANK", value)
+        with pytest.raises(ConfigError, match=f"LOCAL_RANK={value!r}"):
+            env.torchrun_local_rank()

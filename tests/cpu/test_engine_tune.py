@@ -228,6 +228,82 @@ def test_bench_decode_tune_reports_tuned_beside_untuned(tmp_path, capsys, monkey
     assert "--compare-compile captures CUDA graphs" in capsys.readouterr().err
 
 
+def test_bench_decode_tune_uses_checks_and_records_graphtune_cache(tmp_path, capsys, monkeypatch):
+    import json
+
+    import graphtune.autotuner
+    from graphtune.cli.main import main
+
+    monkeypatch.setattr(graphtune.autotuner, "AutoTuner", _tuner)
+    args = "bench decode --model tiny --batch-sizes 1 --context 4 --steps 1 --repeats 1".split()
+    args += ["--device", "cpu", "--tune", "--json", str(tmp_path / "d.json")]
+    # A folder where GRAPHTUNE_CACHE points is refused before the run, not renamed away.
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    monkeypatch.setenv("GRAPHTUNE_CACHE", str(folder))
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert "GRAPHTUNE_CACHE (the default of --tuning-cache)" in err and "batch 1" not in err
+    assert folder.is_dir() and sorted(p.name for p in tmp_path.iterdir()) == ["folder"]
+    # A usable file is the run's cache, and the JSON says so.
+    cache = tmp_path / "env.json"
+    monkeypatch.setenv("GRAPHTUNE_CACHE", str(cache))
+    assert main(args) == 0
+    assert json.loads((tmp_path / "d.json").read_text())["config"]["tuning_cache"] == str(cache)
+    assert cache.is_file()
+
+
+def test_bench_decode_reads_no_busy_time_of_tuned_steps_with_tp_above_1(monkeypatch):
+    """With --tp 2, NCCL kernels' durations include waiting, so no step's GPU-busy time is read:
+    not the untuned step's, and not the tuned or tuned-unfused step's either."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from graphtune.bench import decode
+    from graphtune.bench.decode_results import BatchResult, DecodeBenchConfig, DecodeBenchReport
+
+    class FakeStep(SimpleNamespace):
+        def __call__(self, tokens, positions, rows):
+            return tokens
+
+    busy_calls: list[object] = []
+    nothing = (None, None, [], {})
+    monkeypatch.setattr(decode, "_busy", lambda fn, eager_ms=None: busy_calls.append(fn) or nothing)
+    monkeypatch.setattr(decode, "time_per_call_ms", lambda *a: 1.0)
+    monkeypatch.setattr(decode, "rank_agreement", lambda tuner, parallel: 1.0)
+    monkeypatch.setattr(decode.autotuner, "autotune", lambda *a: contextlib.nullcontext())
+    fake_step = FakeStep(
+        model=None, cache=None, parallel=object(), tuner=None, ops=SimpleNamespace(gemm_cold_l2=0)
+    )
+    monkeypatch.setattr(decode, "build_step", lambda *a, **kw: fake_step)
+    tuned_report = SimpleNamespace(
+        seconds=0.0,
+        compile_seconds=0.0,
+        compile_seconds_by_op={},
+        profiles_tuned=0,
+        rows=[],
+        fusion_checks=[],
+        refinements=[],
+        summary=lambda: "",
+    )
+    monkeypatch.setattr(decode, "tune_step", lambda *a, **kw: tuned_report)
+    cfg = DecodeBenchConfig(batch_sizes=(1,), tune=True, tp=2, compare_unfused=True)
+    run = decode._Run(
+        step=fake_step,
+        inputs=[(torch.ones(1), torch.zeros(1), torch.zeros(1))],
+        results=[BatchResult(1)],
+        device=torch.device("cuda"),  # only its type is read here
+        cfg=cfg,
+        runners=("eager",),
+        report=DecodeBenchReport(config={}, model={}, provenance={}),
+        log=lambda line: None,
+        bar=SimpleNamespace(done=lambda: None),
+    )
+    decode._time_tuned(run, SimpleNamespace(stats=SimpleNamespace(fallbacks={})))
+    assert busy_calls == []
+    assert run.results[0].tuned_busy_ms is None and run.results[0].tuned_unfused_ms == 1.0
+
+
 def test_tune_step_compiles_up_front_and_tunes_what_it_would_without() -> None:
     from graphtune.ops import triton_available
     from graphtune.ops._triton_runner import triton_runners

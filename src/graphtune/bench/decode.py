@@ -83,6 +83,16 @@ class _Run:
         """(inputs, result) per batch size."""
         return zip(self.inputs, self.results, strict=True)
 
+    @property
+    def measure_busy(self) -> bool:
+        """Whether GPU-busy time (CUPTI kernel sums) is read, of every step: on CUDA with tp 1.
+
+        Summed kernel time means nothing with tp > 1: an NCCL all-reduce kernel's duration
+        includes the time it spins waiting for the other rank (seen on two H200s: 42 ms "busy"
+        for a 1.6 ms step), so GPU-busy and graph/busy are left out rather than reported wrong.
+        """
+        return self.device.type == "cuda" and self.cfg.tp == 1
+
 
 Busy = tuple[float | None, float | None, list[dict[str, Any]], dict[str, dict[str, Any]]]
 #: An eager step slower than this is profiled for one call instead of five: its trace is large
@@ -222,11 +232,7 @@ def _run_phases(run: _Run, tuner: Any) -> None:
     cache, mcfg = step.cache, step.model.config
     bandwidth = copy_bandwidth_gbps(device)
     report.copy_bandwidth_gbps = bandwidth
-    # Summed kernel time means nothing with tp > 1: an NCCL all-reduce kernel's duration includes
-    # the time it spins waiting for the other rank (seen on two H200s: 42 ms "busy" for a
-    # 1.6 ms step), so GPU-busy and graph/busy are left out rather than reported wrong.
-    measure_busy = device.type == "cuda" and cfg.tp == 1
-    if device.type == "cuda" and not measure_busy:
+    if device.type == "cuda" and not run.measure_busy:
         report.notes.append(
             "GPU-busy not measured with tp > 1: NCCL kernel durations include "
             "waiting for the other ranks."
@@ -239,7 +245,7 @@ def _run_phases(run: _Run, tuner: Any) -> None:
                 lambda a=args: step(*a), device, cfg.steps, cfg.repeats
             )
             log(f"batch {b}: eager {result.eager_ms:.3f} ms/step")
-        if measure_busy:
+        if run.measure_busy:
             (
                 result.busy_ms,
                 result.kernels_per_step,
@@ -326,7 +332,7 @@ def _time_tuned(run: _Run, tuner: Any) -> None:
         want = step(*args).float()
         got = tuned(*args).float()
         result.tuned_max_abs_diff = (got - want).abs().max().item()
-        if device.type == "cuda":
+        if run.measure_busy:
             (
                 result.tuned_busy_ms,
                 result.tuned_kernels_per_step,
@@ -387,7 +393,7 @@ def _time_unfused(run: _Run, tuned: DecodeStep) -> None:
             result.tuned_unfused_ms = time_per_call_ms(
                 lambda a=args: call(*a), device, cfg.steps, cfg.repeats
             )
-            if device.type == "cuda" and cfg.tp == 1:
+            if run.measure_busy:
                 result.tuned_unfused_kernels_per_step = _busy(lambda a=args: unfused(*a))[1]
             kind = "graph" if graph else "eager"
             run.log(

@@ -26,7 +26,7 @@ def format_report(report: DecodeBenchReport) -> str:
         "graph ms",
         "GPU-busy ms",
         "speed-up",
-        "graph/busy",
+        "graph / busy",
         "tokens/s",
         "floor ms",
     ]
@@ -36,8 +36,9 @@ def format_report(report: DecodeBenchReport) -> str:
         columns += [
             "tuned graph ms" if tuned_graph else "tuned eager ms",
             "tuned busy ms",
-            "tuned/untuned",
-            "tuned/floor",
+            # Spaced: a header wraps at spaces only, and unspaced both were cut to "tuned/…".
+            "tuned / untuned",
+            "tuned / floor",
         ]
     rows = []
     for r in report.results:

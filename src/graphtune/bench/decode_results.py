@@ -151,7 +151,7 @@ class BatchResult:
     # With ``compare_hf``: transformers on the same weights. ``hf_ms`` is the static cache +
     # torch.compile(mode="reduce-overhead") recipe, ``hf_eager_ms`` its eager forward; the check
     # is one decode step of both on transformers' cache; ``speedup_over_hf`` is the faster
-    # transformers step over the engine's fastest.
+    # transformers step over the engine's fastest (untuned or tuned, graph or eager).
     hf_ms: float | None = None
     hf_eager_ms: float | None = None
     hf_note: str | None = None
@@ -209,7 +209,11 @@ class DecodeBenchReport:
                 r.tuned_over_untuned = r.tuned_eager_ms / r.eager_ms
             if r.tuned_graph_ms and r.floor_ms:
                 r.tuned_over_floor = r.tuned_graph_ms / r.floor_ms
-            ours = r.tuned_graph_ms or r.tuned_eager_ms or best
+            # The engine's fastest step, tuned or not (a tuned step can lose to the untuned graph
+            # at some batch size); torch.compile and the unfused step are comparisons, not the
+            # engine's own steps.
+            steps = (r.graph_ms, r.eager_ms, r.tuned_graph_ms, r.tuned_eager_ms)
+            ours = min((t for t in steps if t), default=None)
             hf = min((t for t in (r.hf_ms, r.hf_eager_ms) if t), default=None)
             if hf and ours:
                 r.speedup_over_hf = hf / ours

@@ -1,13 +1,19 @@
 """Device time by kernel family: CUPTI kernel names grouped into what a decode step spends on.
 
 Families: ``GEMV/GEMM`` (cuBLAS, graphtune's Triton GEMM / GEMV and the fused GEMV kernel, which
-carries the norm prologue, RoPE and the SiLU epilogue of its stage), ``attention``, ``norms``,
-``RoPE``, ``activation``, ``communication`` (tensor-parallel all-reduces) and ``other`` (embedding
-gathers, K/V ``index_copy_``, plain elementwise kernels, copies). Names are matched by lower-case
-substrings in that order (attention before GEMM: ``fmha_cutlass...`` is attention), with one rule
-for Inductor's generated names (``triton_poi_fused_...cat...neg...`` is rotate-half, RoPE). An
-unfused torch step's RoPE and norms partly run as generic elementwise kernels, which land in
-``other``: compare families across steps knowing that.
+carries the norm prologue, RoPE and the SiLU epilogue of its stage, and the mixture-of-experts
+expert kernels, GEMV-style ``moe_gemv_*`` and tiled ``moe_gate_up`` / ``moe_down`` alike),
+``attention``, ``norms``, ``RoPE``, ``activation``, ``routing`` (a mixture-of-experts router:
+graphtune's route and router kernels, the latter with its small router GEMM, expert histograms
+and alignment, top-k and gating-softmax kernels), ``communication`` (tensor-parallel
+all-reduces) and ``other`` (embedding gathers, K/V ``index_copy_``, plain elementwise kernels,
+copies, the expert-output sum). Names are matched by lower-case substrings in rule order
+(routing first: ``topkGatingSoftmax`` is routing; attention before GEMM: ``fmha_cutlass...`` is
+attention), with one rule for Inductor's generated names (``triton_poi_fused_...cat...neg...`` is
+rotate-half, RoPE). A bare softmax kernel (torch's ``cunn_SoftMaxForward``) lands in ``other``:
+both the matmul attention runner and the torch MoE router launch it, and its name does not say
+which. An unfused torch step's RoPE and norms likewise partly run as generic elementwise kernels
+in ``other``: compare families across steps knowing that.
 """
 
 from __future__ import annotations
@@ -15,14 +21,27 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-FAMILIES = ("GEMV/GEMM", "attention", "norms", "RoPE", "activation", "communication", "other")
+FAMILIES = (
+    "GEMV/GEMM",
+    "attention",
+    "norms",
+    "RoPE",
+    "activation",
+    "routing",
+    "communication",
+    "other",
+)
 
 _RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("communication", ("allreduce", "all_reduce", "nccl", "one_shot", "two_shot", "multimem")),
-    ("attention", ("attention", "attn", "sdpa", "fmha", "flash", "softmax")),
+    ("routing", ("router", "route_", "routing", "gating", "topk", "moe_histogram", "moe_align")),
+    ("attention", ("attention", "attn", "sdpa", "fmha", "flash")),
     (
         "GEMV/GEMM",
-        ("gemm", "gemv", "nvjet", "xmma", "cutlass", "cublas", "splitk", "bmm", "triton_tem"),
+        (
+            *("gemm", "gemv", "nvjet", "xmma", "cutlass", "cublas", "splitk", "bmm", "triton_tem"),
+            *("moe_gate_up", "moe_down"),
+        ),
     ),
     ("norms", ("rms_norm", "rmsnorm", "layer_norm", "layernorm", "norm_kernel", "rsqrt")),
     ("RoPE", ("rope", "rotary")),

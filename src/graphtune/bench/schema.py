@@ -68,15 +68,29 @@ def git_commit(explicit: str | None = None) -> str:
     Order: ``explicit`` (for example a ``--commit`` flag), then ``GRAPHTUNE_COMMIT``
     (:func:`graphtune.env.source_commit`; the device copy of the tree may lack ``.git``), then
     ``git rev-parse HEAD`` in the source tree (with ``-dirty`` when tracked files have local
-    changes), then ``"unknown"``.
+    changes) when that tree's repository tracks this file, then ``"unknown"``.
     """
     if explicit:
         return explicit
     named = env.source_commit()
     if named:
         return named
-    here = Path(__file__).resolve().parent
+    source = Path(__file__).resolve()
+    here = source.parent
     try:
+        # An install inside another repository's work tree (a virtual environment in a project
+        # folder) would record that project's commit: only a repository tracking this very file
+        # is graphtune's source.
+        tracked = subprocess.run(
+            ["git", "ls-files", "--error-unmatch", source.name],
+            cwd=here,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+        if tracked.returncode != 0:
+            return "unknown"
         head = subprocess.run(
             ["git", "rev-parse", "HEAD"],
             cwd=here,

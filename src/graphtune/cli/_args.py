@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, NoReturn
 
+from graphtune import env
 from graphtune.errors import ConfigError
 
 #: Exit codes: done, a failure (a model that cannot load, a file that cannot be written, ...), a
@@ -221,6 +222,27 @@ def check_cache_path(path: Path, flag: str) -> None:
             "would replace it; give another path, or move that file away"
         )
     check_lockable(path)
+
+
+def tuning_cache_path(path: Path | None, flag: str) -> Path | None:
+    """The tuning cache file a command uses, checked with :func:`check_cache_path`: ``path``
+    (given as ``flag``), else the file ``GRAPHTUNE_CACHE`` names, else ``None`` (no file).
+
+    Resolved here rather than left to ``autotune(None)``, which falls back to
+    ``GRAPHTUNE_CACHE`` on its own: that file would then skip the checks and go unrecorded.
+
+    Raises:
+        ConfigError: The file cannot be written or is not a tuning cache (the message names
+            ``flag`` or ``GRAPHTUNE_CACHE``).
+        CacheFileError: Its lock file cannot be created or opened.
+    """
+    if path is None:
+        path = env.default_cache_path()
+        if path is not None:
+            check_cache_path(path, f"GRAPHTUNE_CACHE (the default of {flag}):")
+        return path
+    check_cache_path(path, flag)
+    return path
 
 
 def check_distinct_outputs(*outputs: tuple[str, Path | None]) -> None:

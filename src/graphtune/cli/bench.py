@@ -21,13 +21,13 @@ from graphtune.cli._args import (
     EXIT_OK,
     add_device_arguments,
     batch_sizes,
-    check_cache_path,
     check_distinct_outputs,
     check_output_path,
     non_negative_int,
     positive_int,
     report_written,
     seed_value,
+    tuning_cache_path,
     usage,
 )
 from graphtune.cli._parallel import (
@@ -117,7 +117,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         metavar="FILE",
         help="with --tune: tuning cache file, loaded when present and saved "
-        "(a second run tunes nothing; default: no file)",
+        "(a second run tunes nothing; default: the file GRAPHTUNE_CACHE names, else none)",
     )
     decode.add_argument(
         "--tune-l2",
@@ -180,15 +180,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     bench.set_defaults(handler=lambda args: usage(bench))
 
 
-def _check_before_run(args: argparse.Namespace, model: str) -> None:
-    """Everything that would otherwise fail after the whole benchmark ran."""
+def _check_before_run(args: argparse.Namespace, model: str) -> Path | None:
+    """Everything that would otherwise fail after the whole benchmark ran; returns the tuning
+    cache file the run uses (:func:`tuning_cache_path`; ``GRAPHTUNE_CACHE`` only with --tune)."""
     from graphtune.engine.loading import load_config
 
+    cache = args.tuning_cache
+    if args.tune or cache is not None:  # without --tune, DecodeBenchConfig refuses the flag
+        cache = tuning_cache_path(cache, "--tuning-cache")
     check_output_path(args.json, "--json")
     check_output_path(args.plot, "--plot")
-    check_distinct_outputs(
-        ("--json", args.json), ("--plot", args.plot), ("--tuning-cache", args.tuning_cache)
-    )
+    check_distinct_outputs(("--json", args.json), ("--plot", args.plot), ("--tuning-cache", cache))
     if args.plot is not None:
         from graphtune.bench.decode_report import plot_formats
 
@@ -200,9 +202,8 @@ def _check_before_run(args: argparse.Namespace, model: str) -> None:
                 f"{repr(suffix) if suffix else 'it has none'} is none of "
                 f"{', '.join(sorted(formats))}; give e.g. plot.png"
             )
-    if args.tuning_cache is not None:
-        check_cache_path(args.tuning_cache, "--tuning-cache")
     load_config(model).check_positions(args.context + 1, f"--context {args.context}")
+    return cache
 
 
 def run_bench_decode(args: argparse.Namespace) -> int:
@@ -221,7 +222,9 @@ def run_bench_decode(args: argparse.Namespace) -> int:
                 f"{flag} is not supported with --tp > 1; drop it to time the tensor-parallel step"
             )
     model = args.model or ("llama-1b-shape" if device.type == "cuda" else "tiny")
-    _check_before_run(args, model)
+    # The resolved file replaces the flag's value, so the config (and the JSON) records the
+    # file actually used and an interrupted run names it.
+    args.tuning_cache = _check_before_run(args, model)
     runners = ("eager", "graph") if args.runner == "both" else (args.runner,)
     cfg = DecodeBenchConfig(
         model=model,

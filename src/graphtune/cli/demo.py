@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from graphtune.cli._args import check_cache_path, device_name
+from graphtune.cli._args import device_name, tuning_cache_path
 
 DESCRIPTION = (
     "Tunes two small ops on the best device present and prints the picks: matmul (torch.matmul, "
@@ -32,7 +32,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="FILE",
         type=Path,
         default=None,
-        help="load picks from / save them to this cache file (default: none)",
+        help="load picks from / save them to this cache file (default: the file GRAPHTUNE_CACHE "
+        "names, else none)",
     )
     parser.add_argument(
         "--device",
@@ -50,8 +51,7 @@ def run_demo(args: argparse.Namespace) -> int:
     from graphtune.engine.devices import resolve_device
 
     device = resolve_device(args.device)
-    if args.cache is not None:
-        check_cache_path(args.cache, "--cache")
+    cache = tuning_cache_path(args.cache, "--cache")
     tuner = autotuner.AutoTuner(policy=autotuner.TuningPolicy(rounds=3, remeasure_top=2))
-    print(demo(tuner, device, cache_path=args.cache))
+    print(demo(tuner, device, cache_path=cache))
     return 0

@@ -7,6 +7,7 @@ from the built-in exception a caller would naturally catch (``ValueError`` for b
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 
@@ -48,6 +49,19 @@ class DistributedError(GraphtuneError, RuntimeError):
 
 class ResultsWriteError(GraphtuneError, OSError):
     """A benchmark result could be written neither where asked nor to the temporary folder."""
+
+
+def wrong_device_error(
+    op: str, like: str, device: Any, named: Iterable[tuple[str, Any]]
+) -> InputError:
+    """The error of an op whose operands are not all on ``like``'s ``device``: names the first
+    operand in ``named`` (``(name, tensor or None)`` pairs) that is elsewhere. Ops test the
+    devices inline on their hot path and build this only to raise it."""
+    name, other = next((n, t) for n, t in named if t is not None and t.device != device)
+    return InputError(
+        f"{op}: {name} must be on {like}'s device {device}, got {describe_tensor(other)}; move "
+        f"it with .to({str(device)!r})."
+    )
 
 
 def describe_tensor(value: Any) -> str:

@@ -25,7 +25,7 @@ TUNER = AutoTuner(show_progress=False)
         ({"residual": torch.randn(3, 2, 16)}, "residual must be a's leading shape then N"),
         ({"a": torch.tensor(1.0)}, "a must be a tensor with at least one dim"),
         ({"a": np.ones((2, 8), dtype=np.float32)}, "a must be a tensor"),
-        ({"weight": W.to("meta")}, "weight is on meta but a is on cpu"),
+        ({"weight": W.to("meta")}, "weight must be on a's device cpu"),
         (
             {"residual": torch.randn(3, 2, 16).transpose(0, 1), "inplace": True},
             "with more than two dims must be contiguous",

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from graphtune.errors import InputError, describe_tensor
+from graphtune.errors import InputError, describe_tensor, wrong_device_error
 
 _NAMES = ("qkv", "positions", "cos", "sin", "k_cache", "v_cache", "write_rows")
 
@@ -97,11 +97,8 @@ def rope_tensors(inputs: list[Any], num_heads: int, num_kv_heads: int) -> list[A
         or v_cache.device != device
         or rows.device != device
     ):
-        named = zip(_NAMES, inputs[:7], strict=True)
-        name, other = next((n, t) for n, t in named if t.device != device)
-        raise InputError(
-            f"rope_kv_cache: {name} must be on qkv's device {device}, got "
-            f"{describe_tensor(other)}; move it with .to({str(device)!r})."
+        raise wrong_device_error(
+            "rope_kv_cache", "qkv", device, zip(_NAMES, inputs[:7], strict=True)
         )
     return inputs[:7]
 

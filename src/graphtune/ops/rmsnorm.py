@@ -27,7 +27,7 @@ from graphtune.autotuner.config import next_power_of_two as _np2
 from graphtune.autotuner.context import get_tuner
 from graphtune.autotuner.runner import FALLBACK_TACTIC, TunableRunner
 from graphtune.autotuner.tuner import AutoTuner
-from graphtune.errors import ConfigError, InputError, describe_tensor
+from graphtune.errors import ConfigError, InputError, describe_tensor, wrong_device_error
 from graphtune.ops import _pruned
 from graphtune.ops._rows import as_rows, from_rows
 from graphtune.ops._triton import (
@@ -76,10 +76,8 @@ def _unpack(inputs: list[Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
         )
     device = x.device
     if weight.device != device or (residual is not None and residual.device != device):
-        other = ("weight", weight) if weight.device != device else ("residual", residual)
-        raise InputError(
-            f"rms_norm: {other[0]} must be on x's device {device}, got "
-            f"{describe_tensor(other[1])}; move it with .to({str(device)!r})."
+        raise wrong_device_error(
+            "rms_norm", "x", device, (("weight", weight), ("residual", residual))
         )
     return x, weight, residual, float(eps)
 

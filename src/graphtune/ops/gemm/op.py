@@ -15,7 +15,7 @@ from graphtune.autotuner.config import ConstraintSpec, DynamicTensorSpec, Tuning
 from graphtune.autotuner.context import get_tuner
 from graphtune.autotuner.runner import TunableRunner
 from graphtune.autotuner.tuner import AutoTuner
-from graphtune.errors import ConfigError, InputError, describe_tensor
+from graphtune.errors import ConfigError, InputError, describe_tensor, wrong_device_error
 from graphtune.ops._aliasing import check_written_apart
 from graphtune.ops._rows import as_rows, from_rows
 from graphtune.ops._triton import triton_available
@@ -128,10 +128,7 @@ def gemm(
                 f"dtype (cast with .to({a.dtype}))."
             )
         if operand is not None and operand.device != a.device:
-            raise InputError(
-                f"gemm: {name} is on {operand.device} but a is on {a.device}; every operand "
-                f"must be on a's device (move it with .to({str(a.device)!r}))."
-            )
+            raise wrong_device_error("gemm", "a", a.device, ((name, operand),))
     lead = a.shape[:-1]
     if residual is not None:
         rows = math.prod(lead)

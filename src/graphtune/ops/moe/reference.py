@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from graphtune.errors import InputError, describe_tensor
+from graphtune.errors import InputError, describe_tensor, wrong_device_error
 
 #: Bytes the dense form's intermediates of one token chunk may take (the chunk follows from it).
 DENSE_CHUNK_BYTES = 256 << 20
@@ -93,11 +93,7 @@ def unpack_moe_inputs(inputs: list[Any]) -> MoeInputs:
     ):
         # The torch code does not always notice (a meta weight gives garbage on the CPU).
         named = (("gate_up", gate_up), ("down", down), ("topk_weights", weights), ("topk_ids", ids))
-        name, other = next((n, t) for n, t in named if t.device != device)
-        raise InputError(
-            f"fused_moe: {name} must be on x's device {device}, got {describe_tensor(other)}; "
-            f"move it with .to({str(device)!r})."
-        )
+        raise wrong_device_error("fused_moe", "x", device, named)
     return x, gate_up, down, weights, ids
 
 

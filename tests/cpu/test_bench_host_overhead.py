@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from failing_writes import fail_writes_in
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -85,21 +86,8 @@ def test_host_overhead_refuses_bad_arguments_before_measuring(
 def test_host_overhead_exits_1_when_its_result_went_to_the_temporary_folder(
     tmp_path, capsys, monkeypatch
 ):
-    import graphtune.bench.results as results
-
     script = _script(monkeypatch)
-    out, spare = tmp_path / "out", tmp_path / "spare"
-    out.mkdir()
-    spare.mkdir()
-    write = results._write_atomically
-
-    def fail_in_out(path, data):
-        if Path(path).parent == out:
-            raise OSError(28, "No space left on device")
-        write(path, data)
-
-    monkeypatch.setattr(results, "_write_atomically", fail_in_out)
-    monkeypatch.setattr("tempfile.gettempdir", lambda: str(spare))
+    out, spare = fail_writes_in(monkeypatch, tmp_path)
     assert script.main(["--out", str(out), "--quick"]) == 1
     (kept,) = spare.iterdir()
     err = capsys.readouterr().err

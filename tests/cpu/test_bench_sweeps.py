@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from failing_writes import fail_writes_in
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 if str(BENCHMARKS) not in sys.path:
@@ -120,8 +121,6 @@ def test_sweep_projections_makes_cases_once_per_batch_and_sweeps_ops_in_order(ca
 def test_fused_ops_checks_out_first_and_exits_1_when_the_result_went_elsewhere(
     tmp_path, capsys, monkeypatch
 ):
-    import graphtune.bench.results as results
-
     monkeypatch.setattr(fused_ops.bench, "require_cuda_or_exit", lambda script: "cpu")
     monkeypatch.setattr(fused_ops.torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
     monkeypatch.setattr(fused_ops.bench, "provenance", lambda **kw: {})
@@ -132,18 +131,7 @@ def test_fused_ops_checks_out_first_and_exits_1_when_the_result_went_elsewhere(
         fused_ops.main(["--out", str(tmp_path / "afile"), "--cases", "llama-1b:1"])
     assert exited.value.code == 2 and "is a file, not a folder" in capsys.readouterr().err
     # The write fails late: the path printed is where the data is, and the exit status says so.
-    out, spare = tmp_path / "out", tmp_path / "spare"
-    out.mkdir()
-    spare.mkdir()
-    write = results._write_atomically
-
-    def fail_in_out(path, data):
-        if Path(path).parent == out:
-            raise OSError(28, "No space left on device")
-        write(path, data)
-
-    monkeypatch.setattr(results, "_write_atomically", fail_in_out)
-    monkeypatch.setattr("tempfile.gettempdir", lambda: str(spare))
+    out, spare = fail_writes_in(monkeypatch, tmp_path)
     assert fused_ops.main(["--out", str(out), "--cases", "llama-1b:1"]) == 1
     (kept,) = spare.iterdir()
     captured = capsys.readouterr()

@@ -21,6 +21,7 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
+from graphtune.autotuner.identity import runner_id  # noqa: E402
 from graphtune.engine import model as engine_model  # noqa: E402
 from graphtune.errors import InputError  # noqa: E402
 from graphtune.ops import _triton  # noqa: E402
@@ -282,6 +283,8 @@ def test_rope_checks_the_index_ranges_under_graphtune_debug(monkeypatch, tactic)
     bad_positions = [good[0], torch.tensor([-1, 0]), *good[2:]]
     with pytest.raises(InputError, match=r"positions must be in \[0, 16\)"):
         runner.forward(bad_positions, tactic)
+    monkeypatch.delenv("GRAPHTUNE_DEBUG")
+    assert runner_id(runner) == runner_id(TritonRopeRunner(2, 1))  # debug picks are served too
 
 
 @pytest.mark.parametrize("signed", [False, True])

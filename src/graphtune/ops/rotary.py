@@ -175,7 +175,7 @@ class _RopeRunnerMixin:
     num_heads: int
     num_kv_heads: int
     signed_sin: bool
-    debug: bool
+    _debug: bool
 
     def _init_heads(self, num_heads: int, num_kv_heads: int, signed_sin: bool) -> None:
         for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
@@ -184,9 +184,9 @@ class _RopeRunnerMixin:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.signed_sin = bool(signed_sin)
-        # GRAPHTUNE_DEBUG, read once here (the runners are built once per head layout): per
-        # call it would cost the hot path a microsecond.
-        self.debug = env.debug_checks()
+        # GRAPHTUNE_DEBUG, read once here (the runners are built once per head layout): per call
+        # it would cost the hot path a microsecond. Private: not part of the cache identity.
+        self._debug = env.debug_checks()
 
     def cache_key_extras(self) -> tuple[Any, ...]:
         """Head counts are not implied by the qkv width, so they are part of the identity."""
@@ -205,7 +205,7 @@ class _RopeRunnerMixin:
         rows = inputs[9] if len(inputs) > 9 else None
         norm, eps = self._head_norm(inputs)
         tensors = self._unpack(inputs)
-        if self.debug:
+        if self._debug:
             check_rope_indices(tensors)
         return torch_rope_kv_cache(
             *tensors,
@@ -311,7 +311,7 @@ class TritonRopeRunner(_RopeRunnerMixin, TritonRunner):
         qkv, positions, cos, sin, k_cache, v_cache, rows = tensors
         norm, eps = self._head_norm(inputs)
         _check_rope_tactic(tactic)
-        if self.debug and not warmup:  # the kernel would read and write out of bounds
+        if self._debug and not warmup:  # the kernel would read and write out of bounds
             check_rope_indices(tensors)
         batch, dim = qkv.shape[0], cos.shape[-1]
         q_out = torch.empty((batch, self.num_heads, dim), device=qkv.device, dtype=qkv.dtype)

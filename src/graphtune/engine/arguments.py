@@ -18,6 +18,9 @@ from graphtune.engine.devices import as_torch_device
 from graphtune.engine.model import DecoderModel
 from graphtune.errors import ConfigError, InputError
 
+#: The shortest ``max_seq_len`` an engine takes (a prompt token and one new token).
+MIN_SEQ_LEN = 2
+
 
 def checked_engine_arguments(
     model: DecoderModel,
@@ -45,7 +48,7 @@ def checked_engine_arguments(
                 raise ConfigError(f"{name} must be one of {RUNNERS}, got {kind!r}")
         for name, value, low in (
             ("max_batch_size", max_batch_size, 1),
-            ("max_seq_len", max_seq_len, 2),
+            ("max_seq_len", max_seq_len, MIN_SEQ_LEN),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")

@@ -95,7 +95,7 @@ def test_saved_cache_file_is_readable_as_the_umask_allows(tmp_path) -> None:
         cache.save(path)
     finally:
         os.umask(old)
-    # As any new file of the user's (it was 0600 whatever the umask).
+    # As any new file of the user's: the umask decides, not a fixed private mode.
     assert path.stat().st_mode & 0o777 == 0o644
 
 

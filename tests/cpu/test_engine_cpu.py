@@ -223,7 +223,7 @@ def test_a_tiny_temperature_samples_the_argmax_not_token_zero():
 @pytest.mark.parametrize("temperature", [1e-46, 1e-45, 5e-324, 1e-39])
 def test_a_temperature_too_small_for_float32_is_refused_not_sampled_as_token_zero(temperature):
     # Below float32's smallest normal number the divisor is 0 (or a subnormal that flushing
-    # makes 0), the scores NaN, and argmax used to return token 0 with no failure.
+    # makes 0), the scores NaN, and argmax would return token 0 with no failure.
     with pytest.raises(ConfigError, match=r"below 1\.175e-38.*use temperature=0 for greedy"):
         SamplingParams(temperature=temperature)
 

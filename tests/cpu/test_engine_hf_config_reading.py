@@ -160,8 +160,8 @@ PARTIAL_ROTARY = {
 
 @pytest.mark.parametrize("case", sorted(PARTIAL_ROTARY))
 def test_partial_rotary_factor_with_scaled_rope_is_refused(tmp_path, case):
-    # transformers rotates part of each head there and fails on the width; the engine used to
-    # load the file and rotate whole heads.
+    # transformers rotates part of each head there and fails on the width; the engine rotates
+    # whole heads, so it must refuse the file rather than compute another model.
     _, folder = build_hf("llama", tmp_path)
     _edit(folder, **PARTIAL_ROTARY[case])
     with pytest.raises(ConfigError, match=r"partial_rotary_factor=0\.\d+ with rope_type="):

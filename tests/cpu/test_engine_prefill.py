@@ -270,7 +270,7 @@ def test_prefill_batch_layout_helpers():
     ],
 )
 def test_prefill_names_the_input_that_does_not_fit(tokens, slot, fragment):
-    # Each used to fail deep in the forward (a shape mismatch in RoPE, an index error).
+    # Unchecked, each fails deep in the forward (a shape mismatch in RoPE, an index error).
     model = load_model("tiny")
     step = DecodeStep(model, KVCache(model.config, 2, 16))
     with pytest.raises(InputError, match=fragment):

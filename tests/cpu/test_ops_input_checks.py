@@ -105,7 +105,7 @@ def _rope_inputs(dim=8, heads=2, kv=1, batch=2):
     [
         (lambda x: [x[0], x[1].float(), *x[2:]], "must be int64"),
         (lambda x: [*x[:4], x[4].double(), *x[5:]], "must have qkv's dtype"),
-        # These four used to fail inside torch's index ops with their own errors.
+        # Unchecked, these four fail inside torch's index ops with torch's own errors.
         (lambda x: [*x[:2], x[2].double(), x[3].double(), *x[4:]], "cos and sin must have qkv"),
         (lambda x: [*x[:5], x[5][:, None], x[6]], "caches must be flattened"),
         (lambda x: [*x[:6], x[6] + 64], "write_rows rows of the caches"),

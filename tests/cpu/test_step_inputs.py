@@ -94,8 +94,8 @@ def test_the_tuned_step_runs_the_kernel_and_gives_the_untuned_logits(monkeypatch
 
 
 def test_strided_index_views_give_the_contiguous_bits():
-    # The kernel reads element b at offset b: a strided view (the last column of a token
-    # history) used to give other rows' embeddings and cache rows, silently.
+    # The kernel reads element b at offset b: read so, a strided view (the last column of a
+    # token history) gives other rows' embeddings and cache rows, silently.
     embed = torch.randn(10, 8)
     history = torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9]])
     tokens = history[:, -1]

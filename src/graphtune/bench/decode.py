@@ -88,8 +88,8 @@ class _Run:
         """Whether GPU-busy time (CUPTI kernel sums) is read, of every step: on CUDA with tp 1.
 
         Summed kernel time means nothing with tp > 1: an NCCL all-reduce kernel's duration
-        includes the time it spins waiting for the other rank (seen on two H200s: 42 ms "busy"
-        for a 1.6 ms step), so GPU-busy and graph/busy are left out rather than reported wrong.
+        includes the time it spins waiting for the other rank (many times the step's length), so
+        GPU-busy and graph/busy are left out rather than reported wrong.
         """
         return self.device.type == "cuda" and self.cfg.tp == 1
 

@@ -36,7 +36,7 @@ def format_report(report: DecodeBenchReport) -> str:
         columns += [
             "tuned graph ms" if tuned_graph else "tuned eager ms",
             "tuned busy ms",
-            # Spaced: a header wraps at spaces only, and unspaced both were cut to "tuned/…".
+            # Spaced: a header wraps at spaces only, so cut headers stay told apart.
             "tuned / untuned",
             "tuned / floor",
         ]

@@ -29,10 +29,12 @@ def checked_engine_arguments(
     max_batch_size: Any,
     max_seq_len: Any,
     device: torch.device | str | None,
+    tuner: Any,
     agreed: dict[str, Any],
 ) -> torch.device:
-    """Checks ``Engine``'s runner kinds, sizes and device; on a shard, that every rank passes
-    the same ``agreed`` values and weights. Returns the device the engine runs on.
+    """Checks ``Engine``'s runner kinds, sizes, device and tuner; on a shard, that every rank
+    passes the same ``agreed`` values, weights and tuning strategy. Returns the device the
+    engine runs on.
 
     Raises:
         ConfigError: An argument of this rank breaks its rule.
@@ -57,6 +59,13 @@ def checked_engine_arguments(
         except InputError as exc:  # the same rule as a request's, but here it is configuration
             raise ConfigError(str(exc)) from None
         target = as_torch_device(device) if device is not None else model.device
+        if parallel is not None and tuner is not None and not _collective(tuner):
+            # Cache-only too: ranks that look up different caches run different kernels.
+            raise ConfigError(
+                "a tuner on a tensor-parallel shard must be rank-consistent: "
+                "AutoTuner(distributed=DistributedTuning('agree', group)) (or 'parallel' / "
+                "'broadcast'), or leave tuner=None and the engine uses 'agree'"
+            )
     except ConfigError as exc:
         if parallel is not None:
             parallel.check_same_on_ranks("Engine(...)", {}, failure=exc)
@@ -68,9 +77,14 @@ def checked_engine_arguments(
                 **agreed,
                 "weights": weights_mark(model),
                 "all_reduce": parallel.all_reduce_backend,
+                "tuner": None if tuner is None else tuner.distributed.strategy,
             },
         )
     return target
+
+
+def _collective(tuner: Any) -> bool:
+    return tuner.distributed is not None and tuner.distributed.collective
 
 
 def weights_mark(model: DecoderModel) -> tuple[Any, ...]:

@@ -149,6 +149,7 @@ class Engine:
             max_batch_size=max_batch_size,
             max_seq_len=max_seq_len,
             device=device,
+            tuner=tuner,
             agreed={
                 "model": model.config,
                 "dtype": target_dtype,
@@ -234,15 +235,6 @@ class Engine:
             # LM head), or their logits, and then their tokens, could drift apart.
             agree = DistributedTuning("agree", parallel.group) if parallel is not None else None
             tuner = AutoTuner(distributed=agree)
-        elif parallel is not None and not (
-            tuner.distributed is not None and tuner.distributed.collective
-        ):
-            # Cache-only too: ranks that look up different caches run different kernels.
-            raise ConfigError(
-                "a tuner on a tensor-parallel shard must be rank-consistent: "
-                "AutoTuner(distributed=DistributedTuning('agree', group)) (or 'parallel' / "
-                "'broadcast'), or leave tuner=None and the engine uses 'agree'"
-            )
         if not tune and cache_path is not None:
             tuner.cache.load(cache_path)
             align_cache(tuner.cache, tuner.distributed)  # every shard looks up the same picks

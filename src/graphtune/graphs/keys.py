@@ -97,16 +97,16 @@ class KeyState:
         ``fn`` at graph breaks: running ``fn`` again eagerly would run them twice.
 
         Raises:
-            CaptureError: Those pieces ran; the key runs eagerly from the next call on.
+            CaptureError: Those pieces ran; later calls of ``size`` run eagerly.
         """
         record = self.failed.get(size)
         if record is not None and record.ran_pieces:
             raise CaptureError(
                 f"the lazy capture of size {size} failed after {record.ran_pieces} piece(s) of "
                 "fn ran on this call's rows (at graph breaks), so running fn again eagerly would "
-                "run them twice; this call raises, later calls of the key run eagerly. Capture "
-                f"the key ahead with capture(), which captures on example rows. Cause: "
-                f"{record.error}"
+                f"run them twice; this call raises, later calls of size {size} run eagerly. The "
+                "cause is logged (graphtune.graphs) and kept in stats.records; to avoid this, "
+                "capture the key ahead with capture(), which captures on example rows."
             )
 
     def drop_if_unsliceable(self, captured: CapturedGraph, sizes: Sequence[int]) -> str | None:

@@ -20,7 +20,7 @@ from graphtune.autotuner.config import ConstraintSpec, DynamicTensorSpec, Tuning
 from graphtune.autotuner.context import get_tuner
 from graphtune.autotuner.runner import TunableRunner
 from graphtune.autotuner.tuner import AutoTuner
-from graphtune.errors import InputError, describe_tensor
+from graphtune.errors import InputError
 from graphtune.ops.moe.gemv import TritonMoeGemvRunner
 from graphtune.ops.moe.gemv_down import OP_NAME as DOWN_OP_NAME
 from graphtune.ops.moe.gemv_down import choose_down, down_runners
@@ -111,7 +111,9 @@ def fused_moe(
         ``[..., H]`` in ``x``'s dtype (``residual`` itself when given).
 
     Raises:
-        InputError: Shapes or dtypes break the rules of ``reference.unpack_moe_inputs``.
+        InputError: Shapes, dtypes or devices break the rules of
+            ``reference.unpack_moe_inputs``, or the residual is not a contiguous tensor of
+            ``x``'s shape, dtype and device (``reference.moe_residual``).
     """
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
@@ -121,19 +123,10 @@ def fused_moe(
             f"{tuple(shape)}, got {tuple(topk_ids.shape)}."
         )
     inputs: list[Any] = [x2, gate_up_proj, down_proj, topk_weights, topk_ids]
-    if residual is not None:
-        if (
-            not isinstance(residual, torch.Tensor)
-            or residual.shape != shape
-            or not residual.is_contiguous()
-        ):
-            raise InputError(
-                f"fused_moe: residual must be a contiguous tensor of x's shape {tuple(shape)} "
-                f"(the experts' output is added to it in place), got {describe_tensor(residual)}."
-            )
-        inputs.append(residual.view(x2.shape))
     unpack_moe_inputs(inputs)
-    moe_residual(inputs)
+    if residual is not None:
+        moe_residual([x, *inputs[1:], residual])  # against x's own shape, not the rows'
+        inputs.append(residual.view(x2.shape))
     chosen = runners if runners is not None else fused_moe_runners()
     config = fused_moe_config(max_m, residual is not None)
     tuner = tuner or get_tuner()

@@ -114,6 +114,60 @@ def test_nan_logits_raise_in_strict_mode_and_free_the_slots():
     assert engine.cache.num_free == 2
 
 
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_failed_requests_nan_cache_rows_never_reach_the_slots_next_owner(strict):
+    # Attention hides a slot's unused positions with an additive mask, which does not hide NaN
+    # (0 x NaN is NaN): the NaN K/V a failed request leaves must not be read by the request
+    # moved into its slot, nor by a later generate() that gets the slot.
+    model = load_model("tiny", seed=0)
+    good = [20, 21, 22]
+    want = Engine(model, runner="eager", max_batch_size=2, max_seq_len=64).generate(
+        [good], 6, stop_token_ids=[]
+    )
+    model.embed = model.embed.clone()  # the head keeps the finite rows
+    model.embed[250] = float("nan")  # as an activation overflow: this prompt's K/V become NaN
+    engine = Engine(model, runner="eager", max_batch_size=2, max_seq_len=64, strict_numerics=strict)
+    bad = [5, 6, 7, 250, 8, 9, 10, 11, 12, 13]
+    if strict:
+        with pytest.raises(NumericalError):
+            engine.generate([bad, good], 6, stop_token_ids=[])
+    else:
+        assert engine.generate([bad, good], 6, stop_token_ids=[])[1] == want[0]
+    assert engine.generate([good, good], 6, stop_token_ids=[]) == [want[0], want[0]]
+    assert torch.isfinite(engine.cache.k).all() and torch.isfinite(engine.cache.v).all()
+
+
+def test_a_lazy_prefill_capture_failing_after_a_break_still_answers_the_call():
+    # The graph runner refuses to run fn again after pieces of it ran (a CaptureError); a
+    # prefill call may be run again, since it writes the same cache rows.
+    from graphtune.graphs import SimulatedGraphBackend
+
+    class FailsSecondPiece(SimulatedGraphBackend):
+        armed, ended = False, 0
+
+        def end_capture(self, graph):
+            super().end_capture(graph)
+            self.ended += self.armed
+            if self.ended == 2:
+                raise RuntimeError("CUDA out of memory (the second piece's capture)")
+
+    backend = FailsSecondPiece()
+    engine = Engine(
+        load_model("tiny", seed=0),
+        runner="eager",
+        prefill_runner="graph",
+        lazy_capture=True,
+        max_batch_size=2,
+        max_seq_len=64,
+        graph_backend=backend,
+    )
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17, 18]]
+    want = engine.generate(prompts, 3, stop_token_ids=[])  # the key's eager warm-up call
+    backend.armed = True
+    assert engine.generate(prompts, 3, stop_token_ids=[]) == want
+    assert backend.ended >= 2 and engine.generate(prompts, 3, stop_token_ids=[]) == want
+
+
 def test_failed_admission_frees_its_slots_for_the_next_generate():
     # NaN logits at the first sample (strict mode) raise inside the admission, before the
     # requests join the live batch; their slots must still come back.

@@ -48,6 +48,7 @@ from graphtune.engine.requests import (
     RequestFailure,
     agreed_requests,
     check_step_inputs,
+    retire,
     token_id,
     validate_request,
 )
@@ -416,11 +417,13 @@ class Engine:
                     self._admit(admitted, sampling, generator)
                 else:
                     self._decode(live, sampling, generator)
-                self._retire(live, stops)
+                retire(self.cache, live, stops)
         finally:
             # An exception (a failing kernel, an interrupt) must not strand KV slots: the next
             # generate() would find the cache full. Live requests own slots [0, len(live)).
             for request in live:
+                if request.failed:  # its K/V may hold NaN (see retire)
+                    self.cache.clear(request.slot)
                 self.cache.free(request.slot)
         return [r.output for r in requests]
 
@@ -471,20 +474,3 @@ class Engine:
         logger.warning("request %d stopped: %s", request.index, request.failed)
         if self.strict_numerics:
             raise NumericalError(f"request {request.index}: {request.failed}")
-
-    def _retire(self, live: list[LiveRequest], stops: set[int]) -> None:
-        done = [
-            i
-            for i, r in enumerate(live)
-            if r.failed or len(r.output) >= r.max_new_tokens or r.output[-1] in stops
-        ]
-        # Descending, so the request moved from the end is never one still to be retired.
-        for row in reversed(done):
-            last = len(live) - 1
-            if row != last:
-                mover = live[last]
-                self.cache.move(mover.slot, row, mover.cached)
-                mover.slot = row
-                live[row] = mover
-            live.pop()
-            self.cache.free(last)

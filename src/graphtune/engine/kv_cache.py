@@ -148,6 +148,11 @@ class KVCache:
             raise InputError(f"cannot free KV-cache slot {slot}: not an owned slot")
         self._free.append(slot)
 
+    def clear(self, slot: int) -> None:
+        """Zeroes every position of ``slot`` (all layers)."""
+        self.k[:, slot].zero_()
+        self.v[:, slot].zero_()
+
     def move(self, src: int, dst: int, length: int) -> None:
         """Copies the first ``length`` positions of slot ``src`` into slot ``dst`` (all layers)."""
         self.k[:, dst, :, :length].copy_(self.k[:, src, :, :length])

@@ -30,7 +30,7 @@ import torch
 from graphtune.engine.attention import PrefillAttention, PrefillBatch, PromptRun
 from graphtune.engine.model import DecoderModel
 from graphtune.engine.step import UNTUNED, DecodeStep
-from graphtune.errors import ConfigError, InputError
+from graphtune.errors import CaptureError, ConfigError, InputError
 
 logger = logging.getLogger(__name__)
 
@@ -256,7 +256,13 @@ def prefill_logits(
         packed = pack_prompts([prompts[i] for i in chunk], [slots[i] for i in chunk])
         inputs = packed.inputs.to(device, non_blocking=True)
         step.set_batch(packed.batch)
-        logits = runner(inputs[0], inputs[1], inputs[2], inputs[3])[: packed.prompts]
+        try:
+            out = runner(inputs[0], inputs[1], inputs[2], inputs[3])
+        except CaptureError:
+            # A lazy capture failed after a graph break had run part of this call. The runner
+            # will not run an arbitrary fn twice; a prefill call may: it writes the same rows.
+            out = step(inputs[0], inputs[1], inputs[2], inputs[3])
+        logits = out[: packed.prompts]
         # The next call overwrites a graph's output: keep a copy when another call follows.
         parts.append(logits if len(chunks) == 1 else logits.clone())
     return parts[0] if len(parts) == 1 else torch.cat(parts)

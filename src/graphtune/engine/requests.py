@@ -123,6 +123,33 @@ def agreed_requests(
     return requests, stops
 
 
+def retire(cache: Any, live: list[LiveRequest], stops: set[int]) -> None:
+    """Frees the slots of the requests in ``live`` that are done (failed, at their limit, or at a
+    stop token) and keeps the others in slots ``[0, len(live))``, moving the last ones down.
+
+    A failed request's slot is zeroed first: its K/V may hold NaN, and attention hides unused
+    positions with an additive mask, which does not hide NaN (0 x NaN is NaN), so the slot's
+    next owner would read it.
+    """
+    done = [
+        i
+        for i, r in enumerate(live)
+        if r.failed or len(r.output) >= r.max_new_tokens or r.output[-1] in stops
+    ]
+    # Descending, so the request moved from the end is never one still to be retired.
+    for row in reversed(done):
+        if live[row].failed:
+            cache.clear(row)
+        last = len(live) - 1
+        if row != last:
+            mover = live[last]
+            cache.move(mover.slot, row, mover.cached)
+            mover.slot = row
+            live[row] = mover
+        live.pop()
+        cache.free(last)
+
+
 def token_id(value: Any, what: str) -> int:
     # operator.index accepts ints and integer tensors/NumPy scalars but not floats (1.7 must not
     # silently become token 1); bools are ints in Python and are refused explicitly.

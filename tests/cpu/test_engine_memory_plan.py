@@ -4,6 +4,7 @@ profiling and sizing (the steps run, the graph runners capture on the simulated 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from graphtune.engine import Engine, load_model
 from graphtune.engine.kv_cache import aligned_seq_len, kv_bytes_per_token
@@ -12,6 +13,7 @@ from graphtune.engine.memory_plan import (
     StepProfile,
     check_fraction,
     model_bytes,
+    profile_step_memory,
     size_kv_cache,
 )
 from graphtune.engine.parallel import ParallelContext, shard_model
@@ -273,3 +275,50 @@ def test_an_engine_over_its_budget_after_start_up_says_so(caplog):
     assert plan.over_budget_bytes == plan.measured_in_use_bytes - plan.budget_bytes
     assert "over the budget of gpu_memory_utilization=0.5" in caplog.text
     assert "measured in use after start-up" in caplog.text  # the table comes with it
+
+
+class LargestTensorReport(FakeMemoryReport):
+    """Peak: the bytes of the largest tensor an op made between ``reset_peak`` and
+    ``peak_allocated_bytes`` (a stand-in for a device's peak that grows with a call's tokens)."""
+
+    def reset_peak(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        report = self
+
+        class Largest(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in out if isinstance(out, (tuple, list)) else (out,):
+                    if isinstance(t, torch.Tensor):
+                        report.activation = max(report.activation, t.nbytes)
+                return out
+
+        self.activation = 0
+        self._mode = Largest()
+        self._mode.__enter__()
+
+    def peak_allocated_bytes(self) -> int:
+        self._mode.__exit__(None, None, None)
+        return super().peak_allocated_bytes()
+
+
+def test_a_prompt_longer_than_a_prefill_call_is_profiled_too():
+    # A prompt longer than max_prefill_tokens runs eagerly as a call of its own; its activations
+    # (and a windowed model's [L, L] mask) must be in the plan, or the slots do not fit.
+    model = load_model("tiny")
+
+    def profile(seq_len):
+        return profile_step_memory(
+            model,
+            batch=2,
+            seq_len=seq_len,
+            report=LargestTensorReport(1 << 30, 0),
+            runner="eager",
+            prefill_runner="eager",
+            max_prefill_tokens=32,
+        )
+
+    short, long = profile(32), profile(256)
+    assert (short.prefill_tokens, long.prefill_tokens) == (32, 256)
+    assert long.activation_bytes > short.activation_bytes

@@ -3,7 +3,8 @@
 The engine may use ``fraction x total`` bytes of the device. Before it allocates its KV cache it
 profiles what else it will hold (:func:`profile_step_memory`): the decode and prefill steps'
 constants and buffers, the peak activations of one eager decode step at the largest batch and
-of one eager prefill call of ``max_prefill_tokens`` tokens, and the graph pools and static
+of eager prefill calls of ``max_prefill_tokens`` tokens and (when longer) of one prompt of the
+cache's length, which runs as a call of its own, and the graph pools and static
 buffers of capturing every decode and prefill size (the runners' own stats), and what profiling
 left in use after freeing everything (:attr:`StepProfile.retained_bytes`). What remains of the
 budget after the memory already in use (weights, the CUDA context, other processes) goes to the
@@ -109,10 +110,10 @@ class StepProfile:
 
     Attributes:
         batch: Decode batch profiled (the largest).
-        prefill_tokens: Tokens of the prefill call profiled (0: no prefill profiled).
+        prefill_tokens: Tokens of the largest prefill call profiled (0: none profiled).
         step_bytes: Step constants and buffers (RoPE tables, the prefill attention buffer).
-        activation_bytes: Peak bytes above the steps of one eager decode step at ``batch`` or one
-            eager prefill call of ``prefill_tokens``, whichever is larger.
+        activation_bytes: Peak bytes above the steps of one eager decode step at ``batch`` or
+            the eager prefill calls profiled, whichever is largest.
         graph_bytes: Graph pools plus static buffers of the decode and prefill runners.
         retained_bytes: Device bytes in use after profiling (everything it built freed, the
             allocator's cache emptied) beyond those in use before it: segments the caching
@@ -398,17 +399,16 @@ def _measure(
     prefill_step = build_prefill_step(step, max_prefill_tokens)
     step_bytes = max(0, report.allocated_bytes() - before)
     activations = _peak(report, lambda: step(*step.example_inputs(batch)))
-    # Prompts as long as a slot holds, as many as fit in one call, all in the scratch slot.
+    # Prompts as long as a slot holds, as many as fit in one call, all in the scratch slot; and
+    # a prompt longer than a call holds, which runs eagerly as a call of its own.
     length = min(seq_len, max_prefill_tokens)
-    prompts = max(1, max_prefill_tokens // length)
-    packed = pack_prompts([[0] * length] * prompts, [cache.scratch_slot] * prompts)
-
-    def run_prefill() -> None:
-        inputs = packed.inputs.to(device)
+    calls = [[[0] * length] * max(1, max_prefill_tokens // length)]
+    calls += [[[0] * seq_len]] if seq_len > max_prefill_tokens else []
+    for prompts in calls:
+        packed = pack_prompts(prompts, [cache.scratch_slot] * len(prompts))
         prefill_step.set_batch(packed.batch)
-        prefill_step(inputs[0], inputs[1], inputs[2], inputs[3])
-
-    activations = max(activations, _peak(report, run_prefill))
+        inputs = packed.inputs.to(device)
+        activations = max(activations, _peak(report, lambda i=inputs: prefill_step(*i[:4])))
     graphs = 0
     if runner == "graph":
         decode = build_runner(step, "graph", capture_sizes=capture_sizes, backend=backend)

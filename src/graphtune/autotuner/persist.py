@@ -370,7 +370,14 @@ def _existing(path: Path, current: dict[str, Any]) -> LoadedCache:
 def move_aside(path: Path, reason: str, what: str = "tuning cache") -> None:
     """Renames a file that is in the way of a save but is not what is saved there (someone's file
     at a mistyped path, a file damaged by hand) to a free ``<name>.unusable[.N]`` next to it, so
-    the save loses nothing; the warning says where it went."""
+    the save loses nothing; the warning says where it went.
+
+    Args:
+        path: The file in the way.
+        reason: Why it is unusable, completing "it ..." in the warning (``"is not JSON"``).
+        what: What the save writes there, named in the warning (``"tuning cache"``,
+            ``"misses record"``).
+    """
     for n in range(1000):
         aside = path.with_name(f"{path.name}.unusable" + (f".{n}" if n else ""))
         if not aside.exists():

@@ -12,6 +12,7 @@ from graphtune.engine import DecodeStep, Engine, KVCache, get_preset, load_model
 from graphtune.engine.attention import PrefillAttention, PrefillBatch, PromptRun, causal_mask
 from graphtune.engine.build import build_prefill_runner, build_prefill_step
 from graphtune.engine.prefill import (
+    _check_prefill_inputs,
     pack_prompts,
     plan_chunks,
     prefill_capture_sizes,
@@ -276,3 +277,20 @@ def test_prefill_names_the_input_that_does_not_fit(tokens, slot, fragment):
     with pytest.raises(InputError, match=fragment):
         prefill(step, tokens, slot)
     assert prefill(step, torch.arange(16), 1).shape == (model.config.vocab_size,)
+
+
+def test_prefill_checks_the_token_ids_with_one_host_read(monkeypatch):
+    # Each read of a device tensor's value is a host sync, paid on every prefill() call.
+    model = load_model("tiny")
+    step = DecodeStep(model, KVCache(model.config, 2, 16))
+    reads = []
+    for name in ("__int__", "__index__", "__float__", "__bool__", "item", "tolist"):
+        real = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _real=real, _name=name):
+            reads.append(_name)
+            return _real(self, *args)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    _check_prefill_inputs(step, torch.arange(4), 0)
+    assert len(reads) == 1, reads

@@ -120,6 +120,30 @@ def test_a_failed_save_keeps_the_picks_in_a_fallback_file_it_names(tmp_path, mon
     assert cache.unsaved(path) == 1  # so `graphtune tune` does not claim the picks were kept
 
 
+def test_a_lock_timeout_advises_merging_the_fallback_which_keeps_every_entry(
+    tmp_path, monkeypatch, capsys
+) -> None:
+    # Without the lock the file is never read: the fallback holds only this save's entry, so
+    # copying it over the file would drop the file's two entries.
+    from filelock import FileLock
+
+    path = tmp_path / "cache.json"
+    write_cache(path, n=2)
+    monkeypatch.setattr("tempfile.gettempdir", lambda: str(tmp_path / "tmp"))
+    cache = TuningCache()
+    cache.put(key(7), entry(["x"]))
+    with FileLock(str(persist.lock_path(path))), pytest.raises(CacheFileError) as info:
+        persist.save(path, dict(cache.items()), lock_timeout_s=0.2)
+    message = str(info.value)
+    (kept,) = (tmp_path / "tmp").glob("graphtune-*-cache.json")
+    assert "within 0.2 s" in message and "copy it to" not in message
+    assert f"graphtune cache merge {path} {kept} -o {path}" in message
+    monkeypatch.undo()
+    assert len(persist.load(kept, strict=True)) == 1
+    assert main(["cache", "merge", str(path), str(kept), "-o", str(path)]) == 0
+    assert set(persist.load(path, strict=True)) == {key(1), key(2), key(7)}
+
+
 def test_a_save_removes_only_its_own_stale_temp_files(tmp_path) -> None:
     # ``t.json.rank1`` is another cache with its own lock: its writer may be mid-save while
     # ``t.json`` saves, and a prefix match on ``.t.json.`` would delete its temporary file.

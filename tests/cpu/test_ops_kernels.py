@@ -306,3 +306,31 @@ def test_rope_torch_fallback_is_the_engine_code(signed):
     assert torch.equal(q, q_want)
     assert torch.equal(k_cache[rows], k_want.reshape(-1, dim))
     assert torch.equal(v_cache[rows], qkv[:, (heads + kv) * dim :].reshape(-1, dim))
+
+
+def test_rope_forward_checks_its_inputs_once_per_call(monkeypatch):
+    """Every runner call pays the shape, dtype and device checks: the kernel test (supports)
+    and the launch share one pass instead of each running them."""
+    from graphtune.ops import _rope_inputs, rotary
+
+    calls = []
+    for name in ("rope_tensors", "head_norm_of"):
+        real = getattr(_rope_inputs, name)
+
+        def counted(*args, _real=real, _name=name):
+            calls.append(_name)
+            return _real(*args)
+
+        for module in (_rope_inputs, rotary):
+            monkeypatch.setattr(module, name, counted, raising=False)
+    dim = 8
+    qkv, cos, sin = torch.randn(2, 4 * dim), torch.randn(16, dim), torch.randn(16, dim)
+    inputs = [qkv, torch.tensor([0, 5]), cos, sin, torch.zeros(4, dim), torch.zeros(4, dim)]
+    strided = torch.tensor([[0, 9], [3, 9]])[:, 0]  # the kernel does not take it: torch runs
+    runner = TritonRopeRunner(2, 1)
+    for tactic, rows in ((-1, torch.tensor([0, 3])), ({"heads": 2, "warps": 1}, strided)):
+        runner.forward([*inputs, rows], tactic)
+        assert sorted(calls) == ["head_norm_of", "rope_tensors"], tactic
+        calls.clear()
+    runner.forward([*inputs, torch.tensor([0, 3])], {"heads": 2, "warps": 1})
+    assert sorted(calls) == ["head_norm_of", "rope_tensors"]

@@ -114,8 +114,11 @@ def test_strided_index_views_give_the_contiguous_bits():
 @pytest.mark.parametrize(
     "change,match",
     [
-        (dict(embed=torch.randn(16, 10).t()), "embed must be a .vocab, hidden. table"),
-        (dict(embed=torch.randn(10)), "embed must be a .vocab, hidden. table"),
+        (dict(embed=torch.randn(16, 10).t()), "embed must be a .vocab, hidden. float16"),
+        (dict(embed=torch.randn(10)), "embed must be a .vocab, hidden. float16"),
+        # The same dtype rule as decode_inputs_supported, which sends such tables to torch.
+        (dict(embed=torch.randn(10, 16, dtype=torch.float64)), "bfloat16 or float32 table"),
+        (dict(embed=torch.ones(10, 16, dtype=torch.int64)), "bfloat16 or float32 table"),
         (dict(mask_dtype=torch.int64), "mask_dtype must be a float"),
         (dict(mask_dtype="float32"), "mask_dtype must be a float"),
         (dict(tokens=torch.tensor([1.0, 2.0])), "got tokens"),

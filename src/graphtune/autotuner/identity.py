@@ -104,15 +104,20 @@ def module_digest(name: str) -> str:
         return ""
 
 
-_CLASS_MODULES: dict[type, tuple[str, ...]] = {}
+#: Per class: the modules behind its source identity, and the classes of its hierarchy whose
+#: module has no source file (hashed by their own text). Both depend only on the class (module
+#: digests are fixed per process), so the tuner's miss path pays one look-up per runner.
+_CLASS_SOURCES: dict[type, tuple[tuple[str, ...], tuple[type, ...]]] = {}
 
 
-def _class_modules(cls: type) -> tuple[str, ...]:
-    found = _CLASS_MODULES.get(cls)
+def _class_sources(cls: type) -> tuple[tuple[str, ...], tuple[type, ...]]:
+    found = _CLASS_SOURCES.get(cls)
     if found is None:
-        names = {c.__module__ for c in cls.__mro__ if c.__module__ not in _INTERFACE_MODULES}
+        classes = [c for c in cls.__mro__ if c.__module__ not in _INTERFACE_MODULES]
+        names = {c.__module__ for c in classes}
         names.update(getattr(cls, "source_modules", ()))
-        found = _CLASS_MODULES[cls] = tuple(sorted(names))
+        fileless = tuple(c for c in classes if not module_digest(c.__module__))
+        found = _CLASS_SOURCES[cls] = (tuple(sorted(names)), fileless)
     return found
 
 
@@ -120,7 +125,7 @@ def source_modules(runners: Iterable[Any]) -> tuple[str, ...]:
     """Every module whose source is part of these runners' identity, sorted."""
     names: set[str] = set()
     for runner in runners:
-        names.update(_class_modules(type(runner)))
+        names.update(_class_sources(type(runner))[0])
     return tuple(sorted(names))
 
 
@@ -130,17 +135,18 @@ def sources_digest(runners: Sequence[Any]) -> str:
     A class of a module without a source file (defined in ``python -c``, a notebook, an
     interactive session) is hashed by its own source text instead (:func:`class_digest`).
     """
+    names: set[str] = set()
+    fileless: list[type] = []
+    for runner in runners:
+        modules, classes = _CLASS_SOURCES.get(type(runner)) or _class_sources(type(runner))
+        names.update(modules)
+        fileless += classes
     h = hashlib.sha256()
-    for name in source_modules(runners):
+    for name in sorted(names):
         h.update(f"{name}={module_digest(name)};".encode())
-    fileless = {
-        cls
-        for runner in runners
-        for cls in type(runner).__mro__
-        if cls.__module__ not in _INTERFACE_MODULES and not module_digest(cls.__module__)
-    }
-    for cls in sorted(fileless, key=lambda c: (c.__module__, c.__qualname__)):
-        h.update(f"{cls.__module__}.{cls.__qualname__}={class_digest(cls)};".encode())
+    if fileless:
+        for cls in sorted(dict.fromkeys(fileless), key=lambda c: (c.__module__, c.__qualname__)):
+            h.update(f"{cls.__module__}.{cls.__qualname__}={class_digest(cls)};".encode())
     return h.hexdigest()[:16]
 
 

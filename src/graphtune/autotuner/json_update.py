@@ -22,7 +22,7 @@ def update_json(
     path: str | PathLike[str],
     merge: Callable[[Any], dict[str, Any]],
     *,
-    problem: Callable[[Any], str | None] | None = None,
+    problem: Callable[[Any], str | None],
     what: str = "file",
     lock_timeout_s: float = persist.LOCK_TIMEOUT_S,
 ) -> dict[str, Any]:
@@ -33,10 +33,10 @@ def update_json(
         merge: Given the current document (``None`` when the file is missing or was moved
             aside), returns the document to write.
         problem: Why a parsed document is not one this save may merge into (``None``: it may).
-            With it, an existing file that is not JSON or has a problem is renamed to
-            ``<name>.unusable`` first, with a warning naming ``what`` and where it went, as
-            a tuning cache save does with a file that is no tuning cache. Without it, such a file is
-            merged as ``None`` (replaced).
+            An existing file that is not JSON or has a problem is renamed to
+            ``<name>.unusable`` first (:func:`graphtune.autotuner.persist.move_aside`), with a
+            warning naming ``what`` and where it went, as a tuning cache save does with a file
+            that is no tuning cache; ``merge`` then gets ``None``.
         what: What the file is, for that warning.
 
     Returns:
@@ -52,9 +52,9 @@ def update_json(
         with FileLock(str(persist.lock_path(path)), timeout=lock_timeout_s):
             remove_stale_temp_files(path)
             current, reason = _current_json(path)
-            if reason is None and current is not None and problem is not None:
+            if reason is None and current is not None:
                 reason = problem(current)
-            if reason is not None and problem is not None:
+            if reason is not None:
                 persist.move_aside(path, reason, what)
                 current = None
             doc = merge(current)

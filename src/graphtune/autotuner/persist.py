@@ -200,15 +200,19 @@ def save(
 
     Raises:
         CacheFileError: The lock could not be taken in time or the file could not be written;
-            the document is then written to a file in the temporary folder, which the message
-            names (:func:`graphtune.atomic_files.write_fallback`).
+            what would have been saved is then written to a file in the temporary folder, which
+            the message names (:func:`graphtune.atomic_files.write_fallback`): the merged
+            document when the existing file was read, else only ``entries`` and ``blocklist``.
     """
     path = Path(path)
     current = environment_fingerprint() if fingerprint is None else fingerprint
     check_lockable(path)
     entries, unstorable = _storable(entries)
     # What the file would have held, once known: a failed write puts it in a fallback file.
+    # Until the existing file is read it is only the given changes, which must then be merged
+    # into the file, not copied over it (that would drop the file's other entries).
     doc = _document(entries, current, blocklist or {})
+    complete = False
     merged = entries
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -220,17 +224,18 @@ def save(
             blocked = existing.blocklist
             blocked.update(blocklist or {})
             doc = _document(merged, current, blocked)
+            complete = True
             _atomic_write(path, doc)
     except Timeout:
-        why = f"could not lock {lock_path(path)} within {lock_timeout_s:.0f} s"
+        why = f"could not lock {lock_path(path)} within {lock_timeout_s:g} s"
         raise CacheFileError(
-            _kept_elsewhere(path, doc, why)
+            _kept_elsewhere(path, doc, why, complete)
             + "; another process holds the lock: retry, or remove the lock file if no "
             "graphtune process is running"
         ) from None
     except OSError as exc:
         raise CacheFileError(
-            _kept_elsewhere(path, doc, f"{type(exc).__name__}: {exc}")
+            _kept_elsewhere(path, doc, f"{type(exc).__name__}: {exc}", complete)
             + "; check the folder exists and is writable, or pass another cache_path"
         ) from exc
     except (TypeError, ValueError) as exc:  # a blocklist item JSON cannot hold
@@ -246,10 +251,12 @@ def save(
     return len(merged)
 
 
-def _kept_elsewhere(path: Path, doc: dict[str, Any], why: str) -> str:
+def _kept_elsewhere(path: Path, doc: dict[str, Any], why: str, complete: bool) -> str:
     """Writes ``doc``, which could not be saved to ``path`` (``why``), to the fallback file of
     :mod:`graphtune.atomic_files`; returns the start of the error message, naming where the
-    picks are (or that they are lost, when the fallback fails too)."""
+    picks are (or that they are lost, when the fallback fails too). ``complete``: ``doc`` is
+    the whole merged document, so copying the fallback over ``path`` loses nothing; else it
+    holds only this save's changes, and the advice is to merge it into ``path``."""
     try:
         text = json.dumps(doc, indent=1, allow_nan=False) + "\n"
         fallback = write_fallback(path, text.encode("utf-8"), why)
@@ -260,9 +267,16 @@ def _kept_elsewhere(path: Path, doc: dict[str, Any], why: str) -> str:
         )
     except (TypeError, ValueError) as exc:
         return f"Could not save tuning cache {path} ({why}); no copy could be written ({exc})"
+    if complete:
+        return (
+            f"Could not save tuning cache {path} ({why}); its {len(doc['entries'])} entries are "
+            f"in {fallback} instead (copy it to {path} once that can be written)"
+        )
     return (
-        f"Could not save tuning cache {path} ({why}); its {len(doc['entries'])} entries are in "
-        f"{fallback} instead (copy it to {path} once that can be written)"
+        f"Could not save tuning cache {path} ({why}); the {len(doc['entries'])} entries this "
+        f"save would have added or changed are in {fallback} instead (once {path} can be "
+        f"written, merge them in with `graphtune cache merge {path} {fallback} -o {path}`, or "
+        f"copy it there if {path} does not exist)"
     )
 
 
@@ -321,7 +335,7 @@ def unblock(
                 _atomic_write(path, _document(doc["entries"], doc["fingerprint"], keep))
     except Timeout:
         raise CacheFileError(
-            f"Could not lock {lock_path(path)} within {lock_timeout_s:.0f} s; another process "
+            f"Could not lock {lock_path(path)} within {lock_timeout_s:g} s; another process "
             "holds it. Retry, or remove the lock file if no graphtune process is running."
         ) from None
     except OSError as exc:
@@ -356,7 +370,14 @@ def _existing(path: Path, current: dict[str, Any]) -> LoadedCache:
 def move_aside(path: Path, reason: str, what: str = "tuning cache") -> None:
     """Renames a file that is in the way of a save but is not what is saved there (someone's file
     at a mistyped path, a file damaged by hand) to a free ``<name>.unusable[.N]`` next to it, so
-    the save loses nothing; the warning says where it went."""
+    the save loses nothing; the warning says where it went.
+
+    Args:
+        path: The file in the way.
+        reason: Why it is unusable, completing "it ..." in the warning (``"is not JSON"``).
+        what: What the save writes there, named in the warning (``"tuning cache"``,
+            ``"misses record"``).
+    """
     for n in range(1000):
         aside = path.with_name(f"{path.name}.unusable" + (f".{n}" if n else ""))
         if not aside.exists():

@@ -98,7 +98,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=positive_int,
         default=None,
         metavar="N",
-        help="KV cache length per request (default: longest prompt + --max-new-tokens)",
+        help="KV cache length per request (default: longest prompt + --max-new-tokens - 1; the "
+        "last new token is not cached)",
     )
     parser.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
     parser.add_argument(
@@ -145,6 +146,7 @@ def _encode(args: argparse.Namespace, tokenizer: Any) -> list[list[int]]:
 
 def check_lengths(args: argparse.Namespace, config: Any, prompts: list[list[int]]) -> int:
     """Checks every prompt against the sequence-length rule; returns the KV cache length."""
+    from graphtune.engine.arguments import MIN_SEQ_LEN
     from graphtune.engine.config import request_positions
 
     for index, ids in enumerate(prompts):
@@ -162,7 +164,7 @@ def check_lengths(args: argparse.Namespace, config: Any, prompts: list[list[int]
         )
     needed = request_positions(max(len(ids) for ids in prompts), args.max_new_tokens)
     if args.max_seq_len is None:
-        return max(needed, 2)  # the Engine's smallest max_seq_len
+        return max(needed, MIN_SEQ_LEN)
     if args.max_seq_len < needed:
         raise ConfigError(
             f"--max-seq-len {args.max_seq_len} is too small: the longest prompt and "

@@ -44,7 +44,9 @@ class KVCache:
     Args:
         config: Model shape (layers, KV heads, head width).
         max_batch_size: Live requests the cache can hold at once.
-        max_seq_len: Longest sequence (prompt + generated tokens) per request.
+        max_seq_len: Positions per request: a request of ``P`` prompt tokens generating
+            ``N`` uses ``P + N - 1`` (its last generated token is never cached;
+            :func:`graphtune.engine.config.request_positions`).
         device: Where to allocate.
         dtype: Element type of keys and values.
         shared_layers: Allocate one layer and let every layer view it. Only for profiling the

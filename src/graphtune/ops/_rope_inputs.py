@@ -103,6 +103,23 @@ def rope_tensors(inputs: list[Any], num_heads: int, num_kv_heads: int) -> list[A
     return inputs[:7]
 
 
+#: :func:`checked_rope_inputs`' result: the seven tensor inputs, the head norm (or ``None``) and
+#: its epsilon.
+CheckedRope = tuple[list[Any], torch.Tensor | None, float]
+
+
+def checked_rope_inputs(inputs: list[Any], num_heads: int, num_kv_heads: int) -> CheckedRope:
+    """:func:`rope_tensors`, then :func:`head_norm_of`: every check of a call's inputs, so a
+    runner runs it once per call and hands the result on.
+
+    Raises:
+        InputError: As those two.
+    """
+    tensors = rope_tensors(inputs, num_heads, num_kv_heads)
+    norm, eps = head_norm_of(inputs, num_heads, num_kv_heads)
+    return tensors, norm, eps
+
+
 def check_rope_indices(inputs: list[Any]) -> None:
     """``positions`` must index rows of both tables and ``write_rows`` rows of both caches: the
     Triton kernel reads and writes out of bounds otherwise (the fallback's index ops raise on

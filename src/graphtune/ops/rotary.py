@@ -48,7 +48,7 @@ from graphtune.autotuner.context import get_tuner
 from graphtune.autotuner.runner import FALLBACK_TACTIC, TunableRunner, preferred_first
 from graphtune.autotuner.tuner import AutoTuner
 from graphtune.errors import ConfigError, InputError
-from graphtune.ops._rope_inputs import check_rope_indices, head_norm_of, rope_tensors
+from graphtune.ops._rope_inputs import CheckedRope, check_rope_indices, checked_rope_inputs
 from graphtune.ops._triton import (
     KERNELS_SOURCES,
     device_supported,
@@ -192,19 +192,17 @@ class _RopeRunnerMixin:
         """Head counts are not implied by the qkv width, so they are part of the identity."""
         return (self.num_heads, self.num_kv_heads, self.signed_sin)
 
-    def _head_norm(self, inputs: list[Any]) -> tuple[torch.Tensor | None, float]:
-        """:func:`~graphtune.ops._rope_inputs.head_norm_of` for these heads."""
-        return head_norm_of(inputs, self.num_heads, self.num_kv_heads)
-
-    def _unpack(self, inputs: list[Any]) -> list[Any]:
-        """:func:`~graphtune.ops._rope_inputs.rope_tensors` for these heads."""
-        return rope_tensors(inputs, self.num_heads, self.num_kv_heads)
+    def _checked(self, inputs: list[Any]) -> CheckedRope:
+        """:func:`~graphtune.ops._rope_inputs.checked_rope_inputs` for these heads: once per
+        call, whichever path then runs."""
+        return checked_rope_inputs(inputs, self.num_heads, self.num_kv_heads)
 
     def torch_forward(self, inputs: list[Any]) -> torch.Tensor:
         """The unfused torch code (with the step's gathered rows when they are given)."""
-        rows = inputs[9] if len(inputs) > 9 else None
-        norm, eps = self._head_norm(inputs)
-        tensors = self._unpack(inputs)
+        return self._torch_checked(inputs, self._checked(inputs))
+
+    def _torch_checked(self, inputs: list[Any], checked: CheckedRope) -> torch.Tensor:
+        tensors, norm, eps = checked
         if self._debug:
             check_rope_indices(tensors)
         return torch_rope_kv_cache(
@@ -212,7 +210,7 @@ class _RopeRunnerMixin:
             self.num_heads,
             self.num_kv_heads,
             self.signed_sin,
-            rows,
+            inputs[9] if len(inputs) > 9 else None,
             head_norm=norm,
             head_norm_eps=eps,
         )
@@ -288,8 +286,10 @@ class TritonRopeRunner(_RopeRunnerMixin, TritonRunner):
         """One float dtype for qkv, tables and caches; unit last strides; contiguous positions,
         write rows and head norm (the kernel reads element ``i`` at offset ``i``); a Triton
         device."""
-        qkv, positions, cos, sin, k_cache, v_cache, rows = self._unpack(inputs)
-        norm, _ = self._head_norm(inputs)
+        return self._kernel_takes(self._checked(inputs))
+
+    def _kernel_takes(self, checked: CheckedRope) -> bool:
+        (qkv, positions, cos, sin, k_cache, v_cache, rows), norm, _ = checked
         tensors = (qkv, cos, sin, k_cache, v_cache)
         if qkv.dtype not in _DTYPES or any(t.dtype != qkv.dtype for t in tensors):
             return False
@@ -301,15 +301,27 @@ class TritonRopeRunner(_RopeRunnerMixin, TritonRunner):
             return False
         return not rows.dtype.is_floating_point and device_supported(qkv.device)
 
+    def forward(self, inputs: list[Any], tactic: Any = FALLBACK_TACTIC, **kwargs: Any) -> Any:
+        """As :meth:`TritonRunner.forward` (torch for tactic ``-1`` or inputs the kernel cannot
+        take), with the inputs checked once for both the test and the launch."""
+        if tactic == FALLBACK_TACTIC:
+            return self.torch_forward(inputs)
+        checked = self._checked(inputs)
+        if not self._kernel_takes(checked):
+            return self._torch_checked(inputs, checked)
+        return self._launch_checked(checked, tactic, warmup=False)
+
     def tactics_for(self, inputs: list[Any]) -> list[Any]:
         """See :func:`rope_tactics`."""
         return list(rope_tactics(self.num_heads, self.num_kv_heads, inputs[2].shape[-1]))
 
     def launch(self, inputs: list[Any], tactic: Any, *, warmup: bool = False) -> torch.Tensor:
         """Runs the fused kernel; returns ``q [B, heads, D]``."""
-        tensors = self._unpack(inputs)
+        return self._launch_checked(self._checked(inputs), tactic, warmup=warmup)
+
+    def _launch_checked(self, checked: CheckedRope, tactic: Any, *, warmup: bool) -> torch.Tensor:
+        tensors, norm, eps = checked
         qkv, positions, cos, sin, k_cache, v_cache, rows = tensors
-        norm, eps = self._head_norm(inputs)
         _check_rope_tactic(tactic)
         if self._debug and not warmup:  # the kernel would read and write out of bounds
             check_rope_indices(tensors)

@@ -34,9 +34,16 @@ def step_input_kernels() -> ModuleType:
 
 
 def decode_inputs_supported(embed: torch.Tensor) -> bool:
-    """Whether :func:`decode_inputs` runs for this embedding table (a float table with unit last
-    stride on a device Triton runs on)."""
-    return embed.dtype in DTYPES and embed.stride(-1) == 1 and device_supported(embed.device)
+    """Whether :func:`decode_inputs` runs for this embedding table (a ``[vocab, hidden]`` table
+    of a dtype in :data:`DTYPES` with unit last stride, on a device Triton runs on)."""
+    return _embed_table_ok(embed) and device_supported(embed.device)
+
+
+def _embed_table_ok(embed: torch.Tensor) -> bool:
+    """The kernel's rule for the table, shared by :func:`decode_inputs_supported` and the check
+    of :func:`decode_inputs`: 2-D, a dtype of :data:`DTYPES`, unit last stride (a row is read as
+    one run)."""
+    return embed.dim() == 2 and embed.dtype in DTYPES and embed.stride(-1) == 1
 
 
 def decode_inputs(
@@ -60,7 +67,8 @@ def decode_inputs(
     the host, and sampled tokens are in range by construction).
 
     Raises:
-        InputError: ``embed`` is not a ``[vocab, hidden]`` table with a unit last stride,
+        InputError: ``embed`` is not a ``[vocab, hidden]`` table of a dtype in :data:`DTYPES`
+            with a unit last stride,
             ``mask_dtype`` is not a float dtype, or an index tensor is not ``[B]`` int32/int64
             on ``embed``'s device.
     """
@@ -111,11 +119,12 @@ def _check_inputs(
     mask_dtype: Any,
 ) -> None:
     """:func:`decode_inputs`' rules, attribute comparisons only (no host synchronisation)."""
-    if embed.dim() != 2 or embed.stride(-1) != 1:
+    if not _embed_table_ok(embed):
         raise InputError(
-            f"decode_inputs: embed must be a [vocab, hidden] table with unit last stride (the "
-            f"kernel reads a row as one run; see decode_inputs_supported), got "
-            f"{describe_tensor(embed)} with strides {embed.stride()}."
+            f"decode_inputs: embed must be a [vocab, hidden] float16, bfloat16 or float32 table "
+            f"with unit last stride (the kernel reads a row as one run; see "
+            f"decode_inputs_supported), got {describe_tensor(embed)} with strides "
+            f"{embed.stride()}."
         )
     if not isinstance(mask_dtype, torch.dtype) or not mask_dtype.is_floating_point:
         raise InputError(

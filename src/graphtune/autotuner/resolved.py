@@ -24,9 +24,11 @@ from graphtune.autotuner.runner import TunableRunner
 
 
 def device_of(inputs: Sequence[Any]) -> torch.device:
-    """The device of the first tensor input (the CPU when there is none)."""
+    """The device the op's work runs on: that of the first tensor input not on the CPU (the CPU
+    when there is none). A host-side input (lengths, counts) may come before the device tensors,
+    and timing device work with a host timer would not wait for the device."""
     for x in inputs:
-        if isinstance(x, torch.Tensor):
+        if isinstance(x, torch.Tensor) and not x.is_cpu:
             return x.device
     return torch.device("cpu")
 

@@ -170,8 +170,8 @@ class AutoTuner:
 
         Raises:
             ConfigError: No runners, ``config`` is not a ``TuningConfig``, a runner or keyword
-                argument has no stable identity, or every candidate failed with one TypeError
-                (the runner's signature).
+                argument has no stable identity, or every candidate failed and a runner's
+                ``get_valid_tactics`` or ``forward`` cannot take the call graphtune makes.
             InputError: A spec points at an input or dimension that does not exist.
         """
         signature = memo_key(op, runners, config, inputs, kwargs)

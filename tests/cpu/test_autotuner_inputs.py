@@ -5,6 +5,8 @@ test_autotuner_porting.py)."""
 
 from __future__ import annotations
 
+import collections
+import enum
 import json
 import logging
 from typing import Any
@@ -14,6 +16,7 @@ import torch
 from test_autotuner_porting import CONFIG, Clock, Listed, X, tuner_for
 
 from graphtune.autotuner import DynamicTensorSpec, TunableRunner, TuningConfig, autotune
+from graphtune.autotuner.values import encode_value
 from graphtune.errors import ConfigError
 
 # what a runner returns -------------------------------------------------------------------------
@@ -66,6 +69,33 @@ def test_a_tactic_the_cache_cannot_store_is_skipped_and_the_rest_saved(tmp_path,
     assert any("cannot be stored in a cache" in r.getMessage() for r in caplog.records)
     ops = [e["key"]["op"] for e in json.loads(path.read_text())["entries"]]
     assert ops == ["good"]
+
+
+class Kind(enum.IntEnum):
+    A = 1
+
+
+class Name(str, enum.Enum):
+    X = "x"
+
+
+def test_namedtuple_and_enum_tactics_are_refused_for_they_would_come_back_retyped(
+    tmp_path, caplog
+) -> None:
+    # Equal to a tuple, an int and a string, so a file would give them back as those.
+    Cfg = collections.namedtuple("Cfg", "block warps")
+    clock = Clock()
+    costs = {-1: 9.0, (1, 2): 1.0, 1: 1.5, "x": 1.7, (3, 4): 2.0}
+    runner = Listed(clock, [Cfg(1, 2), Kind.A, Name.X, (3, 4)], costs)
+    path = tmp_path / "cache.json"
+    with caplog.at_level(logging.WARNING, logger="graphtune"):
+        with autotune(path, tuner_for(clock)) as tuner:
+            pick = tuner.choose_one("op", [runner], CONFIG, X)[1]
+    assert pick == (3, 4) and type(pick) is tuple
+    assert any("Cfg(block=1, warps=2) cannot be stored" in r.getMessage() for r in caplog.records)
+    for value in (Cfg(1, 2), Kind.A, Name.X, [Kind.A], {"k": Name.X}):
+        with pytest.raises(TypeError, match="not subclasses"):
+            encode_value(value)
 
 
 def test_inputs_that_are_no_list_and_runners_that_are_no_instances_are_refused() -> None:

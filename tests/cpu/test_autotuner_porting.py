@@ -345,6 +345,21 @@ def test_the_same_type_error_from_every_candidate_is_a_signature_error() -> None
             tuner.choose_one("op", [NoKwargs()], CONFIG, X, gemm_idx=1)
 
 
+def test_get_valid_tactics_may_read_the_opt_shapes_as_in_tensorrt_llm() -> None:
+    clock, seen = Clock(), []
+
+    class OptShapes(TrtStyleRunner):
+        def get_valid_tactics(self, inputs: list, profile: Any, **kwargs: Any) -> list:
+            seen.append(profile.get_opt_shapes())
+            return [0, 1] if profile.get_opt_shapes()[0][0] >= 8 else [0]
+
+    tuner, runner = tuner_for(clock), OptShapes(100, clock)  # tactic 0 is the fast one
+    config = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0, (4, 8)),), warmup=0, repeat=1)
+    with autotune(None, tuner):
+        assert tuner.choose_one("op", [runner], config, [torch.zeros(8, 3), 2]) == (runner, 0)
+    assert sorted(seen) == [((4, 3), (0,)), ((8, 3), (0,))] and len(tuner.cache) == 2
+
+
 # 7 -------------------------------------------------------------------------------------------
 
 

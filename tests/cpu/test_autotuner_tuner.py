@@ -387,6 +387,23 @@ def test_hits_are_memoised_until_the_cache_changes(monkeypatch) -> None:
     assert tuner.choose_one("op", runners, CONFIG, [x]) == (runners[0], FALLBACK_TACTIC)
 
 
+def test_a_pick_put_between_a_look_up_and_its_memo_is_not_hidden_by_the_memo() -> None:
+    from graphtune.autotuner import CacheEntry, TuningCache
+
+    class RacyCache(TuningCache):  # another thread puts a new pick right after each get
+        def get(self, key: Any) -> Any:
+            found = super().get(key)
+            if found is not None and found.runner_index == 0:
+                self.put(key, CacheEntry(key.runners[1], 1, 1, None, None))
+            return found
+
+    tuner, runners, _ = make({0: 1.0}, {1: 1.0}, cache=RacyCache())
+    x = torch.randn(4, 8)
+    tuner.pin(OpCall("op", tuple(runners), CONFIG, (x,)), 0, 0)
+    assert tuner.choose_one("op", runners, CONFIG, [x]) == (runners[0], 0)  # the raced look-up
+    assert tuner.choose_one("op", runners, CONFIG, [x]) == (runners[1], 1)  # then the new pick
+
+
 def test_equal_configs_share_memo_hits_and_a_config_hashes_once(monkeypatch) -> None:
     import pickle
 

@@ -84,6 +84,27 @@ def test_complex_parts_and_python_numbers_are_compared_too() -> None:
     assert not checks["conj"].passed and checks["conj"].max_abs > 99.0
 
 
+class Indices(TunableRunner):
+    """Integer and bool outputs; tactic ``"off"`` moves one index by 100 and flips one flag."""
+
+    def get_valid_tactics(self, inputs: list, profile: Any, **kwargs: Any) -> list:
+        return [-1, "off"]
+
+    def forward(self, inputs: list, *, tactic: Any = -1, **kwargs: Any) -> Any:
+        picked, flags = inputs[0].argmax(1), inputs[0][:, 0] > 0
+        if tactic == "off":
+            picked[3] += 100
+            flags[0] = ~flags[0]
+        return picked, flags
+
+
+def test_integer_and_bool_outputs_report_the_largest_difference_and_the_count() -> None:
+    x = torch.randn(4, 3)
+    (check,) = check_tactics("i", [Indices()], CONFIG, [x]).checks
+    assert not check.passed and check.max_abs == 100.0  # one element off by 100, not 1 element
+    assert check.error == "tensor 0: 1 of 4 elements differ"
+
+
 @pytest.mark.parametrize("tolerance", [{"atol": -1.0}, {"rtol": math.nan}, {"atol": math.inf}])
 def test_a_tolerance_that_is_not_finite_and_positive_is_refused(tolerance) -> None:
     from graphtune.errors import ConfigError

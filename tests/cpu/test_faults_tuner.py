@@ -50,6 +50,8 @@ class CostRunner(TunableRunner):
     def forward(self, inputs: list, tactic: Any = FALLBACK_TACTIC) -> Any:
         if tactic == "raise":
             raise RuntimeError("this tactic does not support the shape")
+        if tactic in ("typeerror", "typeerror too"):
+            raise TypeError("this shape needs a float16 input")
         if tactic == "exit":
             os._exit(7)
         if tactic == "segv":
@@ -126,6 +128,16 @@ def test_raising_tactic_is_data_in_process() -> None:
     assert tactic == 5.0
     assert tuner.stats.tactic_failures == {"RuntimeError": 1}
     assert not tuner.cache.blocklist()
+
+
+def test_a_type_error_raised_inside_every_tactic_is_a_failed_profile_not_a_signature() -> None:
+    # The forward takes graphtune's call, so the TypeError is the tactics' own: the profile
+    # fails like any other (the fallback, not tried again here), and no ConfigError is raised.
+    tuner, pick = tune(["typeerror", "typeerror too"])
+    assert pick[1] == FALLBACK_TACTIC and len(tuner.failed_profiles) == 1
+    assert tuner.stats.tactic_failures == {"TypeError": 2} and len(tuner.cache) == 0
+    again = CostRunner(["typeerror", "typeerror too"])
+    assert tuner.choose_one("op", [again], CONFIG, INPUTS) == (again, FALLBACK_TACTIC)
 
 
 def test_corrupted_context_in_process_blocklists_and_stops(tmp_path, monkeypatch) -> None:

@@ -56,9 +56,34 @@ def test_misses_record_shapes_strides_dtypes_scalars_and_counts(tmp_path) -> Non
     assert rebuilt[1:] == [1e-5, None, (2, "a")]  # the tuple comes back a tuple
     path = tmp_path / "misses.json"
     assert tuner.misses.save(path) == 1
-    assert tuner.misses.save(path) == 1  # merged: one record, counts added
+    assert tuner.misses.save(path) == 1  # nothing new since the last save: nothing added
     (loaded,) = load_misses(path)
-    assert loaded.count == 6 and loaded == CallRecord.from_json(loaded.to_json())
+    assert loaded.count == 3 and loaded == CallRecord.from_json(loaded.to_json())
+
+
+def test_nested_and_successive_blocks_save_each_miss_once(tmp_path) -> None:
+    config = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0, (4,)),))
+    tuner, path, other = AutoTuner(show_progress=False), tmp_path / "m.json", tmp_path / "o.json"
+
+    def counts(where: Path) -> list[int]:
+        return [r.count for r in load_misses(where)]
+
+    with autotune(None, tuner, tune=False, misses_path=path):
+        with autotune(None, tuner, tune=False, misses_path=path):
+            tuner.choose_one("op", [Plain()], config, [torch.zeros(4, 3)])
+        assert counts(path) == [1]
+    assert counts(path) == [1]
+    with autotune(None, tuner, tune=False, misses_path=path):
+        pass  # no call: nothing to add
+    assert counts(path) == [1]
+    with autotune(None, tuner, tune=False, misses_path=path):
+        tuner.choose_one("op", [Plain()], config, [torch.zeros(4, 3)])
+    assert counts(path) == [2] and tuner.misses.records()[0].count == 2
+    assert tuner.misses.save(other) == 1 and counts(other) == [2]  # another file gets them all
+    tuner.misses.clear()
+    tuner.choose_one("op", [Plain()], config, [torch.zeros(4, 3)])
+    tuner.misses.save(path)
+    assert counts(path) == [3]
 
 
 def test_misses_keep_dtypes_and_devices_and_never_fail_the_call(tmp_path, caplog) -> None:

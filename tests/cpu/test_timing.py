@@ -186,6 +186,17 @@ def test_resolve_timer_cuda_choices(monkeypatch):
     assert resolve_timer("graph", cuda).device == cuda
 
 
+def test_the_timed_device_is_the_first_tensor_off_the_cpu():
+    from graphtune.autotuner.resolved import device_of
+
+    # Host-side lengths first, the work on another device ("meta" stands in for CUDA here): the
+    # timer must follow the work, or a host clock times device work without waiting for it.
+    lengths, work = torch.tensor([3, 5]), torch.empty(8, 16, device="meta")
+    assert device_of([lengths, 2, work]) == torch.device("meta")
+    assert device_of([lengths, None]) == torch.device("cpu")
+    assert device_of([1.0]) == torch.device("cpu")
+
+
 # --- GPU timers without CUDA -------------------------------------------------------------------
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -245,6 +246,11 @@ class MissLog:
         self._records: dict[CacheKey, CallRecord] = {}
         self._unrecordable: set[str] = set()
         self._lock = threading.Lock()
+        # Per file, the count of each key already merged into it: a save adds only what came
+        # since, so saving again (nested or successive autotune() blocks) never counts a miss
+        # twice, while the records stay here for the caller to read.
+        self._saved: dict[str, dict[CacheKey, int]] = {}
+        self._save_lock = threading.Lock()  # two saves must not both add one delta
 
     def add(self, key: CacheKey, make: Callable[[], CallRecord]) -> None:
         """Counts a miss of ``key``; ``make`` builds its record the first time only. A call the
@@ -273,9 +279,10 @@ class MissLog:
             return list(self._records.values())
 
     def clear(self) -> None:
-        """Forgets every record."""
-        with self._lock:
+        """Forgets every record (and what was saved of them)."""
+        with self._save_lock, self._lock:
             self._records.clear()
+            self._saved.clear()
 
     def __len__(self) -> int:
         with self._lock:
@@ -284,7 +291,8 @@ class MissLog:
     def save(self, path: str | PathLike[str]) -> int:
         """Merges these records into the misses file at ``path``, atomically under its lock.
 
-        A record already in the file (same key) has its count raised. A file there that is not
+        Only the misses counted since this log's last save to ``path`` are added: a record
+        already in the file (same key) has its count raised by those. A file there that is not
         a misses file of this version (a tuning cache, any other file) is renamed to
         ``<name>.unusable`` first, with a warning saying so, as a tuning cache save does.
         Returns the number of records in the file.
@@ -292,7 +300,21 @@ class MissLog:
         Raises:
             CacheFileError: The file could not be written.
         """
-        mine = self.records()
+        with self._save_lock:
+            where = os.path.abspath(os.fspath(path))
+            with self._lock:
+                saved = self._saved.get(where, {})
+                counts = {k: r.count - saved.get(k, 0) for k, r in self._records.items()}
+                mine = [_with_count(r, counts[k]) for k, r in self._records.items() if counts[k]]
+            written = self._merge_into(path, mine)
+            with self._lock:
+                done = self._saved.setdefault(where, {})
+                for key, count in counts.items():
+                    done[key] = done.get(key, 0) + count
+            return written
+
+    def _merge_into(self, path: str | PathLike[str], mine: list[CallRecord]) -> int:
+        """Merges ``mine`` into the misses file at ``path``; returns its number of records."""
 
         def merge(current: Any) -> dict[str, Any]:
             merged: dict[str, CallRecord] = {}

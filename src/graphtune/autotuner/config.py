@@ -188,7 +188,8 @@ class TuningConfig:
             call reads from DRAM as in a real model step. One sample walks through all copies,
             so it holds at least as many calls as there are copies.
         timing: ``"auto"`` (graph on CUDA, wallclock on CPU), ``"graph"``, ``"events"`` or
-            ``"wallclock"``. A timer passed to ``AutoTuner(timer=...)`` takes precedence.
+            ``"wallclock"``, on the device of the first input tensor not on the CPU. A timer
+            passed to ``AutoTuner(timer=...)`` takes precedence.
         warmup: Untimed calls before each measurement.
         repeat: Back-to-back calls per sample, or ``None`` (the default) for the timer's
             choice: the graph timer sizes its replays itself (``GraphTimer.min_calls`` calls

@@ -38,11 +38,12 @@ class TacticCheck:
         runner: Short runner name.
         runner_index: Position of the runner.
         tactic: The tactic.
-        max_abs: Largest absolute difference over all compared tensors (``inf`` on a shape or
-            dtype mismatch, ``nan`` when it raised).
+        max_abs: Largest absolute difference over all compared tensors, integer and bool ones
+            included (as numbers; ``inf`` on a shape or dtype mismatch, ``nan`` when it raised).
         max_rel: ``max_abs / max|ref|`` of the worst tensor.
         passed: Whether every tensor was within the tolerance.
-        error: The exception text when the tactic raised, or a mismatch description.
+        error: The exception text when the tactic raised, or a mismatch description (a shape
+            or dtype mismatch, how many elements of an integer or bool tensor differ).
     """
 
     runner: str
@@ -112,15 +113,20 @@ def _compare(
 ) -> tuple[float, float, bool, str | None]:
     if len(got) != len(ref):
         return math.inf, math.inf, False, f"{len(got)} tensors, the fallback gave {len(ref)}"
-    worst_abs, worst_rel, ok = 0.0, 0.0, True
+    worst_abs, worst_rel, ok, problem = 0.0, 0.0, True, None
     for i, (a, b) in enumerate(zip(got, ref, strict=True)):
         if a.shape != b.shape or a.dtype != b.dtype:
             what = f"tensor {i} is {tuple(a.shape)} {a.dtype}, the fallback's {tuple(b.shape)}"
             return math.inf, math.inf, False, f"{what} {b.dtype}"
         if not (b.dtype.is_floating_point or b.dtype.is_complex):
-            diff = float((a != b).sum())
-            worst_abs = max(worst_abs, diff)
-            ok = ok and diff == 0
+            differ = int((a != b).sum())
+            if differ:  # must be equal; the sizes say how far off, the count how often
+                wide_a, wide_b = a.double(), b.double()  # no integer overflow, bools as 0 and 1
+                err, scale = float((wide_a - wide_b).abs().max()), float(wide_b.abs().max())
+                worst_abs = max(worst_abs, err)
+                worst_rel = max(worst_rel, err / scale if scale > 0 else math.inf)
+                ok = False
+                problem = problem or f"tensor {i}: {differ} of {b.numel()} elements differ"
             continue
         if b.dtype.is_complex:  # both parts count (a cast to float would drop the imaginary one)
             a, b = torch.view_as_real(a.resolve_conj()), torch.view_as_real(b.resolve_conj())
@@ -136,7 +142,7 @@ def _compare(
         worst_abs = max(worst_abs, err)
         worst_rel = max(worst_rel, err / scale if scale > 0 else (0.0 if err == 0 else math.inf))
         ok = ok and err <= tol_a + tol_r * scale
-    return worst_abs, worst_rel, ok, None
+    return worst_abs, worst_rel, ok, problem
 
 
 def check_tactics(

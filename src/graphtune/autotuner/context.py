@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from os import PathLike
 
 from graphtune import env
@@ -18,6 +20,58 @@ logger = logging.getLogger(__name__)
 
 _default_tuner: AutoTuner | None = None
 _default_lock = threading.Lock()
+
+
+@dataclass(eq=False)
+class _Block:
+    """One open ``autotune()`` block: whether it tunes, and the strategy it asked for."""
+
+    tuning: bool
+    distributed: DistributedTuning | None
+
+
+@dataclass
+class _OpenBlocks:
+    """The ``autotune()`` blocks open on one tuner, from any thread, and the tuner's mode and
+    strategy before the first of them. Blocks of several threads overlap in time and end in any
+    order, so the tuner's state is derived from the set of open blocks instead of each block
+    restoring what it saw on entry."""
+
+    outside: tuple[bool, DistributedTuning | None]
+    blocks: list[_Block] = field(default_factory=list)
+
+
+_open: weakref.WeakKeyDictionary[AutoTuner, _OpenBlocks] = weakref.WeakKeyDictionary()
+_open_lock = threading.Lock()
+
+
+def _enter(tuner: AutoTuner, block: _Block) -> None:
+    with _open_lock:
+        state = _open.get(tuner)
+        if state is None:
+            state = _open[tuner] = _OpenBlocks((tuner.tuning_mode, tuner.distributed))
+        state.blocks.append(block)
+        _apply(tuner, state)
+
+
+def _leave(tuner: AutoTuner, block: _Block) -> bool:
+    """Closes ``block``; returns whether it was the tuner's last open block."""
+    with _open_lock:
+        state = _open[tuner]
+        state.blocks.remove(block)
+        if state.blocks:
+            _apply(tuner, state)
+            return False
+        del _open[tuner]
+        tuner.tuning_mode, tuner.distributed = state.outside
+        return True
+
+
+def _apply(tuner: AutoTuner, state: _OpenBlocks) -> None:
+    """Tuning while any open block tunes; the strategy of the latest open block that set one."""
+    tuner.tuning_mode = any(b.tuning for b in state.blocks)
+    chosen = [b.distributed for b in state.blocks if b.distributed is not None]
+    tuner.distributed = chosen[-1] if chosen else state.outside[1]
 
 
 def get_tuner() -> AutoTuner:
@@ -54,8 +108,15 @@ def autotune(
             for ``graphtune tune --from-misses``); ``None`` uses ``GRAPHTUNE_MISSES`` (not saved
             when that is unset too).
 
+    Blocks on one tuner may be nested or overlap from several threads: the tuner tunes while
+    any open block tunes (a cache-only block does not stop another block's tuning; a thread that
+    must only look up while another tunes needs a tuner of its own), uses the strategy of the
+    latest open block that set one, and gets its mode, strategy and tactic worker back when the
+    last block ends.
+
     Yields:
-        The tuner, in tuning mode (cache-only: not in tuning mode). With a collective distributed
+        The tuner, in tuning mode (cache-only: not, unless another open block tunes). With a
+        collective distributed
         strategy every rank's cache is the same one first
         (:func:`~graphtune.autotuner.distributed.align_cache`).
     """
@@ -65,25 +126,28 @@ def autotune(
     tuning = (not env.cache_only()) if tune is None else bool(tune)
     if path is not None:
         tuner.cache.load(path, strict=strict)
-    previous, previous_dist = tuner.tuning_mode, tuner.distributed
-    if distributed is not None:
-        tuner.distributed = DistributedTuning.resolve(distributed)
-    align_cache(tuner.cache, tuner.distributed, tuning)  # ranks looking up other caches would hang
+    strategy = DistributedTuning.resolve(distributed) if distributed is not None else None
+    block = _Block(tuning, strategy)
+    _enter(tuner, block)
+    try:
+        align_cache(tuner.cache, tuner.distributed, tuning)  # ranks looking up other caches hang
+    except BaseException:
+        _leave(tuner, block)
+        raise
     first_row = len(tuner.summary_rows())
-    tuner.tuning_mode = tuning
     try:
         yield tuner
     except BaseException:
-        tuner.tuning_mode, tuner.distributed = previous, previous_dist
-        tuner.close()
+        if _leave(tuner, block):
+            tuner.close()
         if path is not None and tuning:
             _save_quietly(tuner, path)  # keep what was tuned before the error, without masking it
         raise
     finally:
         if misses is not None and len(tuner.misses):
             _save_misses_quietly(tuner, misses)
-    tuner.tuning_mode, tuner.distributed = previous, previous_dist
-    tuner.close()
+    if _leave(tuner, block):
+        tuner.close()  # not before: another open block may be tuning through the worker
     rows = tuner.summary_rows()[first_row:]
     if rows:
         logger.info("%s", render_table("graphtune autotuning picks", SUMMARY_COLUMNS, rows))

@@ -44,6 +44,12 @@ class Profile:
     shapes: tuple[Shape | None, ...]
     dtypes: tuple[str, ...]
 
+    def get_opt_shapes(self) -> tuple[Shape, ...]:
+        """The shapes as TensorRT-LLM's ``OptimizationProfile.get_opt_shapes()`` gives them, for
+        runners ported from it: one tuple per input, dynamic dimensions at their bucket, and
+        ``(0,)`` for a non-tensor input (where :attr:`shapes` holds ``None``)."""
+        return tuple(s if s is not None else (0,) for s in self.shapes)
+
     def describe(self) -> str:
         """Short human form, e.g. ``64x4096, 4096x4096``."""
         return ", ".join("x".join(map(str, s)) if s is not None else "-" for s in self.shapes)

@@ -24,9 +24,11 @@ from graphtune.autotuner.runner import TunableRunner
 
 
 def device_of(inputs: Sequence[Any]) -> torch.device:
-    """The device of the first tensor input (the CPU when there is none)."""
+    """The device the op's work runs on: that of the first tensor input not on the CPU (the CPU
+    when there is none). A host-side input (lengths, counts) may come before the device tensors,
+    and timing device work with a host timer would not wait for the device."""
     for x in inputs:
-        if isinstance(x, torch.Tensor):
+        if isinstance(x, torch.Tensor) and not x.is_cpu:
             return x.device
     return torch.device("cpu")
 
@@ -94,14 +96,19 @@ class HitMemo:
             return None
         return entry[2]
 
-    def put(self, key: tuple[Any, ...] | None, cache: TuningCache, found: Any) -> None:
-        """Remembers ``found`` (a ``(runner, tactic)`` pick) for ``key`` in ``cache``."""
+    def put(
+        self, key: tuple[Any, ...] | None, cache: TuningCache, version: int, found: Any
+    ) -> None:
+        """Remembers ``found`` (a ``(runner, tactic)`` pick) for ``key`` in ``cache`` at
+        ``version``, the cache's version read before the look-up that found it: a change to the
+        cache in between then leaves the entry stale (a miss), never an old pick that looks
+        current."""
         if key is None:
             return
         if len(self._entries) >= self.limit:
             self._entries.clear()
         try:
-            self._entries[key] = (cache, cache.version, found)
+            self._entries[key] = (cache, version, found)
         except TypeError:  # unhashable: nothing to remember
             pass
 

@@ -134,9 +134,8 @@ class AutoTuner:
         self._worker: SubprocessExecutor | None = None
         self._recording: list[OpCall] | None = None
         self._dry_run = False
-        # Hits by exact call signature (op, runners, config, input shapes), valid while the
-        # cache's version is unchanged: a decode step asks ~100 times per call, and bucketing
-        # plus key building cost tens of microseconds of host time each.
+        # Hits by exact call signature, valid while the cache's version is unchanged: a decode
+        # step asks for the same signatures over and over, and bucketing and key building cost.
         self._memo = HitMemo()
         # One tuning run at a time: two threads tuning one op would time each other's kernels.
         self._tune_lock = threading.RLock()
@@ -170,8 +169,8 @@ class AutoTuner:
 
         Raises:
             ConfigError: No runners, ``config`` is not a ``TuningConfig``, a runner or keyword
-                argument has no stable identity, or every candidate failed with one TypeError
-                (the runner's signature).
+                argument has no stable identity, or every candidate failed and a runner's
+                ``get_valid_tactics`` or ``forward`` cannot take the call graphtune makes.
             InputError: A spec points at an input or dimension that does not exist.
         """
         signature = memo_key(op, runners, config, inputs, kwargs)
@@ -190,12 +189,13 @@ class AutoTuner:
                 return hit
         resolved = self._resolve(call)
         key = resolved.live_key()
+        version = self.cache.version  # before the look-up: see HitMemo.put
         found = self._lookup(key, runners) if key is not None else None
         if self._dry_run:
             return found or (runners[0], FALLBACK_TACTIC)
         if found is not None:
             self.stats.hits += 1
-            self._memo.put(signature, self.cache, found)
+            self._memo.put(signature, self.cache, version, found)
             return found
         self.stats.misses += 1
         why = self._miss_reason(key)

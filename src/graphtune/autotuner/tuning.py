@@ -138,7 +138,6 @@ class TuningRun:
     show_progress: bool | None = None
     only: CacheKey | None = None
     failed: Container[CacheKey] = frozenset()  # not tuned again in this process
-    _errors: dict[tuple[int, int], tuple[str, str]] = field(default_factory=dict)
     _synthesized: dict[Any, Any] = field(default_factory=dict)
 
     @contextmanager
@@ -376,24 +375,19 @@ class TuningRun:
         return ProfileOutcome(profile, plan.key, entry, rec)
 
     def _check_signature(self, candidates: list[Candidate], label: str) -> None:
-        """Every candidate failed: if all with one and the same ``TypeError``, it is the
-        runners' signature, not the tactics; say so instead of tuning on."""
-        if self.coordinator.setting.collective or not candidates:
-            return  # other ranks' errors are not known here; stay rank-consistent
-        errors = {self._errors.get((c.runner_index, c.tactic_index)) for c in candidates}
-        if len(errors) != 1:
-            return
-        (error,) = errors
-        if error is None or error[0] != "TypeError":
-            return
-        names = sorted({type(c.runner).__qualname__ for c in candidates})
-        raise ConfigError(
-            f"{label}: every (runner, tactic) of {', '.join(names)} failed with the same "
-            f"TypeError ({error[1]}), so the runner's signature does not match how graphtune "
-            "calls it: runner.forward(inputs, tactic=..., **kwargs) and "
-            "runner.get_valid_tactics(inputs, profile, **kwargs), with the keyword arguments "
-            "given to choose_one. Declare forward(self, inputs, *, tactic=-1, **kwargs)."
-        )
+        """Every candidate failed: if a runner's ``forward`` cannot take the call graphtune makes
+        (its signature, not a ``TypeError`` raised inside it), say so instead of tuning on."""
+        if self.coordinator.setting.collective:
+            return  # other ranks' candidates are not known here; stay rank-consistent
+        for c in candidates:
+            if _takes(c.runner.forward, self.inputs, tactic=c.tactic, **self.kwargs):
+                continue
+            raise ConfigError(
+                f"{label}: {type(c.runner).__qualname__}.forward cannot take the call graphtune "
+                f"makes, forward(inputs, tactic=..., **kwargs) with choose_one's keyword "
+                f"arguments {sorted(self.kwargs)}; declare "
+                "forward(self, inputs, *, tactic=-1, **kwargs)."
+            )
 
     # -- timing --------------------------------------------------------------------------------
 
@@ -456,7 +450,6 @@ class TuningRun:
 
     def _fail(self, cand: Candidate, stage: str, failure: TacticFailure, label: str) -> None:
         cand.failed = failure.reason
-        self._errors[(cand.runner_index, cand.tactic_index)] = (failure.reason, failure.detail)
         what = f"{stage} of tactic {tactic_text(cand.tactic)}"
         self.failures.add(self.op, cand.runner, what, failure)
         if failure.block:

@@ -3,12 +3,13 @@
 Two encodings, for two jobs:
 
 * :func:`encode_value` / :func:`decode_value` keep a tactic's (or a recorded call's argument's)
-  Python type through a JSON file: a tuple comes back a tuple, an int an int, a float a float, a
-  dict with non-string keys a dict with those keys, a ``torch.dtype`` or ``torch.device`` itself.
-  JSON has lists and string-keyed objects only, so a tuple is written ``{"__tuple__": [...]}``, a
-  dict whose keys are not all plain strings (or that could be read as such a tag)
-  ``{"__dict__": [[key, value], ...]}``, a dtype ``{"__dtype__": "float16"}`` and a device
-  ``{"__device__": "cuda:0"}``. Every other value is written as itself.
+  Python type through a JSON file (exact types only: a subclass is refused): a tuple comes back a
+  tuple, an int an int, a float a float, a dict with non-string keys a dict with those keys, a
+  ``torch.dtype`` or ``torch.device`` itself. JSON has lists and string-keyed objects only, so a
+  tuple is written ``{"__tuple__": [...]}``, a dict whose keys are not all plain strings (or that
+  could be read as such a tag) ``{"__dict__": [[key, value], ...]}``, a dtype
+  ``{"__dtype__": "float16"}`` and a device ``{"__device__": "cuda:0"}``. Every other value is
+  written as itself.
 * :func:`identity_value` turns configuration (a runner's attributes, ``choose_one`` keyword
   arguments) into canonical JSON for a cache key. It accepts only values whose text is the same
   in every process: ``None``, bools, ints, finite floats, strings, tuples and lists, dicts with
@@ -44,25 +45,30 @@ def encode_value(value: Any) -> Any:
     """The JSON form of ``value`` that :func:`decode_value` turns back into an equal value of the
     same types.
 
+    Types are matched exactly: a subclass (a namedtuple, an ``IntEnum`` or ``str`` enum member,
+    an ``OrderedDict``) would come back as its base type, so it is refused instead.
+
     Raises:
-        TypeError: A value that is not None, a bool, int, float, string, tuple, list or dict.
+        TypeError: A value that is not None, a bool, int, float, string, tuple, list, dict,
+            torch dtype or device (a subclass of one included).
         ValueError: A non-finite float (JSON has none).
     """
-    if value is None or isinstance(value, (bool, int, str)):
+    kind = type(value)
+    if value is None or kind is bool or kind is int or kind is str:
         return value
-    if isinstance(value, float):
+    if kind is float:
         if not math.isfinite(value):
             raise ValueError(f"non-finite float {value!r} cannot be stored in JSON")
         return value
-    if isinstance(value, tuple):
+    if kind is tuple:
         return {_TUPLE: [encode_value(v) for v in value]}
-    if isinstance(value, list):
+    if kind is list:
         return [encode_value(v) for v in value]
     if isinstance(value, torch.dtype):
         return {_DTYPE: str(value).removeprefix("torch.")}
     if isinstance(value, torch.device):
         return {_DEVICE: str(value)}
-    if isinstance(value, dict):
+    if kind is dict:
         plain = all(isinstance(k, str) for k in value) and not (
             len(value) == 1 and next(iter(value)) in _TAGS
         )
@@ -70,8 +76,9 @@ def encode_value(value: Any) -> Any:
             return {k: encode_value(v) for k, v in value.items()}
         return {_DICT: [[encode_value(k), encode_value(v)] for k, v in value.items()]}
     raise TypeError(
-        f"{type(value).__name__} {value!r} is not a JSON value; tactics must be None, bools, "
-        "ints, floats, strings, torch dtypes or devices, tuples, lists or dicts of those"
+        f"{kind.__name__} {value!r} is not a JSON value whose type a file keeps; tactics must be "
+        "None, bools, ints, floats, strings, torch dtypes or devices, tuples, lists or dicts of "
+        "those, not subclasses (a namedtuple, an enum member): pass tuple(t) or t.value"
     )
 
 

@@ -116,8 +116,7 @@ def autotune(
 
     Yields:
         The tuner, in tuning mode (cache-only: not, unless another open block tunes). With a
-        collective distributed
-        strategy every rank's cache is the same one first
+        collective distributed strategy every rank's cache is the same one first
         (:func:`~graphtune.autotuner.distributed.align_cache`).
     """
     tuner = tuner if tuner is not None else get_tuner()

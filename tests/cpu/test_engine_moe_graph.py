@@ -91,3 +91,20 @@ def test_tuned_moe_step_is_captured_whole_and_replays_the_eager_step(preset):
             torch.testing.assert_close(got, reference, rtol=1e-4, atol=1e-4)
     assert tuner.stats.fallbacks == {}
     runner.release()
+
+
+@pytest.mark.parametrize("preset", ["qwen3-moe-tiny", "mixtral-tiny"])
+def test_an_untuned_moe_step_that_reads_its_routing_on_the_host_is_not_replayed(preset):
+    # The untuned fallback loops over the experts it reads with .tolist(): a host read that a
+    # CUDA capture refuses. The simulated capture must refuse it too, or the replay would keep
+    # the capture's routing for every later token.
+    from graphtune.engine import Engine
+
+    def tokens(**kwargs):
+        engine = Engine(load_model(preset, seed=0), max_batch_size=4, max_seq_len=64, **kwargs)
+        prompts = [[11, 12, 13], [99, 98], [200, 201, 202, 203], [37]]
+        return engine, engine.generate(prompts, [5, 3, 6, 4], stop_token_ids=[])
+
+    _, want = tokens(runner="eager")
+    engine, got = tokens(graph_backend=SimulatedGraphBackend())
+    assert got == want and engine.stats.replays == 0

@@ -8,8 +8,8 @@ stale rows, slicing, output aliasing, graph breaks and fallbacks behave as with 
 speed differs. Triton kernels run by the CPU interpreter (``TRITON_INTERPRET=1``) write through raw
 pointers that no ATen op shows, so their launches are recorded as launches and run again at replay,
 like a graph's kernel nodes. Python code of the step does not run at replay, as on a GPU, and a host
-synchronisation inside a capture (``.item()``, ``bool(tensor)``, ``torch.nonzero``) fails the
-capture with the CUDA error text.
+synchronisation inside a capture (``.item()``, ``bool(tensor)``, ``torch.nonzero``, ``.tolist()``,
+``.numpy()``) fails the capture with the CUDA error text.
 
 Memory sharing is modelled pessimistically: storages the runner gives back to the pool
 (:meth:`SimulatedGraphBackend.share_memory`) that were created during their graphs' capture are
@@ -116,7 +116,15 @@ class _Recorder(TorchDispatchMode):
         self._unpatch: Callable[[], None] | None = None
 
     def __enter__(self) -> _Recorder:
-        self._unpatch = self._record_triton_launches()
+        unpatch_launches = self._record_triton_launches()
+        unpatch_reads = self._refuse_host_reads()
+
+        def unpatch() -> None:
+            unpatch_reads()
+            if unpatch_launches is not None:
+                unpatch_launches()
+
+        self._unpatch = unpatch
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
@@ -124,6 +132,32 @@ class _Recorder(TorchDispatchMode):
         if self._unpatch is not None:
             self._unpatch()
             self._unpatch = None
+
+    def _refuse_host_reads(self) -> Callable[[], None]:
+        """``Tensor.tolist`` and ``Tensor.numpy`` read data on the host without an ATen op, so
+        the dispatch mode does not see them: during the capture they fail as on a capturing CUDA
+        stream (the interpreter's own reads inside a kernel launch stay allowed)."""
+        recorder = self
+        originals = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy")}
+
+        def refusing(name: str) -> Callable[..., Any]:
+            original = originals[name]
+
+            def read(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+                if not recorder._inside_kernel:
+                    raise RuntimeError(f"{_CAPTURE_SYNC_ERROR} (Tensor.{name})")
+                return original(tensor, *args, **kwargs)
+
+            return read
+
+        for name in originals:
+            setattr(torch.Tensor, name, refusing(name))
+
+        def unpatch() -> None:
+            for name, original in originals.items():
+                setattr(torch.Tensor, name, original)
+
+        return unpatch
 
     def _record_triton_launches(self) -> Callable[[], None] | None:
         try:

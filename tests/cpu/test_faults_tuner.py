@@ -178,6 +178,22 @@ def test_blocklist_matches_tuple_and_list_spellings() -> None:
     assert cache.clear_blocklist() == 1 and not cache.blocklist()
 
 
+def test_a_pick_of_a_blocked_tactic_is_never_served_and_tuning_picks_again() -> None:
+    # A merged-in file, or a block after tuning, can leave an entry whose tactic is blocked: a
+    # kernel that crashed once must not run in a serving process.
+    tuner = AutoTuner(timer=ReportTimer(), policy=TuningPolicy(rounds=1, remeasure_top=0))
+    runner = CostRunner([30.0, 10.0])
+    tuner.tuning_mode = True
+    assert tuner.choose_one("op", [runner], CONFIG, INPUTS)[1] == 10.0
+    tuner.tuning_mode = False
+    assert tuner.choose_one("op", [runner], CONFIG, INPUTS)[1] == 10.0  # memoised
+    tuner.cache.block(iso_block(runner, 10.0))
+    assert tuner.choose_one("op", [runner], CONFIG, INPUTS)[1] == FALLBACK_TACTIC  # a miss
+    tuner.tuning_mode = True
+    assert tuner.choose_one("op", [runner], CONFIG, INPUTS)[1] == 30.0  # tuned without it
+    tuner.close()
+
+
 def iso_block(runner: TunableRunner, tactic: Any):
     from graphtune.autotuner.entries import BlockedTactic
 

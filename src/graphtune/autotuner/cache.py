@@ -41,9 +41,16 @@ class TuningCache:
         self.version = 0
 
     def get(self, key: CacheKey) -> CacheEntry | None:
-        """The entry for ``key``, or ``None``."""
+        """The entry for ``key``, or ``None``, also when the entry's (runner, tactic) is blocked:
+        a tactic that crashed or hung is never served (a pick merged in from another file, or
+        tuned before the block), and tuning picks again without it."""
         with self._lock:
-            return self._entries.get(key)
+            return self._served(self._entries.get(key))
+
+    def _served(self, entry: CacheEntry | None) -> CacheEntry | None:
+        if entry is None or not self._blocked:
+            return entry
+        return None if (entry.runner_id, tactic_text(entry.tactic)) in self._blocked else entry
 
     def put(self, key: CacheKey, entry: CacheEntry) -> None:
         """Stores (or replaces) the entry for ``key``."""
@@ -72,9 +79,11 @@ class TuningCache:
     # -- blocklist --------------------------------------------------------------------------
 
     def block(self, item: BlockedTactic) -> None:
-        """Adds (or replaces) a blocked (runner, tactic)."""
+        """Adds (or replaces) a blocked (runner, tactic); entries that pick it are no longer
+        served (:meth:`get`)."""
         with self._lock:
             self._blocked[item.ident] = item
+            self.version += 1  # look-up memos must forget the picks it hides
 
     def blocked(self, runner_id: str, tactic: Any) -> BlockedTactic | None:
         """The blocklist item for ``(runner_id, tactic)``, or ``None`` when it may be timed."""
@@ -95,11 +104,15 @@ class TuningCache:
         with self._lock:
             count = len(self._blocked)
             self._blocked.clear()
+            self.version += 1
             return count
 
     def __contains__(self, key: object) -> bool:
+        """Whether :meth:`get` serves an entry for ``key``."""
+        if not isinstance(key, CacheKey):
+            return False
         with self._lock:
-            return key in self._entries
+            return self._served(self._entries.get(key)) is not None
 
     def __len__(self) -> int:
         with self._lock:

@@ -53,6 +53,22 @@ def test_tune_preset_writes_cache_and_second_run_reuses_it(tmp_path, capsys, mon
     assert made[-1].stats.profiles_tuned == 0
 
 
+def test_tune_tunes_and_saves_under_graphtune_cache_only(tmp_path, capsys, monkeypatch):
+    # GRAPHTUNE_CACHE_ONLY makes serving's autotune() blocks look-ups only; `tune` still tunes.
+    real = graphtune.autotuner.AutoTuner
+    monkeypatch.setattr(
+        graphtune.autotuner,
+        "AutoTuner",
+        lambda timer=None: real(timer=_Flat(), show_progress=False),
+    )
+    monkeypatch.setenv("GRAPHTUNE_CACHE_ONLY", "1")
+    cache = tmp_path / "tune.json"
+    args = ["tune", "--model", "tiny", "--cache", str(cache), "--max-batch", "1", "--device", "cpu"]
+    assert main(args) == 0
+    assert "picks added to" in capsys.readouterr().out
+    assert json.loads(cache.read_text())["entries"]
+
+
 def test_tune_rejects_unknown_model_and_bad_sizes(tmp_path, capsys):
     # A failure (the model does not exist): exit 1 and one error line.
     assert main(["tune", "--model", "no-such", "--cache", str(tmp_path / "c.json")]) == 1

@@ -132,7 +132,8 @@ def run_tune(args: argparse.Namespace) -> int:
     )
     started = time.perf_counter()
     try:
-        with autotuner.autotune(args.cache, tuner):
+        # tune=True: GRAPHTUNE_CACHE_ONLY (meant for serving) must not turn this into look-ups.
+        with autotuner.autotune(args.cache, tuner, tune=True):
             report = tune_step(
                 step,
                 log=lambda line: print(f"  {line}", flush=True),

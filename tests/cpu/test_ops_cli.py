@@ -105,6 +105,26 @@ def test_tune_from_misses_runs_through_the_tune_command(tmp_path, capsys):
         assert f"{extra[0]}" in capsys.readouterr().err
 
 
+def test_tune_from_misses_does_not_call_skipped_records_cached(tmp_path, capsys):
+    import torch
+
+    from graphtune.autotuner import AutoTuner, autotune
+    from graphtune.ops import silu_and_mul
+
+    misses, cache = tmp_path / "misses.json", tmp_path / "c.json"
+    serving = AutoTuner(show_progress=False)
+    with autotune(None, serving, tune=False, misses_path=misses):
+        silu_and_mul(torch.randn(3, 16), tuner=serving, max_m=4)
+    data = json.loads(misses.read_text())
+    data["misses"][0]["op"] = "no.such.op"
+    misses.write_text(json.dumps(data))
+    args = ["tune", "--from-misses", str(misses), "--cache", str(cache), "--timing", "wallclock"]
+    assert main(args) == 1
+    out = capsys.readouterr().out
+    assert "already in the cache" not in out
+    assert "no pick was tuned: all 1 recorded calls were skipped" in out
+
+
 # In a fresh process without the TRITON_INTERPRET other test modules set: interpreted Triton
 # tactics would be candidates (and take minutes to time) on the CPU.
 _ENV = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

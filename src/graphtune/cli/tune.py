@@ -165,7 +165,15 @@ def run_tune(args: argparse.Namespace) -> int:
         )
         return 0
     table = tuner.summary_table(f"picks for {name} (buckets {list(report.buckets)})")
-    print(table or "every shape was already in the cache file; nothing to tune")
+    if table:
+        print(table)
+    elif stats.profiles_failed:
+        print(
+            f"no pick was tuned: every candidate of {stats.profiles_failed} (op, bucket) "
+            "profiles failed (the warnings above say why)"
+        )
+    else:
+        print("every shape was already in the cache file; nothing to tune")
     if stats.untimed_picks:
         print(
             f"{stats.untimed_picks} of {report.profiles_tuned} picks had a single candidate on "

@@ -47,6 +47,8 @@ def test_tune_preset_writes_cache_and_second_run_reuses_it(tmp_path, capsys, mon
     # stages (QKV, O-projection, MLP, down, LM head); buckets 1 and 2.
     assert "26 (op, bucket) picks" in out
     assert "running the step at batch 2" in out
+    # Prepared (inputs, tactic) pairs of every runner, not only Triton ones.
+    assert "s recording the step and preparing " in out and "Triton tactics" not in out
     assert json.loads(cache.read_text())
     assert main(args) == 0
     assert "nothing to tune" in capsys.readouterr().out

@@ -181,8 +181,8 @@ def run_tune(args: argparse.Namespace) -> int:
         )
     print(
         f"done in {time.perf_counter() - started:.1f} s "
-        f"({report.prepare_seconds:.1f} s recording the step and compiling "
-        f"{report.prepared} Triton tactics up front); "
+        f"({report.prepare_seconds:.1f} s recording the step and preparing "
+        f"{report.prepared} tactics up front); "
         f"{report.profiles_tuned} (op, bucket) picks added to {args.cache}"
     )
     return 0

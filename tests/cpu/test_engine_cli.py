@@ -263,6 +263,11 @@ def test_generate_sizes_the_cache_for_all_but_the_last_new_token():
 def test_generate_looks_picks_up_in_the_tuning_cache_and_records_misses(
     tmp_path, capsys, monkeypatch
 ):
+    import graphtune.engine.engine
+    from graphtune.autotuner.tuner import AutoTuner
+
+    # A test that patched graphtune.autotuner.AutoTuner may have been the engine's first import.
+    monkeypatch.setattr(graphtune.engine.engine, "AutoTuner", AutoTuner)
     cache, misses = tmp_path / "c.json", tmp_path / "m.json"
     tune = ["tune", "--model", "tiny", "--cache", str(cache), "--device", "cpu"]
     assert main([*tune, "--max-batch", "1", "--max-seq-len", "64"]) == 0

@@ -101,3 +101,11 @@ def test_tactics_with_tuple_keys_survive_a_reload_and_the_cache_commands(tmp_pat
     for command in (["verify"], ["show"], ["unblock", "--runner", "R"]):
         assert main(["cache", command[0], str(path), *command[1:]]) == 0, command
     assert '[[64,128],{"warps":4}]' in capsys.readouterr().out.replace(" ", "")
+
+
+def test_unblock_and_merge_of_missing_files_leave_no_lock_files(tmp_path, capsys) -> None:
+    missing, out = tmp_path / "missing.json", tmp_path / "out.json"
+    assert main(["cache", "unblock", str(missing)]) == 1
+    assert main(["cache", "merge", str(missing), str(missing), "-o", str(out)]) == 1
+    assert capsys.readouterr().err.count("does not exist") == 2
+    assert list(tmp_path.iterdir()) == []

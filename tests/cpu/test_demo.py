@@ -43,6 +43,20 @@ def test_demo_function_with_a_quick_timer() -> None:
     assert tuner.stats.hits == 10  # five serving steps, two ops each, all from the cache
 
 
+def test_demo_tunes_under_cache_only_and_counts_serving_alone(tmp_path, monkeypatch) -> None:
+    # GRAPHTUNE_CACHE_ONLY is for serving; the demo tunes and saves all the same, and its
+    # serving line counts only the five serving steps (no tuning-phase misses).
+    monkeypatch.setenv("GRAPHTUNE_CACHE_ONLY", "1")
+    tuner = AutoTuner(
+        timer=WallClockTimer(samples=1), show_progress=False, policy=TuningPolicy(rounds=1)
+    )
+    path = tmp_path / "demo.json"
+    text = demo(tuner, torch.device("cpu"), cache_path=path)
+    assert "serving: 10 cache hits, 0 misses, 0 fallbacks" in text
+    assert f"picks saved to {path}" in text and "came from" not in text
+    assert len(persist.load(path, strict=True)) == 8
+
+
 def test_demo_cli_saves_then_reuses_cache(tmp_path, capsys, monkeypatch) -> None:
     import graphtune.autotuner
 
@@ -58,7 +72,8 @@ def test_demo_cli_saves_then_reuses_cache(tmp_path, capsys, monkeypatch) -> None
     assert "graphtune autotuning picks" in out and "TorchMatmul" in out
     assert len(persist.load(path, strict=True)) == 8
     assert main(["demo", "--cache", str(path), "--device", "cpu"]) == 0
-    assert "Every pick came from" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "Every pick came from" in out and "picks saved" not in out
 
 
 def test_demo_checks_the_graphtune_cache_file(tmp_path, capsys, monkeypatch) -> None:

@@ -258,3 +258,30 @@ def test_generate_sizes_the_cache_for_all_but_the_last_new_token():
     assert check_lengths(fits, config, [[5] * 20]) == 24
     assert check_lengths(Namespace(max_new_tokens=5, max_seq_len=None), config, [[5] * 20]) == 24
     assert check_lengths(Namespace(max_new_tokens=1, max_seq_len=None), config, [[5]]) == 2
+
+
+def test_generate_looks_picks_up_in_the_tuning_cache_and_records_misses(
+    tmp_path, capsys, monkeypatch
+):
+    import graphtune.engine.engine
+    from graphtune.autotuner.tuner import AutoTuner
+
+    # A test that patched graphtune.autotuner.AutoTuner may have been the engine's first import.
+    monkeypatch.setattr(graphtune.engine.engine, "AutoTuner", AutoTuner)
+    cache, misses = tmp_path / "c.json", tmp_path / "m.json"
+    tune = ["tune", "--model", "tiny", "--cache", str(cache), "--device", "cpu"]
+    assert main([*tune, "--max-batch", "1", "--max-seq-len", "64"]) == 0
+    capsys.readouterr()
+    generate = ["generate", "--model", "tiny", "--prompt-ids", "1,2,3", "--max-new-tokens", "3"]
+    generate += ["--runner", "eager", "--device", "cpu", "--stats"]
+    monkeypatch.setenv("GRAPHTUNE_MISSES", str(misses))
+    assert main([*generate, "--max-seq-len", "64", "--tuning-cache", str(cache)]) == 0
+    out = capsys.readouterr().out
+    assert "no fallbacks: every look-up found a tuned pick" in out and " 0 misses" in out
+    assert not misses.exists()
+    # GRAPHTUNE_CACHE is the default; another KV cache length misses attention's picks.
+    monkeypatch.setenv("GRAPHTUNE_CACHE", str(cache))
+    assert main(generate) == 0
+    assert "decode_attention" in capsys.readouterr().out
+    (record,) = json.loads(misses.read_text())["misses"]
+    assert record["op"] == "decode_attention"

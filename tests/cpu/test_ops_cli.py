@@ -47,10 +47,28 @@ def test_tune_preset_writes_cache_and_second_run_reuses_it(tmp_path, capsys, mon
     # stages (QKV, O-projection, MLP, down, LM head); buckets 1 and 2.
     assert "26 (op, bucket) picks" in out
     assert "running the step at batch 2" in out
+    # Prepared (inputs, tactic) pairs of every runner, not only Triton ones.
+    assert "s recording the step and preparing " in out and "Triton tactics" not in out
     assert json.loads(cache.read_text())
     assert main(args) == 0
     assert "nothing to tune" in capsys.readouterr().out
     assert made[-1].stats.profiles_tuned == 0
+
+
+def test_tune_tunes_and_saves_under_graphtune_cache_only(tmp_path, capsys, monkeypatch):
+    # GRAPHTUNE_CACHE_ONLY makes serving's autotune() blocks look-ups only; `tune` still tunes.
+    real = graphtune.autotuner.AutoTuner
+    monkeypatch.setattr(
+        graphtune.autotuner,
+        "AutoTuner",
+        lambda timer=None: real(timer=_Flat(), show_progress=False),
+    )
+    monkeypatch.setenv("GRAPHTUNE_CACHE_ONLY", "1")
+    cache = tmp_path / "tune.json"
+    args = ["tune", "--model", "tiny", "--cache", str(cache), "--max-batch", "1", "--device", "cpu"]
+    assert main(args) == 0
+    assert "picks added to" in capsys.readouterr().out
+    assert json.loads(cache.read_text())["entries"]
 
 
 def test_tune_rejects_unknown_model_and_bad_sizes(tmp_path, capsys):
@@ -87,6 +105,26 @@ def test_tune_from_misses_runs_through_the_tune_command(tmp_path, capsys):
     for extra in (["--model", "tiny"], ["--max-batch", "8"], ["--dtype", "float32"]):
         assert main([*args, *extra]) == 1  # options of a model's step would be ignored
         assert f"{extra[0]}" in capsys.readouterr().err
+
+
+def test_tune_from_misses_does_not_call_skipped_records_cached(tmp_path, capsys):
+    import torch
+
+    from graphtune.autotuner import AutoTuner, autotune
+    from graphtune.ops import silu_and_mul
+
+    misses, cache = tmp_path / "misses.json", tmp_path / "c.json"
+    serving = AutoTuner(show_progress=False)
+    with autotune(None, serving, tune=False, misses_path=misses):
+        silu_and_mul(torch.randn(3, 16), tuner=serving, max_m=4)
+    data = json.loads(misses.read_text())
+    data["misses"][0]["op"] = "no.such.op"
+    misses.write_text(json.dumps(data))
+    args = ["tune", "--from-misses", str(misses), "--cache", str(cache), "--timing", "wallclock"]
+    assert main(args) == 1
+    out = capsys.readouterr().out
+    assert "already in the cache" not in out
+    assert "no pick was tuned: all 1 recorded calls were skipped" in out
 
 
 # In a fresh process without the TRITON_INTERPRET other test modules set: interpreted Triton

@@ -62,17 +62,24 @@ def decode_step(
 
 
 def decode_step_calls(
-    model: str, batch: int, *, device: torch.device, dtype: torch.dtype, max_seq_len: int = 256
+    model: str,
+    batch: int,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_seq_len: int = 256,
+    tuner: AutoTuner | None = None,
 ) -> list[OpCall]:
     """The op calls of one decode step of ``batch`` rows, in call order (nothing is timed).
 
     The KV cache holds random values and every row sits at position ``max_seq_len // 2`` of its
-    own slot, so attention's inputs are not trivial (zeros, or one visible key).
+    own slot, so attention's inputs are not trivial (zeros, or one visible key). ``tuner`` (a
+    new one by default) is the step's: a fused op's fallback runs its unfused ops through it.
     """
     from graphtune.engine.tuning import record_step_calls
 
     step = decode_step(
-        model, batch, AutoTuner(show_progress=False), device=device, dtype=dtype,
+        model, batch, tuner or AutoTuner(show_progress=False), device=device, dtype=dtype,
         max_seq_len=max_seq_len,
     )  # fmt: skip
     step.cache.fill_random(0)

@@ -202,6 +202,7 @@ def merge_command(args: argparse.Namespace) -> int:
     """Merges A and B into the output; 1 when an input is unusable or environments differ."""
     from graphtune.autotuner import maintenance
 
+    _require_files(args.a, args.b)  # before the output's lock file is made
     # As a cache path: an existing file there must be a tuning cache (never someone's notes).
     check_cache_path(args.output, "--output")
     report = maintenance.merge_files(args.a, args.b, args.output, force=args.force)
@@ -221,6 +222,7 @@ def unblock_command(args: argparse.Namespace) -> int:
     from graphtune.autotuner import persist
     from graphtune.autotuner.entries import tactic_text
 
+    _require_files(args.path)  # no lock file is left beside a path that holds no cache
     tactic = json.loads(args.tactic) if args.tactic is not None else None
     runner = None if args.runner is None else _blocked_runner(args.path, args.runner)
     removed = persist.unblock(
@@ -230,6 +232,13 @@ def unblock_command(args: argparse.Namespace) -> int:
         print(f"unblocked {item.runner_id} tactic {tactic_text(item.tactic)} ({item.reason})")
     print(f"Removed {len(removed)} blocked tactic(s) from {args.path}.")
     return 0
+
+
+def _require_files(*paths: Path) -> None:
+    """Raises the error reading a missing cache file gives, before any lock file is created."""
+    for path in paths:
+        if not path.exists():
+            raise CacheFileError(f"cache file {path}: does not exist")
 
 
 def _blocked_runner(path: Path, name: str) -> str:

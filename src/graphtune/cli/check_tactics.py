@@ -92,30 +92,35 @@ def check_step(
 ) -> list[Any]:
     """:class:`~graphtune.autotuner.ConsistencyReport` of every distinct op call of one decode
     step of ``model`` at each batch size."""
-    from graphtune.autotuner import check_tactics
+    from graphtune.autotuner import AutoTuner, check_tactics
     from graphtune.cli._step_calls import decode_step_calls, resolve_device_and_dtype
 
     where, kind = resolve_device_and_dtype(device, dtype)
+    # The step's untuned tuner: a fused op's fallback (check_tactics' reference) runs its
+    # unfused ops through it, in dry-run recording so that they neither count nor warn of
+    # missing picks (nothing here is meant to be tuned).
+    tuner = AutoTuner(show_progress=False)
     reports, seen = [], set()
     for batch in batches:
         for call in decode_step_calls(
-            model, batch, device=where, dtype=kind, max_seq_len=max_seq_len
+            model, batch, device=where, dtype=kind, max_seq_len=max_seq_len, tuner=tuner
         ):
             key = _call_key(call)
             if key in seen:
                 continue
             seen.add(key)
-            reports.append(
-                check_tactics(
-                    call.op,
-                    call.runners,
-                    call.config,
-                    call.inputs,
-                    atol=atol,
-                    rtol=rtol,
-                    **call.kwargs,
+            with tuner.record_calls(dry_run=True):
+                reports.append(
+                    check_tactics(
+                        call.op,
+                        call.runners,
+                        call.config,
+                        call.inputs,
+                        atol=atol,
+                        rtol=rtol,
+                        **call.kwargs,
+                    )
                 )
-            )
     return reports
 
 

@@ -14,6 +14,7 @@ finish in seconds on a small machine.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -108,9 +109,14 @@ def demo(tuner: AutoTuner, device: torch.device, *, cache_path: Path | None = No
         runner.forward([y], tactic=tactic)
 
     start = time.perf_counter()
-    with autotune(cache_path=cache_path, tuner=tuner):
+    # tune=True: GRAPHTUNE_CACHE_ONLY (meant for serving) must not turn the demo into look-ups.
+    with autotune(cache_path=cache_path, tuner=tuner, tune=True):
         step(max_rows)  # the first call of each op tunes every bucket
     tuned_s = time.perf_counter() - start
+    stats = tuner.stats
+    tuning = replace(
+        stats, fallbacks=dict(stats.fallbacks), tactic_failures=dict(stats.tactic_failures)
+    )
     for rows in (1, 3, 20, 100, max_rows):  # serving: cache look-ups only
         step(rows)
 
@@ -119,16 +125,25 @@ def demo(tuner: AutoTuner, device: torch.device, *, cache_path: Path | None = No
     table = tuner.summary_table()
     if table:
         lines.append(table)
-    else:
+    elif cache_path is not None and tuning.hits and not tuning.fallbacks:
         lines.append(
             f"Every pick came from {cache_path}; `graphtune cache show {cache_path}` lists them."
         )
+    else:
+        lines.append(
+            "No pick was tuned or loaded: every call ran its fallback (the failed tactics "
+            "below say why)"
+        )
     stats = tuner.stats
+    fallbacks = sum(stats.fallbacks.values()) - sum(tuning.fallbacks.values())
     lines.append(
-        f"serving: {stats.hits} cache hits, {stats.misses} misses, "
-        f"{sum(stats.fallbacks.values())} fallbacks; {stats.measurements} measurements, "
-        f"{sum(stats.tactic_failures.values())} failed tactics"
+        f"tuning: {tuning.profiles_tuned} profiles tuned, {tuning.measurements} measurements, "
+        f"{sum(tuning.tactic_failures.values())} failed tactics"
     )
-    if cache_path is not None:
+    lines.append(
+        f"serving: {stats.hits - tuning.hits} cache hits, {stats.misses - tuning.misses} "
+        f"misses, {fallbacks} fallbacks"
+    )
+    if cache_path is not None and table:
         lines.append(f"picks saved to {cache_path}")
     return "\n".join(lines)

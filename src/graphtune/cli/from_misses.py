@@ -74,8 +74,27 @@ def run(args: argparse.Namespace) -> int:
     with autotune(args.cache, tuner, tune=True):
         report = tune_records(records, tuner, device)
     table = tuner.summary_table(f"picks for the {len(records)} recorded misses")
-    print(table or "every recorded shape was already in the cache file; nothing to tune")
+    print(table or _nothing_tuned(report, tuner.stats.profiles_failed))
     for record, reason in report.skipped:
         print(f"skipped {record.op}: {reason}")
     print(f"{len(report.tuned)} of {len(records)} recorded calls tuned into {args.cache}")
     return 1 if report.skipped else 0
+
+
+def _nothing_tuned(report: object, failed: int) -> str:
+    """Why no pick was tuned: the recorded shapes were cached already, skipped, or failed."""
+    cached = len(report.tuned)  # type: ignore[attr-defined]
+    skipped = len(report.skipped)  # type: ignore[attr-defined]
+    if failed:
+        return (
+            f"no pick was tuned: every candidate of {failed} recorded profile(s) failed (the "
+            "warnings above say why)"
+        )
+    if not cached:
+        return f"no pick was tuned: all {skipped} recorded calls were skipped (reasons below)"
+    if skipped:
+        return (
+            f"nothing to tune: {cached} recorded shape(s) were already in the cache file and "
+            f"{skipped} were skipped (reasons below)"
+        )
+    return "every recorded shape was already in the cache file; nothing to tune"

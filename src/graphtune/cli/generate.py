@@ -21,6 +21,7 @@ from graphtune.cli._args import (
     non_negative_int,
     positive_int,
     seed_value,
+    tuning_cache_path,
 )
 from graphtune.cli._parallel import (
     add_tensor_parallel_arguments,
@@ -120,8 +121,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--seed", type=seed_value, default=0, help="seed of random weights and sampling"
     )
+    parser.add_argument(
+        "--tuning-cache",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="tuning cache the decode step looks its picks up in (written by `graphtune tune` "
+        "for the same model, dtype and --max-seq-len; nothing is tuned); a shape it lacks runs "
+        "the torch fallback and is recorded in the file GRAPHTUNE_MISSES names, if set "
+        "(default: the file GRAPHTUNE_CACHE names, else none: the untuned torch step)",
+    )
     parser.add_argument("--ignore-eos", action="store_true", help="always generate N tokens")
-    parser.add_argument("--stats", action="store_true", help="print the step runner's stats")
+    parser.add_argument(
+        "--stats",
+        action="store_true",
+        help="print the step runner's stats (and, with a tuning cache, its look-ups)",
+    )
     add_tensor_parallel_arguments(parser, "generate", "only rank 0 prints")
     parser.set_defaults(handler=run_generate)
 
@@ -193,6 +208,7 @@ def run_generate(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(folder) if folder.is_dir() else None
     prompts = _encode(args, tokenizer)
     max_seq = check_lengths(args, config, prompts)
+    tuning_cache = tuning_cache_path(args.tuning_cache, "--tuning-cache")
     if args.gpu_memory_utilization is not None and device.type != "cuda":
         raise ConfigError(
             "--gpu-memory-utilization sizes the KV cache from free GPU memory, and the device is "
@@ -218,6 +234,7 @@ def run_generate(args: argparse.Namespace) -> int:
             capture_sizes=None,
             lazy_capture=True,
             gpu_memory_utilization=args.gpu_memory_utilization,
+            tuning_cache=tuning_cache,  # look-ups only: without tune=True nothing is tuned
         )
         t0 = time.perf_counter()
         outputs = engine.generate(
@@ -231,6 +248,7 @@ def run_generate(args: argparse.Namespace) -> int:
         elapsed = time.perf_counter() - t0
         if show:
             _print_outputs(args, engine, outputs, elapsed, parallel, device, dtype)
+            _save_misses(engine)
         failures = list(engine.failures)
         engine.release()
     finally:
@@ -272,3 +290,26 @@ def _print_outputs(
     if args.stats and hasattr(engine.stats, "table"):
         print(engine.stats.table())
         print(engine.prefill_stats.table())
+    if args.stats and engine.tuner is not None:
+        print(engine.tuning_report())
+
+
+def _save_misses(engine: Any) -> None:
+    """Adds the shapes the step missed in its tuning cache to the file ``GRAPHTUNE_MISSES``
+    names (for ``graphtune tune --from-misses``), as ``autotune()`` does; rank 0 only."""
+    from graphtune import env
+    from graphtune.errors import CacheFileError
+
+    path = env.default_misses_path()
+    if engine.tuner is None or path is None or not len(engine.tuner.misses):
+        return
+    try:
+        engine.tuner.misses.save(path)
+    except CacheFileError as exc:  # the tokens are printed: warn rather than fail the run
+        print(f"warning: could not record the missed shapes: {exc}", file=sys.stderr)
+        return
+    print(
+        f"{len(engine.tuner.misses)} shapes missed in the tuning cache, recorded in {path} "
+        "(GRAPHTUNE_MISSES; `graphtune tune --from-misses` tunes them)",
+        file=sys.stderr,
+    )

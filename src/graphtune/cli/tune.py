@@ -132,7 +132,8 @@ def run_tune(args: argparse.Namespace) -> int:
     )
     started = time.perf_counter()
     try:
-        with autotuner.autotune(args.cache, tuner):
+        # tune=True: GRAPHTUNE_CACHE_ONLY (meant for serving) must not turn this into look-ups.
+        with autotuner.autotune(args.cache, tuner, tune=True):
             report = tune_step(
                 step,
                 log=lambda line: print(f"  {line}", flush=True),
@@ -164,7 +165,15 @@ def run_tune(args: argparse.Namespace) -> int:
         )
         return 0
     table = tuner.summary_table(f"picks for {name} (buckets {list(report.buckets)})")
-    print(table or "every shape was already in the cache file; nothing to tune")
+    if table:
+        print(table)
+    elif stats.profiles_failed:
+        print(
+            f"no pick was tuned: every candidate of {stats.profiles_failed} (op, bucket) "
+            "profiles failed (the warnings above say why)"
+        )
+    else:
+        print("every shape was already in the cache file; nothing to tune")
     if stats.untimed_picks:
         print(
             f"{stats.untimed_picks} of {report.profiles_tuned} picks had a single candidate on "
@@ -172,8 +181,8 @@ def run_tune(args: argparse.Namespace) -> int:
         )
     print(
         f"done in {time.perf_counter() - started:.1f} s "
-        f"({report.prepare_seconds:.1f} s recording the step and compiling "
-        f"{report.prepared} Triton tactics up front); "
+        f"({report.prepare_seconds:.1f} s recording the step and preparing "
+        f"{report.prepared} tactics up front); "
         f"{report.profiles_tuned} (op, bucket) picks added to {args.cache}"
     )
     return 0

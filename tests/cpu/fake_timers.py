@@ -6,6 +6,16 @@ from graphtune.autotuner import AutoTuner, TuningPolicy
 from graphtune.autotuner.timing.base import Measurement
 
 
+class EveryCandidateEqual:
+    """Fake timer: every candidate takes 1 us, so the first-listed wins (the torch fallback where
+    it is listed first), and no candidate runs: nothing is interpreted."""
+
+    name = "fake"
+
+    def measure(self, fn, *, warmup: int, repeat: int) -> Measurement:
+        return Measurement.from_samples([1.0], calls_per_sample=1, timer=self.name)
+
+
 class LastIsFastest:
     """Every measurement is faster than the one before: with one round, no re-measuring and no tie
     tolerance, the last-listed candidate of each profile wins.

@@ -265,9 +265,13 @@ def test_generate_looks_picks_up_in_the_tuning_cache_and_records_misses(
 ):
     import graphtune.engine.engine
     from graphtune.autotuner.tuner import AutoTuner
+    from graphtune.ops import _triton
 
     # A test that patched graphtune.autotuner.AutoTuner may have been the engine's first import.
     monkeypatch.setattr(graphtune.engine.engine, "AutoTuner", AutoTuner)
+    # As in a process without TRITON_INTERPRET (another module of this worker may have set it):
+    # the CPU runs torch only, and tuning does not interpret Triton kernels for minutes.
+    monkeypatch.setattr(_triton, "kernels_interpreted", lambda: False)
     cache, misses = tmp_path / "c.json", tmp_path / "m.json"
     tune = ["tune", "--model", "tiny", "--cache", str(cache), "--device", "cpu"]
     assert main([*tune, "--max-batch", "1", "--max-seq-len", "64"]) == 0

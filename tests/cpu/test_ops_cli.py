@@ -9,19 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from fake_timers import EveryCandidateEqual
 
 import graphtune.autotuner
-from graphtune.autotuner.timing.base import Measurement
 from graphtune.cli.main import main
-
-
-class _Flat:
-    """Fake timer: every candidate takes 1 us (the first-listed wins; nothing is interpreted)."""
-
-    name = "fake"
-
-    def measure(self, fn, *, warmup, repeat):
-        return Measurement.from_samples([1.0], calls_per_sample=1, timer=self.name)
 
 
 def test_tune_preset_writes_cache_and_second_run_reuses_it(tmp_path, capsys, monkeypatch):
@@ -30,7 +21,9 @@ def test_tune_preset_writes_cache_and_second_run_reuses_it(tmp_path, capsys, mon
     monkeypatch.setattr(
         graphtune.autotuner,
         "AutoTuner",
-        lambda timer=None: made.append(real(timer=_Flat(), show_progress=False)) or made[-1],
+        lambda timer=None: (
+            made.append(real(timer=EveryCandidateEqual(), show_progress=False)) or made[-1]
+        ),
     )
     cache = tmp_path / "tune.json"
     args = ["tune", "--model", "tiny", "--cache", str(cache), "--max-batch", "2", "--device", "cpu"]
@@ -61,7 +54,7 @@ def test_tune_tunes_and_saves_under_graphtune_cache_only(tmp_path, capsys, monke
     monkeypatch.setattr(
         graphtune.autotuner,
         "AutoTuner",
-        lambda timer=None: real(timer=_Flat(), show_progress=False),
+        lambda timer=None: real(timer=EveryCandidateEqual(), show_progress=False),
     )
     monkeypatch.setenv("GRAPHTUNE_CACHE_ONLY", "1")
     cache = tmp_path / "tune.json"

@@ -399,18 +399,22 @@ def test_cli_bench_decode_tp2_tune_agrees_on_every_pick(tmp_path: Path) -> None:
         assert result["tuned_max_abs_diff"] < 1e-3, result  # float32 on the CPU
 
 
+# A tiny checkpoint shape that splits over WORLD ranks (heads and KV heads even).
+TINY_HF = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
+
+
 def test_checkpoint_folder_shards_like_the_whole_model(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    config = transformers.Qwen2Config(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-    )
+    config = transformers.Qwen2Config(**TINY_HF)
     transformers.Qwen2ForCausalLM(config).save_pretrained(tmp_path, safe_serialization=True)
     full = load_model(tmp_path)
     for rank in range(WORLD):
@@ -431,14 +435,7 @@ def test_ranks_that_loaded_other_checkpoints_of_one_shape_have_other_weight_mark
     # on one node) passed, and the shards' sums mixed two models' weights.
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
+    config = transformers.LlamaConfig(**TINY_HF)
     model = transformers.LlamaForCausalLM(config)
     model.save_pretrained(tmp_path / "a", safe_serialization=True)
     with torch.no_grad():

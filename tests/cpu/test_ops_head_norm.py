@@ -53,6 +53,14 @@ def test_bad_shapes_are_refused():
         head_rms_norm_(torch.zeros(2, 16), torch.ones(16), 1e-6)  # weights not 2-D
 
 
+@pytest.mark.parametrize("op", [head_rms_norm, head_rms_norm_])
+def test_weights_on_another_device_are_refused(op):
+    # Was torch's own RuntimeError, which names neither the op nor the operand.
+    weights = torch.ones(3, 8, device="meta")
+    with pytest.raises(InputError, match="weights must be on qkv's device"):
+        op(torch.zeros(2, 32), weights, 1e-6)
+
+
 def test_out_of_place_form_rounds_as_the_in_place_form():
     # bf16 qkv with float32 weight rows: the in-place form rounds the product to bf16 when it
     # writes back; the out-of-place one returned it in float32.

@@ -288,6 +288,8 @@ def _qk_heads(qkv: torch.Tensor, weights: torch.Tensor, name: str) -> torch.Tens
             f"weights [heads + kv_heads, D]; got qkv {tuple(qkv.shape)} (strides "
             f"{qkv.stride()}) and weights {tuple(weights.shape)}."
         )
+    if weights.device != qkv.device:
+        raise wrong_device_error(name, "qkv", qkv.device, (("weights", weights),))
     return qkv[:, : heads * dim].unflatten(-1, (heads, dim))
 
 
@@ -321,8 +323,8 @@ def head_rms_norm_(qkv: torch.Tensor, weights: torch.Tensor, eps: float) -> torc
         ``qkv`` itself.
 
     Raises:
-        InputError: ``qkv`` is not 2-D or narrower than the heads ``weights`` describes, or its
-            rows are not contiguous.
+        InputError: ``qkv`` is not 2-D or narrower than the heads ``weights`` describes, its
+            rows are not contiguous, or ``weights`` is on another device.
     """
     qk = _qk_heads(qkv, weights, "head_rms_norm_")
     torch.mul(F.rms_norm(qk, (weights.shape[1],), eps=eps), weights, out=qk)

@@ -274,7 +274,7 @@ def test_a_profile_where_every_candidate_failed_is_neither_cached_nor_saved(
     assert tuner.stats.tactic_failures == {"RuntimeError": 6}
     said = [r for r in caplog.records if "every (runner, tactic) failed" in r.getMessage()]
     assert len(said) == 1
-    assert json.loads(path.read_text())["entries"] == []
+    assert not path.exists()  # nothing to save, so no empty cache file either
     # A later run with the runner fixed tunes it.
     fixed = MaybeBroken(clock, broken=False)
     again = tuner_for(clock)

@@ -1,5 +1,6 @@
-"""A cache path that cannot be locked fails at once with the real reason; a failed tuning run
-leaves no empty cache file and no lock file."""
+"""A cache path that cannot be locked fails at once with the real reason; a tuning block that
+failed or had nothing to save leaves no empty cache file, no lock file and an existing file as
+it was."""
 
 from __future__ import annotations
 
@@ -47,6 +48,18 @@ def test_failed_tuning_leaves_no_empty_cache_and_no_lock(tmp_path):
     with pytest.raises(RuntimeError, match="boom"), autotune(path, AutoTuner()):
         raise RuntimeError("boom")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_block_with_nothing_new_writes_nothing(tmp_path):
+    path = tmp_path / "cache.json"
+    with autotune(path, AutoTuner()):
+        pass
+    assert list(tmp_path.iterdir()) == []  # was an empty cache file
+    persist.save(path, {})
+    before = (path.read_bytes(), path.stat().st_mtime_ns)
+    with autotune(path, AutoTuner()):  # loads the file, adds nothing
+        pass
+    assert (path.read_bytes(), path.stat().st_mtime_ns) == before
 
 
 def test_check_lockable_never_removes_a_lock_file_another_process_may_hold(tmp_path):

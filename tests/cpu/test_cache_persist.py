@@ -237,5 +237,6 @@ def test_serving_process_survives_corrupt_file_via_autotune(tmp_path) -> None:
     tuner = AutoTuner(show_progress=False)
     with autotune(cache_path=path, tuner=tuner):
         pass
-    assert persist.load(path) == {}  # rewritten as a valid (empty) file
-    assert json.loads(path.read_text())["entries"] == []
+    # Nothing was tuned, so nothing is written: the file stays as it was for someone to look
+    # at (a save with entries replaces it, with a warning).
+    assert path.read_text() == "not json"

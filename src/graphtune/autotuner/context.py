@@ -150,13 +150,15 @@ def autotune(
     rows = tuner.summary_rows()[first_row:]
     if rows:
         logger.info("%s", render_table("graphtune autotuning picks", SUMMARY_COLUMNS, rows))
-    if path is not None and tuning:
+    if path is not None and tuning and tuner.cache.unsaved(path):
+        # Only with something to write: a block that tuned nothing (every profile failed, or
+        # all were loaded) leaves the file as it is, or absent, rather than an empty one.
         tuner.cache.save(path)
 
 
 def _save_quietly(tuner: AutoTuner, path: str | PathLike[str]) -> None:
-    if not len(tuner.cache) and not tuner.cache.blocklist():
-        return  # nothing tuned, loaded or blocked: leave no empty cache file behind
+    if not tuner.cache.unsaved(path):
+        return
     try:
         tuner.cache.save(path)
     except CacheFileError as exc:

@@ -345,3 +345,26 @@ def test_from_misses_imports_a_users_ops_and_checks_the_key_it_tuned(
     assert "--import no_such_module_here: the module could not be imported" in (
         capsys.readouterr().err
     )
+
+
+class AlwaysFails(TunableRunner):
+    def get_valid_tactics(self, inputs: list, profile: Any, **kwargs: Any) -> list:
+        return [-1, 0]
+
+    def forward(self, inputs: list, *, tactic: Any = -1, **kwargs: Any) -> Any:
+        raise RuntimeError("no kernel image for this device")
+
+
+def test_a_record_whose_every_tactic_fails_is_skipped_as_failed(monkeypatch) -> None:
+    from graphtune.ops import registry
+
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    config = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0, (1, 4)),))
+    registry.register_op("user.fails", lambda record, tuner: ([AlwaysFails()], config))
+    serving = AutoTuner(show_progress=False)
+    with autotune(None, serving, tune=False):
+        serving.choose_one("user.fails", [AlwaysFails()], config, [torch.randn(3, 4)])
+    report = tune_records(serving.misses.records(), quick_tuner())
+    ((_, why),) = report.skipped
+    assert report.tuned == [] and "every (runner, tactic) failed" in why
+    assert "looks up another key" not in why  # what it used to say

@@ -138,13 +138,20 @@ def tune_records(
     """
     report = RecordsReport()
     for record in records:
+        failed_before = tuner.stats.profiles_failed
         try:
             runner, tactic = tuner.tune_call(_rebuilt(record, device, tuner))
         except GraphtuneError as exc:
             logger.warning("skipping the recorded %r call: %s", record.op, exc)
             report.skipped.append((record, str(exc)))
             continue
-        problem = _missed_key_problem(record, tuner.cache)
+        if tuner.stats.profiles_failed > failed_before:
+            problem: str | None = (
+                "every (runner, tactic) failed on it, so nothing was tuned and the call keeps "
+                "running the fallback (the warning above names the errors)"
+            )
+        else:
+            problem = _missed_key_problem(record, tuner.cache)
         if problem is not None:
             logger.warning("the recorded %r call: %s", record.op, problem)
             report.skipped.append((record, problem))

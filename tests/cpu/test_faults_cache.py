@@ -132,16 +132,22 @@ def test_a_lock_timeout_advises_merging_the_fallback_which_keeps_every_entry(
     monkeypatch.setattr("tempfile.gettempdir", lambda: str(tmp_path / "tmp"))
     cache = TuningCache()
     cache.put(key(7), entry(["x"]))
+    # A re-measurement of a key the file holds, slower than the file's: a save keeps it (it is
+    # the newer measurement), so the advised merge must too ("faster wins" kept the file's).
+    cache.put(key(2), entry(["new"], time_us=3.0))
     with FileLock(str(persist.lock_path(path))), pytest.raises(CacheFileError) as info:
         persist.save(path, dict(cache.items()), lock_timeout_s=0.2)
     message = str(info.value)
     (kept,) = (tmp_path / "tmp").glob("graphtune-*-cache.json")
     assert "within 0.2 s" in message and "copy it to" not in message
-    assert f"graphtune cache merge {path} {kept} -o {path}" in message
+    advice = f"graphtune cache merge {path} {kept} --prefer b -o {path}"
+    assert advice in message
     monkeypatch.undo()
-    assert len(persist.load(kept, strict=True)) == 1
-    assert main(["cache", "merge", str(path), str(kept), "-o", str(path)]) == 0
-    assert set(persist.load(path, strict=True)) == {key(1), key(2), key(7)}
+    assert len(persist.load(kept, strict=True)) == 2
+    assert main(advice.split()[1:]) == 0
+    merged = persist.load(path, strict=True)
+    assert set(merged) == {key(1), key(2), key(7)}
+    assert merged[key(2)].tactic == ["new"]  # as the failed save would have written it
 
 
 def test_a_save_removes_only_its_own_stale_temp_files(tmp_path) -> None:

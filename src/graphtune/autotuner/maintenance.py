@@ -9,7 +9,9 @@ skips the whole file. ``merge`` combines two files under a stated rule (also in
 * a key present in one file only is copied;
 * for a key present in both, the entry with the faster recorded ``time_us`` is kept (both entries
   were measured with the same timer, because the timing mode is part of the key); an entry with a
-  time beats one without (every candidate failed); a tie, or no time on either side, keeps A's;
+  time beats one without (every candidate failed); a tie, or no time on either side, keeps A's.
+  With ``prefer="b"`` B's entry is kept instead, as a save keeps its own new entries (for merging
+  a failed save's fallback file, whose entries are the newer measurements);
 * blocklists are unioned; for the same (runner, tactic) A's reason is kept;
 * an entry that no look-up can use (``graphtune.autotuner.entries.entry_problems``: a runner not
   in its key, a time that is not positive) is left out, and the report lists it.
@@ -26,7 +28,9 @@ from graphtune.autotuner import cache_reader, persist
 from graphtune.autotuner.cache import BlockedTactic, CacheEntry, CacheKey
 from graphtune.autotuner.entries import entry_problems, tactic_text
 from graphtune.autotuner.fingerprint import environment_fingerprint, fingerprint_mismatch
-from graphtune.errors import CacheFileError
+from graphtune.errors import CacheFileError, ConfigError
+
+MERGE_PREFERENCES = ("faster", "b")
 
 
 @dataclass
@@ -162,20 +166,34 @@ def merge_files(
     out: str | PathLike[str],
     *,
     force: bool = False,
+    prefer: str = "faster",
 ) -> MergeReport:
     """Merges cache files A and B into ``out`` by the rule in this module's docstring.
 
+    Args:
+        prefer: Which entry a key in both files keeps: ``"faster"`` (the faster recorded time)
+            or ``"b"`` (B's).
+
     Raises:
+        ConfigError: ``prefer`` is neither.
         CacheFileError: A or B is unusable, their environments differ (without ``force``), or
             ``out`` could not be written.
     """
+    if prefer not in MERGE_PREFERENCES:
+        raise ConfigError(
+            f"merge_files: prefer must be one of {MERGE_PREFERENCES}, got {prefer!r}."
+        )
     with persist.locked(out):  # a save to ``out`` meanwhile (often A itself) is not lost
-        report = _merge_locked(a, b, out, force)
+        report = _merge_locked(a, b, out, force, prefer)
     return report
 
 
 def _merge_locked(
-    a: str | PathLike[str], b: str | PathLike[str], out: str | PathLike[str], force: bool
+    a: str | PathLike[str],
+    b: str | PathLike[str],
+    out: str | PathLike[str],
+    force: bool,
+    prefer: str,
 ) -> MergeReport:
     doc_a = cache_reader.read_document(a)
     doc_b = cache_reader.read_document(b)
@@ -196,7 +214,7 @@ def _merge_locked(
         if mine is None:
             merged[key] = entry
             report.only_b += 1
-        elif _faster(mine, entry):
+        elif prefer == "b" or _faster(mine, entry):
             merged[key] = entry
             report.conflicts_kept_b += 1
         else:

@@ -275,7 +275,7 @@ def _kept_elsewhere(path: Path, doc: dict[str, Any], why: str, complete: bool) -
     return (
         f"Could not save tuning cache {path} ({why}); the {len(doc['entries'])} entries this "
         f"save would have added or changed are in {fallback} instead (once {path} can be "
-        f"written, merge them in with `graphtune cache merge {path} {fallback} -o {path}`, or "
+        f"written, merge them in with `graphtune cache merge {path} {fallback} --prefer b -o {path}`, or "
         f"copy it there if {path} does not exist)"
     )
 

@@ -69,7 +69,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "environment (equal fingerprints) unless --force (C gets A's fingerprint). A key in one "
         "file only is copied. For a key in both, the entry with the faster recorded time_us is "
         "kept (the timing mode is part of the key, so both were measured the same way); an entry "
-        "with a time beats one without; ties keep A's. Blocklists are unioned (A's reason wins). "
+        "with a time beats one without; ties keep A's. With --prefer b, B's entry is kept "
+        "instead (as a save keeps its own: merge a failed save's fallback file so). Blocklists "
+        "are unioned (A's reason wins). "
         "C is written atomically under its lock file; it may be A or B. An existing C that is "
         "not a tuning cache is refused.",
     )
@@ -79,6 +81,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "-o", "--output", required=True, type=Path, metavar="C", help="output file (required)"
     )
     merge.add_argument("--force", action="store_true", help="merge even if the fingerprints differ")
+    merge.add_argument(
+        "--prefer",
+        choices=("faster", "b"),
+        default="faster",
+        help="which entry a key in both files keeps: the faster recorded time (default) or B's",
+    )
     merge.set_defaults(handler=merge_command)
     unblock = actions.add_parser(
         "unblock",
@@ -205,7 +213,9 @@ def merge_command(args: argparse.Namespace) -> int:
     _require_files(args.a, args.b)  # before the output's lock file is made
     # As a cache path: an existing file there must be a tuning cache (never someone's notes).
     check_cache_path(args.output, "--output")
-    report = maintenance.merge_files(args.a, args.b, args.output, force=args.force)
+    report = maintenance.merge_files(
+        args.a, args.b, args.output, force=args.force, prefer=args.prefer
+    )
     for problem in report.ignored:
         print(f"left out: {problem}")
     print(

@@ -58,6 +58,16 @@ def test_disowner_twins_alias_the_original_memory_and_each_other():
     assert twins.tensor(param) is param and twins.kept == 1
 
 
+def test_disowner_keeps_tensors_of_other_devices_owning():
+    # Capturing on CUDA, a host tensor the step made (and returns, or hands to a graph break)
+    # is not pool memory: a twin of it would read freed host memory once the capture's owner
+    # is dropped.
+    twins = Disowner("cuda")
+    host = torch.arange(4.0)
+    assert twins.tensor(host) is host and twins.kept == 1 and twins.storages == []
+    assert Disowner("cpu").tensor(host) is not host  # the capture device's own tensors twin
+
+
 def test_outputs_are_twins_and_the_record_says_so():
     runner, _ = make()
     graph = runner._keys[None].graphs[8]

@@ -194,7 +194,7 @@ def capture_key(
     all_shared = False
     if share_outputs:
         accounted = time.perf_counter()
-        twins = Disowner()
+        twins = Disowner(backend.device_type)
         outputs = twins.tree(outputs)
         all_shared = twins.kept == 0
         for brk in session.breaks:

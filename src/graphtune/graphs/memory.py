@@ -58,14 +58,21 @@ class Disowner:
     Tensors that share a storage get twins that share one non-owning storage, so aliasing
     between outputs (``x`` and ``x[:, :3]``, a tensor and its transpose) is preserved.
 
+    Args:
+        device_type: The type of the device the graphs capture on (``"cuda"``); tensors on
+            another device (a host tensor the step made during capture) are kept as they are,
+            since their memory is not the pool's and dropping the owner would free it for good.
+            ``None``: every device.
+
     Attributes:
         storages: The non-owning storages built so far (one per distinct storage).
         kept: Tensors left as they were although they hold memory (subclasses such as
-            ``nn.Parameter``, tensors that require grad, sparse tensors): their memory stays
-            allocated, as without sharing.
+            ``nn.Parameter``, tensors that require grad, sparse tensors, tensors on another
+            device): their memory stays allocated, as without sharing.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, device_type: str | None = None) -> None:
+        self._device_type = device_type
         self._twins: dict[tuple[int, int, torch.device], Any] = {}
         self.storages: list[Any] = []  # torch.UntypedStorage
         self.kept = 0
@@ -73,7 +80,7 @@ class Disowner:
     def tensor(self, value: Any) -> Any:
         """A twin of ``value`` (same address, shape, strides, dtype), or ``value`` itself when it
         is not a plain strided tensor with memory (then it is kept as it is)."""
-        if not _disownable(value):
+        if not _disownable(value) or self._device_type not in (None, value.device.type):
             if isinstance(value, torch.Tensor) and value.numel() > 0:
                 self.kept += 1
             return value

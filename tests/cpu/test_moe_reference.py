@@ -234,6 +234,28 @@ def test_torch_fused_moe_picks_the_form_and_both_agree():
     torch.testing.assert_close(dense, sparse_fused_moe(*inputs), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("capturable", [True, False])
+def test_only_the_dense_form_captures_in_a_graph(capturable):
+    # The simulated backend fails a capture on a host read, as a CUDA capture does: the sparse
+    # form's loop over the selected experts reads them on the host, the dense form must not.
+    from graphtune.graphs import CUDAGraphRunner, SimulatedGraphBackend
+
+    gen = _gen()
+    x, gate_up, down, weights, ids = _case(gen, 4, 8, 2, 16, 16)
+
+    def moe(x, weights, ids):
+        return torch_fused_moe(x, gate_up, down, weights, ids, capturable=capturable)
+
+    runner = CUDAGraphRunner(moe, max_batch_size=4, backend=SimulatedGraphBackend())
+    runner.capture(x, weights, ids)
+    assert runner.stats.graphs == (3 if capturable else 0), runner.stats.failed_captures
+    for rows in (1, 3, 4):
+        got = runner(x[:rows], weights[:rows], ids[:rows]).clone()
+        want = sparse_fused_moe(x[:rows], gate_up, down, weights[:rows], ids[:rows])
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=str(gen.initial_seed()))
+    assert runner.stats.replays == (3 if capturable else 0)
+
+
 # --- input rules and the op --------------------------------------------------------------------
 
 

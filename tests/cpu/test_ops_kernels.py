@@ -133,6 +133,22 @@ def test_rms_norm_one_and_two_pass_match_float64(dtype, with_residual):
         )
 
 
+@pytest.mark.parametrize("hidden", [1, 5, 8])
+def test_rms_norm_offers_only_tactics_it_runs_on_rows_of_a_few_elements(hidden):
+    # Rows of 8 or fewer elements were offered blocks below the kernel's smallest (16): every
+    # tactic failed and the tuner fell back to torch.
+    gen = _gen()
+    x, w = _randn(gen, 2, hidden), 1 + 0.1 * _randn(gen, hidden)
+    xd = x.double()
+    want = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
+    runner = TritonRMSNormRunner()
+    tactics = runner.get_valid_tactics([x, w, None, 1e-5], None)
+    assert tactics
+    for tactic in tactics:
+        out, _ = runner.forward([x, w, None, 1e-5], tactic)
+        assert _rel(out, want) < TOL[torch.float32], (tactic, gen.initial_seed())
+
+
 def test_rms_norm_torch_fallback_is_the_engine_function():
     gen = _gen()
     x, r, w = _randn(gen, 4, 64), _randn(gen, 4, 64), _randn(gen, 64)

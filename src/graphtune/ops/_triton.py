@@ -227,6 +227,10 @@ def run_kernel(
         kernel[grid](*args, **meta)
 
 
+#: The smallest block of an elementwise ``{"block", "warps"}`` tactic (:func:`check_block_tactic`).
+MIN_ELEMENTWISE_BLOCK = 16
+
+
 def elementwise_tactics(
     blocks: list[int],
     warps: tuple[int, ...] = (1, 2, 4, 8, 16),
@@ -263,7 +267,7 @@ def check_block_tactic(owner: str, tactic: Any) -> None:
                 for v in (block, warps)
             )
             and warps <= 32
-            and block >= 16
+            and block >= MIN_ELEMENTWISE_BLOCK
         )
     if not ok:
         raise ConfigError(

@@ -32,6 +32,7 @@ from graphtune.ops import _pruned
 from graphtune.ops._rows import as_rows, from_rows
 from graphtune.ops._triton import (
     KERNELS_SOURCES,
+    MIN_ELEMENTWISE_BLOCK,
     check_block_tactic,
     device_supported,
     elementwise_tactics,
@@ -101,7 +102,7 @@ def rms_norm_tactics(hidden: int) -> list[dict[str, int]]:
     narrower power-of-two blocks (two passes, fewer registers) when the row is longer than
     :data:`graphtune.ops._pruned.RMS_NORM_ONE_PASS_UP_TO` (measured losers up to there).
     """
-    full = _np2(hidden)
+    full = max(_np2(hidden), MIN_ELEMENTWISE_BLOCK)  # rows of a few elements: one small block
     blocks = [full] if full <= MAX_ONE_PASS_BLOCK else []
     if hidden > _pruned.RMS_NORM_ONE_PASS_UP_TO or not blocks:
         blocks += [b for b in (full // 2, full // 4) if b >= 512 and b < full]

@@ -116,6 +116,25 @@ def test_replay_plan_pieces_keep_cold_l2_walks_whole():
     assert plan.calls % 8 == 0 and plan.copies > 1 and plan.total * 0.5 >= 100.0
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    repeat=st.integers(1, 8),
+    per_call=st.floats(0.5, 300.0),
+    pieces=st.booleans(),
+    max_repeat=st.integers(1, 300),
+    hint=st.one_of(st.none(), st.floats(0.1, 300.0)),
+)
+def test_replay_plan_holds_whole_cold_l2_walks(repeat, per_call, pieces, max_repeat, hint):
+    # A count that is not a multiple of the input copies reuses a copy it has just read (hot
+    # in L2) at every replay boundary: 2 copies gave 3-call pieces (29% of calls hot).
+    plan = _plan(repeat, pieces=pieces, max_repeat=max_repeat, hint_us=hint)
+    assert plan.calls % repeat == 0
+    _drive(plan, per_call_us=per_call, probes=4)
+    assert plan.calls % repeat == 0 and plan.total % repeat == 0
+    plan.without_pieces()
+    assert plan.calls % repeat == 0
+
+
 def test_replay_plan_replays_a_long_call_alone():
     from graphtune.autotuner.timing.sizing import Step
 

@@ -11,8 +11,10 @@ launch cost are small against it); within that:
   cold-L2 walk, or one call): more calls would only spend GPU time;
 * with pieces, the calls are captured once as a piece of at least ``min_piece_us`` and the replay
   runs ``copies`` of it (:mod:`graphtune.autotuner.timing.repeated`), instead of capturing every
-  call of a long replay. A piece is captured in whole multiples of ``repeat`` calls, so a cold-L2
-  walk through the input copies stays in order across pieces;
+  call of a long replay;
+* every capture, piece or not, holds a whole multiple of ``repeat`` calls (``max_repeat`` is
+  rounded down to one), so a cold-L2 walk through the input copies stays in rotation within and
+  across replays;
 * a guess of one call's time (``hint_us``, e.g. the fastest candidate timed so far in the same
   bucket) sizes the first capture, which saves the capture and probe of ``min_calls`` calls
   that only served to estimate it. A guess above the call's time gives a short first capture,
@@ -88,25 +90,31 @@ class ReplayPlan:
     ) -> None:
         self.repeat = repeat
         self.min_replay_us = min_replay_us
-        self.max_repeat = max(max_repeat, repeat)
+        # Every count of calls is a whole number of ``repeat`` calls (a cold-L2 walk through the
+        # input copies stays in rotation across replays), the cap included.
+        self.max_repeat = max(repeat, max_repeat // repeat * repeat)
         self.min_calls = min_calls
         self.min_piece_us = min_piece_us
         self.pieces = pieces
         long_call = estimate_us is not None and estimate_us >= 2.0 * min_replay_us
         #: Calls in the captured graph (the piece, with pieces).
-        self.calls = repeat if long_call else min(self.max_repeat, max(repeat, min_calls))
+        self.calls = repeat if long_call else self._whole(min_calls)
         if hint_us is not None and hint_us > 0 and not long_call:
             guess = hint_us if estimate_us is None else min(hint_us, estimate_us)
             target = min_piece_us if pieces else min_replay_us
             wanted = auto_repeat_calls(
                 self.calls, self.calls * guess, min_replay_us=target, max_repeat=self.max_repeat
             )
-            self.calls = min(self.max_repeat, -(-wanted // repeat) * repeat)
+            self.calls = self._whole(wanted)
         #: Copies of the piece per replay (1: the captured graph alone).
         self.copies = 1
         #: One call's time by the last probe, in µs (``None`` before the first probe).
         self.per_call_us: float | None = None
         self._piece_grown = False
+
+    def _whole(self, calls: int) -> int:
+        """``calls`` rounded up to whole ``repeat`` calls, at least one and at most the cap."""
+        return min(self.max_repeat, max(1, -(-calls // self.repeat)) * self.repeat)
 
     @property
     def total(self) -> int:
@@ -141,8 +149,7 @@ class ReplayPlan:
                     min_replay_us=self.min_piece_us,
                     max_repeat=self.max_repeat,
                 )
-                wanted = max(wanted, self.min_calls)
-                wanted = min(self.max_repeat, -(-wanted // self.repeat) * self.repeat)
+                wanted = self._whole(max(wanted, self.min_calls))
                 if wanted > self.calls:
                     self.calls = wanted
                     return Step.CAPTURE
@@ -157,14 +164,16 @@ class ReplayPlan:
                 return None
             self.copies = wanted
             return Step.REPEAT
-        wanted = max(
-            self.min_calls,
-            auto_repeat_calls(
-                self.total,
-                probe_us,
-                min_replay_us=self.min_replay_us,
-                max_repeat=self.max_repeat,
-            ),
+        wanted = self._whole(
+            max(
+                self.min_calls,
+                auto_repeat_calls(
+                    self.total,
+                    probe_us,
+                    min_replay_us=self.min_replay_us,
+                    max_repeat=self.max_repeat,
+                ),
+            )
         )
         if wanted <= self.total:
             return None

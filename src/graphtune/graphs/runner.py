@@ -30,10 +30,11 @@ from graphtune.graphs import keys
 from graphtune.graphs import policy as policies
 from graphtune.graphs.backend import GraphBackend, default_backend
 from graphtune.graphs.breaks import finish_capture_call
-from graphtune.graphs.buffers import StaticInputs, check_pad_argument
+from graphtune.graphs.buffers import StaticInputs
 from graphtune.graphs.capture import CapturedGraph, capture_key, frozen_gc
 from graphtune.graphs.keys import KeyState, batch_of
 from graphtune.graphs.memory import RELEASED_MESSAGE, can_disown
+from graphtune.graphs.padding import check_pad_argument
 from graphtune.graphs.policy import CapturePolicy, FallbackReason, GraphState, Route
 from graphtune.graphs.stats import RunnerStats
 from graphtune.graphs.tree import flatten_with_paths

@@ -22,8 +22,8 @@ without any norm (no per-program pass over ``x`` in either). The tuner decides p
 buckets above 16 rows get no fused tactics.
 
 Tuning keys: as for ``rope_kv_cache``, the tables and caches are pinned to
-``graphtune.ops.rotary.TABLE_ROWS`` / ``CACHE_ROWS`` rows, so a pick holds for any cache size. A
-step's :class:`~graphtune.ops.rotary.RopeRows` (``rows=``) reaches the unfused path's
+``graphtune.ops.rope_config.TABLE_ROWS`` / ``CACHE_ROWS`` rows, so a pick holds for any cache
+size. A step's :class:`~graphtune.ops.rotary.RopeRows` (``rows=``) reaches the unfused path's
 ``rope_kv_cache`` as a twelfth input, outside the key, as ``rope_kv_cache`` takes it.
 """
 
@@ -60,14 +60,8 @@ from graphtune.ops.fused_gemv.family import (
 from graphtune.ops.gemm import gemm
 from graphtune.ops.registry import register_op, runner_extras
 from graphtune.ops.rmsnorm import check_eps, fused_add_rms_norm, torch_rms_norm
-from graphtune.ops.rotary import (
-    CACHE_ROWS,
-    TABLE_ROWS,
-    RopeRows,
-    canonical_rope_indices,
-    rope_kv_cache,
-    torch_rope_kv_cache,
-)
+from graphtune.ops.rope_config import CACHE_ROWS, TABLE_ROWS, canonical_rope_indices
+from graphtune.ops.rotary import RopeRows, rope_kv_cache, torch_rope_kv_cache
 
 OP_NAME = "graphtune.norm_qkv_rope"
 # Input order: x, norm_weight, wqkv, bqkv, positions, cos, sin, k_cache, v_cache, write_rows, eps,

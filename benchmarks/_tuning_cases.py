@@ -101,14 +101,8 @@ def silu_case(m: int) -> Case:
 
 def rope_case(m: int) -> Case:
     def build(device: torch.device, m: int):
-        from graphtune.ops.rotary import (
-            CACHE_ROWS,
-            OP_NAME,
-            TABLE_ROWS,
-            TorchRopeRunner,
-            TritonRopeRunner,
-            rope_config,
-        )
+        from graphtune.ops.rope_config import CACHE_ROWS, TABLE_ROWS, rope_config
+        from graphtune.ops.rotary import OP_NAME, TorchRopeRunner, TritonRopeRunner
 
         runners = (TorchRopeRunner(HEADS, KV, True), TritonRopeRunner(HEADS, KV, True))
         rows = torch.randperm(CACHE_ROWS, device=device)[: m * KV]

@@ -227,7 +227,7 @@ def test_unpicklable_runner_is_a_clear_config_error() -> None:
     tuner.tuning_mode = True
     with pytest.raises(ConfigError, match=r"runner 0 \(.*LocalRunner\).*module top level"):
         tuner.choose_one("op", [LocalRunner([1.0])], CONFIG, INPUTS)
-    assert tuner._worker is not None and tuner._worker.starts == 0
+    assert tuner._executors.worker is not None and tuner._executors.worker.starts == 0
     with pytest.raises(ConfigError, match="the timer"):
         tune([5.0], isolation="subprocess", timer=LocalTimer())
 
@@ -270,7 +270,7 @@ def test_subprocess_survives_crash_hang_and_error_then_blocklist_skips(tmp_path)
     assert set(blocked) == {"segv", "hang", "exit"}, "a plain exception is not blocklisted"
     assert "SIGSEGV" in blocked["segv"] and "exit code 7" in blocked["exit"]
     assert "timeout" in blocked["hang"] and "2 s" in blocked["hang"]
-    assert tuner._worker is None, "autotune() stops the worker on exit"
+    assert tuner._executors.worker is None, "autotune() stops the worker on exit"
 
     # The next process reads the blocklist from the file and never runs those tactics again:
     # proven by tuning in-process, where any of them would kill or hang this test.

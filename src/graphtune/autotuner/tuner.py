@@ -18,7 +18,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
@@ -26,16 +25,17 @@ from typing import Any
 import torch
 
 from graphtune.autotuner import resolved as resolved_calls
-from graphtune.autotuner import timing
 from graphtune.autotuner.cache import TuningCache
 from graphtune.autotuner.calls import CallRecord, MissLog, OpCall
 from graphtune.autotuner.config import TuningConfig
 from graphtune.autotuner.distributed import DistributedTuning, OpCoordinator
 from graphtune.autotuner.entries import CacheEntry, CacheKey, tactic_text
+from graphtune.autotuner.executors import TuningExecutors
 from graphtune.autotuner.failures import FailureLog
 from graphtune.autotuner.identity import runner_id, short_runner_name, sources_digest
-from graphtune.autotuner.isolation import Executor, InProcessExecutor, Isolation
+from graphtune.autotuner.isolation import Isolation
 from graphtune.autotuner.policy import TuningPolicy
+from graphtune.autotuner.preparing import prepare_runs
 from graphtune.autotuner.profiles import generate_profiles, profile_for
 from graphtune.autotuner.resolved import HitMemo, ResolvedCall, device_of, memo_key
 from graphtune.autotuner.runner import FALLBACK_TACTIC, TunableRunner
@@ -44,7 +44,6 @@ from graphtune.autotuner.stats import TunerStats
 from graphtune.autotuner.timing.base import Timer
 from graphtune.autotuner.tuning import ProfileOutcome, TuningRun
 from graphtune.autotuner.values import canonical_text, identity_value
-from graphtune.autotuner.worker import SubprocessExecutor
 from graphtune.errors import ConfigError
 from graphtune.reporting import render_table
 
@@ -127,11 +126,10 @@ class AutoTuner:
         self.show_progress = show_progress
         self._clock = clock
         self._is_capturing = is_capturing or _default_is_capturing
-        self._timers: dict[tuple[str, str], Timer] = {}
         self._warned_ops: set[str] = set()
         self._failures = FailureLog(self.stats)
         self._summary: list[tuple[Any, ...]] = []
-        self._worker: SubprocessExecutor | None = None
+        self._executors = TuningExecutors()  # timers and the tactic worker, kept across runs
         self._recording: list[OpCall] | None = None
         self._dry_run = False
         # Hits by exact call signature, valid while the cache's version is unchanged: a decode
@@ -261,20 +259,9 @@ class AutoTuner:
         """
         if self.isolation.mode != "inprocess":
             return 0
-        work: dict[int, tuple[TunableRunner, list[tuple[list[Any], list[Any]]]]] = {}
-        pairs, start = 0, self._clock()
-        for resolved in resolved_calls.distinct_profiles(self._resolve(c) for c in calls):
-            run = self._tuning_run(resolved)
-            for runner, items in run.prepare_work(run.plan(local=True)):
-                pairs += sum(len(tactics) for _, tactics in items)
-                prepare_ahead = getattr(runner, "prepare_ahead", None)  # another base class
-                if ahead and prepare_ahead is not None and prepare_ahead(items):
-                    continue
-                work.setdefault(id(runner), (runner, []))[1].extend(items)
-        if work:
-            threads = ThreadPoolExecutor(len(work), thread_name_prefix="graphtune-prep")
-            with threads as ex:
-                list(ex.map(_prepare_one, work.values()))
+        start = self._clock()
+        profiles = resolved_calls.distinct_profiles(self._resolve(c) for c in calls)
+        pairs = prepare_runs((self._tuning_run(resolved) for resolved in profiles), ahead=ahead)
         phases = self.stats.phase_seconds
         phases["prepare"] = phases.get("prepare", 0.0) + self._clock() - start
         return pairs
@@ -341,9 +328,7 @@ class AutoTuner:
 
     def close(self) -> None:
         """Stops the tactic worker process, if any (``autotune()`` calls this on exit)."""
-        if self._worker is not None:
-            self._worker.close()
-            self._worker = None
+        self._executors.close()
 
     def summary_rows(self) -> list[tuple[Any, ...]]:
         """One row per tuned profile: op, bucket, winner, time, fallback time, speed-up."""
@@ -421,25 +406,6 @@ class AutoTuner:
 
     # -- tuning ---------------------------------------------------------------------------------
 
-    def _timer_for(self, config: TuningConfig, device: torch.device) -> Timer:
-        if self.timer is not None:
-            return self.timer
-        slot = (config.timing, str(device))
-        if slot not in self._timers:
-            self._timers[slot] = timing.resolve_timer(config.timing, device)
-        return self._timers[slot]
-
-    def _executor(self, config: TuningConfig, device: torch.device) -> Executor:
-        if self.isolation.mode == "inprocess":
-            timer = self._timer_for(config, device)
-            return InProcessExecutor(timer, device, session_bytes=self.policy.session_bytes)
-        worker = self._worker
-        if worker is None or worker.key != (config.timing, str(device)):
-            self.close()
-            worker = SubprocessExecutor(self.isolation, self.timer, config.timing, device)
-            self._worker = worker
-        return worker
-
     def _tuning_run(self, resolved: ResolvedCall, only: CacheKey | None = None) -> TuningRun:
         call = resolved.call
         coordinator = OpCoordinator(self.distributed or DistributedTuning(), call.op, resolved.ids)
@@ -454,7 +420,9 @@ class AutoTuner:
             make_key=resolved.key,
             policy=self.policy,
             cache=self.cache,
-            executor=self._executor(call.config, resolved.device),
+            executor=self._executors.executor(
+                self.timer, self.isolation, self.policy.session_bytes, call.config, resolved.device
+            ),
             coordinator=coordinator,
             stats=self.stats,
             failures=self._failures,
@@ -489,12 +457,3 @@ class AutoTuner:
         winner = f"{short_runner_name(entry.runner_id)} tactic={tactic_text(entry.tactic)}"
         row = (op, outcome.profile.describe(), winner, entry.time_us, entry.fallback_us)
         self._summary.append((*row, entry.speedup))
-
-
-def _prepare_one(entry: tuple[TunableRunner, list[Any]]) -> None:
-    """``prepare_all`` of one runner (in a thread of :meth:`AutoTuner.prepare`)."""
-    runner, items = entry
-    try:
-        runner.prepare_all(items)
-    except Exception as exc:  # advisory: the tuning run prepares each tactic again
-        logger.warning("%s.prepare_all failed: %s", type(runner).__qualname__, exc)

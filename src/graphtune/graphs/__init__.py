@@ -17,9 +17,9 @@ This package imports nothing from graphtune.autotuner, engine, ops or cli.
 
 from graphtune.graphs.backend import CudaGraphBackend, GraphBackend
 from graphtune.graphs.breaks import graph_break
-from graphtune.graphs.buffers import PAD_RULES, PadRule
 from graphtune.graphs.capture import CapturedGraph, CaptureRecord
 from graphtune.graphs.eager import EagerRunner
+from graphtune.graphs.padding import PAD_RULES, PadRule
 from graphtune.graphs.policy import (
     CapturePolicy,
     FallbackReason,

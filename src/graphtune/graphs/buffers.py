@@ -1,4 +1,4 @@
-"""Static input buffers, copy-in with pad rules, and slicing of captured outputs.
+"""Static input buffers, copy-in with pad rules (padding.py), and slicing of captured outputs.
 
 One :class:`StaticInputs` exists per extra key (``key_fn`` value). It is built once from example
 inputs: every *batched* tensor gets a buffer of ``rows`` (the largest capture size) rows with the
@@ -13,86 +13,21 @@ padded input, with no tree rebuilding and no host synchronisation.
 
 from __future__ import annotations
 
-import functools
 import math
-import numbers
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from graphtune.errors import ConfigError, InputError
+from graphtune.graphs.padding import check_pad_value, is_pad_rule, pad_filler
 from graphtune.graphs.tree import Path, TreeSpec, flatten_with_paths, path_str, resolve_rules
 
-PadFn = Callable[[torch.Tensor, torch.Tensor], None]
-PadRule = str | int | float | PadFn
-"""``"zeros"``, ``"repeat"`` (copy row 0), a number (fill), or ``fn(pad_rows, real_rows)``."""
-
 BatchedPredicate = Callable[[str, torch.Tensor], bool]
-
-PAD_RULES = ("zeros", "repeat")
-
-
-def is_pad_rule(value: Any) -> bool:
-    """Whether ``value`` is one pad rule (as opposed to a mapping or structure of rules)."""
-    if isinstance(value, str):
-        return value in PAD_RULES
-    if isinstance(value, bool):
-        return False
-    return isinstance(value, numbers.Number) or callable(value)
-
-
-def check_pad_argument(pad: Any) -> None:
-    """Rejects a misspelt top-level pad string early, with the accepted spellings."""
-    if isinstance(pad, str) and pad not in PAD_RULES:
-        raise ConfigError(
-            f"pad={pad!r} is not a pad rule; use 'zeros', 'repeat', a number, a callable "
-            "fn(pad_rows, real_rows), or a dict mapping input paths to those"
-        )
-    if isinstance(pad, bool):
-        raise ConfigError("pad=True/False is ambiguous; use 'zeros', 'repeat' or a number")
-
-
-def _check_pad_value(rule: Any, leaf: torch.Tensor, path: Path) -> None:
-    """A number pad rule must be a value of the input's dtype: for an integer input an integer
-    in its range (1.5 would be truncated to 1, nan and 2**70 fail on every padded call)."""
-    if (
-        not isinstance(rule, numbers.Number)
-        or leaf.dtype.is_floating_point
-        or leaf.dtype.is_complex
-    ):
-        return
-    value: int | None = None
-    if isinstance(rule, numbers.Integral) or (isinstance(rule, float) and rule.is_integer()):
-        value = int(rule)
-    info = torch.iinfo(leaf.dtype) if leaf.dtype != torch.bool else None
-    in_range = (
-        value in (0, 1) if info is None else value is not None and info.min <= value <= info.max
-    )
-    if not in_range:
-        raise ConfigError(
-            f"pad rule {rule!r} for input {path_str(path)} is not a value of its dtype "
-            f"{leaf.dtype}; give an integer"
-            + (f" in [{info.min}, {info.max}]" if info is not None else " (0 or 1)")
-        )
 
 
 def _is_batched_flag(value: Any) -> bool:
     return isinstance(value, bool)
-
-
-def _pad_filler(rule: PadRule | None, pad_rows: torch.Tensor, real_rows: torch.Tensor) -> Callable:
-    """A zero-argument callable that fills ``pad_rows`` by ``rule`` (run on every padded call)."""
-    if rule is None or rule == "zeros":
-        return pad_rows.zero_
-    if rule == "repeat":
-        # Reads row 0 at execution time, so it always repeats the current call's first row.
-        return functools.partial(pad_rows.copy_, real_rows[0:1].expand_as(pad_rows))
-    if isinstance(rule, numbers.Number):
-        return functools.partial(pad_rows.fill_, rule)
-    if not callable(rule):
-        raise ConfigError(f"pad rule {rule!r} is not 'zeros', 'repeat', a number or a callable")
-    return functools.partial(rule, pad_rows, real_rows)
 
 
 class _Rows:
@@ -146,7 +81,7 @@ class StaticInputs:
                 real = min(example_batch, rows)
                 buf[:real].copy_(leaf[:real])
                 if real < rows:
-                    _pad_filler(rules[index], buf[real:], buf[:real])()
+                    pad_filler(rules[index], buf[real:], buf[:real])()
                 self._buffers[index] = buf
                 self._rules[index] = rules[index]
                 self._trailing[index] = tuple(leaf.shape[1:])
@@ -224,7 +159,7 @@ class StaticInputs:
                 )
         for leaf, marked, rule, path in zip(leaves, flags, rules, paths, strict=True):
             if marked:
-                _check_pad_value(rule, leaf, path)
+                check_pad_value(rule, leaf, path)
         return cls(spec, paths, leaves, flags, rules, batch_index, rows)
 
     # ---------------------------------------------------------------- per call (hot path)
@@ -305,7 +240,7 @@ class StaticInputs:
             shape = torch.Size((n, *self._trailing[index]))
             copies.append((index, buf[:n], shape, buf.dtype, buf.device))
             if n < s:
-                pads.append(_pad_filler(self._rules[index], buf[n:s], buf[:n]))
+                pads.append(pad_filler(self._rules[index], buf[n:s], buf[:n]))
         rows = _Rows(copies, pads)
         self._views[(n, s)] = rows
         return rows
@@ -342,7 +277,7 @@ class StaticInputs:
             padded = torch.empty((s, *buf.shape[1:]), dtype=buf.dtype, device=buf.device)
             padded[:n].copy_(leaves[index])
             if n < s:
-                _pad_filler(self._rules[index], padded[n:], padded[:n])()
+                pad_filler(self._rules[index], padded[n:], padded[:n])()
             leaves[index] = padded
         return self.spec.unflatten(leaves)
 

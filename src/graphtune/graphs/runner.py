@@ -15,12 +15,10 @@ Not thread-safe: one runner serves one thread, as CUDA graph capture itself requ
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import gc
 import logging
 import time
-import weakref
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -30,11 +28,13 @@ from graphtune.graphs import keys
 from graphtune.graphs import policy as policies
 from graphtune.graphs.backend import GraphBackend, default_backend
 from graphtune.graphs.breaks import finish_capture_call
-from graphtune.graphs.buffers import StaticInputs, check_pad_argument
-from graphtune.graphs.capture import CapturedGraph, capture_key, frozen_gc
+from graphtune.graphs.buffers import StaticInputs
+from graphtune.graphs.capture import frozen_gc
 from graphtune.graphs.keys import KeyState, batch_of
-from graphtune.graphs.memory import RELEASED_MESSAGE, can_disown
+from graphtune.graphs.memory import can_disown
+from graphtune.graphs.padding import check_pad_argument
 from graphtune.graphs.policy import CapturePolicy, FallbackReason, GraphState, Route
+from graphtune.graphs.pool import GraphPool
 from graphtune.graphs.stats import RunnerStats
 from graphtune.graphs.tree import flatten_with_paths
 from graphtune.reporting import progress
@@ -128,11 +128,10 @@ class CUDAGraphRunner:
         self._clone_outputs = bool(clone_outputs)
         self._can_graph = can_graph
         self._debug = env.debug_checks() if debug is None else bool(debug)
-        self._share_pool = bool(share_pool)
         self._backend: GraphBackend = backend if backend is not None else default_backend()
         self._is_capturing = self._backend.is_capturing
         # Outputs share pool memory only where a read after release() can be made to fail.
-        self._share_outputs = (
+        share_outputs = (
             policy.share_output_memory and can_disown() and self._backend.can_invalidate()
         )
         self._frozen = False
@@ -143,13 +142,9 @@ class CUDAGraphRunner:
         else:
             self._static_reason = None
         self._keys: dict[Hashable, KeyState] = {}
-        # The non-owning output storages of every graph captured since the last release(): they
-        # are poisoned on release(), and by this finalizer when the runner is collected without
-        # one (its pool goes back to the allocator then, and a kept output would read whatever
-        # reuses that memory). The finalizer holds the list and the backend, never the runner.
-        self._shared: list[Any] = []
-        weakref.finalize(self, _invalidate, self._backend, self._shared)
-        self._pool: Any = None
+        self._pool = GraphPool(
+            self, self._backend, share_pool=bool(share_pool), share_outputs=share_outputs
+        )
         self._noted_static_reason = False
         self.state = RunnerState.NEW
         self.stats = RunnerStats()
@@ -286,12 +281,11 @@ class CUDAGraphRunner:
         caller kept become invalid: reading one raises ``RuntimeError`` (their memory goes back
         to the device). Call counters are kept; capture records are cleared.
         """
-        if self._keys or self._pool is not None:
+        if self._keys or self._pool.allocated:
             if any(st.graphs for st in self._keys.values()):
                 self._backend.synchronize(self._device)  # no replay may still read the memory
-            _invalidate(self._backend, self._shared)
+            self._pool.release()
             self._keys.clear()
-            self._pool = None
             self.stats.records.clear()
             self.stats.buffer_bytes = 0
             self.stats.releases += 1
@@ -429,29 +423,15 @@ class CUDAGraphRunner:
         return seconds
 
     def _capture_size(self, key_state: KeyState, size: int, warmup_seconds: float) -> None:
-        slack = 0
-        if self._share_pool and self._pool is None:
-            self._pool = self._backend.new_pool(self._device)
-            if len(self.capture_sizes) > 1:
-                slack = self.policy.pool_slack_bytes
-        result = capture_key(
-            self._backend,
+        result = self._pool.capture(
             self.fn,
-            key_state.inputs.static_args(size),
-            extra_key=key_state.extra_key,
-            size=size,
-            pool=self._pool if self._share_pool else None,
+            key_state,
+            size,
             device=self._device,
-            buffers=key_state.breaks,
             counters=self.stats,
-            share_outputs=self._share_outputs,
-            slack_bytes=slack,
+            slack_bytes=self.policy.pool_slack_bytes if len(self.capture_sizes) > 1 else 0,
+            warmup_seconds=warmup_seconds,
         )
-        if isinstance(result, CapturedGraph):
-            result.record = dataclasses.replace(result.record, warmup_seconds=warmup_seconds)
-            self._shared.extend(result.shared)
-        else:
-            result = dataclasses.replace(result, warmup_seconds=warmup_seconds)
         dropped = key_state.keep(result, self.capture_sizes, self.stats.records)
         if dropped is not None:
             logger.warning(
@@ -462,13 +442,6 @@ class CUDAGraphRunner:
             )
             if not any(k.graphs for k in self._keys.values()):
                 self.state = RunnerState.WARMED
-        if not isinstance(result, CapturedGraph):
-            if self._share_pool:
-                # When capture_end fails (an invalidated capture: a host sync inside fn), torch
-                # never tells the caching allocator that the capture ended, so every later
-                # capture into this pool fails with "already recording to mempool_id" (seen on
-                # torch 2.11). Graphs captured so far keep their pool; later sizes get a new one.
-                self._pool = None
         self._count_buffers()
 
     def _count_buffers(self) -> None:
@@ -482,13 +455,6 @@ class CUDAGraphRunner:
                 self._static_reason,
                 getattr(self.fn, "__name__", "fn"),
             )
-
-
-def _invalidate(backend: GraphBackend, shared: list[Any]) -> None:
-    """Makes every kept output of the storages in ``shared`` raise on access, and forgets them."""
-    if shared:
-        backend.invalidate(list(shared), RELEASED_MESSAGE)
-        shared.clear()
 
 
 def _decision(value: Any) -> bool:

@@ -84,11 +84,11 @@ from graphtune.ops.rmsnorm import (
     rms_norm_runners,
     torch_rms_norm,
 )
+from graphtune.ops.rope_config import rope_config
 from graphtune.ops.rotary import (
     RopeRows,
     TorchRopeRunner,
     TritonRopeRunner,
-    rope_config,
     rope_kv_cache,
     rope_runners,
     torch_rope_kv_cache,

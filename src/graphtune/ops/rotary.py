@@ -23,10 +23,8 @@ Inputs of the op, in order: ``qkv, positions, cos, sin, k_cache, v_cache, write_
 head_norm`` (a tensor or ``None``), ``head_norm_eps`` (a float); then, outside the tuning key,
 the step's :class:`RopeRows`.
 
-Tuning keys: the cache and the cos/sin tables are sized by the engine's ``max_seq_len`` and slot
-count, which say nothing about the kernel's speed (it touches ``B * kv_heads`` rows). So the
-tuning config pins their row counts to canonical sizes (:data:`TABLE_ROWS`, :data:`CACHE_ROWS`):
-a tuned pick is reused for any cache size, and ``graphtune tune`` can tune ahead of the engine.
+Tuning keys: the tuning config (:mod:`graphtune.ops.rope_config`) pins the table and cache rows
+to canonical sizes, so a tuned pick is reused for any cache size.
 """
 
 from __future__ import annotations
@@ -38,12 +36,7 @@ import torch
 
 from graphtune import env
 from graphtune.autotuner.calls import CallRecord
-from graphtune.autotuner.config import (
-    ConstraintSpec,
-    DynamicTensorSpec,
-    TuningConfig,
-    next_power_of_two,
-)
+from graphtune.autotuner.config import TuningConfig, next_power_of_two
 from graphtune.autotuner.context import get_tuner
 from graphtune.autotuner.runner import FALLBACK_TACTIC, TunableRunner, preferred_first
 from graphtune.autotuner.tuner import AutoTuner
@@ -59,10 +52,9 @@ from graphtune.ops._triton import (
 from graphtune.ops._triton_runner import TritonRunner
 from graphtune.ops.registry import register_op, runner_extras
 from graphtune.ops.rmsnorm import head_rms_norm
+from graphtune.ops.rope_config import rope_config
 
 OP_NAME = "graphtune.rope_kv_cache"
-TABLE_ROWS = 4096
-CACHE_ROWS = 65536
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -373,63 +365,6 @@ def rope_runners(
     if triton_available():
         runners.append(TritonRopeRunner(num_heads, num_kv_heads, signed_sin))
     return tuple(runners)
-
-
-def canonical_rope_indices(
-    positions: torch.Tensor, write_rows: torch.Tensor, table_rows: int, cache_rows: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Synthetic ``positions`` and ``write_rows`` that are valid for the given table and cache.
-
-    Positions index the cos/sin tables; write rows must be distinct rows of the cache (two
-    programs writing one row would race, which no real step does).
-    """
-    device = positions.device
-    gen = torch.Generator(device=device)
-    gen.manual_seed(1234)
-    positions = torch.randint(
-        0, table_rows, positions.shape, generator=gen, device=device, dtype=positions.dtype
-    )
-    perm = torch.randperm(cache_rows, generator=gen, device=device)
-    return positions, perm[: write_rows.numel()].to(write_rows.dtype)
-
-
-def _canonical_inputs(inputs: list[Any]) -> list[Any]:
-    """Makes synthetic index inputs valid for the canonical table and cache sizes."""
-    qkv, positions, cos, sin, k_cache, v_cache, rows = inputs[:7]
-    positions, rows = canonical_rope_indices(positions, rows, cos.shape[0], k_cache.shape[0])
-    return [qkv, positions, cos, sin, k_cache, v_cache, rows, *inputs[7:]]
-
-
-@functools.lru_cache(maxsize=16)
-def rope_config(num_kv_heads: int, max_m: int | None = None) -> TuningConfig:
-    """Tuning config: tokens (qkv rows) bucketed; positions and write rows follow them; table
-    and cache rows pinned to :data:`TABLE_ROWS` and :data:`CACHE_ROWS` (see the module doc)."""
-
-    def batch(shapes: Any) -> int:
-        return int(shapes[0][0])
-
-    def rows(shapes: Any) -> int:
-        return int(shapes[0][0]) * num_kv_heads
-
-    def table(shapes: Any) -> int:
-        return TABLE_ROWS
-
-    def cache(shapes: Any) -> int:
-        return CACHE_ROWS
-
-    return TuningConfig(
-        dynamic_specs=(DynamicTensorSpec(0, 0),),
-        constraint_specs=(
-            ConstraintSpec(1, 0, batch),
-            ConstraintSpec(2, 0, table),
-            ConstraintSpec(3, 0, table),
-            ConstraintSpec(4, 0, cache),
-            ConstraintSpec(5, 0, cache),
-            ConstraintSpec(6, 0, rows),
-        ),
-        max_value=max_m,
-        inputs_pre_hook=_canonical_inputs,
-    )
 
 
 def _rebuild(record: CallRecord, tuner: Any) -> tuple[tuple[TunableRunner, ...], TuningConfig]:

@@ -22,8 +22,8 @@ without any norm (no per-program pass over ``x`` in either). The tuner decides p
 buckets above 16 rows get no fused tactics.
 
 Tuning keys: as for ``rope_kv_cache``, the tables and caches are pinned to
-``graphtune.ops.rotary.TABLE_ROWS`` / ``CACHE_ROWS`` rows, so a pick holds for any cache size. A
-step's :class:`~graphtune.ops.rotary.RopeRows` (``rows=``) reaches the unfused path's
+``graphtune.ops.rope_config.TABLE_ROWS`` / ``CACHE_ROWS`` rows, so a pick holds for any cache
+size. A step's :class:`~graphtune.ops.rotary.RopeRows` (``rows=``) reaches the unfused path's
 ``rope_kv_cache`` as a twelfth input, outside the key, as ``rope_kv_cache`` takes it.
 """
 
@@ -38,7 +38,6 @@ from graphtune.autotuner.calls import CallRecord
 from graphtune.autotuner.config import ConstraintSpec, DynamicTensorSpec, TuningConfig
 from graphtune.autotuner.runner import TunableRunner
 from graphtune.autotuner.tuner import AutoTuner
-from graphtune.errors import ConfigError, InputError
 from graphtune.ops import _pruned
 from graphtune.ops._triton import triton_available
 from graphtune.ops.fused._base import (
@@ -48,6 +47,7 @@ from graphtune.ops.fused._base import (
     resolve,
     runners_for,
 )
+from graphtune.ops.fused._qkv_layout import QKV_INPUTS, QkvLayout
 from graphtune.ops.fused_gemv import FusedTritonRunner
 from graphtune.ops.fused_gemv.family import (
     ROPE,
@@ -59,97 +59,16 @@ from graphtune.ops.fused_gemv.family import (
 )
 from graphtune.ops.gemm import gemm
 from graphtune.ops.registry import register_op, runner_extras
-from graphtune.ops.rmsnorm import check_eps, fused_add_rms_norm, torch_rms_norm
-from graphtune.ops.rotary import (
-    CACHE_ROWS,
-    TABLE_ROWS,
-    RopeRows,
-    canonical_rope_indices,
-    rope_kv_cache,
-    torch_rope_kv_cache,
-)
+from graphtune.ops.rmsnorm import check_eps, fused_add_rms_norm
+from graphtune.ops.rope_config import CACHE_ROWS, TABLE_ROWS, canonical_rope_indices
+from graphtune.ops.rotary import RopeRows, rope_kv_cache
 
 OP_NAME = "graphtune.norm_qkv_rope"
-# Input order: x, norm_weight, wqkv, bqkv, positions, cos, sin, k_cache, v_cache, write_rows, eps,
-# head_norm (and, for the unfused runner only, the step's RopeRows as a thirteenth input).
+# Indices of the inputs, in the order of graphtune.ops.fused._qkv_layout.QKV_INPUTS.
 _X, _POS, _COS, _SIN, _KC, _VC, _ROWS, _HEAD_NORM = 0, 4, 5, 6, 7, 8, 9, 11
-_INPUTS = 12
 
 
-class _QkvLayout:
-    """Head layout shared by both runners (part of their identity)."""
-
-    num_heads: int
-    num_kv_heads: int
-    signed_sin: bool
-
-    def _init_layout(self, num_heads: int, num_kv_heads: int, signed_sin: bool) -> None:
-        for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"norm_qkv_rope: {name} must be an int >= 1, got {value!r}.")
-        self.num_heads, self.num_kv_heads, self.signed_sin = num_heads, num_kv_heads, signed_sin
-
-    def cache_key_extras(self) -> tuple[Any, ...]:
-        """Head counts are not implied by the weight's shape."""
-        return (self.num_heads, self.num_kv_heads, self.signed_sin)
-
-    def unpack(self, inputs: list[Any]) -> list[Any]:
-        """Checks the inputs' shapes; returns the twelve op inputs (without a ``RopeRows``)."""
-        inputs = inputs[:_INPUTS]
-        if len(inputs) != _INPUTS:
-            raise InputError(
-                f"norm_qkv_rope: a runner takes {_INPUTS} inputs (x, norm_weight, wqkv, bqkv, "
-                "positions, cos, sin, k_cache, v_cache, write_rows, eps, head_norm), got "
-                f"{len(inputs)}; pass head_norm=None when the model has no q/k norm."
-            )
-        x, norm_weight, wqkv, bqkv, positions, cos, *_, head_norm = inputs
-        dim = cos.shape[-1]
-        rows = (self.num_heads + 2 * self.num_kv_heads) * dim
-        if x.dim() != 2 or norm_weight.shape != (x.shape[1],) or dim % 2:
-            raise InputError(
-                f"norm_qkv_rope: need x [B, hidden], norm_weight [hidden] and an even head_dim, "
-                f"got x {tuple(x.shape)}, norm_weight {tuple(norm_weight.shape)}, D={dim}."
-            )
-        if tuple(wqkv.shape) != (rows, x.shape[1]) or (bqkv is not None and bqkv.shape != (rows,)):
-            raise InputError(
-                f"norm_qkv_rope: wqkv must be [(heads + 2 * kv_heads) * D, hidden] = "
-                f"[{rows}, {x.shape[1]}] (bqkv [{rows}]) for {self.num_heads}/{self.num_kv_heads} "
-                f"heads, got {tuple(wqkv.shape)}."
-            )
-        if positions.shape != (x.shape[0],):
-            raise InputError(
-                f"norm_qkv_rope: positions must be [B]={x.shape[0]}, got {tuple(positions.shape)}."
-            )
-        heads = (self.num_heads + self.num_kv_heads, dim)
-        if head_norm is not None and tuple(head_norm.shape) != heads:
-            raise InputError(
-                f"norm_qkv_rope: head_norm must be [heads + kv_heads, D] = {list(heads)} (the "
-                f"q heads' norm weight rows, then the k heads'), got {tuple(head_norm.shape)}."
-            )
-        return inputs
-
-    def torch_composition(self, inputs: list[Any]) -> torch.Tensor:
-        """The unfused torch code (no tuner): ``rms_norm``, ``F.linear``, RoPE + cache write."""
-        x, norm_weight, wqkv, bqkv, positions, cos, sin, k_cache, v_cache, rows, eps, hn = inputs
-        h, _ = torch_rms_norm(x, norm_weight, eps)
-        qkv = torch.nn.functional.linear(h, wqkv, bqkv)
-        return torch_rope_kv_cache(
-            qkv,
-            positions,
-            cos,
-            sin,
-            k_cache,
-            v_cache,
-            rows,
-            self.num_heads,
-            self.num_kv_heads,
-            self.signed_sin,
-            head_norm=hn,
-            head_norm_eps=eps,
-        )
-
-
-class UnfusedNormQkvRope(_QkvLayout, UnfusedRunner):
+class UnfusedNormQkvRope(QkvLayout, UnfusedRunner):
     """Runner 0: ``fused_add_rms_norm``, ``gemm`` and ``rope_kv_cache`` with their own picks."""
 
     def __init__(
@@ -167,7 +86,7 @@ class UnfusedNormQkvRope(_QkvLayout, UnfusedRunner):
 
     def unfused(self, inputs: list[Any]) -> torch.Tensor:
         """The three tunable ops, through :attr:`tuner` (RoPE with the step's rows if given)."""
-        rope_rows = inputs[_INPUTS] if len(inputs) > _INPUTS else None
+        rope_rows = inputs[QKV_INPUTS] if len(inputs) > QKV_INPUTS else None
         x, norm_weight, wqkv, bqkv, positions, cos, sin, k_cache, v_cache, rows, eps, hn = (
             self.unpack(inputs)
         )
@@ -193,7 +112,7 @@ class UnfusedNormQkvRope(_QkvLayout, UnfusedRunner):
         )
 
 
-class TritonNormQkvRope(_QkvLayout, NormPlacement, FusedTritonRunner):
+class TritonNormQkvRope(QkvLayout, NormPlacement, FusedTritonRunner):
     """The fused kernel; tactic ``-1`` is the unfused torch code.
 
     Args:
@@ -215,7 +134,7 @@ class TritonNormQkvRope(_QkvLayout, NormPlacement, FusedTritonRunner):
 
     def cache_key_extras(self) -> tuple[Any, ...]:
         """The head layout, and an SM-count override (it changes the candidates)."""
-        return (*_QkvLayout.cache_key_extras(self), *FusedTritonRunner.cache_key_extras(self))
+        return (*QkvLayout.cache_key_extras(self), *FusedTritonRunner.cache_key_extras(self))
 
     def supports(self, inputs: list[Any]) -> bool:
         """Unit last strides, one float dtype (the norm weight may differ; its one dim of unit

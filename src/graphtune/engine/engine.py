@@ -35,7 +35,8 @@ from graphtune.engine.build import (
     build_step,
 )
 from graphtune.engine.kv_cache import KVCache, aligned_seq_len
-from graphtune.engine.memory_plan import MemoryPlan, MemoryReport, plan_memory
+from graphtune.engine.memory_plan import MemoryPlan, plan_memory
+from graphtune.engine.memory_report import MemoryReport
 from graphtune.engine.model import DecoderModel
 from graphtune.engine.prefill import (
     DEFAULT_MAX_PREFILL_TOKENS,

@@ -14,15 +14,15 @@ slot (:func:`size_kv_cache`). :class:`MemoryPlan` keeps the numbers and renders 
 Profiling runs the untuned step (a tuned step's kernels may need a little more or less) on a KV
 cache of ``max_batch_size`` slots whose layers all view one layer's memory, so profiling itself
 needs only ``1 / num_layers`` of that cache. The memory report is passed in
-(:class:`MemoryReport`; :class:`CudaMemoryReport` reads ``torch.cuda``), so CPU tests drive the
-sizing with a fake one.
+(:mod:`graphtune.engine.memory_report`; its ``CudaMemoryReport`` reads ``torch.cuda``), so CPU
+tests drive the sizing with a fake one.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -33,6 +33,7 @@ from graphtune.engine.build import (
     build_step,
 )
 from graphtune.engine.kv_cache import KVCache, kv_bytes_per_token
+from graphtune.engine.memory_report import CudaMemoryReport, MemoryReport
 from graphtune.engine.model import DecoderModel
 from graphtune.engine.prefill import pack_prompts
 from graphtune.errors import ConfigError
@@ -44,64 +45,6 @@ _MIB = 1024 * 1024
 #: Share of the budget the device may be over after start-up before :meth:`MemoryPlan.measured`
 #: warns (allocator rounding and per-stream workspaces are not planned, byte for byte).
 OVER_BUDGET_TOLERANCE = 0.01
-
-
-class MemoryReport(Protocol):
-    """What the memory plan reads of a device (``torch.cuda.mem_get_info`` / ``memory_stats``)."""
-
-    def device_bytes(self) -> tuple[int, int]:
-        """``(free, total)`` bytes of the device, all processes counted."""
-        ...
-
-    def allocated_bytes(self) -> int:
-        """Bytes this process's tensors hold now."""
-        ...
-
-    def peak_allocated_bytes(self) -> int:
-        """Most bytes this process's tensors held since :meth:`reset_peak`."""
-        ...
-
-    def reset_peak(self) -> None:
-        """Starts a new peak."""
-        ...
-
-    def settle(self) -> None:
-        """Waits for the device and returns cached free blocks to it, so free bytes are real."""
-        ...
-
-
-class CudaMemoryReport:
-    """:class:`MemoryReport` of one CUDA device, through ``torch.cuda``."""
-
-    def __init__(self, device: torch.device | str | int | None = None) -> None:
-        resolved = torch.device("cuda", device) if isinstance(device, int) else device
-        resolved = torch.device(resolved if resolved is not None else "cuda")
-        if resolved.type != "cuda" or not torch.cuda.is_available():
-            raise ConfigError(
-                f"gpu_memory_utilization needs a CUDA device, got {resolved} (CUDA available: "
-                f"{torch.cuda.is_available()}); run on a GPU, or drop gpu_memory_utilization "
-                "and give max_batch_size"
-            )
-        if resolved.index is None:
-            resolved = torch.device("cuda", torch.cuda.current_device())
-        self.device = resolved
-
-    def device_bytes(self) -> tuple[int, int]:
-        free, total = torch.cuda.mem_get_info(self.device)
-        return int(free), int(total)
-
-    def allocated_bytes(self) -> int:
-        return int(torch.cuda.memory_allocated(self.device))
-
-    def peak_allocated_bytes(self) -> int:
-        return int(torch.cuda.max_memory_allocated(self.device))
-
-    def reset_peak(self) -> None:
-        torch.cuda.reset_peak_memory_stats(self.device)
-
-    def settle(self) -> None:
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
 
 
 @dataclass(frozen=True)

@@ -275,8 +275,8 @@ def _kept_elsewhere(path: Path, doc: dict[str, Any], why: str, complete: bool) -
     return (
         f"Could not save tuning cache {path} ({why}); the {len(doc['entries'])} entries this "
         f"save would have added or changed are in {fallback} instead (once {path} can be "
-        f"written, merge them in with `graphtune cache merge {path} {fallback} --prefer b -o {path}`, or "
-        f"copy it there if {path} does not exist)"
+        f"written, merge them in with `graphtune cache merge {path} {fallback} --prefer b -o "
+        f"{path}`, or copy it there if {path} does not exist)"
     )
 
 

@@ -24,10 +24,9 @@ cache's blocklist.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import math
-from collections.abc import Callable, Container, Iterable, Iterator
+from collections.abc import Callable, Container, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +50,7 @@ from graphtune.autotuner.profiles import (
     synthesize_inputs,
 )
 from graphtune.autotuner.runner import FALLBACK_TACTIC, TunableRunner
+from graphtune.autotuner.runner_contract import signature_error, tactic_list, takes
 from graphtune.autotuner.schedule import (
     Candidate,
     interleave,
@@ -235,18 +235,15 @@ class TuningRun:
         candidates: list[Candidate] = []
         for ri, runner in enumerate(self.runners):
             try:
-                tactics = _tactic_list(
+                tactics = tactic_list(
                     runner, runner.get_valid_tactics(inputs, profile, **self.kwargs)
                 )
             except Exception as exc:  # a broken runner is data (docs/design.md, principle 5)
-                if isinstance(exc, TypeError) and not _takes(
+                if isinstance(exc, TypeError) and not takes(
                     runner.get_valid_tactics, inputs, profile, **self.kwargs
                 ):
-                    raise ConfigError(
-                        f"op {self.op!r}: {type(runner).__qualname__}.get_valid_tactics cannot "
-                        f"take the call graphtune makes, get_valid_tactics(inputs, profile, "
-                        f"**kwargs) with choose_one's keyword arguments {sorted(self.kwargs)}; "
-                        "declare get_valid_tactics(self, inputs, profile, **kwargs)"
+                    raise signature_error(
+                        f"op {self.op!r}", runner, "get_valid_tactics", self.kwargs
                     ) from None
                 self.failures.add(self.op, runner, "get_valid_tactics", exc)
                 continue
@@ -380,14 +377,8 @@ class TuningRun:
         if self.coordinator.setting.collective:
             return  # other ranks' candidates are not known here; stay rank-consistent
         for c in candidates:
-            if _takes(c.runner.forward, self.inputs, tactic=c.tactic, **self.kwargs):
-                continue
-            raise ConfigError(
-                f"{label}: {type(c.runner).__qualname__}.forward cannot take the call graphtune "
-                f"makes, forward(inputs, tactic=..., **kwargs) with choose_one's keyword "
-                f"arguments {sorted(self.kwargs)}; declare "
-                "forward(self, inputs, *, tactic=-1, **kwargs)."
-            )
+            if not takes(c.runner.forward, self.inputs, tactic=c.tactic, **self.kwargs):
+                raise signature_error(label, c.runner, "forward", self.kwargs)
 
     # -- timing --------------------------------------------------------------------------------
 
@@ -466,26 +457,3 @@ class TuningRun:
                 "so a restarted process skips it. Tune with AutoTuner(isolation='subprocess') to "
                 "survive such tactics without restarting."
             )
-
-
-def _tactic_list(runner: TunableRunner, found: Any) -> list[Any]:
-    """What ``get_valid_tactics`` returned, as a list; :class:`ConfigError` when it is no
-    sequence of tactics (a string would otherwise be tuned letter by letter)."""
-    if isinstance(found, (str, bytes, dict, set, frozenset)) or not isinstance(found, Iterable):
-        raise ConfigError(
-            f"{type(runner).__qualname__}.get_valid_tactics must return a list of tactics, got "
-            f"{type(found).__name__} {found!r:.60}"
-        )
-    return list(found)
-
-
-def _takes(method: Callable[..., Any], *args: Any, **kwargs: Any) -> bool:
-    """Whether ``method`` can be called with these arguments (a signature that cannot be read,
-    a builtin's, counts as yes)."""
-    try:
-        inspect.signature(method).bind(*args, **kwargs)
-    except TypeError:
-        return False
-    except ValueError:
-        return True
-    return True

@@ -1,0 +1,312 @@
+"""Does the in-graph ground truth of ``benchmarks/tuning.py`` agree with itself, and how do the
+tuner's picks score against each of its views?
+
+Every candidate's truth graph is timed twice on the first input set: by CUPTI under the profiler
+(``cupti_graph.per_call_us``) and by CUDA events without the profiler
+(``cupti_graph.events_per_call_us``). The scored in-graph truth (``cupti_graph_us``) is the CUPTI
+time's median over all input sets (``options.truth_sets``), so it equals the first one only with a
+single set. Per result file this prints:
+
+1. the cases where CUPTI and events, on the same graph, disagree on the best candidate by more
+   than 1%: both bests, and how much each reads under the other view;
+2. per timing mode, the share of cases whose worst pick (over the runs) has regret <= 1%, and the
+   largest regret, against each view: the scored CUPTI in-graph truth, CUPTI and events on the
+   first input set, and the kernel sum;
+3. per timing mode, the tuner's time over each in-graph view by candidate kind (torch/cuBLAS,
+   Triton GEMM split 1, Triton GEMM split > 1, GEMV split > 1, other), each ratio divided by its
+   case's median ratio over all candidates (which removes per-case offsets): below 1, the tuner
+   reads that kind fast relative to the rest.
+
+    python3 benchmarks/truth_agreement.py benchmarks/results/tuning-full-fc3b150-h200.json [...]
+
+A file that is not a tuning.py result gets a one-line error and exit status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _tuning_scores import (  # noqa: E402
+    IN_GRAPH,
+    KERNEL_SUM,
+    MODES,
+    TARGET_REGRET,
+    best_candidate,
+    candidate_key,
+    finite,
+    pct,
+    regret,
+    short_tactic,
+    worst,
+)
+
+from graphtune.reporting import render_table  # noqa: E402
+
+#: Fields added to each candidate (flattened from its ``cupti_graph`` record, first input set).
+CUPTI_SET1, EVENTS_SET1 = "cupti_graph_set1_us", "events_graph_set1_us"
+#: Every view of the truth: label -> candidate field.
+VIEWS = {
+    "ig CUPTI (scored)": IN_GRAPH,
+    "ig CUPTI set 1": CUPTI_SET1,
+    "ig events set 1": EVENTS_SET1,
+    "kernel sum": KERNEL_SUM,
+}
+IN_GRAPH_VIEWS = ("ig CUPTI (scored)", "ig CUPTI set 1", "ig events set 1")
+KINDS = ("torch/cuBLAS", "Triton GEMM split 1", "Triton GEMM split > 1", "GEMV split > 1", "other")
+#: Cases need this many candidates with both a tuner time and a truth for a kind ratio.
+MIN_RATIO_CANDIDATES = 3
+
+
+class NotAResult(ValueError):
+    """The file is not a ``benchmarks/tuning.py`` result; the message says what is missing."""
+
+
+def load(path: Path) -> dict[str, Any]:
+    """The parsed result, checked for what this script reads; :class:`NotAResult` otherwise."""
+    try:
+        data = json.loads(path.read_text())
+    except OSError as exc:
+        raise NotAResult(f"cannot read it ({exc.strerror or exc})") from exc
+    except ValueError as exc:
+        raise NotAResult(f"not JSON ({exc})") from exc
+    if not isinstance(data, dict) or not isinstance(data.get("cases"), list):
+        raise NotAResult("no 'cases' list (not a benchmarks/tuning.py result)")
+    if not data["cases"]:
+        raise NotAResult("'cases' is empty")
+    for i, case in enumerate(data["cases"]):
+        if not isinstance(case, dict):
+            raise NotAResult(f"case {i} is not an object")
+        if case.get("error"):
+            continue
+        for key, kind in (("candidates", list), ("modes", dict)):
+            if not isinstance(case.get(key), kind):
+                raise NotAResult(f"case {i} ({label(case)}) has no '{key}' {kind.__name__}")
+        for cand in case["candidates"]:
+            lacking = [k for k in ("runner", "runner_index", "tactic") if k not in cand]
+            if lacking:
+                raise NotAResult(f"a candidate of case {i} ({label(case)}) has no {lacking}")
+    return data
+
+
+def label(case: dict[str, Any]) -> str:
+    return f"{case.get('shape', case.get('op', '?'))} M={case.get('bucket', '?')}"
+
+
+def with_views(candidates: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Copies of the candidates with the first input set's CUPTI and events times as fields."""
+    out = []
+    for cand in candidates:
+        graph = cand.get("cupti_graph") or {}
+        out.append(
+            {
+                **cand,
+                CUPTI_SET1: graph.get("per_call_us"),
+                EVENTS_SET1: graph.get("events_per_call_us"),
+            }
+        )
+    return out
+
+
+def ok_cases(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """The cases without an error, their candidates carrying every view's field."""
+    return [
+        {**case, "candidates": with_views(case["candidates"])}
+        for case in data["cases"]
+        if not case.get("error")
+    ]
+
+
+def modes_of(cases: Sequence[dict[str, Any]]) -> list[str]:
+    """The timing modes recorded in any case, in the benchmark's order."""
+    seen = {mode for case in cases for mode in case["modes"]}
+    return [m for m in MODES if m in seen] + sorted(seen - set(MODES))
+
+
+def disagreement(
+    case: dict[str, Any], first: str = CUPTI_SET1, second: str = EVENTS_SET1
+) -> dict[str, Any] | None:
+    """Both views' best candidates and how each reads under the other view, or ``None`` when a
+    view has no timed candidate. ``gap`` is the larger of the two cross regrets."""
+    cands = case["candidates"]
+    best_a, best_b = best_candidate(cands, first), best_candidate(cands, second)
+    if best_a is None or best_b is None:
+        return None
+    a_under_b = regret(best_a.get(second), best_b[second])
+    b_under_a = regret(best_b.get(first), best_a[first])
+    return {
+        "case": label(case),
+        "best_first": best_a,
+        "best_second": best_b,
+        "first_best_under_second": a_under_b,
+        "second_best_under_first": b_under_a,
+        "gap": max(a_under_b, b_under_a),
+    }
+
+
+def disagreements(
+    cases: Sequence[dict[str, Any]], threshold: float = TARGET_REGRET
+) -> tuple[int, list[dict[str, Any]]]:
+    """``(cases with both views, those whose bests differ by more than threshold)``, the
+    largest gap first."""
+    found = [d for d in map(disagreement, cases) if d is not None]
+    big = [d for d in found if d["gap"] > threshold]
+    return len(found), sorted(big, key=lambda d: d["gap"], reverse=True)
+
+
+def pick_regret(case: dict[str, Any], mode: str, field: str) -> float | None:
+    """The worst regret of the mode's picks against ``field``; ``None`` when the view has no
+    best in this case, ``inf`` when the mode failed or a pick has no time under the view."""
+    best = best_candidate(case["candidates"], field)
+    if best is None or best[field] <= 0:
+        return None
+    record = case["modes"].get(mode)
+    if not record or record.get("error") or not record.get("picks"):
+        return float("inf")
+    by_key = {candidate_key(c["runner_index"], c["tactic"]): c for c in case["candidates"]}
+    return worst(
+        [
+            regret(
+                by_key.get(candidate_key(p["runner_index"], p["tactic"]), {}).get(field),
+                best[field],
+            )
+            for p in record["picks"]
+        ]
+    )
+
+
+def regret_summary(cases: Sequence[dict[str, Any]], mode: str, field: str) -> dict[str, Any]:
+    """Cases scored, the share with regret <= 1%, and the largest regret, against ``field``."""
+    regrets = [r for r in (pick_regret(c, mode, field) for c in cases) if r is not None]
+    return {
+        "cases": len(regrets),
+        "share_le_1pct": sum(r <= TARGET_REGRET for r in regrets) / len(regrets)
+        if regrets
+        else None,
+        "max": max(regrets, default=None),
+    }
+
+
+def kind_of(runner: str, tactic: Any) -> str:
+    """The candidate kind from the stored runner name and tactic (see :data:`KINDS`)."""
+    name = runner.split("[")[0]
+    if name.startswith("Torch"):
+        return "torch/cuBLAS"
+    split = tactic.get("split_k", 1) if isinstance(tactic, dict) else 1
+    if name == "TritonGemmRunner":
+        return "Triton GEMM split 1" if split == 1 else "Triton GEMM split > 1"
+    if name == "TritonGemvRunner" and split > 1:
+        return "GEMV split > 1"
+    return "other"
+
+
+def kind_ratios(
+    cases: Sequence[dict[str, Any]], mode: str, field: str
+) -> dict[str, tuple[int, float]]:
+    """Per kind: ``(candidates, median case-normalised tuner_us[mode] / field)``.
+
+    In each case with at least :data:`MIN_RATIO_CANDIDATES` candidates that have both times,
+    every ratio is divided by the case's median ratio.
+    """
+    by_kind: dict[str, list[float]] = {}
+    for case in cases:
+        rows = []
+        for cand in case["candidates"]:
+            tuner, truth = (cand.get("tuner_us") or {}).get(mode), cand.get(field)
+            if finite(tuner) and finite(truth) and truth > 0:
+                rows.append((kind_of(cand["runner"], cand["tactic"]), tuner / truth))
+        if len(rows) < MIN_RATIO_CANDIDATES:
+            continue
+        middle = statistics.median(ratio for _, ratio in rows)
+        for kind, ratio in rows:
+            by_kind.setdefault(kind, []).append(ratio / middle)
+    return {k: (len(by_kind[k]), statistics.median(by_kind[k])) for k in KINDS if k in by_kind}
+
+
+def report(path: Path, data: dict[str, Any]) -> str:
+    """The three tables for one result file."""
+    cases = ok_cases(data)
+    prov = data.get("provenance") or {}
+    sets = (data.get("options") or {}).get("truth_sets", "?")
+    head = (
+        f"== {path}: {len(cases)} cases without error (of {len(data['cases'])}), "
+        f"commit {prov.get('commit', '?')}, truth sets {sets}"
+    )
+    parts = [head]
+
+    compared, big = disagreements(cases)
+    rows = [
+        [
+            d["case"],
+            short_tactic(d["best_first"]["runner"], d["best_first"]["tactic"]),
+            pct(d["first_best_under_second"]),
+            short_tactic(d["best_second"]["runner"], d["best_second"]["tactic"]),
+            pct(d["second_best_under_first"]),
+        ]
+        for d in big
+    ]
+    parts.append(
+        render_table(
+            f"In-graph bests that differ by > 1% between CUPTI and events on input set 1: "
+            f"{len(big)} of {compared} cases",
+            ["case", "CUPTI best", "its events regret", "events best", "its CUPTI regret"],
+            rows,
+            width=160,
+        )
+    )
+
+    rows = []
+    for mode in modes_of(cases):
+        for name, field in VIEWS.items():
+            s = regret_summary(cases, mode, field)
+            rows.append([mode, name, s["cases"], pct(s["share_le_1pct"]), pct(s["max"])])
+    parts.append(
+        render_table(
+            "Pick regret (worst run per case) against each view",
+            ["mode", "view", "cases", "regret <= 1%", "max regret"],
+            rows,
+        )
+    )
+
+    rows = []
+    for mode in modes_of(cases):
+        ratios = [kind_ratios(cases, mode, VIEWS[name]) for name in IN_GRAPH_VIEWS]
+        for kind in KINDS:
+            counts = {r[kind][0] for r in ratios if kind in r}
+            rows.append(
+                [mode, kind, "/".join(map(str, sorted(counts))) or "0"]
+                + [f"{r[kind][1]:.4f}" if kind in r else None for r in ratios]
+            )
+    parts.append(
+        render_table(
+            "Tuner time / in-graph truth by candidate kind, case-normalised (< 1: read fast)",
+            ["mode", "kind", "n", *IN_GRAPH_VIEWS],
+            rows,
+        )
+    )
+    return "\n".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", type=Path, nargs="+", help="benchmarks/tuning.py result JSONs")
+    args = parser.parse_args(argv)
+    loaded = []
+    for path in args.results:
+        try:
+            loaded.append((path, load(path)))
+        except NotAResult as exc:
+            print(f"{path}: {exc}", file=sys.stderr)
+            return 1
+    print("\n\n".join(report(path, data) for path, data in loaded))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -51,8 +51,6 @@ IGNORED_FIELDS = {
     "output_attentions": "what transformers returns besides the logits",
     "output_hidden_states": "what transformers returns besides the logits",
     "return_dict": "what transformers returns besides the logits",
-    "dtype": "the weight dtype is chosen when loading (load_model(dtype=...), --dtype)",
-    "torch_dtype": "the weight dtype is chosen when loading (load_model(dtype=...), --dtype)",
     "initializer_range": "random initialisation only; loaded weights replace it",
     "attention_dropout": "dropout is off at inference",
     "pad_token_id": "padding tokens are not part of an unpadded request",
@@ -84,6 +82,9 @@ _COMMON = {
     "max_position_embeddings": "ModelConfig.max_position_embeddings (the longest request)",
     "tie_word_embeddings": "ModelConfig.tie_word_embeddings",
     "eos_token_id": "ModelConfig.eos_token_ids (generation_config.json's win, as in transformers)",
+    "dtype": "every weight's dtype when load_model's dtype is None (transformers' "
+    'dtype="auto"; without it or torch_dtype, the embedding\'s dtype in the file)',
+    "torch_dtype": "as dtype, when dtype is absent or null (transformers' older name)",
 }
 _QWEN_WINDOWS = {
     "use_sliding_window": "sliding layers refused (see layer_types)",

@@ -90,6 +90,25 @@ def test_qwen3_preset_shape_and_tiny_step_run():
     assert [len(o) for o in outputs] == [4, 4]
 
 
+@pytest.mark.parametrize("generation", [{"do_sample": False}, {"eos_token_id": None}])
+def test_a_generation_config_without_eos_means_no_eos_as_in_transformers(tmp_path, generation):
+    # transformers' generate reads generation_config.json alone when it exists: config.json's
+    # eos_token_id does not stop it then.
+    hf, folder = build_hf("llama", tmp_path)
+    prompt = [5, 17, 42, 3]
+    free = _hf_greedy(hf, prompt, 12, eos_token_id=None)
+    stop = next(t for t in free[2:] if t not in free[:2])
+    doc = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**doc, "eos_token_id": stop}))
+    (folder / "generation_config.json").write_text(json.dumps(generation))
+    expected = _hf_greedy(transformers.AutoModelForCausalLM.from_pretrained(folder), prompt, 12)
+    assert expected == free  # the oracle: transformers did not stop at config.json's EOS
+    model = load_model(folder, device="cpu", dtype=torch.float32)
+    assert model.config.eos_token_ids == ()
+    engine = Engine(model, runner="eager", max_batch_size=1, max_seq_len=32)
+    assert engine.generate([prompt], 12) == [expected]
+
+
 def _mixed_dtypes(folder, config_dtype: dict) -> None:
     """Rewrites ``folder``'s weights as bfloat16 but for a float32 LM head and final norm, and
     sets ``config.json``'s dtype fields (``None``: removed)."""

@@ -81,7 +81,8 @@ _COMMON = {
     "rope_parameters": "ModelConfig.rope_theta and rope_scaling (default, linear, llama3)",
     "max_position_embeddings": "ModelConfig.max_position_embeddings (the longest request)",
     "tie_word_embeddings": "ModelConfig.tie_word_embeddings",
-    "eos_token_id": "ModelConfig.eos_token_ids (generation_config.json's win, as in transformers)",
+    "eos_token_id": "ModelConfig.eos_token_ids; when generation_config.json exists, its "
+    "eos_token_id replaces it (missing or null there: no EOS), as in transformers' generate",
     "dtype": "every weight's dtype when load_model's dtype is None (transformers' "
     'dtype="auto"; without it or torch_dtype, the embedding\'s dtype in the file)',
     "torch_dtype": "as dtype, when dtype is absent or null (transformers' older name)",

@@ -3,9 +3,10 @@
 A checkpoint folder holds ``config.json`` and either ``model.safetensors`` or shards listed in
 ``model.safetensors.index.json``. Tensors are read with ``safetensors``; Q/K/V and gate/up are
 concatenated into the fused matrices the decode step uses. A ``tokenizer.json`` next to them is
-loaded with ``tokenizers`` when that package is installed, and the ``eos_token_id`` of a
-``generation_config.json`` replaces ``config.json``'s, as transformers' ``generate`` does. Every
-file that cannot be read or parsed is a :class:`~graphtune.errors.CheckpointError` naming it.
+loaded with ``tokenizers`` when that package is installed, and when a ``generation_config.json``
+exists its ``eos_token_id`` (missing or null: no EOS) replaces ``config.json``'s, as transformers'
+``generate`` does. Every file that cannot be read or parsed is a
+:class:`~graphtune.errors.CheckpointError` naming it.
 """
 
 from __future__ import annotations
@@ -179,9 +180,10 @@ def read_json(path: Path) -> dict[str, Any]:
 
 def load_config(spec: str | Path) -> ModelConfig:
     """The shapes of a model without its weights: a preset name, or a Hugging Face checkpoint
-    folder whose ``config.json`` is read (with ``generation_config.json``'s ``eos_token_id``,
-    which replaces ``config.json``'s as in transformers' ``generate``; Llama-3-Instruct
-    checkpoints list their end-of-turn token only there). Checks a request before loading.
+    folder whose ``config.json`` is read (when a ``generation_config.json`` exists, its
+    ``eos_token_id``, missing or null meaning no EOS, replaces ``config.json``'s as in
+    transformers' ``generate``; Llama-3-Instruct checkpoints list their end-of-turn token only
+    there). Checks a request before loading.
 
     Raises:
         ConfigError: ``spec`` is neither an existing folder nor a preset, or a field has a value
@@ -210,9 +212,10 @@ def _folder_config(folder: Path) -> ModelConfig:
         raise type(exc)(f"{config_file}{text if text[:1] in ':,; ' else ': ' + text}") from None
     generation = folder / "generation_config.json"
     if generation.is_file():
+        # transformers' generate reads this file alone: no eos_token_id there (or null) is no
+        # EOS, whatever config.json says.
         eos = read_json(generation).get("eos_token_id")
-        if eos is not None:
-            config = config.replace(eos_token_ids=eos_ids(eos, str(generation)))
+        config = config.replace(eos_token_ids=eos_ids(eos, str(generation)))
     return config
 
 

@@ -241,12 +241,29 @@ def sliding_layers(cfg: Mapping[str, Any]) -> list[int]:
     layer from ``max_window_layers`` on) marking the layer ``sliding_attention``."""
     if not cfg.get("use_sliding_window") or cfg.get("sliding_window") is None:
         return []
-    types = cfg.get("layer_types")
-    layers = int(cfg.get("num_hidden_layers", 0))
+    types = layer_types(cfg)
     if types is None:
-        start = int(cfg.get("max_window_layers", 0))
-        return list(range(start, layers))
+        start = hf_int(cfg, "max_window_layers")
+        return list(
+            range(start, hf_int(cfg, "num_hidden_layers") if "num_hidden_layers" in cfg else 0)
+        )
     return [i for i, kind in enumerate(types) if kind == "sliding_attention"]
+
+
+def layer_types(cfg: Mapping[str, Any]) -> list[str] | None:
+    """``cfg["layer_types"]``: ``None`` or a list of strings, as transformers requires.
+
+    Raises:
+        CheckpointError: Another type.
+    """
+    value = cfg.get("layer_types")
+    if value is None or (isinstance(value, list) and all(isinstance(k, str) for k in value)):
+        return value
+    raise CheckpointError(
+        f"config.json: layer_types={_short(value)} must be a list of layer types such as "
+        '["full_attention", "full_attention"], one per layer, or null (transformers refuses it '
+        "too); fix the file"
+    )
 
 
 _NO_BIAS = Refusal(lambda value, cfg: not value, "biases on the q, k, v and o projections")
@@ -264,16 +281,14 @@ _EXPERT_ACTIVATION = Refusal(
 )
 _NO_QWEN3_MOE_WINDOW = Refusal(lambda value, cfg: not value, "Qwen3-MoE's sliding-window layers")
 _LAYER_KINDS = Refusal(
-    # A "sliding_attention" layer attends fully unless use_sliding_window is on (that rule).
-    lambda value, cfg: all(kind in ("full_attention", "sliding_attention") for kind in value or ()),
+    lambda value, cfg: all(
+        kind in ("full_attention", "sliding_attention") for kind in layer_types(cfg) or ()
+    ),
     "a layer type other than full_attention and sliding_attention",
 )
 
 _ONE_LAYER_KIND = Refusal(
-    lambda value, cfg: (
-        value is None
-        or (isinstance(value, list) and _LAYER_KINDS.allowed(value, cfg) and len(set(value)) <= 1)
-    ),
+    lambda value, cfg: _LAYER_KINDS.allowed(value, cfg) and len(set(value or ())) <= 1,
     "full_attention in some layers and sliding_attention in others (Ministral's layout)",
 )
 

@@ -59,6 +59,12 @@ class _TensorSource:
                     f"{index} has no 'weight_map' object; re-save the checkpoint with "
                     "save_pretrained(safe_serialization=True)"
                 )
+            bad = next((n for n, f in weight_map.items() if not isinstance(f, str) or not f), None)
+            if bad is not None:
+                raise CheckpointError(
+                    f"{index}: weight_map[{bad!r}]={weight_map[bad]!r} must be the name of a "
+                    "shard file in the folder; fix the index or download the checkpoint again"
+                )
             self.files = {name: folder / file for name, file in weight_map.items()}
             missing = sorted({str(f) for f in self.files.values() if not f.is_file()})
             if missing:

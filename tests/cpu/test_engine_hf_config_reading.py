@@ -248,6 +248,20 @@ def test_an_index_entry_that_is_not_a_file_name_is_one_line(tmp_path, capsys, va
     assert "Traceback" not in err and f"={value}" in line
 
 
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("window", [dict(use_sliding_window=False), dict(sliding_window=None)])
+def test_qwen_sliding_layer_types_without_a_window_are_refused(tmp_path, kind, window):
+    # transformers keeps layer_types but drops the window, and then cannot run those layers.
+    _, folder = build_hf(kind, tmp_path)
+    doc = json.loads((folder / "config.json").read_text())
+    doc.update(_SLIDING, layer_types=["sliding_attention", "full_attention"], **window)
+    (folder / "config.json").write_text(json.dumps(doc))
+    with pytest.raises(TypeError):  # the oracle
+        _transformers(folder)(torch.arange(4)[None])
+    with pytest.raises(ConfigError, match=r"config\.json: layer_types=\['sliding_attention'"):
+        load_checkpoint(folder)
+
+
 def test_requests_keep_to_the_callers_max_seq_len_not_the_caches():
     engine = Engine(load_model("tiny"), runner="eager", max_batch_size=1, max_seq_len=20)
     assert engine.max_seq_len == 32  # the cache rounds up to a multiple of 16

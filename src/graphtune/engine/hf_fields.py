@@ -229,10 +229,12 @@ class Refusal:
         allowed: Whether a value (the field's value after defaults, given the whole config) is
             implemented.
         why: What the refused values would need, for the message.
+        fix: What the user can do instead, for the message.
     """
 
     allowed: Callable[[Any, Mapping[str, Any]], bool]
     why: str
+    fix: str = "use a checkpoint without it"
 
 
 def sliding_layers(cfg: Mapping[str, Any]) -> list[int]:
@@ -286,6 +288,18 @@ _LAYER_KINDS = Refusal(
     ),
     "a layer type other than full_attention and sliding_attention",
 )
+_QWEN_LAYER_KINDS = Refusal(
+    # transformers drops the window unless use_sliding_window is on, and its sliding_attention
+    # layers then fail; with the window on, _NO_SLIDING refuses them.
+    lambda value, cfg: (
+        _LAYER_KINDS.allowed(value, cfg)
+        and ("sliding_attention" not in (value or ()) or bool(sliding_layers(cfg)))
+    ),
+    "a layer type other than full_attention and sliding_attention, or sliding_attention "
+    "layers without use_sliding_window=true and a sliding_window, which transformers' model "
+    "cannot run either",
+    "use a checkpoint whose layer_types are all full_attention",
+)
 
 _ONE_LAYER_KIND = Refusal(
     lambda value, cfg: _LAYER_KINDS.allowed(value, cfg) and len(set(value or ())) <= 1,
@@ -310,14 +324,14 @@ REFUSALS: dict[str, dict[str, Refusal]] = {
     "qwen2": {
         "hidden_act": _ACTIVATION,
         "use_sliding_window": _NO_SLIDING,
-        "layer_types": _LAYER_KINDS,
+        "layer_types": _QWEN_LAYER_KINDS,
     },
     "mistral": {"hidden_act": _ACTIVATION, "layer_types": _ONE_LAYER_KIND},
     "qwen3": {
         "hidden_act": _ACTIVATION,
         "attention_bias": _NO_BIAS,
         "use_sliding_window": _NO_SLIDING,
-        "layer_types": _LAYER_KINDS,
+        "layer_types": _QWEN_LAYER_KINDS,
     },
     "qwen3_moe": {
         "hidden_act": _EXPERT_ACTIVATION,
@@ -401,7 +415,7 @@ def refuse_unimplemented(arch: str, cfg: Mapping[str, Any], source: str = "confi
         if not rule.allowed(value, cfg):
             raise ConfigError(
                 f"{source}: {field}={_short(value)} is not implemented by graphtune's {arch} "
-                f"engine ({rule.why}); use a checkpoint without it"
+                f"engine ({rule.why}); {rule.fix}"
             )
     known = set(HANDLED_FIELDS[arch]) | set(IGNORED_FIELDS) | set(REFUSED_EXTRAS)
     unknown = sorted(set(cfg) - known - _LEGACY_FIELDS)

@@ -210,6 +210,58 @@ def test_generation_config_eos_of_the_wrong_type_names_the_file(tmp_path):
         load_checkpoint(folder)
 
 
+_SLIDING = dict(use_sliding_window=True, sliding_window=4)
+MALFORMED_WINDOWS = [
+    *((kind, "max_window_layers", v) for kind in ("qwen2", "qwen3") for v in (None, "x")),
+    *((kind, "layer_types", v) for kind in ("qwen2", "qwen3", "mistral") for v in (7, [1, 2])),
+]
+
+
+@pytest.mark.parametrize("kind,field,value", MALFORMED_WINDOWS)
+def test_malformed_window_fields_are_one_checkpoint_error_line(tmp_path, kind, field, value):
+    _, folder = build_hf(kind, tmp_path)
+    _edit(folder, layer_types=None, **(_SLIDING if field == "max_window_layers" else {}))
+    doc = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**doc, field: value}))
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(folder)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(str(folder / "config.json"))
+    assert f"{field}={value!r}" in message and "fix the file" in message
+
+
+@pytest.mark.parametrize("value", [None, 3])
+def test_an_index_entry_that_is_not_a_file_name_is_one_line(tmp_path, capsys, value):
+    from graphtune.cli.main import main
+
+    _, folder = build_hf("llama", tmp_path, max_shard_size="40KB")
+    index = folder / "model.safetensors.index.json"
+    doc = json.loads(index.read_text())
+    doc["weight_map"]["model.embed_tokens.weight"] = value
+    index.write_text(json.dumps(doc))
+    with pytest.raises(CheckpointError, match=r"index\.json: weight_map\['model\.embed_tokens"):
+        load_checkpoint(folder)
+    args = ["generate", "--model", str(folder), "--prompt-ids", "1,2", "--max-new-tokens", "2"]
+    assert main([*args, "--runner", "eager", "--device", "cpu"]) == 1
+    err = capsys.readouterr().err
+    (line,) = [line for line in err.splitlines() if line.startswith("error:")]
+    assert "Traceback" not in err and f"={value}" in line
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("window", [dict(use_sliding_window=False), dict(sliding_window=None)])
+def test_qwen_sliding_layer_types_without_a_window_are_refused(tmp_path, kind, window):
+    # transformers keeps layer_types but drops the window, and then cannot run those layers.
+    _, folder = build_hf(kind, tmp_path)
+    doc = json.loads((folder / "config.json").read_text())
+    doc.update(_SLIDING, layer_types=["sliding_attention", "full_attention"], **window)
+    (folder / "config.json").write_text(json.dumps(doc))
+    with pytest.raises(TypeError):  # the oracle
+        _transformers(folder)(torch.arange(4)[None])
+    with pytest.raises(ConfigError, match=r"config\.json: layer_types=\['sliding_attention'"):
+        load_checkpoint(folder)
+
+
 def test_requests_keep_to_the_callers_max_seq_len_not_the_caches():
     engine = Engine(load_model("tiny"), runner="eager", max_batch_size=1, max_seq_len=20)
     assert engine.max_seq_len == 32  # the cache rounds up to a multiple of 16

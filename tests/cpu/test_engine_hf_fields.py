@@ -72,7 +72,12 @@ ORACLES = {
         "test_llama3_rope_scaling_and_tied_embeddings_match_hf",
         "test_a_tied_config_whose_file_has_another_lm_head_uses_that_head",
     ],
-    "eos_token_id": ["test_eos_from_generation_config_stops_like_transformers"],
+    "eos_token_id": [
+        "test_eos_from_generation_config_stops_like_transformers",
+        "test_a_generation_config_without_eos_means_no_eos_as_in_transformers",
+    ],
+    "dtype": ["test_dtype_none_loads_every_tensor_in_one_dtype_as_transformers"],
+    "torch_dtype": ["test_dtype_none_loads_every_tensor_in_one_dtype_as_transformers"],
     "mlp_bias": ["test_llama_mlp_bias_matches_hf"],
     "attention_bias": ["test_llama_matches_hf", "test_qwen3_matches_hf"],
     "sliding_window": [

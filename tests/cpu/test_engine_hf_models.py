@@ -1,4 +1,5 @@
-"""Model features checked against transformers: Qwen3, MLP biases, activations, generation EOS.
+"""Model features checked against transformers: Qwen3, MLP biases, activations, generation EOS,
+the weight dtype.
 
 Each test builds a random tiny checkpoint with transformers, saves it, loads it with graphtune
 and compares logits (prefill and decode, float32) and, where it matters, greedy tokens.
@@ -14,6 +15,7 @@ from test_engine_hf import build_hf, compare
 
 from graphtune.engine import Engine, load_checkpoint, load_model
 from graphtune.engine.hf_fields import HF_ACTIVATIONS
+from graphtune.errors import CheckpointError
 
 transformers = pytest.importorskip("transformers")
 
@@ -86,3 +88,74 @@ def test_qwen3_preset_shape_and_tiny_step_run():
     engine = Engine(load_model("qwen3-tiny"), runner="eager", max_batch_size=2, max_seq_len=32)
     outputs = engine.generate([[1, 2, 3], [4]], 4, stop_token_ids=[])
     assert [len(o) for o in outputs] == [4, 4]
+
+
+@pytest.mark.parametrize("generation", [{"do_sample": False}, {"eos_token_id": None}])
+def test_a_generation_config_without_eos_means_no_eos_as_in_transformers(tmp_path, generation):
+    # transformers' generate reads generation_config.json alone when it exists: config.json's
+    # eos_token_id does not stop it then.
+    hf, folder = build_hf("llama", tmp_path)
+    prompt = [5, 17, 42, 3]
+    free = _hf_greedy(hf, prompt, 12, eos_token_id=None)
+    stop = next(t for t in free[2:] if t not in free[:2])
+    doc = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**doc, "eos_token_id": stop}))
+    (folder / "generation_config.json").write_text(json.dumps(generation))
+    expected = _hf_greedy(transformers.AutoModelForCausalLM.from_pretrained(folder), prompt, 12)
+    assert expected == free  # the oracle: transformers did not stop at config.json's EOS
+    model = load_model(folder, device="cpu", dtype=torch.float32)
+    assert model.config.eos_token_ids == ()
+    engine = Engine(model, runner="eager", max_batch_size=1, max_seq_len=32)
+    assert engine.generate([prompt], 12) == [expected]
+
+
+def _mixed_dtypes(folder, config_dtype: dict) -> None:
+    """Rewrites ``folder``'s weights as bfloat16 but for a float32 LM head and final norm, and
+    sets ``config.json``'s dtype fields (``None``: removed)."""
+    from safetensors.torch import load_file, save_file
+
+    (file,) = folder.glob("*.safetensors")
+    tensors = load_file(file)
+    keep = ("lm_head.weight", "model.norm.weight")
+    tensors = {k: v if k in keep else v.to(torch.bfloat16) for k, v in tensors.items()}
+    save_file(tensors, file, metadata={"format": "pt"})
+    doc = json.loads((folder / "config.json").read_text())
+    doc.pop("dtype", None)
+    doc.pop("torch_dtype", None)
+    doc.update({k: v for k, v in config_dtype.items() if v is not None})
+    (folder / "config.json").write_text(json.dumps(doc))
+
+
+DTYPE_FIELDS = {
+    "dtype": ({"dtype": "bfloat16", "torch_dtype": "float16"}, torch.bfloat16),
+    "torch_dtype": ({"dtype": None, "torch_dtype": "float32"}, torch.float32),
+    # Neither field: the embedding's dtype (transformers takes the first floating tensor of the
+    # file, here the float32 lm_head.weight; such files are rare: save_pretrained writes dtype).
+    "neither": ({}, torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DTYPE_FIELDS))
+def test_dtype_none_loads_every_tensor_in_one_dtype_as_transformers(tmp_path, case):
+    fields, dtype = DTYPE_FIELDS[case]
+    hf, folder = build_hf("llama", tmp_path)
+    _mixed_dtypes(folder, fields)
+    if fields:
+        auto = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+        assert {p.dtype for p in auto.parameters()} == {dtype}  # the oracle: dtype="auto"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    model = load_model(folder, device="cpu")
+    tensors = [model.embed, model.lm_head, model.final_norm]
+    tensors += [t for layer in model.layers for t in vars(layer).values()]
+    assert {t.dtype for t in tensors if isinstance(t, torch.Tensor)} == {dtype}
+    engine = Engine(model, runner="eager", max_batch_size=1, max_seq_len=32)
+    prompt = [5, 17, 42, 3]
+    assert engine.generate([prompt], 6, stop_token_ids=[]) == [_hf_greedy(hf, prompt, 6)]
+
+
+def test_an_explicit_dtype_wins_and_a_bad_config_dtype_is_one_line(tmp_path):
+    _, folder = build_hf("llama", tmp_path)
+    _mixed_dtypes(folder, {"dtype": "int8"})
+    assert load_model(folder, device="cpu", dtype=torch.float16).dtype == torch.float16
+    with pytest.raises(CheckpointError, match=r"config\.json: dtype='int8' is not a weight dtype"):
+        load_model(folder, device="cpu")

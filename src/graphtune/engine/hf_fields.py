@@ -51,8 +51,6 @@ IGNORED_FIELDS = {
     "output_attentions": "what transformers returns besides the logits",
     "output_hidden_states": "what transformers returns besides the logits",
     "return_dict": "what transformers returns besides the logits",
-    "dtype": "the weight dtype is chosen when loading (load_model(dtype=...), --dtype)",
-    "torch_dtype": "the weight dtype is chosen when loading (load_model(dtype=...), --dtype)",
     "initializer_range": "random initialisation only; loaded weights replace it",
     "attention_dropout": "dropout is off at inference",
     "pad_token_id": "padding tokens are not part of an unpadded request",
@@ -83,7 +81,11 @@ _COMMON = {
     "rope_parameters": "ModelConfig.rope_theta and rope_scaling (default, linear, llama3)",
     "max_position_embeddings": "ModelConfig.max_position_embeddings (the longest request)",
     "tie_word_embeddings": "ModelConfig.tie_word_embeddings",
-    "eos_token_id": "ModelConfig.eos_token_ids (generation_config.json's win, as in transformers)",
+    "eos_token_id": "ModelConfig.eos_token_ids; when generation_config.json exists, its "
+    "eos_token_id replaces it (missing or null there: no EOS), as in transformers' generate",
+    "dtype": "every weight's dtype when load_model's dtype is None (transformers' "
+    'dtype="auto"; without it or torch_dtype, the embedding\'s dtype in the file)',
+    "torch_dtype": "as dtype, when dtype is absent or null (transformers' older name)",
 }
 _QWEN_WINDOWS = {
     "use_sliding_window": "sliding layers refused (see layer_types)",
@@ -227,10 +229,12 @@ class Refusal:
         allowed: Whether a value (the field's value after defaults, given the whole config) is
             implemented.
         why: What the refused values would need, for the message.
+        fix: What the user can do instead, for the message.
     """
 
     allowed: Callable[[Any, Mapping[str, Any]], bool]
     why: str
+    fix: str = "use a checkpoint without it"
 
 
 def sliding_layers(cfg: Mapping[str, Any]) -> list[int]:
@@ -239,12 +243,29 @@ def sliding_layers(cfg: Mapping[str, Any]) -> list[int]:
     layer from ``max_window_layers`` on) marking the layer ``sliding_attention``."""
     if not cfg.get("use_sliding_window") or cfg.get("sliding_window") is None:
         return []
-    types = cfg.get("layer_types")
-    layers = int(cfg.get("num_hidden_layers", 0))
+    types = layer_types(cfg)
     if types is None:
-        start = int(cfg.get("max_window_layers", 0))
-        return list(range(start, layers))
+        start = hf_int(cfg, "max_window_layers")
+        return list(
+            range(start, hf_int(cfg, "num_hidden_layers") if "num_hidden_layers" in cfg else 0)
+        )
     return [i for i, kind in enumerate(types) if kind == "sliding_attention"]
+
+
+def layer_types(cfg: Mapping[str, Any]) -> list[str] | None:
+    """``cfg["layer_types"]``: ``None`` or a list of strings, as transformers requires.
+
+    Raises:
+        CheckpointError: Another type.
+    """
+    value = cfg.get("layer_types")
+    if value is None or (isinstance(value, list) and all(isinstance(k, str) for k in value)):
+        return value
+    raise CheckpointError(
+        f"config.json: layer_types={_short(value)} must be a list of layer types such as "
+        '["full_attention", "full_attention"], one per layer, or null (transformers refuses it '
+        "too); fix the file"
+    )
 
 
 _NO_BIAS = Refusal(lambda value, cfg: not value, "biases on the q, k, v and o projections")
@@ -262,16 +283,26 @@ _EXPERT_ACTIVATION = Refusal(
 )
 _NO_QWEN3_MOE_WINDOW = Refusal(lambda value, cfg: not value, "Qwen3-MoE's sliding-window layers")
 _LAYER_KINDS = Refusal(
-    # A "sliding_attention" layer attends fully unless use_sliding_window is on (that rule).
-    lambda value, cfg: all(kind in ("full_attention", "sliding_attention") for kind in value or ()),
+    lambda value, cfg: all(
+        kind in ("full_attention", "sliding_attention") for kind in layer_types(cfg) or ()
+    ),
     "a layer type other than full_attention and sliding_attention",
+)
+_QWEN_LAYER_KINDS = Refusal(
+    # transformers drops the window unless use_sliding_window is on, and its sliding_attention
+    # layers then fail; with the window on, _NO_SLIDING refuses them.
+    lambda value, cfg: (
+        _LAYER_KINDS.allowed(value, cfg)
+        and ("sliding_attention" not in (value or ()) or bool(sliding_layers(cfg)))
+    ),
+    "a layer type other than full_attention and sliding_attention, or sliding_attention "
+    "layers without use_sliding_window=true and a sliding_window, which transformers' model "
+    "cannot run either",
+    "use a checkpoint whose layer_types are all full_attention",
 )
 
 _ONE_LAYER_KIND = Refusal(
-    lambda value, cfg: (
-        value is None
-        or (isinstance(value, list) and _LAYER_KINDS.allowed(value, cfg) and len(set(value)) <= 1)
-    ),
+    lambda value, cfg: _LAYER_KINDS.allowed(value, cfg) and len(set(value or ())) <= 1,
     "full_attention in some layers and sliding_attention in others (Ministral's layout)",
 )
 
@@ -293,14 +324,14 @@ REFUSALS: dict[str, dict[str, Refusal]] = {
     "qwen2": {
         "hidden_act": _ACTIVATION,
         "use_sliding_window": _NO_SLIDING,
-        "layer_types": _LAYER_KINDS,
+        "layer_types": _QWEN_LAYER_KINDS,
     },
     "mistral": {"hidden_act": _ACTIVATION, "layer_types": _ONE_LAYER_KIND},
     "qwen3": {
         "hidden_act": _ACTIVATION,
         "attention_bias": _NO_BIAS,
         "use_sliding_window": _NO_SLIDING,
-        "layer_types": _LAYER_KINDS,
+        "layer_types": _QWEN_LAYER_KINDS,
     },
     "qwen3_moe": {
         "hidden_act": _EXPERT_ACTIVATION,
@@ -384,7 +415,7 @@ def refuse_unimplemented(arch: str, cfg: Mapping[str, Any], source: str = "confi
         if not rule.allowed(value, cfg):
             raise ConfigError(
                 f"{source}: {field}={_short(value)} is not implemented by graphtune's {arch} "
-                f"engine ({rule.why}); use a checkpoint without it"
+                f"engine ({rule.why}); {rule.fix}"
             )
     known = set(HANDLED_FIELDS[arch]) | set(IGNORED_FIELDS) | set(REFUSED_EXTRAS)
     unknown = sorted(set(cfg) - known - _LEGACY_FIELDS)

@@ -3,9 +3,10 @@
 A checkpoint folder holds ``config.json`` and either ``model.safetensors`` or shards listed in
 ``model.safetensors.index.json``. Tensors are read with ``safetensors``; Q/K/V and gate/up are
 concatenated into the fused matrices the decode step uses. A ``tokenizer.json`` next to them is
-loaded with ``tokenizers`` when that package is installed, and the ``eos_token_id`` of a
-``generation_config.json`` replaces ``config.json``'s, as transformers' ``generate`` does. Every
-file that cannot be read or parsed is a :class:`~graphtune.errors.CheckpointError` naming it.
+loaded with ``tokenizers`` when that package is installed, and when a ``generation_config.json``
+exists its ``eos_token_id`` (missing or null: no EOS) replaces ``config.json``'s, as transformers'
+``generate`` does. Every file that cannot be read or parsed is a
+:class:`~graphtune.errors.CheckpointError` naming it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from graphtune.engine.config import ModelConfig, eos_ids, from_hf_config
-from graphtune.engine.devices import as_torch_device, check_model_dtype
+from graphtune.engine.devices import MODEL_DTYPES, as_torch_device, check_model_dtype
 from graphtune.engine.model import DecoderModel, LayerWeights, random_model, warm_triton_for
 from graphtune.engine.moe_loading import load_moe_layer
 from graphtune.engine.presets import PRESETS, get_preset
@@ -58,6 +59,12 @@ class _TensorSource:
                     f"{index} has no 'weight_map' object; re-save the checkpoint with "
                     "save_pretrained(safe_serialization=True)"
                 )
+            bad = next((n for n, f in weight_map.items() if not isinstance(f, str) or not f), None)
+            if bad is not None:
+                raise CheckpointError(
+                    f"{index}: weight_map[{bad!r}]={weight_map[bad]!r} must be the name of a "
+                    "shard file in the folder; fix the index or download the checkpoint again"
+                )
             self.files = {name: folder / file for name, file in weight_map.items()}
             missing = sorted({str(f) for f in self.files.values() if not f.is_file()})
             if missing:
@@ -87,8 +94,24 @@ class _TensorSource:
                 "corrupt: download it again"
             ) from None
 
+    def _handle(self, file: Path) -> Any:
+        if file not in self._handles:
+            self._handles[file] = self._open(file)
+        return self._handles[file]
+
     def has(self, name: str) -> bool:
         return name in self.files
+
+    def dtype(self, name: str) -> torch.dtype | None:
+        """The dtype tensor ``name`` has in the file (``None``: no such tensor)."""
+        file = self.files.get(name)
+        if file is None:
+            return None
+        try:
+            dtype: torch.dtype = self._handle(file).get_slice(name)[0:1].dtype
+        except Exception as exc:  # safetensors raises its own error types; keep the cause.
+            raise CheckpointError(f"could not read tensor {name!r} from {file}: {exc}") from exc
+        return dtype
 
     def mark(self) -> str:
         """A digest of a sample of every tensor read so far: the first elements of its first
@@ -111,10 +134,7 @@ class _TensorSource:
         file = self.files.get(name)
         if file is None:
             raise CheckpointError(f"checkpoint is missing the tensor {name!r} (expected {shape})")
-        handle = self._handles.get(file)
-        if handle is None:
-            handle = self._open(file)
-            self._handles[file] = handle
+        handle = self._handle(file)
         self.read.add(name)
         try:
             if part is None:
@@ -166,9 +186,10 @@ def read_json(path: Path) -> dict[str, Any]:
 
 def load_config(spec: str | Path) -> ModelConfig:
     """The shapes of a model without its weights: a preset name, or a Hugging Face checkpoint
-    folder whose ``config.json`` is read (with ``generation_config.json``'s ``eos_token_id``,
-    which replaces ``config.json``'s as in transformers' ``generate``; Llama-3-Instruct
-    checkpoints list their end-of-turn token only there). Checks a request before loading.
+    folder whose ``config.json`` is read (when a ``generation_config.json`` exists, its
+    ``eos_token_id``, missing or null meaning no EOS, replaces ``config.json``'s as in
+    transformers' ``generate``; Llama-3-Instruct checkpoints list their end-of-turn token only
+    there). Checks a request before loading.
 
     Raises:
         ConfigError: ``spec`` is neither an existing folder nor a preset, or a field has a value
@@ -197,9 +218,10 @@ def _folder_config(folder: Path) -> ModelConfig:
         raise type(exc)(f"{config_file}{text if text[:1] in ':,; ' else ': ' + text}") from None
     generation = folder / "generation_config.json"
     if generation.is_file():
+        # transformers' generate reads this file alone: no eos_token_id there (or null) is no
+        # EOS, whatever config.json says.
         eos = read_json(generation).get("eos_token_id")
-        if eos is not None:
-            config = config.replace(eos_token_ids=eos_ids(eos, str(generation)))
+        config = config.replace(eos_token_ids=eos_ids(eos, str(generation)))
     return config
 
 
@@ -225,7 +247,9 @@ def load_checkpoint(
     Args:
         folder: Directory with ``config.json`` and safetensors weights (sharded or not).
         device: Where to put the weights (default CPU).
-        dtype: Weight dtype; ``None`` keeps the checkpoint's.
+        dtype: Weight dtype of every tensor; ``None``: ``config.json``'s ``dtype`` (or
+            ``torch_dtype``), else the embedding's dtype in the file, as transformers'
+            ``dtype="auto"``.
         parallel: Tensor parallelism with ``world_size > 1``: read only this rank's slices of
             the sharded projections (see :mod:`graphtune.engine.parallel`); replicated tensors
             are read whole.
@@ -248,6 +272,8 @@ def load_checkpoint(
 
         check_shardable(config, tp)
     source = _TensorSource(folder)
+    if dtype is None:
+        dtype = _auto_dtype(folder, source)
     d, inter = config.hidden_size, config.intermediate_size
     rows = (0, parallel.rank, tp) if parallel is not None and tp > 1 else None
     cols = (1, parallel.rank, tp) if parallel is not None and tp > 1 else None
@@ -342,6 +368,25 @@ def load_checkpoint(
     return model
 
 
+def _auto_dtype(folder: Path, source: _TensorSource) -> torch.dtype | None:
+    """The one dtype transformers' ``dtype="auto"`` loads every tensor in: ``config.json``'s
+    ``dtype`` (``torch_dtype`` when ``dtype`` is absent or null), else the embedding's."""
+    config_file = folder / "config.json"
+    doc = read_json(config_file)
+    field = "dtype" if doc.get("dtype") is not None else "torch_dtype"
+    name = doc.get(field)
+    if name is None:
+        return source.dtype("model.embed_tokens.weight")
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(dtype, torch.dtype) or dtype not in MODEL_DTYPES:
+        names = ", ".join(str(d).removeprefix("torch.") for d in MODEL_DTYPES)
+        raise CheckpointError(
+            f"{config_file}: {field}={name!r} is not a weight dtype graphtune loads ({names}); "
+            "fix the file or pass dtype= (--dtype) to choose one"
+        )
+    return dtype
+
+
 def _optional_layer_tensors(
     config: ModelConfig,
     prefix: str,
@@ -416,7 +461,8 @@ def load_model(
     Args:
         spec: A folder path, a preset name (see ``PRESETS``) or a :class:`ModelConfig`.
         device: Target device.
-        dtype: Weight dtype (presets default to float32).
+        dtype: Weight dtype (presets default to float32; a folder to its config's dtype, see
+            :func:`load_checkpoint`).
         seed: Seed for random weights.
         parallel: Tensor parallelism: return this rank's shard (see
             :func:`graphtune.engine.parallel.shard_model`). Random weights are drawn whole on

@@ -11,8 +11,6 @@ exists its ``eos_token_id`` (missing or null: no EOS) replaces ``config.json``'s
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,164 +22,13 @@ from graphtune.engine.devices import MODEL_DTYPES, as_torch_device, check_model_
 from graphtune.engine.model import DecoderModel, LayerWeights, random_model, warm_triton_for
 from graphtune.engine.moe_loading import load_moe_layer
 from graphtune.engine.presets import PRESETS, get_preset
+from graphtune.engine.safetensors_source import TensorSource, read_json
 from graphtune.errors import CheckpointError, ConfigError
 
 if TYPE_CHECKING:
     from graphtune.engine.parallel import ParallelContext
 
 logger = logging.getLogger(__name__)
-
-
-# Elements of each tensor's first row in the checkpoint's mark (:meth:`_TensorSource.mark`).
-_MARK_ELEMENTS = 64
-
-
-class _TensorSource:
-    """Reads named tensors from one or more safetensors files, checking names and shapes."""
-
-    def __init__(self, folder: Path) -> None:
-        try:
-            from safetensors import safe_open
-        except ImportError as exc:
-            raise CheckpointError(
-                "loading a checkpoint needs the 'safetensors' package: "
-                "pip install 'graphtune[models]'"
-            ) from exc
-        self._safe_open = safe_open
-        self._handles: dict[Path, Any] = {}
-        self.read: set[str] = set()
-        self._mark = hashlib.sha256()
-        index = folder / "model.safetensors.index.json"
-        if index.exists():
-            weight_map = read_json(index).get("weight_map")
-            if not isinstance(weight_map, dict):
-                raise CheckpointError(
-                    f"{index} has no 'weight_map' object; re-save the checkpoint with "
-                    "save_pretrained(safe_serialization=True)"
-                )
-            bad = next((n for n, f in weight_map.items() if not isinstance(f, str) or not f), None)
-            if bad is not None:
-                raise CheckpointError(
-                    f"{index}: weight_map[{bad!r}]={weight_map[bad]!r} must be the name of a "
-                    "shard file in the folder; fix the index or download the checkpoint again"
-                )
-            self.files = {name: folder / file for name, file in weight_map.items()}
-            missing = sorted({str(f) for f in self.files.values() if not f.is_file()})
-            if missing:
-                raise CheckpointError(
-                    f"{index} lists shard files that are not in the folder: {missing[:3]}; "
-                    "download the whole checkpoint"
-                )
-        else:
-            files = sorted(folder.glob("*.safetensors"))
-            if not files:
-                raise CheckpointError(
-                    f"{folder} has no *.safetensors files (graphtune does not read .bin/.pt "
-                    "checkpoints; re-save with safe_serialization=True)"
-                )
-            self.files = {}
-            for file in files:
-                handle = self._handles[file] = self._open(file)
-                for name in handle.keys():
-                    self.files[name] = file
-
-    def _open(self, file: Path) -> Any:
-        try:
-            return self._safe_open(str(file), framework="pt")
-        except Exception as exc:  # safetensors raises its own error types; keep the cause.
-            raise CheckpointError(
-                f"{file} is not a readable safetensors file ({exc}); it may be truncated or "
-                "corrupt: download it again"
-            ) from None
-
-    def _handle(self, file: Path) -> Any:
-        if file not in self._handles:
-            self._handles[file] = self._open(file)
-        return self._handles[file]
-
-    def has(self, name: str) -> bool:
-        return name in self.files
-
-    def dtype(self, name: str) -> torch.dtype | None:
-        """The dtype tensor ``name`` has in the file (``None``: no such tensor)."""
-        file = self.files.get(name)
-        if file is None:
-            return None
-        try:
-            dtype: torch.dtype = self._handle(file).get_slice(name)[0:1].dtype
-        except Exception as exc:  # safetensors raises its own error types; keep the cause.
-            raise CheckpointError(f"could not read tensor {name!r} from {file}: {exc}") from exc
-        return dtype
-
-    def mark(self) -> str:
-        """A digest of a sample of every tensor read so far: the first elements of its first
-        row, which every tensor-parallel rank reads whatever its shard (so ranks that loaded
-        different checkpoints of one shape are told apart, :mod:`graphtune.engine.arguments`)."""
-        return self._mark.hexdigest()
-
-    def unread(self) -> list[str]:
-        """Tensors of the checkpoint that no :meth:`get` call read."""
-        return sorted(set(self.files) - self.read)
-
-    def get(
-        self, name: str, shape: tuple[int, ...], part: tuple[int, int, int] | None = None
-    ) -> torch.Tensor:
-        """Returns tensor ``name`` after checking it exists and has ``shape``.
-
-        With ``part = (dim, rank, parts)`` only slice ``rank`` of ``parts`` equal slices along
-        ``dim`` (0 or 1) is read from the file (tensor-parallel loading).
-        """
-        file = self.files.get(name)
-        if file is None:
-            raise CheckpointError(f"checkpoint is missing the tensor {name!r} (expected {shape})")
-        handle = self._handle(file)
-        self.read.add(name)
-        try:
-            if part is None:
-                tensor = handle.get_tensor(name)
-                actual = tuple(tensor.shape)
-            else:
-                lazy = handle.get_slice(name)
-                actual = tuple(lazy.get_shape())
-        except Exception as exc:  # safetensors raises its own error types; keep the cause.
-            raise CheckpointError(f"could not read tensor {name!r} from {file}: {exc}") from exc
-        if actual != tuple(shape):
-            raise CheckpointError(
-                f"tensor {name!r} has shape {actual} but config.json implies "
-                f"{tuple(shape)}; the config and the weights do not belong together"
-            )
-        if part is not None:
-            dim, rank, parts = part
-            size = shape[dim] // parts
-            index = slice(rank * size, (rank + 1) * size)
-            sample = lazy[0:1]
-            tensor = lazy[index] if dim == 0 else lazy[:, index]
-        else:
-            sample = tensor[:1] if tensor.dim() > 1 else tensor
-        sample = sample.reshape(-1)[:_MARK_ELEMENTS].contiguous()
-        self._mark.update(name.encode() + sample.view(torch.uint8).numpy().tobytes())
-        return tensor
-
-
-def read_json(path: Path) -> dict[str, Any]:
-    """The JSON object in ``path``.
-
-    Raises:
-        CheckpointError: The file cannot be read, is not valid JSON or not a JSON object.
-    """
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path} cannot be read ({exc})") from None
-    try:
-        doc = json.loads(text)
-    except ValueError as exc:
-        raise CheckpointError(
-            f"{path} is not valid JSON ({exc}); it may be truncated: download it again"
-        ) from None
-    if not isinstance(doc, dict):
-        raise CheckpointError(f"{path} holds a JSON {type(doc).__name__}, not an object")
-    return doc
 
 
 def load_config(spec: str | Path) -> ModelConfig:
@@ -271,7 +118,7 @@ def load_checkpoint(
         from graphtune.engine.parallel import check_shardable
 
         check_shardable(config, tp)
-    source = _TensorSource(folder)
+    source = TensorSource(folder)
     if dtype is None:
         dtype = _auto_dtype(folder, source)
     d, inter = config.hidden_size, config.intermediate_size
@@ -368,7 +215,7 @@ def load_checkpoint(
     return model
 
 
-def _auto_dtype(folder: Path, source: _TensorSource) -> torch.dtype | None:
+def _auto_dtype(folder: Path, source: TensorSource) -> torch.dtype | None:
     """The one dtype transformers' ``dtype="auto"`` loads every tensor in: ``config.json``'s
     ``dtype`` (``torch_dtype`` when ``dtype`` is absent or null), else the embedding's."""
     config_file = folder / "config.json"
@@ -413,7 +260,7 @@ def _optional_layer_tensors(
     return out
 
 
-def _warn_unread(source: _TensorSource, folder: Path) -> None:
+def _warn_unread(source: TensorSource, folder: Path) -> None:
     # transformers drops these too: RoPE tables some old checkpoints saved.
     unread = [name for name in source.unread() if not name.endswith("rotary_emb.inv_freq")]
     if unread:

@@ -94,6 +94,7 @@ def test_the_tactic_rules():
     }
     assert router_tactics(MAX_TOKENS + 1, 128, 2048) == []
     assert router_tactics(1, 512, 2048) == []
+    assert router_tactics(1, 8, 0) == []  # no columns: was a ZeroDivisionError
 
 
 def test_a_pick_serves_more_tokens_than_the_kernel_is_offered_for():

@@ -124,8 +124,8 @@ class UnfusedMoeRouter(_RouterRule, UnfusedRunner):
 def router_tactics(tokens: int, experts: int, k: int) -> list[dict[str, int]]:
     """The fused kernel's tactics for ``tokens`` rows, ``experts`` and hidden size ``k`` (see the
     module docstring); none above :data:`MAX_TOKENS` tokens or :data:`MAX_EXPERTS` experts."""
-    if not 0 < tokens <= MAX_TOKENS or experts > MAX_EXPERTS:
-        return []
+    if not 0 < tokens <= MAX_TOKENS or experts > MAX_EXPERTS or k < 1:
+        return []  # (a hidden size of 0 has no columns to split: the torch router runs)
     block_e = max(16, next_power_of_two(experts))
     tactics = []
     for bk in (64, 128, 256):

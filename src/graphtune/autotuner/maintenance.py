@@ -79,11 +79,9 @@ def verify_file(
     except CacheFileError as exc:
         report.problems.append(str(exc))
         return report
-    if doc["format_version"] != cache_reader.FORMAT_VERSION:
-        report.problems.append(
-            f"format_version is {doc['format_version']!r}; this graphtune reads "
-            f"{cache_reader.FORMAT_VERSION} (re-tune to rewrite it)"
-        )
+    version = cache_reader.version_problem(doc["format_version"])
+    if version is not None:
+        report.problems.append(f"it has {version} (re-tune to rewrite it)")
         return report
     current = environment_fingerprint() if fingerprint is None else fingerprint
     for diff in fingerprint_mismatch(doc.get("fingerprint"), current):

@@ -105,7 +105,10 @@ def parse_document(doc: dict[str, Any]) -> dict[str, Any]:
             BlockedTactic.from_json(item) for item in _list_field(doc, "blocklist", optional=True)
         ]
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise Unusable(f"is corrupt (malformed blocklist: {exc})") from None
+        raise Unusable(
+            f"is corrupt (malformed blocklist: {exc}); `graphtune cache unblock FILE "
+            "--malformed` removes the blocklist items it cannot parse"
+        ) from None
     fingerprint = doc.get("fingerprint")
     if not isinstance(fingerprint, dict):
         raise Unusable(

@@ -318,25 +318,32 @@ def unblock(
         match_tactic: Whether ``tactic`` filters (``None`` is a valid JSON tactic, hence the flag).
 
     Returns:
-        The removed items.
+        The removed items. When none match, the file is neither locked nor written.
 
     Raises:
         CacheFileError: The file is unusable, or could not be locked or written.
     """
     path = Path(path)
+
+    def split(doc: dict[str, Any]) -> tuple[Blocklist, list[BlockedTactic]]:
+        keep: Blocklist = {}
+        removed: list[BlockedTactic] = []
+        for ident, item in doc["blocklist"].items():
+            hit = (runner_id is None or item.runner_id == runner_id) and (
+                not match_tactic or ident[1] == tactic_text(tactic)
+            )
+            if hit:
+                removed.append(item)
+            else:
+                keep[ident] = item
+        return keep, removed
+
+    if not split(read_document(path))[1]:
+        return []  # nothing to remove: no lock file, no write (a read-only folder is fine)
     try:
         with FileLock(str(lock_path(path)), timeout=lock_timeout_s):
-            doc = read_document(path)
-            keep: Blocklist = {}
-            removed: list[BlockedTactic] = []
-            for ident, item in doc["blocklist"].items():
-                hit = (runner_id is None or item.runner_id == runner_id) and (
-                    not match_tactic or ident[1] == tactic_text(tactic)
-                )
-                if hit:
-                    removed.append(item)
-                else:
-                    keep[ident] = item
+            doc = read_document(path)  # again under the lock: a save may have come between
+            keep, removed = split(doc)
             if removed:
                 _atomic_write(path, _document(doc["entries"], doc["fingerprint"], keep))
     except Timeout:
@@ -419,15 +426,25 @@ def locked(path: str | PathLike[str]) -> Iterator[Path]:
     into one of its inputs); write with :func:`write_atomic` ``(..., lock=False)`` inside.
 
     Raises:
-        CacheFileError: The lock could not be taken.
+        CacheFileError: The lock could not be taken (held elsewhere, or its file cannot be
+            created or opened).
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(lock_path(path)), timeout=LOCK_TIMEOUT_S)
     try:
-        with FileLock(str(lock_path(path)), timeout=LOCK_TIMEOUT_S):
-            yield path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock.acquire()
     except Timeout:
         raise CacheFileError(f"Could not lock {lock_path(path)} to write {path}.") from None
+    except OSError as exc:  # as check_lockable says it: a read-only or foreign folder
+        raise CacheFileError(
+            f"Cannot lock tuning cache {path}: {exc.strerror or type(exc).__name__} "
+            f"({exc.filename or lock_path(path)}); use a cache in a folder you can write"
+        ) from None
+    try:
+        yield path
+    finally:
+        lock.release()
 
 
 def write_atomic(path: str | PathLike[str], doc: dict[str, Any], *, lock: bool = True) -> None:

@@ -184,7 +184,7 @@ def test_unusable_file_is_skipped_with_one_warning(tmp_path, caplog, case: str) 
     assert (
         str(path) in message
         and reason in message
-        and "the next tuning run with this cache replaces it" in message
+        and f"the next tuning run with this cache moves it aside to {path}.unusable" in message
     )
     with pytest.raises(CacheFileError, match=reason):
         cache.load(path, strict=True)
@@ -205,15 +205,16 @@ def test_missing_file_is_a_quiet_first_run(tmp_path, caplog) -> None:
     assert not caplog.records
 
 
-def test_save_replaces_unusable_file_with_warning(tmp_path, caplog) -> None:
+def test_save_moves_an_unusable_cache_aside_with_warning(tmp_path, caplog) -> None:
     path = tmp_path / "cache.json"
     _write(path, fingerprint={**environment_fingerprint(), "torch": "0.1"})
     cache = TuningCache()
     cache.put(key(m=8), ENTRY)
     with caplog.at_level(logging.WARNING):
         assert cache.save(path) == 1
-    assert any("Replacing" in r.getMessage() for r in caplog.records)
+    assert any("cache.json.unusable" in r.getMessage() for r in caplog.records)
     assert list(persist.load(path)) == [key(m=8)]
+    assert (tmp_path / "cache.json.unusable").exists()
 
 
 def test_save_errors_are_cache_file_errors(tmp_path) -> None:

@@ -83,10 +83,9 @@ def parse_document(doc: dict[str, Any]) -> dict[str, Any]:
     """The usable content of a cache file's JSON object (:func:`raw_document`), in the form
     :func:`read_document` returns; :class:`Unusable` for another format version or a malformed
     entry or blocklist item."""
-    if doc["format_version"] != FORMAT_VERSION:
-        raise Unusable(
-            f"has format_version {doc['format_version']!r}; this graphtune reads {FORMAT_VERSION}"
-        )
+    problem = version_problem(doc["format_version"])
+    if problem is not None:
+        raise Unusable(f"has {problem}")
     entries: Entries = {}
     ignored: list[str] = []
     try:
@@ -106,7 +105,10 @@ def parse_document(doc: dict[str, Any]) -> dict[str, Any]:
             BlockedTactic.from_json(item) for item in _list_field(doc, "blocklist", optional=True)
         ]
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise Unusable(f"is corrupt (malformed blocklist: {exc})") from None
+        raise Unusable(
+            f"is corrupt (malformed blocklist: {exc}); `graphtune cache unblock FILE "
+            "--malformed` removes the blocklist items it cannot parse"
+        ) from None
     fingerprint = doc.get("fingerprint")
     if not isinstance(fingerprint, dict):
         raise Unusable(
@@ -119,6 +121,18 @@ def parse_document(doc: dict[str, Any]) -> dict[str, Any]:
         "blocklist": {item.ident: item for item in blocked},
         "ignored": ignored,
     }
+
+
+def version_problem(version: Any) -> str | None:
+    """What is wrong with a file's ``format_version`` (completing "has ..."), or ``None``."""
+    if isinstance(version, bool) or not isinstance(version, (int, float)):
+        return (
+            f"format_version {version!r} ({type(version).__name__}); it must be the integer "
+            f"{FORMAT_VERSION} (a number, not a string) for this graphtune to read it"
+        )
+    if version != FORMAT_VERSION:
+        return f"format_version {version!r}; this graphtune reads {FORMAT_VERSION}"
+    return None
 
 
 def _parse_cache_json(text: str) -> dict[str, Any]:

@@ -146,7 +146,18 @@ class CallRecord:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> CallRecord:
-        """Inverse of :meth:`to_json`; raises ``KeyError``, ``TypeError`` or ``ValueError``."""
+        """Inverse of :meth:`to_json`; raises ``KeyError`` (naming the missing field),
+        ``TypeError`` or ``ValueError``."""
+        if not isinstance(data, dict):
+            raise TypeError(f"it is a JSON {type(data).__name__}, not an object")
+        for name in ("op", "runners", "config", "inputs"):
+            if name not in data:
+                raise KeyError(name)
+        if not isinstance(data["config"], dict):
+            raise TypeError(f"field 'config' is {type(data['config']).__name__}, not an object")
+        missing = [f"config.{k}" for k in _CONFIG_FIELDS if k not in data["config"]]
+        if missing:
+            raise KeyError(missing[0])
         inputs = tuple(dict(x) for x in data["inputs"])
         for x in inputs:
             if "value" not in x and not {"shape", "dtype", "stride", "device"} <= set(x):
@@ -318,12 +329,15 @@ class MissLog:
 
         def merge(current: Any) -> dict[str, Any]:
             merged: dict[str, CallRecord] = {}
+            unreadable: list[Any] = []
             if _is_misses_doc(current):
                 for item in current["misses"]:
                     try:
                         rec = CallRecord.from_json(item)
                     except (KeyError, TypeError, ValueError):
-                        continue  # a malformed old record is dropped, not fatal to saving
+                        # Kept as it is (nothing is lost); loading the file names it.
+                        unreadable.append(item)
+                        continue
                     merged[_ident(rec)] = rec
             for rec in mine:
                 old = merged.get(_ident(rec))
@@ -333,7 +347,7 @@ class MissLog:
             return {
                 "format": MISSES_FORMAT,
                 "version": MISSES_VERSION,
-                "misses": [r.to_json() for r in merged.values()],
+                "misses": [r.to_json() for r in merged.values()] + unreadable,
             }
 
         return len(
@@ -401,7 +415,15 @@ def load_misses(path: str | PathLike[str]) -> list[CallRecord]:
             f"{MISSES_VERSION}); write one with AutoTuner.misses.save(path) or "
             "autotune(misses_path=path)."
         )
-    try:
-        return [CallRecord.from_json(item) for item in doc["misses"]]
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CacheFileError(f"misses file {path} has a malformed record ({exc}).") from None
+    records = []
+    for index, item in enumerate(doc["misses"]):
+        try:
+            records.append(CallRecord.from_json(item))
+        except (KeyError, TypeError, ValueError) as exc:
+            op = f" (op {item['op']!r})" if isinstance(item, dict) and "op" in item else ""
+            why = f"field {exc.args[0]!r} is missing" if isinstance(exc, KeyError) else str(exc)
+            raise CacheFileError(
+                f'misses file {path}: record {index}{op} of its "misses" list (counted from 0) '
+                f"is malformed: {why}; fix or delete that record, or record the misses again."
+            ) from None
+    return records

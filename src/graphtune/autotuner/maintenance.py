@@ -79,11 +79,9 @@ def verify_file(
     except CacheFileError as exc:
         report.problems.append(str(exc))
         return report
-    if doc["format_version"] != cache_reader.FORMAT_VERSION:
-        report.problems.append(
-            f"format_version is {doc['format_version']!r}; this graphtune reads "
-            f"{cache_reader.FORMAT_VERSION} (re-tune to rewrite it)"
-        )
+    version = cache_reader.version_problem(doc["format_version"])
+    if version is not None:
+        report.problems.append(f"it has {version} (re-tune to rewrite it)")
         return report
     current = environment_fingerprint() if fingerprint is None else fingerprint
     for diff in fingerprint_mismatch(doc.get("fingerprint"), current):
@@ -183,18 +181,19 @@ def merge_files(
         raise ConfigError(
             f"merge_files: prefer must be one of {MERGE_PREFERENCES}, got {prefer!r}."
         )
+    # Inputs first: an unusable one fails before the output's lock file is made. Read again
+    # under the lock, since ``out`` may be A or B and a save to it may come between.
+    _read_inputs(a, b, force)
     with persist.locked(out):  # a save to ``out`` meanwhile (often A itself) is not lost
         report = _merge_locked(a, b, out, force, prefer)
     return report
 
 
-def _merge_locked(
-    a: str | PathLike[str],
-    b: str | PathLike[str],
-    out: str | PathLike[str],
-    force: bool,
-    prefer: str,
-) -> MergeReport:
+def _read_inputs(
+    a: str | PathLike[str], b: str | PathLike[str], force: bool
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The documents of A and B; :class:`CacheFileError` when one is unusable or (without
+    ``force``) their environments differ."""
     doc_a = cache_reader.read_document(a)
     doc_b = cache_reader.read_document(b)
     diffs = fingerprint_mismatch(doc_b["fingerprint"], doc_a["fingerprint"] or {})
@@ -205,6 +204,17 @@ def _merge_locked(
             + "). Picks measured elsewhere are not valid here; re-tune, or pass --force to "
             "merge anyway (the output gets A's fingerprint)."
         )
+    return doc_a, doc_b
+
+
+def _merge_locked(
+    a: str | PathLike[str],
+    b: str | PathLike[str],
+    out: str | PathLike[str],
+    force: bool,
+    prefer: str,
+) -> MergeReport:
+    doc_a, doc_b = _read_inputs(a, b, force)
     report = MergeReport()
     report.ignored = [f"A, {p}" for p in doc_a["ignored"]] + [f"B, {p}" for p in doc_b["ignored"]]
     merged = dict(doc_a["entries"])
@@ -225,3 +235,44 @@ def _merge_locked(
     report.entries = len(merged)
     report.blocked = len(blocked)
     return report
+
+
+def drop_malformed_blocklist(path: str | PathLike[str]) -> list[str]:
+    """Removes the blocklist items of the cache file ``path`` that cannot be parsed (``graphtune
+    cache unblock --malformed``), under its lock; everything else stays as it is. Nothing is
+    locked or written when there are none.
+
+    Returns:
+        A description of each removed item (its index and what is wrong with it).
+
+    Raises:
+        CacheFileError: The file is no graphtune cache, or could not be locked or written.
+    """
+    path = Path(path)
+    if not _split_blocklist(cache_reader.read_cache_json(path))[1]:
+        return []
+    with persist.locked(path):
+        doc = cache_reader.read_cache_json(path)  # again under the lock
+        kept, dropped = _split_blocklist(doc)
+        if dropped:
+            doc["blocklist"] = kept
+            persist.write_atomic(path, doc, lock=False)
+    return dropped
+
+
+def _split_blocklist(doc: dict[str, Any]) -> tuple[list[Any], list[str]]:
+    """The parseable blocklist items of a cache document, and a description of each other one
+    (a blocklist that is no list counts as one malformed item)."""
+    items = doc.get("blocklist", [])
+    if not isinstance(items, list):
+        return [], [f"the blocklist is {type(items).__name__}, not a list"]
+    kept: list[Any] = []
+    dropped: list[str] = []
+    for index, item in enumerate(items):
+        try:
+            BlockedTactic.from_json(item)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            dropped.append(f"blocklist item {index}: {exc}")
+            continue
+        kept.append(item)
+    return kept, dropped

@@ -113,8 +113,9 @@ def check_regular_target(path: str | PathLike[str]) -> None:
 
 def _retune_hint(path: Path) -> str:
     return (
-        f"Its picks are ignored; the next tuning run with this cache replaces it (`graphtune "
-        f"tune --model M --cache {path}`, or your workload under graphtune.autotune('{path}')); "
+        f"Its picks are ignored; the next tuning run with this cache moves it aside to "
+        f"{path}.unusable and writes a new one (`graphtune tune --model M --cache {path}`, or "
+        f"your workload under graphtune.autotune('{path}')); "
         f"`graphtune cache verify {path}` says what is wrong with it."
     )
 
@@ -160,10 +161,14 @@ def load_file(
         if diffs:
             raise Unusable("was made in another environment (" + "; ".join(diffs) + ")")
     except Unusable as exc:
-        message = f"Skipping tuning cache {path}: it {exc}. {_retune_hint(path)}"
         if strict:
-            raise CacheFileError(message) from None
-        logger.warning(message)
+            raise CacheFileError(
+                f"Tuning cache {path} is unusable: it {exc}. Strict mode (GRAPHTUNE_STRICT_CACHE=1 "
+                "or strict=True) stops on an unusable cache instead of skipping it; fix or "
+                f"remove the file (`graphtune cache verify {path}` says what is wrong), pass "
+                "another cache path, or unset GRAPHTUNE_STRICT_CACHE to run without its picks."
+            ) from None
+        logger.warning("Skipping tuning cache %s: it %s. %s", path, exc, _retune_hint(path))
         return LoadedCache()
     _warn_ignored(path, doc["ignored"])
     return LoadedCache(doc["entries"], doc["blocklist"])
@@ -193,7 +198,8 @@ def save(
     ones win.
 
     Entries and blocked tactics of an existing file from this environment are kept; an unusable
-    existing file (corrupt, other version, other environment) is replaced, with a warning.
+    existing file (corrupt, other version, other environment) is first renamed to
+    ``<name>.unusable[.N]`` (:func:`move_aside`), with a warning naming where it went.
 
     Returns:
         The number of entries in the file after the write.
@@ -312,25 +318,32 @@ def unblock(
         match_tactic: Whether ``tactic`` filters (``None`` is a valid JSON tactic, hence the flag).
 
     Returns:
-        The removed items.
+        The removed items. When none match, the file is neither locked nor written.
 
     Raises:
         CacheFileError: The file is unusable, or could not be locked or written.
     """
     path = Path(path)
+
+    def split(doc: dict[str, Any]) -> tuple[Blocklist, list[BlockedTactic]]:
+        keep: Blocklist = {}
+        removed: list[BlockedTactic] = []
+        for ident, item in doc["blocklist"].items():
+            hit = (runner_id is None or item.runner_id == runner_id) and (
+                not match_tactic or ident[1] == tactic_text(tactic)
+            )
+            if hit:
+                removed.append(item)
+            else:
+                keep[ident] = item
+        return keep, removed
+
+    if not split(read_document(path))[1]:
+        return []  # nothing to remove: no lock file, no write (a read-only folder is fine)
     try:
         with FileLock(str(lock_path(path)), timeout=lock_timeout_s):
-            doc = read_document(path)
-            keep: Blocklist = {}
-            removed: list[BlockedTactic] = []
-            for ident, item in doc["blocklist"].items():
-                hit = (runner_id is None or item.runner_id == runner_id) and (
-                    not match_tactic or ident[1] == tactic_text(tactic)
-                )
-                if hit:
-                    removed.append(item)
-                else:
-                    keep[ident] = item
+            doc = read_document(path)  # again under the lock: a save may have come between
+            keep, removed = split(doc)
             if removed:
                 _atomic_write(path, _document(doc["entries"], doc["fingerprint"], keep))
     except Timeout:
@@ -353,21 +366,24 @@ def _existing(path: Path, current: dict[str, Any]) -> LoadedCache:
         return LoadedCache()
     try:
         doc = parse_document(raw)
+        diffs = fingerprint_mismatch(doc["fingerprint"], current)
+        if diffs:
+            raise Unusable("was made in another environment (" + "; ".join(diffs) + ")")
     except Unusable as exc:
-        logger.warning("Replacing tuning cache %s: it %s.", path, exc)
-        return LoadedCache()
-    diffs = fingerprint_mismatch(doc["fingerprint"], current)
-    if diffs:
-        logger.warning(
-            "Replacing tuning cache %s: it was made in another environment (%s).",
-            path,
-            "; ".join(diffs),
-        )
+        # A cache of another version or environment still holds picks valid where it was made.
+        move_aside(path, str(exc), advice=_KEPT_ASIDE)
         return LoadedCache()
     return LoadedCache(doc["entries"], doc["blocklist"])
 
 
-def move_aside(path: Path, reason: str, what: str = "tuning cache") -> None:
+_KEPT_ASIDE = (
+    "Its picks are kept there: use that file where it was made, or `graphtune cache verify` it."
+)
+
+
+def move_aside(
+    path: Path, reason: str, what: str = "tuning cache", *, advice: str | None = None
+) -> None:
     """Renames a file that is in the way of a save but is not what is saved there (someone's file
     at a mistyped path, a file damaged by hand) to a free ``<name>.unusable[.N]`` next to it, so
     the save loses nothing; the warning says where it went.
@@ -377,20 +393,23 @@ def move_aside(path: Path, reason: str, what: str = "tuning cache") -> None:
         reason: Why it is unusable, completing "it ..." in the warning (``"is not JSON"``).
         what: What the save writes there, named in the warning (``"tuning cache"``,
             ``"misses record"``).
+        advice: The warning's last sentence (default: pass another path if that file was not
+            meant to be a ``what``).
+
+    Raises:
+        CacheFileError: ``path`` is a folder (never moved).
     """
+    if path.is_dir():
+        raise CacheFileError(f"Cannot save the {what} at {path}: it is a folder; pass a file path")
     for n in range(1000):
         aside = path.with_name(f"{path.name}.unusable" + (f".{n}" if n else ""))
         if not aside.exists():
             break
     os.replace(path, aside)
+    if advice is None:
+        advice = f"Pass another path if that file was not meant to be a {what}."
     logger.warning(
-        "Moved %s to %s before saving the %s there: it %s. Pass another path if that file was "
-        "not meant to be a %s.",
-        path,
-        aside,
-        what,
-        reason,
-        what,
+        "Moved %s to %s before saving the %s there: it %s. %s", path, aside, what, reason, advice
     )
 
 
@@ -407,15 +426,25 @@ def locked(path: str | PathLike[str]) -> Iterator[Path]:
     into one of its inputs); write with :func:`write_atomic` ``(..., lock=False)`` inside.
 
     Raises:
-        CacheFileError: The lock could not be taken.
+        CacheFileError: The lock could not be taken (held elsewhere, or its file cannot be
+            created or opened).
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(lock_path(path)), timeout=LOCK_TIMEOUT_S)
     try:
-        with FileLock(str(lock_path(path)), timeout=LOCK_TIMEOUT_S):
-            yield path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock.acquire()
     except Timeout:
         raise CacheFileError(f"Could not lock {lock_path(path)} to write {path}.") from None
+    except OSError as exc:  # as check_lockable says it: a read-only or foreign folder
+        raise CacheFileError(
+            f"Cannot lock tuning cache {path}: {exc.strerror or type(exc).__name__} "
+            f"({exc.filename or lock_path(path)}); use a cache in a folder you can write"
+        ) from None
+    try:
+        yield path
+    finally:
+        lock.release()
 
 
 def write_atomic(path: str | PathLike[str], doc: dict[str, Any], *, lock: bool = True) -> None:

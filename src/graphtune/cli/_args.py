@@ -231,18 +231,97 @@ def tuning_cache_path(path: Path | None, flag: str) -> Path | None:
     Resolved here rather than left to ``autotune(None)``, which falls back to
     ``GRAPHTUNE_CACHE`` on its own: that file would then skip the checks and go unrecorded.
 
+    ``GRAPHTUNE_MISSES`` is checked too (:func:`check_misses_path`).
+
     Raises:
         ConfigError: The file cannot be written or is not a tuning cache (the message names
-            ``flag`` or ``GRAPHTUNE_CACHE``).
+            ``flag`` or ``GRAPHTUNE_CACHE``), or ``GRAPHTUNE_MISSES`` is unfit.
         CacheFileError: Its lock file cannot be created or opened.
     """
     if path is None:
         path = env.default_cache_path()
         if path is not None:
             check_cache_path(path, f"GRAPHTUNE_CACHE (the default of {flag}):")
+            check_misses_path(path)
         return path
     check_cache_path(path, flag)
+    check_misses_path(path)
     return path
+
+
+def lookup_cache_path(path: Path | None, flag: str) -> Path | None:
+    """The tuning cache file a command only looks picks up in (it never saves one): ``path``
+    (given as ``flag``), else the file ``GRAPHTUNE_CACHE`` names, else ``None``. The file must
+    exist and be a graphtune tuning cache (one of another version or environment passes: loading
+    it warns and skips it); ``GRAPHTUNE_MISSES`` is checked too (:func:`check_misses_path`).
+
+    Raises:
+        ConfigError: The file is missing, or cannot be read as a tuning cache.
+    """
+    from graphtune.autotuner.cache_reader import not_a_cache_file
+
+    label = flag
+    if path is None:
+        path = env.default_cache_path()
+        if path is None:
+            return None
+        label = f"GRAPHTUNE_CACHE (the default of {flag}):"
+    fix = "pass the file `graphtune tune --cache FILE` wrote, or leave it out"
+    if not path.exists():
+        raise ConfigError(
+            f"{label} {path} does not exist, and this command only reads a tuning cache (it "
+            f"never saves one); {fix}"
+        )
+    reason = not_a_cache_file(path)
+    if reason is not None:
+        raise ConfigError(
+            f"{label} {path} cannot be read as a graphtune tuning cache (it {reason}); {fix}"
+        )
+    check_misses_path(path)
+    return path
+
+
+def check_misses_path(cache: Path | None) -> None:
+    """Checks before any work the file ``GRAPHTUNE_MISSES`` names, where a run that looks picks
+    up in ``cache`` records the shapes that missed: it must not be a folder, a tuning cache or
+    ``cache`` itself (the record would replace it), and its folder must be writable (a folder
+    not there yet passes: the save creates it). Nothing to check when it is unset.
+
+    Raises:
+        ConfigError: One of those; the message names ``GRAPHTUNE_MISSES`` and the fix.
+    """
+    from graphtune.autotuner.cache_reader import not_a_cache_file
+
+    path = env.default_misses_path()
+    if path is None:
+        return
+    name = f"GRAPHTUNE_MISSES={path}"
+    if path.is_dir():
+        raise ConfigError(f"{name} is a folder; set it to a file, e.g. {path / 'misses.json'}")
+    if path.exists() and not path.is_file():
+        raise ConfigError(
+            f"{name} is not a regular file (a device, FIFO or socket); set it to a file"
+        )
+    if cache is not None and path.resolve() == cache.resolve():
+        raise ConfigError(
+            f"{name} names the tuning cache of this run too, which the record of missed shapes "
+            "would replace; set it to another file"
+        )
+    if path.is_file() and not_a_cache_file(path) is None:
+        raise ConfigError(
+            f"{name} holds a graphtune tuning cache, which the record of missed shapes would "
+            "replace; set it to another file"
+        )
+    folder = path.parent
+    if not folder.is_dir():
+        return
+    try:
+        tempfile.NamedTemporaryFile(dir=folder, prefix=".graphtune-check-").close()
+    except OSError as exc:
+        raise ConfigError(
+            f"{name}: cannot write to the folder {folder} ({exc.strerror or type(exc).__name__}); "
+            "set it to a writable path, or unset it"
+        ) from None
 
 
 def check_distinct_outputs(*outputs: tuple[str, Path | None]) -> None:

@@ -104,6 +104,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=_json_text,
         help="only this tactic, as JSON, e.g. 3 (default: every tactic)",
     )
+    unblock.add_argument(
+        "--malformed",
+        action="store_true",
+        help="remove the blocklist items that cannot be parsed (a blocklist damaged by hand makes "
+        "the whole file unusable); without --runner/--tactic only those",
+    )
     unblock.set_defaults(handler=unblock_command)
     cache.set_defaults(handler=lambda args: usage(cache))
 
@@ -233,6 +239,15 @@ def unblock_command(args: argparse.Namespace) -> int:
     from graphtune.autotuner.entries import tactic_text
 
     _require_files(args.path)  # no lock file is left beside a path that holds no cache
+    if args.malformed:
+        from graphtune.autotuner import maintenance
+
+        dropped = maintenance.drop_malformed_blocklist(args.path)
+        for problem in dropped:
+            print(f"removed malformed {problem}")
+        print(f"Removed {len(dropped)} malformed blocklist item(s) from {args.path}.")
+        if args.runner is None and args.tactic is None:
+            return 0
     tactic = json.loads(args.tactic) if args.tactic is not None else None
     runner = None if args.runner is None else _blocked_runner(args.path, args.runner)
     removed = persist.unblock(

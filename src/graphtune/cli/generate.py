@@ -17,11 +17,11 @@ from typing import Any
 
 from graphtune.cli._args import (
     add_device_arguments,
+    lookup_cache_path,
     non_negative_float,
     non_negative_int,
     positive_int,
     seed_value,
-    tuning_cache_path,
 )
 from graphtune.cli._parallel import (
     add_tensor_parallel_arguments,
@@ -208,13 +208,14 @@ def run_generate(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(folder) if folder.is_dir() else None
     prompts = _encode(args, tokenizer)
     max_seq = check_lengths(args, config, prompts)
-    tuning_cache = tuning_cache_path(args.tuning_cache, "--tuning-cache")
+    tuning_cache = lookup_cache_path(args.tuning_cache, "--tuning-cache")
     if args.gpu_memory_utilization is not None and device.type != "cuda":
         raise ConfigError(
             "--gpu-memory-utilization sizes the KV cache from free GPU memory, and the device is "
             f"{device}; drop it there (the cache then holds what the prompts need)"
         )
     parallel = None
+    misses_saved = True
     try:
         parallel, device = start_tensor_parallel(args, device)
         show = parallel is None or parallel.rank == 0
@@ -248,7 +249,7 @@ def run_generate(args: argparse.Namespace) -> int:
         elapsed = time.perf_counter() - t0
         if show:
             _print_outputs(args, engine, outputs, elapsed, parallel, device, dtype)
-            _save_misses(engine)
+            misses_saved = _save_misses(engine)
         failures = list(engine.failures)
         engine.release()
     finally:
@@ -259,7 +260,7 @@ def run_generate(args: argparse.Namespace) -> int:
             f"{len(failures)} of {len(prompts)} requests stopped early (their tokens until then "
             f"are printed above); request {first.index}: {first.reason}"
         )
-    return 0
+    return 0 if misses_saved else 1
 
 
 def _print_outputs(
@@ -294,22 +295,27 @@ def _print_outputs(
         print(engine.tuning_report())
 
 
-def _save_misses(engine: Any) -> None:
+def _save_misses(engine: Any) -> bool:
     """Adds the shapes the step missed in its tuning cache to the file ``GRAPHTUNE_MISSES``
-    names (for ``graphtune tune --from-misses``), as ``autotune()`` does; rank 0 only."""
+    names (for ``graphtune tune --from-misses``), as ``autotune()`` does; rank 0 only. Returns
+    ``False`` when they could not be written there (the message says where they went instead:
+    the command then exits 1, as for any output that went elsewhere)."""
     from graphtune import env
     from graphtune.errors import CacheFileError
 
     path = env.default_misses_path()
     if engine.tuner is None or path is None or not len(engine.tuner.misses):
-        return
+        return True
     try:
         engine.tuner.misses.save(path)
-    except CacheFileError as exc:  # the tokens are printed: warn rather than fail the run
-        print(f"warning: could not record the missed shapes: {exc}", file=sys.stderr)
-        return
+    except CacheFileError as exc:  # the tokens are printed: say where the misses went
+        print(
+            f"error: could not record the missed shapes (GRAPHTUNE_MISSES): {exc}", file=sys.stderr
+        )
+        return False
     print(
         f"{len(engine.tuner.misses)} shapes missed in the tuning cache, recorded in {path} "
         "(GRAPHTUNE_MISSES; `graphtune tune --from-misses` tunes them)",
         file=sys.stderr,
     )
+    return True

@@ -1,0 +1,131 @@
+"""Saving the record of missed shapes loses nothing: unreadable old records stay, a failed
+write goes to a fallback file it names, and a tuning cache or a folder is never moved aside."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from types import SimpleNamespace
+
+import pytest
+import torch
+from test_faults_cache import write_cache
+from test_misses import Plain
+
+from graphtune import atomic_files
+from graphtune.autotuner import AutoTuner, DynamicTensorSpec, TuningConfig, json_update
+from graphtune.autotuner.calls import load_misses
+from graphtune.cli import generate
+from graphtune.cli.main import main
+from graphtune.errors import CacheFileError
+
+CONFIG = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0, (1, 4)),))
+
+
+def missed(rows: int = 4) -> AutoTuner:
+    tuner = AutoTuner(show_progress=False)
+    tuner.choose_one("op", [Plain()], CONFIG, [torch.randn(rows, 3)])
+    return tuner
+
+
+def test_a_save_keeps_old_records_it_cannot_parse_and_loading_names_them(tmp_path) -> None:
+    path = tmp_path / "m.json"
+    assert missed(4).misses.save(path) == 1
+    doc = json.loads(path.read_text())
+    damaged = {k: v for k, v in doc["misses"][0].items() if k != "runners"}
+    doc["misses"] = [damaged]
+    path.write_text(json.dumps(doc))
+    assert missed(2).misses.save(path) == 2
+    assert damaged in json.loads(path.read_text())["misses"]  # kept as it was
+    with pytest.raises(CacheFileError, match=r"record 1 \(op 'op'\).*field 'runners' is missing"):
+        load_misses(path)
+
+
+def test_a_failed_misses_write_goes_to_a_fallback_file_it_names(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(atomic_files.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+
+    def refuse(path, data):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(json_update, "write_atomically", refuse)
+    path = tmp_path / "m.json"
+    with pytest.raises(CacheFileError) as info:
+        missed().misses.save(path)
+    (fallback,) = (tmp_path / "tmp").rglob("*m.json*")
+    assert str(fallback) in str(info.value) and not path.exists()
+    assert len(load_misses(fallback)) == 1  # `tune --from-misses` reads it as it is
+
+
+def test_generate_exits_1_and_names_where_the_misses_went(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("GRAPHTUNE_MISSES", str(tmp_path / "m.json"))
+    engine = SimpleNamespace(tuner=missed())
+
+    def fail(path):
+        raise CacheFileError("Could not write ...; it is in /tmp/x instead")
+
+    monkeypatch.setattr(engine.tuner.misses, "save", fail)
+    assert generate._save_misses(engine) is False  # run_generate then returns 1
+    assert "/tmp/x" in capsys.readouterr().err
+
+
+def test_a_misses_save_never_moves_a_tuning_cache_or_a_folder(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(atomic_files.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    cache = tmp_path / "c.json"
+    write_cache(cache)
+    text = cache.read_text()
+    folder = tmp_path / "d"
+    folder.mkdir()
+    for target in (cache, folder):
+        with pytest.raises(CacheFileError, match="pass another path") as info:
+            missed().misses.save(target)
+        assert "instead" in str(info.value)  # the misses went to a fallback file it names
+    assert cache.read_text() == text and folder.is_dir()
+    assert not list(tmp_path.glob("*.unusable*"))
+
+
+GENERATE = ["generate", "--model", "tiny", "--prompt-ids", "1,2", "--max-new-tokens", "1"]
+GENERATE += ["--device", "cpu", "--runner", "eager"]
+
+
+@pytest.mark.parametrize("target", ["cache", "folder", "other cache", "read-only"])
+def test_generate_refuses_an_unfit_misses_path_before_the_run(
+    tmp_path, monkeypatch, capsys, target
+) -> None:
+    cache = tmp_path / "c.json"
+    write_cache(cache)
+    misses = {
+        "cache": cache,
+        "folder": tmp_path,
+        "other cache": tmp_path / "other.json",
+        "read-only": tmp_path / "ro" / "m.json",
+    }[target]
+    write_cache(tmp_path / "other.json")
+    (tmp_path / "ro").mkdir()
+    if target == "read-only":  # as root, permission bits do not stop a write
+        real = tempfile.NamedTemporaryFile
+
+        def refuse(*args, dir=None, **kwargs):
+            if str(dir) == str(tmp_path / "ro"):
+                raise PermissionError(13, "Permission denied")
+            return real(*args, dir=dir, **kwargs)
+
+        monkeypatch.setattr("graphtune.cli._args.tempfile.NamedTemporaryFile", refuse)
+    monkeypatch.setenv("GRAPHTUNE_MISSES", str(misses))
+    assert main([*GENERATE, "--tuning-cache", str(cache)]) == 1
+    err = capsys.readouterr().err
+    assert "GRAPHTUNE_MISSES" in err and "Traceback" not in err
+    assert "tokens" not in err  # refused before the run
+    assert cache.exists() and not list(tmp_path.glob("*.unusable*"))
+
+
+@pytest.mark.parametrize("content, says", [(None, "does not exist"), ("{", "cannot be read")])
+def test_generate_only_reads_its_tuning_cache(tmp_path, capsys, content, says) -> None:
+    cache = tmp_path / "c.json"
+    if content is not None:
+        cache.write_text(content)
+    assert main([*GENERATE, "--tuning-cache", str(cache)]) == 1
+    err = capsys.readouterr().err
+    assert says in err and str(cache) in err and "saving" not in err
+    assert not (tmp_path / "c.json.lock").exists()

@@ -11,6 +11,7 @@ one ``error:`` line on stderr and exit code 2; a failure is one ``error:`` line 
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import re
 import sys
@@ -20,6 +21,8 @@ from typing import Any, NoReturn
 
 from graphtune import env
 from graphtune.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 #: Exit codes: done, a failure (a model that cannot load, a file that cannot be written, ...), a
 #: usage error (argparse), interrupted by Ctrl-C (128 + SIGINT, as shells report it).
@@ -251,8 +254,9 @@ def tuning_cache_path(path: Path | None, flag: str) -> Path | None:
 
 def lookup_cache_path(path: Path | None, flag: str) -> Path | None:
     """The tuning cache file a command only looks picks up in (it never saves one): ``path``
-    (given as ``flag``), else the file ``GRAPHTUNE_CACHE`` names, else ``None``. The file must
-    exist and be a graphtune tuning cache (one of another version or environment passes: loading
+    (given as ``flag``), else the file ``GRAPHTUNE_CACHE`` names (``None``, with a warning, when
+    that file does not exist yet), else ``None``. The file must exist and be a graphtune tuning
+    cache (one of another version or environment passes: loading
     it warns and skips it); ``GRAPHTUNE_MISSES`` is checked too (:func:`check_misses_path`).
 
     Raises:
@@ -266,6 +270,11 @@ def lookup_cache_path(path: Path | None, flag: str) -> Path | None:
         if path is None:
             return None
         label = f"GRAPHTUNE_CACHE (the default of {flag}):"
+        if not path.exists():
+            # Set once for every command: a file no tuning run has written yet is the normal
+            # first run, as for the library's look-ups, not a typo in this command.
+            logger.warning("%s %s does not exist yet: every op runs untuned", label, path)
+            return None
     fix = "pass the file `graphtune tune --cache FILE` wrote, or leave it out"
     if not path.exists():
         raise ConfigError(

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from graphtune.autotuner import AutoTuner, autotune, persist
+from graphtune.autotuner import AutoTuner, autotune, persist, save_target
 from graphtune.errors import CacheFileError
 
 
@@ -33,14 +33,14 @@ def test_unlockable_path_fails_at_once_naming_the_reason(tmp_path):
     assert time.perf_counter() - started < 5
     assert "another process" not in str(info.value)
     with pytest.raises(CacheFileError, match="Permission denied"):
-        persist.check_lockable(path)
+        save_target.check_lockable(path)
 
 
 def test_check_lockable_leaves_nothing_behind(tmp_path):
     path = tmp_path / "cache.json"
-    persist.check_lockable(path)
+    save_target.check_lockable(path)
     assert list(tmp_path.iterdir()) == []
-    persist.check_lockable(tmp_path / "not-yet" / "cache.json")  # save() creates the folder
+    save_target.check_lockable(tmp_path / "not-yet" / "cache.json")  # save() creates the folder
 
 
 def test_failed_tuning_leaves_no_empty_cache_and_no_lock(tmp_path):
@@ -66,8 +66,8 @@ def test_check_lockable_never_removes_a_lock_file_another_process_may_hold(tmp_p
     # save() runs it before taking the lock: removing a held lock file would let a third process
     # lock a new file at the same path while the holder still writes (two savers at once).
     path = tmp_path / "cache.json"
-    lock = persist.lock_path(path)
+    lock = save_target.lock_path(path)
     lock.write_text("")
     inode = lock.stat().st_ino
-    persist.check_lockable(path)
+    save_target.check_lockable(path)
     assert lock.exists() and lock.stat().st_ino == inode

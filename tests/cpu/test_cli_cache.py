@@ -6,7 +6,7 @@ import json
 
 from filelock import FileLock
 
-from graphtune.autotuner import CacheEntry, CacheKey, TuningCache, persist
+from graphtune.autotuner import CacheEntry, CacheKey, TuningCache, persist, save_target
 from graphtune.autotuner.fingerprint import environment_fingerprint
 from graphtune.cli.main import main
 
@@ -64,7 +64,7 @@ def test_clear_removes_the_file_under_its_lock_and_keeps_the_lock_file(
     tmp_path, capsys, monkeypatch
 ) -> None:
     path = _cache_file(tmp_path)
-    lock = persist.lock_path(path)
+    lock = save_target.lock_path(path)
     lock.touch()
     inode = lock.stat().st_ino
     # A save in progress holds the lock: clear waits for it (here: times out) and removes nothing.

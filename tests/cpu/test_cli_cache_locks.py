@@ -8,7 +8,7 @@ import json
 import pytest
 from test_faults_cache import write_cache
 
-from graphtune.autotuner import maintenance, persist
+from graphtune.autotuner import maintenance, persist, save_target
 from graphtune.cli.main import main
 from graphtune.errors import CacheFileError
 
@@ -32,9 +32,9 @@ class ReadOnlyLock:
 def test_clear_in_a_read_only_folder_is_a_cache_file_error(tmp_path, monkeypatch, capsys) -> None:
     path = tmp_path / "c.json"
     write_cache(path)
-    monkeypatch.setattr(persist, "FileLock", ReadOnlyLock)
+    monkeypatch.setattr(save_target, "FileLock", ReadOnlyLock)
     with pytest.raises(CacheFileError, match="Cannot lock tuning cache"):
-        with persist.locked(path):
+        with save_target.locked(path):
             pass
     assert main(["cache", "clear", str(path)]) == 1
     err = capsys.readouterr().err

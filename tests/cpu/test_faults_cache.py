@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from graphtune.autotuner import CacheEntry, CacheKey, TuningCache, persist
+from graphtune.autotuner import CacheEntry, CacheKey, TuningCache, persist, save_target
 from graphtune.autotuner.entries import BlockedTactic
 from graphtune.autotuner.fingerprint import environment_fingerprint
 from graphtune.cli.main import main
@@ -90,7 +90,7 @@ def test_failed_rename_keeps_old_file_and_removes_temp(tmp_path, monkeypatch) ->
     def refuse(src, dst) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(persist.os, "replace", refuse)
+    monkeypatch.setattr(os, "replace", refuse)
     cache = TuningCache()
     cache.put(key(7), entry(["x"]))
     with pytest.raises(CacheFileError, match="No space left"):
@@ -135,7 +135,7 @@ def test_a_lock_timeout_advises_merging_the_fallback_which_keeps_every_entry(
     # A re-measurement of a key the file holds, slower than the file's: a save keeps it (it is
     # the newer measurement), so the advised merge must too ("faster wins" kept the file's).
     cache.put(key(2), entry(["new"], time_us=3.0))
-    with FileLock(str(persist.lock_path(path))), pytest.raises(CacheFileError) as info:
+    with FileLock(str(save_target.lock_path(path))), pytest.raises(CacheFileError) as info:
         persist.save(path, dict(cache.items()), lock_timeout_s=0.2)
     message = str(info.value)
     (kept,) = (tmp_path / "tmp").glob("graphtune-*-cache.json")

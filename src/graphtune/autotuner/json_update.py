@@ -18,7 +18,7 @@ from graphtune.atomic_files import (
     write_atomically,
     write_fallback,
 )
-from graphtune.autotuner import persist
+from graphtune.autotuner import save_target
 from graphtune.autotuner.cache_reader import parse_json
 from graphtune.errors import CacheFileError
 
@@ -29,7 +29,7 @@ def update_json(
     *,
     problem: Callable[[Any], str | None],
     what: str = "file",
-    lock_timeout_s: float = persist.LOCK_TIMEOUT_S,
+    lock_timeout_s: float = save_target.LOCK_TIMEOUT_S,
 ) -> dict[str, Any]:
     """Read-merge-write of any JSON document under the file's lock, atomically.
 
@@ -40,7 +40,7 @@ def update_json(
         problem: Why a parsed document is not one this save may merge into (``None``: it may).
             An existing file that is not JSON or has a problem (but is no tuning cache, and no
             folder: those are refused, never moved) is renamed to
-            ``<name>.unusable`` first (:func:`graphtune.autotuner.persist.move_aside`), with a
+            ``<name>.unusable`` first (:func:`graphtune.autotuner.save_target.move_aside`), with a
             warning naming ``what`` and where it went, as a tuning cache save does with a file
             that is no tuning cache; ``merge`` then gets ``None``.
         what: What the file is, for that warning.
@@ -55,19 +55,19 @@ def update_json(
             document when the file was read, else ``merge(None)``: only this save's part).
     """
     path = Path(path)
-    persist.check_regular_target(path)
+    save_target.check_regular_target(path)
     doc: dict[str, Any] | None = None
     refused = "it is a folder" if path.is_dir() else None
     try:
         if refused is None:
             path.parent.mkdir(parents=True, exist_ok=True)
-            with FileLock(str(persist.lock_path(path)), timeout=lock_timeout_s):
+            with FileLock(str(save_target.lock_path(path)), timeout=lock_timeout_s):
                 doc, refused = _merge_locked(path, merge, problem, what)
         if refused is not None:
             message = _kept_elsewhere(path, None, merge, refused, what)
             raise CacheFileError(f"{message}; pass another path")
     except Timeout:
-        why = f"could not lock {persist.lock_path(path)} within {lock_timeout_s:g} s"
+        why = f"could not lock {save_target.lock_path(path)} within {lock_timeout_s:g} s"
         raise CacheFileError(_kept_elsewhere(path, doc, merge, why, what)) from None
     except OSError as exc:
         why = f"{type(exc).__name__}: {exc}"
@@ -119,7 +119,7 @@ def _merge_locked(
     if reason is None and current is not None:
         reason = problem(current)
     if reason is not None:
-        persist.move_aside(path, reason, what)
+        save_target.move_aside(path, reason, what)
         current = None
     doc = merge(current)
     text = json.dumps(doc, indent=1, allow_nan=False) + "\n"

@@ -24,7 +24,7 @@ from os import PathLike
 from pathlib import Path
 from typing import Any
 
-from graphtune.autotuner import cache_reader, persist
+from graphtune.autotuner import cache_reader, persist, save_target
 from graphtune.autotuner.cache import BlockedTactic, CacheEntry, CacheKey
 from graphtune.autotuner.entries import entry_problems, tactic_text
 from graphtune.autotuner.fingerprint import environment_fingerprint, fingerprint_mismatch
@@ -184,7 +184,7 @@ def merge_files(
     # Inputs first: an unusable one fails before the output's lock file is made. Read again
     # under the lock, since ``out`` may be A or B and a save to it may come between.
     _read_inputs(a, b, force)
-    with persist.locked(out):  # a save to ``out`` meanwhile (often A itself) is not lost
+    with save_target.locked(out):  # a save to ``out`` meanwhile (often A itself) is not lost
         report = _merge_locked(a, b, out, force, prefer)
     return report
 
@@ -251,7 +251,7 @@ def drop_malformed_blocklist(path: str | PathLike[str]) -> list[str]:
     path = Path(path)
     if not _split_blocklist(cache_reader.read_cache_json(path))[1]:
         return []
-    with persist.locked(path):
+    with save_target.locked(path):
         doc = cache_reader.read_cache_json(path)  # again under the lock
         kept, dropped = _split_blocklist(doc)
         if dropped:

@@ -215,7 +215,7 @@ def check_cache_path(path: Path, flag: str) -> None:
         CacheFileError: The lock file cannot be created or opened.
     """
     from graphtune.autotuner.cache_reader import not_a_cache_file
-    from graphtune.autotuner.persist import check_lockable
+    from graphtune.autotuner.save_target import check_lockable
 
     check_output_path(path, flag)
     reason = not_a_cache_file(path) if path.exists() else None

@@ -289,13 +289,13 @@ def _blocked_runner(path: Path, name: str) -> str:
 def clear_command(args: argparse.Namespace) -> int:
     """Removes the cache file under its lock (the lock file stays: a process waiting on it, or
     holding it mid-save, must keep locking the same file); 1 if the file does not exist."""
-    from graphtune.autotuner import cache_reader, persist
+    from graphtune.autotuner import cache_reader, save_target
 
     path: Path = args.path
     if not path.exists():
         raise CacheFileError(f"no tuning cache at {path}; nothing removed")
     # Under the lock, so a save in progress finishes first and the next one starts from nothing.
-    with persist.locked(path):
+    with save_target.locked(path):
         if not path.exists():
             raise CacheFileError(f"no tuning cache at {path}; nothing removed")
         reason = cache_reader.not_a_cache_file(path)

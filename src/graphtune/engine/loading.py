@@ -57,8 +57,9 @@ def _folder_config(folder: Path) -> ModelConfig:
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise CheckpointError(f"{folder} has no config.json; is it a Hugging Face model folder?")
+    doc = read_json(config_file)  # its errors name the file already
     try:
-        config = from_hf_config(read_json(config_file), name=folder.name)
+        config = from_hf_config(doc, name=folder.name)
     except (CheckpointError, ConfigError) as exc:
         # from_hf_config sees the parsed fields only; the user needs to know which folder.
         text = str(exc).removeprefix("config.json")

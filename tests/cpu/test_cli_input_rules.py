@@ -16,3 +16,9 @@ def test_bench_runner_graph_without_cuda_is_refused_not_timed_eagerly():
     error_line(result, 1, "--runner graph", "CUDA graphs need CUDA", "--runner eager")
     assert "batch 1" not in result.stderr and "eager ms" not in result.stdout  # nothing ran
 
+
+def test_model_folder_whose_config_json_is_a_folder_says_so(tmp_path):
+    (tmp_path / "model" / "config.json").mkdir(parents=True)
+    result = graphtune("tune", "--model", str(tmp_path / "model"), "--cache", str(tmp_path / "c"))
+    line = error_line(result, 1, str(tmp_path / "model" / "config.json"), "is a folder")
+    assert "has no config.json" not in line

@@ -188,8 +188,8 @@ def _check_before_run(args: argparse.Namespace, model: str) -> Path | None:
     cache = args.tuning_cache
     if args.tune or cache is not None:  # without --tune, DecodeBenchConfig refuses the flag
         cache = tuning_cache_path(cache, "--tuning-cache")
-    check_output_path(args.json, "--json")
-    check_output_path(args.plot, "--plot")
+    check_output_path(args.json, "--json", results=True)
+    check_output_path(args.plot, "--plot", results=True)
     check_distinct_outputs(("--json", args.json), ("--plot", args.plot), ("--tuning-cache", cache))
     if args.plot is not None:
         from graphtune.bench.decode_report import plot_formats

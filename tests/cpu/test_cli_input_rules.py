@@ -49,3 +49,10 @@ def test_results_never_replace_a_tuning_cache_or_misses_file(tmp_path, kind, com
     what = "tuning cache" if kind == "cache" else "misses file"
     error_line(result, 1, f"{command[-1]} {target} is a graphtune {what}", "another path")
     assert target.read_text() == GRAPHTUNE_FILES[kind]
+
+
+def test_plot_without_a_suffix_is_its_own_sentence(tmp_path):
+    pytest.importorskip("matplotlib")
+    line = error_line(graphtune(*CPU_BENCH, "--plot", str(tmp_path / "p")), 1, "has no suffix")
+    assert "it has none is none" not in line and "plot.png" in line
+

@@ -196,11 +196,15 @@ def _check_before_run(args: argparse.Namespace, model: str) -> Path | None:
 
         formats = plot_formats()
         suffix = args.plot.suffix
+        if not suffix:
+            raise ConfigError(
+                f"--plot {args.plot} has no suffix, and the suffix picks the image format "
+                f"({', '.join(sorted(formats))}); give e.g. plot.png"
+            )
         if suffix.lstrip(".").lower() not in formats:
             raise ConfigError(
-                f"--plot {args.plot}: its suffix picks the image format, and "
-                f"{repr(suffix) if suffix else 'it has none'} is none of "
-                f"{', '.join(sorted(formats))}; give e.g. plot.png"
+                f"--plot {args.plot}: its suffix picks the image format, and {suffix!r} is none "
+                f"of {', '.join(sorted(formats))}; give e.g. plot.png"
             )
     load_config(model).check_positions(args.context + 1, f"--context {args.context}")
     return cache

@@ -56,3 +56,7 @@ def test_plot_without_a_suffix_is_its_own_sentence(tmp_path):
     line = error_line(graphtune(*CPU_BENCH, "--plot", str(tmp_path / "p")), 1, "has no suffix")
     assert "it has none is none" not in line and "plot.png" in line
 
+
+def test_import_without_from_misses_names_both_flags(tmp_path):
+    result = graphtune("tune", "--cache", str(tmp_path / "c.json"), "--import", "os")
+    error_line(result, 1, "add --from-misses FILE or drop --import")

@@ -31,6 +31,13 @@ Variables (all optional):
   group itself is initialised by ``torch.distributed`` from ``MASTER_ADDR``/``MASTER_PORT``,
   whose presence is checked first: :func:`missing_rendezvous`).
 
+The on/off variables (``GRAPHTUNE_DEBUG``, ``GRAPHTUNE_DISABLE_GRAPHS``,
+``GRAPHTUNE_STRICT_CACHE``, ``GRAPHTUNE_CACHE_ONLY``, ``GRAPHTUNE_NO_PROGRESS``,
+``GRAPHTUNE_PDL``) take ``1``, ``true``, ``yes`` or ``on`` for on and ``0``, ``false``, ``no`` or
+``off`` for off, in any case; empty is the same as unset. Any other value (``enabled``, ``2``)
+raises :class:`~graphtune.errors.ConfigError` naming the variable where it is read (the
+``graphtune`` command checks them all before it starts: :func:`check_switches`).
+
 Values are read when the function is called, never at import time.
 """
 
@@ -41,7 +48,7 @@ from pathlib import Path
 
 from graphtune.errors import ConfigError
 
-_TRUE = {"1", "true", "yes", "on"}
+_TRUE = frozenset({"1", "true", "yes", "on"})
 _OFF = frozenset({"0", "false", "no", "off"})
 
 
@@ -51,8 +58,50 @@ def _is_decimal(value: str) -> bool:
     return value.isascii() and value.isdigit()
 
 
+#: The on/off variables: each takes a value of ``_TRUE``, of ``_OFF`` or the empty string.
+SWITCHES = (
+    "GRAPHTUNE_DEBUG",
+    "GRAPHTUNE_DISABLE_GRAPHS",
+    "GRAPHTUNE_STRICT_CACHE",
+    "GRAPHTUNE_CACHE_ONLY",
+    "GRAPHTUNE_NO_PROGRESS",
+    "GRAPHTUNE_PDL",
+)
+
+
+def _switch(name: str) -> bool | None:
+    """The on/off variable ``name``: ``True``, ``False``, or ``None`` when unset or empty.
+
+    Raises:
+        ConfigError: Any other value (``enabled``, ``2``, ``Y``), which would otherwise quietly
+            read as one of the two.
+    """
+    raw = os.environ.get(name, "")
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _OFF:
+        return False
+    if not value:
+        return None
+    raise ConfigError(
+        f"environment variable {name}={raw!r} is neither on nor off; set it to one of "
+        f"{', '.join(sorted(_TRUE))} (on) or {', '.join(sorted(_OFF))} (off), or unset it"
+    )
+
+
 def _flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in _TRUE
+    return _switch(name) is True
+
+
+def check_switches() -> None:
+    """Reads every on/off variable once, so that a command refuses a bad value before any work.
+
+    Raises:
+        ConfigError: A value that is neither on nor off (see :func:`_switch`).
+    """
+    for name in SWITCHES:
+        _switch(name)
 
 
 def default_cache_path() -> Path | None:
@@ -94,7 +143,7 @@ def progress_disabled() -> bool:
 
 def pdl_allowed() -> bool:
     """Whether ``GRAPHTUNE_PDL`` leaves programmatic dependent launch on (unset: on)."""
-    return os.environ.get("GRAPHTUNE_PDL", "").strip().lower() not in _OFF
+    return _switch("GRAPHTUNE_PDL") is not False
 
 
 def compile_processes() -> int | None:

@@ -48,7 +48,7 @@ _active: Progress | None = None
 
 def progress_enabled() -> bool:
     """Whether progress bars are shown (stderr is a terminal and not disabled by env)."""
-    return sys.stderr.isatty() and not env.progress_disabled()
+    return not env.progress_disabled() and sys.stderr.isatty()  # a bad value raises anyway
 
 
 @contextmanager

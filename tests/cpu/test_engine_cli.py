@@ -140,8 +140,8 @@ BENCH = ["bench", "decode", "--model", "tiny", "--device", "cpu", "--batch-sizes
         (["--json", "{d}/r.json", "--plot", "{d}/r.json"], "--json and --plot both name"),
         (["--tune", "--tuning-cache", "{d}/r.json", "--json", "{d}/r.json"], "both name"),
         (["--plot", "{d}/p.xyz"], "'.xyz' is none of"),
-        (["--plot", "{d}/plot"], "it has none"),
-        (["--plot", "-"], "it has none"),
+        (["--plot", "{d}/plot"], "has no suffix"),
+        (["--plot", "-"], "has no suffix"),
     ],
 )
 def test_bench_refuses_outputs_that_would_be_lost_before_running(tmp_path, capsys, flags, fragment):

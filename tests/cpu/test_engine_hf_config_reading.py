@@ -268,3 +268,48 @@ def test_requests_keep_to_the_callers_max_seq_len_not_the_caches():
     assert len(engine.generate([[1] * 10], 11, stop_token_ids=[])[0]) == 11  # 20 positions
     with pytest.raises(InputError, match="need 21 positions.*max_seq_len=20"):
         engine.generate([[1] * 10], 12)
+
+
+NON_FINITE = [
+    ("rms_norm_eps", "NaN"),
+    ("rope_theta", "Infinity"),
+    ("rope_theta", "-Infinity"),
+]
+
+
+@pytest.mark.parametrize("field,constant", NON_FINITE)
+def test_nan_or_infinity_in_config_json_is_one_line_naming_the_field(tmp_path, field, constant):
+    # Python's json writes and reads NaN/Infinity; JSON has neither, and the engine would turn
+    # them into non-finite logits blamed on the weights.
+    _, folder = build_hf("llama", tmp_path)
+    _edit(folder, **{field: float(constant.replace("Infinity", "inf"))})
+    assert constant in (folder / "config.json").read_text()
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(folder)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(str(folder / "config.json"))
+    assert message.count("config.json") == 1  # named once
+    assert f"{field}={constant}" in message and "fix the file" in message
+
+
+def test_nan_inside_rope_scaling_names_its_field(tmp_path):
+    _, folder = build_hf("llama", tmp_path)
+    _edit(folder, rope_scaling={**LLAMA3_SCALING, "factor": float("nan")})
+    with pytest.raises(CheckpointError, match=r"config\.json: factor=NaN is not a finite number"):
+        load_checkpoint(folder)
+
+
+@pytest.mark.parametrize(
+    "field", ["rms_norm_eps", "rope_theta", "factor", "low_freq_factor", "high_freq_factor"]
+)
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_every_float_field_must_be_finite(field, value):
+    # A config built in Python never passes through read_json.
+    from graphtune.engine.config import RopeScaling
+    from graphtune.engine.presets import PRESETS
+
+    with pytest.raises(ConfigError, match=f"{field} must be a finite number"):
+        if field in ("rms_norm_eps", "rope_theta"):
+            PRESETS["tiny"].replace(**{field: value})
+        else:
+            RopeScaling(**{**LLAMA3_SCALING, field: value})

@@ -137,7 +137,9 @@ def run_decode_bench(
 
     Raises:
         ConfigError: ``cfg.tp`` and ``parallel`` disagree, the model does not split, or
-            ``compare_compile`` or ``refine_in_step`` is asked for off CUDA.
+            ``compare_compile`` or ``refine_in_step`` is asked for off CUDA, or ``runners`` is
+            ``("graph",)`` alone off CUDA (with the eager runner too, only eager is timed and a
+            note says so).
         InputError: ``cfg.context + 1`` positions exceed the model's ``max_position_embeddings``.
 
     Returns:
@@ -154,6 +156,11 @@ def run_decode_bench(
         ):
             if on:
                 raise ConfigError(f"{flag} {why}, and the device is {device}: drop it")
+        if set(runners) == {"graph"}:
+            raise ConfigError(
+                f"--runner graph times CUDA graphs, and CUDA graphs need CUDA (the device is "
+                f"{device}): use --runner eager, or run on a CUDA device"
+            )
         if "graph" in runners:
             notes.append(NO_CUDA_NOTE)
         runners = ("eager",)

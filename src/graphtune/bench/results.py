@@ -67,3 +67,23 @@ def write_result(path: str | os.PathLike[str], data: bytes) -> Path:
             "could not write %s (%s); the result is in %s instead", target, first, written
         )
     return written
+
+
+def graphtune_data_file(path: Path) -> str | None:
+    """``"a graphtune tuning cache"`` or ``"a graphtune misses file"`` (of any version) when
+    the existing file ``path`` is one, else ``None``: results must not be written over such a
+    file (:func:`graphtune.cli._args.check_output_path`). The kinds are decided by their readers
+    (:func:`~graphtune.autotuner.cache_reader.not_a_cache_file`,
+    :data:`~graphtune.autotuner.calls.MISSES_FORMAT`)."""
+    from graphtune.autotuner.cache_reader import not_a_cache_file, parse_json
+    from graphtune.autotuner.calls import MISSES_FORMAT
+
+    if not_a_cache_file(path) is None:
+        return "a graphtune tuning cache"
+    try:
+        doc = parse_json(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    if isinstance(doc, dict) and doc.get("format") == MISSES_FORMAT:
+        return "a graphtune misses file"
+    return None

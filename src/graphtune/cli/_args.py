@@ -154,14 +154,24 @@ def usage(parser: argparse.ArgumentParser) -> int:
     return EXIT_OK
 
 
-def check_output_path(path: Path | None, flag: str) -> None:
+def check_output_path(path: Path | None, flag: str, *, results: bool = False) -> None:
     """Checks before any work that ``path`` can be written (``None`` and ``-`` pass), by creating
     and removing a temporary file next to it (permission bits do not tell for root or for
     read-only file systems).
 
+    Args:
+        path: The file the command will write.
+        flag: The option that named it, for the messages.
+        results: ``path`` takes a command's results (``--json``, ``--plot``): a graphtune tuning
+            cache or misses file already there is refused, since writing would destroy picks or
+            misses that took long to gather (a results file or any other file is replaced).
+            The tuning-cache paths pass ``False`` and check the file's kind themselves
+            (:func:`check_cache_path`).
+
     Raises:
         ConfigError: The folder is missing or not writable, or ``path`` is a folder or another
-            file that is not a regular one; the message names ``flag`` and the reason.
+            file that is not a regular one, or (``results``) a tuning cache or misses file; the
+            message names ``flag`` and the reason.
     """
     if path is None or str(path) == "-":
         return
@@ -173,6 +183,15 @@ def check_output_path(path: Path | None, flag: str) -> None:
             f"{flag} {path} is not a regular file (a device, FIFO or socket), which graphtune "
             "would replace with its own; give a file path"
         )
+    if results and path.is_file():
+        from graphtune.bench.results import graphtune_data_file
+
+        kind = graphtune_data_file(path)
+        if kind is not None:
+            raise ConfigError(
+                f"{flag} {path} is {kind}, and writing the results would replace it; give "
+                "another path, or move that file away"
+            )
     if folder.exists() and not folder.is_dir():
         raise ConfigError(f"{flag} {path}: {folder} is a file, not a folder; give another path")
     if not folder.is_dir():

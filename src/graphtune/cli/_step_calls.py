@@ -34,6 +34,7 @@ def decode_step(
     device: torch.device,
     dtype: torch.dtype,
     max_seq_len: int = 2048,
+    size_names: tuple[str, str] = ("--max-batch", "--max-seq-len"),
 ) -> Any:
     """The engine's decode step of ``model`` (random weights) for batches up to ``max_batch``.
 
@@ -45,9 +46,11 @@ def decode_step(
         dtype: Weight and activation dtype.
         max_seq_len: KV cache length (part of decode attention's tuning key), rounded up to a
             multiple of 16 as the Engine rounds its ``max_seq_len``.
+        size_names: The command's flags for ``max_batch`` and ``max_seq_len``, for the errors.
 
     Raises:
         InputError: ``max_seq_len`` is above the model's ``max_position_embeddings``.
+        ConfigError: The KV cache does not fit in memory (the message names ``size_names``).
     """
     from graphtune.engine.build import build_step
     from graphtune.engine.kv_cache import KVCache, aligned_seq_len
@@ -57,7 +60,9 @@ def decode_step(
     config = load_config(model)
     config.check_positions(max_seq_len, f"--max-seq-len {max_seq_len}")
     weights = random_model(config, device=device, dtype=dtype)
-    cache = KVCache(config, max_batch, aligned_seq_len(max_seq_len), device, dtype)
+    cache = KVCache(
+        config, max_batch, aligned_seq_len(max_seq_len), device, dtype, size_names=size_names
+    )
     return build_step(weights, cache, tuner=tuner)
 
 
@@ -80,7 +85,7 @@ def decode_step_calls(
 
     step = decode_step(
         model, batch, tuner or AutoTuner(show_progress=False), device=device, dtype=dtype,
-        max_seq_len=max_seq_len,
+        max_seq_len=max_seq_len, size_names=("--batch", "--max-seq-len"),
     )  # fmt: skip
     step.cache.fill_random(0)
     rows = torch.arange(batch, dtype=torch.long, device=device)
@@ -96,6 +101,7 @@ def tune_decode_step(
     device: torch.device,
     dtype: torch.dtype,
     max_seq_len: int = 2048,
+    size_names: tuple[str, str] = ("--max-batch", "--max-seq-len"),
 ) -> Any:
     """Tunes the decode step of ``model`` for batch buckets up to ``max_batch`` with
     :func:`graphtune.engine.tuning.tune_step` (call it inside ``autotune(cache, tuner)`` to

@@ -188,19 +188,23 @@ def _check_before_run(args: argparse.Namespace, model: str) -> Path | None:
     cache = args.tuning_cache
     if args.tune or cache is not None:  # without --tune, DecodeBenchConfig refuses the flag
         cache = tuning_cache_path(cache, "--tuning-cache")
-    check_output_path(args.json, "--json")
-    check_output_path(args.plot, "--plot")
+    check_output_path(args.json, "--json", results=True)
+    check_output_path(args.plot, "--plot", results=True)
     check_distinct_outputs(("--json", args.json), ("--plot", args.plot), ("--tuning-cache", cache))
     if args.plot is not None:
         from graphtune.bench.decode_report import plot_formats
 
         formats = plot_formats()
         suffix = args.plot.suffix
+        if not suffix:
+            raise ConfigError(
+                f"--plot {args.plot} has no suffix, and the suffix picks the image format "
+                f"({', '.join(sorted(formats))}); give e.g. plot.png"
+            )
         if suffix.lstrip(".").lower() not in formats:
             raise ConfigError(
-                f"--plot {args.plot}: its suffix picks the image format, and "
-                f"{repr(suffix) if suffix else 'it has none'} is none of "
-                f"{', '.join(sorted(formats))}; give e.g. plot.png"
+                f"--plot {args.plot}: its suffix picks the image format, and {suffix!r} is none "
+                f"of {', '.join(sorted(formats))}; give e.g. plot.png"
             )
     load_config(model).check_positions(args.context + 1, f"--context {args.context}")
     return cache

@@ -134,7 +134,7 @@ def run_check(args: argparse.Namespace) -> int:
     from graphtune.bench.results import json_safe, write_json
     from graphtune.reporting import render_table
 
-    check_output_path(args.json, "--json")
+    check_output_path(args.json, "--json", results=True)
     reports = check_step(
         args.model,
         args.batch,

@@ -14,6 +14,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from graphtune import env
 from graphtune._version import __version__
 from graphtune.cli._args import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, Parser
 from graphtune.errors import GraphtuneError
@@ -61,6 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return EXIT_OK
     try:
+        env.check_switches()  # a junk on/off value is refused before any work
         return int(handler(args) or 0)
     except KeyboardInterrupt as exc:
         # A command that kept partial work says what in the interrupt's message.

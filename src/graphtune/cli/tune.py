@@ -102,7 +102,10 @@ def run_tune(args: argparse.Namespace) -> int:
             )
         return from_misses.run(args)
     if args.imports:
-        raise ConfigError("--import names modules whose ops --from-misses rebuilds; add it or drop")
+        raise ConfigError(
+            "--import names modules whose ops --from-misses rebuilds, and no --from-misses is "
+            "given; add --from-misses FILE or drop --import"
+        )
     if args.model is None:
         raise ConfigError("pass --model PRESET|PATH (or --from-misses FILE)")
     import torch

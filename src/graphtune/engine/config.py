@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,6 +69,11 @@ class RopeScaling:
                 f"rope_type {self.rope_type!r} is not supported; graphtune's engine implements "
                 "'default', 'linear' and 'llama3' RoPE. Use a checkpoint with one of those."
             )
+        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+            if not math.isfinite(getattr(self, name)):
+                raise ConfigError(
+                    f"RoPE scaling {name} must be a finite number, got {getattr(self, name)}"
+                )
         if self.factor <= 0:
             raise ConfigError(f"RoPE scaling factor must be > 0, got {self.factor}")
         if self.rope_type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
@@ -175,8 +181,10 @@ class ModelConfig:
             )
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ConfigError("sliding_window must be > 0 or None")
-        if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
-            raise ConfigError("rms_norm_eps and rope_theta must be > 0")
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"ModelConfig.{name} must be a finite number > 0, got {value}")
         if self.hidden_act not in GATED_ACTIVATIONS:
             raise ConfigError(
                 f"ModelConfig.hidden_act={self.hidden_act!r} is not implemented; use one of "

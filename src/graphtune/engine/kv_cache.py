@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 
 import torch
 
@@ -38,6 +39,16 @@ def kv_bytes_per_token(config: ModelConfig, element_size: int) -> int:
     return 2 * config.num_layers * config.num_kv_heads * config.dim_per_head * element_size
 
 
+def available_host_memory() -> int | None:
+    """Bytes of host memory free now (``os.sysconf``: available pages times the page size), or
+    ``None`` where the system does not say. A function so tests can replace it."""
+    try:
+        pages, page_size = os.sysconf("SC_AVPHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):  # not POSIX, or a name the system lacks
+        return None
+    return pages * page_size if pages > 0 and page_size > 0 else None
+
+
 class KVCache:
     """Preallocated keys and values for ``max_batch_size`` live requests plus a scratch slot.
 
@@ -52,9 +63,14 @@ class KVCache:
         shared_layers: Allocate one layer and let every layer view it. Only for profiling the
             step's activation and graph memory (:mod:`graphtune.engine.memory_plan`), which do
             not depend on the cache's contents; :attr:`nbytes` is then the one layer's bytes.
+        size_names: How the caller's user names ``max_batch_size`` and ``max_seq_len`` (a
+            command's flags, ``("--batch", "--max-seq-len")``), for the error messages.
 
     Raises:
-        ConfigError: A size is not positive.
+        ConfigError: A size is not positive, or the cache does not fit: on the CPU it is
+            refused before allocating when it needs more than the host memory available now
+            (:func:`available_host_memory`; the kernel would kill the process instead of failing
+            the allocation), elsewhere when the allocation fails.
     """
 
     def __init__(
@@ -66,6 +82,7 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         *,
         shared_layers: bool = False,
+        size_names: tuple[str, str] = ("max_batch_size", "max_seq_len"),
     ) -> None:
         if max_batch_size <= 0 or max_seq_len <= 0:
             raise ConfigError(
@@ -84,6 +101,22 @@ class KVCache:
             max_seq_len,
             config.dim_per_head,
         )
+        need = 2 * math.prod(shape) * dtype.itemsize
+        batch_name, seq_name = size_names
+
+        def too_big(why: str, fix: str = "") -> ConfigError:
+            return ConfigError(
+                f"the KV cache ({batch_name} {max_batch_size} slots x {seq_name} {max_seq_len} "
+                f"positions x {layers} layers) needs {need / 2**30:.1f} GiB on "
+                f"{device or 'cpu'}, {why}; lower {batch_name} or {seq_name}{fix}"
+            )
+
+        if torch.device(device or "cpu").type == "cpu":
+            # Linux overcommits: zeros of more than the free memory "succeed" and the
+            # out-of-memory killer then ends the process (or another one) with no message.
+            free = available_host_memory()
+            if free is not None and need > free:
+                raise too_big(f"and the host has {free / 2**30:.1f} GiB available")
         # Zeros, not empty: a padded row reads position 0 of the scratch slot and stale NaN bit
         # patterns there would be harmless but confusing in a debugger.
         try:
@@ -93,12 +126,9 @@ class KVCache:
             out_of_memory = isinstance(exc, (torch.OutOfMemoryError, MemoryError))
             if not out_of_memory and "allocate" not in str(exc):
                 raise
-            need = 2 * math.prod(shape) * dtype.itemsize
-            raise ConfigError(
-                f"the KV cache ({max_batch_size} slots x {max_seq_len} positions x {layers} "
-                f"layers) needs {need / 2**30:.1f} GiB on {device or 'cpu'}, which could not be "
-                f"allocated ({' '.join(str(exc).split())[:120]}); lower max_batch_size or "
-                "max_seq_len, or size it from free memory with gpu_memory_utilization"
+            raise too_big(
+                f"which could not be allocated ({' '.join(str(exc).split())[:120]})",
+                ", or size it from free memory with gpu_memory_utilization",
             ) from None
         # Per-layer views made once, so the decode step does no view bookkeeping per call.
         self.k_layers = list(self.k.unbind(0)) * (config.num_layers // layers)

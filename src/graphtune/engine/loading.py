@@ -55,10 +55,16 @@ def load_config(spec: str | Path) -> ModelConfig:
 def _folder_config(folder: Path) -> ModelConfig:
     """The :class:`ModelConfig` of a checkpoint folder (see :func:`load_config`)."""
     config_file = folder / "config.json"
+    if config_file.is_dir():
+        raise CheckpointError(
+            f"{config_file} is a folder, not a file; a Hugging Face model folder holds its "
+            "config.json as a file: put the model's config.json there"
+        )
     if not config_file.is_file():
         raise CheckpointError(f"{folder} has no config.json; is it a Hugging Face model folder?")
+    doc = read_json(config_file)  # its errors name the file already
     try:
-        config = from_hf_config(read_json(config_file), name=folder.name)
+        config = from_hf_config(doc, name=folder.name)
     except (CheckpointError, ConfigError) as exc:
         # from_hf_config sees the parsed fields only; the user needs to know which folder.
         text = str(exc).removeprefix("config.json")

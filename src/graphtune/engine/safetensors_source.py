@@ -148,18 +148,63 @@ def read_json(path: Path) -> dict[str, Any]:
     """The JSON object in ``path``.
 
     Raises:
-        CheckpointError: The file cannot be read, is not valid JSON or not a JSON object.
+        CheckpointError: The file cannot be read, is not valid JSON (``NaN`` and ``Infinity``,
+            which Python's ``json`` accepts, are not JSON) or not a JSON object.
     """
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{path} cannot be read ({exc})") from None
     try:
-        doc = json.loads(text)
+        doc = json.loads(text, parse_constant=_NonFinite, object_pairs_hook=_refuse_non_finite)
+    except _NonFiniteField as exc:
+        raise CheckpointError(
+            f"{path}: {exc.field}={exc.constant} is not a finite number (and not JSON); fix the "
+            "file"
+        ) from None
     except ValueError as exc:
         raise CheckpointError(
             f"{path} is not valid JSON ({exc}); it may be truncated: download it again"
         ) from None
+    constant = _holds_non_finite(doc)
+    if constant is not None:
+        raise CheckpointError(
+            f"{path} holds {constant}, which is not a finite number (and not JSON); fix the file"
+        )
     if not isinstance(doc, dict):
         raise CheckpointError(f"{path} holds a JSON {type(doc).__name__}, not an object")
     return doc
+
+
+class _NonFinite(str):
+    """What ``json.loads`` makes of ``NaN``, ``Infinity`` and ``-Infinity`` here (never returned:
+    :func:`read_json` refuses the file)."""
+
+
+class _NonFiniteField(Exception):
+    """Raised out of ``json.loads`` by :func:`_refuse_non_finite`, for :func:`read_json` to word."""
+
+    def __init__(self, field: str, constant: str) -> None:
+        super().__init__(field, constant)
+        self.field, self.constant = field, constant
+
+
+def _holds_non_finite(value: Any) -> str | None:
+    """The first ``NaN``/``Infinity`` constant in ``value`` outside any object, else ``None``
+    (the objects' own fields are checked by :func:`_refuse_non_finite` as they are parsed)."""
+    if isinstance(value, _NonFinite):
+        return str(value)
+    if isinstance(value, list):
+        for item in value:
+            found = _holds_non_finite(item)
+            if found is not None:
+                return found
+    return None
+
+
+def _refuse_non_finite(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    for key, value in pairs:
+        found = _holds_non_finite(value)
+        if found is not None:
+            raise _NonFiniteField(key, found)
+    return dict(pairs)

@@ -1,0 +1,62 @@
+"""Bad input on the command line as a user runs it (a subprocess): one ``error:`` line that names
+the input, the rule and the fix, never a traceback or a quietly different run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_cli_errors import error_line, graphtune
+
+CPU_BENCH = ["bench", "decode", "--model", "tiny", "--device", "cpu", "--batch-sizes", "1"]
+CPU_BENCH += ["--steps", "1", "--repeats", "1", "--context", "8"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_bench_runner_graph_without_cuda_is_refused_not_timed_eagerly():
+    result = graphtune(*CPU_BENCH, "--runner", "graph")
+    error_line(result, 1, "--runner graph", "CUDA graphs need CUDA", "--runner eager")
+    assert "batch 1" not in result.stderr and "eager ms" not in result.stdout  # nothing ran
+
+
+def test_model_folder_whose_config_json_is_a_folder_says_so(tmp_path):
+    (tmp_path / "model" / "config.json").mkdir(parents=True)
+    result = graphtune("tune", "--model", str(tmp_path / "model"), "--cache", str(tmp_path / "c"))
+    line = error_line(result, 1, str(tmp_path / "model" / "config.json"), "is a folder")
+    assert "has no config.json" not in line
+
+
+GRAPHTUNE_FILES = {
+    "cache": '{"format_version": 2, "fingerprint": {}, "entries": []}',
+    "misses": '{"format": "graphtune-misses", "version": 1, "misses": []}',
+}
+
+
+@pytest.mark.parametrize("kind", sorted(GRAPHTUNE_FILES))
+@pytest.mark.parametrize(
+    "command",
+    [
+        [*CPU_BENCH, "--json"],
+        [*CPU_BENCH, "--plot"],
+        ["check-tactics", "--model", "tiny", "--device", "cpu", "--batch", "1", "--json"],
+    ],
+)
+def test_results_never_replace_a_tuning_cache_or_misses_file(tmp_path, kind, command):
+    target = tmp_path / f"{kind}.json"
+    target.write_text(GRAPHTUNE_FILES[kind])
+    if command[-1] == "--plot":
+        target = target.rename(tmp_path / f"{kind}.png")
+    result = graphtune(*command, str(target))
+    what = "tuning cache" if kind == "cache" else "misses file"
+    error_line(result, 1, f"{command[-1]} {target} is a graphtune {what}", "another path")
+    assert target.read_text() == GRAPHTUNE_FILES[kind]
+
+
+def test_plot_without_a_suffix_is_its_own_sentence(tmp_path):
+    pytest.importorskip("matplotlib")
+    line = error_line(graphtune(*CPU_BENCH, "--plot", str(tmp_path / "p")), 1, "has no suffix")
+    assert "it has none is none" not in line and "plot.png" in line
+
+
+def test_import_without_from_misses_names_both_flags(tmp_path):
+    result = graphtune("tune", "--cache", str(tmp_path / "c.json"), "--import", "os")
+    error_line(result, 1, "add --from-misses FILE or drop --import")

@@ -1,0 +1,48 @@
+"""A KV cache too big for the host's free memory is refused before it is allocated (Linux would
+let the zeros "succeed" and its out-of-memory killer end the process with no message); the
+memory figure is faked here, never exhausted."""
+
+from __future__ import annotations
+
+import pytest
+
+from graphtune.cli.main import main
+from graphtune.engine import kv_cache
+from graphtune.engine.presets import PRESETS
+from graphtune.errors import ConfigError
+
+
+@pytest.fixture
+def little_free_memory(monkeypatch):
+    monkeypatch.setattr(kv_cache, "available_host_memory", lambda: 64 * 1024)
+
+
+def test_a_cache_above_the_free_host_memory_is_refused_before_allocating(little_free_memory):
+    with pytest.raises(ConfigError) as info:
+        kv_cache.KVCache(PRESETS["tiny"], 4, 256, "cpu")
+    message = str(info.value)
+    assert "\n" not in message and "the host has 0.0 GiB available" in message
+    assert "lower max_batch_size or max_seq_len" in message
+    kv_cache.KVCache(PRESETS["tiny"], 1, 16, "cpu", shared_layers=True)  # small enough
+
+
+def test_available_host_memory_is_a_positive_byte_count_or_unknown():
+    free = kv_cache.available_host_memory()
+    assert free is None or free > 0
+
+
+@pytest.mark.parametrize(
+    "command,flag",
+    [
+        (["check-tactics", "--batch", "4"], "--batch 4"),
+        (["tune", "--max-batch", "4", "--cache", "{tmp}/c.json"], "--max-batch 4"),
+    ],
+)
+def test_the_commands_name_their_flags(little_free_memory, tmp_path, capsys, command, flag):
+    args = [part.format(tmp=tmp_path) for part in command]
+    assert main([*args, "--model", "tiny", "--device", "cpu", "--max-seq-len", "64"]) == 1
+    err = capsys.readouterr().err
+    (line,) = [line for line in err.splitlines() if line.startswith("error:")]
+    assert "Traceback" not in err and "available" in line
+    assert f"{flag} slots" in line and "--max-seq-len 64 positions" in line
+    assert f"lower {flag.split()[0]} or --max-seq-len" in line

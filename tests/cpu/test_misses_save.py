@@ -140,3 +140,15 @@ def test_a_graphtune_cache_default_not_written_yet_runs_untuned(
     assert main(GENERATE) == 0
     assert any("does not exist yet" in r.getMessage() for r in caplog.records)
     assert not (tmp_path / "later.json").exists()
+
+
+def test_tune_refuses_a_misses_record_at_its_own_cache_before_tuning(
+    tmp_path, monkeypatch, capsys
+) -> None:
+    cache = tmp_path / "c.json"
+    monkeypatch.setenv("GRAPHTUNE_MISSES", str(cache))
+    args = ["tune", "--model", "tiny", "--cache", str(cache), "--device", "cpu", "--max-batch", "1"]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert "GRAPHTUNE_MISSES" in err and "Traceback" not in err
+    assert not cache.exists()  # refused before any tuning

@@ -17,7 +17,13 @@ import time
 from pathlib import Path
 
 from graphtune.cli import from_misses
-from graphtune.cli._args import add_device_arguments, check_cache_path, positive_int, timing_timer
+from graphtune.cli._args import (
+    add_device_arguments,
+    check_cache_path,
+    check_misses_path,
+    positive_int,
+    timing_timer,
+)
 from graphtune.errors import ConfigError
 
 #: Defaults of ``--max-batch`` and ``--max-seq-len`` (the Engine's ``max_seq_len`` default).
@@ -86,6 +92,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run_tune(args: argparse.Namespace) -> int:
     """Tunes the step (or the recorded misses) and prints the picks table."""
     check_cache_path(args.cache, "--cache")
+    check_misses_path(args.cache)
     if args.from_misses is not None:
         step_only = (
             ("--model", args.model is not None),

@@ -42,10 +42,21 @@ def test_random_weights_are_seeded_and_never_zero():
 
 
 def test_greedy_eager_equals_graph_runner_on_cpu():
+    from graphtune.graphs import SimulatedGraphBackend
+
     eager = Engine(load_model("tiny"), runner="eager", max_batch_size=4, max_seq_len=64)
-    graph = Engine(load_model("tiny"), runner="graph", max_batch_size=4, max_seq_len=64)
+    # The simulated backend captures and replays on the CPU (without it every call of a graph
+    # runner falls back to eager here, and this would compare eager with eager).
+    graph = Engine(
+        load_model("tiny"),
+        runner="graph",
+        max_batch_size=4,
+        max_seq_len=64,
+        graph_backend=SimulatedGraphBackend(),
+    )
     want = eager.generate(PROMPTS, LIMITS, stop_token_ids=[])
     got = graph.generate(PROMPTS, LIMITS, stop_token_ids=[])
+    assert graph.stats.replays > 0 and graph.stats.eager_calls == 0, graph.stats.table()
     assert got == want
     assert [len(o) for o in got] == LIMITS
     # Batch composition must not matter: one request at a time gives the same tokens.

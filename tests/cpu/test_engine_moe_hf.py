@@ -102,11 +102,11 @@ def test_moe_logits_and_greedy_tokens_match_transformers(kind, tmp_path):
     assert all(layer.is_moe and layer.w_gate_up is None for layer in ours.layers)
     assert (ours.layers[0].q_norm is not None) == (kind == "qwen3_moe") == cfg.qk_norm
     want = [hf_greedy(hf, prompt, 6) for prompt in PROMPTS]
-    for runner in ("eager", "graph"):
-        engine = Engine(ours, runner=runner, max_batch_size=3, max_seq_len=32)
-        # Three requests decode together: the routing of several tokens per step.
-        assert engine.generate(PROMPTS, 6, stop_token_ids=[]) == want, runner
-        engine.release()
+    # Eager only: on the CPU a graph runner's calls fall back to eager (the graphs of the MoE
+    # step are checked in test_engine_moe_graph.py and tests/gpu/test_engine_moe.py).
+    engine = Engine(ours, runner="eager", max_batch_size=3, max_seq_len=32)
+    # Three requests decode together: the routing of several tokens per step.
+    assert engine.generate(PROMPTS, 6, stop_token_ids=[]) == want
 
 
 def test_qwen3_moe_dense_layers_follow_mlp_only_layers_and_decoder_sparse_step(tmp_path):

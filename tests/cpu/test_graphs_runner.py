@@ -154,6 +154,13 @@ def test_padded_inputs_helper_reproduces_replay():
     assert (n, size) == (5, 8)
     assert torch.equal(padded[0][5:], padded[0][:1].expand(3, HIDDEN))
     assert torch.all(padded[1]["slot"][5:] == PAD_SLOT)
+    # What the replay computed is the step on exactly these padded inputs, padded rows included
+    # (they wrote the pad slot; the capture's warm-ups wrote other slots before).
+    out, cache = runner(*inputs(5))
+    want, want_cache = Step()(*padded)
+    written = torch.cat([padded[1]["slot"][:5], torch.tensor([PAD_SLOT])])
+    assert torch.equal(out["h"], want["h"][:5])
+    assert torch.equal(cache[written], want_cache[written])
 
 
 # ---------------------------------------------------------------- fallbacks
@@ -291,10 +298,13 @@ def test_lazy_warms_up_on_a_keys_first_call_and_captures_each_size_on_first_use(
     out, _ = runner(*inputs(3))
     assert_matches_eager(out, 3, runner)
     assert runner.captured_keys == [(None, 4)] and backend.captures == 1
-    runner(*inputs(4))
+    out, _ = runner(*inputs(4, seed=7))  # a replay of the graph captured above, new inputs
+    assert_matches_eager(out, 4, runner, seed=7)
     runner(*inputs(11))  # a new size of a warmed key: captured on first use
+    out, _ = runner(*inputs(13, seed=7))  # and replayed on other inputs
+    assert_matches_eager(out, 13, runner, seed=7)
     assert runner.captured_keys == [(None, 4), (None, 16)]
-    assert runner.stats.replays == 3 and runner.state is RunnerState.CAPTURED
+    assert runner.stats.replays == 4 and runner.state is RunnerState.CAPTURED
 
 
 def test_key_fn_gives_each_extra_key_its_own_buffers_and_graphs():
@@ -306,8 +316,13 @@ def test_key_fn_gives_each_extra_key_its_own_buffers_and_graphs():
     runner.capture(torch.ones(4, 5), 2)
     runner.capture(torch.ones(4, 5), 3)
     assert sorted(runner.captured_keys) == [(2, 1), (2, 2), (2, 4), (3, 1), (3, 2), (3, 4)]
-    assert runner(torch.ones(3, 5), 2).shape == (3, 2)
-    assert runner(torch.ones(3, 5), 3).shape == (3, 3)
+    x = torch.randn(3, 5, generator=torch.Generator().manual_seed(0))
+    # Each key replays its own graph on its own buffers: the other key's call between them
+    # must not change what the first one returns.
+    two = runner(x, 2).clone()
+    three = runner(x + 1, 3)
+    assert torch.equal(two, x[:, :2] * 2) and torch.equal(three, (x + 1)[:, :3] * 2)
+    assert runner.stats.replays == 2
     runner(torch.ones(3, 5), 4)
     assert runner.stats.fallbacks == {FallbackReason.KEY_NOT_CAPTURED: 1}
 

@@ -56,7 +56,8 @@ def test_freeze_with_raise_refuses_every_capture():
         runner(torch.ones(5, 2))
     with pytest.raises(CaptureError, match="freeze"):
         runner.capture(torch.ones(8, 2))
-    runner(torch.ones(1, 2))
+    # Frozen, the captured size still replays, on new values.
+    assert torch.equal(runner(torch.full((1, 2), 3.0)), torch.full((1, 2), 6.0))
     assert runner.stats.replays == 2 and backend.captures == 1
     runner.release()  # release works while frozen; the runner stays frozen
     with pytest.raises(CaptureError):
@@ -87,7 +88,9 @@ def test_padding_off_with_lazy_capture_captures_only_exact_sizes():
     runner, backend = make(lazy=True, policy=CapturePolicy(padding=False))
     runner(torch.ones(3, 2))
     runner(torch.ones(4, 2))  # the key's warm-up
-    runner(torch.ones(4, 2))
+    runner(torch.ones(4, 2))  # captures size 4
+    x = torch.randn(4, 2, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(runner(x), x * 2)  # the graph of 4, replayed on new values
     assert runner.captured_keys == [(None, 4)] and backend.captures == 1
     assert runner.stats.fallbacks == {
         FallbackReason.SIZE_NOT_CAPTURED: 1,
@@ -154,8 +157,10 @@ def test_simulated_replay_runs_the_recorded_ops_not_the_python():
     runner.capture(torch.ones(2, 1))
     captured = list(calls)
     scale["value"] = 5.0
-    assert torch.equal(runner(torch.ones(2, 1)), torch.full((2, 1), 2.0))
-    assert calls == captured
+    # New input values: the recorded multiply runs again on them (a replay that re-ran nothing
+    # would return the capture's 2.0), with the scale baked in at capture time (not 5.0).
+    assert torch.equal(runner(torch.full((2, 1), 3.0)), torch.full((2, 1), 6.0))
+    assert calls == captured and runner.stats.replays == 1
 
 
 def test_simulated_capture_fails_on_a_host_sync_like_cuda():

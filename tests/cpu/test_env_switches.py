@@ -73,3 +73,28 @@ def test_import_works_with_a_junk_value_and_the_cli_refuses_it_in_one_line(tmp_p
     )
     error_line(result, 1, "GRAPHTUNE_STRICT_CACHE='enabled'", "unset it")
     assert not cache.exists()  # refused before any work
+
+
+def test_tuning_refuses_a_junk_switch_instead_of_failing_every_kernel_tactic(
+    monkeypatch, tmp_path
+) -> None:
+    # The kernels read GRAPHTUNE_PDL at every launch: with a junk value each Triton tactic
+    # raised, the tuner counted that as a failed tactic, and torch's pick was saved for good.
+    import torch
+
+    from graphtune.autotuner import AutoTuner, TunableRunner, TuningConfig, autotune
+
+    class Launches(TunableRunner):
+        def get_valid_tactics(self, inputs, profile, **kwargs):
+            return [0, 1]
+
+        def forward(self, inputs, *, tactic=-1, **kwargs):
+            env.pdl_allowed()  # as graphtune.ops' launches do
+            return inputs[0] * 2
+
+    monkeypatch.setenv("GRAPHTUNE_PDL", "enabled")
+    path = tmp_path / "c.json"
+    tuner = AutoTuner(show_progress=False)
+    with pytest.raises(ConfigError, match="GRAPHTUNE_PDL"), autotune(path, tuner):
+        tuner.choose_one("op", [Launches()], TuningConfig(), [torch.ones(4)])
+    assert not path.exists() and tuner.stats.tactic_failures == {}

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from graphtune import env
 from graphtune.autotuner.cache import TuningCache
 from graphtune.autotuner.config import TuningConfig, calls_per_sample
 from graphtune.autotuner.distributed import OpCoordinator
@@ -150,7 +151,14 @@ class TuningRun:
             seconds[name] = seconds.get(name, 0.0) + self.clock() - start
 
     def run(self) -> int:
-        """Tunes the missing profiles; returns how many were decided."""
+        """Tunes the missing profiles; returns how many were decided.
+
+        Raises:
+            ConfigError: A ``GRAPHTUNE_*`` on/off variable has a value that is neither on nor
+                off (read by the kernels' launches, it would fail every tactic as a tactic
+                failure, and the torch picks would be saved).
+        """
+        env.check_switches()
         start = self.clock()
         plans = self.plan()
         with self._phase("prepare"):

@@ -57,6 +57,43 @@ def test_a_failed_misses_write_goes_to_a_fallback_file_it_names(tmp_path, monkey
     assert len(load_misses(fallback)) == 1  # `tune --from-misses` reads it as it is
 
 
+def test_a_partial_fallback_is_never_advised_to_replace_the_file(tmp_path, monkeypatch) -> None:
+    # The lock timed out, so the file was never read: the fallback holds only this save's
+    # records, and copying it over the file would drop the file's own.
+    from filelock import FileLock
+
+    from graphtune.autotuner import save_target
+
+    monkeypatch.setattr(atomic_files.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    path = tmp_path / "m.json"
+    missed(4).misses.save(path)
+    update = json_update.update_json
+
+    def quick(*args, **kwargs):
+        return update(*args, **{**kwargs, "lock_timeout_s": 0.1})
+
+    monkeypatch.setattr(json_update, "update_json", quick)
+    with FileLock(str(save_target.lock_path(path))), pytest.raises(CacheFileError) as info:
+        missed(2).misses.save(path)
+    message = str(info.value)
+    assert "only if" in message and "copy it to the path" not in message
+    assert len(load_misses(path)) == 1  # the file as it was
+
+
+def test_a_misses_save_to_a_fifo_keeps_the_records_in_a_fallback(tmp_path, monkeypatch) -> None:
+    import os
+
+    monkeypatch.setattr(atomic_files.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    fifo = tmp_path / "m.json"
+    os.mkfifo(fifo)
+    with pytest.raises(CacheFileError, match="not a regular file") as info:
+        missed().misses.save(fifo)
+    (fallback,) = (tmp_path / "tmp").rglob("*m.json*")
+    assert str(fallback) in str(info.value) and len(load_misses(fallback)) == 1
+
+
 def test_generate_exits_1_and_names_where_the_misses_went(tmp_path, monkeypatch, capsys) -> None:
     monkeypatch.setenv("GRAPHTUNE_MISSES", str(tmp_path / "m.json"))
     engine = SimpleNamespace(tuner=missed())

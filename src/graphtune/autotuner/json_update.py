@@ -49,15 +49,18 @@ def update_json(
         The document written.
 
     Raises:
-        CacheFileError: ``path`` is a folder, or the lock could not be taken or the file could
-            not be written; what would have been written is then in the fallback file of
+        CacheFileError: ``path`` is a folder or not a regular file, or the lock could not be
+            taken or the file could not be written; what would have been written is then in the fallback file of
             :func:`graphtune.atomic_files.write_fallback`, which the message names (the merged
             document when the file was read, else ``merge(None)``: only this save's part).
     """
     path = Path(path)
-    save_target.check_regular_target(path)
     doc: dict[str, Any] | None = None
     refused = "it is a folder" if path.is_dir() else None
+    try:
+        save_target.check_regular_target(path)
+    except CacheFileError:
+        refused = "it is not a regular file (a device, FIFO or socket)"
     try:
         if refused is None:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -97,10 +100,15 @@ def _kept_elsewhere(
         )
     except (TypeError, ValueError) as exc:
         return f"Could not write the {what} {path} ({why}); no copy could be written ({exc})"
-    part = "its whole content" if whole else "what this save would have added"
+    if whole:
+        return (
+            f"Could not write the {what} {path} ({why}); its whole content is in {fallback} "
+            "instead (use that file, or copy it to the path once that can be written)"
+        )
     return (
-        f"Could not write the {what} {path} ({why}); {part} is in {fallback} instead (use that "
-        "file, or copy it to the path once that can be written)"
+        f"Could not write the {what} {path} ({why}); what this save would have added is in "
+        f"{fallback} instead: use it beside {path}, whose own content it does not hold (copy it "
+        f"there only if {path} does not exist)"
     )
 
 

@@ -50,9 +50,10 @@ def update_json(
 
     Raises:
         CacheFileError: ``path`` is a folder or not a regular file, or the lock could not be
-            taken or the file could not be written; what would have been written is then in the fallback file of
-            :func:`graphtune.atomic_files.write_fallback`, which the message names (the merged
-            document when the file was read, else ``merge(None)``: only this save's part).
+            taken or the file could not be written; what would have been written is then in
+            the fallback file of :func:`graphtune.atomic_files.write_fallback`, which the
+            message names (the merged document when the file was read, else ``merge(None)``:
+            only this save's part).
     """
     path = Path(path)
     doc: dict[str, Any] | None = None

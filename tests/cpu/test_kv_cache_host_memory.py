@@ -31,6 +31,16 @@ def test_available_host_memory_is_a_positive_byte_count_or_unknown():
     assert free is None or free > 0
 
 
+def test_available_host_memory_counts_reclaimable_page_cache(tmp_path):
+    # MemAvailable, not MemFree: right after a checkpoint is read its files fill the page
+    # cache, which the kernel gives back to a new allocation (sysconf's pages are MemFree).
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal: 8000000 kB\nMemFree: 1000 kB\nMemAvailable: 5000000 kB\n")
+    assert kv_cache.available_host_memory(str(meminfo)) == 5000000 * 1024
+    missing = kv_cache.available_host_memory(str(tmp_path / "none"))  # the sysconf fallback
+    assert missing is None or missing > 0
+
+
 @pytest.mark.parametrize(
     "command,flag",
     [

@@ -39,9 +39,23 @@ def kv_bytes_per_token(config: ModelConfig, element_size: int) -> int:
     return 2 * config.num_layers * config.num_kv_heads * config.dim_per_head * element_size
 
 
-def available_host_memory() -> int | None:
-    """Bytes of host memory free now (``os.sysconf``: available pages times the page size), or
-    ``None`` where the system does not say. A function so tests can replace it."""
+def available_host_memory(meminfo: str = "/proc/meminfo") -> int | None:
+    """Bytes of host memory a new allocation can have now, or ``None`` where the system does
+    not say. A function so tests can replace it.
+
+    Linux's ``MemAvailable`` (``/proc/meminfo``) counts the page cache the kernel can reclaim,
+    which right after loading a checkpoint holds its files; ``os.sysconf``'s available pages
+    (``MemFree``) leave that out, so they are only the fallback where there is no
+    ``/proc/meminfo``.
+    """
+    try:
+        with open(meminfo, encoding="ascii") as lines:
+            for line in lines:
+                name, _, value = line.partition(":")
+                if name == "MemAvailable" and value.split()[1:] == ["kB"]:
+                    return int(value.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     try:
         pages, page_size = os.sysconf("SC_AVPHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
     except (AttributeError, OSError, ValueError):  # not POSIX, or a name the system lacks

@@ -173,10 +173,15 @@ def test_a_graphtune_cache_default_not_written_yet_runs_untuned(
 ) -> None:
     # GRAPHTUNE_CACHE is set once for every command: before the first tuning run its file is
     # missing, and generate then runs untuned with one warning (an explicit flag is an error).
-    monkeypatch.setenv("GRAPHTUNE_CACHE", str(tmp_path / "later.json"))
+    from graphtune.cli._args import lookup_cache_path
+
+    later = tmp_path / "later.json"
+    monkeypatch.setenv("GRAPHTUNE_CACHE", str(later))
     assert main(GENERATE) == 0
     assert any("does not exist yet" in r.getMessage() for r in caplog.records)
-    assert not (tmp_path / "later.json").exists()
+    assert not later.exists()
+    # The path is kept, so the engine still looks picks up and GRAPHTUNE_MISSES records them.
+    assert lookup_cache_path(None, "--tuning-cache") == later
 
 
 def test_tune_refuses_a_misses_record_at_its_own_cache_before_tuning(

@@ -273,10 +273,10 @@ def tuning_cache_path(path: Path | None, flag: str) -> Path | None:
 
 def lookup_cache_path(path: Path | None, flag: str) -> Path | None:
     """The tuning cache file a command only looks picks up in (it never saves one): ``path``
-    (given as ``flag``), else the file ``GRAPHTUNE_CACHE`` names (``None``, with a warning, when
-    that file does not exist yet), else ``None``. The file must exist and be a graphtune tuning
-    cache (one of another version or environment passes: loading
-    it warns and skips it); ``GRAPHTUNE_MISSES`` is checked too (:func:`check_misses_path`).
+    (given as ``flag``), else the file ``GRAPHTUNE_CACHE`` names (with a warning when that file
+    does not exist yet: its look-ups all miss), else ``None``. A file given as ``flag`` must exist
+    and be a graphtune tuning cache (one of another version or environment passes: loading it
+    warns and skips it); ``GRAPHTUNE_MISSES`` is checked too (:func:`check_misses_path`).
 
     Raises:
         ConfigError: The file is missing, or cannot be read as a tuning cache.
@@ -291,9 +291,11 @@ def lookup_cache_path(path: Path | None, flag: str) -> Path | None:
         label = f"GRAPHTUNE_CACHE (the default of {flag}):"
         if not path.exists():
             # Set once for every command: a file no tuning run has written yet is the normal
-            # first run, as for the library's look-ups, not a typo in this command.
+            # first run, as for the library's look-ups, not a typo in this command. Its path is
+            # kept, so the look-ups (and GRAPHTUNE_MISSES's record of them) still happen.
             logger.warning("%s %s does not exist yet: every op runs untuned", label, path)
-            return None
+            check_misses_path(path)
+            return path
     fix = "pass the file `graphtune tune --cache FILE` wrote, or leave it out"
     if not path.exists():
         raise ConfigError(

@@ -177,7 +177,8 @@ def read_cache_json(path: str | PathLike[str]) -> dict[str, Any]:
 
 def not_a_cache_file(path: str | PathLike[str]) -> str | None:
     """Why the existing file ``path`` is not a graphtune tuning cache file, or ``None`` when it
-    is one (of any format version or environment: those are graphtune's to replace).
+    is one (of any format version or environment: a save moves those aside to
+    ``FILE.unusable`` before writing its own).
 
     ``graphtune cache clear`` removes, and the commands that save a cache overwrite, only files
     for which this is ``None``, so a mistyped path never destroys another file.

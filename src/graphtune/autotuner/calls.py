@@ -303,13 +303,16 @@ class MissLog:
         """Merges these records into the misses file at ``path``, atomically under its lock.
 
         Only the misses counted since this log's last save to ``path`` are added: a record
-        already in the file (same key) has its count raised by those. A file there that is not
-        a misses file of this version (a tuning cache, any other file) is renamed to
-        ``<name>.unusable`` first, with a warning saying so, as a tuning cache save does.
+        already in the file (same key) has its count raised by those; records of the file that
+        cannot be parsed are kept as they are. A file there that is not a misses file of this
+        version is renamed to ``<name>.unusable`` first, with a warning saying so, as a tuning
+        cache save does; a tuning cache or a folder there is never moved (the save raises).
         Returns the number of records in the file.
 
         Raises:
-            CacheFileError: The file could not be written.
+            CacheFileError: The file could not be written (the lock, the disk, a tuning cache,
+                folder or device there); the records are then in a fallback file the message
+                names (:func:`graphtune.autotuner.json_update.update_json`).
         """
         with self._save_lock:
             where = os.path.abspath(os.fspath(path))

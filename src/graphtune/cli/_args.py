@@ -226,8 +226,8 @@ def report_written(flag: str, requested: Path, written: Path) -> bool:
 def check_cache_path(path: Path, flag: str) -> None:
     """Checks before any work that a tuning cache can be saved at ``path``: as
     :func:`check_output_path`, and a file already there must be a graphtune tuning cache (a save
-    replaces one of another version or environment, but never someone's other file at a
-    mistyped path), and its lock must be takable.
+    moves one of another version or environment aside to ``FILE.unusable``, and never touches
+    someone's other file at a mistyped path), and its lock must be takable.
 
     Raises:
         ConfigError: ``path`` cannot be written, or holds a file that is not a tuning cache.

@@ -196,13 +196,20 @@ def check_output_path(path: Path | None, flag: str, *, results: bool = False) ->
         raise ConfigError(f"{flag} {path}: {folder} is a file, not a folder; give another path")
     if not folder.is_dir():
         raise ConfigError(f"{flag} {path}: the folder {folder} does not exist; create it first")
+    reason = _unwritable(folder)
+    if reason is not None:
+        raise ConfigError(
+            f"{flag} {path}: cannot write to the folder {folder} ({reason}); pass a writable path"
+        )
+
+
+def _unwritable(folder: Path) -> str | None:
+    """Why a file cannot be created in the existing ``folder`` now, or ``None`` when it can."""
     try:
         tempfile.NamedTemporaryFile(dir=folder, prefix=".graphtune-check-").close()
     except OSError as exc:
-        reason = exc.strerror or type(exc).__name__
-        raise ConfigError(
-            f"{flag} {path}: cannot write to the folder {folder} ({reason}); pass a writable path"
-        ) from None
+        return exc.strerror or type(exc).__name__
+    return None
 
 
 def report_written(flag: str, requested: Path, written: Path) -> bool:
@@ -343,15 +350,12 @@ def check_misses_path(cache: Path | None) -> None:
             "replace; set it to another file"
         )
     folder = path.parent
-    if not folder.is_dir():
-        return
-    try:
-        tempfile.NamedTemporaryFile(dir=folder, prefix=".graphtune-check-").close()
-    except OSError as exc:
+    reason = _unwritable(folder) if folder.is_dir() else None
+    if reason is not None:
         raise ConfigError(
-            f"{name}: cannot write to the folder {folder} ({exc.strerror or type(exc).__name__}); "
-            "set it to a writable path, or unset it"
-        ) from None
+            f"{name}: cannot write to the folder {folder} ({reason}); set it to a writable path, "
+            "or unset it"
+        )
 
 
 def check_distinct_outputs(*outputs: tuple[str, Path | None]) -> None:

@@ -21,6 +21,7 @@ ALWAYS_ALLOWED = {
     "graphtune.errors",
     "graphtune.env",
     "graphtune.atomic_files",  # atomic writes and their fallback, standard library only
+    "graphtune.finite_json",  # JSON without NaN/Infinity, standard library only
     "graphtune.reporting",
     "graphtune._version",
     "graphtune.cuda_memory",

@@ -5,13 +5,13 @@ replace. Writing is :mod:`graphtune.autotuner.persist`; the format is ``docs/cac
 
 from __future__ import annotations
 
-import json
 from os import PathLike
 from pathlib import Path
 from typing import Any
 
 from graphtune.autotuner.entries import BlockedTactic, CacheEntry, CacheKey, entry_problems
 from graphtune.errors import CacheFileError
+from graphtune.finite_json import parse_json
 
 FORMAT_VERSION = 2
 
@@ -21,17 +21,6 @@ Entries = dict[CacheKey, CacheEntry]
 class Unusable(Exception):
     """The file cannot be used; the message says why (for :mod:`graphtune.autotuner.persist`,
     which turns it into a warning or a :class:`~graphtune.errors.CacheFileError`)."""
-
-
-def _reject_constant(name: str) -> float:
-    # JSON has no NaN or Infinity; Python's json accepts them by default, so a hand-edited file
-    # could smuggle a NaN time into the merge rule. The writer never produces them.
-    raise ValueError(f"non-finite number {name} (JSON has none)")
-
-
-def parse_json(text: str) -> Any:
-    """``json.loads`` that rejects ``NaN``/``Infinity`` (raises ``ValueError``)."""
-    return json.loads(text, parse_constant=_reject_constant)
 
 
 def read_document(path: str | PathLike[str]) -> dict[str, Any]:

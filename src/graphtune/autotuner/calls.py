@@ -28,11 +28,11 @@ from typing import Any
 import torch
 
 from graphtune.autotuner import json_update
-from graphtune.autotuner.cache_reader import parse_json
 from graphtune.autotuner.config import TuningConfig
 from graphtune.autotuner.entries import CacheKey
 from graphtune.autotuner.values import decode_value, encode_value
 from graphtune.errors import CacheFileError, ConfigError, InputError
+from graphtune.finite_json import parse_json
 
 logger = logging.getLogger(__name__)
 

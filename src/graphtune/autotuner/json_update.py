@@ -19,8 +19,8 @@ from graphtune.atomic_files import (
     write_fallback,
 )
 from graphtune.autotuner import save_target
-from graphtune.autotuner.cache_reader import parse_json
 from graphtune.errors import CacheFileError
+from graphtune.finite_json import parse_json
 
 
 def update_json(

@@ -75,8 +75,9 @@ def graphtune_data_file(path: Path) -> str | None:
     file (:func:`graphtune.cli._args.check_output_path`). The kinds are decided by their readers
     (:func:`~graphtune.autotuner.cache_reader.not_a_cache_file`,
     :data:`~graphtune.autotuner.calls.MISSES_FORMAT`)."""
-    from graphtune.autotuner.cache_reader import not_a_cache_file, parse_json
+    from graphtune.autotuner.cache_reader import not_a_cache_file
     from graphtune.autotuner.calls import MISSES_FORMAT
+    from graphtune.finite_json import parse_json
 
     if not_a_cache_file(path) is None:
         return "a graphtune tuning cache"

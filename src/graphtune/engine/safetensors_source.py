@@ -5,13 +5,13 @@ from one or more safetensors files (:class:`TensorSource`), each failure a
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from graphtune.errors import CheckpointError
+from graphtune.finite_json import NonFiniteNumber, parse_json
 
 # Elements of each tensor's first row in the checkpoint's mark (:meth:`TensorSource.mark`).
 _MARK_ELEMENTS = 64
@@ -156,55 +156,16 @@ def read_json(path: Path) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{path} cannot be read ({exc})") from None
     try:
-        doc = json.loads(text, parse_constant=_NonFinite, object_pairs_hook=_refuse_non_finite)
-    except _NonFiniteField as exc:
+        doc = parse_json(text)
+    except NonFiniteNumber as exc:
+        where = f"{exc.field}={exc.constant}" if exc.field is not None else exc.constant
         raise CheckpointError(
-            f"{path}: {exc.field}={exc.constant} is not a finite number (and not JSON); fix the "
-            "file"
+            f"{path}: {where} is not a finite number (and not JSON); fix the file"
         ) from None
     except ValueError as exc:
         raise CheckpointError(
             f"{path} is not valid JSON ({exc}); it may be truncated: download it again"
         ) from None
-    constant = _holds_non_finite(doc)
-    if constant is not None:
-        raise CheckpointError(
-            f"{path} holds {constant}, which is not a finite number (and not JSON); fix the file"
-        )
     if not isinstance(doc, dict):
         raise CheckpointError(f"{path} holds a JSON {type(doc).__name__}, not an object")
     return doc
-
-
-class _NonFinite(str):
-    """What ``json.loads`` makes of ``NaN``, ``Infinity`` and ``-Infinity`` here (never returned:
-    :func:`read_json` refuses the file)."""
-
-
-class _NonFiniteField(Exception):
-    """Raised out of ``json.loads`` by :func:`_refuse_non_finite`, for :func:`read_json` to word."""
-
-    def __init__(self, field: str, constant: str) -> None:
-        super().__init__(field, constant)
-        self.field, self.constant = field, constant
-
-
-def _holds_non_finite(value: Any) -> str | None:
-    """The first ``NaN``/``Infinity`` constant in ``value`` outside any object, else ``None``
-    (the objects' own fields are checked by :func:`_refuse_non_finite` as they are parsed)."""
-    if isinstance(value, _NonFinite):
-        return str(value)
-    if isinstance(value, list):
-        for item in value:
-            found = _holds_non_finite(item)
-            if found is not None:
-                return found
-    return None
-
-
-def _refuse_non_finite(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    for key, value in pairs:
-        found = _holds_non_finite(value)
-        if found is not None:
-            raise _NonFiniteField(key, found)
-    return dict(pairs)

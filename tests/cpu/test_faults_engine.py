@@ -37,6 +37,12 @@ def reference(engine):
         (["text"], 2, "tokenizer"),
         ([[1, 2.7]], 2, "prompt must be integers"),
         ([[1, True]], 2, "prompt must be integers, got the bool"),
+        # A bool tensor was read as ids 1 and 0, bytes as their character codes.
+        (torch.tensor([[True, False]]), 2, "prompt must be integers, got the bool"),
+        ([torch.tensor([True, False])], 2, "prompt must be integers, got the bool"),
+        ([[1]], torch.tensor(True), "max_new_tokens must be integers, got the bool"),
+        ([b"Hi"], 2, "a prompt must be text or a list of token ids, got bytes"),
+        ([bytearray(b"Hi")], 2, "a prompt must be text or a list of token ids"),
         ([[1]], 2.5, "max_new_tokens must be integers"),
     ],
 )

@@ -310,7 +310,9 @@ class Engine:
                 )
             return list(self.model.tokenizer.encode(prompt).ids)
         unordered = isinstance(prompt, (Mapping, Set))  # a dict's keys, a set: no token order
-        if not isinstance(prompt, Iterable) or unordered or getattr(prompt, "ndim", 1) != 1:
+        # Bytes iterate as ints: b"Hi" would be read as the token ids 72 and 105.
+        raw = isinstance(prompt, (bytes, bytearray, memoryview))
+        if not isinstance(prompt, Iterable) or unordered or raw or getattr(prompt, "ndim", 1) != 1:
             raise InputError(
                 f"a prompt must be text or a list of token ids, got {type(prompt).__name__} "
                 f"{prompt!r:.40}; for one prompt of ids pass [[1, 2, 3]], not [1, 2, 3] (a "

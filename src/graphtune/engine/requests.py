@@ -152,8 +152,9 @@ def retire(cache: Any, live: list[LiveRequest], stops: set[int]) -> None:
 
 def token_id(value: Any, what: str) -> int:
     # operator.index accepts ints and integer tensors/NumPy scalars but not floats (1.7 must not
-    # silently become token 1); bools are ints in Python and are refused explicitly.
-    if isinstance(value, bool):
+    # silently become token 1); bools are ints to it, Python's and a bool tensor's alike (True
+    # would become token 1), so they are refused explicitly.
+    if isinstance(value, bool) or str(getattr(value, "dtype", "")) in ("torch.bool", "bool"):
         raise InputError(f"{what} must be integers, got the bool {value!r}")
     try:
         return operator.index(value)

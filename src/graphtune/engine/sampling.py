@@ -34,7 +34,10 @@ class SamplingParams:
             number, about ``1.18e-38``).
         top_k: Keep only the ``top_k`` most likely tokens (``0`` keeps all).
         top_p: Keep the smallest set of tokens whose probability reaches ``top_p`` (``1``: all).
-        seed: Seed of the sampling generator (reproducible runs).
+        seed: Seed of the sampling generator, one per ``generate`` call: the same call (the
+            same prompts in the same order, ``max_batch_size`` and seed) samples the same
+            tokens, but a request's samples also depend on the requests it shares the batch
+            with (each step draws the whole batch's noise from that one generator).
     """
 
     temperature: float = 0.0

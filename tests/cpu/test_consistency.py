@@ -132,6 +132,41 @@ def test_a_broken_fallback_is_reported() -> None:
     assert report.reference_error == "ValueError: fallback broken" and not report.passed
 
 
+class WritesNested(TunableRunner):
+    """Writes ``x * 2`` into ``inputs[1][0]`` (a tensor inside a list) and into ``out=``; tactic
+    1 skips both writes."""
+
+    def get_valid_tactics(self, inputs: list, profile: Any, **kwargs: Any) -> list:
+        return [-1, 1]
+
+    def forward(self, inputs: list, *, tactic: Any = -1, out: Any = None, **kw: Any) -> Any:
+        x, nested = inputs
+        if tactic != 1:
+            nested[0].copy_(x * 2)
+            out.copy_(x * 2)
+        return x.sum()
+
+
+def test_writes_into_nested_inputs_and_keyword_outputs_are_compared_on_copies() -> None:
+    # Nested tensors and tensor kwargs were shared by every run (each compared with itself, so
+    # a skipped write passed) and written in the caller's own tensors.
+    x, cache, out = torch.randn(4, 8), torch.zeros(4, 8), torch.zeros(4, 8)
+    report = check_tactics("write", [WritesNested()], CONFIG, [x, [cache]], out=out)
+    (check,) = report.checks
+    assert not check.passed and check.max_abs > 0
+    assert torch.equal(cache, torch.zeros(4, 8)) and torch.equal(out, torch.zeros(4, 8))
+
+
+def test_a_fallback_with_nan_is_reported_not_compared() -> None:
+    # Compared with a NaN reference, a tactic with NaN in the same places passed and a correct
+    # one failed.
+    x = torch.randn(4, 8)
+    x[0, 0] = math.nan
+    report = check_tactics("scale", [Scale()], CONFIG, [x, torch.zeros(1)])
+    assert report.checks == [] and not report.passed
+    assert report.reference_error is not None and "NaN" in report.reference_error
+
+
 def test_masks_with_infinities_compare_where_they_are_finite() -> None:
     mask = torch.tensor([[0.0, float("-inf")]] * 4)
 
@@ -227,3 +262,16 @@ def test_triton_gemm_offers_nothing_for_a_strided_bias(monkeypatch) -> None:
     a, w = torch.randn(3, 16), torch.randn(8, 16)
     assert triton_gemm_supports([a, w, torch.randn(8), None, False])
     assert not triton_gemm_supports([a, w, torch.randn(16)[::2], None, False])  # read as flat
+
+
+def test_check_tactics_sees_a_skipped_kv_write() -> None:
+    # The recorded calls hold the live KV cache, which the step had just written: the fallback
+    # then wrote the values already there, so a tactic that skipped its write passed.
+    from graphtune.cli._step_calls import decode_step_calls
+
+    calls = decode_step_calls("tiny", 2, device=torch.device("cpu"), dtype=torch.float32)
+    rope = next(c for c in calls if c.op == "graphtune.rope_kv_cache")
+    k_cache = rope.inputs[4]
+    written = k_cache.clone()
+    rope.runners[0].forward(list(rope.inputs), tactic=-1)  # the fallback, on the live inputs
+    assert not torch.equal(k_cache, written), "the K/V write must change what the cache holds"

@@ -89,7 +89,21 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 
 
 def _copy(inputs: Sequence[Any]) -> list[Any]:
-    return [_same_layout_copy(x) if isinstance(x, torch.Tensor) else x for x in inputs]
+    return [_copy_tree(x) for x in inputs]
+
+
+def _copy_tree(value: Any) -> Any:
+    """``value`` with every tensor in it copied, inside lists, tuples and dicts too (a tensor
+    shared by the runs would be compared with itself, and the caller's would be written)."""
+    if isinstance(value, torch.Tensor):
+        return _same_layout_copy(value)
+    if isinstance(value, dict):
+        return {k: _copy_tree(v) for k, v in value.items()}
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple keeps its type
+        return type(value)(*(_copy_tree(v) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(_copy_tree(v) for v in value)
+    return value
 
 
 def _same_layout_copy(x: torch.Tensor) -> torch.Tensor:
@@ -188,13 +202,20 @@ def check_tactics(
             )
     profile = profile_for(config, inputs)
     report = ConsistencyReport(op, profile.describe() if profile is not None else "no bucket")
-    reference_inputs = _copy(inputs)
+    reference_inputs, reference_kwargs = _copy(inputs), _copy_tree(kwargs)
     try:
-        out = runners[0].forward(reference_inputs, tactic=FALLBACK_TACTIC, **kwargs)
+        out = runners[0].forward(reference_inputs, tactic=FALLBACK_TACTIC, **reference_kwargs)
     except Exception as exc:  # reported, so a broken fallback is visible in the report
         report.reference_error = f"{type(exc).__name__}: {exc}"
         return report
-    reference = _tensors(out) + _tensors(reference_inputs)
+    reference = _tensors(out) + _tensors(reference_inputs) + _tensors(reference_kwargs)
+    if any(t.is_floating_point() and bool(t.isnan().any()) for t in reference):
+        # A tactic with NaN where the fallback has them would match it, and a correct one fail.
+        report.reference_error = (
+            "the fallback's result holds NaN, so no tactic can be compared with it; check the "
+            "inputs (or the fallback) first"
+        )
+        return report
     for ri, runner in enumerate(runners):
         name = short_runner_name(runner_id(runner))
         try:
@@ -223,14 +244,14 @@ def _check_one(
     rtol: float | None,
     kwargs: dict[str, Any],
 ) -> TacticCheck:
-    copied = _copy(inputs)
+    copied, copied_kwargs = _copy(inputs), _copy_tree(kwargs)
     try:
-        out = runner.forward(copied, tactic=tactic, **kwargs)
+        out = runner.forward(copied, tactic=tactic, **copied_kwargs)
     except Exception as exc:  # a tactic that raises is a failed check, with its error
         return TacticCheck(
             name, index, tactic, math.nan, math.nan, False, f"{type(exc).__name__}: {exc}"
         )
     max_abs, max_rel, ok, problem = _compare(
-        _tensors(out) + _tensors(copied), reference, atol, rtol
+        _tensors(out) + _tensors(copied) + _tensors(copied_kwargs), reference, atol, rtol
     )
     return TacticCheck(name, index, tactic, max_abs, max_rel, ok, problem)

@@ -90,7 +90,11 @@ def decode_step_calls(
     step.cache.fill_random(0)
     rows = torch.arange(batch, dtype=torch.long, device=device)
     positions = torch.full_like(rows, step.cache.max_seq_len // 2)
-    return record_step_calls(step, (torch.zeros_like(rows), positions, rows))
+    calls = record_step_calls(step, (torch.zeros_like(rows), positions, rows))
+    # The recorded calls hold the live cache, which the step has just written: checked on it, a
+    # tactic that skipped its K/V write would find the fallback's values there already and pass.
+    step.cache.fill_random(1)
+    return calls
 
 
 def tune_decode_step(

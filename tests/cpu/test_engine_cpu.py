@@ -193,6 +193,38 @@ def test_sampling_is_seeded_and_respects_top_k():
         SamplingParams(top_p=0)
 
 
+def test_a_sampled_request_does_not_depend_on_what_shares_its_batch():
+    # One generator per call used to draw the whole batch's noise each step: a request's tokens
+    # changed with max_batch_size, its row and the other requests. Its noise is now a function
+    # of (seed, its index in the call, the token's number).
+    from graphtune.graphs import SimulatedGraphBackend
+
+    params = SamplingParams(temperature=1.0, seed=7)
+    prompts = [[5, 6, 7], [9, 10], [11, 12, 13, 14]]
+
+    def run(batch: int, prompts: list, **kwargs) -> list:
+        engine = Engine(load_model("tiny"), max_batch_size=batch, max_seq_len=64, **kwargs)
+        return engine.generate(prompts, 8, sampling=params, stop_token_ids=[])
+
+    want = run(1, prompts, runner="eager")
+    assert run(3, prompts, runner="eager") == want
+    assert run(2, prompts, runner="graph", graph_backend=SimulatedGraphBackend()) == want
+    assert run(1, prompts[:1], runner="eager") == want[:1]  # alone, as the call's first request
+    assert len({tuple(o) for o in run(3, [prompts[0]] * 3, runner="eager")}) > 1  # n samples
+
+
+def test_keyed_noise_is_exponential_and_per_row():
+    from graphtune.engine.sampling import keyed_exponential, request_keys
+
+    keys = request_keys(3, [(0, 0), (1, 0), (0, 1)])
+    noise = keyed_exponential(keys, 200_000)
+    assert bool((noise > 0).all())
+    assert noise.mean(dim=1).sub(1).abs().max() < 0.02  # Exponential(1): mean 1, variance 1
+    assert noise.var(dim=1).sub(1).abs().max() < 0.05
+    assert torch.equal(keyed_exponential(keys[1:2], 200_000)[0], noise[1])  # its key alone
+    assert not torch.equal(noise[0], noise[1]) and not torch.equal(noise[0], noise[2])
+
+
 def test_fill_random_is_seeded_keys_first_and_never_zero():
     config = load_model("tiny").config
     cache = KVCache(config, max_batch_size=2, max_seq_len=8)

@@ -53,7 +53,7 @@ from graphtune.engine.requests import (
     token_id,
     validate_request,
 )
-from graphtune.engine.sampling import GREEDY, NON_FINITE, SamplingParams, sample
+from graphtune.engine.sampling import GREEDY, NON_FINITE, SamplingParams, request_keys, sample
 from graphtune.engine.tuning import TuneReport, tune_step
 from graphtune.errors import ConfigError, InputError, NumericalError
 
@@ -399,11 +399,6 @@ class Engine:
             lambda: self._requests(prompts, max_new_tokens, sampling, stop_token_ids),
             sampling,
         )
-        generator = None
-        if not sampling.greedy:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(sampling.seed)
-
         pending = deque(requests)
         live: list[LiveRequest] = []
         self.failures = []
@@ -417,9 +412,9 @@ class Engine:
                     request.cached = len(request.prompt)
                     live.append(request)
                 if admitted:
-                    self._admit(admitted, sampling, generator)
+                    self._admit(admitted, sampling)
                 else:
-                    self._decode(live, sampling, generator)
+                    self._decode(live, sampling)
                 retire(self.cache, live, stops)
         finally:
             # An exception (a failing kernel, an interrupt) must not strand KV slots: the next
@@ -430,12 +425,7 @@ class Engine:
                 self.cache.free(request.slot)
         return [r.output for r in requests]
 
-    def _admit(
-        self,
-        admitted: list[LiveRequest],
-        sampling: SamplingParams,
-        generator: torch.Generator | None,
-    ) -> None:
+    def _admit(self, admitted: list[LiveRequest], sampling: SamplingParams) -> None:
         logits = prefill_logits(
             self.prefill_step,
             self.prefill_runner,
@@ -443,13 +433,11 @@ class Engine:
             [r.slot for r in admitted],
         )
         # One device-to-host read for all first tokens of this admission round.
-        first = sample(logits, sampling, generator).tolist()
+        first = sample(logits, sampling, keys=_noise_keys(admitted, sampling)).tolist()
         for request, token in zip(admitted, first, strict=True):
             self._accept(request, int(token))
 
-    def _decode(
-        self, live: list[LiveRequest], sampling: SamplingParams, generator: torch.Generator | None
-    ) -> None:
+    def _decode(self, live: list[LiveRequest], sampling: SamplingParams) -> None:
         host = torch.tensor(
             [[r.output[-1] for r in live], [r.cached for r in live], [r.slot for r in live]],
             dtype=torch.long,
@@ -458,7 +446,7 @@ class Engine:
         # The loop built these rows itself; Engine.step's checks are for its callers.
         logits = self.runner(inputs[0], inputs[1], inputs[2])
         # The one host sync per step: the loop must see tokens to stop at EOS.
-        tokens = sample(logits, sampling, generator).tolist()
+        tokens = sample(logits, sampling, keys=_noise_keys(live, sampling)).tolist()
         for request, token in zip(live, tokens, strict=True):
             request.cached += 1
             self._accept(request, int(token))
@@ -477,3 +465,11 @@ class Engine:
         logger.warning("request %d stopped: %s", request.index, request.failed)
         if self.strict_numerics:
             raise NumericalError(f"request {request.index}: {request.failed}")
+
+
+def _noise_keys(rows: list[LiveRequest], sampling: SamplingParams) -> torch.Tensor | None:
+    """Each row's sampling noise key: its request and the number of the token it samples, so a
+    request samples alike whatever shares its batch (``None`` when greedy: no noise)."""
+    if sampling.greedy:
+        return None
+    return request_keys(sampling.seed, [(r.index, len(r.output)) for r in rows])

@@ -34,10 +34,10 @@ class SamplingParams:
             number, about ``1.18e-38``).
         top_k: Keep only the ``top_k`` most likely tokens (``0`` keeps all).
         top_p: Keep the smallest set of tokens whose probability reaches ``top_p`` (``1``: all).
-        seed: Seed of the sampling generator, one per ``generate`` call: the same call (the
-            same prompts in the same order, ``max_batch_size`` and seed) samples the same
-            tokens, but a request's samples also depend on the requests it shares the batch
-            with (each step draws the whole batch's noise from that one generator).
+        seed: Seed of the sampling noise. In ``Engine.generate`` each request's noise at each
+            of its tokens is a function of (seed, its index in the call, the token's number)
+            alone (:func:`request_keys`), so a request samples the same tokens whatever it
+            shares the batch with, its row or ``max_batch_size``.
     """
 
     temperature: float = 0.0
@@ -84,8 +84,58 @@ NON_FINITE = -1
 """Token returned for a row whose logits hold a NaN or an infinity (never a real token id)."""
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(value: int) -> int:
+    """splitmix64's finaliser on a 64-bit unsigned ``value`` (host integers)."""
+    value = (value + 0x9E3779B97F4A7C15) & _MASK64
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return value ^ (value >> 31)
+
+
+def _signed(value: int) -> int:
+    """A 64-bit unsigned ``value`` as the int64 with the same bits."""
+    return value - (1 << 64) if value >> 63 else value
+
+
+def request_keys(seed: int, requests: list[tuple[int, int]]) -> torch.Tensor:
+    """One noise key per row: ``(request index, token number)`` pairs mixed with ``seed``, as
+    int64 ``[B]`` on the host (:func:`sample`'s ``keys``)."""
+    keys = [_mix64(_mix64(_mix64(seed) ^ index) ^ step) for index, step in requests]
+    return torch.tensor([_signed(k) for k in keys], dtype=torch.long)
+
+
+_ADD = _signed(0x9E3779B97F4A7C15)
+_MUL1 = _signed(0xBF58476D1CE4E5B9)
+_MUL2 = _signed(0x94D049BB133111EB)
+
+
+def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 ``x`` (torch's ``>>`` shifts in the sign bit)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def keyed_exponential(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Exponential(1) noise ``[B, vocab]`` (float32, > 0) where row ``b`` depends on ``keys[b]``
+    alone: splitmix64 of (key, column) in int64 arithmetic on the keys' device, which wraps
+    modulo 2**64 as the hash needs; the top 53 bits make a uniform in (0, 1)."""
+    columns = torch.arange(vocab, device=keys.device, dtype=torch.long)
+    z = keys[:, None] * vocab + columns + _ADD
+    z = (z ^ _shr(z, 30)) * _MUL1
+    z = (z ^ _shr(z, 27)) * _MUL2
+    z = z ^ _shr(z, 31)
+    uniform = (_shr(z, 11).double() + 0.5) * 2.0**-53
+    return (-uniform.log()).float().clamp_min_(1e-20)
+
+
 def sample(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+    *,
+    keys: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Chooses one token per row of ``logits [B, vocab]``; returns int64 ``[B]`` on the device.
 
@@ -96,14 +146,20 @@ def sample(
     Args:
         logits: Scores of the next token.
         params: Temperature, top-k, top-p.
-        generator: Source of randomness on the logits' device (ignored when greedy).
+        generator: Source of randomness on the logits' device (ignored when greedy, and when
+            ``keys`` are given).
+        keys: One int64 noise key per row (:func:`request_keys`): each row's noise then
+            depends on its key alone, not on the other rows or earlier draws.
     """
     finite = torch.isfinite(logits).all(dim=-1)
-    return torch.where(finite, _choose(logits, params, generator), NON_FINITE)
+    return torch.where(finite, _choose(logits, params, generator, keys), NON_FINITE)
 
 
 def _choose(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    keys: torch.Tensor | None,
 ) -> torch.Tensor:
     if params.greedy:
         return logits.argmax(dim=-1)
@@ -125,6 +181,9 @@ def _choose(
         drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
         scores = scores.masked_fill(drop, float("-inf"))
     probs = scores.softmax(dim=-1)
-    # Clamp: an exact 0 draw would turn a masked (0-probability) token into 0/0 = NaN.
-    noise = torch.empty_like(probs).exponential_(generator=generator).clamp_min_(1e-20)
+    if keys is not None:
+        noise = keyed_exponential(keys.to(probs.device), vocab)
+    else:
+        # Clamp: an exact 0 draw would turn a masked (0-probability) token into 0/0 = NaN.
+        noise = torch.empty_like(probs).exponential_(generator=generator).clamp_min_(1e-20)
     return (probs / noise).argmax(dim=-1)

@@ -1,9 +1,21 @@
-"""Weights for transformers models in the oracle tests (``test_engine_hf.py``,
-``test_engine_moe_hf.py``)."""
+"""Weights and the tiny dense checkpoint shape for the transformers oracle tests
+(``test_engine_hf.py``, ``test_engine_moe_hf.py``, ``test_engine_tp.py``)."""
 
 from __future__ import annotations
 
 import torch
+
+# A tiny dense checkpoint (transformers config fields) whose heads and KV heads split over two
+# tensor-parallel ranks.
+TINY = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
 
 
 def randomize(model: torch.nn.Module, seed: int) -> None:

@@ -4,22 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_weights import randomize
+from hf_weights import TINY, randomize
 
 from graphtune.engine import DecodeStep, KVCache, load_checkpoint, prefill
 from graphtune.errors import CheckpointError
 
 transformers = pytest.importorskip("transformers")
 
-TINY = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-)
 LLAMA3_SCALING = {
     "rope_type": "llama3",
     "factor": 8.0,

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 from gloo_ranks import run_on_ranks
+from hf_weights import TINY as TINY_HF
 
 from graphtune.engine import Engine, KVCache, SamplingParams, load_model, prefill
 from graphtune.engine.parallel import (
@@ -397,18 +398,6 @@ def test_cli_bench_decode_tp2_tune_agrees_on_every_pick(tmp_path: Path) -> None:
     assert data["model"]["all_reduce"] == "gloo"  # the process group's backend
     for result in data["results"]:
         assert result["tuned_max_abs_diff"] < 1e-3, result  # float32 on the CPU
-
-
-# A tiny checkpoint shape that splits over WORLD ranks (heads and KV heads even).
-TINY_HF = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-)
 
 
 def test_checkpoint_folder_shards_like_the_whole_model(tmp_path: Path) -> None:

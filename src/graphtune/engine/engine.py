@@ -442,11 +442,14 @@ class Engine:
             [[r.output[-1] for r in live], [r.cached for r in live], [r.slot for r in live]],
             dtype=torch.long,
         )
+        keys = _noise_keys(live, sampling)
+        if keys is not None:  # one copy to the device for the step's inputs and its noise keys
+            host = torch.cat([host, keys[None]])
         inputs = host.to(self.device, non_blocking=True)
         # The loop built these rows itself; Engine.step's checks are for its callers.
         logits = self.runner(inputs[0], inputs[1], inputs[2])
         # The one host sync per step: the loop must see tokens to stop at EOS.
-        tokens = sample(logits, sampling, keys=_noise_keys(live, sampling)).tolist()
+        tokens = sample(logits, sampling, keys=None if keys is None else inputs[3]).tolist()
         for request, token in zip(live, tokens, strict=True):
             request.cached += 1
             self._accept(request, int(token))

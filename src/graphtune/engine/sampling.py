@@ -84,32 +84,11 @@ NON_FINITE = -1
 """Token returned for a row whose logits hold a NaN or an infinity (never a real token id)."""
 
 
-_MASK64 = (1 << 64) - 1
-
-
-def _mix64(value: int) -> int:
-    """splitmix64's finaliser on a 64-bit unsigned ``value`` (host integers)."""
-    value = (value + 0x9E3779B97F4A7C15) & _MASK64
-    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return value ^ (value >> 31)
-
-
-def _signed(value: int) -> int:
-    """A 64-bit unsigned ``value`` as the int64 with the same bits."""
-    return value - (1 << 64) if value >> 63 else value
-
-
-def request_keys(seed: int, requests: list[tuple[int, int]]) -> torch.Tensor:
-    """One noise key per row: ``(request index, token number)`` pairs mixed with ``seed``, as
-    int64 ``[B]`` on the host (:func:`sample`'s ``keys``)."""
-    keys = [_mix64(_mix64(_mix64(seed) ^ index) ^ step) for index, step in requests]
-    return torch.tensor([_signed(k) for k in keys], dtype=torch.long)
-
-
-_ADD = _signed(0x9E3779B97F4A7C15)
-_MUL1 = _signed(0xBF58476D1CE4E5B9)
-_MUL2 = _signed(0x94D049BB133111EB)
+# splitmix64's constants as the int64s with the same bits (its arithmetic wraps modulo 2**64,
+# as int64 tensor arithmetic does).
+_ADD, _MUL1, _MUL2 = (
+    c - (1 << 64) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
+)
 
 
 def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -117,15 +96,28 @@ def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
     return (x >> bits) & ((1 << (64 - bits)) - 1)
 
 
-def keyed_exponential(keys: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Exponential(1) noise ``[B, vocab]`` (float32, > 0) where row ``b`` depends on ``keys[b]``
-    alone: splitmix64 of (key, column) in int64 arithmetic on the keys' device, which wraps
-    modulo 2**64 as the hash needs; the top 53 bits make a uniform in (0, 1)."""
-    columns = torch.arange(vocab, device=keys.device, dtype=torch.long)
-    z = keys[:, None] * vocab + columns + _ADD
+def _splitmix(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64 of every element of the int64 tensor ``z`` (on any device)."""
+    z = z + _ADD
     z = (z ^ _shr(z, 30)) * _MUL1
     z = (z ^ _shr(z, 27)) * _MUL2
-    z = z ^ _shr(z, 31)
+    return z ^ _shr(z, 31)
+
+
+def request_keys(seed: int, requests: list[tuple[int, int]]) -> torch.Tensor:
+    """One noise key per row: ``(request index, token number)`` pairs mixed with ``seed``, as
+    int64 ``[B]`` on the host (:func:`sample`'s ``keys``)."""
+    pairs = torch.tensor(requests, dtype=torch.long).reshape(-1, 2)
+    seeded = _splitmix(torch.tensor(seed, dtype=torch.long))
+    return _splitmix(_splitmix(seeded ^ pairs[:, 0]) ^ pairs[:, 1])
+
+
+def keyed_exponential(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Exponential(1) noise ``[B, vocab]`` (float32, > 0) where row ``b`` depends on ``keys[b]``
+    alone: splitmix64 of (key, column) on the keys' device; its top 53 bits make a uniform in
+    (0, 1)."""
+    columns = torch.arange(vocab, device=keys.device, dtype=torch.long)
+    z = _splitmix(keys[:, None] * vocab + columns)
     uniform = (_shr(z, 11).double() + 0.5) * 2.0**-53
     return (-uniform.log()).float().clamp_min_(1e-20)
 

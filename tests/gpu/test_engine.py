@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from graphtune import bench
-from graphtune.engine import DecodeStep, Engine, KVCache, load_model, prefill
+from graphtune.engine import DecodeStep, Engine, KVCache, SamplingParams, load_model, prefill
+from graphtune.engine.sampling import keyed_exponential, request_keys
 from graphtune.graphs import FallbackReason
 
 pytestmark = pytest.mark.gpu
@@ -226,3 +227,21 @@ def test_tuned_engine_second_start_tunes_nothing(tuned_engine, llama_1b, tuning_
         zeros = torch.zeros(3, dtype=torch.long, device="cuda")
         again.step(tokens, zeros, torch.arange(3, device="cuda"))
     assert tuner.stats.fallbacks == {}
+
+
+def test_keyed_noise_on_cuda_equals_the_hosts_bit_for_bit():
+    # splitmix64 relies on int64 multiplication wrapping modulo 2**64 on every device.
+    keys = request_keys(11, [(0, 0), (3, 5), (1, 2**31)])
+    assert torch.equal(keyed_exponential(keys.cuda(), 4099).cpu(), keyed_exponential(keys, 4099))
+
+
+def test_sampled_tokens_on_cuda_do_not_depend_on_the_other_requests(engines):
+    # Five and eight requests both replay the batch-8 graph, whose logits for a row do not depend
+    # on the other rows: the first five requests' samples then differ only if their noise does.
+    graph, _ = engines
+    params = SamplingParams(temperature=1.0, top_p=0.95, seed=5)
+    prompts = _prompts(8, graph.config.vocab_size)
+    five = graph.generate(prompts[:5], 12, sampling=params, stop_token_ids=[])
+    eight = graph.generate(prompts, 12, sampling=params, stop_token_ids=[])
+    assert eight[:5] == five
+    assert len({tuple(tokens) for tokens in eight}) == 8

@@ -7,8 +7,8 @@ Variables (all optional):
 * ``GRAPHTUNE_DEBUG``: ``1`` turns on extra checks that cost time on the hot path (for example
   the graph runner verifies that non-batched inputs did not move between calls, and the
   ``rope_kv_cache`` runners that positions and write rows lie in the tables and caches, both
-  reading it when they are built; ``Engine.step`` checks its positions against the cache on
-  every call).
+  reading it when they are built; ``Engine.step`` checks its tokens, positions and slots against
+  their bounds on every call).
 * ``GRAPHTUNE_DISABLE_GRAPHS``: ``1`` makes every ``CUDAGraphRunner`` run eagerly (reason
   ``disabled``), for bisecting a suspected graph problem without code changes.
 * ``GRAPHTUNE_STRICT_CACHE``: ``1`` makes loading a mismatching or corrupt cache file raise

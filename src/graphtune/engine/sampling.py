@@ -91,17 +91,27 @@ _ADD, _MUL1, _MUL2 = (
 )
 
 
-def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """Logical right shift of int64 ``x`` (torch's ``>>`` shifts in the sign bit)."""
-    return (x >> bits) & ((1 << (64 - bits)) - 1)
+def _shr(x: torch.Tensor, bits: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Logical right shift of int64 ``x`` (torch's ``>>`` shifts in the sign bit), into ``out``
+    (an int64 tensor of ``x``'s shape, ``x`` itself included) when given."""
+    shifted = torch.bitwise_right_shift(x, bits, out=out)
+    return shifted.bitwise_and_((1 << (64 - bits)) - 1)
+
+
+def _splitmix_(z: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """splitmix64 of every element of the int64 tensor ``z`` (on any device), in place; returns
+    ``z``. ``scratch``, an int64 tensor of ``z``'s shape, holds the shifts (allocated if None),
+    so a ``[B, vocab]`` hash needs no temporaries beyond it."""
+    scratch = torch.empty_like(z) if scratch is None else scratch
+    z.add_(_ADD)
+    z.bitwise_xor_(_shr(z, 30, out=scratch)).mul_(_MUL1)
+    z.bitwise_xor_(_shr(z, 27, out=scratch)).mul_(_MUL2)
+    return z.bitwise_xor_(_shr(z, 31, out=scratch))
 
 
 def _splitmix(z: torch.Tensor) -> torch.Tensor:
-    """splitmix64 of every element of the int64 tensor ``z`` (on any device)."""
-    z = z + _ADD
-    z = (z ^ _shr(z, 30)) * _MUL1
-    z = (z ^ _shr(z, 27)) * _MUL2
-    return z ^ _shr(z, 31)
+    """splitmix64 of every element of the int64 tensor ``z``, as a new tensor."""
+    return _splitmix_(z.clone())
 
 
 def request_keys(seed: int, requests: list[tuple[int, int]]) -> torch.Tensor:
@@ -112,14 +122,29 @@ def request_keys(seed: int, requests: list[tuple[int, int]]) -> torch.Tensor:
     return _splitmix(_splitmix(seeded ^ pairs[:, 0]) ^ pairs[:, 1])
 
 
+def _uniform_open_(z: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Float64 uniforms in the open interval (0, 1) from the top 52 bits ``k`` of the int64
+    hashes ``z``: ``(k + 0.5) * 2**-52``, exact, from ``2**-53`` to ``1 - 2**-53`` (53 bits
+    could round to exactly 1, whose noise ``-log(1) = 0`` would win the race). Overwrites ``z``
+    with ``k``; writes into ``out`` (float64, ``z``'s shape, not ``z``'s memory) when given."""
+    k = _shr(z, 12, out=z)
+    uniform = k.double() if out is None else out.copy_(k)
+    return uniform.add_(0.5).mul_(2.0**-52)
+
+
 def keyed_exponential(keys: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Exponential(1) noise ``[B, vocab]`` (float32, > 0) where row ``b`` depends on ``keys[b]``
-    alone: splitmix64 of (key, column) on the keys' device; its top 53 bits make a uniform in
-    (0, 1)."""
+    """Exponential(1) noise ``[B, vocab]`` (float32, > 0) where row ``b`` depends on the int64
+    ``keys[b]`` alone: splitmix64 of (key, column) on the keys' device; its top 52 bits make a
+    uniform in (0, 1) (:func:`_uniform_open_`), so the noise lies in about [1.1e-16, 36.7].
+
+    Peak memory is two int64 ``[B, vocab]`` buffers: the hash runs in place, and its scratch
+    buffer then holds the float64 uniforms."""
     columns = torch.arange(vocab, device=keys.device, dtype=torch.long)
-    z = _splitmix(keys[:, None] * vocab + columns)
-    uniform = (_shr(z, 11).double() + 0.5) * 2.0**-53
-    return (-uniform.log()).float().clamp_min_(1e-20)
+    z = torch.add(keys[:, None] * vocab, columns)
+    scratch = torch.empty_like(z)
+    uniform = _uniform_open_(_splitmix_(z, scratch), out=scratch.view(torch.float64))
+    del z, scratch
+    return uniform.log_().neg_().float()
 
 
 def sample(
@@ -142,6 +167,7 @@ def sample(
             ``keys`` are given).
         keys: One int64 noise key per row (:func:`request_keys`): each row's noise then
             depends on its key alone, not on the other rows or earlier draws.
+
     """
     finite = torch.isfinite(logits).all(dim=-1)
     return torch.where(finite, _choose(logits, params, generator, keys), NON_FINITE)

@@ -1,5 +1,5 @@
-"""Keyed sampling noise: the uniform stays in the open interval (0, 1) and the noise equals a plain
-splitmix64 reference bit for bit."""
+"""Keyed sampling noise: the uniform stays in the open interval (0, 1), the noise equals a plain
+splitmix64 reference bit for bit, and ``sample`` refuses keys that do not fit its logits."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 
 from graphtune.engine import SamplingParams, sample
 from graphtune.engine.sampling import keyed_exponential, request_keys
+from graphtune.errors import InputError
 
 M = 1 << 64
 ADD, MUL1, MUL2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
@@ -94,3 +95,33 @@ def test_request_keys_match_the_reference():
     want = [splitmix64(splitmix64(seeded ^ i) ^ t) for i, t in ((0, 0), (4, 2), (7, 100))]
     got = [k % M for k in request_keys(9, [(0, 0), (4, 2), (7, 100)]).tolist()]
     assert got == want
+
+
+LOGITS = torch.randn(4, 16)
+
+
+@pytest.mark.parametrize(
+    "keys",
+    [
+        torch.tensor([3]),  # one key for four rows: it broadcast, the same noise in every row
+        torch.tensor([1, 2, 3, 4], dtype=torch.int32),  # hashed unlike the same int64 values
+        torch.tensor([1, 2]),
+        torch.tensor([1.0, 2.0, 3.0, 4.0]),
+        torch.tensor(3),
+        torch.tensor([[1], [2], [3], [4]]),
+        [1, 2, 3, 4],
+    ],
+    ids=["one-key", "int32", "two-keys", "float", "0-d", "2-d", "list"],
+)
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+def test_sample_refuses_keys_that_do_not_fit_its_logits(keys, temperature):
+    params = SamplingParams(temperature=temperature, seed=1)
+    with pytest.raises(InputError, match=r"keys must be a 1-D int64 tensor.*request_keys"):
+        sample(LOGITS, params, keys=keys)
+
+
+def test_sample_takes_one_int64_key_per_row():
+    keys = request_keys(1, [(i, 0) for i in range(4)])
+    picked = sample(LOGITS, SamplingParams(temperature=1.0), keys=keys)
+    assert picked.shape == (4,) and picked.dtype == torch.long
+    assert torch.equal(picked[1:2], sample(LOGITS[1:2], SamplingParams(1.0), keys=keys[1:2]))

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from graphtune.errors import ConfigError
+from graphtune.errors import ConfigError, InputError, describe_tensor
 
 #: Smallest positive temperature: logits are divided by it in float32, where anything smaller
 #: is subnormal (flushed to 0 on some devices) or rounds to 0 outright, and 0 / 0 is NaN.
@@ -168,9 +168,30 @@ def sample(
         keys: One int64 noise key per row (:func:`request_keys`): each row's noise then
             depends on its key alone, not on the other rows or earlier draws.
 
+    Raises:
+        InputError: ``keys`` is not a 1-D int64 tensor with one key per row of ``logits`` (a
+            check of its metadata only: no host synchronisation).
     """
+    if keys is not None:
+        _check_keys(keys, logits)
     finite = torch.isfinite(logits).all(dim=-1)
     return torch.where(finite, _choose(logits, params, generator, keys), NON_FINITE)
+
+
+def _check_keys(keys: object, logits: torch.Tensor) -> None:
+    # A single key would broadcast (the same noise in every row), and int32 keys would hash
+    # differently from the same values as int64.
+    if (
+        not isinstance(keys, torch.Tensor)
+        or keys.dim() != 1
+        or keys.dtype != torch.long
+        or keys.shape[0] != logits.shape[0]
+    ):
+        raise InputError(
+            f"sample: keys must be a 1-D int64 tensor with one key per row of logits "
+            f"({logits.shape[0]}), got {describe_tensor(keys)}; make them with "
+            "request_keys(seed, pairs), one (request index, token number) pair per row."
+        )
 
 
 def _choose(

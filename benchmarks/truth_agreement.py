@@ -12,10 +12,11 @@ single set. Per result file this prints:
 2. per timing mode, the share of cases whose worst pick (over the runs) has regret <= 1%, and the
    largest regret, against each view: the scored CUPTI in-graph truth, CUPTI and events on the
    first input set, and the kernel sum;
-3. per timing mode, the tuner's time over each in-graph view by candidate kind (torch/cuBLAS,
-   Triton GEMM split 1, Triton GEMM split > 1, GEMV split > 1, other), each ratio divided by its
-   case's median ratio over all candidates (which removes per-case offsets): below 1, the tuner
-   reads that kind fast relative to the rest.
+3. per timing mode, the tuner's time over each in-graph view by candidate kind (:data:`KINDS`),
+   each ratio divided by its case's median ratio over all candidates (which removes per-case
+   offsets): the median (below 1, the tuner reads that kind fast relative to the rest) and the
+   spread, the median distance of those ratios from 1 (how much the tuner and the truth disagree
+   about one candidate against another of the same case).
 
     python3 benchmarks/truth_agreement.py benchmarks/results/tuning-full-fc3b150-h200.json [...]
 
@@ -59,7 +60,15 @@ VIEWS = {
     "kernel sum": KERNEL_SUM,
 }
 IN_GRAPH_VIEWS = ("ig CUPTI (scored)", "ig CUPTI set 1", "ig events set 1")
-KINDS = ("torch/cuBLAS", "Triton GEMM split 1", "Triton GEMM split > 1", "GEMV split > 1", "other")
+KINDS = (
+    "torch/cuBLAS",
+    "Triton GEMM split 1",
+    "Triton GEMM split > 1",
+    "skinny GEMM",
+    "GEMV split 1",
+    "GEMV split > 1",
+    "other",
+)
 #: Cases need this many candidates with both a tuner time and a truth for a kind ratio.
 MIN_RATIO_CANDIDATES = 3
 
@@ -201,15 +210,20 @@ def kind_of(runner: str, tactic: Any) -> str:
     split = tactic.get("split_k", 1) if isinstance(tactic, dict) else 1
     if name == "TritonGemmRunner":
         return "Triton GEMM split 1" if split == 1 else "Triton GEMM split > 1"
-    if name == "TritonGemvRunner" and split > 1:
-        return "GEMV split > 1"
+    if name == "TritonSkinnyGemmRunner":
+        return "skinny GEMM"
+    if name == "TritonGemvRunner":
+        return "GEMV split 1" if split == 1 else "GEMV split > 1"
     return "other"
 
 
 def kind_ratios(
     cases: Sequence[dict[str, Any]], mode: str, field: str
-) -> dict[str, tuple[int, float]]:
-    """Per kind: ``(candidates, median case-normalised tuner_us[mode] / field)``.
+) -> dict[str, tuple[int, float, float]]:
+    """Per kind: ``(candidates, median, spread)`` of the case-normalised ``tuner_us[mode] /
+    field``: the median says whether the tuner reads the kind fast or slow against the rest; the
+    spread, the median of ``|ratio - 1|``, how far it reads one candidate against another where
+    the truth does not (what can reorder near-ties, whatever the median).
 
     In each case with at least :data:`MIN_RATIO_CANDIDATES` candidates that have both times,
     every ratio is divided by the case's median ratio.
@@ -226,7 +240,15 @@ def kind_ratios(
         middle = statistics.median(ratio for _, ratio in rows)
         for kind, ratio in rows:
             by_kind.setdefault(kind, []).append(ratio / middle)
-    return {k: (len(by_kind[k]), statistics.median(by_kind[k])) for k in KINDS if k in by_kind}
+    return {
+        k: (
+            len(v),
+            statistics.median(v),
+            statistics.median(abs(ratio - 1.0) for ratio in v),
+        )
+        for k in KINDS
+        if (v := by_kind.get(k))
+    }
 
 
 def report(path: Path, data: dict[str, Any]) -> str:
@@ -281,11 +303,15 @@ def report(path: Path, data: dict[str, Any]) -> str:
             counts = {r[kind][0] for r in ratios if kind in r}
             rows.append(
                 [mode, kind, "/".join(map(str, sorted(counts))) or "0"]
-                + [f"{r[kind][1]:.4f}" if kind in r else None for r in ratios]
+                + [
+                    f"{r[kind][1]:.4f} ±{100 * r[kind][2]:.2f}%" if kind in r else None
+                    for r in ratios
+                ]
             )
     parts.append(
         render_table(
-            "Tuner time / in-graph truth by candidate kind, case-normalised (< 1: read fast)",
+            "Tuner time / in-graph truth by candidate kind, case-normalised (< 1: read fast); "
+            "± the median distance from 1",
             ["mode", "kind", "n", *IN_GRAPH_VIEWS],
             rows,
         )

@@ -150,15 +150,15 @@ def test_kind_ratios_are_normalised_by_the_case_median(cases):
     # Case 1 only: case 2 has two candidates with tuner times, case 3 one.
     scored = ta.kind_ratios(cases, "graph", ta.IN_GRAPH)
     assert scored == {
-        "torch/cuBLAS": (1, pytest.approx(0.98)),
-        "Triton GEMM split 1": (1, pytest.approx(1.0)),
-        "Triton GEMM split > 1": (1, pytest.approx(1.0)),
-        "GEMV split > 1": (1, pytest.approx(1.0)),
+        "torch/cuBLAS": (1, pytest.approx(0.98), pytest.approx(0.02)),
+        "Triton GEMM split 1": (1, pytest.approx(1.0), pytest.approx(0.0)),
+        "Triton GEMM split > 1": (1, pytest.approx(1.0), pytest.approx(0.0)),
+        "GEMV split > 1": (1, pytest.approx(1.0), pytest.approx(0.0)),
     }
     # Events ratios: A 9.8/10.5, B 10.3/10.0, C and D 1.0; the median is 1.0.
     events = ta.kind_ratios(cases, "graph", ta.EVENTS_SET1)
     assert events["torch/cuBLAS"][1] == pytest.approx(9.8 / 10.5)
-    assert events["Triton GEMM split 1"][1] == pytest.approx(1.03)
+    assert events["Triton GEMM split 1"][1:] == (pytest.approx(1.03), pytest.approx(0.03))
 
 
 @pytest.mark.parametrize(
@@ -169,8 +169,8 @@ def test_kind_ratios_are_normalised_by_the_case_median(cases):
         ("TritonGemmRunner", GEMM_K1, "Triton GEMM split 1"),
         ('TritonGemmRunner[{"max":8}]', GEMM_K4, "Triton GEMM split > 1"),
         ("TritonGemvRunner", GEMV_K2, "GEMV split > 1"),
-        ("TritonGemvRunner", {**GEMV_K2, "split_k": 1}, "other"),
-        ("TritonSkinnyGemmRunner", {"bn": 64, "split": 2}, "other"),
+        ("TritonGemvRunner", {**GEMV_K2, "split_k": 1}, "GEMV split 1"),
+        ("TritonSkinnyGemmRunner", {"bn": 64, "split": 2}, "skinny GEMM"),
         ("TritonRMSNormRunner", {"block": 512, "warps": 4}, "other"),
     ],
 )

@@ -36,8 +36,10 @@ class SamplingParams:
         top_p: Keep the smallest set of tokens whose probability reaches ``top_p`` (``1``: all).
         seed: Seed of the sampling noise. In ``Engine.generate`` each request's noise at each
             of its tokens is a function of (seed, its index in the call, the token's number)
-            alone (:func:`request_keys`), so a request samples the same tokens whatever it
-            shares the batch with, its row or ``max_batch_size``.
+            alone (:func:`request_keys`): whatever it shares the batch with, its row or
+            ``max_batch_size``, a request gets the same noise, and so the same tokens wherever
+            its logits are the same (a GPU step padded to another batch size may run other
+            kernels, whose logits can differ in their last bits).
     """
 
     temperature: float = 0.0

@@ -45,6 +45,7 @@ from graphtune.autotuner.save_target import (
     lock_path,
     locked,
     move_aside,
+    not_a_file,
 )
 from graphtune.errors import CacheFileError
 
@@ -60,6 +61,12 @@ class LoadedCache:
 
 
 def _retune_hint(path: Path) -> str:
+    refused = not_a_file(path)
+    if refused is not None:
+        return (
+            f"A save there is refused too, since it {refused} (graphtune never moves or replaces "
+            "one; the picks go to a fallback file its error names): pass the path of a file."
+        )
     return (
         f"Its picks are ignored; the next tuning run with this cache moves it aside to "
         f"{path}.unusable and writes a new one (`graphtune tune --model M --cache {path}`, or "
@@ -153,14 +160,14 @@ def save(
         The number of entries in the file after the write.
 
     Raises:
-        CacheFileError: The lock could not be taken in time or the file could not be written;
-            what would have been saved is then written to a file in the temporary folder, which
-            the message names (:func:`graphtune.atomic_files.write_fallback`): the merged
-            document when the existing file was read, else only ``entries`` and ``blocklist``.
+        CacheFileError: ``path`` is a folder or not a regular file (a FIFO, a device), the lock
+            could not be taken in time or the file could not be written; what would have been
+            saved is then written to a file in the temporary folder, which the message names
+            (:func:`graphtune.atomic_files.write_fallback`): the merged document when the
+            existing file was read, else only ``entries`` and ``blocklist``.
     """
     path = Path(path)
     current = environment_fingerprint() if fingerprint is None else fingerprint
-    check_lockable(path)
     entries, unstorable = _storable(entries)
     # What the file would have held, once known: a failed write puts it in a fallback file.
     # Until the existing file is read it is only the given changes, which must then be merged
@@ -168,7 +175,14 @@ def save(
     doc = _document(entries, current, blocklist or {})
     complete = False
     merged = entries
+    refused = not_a_file(path)  # a folder or FIFO is never moved aside or replaced
+    if refused is not None:
+        raise CacheFileError(
+            _kept_elsewhere(path, doc, f"it {refused}", complete)
+            + "; pass the path of a file as the cache path"
+        )
     try:
+        check_lockable(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         with FileLock(str(lock_path(path)), timeout=lock_timeout_s):
             remove_stale_temp_files(path)
@@ -180,6 +194,8 @@ def save(
             doc = _document(merged, current, blocked)
             complete = True
             _atomic_write(path, doc)
+    except CacheFileError as exc:  # check_lockable, or a folder made there meanwhile
+        raise CacheFileError(_kept_elsewhere(path, doc, str(exc).rstrip("."), complete)) from None
     except Timeout:
         why = f"could not lock {lock_path(path)} within {lock_timeout_s:g} s"
         raise CacheFileError(

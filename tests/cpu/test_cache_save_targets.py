@@ -46,3 +46,25 @@ def test_loading_a_folder_never_promises_to_move_it_aside(tmp_path, caplog) -> N
         assert persist.load(folder) == {}
     (record,) = [r for r in caplog.records if str(folder) in r.getMessage()]
     assert ".unusable" not in record.getMessage()
+
+
+def _other_environment(path) -> str:
+    from graphtune.autotuner.fingerprint import environment_fingerprint
+
+    doc = json.loads(path.read_text())
+    doc["fingerprint"] = {**environment_fingerprint(), "gpu": "NVIDIA Z100"}
+    path.write_text(json.dumps(doc))
+    return path.read_text()
+
+
+def test_merge_keeps_an_output_of_another_environment_as_unusable(tmp_path) -> None:
+    from graphtune.cli.main import main
+
+    a, b, c = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "c.json"
+    write_cache(a, n=2)
+    write_cache(b, n=3)
+    write_cache(c, n=5)
+    before = _other_environment(c)
+    assert main(["cache", "merge", str(a), str(b), "-o", str(c)]) == 0
+    assert (tmp_path / "c.json.unusable").read_text() == before
+    assert len(persist.load(c, strict=True)) == 3

@@ -340,6 +340,16 @@ def _existing(path: Path, current: dict[str, Any]) -> LoadedCache:
     return LoadedCache(doc["entries"], doc["blocklist"])
 
 
+def move_aside_unusable(path: str | PathLike[str], fingerprint: dict[str, Any]) -> None:
+    """Renames the file at ``path``, if it is no usable cache of ``fingerprint``'s environment,
+    to ``<name>.unusable[.N]`` with a warning, as a save does before writing there (for ``cache
+    merge``, whose output replaces ``path``; call it holding the lock). A folder or a file that
+    is not a regular one is left for the write to refuse."""
+    path = Path(path)
+    if not_a_file(path) is None:
+        _existing(path, fingerprint)
+
+
 _KEPT_ASIDE = (
     "Its picks are kept there: use that file where it was made, or `graphtune cache verify` it."
 )

@@ -5,9 +5,10 @@ the benchmark results (``graphtune.bench``) use one implementation.
 
 :func:`write_atomically` writes a temporary file next to the target, ``fsync``s it and renames it
 over the target (``os.replace``): a reader sees the old file or the new one, never half of one,
-and a writer killed at any point leaves the old file intact. The temporary file of ``NAME`` is
-``.NAME.XXXXXXXX.tmp`` (8 random characters): two different targets can never have the same
-temporary name (equal length and equal prefix would make the names equal), so
+and a writer killed at any point leaves the old file intact. A symlink is resolved first
+(:func:`real_path`): its target is replaced, and the link stays a link. The temporary file of
+``NAME`` is ``.NAME.XXXXXXXX.tmp`` (8 random characters): two different targets can never have
+the same temporary name (equal length and equal prefix would make the names equal), so
 :func:`remove_stale_temp_files`, which matches exactly that form, removes only temporary files
 of its own target, never another file's in-progress one (``t.json`` vs ``t.json.rank1``).
 
@@ -33,6 +34,12 @@ logger = logging.getLogger(__name__)
 _RANDOM_CHARS = 8
 # mkstemp's alphabet too, so temporary files of older graphtune versions are cleaned up as well.
 _RANDOM = f"[a-z0-9_]{{{_RANDOM_CHARS}}}"
+
+
+def real_path(path: str | PathLike[str]) -> Path:
+    """``path`` with every symlink resolved (``os.path.realpath``; a missing file is fine): a
+    save through a link writes and locks the link's target, and the link stays a link."""
+    return Path(os.path.realpath(path))
 
 
 def temp_file(path: str | PathLike[str]) -> tuple[int, Path]:
@@ -86,7 +93,7 @@ def remove_stale_temp_files(path: str | PathLike[str]) -> None:
     Call it only while holding ``path``'s lock, when every writer creates its temporary file
     only while holding that lock: any such file that exists then belongs to a writer that died.
     """
-    path = Path(path)
+    path = real_path(path)
     try:
         children = list(path.parent.iterdir())
     except OSError as exc:
@@ -119,7 +126,7 @@ def write_atomically(
     Raises:
         OSError: The temporary file could not be written or renamed (it is removed).
     """
-    path = Path(path)
+    path = real_path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = temp_file(path)
     try:

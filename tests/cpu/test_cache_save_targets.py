@@ -8,11 +8,10 @@ import logging
 import os
 
 import pytest
+from test_faults_cache import entry, key, write_cache
 
 from graphtune.autotuner import TuningCache, persist
 from graphtune.errors import CacheFileError
-
-from test_faults_cache import entry, key, write_cache
 
 needs_fifo = pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
 
@@ -68,3 +67,23 @@ def test_merge_keeps_an_output_of_another_environment_as_unusable(tmp_path) -> N
     assert main(["cache", "merge", str(a), str(b), "-o", str(c)]) == 0
     assert (tmp_path / "c.json.unusable").read_text() == before
     assert len(persist.load(c, strict=True)) == 3
+
+
+def test_a_save_through_a_symlink_updates_its_target_and_keeps_the_link(tmp_path) -> None:
+    from filelock import FileLock
+
+    from graphtune.autotuner import save_target
+
+    real = tmp_path / "shared" / "real.json"
+    real.parent.mkdir()
+    write_cache(real, n=2)
+    link = tmp_path / "link.json"
+    link.symlink_to(real)
+    cache = TuningCache()
+    cache.put(key(9), entry([1]))
+    cache.save(link)
+    assert link.is_symlink() and os.readlink(link) == str(real)
+    assert set(persist.load(real, strict=True)) == {key(1), key(2), key(9)}
+    # The lock is the target's: a save through the link waits for a holder of the real name.
+    with FileLock(str(save_target.lock_path(real))), pytest.raises(CacheFileError):
+        persist.save(link, {key(3): entry([3])}, lock_timeout_s=0.1)

@@ -23,6 +23,7 @@ from filelock import FileLock, Timeout
 from graphtune import env
 from graphtune.atomic_files import (
     FallbackFailed,
+    real_path,
     remove_stale_temp_files,
     write_atomically,
     write_fallback,
@@ -166,7 +167,7 @@ def save(
             (:func:`graphtune.atomic_files.write_fallback`): the merged document when the
             existing file was read, else only ``entries`` and ``blocklist``.
     """
-    path = Path(path)
+    path = real_path(path)
     current = environment_fingerprint() if fingerprint is None else fingerprint
     entries, unstorable = _storable(entries)
     # What the file would have held, once known: a failed write puts it in a fallback file.
@@ -287,7 +288,7 @@ def unblock(
     Raises:
         CacheFileError: The file is unusable, or could not be locked or written.
     """
-    path = Path(path)
+    path = real_path(path)
 
     def split(doc: dict[str, Any]) -> tuple[Blocklist, list[BlockedTactic]]:
         keep: Blocklist = {}
@@ -345,7 +346,7 @@ def move_aside_unusable(path: str | PathLike[str], fingerprint: dict[str, Any]) 
     to ``<name>.unusable[.N]`` with a warning, as a save does before writing there (for ``cache
     merge``, whose output replaces ``path``; call it holding the lock). A folder or a file that
     is not a regular one is left for the write to refuse."""
-    path = Path(path)
+    path = real_path(path)
     if not_a_file(path) is None:
         _existing(path, fingerprint)
 
@@ -369,7 +370,7 @@ def write_atomic(path: str | PathLike[str], doc: dict[str, Any], *, lock: bool =
     Raises:
         CacheFileError: The lock could not be taken or the file could not be written.
     """
-    path = Path(path)
+    path = real_path(path)
     check_regular_target(path)
     try:
         if not lock:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
+from graphtune.atomic_files import real_path
 from graphtune.errors import CacheFileError
 
 logger = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ def check_lockable(path: str | PathLike[str]) -> None:
     Raises:
         CacheFileError: The lock file or a file in the folder cannot be created or opened.
     """
-    path = Path(path)
+    path = real_path(path)
     check_regular_target(path)
     folder = path.parent
     if not folder.is_dir():
@@ -129,7 +130,7 @@ def locked(path: str | PathLike[str]) -> Iterator[Path]:
         CacheFileError: The lock could not be taken (held elsewhere, or its file cannot be
             created or opened).
     """
-    path = Path(path)
+    path = real_path(path)
     lock = FileLock(str(lock_path(path)), timeout=LOCK_TIMEOUT_S)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

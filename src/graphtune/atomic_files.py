@@ -151,9 +151,21 @@ class FallbackFailed(OSError):
         self.target, self.first, self.fallback, self.second = target, first, fallback, second
 
 
-def fallback_path(path: str | PathLike[str]) -> Path:
-    """Where :func:`write_with_fallback` puts ``path``'s data when ``path`` cannot be written."""
-    return Path(tempfile.gettempdir()) / f"graphtune-{os.getpid()}-{Path(path).name}"
+def new_fallback_file(path: str | PathLike[str]) -> Path:
+    """Creates (empty) and returns a new file for ``path``'s data when ``path`` cannot be
+    written: ``graphtune-PID-XXXXXXXX-NAME`` in the system's temporary folder, a name no other
+    save has taken (two caches of one name in different folders never share a fallback).
+
+    Raises:
+        OSError: The temporary folder cannot be created or written.
+    """
+    folder = Path(tempfile.gettempdir())
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(
+        prefix=f"graphtune-{os.getpid()}-", suffix=f"-{Path(path).name}", dir=folder
+    )
+    os.close(fd)
+    return Path(name)
 
 
 def write_with_fallback(
@@ -162,7 +174,8 @@ def write_with_fallback(
     *,
     write: Callable[[Path, bytes], None] = write_atomically,
 ) -> tuple[Path, str | None]:
-    """Writes ``data`` to ``path`` with ``write``, or to :func:`fallback_path` when that fails.
+    """Writes ``data`` to ``path`` with ``write``, or to a :func:`new_fallback_file` when that
+    fails.
 
     Returns:
         The file holding the data, and ``None`` or (when it is the fallback) why ``path`` could
@@ -187,8 +200,8 @@ def write_fallback(
     *,
     write: Callable[[Path, bytes], None] = write_atomically,
 ) -> Path:
-    """Writes ``data``, which could not be written to ``path`` (``why``), to
-    :func:`fallback_path` instead.
+    """Writes ``data``, which could not be written to ``path`` (``why``), to a
+    :func:`new_fallback_file` instead.
 
     Returns:
         The fallback file.
@@ -196,9 +209,13 @@ def write_fallback(
     Raises:
         FallbackFailed: The fallback could not be written either.
     """
-    fallback = fallback_path(path)
+    pattern = f"graphtune-{os.getpid()}-XXXXXXXX-{Path(path).name}"
+    fallback = Path(tempfile.gettempdir()) / pattern  # for the message when none is made
     try:
+        fallback = new_fallback_file(path)
         write(fallback, data)
     except OSError as exc:
+        if fallback.name != pattern:
+            fallback.unlink(missing_ok=True)
         raise FallbackFailed(Path(path), why, fallback, f"{type(exc).__name__}: {exc}") from None
     return fallback

@@ -87,3 +87,20 @@ def test_a_save_through_a_symlink_updates_its_target_and_keeps_the_link(tmp_path
     # The lock is the target's: a save through the link waits for a holder of the real name.
     with FileLock(str(save_target.lock_path(real))), pytest.raises(CacheFileError):
         persist.save(link, {key(3): entry([3])}, lock_timeout_s=0.1)
+
+
+def test_two_failed_saves_of_one_file_name_keep_separate_fallbacks(tmp_path, monkeypatch) -> None:
+    spare = tmp_path / "tmp"
+    monkeypatch.setattr("tempfile.gettempdir", lambda: str(spare))
+    kept = {}
+    for model, k in (("llama", 1), ("qwen", 2)):
+        (tmp_path / model).write_text("a file where the folder should be")
+        cache = TuningCache()
+        cache.put(key(k), entry([k]))
+        with pytest.raises(CacheFileError) as info:
+            cache.save(tmp_path / model / "tuning.json")
+        (kept[model],) = [p for p in _fallbacks(spare) if str(p) in str(info.value)]
+    monkeypatch.undo()
+    assert kept["llama"] != kept["qwen"]
+    assert set(persist.load(kept["llama"], strict=True)) == {key(1)}
+    assert set(persist.load(kept["qwen"], strict=True)) == {key(2)}

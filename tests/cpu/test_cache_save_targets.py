@@ -104,3 +104,30 @@ def test_two_failed_saves_of_one_file_name_keep_separate_fallbacks(tmp_path, mon
     assert kept["llama"] != kept["qwen"]
     assert set(persist.load(kept["llama"], strict=True)) == {key(1)}
     assert set(persist.load(kept["qwen"], strict=True)) == {key(2)}
+
+
+@needs_fifo
+def test_tune_from_misses_refuses_a_fifo_without_opening_it(tmp_path) -> None:
+    import threading
+
+    from graphtune.autotuner import load_misses
+
+    fifo = tmp_path / "m.json"
+    os.mkfifo(fifo)
+    raised: list[Exception] = []
+
+    def load() -> None:
+        try:
+            load_misses(fifo)
+        except Exception as exc:  # checked below
+            raised.append(exc)
+
+    reader = threading.Thread(target=load, daemon=True)
+    reader.start()
+    reader.join(10)
+    hung = reader.is_alive()
+    if hung:  # blocked in open(): release it before failing
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        reader.join(5)
+    assert not hung and len(raised) == 1 and isinstance(raised[0], CacheFileError)
+    assert fifo.is_fifo()

@@ -126,7 +126,10 @@ GENERATE = ["generate", "--model", "tiny", "--prompt-ids", "1,2", "--max-new-tok
 GENERATE += ["--device", "cpu", "--runner", "eager"]
 
 
-@pytest.mark.parametrize("target", ["cache", "folder", "other cache", "read-only"])
+TARGETS = ["cache", "folder", "other cache", "read-only", "file as folder"]
+
+
+@pytest.mark.parametrize("target", TARGETS)
 def test_generate_refuses_an_unfit_misses_path_before_the_run(
     tmp_path, monkeypatch, capsys, target
 ) -> None:
@@ -137,6 +140,7 @@ def test_generate_refuses_an_unfit_misses_path_before_the_run(
         "folder": tmp_path,
         "other cache": tmp_path / "other.json",
         "read-only": tmp_path / "ro" / "m.json",
+        "file as folder": cache / "sub" / "m.json",
     }[target]
     write_cache(tmp_path / "other.json")
     (tmp_path / "ro").mkdir()

@@ -131,3 +131,13 @@ def test_tune_from_misses_refuses_a_fifo_without_opening_it(tmp_path) -> None:
         reader.join(5)
     assert not hung and len(raised) == 1 and isinstance(raised[0], CacheFileError)
     assert fifo.is_fifo()
+
+
+def test_unblock_malformed_names_a_file_that_is_no_cache(tmp_path, capsys) -> None:
+    from graphtune.cli.main import main
+
+    notes = tmp_path / "notes.json"
+    notes.write_text('{"hidden_size": 64}')
+    assert main(["cache", "unblock", str(notes), "--malformed"]) == 1
+    assert str(notes) in capsys.readouterr().err
+    assert notes.read_text() == '{"hidden_size": 64}'

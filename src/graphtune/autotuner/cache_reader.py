@@ -162,7 +162,9 @@ def read_cache_json(path: str | PathLike[str]) -> dict[str, Any]:
     try:
         return raw_document(Path(path))
     except Unusable as exc:
-        raise CacheFileError(f"the file {exc}") from None
+        raise CacheFileError(
+            f"cache file {path} {exc}; pass a graphtune tuning cache file"
+        ) from None
 
 
 def not_a_cache_file(path: str | PathLike[str]) -> str | None:

@@ -76,9 +76,9 @@ def verify_file(
     """
     report = VerifyReport()
     try:
-        doc = cache_reader.read_cache_json(Path(path))
-    except CacheFileError as exc:
-        report.problems.append(str(exc))
+        doc = cache_reader.raw_document(Path(path))
+    except cache_reader.Unusable as exc:  # the command's message names the file itself
+        report.problems.append(f"the file {exc}")
         return report
     version = cache_reader.version_problem(doc["format_version"])
     if version is not None:

@@ -141,3 +141,16 @@ def test_unblock_malformed_names_a_file_that_is_no_cache(tmp_path, capsys) -> No
     assert main(["cache", "unblock", str(notes), "--malformed"]) == 1
     assert str(notes) in capsys.readouterr().err
     assert notes.read_text() == '{"hidden_size": 64}'
+
+
+def test_moving_aside_never_replaces_an_earlier_unusable_file(tmp_path) -> None:
+    path = tmp_path / "c.json"
+    (tmp_path / "c.json.unusable").write_text("old 0")
+    for n in range(1, 1000):
+        (tmp_path / f"c.json.unusable.{n}").write_text(f"old {n}")
+    path.write_text("someone's notes")
+    cache = TuningCache()
+    cache.put(key(1), entry([1]))
+    cache.save(path)
+    assert (tmp_path / "c.json.unusable.999").read_text() == "old 999"
+    assert (tmp_path / "c.json.unusable.1000").read_text() == "someone's notes"

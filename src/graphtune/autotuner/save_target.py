@@ -5,6 +5,7 @@ the tuning cache (:mod:`graphtune.autotuner.persist`), the misses record
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import tempfile
@@ -109,9 +110,9 @@ def move_aside(
     """
     if path.is_dir():
         raise CacheFileError(f"Cannot save the {what} at {path}: it is a folder; pass a file path")
-    for n in range(1000):
+    for n in itertools.count():  # never over an earlier one: each holds someone's file
         aside = path.with_name(f"{path.name}.unusable" + (f".{n}" if n else ""))
-        if not aside.exists():
+        if not aside.exists() and not aside.is_symlink():
             break
     os.replace(path, aside)
     if advice is None:

@@ -395,6 +395,22 @@ def _not_misses_doc(doc: Any) -> str | None:
     return f"is not a graphtune misses file (format {MISSES_FORMAT!r})"
 
 
+def not_a_misses_file(path: str | PathLike[str]) -> str | None:
+    """Why the existing file ``path`` is no record of missed shapes (completing "it ..."), or
+    ``None`` when it is one, of any version (a save moves one it cannot merge into aside to
+    ``FILE.unusable``). The CLI refuses a ``GRAPHTUNE_MISSES`` for which this is not ``None``
+    before a run, as it refuses a cache path that is no tuning cache."""
+    try:
+        doc = parse_json(read_text(Path(path)))
+    except Unusable as exc:
+        return str(exc)
+    except (ValueError, RecursionError) as exc:
+        return f"is not JSON ({exc})"
+    if isinstance(doc, dict) and doc.get("format") == MISSES_FORMAT:
+        return None
+    return _not_misses_doc(doc)
+
+
 def load_misses(path: str | PathLike[str]) -> list[CallRecord]:
     """The records of a misses file.
 

@@ -334,7 +334,8 @@ def lookup_cache_path(path: Path | None, flag: str) -> Path | None:
 def check_misses_path(cache: Path | None) -> None:
     """Checks before any work the file ``GRAPHTUNE_MISSES`` names, where a run that looks picks
     up in ``cache`` records the shapes that missed: it must not be a folder, a tuning cache or
-    ``cache`` itself (the record would replace it), and its folder must be writable (a folder
+    ``cache`` itself (the record would replace it), nor a non-empty file that is no misses
+    record (someone's file: the save would move it aside), and its folder must be writable (a folder
     not there yet passes: the save creates it, unless a file is where a folder must be). Nothing
     to check when it is unset.
 
@@ -342,6 +343,7 @@ def check_misses_path(cache: Path | None) -> None:
         ConfigError: One of those; the message names ``GRAPHTUNE_MISSES`` and the fix.
     """
     from graphtune.autotuner.cache_reader import not_a_cache_file
+    from graphtune.autotuner.calls import not_a_misses_file
 
     path = env.default_misses_path()
     if path is None:
@@ -362,6 +364,13 @@ def check_misses_path(cache: Path | None) -> None:
         raise ConfigError(
             f"{name} holds a graphtune tuning cache, which the record of missed shapes would "
             "replace; set it to another file"
+        )
+    # As check_cache_path: someone's other file there is refused, not moved aside after the run.
+    reason = not_a_misses_file(path) if path.is_file() and path.stat().st_size else None
+    if reason is not None:
+        raise ConfigError(
+            f"{name} is not a graphtune misses file (it {reason}), and recording the misses "
+            f"would move it to {path}.unusable; set it to another file, or move that file away"
         )
     refuse_file_above(path, name, "set it to another path, or unset it")
     folder = path.parent

@@ -5,9 +5,10 @@ the benchmark results (``graphtune.bench``) use one implementation.
 
 :func:`write_atomically` writes a temporary file next to the target, ``fsync``s it and renames it
 over the target (``os.replace``): a reader sees the old file or the new one, never half of one,
-and a writer killed at any point leaves the old file intact. The temporary file of ``NAME`` is
-``.NAME.XXXXXXXX.tmp`` (8 random characters): two different targets can never have the same
-temporary name (equal length and equal prefix would make the names equal), so
+and a writer killed at any point leaves the old file intact. A symlink is resolved first
+(:func:`real_path`): its target is replaced, and the link stays a link. The temporary file of
+``NAME`` is ``.NAME.XXXXXXXX.tmp`` (8 random characters): two different targets can never have
+the same temporary name (equal length and equal prefix would make the names equal), so
 :func:`remove_stale_temp_files`, which matches exactly that form, removes only temporary files
 of its own target, never another file's in-progress one (``t.json`` vs ``t.json.rank1``).
 
@@ -33,6 +34,12 @@ logger = logging.getLogger(__name__)
 _RANDOM_CHARS = 8
 # mkstemp's alphabet too, so temporary files of older graphtune versions are cleaned up as well.
 _RANDOM = f"[a-z0-9_]{{{_RANDOM_CHARS}}}"
+
+
+def real_path(path: str | PathLike[str]) -> Path:
+    """``path`` with every symlink resolved (``os.path.realpath``; a missing file is fine): a
+    save through a link writes and locks the link's target, and the link stays a link."""
+    return Path(os.path.realpath(path))
 
 
 def temp_file(path: str | PathLike[str]) -> tuple[int, Path]:
@@ -86,7 +93,7 @@ def remove_stale_temp_files(path: str | PathLike[str]) -> None:
     Call it only while holding ``path``'s lock, when every writer creates its temporary file
     only while holding that lock: any such file that exists then belongs to a writer that died.
     """
-    path = Path(path)
+    path = real_path(path)
     try:
         children = list(path.parent.iterdir())
     except OSError as exc:
@@ -119,7 +126,7 @@ def write_atomically(
     Raises:
         OSError: The temporary file could not be written or renamed (it is removed).
     """
-    path = Path(path)
+    path = real_path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = temp_file(path)
     try:
@@ -144,9 +151,21 @@ class FallbackFailed(OSError):
         self.target, self.first, self.fallback, self.second = target, first, fallback, second
 
 
-def fallback_path(path: str | PathLike[str]) -> Path:
-    """Where :func:`write_with_fallback` puts ``path``'s data when ``path`` cannot be written."""
-    return Path(tempfile.gettempdir()) / f"graphtune-{os.getpid()}-{Path(path).name}"
+def new_fallback_file(path: str | PathLike[str]) -> Path:
+    """Creates (empty) and returns a new file for ``path``'s data when ``path`` cannot be
+    written: ``graphtune-PID-XXXXXXXX-NAME`` in the system's temporary folder, a name no other
+    save has taken (two caches of one name in different folders never share a fallback).
+
+    Raises:
+        OSError: The temporary folder cannot be created or written.
+    """
+    folder = Path(tempfile.gettempdir())
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(
+        prefix=f"graphtune-{os.getpid()}-", suffix=f"-{Path(path).name}", dir=folder
+    )
+    os.close(fd)
+    return Path(name)
 
 
 def write_with_fallback(
@@ -155,7 +174,8 @@ def write_with_fallback(
     *,
     write: Callable[[Path, bytes], None] = write_atomically,
 ) -> tuple[Path, str | None]:
-    """Writes ``data`` to ``path`` with ``write``, or to :func:`fallback_path` when that fails.
+    """Writes ``data`` to ``path`` with ``write``, or to a :func:`new_fallback_file` when that
+    fails.
 
     Returns:
         The file holding the data, and ``None`` or (when it is the fallback) why ``path`` could
@@ -180,8 +200,8 @@ def write_fallback(
     *,
     write: Callable[[Path, bytes], None] = write_atomically,
 ) -> Path:
-    """Writes ``data``, which could not be written to ``path`` (``why``), to
-    :func:`fallback_path` instead.
+    """Writes ``data``, which could not be written to ``path`` (``why``), to a
+    :func:`new_fallback_file` instead.
 
     Returns:
         The fallback file.
@@ -189,9 +209,13 @@ def write_fallback(
     Raises:
         FallbackFailed: The fallback could not be written either.
     """
-    fallback = fallback_path(path)
+    pattern = f"graphtune-{os.getpid()}-XXXXXXXX-{Path(path).name}"
+    fallback = Path(tempfile.gettempdir()) / pattern  # for the message when none is made
     try:
+        fallback = new_fallback_file(path)
         write(fallback, data)
     except OSError as exc:
+        if fallback.name != pattern:
+            fallback.unlink(missing_ok=True)
         raise FallbackFailed(Path(path), why, fallback, f"{type(exc).__name__}: {exc}") from None
     return fallback

@@ -126,7 +126,10 @@ GENERATE = ["generate", "--model", "tiny", "--prompt-ids", "1,2", "--max-new-tok
 GENERATE += ["--device", "cpu", "--runner", "eager"]
 
 
-@pytest.mark.parametrize("target", ["cache", "folder", "other cache", "read-only"])
+TARGETS = ["cache", "folder", "other cache", "read-only", "file as folder", "notes"]
+
+
+@pytest.mark.parametrize("target", TARGETS)
 def test_generate_refuses_an_unfit_misses_path_before_the_run(
     tmp_path, monkeypatch, capsys, target
 ) -> None:
@@ -137,7 +140,10 @@ def test_generate_refuses_an_unfit_misses_path_before_the_run(
         "folder": tmp_path,
         "other cache": tmp_path / "other.json",
         "read-only": tmp_path / "ro" / "m.json",
+        "file as folder": cache / "sub" / "m.json",
+        "notes": tmp_path / "notes.txt",
     }[target]
+    (tmp_path / "notes.txt").write_text("my notes")
     write_cache(tmp_path / "other.json")
     (tmp_path / "ro").mkdir()
     if target == "read-only":  # as root, permission bits do not stop a write

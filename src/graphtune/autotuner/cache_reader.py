@@ -42,9 +42,10 @@ def read_document(path: str | PathLike[str]) -> dict[str, Any]:
         raise CacheFileError(f"cache file {path}: {exc}") from None
 
 
-def _read_text(path: Path) -> str:
+def read_text(path: Path) -> str:
     """The text of the regular file ``path``; raises :class:`Unusable` saying why not (a FIFO
-    or a device is refused before it is opened: reading one would block or never end)."""
+    or a device is refused before it is opened: reading one would block or never end). Also
+    the reader of the misses file (:func:`graphtune.autotuner.calls.load_misses`)."""
     try:
         if path.exists() and not path.is_file():
             raise Unusable("is not a regular file")
@@ -65,7 +66,7 @@ def parse(path: Path) -> dict[str, Any]:
 def raw_document(path: Path) -> dict[str, Any]:
     """The JSON object of the graphtune cache file ``path`` of any format version, unchecked
     beyond that; :class:`Unusable` when the file is no graphtune cache (or cannot be read)."""
-    return _parse_cache_json(_read_text(path))
+    return _parse_cache_json(read_text(path))
 
 
 def parse_document(doc: dict[str, Any]) -> dict[str, Any]:
@@ -161,7 +162,9 @@ def read_cache_json(path: str | PathLike[str]) -> dict[str, Any]:
     try:
         return raw_document(Path(path))
     except Unusable as exc:
-        raise CacheFileError(f"the file {exc}") from None
+        raise CacheFileError(
+            f"cache file {path} {exc}; pass a graphtune tuning cache file"
+        ) from None
 
 
 def not_a_cache_file(path: str | PathLike[str]) -> str | None:

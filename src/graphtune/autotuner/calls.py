@@ -23,11 +23,13 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from os import PathLike
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from graphtune.autotuner import json_update
+from graphtune.autotuner.cache_reader import Unusable, read_text
 from graphtune.autotuner.config import TuningConfig
 from graphtune.autotuner.entries import CacheKey
 from graphtune.autotuner.values import decode_value, encode_value
@@ -393,18 +395,38 @@ def _not_misses_doc(doc: Any) -> str | None:
     return f"is not a graphtune misses file (format {MISSES_FORMAT!r})"
 
 
+def not_a_misses_file(path: str | PathLike[str]) -> str | None:
+    """Why the existing file ``path`` is no record of missed shapes (completing "it ..."), or
+    ``None`` when it is one, of any version (a save moves one it cannot merge into aside to
+    ``FILE.unusable``). The CLI refuses a ``GRAPHTUNE_MISSES`` for which this is not ``None``
+    before a run, as it refuses a cache path that is no tuning cache."""
+    try:
+        doc = parse_json(read_text(Path(path)))
+    except Unusable as exc:
+        return str(exc)
+    except (ValueError, RecursionError) as exc:
+        return f"is not JSON ({exc})"
+    if isinstance(doc, dict) and doc.get("format") == MISSES_FORMAT:
+        return None
+    return _not_misses_doc(doc)
+
+
 def load_misses(path: str | PathLike[str]) -> list[CallRecord]:
     """The records of a misses file.
 
     Raises:
-        CacheFileError: The file is missing, not JSON, not a misses file or malformed.
+        CacheFileError: The file is missing, not a regular file (a FIFO is never opened),
+            not JSON, not a misses file or malformed.
     """
     try:
-        with open(path, encoding="utf-8") as handle:
-            doc = parse_json(handle.read())
-    except FileNotFoundError:
-        raise CacheFileError(f"misses file {path} does not exist.") from None
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        # A FIFO or device is refused unopened (reading one would block), as for a cache file.
+        doc = parse_json(read_text(Path(path)))
+    except Unusable as exc:
+        raise CacheFileError(
+            f"misses file {path} {exc}; pass the file GRAPHTUNE_MISSES or "
+            "AutoTuner.misses.save(path) wrote."
+        ) from None
+    except (ValueError, RecursionError) as exc:
         raise CacheFileError(f"misses file {path} cannot be read as JSON ({exc}).") from None
     if isinstance(doc, dict) and doc.get("format") == MISSES_FORMAT:
         if doc.get("version") != MISSES_VERSION:

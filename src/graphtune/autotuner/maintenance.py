@@ -19,6 +19,7 @@ skips the whole file. ``merge`` combines two files under a stated rule (also in
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from os import PathLike
 from pathlib import Path
@@ -75,9 +76,9 @@ def verify_file(
     """
     report = VerifyReport()
     try:
-        doc = cache_reader.read_cache_json(Path(path))
-    except CacheFileError as exc:
-        report.problems.append(str(exc))
+        doc = cache_reader.raw_document(Path(path))
+    except cache_reader.Unusable as exc:  # the command's message names the file itself
+        report.problems.append(f"the file {exc}")
         return report
     version = cache_reader.version_problem(doc["format_version"])
     if version is not None:
@@ -176,6 +177,10 @@ def merge_files(
         ConfigError: ``prefer`` is neither.
         CacheFileError: A or B is unusable, their environments differ (without ``force``), or
             ``out`` could not be written.
+
+    An existing ``out`` that is neither A nor B and no usable cache of A's environment (another
+    environment or format version) is first renamed to ``<name>.unusable[.N]``, with a warning
+    naming where it went, as a save does.
     """
     if prefer not in MERGE_PREFERENCES:
         raise ConfigError(
@@ -231,10 +236,24 @@ def _merge_locked(
             report.conflicts_kept_a += 1
     blocked = dict(doc_b["blocklist"])
     blocked.update(doc_a["blocklist"])  # A's reason wins for the same (runner, tactic)
+    if not _is_input(out, a, b):
+        # As a save does: a cache of another environment or version is kept as C.unusable.
+        persist.move_aside_unusable(out, doc_a["fingerprint"])
     persist.write_atomic(out, persist.document(merged, doc_a["fingerprint"], blocked), lock=False)
     report.entries = len(merged)
     report.blocked = len(blocked)
     return report
+
+
+def _is_input(out: str | PathLike[str], *inputs: str | PathLike[str]) -> bool:
+    """Whether ``out`` is one of the merged files (its content is then in the output)."""
+    for path in inputs:
+        try:
+            if os.path.samefile(out, path):
+                return True
+        except OSError:  # ``out`` does not exist yet
+            return False
+    return False
 
 
 def drop_malformed_blocklist(path: str | PathLike[str]) -> list[str]:

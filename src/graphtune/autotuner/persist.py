@@ -23,6 +23,7 @@ from filelock import FileLock, Timeout
 from graphtune import env
 from graphtune.atomic_files import (
     FallbackFailed,
+    real_path,
     remove_stale_temp_files,
     write_atomically,
     write_fallback,
@@ -45,6 +46,7 @@ from graphtune.autotuner.save_target import (
     lock_path,
     locked,
     move_aside,
+    not_a_file,
 )
 from graphtune.errors import CacheFileError
 
@@ -60,6 +62,12 @@ class LoadedCache:
 
 
 def _retune_hint(path: Path) -> str:
+    refused = not_a_file(path)
+    if refused is not None:
+        return (
+            f"A save there is refused too, since it {refused} (graphtune never moves or replaces "
+            "one; the picks go to a fallback file its error names): pass the path of a file."
+        )
     return (
         f"Its picks are ignored; the next tuning run with this cache moves it aside to "
         f"{path}.unusable and writes a new one (`graphtune tune --model M --cache {path}`, or "
@@ -153,14 +161,14 @@ def save(
         The number of entries in the file after the write.
 
     Raises:
-        CacheFileError: The lock could not be taken in time or the file could not be written;
-            what would have been saved is then written to a file in the temporary folder, which
-            the message names (:func:`graphtune.atomic_files.write_fallback`): the merged
-            document when the existing file was read, else only ``entries`` and ``blocklist``.
+        CacheFileError: ``path`` is a folder or not a regular file (a FIFO, a device), the lock
+            could not be taken in time or the file could not be written; what would have been
+            saved is then written to a file in the temporary folder, which the message names
+            (:func:`graphtune.atomic_files.write_fallback`): the merged document when the
+            existing file was read, else only ``entries`` and ``blocklist``.
     """
-    path = Path(path)
+    path = real_path(path)
     current = environment_fingerprint() if fingerprint is None else fingerprint
-    check_lockable(path)
     entries, unstorable = _storable(entries)
     # What the file would have held, once known: a failed write puts it in a fallback file.
     # Until the existing file is read it is only the given changes, which must then be merged
@@ -168,7 +176,14 @@ def save(
     doc = _document(entries, current, blocklist or {})
     complete = False
     merged = entries
+    refused = not_a_file(path)  # a folder or FIFO is never moved aside or replaced
+    if refused is not None:
+        raise CacheFileError(
+            _kept_elsewhere(path, doc, f"it {refused}", complete)
+            + "; pass the path of a file as the cache path"
+        )
     try:
+        check_lockable(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         with FileLock(str(lock_path(path)), timeout=lock_timeout_s):
             remove_stale_temp_files(path)
@@ -180,6 +195,8 @@ def save(
             doc = _document(merged, current, blocked)
             complete = True
             _atomic_write(path, doc)
+    except CacheFileError as exc:  # check_lockable, or a folder made there meanwhile
+        raise CacheFileError(_kept_elsewhere(path, doc, str(exc).rstrip("."), complete)) from None
     except Timeout:
         why = f"could not lock {lock_path(path)} within {lock_timeout_s:g} s"
         raise CacheFileError(
@@ -271,7 +288,7 @@ def unblock(
     Raises:
         CacheFileError: The file is unusable, or could not be locked or written.
     """
-    path = Path(path)
+    path = real_path(path)
 
     def split(doc: dict[str, Any]) -> tuple[Blocklist, list[BlockedTactic]]:
         keep: Blocklist = {}
@@ -324,6 +341,16 @@ def _existing(path: Path, current: dict[str, Any]) -> LoadedCache:
     return LoadedCache(doc["entries"], doc["blocklist"])
 
 
+def move_aside_unusable(path: str | PathLike[str], fingerprint: dict[str, Any]) -> None:
+    """Renames the file at ``path``, if it is no usable cache of ``fingerprint``'s environment,
+    to ``<name>.unusable[.N]`` with a warning, as a save does before writing there (for ``cache
+    merge``, whose output replaces ``path``; call it holding the lock). A folder or a file that
+    is not a regular one is left for the write to refuse."""
+    path = real_path(path)
+    if not_a_file(path) is None:
+        _existing(path, fingerprint)
+
+
 _KEPT_ASIDE = (
     "Its picks are kept there: use that file where it was made, or `graphtune cache verify` it."
 )
@@ -343,7 +370,7 @@ def write_atomic(path: str | PathLike[str], doc: dict[str, Any], *, lock: bool =
     Raises:
         CacheFileError: The lock could not be taken or the file could not be written.
     """
-    path = Path(path)
+    path = real_path(path)
     check_regular_target(path)
     try:
         if not lock:

@@ -5,6 +5,7 @@ the tuning cache (:mod:`graphtune.autotuner.persist`), the misses record
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import tempfile
@@ -15,6 +16,7 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
+from graphtune.atomic_files import real_path
 from graphtune.errors import CacheFileError
 
 logger = logging.getLogger(__name__)
@@ -41,7 +43,7 @@ def check_lockable(path: str | PathLike[str]) -> None:
     Raises:
         CacheFileError: The lock file or a file in the folder cannot be created or opened.
     """
-    path = Path(path)
+    path = real_path(path)
     check_regular_target(path)
     folder = path.parent
     if not folder.is_dir():
@@ -70,11 +72,22 @@ def check_regular_target(path: str | PathLike[str]) -> None:
         CacheFileError: ``path`` exists and is not a regular file.
     """
     path = Path(path)
-    if path.exists() and not path.is_file() and not path.is_dir():
+    if not_a_file(path) not in (None, "is a folder"):
         raise CacheFileError(
             f"Cannot write {path}: it is not a regular file (a device, FIFO or socket), which "
             "graphtune would replace; pass the path of a file"
         )
+
+
+def not_a_file(path: str | PathLike[str]) -> str | None:
+    """Why the existing ``path`` is no place to save a file (completing "it ..."): a folder, or
+    not a regular file (a FIFO, socket or device); ``None`` for a regular file or no file."""
+    path = Path(path)
+    if path.is_dir():
+        return "is a folder"
+    if path.exists() and not path.is_file():
+        return "is not a regular file (a device, FIFO or socket)"
+    return None
 
 
 def move_aside(
@@ -97,9 +110,9 @@ def move_aside(
     """
     if path.is_dir():
         raise CacheFileError(f"Cannot save the {what} at {path}: it is a folder; pass a file path")
-    for n in range(1000):
+    for n in itertools.count():  # never over an earlier one: each holds someone's file
         aside = path.with_name(f"{path.name}.unusable" + (f".{n}" if n else ""))
-        if not aside.exists():
+        if not aside.exists() and not aside.is_symlink():
             break
     os.replace(path, aside)
     if advice is None:
@@ -118,7 +131,7 @@ def locked(path: str | PathLike[str]) -> Iterator[Path]:
         CacheFileError: The lock could not be taken (held elsewhere, or its file cannot be
             created or opened).
     """
-    path = Path(path)
+    path = real_path(path)
     lock = FileLock(str(lock_path(path)), timeout=LOCK_TIMEOUT_S)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -192,8 +192,7 @@ def check_output_path(path: Path | None, flag: str, *, results: bool = False) ->
                 f"{flag} {path} is {kind}, and writing the results would replace it; give "
                 "another path, or move that file away"
             )
-    if folder.exists() and not folder.is_dir():
-        raise ConfigError(f"{flag} {path}: {folder} is a file, not a folder; give another path")
+    refuse_file_above(path, f"{flag} {path}", "give another path")
     if not folder.is_dir():
         raise ConfigError(f"{flag} {path}: the folder {folder} does not exist; create it first")
     reason = _unwritable(folder)
@@ -201,6 +200,20 @@ def check_output_path(path: Path | None, flag: str, *, results: bool = False) ->
         raise ConfigError(
             f"{flag} {path}: cannot write to the folder {folder} ({reason}); pass a writable path"
         )
+
+
+def refuse_file_above(path: Path, label: str, fix: str) -> None:
+    """Refuses ``path`` when its nearest existing parent is a file, not a folder (no file can
+    be made under it); ``label`` names the input and ``fix`` ends the message.
+
+    Raises:
+        ConfigError: That parent is a file.
+    """
+    for folder in path.parents:
+        if folder.exists():
+            if not folder.is_dir():
+                raise ConfigError(f"{label}: {folder} is a file, not a folder; {fix}")
+            return
 
 
 def _unwritable(folder: Path) -> str | None:
@@ -321,13 +334,16 @@ def lookup_cache_path(path: Path | None, flag: str) -> Path | None:
 def check_misses_path(cache: Path | None) -> None:
     """Checks before any work the file ``GRAPHTUNE_MISSES`` names, where a run that looks picks
     up in ``cache`` records the shapes that missed: it must not be a folder, a tuning cache or
-    ``cache`` itself (the record would replace it), and its folder must be writable (a folder
-    not there yet passes: the save creates it). Nothing to check when it is unset.
+    ``cache`` itself (the record would replace it), nor a non-empty file that is no misses
+    record (someone's file: the save would move it aside), and its folder must be writable (a folder
+    not there yet passes: the save creates it, unless a file is where a folder must be). Nothing
+    to check when it is unset.
 
     Raises:
         ConfigError: One of those; the message names ``GRAPHTUNE_MISSES`` and the fix.
     """
     from graphtune.autotuner.cache_reader import not_a_cache_file
+    from graphtune.autotuner.calls import not_a_misses_file
 
     path = env.default_misses_path()
     if path is None:
@@ -349,6 +365,14 @@ def check_misses_path(cache: Path | None) -> None:
             f"{name} holds a graphtune tuning cache, which the record of missed shapes would "
             "replace; set it to another file"
         )
+    # As check_cache_path: someone's other file there is refused, not moved aside after the run.
+    reason = not_a_misses_file(path) if path.is_file() and path.stat().st_size else None
+    if reason is not None:
+        raise ConfigError(
+            f"{name} is not a graphtune misses file (it {reason}), and recording the misses "
+            f"would move it to {path}.unusable; set it to another file, or move that file away"
+        )
+    refuse_file_above(path, name, "set it to another path, or unset it")
     folder = path.parent
     reason = _unwritable(folder) if folder.is_dir() else None
     if reason is not None:

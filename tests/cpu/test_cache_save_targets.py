@@ -154,3 +154,24 @@ def test_moving_aside_never_replaces_an_earlier_unusable_file(tmp_path) -> None:
     cache.save(path)
     assert (tmp_path / "c.json.unusable.999").read_text() == "old 999"
     assert (tmp_path / "c.json.unusable.1000").read_text() == "someone's notes"
+
+
+def test_a_json_update_through_a_symlink_locks_and_writes_its_target(tmp_path) -> None:
+    # The misses record's read-merge-write (json_update), as the cache save above.
+    from filelock import FileLock
+
+    from graphtune.autotuner import json_update, save_target
+
+    real = tmp_path / "shared" / "misses.json"
+    real.parent.mkdir()
+    real.write_text('{"n": 1}\n')
+    link = tmp_path / "link.json"
+    link.symlink_to(real)
+
+    def merge(old):
+        return {"n": (old or {"n": 0})["n"] + 1}
+
+    json_update.update_json(link, merge, problem=lambda doc: None, what="record")
+    assert link.is_symlink() and json.loads(real.read_text()) == {"n": 2}
+    with FileLock(str(save_target.lock_path(real))), pytest.raises(CacheFileError):
+        json_update.update_json(link, merge, problem=lambda doc: None, lock_timeout_s=0.1)

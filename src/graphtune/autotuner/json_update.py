@@ -14,6 +14,7 @@ from filelock import FileLock, Timeout
 
 from graphtune.atomic_files import (
     FallbackFailed,
+    real_path,
     remove_stale_temp_files,
     write_atomically,
     write_fallback,
@@ -55,7 +56,7 @@ def update_json(
             message names (the merged document when the file was read, else ``merge(None)``:
             only this save's part).
     """
-    path = Path(path)
+    path = real_path(path)  # a link: its target is locked and written, the link stays
     doc: dict[str, Any] | None = None
     refused = "it is a folder" if path.is_dir() else None
     try:

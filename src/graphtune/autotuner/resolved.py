@@ -19,7 +19,7 @@ from graphtune.autotuner.cache import TuningCache
 from graphtune.autotuner.calls import OpCall
 from graphtune.autotuner.config import TuningConfig
 from graphtune.autotuner.entries import CacheKey
-from graphtune.autotuner.profiles import Profile, profile_for
+from graphtune.autotuner.profiles import Profile, input_type_text, profile_for
 from graphtune.autotuner.runner import TunableRunner
 
 
@@ -150,7 +150,7 @@ def distinct_profiles(calls: Iterable[ResolvedCall]) -> Iterator[ResolvedCall]:
     seen: set[tuple[Any, ...]] = set()
     for resolved in calls:
         shapes = tuple(
-            (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else type(x)
+            (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else input_type_text(x)
             for x in resolved.call.inputs
         )
         call = resolved.call

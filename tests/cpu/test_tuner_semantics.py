@@ -7,6 +7,7 @@ deterministic (docs/design.md, principle 2).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from typing import Any
 
@@ -143,3 +144,38 @@ def test_record_calls_blocks_nest_within_a_thread() -> None:
         tuner.choose_one("c", [runner], CONFIG, [torch.zeros(4, 2)])
     assert [c.op for c in outer] == ["a", "c"] and [c.op for c in inner] == ["b"]
     assert tuner.stats.fallbacks == {"a": 1, "c": 1}  # the inner dry run counted nothing
+
+
+# -- the hit memo tells runners apart by identity -------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocked(TunableRunner):
+    """Equal for any ``block`` (``compare=False``), but ``block`` is part of its identity."""
+
+    timer: CostTimer = dataclasses.field(compare=False, repr=False)
+    kind: str
+    block: int = dataclasses.field(compare=False, default=0)
+    identity_excludes = frozenset({"timer"})
+
+    def get_valid_tactics(self, inputs: list, profile: Any, **kwargs: Any) -> list:
+        return [1, 2]
+
+    def forward(self, inputs: list, *, tactic: Any = -1, **kwargs: Any) -> Any:
+        self.timer.cost = {64: {1: 1.0, 2: 2.0}, 128: {1: 2.0, 2: 1.0}}[self.block][tactic]
+        return inputs[0]
+
+
+def test_runners_equal_by_eq_but_of_other_identities_do_not_share_a_memoised_hit() -> None:
+    tuner, timer = make_tuner()
+    small, big = Blocked(timer, "g", 64), Blocked(timer, "g", 128)
+    assert small == big and hash(small) == hash(big)
+    x = [torch.zeros(4, 2)]
+    with autotune(None, tuner):
+        assert tuner.choose_one("op", [small], CONFIG, x) == (small, 1)
+        assert tuner.choose_one("op", [big], CONFIG, x) == (big, 2)
+    for _ in range(2):  # the second round answers from the memo
+        runner, tactic = tuner.choose_one("op", [small], CONFIG, x)
+        assert runner is small and tactic == 1
+        runner, tactic = tuner.choose_one("op", [big], CONFIG, x)
+        assert runner is big and tactic == 2

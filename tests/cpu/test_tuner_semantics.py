@@ -179,3 +179,36 @@ def test_runners_equal_by_eq_but_of_other_identities_do_not_share_a_memoised_hit
         assert runner is small and tactic == 1
         runner, tactic = tuner.choose_one("op", [big], CONFIG, x)
         assert runner is big and tactic == 2
+
+
+# -- a timer session per candidate ----------------------------------------------------------------
+
+
+class CostSession:
+    def __init__(self, timer: SessionCostTimer, fn) -> None:
+        self._timer, self._fn = timer, fn
+
+    def measure(self) -> Measurement:
+        return self._timer.measure(self._fn, warmup=0, repeat=1)
+
+    def close(self) -> None:
+        pass
+
+
+class SessionCostTimer(CostTimer):
+    """A session timer (as the graph timer is): each candidate's session runs its own call."""
+
+    name = "fakesession"
+
+    def open(self, fn, *, warmup: int, repeat: int, hint_us: float | None = None) -> CostSession:
+        return CostSession(self, fn)
+
+
+def test_tactics_of_alike_texts_are_timed_on_sessions_of_their_own() -> None:
+    tuner, timer = make_tuner(SessionCostTimer())
+    # (64, 2) and [64, 2] render alike, as a dtype and its name do; the runner tells them apart.
+    runner = Priced(timer, [((64, 2), 5.0), ([64, 2], 1.0)])
+    with autotune(None, tuner):
+        assert tuner.choose_one("op", [runner], CONFIG, [torch.zeros(4, 2)]) == (runner, [64, 2])
+    (record,) = tuner.history
+    assert [(c.tactic, c.median_us) for c in record.candidates] == [((64, 2), 5.0), ([64, 2], 1.0)]

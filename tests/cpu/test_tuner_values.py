@@ -7,8 +7,10 @@ from __future__ import annotations
 import enum
 from typing import Any
 
+import pytest
+
 from graphtune.autotuner import TunableRunner, runner_id
-from graphtune.autotuner.values import canonical_text, identity_value
+from graphtune.autotuner.values import canonical_text, encode_value, identity_value
 
 
 class Width(enum.IntEnum):
@@ -42,3 +44,11 @@ def test_int_and_str_enum_members_keep_their_names_in_identities() -> None:
     assert len(ids) == 5  # none collides with a plain int or string, or with another enum
     kwargs = [canonical_text(identity_value({"k": v}, "kwargs")) for v in (1, Width.ONE)]
     assert kwargs == ['{"k":1}', '{"k":"Width.ONE"}']
+
+
+def test_a_tactic_dict_keyed_by_str_enum_members_is_refused_not_stored_as_strings() -> None:
+    with pytest.raises(TypeError, match="not subclasses"):
+        encode_value({Mode.FAST: 1})
+    with pytest.raises(TypeError, match="not subclasses"):
+        encode_value({"a": {Mode.FAST: 1}})
+    assert encode_value({"fast": 1}) == {"fast": 1}  # plain string keys as before

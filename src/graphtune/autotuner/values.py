@@ -69,7 +69,9 @@ def encode_value(value: Any) -> Any:
     if isinstance(value, torch.device):
         return {_DEVICE: str(value)}
     if kind is dict:
-        plain = all(isinstance(k, str) for k in value) and not (
+        # type(k) is str: a str enum key would be written as its value and come back a str
+        # (the pairs form below refuses it, as encode_value refuses an enum member itself).
+        plain = all(type(k) is str for k in value) and not (
             len(value) == 1 and next(iter(value)) in _TAGS
         )
         if plain:

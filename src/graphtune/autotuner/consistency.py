@@ -21,7 +21,7 @@ import torch
 
 from graphtune.autotuner.config import TuningConfig
 from graphtune.autotuner.identity import runner_id, short_runner_name
-from graphtune.autotuner.profiles import profile_for
+from graphtune.autotuner.profiles import copy_tree, profile_for
 from graphtune.autotuner.runner import FALLBACK_TACTIC, TunableRunner
 from graphtune.errors import ConfigError
 
@@ -89,32 +89,7 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 
 
 def _copy(inputs: Sequence[Any]) -> list[Any]:
-    return [_copy_tree(x) for x in inputs]
-
-
-def _copy_tree(value: Any) -> Any:
-    """``value`` with every tensor in it copied, inside lists, tuples and dicts too (a tensor
-    shared by the runs would be compared with itself, and the caller's would be written)."""
-    if isinstance(value, torch.Tensor):
-        return _same_layout_copy(value)
-    if isinstance(value, dict):
-        return {k: _copy_tree(v) for k, v in value.items()}
-    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple keeps its type
-        return type(value)(*(_copy_tree(v) for v in value))
-    if isinstance(value, (list, tuple)):
-        return type(value)(_copy_tree(v) for v in value)
-    return value
-
-
-def _same_layout_copy(x: torch.Tensor) -> torch.Tensor:
-    """A copy with ``x``'s strides (``clone()`` makes a strided view contiguous, and a runner
-    that mishandles strides would then pass the check); a layout that cannot be written
-    element by element (a stride of 0) is cloned."""
-    copy = torch.empty_strided(x.size(), x.stride(), dtype=x.dtype, device=x.device)
-    try:
-        return copy.copy_(x)
-    except RuntimeError:
-        return x.clone()
+    return [copy_tree(x) for x in inputs]
 
 
 def _same_nonfinite(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -202,7 +177,7 @@ def check_tactics(
             )
     profile = profile_for(config, inputs)
     report = ConsistencyReport(op, profile.describe() if profile is not None else "no bucket")
-    reference_inputs, reference_kwargs = _copy(inputs), _copy_tree(kwargs)
+    reference_inputs, reference_kwargs = _copy(inputs), copy_tree(kwargs)
     try:
         out = runners[0].forward(reference_inputs, tactic=FALLBACK_TACTIC, **reference_kwargs)
     except Exception as exc:  # reported, so a broken fallback is visible in the report
@@ -244,7 +219,7 @@ def _check_one(
     rtol: float | None,
     kwargs: dict[str, Any],
 ) -> TacticCheck:
-    copied, copied_kwargs = _copy(inputs), _copy_tree(kwargs)
+    copied, copied_kwargs = _copy(inputs), copy_tree(kwargs)
     try:
         out = runner.forward(copied, tactic=tactic, **copied_kwargs)
     except Exception as exc:  # a tactic that raises is a failed check, with its error

@@ -26,7 +26,8 @@ class CacheKey:
         op: Op name given to ``choose_one``.
         runners: Identity of each runner offered, in order (see ``runner_id``).
         shapes: Bucketed shape of each input (``None`` for non-tensors).
-        dtypes: dtype name of each input.
+        dtypes: dtype name of each tensor input, type name of each other input (with its
+            tensors' dtypes and shapes for a list, tuple or dict holding tensors).
         timing: Name of the timer the times come from (``graph``, ``events``, ``wallclock``...).
         sources: Digest of the runners' source files (``sources_digest``); ``""`` for none.
         kwargs: Canonical JSON of the ``choose_one`` keyword arguments; ``""`` when there are

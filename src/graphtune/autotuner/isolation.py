@@ -225,8 +225,11 @@ class Executor(Protocol):
         warmup: int,
         repeat: int,
         sample: int = 0,
+        tactic_index: int | None = None,
     ) -> float:
-        """Times one tactic (its ``sample``-th measurement); returns microseconds per call."""
+        """Times one tactic (its ``sample``-th measurement); returns microseconds per call.
+        ``tactic_index``: the candidate's position among its runner's tactics (the tuner passes
+        it), which tells apart tactics whose texts are alike (``(64, 2)`` and ``[64, 2]``)."""
         ...
 
     def end(self) -> None:
@@ -277,7 +280,7 @@ class InProcessExecutor:
         self._sets: list[list[Any]] = []
         self._rotate_in_call = True
         self._kwargs: dict[str, Any] = {}
-        self._sessions: dict[tuple[int, str, int], TimerSession] = {}
+        self._sessions: dict[tuple[int, int | str, int], TimerSession] = {}
         self._held = 0
         # The fastest time per call measured in this profile: the timer's guess for sizing the
         # next candidate's first capture (candidates of one bucket take similar times).
@@ -325,9 +328,11 @@ class InProcessExecutor:
         warmup: int,
         repeat: int,
         sample: int = 0,
+        tactic_index: int | None = None,
     ) -> float:
         """Times one tactic (its ``sample``-th measurement); returns microseconds per call or
-        raises :class:`TacticFailure`."""
+        raises :class:`TacticFailure`. A timer session is kept per candidate: per
+        ``(runner_index, tactic_index)`` (per tactic text when no ``tactic_index`` is given)."""
         sets = sets_for_sample(self._sets, self._rotate_in_call, sample)
         n = len(sets)
         kwargs = self._kwargs
@@ -336,7 +341,8 @@ class InProcessExecutor:
             return runner.forward(sets[i % n], tactic=tactic, **kwargs)
 
         distinct = not self._rotate_in_call and len(self._sets) > 1
-        slot = (runner_index, tactic_text(tactic), sample % len(self._sets) if distinct else 0)
+        which: int | str = tactic_text(tactic) if tactic_index is None else tactic_index
+        slot = (runner_index, which, sample % len(self._sets) if distinct else 0)
         try:
             if not isinstance(self.timer, SessionTimer):
                 result = self.timer.measure(call, warmup=warmup, repeat=repeat)
@@ -363,7 +369,11 @@ class InProcessExecutor:
         return us
 
     def _open(
-        self, slot: tuple[int, str, int], call: Callable[[int], object], warmup: int, repeat: int
+        self,
+        slot: tuple[int, int | str, int],
+        call: Callable[[int], object],
+        warmup: int,
+        repeat: int,
     ) -> TimerSession:
         before = self._reserved()
         session = self.timer.open(call, warmup=warmup, repeat=repeat, hint_us=self._fastest_us)
@@ -374,7 +384,7 @@ class InProcessExecutor:
             self._held += grown
         return session
 
-    def _drop(self, slot: tuple[int, str, int]) -> None:
+    def _drop(self, slot: tuple[int, int | str, int]) -> None:
         session = self._sessions.pop(slot, None)
         if session is not None:
             session.close()

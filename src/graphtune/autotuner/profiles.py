@@ -38,7 +38,8 @@ class Profile:
 
     Attributes:
         shapes: Shape of each input (``None`` for a non-tensor input).
-        dtypes: dtype name of each tensor input, or the Python type name of a non-tensor.
+        dtypes: dtype name of each tensor input, or the type text of a non-tensor
+            (:func:`input_type_text`: with its tensors' dtypes and shapes for a container).
     """
 
     shapes: tuple[Shape | None, ...]
@@ -55,8 +56,79 @@ class Profile:
         return ", ".join("x".join(map(str, s)) if s is not None else "-" for s in self.shapes)
 
 
-def _dtype_name(x: Any) -> str:
-    return str(x.dtype).removeprefix("torch.") if isinstance(x, torch.Tensor) else type(x).__name__
+def input_type_text(x: Any) -> str:
+    """An input's ``dtypes`` entry in the cache key: a tensor's dtype name (``float16``), a
+    non-tensor's type name (``int``, ``NoneType``: its value is not part of the key), and for a
+    list, tuple or dict that holds tensors, its type with each element's text, where a nested
+    tensor adds its dtype and full shape: ``list(float16[64,128], int)``. (Only containers that
+    hold tensors have their elements in the key, so all other keys stay as they were.)"""
+    if isinstance(x, torch.Tensor):
+        return str(x.dtype).removeprefix("torch.")
+    if not holds_tensor(x):
+        return type(x).__name__
+    return _element_text(x)
+
+
+def _element_text(x: Any) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"{str(x.dtype).removeprefix('torch.')}[{','.join(map(str, x.shape))}]"
+    if isinstance(x, dict):
+        items = [f"{_dict_key_text(k)}: {_element_text(v)}" for k, v in x.items()]
+    elif isinstance(x, (list, tuple)):
+        items = [_element_text(v) for v in x]
+    else:
+        return type(x).__name__
+    return f"{type(x).__name__}({', '.join(items)})"
+
+
+def _dict_key_text(k: Any) -> str:
+    # A repr of another type may hold a memory address, which would differ from run to run.
+    return repr(k) if type(k) in (str, int, float, bool, type(None)) else type(k).__name__
+
+
+def holds_tensor(value: Any) -> bool:
+    """Whether ``value`` is a list, tuple or dict with a tensor somewhere inside."""
+    if isinstance(value, dict):
+        return any(isinstance(v, torch.Tensor) or holds_tensor(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(isinstance(v, torch.Tensor) or holds_tensor(v) for v in value)
+    return False
+
+
+def copy_tree(value: Any) -> Any:
+    """``value`` with every tensor in it copied, inside lists, tuples and dicts too (so that a
+    candidate never writes the caller's tensors, and a tensor shared by runs that are compared
+    is not compared with itself)."""
+    if isinstance(value, torch.Tensor):
+        return _same_layout_copy(value)
+    if isinstance(value, dict):
+        return {k: copy_tree(v) for k, v in value.items()}
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple keeps its type
+        return type(value)(*(copy_tree(v) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(copy_tree(v) for v in value)
+    return value
+
+
+def _same_layout_copy(x: torch.Tensor) -> torch.Tensor:
+    """A copy with ``x``'s strides (``clone()`` makes a strided view contiguous, and a runner
+    that mishandles strides would then pass the check); a layout that cannot be written
+    element by element (a stride of 0) is cloned."""
+    copy = torch.empty_strided(x.size(), x.stride(), dtype=x.dtype, device=x.device)
+    try:
+        return copy.copy_(x)
+    except RuntimeError:
+        return x.clone()
+
+
+def _nested_tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _nested_tensors(v)]
+    return []
 
 
 def _resolve_dim(config_owner: str, inputs: Sequence[Any], input_idx: int, dim_idx: int) -> int:
@@ -99,7 +171,7 @@ def _apply(config: TuningConfig, inputs: Sequence[Any], sizes: Sequence[int]) ->
         shapes[constraint.input_idx][dim] = value  # type: ignore[index]
     return Profile(
         shapes=tuple(tuple(s) if s is not None else None for s in shapes),
-        dtypes=tuple(_dtype_name(x) for x in inputs),
+        dtypes=tuple(input_type_text(x) for x in inputs),
     )
 
 
@@ -173,7 +245,9 @@ def synthesize_inputs(
     Floats and complex: standard normal. Integers: uniform in ``[min(0, live.min()), live.max()]``
     so index-like inputs stay valid for what they index (with at least two values when the live
     tensor allows it: never all zeros unless the live tensor is). Bools: fair coin. Non-tensor
-    inputs are passed through. Then ``config.inputs_pre_hook`` is applied.
+    inputs are passed through, except that a list, tuple or dict holding tensors is passed as a
+    copy with its tensors copied (values kept: they are not in the profile). Then
+    ``config.inputs_pre_hook`` is applied.
 
     Never zeros, because timing on zeros is known to flatter some kernels (sparsity shortcuts,
     power states).
@@ -188,7 +262,7 @@ def synthesize_inputs(
     cache: dict[Any, Any] = memo if memo is not None else {"static": frozenset()}
     for x, shape in zip(live_inputs, profile.shapes, strict=True):
         if not isinstance(x, torch.Tensor):
-            out.append(x)
+            out.append(copy_tree(x) if holds_tensor(x) else x)  # never the caller's tensors
             continue
         assert shape is not None
         key = (len(out), shape, x.dtype, str(x.device), seed)
@@ -237,12 +311,12 @@ def profile_bytes(live_inputs: Sequence[Any], profile: Profile) -> int:
         math.prod(shape) * x.element_size()
         for x, shape in zip(live_inputs, profile.shapes, strict=True)
         if isinstance(x, torch.Tensor) and shape is not None
-    )
+    ) + input_bytes([x for x in live_inputs if not isinstance(x, torch.Tensor)])
 
 
 def input_bytes(inputs: Sequence[Any]) -> int:
-    """Total bytes of the tensors in one input list."""
-    return sum(x.numel() * x.element_size() for x in inputs if isinstance(x, torch.Tensor))
+    """Total bytes of the tensors in one input list (in lists, tuples and dicts too)."""
+    return sum(t.numel() * t.element_size() for x in inputs for t in _nested_tensors(x))
 
 
 def input_sets(

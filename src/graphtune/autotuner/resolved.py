@@ -19,7 +19,7 @@ from graphtune.autotuner.cache import TuningCache
 from graphtune.autotuner.calls import OpCall
 from graphtune.autotuner.config import TuningConfig
 from graphtune.autotuner.entries import CacheKey
-from graphtune.autotuner.profiles import Profile, profile_for
+from graphtune.autotuner.profiles import Profile, input_type_text, profile_for
 from graphtune.autotuner.runner import TunableRunner
 
 
@@ -36,6 +36,27 @@ def device_of(inputs: Sequence[Any]) -> torch.device:
 _SCALARS = (bool, int, float, str)
 
 
+class _SameRunners:
+    """The runners of a call, equal only to the very same objects in the same order: runners
+    whose ``==`` ignores part of their identity (a dataclass field with ``compare=False``) must
+    not share a hit, which would return the other runner and its tactic. The key holds the
+    runners, so their ids are not reused while the memo has it."""
+
+    __slots__ = ("runners", "_hash")
+
+    def __init__(self, runners: Sequence[TunableRunner]) -> None:
+        self.runners = tuple(runners)
+        self._hash = hash(tuple(map(id, self.runners)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _SameRunners) or len(other.runners) != len(self.runners):
+            return False
+        return all(a is b for a, b in zip(self.runners, other.runners, strict=True))
+
+
 def memo_key(
     op: str,
     runners: Sequence[TunableRunner],
@@ -45,16 +66,17 @@ def memo_key(
 ) -> tuple[Any, ...] | None:
     """What a cache hit depends on, or ``None`` (no memo) when ``runners`` or ``inputs`` is not a
     list or tuple, an input is not a tensor, ``None`` or a scalar, or a keyword value is not
-    ``None`` or a scalar. A tensor adds its shape, dtype and device type, a scalar its type and
+    ``None`` or a scalar. The runners count by identity (the same objects), not by ``==``. A
+    tensor adds its shape, dtype and device type, a scalar its type and
     itself (``1``, ``1.0`` and ``True`` are equal in Python but are other keys, as in the cache
     key's text; only tensors add a ``torch.Size``, so the flat key is unambiguous). The key may
-    still be unhashable (a runner): hashing it raises ``TypeError``, which :class:`HitMemo` treats
+    still be unhashable (a config): hashing it raises ``TypeError``, which :class:`HitMemo` treats
     as no memo. Hashing the key is cheap because a
     config hashes its fields once (``TuningConfig.__hash__``). This runs on every look-up, so it
     avoids what costs there: ``tensor.device`` builds a new object per call."""
     if not isinstance(runners, (list, tuple)) or not isinstance(inputs, (list, tuple)):
         return None
-    parts: list[Any] = [op, config, *runners]
+    parts: list[Any] = [op, config, _SameRunners(runners)]
     for x in inputs:
         if x is None:
             parts.append(None)
@@ -90,7 +112,7 @@ class HitMemo:
             return None
         try:
             entry = self._entries.get(key)
-        except TypeError:  # an unhashable runner or keyword value: look up the slow way
+        except TypeError:  # an unhashable config: look up the slow way
             return None
         if entry is None or entry[0] is not cache or entry[1] != cache.version:
             return None
@@ -150,7 +172,7 @@ def distinct_profiles(calls: Iterable[ResolvedCall]) -> Iterator[ResolvedCall]:
     seen: set[tuple[Any, ...]] = set()
     for resolved in calls:
         shapes = tuple(
-            (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else type(x)
+            (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else input_type_text(x)
             for x in resolved.call.inputs
         )
         call = resolved.call

@@ -55,6 +55,13 @@ NO_BUCKET = "the bucket mapper gives this size no bucket"
 UNTUNABLE = "it could not be tuned: every candidate failed, or its inputs do not fit the device"
 
 
+class _RecordingState(threading.local):
+    """The ``record_calls`` block the current thread is in (each thread starts outside one)."""
+
+    recording: list[OpCall] | None = None
+    dry_run: bool = False
+
+
 def _default_is_capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
@@ -130,8 +137,9 @@ class AutoTuner:
         self._failures = FailureLog(self.stats)
         self._summary: list[tuple[Any, ...]] = []
         self._executors = TuningExecutors()  # timers and the tactic worker, kept across runs
-        self._recording: list[OpCall] | None = None
-        self._dry_run = False
+        # record_calls() state, per thread: another thread's calls are neither recorded nor
+        # dry-run, and overlapping blocks in two threads each restore their own thread's state.
+        self._local = _RecordingState()
         # Hits by exact call signature, valid while the cache's version is unchanged: a decode
         # step asks for the same signatures over and over, and bucketing and key building cost.
         self._memo = HitMemo()
@@ -172,24 +180,25 @@ class AutoTuner:
             InputError: A spec points at an input or dimension that does not exist.
         """
         signature = memo_key(op, runners, config, inputs, kwargs)
-        hit = self._memo.get(signature, self.cache) if self._recording is None else None
+        recording, dry_run = self._local.recording, self._local.dry_run
+        hit = self._memo.get(signature, self.cache) if recording is None else None
         if hit is not None:  # the hot path: no copies, no checks (a bad call is never memoised)
             self.stats.hits += 1
             return hit
         call = OpCall.checked(op, runners, config, inputs, kwargs)
         runners, inputs = list(call.runners), list(call.inputs)
-        if self._recording is not None:
-            self._recording.append(call)
+        if recording is not None:
+            recording.append(call)
             hit = self._memo.get(signature, self.cache)
             if hit is not None:
-                if not self._dry_run:
+                if not dry_run:
                     self.stats.hits += 1
                 return hit
         resolved = self._resolve(call)
         key = resolved.live_key()
         version = self.cache.version  # before the look-up: see HitMemo.put
         found = self._lookup(key, runners) if key is not None else None
-        if self._dry_run:
+        if dry_run:
             return found or (runners[0], FALLBACK_TACTIC)
         if found is not None:
             self.stats.hits += 1
@@ -217,14 +226,18 @@ class AutoTuner:
         With ``dry_run`` the block's calls neither tune nor count: each returns its cached pick
         or the fallback, and ``stats``, ``misses`` and the once-per-op warnings stay as they
         were (how ``graphtune.engine.tuning.tune_step`` records one untuned step to ``prepare``).
+
+        Only the calling thread's calls are recorded (and dry-run): other threads' calls behave
+        as they would without the block. Blocks nest within a thread; the innermost records.
         """
-        previous = self._recording, self._dry_run
+        local = self._local
+        previous = local.recording, local.dry_run
         calls: list[OpCall] = []
-        self._recording, self._dry_run = calls, dry_run
+        local.recording, local.dry_run = calls, dry_run
         try:
             yield calls
         finally:
-            self._recording, self._dry_run = previous
+            local.recording, local.dry_run = previous
 
     def tune_call(self, call: OpCall) -> tuple[TunableRunner, Any]:
         """Tunes exactly the profile of ``call`` (if it is not cached) and returns its pick.

@@ -441,6 +441,7 @@ class TuningRun:
                     warmup=self.config.warmup,
                     repeat=repeat,
                     sample=len(cand.samples),
+                    tactic_index=cand.tactic_index,
                 )
         except TacticFailure as failure:  # a failing tactic is data: infinite time, counted
             self._fail(cand, "timing", failure, label)

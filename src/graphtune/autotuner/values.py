@@ -69,7 +69,9 @@ def encode_value(value: Any) -> Any:
     if isinstance(value, torch.device):
         return {_DEVICE: str(value)}
     if kind is dict:
-        plain = all(isinstance(k, str) for k in value) and not (
+        # type(k) is str: a str enum key would be written as its value and come back a str
+        # (the pairs form below refuses it, as encode_value refuses an enum member itself).
+        plain = all(type(k) is str for k in value) and not (
             len(value) == 1 and next(iter(value)) in _TAGS
         )
         if plain:
@@ -129,14 +131,14 @@ def identity_value(value: Any, where: str) -> Any:
     Raises:
         IdentityError: The value (or one nested in it) has no stable text.
     """
+    if isinstance(value, enum.Enum):  # first: an IntEnum or str enum member is an int or str too
+        return f"{type(value).__qualname__}.{value.name}"
     if value is None or isinstance(value, (bool, int, str)):
         return value
     if isinstance(value, float):
         if not math.isfinite(value):
             raise IdentityError(f"{where} is {value!r}; a cache key needs a finite number.")
         return value
-    if isinstance(value, enum.Enum):
-        return f"{type(value).__qualname__}.{value.name}"
     if isinstance(value, (torch.dtype, torch.device)):
         return str(value)
     if isinstance(value, (tuple, list)):

@@ -133,9 +133,10 @@ class SubprocessExecutor:
         warmup: int,
         repeat: int,
         sample: int = 0,
+        tactic_index: int | None = None,
     ) -> float:
         """Times one tactic in the worker (its ``sample``-th measurement); raises
-        :class:`TacticFailure`."""
+        :class:`TacticFailure`. (``tactic_index`` is not needed: the worker keeps no sessions.)"""
         request = ("measure", runner_index, tactic, warmup, repeat, self._rotate_in_call, sample)
         value = self._request(request, f"timing of tactic {tactic!r}")
         return check_time(value)

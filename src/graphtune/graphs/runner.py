@@ -277,7 +277,8 @@ class CUDAGraphRunner:
     def release(self) -> None:
         """Drops every graph, the pool and the static buffers, then empties the allocator cache.
 
-        The runner can capture again afterwards; releasing twice is harmless. Outputs the
+        The runner can capture again afterwards, on the device of the new inputs unless
+        ``device`` was given; releasing twice is harmless. Outputs the
         caller kept become invalid: reading one raises ``RuntimeError`` (their memory goes back
         to the device). Call counters are kept; capture records are cleared.
         """
@@ -291,6 +292,8 @@ class CUDAGraphRunner:
             self.stats.releases += 1
             gc.collect()  # cycles (e.g. from a failed capture) could still pin pool memory
             self._backend.empty_cache()
+        # The next capture resolves its device again (from its inputs when none was given).
+        self._device = None
         self.state = RunnerState.RELEASED
 
     def padded_inputs(self, *inputs: Any) -> tuple[tuple, int, int]:

@@ -372,6 +372,10 @@ class CUDAGraphRunner:
             with self._backend.device_guard(self._device), frozen_gc(collect=False):
                 self._capture_size(key_state, size, key_state.warmed.get(size, 0.0))
             if size not in key_state.graphs:
+                # A CUDA capture computed nothing; undo what a computing one wrote, so the
+                # eager run below is this call's only computation, as on CUDA.
+                if self._backend.capture_computes:
+                    self._backend.discard_capture(self._device)
                 key_state.refuse_rerun(size)
                 return self._eager(FallbackReason.CAPTURE_FAILED, inputs)
             self.state = RunnerState.CAPTURED

@@ -381,6 +381,9 @@ class CUDAGraphRunner:
             self.state = RunnerState.CAPTURED
             graph = key_state.graphs[size]
             finish_capture_call(self._backend, graph.graph)  # no second run of this call's rows
+            # Its capture ran each graph break once for this call, as a replay does.
+            self.stats.break_runs += graph.record.breaks
+            self.stats.break_seconds += graph.record.break_seconds
         else:
             graph = key_state.graphs[size]
             plan.copy_in(leaves, n, size, self._debug)

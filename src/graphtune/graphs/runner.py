@@ -1,4 +1,4 @@
-"""CUDAGraphRunner: the graph runner (``EagerRunner``, in eager.py, has the same interface).
+"""CUDAGraphRunner: the graph runner (``EagerRunner``, in eager.py, has its call interface).
 
 The graph runner wraps a callable and knows nothing about models or engines. Per extra key
 (``key_fn(inputs)``, default ``None``) it owns one set of static input buffers and one graph per
@@ -190,8 +190,11 @@ class CUDAGraphRunner:
         in ``stats``, logged once, and runs eagerly; this method does not raise for it.
 
         Raises:
-            InputError: No tensor in ``example_inputs`` has a batch dimension, or ``pad`` /
-                ``batched`` disagree with the inputs.
+            InputError: No tensor in ``example_inputs`` has a batch dimension, a tensor marked
+                batched does not start with the batch size, or a batched input is on another
+                device type than the backend captures.
+            ConfigError: ``pad`` or ``batched`` names a path that matches no input, ``pad``
+                names an input that is not batched, or a pad value does not fit its input.
             CaptureError: Called while a CUDA graph capture is already in progress, or after
                 :meth:`freeze` with ``CapturePolicy(when_frozen="raise")``.
         """

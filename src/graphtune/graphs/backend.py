@@ -40,7 +40,10 @@ class GraphBackend(Protocol):
     right after the first ``begin_capture`` of a key, allocates spare memory from the pool being
     captured into (an object to drop after the capture; see ``CapturePolicy.pool_slack_bytes``).
     ``capture_computes`` says whether a capture also computes the captured call (a simulation
-    that runs the code while recording) or, as CUDA capture, only records it.
+    that runs the code while recording) or, as CUDA capture, only records it; such a backend's
+    ``discard_capture`` undoes what the last capture wrote to memory that existed before it and
+    that no ``execute`` ran (the runner calls it for a lazy capture it cannot use, which on CUDA
+    computed nothing, before running the call eagerly).
     """
 
     device_type: str | None
@@ -79,6 +82,8 @@ class GraphBackend(Protocol):
     def invalidate(self, storages: Sequence[Any], message: str) -> None: ...
 
     def recover(self, device: Any) -> None: ...
+
+    def discard_capture(self, device: Any) -> None: ...
 
     def synchronize(self, device: Any) -> None: ...
 
@@ -203,6 +208,9 @@ class CudaGraphBackend:
         poison = torch._C._set_storage_data_ptr_access_error_msg
         for storage in storages:
             poison(storage._cdata, message)
+
+    def discard_capture(self, device: torch.device) -> None:
+        return None  # a CUDA capture records its kernels without running them
 
     def recover(self, device: torch.device) -> None:
         # A failed capture leaves no sticky error (capture errors are not context-corrupting and

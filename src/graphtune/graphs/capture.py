@@ -180,22 +180,22 @@ def capture_key(
             except BaseException:
                 session.abort()
                 raise
+        # The outputs' structure is rebuilt on every replay: one that cannot be rebuilt fails
+        # here, as a capture, instead of in every call.
+        static = StaticOutputs(outputs, size)
+        static.result(size, clone=False)
     except Exception as exc:  # any failure of user code or CUDA: recorded, never raised
-        seconds = time.perf_counter() - start
-        message = describe_failure(exc, extra_key=extra_key, size=size)
-        del exc
-        logger.warning("%s", message)
-        backend.recover(device)
-        gc.collect()  # drop cycles through the failed frames that still pin pool memory
-        return CaptureRecord(
-            extra_key, size, seconds, 0, ok=False, error=message, ran_pieces=session.executed
-        )
+        return _failed(backend, device, exc, extra_key, size, start, session.executed)
     shared: list = []
     all_shared = False
     if share_outputs:
         accounted = time.perf_counter()
         twins = Disowner(backend.device_type)
-        outputs = twins.tree(outputs)
+        try:
+            outputs = twins.tree(outputs)
+            static = StaticOutputs(outputs, size)
+        except Exception as exc:  # recorded like a failure of the step
+            return _failed(backend, device, exc, extra_key, size, start, session.executed)
         all_shared = twins.kept == 0
         for brk in session.breaks:
             brk.args, brk.kwargs = twins.tree((brk.args, brk.kwargs))
@@ -218,7 +218,28 @@ def capture_key(
         ran_pieces=session.executed,
     )
     graph = session.graph(counters)
-    return CapturedGraph((extra_key, size), graph, StaticOutputs(outputs, size), record, shared)
+    return CapturedGraph((extra_key, size), graph, static, record, shared)
+
+
+def _failed(
+    backend: GraphBackend,
+    device: Any,
+    exc: Exception,
+    extra_key: Hashable,
+    size: int,
+    start: float,
+    ran_pieces: int,
+) -> CaptureRecord:
+    """The record of a failed capture (logged once); the backend recovers its stream."""
+    seconds = time.perf_counter() - start
+    message = describe_failure(exc, extra_key=extra_key, size=size)
+    del exc
+    logger.warning("%s", message)
+    backend.recover(device)
+    gc.collect()  # drop cycles through the failed frames that still pin pool memory
+    return CaptureRecord(
+        extra_key, size, seconds, 0, ok=False, error=message, ran_pieces=ran_pieces
+    )
 
 
 # (pattern in the error chain, what it means) — the first match explains the failure.

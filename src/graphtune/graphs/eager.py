@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 from graphtune.errors import ConfigError
+from graphtune.graphs.keys import named_inputs_error
+from graphtune.graphs.policy import FallbackReason
 from graphtune.graphs.runner import RunnerState
 from graphtune.graphs.stats import RunnerStats
 
@@ -13,24 +15,51 @@ from graphtune.graphs.stats import RunnerStats
 class EagerRunner:
     """Runs ``fn`` eagerly with the graph runner's interface (``capture``/``release`` do nothing).
 
+    It has the graph runner's calls, ``capture``, ``release``, ``freeze``/``unfreeze``,
+    ``stats``, ``state`` and ``frozen``, and its read-only ``max_batch_size``,
+    ``capture_sizes`` (empty), ``captured_keys`` (empty) and ``fallback_reason``
+    (``DISABLED``: graphs are off by choice); not ``padded_inputs`` or ``policy``.
+
     Args:
         fn: The step callable.
+        max_batch_size: What ``max_batch_size`` reports (the runner never refuses a batch).
     """
 
-    def __init__(self, fn: Callable[..., Any]) -> None:
+    capture_sizes: tuple[int, ...] = ()
+
+    def __init__(self, fn: Callable[..., Any], *, max_batch_size: int | None = None) -> None:
         if not callable(fn):
             raise ConfigError(f"fn must be callable, got {type(fn).__name__}; pass the step")
+        if max_batch_size is not None and (
+            not isinstance(max_batch_size, int)
+            or isinstance(max_batch_size, bool)
+            or max_batch_size < 1
+        ):
+            raise ConfigError(f"max_batch_size must be a positive int, got {max_batch_size!r}")
         self.fn = fn
+        self.max_batch_size = max_batch_size
         self.stats = RunnerStats()
         self.state = RunnerState.NEW
         self.frozen = False
+
+    @property
+    def fallback_reason(self) -> FallbackReason:
+        """Why every call runs eagerly: ``DISABLED`` (an eager runner has no graphs)."""
+        return FallbackReason.DISABLED
+
+    @property
+    def captured_keys(self) -> list[tuple[Hashable, int]]:
+        """``(extra_key, size)`` of every live graph: none."""
+        return []
 
     def capture(self, *example_inputs: Any) -> None:
         """Does nothing (there is nothing to capture)."""
         return None
 
-    def __call__(self, *inputs: Any) -> Any:
+    def __call__(self, *inputs: Any, **named: Any) -> Any:
         self.stats.calls += 1
+        if named:
+            raise named_inputs_error(named)
         self.stats.eager_calls += 1
         return self.fn(*inputs)
 

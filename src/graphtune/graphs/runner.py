@@ -1,4 +1,4 @@
-"""CUDAGraphRunner: the graph runner (``EagerRunner``, in eager.py, has the same interface).
+"""CUDAGraphRunner: the graph runner (``EagerRunner``, in eager.py, has its call interface).
 
 The graph runner wraps a callable and knows nothing about models or engines. Per extra key
 (``key_fn(inputs)``, default ``None``) it owns one set of static input buffers and one graph per
@@ -190,8 +190,11 @@ class CUDAGraphRunner:
         in ``stats``, logged once, and runs eagerly; this method does not raise for it.
 
         Raises:
-            InputError: No tensor in ``example_inputs`` has a batch dimension, or ``pad`` /
-                ``batched`` disagree with the inputs.
+            InputError: No tensor in ``example_inputs`` has a batch dimension, a tensor marked
+                batched does not start with the batch size, or a batched input is on another
+                device type than the backend captures.
+            ConfigError: ``pad`` or ``batched`` names a path that matches no input, ``pad``
+                names an input that is not batched, or a pad value does not fit its input.
             CaptureError: Called while a CUDA graph capture is already in progress, or after
                 :meth:`freeze` with ``CapturePolicy(when_frozen="raise")``.
         """
@@ -277,7 +280,8 @@ class CUDAGraphRunner:
     def release(self) -> None:
         """Drops every graph, the pool and the static buffers, then empties the allocator cache.
 
-        The runner can capture again afterwards; releasing twice is harmless. Outputs the
+        The runner can capture again afterwards, on the device of the new inputs unless
+        ``device`` was given; releasing twice is harmless. Outputs the
         caller kept become invalid: reading one raises ``RuntimeError`` (their memory goes back
         to the device). Call counters are kept; capture records are cleared.
         """
@@ -291,6 +295,8 @@ class CUDAGraphRunner:
             self.stats.releases += 1
             gc.collect()  # cycles (e.g. from a failed capture) could still pin pool memory
             self._backend.empty_cache()
+        # The next capture resolves its device again (from its inputs when none was given).
+        self._device = None
         self.state = RunnerState.RELEASED
 
     def padded_inputs(self, *inputs: Any) -> tuple[tuple, int, int]:
@@ -369,11 +375,18 @@ class CUDAGraphRunner:
             with self._backend.device_guard(self._device), frozen_gc(collect=False):
                 self._capture_size(key_state, size, key_state.warmed.get(size, 0.0))
             if size not in key_state.graphs:
+                # A CUDA capture computed nothing; undo what a computing one wrote, so the
+                # eager run below is this call's only computation, as on CUDA.
+                if self._backend.capture_computes:
+                    self._backend.discard_capture(self._device)
                 key_state.refuse_rerun(size)
                 return self._eager(FallbackReason.CAPTURE_FAILED, inputs)
             self.state = RunnerState.CAPTURED
             graph = key_state.graphs[size]
             finish_capture_call(self._backend, graph.graph)  # no second run of this call's rows
+            # Its capture ran each graph break once for this call, as a replay does.
+            self.stats.break_runs += graph.record.breaks
+            self.stats.break_seconds += graph.record.break_seconds
         else:
             graph = key_state.graphs[size]
             plan.copy_in(leaves, n, size, self._debug)

@@ -9,7 +9,9 @@ speed differs. Triton kernels run by the CPU interpreter (``TRITON_INTERPRET=1``
 pointers that no ATen op shows, so their launches are recorded as launches and run again at replay,
 like a graph's kernel nodes. Python code of the step does not run at replay, as on a GPU, and a host
 synchronisation inside a capture (``.item()``, ``bool(tensor)``, ``torch.nonzero``, ``.tolist()``,
-``.numpy()``) fails the capture with the CUDA error text.
+``.numpy()``) fails the capture with the CUDA error text. Unlike a CUDA capture, a simulated one
+computes what it records; each capture saves what it overwrites in memory that existed before it,
+so that :meth:`SimulatedGraphBackend.discard_capture` can undo a capture the runner cannot use.
 
 Memory sharing is modelled pessimistically: storages the runner gives back to the pool
 (:meth:`SimulatedGraphBackend.share_memory`) that were created during their graphs' capture are
@@ -50,6 +52,68 @@ def _storage_ptrs(values: Any) -> set[int]:
         for leaf in tree_leaves(values)
         if isinstance(leaf, torch.Tensor)
     }
+
+
+def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors an ATen op writes (its schema's ``Tensor(a!)`` arguments, ``out=`` too)."""
+    written: list[torch.Tensor] = []
+    for index, argument in enumerate(func._schema.arguments):
+        info = argument.alias_info
+        if info is None or not info.is_write:
+            continue
+        if index < len(args) and not argument.kwarg_only:
+            value = args[index]
+        else:
+            value = kwargs.get(argument.name)
+        values = value if isinstance(value, (list, tuple)) else (value,)
+        written.extend(v for v in values if isinstance(v, torch.Tensor))
+    return written
+
+
+class _UndoLog:
+    """What one capture overwrote in memory that existed before it, saved before its first write.
+
+    A CUDA capture records kernels without running them, so memory outside the graph's own
+    allocations keeps its contents until the graph (or a piece, at a graph break) runs.
+    :meth:`SimulatedGraphBackend.discard_capture` restores these contents for a capture the
+    runner does not use; a piece run at a graph break (``execute``) keeps what it wrote.
+    """
+
+    def __init__(self) -> None:
+        self.saved: dict[int, tuple[Any, Any]] = {}
+        self.created: set[int] = set()  # storages allocated by the capture's own ops
+
+    def save(self, tensors: Sequence[Any]) -> None:
+        for tensor in tensors:
+            if (
+                not isinstance(tensor, torch.Tensor)
+                or tensor.device.type == "meta"
+                or tensor.layout != torch.strided
+            ):
+                continue
+            storage = tensor.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr and ptr not in self.created and ptr not in self.saved:
+                self.saved[ptr] = (storage, storage.clone())
+
+    def note_created(self, inputs: set[int], output: Any) -> None:
+        for leaf in tree_leaves(output):
+            if (
+                isinstance(leaf, torch.Tensor)
+                and leaf.device.type != "meta"
+                and leaf.layout == torch.strided
+            ):
+                ptr = leaf.untyped_storage().data_ptr()
+                if ptr not in inputs:
+                    self.created.add(ptr)
+
+    def keep(self) -> None:
+        self.saved.clear()
+
+    def restore(self) -> None:
+        for storage, contents in self.saved.values():
+            storage.copy_(contents)
+        self.saved.clear()
 
 
 class _Op:
@@ -112,6 +176,7 @@ class _Recorder(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.ops: list[_Op | _KernelLaunch] = []
+        self.undo: _UndoLog | None = None
         self._inside_kernel = 0
         self._unpatch: Callable[[], None] | None = None
 
@@ -177,6 +242,8 @@ class _Recorder(TorchDispatchMode):
             # The interpreter's own tensor copies belong to the kernel, not to the graph.
             recorder._inside_kernel += 1
             try:
+                if recorder.undo is not None:  # which arguments it writes is unknown: all
+                    recorder.undo.save(args)  # (saved unrecorded: inside the kernel)
                 return original(kernel, *args, grid=grid, warmup=warmup, **kwargs)
             finally:
                 recorder._inside_kernel -= 1
@@ -196,7 +263,12 @@ class _Recorder(TorchDispatchMode):
             return func(*args, **kwargs)
         if func in _HOST_SYNC_OPS:
             raise RuntimeError(_CAPTURE_SYNC_ERROR)
+        undo = self.undo
+        if undo is not None:
+            undo.save(_written(func, args, kwargs))
         output = func(*args, **kwargs)
+        if undo is not None:
+            undo.note_created(_storage_ptrs((args, kwargs)), output)
         self.ops.append(_Op(func, args, kwargs, output))
         return output
 
@@ -264,6 +336,7 @@ class SimulatedGraphBackend:
         self._fail_when = fail_when
         self._fail_message = fail_message
         self._graphs: list[_SimulatedGraph] = []  # kept alive: see the module docstring
+        self._undo: _UndoLog | None = None  # the last capture's (see discard_capture)
         self.capturing = False
         self.captures = 0
         self.pieces = 0
@@ -298,11 +371,13 @@ class SimulatedGraphBackend:
     def capture_context(self, device: Any, args: tuple) -> Iterator[None]:
         if self._fail_when is not None and self._fail_when(args):
             raise RuntimeError(self._fail_message)
+        self._undo = _UndoLog()
         yield
         self.captures += 1
 
     def begin_capture(self, pool: Any, device: Any) -> _SimulatedGraph:
         graph = _SimulatedGraph(self, pool)
+        graph.recorder.undo = self._undo
         graph.recorder.__enter__()
         self.capturing = True
         return graph
@@ -321,8 +396,9 @@ class SimulatedGraphBackend:
 
     def execute(self, graph: _SimulatedGraph) -> None:
         # Recording ran the piece's ops eagerly, so its results are already in memory; running
-        # them again would apply in-place updates twice.
-        return None
+        # them again would apply in-place updates twice. CUDA ran them now: they are kept.
+        if self._undo is not None:
+            self._undo.keep()
 
     def hold_slack(self, device: Any, nbytes: int) -> None:
         if nbytes > 0:
@@ -343,6 +419,13 @@ class SimulatedGraphBackend:
         for storage in storages:
             if storage.data_ptr() in created:  # never the step's own tensors (caches, weights)
                 storage.fill_(_SCRIBBLE)
+
+    def discard_capture(self, device: Any) -> None:
+        """Restores the memory the last capture wrote that existed before it (a CUDA capture
+        runs nothing), except what a piece run at a graph break wrote."""
+        if self._undo is not None:
+            self._undo.restore()
+            self._undo = None
 
     def recover(self, device: Any) -> None:
         self.recoveries += 1

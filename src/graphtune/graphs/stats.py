@@ -28,9 +28,11 @@ class RunnerStats:
         real_rows: Real batch rows of replayed calls.
         padded_rows: Rows the replayed graphs computed (real rows plus padding).
         warmup_seconds: Wall time spent in eager warm-up runs before captures.
-        break_runs: Graph breaks run eagerly during replays.
+        break_runs: Graph breaks run eagerly during replays (a call that captured lazily counts
+            as a replay, and its capture's breaks count here).
         break_seconds: Host wall time spent in those breaks (their own launches and copies; the
-            GPU work they queue is not waited for).
+            GPU work they queue is not waited for; for a lazily capturing call, the capture's
+            ``break_seconds``).
         buffer_bytes: Bytes of static buffers alive now (inputs, and graph-break outputs).
         records: Capture records (successes and failures) of the graphs alive now.
         releases: Number of ``release()`` calls that dropped something.

@@ -5,7 +5,8 @@ arguments: ``"0"`` is the first argument, ``"1.positions"`` the key ``positions`
 second, ``"2.0"`` the first element of the third argument. Paths appear in every error message and
 key the ``pad`` and ``batched`` mappings.
 
-Only ``tuple`` (including namedtuples), ``list`` and ``dict`` are traversed; anything else
+Only ``tuple``, ``list`` and ``dict`` (and their subclasses: namedtuples, ``torch.return_types``,
+``OrderedDict``, ``ModelOutput``-like dicts, rebuilt with their type) are traversed; anything else
 (tensors, numbers, strings, ``None``, arbitrary objects) is a leaf. A :class:`TreeSpec` built once
 at capture time re-flattens later calls without re-discovering the structure and reports the
 first difference as an :class:`~graphtune.errors.InputError`.
@@ -13,7 +14,6 @@ first difference as an :class:`~graphtune.errors.InputError`.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
@@ -102,9 +102,12 @@ class TreeSpec:
             if self.type is tuple:
                 return tuple(items)
             assert self.type is not None
-            return self.type(*items)  # namedtuple
-        mapping_type = self.type if self.type in (dict, OrderedDict) else dict
-        return mapping_type(zip(self.keys, items, strict=True))
+            return _rebuild_sequence(self.type, items)
+        mapping = dict(zip(self.keys, items, strict=True))
+        if self.type in (dict, None):
+            return mapping
+        assert self.type is not None
+        return _rebuild_mapping(self.type, mapping)
 
     def describe(self) -> str:
         """Short human description, e.g. ``tuple(3)`` or ``dict['ids', 'pos']``."""
@@ -113,6 +116,31 @@ class TreeSpec:
         if self.kind == _SEQ:
             return f"{self.type.__name__}({len(self.children)})"  # type: ignore[union-attr]
         return f"dict{list(self.keys)!r}"
+
+
+def _rebuild_sequence(type_: type, items: list) -> Any:
+    """A tuple or list subclass rebuilt with its type: a namedtuple (``_fields``) from its
+    fields, any other (``torch.return_types``, a list subclass) from one sequence; a plain
+    tuple or list when the type cannot be built that way."""
+    try:
+        if hasattr(type_, "_fields"):
+            return type_(*items)
+        return type_(items)
+    except Exception:  # a constructor with other arguments: keep the values, lose the type
+        return list(items) if issubclass(type_, list) else tuple(items)
+
+
+def _rebuild_mapping(type_: type, mapping: dict) -> Any:
+    """A dict subclass (``OrderedDict``, an HF ``ModelOutput``-like class) rebuilt with its
+    type from its items, else from its keys as keywords; a plain dict when neither works."""
+    for build in (lambda: type_(mapping), lambda: type_(**mapping)):
+        try:
+            value = build()
+        except Exception:  # the second form is the fallback of the first
+            continue
+        if isinstance(value, type_) and isinstance(value, dict) and list(value) == list(mapping):
+            return value
+    return mapping
 
 
 def _mismatch(spec: TreeSpec, value: Any, path: Path, root: str) -> InputError:

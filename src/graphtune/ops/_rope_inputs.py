@@ -53,10 +53,33 @@ def rope_tensors(inputs: list[Any], num_heads: int, num_kv_heads: int) -> list[A
             f"{num_heads}/{num_kv_heads} heads and D={dim} (cos/sin [rows, D]), "
             f"got qkv {tuple(qkv.shape)}, cos {tuple(cos.shape)}, sin {tuple(sin.shape)}."
         )
-    batch = qkv.shape[0]
+    check_rope_operands("rope_kv_cache", "qkv", qkv, inputs[1:7], num_kv_heads)
+    return inputs[:7]
+
+
+def check_rope_operands(
+    op: str, like: str, ref: torch.Tensor, operands: list[Any], num_kv_heads: int
+) -> None:
+    """The checks of ``positions, cos, sin, k_cache, v_cache, write_rows`` against ``ref``, the
+    ``[B, ...]`` tensor whose batch, dtype and device they follow (``rope_kv_cache``'s ``qkv``;
+    ``norm_qkv_rope``'s ``x``, whose projection that ``qkv`` is). The kernels index the caches
+    and tables by these alone, so anything else reads or writes out of bounds. Metadata only (no
+    host synchronisation: the runners call it inside CUDA graph capture).
+
+    Raises:
+        InputError: An operand of the wrong shape, dtype or device.
+    """
+    positions, cos, sin, k_cache, v_cache, rows = operands
+    dim = cos.shape[-1] if cos.dim() == 2 else -1
+    if cos.dim() != 2 or sin.dim() != 2 or sin.shape[-1] != dim:
+        raise InputError(
+            f"{op}: cos and sin must be [rows, D] tables, got cos {tuple(cos.shape)}, sin "
+            f"{tuple(sin.shape)}."
+        )
+    batch = ref.shape[0]
     if positions.shape != (batch,) or rows.shape != (batch * num_kv_heads,):
         raise InputError(
-            f"rope_kv_cache: positions must be [B]={batch} and write_rows [B * kv_heads]="
+            f"{op}: positions must be [B]={batch} and write_rows [B * kv_heads]="
             f"{batch * num_kv_heads}, got {tuple(positions.shape)} and "
             f"{tuple(rows.shape)}."
         )
@@ -67,28 +90,27 @@ def rope_tensors(inputs: list[Any], num_heads: int, num_kv_heads: int) -> list[A
         or v_cache.shape[-1] != dim
     ):
         raise InputError(
-            f"rope_kv_cache: caches must be flattened [rows, D={dim}] views, got "
+            f"{op}: caches must be flattened [rows, D={dim}] views, got "
             f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}."
         )
     if dim % 2:
-        raise InputError(f"rope_kv_cache: D must be even (rotated in halves), got {dim}.")
+        raise InputError(f"{op}: D must be even (rotated in halves), got {dim}.")
     if positions.dtype != torch.long or rows.dtype != torch.long:
         raise InputError(
-            f"rope_kv_cache: positions and write_rows must be int64, got {positions.dtype} "
-            f"and {rows.dtype}."
+            f"{op}: positions and write_rows must be int64, got {positions.dtype} and {rows.dtype}."
         )
-    if k_cache.dtype != qkv.dtype or v_cache.dtype != qkv.dtype:
+    if k_cache.dtype != ref.dtype or v_cache.dtype != ref.dtype:
         raise InputError(
-            f"rope_kv_cache: the caches must have qkv's dtype {qkv.dtype}, got "
+            f"{op}: the caches must have {like}'s dtype {ref.dtype}, got "
             f"{k_cache.dtype} and {v_cache.dtype}."
         )
-    if cos.dtype != qkv.dtype or sin.dtype != qkv.dtype:
+    if cos.dtype != ref.dtype or sin.dtype != ref.dtype:
         # The rotated keys would be promoted to the tables' dtype and miss the caches'.
         raise InputError(
-            f"rope_kv_cache: cos and sin must have qkv's dtype {qkv.dtype}, got {cos.dtype} "
+            f"{op}: cos and sin must have {like}'s dtype {ref.dtype}, got {cos.dtype} "
             f"and {sin.dtype}; build the tables in it (rope_tables(..., dtype)) or cast once."
         )
-    device = qkv.device
+    device = ref.device
     if (
         positions.device != device
         or cos.device != device
@@ -97,10 +119,7 @@ def rope_tensors(inputs: list[Any], num_heads: int, num_kv_heads: int) -> list[A
         or v_cache.device != device
         or rows.device != device
     ):
-        raise wrong_device_error(
-            "rope_kv_cache", "qkv", device, zip(_NAMES, inputs[:7], strict=True)
-        )
-    return inputs[:7]
+        raise wrong_device_error(op, like, device, zip(_NAMES[1:], operands, strict=True))
 
 
 #: :func:`checked_rope_inputs`' result: the seven tensor inputs, the head norm (or ``None``) and

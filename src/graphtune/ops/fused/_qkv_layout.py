@@ -7,13 +7,15 @@ from typing import Any
 
 import torch
 
-from graphtune.errors import ConfigError, InputError
+from graphtune.errors import ConfigError, InputError, wrong_device_error
+from graphtune.ops._rope_inputs import check_rope_operands
 from graphtune.ops.rmsnorm import torch_rms_norm
 from graphtune.ops.rotary import torch_rope_kv_cache
 
 # Input order: x, norm_weight, wqkv, bqkv, positions, cos, sin, k_cache, v_cache, write_rows, eps,
 # head_norm (and, for the unfused runner only, the step's RopeRows as a thirteenth input).
 QKV_INPUTS = 12
+_WEIGHTS = ("norm_weight", "wqkv", "bqkv", "head_norm")
 
 
 class QkvLayout:
@@ -34,7 +36,13 @@ class QkvLayout:
         return (self.num_heads, self.num_kv_heads, self.signed_sin)
 
     def unpack(self, inputs: list[Any]) -> list[Any]:
-        """Checks the inputs' shapes; returns the twelve op inputs (without a ``RopeRows``)."""
+        """Checks the inputs' shapes, and the RoPE operands' dtypes and devices as
+        ``rope_kv_cache`` does (metadata only: it runs inside CUDA graph capture); returns the
+        twelve op inputs (without a ``RopeRows``).
+
+        Raises:
+            InputError: An input the kernel would read or write out of bounds with.
+        """
         inputs = inputs[:QKV_INPUTS]
         if len(inputs) != QKV_INPUTS:
             raise InputError(
@@ -42,7 +50,7 @@ class QkvLayout:
                 "positions, cos, sin, k_cache, v_cache, write_rows, eps, head_norm), got "
                 f"{len(inputs)}; pass head_norm=None when the model has no q/k norm."
             )
-        x, norm_weight, wqkv, bqkv, positions, cos, *_, head_norm = inputs
+        x, norm_weight, wqkv, bqkv, _, cos, *_, head_norm = inputs
         dim = cos.shape[-1]
         rows = (self.num_heads + 2 * self.num_kv_heads) * dim
         if x.dim() != 2 or norm_weight.shape != (x.shape[1],) or dim % 2:
@@ -56,10 +64,16 @@ class QkvLayout:
                 f"[{rows}, {x.shape[1]}] (bqkv [{rows}]) for {self.num_heads}/{self.num_kv_heads} "
                 f"heads, got {tuple(wqkv.shape)}."
             )
-        if positions.shape != (x.shape[0],):
-            raise InputError(
-                f"norm_qkv_rope: positions must be [B]={x.shape[0]}, got {tuple(positions.shape)}."
-            )
+        # The kernel indexes the caches and tables by these alone: rope_kv_cache's checks.
+        check_rope_operands("norm_qkv_rope", "x", x, inputs[4:10], self.num_kv_heads)
+        if (
+            norm_weight.device != x.device
+            or wqkv.device != x.device
+            or (bqkv is not None and bqkv.device != x.device)
+            or (head_norm is not None and head_norm.device != x.device)
+        ):
+            named = zip(_WEIGHTS, (norm_weight, wqkv, bqkv, head_norm), strict=True)
+            raise wrong_device_error("norm_qkv_rope", "x", x.device, named)
         heads = (self.num_heads + self.num_kv_heads, dim)
         if head_norm is not None and tuple(head_norm.shape) != heads:
             raise InputError(

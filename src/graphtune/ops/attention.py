@@ -117,7 +117,8 @@ class MatmulAttention(TunableRunner):
     """Attention as two batched matmuls around a float32 softmax: memory-bound like decode itself.
 
     Tactic ``-1`` keeps the scores in float32 through the softmax (the reference numerics);
-    ``"low_precision"`` runs the softmax in the input dtype (one conversion kernel fewer).
+    ``"low_precision"`` runs the softmax in the input dtype (one conversion kernel fewer). A row
+    whose mask is all ``-inf`` gives 0 under both.
     """
 
     def get_valid_tactics(self, inputs: list[Any], profile: Any, **kwargs: Any) -> list[Any]:
@@ -137,6 +138,9 @@ class MatmulAttention(TunableRunner):
         else:
             # alpha, not a scalar tensor: a host-to-device copy cannot be captured.
             probs = torch.softmax(torch.add(mask, scores, alpha=scale), dim=-1)
+        # A fully masked row (a padded one) is 0, as SDPA and the Triton kernel give, not the
+        # softmax's NaN. On the device, no host sync: the test is on the mask, not the scores.
+        probs = probs.masked_fill(torch.isneginf(mask).all(-1, keepdim=True), 0.0)
         return torch.matmul(probs, values)
 
 

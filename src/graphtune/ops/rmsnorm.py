@@ -231,6 +231,9 @@ def fused_add_rms_norm(
     Returns:
         ``(out, new_residual)``, both shaped and typed like ``x``; ``new_residual`` is ``x``
         itself when ``residual`` is ``None``.
+
+    Raises:
+        InputError: ``x`` is 0-d or ``residual`` is not of ``x``'s shape.
     """
     eps = check_eps("fused_add_rms_norm", eps)
     shape = x.shape
@@ -238,6 +241,12 @@ def fused_add_rms_norm(
         raise InputError(
             f"fused_add_rms_norm: x must be [..., H] with at least one dim, got "
             f"{describe_tensor(x)}; normalise a 1-D [H] row at least."
+        )
+    if residual is not None and getattr(residual, "shape", None) != shape:
+        # as_rows would take any residual of x's numel, added in another element order.
+        raise InputError(
+            f"fused_add_rms_norm: residual must have x's shape {tuple(shape)}, got "
+            f"{describe_tensor(residual)}."
         )
     x2 = as_rows(x)
     r2 = as_rows(residual) if residual is not None else None

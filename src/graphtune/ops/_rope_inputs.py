@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from graphtune.errors import InputError, describe_tensor, wrong_device_error
+from graphtune.ops.rmsnorm import check_eps
 
 _NAMES = ("qkv", "positions", "cos", "sin", "k_cache", "v_cache", "write_rows")
 
@@ -19,9 +20,10 @@ def head_norm_of(
 
     Raises:
         InputError: ``head_norm`` is not ``[heads + kv_heads, D]`` of ``qkv``'s dtype and device.
+        ConfigError: ``eps`` is not a finite number >= 0 (:func:`~graphtune.ops.rmsnorm.check_eps`).
     """
     norm = inputs[7] if len(inputs) > 7 else None
-    eps = float(inputs[8]) if len(inputs) > 8 else 1e-6
+    eps = check_eps("rope_kv_cache", inputs[8]) if len(inputs) > 8 else 1e-6
     if norm is None:
         return None, eps
     qkv, dim = inputs[0], inputs[2].shape[-1]

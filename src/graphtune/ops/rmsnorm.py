@@ -309,8 +309,9 @@ def head_rms_norm(qkv: torch.Tensor, weights: torch.Tensor, eps: float) -> torch
     two torch ops, same roundings).
 
     Raises:
-        InputError: As :func:`head_rms_norm_`.
+        InputError, ConfigError: As :func:`head_rms_norm_`.
     """
+    eps = check_eps("head_rms_norm", eps)
     qk = _qk_heads(qkv, weights, "head_rms_norm")
     out = torch.mul(F.rms_norm(qk, (weights.shape[1],), eps=eps), weights)
     # Weights of a wider dtype promote the product; the in-place form rounds it to qkv's dtype
@@ -335,7 +336,9 @@ def head_rms_norm_(qkv: torch.Tensor, weights: torch.Tensor, eps: float) -> torc
     Raises:
         InputError: ``qkv`` is not 2-D or narrower than the heads ``weights`` describes, its
             rows are not contiguous, or ``weights`` is on another device.
+        ConfigError: ``eps`` is not a finite number >= 0 (:func:`check_eps`).
     """
+    eps = check_eps("head_rms_norm_", eps)
     qk = _qk_heads(qkv, weights, "head_rms_norm_")
     torch.mul(F.rms_norm(qk, (weights.shape[1],), eps=eps), weights, out=qk)
     return qkv

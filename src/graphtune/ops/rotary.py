@@ -51,7 +51,7 @@ from graphtune.ops._triton import (
 )
 from graphtune.ops._triton_runner import TritonRunner
 from graphtune.ops.registry import register_op, runner_extras
-from graphtune.ops.rmsnorm import head_rms_norm
+from graphtune.ops.rmsnorm import check_eps, head_rms_norm
 from graphtune.ops.rope_config import rope_config
 
 OP_NAME = "graphtune.rope_kv_cache"
@@ -418,7 +418,7 @@ def rope_kv_cache(
         head_norm: ``[num_heads + num_kv_heads, D]`` weight rows of a per-head q/k RMSNorm
             applied before the rotation (Qwen3; :func:`graphtune.ops.rmsnorm.head_norm_weights`);
             the fallback normalises a copy of ``qkv``'s q/k heads, the kernel in registers.
-        head_norm_eps: That norm's epsilon.
+        head_norm_eps: That norm's epsilon (a finite number >= 0, else ``ConfigError``).
         tuner: Tuner to ask; the process default when ``None``.
         max_m: Largest tuned batch (``None``: up to the live batch).
         runners: Runners to choose from; :func:`rope_runners` when ``None``.
@@ -427,6 +427,7 @@ def rope_kv_cache(
         ``q`` rotated, ``[B, num_heads, D]`` (the torch fallback returns a view of its rotated
         ``[B, heads + kv_heads, D]`` tensor).
     """
+    head_norm_eps = check_eps("rope_kv_cache", head_norm_eps)
     inputs = [qkv, positions, cos, sin, k_cache, v_cache, write_rows, head_norm, head_norm_eps]
     chosen = runners if runners is not None else rope_runners(num_heads, num_kv_heads, signed_sin)
     config = rope_config(num_kv_heads, max_m)

@@ -99,7 +99,9 @@ def gemm(
         residual: Optional ``[..., N]`` added to the product (same leading shape as ``a``).
         inplace: Accumulate into ``residual`` (must be contiguous for the Triton runner).
         out: Write the ``[M, N]`` result here (contiguous, ``a``'s dtype; e.g. a communication
-            buffer) instead of a new tensor. Not with ``inplace``. The pick does not depend on it.
+            buffer) instead of a new tensor; the return is then ``out`` itself for a 2-D ``a``,
+            else ``out`` viewed as ``[..., N]``. Not with ``inplace``. The pick does not depend
+            on it.
         tuner: The tuner to ask; the process default when ``None``.
         max_m: Largest tuned ``M`` (see :func:`gemm_config`).
         runners: Runners to choose from; :func:`gemm_runners` when ``None``.
@@ -161,7 +163,7 @@ def gemm(
     result = runner.forward(inputs if out is None else [*inputs, out], tactic=tactic)
     if inplace:
         return residual
-    return out if out is not None else from_rows(result, lead, weight.shape[0])
+    return from_rows(out if out is not None else result, lead, weight.shape[0])
 
 
 def _rebuild(record: CallRecord, tuner: Any) -> tuple[tuple[TunableRunner, ...], TuningConfig]:

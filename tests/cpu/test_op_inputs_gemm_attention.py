@@ -1,0 +1,27 @@
+"""gemm(a_3d, w, out=o) returns [..., N] as without out=, and decode_attention refuses integer
+q/k/v with an InputError (they passed the layout check and failed inside torch)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphtune.autotuner import AutoTuner
+from graphtune.errors import InputError
+from graphtune.ops import gemm
+
+TUNER = AutoTuner(show_progress=False)
+
+
+@pytest.mark.parametrize("lead", [(2, 3), (6,), ()], ids=str)
+def test_gemm_with_out_returns_the_shape_it_returns_without(lead):
+    a, w = torch.randn(*lead, 8), torch.randn(5, 8)
+    out = torch.empty(max(1, a.numel() // 8), 5)
+    got = gemm(a, w, out=out, tuner=TUNER)
+    want = gemm(a, w, tuner=TUNER)
+    assert got.shape == want.shape == (*lead, 5)
+    assert got.data_ptr() == out.data_ptr()  # out's memory, not a copy
+    if len(lead) == 1:
+        assert got is out
+    torch.testing.assert_close(got, want)
+

@@ -25,3 +25,12 @@ def test_gemm_with_out_returns_the_shape_it_returns_without(lead):
         assert got is out
     torch.testing.assert_close(got, want)
 
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool])
+def test_decode_attention_refuses_integer_q_k_v(dtype):
+    from graphtune.ops.attention import decode_attention, tuning_config
+
+    q, keys = torch.ones(2, 2, 2, 16, dtype=dtype), torch.ones(2, 2, 5, 16, dtype=dtype)
+    mask = torch.zeros(2, 1, 1, 5)
+    with pytest.raises(InputError, match=f"need a floating dtype, got {dtype}"):
+        decode_attention(q, keys, keys.clone(), mask, tuner=TUNER, config=tuning_config(4))

@@ -28,6 +28,8 @@ def layout_problem(inputs: list[Any]) -> str | None:
         return f"need an additive mask [B or 1, 1, 1, S={seq}], got {tuple(mask.shape)}"
     if keys.dtype != q.dtype or values.dtype != q.dtype:
         return f"q, keys and values need one dtype, got {q.dtype}, {keys.dtype}, {values.dtype}"
+    if not q.dtype.is_floating_point:
+        return f"q, keys and values need a floating dtype, got {q.dtype}"
     if not mask.dtype.is_floating_point:
         return f"the mask must be additive (a float dtype), got {mask.dtype}"
     if len({t.device for t in inputs}) != 1:

@@ -1,12 +1,13 @@
 """Loading a model: a local Hugging Face checkpoint folder or random weights for a preset.
 
 A checkpoint folder holds ``config.json`` and either ``model.safetensors`` or shards listed in
-``model.safetensors.index.json``. Tensors are read with ``safetensors``; Q/K/V and gate/up are
-concatenated into the fused matrices the decode step uses. A ``tokenizer.json`` next to them is
-loaded with ``tokenizers`` when that package is installed, and when a ``generation_config.json``
-exists its ``eos_token_id`` (missing or null: no EOS) replaces ``config.json``'s, as transformers'
-``generate`` does. Every file that cannot be read or parsed is a
-:class:`~graphtune.errors.CheckpointError` naming it.
+``model.safetensors.index.json``, chosen as transformers chooses them
+(:mod:`graphtune.engine.safetensors_source`). Tensors are read with ``safetensors``; Q/K/V and
+gate/up are concatenated into the fused matrices the decode step uses. A ``tokenizer.json`` next
+to them is loaded with ``tokenizers`` when that package is installed, and when a
+``generation_config.json`` exists its ``eos_token_id`` (missing or null: no EOS) replaces
+``config.json``'s, as transformers' ``generate`` does. Every file that cannot be read or parsed is
+a :class:`~graphtune.errors.CheckpointError` naming it.
 """
 
 from __future__ import annotations

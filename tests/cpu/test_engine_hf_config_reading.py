@@ -87,6 +87,19 @@ def test_a_tied_config_whose_file_repeats_the_embedding_keeps_one_tensor(tmp_pat
     assert model.config.tie_word_embeddings and model.lm_head is model.embed
 
 
+def test_a_tied_config_whose_file_stores_only_the_head_uses_it_for_both(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    _, folder = build_hf("llama", tmp_path, tie_word_embeddings=True)
+    (file,) = folder.glob("*.safetensors")
+    tensors = load_file(file)
+    tensors["lm_head.weight"] = tensors.pop("model.embed_tokens.weight")
+    save_file(tensors, file, metadata={"format": "pt"})
+    model = load_checkpoint(folder)
+    assert model.config.tie_word_embeddings and model.lm_head is model.embed
+    compare(_transformers(folder), folder)
+
+
 @pytest.mark.parametrize("written_as", ["qwen2", "mistral"])
 def test_architectures_that_disagree_with_model_type_are_refused(tmp_path, written_as):
     # transformers builds the model model_type names; reading architectures instead dropped

@@ -326,3 +326,20 @@ def test_every_float_field_must_be_finite(field, value):
             PRESETS["tiny"].replace(**{field: value})
         else:
             RopeScaling(**{**LLAMA3_SCALING, field: value})
+
+
+def test_mixtral_expert_count_as_num_experts_matches_transformers(tmp_path):
+    # MixtralConfig.attribute_map reads num_experts as num_local_experts (not its default 8).
+    import test_engine_moe_hf as moe
+
+    hf, folder = moe.build_hf("mixtral", tmp_path)
+    doc = json.loads((folder / "config.json").read_text())
+    doc["num_experts"] = doc.pop("num_local_experts")
+    (folder / "config.json").write_text(json.dumps(doc))
+    oracle = _transformers(folder)
+    oracle.set_experts_implementation("eager")
+    assert oracle.config.num_local_experts == 4
+    assert moe.compare(oracle, folder, decode_steps=3).config.num_experts == 4
+    _edit(folder, num_local_experts=6)
+    with pytest.raises(ConfigError, match="num_local_experts=6: disagrees with num_experts=4"):
+        load_checkpoint(folder)

@@ -93,7 +93,10 @@ ORACLES = {
         "test_mistral_layer_types_of_one_kind_match_transformers",
     ],
     # The experts of Qwen3-MoE and Mixtral (tests/cpu/test_engine_moe_hf.py, _moe_config.py).
-    "num_experts": ["test_moe_logits_and_greedy_tokens_match_transformers"],
+    "num_experts": [
+        "test_moe_logits_and_greedy_tokens_match_transformers",
+        "test_mixtral_expert_count_as_num_experts_matches_transformers",
+    ],
     "num_local_experts": [
         "test_moe_logits_and_greedy_tokens_match_transformers",
         "test_transformers_5_names_and_default_config_classes_map_too",

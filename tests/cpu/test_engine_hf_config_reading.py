@@ -343,3 +343,22 @@ def test_mixtral_expert_count_as_num_experts_matches_transformers(tmp_path):
     _edit(folder, num_local_experts=6)
     with pytest.raises(ConfigError, match="num_local_experts=6: disagrees with num_experts=4"):
         load_checkpoint(folder)
+
+
+@pytest.mark.parametrize("mlp_only", [[0, 5], [-1], [1, -1, 7]])
+def test_qwen3_moe_mlp_only_layers_naming_no_layer_match_transformers(tmp_path, caplog, mlp_only):
+    # transformers asks `layer_idx in mlp_only_layers`: 5 and -1 are no layer of the two.
+    import test_engine_moe_hf as moe
+
+    hf, folder = moe.build_hf("qwen3_moe", tmp_path, mlp_only_layers=mlp_only)
+    ours = moe.compare(hf, folder, decode_steps=3)
+    assert [layer.is_moe for layer in ours.layers] == [i not in mlp_only for i in range(2)]
+    assert "name no layer" in caplog.text
+
+
+def test_qwen3_moe_without_experts_is_dense_as_in_transformers(tmp_path):
+    import test_engine_moe_hf as moe
+
+    hf, folder = moe.build_hf("qwen3_moe", tmp_path, num_experts=0)
+    ours = moe.compare(hf, folder, decode_steps=3)
+    assert ours.config.num_experts == 0 and not any(layer.is_moe for layer in ours.layers)

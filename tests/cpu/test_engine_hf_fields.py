@@ -96,6 +96,7 @@ ORACLES = {
     "num_experts": [
         "test_moe_logits_and_greedy_tokens_match_transformers",
         "test_mixtral_expert_count_as_num_experts_matches_transformers",
+        "test_qwen3_moe_without_experts_is_dense_as_in_transformers",
     ],
     "num_local_experts": [
         "test_moe_logits_and_greedy_tokens_match_transformers",
@@ -108,7 +109,8 @@ ORACLES = {
         "test_qwen3_moe_dense_layers_follow_mlp_only_layers_and_decoder_sparse_step"
     ],
     "mlp_only_layers": [
-        "test_qwen3_moe_dense_layers_follow_mlp_only_layers_and_decoder_sparse_step"
+        "test_qwen3_moe_dense_layers_follow_mlp_only_layers_and_decoder_sparse_step",
+        "test_qwen3_moe_mlp_only_layers_naming_no_layer_match_transformers",
     ],
 }
 TEST_MODULES = (

@@ -9,16 +9,21 @@ ignored or refused is in :mod:`graphtune.engine.hf_fields`, as for every archite
 The layer layout follows transformers' ``Qwen3MoeDecoderLayer``: layer ``i`` is a mixture of
 experts when ``i`` is not in ``mlp_only_layers``, ``num_experts > 0`` and ``(i + 1) %
 decoder_sparse_step == 0``; the other layers are dense SwiGLU MLPs of ``intermediate_size``.
+Entries of ``mlp_only_layers`` that name no layer (``-1`` included) are dropped with a warning, as
+they change nothing there; ``num_experts: 0`` makes every layer dense.
 Mixtral has no dense layers, and its ``intermediate_size`` is the expert width.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
 from graphtune.engine.hf_fields import hf_bool, hf_int
 from graphtune.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 #: Architectures (``ModelConfig.architecture``) whose MLPs are mixtures of experts.
 MOE_ARCHITECTURES = ("qwen3_moe", "mixtral")
@@ -124,9 +129,22 @@ def moe_fields_from_hf(cfg: Mapping[str, Any], architecture: str) -> dict[str, A
         isinstance(i, int) and not isinstance(i, bool) for i in mlp_only
     ):
         raise _refuse("mlp_only_layers", mlp_only, "must be a list of layer indices")
+    layers = cfg.get("num_hidden_layers")
+    if isinstance(layers, int) and any(not 0 <= i < layers for i in mlp_only):
+        # transformers only asks `layer_idx in mlp_only_layers`: -1 is no layer, not the last.
+        logger.warning(
+            "config.json: mlp_only_layers=%s: %s name no layer of [0, %d) and have no effect, "
+            "as in transformers",
+            mlp_only,
+            sorted({i for i in mlp_only if not 0 <= i < layers}),
+            layers,
+        )
+        mlp_only = [i for i in mlp_only if 0 <= i < layers]
+    experts = _expert_count(cfg, 128)
     return dict(
-        num_experts=_expert_count(cfg, 128),
-        num_experts_per_tok=_int(cfg, "num_experts_per_tok"),
+        num_experts=experts,
+        # No experts: transformers makes every layer dense, and the top-k is never used.
+        num_experts_per_tok=_int(cfg, "num_experts_per_tok") if experts else 0,
         moe_intermediate_size=_int(cfg, "moe_intermediate_size"),
         norm_topk_prob=hf_bool(cfg, "norm_topk_prob"),
         mlp_only_layers=tuple(mlp_only),

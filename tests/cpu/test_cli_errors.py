@@ -169,6 +169,7 @@ def test_broken_checkpoint_files_are_one_line(checkpoint, tmp_path):
         "not valid JSON",
     )
     bad_index = _copy(checkpoint, tmp_path / "index")
+    (bad_index / "model.safetensors").unlink()  # read before any index, as transformers does
     (bad_index / "model.safetensors.index.json").write_text("{not json")
     error_line(
         graphtune(

@@ -87,6 +87,19 @@ def test_a_tied_config_whose_file_repeats_the_embedding_keeps_one_tensor(tmp_pat
     assert model.config.tie_word_embeddings and model.lm_head is model.embed
 
 
+def test_a_tied_config_whose_file_stores_only_the_head_uses_it_for_both(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    _, folder = build_hf("llama", tmp_path, tie_word_embeddings=True)
+    (file,) = folder.glob("*.safetensors")
+    tensors = load_file(file)
+    tensors["lm_head.weight"] = tensors.pop("model.embed_tokens.weight")
+    save_file(tensors, file, metadata={"format": "pt"})
+    model = load_checkpoint(folder)
+    assert model.config.tie_word_embeddings and model.lm_head is model.embed
+    compare(_transformers(folder), folder)
+
+
 @pytest.mark.parametrize("written_as", ["qwen2", "mistral"])
 def test_architectures_that_disagree_with_model_type_are_refused(tmp_path, written_as):
     # transformers builds the model model_type names; reading architectures instead dropped
@@ -313,3 +326,39 @@ def test_every_float_field_must_be_finite(field, value):
             PRESETS["tiny"].replace(**{field: value})
         else:
             RopeScaling(**{**LLAMA3_SCALING, field: value})
+
+
+def test_mixtral_expert_count_as_num_experts_matches_transformers(tmp_path):
+    # MixtralConfig.attribute_map reads num_experts as num_local_experts (not its default 8).
+    import test_engine_moe_hf as moe
+
+    hf, folder = moe.build_hf("mixtral", tmp_path)
+    doc = json.loads((folder / "config.json").read_text())
+    doc["num_experts"] = doc.pop("num_local_experts")
+    (folder / "config.json").write_text(json.dumps(doc))
+    oracle = _transformers(folder)
+    oracle.set_experts_implementation("eager")
+    assert oracle.config.num_local_experts == 4
+    assert moe.compare(oracle, folder, decode_steps=3).config.num_experts == 4
+    _edit(folder, num_local_experts=6)
+    with pytest.raises(ConfigError, match="num_local_experts=6: disagrees with num_experts=4"):
+        load_checkpoint(folder)
+
+
+@pytest.mark.parametrize("mlp_only", [[0, 5], [-1], [1, -1, 7]])
+def test_qwen3_moe_mlp_only_layers_naming_no_layer_match_transformers(tmp_path, caplog, mlp_only):
+    # transformers asks `layer_idx in mlp_only_layers`: 5 and -1 are no layer of the two.
+    import test_engine_moe_hf as moe
+
+    hf, folder = moe.build_hf("qwen3_moe", tmp_path, mlp_only_layers=mlp_only)
+    ours = moe.compare(hf, folder, decode_steps=3)
+    assert [layer.is_moe for layer in ours.layers] == [i not in mlp_only for i in range(2)]
+    assert "name no layer" in caplog.text
+
+
+def test_qwen3_moe_without_experts_is_dense_as_in_transformers(tmp_path):
+    import test_engine_moe_hf as moe
+
+    hf, folder = moe.build_hf("qwen3_moe", tmp_path, num_experts=0)
+    ours = moe.compare(hf, folder, decode_steps=3)
+    assert ours.config.num_experts == 0 and not any(layer.is_moe for layer in ours.layers)

@@ -93,7 +93,11 @@ ORACLES = {
         "test_mistral_layer_types_of_one_kind_match_transformers",
     ],
     # The experts of Qwen3-MoE and Mixtral (tests/cpu/test_engine_moe_hf.py, _moe_config.py).
-    "num_experts": ["test_moe_logits_and_greedy_tokens_match_transformers"],
+    "num_experts": [
+        "test_moe_logits_and_greedy_tokens_match_transformers",
+        "test_mixtral_expert_count_as_num_experts_matches_transformers",
+        "test_qwen3_moe_without_experts_is_dense_as_in_transformers",
+    ],
     "num_local_experts": [
         "test_moe_logits_and_greedy_tokens_match_transformers",
         "test_transformers_5_names_and_default_config_classes_map_too",
@@ -105,7 +109,8 @@ ORACLES = {
         "test_qwen3_moe_dense_layers_follow_mlp_only_layers_and_decoder_sparse_step"
     ],
     "mlp_only_layers": [
-        "test_qwen3_moe_dense_layers_follow_mlp_only_layers_and_decoder_sparse_step"
+        "test_qwen3_moe_dense_layers_follow_mlp_only_layers_and_decoder_sparse_step",
+        "test_qwen3_moe_mlp_only_layers_naming_no_layer_match_transformers",
     ],
 }
 TEST_MODULES = (

@@ -131,6 +131,7 @@ HANDLED_FIELDS: dict[str, dict[str, str]] = {
         "intermediate_size": "ModelConfig.moe_intermediate_size (the experts' width)",
         "sliding_window": "ModelConfig.sliding_window",
         "num_local_experts": "ModelConfig.num_experts",
+        "num_experts": "ModelConfig.num_experts (MixtralConfig.attribute_map's alias)",
         "num_experts_per_tok": "ModelConfig.num_experts_per_tok",
     },
 }
@@ -215,7 +216,6 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
         "bos_token_id": 1,
         "eos_token_id": 2,
         "sliding_window": None,
-        "num_local_experts": 8,
         "num_experts_per_tok": 2,
     },
 }

@@ -1,12 +1,13 @@
 """Loading a model: a local Hugging Face checkpoint folder or random weights for a preset.
 
 A checkpoint folder holds ``config.json`` and either ``model.safetensors`` or shards listed in
-``model.safetensors.index.json``. Tensors are read with ``safetensors``; Q/K/V and gate/up are
-concatenated into the fused matrices the decode step uses. A ``tokenizer.json`` next to them is
-loaded with ``tokenizers`` when that package is installed, and when a ``generation_config.json``
-exists its ``eos_token_id`` (missing or null: no EOS) replaces ``config.json``'s, as transformers'
-``generate`` does. Every file that cannot be read or parsed is a
-:class:`~graphtune.errors.CheckpointError` naming it.
+``model.safetensors.index.json``, chosen as transformers chooses them
+(:mod:`graphtune.engine.safetensors_source`). Tensors are read with ``safetensors``; Q/K/V and
+gate/up are concatenated into the fused matrices the decode step uses. A ``tokenizer.json`` next
+to them is loaded with ``tokenizers`` when that package is installed, and when a
+``generation_config.json`` exists its ``eos_token_id`` (missing or null: no EOS) replaces
+``config.json``'s, as transformers' ``generate`` does. Every file that cannot be read or parsed is
+a :class:`~graphtune.errors.CheckpointError` naming it.
 """
 
 from __future__ import annotations
@@ -179,7 +180,11 @@ def load_checkpoint(
                 get, source.has, p, config
             )
         layers.append(layer)
-    embed = get("model.embed_tokens.weight", (config.vocab_size, d))
+    embed_name = "model.embed_tokens.weight"
+    if config.tie_word_embeddings and not source.has(embed_name) and source.has("lm_head.weight"):
+        # transformers ties a file that stores only the head: the embedding is the head.
+        embed_name = "lm_head.weight"
+    embed = get(embed_name, (config.vocab_size, d))
     lm_head = embed
     if not config.tie_word_embeddings or source.has("lm_head.weight"):
         lm_head = get("lm_head.weight", (config.vocab_size, d))
@@ -229,7 +234,8 @@ def _auto_dtype(folder: Path, source: TensorSource) -> torch.dtype | None:
     field = "dtype" if doc.get("dtype") is not None else "torch_dtype"
     name = doc.get(field)
     if name is None:
-        return source.dtype("model.embed_tokens.weight")
+        embed = source.dtype("model.embed_tokens.weight")
+        return embed if embed is not None else source.dtype("lm_head.weight")
     dtype = getattr(torch, name, None) if isinstance(name, str) else None
     if not isinstance(dtype, torch.dtype) or dtype not in MODEL_DTYPES:
         names = ", ".join(str(d).removeprefix("torch.") for d in MODEL_DTYPES)

@@ -3,22 +3,27 @@
 :func:`check_moe_fields` holds the rules of ``ModelConfig``'s MoE fields (called on
 construction). :func:`moe_fields_from_hf` reads the MoE fields of a Qwen3-MoE or Mixtral
 ``config.json`` for :func:`~graphtune.engine.config.from_hf_config`, checking their types and
-that the two spellings of Qwen3-MoE's expert count agree; which fields of those files are read,
+that the two spellings of the expert count agree; which fields of those files are read,
 ignored or refused is in :mod:`graphtune.engine.hf_fields`, as for every architecture.
 
 The layer layout follows transformers' ``Qwen3MoeDecoderLayer``: layer ``i`` is a mixture of
 experts when ``i`` is not in ``mlp_only_layers``, ``num_experts > 0`` and ``(i + 1) %
 decoder_sparse_step == 0``; the other layers are dense SwiGLU MLPs of ``intermediate_size``.
+Entries of ``mlp_only_layers`` that name no layer (``-1`` included) are dropped with a warning, as
+they change nothing there; ``num_experts: 0`` makes every layer dense.
 Mixtral has no dense layers, and its ``intermediate_size`` is the expert width.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
 from graphtune.engine.hf_fields import hf_bool, hf_int
 from graphtune.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 #: Architectures (``ModelConfig.architecture``) whose MLPs are mixtures of experts.
 MOE_ARCHITECTURES = ("qwen3_moe", "mixtral")
@@ -81,6 +86,20 @@ def _int(cfg: Mapping[str, Any], field: str, default: int | None = None) -> int:
     return hf_int(cfg if field in cfg or default is None else {field: default}, field)
 
 
+def _expert_count(cfg: Mapping[str, Any], default: int) -> int:
+    """The expert count under either of its names: both configs' ``attribute_map`` makes
+    ``num_experts`` and ``num_local_experts`` one field (two that disagree are refused); neither:
+    transformers' ``default``."""
+    if "num_experts" in cfg and "num_local_experts" in cfg:
+        if cfg["num_experts"] != cfg["num_local_experts"]:
+            raise _refuse(
+                "num_local_experts",
+                cfg["num_local_experts"],
+                f"disagrees with num_experts={cfg['num_experts']!r}; keep one of them",
+            )
+    return _int(cfg, "num_experts" if "num_experts" in cfg else "num_local_experts", default)
+
+
 def moe_fields_from_hf(cfg: Mapping[str, Any], architecture: str) -> dict[str, Any]:
     """The mixture-of-experts fields of a ``ModelConfig`` for a Qwen3-MoE or Mixtral file.
 
@@ -95,33 +114,37 @@ def moe_fields_from_hf(cfg: Mapping[str, Any], architecture: str) -> dict[str, A
         ``decoder_sparse_step``.
 
     Raises:
-        ConfigError: A field has a value of the wrong type, or Qwen3-MoE's ``num_experts`` and
+        ConfigError: A field has a value of the wrong type, or ``num_experts`` and
             ``num_local_experts`` disagree (the message names the field and the value).
     """
     if architecture == "mixtral":
         return dict(
-            num_experts=_int(cfg, "num_local_experts"),
+            num_experts=_expert_count(cfg, 8),
             num_experts_per_tok=_int(cfg, "num_experts_per_tok"),
             moe_intermediate_size=_int(cfg, "intermediate_size"),
             norm_topk_prob=True,  # Mixtral's router always renormalises the top-k weights
         )
-    if "num_experts" in cfg and "num_local_experts" in cfg:
-        if cfg["num_experts"] != cfg["num_local_experts"]:
-            raise _refuse(
-                "num_local_experts",
-                cfg["num_local_experts"],
-                f"disagrees with num_experts={cfg['num_experts']!r}; keep one of them",
-            )
-    experts_field = "num_experts" if "num_experts" in cfg else "num_local_experts"
     mlp_only = cfg.get("mlp_only_layers") or []
     if not isinstance(mlp_only, list) or not all(
         isinstance(i, int) and not isinstance(i, bool) for i in mlp_only
     ):
         raise _refuse("mlp_only_layers", mlp_only, "must be a list of layer indices")
+    layers = cfg.get("num_hidden_layers")
+    if isinstance(layers, int) and any(not 0 <= i < layers for i in mlp_only):
+        # transformers only asks `layer_idx in mlp_only_layers`: -1 is no layer, not the last.
+        logger.warning(
+            "config.json: mlp_only_layers=%s: %s name no layer of [0, %d) and have no effect, "
+            "as in transformers",
+            mlp_only,
+            sorted({i for i in mlp_only if not 0 <= i < layers}),
+            layers,
+        )
+        mlp_only = [i for i in mlp_only if 0 <= i < layers]
+    experts = _expert_count(cfg, 128)
     return dict(
-        # Both spellings may be missing: transformers' default is 128 experts.
-        num_experts=_int(cfg, experts_field, 128),
-        num_experts_per_tok=_int(cfg, "num_experts_per_tok"),
+        num_experts=experts,
+        # No experts: transformers makes every layer dense, and the top-k is never used.
+        num_experts_per_tok=_int(cfg, "num_experts_per_tok") if experts else 0,
         moe_intermediate_size=_int(cfg, "moe_intermediate_size"),
         norm_topk_prob=hf_bool(cfg, "norm_topk_prob"),
         mlp_only_layers=tuple(mlp_only),

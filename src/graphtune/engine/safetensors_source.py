@@ -1,10 +1,14 @@
 """Reading a checkpoint folder's files: its JSON files (:func:`read_json`) and its named tensors
-from one or more safetensors files (:class:`TensorSource`), each failure a
+from the safetensors files transformers' ``from_pretrained`` reads (:class:`TensorSource`): the
+file ``config.json``'s ``transformers_weights`` names, else ``model.safetensors``, else the shards
+of ``model.safetensors.index.json``, never another ``*.safetensors`` file; each failure a
 :class:`~graphtune.errors.CheckpointError` that names the file."""
 
 from __future__ import annotations
 
 import hashlib
+import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +16,12 @@ import torch
 
 from graphtune.errors import CheckpointError
 from graphtune.finite_json import NonFiniteNumber, parse_json
+
+logger = logging.getLogger(__name__)
+
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+_INDEX_SUFFIX = ".safetensors.index.json"
 
 # Elements of each tensor's first row in the checkpoint's mark (:meth:`TensorSource.mark`).
 _MARK_ELEMENTS = 64
@@ -32,39 +42,29 @@ class TensorSource:
         self._handles: dict[Path, Any] = {}
         self.read: set[str] = set()
         self._mark = hashlib.sha256()
-        index = folder / "model.safetensors.index.json"
-        if index.exists():
-            weight_map = read_json(index).get("weight_map")
-            if not isinstance(weight_map, dict):
-                raise CheckpointError(
-                    f"{index} has no 'weight_map' object; re-save the checkpoint with "
-                    "save_pretrained(safe_serialization=True)"
-                )
-            bad = next((n for n, f in weight_map.items() if not isinstance(f, str) or not f), None)
-            if bad is not None:
-                raise CheckpointError(
-                    f"{index}: weight_map[{bad!r}]={weight_map[bad]!r} must be the name of a "
-                    "shard file in the folder; fix the index or download the checkpoint again"
-                )
-            self.files = {name: folder / file for name, file in weight_map.items()}
-            missing = sorted({str(f) for f in self.files.values() if not f.is_file()})
-            if missing:
-                raise CheckpointError(
-                    f"{index} lists shard files that are not in the folder: {missing[:3]}; "
-                    "download the whole checkpoint"
-                )
-        else:
-            files = sorted(folder.glob("*.safetensors"))
-            if not files:
-                raise CheckpointError(
-                    f"{folder} has no *.safetensors files (graphtune does not read .bin/.pt "
-                    "checkpoints; re-save with safe_serialization=True)"
-                )
-            self.files = {}
-            for file in files:
-                handle = self._handles[file] = self._open(file)
-                for name in handle.keys():
-                    self.files[name] = file
+        files = _shard_files(_weights_file(folder), folder)
+        ignored = sorted(f.name for f in set(folder.glob("*.safetensors")) - set(files))
+        if ignored:
+            logger.info(
+                "%s: not reading %s (transformers reads only %s)",
+                folder,
+                ", ".join(ignored),
+                ", ".join(sorted({f.name for f in files})),
+            )
+        self.files: dict[str, Path] = {}
+        for file in files:
+            handle = self._handles[file] = self._open(file)
+            for name in handle.keys():
+                if name in self.files:
+                    logger.warning(
+                        "%s: tensor %r is in both %s and %s; using %s's, as transformers does",
+                        folder,
+                        name,
+                        self.files[name].name,
+                        file.name,
+                        file.name,
+                    )
+                self.files[name] = file
 
     def _open(self, file: Path) -> Any:
         try:
@@ -142,6 +142,74 @@ class TensorSource:
         sample = sample.reshape(-1)[:_MARK_ELEMENTS].contiguous()
         self._mark.update(name.encode() + sample.view(torch.uint8).numpy().tobytes())
         return tensor
+
+
+def _weights_file(folder: Path) -> Path:
+    """The file transformers' ``from_pretrained`` reads weights from, in its order: the file
+    ``config.json``'s ``transformers_weights`` names, else ``model.safetensors``, else
+    ``model.safetensors.index.json``; never any other ``*.safetensors`` file."""
+    config = folder / "config.json"
+    explicit = read_json(config).get("transformers_weights") if config.is_file() else None
+    if explicit is not None:
+        where = f"{config}: transformers_weights={explicit!r}"
+        if not isinstance(explicit, str) or not explicit.endswith((".safetensors", _INDEX_SUFFIX)):
+            raise CheckpointError(
+                f"{where} must name a *.safetensors or *{_INDEX_SUFFIX} file in the folder "
+                "(graphtune does not read .bin files); fix the file"
+            )
+        base = os.path.abspath(folder)
+        try:
+            inside = os.path.commonpath([base, os.path.abspath(folder / explicit)]) == base
+        except ValueError:
+            inside = False
+        if not inside:
+            raise CheckpointError(f"{where} must name a file inside the folder; fix the file")
+        if not (folder / explicit).is_file():
+            raise CheckpointError(f"{where} names a file the folder lacks; download it again")
+        return folder / explicit
+    for name in (WEIGHTS_NAME, INDEX_NAME):
+        if (folder / name).is_file():
+            return folder / name
+    if (folder / "pytorch_model.bin").is_file() or (
+        folder / "pytorch_model.bin.index.json"
+    ).is_file():
+        raise CheckpointError(
+            f"{folder} has PyTorch .bin weights, which graphtune does not read; re-save the "
+            "checkpoint with save_pretrained(safe_serialization=True)"
+        )
+    stray = sorted(f.name for f in folder.glob("*.safetensors"))
+    also = f" (transformers does not read {', '.join(stray)} either)" if stray else ""
+    raise CheckpointError(
+        f"{folder} has no {WEIGHTS_NAME} or {INDEX_NAME}{also}; download the whole checkpoint"
+    )
+
+
+def _shard_files(chosen: Path, folder: Path) -> list[Path]:
+    """``[chosen]``, or the shards the index ``chosen`` lists, sorted by name as transformers
+    reads them (a tensor in two shards takes the later one's copy there)."""
+    if not chosen.name.endswith(_INDEX_SUFFIX):
+        return [chosen]
+    weight_map = read_json(chosen).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(
+            f"{chosen} has no 'weight_map' object; re-save the checkpoint with "
+            "save_pretrained(safe_serialization=True)"
+        )
+    for name, file in weight_map.items():
+        if not isinstance(file, str) or not file or Path(file).anchor or ".." in Path(file).parts:
+            raise CheckpointError(
+                f"{chosen}: weight_map[{name!r}]={file!r} must be the name of a shard file in "
+                "the folder; fix the index or download the checkpoint again"
+            )
+    # Shard names are relative to the model folder, as in transformers, wherever the index is.
+    files = [folder / file for file in sorted(set(weight_map.values()))]
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise CheckpointError(
+            f"{chosen} lists shard files that are not in the folder: {missing[:3]}; "
+            "download the whole checkpoint"
+        )
+    return files
 
 
 def read_json(path: Path) -> dict[str, Any]:

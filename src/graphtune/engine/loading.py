@@ -47,14 +47,15 @@ def load_config(spec: str | Path) -> ModelConfig:
     """
     path = Path(spec).expanduser()
     if path.is_dir():
-        return _folder_config(path)
+        return _folder_config(path, _config_doc(path))
     if str(spec) in PRESETS:
         return PRESETS[str(spec)]
     raise _not_a_model(spec)
 
 
-def _folder_config(folder: Path) -> ModelConfig:
-    """The :class:`ModelConfig` of a checkpoint folder (see :func:`load_config`)."""
+def _config_doc(folder: Path) -> dict[str, Any]:
+    """The parsed ``config.json`` of a checkpoint folder (read once per load: the config, the
+    weights file and the dtype all come from it)."""
     config_file = folder / "config.json"
     if config_file.is_dir():
         raise CheckpointError(
@@ -63,7 +64,13 @@ def _folder_config(folder: Path) -> ModelConfig:
         )
     if not config_file.is_file():
         raise CheckpointError(f"{folder} has no config.json; is it a Hugging Face model folder?")
-    doc = read_json(config_file)  # its errors name the file already
+    return read_json(config_file)  # its errors name the file already
+
+
+def _folder_config(folder: Path, doc: dict[str, Any]) -> ModelConfig:
+    """The :class:`ModelConfig` of a checkpoint folder whose ``config.json`` is ``doc`` (see
+    :func:`load_config`)."""
+    config_file = folder / "config.json"
     try:
         config = from_hf_config(doc, name=folder.name)
     except (CheckpointError, ConfigError) as exc:
@@ -118,16 +125,17 @@ def load_checkpoint(
     """
     folder = Path(folder)
     device = None if device is None else as_torch_device(device)
-    config = _folder_config(folder)
+    doc = _config_doc(folder)
+    config = _folder_config(folder, doc)
     warm_triton_for(device)
     tp = parallel.world_size if parallel is not None else 1
     if tp > 1:
         from graphtune.engine.parallel import check_shardable
 
         check_shardable(config, tp)
-    source = TensorSource(folder)
+    source = TensorSource(folder, doc)
     if dtype is None:
-        dtype = _auto_dtype(folder, source)
+        dtype = _auto_dtype(folder / "config.json", doc, source)
     d, inter = config.hidden_size, config.intermediate_size
     rows = (0, parallel.rank, tp) if parallel is not None and tp > 1 else None
     cols = (1, parallel.rank, tp) if parallel is not None and tp > 1 else None
@@ -226,11 +234,10 @@ def load_checkpoint(
     return model
 
 
-def _auto_dtype(folder: Path, source: TensorSource) -> torch.dtype | None:
-    """The one dtype transformers' ``dtype="auto"`` loads every tensor in: ``config.json``'s
-    ``dtype`` (``torch_dtype`` when ``dtype`` is absent or null), else the embedding's."""
-    config_file = folder / "config.json"
-    doc = read_json(config_file)
+def _auto_dtype(config_file: Path, doc: dict[str, Any], source: TensorSource) -> torch.dtype | None:
+    """The one dtype transformers' ``dtype="auto"`` loads every tensor in: ``config_file``'s
+    (parsed: ``doc``) ``dtype`` (``torch_dtype`` when ``dtype`` is absent or null), else the
+    embedding's."""
     field = "dtype" if doc.get("dtype") is not None else "torch_dtype"
     name = doc.get(field)
     if name is None:

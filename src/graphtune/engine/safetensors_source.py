@@ -28,9 +28,10 @@ _MARK_ELEMENTS = 64
 
 
 class TensorSource:
-    """Reads named tensors from one or more safetensors files, checking names and shapes."""
+    """Reads named tensors from one or more safetensors files, checking names and shapes: the
+    files of ``folder`` that transformers reads for the parsed ``config.json`` ``config_doc``."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, config_doc: dict[str, Any]) -> None:
         try:
             from safetensors import safe_open
         except ImportError as exc:
@@ -42,7 +43,7 @@ class TensorSource:
         self._handles: dict[Path, Any] = {}
         self.read: set[str] = set()
         self._mark = hashlib.sha256()
-        files = _shard_files(_weights_file(folder), folder)
+        files = _shard_files(_weights_file(folder, config_doc), folder)
         ignored = sorted(f.name for f in set(folder.glob("*.safetensors")) - set(files))
         if ignored:
             logger.info(
@@ -144,12 +145,13 @@ class TensorSource:
         return tensor
 
 
-def _weights_file(folder: Path) -> Path:
+def _weights_file(folder: Path, config_doc: dict[str, Any]) -> Path:
     """The file transformers' ``from_pretrained`` reads weights from, in its order: the file
-    ``config.json``'s ``transformers_weights`` names, else ``model.safetensors``, else
-    ``model.safetensors.index.json``; never any other ``*.safetensors`` file."""
+    ``config.json``'s (``config_doc``) ``transformers_weights`` names, else
+    ``model.safetensors``, else ``model.safetensors.index.json``; never any other
+    ``*.safetensors`` file."""
     config = folder / "config.json"
-    explicit = read_json(config).get("transformers_weights") if config.is_file() else None
+    explicit = config_doc.get("transformers_weights")
     if explicit is not None:
         where = f"{config}: transformers_weights={explicit!r}"
         if not isinstance(explicit, str) or not explicit.endswith((".safetensors", _INDEX_SUFFIX)):

@@ -23,6 +23,18 @@ class Case:
     build: Callable[[torch.device, int], tuple[str, tuple[Any, ...], Any, list[Any]]]
 
 
+def selected(case: Case, only: str | None) -> bool:
+    """Whether ``case`` matches ``--only``: alternatives separated by ``|``, each a text the
+    label contains, optionally ``@M`` for one bucket (``"down@1|add+rmsnorm@8"``)."""
+    if not only:
+        return True
+    for part in only.split("|"):
+        text, _, bucket = part.partition("@")
+        if text in case.label and (not bucket or bucket == str(case.bucket)):
+            return True
+    return False
+
+
 def _randn(device: torch.device, *shape: int, scale: float = 1.0) -> torch.Tensor:
     return (torch.randn(*shape, device=device) * scale).to(torch.bfloat16)
 

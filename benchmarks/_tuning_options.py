@@ -139,7 +139,12 @@ def parse_args(argv: list[str] | None, description: str | None = None) -> argpar
         help="fresh input sets each truth is measured on; a candidate's truth "
         f"is the median over them (default {TRUTH_SETS})",
     )
-    parser.add_argument("--only", default=None, help="run cases whose label contains this text")
+    parser.add_argument(
+        "--only",
+        default=None,
+        help="run the cases whose label contains this text; alternatives separated by |, "
+        "each optionally TEXT@M for one bucket (e.g. 'down@1|add+rmsnorm@8')",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     args = parser.parse_args(argv)
     if args.quick:

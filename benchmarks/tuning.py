@@ -72,7 +72,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _tuning_cases import Case, cases  # noqa: E402
+from _tuning_cases import Case, cases, selected  # noqa: E402
 from _tuning_options import (  # noqa: E402
     options,
     parse_args,
@@ -353,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         f"CUDA {prov['cuda']}, triton {prov['triton']}, commit {prov['commit']}",
         flush=True,
     )
-    todo = [c for c in cases(args.quick) if not args.only or args.only in c.label]
+    todo = [c for c in cases(args.quick) if selected(c, args.only)]
     records = []
     for case in todo:
         try:

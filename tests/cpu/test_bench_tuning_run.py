@@ -63,6 +63,22 @@ def test_parse_args_defaults_and_values():
     json.dumps(opts)  # goes into the result file
 
 
+def test_only_selects_cases_by_label_text_and_bucket():
+    labels = {(c.label, c.bucket) for c in tuning_cases.cases(quick=False)}
+
+    def chosen(only):
+        return {
+            (c.label, c.bucket)
+            for c in tuning_cases.cases(quick=False)
+            if tuning_cases.selected(c, only)
+        }
+
+    assert chosen(None) == labels
+    assert chosen("8192->") == {(lab, m) for lab, m in labels if lab == "down 8192->2048"}
+    assert chosen("down@1|add+rmsnorm@8") == {("down 8192->2048", 1), ("add+rmsnorm 2048", 8)}
+    assert chosen("down@3") == set()
+
+
 def test_variants_are_extra_graph_modes_with_their_own_tuner_keywords():
     args = tuning_options.parse_args(
         [

@@ -18,7 +18,7 @@ tuner's first round only races the candidates, and each candidate's opening alre
 
 Capturing a call costs the host the runner's whole launch path, so a long replay of a short kernel
 is built from a piece instead (``repeat_pieces``, the default): the calls are captured once, until
-the piece lasts ``min_piece_us`` (25 µs), and the replay runs copies of that piece as child graphs
+the piece lasts ``min_piece_us`` (100 µs, as long as a replay), and the replay runs copies of that piece as child graphs
 (:mod:`graphtune.autotuner.timing.repeated`). The GPU runs the same kernels either way.
 
 In cold-L2 mode pass ``repeat >= copies`` so that one replay walks through every input copy;
@@ -92,7 +92,10 @@ class GraphTimer:
             capturing every call of a long replay; falls back to capturing every call where the
             CUDA runtime cannot be used (:func:`cuda_runtime`).
         min_piece_us: Shortest piece to repeat: each copy boundary costs a kernel with
-            programmatic dependent launch its overlap once, so a piece must be long against it.
+            programmatic dependent launch its overlap once, and a chain of back-to-back calls
+            can run slower than its first few calls (the in-graph truth of
+            ``benchmarks/tuning.py``), so a piece must be long against both; the default, a
+            whole ``min_replay_us``, makes a short call's replay one piece.
         probe_replays: Timed replays of each ``auto_repeat`` probe.
         first_from_probe: A session whose graph was timed by the last probe returns that
             probe's replays as its first measurement (``probe_replays`` samples) instead of
@@ -114,7 +117,7 @@ class GraphTimer:
         max_repeat: int = 1024,
         min_calls: int = 3,
         repeat_pieces: bool = True,
-        min_piece_us: float = 25.0,
+        min_piece_us: float = 100.0,
         probe_replays: int = 3,
         first_from_probe: bool = True,
         device: torch.device | str | int | None = None,

@@ -18,8 +18,9 @@ tuner's first round only races the candidates, and each candidate's opening alre
 
 Capturing a call costs the host the runner's whole launch path, so a long replay of a short kernel
 is built from a piece instead (``repeat_pieces``, the default): the calls are captured once, until
-the piece lasts ``min_piece_us`` (100 µs, as long as a replay), and the replay runs copies of that piece as child graphs
-(:mod:`graphtune.autotuner.timing.repeated`). The GPU runs the same kernels either way.
+the piece lasts ``min_piece_us`` (100 µs, as long as a replay), and the replay runs copies of that
+piece as child graphs (:mod:`graphtune.autotuner.timing.repeated`). The GPU runs the same kernels
+either way.
 
 In cold-L2 mode pass ``repeat >= copies`` so that one replay walks through every input copy;
 otherwise consecutive replays touch the same few copies and find them in L2.

@@ -225,6 +225,31 @@ def test_out_of_range_ids_raise_in_the_sparse_loop_and_add_nothing_in_the_dense_
     assert _rel(dense_fused_moe(x, gate_up, down, weights, ids), want) < 1e-5
 
 
+@pytest.mark.parametrize("bad_id", [None, 4, -1])
+def test_dense_form_masks_an_unselected_expert_that_overflows(bad_id):
+    # The dense form runs every expert: one no token selects overflows fp16 to inf, and
+    # weighting it by zero gave inf * 0 = NaN in every row. An out-of-range id (mapped to expert
+    # 0 with weight 0) did the same with expert 0. The sparse loop never runs such an expert.
+    gen = _gen()
+    x, gate_up, down, _, _ = _case(gen, 2, 4, 2, 16, 8, torch.float16)
+    x = x.abs() + 0.5  # every projection of the hot expert is large and positive
+    hot = 3 if bad_id is None else 0
+    gate_up[hot], down[hot] = 200.0, 200.0
+    ids = torch.tensor([[1, 2], [2, 1]])
+    weights = torch.tensor([[0.625, 0.375], [0.5, 0.5]], dtype=torch.float16)
+    want = sparse_fused_moe(x, gate_up, down, weights, ids)
+    assert bool(want.isfinite().all()), gen.initial_seed()
+    if bad_id is not None:
+        # The slot names no expert, so it adds nothing: as a cold expert with weight 0.
+        kept_ids, kept_weights = ids.clone(), weights.clone()
+        kept_ids[1, 0], kept_weights[1, 0] = 1, 0.0
+        want = sparse_fused_moe(x, gate_up, down, kept_weights, kept_ids)
+        ids[1, 0] = bad_id
+    got = dense_fused_moe(x, gate_up, down, weights, ids)
+    assert bool(got.isfinite().all()), gen.initial_seed()
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3, msg=str(gen.initial_seed()))
+
+
 def test_torch_fused_moe_picks_the_form_and_both_agree():
     gen = _gen()
     inputs = _case(gen, 5, 8, 2, 16, 16)

@@ -297,6 +297,10 @@ def test_only_the_dense_form_captures_in_a_graph(capturable):
         (lambda i: i.__setitem__(1, i[1].to("meta")), "gate_up must be on x's device"),
         (lambda i: i.__setitem__(2, i[2].to("meta")), "down must be on x's device"),
         (lambda i: i.__setitem__(3, i[3].to("meta")), "topk_weights must be on x's device"),
+        # Used to raise AttributeError / IndexError instead of naming the argument.
+        (lambda i: i.__setitem__(3, None), "topk_weights must be a torch.Tensor"),
+        (lambda i: i.__setitem__(1, i[1].tolist()), "gate_up must be a torch.Tensor"),
+        (lambda i: i.__setitem__(0, i[0][0, 0]), "at least one dimension"),
     ],
 )
 def test_bad_inputs_name_the_rule(change, match):
@@ -320,6 +324,12 @@ def test_fused_moe_without_triton_runs_the_fallback_and_keeps_leading_dims():
     assert tuner.stats.fallbacks == {"graphtune.fused_moe": 1}
     with pytest.raises(InputError, match="T = 6 tokens"):
         fused_moe(x, gate_up, down, weights[:5], ids[:5], tuner=tuner)
+    # Checked before x is flattened and topk_ids' shape is read (an IndexError and an
+    # AttributeError before).
+    with pytest.raises(InputError, match="x must be \\[..., H\\] with at least one dimension"):
+        fused_moe(x[0, 0], gate_up, down, weights, ids, tuner=tuner)
+    with pytest.raises(InputError, match="topk_ids must be a torch.Tensor, got NoneType"):
+        fused_moe(x, gate_up, down, weights, None, tuner=tuner)  # type: ignore[arg-type]
 
 
 def test_balanced_routing_gives_distinct_experts_and_normalised_weights():

@@ -44,6 +44,32 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 ID_DTYPES = (torch.int32, torch.int64)
 
 MoeInputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+_INPUT_NAMES = ("x", "gate_up", "down", "topk_weights", "topk_ids")
+
+
+def check_moe_tensors(inputs: list[Any]) -> None:
+    """Checks that ``[x, gate_up, down, topk_weights, topk_ids]`` are five tensors and ``x`` has
+    a dimension: the rules every other check (and :func:`~graphtune.ops.moe.op.fused_moe`'s
+    flattening of ``x``) relies on, so a bad argument is named instead of an attribute error.
+
+    Raises:
+        InputError: An input is missing or not a tensor, or ``x`` is 0-d.
+    """
+    if len(inputs) < len(_INPUT_NAMES):
+        raise InputError(
+            f"fused_moe: needs the inputs {list(_INPUT_NAMES)}, got {len(inputs)}; pass all five."
+        )
+    for name, value in zip(_INPUT_NAMES, inputs[: len(_INPUT_NAMES)], strict=True):
+        if not isinstance(value, torch.Tensor):
+            raise InputError(
+                f"fused_moe: {name} must be a torch.Tensor, got {describe_tensor(value)}; pass "
+                f"a tensor (route_top_k returns topk_weights and topk_ids)."
+            )
+    if inputs[0].dim() < 1:
+        raise InputError(
+            "fused_moe: x must be [..., H] with at least one dimension, got a 0-d tensor; pass "
+            "the activations as [T, H]."
+        )
 
 
 def unpack_moe_inputs(inputs: list[Any]) -> MoeInputs:
@@ -51,9 +77,10 @@ def unpack_moe_inputs(inputs: list[Any]) -> MoeInputs:
     residual: see :func:`moe_residual`) and checks the shape rules.
 
     Raises:
-        InputError: A shape, dtype or dimension count does not match the layout above, or a
-            tensor is not on ``x``'s device.
+        InputError: An input is not a tensor, or a shape, dtype or dimension count does not
+            match the layout above, or a tensor is not on ``x``'s device.
     """
+    check_moe_tensors(inputs)
     x, gate_up, down, weights, ids = inputs[:5]
     if x.dim() != 2 or gate_up.dim() != 3 or down.dim() != 3:
         raise InputError(

@@ -225,6 +225,31 @@ def test_out_of_range_ids_raise_in_the_sparse_loop_and_add_nothing_in_the_dense_
     assert _rel(dense_fused_moe(x, gate_up, down, weights, ids), want) < 1e-5
 
 
+@pytest.mark.parametrize("bad_id", [None, 4, -1])
+def test_dense_form_masks_an_unselected_expert_that_overflows(bad_id):
+    # The dense form runs every expert: one no token selects overflows fp16 to inf, and
+    # weighting it by zero gave inf * 0 = NaN in every row. An out-of-range id (mapped to expert
+    # 0 with weight 0) did the same with expert 0. The sparse loop never runs such an expert.
+    gen = _gen()
+    x, gate_up, down, _, _ = _case(gen, 2, 4, 2, 16, 8, torch.float16)
+    x = x.abs() + 0.5  # every projection of the hot expert is large and positive
+    hot = 3 if bad_id is None else 0
+    gate_up[hot], down[hot] = 200.0, 200.0
+    ids = torch.tensor([[1, 2], [2, 1]])
+    weights = torch.tensor([[0.625, 0.375], [0.5, 0.5]], dtype=torch.float16)
+    want = sparse_fused_moe(x, gate_up, down, weights, ids)
+    assert bool(want.isfinite().all()), gen.initial_seed()
+    if bad_id is not None:
+        # The slot names no expert, so it adds nothing: as a cold expert with weight 0.
+        kept_ids, kept_weights = ids.clone(), weights.clone()
+        kept_ids[1, 0], kept_weights[1, 0] = 1, 0.0
+        want = sparse_fused_moe(x, gate_up, down, kept_weights, kept_ids)
+        ids[1, 0] = bad_id
+    got = dense_fused_moe(x, gate_up, down, weights, ids)
+    assert bool(got.isfinite().all()), gen.initial_seed()
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3, msg=str(gen.initial_seed()))
+
+
 def test_torch_fused_moe_picks_the_form_and_both_agree():
     gen = _gen()
     inputs = _case(gen, 5, 8, 2, 16, 16)
@@ -272,6 +297,10 @@ def test_only_the_dense_form_captures_in_a_graph(capturable):
         (lambda i: i.__setitem__(1, i[1].to("meta")), "gate_up must be on x's device"),
         (lambda i: i.__setitem__(2, i[2].to("meta")), "down must be on x's device"),
         (lambda i: i.__setitem__(3, i[3].to("meta")), "topk_weights must be on x's device"),
+        # Used to raise AttributeError / IndexError instead of naming the argument.
+        (lambda i: i.__setitem__(3, None), "topk_weights must be a torch.Tensor"),
+        (lambda i: i.__setitem__(1, i[1].tolist()), "gate_up must be a torch.Tensor"),
+        (lambda i: i.__setitem__(0, i[0][0, 0]), "at least one dimension"),
     ],
 )
 def test_bad_inputs_name_the_rule(change, match):
@@ -295,6 +324,12 @@ def test_fused_moe_without_triton_runs_the_fallback_and_keeps_leading_dims():
     assert tuner.stats.fallbacks == {"graphtune.fused_moe": 1}
     with pytest.raises(InputError, match="T = 6 tokens"):
         fused_moe(x, gate_up, down, weights[:5], ids[:5], tuner=tuner)
+    # Checked before x is flattened and topk_ids' shape is read (an IndexError and an
+    # AttributeError before).
+    with pytest.raises(InputError, match="x must be \\[..., H\\] with at least one dimension"):
+        fused_moe(x[0, 0], gate_up, down, weights, ids, tuner=tuner)
+    with pytest.raises(InputError, match="topk_ids must be a torch.Tensor, got NoneType"):
+        fused_moe(x, gate_up, down, weights, None, tuner=tuner)  # type: ignore[arg-type]
 
 
 def test_balanced_routing_gives_distinct_experts_and_normalised_weights():

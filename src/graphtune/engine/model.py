@@ -140,7 +140,7 @@ class DecoderModel:
     def weight_bytes(self) -> int:
         """Bytes of all weights (untied embedding rows are negligible): what a dense decode step
         reads; a mixture-of-experts step reads only the experts its tokens select
-        (:func:`graphtune.engine.moe.step_weight_bytes`)."""
+        (:func:`graphtune.bench.moe_floor.step_weight_bytes`)."""
         total = self.lm_head.numel() * self.lm_head.element_size()
         total += self.final_norm.numel() * self.final_norm.element_size()
         for layer in self.layers:

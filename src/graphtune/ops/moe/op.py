@@ -24,7 +24,7 @@ from graphtune.errors import InputError
 from graphtune.ops.moe.gemv import TritonMoeGemvRunner
 from graphtune.ops.moe.gemv_down import OP_NAME as DOWN_OP_NAME
 from graphtune.ops.moe.gemv_down import choose_down, down_runners
-from graphtune.ops.moe.reference import moe_residual, unpack_moe_inputs
+from graphtune.ops.moe.reference import check_moe_tensors, moe_residual, unpack_moe_inputs
 from graphtune.ops.moe.runners import fused_moe_runners
 from graphtune.ops.registry import is_tensor, register_op
 
@@ -111,10 +111,13 @@ def fused_moe(
         ``[..., H]`` in ``x``'s dtype (``residual`` itself when given).
 
     Raises:
-        InputError: Shapes, dtypes or devices break the rules of
-            ``reference.unpack_moe_inputs``, or the residual is not a contiguous tensor of
-            ``x``'s shape, dtype and device (``reference.moe_residual``).
+        InputError: An input is not a tensor or ``x`` is 0-d (``reference.check_moe_tensors``),
+            shapes, dtypes or devices break the rules of ``reference.unpack_moe_inputs``, or the
+            residual is not a contiguous tensor of ``x``'s shape, dtype and device
+            (``reference.moe_residual``).
     """
+    # Before the flattening below reads x's last dimension and topk_ids' shape.
+    check_moe_tensors([x, gate_up_proj, down_proj, topk_weights, topk_ids])
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if topk_ids.dim() != 2 or topk_ids.shape[0] != x2.shape[0]:

@@ -12,7 +12,7 @@ TorchFusedMoeRunner`:
 * :func:`sparse_fused_moe` loops over the experts that were selected, as transformers does: each
   expert runs only on its own tokens, so it reads only the selected experts' weights. Finding
   them needs the per-expert counts on the host: one synchronisation, so it cannot be captured.
-* :func:`dense_fused_moe` runs every expert on every token and weights the unselected ones by
+* :func:`dense_fused_moe` runs every expert on every token and masks the unselected ones to
   zero: fixed shapes, no host synchronisation, capturable, but ``E / k`` times the arithmetic and
   every expert's weights read. Tokens go in chunks so its intermediates stay under
   :data:`DENSE_CHUNK_BYTES`.
@@ -44,6 +44,32 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 ID_DTYPES = (torch.int32, torch.int64)
 
 MoeInputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+_INPUT_NAMES = ("x", "gate_up", "down", "topk_weights", "topk_ids")
+
+
+def check_moe_tensors(inputs: list[Any]) -> None:
+    """Checks that ``[x, gate_up, down, topk_weights, topk_ids]`` are five tensors and ``x`` has
+    a dimension: the rules every other check (and :func:`~graphtune.ops.moe.op.fused_moe`'s
+    flattening of ``x``) relies on, so a bad argument is named instead of an attribute error.
+
+    Raises:
+        InputError: An input is missing or not a tensor, or ``x`` is 0-d.
+    """
+    if len(inputs) < len(_INPUT_NAMES):
+        raise InputError(
+            f"fused_moe: needs the inputs {list(_INPUT_NAMES)}, got {len(inputs)}; pass all five."
+        )
+    for name, value in zip(_INPUT_NAMES, inputs[: len(_INPUT_NAMES)], strict=True):
+        if not isinstance(value, torch.Tensor):
+            raise InputError(
+                f"fused_moe: {name} must be a torch.Tensor, got {describe_tensor(value)}; pass "
+                f"a tensor (route_top_k returns topk_weights and topk_ids)."
+            )
+    if inputs[0].dim() < 1:
+        raise InputError(
+            "fused_moe: x must be [..., H] with at least one dimension, got a 0-d tensor; pass "
+            "the activations as [T, H]."
+        )
 
 
 def unpack_moe_inputs(inputs: list[Any]) -> MoeInputs:
@@ -51,9 +77,10 @@ def unpack_moe_inputs(inputs: list[Any]) -> MoeInputs:
     residual: see :func:`moe_residual`) and checks the shape rules.
 
     Raises:
-        InputError: A shape, dtype or dimension count does not match the layout above, or a
-            tensor is not on ``x``'s device.
+        InputError: An input is not a tensor, or a shape, dtype or dimension count does not
+            match the layout above, or a tensor is not on ``x``'s device.
     """
+    check_moe_tensors(inputs)
     x, gate_up, down, weights, ids = inputs[:5]
     if x.dim() != 2 or gate_up.dim() != 3 or down.dim() != 3:
         raise InputError(
@@ -206,7 +233,7 @@ def dense_fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
 ) -> torch.Tensor:
-    """Every expert on every token, unselected ones weighted by zero: capturable, ``E / k`` times
+    """Every expert on every token, unselected ones masked to zero: capturable, ``E / k`` times
     the work of the sparse loop."""
     tokens, hidden = x.shape
     experts, two_inter, _ = gate_up.shape
@@ -217,6 +244,11 @@ def dense_fused_moe(
     # dense[t, e]: the routing weight of expert e for token t (summed if a token repeats one).
     dense = torch.zeros(tokens, experts, dtype=weights.dtype, device=x.device)
     dense.scatter_add_(1, ids, weights)
+    # unselected[t, e]: no slot of token t names expert e (an out-of-range id names none). Its
+    # output is masked, not weighted by zero: an unselected expert that overflows (inf * 0 =
+    # NaN) must not reach the token's row, as it does not in the sparse loop or the kernels.
+    expert_range = torch.arange(experts, device=x.device)
+    unselected = ~(topk_ids.unsqueeze(-1) == expert_range).any(dim=1)
     out = torch.empty_like(x)
     # Per token of a chunk: [2I] projections, [I] activations, [H] outputs (float32 once
     # weighted by a float32 routing weight) for each of the E experts.
@@ -228,6 +260,8 @@ def dense_fused_moe(
         proj = (flat_gate_up @ xc.T).view(experts, two_inter, -1)  # [E, 2I, c]
         act = F.silu(proj[:, :inter]) * proj[:, inter:]  # [E, I, c]
         y = torch.bmm(down, act)  # [E, H, c]
+        # In place and before the weighting, so a selected expert's product is as before.
+        y.masked_fill_(unselected[start : start + chunk].T.unsqueeze(1), 0)
         scale = dense[start : start + chunk].T.unsqueeze(1)  # [E, 1, c]
         weighted = (y * scale).to(x.dtype)
         out[start : start + chunk] = weighted.sum(dim=0, dtype=torch.float32).T.to(x.dtype)

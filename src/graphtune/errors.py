@@ -51,6 +51,11 @@ class ResultsWriteError(GraphtuneError, OSError):
     """A benchmark result could be written neither where asked nor to the temporary folder."""
 
 
+def one_line(exc: BaseException) -> str:
+    """The message of ``exc`` on one line."""
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
 def wrong_device_error(
     op: str, like: str, device: Any, named: Iterable[tuple[str, Any]]
 ) -> InputError:

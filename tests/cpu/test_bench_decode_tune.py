@@ -1,5 +1,6 @@
 """``graphtune bench decode --tune`` on the CPU: the tuned step reported beside the untuned one,
-the tuning cache it uses and records, and no GPU-busy time read with ``--tp`` above 1.
+the tuning cache it uses and records, no GPU-busy time read with ``--tp`` above 1, and what
+finished kept when tuning fails.
 
 The Triton kernels run under Triton's CPU interpreter (set before anything imports Triton), and
 a fake timer makes the last candidate of every profile the fastest (as in test_engine_tune.py).
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():  # see test_ops_kernels.py
@@ -135,3 +137,39 @@ def test_bench_decode_reads_no_busy_time_of_tuned_steps_with_tp_above_1(monkeypa
     decode._time_tuned(run, SimpleNamespace(stats=SimpleNamespace(fallbacks={})))
     assert busy_calls == []
     assert run.results[0].tuned_busy_ms is None and run.results[0].tuned_unfused_ms == 1.0
+
+
+@pytest.mark.parametrize(
+    "error", [torch.OutOfMemoryError("out of memory (fake)"), KeyError("bug")], ids=["oom", "bug"]
+)
+def test_a_failure_while_tuning_keeps_the_finished_measurements(
+    tmp_path, capsys, monkeypatch, error
+):
+    import json
+
+    import graphtune.bench.decode as decode
+    from graphtune.cli.main import main
+
+    def fail(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(decode, "tune_step", fail)
+    out_json = tmp_path / "d.json"
+    args = "bench decode --model tiny --batch-sizes 1,2 --context 8 --steps 1 --repeats 1".split()
+    args += ["--device", "cpu", "--tune", "--json", str(out_json)]
+    if isinstance(error, torch.OutOfMemoryError):
+        assert main(args) == 1
+    else:  # a bug still reaches the user with its traceback
+        with pytest.raises(KeyError):
+            main(args)
+    captured = capsys.readouterr()
+    assert "eager ms" in captured.out  # the table of what finished
+    data = json.loads(out_json.read_text())
+    assert [r["eager_ms"] > 0 for r in data["results"]] == [True, True]
+    assert any("tuning the step" in note for note in data["notes"])  # the phase that failed
+    errors = [line for line in captured.err.splitlines() if line.startswith("error:")]
+    if isinstance(error, torch.OutOfMemoryError):
+        (line,) = errors
+        assert "--context" in line and "--max-seq-len" not in line  # bench decode's own flag
+    else:
+        assert errors == []

@@ -73,6 +73,36 @@ def test_prefill_bench_runs_end_to_end_with_a_fake_clock():
     assert "time to first token" in format_prefill_table(report)
 
 
+@pytest.mark.parametrize("check_tokens", [0, 2])
+def test_prefill_bench_fails_on_first_tokens_that_differ(monkeypatch, check_tokens):
+    import graphtune.bench.prefill as prefill_bench
+
+    # Per-request prefill picks other first tokens than graph prefill.
+    monkeypatch.setattr(prefill_bench, "_per_request", lambda engine, prompts: [-1] * len(prompts))
+    ticks = itertools.count()
+    cfg = PrefillBenchConfig(
+        model="tiny",
+        prompt_lengths=(4,),  # no TTFT target: only the token checks decide
+        batch_sizes=(2,),
+        repeats=1,
+        warmup=0,
+        check_tokens=check_tokens,
+        device="cpu",
+    )
+    report = run_prefill_bench(
+        cfg,
+        log=lambda line: None,
+        clock=lambda: next(ticks) * 1e-3,
+        graph_backend=SimulatedGraphBackend(),
+    )
+    (result,) = report["results"]
+    assert result["first_token_mismatches"] == 2 and result["passed"] is None
+    assert report["pass"] is False
+    header = report["table"].split("┡")[0]
+    assert header.count("diffs") == 2  # first-token and generated-token diffs both shown
+    assert bool(report["notes"]) == (check_tokens == 0)  # no generated-token check is said
+
+
 def test_prefill_bench_config_is_validated():
     with pytest.raises(ConfigError, match="prompt_lengths"):
         PrefillBenchConfig(prompt_lengths=(0,))

@@ -243,3 +243,27 @@ def test_family_table_lists_each_profiled_step() -> None:
     assert "untuned" in table and "tuned" in table and "HF compile" not in table
     assert "10.0 (3)" in table and "9.0 (2)" in table and "12.0 (5)" in table
     assert family_table(BatchResult(1)) == ""
+
+
+def test_a_nan_logits_difference_is_reported_not_hidden_behind_a_number() -> None:
+    from graphtune.bench.decode_report import format_report, hf_check_line
+    from graphtune.bench.decode_results import BatchResult, DecodeBenchReport
+
+    nan = float("nan")
+    # Python's max() keeps the first value when a NaN follows it.
+    results = [
+        BatchResult(1, graph_ms=1.0, tuned_graph_ms=0.9, tuned_max_abs_diff=0.125),
+        BatchResult(8, graph_ms=2.0, tuned_graph_ms=1.8, tuned_max_abs_diff=nan),
+    ]
+    results[0].hf_max_abs_diff, results[0].hf_argmax_agreement = 0.01, 1.0
+    results[1].hf_max_abs_diff, results[1].hf_argmax_agreement = nan, 0.0
+    config = {"context": 8, "dtype": "float32", "device": "cpu"}
+    model = {"name": "tiny", "parameters": 110_000}
+    report = DecodeBenchReport(config=config, model=model, provenance={}, results=results)
+    report.tuning_seconds, report.tuning_compile_seconds, report.tuning_profiles = 1.0, 0.0, 1
+    report.derive()
+    (tuned,) = [line for line in format_report(report).splitlines() if "tuned vs untuned" in line]
+    hf = hf_check_line(report)
+    assert hf is not None
+    for line in (tuned, hf):
+        assert "nan" in line and "0.125" not in line and "0.01" not in line

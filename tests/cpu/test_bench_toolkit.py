@@ -441,6 +441,16 @@ def test_write_json_is_atomic_and_strict(tmp_path):
     assert [p.name for p in path.parent.iterdir()] == ["r.json"]  # no temporary left behind
 
 
+def test_a_non_finite_check_stays_visible_in_the_json():
+    # null means "not measured"; a logits check that found NaN failed, it did not go unrun.
+    row = {"tuned_max_abs_diff": math.nan, "hf_max_abs_diff": math.inf, "graph_ms": math.nan}
+    assert results.json_safe({"results": [row]})["results"][0] == {
+        "tuned_max_abs_diff": "nan",
+        "hf_max_abs_diff": "inf",
+        "graph_ms": None,
+    }
+
+
 def test_write_json_says_where_the_data_went_when_the_target_fails(tmp_path, monkeypatch):
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")

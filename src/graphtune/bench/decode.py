@@ -50,7 +50,7 @@ from graphtune.engine.loading import load_model
 from graphtune.engine.presets import fewer_layers
 from graphtune.engine.step import DecodeStep
 from graphtune.engine.tuning import tune_step
-from graphtune.errors import ConfigError
+from graphtune.errors import ConfigError, one_line
 from graphtune.reporting import progress
 
 logger = logging.getLogger(__name__)
@@ -132,7 +132,8 @@ def run_decode_bench(
         command: The command line to record in the provenance (default: this process's).
         on_start: Called with the report as soon as it exists, before anything is timed; the
             report fills in as phases and batch sizes finish, so a caller that is interrupted
-            (Ctrl-C) still holds what finished (:meth:`DecodeBenchReport.derive` completes it).
+            (Ctrl-C) or fails still holds what finished (:meth:`DecodeBenchReport.derive`
+            completes it); on a failure a note names the phase and the error.
         show_progress: Force the progress bar on or off; ``None`` decides from the terminal.
 
     Raises:
@@ -228,7 +229,13 @@ def run_decode_bench(
     with progress(labels[0], len(labels), enabled=show_progress) as task:
         bar = PhaseBar(task, labels)
         run = _Run(step, inputs, results, device, cfg, runners, report, log, bar)
-        _run_phases(run, tuner)
+        try:
+            _run_phases(run, tuner)
+        except Exception as exc:
+            # The caller holds the report (on_start) and may keep what finished: the note says
+            # where the run stopped and why.
+            report.notes.append(f"failed during {bar.current}: {one_line(exc)}")
+            raise
     report.derive()
     return report
 

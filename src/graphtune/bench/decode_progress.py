@@ -26,10 +26,15 @@ class PhaseBar:
         self._labels = labels
         self._index = 0
 
+    @property
+    def current(self) -> str:
+        """The label of the unit running now."""
+        return self._labels[min(self._index, len(self._labels) - 1)]
+
     def done(self) -> None:
         """One unit finished."""
         self._index += 1
-        self._task.advance(self._labels[min(self._index, len(self._labels) - 1)])
+        self._task.advance(self.current)
 
 
 def phase_labels(cfg: DecodeBenchConfig, runners: tuple[str, ...], cuda: bool) -> list[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import math
 from pathlib import Path
 from typing import Any
 
@@ -102,9 +103,13 @@ def format_report(report: DecodeBenchReport) -> str:
             f"{report.tuning_seconds:.1f} s ({report.tuning_compile_seconds:.1f} s compiling); "
             + (f"untuned shapes fell back: {fallbacks}" if fallbacks else "no fallbacks")
         )
-        diffs = [r.tuned_max_abs_diff for r in report.results if r.tuned_max_abs_diff is not None]
+        diffs = {
+            r.batch_size: r.tuned_max_abs_diff
+            for r in report.results
+            if r.tuned_max_abs_diff is not None
+        }
         if diffs:
-            lines.append(f"tuned vs untuned step logits: max abs diff {max(diffs):.3g}")
+            lines.append(f"tuned vs untuned step logits: max abs diff {_worst_diff(diffs)}")
     if first is not None and first.tuned_top_kernels:
         rows = [
             [k["name"][:70], k["calls"], k["us"], 100 * k["share"]] for k in first.tuned_top_kernels
@@ -204,11 +209,20 @@ def hf_check_line(report: DecodeBenchReport) -> str | None:
         return None
     agree = " / ".join(f"{100 * r.hf_argmax_agreement:.0f}%" for r in checked)
     sizes = "/".join(str(r.batch_size) for r in checked)
-    diff = max(r.hf_max_abs_diff or 0.0 for r in checked)
+    diffs = {r.batch_size: r.hf_max_abs_diff or 0.0 for r in checked}
     return (
         "transformers vs engine, one decode step on transformers' cache: greedy tokens agree on "
-        f"{agree} of rows at batch {sizes}, max |logit diff| {diff:.3g}"
+        f"{agree} of rows at batch {sizes}, max |logit diff| {_worst_diff(diffs)}"
     )
+
+
+def _worst_diff(diffs: dict[int, float]) -> str:
+    """The largest of the logits differences by batch size; a NaN wins and is named with its
+    batch sizes (``max`` skips a NaN that follows a number, and NaN logits are the worst case)."""
+    nan = [b for b, d in diffs.items() if math.isnan(d)]
+    if nan:
+        return f"nan (at batch {'/'.join(map(str, nan))})"
+    return f"{max(diffs.values()):.3g}"
 
 
 def weights_table(report: DecodeBenchReport) -> str | None:

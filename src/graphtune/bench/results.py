@@ -18,26 +18,34 @@ from typing import Any
 
 from graphtune.atomic_files import FallbackFailed, write_with_fallback
 from graphtune.atomic_files import write_atomically as _write_atomically
+from graphtune.bench.schema import CHECK_FIELDS
 from graphtune.errors import ResultsWriteError
 
 logger = logging.getLogger(__name__)
 
 
 def json_safe(value: Any) -> Any:
-    """``value`` with non-finite floats as ``None`` (strict JSON has no inf/nan), recursively."""
+    """``value`` with non-finite floats as ``None`` (strict JSON has no inf/nan), recursively;
+    under a key of :data:`~graphtune.bench.schema.CHECK_FIELDS` as the text ``"nan"``,
+    ``"inf"`` or ``"-inf"`` instead, so a failed check never reads as one not run."""
+    return _json_safe(value, None)
+
+
+def _json_safe(value: Any, key: str | None) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
-        return None
+        return str(value) if key in CHECK_FIELDS else None
     if isinstance(value, dict):
-        return {str(k): json_safe(v) for k, v in value.items()}
+        return {str(k): _json_safe(v, str(k)) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
+        return [_json_safe(v, None) for v in value]
     return value
 
 
 def write_json(path: str | os.PathLike[str], payload: Any) -> Path:
     """Writes ``payload`` as indented strict JSON to ``path`` (:func:`write_result`).
 
-    Non-finite floats become ``null``; values JSON cannot represent are written with ``str``.
+    Non-finite floats become ``null`` (text in a check field, :func:`json_safe`); values JSON
+    cannot represent are written with ``str``.
     """
     text = json.dumps(json_safe(payload), indent=2, sort_keys=False, default=str) + "\n"
     return write_result(path, text.encode("utf-8"))

@@ -12,6 +12,11 @@ Schema ``graphtune.provenance/1`` (:data:`SCHEMA`), every field present (``None`
 * ``commit``: the source commit (:func:`git_commit`);
 * ``command``: the command line that produced the result;
 * ``utc``: when (ISO 8601, seconds).
+
+Result values beside it: a non-finite float is written as ``null``, "not measured" (strict JSON
+has no NaN), except in a correctness check (:data:`CHECK_FIELDS`: a largest logits difference),
+where ``null`` would read as "not checked": there it is the text ``"nan"``, ``"inf"`` or
+``"-inf"`` (:func:`graphtune.bench.results.json_safe`).
 """
 
 from __future__ import annotations
@@ -53,6 +58,9 @@ FIELDS = (
     "command",
     "utc",
 )
+
+#: Result fields holding a correctness check, whose non-finite value stays visible in the JSON.
+CHECK_FIELDS = frozenset({"graph_max_abs_diff", "tuned_max_abs_diff", "hf_max_abs_diff"})
 
 
 def gpu_slug(name: str) -> str:

@@ -3,7 +3,9 @@
 stdout carries the table; JSON goes where ``--json`` says (``--json -``: stdout, and the table
 then goes to stderr). Everything the run needs is checked before it starts: the device, the
 model and its context length, the output paths and matplotlib for ``--plot``. Ctrl-C prints the
-batch sizes that finished (and writes them to ``--json``) before exiting with 130.
+batch sizes that finished (and writes them to ``--json``) before exiting with 130; so does a
+failure after the first measurement (a note names the phase and the error), before the error's
+own line and exit 1.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from graphtune.cli._parallel import (
     start_tensor_parallel,
     stop_tensor_parallel,
 )
-from graphtune.errors import ConfigError, ResultsWriteError
+from graphtune.errors import ConfigError, ResultsWriteError, one_line
 
 logger = logging.getLogger(__name__)
 
@@ -269,20 +271,31 @@ def run_bench_decode(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             if not show or not started:
                 raise
-            kept = _report_partial(args, started[0])
+            kept = _report_partial(args, started[0], "interrupted (Ctrl-C)")
             raise KeyboardInterrupt(kept) from None
+        except Exception:
+            if not show or not started:
+                raise
+            # The run's note names the phase and the error; main() still reports the error
+            # itself (one line, or a bug's traceback), so the measurements are only added.
+            try:
+                kept = _report_partial(args, started[0], "failed")
+            except Exception as lost:
+                kept = f"what finished could not be kept: {one_line(lost)}"
+            print(f"bench decode failed: {kept}", file=sys.stderr)
+            raise
         kept_all = _emit(args, report) if show else True
     finally:
         stop_tensor_parallel(parallel)
     return EXIT_OK if kept_all else EXIT_FAILURE
 
 
-def _report_partial(args: argparse.Namespace, report: Any) -> str:
-    """Prints and writes what an interrupted run finished; says what was kept."""
+def _report_partial(args: argparse.Namespace, report: Any, why: str) -> str:
+    """Prints and writes what an interrupted or failed run finished; says what was kept."""
     report.derive()
     done = [r.batch_size for r in report.results if r.eager_ms or r.graph_ms]
-    report.notes.append(f"interrupted (Ctrl-C): finished batch sizes {done}")
-    # autotune() saved the picks tuned so far before the interrupt reached here.
+    report.notes.append(f"{why}: finished batch sizes {done}")
+    # autotune() saved the picks tuned so far before the interrupt or error reached here.
     picks = f"; tuned picks so far kept in {args.tuning_cache}" if args.tuning_cache else ""
     if not done:
         return "no batch size had finished" + picks

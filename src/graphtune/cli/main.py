@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from graphtune import env
 from graphtune._version import __version__
 from graphtune.cli._args import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, Parser
-from graphtune.errors import GraphtuneError
+from graphtune.errors import GraphtuneError, one_line
 
 # Each module defines ``register(subparsers)``, adding its subcommands with a ``handler`` default
 # that takes the parsed namespace and returns an exit code. Building the parser imports no torch
@@ -80,16 +80,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         if where is None:
             raise  # a bug: the traceback is what a report needs
         print(
-            f"error: out of {where} memory ({one_line(exc)[:200]}); use a smaller batch, "
-            "context (--max-seq-len) or model",
+            f"error: out of {where} memory ({one_line(exc)[:200]}); {_smaller_hint(args)}",
             file=sys.stderr,
         )
         return EXIT_FAILURE
 
 
-def one_line(exc: BaseException) -> str:
-    """The message of ``exc`` on one line."""
-    return " ".join(str(exc).split()) or type(exc).__name__
+#: (namespace attribute, flag) of each command's batch and context sizes, for the hint after an
+#: out-of-memory error: the commands name them differently.
+_BATCH_FLAGS = (
+    ("batch_sizes", "--batch-sizes"),
+    ("max_batch", "--max-batch"),
+    ("batch", "--batch"),
+)
+_CONTEXT_FLAGS = (("context", "--context"), ("max_seq_len", "--max-seq-len"))
+
+
+def _smaller_hint(args: argparse.Namespace) -> str:
+    """What to make smaller, naming the flags of the command that ran out of memory."""
+
+    def named(word: str, flags: tuple[tuple[str, str], ...]) -> str:
+        flag = next((f for attr, f in flags if hasattr(args, attr)), None)
+        return f"{word} ({flag})" if flag else word
+
+    batch, context = named("batch", _BATCH_FLAGS), named("context", _CONTEXT_FLAGS)
+    return f"use a smaller {batch}, {context} or model"
 
 
 def _out_of_memory(exc: BaseException) -> str | None:

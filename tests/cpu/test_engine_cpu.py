@@ -389,3 +389,10 @@ def test_a_kv_cache_longer_than_the_model_positions_is_refused():
     model = load_model("tiny")  # max_position_embeddings 2048
     with pytest.raises(ConfigError, match="max_seq_len=4096 needs 4096 positions"):
         Engine(model, runner="eager", max_batch_size=1, max_seq_len=4096)
+
+
+@pytest.mark.parametrize("sizes", [(2.0, 16), (2, 16.5), ("2", 16), (True, 16), (2, 0)])
+def test_kv_cache_sizes_must_be_positive_ints(sizes):
+    # Not a raw torch TypeError for a float, and not one slot for True.
+    with pytest.raises(ConfigError):
+        KVCache(get_preset("tiny"), *sizes)

@@ -396,3 +396,19 @@ def test_kv_cache_sizes_must_be_positive_ints(sizes):
     # Not a raw torch TypeError for a float, and not one slot for True.
     with pytest.raises(ConfigError):
         KVCache(get_preset("tiny"), *sizes)
+
+
+def test_generate_refuses_a_kv_slot_held_outside_it_instead_of_decoding_wrong_slots():
+    # generate() keeps request i in slot i; with slot 0 held, request 0 got slot 1 but the
+    # decode step read slot 0 (the holder's keys and values): wrong tokens, no error.
+    engine = Engine(load_model("tiny", seed=0), runner="eager", max_batch_size=2, max_seq_len=32)
+    prompt = [[5, 9, 17, 3, 100, 42]]
+    want = engine.generate(prompt, 8, stop_token_ids=[])
+    held = engine.cache.allocate()
+    engine.cache.k[:, held].normal_()
+    engine.cache.v[:, held].normal_()
+    with pytest.raises(InputError):
+        engine.generate(prompt, 8, stop_token_ids=[])
+    assert engine.cache.num_free == 1  # nothing was allocated or freed
+    engine.cache.free(held)
+    assert engine.generate(prompt, 8, stop_token_ids=[]) == want

@@ -389,3 +389,26 @@ def test_a_kv_cache_longer_than_the_model_positions_is_refused():
     model = load_model("tiny")  # max_position_embeddings 2048
     with pytest.raises(ConfigError, match="max_seq_len=4096 needs 4096 positions"):
         Engine(model, runner="eager", max_batch_size=1, max_seq_len=4096)
+
+
+@pytest.mark.parametrize("sizes", [(2.0, 16), (2, 16.5), ("2", 16), (True, 16), (2, 0)])
+def test_kv_cache_sizes_must_be_positive_ints(sizes):
+    # Not a raw torch TypeError for a float, and not one slot for True.
+    with pytest.raises(ConfigError):
+        KVCache(get_preset("tiny"), *sizes)
+
+
+def test_generate_refuses_a_kv_slot_held_outside_it_instead_of_decoding_wrong_slots():
+    # generate() keeps request i in slot i; with slot 0 held, request 0 got slot 1 but the
+    # decode step read slot 0 (the holder's keys and values): wrong tokens, no error.
+    engine = Engine(load_model("tiny", seed=0), runner="eager", max_batch_size=2, max_seq_len=32)
+    prompt = [[5, 9, 17, 3, 100, 42]]
+    want = engine.generate(prompt, 8, stop_token_ids=[])
+    held = engine.cache.allocate()
+    engine.cache.k[:, held].normal_()
+    engine.cache.v[:, held].normal_()
+    with pytest.raises(InputError):
+        engine.generate(prompt, 8, stop_token_ids=[])
+    assert engine.cache.num_free == 1  # nothing was allocated or freed
+    engine.cache.free(held)
+    assert engine.generate(prompt, 8, stop_token_ids=[]) == want

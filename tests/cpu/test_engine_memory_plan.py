@@ -17,6 +17,7 @@ from graphtune.engine.memory_plan import (
     size_kv_cache,
 )
 from graphtune.engine.parallel import ParallelContext, shard_model
+from graphtune.engine.prefill import plan_chunks
 from graphtune.errors import ConfigError
 from graphtune.graphs import SimulatedGraphBackend
 
@@ -322,3 +323,33 @@ def test_a_prompt_longer_than_a_prefill_call_is_profiled_too():
     short, long = profile(32), profile(256)
     assert (short.prefill_tokens, long.prefill_tokens) == (32, 256)
     assert long.activation_bytes > short.activation_bytes
+
+
+@pytest.mark.parametrize(
+    "seq_len, batch, tokens",
+    [(80, 8, 128), (48, 8, 128), (80, 1, 80), (128, 8, 128), (16, 2, 32)],
+)
+def test_the_profiled_prefill_call_is_as_large_as_the_engine_packs(seq_len, batch, tokens):
+    # The engine packs up to max_prefill_tokens tokens (max_batch_size prompts, each at most a
+    # slot long) into one call; a smaller profiled call budgets too little activation memory.
+    model = load_model("tiny")
+    profile = profile_step_memory(
+        model,
+        batch=batch,
+        seq_len=seq_len,
+        report=FakeMemoryReport(1 << 30, 0),
+        runner="eager",
+        prefill_runner="eager",
+        max_prefill_tokens=128,
+    )
+    assert profile.prefill_tokens == tokens
+
+
+@pytest.mark.parametrize("seq_len, batch", [(80, 8), (48, 8), (80, 1), (300, 4), (16, 2)])
+def test_the_largest_prefill_call_is_one_call_of_plan_chunks(seq_len, batch):
+    from graphtune.engine.memory_plan import largest_prefill_call
+
+    lengths = largest_prefill_call(seq_len, 128, batch)
+    assert plan_chunks(lengths, 128, batch) == [range(len(lengths))]
+    assert max(lengths) == min(seq_len, 128) and len(lengths) <= batch
+    assert sum(lengths) == min(128, batch * seq_len)

@@ -48,6 +48,7 @@ from graphtune.engine.requests import (
     LiveRequest,
     RequestFailure,
     agreed_requests,
+    check_slots_free,
     check_step_inputs,
     retire,
     token_id,
@@ -289,8 +290,9 @@ class Engine:
     ) -> torch.Tensor:
         """Runs one decode step through the runner; returns logits ``[B, vocab]``.
 
-        Rows must be compacted (row ``i`` owns slot ``i``), as :meth:`generate` keeps them. The
-        result is a view the next step overwrites.
+        Rows must be compacted (row ``i`` owns slot ``i``), as :meth:`generate` keeps them
+        (free the slots taken from :attr:`cache` before calling it). The result is a view the
+        next step overwrites.
 
         Raises:
             InputError: Inputs that are not three 1-D int64 tensors of one length on the
@@ -324,6 +326,7 @@ class Engine:
         self, prompts: Any, max_new_tokens: Any, sampling: Any, stop_token_ids: Any
     ) -> tuple[list[LiveRequest], set[int]]:
         """``generate``'s arguments checked, as requests and stop ids."""
+        check_slots_free(self.cache)
         if not isinstance(sampling, SamplingParams):
             raise ConfigError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
         if isinstance(prompts, str) or not isinstance(prompts, (Sequence, torch.Tensor)):
@@ -388,8 +391,9 @@ class Engine:
             The generated token ids per prompt, in prompt order.
 
         Raises:
-            InputError: An empty prompt, unknown token ids, or a prompt that does not fit (the KV
-                cache, or ``max_position_embeddings``: :meth:`ModelConfig.check_positions`).
+            InputError: An empty prompt, unknown token ids, a prompt that does not fit (the KV
+                cache, or ``max_position_embeddings``: :meth:`ModelConfig.check_positions`), or a
+                slot of :attr:`cache` held outside ``generate`` (it needs every slot free).
             NumericalError: Non-finite logits with ``strict_numerics``; otherwise such a request
                 stops early and is listed in :attr:`failures` (reset by every call).
         """

@@ -81,7 +81,7 @@ class KVCache:
             command's flags, ``("--batch", "--max-seq-len")``), for the error messages.
 
     Raises:
-        ConfigError: A size is not positive, or the cache does not fit: on the CPU it is
+        ConfigError: A size is not a positive int, or the cache does not fit: on the CPU it is
             refused before allocating when it needs more than the host memory available now
             (:func:`available_host_memory`; the kernel would kill the process instead of failing
             the allocation), elsewhere when the allocation fails.
@@ -98,11 +98,14 @@ class KVCache:
         shared_layers: bool = False,
         size_names: tuple[str, str] = ("max_batch_size", "max_seq_len"),
     ) -> None:
-        if max_batch_size <= 0 or max_seq_len <= 0:
-            raise ConfigError(
-                f"KV cache needs max_batch_size > 0 and max_seq_len > 0, got {max_batch_size} "
-                f"and {max_seq_len}"
-            )
+        sizes = zip(size_names, (max_batch_size, max_seq_len), (8, 2048), strict=True)
+        for name, value, example in sizes:
+            # A bool is an int to Python (True would be one slot); a float reaches torch.zeros.
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(
+                    f"the KV cache's {name} must be a positive int, got {value!r}; pass a whole "
+                    f"number such as {example}"
+                )
         self.config = config
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len

@@ -2,14 +2,15 @@
 
 The engine may use ``fraction x total`` bytes of the device. Before it allocates its KV cache it
 profiles what else it will hold (:func:`profile_step_memory`): the decode and prefill steps'
-constants and buffers, the peak activations of one eager decode step at the largest batch and
-of eager prefill calls of ``max_prefill_tokens`` tokens and (when longer) of one prompt of the
-cache's length, which runs as a call of its own, and the graph pools and static
-buffers of capturing every decode and prefill size (the runners' own stats), and what profiling
-left in use after freeing everything (:attr:`StepProfile.retained_bytes`). What remains of the
-budget after the memory already in use (weights, the CUDA context, other processes) goes to the
-KV cache: as many slots of the asked length as fit, up to ``max_batch_size``, plus the scratch
-slot (:func:`size_kv_cache`). :class:`MemoryPlan` keeps the numbers and renders them as a table.
+constants and buffers, the peak activations of one eager decode step at the largest batch and of
+the largest eager prefill call the engine packs (:func:`largest_prefill_call`: up to
+``max_prefill_tokens`` tokens in prompts of the cache's length) and (when longer) of one prompt of
+the cache's length, which runs as a call of its own, and the graph pools and static buffers of
+capturing every decode and prefill size (the runners' own stats), and what profiling left in use
+after freeing everything (:attr:`StepProfile.retained_bytes`). What remains of the budget after the
+memory already in use (weights, the CUDA context, other processes) goes to the KV cache: as many
+slots of the asked length as fit, up to ``max_batch_size``, plus the scratch slot
+(:func:`size_kv_cache`). :class:`MemoryPlan` keeps the numbers and renders them as a table.
 
 Profiling runs the untuned step (a tuned step's kernels may need a little more or less) on a KV
 cache of ``max_batch_size`` slots whose layers all view one layer's memory, so profiling itself
@@ -342,16 +343,18 @@ def _measure(
     prefill_step = build_prefill_step(step, max_prefill_tokens)
     step_bytes = max(0, report.allocated_bytes() - before)
     activations = _peak(report, lambda: step(*step.example_inputs(batch)))
-    # Prompts as long as a slot holds, as many as fit in one call, all in the scratch slot; and
-    # a prompt longer than a call holds, which runs eagerly as a call of its own.
-    length = min(seq_len, max_prefill_tokens)
-    calls = [[[0] * length] * max(1, max_prefill_tokens // length)]
-    calls += [[[0] * seq_len]] if seq_len > max_prefill_tokens else []
-    for prompts in calls:
+    # The largest call plan_chunks can pack, all in the scratch slot; and a prompt longer than a
+    # call holds, which runs eagerly as a call of its own.
+    calls = [largest_prefill_call(seq_len, max_prefill_tokens, batch)]
+    calls += [[seq_len]] if seq_len > max_prefill_tokens else []
+    prefill_tokens = 0
+    for lengths in calls:
+        prompts = [[0] * length for length in lengths]
         packed = pack_prompts(prompts, [cache.scratch_slot] * len(prompts))
         prefill_step.set_batch(packed.batch)
         inputs = packed.inputs.to(device)
         activations = max(activations, _peak(report, lambda i=inputs: prefill_step(*i[:4])))
+        prefill_tokens = max(prefill_tokens, packed.batch.tokens)
     graphs = 0
     if runner == "graph":
         decode = build_runner(step, "graph", capture_sizes=capture_sizes, backend=backend)
@@ -359,7 +362,20 @@ def _measure(
     if prefill_runner == "graph":
         prefill = build_prefill_runner(prefill_step, "graph", backend=backend)
         graphs += _graph_bytes(prefill, prefill_step.example_inputs(max_prefill_tokens))
-    return StepProfile(batch, packed.batch.tokens, step_bytes, activations, graphs)
+    return StepProfile(batch, prefill_tokens, step_bytes, activations, graphs)
+
+
+def largest_prefill_call(seq_len: int, max_tokens: int, max_prompts: int) -> list[int]:
+    """Prompt lengths of the largest call :func:`~graphtune.engine.prefill.plan_chunks` packs:
+    up to ``max_tokens`` tokens in at most ``max_prompts`` prompts of at most ``seq_len`` each.
+
+    The prompts are as long as a slot holds (the last one takes what is left), since a longer
+    prompt's attention needs more memory than two shorter ones of the same tokens.
+    """
+    length = min(seq_len, max_tokens)
+    full, rest = divmod(max_tokens, length)
+    lengths = [length] * full + ([rest] if rest else [])
+    return lengths[: max(1, max_prompts)]
 
 
 def plan_memory(

@@ -1,7 +1,7 @@
 """What the engine keeps per request, and its checks of what a caller passes in: a request of
-``Engine.generate`` (:func:`validate_request`; on tensor-parallel ranks, that every rank passes
-the same ones: :func:`check_same_requests`) and the inputs of ``Engine.step``
-(:func:`check_step_inputs`)."""
+``Engine.generate`` (:func:`validate_request`; that no KV slot is held outside it:
+:func:`check_slots_free`; on tensor-parallel ranks, that every rank passes the same ones:
+:func:`check_same_requests`) and the inputs of ``Engine.step`` (:func:`check_step_inputs`)."""
 
 from __future__ import annotations
 
@@ -76,6 +76,23 @@ def validate_request(
             f"need {positions} positions (the last new token is not cached), more than the KV "
             f"cache holds per request (max_seq_len={max_seq_len}); shorten the prompt, ask for "
             "fewer tokens or build the Engine with a larger max_seq_len"
+        )
+
+
+def check_slots_free(cache: Any) -> None:
+    """Checks that ``Engine.generate`` owns every KV slot: it keeps request ``i`` of its live
+    batch in slot ``i`` (the decode step reads slots ``[0, B)`` as a view), so a slot held by
+    someone else would shift its requests onto slots the step does not read.
+
+    Raises:
+        InputError: A slot of ``cache`` is allocated (by a caller of ``Engine.step``).
+    """
+    held = cache.max_batch_size - cache.num_free
+    if held:
+        raise InputError(
+            f"{held} of the engine's {cache.max_batch_size} KV-cache slots are held outside "
+            "generate(), which needs them all (its requests own slots 0, 1, ...); free them "
+            "with engine.cache.free(slot) (or engine.cache.reset()) before calling generate()"
         )
 
 

@@ -102,7 +102,7 @@ class TreeSpec:
             if self.type is tuple:
                 return tuple(items)
             assert self.type is not None
-            return _rebuild_sequence(self.type, items)
+            return rebuild_sequence(self.type, items)
         mapping = dict(zip(self.keys, items, strict=True))
         if self.type in (dict, None):
             return mapping
@@ -118,7 +118,7 @@ class TreeSpec:
         return f"dict{list(self.keys)!r}"
 
 
-def _rebuild_sequence(type_: type, items: list) -> Any:
+def rebuild_sequence(type_: type, items: list) -> Any:
     """A tuple or list subclass rebuilt with its type: a namedtuple (``_fields``) from its
     fields, any other (``torch.return_types``, a list subclass) from one sequence; a plain
     tuple or list when the type cannot be built that way."""

@@ -1,0 +1,67 @@
+"""Values crossing a graph break on CPU (simulated backend, outputs sharing pool memory as by
+default): the containers a break is given stay the caller's objects at every replay, its constant
+results are checked with NaN- and array-aware equality, and its static buffers are allocated only
+where used."""
+
+from __future__ import annotations
+
+import collections
+
+import torch
+
+from graphtune.graphs import CUDAGraphRunner, SimulatedGraphBackend, graph_break
+
+
+def make(step, rows: int = 4) -> CUDAGraphRunner:
+    return CUDAGraphRunner(
+        step, max_batch_size=rows, capture_sizes=[rows], warmup=0, backend=SimulatedGraphBackend()
+    )
+
+
+def test_a_break_gets_the_callers_dicts_and_lists_at_every_replay():
+    host = {"scale": 1.0}  # host state the caller changes between calls
+    log: list[float] = []  # a list the break appends to
+    counts: collections.defaultdict[str, int] = collections.defaultdict(int)
+
+    def attend(q, params, seen, tally):
+        seen.append(params["scale"])
+        tally["calls"] += 1
+        return q * params["scale"]
+
+    def step(x):
+        return graph_break(attend, x + 1, host, log, tally=counts) * 1
+
+    runner = make(step)
+    runner.capture(torch.zeros(4, 2))
+    assert runner.stats.records[0].shared_outputs
+    brk = runner._keys[None].graphs[4].graph.breaks[0]
+    assert brk.args[1] is host and brk.args[2] is log and brk.kwargs["tally"] is counts
+    log.clear()
+    counts.clear()
+    host["scale"] = 10.0
+    out = runner(torch.ones(4, 2))
+    assert out.tolist() == [[20.0, 20.0]] * 4
+    assert log == [10.0] and counts == {"calls": 1}
+
+
+def test_tensors_in_containers_made_for_a_break_are_twinned_so_their_memory_is_shared():
+    made: list[torch.Tensor] = []
+    bias = torch.ones(2)
+    kept = {"bias": bias}  # held by the caller: the break gets this very dict and tensor
+
+    def add(parts, pair, named):
+        return parts[0] + pair[1] + named["q"] + named["held"]["bias"]
+
+    def step(x):
+        q = x + 1
+        made.append(q)
+        return graph_break(add, [q], (None, q), {"q": q, "held": kept}) * 1
+
+    runner = make(step)
+    runner.capture(torch.zeros(4, 2))
+    brk = runner._keys[None].graphs[4].graph.breaks[0]
+    parts, pair, named = brk.args
+    for twin in (parts[0], pair[1], named["q"]):  # non-owning: the block can go back to the pool
+        assert twin is not made[-1] and twin.data_ptr() == made[-1].data_ptr()
+    assert named["held"] is kept and kept["bias"] is bias
+    assert runner(torch.ones(4, 2)).tolist() == [[7.0, 7.0]] * 4

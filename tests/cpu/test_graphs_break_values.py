@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import collections
 
+import numpy as np
+import pytest
 import torch
 
+from graphtune.errors import InputError
 from graphtune.graphs import CUDAGraphRunner, SimulatedGraphBackend, graph_break
 
 
@@ -65,3 +68,59 @@ def test_tensors_in_containers_made_for_a_break_are_twinned_so_their_memory_is_s
         assert twin is not made[-1] and twin.data_ptr() == made[-1].data_ptr()
     assert named["held"] is kept and kept["bias"] is bias
     assert runner(torch.ones(4, 2)).tolist() == [[7.0, 7.0]] * 4
+
+
+@pytest.mark.parametrize(
+    "make_constant",
+    [
+        lambda: float("nan"),
+        lambda: np.array([1.0, float("nan")]),
+        lambda: np.float32("nan"),
+        lambda: np.array([1, 2]),
+    ],
+    ids=["nan", "array-with-nan", "numpy-nan", "int-array"],
+)
+def test_a_constant_break_result_that_plain_equality_cannot_compare_replays(make_constant):
+    def brk(q):
+        return q * 2, make_constant()  # a new object at every call, equal to the last
+
+    def step(x):
+        y, _ = graph_break(brk, x + 1)
+        return y + 1
+
+    runner = make(step)
+    runner.capture(torch.zeros(4, 2))
+    assert runner.stats.records[0].ok
+    assert runner(torch.ones(4, 2)).tolist() == [[5.0, 5.0]] * 4
+    assert runner.stats.replays == 1
+
+
+def test_a_break_result_that_is_not_equal_to_itself_fails_its_capture():
+    class Odd:
+        def __eq__(self, other):
+            raise TypeError("cannot compare")
+
+        __hash__ = object.__hash__
+
+    def step(x):
+        y, _ = graph_break(lambda q: (q * 2, Odd()), x + 1)
+        return y + 1
+
+    runner = make(step)
+    runner.capture(torch.zeros(4, 2))
+    record = runner.stats.records[0]
+    assert not record.ok and "Odd" in (record.error or "")
+    assert runner(torch.ones(4, 2)).tolist() == [[5.0, 5.0]] * 4  # runs eagerly instead
+
+
+def test_a_changed_constant_still_fails_at_replay():
+    values = iter([np.array([1, 2]), np.array([1, 3])])
+
+    def step(x):
+        y, _ = graph_break(lambda q: (q * 2, next(values)), x + 1)
+        return y + 1
+
+    runner = make(step)
+    runner.capture(torch.zeros(4, 2))
+    with pytest.raises(InputError):
+        runner(torch.ones(4, 2))

@@ -34,6 +34,7 @@ import torch
 
 from graphtune.errors import ConfigError, InputError
 from graphtune.graphs.tree import TreeSpec, flatten_with_paths
+from graphtune.graphs.values import same_constant
 
 _clock = time.perf_counter
 
@@ -151,7 +152,7 @@ class Break:
             static.copy_(got)
         for index, value in self.constants:
             got = leaves[index]
-            if got is not value and not _same(got, value):
+            if got is not value and not same_constant(got, value):
                 raise self._changed(index, value, got)
 
     def _changed(self, index: int, captured: Any, got: Any) -> InputError:
@@ -163,17 +164,20 @@ class Break:
         )
 
 
+def _incomparable(fn: Callable[..., Any], index: int, value: Any) -> InputError:
+    name = getattr(fn, "__qualname__", None) or repr(fn)
+    return InputError(
+        f"graph break {name} returned {value!r:.80} as output {index}, a value that is not "
+        f"equal to itself ({type(value).__name__}): the pieces after a break were captured "
+        "with its non-tensor results, so every replay checks that they did not change; "
+        "return it as a tensor, or compute it outside the break"
+    )
+
+
 def _describe(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return f"a tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
     return repr(value)
-
-
-def _same(a: Any, b: Any) -> bool:
-    try:
-        return bool(a == b)
-    except (TypeError, ValueError, RuntimeError):
-        return False
 
 
 class BreakBuffers:
@@ -291,6 +295,8 @@ class PieceCapture:
                 statics.append(static)
                 copies.append((index, static))
             else:
+                if not same_constant(leaf, leaf):
+                    raise _incomparable(fn, index, leaf)
                 statics.append(leaf)
                 constants.append((index, leaf))
         self.breaks.append(Break(fn, args, kwargs, spec, copies, constants, own_bytes))

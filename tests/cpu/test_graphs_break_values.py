@@ -113,6 +113,23 @@ def test_a_break_result_that_is_not_equal_to_itself_fails_its_capture():
     assert runner(torch.ones(4, 2)).tolist() == [[5.0, 5.0]] * 4  # runs eagerly instead
 
 
+def test_a_non_contiguous_break_output_allocates_no_shared_buffer():
+    def transposed(q):
+        return (q.t().contiguous() * 2).t()  # the batch leads, but the layout is column-major
+
+    def step(x):
+        return graph_break(transposed, x + 1) + 1
+
+    runner = make(step, rows=8)
+    runner.capture(torch.zeros(8, 3))
+    key = runner._keys[None]
+    assert key.breaks.nbytes == 0
+    own = sum(b.own_bytes for b in key.graphs[8].graph.breaks)
+    assert own == 8 * 3 * 4
+    assert runner.stats.buffer_bytes == key.inputs.nbytes + own
+    assert runner(torch.ones(8, 3)).tolist() == [[5.0] * 3] * 8
+
+
 def test_a_changed_constant_still_fails_at_replay():
     values = iter([np.array([1, 2]), np.array([1, 3])])
 

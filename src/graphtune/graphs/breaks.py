@@ -180,6 +180,17 @@ def _describe(value: Any) -> str:
     return repr(value)
 
 
+def _plain_strides(shape: torch.Size) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape`` (a view of a shared buffer's rows has
+    them), computed as torch does: a dimension of size 0 counts as 1."""
+    strides: list[int] = []
+    step = 1
+    for dim in reversed(shape):
+        strides.append(step)
+        step *= max(dim, 1)
+    return tuple(reversed(strides))
+
+
 class BreakBuffers:
     """Static outputs of the breaks of one extra key, shared by all its sizes where possible.
 
@@ -198,7 +209,14 @@ class BreakBuffers:
     ) -> tuple[torch.Tensor, bool]:
         """A buffer with ``like``'s shape, dtype, device and strides to hold this output, and
         whether it is the caller's own (True) or a view of a shared buffer (False)."""
-        if like.dim() >= 1 and like.shape[0] == size and size <= self.rows:
+        # The layout is checked first: a shared buffer allocated for an output that cannot use
+        # it would stay allocated (and counted in buffer_bytes) for nothing.
+        if (
+            like.dim() >= 1
+            and like.shape[0] == size
+            and size <= self.rows
+            and like.stride() == _plain_strides(like.shape)
+        ):
             key = (break_index, leaf_index)
             shared = self._shared.get(key)
             if shared is None:

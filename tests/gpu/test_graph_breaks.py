@@ -164,3 +164,26 @@ def test_frozen_lazy_runner_falls_back_on_a_new_size():
     assert runner.stats.fallback_count(FallbackReason.FROZEN) == 1
     assert runner.captured_keys == [(None, 4)]
     runner.release()
+
+
+def test_a_break_gets_the_callers_dict_and_list_at_every_replay():
+    # The break's arguments are twinned for pool sharing; containers the caller holds must stay
+    # the caller's objects, or replays read host state frozen at capture.
+    host = {"scale": 1.0}
+    log: list[float] = []
+
+    def scaled(q, params, seen):
+        seen.append(params["scale"])
+        return q * params["scale"]
+
+    def step(x):
+        return graph_break(scaled, x + 1, host, log) * 1
+
+    runner = CUDAGraphRunner(step, max_batch_size=4, capture_sizes=[4])
+    runner.capture(torch.zeros(4, 2, device=DEV))
+    log.clear()
+    host["scale"] = 10.0
+    out = runner(torch.ones(4, 2, device=DEV))
+    assert torch.equal(out, torch.full((4, 2), 20.0, device=DEV))
+    assert log == [10.0] and runner.stats.replays == 1
+    runner.release()

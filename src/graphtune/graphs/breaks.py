@@ -34,6 +34,7 @@ import torch
 
 from graphtune.errors import ConfigError, InputError
 from graphtune.graphs.tree import TreeSpec, flatten_with_paths
+from graphtune.graphs.values import same_constant
 
 _clock = time.perf_counter
 
@@ -151,7 +152,7 @@ class Break:
             static.copy_(got)
         for index, value in self.constants:
             got = leaves[index]
-            if got is not value and not _same(got, value):
+            if got is not value and not same_constant(got, value):
                 raise self._changed(index, value, got)
 
     def _changed(self, index: int, captured: Any, got: Any) -> InputError:
@@ -163,17 +164,31 @@ class Break:
         )
 
 
+def _incomparable(fn: Callable[..., Any], index: int, value: Any) -> InputError:
+    name = getattr(fn, "__qualname__", None) or repr(fn)
+    return InputError(
+        f"graph break {name} returned {value!r:.80} as output {index}, a value that is not "
+        f"equal to itself ({type(value).__name__}): the pieces after a break were captured "
+        "with its non-tensor results, so every replay checks that they did not change; "
+        "return it as a tensor, or compute it outside the break"
+    )
+
+
 def _describe(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return f"a tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
     return repr(value)
 
 
-def _same(a: Any, b: Any) -> bool:
-    try:
-        return bool(a == b)
-    except (TypeError, ValueError, RuntimeError):
-        return False
+def _plain_strides(shape: torch.Size) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape`` (a view of a shared buffer's rows has
+    them), computed as torch does: a dimension of size 0 counts as 1."""
+    strides: list[int] = []
+    step = 1
+    for dim in reversed(shape):
+        strides.append(step)
+        step *= max(dim, 1)
+    return tuple(reversed(strides))
 
 
 class BreakBuffers:
@@ -194,7 +209,14 @@ class BreakBuffers:
     ) -> tuple[torch.Tensor, bool]:
         """A buffer with ``like``'s shape, dtype, device and strides to hold this output, and
         whether it is the caller's own (True) or a view of a shared buffer (False)."""
-        if like.dim() >= 1 and like.shape[0] == size and size <= self.rows:
+        # The layout is checked first: a shared buffer allocated for an output that cannot use
+        # it would stay allocated (and counted in buffer_bytes) for nothing.
+        if (
+            like.dim() >= 1
+            and like.shape[0] == size
+            and size <= self.rows
+            and like.stride() == _plain_strides(like.shape)
+        ):
             key = (break_index, leaf_index)
             shared = self._shared.get(key)
             if shared is None:
@@ -291,6 +313,8 @@ class PieceCapture:
                 statics.append(static)
                 copies.append((index, static))
             else:
+                if not same_constant(leaf, leaf):
+                    raise _incomparable(fn, index, leaf)
                 statics.append(leaf)
                 constants.append((index, leaf))
         self.breaks.append(Break(fn, args, kwargs, spec, copies, constants, own_bytes))

@@ -13,7 +13,6 @@ padded input, with no tree rebuilding and no host synchronisation.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +21,7 @@ import torch
 from graphtune.errors import ConfigError, InputError
 from graphtune.graphs.padding import check_pad_value, is_pad_rule, pad_filler
 from graphtune.graphs.tree import Path, TreeSpec, flatten_with_paths, path_str, resolve_rules
+from graphtune.graphs.values import same_constant
 
 BatchedPredicate = Callable[[str, torch.Tensor], bool]
 
@@ -202,7 +202,7 @@ class StaticInputs:
             fill()
         for index, value in self._constants:
             got = leaves[index]
-            if got is not value and not _equal(got, value):
+            if got is not value and not same_constant(got, value):
                 raise InputError(
                     f"input {path_str(self.paths[index])} is {got!r} but the graph was captured "
                     f"with {value!r}: non-tensor inputs are baked into the graph; pass it as a "
@@ -304,19 +304,6 @@ def _layout(t: torch.Tensor) -> tuple[Any, ...]:
     return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
 
 
-def _equal(a: Any, b: Any) -> bool:
-    """Whether a call's constant is the captured one: the same type (1, 1.0 and True are equal
-    in Python but trace other graphs) and value, NaN equal to NaN."""
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, float) and math.isnan(a) and math.isnan(b):
-        return True
-    try:
-        return bool(a == b)
-    except (TypeError, ValueError, RuntimeError):  # e.g. arrays with ambiguous truth values
-        return False
-
-
 #: A row rule: ``None`` returns a leaf as it is; a number ``c`` slices it to ``min(n, c)`` rows
 #: (:data:`BATCH`: to the real batch ``n``).
 RowRule = int | None
@@ -388,7 +375,7 @@ def row_rules(outputs: list[StaticOutputs]) -> list[RowRule] | str:
         leaves = [o._leaves[index] for o in by_size]
         if not all(isinstance(x, torch.Tensor) for x in leaves):
             # A value that depends on the size (x.shape[0]) would come back as the padded size's.
-            if any(isinstance(x, torch.Tensor) or not _equal(x, leaves[0]) for x in leaves):
+            if any(isinstance(x, torch.Tensor) or not same_constant(x, leaves[0]) for x in leaves):
                 seen = ", ".join(
                     f"{x!r:.40} at size {o.size}" for x, o in zip(leaves, by_size, strict=True)
                 )

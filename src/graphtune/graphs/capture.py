@@ -198,7 +198,7 @@ def capture_key(
             return _failed(backend, device, exc, extra_key, size, start, session.executed)
         all_shared = twins.kept == 0
         for brk in session.breaks:
-            brk.args, brk.kwargs = twins.tree((brk.args, brk.kwargs))
+            brk.args, brk.kwargs = twins.break_args(brk.args, brk.kwargs)
         shared = twins.storages
         backend.share_memory(pool, session.pieces, shared)
         session.account_seconds += time.perf_counter() - accounted

@@ -13,7 +13,8 @@ the next (smaller) capture may reuse them; the largest graph's blocks then cover
 Dropping the real tensor frees its memory only when nothing else owns it: a tensor the step keeps
 (a KV cache it returns, a weight, a static input buffer) keeps its memory, so a twin of it is
 always safe. The same holds for the tensors a graph break reads (see breaks.py): they are only
-needed during a call and become twins too.
+needed during a call and become twins too, but the containers that hold them stay the caller's
+objects (:meth:`Disowner.break_args`), since the break runs again at every replay.
 
 After ``release()`` the pool's memory goes back to the device, so a twin a caller still holds
 would read freed memory. The backend makes such a read raise instead (see
@@ -22,11 +23,13 @@ would read freed memory. The backend makes such a read raise instead (see
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Hashable
 from typing import Any
 
 import torch
 
-from graphtune.graphs.tree import flatten_with_paths
+from graphtune.graphs.tree import flatten_with_paths, rebuild_sequence
 
 RELEASED_MESSAGE = (
     "this tensor is an output of a CUDAGraphRunner that was released: graph outputs live in the "
@@ -100,3 +103,57 @@ class Disowner:
         """``value`` (any nesting of tuples, lists and dicts) with every tensor leaf twinned."""
         leaves, _, spec = flatten_with_paths(value)
         return spec.unflatten([self.tensor(leaf) for leaf in leaves])
+
+    def break_args(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """A graph break's recorded arguments with their tensors twinned, every container the
+        break may share with its caller kept as the same object.
+
+        The break is called again at every replay, so it must get the caller's containers, not
+        copies made at capture: a dict of host state the caller changes later, a list the break
+        appends to, a ``defaultdict``. A list or dict that only the break holds (made inside the
+        step for this call) has its tensors swapped in place, so their blocks still go back to
+        the pool; one held anywhere else is left untouched, tensors included: its holder keeps
+        those tensors' memory allocated anyway, and swapping would change the caller's data.
+        A tuple only the break holds is rebuilt (with its type) when a tensor in it changed.
+        """
+        new_args = tuple(self._swap(args, index) for index in range(len(args)))
+        for key in list(kwargs):  # kwargs is the call's own dict: swapped in place
+            kwargs[key] = self._swap(kwargs, key)
+        return new_args, kwargs
+
+    def _swap(self, holder: Any, key: Hashable) -> Any:
+        """``holder[key]`` with its tensors twinned where that is safe (see break_args)."""
+        sole = _only_in(holder, key)  # before any local name holds the value too
+        value = holder[key]
+        if isinstance(value, torch.Tensor):
+            return self.tensor(value)
+        if not sole or not isinstance(value, (tuple, list, dict)):
+            return value
+        if isinstance(value, tuple):
+            items = [self._swap(value, index) for index in range(len(value))]
+            if all(new is old for new, old in zip(items, value, strict=True)):
+                return value
+            return rebuild_sequence(type(value), items)
+        keys = list(value) if isinstance(value, dict) else range(len(value))
+        for item_key in keys:
+            new = self._swap(value, item_key)
+            if new is not value[item_key]:
+                value[item_key] = new
+        return value
+
+
+def _references(holder: Any, key: Hashable) -> int:
+    """References to ``holder[key]`` (CPython); -1 where the interpreter cannot tell."""
+    getrefcount = getattr(sys, "getrefcount", None)
+    return -1 if getrefcount is None else getrefcount(holder[key])
+
+
+# What _references() reads for a value held by its container alone, measured through the same
+# code so that interpreter versions that count differently agree with it.
+_ALONE = _references([[]], 0)
+
+
+def _only_in(holder: Any, key: Hashable) -> bool:
+    """Whether ``holder`` holds the only reference to ``holder[key]``."""
+    count = _references(holder, key)
+    return count != -1 and count <= _ALONE

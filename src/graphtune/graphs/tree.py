@@ -102,7 +102,7 @@ class TreeSpec:
             if self.type is tuple:
                 return tuple(items)
             assert self.type is not None
-            return _rebuild_sequence(self.type, items)
+            return rebuild_sequence(self.type, items)
         mapping = dict(zip(self.keys, items, strict=True))
         if self.type in (dict, None):
             return mapping
@@ -118,7 +118,7 @@ class TreeSpec:
         return f"dict{list(self.keys)!r}"
 
 
-def _rebuild_sequence(type_: type, items: list) -> Any:
+def rebuild_sequence(type_: type, items: list) -> Any:
     """A tuple or list subclass rebuilt with its type: a namedtuple (``_fields``) from its
     fields, any other (``torch.return_types``, a list subclass) from one sequence; a plain
     tuple or list when the type cannot be built that way."""
@@ -214,11 +214,13 @@ def resolve_rules(
         return [None] * len(paths)
     if is_rule(rules):
         return [rules] * len(paths)
+    known = {
+        tuple(str(p) for p in path[:depth]) for path in paths for depth in range(len(path) + 1)
+    }
     table: dict[tuple[str, ...], Any] = {}
     if isinstance(rules, dict):
         for key, rule in rules.items():
-            parts = tuple(str(key).split(".")) if str(key) else ()
-            table[parts] = rule
+            table[_parse_path(str(key), known, name)] = rule
     elif isinstance(rules, (tuple, list)):
         _collect_structured(rules, (), table, is_rule)
     else:
@@ -226,9 +228,6 @@ def resolve_rules(
             f"{name}={rules!r} is neither a rule, a dict of input paths to rules, nor a "
             "tuple/list shaped like the inputs; see docs/graph-runner.md for the accepted forms"
         )
-    known = {
-        tuple(str(p) for p in path[:depth]) for path in paths for depth in range(len(path) + 1)
-    }
     for parts, rule in table.items():
         if parts not in known:
             listing = ", ".join(sorted(path_str(p) for p in paths)) or "(none)"
@@ -248,6 +247,21 @@ def resolve_rules(
                 break
         resolved.append(rule)
     return resolved
+
+
+def _parse_path(text: str, known: set[tuple[str, ...]], name: str) -> tuple[str, ...]:
+    """The path a dotted string names: an input path whose dotted form it is (so a dict key
+    that contains a dot can be named), else the string split at its dots."""
+    matches = [parts for parts in known if ".".join(parts) == text]
+    if len(matches) > 1:
+        raise ConfigError(
+            f"{name} names input path {text!r}, the dotted form of {len(matches)} inputs (a dict "
+            "key contains '.'); give this rule in the structured form, shaped like the inputs, "
+            f"e.g. {name}=(None, {{'slot.id': 3}})"
+        )
+    if matches:
+        return matches[0]
+    return tuple(text.split(".")) if text else ()
 
 
 def _collect_structured(

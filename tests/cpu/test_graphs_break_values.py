@@ -47,27 +47,28 @@ def test_a_break_gets_the_callers_dicts_and_lists_at_every_replay():
     assert log == [10.0] and counts == {"calls": 1}
 
 
-def test_tensors_in_containers_made_for_a_break_are_twinned_so_their_memory_is_shared():
+def test_tensors_and_tuples_are_twinned_lists_and_dicts_stay_the_callers():
     made: list[torch.Tensor] = []
     bias = torch.ones(2)
-    kept = {"bias": bias}  # held by the caller: the break gets this very dict and tensor
+    kept = {"bias": bias}
 
-    def add(parts, pair, named):
-        return parts[0] + pair[1] + named["q"] + named["held"]["bias"]
+    def add(q, pair, parts, named):
+        return q + pair[1] + parts[0] + named["q"] + named["held"]["bias"]
 
     def step(x):
         q = x + 1
         made.append(q)
-        return graph_break(add, [q], (None, q), {"q": q, "held": kept}) * 1
+        return graph_break(add, q, (None, q), [q], {"q": q, "held": kept}) * 1
 
     runner = make(step)
     runner.capture(torch.zeros(4, 2))
     brk = runner._keys[None].graphs[4].graph.breaks[0]
-    parts, pair, named = brk.args
-    for twin in (parts[0], pair[1], named["q"]):  # non-owning: the block can go back to the pool
+    q, pair, parts, named = brk.args
+    for twin in (q, pair[1]):  # non-owning: the block can go back to the pool
         assert twin is not made[-1] and twin.data_ptr() == made[-1].data_ptr()
+    assert parts[0] is made[-1] and named["q"] is made[-1]  # a list or dict is never rewritten
     assert named["held"] is kept and kept["bias"] is bias
-    assert runner(torch.ones(4, 2)).tolist() == [[7.0, 7.0]] * 4
+    assert runner(torch.ones(4, 2)).tolist() == [[9.0, 9.0]] * 4
 
 
 @pytest.mark.parametrize(

@@ -23,8 +23,6 @@ would read freed memory. The backend makes such a read raise instead (see
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Hashable
 from typing import Any
 
 import torch
@@ -105,55 +103,28 @@ class Disowner:
         return spec.unflatten([self.tensor(leaf) for leaf in leaves])
 
     def break_args(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """A graph break's recorded arguments with their tensors twinned, every container the
-        break may share with its caller kept as the same object.
+        """A graph break's recorded arguments with their tensors twinned where that cannot change
+        what the break sees.
 
         The break is called again at every replay, so it must get the caller's containers, not
         copies made at capture: a dict of host state the caller changes later, a list the break
-        appends to, a ``defaultdict``. A list or dict that only the break holds (made inside the
-        step for this call) has its tensors swapped in place, so their blocks still go back to
-        the pool; one held anywhere else is left untouched, tensors included: its holder keeps
-        those tensors' memory allocated anyway, and swapping would change the caller's data.
-        A tuple only the break holds is rebuilt (with its type) when a tensor in it changed.
+        appends to, a ``defaultdict``. So a list or dict argument is kept as it is, tensors
+        included (they keep their memory until the graph is released). Tensor arguments, and
+        tensors inside tuples (immutable, so a copy with the same items and type is the same
+        value), are twinned so that their blocks go back to the pool.
         """
-        new_args = tuple(self._swap(args, index) for index in range(len(args)))
-        for key in list(kwargs):  # kwargs is the call's own dict: swapped in place
-            kwargs[key] = self._swap(kwargs, key)
+        new_args = tuple(self._swap(value) for value in args)
+        for key in list(kwargs):  # kwargs is the call's own dict
+            kwargs[key] = self._swap(kwargs[key])
         return new_args, kwargs
 
-    def _swap(self, holder: Any, key: Hashable) -> Any:
-        """``holder[key]`` with its tensors twinned where that is safe (see break_args)."""
-        sole = _only_in(holder, key)  # before any local name holds the value too
-        value = holder[key]
+    def _swap(self, value: Any) -> Any:
+        """``value`` with its tensors twinned, descending into tuples only (see break_args)."""
         if isinstance(value, torch.Tensor):
             return self.tensor(value)
-        if not sole or not isinstance(value, (tuple, list, dict)):
+        if not isinstance(value, tuple):
             return value
-        if isinstance(value, tuple):
-            items = [self._swap(value, index) for index in range(len(value))]
-            if all(new is old for new, old in zip(items, value, strict=True)):
-                return value
-            return rebuild_sequence(type(value), items)
-        keys = list(value) if isinstance(value, dict) else range(len(value))
-        for item_key in keys:
-            new = self._swap(value, item_key)
-            if new is not value[item_key]:
-                value[item_key] = new
-        return value
-
-
-def _references(holder: Any, key: Hashable) -> int:
-    """References to ``holder[key]`` (CPython); -1 where the interpreter cannot tell."""
-    getrefcount = getattr(sys, "getrefcount", None)
-    return -1 if getrefcount is None else getrefcount(holder[key])
-
-
-# What _references() reads for a value held by its container alone, measured through the same
-# code so that interpreter versions that count differently agree with it.
-_ALONE = _references([[]], 0)
-
-
-def _only_in(holder: Any, key: Hashable) -> bool:
-    """Whether ``holder`` holds the only reference to ``holder[key]``."""
-    count = _references(holder, key)
-    return count != -1 and count <= _ALONE
+        items = [self._swap(item) for item in value]
+        if all(new is old for new, old in zip(items, value, strict=True)):
+            return value
+        return rebuild_sequence(type(value), items)

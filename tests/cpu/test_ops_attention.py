@@ -135,7 +135,7 @@ def test_triton_every_tactic_matches_float64(batch, groups, seq, dim):
     runner = attention.TritonDecodeAttention()
     inputs = _decode_inputs(gen, batch, 2, groups, seq, dim)
     tactics = runner.get_valid_tactics(inputs, None)
-    assert 1 <= len(tactics) <= 12
+    assert 1 <= len(tactics) <= 15
     if seq >= 256:
         assert {t["splits"] for t in tactics} >= {1, 2, 4}
     want = _reference(*inputs)
@@ -210,11 +210,12 @@ def test_triton_fully_masked_row_gives_zeros_like_sdpa():
         (1, 1, 4096, 132),
         (2, 8, 2048, 4),
         (1, 8, 1, 132),
+        (132, 1, 4096, 132),  # the one-warp tile beside the four base configs: 15 tactics
     ],
 )
 def test_decode_tactics_obey_the_pruning_rules(batch, kv_heads, seq, sms):
     tactics = attention.decode_attention_tactics(batch, kv_heads, seq, sm_count=sms)
-    assert 1 <= len(tactics) <= 12
+    assert 1 <= len(tactics) <= 15
     assert len({tuple(sorted(t.items())) for t in tactics}) == len(tactics)
     for t in tactics:
         assert attention.check_decode_tactic(t) is None
@@ -396,3 +397,15 @@ def test_one_kernel_runner_is_not_a_default_runner_and_refuses_too_many_rows():
     )
     with pytest.raises(InputError, match="arrival counters"):
         attention.arrival_counters(torch.device("cpu"), _counters.COUNTERS + 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_matmul_low_precision_is_offered_only_for_a_mask_of_qs_dtype(dtype):
+    q, keys, values = (torch.randn(1, 2, 4, 16, dtype=dtype) for _ in range(3))
+    mask = torch.zeros(1, 1, 1, 4)
+    runner = attention.MatmulAttention()
+    assert runner.get_valid_tactics([q, keys, values, mask], None) == [-1]
+    same = [q, keys, values, mask.to(dtype)]
+    assert "low_precision" in runner.get_valid_tactics(same, None)
+    got = runner.forward(same, tactic="low_precision")
+    assert got.dtype == dtype and torch.isfinite(got).all()

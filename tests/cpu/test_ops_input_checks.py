@@ -82,6 +82,7 @@ def test_an_output_that_shares_memory_with_an_operand_is_refused():
         (lambda q, k, v, m: (q.bfloat16(), k, v, m), "one dtype"),
         (lambda q, k, v, m: (q, k, v, m.long()), "float dtype"),
         (lambda q, k, v, m: (q[0], k, v, m), "q \\[B, KV, G, D\\]"),
+        (lambda q, k, v, m: (q, k, v, None), "mask must be tensors"),
     ],
 )
 def test_decode_attention_names_the_layout_rule_for_every_runner(change, fragment):
@@ -112,6 +113,7 @@ def _rope_inputs(dim=8, heads=2, kv=1, batch=2):
         (lambda x: [x[0], x[1] + 16, *x[2:]], "positions must index rows of cos/sin"),
         (lambda x: [*x[:4], x[4].to("meta"), *x[5:]], "k_cache must be on qkv's device cpu"),
         (lambda x: [x[0], x[1].to("meta"), *x[2:]], "positions must be on qkv's device cpu"),
+        (lambda x: [*x[:2], x[2][0], *x[3:]], "cos and sin must be \\[rows, D\\] tables"),
     ],
 )
 def test_rope_kv_cache_names_the_input_that_does_not_fit(change, fragment):

@@ -125,6 +125,11 @@ def test_strided_index_views_give_the_contiguous_bits():
         (dict(tokens=torch.tensor(1)), "got tokens"),
         (dict(positions=torch.tensor([0, 1], device="meta")), "got positions"),
         (dict(slots=torch.tensor([0, 1, 2])), "got slots"),
+        # Sizes: torch's own TypeError from inside torch.empty before.
+        (dict(kv_heads=2.0), "kv_heads must be an int >= 1"),
+        (dict(kv_heads=0), "kv_heads must be an int >= 1"),
+        (dict(max_seq=True), "max_seq must be an int >= 1"),
+        (dict(window=2.5), "window must be None or an int"),
     ],
 )
 def test_bad_inputs_are_refused(change, match):
@@ -134,7 +139,10 @@ def test_bad_inputs_are_refused(change, match):
         slots=torch.tensor([0, 1]),
         embed=torch.randn(10, 16),
         mask_dtype=torch.float32,
+        kv_heads=2,
+        max_seq=8,
+        window=None,
     )
     args.update(change)
     with pytest.raises(InputError, match=match):
-        step_inputs.decode_inputs(**args, kv_heads=2, max_seq=8, window=None)
+        step_inputs.decode_inputs(**args)

@@ -14,8 +14,12 @@ _MAX_GROUPS = 32  # query rows per KV head held in registers (GQA ratios are 1..
 def layout_problem(inputs: list[Any]) -> str | None:
     """Why no runner can take these inputs (the layout of the module docstring), or ``None``."""
     q, keys, values, mask = inputs
-    tensors = all(isinstance(t, torch.Tensor) for t in inputs)
-    if not tensors or q.dim() != 4 or keys.dim() != 4 or keys.shape != values.shape:
+    if not all(isinstance(t, torch.Tensor) for t in inputs):
+        return (
+            "q, keys, values and mask must be tensors (the mask additive, -inf where masked), "
+            f"got {', '.join(type(t).__name__ for t in inputs)}"
+        )
+    if q.dim() != 4 or keys.dim() != 4 or keys.shape != values.shape:
         return (
             "need q [B, KV, G, D] and keys == values [B, KV, S, D], got q "
             f"{_shape(q)}, keys {_shape(keys)}, values {_shape(values)}"

@@ -47,7 +47,13 @@ def rope_tensors(inputs: list[Any], num_heads: int, num_kv_heads: int) -> list[A
     step's ``graphtune.ops.rotary.RopeRows``, is not checked). Shapes, dtypes and devices
     only: the index values are :func:`check_rope_indices`' (a host synchronisation)."""
     qkv, positions, cos, sin, k_cache, v_cache, rows = inputs[:7]
-    dim = cos.shape[-1] if cos.dim() == 2 else -1
+    tables = [t for t in (cos, sin) if isinstance(t, torch.Tensor)]
+    if len(tables) != 2 or any(t.dim() != 2 for t in tables):
+        raise InputError(
+            "rope_kv_cache: cos and sin must be [rows, D] tables (one row per position), got "
+            f"cos {describe_tensor(cos)}, sin {describe_tensor(sin)}."
+        )
+    dim = cos.shape[-1]
     width = (num_heads + 2 * num_kv_heads) * dim
     if qkv.dim() != 2 or qkv.shape[1] != width or sin.dim() != 2 or sin.shape[-1] != dim:
         raise InputError(

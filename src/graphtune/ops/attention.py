@@ -8,7 +8,12 @@ can be several times slower than another one at large batch. The tuner measures 
 
 Inputs of every runner: ``[q, keys, values, mask]`` with ``q [B, kv_heads, groups, head_dim]``
 (the query heads that share a KV head form that head's query "sequence"), ``keys`` and ``values``
-``[B, kv_heads, seq, head_dim]``, and an additive ``mask [B, 1, 1, seq]``.
+``[B, kv_heads, seq, head_dim]``, and an additive ``mask [B, 1, 1, seq]`` that is ``-inf`` where a
+key is masked. Every runner gives the same answer (up to rounding) for such masks, and 0 for a
+row whose keys are all ``-inf`` (a padded row). A large finite value such as
+``torch.finfo(dtype).min`` (a Hugging Face style mask) is not a mask here: the keys stay visible
+with a tiny weight, and a row masked that way throughout is the mean of its values under the
+torch runners but 0 under the Triton ones.
 
 Runners (index 0 is the untuned fallback):
 
@@ -123,7 +128,12 @@ class MatmulAttention(TunableRunner):
 
     def get_valid_tactics(self, inputs: list[Any], profile: Any, **kwargs: Any) -> list[Any]:
         tactics: list[Any] = [FALLBACK_TACTIC]
-        if inputs[0].dtype in (torch.float16, torch.bfloat16):
+        # The scores take the mask's dtype when they are added: a wider mask would promote them
+        # and the second matmul would mix dtypes.
+        if (
+            inputs[0].dtype in (torch.float16, torch.bfloat16)
+            and inputs[3].dtype == inputs[0].dtype
+        ):
             tactics.append("low_precision")
         return tactics
 
@@ -173,7 +183,8 @@ def decode_attention_tactics(
     sm_count: int = _DEFAULT_SMS,
     smem_bytes: int = _DEFAULT_SMEM,
 ) -> list[dict[str, int]]:
-    """Triton decode-attention tactics worth timing for one shape (at most 12).
+    """Triton decode-attention tactics worth timing for one shape (at most 15: five configs with
+    the one-warp tile, three split counts each).
 
     Rules:
 

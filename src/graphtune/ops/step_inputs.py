@@ -72,7 +72,7 @@ def decode_inputs(
             ``mask_dtype`` is not a float dtype, or an index tensor is not ``[B]`` int32/int64
             on ``embed``'s device.
     """
-    _check_inputs(tokens, positions, slots, embed, mask_dtype)
+    _check_inputs(tokens, positions, slots, embed, mask_dtype, kv_heads, max_seq, window)
     # Copy strided views rather than refuse them: the untuned step's torch code takes them, and
     # inside a captured step the copy is captured too (reading the same static buffer).
     tokens, positions, slots = tokens.contiguous(), positions.contiguous(), slots.contiguous()
@@ -117,8 +117,21 @@ def _check_inputs(
     slots: torch.Tensor,
     embed: torch.Tensor,
     mask_dtype: Any,
+    kv_heads: Any,
+    max_seq: Any,
+    window: Any,
 ) -> None:
     """:func:`decode_inputs`' rules, attribute comparisons only (no host synchronisation)."""
+    for name, size, least in (("kv_heads", kv_heads, 1), ("max_seq", max_seq, 1)):
+        if isinstance(size, bool) or not isinstance(size, int) or size < least:
+            raise InputError(
+                f"decode_inputs: {name} must be an int >= {least} (the KV heads per row and the "
+                f"mask's keys), got {size!r}."
+            )
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)):
+        raise InputError(
+            f"decode_inputs: window must be None or an int (the sliding window), got {window!r}."
+        )
     if not _embed_table_ok(embed):
         raise InputError(
             f"decode_inputs: embed must be a [vocab, hidden] float16, bfloat16 or float32 table "

@@ -135,7 +135,7 @@ def test_triton_every_tactic_matches_float64(batch, groups, seq, dim):
     runner = attention.TritonDecodeAttention()
     inputs = _decode_inputs(gen, batch, 2, groups, seq, dim)
     tactics = runner.get_valid_tactics(inputs, None)
-    assert 1 <= len(tactics) <= 13
+    assert 1 <= len(tactics) <= 15
     if seq >= 256:
         assert {t["splits"] for t in tactics} >= {1, 2, 4}
     want = _reference(*inputs)
@@ -210,12 +210,12 @@ def test_triton_fully_masked_row_gives_zeros_like_sdpa():
         (1, 1, 4096, 132),
         (2, 8, 2048, 4),
         (1, 8, 1, 132),
-        (132, 1, 4096, 132),  # the one-warp tile beside the four base configs, one split
+        (132, 1, 4096, 132),  # the one-warp tile beside the four base configs: 15 tactics
     ],
 )
 def test_decode_tactics_obey_the_pruning_rules(batch, kv_heads, seq, sms):
     tactics = attention.decode_attention_tactics(batch, kv_heads, seq, sm_count=sms)
-    assert 1 <= len(tactics) <= 13
+    assert 1 <= len(tactics) <= 15
     assert len({tuple(sorted(t.items())) for t in tactics}) == len(tactics)
     for t in tactics:
         assert attention.check_decode_tactic(t) is None

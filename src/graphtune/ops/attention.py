@@ -183,8 +183,8 @@ def decode_attention_tactics(
     sm_count: int = _DEFAULT_SMS,
     smem_bytes: int = _DEFAULT_SMEM,
 ) -> list[dict[str, int]]:
-    """Triton decode-attention tactics worth timing for one shape (at most 13: three split
-    counts for each of four configs, and the one-warp tile with one split).
+    """Triton decode-attention tactics worth timing for one shape (at most 15: five configs with
+    the one-warp tile, three split counts each).
 
     Rules:
 
@@ -234,10 +234,7 @@ def decode_attention_tactics(
         tiles = next_power_of_two(-(-seq // block_n))
         limit = min(tiles, MAX_SPLITS, int(PROGRAMS_PER_SM * sm_count / programs))
         top = last_power_of_two(max(1, limit))
-        # The one-warp tile is there because one program per (request, KV head) already fills
-        # the GPU: it takes one split.
-        one_warp = warps == ONE_WARP_CONFIG[1]
-        for splits in [1] if one_warp else sorted({1, max(1, top // 2), top}):
+        for splits in sorted({1, max(1, top // 2), top}):
             out.append({"block_n": block_n, "splits": splits, "warps": warps, "stages": stages})
     return out
 

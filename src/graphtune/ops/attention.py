@@ -203,7 +203,8 @@ def decode_attention_tactics(
       before waiting for the kernel before, see ``graphtune.ops._attention_kernels``). Of
       those, ``1`` (one kernel, no merge), the largest and half the largest are kept.
     * :data:`ONE_WARP_CONFIG` as well when ``batch * kv_heads >= sm_count`` (one program per
-      (request, KV head) already fills the GPU, so it has one split). At batch 128 on the H200
+      (request, KV head) already fills the GPU), with the split counts of the rule above (there
+      at most 4, ``PROGRAMS_PER_SM * sm_count / programs``). At batch 128 on the H200
       (``benchmarks/results/attention-sweep-h200-b128-cea895b.json``) one-warp tiles were the
       fastest of the whole space, 3.6% ahead of the best base config.
 

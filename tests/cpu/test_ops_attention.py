@@ -232,7 +232,6 @@ def test_decode_tactics_obey_the_pruning_rules(batch, kv_heads, seq, sms):
     one_warp = [t for t in tactics if t["warps"] == 1]
     # the one-warp tile only where one program per (request, KV head) fills the GPU
     assert bool(one_warp) == (batch * kv_heads >= sms), one_warp
-    assert all(batch * kv_heads * t["splits"] <= attention.PROGRAMS_PER_SM * sms for t in one_warp)
 
 
 def test_decode_tactics_fit_shared_memory():

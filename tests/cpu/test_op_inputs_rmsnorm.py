@@ -77,6 +77,19 @@ def test_rope_kv_cache_checks_head_norm_eps(eps):
     assert not k_cache.any()
 
 
+def test_a_tensor_passed_as_eps_is_named_by_type_and_shape_only():
+    # norm_linear(x, eps, norm_weight, ...) printed the whole weight in the ConfigError.
+    from graphtune.errors import ConfigError
+    from graphtune.ops.fused import norm_linear
+
+    x, norm_weight, weight = torch.randn(2, 64), torch.randn(64), torch.randn(8, 64)
+    with pytest.raises(ConfigError) as caught:
+        norm_linear(x, 1e-6, norm_weight, weight, tuner=TUNER)
+    message = str(caught.value)
+    assert "got a Tensor of shape (64,)" in message and "\n" not in message
+    assert len(message) < 200, message
+
+
 def test_head_rms_norm_takes_an_int_eps():
     from graphtune import ops
 

@@ -73,6 +73,28 @@ def test_an_output_that_shares_memory_with_an_operand_is_refused():
         assert torch.equal(y, x), name  # refused before anything ran
 
 
+def test_a_bias_or_residual_inside_the_written_tensor_is_refused():
+    # A bias in the written tensor gave wrong rows on the Triton path (one tile overwrote it
+    # before another read it) and a raw torch RuntimeError on the torch path; so did an out=
+    # that overlaps the residual without being it.
+    a, w = torch.randn(4, 8), torch.randn(8, 8)
+    calls = {
+        "bias in the residual": lambda y: gemm(a, w, y[1], residual=y, inplace=True, tuner=TUNER),
+        "bias in out": lambda y: gemm(a, w, y[1], out=y, tuner=TUNER),
+        "residual one row off out": lambda y: gemm(a, w, residual=y[:4], out=y[1:], tuner=TUNER),
+    }
+    for name, call in calls.items():
+        y = torch.randn(5, 8)[: 5 if "off" in name else 4]
+        before = y.clone()
+        with pytest.raises(InputError, match="share memory|overlaps residual"):
+            call(y)
+        assert torch.equal(y, before), name  # refused before anything ran
+    residual = torch.randn(4, 8)
+    want = residual + a @ w.T
+    assert gemm(a, w, residual=residual, out=residual, tuner=TUNER) is residual  # the same view
+    assert torch.allclose(residual, want, atol=1e-5)
+
+
 @pytest.mark.parametrize(
     "change, fragment",
     [

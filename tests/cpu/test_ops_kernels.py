@@ -108,6 +108,47 @@ def test_gemm_of_the_tactic_list_runs_and_torch_fallback_is_f_linear():
     assert torch.equal(runner.forward(inputs, -1), torch.nn.functional.linear(a, w))
 
 
+_FAR = 2**30  # a row (or K) stride whose third row starts 2^31 elements in: past int32
+
+
+def _far_view(shape: tuple[int, int], stride: tuple[int, int]) -> torch.Tensor:
+    """A float16 view whose third row (or column) lies 2^31 elements past its first, over an
+    8 GiB storage that is never filled: only the few elements the test touches get pages, so it
+    costs kilobytes of memory. It starts 2^31 elements in, so an int32 offset that wraps still
+    lands inside the storage (a wrong value, not a crash)."""
+    try:
+        storage = torch.empty(2**32 + 64, dtype=torch.float16)  # untouched: virtual only
+    except RuntimeError:  # e.g. strict overcommit (vm.overcommit_memory=2) on a small machine
+        pytest.skip("cannot reserve 8 GiB of address space for the int64 offset test")
+    return storage.as_strided(shape, stride, 2**31 + 16)
+
+
+def test_gemm_epilogue_addresses_rows_past_2_to_the_31_elements():
+    # An int32 offs_m * stride_om wrapped once a row began 2^31 elements in (a float16 LM head
+    # output from ~16.7k rows): row 2 was added to and stored 2^31 elements too early.
+    gen = _gen()
+    a, w = _randn(gen, 3, 16, dtype=torch.float16), _randn(gen, 16, 16, dtype=torch.float16)
+    residual = _far_view((3, 16), (_FAR, 1))
+    residual.copy_(_randn(gen, 3, 16, dtype=torch.float16))
+    want = residual.double() + a.double() @ w.double().T
+    tactic = {"bm": 16, "bn": 16, "bk": 16, "warps": 4, "stages": 1, "split_k": 1}
+    TritonGemmRunner().launch([a, w, None, residual, True], tactic)  # reads and writes row 2
+    assert _rel(residual, want) < TOL[torch.float16], gen.initial_seed()
+
+
+def test_gemm_reads_a_transposed_a_whose_k_offsets_pass_2_to_the_31():
+    # a [M, K] with stride M along K (a transposed activation): an int32 k * stride_ak wrapped
+    # once K * M passed 2^31, so column 2 of a was read from 2^31 elements too early.
+    gen = _gen()
+    a = _far_view((3, 3), (1, _FAR))
+    a.copy_(_randn(gen, 3, 3, dtype=torch.float16))
+    w = _randn(gen, 16, 3, dtype=torch.float16)
+    want = a.double() @ w.double().T
+    tactic = {"bm": 16, "bn": 16, "bk": 16, "warps": 4, "stages": 1, "split_k": 1}
+    got = TritonGemmRunner().launch([a, w, None, None, False], tactic)
+    assert _rel(got, want) < TOL[torch.float16], gen.initial_seed()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_rms_norm_one_and_two_pass_match_float64(dtype, with_residual):

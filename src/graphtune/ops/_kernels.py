@@ -81,9 +81,11 @@ def gemm_kernel(
     # store below is masked, so the duplicated rows are never written.
     rows = (offs_m % M).to(tl.int64)
     cols = (offs_n % N).to(tl.int64)
-    k_start = pid_s * K_PER_SPLIT
-    a_ptrs = a_ptr + rows[:, None] * stride_am + (k_start + offs_k)[None, :] * stride_ak
-    w_ptrs = w_ptr + cols[None, :] * stride_wn + (k_start + offs_k)[:, None] * stride_wk
+    # 64-bit K offsets too: a transposed a or weight has stride M or N along K, and K * M of a
+    # long prefill passes 2^31. Cast once per tile; the loop only adds BLOCK_K * stride.
+    offs_k64 = pid_s.to(tl.int64) * K_PER_SPLIT + offs_k
+    a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k64[None, :] * stride_ak
+    w_ptrs = w_ptr + cols[None, :] * stride_wn + offs_k64[:, None] * stride_wk
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # a comes from the kernel before (see graphtune.ops._pdl)
         tl.extra.cuda.gdc_launch_dependents()
@@ -131,10 +133,13 @@ def gemm_kernel(
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
         acc += bias.to(tl.float32)[None, :]
+    # 64-bit row offsets, as the loads': a float16 LM head's [M, 128256] output passes 2^31
+    # elements from about 16.7k rows, and an int32 offs_m * stride_om wraps (a store far away).
+    rows_out = offs_m.to(tl.int64)[:, None]
     if HAS_RES:
-        res_ptrs = res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :] * stride_rn
+        res_ptrs = res_ptr + rows_out * stride_rm + offs_n[None, :] * stride_rn
         acc += tl.load(res_ptrs, mask=mask, other=0.0).to(tl.float32)
-    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+    out_ptrs = out_ptr + rows_out * stride_om + offs_n[None, :] * stride_on
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -91,8 +91,21 @@ def check_eps(op: str, eps: Any) -> float:
         ConfigError: Anything else; the message names ``op``.
     """
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < math.inf:
-        raise ConfigError(f"{op}: eps must be a finite float >= 0, got {eps!r}.")
+        raise ConfigError(
+            f"{op}: eps must be a finite float >= 0 such as 1e-6, got {_describe_eps(eps)}; "
+            "check the argument order."
+        )
     return float(eps)
+
+
+def _describe_eps(eps: Any) -> str:
+    """A number as itself, anything else by its type (and shape): a weight passed as ``eps``
+    by a wrong argument order would otherwise print whole in the one-line error."""
+    if isinstance(eps, (int, float)):
+        return repr(eps)
+    shape = getattr(eps, "shape", None)
+    name = type(eps).__name__
+    return name if shape is None else f"a {name} of shape {tuple(shape)}"
 
 
 def rms_norm_tactics(hidden: int) -> list[dict[str, int]]:

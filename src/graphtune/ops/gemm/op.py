@@ -16,7 +16,7 @@ from graphtune.autotuner.context import get_tuner
 from graphtune.autotuner.runner import TunableRunner
 from graphtune.autotuner.tuner import AutoTuner
 from graphtune.errors import ConfigError, InputError, describe_tensor, wrong_device_error
-from graphtune.ops._aliasing import check_written_apart
+from graphtune.ops._aliasing import check_written_apart, overlaps
 from graphtune.ops._rows import as_rows, from_rows
 from graphtune.ops._triton import triton_available
 from graphtune.ops.gemm.common import TorchGemmRunner
@@ -152,10 +152,16 @@ def gemm(
         n = weight.shape[0]
         r2 = as_rows(residual) if residual.dim() == 2 or not inplace else residual.view(-1, n)
         if inplace:
-            check_written_apart("gemm", "residual", r2, a=a2, weight=weight)
+            check_written_apart("gemm", "residual", r2, **_read_operands(a2, weight, bias))
     if out is not None:
         _check_out(out, a2, weight, inplace)
-        check_written_apart("gemm", "out", out, a=a2, weight=weight)
+        check_written_apart("gemm", "out", out, **_read_operands(a2, weight, bias))
+        if r2 is not None and overlaps(out, r2) and not _same_view(out, r2):
+            raise InputError(
+                "gemm: out overlaps residual without being the same [M, N] view, so one tile "
+                "would overwrite residual elements another still reads; pass out=residual "
+                "itself or a separate tensor."
+            )
     inputs = [a2, weight, bias, r2, bool(inplace)]
     chosen = runners if runners is not None else gemm_runners()
     config = gemm_config(max_m, residual is not None, cold_l2)
@@ -172,6 +178,23 @@ def _rebuild(record: CallRecord, tuner: Any) -> tuple[tuple[TunableRunner, ...],
 
 
 register_op(OP_NAME, _rebuild)
+
+
+def _read_operands(
+    a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> dict[str, torch.Tensor]:
+    """What the GEMM reads while it writes its result: the bias too, since a tile may overwrite
+    a bias that lies in the written tensor before another tile reads it."""
+    read = {"a": a, "weight": weight}
+    if bias is not None:
+        read["bias"] = bias
+    return read
+
+
+def _same_view(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Whether ``x`` and ``y`` address the same elements in the same order: ``out=`` the residual
+    itself is safe, as each element is read, then written, by the same program."""
+    return x.data_ptr() == y.data_ptr() and x.shape == y.shape and x.stride() == y.stride()
 
 
 def _check_out(out: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, inplace: bool) -> None:

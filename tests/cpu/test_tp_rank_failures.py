@@ -1,0 +1,87 @@
+"""Tensor-parallel ranks whose setup differs or fails on one rank only: every rank ends with the
+same picks or a one-line error, never a hang or a silent split (two gloo ranks per test).
+
+Each test spawns its own pair of ranks with a bounded wait, so a regression (a rank left waiting
+in a collective) fails that test within a minute instead of hanging the run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from fake_timers import EveryCandidateEqual
+from gloo_ranks import run_on_ranks
+
+from graphtune.autotuner import (
+    AutoTuner,
+    DistributedTuning,
+    DynamicTensorSpec,
+    TuningConfig,
+)
+from graphtune.autotuner.entries import CacheEntry, CacheKey
+from graphtune.engine import Engine, load_model
+from graphtune.engine.parallel import ParallelContext
+from graphtune.errors import ConfigError, DistributedError, TuningError
+
+WORLD = 2
+WAIT_S = 60.0  # each case takes a few seconds; only a rank left in a collective waits longer
+CONFIG = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0, (1, 4)),), warmup=0, repeat=1)
+# A pick only rank 0's tuner holds (an op the tiny model never looks up: only alignment moves it).
+KEY = CacheKey("rank0_only", ("runner",), ((4, 8),), ("float32",), "fake")
+ENTRY = CacheEntry("runner", 0, 3, 1.0, 2.0)
+
+
+def _outcome(fn: Any) -> str:
+    try:
+        fn()
+    except (ConfigError, DistributedError, TuningError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "ok"
+
+
+def _shard() -> Any:
+    return load_model("tiny", seed=3, parallel=ParallelContext.from_group())
+
+
+def _cache_only_tuner_caches(rank: int) -> list[tuple[str, Any]]:
+    tuner = AutoTuner(distributed=DistributedTuning("agree"))
+    if rank == 0:
+        tuner.cache.put(KEY, ENTRY)
+    Engine(_shard(), runner="eager", max_batch_size=1, max_seq_len=32, tuner=tuner)
+    return [(key.op, entry.tactic) for key, entry in tuner.cache.items()]
+
+
+@pytest.mark.slow
+def test_a_cache_only_shard_aligns_its_given_tuners_cache_without_a_file(tmp_path) -> None:
+    # Without a tuning_cache path the ranks once kept their own caches: rank 1 looked up none of
+    # rank 0's picks and ran other kernels for the replicated ops.
+    caches = run_on_ranks(_cache_only_tuner_caches, WORLD, tmp_path, timeout=WAIT_S)
+    assert caches[0] == caches[1] == [("rank0_only", 3)]
+
+
+def _engine_with_memory_budget_on_rank0(rank: int) -> dict[str, str]:
+    # A dict: run_on_ranks reads a rank's bare string as its traceback.
+    build = _outcome(
+        lambda: Engine(
+            _shard(),
+            runner="eager",
+            max_batch_size=1,
+            max_seq_len=32,
+            tune=True,
+            tuner=AutoTuner(EveryCandidateEqual(), distributed="agree"),
+            gpu_memory_utilization=0.5 if rank == 0 else None,
+        )
+    )
+    return {"build": build}
+
+
+@pytest.mark.slow
+def test_a_memory_budget_on_one_shard_is_refused_before_tuning(tmp_path) -> None:
+    # The refusal once came after the ranks' exchange and on rank 0 only: rank 1 went on into
+    # the tuning collectives and waited for rank 0 there.
+    ranks = run_on_ranks(_engine_with_memory_budget_on_rank0, WORLD, tmp_path, timeout=WAIT_S)
+    outcomes = [ranks[rank]["build"] for rank in range(WORLD)]
+    assert outcomes[0].startswith("ConfigError: gpu_memory_utilization=0.5"), outcomes[0]
+    assert "tensor-parallel shard" in outcomes[0]
+    assert outcomes[1].startswith("DistributedError: Engine(...): rank 0 refused"), outcomes[1]

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 from fake_timers import EveryCandidateEqual
 from gloo_ranks import run_on_ranks
 
@@ -17,7 +18,9 @@ from graphtune.autotuner import (
     AutoTuner,
     DistributedTuning,
     DynamicTensorSpec,
+    TunableRunner,
     TuningConfig,
+    autotune,
 )
 from graphtune.autotuner.entries import CacheEntry, CacheKey
 from graphtune.engine import Engine, load_model
@@ -58,6 +61,46 @@ def test_a_cache_only_shard_aligns_its_given_tuners_cache_without_a_file(tmp_pat
     # rank 0's picks and ran other kernels for the replicated ops.
     caches = run_on_ranks(_cache_only_tuner_caches, WORLD, tmp_path, timeout=WAIT_S)
     assert caches[0] == caches[1] == [("rank0_only", 3)]
+
+
+class NoTacticOnRank1(TunableRunner):
+    """Declares ``requires_tactic`` but offers no tactic on rank 1: that rank fails while
+    planning, before any per-profile collective."""
+
+    requires_tactic = True
+    identity_excludes = frozenset({"rank"})
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def get_valid_tactics(self, inputs: list, profile: Any) -> list:
+        return [] if self.rank == 1 else [0, 1]
+
+    def forward(self, inputs: list, tactic: Any = -1) -> Any:
+        return inputs[0]
+
+
+def _tune_with_planning_failure(rank: int) -> dict[str, str]:
+    out = {}
+    for strategy in ("agree", "broadcast", "parallel"):
+        tuner = AutoTuner(EveryCandidateEqual())
+
+        def tune(tuner: AutoTuner = tuner, strategy: str = strategy) -> None:
+            with autotune(None, tuner, distributed=DistributedTuning(strategy)):
+                tuner.choose_one("op", [NoTacticOnRank1(rank)], CONFIG, [torch.zeros(4, 8)])
+
+        out[strategy] = _outcome(tune)
+    return out
+
+
+@pytest.mark.slow
+def test_a_rank_failing_while_planning_is_named_by_the_others(tmp_path) -> None:
+    # Rank 1 once raised alone and rank 0 waited for it in the candidates' exchange forever.
+    outcomes = run_on_ranks(_tune_with_planning_failure, WORLD, tmp_path, timeout=WAIT_S)
+    for strategy in ("agree", "broadcast", "parallel"):
+        assert outcomes[1][strategy].startswith("TuningError"), outcomes[1][strategy]
+        assert "requires_tactic" in outcomes[1][strategy]
+        assert outcomes[0][strategy].startswith("DistributedError: op 'op': rank 1 "), outcomes[0]
 
 
 def _engine_with_memory_budget_on_rank0(rank: int) -> dict[str, str]:

@@ -21,7 +21,8 @@ profile, the candidates they offer (only candidates offered by every rank are ti
 order, which is also the tie-break order). A tactic that fails on one rank contributes ``inf``
 (carried as an IEEE infinity in a float64 tensor) and that rank still joins. A rank whose tuning
 must stop (a tactic corrupted its CUDA context) still joins the profile's collective with an abort
-flag, and then every rank raises, instead of the others waiting forever.
+flag, and then every rank raises, instead of the others waiting forever; so does a rank whose
+planning failed (listing its candidates or ``prepare_all``), in one flag exchange after planning.
 
 Every rank must make the same ``choose_one`` calls in the same order, starting from the same
 cache: a shape found in one rank's cache but not another's would make only the latter enter the
@@ -186,6 +187,34 @@ class OpCoordinator:
                 "in the same order with the same inputs' shapes under distributed tuning."
             )
         return [not all(view[1][i] for view in views) for i in range(len(keys))]
+
+    def planned(self, failure: Exception | None) -> None:
+        """Joins the ranks after planning (candidates listed, ``prepare_all`` run), where a
+        rank may have failed alone (a ``requires_tactic`` runner without a tactic, a wrong
+        ``get_valid_tactics`` signature, a corrupted CUDA context): one small ``all_reduce`` of
+        a flag per rank, so such a rank is named instead of the others waiting for it.
+
+        Raises:
+            Exception: ``failure`` itself, on the rank that passed it (after joining).
+            DistributedError: Another rank failed while planning (named).
+        """
+        failed: list[int] = []
+        if self.setting.collective and self.world_size > 1:
+            dist = torch.distributed
+            group = self.setting.group
+            flags = torch.zeros(self.world_size, dtype=torch.float64)
+            flags[self.rank] = 0.0 if failure is None else 1.0
+            flags = flags.to(_collective_device(group))
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+            failed = [r for r, flag in enumerate(flags.tolist()) if flag]
+        if failure is not None:
+            raise failure
+        if failed:
+            raise DistributedError(
+                f"op {self.op!r}: rank {failed[0]} of the tuning group stopped while listing or "
+                "preparing its tactics (see its error), so this rank stops too instead of "
+                "waiting for it; fix that rank's runner or tactics and run every rank again"
+            )
 
     def run(
         self,

@@ -65,7 +65,7 @@ from graphtune.autotuner.selection import ProfileRecord
 from graphtune.autotuner.stats import TunerStats
 from graphtune.autotuner.timing.cold_l2 import device_memory_bytes
 from graphtune.autotuner.values import encode_value
-from graphtune.errors import ConfigError, TuningError
+from graphtune.errors import ConfigError, DistributedError, TuningError
 from graphtune.reporting import ProgressTask, progress
 
 logger = logging.getLogger(__name__)
@@ -160,9 +160,17 @@ class TuningRun:
         """
         env.check_switches()
         start = self.clock()
-        plans = self.plan()
-        with self._phase("prepare"):
-            self._prepare_all(plans)
+        failure: Exception | None = None
+        plans: list[_Plan] = []
+        try:
+            plans = self.plan()
+            with self._phase("prepare"):
+                self._prepare_all(plans)
+        except DistributedError:
+            raise  # raised alike on every rank by a collective: no rank is left waiting
+        except Exception as exc:  # joins the other ranks before raising (principle 7)
+            failure = exc
+        self.coordinator.planned(failure)
         total = sum(len(p.candidates) for p in plans) * self.policy.rounds
         starts = self.executor.starts
         try:

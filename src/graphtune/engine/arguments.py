@@ -31,10 +31,11 @@ def checked_engine_arguments(
     device: torch.device | str | None,
     tuner: Any,
     agreed: dict[str, Any],
+    gpu_memory_utilization: float | None = None,
 ) -> torch.device:
-    """Checks ``Engine``'s runner kinds, sizes, device and tuner; on a shard, that every rank
-    passes the same ``agreed`` values, weights and tuning strategy. Returns the device the
-    engine runs on.
+    """Checks ``Engine``'s runner kinds, sizes, device, tuner and memory budget (refused for a
+    shard); on a shard, that every rank passes the same ``agreed`` values, weights and tuning
+    strategy. Returns the device the engine runs on.
 
     Raises:
         ConfigError: An argument of this rank breaks its rule.
@@ -65,6 +66,14 @@ def checked_engine_arguments(
                 "a tuner on a tensor-parallel shard must be rank-consistent: "
                 "AutoTuner(distributed=DistributedTuning('agree', group)) (or 'parallel' / "
                 "'broadcast'), or leave tuner=None and the engine uses 'agree'"
+            )
+        if parallel is not None and gpu_memory_utilization is not None:
+            # Refused here, inside the exchange, so a rank that passed it is named by the
+            # others instead of leaving them waiting in the tuning collectives.
+            raise ConfigError(
+                f"gpu_memory_utilization={gpu_memory_utilization!r} is not supported for a "
+                "tensor-parallel shard yet (each rank would size its own KV cache and the ranks "
+                "must agree); pass max_batch_size instead, on every rank"
             )
     except ConfigError as exc:
         if parallel is not None:

@@ -153,6 +153,7 @@ class Engine:
             max_seq_len=max_seq_len,
             device=device,
             tuner=tuner,
+            gpu_memory_utilization=gpu_memory_utilization,
             agreed={
                 "model": model.config,
                 "dtype": target_dtype,
@@ -240,7 +241,10 @@ class Engine:
             tuner = AutoTuner(distributed=agree)
         if not tune and cache_path is not None:
             tuner.cache.load(cache_path)
-            align_cache(tuner.cache, tuner.distributed)  # every shard looks up the same picks
+        if not tune and (cache_path is not None or parallel is not None):
+            # Every shard looks up the same picks, whether its cache came from a file or from
+            # the given tuner's earlier runs (tune=True aligns inside autotune()).
+            align_cache(tuner.cache, tuner.distributed)
         return tuner
 
     @property

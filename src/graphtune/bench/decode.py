@@ -325,7 +325,9 @@ def _time_tuned(run: _Run, tuner: Any) -> None:
         + ("with cold-L2 rotation" if tuned.ops.gemm_cold_l2 else "in place (hot L2)")
         + (f" (cache {cfg.tuning_cache})" if cfg.tuning_cache else "")
     )
-    with autotuner.autotune(cfg.tuning_cache, tuner):
+    # tune=True: --tune asks for tuning, and GRAPHTUNE_CACHE_ONLY (meant for serving) would turn
+    # it into look-ups that tune nothing yet save no cache.
+    with autotuner.autotune(cfg.tuning_cache, tuner, tune=True):
         tuned_report = tune_step(
             tuned, log=lambda line: log(f"  {line}"), refine=cfg.refine_in_step
         )

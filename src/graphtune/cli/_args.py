@@ -25,8 +25,9 @@ from graphtune.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 #: Exit codes: done, a failure (a model that cannot load, a file that cannot be written, ...), a
-#: usage error (argparse), interrupted by Ctrl-C (128 + SIGINT, as shells report it).
-EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+#: usage error (argparse), interrupted by Ctrl-C (128 + SIGINT, as shells report it), stdout's
+#: reader gone (``| head``; 128 + SIGPIPE, as a shell reports a command the pipe stopped).
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 0, 1, 2, 130, 141
 
 #: ``--dtype`` values: ``auto`` is bfloat16 on CUDA and float32 elsewhere.
 DTYPES = ("auto", "bfloat16", "float16", "float32")

@@ -186,7 +186,8 @@ def run_decode_bench(
     max_batch_size = sizes[-1]
     max_seq = aligned_seq_len(cfg.context + 1)
     mcfg.check_positions(cfg.context + 1, f"a decode step at context {cfg.context}")
-    cache = KVCache(mcfg, max_batch_size, max_seq, device, dtype)
+    names = ("--batch-sizes", "--context")  # bench decode's flags, for the KV cache's errors
+    cache = KVCache(mcfg, max_batch_size, max_seq, device, dtype, size_names=names)
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
     # Never time on zeros: random keys and values, random tokens.
     cache.k.normal_(generator=gen)

@@ -131,8 +131,12 @@ def device_name(text: str) -> str:
     return text
 
 
-def add_device_arguments(parser: argparse.ArgumentParser, *, dtype: bool = True) -> None:
-    """Adds ``--device`` (and ``--dtype``)."""
+def add_device_arguments(
+    parser: argparse.ArgumentParser, *, dtype: bool = True, dtype_unset: bool = False
+) -> None:
+    """Adds ``--device`` (and ``--dtype``); with ``dtype_unset``, ``--dtype`` is ``None`` when
+    not given (the command resolves it as ``auto``), so the command can tell a given ``auto``
+    from none and refuse it where it has no use."""
     parser.add_argument(
         "--device",
         type=device_name,
@@ -143,8 +147,9 @@ def add_device_arguments(parser: argparse.ArgumentParser, *, dtype: bool = True)
         parser.add_argument(
             "--dtype",
             choices=DTYPES,
-            default="auto",
-            help="weight and activation dtype (auto: bfloat16 on CUDA, float32 on CPU)",
+            default=None if dtype_unset else "auto",
+            help="weight and activation dtype (auto: bfloat16 on CUDA, float32 on CPU"
+            + ("; default: auto)" if dtype_unset else ")"),
         )
 
 

@@ -146,7 +146,8 @@ def tactic_faults(out: Path, device: torch.device, timeout_s: float) -> dict[str
         isolation=Isolation("subprocess", timeout_s=timeout_s), policy=TuningPolicy(rounds=2)
     )
     start = time.perf_counter()
-    with autotune(path, tuner=tuner):
+    # tune=True: this must tune; GRAPHTUNE_CACHE_ONLY (meant for serving) would make it look-ups.
+    with autotune(path, tuner=tuner, tune=True):
         runner, tactic = tuner.choose_one("faults.scale", [FaultyScale()], CONFIG, [x])
     seconds = time.perf_counter() - start
     blocked = {json.dumps(b.tactic, sort_keys=True): b.reason for b in tuner.cache.blocklist()}

@@ -152,7 +152,8 @@ class Layer:
         """Runs every stage once under autotune (nested: the inner ops are tuned too)."""
         t, m = self.tuner, self.m
         w = self.w[0]
-        with autotune(tuner=t):
+        # tune=True: this must tune; GRAPHTUNE_CACHE_ONLY (meant for serving) would skip it.
+        with autotune(tuner=t, tune=True):
             norm_qkv_rope(
                 self.x, w["attn_norm"], EPS, w["qkv"], w["bqkv"], self.positions, self.cos,
                 self.sin, self.k[0], self.v[0], self.write_rows, num_heads=self.heads,

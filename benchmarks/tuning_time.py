@@ -116,7 +116,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     profiler = cProfile.Profile() if args.profile else None
     wall_start = time.time()  # the compile workers' job log is in wall-clock time
     start = time.perf_counter()
-    with tuner.record_calls() as calls, autotune(args.cache, tuner):
+    # tune=True: this must tune; GRAPHTUNE_CACHE_ONLY (meant for serving) would make it look-ups.
+    with tuner.record_calls() as calls, autotune(args.cache, tuner, tune=True):
         if profiler is not None:
             profiler.enable()
         report = tune()

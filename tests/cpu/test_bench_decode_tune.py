@@ -1,6 +1,6 @@
 """``graphtune bench decode --tune`` on the CPU: the tuned step reported beside the untuned one,
-the tuning cache it uses and records, no GPU-busy time read with ``--tp`` above 1, and what
-finished kept when tuning fails.
+the tuning cache it uses and records (saved under ``GRAPHTUNE_CACHE_ONLY=1`` too), no GPU-busy
+time read with ``--tp`` above 1, and what finished kept when tuning fails.
 
 The Triton kernels run under Triton's CPU interpreter (set before anything imports Triton), and
 a fake timer makes the last candidate of every profile the fastest (as in test_engine_tune.py).
@@ -88,6 +88,24 @@ def test_bench_decode_tune_uses_checks_and_records_graphtune_cache(tmp_path, cap
     assert cache.is_file()
 
 
+def test_bench_decode_tune_saves_its_cache_under_graphtune_cache_only(
+    tmp_path, capsys, monkeypatch
+):
+    import graphtune.autotuner
+    from graphtune.cli.main import main
+
+    # GRAPHTUNE_CACHE_ONLY is meant for serving: --tune still tunes and saves what it tuned.
+    monkeypatch.setattr(graphtune.autotuner, "AutoTuner", _tuner)
+    monkeypatch.setenv("GRAPHTUNE_CACHE_ONLY", "1")
+    cache = tmp_path / "bt.json"
+    args = "bench decode --model tiny --batch-sizes 1 --context 8 --steps 1 --repeats 1".split()
+    args += ["--device", "cpu", "--tune", "--tuning-cache", str(cache)]
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "tuning: 13 (op, bucket) profiles tuned" in err and "Traceback" not in err
+    assert cache.is_file()
+
+
 def test_bench_decode_reads_no_busy_time_of_tuned_steps_with_tp_above_1(monkeypatch):
     """With --tp 2, NCCL kernels' durations include waiting, so no step's GPU-busy time is read:
     not the untuned step's, and not the tuned or tuned-unfused step's either."""
@@ -106,7 +124,7 @@ def test_bench_decode_reads_no_busy_time_of_tuned_steps_with_tp_above_1(monkeypa
     monkeypatch.setattr(decode, "_busy", lambda fn, eager_ms=None: busy_calls.append(fn) or nothing)
     monkeypatch.setattr(decode, "time_per_call_ms", lambda *a: 1.0)
     monkeypatch.setattr(decode, "rank_agreement", lambda tuner, parallel: 1.0)
-    monkeypatch.setattr(decode.autotuner, "autotune", lambda *a: contextlib.nullcontext())
+    monkeypatch.setattr(decode.autotuner, "autotune", lambda *a, **kw: contextlib.nullcontext())
     fake_step = FakeStep(
         model=None, cache=None, parallel=object(), tuner=None, ops=SimpleNamespace(gemm_cold_l2=0)
     )

@@ -1,10 +1,15 @@
-"""``graphtune cache show|clear`` through the real CLI entry point."""
+"""``graphtune cache show|clear`` through the real CLI entry point, and ``cache show`` into a
+pipe whose reader is gone."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 from filelock import FileLock
+from test_cli_errors import ENV
 
 from graphtune.autotuner import CacheEntry, CacheKey, TuningCache, persist, save_target
 from graphtune.autotuner.fingerprint import environment_fingerprint
@@ -109,3 +114,24 @@ def test_unblock_and_merge_of_missing_files_leave_no_lock_files(tmp_path, capsys
     assert main(["cache", "merge", str(missing), str(missing), "-o", str(out)]) == 1
     assert capsys.readouterr().err.count("does not exist") == 2
     assert list(tmp_path.iterdir()) == []
+
+
+def test_show_into_a_closed_pipe_stops_quietly_with_141(tmp_path) -> None:
+    # As `graphtune cache show FILE | head -1`: the reader is gone before the first line, so
+    # every write fails (EPIPE), the way it fails when head exits early.
+    path = _cache_file(tmp_path)
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "graphtune", "cache", "show", str(path)],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=ENV,
+            timeout=120,
+        )
+    finally:
+        os.close(write_end)
+    assert done.returncode == 141, done.stderr  # 128 + SIGPIPE, as a shell reports it
+    assert done.stderr == ""  # no error line, no traceback, no "Exception ignored" at exit

@@ -51,6 +51,33 @@ def test_results_never_replace_a_tuning_cache_or_misses_file(tmp_path, kind, com
     assert target.read_text() == GRAPHTUNE_FILES[kind]
 
 
+@pytest.mark.parametrize(
+    "command",
+    [
+        [*CPU_BENCH, "--json"],
+        ["check-tactics", "--model", "tiny", "--device", "cpu", "--batch", "1", "--json"],
+    ],
+    ids=["bench-decode", "check-tactics"],
+)
+def test_json_replaces_an_earlier_result_but_no_other_file(tmp_path, command):
+    # A mistyped --json must not destroy a model's weights or any other JSON file.
+    weights, config = tmp_path / "model.safetensors", tmp_path / "config.json"
+    weights.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      " + bytes(range(256)))
+    config.write_text('{"hidden_size": 32}')
+    for target in (weights, config):
+        before = target.read_bytes()
+        result = graphtune(*command, str(target))
+        error_line(result, 1, f"--json {target}", "not an earlier graphtune result")
+        assert "choose another path or remove the file" in result.stderr
+        assert target.read_bytes() == before
+    # The command's own earlier result is replaced: rerunning with the same path works.
+    out = tmp_path / "result.json"
+    for _ in range(2):
+        result = graphtune(*command, str(out))
+        assert result.returncode == 0, result.stderr
+        assert "Traceback" not in result.stderr and out.stat().st_size > 0
+
+
 def test_plot_without_a_suffix_is_its_own_sentence(tmp_path):
     pytest.importorskip("matplotlib")
     line = error_line(graphtune(*CPU_BENCH, "--plot", str(tmp_path / "p")), 1, "has no suffix")

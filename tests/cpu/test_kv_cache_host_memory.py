@@ -42,17 +42,27 @@ def test_available_host_memory_counts_reclaimable_page_cache(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "command,flag",
+    "command,flag,seq",
     [
-        (["check-tactics", "--batch", "4"], "--batch 4"),
-        (["tune", "--max-batch", "4", "--cache", "{tmp}/c.json"], "--max-batch 4"),
+        (["check-tactics", "--batch", "4", "--max-seq-len", "64"], "--batch 4", "--max-seq-len"),
+        (
+            ["tune", "--max-batch", "4", "--max-seq-len", "64", "--cache", "{tmp}/c.json"],
+            "--max-batch 4",
+            "--max-seq-len",
+        ),
+        # The cache holds --context + 1 positions, rounded up to 16: 64 for --context 63.
+        (
+            ["bench", "decode", "--batch-sizes", "1,4", "--context", "63"],
+            "--batch-sizes 4",
+            "--context",
+        ),
     ],
 )
-def test_the_commands_name_their_flags(little_free_memory, tmp_path, capsys, command, flag):
+def test_the_commands_name_their_flags(little_free_memory, tmp_path, capsys, command, flag, seq):
     args = [part.format(tmp=tmp_path) for part in command]
-    assert main([*args, "--model", "tiny", "--device", "cpu", "--max-seq-len", "64"]) == 1
+    assert main([*args, "--model", "tiny", "--device", "cpu"]) == 1
     err = capsys.readouterr().err
     (line,) = [line for line in err.splitlines() if line.startswith("error:")]
     assert "Traceback" not in err and "available" in line
-    assert f"{flag} slots" in line and "--max-seq-len 64 positions" in line
-    assert f"lower {flag.split()[0]} or --max-seq-len" in line
+    assert f"{flag} slots" in line and f"{seq} 64 positions" in line
+    assert f"lower {flag.split()[0]} or {seq}" in line and "max_batch_size" not in line

@@ -95,9 +95,23 @@ def test_tune_from_misses_runs_through_the_tune_command(tmp_path, capsys):
     assert entry["key"]["op"] == "graphtune.silu_and_mul" and entry["key"]["shapes"][0][0] == 2
     assert main(["tune", "--cache", str(cache)]) == 1  # neither --model nor --from-misses
     assert "--model" in capsys.readouterr().err
-    for extra in (["--model", "tiny"], ["--max-batch", "8"], ["--dtype", "float32"]):
-        assert main([*args, *extra]) == 1  # options of a model's step would be ignored
-        assert f"{extra[0]}" in capsys.readouterr().err
+    before = cache.read_text()
+    # Options of a model's step would be ignored: refused when given, even at their defaults.
+    for extra in (
+        ["--model", "tiny"],
+        ["--max-batch", "8"],
+        ["--dtype", "float32"],
+        ["--max-batch", "64"],
+        ["--max-seq-len", "2048"],
+        ["--dtype", "auto"],
+    ):
+        assert main([*args, *extra]) == 1
+        named = "--model" if extra[0] == "--model" else " ".join(extra)  # a path says little
+        assert f"{named} (options of a model's step) has no use with it" in capsys.readouterr().err
+    assert main([*args, "--max-batch", "64", "--max-seq-len", "2048", "--dtype", "auto"]) == 1
+    err = capsys.readouterr().err
+    assert "--max-batch 64, --max-seq-len 2048, --dtype auto (options" in err
+    assert cache.read_text() == before  # refused before any tuning
 
 
 def test_tune_from_misses_does_not_call_skipped_records_cached(tmp_path, capsys):

@@ -186,7 +186,8 @@ def run_decode_bench(
     max_batch_size = sizes[-1]
     max_seq = aligned_seq_len(cfg.context + 1)
     mcfg.check_positions(cfg.context + 1, f"a decode step at context {cfg.context}")
-    cache = KVCache(mcfg, max_batch_size, max_seq, device, dtype)
+    names = ("--batch-sizes", "--context")  # bench decode's flags, for the KV cache's errors
+    cache = KVCache(mcfg, max_batch_size, max_seq, device, dtype, size_names=names)
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
     # Never time on zeros: random keys and values, random tokens.
     cache.k.normal_(generator=gen)
@@ -325,7 +326,9 @@ def _time_tuned(run: _Run, tuner: Any) -> None:
         + ("with cold-L2 rotation" if tuned.ops.gemm_cold_l2 else "in place (hot L2)")
         + (f" (cache {cfg.tuning_cache})" if cfg.tuning_cache else "")
     )
-    with autotuner.autotune(cfg.tuning_cache, tuner):
+    # tune=True: --tune asks for tuning, and GRAPHTUNE_CACHE_ONLY (meant for serving) would turn
+    # it into look-ups that tune nothing yet save no cache.
+    with autotuner.autotune(cfg.tuning_cache, tuner, tune=True):
         tuned_report = tune_step(
             tuned, log=lambda line: log(f"  {line}"), refine=cfg.refine_in_step
         )

@@ -18,7 +18,7 @@ from typing import Any
 
 from graphtune.atomic_files import FallbackFailed, write_with_fallback
 from graphtune.atomic_files import write_atomically as _write_atomically
-from graphtune.bench.schema import CHECK_FIELDS
+from graphtune.bench.schema import CHECK_FIELDS, is_provenance
 from graphtune.errors import ResultsWriteError
 
 logger = logging.getLogger(__name__)
@@ -75,6 +75,32 @@ def write_result(path: str | os.PathLike[str], data: bytes) -> Path:
             "could not write %s (%s); the result is in %s instead", target, first, written
         )
     return written
+
+
+#: The keys of one op's report in ``graphtune check-tactics --json``'s list (which carries no
+#: provenance record), so that rerunning the command may replace its own earlier report.
+CHECK_TACTICS_REPORT_KEYS = frozenset({"op", "profile", "passed", "reference_error", "checks"})
+#: A result JSON is kilobytes; a bigger file (a model's weights) is not read whole to find out.
+_RESULT_MAX_BYTES = 64 * 2**20
+
+
+def graphtune_result_file(path: Path) -> bool:
+    """Whether the existing file ``path`` is a graphtune result, which a command's ``--json`` may
+    replace: a JSON object whose ``provenance`` is a provenance record
+    (:func:`~graphtune.bench.schema.is_provenance`; ``bench decode``), or ``check-tactics``'
+    list of op reports (:data:`CHECK_TACTICS_REPORT_KEYS`). Any other file is somebody's data
+    (:func:`graphtune.cli._args.check_output_path` refuses it)."""
+    try:
+        if path.stat().st_size > _RESULT_MAX_BYTES:
+            return False
+        doc = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return False
+    if isinstance(doc, dict):
+        return is_provenance(doc.get("provenance"))
+    return isinstance(doc, list) and all(
+        isinstance(item, dict) and CHECK_TACTICS_REPORT_KEYS <= set(item) for item in doc
+    )
 
 
 def graphtune_data_file(path: Path) -> str | None:

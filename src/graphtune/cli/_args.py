@@ -25,8 +25,9 @@ from graphtune.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 #: Exit codes: done, a failure (a model that cannot load, a file that cannot be written, ...), a
-#: usage error (argparse), interrupted by Ctrl-C (128 + SIGINT, as shells report it).
-EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+#: usage error (argparse), interrupted by Ctrl-C (128 + SIGINT, as shells report it), stdout's
+#: reader gone (``| head``; 128 + SIGPIPE, as a shell reports a command the pipe stopped).
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 0, 1, 2, 130, 141
 
 #: ``--dtype`` values: ``auto`` is bfloat16 on CUDA and float32 elsewhere.
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -130,8 +131,12 @@ def device_name(text: str) -> str:
     return text
 
 
-def add_device_arguments(parser: argparse.ArgumentParser, *, dtype: bool = True) -> None:
-    """Adds ``--device`` (and ``--dtype``)."""
+def add_device_arguments(
+    parser: argparse.ArgumentParser, *, dtype: bool = True, dtype_unset: bool = False
+) -> None:
+    """Adds ``--device`` (and ``--dtype``); with ``dtype_unset``, ``--dtype`` is ``None`` when
+    not given (the command resolves it as ``auto``), so the command can tell a given ``auto``
+    from none and refuse it where it has no use."""
     parser.add_argument(
         "--device",
         type=device_name,
@@ -142,8 +147,9 @@ def add_device_arguments(parser: argparse.ArgumentParser, *, dtype: bool = True)
         parser.add_argument(
             "--dtype",
             choices=DTYPES,
-            default="auto",
-            help="weight and activation dtype (auto: bfloat16 on CUDA, float32 on CPU)",
+            default=None if dtype_unset else "auto",
+            help="weight and activation dtype (auto: bfloat16 on CUDA, float32 on CPU"
+            + ("; default: auto)" if dtype_unset else ")"),
         )
 
 
@@ -154,7 +160,9 @@ def usage(parser: argparse.ArgumentParser) -> int:
     return EXIT_OK
 
 
-def check_output_path(path: Path | None, flag: str, *, results: bool = False) -> None:
+def check_output_path(
+    path: Path | None, flag: str, *, results: bool = False, result_json: bool = False
+) -> None:
     """Checks before any work that ``path`` can be written (``None`` and ``-`` pass), by creating
     and removing a temporary file next to it (permission bits do not tell for root or for
     read-only file systems).
@@ -164,14 +172,19 @@ def check_output_path(path: Path | None, flag: str, *, results: bool = False) ->
         flag: The option that named it, for the messages.
         results: ``path`` takes a command's results (``--json``, ``--plot``): a graphtune tuning
             cache or misses file already there is refused, since writing would destroy picks or
-            misses that took long to gather (a results file or any other file is replaced).
+            misses that took long to gather (``--plot`` replaces any other file).
             The tuning-cache paths pass ``False`` and check the file's kind themselves
             (:func:`check_cache_path`).
+        result_json: ``path`` takes a result JSON (``--json``; implies ``results``): a file
+            already there must be a graphtune result
+            (:func:`~graphtune.bench.results.graphtune_result_file`), so an earlier run's result
+            is replaced but a mistyped path never destroys other data (a model's weights).
 
     Raises:
         ConfigError: The folder is missing or not writable, or ``path`` is a folder or another
-            file that is not a regular one, or (``results``) a tuning cache or misses file; the
-            message names ``flag`` and the reason.
+            file that is not a regular one, or (``results``) a tuning cache or misses file, or
+            (``result_json``) any file but a graphtune result; the message names ``flag`` and
+            the reason.
     """
     if path is None or str(path) == "-":
         return
@@ -183,15 +196,21 @@ def check_output_path(path: Path | None, flag: str, *, results: bool = False) ->
             f"{flag} {path} is not a regular file (a device, FIFO or socket), which graphtune "
             "would replace with its own; give a file path"
         )
-    if results and path.is_file():
-        from graphtune.bench.results import graphtune_data_file
+    if (results or result_json) and path.is_file():
+        from graphtune.bench.results import graphtune_data_file, graphtune_result_file
 
-        kind = graphtune_data_file(path)
-        if kind is not None:
-            raise ConfigError(
-                f"{flag} {path} is {kind}, and writing the results would replace it; give "
-                "another path, or move that file away"
-            )
+        if not (result_json and graphtune_result_file(path)):
+            kind = graphtune_data_file(path)
+            if kind is not None:
+                raise ConfigError(
+                    f"{flag} {path} is {kind}, and writing the results would replace it; give "
+                    "another path, or move that file away"
+                )
+            if result_json:
+                raise ConfigError(
+                    f"{flag} {path} exists and is not an earlier graphtune result (the only "
+                    f"file {flag} replaces); choose another path or remove the file"
+                )
     refuse_file_above(path, f"{flag} {path}", "give another path")
     if not folder.is_dir():
         raise ConfigError(f"{flag} {path}: the folder {folder} does not exist; create it first")

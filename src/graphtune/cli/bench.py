@@ -170,8 +170,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=Path,
         default=None,
         metavar="FILE",
-        help="write the full result as JSON ('-': to stdout, and the table to stderr; "
-        "default: no JSON)",
+        help="write the full result as JSON ('-': to stdout, and the table to stderr; an "
+        "existing FILE is replaced only when it is an earlier graphtune result; default: no "
+        "JSON)",
     )
     add_device_arguments(decode)
     decode.add_argument(
@@ -190,7 +191,7 @@ def _check_before_run(args: argparse.Namespace, model: str) -> Path | None:
     cache = args.tuning_cache
     if args.tune or cache is not None:  # without --tune, DecodeBenchConfig refuses the flag
         cache = tuning_cache_path(cache, "--tuning-cache")
-    check_output_path(args.json, "--json", results=True)
+    check_output_path(args.json, "--json", result_json=True)
     check_output_path(args.plot, "--plot", results=True)
     check_distinct_outputs(("--json", args.json), ("--plot", args.plot), ("--tuning-cache", cache))
     if args.plot is not None:

@@ -63,8 +63,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=Path,
         default=None,
         metavar="FILE",
-        help="write the report as JSON ('-': to stdout, and the table to stderr; default: no "
-        "report)",
+        help="write the report as JSON ('-': to stdout, and the table to stderr; an existing "
+        "FILE is replaced only when it is an earlier graphtune result; default: no report)",
     )
     parser.set_defaults(handler=run_check)
 
@@ -134,7 +134,7 @@ def run_check(args: argparse.Namespace) -> int:
     from graphtune.bench.results import json_safe, write_json
     from graphtune.reporting import render_table
 
-    check_output_path(args.json, "--json", results=True)
+    check_output_path(args.json, "--json", result_json=True)
     reports = check_step(
         args.model,
         args.batch,

@@ -3,7 +3,10 @@
 Every failure a user can cause ends in one ``error: ...`` line on stderr, never a traceback: exit
 code 2 for a usage error (argparse, :class:`graphtune.cli._args.Parser`), 1 for a failure (a
 :class:`~graphtune.errors.GraphtuneError`, a file that cannot be read or written, memory that
-runs out) and 130 on Ctrl-C, after the command has kept what it finished.
+runs out) and 130 on Ctrl-C, after the command has kept what it finished. When the reader of
+stdout goes away (``graphtune cache show FILE | head -1``) the command stops quietly with exit
+code 141, as a shell reports a command that SIGPIPE stopped: no error line, since nothing failed
+that the user must fix, but not 0 either, since the output was cut short.
 """
 
 from __future__ import annotations
@@ -11,12 +14,19 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
 from graphtune import env
 from graphtune._version import __version__
-from graphtune.cli._args import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, Parser
+from graphtune.cli._args import (
+    EXIT_BROKEN_PIPE,
+    EXIT_FAILURE,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    Parser,
+)
 from graphtune.errors import GraphtuneError, one_line
 
 # Each module defines ``register(subparsers)``, adding its subcommands with a ``handler`` default
@@ -72,6 +82,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except GraphtuneError as exc:
         print(f"error: {one_line(exc)}", file=sys.stderr)
         return EXIT_FAILURE
+    except BrokenPipeError:  # before OSError: a closed pipe is the reader's choice, no failure
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
     except OSError as exc:
         print(f"error: {one_line(exc)}", file=sys.stderr)
         return EXIT_FAILURE
@@ -84,6 +97,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return EXIT_FAILURE
+
+
+def _silence_stdout() -> None:
+    """Points stdout at the null device, as the Python docs advise for a closed pipe: the
+    interpreter flushes stdout on exit, and the data still buffered would raise again there."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass  # stdout is no file (main() called in-process with captured output): nothing to do
 
 
 #: (namespace attribute, flag) of each command's batch and context sizes, for the hint after an

@@ -57,22 +57,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="FILE",
         help="tuning cache file, created or extended (required)",
     )
+    # --max-batch, --max-seq-len and --dtype default to None, resolved in run_tune, so that
+    # --from-misses can refuse them when given, even at their default values.
     parser.add_argument(
         "--max-batch",
         type=positive_int,
-        default=DEFAULT_MAX_BATCH,
+        default=None,
         metavar="N",
-        help="largest decode batch to tune",
+        help=f"largest decode batch to tune (default: {DEFAULT_MAX_BATCH})",
     )
     parser.add_argument(
         "--max-seq-len",
         type=positive_int,
-        default=DEFAULT_MAX_SEQ_LEN,
+        default=None,
         metavar="N",
         help=f"KV cache length of the engine that will use the cache, for attention (default: "
         f"{DEFAULT_MAX_SEQ_LEN}, the Engine's; rounded up to a multiple of 16)",
     )
-    add_device_arguments(parser)
+    add_device_arguments(parser, dtype_unset=True)
     parser.add_argument(
         "--timing",
         default="auto",
@@ -96,9 +98,9 @@ def run_tune(args: argparse.Namespace) -> int:
     if args.from_misses is not None:
         step_only = (
             ("--model", args.model is not None),
-            (f"--max-batch {args.max_batch}", args.max_batch != DEFAULT_MAX_BATCH),
-            (f"--max-seq-len {args.max_seq_len}", args.max_seq_len != DEFAULT_MAX_SEQ_LEN),
-            (f"--dtype {args.dtype}", args.dtype != "auto"),
+            (f"--max-batch {args.max_batch}", args.max_batch is not None),
+            (f"--max-seq-len {args.max_seq_len}", args.max_seq_len is not None),
+            (f"--dtype {args.dtype}", args.dtype is not None),
             ("--refine-in-step", args.refine_in_step),
         )
         given = [flag for flag, on in step_only if on]
@@ -108,6 +110,12 @@ def run_tune(args: argparse.Namespace) -> int:
                 f"{', '.join(given)} (options of a model's step) has no use with it; drop it"
             )
         return from_misses.run(args)
+    if args.max_batch is None:
+        args.max_batch = DEFAULT_MAX_BATCH
+    if args.max_seq_len is None:
+        args.max_seq_len = DEFAULT_MAX_SEQ_LEN
+    if args.dtype is None:
+        args.dtype = "auto"
     if args.imports:
         raise ConfigError(
             "--import names modules whose ops --from-misses rebuilds, and no --from-misses is "

@@ -1,9 +1,9 @@
 """``graphtune generate``: run the reference engine on a checkpoint folder or a preset.
 
 The request is checked before any weight is read: the device, the prompts (text needs the
-checkpoint's tokenizer; ids go through ``--prompt-ids``), and the one sequence-length rule
-(the prompt and all but the last new token within ``max_position_embeddings`` and within
-``--max-seq-len``).
+checkpoint's tokenizer; ids go through ``--prompt-ids``), the one sequence-length rule (the
+prompt and all but the last new token within ``max_position_embeddings`` and within
+``--max-seq-len``), and that ``--top-k`` / ``--top-p`` come with a positive ``--temperature``.
 """
 
 from __future__ import annotations
@@ -104,10 +104,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
     parser.add_argument(
-        "--top-k", type=non_negative_int, default=0, help="keep the k likeliest tokens (0: all)"
+        "--top-k",
+        type=non_negative_int,
+        default=0,
+        help="keep the k likeliest tokens (0: all; needs --temperature > 0)",
     )
     parser.add_argument(
-        "--top-p", type=_probability, default=1.0, help="nucleus sampling mass (1: all)"
+        "--top-p",
+        type=_probability,
+        default=1.0,
+        help="nucleus sampling mass (1: all; needs --temperature > 0)",
     )
     parser.add_argument(
         "--gpu-memory-utilization",
@@ -190,6 +196,28 @@ def check_lengths(args: argparse.Namespace, config: Any, prompts: list[list[int]
     return args.max_seq_len
 
 
+def check_sampling(sampling: Any) -> None:
+    """Refuses ``--top-k`` / ``--top-p`` at temperature 0: greedy decoding takes the argmax and
+    never reads them (``SamplingParams``' defaults are the values that mean "off").
+
+    Raises:
+        ConfigError: ``--top-k`` or ``--top-p`` is set while ``--temperature`` is 0.
+    """
+    from graphtune.engine.sampling import GREEDY
+
+    if sampling.temperature != GREEDY.temperature:
+        return
+    for flag, value, off in (
+        ("--top-k", sampling.top_k, GREEDY.top_k),
+        ("--top-p", sampling.top_p, GREEDY.top_p),
+    ):
+        if value != off:
+            raise ConfigError(
+                f"{flag} {value} needs --temperature > 0: at --temperature 0 (the default) "
+                f"decoding is greedy and ignores {flag}; pass a --temperature or drop {flag}"
+            )
+
+
 def run_generate(args: argparse.Namespace) -> int:
     """Loads the model, builds an Engine with the chosen runner and prints each continuation."""
     import torch
@@ -203,6 +231,7 @@ def run_generate(args: argparse.Namespace) -> int:
     sampling = SamplingParams(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed
     )
+    check_sampling(sampling)
     config = load_config(args.model)
     folder = Path(args.model).expanduser()
     tokenizer = load_tokenizer(folder) if folder.is_dir() else None

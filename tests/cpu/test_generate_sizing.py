@@ -4,6 +4,8 @@ a tuning cache's picks are found for any prompt count and with the default ``--m
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from graphtune.cli.main import main
@@ -12,11 +14,55 @@ GENERATE = ["generate", "--model", "tiny", "--max-new-tokens", "3", "--device", 
 GENERATE += ["--runner", "eager", "--ignore-eos"]
 
 
+@pytest.fixture
+def tune(tmp_path, monkeypatch, capsys):
+    """Runs ``graphtune tune`` on the tiny preset with the given flags; returns the cache path."""
+    import graphtune.engine.engine
+    from graphtune.autotuner.tuner import AutoTuner
+    from graphtune.ops import _triton
+
+    # A test that patched graphtune.autotuner.AutoTuner may have been the engine's first import.
+    monkeypatch.setattr(graphtune.engine.engine, "AutoTuner", AutoTuner)
+    # The CPU runs torch only, and tuning does not interpret Triton kernels for minutes.
+    monkeypatch.setattr(_triton, "kernels_interpreted", lambda: False)
+    monkeypatch.delenv("GRAPHTUNE_CACHE", raising=False)
+    monkeypatch.delenv("GRAPHTUNE_MISSES", raising=False)
+
+    def run(*flags: str):
+        cache = tmp_path / "c.json"
+        assert (
+            main(["tune", "--model", "tiny", "--cache", str(cache), "--device", "cpu", *flags]) == 0
+        )
+        capsys.readouterr()
+        return cache
+
+    return run
+
+
 def _generate(capsys, *flags: str) -> tuple[list[str], str]:
     """The ``tokens:`` lines and the whole stdout of one ``generate`` run (exit code 0)."""
     assert main([*GENERATE, *flags]) == 0
     out = capsys.readouterr().out
     return [line for line in out.splitlines() if line.startswith("tokens: ")], out
+
+
+def _misses(out: str) -> tuple[int, int]:
+    hits, misses = re.search(r"look-ups: (\d+) hits, (\d+) misses", out).groups()  # type: ignore[union-attr]
+    return int(hits), int(misses)
+
+
+@pytest.mark.parametrize("count", [3, 5])
+def test_any_prompt_count_finds_the_picks_of_the_power_of_two_buckets(tune, capsys, count):
+    # tune covers buckets 1, 2, 4, 8: 3 prompts look up bucket 2, 5 prompts bucket 4.
+    cache = tune("--max-batch", "8", "--max-seq-len", "64")
+    prompts = [flag for i in range(count) for flag in ("--prompt-ids", str(i + 1))]
+    untuned, _ = _generate(capsys, *prompts, "--max-seq-len", "64")
+    tuned, out = _generate(
+        capsys, *prompts, "--max-seq-len", "64", "--tuning-cache", str(cache), "--stats"
+    )
+    hits, misses = _misses(out)
+    assert (hits > 0, misses) == (True, 0)
+    assert tuned == untuned and len(tuned) == count
 
 
 @pytest.mark.parametrize("flag", [["--top-k", "5"], ["--top-p", "0.9"]])

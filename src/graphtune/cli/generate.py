@@ -4,6 +4,10 @@ The request is checked before any weight is read: the device, the prompts (text 
 checkpoint's tokenizer; ids go through ``--prompt-ids``), the one sequence-length rule (the
 prompt and all but the last new token within ``max_position_embeddings`` and within
 ``--max-seq-len``), and that ``--top-k`` / ``--top-p`` come with a positive ``--temperature``.
+
+With a tuning cache the engine is sized the way ``graphtune tune`` tunes, so that its look-ups
+land on tuned keys: the batch (``max_batch_size``, the ops' largest bucket) is the prompt count
+rounded up to a power of two.
 """
 
 from __future__ import annotations
@@ -133,7 +137,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         metavar="FILE",
         help="tuning cache the decode step looks its picks up in (written by `graphtune tune` "
-        "for the same model, dtype and --max-seq-len; nothing is tuned); a shape it lacks runs "
+        "for the same model, dtype and --max-seq-len, with --max-batch at least the prompt "
+        "count rounded up to a power of two; nothing is tuned); a shape it lacks runs "
         "the torch fallback and is recorded in the file GRAPHTUNE_MISSES names, if set "
         "(default: the file GRAPHTUNE_CACHE names, else none: the untuned torch step)",
     )
@@ -194,6 +199,18 @@ def check_lengths(args: argparse.Namespace, config: Any, prompts: list[list[int]
         )
     config.check_positions(args.max_seq_len, f"--max-seq-len {args.max_seq_len}")
     return args.max_seq_len
+
+
+def engine_batch_size(prompts: int, tuned: bool) -> int:
+    """``max_batch_size`` of the engine: one KV slot per prompt, but with a tuning cache the
+    prompt count rounded up to a power of two. An op's batch buckets are ``1, 2, 4, ...`` plus
+    ``max_batch_size`` itself (``power_of_two_buckets``), so 3 prompts in an engine of 3 look
+    up bucket 3, which ``tune`` (buckets ``1, 2, 4, ..., --max-batch``) never tuned; in an
+    engine of 4 they look up bucket 2. A request's sampling noise does not depend on
+    ``max_batch_size``, so its tokens stay the same."""
+    from graphtune.autotuner.config import next_power_of_two
+
+    return next_power_of_two(prompts) if tuned else prompts
 
 
 def check_sampling(sampling: Any) -> None:
@@ -259,7 +276,7 @@ def run_generate(args: argparse.Namespace) -> int:
         engine = Engine(
             model,
             runner=args.runner,
-            max_batch_size=len(prompts),
+            max_batch_size=engine_batch_size(len(prompts), tuning_cache is not None),
             max_seq_len=max_seq,
             capture_sizes=None,
             lazy_capture=True,

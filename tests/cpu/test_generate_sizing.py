@@ -4,7 +4,9 @@ a tuning cache's picks are found for any prompt count and with the default ``--m
 
 from __future__ import annotations
 
+import logging
 import re
+from argparse import Namespace
 
 import pytest
 
@@ -63,6 +65,29 @@ def test_any_prompt_count_finds_the_picks_of_the_power_of_two_buckets(tune, caps
     hits, misses = _misses(out)
     assert (hits > 0, misses) == (True, 0)
     assert tuned == untuned and len(tuned) == count
+
+
+def test_the_default_kv_cache_length_with_a_tuning_cache_is_tunes_default(tune, capsys):
+    cache = tune("--max-batch", "1")  # tune's default --max-seq-len
+    _, out = _generate(capsys, "--prompt-ids", "1,2", "--tuning-cache", str(cache), "--stats")
+    hits, misses = _misses(out)
+    assert (hits > 0, misses) == (True, 0)
+
+
+def test_a_kv_cache_that_cannot_take_tunes_default_length_warns(caplog):
+    from graphtune.cli.generate import check_lengths
+    from graphtune.cli.tune import DEFAULT_MAX_SEQ_LEN
+    from graphtune.engine import get_preset
+
+    config = get_preset("tiny")
+    args = Namespace(max_new_tokens=3, max_seq_len=None)
+    assert check_lengths(args, config, [[5] * 4], tuned=True) == DEFAULT_MAX_SEQ_LEN
+    assert check_lengths(args, config, [[5] * 4]) == 6  # no tuning cache: what the prompt needs
+    assert not caplog.records
+    short = config.replace(max_position_embeddings=24)
+    with caplog.at_level(logging.WARNING):
+        assert check_lengths(args, short, [[5] * 4], tuned=True) == 6
+    assert "--max-seq-len" in caplog.text and "max_position_embeddings=24" in caplog.text
 
 
 @pytest.mark.parametrize("flag", [["--top-k", "5"], ["--top-p", "0.9"]])

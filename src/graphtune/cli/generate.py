@@ -7,7 +7,7 @@ prompt and all but the last new token within ``max_position_embeddings`` and wit
 
 With a tuning cache the engine is sized the way ``graphtune tune`` tunes, so that its look-ups
 land on tuned keys: the batch (``max_batch_size``, the ops' largest bucket) is the prompt count
-rounded up to a power of two.
+rounded up to a power of two, and the KV cache length defaults to ``tune``'s ``--max-seq-len``.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from graphtune.cli._parallel import (
     start_tensor_parallel,
     stop_tensor_parallel,
 )
+from graphtune.cli.tune import DEFAULT_MAX_SEQ_LEN
 from graphtune.errors import ConfigError, NumericalError
 
 logger = logging.getLogger(__name__)
@@ -103,8 +104,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=positive_int,
         default=None,
         metavar="N",
-        help="KV cache length per request (default: longest prompt + --max-new-tokens - 1; the "
-        "last new token is not cached)",
+        help="KV cache length per request (default: longest prompt + --max-new-tokens - 1, the "
+        "last new token not being cached; with a tuning cache, `graphtune tune`'s default "
+        f"{DEFAULT_MAX_SEQ_LEN} when that fits, so attention finds its picks)",
     )
     parser.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
     parser.add_argument(
@@ -170,9 +172,11 @@ def _encode(args: argparse.Namespace, tokenizer: Any) -> list[list[int]]:
     return encoded
 
 
-def check_lengths(args: argparse.Namespace, config: Any, prompts: list[list[int]]) -> int:
-    """Checks every prompt against the sequence-length rule; returns the KV cache length."""
-    from graphtune.engine.arguments import MIN_SEQ_LEN
+def check_lengths(
+    args: argparse.Namespace, config: Any, prompts: list[list[int]], tuned: bool = False
+) -> int:
+    """Checks every prompt against the sequence-length rule; returns the KV cache length.
+    ``tuned``: the step looks picks up in a tuning cache (see :func:`_default_seq_len`)."""
     from graphtune.engine.config import request_positions
 
     for index, ids in enumerate(prompts):
@@ -190,7 +194,7 @@ def check_lengths(args: argparse.Namespace, config: Any, prompts: list[list[int]
         )
     needed = request_positions(max(len(ids) for ids in prompts), args.max_new_tokens)
     if args.max_seq_len is None:
-        return max(needed, MIN_SEQ_LEN)
+        return _default_seq_len(config, needed, tuned)
     if args.max_seq_len < needed:
         raise ConfigError(
             f"--max-seq-len {args.max_seq_len} is too small: the longest prompt and "
@@ -199,6 +203,32 @@ def check_lengths(args: argparse.Namespace, config: Any, prompts: list[list[int]
         )
     config.check_positions(args.max_seq_len, f"--max-seq-len {args.max_seq_len}")
     return args.max_seq_len
+
+
+def _default_seq_len(config: Any, needed: int, tuned: bool) -> int:
+    """The KV cache length without ``--max-seq-len``: what the prompts need, but with a tuning
+    cache ``tune``'s default length when it fits, since decode attention's picks are keyed by the
+    KV cache length and ``tune`` without ``--max-seq-len`` tuned that one (a shorter cache would
+    miss every attention pick)."""
+    from graphtune.engine.arguments import MIN_SEQ_LEN
+
+    own = max(needed, MIN_SEQ_LEN)
+    if not tuned:
+        return own
+    if needed <= DEFAULT_MAX_SEQ_LEN <= config.max_position_embeddings:
+        return DEFAULT_MAX_SEQ_LEN
+    logger.warning(
+        "the KV cache holds %d positions, not `graphtune tune`'s default %d (%s), so decode "
+        "attention finds only picks tuned with --max-seq-len %d; pass the --max-seq-len the "
+        "tuning cache was tuned for",
+        own,
+        DEFAULT_MAX_SEQ_LEN,
+        "the prompts need more"
+        if needed > DEFAULT_MAX_SEQ_LEN
+        else f"past {config.name}'s max_position_embeddings={config.max_position_embeddings}",
+        own,
+    )
+    return own
 
 
 def engine_batch_size(prompts: int, tuned: bool) -> int:
@@ -253,8 +283,8 @@ def run_generate(args: argparse.Namespace) -> int:
     folder = Path(args.model).expanduser()
     tokenizer = load_tokenizer(folder) if folder.is_dir() else None
     prompts = _encode(args, tokenizer)
-    max_seq = check_lengths(args, config, prompts)
     tuning_cache = lookup_cache_path(args.tuning_cache, "--tuning-cache")
+    max_seq = check_lengths(args, config, prompts, tuned=tuning_cache is not None)
     if args.gpu_memory_utilization is not None and device.type != "cuda":
         raise ConfigError(
             "--gpu-memory-utilization sizes the KV cache from free GPU memory, and the device is "

@@ -1,9 +1,13 @@
 """``graphtune generate``: run the reference engine on a checkpoint folder or a preset.
 
 The request is checked before any weight is read: the device, the prompts (text needs the
-checkpoint's tokenizer; ids go through ``--prompt-ids``), and the one sequence-length rule
-(the prompt and all but the last new token within ``max_position_embeddings`` and within
-``--max-seq-len``).
+checkpoint's tokenizer; ids go through ``--prompt-ids``), the one sequence-length rule (the
+prompt and all but the last new token within ``max_position_embeddings`` and within
+``--max-seq-len``), and that ``--top-k`` / ``--top-p`` come with a positive ``--temperature``.
+
+With a tuning cache the engine is sized the way ``graphtune tune`` tunes, so that its look-ups
+land on tuned keys: the batch (``max_batch_size``, the ops' largest bucket) is the prompt count
+rounded up to a power of two, and the KV cache length defaults to ``tune``'s ``--max-seq-len``.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from graphtune.cli._parallel import (
     start_tensor_parallel,
     stop_tensor_parallel,
 )
+from graphtune.cli.tune import DEFAULT_MAX_SEQ_LEN
 from graphtune.errors import ConfigError, NumericalError
 
 logger = logging.getLogger(__name__)
@@ -99,15 +104,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=positive_int,
         default=None,
         metavar="N",
-        help="KV cache length per request (default: longest prompt + --max-new-tokens - 1; the "
-        "last new token is not cached)",
+        help="KV cache length per request (default: longest prompt + --max-new-tokens - 1, the "
+        "last new token not being cached; with a tuning cache, `graphtune tune`'s default "
+        f"{DEFAULT_MAX_SEQ_LEN} when that fits, so attention finds its picks)",
     )
     parser.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
     parser.add_argument(
-        "--top-k", type=non_negative_int, default=0, help="keep the k likeliest tokens (0: all)"
+        "--top-k",
+        type=non_negative_int,
+        default=0,
+        help="keep the k likeliest tokens (0: all; needs --temperature > 0)",
     )
     parser.add_argument(
-        "--top-p", type=_probability, default=1.0, help="nucleus sampling mass (1: all)"
+        "--top-p",
+        type=_probability,
+        default=1.0,
+        help="nucleus sampling mass (1: all; needs --temperature > 0)",
     )
     parser.add_argument(
         "--gpu-memory-utilization",
@@ -127,7 +139,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         metavar="FILE",
         help="tuning cache the decode step looks its picks up in (written by `graphtune tune` "
-        "for the same model, dtype and --max-seq-len; nothing is tuned); a shape it lacks runs "
+        "for the same model, dtype and --max-seq-len, with --max-batch at least the prompt "
+        "count rounded up to a power of two; nothing is tuned); a shape it lacks runs "
         "the torch fallback and is recorded in the file GRAPHTUNE_MISSES names, if set "
         "(default: the file GRAPHTUNE_CACHE names, else none: the untuned torch step)",
     )
@@ -159,9 +172,11 @@ def _encode(args: argparse.Namespace, tokenizer: Any) -> list[list[int]]:
     return encoded
 
 
-def check_lengths(args: argparse.Namespace, config: Any, prompts: list[list[int]]) -> int:
-    """Checks every prompt against the sequence-length rule; returns the KV cache length."""
-    from graphtune.engine.arguments import MIN_SEQ_LEN
+def check_lengths(
+    args: argparse.Namespace, config: Any, prompts: list[list[int]], tuned: bool = False
+) -> int:
+    """Checks every prompt against the sequence-length rule; returns the KV cache length.
+    ``tuned``: the step looks picks up in a tuning cache (see :func:`_default_seq_len`)."""
     from graphtune.engine.config import request_positions
 
     for index, ids in enumerate(prompts):
@@ -179,7 +194,7 @@ def check_lengths(args: argparse.Namespace, config: Any, prompts: list[list[int]
         )
     needed = request_positions(max(len(ids) for ids in prompts), args.max_new_tokens)
     if args.max_seq_len is None:
-        return max(needed, MIN_SEQ_LEN)
+        return _default_seq_len(config, needed, tuned)
     if args.max_seq_len < needed:
         raise ConfigError(
             f"--max-seq-len {args.max_seq_len} is too small: the longest prompt and "
@@ -188,6 +203,66 @@ def check_lengths(args: argparse.Namespace, config: Any, prompts: list[list[int]
         )
     config.check_positions(args.max_seq_len, f"--max-seq-len {args.max_seq_len}")
     return args.max_seq_len
+
+
+def _default_seq_len(config: Any, needed: int, tuned: bool) -> int:
+    """The KV cache length without ``--max-seq-len``: what the prompts need, but with a tuning
+    cache ``tune``'s default length when it fits, since decode attention's picks are keyed by the
+    KV cache length and ``tune`` without ``--max-seq-len`` tuned that one (a shorter cache would
+    miss every attention pick)."""
+    from graphtune.engine.arguments import MIN_SEQ_LEN
+
+    own = max(needed, MIN_SEQ_LEN)
+    if not tuned:
+        return own
+    if needed <= DEFAULT_MAX_SEQ_LEN <= config.max_position_embeddings:
+        return DEFAULT_MAX_SEQ_LEN
+    logger.warning(
+        "the KV cache holds %d positions, not `graphtune tune`'s default %d (%s), so decode "
+        "attention finds only picks tuned with --max-seq-len %d; pass the --max-seq-len the "
+        "tuning cache was tuned for",
+        own,
+        DEFAULT_MAX_SEQ_LEN,
+        "the prompts need more"
+        if needed > DEFAULT_MAX_SEQ_LEN
+        else f"past {config.name}'s max_position_embeddings={config.max_position_embeddings}",
+        own,
+    )
+    return own
+
+
+def engine_batch_size(prompts: int, tuned: bool) -> int:
+    """``max_batch_size`` of the engine: one KV slot per prompt, but with a tuning cache the
+    prompt count rounded up to a power of two. An op's batch buckets are ``1, 2, 4, ...`` plus
+    ``max_batch_size`` itself (``power_of_two_buckets``), so 3 prompts in an engine of 3 look
+    up bucket 3, which ``tune`` (buckets ``1, 2, 4, ..., --max-batch``) never tuned; in an
+    engine of 4 they look up bucket 2. A request's sampling noise does not depend on
+    ``max_batch_size``, so its tokens stay the same."""
+    from graphtune.autotuner.config import next_power_of_two
+
+    return next_power_of_two(prompts) if tuned else prompts
+
+
+def check_sampling(sampling: Any) -> None:
+    """Refuses ``--top-k`` / ``--top-p`` at temperature 0: greedy decoding takes the argmax and
+    never reads them (``SamplingParams``' defaults are the values that mean "off").
+
+    Raises:
+        ConfigError: ``--top-k`` or ``--top-p`` is set while ``--temperature`` is 0.
+    """
+    from graphtune.engine.sampling import GREEDY
+
+    if sampling.temperature != GREEDY.temperature:
+        return
+    for flag, value, off in (
+        ("--top-k", sampling.top_k, GREEDY.top_k),
+        ("--top-p", sampling.top_p, GREEDY.top_p),
+    ):
+        if value != off:
+            raise ConfigError(
+                f"{flag} {value} needs --temperature > 0: at --temperature 0 (the default) "
+                f"decoding is greedy and ignores {flag}; pass a --temperature or drop {flag}"
+            )
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -203,12 +278,13 @@ def run_generate(args: argparse.Namespace) -> int:
     sampling = SamplingParams(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed
     )
+    check_sampling(sampling)
     config = load_config(args.model)
     folder = Path(args.model).expanduser()
     tokenizer = load_tokenizer(folder) if folder.is_dir() else None
     prompts = _encode(args, tokenizer)
-    max_seq = check_lengths(args, config, prompts)
     tuning_cache = lookup_cache_path(args.tuning_cache, "--tuning-cache")
+    max_seq = check_lengths(args, config, prompts, tuned=tuning_cache is not None)
     if args.gpu_memory_utilization is not None and device.type != "cuda":
         raise ConfigError(
             "--gpu-memory-utilization sizes the KV cache from free GPU memory, and the device is "
@@ -230,7 +306,7 @@ def run_generate(args: argparse.Namespace) -> int:
         engine = Engine(
             model,
             runner=args.runner,
-            max_batch_size=len(prompts),
+            max_batch_size=engine_batch_size(len(prompts), tuning_cache is not None),
             max_seq_len=max_seq,
             capture_sizes=None,
             lazy_capture=True,

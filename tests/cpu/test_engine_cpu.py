@@ -398,6 +398,15 @@ def test_kv_cache_sizes_must_be_positive_ints(sizes):
         KVCache(get_preset("tiny"), *sizes)
 
 
+@pytest.mark.parametrize(
+    "bad", [dict(tuner="x"), dict(tuner=object(), tune=True), dict(tuning_cache=3)]
+)
+def test_engine_refuses_a_tuner_or_tuning_cache_of_the_wrong_type(bad):
+    # Before: accepted, then a TypeError from deep inside generate() or the cache's load.
+    with pytest.raises(ConfigError):
+        Engine(load_model("tiny"), runner="eager", max_batch_size=2, max_seq_len=32, **bad)
+
+
 def test_generate_refuses_a_kv_slot_held_outside_it_instead_of_decoding_wrong_slots():
     # generate() keeps request i in slot i; with slot 0 held, request 0 got slot 1 but the
     # decode step read slot 0 (the holder's keys and values): wrong tokens, no error.

@@ -262,6 +262,9 @@ def test_refinement_rejects_bad_settings_and_steps_it_cannot_race():
     step, _ = _tuned_step(batch=1)
     with pytest.raises(ConfigError, match="rivals >= 1"):
         refine_in_step(step, LastIsFastest(), rivals=0)
+    for bad in (dict(rivals=1.5), dict(rounds=2.0), dict(band=float("nan")), dict(margin=-1.0)):
+        with pytest.raises(ConfigError, match="refine_in_step"):  # a slice's TypeError before
+            refine_in_step(step, LastIsFastest(), **bad)
     with pytest.raises(ConfigError, match="outside 1..1"):
         refine_in_step(step, LastIsFastest(), buckets=(2,))
     model = load_model("tiny")

@@ -9,10 +9,12 @@ it in their next collective.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 
+from graphtune.autotuner import AutoTuner
 from graphtune.engine.build import RUNNERS
 from graphtune.engine.devices import as_torch_device
 from graphtune.engine.model import DecoderModel
@@ -32,6 +34,7 @@ def checked_engine_arguments(
     tuner: Any,
     agreed: dict[str, Any],
     gpu_memory_utilization: float | None = None,
+    tuning_cache: Any = None,
 ) -> torch.device:
     """Checks ``Engine``'s runner kinds, sizes, device, tuner and memory budget (refused for a
     shard); on a shard, that every rank passes the same ``agreed`` values, weights and tuning
@@ -60,6 +63,16 @@ def checked_engine_arguments(
         except InputError as exc:  # the same rule as a request's, but here it is configuration
             raise ConfigError(str(exc)) from None
         target = as_torch_device(device) if device is not None else model.device
+        if tuner is not None and not isinstance(tuner, AutoTuner):
+            raise ConfigError(
+                f"tuner must be a graphtune AutoTuner (or None for the engine's own), got "
+                f"{type(tuner).__name__}"
+            )
+        if tuning_cache is not None and not isinstance(tuning_cache, (str, os.PathLike)):
+            raise ConfigError(
+                f"tuning_cache must be a file path (str or os.PathLike) or None, got "
+                f"{type(tuning_cache).__name__} {tuning_cache!r:.40}"
+            )
         if parallel is not None and tuner is not None and not _collective(tuner):
             # Cache-only too: ranks that look up different caches run different kernels.
             raise ConfigError(

@@ -154,6 +154,7 @@ class Engine:
             device=device,
             tuner=tuner,
             gpu_memory_utilization=gpu_memory_utilization,
+            tuning_cache=tuning_cache,
             agreed={
                 "model": model.config,
                 "dtype": target_dtype,

@@ -32,7 +32,8 @@ class SamplingParams:
         temperature: ``0`` means greedy; otherwise logits are divided by it, so a positive
             temperature must be at least :data:`MIN_TEMPERATURE` (float32's smallest normal
             number, about ``1.18e-38``).
-        top_k: Keep only the ``top_k`` most likely tokens (``0`` keeps all).
+        top_k: Keep only the ``top_k`` most likely tokens (``0`` keeps all); tokens tied with
+            the ``top_k``-th score are all kept (as in transformers), so more may stay.
         top_p: Keep the smallest set of tokens whose probability reaches ``top_p`` (``1``: all).
         seed: Seed of the sampling noise. In ``Engine.generate`` each request's noise at each
             of its tokens is a function of (seed, its index in the call, the token's number)

@@ -211,10 +211,17 @@ def refine_in_step(
             "(build_step(model, cache, tuner=AutoTuner())); a tensor-parallel step's ranks "
             "would decide on their own timings"
         )
-    if band < 0 or rivals < 1 or margin < 0 or rounds < 1:
+    counts_ok = all(
+        isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in (rivals, rounds)
+    )
+    shares_ok = all(
+        isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+        for x in (band, margin)
+    )
+    if not (counts_ok and shares_ok):
         raise ConfigError(
-            "refine_in_step: need band >= 0, rivals >= 1, margin >= 0 and rounds >= 1; got "
-            f"{band}, {rivals}, {margin}, {rounds}"
+            "refine_in_step: need finite numbers band >= 0 and margin >= 0, and integers "
+            f"rivals >= 1 and rounds >= 1; got {band!r}, {rivals!r}, {margin!r}, {rounds!r}"
         )
     results: list[StepRefinement] = []
     previous = tuner.tuning_mode

@@ -314,3 +314,31 @@ def test_host_lead_keeps_every_replay_queued(count, host, replay):
     # Replay k (1-based) is enqueued by k * host and starts on the GPU at lead + (k-1) * replay.
     for k in range(1, count + 1):
         assert lead + (k - 1) * replay >= k * host - 1e-6
+
+
+@pytest.mark.parametrize(
+    "call_us, fixed_us, pieces",
+    [
+        (6.7, 3.0, [(15, 1)]),  # a few µs a call: one piece, an unbroken chain
+        (1.0, 0.0, [(110, 1)]),  # a first probe that is exact: one piece
+        (1.0, 3.0, [(55, 2)]),  # the fixed cost of 3 probed calls overstates a 1 µs call
+    ],
+)
+def test_the_default_piece_is_a_whole_replay_as_the_first_probe_estimates_it(
+    call_us, fixed_us, pieces
+):
+    from graphtune.autotuner.timing.sizing import ReplayPlan
+
+    timer = GraphTimer()
+    plan = ReplayPlan(
+        1,
+        min_replay_us=timer.min_replay_us,
+        max_repeat=timer.max_repeat,
+        min_calls=timer.min_calls,
+        min_piece_us=timer.min_piece_us,
+        pieces=True,
+    )
+    for _ in range(3):  # the timer's resize limit
+        if plan.next(plan.total * call_us + fixed_us) is None:
+            break
+    assert [(plan.calls, plan.copies)] == pieces

@@ -8,8 +8,8 @@ child-graph nodes of that piece in a chain through the CUDA runtime
 outer graph runs the same kernel nodes with the same arguments as a capture of
 ``copies * calls`` calls: only the dependency between the last kernel of one copy and the first of
 the next is a full one instead of a programmatic one, which costs a kernel with programmatic
-dependent launch a fraction of a microsecond once per copy (so pieces are kept at tens of
-microseconds).
+dependent launch a fraction of a microsecond once per copy (so a piece is sized to a whole replay,
+``GraphTimer(min_piece_us=100)``, and most replays are one piece).
 
 torch exposes the captured graph's handle (``CUDAGraph(keep_graph=True).raw_cuda_graph()``) but no
 way to add nodes, so the runtime is called through ``ctypes``: the ``libcudart`` this process has

@@ -6,6 +6,7 @@ file."""
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -22,6 +23,11 @@ from graphtune.cli._args import positive_int
 from graphtune.engine.config import ModelConfig
 from graphtune.engine.presets import get_preset
 from graphtune.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+#: What :func:`sweep_runner` says of the weight rotation, recorded with each sweep.
+ROTATION_KEYS = ("calls_per_graph", "copies_over_l2", "warm_calls_per_replay")
 
 
 def tactic_key(tactic: dict) -> tuple:
@@ -84,6 +90,27 @@ def rotating_copies(
     return [make(rows, k) for _ in range(count)]
 
 
+def whole_rounds(copies: int, at_least: int) -> int:
+    """The fewest calls per graph, at least ``at_least``, that walk whole rounds of ``copies``.
+
+    A graph is replayed back to back (and every candidate's graph walks the same copies), so a
+    graph that stopped mid-round would start its next replay on copies it used only a few calls
+    before, still in L2: 20 calls over 9 copies read 2 of 20 weights warm per replay."""
+    return -(-at_least // copies) * copies
+
+
+def warm_calls(copies: int, calls: int, copy_bytes: int, l2_bytes: int) -> int:
+    """Calls of one replay (of ``calls`` calls over ``copies`` copies in turn, replayed back to
+    back) whose copy was last used with less than ``l2_bytes`` of other copies read since, so
+    that it may still be in L2. Pure, for the result and the tests."""
+    walk = [i % copies for i in range(calls)] * 2  # the replay before, then the one counted
+    warm = 0
+    for j in range(calls, 2 * calls):
+        last = max(p for p in range(j) if walk[p] == walk[j])
+        warm += len(set(walk[last + 1 : j])) * copy_bytes < l2_bytes
+    return warm
+
+
 def sweep_runner(
     runner: Any,
     inputs: list[list[Any]],
@@ -93,16 +120,38 @@ def sweep_runner(
     *,
     replays: int,
     calls_per_graph: int,
+    l2_bytes: int,
 ) -> dict[str, Any]:
     """Compiles ``candidates`` of ``runner`` ahead (the fallback tactic is torch: nothing to
     compile), then times each by the in-graph CUPTI truth, replayed over the ``inputs`` copies
     in turn, all in one profiler session.
 
+    Each graph holds ``calls_per_graph`` calls rounded up to whole rounds of the copies
+    (:func:`whole_rounds`), so two uses of one copy have every other copy read between them
+    (about twice ``l2_bytes`` by :func:`rotating_copies`), across replay boundaries as well.
+    Where the cap on copies leaves them short of twice the L2, a warning says so.
+
     Returns:
-        ``compile_s``, ``sweep_s`` and one row per candidate: ``tactic``, ``offered`` (the
-        fallback always, a Triton tactic when its :func:`tactic_key` is in ``offered``), ``us``
-        per call, ``kernels`` per call, ``tb_s`` (``nbytes`` per call) and ``error``.
+        ``compile_s``, ``sweep_s``, ``calls_per_graph`` (after rounding), ``copies_over_l2``
+        (the copies' bytes, ``nbytes`` each, over ``l2_bytes``), ``warm_calls_per_replay``
+        (:func:`warm_calls`; 0 unless the cap bit) and one row per candidate: ``tactic``,
+        ``offered`` (the fallback always, a Triton tactic when its :func:`tactic_key` is in
+        ``offered``), ``us`` per call, ``kernels`` per call, ``tb_s`` (``nbytes`` per call) and
+        ``error``.
     """
+    calls = whole_rounds(len(inputs), calls_per_graph)
+    over_l2 = len(inputs) * nbytes / l2_bytes
+    warm = warm_calls(len(inputs), calls, nbytes, l2_bytes)
+    if over_l2 < 2:
+        logger.warning(
+            "sweep: %d weight copies of %d bytes total %.2fx the L2 (capped below 2x), so %d of "
+            "%d calls per replay may read their weight from L2",
+            len(inputs),
+            nbytes,
+            over_l2,
+            warm,
+            calls,
+        )
     tactics = [t for t in candidates if t != FALLBACK_TACTIC]
     began = time.perf_counter()
     report = runner.precompile(inputs[0], tactics)
@@ -113,7 +162,7 @@ def sweep_runner(
 
     began = time.perf_counter()
     truth = cupti_graph_sweep(
-        [call_of(t) for t in candidates], [calls_per_graph] * len(candidates), replays=replays
+        [call_of(t) for t in candidates], [calls] * len(candidates), replays=replays
     )
     sweep_s = time.perf_counter() - began
     rows = []
@@ -130,7 +179,14 @@ def sweep_runner(
                 "error": res["error"] or (None if fallback else report.get(tactic_text(tactic))),
             }
         )
-    return {"compile_s": compile_s, "sweep_s": sweep_s, "rows": rows}
+    return {
+        "compile_s": compile_s,
+        "sweep_s": sweep_s,
+        "calls_per_graph": calls,
+        "copies_over_l2": over_l2,
+        "warm_calls_per_replay": warm,
+        "rows": rows,
+    }
 
 
 def sweep_projections(

@@ -16,7 +16,9 @@ the shared memory) is compiled ahead and timed by the in-graph CUPTI truth of
 ``graphtune.bench.cupti_sweep.cupti_graph_sweep`` together with the runner's tactic ``-1``
 (``torch``: cuBLAS, and for ``gate_up`` cuBLAS plus the SiLU-and-mul kernel), all candidates of
 an op and batch in one profiler session. The weight rotates over enough copies to exceed the L2
-cache, as in the step. Each result says whether the runner offers the tactic to the tuner.
+cache, as in the step, and a graph holds whole rounds of the copies (``calls_per_graph``,
+``warm_calls_per_replay`` in the result). Each result says whether the runner offers the tactic
+to the tuner.
 
 Writes ``gemm-sweep-<model>-<gpu>[-label].json`` with provenance and prints the table last.
 Exits 2 without CUDA.
@@ -32,6 +34,7 @@ from typing import Any
 
 import torch
 from _sweep import (
+    ROTATION_KEYS,
     add_common_arguments,
     add_projection_arguments,
     model_or_usage_error,
@@ -60,7 +63,7 @@ BKS = (64, 128, 256)
 WARPS = (4, 8)
 STAGES = (3, 4)
 SPLITS = (1, 2, 4, 8, 16)
-CALLS_PER_GRAPH = 20
+CALLS_PER_GRAPH = 20  # the fewest; sweep_runner rounds up to whole rounds of the weight copies
 TORCH = FALLBACK_TACTIC
 BF16 = torch.bfloat16
 
@@ -139,7 +142,9 @@ def op_cases(model: ModelConfig, m: int, device: torch.device, l2_bytes: int) ->
     }
 
 
-def sweep_op(name: str, case: tuple[Any, ...], smem: int, replays: int) -> dict[str, Any]:
+def sweep_op(
+    name: str, case: tuple[Any, ...], smem: int, replays: int, l2_bytes: int
+) -> dict[str, Any]:
     """All candidates of one op at one batch (tactic ``-1`` first): offered flags, in-graph
     time, bandwidth."""
     runner, inputs, (m, n, k), paired = case
@@ -153,6 +158,7 @@ def sweep_op(name: str, case: tuple[Any, ...], smem: int, replays: int) -> dict[
         nbytes,
         replays=replays,
         calls_per_graph=CALLS_PER_GRAPH,
+        l2_bytes=l2_bytes,
     )
     rows = swept["rows"]
     torch_us = rows[0]["us"]
@@ -164,6 +170,7 @@ def sweep_op(name: str, case: tuple[Any, ...], smem: int, replays: int) -> dict[
         "mnk": [m, n, k],
         "weight_bytes": nbytes,
         "weight_copies": len(inputs),
+        **{key: swept[key] for key in ROTATION_KEYS},
         "offered": len(offered),
         "compile_s": swept["compile_s"],
         "sweep_s": swept["sweep_s"],
@@ -217,7 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         batches,
         ops,
         lambda m: op_cases(model, m, device, l2_bytes),
-        lambda op, case: sweep_op(op, case, smem, args.replays),
+        lambda op, case: sweep_op(op, case, smem, args.replays, l2_bytes),
     )
     found = {"sweeps": sweeps}
     write_result(args, "gemm-sweep", found)

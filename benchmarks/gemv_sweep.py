@@ -17,8 +17,9 @@ itself is left out, so every candidate times the one kernel. Every tactic of the
 one row, the tuner's tiles with splits 1, 2 and 4) is compiled ahead in parallel and timed by the
 in-graph CUPTI truth of ``graphtune.bench.cupti_sweep.cupti_graph_sweep`` (all candidates of an
 op and batch in one profiler session, replays interleaved). The weight rotates over enough copies
-to exceed the L2 cache, as in the step, where every weight streams from memory once. Each result
-says whether the runner offers the tactic to the tuner.
+to exceed the L2 cache, as in the step, where every weight streams from memory once; a graph
+holds whole rounds of the copies (``calls_per_graph``, ``warm_calls_per_replay`` in the result).
+Each result says whether the runner offers the tactic to the tuner.
 
 Writes ``gemv-sweep-<model>-<gpu>[-label].json`` with provenance and prints the table last.
 Exits 2 without CUDA.
@@ -35,6 +36,7 @@ from typing import Any
 
 import torch
 from _sweep import (
+    ROTATION_KEYS,
     add_common_arguments,
     add_projection_arguments,
     model_or_usage_error,
@@ -62,7 +64,7 @@ OPS = ("qkv", "o", "gate_up", "down")
 DOT_STAGES = (3, 4)
 SPLITS = (1, 2, 4, 8, 16)
 CORE_SPLITS = (1, 2, 4)
-CALLS_PER_GRAPH = 20
+CALLS_PER_GRAPH = 20  # the fewest; sweep_runner rounds up to whole rounds of the weight copies
 BF16 = torch.bfloat16
 
 
@@ -160,7 +162,9 @@ def op_cases(model: ModelConfig, m: int, device: torch.device, l2_bytes: int) ->
     }
 
 
-def sweep_op(name: str, case: tuple[Any, ...], sms: int, replays: int) -> dict[str, Any]:
+def sweep_op(
+    name: str, case: tuple[Any, ...], sms: int, replays: int, l2_bytes: int
+) -> dict[str, Any]:
     """All candidates of one op at one batch: offered flags, in-graph time, bandwidth."""
     runner, inputs, shape, nbytes = case
     offered = {tactic_key(t) for t in runner.tactics_for(inputs[0])}
@@ -172,12 +176,14 @@ def sweep_op(name: str, case: tuple[Any, ...], sms: int, replays: int) -> dict[s
         nbytes,
         replays=replays,
         calls_per_graph=CALLS_PER_GRAPH,
+        l2_bytes=l2_bytes,
     )
     return {
         "op": name,
         "batch": shape.m,
         "weight_bytes": nbytes,
         "weight_copies": len(inputs),
+        **{key: swept[key] for key in ROTATION_KEYS},
         "offered": len(offered),
         "compile_s": swept["compile_s"],
         "sweep_s": swept["sweep_s"],
@@ -227,7 +233,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         batches,
         ops,
         lambda m: op_cases(model, m, device, l2_bytes),
-        lambda op, case: sweep_op(op, case, props.multi_processor_count, args.replays),
+        lambda op, case: sweep_op(op, case, props.multi_processor_count, args.replays, l2_bytes),
     )
     found = {"sweeps": sweeps}
     write_result(args, "gemv-sweep", found)

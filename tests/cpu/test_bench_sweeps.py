@@ -93,6 +93,7 @@ def test_sweep_runner_times_every_candidate_and_compiles_only_triton_tactics(mon
         8_000_000,
         replays=3,
         calls_per_graph=20,
+        l2_bytes=4_000_000,
     )
     assert runner.compiled == [{"b": 1}, {"b": 2}]  # the fallback is torch: nothing to compile
     assert runner.ran == [("copy0", -1), ("copy1", {"b": 1}), ("copy0", {"b": 2})]
@@ -100,6 +101,60 @@ def test_sweep_runner_times_every_candidate_and_compiles_only_triton_tactics(mon
     assert [r["offered"] for r in rows] == [True, True, False]
     assert rows[1]["tb_s"] == 4.0 and rows[2]["tb_s"] is None
     assert rows[2]["error"] == "launch failed" and rows[0]["error"] is None
+
+
+MIB = 2**20
+
+
+@pytest.mark.parametrize(("copies", "copy_mib"), [(9, 12), (13, 8), (2, 64), (16, 4)])
+def test_sweep_graphs_walk_whole_rounds_of_the_weight_copies(monkeypatch, copies, copy_mib):
+    # 20 calls over 9 copies (llama-1b qkv on an H100's 50 MiB L2) restarted each replay on
+    # copies read 2 calls before, so 2 of 20 weights per replay came from L2 (13 copies: 7).
+    graphs = []
+
+    def fake_truth(fns, calls, *, replays):
+        graphs.extend(calls)
+        return [{"per_call_us": 1.0, "kernels_per_call": 1, "error": None} for _ in fns]
+
+    monkeypatch.setattr(_sweep, "cupti_graph_sweep", fake_truth)
+    swept = _sweep.sweep_runner(
+        _Runner(),
+        [[f"copy{i}"] for i in range(copies)],
+        [FALLBACK_TACTIC],
+        set(),
+        copy_mib * MIB,
+        replays=1,
+        calls_per_graph=20,
+        l2_bytes=50 * MIB,
+    )
+    calls = graphs[0]
+    assert calls >= 20 and calls % copies == 0 and swept["calls_per_graph"] == calls
+    assert _sweep.warm_calls(copies, calls, copy_mib * MIB, 50 * MIB) == 0
+    assert swept["warm_calls_per_replay"] == 0
+    assert swept["copies_over_l2"] == pytest.approx(copies * copy_mib / 50)
+
+
+def test_warm_calls_counts_replay_boundary_reuse_and_the_cap_is_reported(monkeypatch, caplog):
+    assert _sweep.warm_calls(9, 20, 12 * MIB, 50 * MIB) == 2
+    assert _sweep.warm_calls(13, 20, 8 * MIB, 50 * MIB) == 7
+    monkeypatch.setattr(
+        _sweep,
+        "cupti_graph_sweep",
+        lambda fns, calls, *, replays: [{"per_call_us": 1.0, "kernels_per_call": 1, "error": None}],
+    )
+    # 16 copies (the cap) of 1 MiB total far less than an L2: the result and a warning say so.
+    swept = _sweep.sweep_runner(
+        _Runner(),
+        [[i] for i in range(16)],
+        [FALLBACK_TACTIC],
+        set(),
+        MIB,
+        replays=1,
+        calls_per_graph=20,
+        l2_bytes=50 * MIB,
+    )
+    assert swept["calls_per_graph"] == 32 and swept["warm_calls_per_replay"] == 32
+    assert "capped below 2x" in caplog.text
 
 
 def test_sweep_projections_makes_cases_once_per_batch_and_sweeps_ops_in_order(capsys):

@@ -232,6 +232,45 @@ def test_gpu_timer_constructor_validation():
         EventTimer(margin=0.5)
 
 
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize(
+    ("make", "name"),
+    [
+        (lambda: GraphTimer(min_replay_us=NAN), "min_replay_us"),
+        (lambda: GraphTimer(min_replay_us=INF), "min_replay_us"),
+        (lambda: GraphTimer(min_replay_us="100"), "min_replay_us"),
+        (lambda: GraphTimer(min_piece_us=INF), "min_piece_us"),
+        (lambda: GraphTimer(min_calls=2.5), "min_calls"),
+        (lambda: GraphTimer(min_calls=True), "min_calls"),
+        (lambda: GraphTimer(max_repeat=10.5), "max_repeat"),
+        (lambda: GraphTimer(max_repeat=None), "max_repeat"),
+        (lambda: EventTimer(margin=NAN), "margin"),
+        (lambda: EventTimer(margin="2"), "margin"),
+        (lambda: EventTimer(floor_us=NAN), "floor_us"),
+        (lambda: EventTimer(max_delay_us=INF), "max_delay_us"),
+        (lambda: EventTimer(max_retries=1.5), "max_retries"),
+        (lambda: cold_l2_copies(MIB, "cpu", l2_bytes=MIB, factor="2"), "factor"),
+        (lambda: cold_l2_copies(MIB, "cpu", l2_bytes=MIB, factor=NAN), "factor"),
+        (lambda: cold_l2_copies(MIB, "cpu", l2_bytes=MIB, min_copies=2.5), "min_copies"),
+        (lambda: cold_l2_copies(MIB, "cpu", l2_bytes=NAN), "l2_bytes"),
+    ],
+)
+def test_numeric_arguments_refused_in_one_line(make, name):
+    # Non-finite µs values and non-int counts used to pass and fail later (after real captures)
+    # with a bare TypeError/ValueError/OverflowError.
+    with pytest.raises(ConfigError, match=f"{name} must be an? (integer|finite number)") as info:
+        make()
+    assert "\n" not in str(info.value) and "pass " in str(info.value)
+
+
+def test_numeric_arguments_accept_ints_for_floats():
+    assert GraphTimer(min_replay_us=100, min_piece_us=50).min_piece_us == 50
+    assert EventTimer(margin=2, floor_us=0, max_retries=0).margin == 2
+    assert cold_l2_copies(MIB, "cpu", l2_bytes=MIB, factor=3) == 3
+
+
 def test_capture_error_is_a_runtime_error():
     # The tuner catches failing tactics as exceptions; CaptureError keeps RuntimeError semantics.
     assert issubclass(CaptureError, RuntimeError)

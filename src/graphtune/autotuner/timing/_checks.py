@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from numbers import Real
+
 import torch
 
 from graphtune.errors import ConfigError
@@ -13,6 +16,35 @@ def check_counts(who: str, *, warmup: int, repeat: int) -> None:
         raise ConfigError(f"{who}: warmup must be an integer >= 0, got {warmup!r}")
     if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
         raise ConfigError(f"{who}: repeat must be an integer >= 1, got {repeat!r}")
+
+
+def check_int(who: str, name: str, value: object, *, minimum: int, default: object) -> None:
+    """Raises ConfigError unless ``value`` is an int (not a bool) ``>= minimum``.
+
+    A float or ``None`` count would otherwise pass the constructor and fail much later (after
+    real captures) inside ``range()`` or a comparison, with a bare traceback."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(
+            f"{who}: {name} must be an integer >= {minimum}, got {value!r}; "
+            f"pass a whole number such as {default!r}"
+        )
+
+
+def check_number(
+    who: str, name: str, value: object, *, above: float, default: object, inclusive: bool = False
+) -> None:
+    """Raises ConfigError unless ``value`` is a finite real number ``> above`` (``>=`` with
+    ``inclusive``); bools and strings are refused.
+
+    ``nan`` passes every ``<=`` test and ``inf`` overflows ``math.ceil`` in the sizing rules, so
+    both are refused here rather than after real captures."""
+    number = float(value) if isinstance(value, Real) and not isinstance(value, bool) else math.nan
+    if not (math.isfinite(number) and (number >= above if inclusive else number > above)):
+        rule = ">=" if inclusive else ">"
+        raise ConfigError(
+            f"{who}: {name} must be a finite number {rule} {above:g}, got {value!r}; "
+            f"pass a number such as {default!r}"
+        )
 
 
 def as_device(device: torch.device | str | int | None) -> torch.device | None:

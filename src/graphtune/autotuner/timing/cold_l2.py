@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from graphtune.autotuner.timing._checks import as_device
+from graphtune.autotuner.timing._checks import as_device, check_int, check_number
 from graphtune.autotuner.timing.base import TimedFn
 from graphtune.errors import ConfigError
 
@@ -189,17 +189,19 @@ def cold_l2_copies(
             f"cold-L2 rotation needs inputs with bytes > 0, got {bytes_per_input_set}; "
             "turn cold_l2 off for ops without tensor inputs"
         )
-    if not factor > 1:
-        raise ConfigError(f"factor must be > 1 so the copies exceed L2, got {factor}")
-    if min_copies < 2 or max_copies < min_copies:
-        raise ConfigError(
-            f"need 2 <= min_copies <= max_copies, got min_copies={min_copies}, "
-            f"max_copies={max_copies}"
-        )
+    who = "cold_l2_copies"
+    # factor > 1 so the copies exceed L2; a str or nan would fail in the comparison or ceil below.
+    check_number(who, "factor", factor, above=1, default=2.0)
+    check_int(who, "min_copies", min_copies, minimum=2, default=2)
+    check_int(who, "max_copies", max_copies, minimum=min_copies, default=DEFAULT_MAX_COPIES)
+    if l2_bytes is not None:
+        check_number(who, "l2_bytes", l2_bytes, above=0, default=50 * 1024**2)
+    if max_total_bytes is not None:
+        check_number(who, "max_total_bytes", max_total_bytes, above=0, default=8 * 1024**3)
     resolved = _resolve(device)
     l2 = l2_cache_bytes(resolved) if l2_bytes is None else int(l2_bytes)
     if l2 <= 0:
-        raise ConfigError(f"l2_bytes must be > 0, got {l2_bytes}")
+        raise ConfigError(f"{who}: l2_bytes must be >= 1 byte, got {l2_bytes!r}; pass None")
     copies = max(min_copies, math.ceil(factor * l2 / bytes_per_input_set))
     if copies > max_copies:
         key = ("cap", bytes_per_input_set, l2)

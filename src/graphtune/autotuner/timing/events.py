@@ -23,10 +23,14 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from graphtune.autotuner.timing._checks import check_counts, require_cuda
+from graphtune.autotuner.timing._checks import (
+    check_counts,
+    check_int,
+    check_number,
+    require_cuda,
+)
 from graphtune.autotuner.timing.base import Measurement, TimedFn
 from graphtune.autotuner.timing.delay import GpuDelay, delay_us_for_host_time
-from graphtune.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -77,13 +81,12 @@ class EventTimer:
         device: torch.device | str | int | None = None,
         host_clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
-            raise ConfigError(f"EventTimer: samples must be an integer >= 1, got {samples!r}")
-        if margin < 1 or floor_us < 0 or max_delay_us <= 0 or max_retries < 0:
-            raise ConfigError(
-                "EventTimer: need margin >= 1, floor_us >= 0, max_delay_us > 0, max_retries >= 0; "
-                f"got {margin}, {floor_us}, {max_delay_us}, {max_retries}"
-            )
+        check_int("EventTimer", "samples", samples, minimum=1, default=10)
+        check_int("EventTimer", "max_retries", max_retries, minimum=0, default=3)
+        # nan passes every comparison and would size a nan delay kernel at the first sample.
+        check_number("EventTimer", "margin", margin, above=1, inclusive=True, default=1.5)
+        check_number("EventTimer", "floor_us", floor_us, above=0, inclusive=True, default=20.0)
+        check_number("EventTimer", "max_delay_us", max_delay_us, above=0, default=100_000.0)
         self.samples = samples
         self.delay = delay
         self.margin = margin

@@ -38,7 +38,12 @@ from collections.abc import Iterator
 
 import torch
 
-from graphtune.autotuner.timing._checks import check_counts, require_cuda
+from graphtune.autotuner.timing._checks import (
+    check_counts,
+    check_int,
+    check_number,
+    require_cuda,
+)
 from graphtune.autotuner.timing.base import Measurement, TimedFn
 from graphtune.autotuner.timing.capture import capture_calls, release_graph
 from graphtune.autotuner.timing.delay import GpuDelay, delay_us_for_host_time, host_lead_us
@@ -128,14 +133,13 @@ class GraphTimer:
         device: torch.device | str | int | None = None,
         capture_error_mode: str = "global",
     ) -> None:
-        for name, count in (("replays", replays), ("probe_replays", probe_replays)):
-            if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-                raise ConfigError(f"GraphTimer: {name} must be an integer >= 1, got {count!r}")
-        if min_replay_us <= 0 or max_repeat < 1 or min_piece_us <= 0 or min_calls < 1:
-            raise ConfigError(
-                "GraphTimer: need min_replay_us > 0, max_repeat >= 1, min_calls >= 1 and "
-                f"min_piece_us > 0; got {min_replay_us}, {max_repeat}, {min_calls}, {min_piece_us}"
-            )
+        # Checked here: the sizing rules would only fail on them after real captures.
+        counts = (("replays", replays, 10), ("probe_replays", probe_replays, 3))
+        for name, count, default in counts + (("max_repeat", max_repeat, 1024),):
+            check_int("GraphTimer", name, count, minimum=1, default=default)
+        check_int("GraphTimer", "min_calls", min_calls, minimum=1, default=3)
+        for name, us in (("min_replay_us", min_replay_us), ("min_piece_us", min_piece_us)):
+            check_number("GraphTimer", name, us, above=0, default=100.0)
         if capture_error_mode not in ("global", "thread_local", "relaxed"):
             raise ConfigError(
                 "GraphTimer: capture_error_mode must be 'global', 'thread_local' or 'relaxed', "

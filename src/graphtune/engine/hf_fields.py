@@ -84,7 +84,8 @@ _COMMON = {
     "eos_token_id": "ModelConfig.eos_token_ids; when generation_config.json exists, its "
     "eos_token_id replaces it (missing or null there: no EOS), as in transformers' generate",
     "dtype": "every weight's dtype when load_model's dtype is None (transformers' "
-    'dtype="auto"; without it or torch_dtype, the embedding\'s dtype in the file)',
+    'dtype="auto"; without it or torch_dtype, the index\'s metadata dtype, else the first '
+    "floating-point tensor's dtype in the first weights file)",
     "torch_dtype": "as dtype, when dtype is absent or null (transformers' older name)",
 }
 _QWEN_WINDOWS = {

@@ -275,6 +275,45 @@ def test_qwen_sliding_layer_types_without_a_window_are_refused(tmp_path, kind, w
         load_checkpoint(folder)
 
 
+@pytest.mark.parametrize("kind", ["qwen2", "mistral"])
+def test_rope_parameters_keyed_by_layer_type_are_refused(tmp_path, kind):
+    # Read flat, the nested linear factor and theta were dropped: default RoPE, another model.
+    _, folder = build_hf(kind, tmp_path)
+    nested = {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 500.0}}
+    _edit(folder, layer_types=["full_attention"] * TINY["num_hidden_layers"])
+    _edit(folder, rope_parameters=nested, rope_theta=None, sliding_window=None)
+    with pytest.raises(KeyError, match="rope_type"):  # the oracle
+        _transformers(folder)
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(folder)
+    message = str(info.value)
+    assert (
+        "\n" not in message and "rope_parameters holds objects under ['full_attention']" in message
+    )
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
+def test_layer_types_of_another_length_than_the_layers_are_refused(tmp_path, kind):
+    _, folder = build_hf(kind, tmp_path)
+    _edit(folder, layer_types=["full_attention"] * (TINY["num_hidden_layers"] + 1))
+    # The oracle (huggingface_hub's StrictDataclassClassValidationError wraps the ValueError).
+    with pytest.raises(Exception, match="must be equal to the number of `layer_types`"):
+        _transformers(folder)
+    layers = TINY["num_hidden_layers"]
+    with pytest.raises(CheckpointError, match=rf"layer_types has {layers + 1} entries but "):
+        load_checkpoint(folder)
+
+
+def test_mistral_sliding_layers_without_a_window_are_refused(tmp_path):
+    # Read as full attention before; transformers' model fails on them.
+    _, folder = build_hf("mistral", tmp_path, sliding_window=None)
+    _edit(folder, layer_types=["sliding_attention"] * TINY["num_hidden_layers"])
+    with pytest.raises(TypeError):  # the oracle: transformers' forward cannot run it
+        _transformers(folder)(torch.arange(4)[None])
+    with pytest.raises(ConfigError, match=r"config\.json: sliding_window=None is not implemented"):
+        load_checkpoint(folder)
+
+
 def test_requests_keep_to_the_callers_max_seq_len_not_the_caches():
     engine = Engine(load_model("tiny"), runner="eager", max_batch_size=1, max_seq_len=20)
     assert engine.max_seq_len == 32  # the cache rounds up to a multiple of 16

@@ -128,7 +128,8 @@ REFUSAL_CONTEXT = {
         "sliding_window": 8,
         "max_window_layers": 0,
         "layer_types": ["sliding_attention"] * TINY["num_hidden_layers"],
-    }
+    },
+    "sliding_window": {"layer_types": ["sliding_attention"] * TINY["num_hidden_layers"]},
 }
 
 
@@ -188,6 +189,7 @@ REFUSED = [
     ("qwen2", "layer_types", ["full_attention", "chunked_attention"]),
     ("qwen3", "layer_types", ["full_attention", "chunked_attention"]),
     ("mistral", "layer_types", ["full_attention", "sliding_attention"]),
+    ("mistral", "sliding_window", None),
     ("qwen3_moe", "attention_bias", True),
     ("qwen3_moe", "use_sliding_window", True),
     *((arch, "hidden_act", "xielu") for arch in sorted(CLASSES)),

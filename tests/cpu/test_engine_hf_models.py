@@ -129,9 +129,9 @@ def _mixed_dtypes(folder, config_dtype: dict) -> None:
 DTYPE_FIELDS = {
     "dtype": ({"dtype": "bfloat16", "torch_dtype": "float16"}, torch.bfloat16),
     "torch_dtype": ({"dtype": None, "torch_dtype": "float32"}, torch.float32),
-    # Neither field: the embedding's dtype (transformers takes the first floating tensor of the
-    # file, here the float32 lm_head.weight; such files are rare: save_pretrained writes dtype).
-    "neither": ({}, torch.bfloat16),
+    # Neither field: the first floating-point tensor of the file in its (sorted) key order, here
+    # the float32 lm_head.weight, not the bfloat16 embedding (save_pretrained writes dtype).
+    "neither": ({}, torch.float32),
 }
 
 
@@ -140,9 +140,8 @@ def test_dtype_none_loads_every_tensor_in_one_dtype_as_transformers(tmp_path, ca
     fields, dtype = DTYPE_FIELDS[case]
     hf, folder = build_hf("llama", tmp_path)
     _mixed_dtypes(folder, fields)
-    if fields:
-        auto = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
-        assert {p.dtype for p in auto.parameters()} == {dtype}  # the oracle: dtype="auto"
+    auto = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    assert {p.dtype for p in auto.parameters()} == {dtype}  # the oracle: dtype="auto"
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
     model = load_model(folder, device="cpu")
     tensors = [model.embed, model.lm_head, model.final_norm]
@@ -159,3 +158,31 @@ def test_an_explicit_dtype_wins_and_a_bad_config_dtype_is_one_line(tmp_path):
     assert load_model(folder, device="cpu", dtype=torch.float16).dtype == torch.float16
     with pytest.raises(CheckpointError, match=r"config\.json: dtype='int8' is not a weight dtype"):
         load_model(folder, device="cpu")
+
+
+@pytest.mark.parametrize("metadata", [None, "bfloat16"])
+def test_dtype_none_of_a_sharded_checkpoint_is_the_index_metadata_else_the_first_shard(
+    tmp_path, metadata
+):
+    from safetensors.torch import load_file, save_file
+
+    _, folder = build_hf("llama", tmp_path, max_shard_size="40KB")
+    index_file = folder / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1
+    # The first shard float16, the others float32: which one the dtype comes from shows.
+    first = load_file(folder / shards[0])
+    save_file({k: v.half() for k, v in first.items()}, folder / shards[0], {"format": "pt"})
+    index["metadata"].pop("dtype", None)
+    if metadata is not None:
+        index["metadata"]["dtype"] = metadata
+    index_file.write_text(json.dumps(index))
+    doc = json.loads((folder / "config.json").read_text())
+    doc.pop("dtype", None)
+    doc.pop("torch_dtype", None)
+    (folder / "config.json").write_text(json.dumps(doc))
+    auto = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    expected = getattr(torch, metadata) if metadata else torch.float16
+    assert {p.dtype for p in auto.parameters()} == {expected}  # the oracle: dtype="auto"
+    assert load_model(folder, device="cpu").dtype == expected

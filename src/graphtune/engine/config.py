@@ -23,6 +23,7 @@ from graphtune.engine.hf_fields import (
     hf_bool,
     hf_float,
     hf_int,
+    layer_types,
     refuse_unimplemented,
     sliding_window,
     with_defaults,
@@ -282,6 +283,17 @@ def _rope_from_hf(cfg: Mapping[str, Any], default_theta: float) -> tuple[float, 
             f"config.json: {field_name}={params!r} must be an object (rope_type, factor, ...); "
             "fix the file"
         )
+    nested = sorted(str(k) for k, v in params.items() if isinstance(v, Mapping))
+    if nested:
+        # Keyed by layer type (Gemma3's layout): the six models read one flat object, and
+        # transformers' fail on this one (KeyError 'rope_type'); reading it flat would drop
+        # the nested factor and theta.
+        raise CheckpointError(
+            f"config.json: {field_name} holds objects under {nested} (RoPE per layer type), "
+            "which the six models graphtune loads do not read (transformers fails on it too); "
+            'make it one object such as {"rope_type": "linear", "factor": 4.0, "rope_theta": '
+            "500000.0}"
+        )
     where = f"config.json {field_name}"
     theta_source = params if "rope_theta" in params else cfg
     theta = default_theta
@@ -386,6 +398,7 @@ def from_hf_config(cfg: Mapping[str, Any], name: str = "checkpoint") -> ModelCon
             f"{model_type!r}, which transformers builds instead; make the two agree"
         )
     cfg = with_defaults(arch, cfg)
+    layer_types(cfg)  # every class checks it, even those whose model ignores it
     refuse_unimplemented(arch, cfg)
     theta, scaling = _rope_from_hf(cfg, HF_ROPE_THETA.get(arch, 10000.0))
     moe = moe_fields_from_hf(cfg, arch) if arch in MOE_ARCHITECTURES else {}

@@ -78,13 +78,15 @@ _COMMON = {
     "head_dim": "ModelConfig.head_dim",
     "hidden_act": "ModelConfig.hidden_act (names in HF_ACTIVATIONS; others refused)",
     "rms_norm_eps": "ModelConfig.rms_norm_eps",
-    "rope_parameters": "ModelConfig.rope_theta and rope_scaling (default, linear, llama3)",
+    "rope_parameters": "ModelConfig.rope_theta and rope_scaling (default, linear, llama3); one "
+    "object per layer type refused",
     "max_position_embeddings": "ModelConfig.max_position_embeddings (the longest request)",
     "tie_word_embeddings": "ModelConfig.tie_word_embeddings",
     "eos_token_id": "ModelConfig.eos_token_ids; when generation_config.json exists, its "
     "eos_token_id replaces it (missing or null there: no EOS), as in transformers' generate",
     "dtype": "every weight's dtype when load_model's dtype is None (transformers' "
-    'dtype="auto"; without it or torch_dtype, the embedding\'s dtype in the file)',
+    'dtype="auto"; without it or torch_dtype, the index\'s metadata dtype, else the first '
+    "floating-point tensor's dtype in the first weights file)",
     "torch_dtype": "as dtype, when dtype is absent or null (transformers' older name)",
 }
 _QWEN_WINDOWS = {
@@ -104,7 +106,7 @@ HANDLED_FIELDS: dict[str, dict[str, str]] = {
     "qwen2": {**_COMMON, **_QWEN_WINDOWS},
     "mistral": {
         **_COMMON,
-        "sliding_window": "ModelConfig.sliding_window",
+        "sliding_window": "ModelConfig.sliding_window; null with sliding_attention layers refused",
         "layer_types": "all full_attention: no window; all sliding_attention: the window in "
         "every layer; a mix (what transformers reads as Ministral) refused",
     },
@@ -129,7 +131,7 @@ HANDLED_FIELDS: dict[str, dict[str, str]] = {
     "mixtral": {
         **_COMMON,
         "intermediate_size": "ModelConfig.moe_intermediate_size (the experts' width)",
-        "sliding_window": "ModelConfig.sliding_window",
+        "sliding_window": "ModelConfig.sliding_window; null with sliding_attention layers refused",
         "num_local_experts": "ModelConfig.num_experts",
         "num_experts": "ModelConfig.num_experts (MixtralConfig.attribute_map's alias)",
         "num_experts_per_tok": "ModelConfig.num_experts_per_tok",
@@ -253,19 +255,28 @@ def sliding_layers(cfg: Mapping[str, Any]) -> list[int]:
 
 
 def layer_types(cfg: Mapping[str, Any]) -> list[str] | None:
-    """``cfg["layer_types"]``: ``None`` or a list of strings, as transformers requires.
+    """``cfg["layer_types"]``: ``None`` or a list of strings, one per layer (a
+    ``num_hidden_layers`` that is not an int is refused elsewhere), as transformers requires.
 
     Raises:
-        CheckpointError: Another type.
+        CheckpointError: Another type, or another length.
     """
     value = cfg.get("layer_types")
-    if value is None or (isinstance(value, list) and all(isinstance(k, str) for k in value)):
-        return value
-    raise CheckpointError(
-        f"config.json: layer_types={_short(value)} must be a list of layer types such as "
-        '["full_attention", "full_attention"], one per layer, or null (transformers refuses it '
-        "too); fix the file"
-    )
+    if value is not None and not (
+        isinstance(value, list) and all(isinstance(k, str) for k in value)
+    ):
+        raise CheckpointError(
+            f"config.json: layer_types={_short(value)} must be a list of layer types such as "
+            '["full_attention", "full_attention"], one per layer, or null (transformers refuses '
+            "it too); fix the file"
+        )
+    layers = cfg.get("num_hidden_layers")
+    if value is not None and isinstance(layers, int) and len(value) != layers:
+        raise CheckpointError(
+            f"config.json: layer_types has {len(value)} entries but num_hidden_layers is "
+            f"{layers}; it needs one per layer (transformers refuses it too): fix the file"
+        )
+    return value
 
 
 _NO_BIAS = Refusal(lambda value, cfg: not value, "biases on the q, k, v and o projections")
@@ -318,6 +329,14 @@ def sliding_window(arch: str, cfg: Mapping[str, Any]) -> int | None:
     return hf_int(cfg, "sliding_window")
 
 
+_MISTRAL_WINDOW = Refusal(
+    # Without a window transformers' mask for sliding_attention layers fails in the forward;
+    # reading them as full attention would run another model than the file describes.
+    lambda value, cfg: value is not None or "sliding_attention" not in (layer_types(cfg) or ()),
+    "sliding_attention layers without a window, which transformers' model cannot run either",
+    "set sliding_window to the window or make layer_types full_attention",
+)
+
 #: Per architecture, the fields with values the engine refuses.
 REFUSALS: dict[str, dict[str, Refusal]] = {
     "llama": {"hidden_act": _ACTIVATION, "attention_bias": _NO_BIAS},
@@ -326,7 +345,11 @@ REFUSALS: dict[str, dict[str, Refusal]] = {
         "use_sliding_window": _NO_SLIDING,
         "layer_types": _QWEN_LAYER_KINDS,
     },
-    "mistral": {"hidden_act": _ACTIVATION, "layer_types": _ONE_LAYER_KIND},
+    "mistral": {
+        "hidden_act": _ACTIVATION,
+        "layer_types": _ONE_LAYER_KIND,
+        "sliding_window": _MISTRAL_WINDOW,
+    },
     "qwen3": {
         "hidden_act": _ACTIVATION,
         "attention_bias": _NO_BIAS,

@@ -109,8 +109,8 @@ def load_checkpoint(
         folder: Directory with ``config.json`` and safetensors weights (sharded or not).
         device: Where to put the weights (default CPU).
         dtype: Weight dtype of every tensor; ``None``: ``config.json``'s ``dtype`` (or
-            ``torch_dtype``), else the embedding's dtype in the file, as transformers'
-            ``dtype="auto"``.
+            ``torch_dtype``), else the weights' (the index's metadata ``dtype``, else the first
+            floating-point tensor of the first file), as transformers' ``dtype="auto"``.
         parallel: Tensor parallelism with ``world_size > 1``: read only this rank's slices of
             the sharded projections (see :mod:`graphtune.engine.parallel`); replicated tensors
             are read whole.
@@ -234,20 +234,22 @@ def load_checkpoint(
     return model
 
 
-def _auto_dtype(config_file: Path, doc: dict[str, Any], source: TensorSource) -> torch.dtype | None:
+def _auto_dtype(config_file: Path, doc: dict[str, Any], source: TensorSource) -> torch.dtype:
     """The one dtype transformers' ``dtype="auto"`` loads every tensor in: ``config_file``'s
     (parsed: ``doc``) ``dtype`` (``torch_dtype`` when ``dtype`` is absent or null), else the
-    embedding's."""
+    weights' (:meth:`TensorSource.auto_dtype`: the index's metadata, else the first file's
+    first floating-point tensor), never one tensor chosen by name."""
     field = "dtype" if doc.get("dtype") is not None else "torch_dtype"
     name = doc.get(field)
+    where = f"{config_file}: {field}={name!r}"
     if name is None:
-        embed = source.dtype("model.embed_tokens.weight")
-        return embed if embed is not None else source.dtype("lm_head.weight")
-    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+        name, origin = source.auto_dtype()
+        where = f"{config_file.parent}: with no dtype in config.json, {name!r}, from {origin},"
+    dtype = getattr(torch, name, None) if isinstance(name, str) else name
     if not isinstance(dtype, torch.dtype) or dtype not in MODEL_DTYPES:
         names = ", ".join(str(d).removeprefix("torch.") for d in MODEL_DTYPES)
         raise CheckpointError(
-            f"{config_file}: {field}={name!r} is not a weight dtype graphtune loads ({names}); "
+            f"{where} is not a weight dtype graphtune loads ({names}); "
             "fix the file or pass dtype= (--dtype) to choose one"
         )
     return dtype

@@ -23,6 +23,15 @@ WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 _INDEX_SUFFIX = ".safetensors.index.json"
 
+# safetensors' dtype codes of the floating-point dtypes transformers' dtype="auto" can pick
+# (it skips float8 and float4 tensors); other codes stay strings.
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+}
+
 # Elements of each tensor's first row in the checkpoint's mark (:meth:`TensorSource.mark`).
 _MARK_ELEMENTS = 64
 
@@ -43,7 +52,8 @@ class TensorSource:
         self._handles: dict[Path, Any] = {}
         self.read: set[str] = set()
         self._mark = hashlib.sha256()
-        files = _shard_files(_weights_file(folder, config_doc), folder)
+        files, self.index_metadata = _shard_files(_weights_file(folder, config_doc), folder)
+        self.shards = files
         ignored = sorted(f.name for f in set(folder.glob("*.safetensors")) - set(files))
         if ignored:
             logger.info(
@@ -94,6 +104,29 @@ class TensorSource:
         except Exception as exc:  # safetensors raises its own error types; keep the cause.
             raise CheckpointError(f"could not read tensor {name!r} from {file}: {exc}") from exc
         return dtype
+
+    def auto_dtype(self) -> tuple[Any, str]:
+        """The dtype transformers' ``dtype="auto"`` takes from the weights when ``config.json``
+        names none, and where it came from: the index's ``metadata.dtype`` (a name, as written),
+        else the first floating-point tensor, float8 and float4 aside, of the first file in the
+        file's key order, else that file's first tensor (``torch.float32`` for an empty file).
+        Only the files' headers are read."""
+        if isinstance(self.index_metadata, dict) and "dtype" in self.index_metadata:
+            return self.index_metadata["dtype"], "the index's metadata.dtype"
+        file = self.shards[0]
+        handle = self._handle(file)
+        first = None
+        for name in handle.keys():
+            try:
+                code = handle.get_slice(name).get_dtype()
+            except Exception as exc:  # safetensors raises its own error types; keep the cause.
+                raise CheckpointError(f"could not read tensor {name!r} from {file}: {exc}") from exc
+            dtype = _SAFETENSORS_DTYPES.get(code, code)
+            if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+                return dtype, f"{file.name}'s first floating-point tensor {name!r}"
+            if first is None:
+                first = dtype, f"{file.name}'s first tensor {name!r} (none is floating-point)"
+        return first or (torch.float32, f"{file.name}, which has no tensor")
 
     def mark(self) -> str:
         """A digest of a sample of every tensor read so far: the first elements of its first
@@ -186,12 +219,14 @@ def _weights_file(folder: Path, config_doc: dict[str, Any]) -> Path:
     )
 
 
-def _shard_files(chosen: Path, folder: Path) -> list[Path]:
+def _shard_files(chosen: Path, folder: Path) -> tuple[list[Path], Any]:
     """``[chosen]``, or the shards the index ``chosen`` lists, sorted by name as transformers
-    reads them (a tensor in two shards takes the later one's copy there)."""
+    reads them (a tensor in two shards takes the later one's copy there); and the index's
+    ``metadata`` (``None`` without an index)."""
     if not chosen.name.endswith(_INDEX_SUFFIX):
-        return [chosen]
-    weight_map = read_json(chosen).get("weight_map")
+        return [chosen], None
+    index = read_json(chosen)
+    weight_map = index.get("weight_map")
     if not isinstance(weight_map, dict):
         raise CheckpointError(
             f"{chosen} has no 'weight_map' object; re-save the checkpoint with "
@@ -211,7 +246,7 @@ def _shard_files(chosen: Path, folder: Path) -> list[Path]:
             f"{chosen} lists shard files that are not in the folder: {missing[:3]}; "
             "download the whole checkpoint"
         )
-    return files
+    return files, index.get("metadata")
 
 
 def read_json(path: Path) -> dict[str, Any]:

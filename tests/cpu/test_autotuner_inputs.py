@@ -120,3 +120,14 @@ def test_two_specs_naming_one_dimension_through_a_negative_index_are_refused() -
     )
     with pytest.raises(ConfigError, match="name the same dimension"):
         tuner.choose_one("op", [Listed(clock, [0], {-1: 1.0, 0: 1.0})], twice, X)
+
+
+def test_an_op_that_is_no_non_empty_string_is_refused_before_it_reaches_the_cache() -> None:
+    clock = Clock()
+    tuner = tuner_for(clock)
+    tuner.tuning_mode = True
+    runner = Listed(clock, [0], {-1: 1.0, 0: 1.0})
+    for bad in (7, None, "", b"op"):
+        with pytest.raises(ConfigError, match="is not a non-empty str"):
+            tuner.choose_one(bad, [runner], CONFIG, X)  # type: ignore[arg-type]
+    assert len(tuner.cache) == 0

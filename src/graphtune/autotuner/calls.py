@@ -66,10 +66,17 @@ class OpCall:
         checks of what it was given.
 
         Raises:
-            ConfigError: ``inputs`` is not a list or tuple (a tensor would be split into its
+            ConfigError: ``op`` is not a non-empty str (the cache file stores it as a JSON
+                string), ``inputs`` is not a list or tuple (a tensor would be split into its
                 rows), no runner, something that is not a runner instance, or ``config`` is not
                 a :class:`TuningConfig`.
         """
+        if not isinstance(op, str) or not op:
+            # an op that is no string is saved as one, and a load rejects the whole file for it
+            raise ConfigError(
+                f"choose_one: op {op!r} is not a non-empty str; name the op with a string "
+                "(it is part of the cache key, stored as JSON text)."
+            )
         if isinstance(inputs, (torch.Tensor, str, bytes, dict)) or not isinstance(inputs, Iterable):
             raise ConfigError(
                 f"choose_one({op!r}) takes its inputs as a list, as forward receives them; got "

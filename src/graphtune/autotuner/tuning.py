@@ -9,7 +9,8 @@ policy); the tuner stores what each profile decided through ``on_profile``. The 
    runner lists it);
 2. lets each runner prepare all its tactics of all profiles at once (``prepare_all``: Triton
    runners compile them in parallel), untimed;
-3. per profile: a lone candidate is picked without timing (there is nothing to choose); else
+3. per profile: candidates blocklisted since planning (a crash or hang in an earlier profile)
+   are dropped; a lone candidate is picked without timing (there is nothing to choose); else
    the candidates are prepared and timed by the schedule of :mod:`graphtune.autotuner.schedule`
    and the rule of :mod:`graphtune.autotuner.selection`. A profile where every candidate failed
    is *not* cached (a later run retries it); when they all failed with one and the same
@@ -34,6 +35,7 @@ from typing import Any
 import torch
 
 from graphtune import env
+from graphtune.autotuner.blocked import drop_blocked
 from graphtune.autotuner.cache import TuningCache
 from graphtune.autotuner.config import TuningConfig, calls_per_sample
 from graphtune.autotuner.distributed import OpCoordinator
@@ -278,20 +280,8 @@ class TuningRun:
                     problem = ConfigError(f"tactic {tactic!r} cannot be stored in a cache: {exc}")
                     self.failures.add(self.op, runner, "get_valid_tactics", problem)
                     continue
-                blocked = self.cache.blocked(self.ids[ri], tactic)
-                if blocked is not None:  # crashed or hung before: never run it again
-                    self.stats.tactics_blocked += 1
-                    logger.info(
-                        "op %r: skipping blocklisted %s tactic %s (%s); clear it with "
-                        "`graphtune cache unblock FILE` to retry",
-                        self.op,
-                        short_runner_name(self.ids[ri]),
-                        tactic_text(tactic),
-                        blocked.reason,
-                    )
-                    continue
                 candidates.append(Candidate(ri, runner, ti, tactic))
-        return candidates
+        return drop_blocked(self.op, self.cache, self.ids, candidates, self.stats)
 
     def _prepare_all(self, plans: list[_Plan]) -> None:
         for runner, work in self.prepare_work(plans):
@@ -327,6 +317,11 @@ class TuningRun:
                 first=plan.first,
                 memo=self._synthesized,
             )
+        # A tactic that crashed or hung in an earlier profile of this run is blocklisted by now.
+        planned = plan.candidates
+        plan.candidates = drop_blocked(self.op, self.cache, self.ids, planned, self.stats)
+        if len(planned) > len(plan.candidates):
+            bar.advance(label, (len(planned) - len(plan.candidates)) * self.policy.rounds)
         self.executor.begin(self.runners, sets, rotate_in_call=config.cold_l2, kwargs=self.kwargs)
         repeat = calls_per_sample(config, len(sets), self.executor.sizes_samples)
         # Collective strategies leave one agreed time per candidate: no band to refine.

@@ -187,7 +187,8 @@ class TuningRun:
 
     def plan(self, *, local: bool = False) -> list[_Plan]:
         """The missing profiles with their first input set and candidates. ``local``: what is
-        missing here, without asking the other ranks (no collective)."""
+        missing here, without asking the other ranks (no collective) or counting failures and
+        blocklist skips (the tuning run that follows counts them)."""
         profiles = [(p, self.make_key(p)) for p in generate_profiles(self.config, self.inputs)]
         if self.only is not None:
             profiles = [(p, k) for p, k in profiles if k == self.only]
@@ -208,7 +209,7 @@ class TuningRun:
                         self.config, self.inputs, profile, memo=self._synthesized
                     )
                 with self._phase("tactics"):
-                    candidates = self._candidates(first, profile)
+                    candidates = self._candidates(first, profile, count=not local)
                 plans.append(_Plan(profile, key, first, candidates))
         return plans
 
@@ -249,7 +250,9 @@ class TuningRun:
 
     # -- candidates ----------------------------------------------------------------------------
 
-    def _candidates(self, inputs: list[Any], profile: Profile) -> list[Candidate]:
+    def _candidates(self, inputs: list[Any], profile: Profile, *, count: bool) -> list[Candidate]:
+        """The profile's candidates. ``count``: count and warn failures and blocklisted tactics
+        (off for a look-ahead such as ``AutoTuner.prepare``: the tuning run counts them)."""
         candidates: list[Candidate] = []
         for ri, runner in enumerate(self.runners):
             try:
@@ -263,7 +266,8 @@ class TuningRun:
                     raise signature_error(
                         f"op {self.op!r}", runner, "get_valid_tactics", self.kwargs
                     ) from None
-                self.failures.add(self.op, runner, "get_valid_tactics", exc)
+                if count:
+                    self.failures.add(self.op, runner, "get_valid_tactics", exc)
                 continue
             if not tactics and getattr(runner, "requires_tactic", False):
                 raise TuningError(
@@ -278,10 +282,13 @@ class TuningRun:
                 except (TypeError, ValueError) as exc:
                     # A pick the cache cannot store would make the whole save fail at the end.
                     problem = ConfigError(f"tactic {tactic!r} cannot be stored in a cache: {exc}")
-                    self.failures.add(self.op, runner, "get_valid_tactics", problem)
+                    if count:
+                        self.failures.add(self.op, runner, "get_valid_tactics", problem)
                     continue
                 candidates.append(Candidate(ri, runner, ti, tactic))
-        return drop_blocked(self.op, self.cache, self.ids, candidates, self.stats)
+        return drop_blocked(
+            self.op, self.cache, self.ids, candidates, self.stats if count else None
+        )
 
     def _prepare_all(self, plans: list[_Plan]) -> None:
         for runner, work in self.prepare_work(plans):

@@ -250,3 +250,10 @@ def test_tuple_buckets_above_max_value_map_onto_a_bucket_the_sweep_tunes() -> No
     above = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0, (64, 128)),), max_value=32)
     assert above.bucket_of(above.dynamic_specs[0], 500) == 32
     assert above.sweep_values(above.dynamic_specs[0], 5) == (32,)
+
+
+def test_a_buckets_callable_that_returns_no_sequence_is_a_config_error() -> None:
+    for bad, max_value in ((lambda m: 5, 8), (lambda m: None, None), (lambda m: "1,2", 8)):
+        cfg = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0, bad),), max_value=max_value)
+        with pytest.raises(ConfigError, match="buckets callable returned .* sequence of positive"):
+            cfg.sweep_values(cfg.dynamic_specs[0], 4)

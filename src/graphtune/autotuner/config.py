@@ -327,17 +327,30 @@ def _capped_buckets(spec: DynamicTensorSpec, max_value: int) -> tuple[int, ...]:
     those above it left out (``max_value`` itself when every one is above it, so a look-up
     always has a bucket)."""
     if callable(spec.buckets):
-        raw = validate_buckets(tuple(spec.buckets(max_value)), spec)
+        raw = validate_buckets(_called(spec, max_value), spec)
     else:
         raw = spec.buckets
     return tuple(b for b in raw if b <= max_value) or (min(raw[0], max_value),)
+
+
+def _called(spec: DynamicTensorSpec, arg: int) -> tuple[Any, ...]:
+    """What ``spec``'s buckets callable gives for ``arg``, as a tuple (checked: an int or
+    ``None`` would fail with a bare ``TypeError`` deep in the sweep)."""
+    got = spec.buckets(arg)  # type: ignore[operator]
+    if isinstance(got, (str, bytes)) or not isinstance(got, Sequence):
+        raise ConfigError(
+            f"DynamicTensorSpec(input_idx={spec.input_idx}, dim_idx={spec.dim_idx}): its buckets "
+            f"callable returned {got!r} for {arg}; it must return a sequence of positive ints "
+            "(e.g. power_of_two_buckets)."
+        )
+    return tuple(got)
 
 
 def _uncapped_buckets(spec: DynamicTensorSpec, live: int) -> tuple[int, ...]:
     """Callable buckets without ``max_value``: the list depends on the live size, so look-ups
     round down to a power of two and only powers of two can be tuned. The live size itself (the
     cap :func:`power_of_two_buckets` appends) is left out: its calls look up the power below."""
-    raw = validate_buckets(tuple(spec.buckets(max(live, 1))), spec)  # type: ignore[operator]
+    raw = validate_buckets(_called(spec, max(live, 1)), spec)
     odd = [b for b in raw if b & (b - 1) and b != live]
     if odd and spec.map_to_bucket is None:
         raise ConfigError(

@@ -233,3 +233,27 @@ def test_default_buckets_without_max_value_tune_only_buckets_a_look_up_uses() ->
     tuned = [p.shapes[0][0] for p in generate_profiles(config, [torch.zeros(12, 4)])]
     assert tuned == [1, 2, 4, 8]  # not 12: a live 12 looks up 8
     assert profile_for(config, [torch.zeros(12, 4)]).shapes == ((8, 4),)
+
+
+def test_tuple_buckets_above_max_value_map_onto_a_bucket_the_sweep_tunes() -> None:
+    """As with callable buckets: every live size looks up one of the swept buckets (a size >= 64
+    of (1, 8, 64) capped at 32 looked up 32, tuned only when the tuning call was that large)."""
+    listed = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0, (1, 8, 64)),), max_value=32)
+    made = TuningConfig(
+        dynamic_specs=(DynamicTensorSpec(0, 0, lambda m: (1, 8, 64)),), max_value=32
+    )
+    for cfg in (listed, made):
+        spec = cfg.dynamic_specs[0]
+        assert cfg.sweep_values(spec, 10) == (1, 8)
+        assert [cfg.bucket_of(spec, n) for n in (1, 10, 40, 64, 100)] == [1, 8, 8, 8, 8]
+        assert cfg.sweep_values(spec, 100) == (1, 8)
+    above = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0, (64, 128)),), max_value=32)
+    assert above.bucket_of(above.dynamic_specs[0], 500) == 32
+    assert above.sweep_values(above.dynamic_specs[0], 5) == (32,)
+
+
+def test_a_buckets_callable_that_returns_no_sequence_is_a_config_error() -> None:
+    for bad, max_value in ((lambda m: 5, 8), (lambda m: None, None), (lambda m: "1,2", 8)):
+        cfg = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0, bad),), max_value=max_value)
+        with pytest.raises(ConfigError, match="buckets callable returned .* sequence of positive"):
+            cfg.sweep_values(cfg.dynamic_specs[0], 4)

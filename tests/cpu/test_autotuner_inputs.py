@@ -120,3 +120,25 @@ def test_two_specs_naming_one_dimension_through_a_negative_index_are_refused() -
     )
     with pytest.raises(ConfigError, match="name the same dimension"):
         tuner.choose_one("op", [Listed(clock, [0], {-1: 1.0, 0: 1.0})], twice, X)
+
+
+def test_an_op_that_is_no_non_empty_string_is_refused_before_it_reaches_the_cache() -> None:
+    clock = Clock()
+    tuner = tuner_for(clock)
+    tuner.tuning_mode = True
+    runner = Listed(clock, [0], {-1: 1.0, 0: 1.0})
+    for bad in (7, None, "", b"op"):
+        with pytest.raises(ConfigError, match="is not a non-empty str"):
+            tuner.choose_one(bad, [runner], CONFIG, X)  # type: ignore[arg-type]
+    assert len(tuner.cache) == 0
+
+
+def test_a_lone_runner_and_a_tensor_keyword_argument_are_refused_in_one_line() -> None:
+    clock = Clock()
+    tuner = tuner_for(clock)
+    runner = Listed(clock, [0], {-1: 1.0, 0: 1.0})
+    with pytest.raises(ConfigError, match=r"takes its runners as a list; got Listed \(pass \["):
+        tuner.choose_one("op", runner, CONFIG, X)  # type: ignore[arg-type]
+    # not the advice for runner attributes (identity_excludes, cache_key_extras)
+    with pytest.raises(ConfigError, match="keyword argument 'w' is a Tensor.*pass the tensor in"):
+        tuner.choose_one("op", [runner], CONFIG, X, w=torch.zeros(1))

@@ -3,11 +3,20 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from test_autotuner_tuner import make
 
-from graphtune.autotuner import DynamicTensorSpec, TuningConfig, TuningPolicy
+from graphtune.autotuner import (
+    AutoTuner,
+    DynamicTensorSpec,
+    TunableRunner,
+    TuningConfig,
+    TuningPolicy,
+)
+from graphtune.autotuner.timing.base import Measurement
 from graphtune.errors import ConfigError
 
 
@@ -53,3 +62,39 @@ def test_racing_can_be_turned_off_and_is_validated() -> None:
         TuningPolicy(race_margin=0.01)  # below the 5% noise cap: a dropped one could have tied
     with pytest.raises(ConfigError, match="race_margin"):
         TuningPolicy(race_margin=float("inf"))
+
+
+class Scripted(TunableRunner):
+    """Tactic ``t``'s n-th measurement takes ``script[t][n]`` µs (the last one repeats)."""
+
+    def __init__(self, script: dict[str, list[float]]) -> None:
+        self.script, self.seen = script, {t: 0 for t in script}
+
+    def get_valid_tactics(self, inputs: list, profile: Any, **kwargs: Any) -> list:
+        return list(self.script)
+
+    def forward(self, inputs: list, *, tactic: Any = -1, **kwargs: Any) -> Any:
+        times = self.script[tactic]
+        self.seen[tactic] += 1
+        return times[min(self.seen[tactic], len(times)) - 1]
+
+
+class ReportTimer:
+    name = "fake"
+
+    def measure(self, fn: Any, *, warmup: int, repeat: int) -> Measurement:
+        return Measurement.from_samples([fn(0)], calls_per_sample=1, timer=self.name)
+
+
+@pytest.mark.parametrize("extra", [0, 6])
+def test_a_raced_out_candidate_is_not_tied_in_when_the_leaders_median_rises(extra: int) -> None:
+    # B's first sample (100) races A (116, 16% behind) out; B's median then rises to 113, which
+    # would tie A's one sample within the 5% noise band and hand A the pick on one sample.
+    runner = Scripted({"A": [116.0], "B": [100.0, 113.0, 116.0, 113.0]})
+    policy = TuningPolicy(max_extra_rounds=extra)
+    tuner = AutoTuner(timer=ReportTimer(), show_progress=False, policy=policy)
+    tuner.tuning_mode = True
+    config = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0, (4,)),), warmup=0, repeat=1)
+    assert tuner.choose_one("op", [runner], config, [torch.zeros(4, 2)])[1] == "B"
+    assert tuner.stats.raced_out == 1 and runner.seen["A"] == 1
+    assert [c.tied for c in tuner.history[-1].candidates] == [False, True]

@@ -325,3 +325,31 @@ def test_prepare_ahead_hands_calls_off_in_order_and_prepares_the_rest_up_front()
     assert prepared == 3 * 2 * 5 + 2 * 2  # every (profile, tactic): 3 Cost ops, the other
     log.clear()
     assert tuner.prepare(calls) > 0 and ("ahead", "first", 2) not in log  # off by default
+
+
+class NoTactics(Cost):
+    def get_valid_tactics(self, inputs: list, profile: Any, **kwargs: Any) -> list:
+        raise RuntimeError("no tactics here")
+
+
+def test_prepare_ahead_of_tuning_leaves_the_counting_to_the_tuning_run() -> None:
+    """prepare() plans the same profiles as the tuning run: failures and blocklist skips are
+    counted once, by the run, as without prepare()."""
+    from graphtune.autotuner.entries import BlockedTactic
+    from graphtune.autotuner.identity import runner_id
+
+    x = [torch.randn(4, 2)]
+    counts = []
+    for prepare_first in (False, True):
+        runners = [Cost(), NoTactics()]
+        tuner = AutoTuner(FakeSessionTimer(), show_progress=False)
+        tuner.cache.block(BlockedTactic(runner_id(runners[0]), 3.0, "crash", "op", "op [4x2]"))
+        with tuner.record_calls(dry_run=True) as calls:
+            tuner.choose_one("op", runners, CONFIG, x)
+        if prepare_first:
+            tuner.prepare(calls)
+        tuner.tuning_mode = True
+        tuner.choose_one("op", runners, CONFIG, x)
+        counts.append((tuner.stats.tactics_blocked, dict(tuner.stats.tactic_failures)))
+    # per bucket (2): tactic 3.0 skipped; NoTactics and tactic -5.0 raise
+    assert counts[0] == counts[1] == (2, {"RuntimeError": 4})

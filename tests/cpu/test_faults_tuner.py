@@ -282,3 +282,26 @@ def test_subprocess_survives_crash_hang_and_error_then_blocklist_skips(tmp_path)
     assert tactic == 4.0
     assert again.stats.tactics_blocked == 3
     assert again.stats.tactic_failures == {"RuntimeError": 1}
+
+
+def test_a_tactic_blocklisted_in_one_profile_is_not_run_in_the_next(monkeypatch) -> None:
+    """All profiles are planned before any is timed: the blocklist is checked again per profile,
+    so a crash costs one worker, not one per bucket (docs/reliability.md: every op and shape)."""
+    ran: list[Any] = []
+    measure = iso.InProcessExecutor.measure
+
+    def crashing(self, runner_index, runner, tactic, **kwargs):  # as a dead worker reports it
+        ran.append(tactic)
+        if tactic == "exit":
+            raise iso.TacticFailure("crash", "worker exited with code 7", block=True)
+        return measure(self, runner_index, runner, tactic, **kwargs)
+
+    monkeypatch.setattr(iso.InProcessExecutor, "measure", crashing)
+    two = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0, (2, 4)),), warmup=0, repeat=1)
+    tuner = AutoTuner(timer=ReportTimer(), policy=TuningPolicy(rounds=1, remeasure_top=0))
+    tuner.tuning_mode = True
+    _, tactic = tuner.choose_one("op", [CostRunner([5.0, "exit", 6.0])], two, INPUTS)
+    assert tactic == 5.0
+    assert ran.count("exit") == 1
+    assert tuner.stats.tactic_failures == {"crash": 1}
+    assert tuner.stats.tactics_blocked == 1 and tuner.stats.profiles_tuned == 2

@@ -52,3 +52,31 @@ def test_a_tactic_dict_keyed_by_str_enum_members_is_refused_not_stored_as_string
     with pytest.raises(TypeError, match="not subclasses"):
         encode_value({"a": {Mode.FAST: 1}})
     assert encode_value({"fast": 1}) == {"fast": 1}  # plain string keys as before
+
+
+class TwoTactics(Configured):
+    def get_valid_tactics(self, inputs: list, profile: Any, **kwargs: Any) -> list:
+        return [0, 1]
+
+
+def test_negative_zero_has_the_text_of_zero_as_in_the_hit_memo() -> None:
+    """The hit memo holds -0.0 and 0.0 as one key (they are ==): the cache key must too, or a
+    call's pick depends on which sign was looked up first."""
+    import torch
+    from fake_timers import LastIsFastest
+
+    from graphtune.autotuner import AutoTuner, DynamicTensorSpec, TuningConfig, TuningPolicy
+
+    assert canonical_text(identity_value({"alpha": -0.0, "b": [-0.0]}, "kw")) == (
+        '{"alpha":0.0,"b":[0.0]}'
+    )
+    assert runner_id(Configured(-0.0)) == runner_id(Configured(0.0))
+    config = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0, (4,)),), warmup=0, repeat=1)
+    policy = TuningPolicy(rounds=1, remeasure_top=0, tie_tolerance=0.0, tie_floor_us=0.0)
+    runners, x = [TwoTactics(1)], [torch.zeros(4, 2)]
+    tuner = AutoTuner(timer=LastIsFastest(), show_progress=False, policy=policy)
+    tuner.tuning_mode = True
+    tuner.choose_one("op", runners, config, x, alpha=0.0)
+    tuner.tuning_mode = False
+    assert tuner.choose_one("op", runners, config, x, alpha=-0.0)[1] == 1  # the slow path
+    assert tuner.stats.fallbacks == {}

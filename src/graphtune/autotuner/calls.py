@@ -66,15 +66,36 @@ class OpCall:
         checks of what it was given.
 
         Raises:
-            ConfigError: ``inputs`` is not a list or tuple (a tensor would be split into its
-                rows), no runner, something that is not a runner instance, or ``config`` is not
-                a :class:`TuningConfig`.
+            ConfigError: ``op`` is not a non-empty str (the cache file stores it as a JSON
+                string), ``inputs`` is not a list or tuple (a tensor would be split into its
+                rows), ``runners`` is a runner rather than a list of them, no runner, something
+                that is not a runner instance, a keyword argument is a tensor, or ``config`` is
+                not a :class:`TuningConfig`.
         """
+        if not isinstance(op, str) or not op:
+            # an op that is no string is saved as one, and a load rejects the whole file for it
+            raise ConfigError(
+                f"choose_one: op {op!r} is not a non-empty str; name the op with a string "
+                "(it is part of the cache key, stored as JSON text)."
+            )
         if isinstance(inputs, (torch.Tensor, str, bytes, dict)) or not isinstance(inputs, Iterable):
             raise ConfigError(
                 f"choose_one({op!r}) takes its inputs as a list, as forward receives them; got "
                 f"{type(inputs).__name__} (pass [x] for one tensor)."
             )
+        if callable(getattr(runners, "forward", None)) or not isinstance(runners, Iterable):
+            raise ConfigError(
+                f"choose_one({op!r}) takes its runners as a list; got "
+                f"{type(runners).__name__} (pass [runner] for one runner)."
+            )
+        for name, value in kwargs.items():
+            if isinstance(value, torch.Tensor):  # identity_value's advice is for runner fields
+                raise ConfigError(
+                    f"choose_one({op!r}): keyword argument {name!r} is a Tensor, but keyword "
+                    "arguments are part of the cache key and need a stable value; pass the "
+                    "tensor in inputs (its shape and dtype are keyed) or keep it on the runner "
+                    "as a private attribute (a leading underscore)."
+                )
         runners = list(runners)
         if not runners:
             raise ConfigError(f"choose_one({op!r}) got no runners; pass at least one runner.")

@@ -283,9 +283,10 @@ class TuningConfig:
     def bucket_of(self, spec: DynamicTensorSpec, live: int) -> int:
         """The bucket a live size of ``spec``'s dimension looks up (mapped, then capped); 0 when
         the mapper says the size has no bucket."""
-        if spec.map_to_bucket is None and callable(spec.buckets) and self.max_value is not None:
+        if spec.map_to_bucket is None and self.max_value is not None:
             # The sweep tunes exactly these, so a look-up must land on one of them (a rounding
-            # rule of its own would miss buckets that are not powers of two: 9 -> 8).
+            # rule of its own would miss buckets that are not powers of two: 9 -> 8; capping
+            # the listed bucket would give max_value, which is no bucket: 100 -> 32 of (8, 64)).
             return listed_bucket(_capped_buckets(spec, self.max_value), live)
         bucket = spec.bucket(live)
         if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 0:
@@ -307,7 +308,7 @@ class TuningConfig:
                 that is not a power of two (other than the live size they were given): look-ups
                 round down to powers of two, so that bucket would be tuned and never used.
         """
-        if callable(spec.buckets) and self.max_value is not None:
+        if self.max_value is not None:
             raw = _capped_buckets(spec, self.max_value)
         elif callable(spec.buckets):
             raw = _uncapped_buckets(spec, live)
@@ -322,17 +323,34 @@ class TuningConfig:
 
 @functools.lru_cache(maxsize=256)
 def _capped_buckets(spec: DynamicTensorSpec, max_value: int) -> tuple[int, ...]:
-    """Callable buckets for ``max_value``, those above it left out (the smallest of them when
-    every one is above it, so a look-up always has a bucket)."""
-    raw = validate_buckets(tuple(spec.buckets(max_value)), spec)  # type: ignore[operator]
+    """The buckets (a tuple, or what a callable gives for ``max_value``) up to ``max_value``:
+    those above it left out (``max_value`` itself when every one is above it, so a look-up
+    always has a bucket)."""
+    if callable(spec.buckets):
+        raw = validate_buckets(_called(spec, max_value), spec)
+    else:
+        raw = spec.buckets
     return tuple(b for b in raw if b <= max_value) or (min(raw[0], max_value),)
+
+
+def _called(spec: DynamicTensorSpec, arg: int) -> tuple[Any, ...]:
+    """What ``spec``'s buckets callable gives for ``arg``, as a tuple (checked: an int or
+    ``None`` would fail with a bare ``TypeError`` deep in the sweep)."""
+    got = spec.buckets(arg)  # type: ignore[operator]
+    if isinstance(got, (str, bytes)) or not isinstance(got, Sequence):
+        raise ConfigError(
+            f"DynamicTensorSpec(input_idx={spec.input_idx}, dim_idx={spec.dim_idx}): its buckets "
+            f"callable returned {got!r} for {arg}; it must return a sequence of positive ints "
+            "(e.g. power_of_two_buckets)."
+        )
+    return tuple(got)
 
 
 def _uncapped_buckets(spec: DynamicTensorSpec, live: int) -> tuple[int, ...]:
     """Callable buckets without ``max_value``: the list depends on the live size, so look-ups
     round down to a power of two and only powers of two can be tuned. The live size itself (the
     cap :func:`power_of_two_buckets` appends) is left out: its calls look up the power below."""
-    raw = validate_buckets(tuple(spec.buckets(max(live, 1))), spec)  # type: ignore[operator]
+    raw = validate_buckets(_called(spec, max(live, 1)), spec)
     odd = [b for b in raw if b & (b - 1) and b != live]
     if odd and spec.map_to_bucket is None:
         raise ConfigError(

@@ -37,6 +37,8 @@ class Candidate:
         tactic: The tactic.
         samples: One per-call time in microseconds per measurement.
         failed: Why it failed, or ``None``.
+        raced_out: Left the race after the first round (:func:`race`): it keeps its one sample
+            and loses to any candidate still racing.
     """
 
     runner_index: int
@@ -45,6 +47,7 @@ class Candidate:
     tactic: Any
     samples: list[float] = field(default_factory=list)
     failed: str | None = None
+    raced_out: bool = False
 
     @property
     def order(self) -> tuple[int, int]:
@@ -76,17 +79,23 @@ def race(candidates: list[Candidate], margin: float, rule: TieRule) -> list[Cand
     """The working, timed candidates whose score is at most ``(1 + margin)`` times the fastest
     score, in their given order (every working one when ``margin`` is 0 or none was timed).
 
-    A candidate left out keeps its one sample: the pick rule still sees it, and it can be
-    neither tied with the fastest nor undecided, since the margin is widened to every fixed part
-    of ``rule``'s tie band (its tolerance, and its floor in µs over the fastest time: below
-    0.2 µs the floor is wider than 15%) and is at least the noise band's cap.
+    A candidate left out keeps its one sample and is marked ``raced_out``: :func:`select`
+    leaves it out of the pick while any candidate still racing works, since the fastest one's
+    median may rise past its first sample in later rounds and would then tie it on one sample.
+    The margin is widened to every fixed part of ``rule``'s tie band (its tolerance, and its
+    floor in µs over the fastest time: below 0.2 µs the floor is wider than 15%) and is at
+    least the noise band's cap, so a candidate left out could not have tied the first round.
     """
     alive = [c for c in candidates if c.failed is None and c.samples]
     if margin <= 0 or not alive:
         return [c for c in candidates if c.failed is None]
     best = min(c.score for c in alive)
     widest = max(margin, rule.floor, rule.floor_us / best if best > 0 else math.inf)
-    return [c for c in alive if c.score <= best * (1.0 + widest)]
+    racing = [c for c in alive if c.score <= best * (1.0 + widest)]
+    kept = {id(c) for c in racing}  # by identity: candidates with equal fields are distinct
+    for cand in alive:
+        cand.raced_out = id(cand) not in kept
+    return racing
 
 
 def remeasure_top(candidates: list[Candidate], measure: Measure, top: int, rounds: int) -> None:
@@ -99,9 +108,13 @@ def remeasure_top(candidates: list[Candidate], measure: Measure, top: int, round
 
 
 def select(candidates: list[Candidate], rule: TieRule) -> tuple[list[Candidate], Selection]:
-    """The candidates in tie-break order, and what ``rule`` decides about them."""
+    """The candidates in tie-break order, and what ``rule`` decides about them. Raced-out ones
+    take no part while a candidate still racing works (they lost the race: see :func:`race`)."""
     ordered = sorted(candidates, key=lambda c: c.order)
-    return ordered, rule.select([c.samples if c.failed is None else [] for c in ordered])
+    racing = any(c.failed is None and c.samples and not c.raced_out for c in ordered)
+    return ordered, rule.select(
+        [c.samples if c.failed is None and not (racing and c.raced_out) else [] for c in ordered]
+    )
 
 
 def settle(candidates: list[Candidate], measure: Measure, rule: TieRule, max_rounds: int) -> int:

@@ -9,7 +9,8 @@ policy); the tuner stores what each profile decided through ``on_profile``. The 
    runner lists it);
 2. lets each runner prepare all its tactics of all profiles at once (``prepare_all``: Triton
    runners compile them in parallel), untimed;
-3. per profile: a lone candidate is picked without timing (there is nothing to choose); else
+3. per profile: candidates blocklisted since planning (a crash or hang in an earlier profile)
+   are dropped; a lone candidate is picked without timing (there is nothing to choose); else
    the candidates are prepared and timed by the schedule of :mod:`graphtune.autotuner.schedule`
    and the rule of :mod:`graphtune.autotuner.selection`. A profile where every candidate failed
    is *not* cached (a later run retries it); when they all failed with one and the same
@@ -34,6 +35,7 @@ from typing import Any
 import torch
 
 from graphtune import env
+from graphtune.autotuner.blocked import drop_blocked
 from graphtune.autotuner.cache import TuningCache
 from graphtune.autotuner.config import TuningConfig, calls_per_sample
 from graphtune.autotuner.distributed import OpCoordinator
@@ -185,7 +187,8 @@ class TuningRun:
 
     def plan(self, *, local: bool = False) -> list[_Plan]:
         """The missing profiles with their first input set and candidates. ``local``: what is
-        missing here, without asking the other ranks (no collective)."""
+        missing here, without asking the other ranks (no collective) or counting failures and
+        blocklist skips (the tuning run that follows counts them)."""
         profiles = [(p, self.make_key(p)) for p in generate_profiles(self.config, self.inputs)]
         if self.only is not None:
             profiles = [(p, k) for p, k in profiles if k == self.only]
@@ -206,7 +209,7 @@ class TuningRun:
                         self.config, self.inputs, profile, memo=self._synthesized
                     )
                 with self._phase("tactics"):
-                    candidates = self._candidates(first, profile)
+                    candidates = self._candidates(first, profile, count=not local)
                 plans.append(_Plan(profile, key, first, candidates))
         return plans
 
@@ -247,7 +250,9 @@ class TuningRun:
 
     # -- candidates ----------------------------------------------------------------------------
 
-    def _candidates(self, inputs: list[Any], profile: Profile) -> list[Candidate]:
+    def _candidates(self, inputs: list[Any], profile: Profile, *, count: bool) -> list[Candidate]:
+        """The profile's candidates. ``count``: count and warn failures and blocklisted tactics
+        (off for a look-ahead such as ``AutoTuner.prepare``: the tuning run counts them)."""
         candidates: list[Candidate] = []
         for ri, runner in enumerate(self.runners):
             try:
@@ -261,7 +266,8 @@ class TuningRun:
                     raise signature_error(
                         f"op {self.op!r}", runner, "get_valid_tactics", self.kwargs
                     ) from None
-                self.failures.add(self.op, runner, "get_valid_tactics", exc)
+                if count:
+                    self.failures.add(self.op, runner, "get_valid_tactics", exc)
                 continue
             if not tactics and getattr(runner, "requires_tactic", False):
                 raise TuningError(
@@ -276,22 +282,13 @@ class TuningRun:
                 except (TypeError, ValueError) as exc:
                     # A pick the cache cannot store would make the whole save fail at the end.
                     problem = ConfigError(f"tactic {tactic!r} cannot be stored in a cache: {exc}")
-                    self.failures.add(self.op, runner, "get_valid_tactics", problem)
-                    continue
-                blocked = self.cache.blocked(self.ids[ri], tactic)
-                if blocked is not None:  # crashed or hung before: never run it again
-                    self.stats.tactics_blocked += 1
-                    logger.info(
-                        "op %r: skipping blocklisted %s tactic %s (%s); clear it with "
-                        "`graphtune cache unblock FILE` to retry",
-                        self.op,
-                        short_runner_name(self.ids[ri]),
-                        tactic_text(tactic),
-                        blocked.reason,
-                    )
+                    if count:
+                        self.failures.add(self.op, runner, "get_valid_tactics", problem)
                     continue
                 candidates.append(Candidate(ri, runner, ti, tactic))
-        return candidates
+        return drop_blocked(
+            self.op, self.cache, self.ids, candidates, self.stats if count else None
+        )
 
     def _prepare_all(self, plans: list[_Plan]) -> None:
         for runner, work in self.prepare_work(plans):
@@ -327,6 +324,11 @@ class TuningRun:
                 first=plan.first,
                 memo=self._synthesized,
             )
+        # A tactic that crashed or hung in an earlier profile of this run is blocklisted by now.
+        planned = plan.candidates
+        plan.candidates = drop_blocked(self.op, self.cache, self.ids, planned, self.stats)
+        if len(planned) > len(plan.candidates):
+            bar.advance(label, (len(planned) - len(plan.candidates)) * self.policy.rounds)
         self.executor.begin(self.runners, sets, rotate_in_call=config.cold_l2, kwargs=self.kwargs)
         repeat = calls_per_sample(config, len(sets), self.executor.sizes_samples)
         # Collective strategies leave one agreed time per candidate: no band to refine.

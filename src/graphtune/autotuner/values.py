@@ -12,10 +12,11 @@ Two encodings, for two jobs:
   written as itself.
 * :func:`identity_value` turns configuration (a runner's attributes, ``choose_one`` keyword
   arguments) into canonical JSON for a cache key. It accepts only values whose text is the same
-  in every process: ``None``, bools, ints, finite floats, strings, tuples and lists, dicts with
-  string keys, ``torch.dtype`` and ``torch.device`` (their ``str``), enum members
-  (``"Class.NAME"``) and dataclass instances (their fields). Anything else (a tensor, a lock, an
-  arbitrary object whose ``str`` holds a memory address) raises :class:`IdentityError` naming it.
+  in every process: ``None``, bools, ints, finite floats (-0.0 as 0.0), strings, tuples and
+  lists, dicts with string keys, ``torch.dtype`` and ``torch.device`` (their ``str``), enum
+  members (``"Class.NAME"``) and dataclass instances (their fields). Anything else (a tensor, a
+  lock, an arbitrary object whose ``str`` holds a memory address) raises :class:`IdentityError`
+  naming it.
 """
 
 from __future__ import annotations
@@ -138,7 +139,9 @@ def identity_value(value: Any, where: str) -> Any:
     if isinstance(value, float):
         if not math.isfinite(value):
             raise IdentityError(f"{where} is {value!r}; a cache key needs a finite number.")
-        return value
+        # -0.0 == 0.0 (the hit memo holds them one key): one text too, "0.0", or a call's pick
+        # would depend on which sign was looked up first.
+        return value + 0.0
     if isinstance(value, (torch.dtype, torch.device)):
         return str(value)
     if isinstance(value, (tuple, list)):

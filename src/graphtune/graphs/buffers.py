@@ -274,6 +274,14 @@ class StaticInputs:
         leaves = list(self.spec.flatten(inputs))
         n = leaves[self.batch_index].shape[0]
         for index, buf in self._buffers.items():
+            got = leaves[index]
+            if not (
+                isinstance(got, torch.Tensor)
+                and tuple(got.shape) == (n, *self._trailing[index])
+                and got.dtype == buf.dtype
+                and got.device == buf.device
+            ):
+                raise self._mismatch(index, got, n, leaves)
             padded = torch.empty((s, *buf.shape[1:]), dtype=buf.dtype, device=buf.device)
             padded[:n].copy_(leaves[index])
             if n < s:

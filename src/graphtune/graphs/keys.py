@@ -17,7 +17,7 @@ from graphtune.graphs.breaks import BreakBuffers, PiecewiseGraph
 from graphtune.graphs.buffers import StaticInputs, row_rules
 from graphtune.graphs.capture import CapturedGraph, CaptureRecord
 from graphtune.graphs.policy import GraphState
-from graphtune.graphs.tree import path_str
+from graphtune.graphs.tree import flatten_with_paths, path_str
 
 
 class KeyState:
@@ -188,4 +188,21 @@ def named_inputs_error(named: dict[str, Any]) -> InputError:
     return InputError(
         f"the graph runner takes positional inputs only, got {sorted(named)} by name; pass them "
         "in fn's order (or in a dict input)"
+    )
+
+
+def needs_grad(inputs: tuple) -> bool:
+    """Whether autograd is on and a tensor of ``inputs`` requires grad (a replay would drop its
+    gradients); costs one flag read while autograd is off (inference)."""
+    if not torch.is_grad_enabled():
+        return False
+    leaves, _, _ = flatten_with_paths(inputs)
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves)
+
+
+def needs_grad_error() -> InputError:
+    return InputError(
+        "capture() got an example input that requires grad while autograd is on: graphs replay "
+        "without autograd, so outputs would carry no gradients. Capture (and call) under "
+        "torch.inference_mode() or torch.no_grad(), or pass detached tensors"
     )

@@ -38,6 +38,9 @@ class FallbackReason(str, enum.Enum):
     """No input tensor has a leading dimension >= 1, so there is no batch to pad."""
     SIZE_NOT_CAPTURED = "size not captured (padding off)"
     """``CapturePolicy(padding=False)`` and the batch is not one of the capture sizes."""
+    NEEDS_GRAD = "input requires grad"
+    """Autograd is on and an input requires grad: a replay records no autograd graph, so the
+    call runs ``fn`` eagerly and its output carries gradients as eager code would."""
     FROZEN = "frozen (capture refused)"
     """The key would be captured lazily, but :meth:`CUDAGraphRunner.freeze` forbids captures."""
     WARMING_UP = "warm-up (first call of a key)"

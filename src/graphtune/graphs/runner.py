@@ -211,6 +211,8 @@ class CUDAGraphRunner:
                 "capture() was called while a CUDA graph capture is in progress; graphs cannot "
                 "be captured inside another capture. Capture this runner before the outer one"
             )
+        if keys.needs_grad(example_inputs):
+            raise keys.needs_grad_error()
         extra = self._key_fn(example_inputs) if self._key_fn is not None else None
         keys.check_key(extra)
         existing = self._keys.get(extra)
@@ -256,6 +258,8 @@ class CUDAGraphRunner:
             return self._eager(FallbackReason.NESTED_CAPTURE, inputs)
         if self._can_graph is not None and not _decision(self._can_graph(inputs)):
             return self._eager(FallbackReason.PREDICATE_REFUSED, inputs)
+        if keys.needs_grad(inputs):
+            return self._eager(FallbackReason.NEEDS_GRAD, inputs)
         extra = self._key_fn(inputs) if self._key_fn is not None else None
         try:
             key_state = self._keys.get(extra)
@@ -329,6 +333,10 @@ class CUDAGraphRunner:
     def _call_slow(self, inputs: tuple, extra: Hashable, key_state: KeyState | None) -> Any:
         """Every call that does not replay an existing graph: decide, maybe capture lazily."""
         if key_state is None and self._lazy:
+            if self._frozen:  # no capture under load, and no buffers for one either
+                if self.policy.when_frozen == "raise":
+                    raise CaptureError(policies.frozen_message("a call of a new key", "raise"))
+                return self._eager(FallbackReason.FROZEN, inputs)
             key_state = self._build(extra, inputs)
             if key_state is None:
                 return self._eager(FallbackReason.NO_BATCH, inputs)

@@ -1,0 +1,68 @@
+"""Calls the graph runner must not replay as captured (simulated backend, CPU): inputs that need
+autograd, a frozen runner meeting a new key, and padded_inputs() given inputs a call refuses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphtune.errors import InputError
+from graphtune.graphs import CUDAGraphRunner, FallbackReason, SimulatedGraphBackend
+
+W = torch.randn(4, 4)
+
+
+def step(x):
+    return x @ W
+
+
+def captured(**kwargs) -> CUDAGraphRunner:
+    runner = CUDAGraphRunner(
+        step, max_batch_size=8, capture_sizes=[2, 4, 8], backend=SimulatedGraphBackend(), **kwargs
+    )
+    runner.capture(torch.randn(8, 4))
+    return runner
+
+
+@pytest.mark.parametrize("rows", [3, 4])  # padded, and a captured size
+def test_an_input_that_requires_grad_runs_eagerly_and_keeps_its_gradient(rows):
+    runner = captured()
+    x = torch.randn(rows, 4, requires_grad=True)
+    out = runner(x)
+    out.sum().backward()  # a replay's output carries no graph: this raised or x.grad stayed None
+    assert x.grad is not None and torch.allclose(x.grad, W.sum(1).expand(rows, 4))
+    assert runner.stats.fallback_count(FallbackReason.NEEDS_GRAD) == 1
+    plain = torch.randn(rows, 4)
+    assert torch.allclose(runner(plain), step(plain))  # the runner still replays afterwards
+    assert runner.stats.replays == 1
+    with torch.no_grad():  # no autograd: nothing to lose, so it replays
+        runner(x)
+    assert runner.stats.replays == 2
+
+
+def test_capture_refuses_examples_that_require_grad_under_autograd():
+    runner = CUDAGraphRunner(step, max_batch_size=8, backend=SimulatedGraphBackend())
+    with pytest.raises(InputError):
+        runner.capture(torch.randn(8, 4, requires_grad=True))
+
+
+def test_a_frozen_lazy_runner_allocates_nothing_for_a_new_key():
+    runner = CUDAGraphRunner(
+        step,
+        max_batch_size=8,
+        backend=SimulatedGraphBackend(),
+        lazy=True,
+        key_fn=lambda inputs: inputs[0].shape[1],
+    )
+    runner.freeze()
+    x = torch.randn(3, 4)
+    assert torch.allclose(runner(x), step(x))
+    assert runner.stats.fallback_count(FallbackReason.FROZEN) == 1
+    assert runner.stats.buffer_bytes == 0
+
+
+def test_padded_inputs_refuses_what_a_call_refuses():
+    runner = captured()
+    for bad in (torch.randn(3, 4, dtype=torch.float64), torch.randn(3, 5)):
+        with pytest.raises(InputError):
+            runner.padded_inputs(bad)  # a float64 input was converted; a wrong width raised

@@ -6,6 +6,7 @@ rule, a NaN epsilon into a model). :func:`parse_json` refuses them and names the
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 
@@ -28,6 +29,13 @@ class _Constant(str):
     """What the parser makes of a non-finite constant until :func:`parse_json` refuses it."""
 
 
+def _float(text: str) -> float | _Constant:
+    """A JSON number as a float; one too large for a float (``1e999``) would be an infinity,
+    so it is kept as its text and refused like ``Infinity``."""
+    value = float(text)
+    return value if math.isfinite(value) else _Constant(text)
+
+
 def _constant_in(value: Any) -> str | None:
     if isinstance(value, _Constant):
         return str(value)
@@ -45,13 +53,13 @@ def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def parse_json(text: str) -> Any:
-    """``json.loads`` that refuses ``NaN`` and ``Infinity``.
+    """``json.loads`` that refuses ``NaN``, ``Infinity`` and numbers that overflow a float.
 
     Raises:
         NonFiniteNumber: The text holds one (a ``ValueError``, like a syntax error).
         ValueError: The text is not JSON.
     """
-    doc = json.loads(text, parse_constant=_Constant, object_pairs_hook=_object)
+    doc = json.loads(text, parse_constant=_Constant, parse_float=_float, object_pairs_hook=_object)
     constant = _constant_in(doc)
     if constant is not None:
         raise NonFiniteNumber(constant)

@@ -252,3 +252,29 @@ def test_a_compile_processes_value_that_is_not_a_count_is_named(monkeypatch, val
         env.compile_processes()
     monkeypatch.setenv("GRAPHTUNE_COMPILE_PROCESSES", "3")
     assert env.compile_processes() == 3
+
+
+def test_a_pool_broken_before_the_batch_is_dropped_and_the_batch_compiled_here(monkeypatch):
+    # A worker died while warming up: submit raises BrokenProcessPool. That pool was kept (and
+    # compile workers were off for the rest of the process, with no word).
+    from concurrent.futures.process import BrokenProcessPool
+
+    from graphtune._compile_worker import CompileJob
+    from graphtune.ops import _compile_pool
+
+    class BrokenPool:
+        shut = False
+
+        def submit(self, *args, **kwargs):
+            raise BrokenProcessPool("a worker died")
+
+        def shutdown(self, **kwargs):
+            self.shut = True
+
+    broken = BrokenPool()
+    monkeypatch.setattr(_compile_pool, "enabled", lambda: True)
+    monkeypatch.setattr(_compile_pool, "_POOL", broken)
+    jobs = [CompileJob("m", f"k{i}", {}, {}, {}, {}, None, f"id{i}") for i in range(4)]
+    report = _compile_pool.compile_in_workers(jobs)
+    assert report.compiled == 0  # the caller compiles them in-process
+    assert broken.shut and _compile_pool._POOL is None  # a later batch starts fresh workers

@@ -15,6 +15,9 @@ from graphtune.finite_json import NonFiniteNumber, parse_json
         ('{"times": [1.0, [2.0, -Infinity]]}', "-Infinity", "times"),
         ("[1, NaN]", "NaN", None),
         ("NaN", "NaN", None),
+        # A number too large for a float parsed as inf before.
+        ('{"time_ms": 1e999}', "1e999", "time_ms"),
+        ('{"eps": [-1e400]}', "-1e400", "eps"),
     ],
 )
 def test_non_finite_constants_are_refused_naming_their_field(text, constant, field):

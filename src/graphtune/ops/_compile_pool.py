@@ -268,6 +268,10 @@ def _hand_over(pool: ProcessPoolExecutor, job: CompileJob) -> Future[JobResult] 
     try:
         pickle.dumps(job)
         return _submit(pool, compile_job, job)
+    except BrokenProcessPool as exc:  # a worker died earlier (warm-up, a job compiled ahead)
+        logger.warning("compile workers stopped (%s); compiling in-process, new workers next", exc)
+        close_compile_workers()
+        return None
     except (pickle.PicklingError, TypeError, AttributeError, RuntimeError) as exc:
         logger.debug("compile job %s not handed to the workers: %s", job.qualname, exc)
         return None

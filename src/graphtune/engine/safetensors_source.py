@@ -94,17 +94,6 @@ class TensorSource:
     def has(self, name: str) -> bool:
         return name in self.files
 
-    def dtype(self, name: str) -> torch.dtype | None:
-        """The dtype tensor ``name`` has in the file (``None``: no such tensor)."""
-        file = self.files.get(name)
-        if file is None:
-            return None
-        try:
-            dtype: torch.dtype = self._handle(file).get_slice(name)[0:1].dtype
-        except Exception as exc:  # safetensors raises its own error types; keep the cause.
-            raise CheckpointError(f"could not read tensor {name!r} from {file}: {exc}") from exc
-        return dtype
-
     def auto_dtype(self) -> tuple[Any, str]:
         """The dtype transformers' ``dtype="auto"`` takes from the weights when ``config.json``
         names none, and where it came from: the index's ``metadata.dtype`` (a name, as written),

@@ -12,10 +12,8 @@ from graphtune.errors import ConfigError
 
 def check_counts(who: str, *, warmup: int, repeat: int) -> None:
     """Raises ConfigError unless ``warmup >= 0`` and ``repeat >= 1`` are integers."""
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-        raise ConfigError(f"{who}: warmup must be an integer >= 0, got {warmup!r}")
-    if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
-        raise ConfigError(f"{who}: repeat must be an integer >= 1, got {repeat!r}")
+    check_int(who, "warmup", warmup, minimum=0, default=3)
+    check_int(who, "repeat", repeat, minimum=1, default=10)
 
 
 def check_int(who: str, name: str, value: object, *, minimum: int, default: object) -> None:

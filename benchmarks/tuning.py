@@ -411,6 +411,10 @@ def main(argv: list[str] | None = None) -> int:
         print("targets: not evaluated (graph mode was not run)")
     for target, passed in summary["targets"].items():
         print(f"target {target}: {'pass' if passed else 'FAIL'}")
+    print(
+        "cases where one candidate is within 1% of the best under both truths: "
+        f"{summary['share_reachable_under_both_truths']:.1%} (the most any pick can reach)"
+    )
     for mode in args.modes:
         stats = summary[mode]
         if stats.get("median_ms_per_tactic") is not None:

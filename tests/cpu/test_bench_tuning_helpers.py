@@ -195,6 +195,22 @@ def test_summary_reports_both_truths_and_separate_targets():
     assert scores.summarize(records)["wallclock"]["mode_errors"] == 20
 
 
+def test_within_both_truths_bounds_what_any_pick_can_reach():
+    # a wins by kernel sum by 5%, b in the graph by 5%: no pick is within 1% of both.
+    a = {"cupti_us": 1.00, "cupti_graph_us": 1.05}
+    b = {"cupti_us": 1.05, "cupti_graph_us": 1.00}
+    assert scores.within_both_truths([a, b]) is False
+    assert scores.within_both_truths([a, b], tolerance=0.06) is True
+    assert scores.within_both_truths([a, b, {"cupti_us": 1.005, "cupti_graph_us": 1.008}])
+    assert scores.within_both_truths([{"cupti_us": 1.0, "cupti_graph_us": None}])
+    disagree = case_record(mode_record(0.0, 0.0))
+    disagree["candidates"] = [a, b]
+    agree = case_record(mode_record(0.0, 0.0))
+    agree["candidates"] = [a]
+    summary = scores.summarize([disagree, agree, agree, agree], ("graph",))
+    assert summary["share_reachable_under_both_truths"] == pytest.approx(3 / 4)
+
+
 def test_summary_graph_truth_needs_every_case_and_counts_failures():
     records = [case_record(mode_record(0.0, 0.0)) for _ in range(20)]
     records.append(case_record(mode_record(0.0, math.nan), best_graph=False))

@@ -255,6 +255,18 @@ NAN, INF = float("nan"), float("inf")
         (lambda: cold_l2_copies(MIB, "cpu", l2_bytes=MIB, factor=NAN), "factor"),
         (lambda: cold_l2_copies(MIB, "cpu", l2_bytes=MIB, min_copies=2.5), "min_copies"),
         (lambda: cold_l2_copies(MIB, "cpu", l2_bytes=NAN), "l2_bytes"),
+        # ints too large for a float: float() raised a bare OverflowError
+        (lambda: GraphTimer(min_replay_us=10**400), "min_replay_us"),
+        (lambda: GraphTimer(min_piece_us=-(10**400)), "min_piece_us"),
+        (lambda: EventTimer(max_delay_us=10**400), "max_delay_us"),
+        (lambda: cold_l2_copies(MIB, "cpu", l2_bytes=MIB, factor=10**400), "factor"),
+        (lambda: cold_l2_copies(MIB, "cpu", l2_bytes=10**400), "l2_bytes"),
+        (
+            lambda: cold_l2_copies(MIB, "cpu", l2_bytes=MIB, max_total_bytes=10**400),
+            "max_total_bytes",
+        ),
+        # an int past 4300 digits: its repr in the message raised ValueError
+        (lambda: EventTimer(max_retries=-(10**5000)), "max_retries"),
     ],
 )
 def test_numeric_arguments_refused_in_one_line(make, name):
@@ -263,6 +275,7 @@ def test_numeric_arguments_refused_in_one_line(make, name):
     with pytest.raises(ConfigError, match=f"{name} must be an? (integer|finite number)") as info:
         make()
     assert "\n" not in str(info.value) and "pass " in str(info.value)
+    assert len(str(info.value)) < 200, "a huge int is given by its digit count, not printed"
 
 
 def test_numeric_arguments_accept_ints_for_floats():

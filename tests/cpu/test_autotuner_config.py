@@ -252,8 +252,26 @@ def test_tuple_buckets_above_max_value_map_onto_a_bucket_the_sweep_tunes() -> No
     assert above.sweep_values(above.dynamic_specs[0], 5) == (32,)
 
 
-def test_a_buckets_callable_that_returns_no_sequence_is_a_config_error() -> None:
-    for bad, max_value in ((lambda m: 5, 8), (lambda m: None, None), (lambda m: "1,2", 8)):
+def test_a_buckets_callable_that_returns_no_iterable_is_a_config_error() -> None:
+    bad_returns = (
+        (lambda m: 5, 8),
+        (lambda m: None, None),
+        (lambda m: "1,2", 8),
+        (lambda m: b"\x01\x02", 8),
+        (lambda m: {1: "a", 8: "b"}, 8),  # a mapping: its keys are not meant as buckets
+    )
+    for bad, max_value in bad_returns:
         cfg = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0, bad),), max_value=max_value)
-        with pytest.raises(ConfigError, match="buckets callable returned .* sequence of positive"):
+        with pytest.raises(ConfigError, match="buckets callable returned .* iterable of positive"):
             cfg.sweep_values(cfg.dynamic_specs[0], 4)
+
+
+@pytest.mark.parametrize("max_value", [32, None])
+def test_a_buckets_callable_may_return_a_set_or_a_generator(max_value: int | None) -> None:
+    """Any iterable of positive ints, as before session 53 (validate_buckets sorts them)."""
+    made = (lambda m: {8, 1, 4}, lambda m: (2**i for i in (3, 0, 2)), lambda m: [8, 1, 4, 4])
+    for fn in made:
+        cfg = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0, fn),), max_value=max_value)
+        spec = cfg.dynamic_specs[0]
+        assert cfg.sweep_values(spec, 5) == (1, 4, 8)
+        assert cfg.bucket_of(spec, 5) == 4

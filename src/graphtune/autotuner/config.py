@@ -8,7 +8,7 @@ for; a live size is mapped to its bucket by ``map_to_bucket`` and capped by ``ma
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -94,7 +94,7 @@ class DynamicTensorSpec:
 
     input_idx: int
     dim_idx: int
-    buckets: tuple[int, ...] | Callable[[int], Sequence[int]] = power_of_two_buckets
+    buckets: tuple[int, ...] | Callable[[int], Iterable[int]] = power_of_two_buckets
     map_to_bucket: Callable[[int], int] | None = None
 
     def __post_init__(self) -> None:
@@ -334,14 +334,16 @@ def _capped_buckets(spec: DynamicTensorSpec, max_value: int) -> tuple[int, ...]:
 
 
 def _called(spec: DynamicTensorSpec, arg: int) -> tuple[Any, ...]:
-    """What ``spec``'s buckets callable gives for ``arg``, as a tuple (checked: an int or
-    ``None`` would fail with a bare ``TypeError`` deep in the sweep)."""
+    """What ``spec``'s buckets callable gives for ``arg``, as a tuple. Any iterable is taken (a
+    list, a set, a generator: :func:`validate_buckets` sorts them) except a str, bytes or a
+    mapping; what is no iterable (an int, ``None``) is refused here rather than with a bare
+    ``TypeError`` deep in the sweep."""
     got = spec.buckets(arg)  # type: ignore[operator]
-    if isinstance(got, (str, bytes)) or not isinstance(got, Sequence):
+    if isinstance(got, (str, bytes, Mapping)) or not isinstance(got, Iterable):
         raise ConfigError(
             f"DynamicTensorSpec(input_idx={spec.input_idx}, dim_idx={spec.dim_idx}): its buckets "
-            f"callable returned {got!r} for {arg}; it must return a sequence of positive ints "
-            "(e.g. power_of_two_buckets)."
+            f"callable returned {got!r} for {arg}; it must return an iterable of positive ints, "
+            "such as a tuple (e.g. power_of_two_buckets)."
         )
     return tuple(got)
 

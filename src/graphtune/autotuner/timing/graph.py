@@ -18,12 +18,12 @@ tuner's first round only races the candidates, and each candidate's opening alre
 
 Capturing a call costs the host the runner's whole launch path, so a long replay of a short kernel
 is built from a piece instead (``repeat_pieces``, the default): the calls are captured once, as many
-as the probes estimate to last ``min_piece_us`` (100 µs, a whole replay), and the replay runs copies
-of that piece as child graphs (:mod:`graphtune.autotuner.timing.repeated`). The GPU runs the same
-kernels either way. A call of a few microseconds or more is so timed in one piece, an unbroken
-chain; the first probe of a bucket's first candidate (3 calls, the replay's fixed cost spread over
-them) overstates a 1-2 µs call, and the piece is grown once, so such a call may be timed as 2 or 3
-copies of a 50-70 µs piece (later candidates are sized from the first one's time).
+as the probes estimate to last ``min_piece_us`` (100 µs, as long as a default replay), and the
+replay runs copies of that piece as child graphs (:mod:`graphtune.autotuner.timing.repeated`). The
+GPU runs the same kernels either way. A call of a few microseconds or more is so timed in one piece,
+an unbroken chain; the first probe of a bucket's first candidate (3 calls, the replay's fixed cost
+spread over them) overstates a 1-2 µs call, and the piece is grown once, so such a call may be timed
+as 2 or 3 copies of a 50-70 µs piece (later candidates are sized from the first one's time).
 
 In cold-L2 mode pass ``repeat >= copies`` so that one replay walks through every input copy;
 otherwise consecutive replays touch the same few copies and find them in L2.
@@ -103,9 +103,12 @@ class GraphTimer:
         min_piece_us: Shortest piece to repeat: each copy boundary costs a kernel with
             programmatic dependent launch its overlap once, and a chain of back-to-back calls
             can run slower than its first few calls (the in-graph truth of
-            ``benchmarks/tuning.py``), so a piece must be long against both; the default, a
-            whole ``min_replay_us``, makes most replays one piece (the module docstring says
-            when not).
+            ``benchmarks/tuning.py``), so a piece must be long against both. The default is a
+            fixed 100 µs, the same as the default ``min_replay_us``, which makes most replays
+            one piece (the module docstring says when not); it does not follow
+            ``min_replay_us``: with a longer ``min_replay_us`` a replay is several copies of a
+            100 µs piece, and with a shorter one a replay of short calls still lasts about
+            ``min_piece_us`` (its one piece). Unused with ``repeat_pieces=False``.
         probe_replays: Timed replays of each ``auto_repeat`` probe.
         first_from_probe: A session whose graph was timed by the last probe returns that
             probe's replays as its first measurement (``probe_replays`` samples) instead of

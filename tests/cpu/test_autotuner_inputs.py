@@ -142,3 +142,23 @@ def test_a_lone_runner_and_a_tensor_keyword_argument_are_refused_in_one_line() -
     # not the advice for runner attributes (identity_excludes, cache_key_extras)
     with pytest.raises(ConfigError, match="keyword argument 'w' is a Tensor.*pass the tensor in"):
         tuner.choose_one("op", [runner], CONFIG, X, w=torch.zeros(1))
+
+
+def test_a_tensor_nested_in_a_keyword_argument_gets_the_keyword_advice() -> None:
+    """A tensor (or an object) inside a keyword value was refused with the advice for runner
+    attributes (identity_excludes, cache_key_extras), naming "keyword arguments of 'op'"."""
+    clock = Clock()
+    tuner = tuner_for(clock)
+    runner = Listed(clock, [0], {-1: 1.0, 0: 1.0})
+    t = torch.zeros(1)
+    for kwargs, where in (
+        ({"bias": (t,)}, r"bias\[0\] is a Tensor"),
+        ({"bias": {"a": [1, t]}}, r"bias\['a'\]\[1\] is a Tensor"),
+        ({"bias": object()}, "bias is a object"),
+    ):
+        with pytest.raises(ConfigError, match=f"keyword argument {where}") as info:
+            tuner.choose_one("op", [runner], CONFIG, X, **kwargs)
+        message = str(info.value)
+        assert "pass tensors in inputs" in message and "\n" not in message
+        assert "identity_excludes" not in message and "cache_key_extras" not in message
+    assert len(tuner.cache) == 0

@@ -32,7 +32,7 @@ from graphtune.autotuner import json_update
 from graphtune.autotuner.cache_reader import Unusable, read_text
 from graphtune.autotuner.config import TuningConfig
 from graphtune.autotuner.entries import CacheKey
-from graphtune.autotuner.values import decode_value, encode_value
+from graphtune.autotuner.values import decode_value, encode_value, identity_value
 from graphtune.errors import CacheFileError, ConfigError, InputError
 from graphtune.finite_json import parse_json
 
@@ -41,6 +41,15 @@ logger = logging.getLogger(__name__)
 MISSES_FORMAT = "graphtune-misses"
 MISSES_VERSION = 1
 _CONFIG_FIELDS = ("max_value", "timing", "cold_l2", "warmup", "repeat")
+# The end of the error for a keyword value (or one nested in it) of no stable text: the advice
+# for runner attributes (identity_excludes, cache_key_extras) does not apply to it.
+_KWARG_ADVICE = (
+    "and keyword arguments are part of the cache key, so they need values with a stable text "
+    "(None, bools, ints, finite floats, strings, dtypes, devices, enum members, and tuples, "
+    "lists, sets, string-keyed dicts and dataclasses of them); pass tensors in inputs (their "
+    "shape and dtype are keyed) and other state on the runner as private attributes (a leading "
+    "underscore)."
+)
 
 
 @dataclass(frozen=True)
@@ -69,8 +78,9 @@ class OpCall:
             ConfigError: ``op`` is not a non-empty str (the cache file stores it as a JSON
                 string), ``inputs`` is not a list or tuple (a tensor would be split into its
                 rows), ``runners`` is a runner rather than a list of them, no runner, something
-                that is not a runner instance, a keyword argument is a tensor, or ``config`` is
-                not a :class:`TuningConfig`.
+                that is not a runner instance, a keyword argument is (or holds) a tensor or
+                another value with no stable text (an :class:`IdentityError` naming it), or
+                ``config`` is not a :class:`TuningConfig`.
         """
         if not isinstance(op, str) or not op:
             # an op that is no string is saved as one, and a load rejects the whole file for it
@@ -96,6 +106,10 @@ class OpCall:
                     "tensor in inputs (its shape and dtype are keyed) or keep it on the runner "
                     "as a private attribute (a leading underscore)."
                 )
+            # one nested in a tuple, list or dict: the same advice, not a runner field's
+            identity_value(
+                value, f"choose_one({op!r}): keyword argument {name}", advice=_KWARG_ADVICE
+            )
         runners = list(runners)
         if not runners:
             raise ConfigError(f"choose_one({op!r}) got no runners; pass at least one runner.")

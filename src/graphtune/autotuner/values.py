@@ -122,12 +122,22 @@ def _hashable(key: Any) -> Any:
     return key
 
 
-def identity_value(value: Any, where: str) -> Any:
+#: What the error for a value of no stable text tells the owner of a runner attribute to do.
+_RUNNER_ADVICE = (
+    "so it cannot be part of the runner's cache key. Make it private (a leading underscore), "
+    "list it in the runner class's identity_excludes, or override cache_key_extras() to "
+    "state the runner's key."
+)
+
+
+def identity_value(value: Any, where: str, *, advice: str = _RUNNER_ADVICE) -> Any:
     """The canonical JSON form of configuration ``value`` (see the module docstring).
 
     Args:
         value: The value.
         where: What it is, for the error (e.g. ``"attribute 'block' of MyRunner"``).
+        advice: The end of the error for a value (or one nested in it) of a type with no stable
+            text, after "which has no stable value across processes, ": what to do instead.
 
     Raises:
         IdentityError: The value (or one nested in it) has no stable text.
@@ -145,9 +155,9 @@ def identity_value(value: Any, where: str) -> Any:
     if isinstance(value, (torch.dtype, torch.device)):
         return str(value)
     if isinstance(value, (tuple, list)):
-        return [identity_value(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return [identity_value(v, f"{where}[{i}]", advice=advice) for i, v in enumerate(value)]
     if isinstance(value, (set, frozenset)):
-        items = [identity_value(v, f"{where} item") for v in value]
+        items = [identity_value(v, f"{where} item", advice=advice) for v in value]
         return sorted(items, key=lambda item: json.dumps(item, sort_keys=True))
     if isinstance(value, dict):
         bad = [k for k in value if not isinstance(k, str)]
@@ -155,15 +165,13 @@ def identity_value(value: Any, where: str) -> Any:
             raise IdentityError(
                 f"{where} has the non-string key {bad[0]!r}; a cache key needs string keys."
             )
-        return {k: identity_value(v, f"{where}[{k!r}]") for k, v in value.items()}
+        return {k: identity_value(v, f"{where}[{k!r}]", advice=advice) for k, v in value.items()}
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
-        return {type(value).__qualname__: identity_value(fields, where)}
+        return {type(value).__qualname__: identity_value(fields, where, advice=advice)}
     raise IdentityError(
         f"{where} is a {type(value).__qualname__}, which has no stable value across processes, "
-        "so it cannot be part of the runner's cache key. Make it private (a leading underscore), "
-        "list it in the runner class's identity_excludes, or override cache_key_extras() to "
-        "state the runner's key."
+        + advice
     )
 
 

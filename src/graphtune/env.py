@@ -26,6 +26,9 @@ Variables (all optional):
 * ``GRAPHTUNE_COMPILE_PROCESSES``: worker processes that run Triton's code generator for the
   tactics compiled ahead of timing (``graphtune.ops._compile_pool``); ``0`` compiles in threads
   of the tuning process only. Unset: ``min(16, cpu_count)``.
+* ``GRAPHTUNE_COMPILE_TIMEOUT``: seconds (a number > 0, fractions allowed) a batch of compile jobs
+  waits for those worker processes without any job of it finishing; then the workers are killed
+  and this process compiles the jobs left, and every later one, itself. Unset: ``300``.
 * ``GRAPHTUNE_COMMIT``: the source commit recorded in benchmark results when the tree being run has
   no ``.git`` (for example a copy shipped to a GPU machine).
 * ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``: set by ``torchrun``; read for ``--tp N`` (the process
@@ -44,6 +47,7 @@ Values are read when the function is called, never at import time.
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -162,6 +166,27 @@ def compile_processes() -> int | None:
             "threads only); unset it for the default."
         )
     return int(value)
+
+
+def compile_timeout() -> float | None:
+    """``GRAPHTUNE_COMPILE_TIMEOUT`` as a finite number of seconds > 0, or ``None`` when unset.
+
+    Raises:
+        ConfigError: The value is not a finite number > 0.
+    """
+    value = os.environ.get("GRAPHTUNE_COMPILE_TIMEOUT", "").strip()
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ConfigError(
+            f"GRAPHTUNE_COMPILE_TIMEOUT={value!r}: must be a number of seconds > 0 (how long a "
+            "batch of compile jobs waits for the worker processes); unset it for the default."
+        )
+    return seconds
 
 
 def torchrun_rank() -> tuple[int, int] | None:

@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -278,3 +279,158 @@ def test_a_pool_broken_before_the_batch_is_dropped_and_the_batch_compiled_here(m
     report = _compile_pool.compile_in_workers(jobs)
     assert report.compiled == 0  # the caller compiles them in-process
     assert broken.shut and _compile_pool._POOL is None  # a later batch starts fresh workers
+
+
+# -- a worker that hangs --------------------------------------------------------------------------
+
+# A kernel module whose import never ends in a worker (as a stuck code generator would): it
+# writes the worker's pid to the file named after it, then sleeps far longer than any timeout.
+HANGING_MODULE = "import os, time\nopen(__file__ + '.pid', 'w').write(str(os.getpid()))\n"
+HANGING_MODULE += "time.sleep(300)\n"
+
+
+def hanging_and_bogus_jobs(tmp_path: Path, tag: str) -> list:
+    """One job whose worker hangs, then three that fail at once (no such module)."""
+    from graphtune._compile_worker import CompileJob
+
+    module = tmp_path / f"hanging_{tag}.py"
+    module.write_text(HANGING_MODULE)
+    hanging = CompileJob(
+        f"hanging_{tag}", "kernel", {}, {}, {}, {}, None, f"hang-{tag}", str(module)
+    )
+    bogus = [
+        CompileJob("no.such.module", "kernel", {}, {}, {}, {}, None, f"{tag}-{i}") for i in range(3)
+    ]
+    return [hanging, *bogus]
+
+
+def use_workers_on_the_cpu(monkeypatch) -> None:
+    """Worker processes on this CPU-only, interpreted test machine: no job here needs a GPU."""
+    from graphtune.ops import _compile_pool, _triton
+
+    monkeypatch.setenv("GRAPHTUNE_COMPILE_PROCESSES", "2")
+    monkeypatch.setattr(_triton, "kernels_interpreted", lambda: False)
+    monkeypatch.setattr(_compile_pool, "_has_target", lambda: True)
+    monkeypatch.setattr(_compile_pool, "_knobs", lambda: SimpleNamespace())  # no cache dir
+    monkeypatch.setattr(_compile_pool, "_LAUNCHERS", set())
+    monkeypatch.setattr(_compile_pool, "_BROKEN", None, raising=False)  # reset after the test
+
+
+def test_a_hung_worker_times_out_breaks_the_pool_and_later_batches_compile_here(
+    tmp_path, monkeypatch, caplog
+) -> None:
+    # A worker stuck in a job hung the tuning process for good: compile_in_workers waited for
+    # every job without a limit (and so did closing the pool, and interpreter exit).
+    pytest.importorskip("triton")
+    from graphtune.ops import _compile_pool
+
+    use_workers_on_the_cpu(monkeypatch)
+    monkeypatch.setenv("GRAPHTUNE_COMPILE_TIMEOUT", "2")
+    assert _compile_pool.enabled()
+    jobs = hanging_and_bogus_jobs(tmp_path, "a")
+    try:
+        # Workers that have started (a loaded machine may take longer than the timeout to start
+        # them), so that only the hanging job can time out.
+        warmed = len(_compile_pool.job_log()) + _compile_pool.compile_processes()
+        assert _compile_pool.start_compile_workers()
+        deadline = time.monotonic() + 60
+        while len(_compile_pool.job_log()) < warmed and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with caplog.at_level("WARNING", logger=_compile_pool.__name__):
+            started = time.monotonic()
+            report = _compile_pool.compile_in_workers(jobs)
+            seconds = time.monotonic() - started
+        # The 2 s without progress, far below the default 300 s.
+        assert seconds < 30 and _compile_pool.compile_timeout() == 2.0, seconds
+        assert (report.jobs, report.compiled, report.failed, report.timed_out) == (4, 0, 4, 1)
+        warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert len(warnings) == 1, warnings
+        assert warnings[0].startswith("1 of 4 Triton compile jobs did not finish")
+        assert "GRAPHTUNE_COMPILE_TIMEOUT" in warnings[0] and "in-process" in warnings[0]
+        # The hung worker was killed (and reaped), not waited for; the pool is marked broken.
+        pid = int((tmp_path / "hanging_a.py.pid").read_text())
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+        assert _compile_pool.broken() is not None and not _compile_pool.enabled()
+        assert _compile_pool._pool(start=False) is None
+        # Later batches start no workers: the caller compiles them in-process (it compiles
+        # every job in-process after the workers anyway, the timed-out ones included).
+        later = hanging_and_bogus_jobs(tmp_path, "b")
+        report = _compile_pool.compile_in_workers(later)
+        assert (report.compiled, report.failed, report.timed_out) == (0, 0, 0)
+        assert _compile_pool.compile_ahead(later) == 0
+        assert _compile_pool.start_compile_workers() is False
+        assert _compile_pool._pool(start=True) is None
+        assert not (tmp_path / "hanging_b.py.pid").exists()
+    finally:
+        _compile_pool.close_compile_workers(grace_s=0.0)
+
+
+def test_a_runner_compiles_in_process_once_the_pool_is_broken(monkeypatch) -> None:
+    pytest.importorskip("triton")
+    import torch
+
+    from graphtune.ops import _compile_pool
+    from graphtune.ops.activation import TritonSiluAndMulRunner
+
+    monkeypatch.setattr(_compile_pool, "_usable_here", lambda: True)
+    monkeypatch.setattr(_compile_pool, "_BROKEN", "2 compile job(s) got no result within 1 s")
+    runner = TritonSiluAndMulRunner()
+    assert runner.prepare_ahead([([torch.zeros(2, 64)], [{"block": 32, "warps": 1}])]) is False
+    inputs = [torch.zeros(4, 64)]
+    tactics = [{"block": 32, "warps": 1}, {"block": 64, "warps": 1}]
+    assert all(error is None for error in runner.precompile(inputs, tactics).values())
+    assert runner.compiled_in_workers == 0 and _compile_pool._pool(start=False) is None
+
+
+def test_interpreter_exit_does_not_wait_for_a_hung_worker(tmp_path) -> None:
+    # The pool's jobs were joined at exit (concurrent.futures joins its pools before atexit
+    # runs): a job handed over ahead that hung kept the process from ever exiting.
+    pytest.importorskip("triton")
+    module = tmp_path / "hanging_exit.py"
+    module.write_text(HANGING_MODULE)
+    code = f"""
+import sys, time
+from pathlib import Path
+from types import SimpleNamespace
+from graphtune.ops import _compile_pool, _triton
+from graphtune._compile_worker import CompileJob
+_triton.kernels_interpreted = lambda: False
+_compile_pool._has_target = lambda: True
+_compile_pool._knobs = lambda: SimpleNamespace()
+job = CompileJob("hanging_exit", "kernel", {{}}, {{}}, {{}}, {{}}, None, "hang", {str(module)!r})
+assert _compile_pool.compile_ahead([job]) == 1
+pid_file = Path({str(module)!r} + ".pid")
+while not pid_file.exists():  # the worker is in the job
+    time.sleep(0.05)
+print("exiting", flush=True)
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=str(ROOT / "src"), GRAPHTUNE_COMPILE_PROCESSES="1")
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=120, check=False,
+    )  # fmt: skip
+    seconds = time.monotonic() - started
+    assert done.returncode == 0 and done.stdout.strip() == "exiting", done.stderr[-4000:]
+    assert seconds < 60, seconds  # the worker's start, then CLOSE_GRACE_S, then the kill
+    pid = int((tmp_path / "hanging_exit.py.pid").read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+@pytest.mark.parametrize("value", ["x", "0", "-1", "nan", "inf", "\u00b2", "1e999"])
+def test_a_compile_timeout_that_is_not_a_positive_number_is_named(monkeypatch, value) -> None:
+    from graphtune import env
+    from graphtune.errors import ConfigError
+    from graphtune.ops import _compile_pool
+
+    monkeypatch.setenv("GRAPHTUNE_COMPILE_TIMEOUT", value)
+    with pytest.raises(ConfigError, match=f"GRAPHTUNE_COMPILE_TIMEOUT={value!r}: must be"):
+        env.compile_timeout()
+    monkeypatch.setenv("GRAPHTUNE_COMPILE_TIMEOUT", " 2.5 ")
+    assert env.compile_timeout() == 2.5 == _compile_pool.compile_timeout()
+    monkeypatch.delenv("GRAPHTUNE_COMPILE_TIMEOUT")
+    assert env.compile_timeout() is None
+    assert _compile_pool.compile_timeout() == _compile_pool.COMPILE_TIMEOUT_S == 300.0

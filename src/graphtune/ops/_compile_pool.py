@@ -32,11 +32,19 @@ cache is empty, else before it plans the step when an op has no pick yet), and s
 :func:`close_compile_workers` (``tune_step`` calls it when it is done) or the end of the
 process. Workers never touch the GPU: the target is passed in, so compiling needs no CUDA
 context.
+
+No wait on a worker is unbounded (:mod:`graphtune.ops._pool_stop`). A batch waits until its
+jobs are done or none of them finished for :func:`compile_timeout` seconds
+(``GRAPHTUNE_COMPILE_TIMEOUT``, default :data:`COMPILE_TIMEOUT_S`): a worker that hangs (a
+deadlock, a stuck code generator) then has its pool killed, with one warning, and the pool is
+marked broken for the rest of the process (:func:`enabled` is ``False``): the jobs that timed
+out, like every later compile, are compiled in-process, as without workers. Closing the pool,
+at :func:`close_compile_workers` or at interpreter exit, gives running jobs
+:data:`CLOSE_GRACE_S` seconds and kills the workers still busy then.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import dataclasses
 import json
@@ -48,7 +56,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ProcessPoolExecutor, wait
+from concurrent.futures import CancelledError, Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any
@@ -62,11 +70,16 @@ from graphtune._compile_worker import (
     triton_knobs,
     warm_up,
 )
+from graphtune.ops._pool_stop import before_thread_joins_at_exit, stop_pool, wait_for_progress
 
 logger = logging.getLogger(__name__)
 
 #: Fewest jobs worth starting the worker processes for (a running pool takes any batch of 2+).
 MIN_JOBS_TO_START = 4
+#: Default of :func:`compile_timeout`: one compile takes seconds, a large kernel a minute or so.
+COMPILE_TIMEOUT_S = 300.0
+#: Seconds :func:`close_compile_workers` lets running jobs end before it kills their workers.
+CLOSE_GRACE_S = 5.0
 
 
 @dataclass
@@ -76,6 +89,7 @@ class WorkerReport:
     jobs: int = 0
     compiled: int = 0
     failed: int = 0
+    timed_out: int = 0
     seconds: float = 0.0
 
 
@@ -83,6 +97,13 @@ def compile_processes() -> int:
     """Worker processes to use: ``GRAPHTUNE_COMPILE_PROCESSES``, else ``min(16, cpu_count)``."""
     chosen = env.compile_processes()
     return chosen if chosen is not None else min(16, os.cpu_count() or 1)
+
+
+def compile_timeout() -> float:
+    """Seconds a batch waits without any of its jobs finishing: ``GRAPHTUNE_COMPILE_TIMEOUT``,
+    else :data:`COMPILE_TIMEOUT_S`."""
+    chosen = env.compile_timeout()
+    return chosen if chosen is not None else COMPILE_TIMEOUT_S
 
 
 def _knobs() -> Any:
@@ -102,7 +123,17 @@ def _has_target() -> bool:
 
 
 def enabled() -> bool:
-    """Whether compiles can go to worker processes here (see the module docstring)."""
+    """Whether compiles can go to worker processes here (see the module docstring): never
+    again in this process once a batch timed out (:func:`broken`)."""
+    return _BROKEN is None and _usable_here()
+
+
+def broken() -> str | None:
+    """Why the workers are off for the rest of this process (a batch timed out), else ``None``."""
+    return _BROKEN
+
+
+def _usable_here() -> bool:
     from graphtune.ops._triton import kernels_interpreted, triton_available
 
     return (
@@ -214,6 +245,8 @@ def capturing() -> Iterator[list[CompileJob]]:
 
 _POOL_LOCK = threading.Lock()
 _POOL: ProcessPoolExecutor | None = None
+#: Set (under the lock) when a batch timed out: see :func:`broken`.
+_BROKEN: str | None = None
 #: Jobs handed to the workers by :func:`compile_ahead`, by ``CompileJob.ident`` (under the lock).
 _AHEAD: dict[str, Future[JobResult]] = {}
 #: Kernel signatures whose host launcher a job was asked to build (under the lock): Triton's
@@ -224,7 +257,7 @@ _LAUNCHERS: set[tuple[Any, ...]] = set()
 def _pool(start: bool) -> ProcessPoolExecutor | None:
     global _POOL
     with _POOL_LOCK:
-        if _POOL is None and start:
+        if _POOL is None and start and _BROKEN is None:
             knobs = _knobs()
             cache_dir = getattr(getattr(knobs, "cache", None), "dir", None)
             _POOL = ProcessPoolExecutor(
@@ -297,28 +330,53 @@ def start_compile_workers() -> bool:
     return pool is not None
 
 
-def close_compile_workers() -> None:
-    """Stops the worker processes (a later batch starts them again)."""
+def close_compile_workers(grace_s: float = CLOSE_GRACE_S) -> None:
+    """Stops the worker processes (a later batch starts them again, unless :func:`broken`):
+    jobs not started are cancelled, running ones get ``grace_s`` seconds, then their workers
+    are killed. Also run at interpreter exit, before anything there joins the pool."""
     global _POOL
     with _POOL_LOCK:
         pool, _POOL = _POOL, None
         _AHEAD.clear()
         _LAUNCHERS.clear()
     if pool is not None:
-        pool.shutdown(wait=True, cancel_futures=True)
+        killed = stop_pool(pool, grace_s)
+        if killed:
+            logger.debug("killed %d Triton compile workers that were still busy", killed)
 
 
-atexit.register(close_compile_workers)
+before_thread_joins_at_exit(close_compile_workers)
+
+
+def _give_up(timed_out: int, batch: int, timeout_s: float) -> None:
+    """A batch timed out: marks the pool broken for the rest of the process and kills it."""
+    global _BROKEN
+    with _POOL_LOCK:
+        first = _BROKEN is None
+        _BROKEN = f"{timed_out} compile job(s) got no result within {timeout_s:g} s"
+    if first:
+        logger.warning(
+            "%d of %d Triton compile jobs did not finish in the worker processes, none of them "
+            "finishing for %g s (GRAPHTUNE_COMPILE_TIMEOUT); killing the workers: those jobs "
+            "and every later compile of this process are compiled in-process",
+            timed_out,
+            batch,
+            timeout_s,
+        )
+    close_compile_workers(grace_s=0.0)
 
 
 def compile_in_workers(jobs: Sequence[CompileJob]) -> WorkerReport:
     """Compiles each distinct job in the worker processes (into Triton's on-disk cache) and
-    waits for them; returns what happened. Does nothing when the pool is off or the batch too
-    small to start it; a broken pool is dropped (the caller compiles in-process either way)."""
+    waits for them, until none finished for :func:`compile_timeout` seconds (the pool is then
+    killed and marked broken: :func:`broken`); returns what happened. Does nothing when the
+    pool is off or the batch too small to start it; a broken pool is dropped (the caller
+    compiles in-process either way, the jobs that failed or timed out included)."""
     distinct = list({job.ident: job for job in jobs}.values())
     report = WorkerReport(jobs=len(distinct))
     if len(distinct) < 2 or not enabled():
         return report
+    timeout_s = compile_timeout()  # a bad value is refused before anything is handed over
     pool = _pool(start=len(distinct) >= MIN_JOBS_TO_START)
     if pool is None:
         return report
@@ -332,13 +390,23 @@ def compile_in_workers(jobs: Sequence[CompileJob]) -> WorkerReport:
         if future is None:  # the rest of the batch is compiled in-process
             break
         futures.append(future)
-    wait(futures)
+    pending = wait_for_progress(futures, timeout_s)
+    if pending:
+        _give_up(len(pending), len(futures), timeout_s)
     for future in futures:
+        if future in pending:  # the caller compiles it in-process, as every job that failed
+            report.timed_out += 1
+            report.failed += 1
+            continue
         try:
             error = future.result().error
         except BrokenProcessPool as exc:
-            logger.warning("a Triton compile worker died (%s); compiling in-process", exc)
+            if _BROKEN is None:  # not the kill of a timed-out batch (of another thread)
+                logger.warning("a Triton compile worker died (%s); compiling in-process", exc)
             close_compile_workers()
+            report.failed += 1
+            continue
+        except CancelledError:  # the pool was closed meanwhile (another thread's timeout)
             report.failed += 1
             continue
         if error is None:

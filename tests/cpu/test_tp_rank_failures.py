@@ -20,9 +20,11 @@ from graphtune.autotuner import (
     DynamicTensorSpec,
     TunableRunner,
     TuningConfig,
+    TuningPolicy,
     autotune,
 )
 from graphtune.autotuner.entries import CacheEntry, CacheKey
+from graphtune.autotuner.tuning import TuningRun
 from graphtune.engine import Engine, load_model
 from graphtune.engine.parallel import ParallelContext
 from graphtune.errors import ConfigError, DistributedError, TuningError
@@ -101,6 +103,85 @@ def test_a_rank_failing_while_planning_is_named_by_the_others(tmp_path) -> None:
         assert outcomes[1][strategy].startswith("TuningError"), outcomes[1][strategy]
         assert "requires_tactic" in outcomes[1][strategy]
         assert outcomes[0][strategy].startswith("DistributedError: op 'op': rank 1 "), outcomes[0]
+
+
+class TwoTactics(TunableRunner):
+    """Offers tactics 0 and 1 on every rank, so each profile is timed through a collective."""
+
+    def get_valid_tactics(self, inputs: list, profile: Any) -> list:
+        return [0, 1]
+
+    def forward(self, inputs: list, tactic: Any = -1) -> Any:
+        return inputs[0]
+
+
+def _tune_with_failure_in_profile(rank: int, where: str) -> dict[str, str]:
+    """Rank 1 fails in one profile's tuning, after planning went well on every rank:
+    ``inputs``: its ``inputs_pre_hook`` raises on the profile's second input set (the first is
+    made while planning); ``timing``: measuring raises an error that is not a tactic's."""
+    calls = [0]
+
+    def hook(inputs: list) -> list:
+        calls[0] += 1
+        if rank == 1 and where == "inputs" and calls[0] > 1:
+            raise RuntimeError("pre-hook failed on rank 1")
+        return inputs
+
+    def boom(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("measuring failed on rank 1")
+
+    if rank == 1 and where == "timing":
+        TuningRun._time_candidates = boom  # type: ignore[method-assign]  # this process only
+    config = TuningConfig(
+        dynamic_specs=(DynamicTensorSpec(0, 0, (4,)),), warmup=0, repeat=1, inputs_pre_hook=hook
+    )
+    out = {}
+    for strategy in ("agree", "broadcast", "parallel"):
+        calls[0] = 0
+        tuner = AutoTuner(EveryCandidateEqual(), policy=TuningPolicy(input_sets=2))
+
+        def tune(tuner: AutoTuner = tuner, strategy: str = strategy) -> None:
+            with autotune(None, tuner, distributed=DistributedTuning(strategy)):
+                tuner.choose_one("op", [TwoTactics()], config, [torch.zeros(4, 8)])
+
+        try:
+            tune()
+            out[strategy] = "ok"
+        except Exception as exc:
+            out[strategy] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def _inputs_fail_on_rank1(rank: int) -> dict[str, str]:
+    return _tune_with_failure_in_profile(rank, "inputs")
+
+
+def _timing_fails_on_rank1(rank: int) -> dict[str, str]:
+    return _tune_with_failure_in_profile(rank, "timing")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("fn", "doing", "error"),
+    [
+        (
+            _inputs_fail_on_rank1,
+            "making the input sets of [",
+            "RuntimeError: pre-hook failed on rank 1",
+        ),
+        (_timing_fails_on_rank1, "timing its tactics", "RuntimeError: measuring failed on rank 1"),
+    ],
+    ids=["inputs", "timing"],
+)
+def test_a_rank_failing_in_a_profile_is_named_by_the_others(tmp_path, fn, doing, error) -> None:
+    # Rank 1 once raised alone after planning (its profile's input sets, or an error from
+    # measuring that is not a tactic's) and rank 0 waited for it in the profile's collective.
+    outcomes = run_on_ranks(fn, WORLD, tmp_path, timeout=WAIT_S)
+    for strategy in ("agree", "broadcast", "parallel"):
+        assert outcomes[1][strategy] == error, outcomes[1][strategy]
+        mine = outcomes[0][strategy]
+        assert mine.startswith("DistributedError: op 'op': rank 1 of the tuning group "), mine
+        assert f"failed while {doing}" in mine and f"({error})" in mine, mine
 
 
 def _engine_with_memory_budget_on_rank0(rank: int) -> dict[str, str]:

@@ -20,9 +20,13 @@ order. Before tuning an op the ranks exchange the profiles they lack (all tune t
 profile, the candidates they offer (only candidates offered by every rank are timed, in rank 0's
 order, which is also the tie-break order). A tactic that fails on one rank contributes ``inf``
 (carried as an IEEE infinity in a float64 tensor) and that rank still joins. A rank whose tuning
-must stop (a tactic corrupted its CUDA context) still joins the profile's collective with an abort
-flag, and then every rank raises, instead of the others waiting forever; so does a rank whose
-planning failed (listing its candidates or ``prepare_all``), in one flag exchange after planning.
+must stop (a tactic corrupted its CUDA context, or anything else raised while it timed) still joins
+the profile's collective with an abort flag, and then every rank raises, instead of the others
+waiting forever; so does a rank whose planning failed (listing its candidates or ``prepare_all``),
+in one flag exchange after planning (:meth:`OpCoordinator.join`), and a rank whose profile's input
+sets or timing set-up failed, in one flag exchange before the profile's first collective. The
+failing rank re-raises its own error; the others raise :class:`~graphtune.errors.DistributedError`
+naming that rank and its error.
 
 Every rank must make the same ``choose_one`` calls in the same order, starting from the same
 cache: a shape found in one rank's cache but not another's would make only the latter enter the
@@ -46,7 +50,7 @@ import torch
 
 from graphtune.autotuner.cache import TuningCache
 from graphtune.autotuner.entries import CacheEntry, CacheKey, tactic_text
-from graphtune.errors import ConfigError, DistributedError, TuningError
+from graphtune.errors import ConfigError, DistributedError
 
 logger = logging.getLogger(__name__)
 
@@ -188,17 +192,23 @@ class OpCoordinator:
             )
         return [not all(view[1][i] for view in views) for i in range(len(keys))]
 
-    def planned(self, failure: Exception | None) -> None:
-        """Joins the ranks after planning (candidates listed, ``prepare_all`` run), where a
-        rank may have failed alone (a ``requires_tactic`` runner without a tactic, a wrong
-        ``get_valid_tactics`` signature, a corrupted CUDA context): one small ``all_reduce`` of
-        a flag per rank, so such a rank is named instead of the others waiting for it.
+    def join(self, failure: Exception | None, doing: str) -> None:
+        """Joins the ranks after a step where one rank may have failed alone (planning: a
+        ``requires_tactic`` runner without a tactic, a wrong ``get_valid_tactics`` signature;
+        a profile's inputs: an ``inputs_pre_hook`` that raises; a corrupted CUDA context): one
+        small ``all_reduce`` of a flag per rank, and only when a flag is set one
+        ``all_gather_object`` of the failed ranks' errors, so every other rank names the rank
+        and its error instead of waiting for it in the next collective.
+
+        Args:
+            failure: This rank's error in the step, or ``None``.
+            doing: What the step does, for the message (``"preparing its tactics"``).
 
         Raises:
             Exception: ``failure`` itself, on the rank that passed it (after joining).
-            DistributedError: Another rank failed while planning (named).
+            DistributedError: Another rank failed in the step (named, with its error).
         """
-        failed: list[int] = []
+        errors: list[Any] = []
         if self.setting.collective and self.world_size > 1:
             dist = torch.distributed
             group = self.setting.group
@@ -206,14 +216,18 @@ class OpCoordinator:
             flags[self.rank] = 0.0 if failure is None else 1.0
             flags = flags.to(_collective_device(group))
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-            failed = [r for r, flag in enumerate(flags.tolist()) if flag]
+            if any(flags.tolist()):  # every rank sees the same flags: all gather, or none
+                errors = self._gather_objects(None if failure is None else _error_text(failure))
         if failure is not None:
             raise failure
+        failed = [(r, text) for r, text in enumerate(errors) if text is not None]
         if failed:
+            rank, text = failed[0]
+            more = f" (and ranks {[r for r, _ in failed[1:]]})" if len(failed) > 1 else ""
             raise DistributedError(
-                f"op {self.op!r}: rank {failed[0]} of the tuning group stopped while listing or "
-                "preparing its tactics (see its error), so this rank stops too instead of "
-                "waiting for it; fix that rank's runner or tactics and run every rank again"
+                f"op {self.op!r}: rank {rank}{more} of the tuning group failed while {doing} "
+                f"({text}), so this rank stops too instead of waiting for it; fix what failed "
+                "there and run every rank again"
             )
 
     def run(
@@ -239,8 +253,11 @@ class OpCoordinator:
             so the tuner's pick rule gives one pick.
 
         Raises:
-            DistributedError: A rank had to stop tuning (every rank raises, none hangs).
-            TuningError: This rank had to stop tuning (its own error, re-raised after joining).
+            DistributedError: Another rank had to stop tuning (named with its error; every
+                rank raises, none hangs).
+            Exception: This rank had to stop tuning (``time_fn`` raised, e.g. a
+                :class:`~graphtune.errors.TuningError` for a corrupted CUDA context): its own
+                error, re-raised after joining.
         """
         if not self.setting.collective:
             if not (skip_single and len(candidates) == 1):
@@ -262,12 +279,10 @@ class OpCoordinator:
         else:
             owners = [None] * n
         mine = [c for c, owner in zip(chosen, owners, strict=True) if owner in (None, self.rank)]
-        error: TuningError | None = None
+        error: Exception | None = None
         try:
             time_fn(mine)
-        except (
-            TuningError
-        ) as exc:  # join the collective anyway, then raise (docs/design.md, principle 7)
+        except Exception as exc:  # join the collective anyway, then raise (principle 7)
             error = exc
         local = [
             _finite_or_inf(c.score) if owner in (None, self.rank) else math.inf
@@ -277,14 +292,8 @@ class OpCoordinator:
         self.assignments.append(
             {self._ident(c): owner for c, owner in zip(chosen, owners, strict=True)}
         )
-        if error is not None:
-            raise error
-        if aborted:
-            raise DistributedError(
-                f"op {self.op!r}: another rank stopped tuning (see its log; a tactic probably "
-                "corrupted its CUDA context), so this rank stops too instead of waiting for it. "
-                "autotune() saves the blocklist; restart the job to tune without that tactic."
-            )
+        if aborted:  # every rank saw it: all join to name who stopped and why
+            self.join(error, "timing its tactics")
         for cand, value in zip(chosen, times, strict=True):
             if math.isfinite(value):
                 cand.samples[:] = [value]
@@ -414,6 +423,12 @@ def _collective_device(group: Any) -> torch.device:
     if "nccl" in backend and "gloo" not in backend:
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def _error_text(exc: BaseException, limit: int = 500) -> str:
+    """One rank's error as the other ranks name it: type and message, cut to ``limit``."""
+    text = f"{type(exc).__name__}: {exc}"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _finite_or_inf(value: float) -> float:

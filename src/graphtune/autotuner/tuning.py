@@ -172,7 +172,7 @@ class TuningRun:
             raise  # raised alike on every rank by a collective: no rank is left waiting
         except Exception as exc:  # joins the other ranks before raising (principle 7)
             failure = exc
-        self.coordinator.planned(failure)
+        self.coordinator.join(failure, "listing or preparing its tactics")
         total = sum(len(p.candidates) for p in plans) * self.policy.rounds
         starts = self.executor.starts
         try:
@@ -311,13 +311,37 @@ class TuningRun:
 
     def _tune_profile(self, plan: _Plan, bar: ProgressTask) -> ProfileOutcome:
         start = self.clock()
-        profile, config = plan.profile, self.config
-        label = f"{self.op} [{profile.describe()}]"
+        label = f"{self.op} [{plan.profile.describe()}]"
+        failure: Exception | None = None
+        repeat = 1
+        try:  # may fail on one rank alone (an inputs_pre_hook, memory): every rank joins
+            repeat = self._begin_profile(plan, bar, label)
+        except Exception as exc:
+            failure = exc
+        self.coordinator.join(failure, f"making the input sets of [{plan.profile.describe()}]")
+        # Collective strategies leave one agreed time per candidate: no band to refine.
+        adaptive = not self.coordinator.setting.collective
+
+        def time_here(cands: list[Candidate]) -> None:
+            try:  # closing the timer sessions may fail too: inside the collective's join
+                self._time_candidates(cands, bar, repeat, label, adaptive)
+            finally:
+                self.executor.end()
+
+        # The seam of distributed tuning: which candidates this rank times, and the agreed times.
+        # Everything below uses only what coord.run left, identical on every rank.
+        candidates = self.coordinator.run(plan.candidates, time_here, skip_single=True)
+        self.executor.end()
+        with self._phase("select"):
+            return self._decide(plan, candidates, self.clock() - start, label)
+
+    def _begin_profile(self, plan: _Plan, bar: ProgressTask, label: str) -> int:
+        """A profile's input sets and executor set-up; returns the calls per sample."""
         with self._phase("inputs"):
             sets = input_sets(
-                config,
+                self.config,
                 self.inputs,
-                profile,
+                plan.profile,
                 self.device,
                 self.policy.input_sets,
                 INPUT_SET_BYTES,
@@ -329,20 +353,10 @@ class TuningRun:
         plan.candidates = drop_blocked(self.op, self.cache, self.ids, planned, self.stats)
         if len(planned) > len(plan.candidates):
             bar.advance(label, (len(planned) - len(plan.candidates)) * self.policy.rounds)
-        self.executor.begin(self.runners, sets, rotate_in_call=config.cold_l2, kwargs=self.kwargs)
-        repeat = calls_per_sample(config, len(sets), self.executor.sizes_samples)
-        # Collective strategies leave one agreed time per candidate: no band to refine.
-        adaptive = not self.coordinator.setting.collective
-
-        def time_here(cands: list[Candidate]) -> None:
-            self._time_candidates(cands, bar, repeat, label, adaptive)
-
-        # The seam of distributed tuning: which candidates this rank times, and the agreed times.
-        # Everything below uses only what coord.run left, identical on every rank.
-        candidates = self.coordinator.run(plan.candidates, time_here, skip_single=True)
-        self.executor.end()
-        with self._phase("select"):
-            return self._decide(plan, candidates, self.clock() - start, label)
+        self.executor.begin(
+            self.runners, sets, rotate_in_call=self.config.cold_l2, kwargs=self.kwargs
+        )
+        return calls_per_sample(self.config, len(sets), self.executor.sizes_samples)
 
     def _decide(
         self, plan: _Plan, candidates: list[Candidate], seconds: float, label: str

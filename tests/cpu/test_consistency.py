@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from graphtune.autotuner import DynamicTensorSpec, TunableRunner, TuningConfig, check_tactics
+from graphtune.bench.schema import FIELDS, is_provenance
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0, (4,)),))
@@ -194,6 +195,9 @@ def test_check_tactics_cli_runs_every_op_of_a_decode_step(tmp_path) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     data = json.loads(done.stdout)  # '-': the JSON alone on stdout, the table on stderr
+    assert is_provenance(data["provenance"]) and data["provenance"]["device"] == "cpu"
+    assert data["config"]["batch"] == [1, 3] and data["passed"] is True
+    data = data["reports"]
     ops = {item["op"] for item in data}
     # Every op of the step, once per distinct shape: what the step itself looks up (the fused
     # stages, and the single ops their unfused runners call).
@@ -227,12 +231,49 @@ def test_check_tactics_passes_for_the_triton_kernels_of_a_qwen3_moe_step(tmp_pat
         env=env, capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    data = {item["op"]: item for item in json.loads(report.read_text())}
+    data = {item["op"]: item for item in json.loads(report.read_text())["reports"]}
     assert {"graphtune.rope_kv_cache", "graphtune.fused_moe", "graphtune.route_top_k"} <= set(data)
     for op in ("graphtune.rope_kv_cache", "graphtune.fused_moe"):
         runners = {check["runner"].split("[")[0] for check in data[op]["checks"]}
         assert any(name.startswith("Triton") for name in runners), (op, runners)
         assert data[op]["passed"], op
+
+
+def test_check_tactics_json_carries_provenance_and_replaces_an_earlier_list_report(
+    tmp_path, monkeypatch, capsys
+) -> None:
+    # The report used to be a bare list of op reports, with no provenance record; such a file
+    # (an earlier run's) is still replaced, through the atomic results writer.
+    import graphtune.bench.results as results
+    from graphtune.cli.main import main
+
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps([{k: None for k in results.CHECK_TACTICS_REPORT_KEYS}]))
+    written = []
+    real = results.write_result
+    monkeypatch.setattr(
+        results, "write_result", lambda path, data: written.append(path) or real(path, data)
+    )
+    command = ["check-tactics", "--model", "tiny", "--batch", "1", "--device", "cpu"]
+    assert main([*command, "--json", str(report)]) == 0
+    capsys.readouterr()
+    data = json.loads(report.read_text())
+    assert written == [report] and list(data) == ["provenance", "config", "passed", "reports"]
+    prov = data["provenance"]
+    assert is_provenance(prov) and list(prov) == list(FIELDS)
+    assert prov["device"] == "cpu" and prov["torch"] == torch.__version__ and "commit" in prov
+    assert data["config"] == {
+        "model": "tiny",
+        "batch": [1],
+        "device": "cpu",
+        "dtype": "float32",
+        "max_seq_len": 256,
+        "atol": None,
+        "rtol": None,
+    }
+    assert data["passed"] is True and data["reports"] and all(r["passed"] for r in data["reports"])
+    assert results.graphtune_result_file(report)  # a rerun may replace it
+    assert [p.name for p in tmp_path.iterdir()] == ["report.json"]  # no temporary file left
 
 
 class AssumesContiguous(TunableRunner):

@@ -254,6 +254,28 @@ def test_sampling_params_refuse_values_that_would_sample_garbage(field, value):
         SamplingParams(**{field: value})
 
 
+@pytest.mark.parametrize(
+    "kwargs, fields",
+    [
+        (dict(top_k=5), "top_k=5 needs"),
+        (dict(top_k=1), "top_k=1 needs"),
+        (dict(top_p=0.9), "top_p=0.9 needs"),
+        (dict(temperature=0, top_k=2, top_p=0.5), "top_k=2 and top_p=0.5 need"),
+    ],
+)
+def test_top_k_and_top_p_are_refused_at_temperature_zero(kwargs, fields):
+    # Greedy decoding takes the argmax and would silently ignore them.
+    with pytest.raises(ConfigError) as info:
+        SamplingParams(**kwargs)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(f"{fields} temperature > 0")
+    assert "pass a temperature > 0, or leave" in message
+    assert SamplingParams(
+        temperature=0.5, **{k: v for k, v in kwargs.items() if k != "temperature"}
+    )
+    assert SamplingParams(top_k=0, top_p=1.0).greedy  # the "off" values stay allowed
+
+
 def test_a_tiny_temperature_samples_the_argmax_not_token_zero():
     from graphtune.engine import sample
 

@@ -14,6 +14,7 @@ from graphtune.graphs import (
     graph_break,
 )
 from graphtune.graphs.breaks import PiecewiseGraph
+from graphtune.graphs.keys import typed_key
 
 HIDDEN = 5
 SLOTS = 20
@@ -305,7 +306,7 @@ def test_each_extra_key_has_its_own_breaks_and_buffers():
     runner.capture(torch.zeros(4, 2), 2.0)
     runner.capture(torch.zeros(4, 2), 3.0)
     assert {(r.extra_key, r.breaks) for r in runner.stats.records} == {(2.0, 1), (3.0, 1)}
-    first, second = runner._keys[2.0].breaks, runner._keys[3.0].breaks
+    first, second = (runner._keys[typed_key(by)].breaks for by in (2.0, 3.0))
     assert first is not second and first.nbytes == second.nbytes > 0
     x = torch.randn(3, 2)
     torch.testing.assert_close(runner(x, 2.0), (x + 1) * 2 - 1, rtol=0, atol=0)

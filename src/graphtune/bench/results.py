@@ -77,8 +77,8 @@ def write_result(path: str | os.PathLike[str], data: bytes) -> Path:
     return written
 
 
-#: The keys of one op's report in ``graphtune check-tactics --json``'s list (which carries no
-#: provenance record), so that rerunning the command may replace its own earlier report.
+#: The keys of one op's report in the bare list ``graphtune check-tactics --json`` wrote before it
+#: carried a provenance record, so that rerunning the command may replace such an earlier report.
 CHECK_TACTICS_REPORT_KEYS = frozenset({"op", "profile", "passed", "reference_error", "checks"})
 #: A result JSON is kilobytes; a bigger file (a model's weights) is not read whole to find out.
 _RESULT_MAX_BYTES = 64 * 2**20
@@ -87,8 +87,9 @@ _RESULT_MAX_BYTES = 64 * 2**20
 def graphtune_result_file(path: Path) -> bool:
     """Whether the existing file ``path`` is a graphtune result, which a command's ``--json`` may
     replace: a JSON object whose ``provenance`` is a provenance record
-    (:func:`~graphtune.bench.schema.is_provenance`; ``bench decode``), or ``check-tactics``'
-    list of op reports (:data:`CHECK_TACTICS_REPORT_KEYS`). Any other file is somebody's data
+    (:func:`~graphtune.bench.schema.is_provenance`; ``bench decode``, ``check-tactics``), or
+    the list of op reports an earlier ``check-tactics`` wrote
+    (:data:`CHECK_TACTICS_REPORT_KEYS`). Any other file is somebody's data
     (:func:`graphtune.cli._args.check_output_path` refuses it)."""
     try:
         if path.stat().st_size > _RESULT_MAX_BYTES:

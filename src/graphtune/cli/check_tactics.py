@@ -5,6 +5,11 @@ it makes (so exactly the ops and shapes the step uses), then runs every (runner,
 distinct call on copies of its inputs and compares outputs and in-place writes with the fallback's
 (:func:`graphtune.autotuner.check_tactics`). Exit 0 when all pass, 1 when any tactic differs or
 raises (or the model cannot be built), 2 on bad arguments.
+
+``--json`` writes one object, like every result: ``provenance`` (the record of
+:func:`graphtune.bench.schema.provenance`: GPU, versions, commit, command), ``config`` (the
+model, batch sizes, resolved device and dtype, tolerances), ``passed`` and ``reports`` (one per
+op call), through the atomic results writer (:func:`graphtune.bench.results.write_json`).
 """
 
 from __future__ import annotations
@@ -132,19 +137,22 @@ def run_check(args: argparse.Namespace) -> int:
     """Prints one row per (op call, runner, tactic); 1 when any check failed."""
     from graphtune.autotuner.entries import tactic_text
     from graphtune.bench.results import json_safe, write_json
+    from graphtune.cli._step_calls import resolve_device_and_dtype
     from graphtune.reporting import render_table
 
     check_output_path(args.json, "--json", result_json=True)
+    where, kind = resolve_device_and_dtype(args.device, args.dtype)
+    dtype = str(kind).removeprefix("torch.")
     reports = check_step(
         args.model,
         args.batch,
-        device=args.device,
-        dtype=args.dtype,
+        device=str(where),
+        dtype=dtype,
         max_seq_len=args.max_seq_len,
         atol=args.atol,
         rtol=args.rtol,
     )
-    rows = []
+    rows: list[tuple[Any, ...]] = []
     for report in reports:
         if report.reference_error is not None:
             rows.append((report.op, report.profile, "fallback", -1, None, None, "ERROR"))
@@ -174,7 +182,7 @@ def run_check(args: argparse.Namespace) -> int:
         f"{fallback_only} op calls offered no Triton tactic (only the fallback runs there)",
         file=table_stream,
     )
-    data = [_report_json(r) for r in reports]
+    data = _result_json(args, where, dtype, reports)
     if to_stdout:
         print(json.dumps(json_safe(data), indent=1))
     elif args.json is not None and not report_written(
@@ -182,6 +190,27 @@ def run_check(args: argparse.Namespace) -> int:
     ):
         return EXIT_FAILURE
     return EXIT_FAILURE if failed else EXIT_OK
+
+
+def _result_json(args: argparse.Namespace, device: Any, dtype: str, reports: list) -> dict:
+    """``--json``'s object: the provenance record every result carries, then the run's inputs
+    and the op reports."""
+    from graphtune.bench.schema import provenance
+
+    return {
+        "provenance": provenance(device=device),
+        "config": {
+            "model": args.model,
+            "batch": list(args.batch),
+            "device": str(device),
+            "dtype": dtype,
+            "max_seq_len": args.max_seq_len,
+            "atol": args.atol,
+            "rtol": args.rtol,
+        },
+        "passed": all(r.passed for r in reports),
+        "reports": [_report_json(r) for r in reports],
+    }
 
 
 def _report_json(report: Any) -> dict[str, Any]:

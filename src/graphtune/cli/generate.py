@@ -243,28 +243,6 @@ def engine_batch_size(prompts: int, tuned: bool) -> int:
     return next_power_of_two(prompts) if tuned else prompts
 
 
-def check_sampling(sampling: Any) -> None:
-    """Refuses ``--top-k`` / ``--top-p`` at temperature 0: greedy decoding takes the argmax and
-    never reads them (``SamplingParams``' defaults are the values that mean "off").
-
-    Raises:
-        ConfigError: ``--top-k`` or ``--top-p`` is set while ``--temperature`` is 0.
-    """
-    from graphtune.engine.sampling import GREEDY
-
-    if sampling.temperature != GREEDY.temperature:
-        return
-    for flag, value, off in (
-        ("--top-k", sampling.top_k, GREEDY.top_k),
-        ("--top-p", sampling.top_p, GREEDY.top_p),
-    ):
-        if value != off:
-            raise ConfigError(
-                f"{flag} {value} needs --temperature > 0: at --temperature 0 (the default) "
-                f"decoding is greedy and ignores {flag}; pass a --temperature or drop {flag}"
-            )
-
-
 def run_generate(args: argparse.Namespace) -> int:
     """Loads the model, builds an Engine with the chosen runner and prints each continuation."""
     import torch
@@ -275,10 +253,10 @@ def run_generate(args: argparse.Namespace) -> int:
 
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
+    # SamplingParams refuses --top-k / --top-p at --temperature 0 (greedy ignores them).
     sampling = SamplingParams(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed
     )
-    check_sampling(sampling)
     config = load_config(args.model)
     folder = Path(args.model).expanduser()
     tokenizer = load_tokenizer(folder) if folder.is_dir() else None

@@ -25,16 +25,19 @@ class SamplingParams:
     """How to choose the next token.
 
     Raises:
-        ConfigError: A value out of range, or a positive temperature below
-            :data:`MIN_TEMPERATURE`.
+        ConfigError: A value out of range, a positive temperature below
+            :data:`MIN_TEMPERATURE`, or ``top_k`` / ``top_p`` set (other than ``0`` / ``1``) at
+            temperature 0, where greedy decoding takes the argmax and would ignore them.
 
     Attributes:
         temperature: ``0`` means greedy; otherwise logits are divided by it, so a positive
             temperature must be at least :data:`MIN_TEMPERATURE` (float32's smallest normal
             number, about ``1.18e-38``).
         top_k: Keep only the ``top_k`` most likely tokens (``0`` keeps all); tokens tied with
-            the ``top_k``-th score are all kept (as in transformers), so more may stay.
+            the ``top_k``-th score are all kept (as in transformers), so more may stay. Needs a
+            temperature above 0.
         top_p: Keep the smallest set of tokens whose probability reaches ``top_p`` (``1``: all).
+            Needs a temperature above 0.
         seed: Seed of the sampling noise. In ``Engine.generate`` each request's noise at each
             of its tokens is a function of (seed, its index in the call, the token's number)
             alone (:func:`request_keys`): whatever it shares the batch with, its row or
@@ -65,11 +68,29 @@ class SamplingParams:
             raise ConfigError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
         if not _is_int(self.seed) or not 0 <= self.seed < 2**63:
             raise ConfigError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        if self.temperature == 0.0:
+            _refuse_filters_when_greedy(self.top_k, self.top_p)
 
     @property
     def greedy(self) -> bool:
         """Whether sampling reduces to argmax."""
         return self.temperature == 0.0 or self.top_k == 1
+
+
+def _refuse_filters_when_greedy(top_k: int, top_p: float) -> None:
+    """Refuses ``top_k`` / ``top_p`` other than their "off" values (``0`` / ``1.0``) at
+    temperature 0: greedy decoding takes the argmax and never reads them."""
+    pairs = (("top_k", top_k, 0), ("top_p", top_p, 1.0))
+    set_ = [(name, value, off) for name, value, off in pairs if value != off]
+    if set_:
+        fields = " and ".join(f"{name}={value!r}" for name, value, _ in set_)
+        offs = " and ".join(f"{name}={off!r}" for name, _, off in set_)
+        one = len(set_) == 1
+        raise ConfigError(
+            f"{fields} {'needs' if one else 'need'} temperature > 0: at temperature 0 (the "
+            f"default) decoding is greedy (the argmax) and ignores {'it' if one else 'them'}; "
+            f"pass a temperature > 0, or leave {offs}"
+        )
 
 
 def _is_int(value: object) -> bool:

@@ -1,7 +1,8 @@
 """Per-extra-key state of a graph runner, and reading a call's batch size.
 
-One :class:`KeyState` exists per ``key_fn`` value: its static input buffers, the static outputs of
-its graph breaks, its captured graphs by size and its failed captures by size.
+One :class:`KeyState` exists per ``key_fn`` value (per :func:`typed_key`, so 1, 1.0 and True are
+three keys): its static input buffers, the static outputs of its graph breaks, its captured graphs
+by size and its failed captures by size.
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ from graphtune.graphs.tree import flatten_with_paths, path_str
 class KeyState:
     """Buffers and graphs of one extra key."""
 
-    __slots__ = ("extra_key", "inputs", "breaks", "graphs", "failed", "warmed")
+    __slots__ = ("extra_key", "key", "inputs", "breaks", "graphs", "failed", "warmed")
 
     def __init__(self, extra_key: Hashable, inputs: StaticInputs) -> None:
-        self.extra_key = extra_key
+        self.extra_key = extra_key  # the key_fn value that made this key, as records give it
+        self.key = typed_key(extra_key)  # what the runner's dict of keys is keyed by
         self.inputs = inputs
         self.breaks = BreakBuffers(inputs.rows)
         self.graphs: dict[int, CapturedGraph] = {}
@@ -88,7 +90,7 @@ class KeyState:
         dropped = self.drop_if_unsliceable(result, sizes)
         if dropped is not None:
             for i, record in enumerate(records):
-                if record.extra_key == self.extra_key and record.ok:
+                if record.ok and typed_key(record.extra_key) == self.key:
                     records[i] = self.failed[record.size]
         return dropped
 
@@ -155,6 +157,24 @@ def batch_of(plan: StaticInputs, leaves: Any) -> int:
             f"tensor with a leading dim, got {type(leaf).__name__}"
             f"{tuple(leaf.shape) if hasattr(leaf, 'shape') else ''}; keep the captured structure"
         ) from None
+
+
+def typed_key(extra: Any) -> Hashable:
+    """What a ``key_fn`` value keys graphs by: two values are one key when they have the same
+    type and are equal, tuples (and their subclasses) compared item by item the same way, so
+    1, 1.0 and True (equal in Python, but three constants to a graph, as in
+    :func:`~graphtune.graphs.values.same_constant`) are three keys, and ``(1, 2)`` is not
+    ``(1.0, 2)``. A float NaN equals itself here; other values (a frozenset's items too) compare
+    by ``==``. ``None`` stays ``None``. Does not hash: an unhashable value raises where it is
+    looked up."""
+    if extra is None:
+        return None
+    kind = type(extra)
+    if isinstance(extra, tuple):
+        return (kind, tuple([typed_key(item) for item in extra]))
+    if kind is float and extra != extra:
+        return (float, "nan")
+    return (kind, extra)
 
 
 def check_key(extra: Hashable) -> None:

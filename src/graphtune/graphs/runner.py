@@ -60,8 +60,11 @@ class CUDAGraphRunner:
         max_batch_size: Largest batch the runner is called with (caps the default sizes).
         capture_sizes: Batch sizes to capture; default :func:`default_capture_sizes`. Sorted,
             de-duplicated and validated (positive ints ``<= max_batch_size``).
-        key_fn: ``key_fn(inputs) -> hashable`` extra key (e.g. draft length); each value gets its
-            own buffers and graphs. Non-tensor inputs that vary must be returned from it.
+        key_fn: ``key_fn(inputs) -> hashable`` extra key (e.g. draft length); each key gets its
+            own buffers and graphs. Non-tensor inputs that vary must be returned from it. Two
+            values are one key when they have the same type and are equal, tuples compared item
+            by item alike (:func:`~graphtune.graphs.keys.typed_key`): 1, 1.0 and True are three
+            keys, a float NaN is one; ``captured_keys`` and records give a key's first value.
         pad: Pad rule for padded rows: ``"zeros"`` (default), ``"repeat"`` (row 0), a number, a
             callable ``fn(pad_rows, real_rows)``, or a dict ``{"1.positions": rule}`` / a
             structure like the inputs holding rules. Padded rows are re-filled on every call.
@@ -178,7 +181,7 @@ class CUDAGraphRunner:
     @property
     def captured_keys(self) -> list[tuple[Hashable, int]]:
         """``(extra_key, size)`` of every live graph."""
-        return [(k, s) for k, st in self._keys.items() for s in sorted(st.graphs)]
+        return [(st.extra_key, s) for st in self._keys.values() for s in sorted(st.graphs)]
 
     def capture(self, *example_inputs: Any) -> None:
         """Builds static buffers from ``example_inputs``, warms up, and captures every size.
@@ -215,7 +218,7 @@ class CUDAGraphRunner:
             raise keys.needs_grad_error()
         extra = self._key_fn(example_inputs) if self._key_fn is not None else None
         keys.check_key(extra)
-        existing = self._keys.get(extra)
+        existing = self._keys.get(keys.typed_key(extra))
         key_state = existing or self._build(extra, example_inputs)
         if existing is not None:  # the warm-up runs on these examples, not on earlier calls' rows
             existing.copy_examples(example_inputs, self._debug)
@@ -261,8 +264,8 @@ class CUDAGraphRunner:
         if keys.needs_grad(inputs):
             return self._eager(FallbackReason.NEEDS_GRAD, inputs)
         extra = self._key_fn(inputs) if self._key_fn is not None else None
-        try:
-            key_state = self._keys.get(extra)
+        try:  # typed_key(None) is None: no call for the runners without key_fn
+            key_state = self._keys.get(extra if extra is None else keys.typed_key(extra))
         except TypeError:  # an unhashable key (a list): free to guard, raised only then
             raise keys.unhashable_key_error(extra) from None
         if key_state is not None:
@@ -313,7 +316,10 @@ class CUDAGraphRunner:
             InputError: No buffers exist for this call's extra key yet, or the batch is too large.
         """
         extra = self._key_fn(inputs) if self._key_fn is not None else None
-        key_state = self._keys.get(extra)
+        try:
+            key_state = self._keys.get(keys.typed_key(extra))
+        except TypeError:
+            raise keys.unhashable_key_error(extra) from None
         if key_state is None:
             raise InputError(f"no buffers for extra key {extra!r}; call capture() first")
         return key_state.padded_copy(inputs, self._pad_table)
@@ -420,7 +426,7 @@ class CUDAGraphRunner:
                 self._device_arg, flatten_with_paths(inputs)[0]
             )
         key_state = KeyState(extra, plan)
-        self._keys[extra] = key_state
+        self._keys[key_state.key] = key_state
         self._count_buffers()
         logger.debug(
             "graph runner buffers for key %r: batched inputs %s, %d rows",

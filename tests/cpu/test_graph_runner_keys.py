@@ -1,0 +1,120 @@
+"""key_fn values that Python calls equal but that are different keys (1, 1.0, True).
+
+A dict keys 1, 1.0 and True alike (equal, same hash); the runner keys graphs by type and value
+(``graphs.keys.typed_key``), so each gets its own buffers, graphs and records.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from graphtune.errors import ConfigError
+from graphtune.graphs import CUDAGraphRunner, SimulatedGraphBackend
+from graphtune.graphs.keys import typed_key
+
+
+@pytest.fixture(autouse=True)
+def _quiet(caplog):
+    caplog.set_level(logging.ERROR, logger="graphtune.graphs")
+
+
+def test_equal_keys_of_other_types_get_their_own_graphs():
+    # The scale reaches fn outside its inputs, so only key_fn tells the keys apart: x * 1 keeps
+    # an int tensor's dtype, x * 1.0 makes it float. A shared graph would replay the int one.
+    scale = {"value": 1}
+
+    def step(x):
+        return x * scale["value"]
+
+    runner = CUDAGraphRunner(
+        step,
+        max_batch_size=4,
+        capture_sizes=[2, 4],
+        key_fn=lambda inp: scale["value"],
+        backend=SimulatedGraphBackend(),
+    )
+    x = torch.arange(6).reshape(3, 2)
+    for value in (1, 1.0, True):
+        scale["value"] = value
+        runner.capture(torch.ones(4, 2, dtype=torch.long))
+    got = [(type(k).__name__, size) for k, size in runner.captured_keys]
+    assert got == [("int", 2), ("int", 4), ("float", 2), ("float", 4), ("bool", 2), ("bool", 4)]
+    assert [type(r.extra_key) for r in runner.stats.records] == [int] * 2 + [float] * 2 + [bool] * 2
+    for value in (1.0, 1, True, 1.0):
+        scale["value"] = value
+        out = runner(x)
+        assert out.dtype == step(x).dtype and torch.equal(out, step(x))
+        assert runner.padded_inputs(x)[2] == 4
+    assert runner.stats.replays == 4 and runner.stats.eager_calls == 0
+
+
+def test_equal_constant_inputs_returned_from_key_fn_are_other_keys():
+    # The error for a changed constant input says to return it from key_fn; doing so works for
+    # a value equal to another key's.
+    runner = CUDAGraphRunner(
+        lambda x, flag: x * flag,
+        max_batch_size=2,
+        key_fn=lambda inp: inp[1],
+        backend=SimulatedGraphBackend(),
+    )
+    x = torch.ones(2, 3)
+    for flag in (1, True, 1.0):
+        runner.capture(x, flag)
+    for flag in (True, 1.0, 1):
+        assert runner(x, flag).dtype == (x * flag).dtype
+    assert runner.stats.replays == 3
+
+
+def test_a_dropped_key_fails_its_own_records_only():
+    # Key True's outputs cannot be sliced to a batch, so its graphs are dropped; key 1's
+    # records (equal key, other type) stay ok and its graphs replay.
+    runner = CUDAGraphRunner(
+        lambda x, flag: x[1:] * flag if flag is True else x * flag,
+        max_batch_size=4,
+        capture_sizes=[2, 4],
+        key_fn=lambda inp: inp[1],
+        backend=SimulatedGraphBackend(),
+    )
+    runner.capture(torch.ones(4, 2), 1)
+    runner.capture(torch.ones(4, 2), True)
+    status = {(type(r.extra_key), r.size): r.ok for r in runner.stats.records}
+    assert status == {(int, 2): True, (int, 4): True, (bool, 2): False, (bool, 4): False}
+    assert runner.captured_keys == [(1, 2), (1, 4)]
+    assert torch.equal(runner(torch.ones(3, 2), 1), torch.ones(3, 2))
+    assert runner.stats.replays == 1
+
+
+def test_typed_key_compares_type_and_value_through_tuples():
+    assert typed_key(None) is None
+    assert len({typed_key(v) for v in (1, 1.0, True)}) == 3
+    assert typed_key((1, (2, "a"))) == typed_key((1, (2, "a")))
+    assert typed_key((1, (2, "a"))) != typed_key((1, (2.0, "a")))
+    assert typed_key((True,)) != typed_key((1,))
+    assert typed_key(float("nan")) == typed_key(float("nan"))
+    assert typed_key(-0.0) == typed_key(0.0)  # equal floats: one key
+    assert typed_key(frozenset({1})) == typed_key(frozenset({True}))  # other values: ==
+
+
+def test_nan_key_reuses_its_buffers_and_unhashable_keys_still_raise():
+    runner = CUDAGraphRunner(
+        lambda x: x * 2,
+        max_batch_size=2,
+        key_fn=lambda inp: float("nan"),  # a new NaN object each call
+        backend=SimulatedGraphBackend(),
+    )
+    runner.capture(torch.ones(2, 3))
+    runner(torch.ones(2, 3))
+    assert runner.stats.replays == 1 and len(runner.captured_keys) == 2
+    listed = CUDAGraphRunner(
+        lambda x: x,
+        max_batch_size=2,
+        key_fn=lambda inp: ("a", [1]),
+        backend=SimulatedGraphBackend(),
+    )
+    with pytest.raises(ConfigError, match="not hashable"):
+        listed(torch.ones(2, 3))
+    with pytest.raises(ConfigError, match="not hashable"):
+        listed.padded_inputs(torch.ones(2, 3))

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from graphtune.errors import CheckpointError, ConfigError
+from graphtune.finite_json import finite_float
 
 logger = logging.getLogger(__name__)
 
@@ -386,10 +387,21 @@ def hf_int(cfg: Mapping[str, Any], field: str, where: str = "config.json") -> in
 
 
 def hf_float(cfg: Mapping[str, Any], field: str, where: str = "config.json") -> float:
-    """``cfg[field]`` as a float: an int or a float, not a bool or a string (see :func:`hf_int`)."""
+    """``cfg[field]`` as a float: an int or a float, not a bool or a string (see :func:`hf_int`),
+    nor an int too large for a float (a ``cfg`` built in Python; JSON text refuses one when
+    parsed, :func:`graphtune.finite_json.parse_json`).
+
+    Raises:
+        KeyError: The field is missing (the caller names it).
+        CheckpointError: Another type, or an int beyond a float's range.
+    """
     value = cfg[field]
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _wrong_type(where, field, value, "a number")
+    if isinstance(value, int) and not finite_float(value):
+        raise CheckpointError(
+            f"{where}: {field}={_short(value)} is too large for a float; fix the file"
+        )
     return float(value)
 
 

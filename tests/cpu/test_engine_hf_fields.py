@@ -190,6 +190,7 @@ REFUSED = [
     ("qwen3", "layer_types", ["full_attention", "chunked_attention"]),
     ("mistral", "layer_types", ["full_attention", "sliding_attention"]),
     ("mistral", "sliding_window", None),
+    ("mixtral", "sliding_window", None),
     ("qwen3_moe", "attention_bias", True),
     ("qwen3_moe", "use_sliding_window", True),
     *((arch, "hidden_act", "xielu") for arch in sorted(CLASSES)),

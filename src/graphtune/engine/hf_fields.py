@@ -362,7 +362,10 @@ REFUSALS: dict[str, dict[str, Refusal]] = {
         "attention_bias": _NO_BIAS,
         "use_sliding_window": _NO_QWEN3_MOE_WINDOW,
     },
-    "mixtral": {"hidden_act": _EXPERT_ACTIVATION},
+    # MixtralConfig defines no layer_types, but keeps one given and transformers' cache reads
+    # it: its sliding_attention layers fail there without a window (_MISTRAL_WINDOW reads
+    # layer_types from the whole config, so it sees them).
+    "mixtral": {"hidden_act": _EXPERT_ACTIVATION, "sliding_window": _MISTRAL_WINDOW},
 }
 
 #: Fields outside transformers' config classes that change how weights are read, refused.

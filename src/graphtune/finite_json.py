@@ -1,27 +1,38 @@
 """JSON as the standard writes it: Python's ``json`` reads ``NaN``, ``Infinity`` and
 ``-Infinity``, which JSON has not, and graphtune's files (tuning caches, misses records,
 results) never hold; a hand-edited file could smuggle one in (a NaN time into a cache's merge
-rule, a NaN epsilon into a model). :func:`parse_json` refuses them and names the field."""
+rule, a NaN epsilon into a model). :func:`parse_json` refuses them, and numbers too large for a
+float (``1e999``, an integer of 400 digits), and names the field; :func:`finite_float` is the
+same rule for a number given in Python."""
 
 from __future__ import annotations
 
 import json
 import math
+import numbers
 from typing import Any
+
+_CONSTANTS = ("NaN", "Infinity", "-Infinity")
 
 
 class NonFiniteNumber(ValueError):
-    """A ``NaN`` or ``Infinity`` in JSON text.
+    """A ``NaN`` or ``Infinity`` in JSON text, or a number too large for a float.
 
     Attributes:
-        constant: The spelling found (``"NaN"``, ``"Infinity"``, ``"-Infinity"``).
+        constant: The spelling found (``"NaN"``, ``"Infinity"``, ``"-Infinity"``, ``"1e999"``;
+            an integer of many digits shortened, with its number of digits).
         field: The key of the object it is a value of (inside lists too), or ``None`` outside
             any object.
+        problem: What is wrong with it, for a message (``"is not a finite number ..."``).
     """
 
     def __init__(self, constant: str, field: str | None = None) -> None:
         where = f" in field {field!r}" if field is not None else ""
-        super().__init__(f"non-finite number {constant}{where} (JSON has none)")
+        if constant in _CONSTANTS:
+            self.problem = "is not a finite number (JSON has none)"
+        else:
+            self.problem = "is too large for a float"
+        super().__init__(f"number {constant}{where} {self.problem}")
         self.constant, self.field = constant, field
 
 
@@ -34,6 +45,29 @@ def _float(text: str) -> float | _Constant:
     so it is kept as its text and refused like ``Infinity``."""
     value = float(text)
     return value if math.isfinite(value) else _Constant(text)
+
+
+def _int(text: str) -> int | _Constant:
+    """A JSON integer; one too large for a float (``float()`` of it raises ``OverflowError``:
+    a ``rope_theta`` of 400 digits) is kept as its text, shortened, and refused as ``1e999``."""
+    value = int(text)
+    if finite_float(value):
+        return value
+    digits = text.lstrip("-")
+    short = text if len(digits) <= 20 else f"{text[: len(text) - len(digits) + 10]}... "
+    return _Constant(short if short == text else f"{short}({len(digits)} digits)")
+
+
+def finite_float(value: object) -> bool:
+    """Whether ``value`` is a real number (an int, a float, a NumPy scalar; not a bool) whose
+    float is finite: not a NaN, an infinity, or an integer too large for a float
+    (``math.isfinite`` and ``float()`` raise ``OverflowError`` for ``10**400``)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def _constant_in(value: Any) -> str | None:
@@ -53,13 +87,20 @@ def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def parse_json(text: str) -> Any:
-    """``json.loads`` that refuses ``NaN``, ``Infinity`` and numbers that overflow a float.
+    """``json.loads`` that refuses ``NaN``, ``Infinity`` and numbers that overflow a float
+    (``1e999``, an integer beyond a float's range).
 
     Raises:
         NonFiniteNumber: The text holds one (a ``ValueError``, like a syntax error).
         ValueError: The text is not JSON.
     """
-    doc = json.loads(text, parse_constant=_Constant, parse_float=_float, object_pairs_hook=_object)
+    doc = json.loads(
+        text,
+        parse_constant=_Constant,
+        parse_float=_float,
+        parse_int=_int,
+        object_pairs_hook=_object,
+    )
     constant = _constant_in(doc)
     if constant is not None:
         raise NonFiniteNumber(constant)

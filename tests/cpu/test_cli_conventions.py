@@ -138,6 +138,30 @@ def test_bench_results_survive_an_unwritable_json(monkeypatch, tmp_path, capsys)
     assert data["results"][0]["eager_ms"] > 0
 
 
+def test_bench_json_is_written_before_the_table_meets_a_closed_pipe(tmp_path):
+    # As `graphtune bench decode --json F | head -1`: the reader is gone before the table, so
+    # its print fails (EPIPE); the finished result must already be in F.
+    target = tmp_path / "r.json"
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "graphtune", "bench", "decode", "--model", "tiny"]
+            + ["--device", "cpu", "--batch-sizes", "1", "--steps", "1", "--repeats", "1"]
+            + ["--context", "8", "--runner", "eager", "--json", str(target)],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**ENV, "PYTHONUNBUFFERED": "1"},  # the print itself meets the closed pipe
+            timeout=240,
+        )
+    finally:
+        os.close(write_end)
+    assert done.returncode == 141, done.stderr  # 128 + SIGPIPE, as a shell reports it
+    assert "Traceback" not in done.stderr, done.stderr
+    assert json.loads(target.read_text())["results"][0]["eager_ms"] > 0
+
+
 def test_bench_exits_1_when_its_json_went_to_the_temporary_folder(monkeypatch, tmp_path, capsys):
     import graphtune.bench.results as results
 

@@ -64,14 +64,18 @@ def test_json_replaces_an_earlier_result_but_no_other_file(tmp_path, command):
     weights, config = tmp_path / "model.safetensors", tmp_path / "config.json"
     weights.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      " + bytes(range(256)))
     config.write_text('{"hidden_size": 32}')
-    for target in (weights, config):
+    listed = tmp_path / "mine.json"
+    listed.write_text("[]")  # a user's empty list passed as check-tactics' result (all([]))
+    for target in (weights, config, listed):
         before = target.read_bytes()
         result = graphtune(*command, str(target))
         error_line(result, 1, f"--json {target}", "not an earlier graphtune result")
         assert "choose another path or remove the file" in result.stderr
         assert target.read_bytes() == before
-    # The command's own earlier result is replaced: rerunning with the same path works.
+    # The command's own earlier result is replaced: rerunning with the same path works. An
+    # empty file (mktemp's) holds no data and is replaced too; it was refused.
     out = tmp_path / "result.json"
+    out.write_bytes(b"")
     for _ in range(2):
         result = graphtune(*command, str(out))
         assert result.returncode == 0, result.stderr
@@ -87,3 +91,17 @@ def test_plot_without_a_suffix_is_its_own_sentence(tmp_path):
 def test_import_without_from_misses_names_both_flags(tmp_path):
     result = graphtune("tune", "--cache", str(tmp_path / "c.json"), "--import", "os")
     error_line(result, 1, "add --from-misses FILE or drop --import")
+
+
+def test_json_may_replace_an_empty_file_but_not_an_empty_list(tmp_path):
+    # A 0-byte file (what `mktemp` makes for --json) holds no data and was refused; a user's
+    # `[]` holds data and was replaced, since all([]) made it check-tactics' list of reports.
+    from graphtune.cli._args import check_output_path
+    from graphtune.errors import ConfigError
+
+    empty, listed = tmp_path / "r.XXXX.json", tmp_path / "mine.json"
+    empty.write_bytes(b"")
+    listed.write_text("[]")
+    check_output_path(empty, "--json", result_json=True)
+    with pytest.raises(ConfigError, match="not an earlier graphtune result"):
+        check_output_path(listed, "--json", result_json=True)

@@ -344,6 +344,26 @@ def test_nan_or_infinity_in_config_json_is_one_line_naming_the_field(tmp_path, f
     assert f"{field}={constant}" in message and "fix the file" in message
 
 
+@pytest.mark.parametrize("field", ["rope_theta", "rms_norm_eps"])
+def test_an_integer_too_large_for_a_float_is_one_line_naming_the_field(tmp_path, field, capsys):
+    # float() of it raised OverflowError: a traceback from `graphtune generate --model DIR`.
+    from graphtune.cli.main import main
+
+    _, folder = build_hf("llama", tmp_path)
+    _edit(folder, rope_parameters=None, **{field: 12345})
+    doc = json.loads((folder / "config.json").read_text())
+    text = json.dumps(doc).replace("12345", "1" + "0" * 400)
+    (folder / "config.json").write_text(text)
+    with pytest.raises(CheckpointError, match=rf"{field}=1000000000\.\.\. \(401 digits\) is"):
+        load_checkpoint(folder)
+    assert main(["generate", "--model", str(folder), "--prompt-ids", "1", "--device", "cpu"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "too large for a float" in err and "Trace" not in err
+    # A config built in Python never passes through parse_json.
+    with pytest.raises(CheckpointError, match=f"{field}=1000.* is too large for a float"):
+        from_hf_config({**doc, field: 10**400})
+
+
 def test_nan_inside_rope_scaling_names_its_field(tmp_path):
     _, folder = build_hf("llama", tmp_path)
     _edit(folder, rope_scaling={**LLAMA3_SCALING, "factor": float("nan")})
@@ -354,7 +374,7 @@ def test_nan_inside_rope_scaling_names_its_field(tmp_path):
 @pytest.mark.parametrize(
     "field", ["rms_norm_eps", "rope_theta", "factor", "low_freq_factor", "high_freq_factor"]
 )
-@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), 10**400], ids=["nan", "inf", "big"])
 def test_every_float_field_must_be_finite(field, value):
     # A config built in Python never passes through read_json.
     from graphtune.engine.config import RopeScaling

@@ -18,12 +18,13 @@ from graphtune.engine.config import ARCHITECTURES, from_hf_config
 from graphtune.engine.hf_fields import (
     HANDLED_FIELDS,
     HF_DEFAULTS,
+    HF_LAYER_TYPES,
     HF_ROPE_THETA,
     IGNORED_FIELDS,
     REFUSALS,
     REFUSED_EXTRAS,
 )
-from graphtune.errors import ConfigError, InputError
+from graphtune.errors import CheckpointError, ConfigError, InputError
 
 transformers = pytest.importorskip("transformers")
 
@@ -190,6 +191,7 @@ REFUSED = [
     ("qwen3", "layer_types", ["full_attention", "chunked_attention"]),
     ("mistral", "layer_types", ["full_attention", "sliding_attention"]),
     ("mistral", "sliding_window", None),
+    ("mixtral", "sliding_window", None),
     ("qwen3_moe", "attention_bias", True),
     ("qwen3_moe", "use_sliding_window", True),
     *((arch, "hidden_act", "xielu") for arch in sorted(CLASSES)),
@@ -219,6 +221,24 @@ def test_unimplemented_rope_and_quantized_checkpoints_are_refused():
     for field in REFUSED_EXTRAS:
         with pytest.raises(ConfigError, match=field):
             from_hf_config(_tiny_dict("llama", **{field: {"quant_method": "gptq", "bits": 4}}))
+
+
+def test_layer_types_names_are_transformers_names():
+    from transformers import configuration_utils as hf
+
+    assert set(hf.ALLOWED_ATTN_LAYER_TYPES) | set(hf._LEGACY_LAYER_TYPE_REMAP) == HF_LAYER_TYPES
+
+
+@pytest.mark.parametrize("arch", sorted(CLASSES))
+def test_a_layer_type_transformers_does_not_know_is_one_checkpoint_error_line(arch):
+    # Accepted before (llama, qwen3_moe, mixtral ignored the field), or refused as unimplemented.
+    types = ["full_attention", "bogus"]
+    with pytest.raises(Exception, match="The `layer_types` entries must be in"):
+        CLASSES[arch](**TINY, layer_types=types)  # the oracle
+    with pytest.raises(CheckpointError) as info:
+        from_hf_config(_tiny_dict(arch, layer_types=types))
+    message = str(info.value)
+    assert "\n" not in message and "layer_types holds ['bogus']" in message
 
 
 def test_model_type_alone_selects_the_architecture():

@@ -129,6 +129,19 @@ def test_mixtral_sliding_window_matches_transformers(tmp_path):
     assert compare(hf, folder, prompt_len=9, decode_steps=3).config.sliding_window == 4
 
 
+def test_mixtral_sliding_layers_without_a_window_are_refused(tmp_path):
+    # Read as full attention before: the refusal documented for Mixtral's sliding_window was
+    # only Mistral's. MixtralConfig has no layer_types field but keeps it, and its cache fails.
+    from graphtune.errors import ConfigError
+
+    hf, folder = build_hf("mixtral", tmp_path, layer_types=["sliding_attention"] * 2)
+    assert hf.config.sliding_window is None
+    with pytest.raises(TypeError):  # the oracle: transformers' forward cannot run it
+        hf(torch.arange(4)[None])
+    with pytest.raises(ConfigError, match=r"config\.json: sliding_window=None is not implemented"):
+        load_checkpoint(folder)
+
+
 @pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
 def test_fused_expert_layout_loads_the_same_weights(kind, tmp_path):
     hf, hub = build_hf(kind, tmp_path)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from graphtune.finite_json import NonFiniteNumber, parse_json
+from graphtune.finite_json import NonFiniteNumber, finite_float, parse_json
 
 
 @pytest.mark.parametrize(
@@ -25,6 +25,30 @@ def test_non_finite_constants_are_refused_naming_their_field(text, constant, fie
         parse_json(text)
     assert (info.value.constant, info.value.field) == (constant, field)
     assert isinstance(info.value, ValueError)  # callers that catch bad JSON catch it too
+
+
+@pytest.mark.parametrize(
+    "text, constant, field",
+    [
+        ('{"rope_theta": 1' + "0" * 400 + "}", "1000000000... (401 digits)", "rope_theta"),
+        ("[-2" + "0" * 308 + "]", "-2000000000... (309 digits)", None),
+    ],
+)
+def test_integers_too_large_for_a_float_are_refused_naming_their_field(text, constant, field):
+    # json reads them as ints, and float() of one raised OverflowError wherever it was used.
+    with pytest.raises(NonFiniteNumber) as info:
+        parse_json(text)
+    assert (info.value.constant, info.value.field) == (constant, field)
+    assert "too large for a float" in str(info.value) and len(str(info.value)) < 100
+    largest = int(1.7976931348623157e308)
+    assert parse_json(f"[{largest}, -{largest}]") == [largest, -largest]
+
+
+def test_finite_float_is_false_for_what_is_no_finite_float():
+    for value in (1, -2.5, 0, 10**300):
+        assert finite_float(value)
+    for value in (10**400, -(10**400), float("nan"), float("inf"), True, "1", None):
+        assert not finite_float(value)
 
 
 def test_finite_json_and_the_strings_nan_and_infinity_pass():

@@ -77,6 +77,16 @@ def test_rope_kv_cache_checks_head_norm_eps(eps):
     assert not k_cache.any()
 
 
+def test_an_int_eps_beyond_a_floats_range_is_a_short_config_error():
+    # 10**400 passed 0 <= eps < inf, and float() of it raised OverflowError.
+    from graphtune.errors import ConfigError
+    from graphtune.ops.rmsnorm import check_eps
+
+    with pytest.raises(ConfigError, match="rms_norm: eps must be a finite float >= 0") as caught:
+        check_eps("rms_norm", 10**400)
+    assert "an integer of 401 digits" in str(caught.value) and len(str(caught.value)) < 200
+
+
 def test_a_tensor_passed_as_eps_is_named_by_type_and_shape_only():
     # norm_linear(x, eps, norm_weight, ...) printed the whole weight in the ConfigError.
     from graphtune.errors import ConfigError

@@ -265,6 +265,10 @@ def test_refinement_rejects_bad_settings_and_steps_it_cannot_race():
     for bad in (dict(rivals=1.5), dict(rounds=2.0), dict(band=float("nan")), dict(margin=-1.0)):
         with pytest.raises(ConfigError, match="refine_in_step"):  # a slice's TypeError before
             refine_in_step(step, LastIsFastest(), **bad)
+    # An int beyond a float's range raised OverflowError in math.isfinite.
+    with pytest.raises(ConfigError, match="refine_in_step") as caught:
+        refine_in_step(step, LastIsFastest(), band=10**400)
+    assert len(str(caught.value)) < 300
     with pytest.raises(ConfigError, match="outside 1..1"):
         refine_in_step(step, LastIsFastest(), buckets=(2,))
     model = load_model("tiny")

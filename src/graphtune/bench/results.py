@@ -88,9 +88,9 @@ def graphtune_result_file(path: Path) -> bool:
     """Whether the existing file ``path`` is a graphtune result, which a command's ``--json`` may
     replace: a JSON object whose ``provenance`` is a provenance record
     (:func:`~graphtune.bench.schema.is_provenance`; ``bench decode``, ``check-tactics``), or
-    the list of op reports an earlier ``check-tactics`` wrote
-    (:data:`CHECK_TACTICS_REPORT_KEYS`). Any other file is somebody's data
-    (:func:`graphtune.cli._args.check_output_path` refuses it)."""
+    the non-empty list of op reports an earlier ``check-tactics`` wrote
+    (:data:`CHECK_TACTICS_REPORT_KEYS`; ``[]`` is anybody's JSON). Any other file is somebody's
+    data (:func:`graphtune.cli._args.check_output_path` refuses it)."""
     try:
         if path.stat().st_size > _RESULT_MAX_BYTES:
             return False
@@ -99,8 +99,10 @@ def graphtune_result_file(path: Path) -> bool:
         return False
     if isinstance(doc, dict):
         return is_provenance(doc.get("provenance"))
-    return isinstance(doc, list) and all(
-        isinstance(item, dict) and CHECK_TACTICS_REPORT_KEYS <= set(item) for item in doc
+    return (
+        isinstance(doc, list)
+        and bool(doc)
+        and all(isinstance(item, dict) and CHECK_TACTICS_REPORT_KEYS <= set(item) for item in doc)
     )
 
 

@@ -177,8 +177,9 @@ def check_output_path(
             (:func:`check_cache_path`).
         result_json: ``path`` takes a result JSON (``--json``; implies ``results``): a file
             already there must be a graphtune result
-            (:func:`~graphtune.bench.results.graphtune_result_file`), so an earlier run's result
-            is replaced but a mistyped path never destroys other data (a model's weights).
+            (:func:`~graphtune.bench.results.graphtune_result_file`) or empty (0 bytes, as
+            ``mktemp`` makes one), so an earlier run's result is replaced but a mistyped path
+            never destroys other data (a model's weights).
 
     Raises:
         ConfigError: The folder is missing or not writable, or ``path`` is a folder or another
@@ -199,7 +200,8 @@ def check_output_path(
     if (results or result_json) and path.is_file():
         from graphtune.bench.results import graphtune_data_file, graphtune_result_file
 
-        if not (result_json and graphtune_result_file(path)):
+        empty = path.stat().st_size == 0  # holds no data (mktemp's file)
+        if not (result_json and (empty or graphtune_result_file(path))):
             kind = graphtune_data_file(path)
             if kind is not None:
                 raise ConfigError(

@@ -308,30 +308,38 @@ def _report_partial(args: argparse.Namespace, report: Any, why: str) -> str:
 
 
 def _emit(args: argparse.Namespace, report: Any) -> bool:
-    """The table (stdout, or stderr with ``--json -``), the JSON file and the plot; ``False``
-    when a file went to the temporary folder instead of its path (:func:`report_written`)."""
+    """The JSON file and the plot, then the table (stdout, or stderr with ``--json -``);
+    ``False`` when a file went to the temporary folder instead of its path
+    (:func:`report_written`). The files are written first, so a reader of stdout that is gone
+    (``| head -1``: the print raises ``BrokenPipeError``) never loses a finished result."""
     from graphtune.bench.decode_report import format_report, plot_report
     from graphtune.bench.results import json_safe, write_json
 
     to_stdout = args.json is not None and str(args.json) == "-"
-    table_stream = sys.stderr if to_stdout else sys.stdout
-    print(format_report(report), file=table_stream)
-    if report.runner_stats:
-        print(report.runner_stats, file=table_stream)
     data = report.to_json()
-    if to_stdout:
-        print(json.dumps(json_safe(data), indent=2, default=str))
-    kept_json = True
+    written: Path | None = None
+    json_error: ResultsWriteError | None = None
     if args.json is not None and not to_stdout:
         try:
             written = write_json(args.json, data)
         except ResultsWriteError as exc:
-            # The results are not lost: they go to stdout, and the error says where they
-            # could not be written.
-            print(json.dumps(json_safe(data), indent=2, default=str))
-            raise ResultsWriteError(f"{exc}; the JSON result is printed above") from None
-        kept_json = report_written("--json", args.json, written)
-    kept_plot = args.plot is None or report_written(
-        "--plot", args.plot, plot_report(report, args.plot)
-    )
-    return kept_json and kept_plot
+            json_error = exc  # the results go to stdout below, and the error says so
+    plotted: Path | None = None
+    plot_error: Exception | None = None
+    if args.plot is not None:
+        try:
+            plotted = plot_report(report, args.plot)
+        except Exception as exc:  # the table still prints; the error is raised after it
+            plot_error = exc
+    table_stream = sys.stderr if to_stdout else sys.stdout
+    print(format_report(report), file=table_stream)
+    if report.runner_stats:
+        print(report.runner_stats, file=table_stream)
+    if to_stdout or json_error is not None:
+        print(json.dumps(json_safe(data), indent=2, default=str))
+    if json_error is not None:
+        raise ResultsWriteError(f"{json_error}; the JSON result is printed above") from None
+    kept_json = written is None or report_written("--json", args.json, written)
+    if plot_error is not None:
+        raise plot_error
+    return kept_json and (plotted is None or report_written("--plot", args.plot, plotted))

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +29,7 @@ from graphtune.engine.hf_fields import (
 )
 from graphtune.engine.moe_config import MOE_ARCHITECTURES, check_moe_fields, moe_fields_from_hf
 from graphtune.errors import CheckpointError, ConfigError, InputError
+from graphtune.finite_json import finite_float
 from graphtune.ops.activation import GATED_ACTIVATIONS
 
 logger = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ class RopeScaling:
                 "'default', 'linear' and 'llama3' RoPE. Use a checkpoint with one of those."
             )
         for name in ("factor", "low_freq_factor", "high_freq_factor"):
-            if not math.isfinite(getattr(self, name)):
+            if not finite_float(getattr(self, name)):
                 raise ConfigError(
                     f"RoPE scaling {name} must be a finite number, got {getattr(self, name)}"
                 )
@@ -184,7 +184,7 @@ class ModelConfig:
             raise ConfigError("sliding_window must be > 0 or None")
         for name in ("rms_norm_eps", "rope_theta"):
             value = getattr(self, name)
-            if not (math.isfinite(value) and value > 0):
+            if not (finite_float(value) and value > 0):
                 raise ConfigError(f"ModelConfig.{name} must be a finite number > 0, got {value}")
         if self.hidden_act not in GATED_ACTIVATIONS:
             raise ConfigError(

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from graphtune.errors import CheckpointError, ConfigError
+from graphtune.finite_json import finite_float
 
 logger = logging.getLogger(__name__)
 
@@ -254,12 +255,26 @@ def sliding_layers(cfg: Mapping[str, Any]) -> list[int]:
     return [i for i, kind in enumerate(types) if kind == "sliding_attention"]
 
 
+#: The ``layer_types`` entries transformers' configs accept: ``ALLOWED_ATTN_LAYER_TYPES`` in
+#: transformers/configuration_utils.py (5.25; ``PreTrainedConfig.validate_layer_type`` refuses
+#: others), and the keys of ``_LEGACY_LAYER_TYPE_REMAP`` there, renamed before that check.
+#: transformers is optional, so the names are written here; which the engine runs is decided
+#: per architecture (:data:`REFUSALS`).
+HF_LAYER_TYPES = frozenset(
+    "full_attention sliding_attention chunked_attention window_attention indexed_attention "
+    "compressed_sparse_attention heavily_compressed_attention minimax_m3_sparse conv moe hybrid "
+    "hybrid_sliding reference_sliding_attention linear_attention "
+    "mamba attention deepseek_sparse_attention qwen_sparse_attention".split()
+)
+
+
 def layer_types(cfg: Mapping[str, Any]) -> list[str] | None:
-    """``cfg["layer_types"]``: ``None`` or a list of strings, one per layer (a
-    ``num_hidden_layers`` that is not an int is refused elsewhere), as transformers requires.
+    """``cfg["layer_types"]``: ``None`` or a list of names of :data:`HF_LAYER_TYPES`, one per
+    layer (a ``num_hidden_layers`` that is not an int is refused elsewhere), as transformers
+    requires.
 
     Raises:
-        CheckpointError: Another type, or another length.
+        CheckpointError: Another type, another name, or another length.
     """
     value = cfg.get("layer_types")
     if value is not None and not (
@@ -269,6 +284,12 @@ def layer_types(cfg: Mapping[str, Any]) -> list[str] | None:
             f"config.json: layer_types={_short(value)} must be a list of layer types such as "
             '["full_attention", "full_attention"], one per layer, or null (transformers refuses '
             "it too); fix the file"
+        )
+    unknown = sorted(set(value or ()) - HF_LAYER_TYPES)
+    if unknown:
+        raise CheckpointError(
+            f"config.json: layer_types holds {_short(unknown)}, which are no layer types "
+            "(transformers refuses them too; full_attention, sliding_attention, ...): fix the file"
         )
     layers = cfg.get("num_hidden_layers")
     if value is not None and isinstance(layers, int) and len(value) != layers:
@@ -361,7 +382,10 @@ REFUSALS: dict[str, dict[str, Refusal]] = {
         "attention_bias": _NO_BIAS,
         "use_sliding_window": _NO_QWEN3_MOE_WINDOW,
     },
-    "mixtral": {"hidden_act": _EXPERT_ACTIVATION},
+    # MixtralConfig defines no layer_types, but keeps one given and transformers' cache reads
+    # it: its sliding_attention layers fail there without a window (_MISTRAL_WINDOW reads
+    # layer_types from the whole config, so it sees them).
+    "mixtral": {"hidden_act": _EXPERT_ACTIVATION, "sliding_window": _MISTRAL_WINDOW},
 }
 
 #: Fields outside transformers' config classes that change how weights are read, refused.
@@ -386,10 +410,21 @@ def hf_int(cfg: Mapping[str, Any], field: str, where: str = "config.json") -> in
 
 
 def hf_float(cfg: Mapping[str, Any], field: str, where: str = "config.json") -> float:
-    """``cfg[field]`` as a float: an int or a float, not a bool or a string (see :func:`hf_int`)."""
+    """``cfg[field]`` as a float: an int or a float, not a bool or a string (see :func:`hf_int`),
+    nor an int too large for a float (a ``cfg`` built in Python; JSON text refuses one when
+    parsed, :func:`graphtune.finite_json.parse_json`).
+
+    Raises:
+        KeyError: The field is missing (the caller names it).
+        CheckpointError: Another type, or an int beyond a float's range.
+    """
     value = cfg[field]
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _wrong_type(where, field, value, "a number")
+    if isinstance(value, int) and not finite_float(value):
+        raise CheckpointError(
+            f"{where}: {field}={_short(value)} is too large for a float; fix the file"
+        )
     return float(value)
 
 

@@ -243,7 +243,8 @@ def read_json(path: Path) -> dict[str, Any]:
 
     Raises:
         CheckpointError: The file cannot be read, is not valid JSON (``NaN`` and ``Infinity``,
-            which Python's ``json`` accepts, are not JSON) or not a JSON object.
+            which Python's ``json`` accepts, are not JSON), holds a number too large for a
+            float, or is not a JSON object.
     """
     try:
         text = path.read_text(encoding="utf-8")
@@ -253,9 +254,7 @@ def read_json(path: Path) -> dict[str, Any]:
         doc = parse_json(text)
     except NonFiniteNumber as exc:
         where = f"{exc.field}={exc.constant}" if exc.field is not None else exc.constant
-        raise CheckpointError(
-            f"{path}: {where} is not a finite number (and not JSON); fix the file"
-        ) from None
+        raise CheckpointError(f"{path}: {where} {exc.problem}; fix the file") from None
     except ValueError as exc:
         raise CheckpointError(
             f"{path} is not valid JSON ({exc}); it may be truncated: download it again"

@@ -44,6 +44,7 @@ from graphtune.autotuner.selection import CandidateRecord, ProfileRecord
 from graphtune.autotuner.timing.base import SessionTimer, Timer
 from graphtune.engine.step import DecodeStep
 from graphtune.errors import ConfigError
+from graphtune.finite_json import finite_float
 
 logger = logging.getLogger(__name__)
 
@@ -214,14 +215,12 @@ def refine_in_step(
     counts_ok = all(
         isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in (rivals, rounds)
     )
-    shares_ok = all(
-        isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
-        for x in (band, margin)
-    )
+    shares_ok = all(finite_float(x) and x >= 0 for x in (band, margin))
     if not (counts_ok and shares_ok):
         raise ConfigError(
             "refine_in_step: need finite numbers band >= 0 and margin >= 0, and integers "
-            f"rivals >= 1 and rounds >= 1; got {band!r}, {rivals!r}, {margin!r}, {rounds!r}"
+            f"rivals >= 1 and rounds >= 1; got {_short(band)}, {_short(rivals)}, "
+            f"{_short(margin)}, {_short(rounds)}"
         )
     results: list[StepRefinement] = []
     previous = tuner.tuning_mode
@@ -302,3 +301,9 @@ def _refine_bucket(
             )
         )
     return raced
+
+
+def _short(value: Any) -> str:
+    """``repr(value)``, cut to one readable line (an int of 400 digits stays short)."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."

@@ -12,6 +12,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
+
 from graphtune.cli.main import build_parser, main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -138,7 +140,30 @@ def test_bench_results_survive_an_unwritable_json(monkeypatch, tmp_path, capsys)
     assert data["results"][0]["eager_ms"] > 0
 
 
-def test_bench_json_is_written_before_the_table_meets_a_closed_pipe(tmp_path):
+_BENCH_TINY = [
+    "bench",
+    "decode",
+    "--model",
+    "tiny",
+    "--device",
+    "cpu",
+    "--batch-sizes",
+    "1",
+    "--steps",
+    "1",
+] + ["--repeats", "1", "--context", "8", "--runner", "eager"]
+_CHECK_TINY = ["check-tactics", "--model", "tiny", "--device", "cpu", "--batch", "1"]
+
+
+@pytest.mark.parametrize(
+    ("command", "finished"),
+    [
+        (_BENCH_TINY, lambda doc: doc["results"][0]["eager_ms"] > 0),
+        (_CHECK_TINY, lambda doc: doc["passed"] and doc["reports"]),
+    ],
+    ids=["bench-decode", "check-tactics"],
+)
+def test_json_is_written_before_the_table_meets_a_closed_pipe(tmp_path, command, finished):
     # As `graphtune bench decode --json F | head -1`: the reader is gone before the table, so
     # its print fails (EPIPE); the finished result must already be in F.
     target = tmp_path / "r.json"
@@ -146,9 +171,7 @@ def test_bench_json_is_written_before_the_table_meets_a_closed_pipe(tmp_path):
     os.close(read_end)
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "graphtune", "bench", "decode", "--model", "tiny"]
-            + ["--device", "cpu", "--batch-sizes", "1", "--steps", "1", "--repeats", "1"]
-            + ["--context", "8", "--runner", "eager", "--json", str(target)],
+            [sys.executable, "-m", "graphtune", *command, "--json", str(target)],
             stdout=write_end,
             stderr=subprocess.PIPE,
             text=True,
@@ -159,7 +182,7 @@ def test_bench_json_is_written_before_the_table_meets_a_closed_pipe(tmp_path):
         os.close(write_end)
     assert done.returncode == 141, done.stderr  # 128 + SIGPIPE, as a shell reports it
     assert "Traceback" not in done.stderr, done.stderr
-    assert json.loads(target.read_text())["results"][0]["eager_ms"] > 0
+    assert finished(json.loads(target.read_text()))
 
 
 def test_bench_exits_1_when_its_json_went_to_the_temporary_folder(monkeypatch, tmp_path, capsys):

@@ -171,6 +171,10 @@ def run_check(args: argparse.Namespace) -> int:
             )
     columns = ("op", "profile", "runner", "tactic", "max abs", "max rel", "result")
     to_stdout = args.json is not None and str(args.json) == "-"
+    data = _result_json(args, where, dtype, reports)
+    # Written before the table, so a reader of stdout that is gone (``| head -1``: the print
+    # raises BrokenPipeError) never loses a finished report.
+    written = write_json(args.json, data) if args.json is not None and not to_stdout else None
     table_stream = sys.stderr if to_stdout else sys.stdout
     title = f"tactic consistency of {args.model}"
     print(render_table(title, columns, rows, width=200), file=table_stream)
@@ -182,12 +186,9 @@ def run_check(args: argparse.Namespace) -> int:
         f"{fallback_only} op calls offered no Triton tactic (only the fallback runs there)",
         file=table_stream,
     )
-    data = _result_json(args, where, dtype, reports)
     if to_stdout:
         print(json.dumps(json_safe(data), indent=1))
-    elif args.json is not None and not report_written(
-        "--json", args.json, write_json(args.json, data)
-    ):
+    elif written is not None and not report_written("--json", args.json, written):
         return EXIT_FAILURE
     return EXIT_FAILURE if failed else EXIT_OK
 

@@ -6,6 +6,7 @@ where used."""
 from __future__ import annotations
 
 import collections
+import decimal
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ import torch
 
 from graphtune.errors import InputError
 from graphtune.graphs import CUDAGraphRunner, SimulatedGraphBackend, graph_break
+from graphtune.graphs.values import same_constant
 
 
 def make(step, rows: int = 4) -> CUDAGraphRunner:
@@ -96,22 +98,106 @@ def test_a_constant_break_result_that_plain_equality_cannot_compare_replays(make
     assert runner.stats.replays == 1
 
 
-def test_a_break_result_that_is_not_equal_to_itself_fails_its_capture():
-    class Odd:
-        def __eq__(self, other):
-            raise TypeError("cannot compare")
+class Odd:
+    """A value whose ``==`` raises: equal to nothing by value, only by identity."""
 
-        __hash__ = object.__hash__
+    def __eq__(self, other):
+        raise TypeError("cannot compare")
 
+    __hash__ = object.__hash__
+
+
+ODD = Odd()
+NAT = np.datetime64("NaT")
+DECIMAL_NAN = decimal.Decimal("NaN")
+COMPLEX_NAN = complex("nan")
+
+
+@pytest.mark.parametrize(
+    "constant",
+    [NAT, DECIMAL_NAN, COMPLEX_NAN, ODD],
+    ids=["nat", "decimal-nan", "complex-nan", "odd"],
+)
+def test_a_break_result_that_is_the_same_object_at_every_call_replays(constant):
     def step(x):
-        y, _ = graph_break(lambda q: (q * 2, Odd()), x + 1)
+        y, _ = graph_break(lambda q: (q * 2, constant), x + 1)  # a cached marker, say
         return y + 1
 
     runner = make(step)
     runner.capture(torch.zeros(4, 2))
-    record = runner.stats.records[0]
-    assert not record.ok and "Odd" in (record.error or "")
-    assert runner(torch.ones(4, 2)).tolist() == [[5.0, 5.0]] * 4  # runs eagerly instead
+    assert runner.stats.records[0].ok, runner.stats.records[0].error  # failed its capture
+    assert runner(torch.ones(4, 2)).tolist() == [[5.0, 5.0]] * 4
+    assert runner.stats.replays == 1 and not runner.stats.fallbacks
+
+
+@pytest.mark.parametrize(
+    "make_constant",
+    [
+        lambda: np.datetime64("NaT"),
+        lambda: np.timedelta64("NaT"),
+        lambda: np.array(["2024-01-01", "NaT"], dtype="datetime64[s]"),
+        lambda: decimal.Decimal("NaN"),
+        lambda: complex(float("nan"), 1.0),
+    ],
+    ids=["nat", "timedelta-nat", "datetime-array", "decimal-nan", "complex-nan"],
+)
+def test_a_new_nan_or_nat_break_result_equals_the_captured_one(make_constant):
+    def step(x):
+        y, _ = graph_break(lambda q: (q * 2, make_constant()), x + 1)
+        return y + 1
+
+    runner = make(step)
+    runner.capture(torch.zeros(4, 2))
+    assert runner.stats.records[0].ok, runner.stats.records[0].error
+    assert runner(torch.ones(4, 2)).tolist() == [[5.0, 5.0]] * 4
+    assert runner.stats.replays == 1
+
+
+def test_a_new_break_result_not_equal_to_itself_fails_at_replay_saying_so():
+    def step(x):
+        y, _ = graph_break(lambda q: (q * 2, Odd()), x + 1)  # a new object at every call
+        return y + 1
+
+    runner = make(step)
+    runner.capture(torch.zeros(4, 2))
+    assert runner.stats.records[0].ok  # the capture cannot tell it from a cached object
+    with pytest.raises(InputError, match="not equal to itself.*that very object"):
+        runner(torch.ones(4, 2))
+
+
+def test_a_nat_in_a_constant_input_matches_an_equal_array():
+    stamps = np.array(["2024-01-01", "NaT"], dtype="datetime64[s]")
+    runner = CUDAGraphRunner(
+        lambda x, s: x * 2,
+        max_batch_size=4,
+        capture_sizes=[4],
+        warmup=0,
+        backend=SimulatedGraphBackend(),
+    )
+    runner.capture(torch.zeros(4, 2), stamps)
+    assert runner(torch.ones(4, 2), stamps.copy()).tolist() == [[2.0, 2.0]] * 4
+    assert runner.stats.replays == 1
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "same"),
+    [
+        (NAT, NAT, True),
+        (ODD, ODD, True),
+        (Odd(), Odd(), False),
+        (np.datetime64("NaT"), np.datetime64("NaT"), True),
+        (np.timedelta64("NaT"), np.timedelta64(1), False),
+        (decimal.Decimal("NaN"), decimal.Decimal("NaN"), True),
+        (decimal.Decimal("sNaN"), decimal.Decimal("sNaN"), True),
+        (decimal.Decimal("sNaN"), decimal.Decimal("NaN"), False),
+        (decimal.Decimal(1), decimal.Decimal("sNaN"), False),  # == raised InvalidOperation
+        (complex(float("nan"), 1), complex(float("nan"), 1), True),
+        (complex(float("nan"), 1), complex(float("nan"), 2), False),
+        (1.0, 1, False),
+    ],
+)
+def test_same_constant(a, b, same):
+    assert same_constant(a, b) is same
 
 
 def test_a_non_contiguous_break_output_allocates_no_shared_buffer():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import decimal
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -96,6 +97,65 @@ def test_a_constant_break_result_that_plain_equality_cannot_compare_replays(make
     assert runner.stats.records[0].ok
     assert runner(torch.ones(4, 2)).tolist() == [[5.0, 5.0]] * 4
     assert runner.stats.replays == 1
+
+
+class QK(NamedTuple):
+    q: torch.Tensor
+    k: torch.Tensor
+
+
+class Pair(tuple):
+    """A tuple subclass with a constructor of its own (not from one sequence)."""
+
+    def __new__(cls, q, k):
+        return super().__new__(cls, (q, k))
+
+    @property
+    def q(self):
+        return self[0]
+
+
+class Reversed(tuple):
+    """A tuple subclass whose constructor takes one sequence but reorders it."""
+
+    def __new__(cls, items):
+        return super().__new__(cls, list(items)[::-1])
+
+    @property
+    def q(self):
+        return self[0]
+
+
+@pytest.mark.parametrize(
+    ("build", "twinned"),
+    [
+        (lambda q: QK(q, q + 1), True),  # rebuilt with its type, its tensors twinned
+        (lambda q: Pair(q, q + 1), False),  # cannot be rebuilt: the caller's own object
+        (lambda q: Reversed([q + 1, q]), False),  # rebuilt as another value: the caller's
+    ],
+    ids=["namedtuple", "own-constructor", "reordering-constructor"],
+)
+def test_a_tuple_subclass_argument_keeps_its_type_at_every_replay(build, twinned):
+    seen: list[type] = []
+    made: list[tuple] = []
+
+    def attend(pair):
+        seen.append(type(pair))
+        return pair.q * 2
+
+    def step(x):
+        made.append(build(x + 1))
+        return graph_break(attend, made[-1]) + 1
+
+    runner = make(step)
+    runner.capture(torch.zeros(4, 2))
+    assert runner.stats.records[0].ok
+    arg = runner._keys[None].graphs[4].graph.breaks[0].args[0]
+    assert type(arg) is type(made[-1])
+    assert (arg is not made[-1]) is twinned
+    assert arg[0].data_ptr() == made[-1][0].data_ptr()
+    assert runner(torch.ones(4, 2)).tolist() == [[5.0, 5.0]] * 4  # AttributeError: a plain tuple
+    assert seen == [type(made[-1])] * 2
 
 
 class Odd:

@@ -115,3 +115,38 @@ def test_padded_inputs_refuses_what_a_call_refuses():
     for bad in (torch.randn(3, 4, dtype=torch.float64), torch.randn(3, 5)):
         with pytest.raises(InputError):
             runner.padded_inputs(bad)  # a float64 input was converted; a wrong width raised
+
+
+def scaled(x, scale, w):
+    return x * scale + w
+
+
+def test_padded_inputs_refuses_a_changed_constant_as_a_call_does():
+    w = torch.ones(2)
+    runner = CUDAGraphRunner(
+        scaled, max_batch_size=4, capture_sizes=[4], warmup=0, backend=SimulatedGraphBackend()
+    )
+    runner.capture(torch.zeros(4, 2), 2, w)
+    x = torch.ones(3, 2)
+    with pytest.raises(InputError, match="captured with 2") as call:
+        runner(x, 3, w)
+    with pytest.raises(InputError) as padded:  # padded_inputs accepted it
+        runner.padded_inputs(x, 3, w)
+    assert str(padded.value) == str(call.value)
+    inputs, n, size = runner.padded_inputs(x, 2, w)
+    assert (n, size, inputs[1]) == (3, 4, 2)
+
+
+def test_padded_inputs_in_debug_mode_refuses_a_moved_tensor_as_a_call_does():
+    runner = CUDAGraphRunner(
+        scaled,
+        max_batch_size=4,
+        capture_sizes=[4],
+        warmup=0,
+        debug=True,
+        backend=SimulatedGraphBackend(),
+    )
+    runner.capture(torch.zeros(4, 2), 2, torch.ones(2))
+    for call in (runner, runner.padded_inputs):
+        with pytest.raises(InputError, match="changed address"):
+            call(torch.ones(3, 2), 2, torch.ones(2))

@@ -194,6 +194,12 @@ class StaticInputs:
                 ) from None
         for fill in rows.pads:
             fill()
+        self.check_unbatched(leaves, debug)
+
+    def check_unbatched(self, leaves: Any, debug: bool) -> None:
+        """Raises InputError when a constant differs from the captured one, or (``debug``) a
+        non-batched tensor is not the captured one: what a call refuses besides its batched
+        inputs (:meth:`copy_in` and :meth:`padded_copy` both check it here)."""
         for index, value in self._constants:
             got = leaves[index]
             if got is not value and not same_constant(got, value):
@@ -263,9 +269,14 @@ class StaticInputs:
         ]
         return self.spec.unflatten(leaves)
 
-    def padded_copy(self, inputs: tuple, s: int) -> tuple:
-        """Eager-equivalent inputs padded to ``s`` rows (for tests and benchmarks; allocates)."""
+    def padded_copy(self, inputs: tuple, s: int, debug: bool = False) -> tuple:
+        """Eager-equivalent inputs padded to ``s`` rows (for tests and benchmarks; allocates).
+
+        Raises:
+            InputError: What :meth:`copy_in` raises for these inputs.
+        """
         leaves = list(self.spec.flatten(inputs))
+        self.check_unbatched(leaves, debug)
         n = leaves[self.batch_index].shape[0]
         for index, buf in self._buffers.items():
             got = leaves[index]

@@ -56,11 +56,14 @@ class KeyState:
         if n > 0:
             self.inputs.copy_in(leaves, n, self.inputs.rows, debug)
 
-    def padded_copy(self, inputs: tuple, pad_table: Sequence[int]) -> tuple[tuple, int, int]:
+    def padded_copy(
+        self, inputs: tuple, pad_table: Sequence[int], debug: bool = False
+    ) -> tuple[tuple, int, int]:
         """``CUDAGraphRunner.padded_inputs`` for this key: ``(padded inputs, n, padded size)``.
 
         Raises:
-            InputError: The batch is too large, or not a capture size with padding off.
+            InputError: The batch is too large, or not a capture size with padding off; or an
+                input a call refuses (:meth:`StaticInputs.padded_copy`).
         """
         n = batch_of(self.inputs, self.inputs.flatten(inputs))
         if not 0 < n <= self.inputs.rows:
@@ -71,7 +74,7 @@ class KeyState:
                 f"batch {n} is not a capture size and padding is off (CapturePolicy(padding="
                 "False)); such calls run eagerly, so there is nothing to pad to"
             )
-        return self.inputs.padded_copy(inputs, size), n, size
+        return self.inputs.padded_copy(inputs, size, debug), n, size
 
     def keep(
         self, result: CapturedGraph | CaptureRecord, sizes: Sequence[int], records: list[Any]

@@ -313,7 +313,9 @@ class CUDAGraphRunner:
         what a replay returns). Returns ``(padded_inputs, n, padded_size)``.
 
         Raises:
-            InputError: No buffers exist for this call's extra key yet, or the batch is too large.
+            InputError: No buffers exist for this call's extra key yet, the batch is too large,
+                or a call would refuse these inputs (a batched input of another shape, dtype or
+                device, a changed constant, in debug mode a moved non-batched tensor).
         """
         extra = self._key_fn(inputs) if self._key_fn is not None else None
         try:
@@ -322,7 +324,7 @@ class CUDAGraphRunner:
             raise keys.unhashable_key_error(extra) from None
         if key_state is None:
             raise InputError(f"no buffers for extra key {extra!r}; call capture() first")
-        return key_state.padded_copy(inputs, self._pad_table)
+        return key_state.padded_copy(inputs, self._pad_table, self._debug)
 
     def __repr__(self) -> str:
         return (

@@ -184,18 +184,28 @@ def check_key(extra: Hashable) -> None:
     """Refuses a ``key_fn`` value that would key graphs by object identity.
 
     Raises:
-        ConfigError: ``extra`` is a tensor (hashed by identity: new buffers and graphs for
-            every call), or it cannot be hashed.
+        ConfigError: ``extra`` is a tensor or holds one in a tuple or frozenset, at any depth
+            (hashed by identity: new buffers and graphs for every call), or it cannot be hashed.
     """
     try:
         hash(extra)
     except TypeError:
         raise unhashable_key_error(extra) from None
-    if isinstance(extra, torch.Tensor):
+    if _holds_tensor(extra):
         raise ConfigError(
             "key_fn returned a tensor, which would key graphs by the tensor object (new buffers "
             "and graphs every call); return a Python value, e.g. int(t)"
         )
+
+
+def _holds_tensor(value: Any) -> bool:
+    """Whether ``value`` is a tensor or a tuple or frozenset holding one (the containers a
+    hashable key can hold one in; another object hashes as it defines)."""
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, (tuple, frozenset)):
+        return any(_holds_tensor(item) for item in value)
+    return False
 
 
 def unhashable_key_error(extra: Any) -> ConfigError:

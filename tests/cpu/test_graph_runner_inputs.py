@@ -6,8 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphtune.errors import InputError
-from graphtune.graphs import CUDAGraphRunner, FallbackReason, SimulatedGraphBackend
+from graphtune.errors import CaptureError, InputError
+from graphtune.graphs import (
+    CapturePolicy,
+    CUDAGraphRunner,
+    FallbackReason,
+    SimulatedGraphBackend,
+)
 
 W = torch.randn(4, 4)
 
@@ -61,8 +66,87 @@ def test_a_frozen_lazy_runner_allocates_nothing_for_a_new_key():
     assert runner.stats.buffer_bytes == 0
 
 
+def frozen_lazy(when_frozen: str, **kwargs) -> CUDAGraphRunner:
+    runner = CUDAGraphRunner(
+        lambda x, key: x * 2,
+        backend=SimulatedGraphBackend(),
+        lazy=True,
+        key_fn=lambda inputs: inputs[1],
+        policy=CapturePolicy(when_frozen=when_frozen, padding=kwargs.pop("padding", True)),
+        **kwargs,
+    )
+    runner.freeze()
+    return runner
+
+
+@pytest.mark.parametrize("when_frozen", ["fallback", "raise"])
+@pytest.mark.parametrize(
+    ("x", "kwargs", "reason"),
+    [
+        (torch.ones(100, 2), {}, FallbackReason.BATCH_TOO_LARGE),
+        (torch.tensor(3.0), {}, FallbackReason.NO_BATCH),
+        (torch.ones(0, 2), {}, FallbackReason.NO_BATCH),
+        (torch.ones(3, 2), {"padding": False}, FallbackReason.SIZE_NOT_CAPTURED),
+        (torch.ones(3, 2), {"batched": {"0": False}}, FallbackReason.NO_BATCH),
+    ],
+    ids=["too-large", "no-batch-dim", "empty-batch", "padding-off", "marked-unbatched"],
+)
+def test_a_frozen_runner_routes_a_new_key_that_would_not_capture_as_before(
+    when_frozen, x, kwargs, reason
+):
+    runner = frozen_lazy(when_frozen, max_batch_size=8, capture_sizes=[2, 4, 8], **kwargs)
+    assert torch.equal(runner(x, "new"), x * 2)  # was FROZEN, or CaptureError with "raise"
+    assert runner.stats.fallbacks == {reason: 1}
+    assert runner.stats.buffer_bytes == 0
+
+
+def test_a_frozen_runner_refuses_a_new_key_that_would_capture():
+    runner = frozen_lazy("raise", max_batch_size=8)
+    with pytest.raises(CaptureError, match="a call of a new key of batch 3 .size 4."):
+        runner(torch.ones(3, 2), "new")
+    assert runner.stats.buffer_bytes == 0
+    runner = frozen_lazy("fallback", max_batch_size=8)
+    assert torch.equal(runner(torch.ones(3, 2), "new"), torch.full((3, 2), 2.0))
+    assert runner.stats.fallbacks == {FallbackReason.FROZEN: 1}
+
+
 def test_padded_inputs_refuses_what_a_call_refuses():
     runner = captured()
     for bad in (torch.randn(3, 4, dtype=torch.float64), torch.randn(3, 5)):
         with pytest.raises(InputError):
             runner.padded_inputs(bad)  # a float64 input was converted; a wrong width raised
+
+
+def scaled(x, scale, w):
+    return x * scale + w
+
+
+def test_padded_inputs_refuses_a_changed_constant_as_a_call_does():
+    w = torch.ones(2)
+    runner = CUDAGraphRunner(
+        scaled, max_batch_size=4, capture_sizes=[4], warmup=0, backend=SimulatedGraphBackend()
+    )
+    runner.capture(torch.zeros(4, 2), 2, w)
+    x = torch.ones(3, 2)
+    with pytest.raises(InputError, match="captured with 2") as call:
+        runner(x, 3, w)
+    with pytest.raises(InputError) as padded:  # padded_inputs accepted it
+        runner.padded_inputs(x, 3, w)
+    assert str(padded.value) == str(call.value)
+    inputs, n, size = runner.padded_inputs(x, 2, w)
+    assert (n, size, inputs[1]) == (3, 4, 2)
+
+
+def test_padded_inputs_in_debug_mode_refuses_a_moved_tensor_as_a_call_does():
+    runner = CUDAGraphRunner(
+        scaled,
+        max_batch_size=4,
+        capture_sizes=[4],
+        warmup=0,
+        debug=True,
+        backend=SimulatedGraphBackend(),
+    )
+    runner.capture(torch.zeros(4, 2), 2, torch.ones(2))
+    for call in (runner, runner.padded_inputs):
+        with pytest.raises(InputError, match="changed address"):
+            call(torch.ones(3, 2), 2, torch.ones(2))

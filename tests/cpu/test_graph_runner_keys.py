@@ -118,3 +118,30 @@ def test_nan_key_reuses_its_buffers_and_unhashable_keys_still_raise():
         listed(torch.ones(2, 3))
     with pytest.raises(ConfigError, match="not hashable"):
         listed.padded_inputs(torch.ones(2, 3))
+
+
+@pytest.mark.parametrize(
+    "key_fn",
+    [
+        lambda inputs: ("mode", inputs[1]),
+        lambda inputs: (1, ("nested", inputs[1])),
+        lambda inputs: frozenset({inputs[1]}),
+    ],
+    ids=["in-tuple", "nested-tuple", "in-frozenset"],
+)
+@pytest.mark.parametrize("how", ["capture", "lazy-call", "frozen-lazy-call"])
+def test_a_tensor_inside_a_key_is_refused_as_a_tensor_key_is(key_fn, how):
+    runner = CUDAGraphRunner(
+        lambda x, t: x * 2,
+        max_batch_size=4,
+        key_fn=key_fn,
+        lazy=how != "capture",
+        backend=SimulatedGraphBackend(),
+    )
+    if how == "frozen-lazy-call":
+        runner.freeze()
+    call = runner.capture if how == "capture" else runner
+    for _ in range(2):  # identity-hashed: every call was a new key with new buffers
+        with pytest.raises(ConfigError, match="^key_fn returned a tensor, which would key"):
+            call(torch.ones(4, 2), torch.tensor(1))
+    assert runner.stats.buffer_bytes == 0 and not runner._keys

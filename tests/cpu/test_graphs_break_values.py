@@ -6,6 +6,8 @@ where used."""
 from __future__ import annotations
 
 import collections
+import decimal
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -13,6 +15,7 @@ import torch
 
 from graphtune.errors import InputError
 from graphtune.graphs import CUDAGraphRunner, SimulatedGraphBackend, graph_break
+from graphtune.graphs.values import same_constant
 
 
 def make(step, rows: int = 4) -> CUDAGraphRunner:
@@ -96,22 +99,165 @@ def test_a_constant_break_result_that_plain_equality_cannot_compare_replays(make
     assert runner.stats.replays == 1
 
 
-def test_a_break_result_that_is_not_equal_to_itself_fails_its_capture():
-    class Odd:
-        def __eq__(self, other):
-            raise TypeError("cannot compare")
+class QK(NamedTuple):
+    q: torch.Tensor
+    k: torch.Tensor
 
-        __hash__ = object.__hash__
+
+class Pair(tuple):
+    """A tuple subclass with a constructor of its own (not from one sequence)."""
+
+    def __new__(cls, q, k):
+        return super().__new__(cls, (q, k))
+
+    @property
+    def q(self):
+        return self[0]
+
+
+class Reversed(tuple):
+    """A tuple subclass whose constructor takes one sequence but reorders it."""
+
+    def __new__(cls, items):
+        return super().__new__(cls, list(items)[::-1])
+
+    @property
+    def q(self):
+        return self[0]
+
+
+@pytest.mark.parametrize(
+    ("build", "twinned"),
+    [
+        (lambda q: QK(q, q + 1), True),  # rebuilt with its type, its tensors twinned
+        (lambda q: Pair(q, q + 1), False),  # cannot be rebuilt: the caller's own object
+        (lambda q: Reversed([q + 1, q]), False),  # rebuilt as another value: the caller's
+    ],
+    ids=["namedtuple", "own-constructor", "reordering-constructor"],
+)
+def test_a_tuple_subclass_argument_keeps_its_type_at_every_replay(build, twinned):
+    seen: list[type] = []
+    made: list[tuple] = []
+
+    def attend(pair):
+        seen.append(type(pair))
+        return pair.q * 2
 
     def step(x):
-        y, _ = graph_break(lambda q: (q * 2, Odd()), x + 1)
+        made.append(build(x + 1))
+        return graph_break(attend, made[-1]) + 1
+
+    runner = make(step)
+    runner.capture(torch.zeros(4, 2))
+    assert runner.stats.records[0].ok
+    arg = runner._keys[None].graphs[4].graph.breaks[0].args[0]
+    assert type(arg) is type(made[-1])
+    assert (arg is not made[-1]) is twinned
+    assert arg[0].data_ptr() == made[-1][0].data_ptr()
+    assert runner(torch.ones(4, 2)).tolist() == [[5.0, 5.0]] * 4  # AttributeError: a plain tuple
+    assert seen == [type(made[-1])] * 2
+
+
+class Odd:
+    """A value whose ``==`` raises: equal to nothing by value, only by identity."""
+
+    def __eq__(self, other):
+        raise TypeError("cannot compare")
+
+    __hash__ = object.__hash__
+
+
+ODD = Odd()
+NAT = np.datetime64("NaT")
+DECIMAL_NAN = decimal.Decimal("NaN")
+COMPLEX_NAN = complex("nan")
+
+
+@pytest.mark.parametrize(
+    "constant",
+    [NAT, DECIMAL_NAN, COMPLEX_NAN, ODD],
+    ids=["nat", "decimal-nan", "complex-nan", "odd"],
+)
+def test_a_break_result_that_is_the_same_object_at_every_call_replays(constant):
+    def step(x):
+        y, _ = graph_break(lambda q: (q * 2, constant), x + 1)  # a cached marker, say
         return y + 1
 
     runner = make(step)
     runner.capture(torch.zeros(4, 2))
-    record = runner.stats.records[0]
-    assert not record.ok and "Odd" in (record.error or "")
-    assert runner(torch.ones(4, 2)).tolist() == [[5.0, 5.0]] * 4  # runs eagerly instead
+    assert runner.stats.records[0].ok, runner.stats.records[0].error  # failed its capture
+    assert runner(torch.ones(4, 2)).tolist() == [[5.0, 5.0]] * 4
+    assert runner.stats.replays == 1 and not runner.stats.fallbacks
+
+
+@pytest.mark.parametrize(
+    "make_constant",
+    [
+        lambda: np.datetime64("NaT"),
+        lambda: np.timedelta64("NaT"),
+        lambda: np.array(["2024-01-01", "NaT"], dtype="datetime64[s]"),
+        lambda: decimal.Decimal("NaN"),
+        lambda: complex(float("nan"), 1.0),
+    ],
+    ids=["nat", "timedelta-nat", "datetime-array", "decimal-nan", "complex-nan"],
+)
+def test_a_new_nan_or_nat_break_result_equals_the_captured_one(make_constant):
+    def step(x):
+        y, _ = graph_break(lambda q: (q * 2, make_constant()), x + 1)
+        return y + 1
+
+    runner = make(step)
+    runner.capture(torch.zeros(4, 2))
+    assert runner.stats.records[0].ok, runner.stats.records[0].error
+    assert runner(torch.ones(4, 2)).tolist() == [[5.0, 5.0]] * 4
+    assert runner.stats.replays == 1
+
+
+def test_a_new_break_result_not_equal_to_itself_fails_at_replay_saying_so():
+    def step(x):
+        y, _ = graph_break(lambda q: (q * 2, Odd()), x + 1)  # a new object at every call
+        return y + 1
+
+    runner = make(step)
+    runner.capture(torch.zeros(4, 2))
+    assert runner.stats.records[0].ok  # the capture cannot tell it from a cached object
+    with pytest.raises(InputError, match="not equal to itself.*that very object"):
+        runner(torch.ones(4, 2))
+
+
+def test_a_nat_in_a_constant_input_matches_an_equal_array():
+    stamps = np.array(["2024-01-01", "NaT"], dtype="datetime64[s]")
+    runner = CUDAGraphRunner(
+        lambda x, s: x * 2,
+        max_batch_size=4,
+        capture_sizes=[4],
+        warmup=0,
+        backend=SimulatedGraphBackend(),
+    )
+    runner.capture(torch.zeros(4, 2), stamps)
+    assert runner(torch.ones(4, 2), stamps.copy()).tolist() == [[2.0, 2.0]] * 4
+    assert runner.stats.replays == 1
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "same"),
+    [
+        (NAT, NAT, True),
+        (ODD, ODD, True),
+        (Odd(), Odd(), False),
+        (np.datetime64("NaT"), np.datetime64("NaT"), True),
+        (np.timedelta64("NaT"), np.timedelta64(1), False),
+        (decimal.Decimal("NaN"), decimal.Decimal("NaN"), True),
+        (decimal.Decimal("sNaN"), decimal.Decimal("sNaN"), True),
+        (decimal.Decimal("sNaN"), decimal.Decimal("NaN"), False),
+        (decimal.Decimal(1), decimal.Decimal("sNaN"), False),  # == raised InvalidOperation
+        (complex(float("nan"), 1), complex(float("nan"), 1), True),
+        (complex(float("nan"), 1), complex(float("nan"), 2), False),
+        (1.0, 1, False),
+    ],
+)
+def test_same_constant(a, b, same):
+    assert same_constant(a, b) is same
 
 
 def test_a_non_contiguous_break_output_allocates_no_shared_buffer():

@@ -34,7 +34,7 @@ import torch
 
 from graphtune.errors import ConfigError, InputError
 from graphtune.graphs.tree import TreeSpec, flatten_with_paths
-from graphtune.graphs.values import same_constant
+from graphtune.graphs.values import equal_to_itself, same_constant
 
 _clock = time.perf_counter
 
@@ -153,6 +153,8 @@ class Break:
         for index, value in self.constants:
             got = leaves[index]
             if got is not value and not same_constant(got, value):
+                if not equal_to_itself(value):
+                    raise _incomparable(self.name, index, value)
                 raise self._changed(index, value, got)
 
     def _changed(self, index: int, captured: Any, got: Any) -> InputError:
@@ -164,13 +166,13 @@ class Break:
         )
 
 
-def _incomparable(fn: Callable[..., Any], index: int, value: Any) -> InputError:
-    name = getattr(fn, "__qualname__", None) or repr(fn)
+def _incomparable(name: str, index: int, value: Any) -> InputError:
     return InputError(
-        f"graph break {name} returned {value!r:.80} as output {index}, a value that is not "
-        f"equal to itself ({type(value).__name__}): the pieces after a break were captured "
-        "with its non-tensor results, so every replay checks that they did not change; "
-        "return it as a tensor, or compute it outside the break"
+        f"graph break {name} returned a new {type(value).__name__} as output {index} at replay, "
+        f"and the one it returned at capture ({value!r:.80}) is not equal to itself: the pieces "
+        "after a break were captured with its non-tensor results, so every replay checks that "
+        "they did not change, and such a value matches only itself; return that very object at "
+        "every call, return it as a tensor, or compute it outside the break"
     )
 
 
@@ -312,9 +314,7 @@ class PieceCapture:
                 static.copy_(leaf)
                 statics.append(static)
                 copies.append((index, static))
-            else:
-                if not same_constant(leaf, leaf):
-                    raise _incomparable(fn, index, leaf)
+            else:  # a replay checks it (same_constant: the same object, or an equal one)
                 statics.append(leaf)
                 constants.append((index, leaf))
         self.breaks.append(Break(fn, args, kwargs, spec, copies, constants, own_bytes))

@@ -118,13 +118,7 @@ class StaticInputs:
         """
         leaves, paths, spec = flatten_with_paths(inputs)
         is_tensor = [isinstance(leaf, torch.Tensor) for leaf in leaves]
-        if callable(batched) and not isinstance(batched, (tuple, list, dict)):
-            explicit = [
-                bool(batched(path_str(p), leaf)) if t else None
-                for p, leaf, t in zip(paths, leaves, is_tensor, strict=True)
-            ]
-        else:
-            explicit = resolve_rules(batched, paths, name="batched", is_rule=_is_batched_flag)
+        explicit = _explicit_flags(leaves, paths, is_tensor, batched)
         batch_index = _find_batch_index(leaves, is_tensor, explicit)
         if batch_index is None or leaves[batch_index].shape[0] < 1:
             return None
@@ -200,6 +194,12 @@ class StaticInputs:
                 ) from None
         for fill in rows.pads:
             fill()
+        self.check_unbatched(leaves, debug)
+
+    def check_unbatched(self, leaves: Any, debug: bool) -> None:
+        """Raises InputError when a constant differs from the captured one, or (``debug``) a
+        non-batched tensor is not the captured one: what a call refuses besides its batched
+        inputs (:meth:`copy_in` and :meth:`padded_copy` both check it here)."""
         for index, value in self._constants:
             got = leaves[index]
             if got is not value and not same_constant(got, value):
@@ -269,9 +269,14 @@ class StaticInputs:
         ]
         return self.spec.unflatten(leaves)
 
-    def padded_copy(self, inputs: tuple, s: int) -> tuple:
-        """Eager-equivalent inputs padded to ``s`` rows (for tests and benchmarks; allocates)."""
+    def padded_copy(self, inputs: tuple, s: int, debug: bool = False) -> tuple:
+        """Eager-equivalent inputs padded to ``s`` rows (for tests and benchmarks; allocates).
+
+        Raises:
+            InputError: What :meth:`copy_in` raises for these inputs.
+        """
         leaves = list(self.spec.flatten(inputs))
+        self.check_unbatched(leaves, debug)
         n = leaves[self.batch_index].shape[0]
         for index, buf in self._buffers.items():
             got = leaves[index]
@@ -298,6 +303,31 @@ class StaticInputs:
     def batched_paths(self) -> list[str]:
         """Dotted paths of the batched inputs."""
         return [path_str(self.paths[i]) for i in self._buffers]
+
+
+def batch_size(inputs: tuple, batched: Any = None) -> int | None:
+    """The batch size :meth:`StaticInputs.build` would read from ``inputs`` (the leading dim of
+    the tensor that gives it, possibly 0), or None when no tensor has a leading dim; allocates
+    nothing (a frozen runner routes a new key's call with it).
+
+    Raises:
+        ConfigError: ``batched`` names paths that match no input (as :meth:`build` raises).
+    """
+    leaves, paths, _ = flatten_with_paths(inputs)
+    is_tensor = [isinstance(leaf, torch.Tensor) for leaf in leaves]
+    explicit = _explicit_flags(leaves, paths, is_tensor, batched)
+    index = _find_batch_index(leaves, is_tensor, explicit)
+    return None if index is None else int(leaves[index].shape[0])
+
+
+def _explicit_flags(leaves: list, paths: list[Path], is_tensor: list[bool], batched: Any) -> list:
+    """Each leaf's ``batched`` mark: True, False, or None (decided by its leading dim)."""
+    if callable(batched) and not isinstance(batched, (tuple, list, dict)):
+        return [
+            bool(batched(path_str(p), leaf)) if t else None
+            for p, leaf, t in zip(paths, leaves, is_tensor, strict=True)
+        ]
+    return resolve_rules(batched, paths, name="batched", is_rule=_is_batched_flag)
 
 
 def _find_batch_index(leaves: list, is_tensor: list[bool], explicit: list) -> int | None:

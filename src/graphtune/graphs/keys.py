@@ -56,11 +56,14 @@ class KeyState:
         if n > 0:
             self.inputs.copy_in(leaves, n, self.inputs.rows, debug)
 
-    def padded_copy(self, inputs: tuple, pad_table: Sequence[int]) -> tuple[tuple, int, int]:
+    def padded_copy(
+        self, inputs: tuple, pad_table: Sequence[int], debug: bool = False
+    ) -> tuple[tuple, int, int]:
         """``CUDAGraphRunner.padded_inputs`` for this key: ``(padded inputs, n, padded size)``.
 
         Raises:
-            InputError: The batch is too large, or not a capture size with padding off.
+            InputError: The batch is too large, or not a capture size with padding off; or an
+                input a call refuses (:meth:`StaticInputs.padded_copy`).
         """
         n = batch_of(self.inputs, self.inputs.flatten(inputs))
         if not 0 < n <= self.inputs.rows:
@@ -71,7 +74,7 @@ class KeyState:
                 f"batch {n} is not a capture size and padding is off (CapturePolicy(padding="
                 "False)); such calls run eagerly, so there is nothing to pad to"
             )
-        return self.inputs.padded_copy(inputs, size), n, size
+        return self.inputs.padded_copy(inputs, size, debug), n, size
 
     def keep(
         self, result: CapturedGraph | CaptureRecord, sizes: Sequence[int], records: list[Any]
@@ -181,18 +184,28 @@ def check_key(extra: Hashable) -> None:
     """Refuses a ``key_fn`` value that would key graphs by object identity.
 
     Raises:
-        ConfigError: ``extra`` is a tensor (hashed by identity: new buffers and graphs for
-            every call), or it cannot be hashed.
+        ConfigError: ``extra`` is a tensor or holds one in a tuple or frozenset, at any depth
+            (hashed by identity: new buffers and graphs for every call), or it cannot be hashed.
     """
     try:
         hash(extra)
     except TypeError:
         raise unhashable_key_error(extra) from None
-    if isinstance(extra, torch.Tensor):
+    if _holds_tensor(extra):
         raise ConfigError(
             "key_fn returned a tensor, which would key graphs by the tensor object (new buffers "
             "and graphs every call); return a Python value, e.g. int(t)"
         )
+
+
+def _holds_tensor(value: Any) -> bool:
+    """Whether ``value`` is a tensor or a tuple or frozenset holding one (the containers a
+    hashable key can hold one in; another object hashes as it defines)."""
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, (tuple, frozenset)):
+        return any(_holds_tensor(item) for item in value)
+    return False
 
 
 def unhashable_key_error(extra: Any) -> ConfigError:

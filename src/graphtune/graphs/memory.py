@@ -111,7 +111,8 @@ class Disowner:
         appends to, a ``defaultdict``. So a list or dict argument is kept as it is, tensors
         included (they keep their memory until the graph is released). Tensor arguments, and
         tensors inside tuples (immutable, so a copy with the same items and type is the same
-        value), are twinned so that their blocks go back to the pool.
+        value), are twinned so that their blocks go back to the pool; a tuple subclass that
+        cannot be rebuilt with its type from its items is kept as it is, like a list.
         """
         new_args = tuple(self._swap(value) for value in args)
         for key in list(kwargs):  # kwargs is the call's own dict
@@ -127,4 +128,11 @@ class Disowner:
         items = [self._swap(item) for item in value]
         if all(new is old for new, old in zip(items, value, strict=True)):
             return value
-        return rebuild_sequence(type(value), items)
+        rebuilt = rebuild_sequence(type(value), items)
+        # A subclass that cannot be rebuilt from its items (its own constructor) came back a
+        # plain tuple, or as another value: the break gets the caller's tuple, which keeps its
+        # tensors' memory until the graph is released (as a list or dict argument does).
+        same = type(rebuilt) is type(value) and len(rebuilt) == len(items)
+        if not same or any(new is not old for new, old in zip(rebuilt, items, strict=True)):
+            return value
+        return rebuilt

@@ -28,7 +28,7 @@ from graphtune.graphs import keys
 from graphtune.graphs import policy as policies
 from graphtune.graphs.backend import GraphBackend, default_backend
 from graphtune.graphs.breaks import finish_capture_call
-from graphtune.graphs.buffers import StaticInputs
+from graphtune.graphs.buffers import StaticInputs, batch_size
 from graphtune.graphs.capture import frozen_gc
 from graphtune.graphs.keys import KeyState, batch_of
 from graphtune.graphs.memory import can_disown
@@ -313,7 +313,9 @@ class CUDAGraphRunner:
         what a replay returns). Returns ``(padded_inputs, n, padded_size)``.
 
         Raises:
-            InputError: No buffers exist for this call's extra key yet, or the batch is too large.
+            InputError: No buffers exist for this call's extra key yet, the batch is too large,
+                or a call would refuse these inputs (a batched input of another shape, dtype or
+                device, a changed constant, in debug mode a moved non-batched tensor).
         """
         extra = self._key_fn(inputs) if self._key_fn is not None else None
         try:
@@ -322,7 +324,7 @@ class CUDAGraphRunner:
             raise keys.unhashable_key_error(extra) from None
         if key_state is None:
             raise InputError(f"no buffers for extra key {extra!r}; call capture() first")
-        return key_state.padded_copy(inputs, self._pad_table)
+        return key_state.padded_copy(inputs, self._pad_table, self._debug)
 
     def __repr__(self) -> str:
         return (
@@ -338,21 +340,22 @@ class CUDAGraphRunner:
 
     def _call_slow(self, inputs: tuple, extra: Hashable, key_state: KeyState | None) -> Any:
         """Every call that does not replay an existing graph: decide, maybe capture lazily."""
-        if key_state is None and self._lazy:
-            if self._frozen:  # no capture under load, and no buffers for one either
-                if self.policy.when_frozen == "raise":
-                    raise CaptureError(policies.frozen_message("a call of a new key", "raise"))
-                return self._eager(FallbackReason.FROZEN, inputs)
-            key_state = self._build(extra, inputs)
-            if key_state is None:
-                return self._eager(FallbackReason.NO_BATCH, inputs)
         n = size = None
+        if key_state is None and self._lazy:
+            if self._frozen:  # no capture under load, so no buffers for one: the batch alone
+                keys.check_key(extra)
+                n = batch_size(inputs, self._batched)
+            else:
+                key_state = self._build(extra, inputs)
+                if key_state is None:
+                    return self._eager(FallbackReason.NO_BATCH, inputs)
         graph_state = GraphState.MISSING
         if key_state is not None:
             leaves = key_state.inputs.flatten(inputs)
             n = batch_of(key_state.inputs, leaves)
-            if 0 < n <= self._largest:
-                size = self._pad_table[n]
+        if n is not None and 0 < n <= self._largest:
+            size = self._pad_table[n]
+            if key_state is not None:
                 graph_state = key_state.graph_state(size)
         decision = policies.decide(
             static_reason=None,
@@ -368,8 +371,9 @@ class CUDAGraphRunner:
         )
         if isinstance(decision, FallbackReason):
             if decision is FallbackReason.FROZEN and self.policy.when_frozen == "raise":
+                new = "" if key_state is not None else " of a new key"
                 raise CaptureError(
-                    policies.frozen_message(f"a call of batch {n} (size {size})", "raise")
+                    policies.frozen_message(f"a call{new} of batch {n} (size {size})", "raise")
                 )
             return self._eager(decision, inputs)
         assert key_state is not None and n is not None and size is not None

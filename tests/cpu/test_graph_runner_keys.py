@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import pytest
 import torch
 
@@ -118,6 +119,37 @@ def test_nan_key_reuses_its_buffers_and_unhashable_keys_still_raise():
         listed(torch.ones(2, 3))
     with pytest.raises(ConfigError, match="not hashable"):
         listed.padded_inputs(torch.ones(2, 3))
+
+
+@pytest.mark.parametrize(
+    "make_nan",
+    [
+        lambda: np.float64("nan"),
+        lambda: ("mode", np.float64("nan")),
+        lambda: complex(float("nan"), 1.0),
+        lambda: np.complex128(complex(1.0, float("nan"))),
+    ],
+    ids=["numpy-float64", "numpy-float64-in-tuple", "complex", "numpy-complex128"],
+)
+def test_a_numpy_or_complex_nan_key_reuses_its_buffers(make_nan):
+    # NaN was recognised only for an exact float: a numpy.float64 NaN key (a float subclass)
+    # built new buffers (and would capture new graphs) at every call, without bound.
+    assert typed_key(make_nan()) == typed_key(make_nan())
+    assert hash(typed_key(make_nan())) == hash(typed_key(make_nan()))
+    runner = CUDAGraphRunner(
+        lambda x, k: x * 2,
+        max_batch_size=4,
+        key_fn=lambda inp: make_nan(),  # a new NaN object each call
+        backend=SimulatedGraphBackend(),
+        warmup=0,
+        lazy=True,
+    )
+    for _ in range(5):
+        assert runner(torch.ones(2, 3), 0).tolist() == [[2.0] * 3] * 2
+    assert len(runner._keys) == 1 and runner.stats.replays == 5
+    # Still typed: a numpy NaN is not a float NaN, nor a NaN with another other part.
+    assert typed_key(np.float64("nan")) != typed_key(float("nan"))
+    assert typed_key(complex(float("nan"), 1.0)) != typed_key(complex(float("nan"), 2.0))
 
 
 @pytest.mark.parametrize(

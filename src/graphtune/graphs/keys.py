@@ -167,7 +167,8 @@ def typed_key(extra: Any) -> Hashable:
     type and are equal, tuples (and their subclasses) compared item by item the same way, so
     1, 1.0 and True (equal in Python, but three constants to a graph, as in
     :func:`~graphtune.graphs.values.same_constant`) are three keys, and ``(1, 2)`` is not
-    ``(1.0, 2)``. A float NaN equals itself here; other values (a frozenset's items too) compare
+    ``(1.0, 2)``. A NaN float (``numpy.float64`` and other float subclasses too) equals itself
+    here, as does a complex number with a NaN part; other values (a frozenset's items too) compare
     by ``==``. ``None`` stays ``None``. Does not hash: an unhashable value raises where it is
     looked up."""
     if extra is None:
@@ -175,9 +176,16 @@ def typed_key(extra: Any) -> Hashable:
     kind = type(extra)
     if isinstance(extra, tuple):
         return (kind, tuple([typed_key(item) for item in extra]))
-    if kind is float and extra != extra:
-        return (float, "nan")
+    if isinstance(extra, (float, complex)) and extra != extra:  # numpy.float64 too
+        return (kind, _nan_parts(extra))
     return (kind, extra)
+
+
+def _nan_parts(value: complex) -> tuple[Any, ...]:
+    """A NaN number's stand-in in a key: equal for every NaN of the same type (of the same
+    other part, for a complex), as :func:`~graphtune.graphs.values.same_constant` compares."""
+    parts = (value.real, value.imag) if isinstance(value, complex) else (value, 0.0)
+    return tuple("nan" if part != part else part for part in parts)
 
 
 def check_key(extra: Hashable) -> None:

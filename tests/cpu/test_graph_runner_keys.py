@@ -6,6 +6,7 @@ A dict keys 1, 1.0 and True alike (equal, same hash); the runner keys graphs by 
 
 from __future__ import annotations
 
+import collections
 import logging
 
 import numpy as np
@@ -97,6 +98,12 @@ def test_typed_key_compares_type_and_value_through_tuples():
     assert typed_key(float("nan")) == typed_key(float("nan"))
     assert typed_key(-0.0) == typed_key(0.0)  # equal floats: one key
     assert typed_key(frozenset({1})) == typed_key(frozenset({True}))  # other values: ==
+    # The flat-tuple fast path keeps the same rules.
+    assert len({typed_key(v) for v in ((1, "a"), (1.0, "a"), (True, "a"))}) == 3
+    assert typed_key((float("nan"), 1)) == typed_key((float("nan"), 1))
+    assert typed_key((-0.0, None)) == typed_key((0.0, None))
+    assert typed_key(((float("nan"),), 2)) == typed_key(((float("nan"),), 2))
+    assert typed_key(collections.namedtuple("P", "a")(1)) != typed_key((1,))
 
 
 def test_nan_key_reuses_its_buffers_and_unhashable_keys_still_raise():

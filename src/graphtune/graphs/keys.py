@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Hashable, Sequence
+from operator import ne
 from typing import Any
 
 import torch
@@ -174,11 +175,34 @@ def typed_key(extra: Any) -> Hashable:
     if extra is None:
         return None
     kind = type(extra)
+    if kind in _PLAIN:  # the hot path of every replay with a key_fn: no NaN to look for
+        return (kind, extra)
     if isinstance(extra, tuple):
-        return (kind, tuple([typed_key(item) for item in extra]))
+        types = tuple(map(type, extra))
+        # A flat tuple of plain values holding no NaN (ne(x, x) in C: True only for a NaN) is
+        # keyed by its items' types and itself, built in C: the types tell 1, 1.0 and True
+        # apart. Any other tuple is keyed item by item.
+        if _FLAT.issuperset(types) and (float not in types or not any(map(ne, extra, extra))):
+            return (kind, types, extra)
+    return _deep_key(extra)
+
+
+def _deep_key(extra: Any) -> Hashable:
+    """:func:`typed_key` item by item, at every depth (no fast path tried)."""
+    kind = type(extra)
+    if kind in _PLAIN:
+        return (kind, extra)
+    if isinstance(extra, tuple):
+        return (kind, tuple([_deep_key(item) for item in extra]))
     if isinstance(extra, (float, complex)) and extra != extra:  # numpy.float64 too
         return (kind, _nan_parts(extra))
-    return (kind, extra)
+    return (kind, extra) if extra is not None else None
+
+
+#: Exact types whose values key as themselves (no NaN among them); their subclasses do not.
+_PLAIN = frozenset({int, str, bool, bytes})
+#: Exact types a flat tuple key may hold for :func:`typed_key`'s fast path.
+_FLAT = _PLAIN | {type(None), float}
 
 
 def _nan_parts(value: complex) -> tuple[Any, ...]:

@@ -105,3 +105,24 @@ def parse_json(text: str) -> Any:
     if constant is not None:
         raise NonFiniteNumber(constant)
     return doc
+
+
+def brief(value: Any, limit: int = 40) -> str:
+    """``value`` for a one-line message, never raising: ``repr`` cut to ``limit`` characters; an
+    int of more than about 40 digits by its number of digits (``repr`` of one past 4300 digits
+    raises ``ValueError``); an array or tensor by its type and shape; a value whose ``repr``
+    fails by its type."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
+        digits = math.floor(abs(value).bit_length() * math.log10(2)) + 1
+        return f"{'a negative' if value < 0 else 'an'} int of about {digits} digits"
+    shape = getattr(value, "shape", None)
+    if shape is not None and not isinstance(value, numbers.Number):
+        try:
+            return f"a {type(value).__name__} of shape {tuple(shape)}"
+        except Exception:  # a shape that is not a sequence: repr below
+            pass
+    try:
+        text = repr(value)
+    except Exception:  # a huge int inside a container, a broken __repr__
+        return f"a {type(value).__name__}"
+    return text if len(text) <= limit else text[: max(limit - 3, 1)] + "..."

@@ -366,6 +366,53 @@ def test_a_hung_worker_times_out_breaks_the_pool_and_later_batches_compile_here(
         _compile_pool.close_compile_workers(grace_s=0.0)
 
 
+# A kernel module whose import takes 1.5 s in a worker (a slow compile): the job then fails
+# (no such kernel), which still is a job of the pool that finished.
+SLOW_MODULE = "import time\ntime.sleep(1.5)\n"
+
+
+def test_a_batch_behind_a_busy_pool_is_not_taken_for_a_hung_one(tmp_path, monkeypatch) -> None:
+    # The timeout watched only the batch's own jobs: a batch queued behind jobs handed over
+    # ahead that kept the one worker busy for longer than GRAPHTUNE_COMPILE_TIMEOUT (each
+    # finishing well within it) was declared hung, and the healthy pool killed and disabled.
+    pytest.importorskip("triton")
+    from graphtune._compile_worker import CompileJob
+    from graphtune.ops import _compile_pool
+
+    use_workers_on_the_cpu(monkeypatch)
+    monkeypatch.setenv("GRAPHTUNE_COMPILE_PROCESSES", "1")
+    monkeypatch.setenv("GRAPHTUNE_COMPILE_TIMEOUT", "2")
+    ahead = []
+    for i in range(4):
+        module = tmp_path / f"slow_{i}.py"
+        module.write_text(SLOW_MODULE)
+        ahead.append(
+            CompileJob(f"slow_{i}", "kernel", {}, {}, {}, {}, None, f"slow-{i}", str(module))
+        )
+    batch = [
+        CompileJob("no.such.module", "kernel", {}, {}, {}, {}, None, f"q-{i}") for i in range(2)
+    ]
+    try:
+        warmed = len(_compile_pool.job_log()) + 1
+        assert _compile_pool.start_compile_workers()
+        deadline = time.monotonic() + 60
+        while len(_compile_pool.job_log()) < warmed and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _compile_pool.compile_ahead(ahead) == 4
+        started = time.monotonic()
+        report = _compile_pool.compile_in_workers(batch)
+        seconds = time.monotonic() - started
+        # Waited the 6 s of work ahead (three times the timeout), then got both results.
+        assert seconds > 4, seconds
+        assert (report.jobs, report.compiled, report.failed, report.timed_out) == (2, 0, 2, 0)
+        assert _compile_pool.broken() is None and _compile_pool.enabled()
+        assert _compile_pool._pool(start=False) is not None
+        names = [result.name for result in _compile_pool.job_log()[-6:]]
+        assert names == ["kernel"] * 6, names
+    finally:
+        _compile_pool.close_compile_workers(grace_s=0.0)
+
+
 def test_a_runner_compiles_in_process_once_the_pool_is_broken(monkeypatch) -> None:
     pytest.importorskip("triton")
     import torch

@@ -6,8 +6,10 @@ A dict keys 1, 1.0 and True alike (equal, same hash); the runner keys graphs by 
 
 from __future__ import annotations
 
+import collections
 import logging
 
+import numpy as np
 import pytest
 import torch
 
@@ -96,6 +98,12 @@ def test_typed_key_compares_type_and_value_through_tuples():
     assert typed_key(float("nan")) == typed_key(float("nan"))
     assert typed_key(-0.0) == typed_key(0.0)  # equal floats: one key
     assert typed_key(frozenset({1})) == typed_key(frozenset({True}))  # other values: ==
+    # The flat-tuple fast path keeps the same rules.
+    assert len({typed_key(v) for v in ((1, "a"), (1.0, "a"), (True, "a"))}) == 3
+    assert typed_key((float("nan"), 1)) == typed_key((float("nan"), 1))
+    assert typed_key((-0.0, None)) == typed_key((0.0, None))
+    assert typed_key(((float("nan"),), 2)) == typed_key(((float("nan"),), 2))
+    assert typed_key(collections.namedtuple("P", "a")(1)) != typed_key((1,))
 
 
 def test_nan_key_reuses_its_buffers_and_unhashable_keys_still_raise():
@@ -118,6 +126,37 @@ def test_nan_key_reuses_its_buffers_and_unhashable_keys_still_raise():
         listed(torch.ones(2, 3))
     with pytest.raises(ConfigError, match="not hashable"):
         listed.padded_inputs(torch.ones(2, 3))
+
+
+@pytest.mark.parametrize(
+    "make_nan",
+    [
+        lambda: np.float64("nan"),
+        lambda: ("mode", np.float64("nan")),
+        lambda: complex(float("nan"), 1.0),
+        lambda: np.complex128(complex(1.0, float("nan"))),
+    ],
+    ids=["numpy-float64", "numpy-float64-in-tuple", "complex", "numpy-complex128"],
+)
+def test_a_numpy_or_complex_nan_key_reuses_its_buffers(make_nan):
+    # NaN was recognised only for an exact float: a numpy.float64 NaN key (a float subclass)
+    # built new buffers (and would capture new graphs) at every call, without bound.
+    assert typed_key(make_nan()) == typed_key(make_nan())
+    assert hash(typed_key(make_nan())) == hash(typed_key(make_nan()))
+    runner = CUDAGraphRunner(
+        lambda x, k: x * 2,
+        max_batch_size=4,
+        key_fn=lambda inp: make_nan(),  # a new NaN object each call
+        backend=SimulatedGraphBackend(),
+        warmup=0,
+        lazy=True,
+    )
+    for _ in range(5):
+        assert runner(torch.ones(2, 3), 0).tolist() == [[2.0] * 3] * 2
+    assert len(runner._keys) == 1 and runner.stats.replays == 5
+    # Still typed: a numpy NaN is not a float NaN, nor a NaN with another other part.
+    assert typed_key(np.float64("nan")) != typed_key(float("nan"))
+    assert typed_key(complex(float("nan"), 1.0)) != typed_key(complex(float("nan"), 2.0))
 
 
 @pytest.mark.parametrize(

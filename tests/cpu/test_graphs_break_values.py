@@ -15,6 +15,7 @@ import torch
 
 from graphtune.errors import InputError
 from graphtune.graphs import CUDAGraphRunner, SimulatedGraphBackend, graph_break
+from graphtune.graphs.policy import FallbackReason
 from graphtune.graphs.values import same_constant
 
 
@@ -213,14 +214,43 @@ def test_a_new_nan_or_nat_break_result_equals_the_captured_one(make_constant):
     assert runner.stats.replays == 1
 
 
-def test_a_new_break_result_not_equal_to_itself_fails_at_replay_saying_so():
+def test_a_new_break_result_not_equal_to_itself_fails_the_capture_and_runs_eagerly():
+    # The capture accepted it and every call then raised InputError, for good: a new object
+    # that is not equal to itself can never match the captured one at a replay.
+    seen = []
+
+    def brk(q):
+        seen.append(Odd())
+        return q * 2, seen[-1]
+
     def step(x):
-        y, _ = graph_break(lambda q: (q * 2, Odd()), x + 1)  # a new object at every call
+        y, _ = graph_break(brk, x + 1)  # a new object at every call
         return y + 1
 
     runner = make(step)
     runner.capture(torch.zeros(4, 2))
-    assert runner.stats.records[0].ok  # the capture cannot tell it from a cached object
+    record = runner.stats.records[0]
+    assert not record.ok and "not equal to itself" in record.error, record.error
+    assert "at each call" in record.error and "run eagerly" in record.error
+    for _ in range(3):  # no exception: eager calls, reason recorded
+        assert runner(torch.ones(4, 2)).tolist() == [[5.0, 5.0]] * 4
+    assert runner.stats.replays == 0
+    assert runner.stats.fallbacks == {FallbackReason.CAPTURE_FAILED: 3}
+
+
+def test_a_cached_break_result_that_changes_later_still_fails_at_replay():
+    # Accepted at capture (the same object twice), then a new one: a changed constant.
+    markers = [Odd()]
+
+    def step(x):
+        y, _ = graph_break(lambda q: (q * 2, markers[-1]), x + 1)
+        return y + 1
+
+    runner = make(step)
+    runner.capture(torch.zeros(4, 2))
+    assert runner.stats.records[0].ok
+    assert runner(torch.ones(4, 2)).tolist() == [[5.0, 5.0]] * 4
+    markers.append(Odd())
     with pytest.raises(InputError, match="not equal to itself.*that very object"):
         runner(torch.ones(4, 2))
 

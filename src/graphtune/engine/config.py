@@ -29,7 +29,7 @@ from graphtune.engine.hf_fields import (
 )
 from graphtune.engine.moe_config import MOE_ARCHITECTURES, check_moe_fields, moe_fields_from_hf
 from graphtune.errors import CheckpointError, ConfigError, InputError
-from graphtune.finite_json import finite_float
+from graphtune.finite_json import brief, finite_float
 from graphtune.ops.activation import GATED_ACTIVATIONS
 
 logger = logging.getLogger(__name__)
@@ -73,10 +73,10 @@ class RopeScaling:
         for name in ("factor", "low_freq_factor", "high_freq_factor"):
             if not finite_float(getattr(self, name)):
                 raise ConfigError(
-                    f"RoPE scaling {name} must be a finite number, got {getattr(self, name)}"
+                    f"RoPE scaling {name} must be a finite number, got {brief(getattr(self, name))}"
                 )
         if self.factor <= 0:
-            raise ConfigError(f"RoPE scaling factor must be > 0, got {self.factor}")
+            raise ConfigError(f"RoPE scaling factor must be > 0, got {brief(self.factor)}")
         if self.rope_type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
             raise ConfigError("llama3 RoPE scaling needs high_freq_factor > low_freq_factor")
 
@@ -166,26 +166,32 @@ class ModelConfig:
             "max_position_embeddings",
         ):
             if int(getattr(self, name)) <= 0:
-                raise ConfigError(f"ModelConfig.{name} must be > 0, got {getattr(self, name)}")
+                raise ConfigError(
+                    f"ModelConfig.{name} must be > 0, got {brief(getattr(self, name))}"
+                )
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                 f"({self.num_kv_heads}) for grouped-query attention"
             )
         if self.head_dim is not None and self.head_dim <= 0:
-            raise ConfigError(f"ModelConfig.head_dim must be > 0 or None, got {self.head_dim}")
+            raise ConfigError(
+                f"ModelConfig.head_dim must be > 0 or None, got {brief(self.head_dim)}"
+            )
         if self.head_dim is None and self.hidden_size % self.num_heads:
             raise ConfigError("hidden_size must be divisible by num_heads when head_dim is unset")
         if self.dim_per_head % 2:
             raise ConfigError(
-                f"head_dim must be even for rotary embeddings, got {self.dim_per_head}"
+                f"head_dim must be even for rotary embeddings, got {brief(self.dim_per_head)}"
             )
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ConfigError("sliding_window must be > 0 or None")
         for name in ("rms_norm_eps", "rope_theta"):
             value = getattr(self, name)
             if not (finite_float(value) and value > 0):
-                raise ConfigError(f"ModelConfig.{name} must be a finite number > 0, got {value}")
+                raise ConfigError(
+                    f"ModelConfig.{name} must be a finite number > 0, got {brief(value)}"
+                )
         if self.hidden_act not in GATED_ACTIVATIONS:
             raise ConfigError(
                 f"ModelConfig.hidden_act={self.hidden_act!r} is not implemented; use one of "

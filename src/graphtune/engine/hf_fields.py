@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from graphtune.errors import CheckpointError, ConfigError
-from graphtune.finite_json import finite_float
+from graphtune.finite_json import brief, finite_float
 
 logger = logging.getLogger(__name__)
 
@@ -281,14 +281,14 @@ def layer_types(cfg: Mapping[str, Any]) -> list[str] | None:
         isinstance(value, list) and all(isinstance(k, str) for k in value)
     ):
         raise CheckpointError(
-            f"config.json: layer_types={_short(value)} must be a list of layer types such as "
+            f"config.json: layer_types={brief(value, 80)} must be a list of layer types such as "
             '["full_attention", "full_attention"], one per layer, or null (transformers refuses '
             "it too); fix the file"
         )
     unknown = sorted(set(value or ()) - HF_LAYER_TYPES)
     if unknown:
         raise CheckpointError(
-            f"config.json: layer_types holds {_short(unknown)}, which are no layer types "
+            f"config.json: layer_types holds {brief(unknown, 80)}, which are no layer types "
             "(transformers refuses them too; full_attention, sliding_attention, ...): fix the file"
         )
     layers = cfg.get("num_hidden_layers")
@@ -423,7 +423,7 @@ def hf_float(cfg: Mapping[str, Any], field: str, where: str = "config.json") -> 
         raise _wrong_type(where, field, value, "a number")
     if isinstance(value, int) and not finite_float(value):
         raise CheckpointError(
-            f"{where}: {field}={_short(value)} is too large for a float; fix the file"
+            f"{where}: {field}={brief(value, 80)} is too large for a float; fix the file"
         )
     return float(value)
 
@@ -439,7 +439,7 @@ def hf_bool(cfg: Mapping[str, Any], field: str, where: str = "config.json") -> b
 
 def _wrong_type(where: str, field: str, value: Any, kind: str) -> CheckpointError:
     return CheckpointError(
-        f"{where}: {field}={_short(value)} must be {kind} (transformers refuses it too); fix "
+        f"{where}: {field}={brief(value, 80)} must be {kind} (transformers refuses it too); fix "
         "the file"
     )
 
@@ -465,14 +465,14 @@ def refuse_unimplemented(arch: str, cfg: Mapping[str, Any], source: str = "confi
     for field, why in REFUSED_EXTRAS.items():
         if cfg.get(field) is not None:
             raise ConfigError(
-                f"{source}: {field} is set ({_short(cfg[field])}); graphtune's engine does not "
+                f"{source}: {field} is set ({brief(cfg[field], 80)}); graphtune's engine does not "
                 f"implement {why}"
             )
     for field, rule in REFUSALS[arch].items():
         value = cfg.get(field)
         if not rule.allowed(value, cfg):
             raise ConfigError(
-                f"{source}: {field}={_short(value)} is not implemented by graphtune's {arch} "
+                f"{source}: {field}={brief(value, 80)} is not implemented by graphtune's {arch} "
                 f"engine ({rule.why}); {rule.fix}"
             )
     known = set(HANDLED_FIELDS[arch]) | set(IGNORED_FIELDS) | set(REFUSED_EXTRAS)
@@ -489,8 +489,3 @@ def refuse_unimplemented(arch: str, cfg: Mapping[str, Any], source: str = "confi
 
 #: Older spellings that transformers still maps onto ``rope_parameters``.
 _LEGACY_FIELDS = {"rope_theta", "rope_scaling"}
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."

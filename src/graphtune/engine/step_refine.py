@@ -44,7 +44,7 @@ from graphtune.autotuner.selection import CandidateRecord, ProfileRecord
 from graphtune.autotuner.timing.base import SessionTimer, Timer
 from graphtune.engine.step import DecodeStep
 from graphtune.errors import ConfigError
-from graphtune.finite_json import finite_float
+from graphtune.finite_json import brief, finite_float
 
 logger = logging.getLogger(__name__)
 
@@ -219,8 +219,8 @@ def refine_in_step(
     if not (counts_ok and shares_ok):
         raise ConfigError(
             "refine_in_step: need finite numbers band >= 0 and margin >= 0, and integers "
-            f"rivals >= 1 and rounds >= 1; got {_short(band)}, {_short(rivals)}, "
-            f"{_short(margin)}, {_short(rounds)}"
+            f"rivals >= 1 and rounds >= 1; got {brief(band)}, {brief(rivals)}, "
+            f"{brief(margin)}, {brief(rounds)}"
         )
     results: list[StepRefinement] = []
     previous = tuner.tuning_mode
@@ -301,9 +301,3 @@ def _refine_bucket(
             )
         )
     return raced
-
-
-def _short(value: Any) -> str:
-    """``repr(value)``, cut to one readable line (an int of 400 digits stays short)."""
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."

@@ -6,7 +6,10 @@ as a decorator or as ``graph_break(fn, *args)``. Outside a runner's capture that
 call. While a :class:`CUDAGraphRunner` captures a key, each break:
 
 1. ends the capture of the current piece and runs that piece once, so the break sees real data;
-2. runs the break eagerly on its arguments (outside any capture);
+2. runs the break eagerly on its arguments (outside any capture); when a non-tensor result is
+   not equal to itself (its ``==`` is False for itself), runs it once more and fails the capture
+   (the key's calls then run eagerly) unless that result is the very same object again, the only
+   way a replay could match it;
 3. copies the break's tensor results into static buffers and hands those to the rest of the step;
 4. starts capturing the next piece into the same pool.
 
@@ -176,6 +179,38 @@ def _incomparable(name: str, index: int, value: Any) -> InputError:
     )
 
 
+def _check_incomparable(fn: Callable[..., Any], args: tuple, kwargs: dict, leaves: list) -> None:
+    """Decides at capture whether the break's constant results that are not equal to themselves
+    (an ``__eq__`` that is False for itself) can be checked at replay, where only the very same
+    object matches them: runs the break once more on the same arguments (only when it returned
+    such a value, and as each replay will) and accepts a value it returned again as the same
+    object (a cached marker); a new object at each call would fail every replay, so the capture
+    fails instead (its calls then run eagerly).
+
+    Raises:
+        InputError: The second run returned another object at such an output.
+    """
+    odd = [
+        i
+        for i, leaf in enumerate(leaves)
+        if not isinstance(leaf, torch.Tensor) and not equal_to_itself(leaf)
+    ]
+    if not odd:
+        return
+    again = flatten_with_paths(fn(*args, **kwargs))[0]
+    for index in odd:
+        if index >= len(again) or again[index] is not leaves[index]:
+            name = getattr(fn, "__qualname__", None) or repr(fn)
+            raise InputError(
+                f"graph break {name} returned a new {type(leaves[index]).__name__} as output "
+                f"{index} at each call, a value not equal to itself ({leaves[index]!r:.80}): "
+                "the pieces after a break are captured with its non-tensor results and every "
+                "replay checks that they did not change, which such a value passes only as the "
+                "very same object, so this capture fails and its calls run eagerly; return that "
+                "very object at every call, return it as a tensor, or compute it outside the break"
+            )
+
+
 def _describe(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return f"a tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
@@ -299,9 +334,10 @@ class PieceCapture:
         token = _ACTIVE.set(None)  # a break inside the break is an ordinary call
         try:
             result = fn(*args, **kwargs)
+            leaves, _, spec = flatten_with_paths(result)
+            _check_incomparable(fn, args, kwargs, leaves)
         finally:
             _ACTIVE.reset(token)
-        leaves, _, spec = flatten_with_paths(result)
         statics: list[Any] = []
         copies: list[tuple[int, torch.Tensor]] = []
         constants: list[tuple[int, Any]] = []

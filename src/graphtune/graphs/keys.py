@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Hashable, Sequence
+from operator import ne
 from typing import Any
 
 import torch
@@ -167,17 +168,48 @@ def typed_key(extra: Any) -> Hashable:
     type and are equal, tuples (and their subclasses) compared item by item the same way, so
     1, 1.0 and True (equal in Python, but three constants to a graph, as in
     :func:`~graphtune.graphs.values.same_constant`) are three keys, and ``(1, 2)`` is not
-    ``(1.0, 2)``. A float NaN equals itself here; other values (a frozenset's items too) compare
+    ``(1.0, 2)``. A NaN float (``numpy.float64`` and other float subclasses too) equals itself
+    here, as does a complex number with a NaN part; other values (a frozenset's items too) compare
     by ``==``. ``None`` stays ``None``. Does not hash: an unhashable value raises where it is
     looked up."""
     if extra is None:
         return None
     kind = type(extra)
+    if kind in _PLAIN:  # the hot path of every replay with a key_fn: no NaN to look for
+        return (kind, extra)
     if isinstance(extra, tuple):
-        return (kind, tuple([typed_key(item) for item in extra]))
-    if kind is float and extra != extra:
-        return (float, "nan")
-    return (kind, extra)
+        types = tuple(map(type, extra))
+        # A flat tuple of plain values holding no NaN (ne(x, x) in C: True only for a NaN) is
+        # keyed by its items' types and itself, built in C: the types tell 1, 1.0 and True
+        # apart. Any other tuple is keyed item by item.
+        if _FLAT.issuperset(types) and (float not in types or not any(map(ne, extra, extra))):
+            return (kind, types, extra)
+    return _deep_key(extra)
+
+
+def _deep_key(extra: Any) -> Hashable:
+    """:func:`typed_key` item by item, at every depth (no fast path tried)."""
+    kind = type(extra)
+    if kind in _PLAIN:
+        return (kind, extra)
+    if isinstance(extra, tuple):
+        return (kind, tuple([_deep_key(item) for item in extra]))
+    if isinstance(extra, (float, complex)) and extra != extra:  # numpy.float64 too
+        return (kind, _nan_parts(extra))
+    return (kind, extra) if extra is not None else None
+
+
+#: Exact types whose values key as themselves (no NaN among them); their subclasses do not.
+_PLAIN = frozenset({int, str, bool, bytes})
+#: Exact types a flat tuple key may hold for :func:`typed_key`'s fast path.
+_FLAT = _PLAIN | {type(None), float}
+
+
+def _nan_parts(value: complex) -> tuple[Any, ...]:
+    """A NaN number's stand-in in a key: equal for every NaN of the same type (of the same
+    other part, for a complex), as :func:`~graphtune.graphs.values.same_constant` compares."""
+    parts = (value.real, value.imag) if isinstance(value, complex) else (value, 0.0)
+    return tuple("nan" if part != part else part for part in parts)
 
 
 def check_key(extra: Hashable) -> None:

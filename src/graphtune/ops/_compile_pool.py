@@ -34,8 +34,11 @@ process. Workers never touch the GPU: the target is passed in, so compiling need
 context.
 
 No wait on a worker is unbounded (:mod:`graphtune.ops._pool_stop`). A batch waits until its
-jobs are done or none of them finished for :func:`compile_timeout` seconds
-(``GRAPHTUNE_COMPILE_TIMEOUT``, default :data:`COMPILE_TIMEOUT_S`): a worker that hangs (a
+jobs are done or the pool made no progress for :func:`compile_timeout` seconds
+(``GRAPHTUNE_COMPILE_TIMEOUT``, default :data:`COMPILE_TIMEOUT_S`): no job of the pool (its
+own, one handed over ahead, a warm-up) finished since the later of the batch's start, the
+pool's start and the last job that finished, so that a batch queued behind a busy pool's
+:func:`compile_ahead` work is not taken for a hung one. A worker that hangs (a
 deadlock, a stuck code generator) then has its pool killed, with one warning, and the pool is
 marked broken for the rest of the process (:func:`enabled` is ``False``): the jobs that timed
 out, like every later compile, are compiled in-process, as without workers. Closing the pool,
@@ -252,12 +255,16 @@ _AHEAD: dict[str, Future[JobResult]] = {}
 #: Kernel signatures whose host launcher a job was asked to build (under the lock): Triton's
 #: launcher source depends only on the argument types, so one build serves every such kernel.
 _LAUNCHERS: set[tuple[Any, ...]] = set()
+#: ``time.monotonic()`` when the pool last made progress: it started, or any job it was handed
+#: finished (:func:`_record`); what a batch's timeout is measured from (:func:`_last_progress`).
+_PROGRESS: float = 0.0
 
 
 def _pool(start: bool) -> ProcessPoolExecutor | None:
-    global _POOL
+    global _POOL, _PROGRESS
     with _POOL_LOCK:
         if _POOL is None and start and _BROKEN is None:
+            _PROGRESS = time.monotonic()
             knobs = _knobs()
             cache_dir = getattr(getattr(knobs, "cache", None), "dir", None)
             _POOL = ProcessPoolExecutor(
@@ -274,8 +281,16 @@ _LOG: list[JobResult] = []
 _LOG_LOCK = threading.Lock()
 
 
+def _last_progress() -> float:
+    """When the pool last made progress (see :data:`_PROGRESS`)."""
+    return _PROGRESS
+
+
 def _record(future: Future[JobResult]) -> None:
-    """Done-callback of every job handed to the pool: keeps its :class:`JobResult`."""
+    """Done-callback of every job handed to the pool: stamps the pool's progress (any job that
+    finished, failed ones included) and keeps its :class:`JobResult`."""
+    global _PROGRESS
+    _PROGRESS = time.monotonic()
     if future.cancelled() or future.exception() is not None:
         return
     with _LOG_LOCK:
@@ -356,9 +371,9 @@ def _give_up(timed_out: int, batch: int, timeout_s: float) -> None:
         _BROKEN = f"{timed_out} compile job(s) got no result within {timeout_s:g} s"
     if first:
         logger.warning(
-            "%d of %d Triton compile jobs did not finish in the worker processes, none of them "
-            "finishing for %g s (GRAPHTUNE_COMPILE_TIMEOUT); killing the workers: those jobs "
-            "and every later compile of this process are compiled in-process",
+            "%d of %d Triton compile jobs did not finish in the worker processes, no job of "
+            "the workers finishing for %g s (GRAPHTUNE_COMPILE_TIMEOUT); killing the workers: "
+            "those jobs and every later compile of this process are compiled in-process",
             timed_out,
             batch,
             timeout_s,
@@ -368,7 +383,8 @@ def _give_up(timed_out: int, batch: int, timeout_s: float) -> None:
 
 def compile_in_workers(jobs: Sequence[CompileJob]) -> WorkerReport:
     """Compiles each distinct job in the worker processes (into Triton's on-disk cache) and
-    waits for them, until none finished for :func:`compile_timeout` seconds (the pool is then
+    waits for them, until no job of the pool finished for :func:`compile_timeout` seconds,
+    ahead-of-time jobs it waits behind included (the pool is then
     killed and marked broken: :func:`broken`); returns what happened. Does nothing when the
     pool is off or the batch too small to start it; a broken pool is dropped (the caller
     compiles in-process either way, the jobs that failed or timed out included)."""
@@ -390,7 +406,7 @@ def compile_in_workers(jobs: Sequence[CompileJob]) -> WorkerReport:
         if future is None:  # the rest of the batch is compiled in-process
             break
         futures.append(future)
-    pending = wait_for_progress(futures, timeout_s)
+    pending = wait_for_progress(futures, timeout_s, _last_progress)
     if pending:
         _give_up(len(pending), len(futures), timeout_s)
     for future in futures:

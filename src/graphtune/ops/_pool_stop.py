@@ -23,16 +23,29 @@ from typing import Any
 REAP_S = 5.0
 
 
-def wait_for_progress(futures: Iterable[Future[Any]], timeout_s: float) -> set[Future[Any]]:
-    """Waits until every future is done, or until none of them finished for ``timeout_s``
-    seconds; returns those not done (empty when all are). A long batch that keeps finishing
-    jobs is never cut short; a job that hangs costs at most ``timeout_s`` after the last one
-    that finished."""
+def wait_for_progress(
+    futures: Iterable[Future[Any]],
+    timeout_s: float,
+    last_progress: Callable[[], float] | None = None,
+) -> set[Future[Any]]:
+    """Waits until every future is done, or until ``timeout_s`` seconds passed without
+    progress; returns those not done (empty when all are). Progress is one of ``futures``
+    finishing, or, with ``last_progress`` (a ``time.monotonic()`` stamp, read again on each
+    turn), any other progress it reports: a pool shared with other waiters passes the time its
+    last job of any kind finished, so that a batch queued behind other work of a busy pool is
+    not taken for a hung one. A long wait that keeps making progress is never cut short; a
+    job that hangs costs at most ``timeout_s`` after the last progress."""
     pending = set(futures)
+    since = time.monotonic()  # the wait's start counts as progress
     while pending:
-        done, pending = wait(pending, timeout=timeout_s, return_when=FIRST_COMPLETED)
-        if not done:
+        if last_progress is not None:
+            since = max(since, last_progress())
+        left = since + timeout_s - time.monotonic()
+        if left <= 0:
             break
+        done, pending = wait(pending, timeout=left, return_when=FIRST_COMPLETED)
+        if done:
+            since = time.monotonic()
     return pending
 
 

@@ -27,7 +27,7 @@ from graphtune.autotuner.context import get_tuner
 from graphtune.autotuner.runner import FALLBACK_TACTIC, TunableRunner
 from graphtune.autotuner.tuner import AutoTuner
 from graphtune.errors import ConfigError, InputError, describe_tensor, wrong_device_error
-from graphtune.finite_json import finite_float
+from graphtune.finite_json import brief, finite_float
 from graphtune.ops import _pruned
 from graphtune.ops._rows import as_rows, from_rows
 from graphtune.ops._triton import (
@@ -92,21 +92,10 @@ def check_eps(op: str, eps: Any) -> float:
     """
     if not (finite_float(eps) and eps >= 0):  # an int beyond a float's range is no float
         raise ConfigError(
-            f"{op}: eps must be a finite float >= 0 such as 1e-6, got {_describe_eps(eps)}; "
+            f"{op}: eps must be a finite float >= 0 such as 1e-6, got {brief(eps)}; "
             "check the argument order."
         )
     return float(eps)
-
-
-def _describe_eps(eps: Any) -> str:
-    """A number as itself, anything else by its type (and shape): a weight passed as ``eps``
-    by a wrong argument order would otherwise print whole in the one-line error."""
-    if isinstance(eps, (int, float)):
-        text = repr(eps)
-        return text if len(text) <= 40 else f"an integer of {len(text.lstrip('-'))} digits"
-    shape = getattr(eps, "shape", None)
-    name = type(eps).__name__
-    return name if shape is None else f"a {name} of shape {tuple(shape)}"
 
 
 def rms_norm_tactics(hidden: int) -> list[dict[str, int]]:

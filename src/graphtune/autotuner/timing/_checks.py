@@ -8,6 +8,7 @@ from numbers import Real
 import torch
 
 from graphtune.errors import ConfigError
+from graphtune.finite_json import brief
 
 
 def check_counts(who: str, *, warmup: int, repeat: int) -> None:
@@ -23,7 +24,7 @@ def check_int(who: str, name: str, value: object, *, minimum: int, default: obje
     real captures) inside ``range()`` or a comparison, with a bare traceback."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ConfigError(
-            f"{who}: {name} must be an integer >= {minimum}, got {_shown(value)}; "
+            f"{who}: {name} must be an integer >= {minimum}, got {brief(value)}; "
             f"pass a whole number such as {default!r}"
         )
 
@@ -46,18 +47,9 @@ def check_number(
     if not (math.isfinite(number) and (number >= above if inclusive else number > above)):
         rule = ">=" if inclusive else ">"
         raise ConfigError(
-            f"{who}: {name} must be a finite number {rule} {above:g}, got {_shown(value)}; "
+            f"{who}: {name} must be a finite number {rule} {above:g}, got {brief(value)}; "
             f"pass a number such as {default!r}"
         )
-
-
-def _shown(value: object) -> str:
-    """``repr(value)``, except an int too long to print in one line (``repr`` of one past 4300
-    digits even raises ``ValueError``) is given by its number of digits."""
-    if isinstance(value, int) and not isinstance(value, bool) and abs(value).bit_length() > 128:
-        digits = math.floor(abs(value).bit_length() * math.log10(2)) + 1
-        return f"{'a negative' if value < 0 else 'an'} int of about {digits} digits"
-    return repr(value)
 
 
 def as_device(device: torch.device | str | int | None) -> torch.device | None:

@@ -1,5 +1,5 @@
 # Two commands do all set-up on a fresh machine:
-#   make demo   create .venv, install graphtune, run the main job (graphtune bench decode)
+#   make demo   create .venv, install graphtune alone, run the main job (graphtune bench decode)
 #   make test   create .venv, install graphtune with its test extras, check the house rules (format,
 #               lint, types, a CPU smoke run) and run the CPU test suite
 # TORCH_SPEC pins torch for this set-up only (the package itself asks for a range). The default is
@@ -8,7 +8,11 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.graphtune-$(subst =,_,$(subst >,_,$(subst <,_,$(TORCH_SPEC))))
+TORCH_TAG := $(subst =,_,$(subst >,_,$(subst <,_,$(TORCH_SPEC))))
+# The main job needs graphtune alone; the tests add their extras (pytest, ruff, mypy, hypothesis,
+# transformers, matplotlib, triton) on top, in the same .venv.
+STAMP := $(VENV)/.graphtune-$(TORCH_TAG)
+TEST_STAMP := $(VENV)/.graphtune-test-$(TORCH_TAG)
 
 .PHONY: demo test venv lint clean
 
@@ -17,10 +21,14 @@ $(PY):
 
 $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e .
 	touch $(STAMP)
 
-venv: $(STAMP)
+$(TEST_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(TEST_STAMP)
+
+venv: $(TEST_STAMP)
 
 # The main job: the decode benchmark on the best device present (llama-1b-shape with graphs on
 # CUDA; the tiny preset eager-only on a CPU, where it says that graphs need CUDA).
@@ -30,7 +38,7 @@ demo: $(STAMP)
 # The test command CI runs: house rules first (format, lint, types, a CPU smoke run of the main
 # job), then the test suite in two pytest-xdist workers (CI has two cores, and much of the
 # suite is single-threaded Python: the Triton interpreter, the CLI's subprocesses).
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(VENV)/bin/ruff format --check src tests benchmarks
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/mypy
@@ -38,7 +46,7 @@ test: $(STAMP)
 		--steps 2 --repeats 1 > /dev/null
 	$(PY) -m pytest -q -n 2 tests
 
-lint: $(STAMP)
+lint: $(TEST_STAMP)
 	$(VENV)/bin/ruff format src tests benchmarks
 	$(VENV)/bin/ruff check --fix src tests benchmarks
 

@@ -21,6 +21,10 @@ ROOT = Path(__file__).resolve().parents[2]
 # process, which would make CPU tuning time interpreted Triton tactics for minutes.
 ENV = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
 ENV.update(PYTHONPATH=str(ROOT / "src"), GRAPHTUNE_NO_PROGRESS="1")
+#: The smallest `bench decode` run: the tiny preset, one batch size, one step, one repeat.
+_BENCH_TINY = (
+    "bench decode --model tiny --device cpu --batch-sizes 1 --steps 1 --repeats 1 --context 8"
+).split()
 
 
 def _parsers(parser: argparse.ArgumentParser, name: str = "graphtune"):
@@ -113,24 +117,7 @@ def test_bench_results_survive_an_unwritable_json(monkeypatch, tmp_path, capsys)
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(results, "_write_atomically", fail)
-    args = [
-        "bench",
-        "decode",
-        "--model",
-        "tiny",
-        "--device",
-        "cpu",
-        "--batch-sizes",
-        "1",
-        "--steps",
-        "1",
-        "--repeats",
-        "1",
-        "--context",
-        "8",
-        "--json",
-        str(tmp_path / "r.json"),
-    ]
+    args = [*_BENCH_TINY, "--json", str(tmp_path / "r.json")]
     assert main(args) == 1
     captured = capsys.readouterr()
     out = captured.out
@@ -140,25 +127,13 @@ def test_bench_results_survive_an_unwritable_json(monkeypatch, tmp_path, capsys)
     assert data["results"][0]["eager_ms"] > 0
 
 
-_BENCH_TINY = [
-    "bench",
-    "decode",
-    "--model",
-    "tiny",
-    "--device",
-    "cpu",
-    "--batch-sizes",
-    "1",
-    "--steps",
-    "1",
-] + ["--repeats", "1", "--context", "8", "--runner", "eager"]
 _CHECK_TINY = ["check-tactics", "--model", "tiny", "--device", "cpu", "--batch", "1"]
 
 
 @pytest.mark.parametrize(
     ("command", "finished"),
     [
-        (_BENCH_TINY, lambda doc: doc["results"][0]["eager_ms"] > 0),
+        ([*_BENCH_TINY, "--runner", "eager"], lambda doc: doc["results"][0]["eager_ms"] > 0),
         (_CHECK_TINY, lambda doc: doc["passed"] and doc["reports"]),
     ],
     ids=["bench-decode", "check-tactics"],

@@ -163,6 +163,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         "candidates": candidates,
         "measurements": stats.measurements,
         "raced_out": stats.raced_out,
+        "retimed": stats.retimed,
         "tuning_seconds": stats.tuning_seconds,
         "phase_seconds": dict(stats.phase_seconds),
         "fallbacks": dict(stats.fallbacks),
@@ -244,7 +245,8 @@ def candidates_table(history: Any) -> list[dict[str, Any]]:
     """Every tuned profile's candidates as the tuner timed them, for offline pruning studies
     (which tactics never come near a profile's best): per profile its op, shapes, the winner's
     index and one row per candidate, ``[runner, tactic, median µs, samples, failure]`` (a
-    candidate raced out after one round has one sample; a failed one a median of ``null``)."""
+    candidate raced out after one round has one sample, unless it was re-timed because the
+    leader's median rose past it; a failed one a median of ``null``)."""
     from graphtune.autotuner.entries import tactic_text
 
     return [
@@ -435,6 +437,7 @@ def main(argv: list[str] | None = None) -> int:
         ("profiles tuned / untimed", cold["profiles_tuned"], cold["untimed_picks"]),
         ("candidates / measurements", cold["candidates"], cold["measurements"]),
         ("measured once (out of the race)", cold["raced_out"], None),
+        ("re-timed after the race (leader's median rose)", cold["retimed"], None),
         ("median ms per (tactic, bucket)", cold["median_ms_per_tactic_bucket"], None),
         ("overall ms per (tactic, bucket)", cold["overall_ms_per_tactic_bucket"], None),
         *(

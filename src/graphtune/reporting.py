@@ -115,13 +115,14 @@ def render_table(
         )
         table.add_column(name, justify="right" if numeric else "left")
     for row in rows:
-        table.add_row(*(_format_cell(cell) for cell in row))
+        table.add_row(*(format_cell(cell) for cell in row))
     console = Console(width=width, record=True, file=io.StringIO(), color_system=None)
     console.print(table)
     return console.export_text().rstrip("\n")
 
 
-def _format_cell(cell: Any) -> str:
+def format_cell(cell: Any) -> str:
+    """A table cell as :func:`render_table` prints it (floats to 4 significant-ish digits)."""
     if cell is None:
         return "-"
     if isinstance(cell, float):

@@ -98,7 +98,9 @@ class CacheEntry:
         tactic: Winning tactic (a JSON value, with its Python types).
         time_us: Its measured per-call time; ``None`` when it was the only candidate (not timed).
         fallback_us: Time of ``(runners[0], -1)``, the untuned choice; ``None`` when that was not
-            a timed candidate or failed.
+            a timed candidate or failed. A median like ``time_us``, except where the fallback
+            left the race after one sample (``AutoTuner.history`` has its sample count; the
+            summary table marks such a time ``(1 sample)``).
         tuned_by: How distributed tuning made the pick, ``{"strategy": ..., "world_size": ...}``;
             ``None`` when the tuner was not distributed (then the file has no such field).
     """

@@ -25,7 +25,11 @@ class TunerStats:
         measurements: Timer calls made.
         extra_rounds: Adaptive rounds run to decide candidates inside the noise band.
         raced_out: Candidates measured once only, being too far behind the fastest after the
-            first round (``TuningPolicy.race_margin``), summed over profiles.
+            first round (``TuningPolicy.race_margin``), summed over profiles (those re-timed
+            are not counted).
+        retimed: Raced-out candidates measured again to the full sample count because the
+            fastest racing candidate's final median ended more than the race margin above their
+            one sample (``graphtune.autotuner.schedule.retime_raced_out``).
         tactic_failures: Failed candidates by reason: an exception type name, or ``timeout``,
             ``crash``, ``context corrupted``, ``invalid time`` (NaN, inf or <= 0 from the timer).
         tactics_blocked: Candidates skipped because the blocklist names them.
@@ -48,6 +52,7 @@ class TunerStats:
     measurements: int = 0
     extra_rounds: int = 0
     raced_out: int = 0
+    retimed: int = 0
     tactic_failures: dict[str, int] = field(default_factory=dict)
     tactics_blocked: int = 0
     workers_started: int = 0

@@ -45,7 +45,7 @@ from graphtune.autotuner.timing.base import Timer
 from graphtune.autotuner.tuning import ProfileOutcome, TuningRun
 from graphtune.autotuner.values import canonical_text, identity_value
 from graphtune.errors import ConfigError
-from graphtune.reporting import render_table
+from graphtune.reporting import format_cell, render_table
 
 logger = logging.getLogger(__name__)
 
@@ -344,7 +344,9 @@ class AutoTuner:
         self._executors.close()
 
     def summary_rows(self) -> list[tuple[Any, ...]]:
-        """One row per tuned profile: op, bucket, winner, time, fallback time, speed-up."""
+        """One row per tuned profile: op, bucket, winner, time, fallback time, speed-up. The
+        times are medians, but a fallback that left the race after one sample shows as text,
+        ``"6561.0 (1 sample)"``."""
         return list(self._summary)
 
     def summary_table(self, title: str | None = "graphtune autotuning picks") -> str:
@@ -468,5 +470,17 @@ class AutoTuner:
             entry = replace(entry, tuned_by=coord.provenance)
         self.cache.put(outcome.key, entry)
         winner = f"{short_runner_name(entry.runner_id)} tactic={tactic_text(entry.tactic)}"
-        row = (op, outcome.profile.describe(), winner, entry.time_us, entry.fallback_us)
+        fallback: float | str | None = entry.fallback_us
+        if fallback is not None and _one_sample_fallback(outcome.record):
+            fallback = f"{format_cell(fallback)} (1 sample)"  # not a median like the winner's
+        row = (op, outcome.profile.describe(), winner, entry.time_us, fallback)
         self._summary.append((*row, entry.speedup))
+
+
+def _one_sample_fallback(rec: ProfileRecord) -> bool:
+    """Whether the fallback's time is one raced-out sample against a median of the winner's."""
+    won = rec.candidates[rec.winner_index].samples if rec.winner_index is not None else 0
+    once = [
+        c.samples == 1 for c in rec.candidates if (c.runner_index, c.tactic) == (0, FALLBACK_TACTIC)
+    ]
+    return won > 1 and once == [True]

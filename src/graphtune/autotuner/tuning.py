@@ -56,12 +56,12 @@ from graphtune.autotuner.runner import FALLBACK_TACTIC, TunableRunner
 from graphtune.autotuner.runner_contract import signature_error, tactic_list, takes
 from graphtune.autotuner.schedule import (
     Candidate,
+    conclude,
     interleave,
     race,
     record,
     remeasure_top,
     select,
-    settle,
 )
 from graphtune.autotuner.selection import ProfileRecord
 from graphtune.autotuner.stats import TunerStats
@@ -423,7 +423,8 @@ class TuningRun:
         adaptive: bool,
     ) -> None:
         """Prepares and times ``candidates`` in this process, interleaved, the top few again,
-        then (``adaptive``) the fastest and the undecided ones until they are decided."""
+        then (``adaptive``) the fastest and the undecided ones until they are decided (and
+        raced-out ones again where the race's premise broke: ``schedule.conclude``)."""
         with self._phase("prepare"):
             for cand in candidates:
                 try:
@@ -447,9 +448,11 @@ class TuningRun:
             interleave(racing, measure, 1, advance)
             bar.advance(label, len(candidates) - len(racing))
         remeasure_top(racing, measure, policy.remeasure_top, policy.rounds)
-        if adaptive:
-            extra = settle(candidates, measure, policy.tie_rule, policy.max_extra_rounds)
+        if adaptive:  # settle; a raced-out candidate the leader's median fell behind is re-timed
+            extra, retimed = conclude(candidates, measure, policy)
             self.stats.extra_rounds += extra
+            self.stats.retimed += retimed
+            self.stats.raced_out -= retimed  # no longer measured once
             if extra:
                 logger.debug("%s: %d extra round(s) to decide near-ties", label, extra)
         self.stats.tactics_timed += sum(1 for c in candidates if c.failed is None and c.samples)

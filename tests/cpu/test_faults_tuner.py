@@ -265,7 +265,9 @@ def test_subprocess_survives_crash_hang_and_error_then_blocklist_skips(tmp_path)
     assert stats.tactic_failures == {"RuntimeError": 1, "crash": 2, "timeout": 1}
     # first worker, then a fresh one after each of: segv, hang, exit
     assert stats.workers_started == 4
-    assert time.perf_counter() - start < 60
+    # The hang costs its 2 s timeout, not forever; the bound leaves room for a loaded machine
+    # (four worker starts with torch imports took over 60 s at a load average of 11).
+    assert time.perf_counter() - start < 150
     blocked = {b.tactic: b.reason for b in tuner.cache.blocklist()}
     assert set(blocked) == {"segv", "hang", "exit"}, "a plain exception is not blocklisted"
     assert "SIGSEGV" in blocked["segv"] and "exit code 7" in blocked["exit"]

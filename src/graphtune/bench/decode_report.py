@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from graphtune.bench.decode_results import BatchResult, DecodeBenchReport
+from graphtune.bench.decode_spread import spread_warning
 from graphtune.bench.kernel_families import FAMILIES
 from graphtune.bench.results import write_result
 from graphtune.errors import ConfigError
@@ -71,6 +72,9 @@ def format_report(report: DecodeBenchReport) -> str:
         f"{cfg['dtype']}, {cfg['device']}"
     )
     lines = [render_table(title, columns, rows)]
+    noisy = spread_warning(report)
+    if noisy:
+        lines.append(noisy)
     if unfused_cols or hf_cols:
         lines.append(comparison_table(report))
     if report.capture_seconds is not None:

@@ -109,3 +109,52 @@ def test_the_warning_advises_threads_on_cpu_only():
     cuda = spread_warning(_report({1: {"graph_ms": 0.4}}, device="cuda:0"))
     assert cpu is not None and "OMP_NUM_THREADS=1" in cpu and "graph ms at batch 1" in cpu
     assert cuda is not None and "OMP_NUM_THREADS" not in cuda and "--repeats" in cuda
+
+
+def _header(text: str) -> str:
+    return text.split("┡")[0]
+
+
+def test_a_cpu_table_leaves_out_the_columns_no_row_measured_and_says_what_the_rest_mean():
+    report = _report({1: {}, 8: {}})
+    text = format_report(report)
+    header = _header(text)
+    assert "eager ms" in header and "tokens/s" in header
+    for empty in ("graph", "GPU-busy", "speed-up", "busy", "floor"):
+        assert empty not in header
+    lines = text.splitlines()
+    table_end = max(i for i, line in enumerate(lines) if line.startswith("└"))
+    legend = lines[table_end + 1]
+    assert legend == (
+        "ms per decode step: median of 5 repeats of 20 back-to-back steps; "
+        "tokens/s = batch / eager ms"
+    )
+    assert lines[0].strip() == "decode step: tiny (0.11 M params), context 8, float32, cpu"
+    # The JSON keeps every field, null where not measured.
+    data = report.to_json()["results"][0]
+    assert data["graph_ms"] is None and data["floor_ms"] is None and data["busy_ms"] is None
+    assert data["speedup"] is None and data["graph_over_busy"] is None
+
+
+def test_a_column_measured_for_some_rows_stays_and_the_legend_names_it():
+    report = _report({1: {}, 8: {}}, device="cuda:0")
+    first = report.results[0]
+    first.graph_ms, first.busy_ms, first.floor_ms = 0.5, 0.4, 0.3
+    report.derive()
+    text = format_report(report)
+    header = _header(text)
+    for column in ("graph ms", "GPU-busy", "speed-up", "graph /", "floor ms"):
+        assert column in header
+    assert "compile" not in header and "tuned" not in header
+    (legend,) = [line for line in text.splitlines() if line.startswith("ms per decode step")]
+    assert "tokens/s = batch / graph ms, else eager ms" in legend
+    assert "speed-up = eager / graph" in legend and "graph / busy = graph ms / GPU-busy" in legend
+    assert "floor = (weights + KV read) / measured copy bandwidth" in legend
+    assert "compile" not in legend and "tuned" not in legend
+
+
+def test_the_cli_table_on_cpu_has_no_empty_columns(monkeypatch, tmp_path, capsys):
+    _bench(monkeypatch, tmp_path, [10.0, 10.0, 10.0])
+    out = capsys.readouterr().out
+    assert "eager ms" in out and "ms per decode step: median of 3 repeats of 2" in out
+    assert " - " not in _header(out) + out.split("┡")[1].split("└")[0]

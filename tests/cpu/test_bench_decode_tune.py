@@ -122,7 +122,7 @@ def test_bench_decode_reads_no_busy_time_of_tuned_steps_with_tp_above_1(monkeypa
     busy_calls: list[object] = []
     nothing = (None, None, [], {})
     monkeypatch.setattr(decode, "_busy", lambda fn, eager_ms=None: busy_calls.append(fn) or nothing)
-    monkeypatch.setattr(decode, "time_per_call_ms", lambda *a: 1.0)
+    monkeypatch.setattr(decode, "timed_ms", lambda *a: 1.0)
     monkeypatch.setattr(decode, "rank_agreement", lambda tuner, parallel: 1.0)
     monkeypatch.setattr(decode.autotuner, "autotune", lambda *a, **kw: contextlib.nullcontext())
     fake_step = FakeStep(

@@ -221,15 +221,18 @@ def test_main_table_headers_stay_distinguishable_in_140_columns() -> None:
     from graphtune.bench.decode_report import format_report
     from graphtune.bench.decode_results import BatchResult, DecodeBenchReport
 
-    result = BatchResult(1, eager_ms=19.0, tuned_eager_ms=2.6, compile_ms=1.0)
-    config = {"context": 8, "dtype": "float32", "device": "cpu"}
+    # Every column measured (the widest table): an empty column would be left out.
+    result = BatchResult(1, eager_ms=19.0, graph_ms=3.0, busy_ms=2.0, floor_ms=1.0)
+    result.compile_ms, result.tuned_graph_ms, result.tuned_busy_ms = 1.0, 2.6, 2.0
+    config = {"context": 8, "dtype": "bfloat16", "device": "cuda:0"}
     model = {"name": "tiny", "parameters": 110_000}
     report = DecodeBenchReport(config=config, model=model, provenance={}, results=[result])
     report.tuning_seconds, report.tuning_compile_seconds, report.tuning_profiles = 1.0, 0.0, 1
     report.derive()
     header = format_report(report).split("┡")[0]
     assert "…" not in header  # "tuned/untuned" and "tuned/floor" were both cut to "tuned/…"
-    assert "untuned" in header and "floor" in header
+    assert "untuned" in header and "floor" in header and "GPU-busy" in header
+    assert max(len(line) for line in header.splitlines()) <= 140
 
 
 def test_family_table_lists_each_profiled_step() -> None:

@@ -289,3 +289,32 @@ def test_generate_looks_picks_up_in_the_tuning_cache_and_records_misses(
     assert "decode_attention" in capsys.readouterr().out
     (record,) = json.loads(misses.read_text())["misses"]
     assert record["op"] == "decode_attention"
+
+
+def test_generate_summary_says_the_graph_runner_ran_eagerly_without_cuda(capsys):
+    generate = ["generate", "--model", "tiny", "--prompt-ids", "1,2,3", "--max-new-tokens", "3"]
+    assert main([*generate, "--runner", "graph", "--device", "cpu"]) == 0
+    out = capsys.readouterr()
+    (summary,) = [line for line in out.out.splitlines() if " tokens in " in line]
+    assert "runner graph (eager here: no CUDA), tiny" in summary
+    assert "falls back to eager" in out.err  # the note before the run stays
+    assert main([*generate, "--runner", "eager", "--device", "cpu"]) == 0
+    (summary,) = [line for line in capsys.readouterr().out.splitlines() if " tokens in " in line]
+    assert "runner eager, tiny" in summary
+
+
+def test_runner_summary_counts_the_steps_that_ran_eagerly():
+    from graphtune.cli.generate import runner_summary
+    from graphtune.graphs.policy import FallbackReason
+    from graphtune.graphs.stats import RunnerStats
+
+    stats = RunnerStats(replays=7)
+    assert runner_summary("graph", stats) == "runner graph"
+    stats.count_fallback(FallbackReason.BATCH_TOO_LARGE)
+    stats.count_fallback(FallbackReason.BATCH_TOO_LARGE)
+    stats.count_fallback(FallbackReason.KEY_NOT_CAPTURED)
+    assert runner_summary("graph", stats) == (
+        "runner graph (3 of 10 steps eager: batch too large, key not captured)"
+    )
+    eager_only = RunnerStats(eager_calls=4)  # an EagerRunner records no reason
+    assert runner_summary("eager", eager_only) == "runner eager"

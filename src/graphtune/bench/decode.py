@@ -40,9 +40,10 @@ from graphtune.bench.decode_compile import time_compiled
 from graphtune.bench.decode_hf import time_hf
 from graphtune.bench.decode_progress import PhaseBar, phase_labels
 from graphtune.bench.decode_results import BatchResult, DecodeBenchConfig, DecodeBenchReport
+from graphtune.bench.decode_spread import timed_ms
 from graphtune.bench.moe_floor import expected_experts_hit, step_bytes
 from graphtune.bench.schema import provenance
-from graphtune.bench.timing import bytes_floor_ms, copy_bandwidth_gbps, sync, time_per_call_ms
+from graphtune.bench.timing import bytes_floor_ms, copy_bandwidth_gbps, sync
 from graphtune.engine.build import build_runner, build_step
 from graphtune.engine.devices import resolve_device, resolve_dtype
 from graphtune.engine.kv_cache import KVCache, aligned_seq_len
@@ -256,9 +257,7 @@ def _run_phases(run: _Run, tuner: Any) -> None:
     for args, result in run.rows():
         b = result.batch_size
         if "eager" in run.runners:
-            result.eager_ms = time_per_call_ms(
-                lambda a=args: step(*a), device, cfg.steps, cfg.repeats
-            )
+            result.eager_ms = timed_ms(result, "eager_ms", lambda a=args: step(*a), device, cfg)
             log(f"batch {b}: eager {result.eager_ms:.3f} ms/step")
         if run.measure_busy:
             (
@@ -363,8 +362,8 @@ def _time_tuned(run: _Run, tuner: Any) -> None:
         report.tuned_capture_seconds = seconds
         try:
             for args, result in run.rows():
-                result.tuned_graph_ms = time_per_call_ms(
-                    lambda a=args: runner(*a), device, cfg.steps, cfg.repeats
+                result.tuned_graph_ms = timed_ms(
+                    result, "tuned_graph_ms", lambda a=args: runner(*a), device, cfg
                 )
                 log(f"batch {result.batch_size}: tuned graph {result.tuned_graph_ms:.3f} ms/step")
                 bar.done()
@@ -372,8 +371,8 @@ def _time_tuned(run: _Run, tuner: Any) -> None:
             runner.release()
     else:
         for args, result in run.rows():
-            result.tuned_eager_ms = time_per_call_ms(
-                lambda a=args: tuned(*a), device, cfg.steps, cfg.repeats
+            result.tuned_eager_ms = timed_ms(
+                result, "tuned_eager_ms", lambda a=args: tuned(*a), device, cfg
             )
             log(f"batch {result.batch_size}: tuned eager {result.tuned_eager_ms:.3f} ms/step")
             bar.done()
@@ -407,8 +406,8 @@ def _time_unfused(run: _Run, tuned: DecodeStep) -> None:
     call = runner if runner is not None else unfused
     try:
         for args, result in run.rows():
-            result.tuned_unfused_ms = time_per_call_ms(
-                lambda a=args: call(*a), device, cfg.steps, cfg.repeats
+            result.tuned_unfused_ms = timed_ms(
+                result, "tuned_unfused_ms", lambda a=args: call(*a), device, cfg
             )
             if run.measure_busy:
                 result.tuned_unfused_kernels_per_step = _busy(lambda a=args: unfused(*a))[1]
@@ -488,9 +487,7 @@ def _time_graph(run: _Run) -> None:
             want = step(*args).float()
             got = runner(*args).float()
             result.graph_max_abs_diff = (got - want).abs().max().item()
-            result.graph_ms = time_per_call_ms(
-                lambda a=args: runner(*a), device, cfg.steps, cfg.repeats
-            )
+            result.graph_ms = timed_ms(result, "graph_ms", lambda a=args: runner(*a), device, cfg)
             log(f"batch {result.batch_size}: graph {result.graph_ms:.3f} ms/step")
             run.bar.done()
         report.runner_stats = stats.table()

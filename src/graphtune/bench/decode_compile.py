@@ -16,7 +16,8 @@ import torch
 
 from graphtune.bench.decode_progress import PhaseBar
 from graphtune.bench.decode_results import BatchResult, DecodeBenchConfig
-from graphtune.bench.timing import sync, time_per_call_ms
+from graphtune.bench.decode_spread import timed_ms
+from graphtune.bench.timing import sync
 from graphtune.engine.step import DecodeStep
 
 logger = logging.getLogger(__name__)
@@ -60,9 +61,7 @@ def time_compiled(
             call(args)
             sync(device)
             compile_s = time.perf_counter() - t0
-            result.compile_ms = time_per_call_ms(
-                lambda a=args: call(a), device, cfg.steps, cfg.repeats
-            )
+            result.compile_ms = timed_ms(result, "compile_ms", lambda a=args: call(a), device, cfg)
         except Exception as exc:  # any compiler failure is a result to report, not a crash
             logger.warning("torch.compile failed at batch %d: %s", result.batch_size, exc)
             result.compile_note = f"failed: {type(exc).__name__}: {str(exc)[:200]}"

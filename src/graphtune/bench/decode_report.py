@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from graphtune.bench.decode_results import BatchResult, DecodeBenchReport
+from graphtune.bench.decode_spread import spread_warning
 from graphtune.bench.kernel_families import FAMILIES
 from graphtune.bench.results import write_result
 from graphtune.errors import ConfigError
@@ -70,7 +71,18 @@ def format_report(report: DecodeBenchReport) -> str:
         f"decode step: {report.model['name']} ({size} params), context {cfg['context']}, "
         f"{cfg['dtype']}, {cfg['device']}"
     )
-    lines = [render_table(title, columns, rows)]
+    if rows:  # a column no row of this run measured (graph ms on a CPU...) is left out
+        kept = [i for i in range(len(columns)) if i == 0 or any(row[i] is not None for row in rows)]
+        columns = [columns[i] for i in kept]
+        rows = [[row[i] for i in kept] for row in rows]
+    # The title on a line of its own: a table of few columns would wrap it.
+    table = render_table(None, columns, rows)
+    width = len(table.splitlines()[0])
+    lines = [title.center(width).rstrip() if len(title) < width else title, table]
+    lines.append(legend(report, columns))
+    noisy = spread_warning(report)
+    if noisy:
+        lines.append(noisy)
     if unfused_cols or hf_cols:
         lines.append(comparison_table(report))
     if report.capture_seconds is not None:
@@ -80,8 +92,8 @@ def format_report(report: DecodeBenchReport) -> str:
         )
     if report.copy_bandwidth_gbps:
         lines.append(
-            f"device copy bandwidth (read+write): {report.copy_bandwidth_gbps:.0f} GB/s; "
-            "floor = (weights + KV read) / bandwidth"
+            f"device copy bandwidth (read+write): {report.copy_bandwidth_gbps:.0f} GB/s "
+            "(the floor's)"
         )
     first = report.results[0] if report.results else None
     if first is not None and first.top_kernels:
@@ -141,6 +153,31 @@ def format_report(report: DecodeBenchReport) -> str:
         lines.append(weights)
     lines.extend(report.notes)
     return "\n".join(lines)
+
+
+#: What the main table's less obvious columns mean, for :func:`legend`.
+_LEGEND = {
+    "GPU-busy ms": "GPU-busy = profiled device time of one step",
+    "speed-up": "speed-up = eager / graph",
+    "graph / busy": "graph / busy = graph ms / GPU-busy ms",
+    "floor ms": "floor = (weights + KV read) / measured copy bandwidth",
+    "compile ms": "compile = torch.compile(mode='reduce-overhead')",
+    "tuned busy ms": "tuned busy = GPU-busy of the tuned step",
+}
+
+
+def legend(report: DecodeBenchReport, columns: list[str]) -> str:
+    """One line under the main table: what its ms are (the repeats and steps behind each median)
+    and what its less obvious ``columns`` mean."""
+    steps, repeats = report.config.get("steps"), report.config.get("repeats")
+    parts = ["ms per decode step"]
+    if steps and repeats:
+        parts[0] += f": median of {repeats} repeats of {steps} back-to-back steps"
+    if "tokens/s" in columns:
+        steps_timed = [c for c in ("graph ms", "eager ms") if c in columns]
+        parts.append(f"tokens/s = batch / {', else '.join(steps_timed) or 'step ms'}")
+    parts += [meaning for column, meaning in _LEGEND.items() if column in columns]
+    return "; ".join(parts)
 
 
 def comparison_table(report: DecodeBenchReport) -> str:

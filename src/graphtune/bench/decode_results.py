@@ -161,6 +161,9 @@ class BatchResult:
     hf_max_abs_diff: float | None = None
     hf_argmax_agreement: float | None = None
     speedup_over_hf: float | None = None
+    # Per timed column (``"eager_ms"``...): the fastest of the repeats (``min_ms``), their
+    # relative spread (``spread``, see graphtune.bench.decode_spread) and how many (``repeats``).
+    repeat_spread: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 
 from graphtune.autotuner.timing import EventTimer, WallClockTimer
-from graphtune.autotuner.timing.base import Timer
+from graphtune.autotuner.timing.base import Measurement, Timer
 
 
 def sync(device: torch.device) -> None:
@@ -40,7 +40,8 @@ def time_per_call_ms(
     warmup: int = 3,
     timer: Timer | None = None,
 ) -> float:
-    """Median over ``repeats`` samples of the mean time of ``steps`` back-to-back calls, in ms.
+    """Median over ``repeats`` samples of the mean time of ``steps`` back-to-back calls, in ms
+    (:func:`measure_per_call`'s median).
 
     On CUDA the calls are bracketed by CUDA events (no host synchronisation per call, no delay
     kernel), so a host-bound eager step is measured as the GPU sees it, idle gaps included, and
@@ -54,8 +55,23 @@ def time_per_call_ms(
         warmup: Untimed calls first.
         timer: Replaces :func:`call_timer`'s choice (tests).
     """
+    return measure_per_call(fn, device, steps, repeats, warmup=warmup, timer=timer).median_us / 1e3
+
+
+def measure_per_call(
+    fn: Callable[[], object],
+    device: torch.device,
+    steps: int,
+    repeats: int,
+    *,
+    warmup: int = 3,
+    timer: Timer | None = None,
+) -> Measurement:
+    """The per-call :class:`~graphtune.autotuner.timing.base.Measurement` behind
+    :func:`time_per_call_ms` (median, fastest sample and relative spread of the ``repeats``
+    samples, in µs); same arguments."""
     chosen = timer if timer is not None else call_timer(device, repeats)
-    return chosen.measure(lambda i: fn(), warmup=warmup, repeat=steps).median_us / 1e3
+    return chosen.measure(lambda i: fn(), warmup=warmup, repeat=steps)
 
 
 def copy_bandwidth_gbps(

@@ -336,8 +336,9 @@ def _print_outputs(
     total = sum(len(o) for o in outputs)
     tp = f", tp {args.tp}" if parallel is not None else ""
     print(
-        f"{total} tokens in {elapsed:.2f} s ({total / max(elapsed, 1e-9):.1f} tokens/s, runner "
-        f"{args.runner}, {engine.config.name}, {str(dtype).replace('torch.', '')}, "
+        f"{total} tokens in {elapsed:.2f} s ({total / max(elapsed, 1e-9):.1f} tokens/s, "
+        f"{runner_summary(args.runner, engine.stats)}, {engine.config.name}, "
+        f"{str(dtype).replace('torch.', '')}, "
         f"{device}{tp})"
     )
     if engine.memory_plan is not None:
@@ -347,6 +348,22 @@ def _print_outputs(
         print(engine.prefill_stats.table())
     if args.stats and engine.tuner is not None:
         print(engine.tuning_report())
+
+
+def runner_summary(requested: str, stats: Any) -> str:
+    """The runner for the summary line, as it ran: ``runner eager``, ``runner graph`` when every
+    decode step replayed a graph, else what ran eagerly and why, from the runner's ``stats``
+    (:class:`~graphtune.graphs.stats.RunnerStats`): ``runner graph (eager here: no CUDA)``
+    when no step replayed, ``runner graph (2 of 9 steps eager: batch too large)`` otherwise."""
+    eager = getattr(stats, "eager_calls", 0)
+    if requested != "graph" or not eager:
+        return f"runner {requested}"
+    fallbacks = sorted(getattr(stats, "fallbacks", {}).items(), key=lambda item: -item[1])
+    why = ", ".join(str(getattr(reason, "value", reason)) for reason, _ in fallbacks) or "eager"
+    replays = getattr(stats, "replays", 0)
+    if not replays:
+        return f"runner graph (eager here: {why})"
+    return f"runner graph ({eager} of {eager + replays} steps eager: {why})"
 
 
 def _save_misses(engine: Any) -> bool:

@@ -19,7 +19,14 @@ from graphtune.cli.main import main
 def _cache_file(tmp_path):
     path = tmp_path / "cache.json"
     cache = TuningCache()
-    key = CacheKey("gemm", ("m.Torch", "m.Tiled"), ((16, 64), (64, 32)), ("bfloat16",) * 2, "graph")
+    key = CacheKey(
+        "gemm",
+        ("m.Torch", "m.Tiled"),
+        ((16, 64), (64, 32)),
+        ("bfloat16",) * 2,
+        "graph",
+        device="cuda",
+    )
     cache.put(key, CacheEntry("m.Tiled", 1, {"block": 64}, 4.0, 10.0))
     cache.save(path)
     return path
@@ -95,7 +102,7 @@ def test_tactics_with_tuple_keys_survive_a_reload_and_the_cache_commands(tmp_pat
     from graphtune.autotuner.entries import BlockedTactic
 
     path = tmp_path / "cache.json"
-    key = CacheKey("op", ("m.R",), ((4, 2),), ("float32",), "graph")
+    key = CacheKey("op", ("m.R",), ((4, 2),), ("float32",), "graph", device="cuda")
     tactic = {(64, 128): {"warps": 4}}  # a dict keyed by tile: JSON holds it as its pairs
     cache = TuningCache()
     cache.put(key, CacheEntry("m.R", 0, tactic, 1.0, 2.0))

@@ -156,6 +156,7 @@ class ResolvedCall:
             self.mode,
             self.sources,
             self.kwargs_text,
+            self.device.type,
         )
 
     def live_key(self) -> CacheKey | None:
@@ -166,9 +167,9 @@ class ResolvedCall:
 
 def distinct_profiles(calls: Iterable[ResolvedCall]) -> Iterator[ResolvedCall]:
     """The calls whose profiles have keys no earlier call's profiles have: of calls with one
-    op, runners, mode, runner sources, keyword arguments, tuning config and input shapes and
-    dtypes (a repeated layer's call), the first only. A call whose config cannot be hashed is
-    always kept."""
+    op, runners, mode, runner sources, keyword arguments, device type, tuning config and input
+    shapes and dtypes (a repeated layer's call), the first only. A call whose config cannot be
+    hashed is always kept."""
     seen: set[tuple[Any, ...]] = set()
     for resolved in calls:
         shapes = tuple(
@@ -176,7 +177,14 @@ def distinct_profiles(calls: Iterable[ResolvedCall]) -> Iterator[ResolvedCall]:
             for x in resolved.call.inputs
         )
         call = resolved.call
-        signature = (call.op, resolved.ids, resolved.mode, resolved.sources, resolved.kwargs_text)
+        signature = (
+            call.op,
+            resolved.ids,
+            resolved.mode,
+            resolved.sources,
+            resolved.kwargs_text,
+            resolved.device.type,
+        )
         try:
             key = (*signature, call.config, shapes)
             if key in seen:

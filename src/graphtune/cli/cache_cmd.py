@@ -20,6 +20,7 @@ COLUMNS = (
     "runner",
     "shapes",
     "dtypes",
+    "device",
     "mode",
     "tactic",
     "time (us)",
@@ -160,6 +161,7 @@ def show_command(args: argparse.Namespace) -> int:
                 short_runner_name(entry.runner_id),
                 _shapes(key.shapes),
                 ", ".join(key.dtypes),
+                key.device,
                 key.timing,
                 tactic_text(entry.tactic),
                 entry.time_us,
@@ -171,6 +173,11 @@ def show_command(args: argparse.Namespace) -> int:
         print(render_table(f"{len(rows)} entries", COLUMNS, rows, width=200))
     else:
         print("No entries.")
+    if doc["ignored"]:
+        print(
+            f"{len(doc['ignored'])} entries no look-up can use are not shown (`graphtune cache "
+            f"verify {path}` lists why), e.g. {doc['ignored'][0]}"
+        )
     blocked = [
         (short_runner_name(b.runner_id), tactic_text(b.tactic), b.op, b.reason)
         for b in doc["blocklist"].values()

@@ -358,14 +358,24 @@ def _existing(path: Path, current: dict[str, Any]) -> LoadedCache:
     return LoadedCache(doc["entries"], doc["blocklist"])
 
 
-def move_aside_unusable(path: str | PathLike[str], fingerprint: dict[str, Any]) -> None:
-    """Renames the file at ``path``, if it is no usable cache of ``fingerprint``'s environment,
-    to ``<name>.unusable[.N]`` with a warning, as a save does before writing there (for ``cache
-    merge``, whose output replaces ``path``; call it holding the lock). A folder or a file that
-    is not a regular one is left for the write to refuse."""
+def existing_output(path: str | PathLike[str], fingerprint: dict[str, Any]) -> LoadedCache:
+    """What the file at ``path`` holds, as a save reads it before writing there (for ``cache
+    merge``, whose output is written there; call it holding the lock): the entries and blocklist
+    of a usable cache of ``fingerprint``'s environment; nothing when there is no file, or when it
+    is no usable cache of that environment, which is then renamed to ``<name>.unusable[.N]``
+    with a warning. A folder or a file that is not a regular one is left for the write to
+    refuse.
+
+    Raises:
+        CacheFileError: The file exists but cannot be read (it is then left as it is).
+    """
     path = real_path(path)
-    if not_a_file(path) is None:
-        _existing(path, fingerprint)
+    if not_a_file(path) is not None:
+        return LoadedCache()
+    try:
+        return _existing(path, fingerprint)
+    except CacheFileError as exc:
+        raise CacheFileError(f"Could not write tuning cache {path}: {exc}.") from None
 
 
 _KEPT_ASIDE = (

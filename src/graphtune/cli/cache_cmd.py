@@ -74,7 +74,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "instead (as a save keeps its own: merge a failed save's fallback file so). Blocklists "
         "are unioned (A's reason wins). "
         "C is written atomically under its lock file; it may be A or B. An existing C that is "
-        "not a tuning cache is refused.",
+        "neither is merged into, as a save does: its entries and blocked tactics whose keys A "
+        "and B lack are kept (`graphtune cache clear C` first to replace it). An existing C "
+        "that is not a tuning cache is refused.",
     )
     merge.add_argument("a", metavar="A", type=Path, help="first cache file (wins ties)")
     merge.add_argument("b", metavar="B", type=Path, help="second cache file")
@@ -234,7 +236,9 @@ def merge_command(args: argparse.Namespace) -> int:
     print(
         f"Wrote {args.output}: {report.entries} entries ({report.only_a} only in A, "
         f"{report.only_b} only in B, {report.conflicts_kept_a} conflicts kept A, "
-        f"{report.conflicts_kept_b} kept B), {report.blocked} blocked tactics"
+        f"{report.conflicts_kept_b} kept B"
+        + (f", {report.kept_output} kept from {args.output}" if report.kept_output else "")
+        + f"), {report.blocked} blocked tactics"
         + (f"; {len(report.ignored)} unusable entries left out." if report.ignored else ".")
     )
     return 0

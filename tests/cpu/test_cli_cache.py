@@ -92,6 +92,22 @@ def test_clear_removes_the_file_under_its_lock_and_keeps_the_lock_file(
     assert "no tuning cache" in capsys.readouterr().err
 
 
+def test_clear_through_a_link_removes_the_file_it_names_and_keeps_the_link(
+    tmp_path, capsys
+) -> None:
+    path = _cache_file(tmp_path)
+    link = tmp_path / "link.json"
+    link.symlink_to(path.name)
+    assert main(["cache", "clear", str(link)]) == 0
+    out = capsys.readouterr().out
+    assert f"Removed tuning cache {path} (what {link} resolves to)" in out
+    assert f"the link {link} stays" in out
+    assert not path.exists() and link.is_symlink()
+    assert persist.load(path) == {}  # its picks are gone, not just the link
+    assert main(["cache", "clear", str(link)]) == 1
+    assert "no tuning cache" in capsys.readouterr().err
+
+
 def test_cache_without_action_prints_usage(capsys) -> None:
     # Like bare ``graphtune``: the group's help, exit 0.
     assert main(["cache"]) == 0

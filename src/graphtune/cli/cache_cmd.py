@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +50,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "clear",
         help="delete a cache file (waits for a save in progress)",
         description="Deletes a tuning cache file under its lock, so a save in progress finishes "
-        "first; the lock file stays. Exit 1 when there is no cache file.",
+        "first; the lock file stays. A symbolic link's target is deleted (the file saves "
+        "through the link write) and the link stays. Exit 1 when there is no cache file.",
     )
     clear.add_argument("path", metavar="PATH", type=Path, help="tuning cache file (JSON)")
     clear.set_defaults(handler=clear_command)
@@ -299,25 +301,38 @@ def _blocked_runner(path: Path, name: str) -> str:
 
 def clear_command(args: argparse.Namespace) -> int:
     """Removes the cache file under its lock (the lock file stays: a process waiting on it, or
-    holding it mid-save, must keep locking the same file); 1 if the file does not exist."""
+    holding it mid-save, must keep locking the same file); 1 if the file does not exist.
+
+    A path that is a symbolic link names the file saves write through it: that file (the one
+    locked and checked) is removed, and the link stays, as a save keeps it."""
     from graphtune.autotuner import cache_reader, save_target
 
     path: Path = args.path
     if not path.exists():
         raise CacheFileError(f"no tuning cache at {path}; nothing removed")
     # Under the lock, so a save in progress finishes first and the next one starts from nothing.
-    with save_target.locked(path):
-        if not path.exists():
+    with save_target.locked(path) as target:
+        if not target.exists():
             raise CacheFileError(f"no tuning cache at {path}; nothing removed")
-        reason = cache_reader.not_a_cache_file(path)
+        reason = cache_reader.not_a_cache_file(target)
         if reason is not None:
             raise CacheFileError(
-                f"{path} is not a graphtune tuning cache (it {reason}); nothing removed. Remove "
-                "it with rm if that is what you meant"
+                f"{_named(path, target)} is not a graphtune tuning cache (it {reason}); nothing "
+                "removed. Remove it with rm if that is what you meant"
             )
         try:
-            path.unlink()
+            target.unlink()
         except OSError as exc:
-            raise CacheFileError(f"could not remove {path}: {exc.strerror or exc}") from None
-    print(f"Removed tuning cache {path}.")
+            raise CacheFileError(
+                f"could not remove {_named(path, target)}: {exc.strerror or exc}"
+            ) from None
+    link = f"; the link {path} stays" if path.is_symlink() else ""
+    print(f"Removed tuning cache {_named(path, target)}{link}.")
     return 0
+
+
+def _named(path: Path, target: Path) -> str:
+    """``path``, or ``target`` and what names it when ``path`` goes through a link."""
+    if target == Path(os.path.abspath(path)):
+        return str(path)
+    return f"{target} (what {path} resolves to)"

@@ -42,6 +42,13 @@ def real_path(path: str | PathLike[str]) -> Path:
     return Path(os.path.realpath(path))
 
 
+def file_id(path: str | PathLike[str]) -> str:
+    """The file a save to ``path`` writes, as text (:func:`real_path`): the key under which
+    what was saved there is remembered (``TuningCache``, ``MissLog``), so a save through a link
+    and one to its target count as saves to one file."""
+    return os.path.realpath(path)
+
+
 def temp_file(path: str | PathLike[str]) -> tuple[int, Path]:
     """Creates ``path``'s next temporary file (next to it) and opens it for writing.
 

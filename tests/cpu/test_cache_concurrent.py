@@ -19,7 +19,9 @@ def _writer(path: str, writer: int, barrier) -> None:
     for i in range(SAVES_PER_WRITER):
         # A fresh cache each time: only the file can carry earlier entries forward.
         cache = TuningCache()
-        key = CacheKey(f"op{writer}", ("mod.R",), ((i + 1, 8),), ("float32",), "wallclock")
+        key = CacheKey(
+            f"op{writer}", ("mod.R",), ((i + 1, 8),), ("float32",), "wallclock", device="cpu"
+        )
         cache.put(key, CacheEntry("mod.R", 0, [writer, i], 1.0 + i, 2.0 + i))
         cache.save(path)
 

@@ -13,8 +13,10 @@ from graphtune.autotuner import CacheEntry, CacheKey, TuningCache, persist
 from graphtune.cli.main import main
 from graphtune.errors import CacheFileError
 
-KEY = CacheKey("gemm", ("m.Torch", "m.Tiled"), ((16, 64),), ("bfloat16",), "graph")
-OTHER_KEY = CacheKey("gemm", ("m.Torch", "m.Tiled"), ((32, 64),), ("bfloat16",), "graph")
+KEY = CacheKey("gemm", ("m.Torch", "m.Tiled"), ((16, 64),), ("bfloat16",), "graph", device="cuda")
+OTHER_KEY = CacheKey(
+    "gemm", ("m.Torch", "m.Tiled"), ((32, 64),), ("bfloat16",), "graph", device="cuda"
+)
 needs_fifo = pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this system")
 
 

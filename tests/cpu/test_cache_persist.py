@@ -41,6 +41,7 @@ def key(op: str = "gemm", m: int = 16, **kw) -> CacheKey:
         "shapes": ((m, 64), (64, 32), None),
         "dtypes": ("bfloat16", "bfloat16", "int"),
         "timing": "graph",
+        "device": "cuda",
     }
     fields.update(kw)
     return CacheKey(op=op, **fields)

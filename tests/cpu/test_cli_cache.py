@@ -19,7 +19,14 @@ from graphtune.cli.main import main
 def _cache_file(tmp_path):
     path = tmp_path / "cache.json"
     cache = TuningCache()
-    key = CacheKey("gemm", ("m.Torch", "m.Tiled"), ((16, 64), (64, 32)), ("bfloat16",) * 2, "graph")
+    key = CacheKey(
+        "gemm",
+        ("m.Torch", "m.Tiled"),
+        ((16, 64), (64, 32)),
+        ("bfloat16",) * 2,
+        "graph",
+        device="cuda",
+    )
     cache.put(key, CacheEntry("m.Tiled", 1, {"block": 64}, 4.0, 10.0))
     cache.save(path)
     return path
@@ -85,6 +92,22 @@ def test_clear_removes_the_file_under_its_lock_and_keeps_the_lock_file(
     assert "no tuning cache" in capsys.readouterr().err
 
 
+def test_clear_through_a_link_removes_the_file_it_names_and_keeps_the_link(
+    tmp_path, capsys
+) -> None:
+    path = _cache_file(tmp_path)
+    link = tmp_path / "link.json"
+    link.symlink_to(path.name)
+    assert main(["cache", "clear", str(link)]) == 0
+    out = capsys.readouterr().out
+    assert f"Removed tuning cache {path} (what {link} resolves to)" in out
+    assert f"the link {link} stays" in out
+    assert not path.exists() and link.is_symlink()
+    assert persist.load(path) == {}  # its picks are gone, not just the link
+    assert main(["cache", "clear", str(link)]) == 1
+    assert "no tuning cache" in capsys.readouterr().err
+
+
 def test_cache_without_action_prints_usage(capsys) -> None:
     # Like bare ``graphtune``: the group's help, exit 0.
     assert main(["cache"]) == 0
@@ -95,7 +118,7 @@ def test_tactics_with_tuple_keys_survive_a_reload_and_the_cache_commands(tmp_pat
     from graphtune.autotuner.entries import BlockedTactic
 
     path = tmp_path / "cache.json"
-    key = CacheKey("op", ("m.R",), ((4, 2),), ("float32",), "graph")
+    key = CacheKey("op", ("m.R",), ((4, 2),), ("float32",), "graph", device="cuda")
     tactic = {(64, 128): {"warps": 4}}  # a dict keyed by tile: JSON holds it as its pairs
     cache = TuningCache()
     cache.put(key, CacheEntry("m.R", 0, tactic, 1.0, 2.0))

@@ -382,7 +382,7 @@ def test_tuned_by_survives_save_load_and_verify(tmp_path) -> None:
     from graphtune.autotuner.maintenance import verify_file
 
     path = tmp_path / "c.json"
-    key = CacheKey("op", ("mod.R",), ((4, 8),), ("float32",), "fake")
+    key = CacheKey("op", ("mod.R",), ((4, 8),), ("float32",), "fake", device="cpu")
     tuned_by = {"strategy": "parallel", "world_size": 2}
     persist.save(path, {key: CacheEntry("mod.R", 0, 3, 1.0, 2.0, tuned_by)})
     persist.save(tmp_path / "plain.json", {key: CacheEntry("mod.R", 0, 3, 1.0, 2.0)})

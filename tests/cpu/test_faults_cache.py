@@ -19,7 +19,7 @@ from graphtune.errors import CacheFileError
 
 
 def key(i: int, op: str = "gemm") -> CacheKey:
-    return CacheKey(op, ("m.A", "m.B"), ((i, 64),), ("float32",), "wallclock")
+    return CacheKey(op, ("m.A", "m.B"), ((i, 64),), ("float32",), "wallclock", device="cpu")
 
 
 def entry(tactic, time_us: float | None = 2.0, index: int = 1) -> CacheEntry:

@@ -200,3 +200,14 @@ def test_tune_refuses_a_misses_record_at_its_own_cache_before_tuning(
     err = capsys.readouterr().err
     assert "GRAPHTUNE_MISSES" in err and "Traceback" not in err
     assert not cache.exists()  # refused before any tuning
+
+
+def test_saving_through_a_link_then_to_its_target_counts_each_miss_once(tmp_path) -> None:
+    target, link = tmp_path / "misses.json", tmp_path / "link.json"
+    link.symlink_to("misses.json")
+    tuner = AutoTuner()
+    tuner.choose_one("op", [Plain()], TuningConfig(), [torch.randn(3, 3)])
+    tuner.misses.save(link)
+    tuner.misses.save(target)  # the same file: nothing new to add
+    assert [r.count for r in load_misses(target)] == [1]
+    assert link.is_symlink()

@@ -183,6 +183,7 @@ def cache_keys(draw):
         timing=draw(st.sampled_from(["graph", "events", "wallclock", "fake"])),
         sources=draw(st.sampled_from(["", "0123456789abcdef"])),
         kwargs=draw(st.sampled_from(["", '{"gemm_idx":1}'])),
+        device=draw(st.sampled_from(["cpu", "cuda"])),
     )
 
 

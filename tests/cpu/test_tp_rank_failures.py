@@ -33,7 +33,7 @@ WORLD = 2
 WAIT_S = 60.0  # each case takes a few seconds; only a rank left in a collective waits longer
 CONFIG = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0, (1, 4)),), warmup=0, repeat=1)
 # A pick only rank 0's tuner holds (an op the tiny model never looks up: only alignment moves it).
-KEY = CacheKey("rank0_only", ("runner",), ((4, 8),), ("float32",), "fake")
+KEY = CacheKey("rank0_only", ("runner",), ((4, 8),), ("float32",), "fake", device="cpu")
 ENTRY = CacheEntry("runner", 0, 3, 1.0, 2.0)
 
 

@@ -9,12 +9,12 @@ the user clears it (``graphtune cache unblock``). Files are read and written by
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Iterator
 from os import PathLike
 from typing import Any
 
+from graphtune.atomic_files import file_id
 from graphtune.autotuner import persist
 from graphtune.autotuner.entries import (
     BlockedTactic,
@@ -133,7 +133,7 @@ class TuningCache:
         Raises:
             CacheFileError: The file could not be written.
         """
-        where = _file_id(path)
+        where = file_id(path)
         with self._lock:
             changed, blocked = self._unsynced(where)
         count = persist.save(path, changed, blocklist=blocked)
@@ -147,7 +147,7 @@ class TuningCache:
         """How many entries and blocked tactics :meth:`save` would still write to ``path``: 0
         right after a save there returned, more after a save that failed."""
         with self._lock:
-            changed, blocked = self._unsynced(_file_id(path))
+            changed, blocked = self._unsynced(file_id(path))
         return len(changed) + len(blocked)
 
     def _unsynced(self, where: str) -> tuple[dict[CacheKey, CacheEntry], Blocklist]:
@@ -179,13 +179,9 @@ class TuningCache:
             self.version += 1
             for ident, item in loaded.blocklist.items():
                 self._blocked.setdefault(ident, item)
-            synced = self._synced.setdefault(_file_id(path), ({}, {}))
+            synced = self._synced.setdefault(file_id(path), ({}, {}))
             synced[0].update(added)
             # As for entries: only what memory took from the file is the file's; an item memory
             # already held is newer and is written by the next save.
             synced[1].update({i: b for i, b in loaded.blocklist.items() if self._blocked[i] is b})
         return len(added)
-
-
-def _file_id(path: str | PathLike[str]) -> str:
-    return os.path.realpath(path)

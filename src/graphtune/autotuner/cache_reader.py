@@ -23,6 +23,11 @@ class Unusable(Exception):
     which turns it into a warning or a :class:`~graphtune.errors.CacheFileError`)."""
 
 
+class Unreadable(Unusable):
+    """The file exists but could not be read (``EACCES``, ``EIO``...): nothing is known of its
+    content, so a save never moves it aside or replaces it (it fails as on an unwritable file)."""
+
+
 def read_document(path: str | PathLike[str]) -> dict[str, Any]:
     """Parses a cache file without checking its environment (for ``graphtune cache show``).
 
@@ -44,7 +49,8 @@ def read_document(path: str | PathLike[str]) -> dict[str, Any]:
 
 def read_text(path: Path) -> str:
     """The text of the regular file ``path``; raises :class:`Unusable` saying why not (a FIFO
-    or a device is refused before it is opened: reading one would block or never end). Also
+    or a device is refused before it is opened: reading one would block or never end), or
+    :class:`Unreadable` when reading it fails (its content is then unknown). Also
     the reader of the misses file (:func:`graphtune.autotuner.calls.load_misses`)."""
     try:
         if path.exists() and not path.is_file():
@@ -53,7 +59,7 @@ def read_text(path: Path) -> str:
     except FileNotFoundError:
         raise Unusable("does not exist") from None
     except OSError as exc:
-        raise Unusable(f"cannot be read ({exc})") from None
+        raise Unreadable(f"cannot be read ({exc})") from None
     except UnicodeDecodeError as exc:
         raise Unusable(f"is corrupt (not UTF-8 text: {exc})") from None
 

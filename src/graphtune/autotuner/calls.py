@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ from typing import Any
 
 import torch
 
+from graphtune.atomic_files import file_id
 from graphtune.autotuner import json_update
 from graphtune.autotuner.cache_reader import Unusable, read_text
 from graphtune.autotuner.config import TuningConfig
@@ -352,7 +352,7 @@ class MissLog:
                 names (:func:`graphtune.autotuner.json_update.update_json`).
         """
         with self._save_lock:
-            where = os.path.abspath(os.fspath(path))
+            where = file_id(path)  # the file written: a link and its target are one
             with self._lock:
                 saved = self._saved.get(where, {})
                 counts = {k: r.count - saved.get(k, 0) for k, r in self._records.items()}

@@ -2,10 +2,10 @@
 
 A key holds the identity of every runner offered (class and configuration, see
 :mod:`graphtune.autotuner.identity`), a digest of their source files, the bucketed shapes and
-dtypes, the timing mode and the ``choose_one`` keyword arguments, so changing any of them never
-reuses a stale pick. The value names the winning runner by identity as well as by index, so a
-look-up can check it still matches. Tactics are stored with their Python types
-(:func:`~graphtune.autotuner.values.encode_value`).
+dtypes, the device type of the inputs, the timing mode and the ``choose_one`` keyword arguments,
+so changing any of them never reuses a stale pick. The value names the winning runner by identity
+as well as by index, so a look-up can check it still matches. Tactics are stored with their
+Python types (:func:`~graphtune.autotuner.values.encode_value`).
 """
 
 from __future__ import annotations
@@ -32,6 +32,10 @@ class CacheKey:
         sources: Digest of the runners' source files (``sources_digest``); ``""`` for none.
         kwargs: Canonical JSON of the ``choose_one`` keyword arguments; ``""`` when there are
             none.
+        device: Device type the inputs live on (``"cpu"``, ``"cuda"``: the type of
+            ``resolved.device_of(inputs)``). ``""`` is unknown: a key read from a file saved
+            before the field existed whose timing could have run on any device
+            (:func:`key_from_before_devices`); no look-up uses it.
     """
 
     op: str
@@ -41,6 +45,7 @@ class CacheKey:
     timing: str
     sources: str = ""
     kwargs: str = ""
+    device: str = ""
 
     def to_json(self) -> dict[str, Any]:
         """JSON form (lists instead of tuples; ``kwargs`` only when there are some)."""
@@ -50,6 +55,7 @@ class CacheKey:
             "sources": self.sources,
             "shapes": [list(s) if s is not None else None for s in self.shapes],
             "dtypes": list(self.dtypes),
+            "device": self.device,
             "timing": self.timing,
         }
         if self.kwargs:
@@ -58,7 +64,9 @@ class CacheKey:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> CacheKey:
-        """Inverse of :meth:`to_json`.
+        """Inverse of :meth:`to_json`. A key without ``device`` (saved before the field
+        existed) gets the device its timing implies: ``"cuda"`` for ``graph`` and ``events``,
+        which only run on CUDA, else ``""`` (unknown: :func:`entry_problems` says so).
 
         Raises:
             ValueError: A field is missing or of the wrong JSON type (a number where a string
@@ -71,14 +79,17 @@ class CacheKey:
             else tuple(_typed(d, int, "a size") for d in _typed(s, list, "a shape"))
             for s in _field(data, "shapes", list)
         )
+        timing = _field(data, "timing", str)
+        device = _field(data, "device", str, default=None)
         key = cls(
             op=_field(data, "op", str),
             runners=tuple(_typed(r, str, "a runner") for r in _field(data, "runners", list)),
             shapes=shapes,
             dtypes=tuple(_typed(d, str, "a dtype") for d in _field(data, "dtypes", list)),
-            timing=_field(data, "timing", str),
+            timing=timing,
             sources=_field(data, "sources", str),
             kwargs=_field(data, "kwargs", str, default=""),
+            device=key_from_before_devices(timing) if device is None else device,
         )
         if len(key.shapes) != len(key.dtypes) or not key.runners:
             raise ValueError(
@@ -86,6 +97,18 @@ class CacheKey:
                 "runners (shapes and dtypes pair up, and a key has at least one runner)"
             )
         return key
+
+
+#: Timing modes that only run on CUDA: a key saved without ``device`` and timed so was tuned on
+#: CUDA (the other modes, ``wallclock`` and a custom timer's name, run on any device).
+CUDA_ONLY_TIMINGS = ("graph", "events")
+
+
+def key_from_before_devices(timing: str) -> str:
+    """The device type of a key saved without one (before the key held it): ``"cuda"`` when
+    ``timing`` only runs on CUDA, else ``""`` (unknown, so the entry is ignored and re-tuned
+    rather than served on a device it was not tuned on)."""
+    return "cuda" if timing in CUDA_ONLY_TIMINGS else ""
 
 
 @dataclass(frozen=True)
@@ -164,6 +187,12 @@ def entry_problems(key: CacheKey, entry: CacheEntry) -> list[str]:
     not the key's, a tactic that is not JSON, a time that is not finite and positive. Loading
     ignores such an entry; ``graphtune cache verify`` lists each."""
     problems = []
+    if not key.device:
+        problems.append(
+            f"its key has no device type (saved by a graphtune that did not key it) and its "
+            f"timing {key.timing!r} runs on any device, so it may be another device's pick; "
+            "re-tune to replace it"
+        )
     index = entry.runner_index
     if not 0 <= index < len(key.runners) or key.runners[index] != entry.runner_id:
         problems.append(

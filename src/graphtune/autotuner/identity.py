@@ -51,14 +51,22 @@ def runner_config(runner: Any) -> dict[str, Any]:
     Raises:
         IdentityError: An attribute's value has no stable text (names the attribute).
     """
-    excluded = set(getattr(type(runner), "identity_excludes", ()))
     owner = type(runner).__qualname__
-    config = {}
-    for name in sorted(_attribute_names(runner)):
-        if name.startswith("_") or name in excluded:
-            continue
-        config[name] = identity_value(getattr(runner, name), f"attribute {name!r} of {owner}")
-    return config
+    return {
+        name: identity_value(getattr(runner, name), f"attribute {name!r} of {owner}")
+        for name in identity_attributes(runner)
+    }
+
+
+def identity_attributes(runner: Any) -> list[str]:
+    """The names of the attributes :func:`runner_config` holds, sorted: the public ones (no
+    leading ``_``), minus the class's ``identity_excludes``."""
+    excluded = set(getattr(type(runner), "identity_excludes", ()))
+    return [
+        name
+        for name in sorted(_attribute_names(runner))
+        if not name.startswith("_") and name not in excluded
+    ]
 
 
 def runner_id(runner: Any) -> str:

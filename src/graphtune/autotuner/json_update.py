@@ -143,5 +143,7 @@ def _current_json(path: Path) -> tuple[Any, str | None]:
         return parse_json(path.read_text(encoding="utf-8")), None
     except FileNotFoundError:
         return None, None
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+    # Another OSError (EACCES, EIO) propagates: a file that was not read is never moved aside,
+    # and update_json fails as on a file it cannot write.
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         return None, f"is not JSON ({exc})"

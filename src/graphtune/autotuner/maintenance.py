@@ -14,7 +14,11 @@ skips the whole file. ``merge`` combines two files under a stated rule (also in
   a failed save's fallback file, whose entries are the newer measurements);
 * blocklists are unioned; for the same (runner, tactic) A's reason is kept;
 * an entry that no look-up can use (``graphtune.autotuner.entries.entry_problems``: a runner not
-  in its key, a time that is not positive) is left out, and the report lists it.
+  in its key, a time that is not positive) is left out, and the report lists it;
+* an existing output C that is neither A nor B is merged into, as a save merges into its file:
+  C's entries and blocked tactics whose keys A and B lack are kept (A's and B's win the others).
+  A C of another environment or format version is renamed to ``C.unusable`` first; a C that
+  cannot be read fails the merge.
 """
 
 from __future__ import annotations
@@ -147,6 +151,8 @@ class MergeReport:
     only_b: int = 0
     conflicts_kept_a: int = 0
     conflicts_kept_b: int = 0
+    #: Entries kept from an existing output that is neither A nor B (keys A and B lack).
+    kept_output: int = 0
     blocked: int = 0
     #: Entries of A or B that no look-up can use (``entry_problems``), left out of the output.
     ignored: list[str] = field(default_factory=list)
@@ -178,9 +184,11 @@ def merge_files(
         CacheFileError: A or B is unusable, their environments differ (without ``force``), or
             ``out`` could not be written.
 
-    An existing ``out`` that is neither A nor B and no usable cache of A's environment (another
-    environment or format version) is first renamed to ``<name>.unusable[.N]``, with a warning
-    naming where it went, as a save does.
+    An existing ``out`` that is neither A nor B is merged into: its entries and blocked tactics
+    whose keys A and B lack are kept, as a save keeps its file's. One that is no usable cache of
+    A's environment (another environment or format version) is first renamed to
+    ``<name>.unusable[.N]``, with a warning naming where it went, as a save does; one that cannot
+    be read is a :class:`CacheFileError`, and it is left as it is.
     """
     if prefer not in MERGE_PREFERENCES:
         raise ConfigError(
@@ -237,8 +245,15 @@ def _merge_locked(
     blocked = dict(doc_b["blocklist"])
     blocked.update(doc_a["blocklist"])  # A's reason wins for the same (runner, tactic)
     if not _is_input(out, a, b):
-        # As a save does: a cache of another environment or version is kept as C.unusable.
-        persist.move_aside_unusable(out, doc_a["fingerprint"])
+        # As a save does: C's own picks are kept (A's and B's win a conflict), and a cache of
+        # another environment or version is kept as C.unusable.
+        existing = persist.existing_output(out, doc_a["fingerprint"])
+        for key, entry in existing.entries.items():
+            if key not in merged:
+                merged[key] = entry
+                report.kept_output += 1
+        for ident, item in existing.blocklist.items():
+            blocked.setdefault(ident, item)
     persist.write_atomic(out, persist.document(merged, doc_a["fingerprint"], blocked), lock=False)
     report.entries = len(merged)
     report.blocked = len(blocked)

@@ -31,6 +31,7 @@ from graphtune.atomic_files import (
 from graphtune.autotuner.cache_reader import (
     FORMAT_VERSION,
     Entries,
+    Unreadable,
     Unusable,
     parse,
     parse_document,
@@ -61,8 +62,14 @@ class LoadedCache:
     blocklist: Blocklist = field(default_factory=dict)
 
 
-def _retune_hint(path: Path) -> str:
+def _retune_hint(path: Path, unreadable: bool = False) -> str:
     refused = not_a_file(path)
+    if unreadable:
+        return (
+            "Its picks are ignored, and a save there fails too (graphtune never moves aside or "
+            "replaces a file it could not read; the picks go to a fallback file its error "
+            "names): make it readable, or pass another cache path."
+        )
     if refused is not None:
         return (
             f"A save there is refused too, since it {refused} (graphtune never moves or replaces "
@@ -124,7 +131,8 @@ def load_file(
                 f"remove the file (`graphtune cache verify {path}` says what is wrong), pass "
                 "another cache path, or unset GRAPHTUNE_STRICT_CACHE to run without its picks."
             ) from None
-        logger.warning("Skipping tuning cache %s: it %s. %s", path, exc, _retune_hint(path))
+        hint = _retune_hint(path, isinstance(exc, Unreadable))
+        logger.warning("Skipping tuning cache %s: it %s. %s", path, exc, hint)
         return LoadedCache()
     _warn_ignored(path, doc["ignored"])
     return LoadedCache(doc["entries"], doc["blocklist"])
@@ -155,14 +163,16 @@ def save(
 
     Entries and blocked tactics of an existing file from this environment are kept; an unusable
     existing file (corrupt, other version, other environment) is first renamed to
-    ``<name>.unusable[.N]`` (:func:`move_aside`), with a warning naming where it went.
+    ``<name>.unusable[.N]`` (:func:`move_aside`), with a warning naming where it went. An
+    existing file that cannot be read (``EACCES``, ``EIO``) is neither: the save fails.
 
     Returns:
         The number of entries in the file after the write.
 
     Raises:
         CacheFileError: ``path`` is a folder or not a regular file (a FIFO, a device), the lock
-            could not be taken in time or the file could not be written; what would have been
+            could not be taken in time, the existing file could not be read or the file could
+            not be written; what would have been
             saved is then written to a file in the temporary folder, which the message names
             (:func:`graphtune.atomic_files.write_fallback`): the merged document when the
             existing file was read, else only ``entries`` and ``blocklist``.
@@ -326,6 +336,13 @@ def _existing(path: Path, current: dict[str, Any]) -> LoadedCache:
         return LoadedCache()
     try:
         raw = raw_document(path)  # read once: the test below and the entries both use it
+    except Unreadable as exc:
+        # Its content is unknown (a valid cache the umask made unreadable to this user, a disk
+        # error): moving it aside would drop every other process's picks. Fail as on a file
+        # that cannot be written; the caller keeps this save's picks in a fallback file.
+        raise CacheFileError(
+            f"it exists but {exc}, and a file that was not read is never moved aside or replaced"
+        ) from None
     except Unusable as exc:
         move_aside(path, str(exc))
         return LoadedCache()
@@ -341,14 +358,24 @@ def _existing(path: Path, current: dict[str, Any]) -> LoadedCache:
     return LoadedCache(doc["entries"], doc["blocklist"])
 
 
-def move_aside_unusable(path: str | PathLike[str], fingerprint: dict[str, Any]) -> None:
-    """Renames the file at ``path``, if it is no usable cache of ``fingerprint``'s environment,
-    to ``<name>.unusable[.N]`` with a warning, as a save does before writing there (for ``cache
-    merge``, whose output replaces ``path``; call it holding the lock). A folder or a file that
-    is not a regular one is left for the write to refuse."""
+def existing_output(path: str | PathLike[str], fingerprint: dict[str, Any]) -> LoadedCache:
+    """What the file at ``path`` holds, as a save reads it before writing there (for ``cache
+    merge``, whose output is written there; call it holding the lock): the entries and blocklist
+    of a usable cache of ``fingerprint``'s environment; nothing when there is no file, or when it
+    is no usable cache of that environment, which is then renamed to ``<name>.unusable[.N]``
+    with a warning. A folder or a file that is not a regular one is left for the write to
+    refuse.
+
+    Raises:
+        CacheFileError: The file exists but cannot be read (it is then left as it is).
+    """
     path = real_path(path)
-    if not_a_file(path) is None:
-        _existing(path, fingerprint)
+    if not_a_file(path) is not None:
+        return LoadedCache()
+    try:
+        return _existing(path, fingerprint)
+    except CacheFileError as exc:
+        raise CacheFileError(f"Could not write tuning cache {path}: {exc}.") from None
 
 
 _KEPT_ASIDE = (

@@ -9,6 +9,7 @@ key building.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,7 @@ from graphtune.autotuner.cache import TuningCache
 from graphtune.autotuner.calls import OpCall
 from graphtune.autotuner.config import TuningConfig
 from graphtune.autotuner.entries import CacheKey
+from graphtune.autotuner.identity import identity_attributes
 from graphtune.autotuner.profiles import Profile, input_type_text, profile_for
 from graphtune.autotuner.runner import TunableRunner
 
@@ -57,6 +59,58 @@ class _SameRunners:
         return all(a is b for a, b in zip(self.runners, other.runners, strict=True))
 
 
+_GONE = object()
+
+
+class RunnerStates:
+    """What the identity of each runner of a memoised hit was (:func:`runner_id`), checked on
+    every hit: the memo compares runners as objects, and a runner whose public attribute was
+    changed in place (``r.block = 32``) is another runner for the cache, whose pick the hit
+    must not return.
+
+    Of a runner with the default ``cache_key_extras`` it keeps a copy of each identity attribute
+    (public, not in ``identity_excludes``) and the number of its instance attributes (one added
+    or removed changes the identity too); of a runner that overrides ``cache_key_extras``, a copy
+    of what that returned. Comparing those is much cheaper than building ``runner_id`` again. An
+    attribute's value changed inside it (``r.sizes.append(8)``) is seen too, since the copy is
+    deep.
+    """
+
+    __slots__ = ("states",)
+
+    def __init__(self, runners: Sequence[TunableRunner]) -> None:
+        self.states = tuple(_state(r) for r in runners)
+
+    def current(self) -> bool:
+        """Whether every runner still has the identity it had when this was made."""
+        try:
+            for runner, count, items in self.states:
+                if items is None:  # an overridden cache_key_extras: what it returned then
+                    if runner.cache_key_extras() != count:
+                        return False
+                    continue
+                if len(getattr(runner, "__dict__", ())) != count:
+                    return False
+                for name, value in items:
+                    now = getattr(runner, name, _GONE)
+                    if now is not value and (type(now) is not type(value) or now != value):
+                        return False
+        except Exception:  # noqa: BLE001 - a value that cannot be compared: look it up again
+            return False
+        return True
+
+
+def _state(runner: TunableRunner) -> tuple[TunableRunner, Any, Any]:
+    """``(runner, attribute count, ((name, copy of value), ...))``, or ``(runner, copy of
+    cache_key_extras(), None)`` for a runner that overrides it; see :class:`RunnerStates`."""
+    if type(runner).cache_key_extras is not TunableRunner.cache_key_extras:
+        return runner, copy.deepcopy(runner.cache_key_extras()), None
+    items = tuple(
+        (name, copy.deepcopy(getattr(runner, name))) for name in identity_attributes(runner)
+    )
+    return runner, len(getattr(runner, "__dict__", ())), items
+
+
 def memo_key(
     op: str,
     runners: Sequence[TunableRunner],
@@ -66,7 +120,8 @@ def memo_key(
 ) -> tuple[Any, ...] | None:
     """What a cache hit depends on, or ``None`` (no memo) when ``runners`` or ``inputs`` is not a
     list or tuple, an input is not a tensor, ``None`` or a scalar, or a keyword value is not
-    ``None`` or a scalar. The runners count by identity (the same objects), not by ``==``. A
+    ``None`` or a scalar. The runners count by identity (the same objects), not by ``==``, and
+    :class:`HitMemo` checks their configuration on each hit (:class:`RunnerStates`). A
     tensor adds its shape, dtype and device type, a scalar its type and
     itself (``1``, ``1.0`` and ``True`` are equal in Python but are other keys, as in the cache
     key's text; only tensors add a ``torch.Size``, so the flat key is unambiguous). The key may
@@ -104,10 +159,11 @@ class HitMemo:
 
     def __init__(self, limit: int = 4096) -> None:
         self.limit = limit
-        self._entries: dict[tuple[Any, ...], tuple[TuningCache, int, Any]] = {}
+        self._entries: dict[tuple[Any, ...], tuple[TuningCache, int, Any, RunnerStates]] = {}
 
     def get(self, key: tuple[Any, ...] | None, cache: TuningCache) -> Any:
-        """The memoised pick of ``key`` in ``cache`` at its current version, or ``None``."""
+        """The memoised pick of ``key`` in ``cache`` at its current version, or ``None``; also
+        ``None`` when a runner's identity changed since (:class:`RunnerStates`)."""
         if key is None:
             return None
         try:
@@ -115,6 +171,8 @@ class HitMemo:
         except TypeError:  # an unhashable config: look up the slow way
             return None
         if entry is None or entry[0] is not cache or entry[1] != cache.version:
+            return None
+        if not entry[3].current():
             return None
         return entry[2]
 
@@ -130,7 +188,11 @@ class HitMemo:
         if len(self._entries) >= self.limit:
             self._entries.clear()
         try:
-            self._entries[key] = (cache, version, found)
+            states = RunnerStates(key[2].runners)  # memo_key's runners
+        except Exception:  # noqa: BLE001 - an attribute deepcopy cannot copy: no memo
+            return
+        try:
+            self._entries[key] = (cache, version, found, states)
         except TypeError:  # unhashable: nothing to remember
             pass
 
@@ -156,6 +218,7 @@ class ResolvedCall:
             self.mode,
             self.sources,
             self.kwargs_text,
+            self.device.type,
         )
 
     def live_key(self) -> CacheKey | None:
@@ -166,9 +229,9 @@ class ResolvedCall:
 
 def distinct_profiles(calls: Iterable[ResolvedCall]) -> Iterator[ResolvedCall]:
     """The calls whose profiles have keys no earlier call's profiles have: of calls with one
-    op, runners, mode, runner sources, keyword arguments, tuning config and input shapes and
-    dtypes (a repeated layer's call), the first only. A call whose config cannot be hashed is
-    always kept."""
+    op, runners, mode, runner sources, keyword arguments, device type, tuning config and input
+    shapes and dtypes (a repeated layer's call), the first only. A call whose config cannot be
+    hashed is always kept."""
     seen: set[tuple[Any, ...]] = set()
     for resolved in calls:
         shapes = tuple(
@@ -176,7 +239,14 @@ def distinct_profiles(calls: Iterable[ResolvedCall]) -> Iterator[ResolvedCall]:
             for x in resolved.call.inputs
         )
         call = resolved.call
-        signature = (call.op, resolved.ids, resolved.mode, resolved.sources, resolved.kwargs_text)
+        signature = (
+            call.op,
+            resolved.ids,
+            resolved.mode,
+            resolved.sources,
+            resolved.kwargs_text,
+            resolved.device.type,
+        )
         try:
             key = (*signature, call.config, shapes)
             if key in seen:

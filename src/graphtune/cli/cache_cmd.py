@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ COLUMNS = (
     "runner",
     "shapes",
     "dtypes",
+    "device",
     "mode",
     "tactic",
     "time (us)",
@@ -48,7 +50,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "clear",
         help="delete a cache file (waits for a save in progress)",
         description="Deletes a tuning cache file under its lock, so a save in progress finishes "
-        "first; the lock file stays. Exit 1 when there is no cache file.",
+        "first; the lock file stays. A symbolic link's target is deleted (the file saves "
+        "through the link write) and the link stays. Exit 1 when there is no cache file.",
     )
     clear.add_argument("path", metavar="PATH", type=Path, help="tuning cache file (JSON)")
     clear.set_defaults(handler=clear_command)
@@ -73,7 +76,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "instead (as a save keeps its own: merge a failed save's fallback file so). Blocklists "
         "are unioned (A's reason wins). "
         "C is written atomically under its lock file; it may be A or B. An existing C that is "
-        "not a tuning cache is refused.",
+        "neither is merged into, as a save does: its entries and blocked tactics whose keys A "
+        "and B lack are kept (`graphtune cache clear C` first to replace it). An existing C "
+        "that is not a tuning cache is refused.",
     )
     merge.add_argument("a", metavar="A", type=Path, help="first cache file (wins ties)")
     merge.add_argument("b", metavar="B", type=Path, help="second cache file")
@@ -160,6 +165,7 @@ def show_command(args: argparse.Namespace) -> int:
                 short_runner_name(entry.runner_id),
                 _shapes(key.shapes),
                 ", ".join(key.dtypes),
+                key.device,
                 key.timing,
                 tactic_text(entry.tactic),
                 entry.time_us,
@@ -171,6 +177,11 @@ def show_command(args: argparse.Namespace) -> int:
         print(render_table(f"{len(rows)} entries", COLUMNS, rows, width=200))
     else:
         print("No entries.")
+    if doc["ignored"]:
+        print(
+            f"{len(doc['ignored'])} entries no look-up can use are not shown (`graphtune cache "
+            f"verify {path}` lists why), e.g. {doc['ignored'][0]}"
+        )
     blocked = [
         (short_runner_name(b.runner_id), tactic_text(b.tactic), b.op, b.reason)
         for b in doc["blocklist"].values()
@@ -227,7 +238,9 @@ def merge_command(args: argparse.Namespace) -> int:
     print(
         f"Wrote {args.output}: {report.entries} entries ({report.only_a} only in A, "
         f"{report.only_b} only in B, {report.conflicts_kept_a} conflicts kept A, "
-        f"{report.conflicts_kept_b} kept B), {report.blocked} blocked tactics"
+        f"{report.conflicts_kept_b} kept B"
+        + (f", {report.kept_output} kept from {args.output}" if report.kept_output else "")
+        + f"), {report.blocked} blocked tactics"
         + (f"; {len(report.ignored)} unusable entries left out." if report.ignored else ".")
     )
     return 0
@@ -288,25 +301,38 @@ def _blocked_runner(path: Path, name: str) -> str:
 
 def clear_command(args: argparse.Namespace) -> int:
     """Removes the cache file under its lock (the lock file stays: a process waiting on it, or
-    holding it mid-save, must keep locking the same file); 1 if the file does not exist."""
+    holding it mid-save, must keep locking the same file); 1 if the file does not exist.
+
+    A path that is a symbolic link names the file saves write through it: that file (the one
+    locked and checked) is removed, and the link stays, as a save keeps it."""
     from graphtune.autotuner import cache_reader, save_target
 
     path: Path = args.path
     if not path.exists():
         raise CacheFileError(f"no tuning cache at {path}; nothing removed")
     # Under the lock, so a save in progress finishes first and the next one starts from nothing.
-    with save_target.locked(path):
-        if not path.exists():
+    with save_target.locked(path) as target:
+        if not target.exists():
             raise CacheFileError(f"no tuning cache at {path}; nothing removed")
-        reason = cache_reader.not_a_cache_file(path)
+        reason = cache_reader.not_a_cache_file(target)
         if reason is not None:
             raise CacheFileError(
-                f"{path} is not a graphtune tuning cache (it {reason}); nothing removed. Remove "
-                "it with rm if that is what you meant"
+                f"{_named(path, target)} is not a graphtune tuning cache (it {reason}); nothing "
+                "removed. Remove it with rm if that is what you meant"
             )
         try:
-            path.unlink()
+            target.unlink()
         except OSError as exc:
-            raise CacheFileError(f"could not remove {path}: {exc.strerror or exc}") from None
-    print(f"Removed tuning cache {path}.")
+            raise CacheFileError(
+                f"could not remove {_named(path, target)}: {exc.strerror or exc}"
+            ) from None
+    link = f"; the link {path} stays" if path.is_symlink() else ""
+    print(f"Removed tuning cache {_named(path, target)}{link}.")
     return 0
+
+
+def _named(path: Path, target: Path) -> str:
+    """``path``, or ``target`` and what names it when ``path`` goes through a link."""
+    if target == Path(os.path.abspath(path)):
+        return str(path)
+    return f"{target} (what {path} resolves to)"

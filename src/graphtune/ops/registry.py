@@ -177,12 +177,14 @@ def _missed_key_problem(record: CallRecord, cache: Any) -> str | None:
     ]
     fields = [
         f
-        for f in ("runners", "timing", "sources", "kwargs")
+        for f in ("runners", "timing", "device", "sources", "kwargs")
         if near and all(getattr(k, f) != getattr(missed, f) for k in near)
     ]
     hint = {
         "timing": f"the serving process times with {missed.timing!r}: pass --timing "
         f"{missed.timing}",
+        "device": f"the serving process ran it on {missed.device or 'an unrecorded device'}: "
+        "pass that --device",
         "sources": "the runners' source files changed since the misses were recorded: record "
         "them again",
     }

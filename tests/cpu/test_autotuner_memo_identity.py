@@ -1,0 +1,85 @@
+"""The hit memo checks the runners' identity on each hit: a public attribute changed in place
+(``r.block = 32``) makes the runner another one for the cache, so its old pick is not served."""
+
+from __future__ import annotations
+
+import torch
+from fake_timers import EveryCandidateEqual
+
+from graphtune.autotuner import AutoTuner, TuningConfig
+from graphtune.autotuner.runner import FALLBACK_TACTIC, TunableRunner
+
+
+class Blocked(TunableRunner):
+    """Its only tactic is its block size."""
+
+    def __init__(self, block: int = 16, sizes: list[int] | None = None) -> None:
+        self.block = block
+        self.sizes = sizes or []
+        self._scratch = torch.zeros(1)  # private: not identity, and it may change freely
+
+    def get_valid_tactics(self, inputs, profile):
+        return [self.block]
+
+    def forward(self, inputs, tactic=FALLBACK_TACTIC):
+        return inputs[0]
+
+
+class Explicit(Blocked):
+    """States its identity itself."""
+
+    def cache_key_extras(self):
+        return ({"b": self.block},)
+
+
+def _tuned(*runners):
+    tuner = AutoTuner(EveryCandidateEqual())
+    x = torch.ones(4, 4)
+    tuner.tuning_mode = True
+    for runner in runners:
+        tuner.choose_one("op", [runner], TuningConfig(), [x])
+    tuner.tuning_mode = False
+    return tuner, x
+
+
+def _pick(tuner, runner, x):
+    return tuner.choose_one("op", [runner], TuningConfig(), [x])[1]
+
+
+def test_changing_a_public_attribute_in_place_is_not_served_the_old_pick() -> None:
+    tuner, x = _tuned(Blocked(16), Blocked(64))
+    runner = Blocked(16)
+    assert _pick(tuner, runner, x) == 16
+    assert _pick(tuner, runner, x) == 16  # memoised
+    runner.block = 32  # never tuned: a miss
+    assert _pick(tuner, runner, x) == FALLBACK_TACTIC
+    runner.block = 64  # tuned: its own pick
+    assert _pick(tuner, runner, x) == 64
+    assert _pick(tuner, runner, x) == 64
+
+
+def test_a_nested_change_an_added_attribute_and_explicit_extras_are_seen() -> None:
+    tuner, x = _tuned(Blocked(16), Explicit(16))
+    runner = Blocked(16)
+    assert _pick(tuner, runner, x) == 16
+    runner.sizes.append(8)  # the list is part of the identity
+    assert _pick(tuner, runner, x) == FALLBACK_TACTIC
+    other = Blocked(16)
+    assert _pick(tuner, other, x) == 16
+    other.extra = 1
+    assert _pick(tuner, other, x) == FALLBACK_TACTIC
+    explicit = Explicit(16)
+    assert _pick(tuner, explicit, x) == 16
+    explicit.block = 32
+    assert _pick(tuner, explicit, x) == FALLBACK_TACTIC
+
+
+def test_private_attributes_do_not_stop_the_memo() -> None:
+    tuner, x = _tuned(Blocked(16))
+    runner = Blocked(16)
+    assert _pick(tuner, runner, x) == 16
+    hits = tuner.stats.hits
+    for _ in range(3):
+        runner._scratch = torch.ones(1)  # private state, e.g. a buffer replaced per call
+        assert _pick(tuner, runner, x) == 16
+    assert tuner.stats.hits == hits + 3

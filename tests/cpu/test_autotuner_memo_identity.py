@@ -83,3 +83,32 @@ def test_private_attributes_do_not_stop_the_memo() -> None:
         runner._scratch = torch.ones(1)  # private state, e.g. a buffer replaced per call
         assert _pick(tuner, runner, x) == 16
     assert tuner.stats.hits == hits + 3
+
+
+class Slotted(TunableRunner):
+    """A runner with ``__slots__``: a slot set later adds an identity attribute, no ``__dict__``."""
+
+    __slots__ = ("block", "mode")
+
+    def __init__(self, block: int = 16) -> None:
+        self.block = block
+
+    def get_valid_tactics(self, inputs, profile):
+        return [self.block]
+
+    def forward(self, inputs, tactic=FALLBACK_TACTIC):
+        return inputs[0]
+
+
+def test_a_nested_type_change_and_a_slot_set_later_are_seen() -> None:
+    tuner, x = _tuned(Blocked(16, [1]), Slotted(16))
+    runner = Blocked(16, [1])
+    assert _pick(tuner, runner, x) == 16
+    assert _pick(tuner, runner, x) == 16  # memoised
+    runner.sizes[0] = 1.0  # equal to 1 in Python, another identity text
+    assert _pick(tuner, runner, x) == FALLBACK_TACTIC
+    slotted = Slotted(16)
+    assert _pick(tuner, slotted, x) == 16
+    assert _pick(tuner, slotted, x) == 16
+    slotted.mode = "fast"
+    assert _pick(tuner, slotted, x) == FALLBACK_TACTIC

@@ -10,6 +10,7 @@ key building.
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -69,8 +70,8 @@ class RunnerStates:
     must not return.
 
     Of a runner with the default ``cache_key_extras`` it keeps a copy of each identity attribute
-    (public, not in ``identity_excludes``) and the number of its instance attributes (one added
-    or removed changes the identity too); of a runner that overrides ``cache_key_extras``, a copy
+    (public, not in ``identity_excludes``) and its layout (one attribute added or removed changes
+    the identity too: :func:`_layout`); of a runner that overrides ``cache_key_extras``, a copy
     of what that returned. Comparing those is much cheaper than building ``runner_id`` again. An
     attribute's value changed inside it (``r.sizes.append(8)``) is seen too, since the copy is
     deep.
@@ -84,31 +85,65 @@ class RunnerStates:
     def current(self) -> bool:
         """Whether every runner still has the identity it had when this was made."""
         try:
-            for runner, count, items in self.states:
+            for runner, layout, items in self.states:
                 if items is None:  # an overridden cache_key_extras: what it returned then
-                    if runner.cache_key_extras() != count:
+                    if not same_value(runner.cache_key_extras(), layout):
                         return False
                     continue
-                if len(getattr(runner, "__dict__", ())) != count:
+                if _layout(runner) != layout:
                     return False
                 for name, value in items:
-                    now = getattr(runner, name, _GONE)
-                    if now is not value and (type(now) is not type(value) or now != value):
+                    if not same_value(getattr(runner, name, _GONE), value):
                         return False
         except Exception:  # noqa: BLE001 - a value that cannot be compared: look it up again
             return False
         return True
 
 
+def same_value(now: Any, then: Any) -> bool:
+    """Whether ``now`` equals ``then`` with the same types all the way down (``1``, ``1.0`` and
+    ``True`` differ inside lists, tuples and dicts too, as in a runner's identity text). Dicts
+    compare in order and sets by their items' type and text: a reordered one reads as changed,
+    which only costs a cache look-up."""
+    if now is then:
+        return True
+    if type(now) is not type(then):
+        return False
+    if isinstance(now, (list, tuple)):
+        return len(now) == len(then) and all(map(same_value, now, then))
+    if isinstance(now, dict):
+        return same_value(list(now.items()), list(then.items()))
+    if isinstance(now, (set, frozenset)):
+        return sorted((type(x).__name__, repr(x)) for x in now) == sorted(
+            (type(x).__name__, repr(x)) for x in then
+        )
+    return bool(now == then)
+
+
+@functools.cache
+def _has_slots(cls: type) -> bool:
+    return any("__slots__" in c.__dict__ for c in cls.__mro__ if c is not object)
+
+
+def _layout(runner: TunableRunner) -> Any:
+    """What changes when an attribute is added or removed: the instance dict's size, and for a
+    class with ``__slots__`` also the names of its identity attributes that are set (a slot
+    assigned later adds one without touching ``__dict__``)."""
+    count = len(getattr(runner, "__dict__", ()))
+    if not _has_slots(type(runner)):
+        return count
+    return count, tuple(identity_attributes(runner))
+
+
 def _state(runner: TunableRunner) -> tuple[TunableRunner, Any, Any]:
-    """``(runner, attribute count, ((name, copy of value), ...))``, or ``(runner, copy of
+    """``(runner, its layout, ((name, copy of value), ...))``, or ``(runner, copy of
     cache_key_extras(), None)`` for a runner that overrides it; see :class:`RunnerStates`."""
     if type(runner).cache_key_extras is not TunableRunner.cache_key_extras:
         return runner, copy.deepcopy(runner.cache_key_extras()), None
     items = tuple(
         (name, copy.deepcopy(getattr(runner, name))) for name in identity_attributes(runner)
     )
-    return runner, len(getattr(runner, "__dict__", ())), items
+    return runner, _layout(runner), items
 
 
 def memo_key(

@@ -10,7 +10,6 @@ key building.
 from __future__ import annotations
 
 import copy
-import functools
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -120,9 +119,14 @@ def same_value(now: Any, then: Any) -> bool:
     return bool(now == then)
 
 
-@functools.cache
+_HAS_SLOTS: dict[type, bool] = {}
+
+
 def _has_slots(cls: type) -> bool:
-    return any("__slots__" in c.__dict__ for c in cls.__mro__ if c is not object)
+    found = _HAS_SLOTS.get(cls)
+    if found is None:
+        found = _HAS_SLOTS[cls] = any("__slots__" in c.__dict__ for c in cls.__mro__[:-1])
+    return found
 
 
 def _layout(runner: TunableRunner) -> Any:

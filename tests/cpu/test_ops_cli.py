@@ -134,6 +134,27 @@ def test_tune_from_misses_does_not_call_skipped_records_cached(tmp_path, capsys)
     assert "no pick was tuned: all 1 recorded calls were skipped" in out
 
 
+def test_tune_from_misses_reads_records_saved_before_keys_named_the_device(tmp_path, capsys):
+    import torch
+
+    from graphtune.autotuner import AutoTuner, autotune
+    from graphtune.ops import silu_and_mul
+
+    misses, cache = tmp_path / "misses.json", tmp_path / "c.json"
+    serving = AutoTuner(show_progress=False)
+    with autotune(None, serving, tune=False, misses_path=misses):
+        silu_and_mul(torch.randn(3, 16), tuner=serving, max_m=4)
+    data = json.loads(misses.read_text())
+    for record in data["misses"]:
+        del record["key"]["device"]  # as a misses file written before session 54
+    misses.write_text(json.dumps(data))
+    args = ["tune", "--from-misses", str(misses), "--cache", str(cache), "--timing", "wallclock"]
+    assert main(args) == 0
+    assert "1 of 1 recorded calls tuned" in capsys.readouterr().out
+    (entry,) = json.loads(cache.read_text())["entries"]
+    assert entry["key"]["device"] == "cpu"
+
+
 # In a fresh process without the TRITON_INTERPRET other test modules set: interpreted Triton
 # tactics would be candidates (and take minutes to time) on the CPU.
 _ENV = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -172,13 +172,18 @@ def _missed_key_problem(record: CallRecord, cache: Any) -> str | None:
         return None  # a record without a readable key: what was tuned is all there is to check
     if missed in cache:
         return None
+    # A record saved before keys named the device has none: the serving process, once updated,
+    # looks the call up under the device this process tuned it on, so any device matches.
+    compared = ("runners", "timing", "device", "sources", "kwargs")
+    if not missed.device:
+        if any(replace(missed, device=k.device) == k for k in cache):
+            return None
+        compared = tuple(f for f in compared if f != "device")
     near = [
         k for k in cache if (k.op, k.shapes, k.dtypes) == (missed.op, missed.shapes, missed.dtypes)
     ]
     fields = [
-        f
-        for f in ("runners", "timing", "device", "sources", "kwargs")
-        if near and all(getattr(k, f) != getattr(missed, f) for k in near)
+        f for f in compared if near and all(getattr(k, f) != getattr(missed, f) for k in near)
     ]
     hint = {
         "timing": f"the serving process times with {missed.timing!r}: pass --timing "

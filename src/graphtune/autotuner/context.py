@@ -147,7 +147,7 @@ def autotune(
             _save_misses_quietly(tuner, misses)
     if _leave(tuner, block):
         tuner.close()  # not before: another open block may be tuning through the worker
-    rows = tuner.summary_rows()[first_row:]
+    rows = tuner.summary_table_rows(first_row)
     if rows:
         logger.info("%s", render_table("graphtune autotuning picks", SUMMARY_COLUMNS, rows))
     if path is not None and tuning and tuner.cache.unsaved(path):

@@ -136,6 +136,8 @@ class AutoTuner:
         self._warned_ops: set[str] = set()
         self._failures = FailureLog(self.stats)
         self._summary: list[tuple[Any, ...]] = []
+        # Indexes of the summary rows whose fallback time is one sample (it left the race).
+        self._one_sample_rows: set[int] = set()
         self._executors = TuningExecutors()  # timers and the tactic worker, kept across runs
         # record_calls() state, per thread: another thread's calls are neither recorded nor
         # dry-run, and overlapping blocks in two threads each restore their own thread's state.
@@ -344,14 +346,24 @@ class AutoTuner:
         self._executors.close()
 
     def summary_rows(self) -> list[tuple[Any, ...]]:
-        """One row per tuned profile: op, bucket, winner, time, fallback time, speed-up. The
-        times are medians, but a fallback that left the race after one sample shows as text,
-        ``"6561.0 (1 sample)"``."""
+        """One row per tuned profile: op, bucket, winner, time, fallback time, speed-up, in µs.
+        The times are medians, except a fallback time that is one sample because the fallback
+        left the race; :meth:`summary_table_rows` marks those."""
         return list(self._summary)
+
+    def summary_table_rows(self, start: int = 0) -> list[tuple[Any, ...]]:
+        """:meth:`summary_rows` from ``start`` for a table: a fallback time that is one sample
+        reads ``"6561.0 (1 sample)"`` beside the winner's median."""
+        return [
+            (*row[:4], f"{format_cell(row[4])} (1 sample)", *row[5:])
+            if index in self._one_sample_rows
+            else row
+            for index, row in enumerate(self._summary[start:], start)
+        ]
 
     def summary_table(self, title: str | None = "graphtune autotuning picks") -> str:
         """The picks of this tuner's tuning runs as a text table (empty string if none)."""
-        rows = self.summary_rows()
+        rows = self.summary_table_rows()
         return render_table(title, SUMMARY_COLUMNS, rows) if rows else ""
 
     # -- look-up --------------------------------------------------------------------------------
@@ -457,7 +469,9 @@ class AutoTuner:
         if tuned:
             # One line per op at INFO; autotune() logs the table of all picks when it exits.
             logger.info("tuned %s: %d buckets in %.2f s", op, tuned, self._clock() - start)
-            table = render_table(f"autotuned {op}", SUMMARY_COLUMNS, self._summary[first_row:])
+            table = render_table(
+                f"autotuned {op}", SUMMARY_COLUMNS, self.summary_table_rows(first_row)
+            )
             logger.debug("%s", table)
 
     def _store(self, op: str, outcome: ProfileOutcome, coord: OpCoordinator) -> None:
@@ -470,10 +484,9 @@ class AutoTuner:
             entry = replace(entry, tuned_by=coord.provenance)
         self.cache.put(outcome.key, entry)
         winner = f"{short_runner_name(entry.runner_id)} tactic={tactic_text(entry.tactic)}"
-        fallback: float | str | None = entry.fallback_us
-        if fallback is not None and _one_sample_fallback(outcome.record):
-            fallback = f"{format_cell(fallback)} (1 sample)"  # not a median like the winner's
-        row = (op, outcome.profile.describe(), winner, entry.time_us, fallback)
+        if entry.fallback_us is not None and _one_sample_fallback(outcome.record):
+            self._one_sample_rows.add(len(self._summary))  # not a median like the winner's
+        row = (op, outcome.profile.describe(), winner, entry.time_us, entry.fallback_us)
         self._summary.append((*row, entry.speedup))
 
 

@@ -78,7 +78,8 @@ def test_tune_rejects_unknown_model_and_bad_sizes(tmp_path, capsys):
         assert capsys.readouterr().err.startswith(f"error: argument {flag}")
 
 
-def test_tune_from_misses_runs_through_the_tune_command(tmp_path, capsys):
+def _recorded_misses(tmp_path):
+    """A serving process's misses file (one SiLU-and-mul call of 3 rows) and a cache path."""
     import torch
 
     from graphtune.autotuner import AutoTuner, autotune
@@ -88,6 +89,11 @@ def test_tune_from_misses_runs_through_the_tune_command(tmp_path, capsys):
     serving = AutoTuner(show_progress=False)
     with autotune(None, serving, tune=False, misses_path=misses):
         silu_and_mul(torch.randn(3, 16), tuner=serving, max_m=4)
+    return misses, cache
+
+
+def test_tune_from_misses_runs_through_the_tune_command(tmp_path, capsys):
+    misses, cache = _recorded_misses(tmp_path)
     args = ["tune", "--from-misses", str(misses), "--cache", str(cache), "--timing", "wallclock"]
     assert main(args) == 0  # no --model needed
     assert "1 of 1 recorded calls tuned" in capsys.readouterr().out
@@ -115,15 +121,7 @@ def test_tune_from_misses_runs_through_the_tune_command(tmp_path, capsys):
 
 
 def test_tune_from_misses_does_not_call_skipped_records_cached(tmp_path, capsys):
-    import torch
-
-    from graphtune.autotuner import AutoTuner, autotune
-    from graphtune.ops import silu_and_mul
-
-    misses, cache = tmp_path / "misses.json", tmp_path / "c.json"
-    serving = AutoTuner(show_progress=False)
-    with autotune(None, serving, tune=False, misses_path=misses):
-        silu_and_mul(torch.randn(3, 16), tuner=serving, max_m=4)
+    misses, cache = _recorded_misses(tmp_path)
     data = json.loads(misses.read_text())
     data["misses"][0]["op"] = "no.such.op"
     misses.write_text(json.dumps(data))
@@ -135,15 +133,7 @@ def test_tune_from_misses_does_not_call_skipped_records_cached(tmp_path, capsys)
 
 
 def test_tune_from_misses_reads_records_saved_before_keys_named_the_device(tmp_path, capsys):
-    import torch
-
-    from graphtune.autotuner import AutoTuner, autotune
-    from graphtune.ops import silu_and_mul
-
-    misses, cache = tmp_path / "misses.json", tmp_path / "c.json"
-    serving = AutoTuner(show_progress=False)
-    with autotune(None, serving, tune=False, misses_path=misses):
-        silu_and_mul(torch.randn(3, 16), tuner=serving, max_m=4)
+    misses, cache = _recorded_misses(tmp_path)
     data = json.loads(misses.read_text())
     for record in data["misses"]:
         del record["key"]["device"]  # as a misses file written before session 54

@@ -39,8 +39,18 @@ def test_attention_break_step_is_the_engine_step_in_pieces():
     assert int(tokens.max()) < step.model.config.vocab_size
 
 
-def test_prefill_bench_runs_end_to_end_with_a_fake_clock():
+def _run_prefill(cfg):
+    """``run_prefill_bench`` on the simulated graph backend, each clock read 1 ms after the last."""
     ticks = itertools.count()
+    return run_prefill_bench(
+        cfg,
+        log=lambda line: None,
+        clock=lambda: next(ticks) * 1e-3,
+        graph_backend=SimulatedGraphBackend(),
+    )
+
+
+def test_prefill_bench_runs_end_to_end_with_a_fake_clock():
     cfg = PrefillBenchConfig(
         model="tiny",
         prompt_lengths=(4, 16),
@@ -50,12 +60,7 @@ def test_prefill_bench_runs_end_to_end_with_a_fake_clock():
         check_tokens=3,
         device="cpu",
     )
-    report = run_prefill_bench(
-        cfg,
-        log=lambda line: None,
-        clock=lambda: next(ticks) * 1e-3,
-        graph_backend=SimulatedGraphBackend(),
-    )
+    report = _run_prefill(cfg)
     results = report["results"]
     assert [(r["batch_size"], r["prompt_len"]) for r in results] == [
         (1, 4),
@@ -79,7 +84,6 @@ def test_prefill_bench_fails_on_first_tokens_that_differ(monkeypatch, check_toke
 
     # Per-request prefill picks other first tokens than graph prefill.
     monkeypatch.setattr(prefill_bench, "_per_request", lambda engine, prompts: [-1] * len(prompts))
-    ticks = itertools.count()
     cfg = PrefillBenchConfig(
         model="tiny",
         prompt_lengths=(4,),  # no TTFT target: only the token checks decide
@@ -89,12 +93,7 @@ def test_prefill_bench_fails_on_first_tokens_that_differ(monkeypatch, check_toke
         check_tokens=check_tokens,
         device="cpu",
     )
-    report = run_prefill_bench(
-        cfg,
-        log=lambda line: None,
-        clock=lambda: next(ticks) * 1e-3,
-        graph_backend=SimulatedGraphBackend(),
-    )
+    report = _run_prefill(cfg)
     (result,) = report["results"]
     assert result["first_token_mismatches"] == 2 and result["passed"] is None
     assert report["pass"] is False

@@ -254,6 +254,22 @@ def test_sampling_params_refuse_values_that_would_sample_garbage(field, value):
         SamplingParams(**{field: value})
 
 
+def test_sampling_params_take_numpy_scalars_as_python_numbers():
+    np = pytest.importorskip("numpy")
+    params = SamplingParams(
+        temperature=np.float32(0.5), top_k=np.int64(4), top_p=np.float64(0.9), seed=np.uint32(3)
+    )
+    assert params == SamplingParams(temperature=0.5, top_k=4, top_p=0.9, seed=3)
+    assert [type(v) for v in (params.temperature, params.top_k, params.top_p, params.seed)] == [
+        float,
+        int,
+        float,
+        int,
+    ]
+    with pytest.raises(ConfigError, match="seed"):
+        SamplingParams(seed=np.int64(-1))
+
+
 @pytest.mark.parametrize(
     "kwargs, fields",
     [

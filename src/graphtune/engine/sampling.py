@@ -9,6 +9,7 @@ on some versions) nor data-dependent shapes.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +53,13 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        # NumPy and other registered scalars (np.int64 seeds, np.float32 temperatures) are
+        # stored as Python numbers, so the params print, compare and serialise as plain values.
+        for name, kind in (("temperature", float), ("top_k", int), ("top_p", float), ("seed", int)):
+            value = getattr(self, name)
+            abc = numbers.Integral if kind is int else numbers.Real
+            if isinstance(value, abc) and not isinstance(value, bool) and type(value) is not kind:
+                object.__setattr__(self, name, kind(value))
         if not _is_real(self.temperature) or not 0.0 <= self.temperature < math.inf:
             raise ConfigError(
                 f"temperature must be a finite number >= 0 (0: greedy), got {self.temperature!r}"

@@ -3,9 +3,11 @@
 The cache and the cos/sin tables are sized by the engine's ``max_seq_len`` and slot count, which
 say nothing about the kernel's speed (it touches ``B * kv_heads`` rows). So the tuning config
 pins their row counts to canonical sizes (:data:`TABLE_ROWS`, :data:`CACHE_ROWS`): a tuned pick
-is reused for any cache size, and ``graphtune tune`` can tune ahead of the engine. Synthetic
-positions and write rows are made valid for those sizes (:func:`canonical_rope_indices`, which
-``graphtune.ops.fused.qkv`` uses too).
+is reused for any cache size, and ``graphtune tune`` can tune ahead of the engine. A bucket that
+writes more than :data:`CACHE_ROWS` rows (``B * kv_heads``) gets a cache of as many rows
+(:func:`canonical_cache_rows`), since each write row must be a distinct cache row; every other
+bucket keeps :data:`CACHE_ROWS`. Synthetic positions and write rows are made valid for those sizes
+(:func:`canonical_rope_indices`); ``graphtune.ops.fused.qkv`` uses both.
 """
 
 from __future__ import annotations
@@ -16,9 +18,17 @@ from typing import Any
 import torch
 
 from graphtune.autotuner.config import ConstraintSpec, DynamicTensorSpec, TuningConfig
+from graphtune.errors import InputError
 
 TABLE_ROWS = 4096
 CACHE_ROWS = 65536
+
+
+def canonical_cache_rows(write_rows: int) -> int:
+    """Rows of the synthetic caches of a bucket that writes ``write_rows`` rows (``B *
+    kv_heads``): :data:`CACHE_ROWS`, or ``write_rows`` when that is more (the rows written must
+    be distinct rows of the cache)."""
+    return max(CACHE_ROWS, write_rows)
 
 
 def canonical_rope_indices(
@@ -28,7 +38,16 @@ def canonical_rope_indices(
 
     Positions index the cos/sin tables; write rows must be distinct rows of the cache (two
     programs writing one row would race, which no real step does).
+
+    Raises:
+        InputError: There are more write rows than cache rows (size the cache with
+            :func:`canonical_cache_rows`).
     """
+    if write_rows.numel() > cache_rows:
+        raise InputError(
+            f"rope_kv_cache: {write_rows.numel()} write rows need as many distinct cache rows, "
+            f"but the synthetic cache has {cache_rows}; size it with canonical_cache_rows."
+        )
     device = positions.device
     gen = torch.Generator(device=device)
     gen.manual_seed(1234)
@@ -49,7 +68,8 @@ def _canonical_inputs(inputs: list[Any]) -> list[Any]:
 @functools.lru_cache(maxsize=16)
 def rope_config(num_kv_heads: int, max_m: int | None = None) -> TuningConfig:
     """Tuning config: tokens (qkv rows) bucketed; positions and write rows follow them; table
-    and cache rows pinned to :data:`TABLE_ROWS` and :data:`CACHE_ROWS` (see the module doc)."""
+    and cache rows pinned to :data:`TABLE_ROWS` and :func:`canonical_cache_rows` (see the module
+    doc)."""
 
     def batch(shapes: Any) -> int:
         return int(shapes[0][0])
@@ -61,7 +81,7 @@ def rope_config(num_kv_heads: int, max_m: int | None = None) -> TuningConfig:
         return TABLE_ROWS
 
     def cache(shapes: Any) -> int:
-        return CACHE_ROWS
+        return canonical_cache_rows(rows(shapes))
 
     return TuningConfig(
         dynamic_specs=(DynamicTensorSpec(0, 0),),

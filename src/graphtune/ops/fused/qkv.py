@@ -22,9 +22,10 @@ without any norm (no per-program pass over ``x`` in either). The tuner decides p
 buckets above 16 rows get no fused tactics.
 
 Tuning keys: as for ``rope_kv_cache``, the tables and caches are pinned to
-``graphtune.ops.rope_config.TABLE_ROWS`` / ``CACHE_ROWS`` rows, so a pick holds for any cache
-size. A step's :class:`~graphtune.ops.rotary.RopeRows` (``rows=``) reaches the unfused path's
-``rope_kv_cache`` as a twelfth input, outside the key, as ``rope_kv_cache`` takes it.
+``graphtune.ops.rope_config.TABLE_ROWS`` / ``CACHE_ROWS`` rows (more cache rows only where a
+bucket writes more: ``canonical_cache_rows``), so a pick holds for any cache size. A step's
+:class:`~graphtune.ops.rotary.RopeRows` (``rows=``) reaches the unfused path's ``rope_kv_cache``
+as a twelfth input, outside the key, as ``rope_kv_cache`` takes it.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ from graphtune.ops.fused_gemv.family import (
 from graphtune.ops.gemm import gemm
 from graphtune.ops.registry import register_op, runner_extras
 from graphtune.ops.rmsnorm import check_eps, fused_add_rms_norm
-from graphtune.ops.rope_config import CACHE_ROWS, TABLE_ROWS, canonical_rope_indices
+from graphtune.ops.rope_config import TABLE_ROWS, canonical_cache_rows, canonical_rope_indices
 from graphtune.ops.rotary import RopeRows, rope_kv_cache
 
 OP_NAME = "graphtune.norm_qkv_rope"
@@ -316,7 +317,7 @@ def norm_qkv_rope_config(
         return TABLE_ROWS
 
     def cache(shapes: Any) -> int:
-        return CACHE_ROWS
+        return canonical_cache_rows(rows(shapes))
 
     return TuningConfig(
         dynamic_specs=(DynamicTensorSpec(_X, 0),),

@@ -154,8 +154,8 @@ def test_bench_refuses_outputs_that_would_be_lost_before_running(tmp_path, capsy
     assert list(tmp_path.iterdir()) == []
 
 
-def test_bench_reports_each_late_write_failure_once_with_where_its_data_went(
-    tmp_path, capsys, caplog, monkeypatch
+def test_bench_reports_each_late_write_failure_with_where_its_data_went(
+    tmp_path, capsys, monkeypatch
 ):
     pytest.importorskip("matplotlib")
     # The output folder fills up after the start-up checks (check_output_path) passed.
@@ -168,15 +168,14 @@ def test_bench_reports_each_late_write_failure_once_with_where_its_data_went(
     kept_json, kept_plot = sorted(spare.glob("*x.json")), sorted(spare.glob("*y.png"))
     assert len(kept_json) == len(kept_plot) == 1 and not list(out.iterdir())
     assert json.loads(kept_json[0].read_text())["results"][0]["eager_ms"] > 0
-    # One error line per file, each naming its flag, the reason and where the data is.
+    # One error line per file, each naming its flag and where its data is.
     assert len(errors) == 2, err
     for line, flag, path, kept in zip(
         errors, ("--json", "--plot"), (json_path, plot_path), (kept_json, kept_plot), strict=True
     ):
-        assert line.startswith(f"error: {flag} {path} could not be written (OSError"), line
-        assert f"the data is in {kept[0]} instead" in line
-    # ... and no warning telling the same failures again.
-    assert not [r for r in caplog.records if r.name == "graphtune.bench.results"]
+        assert (
+            line == f"error: {flag} {path} could not be written; the data is in {kept[0]} instead"
+        )
 
 
 @pytest.mark.parametrize("value", ["-1", "nan", "inf"])

@@ -5,10 +5,6 @@ the target and renames it over the target (``os.replace``), so a reader sees the
 new one, never half of one. When the target cannot be written (a read-only folder, a full disk)
 the data goes to a file in the system's temporary folder instead: the returned path says where,
 and a warning names both; only when that fails too is an error raised, naming both places.
-
-A caller that reports such a late failure itself (the CLI prints one ``error:`` line per file)
-writes inside :func:`fallbacks_reported_by_caller`: the warning is then left out, and the
-block's list gets a :class:`Fallback` with the reason, so the failure is told once, not twice.
 """
 
 from __future__ import annotations
@@ -17,10 +13,6 @@ import json
 import logging
 import math
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,36 +22,6 @@ from graphtune.bench.schema import CHECK_FIELDS, is_provenance
 from graphtune.errors import ResultsWriteError
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Fallback:
-    """A result that could not be written to ``target`` (``reason``) and went to ``written``."""
-
-    target: Path
-    written: Path
-    reason: str
-
-
-#: The list of the innermost open :func:`fallbacks_reported_by_caller` block, else ``None`` (the
-#: writer warns). A context variable, so that a block in one thread quiets no other thread.
-_reported_by_caller: ContextVar[list[Fallback] | None] = ContextVar(
-    "graphtune_fallbacks_reported_by_caller", default=None
-)
-
-
-@contextmanager
-def fallbacks_reported_by_caller() -> Iterator[list[Fallback]]:
-    """Within the block, :func:`write_result` (so :func:`write_json` and
-    :func:`~graphtune.bench.decode_report.plot_report`) logs no warning when a result goes to the
-    temporary folder; it adds a :class:`Fallback` to the yielded list instead, which the caller
-    must report (its return value names the fallback file as always)."""
-    fallbacks: list[Fallback] = []
-    token = _reported_by_caller.set(fallbacks)
-    try:
-        yield fallbacks
-    finally:
-        _reported_by_caller.reset(token)
 
 
 def json_safe(value: Any) -> Any:
@@ -94,8 +56,7 @@ def write_result(path: str | os.PathLike[str], data: bytes) -> Path:
 
     Returns:
         The file holding the data: ``path``, or, when ``path`` could not be written, a file in
-        the temporary folder (a warning names both, or, inside
-        :func:`fallbacks_reported_by_caller`, the block's list gets a :class:`Fallback`).
+        the temporary folder (a warning names both).
 
     Raises:
         ResultsWriteError: Neither ``path`` nor the temporary folder could be written.
@@ -109,12 +70,7 @@ def write_result(path: str | os.PathLike[str], data: bytes) -> Path:
             f"could not write the result to {exc.target} ({exc.first}) nor to {exc.fallback} "
             f"({exc.second}); free some disk space or pass a writable path"
         ) from None
-    if first is None:
-        return written
-    reported = _reported_by_caller.get()
-    if reported is not None:
-        reported.append(Fallback(target, written, first))
-    else:
+    if first is not None:
         logger.warning(
             "could not write %s (%s); the result is in %s instead", target, first, written
         )

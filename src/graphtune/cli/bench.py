@@ -16,7 +16,7 @@ import logging
 import shlex
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from graphtune.cli._args import (
     EXIT_FAILURE,
@@ -38,9 +38,6 @@ from graphtune.cli._parallel import (
     stop_tensor_parallel,
 )
 from graphtune.errors import ConfigError, ResultsWriteError, one_line
-
-if TYPE_CHECKING:  # graphtune.bench is imported when the command runs, so --help stays fast
-    from graphtune.bench.results import Fallback
 
 logger = logging.getLogger(__name__)
 
@@ -312,64 +309,41 @@ def _report_partial(args: argparse.Namespace, report: Any, why: str) -> str:
 
 def _emit(args: argparse.Namespace, report: Any) -> bool:
     """The JSON file and the plot, then the table (stdout, or stderr with ``--json -``);
-    ``False`` when a file went to the temporary folder instead of its path (each such file gets
-    its own ``error:`` line naming where its data is). The files are written first, so a reader
-    of stdout that is gone (``| head -1``: the print raises ``BrokenPipeError``) never loses a
-    finished result."""
+    ``False`` when a file went to the temporary folder instead of its path
+    (:func:`report_written`). The files are written first, so a reader of stdout that is gone
+    (``| head -1``: the print raises ``BrokenPipeError``) never loses a finished result."""
     from graphtune.bench.decode_report import format_report, plot_report
-    from graphtune.bench.results import fallbacks_reported_by_caller, json_safe, write_json
+    from graphtune.bench.results import json_safe, write_json
 
     to_stdout = args.json is not None and str(args.json) == "-"
     data = report.to_json()
     written: Path | None = None
     json_error: ResultsWriteError | None = None
+    if args.json is not None and not to_stdout:
+        try:
+            written = write_json(args.json, data)
+        except ResultsWriteError as exc:
+            json_error = exc  # the results go to stdout below, and the error says so
     plotted: Path | None = None
     plot_error: Exception | None = None
-    # The error lines below tell each late failure; the writer's warning would tell it twice.
-    with fallbacks_reported_by_caller() as fallbacks:
-        if args.json is not None and not to_stdout:
-            try:
-                written = write_json(args.json, data)
-            except ResultsWriteError as exc:
-                json_error = exc  # the results go to stdout below, and the error says so
-        if args.plot is not None:
-            try:
-                plotted = plot_report(report, args.plot)
-            except Exception as exc:  # the table still prints; the error is raised after it
-                plot_error = exc
+    if args.plot is not None:
+        try:
+            plotted = plot_report(report, args.plot)
+        except Exception as exc:  # the table still prints; the error is raised after it
+            plot_error = exc
     table_stream = sys.stderr if to_stdout else sys.stdout
     print(format_report(report), file=table_stream)
     if report.runner_stats:
         print(report.runner_stats, file=table_stream)
     if to_stdout or json_error is not None:
         print(json.dumps(json_safe(data), indent=2, default=str))
-    # Every file is reported before any error is raised: one failure must not hide another.
-    kept = [
-        _report_file(flag, requested, done, fallbacks)
-        for flag, requested, done in (
-            ("--json", args.json, written),
-            ("--plot", args.plot, plotted),
-        )
-        if done is not None
-    ]
+    # Every file is reported before an error is raised: one failure must not hide another.
+    kept_json = written is None or report_written("--json", args.json, written)
+    kept_plot = plotted is None or report_written("--plot", args.plot, plotted)
     if json_error is not None:
         if plot_error is not None:
             print(f"error: --plot {args.plot}: {one_line(plot_error)}", file=sys.stderr)
         raise ResultsWriteError(f"{json_error}; the JSON result is printed above") from None
     if plot_error is not None:
         raise plot_error
-    return all(kept)
-
-
-def _report_file(flag: str, requested: Path, written: Path, fallbacks: list[Fallback]) -> bool:
-    """Says where ``flag``'s file went (:func:`report_written`), with the reason when it went to
-    the temporary folder (the writer recorded it in ``fallbacks`` instead of warning)."""
-    reason = next((f.reason for f in fallbacks if f.written == written), None)
-    if reason is None:
-        return report_written(flag, requested, written)
-    print(
-        f"error: {flag} {requested} could not be written ({reason}); the data is in {written} "
-        "instead: copy it from there once the folder can be written",
-        file=sys.stderr,
-    )
-    return False
+    return kept_json and kept_plot

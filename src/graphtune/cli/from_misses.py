@@ -14,19 +14,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
-from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from graphtune.cli._args import timing_timer
 from graphtune.errors import ConfigError
-
-if TYPE_CHECKING:  # torch and the ops load when the command runs, so --help stays fast
-    import torch
-
-    from graphtune.autotuner import AutoTuner
-    from graphtune.autotuner.calls import CallRecord
-    from graphtune.ops.registry import RecordsReport
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
     import graphtune.ops  # noqa: F401  (registers the ops the records name)
     from graphtune.autotuner import AutoTuner, autotune, load_misses
     from graphtune.engine.devices import resolve_device
+    from graphtune.ops.registry import tune_records
 
     for name in args.imports:
         try:
@@ -80,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
     timer = timing_timer(timing, device or resolve_device("auto"))
     tuner = AutoTuner(timer=timer)
     with autotune(args.cache, tuner, tune=True):
-        report, cached = _tune_each(records, tuner, device)
+        report = tune_records(records, tuner, device)
+    cached = report.already_cached
     table = tuner.summary_table(f"picks for the {len(records)} recorded misses")
     print(table or _nothing_tuned(cached, len(report.skipped), tuner.stats.profiles_failed))
     for record, reason in report.skipped:
@@ -91,29 +84,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"{tuned} of {len(records)} recorded calls tuned into {args.cache}")
     return 1 if report.skipped else 0
-
-
-def _tune_each(
-    records: Sequence[CallRecord], tuner: AutoTuner, device: torch.device | None
-) -> tuple[RecordsReport, int]:
-    """:func:`~graphtune.ops.registry.tune_records`, one record at a time; also returns how
-    many of the records it reports tuned had their pick in the cache already.
-
-    One at a time because the report lists a record whose key was cached (``tune_call`` then
-    times nothing) among the tuned: only the tuner's counts around each record tell them apart.
-    A new pick is timed (``profiles_tuned``) or, with a single candidate, taken untimed.
-    """
-    from graphtune.ops.registry import RecordsReport, tune_records
-
-    report, cached = RecordsReport(), 0
-    for record in records:
-        picks_before = tuner.stats.profiles_tuned + tuner.stats.untimed_picks
-        one = tune_records([record], tuner, device)
-        report.tuned += one.tuned
-        report.skipped += one.skipped
-        if one.tuned and tuner.stats.profiles_tuned + tuner.stats.untimed_picks == picks_before:
-            cached += 1
-    return report, cached
 
 
 def _nothing_tuned(cached: int, skipped: int, failed: int) -> str:

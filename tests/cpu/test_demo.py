@@ -85,3 +85,37 @@ def test_demo_checks_the_graphtune_cache_file(tmp_path, capsys, monkeypatch) -> 
     assert main(["demo", "--device", "cpu"]) == 1
     assert "GRAPHTUNE_CACHE (the default of --cache): " in capsys.readouterr().err
     assert folder.is_dir() and [p.name for p in tmp_path.iterdir()] == ["folder"]
+
+
+@pytest.fixture
+def interrupted_demo(monkeypatch):
+    """The CLI's demo with a one-sample timer and Ctrl-C arriving as softmax tunes: matmul's
+    four bucket picks are finished by then."""
+    import graphtune.autotuner
+
+    def ctrl_c(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(
+        graphtune.autotuner,
+        "AutoTuner",
+        lambda **kw: AutoTuner(timer=WallClockTimer(samples=1), policy=TuningPolicy(rounds=1)),
+    )
+    monkeypatch.setattr(Softmax, "forward", ctrl_c)
+
+
+def test_demo_ctrl_c_says_how_many_picks_the_cache_file_kept(tmp_path, capsys, interrupted_demo):
+    path = tmp_path / "demo.json"
+    assert main(["demo", "--cache", str(path), "--device", "cpu"]) == 130
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == f"error: interrupted (Ctrl-C); 4 finished picks kept in {path}"
+    assert len(persist.load(path, strict=True)) == 4  # what the message claims is on disk
+
+
+def test_demo_ctrl_c_without_a_cache_file_claims_nothing_kept(
+    capsys, monkeypatch, interrupted_demo
+):
+    monkeypatch.delenv("GRAPHTUNE_CACHE", raising=False)
+    assert main(["demo", "--device", "cpu"]) == 130
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "4 finished picks not kept: no --cache file" in line and "kept in" not in line

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from failing_writes import fail_writes_in
 
 from graphtune.bench.schema import SCHEMA, is_provenance
 from graphtune.cli.main import main
@@ -151,6 +152,30 @@ def test_bench_refuses_outputs_that_would_be_lost_before_running(tmp_path, capsy
     err = capsys.readouterr().err
     assert fragment in err and "batch 1" not in err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_bench_reports_each_late_write_failure_with_where_its_data_went(
+    tmp_path, capsys, monkeypatch
+):
+    pytest.importorskip("matplotlib")
+    # The output folder fills up after the start-up checks (check_output_path) passed.
+    out, spare = fail_writes_in(monkeypatch, tmp_path)
+    json_path, plot_path = out / "x.json", out / "y.png"
+    flags = ["--steps", "2", "--repeats", "1", "--context", "16"]
+    assert main([*BENCH, *flags, "--json", str(json_path), "--plot", str(plot_path)]) == 1
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    kept_json, kept_plot = sorted(spare.glob("*x.json")), sorted(spare.glob("*y.png"))
+    assert len(kept_json) == len(kept_plot) == 1 and not list(out.iterdir())
+    assert json.loads(kept_json[0].read_text())["results"][0]["eager_ms"] > 0
+    # One error line per file, each naming its flag and where its data is.
+    assert len(errors) == 2, err
+    for line, flag, path, kept in zip(
+        errors, ("--json", "--plot"), (json_path, plot_path), (kept_json, kept_plot), strict=True
+    ):
+        assert (
+            line == f"error: {flag} {path} could not be written; the data is in {kept[0]} instead"
+        )
 
 
 @pytest.mark.parametrize("value", ["-1", "nan", "inf"])

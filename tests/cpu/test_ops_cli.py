@@ -120,6 +120,35 @@ def test_tune_from_misses_runs_through_the_tune_command(tmp_path, capsys):
     assert cache.read_text() == before  # refused before any tuning
 
 
+def test_tune_from_misses_counts_cached_records_apart_from_tuned_ones(tmp_path, capsys):
+    import torch
+
+    from graphtune.autotuner import AutoTuner, autotune
+    from graphtune.ops import silu_and_mul
+
+    misses, cache = tmp_path / "misses.json", tmp_path / "c.json"
+    serving = AutoTuner(show_progress=False)
+    with autotune(None, serving, tune=False, misses_path=misses):
+        for rows in (3, 1):  # two buckets, two records
+            silu_and_mul(torch.randn(rows, 16), tuner=serving, max_m=4)
+    data = json.loads(misses.read_text())
+    assert len(data["misses"]) == 2
+    first = tmp_path / "first.json"
+    first.write_text(json.dumps({**data, "misses": data["misses"][:1]}))
+    tune = ["tune", "--cache", str(cache), "--timing", "wallclock", "--from-misses"]
+    assert main([*tune, str(first)]) == 0
+    assert "1 of 1 recorded calls tuned into" in capsys.readouterr().out
+    # One record's pick is in the cache file now, the other's is not.
+    assert main([*tune, str(misses)]) == 0
+    out = capsys.readouterr().out
+    assert f"1 of 2 recorded calls already in {cache}; 1 tuned" in out and "tuned into" not in out
+    assert len(json.loads(cache.read_text())["entries"]) == 2
+    assert main([*tune, str(misses)]) == 0
+    out = capsys.readouterr().out
+    assert "every recorded shape was already in the cache file; nothing to tune" in out
+    assert f"2 of 2 recorded calls already in {cache}; 0 tuned" in out and "tuned into" not in out
+
+
 def test_tune_from_misses_does_not_call_skipped_records_cached(tmp_path, capsys):
     misses, cache = _recorded_misses(tmp_path)
     data = json.loads(misses.read_text())

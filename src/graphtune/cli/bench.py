@@ -337,9 +337,13 @@ def _emit(args: argparse.Namespace, report: Any) -> bool:
         print(report.runner_stats, file=table_stream)
     if to_stdout or json_error is not None:
         print(json.dumps(json_safe(data), indent=2, default=str))
-    if json_error is not None:
-        raise ResultsWriteError(f"{json_error}; the JSON result is printed above") from None
+    # Every file is reported before an error is raised: one failure must not hide another.
     kept_json = written is None or report_written("--json", args.json, written)
+    kept_plot = plotted is None or report_written("--plot", args.plot, plotted)
+    if json_error is not None:
+        if plot_error is not None:
+            print(f"error: --plot {args.plot}: {one_line(plot_error)}", file=sys.stderr)
+        raise ResultsWriteError(f"{json_error}; the JSON result is printed above") from None
     if plot_error is not None:
         raise plot_error
-    return kept_json and (plotted is None or report_written("--plot", args.plot, plotted))
+    return kept_json and kept_plot

@@ -73,18 +73,21 @@ def run(args: argparse.Namespace) -> int:
     tuner = AutoTuner(timer=timer)
     with autotune(args.cache, tuner, tune=True):
         report = tune_records(records, tuner, device)
+    cached = report.already_cached
     table = tuner.summary_table(f"picks for the {len(records)} recorded misses")
-    print(table or _nothing_tuned(report, tuner.stats.profiles_failed))
+    print(table or _nothing_tuned(cached, len(report.skipped), tuner.stats.profiles_failed))
     for record, reason in report.skipped:
         print(f"skipped {record.op}: {reason}")
-    print(f"{len(report.tuned)} of {len(records)} recorded calls tuned into {args.cache}")
+    tuned = len(report.tuned) - cached
+    if cached:
+        print(f"{cached} of {len(records)} recorded calls already in {args.cache}; {tuned} tuned")
+    else:
+        print(f"{tuned} of {len(records)} recorded calls tuned into {args.cache}")
     return 1 if report.skipped else 0
 
 
-def _nothing_tuned(report: object, failed: int) -> str:
+def _nothing_tuned(cached: int, skipped: int, failed: int) -> str:
     """Why no pick was tuned: the recorded shapes were cached already, skipped, or failed."""
-    cached = len(report.tuned)  # type: ignore[attr-defined]
-    skipped = len(report.skipped)  # type: ignore[attr-defined]
     if failed:
         return (
             f"no pick was tuned: every candidate of {failed} recorded profile(s) failed (the "

@@ -122,10 +122,15 @@ def rebuild_call(
 
 @dataclass
 class RecordsReport:
-    """What :func:`tune_records` did: per record, its pick or why it was skipped."""
+    """What :func:`tune_records` did: per record, its pick or why it was skipped.
+
+    ``tuned`` lists every record whose key now has a pick; ``already_cached`` counts those of
+    them whose pick was in the cache before (nothing was timed for them).
+    """
 
     tuned: list[tuple[CallRecord, str, Any]] = field(default_factory=list)
     skipped: list[tuple[CallRecord, str]] = field(default_factory=list)
+    already_cached: int = 0
 
 
 def tune_records(
@@ -139,6 +144,7 @@ def tune_records(
     report = RecordsReport()
     for record in records:
         failed_before = tuner.stats.profiles_failed
+        picks_before = tuner.stats.profiles_tuned + tuner.stats.untimed_picks
         try:
             runner, tactic = tuner.tune_call(_rebuilt(record, device, tuner))
         except GraphtuneError as exc:
@@ -157,6 +163,9 @@ def tune_records(
             report.skipped.append((record, problem))
             continue
         report.tuned.append((record, type(runner).__qualname__, tactic))
+        # A new pick is timed (profiles_tuned) or, with a single candidate, taken untimed.
+        if tuner.stats.profiles_tuned + tuner.stats.untimed_picks == picks_before:
+            report.already_cached += 1
     return report
 
 

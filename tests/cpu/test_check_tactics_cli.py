@@ -1,4 +1,5 @@
-"""``graphtune check-tactics`` on long runs: Ctrl-C keeps the op calls checked so far."""
+"""``graphtune check-tactics`` on long runs: Ctrl-C keeps the op calls checked so far, and a
+progress line names each batch size and op call as its check starts."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ import json
 
 import pytest
 
+import graphtune.autotuner
 from graphtune.cli import _step_calls
+from graphtune.cli.check_tactics import check_step
 from graphtune.cli.main import main
 
 _COMMAND = ["check-tactics", "--model", "tiny", "--device", "cpu"]
@@ -63,3 +66,34 @@ def test_ctrl_c_with_json_to_stdout_prints_the_partial_result(monkeypatch, capsy
     data = json.loads(out)  # '-': the JSON alone on stdout, the table on stderr
     assert data["reports"] and data["notes"][0].startswith("interrupted (Ctrl-C)")
     assert "tactic consistency of tiny" in err and "printed above" in err
+
+
+def test_each_op_call_is_announced_before_its_check_runs(monkeypatch):
+    lines: list[str] = []
+    announced_before: list[bool] = []
+    check = graphtune.autotuner.check_tactics
+
+    def checked(op, *args, **kwargs):
+        announced_before.append(f"op {op}," in lines[-1])
+        return check(op, *args, **kwargs)
+
+    monkeypatch.setattr(graphtune.autotuner, "check_tactics", checked)
+    reports = check_step("tiny", (1, 2), device="cpu", log=lines.append)
+    assert announced_before and all(announced_before)
+    per_call = [line for line in lines if ": op " in line]
+    assert len(per_call) == len(reports) == len(announced_before)
+    # Batch 2 checks only the calls whose shapes batch 1 did not have (1-row GEMMs differ).
+    assert lines[0] == "checking batch 1: running one decode step to record its op calls"
+    assert any(line.startswith("checking batch 2: op ") for line in per_call)
+    first_of_1 = [line for line in per_call if line.startswith("checking batch 1:")]
+    assert first_of_1[-1].endswith(f"(op call {len(first_of_1)} of {len(first_of_1)})")
+
+
+@pytest.mark.parametrize("hidden", [False, True])
+def test_the_command_prints_progress_on_stderr_unless_hidden(monkeypatch, capsys, hidden):
+    monkeypatch.setenv("GRAPHTUNE_NO_PROGRESS", "1" if hidden else "0")
+    assert main([*_COMMAND, "--batch", "1", "--json", "-"]) == 0
+    out, err = capsys.readouterr()
+    reports = json.loads(out)["reports"]  # stdout holds the JSON alone
+    progress = [line for line in err.splitlines() if line.startswith("checking batch 1: op ")]
+    assert len(progress) == (0 if hidden else len(reports))

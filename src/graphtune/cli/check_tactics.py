@@ -6,7 +6,8 @@ distinct call on copies of its inputs and compares outputs and in-place writes w
 (:func:`graphtune.autotuner.check_tactics`). Exit 0 when all pass, 1 when any tactic differs or
 raises (or the model cannot be built), 2 on bad arguments. Ctrl-C prints the table of the op
 calls checked so far (and writes them to ``--json``, with a note naming the batch sizes that
-finished) before exiting with 130.
+finished) before exiting with 130. A line on stderr names each batch size and op call as it is
+checked (``GRAPHTUNE_NO_PROGRESS=1`` hides them, as it hides the other commands' progress bars).
 
 ``--json`` writes one object, like every result: ``provenance`` (the record of
 :func:`graphtune.bench.schema.provenance`: GPU, versions, commit, command), ``config`` (the
@@ -18,12 +19,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from graphtune import env
 from graphtune.cli._args import (
     EXIT_FAILURE,
     EXIT_OK,
@@ -34,6 +38,8 @@ from graphtune.cli._args import (
     positive_int,
     report_written,
 )
+
+logger = logging.getLogger(__name__)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -109,12 +115,14 @@ def check_step(
     atol: float | None = None,
     rtol: float | None = None,
     run: CheckRun | None = None,
+    log: Callable[[str], None] = logger.info,
 ) -> list[Any]:
     """:class:`~graphtune.autotuner.ConsistencyReport` of every distinct op call of one decode
     step of ``model`` at each batch size.
 
     ``run`` (a new one by default) receives each report as soon as it is made, so a caller that
-    catches an interrupt keeps what finished; the list returned is ``run.reports``.
+    catches an interrupt keeps what finished; the list returned is ``run.reports``. ``log``
+    gets a line as each batch's step is recorded and as each op call's check starts.
     """
     from graphtune.autotuner import AutoTuner, check_tactics
     from graphtune.cli._step_calls import decode_step_calls, resolve_device_and_dtype
@@ -127,13 +135,21 @@ def check_step(
     tuner = AutoTuner(show_progress=False)
     seen: set[str] = set()
     for batch in batches:
+        log(f"checking batch {batch}: running one decode step to record its op calls")
+        calls = []
         for call in decode_step_calls(
             model, batch, device=where, dtype=kind, max_seq_len=max_seq_len, tuner=tuner
         ):
             key = _call_key(call)
-            if key in seen:
-                continue
-            seen.add(key)
+            if key not in seen:
+                seen.add(key)
+                calls.append(call)
+        for i, call in enumerate(calls, 1):
+            # Before the check, so that a slow or stuck one is named while it runs.
+            log(
+                f"checking batch {batch}: op {call.op}, {len(call.runners)} runners "
+                f"(op call {i} of {len(calls)})"
+            )
             with tuner.record_calls(dry_run=True):
                 run.reports.append(
                     check_tactics(
@@ -176,11 +192,19 @@ def run_check(args: argparse.Namespace) -> int:
             atol=args.atol,
             rtol=args.rtol,
             run=run,
+            log=_progress_line,
         )
     except KeyboardInterrupt:
         raise KeyboardInterrupt(_report_partial(args, where, dtype, run)) from None
     kept, failed = _emit(args, where, dtype, run.reports)
     return EXIT_FAILURE if failed or not kept else EXIT_OK
+
+
+def _progress_line(line: str) -> None:
+    # Plain lines rather than a bar: a run piped to a log shows them too. The switch that hides
+    # the other commands' progress bars hides them.
+    if not env.progress_disabled():
+        print(line, file=sys.stderr, flush=True)
 
 
 def _report_partial(args: argparse.Namespace, device: Any, dtype: str, run: CheckRun) -> str:

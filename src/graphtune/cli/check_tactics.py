@@ -12,7 +12,10 @@ checked (``GRAPHTUNE_NO_PROGRESS=1`` hides them, as it hides the other commands'
 ``--json`` writes one object, like every result: ``provenance`` (the record of
 :func:`graphtune.bench.schema.provenance`: GPU, versions, commit, command), ``config`` (the
 model, batch sizes, resolved device and dtype, tolerances), ``passed`` and ``reports`` (one per
-op call), through the atomic results writer (:func:`graphtune.bench.results.write_json`).
+op call), through the atomic results writer (:func:`graphtune.bench.results.write_json`); a run
+stopped early (Ctrl-C, or a batch refused because its checks would not fit in the host's memory:
+:func:`graphtune.cli._step_calls.check_calls_fit`) writes the reports it finished with
+``notes`` saying which batch sizes they cover.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from graphtune.cli._args import (
     positive_int,
     report_written,
 )
+from graphtune.errors import GraphtuneError, one_line
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +120,7 @@ def check_step(
     rtol: float | None = None,
     run: CheckRun | None = None,
     log: Callable[[str], None] = logger.info,
+    available_memory: Callable[[], int | None] | None = None,
 ) -> list[Any]:
     """:class:`~graphtune.autotuner.ConsistencyReport` of every distinct op call of one decode
     step of ``model`` at each batch size.
@@ -123,9 +128,20 @@ def check_step(
     ``run`` (a new one by default) receives each report as soon as it is made, so a caller that
     catches an interrupt keeps what finished; the list returned is ``run.reports``. ``log``
     gets a line as each batch's step is recorded and as each op call's check starts.
+    ``available_memory`` (bytes of host memory free now; default
+    :func:`graphtune.engine.kv_cache.available_host_memory`) decides whether a batch's checks
+    fit (:func:`graphtune.cli._step_calls.check_calls_fit`).
+
+    Raises:
+        ConfigError: A batch's checks need more host memory than is available (before they
+            start; the reports of the batches before it are in ``run``).
     """
     from graphtune.autotuner import AutoTuner, check_tactics
-    from graphtune.cli._step_calls import decode_step_calls, resolve_device_and_dtype
+    from graphtune.cli._step_calls import (
+        check_calls_fit,
+        decode_step_calls,
+        resolve_device_and_dtype,
+    )
 
     run = CheckRun() if run is None else run
     where, kind = resolve_device_and_dtype(device, dtype)
@@ -144,6 +160,9 @@ def check_step(
             if key not in seen:
                 seen.add(key)
                 calls.append(call)
+        check_calls_fit(
+            calls, batch=batch, max_seq_len=max_seq_len, device=where, available=available_memory
+        )
         for i, call in enumerate(calls, 1):
             # Before the check, so that a slow or stuck one is named while it runs.
             log(
@@ -175,6 +194,8 @@ def run_check(args: argparse.Namespace) -> int:
 
     Raises:
         KeyboardInterrupt: Ctrl-C; its message says which reports were printed and written.
+        GraphtuneError: A batch that cannot be checked (its KV cache or its checks do not fit
+            in memory); the batches before it are printed and written first.
     """
     from graphtune.cli._step_calls import resolve_device_and_dtype
 
@@ -195,7 +216,13 @@ def run_check(args: argparse.Namespace) -> int:
             log=_progress_line,
         )
     except KeyboardInterrupt:
-        raise KeyboardInterrupt(_report_partial(args, where, dtype, run)) from None
+        why = "interrupted (Ctrl-C)"
+        raise KeyboardInterrupt(_report_partial(args, where, dtype, run, why)) from None
+    except GraphtuneError as exc:
+        if run.reports:  # main() prints the error's own line after these
+            kept = _report_partial(args, where, dtype, run, f"stopped ({one_line(exc)})")
+            print(f"check-tactics stopped: {kept}", file=sys.stderr)
+        raise
     kept, failed = _emit(args, where, dtype, run.reports)
     return EXIT_FAILURE if failed or not kept else EXIT_OK
 
@@ -207,14 +234,16 @@ def _progress_line(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
 
-def _report_partial(args: argparse.Namespace, device: Any, dtype: str, run: CheckRun) -> str:
-    """Prints and writes the reports an interrupted run gathered; says what was kept (the
+def _report_partial(
+    args: argparse.Namespace, device: Any, dtype: str, run: CheckRun, why: str
+) -> str:
+    """Prints and writes the reports a run stopped by ``why`` gathered; says what was kept (the
     interrupt's message, as ``bench decode`` and ``tune`` say it)."""
     if not run.reports:
         return "no op call had been checked yet"
     unfinished = [b for b in args.batch if b not in run.finished]
     # The reports of a batch cut short are kept too: each is a whole op call's check.
-    note = f"interrupted (Ctrl-C): finished batch sizes {run.finished}" + (
+    note = f"{why}: finished batch sizes {run.finished}" + (
         f"; batch sizes {unfinished} not (or only partly) checked" if unfinished else ""
     )
     kept, _ = _emit(args, device, dtype, run.reports, notes=[note])

@@ -6,15 +6,23 @@ step of a model (random weights of its shapes): they tune it with
 (:func:`graphtune.engine.tuning.record_step_calls`), so they tune and check exactly what the
 engine's step looks up, with no hand-kept op list. The step comes from
 :func:`graphtune.engine.build.build_step`, as the engine's does.
+
+Checking a call copies its inputs (the KV cache of a layer among them) for the fallback and for
+each tactic, on top of the recorded step; :func:`check_calls_fit` refuses a batch whose copies
+would not fit in the host's memory, before Linux's out-of-memory killer ends the process with no
+message (the KV cache's own check, in :class:`graphtune.engine.kv_cache.KVCache`, does not
+count them).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from graphtune.autotuner import AutoTuner, OpCall
+from graphtune.errors import ConfigError
 
 
 def resolve_device_and_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
@@ -114,3 +122,74 @@ def tune_decode_step(
 
     step = decode_step(model, max_batch, tuner, device=device, dtype=dtype, max_seq_len=max_seq_len)
     return tune_step(step)
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def check_memory_bytes(call: OpCall) -> int:
+    """Bytes that checking ``call`` (:func:`graphtune.autotuner.check_tactics`) holds beyond its
+    recorded inputs: an estimate from the inputs' sizes.
+
+    The check keeps the fallback's copy of the inputs while a tactic runs on its own copy and
+    writes outputs (counted as one more copy), then widens each (tactic, fallback) pair of
+    tensors to float64 and takes their finite elements: four float64 tensors of the largest
+    input. The runners' own temporaries are not counted (decode attention's fallback gathers
+    K/V per head), so this is what the check needs at least.
+    """
+    tensors = _tensors(call.inputs)
+    if not tensors:
+        return 0
+    inputs = sum(t.numel() * t.element_size() for t in tensors)
+    widest = max(t.numel() for t in tensors)
+    return 3 * inputs + 4 * 8 * widest
+
+
+def check_calls_fit(
+    calls: Sequence[OpCall],
+    *,
+    batch: int,
+    max_seq_len: int,
+    device: torch.device,
+    available: Callable[[], int | None] | None = None,
+) -> None:
+    """Refuses to check ``calls`` (one step's, at ``batch`` rows) on the host when the check of
+    the heaviest one (:func:`check_memory_bytes`) needs more memory than is available now.
+
+    Args:
+        calls: The op calls about to be checked, recorded (so their inputs are allocated).
+        batch: The step's batch size (``--batch``), for the message.
+        max_seq_len: The KV cache length (``--max-seq-len``), for the message.
+        device: Where the calls run; a GPU's out-of-memory error is an exception torch raises,
+            so only the host is checked.
+        available: Bytes of host memory free now, or ``None`` when unknown (default
+            :func:`graphtune.engine.kv_cache.available_host_memory`; tests pass a small one).
+
+    Raises:
+        ConfigError: The check would not fit; the message names ``--batch`` and
+            ``--max-seq-len``.
+    """
+    from graphtune.engine import kv_cache
+
+    if device.type != "cpu" or not calls:
+        return
+    free = (available or kv_cache.available_host_memory)()
+    heaviest = max(calls, key=check_memory_bytes)
+    need = check_memory_bytes(heaviest)
+    if free is None or need <= free:
+        return
+    inputs = sum(t.numel() * t.element_size() for t in _tensors(heaviest.inputs))
+    raise ConfigError(
+        f"checking the op calls of the decode step at --batch {batch} (--max-seq-len "
+        f"{max_seq_len}) needs at least {need / 2**30:.1f} GiB of host memory (op "
+        f"{heaviest.op}: copies of its {inputs / 2**30:.1f} GiB of inputs for the fallback and "
+        f"each tactic, compared in float64), and the host has {free / 2**30:.1f} GiB available; "
+        "lower --batch or --max-seq-len"
+    )

@@ -19,7 +19,7 @@ Variables (all optional):
 * ``GRAPHTUNE_MISSES``: default file ``autotune()`` saves the record of missed shapes to when no
   ``misses_path`` is given (for ``graphtune tune --from-misses FILE``).
 * ``GRAPHTUNE_NO_PROGRESS``: ``1`` hides progress bars (they are also hidden when stderr is not a
-  terminal).
+  terminal) and ``graphtune check-tactics``' progress lines (those show in a log too).
 * ``GRAPHTUNE_PDL``: ``0`` launches every Triton kernel without programmatic dependent launch
   (PDL), even on GPUs that support it; results are identical either way, only the overlap of
   consecutive kernels changes. On by default.
@@ -142,7 +142,7 @@ def default_misses_path() -> Path | None:
 
 
 def progress_disabled() -> bool:
-    """Whether ``GRAPHTUNE_NO_PROGRESS`` hides progress bars."""
+    """Whether ``GRAPHTUNE_NO_PROGRESS`` hides progress bars and progress lines."""
     return _flag("GRAPHTUNE_NO_PROGRESS")
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import graphtune.autotuner
+from graphtune.autotuner.profiles import nested_tensors
 from graphtune.cli import _step_calls
 from graphtune.cli.check_tactics import check_step
 from graphtune.cli.main import main
@@ -117,7 +118,7 @@ def _calls(batch: int) -> list:
 
 def test_the_estimate_counts_the_copies_and_the_float64_comparison():
     call = next(c for c in _calls(2) if c.op == "decode_attention")
-    tensors = _step_calls._tensors(call.inputs)
+    tensors = nested_tensors(list(call.inputs))
     inputs = sum(t.numel() * t.element_size() for t in tensors)
     need = _step_calls.check_memory_bytes(call)
     assert need == 3 * inputs + 32 * max(t.numel() for t in tensors)

@@ -121,13 +121,14 @@ def _same_layout_copy(x: torch.Tensor) -> torch.Tensor:
         return x.clone()
 
 
-def _nested_tensors(value: Any) -> list[torch.Tensor]:
+def nested_tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in ``value``: itself, or those in its lists, tuples and dicts, recursively."""
     if isinstance(value, torch.Tensor):
         return [value]
     if isinstance(value, dict):
         value = list(value.values())
     if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _nested_tensors(v)]
+        return [t for v in value for t in nested_tensors(v)]
     return []
 
 
@@ -316,7 +317,7 @@ def profile_bytes(live_inputs: Sequence[Any], profile: Profile) -> int:
 
 def input_bytes(inputs: Sequence[Any]) -> int:
     """Total bytes of the tensors in one input list (in lists, tuples and dicts too)."""
-    return sum(t.numel() * t.element_size() for x in inputs for t in _nested_tensors(x))
+    return sum(t.numel() * t.element_size() for x in inputs for t in nested_tensors(x))
 
 
 def input_sets(

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from graphtune.autotuner import AutoTuner, OpCall
+from graphtune.autotuner.profiles import input_bytes, nested_tensors
 from graphtune.errors import ConfigError
 
 
@@ -124,16 +125,6 @@ def tune_decode_step(
     return tune_step(step)
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, dict):
-        value = list(value.values())
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    return []
-
-
 def check_memory_bytes(call: OpCall) -> int:
     """Bytes that checking ``call`` (:func:`graphtune.autotuner.check_tactics`) holds beyond its
     recorded inputs: an estimate from the inputs' sizes.
@@ -144,7 +135,7 @@ def check_memory_bytes(call: OpCall) -> int:
     input. The runners' own temporaries are not counted (decode attention's fallback gathers
     K/V per head), so this is what the check needs at least.
     """
-    tensors = _tensors(call.inputs)
+    tensors = nested_tensors(list(call.inputs))
     if not tensors:
         return 0
     inputs = sum(t.numel() * t.element_size() for t in tensors)
@@ -185,7 +176,7 @@ def check_calls_fit(
     need = check_memory_bytes(heaviest)
     if free is None or need <= free:
         return
-    inputs = sum(t.numel() * t.element_size() for t in _tensors(heaviest.inputs))
+    inputs = input_bytes(list(heaviest.inputs))
     raise ConfigError(
         f"checking the op calls of the decode step at --batch {batch} (--max-seq-len "
         f"{max_seq_len}) needs at least {need / 2**30:.1f} GiB of host memory (op "

@@ -1,6 +1,6 @@
-"""Scoring of ``benchmarks/tuning.py``: regret against the CUPTI truths, agreement, the summary
-with its targets, and the table. Pure functions over the benchmark's records (no GPU), unit-tested
-in ``tests/cpu/test_bench_tuning_helpers.py``.
+"""Scoring of ``benchmarks/tuning.py``: regret against the ground truths, agreement, and the
+summary with its targets (the table and the printed lines: ``_tuning_table.py``). Pure functions
+over the benchmark's records (no GPU), unit-tested in ``tests/cpu/test_bench_tuning_helpers.py``.
 """
 
 from __future__ import annotations
@@ -18,6 +18,19 @@ TARGET_REGRET, MAX_REGRET, TARGET_SHARE, TARGET_MS = 0.01, 0.05, 0.95, 10.0
 MAX_REGRET_GRAPH_TRUTH, MAX_DISAGREEING_CASES = 0.02, 1
 #: Candidate fields holding each ground truth (microseconds per call).
 KERNEL_SUM, IN_GRAPH = "cupti_us", "cupti_graph_us"
+#: The in-graph truth's graph timed by CUDA events with no profiler attached, median over the
+#: input sets like ``IN_GRAPH``: reported beside the CUPTI in-graph truth, which stays the scored
+#: one (``all_pass_graph_truth``). See ``benchmarks/tuning.py`` for why both are kept.
+IN_GRAPH_EVENTS = "cupti_graph_events_us"
+#: Each in-graph truth's summary suffix -> (the case's best, the mode's worst regret, the case's
+#: truth noise) keys of the records.
+IN_GRAPH_TRUTHS = {
+    "graph_truth": ("best_graph", "regret_graph", "truth_noise_graph"),
+    "events_truth": ("best_graph_events", "regret_graph_events", "truth_noise_graph_events"),
+}
+#: A candidate whose two in-graph readings (CUPTI, events) differ by more than this is counted
+#: in the summary (``candidates_in_graph_cupti_vs_events_gt_5pct``).
+VIEWS_DIFFER = 0.05
 #: Targets that decide ``all_pass`` (kernel-sum truth) and ``all_pass_graph_truth``.
 KERNEL_SUM_TARGETS = (
     "graph_regret_le_1pct_in_95pct",
@@ -32,6 +45,10 @@ GRAPH_TRUTH_TARGETS = (
     "graph_same_pick_3of3_in_95pct",
     "graph_at_most_1_case_without_the_same_pick",
     "graph_median_ms_per_tactic_le_10",
+)
+#: The same targets against the events reading of the in-graph graph (``all_pass_events_truth``).
+EVENTS_TRUTH_TARGETS = tuple(
+    t.replace("_graph_truth", "_events_truth") for t in GRAPH_TRUTH_TARGETS
 )
 
 
@@ -48,6 +65,28 @@ def short_tactic(runner: str, tactic: Any) -> str:
     if isinstance(tactic, dict):
         return f"{name} " + " ".join(f"{k[0]}{v}" for k, v in tactic.items())
     return f"{name} {tactic}"
+
+
+def is_split_k(tactic: Any) -> bool:
+    """Whether a tactic splits the reduction: ``split_k`` > 1 (tiled GEMM, GEMV) or ``split`` > 1
+    (skinny GEMM and the fused GEMV family)."""
+    if not isinstance(tactic, dict):
+        return False
+    return any(isinstance(tactic.get(k), int) and tactic[k] > 1 for k in ("split_k", "split"))
+
+
+def views_differ(
+    truth: Sequence[dict[str, Any]], tolerance: float = VIEWS_DIFFER
+) -> tuple[int, int, int]:
+    """``(candidates with both in-graph readings, those whose CUPTI and events readings differ by
+    more than tolerance, how many of those are split-K tactics)`` (:func:`is_split_k`)."""
+    both = [t for t in truth if finite(t.get(IN_GRAPH)) and finite(t.get(IN_GRAPH_EVENTS))]
+    differ = [
+        t
+        for t in both
+        if t[IN_GRAPH_EVENTS] > 0 and abs(regret(t[IN_GRAPH], t[IN_GRAPH_EVENTS])) > tolerance
+    ]
+    return len(both), len(differ), sum(is_split_k(t.get("tactic")) for t in differ)
 
 
 def candidate_key(runner_index: int, tactic: Any) -> str:
@@ -214,6 +253,7 @@ def rank_correlations(
         out[mode] = {
             "kernel_sum_truth": spearman(tuned, [t.get(KERNEL_SUM) for t in truth]),
             "graph_truth": spearman(tuned, [t.get(IN_GRAPH) for t in truth]),
+            "events_truth": spearman(tuned, [t.get(IN_GRAPH_EVENTS) for t in truth]),
         }
     return out
 
@@ -230,17 +270,22 @@ def score_picks(
     Returns:
         ``(regrets, regrets_graph)`` in pick order (see :func:`regret` for inf and nan).
     """
+    return regrets_against(picks, truth, KERNEL_SUM), regrets_against(picks, truth, IN_GRAPH)
+
+
+def regrets_against(
+    picks: Sequence[dict[str, Any]], truth: Sequence[dict[str, Any]], field: str
+) -> list[float]:
+    """Regret of every pick against the truth in the candidates' ``field``, in pick order."""
     by_key = {candidate_key(t["runner_index"], t["tactic"]): t for t in truth}
-    best = best_candidate(truth, KERNEL_SUM)
-    best_graph = best_candidate(truth, IN_GRAPH)
-    regrets, regrets_graph = [], []
-    for pick in picks:
-        found = by_key.get(candidate_key(pick["runner_index"], pick["tactic"]), {})
-        regrets.append(regret(found.get(KERNEL_SUM), best[KERNEL_SUM] if best else None))
-        regrets_graph.append(
-            regret(found.get(IN_GRAPH), best_graph[IN_GRAPH] if best_graph else None)
+    best = best_candidate(truth, field)
+    return [
+        regret(
+            by_key.get(candidate_key(p["runner_index"], p["tactic"]), {}).get(field),
+            best[field] if best else None,
         )
-    return regrets, regrets_graph
+        for p in picks
+    ]
 
 
 def missing(value: Any) -> bool:
@@ -252,28 +297,23 @@ def mode_stats(records: Sequence[dict[str, Any]], mode: str) -> dict[str, Any]:
     """Summary of one timing mode over the cases without an error.
 
     A mode that failed in a case (``error`` in its record, or no record) counts as infinite
-    regret under both truths and as disagreement. The in-graph statistics cover only the cases
-    that have an in-graph truth (``cases_graph_truth``).
+    regret under every truth and as disagreement. The statistics of each in-graph truth
+    (:data:`IN_GRAPH_TRUTHS`: keys ending in its suffix) cover only the cases that have that
+    truth (``cases_graph_truth``, ``cases_events_truth``).
     """
     ok = [r for r in records if not r.get("error")]
     regrets: list[float] = []
-    regrets_graph: list[float] = []
     agree: list[bool] = []
     ms: list[float] = []
     phases: dict[str, list[float]] = {}
     rho_kernel: list[float] = []
-    rho_graph: list[float] = []
-    within_noise = 0
     errors = 0
     for r in ok:
-        has_graph_truth = r.get("best_graph") is not None
         m = r.get("modes", {}).get(mode)
         if not m or m.get("error"):
             errors += 1
             regrets.append(math.inf)
             agree.append(False)
-            if has_graph_truth:
-                regrets_graph.append(math.inf)
             continue
         regrets.append(math.inf if missing(m.get("regret")) else m["regret"])
         agree.append(bool(m.get("agree")))
@@ -281,18 +321,10 @@ def mode_stats(records: Sequence[dict[str, Any]], mode: str) -> dict[str, Any]:
         for run in m.get("phase_ms_per_tactic", []):
             for phase, value in run.items():
                 phases.setdefault(phase, []).append(value)
-        if has_graph_truth:
-            g = m.get("regret_graph")
-            regrets_graph.append(math.inf if missing(g) else g)
-            noise = r.get("truth_noise_graph")
-            if finite(g) and g > TARGET_REGRET and finite(noise) and g <= noise:
-                within_noise += 1
         rho = r.get("spearman", {}).get(mode, {})
         if finite(rho.get("kernel_sum_truth")):
             rho_kernel.append(rho["kernel_sum_truth"])
-        if finite(rho.get("graph_truth")):
-            rho_graph.append(rho["graph_truth"])
-    return {
+    out = {
         "share_regret_le_1pct": sum(g <= TARGET_REGRET for g in regrets) / max(1, len(ok)),
         "max_regret": max(regrets, default=None),
         "mean_regret": statistics.mean(regrets) if regrets else None,
@@ -302,29 +334,66 @@ def mode_stats(records: Sequence[dict[str, Any]], mode: str) -> dict[str, Any]:
         # over runs and cases per phase: inputs, tactics, prepare, measure, select.
         "median_phase_ms_per_tactic": {p: statistics.median(v) for p, v in phases.items()},
         "cases_without_the_same_pick": sum(not a for a in agree),
-        "share_regret_le_1pct_graph_truth": (
-            sum(g <= TARGET_REGRET for g in regrets_graph) / len(regrets_graph)
-            if regrets_graph
-            else None
-        ),
-        "max_regret_graph_truth": max(regrets_graph, default=None),
-        "mean_regret_graph_truth": statistics.mean(regrets_graph) if regrets_graph else None,
-        "cases_graph_truth": len(regrets_graph),
-        # Misses (in-graph regret > 1%) no larger than the case's truth_noise_graph: the truth
-        # itself moved that much between input sets. Reported beside the target, not in it.
-        "misses_within_truth_noise_graph_truth": within_noise,
         "median_spearman_kernel_sum_truth": statistics.median(rho_kernel) if rho_kernel else None,
-        "median_spearman_graph_truth": statistics.median(rho_graph) if rho_graph else None,
         "mode_errors": errors,
+    }
+    for suffix in IN_GRAPH_TRUTHS:
+        out.update(in_graph_stats(ok, mode, suffix))
+    return out
+
+
+def in_graph_stats(ok: Sequence[dict[str, Any]], mode: str, suffix: str) -> dict[str, Any]:
+    """One mode's statistics against one in-graph truth (``suffix``, see
+    :data:`IN_GRAPH_TRUTHS`) over the cases that have it; a failed mode counts as ``inf``."""
+    best_key, regret_key, noise_key = IN_GRAPH_TRUTHS[suffix]
+    regrets: list[float] = []
+    rhos: list[float] = []
+    within_noise = 0
+    for r in ok:
+        if r.get(best_key) is None:
+            continue
+        m = r.get("modes", {}).get(mode) or {}
+        failed = not m or bool(m.get("error"))
+        g = math.inf if failed or missing(m.get(regret_key)) else m[regret_key]
+        regrets.append(g)
+        noise = r.get(noise_key)
+        if finite(g) and g > TARGET_REGRET and finite(noise) and g <= noise:
+            within_noise += 1
+        rho = None if failed else (r.get("spearman", {}).get(mode) or {}).get(suffix)
+        if finite(rho):
+            rhos.append(rho)  # type: ignore[arg-type]
+    return {
+        f"share_regret_le_1pct_{suffix}": (
+            sum(g <= TARGET_REGRET for g in regrets) / len(regrets) if regrets else None
+        ),
+        f"max_regret_{suffix}": max(regrets, default=None),
+        f"mean_regret_{suffix}": statistics.mean(regrets) if regrets else None,
+        f"cases_{suffix}": len(regrets),
+        # Misses (regret > 1%) no larger than the case's truth noise: the truth itself moved
+        # that much between input sets. Reported beside the target, not in it.
+        f"misses_within_truth_noise_{suffix}": within_noise,
+        f"median_spearman_{suffix}": statistics.median(rhos) if rhos else None,
+    }
+
+
+def in_graph_targets(stats: dict[str, Any], suffix: str) -> dict[str, bool]:
+    """The regret targets of one in-graph truth (keys ending in ``_{suffix}``)."""
+    share, top = stats[f"share_regret_le_1pct_{suffix}"], stats[f"max_regret_{suffix}"]
+    return {
+        f"graph_regret_le_1pct_in_95pct_{suffix}": (share or 0.0) >= TARGET_SHARE,
+        f"graph_regret_never_gt_5pct_{suffix}": top is not None and top <= MAX_REGRET,
+        f"graph_regret_never_gt_2pct_{suffix}": (top is not None and top <= MAX_REGRET_GRAPH_TRUTH),
     }
 
 
 def summarize(records: list[dict[str, Any]], modes: Sequence[str] = MODES) -> dict[str, Any]:
-    """Per-mode statistics and the targets (graph mode) under both truths.
+    """Per-mode statistics and the targets (graph mode) under each truth.
 
     ``all_pass`` is decided by the kernel-sum truth (as before); ``all_pass_graph_truth`` by the
-    in-graph truth, and it also needs an in-graph truth for every case. Both are ``None`` when
-    graph mode was not run.
+    CUPTI in-graph truth, and it also needs an in-graph truth for every case;
+    ``all_pass_events_truth`` likewise by the events reading of the in-graph graph. All are
+    ``None`` when graph mode was not run; the events targets and ``all_pass_events_truth`` are
+    left out (``None``) when no case has the events truth (a result from before it was kept).
     """
     ok = [r for r in records if not r.get("error")]
     out: dict[str, Any] = {"cases": len(records), "errors": len(records) - len(ok)}
@@ -335,24 +404,24 @@ def summarize(records: list[dict[str, Any]], modes: Sequence[str] = MODES) -> di
     out["share_reachable_under_both_truths"] = sum(
         within_both_truths(r.get("candidates") or []) for r in ok
     ) / max(1, len(ok))
+    # How often CUPTI's in-graph reading and the events reading of the same graph part ways.
+    differ = [views_differ(r.get("candidates") or []) for r in ok]
+    out["candidates_in_graph_cupti_vs_events_compared"] = sum(d[0] for d in differ)
+    out["candidates_in_graph_cupti_vs_events_gt_5pct"] = sum(d[1] for d in differ)
+    out["candidates_in_graph_cupti_vs_events_gt_5pct_split_k"] = sum(d[2] for d in differ)
     graph = out.get("graph")
+    out["all_pass_events_truth"] = None
     if graph is None:
         out["targets"] = {}
         out["all_pass"] = None
         out["all_pass_graph_truth"] = None
         return out
-    share_gt = graph["share_regret_le_1pct_graph_truth"]
-    max_gt = graph["max_regret_graph_truth"]
     out["targets"] = {
         "graph_regret_le_1pct_in_95pct": graph["share_regret_le_1pct"] >= TARGET_SHARE,
         "graph_regret_never_gt_5pct": (graph["max_regret"] or 0) <= MAX_REGRET,
         "graph_same_pick_3of3_in_95pct": graph["share_agree_3of3"] >= TARGET_SHARE,
         "graph_median_ms_per_tactic_le_10": (graph["median_ms_per_tactic"] or 0) <= TARGET_MS,
-        "graph_regret_le_1pct_in_95pct_graph_truth": (share_gt or 0.0) >= TARGET_SHARE,
-        "graph_regret_never_gt_5pct_graph_truth": max_gt is not None and max_gt <= MAX_REGRET,
-        "graph_regret_never_gt_2pct_graph_truth": (
-            max_gt is not None and max_gt <= MAX_REGRET_GRAPH_TRUTH
-        ),
+        **in_graph_targets(graph, "graph_truth"),
         "graph_at_most_1_case_without_the_same_pick": (
             graph["cases_without_the_same_pick"] <= MAX_DISAGREEING_CASES
         ),
@@ -365,6 +434,14 @@ def summarize(records: list[dict[str, Any]], modes: Sequence[str] = MODES) -> di
         and not out["errors"]
         and out["cases_without_graph_truth"] == 0
     )
+    if graph["cases_events_truth"]:
+        targets.update(in_graph_targets(graph, "events_truth"))
+        out["cases_without_events_truth"] = len(ok) - graph["cases_events_truth"]
+        out["all_pass_events_truth"] = (
+            all(targets[k] for k in EVENTS_TRUTH_TARGETS)
+            and not out["errors"]
+            and out["cases_without_events_truth"] == 0
+        )
     return out
 
 
@@ -378,73 +455,7 @@ def pct(value: Any) -> str:
 
 
 def table(records: list[dict[str, Any]], modes: Sequence[str] = MODES) -> str:
-    """The per-case table: both truths' best, each mode's worst regret under both truths."""
-    from graphtune.reporting import render_table
+    """The per-case table (:func:`_tuning_table.table`, kept here for its callers)."""
+    from _tuning_table import table as render
 
-    columns = [
-        "op",
-        "M",
-        "cands",
-        "best (kernel sum)",
-        "ks us",
-        "best (in graph)",
-        "ig us",
-        "graph pick",
-    ]
-    for mode in modes:
-        columns += [f"{mode} ks", f"{mode} ig"]
-    columns += ["agree " + "/".join(m[0] for m in modes), "rho g ks/ig", "ig noise", "ms/tactic g"]
-    rows = []
-    for r in records:
-        if r.get("error"):
-            row = [r["shape"], r["bucket"], "error", r["error"][:50]]
-            rows.append(row + [None] * (len(columns) - len(row)))
-            continue
-        modes_rec = r["modes"]
-        best, best_graph = r["best"], r.get("best_graph")
-        graph_rec = modes_rec.get("graph") or {}
-        picks = graph_rec.get("picks") or []
-        row = [
-            r["shape"],
-            r["bucket"],
-            r["n_candidates"],
-            short_tactic(best["runner"], best["tactic"]),
-            best[KERNEL_SUM],
-            short_tactic(best_graph["runner"], best_graph["tactic"]) if best_graph else None,
-            best_graph[IN_GRAPH] if best_graph else None,
-            short_tactic(picks[0]["runner"], picks[0]["tactic"]) if picks else None,
-        ]
-        for mode in modes:
-            m = modes_rec.get(mode) or {}
-            if m.get("error") or not m:
-                row += ["error", "error"]
-            else:
-                row += [pct(m.get("regret")), pct(m.get("regret_graph"))]
-        row.append(
-            "/".join(
-                "err"
-                if (modes_rec.get(m) or {}).get("error") or not modes_rec.get(m)
-                else ("all" if modes_rec[m]["agree"] else "no")
-                for m in modes
-            )
-        )
-        rho = r.get("spearman", {}).get("graph", {})
-        row.append(
-            "/".join(
-                "-" if rho.get(k) is None else f"{rho[k]:.2f}"
-                for k in ("kernel_sum_truth", "graph_truth")
-            )
-        )
-        row.append(pct(r.get("truth_noise_graph")))
-        ms = graph_rec.get("ms_per_tactic") or []
-        row.append(statistics.median(ms) if ms else None)
-        rows.append(row)
-    runs = max(
-        (len((r.get("modes", {}).get(m) or {}).get("picks") or []) for r in records for m in modes),
-        default=0,
-    )
-    title = (
-        f"Tuning picks vs CUPTI ground truth (worst of {runs} runs; ks = kernel sum, "
-        "ig = in-graph span)"
-    )
-    return render_table(title, columns, rows, width=260)
+    return render(records, modes)

@@ -1,17 +1,20 @@
 """Does the in-graph ground truth of ``benchmarks/tuning.py`` agree with itself, and how do the
 tuner's picks score against each of its views?
 
-Every candidate's truth graph is timed twice on the first input set: by CUPTI under the profiler
-(``cupti_graph.per_call_us``) and by CUDA events without the profiler
-(``cupti_graph.events_per_call_us``). The scored in-graph truth (``cupti_graph_us``) is the CUPTI
-time's median over all input sets (``options.truth_sets``), so it equals the first one only with a
-single set. Per result file this prints:
+Every candidate's truth graph is timed twice on each input set: by CUPTI under the profiler and
+by CUDA events without the profiler. The first input set's two times are in its ``cupti_graph``
+record (``per_call_us``, ``events_per_call_us``). The scored in-graph truth (``cupti_graph_us``)
+is the CUPTI time's median over all input sets (``options.truth_sets``), so it equals the first
+one only with a single set; results written since the events time was kept for every set also
+hold its median (``cupti_graph_events_us``, the view "ig events (all sets)"), older ones only set
+1's. Per result file this prints:
 
 1. the cases where CUPTI and events, on the same graph, disagree on the best candidate by more
-   than 1%: both bests, and how much each reads under the other view;
+   than 1%: both bests, and how much each reads under the other view (on input set 1, and, where
+   the file has them, between the medians over all sets);
 2. per timing mode, the share of cases whose worst pick (over the runs) has regret <= 1%, and the
    largest regret, against each view: the scored CUPTI in-graph truth, CUPTI and events on the
-   first input set, and the kernel sum;
+   first input set, events over all sets (where the file has it), and the kernel sum;
 3. per timing mode, the tuner's time over each in-graph view by candidate kind (:data:`KINDS`),
    each ratio divided by its case's median ratio over all candidates (which removes per-case
    offsets): the median (below 1, the tuner reads that kind fast relative to the rest) and the
@@ -36,6 +39,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _tuning_scores import (  # noqa: E402
     IN_GRAPH,
+    IN_GRAPH_EVENTS,
     KERNEL_SUM,
     MODES,
     TARGET_REGRET,
@@ -60,6 +64,8 @@ VIEWS = {
     "kernel sum": KERNEL_SUM,
 }
 IN_GRAPH_VIEWS = ("ig CUPTI (scored)", "ig CUPTI set 1", "ig events set 1")
+#: The events reading's median over all input sets: a view only where the file has it.
+EVENTS_ALL = "ig events (all sets)"
 KINDS = (
     "torch/cuBLAS",
     "Triton GEMM split 1",
@@ -132,6 +138,23 @@ def ok_cases(data: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
+def has_events_truth(cases: Sequence[dict[str, Any]]) -> bool:
+    """Whether any candidate has the all-set events reading (files written since it is kept)."""
+    return any(finite(c.get(IN_GRAPH_EVENTS)) for case in cases for c in case["candidates"])
+
+
+def views_of(cases: Sequence[dict[str, Any]]) -> dict[str, str]:
+    """:data:`VIEWS`, with :data:`EVENTS_ALL` after the set-1 events view where the file has it."""
+    if not has_events_truth(cases):
+        return dict(VIEWS)
+    views = {}
+    for name, field in VIEWS.items():
+        views[name] = field
+        if name == "ig events set 1":
+            views[EVENTS_ALL] = IN_GRAPH_EVENTS
+    return views
+
+
 def modes_of(cases: Sequence[dict[str, Any]]) -> list[str]:
     """The timing modes recorded in any case, in the benchmark's order."""
     seen = {mode for case in cases for mode in case["modes"]}
@@ -160,11 +183,14 @@ def disagreement(
 
 
 def disagreements(
-    cases: Sequence[dict[str, Any]], threshold: float = TARGET_REGRET
+    cases: Sequence[dict[str, Any]],
+    threshold: float = TARGET_REGRET,
+    first: str = CUPTI_SET1,
+    second: str = EVENTS_SET1,
 ) -> tuple[int, list[dict[str, Any]]]:
     """``(cases with both views, those whose bests differ by more than threshold)``, the
     largest gap first."""
-    found = [d for d in map(disagreement, cases) if d is not None]
+    found = [d for d in (disagreement(c, first, second) for c in cases) if d is not None]
     big = [d for d in found if d["gap"] > threshold]
     return len(found), sorted(big, key=lambda d: d["gap"], reverse=True)
 
@@ -262,30 +288,35 @@ def report(path: Path, data: dict[str, Any]) -> str:
     )
     parts = [head]
 
-    compared, big = disagreements(cases)
-    rows = [
-        [
-            d["case"],
-            short_tactic(d["best_first"]["runner"], d["best_first"]["tactic"]),
-            pct(d["first_best_under_second"]),
-            short_tactic(d["best_second"]["runner"], d["best_second"]["tactic"]),
-            pct(d["second_best_under_first"]),
+    views = views_of(cases)
+    pairs = [("on input set 1", CUPTI_SET1, EVENTS_SET1)]
+    if EVENTS_ALL in views:
+        pairs.append(("over all sets (medians)", IN_GRAPH, IN_GRAPH_EVENTS))
+    for where, first, second in pairs:
+        compared, big = disagreements(cases, TARGET_REGRET, first, second)
+        rows = [
+            [
+                d["case"],
+                short_tactic(d["best_first"]["runner"], d["best_first"]["tactic"]),
+                pct(d["first_best_under_second"]),
+                short_tactic(d["best_second"]["runner"], d["best_second"]["tactic"]),
+                pct(d["second_best_under_first"]),
+            ]
+            for d in big
         ]
-        for d in big
-    ]
-    parts.append(
-        render_table(
-            f"In-graph bests that differ by > 1% between CUPTI and events on input set 1: "
-            f"{len(big)} of {compared} cases",
-            ["case", "CUPTI best", "its events regret", "events best", "its CUPTI regret"],
-            rows,
-            width=160,
+        parts.append(
+            render_table(
+                f"In-graph bests that differ by > 1% between CUPTI and events {where}: "
+                f"{len(big)} of {compared} cases",
+                ["case", "CUPTI best", "its events regret", "events best", "its CUPTI regret"],
+                rows,
+                width=160,
+            )
         )
-    )
 
     rows = []
     for mode in modes_of(cases):
-        for name, field in VIEWS.items():
+        for name, field in views.items():
             s = regret_summary(cases, mode, field)
             rows.append([mode, name, s["cases"], pct(s["share_le_1pct"]), pct(s["max"])])
     parts.append(
@@ -296,9 +327,10 @@ def report(path: Path, data: dict[str, Any]) -> str:
         )
     )
 
+    in_graph_views = [n for n in views if n.startswith("ig ")]
     rows = []
     for mode in modes_of(cases):
-        ratios = [kind_ratios(cases, mode, VIEWS[name]) for name in IN_GRAPH_VIEWS]
+        ratios = [kind_ratios(cases, mode, views[name]) for name in in_graph_views]
         for kind in KINDS:
             counts = {r[kind][0] for r in ratios if kind in r}
             rows.append(
@@ -312,7 +344,7 @@ def report(path: Path, data: dict[str, Any]) -> str:
         render_table(
             "Tuner time / in-graph truth by candidate kind, case-normalised (< 1: read fast); "
             "± the median distance from 1",
-            ["mode", "kind", "n", *IN_GRAPH_VIEWS],
+            ["mode", "kind", "n", *in_graph_views],
             rows,
         )
     )

@@ -215,3 +215,51 @@ def test_a_file_that_is_not_a_result_is_one_line_and_exit_1(tmp_path, capsys, co
 def test_a_missing_file(tmp_path, capsys):
     assert ta.main([str(tmp_path / "nope.json")]) == 1
     assert "nope.json: cannot read it" in capsys.readouterr().err
+
+
+def with_events_truth(data: dict[str, Any]) -> dict[str, Any]:
+    """The result as tuning.py writes it since the events reading is kept for every input set:
+    its median in ``cupti_graph_events_us`` (set 1's reading here, but A at 10.2)."""
+    for case in data["cases"]:
+        for c in case["candidates"]:
+            graph = c.get("cupti_graph") or {}
+            c["cupti_graph_events_us"] = graph.get("events_per_call_us", math.inf) or math.inf
+            if c["runner"] == "TorchGemmRunner" and c["cupti_graph_us"] == 10.0:
+                c["cupti_graph_events_us"] = 10.2
+    return data
+
+
+def test_an_old_file_has_no_all_set_events_view(cases, tmp_path, capsys):
+    assert not ta.has_events_truth(cases) and ta.views_of(cases) == ta.VIEWS
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(result()))
+    assert ta.main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert ta.EVENTS_ALL not in out and "over all sets" not in out
+
+
+def test_the_all_set_events_view_where_the_file_has_it(tmp_path, capsys):
+    path = tmp_path / "new.json"
+    path.write_text(json.dumps(with_events_truth(result())))
+    cases = ta.ok_cases(ta.load(path))
+    views = ta.views_of(cases)
+    assert list(views) == [
+        "ig CUPTI (scored)",
+        "ig CUPTI set 1",
+        "ig events set 1",
+        ta.EVENTS_ALL,
+        "kernel sum",
+    ]
+    assert views[ta.EVENTS_ALL] == ta.IN_GRAPH_EVENTS
+    # Picks A, A, B: A reads 10.2 against B's 10.0 over all sets.
+    assert ta.pick_regret(cases[0], "graph", ta.IN_GRAPH_EVENTS) == pytest.approx(0.02)
+    # The scored CUPTI truth's best A against the events best B: 2% and 3% (B 10.3 vs A 10.0).
+    compared, big = ta.disagreements(cases, first=ta.IN_GRAPH, second=ta.IN_GRAPH_EVENTS)
+    assert compared == 3 and [d["case"] for d in big] == ["qkv M=8"]
+    assert big[0]["first_best_under_second"] == pytest.approx(0.02)
+    assert big[0]["gap"] == pytest.approx(0.03)
+    assert ta.main([str(path)]) == 0
+    out = capsys.readouterr().out
+    words = " ".join(out.split())  # a long title wraps
+    assert "between CUPTI and events over all sets (medians): 1 of 3 cases" in words
+    assert out.count(ta.EVENTS_ALL) == 2  # the regret table and the kind table

@@ -21,6 +21,7 @@ if str(BENCHMARKS) not in sys.path:
     sys.path.insert(0, str(BENCHMARKS))
 
 import _tuning_scores as scores  # noqa: E402
+import _tuning_table as tuning_table  # noqa: E402
 
 SPLIT_K = {"bm": 16, "bn": 32, "bk": 128, "warps": 4, "stages": 4, "split_k": 4}
 
@@ -354,3 +355,123 @@ def test_short_tactic_labels_every_runner_family():
     gemv = {"bn": 8, "bk": 512, "warps": 4, "split_k": 2}  # has split_k but no bm / stages
     assert scores.short_tactic("TritonGemvRunner", gemv) == "TritonGemv 8x512 w4 k2"
     assert scores.short_tactic("TorchGemmRunner", -1) == "TorchGemm -1"
+
+
+# --- the events reading of the in-graph graph ---------------------------------------------------
+
+
+def test_regrets_against_the_events_truth_and_the_views_that_differ():
+    truth = split_k_truth()
+    # Events read split-K 10% under its CUPTI time (the fastest by events), the rest alike.
+    for t, events in zip(truth, (5.02, 4.90, 6.21, math.inf), strict=True):
+        t["cupti_graph_events_us"] = events
+    picks = [{"runner_index": 0, "tactic": -1}, {"runner_index": 1, "tactic": dict(SPLIT_K)}]
+    assert scores.regrets_against(picks, truth, "cupti_graph_events_us") == pytest.approx(
+        [5.02 / 4.90 - 1, 0.0]
+    )
+    assert scores.score_picks(picks, truth)[1] == pytest.approx([0.0, 5.40 / 5.00 - 1])
+    # Three candidates have both readings; split-K's differ by 10%, the others' by < 1%.
+    assert scores.views_differ(truth) == (3, 1, 1)
+    assert scores.views_differ(truth, tolerance=0.2) == (3, 0, 0)
+    truth[0]["cupti_graph_events_us"] = 4.0  # a one-kernel cuBLAS call that reads apart
+    assert scores.views_differ(truth) == (3, 2, 1)
+    assert scores.views_differ(split_k_truth()) == (0, 0, 0)  # an old result: nothing to compare
+
+
+@pytest.mark.parametrize(
+    ("tactic", "split"),
+    [
+        (dict(SPLIT_K), True),
+        (dict(SPLIT_K, split_k=1), False),
+        ({"bn": 64, "bk": 128, "warps": 4, "dot": 1, "stages": 4, "split": 2}, True),
+        ({"bn": 64, "bk": 128, "warps": 4, "dot": 1, "stages": 4, "split": 1}, False),
+        ({"block": 1024, "warps": 4}, False),
+        (-1, False),
+    ],
+)
+def test_is_split_k(tactic, split):
+    assert scores.is_split_k(tactic) is split
+
+
+def with_events(record: dict[str, Any], regret_events: float, best: bool = True) -> dict[str, Any]:
+    """``record`` with an events truth (``best``) and graph mode's worst regret against it."""
+    record["best_graph_events"] = (
+        {"runner": "TritonGemmRunner", "tactic": SPLIT_K} if best else None
+    )
+    record["modes"]["graph"]["regret_graph_events"] = regret_events
+    record["truth_noise_graph_events"] = 0.03
+    return record
+
+
+def test_summary_scores_the_events_truth_beside_the_cupti_one():
+    # 18 cases right under every in-graph view; 2 where CUPTI reads the split-K best slow (the
+    # pick is 2.5% off by events, exact by CUPTI), one of them inside the events truth's noise.
+    records = [with_events(case_record(mode_record(0.0, 0.0)), 0.0) for _ in range(18)]
+    records += [with_events(case_record(mode_record(0.0, 0.0)), r) for r in (0.025, 0.04)]
+    summary = scores.summarize(records, ("graph",))
+    graph = summary["graph"]
+    assert graph["share_regret_le_1pct_events_truth"] == pytest.approx(18 / 20)
+    assert graph["max_regret_events_truth"] == pytest.approx(0.04)
+    assert graph["mean_regret_events_truth"] == pytest.approx(0.065 / 20)
+    assert graph["cases_events_truth"] == 20
+    assert graph["misses_within_truth_noise_events_truth"] == 1  # 2.5% <= 3%, 4% is not
+    targets = summary["targets"]
+    assert targets["graph_regret_le_1pct_in_95pct_events_truth"] is False
+    assert targets["graph_regret_never_gt_5pct_events_truth"] is True
+    assert targets["graph_regret_never_gt_2pct_events_truth"] is False
+    assert summary["all_pass_graph_truth"] is True  # the CUPTI truth still decides it
+    assert summary["all_pass_events_truth"] is False
+    assert scores.EVENTS_TRUTH_TARGETS == (
+        "graph_regret_le_1pct_in_95pct_events_truth",
+        "graph_regret_never_gt_5pct_events_truth",
+        "graph_regret_never_gt_2pct_events_truth",
+        "graph_same_pick_3of3_in_95pct",
+        "graph_at_most_1_case_without_the_same_pick",
+        "graph_median_ms_per_tactic_le_10",
+    )
+    # Every case within 1% by events: it passes; a case without the events truth fails it.
+    records = [with_events(case_record(mode_record(0.0, 0.0)), 0.0) for _ in range(20)]
+    assert scores.summarize(records, ("graph",))["all_pass_events_truth"] is True
+    records.append(with_events(case_record(mode_record(0.0, 0.0)), math.nan, best=False))
+    summary = scores.summarize(records, ("graph",))
+    assert summary["graph"]["cases_events_truth"] == 20
+    assert summary["cases_without_events_truth"] == 1
+    assert summary["all_pass_events_truth"] is False
+    # A failed graph mode counts as infinite regret under the events truth too.
+    records[0]["modes"]["graph"] = {"error": "CaptureError: boom"}
+    assert scores.summarize(records, ("graph",))["graph"]["max_regret_events_truth"] == math.inf
+
+
+def test_summary_without_the_events_truth_is_as_before():
+    records = [case_record(mode_record(0.0, 0.0)) for _ in range(20)]
+    summary = scores.summarize(records, ("graph",))
+    assert summary["all_pass_graph_truth"] is True and summary["all_pass_events_truth"] is None
+    assert not any(t.endswith("_events_truth") for t in summary["targets"])
+    assert summary["graph"]["cases_events_truth"] == 0
+    assert summary["graph"]["share_regret_le_1pct_events_truth"] is None
+    assert summary["candidates_in_graph_cupti_vs_events_gt_5pct"] == 0
+    assert scores.summarize(records, ("events",))["all_pass_events_truth"] is None
+
+
+def test_summary_lines_carry_every_truth():
+    records = [with_events(case_record(mode_record(0.037, 0.0)), 0.025)]
+    records[0]["candidates"] = [
+        {"tactic": dict(SPLIT_K), "cupti_graph_us": 5.4, "cupti_graph_events_us": 4.9},
+        {"tactic": -1, "cupti_graph_us": 5.0, "cupti_graph_events_us": 5.02},
+    ]
+    summary = scores.summarize(records, ("graph", "events"))
+    lines = tuning_table.summary_lines(summary, ("graph", "events"))
+    assert "target graph_regret_never_gt_2pct_events_truth: FAIL" in lines
+    assert "target graph_regret_never_gt_2pct_graph_truth: pass" in lines
+    assert (
+        "graph: cases with every pick within 1% of the best: kernel sum 0.0% (max regret 3.7%), "
+        "in-graph CUPTI 100.0% (max regret 0.0%), in-graph events 0.0% (max regret 2.5%)"
+    ) in lines
+    assert any(ln.startswith("graph: median 10.00 ms per (tactic, bucket)") for ln in lines)
+    assert "candidates whose in-graph time by CUPTI and by events differs by > 5%: 1 of 2 " in (
+        "\n".join(lines)
+    )
+    # events mode has no events-truth regret in these records: it scores inf there.
+    assert any(ln.startswith("events: cases with every pick") for ln in lines)
+    no_graph = tuning_table.summary_lines(scores.summarize(records, ("events",)), ("events",))
+    assert no_graph[0] == "targets: not evaluated (graph mode was not run)"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -22,6 +23,7 @@ if str(BENCHMARKS) not in sys.path:
 import _tuning_cases as tuning_cases  # noqa: E402
 import _tuning_options as tuning_options  # noqa: E402
 import _tuning_scores as scores  # noqa: E402
+import _tuning_table as tuning_table  # noqa: E402
 import tuning as bench  # noqa: E402
 
 from graphtune.autotuner import (  # noqa: E402
@@ -160,14 +162,19 @@ class State:
     def __init__(self) -> None:
         self.clock_us = 0.0
         self.last: str | None = None
+        self.graph_calls: dict[str, int] = {}
 
 
-#: (kernel sum, in-graph, what the fake tuner timer reads) per candidate key.
+#: (kernel sum, in-graph by CUPTI, what the fake tuner timer reads, in-graph by events) per
+#: candidate key. Split-K is the CUPTI-slow one: 5.40 us by CUPTI, 4.90 us by events (the events
+#: best), where the others read within 1% both ways.
 COSTS = {
-    KEY(0, -1): (4.78, 5.00, 5.02),
-    KEY(1, dict(SPLIT_K, split_k=1)): (6.00, 6.20, 6.25),
-    KEY(1, SPLIT_K): (4.61, 5.40, 5.45),
+    KEY(0, -1): (4.78, 5.00, 5.02, 5.02),
+    KEY(1, dict(SPLIT_K, split_k=1)): (6.00, 6.20, 6.25, 6.25),
+    KEY(1, SPLIT_K): (4.61, 5.40, 5.45, 4.90),
 }
+#: The events reading on input sets 1, 2, 3 (as a factor): median 1, relative range 3%.
+EVENT_SETS = (1.0, 1.02, 0.99)
 BROKEN = dict(SPLIT_K, bm=32)
 
 
@@ -235,12 +242,19 @@ def fake_gpu(monkeypatch):
     def graph_time(call, *, replays, warmup, estimate_us):
         assert replays == 4 and estimate_us is not None
         call(0)
-        ig = COSTS[state.last][1]
+        ig, events = COSTS[state.last][1], COSTS[state.last][3]
+        n = state.graph_calls[state.last] = state.graph_calls.get(state.last, 0) + 1
+        events *= EVENT_SETS[(n - 1) % len(EVENT_SETS)]
         kernels = 2 if estimate_us == 4.61 else 1
         return SimpleNamespace(
             per_call_us=ig,
             kernels_per_call=kernels,
-            as_dict=lambda: {"per_call_us": ig, "kernels_per_call": kernels},
+            events_per_call_us=events,
+            as_dict=lambda: {
+                "per_call_us": ig,
+                "kernels_per_call": kernels,
+                "events_per_call_us": events,
+            },
         )
 
     def resolve_timer(mode: str, device: Any):
@@ -271,11 +285,23 @@ def test_run_case_records_both_truths_tuner_times_and_survives_failures(fake_gpu
     assert broken["cupti_us_sets"] == [] and record["truth_noise_graph"] == 0.0
     assert record["best"]["tactic"] == SPLIT_K  # kernel sum: split-K
     assert record["best_graph"]["tactic"] == -1  # in-graph: cuBLAS
+    # The events reading: every input set kept, the median scored, its own noise.
+    split_k = by_key[KEY(1, SPLIT_K)]
+    assert split_k["cupti_graph_events_us_sets"] == pytest.approx([4.90, 4.998, 4.851])
+    assert split_k["cupti_graph_events_us"] == pytest.approx(4.90)
+    assert split_k["cupti_graph"]["events_per_call_us"] == pytest.approx(4.90)  # set 1, as before
+    assert (
+        broken["cupti_graph_events_us"] == math.inf and broken["cupti_graph_events_us_sets"] == []
+    )
+    assert record["truth_noise_graph_events"] == pytest.approx(0.03)
+    assert record["best_graph_events"]["tactic"] == SPLIT_K  # events: split-K, CUPTI: cuBLAS
     graph = record["modes"]["graph"]
     assert [p["runner_index"] for p in graph["picks"]] == [0, 0]
     assert graph["regrets"] == pytest.approx([4.78 / 4.61 - 1] * 2)
     assert graph["regret"] == pytest.approx(4.78 / 4.61 - 1)
     assert graph["regrets_graph"] == [0.0, 0.0] and graph["regret_graph"] == 0.0
+    assert graph["regrets_graph_events"] == pytest.approx([5.02 / 4.90 - 1] * 2)
+    assert graph["regret_graph_events"] == pytest.approx(5.02 / 4.90 - 1)
     assert graph["agree"] is True and len(graph["ms_per_tactic"]) == 2
     assert "error" in record["modes"]["wallclock"]  # one failing mode keeps the others
     assert record["modes"]["events"]["regret_graph"] == 0.0
@@ -286,12 +312,65 @@ def test_run_case_records_both_truths_tuner_times_and_survives_failures(fake_gpu
         assert record["spearman"]["graph"]["graph_truth"] == pytest.approx(1.0)
         # tuner ranks (1, 3, 2), kernel-sum ranks (2, 3, 1): 1 - 6 * 2 / (3 * 8)
         assert record["spearman"]["graph"]["kernel_sum_truth"] == pytest.approx(0.5)
+        # tuner ranks (1, 3, 2), events ranks (2, 3, 1): the same as the kernel sum's
+        assert record["spearman"]["graph"]["events_truth"] == pytest.approx(0.5)
     else:  # an older tuner: nothing recorded, nothing broken
         assert graph["tie_bands"] == [None, None] and record["spearman"] == {}
     summary = scores.summarize([record], args.modes)
     assert summary["graph"]["share_regret_le_1pct_graph_truth"] == 1.0
     assert summary["wallclock"]["mode_errors"] == 1
-    scores.table([record], args.modes)
+    # Against the events truth the same picks miss by 2.4%: its targets fail where the CUPTI
+    # ones pass.
+    graph_stats = summary["graph"]
+    assert graph_stats["share_regret_le_1pct_events_truth"] == 0.0
+    assert graph_stats["max_regret_events_truth"] == pytest.approx(5.02 / 4.90 - 1)
+    assert graph_stats["cases_events_truth"] == 1
+    assert graph_stats["misses_within_truth_noise_events_truth"] == 1  # 2.4% <= 3% noise
+    targets = summary["targets"]
+    assert targets["graph_regret_never_gt_2pct_graph_truth"] is True
+    assert targets["graph_regret_le_1pct_in_95pct_events_truth"] is False
+    assert targets["graph_regret_never_gt_5pct_events_truth"] is True
+    assert targets["graph_regret_never_gt_2pct_events_truth"] is False
+    assert targets["graph_regret_le_1pct_in_95pct_graph_truth"] is True
+    assert summary["all_pass_events_truth"] is False
+    # Split-K alone reads > 5% apart (5.40 by CUPTI, 4.90 by events); the broken one has neither.
+    assert summary["candidates_in_graph_cupti_vs_events_compared"] == 3
+    assert summary["candidates_in_graph_cupti_vs_events_gt_5pct"] == 1
+    assert summary["candidates_in_graph_cupti_vs_events_gt_5pct_split_k"] == 1
+    text = scores.table([record], args.modes)
+    assert "graph ev" in text and "2.4%" in text
+
+
+def test_an_old_record_without_the_events_truth_still_scores(fake_gpu):
+    """A record from before the events truth was kept scores as it did, without events."""
+    args = tuning_options.parse_args(["--modes", "graph", "--runs", "2"])
+    args.cupti_graph_replays = 4
+    record = bench.run_case(fake_case(fake_gpu), torch.device("cpu"), args)
+    new = scores.summarize([record], args.modes)
+    old = json.loads(json.dumps(record))
+    for key in ("best_graph_events", "truth_noise_graph_events"):
+        del old[key]
+    for cand in old["candidates"]:
+        for key in ("cupti_graph_events_us", "cupti_graph_events_us_sets"):
+            del cand[key]
+    for key in ("regrets_graph_events", "regret_graph_events"):
+        del old["modes"]["graph"][key]
+    old["spearman"]["graph"].pop("events_truth", None)
+    summary = scores.summarize([old], args.modes)
+    assert summary["all_pass_events_truth"] is None
+    assert not any(t.endswith("_events_truth") for t in summary["targets"])
+    assert {k: v for k, v in new["targets"].items() if not k.endswith("_events_truth")} == (
+        summary["targets"]
+    )
+    for key in ("all_pass", "all_pass_graph_truth", "share_reachable_under_both_truths"):
+        assert summary[key] == new[key]
+    for key in ("share_regret_le_1pct_graph_truth", "max_regret_graph_truth", "cases_graph_truth"):
+        assert summary["graph"][key] == new["graph"][key]
+    assert summary["graph"]["cases_events_truth"] == 0
+    assert summary["candidates_in_graph_cupti_vs_events_compared"] == 0
+    assert "graph ev" in scores.table([old], args.modes)  # its cells are "-"
+    lines = tuning_table.summary_lines(summary, args.modes)
+    assert not any("events" in line for line in lines)
 
 
 def test_main_writes_options_and_keeps_every_case(fake_gpu, monkeypatch, tmp_path, capsys):
@@ -338,9 +417,30 @@ def test_main_writes_options_and_keeps_every_case(fake_gpu, monkeypatch, tmp_pat
     assert data["summary"]["all_pass"] is False
     assert data["summary"]["all_pass_graph_truth"] is False  # the failed case counts
     assert data["summary"]["targets"]["graph_regret_le_1pct_in_95pct_graph_truth"] is True
+    assert data["summary"]["targets"]["graph_regret_le_1pct_in_95pct_events_truth"] is False
+    assert data["summary"]["all_pass_events_truth"] is False
+    assert data["targets"]["truths"]["events_truth"] == list(scores.EVENTS_TRUTH_TARGETS)
+    assert data["cases"][1]["candidates"][0]["cupti_graph_events_us_sets"]
     assert data["cases"][1]["modes"]["wallclock"]["error"].startswith("RuntimeError")
     out = capsys.readouterr().out
     line = next(ln for ln in out.splitlines() if ln.startswith('{"bench": "tuning"'))
     final = json.loads(line)
     assert final["all_pass"] is False and "graph" in final and "events" not in final
+    assert final["all_pass_events_truth"] is False
+    # The lines the run ends with carry the events truth's targets and shares.
+    summary_lines = [
+        ln
+        for ln in out.splitlines()
+        if re.search(r"^target|median .* per|within 1% of the best|reachable", ln)
+    ]
+    assert "target graph_regret_never_gt_2pct_events_truth: FAIL" in summary_lines
+    assert any(
+        ln.startswith(
+            "graph: cases with every pick within 1% of the best: kernel sum 0.0% (max regret 3.7%)"
+        )
+        and "in-graph CUPTI 100.0% (max regret 0.0%)" in ln
+        and "in-graph events 0.0% (max regret 2.4%)" in ln
+        for ln in summary_lines
+    )
+    assert "differs by > 5%: 1 of 3 (1 split-K)" in out
     assert "graph ig" in out  # the table comes after the JSON line

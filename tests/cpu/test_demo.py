@@ -112,6 +112,19 @@ def test_demo_ctrl_c_says_how_many_picks_the_cache_file_kept(tmp_path, capsys, i
     assert len(persist.load(path, strict=True)) == 4  # what the message claims is on disk
 
 
+def test_demo_ctrl_c_counts_only_this_runs_picks_not_those_the_file_held(
+    tmp_path, capsys, interrupted_demo
+):
+    path = tmp_path / "demo.json"
+    assert main(["demo", "--cache", str(path), "--device", "cpu"]) == 130  # 4 picks saved
+    capsys.readouterr()
+    # The second run finds matmul's picks in the file and is interrupted before making any.
+    assert main(["demo", "--cache", str(path), "--device", "cpu"]) == 130
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == "error: interrupted (Ctrl-C); nothing was tuned yet"
+    assert len(persist.load(path, strict=True)) == 4
+
+
 def test_demo_ctrl_c_without_a_cache_file_claims_nothing_kept(
     capsys, monkeypatch, interrupted_demo
 ):

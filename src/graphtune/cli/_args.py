@@ -264,6 +264,28 @@ def report_written(flag: str, requested: Path, written: Path) -> bool:
     return False
 
 
+def interrupted_picks(tuner: Any, cache: Path | None) -> str:
+    """What an interrupted tuning command kept, for the ``KeyboardInterrupt``'s message.
+
+    Counts only the picks this run made (``tuner.stats``), not those the cache file held before;
+    ``autotune()`` tried to save them before the interrupt reached the command, and a failed save
+    logged a warning naming where they went instead.
+    """
+    made = tuner.stats.profiles_tuned + tuner.stats.untimed_picks
+    if not made:
+        return "nothing was tuned yet"
+    if cache is None:
+        # Without a cache file the picks lived in memory only: say they are gone, not kept.
+        return f"{made} finished picks not kept: no --cache file (nor GRAPHTUNE_CACHE) was given"
+    unsaved = tuner.cache.unsaved(cache)
+    if unsaved:
+        return (
+            f"{unsaved} finished picks could not be saved to {cache} (the warning above says "
+            "where they are)"
+        )
+    return f"{made} finished picks kept in {cache}"
+
+
 def check_cache_path(path: Path, flag: str) -> None:
     """Checks before any work that a tuning cache can be saved at ``path``: as
     :func:`check_output_path`, and a file already there must be a graphtune tuning cache (a save

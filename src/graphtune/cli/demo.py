@@ -8,12 +8,8 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from graphtune.cli._args import device_name, tuning_cache_path
-
-if TYPE_CHECKING:  # the CLI imports torch only when a command runs, so --help stays fast
-    from graphtune.autotuner import AutoTuner
+from graphtune.cli._args import device_name, interrupted_picks, tuning_cache_path
 
 DESCRIPTION = (
     "Tunes two small ops on the best device present and prints the picks: matmul (torch.matmul, "
@@ -62,26 +58,5 @@ def run_demo(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         # main() prints this after "interrupted (Ctrl-C)": the user learns whether the picks
         # finished before the interrupt survive, and where.
-        raise KeyboardInterrupt(_kept_picks(tuner, cache)) from None
+        raise KeyboardInterrupt(interrupted_picks(tuner, cache)) from None
     return 0
-
-
-def _kept_picks(tuner: AutoTuner, cache: Path | None) -> str:
-    """What an interrupted demo kept, claiming only what is in the cache file.
-
-    The same wording as ``graphtune tune``'s interrupt. autotune() tried to save the finished
-    picks before the interrupt reached run_demo; a failed save logged a warning naming where the
-    picks went instead, so that case points at the warning.
-    """
-    kept = len(tuner.cache)
-    if not kept:
-        return "nothing was tuned yet"
-    if cache is None:
-        # Without a cache file the picks lived in memory only: say they are gone, not kept.
-        return f"{kept} finished picks not kept: no --cache file (nor GRAPHTUNE_CACHE) was given"
-    if tuner.cache.unsaved(cache):
-        return (
-            f"{kept} finished picks could not be saved to {cache} (the warning above says "
-            "where they are)"
-        )
-    return f"{kept} finished picks kept in {cache}"

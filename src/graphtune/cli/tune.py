@@ -21,6 +21,7 @@ from graphtune.cli._args import (
     add_device_arguments,
     check_cache_path,
     check_misses_path,
+    interrupted_picks,
     positive_int,
     timing_timer,
 )
@@ -158,19 +159,7 @@ def run_tune(args: argparse.Namespace) -> int:
                 refine=args.refine_in_step,
             )
     except KeyboardInterrupt:
-        # autotune() tried to save the picks finished so far before the interrupt reached here;
-        # a failed save is a warning above, naming where the picks went instead.
-        kept = len(tuner.cache)
-        if not kept:
-            message = "nothing was tuned yet"
-        elif tuner.cache.unsaved(args.cache):
-            message = (
-                f"{kept} finished picks could not be saved to {args.cache} (the warning above "
-                "says where they are)"
-            )
-        else:
-            message = f"{kept} finished picks kept in {args.cache}"
-        raise KeyboardInterrupt(message) from None
+        raise KeyboardInterrupt(interrupted_picks(tuner, args.cache)) from None
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     stats = tuner.stats

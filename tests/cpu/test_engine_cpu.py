@@ -270,6 +270,14 @@ def test_sampling_params_take_numpy_scalars_as_python_numbers():
         SamplingParams(seed=np.int64(-1))
 
 
+@pytest.mark.parametrize("field", ["temperature", "top_p"])
+def test_sampling_params_refuse_an_int_too_large_for_a_float(field):
+    with pytest.raises(ConfigError, match=field):
+        SamplingParams(
+            **{field: 10**400, "temperature": 1.0} if field == "top_p" else {field: 10**400}
+        )
+
+
 @pytest.mark.parametrize(
     "kwargs, fields",
     [

@@ -53,13 +53,18 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        # NumPy and other registered scalars (np.int64 seeds, np.float32 temperatures) are
-        # stored as Python numbers, so the params print, compare and serialise as plain values.
+        # NumPy and other registered scalars (np.int64 seeds, np.float32 temperatures) and ints
+        # given for the float fields are stored as Python numbers of the field's type, so the
+        # params print, compare and serialise as plain values (an int too large for a float is
+        # refused here, not when the logits are divided by it).
         for name, kind in (("temperature", float), ("top_k", int), ("top_p", float), ("seed", int)):
             value = getattr(self, name)
             abc = numbers.Integral if kind is int else numbers.Real
             if isinstance(value, abc) and not isinstance(value, bool) and type(value) is not kind:
-                object.__setattr__(self, name, kind(value))
+                try:
+                    object.__setattr__(self, name, kind(value))
+                except (OverflowError, ValueError):
+                    raise ConfigError(f"{name} must be a finite number, got {value!r}") from None
         if not _is_real(self.temperature) or not 0.0 <= self.temperature < math.inf:
             raise ConfigError(
                 f"temperature must be a finite number >= 0 (0: greedy), got {self.temperature!r}"

@@ -15,7 +15,7 @@ model, batch sizes, resolved device and dtype, tolerances), ``passed`` and ``rep
 op call), through the atomic results writer (:func:`graphtune.bench.results.write_json`); a run
 stopped early (Ctrl-C, or a batch refused because its checks would not fit in the host's memory:
 :func:`graphtune.cli._step_calls.check_calls_fit`) writes the reports it finished with
-``notes`` saying which batch sizes they cover.
+``notes`` saying which batch sizes they cover, and ``passed`` false.
 """
 
 from __future__ import annotations
@@ -331,7 +331,9 @@ def _result_json(
             "atol": args.atol,
             "rtol": args.rtol,
         },
-        "passed": all(r.passed for r in reports),
+        # A run stopped early did not check everything it was asked to: not a pass, whatever
+        # the finished reports say (its ``notes`` tell that failure from a tactic's).
+        "passed": not notes and all(r.passed for r in reports),
         "reports": [_report_json(r) for r in reports],
     }
     if notes:

@@ -47,12 +47,13 @@ def check_pad_argument(pad: Any) -> None:
 
 def check_pad_value(rule: Any, leaf: torch.Tensor, path: Path) -> None:
     """A number pad rule must be a value of the input's dtype: for an integer input an integer
-    in its range (1.5 would be truncated to 1, nan and 2**70 fail on every padded call)."""
-    if (
-        not isinstance(rule, numbers.Number)
-        or leaf.dtype.is_floating_point
-        or leaf.dtype.is_complex
-    ):
+    in its range (1.5 would be truncated to 1, nan and 2**70 fail on every padded call), for a
+    floating or complex input one that converts without overflow (``1e6`` for float16, a complex
+    number for a real dtype fail on every padded call; ``inf``, ``-inf`` and ``nan`` fit)."""
+    if not isinstance(rule, numbers.Number):
+        return
+    if leaf.dtype.is_floating_point or leaf.dtype.is_complex:
+        _check_float_pad_value(rule, leaf.dtype, path)
         return
     value: int | None = None
     if isinstance(rule, numbers.Integral) or (isinstance(rule, float) and rule.is_integer()):
@@ -67,6 +68,25 @@ def check_pad_value(rule: Any, leaf: torch.Tensor, path: Path) -> None:
             f"{leaf.dtype}; give an integer"
             + (f" in [{info.min}, {info.max}]" if info is not None else " (0 or 1)")
         )
+
+
+def _check_float_pad_value(rule: Any, dtype: torch.dtype, path: Path) -> None:
+    """Fills a small CPU tensor of ``dtype`` as every padded call fills its rows (two elements:
+    a one-element fill takes a path that does not check for overflow)."""
+    try:
+        if not dtype.is_complex and not isinstance(rule, numbers.Real):
+            raise TypeError("a complex number for a real dtype")
+        torch.empty(2, dtype=dtype).fill_(rule)
+    except (RuntimeError, OverflowError, TypeError) as exc:
+        if dtype.is_complex:
+            hint = "a number in its range"
+        else:
+            info = torch.finfo(dtype)
+            hint = f"a real number in [{info.min:g}, {info.max:g}] (or inf, -inf, nan)"
+        raise ConfigError(
+            f"pad rule {rule!r} for input {path_str(path)} is not a value of its dtype "
+            f"{dtype} ({exc}); give {hint}"
+        ) from None
 
 
 def pad_filler(rule: PadRule | None, pad_rows: torch.Tensor, real_rows: torch.Tensor) -> Callable:

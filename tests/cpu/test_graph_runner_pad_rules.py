@@ -1,0 +1,61 @@
+"""Pad rules the graph runner must refuse before anything is captured (simulated backend, CPU):
+a number that does not fit a floating input's dtype, and a callable of the wrong signature.
+Accepted, they failed with a raw error on every padded call."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphtune.errors import ConfigError
+from graphtune.graphs import CUDAGraphRunner, SimulatedGraphBackend
+
+
+def step(x, pos):
+    return x * 2, pos + 1
+
+
+def runner_for(pad) -> CUDAGraphRunner:
+    return CUDAGraphRunner(
+        step, max_batch_size=8, capture_sizes=[4, 8], pad=pad, backend=SimulatedGraphBackend()
+    )
+
+
+def examples(dtype: torch.dtype, rows: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(rows, 4).to(dtype), torch.zeros(rows, dtype=torch.long)
+
+
+@pytest.mark.parametrize(
+    "dtype, value",
+    [
+        (torch.float16, 1e6),
+        (torch.float16, 70000),
+        (torch.bfloat16, 1e300),
+        (torch.float32, 1e300),
+        (torch.float16, 1j),
+        (torch.float32, 2 + 0j),
+        (torch.complex64, 1e300),
+    ],
+)
+def test_a_pad_number_that_does_not_fit_a_floating_input_is_refused_at_capture(dtype, value):
+    runner = runner_for({"0": value})
+    with pytest.raises(ConfigError, match=rf"input 0 .*{dtype}"):
+        runner.capture(*examples(dtype))
+    assert runner.captured_keys == []
+    with torch.inference_mode():  # nothing was captured: a padded call runs eagerly, no error
+        out, _ = runner(*examples(dtype, rows=3))
+    assert out.shape == (3, 4)
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan"), -65504.0, 0.5])
+def test_a_pad_number_that_fits_a_floating_input_pads_its_rows(value):
+    runner = runner_for({"0": value})
+    with torch.inference_mode():
+        runner.capture(*examples(torch.float16))
+        x, pos = examples(torch.float16, rows=3)
+        out, _ = runner(x, pos)
+        (padded_x, _), n, size = runner.padded_inputs(x, pos)
+    assert (n, size) == (3, 4)
+    assert torch.equal(out, x * 2)
+    expected = torch.full((1, 4), value, dtype=torch.float16)
+    assert torch.allclose(padded_x[3:], expected, equal_nan=True)

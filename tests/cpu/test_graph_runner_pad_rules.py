@@ -4,6 +4,8 @@ Accepted, they failed with a raw error on every padded call."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -59,3 +61,48 @@ def test_a_pad_number_that_fits_a_floating_input_pads_its_rows(value):
     assert torch.equal(out, x * 2)
     expected = torch.full((1, 4), value, dtype=torch.float16)
     assert torch.allclose(padded_x[3:], expected, equal_nan=True)
+
+
+def _fill_ones(pad_rows, real_rows, *, value=1.0):
+    pad_rows.fill_(value)
+
+
+def _needs_three(pad_rows, real_rows, extra):
+    pad_rows.fill_(extra)
+
+
+def _needs_keyword(pad_rows, real_rows, *, value):
+    pad_rows.fill_(value)
+
+
+@pytest.mark.parametrize(
+    "rule", [lambda pad_rows: pad_rows.zero_(), _needs_three, _needs_keyword, lambda: None]
+)
+def test_a_pad_callable_of_the_wrong_signature_is_refused_at_capture(rule):
+    runner = runner_for({"0": rule})
+    with pytest.raises(ConfigError, match=r"input 0 .*fn\(pad_rows, real_rows\)"):
+        runner.capture(*examples(torch.float32))
+    assert runner.captured_keys == []
+    with torch.inference_mode():  # nothing was captured: a padded call runs eagerly, no error
+        out, _ = runner(*examples(torch.float32, rows=3))
+    assert out.shape == (3, 4)
+
+
+@pytest.mark.parametrize(
+    "rule",
+    [
+        _fill_ones,
+        lambda *rows: rows[0].fill_(1.0),
+        lambda pad_rows, real_rows=None: pad_rows.fill_(1.0),
+        functools.partial(_needs_three, extra=1.0),
+    ],
+)
+def test_a_pad_callable_that_takes_pad_rows_and_real_rows_pads_its_rows(rule):
+    runner = runner_for({"0": rule})
+    with torch.inference_mode():
+        runner.capture(*examples(torch.float32))
+        x, pos = examples(torch.float32, rows=3)
+        out, _ = runner(x, pos)
+        (padded_x, _), _, _ = runner.padded_inputs(x, pos)
+    assert torch.equal(out, x * 2)
+    assert torch.equal(padded_x[3:], torch.ones(1, 4))

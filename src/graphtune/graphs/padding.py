@@ -9,6 +9,7 @@ before anything is captured, and turns a rule into the filler a padded call runs
 from __future__ import annotations
 
 import functools
+import inspect
 import numbers
 from collections.abc import Callable
 from typing import Any
@@ -50,6 +51,8 @@ def check_pad_value(rule: Any, leaf: torch.Tensor, path: Path) -> None:
     in its range (1.5 would be truncated to 1, nan and 2**70 fail on every padded call), for a
     floating or complex input one that converts without overflow (``1e6`` for float16, a complex
     number for a real dtype fail on every padded call; ``inf``, ``-inf`` and ``nan`` fit)."""
+    if not isinstance(rule, (numbers.Number, str)) and callable(rule):
+        _check_pad_callable(rule, path)
     if not isinstance(rule, numbers.Number):
         return
     if leaf.dtype.is_floating_point or leaf.dtype.is_complex:
@@ -68,6 +71,24 @@ def check_pad_value(rule: Any, leaf: torch.Tensor, path: Path) -> None:
             f"{leaf.dtype}; give an integer"
             + (f" in [{info.min}, {info.max}]" if info is not None else " (0 or 1)")
         )
+
+
+def _check_pad_callable(rule: Callable, path: Path) -> None:
+    """A callable rule is called as ``fn(pad_rows, real_rows)`` on every padded call; one that
+    cannot take those two arguments is refused here (unless its signature cannot be read)."""
+    try:
+        signature = inspect.signature(rule)
+    except (TypeError, ValueError):  # some builtins and extension types
+        return
+    try:
+        signature.bind(None, None)
+    except TypeError as exc:
+        name = getattr(rule, "__qualname__", None) or repr(rule)
+        raise ConfigError(
+            f"pad rule {name}{signature} for input {path_str(path)} cannot be called as "
+            f"fn(pad_rows, real_rows) ({exc}); give a callable taking those two tensors and "
+            "writing pad_rows in place"
+        ) from None
 
 
 def _check_float_pad_value(rule: Any, dtype: torch.dtype, path: Path) -> None:

@@ -150,3 +150,21 @@ def test_padded_inputs_in_debug_mode_refuses_a_moved_tensor_as_a_call_does():
     for call in (runner, runner.padded_inputs):
         with pytest.raises(InputError, match="changed address"):
             call(torch.ones(3, 2), 2, torch.ones(2))
+
+
+@pytest.mark.parametrize("answer", [True, False])
+def test_can_graph_may_answer_with_a_numpy_bool(answer):
+    np = pytest.importorskip("numpy")
+    runner = CUDAGraphRunner(
+        step,
+        max_batch_size=8,
+        capture_sizes=[2, 4, 8],
+        backend=SimulatedGraphBackend(),
+        can_graph=lambda inputs: np.bool_(inputs[0].shape[0] > 0) == answer,
+    )
+    with torch.inference_mode():
+        runner.capture(torch.randn(8, 4))
+        x = torch.randn(3, 4)
+        assert torch.equal(runner(x), x @ W)
+    assert runner.stats.replays == (1 if answer else 0)
+    assert runner.stats.fallback_count(FallbackReason.PREDICATE_REFUSED) == (0 if answer else 1)

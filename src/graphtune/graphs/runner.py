@@ -76,7 +76,7 @@ class CUDAGraphRunner:
             ``GRAPHTUNE_DISABLE_GRAPHS=1``.
         device: CUDA device to capture on; default the device of the first CUDA input.
         clone_outputs: Return copies instead of views that the next call overwrites.
-        can_graph: Predicate ``can_graph(inputs) -> bool``; False runs that call eagerly.
+        can_graph: Predicate ``can_graph(inputs) -> bool`` (or numpy.bool_); False: run eagerly.
         debug: Check that non-batched tensors keep their address; default ``GRAPHTUNE_DEBUG``.
         share_pool: Capture every graph into one memory pool (the point of the runner); False
             gives each graph its own pool, for measuring the difference.
@@ -489,7 +489,11 @@ class CUDAGraphRunner:
 
 
 def _decision(value: Any) -> bool:
-    """``can_graph``'s answer, which must be a bool (a tensor's truth is ambiguous or a sync)."""
+    """``can_graph``'s answer: a bool or ``numpy.bool_`` (a tensor's truth is ambiguous or a
+    sync, so anything else is refused)."""
+    kind = type(value)
+    if kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_"):
+        return bool(value)
     if not isinstance(value, bool):
-        raise ConfigError(f"can_graph must return True or False, got {type(value).__name__}")
+        raise ConfigError(f"can_graph must return True or False, got {kind.__qualname__}")
     return value

@@ -7,6 +7,7 @@ class and its attribute access.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import namedtuple
 
@@ -126,3 +127,56 @@ def test_a_capture_whose_outputs_cannot_be_rebuilt_is_a_failed_record(caplog, mo
     assert runner.stats.records and not any(r.ok for r in runner.stats.records)
     assert "outputs cannot be rebuilt" in runner.stats.records[0].error
     assert runner.captured_keys == []
+
+
+@dataclasses.dataclass
+class StepOut:
+    logits: torch.Tensor
+    note: str = "ok"
+
+
+@dataclasses.dataclass
+class Meta:
+    note: str
+    step: int
+
+
+def dataclass_step(x):
+    return StepOut(x @ W2)
+
+
+W2 = torch.randn(4, 4)
+
+
+@pytest.mark.parametrize(
+    "kwargs", [dict(capture_sizes=[8]), dict(capture_sizes=[1, 2, 4, 8], lazy=True, warmup=0)]
+)
+def test_an_object_output_holding_tensors_runs_eagerly_instead_of_returning_padded_rows(kwargs):
+    runner = CUDAGraphRunner(
+        dataclass_step, max_batch_size=8, backend=SimulatedGraphBackend(), **kwargs
+    )
+    with torch.inference_mode():
+        runner.capture(torch.randn(8, 4))  # does not raise: a failed capture, recorded
+        x = torch.randn(5, 4)
+        out = runner(x)
+    assert out.logits.shape == (5, 4)  # was (8, 4): the padded rows of the one captured graph
+    assert torch.equal(out.logits, x @ W2)
+    assert runner.stats.replays == 0
+    assert runner.stats.records and not any(r.ok for r in runner.stats.records)
+    error = runner.stats.records[0].error
+    assert "StepOut" in error and "'logits'" in error and "NamedTuple" in error
+
+
+def test_an_object_output_without_tensors_is_returned_as_captured():
+    def step(x):
+        return x @ W2, Meta("plain", 3)
+
+    runner = CUDAGraphRunner(
+        step, max_batch_size=8, capture_sizes=[4, 8], backend=SimulatedGraphBackend()
+    )
+    with torch.inference_mode():
+        runner.capture(torch.randn(8, 4))
+        x = torch.randn(3, 4)
+        out, meta = runner(x)
+    assert torch.equal(out, x @ W2) and meta == Meta("plain", 3)
+    assert runner.stats.replays == 1

@@ -13,6 +13,7 @@ padded input, with no tree rebuilding and no host synchronisation.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -363,6 +364,15 @@ class StaticOutputs:
         self.size = size
         self._leaves = leaves
         self._is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
+        for leaf, path, tensor in zip(leaves, paths, self._is_tensor, strict=True):
+            field = None if tensor else tensor_field(leaf)
+            if field is not None:
+                raise ConfigError(
+                    f"output {path_str(path, '<output>')} is a {type(leaf).__qualname__} whose "
+                    f"field {field!r} holds a tensor: the graph runner slices tensors to the real "
+                    "batch only inside tuples, lists and dicts, and would return this object as "
+                    "it is, with the padded rows; return a tuple, dict or NamedTuple instead"
+                )
         self._rules: list[RowRule] = [BATCH if _rows(x) == size else None for x in leaves]
         self._views: dict[int, list] = {}
 
@@ -386,6 +396,25 @@ class StaticOutputs:
     def tensors(self) -> list[torch.Tensor]:
         """The full-size output tensors (for tests)."""
         return [x for x, t in zip(self._leaves, self._is_tensor, strict=True) if t]
+
+
+def tensor_field(value: Any, depth: int = 3) -> str | None:
+    """The name of a field of ``value`` (an object that is not a tuple, list or dict: a
+    dataclass, any object with a ``__dict__``) holding a tensor, directly or in containers or
+    objects nested up to ``depth`` deep; ``None`` when none does (modules excepted)."""
+    if depth <= 0 or isinstance(value, (type, torch.nn.Module)):
+        return None
+    if dataclasses.is_dataclass(value):
+        fields: Any = {f.name: getattr(value, f.name, None) for f in dataclasses.fields(value)}
+    else:
+        fields = getattr(value, "__dict__", None)
+    if not isinstance(fields, dict):
+        return None
+    for name, field in fields.items():
+        for leaf in flatten_with_paths(field)[0]:
+            if isinstance(leaf, torch.Tensor) or tensor_field(leaf, depth - 1) is not None:
+                return str(name)
+    return None
 
 
 def _rows(x: Any) -> int | None:

@@ -51,6 +51,14 @@ class ResultsWriteError(GraphtuneError, OSError):
     """A benchmark result could be written neither where asked nor to the temporary folder."""
 
 
+def add_context_note(exc: BaseException, note: str) -> None:
+    """Adds ``note`` (which user callback failed, on what) to ``exc``'s traceback text where
+    Python supports notes (3.11+); the exception keeps its type and message."""
+    add_note = getattr(exc, "add_note", None)
+    if add_note is not None:
+        add_note(note)
+
+
 def one_line(exc: BaseException) -> str:
     """The message of ``exc`` on one line."""
     return " ".join(str(exc).split()) or type(exc).__name__

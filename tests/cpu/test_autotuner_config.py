@@ -275,3 +275,28 @@ def test_a_buckets_callable_may_return_a_set_or_a_generator(max_value: int | Non
         spec = cfg.dynamic_specs[0]
         assert cfg.sweep_values(spec, 5) == (1, 4, 8)
         assert cfg.bucket_of(spec, 5) == 4
+
+
+def test_a_failing_user_mapper_or_infer_keeps_its_error_and_names_the_spec() -> None:
+    x, scale = torch.randn(6, 32), torch.randn(6)
+
+    def broken_mapper(live: int) -> int:
+        return live // 0
+
+    mapped = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0, (2, 4), broken_mapper),))
+    with pytest.raises(ZeroDivisionError) as info:
+        profile_for(mapped, [x, scale])
+    notes = getattr(info.value, "__notes__", [])
+    if hasattr(info.value, "add_note"):  # Python 3.11+
+        assert notes == ["in DynamicTensorSpec(input_idx=0, dim_idx=0).map_to_bucket(6)"]
+
+    inferred = TuningConfig(
+        dynamic_specs=(DynamicTensorSpec(0, 0, (2, 4)),),
+        constraint_specs=(ConstraintSpec(1, 0, lambda shapes: shapes[2][0]),),
+    )
+    with pytest.raises(TypeError) as info:
+        generate_profiles(inferred, [x, scale, 3])
+    if hasattr(info.value, "add_note"):
+        (note,) = info.value.__notes__
+        assert note.startswith("in ConstraintSpec(input_idx=1, dim_idx=0).infer(shapes=[(2, 32)")
+        assert "None marks an input that is not a tensor" in note

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from graphtune.errors import ConfigError
+from graphtune.errors import ConfigError, add_context_note
 
 TIMING_MODES = ("auto", "graph", "events", "wallclock")
 #: Calls per sample for a timer that does not size its samples, when ``TuningConfig.repeat`` is
@@ -117,7 +117,16 @@ class DynamicTensorSpec:
     def bucket(self, live: int) -> int:
         """The bucket ``map_to_bucket`` (or the default mapping) gives a live size (0: none)."""
         if self.map_to_bucket is not None:
-            return self.map_to_bucket(live)
+            try:
+                return self.map_to_bucket(live)
+            except Exception as exc:
+                # The user's error keeps its type; the note says which spec failed on what.
+                add_context_note(
+                    exc,
+                    f"in DynamicTensorSpec(input_idx={self.input_idx}, dim_idx={self.dim_idx})"
+                    f".map_to_bucket({live})",
+                )
+                raise
         if callable(self.buckets):
             return last_power_of_two(live)
         return listed_bucket(self.buckets, live)

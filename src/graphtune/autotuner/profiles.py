@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from graphtune.autotuner.config import TuningConfig
-from graphtune.errors import ConfigError, InputError
+from graphtune.errors import ConfigError, InputError, add_context_note
 
 Shape = tuple[int, ...]
 
@@ -163,7 +163,17 @@ def _apply(config: TuningConfig, inputs: Sequence[Any], sizes: Sequence[int]) ->
     for constraint in config.constraint_specs:
         dim = _resolve_dim("ConstraintSpec", inputs, constraint.input_idx, constraint.dim_idx)
         frozen = [tuple(s) if s is not None else None for s in shapes]
-        value = constraint.infer(frozen)
+        try:
+            value = constraint.infer(frozen)
+        except Exception as exc:
+            # The user's error keeps its type; the note says which spec failed on what.
+            add_context_note(
+                exc,
+                f"in ConstraintSpec(input_idx={constraint.input_idx}, dim_idx="
+                f"{constraint.dim_idx}).infer(shapes={frozen}) (None marks an input that is "
+                "not a tensor)",
+            )
+            raise
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ConfigError(
                 f"ConstraintSpec(input_idx={constraint.input_idx}, dim_idx={constraint.dim_idx})"

@@ -49,14 +49,22 @@ def test_a_pad_number_that_does_not_fit_a_floating_input_is_refused_at_capture(d
     assert out.shape == (3, 4)
 
 
-@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan"), -65504.0, 0.5])
-def test_a_pad_number_that_fits_a_floating_input_pads_its_rows(value):
-    runner = runner_for({"0": value})
+def _padded_call(rule, dtype):
+    """Captures with ``rule`` padding input 0, then calls with 3 rows (padded to 4): the real
+    input, the output, the padded input and ``padded_inputs``' row counts (copies: the
+    runner's buffers are released with it)."""
+    runner = runner_for({"0": rule})
     with torch.inference_mode():
-        runner.capture(*examples(torch.float16))
-        x, pos = examples(torch.float16, rows=3)
+        runner.capture(*examples(dtype))
+        x, pos = examples(dtype, rows=3)
         out, _ = runner(x, pos)
         (padded_x, _), n, size = runner.padded_inputs(x, pos)
+    return x, out.clone(), padded_x.clone(), n, size
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan"), -65504.0, 0.5])
+def test_a_pad_number_that_fits_a_floating_input_pads_its_rows(value):
+    x, out, padded_x, n, size = _padded_call(value, torch.float16)
     assert (n, size) == (3, 4)
     assert torch.equal(out, x * 2)
     expected = torch.full((1, 4), value, dtype=torch.float16)
@@ -98,11 +106,6 @@ def test_a_pad_callable_of_the_wrong_signature_is_refused_at_capture(rule):
     ],
 )
 def test_a_pad_callable_that_takes_pad_rows_and_real_rows_pads_its_rows(rule):
-    runner = runner_for({"0": rule})
-    with torch.inference_mode():
-        runner.capture(*examples(torch.float32))
-        x, pos = examples(torch.float32, rows=3)
-        out, _ = runner(x, pos)
-        (padded_x, _), _, _ = runner.padded_inputs(x, pos)
+    x, out, padded_x, _, _ = _padded_call(rule, torch.float32)
     assert torch.equal(out, x * 2)
     assert torch.equal(padded_x[3:], torch.ones(1, 4))

@@ -365,6 +365,47 @@ def test_whole_step_check_with_one_fused_profile_times_the_step_twice():
     assert _fused_picks(tuner, step, 1)["graphtune.norm_qkv_rope"] == {0}
 
 
+def test_whole_step_check_sizes_its_later_captures_from_the_step_timed_before():
+    from graphtune.engine.tuning import check_fusion
+
+    class _Sessions(_CostModel):
+        """A cost model that can also open sessions (graphtune.autotuner.timing.SessionTimer)."""
+
+        def __init__(self, tuner: AutoTuner) -> None:
+            super().__init__(tuner)
+            self.hints: list[float | None] = []
+
+        def open(self, fn, *, warmup: int, repeat: int, hint_us: float | None = None):
+            self.hints.append(hint_us)
+            timer = self
+
+            class _Session(contextlib.AbstractContextManager):
+                def measure(self) -> Measurement:
+                    return timer.measure(fn, warmup=warmup, repeat=repeat)
+
+                def close(self) -> None:
+                    pass
+
+                def __exit__(self, *exc: object) -> None:
+                    self.close()
+
+            return _Session()
+
+    model = load_model("tiny")
+    tuner = _tuner()
+    step = DecodeStep(model, KVCache(model.config, 2, 32), tuner=tuner)
+    tune_step(step)
+    timer = _Sessions(tuner)
+    checks = check_fusion(step, timer)
+    # The first timing has nothing to go by: two warm-up calls, the first bounds the time.
+    # Every later one is sized by a timing before it and warms up with one call (an eager step).
+    assert timer.warmups[0] == (2, 1) and set(timer.warmups[1:]) == {(1, 1)}
+    first = checks[0]
+    assert timer.hints[0] == first.fused_us  # the unfused step: sized by the step as tuned
+    assert timer.hints[-1] == checks[-1].fused_us
+    assert None not in timer.hints and len(timer.hints) == sum(c.step_timings for c in checks) - 1
+
+
 def test_whole_step_check_unfuses_everything_when_only_all_together_pays():
     from graphtune.engine.tuning import check_fusion
 

@@ -144,6 +144,15 @@ def test_replay_plan_replays_a_long_call_alone():
     assert plan.calls == 1 and _drive(plan, per_call_us=800.0) == [None]
     plan = _plan(repeat=2, estimate_us=790.0)  # the caller's cold-L2 walk stays whole
     assert plan.calls == 2 and _drive(plan, per_call_us=800.0) == [None]
+    # With no timed estimate, a guess of a long call (a step timed before) does the same ...
+    plan = _plan(hint_us=790.0)
+    assert plan.calls == 1 and _drive(plan, per_call_us=800.0) == [None]
+    # ... and the probe still decides when the guess was wrong: the capture grows.
+    plan = _plan(hint_us=790.0)
+    _drive(plan, per_call_us=20.0)
+    assert plan.total * 20.0 >= 100.0
+    # A timed estimate of a short call outranks the guess.
+    assert _plan(estimate_us=50.0, hint_us=790.0).calls > 1
 
 
 def test_replay_plan_keeps_min_calls_below_the_target():

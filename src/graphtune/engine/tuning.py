@@ -50,7 +50,7 @@ from graphtune.autotuner.calls import OpCall
 from graphtune.autotuner.config import power_of_two_buckets
 from graphtune.autotuner.identity import runner_id
 from graphtune.autotuner.timing import resolve_timer
-from graphtune.autotuner.timing.base import Timer
+from graphtune.autotuner.timing.base import SessionTimer, Timer
 from graphtune.engine.step import DecodeStep
 from graphtune.engine.step_refine import StepRefinement, refine_in_step, whole_step_inputs
 from graphtune.errors import ConfigError
@@ -328,6 +328,7 @@ def check_fusion(
     checks: list[FusionCheck] = []
     previous = tuner.tuning_mode
     tuner.tuning_mode = False
+    last_us: float | None = None  # the step's last timing, which sizes the next capture
     try:
         for batch in buckets or power_of_two_buckets(step.max_batch_size):
             args = whole_step_inputs(step, batch)
@@ -340,13 +341,14 @@ def check_fusion(
                     fused[found[0]] = (call, found[1])
             if not fused:
                 continue
-            as_tuned = _step_us(step, timer, step.ops, args)
-            unfused = _step_us(step, timer, step.ops.unfused(), args)
+            as_tuned = _step_us(step, timer, step.ops, args, last_us)
+            unfused = _step_us(step, timer, step.ops.unfused(), args, as_tuned)
             best, pinned, timings = as_tuned, 0, 2
+            last_us = as_tuned
             # With one fused profile, switching it is the unfused step, timed just above.
             for key, (call, entry) in fused.items() if len(fused) > 1 else ():
                 tuner.pin(call, 0)
-                now = _step_us(step, timer, step.ops, args)
+                now = _step_us(step, timer, step.ops, args, as_tuned)
                 timings += 1
                 if now < best * (1.0 - margin):
                     best, pinned = now, pinned + 1
@@ -368,18 +370,31 @@ def check_fusion(
     return checks
 
 
-def _step_us(step: DecodeStep, timer: Timer, ops: Any, args: tuple[torch.Tensor, ...]) -> float:
-    """Time per step of ``step.decode(ops, *args)`` by ``timer``."""
+def _step_us(
+    step: DecodeStep,
+    timer: Timer,
+    ops: Any,
+    args: tuple[torch.Tensor, ...],
+    hint_us: float | None = None,
+) -> float:
+    """Time per step of ``step.decode(ops, *args)`` by ``timer``; ``hint_us``: a timing of a
+    similar step (or ``None``)."""
 
     def run(_: int) -> None:
         step.decode(ops, *args)
 
-    # One step per replay: a step lasts far longer than a graph timer's shortest replay. Two
-    # warm-up calls, since a graph timer times all but the first: that bound on a step's time
-    # lets it capture one step once; after a single untimed warm-up it captures its fewest
-    # calls for a short call (three steps), probes, and captures one step again.
     with torch.no_grad():
-        return float(timer.measure(run, warmup=2, repeat=1).median_us)
+        if hint_us is None or not isinstance(timer, SessionTimer):
+            # One step per replay: a step lasts far longer than a graph timer's shortest
+            # replay. Two warm-up calls, since a graph timer times all but the first: that
+            # bound lets it capture one step once; after a single untimed warm-up it captures
+            # its fewest calls for a short call (three steps), probes, and captures one again.
+            return float(timer.measure(run, warmup=2, repeat=1).median_us)
+        # A step timed before sizes the capture instead (GraphTimer: a hint of a long call
+        # captures one step), so one warm-up call does: each is a whole eager step.
+        with timer.open(run, warmup=1, repeat=1, hint_us=hint_us) as session:
+            session.measure()  # a graph timer's first measurement is its probe's few replays
+            return float(session.measure().median_us)
 
 
 def _in_tuning_order(calls: list[OpCall]) -> list[OpCall]:

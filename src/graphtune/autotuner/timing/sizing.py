@@ -19,7 +19,10 @@ launch cost are small against it); within that:
   bucket) sizes the first capture, which saves the capture and probe of ``min_calls`` calls
   that only served to estimate it. A guess above the call's time gives a short first capture,
   which grows once as without a guess; a guess below it gives a longer one (the first piece
-  lasts ``min_piece_us`` times the ratio), never a wrong time.
+  lasts ``min_piece_us`` times the ratio), never a wrong time. Without a timed estimate (one
+  warm-up call), a guess of ``2 * min_replay_us`` or more starts at ``repeat`` calls as a long
+  estimate does, so a caller that knows a call is long (a whole decode step timed before) skips
+  the second warm-up call; the probe still decides, and a shorter call grows the capture.
 """
 
 from __future__ import annotations
@@ -73,7 +76,8 @@ class ReplayPlan:
             ``repeat`` calls instead of ``min_calls``.
         hint_us: A guess of one call's time, or ``None``: the first capture holds the calls
             that would last ``min_piece_us`` (with pieces) or ``min_replay_us`` (without) at the
-            smaller of this guess and ``estimate_us``.
+            smaller of this guess and ``estimate_us``. With no ``estimate_us``, a guess of
+            ``2 * min_replay_us`` or more starts at ``repeat`` calls, as such an estimate does.
     """
 
     def __init__(
@@ -96,7 +100,8 @@ class ReplayPlan:
         self.min_calls = min_calls
         self.min_piece_us = min_piece_us
         self.pieces = pieces
-        long_call = estimate_us is not None and estimate_us >= 2.0 * min_replay_us
+        known_us = estimate_us if estimate_us is not None else hint_us
+        long_call = known_us is not None and known_us >= 2.0 * min_replay_us
         #: Calls in the captured graph (the piece, with pieces).
         self.calls = repeat if long_call else self._whole(min_calls)
         if hint_us is not None and hint_us > 0 and not long_call:

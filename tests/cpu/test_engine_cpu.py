@@ -19,6 +19,7 @@ from graphtune.engine import (
     prefill,
 )
 from graphtune.errors import CheckpointError, ConfigError, InputError
+from graphtune.graphs import SimulatedGraphBackend
 
 PROMPTS = [[1, 5, 9], [7], [3, 4, 5, 6, 7, 8], [10, 11], [12, 13, 14], [15]]
 LIMITS = [6, 9, 3, 12, 1, 7]
@@ -407,12 +408,6 @@ def test_generate_names_an_argument_of_the_wrong_kind(call, error, fragment):
         call(engine)
 
 
-def test_generate_takes_prompts_as_tensors():
-    engine = Engine(load_model("tiny"), runner="eager", max_batch_size=2, max_seq_len=32)
-    ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
-    assert engine.generate(ids, 2) == engine.generate([[5, 6, 7], [8, 9, 10]], 2)
-
-
 def test_a_kv_cache_too_large_to_allocate_says_its_size_and_the_fix(monkeypatch):
     from graphtune.engine import kv_cache
 
@@ -467,3 +462,38 @@ def test_generate_refuses_a_kv_slot_held_outside_it_instead_of_decoding_wrong_sl
     assert engine.cache.num_free == 1  # nothing was allocated or freed
     engine.cache.free(held)
     assert engine.generate(prompt, 8, stop_token_ids=[]) == want
+
+
+def _simulated_graph_engine(**kwargs):
+    backend = SimulatedGraphBackend()  # captures and replays on the CPU
+    return Engine(
+        load_model("tiny"), max_batch_size=2, max_seq_len=32, graph_backend=backend, **kwargs
+    )
+
+
+def test_step_replays_after_generate_captured_lazily():
+    # generate()'s lazy capture made the buffers under inference mode; step() was then refused.
+    engine = _simulated_graph_engine(lazy_capture=True)
+    engine.generate([[5, 17, 42, 3]], 4)
+    slot = engine.cache.allocate()
+    with torch.inference_mode():
+        first = int(prefill(engine.step_fn, torch.tensor([7, 7, 7]), slot).argmax())
+    want = engine.step_fn(*_step_inputs([(first, 3, slot)])).clone()
+    replays = engine.stats.replays
+    torch.testing.assert_close(engine.step(*_step_inputs([(first, 3, slot)])), want)
+    assert engine.stats.replays == replays + 1
+
+
+def test_serving_again_after_release_recaptures_instead_of_running_eagerly():
+    # A non-lazy engine ran every decode step and prefill eagerly after release(), silently.
+    engine = _simulated_graph_engine()
+    prompts = [[5, 17, 42, 3], [9, 8, 6]]
+    want = engine.generate(prompts, 4, stop_token_ids=[])
+    engine.release()
+    assert engine.generate(prompts, 4, stop_token_ids=[]) == want
+    assert engine.stats.eager_calls == 0 and engine.prefill_stats.eager_calls == 0
+    assert engine.runner.captured_keys and engine.prefill_runner.captured_keys
+    engine.release()
+    replays = engine.stats.replays
+    engine.step(*_step_inputs([(5, 0, 0)]))  # step() recaptures too
+    assert engine.stats.replays == replays + 1 and engine.stats.eager_calls == 0

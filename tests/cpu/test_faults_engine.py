@@ -56,6 +56,32 @@ def test_bad_requests_are_rejected_and_the_engine_keeps_serving(
     assert engine.generate(PROMPTS, 4) == reference
 
 
+def test_generate_takes_prompts_as_tensors():
+    engine = Engine(load_model("tiny"), runner="eager", max_batch_size=2, max_seq_len=32)
+    ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    assert engine.generate(ids, 2) == engine.generate([[5, 6, 7], [8, 9, 10]], 2)
+
+
+def test_generate_takes_a_2d_numpy_array_of_prompts_as_it_takes_a_2d_tensor():
+    np = pytest.importorskip("numpy")
+    engine = Engine(load_model("tiny"), runner="eager", max_batch_size=2, max_seq_len=32)
+    prompts = [[5, 6, 7], [8, 9, 10]]
+    want = engine.generate(prompts, 3, stop_token_ids=[])
+    assert engine.generate(np.array(prompts), 3, stop_token_ids=[]) == want
+
+
+def test_generate_takes_per_prompt_limits_as_a_numpy_array_or_tensor():
+    np = pytest.importorskip("numpy")
+    engine = Engine(load_model("tiny"), runner="eager", max_batch_size=2, max_seq_len=32)
+    prompts = [[5, 6, 7], [8, 9, 10]]
+    want = engine.generate(prompts, [2, 3], stop_token_ids=[])
+    assert [len(o) for o in want] == [2, 3]
+    assert engine.generate(prompts, np.array([2, 3]), stop_token_ids=[]) == want
+    assert engine.generate(prompts, torch.tensor([2, 3]), stop_token_ids=[]) == want
+    with pytest.raises(InputError):  # one limit per prompt: a 2-D array is no list of them
+        engine.generate(prompts, np.array([[2, 3]]))
+
+
 def test_decode_batch_above_max_is_refused_before_the_runner(engine):
     calls = engine.stats.calls
     rows = torch.zeros(3, dtype=torch.long)
@@ -141,6 +167,39 @@ def test_a_failed_requests_nan_cache_rows_never_reach_the_slots_next_owner(stric
         assert engine.generate([bad, good], 6, stop_token_ids=[])[1] == want[0]
     assert engine.generate([good, good], 6, stop_token_ids=[]) == [want[0], want[0]]
     assert torch.isfinite(engine.cache.k).all() and torch.isfinite(engine.cache.v).all()
+
+
+@pytest.mark.parametrize("runner", ["eager", "graph"])
+def test_strict_mode_zeroes_every_slot_it_leaves_not_only_the_failed_requests(runner):
+    # Strict mode raises at the first bad row of a step: request 1's prompt is as poisoned as
+    # request 0's, but its row was never checked. Its slot was freed holding NaN K/V, and the
+    # next generate() that got it returned wrong tokens (the additive mask does not hide NaN).
+    from graphtune.graphs import SimulatedGraphBackend
+
+    model = load_model("tiny", seed=0)
+    good = [[20, 21, 22], [30, 31, 32, 33]]
+    want = Engine(model, runner="eager", max_batch_size=2, max_seq_len=64).generate(
+        good, 6, stop_token_ids=[]
+    )
+    model.embed = model.embed.clone()  # untied: the head keeps finite rows (same tokens)
+    engine = Engine(
+        model,
+        runner=runner,
+        max_batch_size=2,
+        max_seq_len=64,
+        strict_numerics=True,
+        graph_backend=SimulatedGraphBackend(),
+    )
+    healthy = model.embed[250].clone()
+    with torch.no_grad():  # in place: a captured graph keeps the tensor it was captured with
+        model.embed[250] = float("nan")
+        # Request 1 is longer than the next owners, so its NaN K/V lie past their prompts,
+        # where only the mask (no write) stands between them and the decode step.
+        with pytest.raises(NumericalError, match="request 0"):
+            engine.generate([[5, 250, 7], [250, *range(8, 20)]], 6, stop_token_ids=[])
+        model.embed[250] = healthy
+    assert engine.generate(good, 6, stop_token_ids=[]) == want
+    assert engine.cache.num_free == 2
 
 
 def test_a_lazy_prefill_capture_failing_after_a_break_still_answers_the_call():

@@ -50,9 +50,9 @@ from graphtune.engine.requests import (
     agreed_requests,
     check_slots_free,
     check_step_inputs,
+    parse_requests,
     retire,
     token_id,
-    validate_request,
 )
 from graphtune.engine.sampling import GREEDY, NON_FINITE, SamplingParams, request_keys, sample
 from graphtune.engine.tuning import TuneReport, tune_step
@@ -224,10 +224,16 @@ class Engine:
             device=self.device,
             backend=graph_backend,
         )
-        if runner == "graph" and not lazy_capture:
-            self.runner.capture(*self.example_inputs(self.max_batch_size))
-        if prefill_runner == "graph" and not lazy_capture:
-            self.prefill_runner.capture(*self.prefill_step.example_inputs(max_prefill_tokens))
+        # What a non-lazy engine captures up front, and again on the first call after release().
+        self._upfront_captures = [
+            (r, step, size)
+            for kind, r, step, size in (
+                (runner, self.runner, self.step_fn, self.max_batch_size),
+                (prefill_runner, self.prefill_runner, self.prefill_step, max_prefill_tokens),
+            )
+            if kind == "graph" and not lazy_capture
+        ]
+        self._capture()
         if self.memory_plan is not None and memory_report is not None:
             self.memory_plan = self.memory_plan.measured(memory_report)
 
@@ -286,10 +292,23 @@ class Engine:
         return self.prefill_runner.stats
 
     def release(self) -> None:
-        """Releases the runners' graphs and memory pools (the engine can capture again later)."""
+        """Releases the runners' graphs and memory pools, giving their memory back (between
+        bursts of serving, say). The engine stays usable: the next :meth:`generate` or
+        :meth:`step` captures again what the construction captured (a lazy engine: each size on
+        its first use, as before), so it does not run eagerly from then on."""
         self.runner.release()
         self.prefill_runner.release()
+        self._released = True
 
+    def _capture(self) -> None:
+        # Outside inference mode, as at construction (generate and step run inside it): the
+        # runners' buffers are then ordinary tensors that any caller may write.
+        with torch.inference_mode(False):
+            for runner, step, size in self._upfront_captures:
+                runner.capture(*step.example_inputs(size))
+        self._released = False
+
+    @torch.inference_mode()  # as generate: a lazy capture's buffers then fit either caller
     def step(
         self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
     ) -> torch.Tensor:
@@ -297,7 +316,7 @@ class Engine:
 
         Rows must be compacted (row ``i`` owns slot ``i``), as :meth:`generate` keeps them
         (free the slots taken from :attr:`cache` before calling it). The result is a view the
-        next step overwrites.
+        next step overwrites. Runs under ``torch.inference_mode()``, as :meth:`generate` does.
 
         Raises:
             InputError: Inputs that are not three 1-D int64 tensors of one length on the
@@ -305,6 +324,8 @@ class Engine:
                 (:func:`~graphtune.engine.requests.check_step_inputs`).
         """
         check_step_inputs(self, tokens, positions, slots)
+        if self._released:
+            self._capture()
         return self.runner(tokens, positions, slots)
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
@@ -334,35 +355,14 @@ class Engine:
         check_slots_free(self.cache)
         if not isinstance(sampling, SamplingParams):
             raise ConfigError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
-        if isinstance(prompts, str) or not isinstance(prompts, (Sequence, torch.Tensor)):
-            raise InputError(
-                f"prompts must be a list of prompts, got {type(prompts).__name__}; pass [prompt] "
-                "for one"
-            )
-        limits = (
-            [token_id(max_new_tokens, "max_new_tokens")] * len(prompts)
-            if not isinstance(max_new_tokens, Sequence)
-            else [token_id(m, "max_new_tokens") for m in max_new_tokens]
+        return parse_requests(
+            prompts,
+            max_new_tokens,
+            stop_token_ids,
+            encode=self.encode,
+            config=self.config,
+            max_seq_len=self._request_limit,
         )
-        if len(limits) != len(prompts):
-            raise InputError(f"{len(prompts)} prompts but {len(limits)} max_new_tokens values")
-        requests = []
-        for i, (prompt, limit) in enumerate(zip(prompts, limits, strict=True)):
-            ids = self.encode(prompt)
-            validate_request(self.config, self._request_limit, ids, limit, i)
-            requests.append(LiveRequest(i, ids, limit))
-        stops = set(self.config.eos_token_ids)
-        if stop_token_ids is not None:
-            if not isinstance(stop_token_ids, Sequence) or isinstance(stop_token_ids, str):
-                raise InputError(f"stop_token_ids must be a list of ints, got {stop_token_ids!r}")
-            stops = {token_id(t, "stop_token_ids") for t in stop_token_ids}
-            outside = sorted(t for t in stops if not 0 <= t < self.config.vocab_size)
-            if outside:
-                raise InputError(
-                    f"stop_token_ids {outside[:5]} are outside [0, {self.config.vocab_size}) "
-                    "and could never stop a request; check they come from this model's tokenizer"
-                )
-        return requests, stops
 
     def decode(self, ids: Sequence[int]) -> str | None:
         """Text of ``ids`` when a tokenizer is attached, else ``None``."""
@@ -385,9 +385,10 @@ class Engine:
         its output).
 
         Args:
-            prompts: Token-id lists (or a 2-D tensor, a row per prompt), or strings when the
-                model has a tokenizer.
-            max_new_tokens: One limit for all, or one per prompt.
+            prompts: Token-id lists (or a 2-D tensor or NumPy array, a row per prompt), or
+                strings when the model has a tokenizer.
+            max_new_tokens: One limit for all, or one per prompt (a list, or a 1-D tensor or
+                NumPy array).
             sampling: Greedy by default.
             stop_token_ids: Stop tokens; ``None`` uses the config's EOS ids, ``[]`` never stops
                 early.
@@ -408,6 +409,8 @@ class Engine:
             lambda: self._requests(prompts, max_new_tokens, sampling, stop_token_ids),
             sampling,
         )
+        if self._released:  # after the arguments' checks: a refused call captures nothing
+            self._capture()
         pending = deque(requests)
         live: list[LiveRequest] = []
         self.failures = []
@@ -426,11 +429,13 @@ class Engine:
                     self._decode(live, sampling)
                 retire(self.cache, live, stops)
         finally:
-            # An exception (a failing kernel, an interrupt) must not strand KV slots: the next
-            # generate() would find the cache full. Live requests own slots [0, len(live)).
+            # Only an exception (a failing kernel, an interrupt, strict_numerics) leaves requests
+            # live here, and they must not strand KV slots: the next generate() would find the
+            # cache full. Each slot is zeroed, not only a failed request's: strict mode raises at
+            # the first bad row, so a later row's NaN K/V went unchecked, and the additive mask
+            # does not hide NaN from the slot's next owner (see retire).
             for request in live:
-                if request.failed:  # its K/V may hold NaN (see retire)
-                    self.cache.clear(request.slot)
+                self.cache.clear(request.slot)
                 self.cache.free(request.slot)
         return [r.output for r in requests]
 

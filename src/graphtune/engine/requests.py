@@ -1,12 +1,13 @@
-"""What the engine keeps per request, and its checks of what a caller passes in: a request of
-``Engine.generate`` (:func:`validate_request`; that no KV slot is held outside it:
+"""What the engine keeps per request, and its checks of what a caller passes in: the arguments
+of ``Engine.generate`` (:func:`parse_requests`), one request (:func:`validate_request`; that no
+KV slot is held outside it:
 :func:`check_slots_free`; on tensor-parallel ranks, that every rank passes the same ones:
 :func:`check_same_requests`) and the inputs of ``Engine.step`` (:func:`check_step_inputs`)."""
 
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +44,72 @@ class RequestFailure:
     index: int
     generated: int
     reason: str
+
+
+def _is_array(value: Any) -> bool:
+    """Whether ``value`` is a tensor or NumPy array (told apart by its int ``ndim``, so that
+    NumPy, which graphtune does not require, need not be imported)."""
+    return isinstance(value, torch.Tensor) or isinstance(getattr(value, "ndim", None), int)
+
+
+def parse_requests(
+    prompts: Any,
+    max_new_tokens: Any,
+    stop_token_ids: Any,
+    *,
+    encode: Callable[[Any], list[int]],
+    config: ModelConfig,
+    max_seq_len: int,
+) -> tuple[list[LiveRequest], set[int]]:
+    """``Engine.generate``'s prompts, limits and stop ids checked, as requests and stop ids.
+
+    ``prompts`` is a list of prompts or a 2-D tensor or NumPy array (a row per prompt), each made
+    ids by ``encode``; ``max_new_tokens`` one int, or one per prompt as a list or a 1-D tensor or
+    NumPy array; ``stop_token_ids`` ``None`` (the config's EOS ids) or a list of ints.
+
+    Raises:
+        InputError: The first rule broken (:func:`validate_request` for each request).
+    """
+    if isinstance(prompts, str) or not (isinstance(prompts, Sequence) or _is_array(prompts)):
+        raise InputError(
+            f"prompts must be a list of prompts, got {type(prompts).__name__}; pass [prompt] "
+            "for one"
+        )
+    if getattr(prompts, "ndim", 1) == 0:  # a 0-d tensor or array has no len() to take
+        raise InputError(
+            f"prompts must be a list of prompts or a 2-D tensor, got the 0-d {prompts!r:.40}; "
+            "pass [[token, ...]] for one prompt of ids"
+        )
+    per_prompt = isinstance(max_new_tokens, Sequence) or getattr(max_new_tokens, "ndim", 0) == 1
+    if getattr(max_new_tokens, "ndim", 0) > 1:
+        raise InputError(
+            f"max_new_tokens must be one int or one per prompt (a list or a 1-D tensor), got "
+            f"{type(max_new_tokens).__name__} of shape {tuple(max_new_tokens.shape)}"
+        )
+    limits = (
+        [token_id(m, "max_new_tokens") for m in max_new_tokens]
+        if per_prompt
+        else [token_id(max_new_tokens, "max_new_tokens")] * len(prompts)
+    )
+    if len(limits) != len(prompts):
+        raise InputError(f"{len(prompts)} prompts but {len(limits)} max_new_tokens values")
+    requests = []
+    for i, (prompt, limit) in enumerate(zip(prompts, limits, strict=True)):
+        ids = encode(prompt)
+        validate_request(config, max_seq_len, ids, limit, i)
+        requests.append(LiveRequest(i, ids, limit))
+    stops = set(config.eos_token_ids)
+    if stop_token_ids is not None:
+        if not isinstance(stop_token_ids, Sequence) or isinstance(stop_token_ids, str):
+            raise InputError(f"stop_token_ids must be a list of ints, got {stop_token_ids!r}")
+        stops = {token_id(t, "stop_token_ids") for t in stop_token_ids}
+        outside = sorted(t for t in stops if not 0 <= t < config.vocab_size)
+        if outside:
+            raise InputError(
+                f"stop_token_ids {outside[:5]} are outside [0, {config.vocab_size}) "
+                "and could never stop a request; check they come from this model's tokenizer"
+            )
+    return requests, stops
 
 
 def validate_request(

@@ -100,6 +100,25 @@ def test_graph_step_logits_match_eager_step(engines):
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
+def test_serving_after_release_replays_recaptured_graphs(llama_1b):
+    """release() gives the graphs back; the next generate captures them again and replays."""
+    engine = Engine(llama_1b, runner="graph", max_batch_size=8, max_seq_len=96)
+    try:
+        prompts = _prompts(3, engine.config.vocab_size)
+        first = engine.generate(prompts, 16, stop_token_ids=[])
+        engine.release()
+        replays, not_captured = (
+            engine.stats.replays,
+            engine.stats.fallback_count(FallbackReason.KEY_NOT_CAPTURED),
+        )
+        again = engine.generate(prompts, 16, stop_token_ids=[])
+        assert again == first
+        assert engine.stats.replays - replays >= 15, engine.stats.table()
+        assert engine.stats.fallback_count(FallbackReason.KEY_NOT_CAPTURED) == not_captured
+    finally:
+        engine.release()
+
+
 def _cpu_helpers(name: str):
     """A module of tests/cpu (its helpers: the HF builders, the hand-written reference step).
 

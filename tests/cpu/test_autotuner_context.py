@@ -69,3 +69,13 @@ def test_strategies_come_back_in_any_order_and_after_a_failed_entry() -> None:
         with autotune(None, tuner, distributed="broadcast"):
             pass
     assert tuner.distributed is None and not tuner.tuning_mode
+
+
+@pytest.mark.parametrize("argument", ["cache_path", "misses_path"])
+def test_a_path_argument_that_is_no_path_is_a_config_error(argument: str) -> None:
+    from graphtune.errors import ConfigError
+
+    tuner, _, _ = make({-1: 5.0}, {0: 1.0})
+    with pytest.raises(ConfigError), autotune(tuner=tuner, **{argument: 123}):
+        pass
+    assert not tuner.tuning_mode

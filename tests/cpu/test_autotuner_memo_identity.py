@@ -3,10 +3,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from fake_timers import EveryCandidateEqual
 
-from graphtune.autotuner import AutoTuner, TuningConfig
+from graphtune.autotuner import AutoTuner, IdentityError, TuningConfig, runner_id
 from graphtune.autotuner.runner import FALLBACK_TACTIC, TunableRunner
 
 
@@ -112,3 +113,52 @@ def test_a_nested_type_change_and_a_slot_set_later_are_seen() -> None:
     assert _pick(tuner, slotted, x) == 16
     slotted.mode = "fast"
     assert _pick(tuner, slotted, x) == FALLBACK_TACTIC
+
+
+class _DictExtras(Blocked):
+    def cache_key_extras(self):
+        return {"block": self.block}  # a dict: list() of it kept only its keys
+
+
+class _IntExtras(Blocked):
+    def cache_key_extras(self):
+        return self.block
+
+
+def test_cache_key_extras_that_are_no_tuple_are_refused() -> None:
+    for runner in (_DictExtras(32), _IntExtras(3)):
+        with pytest.raises(IdentityError):
+            runner_id(runner)
+        with pytest.raises(IdentityError):
+            _tuned(runner)
+
+
+def _made(kind: str, *, explicit: bool = False) -> TunableRunner:
+    """A runner class made in a function, its tactic in the closure (as a factory would)."""
+
+    class Made(TunableRunner):
+        def get_valid_tactics(self, inputs, profile):
+            return [kind]
+
+        def forward(self, inputs, tactic=FALLBACK_TACTIC):
+            return inputs[0]
+
+    class Keyed(Made):
+        def cache_key_extras(self):
+            return (kind,)
+
+    return Keyed() if explicit else Made()
+
+
+def test_two_classes_made_by_one_function_are_not_served_each_others_pick() -> None:
+    a, again = _made("a"), _made("a")
+    tuner, x = _tuned(a)
+    assert _pick(tuner, a, x) == "a"
+    with pytest.raises(IdentityError):  # it would have been served tactic "a"
+        _pick(tuner, _made("b"), x)
+    with pytest.raises(IdentityError):
+        _pick(tuner, again, x)
+    assert _pick(tuner, type(a)(), x) == "a"  # another instance of the same class is fine
+    # A class that states what tells it apart is trusted, and gets its own pick.
+    tuner, x = _tuned(_made("a", explicit=True), _made("b", explicit=True))
+    assert [_pick(tuner, _made(k, explicit=True), x) for k in "ab"] == ["a", "b"]

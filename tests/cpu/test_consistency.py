@@ -316,3 +316,32 @@ def test_check_tactics_sees_a_skipped_kv_write() -> None:
     written = k_cache.clone()
     rope.runners[0].forward(list(rope.inputs), tactic=-1)  # the fallback, on the live inputs
     assert not torch.equal(k_cache, written), "the K/V write must change what the cache holds"
+
+
+@pytest.mark.parametrize(
+    "runners, config, inputs",
+    [
+        (Scale(), CONFIG, None),  # one runner, not a list of them
+        ([Scale()], CONFIG, "tensor"),  # a tensor as inputs: each run got its rows
+        ([Scale()], None, None),
+    ],
+)
+def test_check_tactics_refuses_what_choose_one_refuses(runners, config, inputs) -> None:
+    from graphtune.errors import ConfigError
+
+    x, buf = torch.randn(4, 3), torch.zeros(4, 3)
+    inputs = torch.stack([x, buf]) if inputs == "tensor" else [x, buf]
+    with pytest.raises(ConfigError):
+        check_tactics("op", runners, config, inputs)
+
+
+def test_a_complex_fallback_output_holding_nan_is_no_reference() -> None:
+    class Complex(TunableRunner):
+        def get_valid_tactics(self, inputs: list, profile: Any, **kwargs: Any) -> list:
+            return [-1, 1]
+
+        def forward(self, inputs: list, *, tactic: Any = -1, **kwargs: Any) -> Any:
+            return torch.full((4,), complex(float("nan"), 0.0), dtype=torch.complex64)
+
+    report = check_tactics("cplx", [Complex()], CONFIG, [torch.randn(4, 3)])
+    assert not report.passed and report.reference_error is not None

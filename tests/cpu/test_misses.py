@@ -367,3 +367,19 @@ def test_a_record_whose_every_tactic_fails_is_skipped_as_failed(monkeypatch) -> 
     ((_, why),) = report.skipped
     assert report.tuned == [] and "every (runner, tactic) failed" in why
     assert "looks up another key" not in why  # what it used to say
+
+
+def test_reset_stats_re_arms_the_warning_of_a_miss_that_is_not_recorded(caplog) -> None:
+    import enum
+
+    class Act(enum.Enum):
+        SILU = 1
+
+    config = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0, (1, 4)),))
+    tuner = AutoTuner(show_progress=False)
+    caplog.set_level("WARNING", logger="graphtune.autotuner.calls")
+    for _ in range(2):
+        tuner.choose_one("op", [Plain()], config, [torch.randn(4, 3)], act=Act.SILU)
+    tuner.reset_stats()  # e.g. after warm-up: serving warns about its own misses again
+    tuner.choose_one("op", [Plain()], config, [torch.randn(4, 3)], act=Act.SILU)
+    assert [r.name for r in caplog.records].count("graphtune.autotuner.calls") == 2

@@ -1,5 +1,6 @@
 """Semantics of the tuner a review found broken: per-thread ``record_calls``, the hit memo's
-runner identity, candidates' timer sessions, inputs nested in containers (one test each).
+runner identity, candidates' timer sessions, inputs nested in containers, timer names and
+pins a cache file cannot keep (one test each).
 
 A runner sets the cost of the tactic it ran and a fake timer reads it, so every pick below is
 deterministic (docs/design.md, principle 2).
@@ -11,7 +12,10 @@ import dataclasses
 import threading
 from typing import Any
 
+import pytest
 import torch
+from test_autotuner_tuner import CONFIG as BUCKETS
+from test_autotuner_tuner import FakeClock, FakeTimer, make
 
 from graphtune.autotuner import (
     AutoTuner,
@@ -21,7 +25,10 @@ from graphtune.autotuner import (
     TuningPolicy,
     autotune,
 )
+from graphtune.autotuner.calls import OpCall
+from graphtune.autotuner.runner import FALLBACK_TACTIC
 from graphtune.autotuner.timing.base import Measurement
+from graphtune.errors import ConfigError
 
 EXACT = TuningPolicy(
     rounds=1,
@@ -212,3 +219,42 @@ def test_tactics_of_alike_texts_are_timed_on_sessions_of_their_own() -> None:
         assert tuner.choose_one("op", [runner], CONFIG, [torch.zeros(4, 2)]) == (runner, [64, 2])
     (record,) = tuner.history
     assert [(c.tactic, c.median_us) for c in record.candidates] == [((64, 2), 5.0), ([64, 2], 1.0)]
+
+
+class _NamedTimer(FakeTimer):
+    def __init__(self, name: Any) -> None:
+        super().__init__(FakeClock())
+        self.name = name
+
+
+@pytest.mark.parametrize("name", [None, 7, ""])
+def test_a_timer_whose_name_is_no_non_empty_str_is_refused(name: Any) -> None:
+    # Its picks would be keyed with a 'timing' that is no string: the next load of the shared
+    # cache file rejects the whole file for them.
+    with pytest.raises(ConfigError):
+        AutoTuner(timer=_NamedTimer(name))  # type: ignore[arg-type]
+    AutoTuner(timer=_NamedTimer("mine"))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "index, tactic, time_us",
+    [
+        (0, FALLBACK_TACTIC, -5.0),
+        (0, FALLBACK_TACTIC, 0.0),
+        (0, FALLBACK_TACTIC, float("nan")),
+        (0, FALLBACK_TACTIC, float("inf")),
+        (0, FALLBACK_TACTIC, True),
+        (0, object(), None),
+        (0, float("nan"), 1.0),
+        (False, FALLBACK_TACTIC, None),
+    ],
+)
+def test_pin_refuses_what_a_cache_file_cannot_keep(index: Any, tactic: Any, time_us: Any) -> None:
+    # Such a pick was served from memory, then dropped by the next load (or failed the save).
+    tuner, runners, _ = make({-1: 5.0}, {0: 1.0})
+    call = OpCall.checked("op", runners, BUCKETS, [torch.randn(4, 2)], {})
+    with pytest.raises(ConfigError):
+        tuner.pin(call, index, tactic, time_us=time_us)
+    assert len(tuner.cache) == 0
+    tuner.pin(call, 1, 0, time_us=2.5)
+    assert tuner.choose_one("op", runners, BUCKETS, [torch.randn(4, 2)]) == (runners[1], 0)

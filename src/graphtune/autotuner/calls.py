@@ -70,9 +70,11 @@ class OpCall:
         config: TuningConfig,
         inputs: Iterable[Any],
         kwargs: dict[str, Any],
+        *,
+        caller: str = "choose_one",
     ) -> OpCall:
         """The call ``choose_one(op, runners, config, inputs, **kwargs)`` makes, after the
-        checks of what it was given.
+        checks of what it was given (the errors name ``caller``: ``check_tactics`` checks alike).
 
         Raises:
             ConfigError: ``op`` is not a non-empty str (the cache file stores it as a JSON
@@ -85,42 +87,42 @@ class OpCall:
         if not isinstance(op, str) or not op:
             # an op that is no string is saved as one, and a load rejects the whole file for it
             raise ConfigError(
-                f"choose_one: op {op!r} is not a non-empty str; name the op with a string "
+                f"{caller}: op {op!r} is not a non-empty str; name the op with a string "
                 "(it is part of the cache key, stored as JSON text)."
             )
         if isinstance(inputs, (torch.Tensor, str, bytes, dict)) or not isinstance(inputs, Iterable):
             raise ConfigError(
-                f"choose_one({op!r}) takes its inputs as a list, as forward receives them; got "
+                f"{caller}({op!r}) takes its inputs as a list, as forward receives them; got "
                 f"{type(inputs).__name__} (pass [x] for one tensor)."
             )
         if callable(getattr(runners, "forward", None)) or not isinstance(runners, Iterable):
             raise ConfigError(
-                f"choose_one({op!r}) takes its runners as a list; got "
+                f"{caller}({op!r}) takes its runners as a list; got "
                 f"{type(runners).__name__} (pass [runner] for one runner)."
             )
         for name, value in kwargs.items():
             if isinstance(value, torch.Tensor):  # identity_value's advice is for runner fields
                 raise ConfigError(
-                    f"choose_one({op!r}): keyword argument {name!r} is a Tensor, but keyword "
+                    f"{caller}({op!r}): keyword argument {name!r} is a Tensor, but keyword "
                     "arguments are part of the cache key and need a stable value; pass the "
                     "tensor in inputs (its shape and dtype are keyed) or keep it on the runner "
                     "as a private attribute (a leading underscore)."
                 )
             # one nested in a tuple, list or dict: the same advice, not a runner field's
             identity_value(
-                value, f"choose_one({op!r}): keyword argument {name}", advice=_KWARG_ADVICE
+                value, f"{caller}({op!r}): keyword argument {name}", advice=_KWARG_ADVICE
             )
         runners = list(runners)
         if not runners:
-            raise ConfigError(f"choose_one({op!r}) got no runners; pass at least one runner.")
+            raise ConfigError(f"{caller}({op!r}) got no runners; pass at least one runner.")
         for runner in runners:
             if isinstance(runner, type) or not callable(getattr(runner, "forward", None)):
                 raise ConfigError(
-                    f"choose_one({op!r}): {runner!r} is not a runner; pass instances of "
+                    f"{caller}({op!r}): {runner!r} is not a runner; pass instances of "
                     "TunableRunner subclasses (with forward and get_valid_tactics)."
                 )
         if not isinstance(config, TuningConfig):
-            raise ConfigError(f"choose_one({op!r}) needs a TuningConfig, got {config!r}.")
+            raise ConfigError(f"{caller}({op!r}) needs a TuningConfig, got {config!r}.")
         return cls(op, tuple(runners), config, tuple(inputs), kwargs)
 
 
@@ -320,6 +322,11 @@ class MissLog:
                         )
             else:
                 self._records[key] = _with_count(found, found.count + 1)
+
+    def rearm_warnings(self) -> None:
+        """Lets each op warn once more about a miss it cannot record (``reset_stats()``)."""
+        with self._lock:
+            self._unrecordable.clear()
 
     def records(self) -> list[CallRecord]:
         """A snapshot, in the order the keys first missed."""

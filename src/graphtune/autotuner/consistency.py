@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from graphtune.autotuner.calls import OpCall
 from graphtune.autotuner.config import TuningConfig
 from graphtune.autotuner.identity import runner_id, short_runner_name
 from graphtune.autotuner.profiles import copy_tree, profile_for
@@ -162,10 +163,15 @@ def check_tactics(
         The report: one :class:`TacticCheck` per (runner, tactic) other than the fallback.
 
     Raises:
-        ConfigError: No runners, or a tolerance that is not a finite number >= 0.
+        ConfigError: What ``choose_one`` refuses of its other arguments (no runners, runners
+            or inputs not in a list, ``config`` not a ``TuningConfig``; keyword arguments may
+            be anything, tensors included), or a tolerance that is not a finite number >= 0.
+        InputError: A spec points at an input or dimension that does not exist.
     """
-    if not runners:
-        raise ConfigError(f"check_tactics({op!r}) got no runners; pass the op's runners.")
+    # choose_one's checks (a tensor as inputs would run each tactic on its rows, and pass),
+    # except the keyword ones: nothing is keyed here, and a tensor may be an `out=` argument.
+    call = OpCall.checked(op, runners, config, inputs, {}, caller="check_tactics")
+    runners, inputs = list(call.runners), list(call.inputs)
     for name, value in (("atol", atol), ("rtol", rtol)):
         if value is not None and (
             isinstance(value, bool)
@@ -184,7 +190,7 @@ def check_tactics(
         report.reference_error = f"{type(exc).__name__}: {exc}"
         return report
     reference = _tensors(out) + _tensors(reference_inputs) + _tensors(reference_kwargs)
-    if any(t.is_floating_point() and bool(t.isnan().any()) for t in reference):
+    if any((t.is_floating_point() or t.is_complex()) and bool(t.isnan().any()) for t in reference):
         # A tactic with NaN where the fallback has them would match it, and a correct one fail.
         report.reference_error = (
             "the fallback's result holds NaN, so no tactic can be compared with it; check the "

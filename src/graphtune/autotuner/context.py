@@ -13,7 +13,7 @@ from os import PathLike
 from graphtune import env
 from graphtune.autotuner.distributed import DistributedTuning, align_cache
 from graphtune.autotuner.tuner import SUMMARY_COLUMNS, AutoTuner
-from graphtune.errors import CacheFileError
+from graphtune.errors import CacheFileError, ConfigError
 from graphtune.reporting import render_table
 
 logger = logging.getLogger(__name__)
@@ -114,11 +114,20 @@ def autotune(
     latest open block that set one, and gets its mode, strategy and tactic worker back when the
     last block ends.
 
+    Raises:
+        ConfigError: ``cache_path`` or ``misses_path`` is neither ``None`` nor a path.
+
     Yields:
         The tuner, in tuning mode (cache-only: not, unless another open block tunes). With a
         collective distributed strategy every rank's cache is the same one first
         (:func:`~graphtune.autotuner.distributed.align_cache`).
     """
+    for name, value in (("cache_path", cache_path), ("misses_path", misses_path)):
+        if value is not None and not isinstance(value, (str, PathLike)):
+            raise ConfigError(
+                f"autotune({name}={value!r}): {name} must be a path (a str or os.PathLike) or "
+                "None; pass the file's path, e.g. autotune('tuning.json')."
+            )
     tuner = tuner if tuner is not None else get_tuner()
     path = cache_path if cache_path is not None else env.default_cache_path()
     misses = misses_path if misses_path is not None else env.default_misses_path()

@@ -6,6 +6,14 @@
   the class's ``identity_excludes``, as ``{name: value}`` in :func:`~graphtune.autotuner.values.
   identity_value` form. So two instances built with ``block_size=128`` and ``block_size=256``
   never share a pick, and an attribute without a stable value raises an error naming it.
+  ``cache_key_extras()`` must return a tuple (or list): anything else is an
+  :class:`~graphtune.autotuner.values.IdentityError`.
+* A runner class defined inside a function (``<locals>`` in its qualified name) is a new class
+  object each time the function runs, with one id, and what tells those apart often lives in
+  the function's variables, which the id cannot see. Unless such a class overrides
+  ``cache_key_extras()`` itself, a tuner refuses (``IdentityError``) a second class object whose
+  id equals that of one it has seen (:class:`LocalClasses`). Across processes nothing can tell
+  them apart: a factory of runner classes must put what differs in ``cache_key_extras()``.
 * :func:`sources_digest` hashes the source files of the modules that define a runner's class and
   its base classes (up to :class:`~graphtune.autotuner.runner.TunableRunner`), plus the modules
   its class lists in ``source_modules`` (for example the module of its Triton kernels). It is
@@ -22,10 +30,11 @@ import importlib.util
 import inspect
 import logging
 import sys
+import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from graphtune.autotuner.values import canonical_text, identity_value
+from graphtune.autotuner.values import IdentityError, canonical_text, identity_value
 
 logger = logging.getLogger(__name__)
 
@@ -78,9 +87,58 @@ def runner_id(runner: Any) -> str:
     cls = type(runner)
     ident = f"{cls.__module__}.{cls.__qualname__}"
     extras = runner.cache_key_extras()
+    if not isinstance(extras, (tuple, list)):
+        # list() of a dict keeps only its keys (runners of other values would share picks)
+        raise IdentityError(
+            f"cache_key_extras() of {ident} returned a {type(extras).__qualname__}, not a "
+            "tuple; return a tuple of the values that tell runners apart, e.g. "
+            "({'block': self.block},)."
+        )
     if extras:
         ident += canonical_text(identity_value(list(extras), f"cache_key_extras() of {ident}"))
     return ident
+
+
+class LocalClasses:
+    """The runner classes defined inside a function (``<locals>`` in their qualified name) that
+    one tuner has seen, by runner id, to refuse two of them that share an id.
+
+    Such a function makes a new class object each time it runs, all of one qualified name, and
+    what tells them apart often lives in the function's variables (the closure), which the id
+    cannot see: two of them with equal ids would be served each other's picks. A class that
+    overrides ``cache_key_extras()`` states its key itself and is trusted. Classes are held
+    weakly, so one that is gone (a finished test's) does not block a later one."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, weakref.ref[type]] = {}
+
+    def check(self, runners: Sequence[Any], ids: Sequence[str]) -> None:
+        """Records the local classes of ``runners`` (whose ids are ``ids``).
+
+        Raises:
+            IdentityError: Another class object of the same id was seen before.
+        """
+        for runner, ident in zip(runners, ids, strict=True):
+            cls = type(runner)
+            if "<locals>" not in cls.__qualname__ or _overrides_extras(cls):
+                continue
+            seen = self._seen.get(ident)
+            other = seen() if seen is not None else None
+            if other is None:
+                self._seen[ident] = weakref.ref(cls)
+            elif other is not cls:
+                raise IdentityError(
+                    f"runner class {ident} was defined twice inside a function (two class "
+                    "objects, one id), so their picks would be shared although their closures "
+                    "may differ; override cache_key_extras() to return what tells them apart, "
+                    "e.g. (kind,), or define the class at module level."
+                )
+
+
+def _overrides_extras(cls: type) -> bool:
+    """Whether a class defined in a function (``cls`` or a local base) states its key: an
+    override inherited from a module-level base cannot know the closure of ``cls``."""
+    return any("<locals>" in c.__qualname__ and "cache_key_extras" in vars(c) for c in cls.__mro__)
 
 
 def short_runner_name(ident: str) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass, field
 from os import PathLike
 from pathlib import Path
@@ -38,7 +39,7 @@ from graphtune.autotuner.cache_reader import (
     raw_document,
     read_document,
 )
-from graphtune.autotuner.entries import BlockedTactic, Blocklist, tactic_text
+from graphtune.autotuner.entries import BlockedTactic, Blocklist, CacheEntry, tactic_text
 from graphtune.autotuner.fingerprint import environment_fingerprint, fingerprint_mismatch
 from graphtune.autotuner.save_target import (
     LOCK_TIMEOUT_S,
@@ -224,9 +225,9 @@ def save(
     if unstorable:
         raise CacheFileError(
             f"Saved {len(merged)} entries to tuning cache {path}, but left out "
-            f"{len(unstorable)} whose tactic is not JSON-serialisable, e.g. {unstorable[0]}. "
-            "Tactics must be None, bools, ints, finite floats, strings, tuples, lists or dicts "
-            "of those."
+            f"{len(unstorable)} that a JSON file cannot hold, e.g. {unstorable[0]}. Tactics must "
+            "be None, bools, ints, finite floats, strings, tuples, lists or dicts of those, and "
+            "times finite numbers or null."
         )
     logger.debug("saved %d tuning entries to %s", len(merged), path)
     return len(merged)
@@ -267,13 +268,26 @@ def _storable(entries: Entries) -> tuple[Entries, list[str]]:
     kept: Entries = {}
     left_out: list[str] = []
     for key, entry in entries.items():
-        try:
-            json.dumps(entry.to_json(), allow_nan=False)
-        except (TypeError, ValueError) as exc:
-            left_out.append(f"op {key.op!r} runner {entry.runner_id} ({exc})")
+        problem = _unstorable_field(entry)
+        if problem is not None:
+            left_out.append(f"op {key.op!r} runner {entry.runner_id} ({problem})")
             continue
         kept[key] = entry
     return kept, left_out
+
+
+def _unstorable_field(entry: CacheEntry) -> str | None:
+    """Which field of ``entry`` a file cannot hold, and why; ``None`` when it can hold them all
+    (the error then blames the right one: a NaN time is not a bad tactic)."""
+    for name in ("time_us", "fallback_us"):
+        value = getattr(entry, name)
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"{name} is {value}, and JSON has no non-finite numbers"
+    try:
+        json.dumps(entry.to_json(), allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as exc:
+        return f"tactic {entry.tactic!r}: {exc}"
+    return None
 
 
 def unblock(

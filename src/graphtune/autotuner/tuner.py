@@ -32,7 +32,7 @@ from graphtune.autotuner.distributed import DistributedTuning, OpCoordinator
 from graphtune.autotuner.entries import CacheEntry, CacheKey, tactic_text
 from graphtune.autotuner.executors import TuningExecutors
 from graphtune.autotuner.failures import FailureLog
-from graphtune.autotuner.identity import runner_id, short_runner_name, sources_digest
+from graphtune.autotuner.identity import LocalClasses, runner_id, short_runner_name, sources_digest
 from graphtune.autotuner.isolation import Isolation
 from graphtune.autotuner.policy import TuningPolicy
 from graphtune.autotuner.preparing import prepare_runs
@@ -42,6 +42,7 @@ from graphtune.autotuner.runner import FALLBACK_TACTIC, TunableRunner
 from graphtune.autotuner.selection import ProfileRecord
 from graphtune.autotuner.stats import TunerStats
 from graphtune.autotuner.timing.base import Timer
+from graphtune.autotuner.tuner_args import check_pin, check_timer
 from graphtune.autotuner.tuning import ProfileOutcome, TuningRun
 from graphtune.autotuner.values import canonical_text, identity_value
 from graphtune.errors import ConfigError
@@ -111,11 +112,7 @@ class AutoTuner:
         show_progress: bool | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        if timer is not None and not isinstance(timer, Timer):
-            raise ConfigError(
-                f"AutoTuner(timer={timer!r}): a timer needs a `name` and "
-                "`measure(fn, *, warmup, repeat) -> Measurement` (see graphtune.autotuner.timing)."
-            )
+        check_timer(timer)
         if policy is not None and not isinstance(policy, TuningPolicy):
             raise ConfigError(
                 f"AutoTuner(policy={policy!r}): pass a TuningPolicy(rounds=..., ...) or None."
@@ -134,6 +131,7 @@ class AutoTuner:
         self._clock = clock
         self._is_capturing = is_capturing or _default_is_capturing
         self._warned_ops: set[str] = set()
+        self._local_classes = LocalClasses()  # runner classes made in a function: see there
         self._failures = FailureLog(self.stats)
         self._summary: list[tuple[Any, ...]] = []
         # Indexes of the summary rows whose fallback time is one sample (it left the race).
@@ -314,14 +312,11 @@ class AutoTuner:
         ``graphtune.engine.tuning.check_fusion``.
 
         Raises:
-            ConfigError: ``runner_index`` names no runner of the call, or the call's size maps
-                to no bucket (such calls always run the fallback).
+            ConfigError: ``runner_index`` names no runner of the call, ``tactic`` cannot be
+                stored in a cache file, ``time_us`` is not ``None`` or a finite number > 0, or
+                the call's size maps to no bucket (such calls always run the fallback).
         """
-        if not 0 <= runner_index < len(call.runners):
-            raise ConfigError(
-                f"pin: runner_index {runner_index} is not one of the {len(call.runners)} runners "
-                f"of op {call.op!r}; pass an index into call.runners"
-            )
+        check_pin(call, runner_index, tactic, time_us)
         profile = profile_for(call.config, list(call.inputs))
         if profile is None:
             raise ConfigError(
@@ -340,6 +335,7 @@ class AutoTuner:
         self.stats = TunerStats()
         self._failures = FailureLog(self.stats)
         self._warned_ops.clear()
+        self.misses.rearm_warnings()
 
     def close(self) -> None:
         """Stops the tactic worker process, if any (``autotune()`` calls this on exit)."""
@@ -377,6 +373,7 @@ class AutoTuner:
 
     def _resolve(self, call: OpCall) -> ResolvedCall:
         ids = tuple(runner_id(r) for r in call.runners)
+        self._local_classes.check(call.runners, ids)
         device = device_of(call.inputs)
         extra = ""
         if call.kwargs:

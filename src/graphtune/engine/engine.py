@@ -301,11 +301,10 @@ class Engine:
         self._released = True
 
     def _capture(self) -> None:
-        # Outside inference mode, as at construction (generate and step run inside it): the
-        # runners' buffers are then ordinary tensors that any caller may write.
-        with torch.inference_mode(False):
-            for runner, step, size in self._upfront_captures:
-                runner.capture(*step.example_inputs(size))
+        # In the caller's mode: a KV cache made under inference mode can only be written there,
+        # and generate and step (which recapture after release) run under it anyway.
+        for runner, step, size in self._upfront_captures:
+            runner.capture(*step.example_inputs(size))
         self._released = False
 
     @torch.inference_mode()  # as generate: a lazy capture's buffers then fit either caller

@@ -109,7 +109,7 @@ def test_transformers_5_names_and_default_config_classes_map_too():
     [
         (QWEN3_30B_A3B, {"quantization_config": {"bits": 4}}, r"quantization_config is set"),
         (QWEN3_30B_A3B, {"shared_expert_intermediate_size": 512}, "shared_expert_intermediate"),
-        (QWEN3_30B_A3B, {"use_sliding_window": True}, "use_sliding_window=True"),
+        (QWEN3_30B_A3B, {"use_sliding_window": True, "sliding_window": 4096}, "use_sliding_window"),
         (QWEN3_30B_A3B, {"hidden_act": "gelu"}, "hidden_act='gelu'"),
         (QWEN3_30B_A3B, {"num_local_experts": 64}, "num_local_experts=64.*num_experts=128"),
         (QWEN3_30B_A3B, {"mlp_only_layers": [0, "1"]}, "mlp_only_layers"),
@@ -122,6 +122,16 @@ def test_fields_that_change_the_math_are_refused_by_name_and_value(base, change,
     # implement is a ConfigError.
     with pytest.raises((ConfigError, CheckpointError), match=message):
         from_hf_config({**base, **change})
+
+
+def test_qwen3_moe_sliding_window_flag_without_a_window_is_full_attention():
+    # transformers keeps sliding_window None, so its model attends to every key, as here.
+    plain = from_hf_config(QWEN3_30B_A3B)
+    flagged = from_hf_config({**QWEN3_30B_A3B, "use_sliding_window": True, "sliding_window": None})
+    assert flagged == plain and flagged.sliding_window is None
+    without = {k: v for k, v in QWEN3_30B_A3B.items() if k != "sliding_window"}
+    with pytest.raises(ConfigError, match="use_sliding_window"):  # transformers' 4096 applies
+        from_hf_config({**without, "use_sliding_window": True})
 
 
 def test_ignored_fields_do_not_change_the_model():

@@ -313,7 +313,12 @@ _EXPERT_ACTIVATION = Refusal(
     lambda value, cfg: isinstance(value, str) and HF_ACTIVATIONS.get(value) == "silu",
     "experts with an activation other than SiLU (the MoE kernels are SwiGLU)",
 )
-_NO_QWEN3_MOE_WINDOW = Refusal(lambda value, cfg: not value, "Qwen3-MoE's sliding-window layers")
+_NO_QWEN3_MOE_WINDOW = Refusal(
+    # A window of null makes transformers' model attend to every key (the flag alone changes
+    # nothing); a missing one is transformers' default of 4096.
+    lambda value, cfg: not value or ("sliding_window" in cfg and cfg["sliding_window"] is None),
+    "Qwen3-MoE's sliding-window layers",
+)
 _LAYER_KINDS = Refusal(
     lambda value, cfg: all(
         kind in ("full_attention", "sliding_attention") for kind in layer_types(cfg) or ()

@@ -15,38 +15,59 @@ from typing import Any
 import pytest
 
 
-def _worker(fn: Callable[[int], Any], rank: int, world: int, store: str, results: Any) -> None:
+def _worker(
+    fn: Callable[[int], Any],
+    rank: int,
+    world: int,
+    store: str,
+    results: Any,
+    group_timeout: float | None,
+) -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)  # the ranks share the CPU; oversubscription slows gloo a lot
+    timeout = (
+        {} if group_timeout is None else {"timeout": datetime.timedelta(seconds=group_timeout)}
+    )
     try:
         dist.init_process_group(
-            "gloo", store=dist.FileStore(store, world), rank=rank, world_size=world
+            "gloo", store=dist.FileStore(store, world), rank=rank, world_size=world, **timeout
         )
         try:
             results.put((rank, fn(rank)))
             # No rank tears gloo down while another still talks to it: under load, a rank that
             # destroyed its group early has ended with "terminate called without an active
             # exception" (exit code not 0) after reporting. Bounded, so a failed rank (whose
-            # traceback is already reported) cannot hang this one.
-            dist.monitored_barrier(timeout=datetime.timedelta(seconds=60))
+            # traceback is already reported) cannot hang this one. A group that fn's engine
+            # aborted is gone already: nothing to wait for or tear down.
+            if dist.is_initialized():
+                dist.monitored_barrier(timeout=datetime.timedelta(seconds=60))
         finally:
-            dist.destroy_process_group()
+            if dist.is_initialized():
+                dist.destroy_process_group()
     except Exception:  # report any failure to the parent instead of hanging it
         results.put((rank, traceback.format_exc()))
 
 
 def run_on_ranks(
-    fn: Callable[[int], Any], world: int, folder: Path, timeout: float = 120.0
+    fn: Callable[[int], Any],
+    world: int,
+    folder: Path,
+    timeout: float = 120.0,
+    group_timeout: float | None = None,
 ) -> dict[int, Any]:
     """``fn(rank)`` on ``world`` ranks (``fn`` must be importable by a spawned process); returns
     each rank's result, failing the test with a rank's traceback or when one does not report
-    within ``timeout`` seconds (a collective some rank never reached)."""
+    within ``timeout`` seconds (a collective some rank never reached). ``group_timeout``: the
+    gloo group's timeout in seconds (torch's default when ``None``)."""
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     store = str(folder / "store")
-    procs = [ctx.Process(target=_worker, args=(fn, r, world, store, results)) for r in range(world)]
+    procs = [
+        ctx.Process(target=_worker, args=(fn, r, world, store, results, group_timeout))
+        for r in range(world)
+    ]
     # Other test modules turn on Triton's interpreter for this process; the ranks may tune on
     # the CPU, where interpreted Triton tactics would take minutes: start them without it.
     interpret = os.environ.pop("TRITON_INTERPRET", None)

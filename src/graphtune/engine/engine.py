@@ -34,6 +34,7 @@ from graphtune.engine.build import (
     build_runner,
     build_step,
 )
+from graphtune.engine.group_abort import AGREED_ERRORS, GroupAbort
 from graphtune.engine.kv_cache import KVCache, aligned_seq_len
 from graphtune.engine.memory_plan import MemoryPlan, plan_memory
 from graphtune.engine.memory_report import MemoryReport
@@ -50,11 +51,12 @@ from graphtune.engine.requests import (
     agreed_requests,
     check_slots_free,
     check_step_inputs,
+    noise_keys,
     parse_requests,
     retire,
     token_id,
 )
-from graphtune.engine.sampling import GREEDY, NON_FINITE, SamplingParams, request_keys, sample
+from graphtune.engine.sampling import GREEDY, NON_FINITE, SamplingParams, sample
 from graphtune.engine.tuning import TuneReport, tune_step
 from graphtune.errors import ConfigError, InputError, NumericalError
 
@@ -113,7 +115,9 @@ class Engine:
     so all ranks run the same kernels; a given ``tuner`` must have a collective strategy (also
     cache-only). The construction and every ``generate`` check that the ranks passed the same
     arguments and weights; a rank whose own arguments fail raises its error and the others a
-    ``DistributedError`` naming it, rather than waiting for it.
+    ``DistributedError`` naming it, rather than waiting for it. A ``generate`` or ``step`` that
+    fails on one rank later (after the ranks may have met) aborts the group, so the others fail
+    at once, and the engine refuses every later call: rebuild the group and the engine.
 
     Raises:
         ConfigError: Unknown runner, sizes out of range, a tuner on a shard that is not
@@ -169,6 +173,7 @@ class Engine:
         if model.device != target_device or model.dtype != target_dtype:
             model.to(target_device, target_dtype)
         self.model = model
+        self._group = GroupAbort(model.parallel)
         self.config = model.config
         self.device = target_device
         self.max_seq_len = aligned_seq_len(max_seq_len)
@@ -321,11 +326,13 @@ class Engine:
             InputError: Inputs that are not three 1-D int64 tensors of one length on the
                 engine's device, or more rows than ``max_batch_size``
                 (:func:`~graphtune.engine.requests.check_step_inputs`).
+            DistributedError: A tensor-parallel engine whose group an earlier failure aborted.
         """
-        check_step_inputs(self, tokens, positions, slots)
-        if self._released:
-            self._capture()
-        return self.runner(tokens, positions, slots)
+        with self._group.guard("Engine.step", agreed=(InputError,)):  # raised before collectives
+            check_step_inputs(self, tokens, positions, slots)
+            if self._released:
+                self._capture()
+            return self.runner(tokens, positions, slots)
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
         """Token ids of ``prompt`` (text needs the checkpoint's tokenizer)."""
@@ -401,13 +408,20 @@ class Engine:
                 slot of :attr:`cache` held outside ``generate`` (it needs every slot free).
             NumericalError: Non-finite logits with ``strict_numerics``; otherwise such a request
                 stops early and is listed in :attr:`failures` (reset by every call).
+            DistributedError: A tensor-parallel engine whose group an earlier failure aborted.
         """
         sampling = sampling or GREEDY
-        requests, stops = agreed_requests(
-            self.model.parallel,
-            lambda: self._requests(prompts, max_new_tokens, sampling, stop_token_ids),
-            sampling,
-        )
+        with self._group.guard("Engine.generate", agreed=AGREED_ERRORS):
+            requests, stops = agreed_requests(
+                self.model.parallel,
+                lambda: self._requests(prompts, max_new_tokens, sampling, stop_token_ids),
+                sampling,
+            )
+        with self._group.guard("Engine.generate"):  # from here on a rank may be in a collective
+            self._serve(requests, stops, sampling)
+        return [r.output for r in requests]
+
+    def _serve(self, requests: list[LiveRequest], stops: set[int], sampling: Any) -> None:
         if self._released:  # after the arguments' checks: a refused call captures nothing
             self._capture()
         pending = deque(requests)
@@ -436,7 +450,6 @@ class Engine:
             for request in live:
                 self.cache.clear(request.slot)
                 self.cache.free(request.slot)
-        return [r.output for r in requests]
 
     def _admit(self, admitted: list[LiveRequest], sampling: SamplingParams) -> None:
         logits = prefill_logits(
@@ -446,7 +459,7 @@ class Engine:
             [r.slot for r in admitted],
         )
         # One device-to-host read for all first tokens of this admission round.
-        first = sample(logits, sampling, keys=_noise_keys(admitted, sampling)).tolist()
+        first = sample(logits, sampling, keys=noise_keys(admitted, sampling)).tolist()
         for request, token in zip(admitted, first, strict=True):
             self._accept(request, int(token))
 
@@ -455,7 +468,7 @@ class Engine:
             [[r.output[-1] for r in live], [r.cached for r in live], [r.slot for r in live]],
             dtype=torch.long,
         )
-        keys = _noise_keys(live, sampling)
+        keys = noise_keys(live, sampling)
         if keys is not None:  # one copy to the device for the step's inputs and its noise keys
             host = torch.cat([host, keys[None]])
         inputs = host.to(self.device, non_blocking=True)
@@ -481,11 +494,3 @@ class Engine:
         logger.warning("request %d stopped: %s", request.index, request.failed)
         if self.strict_numerics:
             raise NumericalError(f"request {request.index}: {request.failed}")
-
-
-def _noise_keys(rows: list[LiveRequest], sampling: SamplingParams) -> torch.Tensor | None:
-    """Each row's sampling noise key: its request and the number of the token it samples, so a
-    request samples alike whatever shares its batch (``None`` when greedy: no noise)."""
-    if sampling.greedy:
-        return None
-    return request_keys(sampling.seed, [(r.index, len(r.output)) for r in rows])

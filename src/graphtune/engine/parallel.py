@@ -29,6 +29,7 @@ At ``tp=1`` nothing here runs: :func:`shard_model` is never called, the model's 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import hashlib
 import logging
 from dataclasses import dataclass
@@ -393,7 +394,10 @@ class TensorParallelDecodeStep(DecodeStep):
 
 
 def init_from_torchrun(
-    tp: int, device: torch.device, all_reduce_backend: str = "auto"
+    tp: int,
+    device: torch.device,
+    all_reduce_backend: str = "auto",
+    timeout_s: float | None = None,
 ) -> tuple[ParallelContext, torch.device]:
     """Initialises the default process group from torchrun's environment for ``--tp tp``.
 
@@ -406,14 +410,21 @@ def init_from_torchrun(
         tp: Requested tensor-parallel degree; must equal torchrun's ``WORLD_SIZE``.
         device: The resolved device (``cuda`` is replaced by ``cuda:LOCAL_RANK``).
         all_reduce_backend: Passed to :class:`ParallelContext`.
+        timeout_s: The group's timeout (``init_process_group(timeout=...)``): how long a
+            collective waits for a rank that never joins it; ``None`` keeps torch's default (10
+            minutes on NCCL, 30 on gloo). An Engine whose call fails on one rank aborts the group,
+            so the others fail at once; this bounds the wait when a rank hangs or never calls.
 
     Returns:
         The context over the world group and the device this rank runs on.
 
     Raises:
-        ConfigError: Not launched by torchrun, or ``WORLD_SIZE != tp``.
+        ConfigError: Not launched by torchrun, ``WORLD_SIZE != tp``, or ``timeout_s <= 0``.
     """
     import torch.distributed as dist
+
+    if timeout_s is not None and not timeout_s > 0:
+        raise ConfigError(f"init_from_torchrun: timeout_s must be > 0 seconds, got {timeout_s}")
 
     launched = env.torchrun_rank()
     if launched is None:
@@ -440,6 +451,8 @@ def init_from_torchrun(
                 "with torchrun, which sets them"
             )
         kwargs: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
+        if timeout_s is not None:
+            kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
         try:
             dist.init_process_group(backend, rank=rank, world_size=world, **kwargs)
         except dist.DistNetworkError as exc:  # a port in use, an address not reachable

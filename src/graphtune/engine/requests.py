@@ -15,6 +15,7 @@ import torch
 
 from graphtune import env
 from graphtune.engine.config import ModelConfig, request_positions
+from graphtune.engine.sampling import request_keys
 from graphtune.errors import ConfigError, InputError
 
 
@@ -290,3 +291,11 @@ def check_step_inputs(engine: Any, tokens: Any, positions: Any, slots: Any) -> N
             low, high = int(value.min()), int(value.max())
             if low < 0 or high >= bound:
                 raise InputError(f"Engine.step: {name} must be in [0, {bound}), got {low}..{high}")
+
+
+def noise_keys(rows: list[LiveRequest], sampling: Any) -> torch.Tensor | None:
+    """Each row's sampling noise key: its request and the number of the token it samples, so a
+    request samples alike whatever shares its batch (``None`` when greedy: no noise)."""
+    if sampling.greedy:
+        return None
+    return request_keys(sampling.seed, [(r.index, len(r.output)) for r in rows])

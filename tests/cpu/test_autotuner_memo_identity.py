@@ -133,6 +133,32 @@ def test_cache_key_extras_that_are_no_tuple_are_refused() -> None:
             _tuned(runner)
 
 
+def _with_super(size: int) -> TunableRunner:
+    """A local class whose methods use super() (a __class__ cell, new with every class object)
+    and whose difference is a plain class attribute."""
+
+    class Sized(TunableRunner):
+        tactic = size
+
+        def __init__(self) -> None:
+            super().__init__()
+
+        def get_valid_tactics(self, inputs, profile):
+            return [self.tactic]
+
+        def forward(self, inputs, tactic=FALLBACK_TACTIC):
+            return inputs[0]
+
+    return Sized()
+
+
+def test_local_classes_compare_by_definition_not_by_object() -> None:
+    tuner, x = _tuned(_with_super(1))
+    assert _pick(tuner, _with_super(1), x) == 1  # the same body and values again: served
+    with pytest.raises(IdentityError):  # another class attribute value: refused
+        _pick(tuner, _with_super(2), x)
+
+
 def _made(kind: str, *, explicit: bool = False) -> TunableRunner:
     """A runner class made in a function, its tactic in the closure (as a factory would)."""
 
@@ -156,8 +182,9 @@ def test_two_classes_made_by_one_function_are_not_served_each_others_pick() -> N
     assert _pick(tuner, a, x) == "a"
     with pytest.raises(IdentityError):  # it would have been served tactic "a"
         _pick(tuner, _made("b"), x)
-    with pytest.raises(IdentityError):
-        _pick(tuner, again, x)
+    # The same body run again with the same closure values (a test per parametrization) is
+    # the same runner: its pick is served.
+    assert _pick(tuner, again, x) == "a"
     assert _pick(tuner, type(a)(), x) == "a"  # another instance of the same class is fine
     # A class that states what tells it apart is trusted, and gets its own pick.
     tuner, x = _tuned(_made("a", explicit=True), _made("b", explicit=True))

@@ -117,6 +117,40 @@ def test_an_aborted_engine_refuses_later_calls_on_every_rank(outcomes: dict[int,
     assert "OutOfMemoryError" in outcomes[1]["retry"]
 
 
+def _strict_nan_then_bad_step(rank: int) -> dict[str, Any]:
+    model = load_model("tiny", seed=3, parallel=ParallelContext.from_group())
+    engine = Engine(model, runner="eager", max_batch_size=2, max_seq_len=48, strict_numerics=True)
+    out: dict[str, Any] = {}
+    saved = model.lm_head.detach().clone()
+    with torch.no_grad():  # the LM head is replicated: every rank's logits are NaN at once
+        model.lm_head.fill_(float("nan"))
+    out["nan"] = _outcome(lambda: engine.generate([[1, 2, 3]], 3, stop_token_ids=[]))
+    with torch.no_grad():
+        model.lm_head.copy_(saved)
+    out["after nan"] = engine.generate([[1, 2, 3]], 3, stop_token_ids=[])
+    tokens, positions, slots = engine.example_inputs(1)
+    if rank == 1:  # its own bad input: nothing makes the ranks agree on step()'s arguments
+        tokens = tokens.to(torch.int32)
+    start = time.monotonic()
+    out["bad step"] = _outcome(lambda: engine.step(tokens, positions, slots))
+    out["seconds"] = time.monotonic() - start
+    return out
+
+
+def test_strict_numerics_raises_on_every_rank_without_an_abort_and_one_rank_bad_step_aborts(
+    tmp_path: Path,
+) -> None:
+    outcomes = run_on_ranks(
+        _strict_nan_then_bad_step, WORLD, tmp_path, group_timeout=GROUP_TIMEOUT_S
+    )
+    for rank in range(WORLD):
+        assert outcomes[rank]["nan"].startswith("NumericalError: "), outcomes[rank]
+    assert outcomes[0]["after nan"] == outcomes[1]["after nan"]  # still usable, and agreed
+    assert outcomes[1]["bad step"].startswith("InputError: ")
+    assert outcomes[0]["bad step"] != "ok"
+    assert outcomes[0]["seconds"] < PEER_BOUND_S, outcomes[0]
+
+
 def test_init_from_torchrun_passes_the_group_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: dict[str, Any] = {}
     dist = torch.distributed

@@ -80,6 +80,10 @@ def test_generate_takes_per_prompt_limits_as_a_numpy_array_or_tensor():
     assert engine.generate(prompts, torch.tensor([2, 3]), stop_token_ids=[]) == want
     with pytest.raises(InputError):  # one limit per prompt: a 2-D array is no list of them
         engine.generate(prompts, np.array([[2, 3]]))
+    # A one-element array is one limit for all, as an int (and as before arrays were per prompt).
+    same = engine.generate(prompts, 3, stop_token_ids=[])
+    assert engine.generate(prompts, torch.tensor([3]), stop_token_ids=[]) == same
+    assert engine.generate(prompts, np.array([3]), stop_token_ids=[]) == same
 
 
 def test_decode_batch_above_max_is_refused_before_the_runner(engine):

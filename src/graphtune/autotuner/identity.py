@@ -12,7 +12,8 @@
   object each time the function runs, with one id, and what tells those apart often lives in
   the function's variables, which the id cannot see. Unless such a class overrides
   ``cache_key_extras()`` itself, a tuner refuses (``IdentityError``) a second class object whose
-  id equals that of one it has seen (:class:`LocalClasses`). Across processes nothing can tell
+  id equals that of one it has seen but whose definition differs: its methods' code or closure
+  values, or its class attributes (:class:`LocalClasses`). Across processes nothing can tell
   them apart: a factory of runner classes must put what differs in ``cache_key_extras()``.
 * :func:`sources_digest` hashes the source files of the modules that define a runner's class and
   its base classes (up to :class:`~graphtune.autotuner.runner.TunableRunner`), plus the modules
@@ -101,44 +102,86 @@ def runner_id(runner: Any) -> str:
 
 class LocalClasses:
     """The runner classes defined inside a function (``<locals>`` in their qualified name) that
-    one tuner has seen, by runner id, to refuse two of them that share an id.
+    one tuner has seen, by runner id, to refuse two of them that share an id but not a
+    definition.
 
     Such a function makes a new class object each time it runs, all of one qualified name, and
     what tells them apart often lives in the function's variables (the closure), which the id
-    cannot see: two of them with equal ids would be served each other's picks. A class that
-    overrides ``cache_key_extras()`` states its key itself and is trusted. Classes are held
-    weakly, so one that is gone (a finished test's) does not block a later one."""
+    cannot see: two of them with equal ids would be served each other's picks. So the first
+    class seen under an id is remembered by its definition (:func:`_definition`: its methods'
+    code, the values their closures hold, its plain class attributes), and a later class object
+    of that id must have the same one (a test that builds the same class per parametrization
+    does). A class that overrides ``cache_key_extras()`` states its key itself and is trusted."""
 
     def __init__(self) -> None:
-        self._seen: dict[str, weakref.ref[type]] = {}
+        self._seen: dict[str, tuple[Any, ...]] = {}
+        self._checked: weakref.WeakSet[type] = weakref.WeakSet()
 
     def check(self, runners: Sequence[Any], ids: Sequence[str]) -> None:
         """Records the local classes of ``runners`` (whose ids are ``ids``).
 
         Raises:
-            IdentityError: Another class object of the same id was seen before.
+            IdentityError: A class of the same id but another definition was seen before.
         """
         for runner, ident in zip(runners, ids, strict=True):
             cls = type(runner)
-            if "<locals>" not in cls.__qualname__ or _overrides_extras(cls):
+            if cls in self._checked or "<locals>" not in cls.__qualname__:
                 continue
-            seen = self._seen.get(ident)
-            other = seen() if seen is not None else None
-            if other is None:
-                self._seen[ident] = weakref.ref(cls)
-            elif other is not cls:
-                raise IdentityError(
-                    f"runner class {ident} was defined twice inside a function (two class "
-                    "objects, one id), so their picks would be shared although their closures "
-                    "may differ; override cache_key_extras() to return what tells them apart, "
-                    "e.g. (kind,), or define the class at module level."
-                )
+            if not _overrides_extras(cls):
+                definition = _definition(cls)
+                if self._seen.setdefault(ident, definition) != definition:
+                    raise IdentityError(
+                        f"runner class {ident} was defined twice inside a function with "
+                        "different code or closure values, and one id, so their picks would "
+                        "be shared; override cache_key_extras() to return what tells them "
+                        "apart, e.g. (kind,), or define the class at module level."
+                    )
+            self._checked.add(cls)
+
+
+def _definition(cls: type) -> tuple[Any, ...]:
+    """What a class made in a function is, beyond its name: per class of its MRO made in a
+    function, each attribute's code object and closure values (functions, methods) or value.
+    Values are compared by their stable text where they have one, else by identity, so an
+    object that cannot be compared makes two definitions differ (refused, never shared)."""
+    parts: list[Any] = []
+    for klass in cls.__mro__:
+        if "<locals>" not in klass.__qualname__:
+            continue
+        for name, value in sorted(vars(klass).items()):
+            if name in ("__dict__", "__weakref__", "__module__", "__doc__", "__qualname__"):
+                continue
+            function = getattr(value, "__func__", value)  # staticmethod, classmethod
+            code = getattr(function, "__code__", None)
+            if code is None:
+                parts.append((name, _comparable(value)))
+                continue
+            cells: list[Any] = []
+            for cell in getattr(function, "__closure__", None) or ():
+                try:
+                    content = cell.cell_contents
+                except ValueError:  # an empty cell (a name not bound yet)
+                    cells.append(None)
+                    continue
+                # super()'s __class__ cell holds the class itself: new with every class object
+                cells.append("__class__" if content is klass else _comparable(content))
+            parts.append((name, code, tuple(cells)))
+    return tuple(parts)
 
 
 def _overrides_extras(cls: type) -> bool:
     """Whether a class defined in a function (``cls`` or a local base) states its key: an
     override inherited from a module-level base cannot know the closure of ``cls``."""
     return any("<locals>" in c.__qualname__ and "cache_key_extras" in vars(c) for c in cls.__mro__)
+
+
+def _comparable(value: Any) -> Any:
+    if isinstance(value, type):
+        return value  # a class compares by identity; a local one inside is checked on its own
+    try:
+        return canonical_text(identity_value(value, "a class attribute"))
+    except (IdentityError, TypeError, ValueError, RecursionError):
+        return ("object", id(value))
 
 
 def short_runner_name(ident: str) -> str:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence, Set
+from collections.abc import Sequence
 from os import PathLike
 from typing import Any
 
@@ -53,12 +53,12 @@ from graphtune.engine.requests import (
     check_step_inputs,
     noise_keys,
     parse_requests,
+    prompt_ids,
     retire,
-    token_id,
 )
 from graphtune.engine.sampling import GREEDY, NON_FINITE, SamplingParams, sample
 from graphtune.engine.tuning import TuneReport, tune_step
-from graphtune.errors import ConfigError, InputError, NumericalError
+from graphtune.errors import ConfigError, NumericalError
 
 logger = logging.getLogger(__name__)
 
@@ -312,7 +312,6 @@ class Engine:
             runner.capture(*step.example_inputs(size))
         self._released = False
 
-    @torch.inference_mode()  # as generate: a lazy capture's buffers then fit either caller
     def step(
         self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
     ) -> torch.Tensor:
@@ -321,6 +320,8 @@ class Engine:
         Rows must be compacted (row ``i`` owns slot ``i``), as :meth:`generate` keeps them
         (free the slots taken from :attr:`cache` before calling it). The result is a view the
         next step overwrites. Runs under ``torch.inference_mode()``, as :meth:`generate` does.
+        On a tensor-parallel engine any error (a rank's own bad inputs included: nothing makes
+        the ranks agree on them first) aborts the group.
 
         Raises:
             InputError: Inputs that are not three 1-D int64 tensors of one length on the
@@ -328,31 +329,22 @@ class Engine:
                 (:func:`~graphtune.engine.requests.check_step_inputs`).
             DistributedError: A tensor-parallel engine whose group an earlier failure aborted.
         """
-        with self._group.guard("Engine.step", agreed=(InputError,)):  # raised before collectives
-            check_step_inputs(self, tokens, positions, slots)
-            if self._released:
-                self._capture()
-            return self.runner(tokens, positions, slots)
+        if not torch.is_inference_mode_enabled():  # as generate: a lazy capture's buffers fit
+            with torch.inference_mode():
+                return self.step(tokens, positions, slots)
+        return self._group.call("Engine.step", self._step, tokens, positions, slots)
+
+    def _step(
+        self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
+    ) -> torch.Tensor:
+        check_step_inputs(self, tokens, positions, slots)
+        if self._released:
+            self._capture()
+        return self.runner(tokens, positions, slots)
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
         """Token ids of ``prompt`` (text needs the checkpoint's tokenizer)."""
-        if isinstance(prompt, str):
-            if self.model.tokenizer is None:
-                raise InputError(
-                    "text prompts need a tokenizer (tokenizer.json in the checkpoint folder); "
-                    "pass token ids instead"
-                )
-            return list(self.model.tokenizer.encode(prompt).ids)
-        unordered = isinstance(prompt, (Mapping, Set))  # a dict's keys, a set: no token order
-        # Bytes iterate as ints: b"Hi" would be read as the token ids 72 and 105.
-        raw = isinstance(prompt, (bytes, bytearray, memoryview))
-        if not isinstance(prompt, Iterable) or unordered or raw or getattr(prompt, "ndim", 1) != 1:
-            raise InputError(
-                f"a prompt must be text or a list of token ids, got {type(prompt).__name__} "
-                f"{prompt!r:.40}; for one prompt of ids pass [[1, 2, 3]], not [1, 2, 3] (a "
-                "tensor of prompts is 2-D: one row per prompt)"
-            )
-        return [token_id(t, "prompt") for t in prompt]
+        return prompt_ids(prompt, self.model.tokenizer)
 
     def _requests(
         self, prompts: Any, max_new_tokens: Any, sampling: Any, stop_token_ids: Any
@@ -417,7 +409,9 @@ class Engine:
                 lambda: self._requests(prompts, max_new_tokens, sampling, stop_token_ids),
                 sampling,
             )
-        with self._group.guard("Engine.generate"):  # from here on a rank may be in a collective
+        # From here on a rank may be in a collective. strict_numerics raises on every rank at
+        # once (the LM head is replicated, so are the logits): no rank waits, nothing to abort.
+        with self._group.guard("Engine.generate", agreed=(NumericalError,)):
             self._serve(requests, stops, sampling)
         return [r.output for r in requests]
 

@@ -17,9 +17,9 @@ every rank reaches together) leave the group alone: every rank raises, none wait
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -32,6 +32,8 @@ from graphtune.errors import (
 )
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # What ``Engine.generate``'s agreed argument checks raise: every rank raises together (a rank's
 # own error, or a DistributedError naming it), none is left in a collective, so no abort.
@@ -86,6 +88,14 @@ class GroupAbort:
                 f"(rank {self.parallel.rank}: {self.failure}), so this engine cannot run; "
                 "rebuild the process group (init_process_group) and the Engine"
             )
+
+    def call(self, what: str, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` under :meth:`guard`; in one process directly (a step's hot path pays
+        no context manager for a group it does not have)."""
+        if self.parallel is None:
+            return fn(*args)
+        with self.guard(what):
+            return fn(*args)
 
     @contextmanager
     def guard(self, what: str, agreed: tuple[type[BaseException], ...] = ()) -> Iterator[None]:

@@ -7,7 +7,7 @@ KV slot is held outside it:
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +53,32 @@ def _is_array(value: Any) -> bool:
     return isinstance(value, torch.Tensor) or isinstance(getattr(value, "ndim", None), int)
 
 
+def prompt_ids(prompt: Any, tokenizer: Any) -> list[int]:
+    """Token ids of one prompt: text through ``tokenizer`` (``None``: none attached), or an
+    ordered iterable of ids (a list, a 1-D tensor or NumPy array).
+
+    Raises:
+        InputError: Text without a tokenizer, or a prompt that is neither text nor ids in order.
+    """
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise InputError(
+                "text prompts need a tokenizer (tokenizer.json in the checkpoint folder); "
+                "pass token ids instead"
+            )
+        return list(tokenizer.encode(prompt).ids)
+    unordered = isinstance(prompt, (Mapping, Set))  # a dict's keys, a set: no token order
+    # Bytes iterate as ints: b"Hi" would be read as the token ids 72 and 105.
+    raw = isinstance(prompt, (bytes, bytearray, memoryview))
+    if not isinstance(prompt, Iterable) or unordered or raw or getattr(prompt, "ndim", 1) != 1:
+        raise InputError(
+            f"a prompt must be text or a list of token ids, got {type(prompt).__name__} "
+            f"{prompt!r:.40}; for one prompt of ids pass [[1, 2, 3]], not [1, 2, 3] (a "
+            "tensor of prompts is 2-D: one row per prompt)"
+        )
+    return [token_id(t, "prompt") for t in prompt]
+
+
 def parse_requests(
     prompts: Any,
     max_new_tokens: Any,
@@ -65,8 +91,9 @@ def parse_requests(
     """``Engine.generate``'s prompts, limits and stop ids checked, as requests and stop ids.
 
     ``prompts`` is a list of prompts or a 2-D tensor or NumPy array (a row per prompt), each made
-    ids by ``encode``; ``max_new_tokens`` one int, or one per prompt as a list or a 1-D tensor or
-    NumPy array; ``stop_token_ids`` ``None`` (the config's EOS ids) or a list of ints.
+    ids by ``encode``; ``max_new_tokens`` one int (or a one-element tensor or array), or one per
+    prompt as a list or a 1-D tensor or NumPy array; ``stop_token_ids`` ``None`` (the config's
+    EOS ids) or a list of ints.
 
     Raises:
         InputError: The first rule broken (:func:`validate_request` for each request).
@@ -81,6 +108,11 @@ def parse_requests(
             f"prompts must be a list of prompts or a 2-D tensor, got the 0-d {prompts!r:.40}; "
             "pass [[token, ...]] for one prompt of ids"
         )
+    # A one-element tensor or array is one limit for all, as an int is (as before arrays were
+    # taken per prompt).
+    one_element = getattr(max_new_tokens, "ndim", 0) == 1 and len(max_new_tokens) == 1
+    if one_element:
+        max_new_tokens = max_new_tokens[0]
     per_prompt = isinstance(max_new_tokens, Sequence) or getattr(max_new_tokens, "ndim", 0) == 1
     if getattr(max_new_tokens, "ndim", 0) > 1:
         raise InputError(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -171,3 +172,42 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
         "quick": args.quick,
         "only": args.only,
     }
+
+
+def partial_parts(args: argparse.Namespace) -> list[str]:
+    """What makes a run partial (a subset of the full benchmark): ``--only``, timing modes other
+    than the default set, ``--variant``; each as a file-name-safe part, empty for a full run."""
+    parts = []
+    if args.only:
+        parts.append("only-" + _slug(args.only))
+    base = [m for m in args.modes if m in MODES]
+    if set(base) != set(MODES):  # the order of --modes does not make a run partial
+        parts.append("modes-" + "-".join(base))
+    variants = list(getattr(args, "variants", {}))
+    if variants:
+        parts.append("variant-" + "-".join(_slug(v) for v in variants))
+    return parts
+
+
+def result_name(args: argparse.Namespace, gpu_slug: str) -> str:
+    """``tuning-<gpu>[-quick][-partial-<what>].json``: a partial run (:func:`partial_parts`)
+    gets its own name, so it never replaces the file of a full run."""
+    parts = partial_parts(args)
+    partial = "-partial-" + "-".join(parts) if parts else ""
+    return f"tuning-{gpu_slug}{'-quick' if args.quick else ''}{partial}.json"
+
+
+def _slug(text: str, limit: int = 40) -> str:
+    # Labels hold '->', '+', '|', '@' and spaces: keep letters and digits for a portable name.
+    return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-")[:limit] or "x"
+
+
+def unmatched_only(only: str, labels: list[str], quick: bool) -> str:
+    """The one-line error for an ``--only`` that selects no case: it names a few valid labels."""
+    names = list(dict.fromkeys(labels))
+    shown = ", ".join(repr(n) for n in names[:6]) + (", ..." if len(names) > 6 else "")
+    return (
+        f"benchmarks/tuning.py: --only {only!r} matches no case of the "
+        f"{'quick' if quick else 'full'} set; give text a label contains ({shown}), "
+        "optionally TEXT@M for one bucket"
+    )

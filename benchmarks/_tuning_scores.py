@@ -307,6 +307,7 @@ def mode_stats(records: Sequence[dict[str, Any]], mode: str) -> dict[str, Any]:
     ms: list[float] = []
     phases: dict[str, list[float]] = {}
     rho_kernel: list[float] = []
+    runs: list[int] = []
     errors = 0
     for r in ok:
         m = r.get("modes", {}).get(mode)
@@ -317,6 +318,7 @@ def mode_stats(records: Sequence[dict[str, Any]], mode: str) -> dict[str, Any]:
             continue
         regrets.append(math.inf if missing(m.get("regret")) else m["regret"])
         agree.append(bool(m.get("agree")))
+        runs.append(len(m.get("picks") or []))
         ms += list(m.get("ms_per_tactic", []))
         for run in m.get("phase_ms_per_tactic", []):
             for phase, value in run.items():
@@ -324,11 +326,16 @@ def mode_stats(records: Sequence[dict[str, Any]], mode: str) -> dict[str, Any]:
         rho = r.get("spearman", {}).get(mode, {})
         if finite(rho.get("kernel_sum_truth")):
             rho_kernel.append(rho["kernel_sum_truth"])
+    # No case scored: the shares are None (not evaluated), not 0 or 1.
     out = {
-        "share_regret_le_1pct": sum(g <= TARGET_REGRET for g in regrets) / max(1, len(ok)),
+        "share_regret_le_1pct": (
+            sum(g <= TARGET_REGRET for g in regrets) / len(ok) if ok else None
+        ),
         "max_regret": max(regrets, default=None),
         "mean_regret": statistics.mean(regrets) if regrets else None,
-        "share_agree_3of3": sum(agree) / max(1, len(ok)),
+        "share_agree_3of3": sum(agree) / len(ok) if ok else None,
+        # The fewest runs behind a case's agreement: one or two runs cannot show a 3-of-3 pick.
+        "min_runs": min(runs, default=None),
         "median_ms_per_tactic": statistics.median(ms) if ms else None,
         # Where a tactic's tuning time goes (AutoTuner.stats.phase_seconds per tactic), median
         # over runs and cases per phase: inputs, tactics, prepare, measure, select.
@@ -376,13 +383,25 @@ def in_graph_stats(ok: Sequence[dict[str, Any]], mode: str, suffix: str) -> dict
     }
 
 
-def in_graph_targets(stats: dict[str, Any], suffix: str) -> dict[str, bool]:
-    """The regret targets of one in-graph truth (keys ending in ``_{suffix}``)."""
+def at_least(value: Any, bar: float) -> bool | None:
+    """``value >= bar``; ``None`` (not evaluated) when the statistic is missing."""
+    return None if missing(value) else bool(value >= bar)
+
+
+def at_most(value: Any, bar: float) -> bool | None:
+    """``value <= bar``; ``None`` (not evaluated) when the statistic is missing: a target
+    without data must not pass (an absent regret or time is not 0)."""
+    return None if missing(value) else bool(value <= bar)
+
+
+def in_graph_targets(stats: dict[str, Any], suffix: str) -> dict[str, bool | None]:
+    """The regret targets of one in-graph truth (keys ending in ``_{suffix}``); ``None`` where
+    no case has that truth."""
     share, top = stats[f"share_regret_le_1pct_{suffix}"], stats[f"max_regret_{suffix}"]
     return {
-        f"graph_regret_le_1pct_in_95pct_{suffix}": (share or 0.0) >= TARGET_SHARE,
-        f"graph_regret_never_gt_5pct_{suffix}": top is not None and top <= MAX_REGRET,
-        f"graph_regret_never_gt_2pct_{suffix}": (top is not None and top <= MAX_REGRET_GRAPH_TRUTH),
+        f"graph_regret_le_1pct_in_95pct_{suffix}": at_least(share, TARGET_SHARE),
+        f"graph_regret_never_gt_5pct_{suffix}": at_most(top, MAX_REGRET),
+        f"graph_regret_never_gt_2pct_{suffix}": at_most(top, MAX_REGRET_GRAPH_TRUTH),
     }
 
 
@@ -394,6 +413,10 @@ def summarize(records: list[dict[str, Any]], modes: Sequence[str] = MODES) -> di
     ``all_pass_events_truth`` likewise by the events reading of the in-graph graph. All are
     ``None`` when graph mode was not run; the events targets and ``all_pass_events_truth`` are
     left out (``None``) when no case has the events truth (a result from before it was kept).
+
+    A target without the data to judge it is ``None`` (not evaluated, listed in
+    ``targets_not_evaluated``) and makes its ``all_pass*`` false: no scored case (the maximum
+    regret or the median time missing), or fewer than 3 runs per case for the agreement targets.
     """
     ok = [r for r in records if not r.get("error")]
     out: dict[str, Any] = {"cases": len(records), "errors": len(records) - len(ok)}
@@ -416,29 +439,40 @@ def summarize(records: list[dict[str, Any]], modes: Sequence[str] = MODES) -> di
         out["all_pass"] = None
         out["all_pass_graph_truth"] = None
         return out
+    # Agreement needs 3 runs per case to mean "the same pick in 3 of 3": one run always agrees
+    # with itself. (min_runs is None when graph mode ran in no case: not evaluated either.)
+    runs = graph.get("min_runs")
+    enough_runs = runs is not None and runs >= 3
     out["targets"] = {
-        "graph_regret_le_1pct_in_95pct": graph["share_regret_le_1pct"] >= TARGET_SHARE,
-        "graph_regret_never_gt_5pct": (graph["max_regret"] or 0) <= MAX_REGRET,
-        "graph_same_pick_3of3_in_95pct": graph["share_agree_3of3"] >= TARGET_SHARE,
-        "graph_median_ms_per_tactic_le_10": (graph["median_ms_per_tactic"] or 0) <= TARGET_MS,
+        "graph_regret_le_1pct_in_95pct": at_least(graph["share_regret_le_1pct"], TARGET_SHARE),
+        "graph_regret_never_gt_5pct": at_most(graph["max_regret"], MAX_REGRET),
+        "graph_same_pick_3of3_in_95pct": (
+            at_least(graph["share_agree_3of3"], TARGET_SHARE) if enough_runs else None
+        ),
+        "graph_median_ms_per_tactic_le_10": at_most(graph["median_ms_per_tactic"], TARGET_MS),
         **in_graph_targets(graph, "graph_truth"),
         "graph_at_most_1_case_without_the_same_pick": (
-            graph["cases_without_the_same_pick"] <= MAX_DISAGREEING_CASES
+            at_most(graph["cases_without_the_same_pick"], MAX_DISAGREEING_CASES)
+            if enough_runs
+            else None
         ),
     }
     targets = out["targets"]
+    out["targets_not_evaluated"] = [k for k, v in targets.items() if v is None]
     out["cases_without_graph_truth"] = len(ok) - graph["cases_graph_truth"]
-    out["all_pass"] = all(targets[k] for k in KERNEL_SUM_TARGETS) and not out["errors"]
+    # `is True`: a target that could not be evaluated (None) fails all_pass, never passes it.
+    out["all_pass"] = all(targets[k] is True for k in KERNEL_SUM_TARGETS) and not out["errors"]
     out["all_pass_graph_truth"] = (
-        all(targets[k] for k in GRAPH_TRUTH_TARGETS)
+        all(targets[k] is True for k in GRAPH_TRUTH_TARGETS)
         and not out["errors"]
         and out["cases_without_graph_truth"] == 0
     )
     if graph["cases_events_truth"]:
         targets.update(in_graph_targets(graph, "events_truth"))
         out["cases_without_events_truth"] = len(ok) - graph["cases_events_truth"]
+        out["targets_not_evaluated"] = [k for k, v in targets.items() if v is None]
         out["all_pass_events_truth"] = (
-            all(targets[k] for k in EVENTS_TRUTH_TARGETS)
+            all(targets[k] is True for k in EVENTS_TRUTH_TARGETS)
             and not out["errors"]
             and out["cases_without_events_truth"] == 0
         )

@@ -17,7 +17,8 @@ def summary_lines(summary: dict[str, Any], modes: Sequence[str]) -> list[str]:
     pick can reach, how often the two in-graph readings differ, and per mode the share of cases
     within 1% of the best and the largest regret under each truth, and the tuning time."""
     targets = summary.get("targets") or {}
-    lines = [f"target {t}: {'pass' if ok else 'FAIL'}" for t, ok in targets.items()]
+    verdicts = {True: "pass", False: "FAIL", None: "n/a (not evaluated)"}
+    lines = [f"target {t}: {verdicts[ok]}" for t, ok in targets.items()]
     if not targets:
         lines.insert(0, "targets: not evaluated (graph mode was not run)")
     lines.append(

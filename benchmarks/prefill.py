@@ -15,43 +15,74 @@ prefilled before) at 16 and 128 tokens, never slower at 1024 (against that, and 
 of the same packed call run eagerly), at both batch sizes; generated tokens equal to eager
 prefill. The ratio to the packed eager call is reported beside it: at batch 8 packing alone is a
 gain. Writes
-``prefill-<gpu>.json`` into ``--out``, prints one JSON line, then the table last. Exits 1 if a
-target failed, else 0 (also on the CPU, where the graph runner runs eagerly and only the
-mechanics are exercised).
+``prefill-<gpu>.json`` into ``--out`` (``-<model>`` added for another model than the default,
+``-quick`` with ``--quick``, ``-subset`` for other prompt lengths or batch sizes, so such a run
+does not replace the full one), prints one JSON line, then the table last. Exits 1 if a target
+failed or the run could not start (one ``error:`` line), 2 for a malformed flag, else 0 (also on
+the CPU, where the graph runner runs eagerly and only the mechanics are exercised).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import shlex
 import sys
 from pathlib import Path
 
 from graphtune import bench
 from graphtune.bench.prefill import PrefillBenchConfig, run_prefill_bench
+from graphtune.cli._args import batch_sizes
+from graphtune.errors import ConfigError, InputError
+
+DEFAULT_MODEL, PROMPT_LENGTHS, BATCH_SIZES = "llama-1b-shape", (16, 128, 1024), (1, 8)
+
+
+def prompt_lengths(text: str) -> tuple[int, ...]:
+    """``argparse`` type: comma-separated prompt lengths in tokens, each an integer >= 1 given
+    once (the batch-size rule of :func:`graphtune.cli._args.batch_sizes`, in its own words)."""
+    try:
+        return batch_sizes(text)
+    except argparse.ArgumentTypeError as exc:
+        raise argparse.ArgumentTypeError(str(exc).replace("batch size", "prompt length")) from None
+
+
+def result_name(args: argparse.Namespace, slug: str) -> str:
+    """``prefill-<gpu>[-<model>][-quick][-subset].json``: only the full default run has the
+    plain name, so a quick or partial run never replaces it."""
+    model = "" if args.model == DEFAULT_MODEL else "-" + re.sub(r"[^A-Za-z0-9.]+", "-", args.model)
+    quick = "-quick" if args.quick else ""
+    default = (args.prompt_lengths, args.batch_sizes) == (PROMPT_LENGTHS, BATCH_SIZES)
+    return f"prefill-{slug}{model}{quick}{'' if default else '-subset'}.json"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for the JSON result")
     parser.add_argument("--quick", action="store_true", help="fewer repeats")
-    parser.add_argument("--model", default="llama-1b-shape")
-    parser.add_argument("--prompt-lengths", default="16,128,1024")
-    parser.add_argument("--batch-sizes", default="1,8")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument(
+        "--prompt-lengths", type=prompt_lengths, default=PROMPT_LENGTHS, metavar="N,N,..."
+    )
+    parser.add_argument("--batch-sizes", type=batch_sizes, default=BATCH_SIZES, metavar="B,B,...")
     parser.add_argument("--device", default="auto")
     args = parser.parse_args(argv)
-    cfg = PrefillBenchConfig(
-        model=args.model,
-        prompt_lengths=tuple(int(v) for v in args.prompt_lengths.split(",")),
-        batch_sizes=tuple(int(v) for v in args.batch_sizes.split(",")),
-        repeats=4 if args.quick else 10,
-        device=args.device,
-    )
     command = shlex.join([sys.executable, *sys.argv])
-    report = run_prefill_bench(cfg, log=lambda line: print(line, flush=True), command=command)
+    try:
+        cfg = PrefillBenchConfig(
+            model=args.model,
+            prompt_lengths=args.prompt_lengths,
+            batch_sizes=args.batch_sizes,
+            repeats=4 if args.quick else 10,
+            device=args.device,
+        )
+        report = run_prefill_bench(cfg, log=lambda line: print(line, flush=True), command=command)
+    except (ConfigError, InputError) as exc:  # an unknown model, a device not present, ...
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     slug = report["provenance"]["gpu_slug"] or report["provenance"]["device"] or "cpu"
-    path = bench.write_json(args.out / f"prefill-{slug}.json", report)
+    path = bench.write_json(args.out / result_name(args, slug), report)
     summary = {
         "prefill": [
             {

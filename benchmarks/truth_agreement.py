@@ -103,11 +103,50 @@ def load(path: Path) -> dict[str, Any]:
         for key, kind in (("candidates", list), ("modes", dict)):
             if not isinstance(case.get(key), kind):
                 raise NotAResult(f"case {i} ({label(case)}) has no '{key}' {kind.__name__}")
-        for cand in case["candidates"]:
-            lacking = [k for k in ("runner", "runner_index", "tactic") if k not in cand]
-            if lacking:
-                raise NotAResult(f"a candidate of case {i} ({label(case)}) has no {lacking}")
+        for j, cand in enumerate(case["candidates"]):
+            _check_candidate(cand, f"candidate {j} of case {i} ({label(case)})")
+        for mode, record in case["modes"].items():
+            _check_mode(record, f"mode {mode!r} of case {i} ({label(case)})")
     return data
+
+
+def _check_candidate(cand: Any, where: str) -> None:
+    """What the report reads of one candidate: a runner name, an integer runner index, a tactic,
+    and objects (or null) where it looks inside (``cupti_graph``, ``tuner_us``)."""
+    if not isinstance(cand, dict):
+        raise NotAResult(f"{where} is not an object")
+    lacking = [k for k in ("runner", "runner_index", "tactic") if k not in cand]
+    if lacking:
+        raise NotAResult(f"{where} has no {lacking}")
+    if not isinstance(cand["runner"], str):
+        raise NotAResult(f"{where}: 'runner' is not a string")
+    if not _is_index(cand["runner_index"]):
+        raise NotAResult(f"{where}: 'runner_index' is not an integer")
+    for key in ("cupti_graph", "tuner_us"):
+        if cand.get(key) is not None and not isinstance(cand[key], dict):
+            raise NotAResult(f"{where}: '{key}' is not an object or null")
+
+
+def _check_mode(record: Any, where: str) -> None:
+    """A mode's record: an object; unless it failed (``error``), its picks a list of objects
+    with an integer ``runner_index`` and a ``tactic``."""
+    if not isinstance(record, dict):
+        raise NotAResult(f"{where} is not an object")
+    if record.get("error"):
+        return
+    picks = record.get("picks")
+    if picks is None:
+        return  # scored as a failed mode (no picks), as the report does for an error
+    if not isinstance(picks, list):
+        raise NotAResult(f"{where}: 'picks' is not a list")
+    for k, p in enumerate(picks):
+        if not isinstance(p, dict) or "tactic" not in p or not _is_index(p.get("runner_index")):
+            raise NotAResult(f"{where}: pick {k} lacks an integer 'runner_index' and a 'tactic'")
+
+
+def _is_index(value: Any) -> bool:
+    # candidate_key() calls int() on it; a bool or a float would pass int() but is no index.
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def label(case: dict[str, Any]) -> str:

@@ -61,11 +61,15 @@ targets are evaluated against the kernel-sum truth (``all_pass``) and against th
 (keys ending in ``_graph_truth``, ``all_pass_graph_truth``), where also the worst regret must be
 <= 2% and at most one case may lack the same pick in every run; the in-graph ones again against
 the events reading (``_events_truth``, ``all_pass_events_truth``: reported beside them, neither
-the exit status nor ``all_pass_graph_truth`` uses it). Writes ``tuning-<gpu>.json`` (``-quick``
-suffix with ``--quick``) with provenance and the options, prints one JSON line and then the table
+the exit status nor ``all_pass_graph_truth`` uses it). A target without data (no scored case, or
+fewer than 3 runs for the agreement ones) is ``null``, "n/a", and fails its ``all_pass*``.
+Writes ``tuning-<gpu>.json`` (``-quick`` suffix with ``--quick``; a partial run, one with
+``--only``, ``--modes`` other than all three or ``--variant``, adds ``-partial-<what>`` so it
+never replaces a full run's file) with provenance and the options, prints one JSON line and then
+the table
 (scoring and summary: ``_tuning_scores.py``; table and printed lines: ``_tuning_table.py``).
-Exits 2 without CUDA, 1 when a kernel-sum target fails (0 when graph mode was not run, so no
-target applies).
+Exits 2 without CUDA or for an ``--only`` that matches no case, 1 when a kernel-sum target fails
+or could not be evaluated (0 when graph mode was not run, so no target applies).
 """
 
 from __future__ import annotations
@@ -88,8 +92,10 @@ from _tuning_cases import Case, cases, selected  # noqa: E402
 from _tuning_options import (  # noqa: E402
     options,
     parse_args,
+    result_name,
     timer_name,
     tuner_kwargs,
+    unmatched_only,
 )
 from _tuning_scores import (  # noqa: E402
     EVENTS_TRUTH_TARGETS,
@@ -362,6 +368,15 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
+    # Checked before the GPU: a typo in --only is a usage error (exit 2, like argparse's), and
+    # running nothing would write a result with no cases.
+    todo = [c for c in cases(args.quick) if selected(c, args.only)]
+    if not todo:
+        print(
+            unmatched_only(args.only, [c.label for c in cases(args.quick)], args.quick),
+            file=sys.stderr,
+        )
+        return 2
     device = _common.require_cuda_or_exit("benchmarks/tuning.py")
     from graphtune.autotuner import TuningPolicy
     from graphtune.ops import triton_available
@@ -379,7 +394,6 @@ def main(argv: list[str] | None = None) -> int:
         f"CUDA {prov['cuda']}, triton {prov['triton']}, commit {prov['commit']}",
         flush=True,
     )
-    todo = [c for c in cases(args.quick) if selected(c, args.only)]
     records = []
     for case in todo:
         try:
@@ -416,9 +430,8 @@ def main(argv: list[str] | None = None) -> int:
         print(line + f"  {rec['wall_s']:.1f} s", flush=True)
     summary = summarize(records, args.modes)
     summary["wall_s"] = time.perf_counter() - started
-    name = f"tuning-{prov['gpu_slug']}{'-quick' if args.quick else ''}.json"
     path = _common.write_json(
-        args.out / name,
+        args.out / result_name(args, prov["gpu_slug"]),
         {
             "benchmark": "tuning",
             "provenance": prov,

@@ -55,8 +55,13 @@ top list (``.txt``) to ``DIR``: where the time goes, for example in ``Stream.syn
 or in host work; the profiler slows the Python parts, so read the times from a run without it
 (the result records ``options.profiled``). Targets (issue 14):
 cold ``tune_s`` <= 15 s, warm ``tune_s`` <= 1 s, median per (tactic, bucket) <= 10 ms. Writes
-``tuning-time-<gpu>.json`` (``-<label>`` added with ``--label``) with provenance and prints a
-table last. Exits 2 without CUDA, 1 when a target fails.
+``tuning-time-<gpu>-<model>[-profiled][-<label>].json`` (``-profiled`` with ``--profile``,
+``-<label>`` with ``--label``: a run of another model or under the profiler does not replace a
+plain one) with provenance and prints a
+table last. Exits 2 without CUDA or for a malformed flag (``--max-batch`` below 1, a
+``--keep-caches`` folder that is not new or empty), 1 when a target fails or a phase fails (then
+the phase reads ``{"error": ...}``, the later ones ``null``, the file name ends in ``-failed``,
+and the phases that finished are kept).
 """
 
 from __future__ import annotations
@@ -69,6 +74,7 @@ import io
 import json
 import os
 import pstats
+import re
 import statistics
 import subprocess
 import sys
@@ -77,7 +83,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-TARGETS = {"cold_tune_s_le": 15.0, "warm_tune_s_le": 1.0, "median_ms_per_tactic_bucket_le": 10.0}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _tuning_time_report import (  # noqa: E402
+    TARGETS,
+    by_op,
+    candidates_table,
+    compile_by_runner,
+    compile_workers,
+    print_tables,
+)
+from _tuning_time_report import checks as report_checks  # noqa: E402
+
 DEFAULT_STEP = "graphtune.cli._step_calls:tune_decode_step"
 
 
@@ -179,96 +195,6 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def compile_workers(log: list[Any], start: float) -> dict[str, Any] | None:
-    """The compile workers' side of a phase from their job log
-    (``graphtune.ops._compile_pool.job_log``), times in seconds from ``start`` (the tuning
-    call's start): when the last worker was ready, the span the compile jobs ran in, their
-    summed seconds, and per kernel its jobs and seconds. ``None`` when no worker ran."""
-    if not log:
-        return None
-    warm = [r for r in log if r.kind == "warm-up"]
-    jobs = [r for r in log if r.kind == "compile"]
-    by_kernel: dict[str, dict[str, float]] = {}
-    for r in jobs:
-        row = by_kernel.setdefault(r.name, {"jobs": 0, "seconds": 0.0})
-        row["jobs"] += 1
-        row["seconds"] += r.finished - r.started
-    return {
-        "processes": len({r.pid for r in log}),
-        "ready_s": max(r.finished for r in warm) - start if warm else None,
-        "jobs": len(jobs),
-        "failed": sum(1 for r in jobs if r.error is not None),
-        "job_seconds": sum(r.finished - r.started for r in jobs),
-        "first_job_s": min(r.started for r in jobs) - start if jobs else None,
-        "last_job_s": max(r.finished for r in jobs) - start if jobs else None,
-        "by_kernel": dict(sorted(by_kernel.items(), key=lambda item: -item[1]["seconds"])),
-    }
-
-
-def compile_by_runner(triton: list[Any]) -> dict[str, dict[str, float]]:
-    """Per Triton runner class: binaries compiled, those a compile worker process made (this
-    process only loaded them), (profile, tactic) pairs that shared one, and compile seconds
-    (wall time of its compiles, which run beside other runners')."""
-    table: dict[str, dict[str, float]] = {}
-    for runner in triton:
-        row = table.setdefault(
-            type(runner).__name__,
-            {"binaries": 0, "in_workers": 0, "shared": 0, "compile_s": 0.0},
-        )
-        row["binaries"] += runner.compiled
-        row["in_workers"] += runner.compiled_in_workers
-        row["shared"] += runner.compile_shared
-        row["compile_s"] += runner.compile_seconds
-    return dict(sorted(table.items(), key=lambda item: -item[1]["binaries"]))
-
-
-def by_op(history: Any) -> dict[str, dict[str, float]]:
-    """Per op: tuned profiles, candidates, measurements (samples), wall seconds of its profiles,
-    and the slowest working candidate's median per call in µs (a slow candidate's samples are
-    what make a profile long on the GPU)."""
-    table: dict[str, dict[str, float]] = {}
-    for rec in history:
-        row = table.setdefault(
-            rec.op,
-            {"profiles": 0, "candidates": 0, "samples": 0, "seconds": 0.0, "slowest_us": 0.0},
-        )
-        row["profiles"] += 1
-        row["candidates"] += len(rec.candidates)
-        row["samples"] += sum(c.samples for c in rec.candidates)
-        row["seconds"] += rec.seconds
-        timed = [c.median_us for c in rec.candidates if c.samples and c.failed is None]
-        row["slowest_us"] = max([row["slowest_us"], *timed])
-    return dict(sorted(table.items(), key=lambda item: -item[1]["seconds"]))
-
-
-def candidates_table(history: Any) -> list[dict[str, Any]]:
-    """Every tuned profile's candidates as the tuner timed them, for offline pruning studies
-    (which tactics never come near a profile's best): per profile its op, shapes, the winner's
-    index and one row per candidate, ``[runner, tactic, median µs, samples, failure]`` (a
-    candidate raced out after one round has one sample, unless it was re-timed because the
-    leader's median rose past it; a failed one a median of ``null``)."""
-    from graphtune.autotuner.entries import tactic_text
-
-    return [
-        {
-            "op": rec.op,
-            "profile": rec.profile,
-            "winner": rec.winner_index,
-            "rows": [
-                [
-                    c.runner,
-                    tactic_text(c.tactic),
-                    c.median_us,
-                    c.samples,
-                    c.failed,
-                ]
-                for c in rec.candidates
-            ],
-        }
-        for rec in history
-    ]
-
-
 def write_profile(profiler: cProfile.Profile, stem: Path, top: int = 40) -> None:
     """``stem.prof`` (pstats, for snakeviz or ``python -m pstats``) and ``stem.txt``: the ``top``
     functions by own time and by cumulative time."""
@@ -318,26 +244,71 @@ def run_phase(
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{phase} phase failed:\n{done.stderr[-4000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    try:
+        return json.loads(done.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):  # the child exited 0 without its JSON line
+        raise RuntimeError(
+            f"{phase} phase failed:\nno JSON line on its stdout: {done.stdout[-200:]!r}"
+        ) from None
+
+
+def positive_int(text: str) -> int:
+    """``argparse`` type: an integer >= 1 (a batch size or sequence length of 0 or less would
+    fail only later, inside a child process)."""
+    return _int_at_least(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    """``argparse`` type: an integer >= 0."""
+    return _int_at_least(text, 0)
+
+
+def _int_at_least(text: str, low: int) -> int:
+    # As graphtune.cli._args's; not imported from there so that nothing of graphtune is imported
+    # before a child starts its import_s clock.
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+    return value
+
+
+def fresh_folder(text: str) -> Path:
+    """``argparse`` type of ``--keep-caches``: a folder that does not exist yet or is empty.
+
+    A reused folder holds the last run's Triton cache, tuning cache and bytecode, so its cold
+    phase would not be cold. Refused up front rather than run in a new subfolder: the user named
+    DIR to find the caches there, and a hidden subfolder per run would surprise.
+    """
+    path = Path(text)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise argparse.ArgumentTypeError(
+            f"{text} exists and is not an empty folder (an earlier run's caches?); the cold "
+            "phase needs empty caches: give a new folder or empty this one"
+        )
+    return path
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--model", default="llama-1b-shape")
-    parser.add_argument("--max-batch", type=int, default=128)
-    parser.add_argument("--max-seq-len", type=int, default=2048)
+    parser.add_argument("--max-batch", type=positive_int, default=128)
+    parser.add_argument("--max-seq-len", type=positive_int, default=2048)
     parser.add_argument("--commit", default=None)
     parser.add_argument("--tune-step", default=DEFAULT_STEP, metavar="MODULE:FUNCTION")
     parser.add_argument("--no-prepare", action="store_true", help="no up-front compile")
-    parser.add_argument("--compile-processes", type=int, default=None, metavar="N")
+    parser.add_argument("--compile-processes", type=non_negative_int, default=None, metavar="N")
     parser.add_argument("--label", default=None, help="suffix of the result file name")
     parser.add_argument(
         "--keep-caches",
-        type=Path,
+        type=fresh_folder,
         default=None,
         metavar="DIR",
-        help="keep the tuning cache and the Triton cache in DIR (default: a temporary folder)",
+        help="keep the tuning cache and the Triton cache in DIR, a new or empty folder "
+        "(default: a temporary folder)",
     )
     parser.add_argument(
         "--profile",
@@ -370,35 +341,47 @@ def main(argv: list[str] | None = None) -> int:
 
     device = bench.require_cuda_or_exit("benchmarks/tuning_time.py")
     prov = bench.provenance(args.commit, device)
+    # A phase that did not run stays None; a failed one reads {"error": ...}.
+    phases: dict[str, dict[str, Any] | None] = dict.fromkeys(
+        ("cold_empty_bytecode", "cold", "warm")
+    )
+    failed = None
     with contextlib.ExitStack() as stack:
         if args.keep_caches is None:
             folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="graphtune-tt-")))
         else:
-            folder = args.keep_caches
+            folder = args.keep_caches  # empty or new: parse_args checked it (fresh_folder)
         cache = folder / "tuning-cache.json"
         triton_cache = folder / "triton-cache"
         triton_cache.mkdir(parents=True, exist_ok=False)  # the cold phase needs it empty
         bytecode = folder / "bytecode"  # see the module docstring
-        empty_bytecode = None
+        runs = []
         if args.cold_bytecode == "installed":
             scratch = folder / "bytecode-run"
             (scratch / "triton-cache").mkdir(parents=True, exist_ok=False)
-            empty_bytecode = run_phase(
-                "cold", args, scratch / "triton-cache", bytecode, scratch / "tuning-cache.json"
+            runs.append(
+                (
+                    "cold_empty_bytecode",
+                    "cold",
+                    scratch / "triton-cache",
+                    scratch / "tuning-cache.json",
+                )
             )
-        cold = run_phase("cold", args, triton_cache, bytecode, cache)
-        warm = run_phase("warm", args, triton_cache, bytecode, cache)
-    checks = {
-        "cold_tune_s_le": cold["tune_s"] <= TARGETS["cold_tune_s_le"],
-        "warm_tune_s_le": warm["tune_s"] <= TARGETS["warm_tune_s_le"],
-        "median_ms_per_tactic_bucket_le": (cold["median_ms_per_tactic_bucket"] or 0.0)
-        <= TARGETS["median_ms_per_tactic_bucket_le"],
-        "warm_tunes_nothing": warm["profiles_tuned"] == 0 and warm["measurements"] == 0,
-    }
-    label = f"-{args.label}" if args.label else ""
-    name = f"tuning-time-{prov['gpu_slug']}{label}.json"
+        runs += [("cold", "cold", triton_cache, cache), ("warm", "warm", triton_cache, cache)]
+        for key, phase, triton_dir, cache_file in runs:
+            try:
+                phases[key] = run_phase(phase, args, triton_dir, bytecode, cache_file)
+            except RuntimeError as exc:
+                # Keep what finished (written below); the later phases start from this one's
+                # caches and bytecode, so they are not run.
+                phases[key] = {"error": str(exc)}
+                # The first run of --cold-bytecode installed is a "cold" child too: say which.
+                failed = one_line(exc) if key == phase else f"{key} run: {one_line(exc)}"
+                break
+    cold, warm, empty_bytecode = phases["cold"], phases["warm"], phases["cold_empty_bytecode"]
+    checks = None if failed or cold is None or warm is None else report_checks(cold, warm)
     path = bench.write_json(
-        args.out / name,
+        args.out / result_name(args, prov["gpu_slug"], failed=failed is not None),
         {
             "benchmark": "tuning_time",
             "provenance": prov,
@@ -414,79 +397,43 @@ def main(argv: list[str] | None = None) -> int:
                 "bytecode_cache": "PYTHONPYCACHEPREFIX of the run, "
                 + (
                     "written by a first cold run before the cold phase"
-                    if empty_bytecode is not None
+                    if args.cold_bytecode == "installed"
                     else "empty in the cold phase"
                 ),
             },
             "cold": cold,
             "cold_empty_bytecode": empty_bytecode,
             "warm": warm,
+            "error": failed,
             "targets": TARGETS,
             "checks": checks,
         },
     )
-    print(json.dumps({"bench": "tuning_time", "file": str(path), "checks": checks}))
-    rows = [
-        ("tune_s", cold["tune_s"], warm["tune_s"]),
-        ("prepare_s (record + compile up front)", cold["prepare_s"], warm["prepare_s"]),
-        ("bucket runs s (tuning mode)", cold["bucket_runs_s"], warm["bucket_runs_s"]),
-        ("whole-step check s", cold["check_s"], warm["check_s"]),
-        ("whole-step check, step timings", cold["check_step_timings"], warm["check_step_timings"]),
-        ("compile_s (Triton, summed over runners)", cold["compile_s"], warm["compile_s"]),
-        ("binaries compiled", cold["compiled_binaries"], warm["compiled_binaries"]),
-        ("profiles tuned / untimed", cold["profiles_tuned"], cold["untimed_picks"]),
-        ("candidates / measurements", cold["candidates"], cold["measurements"]),
-        ("measured once (out of the race)", cold["raced_out"], None),
-        ("re-timed after the race (leader's median rose)", cold["retimed"], None),
-        ("median ms per (tactic, bucket)", cold["median_ms_per_tactic_bucket"], None),
-        ("overall ms per (tactic, bucket)", cold["overall_ms_per_tactic_bucket"], None),
-        *(
-            (f"phase {k} s", v, warm["phase_seconds"].get(k))
-            for k, v in cold["phase_seconds"].items()
-        ),
-        ("second call s", cold["second_call_s"], warm["second_call_s"]),
-    ]
-    head = ("profiles", 9), ("cands", 7), ("samples", 8), ("s", 7), ("slowest us", 11)
-    print(f"{'cold, by op':38} " + " ".join(f"{name:>{width}}" for name, width in head))
-    for op, row in cold["by_op"].items():
-        print(
-            f"{op:38} {row['profiles']:9d} {row['candidates']:7d} {row['samples']:8d} "
-            f"{row['seconds']:7.2f} {row['slowest_us']:11.1f}"
-        )
-    print(
-        f"{'cold, by Triton runner':38} {'binaries':>9} {'in workers':>10} {'shared':>7} "
-        f"{'compile s':>10}"
-    )
-    for name, row in cold["compile_by_runner"].items():
-        print(
-            f"{name:38} {row['binaries']:9d} {row['in_workers']:10d} {row['shared']:7d} "
-            f"{row['compile_s']:10.2f}"
-        )
-    workers = cold["compile_workers"]
-    if workers is not None:
-        ready, first, last = (
-            "-" if v is None else f"{v:.2f}"
-            for v in (workers["ready_s"], workers["first_job_s"], workers["last_job_s"])
-        )
-        print(
-            f"cold, compile workers: {workers['processes']} processes, the last ready at "
-            f"{ready} s; {workers['jobs']} jobs ({workers['failed']} failed), "
-            f"{workers['job_seconds']:.1f} job-seconds, run from {first} to {last} s"
-        )
-        print(f"{'cold, compile jobs by kernel':38} {'jobs':>9} {'job s':>10}")
-        for name, row in workers["by_kernel"].items():
-            print(f"{name:38} {row['jobs']:9d} {row['seconds']:10.2f}")
-    if empty_bytecode is not None:
-        print(
-            f"cold run with an empty bytecode cache first: tune_s {empty_bytecode['tune_s']:.3f}, "
-            f"import_s {empty_bytecode['import_s']:.3f}"
-        )
-    print(f"{'':38} {'cold':>10} {'warm':>10}")
-    for label, a, b in rows:
-        fa = f"{a:10.3f}" if isinstance(a, float) else f"{a!s:>10}"
-        fb = f"{b:10.3f}" if isinstance(b, float) else f"{b!s:>10}"
-        print(f"{label:38} {fa} {fb}")
+    line = {"bench": "tuning_time", "file": str(path), "checks": checks}
+    print(json.dumps({**line, "error": failed} if failed else line))
+    if checks is None or cold is None or warm is None:  # a phase failed: no tables to print
+        print(f"error: {failed}; the phases that finished are in {path}", file=sys.stderr)
+        return 1
+    print_tables(cold, warm, empty_bytecode)
     return 0 if all(checks.values()) else 1
+
+
+def one_line(exc: BaseException) -> str:
+    """A phase's failure in one line: its first line (which phase) and the child's last line
+    (usually the exception), not the whole stderr tail the JSON keeps."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    if not lines:
+        return type(exc).__name__
+    return lines[0] if len(lines) == 1 else f"{lines[0]} {lines[-1]}"
+
+
+def result_name(args: argparse.Namespace, gpu_slug: str, failed: bool = False) -> str:
+    """``tuning-time-<gpu>-<model>[-profiled][-<label>][-failed].json``: a run of another model,
+    one under the profiler (slower Python) or one that failed never replaces a plain run's file."""
+    model = re.sub(r"[^A-Za-z0-9.]+", "-", args.model).strip("-")
+    profiled = "-profiled" if args.profile is not None else ""
+    label = f"-{args.label}" if args.label else ""
+    return f"tuning-time-{gpu_slug}-{model}{profiled}{label}{'-failed' if failed else ''}.json"
 
 
 if __name__ == "__main__":

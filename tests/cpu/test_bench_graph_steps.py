@@ -4,7 +4,9 @@ runs end to end with a fake clock."""
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
+from pathlib import Path
 
 import pytest
 import torch
@@ -107,3 +109,54 @@ def test_prefill_bench_config_is_validated():
         PrefillBenchConfig(prompt_lengths=(0,))
     with pytest.raises(ConfigError, match="repeats"):
         PrefillBenchConfig(repeats=0)
+
+
+def _prefill_script():
+    """benchmarks/prefill.py as a module (the benchmarks folder is no package)."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "prefill.py"
+    spec = importlib.util.spec_from_file_location("prefill_script", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--prompt-lengths", "16,abc"],
+            "expected comma-separated integers like 1,8, got '16,abc'",
+        ),
+        (["--prompt-lengths", "1,,2"], "got '1,,2'"),
+        (["--prompt-lengths", "0"], "prompt lengths must be integers >= 1"),
+        (["--batch-sizes", "0"], "batch sizes must be integers >= 1, got '0'"),
+    ],
+)
+def test_prefill_script_flags_are_usage_errors(argv, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        _prefill_script().main(["--out", str(tmp_path), *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_prefill_script_failures_are_one_line_and_names_keep_runs_apart(
+    tmp_path, capsys, monkeypatch
+):
+    script = _prefill_script()
+    assert script.main(["--out", str(tmp_path), "--model", "nope", "--device", "cpu"]) == 1
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: model 'nope'")
+
+    def fake_bench(cfg, log, command):
+        return {"provenance": {"gpu_slug": "h200"}, "results": [], "pass": True, "table": ""}
+
+    monkeypatch.setattr(script, "run_prefill_bench", fake_bench)
+    for extra in ([], ["--quick"], ["--batch-sizes", "1"], ["--model", "qwen3-tiny"]):
+        assert script.main(["--out", str(tmp_path), *extra]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "prefill-h200-quick.json",
+        "prefill-h200-qwen3-tiny.json",
+        "prefill-h200-subset.json",
+        "prefill-h200.json",
+    ]

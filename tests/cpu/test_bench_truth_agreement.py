@@ -197,6 +197,52 @@ def test_main_prints_every_section(tmp_path, capsys):
             json.dumps({"cases": [{"shape": "qkv", "candidates": [{"runner": "x"}], "modes": {}}]}),
             "runner_index",
         ),
+        # Wrong types where the report looks inside (these were tracebacks before).
+        (json.dumps({"cases": [{"shape": "a", "candidates": [5], "modes": {}}]}), "not an object"),
+        (
+            json.dumps(
+                {
+                    "cases": [
+                        {
+                            "shape": "a",
+                            "candidates": [{"runner": "R", "runner_index": 0, "tactic": 0}],
+                            "modes": {"graph": {"picks": [{"tactic": 0}]}},
+                        }
+                    ]
+                }
+            ),
+            "pick 0 lacks an integer 'runner_index'",
+        ),
+        (
+            json.dumps(
+                {
+                    "cases": [
+                        {
+                            "shape": "a",
+                            "candidates": [
+                                {"runner": "R", "runner_index": 0, "tactic": 0, "cupti_graph": 5}
+                            ],
+                            "modes": {},
+                        }
+                    ]
+                }
+            ),
+            "'cupti_graph' is not an object",
+        ),
+        (
+            json.dumps(
+                {
+                    "cases": [
+                        {
+                            "shape": "a",
+                            "candidates": [{"runner": "R", "runner_index": 0, "tactic": 0}],
+                            "modes": {"graph": "oops"},
+                        }
+                    ]
+                }
+            ),
+            "mode 'graph' of case 0 (a M=?) is not an object",
+        ),
     ],
 )
 def test_a_file_that_is_not_a_result_is_one_line_and_exit_1(tmp_path, capsys, content, missing):

@@ -409,7 +409,8 @@ def test_main_writes_options_and_keeps_every_case(fake_gpu, monkeypatch, tmp_pat
         ]
     )
     assert status == 1  # 3.7% kernel-sum regret and one failed case
-    data = json.loads((tmp_path / "tuning-fake.json").read_text())
+    # Two of the three modes: a partial run, under its own name.
+    data = json.loads((tmp_path / "tuning-fake-partial-modes-graph-wallclock.json").read_text())
     assert data["options"]["modes"] == ["graph", "wallclock"]
     assert data["options"]["tie_tolerance"] == 0.01
     assert data["options"]["tuner_tie_tolerance"] == 0.01
@@ -444,3 +445,68 @@ def test_main_writes_options_and_keeps_every_case(fake_gpu, monkeypatch, tmp_pat
     )
     assert "differs by > 5%: 1 of 3 (1 split-K)" in out
     assert "graph ig" in out  # the table comes after the JSON line
+
+
+def _fake_main(monkeypatch, fake_gpu):
+    """``bench.main`` on the CPU with one fake case (label ``o_proj 2048->2048``)."""
+    import graphtune.ops
+
+    monkeypatch.setattr(bench._common, "require_cuda_or_exit", lambda script: torch.device("cpu"))
+    monkeypatch.setattr(
+        bench._common,
+        "provenance",
+        lambda commit, device: {
+            "gpu": "Fake",
+            "gpu_slug": "fake",
+            "compute_capability": "0.0",
+            "torch": "x",
+            "cuda": None,
+            "triton": None,
+            "commit": "abc",
+        },
+    )
+    monkeypatch.setattr(graphtune.ops, "triton_available", lambda: True)
+    monkeypatch.setattr(bench, "cases", lambda quick: [fake_case(fake_gpu)])
+    return ["--runs", "2", "--cupti-graph-replays", "4"]
+
+
+def test_partial_runs_never_replace_the_full_runs_file(fake_gpu, monkeypatch, tmp_path, capsys):
+    base = _fake_main(monkeypatch, fake_gpu) + ["--out", str(tmp_path)]
+    bench.main(base)
+    full = (tmp_path / "tuning-fake.json").read_bytes()
+    bench.main([*base, "--modes", "wallclock,graph,events"])  # all three, reordered: full
+    bench.main([*base, "--only", "o_proj@16"])
+    bench.main([*base, "--modes", "graph"])
+    bench.main([*base, "--variant", "sets1:input_sets=1"])
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == [
+        "tuning-fake-partial-modes-graph.json",
+        "tuning-fake-partial-only-o-proj-16.json",
+        "tuning-fake-partial-variant-sets1.json",
+        "tuning-fake.json",
+    ]
+    assert json.loads((tmp_path / "tuning-fake.json").read_text())["options"]["only"] is None
+    assert json.loads(full)["options"]["modes"] == list(scores.MODES)
+
+
+def test_an_only_that_matches_no_case_is_refused(fake_gpu, monkeypatch, tmp_path, capsys):
+    base = _fake_main(monkeypatch, fake_gpu) + ["--out", str(tmp_path)]
+    assert bench.main([*base, "--only", "typo"]) == 2
+    assert list(tmp_path.iterdir()) == []  # nothing written, nothing run
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    [line] = captured.err.strip().splitlines()
+    assert "--only 'typo' matches no case" in line and "'o_proj 2048->2048'" in line
+
+
+def test_one_run_cannot_pass_the_agreement_targets(fake_gpu, monkeypatch, tmp_path, capsys):
+    """With --runs 1 every pick agrees with itself: the 3-of-3 target is n/a and all_pass is
+    false, not a pass by construction."""
+    base = _fake_main(monkeypatch, fake_gpu) + ["--out", str(tmp_path), "--modes", "graph"]
+    assert bench.main([*base, "--runs", "1"]) == 1
+    data = json.loads((tmp_path / "tuning-fake-partial-modes-graph.json").read_text())
+    summary = data["summary"]
+    assert summary["targets"]["graph_same_pick_3of3_in_95pct"] is None
+    assert summary["targets"]["graph_at_most_1_case_without_the_same_pick"] is None
+    assert summary["all_pass"] is False and summary["all_pass_graph_truth"] is False
+    assert "target graph_same_pick_3of3_in_95pct: n/a (not evaluated)" in capsys.readouterr().out

@@ -6,8 +6,11 @@ on the CPU the ops offer their torch paths and nothing slow is interpreted).
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -89,3 +92,114 @@ def test_the_compile_workers_side_is_summed_from_their_job_log() -> None:
         kernels["gemv_kernel"]["jobs"] == 2 and abs(kernels["gemv_kernel"]["seconds"] - 0.8) < 1e-9
     )
     assert tuning_time.compile_workers([], start) is None  # no worker ran (the CPU, a warm start)
+
+
+# --- main() with the GPU check and the child processes faked ----------------------------------
+
+#: What a phase's child reports, as much as main() and its tables read.
+PHASE = {
+    "tune_s": 1.0,
+    "prepare_s": 0.1,
+    "bucket_runs_s": 0.1,
+    "check_s": 0.1,
+    "check_step_timings": 0,
+    "compile_s": 0.0,
+    "compiled_binaries": 0,
+    "profiles_tuned": 0,
+    "untimed_picks": 0,
+    "candidates": 1,
+    "measurements": 0,
+    "raced_out": 0,
+    "retimed": 0,
+    "median_ms_per_tactic_bucket": 1.0,
+    "overall_ms_per_tactic_bucket": 1.0,
+    "phase_seconds": {},
+    "second_call_s": 0.1,
+    "by_op": {},
+    "compile_by_runner": {},
+    "compile_workers": None,
+    "import_s": 0.1,
+}
+
+
+@pytest.fixture
+def fake_phases(monkeypatch):
+    """``main`` on the CPU: no CUDA check, provenance of an 'h200', phases that return PHASE
+    (``tune_s`` 99 under ``--profile``) or fail where ``fail`` names the phase."""
+    import torch
+
+    from graphtune import bench
+
+    tuning_time = _tuning_time()
+    real = bench.provenance
+    monkeypatch.setattr(bench, "require_cuda_or_exit", lambda script: torch.device("cpu"))
+    monkeypatch.setattr(bench, "provenance", lambda c, d: {**real(c, "cpu"), "gpu_slug": "h200"})
+    state = {"fail": None, "calls": []}
+
+    def run_phase(phase, args, triton, bytecode, cache):
+        state["calls"].append(phase)
+        if phase == state["fail"]:
+            raise RuntimeError(f"{phase} phase failed:\nTraceback ...\nOutOfMemoryError: boom")
+        return {**PHASE, "phase": phase, "tune_s": 99.0 if args.profile else 1.0}
+
+    monkeypatch.setattr(tuning_time, "run_phase", run_phase)
+    return tuning_time, state
+
+
+def test_the_result_name_carries_the_model_and_the_profiler(fake_phases, tmp_path, capsys):
+    tuning_time, _ = fake_phases
+    base = ["--out", str(tmp_path), "--cold-bytecode", "empty"]
+    assert tuning_time.main(base) == 0
+    assert tuning_time.main([*base, "--profile", str(tmp_path / "prof")]) == 1  # 99 s > 15 s
+    assert tuning_time.main([*base, "--model", "llama-3-8b-shape"]) == 0
+    names = sorted(p.name for p in tmp_path.glob("*.json"))
+    # Three runs, three files: the profiled or other-model run replaced the plain one before.
+    assert names == [
+        "tuning-time-h200-llama-1b-shape-profiled.json",
+        "tuning-time-h200-llama-1b-shape.json",
+        "tuning-time-h200-llama-3-8b-shape.json",
+    ]
+    plain = json.loads((tmp_path / "tuning-time-h200-llama-1b-shape.json").read_text())
+    assert plain["cold"]["tune_s"] == 1.0 and plain["options"]["profiled"] is False
+
+
+def test_flags_are_checked_up_front(fake_phases, tmp_path, capsys):
+    tuning_time, state = fake_phases
+    for value in ("0", "-5"):
+        with pytest.raises(SystemExit) as exc:
+            tuning_time.parse_args(["--max-batch", value])
+        assert exc.value.code == 2
+        assert f"must be >= 1, got {value}" in capsys.readouterr().err
+    keep = tmp_path / "keep"
+    argv = ["--out", str(tmp_path), "--cold-bytecode", "empty", "--keep-caches", str(keep)]
+    assert tuning_time.main(argv) == 0 and (keep / "triton-cache").is_dir()
+    capsys.readouterr()
+    state["calls"].clear()
+    # The same folder again: one usage line, no phase run (was FileExistsError after the checks).
+    with pytest.raises(SystemExit) as exc:
+        tuning_time.main(argv)
+    assert exc.value.code == 2 and state["calls"] == []
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "--keep-caches" in err[-1] and "give a new folder or empty this one" in err[-1]
+
+
+def test_a_failed_phase_keeps_the_finished_ones(fake_phases, tmp_path, capsys):
+    tuning_time, state = fake_phases
+    state["fail"] = "warm"
+    assert tuning_time.main(["--out", str(tmp_path)]) == 1
+    assert state["calls"] == ["cold", "cold", "warm"]  # bytecode run, cold, the failed warm
+    [path] = tmp_path.glob("*.json")
+    assert path.name == "tuning-time-h200-llama-1b-shape-failed.json"
+    data = json.loads(path.read_text())
+    assert data["cold"]["tune_s"] == 1.0 and data["cold_empty_bytecode"]["phase"] == "cold"
+    assert "OutOfMemoryError: boom" in data["warm"]["error"] and data["checks"] is None
+    captured = capsys.readouterr()
+    assert captured.err.strip() == (
+        f"error: warm phase failed: OutOfMemoryError: boom; the phases that finished are in {path}"
+    )
+    assert json.loads(captured.out.strip().splitlines()[-1])["error"].startswith("warm phase")
+    # A cold phase that fails: the warm phase (which needs its caches) does not run.
+    state["fail"], state["calls"] = "cold", []
+    assert tuning_time.main(["--out", str(tmp_path / "x"), "--cold-bytecode", "empty"]) == 1
+    data = json.loads((tmp_path / "x" / path.name).read_text())
+    assert state["calls"] == ["cold"] and data["warm"] is None and "error" in data["cold"]

@@ -374,23 +374,7 @@ def test_an_old_record_without_the_events_truth_still_scores(fake_gpu):
 
 
 def test_main_writes_options_and_keeps_every_case(fake_gpu, monkeypatch, tmp_path, capsys):
-    import graphtune.ops
-
-    monkeypatch.setattr(bench._common, "require_cuda_or_exit", lambda script: torch.device("cpu"))
-    monkeypatch.setattr(
-        bench._common,
-        "provenance",
-        lambda commit, device: {
-            "gpu": "Fake",
-            "gpu_slug": "fake",
-            "compute_capability": "0.0",
-            "torch": "x",
-            "cuda": None,
-            "triton": None,
-            "commit": "abc",
-        },
-    )
-    monkeypatch.setattr(graphtune.ops, "triton_available", lambda: True)
+    _fake_main(monkeypatch, fake_gpu)
     monkeypatch.setattr(
         bench, "cases", lambda quick: [fake_case(fake_gpu, broken_build=True), fake_case(fake_gpu)]
     )

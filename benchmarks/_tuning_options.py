@@ -146,6 +146,13 @@ def parse_args(argv: list[str] | None, description: str | None = None) -> argpar
         help="run the cases whose label contains this text; alternatives separated by |, "
         "each optionally TEXT@M for one bucket (e.g. 'down@1|add+rmsnorm@8')",
     )
+    parser.add_argument(
+        "--lead-in",
+        action="store_true",
+        help="experimental: the graph timer times each call right after a small PDL kernel and "
+        "takes that kernel's own time off (GraphTimer(lead_in=...): a chain of a candidate "
+        "after itself overlaps under PDL unlike the step does); needs PDL",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     args = parser.parse_args(argv)
     if args.quick:
@@ -171,6 +178,7 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
         "cupti_graph_replays": args.cupti_graph_replays,
         "quick": args.quick,
         "only": args.only,
+        "lead_in": getattr(args, "lead_in", False),
     }
 
 
@@ -190,11 +198,13 @@ def partial_parts(args: argparse.Namespace) -> list[str]:
 
 
 def result_name(args: argparse.Namespace, gpu_slug: str) -> str:
-    """``tuning-<gpu>[-quick][-partial-<what>].json``: a partial run (:func:`partial_parts`)
-    gets its own name, so it never replaces the file of a full run."""
+    """``tuning-<gpu>[-quick][-lead-in][-partial-<what>].json``: a partial run
+    (:func:`partial_parts`) gets its own name, so it never replaces the file of a full run, and
+    so does a ``--lead-in`` run (its graph timer measures differently)."""
     parts = partial_parts(args)
     partial = "-partial-" + "-".join(parts) if parts else ""
-    return f"tuning-{gpu_slug}{'-quick' if args.quick else ''}{partial}.json"
+    lead_in = "-lead-in" if getattr(args, "lead_in", False) else ""
+    return f"tuning-{gpu_slug}{'-quick' if args.quick else ''}{lead_in}{partial}.json"
 
 
 def _slug(text: str, limit: int = 40) -> str:

@@ -6,6 +6,7 @@ Usage (on a GPU machine, from the repository root):
     PYTHONPATH=src python3 benchmarks/tuning.py --out benchmarks/results [--quick] [--commit SHA]
         [--modes graph,events,wallclock] [--runs 3] [--tie-tolerance F]
         [--variant NAME:KEY=VALUE,...] [--truth-sets 3] [--cupti-graph-replays 20] [--only TEXT]
+        [--lead-in]
 
 For each op at Llama-1B decode shapes (bf16 GEMMs qkv 2048->3072, o_proj 2048->2048, gate_up
 2048->16384, down 8192->2048, the LM head 2048->128256 on a few buckets, with the engine's
@@ -63,10 +64,14 @@ targets are evaluated against the kernel-sum truth (``all_pass``) and against th
 the events reading (``_events_truth``, ``all_pass_events_truth``: reported beside them, neither
 the exit status nor ``all_pass_graph_truth`` uses it). A target without data (no scored case, or
 fewer than 3 runs for the agreement ones) is ``null``, "n/a", and fails its ``all_pass*``.
-Writes ``tuning-<gpu>.json`` (``-quick`` suffix with ``--quick``; a partial run, one with
-``--only``, ``--modes`` other than all three or ``--variant``, adds ``-partial-<what>`` so it
-never replaces a full run's file) with provenance and the options, prints one JSON line and then
-the table
+``--lead-in`` (experimental, off by default) gives every graph-timer mode and variant
+``GraphTimer(lead_in=graphtune.ops.lead_in.pdl_lead_in(device))``: each call is timed right after
+a small PDL kernel, that kernel's own time taken off, because a chain of a candidate after itself
+overlaps under PDL unlike the step (``graphtune.autotuner.timing.lead_in``); refused without PDL.
+Writes ``tuning-<gpu>.json`` (``-quick`` suffix with ``--quick``, ``-lead-in`` with that option;
+a partial run, one with ``--only``, ``--modes`` other than all three or ``--variant``, adds
+``-partial-<what>`` so it never replaces a full run's file) with provenance and the options,
+prints one JSON line and then the table
 (scoring and summary: ``_tuning_scores.py``; table and printed lines: ``_tuning_table.py``).
 Exits 2 without CUDA or for an ``--only`` that matches no case, 1 when a kernel-sum target fails
 or could not be evaluated (0 when graph mode was not run, so no target applies).
@@ -241,6 +246,10 @@ def tune_mode(
     timer_knobs = {k[len("timer.") :]: v for k, v in knobs.items() if k.startswith("timer.")}
     policy = TuningPolicy(**{k: v for k, v in knobs.items() if not k.startswith("timer.")})
     for run in range(args.runs):
+        if getattr(args, "lead_in", False) and timer_name(mode) == "graph":
+            from graphtune.ops.lead_in import pdl_lead_in
+
+            timer_knobs["lead_in"] = pdl_lead_in(device)  # checked by main; one per run
         timer = (
             GraphTimer(device=device, **timer_knobs)
             if timer_knobs
@@ -384,6 +393,16 @@ def main(argv: list[str] | None = None) -> int:
     if not triton_available():
         print("benchmarks/tuning.py: Triton is not importable; pip install triton", file=sys.stderr)
         return 2
+    if args.lead_in:
+        from graphtune.ops.lead_in import pdl_lead_in
+
+        if pdl_lead_in(device) is None:
+            print(
+                "benchmarks/tuning.py: --lead-in needs programmatic dependent launch (a GPU of "
+                "compute capability >= 9.0, Triton >= 3.3, GRAPHTUNE_PDL not 0); drop it",
+                file=sys.stderr,
+            )
+            return 2
     started = time.perf_counter()
     prov = _common.provenance(args.commit, device)
     opts = options(args)

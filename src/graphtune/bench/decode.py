@@ -41,6 +41,7 @@ from graphtune.bench.decode_hf import time_hf
 from graphtune.bench.decode_progress import PhaseBar, phase_labels
 from graphtune.bench.decode_results import BatchResult, DecodeBenchConfig, DecodeBenchReport
 from graphtune.bench.decode_spread import timed_ms
+from graphtune.bench.decode_tuner import check_lead_in, default_tuner
 from graphtune.bench.moe_floor import expected_experts_hit, step_bytes
 from graphtune.bench.schema import provenance
 from graphtune.bench.timing import bytes_floor_ms, copy_bandwidth_gbps, sync
@@ -166,6 +167,7 @@ def run_decode_bench(
         if "graph" in runners:
             notes.append(NO_CUDA_NOTE)
         runners = ("eager",)
+    check_lead_in(cfg.tune_lead_in, device, tuner)
     world = parallel.world_size if parallel is not None else 1
     if world != cfg.tp:
         raise ConfigError(
@@ -291,16 +293,6 @@ def _run_phases(run: _Run, tuner: Any) -> None:
         run.bar.done()
 
 
-def _default_tuner(step: DecodeStep) -> Any:
-    """A new tuner; shards must run the same kernels: every rank times every candidate and the
-    slowest rank counts (``agree``)."""
-    if step.parallel is None:
-        return autotuner.AutoTuner()
-    return autotuner.AutoTuner(
-        distributed=autotuner.DistributedTuning("agree", step.parallel.group)
-    )
-
-
 def _time_tuned(run: _Run, tuner: Any) -> None:
     step, cfg, device, report, log, bar = (
         run.step,
@@ -311,7 +303,7 @@ def _time_tuned(run: _Run, tuner: Any) -> None:
         run.bar,
     )
     sizes = run.sizes
-    tuner = tuner if tuner is not None else _default_tuner(step)
+    tuner = tuner if tuner is not None else default_tuner(step, device, cfg.tune_lead_in)
     tuned = build_step(
         step.model,
         step.cache,

@@ -48,6 +48,10 @@ class DecodeBenchConfig:
         refine_in_step: With ``tune``, race each pick against its nearest rivals in the whole
             step after tuning (``tune_step(refine=True)``,
             :mod:`graphtune.engine.step_refine`); single-process steps only.
+        tune_lead_in: Experimental, off by default. With ``tune``, the tuner's graph timer
+            times each call right after a small PDL kernel and takes that kernel's own time off
+            (``GraphTimer(lead_in=...)``: a chain of a candidate after itself overlaps under PDL
+            unlike the step, :mod:`graphtune.autotuner.timing.lead_in`); needs PDL.
     """
 
     model: str = "llama-1b-shape"
@@ -69,6 +73,7 @@ class DecodeBenchConfig:
     hf_compile: bool | None = None
     layers: int | None = None
     refine_in_step: bool = False
+    tune_lead_in: bool = False
 
     def __post_init__(self) -> None:
         if self.tp < 1:
@@ -91,6 +96,7 @@ class DecodeBenchConfig:
             ("--tuning-cache", self.tuning_cache is not None),
             ("--compare-unfused", self.compare_unfused),
             ("--tune-l2 cold / hot", self.tune_cold_l2 is not None),
+            ("--tune-lead-in", self.tune_lead_in),
         ):
             if given and not self.tune:
                 raise ConfigError(f"{flag} applies to the tuned step only: add --tune, or drop it")

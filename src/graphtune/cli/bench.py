@@ -142,6 +142,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "whole step and keep the fastest (as graphtune tune --refine-in-step)",
     )
     decode.add_argument(
+        "--tune-lead-in",
+        action="store_true",
+        help="with --tune, experimental: time each call right after a small PDL kernel and take "
+        "that kernel's own time off (a chain of a candidate after itself overlaps under PDL "
+        "unlike the step); needs PDL (compute capability >= 9.0)",
+    )
+    decode.add_argument(
         "--hf-compile",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -251,6 +258,7 @@ def run_bench_decode(args: argparse.Namespace) -> int:
         compare_hf=args.compare_hf,
         compare_unfused=args.compare_unfused,
         refine_in_step=args.refine_in_step,
+        tune_lead_in=args.tune_lead_in,
         hf_compile=args.hf_compile,
         layers=args.layers,
     )

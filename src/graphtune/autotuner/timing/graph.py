@@ -34,7 +34,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -47,6 +47,7 @@ from graphtune.autotuner.timing._checks import (
 from graphtune.autotuner.timing.base import Measurement, TimedFn
 from graphtune.autotuner.timing.capture import capture_calls, release_graph
 from graphtune.autotuner.timing.delay import GpuDelay, delay_us_for_host_time, host_lead_us
+from graphtune.autotuner.timing.lead_in import LeadIn, corrected, prepare
 from graphtune.autotuner.timing.repeated import RepeatedGraph, cuda_runtime
 from graphtune.autotuner.timing.sizing import ReplayPlan, Step
 from graphtune.errors import CaptureError, ConfigError
@@ -117,6 +118,9 @@ class GraphTimer:
         device: CUDA device (default: the current device).
         capture_error_mode: Passed to ``CUDAGraph.capture_begin`` (``"global"`` makes any
             CUDA-unsafe call during capture fail loudly, which is what we want while tuning).
+        lead_in: Experimental, off (``None``) by default: a zero-argument callable launching a
+            small kernel; each call is then timed right after it, its own time taken off
+            (:mod:`graphtune.autotuner.timing.lead_in` says why and the caveat).
     """
 
     name = "graph"
@@ -135,6 +139,7 @@ class GraphTimer:
         first_from_probe: bool = True,
         device: torch.device | str | int | None = None,
         capture_error_mode: str = "global",
+        lead_in: Callable[[], object] | None = None,
     ) -> None:
         # Checked here: the sizing rules would only fail on them after real captures.
         counts = (("replays", replays, 10), ("probe_replays", probe_replays, 3))
@@ -159,6 +164,8 @@ class GraphTimer:
         self.first_from_probe = bool(first_from_probe)
         self.device = device
         self.capture_error_mode = capture_error_mode
+        self.lead_in = lead_in
+        self.lead_in_state = None if lead_in is None else LeadIn(lead_in)
         self._streams: dict[int, torch.cuda.Stream] = {}
         # Timing events per device, reused by every replay batch (created lazily by torch on
         # their first record; a batch waits for its events before the next one records them).
@@ -201,6 +208,7 @@ class GraphTimer:
                 "GraphTimer cannot time while the current stream is capturing a CUDA graph "
                 "(nested capture); tune before capturing, or look tactics up from the cache"
             )
+        fn, hint_us = prepare(self, fn, device, warmup, hint_us)  # the lead-in, when set
         with torch.cuda.device(device):
             caller = torch.cuda.current_stream(device)
             stream = self._side_stream(device)
@@ -469,7 +477,7 @@ class GraphSession:
             self._launch_us = self.timer.last_launch_us
         self._replay_us = min(replay_us)
         return Measurement.from_samples(
-            [us / self.calls for us in replay_us],
+            corrected(self.timer, self._device, [us / self.calls for us in replay_us]),
             calls_per_sample=self.calls,
             timer=self.timer.name,
         )

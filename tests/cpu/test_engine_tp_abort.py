@@ -151,6 +151,45 @@ def test_strict_numerics_raises_on_every_rank_without_an_abort_and_one_rank_bad_
     assert outcomes[0]["seconds"] < PEER_BOUND_S, outcomes[0]
 
 
+def _build_fails_on_rank_1(folder: Path, rank: int) -> dict[str, Any]:
+    import graphtune.engine.engine as engine_module
+
+    model = load_model("tiny", seed=3, parallel=ParallelContext.from_group())
+    out: dict[str, Any] = {}
+    if rank == 1:  # a failure of this rank alone while the engine is built (say, out of memory)
+
+        def failing(*args: Any, **kwargs: Any) -> Any:
+            raise torch.OutOfMemoryError("simulated out-of-memory while building on rank 1")
+
+        engine_module.build_prefill_step = failing
+        out["build"] = _outcome(
+            lambda: Engine(model, runner="eager", max_batch_size=2, max_seq_len=48)
+        )
+        answered = folder / "rank0-answered"
+        deadline = time.monotonic() + 2 * GROUP_TIMEOUT_S
+        while not answered.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)  # alive until rank 0 has its answer, as a server catching the error
+        return out
+    engine = Engine(model, runner="eager", max_batch_size=2, max_seq_len=48)
+    start = time.monotonic()
+    out["generate"] = _outcome(lambda: engine.generate(PROMPTS, 4, stop_token_ids=[]))
+    out["seconds"] = time.monotonic() - start
+    (folder / "rank0-answered").touch()
+    return out
+
+
+def test_a_rank_failing_while_the_engine_is_built_fails_its_peer_at_once(tmp_path: Path) -> None:
+    outcomes = run_on_ranks(
+        functools.partial(_build_fails_on_rank_1, tmp_path),
+        WORLD,
+        tmp_path,
+        group_timeout=GROUP_TIMEOUT_S,
+    )
+    assert outcomes[1]["build"].startswith("OutOfMemoryError: simulated")
+    assert outcomes[0]["generate"] != "ok"
+    assert outcomes[0]["seconds"] < PEER_BOUND_S, outcomes[0]
+
+
 def test_init_from_torchrun_passes_the_group_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: dict[str, Any] = {}
     dist = torch.distributed

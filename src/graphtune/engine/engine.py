@@ -115,9 +115,9 @@ class Engine:
     so all ranks run the same kernels; a given ``tuner`` must have a collective strategy (also
     cache-only). The construction and every ``generate`` check that the ranks passed the same
     arguments and weights; a rank whose own arguments fail raises its error and the others a
-    ``DistributedError`` naming it, rather than waiting for it. A ``generate`` or ``step`` that
-    fails on one rank later (after the ranks may have met) aborts the group, so the others fail
-    at once, and the engine refuses every later call: rebuild the group and the engine.
+    ``DistributedError`` naming it, rather than waiting for it. A construction, ``generate`` or
+    ``step`` that fails on one rank later (after the ranks may have met) aborts the group, so the
+    others fail at once, and the engine refuses every later call: rebuild the group and engine.
 
     Raises:
         ConfigError: Unknown runner, sizes out of range, a tuner on a shard that is not
@@ -181,66 +181,69 @@ class Engine:
         if max_prefill_tokens is None:
             max_prefill_tokens = min(DEFAULT_MAX_PREFILL_TOKENS, max_batch_size * self.max_seq_len)
         check_max_tokens(max_prefill_tokens)
-        self.memory_plan: MemoryPlan | None = None
-        if gpu_memory_utilization is not None:
-            self.memory_plan, memory_report = plan_memory(
-                model,
-                gpu_memory_utilization,
-                memory_report,
-                max_batch_size=max_batch_size,
-                seq_len=self.max_seq_len,
-                runners=(runner, prefill_runner),
-                max_prefill_tokens=max_prefill_tokens,
+        # From here on the ranks of a tensor-parallel group meet (memory plan, tuning, capture):
+        # one that fails alone aborts the group, so the others do not wait in a collective.
+        with self._group.guard("Engine(...)"):
+            self.memory_plan: MemoryPlan | None = None
+            if gpu_memory_utilization is not None:
+                self.memory_plan, memory_report = plan_memory(
+                    model,
+                    gpu_memory_utilization,
+                    memory_report,
+                    max_batch_size=max_batch_size,
+                    seq_len=self.max_seq_len,
+                    runners=(runner, prefill_runner),
+                    max_prefill_tokens=max_prefill_tokens,
+                    capture_sizes=capture_sizes,
+                    backend=graph_backend,
+                )
+                max_batch_size = self.memory_plan.slots
+                if capture_sizes is not None:
+                    capture_sizes = [s for s in capture_sizes if s <= max_batch_size] or None
+            self.max_batch_size = max_batch_size
+            self.cache = KVCache(
+                self.config, max_batch_size, self.max_seq_len, target_device, target_dtype
+            )
+            self.tuner: Any = None
+            self.tune_report: TuneReport | None = None
+            if tune or tuning_cache is not None or tuner is not None:
+                self.tuner = self._prepare_tuner(tune, tuning_cache, tuner)
+            self.step_fn = build_step(model, self.cache, tuner=self.tuner)
+            if tune:
+                with autotune(tuning_cache, self.tuner, tune=True):
+                    self.tune_report = tune_step(self.step_fn)
+                logger.info("%s", self.tune_report.summary())
+            self.runner_kind = runner
+            self.strict_numerics = strict_numerics
+            self.failures: list[RequestFailure] = []
+            self.runner = build_runner(
+                self.step_fn,
+                runner,
                 capture_sizes=capture_sizes,
+                lazy=lazy_capture,
+                device=self.device,
                 backend=graph_backend,
             )
-            max_batch_size = self.memory_plan.slots
-            if capture_sizes is not None:
-                capture_sizes = [s for s in capture_sizes if s <= max_batch_size] or None
-        self.max_batch_size = max_batch_size
-        self.cache = KVCache(
-            self.config, max_batch_size, self.max_seq_len, target_device, target_dtype
-        )
-        self.tuner: Any = None
-        self.tune_report: TuneReport | None = None
-        if tune or tuning_cache is not None or tuner is not None:
-            self.tuner = self._prepare_tuner(tune, tuning_cache, tuner)
-        self.step_fn = build_step(model, self.cache, tuner=self.tuner)
-        if tune:
-            with autotune(tuning_cache, self.tuner, tune=True):
-                self.tune_report = tune_step(self.step_fn)
-            logger.info("%s", self.tune_report.summary())
-        self.runner_kind = runner
-        self.strict_numerics = strict_numerics
-        self.failures: list[RequestFailure] = []
-        self.runner = build_runner(
-            self.step_fn,
-            runner,
-            capture_sizes=capture_sizes,
-            lazy=lazy_capture,
-            device=self.device,
-            backend=graph_backend,
-        )
-        self.prefill_step = build_prefill_step(self.step_fn, max_prefill_tokens)
-        self.prefill_runner = build_prefill_runner(
-            self.prefill_step,
-            prefill_runner,
-            lazy=lazy_capture,
-            device=self.device,
-            backend=graph_backend,
-        )
-        # What a non-lazy engine captures up front, and again on the first call after release().
-        self._upfront_captures = [
-            (r, step, size)
-            for kind, r, step, size in (
-                (runner, self.runner, self.step_fn, self.max_batch_size),
-                (prefill_runner, self.prefill_runner, self.prefill_step, max_prefill_tokens),
+            self.prefill_step = build_prefill_step(self.step_fn, max_prefill_tokens)
+            self.prefill_runner = build_prefill_runner(
+                self.prefill_step,
+                prefill_runner,
+                lazy=lazy_capture,
+                device=self.device,
+                backend=graph_backend,
             )
-            if kind == "graph" and not lazy_capture
-        ]
-        self._capture()
-        if self.memory_plan is not None and memory_report is not None:
-            self.memory_plan = self.memory_plan.measured(memory_report)
+            # What a non-lazy engine captures up front, and again on the first call after release().
+            self._upfront_captures = [
+                (r, step, size)
+                for kind, r, step, size in (
+                    (runner, self.runner, self.step_fn, self.max_batch_size),
+                    (prefill_runner, self.prefill_runner, self.prefill_step, max_prefill_tokens),
+                )
+                if kind == "graph" and not lazy_capture
+            ]
+            self._capture()
+            if self.memory_plan is not None and memory_report is not None:
+                self.memory_plan = self.memory_plan.measured(memory_report)
 
     def _prepare_tuner(
         self, tune: bool, cache_path: str | PathLike[str] | None, tuner: Any

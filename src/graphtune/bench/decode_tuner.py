@@ -9,6 +9,7 @@ import torch
 from graphtune import autotuner
 from graphtune.autotuner.timing import GraphTimer
 from graphtune.errors import ConfigError
+from graphtune.ops.lead_in import pdl_lead_in
 
 
 def lead_in_for(device: torch.device) -> Any:
@@ -17,8 +18,6 @@ def lead_in_for(device: torch.device) -> Any:
     Raises:
         ConfigError: PDL cannot work there, so there is no lead-in to time after.
     """
-    from graphtune.ops.lead_in import pdl_lead_in
-
     lead_in = pdl_lead_in(device)
     if lead_in is None:
         raise ConfigError(

@@ -223,6 +223,36 @@ def test_generation_config_eos_of_the_wrong_type_names_the_file(tmp_path):
         load_checkpoint(folder)
 
 
+@pytest.mark.parametrize(
+    "settings,named",
+    [
+        ({"repetition_penalty": 1.5, "temperature": 0.6}, ["repetition_penalty=1.5"]),
+        (
+            {"do_sample": True, "temperature": 0.6, "top_p": 0.9},
+            ["do_sample=True", "temperature=0.6", "top_p=0.9"],
+        ),
+        ({"do_sample": False, "temperature": 1.0, "top_k": 50, "max_length": 4096}, []),
+    ],
+)
+def test_generation_settings_graphtune_does_not_read_are_warned_about(
+    tmp_path, caplog, settings, named
+):
+    # transformers' generate() applies these to greedy or sampled decoding; graphtune reads only
+    # eos_token_id, so its tokens would differ without a word.
+    _, folder = build_hf("llama", tmp_path)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, **settings}))
+    with caplog.at_level("WARNING", logger="graphtune.engine.loading"):
+        load_checkpoint(folder)
+    warned = [r.getMessage() for r in caplog.records if "does not read" in r.getMessage()]
+    if not named:
+        assert warned == []
+        return
+    assert len(warned) == 1
+    for text in named:
+        assert text in warned[0]
+    assert "temperature=0.6" not in warned[0] or settings.get("do_sample")
+
+
 _SLIDING = dict(use_sliding_window=True, sliding_window=4)
 MALFORMED_WINDOWS = [
     *((kind, "max_window_layers", v) for kind in ("qwen2", "qwen3") for v in (None, "x")),

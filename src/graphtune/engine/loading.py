@@ -6,8 +6,9 @@ A checkpoint folder holds ``config.json`` and either ``model.safetensors`` or sh
 gate/up are concatenated into the fused matrices the decode step uses. A ``tokenizer.json`` next
 to them is loaded with ``tokenizers`` when that package is installed, and when a
 ``generation_config.json`` exists its ``eos_token_id`` (missing or null: no EOS) replaces
-``config.json``'s, as transformers' ``generate`` does. Every file that cannot be read or parsed is
-a :class:`~graphtune.errors.CheckpointError` naming it.
+``config.json``'s, as transformers' ``generate`` does (its other settings are not read; those
+that change transformers' tokens are named in one warning). Every file that cannot be read or
+parsed is a :class:`~graphtune.errors.CheckpointError` naming it.
 """
 
 from __future__ import annotations
@@ -81,9 +82,65 @@ def _folder_config(folder: Path, doc: dict[str, Any]) -> ModelConfig:
     if generation.is_file():
         # transformers' generate reads this file alone: no eos_token_id there (or null) is no
         # EOS, whatever config.json says.
-        eos = read_json(generation).get("eos_token_id")
+        generation_doc = read_json(generation)
+        eos = generation_doc.get("eos_token_id")
         config = config.replace(eos_token_ids=eos_ids(eos, str(generation)))
+        ignored = ignored_generation_settings(generation_doc)
+        if ignored:
+            logger.warning(
+                "%s sets %s, which graphtune does not read (only eos_token_id): generate decodes "
+                "greedily unless given SamplingParams, so its tokens differ from transformers' "
+                "generate() on this folder; pass SamplingParams(temperature=, top_k=, top_p=) "
+                "to sample",
+                generation,
+                ", ".join(f"{key}={generation_doc[key]!r}" for key in ignored),
+            )
     return config
+
+
+#: ``generation_config.json`` settings that change which tokens transformers' ``generate()``
+#: returns, with transformers' default: a file that sets one to another value is warned about.
+#: Length limits are left out: callers pass ``max_new_tokens`` to both.
+GENERATION_DEFAULTS: dict[str, Any] = {
+    "do_sample": False,
+    "temperature": 1.0,
+    "top_k": 50,
+    "top_p": 1.0,
+    "min_p": None,
+    "typical_p": 1.0,
+    "epsilon_cutoff": 0.0,
+    "eta_cutoff": 0.0,
+    "repetition_penalty": 1.0,
+    "no_repeat_ngram_size": 0,
+    "bad_words_ids": None,
+    "suppress_tokens": None,
+    "begin_suppress_tokens": None,
+    "sequence_bias": None,
+    "min_new_tokens": None,
+    "min_length": 0,
+    "num_beams": 1,
+    "forced_bos_token_id": None,
+    "forced_eos_token_id": None,
+    "renormalize_logits": False,
+    "exponential_decay_length_penalty": None,
+}
+
+
+def ignored_generation_settings(doc: dict[str, Any]) -> list[str]:
+    """The keys of a ``generation_config.json`` document that change transformers' tokens and
+    that graphtune does not read. Sampling knobs (temperature, top-k, top-p) only count when
+    the file samples (``do_sample``), since transformers ignores them otherwise."""
+    sampling_knobs = {"temperature", "top_k", "top_p", "min_p", "typical_p"}
+    sampling_knobs |= {"epsilon_cutoff", "eta_cutoff"}
+    samples = bool(doc.get("do_sample", False))
+    return [
+        key
+        for key, default in GENERATION_DEFAULTS.items()
+        if key in doc
+        and doc[key] != default
+        and not (key == "min_length" and doc[key] is None)
+        and (samples or key not in sampling_knobs)
+    ]
 
 
 def _not_a_model(spec: str | Path) -> ConfigError:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from os import PathLike
 from typing import Any
 
@@ -376,7 +376,7 @@ class Engine:
         prompts: Sequence[str | Sequence[int]],
         max_new_tokens: int | Sequence[int],
         sampling: SamplingParams | None = None,
-        stop_token_ids: Sequence[int] | None = None,
+        stop_token_ids: Iterable[int] | None = None,
     ) -> list[list[int]]:
         """Generates continuations; requests join and leave the live batch as they go.
 
@@ -391,8 +391,8 @@ class Engine:
             max_new_tokens: One limit for all, or one per prompt (a list, or a 1-D tensor or
                 NumPy array).
             sampling: Greedy by default.
-            stop_token_ids: Stop tokens; ``None`` uses the config's EOS ids, ``[]`` never stops
-                early.
+            stop_token_ids: Stop tokens (a list or set, or a 1-D tensor or NumPy array);
+                ``None`` uses the config's EOS ids, ``[]`` never stops early.
 
         Returns:
             The generated token ids per prompt, in prompt order.

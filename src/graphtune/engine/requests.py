@@ -93,7 +93,7 @@ def parse_requests(
     ``prompts`` is a list of prompts or a 2-D tensor or NumPy array (a row per prompt), each made
     ids by ``encode``; ``max_new_tokens`` one int (or a one-element tensor or array), or one per
     prompt as a list or a 1-D tensor or NumPy array; ``stop_token_ids`` ``None`` (the config's
-    EOS ids) or a list of ints.
+    EOS ids) or a list of ints (a set or a 1-D tensor or NumPy array too).
 
     Raises:
         InputError: The first rule broken (:func:`validate_request` for each request).
@@ -133,8 +133,16 @@ def parse_requests(
         requests.append(LiveRequest(i, ids, limit))
     stops = set(config.eos_token_ids)
     if stop_token_ids is not None:
-        if not isinstance(stop_token_ids, Sequence) or isinstance(stop_token_ids, str):
-            raise InputError(f"stop_token_ids must be a list of ints, got {stop_token_ids!r}")
+        # Order does not matter for stop ids: a set is as good as a list, and so is a 1-D
+        # tensor or array (as prompts and limits may be).
+        listed = isinstance(stop_token_ids, (Sequence, Set)) and not isinstance(
+            stop_token_ids, (str, bytes, bytearray)
+        )
+        if not (listed or getattr(stop_token_ids, "ndim", None) == 1):
+            raise InputError(
+                f"stop_token_ids must be a list of ints (or a set, or a 1-D tensor or array), "
+                f"got {type(stop_token_ids).__name__} {stop_token_ids!r:.40}; pass [id] for one"
+            )
         stops = {token_id(t, "stop_token_ids") for t in stop_token_ids}
         outside = sorted(t for t in stops if not 0 <= t < config.vocab_size)
         if outside:

@@ -56,16 +56,21 @@ def _attribute_names(obj: Any) -> list[str]:
 
 
 def runner_config(runner: Any) -> dict[str, Any]:
-    """The configuration a runner's identity holds by default (see the module docstring).
+    """The configuration a runner's identity holds by default (see the module docstring): the
+    values themselves, each checked to have a stable text.
+
+    The values are returned as they are, not in their identity form: :func:`runner_id` turns
+    them into it, and turning a tagged form (``{"__dtype__": ...}``) into it again would read it
+    as a plain dict that looks like a tag.
 
     Raises:
         IdentityError: An attribute's value has no stable text (names the attribute).
     """
     owner = type(runner).__qualname__
-    return {
-        name: identity_value(getattr(runner, name), f"attribute {name!r} of {owner}")
-        for name in identity_attributes(runner)
-    }
+    config = {name: getattr(runner, name) for name in identity_attributes(runner)}
+    for name, value in config.items():
+        identity_value(value, f"attribute {name!r} of {owner}")  # the error names the attribute
+    return config
 
 
 def identity_attributes(runner: Any) -> list[str]:

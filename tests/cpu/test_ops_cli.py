@@ -37,10 +37,8 @@ def test_tune_preset_writes_cache_and_second_run_reuses_it(tmp_path, capsys, mon
     ):
         assert op in out
     # What the step runs: 4 GEMM keys, the norm, rope, silu and attention, then the 5 fused
-    # stages (QKV, O-projection, MLP, down, LM head); buckets 1 and 2. Attention twice: its
-    # query (a view of the QKV rows) is contiguous at batch 1 and not at batch 2, and each
-    # layout is its own key, tuned at both buckets.
-    assert "28 (op, bucket) picks" in out
+    # stages (QKV, O-projection, MLP, down, LM head); buckets 1 and 2.
+    assert "26 (op, bucket) picks" in out
     assert "running the step at batch 2" in out
     # Prepared (inputs, tactic) pairs of every runner, not only Triton ones.
     assert "s recording the step and preparing " in out and "Triton tactics" not in out
@@ -208,16 +206,14 @@ def _tune(tmp_path, lone: bool, max_batch: int) -> str:
 def test_tune_says_when_every_op_has_a_single_candidate(tmp_path):
     out = _tune(tmp_path, lone=True, max_batch=4)
     assert "nothing to tune on cpu: every op of the step has a single candidate" in out
-    # Single ops and fused stages at buckets 1, 2 and 4; attention per query layout
-    # (contiguous at batch 1, a strided view above) at each bucket.
-    assert "42 (op, bucket) picks were taken without timing" in out
+    # Single ops and fused stages at buckets 1, 2 and 4.
+    assert "39 (op, bucket) picks were taken without timing" in out
     # Saved all the same, so the engine's look-ups find a pick.
-    assert len(json.loads((tmp_path / "c.json").read_text())["entries"]) == 42
+    assert len(json.loads((tmp_path / "c.json").read_text())["entries"]) == 39
 
 
 def test_tune_counts_the_picks_taken_without_timing(tmp_path):
     # On a CPU only decode attention has two runners (SDPA and the matmul one).
-    # Attention's picks: two query layouts at buckets 1 and 2.
-    assert "24 of 28 picks had a single candidate on cpu" in _tune(
+    assert "24 of 26 picks had a single candidate on cpu" in _tune(
         tmp_path, lone=False, max_batch=2
     )

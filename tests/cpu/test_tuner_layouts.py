@@ -63,10 +63,20 @@ def test_contiguous_keys_are_unchanged_and_layouts_are_classes_not_strides() -> 
     transposed = profile_for(CONFIG, [torch.randn(8, 4).t()])
     assert transposed is not None and transposed.dtypes == ("float32 order(1,0)",)
     assert transposed.describe() == "4x8 order(1,0)"
-    sliced = profile_for(CONFIG, [torch.randn(4, 16)[:, :8]])  # contiguous rows, with gaps
-    assert sliced is not None and sliced.dtypes == ("float32 order(0,1) gaps",)
-    # Another buffer width is the same class: one key.
-    assert profile_for(CONFIG, [torch.randn(4, 32)[:, :8]]) == sliced
+    # Rows of a wider buffer key as row-major: at batch 1 the gap cannot be seen (torch gives a
+    # size-1 dim a packed stride), so one call site keeps one key at every batch size.
+    rows = profile_for(CONFIG, [torch.randn(4, 16)[:, :8]])
+    assert rows is not None and rows == contiguous
+    one_row = torch.randn(1, 16)[:, :8]
+    assert one_row.is_contiguous() and profile_for(CONFIG, [one_row]) == profile_for(
+        CONFIG, [torch.randn(1, 8)]
+    )
+    # A gap inside a row is its own class, and another stride of it is the same class.
+    strided = profile_for(CONFIG, [torch.randn(4, 16)[:, ::2]])
+    assert strided is not None and strided.dtypes == ("float32 order(0,1) gaps",)
+    assert profile_for(CONFIG, [torch.randn(4, 24)[:, ::3]]) == strided
+    vector = profile_for(CONFIG, [torch.randn(16)[::2]])  # one dim: its elements have gaps
+    assert vector is not None and vector.dtypes == ("float32 order(0) gaps",)
 
 
 def test_synthetic_inputs_have_the_live_stride_order_at_every_bucket() -> None:

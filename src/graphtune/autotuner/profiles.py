@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,20 +70,34 @@ class Profile:
 
 
 def tensor_layout(x: torch.Tensor) -> Layout | None:
-    """The layout class of a non-contiguous tensor (``None`` for a contiguous one): its dims
+    """The layout class of a non-contiguous tensor (``None`` for a row-major one): its dims
     sorted from outermost to innermost stride (ties: the lower dim outer) and whether it is
     dense. Only the class, not the strides: a kernel's validity and speed depend on the order
-    and on gaps, and keying exact strides would make every slice of a buffer its own key."""
+    and on gaps, and keying exact strides would make every slice of a buffer its own key.
+
+    Rows of a wider buffer (packed but for a longer stride of dim 0, as the query sliced out of
+    fused QKV rows) count as row-major: at batch 1 torch gives a size-1 dim a packed stride, so
+    the gap cannot be seen there, and keying it apart would tune every bucket twice, once from
+    a batch-1 call and once from a larger one."""
     if x.is_contiguous():
         return None
-    strides = x.stride()
+    strides, shape = x.stride(), x.shape
+    rows = x.dim() >= 2 and _packed(range(1, x.dim()), strides, shape)
+    if rows and strides[0] >= math.prod(shape[1:]):
+        return None
     order = tuple(sorted(range(x.dim()), key=lambda d: (-strides[d], d)))
-    expected, dense = 1, True
-    for d in reversed(order):
-        if x.shape[d] != 1 and strides[d] != expected:
-            dense = False
-        expected *= x.shape[d]
-    return order, dense
+    return order, _packed(order, strides, shape)
+
+
+def _packed(order: Iterable[int], strides: Sequence[int], shape: Sequence[int]) -> bool:
+    """Whether the dims ``order`` lists (outermost first) have exactly the packed strides of
+    their sizes; a size-1 dim's stride does not matter (as in ``Tensor.is_contiguous()``)."""
+    expected = 1
+    for d in reversed(list(order)):
+        if shape[d] != 1 and strides[d] != expected:
+            return False
+        expected *= shape[d]
+    return True
 
 
 def layout_text(layout: Layout) -> str:

@@ -189,3 +189,35 @@ def test_two_classes_made_by_one_function_are_not_served_each_others_pick() -> N
     # A class that states what tells it apart is trusted, and gets its own pick.
     tuner, x = _tuned(_made("a", explicit=True), _made("b", explicit=True))
     assert [_pick(tuner, _made(k, explicit=True), x) for k in "ab"] == ["a", "b"]
+
+
+def _bound(block: int) -> TunableRunner:
+    """A runner class made in a loop, its block bound as a default argument (not a closure)."""
+
+    class Bound(TunableRunner):
+        def get_valid_tactics(self, inputs, profile, *, _block=block):
+            return [_block]
+
+        def forward(self, inputs, *, tactic=FALLBACK_TACTIC, _block=block):
+            return inputs[0]
+
+    return Bound()
+
+
+def _bound_positional(block: int) -> TunableRunner:
+    class BoundPositional(TunableRunner):
+        def get_valid_tactics(self, inputs, profile, _block=block):
+            return [_block]
+
+        def forward(self, inputs, tactic=FALLBACK_TACTIC):
+            return inputs[0]
+
+    return BoundPositional()
+
+
+@pytest.mark.parametrize("make", [_bound, _bound_positional])
+def test_classes_that_differ_in_a_default_argument_are_not_served_each_others_pick(make) -> None:
+    tuner, x = _tuned(make(64))
+    assert _pick(tuner, make(64), x) == 64  # the same default again: the same runner
+    with pytest.raises(IdentityError, match="default"):  # it would have been served 64
+        _pick(tuner, make(128), x)

@@ -99,8 +99,10 @@ def _old_type_text(x: Any) -> str:
 
 def test_the_engine_ops_keys_are_those_of_before() -> None:
     # Every op call of a dense and an MoE decode step: the keys of all its profiles have the
-    # dtypes text the old rule gave (the engine passes no container holding tensors).
+    # dtypes text the old rule gave (the engine passes no container holding tensors); decode
+    # attention's query, a view of the QKV rows, keys as row-major.
     checked = 0
+    strided: set[tuple[str, int, str]] = set()
     for name in ("tiny", "qwen3-moe-tiny"):
         model = load_model(name)
         tuner = AutoTuner(show_progress=False)
@@ -110,6 +112,9 @@ def test_the_engine_ops_keys_are_those_of_before() -> None:
             resolved = tuner._resolve(call)
             for profile in generate_profiles(call.config, list(call.inputs)):
                 key = resolved.key(profile)
-                assert key.dtypes == tuple(_old_type_text(x) for x in call.inputs), call.op
+                for i, (text, x) in enumerate(zip(key.dtypes, call.inputs, strict=True)):
+                    if text != _old_type_text(x):
+                        strided.add((call.op, i, text.removeprefix(_old_type_text(x))))
                 checked += 1
     assert checked > 20
+    assert strided == set()

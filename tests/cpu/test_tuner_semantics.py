@@ -258,3 +258,34 @@ def test_pin_refuses_what_a_cache_file_cannot_keep(index: Any, tactic: Any, time
     assert len(tuner.cache) == 0
     tuner.pin(call, 1, 0, time_us=2.5)
     assert tuner.choose_one("op", runners, BUCKETS, [torch.randn(4, 2)]) == (runners[1], 0)
+
+
+class TakesAnyKeyword(TunableRunner):
+    def get_valid_tactics(self, inputs: list, profile: Any, **kwargs: Any) -> list:
+        return [-1, 1]
+
+    def forward(self, inputs: list, *, tactic: Any = FALLBACK_TACTIC, **kwargs: Any) -> Any:
+        return inputs[0]
+
+
+@pytest.mark.parametrize("name", ["tactic", "profile", "inputs"])
+def test_a_keyword_argument_of_a_name_graphtune_passes_itself_is_refused_up_front(
+    name: str,
+) -> None:
+    """choose_one(..., tactic=3) failed as every tactic's TypeError (tuning went on, every
+    candidate 'failed'); profile=3 blamed the runner's signature. Now one ConfigError names the
+    keyword, for check_tactics too."""
+    from graphtune.autotuner import check_tactics
+
+    tuner = AutoTuner(show_progress=False)
+    tuner.tuning_mode = True
+    x = [torch.zeros(4, 2)]
+    kwargs = {name: 3}
+    with pytest.raises(ConfigError, match=f"keyword argument '{name}' .*rename it"):
+        OpCall.checked("op", [TakesAnyKeyword()], TuningConfig(), x, kwargs)
+    if name != "inputs":  # choose_one(..., inputs=...) is Python's own TypeError
+        with pytest.raises(ConfigError, match=f"keyword argument '{name}' .*rename it"):
+            tuner.choose_one("op", [TakesAnyKeyword()], TuningConfig(), x, **kwargs)
+        with pytest.raises(ConfigError, match="check_tactics\\('op'\\): keyword argument"):
+            check_tactics("op", [TakesAnyKeyword()], TuningConfig(), x, **kwargs)
+    assert not tuner.stats.tactic_failures and len(tuner.cache) == 0

@@ -32,6 +32,7 @@ from graphtune.autotuner import json_update
 from graphtune.autotuner.cache_reader import Unusable, read_text
 from graphtune.autotuner.config import TuningConfig
 from graphtune.autotuner.entries import CacheKey
+from graphtune.autotuner.runner_contract import refuse_reserved_keywords
 from graphtune.autotuner.values import decode_value, encode_value, identity_value
 from graphtune.errors import CacheFileError, ConfigError, InputError
 from graphtune.finite_json import parse_json
@@ -80,7 +81,8 @@ class OpCall:
             ConfigError: ``op`` is not a non-empty str (the cache file stores it as a JSON
                 string), ``inputs`` is not a list or tuple (a tensor would be split into its
                 rows), ``runners`` is a runner rather than a list of them, no runner, something
-                that is not a runner instance, a keyword argument is (or holds) a tensor or
+                that is not a runner instance, a keyword argument is named ``inputs``,
+                ``profile`` or ``tactic`` (graphtune passes those), or is (or holds) a tensor or
                 another value with no stable text (an :class:`IdentityError` naming it), or
                 ``config`` is not a :class:`TuningConfig`.
         """
@@ -100,6 +102,7 @@ class OpCall:
                 f"{caller}({op!r}) takes its runners as a list; got "
                 f"{type(runners).__name__} (pass [runner] for one runner)."
             )
+        refuse_reserved_keywords(caller, op, kwargs)  # before tuning calls a runner with them
         for name, value in kwargs.items():
             if isinstance(value, torch.Tensor):  # identity_value's advice is for runner fields
                 raise ConfigError(

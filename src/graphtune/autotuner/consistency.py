@@ -24,6 +24,7 @@ from graphtune.autotuner.config import TuningConfig
 from graphtune.autotuner.identity import runner_id, short_runner_name
 from graphtune.autotuner.profiles import copy_tree, profile_for
 from graphtune.autotuner.runner import FALLBACK_TACTIC, TunableRunner
+from graphtune.autotuner.runner_contract import refuse_reserved_keywords
 from graphtune.errors import ConfigError
 
 #: Default relative tolerance per dtype (float32 IEEE kernels may still sum in another order).
@@ -165,12 +166,14 @@ def check_tactics(
     Raises:
         ConfigError: What ``choose_one`` refuses of its other arguments (no runners, runners
             or inputs not in a list, ``config`` not a ``TuningConfig``; keyword arguments may
-            be anything, tensors included), or a tolerance that is not a finite number >= 0.
+            be anything, tensors included, but not named ``inputs``, ``profile`` or
+            ``tactic``), or a tolerance that is not a finite number >= 0.
         InputError: A spec points at an input or dimension that does not exist.
     """
     # choose_one's checks (a tensor as inputs would run each tactic on its rows, and pass),
     # except the keyword ones: nothing is keyed here, and a tensor may be an `out=` argument.
     call = OpCall.checked(op, runners, config, inputs, {}, caller="check_tactics")
+    refuse_reserved_keywords("check_tactics", op, kwargs)  # they would reach the runners twice
     runners, inputs = list(call.runners), list(call.inputs)
     for name, value in (("atol", atol), ("rtol", rtol)):
         if value is not None and (

@@ -12,9 +12,10 @@
   object each time the function runs, with one id, and what tells those apart often lives in
   the function's variables, which the id cannot see. Unless such a class overrides
   ``cache_key_extras()`` itself, a tuner refuses (``IdentityError``) a second class object whose
-  id equals that of one it has seen but whose definition differs: its methods' code or closure
-  values, or its class attributes (:class:`LocalClasses`). Across processes nothing can tell
-  them apart: a factory of runner classes must put what differs in ``cache_key_extras()``.
+  id equals that of one it has seen but whose definition differs: its methods' code, closure
+  values or default argument values, or its class attributes (:class:`LocalClasses`). Across
+  processes nothing can tell them apart: a factory of runner classes must put what differs in
+  ``cache_key_extras()``.
 * :func:`sources_digest` hashes the source files of the modules that define a runner's class and
   its base classes (up to :class:`~graphtune.autotuner.runner.TunableRunner`), plus the modules
   its class lists in ``source_modules`` (for example the module of its Triton kernels). It is
@@ -56,16 +57,21 @@ def _attribute_names(obj: Any) -> list[str]:
 
 
 def runner_config(runner: Any) -> dict[str, Any]:
-    """The configuration a runner's identity holds by default (see the module docstring).
+    """The configuration a runner's identity holds by default (see the module docstring): the
+    values themselves, each checked to have a stable text.
+
+    The values are returned as they are, not in their identity form: :func:`runner_id` turns
+    them into it, and turning a tagged form (``{"__dtype__": ...}``) into it again would read it
+    as a plain dict that looks like a tag.
 
     Raises:
         IdentityError: An attribute's value has no stable text (names the attribute).
     """
     owner = type(runner).__qualname__
-    return {
-        name: identity_value(getattr(runner, name), f"attribute {name!r} of {owner}")
-        for name in identity_attributes(runner)
-    }
+    config = {name: getattr(runner, name) for name in identity_attributes(runner)}
+    for name, value in config.items():
+        identity_value(value, f"attribute {name!r} of {owner}")  # the error names the attribute
+    return config
 
 
 def identity_attributes(runner: Any) -> list[str]:
@@ -109,9 +115,10 @@ class LocalClasses:
     what tells them apart often lives in the function's variables (the closure), which the id
     cannot see: two of them with equal ids would be served each other's picks. So the first
     class seen under an id is remembered by its definition (:func:`_definition`: its methods'
-    code, the values their closures hold, its plain class attributes), and a later class object
-    of that id must have the same one (a test that builds the same class per parametrization
-    does). A class that overrides ``cache_key_extras()`` states its key itself and is trusted."""
+    code, the values their closures and default arguments hold, its plain class attributes),
+    and a later class object of that id must have the same one (a test that builds the same
+    class per parametrization does). A class that overrides ``cache_key_extras()`` states its
+    key itself and is trusted."""
 
     def __init__(self) -> None:
         self._seen: dict[str, tuple[Any, ...]] = {}
@@ -132,16 +139,17 @@ class LocalClasses:
                 if self._seen.setdefault(ident, definition) != definition:
                     raise IdentityError(
                         f"runner class {ident} was defined twice inside a function with "
-                        "different code or closure values, and one id, so their picks would "
-                        "be shared; override cache_key_extras() to return what tells them "
-                        "apart, e.g. (kind,), or define the class at module level."
+                        "different code, closure or default values, and one id, so their "
+                        "picks would be shared; override cache_key_extras() to return what "
+                        "tells them apart, e.g. (kind,), or define the class at module level."
                     )
             self._checked.add(cls)
 
 
 def _definition(cls: type) -> tuple[Any, ...]:
     """What a class made in a function is, beyond its name: per class of its MRO made in a
-    function, each attribute's code object and closure values (functions, methods) or value.
+    function, each attribute's code object, closure values and default argument values
+    (functions, methods) or value.
     Values are compared by their stable text where they have one, else by identity, so an
     object that cannot be compared makes two definitions differ (refused, never shared)."""
     parts: list[Any] = []
@@ -165,7 +173,18 @@ def _definition(cls: type) -> tuple[Any, ...]:
                     continue
                 # super()'s __class__ cell holds the class itself: new with every class object
                 cells.append("__class__" if content is klass else _comparable(content))
-            parts.append((name, code, tuple(cells)))
+            # Defaults too: `def forward(self, inputs, *, tactic=-1, _block=block)` made in a
+            # loop binds the loop's value there, not in a closure.
+            # Compared value by value, as closure cells are (a class default is compared by
+            # identity, not made the whole tuple's).
+            defaults = tuple(map(_comparable, getattr(function, "__defaults__", None) or ()))
+            kwdefaults = tuple(
+                (key, _comparable(default))
+                for key, default in sorted(
+                    (getattr(function, "__kwdefaults__", None) or {}).items()
+                )
+            )
+            parts.append((name, code, tuple(cells), defaults, kwdefaults))
     return tuple(parts)
 
 

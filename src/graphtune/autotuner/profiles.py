@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +20,9 @@ from graphtune.autotuner.config import TuningConfig
 from graphtune.errors import ConfigError, InputError, add_context_note
 
 Shape = tuple[int, ...]
+#: A non-contiguous tensor's layout class: its dims from outermost to innermost stride, and
+#: whether it is dense (no gaps between its elements, none shared).
+Layout = tuple[tuple[int, ...], bool]
 
 # dtypes torch.randn can fill directly; others (float8, ...) are drawn in float32 and cast.
 _RANDN_DTYPES = {
@@ -39,11 +42,15 @@ class Profile:
     Attributes:
         shapes: Shape of each input (``None`` for a non-tensor input).
         dtypes: dtype name of each tensor input, or the type text of a non-tensor
-            (:func:`input_type_text`: with its tensors' dtypes and shapes for a container).
+            (:func:`input_type_text`: with its tensors' dtypes and shapes for a container);
+            a non-contiguous tensor's also names its layout (:func:`layout_text`).
+        layouts: Per input, the :data:`Layout` of a non-contiguous tensor, else ``None``
+            (empty: all ``None``); its synthetic inputs are made with that stride order.
     """
 
     shapes: tuple[Shape | None, ...]
     dtypes: tuple[str, ...]
+    layouts: tuple[Layout | None, ...] = ()
 
     def get_opt_shapes(self) -> tuple[Shape, ...]:
         """The shapes as TensorRT-LLM's ``OptimizationProfile.get_opt_shapes()`` gives them, for
@@ -52,8 +59,51 @@ class Profile:
         return tuple(s if s is not None else (0,) for s in self.shapes)
 
     def describe(self) -> str:
-        """Short human form, e.g. ``64x4096, 4096x4096``."""
-        return ", ".join("x".join(map(str, s)) if s is not None else "-" for s in self.shapes)
+        """Short human form, e.g. ``64x4096, 4096x4096``; a non-contiguous input adds its
+        layout (``4096x64 order(1,0)``), so two layouts of one shape never read as one."""
+        layouts = self.layouts or (None,) * len(self.shapes)
+        return ", ".join(
+            ("x".join(map(str, s)) if s is not None else "-")
+            + (f" {layout_text(layout)}" if layout is not None else "")
+            for s, layout in zip(self.shapes, layouts, strict=True)
+        )
+
+
+def tensor_layout(x: torch.Tensor) -> Layout | None:
+    """The layout class of a non-contiguous tensor (``None`` for a row-major one): its dims
+    sorted from outermost to innermost stride (ties: the lower dim outer) and whether it is
+    dense. Only the class, not the strides: a kernel's validity and speed depend on the order
+    and on gaps, and keying exact strides would make every slice of a buffer its own key.
+
+    Rows of a wider buffer (packed but for a longer stride of dim 0, as the query sliced out of
+    fused QKV rows) count as row-major: at batch 1 torch gives a size-1 dim a packed stride, so
+    the gap cannot be seen there, and keying it apart would tune every bucket twice, once from
+    a batch-1 call and once from a larger one."""
+    if x.is_contiguous():
+        return None
+    strides, shape = x.stride(), x.shape
+    rows = x.dim() >= 2 and _packed(range(1, x.dim()), strides, shape)
+    if rows and strides[0] >= math.prod(shape[1:]):
+        return None
+    order = tuple(sorted(range(x.dim()), key=lambda d: (-strides[d], d)))
+    return order, _packed(order, strides, shape)
+
+
+def _packed(order: Iterable[int], strides: Sequence[int], shape: Sequence[int]) -> bool:
+    """Whether the dims ``order`` lists (outermost first) have exactly the packed strides of
+    their sizes; a size-1 dim's stride does not matter (as in ``Tensor.is_contiguous()``)."""
+    expected = 1
+    for d in reversed(list(order)):
+        if shape[d] != 1 and strides[d] != expected:
+            return False
+        expected *= shape[d]
+    return True
+
+
+def layout_text(layout: Layout) -> str:
+    """A layout's text in a cache key: ``order(1,0)``, plus `` gaps`` when it is not dense."""
+    order, dense = layout
+    return f"order({','.join(map(str, order))})" + ("" if dense else " gaps")
 
 
 def input_type_text(x: Any) -> str:
@@ -180,9 +230,16 @@ def _apply(config: TuningConfig, inputs: Sequence[Any], sizes: Sequence[int]) ->
                 f".infer returned {value!r} for shapes {frozen}; it must return a non-negative int."
             )
         shapes[constraint.input_idx][dim] = value  # type: ignore[index]
+    layouts = tuple(tensor_layout(x) if isinstance(x, torch.Tensor) else None for x in inputs)
+    dtypes = tuple(
+        input_type_text(x) + (f" {layout_text(layout)}" if layout is not None else "")
+        for x, layout in zip(inputs, layouts, strict=True)
+    )
     return Profile(
         shapes=tuple(tuple(s) if s is not None else None for s in shapes),
-        dtypes=tuple(input_type_text(x) for x in inputs),
+        dtypes=dtypes,
+        # () when every input is contiguous: such a profile equals one made before layouts
+        layouts=layouts if any(layout is not None for layout in layouts) else (),
     )
 
 
@@ -271,18 +328,24 @@ def synthesize_inputs(
     """
     out: list[Any] = []
     cache: dict[Any, Any] = memo if memo is not None else {"static": frozenset()}
-    for x, shape in zip(live_inputs, profile.shapes, strict=True):
+    layouts = profile.layouts or (None,) * len(profile.shapes)
+    for x, shape, layout in zip(live_inputs, profile.shapes, layouts, strict=True):
         if not isinstance(x, torch.Tensor):
             out.append(copy_tree(x) if holds_tensor(x) else x)  # never the caller's tensors
             continue
         assert shape is not None
-        key = (len(out), shape, x.dtype, str(x.device), seed)
+        key = (len(out), shape, x.dtype, str(x.device), seed, layout)
         shared = len(out) in cache["static"]
         if shared and key in cache:
             out.append(cache[key])
             continue
         gen = torch.Generator(device=x.device)
         gen.manual_seed(seed + len(out))
+        live_shape = shape
+        if layout is not None:
+            # The live call's layout class: made dense in its stride order, then permuted
+            # back, so get_valid_tactics and the timed forward see that order (not its gaps).
+            shape = tuple(live_shape[d] for d in layout[0])
         if x.dtype == torch.bool:
             t = torch.randint(0, 2, shape, generator=gen, device=x.device).bool()
         elif x.dtype.is_floating_point or x.dtype.is_complex:
@@ -294,6 +357,8 @@ def synthesize_inputs(
                 low = min(0, int(x.min()))
                 high = max(int(x.max()) + 1, low + 1)
             t = torch.randint(low, high, shape, generator=gen, device=x.device, dtype=x.dtype)
+        if layout is not None:
+            t = t.permute([layout[0].index(d) for d in range(len(live_shape))])
         if shared:
             cache[key] = t
         out.append(t)

@@ -21,7 +21,7 @@ from graphtune.autotuner.calls import OpCall
 from graphtune.autotuner.config import TuningConfig
 from graphtune.autotuner.entries import CacheKey
 from graphtune.autotuner.identity import identity_attributes
-from graphtune.autotuner.profiles import Profile, input_type_text, profile_for
+from graphtune.autotuner.profiles import Profile, input_type_text, profile_for, tensor_layout
 from graphtune.autotuner.runner import TunableRunner
 
 
@@ -163,7 +163,8 @@ def memo_key(
     :class:`HitMemo` checks their configuration on each hit (:class:`RunnerStates`). A
     tensor adds its shape, dtype and device type, a scalar its type and
     itself (``1``, ``1.0`` and ``True`` are equal in Python but are other keys, as in the cache
-    key's text; only tensors add a ``torch.Size``, so the flat key is unambiguous). The key may
+    key's text; only tensors add a ``torch.Size``, so the flat key is unambiguous), and a
+    non-contiguous tensor its strides too, after a marker of its own. The key may
     still be unhashable (a config): hashing it raises ``TypeError``, which :class:`HitMemo` treats
     as no memo. Hashing the key is cheap because a
     config hashes its fields once (``TuningConfig.__hash__``). This runs on every look-up, so it
@@ -176,7 +177,8 @@ def memo_key(
             parts.append(None)
         elif isinstance(x, torch.Tensor):
             device = "cuda" if x.is_cuda else "cpu" if x.is_cpu else x.device.type
-            parts += (x.shape, x.dtype, device)
+            # Strides too: a layout is part of the cache key (profiles.tensor_layout).
+            parts += (x.shape, x.dtype, device, x.stride())
         elif isinstance(x, _SCALARS):
             parts += (type(x), x)
         else:
@@ -269,12 +271,14 @@ class ResolvedCall:
 def distinct_profiles(calls: Iterable[ResolvedCall]) -> Iterator[ResolvedCall]:
     """The calls whose profiles have keys no earlier call's profiles have: of calls with one
     op, runners, mode, runner sources, keyword arguments, device type, tuning config and input
-    shapes and dtypes (a repeated layer's call), the first only. A call whose config cannot be
-    hashed is always kept."""
+    shapes, dtypes and layouts (a repeated layer's call), the first only. A call whose config
+    cannot be hashed is always kept."""
     seen: set[tuple[Any, ...]] = set()
     for resolved in calls:
         shapes = tuple(
-            (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else input_type_text(x)
+            (tuple(x.shape), x.dtype, tensor_layout(x))
+            if isinstance(x, torch.Tensor)
+            else input_type_text(x)
             for x in resolved.call.inputs
         )
         call = resolved.call

@@ -23,6 +23,29 @@ _DECLARATIONS = {
 }
 
 
+#: Parameter names of the calls graphtune makes, ``get_valid_tactics(inputs, profile, **kw)``
+#: and ``forward(inputs, tactic=..., **kw)``: a ``choose_one`` keyword argument of one of these
+#: names would reach the runner twice (a ``TypeError`` deep in tuning, counted as a failed
+#: tactic, or an error blaming the runner's signature).
+RESERVED_KEYWORDS = ("inputs", "profile", "tactic")
+
+
+def refuse_reserved_keywords(caller: str, op: str, kwargs: dict[str, Any]) -> None:
+    """Checks that no keyword argument of ``caller`` (``choose_one``, ``check_tactics``) for
+    ``op`` uses a name of :data:`RESERVED_KEYWORDS`.
+
+    Raises:
+        ConfigError: One does (the error names it and says to rename it).
+    """
+    taken = [name for name in RESERVED_KEYWORDS if name in kwargs]
+    if taken:
+        raise ConfigError(
+            f"{caller}({op!r}): keyword argument {taken[0]!r} is a name graphtune passes "
+            "itself (get_valid_tactics(inputs, profile, **kwargs), forward(inputs, tactic=..., "
+            f"**kwargs)), so the runner would get it twice; rename it (e.g. {taken[0]}_arg=...)."
+        )
+
+
 def tactic_list(runner: Any, found: Any) -> list[Any]:
     """What ``get_valid_tactics`` returned, as a list; :class:`ConfigError` when it is no
     sequence of tactics (a string would otherwise be tuned letter by letter)."""

@@ -175,8 +175,10 @@ class AutoTuner:
 
         Raises:
             ConfigError: No runners, ``config`` is not a ``TuningConfig``, a runner or keyword
-                argument has no stable identity, or every candidate failed and a runner's
-                ``get_valid_tactics`` or ``forward`` cannot take the call graphtune makes.
+                argument has no stable identity, a keyword argument is named ``inputs``,
+                ``profile`` or ``tactic`` (graphtune passes those), or every candidate failed
+                and a runner's ``get_valid_tactics`` or ``forward`` cannot take the call
+                graphtune makes.
             InputError: A spec points at an input or dimension that does not exist.
         """
         signature = memo_key(op, runners, config, inputs, kwargs)

@@ -13,10 +13,14 @@ Two encodings, for two jobs:
 * :func:`identity_value` turns configuration (a runner's attributes, ``choose_one`` keyword
   arguments) into canonical JSON for a cache key. It accepts only values whose text is the same
   in every process: ``None``, bools, ints, finite floats (-0.0 as 0.0), strings, tuples and
-  lists, dicts with string keys, ``torch.dtype`` and ``torch.device`` (their ``str``), enum
-  members (``"Class.NAME"``) and dataclass instances (their fields). Anything else (a tensor, a
-  lock, an arbitrary object whose ``str`` holds a memory address) raises :class:`IdentityError`
-  naming it.
+  lists (one form: a tuple is keyed as the list of its items), sets (sorted), dicts with string
+  keys, ``torch.dtype`` (``{"__dtype__": "float16"}``), ``torch.device`` (``{"__device__":
+  "cuda:0"}``), enum members (``{"__enum__": "Class.NAME"}``) and dataclass instances
+  (``{"__dataclass__": ["Class", {fields}]}``). Those four are tagged, so that none has the text
+  of a plain string or dict (``torch.float16`` and ``"torch.float16"`` are two keys); a dict whose
+  only key is such a tag is written ``{"__dict__": [[key, value], ...]}`` for the same reason.
+  Anything else (a tensor, a lock, an arbitrary object whose ``str`` holds a memory address)
+  raises :class:`IdentityError` naming it.
 """
 
 from __future__ import annotations
@@ -36,6 +40,10 @@ _DICT = "__dict__"
 _DTYPE = "__dtype__"
 _DEVICE = "__device__"
 _TAGS = (_TUPLE, _DICT, _DTYPE, _DEVICE)
+# Identity texts only (a tactic that is an enum member or dataclass is refused, not encoded).
+_ENUM = "__enum__"
+_DATACLASS = "__dataclass__"
+_IDENTITY_TAGS = (_DICT, _DTYPE, _DEVICE, _ENUM, _DATACLASS)
 
 
 class IdentityError(ConfigError):
@@ -142,8 +150,11 @@ def identity_value(value: Any, where: str, *, advice: str = _RUNNER_ADVICE) -> A
     Raises:
         IdentityError: The value (or one nested in it) has no stable text.
     """
+    # Typed values are tagged, as encode_value tags them: as bare text a dtype, device or enum
+    # member would share its key with the string of that text, and a call passing one would be
+    # served the pick tuned for the other.
     if isinstance(value, enum.Enum):  # first: an IntEnum or str enum member is an int or str too
-        return f"{type(value).__qualname__}.{value.name}"
+        return {_ENUM: f"{type(value).__qualname__}.{value.name}"}
     if value is None or isinstance(value, (bool, int, str)):
         return value
     if isinstance(value, float):
@@ -152,8 +163,10 @@ def identity_value(value: Any, where: str, *, advice: str = _RUNNER_ADVICE) -> A
         # -0.0 == 0.0 (the hit memo holds them one key): one text too, "0.0", or a call's pick
         # would depend on which sign was looked up first.
         return value + 0.0
-    if isinstance(value, (torch.dtype, torch.device)):
-        return str(value)
+    if isinstance(value, torch.dtype):
+        return {_DTYPE: str(value).removeprefix("torch.")}
+    if isinstance(value, torch.device):
+        return {_DEVICE: str(value)}
     if isinstance(value, (tuple, list)):
         return [identity_value(v, f"{where}[{i}]", advice=advice) for i, v in enumerate(value)]
     if isinstance(value, (set, frozenset)):
@@ -165,10 +178,16 @@ def identity_value(value: Any, where: str, *, advice: str = _RUNNER_ADVICE) -> A
             raise IdentityError(
                 f"{where} has the non-string key {bad[0]!r}; a cache key needs string keys."
             )
-        return {k: identity_value(v, f"{where}[{k!r}]", advice=advice) for k, v in value.items()}
+        fields = {k: identity_value(v, f"{where}[{k!r}]", advice=advice) for k, v in value.items()}
+        if len(fields) == 1 and next(iter(fields)) in _IDENTITY_TAGS:  # would read as a tag
+            return {_DICT: [[k, v] for k, v in fields.items()]}
+        return fields
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
-        return {type(value).__qualname__: identity_value(fields, where, advice=advice)}
+        # Tagged: as {"Class": {fields}} it had the text of that plain dict.
+        return {
+            _DATACLASS: [type(value).__qualname__, identity_value(fields, where, advice=advice)]
+        }
     raise IdentityError(
         f"{where} is a {type(value).__qualname__}, which has no stable value across processes, "
         + advice

@@ -1,0 +1,105 @@
+"""A non-contiguous tensor input's layout class (stride order, and gaps) is part of its cache key,
+and its synthetic inputs have that stride order: a pick tuned on contiguous inputs was served to
+a transposed live input of the same shape, and get_valid_tactics never saw the live layout."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from graphtune.autotuner import (
+    AutoTuner,
+    DynamicTensorSpec,
+    TunableRunner,
+    TuningConfig,
+    check_tactics,
+)
+from graphtune.autotuner.calls import CallRecord, OpCall
+from graphtune.autotuner.profiles import generate_profiles, profile_for, synthesize_inputs
+
+CONFIG = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0, (2, 4)),), timing="wallclock")
+
+
+class ContiguousOnly(TunableRunner):
+    """Offers tactic "flat" for contiguous inputs only, and records the layouts it was shown."""
+
+    def __init__(self) -> None:
+        self._seen: list[bool] = []
+
+    def get_valid_tactics(self, inputs: list, profile: Any, **kwargs: Any) -> list:
+        self._seen.append(inputs[0].is_contiguous())
+        return ["flat"] if inputs[0].is_contiguous() else [-1]
+
+    def forward(self, inputs: list, *, tactic: Any = -1, **kwargs: Any) -> Any:
+        if tactic == "flat":
+            return inputs[0].view(-1).sum()  # fails on a transposed input
+        return inputs[0].sum()
+
+
+def test_a_transposed_input_is_not_served_the_pick_of_a_contiguous_one() -> None:
+    runner = ContiguousOnly()
+    tuner = AutoTuner(show_progress=False)
+    tuner.tuning_mode = True
+    contiguous, transposed = torch.randn(4, 8), torch.randn(8, 4).t()
+    assert tuner.choose_one("op", [runner], CONFIG, [contiguous])[1] == "flat"
+    tuned = len(tuner.cache)
+    # Tuned apart, on synthetic inputs of the live layout (get_valid_tactics saw it).
+    runner._seen.clear()
+    picked, tactic = tuner.choose_one("op", [runner], CONFIG, [transposed])
+    assert tactic == -1 and runner._seen and not any(runner._seen)
+    picked.forward([transposed], tactic=tactic)
+    assert len(tuner.cache) == 2 * tuned
+    tuner.tuning_mode = False
+    for _ in range(2):  # the second time from the hit memo
+        assert tuner.choose_one("op", [runner], CONFIG, [transposed])[1] == -1
+        assert tuner.choose_one("op", [runner], CONFIG, [contiguous])[1] == "flat"
+
+
+def test_contiguous_keys_are_unchanged_and_layouts_are_classes_not_strides() -> None:
+    contiguous = profile_for(CONFIG, [torch.randn(4, 8)])
+    assert contiguous is not None and contiguous.dtypes == ("float32",)
+    assert contiguous.layouts == () and contiguous.describe() == "4x8"
+    transposed = profile_for(CONFIG, [torch.randn(8, 4).t()])
+    assert transposed is not None and transposed.dtypes == ("float32 order(1,0)",)
+    assert transposed.describe() == "4x8 order(1,0)"
+    # Rows of a wider buffer key as row-major: at batch 1 the gap cannot be seen (torch gives a
+    # size-1 dim a packed stride), so one call site keeps one key at every batch size.
+    rows = profile_for(CONFIG, [torch.randn(4, 16)[:, :8]])
+    assert rows is not None and rows == contiguous
+    one_row = torch.randn(1, 16)[:, :8]
+    assert one_row.is_contiguous() and profile_for(CONFIG, [one_row]) == profile_for(
+        CONFIG, [torch.randn(1, 8)]
+    )
+    # A gap inside a row is its own class, and another stride of it is the same class.
+    strided = profile_for(CONFIG, [torch.randn(4, 16)[:, ::2]])
+    assert strided is not None and strided.dtypes == ("float32 order(0,1) gaps",)
+    assert profile_for(CONFIG, [torch.randn(4, 24)[:, ::3]]) == strided
+    vector = profile_for(CONFIG, [torch.randn(16)[::2]])  # one dim: its elements have gaps
+    assert vector is not None and vector.dtypes == ("float32 order(0) gaps",)
+
+
+def test_synthetic_inputs_have_the_live_stride_order_at_every_bucket() -> None:
+    live = torch.randn(3, 8, 5).permute(2, 0, 1)  # shape (5, 3, 8), order (1, 2, 0)
+    config = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0, (2, 4, 8)),))
+    for profile in generate_profiles(config, [live]):
+        (made,) = synthesize_inputs(config, [live], profile)
+        assert made.shape == profile.shapes[0]
+        strides = made.stride()
+        assert sorted(range(3), key=lambda d: -strides[d]) == [1, 2, 0]
+        assert profile_for(config, [made]) == profile  # its own key is the profile's
+
+
+def test_a_recorded_miss_rebuilds_the_layout_it_missed_with() -> None:
+    tuner = AutoTuner(show_progress=False)
+    live = torch.randn(8, 4).t()
+    tuner.choose_one("op", [ContiguousOnly()], CONFIG, [live])  # not tuning: a miss
+    (record,) = tuner.misses.records()
+    again = CallRecord.from_json(record.to_json()).make_inputs()
+    call = OpCall("op", (ContiguousOnly(),), CONFIG, tuple(again))
+    assert tuner._resolve(call).live_key().to_json() == record.key
+
+
+def test_check_tactics_runs_and_names_the_live_layout() -> None:
+    report = check_tactics("op", [ContiguousOnly()], CONFIG, [torch.randn(8, 4).t()])
+    assert report.profile == "4x8 order(1,0)" and report.reference_error is None

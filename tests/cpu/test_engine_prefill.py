@@ -199,7 +199,11 @@ def test_prefill_graphs_with_qk_norms_give_the_eager_tokens():
     ]
     want, got = (e.generate(PROMPTS, LIMITS, stop_token_ids=[]) for e in engines)
     assert got == want
-    assert engines[1].prefill_stats.replays >= 2 and engines[1].prefill_stats.eager_calls == 0
+    stats = engines[1].prefill_stats
+    assert stats.replays >= 2
+    # Logits [min(T, 4), vocab] have 4 rows at every prefill size (16 and up): a call of fewer
+    # tokens runs eagerly once to tell a cap from a constant (reason "output rows undecided").
+    assert stats.eager_calls == stats.fallback_count(FallbackReason.ROWS_UNDECIDED) <= 1
 
 
 def test_a_mixture_of_experts_model_prefills_eagerly_by_default():

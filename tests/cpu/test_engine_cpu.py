@@ -491,9 +491,8 @@ def test_serving_again_after_release_recaptures_instead_of_running_eagerly():
     want = engine.generate(prompts, 4, stop_token_ids=[])
     engine.release()
     assert engine.generate(prompts, 4, stop_token_ids=[]) == want
-    prefill = engine.prefill_stats  # at most one eager call telling its logits' rows (a cap)
-    assert engine.stats.eager_calls == 0
-    assert prefill.eager_calls == prefill.fallback_count(FallbackReason.ROWS_UNDECIDED) <= 1
+    undecided = {FallbackReason.ROWS_UNDECIDED: 1}  # a prefill call telling its logits' rows
+    assert not engine.stats.eager_calls and engine.prefill_stats.fallbacks in ({}, undecided)
     assert engine.runner.captured_keys and engine.prefill_runner.captured_keys
     engine.release()
     replays = engine.stats.replays

@@ -199,11 +199,7 @@ def test_prefill_graphs_with_qk_norms_give_the_eager_tokens():
     ]
     want, got = (e.generate(PROMPTS, LIMITS, stop_token_ids=[]) for e in engines)
     assert got == want
-    stats = engines[1].prefill_stats
-    assert stats.replays >= 2
-    # Logits [min(T, 4), vocab] have 4 rows at every prefill size (16 and up): a call of fewer
-    # tokens runs eagerly once to tell a cap from a constant (reason "output rows undecided").
-    assert stats.eager_calls == stats.fallback_count(FallbackReason.ROWS_UNDECIDED) <= 1
+    assert engines[1].prefill_stats.replays >= 2 and engines[1].prefill_stats.eager_calls == 0
 
 
 def test_a_mixture_of_experts_model_prefills_eagerly_by_default():
@@ -221,9 +217,7 @@ def test_engine_prefill_graphs_give_the_eager_engines_tokens():
     got = graph.generate(PROMPTS, LIMITS, stop_token_ids=[])
     assert got == want
     stats = graph.prefill_stats
-    assert stats.replays >= 2, stats.table()
-    # One call of fewer tokens than max_prompts may run eagerly to tell its logits' rows.
-    assert stats.eager_calls == stats.fallback_count(FallbackReason.ROWS_UNDECIDED) <= 1
+    assert stats.replays >= 2 and stats.eager_calls == 0, stats.table()
     assert stats.break_runs == stats.replays * graph.config.num_layers
     assert graph.stats.replays > 0 and graph.stats.eager_calls == 0
     assert eager.prefill_stats.eager_calls == stats.calls
@@ -241,9 +235,7 @@ def test_engine_prompt_longer_than_the_largest_prefill_graph_runs_eagerly():
         prompts, 3, stop_token_ids=[]
     )
     stats = graph.prefill_stats
-    assert stats.fallback_count(FallbackReason.BATCH_TOO_LARGE) == 1
-    # The 2-token call: a replay, or (logits' rows undecided at size 16 alone) an eager run.
-    assert stats.replays + stats.fallback_count(FallbackReason.ROWS_UNDECIDED) == 1
+    assert stats.fallback_count(FallbackReason.BATCH_TOO_LARGE) == 1 and stats.replays == 1
 
 
 def test_engine_prefill_runner_choices():

@@ -47,3 +47,21 @@ def test_capture_raises_what_its_docstring_says_for_pad_and_batched():
         runner.capture(torch.ones(8, 2), torch.ones(3))
     doc = CUDAGraphRunner.capture.__doc__
     assert "ConfigError: ``pad`` or ``batched``" in doc
+
+
+def test_eager_runner_counts_calls_as_disabled_and_keeps_its_fields_read_only():
+    eager = EagerRunner(double, max_batch_size=8)
+    eager(torch.ones(3, 2))
+    disabled = CUDAGraphRunner(
+        double, max_batch_size=8, enabled=False, backend=SimulatedGraphBackend()
+    )
+    disabled(torch.ones(3, 2))
+    assert eager.stats.fallbacks == disabled.stats.fallbacks == {FallbackReason.DISABLED: 1}
+    assert eager.stats.fallback_count(FallbackReason.DISABLED) == 1
+    for name in ("max_batch_size", "capture_sizes", "frozen", "fallback_reason"):
+        with pytest.raises(AttributeError):
+            setattr(eager, name, 5)
+    eager.freeze()
+    assert eager.frozen and eager.max_batch_size == 8
+    eager.unfreeze()
+    assert not eager.frozen

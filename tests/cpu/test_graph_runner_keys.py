@@ -184,3 +184,19 @@ def test_a_tensor_inside_a_key_is_refused_as_a_tensor_key_is(key_fn, how):
         with pytest.raises(ConfigError, match="^key_fn returned a tensor, which would key"):
             call(torch.ones(4, 2), torch.tensor(1))
     assert runner.stats.buffer_bytes == 0 and not runner._keys
+
+
+def test_a_non_lazy_runner_refuses_a_tensor_key_on_a_call_as_docs_say():
+    runner = CUDAGraphRunner(
+        lambda x, k: x * 2,
+        max_batch_size=8,
+        capture_sizes=[2, 4, 8],
+        key_fn=lambda inputs: inputs[1],
+        backend=SimulatedGraphBackend(),
+    )
+    runner.capture(torch.ones(8, 2), 3)
+    with pytest.raises(ConfigError, match="key_fn returned a tensor"):
+        runner(torch.ones(3, 2), torch.tensor(3))
+    assert runner.stats.eager_calls == 0  # refused, not run eagerly as "key not captured"
+    runner(torch.ones(3, 2), 3)
+    assert runner.stats.replays == 1

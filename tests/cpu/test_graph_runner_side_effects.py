@@ -36,17 +36,19 @@ def _quiet(caplog):
 
 
 def test_a_dropped_lazy_capture_steps_the_state_once_as_on_cuda():
-    step = Counter(lambda x: x[1:] * 1)  # x[1:] has size-1 rows: cannot be sliced to a batch
+    # size+1 rows: cannot be sliced to a batch. (x[1:], size-1 rows, would be undecided at one
+    # size, a cap or a constant, and its batch-3 call would run eagerly to tell, not capture.)
+    step = Counter(lambda x: torch.cat([x, x[:1]]))
     runner = CUDAGraphRunner(
         step, max_batch_size=8, lazy=True, warmup=0, backend=SimulatedGraphBackend()
     )
     x8 = torch.randn(8, 2)
-    assert torch.equal(runner(x8), x8[1:])
+    assert torch.equal(runner(x8), torch.cat([x8, x8[:1]]))
     # CUDA, call 1 (batch 8): the capture runs fn's Python (calls 1) but no kernel, then the
     # graph is replayed once for this call (count 1).
     assert (step.calls, step.count.item()) == (1, 1.0)
     x3 = torch.randn(3, 2)
-    assert torch.equal(runner(x3), x3[1:])
+    assert torch.equal(runner(x3), torch.cat([x3, x3[:1]]))
     # CUDA, call 2 (batch 3, size 4): the capture runs fn's Python (calls 2) and no kernel; its
     # outputs cannot be sliced beside size 8's, so the key's graphs are dropped and fn runs
     # eagerly once (calls 3, count 2). The simulated capture's own step is undone.

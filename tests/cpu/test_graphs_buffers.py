@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graphtune.errors import ConfigError, InputError
-from graphtune.graphs.buffers import StaticInputs, StaticOutputs
+from graphtune.graphs.buffers import StaticInputs
+from graphtune.graphs.outputs import StaticOutputs
 from graphtune.graphs.padding import is_pad_rule
 from graphtune.graphs.tree import flatten_with_paths, path_str, resolve_rules
 

@@ -30,7 +30,8 @@ from graphtune.autotuner.entries import BlockedTactic, tactic_text
 from graphtune.autotuner.identity import runner_id
 from graphtune.autotuner.profiles import profile_for
 from graphtune.graphs import policy
-from graphtune.graphs.buffers import StaticInputs, StaticOutputs
+from graphtune.graphs.buffers import StaticInputs
+from graphtune.graphs.outputs import StaticOutputs
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

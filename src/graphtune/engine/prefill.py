@@ -254,7 +254,8 @@ def prefill_logits(
     parts = []
     for chunk in chunks:
         packed = pack_prompts([prompts[i] for i in chunk], [slots[i] for i in chunk])
-        inputs = packed.inputs.to(device, non_blocking=True)
+        inputs = _padded(packed.inputs, min(step.max_prompts, limit), step)
+        inputs = inputs.to(device, non_blocking=True)
         step.set_batch(packed.batch)
         try:
             out = runner(inputs[0], inputs[1], inputs[2], inputs[3])
@@ -266,6 +267,21 @@ def prefill_logits(
         # The next call overwrites a graph's output: keep a copy when another call follows.
         parts.append(logits if len(chunks) == 1 else logits.clone())
     return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _padded(inputs: torch.Tensor, tokens: int, step: PrefillStep) -> torch.Tensor:
+    """``inputs [4, T]`` padded with :func:`prefill_pad_rule` tokens to at least ``tokens``.
+
+    A call of fewer tokens than ``max_prompts`` would have fewer logit rows than the graphs'
+    ``max_prompts`` at every captured size, and a graph runner cannot tell such a constant from
+    a cap of the batch without running one such call eagerly; padded, every call has the rows
+    of the graphs."""
+    short = tokens - inputs.shape[1]
+    if short <= 0:
+        return inputs
+    rule = prefill_pad_rule(step.step.cache.scratch_slot)
+    pad = torch.tensor(rule, dtype=inputs.dtype)[:, None].expand(len(rule), short)
+    return torch.cat((inputs, pad), dim=1)
 
 
 def prefill(

@@ -1,4 +1,4 @@
-"""Static input buffers, copy-in with pad rules (padding.py), and slicing of captured outputs.
+"""Static input buffers and copy-in with pad rules (padding.py); outputs are in outputs.py.
 
 One :class:`StaticInputs` exists per extra key (``key_fn`` value). It is built once from example
 inputs: every *batched* tensor gets a buffer of ``rows`` (the largest capture size) rows with the
@@ -13,13 +13,13 @@ padded input, with no tree rebuilding and no host synchronisation.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from graphtune.errors import ConfigError, InputError
+from graphtune.graphs.outputs import tensor_field
 from graphtune.graphs.padding import check_pad_value, is_pad_rule, pad_filler
 from graphtune.graphs.tree import Path, TreeSpec, flatten_with_paths, path_str, resolve_rules
 from graphtune.graphs.values import same_constant
@@ -113,7 +113,8 @@ class StaticInputs:
             device_type: Required device type of batched tensors (``"cuda"``), or None.
 
         Raises:
-            ConfigError: ``pad`` or ``batched`` names unknown paths or holds invalid rules.
+            ConfigError: ``pad`` or ``batched`` names unknown paths or holds invalid rules, or
+                an input that is not a tensor or container holds a tensor (a dataclass field).
             InputError: A tensor marked batched disagrees with the batch size, or a batched
                 tensor is on the wrong device type.
         """
@@ -127,6 +128,7 @@ class StaticInputs:
         flags = []
         for leaf, tensor, flag, path in zip(leaves, is_tensor, explicit, paths, strict=True):
             if not tensor:
+                _check_constant(leaf, path)
                 flags.append(False)
                 continue
             default = leaf.dim() >= 1 and leaf.shape[0] == batch
@@ -331,6 +333,25 @@ def _explicit_flags(leaves: list, paths: list[Path], is_tensor: list[bool], batc
     return resolve_rules(batched, paths, name="batched", is_rule=_is_batched_flag)
 
 
+def _check_constant(leaf: Any, path: Path) -> None:
+    """Refuses a leaf the tree walker does not look into (a dataclass, an object of your own
+    class) that holds a tensor: as a constant it is compared as one object, so the graph would
+    keep reading the tensor the field held at capture, whatever the field holds later.
+
+    Raises:
+        ConfigError: ``leaf`` has a field holding a tensor (:func:`tensor_field`).
+    """
+    field = tensor_field(leaf)
+    if field is not None:
+        raise ConfigError(
+            f"input {path_str(path)} is a {type(leaf).__qualname__} whose field {field!r} holds "
+            "a tensor: the graph runner looks only into tuples, lists and dicts (NamedTuples and "
+            "dict subclasses too), so it would bake this object in and keep reading the tensor "
+            "captured, ignoring later values; pass the tensor as an input of its own, or carry "
+            "it in a tuple, list, dict or NamedTuple"
+        )
+
+
 def _find_batch_index(leaves: list, is_tensor: list[bool], explicit: list) -> int | None:
     """The first tensor with a leading dim that is not marked non-batched (docs/graph-runner.md)."""
     for index, (leaf, tensor, flag) in enumerate(zip(leaves, is_tensor, explicit, strict=True)):
@@ -341,143 +362,3 @@ def _find_batch_index(leaves: list, is_tensor: list[bool], explicit: list) -> in
 
 def _layout(t: torch.Tensor) -> tuple[Any, ...]:
     return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
-
-
-#: A row rule: ``None`` returns a leaf as it is; a number ``c`` slices it to ``min(n, c)`` rows
-#: (:data:`BATCH`: to the real batch ``n``).
-RowRule = int | None
-BATCH = 1 << 62
-
-
-class StaticOutputs:
-    """The outputs one graph writes, and cached per-``n`` views of them.
-
-    Each tensor leaf has a row rule. With one captured size of the key, a leaf whose leading dim
-    equals the size is sliced to the real batch and any other is returned as it is; once the
-    key has several sizes, :func:`row_rules` decides each leaf from its rows at every size.
-    """
-
-    def __init__(self, outputs: Any, size: int) -> None:
-        leaves, paths, spec = flatten_with_paths(outputs)
-        self.spec = spec
-        self.paths = paths
-        self.size = size
-        self._leaves = leaves
-        self._is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
-        for leaf, path, tensor in zip(leaves, paths, self._is_tensor, strict=True):
-            field = None if tensor else tensor_field(leaf)
-            if field is not None:
-                raise ConfigError(
-                    f"output {path_str(path, '<output>')} is a {type(leaf).__qualname__} whose "
-                    f"field {field!r} holds a tensor: the graph runner slices tensors to the real "
-                    "batch only inside tuples, lists and dicts, and would return this object as "
-                    "it is, with the padded rows; return a tuple, dict or NamedTuple instead"
-                )
-        self._rules: list[RowRule] = [BATCH if _rows(x) == size else None for x in leaves]
-        self._views: dict[int, list] = {}
-
-    def use_rules(self, rules: list[RowRule]) -> None:
-        """Slices by ``rules`` from now on (one per leaf, from :func:`row_rules`)."""
-        self._rules = list(rules)
-        self._views.clear()
-
-    def result(self, n: int, clone: bool) -> Any:
-        """Outputs for a call of real batch ``n`` (views into graph memory unless ``clone``)."""
-        views = self._views.get(n)
-        if views is None:
-            pairs = zip(self._leaves, self._rules, strict=True)
-            views = [x if cap is None else x[: min(n, cap)] for x, cap in pairs]
-            self._views[n] = views
-        if clone:
-            views = [x.clone() if t else x for x, t in zip(views, self._is_tensor, strict=True)]
-        return self.spec.unflatten(views)
-
-    @property
-    def tensors(self) -> list[torch.Tensor]:
-        """The full-size output tensors (for tests)."""
-        return [x for x, t in zip(self._leaves, self._is_tensor, strict=True) if t]
-
-
-def tensor_field(value: Any, depth: int = 3) -> str | None:
-    """The name of a field of ``value`` (an object that is not a tuple, list or dict: a
-    dataclass, any object with a ``__dict__``) holding a tensor, directly or in containers or
-    objects nested up to ``depth`` deep; ``None`` when none does (modules excepted)."""
-    if depth <= 0 or isinstance(value, (type, torch.nn.Module)):
-        return None
-    if dataclasses.is_dataclass(value):
-        fields: Any = {f.name: getattr(value, f.name, None) for f in dataclasses.fields(value)}
-    else:
-        fields = getattr(value, "__dict__", None)
-    if not isinstance(fields, dict):
-        return None
-    for name, field in fields.items():
-        for leaf in flatten_with_paths(field)[0]:
-            if isinstance(leaf, torch.Tensor) or tensor_field(leaf, depth - 1) is not None:
-                return str(name)
-    return None
-
-
-def _rows(x: Any) -> int | None:
-    return x.shape[0] if isinstance(x, torch.Tensor) and x.dim() >= 1 else None
-
-
-def row_rules(outputs: list[StaticOutputs]) -> list[RowRule] | str:
-    """Each leaf's row rule from its shapes at the key's captured sizes (two or more), or why
-    some leaf fits none. A tensor leaf must, at every size ``s``, have ``s`` rows (the batch:
-    sliced to ``n``), one shape (returned as it is, even when its rows equal some size), or
-    ``min(s, cap)`` rows (sliced to ``min(n, cap)``, as the engine's prefill returns its logits);
-    its other dims may not change. A leaf that is not a tensor must be equal at every size.
-    ``x[1:]``, ``x.t()`` or ``x @ x.t()`` fit none, and slicing them would return padded rows or
-    a wrong shape without an error."""
-    first = outputs[0]
-    for other in outputs[1:]:
-        if other.paths != first.paths:
-            return (
-                f"the outputs have other leaves at size {other.size} ({len(other.paths)}) than "
-                f"at size {first.size} ({len(first.paths)}); fn must return one structure"
-            )
-    by_size = sorted(outputs, key=lambda o: o.size)
-    rules: list[RowRule] = []
-    for index, path in enumerate(first.paths):
-        leaves = [o._leaves[index] for o in by_size]
-        if not all(isinstance(x, torch.Tensor) for x in leaves):
-            # A value that depends on the size (x.shape[0]) would come back as the padded size's.
-            if any(isinstance(x, torch.Tensor) or not same_constant(x, leaves[0]) for x in leaves):
-                seen = ", ".join(
-                    f"{x!r:.40} at size {o.size}" for x, o in zip(leaves, by_size, strict=True)
-                )
-                return (
-                    f"output {path_str(path, '<output>')} is {seen}: a value that is not a "
-                    "tensor is returned as captured, so it may not depend on the batch; return "
-                    "it as a tensor with the batch as its first dim, or compute it outside fn"
-                )
-            rules.append(None)
-            continue
-        sizes = [o.size for o in by_size]
-        shapes = [tuple(x.shape) for x in leaves]
-        rows = [_rows(x) for x in leaves]
-        rule = _rule(sizes, shapes, rows)
-        if isinstance(rule, str):
-            seen = ", ".join(f"{s} at size {n}" for s, n in zip(shapes, sizes, strict=True))
-            return (
-                f"output {path_str(path, '<output>')} is {seen}, so it cannot be sliced to "
-                "the real batch: the graph runner slices an output whose first dim is the batch "
-                "(or min(batch, a cap)) and returns one that does not depend on the batch as it "
-                "is; this one is neither"
-            )
-        rules.append(rule)
-    return rules
-
-
-def _rule(sizes: list[int], shapes: list[tuple[int, ...]], rows: list[int | None]) -> RowRule | str:
-    if len(set(shapes)) == 1:
-        return None  # one shape at every size: not batched (even when it equals a size)
-    if any(r is None for r in rows) or len({s[1:] for s in shapes}) != 1:
-        return "unsliceable"
-    if rows == sizes:
-        return BATCH
-    # More rows than the size at every size (torch.cat([x, x]), an extra row) leaves no cap.
-    cap = max((r for r, s in zip(rows, sizes, strict=True) if r is not None and r < s), default=0)
-    if cap and all(r == min(s, cap) for r, s in zip(rows, sizes, strict=True)):
-        return cap
-    return "unsliceable"

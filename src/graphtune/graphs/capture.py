@@ -38,8 +38,8 @@ from typing import Any
 
 from graphtune.graphs.backend import GraphBackend
 from graphtune.graphs.breaks import BreakBuffers, BreakCounters, PieceCapture
-from graphtune.graphs.buffers import StaticOutputs
 from graphtune.graphs.memory import Disowner
+from graphtune.graphs.outputs import StaticOutputs
 
 logger = logging.getLogger(__name__)
 

@@ -16,16 +16,14 @@ class EagerRunner:
     """Runs ``fn`` eagerly with the graph runner's interface (``capture``/``release`` do nothing).
 
     It has the graph runner's calls, ``capture``, ``release``, ``freeze``/``unfreeze``,
-    ``stats``, ``state`` and ``frozen``, and its read-only ``max_batch_size``,
-    ``capture_sizes`` (empty), ``captured_keys`` (empty) and ``fallback_reason``
+    ``stats`` (each call counted as ``disabled``) and ``state``, and its read-only ``frozen``,
+    ``max_batch_size``, ``capture_sizes`` (empty), ``captured_keys`` (empty) and ``fallback_reason``
     (``DISABLED``: graphs are off by choice); not ``padded_inputs`` or ``policy``.
 
     Args:
         fn: The step callable.
         max_batch_size: What ``max_batch_size`` reports (the runner never refuses a batch).
     """
-
-    capture_sizes: tuple[int, ...] = ()
 
     def __init__(self, fn: Callable[..., Any], *, max_batch_size: int | None = None) -> None:
         if not callable(fn):
@@ -37,10 +35,25 @@ class EagerRunner:
         ):
             raise ConfigError(f"max_batch_size must be a positive int, got {max_batch_size!r}")
         self.fn = fn
-        self.max_batch_size = max_batch_size
+        self._max_batch_size = max_batch_size
         self.stats = RunnerStats()
         self.state = RunnerState.NEW
-        self.frozen = False
+        self._frozen = False
+
+    @property
+    def max_batch_size(self) -> int | None:
+        """The ``max_batch_size`` given at construction, or None (read-only)."""
+        return self._max_batch_size
+
+    @property
+    def capture_sizes(self) -> tuple[int, ...]:
+        """The captured batch sizes: none."""
+        return ()
+
+    @property
+    def frozen(self) -> bool:
+        """Whether :meth:`freeze` was called (and :meth:`unfreeze` not since)."""
+        return self._frozen
 
     @property
     def fallback_reason(self) -> FallbackReason:
@@ -60,16 +73,17 @@ class EagerRunner:
         self.stats.calls += 1
         if named:
             raise named_inputs_error(named)
-        self.stats.eager_calls += 1
+        # Counted as the graph runner counts its enabled=False calls, so stats compare alike.
+        self.stats.count_fallback(FallbackReason.DISABLED)
         return self.fn(*inputs)
 
     def freeze(self) -> None:
         """Records the freeze (an eager runner never captures anyway)."""
-        self.frozen = True
+        self._frozen = True
 
     def unfreeze(self) -> None:
         """Clears the freeze."""
-        self.frozen = False
+        self._frozen = False
 
     def release(self) -> None:
         """Does nothing (nothing is held)."""

@@ -8,6 +8,7 @@ by size and its failed captures by size.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Hashable, Sequence
 from operator import ne
 from typing import Any
@@ -16,16 +17,30 @@ import torch
 
 from graphtune.errors import CaptureError, ConfigError, InputError
 from graphtune.graphs.breaks import BreakBuffers, PiecewiseGraph
-from graphtune.graphs.buffers import StaticInputs, row_rules
+from graphtune.graphs.buffers import StaticInputs
 from graphtune.graphs.capture import CapturedGraph, CaptureRecord
+from graphtune.graphs.outputs import StaticOutputs, row_rules, undecided_rows
 from graphtune.graphs.policy import GraphState
 from graphtune.graphs.tree import flatten_with_paths, path_str
+
+logger = logging.getLogger(__name__)
 
 
 class KeyState:
     """Buffers and graphs of one extra key."""
 
-    __slots__ = ("extra_key", "key", "inputs", "breaks", "graphs", "failed", "warmed")
+    __slots__ = (
+        "extra_key",
+        "key",
+        "inputs",
+        "breaks",
+        "graphs",
+        "failed",
+        "warmed",
+        "seen",
+        "low",
+        "noted",
+    )
 
     def __init__(self, extra_key: Hashable, inputs: StaticInputs) -> None:
         self.extra_key = extra_key  # the key_fn value that made this key, as records give it
@@ -36,6 +51,12 @@ class KeyState:
         self.failed: dict[int, CaptureRecord] = {}
         # Seconds of the warm-up per size fn ran at (capture()'s warm-up, or a lazy first call).
         self.warmed: dict[int, float] = {}
+        # Output shapes of eager calls by batch: evidence for the row rules beside the graphs'.
+        self.seen: dict[int, StaticOutputs] = {}
+        # The smallest batch whose graph outputs are known to slice right (outputs.undecided_rows):
+        # the hot path replays only from it, a smaller batch runs eagerly once and tells.
+        self.low = 1
+        self.noted: tuple[int, list[str]] = (1, [])  # the undecided outputs, once decided
 
     @property
     def nbytes(self) -> int:
@@ -91,7 +112,10 @@ class KeyState:
             return None
         self.graphs[result.record.size] = result
         records.append(result.record)
-        dropped = self.drop_if_unsliceable(result, sizes)
+        return self._drop_records(self.drop_if_unsliceable(sizes), records)
+
+    def _drop_records(self, dropped: str | None, records: list[Any]) -> str | None:
+        """Marks this key's records in ``records`` failed when its graphs were ``dropped``."""
         if dropped is not None:
             for i, record in enumerate(records):
                 if record.ok and typed_key(record.extra_key) == self.key:
@@ -115,20 +139,37 @@ class KeyState:
                 "capture the key ahead with capture(), which captures on example rows."
             )
 
-    def drop_if_unsliceable(self, captured: CapturedGraph, sizes: Sequence[int]) -> str | None:
-        """Compares a new graph's outputs with another size's of this key; when they cannot both
-        be sliced to the real batch (:func:`~graphtune.graphs.buffers.row_rules`: which also sets
-        how every graph of the key slices each output), drops every graph of the
-        key and marks each of ``sizes`` failed (its calls then run eagerly, reason
-        ``capture_failed``), and returns why; else ``None``."""
-        if len(self.graphs) < 2:
+    def observe(self, n: int, outputs: Any, sizes: Sequence[int], records: list[Any]) -> str | None:
+        """Keeps the shapes of an eager call's ``outputs`` at batch ``n`` as evidence for the
+        row rules, deciding them again when graphs exist (:meth:`drop_if_unsliceable`; a drop
+        marks their records in ``records`` failed, as :meth:`keep` does). Returns why it
+        dropped the key's graphs, or ``None``."""
+        if n < 1 or n in self.seen or any(g.outputs.size == n for g in self.graphs.values()):
             return None
-        rules = row_rules([g.outputs for g in self.graphs.values()])
+        try:
+            self.seen[n] = StaticOutputs.seen(outputs, n)
+        except ConfigError:  # outputs no capture keeps (its failure says why): no evidence
+            return None
+        if not self.graphs:
+            return None
+        return self._drop_records(self.drop_if_unsliceable(sizes), records)
+
+    def drop_if_unsliceable(self, sizes: Sequence[int]) -> str | None:
+        """Decides how every graph of the key slices each output from its shapes at all the
+        key's sizes and eager batches (:func:`~graphtune.graphs.outputs.row_rules`), and below
+        which batch that is not known (:attr:`low`). When they cannot all be sliced to the real
+        batch, drops every graph of the key and marks each of ``sizes`` failed (its calls then
+        run eagerly, reason ``capture_failed``), logs and returns why; else ``None``."""
+        seen = [g.outputs for g in self.graphs.values()] + list(self.seen.values())
+        rules = row_rules(seen) if len(seen) > 1 else next(iter(self.graphs.values())).outputs.rules
         if not isinstance(rules, str):
             for graph in self.graphs.values():
                 graph.outputs.use_rules(rules)
+            self.noted = undecided_rows(seen, rules)
+            self.low = self.noted[0]
             return None
         problem = rules
+        self.low, self.noted = 1, (1, [])
         for size, graph in list(self.graphs.items()):
             self.failed[size] = dataclasses.replace(graph.record, ok=False, error=problem)
         self.graphs.clear()
@@ -136,7 +177,29 @@ class KeyState:
             self.failed.setdefault(
                 size, CaptureRecord(self.extra_key, size, 0.0, 0, ok=False, error=problem)
             )
+        logger.warning(
+            "CUDA graphs of key %r dropped, every call of it runs eagerly: %s",
+            self.extra_key,
+            problem,
+        )
         return problem
+
+    def log_undecided(self) -> None:
+        """Logs (info) the outputs whose rows are undecided below :attr:`low`, once the runner
+        has captured what it meant to (a capture in progress may yet decide them)."""
+        low, paths = self.noted
+        if low > 1 and paths:
+            logger.info(
+                "graph outputs %s of key %r have %d rows at every size captured (%s): a "
+                "constant or the batch capped there; the first call below %d rows runs eagerly "
+                "to tell (reason 'output rows undecided')",
+                ", ".join(paths),
+                self.extra_key,
+                low,
+                sorted(self.graphs),
+                low,
+            )
+            self.noted = (low, [])
 
     def graph_state(self, size: int | None) -> GraphState:
         if size in self.graphs:

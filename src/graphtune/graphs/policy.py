@@ -43,6 +43,10 @@ class FallbackReason(str, enum.Enum):
     call runs ``fn`` eagerly and its output carries gradients as eager code would."""
     FROZEN = "frozen (capture refused)"
     """The key would be captured lazily, but :meth:`CUDAGraphRunner.freeze` forbids captures."""
+    ROWS_UNDECIDED = "output rows undecided"
+    """An output has the same rows ``r`` at every captured size, at most the smallest: it is a
+    constant or the batch capped at ``r``, which differ only for a batch below ``r``. The first
+    such call of a key runs eagerly and its output's rows decide (then such calls replay)."""
     WARMING_UP = "warm-up (first call of a key)"
     """``lazy=True`` without a ``capture()`` call: a key's first call (of each size, with
     ``CapturePolicy.warm_each_size``) runs eagerly on its own inputs as the warm-up, so ``fn``
@@ -348,3 +352,26 @@ def checked_arguments(
     if not isinstance(policy, CapturePolicy):
         raise ConfigError(f"policy must be a CapturePolicy or None, got {policy!r}")
     return policy
+
+
+def can_graph_decision(value: Any) -> bool:
+    """``can_graph``'s answer: a bool or ``numpy.bool_`` (a tensor's truth is ambiguous or a
+    sync, so anything else is refused)."""
+    kind = type(value)
+    if kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_"):
+        return bool(value)
+    if not isinstance(value, bool):
+        raise ConfigError(f"can_graph must return True or False, got {kind.__qualname__}")
+    return value
+
+
+def undecided_message(extra_key: Any, n: int, low: int) -> str:
+    """The warning of a lazy capture call of batch ``n`` whose outputs' rows are undecided below
+    ``low`` (:attr:`FallbackReason.ROWS_UNDECIDED`), known only from the key's first capture,
+    which ran this call's rows: it returns them as captured."""
+    return (
+        f"the lazy capture of key {extra_key!r} ran this call of batch {n}, and an output with "
+        f"{low} rows at every size captured may be a constant or the batch capped at {low}: "
+        f"this call got {low} rows, padded rows included if it is capped; the next call below "
+        f"{low} rows runs eagerly to tell. Capture a size below {low} (capture_sizes) to avoid it"
+    )

@@ -23,7 +23,7 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 from graphtune import env
-from graphtune.errors import CaptureError, ConfigError, InputError
+from graphtune.errors import CaptureError, InputError
 from graphtune.graphs import keys
 from graphtune.graphs import policy as policies
 from graphtune.graphs.backend import GraphBackend, default_backend
@@ -249,6 +249,7 @@ class CUDAGraphRunner:
                     bar.advance(f"captured size {size}")
         if key_state.graphs:
             self.state = RunnerState.CAPTURED
+        key_state.log_undecided()
 
     def __call__(self, *inputs: Any, **named: Any) -> Any:
         stats = self.stats
@@ -259,7 +260,7 @@ class CUDAGraphRunner:
             return self._eager(self._static_reason, inputs)
         if self._is_capturing():
             return self._eager(FallbackReason.NESTED_CAPTURE, inputs)
-        if self._can_graph is not None and not _decision(self._can_graph(inputs)):
+        if self._can_graph is not None and not policies.can_graph_decision(self._can_graph(inputs)):
             return self._eager(FallbackReason.PREDICATE_REFUSED, inputs)
         if keys.needs_grad(inputs):
             return self._eager(FallbackReason.NEEDS_GRAD, inputs)
@@ -272,7 +273,7 @@ class CUDAGraphRunner:
             plan = key_state.inputs
             leaves = plan.flatten(inputs)
             n = batch_of(plan, leaves)
-            if 0 < n <= self._largest:
+            if key_state.low <= n <= self._largest:  # low >= 1; above 1 see KeyState.low
                 size = self._pad_table[n]
                 graph = key_state.graphs.get(size)
                 if graph is not None:
@@ -341,9 +342,10 @@ class CUDAGraphRunner:
     def _call_slow(self, inputs: tuple, extra: Hashable, key_state: KeyState | None) -> Any:
         """Every call that does not replay an existing graph: decide, maybe capture lazily."""
         n = size = None
+        if key_state is None:  # a key that has buffers was checked when they were built
+            keys.check_key(extra)
         if key_state is None and self._lazy:
             if self._frozen:  # no capture under load, so no buffers for one: the batch alone
-                keys.check_key(extra)
                 n = batch_size(inputs, self._batched)
             else:
                 key_state = self._build(extra, inputs)
@@ -377,6 +379,10 @@ class CUDAGraphRunner:
                 )
             return self._eager(decision, inputs)
         assert key_state is not None and n is not None and size is not None
+        if n < key_state.low:  # rows undecided (a replay or a capture would guess): this call tells
+            out = self._eager(FallbackReason.ROWS_UNDECIDED, inputs)
+            self._observe(key_state, n, out)
+            return out
         plan = key_state.inputs
         if decision is Route.CAPTURE_THEN_REPLAY:
             warm_size = self.policy.warm_each_size and size not in key_state.warmed
@@ -388,6 +394,7 @@ class CUDAGraphRunner:
                 out = self._eager(FallbackReason.WARMING_UP, inputs)
                 key_state.warmed[size] = time.perf_counter() - start
                 self.stats.warmup_seconds += key_state.warmed[size]
+                self._observe(key_state, n, out)  # its shapes at n help decide the row rules
                 return out
             plan.copy_in(leaves, n, size, self._debug)  # the capture computes on these rows
             with self._backend.device_guard(self._device), frozen_gc(collect=False):
@@ -405,6 +412,9 @@ class CUDAGraphRunner:
             # Its capture ran each graph break once for this call, as a replay does.
             self.stats.break_runs += graph.record.breaks
             self.stats.break_seconds += graph.record.break_seconds
+            if n < key_state.low:  # this call's rows ran in the capture: no eager run can tell
+                logger.warning(policies.undecided_message(key_state.extra_key, n, key_state.low))
+            key_state.log_undecided()
         else:
             graph = key_state.graphs[size]
             plan.copy_in(leaves, n, size, self._debug)
@@ -464,16 +474,14 @@ class CUDAGraphRunner:
             warmup_seconds=warmup_seconds,
         )
         dropped = key_state.keep(result, self.capture_sizes, self.stats.records)
-        if dropped is not None:
-            logger.warning(
-                "CUDA graphs of key %r of %s dropped, every call runs eagerly: %s",
-                key_state.extra_key,
-                getattr(self.fn, "__name__", "fn"),
-                dropped,
-            )
-            if not any(k.graphs for k in self._keys.values()):
-                self.state = RunnerState.WARMED
+        if dropped is not None and not any(k.graphs for k in self._keys.values()):
+            self.state = RunnerState.WARMED  # keep() logged why
         self._count_buffers()
+
+    def _observe(self, key_state: KeyState, n: int, outputs: Any) -> None:
+        dropped = key_state.observe(n, outputs, self.capture_sizes, self.stats.records)
+        if dropped is not None and not any(k.graphs for k in self._keys.values()):
+            self.state = RunnerState.WARMED  # observe() logged why
 
     def _count_buffers(self) -> None:
         self.stats.buffer_bytes = sum(st.nbytes for st in self._keys.values())
@@ -486,14 +494,3 @@ class CUDAGraphRunner:
                 self._static_reason,
                 getattr(self.fn, "__name__", "fn"),
             )
-
-
-def _decision(value: Any) -> bool:
-    """``can_graph``'s answer: a bool or ``numpy.bool_`` (a tensor's truth is ambiguous or a
-    sync, so anything else is refused)."""
-    kind = type(value)
-    if kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_"):
-        return bool(value)
-    if not isinstance(value, bool):
-        raise ConfigError(f"can_graph must return True or False, got {kind.__qualname__}")
-    return value

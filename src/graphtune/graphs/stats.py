@@ -24,7 +24,7 @@ class RunnerStats:
         calls: Calls of the runner.
         replays: Calls answered by a graph replay.
         eager_calls: Calls that ran ``fn`` eagerly (all of an EagerRunner's calls).
-        fallbacks: Eager calls by reason (an EagerRunner records none: eager is its design).
+        fallbacks: Eager calls by reason (an EagerRunner counts each call as ``disabled``).
         real_rows: Real batch rows of replayed calls.
         padded_rows: Rows the replayed graphs computed (real rows plus padding).
         warmup_seconds: Wall time spent in eager warm-up runs before captures.

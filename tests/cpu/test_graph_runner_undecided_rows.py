@@ -1,0 +1,93 @@
+"""An output with the same rows r at every captured size, at most the smallest, may be a constant
+or the batch capped at r (``x[:r]``); the two differ only for a batch below r, and such a call
+runs eagerly once to tell (simulated backend, CPU). Before, ``x[:4]`` captured at [8, 16] gave a
+batch of 3 four rows, the last one padding."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from graphtune.graphs import CUDAGraphRunner, FallbackReason, SimulatedGraphBackend
+
+TABLE = torch.arange(8.0).reshape(4, 2)
+
+
+def capped(x):
+    return x[:4] * 10
+
+
+def table(x):
+    return x * 2, TABLE  # a constant [4, 2] output, returned as it is
+
+
+def runner(fn, sizes=(8, 16), **kwargs) -> CUDAGraphRunner:
+    return CUDAGraphRunner(
+        fn,
+        max_batch_size=16,
+        capture_sizes=list(sizes),
+        backend=SimulatedGraphBackend(),
+        **kwargs,
+    )
+
+
+def test_a_capped_output_never_returns_padded_rows_when_every_size_is_above_the_cap():
+    r = runner(capped)
+    r.capture(torch.ones(16, 1))
+    for n in (3, 1, 3, 2, 5, 16):
+        x = torch.arange(1.0, n + 1)[:, None]
+        torch.testing.assert_close(r(x), capped(x), rtol=0, atol=0)
+    # One eager call told: the batch capped at 4. Every other call replayed.
+    assert r.stats.fallbacks == {FallbackReason.ROWS_UNDECIDED: 1}
+    assert r.stats.replays == 5
+
+
+def test_a_constant_output_with_few_rows_stays_a_constant():
+    r = runner(table)
+    r.capture(torch.ones(16, 2))
+    for n in (3, 2, 8):
+        y, t = r(torch.ones(n, 2))
+        assert y.shape == (n, 2) and torch.equal(t, TABLE)
+    assert r.stats.fallbacks == {FallbackReason.ROWS_UNDECIDED: 1} and r.stats.replays == 2
+
+
+def test_outputs_that_tell_themselves_apart_never_run_eagerly(caplog):
+    vocab = torch.randn(32)
+    r = runner(lambda x: (x[:4], x.sum(), vocab), sizes=(2, 8, 16))  # 2 < 4: the cap shows
+    with caplog.at_level(logging.INFO, logger="graphtune.graphs"):
+        r.capture(torch.ones(16, 1))
+        for n in (1, 3, 9):
+            head, _, v = r(torch.ones(n, 1))
+            assert head.shape == (min(n, 4), 1) and v is not None
+    assert r.stats.eager_calls == 0 and r.stats.replays == 3
+    assert "rows at every size" not in caplog.text
+
+
+def test_the_undecided_output_is_named_in_the_log(caplog):
+    r = runner(lambda x: {"logits": x[:4]})
+    with caplog.at_level(logging.INFO, logger="graphtune.graphs"):
+        r.capture(torch.ones(16, 1))
+    assert (
+        "graph outputs logits of key None have 4 rows at every size captured ([8, 16])"
+        in caplog.text
+    )
+
+
+def test_lazy_capture_uses_the_warm_up_call_to_decide():
+    r = runner(capped, lazy=True)
+    for n in (3, 3, 3):
+        x = torch.arange(1.0, n + 1)[:, None]
+        torch.testing.assert_close(r(x), capped(x), rtol=0, atol=0)
+    # The warm-up call ran eagerly at 3 rows: with the capture at 8, the cap at 4 is known.
+    assert r.stats.fallbacks == {FallbackReason.WARMING_UP: 1} and r.stats.replays == 2
+
+
+def test_lazy_capture_of_a_smaller_size_waits_for_an_eager_call_to_tell():
+    r = runner(capped, sizes=(8, 16), lazy=True, warmup=0)
+    r(torch.ones(10, 1))  # captures 16: x[:4] has 4 rows, undecided below 4
+    x = torch.arange(1.0, 4.0)[:, None]
+    for _ in range(3):  # eager (tells), capture of 8, replay
+        torch.testing.assert_close(r(x), capped(x), rtol=0, atol=0)
+    assert r.stats.fallbacks == {FallbackReason.ROWS_UNDECIDED: 1}
+    assert sorted(s for _, s in r.captured_keys) == [8, 16]

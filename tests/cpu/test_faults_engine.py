@@ -86,6 +86,20 @@ def test_generate_takes_per_prompt_limits_as_a_numpy_array_or_tensor():
     assert engine.generate(prompts, np.array([3]), stop_token_ids=[]) == same
 
 
+def test_stop_token_ids_may_be_a_set_a_tensor_or_an_array():
+    engine = Engine(load_model("tiny"), runner="eager", max_batch_size=2, max_seq_len=32)
+    # Stop ids have no order; a set, a 1-D tensor or a NumPy array is as good as a list.
+    prompt = [[1, 2, 3]]
+    free = engine.generate(prompt, 6, stop_token_ids=[])[0]
+    stop = free[2]
+    expected = free[: free.index(stop) + 1]
+    np = pytest.importorskip("numpy")
+    for stops in ([stop], {stop}, frozenset({stop}), torch.tensor([stop]), np.array([stop])):
+        assert engine.generate(prompt, 6, stop_token_ids=stops)[0] == expected, stops
+    with pytest.raises(InputError, match=r"pass \[id\] for one"):
+        engine.generate(prompt, 2, stop_token_ids=torch.tensor(stop))
+
+
 def test_decode_batch_above_max_is_refused_before_the_runner(engine):
     calls = engine.stats.calls
     rows = torch.zeros(3, dtype=torch.long)

@@ -223,6 +223,22 @@ def check_output_path(
         )
 
 
+def check_script_output(
+    path: Path, flag: str = "--out", parser: argparse.ArgumentParser | None = None
+) -> None:
+    """:func:`check_output_path` for a benchmark script's result file, before its measurements
+    (a result that cannot land at ``path`` is found late otherwise): a refusal is a usage error,
+    exit 2, through ``parser.error`` when the script has its parser at hand, else one ``error:``
+    line."""
+    try:
+        check_output_path(path, flag)
+    except ConfigError as exc:
+        if parser is not None:
+            parser.error(str(exc))
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE) from None
+
+
 def refuse_file_above(path: Path, label: str, fix: str) -> None:
     """Refuses ``path`` when its nearest existing parent is a file, not a folder (no file can
     be made under it); ``label`` names the input and ``fix`` ends the message.

@@ -434,11 +434,10 @@ def main(argv: list[str] | None = None) -> int:
         format="%(levelname)s %(name)s: %(message)s",
     )
     device = bench.require_cuda_or_exit("benchmarks/moe.py")
-    suffix = "-quick" if args.quick else ""
-    target = args.out / f"moe-{bench.gpu_slug(torch.cuda.get_device_name(device))}{suffix}.json"
-    check_script_output(target)  # before the work: exit 2 on a bad --out
     started = time.perf_counter()
     prov = bench.provenance(args.commit, device)
+    target = args.out / f"moe-{prov['gpu_slug']}{'-quick' if args.quick else ''}.json"
+    check_script_output(target)  # before the work: exit 2 on a bad --out
     print(f"{prov['gpu']}, torch {prov['torch']}, triton {prov['triton']}, commit {prov['commit']}")
     shapes = [run_shape(name, args, device) for name in args.shapes]
     buckets = [b for s in shapes for b in s.get("buckets", [])]

@@ -44,7 +44,6 @@ from graphtune.autotuner.timing import EventTimer, GraphTimer, Measurement
 from graphtune.bench import (
     capture_calls,
     cupti_kernel_time,
-    gpu_slug,
     provenance,
     release,
     require_cuda_or_exit,
@@ -380,11 +379,10 @@ def main(argv: list[str] | None = None) -> int:
         format="%(levelname)s %(name)s: %(message)s",
     )
     device = require_cuda_or_exit("benchmarks/timers.py")
-    suffix = "-quick" if args.quick else ""
-    target = args.out / f"timers-{gpu_slug(torch.cuda.get_device_name(device))}{suffix}.json"
-    check_script_output(target)  # before the work: exit 2 on a bad --out
     started = time.perf_counter()
     prov = provenance(args.commit, device)
+    target = args.out / f"timers-{prov['gpu_slug']}{'-quick' if args.quick else ''}.json"
+    check_script_output(target)  # before the work: exit 2 on a bad --out
     cases = [c for c in CASES if (c.quick or not args.quick)]
     if args.only:
         cases = [c for c in cases if args.only in c.name]

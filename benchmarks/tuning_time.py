@@ -338,17 +338,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         print(json.dumps(child(args)))
         return 0
-    import torch
-
     from graphtune import bench
     from graphtune.cli._args import check_script_output, report_written
 
     device = bench.require_cuda_or_exit("benchmarks/tuning_time.py")
-    slug = bench.gpu_slug(torch.cuda.get_device_name(device))
-    targets = {ok: args.out / result_name(args, slug, failed=not ok) for ok in (True, False)}
+    prov = bench.provenance(args.commit, device)
+    targets = {ok: args.out / result_name(args, prov["gpu_slug"], failed=not ok) for ok in (1, 0)}
     for result_path in targets.values():  # before the phases: exit 2 on a bad --out
         check_script_output(result_path)
-    prov = bench.provenance(args.commit, device)
     # A phase that did not run stays None; a failed one reads {"error": ...}.
     phases: dict[str, dict[str, Any] | None] = dict.fromkeys(
         ("cold_empty_bytecode", "cold", "warm")
@@ -388,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
                 break
     cold, warm, empty_bytecode = phases["cold"], phases["warm"], phases["cold_empty_bytecode"]
     checks = None if failed or cold is None or warm is None else report_checks(cold, warm)
-    target = targets[failed is None]
+    target = targets[failed is None]  # the -failed name when a phase failed
     path = bench.write_json(  # target, or the fallback file it went to instead
         target,
         {
@@ -420,12 +417,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     line = {"bench": "tuning_time", "file": str(path), "checks": checks}
     print(json.dumps({**line, "error": failed} if failed else line))
-    # Exit 1 also when the result went to the temporary folder: a script finds no file at target.
-    written = report_written("--out", target, path)
     if checks is None or cold is None or warm is None:  # a phase failed: no tables to print
+        # One error line, naming where the file went (target or the temporary folder).
         print(f"error: {failed}; the phases that finished are in {path}", file=sys.stderr)
         return 1
     print_tables(cold, warm, empty_bytecode)
+    # Exit 1 also when the result went to the temporary folder: a script finds no file at target.
+    written = report_written("--out", target, path)
     return 0 if written and all(checks.values()) else 1
 
 

@@ -46,9 +46,16 @@ def _fake_cuda(monkeypatch, module):
     import graphtune.bench
 
     device = torch.device("meta")
-    monkeypatch.setattr(graphtune.bench, "require_cuda_or_exit", lambda script: device)
-    if hasattr(module, "require_cuda_or_exit"):  # imported by name
-        monkeypatch.setattr(module, "require_cuda_or_exit", lambda script: device)
+    real = graphtune.bench.provenance
+
+    def provenance(commit=None, device=None, **kwargs):  # the CPU's, for an 'h100'
+        return {**real(commit, "cpu"), "gpu_slug": "h100"}
+
+    for owner in (graphtune.bench, module):  # some scripts import them by name
+        if hasattr(owner, "require_cuda_or_exit"):
+            monkeypatch.setattr(owner, "require_cuda_or_exit", lambda script: device)
+        if hasattr(owner, "provenance"):
+            monkeypatch.setattr(owner, "provenance", provenance)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
 

@@ -19,7 +19,7 @@ from graphtune import bench
 from graphtune.autotuner import FALLBACK_TACTIC
 from graphtune.autotuner.entries import tactic_text
 from graphtune.bench.cupti_sweep import cupti_graph_sweep
-from graphtune.cli._args import positive_int
+from graphtune.cli._args import check_script_output, positive_int, report_written
 from graphtune.engine.config import ModelConfig
 from graphtune.engine.presets import get_preset
 from graphtune.errors import ConfigError
@@ -234,16 +234,25 @@ def ranked(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def write_result(args: argparse.Namespace, prefix: str, found: dict[str, Any]) -> Path:
-    """Writes ``<prefix>-<model>-<gpu>[-label].json`` (provenance and options first) under
-    ``args.out`` and prints where."""
+def result_target(parser: argparse.ArgumentParser, args: argparse.Namespace, prefix: str) -> Path:
+    """``<prefix>-<model>-<gpu>[-label].json`` under ``args.out``, checked before the sweep (a
+    result that cannot land there is found late otherwise): a bad ``--out`` is a usage error,
+    exit 2. Needs CUDA (the GPU's name)."""
+    slug = bench.gpu_slug(torch.cuda.get_device_name())
+    name = f"{prefix}-{args.model}-{slug}" + (f"-{args.label}" if args.label else "")
+    target = args.out / f"{name}.json"
+    check_script_output(target, "--out", parser)
+    return target
+
+
+def write_result(args: argparse.Namespace, target: Path, found: dict[str, Any]) -> bool:
+    """Writes the result (provenance and options first) to ``target`` (:func:`result_target`)
+    and prints where; ``False`` when it went to the temporary folder instead, which must make
+    the script exit 1 (a script would find no file at ``target``)."""
     payload = {
         "provenance": bench.provenance(args.commit),
         "options": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         **found,
     }
-    slug = bench.gpu_slug(torch.cuda.get_device_name())
-    name = f"{prefix}-{args.model}-{slug}" + (f"-{args.label}" if args.label else "")
-    path = bench.write_json(args.out / f"{name}.json", payload)
-    print(f"wrote {path}")
-    return path
+    path = bench.write_json(target, payload)  # target, or the fallback file it went to instead
+    return report_written("--out", target, path)

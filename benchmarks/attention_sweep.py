@@ -19,7 +19,8 @@ session, replays interleaved). Each result says whether ``decode_attention_tacti
 tactic, so the table shows the best the tuner can pick beside the best of the space.
 
 Writes ``attention-sweep-<model>-<gpu>[-label].json`` with provenance and prints the table
-last. Exits 2 without CUDA.
+last. Exits 2 without CUDA or for an ``--out`` that cannot be written, 1 when the result went to
+the temporary folder instead.
 """
 
 from __future__ import annotations
@@ -33,7 +34,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from _sweep import add_common_arguments, model_or_usage_error, ranked, tactic_key, write_result
+from _sweep import (
+    add_common_arguments,
+    model_or_usage_error,
+    ranked,
+    result_target,
+    tactic_key,
+    write_result,
+)
 
 from graphtune import bench
 from graphtune.autotuner.config import next_power_of_two
@@ -144,6 +152,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--context must be in [0, --seq={args.seq}), got {args.context}")
     model = model_or_usage_error(parser, args.model)
     device = bench.require_cuda_or_exit("attention_sweep.py")
+    target = result_target(
+        parser, args, "attention-sweep"
+    )  # exit 2 on a bad --out, before any work
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     found = {
         "model": {
@@ -153,9 +164,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         },
         "batches": [sweep_batch(args, model, int(b), device, sms) for b in args.batches.split(",")],
     }
-    write_result(args, "attention-sweep", found)
+    kept = write_result(args, target, found)
     print(table(found))
-    return 0
+    return 0 if kept else 1  # 1: the result went to the temporary folder
 
 
 if __name__ == "__main__":

@@ -27,7 +27,9 @@ Run on the GPU machine from the repository root::
     PYTHONPATH=src python3 benchmarks/decode_latency.py --out OUT [--parts 1b,pdl,8b,accuracy]
 
 It prints a progress line per part and the targets table last. ``--tuning-cache DIR`` keeps the
-tuning caches in ``DIR`` (a second run on the same machine tunes nothing).
+tuning caches in ``DIR`` (a second run on the same machine tunes nothing). Exits 2 without CUDA
+or for an ``--out`` where a part's result cannot be written (checked before the first part), 1
+when a part's result went to the temporary folder instead, else 0.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from graphtune.bench.decode import run_decode_bench
 from graphtune.bench.decode_report import format_report
 from graphtune.bench.decode_results import DecodeBenchConfig, DecodeBenchReport
 from graphtune.bench.timeline import last_replay
+from graphtune.cli._args import check_script_output, report_written
 from graphtune.engine.build import build_runner, build_step
 from graphtune.engine.kv_cache import KVCache, aligned_seq_len
 from graphtune.engine.loading import load_model
@@ -107,10 +110,10 @@ def replay_overlap(tuner: AutoTuner, trace_path: Path) -> dict[str, Any]:
                 trace = bench.cupti.profile_trace(lambda i: runner(*args), 0, 3, True)
     finally:
         runner.release()
-    bench.write_json(trace_path, trace)
+    written = bench.write_json(trace_path, trace)  # trace_path, or where it went instead
     return {
         **overlap_stats(bench.device_events_from_trace(trace), replays=3),
-        "trace": str(trace_path),
+        "trace": str(written),
     }
 
 
@@ -316,9 +319,13 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown parts {unknown}; choose from {','.join(PARTS)}")
     device = bench.require_cuda_or_exit("decode_latency.py")
+    gpu = bench.gpu_slug(torch.cuda.get_device_name(device))
+    results = {part: args.out / f"decode-latency-{part}-{gpu}.json" for part in parts}
+    for result_path in results.values():  # before the first part: exit 2 on a bad --out
+        check_script_output(result_path, "--out", parser)
     if args.tuning_cache is not None:
         args.tuning_cache.mkdir(parents=True, exist_ok=True)
-    gpu = bench.gpu_slug(torch.cuda.get_device_name(device))
+    missed = 0  # results that went to the temporary folder instead of --out
     tuner = AutoTuner(show_progress=False)  # the 1B tuner, shared by 1b, pdl and accuracy
     found: dict[str, Any] = {}
     seconds: dict[str, float] = {}
@@ -333,8 +340,9 @@ def main(argv: list[str] | None = None) -> int:
         found[part] = data
         payload = {"provenance": bench.provenance(device=device), "part": part}
         payload.update(seconds=seconds[part], data=data)
-        path = bench.write_json(args.out / f"decode-latency-{part}-{gpu}.json", payload)
-        print(f"== part {part}: {seconds[part]:.0f} s, wrote {path}", flush=True)
+        path = bench.write_json(results[part], payload)
+        print(f"== part {part}: {seconds[part]:.0f} s", flush=True)
+        missed += not report_written("--out", results[part], path)
         torch.cuda.empty_cache()
     print(f"parts took {', '.join(f'{p} {s:.0f} s' for p, s in seconds.items())}")
     rows = targets(found)
@@ -342,7 +350,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'issue 13':{width}}  {'value':>8}  {'target':>8}  verdict")
     for what, value, target, ok in rows:
         print(f"{what:{width}}  {value:8.3f}  {target:>8}  {ok}")
-    return 0
+    # Exit 1 when a part's result went to the temporary folder: a script finds no file in --out.
+    return 1 if missed else 0
 
 
 if __name__ == "__main__":

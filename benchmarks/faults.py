@@ -31,7 +31,9 @@ last):
 
 Writes ``faults-<gpu>.json`` (counts: faults injected, survived, entries lost, soak steps,
 mismatches, memory growth; provenance) into ``--out``, prints a table, ends with one JSON line.
-Exit 0 when every check passes, 1 otherwise, 2 without CUDA.
+Exit 0 when every check passes and the result is in ``--out``, 1 otherwise (a failed check, or
+the result went to the temporary folder), 2 without CUDA or for an ``--out`` that cannot be
+written (checked before the checks run).
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ from graphtune.autotuner import (
 from graphtune.autotuner.isolation import Isolation
 from graphtune.autotuner.maintenance import verify_file
 from graphtune.bench import gpu_slug, provenance, require_cuda_or_exit, write_json
-from graphtune.cli._args import positive_int
+from graphtune.cli._args import check_script_output, positive_int, report_written
 
 try:
     import triton
@@ -332,7 +334,7 @@ def blocklist_in_process(path: Path, device: torch.device, expected: int) -> dic
     return {"ok": skipped == expected, "skipped": skipped, "expected": expected, "pick": tactic}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for the JSON result")
     parser.add_argument("--quick", action="store_true", help="2,000 soak steps instead of 20,000")
@@ -341,15 +343,20 @@ def main() -> int:
         "--steps", type=positive_int, default=None, help="soak steps (overrides --quick)"
     )
     parser.add_argument("--timeout", type=float, default=30.0, help="per-tactic timeout (s)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     device = require_cuda_or_exit("faults.py")
     if triton is None:
         print("faults.py: needs triton for the faulting kernels", file=sys.stderr)
         return 2
     torch.backends.cuda.matmul.allow_tf32 = False
-    args.out.mkdir(parents=True, exist_ok=True)
+    try:  # faults.py makes its --out folder (it always has)
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        pass  # a file in the way: check_script_output says so in one line
     steps = args.steps or (2_000 if args.quick else 20_000)
     gpu_name = torch.cuda.get_device_name(device)
+    target = args.out / f"faults-{gpu_slug(gpu_name)}.json"
+    check_script_output(target, "--out", parser)  # before the work: exit 2 on a bad --out
     print(f"faults: tactic faults, capture OOM, killed writer, {steps}-step soak on {gpu_name}")
     # The cache file the checks write and kill writers over is scratch, not a result.
     work = Path(tempfile.mkdtemp(prefix="graphtune-faults-"))
@@ -402,9 +409,10 @@ def main() -> int:
         "checks": checks,
         "provenance": provenance(args.commit, device),
     }
-    path = write_json(args.out / f"faults-{gpu_slug(gpu_name)}.json", payload)
+    path = write_json(target, payload)  # target, or the fallback file it went to instead
     print(json.dumps({"faults": summary, "pass": passed, "json": str(path)}))
-    return 0 if passed else 1
+    # Exit 1 also when the result went to the temporary folder: no file at target for a script.
+    return 0 if report_written("--out", target, path) and passed else 1
 
 
 if __name__ == "__main__":

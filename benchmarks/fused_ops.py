@@ -38,8 +38,7 @@ import torch
 
 from graphtune import bench
 from graphtune.autotuner import AutoTuner, autotune
-from graphtune.cli._args import check_output_path, non_negative_int, report_written
-from graphtune.errors import ConfigError
+from graphtune.cli._args import check_script_output, non_negative_int, report_written
 from graphtune.ops import attention
 from graphtune.ops.fused import (
     add_projection,
@@ -300,10 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     device = bench.require_cuda_or_exit("fused_ops.py")
     target = args.out / f"fused-ops-{bench.gpu_slug(torch.cuda.get_device_name(device))}.json"
-    try:  # before the tuning: a result that cannot land at target is found late otherwise
-        check_output_path(target, "--out")
-    except ConfigError as exc:
-        parser.error(str(exc))
+    check_script_output(target, "--out", parser)  # before the work: exit 2 on a bad --out
     tuner = AutoTuner(show_progress=False)  # one tuner: shapes shared between cases tune once
     results = []
     start = time.perf_counter()

@@ -22,7 +22,8 @@ holds whole rounds of the copies (``calls_per_graph``, ``warm_calls_per_replay``
 Each result says whether the runner offers the tactic to the tuner.
 
 Writes ``gemv-sweep-<model>-<gpu>[-label].json`` with provenance and prints the table last.
-Exits 2 without CUDA.
+Exits 2 without CUDA or for an ``--out`` that cannot be written, 1 when the result went to
+the temporary folder instead.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from _sweep import (
     model_or_usage_error,
     projection_choices,
     ranked,
+    result_target,
     rotating_copies,
     sweep_projections,
     sweep_runner,
@@ -227,6 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     model = model_or_usage_error(parser, args.model)
     device = bench.require_cuda_or_exit("gemv_sweep.py")
+    target = result_target(parser, args, "gemv-sweep")  # exit 2 on a bad --out, before any work
     props = torch.cuda.get_device_properties(device)
     l2_bytes = int(getattr(props, "L2_cache_size", 60 * 2**20))
     sweeps = sweep_projections(
@@ -236,9 +239,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         lambda op, case: sweep_op(op, case, props.multi_processor_count, args.replays, l2_bytes),
     )
     found = {"sweeps": sweeps}
-    write_result(args, "gemv-sweep", found)
+    kept = write_result(args, target, found)
     print(table(found))
-    return 0
+    return 0 if kept else 1  # 1: the result went to the temporary folder
 
 
 if __name__ == "__main__":

@@ -39,8 +39,8 @@ and tuning time again"), which no runner can skip; the runner's own cost shows i
 judges the tuned step, the one the engine serves after tuning). Each process records its
 ``host_speed`` (``graphtune.bench.host_speed``),
 since capture time is spent on the host. Writes ``graph-capture-<gpu>.json`` into ``--out`` and
-prints the per-size table, then the summary table last. Exits 2 without CUDA, 1 if a target
-failed, else 0.
+prints the per-size table, then the summary table last. Exits 2 without CUDA or for an --out that
+cannot be written, 1 if a target failed or the result went to the temporary folder, else 0.
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ from graphtune.bench.graph_steps import (
     hand_written_graph,
     step_inputs,
 )
+from graphtune.cli._args import check_script_output, report_written
 from graphtune.engine.build import build_runner, engine_capture_policy
 from graphtune.engine.tuning import tune_step
 from graphtune.graphs import default_capture_sizes
@@ -313,7 +314,7 @@ def measure(args) -> dict:
     return out
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, help="folder for the JSON result")
     parser.add_argument("--quick", action="store_true", help="fewer variants, batches, repeats")
@@ -328,7 +329,7 @@ def main() -> int:
     )
     parser.add_argument("--cold", choices=sorted(COLD_VARIANTS), help=argparse.SUPPRESS)
     parser.add_argument("--cold-json", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     device = bench.require_cuda_or_exit("graph_capture.py")
     torch.backends.cuda.matmul.allow_tf32 = False
     if args.cold:  # one cold variant, in the child process the parent started
@@ -336,6 +337,8 @@ def main() -> int:
         return 0
     if args.out is None:
         parser.error("--out is required")
+    target = args.out / f"graph-capture-{bench.gpu_slug(torch.cuda.get_device_name(device))}.json"
+    check_script_output(target, "--out", parser)  # before the work: exit 2 on a bad --out
     print(f"graph_capture: the engine's llama-1b-shape step on {torch.cuda.get_device_name()}")
     names = args.cold_variants or (COLD_VARIANTS_QUICK if args.quick else list(COLD_VARIANTS))
     unknown = sorted(set(names) - set(COLD_VARIANTS))
@@ -349,14 +352,12 @@ def main() -> int:
     rows = data["breaks"]["rows"]
     worst_vs_hand = max(r["no_break_vs_hand"] for r in rows)
     exact = all(r["breaks_equal_no_break"] for r in rows)
-    default_cold = cold.get("largest", {}).get("wall_s", float("inf"))
+    cold_s = cold.get("largest", {}).get("wall_s", float("inf"))
     recapture = data["recapture_67"]["wall_s"]
     targets = {
-        "capture_67_cold_s": _target(
-            default_cold, TARGET_CAPTURE_S, default_cold <= TARGET_CAPTURE_S
-        ),
+        "capture_67_cold_s": _target(cold_s, TARGET_CAPTURE_S, cold_s <= TARGET_CAPTURE_S),
         "capture_67_cold_stretch_s": _target(
-            default_cold, STRETCH_CAPTURE_S, default_cold <= STRETCH_CAPTURE_S
+            cold_s, STRETCH_CAPTURE_S, cold_s <= STRETCH_CAPTURE_S
         ),
         "recapture_67_s": _target(recapture, TARGET_CAPTURE_S, recapture <= TARGET_CAPTURE_S),
         "pool_67_vs_largest": _target(ratio67, TARGET_POOL_RATIO, ratio67 <= TARGET_POOL_RATIO),
@@ -395,12 +396,11 @@ def main() -> int:
         "targets": targets,
         "pass": ok,
     }
-    slug = payload["provenance"]["gpu_slug"] or "unknown"
-    path = bench.write_json(args.out / f"graph-capture-{slug}.json", payload)
+    path = bench.write_json(target, payload)  # target, or the fallback file it went to instead
     print(json.dumps({"graph_capture": {k: t["pass"] for k, t in targets.items()}, "pass": ok}))
     print(f"json: {path}")
     _print_tables(cold, data, alone_512, alone_256)
-    return 0 if ok else 1
+    return 0 if report_written("--out", target, path) and ok else 1
 
 
 def _tuned_targets(tuned: dict) -> dict:

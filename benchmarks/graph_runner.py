@@ -18,7 +18,8 @@ of the default size list up to 256, and pool memory with one pool per graph.
 Targets (H200): runner <= 1.05x hand-written at every captured size; full default-list capture
 <= 5 s; shared pool <= 0.7x separate pools. Times are CUDA-event medians over repeats after
 warm-up, on random inputs. Writes ``graph-runner-<gpu>.json`` into ``--out``, prints a one-line
-JSON summary and the table last. Exits 2 without CUDA, 1 if a target failed, else 0.
+JSON summary and the table last. Exits 2 without CUDA or for an --out that cannot be written, 1 if
+a target failed or the result went to the temporary folder, else 0.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import torch
 
 from graphtune import bench
 from graphtune.bench.graph_steps import engine_decode_step, hand_written_graph, step_inputs
+from graphtune.cli._args import check_script_output, report_written
 from graphtune.engine.build import build_runner
 from graphtune.engine.step import step_pad_rule
 from graphtune.graphs import CUDAGraphRunner, default_capture_sizes
@@ -112,13 +114,15 @@ def measure_size(step, runner, b, *, captured, reps, repeats) -> dict:
     }
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for the JSON result")
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
     parser.add_argument("--commit", default=None, help="commit to record (default: git)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     device = bench.require_cuda_or_exit("graph_runner.py")
+    target = args.out / f"graph-runner-{bench.gpu_slug(torch.cuda.get_device_name(device))}.json"
+    check_script_output(target, "--out", parser)  # before the work: exit 2 on a bad --out
     torch.backends.cuda.matmul.allow_tf32 = False
 
     max_batch = 256
@@ -212,8 +216,7 @@ def main() -> int:
         "targets": targets,
         "pass": ok,
     }
-    slug = payload["provenance"]["gpu_slug"] or "unknown"
-    path = bench.write_json(args.out / f"graph-runner-{slug}.json", payload)
+    path = bench.write_json(target, payload)  # target, or the fallback file it went to instead
     summary = {
         k: (
             round(v["value"], 4) if isinstance(v["value"], float) else v["value"],
@@ -264,7 +267,8 @@ def main() -> int:
         f"{'pass' if targets['runner_vs_hand_max']['pass'] else 'FAIL'})"
     )
     print(table)
-    return 0 if ok else 1
+    # Exit 1 also when the result went to the temporary folder: no file at target for a script.
+    return 0 if report_written("--out", target, path) and ok else 1
 
 
 if __name__ == "__main__":

@@ -35,8 +35,7 @@ from typing import Any
 import torch
 
 from graphtune import bench
-from graphtune.cli._args import check_output_path, positive_int, report_written
-from graphtune.errors import ConfigError
+from graphtune.cli._args import check_script_output, positive_int, report_written
 from graphtune.reporting import render_table
 
 
@@ -115,10 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--commit", default=None)
     args = parser.parse_args(argv)
     target = args.out / "host-overhead-cpu.json"
-    try:  # before the measurements: a result that cannot land at target is found late otherwise
-        check_output_path(target, "--out")
-    except ConfigError as exc:
-        parser.error(str(exc))
+    check_script_output(target, "--out", parser)  # before the work: exit 2 on a bad --out
     scale = 20 if args.quick else 1
     result = {
         "benchmark": "host_overhead",

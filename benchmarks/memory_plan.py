@@ -12,7 +12,8 @@ sizes the KV cache to what is left and captures. Prints the plan table (weights,
 in use, step constants, activations, graphs, KV cache, headroom) and checks that the device
 memory in use after start-up stays within the budget, then serves a few requests. ``--quick``
 uses ``max_batch_size=64``. Writes ``memory-plan-<gpu>.json`` into ``--out``; the table is printed
-last. Exits 2 without CUDA, 1 if the engine used more than its budget, else 0.
+last. Exits 2 without CUDA or for an --out that cannot be written, 1 if the engine used more than
+its budget or the result went to the temporary folder, else 0.
 """
 
 from __future__ import annotations
@@ -25,19 +26,22 @@ from pathlib import Path
 import torch
 
 from graphtune import bench
+from graphtune.cli._args import check_script_output, report_written
 from graphtune.engine import Engine, load_model
 
 FRACTION, MAX_SEQ_LEN = 0.9, 32768
 TOLERANCE = 1.02  # the plan is profiled: allow 2% of the budget for what profiling cannot see
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for the JSON result")
     parser.add_argument("--quick", action="store_true", help="max_batch_size 64")
     parser.add_argument("--commit", default=None, help="commit to record (default: git)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     device = bench.require_cuda_or_exit("memory_plan.py")
+    target = args.out / f"memory-plan-{bench.gpu_slug(torch.cuda.get_device_name(device))}.json"
+    check_script_output(target, "--out", parser)  # before the work: exit 2 on a bad --out
     batch = 64 if args.quick else 256
     model = load_model("llama-1b-shape", device=device, dtype=torch.bfloat16, seed=0)
     start = time.perf_counter()
@@ -67,14 +71,14 @@ def main() -> int:
         "served": served,
         "pass": within and served,
     }
-    slug = payload["provenance"]["gpu_slug"] or "unknown"
-    path = bench.write_json(args.out / f"memory-plan-{slug}.json", payload)
+    path = bench.write_json(target, payload)  # target, or the fallback file it went to instead
     summary = {"slots": plan.slots, "within_budget": within, "served": served, "json": str(path)}
     print(json.dumps({"memory_plan": summary, "pass": payload["pass"]}))
     print(f"engine start-up (profile, size, capture) {seconds:.1f} s")
     print(plan.table())
     engine.release()
-    return 0 if payload["pass"] else 1
+    # Exit 1 also when the result went to the temporary folder: no file at target for a script.
+    return 0 if report_written("--out", target, path) and payload["pass"] else 1
 
 
 if __name__ == "__main__":

@@ -46,7 +46,8 @@ Per expert shape (bf16; Qwen3-30B-A3B: 128 experts, top 8, hidden 2048, width 76
    plus ``x`` and the output.
 
 Writes ``moe-<gpu>.json`` (``-quick`` suffix with ``--quick``) with provenance, prints one JSON
-line and then the table. Exits 2 without CUDA, 1 when a target fails.
+line and then the table. Exits 2 without CUDA or for an --out that cannot be written, 1 when a
+target fails or the result went to the temporary folder.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ from _moe_scores import (
 
 from graphtune import bench
 from graphtune.bench.cupti_sweep import cupti_graph_sweep
-from graphtune.cli._args import positive_int
+from graphtune.cli._args import check_script_output, positive_int, report_written
 
 logger = logging.getLogger("benchmarks.moe")
 
@@ -435,6 +436,8 @@ def main(argv: list[str] | None = None) -> int:
     device = bench.require_cuda_or_exit("benchmarks/moe.py")
     started = time.perf_counter()
     prov = bench.provenance(args.commit, device)
+    target = args.out / f"moe-{prov['gpu_slug']}{'-quick' if args.quick else ''}.json"
+    check_script_output(target)  # before the work: exit 2 on a bad --out
     print(f"{prov['gpu']}, torch {prov['torch']}, triton {prov['triton']}, commit {prov['commit']}")
     shapes = [run_shape(name, args, device) for name in args.shapes]
     buckets = [b for s in shapes for b in s.get("buckets", [])]
@@ -462,12 +465,11 @@ def main(argv: list[str] | None = None) -> int:
         "summary": summary,
         "wall_s": time.perf_counter() - started,
     }
-    suffix = "-quick" if args.quick else ""
-    # A plain atomic write (bench.write_json); moves onto graphtune.bench's writer once it lands.
-    path = bench.write_json(args.out / f"moe-{prov['gpu_slug']}{suffix}.json", payload)
+    path = bench.write_json(target, payload)  # target, or the fallback file it went to instead
     print(json.dumps(bench.json_safe({"benchmark": "moe", "json": str(path), **summary})))
     print(table(shapes))
-    return 0 if summary["all_pass"] else 1
+    # Exit 1 also when the result went to the temporary folder: no file at target for a script.
+    return 0 if report_written("--out", target, path) and summary["all_pass"] else 1
 
 
 if __name__ == "__main__":

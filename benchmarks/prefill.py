@@ -17,9 +17,13 @@ prefill. The ratio to the packed eager call is reported beside it: at batch 8 pa
 gain. Writes
 ``prefill-<gpu>.json`` into ``--out`` (``-<model>`` added for another model than the default,
 ``-quick`` with ``--quick``, ``-subset`` for other prompt lengths or batch sizes, so such a run
-does not replace the full one), prints one JSON line, then the table last. Exits 1 if a target
-failed or the run could not start (one ``error:`` line), 2 for a malformed flag, else 0 (also on
-the CPU, where the graph runner runs eagerly and only the mechanics are exercised).
+does not replace the full one), prints one JSON line, then the table last. A prompt length
+without a target (not 16, 128 or 1024) is "n/a", listed in ``targets_not_evaluated``, and fails
+``pass`` as a no-data target does in the other benchmarks. Exits 1 if ``pass`` is false, the run
+could not start (one ``error:`` line) or the result could not be written to ``--out`` (it went to
+the temporary folder), 2 for a malformed flag or an ``--out`` that cannot be written (checked
+before the run), else 0. On the CPU the graph runner runs eagerly: only the mechanics are
+exercised.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from pathlib import Path
 
 from graphtune import bench
 from graphtune.bench.prefill import PrefillBenchConfig, run_prefill_bench
-from graphtune.cli._args import batch_sizes
+from graphtune.cli._args import batch_sizes, check_script_output, report_written
 from graphtune.errors import ConfigError, InputError
 
 DEFAULT_MODEL, PROMPT_LENGTHS, BATCH_SIZES = "llama-1b-shape", (16, 128, 1024), (1, 8)
@@ -57,6 +61,19 @@ def result_name(args: argparse.Namespace, slug: str) -> str:
     return f"prefill-{slug}{model}{quick}{'' if default else '-subset'}.json"
 
 
+def device_slug(device: str) -> str:
+    """The result name's device part, known before the run (the ``--out`` check needs the
+    name): the GPU's slug as the provenance records it, else the device type (``cpu``)."""
+    import torch
+
+    from graphtune.engine.devices import resolve_device
+
+    resolved = resolve_device(device)
+    if resolved.type == "cuda":
+        return bench.gpu_slug(torch.cuda.get_device_name(resolved))
+    return resolved.type
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for the JSON result")
@@ -70,6 +87,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     command = shlex.join([sys.executable, *sys.argv])
     try:
+        target = args.out / result_name(args, device_slug(args.device))
+    except ConfigError as exc:  # a device not present
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    check_script_output(target, "--out", parser)
+    try:
         cfg = PrefillBenchConfig(
             model=args.model,
             prompt_lengths=args.prompt_lengths,
@@ -81,8 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, InputError) as exc:  # an unknown model, a device not present, ...
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    slug = report["provenance"]["gpu_slug"] or report["provenance"]["device"] or "cpu"
-    path = bench.write_json(args.out / result_name(args, slug), report)
+    path = bench.write_json(target, report)  # target, or the fallback file it went to instead
     summary = {
         "prefill": [
             {
@@ -97,12 +119,15 @@ def main(argv: list[str] | None = None) -> int:
             }
             for r in report["results"]
         ],
+        "targets_not_evaluated": report.get("targets_not_evaluated", []),
         "pass": report["pass"],
         "json": str(path),
     }
     print(json.dumps(summary))
     print(report["table"])
-    return 0 if report["pass"] else 1
+    # Exit 1 when the result went to the temporary folder: a script would find no file at target.
+    written = report_written("--out", target, path)
+    return 0 if report["pass"] and written else 1
 
 
 if __name__ == "__main__":

@@ -40,13 +40,47 @@ def count(table: list[dict]) -> dict[tuple[str, str, str], list[int]]:
     return counts
 
 
+def load_table(path: Path) -> list[dict]:
+    """The cold phase's ``candidates_table`` of a tuning_time.py result, its shape checked (so a
+    JSON file of another shape is the one-line refusal, not a TypeError in :func:`count`).
+
+    Raises:
+        OSError, ValueError: The file cannot be read or parsed, or is not of that shape.
+    """
+    doc = json.loads(path.read_text())
+    cold = doc.get("cold") if isinstance(doc, dict) else None
+    table = cold.get("candidates_table") if isinstance(cold, dict) else None
+    if not isinstance(table, list):
+        raise ValueError("no 'cold' object with a 'candidates_table' list")
+    for profile in table:
+        ok = (
+            isinstance(profile, dict)
+            and isinstance(profile.get("op"), str)
+            and isinstance(profile.get("profile"), str)
+            and isinstance(profile.get("rows"), list)
+        )
+        if not ok or not all(_row_ok(row) for row in profile["rows"]):
+            raise ValueError(f"a malformed profile entry {str(profile)[:80]}")
+    return table
+
+
+def _row_ok(row: object) -> bool:
+    # [runner, tactic, median us or null, ...] as tuning_time.py writes them.
+    return (
+        isinstance(row, list)
+        and len(row) >= 3
+        and isinstance(row[0], str)
+        and (row[2] is None or (isinstance(row[2], (int, float)) and not isinstance(row[2], bool)))
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("result", type=Path, help="a tuning_time.py results JSON")
     args = parser.parse_args(argv)
     try:
-        table = json.loads(args.result.read_text())["cold"]["candidates_table"]
-    except (OSError, ValueError, KeyError) as exc:
+        table = load_table(args.result)
+    except (OSError, ValueError, RecursionError) as exc:
         print(
             f"{args.result}: no cold candidates_table ({exc}); pass a tuning_time.py result "
             "recorded after it was added.",

@@ -20,7 +20,8 @@ Reported per batch: the replay's span and kernels; one middle layer's kernels (t
 repeating per-layer sequence, found with ``repeating_block``), with the head before the first
 layer and the tail after the last; the sums per kernel name. Writes
 ``step-trace-<model>-<gpu>[-label].json`` (every row of every batch) with provenance and prints
-the tables last. Exits 2 without CUDA.
+the tables last. Exits 2 without CUDA or for an ``--out`` that cannot be written, 1 when the
+result went to the temporary folder instead, else 0.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from graphtune import bench
 from graphtune.autotuner import AutoTuner
 from graphtune.bench.graph_steps import step_inputs
 from graphtune.bench.timeline import TimelineRow, by_name, last_replay, repeating_block, timeline
+from graphtune.cli._args import check_script_output, report_written
 
 REPLAYS = 3
 
@@ -133,6 +135,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("step_trace.py needs a CUDA GPU", file=sys.stderr)
         return 2
+    slug = bench.gpu_slug(torch.cuda.get_device_name())
+    name = f"step-trace-{args.model.replace('/', '_')}-{slug}"
+    target = args.out / (f"{name}-{args.label}.json" if args.label else f"{name}.json")
+    check_script_output(target, "--out", parser)  # before the work: exit 2 on a bad --out
     from graphtune.cli._step_calls import decode_step
     from graphtune.engine.tuning import tune_step
 
@@ -153,14 +159,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "tune_s": time.perf_counter() - began,
         "batches": [trace_batch(step, batch, args.context) for batch in batches],
     }
-    slug = bench.gpu_slug(torch.cuda.get_device_name())
-    name = f"step-trace-{args.model.replace('/', '_')}-{slug}"
-    path = bench.write_json(
-        args.out / (f"{name}-{args.label}.json" if args.label else f"{name}.json"), found
-    )
-    print(f"wrote {path}")
+    path = bench.write_json(target, found)  # target, or the fallback file it went to instead
     print(tables(found))
-    return 0
+    # Exit 1 when the result went to the temporary folder: a script would find no file at target.
+    return 0 if report_written("--out", target, path) else 1
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ Targets (single-kernel ops): graph within 0.95-1.10x of CUPTI for kernels >= 8 Â
 1.5x (either way) below; events within 0.95-1.15x for kernels >= 8 Âµs. The multi-kernel op is
 reported without a target. Prints one line per case, a one-line JSON summary, and the table last;
 writes ``timers-<gpu>.json`` (``timers-<gpu>-quick.json`` with ``--quick``) into ``--out``.
-Exits 2 without CUDA, 1 if a target failed or a case errored, else 0.
+Exits 2 without CUDA or for an --out that cannot be written, 1 if a target failed, a case errored
+or the result went to the temporary folder, else 0.
 """
 
 from __future__ import annotations
@@ -48,7 +49,12 @@ from graphtune.bench import (
     require_cuda_or_exit,
     write_json,
 )
-from graphtune.cli._args import non_negative_int, positive_int
+from graphtune.cli._args import (
+    check_script_output,
+    non_negative_int,
+    positive_int,
+    report_written,
+)
 
 logger = logging.getLogger("benchmarks.timers")
 
@@ -375,6 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     device = require_cuda_or_exit("benchmarks/timers.py")
     started = time.perf_counter()
     prov = provenance(args.commit, device)
+    target = args.out / f"timers-{prov['gpu_slug']}{'-quick' if args.quick else ''}.json"
+    check_script_output(target)  # before the work: exit 2 on a bad --out
     cases = [c for c in CASES if (c.quick or not args.quick)]
     if args.only:
         cases = [c for c in cases if args.only in c.name]
@@ -415,12 +423,12 @@ def main(argv: list[str] | None = None) -> int:
         "summary": summary,
         "wall_s": time.perf_counter() - started,
     }
-    suffix = "-quick" if args.quick else ""
-    path = write_json(args.out / f"timers-{prov['gpu_slug']}{suffix}.json", payload)
+    path = write_json(target, payload)  # target, or the fallback file it went to instead
     line = {"benchmark": "timers", "json": str(path), **summary, "wall_s": payload["wall_s"]}
     print(json.dumps(line))
     print(table(records))
-    return 0 if summary["all_pass"] else 1
+    # Exit 1 also when the result went to the temporary folder: no file at target for a script.
+    return 0 if report_written("--out", target, path) and summary["all_pass"] else 1
 
 
 if __name__ == "__main__":

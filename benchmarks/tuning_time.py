@@ -59,9 +59,10 @@ cold ``tune_s`` <= 15 s, warm ``tune_s`` <= 1 s, median per (tactic, bucket) <= 
 ``-<label>`` with ``--label``: a run of another model or under the profiler does not replace a
 plain one) with provenance and prints a
 table last. Exits 2 without CUDA or for a malformed flag (``--max-batch`` below 1, a
-``--keep-caches`` folder that is not new or empty), 1 when a target fails or a phase fails (then
-the phase reads ``{"error": ...}``, the later ones ``null``, the file name ends in ``-failed``,
-and the phases that finished are kept).
+``--keep-caches`` folder that is not new or empty, an ``--out`` that cannot be written), 1 when a
+target fails or a phase fails (then the phase reads ``{"error": ...}``, the later ones ``null``,
+the file name ends in ``-failed``, and the phases that finished are kept) or when the result went
+to the temporary folder instead of ``--out``.
 """
 
 from __future__ import annotations
@@ -338,9 +339,13 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(child(args)))
         return 0
     from graphtune import bench
+    from graphtune.cli._args import check_script_output, report_written
 
     device = bench.require_cuda_or_exit("benchmarks/tuning_time.py")
     prov = bench.provenance(args.commit, device)
+    targets = {ok: args.out / result_name(args, prov["gpu_slug"], failed=not ok) for ok in (1, 0)}
+    for result_path in targets.values():  # before the phases: exit 2 on a bad --out
+        check_script_output(result_path)
     # A phase that did not run stays None; a failed one reads {"error": ...}.
     phases: dict[str, dict[str, Any] | None] = dict.fromkeys(
         ("cold_empty_bytecode", "cold", "warm")
@@ -380,8 +385,9 @@ def main(argv: list[str] | None = None) -> int:
                 break
     cold, warm, empty_bytecode = phases["cold"], phases["warm"], phases["cold_empty_bytecode"]
     checks = None if failed or cold is None or warm is None else report_checks(cold, warm)
-    path = bench.write_json(
-        args.out / result_name(args, prov["gpu_slug"], failed=failed is not None),
+    target = targets[failed is None]  # the -failed name when a phase failed
+    path = bench.write_json(  # target, or the fallback file it went to instead
+        target,
         {
             "benchmark": "tuning_time",
             "provenance": prov,
@@ -412,10 +418,13 @@ def main(argv: list[str] | None = None) -> int:
     line = {"bench": "tuning_time", "file": str(path), "checks": checks}
     print(json.dumps({**line, "error": failed} if failed else line))
     if checks is None or cold is None or warm is None:  # a phase failed: no tables to print
+        # One error line, naming where the file went (target or the temporary folder).
         print(f"error: {failed}; the phases that finished are in {path}", file=sys.stderr)
         return 1
     print_tables(cold, warm, empty_bytecode)
-    return 0 if all(checks.values()) else 1
+    # Exit 1 also when the result went to the temporary folder: a script finds no file at target.
+    written = report_written("--out", target, path)
+    return 0 if written and all(checks.values()) else 1
 
 
 def one_line(exc: BaseException) -> str:

@@ -152,6 +152,8 @@ def test_prefill_script_failures_are_one_line_and_names_keep_runs_apart(
         return {"provenance": {"gpu_slug": "h200"}, "results": [], "pass": True, "table": ""}
 
     monkeypatch.setattr(script, "run_prefill_bench", fake_bench)
+    # The name is decided before the run (its --out is checked then), from the device.
+    monkeypatch.setattr(script, "device_slug", lambda device: "h200")
     for extra in ([], ["--quick"], ["--batch-sizes", "1"], ["--model", "qwen3-tiny"]):
         assert script.main(["--out", str(tmp_path), *extra]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == [

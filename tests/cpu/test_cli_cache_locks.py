@@ -78,3 +78,13 @@ def test_merge_with_an_unusable_input_leaves_no_output_lock(tmp_path, capsys) ->
     with pytest.raises(CacheFileError):
         maintenance.merge_files(a, b, out)
     assert not (tmp_path / "out.json.lock").exists()
+
+
+def test_clear_of_a_file_that_is_no_cache_leaves_no_lock_file(tmp_path, capsys) -> None:
+    # As unblock and merge: the file's kind is checked before its lock file is made.
+    notes = tmp_path / "notes.txt"
+    notes.write_text("hello\n")
+    assert main(["cache", "clear", str(notes)]) == 1
+    assert "is not a graphtune tuning cache" in capsys.readouterr().err
+    assert notes.read_text() == "hello\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]

@@ -85,7 +85,7 @@ def _copy(folder: Path, dest: Path) -> Path:
         ),
         (
             ["generate", "--model", "tiny", "--prompt-ids", "1", "--max-seq-len", "0"],
-            "--max-seq-len: must be >= 1, got 0",
+            "--max-seq-len: must be >= 2, got 0",
         ),
         (
             ["generate", "--model", "tiny", "--prompt-ids", "1", "--device", "bogus"],

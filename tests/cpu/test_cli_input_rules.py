@@ -105,3 +105,22 @@ def test_json_may_replace_an_empty_file_but_not_an_empty_list(tmp_path):
     check_output_path(empty, "--json", result_json=True)
     with pytest.raises(ConfigError, match="not an earlier graphtune result"):
         check_output_path(listed, "--json", result_json=True)
+
+
+@pytest.mark.parametrize(
+    ("flags", "named", "rule"),
+    [
+        (["--max-seq-len", "1", "--max-new-tokens", "1"], "--max-seq-len", "must be >= 2"),
+        (["--top-k", "5"], "--top-k 5", "needs --temperature > 0"),
+        (["--top-p", "0.5"], "--top-p 0.5", "needs --temperature > 0"),
+        (["--top-k", "5", "--top-p", "0.5"], "--top-k 5 and --top-p 0.5", "need --temperature"),
+        (["--temperature", "1e-300"], "--temperature 1e-300", "smallest normal number"),
+    ],
+)
+def test_generate_refuses_engine_and_sampling_limits_by_their_flags(flags, named, rule):
+    # The engine's and SamplingParams' own checks would come after the model loaded, in their
+    # field names (max_seq_len, top_k=5) and with exit 1: the CLI checks them first.
+    result = graphtune("generate", "--model", "tiny", "--prompt-ids", "1", *flags)
+    line = error_line(result, 2, named, rule)
+    assert "top_k=" not in line and "top_p=" not in line and "max_seq_len" not in line
+    assert not result.stdout  # nothing generated

@@ -92,10 +92,11 @@ def test_a_kv_cache_that_cannot_take_tunes_default_length_warns(caplog):
 
 @pytest.mark.parametrize("flag", [["--top-k", "5"], ["--top-p", "0.9"]])
 def test_top_k_and_top_p_need_a_temperature(capsys, flag):
-    # SamplingParams' own rule (one source of truth), reported as the CLI's one error line.
-    assert main([*GENERATE, "--prompt-ids", "1", *flag]) == 1
+    # SamplingParams' rule, checked by the CLI before any work in the flags' words (exit 2).
+    with pytest.raises(SystemExit) as exited:
+        main([*GENERATE, "--prompt-ids", "1", *flag])
+    assert exited.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    field = flag[0][2:].replace("-", "_")
-    assert err == [err[0]] and err[0].startswith(f"error: {field}={flag[1]} needs temperature > 0")
+    assert err == [err[0]] and err[0].startswith(f"error: {flag[0]} {flag[1]} needs --temperature")
     tokens, _ = _generate(capsys, "--prompt-ids", "1", *flag, "--temperature", "0.7")
     assert len(tokens) == 1

@@ -60,8 +60,14 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         """Prints ``error: <message>`` and where to read the usage; exits with 2."""
-        print(f"error: {message} (see '{self.prog} --help')", file=sys.stderr)
-        raise SystemExit(EXIT_USAGE)
+        usage_error(self.prog, message)
+
+
+def usage_error(prog: str, message: str) -> NoReturn:
+    """A usage error found after parsing (flags that conflict): one ``error:`` line naming
+    where to read the usage, exit 2, as :meth:`Parser.error` prints it."""
+    print(f"error: {message} (see '{prog} --help')", file=sys.stderr)
+    raise SystemExit(EXIT_USAGE)
 
 
 def positive_int(text: str) -> int:
@@ -82,6 +88,15 @@ def _int_at_least(text: str, low: int) -> int:
     if value < low:
         raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
     return value
+
+
+def kv_cache_length(text: str) -> int:
+    """``argparse`` type of an engine's ``--max-seq-len``: an integer >= the engine's
+    ``MIN_SEQ_LEN``, so the flag is refused before any work and by its name, not by the engine's
+    argument check after the model loaded."""
+    from graphtune.engine.arguments import MIN_SEQ_LEN  # imports torch: only when given
+
+    return _int_at_least(text, MIN_SEQ_LEN)
 
 
 def batch_sizes(text: str) -> tuple[int, ...]:
@@ -221,6 +236,22 @@ def check_output_path(
         raise ConfigError(
             f"{flag} {path}: cannot write to the folder {folder} ({reason}); pass a writable path"
         )
+
+
+def check_script_output(
+    path: Path, flag: str = "--out", parser: argparse.ArgumentParser | None = None
+) -> None:
+    """:func:`check_output_path` for a benchmark script's result file, before its measurements
+    (a result that cannot land at ``path`` is found late otherwise): a refusal is a usage error,
+    exit 2, through ``parser.error`` when the script has its parser at hand, else one ``error:``
+    line."""
+    try:
+        check_output_path(path, flag)
+    except ConfigError as exc:
+        if parser is not None:
+            parser.error(str(exc))
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE) from None
 
 
 def refuse_file_above(path: Path, label: str, fix: str) -> None:

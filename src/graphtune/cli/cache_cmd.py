@@ -305,21 +305,19 @@ def clear_command(args: argparse.Namespace) -> int:
 
     A path that is a symbolic link names the file saves write through it: that file (the one
     locked and checked) is removed, and the link stays, as a save keeps it."""
-    from graphtune.autotuner import cache_reader, save_target
+    from graphtune.atomic_files import real_path
+    from graphtune.autotuner import save_target
 
     path: Path = args.path
     if not path.exists():
         raise CacheFileError(f"no tuning cache at {path}; nothing removed")
+    # Before the lock too, so no lock file is left beside a file that is not a cache (notes.txt).
+    _refuse_other_files(path, real_path(path))
     # Under the lock, so a save in progress finishes first and the next one starts from nothing.
     with save_target.locked(path) as target:
         if not target.exists():
             raise CacheFileError(f"no tuning cache at {path}; nothing removed")
-        reason = cache_reader.not_a_cache_file(target)
-        if reason is not None:
-            raise CacheFileError(
-                f"{_named(path, target)} is not a graphtune tuning cache (it {reason}); nothing "
-                "removed. Remove it with rm if that is what you meant"
-            )
+        _refuse_other_files(path, target)  # again: it may have been replaced meanwhile
         try:
             target.unlink()
         except OSError as exc:
@@ -329,6 +327,19 @@ def clear_command(args: argparse.Namespace) -> int:
     link = f"; the link {path} stays" if path.is_symlink() else ""
     print(f"Removed tuning cache {_named(path, target)}{link}.")
     return 0
+
+
+def _refuse_other_files(path: Path, target: Path) -> None:
+    """Raises unless ``target`` (the file ``path`` names) is a graphtune tuning cache: ``cache
+    clear`` removes nothing else."""
+    from graphtune.autotuner import cache_reader
+
+    reason = cache_reader.not_a_cache_file(target)
+    if reason is not None:
+        raise CacheFileError(
+            f"{_named(path, target)} is not a graphtune tuning cache (it {reason}); nothing "
+            "removed. Remove it with rm if that is what you meant"
+        )
 
 
 def _named(path: Path, target: Path) -> str:

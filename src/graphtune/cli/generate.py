@@ -21,11 +21,13 @@ from typing import Any
 
 from graphtune.cli._args import (
     add_device_arguments,
+    kv_cache_length,
     lookup_cache_path,
     non_negative_float,
     non_negative_int,
     positive_int,
     seed_value,
+    usage_error,
 )
 from graphtune.cli._parallel import (
     add_tensor_parallel_arguments,
@@ -101,11 +103,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_device_arguments(parser)
     parser.add_argument(
         "--max-seq-len",
-        type=positive_int,
+        type=kv_cache_length,
         default=None,
         metavar="N",
-        help="KV cache length per request (default: longest prompt + --max-new-tokens - 1, the "
-        "last new token not being cached; with a tuning cache, `graphtune tune`'s default "
+        help="KV cache length per request, at least 2 (default: longest prompt + "
+        "--max-new-tokens - 1, the last new token not being cached; with a tuning cache, "
+        "`graphtune tune`'s default "
         f"{DEFAULT_MAX_SEQ_LEN} when that fits, so attention finds its picks)",
     )
     parser.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
@@ -243,6 +246,43 @@ def engine_batch_size(prompts: int, tuned: bool) -> int:
     return next_power_of_two(prompts) if tuned else prompts
 
 
+def check_sampling_flags(args: argparse.Namespace) -> None:
+    """Refuses the sampling flags :class:`~graphtune.engine.SamplingParams` would refuse, naming
+    the flags: ``--top-k`` / ``--top-p`` at ``--temperature 0`` (greedy decoding ignores them)
+    and a ``--temperature`` so small that the float32 logits divided by it overflow. The
+    parser's types already refused negative, non-finite and out-of-range values.
+
+    Raises:
+        SystemExit: 2, after one ``error:`` line.
+    """
+    from graphtune.engine.sampling import MIN_TEMPERATURE
+
+    prog = "graphtune generate"
+    if 0.0 < args.temperature < MIN_TEMPERATURE:
+        usage_error(
+            prog,
+            f"--temperature {args.temperature!r} is below {MIN_TEMPERATURE:.4g}, float32's "
+            "smallest normal number, and would round to 0 when the float32 logits are divided "
+            "by it; pass --temperature 0 for greedy decoding or a larger value",
+        )
+    if args.temperature == 0.0:
+        given = [
+            (flag, value, off)
+            for flag, value, off in (("--top-k", args.top_k, 0), ("--top-p", args.top_p, 1.0))
+            if value != off
+        ]
+        if given:
+            flags = " and ".join(f"{flag} {value!r}" for flag, value, _ in given)
+            offs = " and ".join(flag for flag, _, _ in given)
+            one = len(given) == 1
+            usage_error(
+                prog,
+                f"{flags} {'needs' if one else 'need'} --temperature > 0: at --temperature 0 "
+                f"(the default) decoding is greedy (the argmax) and ignores "
+                f"{'it' if one else 'them'}; pass a --temperature > 0, or leave out {offs}",
+            )
+
+
 def run_generate(args: argparse.Namespace) -> int:
     """Loads the model, builds an Engine with the chosen runner and prints each continuation."""
     import torch
@@ -251,9 +291,10 @@ def run_generate(args: argparse.Namespace) -> int:
     from graphtune.engine.devices import resolve_device, resolve_dtype
     from graphtune.engine.loading import load_config, load_tokenizer
 
+    check_sampling_flags(args)  # before any work, in the flags' words (exit 2)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    # SamplingParams refuses --top-k / --top-p at --temperature 0 (greedy ignores them).
+    # check_sampling_flags refused what SamplingParams would (in its field names, exit 1).
     sampling = SamplingParams(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed
     )

@@ -1,0 +1,162 @@
+"""The benchmark scripts' ``--out`` on the CPU: a result file that cannot be written is refused
+before any measurement (exit 2, one line naming ``--out``), and a result that went to the
+temporary folder instead makes the script exit 1 (``check_script_output`` and
+``report_written``, as ``host_overhead.py`` and ``fused_ops.py`` do). The GPU-only scripts run
+here with CUDA faked up to the check: the check needs only the GPU's name. Also
+``prefill.py``'s verdict and ``pruning_evidence.py``'s malformed inputs."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from failing_writes import fail_writes_in
+
+ROOT = Path(__file__).resolve().parents[2]
+
+#: Every GPU-only script that writes a result, with the flags it needs besides --out.
+GPU_SCRIPTS = {
+    "graph_capture": [],
+    "graph_runner": [],
+    "memory_plan": [],
+    "moe": [],
+    "timers": [],
+    "decode_latency": [],
+    "faults": [],
+    "step_trace": [],
+    "tuning_time": [],
+    "gemm_sweep": [],
+    "gemv_sweep": [],
+    "attention_sweep": [],
+}
+
+
+def _script(monkeypatch, name):
+    """The benchmark script ``name`` in this process (the benchmarks folder is no package)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    return importlib.import_module(name)
+
+
+def _fake_cuda(monkeypatch, module):
+    """CUDA as far as the scripts' output check needs it: a device and the GPU's name. The
+    device is ``meta``, so anything past the check fails at once instead of measuring."""
+    import graphtune.bench
+
+    device = torch.device("meta")
+    real = graphtune.bench.provenance
+
+    def provenance(commit=None, device=None, **kwargs):  # the CPU's, for an 'h100'
+        return {**real(commit, "cpu"), "gpu_slug": "h100"}
+
+    for owner in (graphtune.bench, module):  # some scripts import them by name
+        if hasattr(owner, "require_cuda_or_exit"):
+            monkeypatch.setattr(owner, "require_cuda_or_exit", lambda script: device)
+        if hasattr(owner, "provenance"):
+            monkeypatch.setattr(owner, "provenance", provenance)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+
+
+@pytest.mark.parametrize("name", sorted(GPU_SCRIPTS))
+def test_gpu_scripts_refuse_an_unwritable_out_before_any_work(name, tmp_path, monkeypatch, capsys):
+    script = _script(monkeypatch, name)
+    _fake_cuda(monkeypatch, script)
+    (tmp_path / "afile").write_text("x")
+    tf32 = torch.backends.cuda.matmul.allow_tf32  # some scripts set it before the check
+    try:
+        with pytest.raises(SystemExit) as exited:
+            script.main(["--out", str(tmp_path / "afile"), *GPU_SCRIPTS[name]])
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1, err
+    assert "--out" in errors[0] and "afile is a file, not a folder" in errors[0], err
+    assert [p.name for p in tmp_path.iterdir()] == ["afile"]  # nothing written
+
+
+def _prefill(monkeypatch):
+    script = _script(monkeypatch, "prefill")
+
+    def fake_bench(cfg, log, command):
+        return {"provenance": {"gpu_slug": None}, "results": [], "pass": True, "table": ""}
+
+    monkeypatch.setattr(script, "run_prefill_bench", fake_bench)
+    return script
+
+
+def test_prefill_refuses_an_unwritable_out_before_the_run(tmp_path, monkeypatch, capsys):
+    script = _prefill(monkeypatch)
+    monkeypatch.setattr(script, "run_prefill_bench", lambda *a, **k: pytest.fail("ran"))
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(SystemExit) as exited:
+        script.main(["--out", str(tmp_path / "afile"), "--device", "cpu"])
+    assert exited.value.code == 2
+    assert "--out" in capsys.readouterr().err
+
+
+def test_prefill_exits_1_when_its_result_went_to_the_temporary_folder(
+    tmp_path, monkeypatch, capsys
+):
+    script = _prefill(monkeypatch)
+    out, spare = fail_writes_in(monkeypatch, tmp_path)
+    assert script.main(["--out", str(out), "--device", "cpu"]) == 1
+    (kept,) = spare.iterdir()
+    err = capsys.readouterr().err
+    assert "could not be written" in err and str(kept) in err
+    assert not list(out.iterdir())
+
+
+def test_prefill_without_any_target_does_not_pass_and_says_no_graph_ran_on_cpu():
+    from graphtune.bench.prefill import PrefillBenchConfig, run_prefill_bench
+
+    lines: list[str] = []
+    cfg = PrefillBenchConfig(
+        model="tiny",
+        prompt_lengths=(4,),  # no TTFT target at 4 tokens
+        batch_sizes=(1,),
+        repeats=1,
+        warmup=0,
+        check_tokens=0,
+        device="cpu",
+    )
+    report = run_prefill_bench(cfg, log=lines.append)
+    assert report["results"][0]["target"] is None
+    assert report["pass"] is False  # nothing judged is no pass (the no-data rule)
+    assert report["targets_not_evaluated"] == ["batch 1 x 4 tokens"]
+    assert "n/a" in report["table"]
+    assert "no prefill graphs captured on cpu" in lines[0] and "graphs captured in" not in lines[0]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[]",
+        '{"cold": null}',
+        '{"cold": {"candidates_table": {}}}',
+        '{"cold": {"candidates_table": [1]}}',
+        '{"cold": {"candidates_table": [{"op": "a", "profile": "8x2", "rows": [1]}]}}',
+    ],
+)
+def test_pruning_evidence_refuses_json_of_another_shape_in_one_line(
+    text, tmp_path, monkeypatch, capsys
+):
+    script = _script(monkeypatch, "pruning_evidence")
+    result = tmp_path / "r.json"
+    result.write_text(text)
+    assert script.main([str(result)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no cold candidates_table" in err, err
+
+
+def test_pruning_evidence_counts_a_well_formed_table(tmp_path, monkeypatch, capsys):
+    script = _script(monkeypatch, "pruning_evidence")
+    table = [{"op": "a", "profile": "8x2", "rows": [["r", 1, 1.0], ["q", 2, None]]}]
+    result = tmp_path / "r.json"
+    result.write_text(json.dumps({"cold": {"candidates_table": table}}))
+    assert script.main([str(result)]) == 0
+    assert "a" in capsys.readouterr().out

@@ -18,8 +18,9 @@ Variables (all optional):
   ``autotune(tune=False)`` does the same for one block, and an explicit ``tune=True`` wins).
 * ``GRAPHTUNE_MISSES``: default file ``autotune()`` saves the record of missed shapes to when no
   ``misses_path`` is given (for ``graphtune tune --from-misses FILE``).
-* ``GRAPHTUNE_NO_PROGRESS``: ``1`` hides progress bars (they are also hidden when stderr is not a
-  terminal) and ``graphtune check-tactics``' progress lines (those show in a log too).
+* ``GRAPHTUNE_NO_PROGRESS``: ``1`` hides progress bars, the progress records long work logs when
+  stderr is not a terminal (``graphtune.reporting``, INFO; the CLI shows them), and
+  ``graphtune check-tactics``' progress lines.
 * ``GRAPHTUNE_PDL``: ``0`` launches every Triton kernel without programmatic dependent launch
   (PDL), even on GPUs that support it; results are identical either way, only the overlap of
   consecutive kernels changes. On by default.

@@ -1,13 +1,17 @@
 """Progress bars and tables for people, shared by the tuner, the graph runner and the CLI.
 
-Both use ``rich``. Progress goes to stderr and is hidden when stderr is not a terminal or when
-``GRAPHTUNE_NO_PROGRESS=1``; tables are rendered to plain strings so callers decide where they go.
+Both use ``rich``. Progress goes to stderr as a bar when stderr is a terminal; otherwise (a log,
+a pipe) long work is reported as INFO records of this module's logger, at most one per
+:data:`LOG_INTERVAL_S` seconds, which the CLI shows. ``GRAPHTUNE_NO_PROGRESS=1`` hides both.
+Tables are rendered to plain strings so callers decide where they go.
 """
 
 from __future__ import annotations
 
 import io
+import logging
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Protocol
@@ -17,6 +21,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from graphtune import env
+
+logger = logging.getLogger(__name__)
+
+#: Least seconds between two progress records when no bar can be shown.
+LOG_INTERVAL_S = 10.0
 
 
 class ProgressTask(Protocol):
@@ -42,6 +51,50 @@ class _SilentTask:
         return None
 
 
+class LoggedTask:
+    """Progress as log records, for a stderr that is no terminal: one INFO record of where the
+    work is when :data:`LOG_INTERVAL_S` passed since the last one (work shorter than that logs
+    nothing), and one at the end of work that logged any.
+
+    Args:
+        description: What the work is.
+        total: Units of work.
+        clock: Seconds, monotonic (passed in so tests drive the interval).
+    """
+
+    def __init__(self, description: str, total: int, clock: Any = time.monotonic) -> None:
+        self._description = description
+        self._total = total
+        self._clock = clock
+        self._done = 0
+        self._started = self._last = clock()
+        self._logged = False
+
+    def advance(self, label: str | None = None, steps: int = 1) -> None:
+        """Counts ``steps`` more units done; ``label`` is the work's new description."""
+        self._done += steps
+        if label is not None:
+            self._description = label
+        now = self._clock()
+        if now - self._last >= LOG_INTERVAL_S:
+            self._last, self._logged = now, True
+            logger.info(
+                "%s: %d/%d (%.0f s)",
+                self._description,
+                self._done,
+                self._total,
+                now - self._started,
+            )
+
+    def finish(self) -> None:
+        """Logs the end of work that logged its progress (short work stays silent)."""
+        if self._logged:
+            elapsed = self._clock() - self._started
+            logger.info(
+                "%s: %d/%d done in %.0f s", self._description, self._done, self._total, elapsed
+            )
+
+
 #: The live progress display while a bar is shown (nested bars join it as extra lines).
 _active: Progress | None = None
 
@@ -60,7 +113,8 @@ def progress(
     Args:
         description: Label shown left of the bar.
         total: Number of units the block will ``advance`` through.
-        enabled: Force the bar on or off; ``None`` decides from the terminal and environment.
+        enabled: Force the bar on or off; ``None`` decides from the terminal and environment
+            (no terminal: :class:`LoggedTask` records instead).
 
     Yields:
         A task whose ``advance()`` moves the bar by one unit.
@@ -68,7 +122,13 @@ def progress(
     global _active
     show = progress_enabled() if enabled is None else enabled
     if not show or total <= 0:
-        yield _SilentTask()
+        if enabled is None and total > 0 and not env.progress_disabled():
+            # No terminal for a bar (a log, a pipe): long work still says where it is.
+            task = LoggedTask(description, total)
+            yield task
+            task.finish()
+        else:
+            yield _SilentTask()
         return
     if _active is not None:
         # A bar inside another one (a tuner or a capture inside a benchmark phase) is one more

@@ -67,6 +67,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # The CLI is an application, so it (and only it) configures logging.
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    if not sys.stderr.isatty():
+        # No terminal for progress bars: long work reports as log records instead (INFO,
+        # graphtune.reporting), shown at the default level so a logged run never looks hung.
+        logging.getLogger("graphtune.reporting").setLevel(min(level, logging.INFO))
     handler = getattr(args, "handler", None)
     if handler is None:
         parser.print_help()

@@ -349,10 +349,6 @@ def main(argv: list[str] | None = None) -> int:
         print("faults.py: needs triton for the faulting kernels", file=sys.stderr)
         return 2
     torch.backends.cuda.matmul.allow_tf32 = False
-    try:  # faults.py makes its --out folder (it always has)
-        args.out.mkdir(parents=True, exist_ok=True)
-    except OSError:
-        pass  # a file in the way: check_script_output says so in one line
     steps = args.steps or (2_000 if args.quick else 20_000)
     gpu_name = torch.cuda.get_device_name(device)
     target = args.out / f"faults-{gpu_slug(gpu_name)}.json"

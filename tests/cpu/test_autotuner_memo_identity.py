@@ -221,3 +221,21 @@ def test_classes_that_differ_in_a_default_argument_are_not_served_each_others_pi
     assert _pick(tuner, make(64), x) == 64  # the same default again: the same runner
     with pytest.raises(IdentityError, match="default"):  # it would have been served 64
         _pick(tuner, make(128), x)
+
+
+def _with_function_default(scale: float) -> TunableRunner:
+    class WithActivation(TunableRunner):
+        def get_valid_tactics(self, inputs, profile, *, _act=lambda t: t * scale):
+            return [1]
+
+        def forward(self, inputs, *, tactic=FALLBACK_TACTIC, _act=lambda t: t * scale):
+            return _act(inputs[0])
+
+    return WithActivation()
+
+
+def test_a_function_default_is_compared_by_its_code_not_as_a_new_object() -> None:
+    # A lambda default is a new object each time the factory runs; the same definition built
+    # again is the same runner (it was refused as a different one).
+    tuner, x = _tuned(_with_function_default(2.0))
+    assert _pick(tuner, _with_function_default(2.0), x) == 1

@@ -99,6 +99,15 @@ def test_prefill_refuses_an_unwritable_out_before_the_run(tmp_path, monkeypatch,
     assert "--out" in capsys.readouterr().err
 
 
+def test_gpu_scripts_make_a_missing_out_folder_as_their_write_did(tmp_path, monkeypatch):
+    # The check before the work makes the folder the result's atomic write used to make.
+    from graphtune.cli._args import check_script_output
+
+    target = tmp_path / "new" / "sub" / "result.json"
+    check_script_output(target)
+    assert target.parent.is_dir() and not target.exists()
+
+
 def test_prefill_exits_1_when_its_result_went_to_the_temporary_folder(
     tmp_path, monkeypatch, capsys
 ):

@@ -232,6 +232,7 @@ def test_generation_config_eos_of_the_wrong_type_names_the_file(tmp_path):
             ["do_sample=True", "temperature=0.6", "top_p=0.9"],
         ),
         ({"do_sample": False, "temperature": 1.0, "top_k": 50, "max_length": 4096}, []),
+        ({"suppress_tokens": [], "bad_words_ids": []}, []),
     ],
 )
 def test_generation_settings_graphtune_does_not_read_are_warned_about(

@@ -12,6 +12,7 @@ from graphtune.engine import DecodeStep, Engine, KVCache, get_preset, load_model
 from graphtune.engine.attention import PrefillAttention, PrefillBatch, PromptRun, causal_mask
 from graphtune.engine.build import build_prefill_runner, build_prefill_step
 from graphtune.engine.prefill import (
+    PrefillStep,
     _check_prefill_inputs,
     pack_prompts,
     plan_chunks,
@@ -294,3 +295,19 @@ def test_prefill_checks_the_token_ids_with_one_host_read(monkeypatch):
         monkeypatch.setattr(torch.Tensor, name, counted)
     _check_prefill_inputs(step, torch.arange(4), 0)
     assert len(reads) == 1, reads
+
+
+def test_an_eager_prefill_runs_only_the_prompts_tokens(monkeypatch):
+    # Padding a call to max_prompts tokens is for graph runners (their logits' rows); an eager
+    # runner of a large engine must not run max_batch_size tokens for a short prompt.
+    seen: list[int] = []
+    call = PrefillStep.__call__
+
+    def spy(self, *inputs):
+        seen.append(int(inputs[0].shape[0]))
+        return call(self, *inputs)
+
+    monkeypatch.setattr(PrefillStep, "__call__", spy)
+    engine = Engine(load_model("tiny"), runner="eager", max_batch_size=64, max_seq_len=64)
+    engine.generate([[1, 2, 3, 4, 5]], 1, stop_token_ids=[])
+    assert seen == [5]

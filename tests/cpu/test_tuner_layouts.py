@@ -103,3 +103,11 @@ def test_a_recorded_miss_rebuilds_the_layout_it_missed_with() -> None:
 def test_check_tactics_runs_and_names_the_live_layout() -> None:
     report = check_tactics("op", [ContiguousOnly()], CONFIG, [torch.randn(8, 4).t()])
     assert report.profile == "4x8 order(1,0)" and report.reference_error is None
+
+
+def test_a_row_broadcast_over_the_batch_keys_as_row_major_at_every_batch_size() -> None:
+    # bias.expand(B, N): contiguous at B=1 (a size-1 dim), stride 0 above; one key for both, so
+    # a tuning run from either call covers the other's buckets.
+    bias = torch.randn(8)
+    assert profile_for(CONFIG, [bias.expand(1, 8)]).dtypes == ("float32",)
+    assert profile_for(CONFIG, [bias.expand(4, 8)]).dtypes == ("float32",)

@@ -32,6 +32,7 @@ import importlib.util
 import inspect
 import logging
 import sys
+import types
 import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -197,6 +198,10 @@ def _overrides_extras(cls: type) -> bool:
 def _comparable(value: Any) -> Any:
     if isinstance(value, type):
         return value  # a class compares by identity; a local one inside is checked on its own
+    if isinstance(value, types.FunctionType):
+        # A lambda or local function (a default `_act=lambda t: t.relu()`) is a new object per
+        # factory call: compared by its code, so the same definition built again is the same.
+        return ("function", value.__code__)
     try:
         return canonical_text(identity_value(value, "a class attribute"))
     except (IdentityError, TypeError, ValueError, RecursionError):

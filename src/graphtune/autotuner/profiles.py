@@ -76,14 +76,15 @@ def tensor_layout(x: torch.Tensor) -> Layout | None:
     and on gaps, and keying exact strides would make every slice of a buffer its own key.
 
     Rows of a wider buffer (packed but for a longer stride of dim 0, as the query sliced out of
-    fused QKV rows) count as row-major: at batch 1 torch gives a size-1 dim a packed stride, so
-    the gap cannot be seen there, and keying it apart would tune every bucket twice, once from
-    a batch-1 call and once from a larger one."""
+    fused QKV rows) and one row broadcast over dim 0 (``bias.expand(B, N)``) count as
+    row-major: at batch 1 torch gives a size-1 dim a packed stride, so the gap cannot be seen
+    there, and keying it apart would tune every bucket twice, once from a batch-1 call and once
+    from a larger one."""
     if x.is_contiguous():
         return None
     strides, shape = x.stride(), x.shape
     rows = x.dim() >= 2 and _packed(range(1, x.dim()), strides, shape)
-    if rows and strides[0] >= math.prod(shape[1:]):
+    if rows and (strides[0] == 0 or strides[0] >= math.prod(shape[1:])):
         return None
     order = tuple(sorted(range(x.dim()), key=lambda d: (-strides[d], d)))
     return order, _packed(order, strides, shape)

@@ -60,6 +60,8 @@ class _SameRunners:
 
 
 _GONE = object()
+#: Marks a non-contiguous tensor's strides in a memo key (no other part of the key is it).
+_STRIDED = object()
 
 
 class RunnerStates:
@@ -177,8 +179,9 @@ def memo_key(
             parts.append(None)
         elif isinstance(x, torch.Tensor):
             device = "cuda" if x.is_cuda else "cpu" if x.is_cpu else x.device.type
-            # Strides too: a layout is part of the cache key (profiles.tensor_layout).
-            parts += (x.shape, x.dtype, device, x.stride())
+            parts += (x.shape, x.dtype, device)
+            if not x.is_contiguous():  # its layout is part of the cache key (tensor_layout)
+                parts.append((_STRIDED, x.stride()))
         elif isinstance(x, _SCALARS):
             parts += (type(x), x)
         else:

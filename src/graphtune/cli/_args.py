@@ -244,7 +244,11 @@ def check_script_output(
     """:func:`check_output_path` for a benchmark script's result file, before its measurements
     (a result that cannot land at ``path`` is found late otherwise): a refusal is a usage error,
     exit 2, through ``parser.error`` when the script has its parser at hand, else one ``error:``
-    line."""
+    line. A missing folder is made first, as the result's write would make it."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        pass  # a file in the way, no permission: check_output_path says which, in one line
     try:
         check_output_path(path, flag)
     except ConfigError as exc:

@@ -139,6 +139,7 @@ def ignored_generation_settings(doc: dict[str, Any]) -> list[str]:
         if key in doc
         and doc[key] != default
         and not (key == "min_length" and doc[key] is None)
+        and not (default is None and doc[key] in ([], {}))  # an empty list suppresses nothing
         and (samples or key not in sampling_knobs)
     ]
 

@@ -254,7 +254,7 @@ def prefill_logits(
     parts = []
     for chunk in chunks:
         packed = pack_prompts([prompts[i] for i in chunk], [slots[i] for i in chunk])
-        inputs = _padded(packed.inputs, min(step.max_prompts, limit), step)
+        inputs = _padded(packed.inputs, _least_tokens(runner, step, limit), step)
         inputs = inputs.to(device, non_blocking=True)
         step.set_batch(packed.batch)
         try:
@@ -267,6 +267,14 @@ def prefill_logits(
         # The next call overwrites a graph's output: keep a copy when another call follows.
         parts.append(logits if len(chunks) == 1 else logits.clone())
     return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _least_tokens(runner: Any, step: PrefillStep, limit: int) -> int:
+    """Tokens a call of ``runner`` is padded to: ``max_prompts``, at most the smallest captured
+    size (a graph pads up to it anyway, so this costs nothing), for a runner with graphs; none
+    for an eager runner, whose calls have the rows of their tokens."""
+    sizes = getattr(runner, "capture_sizes", ())
+    return min(step.max_prompts, min(sizes), limit) if sizes else 0
 
 
 def _padded(inputs: torch.Tensor, tokens: int, step: PrefillStep) -> torch.Tensor:

@@ -247,40 +247,23 @@ def engine_batch_size(prompts: int, tuned: bool) -> int:
 
 
 def check_sampling_flags(args: argparse.Namespace) -> None:
-    """Refuses the sampling flags :class:`~graphtune.engine.SamplingParams` would refuse, naming
-    the flags: ``--top-k`` / ``--top-p`` at ``--temperature 0`` (greedy decoding ignores them)
-    and a ``--temperature`` so small that the float32 logits divided by it overflow. The
-    parser's types already refused negative, non-finite and out-of-range values.
+    """Refuses, in the flags' words, the combinations :class:`~graphtune.engine.SamplingParams`
+    refuses (:func:`~graphtune.engine.sampling.sampling_conflict`: ``--top-k`` / ``--top-p`` at
+    ``--temperature 0``, a temperature too small for float32). The parser's types already
+    refused negative, non-finite and out-of-range values.
 
     Raises:
         SystemExit: 2, after one ``error:`` line.
     """
-    from graphtune.engine.sampling import MIN_TEMPERATURE
+    from graphtune.engine.sampling import sampling_conflict
 
-    prog = "graphtune generate"
-    if 0.0 < args.temperature < MIN_TEMPERATURE:
-        usage_error(
-            prog,
-            f"--temperature {args.temperature!r} is below {MIN_TEMPERATURE:.4g}, float32's "
-            "smallest normal number, and would round to 0 when the float32 logits are divided "
-            "by it; pass --temperature 0 for greedy decoding or a larger value",
-        )
-    if args.temperature == 0.0:
-        given = [
-            (flag, value, off)
-            for flag, value, off in (("--top-k", args.top_k, 0), ("--top-p", args.top_p, 1.0))
-            if value != off
-        ]
-        if given:
-            flags = " and ".join(f"{flag} {value!r}" for flag, value, _ in given)
-            offs = " and ".join(flag for flag, _, _ in given)
-            one = len(given) == 1
-            usage_error(
-                prog,
-                f"{flags} {'needs' if one else 'need'} --temperature > 0: at --temperature 0 "
-                f"(the default) decoding is greedy (the argmax) and ignores "
-                f"{'it' if one else 'them'}; pass a --temperature > 0, or leave out {offs}",
-            )
+    def flag(name: str, value: object) -> str:
+        spelled = "--" + name.replace("_", "-")
+        return spelled if value is None else f"{spelled} {value!r}"
+
+    conflict = sampling_conflict(args.temperature, args.top_k, args.top_p, flag)
+    if conflict is not None:
+        usage_error("graphtune generate", conflict)
 
 
 def run_generate(args: argparse.Namespace) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -70,19 +71,16 @@ class SamplingParams:
                 f"temperature must be a finite number >= 0 (0: greedy), got {self.temperature!r}"
             )
         if 0.0 < self.temperature < MIN_TEMPERATURE:
-            raise ConfigError(
-                f"temperature {self.temperature!r} is below {MIN_TEMPERATURE:.4g}, float32's "
-                "smallest normal number, and would round to 0 when the float32 logits are "
-                "divided by it; use temperature=0 for greedy"
-            )
+            raise ConfigError(sampling_conflict(self.temperature, self.top_k, self.top_p))
         if not _is_int(self.top_k) or self.top_k < 0:
             raise ConfigError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ConfigError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
         if not _is_int(self.seed) or not 0 <= self.seed < 2**63:
             raise ConfigError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
-        if self.temperature == 0.0:
-            _refuse_filters_when_greedy(self.top_k, self.top_p)
+        conflict = sampling_conflict(self.temperature, self.top_k, self.top_p)
+        if conflict is not None:
+            raise ConfigError(conflict)
 
     @property
     def greedy(self) -> bool:
@@ -90,20 +88,42 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
 
-def _refuse_filters_when_greedy(top_k: int, top_p: float) -> None:
-    """Refuses ``top_k`` / ``top_p`` other than their "off" values (``0`` / ``1.0``) at
-    temperature 0: greedy decoding takes the argmax and never reads them."""
+def _field(name: str, value: object) -> str:
+    return name if value is None else f"{name}={value!r}"
+
+
+def sampling_conflict(
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    spell: Callable[[str, object], str] = _field,
+) -> str | None:
+    """What is wrong with a combination of in-range sampling values, or ``None``: a positive
+    temperature below :data:`MIN_TEMPERATURE`, or ``top_k`` / ``top_p`` other than their "off"
+    values (``0`` / ``1.0``) at temperature 0, where greedy decoding takes the argmax and never
+    reads them. ``spell(name, value)`` writes a setting as the caller's user types it
+    (``top_k=5`` here, ``--top-k 5`` on the command line; ``value`` ``None``: the name alone)."""
+    if 0.0 < temperature < MIN_TEMPERATURE:
+        return (
+            f"{spell('temperature', temperature)} is below {MIN_TEMPERATURE:.4g}, float32's "
+            "smallest normal number, and would round to 0 when the float32 logits are divided "
+            f"by it; use {spell('temperature', 0)} for greedy"
+        )
+    if temperature != 0.0:
+        return None
     pairs = (("top_k", top_k, 0), ("top_p", top_p, 1.0))
     set_ = [(name, value, off) for name, value, off in pairs if value != off]
-    if set_:
-        fields = " and ".join(f"{name}={value!r}" for name, value, _ in set_)
-        offs = " and ".join(f"{name}={off!r}" for name, _, off in set_)
-        one = len(set_) == 1
-        raise ConfigError(
-            f"{fields} {'needs' if one else 'need'} temperature > 0: at temperature 0 (the "
-            f"default) decoding is greedy (the argmax) and ignores {'it' if one else 'them'}; "
-            f"pass a temperature > 0, or leave {offs}"
-        )
+    if not set_:
+        return None
+    fields = " and ".join(spell(name, value) for name, value, _ in set_)
+    offs = " and ".join(spell(name, off) for name, _, off in set_)
+    one = len(set_) == 1
+    warm = spell("temperature", None)
+    return (
+        f"{fields} {'needs' if one else 'need'} {warm} > 0: at {spell('temperature', 0)} (the "
+        f"default) decoding is greedy (the argmax) and ignores {'it' if one else 'them'}; "
+        f"pass a {warm} > 0, or leave {offs}"
+    )
 
 
 def _is_int(value: object) -> bool:

@@ -343,7 +343,9 @@ def main(argv: list[str] | None = None) -> int:
 
     device = bench.require_cuda_or_exit("benchmarks/tuning_time.py")
     prov = bench.provenance(args.commit, device)
-    targets = {ok: args.out / result_name(args, prov["gpu_slug"], failed=not ok) for ok in (True, False)}
+    targets = {
+        ok: args.out / result_name(args, prov["gpu_slug"], failed=not ok) for ok in (True, False)
+    }
     for result_path in targets.values():  # before the phases: exit 2 on a bad --out
         check_script_output(result_path)
     # A phase that did not run stays None; a failed one reads {"error": ...}.

@@ -104,7 +104,9 @@ class ModelConfig:
         attention_bias: Q, K and V projections have biases (Qwen2).
         sliding_window: Attend only to the last ``sliding_window`` keys (some Mistral); ``None``
             for full attention.
-        bos_token_id: Prepended by the tokenizer path when set.
+        bos_token_id: The checkpoint's BOS id, kept for reference only: the engine never adds
+            it; a text prompt gets BOS from ``tokenizer.json``'s post-processor, as transformers'
+            tokenizer does.
         eos_token_ids: Generation stops at any of these.
         hidden_act: The MLP's gated activation, a name of
             :data:`graphtune.ops.activation.GATED_ACTIVATIONS` (``"silu"``: SwiGLU; the experts

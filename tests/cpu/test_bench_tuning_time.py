@@ -204,3 +204,17 @@ def test_a_failed_phase_keeps_the_finished_ones(fake_phases, tmp_path, capsys):
     assert tuning_time.main(["--out", str(tmp_path / "x"), "--cold-bytecode", "empty"]) == 1
     data = json.loads((tmp_path / "x" / path.name).read_text())
     assert state["calls"] == ["cold"] and data["warm"] is None and "error" in data["cold"]
+
+
+def test_an_unmeasured_median_fails_its_target() -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from _tuning_time_report import checks
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    cold = {"tune_s": 1.0, "median_ms_per_tactic_bucket": None}
+    warm = {"tune_s": 0.1, "profiles_tuned": 0, "measurements": 0}
+    assert checks(cold, warm)["median_ms_per_tactic_bucket_le"] is False
+    assert checks({**cold, "median_ms_per_tactic_bucket": 5.0}, warm)[
+        "median_ms_per_tactic_bucket_le"
+    ]

@@ -363,6 +363,15 @@ def test_copy_bandwidth_and_bytes_floor():
     assert timing.bytes_floor_ms(4_000_000_000, 4000.0) == pytest.approx(1.0)
 
 
+def test_a_sliding_window_caps_the_kv_positions_the_floor_counts():
+    from graphtune.engine.presets import get_preset
+
+    mistral = get_preset("mistral-tiny").replace(sliding_window=4)
+    assert timing.kv_positions_read(512, mistral) == 4  # only the window is visible
+    assert timing.kv_positions_read(2, mistral) == 3  # a context shorter than the window
+    assert timing.kv_positions_read(512, mistral.replace(sliding_window=None)) == 513
+
+
 def test_host_speed_times_both_probes_per_call_on_the_clock_it_is_given():
     ticks = iter(range(1000))
     got = timing.host_speed(repeats=3, calls=4, clock=lambda: float(next(ticks)))

@@ -44,7 +44,7 @@ from graphtune.bench.decode_spread import timed_ms
 from graphtune.bench.decode_tuner import check_lead_in, default_tuner
 from graphtune.bench.moe_floor import expected_experts_hit, step_bytes
 from graphtune.bench.schema import provenance
-from graphtune.bench.timing import bytes_floor_ms, copy_bandwidth_gbps, sync
+from graphtune.bench.timing import bytes_floor_ms, copy_bandwidth_gbps, kv_positions_read, sync
 from graphtune.engine.build import build_runner, build_step
 from graphtune.engine.devices import resolve_device, resolve_dtype
 from graphtune.engine.kv_cache import KVCache, aligned_seq_len
@@ -276,7 +276,7 @@ def _run_phases(run: _Run, tuner: Any) -> None:
                 mcfg.num_experts, mcfg.num_experts_per_tok, b
             )
         if bandwidth:
-            needed = read.total + b * (cfg.context + 1) * cache.bytes_per_token()
+            needed = read.total + b * kv_positions_read(cfg.context, mcfg) * cache.bytes_per_token()
             result.floor_ms = bytes_floor_ms(needed, bandwidth)
         if "eager" in run.runners:
             run.bar.done()

@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from graphtune.autotuner.timing import EventTimer, WallClockTimer
 from graphtune.autotuner.timing.base import Measurement, Timer
+
+if TYPE_CHECKING:
+    from graphtune.engine.config import ModelConfig
 
 
 def sync(device: torch.device) -> None:
@@ -85,6 +89,15 @@ def copy_bandwidth_gbps(
     dst = torch.empty_like(src)
     ms = time_per_call_ms(lambda: dst.copy_(src), device, steps=10, repeats=5, timer=timer)
     return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def kv_positions_read(context: int, config: ModelConfig) -> int:
+    """K/V positions one decode row at ``context`` must read: ``context + 1`` (the keys up to
+    its own), or the last ``sliding_window`` of them when the model has a window (the mask hides
+    the older keys, and the Triton attention reads only the visible span)."""
+    visible = context + 1
+    window = config.sliding_window
+    return visible if window is None else min(visible, window)
 
 
 def bytes_floor_ms(nbytes: int, bandwidth_gbps: float) -> float:

@@ -33,7 +33,11 @@ cache: a shape found in one rank's cache but not another's would make only the l
 collectives and wait there forever, and ranks holding different picks would run different kernels.
 So :func:`align_cache` makes the ranks' caches one before any look-up (``autotune()`` calls it
 after loading the file, the engine after loading its cache): every rank gets the entries it lacks
-from the others, and where ranks hold different picks for one key the lowest rank's wins.
+from the others, and where ranks hold different picks for one key the lowest rank's wins. The
+blocklist is aligned alike (every rank blocks the union), since a blocked pick is not served: a
+tactic blocked on one rank only would make that rank alone miss and tune. For the same reason a
+tactic that one rank blocks while timing a profile (it crashed or hung there) is blocked on every
+rank before the next look-up (:meth:`OpCoordinator.run`).
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from graphtune.autotuner.cache import TuningCache
-from graphtune.autotuner.entries import CacheEntry, CacheKey, tactic_text
+from graphtune.autotuner.entries import BlockedTactic, CacheEntry, CacheKey, tactic_text
 from graphtune.errors import ConfigError, DistributedError
 
 logger = logging.getLogger(__name__)
@@ -236,6 +240,7 @@ class OpCoordinator:
         time_fn: Callable[[list[C]], None],
         *,
         skip_single: bool = False,
+        cache: TuningCache | None = None,
     ) -> list[C]:
         """Times one profile's candidates by the strategy and leaves every rank the same times.
 
@@ -245,6 +250,10 @@ class OpCoordinator:
             skip_single: When exactly one candidate is left (offered by every rank), time
                 nothing and return it untimed: there is nothing to choose. Every rank computes
                 the same list, so every rank skips the collective alike.
+            cache: The cache ``time_fn`` blocks crashed or hung tactics in. Under a collective
+                strategy, what any rank blocked while timing is then blocked on every rank: a
+                pick blocked on one rank only would be a miss there and a hit elsewhere, and
+                that rank would tune alone and wait forever.
 
         Returns:
             The candidates offered by every rank, in rank 0's order (``tactic_index`` renumbered
@@ -279,19 +288,32 @@ class OpCoordinator:
         else:
             owners = [None] * n
         mine = [c for c, owner in zip(chosen, owners, strict=True) if owner in (None, self.rank)]
+        held = cache.blocklist() if cache is not None else []
         error: Exception | None = None
         try:
             time_fn(mine)
         except Exception as exc:  # join the collective anyway, then raise (principle 7)
             error = exc
+        # By identity: a tactic blocked again (new details) is news to the other ranks too.
+        before = {b.ident: b for b in held}
+        now = cache.blocklist() if cache is not None else []
+        fresh = [b for b in now if before.get(b.ident) is not b]
         local = [
             _finite_or_inf(c.score) if owner in (None, self.rank) else math.inf
             for c, owner in zip(chosen, owners, strict=True)
         ]
-        times, aborted = self._exchange(local, error is not None, owners)
+        times, aborted, blocked = self._exchange(local, error is not None, bool(fresh), owners)
         self.assignments.append(
             {self._ident(c): owner for c, owner in zip(chosen, owners, strict=True)}
         )
+        if blocked:  # every rank saw the flag: all gather (before an abort, so all save it too)
+            views = self._gather_objects(fresh)
+            if cache is not None and (taken := _block_union(cache, views)):
+                logger.info(
+                    "op %r: %d tactic(s) that crashed or hung on another rank are blocked here too",
+                    self.op,
+                    taken,
+                )
         if aborted:  # every rank saw it: all join to name who stopped and why
             self.join(error, "timing its tactics")
         for cand, value in zip(chosen, times, strict=True):
@@ -303,27 +325,30 @@ class OpCoordinator:
         return chosen
 
     def _exchange(
-        self, local: list[float], abort: bool, owners: list[int | None]
-    ) -> tuple[list[float], bool]:
-        """The strategy's one collective: returns the agreed times and whether any rank aborted."""
+        self, local: list[float], abort: bool, blocked: bool, owners: list[int | None]
+    ) -> tuple[list[float], bool, bool]:
+        """The strategy's one collective: returns the agreed times, whether any rank aborted and
+        whether any rank blocked a tactic (two flags after the times, reduced with max)."""
         dist = torch.distributed
         group = self.setting.group
         device = _collective_device(group)
-        vec = torch.tensor([*local, 1.0 if abort else 0.0], dtype=torch.float64, device=device)
+        flags = [1.0 if abort else 0.0, 1.0 if blocked else 0.0]
+        vec = torch.tensor([*local, *flags], dtype=torch.float64, device=device)
         if self.setting.strategy == "broadcast":
             if self.rank != 0:
-                vec[:-1] = math.inf
-            flag = torch.tensor([1.0 if abort else 0.0], dtype=torch.float64, device=device)
+                vec[:-2] = math.inf
+            flag = torch.tensor(flags, dtype=torch.float64, device=device)
             dist.broadcast(vec, src=self._src(), group=group)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-            return vec[:-1].tolist(), bool(flag.item())
+            return vec[:-2].tolist(), bool(flag[0].item()), bool(flag[1].item())
         if self.setting.strategy == "parallel":
             rows = [torch.empty_like(vec) for _ in range(self.world_size)]
             dist.all_gather(rows, vec, group=group)
             times = [float(rows[owner][i]) for i, owner in enumerate(owners)]  # type: ignore[index]
-            return times, any(bool(row[-1].item()) for row in rows)
+            aborted, blocked = (any(bool(row[j].item()) for row in rows) for j in (-2, -1))
+            return times, aborted, blocked
         dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group)  # agree: slowest rank counts
-        return vec[:-1].tolist(), bool(vec[-1].item())
+        return vec[:-2].tolist(), bool(vec[-2].item()), bool(vec[-1].item())
 
     def _ident(self, cand: Candidate) -> tuple[str, str]:
         return (self.ids[cand.runner_index], tactic_text(cand.tactic))
@@ -355,7 +380,8 @@ def align_cache(
     cache: TuningCache, setting: DistributedTuning | None, tuning: bool = False
 ) -> None:
     """Makes every rank's cache the same: the union of the ranks' entries, the lowest rank's
-    pick where they differ (a collective strategy only; see the module docstring). Costs one
+    pick where they differ, and the union of their blocklists, the lowest rank's item where they
+    differ (a collective strategy only; see the module docstring). Costs one
     small ``all_gather_object`` when the caches already agree, two when they do not.
 
     The first exchange also compares the ranks' strategies and whether they tune (``tuning``):
@@ -372,13 +398,12 @@ def align_cache(
     if world == 1:
         return
     entries = dict(cache.items())
-    digest = hashlib.sha256(
-        json.dumps(
-            sorted(
-                json.dumps([k.to_json(), e.to_json()], sort_keys=True) for k, e in entries.items()
-            )
-        ).encode()
-    ).hexdigest()
+    # The blocklist counts too: a blocked pick is not served, so ranks whose entries match but
+    # whose blocklists do not would still disagree on which look-ups hit.
+    blocklist = cache.blocklist()
+    rows = [json.dumps([k.to_json(), e.to_json()], sort_keys=True) for k, e in entries.items()]
+    items = [json.dumps(b.to_json(), sort_keys=True) for b in blocklist]
+    digest = hashlib.sha256(json.dumps([sorted(rows), sorted(items)]).encode()).hexdigest()
     states: list[Any] = [None] * world
     mine = (setting.strategy, bool(tuning), digest)
     torch.distributed.all_gather_object(states, mine, group=setting.group)
@@ -393,9 +418,9 @@ def align_cache(
     if len({view[2] for view in states}) == 1:
         return
     views: list[Any] = [None] * world
-    torch.distributed.all_gather_object(views, entries, group=setting.group)
+    torch.distributed.all_gather_object(views, (entries, blocklist), group=setting.group)
     merged: dict[CacheKey, CacheEntry] = {}
-    for view in reversed(views):  # the lowest rank's entry is written last: it wins
+    for view, _ in reversed(views):  # the lowest rank's entry is written last: it wins
         merged.update(view)
     added = [k for k in merged if k not in entries]
     replaced = [
@@ -414,6 +439,29 @@ def align_cache(
             len(replaced),
         )
     cache.update(merged)
+    taken = _block_union(cache, [view for _, view in views])
+    if taken:
+        logger.warning(
+            "rank %d's tuning cache lacked %d blocklisted tactic(s) of the other ranks': it "
+            "blocks them too, so every rank serves (and tunes) the same look-ups",
+            rank,
+            taken,
+        )
+
+
+def _block_union(cache: TuningCache, views: Sequence[Sequence[BlockedTactic]]) -> int:
+    """Blocks in ``cache`` every item of the ranks' ``views`` (in rank order); where ranks hold
+    one (runner, tactic) with other details, the lowest rank's item, so every rank ends with the
+    same blocklist. Returns how many (runner, tactic) pairs ``cache`` did not block before."""
+    union: dict[tuple[str, str], BlockedTactic] = {}
+    for view in views:
+        for item in view:
+            union.setdefault(item.ident, item)
+    held = {b.ident: b for b in cache.blocklist()}
+    for ident, item in union.items():
+        if held.get(ident) != item:  # an equal item is left alone: no save rewrites it
+            cache.block(item)
+    return sum(1 for ident in union if ident not in held)
 
 
 def _collective_device(group: Any) -> torch.device:

@@ -330,7 +330,9 @@ class TuningRun:
 
         # The seam of distributed tuning: which candidates this rank times, and the agreed times.
         # Everything below uses only what coord.run left, identical on every rank.
-        candidates = self.coordinator.run(plan.candidates, time_here, skip_single=True)
+        candidates = self.coordinator.run(
+            plan.candidates, time_here, skip_single=True, cache=self.cache
+        )
         self.executor.end()
         with self._phase("select"):
             return self._decide(plan, candidates, self.clock() - start, label)

@@ -46,3 +46,26 @@ def last_wins_tuner(*, run: bool = False) -> AutoTuner:
         show_progress=False,
         policy=TuningPolicy(rounds=1, remeasure_top=0, tie_tolerance=0.0, tie_floor_us=0.0),
     )
+
+
+class Clock:
+    """A fake clock that runners advance by their cost per call (microseconds)."""
+
+    def __init__(self) -> None:
+        self.now_us = 0.0
+
+
+class ClockTimer:
+    """Fake timer: a sample's per-call time is how far ``repeat`` calls advanced ``clock``."""
+
+    name = "fake"
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+
+    def measure(self, fn, *, warmup: int, repeat: int) -> Measurement:
+        start = self.clock.now_us
+        for i in range(repeat):
+            fn(i)
+        per_call = (self.clock.now_us - start) / repeat
+        return Measurement.from_samples([per_call], calls_per_sample=repeat, timer=self.name)

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from fake_timers import Clock, ClockTimer
 from gloo_ranks import run_on_ranks
 
 from graphtune.autotuner import (
@@ -27,7 +28,6 @@ from graphtune.autotuner import (
 )
 from graphtune.autotuner.entries import BlockedTactic
 from graphtune.autotuner.isolation import CRASH, TacticFailure
-from graphtune.autotuner.timing.base import Measurement
 
 WORLD = 2
 BUCKETS = (1, 4, 16)
@@ -35,11 +35,6 @@ CONFIG = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0, BUCKETS),), warmup=
 COSTS = {-1: 10.0, 0: 5.0, 1: 3.0, 2: 1.0}  # the same on every rank: tactic 2, then 1
 GROUP_TIMEOUT_S = 5.0  # a rank left waiting in a collective raises after this
 COLLECTIVE = ("broadcast", "parallel", "agree")
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now_us = 0.0
 
 
 class CostRunner(TunableRunner):
@@ -63,20 +58,6 @@ class CostRunner(TunableRunner):
             raise TacticFailure(CRASH, "the worker died (simulated)", block=True)
         self.clock.now_us += COSTS[tactic]
         return inputs[0]
-
-
-class ClockTimer:
-    name = "fake"
-
-    def __init__(self, clock: Clock) -> None:
-        self.clock = clock
-
-    def measure(self, fn, *, warmup: int, repeat: int) -> Measurement:
-        start = self.clock.now_us
-        for i in range(repeat):
-            fn(i)
-        per_call = (self.clock.now_us - start) / repeat
-        return Measurement.from_samples([per_call], calls_per_sample=repeat, timer=self.name)
 
 
 def _blocklist(tuner: AutoTuner) -> list[Any]:

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from fake_timers import Clock, ClockTimer
 
 from graphtune.autotuner import (
     AutoTuner,
@@ -45,11 +46,6 @@ NOISY_COSTS = {-1: 100.0, 0: 97.0}
 NOISE = (0.05, 0.001)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now_us = 0.0
-
-
 class RankRunner(TunableRunner):
     """Costs per tactic; ``fail`` tactics raise; logs (rows, tactic) of every call.
 
@@ -71,20 +67,6 @@ class RankRunner(TunableRunner):
         self.log.append((int(inputs[0].shape[0]), tactic))
         self.clock.now_us += self.costs[tactic]
         return inputs[0]
-
-
-class ClockTimer:
-    name = "fake"
-
-    def __init__(self, clock: Clock) -> None:
-        self.clock = clock
-
-    def measure(self, fn, *, warmup: int, repeat: int) -> Measurement:
-        start = self.clock.now_us
-        for i in range(repeat):
-            fn(i)
-        per_call = (self.clock.now_us - start) / repeat
-        return Measurement.from_samples([per_call], calls_per_sample=repeat, timer=self.name)
 
 
 class JitterTimer(ClockTimer):

@@ -8,6 +8,10 @@
 #   decode attention's whole tactic space at the Llama-1B shape (about 1.5 minutes); gemv sweeps
 #   the fused GEMV's tactic space at the Llama-1B projections, batches 8 and 16; gemm sweeps
 #   the tiled GEMM's tactic space beside cuBLAS at those projections, batch 128 (about 1.5 minutes);
+#   targets (not part of "all"; about 7 minutes, one device call) measures every open issue's
+#   target at one commit: the tuned Llama-1B step at 1, 8 and 128 rows beside transformers'
+#   compiled recipe, the Qwen3-30B-A3B shape at 1 and 64 rows and the Llama-3-8B shape at 1 row
+#   against their floors, cold and warm tuning time, and pick quality (graph mode, 3 runs);
 #   tp (two GPUs, kind nvidia-h200-x2; not part of "all") runs the all-reduce benchmark, tuned
 #   (TP=1) and TP=2 tuned / NCCL decode. One device call
 #   has a 10-minute limit, so a full run is split into two calls, e.g. "tests tuning faults" and
@@ -88,6 +92,21 @@ if [[ " $PARTS " == *" tp "* ]]; then
     --runner graph --json "$OUT/decode-tp2-nccl-h200.json"
 elif want tuned; then
   tuned_decode
+fi
+if [[ " $PARTS " == *" targets "* ]]; then
+  gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr 'A-Z ' 'a-z-')
+  tag="$GRAPHTUNE_COMMIT-$gpu"
+  step targets-1b python3 -m graphtune bench decode --model llama-1b-shape --batch-sizes 1,8,128 \
+    --tune --runner graph --compare-hf --repeats 7 --json "$OUT/decode-hf-$tag.json"
+  for b in 1 64; do
+    step "targets-qwen3-b$b" python3 -m graphtune bench decode --model qwen3-30b-a3b-shape \
+      --batch-sizes $b --tune --runner graph --steps 10 --repeats 3 \
+      --json "$OUT/decode-moe-$tag-b$b.json"
+  done
+  step targets-8b python3 -m graphtune bench decode --model llama-3-8b-shape --batch-sizes 1 \
+    --tune --runner graph --steps 10 --repeats 3 --json "$OUT/decode-8b-$tag-b1.json"
+  step targets-tuning-time python3 benchmarks/tuning_time.py --out "$OUT"
+  step targets-pick-quality python3 benchmarks/tuning.py --out "$OUT" --modes graph --runs 3
 fi
 echo "failed parts: $failed"
 exit $failed

@@ -11,7 +11,9 @@
 #   targets (not part of "all"; about 7 minutes, one device call) measures every open issue's
 #   target at one commit: the tuned Llama-1B step at 1, 8 and 128 rows beside transformers'
 #   compiled recipe, the Qwen3-30B-A3B shape at 1 and 64 rows and the Llama-3-8B shape at 1 row
-#   against their floors, cold and warm tuning time, and pick quality (graph mode, 3 runs);
+#   against their floors, cold and warm tuning time, and pick quality (graph mode, 3 runs),
+#   into $OUT/targets-<commit>-<gpu>/ and one .tar.gz of it (the last two steps exit 1, counted
+#   as failed parts, when a target is missed);
 #   tp (two GPUs, kind nvidia-h200-x2; not part of "all") runs the all-reduce benchmark, tuned
 #   (TP=1) and TP=2 tuned / NCCL decode. One device call
 #   has a 10-minute limit, so a full run is split into two calls, e.g. "tests tuning faults" and
@@ -96,6 +98,8 @@ fi
 if [[ " $PARTS " == *" targets "* ]]; then
   gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr 'A-Z ' 'a-z-')
   tag="$GRAPHTUNE_COMMIT-$gpu"
+  # Every file of the part in one folder, and that folder in one archive at the end.
+  ALL_OUT=$OUT; OUT="$ALL_OUT/targets-$tag"; mkdir -p "$OUT"
   step targets-1b python3 -m graphtune bench decode --model llama-1b-shape --batch-sizes 1,8,128 \
     --tune --runner graph --compare-hf --repeats 7 --json "$OUT/decode-hf-$tag.json"
   for b in 1 64; do
@@ -107,6 +111,7 @@ if [[ " $PARTS " == *" targets "* ]]; then
     --tune --runner graph --steps 10 --repeats 3 --json "$OUT/decode-8b-$tag-b1.json"
   step targets-tuning-time python3 benchmarks/tuning_time.py --out "$OUT"
   step targets-pick-quality python3 benchmarks/tuning.py --out "$OUT" --modes graph --runs 3
+  OUT=$ALL_OUT; tar -czf "$OUT/targets-$tag.tar.gz" -C "$OUT" "targets-$tag"
 fi
 echo "failed parts: $failed"
 exit $failed

@@ -227,6 +227,26 @@ def test_engine_prefill_graphs_give_the_eager_engines_tokens():
     assert solo.generate(PROMPTS, LIMITS, stop_token_ids=[]) == want
 
 
+@pytest.mark.parametrize("size, limits", [(4, [5, 5, 5, 2]), (7, [2, 5, 5, 5, 5, 5, 5])])
+def test_lazy_graph_engine_gives_the_eager_engines_tokens_as_requests_finish(size, limits):
+    # The first decode step at a full batch warms up eagerly; a request then finishes and the
+    # next step pads to that size and captures. Its logits came back with the padded row (the
+    # warm-up's shapes at that size were counted as a second size), and generate() raised.
+    prompts = [[i + 1, 2, 3] for i in range(size)]
+    eager = _engine(runner="eager", max_batch_size=size, max_seq_len=32)
+    want = eager.generate(prompts, limits, stop_token_ids=[])
+    graph = _engine(
+        runner="graph",
+        graph_backend=SimulatedGraphBackend(),
+        max_batch_size=size,
+        max_seq_len=32,
+        lazy_capture=True,
+    )
+    assert graph.generate(prompts, limits, stop_token_ids=[]) == want
+    assert graph.stats.replays > 0
+    assert graph.generate(prompts, limits, stop_token_ids=[]) == want
+
+
 def test_engine_prompt_longer_than_the_largest_prefill_graph_runs_eagerly():
     graph = _engine(max_prefill_tokens=16, graph_backend=SimulatedGraphBackend())
     eager = _engine(runner="eager")

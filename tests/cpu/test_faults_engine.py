@@ -127,6 +127,17 @@ def test_failure_mid_generation_does_not_leak_kv_slots(reference):
     assert engine.cache.num_free == 2
 
 
+def test_a_decode_runner_returning_padded_rows_is_an_internal_error(reference):
+    # Its extra row was zipped with the requests (a ValueError from zip naming nothing).
+    engine = Engine(load_model("tiny"), runner="eager", max_batch_size=2, max_seq_len=32)
+    real_step = engine.runner.fn
+    engine.runner.fn = lambda *args: torch.cat([real_step(*args)] * 2)
+    with pytest.raises(RuntimeError, match="decode runner .EagerRunner. returned logits of 4 "):
+        engine.generate(PROMPTS, 4)
+    engine.runner.fn = real_step
+    assert engine.cache.num_free == 2 and engine.generate(PROMPTS, 4) == reference
+
+
 def _poison_row(engine, row_to_poison):
     """Makes the decode step return NaN logits for one row (as a broken checkpoint would)."""
     real_step = engine.runner.fn

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
 
 from graphtune.graphs import CUDAGraphRunner, FallbackReason, SimulatedGraphBackend
@@ -90,4 +91,21 @@ def test_lazy_capture_of_a_smaller_size_waits_for_an_eager_call_to_tell():
     for _ in range(3):  # eager (tells), capture of 8, replay
         torch.testing.assert_close(r(x), capped(x), rtol=0, atol=0)
     assert r.stats.fallbacks == {FallbackReason.ROWS_UNDECIDED: 1}
+    assert sorted(s for _, s in r.captured_keys) == [8, 16]
+
+
+def linear(x):
+    return x * 3 + 1
+
+
+@pytest.mark.parametrize("fn", [linear, capped, table], ids=["batch", "capped", "constant"])
+def test_a_lazy_capture_at_the_warm_up_calls_size_is_one_size_not_two(fn):
+    # The warm-up call ran eagerly at batch 8, a capture size; the call at 5 then captured 8.
+    # The warm-up's shapes at 8 were counted as a second size beside the graph's: two equal
+    # shapes made the batch-sized output a constant, and the call got 8 rows, 3 of them padding.
+    r = runner(fn, lazy=True)
+    for n in (8, 5, 3, 5, 12, 1):
+        x = torch.arange(1.0, 2 * n + 1).reshape(n, 2)
+        torch.testing.assert_close(r(x), fn(x), rtol=0, atol=0)
+    assert r.stats.fallbacks.get(FallbackReason.WARMING_UP) == 1
     assert sorted(s for _, s in r.captured_keys) == [8, 16]

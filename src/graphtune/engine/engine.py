@@ -49,6 +49,7 @@ from graphtune.engine.requests import (
     LiveRequest,
     RequestFailure,
     agreed_requests,
+    check_rows,
     check_slots_free,
     check_step_inputs,
     noise_keys,
@@ -457,6 +458,7 @@ class Engine:
         )
         # One device-to-host read for all first tokens of this admission round.
         first = sample(logits, sampling, keys=noise_keys(admitted, sampling)).tolist()
+        check_rows(self.prefill_runner, "prefill", len(first), len(admitted))
         for request, token in zip(admitted, first, strict=True):
             self._accept(request, int(token))
 
@@ -473,6 +475,7 @@ class Engine:
         logits = self.runner(inputs[0], inputs[1], inputs[2])
         # The one host sync per step: the loop must see tokens to stop at EOS.
         tokens = sample(logits, sampling, keys=None if keys is None else inputs[3]).tolist()
+        check_rows(self.runner, "decode", len(tokens), len(live))
         for request, token in zip(live, tokens, strict=True):
             request.cached += 1
             self._accept(request, int(token))

@@ -2,7 +2,8 @@
 of ``Engine.generate`` (:func:`parse_requests`), one request (:func:`validate_request`; that no
 KV slot is held outside it:
 :func:`check_slots_free`; on tensor-parallel ranks, that every rank passes the same ones:
-:func:`check_same_requests`) and the inputs of ``Engine.step`` (:func:`check_step_inputs`)."""
+:func:`check_same_requests`), the inputs of ``Engine.step`` (:func:`check_step_inputs`) and the
+rows a runner returned (:func:`check_rows`)."""
 
 from __future__ import annotations
 
@@ -331,6 +332,20 @@ def check_step_inputs(engine: Any, tokens: Any, positions: Any, slots: Any) -> N
             low, high = int(value.min()), int(value.max())
             if low < 0 or high >= bound:
                 raise InputError(f"Engine.step: {name} must be in [0, {bound}), got {low}..{high}")
+
+
+def check_rows(runner: Any, what: str, rows: int, batch: int) -> None:
+    """Refuses ``rows`` sampled tokens for a ``batch`` of requests (a runner that returned
+    padded rows, or lost some): pairing them with the requests would shift or drop tokens.
+
+    Raises:
+        RuntimeError: An internal error, naming the runner and the rows.
+    """
+    if rows != batch:
+        raise RuntimeError(
+            f"internal error: the {what} runner ({type(runner).__name__}) returned logits of "
+            f"{rows} rows for a batch of {batch} requests; please report this as a bug"
+        )
 
 
 def noise_keys(rows: list[LiveRequest], sampling: Any) -> torch.Tensor | None:

@@ -160,7 +160,10 @@ class KeyState:
         which batch that is not known (:attr:`low`). When they cannot all be sliced to the real
         batch, drops every graph of the key and marks each of ``sizes`` failed (its calls then
         run eagerly, reason ``capture_failed``), logs and returns why; else ``None``."""
-        seen = [g.outputs for g in self.graphs.values()] + list(self.seen.values())
+        # One observation per size: a graph's outputs, else an eager call's. An eager call at a
+        # size that has a graph since (a lazy capture's warm-up) is no second size to compare.
+        seen = [g.outputs for g in self.graphs.values()]
+        seen += [o for n, o in self.seen.items() if n not in self.graphs]
         rules = row_rules(seen) if len(seen) > 1 else next(iter(self.graphs.values())).outputs.rules
         if not isinstance(rules, str):
             for graph in self.graphs.values():

@@ -10,6 +10,7 @@ group of its own with a short timeout: a regression fails fast with the gloo tim
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 from typing import Any
 
@@ -26,6 +27,8 @@ from graphtune.autotuner import (
     TuningConfig,
     autotune,
 )
+from graphtune.autotuner.cache import TuningCache
+from graphtune.autotuner.distributed import align_cache
 from graphtune.autotuner.entries import BlockedTactic
 from graphtune.autotuner.isolation import CRASH, TacticFailure
 
@@ -105,6 +108,33 @@ def _block_while_tuning(rank: int, strategy: str, group: Any) -> dict:
     return {"first": first, "blocklist": blocked, "again": again}
 
 
+def _align_leaves_equal_entries(rank: int, tmp: str, group: Any) -> dict:
+    """Both ranks' files hold the same entries; rank 0's also blocks an unrelated tactic. After
+    ``align_cache`` another process re-tunes an entry in each rank's file, then the rank saves."""
+    path = f"{tmp}/align-{rank}.json"
+    clock = Clock()
+    alone = AutoTuner(ClockTimer(clock))
+    with autotune(path, alone, distributed="independent"):
+        for rows in BUCKETS:
+            alone.choose_one("op", [CostRunner(clock)], CONFIG, [torch.zeros(rows, 8)])
+    if rank == 0:
+        alone.cache.block(BlockedTactic("another-runner", 7, "crash: simulated"))
+        alone.cache.save(path)
+    cache = TuningCache()
+    cache.load(path)
+    align_cache(cache, DistributedTuning("agree", group))
+    unsaved = cache.unsaved(path)
+    other = TuningCache()
+    other.load(path)
+    key, entry = other.items()[0]
+    other.put(key, dataclasses.replace(entry, tactic=0))
+    other.save(path)
+    cache.save(path)
+    final = TuningCache()
+    final.load(path)
+    return {"unsaved": unsaved, "kept": dict(final.items())[key].tactic}
+
+
 def _scenarios(rank: int, tmp: str) -> dict:
     import torch.distributed as dist
 
@@ -112,6 +142,7 @@ def _scenarios(rank: int, tmp: str) -> dict:
     cases: list[tuple[str, Any]] = [
         ("tune", lambda group: _look_up(rank, tmp, True, group)),
         ("serve", lambda group: _look_up(rank, tmp, False, group)),
+        ("align", lambda group: _align_leaves_equal_entries(rank, tmp, group)),
     ]
     for strategy in (*COLLECTIVE, "independent"):
         cases.append(
@@ -183,3 +214,13 @@ def test_independent_ranks_keep_their_own_blocklists(ranks) -> None:
     a, b = (r["run/independent"] for r in ranks)
     assert (a["blocklist"], b["blocklist"]) == ([], [2])
     assert (a["again"], b["again"]) == (2, 1)
+
+
+@pytest.mark.slow
+def test_aligning_blocklists_leaves_equal_entries_to_other_processes(ranks) -> None:
+    # Entries were replaced by equal copies from the exchange, counted as this rank's to save,
+    # and the save put them back over the other process's re-tuned entry.
+    a, b = (r["align"] for r in ranks)
+    assert "error" not in a and "error" not in b, (a, b)
+    assert (a["unsaved"], b["unsaved"]) == (0, 1)  # rank 1 took the blocked tactic, nothing else
+    assert a["kept"] == b["kept"] == 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphtune.engine import Engine, load_model
+from graphtune.engine import Engine, SamplingParams, load_model
 from graphtune.errors import InputError, NumericalError
 
 PROMPTS = [[1, 5, 9], [7, 8]]
@@ -127,13 +127,15 @@ def test_failure_mid_generation_does_not_leak_kv_slots(reference):
     assert engine.cache.num_free == 2
 
 
-def test_a_decode_runner_returning_padded_rows_is_an_internal_error(reference):
-    # Its extra row was zipped with the requests (a ValueError from zip naming nothing).
+@pytest.mark.parametrize("sampling", [None, SamplingParams(temperature=1.0, seed=1)])
+def test_a_decode_runner_returning_padded_rows_is_an_internal_error(reference, sampling):
+    # Its extra row was zipped with the requests (a ValueError from zip naming nothing); when
+    # sampling, the noise keys' check blamed the caller's keys first.
     engine = Engine(load_model("tiny"), runner="eager", max_batch_size=2, max_seq_len=32)
     real_step = engine.runner.fn
     engine.runner.fn = lambda *args: torch.cat([real_step(*args)] * 2)
     with pytest.raises(RuntimeError, match="decode runner .EagerRunner. returned logits of 4 "):
-        engine.generate(PROMPTS, 4)
+        engine.generate(PROMPTS, 4, sampling=sampling)
     engine.runner.fn = real_step
     assert engine.cache.num_free == 2 and engine.generate(PROMPTS, 4) == reference
 

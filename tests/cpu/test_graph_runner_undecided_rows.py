@@ -23,6 +23,13 @@ def table(x):
     return x * 2, TABLE  # a constant [4, 2] output, returned as it is
 
 
+SIZED_TABLE = torch.arange(16.0).reshape(8, 2)  # as many rows as the capture size 8
+
+
+def sized_table(x):
+    return x * 2, SIZED_TABLE
+
+
 def runner(fn, sizes=(8, 16), **kwargs) -> CUDAGraphRunner:
     return CUDAGraphRunner(
         fn,
@@ -98,14 +105,22 @@ def linear(x):
     return x * 3 + 1
 
 
-@pytest.mark.parametrize("fn", [linear, capped, table], ids=["batch", "capped", "constant"])
-def test_a_lazy_capture_at_the_warm_up_calls_size_is_one_size_not_two(fn):
+@pytest.mark.parametrize(
+    ("fn", "eager_to_tell"),
+    [(linear, 1), (capped, 1), (table, 2), (sized_table, 1)],
+    ids=["batch", "capped", "constant", "constant-of-a-size"],
+)
+def test_a_lazy_capture_at_the_warm_up_calls_size_is_one_size_not_two(fn, eager_to_tell):
     # The warm-up call ran eagerly at batch 8, a capture size; the call at 5 then captured 8.
     # The warm-up's shapes at 8 were counted as a second size beside the graph's: two equal
     # shapes made the batch-sized output a constant, and the call got 8 rows, 3 of them padding.
+    # With only that one size known, an output with 8 rows (the batch, or a constant of 8
+    # rows) cannot be told apart: the call at 5 runs eagerly and tells; a constant of 4 rows
+    # then needs a call below 4 as well (the batch capped at 4 would fit it too).
     r = runner(fn, lazy=True)
     for n in (8, 5, 3, 5, 12, 1):
         x = torch.arange(1.0, 2 * n + 1).reshape(n, 2)
         torch.testing.assert_close(r(x), fn(x), rtol=0, atol=0)
     assert r.stats.fallbacks.get(FallbackReason.WARMING_UP) == 1
+    assert r.stats.fallbacks.get(FallbackReason.ROWS_UNDECIDED) == eager_to_tell
     assert sorted(s for _, s in r.captured_keys) == [8, 16]

@@ -438,7 +438,9 @@ def align_cache(
             len(added),
             len(replaced),
         )
-    cache.update(merged)
+    # Only what changed: an equal entry rewritten would count as this process's to save, and
+    # a save would then put it back over another process's newer entry in the file.
+    cache.update({k: e for k, e in merged.items() if entries.get(k) != e})
     taken = _block_union(cache, [view for _, view in views])
     if taken:
         logger.warning(

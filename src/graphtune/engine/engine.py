@@ -457,8 +457,8 @@ class Engine:
             [r.slot for r in admitted],
         )
         # One device-to-host read for all first tokens of this admission round.
+        check_rows(self.prefill_runner, "prefill", logits.shape[0], len(admitted))
         first = sample(logits, sampling, keys=noise_keys(admitted, sampling)).tolist()
-        check_rows(self.prefill_runner, "prefill", len(first), len(admitted))
         for request, token in zip(admitted, first, strict=True):
             self._accept(request, int(token))
 
@@ -474,8 +474,8 @@ class Engine:
         # The loop built these rows itself; Engine.step's checks are for its callers.
         logits = self.runner(inputs[0], inputs[1], inputs[2])
         # The one host sync per step: the loop must see tokens to stop at EOS.
+        check_rows(self.runner, "decode", logits.shape[0], len(live))
         tokens = sample(logits, sampling, keys=None if keys is None else inputs[3]).tolist()
-        check_rows(self.runner, "decode", len(tokens), len(live))
         for request, token in zip(live, tokens, strict=True):
             request.cached += 1
             self._accept(request, int(token))

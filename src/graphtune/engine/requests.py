@@ -335,8 +335,9 @@ def check_step_inputs(engine: Any, tokens: Any, positions: Any, slots: Any) -> N
 
 
 def check_rows(runner: Any, what: str, rows: int, batch: int) -> None:
-    """Refuses ``rows`` sampled tokens for a ``batch`` of requests (a runner that returned
-    padded rows, or lost some): pairing them with the requests would shift or drop tokens.
+    """Refuses ``rows`` rows of logits for a ``batch`` of requests (a runner that returned
+    padded rows, or lost some) before sampling: pairing their tokens with the requests would
+    shift or drop tokens.
 
     Raises:
         RuntimeError: An internal error, naming the runner and the rows.

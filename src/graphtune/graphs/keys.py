@@ -154,16 +154,32 @@ class KeyState:
             return None
         return self._drop_records(self.drop_if_unsliceable(sizes), records)
 
+    def rows_unknown_at(self, n: int, size: int) -> bool:
+        """Whether a lazy capture of ``size`` for a batch of ``n`` would leave this call's rows
+        undecided (the capture computes them, so no eager run could tell them afterwards): by
+        the key's graphs and eager calls so far, some output's rows are not known below a batch
+        above ``n``. A lone size tells nothing of an output with as many rows (the batch, or a
+        constant of that many rows). An eager call at ``n`` tells instead; a later call captures.
+        """
+        seen = self._evidence()
+        if n >= size or not seen:
+            return False
+        rules = row_rules(seen if len(seen) > 1 else seen * 2)
+        return not isinstance(rules, str) and n < undecided_rows(seen, rules)[0]
+
+    def _evidence(self) -> list[StaticOutputs]:
+        """One observation per size: a graph's outputs, else an eager call's (an eager call at a
+        size that has a graph since, a lazy capture's warm-up, is no second size to compare)."""
+        seen = [g.outputs for g in self.graphs.values()]
+        return seen + [o for n, o in self.seen.items() if n not in self.graphs]
+
     def drop_if_unsliceable(self, sizes: Sequence[int]) -> str | None:
         """Decides how every graph of the key slices each output from its shapes at all the
         key's sizes and eager batches (:func:`~graphtune.graphs.outputs.row_rules`), and below
         which batch that is not known (:attr:`low`). When they cannot all be sliced to the real
         batch, drops every graph of the key and marks each of ``sizes`` failed (its calls then
         run eagerly, reason ``capture_failed``), logs and returns why; else ``None``."""
-        # One observation per size: a graph's outputs, else an eager call's. An eager call at a
-        # size that has a graph since (a lazy capture's warm-up) is no second size to compare.
-        seen = [g.outputs for g in self.graphs.values()]
-        seen += [o for n, o in self.seen.items() if n not in self.graphs]
+        seen = self._evidence()
         rules = row_rules(seen) if len(seen) > 1 else next(iter(self.graphs.values())).outputs.rules
         if not isinstance(rules, str):
             for graph in self.graphs.values():

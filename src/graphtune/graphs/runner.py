@@ -334,10 +334,14 @@ class CUDAGraphRunner:
         )
 
     # ------------------------------------------------------------------ internals
-
     def _eager(self, reason: FallbackReason, inputs: tuple) -> Any:
         self.stats.count_fallback(reason)
         return self.fn(*inputs)
+
+    def _undecided(self, key_state: KeyState, n: int, inputs: tuple) -> Any:
+        out = self._eager(FallbackReason.ROWS_UNDECIDED, inputs)
+        self._observe(key_state, n, out)  # its shapes at n decide the rows
+        return out
 
     def _call_slow(self, inputs: tuple, extra: Hashable, key_state: KeyState | None) -> Any:
         """Every call that does not replay an existing graph: decide, maybe capture lazily."""
@@ -380,9 +384,7 @@ class CUDAGraphRunner:
             return self._eager(decision, inputs)
         assert key_state is not None and n is not None and size is not None
         if n < key_state.low:  # rows undecided (a replay or a capture would guess): this call tells
-            out = self._eager(FallbackReason.ROWS_UNDECIDED, inputs)
-            self._observe(key_state, n, out)
-            return out
+            return self._undecided(key_state, n, inputs)
         plan = key_state.inputs
         if decision is Route.CAPTURE_THEN_REPLAY:
             warm_size = self.policy.warm_each_size and size not in key_state.warmed
@@ -396,6 +398,8 @@ class CUDAGraphRunner:
                 self.stats.warmup_seconds += key_state.warmed[size]
                 self._observe(key_state, n, out)  # its shapes at n help decide the row rules
                 return out
+            if key_state.rows_unknown_at(n, size):  # no other size to tell the batch rows by
+                return self._undecided(key_state, n, inputs)
             plan.copy_in(leaves, n, size, self._debug)  # the capture computes on these rows
             with self._backend.device_guard(self._device), frozen_gc(collect=False):
                 self._capture_size(key_state, size, key_state.warmed.get(size, 0.0))

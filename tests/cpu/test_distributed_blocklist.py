@@ -67,16 +67,22 @@ def _blocklist(tuner: AutoTuner) -> list[Any]:
     return sorted(b.tactic for b in tuner.cache.blocklist())
 
 
-def _look_up(rank: int, tmp: str, tune: bool, group: Any) -> dict:
-    """Both ranks' cache files hold the same picks (tactic 2, tuned alone), but only rank 0's
-    blocklists tactic 2 (a worker crashed there once). Then both look up every bucket under
-    ``agree``, tuning (``tune``) or cache-only."""
-    path = f"{tmp}/{'tune' if tune else 'serve'}-{rank}.json"
+def _tuned_alone(path: str) -> AutoTuner:
+    """A tuner that tuned every bucket of ``op`` alone (picks tactic 2) and saved to ``path``."""
     clock = Clock()
     alone = AutoTuner(ClockTimer(clock))
     with autotune(path, alone, distributed="independent"):
         for rows in BUCKETS:
             alone.choose_one("op", [CostRunner(clock)], CONFIG, [torch.zeros(rows, 8)])
+    return alone
+
+
+def _look_up(rank: int, tmp: str, tune: bool, group: Any) -> dict:
+    """Both ranks' cache files hold the same picks (tactic 2, tuned alone), but only rank 0's
+    blocklists tactic 2 (a worker crashed there once). Then both look up every bucket under
+    ``agree``, tuning (``tune``) or cache-only."""
+    path = f"{tmp}/{'tune' if tune else 'serve'}-{rank}.json"
+    alone = _tuned_alone(path)
     if rank == 0:
         entry = next(entry for _, entry in alone.cache.items())
         alone.cache.block(BlockedTactic(entry.runner_id, entry.tactic, "crash: simulated"))
@@ -112,11 +118,7 @@ def _align_leaves_equal_entries(rank: int, tmp: str, group: Any) -> dict:
     """Both ranks' files hold the same entries; rank 0's also blocks an unrelated tactic. After
     ``align_cache`` another process re-tunes an entry in each rank's file, then the rank saves."""
     path = f"{tmp}/align-{rank}.json"
-    clock = Clock()
-    alone = AutoTuner(ClockTimer(clock))
-    with autotune(path, alone, distributed="independent"):
-        for rows in BUCKETS:
-            alone.choose_one("op", [CostRunner(clock)], CONFIG, [torch.zeros(rows, 8)])
+    alone = _tuned_alone(path)
     if rank == 0:
         alone.cache.block(BlockedTactic("another-runner", 7, "crash: simulated"))
         alone.cache.save(path)

@@ -456,8 +456,8 @@ class Engine:
             [r.prompt for r in admitted],
             [r.slot for r in admitted],
         )
-        # One device-to-host read for all first tokens of this admission round.
         check_rows(self.prefill_runner, "prefill", logits.shape[0], len(admitted))
+        # One device-to-host read for all first tokens of this admission round.
         first = sample(logits, sampling, keys=noise_keys(admitted, sampling)).tolist()
         for request, token in zip(admitted, first, strict=True):
             self._accept(request, int(token))
@@ -473,8 +473,8 @@ class Engine:
         inputs = host.to(self.device, non_blocking=True)
         # The loop built these rows itself; Engine.step's checks are for its callers.
         logits = self.runner(inputs[0], inputs[1], inputs[2])
-        # The one host sync per step: the loop must see tokens to stop at EOS.
         check_rows(self.runner, "decode", logits.shape[0], len(live))
+        # The one host sync per step: the loop must see tokens to stop at EOS.
         tokens = sample(logits, sampling, keys=None if keys is None else inputs[3]).tolist()
         for request, token in zip(live, tokens, strict=True):
             request.cached += 1

@@ -1,5 +1,6 @@
 """Runs a function in several ``spawn`` processes joined by one gloo process group, for the
-tensor-parallel tests (``test_engine_tp.py``, ``test_engine_tp_misuse.py``)."""
+multi-process tests (the tensor-parallel engine's ``test_engine_tp*.py`` and
+``test_tp_rank_failures.py``, distributed tuning's ``test_distributed_blocklist.py``)."""
 
 from __future__ import annotations
 

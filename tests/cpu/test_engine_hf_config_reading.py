@@ -395,6 +395,18 @@ def test_an_integer_too_large_for_a_float_is_one_line_naming_the_field(tmp_path,
         from_hf_config({**doc, field: 10**400})
 
 
+def test_rms_norm_eps_0_is_read_and_matches_transformers(tmp_path):
+    # transformers takes any eps, 0 included; graphtune refused the folder.
+    _, folder = build_hf("llama", tmp_path)
+    _edit(folder, rms_norm_eps=0.0)
+    assert load_checkpoint(folder).config.rms_norm_eps == 0.0
+    compare(_transformers(folder), folder, prompt_len=5, decode_steps=2)
+    with pytest.raises(ConfigError, match="rms_norm_eps must be a finite number >= 0"):
+        from graphtune.engine.presets import PRESETS
+
+        PRESETS["tiny"].replace(rms_norm_eps=-1e-6)
+
+
 def test_nan_inside_rope_scaling_names_its_field(tmp_path):
     _, folder = build_hf("llama", tmp_path)
     _edit(folder, rope_scaling={**LLAMA3_SCALING, "factor": float("nan")})

@@ -125,3 +125,17 @@ def test_sample_takes_one_int64_key_per_row():
     picked = sample(LOGITS, SamplingParams(temperature=1.0), keys=keys)
     assert picked.shape == (4,) and picked.dtype == torch.long
     assert torch.equal(picked[1:2], sample(LOGITS[1:2], SamplingParams(1.0), keys=keys[1:2]))
+
+
+@pytest.mark.parametrize("keyed", [False, True])
+def test_top_k_1_at_a_positive_temperature_samples_among_tokens_tied_at_the_top(keyed):
+    # transformers' top-k keeps every token tied with the k-th score; argmax took the first.
+    logits = torch.tensor([[0.0, 3.0, 3.0, 1.0]]).expand(4000, 4)
+    params = SamplingParams(temperature=0.7, top_k=1, seed=5)
+    assert not params.greedy
+    if keyed:
+        picked = sample(logits, params, keys=request_keys(5, [(i, 0) for i in range(4000)]))
+    else:
+        picked = sample(logits, params, torch.Generator().manual_seed(5))
+    counts = torch.bincount(picked, minlength=4).tolist()
+    assert counts[0] == counts[3] == 0 and 1800 < counts[1] < 2200

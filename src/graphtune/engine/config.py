@@ -188,12 +188,16 @@ class ModelConfig:
             )
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ConfigError("sliding_window must be > 0 or None")
-        for name in ("rms_norm_eps", "rope_theta"):
-            value = getattr(self, name)
-            if not (finite_float(value) and value > 0):
-                raise ConfigError(
-                    f"ModelConfig.{name} must be a finite number > 0, got {brief(value)}"
-                )
+        # transformers takes any eps, 0 too (a row of zeros then normalises to NaN, as there).
+        if not (finite_float(self.rms_norm_eps) and self.rms_norm_eps >= 0):
+            raise ConfigError(
+                f"ModelConfig.rms_norm_eps must be a finite number >= 0, "
+                f"got {brief(self.rms_norm_eps)}"
+            )
+        if not (finite_float(self.rope_theta) and self.rope_theta > 0):
+            raise ConfigError(
+                f"ModelConfig.rope_theta must be a finite number > 0, got {brief(self.rope_theta)}"
+            )
         if self.hidden_act not in GATED_ACTIVATIONS:
             raise ConfigError(
                 f"ModelConfig.hidden_act={self.hidden_act!r} is not implemented; use one of "

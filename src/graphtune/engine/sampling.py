@@ -84,8 +84,10 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """Whether sampling reduces to argmax."""
-        return self.temperature == 0.0 or self.top_k == 1
+        """Whether sampling reduces to argmax: temperature 0. ``top_k=1`` at a positive
+        temperature still samples, among the tokens tied with the largest logit, as
+        transformers' top-k does."""
+        return self.temperature == 0.0
 
 
 def _field(name: str, value: object) -> str:

@@ -168,3 +168,33 @@ def test_can_graph_may_answer_with_a_numpy_bool(answer):
         assert torch.equal(runner(x), x @ W)
     assert runner.stats.replays == (1 if answer else 0)
     assert runner.stats.fallback_count(FallbackReason.PREDICATE_REFUSED) == (0 if answer else 1)
+
+
+@pytest.mark.parametrize("nested", [False, True], ids=["flat", "nested"])
+@pytest.mark.parametrize(
+    "replacement",
+    [lambda w: (w,), lambda w: [w], lambda w: None, lambda w: 3],
+    ids=["tuple", "list", "None", "int"],
+)
+def test_a_non_batched_tensor_replaced_by_another_value_is_refused(replacement, nested):
+    # The graph kept reading the captured tensor: the call returned x @ W for any value there,
+    # without debug mode (which checks the tensor's address, not whether it is a tensor).
+    def fn(x, w, *rest):
+        return x @ (w[0] if isinstance(w, (tuple, list)) else w)
+
+    runner = CUDAGraphRunner(
+        fn,
+        max_batch_size=4,
+        capture_sizes=[2, 4],
+        batched={"1": False},
+        backend=SimulatedGraphBackend(),
+    )
+    rest = ({"k": 1},) if nested else ()  # a nested call does not take the flat fast path
+    runner.capture(torch.randn(4, 4), W, *rest)
+    x = torch.randn(3, 4)
+    with pytest.raises(InputError, match="input 1 got a value of type .* non-batched tensor"):
+        runner(x, replacement(torch.randn(4, 4)), *rest)
+    with pytest.raises(InputError, match="input 1 got a value of type"):
+        runner.padded_inputs(x, replacement(W), *rest)
+    assert torch.equal(runner(x, W, *rest), fn(x, W))
+    assert runner.stats.replays == 1

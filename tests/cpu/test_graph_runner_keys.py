@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 
 import numpy as np
 import pytest
 import torch
 
-from graphtune.errors import ConfigError
+from graphtune.errors import ConfigError, InputError
 from graphtune.graphs import CUDAGraphRunner, SimulatedGraphBackend
 from graphtune.graphs.keys import typed_key
 
@@ -70,6 +71,28 @@ def test_equal_constant_inputs_returned_from_key_fn_are_other_keys():
     assert runner.stats.replays == 3
 
 
+def test_a_zero_of_the_other_sign_is_another_constant_and_another_key():
+    # -0.0 == 0.0, so a graph captured with c=0.0 replayed for c=-0.0: inf where eager gives -inf.
+    def step(x, c):
+        return x / c
+
+    x = torch.ones(4, 2)
+    baked = CUDAGraphRunner(step, max_batch_size=4, backend=SimulatedGraphBackend())
+    baked.capture(x, 0.0)
+    with pytest.raises(InputError, match="-0.0 but the graph was captured with 0.0"):
+        baked(x, -0.0)
+    keyed = CUDAGraphRunner(
+        step, max_batch_size=4, key_fn=lambda inp: inp[1], backend=SimulatedGraphBackend()
+    )
+    for c in (0.0, -0.0):
+        keyed.capture(x, c)
+    signs = [(math.copysign(1.0, key), size) for key, size in keyed.captured_keys]
+    assert signs == [(1.0, 1), (1.0, 2), (1.0, 4), (-1.0, 1), (-1.0, 2), (-1.0, 4)]
+    for c in (-0.0, 0.0):
+        assert torch.equal(keyed(x, c), step(x, c))
+    assert keyed.stats.replays == 2
+
+
 def test_a_dropped_key_fails_its_own_records_only():
     # Key True's outputs cannot be sliced to a batch, so its graphs are dropped; key 1's
     # records (equal key, other type) stay ok and its graphs replay.
@@ -96,12 +119,17 @@ def test_typed_key_compares_type_and_value_through_tuples():
     assert typed_key((1, (2, "a"))) != typed_key((1, (2.0, "a")))
     assert typed_key((True,)) != typed_key((1,))
     assert typed_key(float("nan")) == typed_key(float("nan"))
-    assert typed_key(-0.0) == typed_key(0.0)  # equal floats: one key
+    # Equal, but two constants to a graph (x / c is -inf or inf): two keys, as NaN is one.
+    assert typed_key(-0.0) != typed_key(0.0) and typed_key(-0.0) == typed_key(-0.0)
+    assert typed_key(complex(1.0, -0.0)) != typed_key(complex(1.0, 0.0))
+    assert typed_key(np.float64(-0.0)) != typed_key(np.float64(0.0))
     assert typed_key(frozenset({1})) == typed_key(frozenset({True}))  # other values: ==
     # The flat-tuple fast path keeps the same rules.
     assert len({typed_key(v) for v in ((1, "a"), (1.0, "a"), (True, "a"))}) == 3
     assert typed_key((float("nan"), 1)) == typed_key((float("nan"), 1))
-    assert typed_key((-0.0, None)) == typed_key((0.0, None))
+    assert typed_key((-0.0, None)) != typed_key((0.0, None))
+    assert typed_key((0.0, 0)) == typed_key((0.0, 0)) != typed_key((-0.0, 0))
+    assert typed_key(((-0.0,), 2)) != typed_key(((0.0,), 2))
     assert typed_key(((float("nan"),), 2)) == typed_key(((float("nan"),), 2))
     assert typed_key(collections.namedtuple("P", "a")(1)) != typed_key((1,))
 

@@ -10,7 +10,13 @@ import logging
 import pytest
 import torch
 
-from graphtune.graphs import CUDAGraphRunner, FallbackReason, SimulatedGraphBackend
+from graphtune.errors import InputError
+from graphtune.graphs import (
+    CapturePolicy,
+    CUDAGraphRunner,
+    FallbackReason,
+    SimulatedGraphBackend,
+)
 
 TABLE = torch.arange(8.0).reshape(4, 2)
 
@@ -124,3 +130,40 @@ def test_a_lazy_capture_at_the_warm_up_calls_size_is_one_size_not_two(fn, eager_
     assert r.stats.fallbacks.get(FallbackReason.WARMING_UP) == 1
     assert r.stats.fallbacks.get(FallbackReason.ROWS_UNDECIDED) == eager_to_tell
     assert sorted(s for _, s in r.captured_keys) == [8, 16]
+
+
+def scaled_head(x, scale):
+    return x * scale, x[:4]
+
+
+BAD_INPUTS = {  # each the mistake a replay refuses with InputError, for a batch of n
+    "trailing-shape": lambda n: (torch.ones(n, 5), torch.ones(n, 1)),
+    "dtype": lambda n: (torch.ones(n, 2, dtype=torch.float64), torch.ones(n, 1)),
+    "rows": lambda n: (torch.ones(n, 2), torch.ones(n + 1, 1)),
+}
+
+
+@pytest.mark.parametrize("bad", list(BAD_INPUTS.values()), ids=list(BAD_INPUTS))
+@pytest.mark.parametrize("route", ["rows-undecided", "lazy-warm-up"])
+def test_an_eager_call_that_tells_the_rows_refuses_what_a_replay_refuses(route, bad):
+    # Such a call ran fn on the bad inputs unchecked and took its output shapes as evidence:
+    # (3, 5) beside (8, 2) fit no row rule, so every graph of the key was dropped and every
+    # later call ran eagerly ("capture failed"), with no InputError.
+    if route == "rows-undecided":  # x[:4] is undecided below 4: a call of 3 runs eagerly
+        r = runner(scaled_head)
+        r.capture(torch.ones(16, 2), torch.ones(16, 1))
+        n, good = 3, [3, 3, 12]
+    else:  # size 16's first call is its warm-up, run eagerly
+        r = runner(scaled_head, lazy=True, policy=CapturePolicy(warm_each_size=True))
+        for _ in range(2):  # size 8: its warm-up, then its capture
+            r(torch.ones(5, 2), torch.ones(5, 1))
+        n, good = 12, [12, 12, 5]
+    graphs, fallbacks = r.captured_keys, dict(r.stats.fallbacks)
+    with pytest.raises(InputError, match="expected shape"):
+        r(*bad(n))
+    assert r.captured_keys == graphs and r.stats.fallbacks == fallbacks
+    for m in good:
+        x, scale = torch.arange(1.0, 2 * m + 1).reshape(m, 2), torch.full((m, 1), 2.0)
+        torch.testing.assert_close(r(x, scale), scaled_head(x, scale), rtol=0, atol=0)
+    assert FallbackReason.CAPTURE_FAILED not in r.stats.fallbacks
+    assert r.stats.replays == (2 if route == "rows-undecided" else 3)

@@ -284,6 +284,15 @@ def test_a_nat_in_a_constant_input_matches_an_equal_array():
         (complex(float("nan"), 1), complex(float("nan"), 1), True),
         (complex(float("nan"), 1), complex(float("nan"), 2), False),
         (1.0, 1, False),
+        # Equal by ==, but x / c is -inf for one and inf for the other.
+        (-0.0, 0.0, False),
+        (-0.0, -0.0, True),
+        (complex(1.0, -0.0), complex(1.0, 0.0), False),
+        (decimal.Decimal("-0"), decimal.Decimal("0"), False),
+        (np.float32(-0.0), np.float32(0.0), False),
+        (np.array([1.0, -0.0]), np.array([1.0, 0.0]), False),
+        (np.array([1.0, -0.0, np.nan]), np.array([1.0, -0.0, np.nan]), True),
+        (np.array([complex(0.0, -0.0)]), np.array([0j]), False),
     ],
 )
 def test_same_constant(a, b, same):

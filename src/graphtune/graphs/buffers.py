@@ -75,6 +75,7 @@ class StaticInputs:
         # Non-batched tensors by what a graph reads of them: address, shape and strides (a view
         # such as w.t() or w[:, :2] shares w's address but is another tensor).
         self._static_ptrs: list[tuple[int, tuple[Any, ...]]] = []
+        self._static_tensors: list[int] = []  # checked every call to be tensors still
         example_batch = leaves[batch_index].shape[0]
         for index, (leaf, batched) in enumerate(zip(leaves, flags, strict=True)):
             if batched:
@@ -89,6 +90,7 @@ class StaticInputs:
                 self._statics[index] = None
             elif isinstance(leaf, torch.Tensor):
                 self._static_ptrs.append((index, _layout(leaf)))
+                self._static_tensors.append(index)
             else:
                 self._constants.append((index, leaf))
         self._views: dict[tuple[int, int], _Rows] = {}  # by (rows copied, padded size)
@@ -190,19 +192,43 @@ class StaticInputs:
             except RuntimeError as exc:
                 if "inference tensor" not in str(exc):
                     raise
-                raise InputError(
-                    "the graph runner's buffers were made under torch.inference_mode() and this "
-                    "call runs outside it, where they cannot be written; call the runner under "
-                    "torch.inference_mode() too (or capture outside it)"
-                ) from None
+                raise _inference_error() from None
         for fill in rows.pads:
             fill()
         self.check_unbatched(leaves, debug)
 
+    def check(self, leaves: Any, n: int, debug: bool) -> None:
+        """Raises the InputError :meth:`copy_in` raises for a call's ``leaves`` of batch ``n``,
+        without copying: the runner checks each call it runs eagerly whose outputs count as
+        evidence (of the key's row rules, of whether they require grad), since the outputs of
+        inputs a replay would refuse tell nothing true of the key."""
+        for index, buf in self._buffers.items():
+            got = leaves[index]
+            if not (
+                isinstance(got, torch.Tensor)
+                and got.shape == (n, *self._trailing[index])
+                and got.dtype == buf.dtype
+                and got.device == buf.device
+            ):
+                raise self._mismatch(index, got, n, leaves)
+            if buf.is_inference() and not torch.is_inference_mode_enabled():
+                raise _inference_error()
+        self.check_unbatched(leaves, debug)
+
     def check_unbatched(self, leaves: Any, debug: bool) -> None:
-        """Raises InputError when a constant differs from the captured one, or (``debug``) a
-        non-batched tensor is not the captured one: what a call refuses besides its batched
-        inputs (:meth:`copy_in` and :meth:`padded_copy` both check it here)."""
+        """Raises InputError when a constant differs from the captured one, a non-batched tensor
+        is not a tensor any more, or (``debug``) not the captured one: what a call refuses
+        besides its batched inputs (:meth:`copy_in` and :meth:`check` both check it here)."""
+        for index in self._static_tensors:
+            got = leaves[index]
+            if not isinstance(got, torch.Tensor):
+                raise InputError(
+                    f"input {path_str(self.paths[index])} got a value of type "
+                    f"{type(got).__name__}, but the graph was captured with a non-batched tensor "
+                    "there, which it reads at its captured address and would keep reading; pass "
+                    "the same tensor object every call, or return a different key_fn value for "
+                    "this variant"
+                )
         for index, value in self._constants:
             got = leaves[index]
             if got is not value and not same_constant(got, value):
@@ -279,17 +305,9 @@ class StaticInputs:
             InputError: What :meth:`copy_in` raises for these inputs.
         """
         leaves = list(self.spec.flatten(inputs))
-        self.check_unbatched(leaves, debug)
         n = leaves[self.batch_index].shape[0]
+        self.check(leaves, n, debug)
         for index, buf in self._buffers.items():
-            got = leaves[index]
-            if not (
-                isinstance(got, torch.Tensor)
-                and tuple(got.shape) == (n, *self._trailing[index])
-                and got.dtype == buf.dtype
-                and got.device == buf.device
-            ):
-                raise self._mismatch(index, got, n, leaves)
             padded = torch.empty((s, *buf.shape[1:]), dtype=buf.dtype, device=buf.device)
             padded[:n].copy_(leaves[index])
             if n < s:
@@ -358,6 +376,15 @@ def _find_batch_index(leaves: list, is_tensor: list[bool], explicit: list) -> in
         if tensor and flag is not False and leaf.dim() >= 1:
             return index
     return None
+
+
+def _inference_error() -> InputError:
+    """The error of a call that would write buffers made under ``torch.inference_mode()``."""
+    return InputError(
+        "the graph runner's buffers were made under torch.inference_mode() and this call runs "
+        "outside it, where they cannot be written; call the runner under "
+        "torch.inference_mode() too (or capture outside it)"
+    )
 
 
 def _layout(t: torch.Tensor) -> tuple[Any, ...]:

@@ -38,6 +38,7 @@ from typing import Any
 
 from graphtune.graphs.backend import GraphBackend
 from graphtune.graphs.breaks import BreakBuffers, BreakCounters, PieceCapture
+from graphtune.graphs.grad import detached, outputs_need_grad
 from graphtune.graphs.memory import Disowner
 from graphtune.graphs.outputs import StaticOutputs
 
@@ -104,9 +105,11 @@ class CapturedGraph:
         record: The capture record.
         shared: Non-owning storages of this key's outputs and break inputs (invalidated by
             ``release()``); empty when the outputs own their memory.
+        needs_grad: Whether the captured outputs required grad (``fn`` read a tensor that
+            requires grad, with autograd on); ``outputs`` hold them detached (grad.py).
     """
 
-    __slots__ = ("key", "graph", "replay", "outputs", "record", "shared")
+    __slots__ = ("key", "graph", "replay", "outputs", "record", "shared", "needs_grad")
 
     def __init__(
         self,
@@ -115,6 +118,7 @@ class CapturedGraph:
         outputs: StaticOutputs,
         record: CaptureRecord,
         shared: list | None = None,
+        needs_grad: bool = False,
     ) -> None:
         self.key = key
         self.graph = graph
@@ -122,6 +126,7 @@ class CapturedGraph:
         self.outputs = outputs
         self.record = record
         self.shared = shared or []
+        self.needs_grad = needs_grad
 
 
 @contextmanager
@@ -180,6 +185,9 @@ def capture_key(
             except BaseException:
                 session.abort()
                 raise
+        needs_grad = outputs_need_grad(outputs)
+        if needs_grad:  # replays record no autograd: the capture's grad_fn would be stale
+            outputs = detached(outputs)
         # The outputs' structure is rebuilt on every replay: one that cannot be rebuilt fails
         # here, as a capture, instead of in every call.
         static = StaticOutputs(outputs, size)
@@ -218,7 +226,7 @@ def capture_key(
         ran_pieces=session.executed,
     )
     graph = session.graph(counters)
-    return CapturedGraph((extra_key, size), graph, static, record, shared)
+    return CapturedGraph((extra_key, size), graph, static, record, shared, needs_grad)
 
 
 def _failed(

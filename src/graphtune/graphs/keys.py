@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Hashable, Sequence
 from operator import ne
 from typing import Any
@@ -19,9 +20,10 @@ from graphtune.errors import CaptureError, ConfigError, InputError
 from graphtune.graphs.breaks import BreakBuffers, PiecewiseGraph
 from graphtune.graphs.buffers import StaticInputs
 from graphtune.graphs.capture import CapturedGraph, CaptureRecord
+from graphtune.graphs.grad import outputs_need_grad
 from graphtune.graphs.outputs import StaticOutputs, row_rules, undecided_rows
 from graphtune.graphs.policy import GraphState
-from graphtune.graphs.tree import flatten_with_paths, path_str
+from graphtune.graphs.tree import path_str
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +42,7 @@ class KeyState:
         "seen",
         "low",
         "noted",
+        "grad",
     )
 
     def __init__(self, extra_key: Hashable, inputs: StaticInputs) -> None:
@@ -57,6 +60,39 @@ class KeyState:
         # the hot path replays only from it, a smaller batch runs eagerly once and tells.
         self.low = 1
         self.noted: tuple[int, list[str]] = (1, [])  # the undecided outputs, once decided
+        # Whether fn's outputs require grad when it runs with autograd on (grad.py), by the
+        # latest capture or eager call that ran so; None until one has.
+        self.grad: bool | None = None
+
+    @classmethod
+    def build(
+        cls,
+        extra_key: Hashable,
+        inputs: tuple,
+        rows: int,
+        pad: Any,
+        batched: Any,
+        device_type: str | None,
+    ) -> KeyState | None:
+        """The state of key ``extra_key`` with static buffers of ``rows`` rows built from a
+        call's (or ``capture()``'s example) ``inputs`` by the ``pad`` and ``batched`` arguments
+        (only batched tensors on ``device_type``, when given), or None when no tensor is batched.
+
+        Raises:
+            ConfigError, InputError: What :meth:`StaticInputs.build` raises for them.
+        """
+        plan = StaticInputs.build(
+            inputs, rows=rows, pad=pad, batched=batched, device_type=device_type
+        )
+        if plan is None:
+            return None
+        logger.debug(
+            "graph runner buffers for key %r: batched inputs %s, %d rows",
+            extra_key,
+            ", ".join(plan.batched_paths),
+            plan.rows,
+        )
+        return cls(extra_key, plan)
 
     @property
     def nbytes(self) -> int:
@@ -104,12 +140,15 @@ class KeyState:
         """Keeps a capture's result (a graph, or the record of a failed capture) and its record
         in ``records`` (the runner's ``stats.records``). A new graph whose outputs cannot be
         sliced beside another size's drops the key's graphs (:meth:`drop_if_unsliceable`):
-        their records in ``records`` then say failed too. Returns why it dropped them, or
-        ``None``."""
+        their records in ``records`` then say failed too. A capture made with autograd on
+        tells whether the key's outputs require grad (:attr:`grad`). Returns why it dropped
+        them, or ``None``."""
         if not isinstance(result, CapturedGraph):
             self.failed[result.size] = result
             records.append(result)
             return None
+        if torch.is_grad_enabled():
+            self.grad = result.needs_grad
         self.graphs[result.record.size] = result
         records.append(result.record)
         return self._drop_records(self.drop_if_unsliceable(sizes), records)
@@ -123,27 +162,42 @@ class KeyState:
         return dropped
 
     def refuse_rerun(self, size: int) -> None:
-        """Raises when the failed (or dropped) capture of ``size`` ran pieces of this call's
+        """Raises when the lazy capture of ``size`` that this call cannot use (it failed, its
+        graph was dropped, or its outputs require grad under autograd) ran pieces of this call's
         ``fn`` at graph breaks: running ``fn`` again eagerly would run them twice.
 
         Raises:
-            CaptureError: Those pieces ran; later calls of ``size`` run eagerly.
+            CaptureError: Those pieces ran; later calls of ``size`` (with autograd on, when
+                the outputs require grad) run eagerly.
         """
-        record = self.failed.get(size)
-        if record is not None and record.ran_pieces:
-            raise CaptureError(
-                f"the lazy capture of size {size} failed after {record.ran_pieces} piece(s) of "
-                "fn ran on this call's rows (at graph breaks), so running fn again eagerly would "
-                f"run them twice; this call raises, later calls of size {size} run eagerly. The "
-                "cause is logged (graphtune.graphs) and kept in stats.records; to avoid this, "
-                "capture the key ahead with capture(), which captures on example rows."
+        graph = self.graphs.get(size)
+        record = graph.record if graph is not None else self.failed.get(size)
+        if record is None or not record.ran_pieces:
+            return
+        if graph is not None:
+            why, later = (
+                "showed fn's outputs require grad (a replay drops them)",
+                "with autograd on",
             )
+            fix = "call under torch.no_grad() to replay, or use an EagerRunner for autograd"
+        else:
+            why, later = "failed", f"of size {size}"
+            fix = "capture the key ahead with capture(), which captures on example rows"
+        raise CaptureError(
+            f"the lazy capture of size {size} {why} after {record.ran_pieces} piece(s) of fn ran "
+            "on this call's rows (at graph breaks), so running fn again eagerly would run them "
+            f"twice; this call raises, later calls {later} run eagerly. The cause is kept in "
+            f"stats.records (a failure is logged by graphtune.graphs); to avoid this, {fix}."
+        )
 
     def observe(self, n: int, outputs: Any, sizes: Sequence[int], records: list[Any]) -> str | None:
         """Keeps the shapes of an eager call's ``outputs`` at batch ``n`` as evidence for the
         row rules, deciding them again when graphs exist (:meth:`drop_if_unsliceable`; a drop
-        marks their records in ``records`` failed, as :meth:`keep` does). Returns why it
-        dropped the key's graphs, or ``None``."""
+        marks their records in ``records`` failed, as :meth:`keep` does); with autograd on, they
+        tell whether the key's outputs require grad (:attr:`grad`). Only a call whose inputs a
+        replay would take may tell. Returns why it dropped the key's graphs, or ``None``."""
+        if torch.is_grad_enabled():
+            self.grad = outputs_need_grad(outputs)
         if n < 1 or n in self.seen or any(g.outputs.size == n for g in self.graphs.values()):
             return None
         try:
@@ -251,9 +305,10 @@ def typed_key(extra: Any) -> Hashable:
     1, 1.0 and True (equal in Python, but three constants to a graph, as in
     :func:`~graphtune.graphs.values.same_constant`) are three keys, and ``(1, 2)`` is not
     ``(1.0, 2)``. A NaN float (``numpy.float64`` and other float subclasses too) equals itself
-    here, as does a complex number with a NaN part; other values (a frozenset's items too) compare
-    by ``==``. ``None`` stays ``None``. Does not hash: an unhashable value raises where it is
-    looked up."""
+    here, as does a complex number with a NaN part, and a zero (or a complex number's zero part)
+    equals only a zero of its sign (``-0.0`` and ``0.0`` are two keys, as they are two constants
+    to a graph); other values (a frozenset's items too) compare by ``==``. ``None`` stays
+    ``None``. Does not hash: an unhashable value raises where it is looked up."""
     if extra is None:
         return None
     kind = type(extra)
@@ -261,10 +316,13 @@ def typed_key(extra: Any) -> Hashable:
         return (kind, extra)
     if isinstance(extra, tuple):
         types = tuple(map(type, extra))
-        # A flat tuple of plain values holding no NaN (ne(x, x) in C: True only for a NaN) is
-        # keyed by its items' types and itself, built in C: the types tell 1, 1.0 and True
-        # apart. Any other tuple is keyed item by item.
-        if _FLAT.issuperset(types) and (float not in types or not any(map(ne, extra, extra))):
+        # A flat tuple of plain values holding no NaN (ne(x, x) in C: True only for a NaN) and
+        # no zero float (== cannot tell -0.0 from 0.0; an int 0 or False matches too and only
+        # costs the slow path) is keyed by its items' types and itself, built in C: the types
+        # tell 1, 1.0 and True apart. Any other tuple is keyed item by item.
+        if _FLAT.issuperset(types) and (
+            float not in types or (not any(map(ne, extra, extra)) and 0.0 not in extra)
+        ):
             return (kind, types, extra)
     return _deep_key(extra)
 
@@ -276,8 +334,8 @@ def _deep_key(extra: Any) -> Hashable:
         return (kind, extra)
     if isinstance(extra, tuple):
         return (kind, tuple([_deep_key(item) for item in extra]))
-    if isinstance(extra, (float, complex)) and extra != extra:  # numpy.float64 too
-        return (kind, _nan_parts(extra))
+    if isinstance(extra, (float, complex)):  # numpy.float64 and complex128 too
+        return (kind, _number_parts(extra))
     return (kind, extra) if extra is not None else None
 
 
@@ -287,11 +345,15 @@ _PLAIN = frozenset({int, str, bool, bytes})
 _FLAT = _PLAIN | {type(None), float}
 
 
-def _nan_parts(value: complex) -> tuple[Any, ...]:
-    """A NaN number's stand-in in a key: equal for every NaN of the same type (of the same
-    other part, for a complex), as :func:`~graphtune.graphs.values.same_constant` compares."""
+def _number_parts(value: complex) -> tuple[Any, ...]:
+    """A float's or complex number's stand-in in a key, as
+    :func:`~graphtune.graphs.values.same_constant` compares them: every NaN part is one
+    ``"nan"``, and a zero part carries its sign (``-0.0 == 0.0`` would make them one key)."""
     parts = (value.real, value.imag) if isinstance(value, complex) else (value, 0.0)
-    return tuple("nan" if part != part else part for part in parts)
+    return tuple(
+        "nan" if part != part else (part, math.copysign(1.0, part)) if part == 0 else part
+        for part in parts
+    )
 
 
 def check_key(extra: Hashable) -> None:
@@ -335,21 +397,4 @@ def named_inputs_error(named: dict[str, Any]) -> InputError:
     return InputError(
         f"the graph runner takes positional inputs only, got {sorted(named)} by name; pass them "
         "in fn's order (or in a dict input)"
-    )
-
-
-def needs_grad(inputs: tuple) -> bool:
-    """Whether autograd is on and a tensor of ``inputs`` requires grad (a replay would drop its
-    gradients); costs one flag read while autograd is off (inference)."""
-    if not torch.is_grad_enabled():
-        return False
-    leaves, _, _ = flatten_with_paths(inputs)
-    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves)
-
-
-def needs_grad_error() -> InputError:
-    return InputError(
-        "capture() got an example input that requires grad while autograd is on: graphs replay "
-        "without autograd, so outputs would carry no gradients. Capture (and call) under "
-        "torch.inference_mode() or torch.no_grad(), or pass detached tensors"
     )

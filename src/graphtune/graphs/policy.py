@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import bisect
 import enum
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +41,11 @@ class FallbackReason(str, enum.Enum):
     NEEDS_GRAD = "input requires grad"
     """Autograd is on and an input requires grad: a replay records no autograd graph, so the
     call runs ``fn`` eagerly and its output carries gradients as eager code would."""
+    OUTPUT_NEEDS_GRAD = "output requires grad"
+    """Autograd is on and the key's outputs require grad (``fn`` reads a tensor that requires
+    grad, such as a parameter it holds), or no capture or eager call of the key with autograd on
+    has shown yet whether they do: a replay records no autograd graph, so the call runs ``fn``
+    eagerly (see graphs/grad.py)."""
     FROZEN = "frozen (capture refused)"
     """The key would be captured lazily, but :meth:`CUDAGraphRunner.freeze` forbids captures."""
     ROWS_UNDECIDED = "output rows undecided"
@@ -57,6 +62,15 @@ class FallbackReason(str, enum.Enum):
 
 
 WHEN_FROZEN = ("fallback", "raise")
+
+
+def static_reason(enabled: bool, available: Callable[[], bool]) -> FallbackReason | None:
+    """Why every call of a runner runs eagerly: ``DISABLED`` when not ``enabled`` (the argument,
+    or ``GRAPHTUNE_DISABLE_GRAPHS=1``), else ``NO_CUDA`` when the backend is not ``available()``
+    (asked only then); None when graphs may be used."""
+    if not enabled:
+        return FallbackReason.DISABLED
+    return None if available() else FallbackReason.NO_CUDA
 
 
 def frozen_message(what: str, when_frozen: str) -> str:

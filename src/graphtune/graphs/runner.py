@@ -22,14 +22,17 @@ import time
 from collections.abc import Callable, Hashable
 from typing import Any
 
+from torch import is_grad_enabled
+
 from graphtune import env
 from graphtune.errors import CaptureError, InputError
 from graphtune.graphs import keys
 from graphtune.graphs import policy as policies
 from graphtune.graphs.backend import GraphBackend, default_backend
 from graphtune.graphs.breaks import finish_capture_call
-from graphtune.graphs.buffers import StaticInputs, batch_size
+from graphtune.graphs.buffers import batch_size
 from graphtune.graphs.capture import frozen_gc
+from graphtune.graphs.grad import inputs_need_grad, needs_grad_error
 from graphtune.graphs.keys import KeyState, batch_of
 from graphtune.graphs.memory import can_disown
 from graphtune.graphs.padding import check_pad_argument
@@ -138,12 +141,9 @@ class CUDAGraphRunner:
             policy.share_output_memory and can_disown() and self._backend.can_invalidate()
         )
         self._frozen = False
-        if not enabled or env.graphs_disabled():
-            self._static_reason: FallbackReason | None = FallbackReason.DISABLED
-        elif not self._backend.available():
-            self._static_reason = FallbackReason.NO_CUDA
-        else:
-            self._static_reason = None
+        self._static_reason = policies.static_reason(
+            enabled and not env.graphs_disabled(), self._backend.available
+        )
         self._keys: dict[Hashable, KeyState] = {}
         self._pool = GraphPool(
             self, self._backend, share_pool=bool(share_pool), share_outputs=share_outputs
@@ -214,8 +214,8 @@ class CUDAGraphRunner:
                 "capture() was called while a CUDA graph capture is in progress; graphs cannot "
                 "be captured inside another capture. Capture this runner before the outer one"
             )
-        if keys.needs_grad(example_inputs):
-            raise keys.needs_grad_error()
+        if is_grad_enabled() and inputs_need_grad(example_inputs):
+            raise needs_grad_error()
         extra = self._key_fn(example_inputs) if self._key_fn is not None else None
         keys.check_key(extra)
         existing = self._keys.get(keys.typed_key(extra))
@@ -247,8 +247,6 @@ class CUDAGraphRunner:
                     self._capture_size(key_state, size, warmed)
                     warmed = 0.0  # the key's one warm-up belongs to its first capture
                     bar.advance(f"captured size {size}")
-        if key_state.graphs:
-            self.state = RunnerState.CAPTURED
         key_state.log_undecided()
 
     def __call__(self, *inputs: Any, **named: Any) -> Any:
@@ -262,14 +260,15 @@ class CUDAGraphRunner:
             return self._eager(FallbackReason.NESTED_CAPTURE, inputs)
         if self._can_graph is not None and not policies.can_graph_decision(self._can_graph(inputs)):
             return self._eager(FallbackReason.PREDICATE_REFUSED, inputs)
-        if keys.needs_grad(inputs):
+        grad = is_grad_enabled()  # read once: with autograd off a replay pays nothing more
+        if grad and inputs_need_grad(inputs):
             return self._eager(FallbackReason.NEEDS_GRAD, inputs)
         extra = self._key_fn(inputs) if self._key_fn is not None else None
         try:  # typed_key(None) is None: no call for the runners without key_fn
             key_state = self._keys.get(extra if extra is None else keys.typed_key(extra))
         except TypeError:  # an unhashable key (a list): free to guard, raised only then
             raise keys.unhashable_key_error(extra) from None
-        if key_state is not None:
+        if key_state is not None and (not grad or key_state.grad is False):
             plan = key_state.inputs
             leaves = plan.flatten(inputs)
             n = batch_of(plan, leaves)
@@ -316,7 +315,8 @@ class CUDAGraphRunner:
         Raises:
             InputError: No buffers exist for this call's extra key yet, the batch is too large,
                 or a call would refuse these inputs (a batched input of another shape, dtype or
-                device, a changed constant, in debug mode a moved non-batched tensor).
+                device, a changed constant, a value that is not a tensor where a non-batched
+                tensor was captured, in debug mode a moved non-batched tensor).
         """
         extra = self._key_fn(inputs) if self._key_fn is not None else None
         try:
@@ -338,9 +338,18 @@ class CUDAGraphRunner:
         self.stats.count_fallback(reason)
         return self.fn(*inputs)
 
-    def _undecided(self, key_state: KeyState, n: int, inputs: tuple) -> Any:
-        out = self._eager(FallbackReason.ROWS_UNDECIDED, inputs)
-        self._observe(key_state, n, out)  # its shapes at n decide the rows
+    def _telling(
+        self, reason: FallbackReason, key_state: KeyState, n: int, leaves: Any, inputs: tuple
+    ) -> Any:
+        """Runs a call eagerly whose outputs tell the key's output rows (and whether they
+        require grad); on inputs a replay would refuse, they would tell wrong: it raises."""
+        key_state.inputs.check(leaves, n, self._debug)
+        start = time.perf_counter()
+        out = self._eager(reason, inputs)
+        if reason is FallbackReason.WARMING_UP:  # the key's (or its size's) warm-up
+            seconds = key_state.warmed[self._pad_table[n]] = time.perf_counter() - start
+            self.stats.warmup_seconds += seconds
+        self._settle(key_state.observe(n, out, self.capture_sizes, self.stats.records))
         return out
 
     def _call_slow(self, inputs: tuple, extra: Hashable, key_state: KeyState | None) -> Any:
@@ -384,34 +393,32 @@ class CUDAGraphRunner:
             return self._eager(decision, inputs)
         assert key_state is not None and n is not None and size is not None
         if n < key_state.low:  # rows undecided (a replay or a capture would guess): this call tells
-            return self._undecided(key_state, n, inputs)
+            return self._telling(FallbackReason.ROWS_UNDECIDED, key_state, n, leaves, inputs)
         plan = key_state.inputs
-        if decision is Route.CAPTURE_THEN_REPLAY:
-            warm_size = self.policy.warm_each_size and size not in key_state.warmed
-            if self._warmup and (not key_state.warmed or warm_size):
-                # The warm-up is this call, run eagerly on its own inputs: warming up on the
-                # buffers would run its rows again, and a step that updates state would step
-                # twice. The next call of the size captures (as capture() does, a key warms once).
-                start = time.perf_counter()
-                out = self._eager(FallbackReason.WARMING_UP, inputs)
-                key_state.warmed[size] = time.perf_counter() - start
-                self.stats.warmup_seconds += key_state.warmed[size]
-                self._observe(key_state, n, out)  # its shapes at n help decide the row rules
-                return out
+        capture = decision is Route.CAPTURE_THEN_REPLAY
+        warm_size = self.policy.warm_each_size and size not in key_state.warmed
+        if capture and self._warmup and (not key_state.warmed or warm_size):
+            # The warm-up is this call, run eagerly on its own inputs: on the buffers it would run
+            # its rows again (a stateful step steps twice). The next call of the size captures.
+            return self._telling(FallbackReason.WARMING_UP, key_state, n, leaves, inputs)
+        # A replay would drop gradients; a capture (with autograd on) tells whether it would.
+        if is_grad_enabled() and (key_state.grad or (key_state.grad is None and not capture)):
+            return self._telling(FallbackReason.OUTPUT_NEEDS_GRAD, key_state, n, leaves, inputs)
+        if capture:
             if key_state.rows_unknown_at(n, size):  # no other size to tell the batch rows by
-                return self._undecided(key_state, n, inputs)
+                return self._telling(FallbackReason.ROWS_UNDECIDED, key_state, n, leaves, inputs)
             plan.copy_in(leaves, n, size, self._debug)  # the capture computes on these rows
             with self._backend.device_guard(self._device), frozen_gc(collect=False):
                 self._capture_size(key_state, size, key_state.warmed.get(size, 0.0))
-            if size not in key_state.graphs:
+            graph = key_state.graphs.get(size)
+            if graph is None or graph.needs_grad:  # failed, dropped, or a replay drops gradients
                 # A CUDA capture computed nothing; undo what a computing one wrote, so the
                 # eager run below is this call's only computation, as on CUDA.
                 if self._backend.capture_computes:
                     self._backend.discard_capture(self._device)
                 key_state.refuse_rerun(size)
-                return self._eager(FallbackReason.CAPTURE_FAILED, inputs)
-            self.state = RunnerState.CAPTURED
-            graph = key_state.graphs[size]
+                why = FallbackReason.OUTPUT_NEEDS_GRAD if graph else FallbackReason.CAPTURE_FAILED
+                return self._eager(why, inputs)
             finish_capture_call(self._backend, graph.graph)  # no second run of this call's rows
             # Its capture ran each graph break once for this call, as a replay does.
             self.stats.break_runs += graph.record.breaks
@@ -430,28 +437,17 @@ class CUDAGraphRunner:
 
     def _build(self, extra: Hashable, inputs: tuple) -> KeyState | None:
         keys.check_key(extra)
-        plan = StaticInputs.build(
-            inputs,
-            rows=self._largest,
-            pad=self._pad,
-            batched=self._batched,
-            device_type=self._backend.device_type,
+        key_state = KeyState.build(
+            extra, inputs, self._largest, self._pad, self._batched, self._backend.device_type
         )
-        if plan is None:
+        if key_state is None:
             return None
         if self._device is None:
             self._device = self._backend.resolve_device(
                 self._device_arg, flatten_with_paths(inputs)[0]
             )
-        key_state = KeyState(extra, plan)
         self._keys[key_state.key] = key_state
         self._count_buffers()
-        logger.debug(
-            "graph runner buffers for key %r: batched inputs %s, %d rows",
-            extra,
-            ", ".join(plan.batched_paths),
-            plan.rows,
-        )
         return key_state
 
     def _warm(self, key_state: KeyState, size: int, runs: int | None = None) -> float:
@@ -477,15 +473,17 @@ class CUDAGraphRunner:
             slack_bytes=self.policy.pool_slack_bytes if len(self.capture_sizes) > 1 else 0,
             warmup_seconds=warmup_seconds,
         )
-        dropped = key_state.keep(result, self.capture_sizes, self.stats.records)
-        if dropped is not None and not any(k.graphs for k in self._keys.values()):
-            self.state = RunnerState.WARMED  # keep() logged why
+        self._settle(key_state.keep(result, self.capture_sizes, self.stats.records))
         self._count_buffers()
 
-    def _observe(self, key_state: KeyState, n: int, outputs: Any) -> None:
-        dropped = key_state.observe(n, outputs, self.capture_sizes, self.stats.records)
-        if dropped is not None and not any(k.graphs for k in self._keys.values()):
-            self.state = RunnerState.WARMED  # observe() logged why
+    def _settle(self, dropped: str | None) -> None:
+        """Sets the runner's state after a capture or an eager call told a key's row rules:
+        captured while a graph lives, else warmed when a key's graphs were ``dropped`` (why,
+        logged by KeyState.keep or observe; None when none were)."""
+        if any(k.graphs for k in self._keys.values()):
+            self.state = RunnerState.CAPTURED
+        elif dropped is not None:
+            self.state = RunnerState.WARMED
 
     def _count_buffers(self) -> None:
         self.stats.buffer_bytes = sum(st.nbytes for st in self._keys.values())

@@ -10,19 +10,17 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from graphtune.autotuner.config import TuningConfig
+from graphtune.autotuner.layouts import Layout, layout_text, tensor_layout
 from graphtune.errors import ConfigError, InputError, add_context_note
 
 Shape = tuple[int, ...]
-#: A non-contiguous tensor's layout class: its dims from outermost to innermost stride, and
-#: whether it is dense (no gaps between its elements, none shared).
-Layout = tuple[tuple[int, ...], bool]
 
 # dtypes torch.randn can fill directly; others (float8, ...) are drawn in float32 and cast.
 _RANDN_DTYPES = {
@@ -44,7 +42,8 @@ class Profile:
         dtypes: dtype name of each tensor input, or the type text of a non-tensor
             (:func:`input_type_text`: with its tensors' dtypes and shapes for a container);
             a non-contiguous tensor's also names its layout (:func:`layout_text`).
-        layouts: Per input, the :data:`Layout` of a non-contiguous tensor, else ``None``
+        layouts: Per input, the :data:`Layout` of a tensor laid out like the live one at this
+            profile's shape (:func:`tensor_layout`) where that is not contiguous, else ``None``
             (empty: all ``None``); its synthetic inputs are made with that stride order.
     """
 
@@ -67,44 +66,6 @@ class Profile:
             + (f" {layout_text(layout)}" if layout is not None else "")
             for s, layout in zip(self.shapes, layouts, strict=True)
         )
-
-
-def tensor_layout(x: torch.Tensor) -> Layout | None:
-    """The layout class of a non-contiguous tensor (``None`` for a row-major one): its dims
-    sorted from outermost to innermost stride (ties: the lower dim outer) and whether it is
-    dense. Only the class, not the strides: a kernel's validity and speed depend on the order
-    and on gaps, and keying exact strides would make every slice of a buffer its own key.
-
-    Rows of a wider buffer (packed but for a longer stride of dim 0, as the query sliced out of
-    fused QKV rows) and one row broadcast over dim 0 (``bias.expand(B, N)``) count as
-    row-major: at batch 1 torch gives a size-1 dim a packed stride, so the gap cannot be seen
-    there, and keying it apart would tune every bucket twice, once from a batch-1 call and once
-    from a larger one."""
-    if x.is_contiguous():
-        return None
-    strides, shape = x.stride(), x.shape
-    rows = x.dim() >= 2 and _packed(range(1, x.dim()), strides, shape)
-    if rows and (strides[0] == 0 or strides[0] >= math.prod(shape[1:])):
-        return None
-    order = tuple(sorted(range(x.dim()), key=lambda d: (-strides[d], d)))
-    return order, _packed(order, strides, shape)
-
-
-def _packed(order: Iterable[int], strides: Sequence[int], shape: Sequence[int]) -> bool:
-    """Whether the dims ``order`` lists (outermost first) have exactly the packed strides of
-    their sizes; a size-1 dim's stride does not matter (as in ``Tensor.is_contiguous()``)."""
-    expected = 1
-    for d in reversed(list(order)):
-        if shape[d] != 1 and strides[d] != expected:
-            return False
-        expected *= shape[d]
-    return True
-
-
-def layout_text(layout: Layout) -> str:
-    """A layout's text in a cache key: ``order(1,0)``, plus `` gaps`` when it is not dense."""
-    order, dense = layout
-    return f"order({','.join(map(str, order))})" + ("" if dense else " gaps")
 
 
 def input_type_text(x: Any) -> str:
@@ -231,7 +192,12 @@ def _apply(config: TuningConfig, inputs: Sequence[Any], sizes: Sequence[int]) ->
                 f".infer returned {value!r} for shapes {frozen}; it must return a non-negative int."
             )
         shapes[constraint.input_idx][dim] = value  # type: ignore[index]
-    layouts = tuple(tensor_layout(x) if isinstance(x, torch.Tensor) else None for x in inputs)
+    # Each input's layout at this profile's shape, not the live one's: at bucket 1 a transposed
+    # input is contiguous, as a live batch-1 call of it is.
+    layouts = tuple(
+        tensor_layout(x, shape) if isinstance(x, torch.Tensor) and shape is not None else None
+        for x, shape in zip(inputs, shapes, strict=True)
+    )
     dtypes = tuple(
         input_type_text(x) + (f" {layout_text(layout)}" if layout is not None else "")
         for x, layout in zip(inputs, layouts, strict=True)

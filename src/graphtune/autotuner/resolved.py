@@ -21,7 +21,7 @@ from graphtune.autotuner.calls import OpCall
 from graphtune.autotuner.config import TuningConfig
 from graphtune.autotuner.entries import CacheKey
 from graphtune.autotuner.identity import identity_attributes
-from graphtune.autotuner.profiles import Profile, input_type_text, profile_for, tensor_layout
+from graphtune.autotuner.profiles import Profile, input_type_text, profile_for
 from graphtune.autotuner.runner import TunableRunner
 
 
@@ -274,12 +274,14 @@ class ResolvedCall:
 def distinct_profiles(calls: Iterable[ResolvedCall]) -> Iterator[ResolvedCall]:
     """The calls whose profiles have keys no earlier call's profiles have: of calls with one
     op, runners, mode, runner sources, keyword arguments, device type, tuning config and input
-    shapes, dtypes and layouts (a repeated layer's call), the first only. A call whose config
-    cannot be hashed is always kept."""
+    shapes, dtypes and strides of the non-contiguous ones (a repeated layer's call), the first
+    only. A call whose config cannot be hashed is always kept."""
     seen: set[tuple[Any, ...]] = set()
     for resolved in calls:
         shapes = tuple(
-            (tuple(x.shape), x.dtype, tensor_layout(x))
+            # Strides, not the layout class: the layouts at other buckets scale the live
+            # tensor's gaps (tensor_layout), which the class does not hold.
+            (tuple(x.shape), x.dtype, None if x.is_contiguous() else x.stride())
             if isinstance(x, torch.Tensor)
             else input_type_text(x)
             for x in resolved.call.inputs

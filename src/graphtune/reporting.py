@@ -3,7 +3,9 @@
 Both use ``rich``. Progress goes to stderr as a bar when stderr is a terminal; otherwise (a log,
 a pipe) long work is reported as INFO records of this module's logger, at most one per
 :data:`LOG_INTERVAL_S` seconds, which the CLI shows. ``GRAPHTUNE_NO_PROGRESS=1`` hides both.
-Tables are rendered to plain strings so callers decide where they go.
+Tables are rendered to plain strings so callers decide where they go. Every text shown (a
+cell, a title, a progress label) is literal: op names, runner ids and tactics come from users and
+cache files, and as rich markup ``[false,128]`` would vanish and ``[/]`` raise.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any, Protocol
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from graphtune import env
 
@@ -141,7 +144,7 @@ def progress(
             outer.remove_task(task_id)
         return
     bar = Progress(
-        TextColumn("[bold]{task.description}"),
+        TextColumn("{task.description}", style="bold", markup=False),
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
@@ -166,16 +169,17 @@ def render_table(
 ) -> str:
     """Renders rows as a boxed text table and returns it as a string.
 
-    Numeric-looking columns are right-aligned. ``None`` cells print as ``-``.
+    Numeric-looking columns are right-aligned. ``None`` cells print as ``-``. The title, headers
+    and cells print as the literal text given (never read as rich markup).
     """
-    table = Table(title=title, show_lines=False)
+    table = Table(title=None if title is None else Text(title), show_lines=False)
     for index, name in enumerate(columns):
         numeric = bool(rows) and all(
             isinstance(row[index], (int, float)) or row[index] is None for row in rows
         )
-        table.add_column(name, justify="right" if numeric else "left")
+        table.add_column(Text(name), justify="right" if numeric else "left")
     for row in rows:
-        table.add_row(*(format_cell(cell) for cell in row))
+        table.add_row(*(Text(format_cell(cell)) for cell in row))
     console = Console(width=width, record=True, file=io.StringIO(), color_system=None)
     console.print(table)
     return console.export_text().rstrip("\n")

@@ -51,9 +51,13 @@ def test_bench_decode_tune_reports_tuned_beside_untuned(tmp_path, capsys, monkey
     assert data["tuning_seconds"] >= 0
     assert data["tuning_cold_l2"] is False  # auto: tiny's weights fit in the CPU's cache
     assert cache.is_file()
-    assert main([*args, "--tune-l2", "cold"]) == 0  # the cache file answers everything
-    assert "tuning: 0 (op, bucket) profiles tuned" in capsys.readouterr().err
-    assert made[-1].stats.profiles_tuned == 0
+    # Cold L2 is part of the key: the GEMMs and fused stages (9 of them x 2 buckets) are tuned
+    # again under their cold-L2 keys; the file answers the other 8 profiles.
+    assert main([*args, "--tune-l2", "cold"]) == 0
+    assert "tuning: 18 (op, bucket) profiles tuned" in capsys.readouterr().err
+    assert made[-1].stats.profiles_tuned + made[-1].stats.untimed_picks == 18
+    timings = {e["key"]["timing"] for e in json.loads(cache.read_text())["entries"]}
+    assert timings == {"fake", "fake+cold_l2"}
     data = json.loads(out_json.read_text())
     assert data["tuning_cold_l2"] is True and data["tuning_refinements"] is None
     # --refine-in-step times the whole step on the GPU: off CUDA it is refused, not ignored.

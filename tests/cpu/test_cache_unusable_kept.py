@@ -29,6 +29,7 @@ def _other(path, **changes) -> str:
         ({"fingerprint": {**environment_fingerprint(), "gpu": "NVIDIA Z100"}}, "environment"),
         ({"format_version": 1}, "format_version 1"),
         ({"format_version": "2"}, "must be the integer 2"),
+        ({"format_version": 2.0}, "must be the integer 2 (a JSON integer, not float)"),
     ],
 )
 def test_a_save_over_an_unusable_cache_moves_it_aside_and_says_where(
@@ -66,6 +67,23 @@ def test_format_version_as_a_string_says_it_must_be_the_integer(tmp_path) -> Non
         persist.load(path, strict=True)
     report = maintenance.verify_file(path)
     assert not report.ok and "must be the integer 2" in report.problems[0]
+
+
+@pytest.mark.parametrize("version", [2.0, True])
+def test_format_version_that_only_equals_2_is_refused(tmp_path, capsys, version) -> None:
+    from graphtune.cli.main import main
+
+    # The docs ask for the JSON integer 2: 2.0 (and true, which Python calls 1) is another value.
+    path = tmp_path / "c.json"
+    write_cache(path)
+    _other(path, format_version=version)
+    kind = type(version).__name__
+    with pytest.raises(CacheFileError, match=rf"\({kind}\); it must be the integer 2"):
+        persist.load(path, strict=True)
+    assert persist.load(path) == {}
+    assert main(["cache", "verify", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert f"a JSON integer, not {kind}" in err and err.count("\n") == 1
 
 
 def test_strict_mode_error_names_the_setting_and_the_fix_not_a_skip(tmp_path, monkeypatch) -> None:

@@ -53,6 +53,55 @@ def test_show_prints_fingerprint_and_entries(tmp_path, capsys) -> None:
         assert text in out, text
 
 
+def test_show_prints_names_tactics_and_reasons_as_literal_text(
+    tmp_path, capsys, monkeypatch
+) -> None:
+    from graphtune.autotuner.entries import BlockedTactic
+
+    # Rich reads "[false,128]" as a style tag (an empty cell) and "[/]" as a closing tag with
+    # nothing to close (a MarkupError): every cell, and the title's path, must print as given.
+    monkeypatch.chdir(tmp_path)  # a short path: the title is not wrapped
+    path = "c[/].json"
+    cache = TuningCache()
+    ops = ["[/]", "[bold red]loud", "x[/y]", "g"]
+    tactics = [(False, 128), [None, 2], {"split_k": [True]}, "[/]"]
+    for rows, (op, tactic) in enumerate(zip(ops, tactics, strict=True), 1):
+        k = CacheKey(op, ("m.R[/]",), ((rows, 8),), ("float32",), "wallclock", device="cpu")
+        cache.put(k, CacheEntry("m.R[/]", 0, tactic, 1.0, 2.0))
+    cache.block(BlockedTactic("m.R[/]", (True, 32), "crash [/] [bold]x", "[/]", "1x8"))
+    cache.save(path)
+    assert main(["cache", "show", path]) == 0
+    out = capsys.readouterr().out
+    cells = ("[false,128]", "[null,2]", '{"split_k":[true]}', '"[/]"', "[bold red]loud", "x[/y]")
+    for text in (f"tuning cache {path}", *cells, "R[/]", "[true,32]", "crash [/] [bold]x"):
+        assert text in out, text
+
+
+def test_tables_print_markup_as_text() -> None:
+    from graphtune.reporting import render_table
+
+    text = render_table("t [/]", ("[b]col", "n"), [("[false,1]", 1.0), ("[/x]", None)])
+    for cell in ("t [/]", "[b]col", "[false,1]", "[/x]"):
+        assert cell in text, cell
+
+
+def test_progress_labels_print_markup_as_text(monkeypatch) -> None:
+    import io
+
+    from rich.console import Console
+
+    from graphtune import reporting
+
+    # The bar's label holds the op name ("tuning OP"); a terminal shows it as given.
+    shown = io.StringIO()
+    terminal = Console(file=shown, force_terminal=True, width=100, color_system=None)
+    monkeypatch.setattr(reporting, "Console", lambda **kwargs: terminal)
+    with reporting.progress("tuning [/]", 2, enabled=True) as bar:
+        bar.advance()
+        bar.advance("tuning [red]x[/]")
+    assert "tuning [/] " in shown.getvalue() and "tuning [red]x[/] " in shown.getvalue()
+
+
 def test_show_flags_other_environment(tmp_path, capsys) -> None:
     path = _cache_file(tmp_path)
     doc = json.loads(path.read_text())
@@ -129,6 +178,40 @@ def test_tactics_with_tuple_keys_survive_a_reload_and_the_cache_commands(tmp_pat
     for command in (["verify"], ["show"], ["unblock", "--runner", "R"]):
         assert main(["cache", command[0], str(path), *command[1:]]) == 0, command
     assert '[[64,128],{"warps":4}]' in capsys.readouterr().out.replace(" ", "")
+
+
+def test_unblock_changes_only_the_blocklist_and_keeps_entries_loading_ignores(
+    tmp_path, capsys
+) -> None:
+    from graphtune.autotuner.entries import BlockedTactic
+
+    path = tmp_path / "c.json"
+    cache = TuningCache()
+    k = CacheKey("op", ("m.R",), ((1, 8),), ("float32",), "wallclock", device="cpu")
+    cache.put(k, CacheEntry("m.R", 0, 3, 1.0, 2.0))
+    cache.block(BlockedTactic("m.R", 7, "crash: exit code -11", "op", "1x8"))
+    cache.block(BlockedTactic("m.R", (64, 2), "timeout", "op", "1x8"))
+    cache.save(path)
+    doc = json.loads(path.read_text())
+    usable = doc["entries"][0]
+    no_device = json.loads(json.dumps(usable))  # as a graphtune before keyed devices saved it
+    del no_device["key"]["device"]
+    no_device["key"]["shapes"] = [[2, 8]]
+    bad_index = json.loads(json.dumps(usable))
+    bad_index["key"]["shapes"], bad_index["value"]["runner_index"] = [[4, 8]], 5
+    duplicate = json.loads(json.dumps(usable))
+    duplicate["value"]["tactic"] = 9
+    doc["entries"] += [no_device, bad_index, duplicate]
+    path.write_text(json.dumps(doc, indent=1))
+    entries = json.dumps(doc["entries"])
+    assert main(["cache", "unblock", str(path), "--tactic", "7"]) == 0
+    assert "Removed 1 blocked tactic(s)" in capsys.readouterr().out
+    after = json.loads(path.read_text())
+    assert json.dumps(after["entries"]) == entries  # all four, each as it was
+    assert after["blocklist"] == doc["blocklist"][1:] and after["fingerprint"] == doc["fingerprint"]
+    assert main(["cache", "unblock", str(path)]) == 0
+    after = json.loads(path.read_text())
+    assert json.dumps(after["entries"]) == entries and "blocklist" not in after
 
 
 def test_unblock_and_merge_of_missing_files_leave_no_lock_files(tmp_path, capsys) -> None:

@@ -4,6 +4,7 @@ write goes to a fallback file it names, and a tuning cache or a folder is never 
 from __future__ import annotations
 
 import json
+import re
 import tempfile
 from types import SimpleNamespace
 
@@ -39,6 +40,51 @@ def test_a_save_keeps_old_records_it_cannot_parse_and_loading_names_them(tmp_pat
     assert damaged in json.loads(path.read_text())["misses"]  # kept as it was
     with pytest.raises(CacheFileError, match=r"record 1 \(op 'op'\).*field 'runners' is missing"):
         load_misses(path)
+
+
+@pytest.mark.parametrize(
+    "field, value, says",
+    [
+        ("runners", "abc", "field 'runners' is 'abc', not a list of runner ids"),
+        ("runners", [1], r"field 'runners' is \[1\], not a list of runner ids"),
+        ("count", -3, "field 'count' is -3, not an integer >= 1"),
+        ("count", 2.5, "field 'count' is 2.5, not an integer >= 1"),
+        ("count", True, "field 'count' is True, not an integer >= 1"),
+    ],
+)
+def test_a_record_field_of_another_type_is_malformed_not_converted(
+    tmp_path, field, value, says
+) -> None:
+    # Read leniently, "abc" was three runners and 2.5 two misses: refused as malformed, as a
+    # missing field is (kept as it is by a save, named by its index when loading).
+    path = tmp_path / "m.json"
+    assert missed(4).misses.save(path) == 1
+    doc = json.loads(path.read_text())
+    doc["misses"][0][field] = value
+    path.write_text(json.dumps(doc))
+    with pytest.raises(CacheFileError, match=rf"record 0 \(op 'op'\) .*is malformed: {says}; fix"):
+        load_misses(path)
+    assert missed(2).misses.save(path) == 2
+    assert doc["misses"][0] in json.loads(path.read_text())["misses"]  # kept as it was
+
+
+@pytest.mark.parametrize("version", ["1", 1.0, True])
+def test_a_misses_version_that_only_equals_1_is_refused_as_a_cache_version_is(
+    tmp_path, caplog, version
+) -> None:
+    # One rule and one wording with the tuning cache's format_version (cache_reader.
+    # version_problem): the message says what the field must be instead of "1; reads 1".
+    path = tmp_path / "m.json"
+    text = json.dumps({"format": "graphtune-misses", "version": version, "misses": []})
+    path.write_text(text)
+    kind = type(version).__name__
+    rule = f"version {version!r} ({kind}); it must be the integer 1 ("
+    with pytest.raises(CacheFileError, match=re.escape(f"m.json has {rule}")) as info:
+        load_misses(path)
+    assert "this graphtune reads 1" not in str(info.value)
+    assert missed(4).misses.save(path) == 1  # moved aside, saying why the same way
+    assert (tmp_path / "m.json.unusable").read_text() == text
+    assert f"is a misses file of {rule}" in caplog.text
 
 
 def test_a_failed_misses_write_goes_to_a_fallback_file_it_names(tmp_path, monkeypatch) -> None:

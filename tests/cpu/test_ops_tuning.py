@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -314,7 +315,7 @@ def test_triton_runners_pickle_for_subprocess_isolation():
         assert clone.compile_seconds == 0.0
 
 
-def test_gemm_cold_l2_rotates_weight_copies_under_the_same_cache_keys(monkeypatch):
+def test_gemm_cold_l2_rotates_weight_copies_under_cache_keys_of_their_own(monkeypatch):
     from graphtune.autotuner import timing
     from graphtune.autotuner.isolation import InProcessExecutor
     from graphtune.ops import OpContext
@@ -347,7 +348,9 @@ def test_gemm_cold_l2_rotates_weight_copies_under_the_same_cache_keys(monkeypatc
         keys[cold] = {k for k, _ in tuner.cache.items()}
         # 2 GEMM forms x buckets 1, 2; with cold L2 each profile rotates 3 copies of its operands.
         assert sets_per_profile == [3 if cold else 1] * 4
-    assert keys[True] == keys[False] and len(keys[True]) == 4
+    # The same keys but for the timing, so a warm-L2 pick never answers a cold-L2 call.
+    assert len(keys[True]) == 4 and {k.timing for k in keys[True]} == {"fake+cold_l2"}
+    assert {replace(k, timing="fake") for k in keys[True]} == keys[False]
 
 
 def test_fused_op_priors_come_first_so_near_ties_go_to_them():

@@ -41,8 +41,20 @@ def read_document(path: str | PathLike[str]) -> dict[str, Any]:
         CacheFileError: The file is missing, not valid JSON, of another format version or has
             malformed entries.
     """
+    return read_raw_and_document(path)[1]
+
+
+def read_raw_and_document(path: str | PathLike[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The cache file's JSON object as it is (:func:`raw_document`) and its parsed form
+    (:func:`read_document`'s), from one read: for changing one part of a file and writing the
+    rest back as it was (``graphtune cache unblock``).
+
+    Raises:
+        CacheFileError: As :func:`read_document`.
+    """
     try:
-        return parse(Path(path))
+        raw = raw_document(Path(path))
+        return raw, parse_document(raw)
     except Unusable as exc:
         raise CacheFileError(f"cache file {path}: {exc}") from None
 
@@ -119,15 +131,24 @@ def parse_document(doc: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def version_problem(version: Any) -> str | None:
-    """What is wrong with a file's ``format_version`` (completing "has ..."), or ``None``."""
-    if isinstance(version, bool) or not isinstance(version, (int, float)):
-        return (
-            f"format_version {version!r} ({type(version).__name__}); it must be the integer "
-            f"{FORMAT_VERSION} (a number, not a string) for this graphtune to read it"
+def version_problem(
+    version: Any, *, name: str = "format_version", expected: int = FORMAT_VERSION
+) -> str | None:
+    """What is wrong with a file's version field (completing "has ..."), or ``None``: it must be
+    the JSON integer ``expected``; ``"2"``, ``2.0`` and ``true`` are refused, not read as it.
+    The one rule of the tuning cache's ``format_version`` and the misses file's ``version``
+    (``name`` and ``expected`` name the field and the version this graphtune reads)."""
+    if type(version) is not int:
+        kind = type(version).__name__
+        how = (
+            "a number, not a string" if isinstance(version, str) else f"a JSON integer, not {kind}"
         )
-    if version != FORMAT_VERSION:
-        return f"format_version {version!r}; this graphtune reads {FORMAT_VERSION}"
+        return (
+            f"{name} {version!r} ({kind}); it must be the integer {expected} ({how}) for this "
+            "graphtune to read it"
+        )
+    if version != expected:
+        return f"{name} {version!r}; this graphtune reads {expected}"
     return None
 
 

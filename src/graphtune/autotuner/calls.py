@@ -32,6 +32,13 @@ from graphtune.autotuner import json_update
 from graphtune.autotuner.cache_reader import Unusable, read_text
 from graphtune.autotuner.config import TuningConfig
 from graphtune.autotuner.entries import CacheKey
+from graphtune.autotuner.misses_file import (
+    MISSES_FORMAT,
+    MISSES_VERSION,
+    is_misses_doc,
+    misses_doc_problem,
+    misses_version_problem,
+)
 from graphtune.autotuner.runner_contract import refuse_reserved_keywords
 from graphtune.autotuner.values import decode_value, encode_value, identity_value
 from graphtune.errors import CacheFileError, ConfigError, InputError
@@ -39,8 +46,6 @@ from graphtune.finite_json import parse_json
 
 logger = logging.getLogger(__name__)
 
-MISSES_FORMAT = "graphtune-misses"
-MISSES_VERSION = 1
 _CONFIG_FIELDS = ("max_value", "timing", "cold_l2", "warmup", "repeat")
 # The end of the error for a keyword value (or one nested in it) of no stable text: the advice
 # for runner attributes (identity_excludes, cache_key_extras) does not apply to it.
@@ -204,14 +209,22 @@ class CallRecord:
         for x in inputs:
             if "value" not in x and not {"shape", "dtype", "stride", "device"} <= set(x):
                 raise ValueError(f"malformed input description {x!r}")
+        runners, count = data["runners"], data.get("count", 1)
+        if not isinstance(data["op"], str):
+            raise TypeError(f"field 'op' is {data['op']!r}, not a string")
+        # Checked, not converted: str("abc") iterates into three runners, int(2.5) is 2.
+        if not isinstance(runners, list) or not all(isinstance(r, str) for r in runners):
+            raise TypeError(f"field 'runners' is {runners!r}, not a list of runner ids")
+        if type(count) is not int or count < 1:
+            raise ValueError(f"field 'count' is {count!r}, not an integer >= 1")
         return cls(
-            op=str(data["op"]),
-            runners=tuple(str(r) for r in data["runners"]),
+            op=data["op"],
+            runners=tuple(runners),
             config={k: data["config"][k] for k in _CONFIG_FIELDS},
             inputs=inputs,
             kwargs=dict(data.get("kwargs", {})),
             key=data.get("key"),
-            count=int(data.get("count", 1)),
+            count=count,
         )
 
     def call_kwargs(self) -> dict[str, Any]:
@@ -380,7 +393,7 @@ class MissLog:
         def merge(current: Any) -> dict[str, Any]:
             merged: dict[str, CallRecord] = {}
             unreadable: list[Any] = []
-            if _is_misses_doc(current):
+            if is_misses_doc(current):
                 for item in current["misses"]:
                     try:
                         rec = CallRecord.from_json(item)
@@ -401,7 +414,7 @@ class MissLog:
             }
 
         return len(
-            json_update.update_json(path, merge, problem=_not_misses_doc, what="misses record")[
+            json_update.update_json(path, merge, problem=misses_doc_problem, what="misses record")[
                 "misses"
             ]
         )
@@ -413,47 +426,6 @@ def _with_count(rec: CallRecord, count: int) -> CallRecord:
 
 def _ident(rec: CallRecord) -> str:
     return json.dumps([rec.op, rec.key or [dict(x) for x in rec.inputs]], sort_keys=True)
-
-
-def _is_misses_doc(doc: Any) -> bool:
-    return (
-        isinstance(doc, dict)
-        and doc.get("format") == MISSES_FORMAT
-        and doc.get("version") == MISSES_VERSION
-        and isinstance(doc.get("misses"), list)
-    )
-
-
-def _not_misses_doc(doc: Any) -> str | None:
-    """Why ``doc`` is not a misses document this graphtune may merge into, or ``None``."""
-    if _is_misses_doc(doc):
-        return None
-    if isinstance(doc, dict) and "format_version" in doc:
-        return "is a graphtune tuning cache, not a misses file"
-    if isinstance(doc, dict) and doc.get("format") == MISSES_FORMAT:
-        if doc.get("version") == MISSES_VERSION:
-            return "is a misses file without a list of misses"
-        return (
-            f"is a misses file of version {doc.get('version')!r} (this graphtune writes "
-            f"{MISSES_VERSION})"
-        )
-    return f"is not a graphtune misses file (format {MISSES_FORMAT!r})"
-
-
-def not_a_misses_file(path: str | PathLike[str]) -> str | None:
-    """Why the existing file ``path`` is no record of missed shapes (completing "it ..."), or
-    ``None`` when it is one, of any version (a save moves one it cannot merge into aside to
-    ``FILE.unusable``). The CLI refuses a ``GRAPHTUNE_MISSES`` for which this is not ``None``
-    before a run, as it refuses a cache path that is no tuning cache."""
-    try:
-        doc = parse_json(read_text(Path(path)))
-    except Unusable as exc:
-        return str(exc)
-    except (ValueError, RecursionError) as exc:
-        return f"is not JSON ({exc})"
-    if isinstance(doc, dict) and doc.get("format") == MISSES_FORMAT:
-        return None
-    return _not_misses_doc(doc)
 
 
 def load_misses(path: str | PathLike[str]) -> list[CallRecord]:
@@ -474,12 +446,12 @@ def load_misses(path: str | PathLike[str]) -> list[CallRecord]:
     except (ValueError, RecursionError) as exc:
         raise CacheFileError(f"misses file {path} cannot be read as JSON ({exc}).") from None
     if isinstance(doc, dict) and doc.get("format") == MISSES_FORMAT:
-        if doc.get("version") != MISSES_VERSION:
+        problem = misses_version_problem(doc)
+        if problem is not None:
             raise CacheFileError(
-                f"misses file {path} has version {doc.get('version')!r}; this graphtune reads "
-                f"{MISSES_VERSION}. Record the misses again with this graphtune."
+                f"misses file {path} has {problem}; record the misses again with this graphtune."
             )
-    if not _is_misses_doc(doc):
+    if not is_misses_doc(doc):
         raise CacheFileError(
             f"{path} is not a graphtune misses file (format {MISSES_FORMAT!r} version "
             f"{MISSES_VERSION}); write one with AutoTuner.misses.save(path) or "

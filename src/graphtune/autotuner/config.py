@@ -195,7 +195,9 @@ class TuningConfig:
             to make routing indices or masks realistic.
         cold_l2: Rotate enough copies of the inputs that their total exceeds the L2 cache, so each
             call reads from DRAM as in a real model step. One sample walks through all copies,
-            so it holds at least as many calls as there are copies.
+            so it holds at least as many calls as there are copies. Part of the cache key (its
+            ``timing`` ends in ``+cold_l2``): a warm-L2 pick is never served to a cold-L2 call,
+            nor the other way round.
         timing: ``"auto"`` (graph on CUDA, wallclock on CPU), ``"graph"``, ``"events"`` or
             ``"wallclock"``, on the device of the first input tensor not on the CPU. A timer
             passed to ``AutoTuner(timer=...)`` takes precedence.

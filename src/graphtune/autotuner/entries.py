@@ -2,10 +2,10 @@
 
 A key holds the identity of every runner offered (class and configuration, see
 :mod:`graphtune.autotuner.identity`), a digest of their source files, the bucketed shapes and
-dtypes, the device type of the inputs, the timing mode and the ``choose_one`` keyword arguments,
-so changing any of them never reuses a stale pick. The value names the winning runner by identity
-as well as by index, so a look-up can check it still matches. Tactics are stored with their
-Python types (:func:`~graphtune.autotuner.values.encode_value`).
+dtypes, the device type of the inputs, the timing mode (cold L2 or not) and the ``choose_one``
+keyword arguments, so changing any of them never reuses a stale pick. The value names the
+winning runner by identity as well as by index, so a look-up can check it still matches. Tactics
+are stored with their Python types (:func:`~graphtune.autotuner.values.encode_value`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from graphtune.autotuner.values import decode_value, encode_value
+from graphtune.autotuner.values import comparable_value, decode_value, encode_value
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,9 @@ class CacheKey:
         shapes: Bucketed shape of each input (``None`` for non-tensors).
         dtypes: dtype name of each tensor input, type name of each other input (with its
             tensors' dtypes and shapes for a list, tuple or dict holding tensors).
-        timing: Name of the timer the times come from (``graph``, ``events``, ``wallclock``...).
+        timing: Name of the timer the times come from (``graph``, ``events``, ``wallclock``...),
+            followed by :data:`COLD_L2_SUFFIX` when they were taken with cold-L2 rotation
+            (:func:`key_timing`).
         sources: Digest of the runners' source files (``sources_digest``); ``""`` for none.
         kwargs: Canonical JSON of the ``choose_one`` keyword arguments; ``""`` when there are
             none.
@@ -103,12 +105,31 @@ class CacheKey:
 #: CUDA (the other modes, ``wallclock`` and a custom timer's name, run on any device).
 CUDA_ONLY_TIMINGS = ("graph", "events")
 
+#: Ends a key's ``timing`` when its times were taken with cold-L2 rotation
+#: (``TuningConfig.cold_l2``): ``graph+cold_l2``. Times from cold and warm caches differ, so a
+#: pick of one is never served to a call configured for the other, and ``cache merge`` never
+#: compares their times. Warm-L2 keys have none, so existing files keep their keys.
+COLD_L2_SUFFIX = "+cold_l2"
+
+
+def key_timing(timer: str, cold_l2: bool) -> str:
+    """The ``timing`` of a key tuned by the timer named ``timer``, with cold-L2 rotation or
+    not."""
+    return timer + COLD_L2_SUFFIX if cold_l2 else timer
+
+
+def split_timing(timing: str) -> tuple[str, bool]:
+    """``(timer name, cold L2)`` of a key's ``timing`` (inverse of :func:`key_timing`)."""
+    if timing.endswith(COLD_L2_SUFFIX):
+        return timing[: -len(COLD_L2_SUFFIX)], True
+    return timing, False
+
 
 def key_from_before_devices(timing: str) -> str:
     """The device type of a key saved without one (before the key held it): ``"cuda"`` when
     ``timing`` only runs on CUDA, else ``""`` (unknown, so the entry is ignored and re-tuned
     rather than served on a device it was not tuned on)."""
-    return "cuda" if timing in CUDA_ONLY_TIMINGS else ""
+    return "cuda" if split_timing(timing)[0] in CUDA_ONLY_TIMINGS else ""
 
 
 @dataclass(frozen=True)
@@ -253,25 +274,19 @@ def _typed(value: Any, kind: type, what: str, *, optional: bool = False) -> Any:
     return value
 
 
-def _canonical(value: Any) -> Any:
-    if isinstance(value, (list, tuple)):
-        return [_canonical(v) for v in value]
-    if isinstance(value, dict):
-        if all(isinstance(k, str) for k in value):
-            return {k: _canonical(v) for k, v in value.items()}
-        pairs = [[_canonical(k), _canonical(v)] for k, v in value.items()]
-        return {"__dict__": sorted(pairs, key=lambda p: json.dumps(p, sort_keys=True))}
-    return value
-
-
 def tactic_text(tactic: Any) -> str:
-    """Canonical JSON text of a tactic: tuples become lists, dict keys are sorted.
+    """Canonical JSON text of a tactic (:func:`~graphtune.autotuner.values.comparable_value`):
+    tuples become lists, dict keys are sorted, dtypes and devices keep their tags.
 
     Two spellings of one tactic (``(64, 2)`` and ``[64, 2]``, or dicts in another key order) give
     the same text, so the blocklist and the ranks of a distributed run match a tactic however a
-    runner spells it; a dict with non-string keys keeps them apart from their string forms.
+    runner spells it; a dict with non-string keys keeps them apart from their string forms, and
+    ``torch.float16`` is apart from ``"torch.float16"``. A plain JSON tactic's text is its own
+    compact JSON with sorted keys.
     """
-    return json.dumps(_canonical(tactic), sort_keys=True, separators=(",", ":"), default=str)
+    # default=str only for a value no file can hold (a tuner refuses to store such a tactic):
+    # its text then serves in messages and compile-error keys, never in a file.
+    return json.dumps(comparable_value(tactic), sort_keys=True, separators=(",", ":"), default=str)
 
 
 @dataclass(frozen=True)

@@ -8,10 +8,10 @@ skips the whole file. ``merge`` combines two files under a stated rule (also in
   environment (equal fingerprints) unless ``force`` is given; the output carries A's fingerprint;
 * a key present in one file only is copied;
 * for a key present in both, the entry with the faster recorded ``time_us`` is kept (both entries
-  were measured with the same timer, because the timing mode is part of the key); an entry with a
-  time beats one without (a lone candidate picked without timing, or a pin without a time: a
-  profile whose candidates all failed is never written); a tie, or no time on either side,
-  keeps A's.
+  were measured with the same timer and both with a warm or both with a cold L2, because the
+  timing mode, cold L2 included, is part of the key); an entry with a time beats one without (a
+  lone candidate picked without timing, or a pin without a time: a profile whose candidates all
+  failed is never written); a tie, or no time on either side, keeps A's.
   With ``prefer="b"`` B's entry is kept instead, as a save keeps its own new entries (for merging
   a failed save's fallback file, whose entries are the newer measurements);
 * blocklists are unioned; for the same (runner, tactic) A's reason is kept;

@@ -37,7 +37,7 @@ from graphtune.autotuner.cache_reader import (
     parse,
     parse_document,
     raw_document,
-    read_document,
+    read_raw_and_document,
 )
 from graphtune.autotuner.entries import BlockedTactic, Blocklist, CacheEntry, tactic_text
 from graphtune.autotuner.fingerprint import environment_fingerprint, fingerprint_mismatch
@@ -298,43 +298,54 @@ def unblock(
     match_tactic: bool = False,
     lock_timeout_s: float = LOCK_TIMEOUT_S,
 ) -> list[BlockedTactic]:
-    """Removes blocked tactics from a cache file (entries are untouched), under the file lock.
+    """Removes blocked tactics from a cache file, under the file lock. Only the blocklist
+    changes: every entry stays as the file holds it, also one that loading ignores (a key
+    without a device type, a duplicate key, a runner_index that names no runner), which a
+    rewrite from the usable entries would drop.
 
     Args:
         path: Cache file.
         runner_id: Only items of this runner (``None``: every runner).
-        tactic: With ``match_tactic``, only this tactic (compared in canonical JSON form).
+        tactic: With ``match_tactic``, only this tactic (compared by its canonical text,
+            :func:`~graphtune.autotuner.entries.tactic_text`).
         match_tactic: Whether ``tactic`` filters (``None`` is a valid JSON tactic, hence the flag).
 
     Returns:
-        The removed items. When none match, the file is neither locked nor written.
+        The removed items (one per (runner, tactic)). When none match, the file is neither
+        locked nor written.
 
     Raises:
         CacheFileError: The file is unusable, or could not be locked or written.
     """
     path = real_path(path)
 
-    def split(doc: dict[str, Any]) -> tuple[Blocklist, list[BlockedTactic]]:
-        keep: Blocklist = {}
-        removed: list[BlockedTactic] = []
-        for ident, item in doc["blocklist"].items():
-            hit = (runner_id is None or item.runner_id == runner_id) and (
-                not match_tactic or ident[1] == tactic_text(tactic)
+    def split(raw: dict[str, Any]) -> tuple[list[Any], dict[tuple[str, str], BlockedTactic]]:
+        keep: list[Any] = []
+        removed: dict[tuple[str, str], BlockedTactic] = {}
+        # read_raw_and_document parsed every item, so none raises here.
+        for item in raw.get("blocklist", []):
+            blocked = BlockedTactic.from_json(item)
+            hit = (runner_id is None or blocked.runner_id == runner_id) and (
+                not match_tactic or blocked.ident[1] == tactic_text(tactic)
             )
             if hit:
-                removed.append(item)
+                removed.setdefault(blocked.ident, blocked)
             else:
-                keep[ident] = item
+                keep.append(item)  # as the file holds it
         return keep, removed
 
-    if not split(read_document(path))[1]:
+    if not split(read_raw_and_document(path)[0])[1]:
         return []  # nothing to remove: no lock file, no write (a read-only folder is fine)
     try:
         with FileLock(str(lock_path(path)), timeout=lock_timeout_s):
-            doc = read_document(path)  # again under the lock: a save may have come between
-            keep, removed = split(doc)
+            raw = read_raw_and_document(path)[0]  # again under the lock: a save may have come
+            keep, removed = split(raw)
             if removed:
-                _atomic_write(path, _document(doc["entries"], doc["fingerprint"], keep))
+                if keep:
+                    raw["blocklist"] = keep
+                else:  # as a save writes it: no key for an empty blocklist
+                    raw.pop("blocklist", None)
+                _atomic_write(path, raw)
     except Timeout:
         raise CacheFileError(
             f"Could not lock {lock_path(path)} within {lock_timeout_s:g} s; another process "
@@ -342,7 +353,7 @@ def unblock(
         ) from None
     except OSError as exc:
         raise CacheFileError(f"Could not rewrite tuning cache {path}: {exc}.") from exc
-    return removed
+    return list(removed.values())
 
 
 def _existing(path: Path, current: dict[str, Any]) -> LoadedCache:

@@ -1,10 +1,10 @@
 """An op call resolved to what its cache keys are made of, and the key of its memoised hit.
 
 :class:`ResolvedCall` is computed once per slow-path look-up (and per tuning run): the runners'
-identities, the device, the timing mode, the runners' source digest and the keyword arguments'
-text. :func:`memo_key` is what a cache hit of an exact call signature depends on, and
-:class:`HitMemo` keeps those hits, so that a decode step's repeated look-ups skip bucketing and
-key building.
+identities, the device, the timing mode (the key's ``timing``: the timer's name, with cold L2 or
+not), the runners' source digest and the keyword arguments' text. :func:`memo_key` is what a
+cache hit of an exact call signature depends on, and :class:`HitMemo` keeps those hits, so that a
+decode step's repeated look-ups skip bucketing and key building.
 """
 
 from __future__ import annotations

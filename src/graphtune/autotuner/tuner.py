@@ -29,7 +29,7 @@ from graphtune.autotuner.cache import TuningCache
 from graphtune.autotuner.calls import CallRecord, MissLog, OpCall
 from graphtune.autotuner.config import TuningConfig
 from graphtune.autotuner.distributed import DistributedTuning, OpCoordinator
-from graphtune.autotuner.entries import CacheEntry, CacheKey, tactic_text
+from graphtune.autotuner.entries import CacheEntry, CacheKey, key_timing, tactic_text
 from graphtune.autotuner.executors import TuningExecutors
 from graphtune.autotuner.failures import FailureLog
 from graphtune.autotuner.identity import LocalClasses, runner_id, short_runner_name, sources_digest
@@ -384,7 +384,7 @@ class AutoTuner:
             call,
             ids,
             device,
-            self._mode_name(call.config, device),
+            key_timing(self._mode_name(call.config, device), call.config.cold_l2),
             sources_digest(call.runners),
             extra,
         )

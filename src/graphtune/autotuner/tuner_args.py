@@ -9,6 +9,7 @@ import math
 from typing import Any
 
 from graphtune.autotuner.calls import OpCall
+from graphtune.autotuner.entries import COLD_L2_SUFFIX
 from graphtune.autotuner.timing.base import Timer
 from graphtune.autotuner.values import encode_value
 from graphtune.errors import ConfigError
@@ -16,8 +17,9 @@ from graphtune.errors import ConfigError
 
 def check_timer(timer: Any) -> None:
     """Raises :class:`ConfigError` unless ``timer`` is ``None`` or a :class:`Timer` whose
-    ``name`` is a non-empty str: the name is the ``timing`` field of every key it tunes, and a
-    key whose ``timing`` is not a string makes a load reject the whole file holding it."""
+    ``name`` is a non-empty str not ending in ``+cold_l2``: the name is the ``timing`` field of
+    every key it tunes (``+cold_l2`` added for cold-L2 tuning), and a key whose ``timing`` is not
+    a string makes a load reject the whole file holding it."""
     if timer is None:
         return
     if not isinstance(timer, Timer):
@@ -31,6 +33,12 @@ def check_timer(timer: Any) -> None:
             f"AutoTuner(timer={timer!r}): the timer's name is {name!r}, not a non-empty str; it "
             "is stored as the cache keys' 'timing' text, so give the timer class a name such as "
             "name = 'mytimer'."
+        )
+    if name.endswith(COLD_L2_SUFFIX):
+        raise ConfigError(
+            f"AutoTuner(timer={timer!r}): the timer's name {name!r} ends in {COLD_L2_SUFFIX!r}, "
+            "which the cache keys' 'timing' text adds for cold-L2 tuning (TuningConfig.cold_l2), "
+            "so its warm-L2 picks would read as cold-L2 picks of another timer; rename it."
         )
 
 

@@ -124,6 +124,34 @@ def decode_value(data: Any) -> Any:
     return data
 
 
+#: One-key dicts with these keys would read as a tagged value in :func:`comparable_value`
+#: (``__tuple__`` cannot: a tuple compares as a list there, so it has no tag of its own).
+_COMPARED_TAGS = (_DICT, _DTYPE, _DEVICE)
+
+
+def comparable_value(value: Any) -> Any:
+    """The JSON form by which two tactics are compared (the blocklist, the ranks of a distributed
+    run): a tuple as the list of its items, so ``(64, 2)`` and ``[64, 2]`` are one tactic, and a
+    dict whose keys are not all strings as its pairs, sorted, under ``__dict__``; a dtype or
+    device keeps :func:`encode_value`'s tag, so ``torch.float16`` is never the string
+    ``"torch.float16"``, and a dict whose one key is such a tag is written as its pairs too, so
+    it never reads as one. Every other plain JSON value is itself. A value of any other type is
+    returned as it is (its text is the caller's business: no file holds one)."""
+    if isinstance(value, (list, tuple)):
+        return [comparable_value(v) for v in value]
+    if isinstance(value, (torch.dtype, torch.device)):
+        return encode_value(value)
+    if isinstance(value, dict):
+        plain = all(isinstance(k, str) for k in value) and not (
+            len(value) == 1 and next(iter(value)) in _COMPARED_TAGS
+        )
+        if plain:
+            return {k: comparable_value(v) for k, v in value.items()}
+        pairs = [[comparable_value(k), comparable_value(v)] for k, v in value.items()]
+        return {_DICT: sorted(pairs, key=lambda p: json.dumps(p, sort_keys=True, default=str))}
+    return value
+
+
 def _hashable(key: Any) -> Any:
     if isinstance(key, list):  # cannot be a dict key; encode_value never writes one
         raise TypeError(f"a dict key cannot be a list: {key!r}")

@@ -111,9 +111,9 @@ def graphtune_data_file(path: Path) -> str | None:
     the existing file ``path`` is one, else ``None``: results must not be written over such a
     file (:func:`graphtune.cli._args.check_output_path`). The kinds are decided by their readers
     (:func:`~graphtune.autotuner.cache_reader.not_a_cache_file`,
-    :data:`~graphtune.autotuner.calls.MISSES_FORMAT`)."""
+    :data:`~graphtune.autotuner.misses_file.MISSES_FORMAT`)."""
     from graphtune.autotuner.cache_reader import not_a_cache_file
-    from graphtune.autotuner.calls import MISSES_FORMAT
+    from graphtune.autotuner.misses_file import MISSES_FORMAT
     from graphtune.finite_json import parse_json
 
     if not_a_cache_file(path) is None:

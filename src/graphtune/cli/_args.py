@@ -421,7 +421,7 @@ def check_misses_path(cache: Path | None) -> None:
         ConfigError: One of those; the message names ``GRAPHTUNE_MISSES`` and the fix.
     """
     from graphtune.autotuner.cache_reader import not_a_cache_file
-    from graphtune.autotuner.calls import not_a_misses_file
+    from graphtune.autotuner.misses_file import not_a_misses_file
 
     path = env.default_misses_path()
     if path is None:

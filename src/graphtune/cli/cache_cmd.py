@@ -71,8 +71,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Merges cache files A and B into C. Rule: A and B must come from the same "
         "environment (equal fingerprints) unless --force (C gets A's fingerprint). A key in one "
         "file only is copied. For a key in both, the entry with the faster recorded time_us is "
-        "kept (the timing mode is part of the key, so both were measured the same way); an entry "
-        "with a time beats one without; ties keep A's. With --prefer b, B's entry is kept "
+        "kept (the timing mode, cold L2 included, is part of the key, so both were measured the "
+        "same way); an entry with a time beats one without; ties keep A's. With --prefer b, "
+        "B's entry is kept "
         "instead (as a save keeps its own: merge a failed save's fallback file so). Blocklists "
         "are unioned (A's reason wins). "
         "C is written atomically under its lock file; it may be A or B. An existing C that is "
@@ -97,7 +98,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "unblock",
         help="remove blocklisted tactics from a cache file so tuning retries them",
         description="Removes blocked (runner, tactic) pairs from a cache file; with no filter, "
-        "all of them. Entries are untouched.",
+        "all of them. Entries are untouched (also those loading ignores), as is the rest of "
+        "the file.",
     )
     unblock.add_argument("path", metavar="FILE", type=Path, help="tuning cache file (JSON)")
     unblock.add_argument(
@@ -107,7 +109,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--tactic",
         metavar="JSON",
         type=_json_text,
-        help="only this tactic, as JSON, e.g. 3 (default: every tactic)",
+        help="only this tactic, as JSON as `cache show` prints it, e.g. 3, [64,2] or "
+        '{"__dtype__":"float16"} (default: every tactic)',
     )
     unblock.add_argument(
         "--malformed",
@@ -261,7 +264,7 @@ def unblock_command(args: argparse.Namespace) -> int:
         print(f"Removed {len(dropped)} malformed blocklist item(s) from {args.path}.")
         if args.runner is None and args.tactic is None:
             return 0
-    tactic = json.loads(args.tactic) if args.tactic is not None else None
+    tactic = None if args.tactic is None else _tactic(args.tactic)
     runner = None if args.runner is None else _blocked_runner(args.path, args.runner)
     removed = persist.unblock(
         args.path, runner_id=runner, tactic=tactic, match_tactic=args.tactic is not None
@@ -270,6 +273,21 @@ def unblock_command(args: argparse.Namespace) -> int:
         print(f"unblocked {item.runner_id} tactic {tactic_text(item.tactic)} ({item.reason})")
     print(f"Removed {len(removed)} blocked tactic(s) from {args.path}.")
     return 0
+
+
+def _tactic(text: str) -> Any:
+    """The tactic ``--tactic`` names, in the file's typed encoding, which ``cache show`` prints:
+    ``{"__dtype__":"float16"}`` is the dtype, never a dict of that text."""
+    from graphtune.autotuner.values import decode_value
+    from graphtune.errors import ConfigError
+
+    try:
+        return decode_value(json.loads(text))
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(
+            f"--tactic {text}: {exc}; pass the tactic as `graphtune cache show` prints it "
+            '(e.g. 3, [64,2], {"__dtype__":"float16"})'
+        ) from None
 
 
 def _require_files(*paths: Path) -> None:

@@ -21,7 +21,7 @@ import torch
 
 from graphtune.autotuner.calls import CallRecord, OpCall
 from graphtune.autotuner.config import TuningConfig
-from graphtune.autotuner.entries import CacheKey
+from graphtune.autotuner.entries import CacheKey, key_timing, split_timing
 from graphtune.autotuner.identity import runner_id
 from graphtune.autotuner.runner import TunableRunner
 from graphtune.errors import ConfigError, GraphtuneError, InputError
@@ -179,6 +179,10 @@ def _missed_key_problem(record: CallRecord, cache: Any) -> str | None:
         missed = CacheKey.from_json(record.key)
     except (KeyError, TypeError, ValueError):
         return None  # a record without a readable key: what was tuned is all there is to check
+    if record.config.get("cold_l2") is True and not split_timing(missed.timing)[1]:
+        # Recorded before cold L2 was part of the key: the serving process, once updated, looks
+        # the call up under the cold-L2 key that its recorded config tunes here.
+        missed = replace(missed, timing=key_timing(missed.timing, True))
     if missed in cache:
         return None
     # A record saved before keys named the device has none: the serving process, once updated,
@@ -194,9 +198,9 @@ def _missed_key_problem(record: CallRecord, cache: Any) -> str | None:
     fields = [
         f for f in compared if near and all(getattr(k, f) != getattr(missed, f) for k in near)
     ]
+    timer = split_timing(missed.timing)[0]  # cold L2 comes from the record's config
     hint = {
-        "timing": f"the serving process times with {missed.timing!r}: pass --timing "
-        f"{missed.timing}",
+        "timing": f"the serving process times with {timer!r}: pass --timing {timer}",
         "device": f"the serving process ran it on {missed.device or 'an unrecorded device'}: "
         "pass that --device",
         "sources": "the runners' source files changed since the misses were recorded: record "

@@ -306,7 +306,7 @@ def norm_gate_up_silu(
         max_m: Largest tuned row count (``None``: up to the live rows).
         runners: Runners to choose from; :func:`norm_gate_up_silu_runners` when ``None``.
         cold_l2: Tune with cold-L2 rotation (this op and the unfused path's GEMM); the weights
-            stream from HBM in a decode step. Look-ups are the same.
+            stream from HBM in a decode step. Look-ups find the picks so tuned.
 
     Returns:
         ``[..., I]`` in ``x``'s dtype.

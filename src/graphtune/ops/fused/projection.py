@@ -186,8 +186,8 @@ def add_projection(
         tuner: Tuner to ask; the process default when ``None``.
         max_m: Largest tuned row count (``None``: up to the live rows).
         runners: Runners to choose from; :func:`add_projection_runners` when ``None``.
-        cold_l2: Tune with cold-L2 rotation (this op and the unfused GEMM); look-ups are the
-            same.
+        cold_l2: Tune with cold-L2 rotation (this op and the unfused GEMM), and look up the
+            picks so tuned.
 
     Returns:
         ``x``.
@@ -333,8 +333,8 @@ def norm_linear(
             when ``None``.
         max_m: Largest tuned row count (``None``: up to the live rows).
         runners: Runners to choose from; :func:`norm_linear_runners` when ``None``.
-        cold_l2: Tune with cold-L2 rotation (this op and the unfused GEMM); look-ups are the
-            same.
+        cold_l2: Tune with cold-L2 rotation (this op and the unfused GEMM), and look up the
+            picks so tuned.
 
     Returns:
         ``[..., N]`` in ``x``'s dtype.

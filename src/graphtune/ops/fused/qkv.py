@@ -380,8 +380,8 @@ def norm_qkv_rope(
             process default when ``None``.
         max_m: Largest tuned batch (``None``: up to the live batch).
         runners: Runners to choose from; :func:`norm_qkv_rope_runners` when ``None``.
-        cold_l2: Tune with cold-L2 rotation (this op and the unfused GEMM); look-ups are the
-            same.
+        cold_l2: Tune with cold-L2 rotation (this op and the unfused GEMM), and look up the
+            picks so tuned.
 
     Returns:
         ``q`` rotated, ``[B, num_heads, D]``; k (rotated) and v are written to the caches.

@@ -59,7 +59,8 @@ def gemm_config(
         max_m: Largest ``M`` tuned and looked up (``None``: buckets up to the live ``M``, and a
             larger live ``M`` is a miss that falls back to cuBLAS).
         residual: Whether input 3 (the residual) is a tensor, whose rows then follow ``M``.
-        cold_l2: Time with cold-L2 rotation (``TuningConfig.cold_l2``); same cache keys.
+        cold_l2: Time with cold-L2 rotation (``TuningConfig.cold_l2``); such picks are keyed
+            apart from warm-L2 ones (the key's ``timing`` ends in ``+cold_l2``).
     """
     constraints = (ConstraintSpec(3, 0, _rows_of_a),) if residual else ()
     return TuningConfig(
@@ -105,7 +106,8 @@ def gemm(
         tuner: The tuner to ask; the process default when ``None``.
         max_m: Largest tuned ``M`` (see :func:`gemm_config`).
         runners: Runners to choose from; :func:`gemm_runners` when ``None``.
-        cold_l2: Tune with cold-L2 rotation (see :func:`gemm_config`); look-ups are the same.
+        cold_l2: Tune with cold-L2 rotation (see :func:`gemm_config`), and look up the picks so
+            tuned.
 
     Returns:
         ``[..., N]`` in ``a``'s dtype.

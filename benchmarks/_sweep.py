@@ -1,7 +1,8 @@
 """What the exhaustive tactic sweeps (attention_sweep.py, gemv_sweep.py, gemm_sweep.py) share:
 the common arguments, the projection sweeps' ``--ops`` and ``--batches``, their rotating weight
 copies, the ranking of one sweep's candidates against what the tuner is offered, and the result
-file."""
+file. Also the argument type of a comma-separated list of names, which other scripts' flags
+(``--parts``, ``--shapes``, ...) take too (:func:`name_list`)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from graphtune import bench
 from graphtune.autotuner import FALLBACK_TACTIC
 from graphtune.autotuner.entries import tactic_text
 from graphtune.bench.cupti_sweep import cupti_graph_sweep
-from graphtune.cli._args import check_script_output, positive_int, report_written
+from graphtune.cli._args import batch_sizes, check_script_output, positive_int, report_written
 from graphtune.engine.config import ModelConfig
 from graphtune.engine.presets import get_preset
 from graphtune.errors import ConfigError
@@ -35,16 +36,44 @@ def tactic_key(tactic: dict) -> tuple:
     return tuple(sorted(tactic.items()))
 
 
+def name_list(names: Sequence[str], what: str) -> Callable[[str], tuple[str, ...]]:
+    """``argparse`` type of a comma-separated subset of ``names`` (``what`` names one item in
+    the messages): at least one name, each of ``names`` and given once, in the order given."""
+    known = ",".join(names)
+
+    def parse(text: str) -> tuple[str, ...]:
+        chosen = tuple(part.strip() for part in text.split(","))
+        if "" in chosen:
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated {what}s of {known}, got {text!r}"
+            )
+        unknown = [name for name in chosen if name not in names]
+        if unknown:
+            raise argparse.ArgumentTypeError(
+                f"unknown {what} {unknown[0]!r} in {text!r}; choose from {known}"
+            )
+        repeated = [name for name in dict.fromkeys(chosen) if chosen.count(name) > 1]
+        if repeated:
+            raise argparse.ArgumentTypeError(
+                f"{what} {repeated[0]!r} is given twice in {text!r}; give each once"
+            )
+        return chosen
+
+    return parse
+
+
 def add_common_arguments(parser: argparse.ArgumentParser, what: str) -> None:
     """``--out``, ``--model`` (the preset whose ``what`` is swept), ``--replays``, ``--commit``
     and ``--label``."""
-    parser.add_argument("--out", type=Path, required=True, help="folder for the JSON result")
+    parser.add_argument(
+        "--out", type=Path, required=True, help="folder for the JSON result (required)"
+    )
     parser.add_argument("--model", default="llama-1b-shape", help=f"preset whose {what} to sweep")
     parser.add_argument(
         "--replays", type=positive_int, default=10, help="CUPTI replays per candidate"
     )
     parser.add_argument("--commit", help="commit to record (default: git)")
-    parser.add_argument("--label", help="suffix of the result file name")
+    parser.add_argument("--label", help="suffix of the result file name (default: none)")
 
 
 def add_projection_arguments(
@@ -52,33 +81,28 @@ def add_projection_arguments(
 ) -> None:
     """``--batches`` (default ``batches``) and ``--ops`` (of ``ops``, all by default) of a sweep
     over a decode layer's projections."""
-    parser.add_argument("--batches", default=batches, help=f"{batches_help}, comma-separated")
     parser.add_argument(
-        "--ops", default=",".join(ops), help=f"ops of {tuple(ops)}, comma-separated"
+        "--batches", type=batch_sizes, default=batches, help=f"{batches_help}, comma-separated"
+    )
+    parser.add_argument(
+        "--ops",
+        type=name_list(ops, "op"),
+        default=",".join(ops),
+        help=f"ops of {tuple(ops)}, comma-separated",
     )
 
 
 def projection_choices(
     parser: argparse.ArgumentParser,
     args: argparse.Namespace,
-    ops: Sequence[str],
     batch_ok: Callable[[int], bool],
     batch_rule: str,
 ) -> tuple[list[str], list[int]]:
-    """The ``--ops`` and ``--batches`` asked for; a usage error (exit 2) naming the bad value:
-    an op not in ``ops``, a batch that is not an int or fails ``batch_ok`` (``batch_rule`` says
-    the rule)."""
-    chosen = args.ops.split(",")
-    unknown = [op for op in chosen if op not in ops]
-    if unknown:
-        parser.error(f"--ops: unknown {unknown}; choose from {list(ops)}")
-    try:
-        batches = [int(b) for b in args.batches.split(",")]
-    except ValueError:
-        parser.error(f"--batches must be integers, got {args.batches!r}")
-    if not all(batch_ok(b) for b in batches):
+    """The ``--ops`` and ``--batches`` asked for (their types checked the form); a usage error
+    (exit 2) when a batch fails ``batch_ok`` (``batch_rule`` says the rule)."""
+    if not all(batch_ok(b) for b in args.batches):
         parser.error(f"--batches must {batch_rule}")
-    return chosen, batches
+    return list(args.ops), list(args.batches)
 
 
 def rotating_copies(

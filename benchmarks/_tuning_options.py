@@ -10,7 +10,7 @@ from typing import Any
 
 from _tuning_scores import MODES
 
-from graphtune.cli._args import positive_int
+from graphtune.cli._args import Parser, positive_int
 
 RUNS = 3
 TRUTH_SETS = 3
@@ -88,10 +88,14 @@ def _tie_tolerance(text: str) -> float:
 
 def parse_args(argv: list[str] | None, description: str | None = None) -> argparse.Namespace:
     """Parses the options; errors exit with status 2 and a message naming the valid values."""
-    parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="folder")
+    parser = Parser(description=description)
+    parser.add_argument(
+        "--out", type=Path, default=Path("benchmarks/results"), help="folder for the JSON result"
+    )
     parser.add_argument("--quick", action="store_true", help="fewer shapes and buckets")
-    parser.add_argument("--commit", default=None, help="commit to record (else env / git)")
+    parser.add_argument(
+        "--commit", default=None, help="commit to record (default: GRAPHTUNE_COMMIT, else git)"
+    )
     parser.add_argument(
         "--cupti-calls",
         type=positive_int,
@@ -131,7 +135,7 @@ def parse_args(argv: list[str] | None, description: str | None = None) -> argpar
         help="also tune with the graph timer and these TuningPolicy keywords (GraphTimer ones "
         "prefixed timer., e.g. timer.replays=5), "
         "reported like a mode named NAME (repeatable), e.g. "
-        "sets1:input_sets=1,tie_floor_us=0",
+        "sets1:input_sets=1,tie_floor_us=0 (default: none)",
     )
     parser.add_argument(
         "--truth-sets",
@@ -144,7 +148,7 @@ def parse_args(argv: list[str] | None, description: str | None = None) -> argpar
         "--only",
         default=None,
         help="run the cases whose label contains this text; alternatives separated by |, "
-        "each optionally TEXT@M for one bucket (e.g. 'down@1|add+rmsnorm@8')",
+        "each optionally TEXT@M for one bucket (e.g. 'down@1|add+rmsnorm@8'; default: all)",
     )
     parser.add_argument(
         "--lead-in",
@@ -217,7 +221,7 @@ def unmatched_only(only: str, labels: list[str], quick: bool) -> str:
     names = list(dict.fromkeys(labels))
     shown = ", ".join(repr(n) for n in names[:6]) + (", ..." if len(names) > 6 else "")
     return (
-        f"benchmarks/tuning.py: --only {only!r} matches no case of the "
+        f"error: --only {only!r} matches no case of the "
         f"{'quick' if quick else 'full'} set; give text a label contains ({shown}), "
         "optionally TEXT@M for one bucket"
     )

@@ -17,13 +17,13 @@ CUDA graph holds 32 back-to-back repetitions (what one Llama-1B step issues: two
 
 Each graph is replayed after warm-up; the time per repetition is the median over replays (CUDA
 events) / 32. Sums are checked exactly (integer-valued bf16 data, the same on every rank), and the
-fused output against the unfused one. Rank 0 writes ``allreduce-<gpu>.json`` and prints a table
-last.
+fused output against the unfused one. Rank 0 writes ``allreduce-<gpu>.json`` into ``--out`` and
+prints a table last. Exits 2 outside torchrun or without CUDA, or for an ``--out`` that cannot be
+written (every rank checks it first), 1 when the result went to the temporary folder instead.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -32,7 +32,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from graphtune.bench import capture_calls, provenance, release, write_json
+from graphtune.bench import capture_calls, gpu_slug, provenance, release, write_json
+from graphtune.cli._args import Parser, check_script_output, report_written
+from graphtune.errors import ConfigError
 
 HIDDEN = 2048
 ROWS = (1, 8, 32, 128)
@@ -110,20 +112,32 @@ def _measure(variant: str, reducer, rows: int, device: torch.device, rank: int) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    parser.add_argument("--commit", default=None)
+    parser = Parser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--out", type=Path, default=Path("benchmarks/results"), help="folder for the JSON result"
+    )
+    parser.add_argument("--commit", default=None, help="commit to record (default: git)")
     args = parser.parse_args(argv)
     from graphtune import env
     from graphtune.engine.collectives import make_all_reduce
     from graphtune.engine.parallel import init_from_torchrun
 
-    launched = env.torchrun_rank()
+    try:
+        launched, local_rank = env.torchrun_rank(), env.torchrun_local_rank() or 0
+    except ConfigError as exc:  # RANK, WORLD_SIZE or LOCAL_RANK malformed
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if launched is None or not torch.cuda.is_available():
         print(
-            "benchmarks/allreduce.py: run under torchrun on CUDA GPUs (see --help)", file=sys.stderr
+            "error: benchmarks/allreduce.py runs under torchrun on CUDA GPUs (see --help)",
+            file=sys.stderr,
         )
         return 2
+    # Every rank checks, before the group forms: a rank that exited alone would leave the others
+    # waiting for it in the group's set-up.
+    gpu = gpu_slug(torch.cuda.get_device_name(local_rank))
+    target = args.out / f"allreduce-{gpu}.json"
+    check_script_output(target, "--out", parser)  # before the work: exit 2 on a bad --out
     parallel, device = init_from_torchrun(launched[1], torch.device("cuda"))
     results = []
     variants = ("nccl", "symm_mem", "symm_mem+norm", "fused")
@@ -145,13 +159,13 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as exc:  # report a variant that cannot run; keep the others
                 row[variant] = {"error": f"{type(exc).__name__}: {exc}"}
         results.append(row)
+    kept = True
     if parallel.rank == 0:
-        prov = provenance(args.commit, device)
-        path = write_json(
-            args.out / f"allreduce-{prov['gpu_slug']}.json",
+        path = write_json(  # target, or the fallback file it went to instead
+            target,
             {
                 "benchmark": "allreduce",
-                "provenance": prov,
+                "provenance": provenance(args.commit, device),
                 "world_size": parallel.world_size,
                 "hidden": HIDDEN,
                 "per_graph": PER_GRAPH,
@@ -173,8 +187,10 @@ def main(argv: list[str] | None = None) -> int:
                 for v in variants
             ]
             print(f"{r['rows']:>5} {r['bytes']:>8} " + " ".join(cells))
+        kept = report_written("--out", target, path)
     dist.destroy_process_group()
-    return 0
+    # Exit 1 when the result went to the temporary folder: a script would find no file at target.
+    return 0 if kept else 1
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ from _sweep import (
 from graphtune import bench
 from graphtune.autotuner.config import next_power_of_two
 from graphtune.bench.cupti_sweep import cupti_graph_sweep
+from graphtune.cli._args import Parser, batch_sizes, non_negative_int, positive_int
 from graphtune.engine.config import ModelConfig
 from graphtune.ops import attention
 
@@ -142,13 +143,17 @@ def table(found: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__.split("\n\n")[0])
     add_common_arguments(parser, "attention")
-    parser.add_argument("--batches", default="1,8,32,128", help="batch sizes, comma-separated")
-    parser.add_argument("--context", type=int, default=512, help="last visible key position")
-    parser.add_argument("--seq", type=int, default=528, help="KV cache length")
+    parser.add_argument(
+        "--batches", type=batch_sizes, default="1,8,32,128", help="batch sizes, comma-separated"
+    )
+    parser.add_argument(
+        "--context", type=non_negative_int, default=512, help="last visible key position"
+    )
+    parser.add_argument("--seq", type=positive_int, default=528, help="KV cache length")
     args = parser.parse_args(argv)
-    if not 0 <= args.context < args.seq:
+    if not args.context < args.seq:
         parser.error(f"--context must be in [0, --seq={args.seq}), got {args.context}")
     model = model_or_usage_error(parser, args.model)
     device = bench.require_cuda_or_exit("attention_sweep.py")
@@ -162,7 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "heads": model.num_heads,
             "head_dim": model.dim_per_head,
         },
-        "batches": [sweep_batch(args, model, int(b), device, sms) for b in args.batches.split(",")],
+        "batches": [sweep_batch(args, model, b, device, sms) for b in args.batches],
     }
     kept = write_result(args, target, found)
     print(table(found))

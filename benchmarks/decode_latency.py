@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _sweep import name_list
 
 from graphtune import bench
 from graphtune.autotuner import AutoTuner
@@ -49,7 +50,7 @@ from graphtune.bench.decode import run_decode_bench
 from graphtune.bench.decode_report import format_report
 from graphtune.bench.decode_results import DecodeBenchConfig, DecodeBenchReport
 from graphtune.bench.timeline import last_replay
-from graphtune.cli._args import check_script_output, report_written
+from graphtune.cli._args import Parser, batch_sizes, check_script_output, report_written
 from graphtune.engine.build import build_runner, build_step
 from graphtune.engine.kv_cache import KVCache, aligned_seq_len
 from graphtune.engine.loading import load_model
@@ -304,27 +305,37 @@ def targets(found: dict[str, Any]) -> list[list[Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True, help="folder for the JSON results")
-    parser.add_argument("--parts", default=",".join(PARTS), help=f"subset of {','.join(PARTS)}")
-    parser.add_argument("--batch-sizes", default="1,8,32,128", help="1B batch sizes")
-    parser.add_argument("--big-batch-sizes", default="1,8", help="8B-class batch sizes")
+    parser = Parser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--out", type=Path, required=True, help="folder for the JSON results (required)"
+    )
+    parser.add_argument(
+        "--parts", type=name_list(PARTS, "part"), default=",".join(PARTS), help="parts to run"
+    )
+    parser.add_argument(
+        "--batch-sizes", type=batch_sizes, default="1,8,32,128", help="1B batch sizes"
+    )
+    parser.add_argument("--big-batch-sizes", type=batch_sizes, default="1,8", help="8B batch sizes")
     parser.add_argument("--no-hf", action="store_true", help="skip the Hugging Face recipe")
-    parser.add_argument("--tuning-cache", type=Path, default=None, metavar="DIR")
+    parser.add_argument(
+        "--tuning-cache",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="folder that keeps the tuning caches (default: none, every run tunes)",
+    )
     args = parser.parse_args(argv)
-    args.batch_sizes = [int(v) for v in args.batch_sizes.split(",")]
-    args.big_batch_sizes = [int(v) for v in args.big_batch_sizes.split(",")]
-    parts = [p for p in args.parts.split(",") if p]
-    unknown = sorted(set(parts) - set(PARTS))
-    if unknown:
-        parser.error(f"unknown parts {unknown}; choose from {','.join(PARTS)}")
+    parts = args.parts
     device = bench.require_cuda_or_exit("decode_latency.py")
     gpu = bench.gpu_slug(torch.cuda.get_device_name(device))
     results = {part: args.out / f"decode-latency-{part}-{gpu}.json" for part in parts}
     for result_path in results.values():  # before the first part: exit 2 on a bad --out
         check_script_output(result_path, "--out", parser)
     if args.tuning_cache is not None:
-        args.tuning_cache.mkdir(parents=True, exist_ok=True)
+        try:
+            args.tuning_cache.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # a file in the way, no permission
+            parser.error(f"--tuning-cache {args.tuning_cache}: no folder ({exc.strerror or exc})")
     missed = 0  # results that went to the temporary folder instead of --out
     tuner = AutoTuner(show_progress=False)  # the 1B tuner, shared by 1b, pdl and accuracy
     found: dict[str, Any] = {}

@@ -65,7 +65,13 @@ from graphtune.autotuner import (
 from graphtune.autotuner.isolation import Isolation
 from graphtune.autotuner.maintenance import verify_file
 from graphtune.bench import gpu_slug, provenance, require_cuda_or_exit, write_json
-from graphtune.cli._args import check_script_output, positive_int, report_written
+from graphtune.cli._args import (
+    Parser,
+    check_script_output,
+    non_negative_float,
+    positive_int,
+    report_written,
+)
 
 try:
     import triton
@@ -334,25 +340,39 @@ def blocklist_in_process(path: Path, device: torch.device, expected: int) -> dic
     return {"ok": skipped == expected, "skipped": skipped, "expected": expected, "pick": tactic}
 
 
+def seconds(text: str) -> float:
+    """``argparse`` type of ``--timeout``: a finite number of seconds > 0 (what ``Isolation``
+    takes; it would refuse another only once the checks began)."""
+    value = non_negative_float(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be > 0 seconds, got 0")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True, help="folder for the JSON result")
+    parser = Parser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--out", type=Path, required=True, help="folder for the JSON result (required)"
+    )
     parser.add_argument("--quick", action="store_true", help="2,000 soak steps instead of 20,000")
     parser.add_argument("--commit", default=None, help="commit to record (default: git)")
     parser.add_argument(
-        "--steps", type=positive_int, default=None, help="soak steps (overrides --quick)"
+        "--steps",
+        type=positive_int,
+        default=None,
+        help="soak steps, overriding --quick (default: 20,000, or 2,000 with --quick)",
     )
-    parser.add_argument("--timeout", type=float, default=30.0, help="per-tactic timeout (s)")
+    parser.add_argument("--timeout", type=seconds, default=30.0, help="per-tactic timeout (s)")
     args = parser.parse_args(argv)
     device = require_cuda_or_exit("faults.py")
     if triton is None:
-        print("faults.py: needs triton for the faulting kernels", file=sys.stderr)
+        print("error: faults.py needs triton for the faulting kernels", file=sys.stderr)
         return 2
-    torch.backends.cuda.matmul.allow_tf32 = False
     steps = args.steps or (2_000 if args.quick else 20_000)
     gpu_name = torch.cuda.get_device_name(device)
     target = args.out / f"faults-{gpu_slug(gpu_name)}.json"
     check_script_output(target, "--out", parser)  # before the work: exit 2 on a bad --out
+    torch.backends.cuda.matmul.allow_tf32 = False
     print(f"faults: tactic faults, capture OOM, killed writer, {steps}-step soak on {gpu_name}")
     # The cache file the checks write and kill writers over is scratch, not a result.
     work = Path(tempfile.mkdtemp(prefix="graphtune-faults-"))

@@ -38,7 +38,13 @@ import torch
 
 from graphtune import bench
 from graphtune.autotuner import AutoTuner, autotune
-from graphtune.cli._args import check_script_output, non_negative_int, report_written
+from graphtune.cli._args import (
+    Parser,
+    check_script_output,
+    non_negative_int,
+    positive_int,
+    report_written,
+)
 from graphtune.ops import attention
 from graphtune.ops.fused import (
     add_projection,
@@ -285,13 +291,33 @@ def table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def fused_cases(text: str) -> list[tuple[str, int]]:
+    """``argparse`` type of ``--cases``: ``SHAPE:M,...``, each SHAPE of :data:`SHAPES` and each M
+    an integer >= 1, so a bad case is refused before the first case runs."""
+    cases = []
+    for case in text.split(","):
+        name, colon, m = case.strip().partition(":")
+        if not colon or name not in SHAPES:
+            raise argparse.ArgumentTypeError(
+                f"{case!r} is not SHAPE:M with SHAPE one of {','.join(SHAPES)} (e.g. llama-1b:8)"
+            )
+        try:
+            cases.append((name, positive_int(m)))
+        except argparse.ArgumentTypeError as exc:
+            raise argparse.ArgumentTypeError(f"{case!r}: M {exc}") from None
+    return cases
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True, help="folder for the JSON result")
+    parser = Parser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--out", type=Path, required=True, help="folder for the JSON result (required)"
+    )
     parser.add_argument(
         "--cases",
+        type=fused_cases,
         default=",".join(CASES),
-        help=f"SHAPE:M,... to run (default {','.join(CASES)}; all: {','.join(ALL_CASES)})",
+        help=f"SHAPE:M,... to run (all: {','.join(ALL_CASES)})",
     )
     parser.add_argument(
         "--layers", type=non_negative_int, default=0, help="weight copies (0: 4 / 2 for 8B)"
@@ -303,11 +329,11 @@ def main(argv: list[str] | None = None) -> int:
     tuner = AutoTuner(show_progress=False)  # one tuner: shapes shared between cases tune once
     results = []
     start = time.perf_counter()
-    for case in args.cases.split(","):
-        name, m = case.split(":")
+    for name, m in args.cases:
+        case = f"{name}:{m}"
         layers = args.layers or (4 if name == "llama-1b" else 2)
         print(f"{case}: tuning and timing ({layers} weight copies)", flush=True)
-        results.append(run_case(name, int(m), layers, tuner))
+        results.append(run_case(name, m, layers, tuner))
         done = results[-1]
         print(f"{case}: tuned in {done['tuning_s']:.0f} s, done in {done['seconds']:.0f} s")
         torch.cuda.empty_cache()

@@ -27,7 +27,6 @@ the temporary folder instead.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import sys
 from collections.abc import Sequence
@@ -52,6 +51,7 @@ from _sweep import (
 from graphtune import bench
 from graphtune.autotuner import FALLBACK_TACTIC
 from graphtune.autotuner.config import next_power_of_two
+from graphtune.cli._args import Parser
 from graphtune.engine.config import ModelConfig
 from graphtune.ops._triton import device_limits
 from graphtune.ops.activation import torch_silu_and_mul
@@ -210,12 +210,12 @@ def table(found: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__.split("\n\n")[0])
     add_common_arguments(parser, "layer")
     add_projection_arguments(parser, OPS, "128", "batch sizes (>= 2)")
     args = parser.parse_args(argv)
     ops, batches = projection_choices(
-        parser, args, OPS, lambda b: b >= 2, "be >= 2 (the tiled GEMM offers nothing for one row)"
+        parser, args, lambda b: b >= 2, "be >= 2 (the tiled GEMM offers nothing for one row)"
     )
     model = model_or_usage_error(parser, args.model)
     device = bench.require_cuda_or_exit("gemm_sweep.py")

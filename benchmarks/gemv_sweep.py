@@ -28,7 +28,6 @@ the temporary folder instead.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import math
 import sys
@@ -53,6 +52,7 @@ from _sweep import (
 
 from graphtune import bench
 from graphtune.autotuner.config import next_power_of_two
+from graphtune.cli._args import Parser
 from graphtune.engine.config import ModelConfig
 from graphtune.ops.fused import (
     TritonAddProjection,
@@ -216,14 +216,13 @@ def table(found: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__.split("\n\n")[0])
     add_common_arguments(parser, "layer")
     add_projection_arguments(parser, OPS, "8,16", "batch sizes (1..16)")
     args = parser.parse_args(argv)
     ops, batches = projection_choices(
         parser,
         args,
-        OPS,
         lambda b: 1 <= b <= family.MAX_M,
         f"lie in 1..{family.MAX_M} (the fused GEMV's rows)",
     )

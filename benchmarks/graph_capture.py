@@ -55,6 +55,7 @@ import time
 from pathlib import Path
 
 import torch
+from _sweep import name_list
 
 from graphtune import bench
 from graphtune.autotuner import AutoTuner
@@ -64,7 +65,7 @@ from graphtune.bench.graph_steps import (
     hand_written_graph,
     step_inputs,
 )
-from graphtune.cli._args import check_script_output, report_written
+from graphtune.cli._args import Parser, check_script_output, report_written
 from graphtune.engine.build import build_runner, engine_capture_policy
 from graphtune.engine.tuning import tune_step
 from graphtune.graphs import default_capture_sizes
@@ -315,13 +316,13 @@ def measure(args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, help="folder for the JSON result")
+    parser = Parser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, help="folder for the JSON result (required)")
     parser.add_argument("--quick", action="store_true", help="fewer variants, batches, repeats")
     parser.add_argument("--commit", default=None, help="commit to record (default: git)")
     parser.add_argument(
         "--cold-variants",
-        type=lambda text: [v for v in text.split(",") if v],
+        type=name_list(tuple(COLD_VARIANTS), "cold variant"),
         default=None,
         metavar="NAMES",
         help=f"comma-separated cold variants (default: all; --quick: "
@@ -330,20 +331,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cold", choices=sorted(COLD_VARIANTS), help=argparse.SUPPRESS)
     parser.add_argument("--cold-json", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.out is None and not args.cold:  # the child of one cold variant writes --cold-json
+        parser.error("the following arguments are required: --out")
     device = bench.require_cuda_or_exit("graph_capture.py")
     torch.backends.cuda.matmul.allow_tf32 = False
     if args.cold:  # one cold variant, in the child process the parent started
         args.cold_json.write_text(json.dumps(bench.json_safe(cold_variant(args.cold))))
         return 0
-    if args.out is None:
-        parser.error("--out is required")
     target = args.out / f"graph-capture-{bench.gpu_slug(torch.cuda.get_device_name(device))}.json"
     check_script_output(target, "--out", parser)  # before the work: exit 2 on a bad --out
     print(f"graph_capture: the engine's llama-1b-shape step on {torch.cuda.get_device_name()}")
     names = args.cold_variants or (COLD_VARIANTS_QUICK if args.quick else list(COLD_VARIANTS))
-    unknown = sorted(set(names) - set(COLD_VARIANTS))
-    if unknown:
-        parser.error(f"--cold-variants: unknown {unknown}; choose from {list(COLD_VARIANTS)}")
     cold = cold_variants(names)
     data = measure(args)
     alone_512, alone_256 = data["largest_alone_mib"]["512"], data["largest_alone_mib"]["256"]

@@ -24,7 +24,6 @@ a target failed or the result went to the temporary folder, else 0.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import math
@@ -35,7 +34,7 @@ import torch
 
 from graphtune import bench
 from graphtune.bench.graph_steps import engine_decode_step, hand_written_graph, step_inputs
-from graphtune.cli._args import check_script_output, report_written
+from graphtune.cli._args import Parser, check_script_output, report_written
 from graphtune.engine.build import build_runner
 from graphtune.engine.step import step_pad_rule
 from graphtune.graphs import CUDAGraphRunner, default_capture_sizes
@@ -115,8 +114,10 @@ def measure_size(step, runner, b, *, captured, reps, repeats) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True, help="folder for the JSON result")
+    parser = Parser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--out", type=Path, required=True, help="folder for the JSON result (required)"
+    )
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
     parser.add_argument("--commit", default=None, help="commit to record (default: git)")
     args = parser.parse_args(argv)

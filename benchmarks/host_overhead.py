@@ -25,7 +25,6 @@ different machines or processes can be compared. Writes ``host-overhead-<device>
 
 from __future__ import annotations
 
-import argparse
 import functools
 import sys
 from collections.abc import Callable
@@ -35,7 +34,7 @@ from typing import Any
 import torch
 
 from graphtune import bench
-from graphtune.cli._args import check_script_output, positive_int, report_written
+from graphtune.cli._args import Parser, check_script_output, positive_int, report_written
 from graphtune.reporting import render_table
 
 
@@ -100,6 +99,16 @@ def forward_ms(calls: int, repeats: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     from graphtune.ops._triton import kernels_interpreted, triton_available
 
+    parser = Parser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--out", type=Path, required=True, help="folder for the JSON result (required)"
+    )
+    parser.add_argument("--quick", action="store_true", help="fewer calls (tests)")
+    parser.add_argument("--repeats", type=positive_int, default=5, help="timed repeats of each")
+    parser.add_argument("--commit", default=None, help="commit to record (default: git)")
+    args = parser.parse_args(argv)
+    target = args.out / "host-overhead-cpu.json"
+    check_script_output(target, "--out", parser)  # before the work: exit 2 on a bad --out
     if triton_available() and kernels_interpreted():
         print(
             "error: TRITON_INTERPRET is set, so the tuned forward would time every Triton "
@@ -107,14 +116,6 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True, help="folder for the JSON result")
-    parser.add_argument("--quick", action="store_true", help="fewer calls (tests)")
-    parser.add_argument("--repeats", type=positive_int, default=5)
-    parser.add_argument("--commit", default=None)
-    args = parser.parse_args(argv)
-    target = args.out / "host-overhead-cpu.json"
-    check_script_output(target, "--out", parser)  # before the work: exit 2 on a bad --out
     scale = 20 if args.quick else 1
     result = {
         "benchmark": "host_overhead",

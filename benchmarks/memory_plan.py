@@ -18,7 +18,6 @@ its budget or the result went to the temporary folder, else 0.
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
@@ -26,7 +25,7 @@ from pathlib import Path
 import torch
 
 from graphtune import bench
-from graphtune.cli._args import check_script_output, report_written
+from graphtune.cli._args import Parser, check_script_output, report_written
 from graphtune.engine import Engine, load_model
 
 FRACTION, MAX_SEQ_LEN = 0.9, 32768
@@ -34,8 +33,10 @@ TOLERANCE = 1.02  # the plan is profiled: allow 2% of the budget for what profil
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True, help="folder for the JSON result")
+    parser = Parser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--out", type=Path, required=True, help="folder for the JSON result (required)"
+    )
     parser.add_argument("--quick", action="store_true", help="max_batch_size 64")
     parser.add_argument("--commit", default=None, help="commit to record (default: git)")
     args = parser.parse_args(argv)

@@ -73,10 +73,18 @@ from _moe_scores import (
     step_scores,
     tile_text,
 )
+from _sweep import name_list
 
 from graphtune import bench
 from graphtune.bench.cupti_sweep import cupti_graph_sweep
-from graphtune.cli._args import check_script_output, positive_int, report_written
+from graphtune.cli._args import (
+    Parser,
+    batch_sizes,
+    check_script_output,
+    non_negative_float,
+    positive_int,
+    report_written,
+)
 
 logger = logging.getLogger("benchmarks.moe")
 
@@ -395,33 +403,33 @@ def table(shapes: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _int_list(text: str) -> list[int]:
-    values = [int(v) for v in text.split(",") if v.strip()]
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(
-            f"expected positive ints separated by commas, got {text!r}"
-        )
-    return values
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    parser.add_argument("--shapes", default=",".join(SHAPES))
-    parser.add_argument("--tokens", type=_int_list, default=[1, 8, 64, 512, 4096])
-    parser.add_argument("--max-tokens", type=positive_int, default=4096)
-    parser.add_argument("--replays", type=positive_int, default=10)
-    parser.add_argument("--min-replay-us", type=float, default=200.0)
-    parser.add_argument("--commit", default=None)
+    parser = Parser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--out", type=Path, default=Path("benchmarks/results"), help="folder for the JSON result"
+    )
+    parser.add_argument(
+        "--shapes", type=name_list(tuple(SHAPES), "shape"), default=",".join(SHAPES), help="shapes"
+    )
+    parser.add_argument(
+        "--tokens", type=batch_sizes, default="1,8,64,512,4096", help="tokens per swept bucket"
+    )
+    parser.add_argument("--max-tokens", type=positive_int, default=4096, help="largest bucket")
+    parser.add_argument("--replays", type=positive_int, default=10, help="CUPTI replays")
+    parser.add_argument(
+        "--min-replay-us",
+        type=non_negative_float,
+        default=200.0,
+        help="calls per replay: at least this long by the tuner's time",
+    )
+    parser.add_argument("--commit", default=None, help="commit to record (default: git)")
     parser.add_argument("--quick", action="store_true", help="tokens 1,64; buckets up to 64")
-    parser.add_argument("--verbose", action="store_true")
+    parser.add_argument("--verbose", action="store_true", help="debug logging")
     args = parser.parse_args(argv)
-    args.shapes = [s for s in args.shapes.split(",") if s]
-    unknown = [s for s in args.shapes if s not in SHAPES]
-    if unknown:
-        parser.error(f"unknown shapes {unknown}; known: {sorted(SHAPES)}")
+    args.shapes = list(args.shapes)
     if args.quick:
         args.tokens, args.max_tokens = [1, 64], 64
+    args.tokens = list(args.tokens)
     if max(args.tokens) > args.max_tokens:
         parser.error(f"--tokens {args.tokens} go past --max-tokens {args.max_tokens}")
     return args

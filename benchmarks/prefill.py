@@ -37,7 +37,13 @@ from pathlib import Path
 
 from graphtune import bench
 from graphtune.bench.prefill import PrefillBenchConfig, run_prefill_bench
-from graphtune.cli._args import batch_sizes, check_script_output, report_written
+from graphtune.cli._args import (
+    Parser,
+    add_device_arguments,
+    batch_sizes,
+    check_script_output,
+    report_written,
+)
 from graphtune.errors import ConfigError, InputError
 
 DEFAULT_MODEL, PROMPT_LENGTHS, BATCH_SIZES = "llama-1b-shape", (16, 128, 1024), (1, 8)
@@ -75,15 +81,23 @@ def device_slug(device: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True, help="folder for the JSON result")
-    parser.add_argument("--quick", action="store_true", help="fewer repeats")
-    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--prompt-lengths", type=prompt_lengths, default=PROMPT_LENGTHS, metavar="N,N,..."
+        "--out", type=Path, required=True, help="folder for the JSON result (required)"
     )
-    parser.add_argument("--batch-sizes", type=batch_sizes, default=BATCH_SIZES, metavar="B,B,...")
-    parser.add_argument("--device", default="auto")
+    parser.add_argument("--quick", action="store_true", help="fewer repeats")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="preset or model folder")
+    parser.add_argument(
+        "--prompt-lengths",
+        type=prompt_lengths,
+        default=PROMPT_LENGTHS,
+        metavar="N,N,...",
+        help="prompt lengths in tokens",
+    )
+    parser.add_argument(
+        "--batch-sizes", type=batch_sizes, default=BATCH_SIZES, metavar="B,B,...", help="batches"
+    )
+    add_device_arguments(parser, dtype=False)
     args = parser.parse_args(argv)
     command = shlex.join([sys.executable, *sys.argv])
     try:

@@ -6,15 +6,18 @@ those within 2% and 5% of their profile's best, and the profiles the runner won.
 ``src/graphtune/ops/_pruned.py`` cite this count.
 
     python3 benchmarks/pruning_evidence.py benchmarks/results/tuning-time-h200-25accda.json
+
+A file it cannot read as such a result gets a one-line error and exit status 1.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections import defaultdict
 from pathlib import Path
+
+from graphtune.cli._args import Parser
 
 
 def rows_of(profile: str) -> str:
@@ -75,18 +78,18 @@ def _row_ok(row: object) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("result", type=Path, help="a tuning_time.py results JSON")
     args = parser.parse_args(argv)
     try:
         table = load_table(args.result)
     except (OSError, ValueError, RecursionError) as exc:
         print(
-            f"{args.result}: no cold candidates_table ({exc}); pass a tuning_time.py result "
-            "recorded after it was added.",
+            f"error: {args.result}: no cold candidates_table ({exc}); pass a tuning_time.py "
+            "result recorded after it was added",
             file=sys.stderr,
         )
-        return 2
+        return 1
     counts = count(table)
     print(f"{'op':<28} {'runner':<38} {'rows':>4} {'cands':>5} {'<=2%':>5} {'<=5%':>5} {'won':>4}")
     for (op, runner, rows), c in sorted(

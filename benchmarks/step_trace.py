@@ -26,7 +26,6 @@ result went to the temporary folder instead, else 0.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 import time
@@ -40,7 +39,13 @@ from graphtune import bench
 from graphtune.autotuner import AutoTuner
 from graphtune.bench.graph_steps import step_inputs
 from graphtune.bench.timeline import TimelineRow, by_name, last_replay, repeating_block, timeline
-from graphtune.cli._args import check_script_output, report_written
+from graphtune.cli._args import (
+    Parser,
+    batch_sizes,
+    check_script_output,
+    non_negative_int,
+    report_written,
+)
 
 REPLAYS = 3
 
@@ -123,27 +128,30 @@ def tables(found: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True, help="folder for the JSON result")
+    parser = Parser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--out", type=Path, required=True, help="folder for the JSON result (required)"
+    )
     parser.add_argument("--model", default="llama-1b-shape", help="preset or HF folder")
-    parser.add_argument("--batches", default="1,8", help="batch sizes, comma-separated")
-    parser.add_argument("--context", type=int, default=512, help="position of every row")
+    parser.add_argument(
+        "--batches", type=batch_sizes, default="1,8", help="batch sizes, comma-separated"
+    )
+    parser.add_argument(
+        "--context", type=non_negative_int, default=512, help="position of every row"
+    )
     parser.add_argument("--untuned", action="store_true", help="trace the untuned step")
     parser.add_argument("--commit", help="commit to record (default: git)")
-    parser.add_argument("--label", help="suffix of the result file name")
+    parser.add_argument("--label", help="suffix of the result file name (default: none)")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("step_trace.py needs a CUDA GPU", file=sys.stderr)
-        return 2
-    slug = bench.gpu_slug(torch.cuda.get_device_name())
+    device = bench.require_cuda_or_exit("step_trace.py")
+    slug = bench.gpu_slug(torch.cuda.get_device_name(device))
     name = f"step-trace-{args.model.replace('/', '_')}-{slug}"
     target = args.out / (f"{name}-{args.label}.json" if args.label else f"{name}.json")
     check_script_output(target, "--out", parser)  # before the work: exit 2 on a bad --out
     from graphtune.cli._step_calls import decode_step
     from graphtune.engine.tuning import tune_step
 
-    batches = [int(b) for b in args.batches.split(",")]
-    device = torch.device("cuda")
+    batches = args.batches
     tuner = None if args.untuned else AutoTuner(show_progress=False)
     step = decode_step(
         args.model, max(batches), tuner, device=device, dtype=torch.bfloat16,

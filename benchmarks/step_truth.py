@@ -34,7 +34,9 @@ With ``--refine``, ``graphtune.engine.step_refine.refine_in_step`` then runs at 
 (rows in slots ``0..B-1`` at the cache's last position): the step as tuned and the step after
 refinement are captured in this process and replayed side by side (``4 x --rounds`` rounds),
 with the refinement's own seconds and what it switched (``refine``). Writes
-``step-truth-<gpu>[-label].json`` with provenance and prints the table last. Exits 2 without CUDA.
+``step-truth-<gpu>[-label].json`` with provenance and prints the table last. Exits 2 without CUDA
+or for an ``--out`` that cannot be written, 1 when the result went to the temporary folder
+instead, else 0.
 """
 
 from __future__ import annotations
@@ -60,7 +62,14 @@ from graphtune.autotuner import AutoTuner  # noqa: E402
 from graphtune.bench.cupti_graph import graph_calls_for  # noqa: E402
 from graphtune.bench.cupti_sweep import cupti_graph_sweep  # noqa: E402
 from graphtune.bench.graphs import capture_calls, capture_stream, release  # noqa: E402
-from graphtune.cli._args import positive_int  # noqa: E402
+from graphtune.cli._args import (  # noqa: E402
+    Parser,
+    batch_sizes,
+    check_script_output,
+    non_negative_int,
+    positive_int,
+    report_written,
+)
 from graphtune.engine.step_refine import (  # noqa: E402
     profile_record,
     refine_in_step,
@@ -326,12 +335,20 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True, help="folder for the JSON result")
+    parser = Parser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--out", type=Path, required=True, help="folder for the JSON result (required)"
+    )
     parser.add_argument("--model", default="llama-1b-shape", help="preset or HF folder")
-    parser.add_argument("--batches", default="1,8,16,32", help="batch sizes, comma-separated")
-    parser.add_argument("--context", type=int, default=512, help="position of every row")
-    parser.add_argument("--ops", default="", help="only ops whose name contains one of these")
+    parser.add_argument(
+        "--batches", type=batch_sizes, default="1,8,16,32", help="batch sizes, comma-separated"
+    )
+    parser.add_argument(
+        "--context", type=non_negative_int, default=512, help="position of every row"
+    )
+    parser.add_argument(
+        "--ops", default="", help="only ops whose name contains one of these (default: all ops)"
+    )
     parser.add_argument("--rounds", type=positive_int, default=11, help="replay rounds per profile")
     parser.add_argument("--steps-per-graph", type=positive_int, default=2, help="steps per graph")
     parser.add_argument(
@@ -343,17 +360,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--skip-profiles", action="store_true", help="skip the per-profile pinning (with --refine)"
     )
     parser.add_argument("--commit", help="commit to record (default: git)")
-    parser.add_argument("--label", help="suffix of the result file name")
+    parser.add_argument("--label", help="suffix of the result file name (default: none)")
     args = parser.parse_args(argv)
+    if args.skip_profiles and not args.refine:
+        parser.error("--skip-profiles without --refine would measure nothing; add --refine")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if not torch.cuda.is_available():
-        print("step_truth.py needs a CUDA GPU", file=sys.stderr)
-        return 2
+    device = bench.require_cuda_or_exit("step_truth.py")
+    name = f"step-truth-{bench.gpu_slug(torch.cuda.get_device_name(device))}"
+    target = args.out / (f"{name}-{args.label}.json" if args.label else f"{name}.json")
+    check_script_output(target, "--out", parser)  # before the work: exit 2 on a bad --out
     from graphtune.cli._step_calls import decode_step
     from graphtune.engine.tuning import tune_step
 
-    batches = [int(b) for b in args.batches.split(",")]
-    device = torch.device("cuda")
+    batches = list(args.batches)
     tuner = AutoTuner(show_progress=False)
     step = decode_step(
         args.model, max(batches), tuner, device=device, dtype=torch.bfloat16,
@@ -367,10 +386,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for batch in batches if not args.skip_profiles else []:
         rows.extend(profile_rows(step, tuner, batch, args))
     refined = refine_ab(step, tuner, batches, args) if args.refine else None
-    name = f"step-truth-{bench.gpu_slug(torch.cuda.get_device_name())}"
-    path = args.out / (f"{name}-{args.label}.json" if args.label else f"{name}.json")
-    bench.write_json(
-        path,
+    path = bench.write_json(  # target, or the fallback file it went to instead
+        target,
         {
             "provenance": bench.provenance(args.commit),
             "options": {k: v if not isinstance(v, Path) else str(v) for k, v in vars(args).items()},
@@ -380,7 +397,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             "refine": refined,
         },
     )
-    print(f"wrote {path}")
     print(table(rows))
     if refined is not None:
         switched = sum(r["switched"] for r in refined["refinements"])
@@ -393,7 +409,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"batch {row['batch']:>3}: tuned {row['tuned_us']:8.1f} us, refined "
                 f"{row['refined_us']:8.1f} us ({row['ratio']:.3f}x)"
             )
-    return 0
+    # Exit 1 when the result went to the temporary folder: a script would find no file at target.
+    return 0 if report_written("--out", target, path) else 1
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ from graphtune.bench import (
     write_json,
 )
 from graphtune.cli._args import (
+    Parser,
     check_script_output,
     non_negative_int,
     positive_int,
@@ -346,11 +347,20 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def selected_cases(args: argparse.Namespace) -> list[Case]:
+    """The cases ``--quick`` and ``--only`` leave."""
+    return [c for c in CASES if (c.quick or not args.quick) and (args.only or "") in c.name]
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="folder")
+    parser = Parser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--out", type=Path, default=Path("benchmarks/results"), help="folder for the JSON result"
+    )
     parser.add_argument("--quick", action="store_true", help="smaller set, fewer samples")
-    parser.add_argument("--commit", default=None, help="commit to record (else env / git)")
+    parser.add_argument(
+        "--commit", default=None, help="commit to record (default: GRAPHTUNE_COMMIT, else git)"
+    )
     parser.add_argument(
         "--warmup", type=non_negative_int, default=3, help="timer warm-up (tuner default 3)"
     )
@@ -362,9 +372,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--cupti-calls", type=positive_int, default=50, help="profiled calls per case"
     )
-    parser.add_argument("--only", default=None, help="run cases whose name contains this text")
+    parser.add_argument(
+        "--only", default=None, help="run cases whose name contains this text (default: all)"
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     args = parser.parse_args(argv)
+    if not selected_cases(args):  # else the run checks nothing and passes
+        names = [c.name for c in CASES if c.quick or not args.quick]
+        parser.error(f"--only {args.only!r} matches no case of {names}")
     if args.quick:
         args.replays = min(args.replays, 7)
         args.samples = min(args.samples, 7)
@@ -383,9 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     prov = provenance(args.commit, device)
     target = args.out / f"timers-{prov['gpu_slug']}{'-quick' if args.quick else ''}.json"
     check_script_output(target)  # before the work: exit 2 on a bad --out
-    cases = [c for c in CASES if (c.quick or not args.quick)]
-    if args.only:
-        cases = [c for c in cases if args.only in c.name]
+    cases = selected_cases(args)
     # One instance of each timer for the whole run, as the tuner keeps them.
     timers = {
         "graph": GraphTimer(replays=args.replays, device=device),

@@ -28,7 +28,6 @@ A file that is not a tuning.py result gets a one-line error and exit status 1.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -52,6 +51,7 @@ from _tuning_scores import (  # noqa: E402
     worst,
 )
 
+from graphtune.cli._args import Parser  # noqa: E402
 from graphtune.reporting import render_table  # noqa: E402
 
 #: Fields added to each candidate (flattened from its ``cupti_graph`` record, first input set).
@@ -391,7 +391,7 @@ def report(path: Path, data: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("results", type=Path, nargs="+", help="benchmarks/tuning.py result JSONs")
     args = parser.parse_args(argv)
     loaded = []
@@ -399,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             loaded.append((path, load(path)))
         except NotAResult as exc:
-            print(f"{path}: {exc}", file=sys.stderr)
+            print(f"error: {path}: {exc}", file=sys.stderr)
             return 1
     print("\n\n".join(report(path, data) for path, data in loaded))
     return 0

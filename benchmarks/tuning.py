@@ -73,8 +73,9 @@ a partial run, one with ``--only``, ``--modes`` other than all three or ``--vari
 ``-partial-<what>`` so it never replaces a full run's file) with provenance and the options,
 prints one JSON line and then the table
 (scoring and summary: ``_tuning_scores.py``; table and printed lines: ``_tuning_table.py``).
-Exits 2 without CUDA or for an ``--only`` that matches no case, 1 when a kernel-sum target fails
-or could not be evaluated (0 when graph mode was not run, so no target applies).
+Exits 2 without CUDA, for an ``--only`` that matches no case or an ``--out`` that cannot be
+written, 1 when a kernel-sum target fails or could not be evaluated (0 when graph mode was not
+run, so no target applies) or when the result went to the temporary folder instead.
 """
 
 from __future__ import annotations
@@ -128,6 +129,7 @@ from _tuning_scores import (  # noqa: E402
 from _tuning_table import summary_lines, table  # noqa: E402
 
 from graphtune import bench as _common  # noqa: E402
+from graphtune.cli._args import check_script_output, report_written  # noqa: E402
 
 logger = logging.getLogger("benchmarks.tuning")
 
@@ -390,21 +392,23 @@ def main(argv: list[str] | None = None) -> int:
     from graphtune.autotuner import TuningPolicy
     from graphtune.ops import triton_available
 
+    prov = _common.provenance(args.commit, device)
+    target = args.out / result_name(args, prov["gpu_slug"])
+    check_script_output(target)  # before the work: exit 2 on a bad --out
     if not triton_available():
-        print("benchmarks/tuning.py: Triton is not importable; pip install triton", file=sys.stderr)
+        print("error: benchmarks/tuning.py needs Triton; pip install triton", file=sys.stderr)
         return 2
     if args.lead_in:
         from graphtune.ops.lead_in import pdl_lead_in
 
         if pdl_lead_in(device) is None:
             print(
-                "benchmarks/tuning.py: --lead-in needs programmatic dependent launch (a GPU of "
+                "error: --lead-in needs programmatic dependent launch (a GPU of "
                 "compute capability >= 9.0, Triton >= 3.3, GRAPHTUNE_PDL not 0); drop it",
                 file=sys.stderr,
             )
             return 2
     started = time.perf_counter()
-    prov = _common.provenance(args.commit, device)
     opts = options(args)
     # What the tuner actually used (its default when --tie-tolerance is not given).
     opts["tuner_tie_tolerance"] = TuningPolicy(**tuner_kwargs(args)).tie_tolerance
@@ -449,8 +453,8 @@ def main(argv: list[str] | None = None) -> int:
         print(line + f"  {rec['wall_s']:.1f} s", flush=True)
     summary = summarize(records, args.modes)
     summary["wall_s"] = time.perf_counter() - started
-    path = _common.write_json(
-        args.out / result_name(args, prov["gpu_slug"]),
+    path = _common.write_json(  # target, or the fallback file it went to instead
+        target,
         {
             "benchmark": "tuning",
             "provenance": prov,
@@ -486,7 +490,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     print(table(records, args.modes))
-    return 0 if summary["all_pass"] is not False else 1
+    # Exit 1 also when the result went to the temporary folder: a script finds no file at target.
+    written = report_written("--out", target, path)
+    return 0 if written and summary["all_pass"] is not False else 1
 
 
 if __name__ == "__main__":

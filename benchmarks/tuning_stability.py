@@ -3,7 +3,7 @@
 
 Usage (on a GPU machine, from the repository root):
 
-    PYTHONPATH=src python3 benchmarks/tuning_stability.py --out DIR [--sessions 8] [--runs 6]
+    PYTHONPATH=src python3 benchmarks/tuning_stability.py [--out DIR] [--sessions 8] [--runs 6]
         [--top 4] [--only TEXT] [--commit SHA]
 
 For each case of ``benchmarks/tuning.py`` (default: the cases whose graph-mode picks disagreed
@@ -21,7 +21,9 @@ inputs, the tuner's within-run noise band (one input set per run) cannot see the
 flips picks between runs. Finally ``--runs`` fresh AutoTuner runs per case record their picks and
 each finalist's median, for the tuner configurations named by ``--tuners``.
 
-Writes ``tuning-stability-<gpu>.json`` and prints a table.
+Writes ``tuning-stability-<gpu>.json`` into ``--out`` and prints a table. Exits 2 without CUDA
+or for an ``--out`` that cannot be written, 1 when the result went to the temporary folder
+instead, else 0.
 """
 
 from __future__ import annotations
@@ -38,10 +40,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tuning  # noqa: E402
+from _sweep import name_list  # noqa: E402
 from _tuning_scores import short_tactic  # noqa: E402
 
 from graphtune import bench as _common  # noqa: E402
-from graphtune.cli._args import positive_int  # noqa: E402
+from graphtune.cli._args import (  # noqa: E402
+    Parser,
+    check_script_output,
+    positive_int,
+    report_written,
+)
 
 DEFAULT_CASES = (
     "down 8192->2048 M=2",
@@ -201,26 +209,38 @@ def table(records: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("."))
-    parser.add_argument("--sessions", type=positive_int, default=8)
-    parser.add_argument("--runs", type=positive_int, default=6)
-    parser.add_argument("--top", type=positive_int, default=4)
+    parser = Parser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--out", type=Path, default=Path("benchmarks/results"), help="folder for the JSON result"
+    )
+    parser.add_argument("--sessions", type=positive_int, default=8, help="sessions per setting")
+    parser.add_argument("--runs", type=positive_int, default=6, help="tuning runs per case")
+    parser.add_argument("--top", type=positive_int, default=4, help="candidates sampled per case")
     parser.add_argument(
         "--only",
         action="append",
         default=None,
-        help="case name (as in the table), repeatable; default: a fixed set",
+        help="case name (as in the table), repeatable (default: a fixed set)",
     )
     parser.add_argument(
-        "--tuners", default=",".join(TUNERS), help=f"comma-separated subset of {list(TUNERS)}"
+        "--tuners",
+        type=name_list(tuple(TUNERS), "tuner"),
+        default=",".join(TUNERS),
+        help="comma-separated tuner configurations",
     )
-    parser.add_argument("--commit", default=None)
+    parser.add_argument("--commit", default=None, help="commit to record (default: git)")
     args = parser.parse_args(argv)
-    args.tuners = [t for t in args.tuners.split(",") if t]
-    device = _common.require_cuda_or_exit("tuning_stability.py")
+    args.tuners = list(args.tuners)
     wanted = args.only or list(DEFAULT_CASES)
+    known = [case_name(c) for c in tuning.cases(quick=False)]
+    unknown = [name for name in wanted if name not in known]
+    if unknown:  # else that case is skipped without a word
+        parser.error(f"--only {unknown[0]!r} is no case; cases: {known}")
     chosen = [c for c in tuning.cases(quick=False) if case_name(c) in wanted]
+    device = _common.require_cuda_or_exit("tuning_stability.py")
+    name = f"tuning-stability-{_common.gpu_slug(torch.cuda.get_device_name(device))}.json"
+    target = args.out / name
+    check_script_output(target, "--out", parser)  # before the work: exit 2 on a bad --out
     records = []
     began = time.perf_counter()
     for case in chosen:
@@ -233,11 +253,11 @@ def main(argv: list[str] | None = None) -> int:
         "cases": records,
         "wall_s": time.perf_counter() - began,
     }
-    name = f"tuning-stability-{_common.gpu_slug(torch.cuda.get_device_name(device))}.json"
-    path = _common.write_json(args.out / name, payload)
+    path = _common.write_json(target, payload)  # target, or the fallback file it went to instead
     print(json.dumps({"wrote": str(path), "wall_s": payload["wall_s"]}))
     print(table(records))
-    return 0
+    # Exit 1 when the result went to the temporary folder: a script would find no file at target.
+    return 0 if report_written("--out", target, path) else 1
 
 
 if __name__ == "__main__":

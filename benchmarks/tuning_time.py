@@ -293,16 +293,32 @@ def fresh_folder(text: str) -> Path:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    parser.add_argument("--model", default="llama-1b-shape")
-    parser.add_argument("--max-batch", type=positive_int, default=128)
-    parser.add_argument("--max-seq-len", type=positive_int, default=2048)
-    parser.add_argument("--commit", default=None)
-    parser.add_argument("--tune-step", default=DEFAULT_STEP, metavar="MODULE:FUNCTION")
+    parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser
+    if "--child" not in (sys.argv[1:] if argv is None else argv):
+        # The parent only: a child's import_s must count every graphtune module it imports.
+        from graphtune.cli._args import Parser as parser_class
+    parser = parser_class(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--out", type=Path, default=Path("benchmarks/results"), help="folder for the JSON result"
+    )
+    parser.add_argument("--model", default="llama-1b-shape", help="preset or model folder")
+    parser.add_argument("--max-batch", type=positive_int, default=128, help="largest batch")
+    parser.add_argument("--max-seq-len", type=positive_int, default=2048, help="KV cache length")
+    parser.add_argument("--commit", default=None, help="commit to record (default: git)")
+    parser.add_argument(
+        "--tune-step", default=DEFAULT_STEP, metavar="MODULE:FUNCTION", help="tuning function"
+    )
     parser.add_argument("--no-prepare", action="store_true", help="no up-front compile")
-    parser.add_argument("--compile-processes", type=non_negative_int, default=None, metavar="N")
-    parser.add_argument("--label", default=None, help="suffix of the result file name")
+    parser.add_argument(
+        "--compile-processes",
+        type=non_negative_int,
+        default=None,
+        metavar="N",
+        help="GRAPHTUNE_COMPILE_PROCESSES of the phases (default: unset, the library's choice)",
+    )
+    parser.add_argument(
+        "--label", default=None, help="suffix of the result file name (default: none)"
+    )
     parser.add_argument(
         "--keep-caches",
         type=fresh_folder,
@@ -318,7 +334,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="DIR",
         help="run each phase's tuning under cProfile and write tuning-{cold,warm}.prof and .txt "
         "(top functions) to DIR; the profiler slows the Python parts, so take the times from a "
-        "run without it",
+        "run without it (default: none, no profiler)",
     )
     parser.add_argument(
         "--cold-bytecode",

@@ -51,7 +51,7 @@ def test_targets_table_gives_each_issue_13_verdict() -> None:
 def test_unknown_parts_and_missing_cuda_are_clear(tmp_path, capsys) -> None:
     with pytest.raises(SystemExit) as exc:
         decode_latency.main(["--out", str(tmp_path), "--parts", "1b,bogus"])
-    assert exc.value.code == 2 and "unknown parts ['bogus']" in capsys.readouterr().err
+    assert exc.value.code == 2 and "unknown part 'bogus'" in capsys.readouterr().err
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit) as exc:
             decode_latency.main(["--out", str(tmp_path), "--parts", "8b"])

@@ -1,14 +1,17 @@
-"""The benchmark scripts' ``--out`` on the CPU: a result file that cannot be written is refused
-before any measurement (exit 2, one line naming ``--out``), and a result that went to the
+"""The benchmark scripts' command lines on the CPU, every script in benchmarks/: a malformed
+argument is a usage error (one ``error:`` line, exit 2) found before the CUDA check; ``--help``
+shows the default of every flag that takes a value; a result file that cannot be written is
+refused before any measurement (exit 2, one line naming ``--out``), and a result that went to the
 temporary folder instead makes the script exit 1 (``check_script_output`` and
-``report_written``, as ``host_overhead.py`` and ``fused_ops.py`` do). The GPU-only scripts run
-here with CUDA faked up to the check: the check needs only the GPU's name. Also
-``prefill.py``'s verdict and ``pruning_evidence.py``'s malformed inputs."""
+``report_written``). The GPU-only scripts run here with CUDA faked up to the check: the check
+needs only the GPU's name. Also ``prefill.py``'s verdict and ``pruning_evidence.py``'s malformed
+inputs."""
 
 from __future__ import annotations
 
 import importlib
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -16,22 +19,70 @@ import torch
 from failing_writes import fail_writes_in
 
 ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = sorted(p.stem for p in (ROOT / "benchmarks").glob("[!_]*.py"))
 
-#: Every GPU-only script that writes a result, with the flags it needs besides --out.
-GPU_SCRIPTS = {
-    "graph_capture": [],
-    "graph_runner": [],
-    "memory_plan": [],
-    "moe": [],
-    "timers": [],
+#: Every script that writes a result, with the flags it needs besides --out.
+OUT_SCRIPTS = {
+    "allreduce": [],
+    "attention_sweep": [],
     "decode_latency": [],
     "faults": [],
-    "step_trace": [],
-    "tuning_time": [],
+    "fused_ops": [],
     "gemm_sweep": [],
     "gemv_sweep": [],
-    "attention_sweep": [],
+    "graph_capture": [],
+    "graph_runner": [],
+    "host_overhead": [],
+    "memory_plan": [],
+    "moe": [],
+    "prefill": ["--device", "cpu"],
+    "step_trace": [],
+    "step_truth": [],
+    "timers": [],
+    "tuning": [],
+    "tuning_stability": [],
+    "tuning_time": [],
 }
+#: The scripts that read results and write none.
+READERS = {"pruning_evidence", "truth_agreement"}
+
+#: A malformed argument of each script, and the flag its error names: every list a script takes,
+#: else a typed flag (or a flag without its value where a script has no typed one).
+MALFORMED = [
+    ("allreduce", ["--commit"], "--commit"),
+    ("attention_sweep", ["--batches", "1,,2"], "--batches"),
+    ("decode_latency", ["--batch-sizes", "1,,2"], "--batch-sizes"),
+    ("decode_latency", ["--batch-sizes", "0,-3"], "--batch-sizes"),
+    ("decode_latency", ["--big-batch-sizes", "x"], "--big-batch-sizes"),
+    ("decode_latency", ["--parts", ","], "--parts"),
+    ("faults", ["--timeout", "0"], "--timeout"),
+    ("fused_ops", ["--cases", "bad"], "--cases"),
+    ("fused_ops", ["--cases", "llama-1b:1,llama-1b:x"], "--cases"),
+    ("gemm_sweep", ["--batches", "128,"], "--batches"),
+    ("gemv_sweep", ["--ops", "qkv,"], "--ops"),
+    ("graph_capture", ["--cold-variants", "largest,nope"], "--cold-variants"),
+    ("graph_runner", ["--commit"], "--commit"),
+    ("host_overhead", ["--repeats", "x"], "--repeats"),
+    ("memory_plan", ["--commit"], "--commit"),
+    ("moe", ["--tokens", "1,,8"], "--tokens"),
+    ("moe", ["--shapes", ","], "--shapes"),
+    ("prefill", ["--prompt-lengths", "16,x"], "--prompt-lengths"),
+    ("pruning_evidence", [], "result"),
+    ("step_trace", ["--batches", "1,x"], "--batches"),
+    ("step_truth", ["--batches", "x"], "--batches"),
+    ("step_truth", ["--context", "-1"], "--context"),
+    ("timers", ["--only", "no such case"], "--only"),
+    ("truth_agreement", [], "results"),
+    ("tuning", ["--modes", "graph,cupti"], "--modes"),
+    ("tuning_stability", ["--tuners", "nope"], "--tuners"),
+    ("tuning_stability", ["--only", "no such case"], "--only"),
+    ("tuning_time", ["--max-batch", "0"], "--max-batch"),
+]
+
+
+def test_every_script_is_covered():
+    assert sorted({*OUT_SCRIPTS, *READERS}) == SCRIPTS
+    assert sorted({name for name, _, _ in MALFORMED}) == SCRIPTS
 
 
 def _script(monkeypatch, name):
@@ -60,18 +111,73 @@ def _fake_cuda(monkeypatch, module):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
 
 
-@pytest.mark.parametrize("name", sorted(GPU_SCRIPTS))
-def test_gpu_scripts_refuse_an_unwritable_out_before_any_work(name, tmp_path, monkeypatch, capsys):
+def _exit_code(script, argv) -> int:
+    """``script.main(argv)``'s exit status, returned or raised."""
+    try:
+        return script.main(argv)
+    except SystemExit as exited:
+        return exited.code
+
+
+@pytest.mark.parametrize(("name", "argv", "flag"), MALFORMED)
+def test_a_malformed_argument_is_one_error_line_before_the_cuda_check(
+    name, argv, flag, tmp_path, monkeypatch, capsys
+):
+    script = _script(monkeypatch, name)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: pytest.fail("reached the CUDA check"))
+    out = [] if name in READERS else ["--out", str(tmp_path)]
+    assert _exit_code(script, [*out, *argv]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and flag in lines[0], captured.err
+    assert captured.out == "" and list(tmp_path.iterdir()) == []
+
+
+def _undefaulted(help_text: str) -> list[str]:
+    """The options in an argparse ``--help`` that take a value but say neither their default nor
+    that they are required."""
+    blocks: list[list[str]] = []
+    for line in help_text.splitlines():
+        if line.startswith("  -"):
+            blocks.append([line])
+        elif blocks and blocks[-1] and line.startswith("   "):  # the option above, wrapped
+            blocks[-1].append(line)
+        else:
+            blocks.append([])  # a heading or a positional argument: no option continues
+    found = []
+    for block in filter(None, blocks):
+        head = re.split(r"\s{2,}", block[0].strip())[0]  # "--out OUT", "-v, --verbose"
+        text = " ".join(" ".join(block).split())
+        if any(" " in part for part in head.split(", ")) and not re.search(
+            r"default|required", text
+        ):
+            found.append(head)
+    return found
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_help_shows_the_default_of_every_flag_that_takes_a_value(name, monkeypatch, capsys):
+    script = _script(monkeypatch, name)
+    assert _exit_code(script, ["--help"]) == 0
+    text = capsys.readouterr().out
+    assert "-h, --help" in text
+    assert _undefaulted(text) == [], text
+
+
+@pytest.mark.parametrize("name", sorted(OUT_SCRIPTS))
+def test_scripts_refuse_an_unwritable_out_before_any_work(name, tmp_path, monkeypatch, capsys):
     script = _script(monkeypatch, name)
     _fake_cuda(monkeypatch, script)
+    if name == "allreduce":  # as torchrun launches it
+        for var, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
+            monkeypatch.setenv(var, value)
     (tmp_path / "afile").write_text("x")
     tf32 = torch.backends.cuda.matmul.allow_tf32  # some scripts set it before the check
     try:
-        with pytest.raises(SystemExit) as exited:
-            script.main(["--out", str(tmp_path / "afile"), *GPU_SCRIPTS[name]])
+        code = _exit_code(script, ["--out", str(tmp_path / "afile"), *OUT_SCRIPTS[name]])
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
-    assert exited.value.code == 2
+    assert code == 2
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if "error:" in line]
     assert len(errors) == 1, err
@@ -157,9 +263,9 @@ def test_pruning_evidence_refuses_json_of_another_shape_in_one_line(
     script = _script(monkeypatch, "pruning_evidence")
     result = tmp_path / "r.json"
     result.write_text(text)
-    assert script.main([str(result)]) == 2
+    assert script.main([str(result)]) == 1  # a failure, not a usage error
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "no cold candidates_table" in err, err
+    assert err.count("\n") == 1 and err.startswith("error: ") and "no cold candidates_table" in err
 
 
 def test_pruning_evidence_counts_a_well_formed_table(tmp_path, monkeypatch, capsys):

@@ -37,13 +37,13 @@ def test_main_without_cuda_exits_2_with_a_reason(script, tmp_path, capsys, monke
 @pytest.mark.parametrize(
     "script,argv,message",
     [
-        (gemv_sweep, ["--ops", "qkv,lm_head"], "--ops: unknown ['lm_head']"),
+        (gemv_sweep, ["--ops", "qkv,lm_head"], "--ops: unknown op 'lm_head'"),
         (gemv_sweep, ["--batches", "8,32"], "--batches must lie in 1..16"),
-        (gemv_sweep, ["--batches", "eight"], "--batches must be integers"),
+        (gemv_sweep, ["--batches", "eight"], "--batches: expected comma-separated integers"),
         (gemv_sweep, ["--model", "llama-9b"], "--model: unknown model preset 'llama-9b'"),
-        (gemm_sweep, ["--ops", "qkv,lm_head"], "--ops: unknown ['lm_head']"),
+        (gemm_sweep, ["--ops", "qkv,lm_head"], "--ops: unknown op 'lm_head'"),
         (gemm_sweep, ["--batches", "1"], "--batches must be >= 2"),
-        (gemm_sweep, ["--batches", "x"], "--batches must be integers"),
+        (gemm_sweep, ["--batches", "x"], "--batches: expected comma-separated integers"),
         (gemm_sweep, ["--model", "llama-9b"], "--model:"),
         (gemm_sweep, ["--replays", "0"], "--replays: must be >= 1"),
         (attention_sweep, ["--replays", "x"], "--replays: expected an integer"),

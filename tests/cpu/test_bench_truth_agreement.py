@@ -254,7 +254,7 @@ def test_a_file_that_is_not_a_result_is_one_line_and_exit_1(tmp_path, capsys, co
     captured = capsys.readouterr()
     assert captured.out == ""
     lines = captured.err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"{bad}: ") and missing in lines[0]
+    assert len(lines) == 1 and lines[0].startswith(f"error: {bad}: ") and missing in lines[0]
     assert "Traceback" not in captured.err
 
 

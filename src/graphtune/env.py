@@ -53,15 +53,21 @@ import os
 from pathlib import Path
 
 from graphtune.errors import ConfigError
+from graphtune.integer_text import parse_integer
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _OFF = frozenset({"0", "false", "no", "off"})
 
 
-def _is_decimal(value: str) -> bool:
-    """Whether ``value`` is ASCII digits only: ``str.isdigit`` also accepts ``"²"`` and other
-    digit characters that ``int`` then refuses with a ValueError."""
-    return value.isascii() and value.isdigit()
+def _non_negative_int(value: str) -> int | None:
+    """``value`` as an integer >= 0 under the one rule for integer text
+    (:func:`~graphtune.integer_text.parse_integer`: ``str.isdigit`` would take ``"²"``, and
+    ``int`` ``"1_0"``), or ``None`` when it is not one."""
+    try:
+        number = parse_integer(value)
+    except ValueError:
+        return None
+    return number if number >= 0 else None
 
 
 #: The on/off variables: each takes a value of ``_TRUE``, of ``_OFF`` or the empty string.
@@ -161,12 +167,13 @@ def compile_processes() -> int | None:
     value = os.environ.get("GRAPHTUNE_COMPILE_PROCESSES", "").strip()
     if not value:
         return None
-    if not _is_decimal(value):
+    number = _non_negative_int(value)
+    if number is None:
         raise ConfigError(
             f"GRAPHTUNE_COMPILE_PROCESSES={value!r}: must be an integer >= 0 (0 compiles in "
             "threads only); unset it for the default."
         )
-    return int(value)
+    return number
 
 
 def compile_timeout() -> float | None:
@@ -223,13 +230,13 @@ def missing_rendezvous() -> list[str]:
 
 
 def _launch_int(name: str) -> int:
-    value = os.environ[name].strip()
-    if not _is_decimal(value):
+    number = _non_negative_int(os.environ[name])
+    if number is None:
         raise ConfigError(
             f"environment variable {name}={os.environ[name]!r} must be a non-negative integer; "
             "launch with torchrun, which sets it"
         )
-    return int(value)
+    return number
 
 
 def source_commit() -> str | None:

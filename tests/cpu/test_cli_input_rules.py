@@ -3,9 +3,14 @@ the input, the rule and the fix, never a traceback or a quietly different run.""
 
 from __future__ import annotations
 
+import argparse
+from typing import Any
+
 import pytest
 import torch
 from test_cli_errors import error_line, graphtune
+
+from graphtune.cli.main import main
 
 CPU_BENCH = ["bench", "decode", "--model", "tiny", "--device", "cpu", "--batch-sizes", "1"]
 CPU_BENCH += ["--steps", "1", "--repeats", "1", "--context", "8"]
@@ -124,3 +129,101 @@ def test_generate_refuses_engine_and_sampling_limits_by_their_flags(flags, named
     line = error_line(result, 2, named, rule)
     assert "top_k=" not in line and "top_p=" not in line and "max_seq_len" not in line
     assert not result.stdout  # nothing generated
+
+
+def _integer_flags() -> dict[str, Any]:
+    """Every flag (of every command) whose value is an integer or a list of them, with its type."""
+    from test_cli_conventions import _parsers
+
+    from graphtune.cli.main import build_parser
+
+    found = {}
+    for name, parser in _parsers(build_parser()):
+        for action in parser._actions:
+            if action.type is None:
+                continue
+            try:
+                value = action.type("7")
+            except (argparse.ArgumentTypeError, TypeError, ValueError):
+                continue  # not a number (a device name, JSON text)
+            values = value if isinstance(value, (list, tuple)) else [value]
+            if values and all(type(v) is int for v in values):
+                found[f"{name} {(action.option_strings or [action.dest])[-1]}"] = action.type
+    return found
+
+
+def test_every_integer_flag_takes_ascii_digits_with_a_sign_only():
+    # int() also takes "1_0" (a literal's digit separator) and other scripts' digits, so
+    # `--batch-sizes ٣ --steps １` ran batch 3 for 1 step; --prompt-ids and the environment
+    # variables refused them. One rule now: graphtune.integer_text.parse_integer.
+    flags = _integer_flags()
+    named = {"graphtune bench decode --steps", "graphtune bench decode --batch-sizes"}
+    named |= {
+        "graphtune generate --prompt-ids",
+        "graphtune generate --seed",
+        "graphtune generate --tp",
+    }
+    assert named - set(flags) == set(), sorted(flags)
+    took = []
+    for flag, kind in flags.items():
+        for text in ("1_0", "\u0663", "\uff11", "1\u0663", "7.0", "0x7", "", "7 7"):
+            try:
+                took.append((flag, text, kind(text)))
+            except argparse.ArgumentTypeError:
+                pass
+    assert took == []
+    for flag, kind in flags.items():
+        assert kind(" 7 ") in (7, [7], (7,)) and kind("+7") in (7, [7], (7,)), flag
+
+
+def test_integer_text_has_one_rule():
+    from graphtune.integer_text import parse_integer
+
+    assert [parse_integer(t) for t in ("0", "-3", "+12", " 5\n")] == [0, -3, 12, 5]
+    for text in ("1_0", "\u00b2", "\u0663", "\uff11", "", "-", "1e3", "0x10", "1.0"):
+        with pytest.raises(ValueError):
+            parse_integer(text)
+
+
+def test_bench_decode_refuses_underscored_and_non_ascii_counts_before_running(capsys):
+    for flags in (["--batch-sizes", "1_0"], ["--steps", "1_0"], ["--batch-sizes", "\u0663"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["bench", "decode", "--model", "tiny", "--device", "cpu", *flags])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: argument {flags[0]}: expected") and flags[1] in err
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["tune", "--model", "tiny", "--max-batch", "1", "--max-seq-len", "16", "--cache", "-"],
+        ["cache", "merge", "a.json", "b.json", "-o", "-"],
+        ["bench", "decode", "--model", "tiny", "--tune", "--tuning-cache", "-"],
+        ["demo", "--device", "cpu", "--cache", "-"],
+        ["generate", "--model", "tiny", "--prompt-ids", "1", "--tuning-cache", "-"],
+    ],
+)
+def test_a_cache_flag_refuses_dash_as_a_usage_error(tmp_path, monkeypatch, capsys, command):
+    # `--json -` is stdout, but `--cache -` wrote a file named "-" (and "-.lock") in the cwd.
+    monkeypatch.chdir(tmp_path)
+    for name in ("a.json", "b.json"):
+        (tmp_path / name).write_text('{"format_version": 2, "fingerprint": {}, "entries": []}')
+    with pytest.raises(SystemExit) as exit_info:
+        main(command)
+    assert exit_info.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"error: argument {command[-2]}")
+    assert "a tuning cache must be a file, not '-'" in line
+    assert not (tmp_path / "-").exists() and not (tmp_path / "-.lock").exists()
+
+
+def test_graphtune_cache_dash_is_refused_before_any_work(tmp_path, monkeypatch):
+    from graphtune.cli._args import tuning_cache_path
+    from graphtune.errors import ConfigError
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("GRAPHTUNE_CACHE", "-")
+    with pytest.raises(ConfigError, match=r"GRAPHTUNE_CACHE .*: -: a tuning cache must be a file"):
+        tuning_cache_path(None, "--cache")
+    assert list(tmp_path.iterdir()) == []

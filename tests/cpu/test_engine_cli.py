@@ -343,3 +343,58 @@ def test_runner_summary_counts_the_steps_that_ran_eagerly():
     )
     eager_only = RunnerStats(eager_calls=4)  # an EagerRunner records no reason
     assert runner_summary("eager", eager_only) == "runner eager"
+
+
+#: Three requests of 3 tokens each on the eager runner.
+_GENERATE_3 = ["generate", "--model", "tiny", "--device", "cpu", "--runner", "eager"]
+_GENERATE_3 += ["--prompt-ids", "1,2,3", "--prompt-ids", "4,5", "--prompt-ids", "6"]
+_GENERATE_3 += ["--max-new-tokens", "3", "--ignore-eos"]
+
+
+def test_generate_reports_progress_through_reporting(monkeypatch, caplog, capsys):
+    # A pipe or a log (no terminal) gets INFO records of graphtune.reporting; every token counts.
+    import logging
+
+    from graphtune import reporting
+
+    monkeypatch.setattr(reporting, "LOG_INTERVAL_S", 0.0)  # a record per step, not per 10 s
+    monkeypatch.delenv("GRAPHTUNE_NO_PROGRESS", raising=False)
+    with caplog.at_level(logging.INFO, logger="graphtune.reporting"):
+        assert main(_GENERATE_3) == 0
+    records = [r.getMessage() for r in caplog.records if r.name == "graphtune.reporting"]
+    assert records[0].startswith("generating (0 of 3 requests finished): 3/9")  # the prefill
+    assert records[-1].startswith("generating (3 of 3 requests finished): 9/9 done in")
+    assert capsys.readouterr().out.count("tokens: ") == 3
+    caplog.clear()
+    monkeypatch.setenv("GRAPHTUNE_NO_PROGRESS", "1")  # the switch hides them
+    with caplog.at_level(logging.INFO, logger="graphtune.reporting"):
+        assert main(_GENERATE_3) == 0
+    assert not [r for r in caplog.records if r.name == "graphtune.reporting"]
+
+
+def test_ctrl_c_during_generate_prints_the_requests_that_finished(monkeypatch, capsys):
+    import graphtune.cli.generate as generate
+    import graphtune.engine.step as step
+
+    # One KV slot, so the requests run one after another and finish at different steps.
+    monkeypatch.setattr(generate, "engine_batch_size", lambda prompts, tuned: 1)
+    assert main(_GENERATE_3) == 0
+    full = capsys.readouterr().out.splitlines()
+    real, calls = step.DecodeStep.decode, []
+
+    def interrupted(self, *args):
+        calls.append(1)
+        if len(calls) == 5:  # requests 0 and 1 took their 2 + 2 decode steps; 2 is running
+            raise KeyboardInterrupt
+        return real(self, *args)
+
+    monkeypatch.setattr(step.DecodeStep, "decode", interrupted)
+    assert main(_GENERATE_3) == 130
+    out = capsys.readouterr()
+    lines = out.out.splitlines()
+    assert lines[:4] == full[:4]  # requests 0 and 1, as a whole run prints them
+    assert "prompt: 6" not in out.out
+    assert " tokens in " in lines[4] and "runner eager, tiny" in lines[4]
+    assert lines[5] == "interrupted: 1 of 3 requests did not finish (not shown)"
+    (error,) = [line for line in out.err.splitlines() if line.startswith("error:")]
+    assert error == ("error: interrupted (Ctrl-C); 2 of 3 requests finished and are printed above")

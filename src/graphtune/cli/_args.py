@@ -21,6 +21,7 @@ from typing import Any, NoReturn
 
 from graphtune import env
 from graphtune.errors import ConfigError
+from graphtune.integer_text import parse_integer
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ def non_negative_int(text: str) -> int:
 
 def _int_at_least(text: str, low: int) -> int:
     try:
-        value = int(text)
+        value = parse_integer(text)  # the one rule: int() alone takes 1_0 and other scripts' digits
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
     if value < low:
@@ -104,7 +105,7 @@ def batch_sizes(text: str) -> tuple[int, ...]:
     order given."""
     parts = [part.strip() for part in text.split(",")]
     try:
-        values = tuple(int(part) for part in parts)
+        values = tuple(parse_integer(part) for part in parts)
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"expected comma-separated integers like 1,8, got {text!r}"
@@ -299,26 +300,18 @@ def report_written(flag: str, requested: Path, written: Path) -> bool:
     return False
 
 
-def interrupted_picks(tuner: Any, cache: Path | None) -> str:
-    """What an interrupted tuning command kept, for the ``KeyboardInterrupt``'s message.
+#: Why ``-`` names no tuning cache, where ``--json -`` is stdout.
+CACHE_NOT_A_STREAM = (
+    "a tuning cache must be a file, not '-' (a stream: a cache is read and saved in place); "
+    "give a file path"
+)
 
-    Counts only the picks this run made (``tuner.stats``), not those the cache file held before;
-    ``autotune()`` tried to save them before the interrupt reached the command, and a failed save
-    logged a warning naming where they went instead.
-    """
-    made = tuner.stats.profiles_tuned + tuner.stats.untimed_picks
-    if not made:
-        return "nothing was tuned yet"
-    if cache is None:
-        # Without a cache file the picks lived in memory only: say they are gone, not kept.
-        return f"{made} finished picks not kept: no --cache file (nor GRAPHTUNE_CACHE) was given"
-    unsaved = tuner.cache.unsaved(cache)
-    if unsaved:
-        return (
-            f"{unsaved} finished picks could not be saved to {cache} (the warning above says "
-            "where they are)"
-        )
-    return f"{made} finished picks kept in {cache}"
+
+def cache_file(text: str) -> Path:
+    """``argparse`` type of a tuning-cache flag: a path, ``-`` refused as a usage error."""
+    if text == "-":
+        raise argparse.ArgumentTypeError(CACHE_NOT_A_STREAM)
+    return Path(text)
 
 
 def check_cache_path(path: Path, flag: str) -> None:
@@ -328,12 +321,15 @@ def check_cache_path(path: Path, flag: str) -> None:
     someone's other file at a mistyped path), and its lock must be takable.
 
     Raises:
-        ConfigError: ``path`` cannot be written, or holds a file that is not a tuning cache.
+        ConfigError: ``path`` is ``-``, cannot be written, or holds a file that is not a tuning
+            cache.
         CacheFileError: The lock file cannot be created or opened.
     """
     from graphtune.autotuner.cache_reader import not_a_cache_file
     from graphtune.autotuner.save_target import check_lockable
 
+    if str(path) == "-":  # GRAPHTUNE_CACHE=-, or a caller that took no cache_file flag
+        raise ConfigError(f"{flag} -: {CACHE_NOT_A_STREAM}")
     check_output_path(path, flag)
     reason = not_a_cache_file(path) if path.exists() else None
     if reason is not None:

@@ -23,6 +23,7 @@ from graphtune.cli._args import (
     EXIT_OK,
     add_device_arguments,
     batch_sizes,
+    cache_file,
     check_distinct_outputs,
     check_output_path,
     non_negative_int,
@@ -115,7 +116,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     decode.add_argument(
         "--tuning-cache",
-        type=Path,
+        type=cache_file,
         default=None,
         metavar="FILE",
         help="with --tune: tuning cache file, loaded when present and saved "

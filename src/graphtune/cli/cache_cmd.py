@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from graphtune.cli._args import check_cache_path, usage
+from graphtune.cli._args import cache_file, check_cache_path, usage
 from graphtune.errors import CacheFileError
 
 COLUMNS = (
@@ -84,7 +84,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     merge.add_argument("a", metavar="A", type=Path, help="first cache file (wins ties)")
     merge.add_argument("b", metavar="B", type=Path, help="second cache file")
     merge.add_argument(
-        "-o", "--output", required=True, type=Path, metavar="C", help="output file (required)"
+        "-o", "--output", required=True, type=cache_file, metavar="C", help="output file (required)"
     )
     merge.add_argument("--force", action="store_true", help="merge even if the fingerprints differ")
     merge.add_argument(

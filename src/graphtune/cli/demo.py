@@ -7,9 +7,9 @@ so building the parser imports no torch).
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-from graphtune.cli._args import device_name, interrupted_picks, tuning_cache_path
+from graphtune.cli._args import cache_file, device_name, tuning_cache_path
+from graphtune.cli._interrupted import interrupted_picks
 
 DESCRIPTION = (
     "Tunes two small ops on the best device present and prints the picks: matmul (torch.matmul, "
@@ -30,7 +30,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--cache",
         metavar="FILE",
-        type=Path,
+        type=cache_file,
         default=None,
         help="load picks from / save them to this cache file (default: the file GRAPHTUNE_CACHE "
         "names, else none)",

@@ -17,10 +17,11 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from graphtune.cli._args import (
     add_device_arguments,
+    cache_file,
     kv_cache_length,
     lookup_cache_path,
     non_negative_float,
@@ -36,18 +37,26 @@ from graphtune.cli._parallel import (
 )
 from graphtune.cli.tune import DEFAULT_MAX_SEQ_LEN
 from graphtune.errors import ConfigError, NumericalError
+from graphtune.integer_text import parse_integer
+
+if TYPE_CHECKING:  # it imports rich, which the command's parser does not need
+    from graphtune.cli._generate_progress import RequestProgress
 
 logger = logging.getLogger(__name__)
 
 
 def token_ids(text: str) -> list[int]:
-    """``argparse`` type of ``--prompt-ids``: comma-separated non-negative integers."""
-    parts = [p.strip() for p in text.split(",")]
-    if not all(p.isascii() and p.isdigit() for p in parts):
+    """``argparse`` type of ``--prompt-ids``: comma-separated non-negative integers (each under
+    :func:`~graphtune.integer_text.parse_integer`'s rule, as every integer flag)."""
+    try:
+        ids = [parse_integer(part) for part in text.split(",")]
+    except ValueError:
+        ids = []
+    if not ids or min(ids) < 0:
         raise argparse.ArgumentTypeError(
             f"expected comma-separated token ids like 1,2,3, got {text!r}"
         )
-    return [int(p) for p in parts]
+    return ids
 
 
 def _probability(text: str) -> float:
@@ -138,7 +147,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--tuning-cache",
-        type=Path,
+        type=cache_file,
         default=None,
         metavar="FILE",
         help="tuning cache the decode step looks its picks up in (written by `graphtune tune` "
@@ -270,9 +279,11 @@ def run_generate(args: argparse.Namespace) -> int:
     """Loads the model, builds an Engine with the chosen runner and prints each continuation."""
     import torch
 
+    from graphtune.cli._generate_progress import RequestProgress
     from graphtune.engine import Engine, SamplingParams, load_model
     from graphtune.engine.devices import resolve_device, resolve_dtype
     from graphtune.engine.loading import load_config, load_tokenizer
+    from graphtune.reporting import progress
 
     check_sampling_flags(args)  # before any work, in the flags' words (exit 2)
     device = resolve_device(args.device)
@@ -315,18 +326,34 @@ def run_generate(args: argparse.Namespace) -> int:
             gpu_memory_utilization=args.gpu_memory_utilization,
             tuning_cache=tuning_cache,  # look-ups only: without tune=True nothing is tuned
         )
+        follow = RequestProgress(len(prompts), args.max_new_tokens)
         t0 = time.perf_counter()
-        outputs = engine.generate(
-            prompts,
-            args.max_new_tokens,
-            sampling=sampling,
-            stop_token_ids=[] if args.ignore_eos else None,
-        )
+        try:
+            # Progress on rank 0 only, as it prints; the other ranks' hooks only count.
+            with progress(follow.label(), follow.total, enabled=None if show else False) as task:
+                follow.task = task
+                outputs = engine.generate(
+                    prompts,
+                    args.max_new_tokens,
+                    sampling=sampling,
+                    stop_token_ids=[] if args.ignore_eos else None,
+                    on_tokens=follow,
+                )
+        except KeyboardInterrupt:
+            if not show:
+                raise
+            elapsed = time.perf_counter() - t0
+            summary = _summary(args, engine, follow.generated, elapsed, parallel, device, dtype)
+            kept = _print_interrupted(args, engine, follow, summary)
+            _save_misses(engine)  # what the finished steps missed is kept too
+            raise KeyboardInterrupt(kept) from None
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - t0
         if show:
-            _print_outputs(args, engine, outputs, elapsed, parallel, device, dtype)
+            total = sum(len(o) for o in outputs)
+            summary = _summary(args, engine, total, elapsed, parallel, device, dtype)
+            _print_outputs(args, engine, outputs, summary)
             misses_saved = _save_misses(engine)
         failures = list(engine.failures)
         engine.release()
@@ -341,30 +368,57 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0 if misses_saved else 1
 
 
-def _print_outputs(
-    args: argparse.Namespace,
-    engine: Any,
-    outputs: list[list[int]],
-    elapsed: float,
-    parallel: Any,
-    device: Any,
-    dtype: Any,
-) -> None:
-    for prompt, ids in zip(args.prompts, outputs, strict=True):
+def _print_requests(engine: Any, requests: list[tuple[Any, list[int]]]) -> None:
+    """Each request's prompt (as given), tokens and, with a tokenizer, text."""
+    for prompt, ids in requests:
         text = engine.decode(ids)
         shown = prompt if isinstance(prompt, str) else ",".join(map(str, prompt))
         print(f"prompt: {shown}")
         print(f"tokens: {','.join(map(str, ids))}")
         if text is not None:
             print(f"text:   {text}")
-    total = sum(len(o) for o in outputs)
+
+
+def _summary(
+    args: argparse.Namespace,
+    engine: Any,
+    tokens: int,
+    elapsed: float,
+    parallel: Any,
+    device: Any,
+    dtype: Any,
+) -> str:
+    """The run's line: ``tokens`` in ``elapsed`` seconds, the runner, model, dtype and device."""
     tp = f", tp {args.tp}" if parallel is not None else ""
-    print(
-        f"{total} tokens in {elapsed:.2f} s ({total / max(elapsed, 1e-9):.1f} tokens/s, "
+    return (
+        f"{tokens} tokens in {elapsed:.2f} s ({tokens / max(elapsed, 1e-9):.1f} tokens/s, "
         f"{runner_summary(args.runner, engine.stats)}, {engine.config.name}, "
         f"{str(dtype).replace('torch.', '')}, "
         f"{device}{tp})"
     )
+
+
+def _print_interrupted(
+    args: argparse.Namespace, engine: Any, follow: RequestProgress, summary: str
+) -> str:
+    """Prints what an interrupted run finished as a run prints its requests (in prompt order,
+    the unfinished left out), its summary line (every token generated, finished or not) and a
+    line saying it was interrupted; returns what was kept, for the interrupt's message."""
+    done, total = sorted(follow.finished), len(args.prompts)
+    _print_requests(engine, [(args.prompts[i], follow.finished[i]) for i in done])
+    print(summary)
+    # On stdout too: a reader of the output alone must not take it for every request's.
+    print(f"interrupted: {total - len(done)} of {total} requests did not finish (not shown)")
+    if not done:
+        return f"no request had finished (of {total})"
+    return f"{len(done)} of {total} requests finished and are printed above"
+
+
+def _print_outputs(
+    args: argparse.Namespace, engine: Any, outputs: list[list[int]], summary: str
+) -> None:
+    _print_requests(engine, list(zip(args.prompts, outputs, strict=True)))
+    print(summary)
     if engine.memory_plan is not None:
         print(engine.memory_plan.table())
     if args.stats and hasattr(engine.stats, "table"):

@@ -14,17 +14,17 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 from graphtune.cli import from_misses
 from graphtune.cli._args import (
     add_device_arguments,
+    cache_file,
     check_cache_path,
     check_misses_path,
-    interrupted_picks,
     positive_int,
     timing_timer,
 )
+from graphtune.cli._interrupted import interrupted_picks
 from graphtune.errors import ConfigError
 
 #: Defaults of ``--max-batch`` and ``--max-seq-len`` (the Engine's ``max_seq_len`` default).
@@ -54,7 +54,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--cache",
         required=True,
-        type=Path,
+        type=cache_file,
         metavar="FILE",
         help="tuning cache file, created or extended (required)",
     )

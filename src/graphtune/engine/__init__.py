@@ -3,8 +3,9 @@ mixture-of-experts relatives (Qwen3-MoE, Mixtral).
 
 Build a model with :func:`load_model` (a Hugging Face checkpoint folder or a preset with random
 weights), wrap it in an :class:`Engine` that picks a graph or eager step runner, and call
-:meth:`Engine.generate`. Pass ``parallel=ParallelContext(...)`` to :func:`load_model` for
-tensor-parallel decode over a ``torch.distributed`` group. The step has one forward
+:meth:`Engine.generate` (its ``on_tokens`` hook gets each step's :class:`TokenEvent` list, to
+stream). Pass ``parallel=ParallelContext(...)`` to :func:`load_model` for tensor-parallel decode
+over a ``torch.distributed`` group. The step has one forward
 (:mod:`graphtune.engine.step`) and is tuned by running it (:func:`tune_step`);
 ``graphtune bench decode`` (:mod:`graphtune.bench`) measures it (see docs/engine.md).
 """
@@ -13,6 +14,7 @@ from graphtune.engine.build import build_runner, build_step
 from graphtune.engine.config import ModelConfig, RopeScaling, from_hf_config
 from graphtune.engine.devices import resolve_device, resolve_dtype
 from graphtune.engine.engine import Engine
+from graphtune.engine.events import TokenEvent
 from graphtune.engine.kv_cache import KVCache
 from graphtune.engine.loading import load_checkpoint, load_config, load_model
 from graphtune.engine.model import DecoderModel, LayerWeights, random_model
@@ -45,6 +47,7 @@ __all__ = [
     "RopeScaling",
     "SamplingParams",
     "TensorParallelDecodeStep",
+    "TokenEvent",
     "FusionCheck",
     "TuneReport",
     "build_runner",

@@ -34,6 +34,7 @@ from graphtune.engine.build import (
     build_runner,
     build_step,
 )
+from graphtune.engine.events import TokenHook, check_hook, notify
 from graphtune.engine.group_abort import AGREED_ERRORS, GroupAbort
 from graphtune.engine.kv_cache import KVCache, aligned_seq_len
 from graphtune.engine.memory_plan import MemoryPlan, plan_memory
@@ -58,7 +59,7 @@ from graphtune.engine.requests import (
     retire,
 )
 from graphtune.engine.sampling import GREEDY, NON_FINITE, SamplingParams, sample
-from graphtune.engine.tuning import TuneReport, tune_step
+from graphtune.engine.tuning import TuneReport, describe_tuning, tune_step
 from graphtune.errors import ConfigError, NumericalError
 
 logger = logging.getLogger(__name__)
@@ -270,21 +271,9 @@ class Engine:
         return None if self.tuner is None else self.tuner.stats
 
     def tuning_report(self) -> str:
-        """What tuning did and how the step's look-ups went, for people."""
-        if self.tuner is None:
-            return "tuning: off (untuned torch decode step)"
-        stats = self.tuner.stats
-        summary = self.tune_report.summary() if self.tune_report is not None else None
-        lines = [f"tuning: {summary}" if summary else "tuning: look-ups only (tune=False)"]
-        lines.append(f"look-ups: {stats.hits} hits, {stats.misses} misses")
-        if stats.fallbacks:
-            ops = ", ".join(f"{op}: {n}" for op, n in sorted(stats.fallbacks.items()))
-            lines.append(f"untuned shapes ran the torch fallback: {ops}")
-        else:
-            lines.append("no fallbacks: every look-up found a tuned pick")
-        if stats.tactic_failures:
-            lines.append(f"failed tactics while tuning: {dict(stats.tactic_failures)}")
-        return "\n".join(lines)
+        """What tuning did and how the step's look-ups went, for people
+        (:func:`~graphtune.engine.tuning.describe_tuning`)."""
+        return describe_tuning(self.tuner, self.tune_report)
 
     def example_inputs(self, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Step inputs of ``batch`` rows that touch only the scratch slot (for capture)."""
@@ -351,16 +340,17 @@ class Engine:
         return prompt_ids(prompt, self.model.tokenizer)
 
     def _requests(
-        self, prompts: Any, max_new_tokens: Any, sampling: Any, stop_token_ids: Any
+        self, prompts: Any, max_new_tokens: Any, sampling: Any, stops: Any, hook: Any
     ) -> tuple[list[LiveRequest], set[int]]:
         """``generate``'s arguments checked, as requests and stop ids."""
         check_slots_free(self.cache)
         if not isinstance(sampling, SamplingParams):
             raise ConfigError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        check_hook(hook)
         return parse_requests(
             prompts,
             max_new_tokens,
-            stop_token_ids,
+            stops,
             encode=self.encode,
             config=self.config,
             max_seq_len=self._request_limit,
@@ -378,6 +368,8 @@ class Engine:
         max_new_tokens: int | Sequence[int],
         sampling: SamplingParams | None = None,
         stop_token_ids: Iterable[int] | None = None,
+        *,
+        on_tokens: TokenHook | None = None,
     ) -> list[list[int]]:
         """Generates continuations; requests join and leave the live batch as they go.
 
@@ -394,11 +386,17 @@ class Engine:
             sampling: Greedy by default.
             stop_token_ids: Stop tokens (a list or set, or a 1-D tensor or NumPy array);
                 ``None`` uses the config's EOS ids, ``[]`` never stops early.
+            on_tokens: Called after every prefill round and decode step with a
+                :class:`~graphtune.engine.events.TokenEvent` per request that took a token (or
+                failed) in it, a finishing one carrying the request's output: to stream, show
+                progress, or keep finished requests if the call is interrupted. An exception it
+                raises ends the call (KV slots freed; a tensor-parallel group aborts).
 
         Returns:
             The generated token ids per prompt, in prompt order.
 
         Raises:
+            ConfigError: ``sampling`` that is no ``SamplingParams``, or ``on_tokens`` not callable.
             InputError: An empty prompt, unknown token ids, a prompt that does not fit (the KV
                 cache, or ``max_position_embeddings``: :meth:`ModelConfig.check_positions`), or a
                 slot of :attr:`cache` held outside ``generate`` (it needs every slot free).
@@ -410,16 +408,20 @@ class Engine:
         with self._group.guard("Engine.generate", agreed=AGREED_ERRORS):
             requests, stops = agreed_requests(
                 self.model.parallel,
-                lambda: self._requests(prompts, max_new_tokens, sampling, stop_token_ids),
+                lambda: self._requests(
+                    prompts, max_new_tokens, sampling, stop_token_ids, on_tokens
+                ),
                 sampling,
             )
         # From here on a rank may be in a collective. strict_numerics raises on every rank at
         # once (the LM head is replicated, so are the logits): no rank waits, nothing to abort.
         with self._group.guard("Engine.generate", agreed=(NumericalError,)):
-            self._serve(requests, stops, sampling)
+            self._serve(requests, stops, sampling, on_tokens)
         return [r.output for r in requests]
 
-    def _serve(self, requests: list[LiveRequest], stops: set[int], sampling: Any) -> None:
+    def _serve(
+        self, requests: list[LiveRequest], stops: set[int], sampling: Any, on_tokens: Any
+    ) -> None:
         if self._released:  # after the arguments' checks: a refused call captures nothing
             self._capture()
         pending = deque(requests)
@@ -438,6 +440,7 @@ class Engine:
                     self._admit(admitted, sampling)
                 else:
                     self._decode(live, sampling)
+                notify(on_tokens, admitted or live, stops)  # before retire reorders ``live``
                 retire(self.cache, live, stops)
         finally:
             # Only an exception (a failing kernel, an interrupt, strict_numerics) leaves requests

@@ -3,14 +3,14 @@ of ``Engine.generate`` (:func:`parse_requests`), one request (:func:`validate_re
 KV slot is held outside it:
 :func:`check_slots_free`; on tensor-parallel ranks, that every rank passes the same ones:
 :func:`check_same_requests`), the inputs of ``Engine.step`` (:func:`check_step_inputs`) and the
-rows a runner returned (:func:`check_rows`)."""
+rows a runner returned (:func:`check_rows`); and when a request is done (:func:`finish_reason`)."""
 
 from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -18,6 +18,10 @@ from graphtune import env
 from graphtune.engine.config import ModelConfig, request_positions
 from graphtune.engine.sampling import request_keys
 from graphtune.errors import ConfigError, InputError
+
+#: Why a request finished: a stop token (included in its output), its ``max_new_tokens``, or
+#: logits that were not finite (listed in ``Engine.failures``; its output ends before them).
+FinishReason = Literal["stop", "length", "failed"]
 
 
 @dataclass
@@ -257,11 +261,7 @@ def retire(cache: Any, live: list[LiveRequest], stops: set[int]) -> None:
     positions with an additive mask, which does not hide NaN (0 x NaN is NaN), so the slot's
     next owner would read it.
     """
-    done = [
-        i
-        for i, r in enumerate(live)
-        if r.failed or len(r.output) >= r.max_new_tokens or r.output[-1] in stops
-    ]
+    done = [i for i, r in enumerate(live) if finish_reason(r, stops) is not None]
     # Descending, so the request moved from the end is never one still to be retired.
     for row in reversed(done):
         if live[row].failed:
@@ -274,6 +274,18 @@ def retire(cache: Any, live: list[LiveRequest], stops: set[int]) -> None:
             live[row] = mover
         live.pop()
         cache.free(last)
+
+
+def finish_reason(request: LiveRequest, stops: set[int]) -> FinishReason | None:
+    """Why ``request`` is done (failed, at a stop token, or at its ``max_new_tokens``), or
+    ``None`` while it goes on. A stop token that is also its last allowed token is ``"stop"``."""
+    if request.failed:
+        return "failed"
+    if request.output[-1] in stops:
+        return "stop"
+    if len(request.output) >= request.max_new_tokens:
+        return "length"
+    return None
 
 
 def token_id(value: Any, what: str) -> int:

@@ -156,6 +156,25 @@ class TuneReport:
         return line
 
 
+def describe_tuning(tuner: Any, report: TuneReport | None) -> str:
+    """What tuning did (``report``, ``None`` for look-ups only) and how the step's look-ups in
+    ``tuner`` (``None``: an untuned step) went, for people: ``Engine.tuning_report()``."""
+    if tuner is None:
+        return "tuning: off (untuned torch decode step)"
+    stats = tuner.stats
+    summary = report.summary() if report is not None else None
+    lines = [f"tuning: {summary}" if summary else "tuning: look-ups only (tune=False)"]
+    lines.append(f"look-ups: {stats.hits} hits, {stats.misses} misses")
+    if stats.fallbacks:
+        ops = ", ".join(f"{op}: {n}" for op, n in sorted(stats.fallbacks.items()))
+        lines.append(f"untuned shapes ran the torch fallback: {ops}")
+    else:
+        lines.append("no fallbacks: every look-up found a tuned pick")
+    if stats.tactic_failures:
+        lines.append(f"failed tactics while tuning: {dict(stats.tactic_failures)}")
+    return "\n".join(lines)
+
+
 def _require_tuner(step: DecodeStep, what: str) -> Any:
     if step.tuner is None:
         raise ConfigError(

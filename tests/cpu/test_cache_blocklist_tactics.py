@@ -32,6 +32,7 @@ def _blocking(tactic) -> TuningCache:
         # A dict whose one key is a tag is not the tagged value itself.
         ({"__dtype__": "float16"}, torch.float16),
         ({"__dict__": [[1, 2]]}, {1: 2}),
+        ({"__tuple__": [1, 2]}, (1, 2)),
     ],
 )
 def test_a_typed_tactic_and_its_text_are_two_tactics(blocked, other) -> None:
@@ -42,7 +43,8 @@ def test_a_typed_tactic_and_its_text_are_two_tactics(blocked, other) -> None:
 
 
 # What tactic_text gave for plain JSON tactics before dtypes were tagged (the texts a user's
-# `cache unblock --tactic` and a distributed run's ranks compare): unchanged.
+# `cache unblock --tactic` and a distributed run's ranks compare): unchanged. A one-key dict
+# whose key is a tag (`{"__tuple__": [1]}`) is written as its pairs now, so `--tactic` reads it.
 OLD_TEXTS = [
     (3, "3"),
     (-1, "-1"),
@@ -54,7 +56,6 @@ OLD_TEXTS = [
     ({"b": 1, "a": (2, 3)}, '{"a":[2,3],"b":1}'),
     ({1: 2, "1": 3}, '{"__dict__":[["1",3],[1,2]]}'),
     ({"x": {2: 1}}, '{"x":{"__dict__":[[2,1]]}}'),
-    ({"__tuple__": [1]}, '{"__tuple__":[1]}'),
 ]
 
 
@@ -99,3 +100,15 @@ def test_unblock_takes_a_dtype_tactic_as_cache_show_prints_it(tmp_path, capsys) 
     assert main(["cache", "unblock", str(path), "--tactic", '{"__dtype__":"float99"}']) == 1
     err = capsys.readouterr().err
     assert "--tactic" in err and "unknown torch dtype" in err and err.count("\n") == 1
+
+
+def test_unblock_takes_a_dict_with_a_tag_key_as_cache_show_prints_it(tmp_path, capsys) -> None:
+    # Its text was {"__tuple__":[1,2]}, which --tactic decoded as the tuple (1, 2): removed 0.
+    path = tmp_path / "c.json"
+    write_cache(path, n=1, blocked=({"__tuple__": [1, 2]},))
+    assert main(["cache", "show", str(path)]) == 0
+    (text,) = [t for b, t in persist.load_file(path).blocklist]
+    assert text in capsys.readouterr().out
+    assert main(["cache", "unblock", str(path), "--tactic", text]) == 0
+    assert "Removed 1 blocked tactic(s)" in capsys.readouterr().out
+    assert not persist.load_file(path).blocklist

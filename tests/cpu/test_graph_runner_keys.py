@@ -93,6 +93,25 @@ def test_a_zero_of_the_other_sign_is_another_constant_and_another_key():
     assert keyed.stats.replays == 2
 
 
+@pytest.mark.parametrize("dtype", ["float16", "float32", "complex64"])
+def test_numpy_zeros_of_the_other_sign_are_other_keys(dtype):
+    # float32 / float16 / complex64 are not float subclasses: they keyed by ==, one key for both
+    # signs, and the second capture was refused as a changed constant.
+    zeros = [np.dtype(dtype).type(0.0), np.dtype(dtype).type(-0.0)]
+    assert typed_key(zeros[0]) != typed_key(zeros[1])
+    assert typed_key(np.dtype(dtype).type(0.0)) == typed_key(zeros[0])
+    runner = CUDAGraphRunner(
+        lambda x, c: x * 1,
+        max_batch_size=2,
+        key_fn=lambda inp: inp[1],
+        backend=SimulatedGraphBackend(),
+    )
+    x = torch.ones(2, 2)
+    for c in zeros:
+        runner.capture(x, c)
+    assert len(runner.captured_keys) == 4
+
+
 def test_a_dropped_key_fails_its_own_records_only():
     # Key True's outputs cannot be sliced to a batch, so its graphs are dropped; key 1's
     # records (equal key, other type) stay ok and its graphs replay.

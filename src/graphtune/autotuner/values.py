@@ -124,9 +124,10 @@ def decode_value(data: Any) -> Any:
     return data
 
 
-#: One-key dicts with these keys would read as a tagged value in :func:`comparable_value`
-#: (``__tuple__`` cannot: a tuple compares as a list there, so it has no tag of its own).
-_COMPARED_TAGS = (_DICT, _DTYPE, _DEVICE)
+#: One-key dicts with these keys are written as their pairs in :func:`comparable_value`: as
+#: they are, ``cache unblock --tactic`` (which decodes the text) would read them as the tagged
+#: value (``{"__tuple__": [1, 2]}`` as the tuple ``(1, 2)``, whose text is ``[1,2]``).
+_COMPARED_TAGS = _TAGS
 
 
 def comparable_value(value: Any) -> Any:
@@ -134,9 +135,10 @@ def comparable_value(value: Any) -> Any:
     run): a tuple as the list of its items, so ``(64, 2)`` and ``[64, 2]`` are one tactic, and a
     dict whose keys are not all strings as its pairs, sorted, under ``__dict__``; a dtype or
     device keeps :func:`encode_value`'s tag, so ``torch.float16`` is never the string
-    ``"torch.float16"``, and a dict whose one key is such a tag is written as its pairs too, so
-    it never reads as one. Every other plain JSON value is itself. A value of any other type is
-    returned as it is (its text is the caller's business: no file holds one)."""
+    ``"torch.float16"``, and a dict whose one key is a tag of :func:`encode_value`
+    (``{"__tuple__": [1, 2]}``) is written as its pairs too, so it never reads as one. Every
+    other plain JSON value is itself. A value of any other type is returned as it is (its text
+    is the caller's business: no file holds one)."""
     if isinstance(value, (list, tuple)):
         return [comparable_value(v) for v in value]
     if isinstance(value, (torch.dtype, torch.device)):

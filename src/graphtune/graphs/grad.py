@@ -3,8 +3,9 @@
 A replay records no autograd graph: its outputs are graph memory written by kernels autograd
 never saw. So with autograd on, a call runs eagerly when an input requires grad, and when the
 key's outputs require grad (``fn`` holds parameters that require grad) or nothing has shown yet
-whether they do. A capture with autograd on shows it, and so does every eager call of the key
-with autograd on (its inputs checked as a replay's), so the most recent such run decides. The
+whether they do. A capture with autograd on shows it, and so does an eager call of the key
+with autograd on whose inputs were checked as a replay's (a warm-up, an undecided-rows or an
+output-requires-grad call), so the most recent such run decides. The
 outputs a capture keeps are detached: a call with autograd off gets what eager code gives it, not
 tensors tied to the capture's autograd graph (whose saved tensors the next replay overwrites).
 """

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import sys
 from collections.abc import Hashable, Sequence
 from operator import ne
 from typing import Any
@@ -336,6 +337,11 @@ def _deep_key(extra: Any) -> Hashable:
         return (kind, tuple([_deep_key(item) for item in extra]))
     if isinstance(extra, (float, complex)):  # numpy.float64 and complex128 too
         return (kind, _number_parts(extra))
+    numpy = sys.modules.get("numpy")  # only values of an imported numpy can be numpy's
+    if numpy is not None and isinstance(extra, (numpy.floating, numpy.complexfloating)):
+        # float32, float16, complex64: not float subclasses, and == cannot tell -0.0 from 0.0
+        number = complex(extra) if isinstance(extra, numpy.complexfloating) else float(extra)
+        return (kind, _number_parts(number))
     return (kind, extra) if extra is not None else None
 
 

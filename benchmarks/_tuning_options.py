@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from _sweep import name_list
 from _tuning_scores import MODES
 
 from graphtune.cli._args import Parser, positive_int
@@ -54,24 +55,8 @@ def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
     return name, kwargs
 
 
-def parse_modes(text: str) -> tuple[str, ...]:
-    """``"graph,events"`` -> ``("graph", "events")``; order kept, duplicates dropped.
-
-    Raises:
-        argparse.ArgumentTypeError: An empty list or a name not in :data:`MODES`.
-    """
-    names = [part.strip() for part in text.split(",") if part.strip()]
-    if not names:
-        raise argparse.ArgumentTypeError(
-            f"no timing mode given; use a comma-separated subset of {','.join(MODES)}"
-        )
-    unknown = [n for n in names if n not in MODES]
-    if unknown:
-        raise argparse.ArgumentTypeError(
-            f"unknown timing mode(s) {', '.join(map(repr, unknown))}; choose from "
-            f"{', '.join(MODES)} (comma-separated, e.g. --modes graph,events)"
-        )
-    return tuple(dict.fromkeys(names))
+#: ``--modes``: a comma-separated subset of :data:`MODES`, in the order given, each once.
+parse_modes = name_list(MODES, "timing mode")
 
 
 def _tie_tolerance(text: str) -> float:

@@ -48,7 +48,7 @@ def test_parse_args_defaults_and_values():
     args = tuning_options.parse_args(
         [
             "--modes",
-            " events,graph,events ",
+            " events,graph ",
             "--runs",
             "5",
             "--tie-tolerance",
@@ -134,8 +134,9 @@ def test_variant_errors(argv, message, capsys):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--modes", "graph,cupti"], "unknown timing mode(s) 'cupti'"),
-        (["--modes", ","], "no timing mode given"),
+        (["--modes", "graph,cupti"], "unknown timing mode 'cupti'"),
+        (["--modes", ","], "expected comma-separated timing modes of graph,events,wallclock"),
+        (["--modes", "graph,graph"], "timing mode 'graph' is given twice"),
         (["--runs", "0"], "must be >= 1, got 0"),
         (["--runs", "two"], "expected an integer, got 'two'"),
         (["--tie-tolerance", "1.5"], "expected a number in [0, 1)"),
@@ -150,7 +151,7 @@ def test_parse_args_errors(argv, message, capsys):
     err = capsys.readouterr().err
     assert message in err
     if "unknown" in message:
-        assert "graph, events, wallclock" in err  # names the valid modes
+        assert "graph,events,wallclock" in err  # names the valid modes
 
 
 # --- run_case and main against fakes -----------------------------------------------------------

@@ -7,8 +7,9 @@ import math
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -103,7 +104,7 @@ def test_integer_and_bool_outputs_report_the_largest_difference_and_the_count() 
     x = torch.randn(4, 3)
     (check,) = check_tactics("i", [Indices()], CONFIG, [x]).checks
     assert not check.passed and check.max_abs == 100.0  # one element off by 100, not 1 element
-    assert check.error == "tensor 0: 1 of 4 elements differ"
+    assert check.error == "output[0]: 1 of 4 elements differ"
 
 
 @pytest.mark.parametrize("tolerance", [{"atol": -1.0}, {"rtol": math.nan}, {"atol": math.inf}])
@@ -345,3 +346,97 @@ def test_a_complex_fallback_output_holding_nan_is_no_reference() -> None:
 
     report = check_tactics("cplx", [Complex()], CONFIG, [torch.randn(4, 3)])
     assert not report.passed and report.reference_error is not None
+
+
+@dataclass
+class Result:
+    y: torch.Tensor
+    n: int
+
+
+class Pair(NamedTuple):
+    first: torch.Tensor
+    second: torch.Tensor
+
+
+class Structured(TunableRunner):
+    """Returns the output structure its ``kind`` names; each tactic gets one part wrong."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+
+    def get_valid_tactics(self, inputs: list, profile: Any, **kwargs: Any) -> list:
+        return [-1, "same", "nan", "shape", "swapped", "keys", "short", "none"]
+
+    def forward(self, inputs: list, *, tactic: Any = -1, **kwargs: Any) -> Any:
+        x = inputs[0]
+        y = {"nan": torch.full_like(x, math.nan), "shape": x[:1] * 2}.get(tactic, x * 2)
+        if self.kind == "dataclass":
+            return None if tactic == "none" else Result(y, 3)
+        if self.kind == "dict":
+            if tactic == "swapped":  # each key holds the other's value, listed the other way round
+                return {"scale": x * 2, "bias": x + 1}
+            if tactic == "keys":
+                return {"bias": y, "shift": x + 1}
+            if tactic == "same":  # the right values, listed in another order
+                return {"scale": x + 1, "bias": y}
+            return {"bias": y, "scale": x + 1}
+        if tactic == "short":
+            return (y,)
+        return Pair(y, x + 1) if tactic != "same" else [y, x + 1]  # a list where a tuple was
+
+
+def test_dataclass_outputs_are_compared_field_by_field() -> None:
+    # A dataclass output held no tensors the check saw: NaN and a wrong shape passed.
+    checks = {c.tactic: c for c in check_tactics("dc", [Structured("dataclass")], CONFIG,
+                                                 [torch.randn(4, 3)]).checks}  # fmt: skip
+    assert checks["same"].passed and checks["swapped"].passed
+    assert not checks["nan"].passed and checks["nan"].error.startswith("output.y has NaN")
+    assert not checks["shape"].passed and checks["shape"].error.startswith("output.y is (1, 3)")
+    none = checks["none"]
+    assert not none.passed and none.max_abs == math.inf
+    assert none.error == "output is None, the fallback's is a Result"
+
+
+def test_dict_outputs_are_compared_key_by_key_whatever_their_order() -> None:
+    # Flattened in insertion order, swapped values listed the other way round compared equal.
+    x = torch.randn(4, 3)
+    checks = {c.tactic: c for c in check_tactics("d", [Structured("dict")], CONFIG, [x]).checks}
+    assert checks["same"].passed, "the keys' order is no part of the output"
+    swapped = checks["swapped"]
+    assert not swapped.passed and swapped.max_abs == pytest.approx(float((x - 1).abs().max()))
+    keys = checks["keys"]
+    assert not keys.passed and keys.max_abs == math.inf
+    assert keys.error == "output lacks the keys ['scale'] and has the extra keys ['shift']"
+    assert checks["shape"].error.startswith("output['bias'] is (1, 3)")
+
+
+def test_named_tuples_lists_and_tuples_are_compared_by_position() -> None:
+    checks = {c.tactic: c for c in check_tactics("t", [Structured("tuple")], CONFIG,
+                                                 [torch.randn(4, 3)]).checks}  # fmt: skip
+    assert checks["same"].passed, "a list of the same values matches a NamedTuple"
+    assert checks["short"].error == "output is a tuple of 1, the fallback's is a Pair of 2"
+    assert checks["nan"].error == "output[0] has NaN or infinities elsewhere"
+
+
+class Opaque:
+    """An output object with no fields the check can compare."""
+
+    def __init__(self, y: torch.Tensor) -> None:
+        self.y = y
+
+
+def test_an_output_type_that_cannot_be_compared_is_no_reference() -> None:
+    class ReturnsObject(TunableRunner):
+        def get_valid_tactics(self, inputs: list, profile: Any, **kwargs: Any) -> list:
+            return [-1, 1]
+
+        def forward(self, inputs: list, *, tactic: Any = -1, **kwargs: Any) -> Any:
+            return (inputs[0] * 2, {"state": Opaque(inputs[0])})
+
+    report = check_tactics("obj", [ReturnsObject()], CONFIG, [torch.randn(4, 3)])
+    assert report.checks == [] and not report.passed  # it passed, comparing nothing
+    assert report.reference_error is not None
+    assert report.reference_error.startswith(
+        "the fallback's output[1]['state'] is an Opaque, which check_tactics cannot compare"
+    )

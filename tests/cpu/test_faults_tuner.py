@@ -11,7 +11,10 @@ import logging
 import math
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -307,3 +310,91 @@ def test_a_tactic_blocklisted_in_one_profile_is_not_run_in_the_next(monkeypatch)
     assert ran.count("exit") == 1
     assert tuner.stats.tactic_failures == {"crash": 1}
     assert tuner.stats.tactics_blocked == 1 and tuner.stats.profiles_tuned == 2
+
+
+_HANGING_TUNER = """
+import os, sys, time
+import torch
+from graphtune.autotuner import AutoTuner, DynamicTensorSpec, TunableRunner, TuningConfig
+from graphtune.autotuner import TuningPolicy
+from graphtune.autotuner.isolation import Isolation
+from graphtune.autotuner.timing.base import Measurement
+
+class Hangs(TunableRunner):
+    def __init__(self, pid_file):
+        self.pid_file = pid_file
+    def get_valid_tactics(self, inputs, profile):
+        return [0, 1]  # one tactic alone is picked untimed
+    def forward(self, inputs, tactic=-1):
+        if tactic == 1:
+            with open(self.pid_file + ".part", "w") as f:
+                f.write(str(os.getpid()))
+            os.replace(self.pid_file + ".part", self.pid_file)
+            time.sleep(600)
+        return 1.0
+
+class Timer:
+    name = "report"
+    def measure(self, fn, *, warmup, repeat):
+        value = fn(0)
+        return Measurement(value, value, 0.0, 1, repeat, self.name)
+
+if __name__ == "__main__":
+    tuner = AutoTuner(timer=Timer(), isolation=Isolation("subprocess", timeout_s=300),
+                      policy=TuningPolicy(rounds=1, remeasure_top=0))
+    tuner.tuning_mode = True
+    config = TuningConfig(dynamic_specs=(DynamicTensorSpec(0, 0, (4,)),), warmup=0, repeat=1)
+    tuner.choose_one("op", [Hangs(sys.argv[1])], config, [torch.ones(4, 2)])
+"""
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not: a container's init may never reap it)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+@pytest.mark.slow
+def test_a_killed_tuning_process_takes_its_worker_along_even_mid_tactic(tmp_path) -> None:
+    # daemon=True acts only through the parent's exit handlers: after a SIGKILL of the tuning
+    # process, a worker inside a hung tactic ran on as an orphan (on a GPU, with its context).
+    import graphtune
+
+    script, pid_file = tmp_path / "hanging_tuner.py", tmp_path / "worker.pid"
+    script.write_text(_HANGING_TUNER)
+    env = dict(os.environ, PYTHONPATH=str(Path(graphtune.__file__).resolve().parents[1]))
+    with open(tmp_path / "stderr.txt", "w") as err:
+        tuner = subprocess.Popen(
+            [sys.executable, str(script), str(pid_file)],
+            env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True,
+        )  # fmt: skip
+    worker = None
+    try:
+        deadline = time.monotonic() + 60  # two processes import torch; slow on a loaded host
+        while not pid_file.exists():
+            assert tuner.poll() is None, (tmp_path / "stderr.txt").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the hanging tactic never started"
+            time.sleep(0.05)
+        worker = int(pid_file.read_text())
+        assert worker != tuner.pid and _running(worker)
+        tuner.kill()  # as an OOM killer or a supervisor's stop does: no handler runs
+        tuner.wait(timeout=10)
+        deadline = time.monotonic() + 5
+        while _running(worker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _running(worker), "the worker outlived the tuning process"
+    finally:
+        if tuner.poll() is None:
+            tuner.kill()
+            tuner.wait()
+        if worker is not None and _running(worker):  # the failure above: leave no orphan
+            os.kill(worker, signal.SIGKILL)

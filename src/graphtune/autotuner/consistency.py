@@ -8,12 +8,22 @@ wrote) with the fallback's. A tensor passes when its NaNs and infinities sit whe
 reference's do and, over the finite elements, ``max|x - ref| <= atol + rtol * max|ref|`` (a
 norm-wise bound, so a GEMM's near-zero outputs do not fail on rounding); integer and bool tensors
 must be equal. Default tolerances depend on the dtype (:data:`RTOL`).
+
+Outputs are compared by structure, never flattened: dicts key by key (the keys must be the same),
+lists and tuples (NamedTuples too) position by position (the lengths must be the same),
+dataclasses field by field (the types must be the same), ``None``, strings and bytes by equality,
+Python numbers as 0-d tensors. A tactic whose structure differs fails with the path of the first
+difference (``output['scale']``); a fallback output holding anything else (an object with no
+comparable values) is no reference (:attr:`ConsistencyReport.reference_error`). Inputs and
+keyword arguments are compared where the check copies them (tensors in lists, tuples and dicts);
+other objects there are the caller's own, shared by every run, and not compared.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,11 +51,13 @@ class TacticCheck:
         runner_index: Position of the runner.
         tactic: The tactic.
         max_abs: Largest absolute difference over all compared tensors, integer and bool ones
-            included (as numbers; ``inf`` on a shape or dtype mismatch, ``nan`` when it raised).
+            included (as numbers; ``inf`` on a shape, dtype or structure mismatch, ``nan`` when
+            it raised).
         max_rel: ``max_abs / max|ref|`` of the worst tensor.
         passed: Whether every tensor was within the tolerance.
-        error: The exception text when the tactic raised, or a mismatch description (a shape
-            or dtype mismatch, how many elements of an integer or bool tensor differ).
+        error: The exception text when the tactic raised, or a mismatch description naming
+            where (``output['scale']``, ``inputs[1]``): a structure, shape or dtype mismatch,
+            how many elements of an integer or bool tensor differ.
     """
 
     runner: str
@@ -77,17 +89,93 @@ class ConsistencyReport:
         return [c for c in self.checks if not c.passed]
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
-    """The output's tensors, and its Python numbers as 0-d tensors (compared alike)."""
+class _Mismatch(Exception):
+    """A tactic's output (or what it wrote) is not shaped like the fallback's: ``str(self)``
+    names the path and both sides."""
+
+
+class _Incomparable(Exception):
+    """The fallback's output holds a value of a type the check cannot compare."""
+
+
+#: Compared by equality (``None`` for an op that only writes in place).
+_CONSTANTS = (type(None), str, bytes)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (bool, int, float, complex))
+
+
+def _as_tensor(value: Any) -> torch.Tensor:
+    """A tensor as it is, a Python number as a 0-d tensor (so the two compare alike)."""
+    return value if isinstance(value, torch.Tensor) else torch.tensor(value)
+
+
+def _what(value: Any) -> str:
+    """How a mismatch message names a value."""
     if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (bool, int, float, complex)):
-        return [torch.tensor(value)]
+        return f"a {tuple(value.shape)} {value.dtype} tensor"
+    if _is_number(value) or isinstance(value, _CONSTANTS):
+        return repr(value)[:40]
+    name = type(value).__qualname__
+    article = "an" if name[:1].lower() in "aeiou" else "a"
     if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
-    return []
+        return f"{article} {name} of {len(value)}"
+    return f"{article} {name}"
+
+
+def _pair(got: Any, ref: Any, path: str, strict: bool, pairs: list[tuple[str, Any, Any]]) -> None:
+    """Appends ``(path, got tensor, reference tensor)`` for every tensor or number of ``ref``,
+    walking both structures together.
+
+    ``strict`` (outputs): a value of ``ref`` of any other type raises :class:`_Incomparable`;
+    otherwise (inputs, keyword arguments) it is the caller's own object and is skipped.
+
+    Raises:
+        _Mismatch: ``got`` is not shaped like ``ref`` at ``path``.
+        _Incomparable: See ``strict``.
+    """
+    if isinstance(ref, torch.Tensor) or _is_number(ref):
+        if not (isinstance(got, torch.Tensor) or _is_number(got)):
+            raise _Mismatch(f"{path} is {_what(got)}, the fallback's is {_what(ref)}")
+        pairs.append((path, _as_tensor(got), _as_tensor(ref)))
+    elif isinstance(ref, Mapping):
+        if not isinstance(got, Mapping):
+            raise _Mismatch(f"{path} is {_what(got)}, the fallback's is {_what(ref)}")
+        if set(got) != set(ref):
+            missing = [k for k in ref if k not in got]
+            extra = [k for k in got if k not in ref]
+            raise _Mismatch(f"{path} lacks the keys {missing} and has the extra keys {extra}")
+        for key in ref:
+            _pair(got[key], ref[key], f"{path}[{key!r}]", strict, pairs)
+    elif strict and dataclasses.is_dataclass(ref) and not isinstance(ref, type):
+        if type(got) is not type(ref):
+            raise _Mismatch(f"{path} is {_what(got)}, the fallback's is {_what(ref)}")
+        for f in dataclasses.fields(ref):
+            _pair(getattr(got, f.name), getattr(ref, f.name), f"{path}.{f.name}", strict, pairs)
+    elif isinstance(ref, (list, tuple)):
+        if not isinstance(got, (list, tuple)) or len(got) != len(ref):
+            raise _Mismatch(f"{path} is {_what(got)}, the fallback's is {_what(ref)}")
+        for i, (g, r) in enumerate(zip(got, ref, strict=True)):
+            _pair(g, r, f"{path}[{i}]", strict, pairs)
+    elif isinstance(ref, _CONSTANTS):
+        if type(got) is not type(ref) or got != ref:
+            raise _Mismatch(f"{path} is {_what(got)}, the fallback's is {_what(ref)}")
+    elif strict:
+        raise _Incomparable(
+            f"the fallback's {path} is {_what(ref)}, which check_tactics cannot "
+            "compare (it compares tensors, numbers, None, strings, and lists, tuples, dicts and "
+            "dataclasses of them); have forward return one of those"
+        )
+
+
+def _pairs(got: tuple[Any, Any, Any], ref: tuple[Any, Any, Any]) -> list[tuple[str, Any, Any]]:
+    """:func:`_pair` over one run's ``(output, inputs, keyword arguments)``."""
+    pairs: list[tuple[str, Any, Any]] = []
+    _pair(got[0], ref[0], "output", True, pairs)
+    _pair(got[1], ref[1], "inputs", False, pairs)
+    _pair(got[2], ref[2], "kwargs", False, pairs)
+    return pairs
 
 
 def _copy(inputs: Sequence[Any]) -> list[Any]:
@@ -100,14 +188,12 @@ def _same_nonfinite(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _compare(
-    got: list[torch.Tensor], ref: list[torch.Tensor], atol: float | None, rtol: float | None
+    pairs: list[tuple[str, torch.Tensor, torch.Tensor]], atol: float | None, rtol: float | None
 ) -> tuple[float, float, bool, str | None]:
-    if len(got) != len(ref):
-        return math.inf, math.inf, False, f"{len(got)} tensors, the fallback gave {len(ref)}"
     worst_abs, worst_rel, ok, problem = 0.0, 0.0, True, None
-    for i, (a, b) in enumerate(zip(got, ref, strict=True)):
+    for path, a, b in pairs:
         if a.shape != b.shape or a.dtype != b.dtype:
-            what = f"tensor {i} is {tuple(a.shape)} {a.dtype}, the fallback's {tuple(b.shape)}"
+            what = f"{path} is {tuple(a.shape)} {a.dtype}, the fallback's {tuple(b.shape)}"
             return math.inf, math.inf, False, f"{what} {b.dtype}"
         if not (b.dtype.is_floating_point or b.dtype.is_complex):
             differ = int((a != b).sum())
@@ -117,13 +203,13 @@ def _compare(
                 worst_abs = max(worst_abs, err)
                 worst_rel = max(worst_rel, err / scale if scale > 0 else math.inf)
                 ok = False
-                problem = problem or f"tensor {i}: {differ} of {b.numel()} elements differ"
+                problem = problem or f"{path}: {differ} of {b.numel()} elements differ"
             continue
         if b.dtype.is_complex:  # both parts count (a cast to float would drop the imaginary one)
             a, b = torch.view_as_real(a.resolve_conj()), torch.view_as_real(b.resolve_conj())
         fa, fb = a.double(), b.double()
         if not _same_nonfinite(fa, fb):
-            return math.inf, math.inf, False, f"tensor {i} has NaN or infinities elsewhere"
+            return math.inf, math.inf, False, f"{path} has NaN or infinities elsewhere"
         finite = torch.isfinite(fb)
         fa, fb = fa[finite], fb[finite]
         scale = float(fb.abs().max()) if fb.numel() else 0.0
@@ -192,8 +278,13 @@ def check_tactics(
     except Exception as exc:  # reported, so a broken fallback is visible in the report
         report.reference_error = f"{type(exc).__name__}: {exc}"
         return report
-    reference = _tensors(out) + _tensors(reference_inputs) + _tensors(reference_kwargs)
-    if any((t.is_floating_point() or t.is_complex()) and bool(t.isnan().any()) for t in reference):
+    reference = (out, reference_inputs, reference_kwargs)
+    try:
+        tensors = [t for _, t, _ in _pairs(reference, reference)]
+    except _Incomparable as exc:  # no tactic could be compared with it
+        report.reference_error = str(exc)
+        return report
+    if any((t.is_floating_point() or t.is_complex()) and bool(t.isnan().any()) for t in tensors):
         # A tactic with NaN where the fallback has them would match it, and a correct one fail.
         report.reference_error = (
             "the fallback's result holds NaN, so no tactic can be compared with it; check the "
@@ -223,7 +314,7 @@ def _check_one(
     runner: TunableRunner,
     tactic: Any,
     inputs: Sequence[Any],
-    reference: list[torch.Tensor],
+    reference: tuple[Any, Any, Any],
     atol: float | None,
     rtol: float | None,
     kwargs: dict[str, Any],
@@ -235,7 +326,9 @@ def _check_one(
         return TacticCheck(
             name, index, tactic, math.nan, math.nan, False, f"{type(exc).__name__}: {exc}"
         )
-    max_abs, max_rel, ok, problem = _compare(
-        _tensors(out) + _tensors(copied) + _tensors(copied_kwargs), reference, atol, rtol
-    )
+    try:
+        pairs = _pairs((out, copied, copied_kwargs), reference)
+    except _Mismatch as exc:
+        return TacticCheck(name, index, tactic, math.inf, math.inf, False, str(exc))
+    max_abs, max_rel, ok, problem = _compare(pairs, atol, rtol)
     return TacticCheck(name, index, tactic, max_abs, max_rel, ok, problem)

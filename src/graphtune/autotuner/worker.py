@@ -12,11 +12,16 @@ classes, no lambdas, open files or locks in their attributes); a clear
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import math
+import multiprocessing
+import multiprocessing.connection
 import os
 import pickle
 import signal
+import sys
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -163,10 +168,14 @@ class SubprocessExecutor:
 
         ctx = tmp.get_context("spawn")
         parent, child = ctx.Pipe(duplex=True)
-        # daemon: a worker never outlives the tuning process, even if that one is killed.
+        # daemon only covers a normal exit (it acts through the exit handlers); the worker
+        # follows this process on its own (_follow_parent), so a kill leaves no orphan either.
+        # The kernel's parent-death signal watches the starting *thread*: it is asked for only
+        # from the main thread, or a tuning thread that ends would kill a worker still in use.
+        main_thread = threading.current_thread() is threading.main_thread()
         proc = ctx.Process(
             target=worker_main,
-            args=(child, self._timer_blob, self._timing, self._device),
+            args=(child, self._timer_blob, self._timing, self._device, main_thread),
             name="graphtune-tactic-worker",
             daemon=True,
         )
@@ -276,14 +285,58 @@ def _sizes_samples(timer: Any, timing: str, device: torch.device) -> bool:
 
 # -- worker side ------------------------------------------------------------------------------
 
+#: ``prctl`` option: the kernel sends a signal when the thread that started this process ends.
+_PR_SET_PDEATHSIG = 1
+#: Exit code of a worker whose tuning process is gone (nobody reads it; ps and tests may).
+_ORPHAN_EXIT = 4
 
-def worker_main(conn: Any, timer_blob: bytes | None, timing: str, device_name: str) -> None:
+
+def _follow_parent(kernel_signal: bool) -> None:
+    """Makes this worker die with the tuning process, even while a tactic runs.
+
+    An idle worker ends on EOF from its pipe, but one inside a hung or long tactic never reads
+    it, and ``daemon=True`` acts only through the parent's exit handlers, which SIGKILL and
+    SIGTERM skip. On Linux, with ``kernel_signal`` (the worker was started from the parent's
+    main thread), the kernel SIGKILLs the worker when the parent dies (``PR_SET_PDEATHSIG``);
+    everywhere, a daemon thread waits on the parent's sentinel (a pipe the parent's death
+    closes) and exits the process. The thread needs the GIL, which a tactic stuck in C code may
+    hold, so it is the backstop, not the first line.
+    """
+    parent = multiprocessing.parent_process()
+    if parent is None:  # not started by multiprocessing: there is no parent to follow
+        return
+    if kernel_signal and sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):  # no usable libc: the sentinel thread still acts
+            pass
+    if os.getppid() != parent.pid:  # the parent died before the signal was armed
+        os._exit(_ORPHAN_EXIT)
+    sentinel = parent.sentinel
+
+    def watch() -> None:
+        multiprocessing.connection.wait([sentinel])
+        os._exit(_ORPHAN_EXIT)
+
+    threading.Thread(target=watch, name="graphtune-parent-watch", daemon=True).start()
+
+
+def worker_main(
+    conn: Any,
+    timer_blob: bytes | None,
+    timing: str,
+    device_name: str,
+    parent_main_thread: bool = False,
+) -> None:
     """Entry point of the worker process: serve setup/prepare/measure requests until told to stop.
 
     Replies are ``("ok", value)`` or ``("error", exception type, message, context_corrupted)``.
     After a context-corrupting error the worker replies and exits at once (``os._exit``): a
-    process with a broken CUDA context can hang in its own shutdown.
+    process with a broken CUDA context can hang in its own shutdown. The worker dies with the
+    process that started it, even in the middle of a tactic (``parent_main_thread``: it was
+    started from that process's main thread, so the kernel may watch that thread).
     """
+    _follow_parent(parent_main_thread)
     device = torch.device(device_name)
     try:
         if timer_blob is not None:

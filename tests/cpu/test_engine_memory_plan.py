@@ -171,7 +171,8 @@ def test_graph_pools_and_buffers_are_profiled_and_leave_fewer_slots():
     assert growing.prefill_stats.graphs == len(growing.prefill_runner.capture_sizes)
 
 
-def test_capture_sizes_above_the_slots_are_dropped():
+def test_capture_sizes_above_the_slots_become_the_slots():
+    # Dropped, they left a batch of 3 with no graph to pad to: every such decode step ran eagerly.
     model = load_model("tiny")
     slot = _slot_bytes(model)
     probe = _graph_engine(model, 0, SimulatedGraphBackend(), max_batch_size=8)
@@ -180,7 +181,10 @@ def test_capture_sizes_above_the_slots_are_dropped():
     engine = _graph_engine(
         model, in_use, SimulatedGraphBackend(), max_batch_size=8, capture_sizes=[1, 2, 4, 8]
     )
-    assert engine.max_batch_size == 3 and engine.runner.capture_sizes == (1, 2)
+    assert engine.max_batch_size == 3 and engine.runner.capture_sizes == (1, 2, 3)
+    prompts = [[1, 2], [3], [4, 5, 6]]
+    engine.generate(prompts, 4)
+    assert engine.stats.replays > 0 and not engine.stats.fallbacks
 
 
 def test_not_even_one_slot_is_a_clear_error():

@@ -200,8 +200,8 @@ class Engine:
                     backend=graph_backend,
                 )
                 max_batch_size = self.memory_plan.slots
-                if capture_sizes is not None:
-                    capture_sizes = [s for s in capture_sizes if s <= max_batch_size] or None
+                if capture_sizes is not None:  # a size above the slots becomes the slots
+                    capture_sizes = sorted({min(s, max_batch_size) for s in capture_sizes}) or None
             self.max_batch_size = max_batch_size
             self.cache = KVCache(
                 self.config, max_batch_size, self.max_seq_len, target_device, target_dtype

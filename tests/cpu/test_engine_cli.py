@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 from failing_writes import fail_writes_in
+from test_engine_events import interrupt_decode_at
 
 from graphtune.bench.schema import SCHEMA, is_provenance
 from graphtune.cli.main import main
@@ -374,21 +375,12 @@ def test_generate_reports_progress_through_reporting(monkeypatch, caplog, capsys
 
 def test_ctrl_c_during_generate_prints_the_requests_that_finished(monkeypatch, capsys):
     import graphtune.cli.generate as generate
-    import graphtune.engine.step as step
 
     # One KV slot, so the requests run one after another and finish at different steps.
     monkeypatch.setattr(generate, "engine_batch_size", lambda prompts, tuned: 1)
     assert main(_GENERATE_3) == 0
     full = capsys.readouterr().out.splitlines()
-    real, calls = step.DecodeStep.decode, []
-
-    def interrupted(self, *args):
-        calls.append(1)
-        if len(calls) == 5:  # requests 0 and 1 took their 2 + 2 decode steps; 2 is running
-            raise KeyboardInterrupt
-        return real(self, *args)
-
-    monkeypatch.setattr(step.DecodeStep, "decode", interrupted)
+    interrupt_decode_at(monkeypatch, 5)  # requests 0 and 1 took 2 + 2 decode steps; 2 is running
     assert main(_GENERATE_3) == 130
     out = capsys.readouterr()
     lines = out.out.splitlines()

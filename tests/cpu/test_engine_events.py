@@ -17,6 +17,21 @@ def _engine(batch: int = 2) -> Engine:
     return Engine(load_model("tiny"), runner="eager", max_batch_size=batch, max_seq_len=32)
 
 
+def interrupt_decode_at(monkeypatch, call: int) -> None:
+    """Makes the ``call``-th decode step from now raise ``KeyboardInterrupt`` (Ctrl-C mid-call)."""
+    import graphtune.engine.step as step
+
+    real, calls = step.DecodeStep.decode, []
+
+    def interrupted(self, *args):
+        calls.append(1)
+        if len(calls) == call:
+            raise KeyboardInterrupt
+        return real(self, *args)
+
+    monkeypatch.setattr(step.DecodeStep, "decode", interrupted)
+
+
 def _replay(steps: list[list[TokenEvent]]) -> tuple[dict, dict]:
     """Each request's streamed tokens and its finishing event's (reason, output), checking that
     a request has one event per step and none after its finishing one."""
@@ -82,19 +97,9 @@ def test_a_request_with_non_finite_logits_finishes_as_failed():
 
 
 def test_an_interrupted_call_leaves_the_hook_every_request_that_finished(monkeypatch):
-    import graphtune.engine.step as step
-
     engine = _engine(batch=1)  # one request at a time: they finish one after another
     reference = engine.generate(PROMPTS, LIMITS, stop_token_ids=[])
-    real, calls = step.DecodeStep.decode, []
-
-    def interrupted(self, *args):
-        calls.append(1)
-        if len(calls) == 7:  # requests 0 and 1 took their 2 + 4 decode steps; 2 is running
-            raise KeyboardInterrupt
-        return real(self, *args)
-
-    monkeypatch.setattr(step.DecodeStep, "decode", interrupted)
+    interrupt_decode_at(monkeypatch, 7)  # requests 0 and 1 took 2 + 4 decode steps; 2 is running
     kept: dict[int, list[int]] = {}
 
     def keep(events):
@@ -103,7 +108,7 @@ def test_an_interrupted_call_leaves_the_hook_every_request_that_finished(monkeyp
     with pytest.raises(KeyboardInterrupt):
         engine.generate(PROMPTS, LIMITS, stop_token_ids=[], on_tokens=keep)
     assert kept == {0: reference[0], 1: reference[1]}
-    monkeypatch.setattr(step.DecodeStep, "decode", real)
+    monkeypatch.undo()
     assert engine.cache.num_free == 1  # the interrupted request's slot was freed
     assert engine.generate(PROMPTS, LIMITS, stop_token_ids=[]) == reference
 

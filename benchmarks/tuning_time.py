@@ -253,29 +253,6 @@ def run_phase(
         ) from None
 
 
-def positive_int(text: str) -> int:
-    """``argparse`` type: an integer >= 1 (a batch size or sequence length of 0 or less would
-    fail only later, inside a child process)."""
-    return _int_at_least(text, 1)
-
-
-def non_negative_int(text: str) -> int:
-    """``argparse`` type: an integer >= 0."""
-    return _int_at_least(text, 0)
-
-
-def _int_at_least(text: str, low: int) -> int:
-    # As graphtune.cli._args's; not imported from there so that nothing of graphtune is imported
-    # before a child starts its import_s clock.
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < low:
-        raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
-    return value
-
-
 def fresh_folder(text: str) -> Path:
     """``argparse`` type of ``--keep-caches``: a folder that does not exist yet or is empty.
 
@@ -294,9 +271,13 @@ def fresh_folder(text: str) -> Path:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser
+    # A child takes the numbers its parent checked, with int.
+    positive_int: Any = int
+    non_negative_int: Any = int
     if "--child" not in (sys.argv[1:] if argv is None else argv):
         # The parent only: a child's import_s must count every graphtune module it imports.
         from graphtune.cli._args import Parser as parser_class
+        from graphtune.cli._args import non_negative_int, positive_int
     parser = parser_class(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--out", type=Path, default=Path("benchmarks/results"), help="folder for the JSON result"
